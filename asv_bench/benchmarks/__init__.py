@@ -1,0 +1,1 @@
+"""asv benchmarks for pagedkv; each suite has a NumPy / pure-Python baseline."""

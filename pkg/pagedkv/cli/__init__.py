@@ -1,0 +1,46 @@
+"""The ``pagedkv`` command.
+
+Each subcommand lives in its own module of this package, which defines
+``register(subparsers)`` (adds its parser and sets ``func``) and keeps its
+heavy imports inside the function that runs it, so ``pagedkv --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `pagedkv --help` lists them.
+COMMANDS = (
+    "pagedkv.cli.config",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedkv",
+        description="pagedkv: paged KV cache, cold tier and quantized tensors.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from pagedkv import __version__
+        print(__version__)
+        return 0
+    if args.command is None:
+        # No subcommand: the quick health check (configuration + allocator self-check).
+        args = parser.parse_args(["config", "--self-check"])
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

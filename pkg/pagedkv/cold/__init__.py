@@ -1,0 +1,1 @@
+"""Cold tier: KV blocks persisted to disk, restored fail-closed (cold-tier.md)."""

@@ -1,0 +1,1 @@
+"""GPU kernels: registry, ctypes HIP/CUDA loader, MLX dispatch."""
