@@ -12,7 +12,7 @@ import numpy as np
 
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import KVPath
-from pagedkv.reference.numpy_forward import rope_tables
+from pagedkv.reference.numpy_forward import apply_rope, rope_tables
 
 __all__ = ["MlxTransformer"]
 
@@ -53,26 +53,11 @@ class MlxTransformer:
         var = mx.mean(row * row)
         return row * mx.rsqrt(var + self.config.rms_norm_eps) * weight
 
-    def _rope(self, x, positions):
-        mx = self.mx
-        half = self.config.head_dim // 2
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x[..., :half], x[..., half:]
-        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    def forward(self, tokens: np.ndarray, kv: KVPath, *, already_recorded: bool = False
-                ) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, start: int, kv: KVPath) -> np.ndarray:
         """Same contract as :meth:`NumpyTransformer.forward`; returns NumPy ``float32[n, vocab]``."""
         mx = self.mx
         c = self.config
-        tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
-        if already_recorded:
-            start = kv.num_tokens - n
-        else:
-            start = kv.num_tokens
-            kv.extend(tokens)
         positions = mx.array(np.arange(start, start + n, dtype=np.int32))
         group = c.queries_per_kv_head
         x = [row for row in self.embed[mx.array(tokens.astype(np.int32))]]
@@ -81,8 +66,8 @@ class MlxTransformer:
             q = mx.stack([h @ w["wq"] for h in normed]).reshape(n, c.num_heads, c.head_dim)
             k = mx.stack([h @ w["wk"] for h in normed]).reshape(n, c.num_kv_heads, c.head_dim)
             v = mx.stack([h @ w["wv"] for h in normed]).reshape(n, c.num_kv_heads, c.head_dim)
-            q = self._rope(q, positions)
-            k = self._rope(k, positions)
+            q = apply_rope(q, positions, self.cos, self.sin, mx.concatenate)
+            k = apply_rope(k, positions, self.cos, self.sin, mx.concatenate)
             mx.eval(k, v)
             kv.write(layer, k, v)
             keys, values = kv.read(layer)

@@ -73,7 +73,12 @@ class ReferenceModel:
         return FlatKV(self.config, self.backend)
 
     def forward(self, tokens, kv: KVPath, *, already_recorded: bool = False) -> np.ndarray:
-        """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``."""
+        """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``.
+
+        ``kv.extend(tokens)`` reserves the positions first (the paged path records the tokens in
+        the adapter). With ``already_recorded=True`` the caller has done that already (a batched
+        ``record_decode_tokens``): the tokens are then the last ``n`` that ``kv`` holds.
+        """
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size == 0:
             raise InvalidArgument(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
@@ -83,7 +88,16 @@ class ReferenceModel:
             raise InvalidArgument(
                 f"tokens must be integers in [0, {self.config.vocab_size}), got dtype "
                 f"{tokens.dtype} range [{tokens.min()}, {tokens.max()}]")
-        return self._impl.forward(tokens, kv, already_recorded=already_recorded)
+        tokens = tokens.astype(np.int64)
+        if already_recorded:
+            start = kv.num_tokens - len(tokens)
+            if start < 0:
+                raise InvalidArgument(
+                    f"already_recorded=True but kv holds {kv.num_tokens} < {len(tokens)} tokens")
+        else:
+            start = kv.num_tokens
+            kv.extend(tokens)
+        return self._impl.forward(tokens, start, kv)
 
     def generate(self, prompt, max_new_tokens: int, kv: KVPath) -> Generation:
         """Greedy decoding. ``kv`` may already hold ``prompt[:kv.num_tokens]`` (a prefix hit or a

@@ -15,7 +15,7 @@ import numpy as np
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import KVPath
 
-__all__ = ["NumpyTransformer", "rope_tables"]
+__all__ = ["NumpyTransformer", "rope_tables", "apply_rope"]
 
 
 def rope_tables(config: ReferenceConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -24,6 +24,19 @@ def rope_tables(config: ReferenceConfig) -> tuple[np.ndarray, np.ndarray]:
     inv_freq = config.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / config.head_dim)
     angles = np.arange(config.max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x, positions, cos_table, sin_table, concatenate):
+    """Rotate ``x[n, heads, head_dim]`` at ``positions`` (halves layout, as in Llama/NeoX).
+
+    Backend-neutral: ``concatenate`` is ``np.concatenate`` or ``mx.concatenate``; only exact
+    elementwise products and sums touch the data, so it is safe on whole chunks.
+    """
+    half = x.shape[-1] // 2
+    cos = cos_table[positions][:, None, :]
+    sin = sin_table[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class NumpyTransformer:
@@ -59,29 +72,11 @@ class NumpyTransformer:
         var = np.mean(row * row, dtype=np.float32)
         return row * (np.float32(1.0) / np.sqrt(var + np.float32(self.config.rms_norm_eps))) * weight
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotate ``x[n, heads, head_dim]`` (halves layout, as in Llama/NeoX)."""
-        half = self.config.head_dim // 2
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    def forward(self, tokens: np.ndarray, kv: KVPath, *, already_recorded: bool = False
-                ) -> np.ndarray:
-        """Run ``tokens`` (positions ``kv.num_tokens ..``) and return ``float32[n, vocab]`` logits.
-
-        With ``already_recorded=True`` the caller has already reserved the positions in ``kv``
-        (a batched ``record_decode_tokens``); the tokens are then the last ``n`` recorded.
-        """
+    def forward(self, tokens: np.ndarray, start: int, kv: KVPath) -> np.ndarray:
+        """Logits ``float32[n, vocab]`` of ``tokens`` (int64) at positions ``start ..``, whose
+        positions ``kv`` has already reserved (``kv.num_tokens == start + n``)."""
         c = self.config
-        tokens = np.asarray(tokens, dtype=np.int64)
         n = len(tokens)
-        if already_recorded:
-            start = kv.num_tokens - n
-        else:
-            start = kv.num_tokens
-            kv.extend(tokens)
         positions = np.arange(start, start + n)
         group = c.queries_per_kv_head
         x = self.embed[tokens]
@@ -94,8 +89,10 @@ class NumpyTransformer:
                 q[i] = h @ w["wq"]
                 k[i] = h @ w["wk"]
                 v[i] = h @ w["wv"]
-            q = self._rope(q.reshape(n, c.num_heads, c.head_dim), positions)
-            k = self._rope(k.reshape(n, c.num_kv_heads, c.head_dim), positions)
+            q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), positions,
+                           self.cos, self.sin, np.concatenate)
+            k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), positions,
+                           self.cos, self.sin, np.concatenate)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             kv.write(layer, k, v)
             keys, values = kv.read(layer)
