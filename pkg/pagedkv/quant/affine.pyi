@@ -9,12 +9,10 @@ class AffineFamily(enum.IntEnum):
     MQ_V2 = 2
     MQ4C = 3
 
-HFQ: AffineFamily
-MQ_V1: AffineFamily
-MQ_V2: AffineFamily
-MQ4C: AffineFamily
 
 def encode(x: npt.NDArray[np.float32], out: npt.NDArray[np.uint8], family: int, bits: int,
            group: int) -> int: ...
 def decode(raw: npt.NDArray[np.uint8], out: npt.NDArray[np.float32], family: int, bits: int,
            group: int, rotated_basis: bool = ...) -> None: ...
+def pack_codes(q: npt.NDArray[np.uint8], bits: int) -> bytes: ...
+def unpack_codes(payload: npt.NDArray[np.uint8], n: int, bits: int) -> bytes: ...

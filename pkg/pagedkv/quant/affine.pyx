@@ -15,7 +15,8 @@ from libc.string cimport memcpy, memset
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.quant_header cimport (
     pkv_f32_is_nonfinite, pkv_hfq_decode_group, pkv_hfq_encode_group, pkv_mq4c_decode_group,
-    pkv_mq4c_encode_group, pkv_mqv2_decode_group, pkv_mqv2_encode_group,
+    pkv_mq4c_encode_group, pkv_mqv2_decode_group, pkv_mqv2_encode_group, pkv_pack_codes,
+    pkv_unpack_code,
 )
 
 cnp.import_array()
@@ -107,3 +108,29 @@ def decode(const uint8_t[::1] raw, float[::1] out, AffineFamily family, int bits
             if rotated and not rotated_basis:
                 unrotate256(buf, buf, 1)
             memcpy(&out[start], buf, count * sizeof(float))
+
+
+def pack_codes(const uint8_t[::1] q, int bits):
+    """Pack codes (each < 2**bits) as the LSB-first stream of §3.4; returns uint8 bytes."""
+    cdef Py_ssize_t n = q.shape[0]
+    cdef Py_ssize_t i
+    for i in range(n):
+        if q[i] >> bits:
+            raise ValueError(f"code {q[i]} at index {i} does not fit in {bits} bits")
+    out = bytearray((n * bits + 7) // 8)
+    cdef uint8_t[::1] o = out
+    if n:
+        pkv_pack_codes(&q[0], <unsigned>n, bits, &o[0])
+    return bytes(out)
+
+
+def unpack_codes(const uint8_t[::1] payload, Py_ssize_t n, int bits):
+    """The first ``n`` codes of an LSB-first stream (element by element, the kernels' accessor)."""
+    if (n * bits + 7) // 8 > payload.shape[0]:
+        raise ValueError(f"{n} codes of {bits} bits need {(n * bits + 7) // 8} bytes")
+    out = bytearray(n)
+    cdef uint8_t[::1] o = out
+    cdef Py_ssize_t j
+    for j in range(n):
+        o[j] = <uint8_t>pkv_unpack_code(&payload[0], <unsigned>j, bits)
+    return bytes(out)
