@@ -118,3 +118,4 @@ cdef class BlockAllocator:
     cdef int32_t check_block_id(self, object block_id, str name) except -1
     cdef int check_identity(self, object identity, IdentityView* out, list keep) except -1
     cdef object flush_events(self)
+    cdef _emit_cleared(self)

@@ -27,12 +27,18 @@ Choices where §4 is silent (both allocators follow them):
   is InvariantViolation with nothing changed.
 * ``incref``, ``register_prefix`` and ``cache_full_blocks`` of a block that is not
   allocated (refcount 0, including the null block) → InvariantViolation.
+* Hash 0 is reserved (§2.1): ``register_prefix``, ``lookup_prefix`` and
+  ``publish_restored_batch`` reject a ``block_hash`` outside ``[1, 2**64)`` with
+  InvalidArgument. A ``_hash_fn`` result is taken modulo 2**64, then 0 → 1.
 * An identity whose tokens are not exactly ``block_size`` long → InvalidArgument in
   ``register_prefix``, ``lookup_prefix`` and ``publish_restored_batch``.
-* A refresh (same block, same hash) keeps the stored identity and only touches.
+* ``register_prefix`` refresh (same block, same hash) keeps the stored identity and only
+  touches. Inside ``cache_full_blocks`` any present hash is verified first: a different
+  identity stops the chain (counted), an identical one held by the same block is a
+  refresh, by another block a replay that is skipped.
 * ``cache_full_blocks`` with prefix capacity 0 returns 0 with nothing changed.
 * Block events: one call per kind per operation, "removed" before "stored";
-  ``purge_prefix_cache`` sends "cleared" only when it dropped entries.
+  ``purge_prefix_cache`` always sends "cleared" (even when the table was empty).
 """
 
 from typing import Callable, Final, Sequence
@@ -107,7 +113,7 @@ class BlockAllocator:
     def allocate_many(self, n: int) -> npt.NDArray[np.int32] | None: ...
     def incref(self, block_id: int) -> None: ...
     def free(self, block_id: int) -> None: ...
-    def free_many(self, ids: npt.ArrayLike) -> None: ...
+    def free_many(self, block_ids: npt.ArrayLike) -> None: ...
     def ref_count(self, block_id: int) -> int: ...
 
     # prefix cache
@@ -146,6 +152,6 @@ class BlockAllocator:
     # diagnostics
     def stats(self) -> dict[str, int]: ...
     def lru_hashes(self) -> list[int]: ...
-    def free_block_ids(self) -> npt.NDArray[np.int32]:
-        """The free queue, front (next to be allocated) first."""
+    def free_list(self) -> list[int]:
+        """Free ids in pop order (front, the next one allocated, first)."""
     def check_invariants(self) -> None: ...

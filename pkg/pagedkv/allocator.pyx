@@ -117,6 +117,15 @@ cdef uint64_t _FIB = 0x9E3779B97F4A7C15ULL
 cdef int32_t _NO = PKV_NO_BLOCK
 
 
+cdef uint64_t _block_hash_arg(object block_hash, str name) except 0:
+    """A caller-supplied hot hash: 0 is reserved (§2.1), so the range is [1, 2**64)."""
+    cdef uint64_t h = as_u64(block_hash, name)
+    if h == 0:
+        raise InvalidArgument(
+            f"{name} = 0 is reserved (\"no parent\"); hot hashes are in [1, 2**64)")
+    return h
+
+
 cdef inline bint _is_int(object v):
     return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer))
 
@@ -519,7 +528,7 @@ cdef class BlockAllocator:
         row = np.empty(self._block_size, dtype=np.uint32)
         memcpy(cnp.PyArray_DATA(row), toks, 4 * self._block_size)
         res = self._hash_fn(parent, row, keys.tuple_of(index), salt, index, self._seed)
-        h = as_u64(res, "_hash_fn result")
+        h = <uint64_t>(int(res) & 0xFFFFFFFFFFFFFFFF)
         return h if h != 0 else 1
 
     cdef int32_t check_block_id(self, object block_id, str name) except -1:
@@ -546,7 +555,7 @@ cdef class BlockAllocator:
                                    kind)
         return None
 
-    def _emit_cleared(self):
+    cdef _emit_cleared(self):
         hook = self._on_block_event
         if hook is not None:
             try:
@@ -722,9 +731,9 @@ cdef class BlockAllocator:
                     f"is the prefix cache's own reference)")
         return f"free(block_id={b}): double free or never allocated (the block is free)"
 
-    def free_many(self, ids):
+    def free_many(self, block_ids):
         """Free each id in order; validated as a whole first (nothing changes on error)."""
-        cdef cnp.ndarray arr = _id_array(ids, "ids")
+        cdef cnp.ndarray arr = _id_array(block_ids, "block_ids")
         cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
         cdef Py_ssize_t n = arr.shape[0], i, bad = -1
         cdef int64_t b
@@ -732,7 +741,7 @@ cdef class BlockAllocator:
         for i in range(n):
             if not 0 <= p[i] < self._num_blocks:
                 raise InvalidArgument(
-                    f"ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
+                    f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
         with nogil:
             for i in range(n):
                 b = p[i]
@@ -745,7 +754,7 @@ cdef class BlockAllocator:
                 self.multiplicity[p[i]] = 0
         if bad >= 0:
             raise InvariantViolation(
-                f"free_many: ids[{bad}] = {p[bad]} is freed more often than it is held "
+                f"free_many: block_ids[{bad}] = {p[bad]} is freed more often than it is held "
                 f"(refcount {self.blocks[p[bad]].refcount}"
                 + (", one of them the prefix cache's" if self.blocks[p[bad]].flags
                    & PKV_BLOCK_CACHED else "") + "); nothing was freed")
@@ -786,7 +795,7 @@ cdef class BlockAllocator:
     def register_prefix(self, block_id, block_hash, identity):
         """Low-level insert of an allocated block under a caller-computed hash (§4.4)."""
         cdef int32_t b = self.check_block_id(block_id, "block_id")
-        cdef uint64_t key = as_u64(block_hash, "block_hash")
+        cdef uint64_t key = _block_hash_arg(block_hash, "block_hash")
         cdef IdentityView idv
         keep = []
         self.check_identity(identity, &idv, keep)
@@ -809,7 +818,7 @@ cdef class BlockAllocator:
 
     def lookup_prefix(self, block_hash, identity):
         """Verified hit: touch, incref and return the id; else None with nothing changed."""
-        cdef uint64_t key = as_u64(block_hash, "block_hash")
+        cdef uint64_t key = _block_hash_arg(block_hash, "block_hash")
         cdef IdentityView idv
         keep = []
         self.check_identity(identity, &idv, keep)
@@ -920,14 +929,14 @@ cdef class BlockAllocator:
             dlen = <uint32_t>len(digest)
             slot = self.pt_find(h)
             if slot >= 0:
+                if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
+                                             salt, i, dptr, dlen):
+                    self.st_collisions_rejected += 1
+                    break                   # nothing past a collision is registered
                 if self.slots[slot].block == b:
                     self.lru_touch(b)       # refresh of the same (block, hash)
-                elif self.identity_matches(self.slots[slot].block, t + i * bs, parent, salt,
-                                           i, dptr, dlen):
-                    b = self.slots[slot].block   # replay of an already-cached block
                 else:
-                    self.st_collisions_rejected += 1
-                    break
+                    b = self.slots[slot].block   # replay of an already-cached block: skip
             else:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
@@ -969,7 +978,7 @@ cdef class BlockAllocator:
                     raise InvalidArgumentType(
                         f"entries[{i}] must be a RestoredBlock, got {type(e).__name__}") from None
                 self.check_identity(identity, &views[i], keep)
-                keys.append(as_u64(block_hash, f"entries[{i}].block_hash"))
+                keys.append(_block_hash_arg(block_hash, f"entries[{i}].block_hash"))
                 ids.append(self.check_block_id(block_id, f"entries[{i}].block_id"))
             for i in range(n):
                 if self.blocks[<int32_t>ids[i]].refcount < 1:
@@ -1008,8 +1017,7 @@ cdef class BlockAllocator:
         while self.lru_head != _NO:
             b = self.lru_head
             self.entry_remove(b)
-        if dropped:
-            self._emit_cleared()
+        self._emit_cleared()
         return dropped
 
     def set_prefix_cache_capacity(self, n):
@@ -1055,15 +1063,12 @@ cdef class BlockAllocator:
             b = self.blocks[b].lru_next
         return out
 
-    def free_block_ids(self):
-        """The free queue, front (next allocated) first, as ``int32[num_free_blocks]``."""
-        cdef cnp.ndarray out = np.empty(self.n_free, dtype=np.int32)
-        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    def free_list(self):
+        """Free block ids in pop order (front, the next one allocated, first)."""
+        out = []
         cdef int32_t b = self.free_head
-        cdef Py_ssize_t i = 0
-        while b != _NO and i < self.n_free:
-            o[i] = b
-            i += 1
+        while b != _NO:
+            out.append(b)
             b = self.blocks[b].free_next
         return out
 
