@@ -80,6 +80,17 @@ PKV_FN void pkv_store_f32le(PKV_DEVPTR uint8_t *p, float x) { pkv_store_u32le(p,
 /* True for NaN and +-Inf (exponent all ones): encoders refuse them (§3.1). */
 PKV_FN int pkv_f32_is_nonfinite(float x) { return (pkv_f32_bits(x) & 0x7F800000u) == 0x7F800000u; }
 
+/* Index of the first NaN/Inf in x[0..n), or -1. The first pass is branch-free
+ * (it vectorizes); only a group that holds one is scanned again. */
+PKV_FN ptrdiff_t pkv_first_nonfinite(const float *x, ptrdiff_t n) {
+    int bad = 0;
+    for (ptrdiff_t i = 0; i < n; ++i) bad |= pkv_f32_is_nonfinite(x[i]);
+    if (!bad) return -1;
+    for (ptrdiff_t i = 0; i < n; ++i)
+        if (pkv_f32_is_nonfinite(x[i])) return i;
+    return -1;
+}
+
 /* ---------------------------------------------------------------------------
  * Half precision (§3.2)
  * ------------------------------------------------------------------------- */

@@ -14,7 +14,7 @@ from libc.string cimport memcpy, memset
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.quant_header cimport (
-    pkv_f32_is_nonfinite, pkv_hfq_decode_group, pkv_hfq_encode_group, pkv_mq4c_decode_group,
+    pkv_first_nonfinite, pkv_hfq_decode_group, pkv_hfq_encode_group, pkv_mq4c_decode_group,
     pkv_mq4c_encode_group, pkv_mqv2_decode_group, pkv_mqv2_encode_group, pkv_pack_codes,
     pkv_unpack_code,
 )
@@ -24,19 +24,6 @@ cnp.import_array()
 
 cdef inline Py_ssize_t group_bytes(int bits, Py_ssize_t group) noexcept nogil:
     return 8 + bits * group // 8
-
-
-cdef Py_ssize_t first_nonfinite(const float *x, Py_ssize_t n) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef int bad = 0
-    for i in range(n):          # branch-free scan, vectorizes
-        bad |= pkv_f32_is_nonfinite(x[i])
-    if not bad:
-        return -1
-    for i in range(n):
-        if pkv_f32_is_nonfinite(x[i]):
-            return i
-    return -1
 
 
 def encode(const float[::1] x, uint8_t[::1] out, AffineFamily family, int bits, Py_ssize_t group):
@@ -57,7 +44,7 @@ def encode(const float[::1] x, uint8_t[::1] out, AffineFamily family, int bits, 
         for g in range(n_groups):
             start = g * group
             count = min(group, n - start)
-            bad = first_nonfinite(&x[start], count)
+            bad = pkv_first_nonfinite(&x[start], count)
             if bad >= 0:
                 bad += start
                 break

@@ -8,7 +8,7 @@ from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
 from pagedkv.quant.quant_header cimport (
-    pkv_f32_is_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
+    pkv_first_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
 )
 
 cnp.import_array()
@@ -21,9 +21,8 @@ cdef enum:
 def encode(const float[::1] x, uint8_t[::1] out):
     """Encode ``x`` into ``out`` (``ceil(len(x)/32) * 34`` bytes). Returns -1 or the index of
     the first NaN/Inf in ``x``."""
-    cdef Py_ssize_t n = x.shape[0], g, i, start, count, bad = -1
+    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
     cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
-    cdef int nonfinite
     if out.shape[0] != n_blocks * BLOCK_BYTES:
         raise ValueError(f"out has {out.shape[0]} bytes, the encoding needs "
                          f"{n_blocks * BLOCK_BYTES}")
@@ -31,14 +30,9 @@ def encode(const float[::1] x, uint8_t[::1] out):
         for g in range(n_blocks):
             start = g * BLOCK
             count = min(BLOCK, n - start)
-            nonfinite = 0
-            for i in range(count):
-                nonfinite |= pkv_f32_is_nonfinite(x[start + i])
-            if nonfinite:
-                for i in range(count):
-                    if pkv_f32_is_nonfinite(x[start + i]):
-                        bad = start + i
-                        break
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
                 break
             pkv_q8f16_encode_group(&x[start], <unsigned>count, &out[g * BLOCK_BYTES])
     return bad

@@ -10,6 +10,7 @@ cdef extern from "pagedkv/quant.h" nogil:
 
     uint32_t pkv_f32_bits(float x)
     int pkv_f32_is_nonfinite(float x)
+    Py_ssize_t pkv_first_nonfinite(const float *x, Py_ssize_t n)
     uint32_t pkv_f16_trunc(float x)
     uint32_t pkv_f16_rne(float x)
     float pkv_f16_to_f32(uint32_t h)
