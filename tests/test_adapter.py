@@ -253,17 +253,15 @@ def test_d13_prepare_turn(make):
 
 
 def test_d13_prepare_turn_failure_releases_the_hit(make):
-    a = make(4, growth=False)
+    a = make(6, growth=False)
     start(a, "x", range(8))
     a.register_full_blocks_for_reuse("x")
     a.release_request("x")
-    a.reset_for_new_request("w")
-    a.find_cached_prefix("w", [70, 71, 72, 73])
-    a.allocate_suffix_blocks("w", 8)  # holds the 2 other blocks
-    before = rc(a, range(4))
+    start(a, "w", range(70, 86))  # holds the 4 other blocks
+    before = rc(a, range(6))
     with pytest.raises(PoolExhausted):
         a.prepare_turn("z", list(range(8)) + list(range(80, 90)), total_tokens=18)
-    assert rc(a, range(4)) == before
+    assert rc(a, range(6)) == before
     assert "z" not in a.live_seq_ids()
 
 
@@ -584,6 +582,8 @@ def test_purge_arms_the_cold_suppressor(make):
     a = make(16, cold_tier=Cold())
     start(a, "s", range(8))
     a.register_full_blocks_for_reuse("s")
+    assert calls == [[]]
+    calls.clear()
     a.release_request_and_purge_prefix_cache("s")
     assert a.allocator.prefix_cache_len == 0
     a.reset_for_new_request("t")

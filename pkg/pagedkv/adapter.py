@@ -24,7 +24,7 @@ import numpy as np
 from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, ContextLengthExceeded,
                             InvalidArgument, InvalidArgumentType, LookupAlreadyDone,
                             PagedKVError, PoolExhausted)
-from pagedkv.sizing import grow_target
+from pagedkv.sizing import ReservationGrowth
 
 __all__ = ["PagedKVCacheAdapter", "PrefixLookup", "DecodeBatch", "TurnPlan", "TurnPlanReason"]
 
@@ -270,32 +270,22 @@ class PagedKVCacheAdapter:
                 f"{self.capacity_tokens} tokens ({self.allocator.max_num_blocks} blocks of "
                 f"{self.block_size})")
 
-    def _grow(self, needed: int) -> bool:
-        pool = self.pool
-        old = pool.num_blocks
-        target = grow_target(old, needed, pool.max_num_blocks)
-        if target <= old or not pool.grow_to(target, needed=needed):
-            return False
-        # The pool grew first (and logged it); only now may the allocator hand out the new
-        # ids (§5.6).
-        self.allocator.grow_by(target - old)
-        self._counters["grow_events"] += 1
-        return True
-
     def _reserve(self, needed: int, total_tokens: int, phrase: str) -> np.ndarray:
         """``needed`` new block ids, all or nothing: one grow before, one grow + retry after
-        a dry allocation (§6.1). ``allocate_many`` takes nothing when it fails, so a failed
-        reservation leaves the allocator as it was."""
+        a dry allocation (§6.1, :class:`pagedkv.sizing.ReservationGrowth`). ``allocate_many``
+        takes nothing when it fails, so a failed reservation leaves the allocator as it was
+        (a growth that happened stays: the pool is only bigger)."""
         allocator = self.allocator
-        pool = self.pool
-        can_grow = self.growth
-        if (can_grow and needed > allocator.free_or_evictable_blocks
-                and pool.num_blocks < pool.max_num_blocks):
-            self._grow(needed)
-        blocks = allocator.allocate_many(needed)
-        if blocks is None and can_grow and pool.num_blocks < pool.max_num_blocks:
-            self._grow(needed - allocator.free_or_evictable_blocks)
+        if not self.growth:
             blocks = allocator.allocate_many(needed)
+        else:
+            growth = ReservationGrowth(self.pool, allocator.grow_by)
+            if growth.before_allocation(needed, allocator.free_or_evictable_blocks):
+                self._counters["grow_events"] += 1
+            blocks = allocator.allocate_many(needed)
+            if blocks is None and growth.for_retry(needed - allocator.free_or_evictable_blocks):
+                self._counters["grow_events"] += 1
+                blocks = allocator.allocate_many(needed)
         if blocks is None:
             raise PoolExhausted(
                 f"{phrase}: {needed} more blocks needed for {total_tokens} tokens, "
