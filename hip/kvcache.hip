@@ -44,9 +44,7 @@ PKV_DEV void kv_q8_write(const In* __restrict__ src, const int64_t* __restrict__
   const float inv = pkv_kvq8_inv_scale(amax);
   out[2 + j] = (uint8_t)(int8_t)pkv_kvq8_code(v, inv);
   if (j == 0) {
-    const uint16_t d = pkv_float_to_half_bits(pkv_kvq8_scale(amax));
-    out[0] = (uint8_t)(d & 0xFF);
-    out[1] = (uint8_t)(d >> 8);
+    pkv_store_u16le(out, pkv_kvq8_scale_bits(amax));
   }
 }
 
