@@ -39,50 +39,45 @@ struct Format<Q8F16> {
   static constexpr int G = PKV_Q8F16_GROUP, B = PKV_Q8F16_GROUP_BYTES, BITS = 8, HEADER = 2;
 };
 
-// Copy n bytes at p (2-byte aligned, n even) into registers with the widest loads
-// the alignment allows; quant.h's byte-wise readers then run on the copy.
-template <int N, int ALIGN>
-PKV_DEV void load_bytes(const uint8_t* p, uint8_t (&out)[N]) {
-  static_assert(N % 2 == 0, "even byte counts only");
-  if (ALIGN % 8 == 0 && N % 8 == 0) {
+// Raw bytes travel in 32-bit words (registers); quant.h's byte-wise readers run on
+// small byte copies of them made with constant indices, which the compiler turns
+// into shifts. load_words reads N little-endian bytes at p (N % 4 == 0) with the
+// widest loads the alignment allows.
+template <int NW, int ALIGN>
+PKV_DEV void load_words(const uint8_t* p, uint32_t (&out)[NW]) {
+  if (ALIGN % 8 == 0 && NW % 2 == 0) {
 #pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
+    for (int i = 0; i < NW / 2; ++i) {
       const uint2 v = ((const uint2*)p)[i];
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        out[8 * i + b] = (uint8_t)(v.x >> (8 * b));
-        out[8 * i + 4 + b] = (uint8_t)(v.y >> (8 * b));
-      }
+      out[2 * i] = v.x;
+      out[2 * i + 1] = v.y;
     }
-  } else if (ALIGN % 4 == 0 && N % 4 == 0) {
+  } else if (ALIGN % 4 == 0) {
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      const uint32_t v = ((const uint32_t*)p)[i];
-#pragma unroll
-      for (int b = 0; b < 4; ++b) out[4 * i + b] = (uint8_t)(v >> (8 * b));
-    }
+    for (int i = 0; i < NW; ++i) out[i] = ((const uint32_t*)p)[i];
   } else {
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      const uint16_t v = ((const uint16_t*)p)[i];
-      out[2 * i] = (uint8_t)v;
-      out[2 * i + 1] = (uint8_t)(v >> 8);
-    }
+    for (int i = 0; i < NW; ++i)
+      out[i] = ((const uint16_t*)p)[2 * i] | ((uint32_t)((const uint16_t*)p)[2 * i + 1] << 16);
   }
 }
 
-// (scale, offset) of the chunk starting at weight `elem` of the group at grp.
+template <int N, int NW>
+PKV_DEV void bytes_of(const uint32_t (&w)[NW], int first, uint8_t (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = (uint8_t)(w[(first + i) / 4] >> (8 * ((first + i) % 4)));
+}
+
+// (scale, offset) for weights starting at index e0 of a group, from its header bytes.
 template <int F>
-PKV_DEV void chunk_affine(const uint8_t* grp, int elem, float& scale, float& offset) {
-  uint8_t hdr[Format<F>::HEADER];
-  load_bytes<Format<F>::HEADER, (F == Q8F16 ? 2 : 8)>(grp, hdr);
+PKV_DEV void group_affine(const uint8_t (&hdr)[8], int e0, float& scale, float& offset) {
   if (F == Q8F16) {
     scale = pkv_f16_to_f32(pkv_load_u16le(hdr));
     offset = 0.0f;
   } else if (F == MQ4G256V2) {
-    // The half comes from the weight index; both are read with constant indices so
-    // the header copy stays in registers.
-    const bool upper = elem >= 128;
+    // The half comes from the weight index (never the lane); both halves are read with
+    // constant indices so the header stays in registers.
+    const bool upper = e0 >= 128;
     scale = upper ? pkv_mqv2_scale(hdr, 1u) : pkv_mqv2_scale(hdr, 0u);
     offset = upper ? pkv_mqv2_zero(hdr, 1u) : pkv_mqv2_zero(hdr, 0u);
   } else {
@@ -91,62 +86,96 @@ PKV_DEV void chunk_affine(const uint8_t* grp, int elem, float& scale, float& off
   }
 }
 
-// Weights [elem, elem + 8*CHUNKS) of the group at grp (elem a multiple of 8).
-template <int F, int CHUNKS>
-PKV_DEV void decode_chunks(const uint8_t* grp, int elem, float (&w)[8 * CHUNKS]) {
-  constexpr int NB = Format<F>::BITS * CHUNKS;  // code bytes
-  float scale, offset;
-  chunk_affine<F>(grp, elem, scale, offset);
-  uint8_t bytes[NB];
-  const uint8_t* codes = grp + Format<F>::HEADER + elem * Format<F>::BITS / 8;
-  // Codes start at 8 + NB*k in a group (groups are 8-byte multiples): aligned to
-  // gcd(8, NB); Q8F16 codes at 2 + 8k in 34-byte groups: 2.
-  constexpr int ALIGN = F == Q8F16 ? 2 : (NB % 8 == 0 ? 8 : (NB % 4 == 0 ? 4 : 2));
-  load_bytes<NB, ALIGN>(codes, bytes);
-  uint8_t q[8 * CHUNKS];
-  pkv_unpack_codes(bytes, 8 * CHUNKS, Format<F>::BITS, q);
-#pragma unroll
-  for (int i = 0; i < 8 * CHUNKS; ++i) {
-    const float code = F == Q8F16 ? (float)(int8_t)q[i] : (float)q[i];
-    w[i] = code * scale + offset;
+// The raw bytes a thread needs for SPAN consecutive weights of one group (SPAN a
+// multiple of 16; a span never crosses a group or a V2 half).
+template <int F, int SPAN>
+struct Span {
+  static constexpr int NB = Format<F>::BITS * SPAN / 8;  // code bytes
+  static constexpr int NW = NB / 4;
+  // Codes start at HEADER + NB*k in a group; groups are 8-byte multiples except Q8F16's.
+  static constexpr int ALIGN = F == Q8F16 ? 2 : (NB % 8 == 0 ? 8 : 4);
+  uint32_t hdr[2];
+  uint32_t codes[NW];
+
+  __device__ __forceinline__ void load(const uint8_t* grp, int e0) {
+    if (F == Q8F16) {
+      hdr[0] = *(const uint16_t*)grp;
+      hdr[1] = 0;
+    } else {
+      const uint2 h = *(const uint2*)grp;
+      hdr[0] = h.x;
+      hdr[1] = h.y;
+    }
+    load_words<NW, ALIGN>(grp + Format<F>::HEADER + e0 * Format<F>::BITS / 8, codes);
   }
-}
+
+  __device__ __forceinline__ void affine(int e0, float& scale, float& offset) const {
+    uint8_t h[8];
+    bytes_of<8>(hdr, 0, h);
+    group_affine<F>(h, e0, scale, offset);
+  }
+
+  // Codes of weights [8c, 8c + 8) of the span, as exact floats (signed for Q8F16).
+  __device__ __forceinline__ void codes8(int c, float (&q)[8]) const {
+    uint8_t b[Format<F>::BITS], u[8];
+    bytes_of<Format<F>::BITS>(codes, c * Format<F>::BITS, b);
+    pkv_unpack_codes(b, 8, Format<F>::BITS, u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      q[i] = F == Q8F16 ? pkv_signed_byte_to_float(u[i]) : pkv_code_to_float(u[i]);
+  }
+};
 
 // ---------------------------------------------------------------------------
-// Dequantize: one chunk of 8 weights per thread, over the flat weight stream
-// (groups may straddle rows); a short last group writes only its real weights.
+// Dequantize: 16 weights per thread over the flat weight stream (groups may straddle
+// rows); a short last group writes only its real weights.
 
-PKV_DEV void store8(float* out, int64_t i, int64_t n, const float (&w)[8]) {
-  if (i + 8 <= n && (i & 3) == 0) {
-    ((float4*)(out + i))[0] = make_float4(w[0], w[1], w[2], w[3]);
-    ((float4*)(out + i))[1] = make_float4(w[4], w[5], w[6], w[7]);
+#define DEQUANT_SPAN 16
+
+PKV_DEV void store16(float* out, int64_t i, int64_t n, const float (&w)[DEQUANT_SPAN]) {
+  if (i + DEQUANT_SPAN <= n) {
+#pragma unroll
+    for (int k = 0; k < DEQUANT_SPAN / 4; ++k)
+      ((float4*)(out + i))[k] = make_float4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
   } else {
-    for (int k = 0; k < 8 && i + k < n; ++k) out[i + k] = w[k];
+    for (int k = 0; k < DEQUANT_SPAN && i + k < n; ++k) out[i + k] = w[k];
   }
 }
 
-PKV_DEV void store8(uint16_t* out, int64_t i, int64_t n, const float (&w)[8]) {
-  uint16_t h[8];
+PKV_DEV void store16(uint16_t* out, int64_t i, int64_t n, const float (&w)[DEQUANT_SPAN]) {
+  uint32_t h[DEQUANT_SPAN / 2];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) h[k] = pkv_float_to_half_bits(w[k]);
-  if (i + 8 <= n && (i & 7) == 0) {
-    *(uint4*)(out + i) = make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16,
-                                    h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
+  for (int k = 0; k < DEQUANT_SPAN / 2; ++k)
+    h[k] = pkv_float_to_half_bits(w[2 * k]) | (uint32_t)pkv_float_to_half_bits(w[2 * k + 1]) << 16;
+  if (i + DEQUANT_SPAN <= n) {
+    ((uint4*)(out + i))[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    ((uint4*)(out + i))[1] = make_uint4(h[4], h[5], h[6], h[7]);
   } else {
-    for (int k = 0; k < 8 && i + k < n; ++k) out[i + k] = h[k];
+    for (int k = 0; k < DEQUANT_SPAN && i + k < n; ++k)
+      out[i + k] = (uint16_t)(h[k / 2] >> (16 * (k % 2)));
   }
 }
 
 template <int F, typename Out>
 PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
   using Fm = Format<F>;
-  const int64_t chunk = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  const int64_t i = chunk * 8;
+  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * DEQUANT_SPAN;
   if (i >= n) return;
   const int64_t g = i / Fm::G;
-  float w[8];
-  decode_chunks<F, 1>(raw + g * Fm::B, (int)(i - g * Fm::G), w);
-  store8(out, i, n, w);
+  const int e0 = (int)(i - g * Fm::G);
+  Span<F, DEQUANT_SPAN> sp;
+  sp.load(raw + g * Fm::B, e0);
+  float scale, offset;
+  sp.affine(e0, scale, offset);
+  float w[DEQUANT_SPAN];
+#pragma unroll
+  for (int c = 0; c < DEQUANT_SPAN / 8; ++c) {
+    float q[8];
+    sp.codes8(c, q);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[8 * c + k] = q[k] * scale + offset;  // q*s + m (quant.h)
+  }
+  store16(out, i, n, w);
 }
 
 #define PKV_DEQUANT_KERNELS(NAME, F)                                                         \
@@ -165,23 +194,29 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
 // K % G == 0 (every row starts a group). A warp owns GEMV_ROWS rows; each lane takes
-// slices of 32 weights (4 chunks: one header read per slice) strided over the row, so
-// one x slice loaded from cache serves every row of the warp.
+// slices of 32 weights (one header read per slice, 16-24 code bytes) strided over
+// the row, so one x slice loaded from cache serves all the warp's rows. Within a
+// slice the affine map is one (scale, offset), so the slice's dot product is
+// scale * sum(q x) + offset * sum(x), and sum(x) is shared by the rows. The next
+// slice's bytes are loaded before the current one is computed.
 
 #define GEMV_THREADS 256
-#define GEMV_ROWS 2
+#define GEMV_ROWS 4
 #define GEMV_SLICE 32
 
 template <int F, int BMAX>
 PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
                   float* __restrict__ y, int M, int K, int batch) {
   using Fm = Format<F>;
-  constexpr int CHUNKS = F == Q8F16 ? 4 : GEMV_SLICE / 8;  // Q8F16: one 32-weight group
   const int lane = threadIdx.x % PKV_WARP_SIZE;
   const int warp = (blockIdx.x * GEMV_THREADS + threadIdx.x) / PKV_WARP_SIZE;
   const int row0 = warp * GEMV_ROWS;
   if (row0 >= M) return;  // whole warps leave together
-  const int64_t groups_per_row = K / Fm::G;
+  const int64_t row_bytes = (int64_t)(K / Fm::G) * Fm::B;
+  const uint8_t* rows[GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)  // missing last rows re-read a real one, unstored
+    rows[r] = w_raw + (int64_t)min(row0 + r, M - 1) * row_bytes;
   const int slices = K / GEMV_SLICE;
 
   float acc[GEMV_ROWS][BMAX];
@@ -190,32 +225,61 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.0f;
 
-  for (int s = lane; s < slices; s += PKV_WARP_SIZE) {
-    const int k0 = s * GEMV_SLICE;
-    const int g = k0 / Fm::G, e0 = k0 - g * Fm::G;
-    float w[GEMV_ROWS][GEMV_SLICE];
+  using SliceSpan = Span<F, GEMV_SLICE>;
+  SliceSpan cur[GEMV_ROWS], nxt[GEMV_ROWS];
+  auto load = [&](SliceSpan (&sp)[GEMV_ROWS], int k0) {
+    const int g = k0 / Fm::G;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) {
-      const int row = min(row0 + r, M - 1);  // a missing last row re-reads a real one
-      decode_chunks<F, CHUNKS>(w_raw + ((int64_t)row * groups_per_row + g) * Fm::B, e0, w[r]);
-    }
+    for (int r = 0; r < GEMV_ROWS; ++r) sp[r].load(rows[r] + (int64_t)g * Fm::B, k0 - g * Fm::G);
+  };
+  int s = lane;
+  if (s < slices) load(cur, s * GEMV_SLICE);
+  for (; s < slices; s += PKV_WARP_SIZE) {
+    const int k0 = s * GEMV_SLICE;
+    if (s + PKV_WARP_SIZE < slices) load(nxt, k0 + PKV_WARP_SIZE * GEMV_SLICE);
+    float qx[GEMV_ROWS][BMAX], sx[BMAX];
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
-      if (b < batch) {
-        const float4* xb = (const float4*)(x + (int64_t)b * K + k0);
+      sx[b] = 0.0f;
 #pragma unroll
-        for (int v = 0; v < GEMV_SLICE / 4; ++v) {
-          const float4 xv = xb[v];
+      for (int r = 0; r < GEMV_ROWS; ++r) qx[r][b] = 0.0f;
+    }
 #pragma unroll
-          for (int r = 0; r < GEMV_ROWS; ++r) {
-            acc[r][b] += w[r][4 * v] * xv.x;
-            acc[r][b] += w[r][4 * v + 1] * xv.y;
-            acc[r][b] += w[r][4 * v + 2] * xv.z;
-            acc[r][b] += w[r][4 * v + 3] * xv.w;
-          }
+    for (int c = 0; c < GEMV_SLICE / 8; ++c) {
+      float xv[BMAX][8];
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        if (b < batch) {
+          const float4* xb = (const float4*)(x + (int64_t)b * K + k0 + 8 * c);
+          const float4 lo = xb[0], hi = xb[1];
+          xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
+          xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sx[b] += xv[b][i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) xv[b][i] = 0.0f;
         }
       }
+#pragma unroll
+      for (int r = 0; r < GEMV_ROWS; ++r) {
+        float q[8];
+        cur[r].codes8(c, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int b = 0; b < BMAX; ++b) qx[r][b] += q[i] * xv[b][i];
+      }
     }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) {
+      float scale, offset;
+      cur[r].affine(k0 % Fm::G, scale, offset);
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) acc[r][b] += scale * qx[r][b] + offset * sx[b];
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) cur[r] = nxt[r];
   }
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)
@@ -259,14 +323,17 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
   if (g >= n_groups) return;  // whole warps leave together
   const int e0 = lane * FWHT_PER_LANE;
   const float* src = x + g * PKV_FWHT_N + e0;
+  // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
+  // e0 is a multiple of per_lane): look the words up once, not per element.
+  const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
+  const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
   float v[FWHT_PER_LANE];
 #pragma unroll
   for (int i = 0; i < FWHT_PER_LANE; i += 4) {
     const float4 t = *(const float4*)(src + i);
-    v[i] = t.x * pkv_sign1(e0 + i);
-    v[i + 1] = t.y * pkv_sign1(e0 + i + 1);
-    v[i + 2] = t.z * pkv_sign1(e0 + i + 2);
-    v[i + 3] = t.w * pkv_sign1(e0 + i + 3);
+    const float in[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[i + k] = in[k] * ((s1 >> (i + k)) & 1u ? 1.0f : -1.0f);
   }
   pkv_fwht_butterflies(v, FWHT_PER_LANE);
 #pragma unroll
@@ -281,11 +348,10 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
   float* dst = y + g * PKV_FWHT_N + e0;
 #pragma unroll
   for (int i = 0; i < FWHT_PER_LANE; i += 4) {
-    float4 t;
-    t.x = v[i] * (PKV_FWHT_SCALE_256 * pkv_sign2(e0 + i));
-    t.y = v[i + 1] * (PKV_FWHT_SCALE_256 * pkv_sign2(e0 + i + 1));
-    t.z = v[i + 2] * (PKV_FWHT_SCALE_256 * pkv_sign2(e0 + i + 2));
-    t.w = v[i + 3] * (PKV_FWHT_SCALE_256 * pkv_sign2(e0 + i + 3));
-    *(float4*)(dst + i) = t;
+    float o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // c * (+-1) is exact, as in pkv_fwht
+      o[k] = v[i + k] * (PKV_FWHT_SCALE_256 * ((s2 >> (i + k)) & 1u ? 1.0f : -1.0f));
+    *(float4*)(dst + i) = make_float4(o[0], o[1], o[2], o[3]);
   }
 }

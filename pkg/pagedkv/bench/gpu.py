@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from pagedkv.errors import NoDeviceError
-from pagedkv.kernels import Event, Graph, Stream, open_device
+from pagedkv.kernels import DeviceArray, Event, Graph, Stream, open_device
 from pagedkv.kernels import kvcache, weights
 
 REPLAYS = 7
@@ -43,15 +43,38 @@ def _time_graph(device, stream, capture, calls: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> float:
+def _time_events(device, stream, launch, calls: int) -> float:
+    """Median seconds per call of ``calls`` direct launches between two events."""
+    launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = Event(device), Event(device)
+        start.record(stream)
+        for _ in range(calls):
+            launch(stream)
+        end.record(stream)
+        times.append(end.elapsed_ms(start) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
+    """Device-to-device copy of ``nbytes`` (read + write bytes per second): the runtime's
+    memcpy and pagedkv's 16-byte block-copy kernel; the larger is the reference."""
     src, dst = device.empty(nbytes, np.uint8), device.empty(nbytes, np.uint8)
     src.fill_bytes(0x5A)
-    t = _time_graph(device, stream,
-                    lambda s: [device.copy_dtod(dst.ptr, src.ptr, nbytes, s) for _ in range(10)],
-                    10)
+    t_memcpy = _time_events(device, stream,
+                            lambda s: device.copy_dtod(dst.ptr, src.ptr, nbytes, s), 10)
+    n_blocks = 64
+    view_src = DeviceArray(device, src.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
+    view_dst = DeviceArray(device, dst.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
+    ids = device.array(np.arange(n_blocks, dtype=np.int32))
+    t_kernel = _time_events(device, stream, lambda s: kvcache.copy_blocks(
+        device, view_src, ids, ids, view_dst, stream=s), 10)
     src.free()
     dst.free()
-    return 2 * nbytes / t
+    both = {"memcpy_GBps": 2 * nbytes / t_memcpy / 1e9, "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9}
+    return 2 * nbytes / min(t_memcpy, t_kernel), both
 
 
 def _row(rows, kernel, shape, seconds, nbytes, copy_bw, baseline=None):
@@ -126,6 +149,12 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                     base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
                     del wt
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
+                if g.fmt.rotated:  # the GEMV kernel alone, on an x rotated beforehand
+                    t = _time_graph(device, stream, lambda s: [
+                        g.run(dev_w[i % copies], x, y, stream=s, x_rotated=True)
+                        for i in range(calls)], calls)
+                    _row(rows, f"gemv {fmt} b{batch} (x pre-rotated)", f"{M}x{K}", t, nbytes,
+                         copy_bw)
             for d in dev_w:
                 d.free()
 
@@ -225,8 +254,10 @@ def main(argv=None) -> int:
     print(f"{props.name} ({props.arch}, {props.multiprocessor_count} SMs, L2 "
           f"{props.l2_cache_bytes / 2**20:.0f} MiB), {when}; torch: "
           f"{torch.__version__ if torch else 'not used'}", flush=True)
-    copy_bw = copy_bandwidth(device, stream)
-    print(f"device-to-device copy (1 GiB, read+write): {copy_bw / 1e9:.1f} GB/s", flush=True)
+    copy_bw, copies = copy_bandwidth(device, stream)
+    print(f"device-to-device copy (1 GiB, read+write): {copy_bw / 1e9:.1f} GB/s "
+          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel {copies['copy_kernel_GBps']:.1f})",
+          flush=True)
     rows: list[dict] = []
     shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (4096, 14336), (14336, 4096)]
     bench_gemv(device, stream, rows, copy_bw, torch, shapes, (1,) if args.quick else (1, 8))
@@ -237,7 +268,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "arch": props.arch, "date": when,
-                       "copy_GBps": copy_bw / 1e9, "rows": rows}, f, indent=1)
+                       "copy_GBps": copy_bw / 1e9, **copies, "rows": rows}, f, indent=1)
     return 0
 
 

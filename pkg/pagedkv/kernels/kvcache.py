@@ -161,7 +161,7 @@ class PagedAttention:
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "pppppppppfiiiiii")
+            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "ppppppppfiiiiii")
         self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiii")
 
     def __repr__(self) -> str:

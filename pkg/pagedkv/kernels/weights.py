@@ -22,7 +22,7 @@ __all__ = ["WEIGHT_FORMATS", "raw_nbytes", "dequantize", "fwht256", "Gemv"]
 
 SOURCE = "weights"
 GEMV_THREADS = 256
-GEMV_ROWS = 2
+GEMV_ROWS = 4
 GEMV_BATCHES = (1, 2, 4, 8)
 
 
@@ -130,7 +130,9 @@ class Gemv:
         return raw_nbytes(self.fmt.name, self.M * self.K)
 
     def run(self, w: DeviceArray, x: DeviceArray, y: DeviceArray,
-            *, stream: Stream | None = None) -> None:
+            *, stream: Stream | None = None, x_rotated: bool = False) -> None:
+        """``y = W·x``. For a rotated format, ``x_rotated=True`` says ``x`` already holds
+        the rotated activations (one rotation shared by several GEMVs on the same x)."""
         _raw(w, self.fmt, self.M * self.K)
         _need(x, "x", np.float32)
         _need(y, "y", np.float32)
@@ -138,7 +140,7 @@ class Gemv:
             raise InvalidArgument(f"x/y: shapes {x.shape}/{y.shape}, expected "
                                   f"{(self.batch, self.K)}/{(self.batch, self.M)}")
         xin = x
-        if self._scratch is not None:
+        if self._scratch is not None and not x_rotated:
             fwht256(self.device, x, self._scratch, stream=stream)
             xin = self._scratch
         self._kernel(self._grid, (GEMV_THREADS,), w, xin, y, self.M, self.K, self.batch,
