@@ -94,7 +94,7 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 #define PKV_ATTN_PARTITION 512
 #define PKV_ATTN_THREADS 128
-#define PKV_ATTN_UNROLL 4
+#define PKV_ATTN_UNROLL 8
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -135,7 +135,7 @@ PKV_DEV void paged_attention_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
-  __shared__ int blocks[PKV_ATTN_PARTITION + 2];
+  __shared__ int64_t rows[PKV_ATTN_PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -154,10 +154,12 @@ PKV_DEV void paged_attention_partition(
   const int stride = n_warps * tokens_per_warp;
   const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
 
-  const int first_blk = start / block_size;
-  const int n_blk = (start + n_tok - 1) / block_size - first_blk + 1;
-  for (int i = threadIdx.x; i < n_blk; i += PKV_ATTN_THREADS)
-    blocks[i] = block_tables[(int64_t)seq * table_width + first_blk + i];
+  // Token -> row once per partition, so the two passes do no division per token.
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
+    const int pos = start + t;
+    const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
+    rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
+  }
 
   float qv[GMAX][8];
 #pragma unroll
@@ -169,11 +171,7 @@ PKV_DEV void paged_attention_partition(
   }
   __syncthreads();
 
-  auto row_ptr = [&](const uint8_t* pool, int t) {
-    const int pos = start + t;
-    const int64_t slot = (int64_t)blocks[pos / block_size - first_blk] * block_size + pos % block_size;
-    return pool + (slot * kv_heads + kvh) * row_bytes;
-  };
+  auto row_ptr = [&](const uint8_t* pool, int t) { return pool + rows[t] * row_bytes; };
 
   // Pass 1: scores.
   float* scores = smem;

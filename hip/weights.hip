@@ -131,51 +131,46 @@ struct Span {
 // rows); a short last group writes only its real weights.
 
 #define DEQUANT_SPAN 16
+#define DEQUANT_THREADS 256
 
-PKV_DEV void store16(float* out, int64_t i, int64_t n, const float (&w)[DEQUANT_SPAN]) {
-  if (i + DEQUANT_SPAN <= n) {
-#pragma unroll
-    for (int k = 0; k < DEQUANT_SPAN / 4; ++k)
-      ((float4*)(out + i))[k] = make_float4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
-  } else {
-    for (int k = 0; k < DEQUANT_SPAN && i + k < n; ++k) out[i + k] = w[k];
-  }
-}
-
-PKV_DEV void store16(uint16_t* out, int64_t i, int64_t n, const float (&w)[DEQUANT_SPAN]) {
-  uint32_t h[DEQUANT_SPAN / 2];
-#pragma unroll
-  for (int k = 0; k < DEQUANT_SPAN / 2; ++k)
-    h[k] = pkv_float_to_half_bits(w[2 * k]) | (uint32_t)pkv_float_to_half_bits(w[2 * k + 1]) << 16;
-  if (i + DEQUANT_SPAN <= n) {
-    ((uint4*)(out + i))[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    ((uint4*)(out + i))[1] = make_uint4(h[4], h[5], h[6], h[7]);
-  } else {
-    for (int k = 0; k < DEQUANT_SPAN && i + k < n; ++k)
-      out[i + k] = (uint16_t)(h[k / 2] >> (16 * (k % 2)));
-  }
-}
+// A thread decodes 16 consecutive weights; the block stages its 4096 outputs in shared
+// memory and writes them back as consecutive 16-byte vectors (stores of one warp
+// instruction then cover contiguous memory instead of 32 scattered pieces).
+PKV_DEV void stage_out(float* stage, int k, float v) { stage[k] = v; }
+PKV_DEV void stage_out(uint16_t* stage, int k, float v) { stage[k] = pkv_float_to_half_bits(v); }
 
 template <int F, typename Out>
 PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
   using Fm = Format<F>;
-  const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * DEQUANT_SPAN;
-  if (i >= n) return;
-  const int64_t g = i / Fm::G;
-  const int e0 = (int)(i - g * Fm::G);
-  Span<F, DEQUANT_SPAN> sp;
-  sp.load(raw + g * Fm::B, e0);
-  float scale, offset;
-  sp.affine(e0, scale, offset);
-  float w[DEQUANT_SPAN];
+  constexpr int BLOCK_OUT = DEQUANT_THREADS * DEQUANT_SPAN;
+  __shared__ __align__(16) Out stage[BLOCK_OUT];
+  const int64_t base = (int64_t)blockIdx.x * BLOCK_OUT;
+  const int64_t i = base + (int64_t)threadIdx.x * DEQUANT_SPAN;
+  if (i < n) {
+    const int64_t g = i / Fm::G;
+    const int e0 = (int)(i - g * Fm::G);
+    Span<F, DEQUANT_SPAN> sp;
+    sp.load(raw + g * Fm::B, e0);
+    float scale, offset;
+    sp.affine(e0, scale, offset);
 #pragma unroll
-  for (int c = 0; c < DEQUANT_SPAN / 8; ++c) {
-    float q[8];
-    sp.codes8(c, q);
+    for (int c = 0; c < DEQUANT_SPAN / 8; ++c) {
+      float q[8];
+      sp.codes8(c, q);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) w[8 * c + k] = q[k] * scale + offset;  // q*s + m (quant.h)
+      for (int k = 0; k < 8; ++k)  // q*s + m, quant.h's decode
+        stage_out(stage, threadIdx.x * DEQUANT_SPAN + 8 * c + k, q[k] * scale + offset);
+    }
   }
-  store16(out, i, n, w);
+  __syncthreads();
+  constexpr int PER_VEC = 16 / sizeof(Out);
+  if (base + BLOCK_OUT <= n) {
+    const uint4* src = (const uint4*)stage;
+    uint4* dst = (uint4*)(out + base);
+    for (int v = threadIdx.x; v < BLOCK_OUT / PER_VEC; v += DEQUANT_THREADS) dst[v] = src[v];
+  } else {
+    for (int64_t k = threadIdx.x; base + k < n; k += DEQUANT_THREADS) out[base + k] = stage[k];
+  }
 }
 
 #define PKV_DEQUANT_KERNELS(NAME, F)                                                         \
@@ -193,14 +188,16 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
-// K % G == 0 (every row starts a group). A warp owns GEMV_ROWS rows; each lane takes
-// slices of 32 weights (one header read per slice, 16-24 code bytes) strided over
-// the row, so one x slice loaded from cache serves all the warp's rows. Within a
-// slice the affine map is one (scale, offset), so the slice's dot product is
-// scale * sum(q x) + offset * sum(x), and sum(x) is shared by the rows. The next
-// slice's bytes are loaded before the current one is computed.
+// K % G == 0 (every row starts a group). A thread block owns GEMV_ROWS rows and its
+// threads split K: each thread takes slices of 32 weights (one header read, 16-24
+// code bytes per row) strided by the block size, so one x slice loaded from cache
+// serves all the block's rows, and a 4096-long row already spreads over 128 threads
+// (short kernels need many loads in flight). Within a slice the affine map is one
+// (scale, offset): the slice's dot product is scale * sum(q x) + offset * sum(x), and
+// sum(x) is shared by the rows. The next slice's bytes are loaded before the current
+// one is computed; partial sums meet through the warps' shuffles and shared memory.
 
-#define GEMV_THREADS 256
+#define GEMV_THREADS 128
 #define GEMV_ROWS 4
 #define GEMV_SLICE 32
 
@@ -208,10 +205,8 @@ template <int F, int BMAX>
 PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
                   float* __restrict__ y, int M, int K, int batch) {
   using Fm = Format<F>;
-  const int lane = threadIdx.x % PKV_WARP_SIZE;
-  const int warp = (blockIdx.x * GEMV_THREADS + threadIdx.x) / PKV_WARP_SIZE;
-  const int row0 = warp * GEMV_ROWS;
-  if (row0 >= M) return;  // whole warps leave together
+  const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
+  const int row0 = blockIdx.x * GEMV_ROWS;
   const int64_t row_bytes = (int64_t)(K / Fm::G) * Fm::B;
   const uint8_t* rows[GEMV_ROWS];
 #pragma unroll
@@ -232,11 +227,11 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) sp[r].load(rows[r] + (int64_t)g * Fm::B, k0 - g * Fm::G);
   };
-  int s = lane;
+  int s = threadIdx.x;
   if (s < slices) load(cur, s * GEMV_SLICE);
-  for (; s < slices; s += PKV_WARP_SIZE) {
+  for (; s < slices; s += GEMV_THREADS) {
     const int k0 = s * GEMV_SLICE;
-    if (s + PKV_WARP_SIZE < slices) load(nxt, k0 + PKV_WARP_SIZE * GEMV_SLICE);
+    if (s + GEMV_THREADS < slices) load(nxt, k0 + GEMV_THREADS * GEMV_SLICE);
     float qx[GEMV_ROWS][BMAX], sx[BMAX];
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
@@ -281,14 +276,22 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) cur[r] = nxt[r];
   }
+  __shared__ float partial[GEMV_THREADS / PKV_WARP_SIZE][GEMV_ROWS * BMAX];
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
       float v = acc[r][b];
       for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) v += pkv_shfl_xor(v, o);
-      if (lane == 0 && b < batch && row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
+      if (lane == 0) partial[warp][r * BMAX + b] = v;
     }
+  __syncthreads();
+  if (threadIdx.x < GEMV_ROWS * BMAX) {
+    const int r = threadIdx.x / BMAX, b = threadIdx.x % BMAX;
+    float v = 0.0f;
+    for (int w = 0; w < GEMV_THREADS / PKV_WARP_SIZE; ++w) v += partial[w][threadIdx.x];
+    if (b < batch && row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
+  }
 }
 
 #define PKV_GEMV_KERNEL(NAME, F, BMAX)                                                      \

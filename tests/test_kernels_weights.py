@@ -72,8 +72,8 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_gpu_gemv_matches_reference(device, fmt, batch):
-    # M = 37 is not a multiple of the 16 rows of a thread block; K = 1280 (40 slices of 32)
-    # is not a multiple of a warp's 32 slices; q8f16 K = 1312 likewise.
+    # M = 37 is not a multiple of the 4 rows of a thread block; K = 1280 (40 slices of 32)
+    # is not a multiple of the block's 128 threads; q8f16 K = 1312 likewise.
     M, K = 37, (1312 if fmt == "q8f16" else 1280)
     w, raw = _weights(fmt, (M, K))
     x = RNG.standard_normal((batch, K)).astype(np.float32)

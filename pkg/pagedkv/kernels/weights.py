@@ -21,7 +21,7 @@ from pagedkv.kernels.kvcache import _need
 __all__ = ["WEIGHT_FORMATS", "raw_nbytes", "dequantize", "fwht256", "Gemv"]
 
 SOURCE = "weights"
-GEMV_THREADS = 256
+GEMV_THREADS = 128
 GEMV_ROWS = 4
 GEMV_BATCHES = (1, 2, 4, 8)
 
@@ -82,7 +82,7 @@ def dequantize(device: Device, raw: DeviceArray, fmt: str, out: DeviceArray,
         return
     suffix = "f32" if out.dtype == np.float32 else "f16"
     k = device.kernel(SOURCE, f"pkv_dequant_{f.kernel}_{suffix}", "ppq")
-    k((math.ceil(n / 8 / 256),), (256,), raw, out, n, stream=stream)
+    k((math.ceil(n / (16 * 256)),), (256,), raw, out, n, stream=stream)  # 16 weights a thread
 
 
 def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
@@ -119,8 +119,7 @@ class Gemv:
         bmax = next(b for b in GEMV_BATCHES if b >= batch)
         self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
         self._scratch = device.empty((batch, K), np.float32) if f.rotated else None
-        rows_per_block = GEMV_THREADS // device.properties.warp_size * GEMV_ROWS
-        self._grid = (math.ceil(M / rows_per_block),)
+        self._grid = (math.ceil(M / GEMV_ROWS),)  # a block per GEMV_ROWS rows, threads split K
 
     def __repr__(self) -> str:
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch})"
