@@ -6,7 +6,7 @@ chain registration with and without salts and extra keys, low-level register/loo
 longest-hit walks, restored-batch publication, grow, purge, capacity overrides) and, after
 every step, compares each result or exception type and every observable (counters, the
 refcount of every block, the LRU order, stats, the free-list order where both expose it),
-then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
+compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
 with a tiny range, so hash collisions are frequent and identity verification is exercised.
 
 Pools are tiny (≤ 12 blocks of 2–4 tokens, vocabulary of 3 token ids) so prefixes are shared
@@ -53,7 +53,7 @@ def _norm(value):
 
 
 def _comparable(snapshots):
-    """Drop observables that not every implementation exposes (``free_list``)."""
+    """Drop observables that not every implementation exposes (``free_block_ids``)."""
     shared = set.intersection(*(set(s) for s in snapshots))
     return [{k: s[k] for k in sorted(shared)} for s in snapshots]
 
@@ -64,6 +64,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.allocs = []
+        self.events: list[list] = []  # per allocator: (kind, dtype, hashes) sent by the last step
         self.held: list[int] = []  # references the driver owns (one entry per reference)
 
     @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
@@ -73,6 +74,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.allocs = [cls(num_blocks, num_blocks + headroom, block_size, hash_seed=0,
                            reserve_null_block=null_block, _hash_fn=hash_fn)
                        for cls in CLASSES]
+        self.events = [[] for _ in self.allocs]
+        for alloc, log in zip(self.allocs, self.events):
+            alloc.on_block_event = (
+                lambda kind, hashes, log=log: log.append((kind, hashes.dtype.str,
+                                                          hashes.tolist())))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -81,13 +87,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         return self.allocs[0]
 
     def run(self, op, *, unchanged_on=None):
-        """Apply ``op`` to every allocator; results or exception types must agree.
+        """Apply ``op`` to every allocator; results, exception types and the block events
+        the call sent must agree.
 
         ``unchanged_on(result)`` says which results promise "nothing changes" (§4.3 item 7);
-        a raised exception always does.
+        a raised exception always does, and sends no event.
         """
         outcomes = []
-        for alloc in self.allocs:
+        for alloc, log in zip(self.allocs, self.events):
+            log.clear()
             before = observables(alloc)
             try:
                 outcome = ("ok", _norm(op(alloc)))
@@ -96,10 +104,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             if outcome[0] == "raised" or (unchanged_on is not None and unchanged_on(outcome[1])):
                 assert observables(alloc) == before, (
                     f"{type(alloc).__module__}: {outcome} changed the state")
+                assert log == [], f"{type(alloc).__module__}: {outcome} sent events {log}"
             outcomes.append(outcome)
-        for alloc, outcome in zip(self.allocs[1:], outcomes[1:]):
+        for alloc, outcome, log in zip(self.allocs[1:], outcomes[1:], self.events[1:]):
             assert outcome == outcomes[0], (
                 f"{type(alloc).__module__} gave {outcome}, the reference {outcomes[0]}")
+            assert log == self.events[0], (
+                f"{type(alloc).__module__} sent events {log}, the reference {self.events[0]}")
         return outcomes[0]
 
     def any_id(self, data):
