@@ -408,7 +408,7 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] sec
     if fault == FAULT_SIZE:
         raise SizeMismatch(f"data_size {err.value} != {err.expected} bytes required by "
                            f"quant type {records[err.tensor]['qt']} and shape "
-                           f"{tuple(records[err.tensor]['shape'][:records[err.tensor]['ndim']])}",
+                           f"{tuple(int(d) for d in records[err.tensor]['shape'][:records[err.tensor]['ndim']])}",
                            path=path, tensor=name, offset=offset)
     if fault == FAULT_PAYLOAD_TRUNCATED:
         raise Truncated(f"payload of {err.value} bytes runs past the end of the file "
