@@ -229,7 +229,7 @@ def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
         off += s
     parts.append("}")
     js = "".join(parts).encode("ascii")
-    js += b" " * (-len(js) % 8)
+    js += b" " * ((8 - len(js) % 8) % 8)
     return (_U64.pack(len(js)) + js, memoryview(tok_bytes), memoryview(flat))
 
 
