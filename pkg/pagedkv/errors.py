@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedQuantType",
     "BadName",
     "BadMetadata",
+    "TensorNotFound",
     "ContextLengthExceeded",
     "CapacityExceeded",
     "PoolExhausted",
@@ -117,6 +118,14 @@ class BadName(FormatError):
 
 class BadMetadata(FormatError):
     """Metadata JSON that is malformed, not an object, or inconsistent with the file."""
+
+
+class TensorNotFound(PagedKVError, KeyError):
+    """A tensor name (after aliasing) that the file does not hold. A ``KeyError``, so
+    mapping-style code (``name in file``, ``file.get``) keeps working."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 # --- capacity ----------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Type stubs for pagedkv.hashing (Cython). Contracts: paged-kv.md §2, §3."""
+
+from typing import Final, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.identity import BlockIdentity as BlockIdentity
+
+#: "libxxhash" (system library called from C) or "xxhash-wheel" (the Python package).
+XXH3_SOURCE: Final[str]
+
+def hot_block_hash(
+    parent: int,
+    tokens: npt.ArrayLike,
+    extra_keys: Sequence[int] = (),
+    cache_salt: int = 0,
+    block_index: int = 0,
+    *,
+    seed: int = 0,
+) -> int:
+    """XXH3-64 of ``parent u64 | tokens u32*bs | key count u64 | keys u64* | salt u64``
+    (salt only when block_index == 0 and cache_salt != 0); 0 is remapped to 1."""
+
+def chain_hashes(
+    tokens: npt.ArrayLike,
+    block_size: int,
+    *,
+    extra_keys: Sequence[int] = (),
+    extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+    cache_salt: int = 0,
+    seed: int = 0,
+) -> npt.NDArray[np.uint64]:
+    """``uint64[min(len(tokens) // block_size, len(extra_keys_per_block))]`` chained hashes;
+    block_size 0 gives an empty array. Passing both key forms is InvalidArgument."""
+
+def salt_domain_id(salt: str | None) -> int:
+    """None → 0; a non-empty str of at most 256 UTF-8 bytes → first 8 bytes (LE) of its
+    SHA-256, 0 remapped to 1. Not a str → InvalidArgumentType; empty/too long →
+    InvalidArgument."""
+
+def as_token_array(tokens: npt.ArrayLike, name: str = "tokens") -> npt.NDArray[np.uint32]:
+    """Token input rule of §2.1: a C-contiguous 1-D uint32 array is returned as is; other
+    integer input is range-checked and converted; float/bool/object → InvalidArgumentType;
+    ndim != 1 → InvalidArgument."""
+
+def as_domain_id(cache_salt: int | None, name: str = "cache_salt") -> int:
+    """A u64 domain id; a str raises InvalidArgumentType pointing to salt_domain_id."""
+
+def as_u64(value: int, name: str) -> int: ...
+
+class ChainKeys:
+    """Validated extra keys of one chain (uniform or per block)."""
+
+    flat_keys: npt.NDArray[np.uint64]
+    key_offsets: npt.NDArray[np.intp] | None
+    max_blocks: int
+    per_block: bool
+
+def make_chain_keys(
+    extra_keys: Sequence[int] = (),
+    extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+) -> ChainKeys: ...
+
+def _set_xxh3_source(source: str) -> str:
+    """Test hook: route XXH3 through "libxxhash" or "xxhash-wheel"; returns the previous."""

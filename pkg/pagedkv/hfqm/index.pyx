@@ -1,0 +1,483 @@
+# cython: language_level=3
+"""HFQM v1 header and tensor-index parser (hfqm-and-quant.md §2.1-2.4).
+
+The index is parsed in one nogil pass into a structured array of
+``pkv_hfqm_tensor_record`` (``TENSOR_RECORD_DTYPE``); only the names become
+Python strings. Every field read is bounds-checked against the section, so a
+truncated or corrupt file raises a :class:`~pagedkv.errors.FormatError`
+subclass and never reads past the buffer it was given.
+"""
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+
+from pagedkv.errors import (
+    BadMagic, BadMetadata, BadName, CountMismatch, SizeMismatch, Truncated,
+    UnknownQuantType, UnsupportedVersion,
+)
+
+
+cdef extern from *:
+    """
+    #include <stddef.h>
+    #include "pagedkv/hfqm.h"
+    static void pkv_hfqm_record_layout(Py_ssize_t *out) {
+        out[0] = (Py_ssize_t)sizeof(pkv_hfqm_tensor_record);
+        out[1] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, offset);
+        out[2] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, nbytes);
+        out[3] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, name_offset);
+        out[4] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, shape);
+        out[5] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, name_len);
+        out[6] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, group_size);
+        out[7] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, qt);
+        out[8] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, ndim);
+    }
+    static void pkv_hfqm_header_layout(Py_ssize_t *out) {
+        out[0] = (Py_ssize_t)sizeof(pkv_hfqm_header);
+        out[1] = (Py_ssize_t)offsetof(pkv_hfqm_header, magic);
+        out[2] = (Py_ssize_t)offsetof(pkv_hfqm_header, version);
+        out[3] = (Py_ssize_t)offsetof(pkv_hfqm_header, arch_id);
+        out[4] = (Py_ssize_t)offsetof(pkv_hfqm_header, n_tensors);
+        out[5] = (Py_ssize_t)offsetof(pkv_hfqm_header, metadata_offset);
+        out[6] = (Py_ssize_t)offsetof(pkv_hfqm_header, data_offset);
+    }
+    """
+    void pkv_hfqm_record_layout(Py_ssize_t* out) nogil
+    void pkv_hfqm_header_layout(Py_ssize_t* out) nogil
+
+
+#: NumPy twin of ``pkv_hfqm_tensor_record`` (pagedkv/hfqm.h); offsets are absolute
+#: file offsets in bytes, ``shape`` is zero past ``ndim``.
+TENSOR_RECORD_DTYPE = np.dtype({
+    "names": ["offset", "nbytes", "name_offset", "shape", "name_len", "group_size",
+              "qt", "ndim"],
+    "formats": ["<u8", "<u8", "<u8", ("<u4", (8,)), "<u4", "<u4", "u1", "u1"],
+    "offsets": [0, 8, 16, 24, 56, 60, 64, 65],
+    "itemsize": 72,
+})
+
+HEADER_BYTES = PKV_HFQM_HEADER_BYTES
+DATA_ALIGN_BYTES = PKV_HFQM_DATA_ALIGN_BYTES
+MAX_DIMS = PKV_HFQM_MAX_DIMS
+VERSION = PKV_HFQM_VERSION
+
+# A cap far above any real tensor that keeps every size computation inside u64.
+cdef uint64_t MAX_NUMEL = (<uint64_t>1) << 48
+
+cdef enum IndexFault:
+    FAULT_NONE = 0
+    FAULT_INDEX_TRUNCATED
+    FAULT_NDIM
+    FAULT_NUMEL
+    FAULT_UNKNOWN_QT
+    FAULT_CALIB_QT
+    FAULT_K_MULTIPLE
+    FAULT_SIZE
+    FAULT_PAYLOAD_TRUNCATED
+
+cdef struct IndexError_:
+    int fault
+    Py_ssize_t tensor      # entry being parsed
+    uint64_t offset        # section-relative byte offset of the faulty field/payload
+    uint64_t value
+    uint64_t expected
+
+
+cdef inline uint16_t load_u16(const uint8_t* p) noexcept nogil:
+    return <uint16_t>(p[0] | (<uint16_t>p[1] << 8))
+
+
+cdef inline uint32_t load_u32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16)
+            | (<uint32_t>p[3] << 24))
+
+
+cdef inline uint64_t load_u64(const uint8_t* p) noexcept nogil:
+    return <uint64_t>load_u32(p) | (<uint64_t>load_u32(p + 4) << 32)
+
+
+cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
+                              Py_ssize_t limit) noexcept nogil:
+    """§2.2 brace scan: the offset one past the closing '}', -1 if unterminated
+    below ``limit``, -2 if ``buf[start]`` is not '{'."""
+    cdef Py_ssize_t p
+    cdef Py_ssize_t depth = 0
+    cdef bint in_str = False
+    cdef bint esc = False
+    cdef uint8_t c
+    if start >= limit or buf[start] != b'{':
+        return -2
+    for p in range(start, limit):
+        c = buf[p]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == b'\\':
+                esc = True
+            elif c == b'"':
+                in_str = False
+        elif c == b'"':
+            in_str = True
+        elif c == b'{':
+            depth += 1
+        elif c == b'}':
+            depth -= 1
+            if depth == 0:
+                return p + 1
+    return -1
+
+
+cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_limit,
+                       uint64_t n, uint64_t data_offset, uint64_t section_bytes,
+                       uint64_t abs_base, bint calib_ok,
+                       pkv_hfqm_tensor_record* recs, IndexError_* err) noexcept nogil:
+    """Parse ``n`` index entries starting at ``pos``; entries must end by
+    ``index_limit``, payloads by ``section_bytes``. Returns the end of the index
+    (section-relative) or 0 with ``err`` filled."""
+    cdef uint64_t i, d, numel, k, expected
+    cdef uint64_t payload = data_offset
+    cdef uint32_t name_len, status, flags
+    cdef uint8_t qt, ndim
+    cdef pkv_hfqm_tensor_record* rec
+    for i in range(n):
+        rec = &recs[i]
+        err.tensor = <Py_ssize_t>i
+        err.offset = pos
+        if index_limit - pos < 2:
+            err.fault = FAULT_INDEX_TRUNCATED
+            return 0
+        name_len = load_u16(sec + pos)
+        pos += 2
+        err.offset = pos
+        if index_limit - pos < name_len:
+            err.fault = FAULT_INDEX_TRUNCATED
+            return 0
+        rec.name_offset = abs_base + pos
+        rec.name_len = name_len
+        pos += name_len
+        err.offset = pos
+        if index_limit - pos < 2:
+            err.fault = FAULT_INDEX_TRUNCATED
+            return 0
+        qt = sec[pos]
+        ndim = sec[pos + 1]
+        rec.qt = qt
+        if ndim > PKV_HFQM_MAX_DIMS:
+            err.offset = pos + 1
+            err.value = ndim
+            err.fault = FAULT_NDIM
+            return 0
+        rec.ndim = ndim
+        pos += 2
+        err.offset = pos
+        if index_limit - pos < 4 * <uint64_t>ndim + 12:
+            err.fault = FAULT_INDEX_TRUNCATED
+            return 0
+        numel = 1
+        for d in range(ndim):
+            rec.shape[d] = load_u32(sec + pos + 4 * d)
+            numel *= rec.shape[d]
+            if numel > MAX_NUMEL:
+                err.fault = FAULT_NUMEL
+                return 0
+        pos += 4 * <uint64_t>ndim
+        rec.group_size = load_u32(sec + pos)
+        rec.nbytes = load_u64(sec + pos + 4)
+        err.offset = pos + 4
+        pos += 12
+        status = pkv_qt_status(qt)
+        if status == PKV_QT_STATUS_UNKNOWN or status == PKV_QT_STATUS_RESERVED:
+            err.offset = rec.name_offset - abs_base + name_len
+            err.value = qt
+            err.fault = FAULT_UNKNOWN_QT
+            return 0
+        if status == PKV_QT_STATUS_CALIB and not calib_ok:
+            err.offset = rec.name_offset - abs_base + name_len
+            err.value = qt
+            err.fault = FAULT_CALIB_QT
+            return 0
+        k = rec.shape[ndim - 1] if ndim > 0 else 1
+        flags = pkv_qt_flags(qt)
+        if (flags & PKV_QT_FLAG_K_MULT_256) and k % 256 != 0:
+            err.value = k
+            err.fault = FAULT_K_MULTIPLE
+            return 0
+        if pkv_qt_size_rule(qt) != PKV_QT_SIZE_NONE:
+            expected = pkv_qt_expected_nbytes(qt, numel, k)
+            if rec.nbytes != expected:
+                err.value = rec.nbytes
+                err.expected = expected
+                err.fault = FAULT_SIZE
+                return 0
+        if rec.nbytes > section_bytes - payload:
+            err.offset = payload
+            err.value = rec.nbytes
+            err.expected = section_bytes - payload
+            err.fault = FAULT_PAYLOAD_TRUNCATED
+            return 0
+        rec.offset = abs_base + payload
+        payload += rec.nbytes
+    err.fault = FAULT_NONE
+    return pos
+
+
+cdef class ParsedIndex:
+    """What :func:`parse_index` found. Offsets ending in ``_abs`` are absolute file
+    offsets; ``metadata_offset``/``data_offset`` are as stored (relative to base)."""
+
+    cdef readonly uint32_t version
+    cdef readonly uint32_t arch_id
+    cdef readonly uint32_t n_tensors
+    cdef readonly uint64_t metadata_offset
+    cdef readonly uint64_t data_offset
+    cdef readonly uint64_t json_end_abs
+    cdef readonly uint64_t index_end_abs
+    cdef readonly object records
+    cdef readonly list names
+
+
+def parse_header(const uint8_t[::1] section not None, str path):
+    """Validate the 32-byte header at the start of ``section`` (§2.4 rule 1).
+
+    Returns ``(version, arch_id, n_tensors, metadata_offset, data_offset)``.
+    """
+    cdef Py_ssize_t n = section.shape[0]
+    cdef const uint8_t* p
+    if n < PKV_HFQM_HEADER_BYTES:
+        raise Truncated(f"file holds {n} bytes from the section start, the HFQM header "
+                        f"needs {PKV_HFQM_HEADER_BYTES}", path=path, offset=n)
+    p = &section[0]
+    magic = load_u32(p)
+    if magic == PKV_HFQM_INCOMPLETE_U32:
+        raise BadMagic("magic is 'HFQ!', the marker of an incomplete (interrupted) write; "
+                       "re-export the file", path=path, offset=0)
+    if magic != PKV_HFQM_MAGIC_U32:
+        raise BadMagic(f"magic is {bytes(section[:4])!r}, expected b'HFQM'", path=path,
+                       offset=0)
+    version = load_u32(p + PKV_HFQM_HDR_VERSION_OFF)
+    if version == 2:
+        raise UnsupportedVersion("HFQM v2 (xynexus fork layout) is not supported; "
+                                 "re-export as HFQM v1", path=path,
+                                 offset=PKV_HFQM_HDR_VERSION_OFF)
+    if version != PKV_HFQM_VERSION:
+        raise UnsupportedVersion(f"HFQM version {version} is not supported (pagedkv reads "
+                                 f"version 1)", path=path, offset=PKV_HFQM_HDR_VERSION_OFF)
+    return (version, load_u32(p + PKV_HFQM_HDR_ARCH_ID_OFF),
+            load_u32(p + PKV_HFQM_HDR_N_TENSORS_OFF),
+            load_u64(p + PKV_HFQM_HDR_METADATA_OFFSET_OFF),
+            load_u64(p + PKV_HFQM_HDR_DATA_OFFSET_OFF))
+
+
+def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
+                uint64_t abs_base, str path, bint calib_ok=False):
+    """Parse header, metadata extent and tensor index of one HFQM section.
+
+    ``section`` holds the section's bytes from its start (``abs_base`` in the
+    file) at least up to ``data_offset``; ``section_bytes`` is the number of file
+    bytes from ``abs_base`` to EOF (payload bounds). ``calib_ok`` admits qt 130
+    (``*.calib.hfq`` files). Raises a :class:`~pagedkv.errors.FormatError` subclass
+    on any violation of §2.4 rules 1-5.
+    """
+    cdef ParsedIndex out = ParsedIndex.__new__(ParsedIndex)
+    cdef Py_ssize_t have = section.shape[0]
+    cdef Py_ssize_t json_end
+    cdef uint64_t count, pos, max_entries
+    cdef IndexError_ err
+    cdef pkv_hfqm_tensor_record* recs = NULL
+    cdef uint8_t[::1] rec_bytes
+    cdef const uint8_t* sec
+
+    cdef uint64_t index_end = 0
+    (out.version, out.arch_id, out.n_tensors, out.metadata_offset,
+     out.data_offset) = parse_header(section, path)
+    if not (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset <= section_bytes):
+        raise Truncated(
+            f"header offsets out of range: need 32 <= metadata_offset ({out.metadata_offset}) "
+            f"<= data_offset ({out.data_offset}) <= bytes from section start "
+            f"({section_bytes})", path=path, offset=abs_base + PKV_HFQM_HDR_METADATA_OFFSET_OFF)
+    if <uint64_t>have < out.data_offset:
+        raise Truncated(f"buffer holds {have} bytes, the index region ends at data_offset "
+                        f"{out.data_offset}", path=path, offset=abs_base + have)
+    sec = &section[0]
+    with nogil:
+        json_end = scan_json_end(sec, <Py_ssize_t>out.metadata_offset,
+                                 <Py_ssize_t>out.data_offset)
+    if json_end == -2:
+        raise BadMetadata("metadata does not start with '{'", path=path,
+                          offset=abs_base + out.metadata_offset)
+    if json_end < 0:
+        raise BadMetadata("unterminated HFQM metadata JSON: no closing '}' before "
+                          f"data_offset {out.data_offset}", path=path,
+                          offset=abs_base + out.metadata_offset)
+    out.json_end_abs = abs_base + <uint64_t>json_end
+    pos = <uint64_t>json_end
+    if out.data_offset - pos < PKV_HFQM_INDEX_COUNT_BYTES:
+        raise Truncated("tensor index count runs past data_offset "
+                        f"{out.data_offset}", path=path, offset=abs_base + pos)
+    count = load_u32(sec + pos)
+    if count != out.n_tensors:
+        raise CountMismatch(f"index count {count} != header n_tensors {out.n_tensors}",
+                            path=path, offset=abs_base + pos)
+    pos += PKV_HFQM_INDEX_COUNT_BYTES
+    # Each entry takes at least 16 bytes: refuse a count the region cannot hold
+    # before allocating records for it.
+    max_entries = (out.data_offset - pos) // PKV_HFQM_INDEX_ENTRY_FIXED_BYTES
+    if count > max_entries:
+        raise Truncated(f"index declares {count} tensors, the {out.data_offset - pos} bytes "
+                        f"before data_offset hold at most {max_entries}", path=path,
+                        offset=abs_base + pos)
+    records = np.zeros(count, dtype=TENSOR_RECORD_DTYPE)
+    if count:
+        rec_bytes = records.view(np.uint8)
+        recs = <pkv_hfqm_tensor_record*>&rec_bytes[0]
+    err.fault = FAULT_NONE
+    err.offset = pos
+    with nogil:
+        index_end = parse_entries(sec, pos, out.data_offset, count, out.data_offset, section_bytes,
+                      abs_base, calib_ok, recs, &err)
+    if err.fault != FAULT_NONE:
+        _raise_index_fault(&err, records, section, abs_base, path)
+    out.records = records
+    out.names = _decode_names(records, section, abs_base, path)
+    out.index_end_abs = abs_base + index_end
+    return out
+
+
+cdef str _name_for_message(object records, const uint8_t[::1] section, uint64_t abs_base,
+                           Py_ssize_t i):
+    cdef uint64_t start
+    rec = records[i]
+    if rec["name_offset"] == 0:
+        return f"#{i}"
+    start = int(rec["name_offset"]) - abs_base
+    return bytes(section[start:start + int(rec["name_len"])]).decode("utf-8", "replace")
+
+
+cdef list _decode_names(object records, const uint8_t[::1] section, uint64_t abs_base,
+                        str path):
+    cdef Py_ssize_t i, n = len(records)
+    cdef uint64_t start
+    cdef dict seen = {}
+    names = [None] * n
+    name_offsets = records["name_offset"]
+    name_lens = records["name_len"]
+    for i in range(n):
+        start = <uint64_t>name_offsets[i] - abs_base
+        chunk = bytes(section[start:start + <uint64_t>name_lens[i]])
+        try:
+            name = chunk.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadName(f"tensor #{i} name {chunk!r} is not UTF-8 ({exc.reason})",
+                          path=path, tensor=chunk.decode("utf-8", "replace"),
+                          offset=abs_base + start) from None
+        if name in seen:
+            raise BadName(f"tensor name {name!r} appears twice (entries #{seen[name]} and "
+                          f"#{i})", path=path, tensor=name, offset=abs_base + start)
+        seen[name] = i
+        names[i] = name
+    return names
+
+
+cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] section,
+                        uint64_t abs_base, str path):
+    name = _name_for_message(records, section, abs_base, err.tensor)
+    offset = abs_base + err.offset
+    fault = err.fault
+    if fault == FAULT_INDEX_TRUNCATED:
+        raise Truncated(f"index entry #{err.tensor} runs past the index region",
+                        path=path, tensor=name, offset=offset)
+    if fault == FAULT_NDIM:
+        raise SizeMismatch(f"n_dims {err.value} exceeds the {PKV_HFQM_MAX_DIMS} dims "
+                           "pagedkv reads", path=path, tensor=name, offset=offset)
+    if fault == FAULT_NUMEL:
+        raise SizeMismatch("shape has more than 2**48 elements", path=path, tensor=name,
+                           offset=offset)
+    if fault == FAULT_UNKNOWN_QT:
+        raise UnknownQuantType(
+            f"quant type {err.value} is not a registered id (hfqm-and-quant.md §1.1)",
+            path=path, tensor=name, offset=offset)
+    if fault == FAULT_CALIB_QT:
+        raise UnknownQuantType(
+            f"quant type {err.value} exists only in calibration files (*.calib.hfq)",
+            path=path, tensor=name, offset=offset)
+    if fault == FAULT_K_MULTIPLE:
+        raise SizeMismatch(f"quant type {records[err.tensor]['qt']} needs the last dim K "
+                           f"to be a multiple of 256, got K={err.value}", path=path,
+                           tensor=name, offset=offset)
+    if fault == FAULT_SIZE:
+        raise SizeMismatch(f"data_size {err.value} != {err.expected} bytes required by "
+                           f"quant type {records[err.tensor]['qt']} and shape "
+                           f"{tuple(int(d) for d in records[err.tensor]['shape'][:records[err.tensor]['ndim']])}",
+                           path=path, tensor=name, offset=offset)
+    if fault == FAULT_PAYLOAD_TRUNCATED:
+        raise Truncated(f"payload of {err.value} bytes runs past the end of the file "
+                        f"({err.expected} bytes left)", path=path, tensor=name, offset=offset)
+    raise AssertionError(f"unhandled index fault {fault}")
+
+
+def json_end(const uint8_t[::1] buf not None, Py_ssize_t start, Py_ssize_t limit):
+    """The §2.2 brace scan over ``buf[start:limit]``: the offset one past the closing
+    '}' (the first byte of the index); -1 if unterminated, -2 if ``buf[start]`` is
+    not '{'."""
+    if start < 0 or limit > buf.shape[0] or start > limit:
+        raise ValueError(f"bad range [{start}, {limit}) for a {buf.shape[0]}-byte buffer")
+    if start == limit:
+        return -2
+    return scan_json_end(&buf[0], start, limit)
+
+
+def record_layout():
+    """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_tensor_record``."""
+    cdef Py_ssize_t out[9]
+    pkv_hfqm_record_layout(out)
+    keys = ("itemsize", "offset", "nbytes", "name_offset", "shape", "name_len",
+            "group_size", "qt", "ndim")
+    return {k: out[i] for i, k in enumerate(keys)}
+
+
+def header_layout():
+    """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_header``, plus the
+    ``PKV_HFQM_HDR_*_OFF`` constants under ``"const_<field>"``."""
+    cdef Py_ssize_t out[7]
+    pkv_hfqm_header_layout(out)
+    keys = ("itemsize", "magic", "version", "arch_id", "n_tensors", "metadata_offset",
+            "data_offset")
+    layout = {k: out[i] for i, k in enumerate(keys)}
+    layout.update(const_magic=PKV_HFQM_HDR_MAGIC_OFF, const_version=PKV_HFQM_HDR_VERSION_OFF,
+                  const_arch_id=PKV_HFQM_HDR_ARCH_ID_OFF,
+                  const_n_tensors=PKV_HFQM_HDR_N_TENSORS_OFF,
+                  const_metadata_offset=PKV_HFQM_HDR_METADATA_OFFSET_OFF,
+                  const_data_offset=PKV_HFQM_HDR_DATA_OFFSET_OFF)
+    return layout
+
+
+def c_register():
+    """The C register (``PKV_QT_LIST``) for ids 0-255, as a structured array with
+    fields ``group_size, group_bytes, size_rule, status, flags`` (the PKV_QT_* codes)."""
+    out = np.zeros(256, dtype=[("group_size", "<u4"), ("group_bytes", "<u4"),
+                               ("size_rule", "<u4"), ("status", "<u4"), ("flags", "<u4")])
+    cdef uint32_t qt
+    for qt in range(256):
+        out[qt] = (pkv_qt_group_size(qt), pkv_qt_group_bytes(qt), pkv_qt_size_rule(qt),
+                   pkv_qt_status(qt), pkv_qt_flags(qt))
+    return out
+
+
+def c_expected_nbytes(uint32_t qt, uint64_t numel, uint64_t k):
+    """``pkv_qt_expected_nbytes`` (0 where the qt has no size rule)."""
+    return pkv_qt_expected_nbytes(qt, numel, k)
+
+
+def c_constants():
+    """The PKV_QT_SIZE_*, PKV_QT_STATUS_* and PKV_QT_FLAG_* codes by lower-case name."""
+    return {
+        "size_none": PKV_QT_SIZE_NONE, "size_groups": PKV_QT_SIZE_GROUPS,
+        "size_row_header": PKV_QT_SIZE_ROW_HEADER, "size_row_pad128": PKV_QT_SIZE_ROW_PAD128,
+        "size_hessian": PKV_QT_SIZE_HESSIAN,
+        "status_unknown": PKV_QT_STATUS_UNKNOWN, "status_p1": PKV_QT_STATUS_P1,
+        "status_p2": PKV_QT_STATUS_P2, "status_refuse": PKV_QT_STATUS_REFUSE,
+        "status_reserved": PKV_QT_STATUS_RESERVED, "status_calib": PKV_QT_STATUS_CALIB,
+        "flag_rotated": PKV_QT_FLAG_ROTATED, "flag_k_mult_256": PKV_QT_FLAG_K_MULT_256,
+        "flag_raw": PKV_QT_FLAG_RAW,
+    }

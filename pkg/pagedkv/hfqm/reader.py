@@ -1,0 +1,316 @@
+"""``HfqmFile``: the HFQM v1 reader (hfqm-and-quant.md §2).
+
+The file is memory-mapped read-only; header and index are validated and parsed
+once at open (Cython, :mod:`pagedkv.hfqm.index`); tensors are handed out as
+zero-copy read-only NumPy views of the mapping. Files above 64 GiB are opened
+with plain reads of header and index and one small mapping per tensor, because
+a whole-file mapping of such files hit unified-memory OOMs upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from typing import Any, Iterator, NamedTuple
+
+import numpy as np
+
+from pagedkv.errors import BadMetadata, InvalidArgument, TensorNotFound, Truncated
+from pagedkv.hfqm import index as _index
+from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
+from pagedkv.hfqm.qtypes import QTYPES
+
+__all__ = ["HfqmFile", "TensorInfo", "canonical_name", "MTP_TRAILER_MAGIC"]
+
+MTP_TRAILER_MAGIC = b"HFBNDMTP"
+WHOLE_FILE_MMAP_LIMIT_BYTES = 64 << 30
+_ALIAS_PREFIXES = ("model.language_model.", "model.")
+
+
+def canonical_name(name: str) -> str:
+    """The name lookups compare: ``model.language_model.X``, ``model.X`` and ``X``
+    are one name (§2.4)."""
+    for prefix in _ALIAS_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+class TensorInfo(NamedTuple):
+    """One tensor of the index. ``offset`` is the absolute file offset, bytes."""
+
+    name: str
+    qt: int
+    qt_name: str
+    shape: tuple[int, ...]
+    group_size: int
+    nbytes: int
+    offset: int
+
+
+class HfqmFile:
+    """A read-only HFQM v1 file.
+
+    ``HfqmFile(path, base=0)``: ``base`` is the byte where the HFQM section starts
+    (non-zero for the MTP head of a bundle, §2.8). Raises a
+    :class:`~pagedkv.errors.FormatError` subclass for any broken file (§2.4).
+
+    * ``file[name]``: F16/F32/BF16/TidI32 as a read-only typed array of the tensor's
+      shape (``float16``/``float32``/``uint16`` bf16 bits/``uint32``; zero-copy when
+      the offset is a multiple of the itemsize, else a copy); every other qt as a
+      zero-copy read-only ``uint8`` view of its bytes.
+    * ``raw(name)``: always the ``uint8`` view.
+    * ``tensors``, ``names``, ``records`` (the structured index), ``metadata``
+      (parsed lazily), ``arch_id``, ``mtp`` (the bundled MTP head or ``None``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, base: int = 0,
+                 _whole_file_mmap_limit_bytes: int = WHOLE_FILE_MMAP_LIMIT_BYTES) -> None:
+        self.path = os.fspath(path)
+        self.base = int(base)
+        self._closed = True
+        self._metadata: dict | None = None
+        self._mtp: HfqmFile | None | bool = False  # False: not looked up yet
+        self._tensors: list[TensorInfo] | None = None
+        self._fd: int | None = None
+        self._bytes: np.ndarray | None = None  # whole-file uint8 view of the mapping
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self.file_bytes = os.fstat(fd).st_size
+            if self.base < 0 or self.base > self.file_bytes:
+                raise InvalidArgument(f"base {self.base} is outside the file "
+                                      f"({self.file_bytes} bytes): pass 0..file size")
+            section_bytes = self.file_bytes - self.base
+            if section_bytes < _index.HEADER_BYTES:
+                raise Truncated(f"file holds {section_bytes} bytes from the section start, "
+                                f"the HFQM header needs {_index.HEADER_BYTES}",
+                                path=self.path, offset=self.file_bytes)
+            calib_ok = self.path.endswith(".calib.hfq")
+            if self.file_bytes <= _whole_file_mmap_limit_bytes:
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                whole = np.frombuffer(mapping, dtype=np.uint8)
+                self._index = _index.parse_index(whole[self.base:], section_bytes,
+                                                 self.base, self.path, calib_ok)
+                self._bytes = whole
+            else:
+                self._index = self._parse_with_reads(fd, section_bytes, calib_ok)
+                self._fd, fd = fd, -1
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self.records = self._index.records
+        self.names: list[str] = self._index.names
+        self._by_name = {name: i for i, name in enumerate(self.names)}
+        self._by_canonical: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            self._by_canonical.setdefault(canonical_name(name), i)
+        self._closed = False
+
+    def _parse_with_reads(self, fd: int, section_bytes: int, calib_ok: bool):
+        header = os.pread(fd, _index.HEADER_BYTES, self.base)
+        data_offset = _index.parse_header(header, self.path)[4]
+        if data_offset > section_bytes:
+            raise Truncated(f"data_offset {data_offset} is past the end of the file "
+                            f"({section_bytes} bytes from the section start)",
+                            path=self.path, offset=self.base + 24)
+        region = os.pread(fd, data_offset, self.base)
+        return _index.parse_index(region, section_bytes, self.base, self.path, calib_ok)
+
+    # --- header fields --------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._index.version
+
+    @property
+    def arch_id(self) -> int:
+        return self._index.arch_id
+
+    @property
+    def arch_name(self) -> str:
+        return arch_name(self._index.arch_id)
+
+    @property
+    def metadata_offset(self) -> int:
+        """As stored: bytes from ``base``."""
+        return self._index.metadata_offset
+
+    @property
+    def data_offset(self) -> int:
+        """As stored: bytes from ``base``."""
+        return self._index.data_offset
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Length of the metadata JSON, bytes."""
+        return self._index.json_end_abs - self.base - self._index.metadata_offset
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.records["nbytes"].sum()) if len(self.records) else 0
+
+    # --- metadata and MTP -----------------------------------------------------------
+
+    @property
+    def metadata(self) -> dict:
+        """The metadata JSON object, parsed on first access (``tokenizer`` stays a
+        string). Raises :class:`~pagedkv.errors.BadMetadata` if it is not a JSON
+        object, or names Qwen3.5/3.6 with an arch_id other than 5 or 6."""
+        if self._metadata is None:
+            start = self.base + self._index.metadata_offset
+            text = bytes(self._read(start, self._index.json_end_abs - start))
+            try:
+                value = json.loads(text.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise BadMetadata(f"metadata is not valid UTF-8 JSON ({exc})",
+                                  path=self.path, offset=start) from None
+            if not isinstance(value, dict):
+                raise BadMetadata(f"metadata is a JSON {type(value).__name__}, not an object",
+                                  path=self.path, offset=start)
+            if is_qwen35_metadata(value) and self.arch_id not in QWEN35_ARCH_IDS:
+                raise BadMetadata(
+                    f"metadata names Qwen3.5/3.6 but arch_id is {self.arch_id} "
+                    f"({self.arch_name}); Qwen3.5/3.6 files use arch_id 5 or 6",
+                    path=self.path, offset=self.base + 8)
+            self._metadata = value
+        return self._metadata
+
+    @property
+    def mtp(self) -> "HfqmFile | None":
+        """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
+        opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
+        if self._mtp is False:
+            self._mtp = None
+            size = self.file_bytes
+            if self.base == 0 and size >= 16:
+                trailer = bytes(self._read(size - 16, 16))
+                if trailer[:8] == MTP_TRAILER_MAGIC:
+                    mtp_off = int.from_bytes(trailer[8:], "little")
+                    if mtp_off < size - 16 and bytes(self._read(mtp_off, 4)) == b"HFQM":
+                        self._mtp = HfqmFile(self.path, base=mtp_off)
+        return self._mtp
+
+    # --- tensors --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument(f"HfqmFile {self.path!r} is closed")
+
+    def _resolve(self, name: str | int) -> int:
+        if isinstance(name, (int, np.integer)) and not isinstance(name, bool):
+            i = int(name)
+            if not 0 <= i < len(self.names):
+                raise InvalidArgument(f"tensor index {i} is outside 0..{len(self.names) - 1}")
+            return i
+        if not isinstance(name, str):
+            raise InvalidArgument(f"tensor name must be a str, got {type(name).__name__}")
+        i = self._by_name.get(name)
+        if i is None:
+            i = self._by_canonical.get(canonical_name(name))
+        if i is None:
+            raise TensorNotFound(f"{self.path}: no tensor {name!r} (also tried as "
+                                 f"{canonical_name(name)!r}); {len(self.names)} tensors")
+        return i
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        return name in self._by_name or canonical_name(name) in self._by_canonical
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def info(self, name: str | int) -> TensorInfo:
+        """Index entry of one tensor (aliases accepted)."""
+        i = self._resolve(name)
+        return self._info(i, self.records[i])
+
+    def _info(self, i: int, rec) -> TensorInfo:
+        qt = int(rec["qt"])
+        return TensorInfo(self.names[i], qt, QTYPES[qt].name,
+                          tuple(int(d) for d in rec["shape"][:rec["ndim"]]),
+                          int(rec["group_size"]), int(rec["nbytes"]), int(rec["offset"]))
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """Every tensor in index order (name, qt, qt_name, shape, group_size, nbytes, offset)."""
+        if self._tensors is None:
+            self._tensors = [self._info(i, rec) for i, rec in enumerate(self.records)]
+        return self._tensors
+
+    def _read(self, offset: int, nbytes: int) -> np.ndarray:
+        """Read-only uint8 view of file bytes [offset, offset + nbytes)."""
+        self._check_open()
+        if self._bytes is not None:
+            return self._bytes[offset:offset + nbytes]
+        # Large files: one mapping per request, aligned down to the allocation granularity.
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        if nbytes == 0:
+            return np.zeros(0, dtype=np.uint8)
+        mapping = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_READ,
+                            offset=start)
+        return np.frombuffer(mapping, dtype=np.uint8)[offset - start:]
+
+    def raw(self, name: str | int) -> np.ndarray:
+        """Zero-copy read-only ``uint8`` view of a tensor's payload."""
+        i = self._resolve(name)
+        rec = self.records[i]
+        return self._read(int(rec["offset"]), int(rec["nbytes"]))
+
+    def __getitem__(self, name: str | int) -> np.ndarray:
+        i = self._resolve(name)
+        rec = self.records[i]
+        view = self._read(int(rec["offset"]), int(rec["nbytes"]))
+        raw_dtype = QTYPES[int(rec["qt"])].raw_dtype
+        if raw_dtype is None:
+            return view
+        dtype = np.dtype(raw_dtype).newbyteorder("<")
+        shape = tuple(int(d) for d in rec["shape"][:rec["ndim"]])
+        if int(rec["offset"]) % dtype.itemsize != 0:
+            view = view.copy()
+            view.flags.writeable = False
+        return view.view(dtype).reshape(shape)
+
+    # --- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this object's reference to the mapping. Views handed out stay valid
+        (they keep the mapping alive until released)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bytes = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if isinstance(self._mtp, HfqmFile):
+            self._mtp.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "HfqmFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.file_bytes} bytes"
+        base = f", base {self.base}" if self.base else ""
+        return (f"<HfqmFile {self.path!r} HFQM v{self.version}, arch {self.arch_id} "
+                f"({self.arch_name}), {len(self.names)} tensors, "
+                f"{self.payload_bytes} payload bytes, {state}{base}>")

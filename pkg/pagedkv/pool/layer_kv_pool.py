@@ -1,0 +1,476 @@
+"""LayerKVPool: the physical K/V storage of a paged cache (paged-kv.md §5).
+
+Per physical layer one K and one V array ``[num_blocks, block_size, num_kv_heads, head_dim]``
+of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``).
+Slot ``s = block_id * block_size + offset`` addresses one token of one block. The pool never
+decides *which* block a token goes to: the allocator and the adapter do; the pool validates
+and copies, vectorized, one NumPy (or MLX) call per array.
+
+Every call validates all of its arguments before it writes anything, so a call that raises
+leaves the pool as it was. Calls that take block tables or slot arrays accept the
+``generation`` those were built for; another generation raises :class:`StaleBlockTable`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import threading
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
+from pagedkv.pool.geometry import PoolGeometry
+from pagedkv.pool.memory_budget import MemoryBudget
+from pagedkv.pool.numpy_storage import NumpyKVStorage
+
+__all__ = ["LayerKVPool", "BACKENDS", "growth_lock"]
+
+logger = logging.getLogger("pagedkv")
+
+#: Backend names a pool accepts.
+BACKENDS = ("numpy", "mlx")
+
+GrowCallback = Callable[[int, int, int], None]
+
+# Outermost lock of the growth order: growth lock -> memory budget -> allocator -> pool.
+# Re-entrant so the adapter can hold it across grow_to + allocator.grow_by.
+_GROWTH_LOCK = threading.RLock()
+_pool_numbers = itertools.count()
+
+
+def growth_lock() -> threading.RLock:
+    """The process-wide lock that serializes all pool growth (hold it across
+    ``pool.grow_to`` and ``allocator.grow_by``)."""
+    return _GROWTH_LOCK
+
+
+def _storage_class(backend: str):
+    if backend == "numpy":
+        return NumpyKVStorage
+    if backend == "mlx":
+        from pagedkv.pool.mlx_storage import MlxKVStorage
+        return MlxKVStorage
+    raise InvalidArgument(f"backend: {backend!r} is not a pool backend; use one of {list(BACKENDS)}")
+
+
+def _index(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentType(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+def _id_array(name: str, ids) -> np.ndarray:
+    """``ids`` as a 1-D intp array (no copy when it already is one)."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # [] from a Python list
+            arr = arr.astype(np.intp)
+        else:
+            raise InvalidArgumentType(
+                f"{name}: dtype {arr.dtype} is not an integer dtype; pass int32 ids")
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{name}: ndim {arr.ndim} (shape {arr.shape}); expected a 1-D array")
+    return arr.astype(np.intp, copy=False)
+
+
+class _ClosedStorage:
+    """Stands in for the storage of a closed pool: every use raises."""
+
+    backend = "closed"
+
+    def __getattr__(self, name):
+        raise PagedKVError("the pool is closed; build a new LayerKVPool")
+
+
+class LayerKVPool:
+    """Per-layer K and V block arrays with block I/O, token scatter/gather and growth.
+
+    ``num_blocks``: blocks allocated now; ``max_num_blocks`` (default ``num_blocks``): the
+    most :meth:`grow_to` may reach. ``memory_budget``: debited with this pool's bytes (the
+    first allocation must fit, else ``InvalidArgument``). ``pool_id`` names the pool in the
+    budget (default ``"pool-<n>"``).
+    """
+
+    def __init__(self, geometry: PoolGeometry, num_blocks: int, max_num_blocks: int | None = None,
+                 *, backend: str = "numpy", memory_budget: MemoryBudget | None = None,
+                 pool_id: Hashable | None = None) -> None:
+        if not isinstance(geometry, PoolGeometry):
+            raise InvalidArgumentType(
+                f"geometry: expected a PoolGeometry, got {type(geometry).__name__}")
+        num_blocks = _index("num_blocks", num_blocks)
+        if num_blocks < 1:
+            raise InvalidArgument(f"num_blocks: {num_blocks} is not positive; it must be >= 1")
+        if max_num_blocks is None:
+            max_num_blocks = num_blocks
+        max_num_blocks = _index("max_num_blocks", max_num_blocks)
+        if max_num_blocks < num_blocks:
+            raise InvalidArgument(
+                f"max_num_blocks: {max_num_blocks} is below num_blocks={num_blocks}; "
+                f"it must be >= {num_blocks}")
+        if memory_budget is not None and not isinstance(memory_budget, MemoryBudget):
+            raise InvalidArgumentType(
+                f"memory_budget: expected a MemoryBudget, got {type(memory_budget).__name__}")
+        storage_class = _storage_class(backend)
+        if pool_id is None:
+            pool_id = f"pool-{next(_pool_numbers)}"
+
+        total_bytes = geometry.pool_bytes(num_blocks)
+        if memory_budget is not None:
+            if pool_id in memory_budget.pools():
+                raise InvalidArgument(
+                    f"pool_id: {pool_id!r} is already debited in {memory_budget!r}; "
+                    "give each pool its own id")
+            if not memory_budget.try_reserve(pool_id, total_bytes):
+                raise InvalidArgument(
+                    f"num_blocks: {num_blocks} blocks ({total_bytes} bytes) do not fit the memory "
+                    f"budget: {memory_budget.available_bytes} of {memory_budget.limit_bytes} "
+                    "bytes available")
+        try:
+            storage = storage_class(geometry, num_blocks)
+        except BaseException:
+            if memory_budget is not None:
+                memory_budget.release_pool(pool_id)
+            raise
+
+        self._geometry = geometry
+        self._backend = backend
+        self._storage = storage
+        self._num_blocks = num_blocks
+        self._max_num_blocks = max_num_blocks
+        self._generation = 0
+        self._budget = memory_budget
+        self._pool_id = pool_id
+        self._grow_callbacks: list[GrowCallback] = []
+        self._lock = threading.Lock()
+        # Token offsets inside a block, reused by every gather.
+        self._offsets = np.arange(geometry.block_size, dtype=np.intp)
+
+    # -- read-only state -------------------------------------------------------------------
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self._geometry
+
+    @property
+    def backend(self) -> str:
+        """``"numpy"`` or ``"mlx"``."""
+        return self._backend
+
+    @property
+    def pool_id(self) -> Hashable:
+        return self._pool_id
+
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        return self._budget
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def max_num_blocks(self) -> int:
+        return self._max_num_blocks
+
+    @property
+    def num_layers(self) -> int:
+        return self._geometry.num_layers
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._geometry.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots now: ``num_blocks * block_size``."""
+        return self._num_blocks * self._geometry.block_size
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Tokens the pool holds now: ``num_blocks * block_size``."""
+        return self.num_slots
+
+    @property
+    def generation(self) -> int:
+        """Incremented by every committed :meth:`grow_to`."""
+        return self._generation
+
+    @property
+    def slab_bytes(self) -> int:
+        return self._geometry.slab_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self._geometry.bytes_per_block
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the current generation."""
+        return self._geometry.pool_bytes(self._num_blocks)
+
+    def __repr__(self) -> str:
+        return (f"LayerKVPool(backend={self._backend!r}, geometry={self._geometry!r}, "
+                f"num_blocks={self._num_blocks}, max_num_blocks={self._max_num_blocks}, "
+                f"generation={self._generation}, total_bytes={self.total_bytes}, "
+                f"pool_id={self._pool_id!r})")
+
+    # -- validation ------------------------------------------------------------------------
+
+    def check_generation(self, generation: int | None) -> None:
+        """Raise :class:`StaleBlockTable` unless ``generation`` is None or the current one."""
+        if generation is not None and generation != self._generation:
+            raise StaleBlockTable(
+                f"generation: the block table was built for pool generation {generation}, "
+                f"the pool is at generation {self._generation} (it grew); rebuild the table")
+
+    def _layer_index(self, layer) -> int:
+        layer = _index("layer", layer)
+        if not 0 <= layer < self._geometry.num_layers:
+            raise InvalidArgument(
+                f"layer: {layer} is out of range [0, {self._geometry.num_layers})")
+        return layer
+
+    def _block_id(self, block_id) -> int:
+        block_id = _index("block_id", block_id)
+        if not 0 <= block_id < self._num_blocks:
+            raise InvalidArgument(f"block_id: {block_id} is out of range [0, {self._num_blocks})")
+        return block_id
+
+    def _check_range(self, name: str, ids: np.ndarray, limit: int, what: str) -> None:
+        # One reduction catches both ends: negative intp values are huge as uintp.
+        if ids.size and ids.view(np.uintp).max() >= limit:
+            bad = ids[(ids < 0) | (ids >= limit)][0]
+            raise InvalidArgument(f"{name}: {what} {int(bad)} is out of range [0, {limit})")
+
+    def _slots(self, slots) -> np.ndarray:
+        slots = _id_array("slots", slots)
+        self._check_range("slots", slots, self.num_slots, "slot")
+        return slots
+
+    def _table_slots(self, block_ids, num_tokens) -> np.ndarray:
+        """Slots of positions ``[0, num_tokens)`` of a block table row (entries past
+        ``ceil(num_tokens / block_size)`` are ignored, so -1 padding is fine)."""
+        ids = _id_array("block_ids", block_ids)
+        num_tokens = _index("num_tokens", num_tokens)
+        bs = self._geometry.block_size
+        if not 0 <= num_tokens <= ids.shape[0] * bs:
+            raise InvalidArgument(
+                f"num_tokens: {num_tokens} is out of range [0, {ids.shape[0] * bs}] for "
+                f"{ids.shape[0]} block ids of {bs} tokens")
+        used = ids[: -(-num_tokens // bs)]
+        self._check_range("block_ids", used, self._num_blocks, "block id")
+        return (used[:, None] * bs + self._offsets).reshape(-1)[:num_tokens]
+
+    def _payload(self, name: str, x, expected: tuple[int, ...], meaning: str):
+        x = self._storage.as_payload(name, x)
+        if tuple(x.shape) != expected:
+            raise InvalidArgument(
+                f"{name}: shape {tuple(x.shape)} does not match the pool; expected "
+                f"{expected} = {meaning}")
+        return x
+
+    # -- slot addressing -------------------------------------------------------------------
+
+    def slot(self, block_id: int, offset: int) -> int:
+        """Slot id of token ``offset`` of block ``block_id``: ``block_id * block_size + offset``."""
+        block_id = self._block_id(block_id)
+        offset = _index("offset", offset)
+        if not 0 <= offset < self._geometry.block_size:
+            raise InvalidArgument(
+                f"offset: {offset} is out of range [0, {self._geometry.block_size})")
+        return block_id * self._geometry.block_size + offset
+
+    def block_and_offset(self, slot: int) -> tuple[int, int]:
+        """``(block_id, offset)`` of a slot id."""
+        slot = _index("slot", slot)
+        if not 0 <= slot < self.num_slots:
+            raise InvalidArgument(f"slot: {slot} is out of range [0, {self.num_slots})")
+        return divmod(slot, self._geometry.block_size)
+
+    def slots_for_positions(self, block_ids, positions, *, generation: int | None = None
+                            ) -> np.ndarray:
+        """Slots (``int64[n]``) of token ``positions`` of a sequence whose block table row is
+        ``block_ids``: ``block_ids[p // block_size] * block_size + p % block_size``."""
+        self.check_generation(generation)
+        ids = _id_array("block_ids", block_ids)
+        pos = _id_array("positions", positions)
+        bs = self._geometry.block_size
+        self._check_range("positions", pos, ids.shape[0] * bs, "position")
+        blocks = ids[pos // bs]
+        self._check_range("block_ids", blocks, self._num_blocks, "block id")
+        return (blocks * bs + pos % bs).astype(np.int64, copy=False)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def layer(self, layer: int):
+        """``(k, v)`` of ``layer``, ``[num_blocks, block_size, kv_heads, head_dim]`` arrays of
+        the current generation. Do not keep them across calls that may grow the pool."""
+        return self._storage.layer(self._layer_index(layer))
+
+    # -- token scatter / gather ------------------------------------------------------------
+
+    def write_tokens(self, layer: int, slots, k, v, *, generation: int | None = None) -> None:
+        """Write ``n`` tokens' K and V (``[n, kv_heads, head_dim]``, pool dtype) of ``layer``
+        into ``slots`` (``int[n]``). Duplicate slots: the last write wins."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            slots = self._slots(slots)
+            expected = (slots.shape[0], *self._geometry.token_shape)
+            meaning = "(len(slots), num_kv_heads, head_dim)"
+            k = self._payload("k", k, expected, meaning)
+            v = self._payload("v", v, expected, meaning)
+            self._storage.write_tokens(layer, slots, k, v)
+
+    def write_tokens_layers(self, slots, k_layers, v_layers, *,
+                            generation: int | None = None) -> None:
+        """All-layers form of :meth:`write_tokens`: ``k_layers``, ``v_layers`` are
+        ``[num_layers, n, kv_heads, head_dim]``; one validation, one scatter per array."""
+        with self._lock:
+            self.check_generation(generation)
+            slots = self._slots(slots)
+            expected = (self._geometry.num_layers, slots.shape[0], *self._geometry.token_shape)
+            meaning = "(num_layers, len(slots), num_kv_heads, head_dim)"
+            k_layers = self._payload("k_layers", k_layers, expected, meaning)
+            v_layers = self._payload("v_layers", v_layers, expected, meaning)
+            self._storage.write_tokens_layers(slots, k_layers, v_layers)
+
+    def gather(self, layer: int, block_ids, num_tokens: int, *, generation: int | None = None):
+        """K and V of positions ``[0, num_tokens)`` of the sequence whose block table row is
+        ``block_ids``: new contiguous ``[num_tokens, kv_heads, head_dim]`` arrays."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            slots = self._table_slots(block_ids, num_tokens)
+            return self._storage.gather(layer, slots)
+
+    def gather_layers(self, block_ids, num_tokens: int, *, generation: int | None = None):
+        """All-layers form of :meth:`gather`: ``[num_layers, num_tokens, kv_heads, head_dim]``."""
+        with self._lock:
+            self.check_generation(generation)
+            slots = self._table_slots(block_ids, num_tokens)
+            return self._storage.gather_layers(slots)
+
+    # -- block I/O -------------------------------------------------------------------------
+
+    def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Block ``block_id`` of every layer as one ``uint8[num_layers, 2, slab_bytes]`` buffer
+        (K then V per layer, layers in pool order), written into ``out`` when given."""
+        shape = self._geometry.block_buffer_shape
+        with self._lock:
+            block_id = self._block_id(block_id)
+            if out is None:
+                out = np.empty(shape, dtype=np.uint8)
+            elif not isinstance(out, np.ndarray):
+                raise InvalidArgumentType(
+                    f"out: expected a NumPy uint8{shape} array, got {type(out).__name__}")
+            elif out.dtype != np.uint8 or out.shape != shape:
+                raise InvalidArgument(
+                    f"out: {out.dtype}{out.shape} does not match; expected uint8{shape}")
+            elif not (out.flags.c_contiguous and out.flags.writeable):
+                raise InvalidArgument("out: must be a writeable C-contiguous array")
+            self._storage.read_block_into(block_id, out)
+            return out
+
+    def write_block(self, block_id: int, data) -> None:
+        """Write a ``uint8[num_layers, 2, slab_bytes]`` buffer (or its bytes, flat) into block
+        ``block_id`` of every layer. The id, shape and length are validated first."""
+        shape = self._geometry.block_buffer_shape
+        total = shape[0] * shape[1] * shape[2]
+        if not isinstance(data, np.ndarray):
+            try:
+                data = np.frombuffer(data, dtype=np.uint8)
+            except TypeError:
+                raise InvalidArgumentType(
+                    f"data: expected a uint8{shape} array or {total} bytes, "
+                    f"got {type(data).__name__}") from None
+        if data.dtype != np.uint8:
+            raise InvalidArgumentType(f"data: dtype {data.dtype} is not uint8; expected uint8{shape}")
+        if data.shape != shape:
+            if data.ndim != 1 or data.size != total:
+                raise InvalidArgument(
+                    f"data: shape {data.shape} ({data.size} bytes) does not match the block "
+                    f"buffer; expected uint8{shape} ({total} bytes)")
+            data = data.reshape(shape)
+        data = np.ascontiguousarray(data)
+        with self._lock:
+            block_id = self._block_id(block_id)
+            self._storage.write_block(block_id, data)
+
+    # -- growth ----------------------------------------------------------------------------
+
+    def add_grow_callback(self, fn: GrowCallback) -> None:
+        """Run ``fn(old_blocks, new_blocks, generation)`` after every committed grow."""
+        if not callable(fn):
+            raise InvalidArgumentType(f"fn: {fn!r} is not callable")
+        self._grow_callbacks.append(fn)
+
+    def remove_grow_callback(self, fn: GrowCallback) -> None:
+        """Forget ``fn`` (no-op if it was never added)."""
+        try:
+            self._grow_callbacks.remove(fn)
+        except ValueError:
+            pass
+
+    def grow_to(self, new_num_blocks: int, *, needed: int | None = None) -> bool:
+        """Grow to ``new_num_blocks`` blocks, keeping every block's contents.
+
+        ``False`` (nothing changes) when ``new_num_blocks <= num_blocks`` or the memory
+        budget refuses the transient ``old + new`` bytes; ``InvalidArgument`` beyond
+        ``max_num_blocks``. On success the generation increments, the budget is debited
+        with the new total, the growth is logged (``needed``: the blocks the triggering
+        reservation needed, for the log) and the grow callbacks run.
+        """
+        new_num_blocks = _index("new_num_blocks", new_num_blocks)
+        with _GROWTH_LOCK:
+            if isinstance(self._storage, _ClosedStorage):
+                raise PagedKVError("the pool is closed; build a new LayerKVPool")
+            old = self._num_blocks
+            if new_num_blocks <= old:
+                return False
+            if new_num_blocks > self._max_num_blocks:
+                raise InvalidArgument(
+                    f"new_num_blocks: {new_num_blocks} exceeds max_num_blocks="
+                    f"{self._max_num_blocks}; grow to at most {self._max_num_blocks}")
+            old_bytes = self.total_bytes
+            new_bytes = self._geometry.pool_bytes(new_num_blocks)
+            budget = self._budget
+            if budget is not None and not budget.try_reserve(self._pool_id, new_bytes):
+                logger.info("paged pool growth refused by the memory budget: from=%d to=%d "
+                            "transient_bytes=%d available_bytes=%d", old, new_num_blocks,
+                            old_bytes + new_bytes, budget.available_bytes)
+                return False
+            try:
+                # The pool lock is held through the copy so no concurrent write is lost.
+                with self._lock:
+                    self._storage = self._storage.grown(new_num_blocks)
+                    self._num_blocks = new_num_blocks
+                    self._generation += 1
+                    generation = self._generation
+            except BaseException:
+                if budget is not None:
+                    budget.update_pool(self._pool_id, old_bytes)
+                raise
+            if budget is not None:
+                budget.update_pool(self._pool_id, new_bytes)
+            logger.info("paged pool grew from=%d to=%d generation=%d needed=%d", old,
+                        new_num_blocks, generation,
+                        new_num_blocks - old if needed is None else needed)
+            for fn in tuple(self._grow_callbacks):
+                try:
+                    fn(old, new_num_blocks, generation)
+                except Exception:
+                    logger.exception("paged pool grow callback %r failed; the grow stays "
+                                     "committed", fn)
+            return True
+
+    def close(self) -> None:
+        """Drop the arrays and release the memory-budget debit. Idempotent."""
+        with self._lock:
+            self._storage = _ClosedStorage()
+        if self._budget is not None:
+            self._budget.release_pool(self._pool_id)

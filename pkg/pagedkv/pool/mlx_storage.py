@@ -1,0 +1,175 @@
+"""MLX storage of a paged KV pool: one ``mx.array`` K and V per layer.
+
+MLX is imported here lazily, when the first MLX pool is built, so ``import pagedkv`` never
+imports it. On Linux MLX runs on its CPU backend; on Apple silicon on Metal. Arrays hold the
+native MLX dtype (``mx.bfloat16`` for bfloat16 pools, ``mx.uint8`` records for q8); at the
+NumPy boundary (block I/O, NumPy payloads) bfloat16 travels as ``uint16`` bit patterns.
+
+MLX arrays are values, not views: a write replaces a layer's array, so arrays returned by
+``layer()`` before a write do not show it. Every mutation ends with one ``mx.eval`` over the
+arrays it touched, so the pool never holds a growing lazy graph, and block reads cost one
+device round trip for all layers.
+
+This class trusts its arguments: :class:`~pagedkv.pool.LayerKVPool` validates them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.pool.geometry import PoolGeometry
+
+__all__ = ["MlxKVStorage", "load_mlx"]
+
+_MLX_DTYPE_NAMES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                    "q8": "uint8"}
+
+
+def load_mlx():
+    """``mlx.core``, or ``InvalidArgument`` naming MLX's platform floor when it is missing."""
+    try:
+        import mlx.core as mx
+    except ImportError as exc:
+        raise InvalidArgument(
+            f"backend: 'mlx' needs MLX, which cannot be imported here ({exc}). MLX runs on "
+            "Linux with glibc >= 2.35 (manylinux_2_35 wheels: pip install 'mlx[cpu]') and on "
+            "Apple-silicon macOS (pip install mlx); elsewhere use backend='numpy'") from None
+    return mx
+
+
+class MlxKVStorage:
+    """One generation of an MLX pool's arrays (immutable size; growth builds a new one)."""
+
+    backend = "mlx"
+    __slots__ = ("geometry", "num_blocks", "k", "v", "_mx", "_dtype", "_is_bf16")
+
+    def __init__(self, geometry: PoolGeometry, num_blocks: int,
+                 k: list | None = None, v: list | None = None) -> None:
+        mx = load_mlx()
+        self._mx = mx
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        self._dtype = getattr(mx, _MLX_DTYPE_NAMES[geometry.dtype])
+        self._is_bf16 = geometry.dtype == "bfloat16"
+        if k is None:
+            shape = geometry.layer_shape(num_blocks)
+            k = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+            v = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+            mx.eval(k, v)
+        self.k = k
+        self.v = v
+
+    # -- NumPy boundary --------------------------------------------------------------------
+
+    def _from_numpy(self, x: np.ndarray):
+        arr = self._mx.array(x)
+        return arr.view(self._dtype) if self._is_bf16 else arr
+
+    def to_numpy(self, x) -> np.ndarray:
+        """A NumPy copy of an MLX array of the pool dtype (bfloat16 as uint16 bits)."""
+        if self._is_bf16:
+            x = x.view(self._mx.uint16)
+        return np.array(x)
+
+    def as_payload(self, name: str, x):
+        """``x`` as an ``mx.array`` of the pool dtype; NumPy input must have the storage dtype
+        (uint16 bits for bfloat16). Never casts."""
+        mx = self._mx
+        g = self.geometry
+        if isinstance(x, mx.array):
+            if x.dtype != self._dtype:
+                raise InvalidArgumentType(
+                    f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: "
+                    f"expected {self._dtype}; convert before writing")
+            return x
+        if not isinstance(x, np.ndarray):
+            try:
+                x = np.asarray(x)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentType(f"{name}: cannot be read as an array ({exc})") from None
+        if x.dtype != g.storage_dtype:
+            hint = " (bfloat16 pools take uint16 bit patterns)" if self._is_bf16 else ""
+            raise InvalidArgumentType(
+                f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: expected "
+                f"{g.storage_dtype}{hint} or an mx.array of {self._dtype}; convert before writing")
+        return self._from_numpy(x)
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def layer(self, layer: int):
+        return self.k[layer], self.v[layer]
+
+    def grown(self, new_num_blocks: int) -> MlxKVStorage:
+        mx = self._mx
+        tail = mx.zeros(self.geometry.layer_shape(new_num_blocks - self.num_blocks),
+                        dtype=self._dtype)
+        k = [mx.concatenate([a, tail]) for a in self.k]
+        v = [mx.concatenate([a, tail]) for a in self.v]
+        mx.eval(k, v)
+        return MlxKVStorage(self.geometry, new_num_blocks, k, v)
+
+    def _slot_view(self, a):
+        g = self.geometry
+        return a.reshape(self.num_blocks * g.block_size, g.num_kv_heads, g.row_elements)
+
+    def _block_view(self, a):
+        return a.reshape(self.geometry.layer_shape(self.num_blocks))
+
+    # -- block I/O -------------------------------------------------------------------------
+
+    def read_block_into(self, block_id: int, out: np.ndarray) -> None:
+        mx = self._mx
+        slabs = []
+        for k, v in zip(self.k, self.v):
+            slabs += (k[block_id], v[block_id])
+        buf = mx.stack(slabs)
+        if self._is_bf16:
+            buf = buf.view(mx.uint16)
+        mx.eval(buf)  # one round trip for every layer
+        np.copyto(out.view(self.geometry.storage_dtype).reshape(-1), np.asarray(buf).reshape(-1))
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        g = self.geometry
+        slabs = data.view(g.storage_dtype).reshape(g.num_layers, 2, g.block_size,
+                                                    g.num_kv_heads, g.row_elements)
+        for layer in range(g.num_layers):
+            self.k[layer][block_id] = self._from_numpy(slabs[layer, 0])
+            self.v[layer][block_id] = self._from_numpy(slabs[layer, 1])
+        self._mx.eval(self.k, self.v)
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def _scatter(self, layer: int, idx, k, v) -> None:
+        kf = self._slot_view(self.k[layer])
+        vf = self._slot_view(self.v[layer])
+        kf[idx] = k
+        vf[idx] = v
+        self.k[layer] = self._block_view(kf)
+        self.v[layer] = self._block_view(vf)
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k, v) -> None:
+        self._scatter(layer, self._mx.array(slots.astype(np.int32)), k, v)
+        self._mx.eval(self.k[layer], self.v[layer])
+
+    def write_tokens_layers(self, slots: np.ndarray, k_layers, v_layers) -> None:
+        idx = self._mx.array(slots.astype(np.int32))
+        for layer in range(self.geometry.num_layers):
+            self._scatter(layer, idx, k_layers[layer], v_layers[layer])
+        self._mx.eval(self.k, self.v)
+
+    def gather(self, layer: int, slots: np.ndarray):
+        mx = self._mx
+        idx = mx.array(slots.astype(np.int32))
+        k = mx.take(self._slot_view(self.k[layer]), idx, axis=0)
+        v = mx.take(self._slot_view(self.v[layer]), idx, axis=0)
+        mx.eval(k, v)
+        return k, v
+
+    def gather_layers(self, slots: np.ndarray):
+        mx = self._mx
+        idx = mx.array(slots.astype(np.int32))
+        k = mx.stack([mx.take(self._slot_view(a), idx, axis=0) for a in self.k])
+        v = mx.stack([mx.take(self._slot_view(a), idx, axis=0) for a in self.v])
+        mx.eval(k, v)
+        return k, v

@@ -1,0 +1,102 @@
+"""NumPy storage of a paged KV pool: every layer's K and V in one C-contiguous ndarray.
+
+The array is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, row]`` (axis 1: K, V),
+so ``array[layer, 0]`` is layer ``layer``'s K, itself a C-contiguous
+``[num_blocks, block_size, num_kv_heads, row]`` array, and ``array[:, :, block]`` is exactly
+the ``uint8[num_layers, 2, slab_bytes]`` block buffer of paged-kv.md §5.5 once viewed as
+bytes. One array instead of ``2 * num_layers`` lets block I/O and all-layer token writes and
+gathers run as one NumPy call each.
+
+This class trusts its arguments: :class:`~pagedkv.pool.LayerKVPool` validates ids, shapes,
+dtypes and generations before calling it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgumentType
+from pagedkv.pool.geometry import PoolGeometry
+
+__all__ = ["NumpyKVStorage"]
+
+
+class NumpyKVStorage:
+    """One generation of a NumPy pool's arrays (immutable size; growth builds a new one)."""
+
+    backend = "numpy"
+    __slots__ = ("geometry", "num_blocks", "array", "_tokens", "_blocks")
+
+    def __init__(self, geometry: PoolGeometry, num_blocks: int,
+                 array: np.ndarray | None = None) -> None:
+        g = geometry
+        self.geometry = g
+        self.num_blocks = num_blocks
+        if array is None:
+            # np.zeros maps fresh zero pages lazily: an unused tail costs no memory until
+            # written, and no block ever holds another process's bytes.
+            array = np.zeros((g.num_layers, 2, *g.layer_shape(num_blocks)), dtype=g.storage_dtype)
+        self.array = array
+        # Views (no copies): per token slot and per block.
+        self._tokens = array.reshape(g.num_layers, 2, num_blocks * g.block_size,
+                                     g.num_kv_heads, g.row_elements)
+        self._blocks = array.reshape(g.num_layers, 2, num_blocks,
+                                     g.block_size * g.num_kv_heads * g.row_elements)
+
+    # -- payload type ----------------------------------------------------------------------
+
+    def as_payload(self, name: str, x) -> np.ndarray:
+        """``x`` as an ndarray of the storage dtype; never casts (a cast would change bits)."""
+        if not isinstance(x, np.ndarray):
+            try:
+                x = np.asarray(x)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise InvalidArgumentType(f"{name}: cannot be read as a NumPy array ({exc})") from None
+        if x.dtype != self.geometry.storage_dtype:
+            g = self.geometry
+            hint = " (bfloat16 pools take uint16 bit patterns)" if g.dtype == "bfloat16" else ""
+            raise InvalidArgumentType(
+                f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: expected "
+                f"{g.storage_dtype}{hint}; convert before writing")
+        return x
+
+    def to_numpy(self, x) -> np.ndarray:
+        return x
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.array[layer, 0], self.array[layer, 1]
+
+    def grown(self, new_num_blocks: int) -> NumpyKVStorage:
+        new = NumpyKVStorage(self.geometry, new_num_blocks)
+        # One strided copy: num_layers * 2 contiguous runs of num_blocks blocks each.
+        new.array[:, :, : self.num_blocks] = self.array
+        return new
+
+    # -- block I/O -------------------------------------------------------------------------
+
+    def read_block_into(self, block_id: int, out: np.ndarray) -> None:
+        np.copyto(out.view(self.geometry.storage_dtype), self._blocks[:, :, block_id])
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        np.copyto(self._blocks[:, :, block_id], data.view(self.geometry.storage_dtype))
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        self._tokens[layer, 0][slots] = k
+        self._tokens[layer, 1][slots] = v
+
+    def write_tokens_layers(self, slots: np.ndarray, k_layers: np.ndarray,
+                            v_layers: np.ndarray) -> None:
+        self._tokens[:, 0, slots] = k_layers
+        self._tokens[:, 1, slots] = v_layers
+
+    def gather(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return (self._tokens[layer, 0].take(slots, axis=0),
+                self._tokens[layer, 1].take(slots, axis=0))
+
+    def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return (self._tokens[:, 0].take(slots, axis=1),
+                self._tokens[:, 1].take(slots, axis=1))

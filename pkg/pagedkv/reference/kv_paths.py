@@ -1,0 +1,122 @@
+"""The two KV paths of the reference model: flat (one contiguous array per layer) and paged.
+
+The model talks to both through the same four members, so a parity test runs one forward
+pass twice and only the KV storage differs:
+
+* ``num_tokens``: positions whose K/V are stored (or reserved by ``extend``);
+* ``extend(tokens)``: reserve positions for new tokens (the paged path records them in the
+  adapter, which may allocate blocks);
+* ``write(layer, k, v)``: store K/V ``[n, kv_heads, head_dim]`` of the last ``n`` positions;
+* ``read(layer) -> (k, v)``: K/V of positions ``[0, num_tokens)`` in position order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Protocol
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument
+from pagedkv.reference.config import ReferenceConfig
+
+__all__ = ["KVPath", "FlatKV", "PagedKV"]
+
+
+class KVPath(Protocol):
+    @property
+    def num_tokens(self) -> int: ...
+
+    def extend(self, tokens: np.ndarray) -> None: ...
+
+    def write(self, layer: int, k: Any, v: Any) -> None: ...
+
+    def read(self, layer: int) -> tuple[Any, Any]: ...
+
+
+class FlatKV:
+    """One growing contiguous K and V array per layer for one sequence (the baseline path).
+
+    ``backend="numpy"`` keeps ``float32[capacity, kv_heads, head_dim]`` buffers that double
+    when full; ``backend="mlx"`` keeps ``mx.array``s extended by concatenation.
+    """
+
+    def __init__(self, config: ReferenceConfig, backend: str = "numpy",
+                 initial_capacity_tokens: int = 64) -> None:
+        if backend not in ("numpy", "mlx"):
+            raise InvalidArgument(f"backend={backend!r}: expected 'numpy' or 'mlx'")
+        self._config = config
+        self._backend = backend
+        self._num_tokens = 0
+        shape = (initial_capacity_tokens, config.num_kv_heads, config.head_dim)
+        if backend == "numpy":
+            self._k = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+            self._v = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
+        else:
+            self._k = [None] * config.num_layers
+            self._v = [None] * config.num_layers
+
+    def __repr__(self) -> str:
+        return f"FlatKV(backend={self._backend!r}, num_tokens={self._num_tokens})"
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def extend(self, tokens: np.ndarray) -> None:
+        self._num_tokens += len(tokens)
+
+    def write(self, layer: int, k, v) -> None:
+        n = k.shape[0]
+        start = self._num_tokens - n
+        if self._backend == "mlx":
+            import mlx.core as mx
+            old_k, old_v = self._k[layer], self._v[layer]
+            stored = 0 if old_k is None else old_k.shape[0]
+            if stored != start:
+                raise InvalidArgument(f"FlatKV layer {layer}: writing at {start}, holds {stored}")
+            self._k[layer] = k if old_k is None else mx.concatenate([old_k, k], axis=0)
+            self._v[layer] = v if old_v is None else mx.concatenate([old_v, v], axis=0)
+            return
+        buf_k, buf_v = self._k[layer], self._v[layer]
+        if self._num_tokens > buf_k.shape[0]:
+            capacity = max(2 * buf_k.shape[0], self._num_tokens)
+            new_k = np.zeros((capacity,) + buf_k.shape[1:], np.float32)
+            new_v = np.zeros_like(new_k)
+            new_k[:buf_k.shape[0]] = buf_k
+            new_v[:buf_v.shape[0]] = buf_v
+            self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[start:self._num_tokens] = k
+        buf_v[start:self._num_tokens] = v
+
+    def read(self, layer: int):
+        if self._backend == "mlx":
+            return self._k[layer], self._v[layer]
+        return self._k[layer][:self._num_tokens], self._v[layer][:self._num_tokens]
+
+
+class PagedKV:
+    """One sequence of a :class:`~pagedkv.adapter.PagedKVCacheAdapter` seen as a KV path.
+
+    ``extend`` is ``record_tokens`` (lazy block allocation), ``write`` is ``write_kv`` into
+    the pool's slots, ``read`` is ``gather_kv`` over the sequence's block table.
+    """
+
+    def __init__(self, adapter, seq_id: Hashable) -> None:
+        self.adapter = adapter
+        self.seq_id = seq_id
+
+    def __repr__(self) -> str:
+        return f"PagedKV(seq_id={self.seq_id!r}, num_tokens={self.num_tokens})"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.adapter.num_tokens(self.seq_id)
+
+    def extend(self, tokens: np.ndarray) -> None:
+        self.adapter.record_tokens(self.seq_id, tokens)
+
+    def write(self, layer: int, k, v) -> None:
+        self.adapter.write_kv(self.seq_id, layer, k, v)
+
+    def read(self, layer: int):
+        return self.adapter.gather_kv(self.seq_id, layer)

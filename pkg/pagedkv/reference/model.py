@@ -1,0 +1,123 @@
+"""``ReferenceModel``: the tiny transformer behind parity tests and ``pagedkv demo``.
+
+Greedy decoding over any :class:`~pagedkv.reference.kv_paths.KVPath`. Building a model never
+touches MLX unless ``backend="mlx"`` is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.reference.config import ReferenceConfig
+from pagedkv.reference.kv_paths import FlatKV, KVPath
+from pagedkv.reference.weights import load_model, random_weights, save_model
+
+__all__ = ["ReferenceModel", "Generation", "NUMPY_MLX_LOGITS_ATOL", "BACKENDS"]
+
+BACKENDS = ("numpy", "mlx")
+
+#: NumPy and MLX logits of the default config agree within this absolute tolerance (float32,
+#: different matmul kernels); the flat and paged paths on one backend agree bitwise.
+NUMPY_MLX_LOGITS_ATOL = 1e-4
+
+
+class Generation(NamedTuple):
+    """Greedy output: ``tokens`` int64[m] and the logits that chose them, float32[m, vocab]."""
+
+    tokens: np.ndarray
+    logits: np.ndarray
+
+
+class ReferenceModel:
+    """Seeded decoder-only transformer (float32) on the NumPy or MLX backend."""
+
+    def __init__(self, config: ReferenceConfig | None = None,
+                 weights: dict[str, np.ndarray] | None = None, *, backend: str = "numpy") -> None:
+        if backend not in BACKENDS:
+            raise InvalidArgument(f"backend={backend!r}: expected one of {BACKENDS}")
+        self.config = config if config is not None else ReferenceConfig()
+        self.weights = weights if weights is not None else random_weights(self.config)
+        self.backend = backend
+        if backend == "mlx":
+            from pagedkv.reference.mlx_forward import MlxTransformer
+            self._impl = MlxTransformer(self.config, self.weights)
+        else:
+            from pagedkv.reference.numpy_forward import NumpyTransformer
+            self._impl = NumpyTransformer(self.config, self.weights)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers}, "
+                f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
+                f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
+
+    # --- persistence -------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``config.json`` (``model_type: "pagedkv_reference"``) and ``model.safetensors``."""
+        save_model(directory, self.config, self.weights)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, *, backend: str = "numpy") -> "ReferenceModel":
+        config, weights = load_model(directory)
+        return cls(config, weights, backend=backend)
+
+    # --- inference ---------------------------------------------------------------------------
+
+    def new_flat_kv(self) -> FlatKV:
+        """An empty flat KV path on this model's backend."""
+        return FlatKV(self.config, self.backend)
+
+    def forward(self, tokens, kv: KVPath, *, already_recorded: bool = False) -> np.ndarray:
+        """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``.
+
+        ``kv.extend(tokens)`` reserves the positions first (the paged path records the tokens in
+        the adapter). With ``already_recorded=True`` the caller has done that already (a batched
+        ``record_decode_tokens``): the tokens are then the last ``n`` that ``kv`` holds.
+        """
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidArgument(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise InvalidArgumentType(f"tokens must be integers, got dtype {tokens.dtype}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise InvalidArgument(
+                f"tokens must be integers in [0, {self.config.vocab_size}), got dtype "
+                f"{tokens.dtype} range [{tokens.min()}, {tokens.max()}]")
+        tokens = tokens.astype(np.int64)
+        if already_recorded:
+            start = kv.num_tokens - len(tokens)
+            if start < 0:
+                raise InvalidArgument(
+                    f"already_recorded=True but kv holds {kv.num_tokens} < {len(tokens)} tokens")
+        else:
+            start = kv.num_tokens
+            kv.extend(tokens)
+        return self._impl.forward(tokens, start, kv)
+
+    def generate(self, prompt, max_new_tokens: int, kv: KVPath) -> Generation:
+        """Greedy decoding. ``kv`` may already hold ``prompt[:kv.num_tokens]`` (a prefix hit or a
+        live previous turn): only the rest of the prompt is computed. The last generated token
+        is not fed back, so ``kv`` ends holding ``prompt + tokens[:-1]``.
+        """
+        prompt = np.asarray(prompt)
+        cached = kv.num_tokens
+        if cached >= len(prompt):
+            raise InvalidArgument(
+                f"kv already holds {cached} tokens of a {len(prompt)}-token prompt: at least the "
+                "last prompt token must be computed for its logits (use max_tokens=len(prompt)-1)")
+        if max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        last = self.forward(prompt[cached:], kv)[-1]
+        tokens = np.empty(max_new_tokens, np.int64)
+        logits = np.empty((max_new_tokens, self.config.vocab_size), np.float32)
+        for step in range(max_new_tokens):
+            logits[step] = last
+            tokens[step] = int(np.argmax(last))
+            if step + 1 < max_new_tokens:
+                last = self.forward(tokens[step:step + 1], kv)[-1]
+        return Generation(tokens, logits)

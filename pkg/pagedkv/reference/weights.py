@@ -1,0 +1,103 @@
+"""Seeded random weights of the reference transformer, and their safetensors file.
+
+Tensor names and ``[out_features, in_features]`` orientation follow the Hugging Face Llama
+checkpoints, so ``model.safetensors`` looks like any small dense model to the cold tier and
+to ``pagedkv inspect``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
+from pagedkv.reference.config import ReferenceConfig
+
+__all__ = ["random_weights", "weight_shapes", "save_model", "load_model",
+           "WEIGHTS_FILE", "CONFIG_FILE"]
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def weight_shapes(config: ReferenceConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape, in a fixed order (the order weights are drawn in)."""
+    h, i = config.hidden_size, config.intermediate_size
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    shapes["model.norm.weight"] = (h,)
+    return shapes
+
+
+def random_weights(config: ReferenceConfig) -> dict[str, np.ndarray]:
+    """float32 weights drawn from ``numpy.random.default_rng(config.seed)``.
+
+    Matrices are N(0, 1/in_features) so activations keep unit scale through the layers and
+    the logits are not degenerate (greedy decoding then produces varied tokens); norm
+    weights are 1 + N(0, 0.1). The embedding is N(0, 0.05**2): it is also the LM head, and a
+    small one keeps the residual stream from being dominated by the input token (a tied head
+    would otherwise echo that token forever).
+    """
+    rng = np.random.default_rng(config.seed)
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            w = 0.05 * rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[1])
+        weights[name] = np.ascontiguousarray(w, dtype=np.float32)
+    return weights
+
+
+def save_model(directory: str | os.PathLike, config: ReferenceConfig,
+               weights: dict[str, np.ndarray]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()},
+              os.path.join(directory, WEIGHTS_FILE), metadata={"format": "np"})
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        f.write(config.to_json())
+
+
+def load_model(directory: str | os.PathLike) -> tuple[ReferenceConfig, dict[str, np.ndarray]]:
+    """Read what :func:`save_model` wrote; every expected tensor must be there with its shape."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    config_path = os.path.join(directory, CONFIG_FILE)
+    weights_path = os.path.join(directory, WEIGHTS_FILE)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = ReferenceConfig.from_json_dict(json.load(f), path=config_path)
+    except json.JSONDecodeError as e:
+        raise BadMetadata(f"config.json is not JSON: {e}", path=config_path) from e
+    try:
+        weights = load_file(weights_path)
+    except SafetensorError as e:
+        raise FormatError(f"not a readable safetensors file: {e}", path=weights_path) from e
+    for name, shape in weight_shapes(config).items():
+        w = weights.get(name)
+        if w is None:
+            raise FormatError("missing tensor", path=weights_path, tensor=name)
+        if w.shape != shape or w.dtype != np.float32:
+            raise SizeMismatch(f"expected float32{list(shape)}, found {w.dtype}{list(w.shape)}",
+                               path=weights_path, tensor=name)
+    return config, weights

@@ -1,0 +1,59 @@
+"""The implementations the hashing and allocator acceptance tests run against.
+
+The pure-Python oracle (``pagedkv._reference``) and the Cython core (``pagedkv.hashing``,
+``pagedkv.allocator``) must agree on every observable; scenario tests are parametrized over
+both, and :func:`observables` is what the differential test compares after every step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+from pagedkv import _reference
+
+
+def _optional(module: str):
+    if importlib.util.find_spec(module) is None:
+        return None
+    return importlib.import_module(module)
+
+
+_hashing = _optional("pagedkv.hashing")
+_allocator = _optional("pagedkv.allocator")
+
+#: Modules exposing hot_block_hash, chain_hashes and salt_domain_id.
+HASHING = [pytest.param(_reference, id="reference")]
+if _hashing is not None:
+    HASHING.append(pytest.param(_hashing, id="cython"))
+
+#: BlockAllocator classes.
+ALLOCATORS = [pytest.param(_reference.BlockAllocator, id="reference")]
+if _allocator is not None:
+    ALLOCATORS.append(pytest.param(_allocator.BlockAllocator, id="cython"))
+
+CYTHON_ALLOCATOR = None if _allocator is None else _allocator.BlockAllocator
+
+
+def observables(alloc) -> dict:
+    """Everything a caller can see without changing the allocator."""
+    null = alloc.null_block_id
+    out = {
+        "num_blocks": alloc.num_blocks,
+        "max_num_blocks": alloc.max_num_blocks,
+        "block_size": alloc.block_size,
+        "null_block_id": null,
+        "num_free_blocks": alloc.num_free_blocks,
+        "num_allocated_blocks": alloc.num_allocated_blocks,
+        "num_evictable_blocks": alloc.num_evictable_blocks,
+        "free_or_evictable_blocks": alloc.free_or_evictable_blocks,
+        "prefix_cache_len": alloc.prefix_cache_len,
+        "ref_counts": [alloc.ref_count(b) for b in range(alloc.num_blocks) if b != null],
+        "lru_hashes": list(alloc.lru_hashes()),
+        "stats": dict(alloc.stats()),
+    }
+    if hasattr(alloc, "free_list"):
+        out["free_list"] = list(alloc.free_list())
+    return out

@@ -1,0 +1,55 @@
+"""Small HFQM files for the container and CLI tests (no codec dependency)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+MINIMAL_METADATA = {"architecture": "llama", "config": {"model_type": "llama"}}
+MINIMAL_SHA256 = "ee181b53e6078fd7f68a4f855db3960df8701d0912eb3ba4fd4233ee3f66250b"
+MINIMAL_QUANTIZATION_HASH = "43f356738983a9fd"
+
+
+def hfq4g256_ramp_group() -> np.ndarray:
+    """HFQ4G256 of x[i] = (i - 128)/64 (§5.2, sha256[:16] 9b951e76fb1696b7), in f32
+    steps as §4.1 says; kept here so the container tests need no codec."""
+    x = (np.arange(256, dtype=np.float32) - np.float32(128)) / np.float32(64)
+    mn = x.min()
+    scale = np.float32((x.max() - mn) / np.float32(15))
+    inv = np.float32(1) / scale
+    q = np.minimum(15, np.floor((x - mn) * inv + np.float32(0.5))).astype(np.uint8)
+    packed = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return np.concatenate([np.frombuffer(np.float32(scale).tobytes() + mn.tobytes(), np.uint8),
+                           packed])
+
+
+def write_minimal(path, **writer_kwargs) -> None:
+    """The §5.4 minimal file."""
+    from pagedkv.hfqm import HfqmWriter
+    with HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
+        w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())
+        w.add("a.norm", "f16", [4], np.array([1, 2, 3, 4], dtype=np.float16))
+
+
+def write_mixed(path, **writer_kwargs) -> dict[str, np.ndarray]:
+    """A file with every raw qt, odd payload offsets and a P2 qt; returns the arrays."""
+    from pagedkv.hfqm import HfqmWriter
+    rng = np.random.default_rng(7)
+    tensors = {
+        "model.language_model.embed_tokens.weight": ("q8f16", [1, 32],
+                                                     rng.integers(0, 256, 34, dtype=np.uint8)),
+        "model.layers.0.input_layernorm.weight": ("f32", [3],
+                                                  np.array([1.5, -2, 3], np.float32)),
+        "model.layers.0.mlp.up_proj.weight": ("mq4g256v2", [2, 256],
+                                              rng.integers(0, 256, 272, dtype=np.uint8)),
+        "lm_head.weight": ("bf16", [2, 3], np.arange(6, dtype=np.uint16) + 0x3F80),
+        "tid2eid": ("tidi32", [4], np.arange(4, dtype=np.uint32) * 7),
+        "model.layers.0.self_attn.q_proj.weight": ("hfp4g32", [1, 32],
+                                                   rng.integers(0, 256, 33, dtype=np.uint8)),
+        "h.norm": ("f16", [2, 2], np.array([[1, -1], [0.5, 65504]], np.float16)),
+    }
+    with HfqmWriter(path, arch_id=7, metadata={"architecture": "qwen2", "tokenizer": "{\"x\": \"é\"}",
+                                               "config": {"model_type": "qwen2"}},
+                    **writer_kwargs) as w:
+        for name, (qt, shape, data) in tensors.items():
+            w.add(name, qt, shape, data)
+    return {name: data for name, (qt, shape, data) in tensors.items()}
