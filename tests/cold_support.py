@@ -140,3 +140,48 @@ def persist_prompt(tier, tokens, *, pool=None, alloc=None, cache_salt=0, seed=0)
                            allocator=alloc)
     assert tier.drain(5.0)
     return pool, alloc, ids, outcome
+
+
+# --- the reference transformer over the real allocator, pool and adapter ----------------
+
+def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 8,
+                      block_size: int = 4, num_blocks: int = 256) -> dict:
+    """One request of the reference model through a fresh adapter (a fresh process in the
+    restart tests). ``persist`` attaches a cold tier at ``root``. Returns what the parity
+    gate compares: generated tokens, a digest of the logits, cached tokens and counters."""
+    from pagedkv.adapter import PagedKVCacheAdapter
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.cold import DEFAULT_FORMAT, family_profile, model_fingerprint, resolve_persist
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    from pagedkv.reference import PagedKV, ReferenceModel
+
+    model = ReferenceModel.load(model_dir)
+    c = model.config
+    geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, block_size, "float32")
+    pool = LayerKVPool(geometry, num_blocks)
+    alloc = BlockAllocator(num_blocks, block_size=block_size, hash_seed=0)
+    tier = None
+    profile = family_profile("pagedkv_reference")
+    if persist and resolve_persist(profile, config_value=True):
+        fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry)
+        tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
+                                fingerprint=fp)
+    adapter = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+    prompt = np.asarray(prompt, np.int64)
+    adapter.reset_for_new_request(0)
+    hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)
+    adapter.allocate_suffix_blocks(0, len(prompt))
+    gen = model.generate(prompt, max_new, PagedKV(adapter, 0))
+    adapter.register_full_blocks_for_reuse(0)
+    adapter.release_request(0)
+    out = {"tokens": gen.tokens.tolist(),
+           "logits_sha256": hashlib.sha256(np.ascontiguousarray(gen.logits).tobytes()).hexdigest(),
+           "cached_tokens": int(hit.cached_tokens), "restored_blocks": len(hit.restored_blocks),
+           "hits": 0, "corruptions": 0, "enqueued": 0}
+    if tier is not None:
+        out["drained"] = tier.drain(10.0)
+        s = tier.stats()
+        out.update(hits=s.hits, corruptions=s.corruptions, enqueued=s.enqueued,
+                   misses=s.misses)
+        tier.close()
+    return out

@@ -18,7 +18,7 @@ import numpy as np
 from pagedkv.cold.codec import BlockGeometry, block_checksum
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
-from pagedkv.cold.tokens import as_tokens_u32
+from pagedkv.hashing import as_token_array
 from pagedkv.cold.writer import BlockJob
 
 __all__ = ["CaptureStop", "CaptureOutcome", "capture_and_enqueue_before", "capture_walk"]
@@ -81,7 +81,7 @@ def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int
     """Persist the request's full blocks, block 0 first, within the turn's budget."""
     t0 = time.monotonic()
     deadline = t0 + budget_ms / 1000.0
-    toks = as_tokens_u32(tokens)
+    toks = as_token_array(tokens)
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     geometry = BlockGeometry.of(pool.geometry)
     bs = geometry.block_size

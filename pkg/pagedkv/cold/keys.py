@@ -8,7 +8,8 @@ from typing import Sequence
 
 from pagedkv.cold.format import ColdFormat
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.tokens import as_tokens_u32, check_domain_id, per_block_extra_keys
+from pagedkv.cold.extra_keys import per_block_extra_keys
+from pagedkv.hashing import as_domain_id, as_token_array
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["cold_key_chain", "sidecar_key", "KEY_BYTES"]
@@ -42,11 +43,11 @@ def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens
     if not isinstance(group, ColdGroup):
         raise InvalidArgumentType(f"group must be a ColdGroup, got {type(group).__name__}")
     fp = _check_fingerprint(fingerprint)
-    toks = as_tokens_u32(tokens)
+    toks = as_token_array(tokens)
     bs = int(block_size)
     if bs <= 0:
         raise InvalidArgument(f"block_size = {block_size} must be > 0")
-    salt = check_domain_id(cache_salt)
+    salt = as_domain_id(cache_salt)
     full = len(toks) // bs
     if max_blocks is not None:
         full = min(full, max(0, int(max_blocks)))

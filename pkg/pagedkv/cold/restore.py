@@ -18,7 +18,8 @@ import numpy as np
 from pagedkv.cold.codec import BlockGeometry
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
-from pagedkv.cold.tokens import as_tokens_u32, per_block_extra_keys
+from pagedkv.cold.extra_keys import per_block_extra_keys
+from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
 __all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS"]
@@ -82,7 +83,7 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
     """Restore the persisted blocks after the hot hit; returns the new block ids (one
     reference each, owned by the caller) and the outcome."""
     t0 = time.monotonic()
-    toks = as_tokens_u32(tokens)
+    toks = as_token_array(tokens)
     geometry = BlockGeometry.of(pool.geometry)
     bs = geometry.block_size
     base = hot_blocks if isinstance(hot_blocks, (int, np.integer)) else len(hot_blocks)
