@@ -271,6 +271,8 @@ def _patch(data, offset, fmt, value):
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 9), SizeMismatch, "n_dims 9"),
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 200), SizeMismatch, "n_dims 200"),
     (lambda d: _patch(d, 88 + 4, "<H", 0xFFFF), Truncated, "index entry #0 runs past"),
+    (lambda d: _patch(_patch(d, 104, "<I", 0xFFFFFFFF), 108, "<I", 0xFFFFFFFF), SizeMismatch,
+     "more than 2**48 elements"),
     (lambda d: _patch(d, 88 + 4 + 2, "<B", 0xFF), BadName, "is not UTF-8"),
 ])
 def test_broken_files_raise_the_specific_error(tmp_path, mutate, exc, message):
