@@ -482,3 +482,34 @@ def test_mlx_backend_without_mlx_names_the_platform_floor(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mlx)
     with pytest.raises(InvalidArgument, match="manylinux_2_35.*Apple-silicon"):
         LayerKVPool(geometry(), 2, backend="mlx")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_racing_growth_are_never_lost(backend):
+    import threading
+
+    g = geometry("float32", heads=1, head_dim=8)
+    pool = LayerKVPool(g, 4, 64, backend=backend)
+    last = {}
+    go = threading.Event()
+
+    def writer():
+        go.wait()
+        for step in range(400):
+            slot = (step % 4) * 4  # token 0 of blocks 0..3, which growth copies
+            k = np.full((1, 1, 8), step, np.float32)
+            pool.write_tokens(step % 2, [slot], k, -k)
+            last[(step % 2, slot)] = step
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    go.set()
+    for target in (8, 16, 32, 64):
+        assert pool.grow_to(target)
+    thread.join()
+    assert pool.generation == 4 and pool.num_blocks == 64
+    for (layer, slot), step in last.items():
+        block, offset = pool.block_and_offset(slot)
+        k, v = pool.gather(layer, [block], offset + 1)
+        assert numpy_of(pool, k)[offset].tolist() == [[float(step)] * 8]
+        assert numpy_of(pool, v)[offset].tolist() == [[-float(step)] * 8]
