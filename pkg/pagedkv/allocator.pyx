@@ -917,9 +917,7 @@ cdef class BlockAllocator:
         if n == 0 or self._capacity == 0:
             return 0
         self.ensure_scratch(self._most_keys(keys, n))
-        cdef cnp.ndarray chain = np.empty(n, dtype=np.int32)
         cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
-        cdef int32_t* cb = <int32_t*>cnp.PyArray_DATA(chain)
         cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
         for i in range(n):
             b = <int32_t>p[i]
@@ -935,22 +933,21 @@ cdef class BlockAllocator:
                     break                   # nothing past a collision is registered
                 if self.slots[slot].block == b:
                     self.lru_touch(b)       # refresh of the same (block, hash)
-                else:
-                    b = self.slots[slot].block   # replay of an already-cached block: skip
+                # else: a replay of an already-cached block, skipped (touched below)
             else:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
-            cb[accepted] = b
             ck[accepted] = h
             accepted += 1
             parent = h
-        # Deepest first, so block 0 ends most recent and eviction takes tails first.
+        # Deepest first, so block 0 ends most recent and eviction takes tails first. The
+        # touch follows the hash: an entry a later step capacity-evicted is skipped.
         i = accepted - 1
         while i >= 0:
             slot = self.pt_find(ck[i])
-            if slot >= 0 and self.slots[slot].block == cb[i]:
-                self.lru_touch(cb[i])
+            if slot >= 0:
+                self.lru_touch(self.slots[slot].block)
             i -= 1
         self.flush_events()
         return added
