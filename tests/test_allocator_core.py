@@ -602,3 +602,32 @@ def test_check_invariants_names_what_broke():
         a.check_invariants()
     ctypes.c_int32.from_address(addr).value = 0
     a.check_invariants()
+
+
+@pytest.mark.parametrize("diverge_at", [0, 1, 15, 16, 17, 31, 32, 33, 39, 40])
+def test_longest_hit_across_walk_groups(diverge_at):
+    """The walk hashes and probes in groups of 16 blocks; a miss on either side of a group
+    boundary ends the hit exactly there."""
+    a = make(64, 64, 2)
+    toks = np.arange(80, dtype=np.uint32)
+    ids = a.allocate_many(40)
+    assert a.cache_full_blocks(toks, ids) == 40
+    query = toks.copy()
+    if diverge_at < 40:
+        query[2 * diverge_at + 1] = 1000
+    blocks, n = a.find_longest_cache_hit(query)
+    assert blocks.tolist() == ids[:diverge_at].tolist() and n == 2 * diverge_at
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("collide_at", [0, 15, 16, 17])
+def test_collision_across_walk_groups(collide_at):
+    """A present hash whose stored identity differs stops the walk at that block."""
+    a = make(64, 64, 2, _hash_fn=lambda parent, tokens, *rest: int(tokens[0]) + 1)
+    toks = np.arange(80, dtype=np.uint32)
+    ids = a.allocate_many(40)
+    a.cache_full_blocks(toks, ids)
+    query = toks.copy()
+    query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
+    blocks, n = a.find_longest_cache_hit(query)
+    assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1

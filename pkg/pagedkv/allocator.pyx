@@ -35,8 +35,10 @@ from pagedkv.hashing cimport (
     as_token_array,
     as_u64,
     hash_block,
+    hash_block_native,
     hot_buffer_bytes,
     make_chain_keys,
+    xxh3_native,
 )
 from pagedkv.hashing import XXH3_SOURCE
 
@@ -111,6 +113,21 @@ def _c_layout():
         slot[_SLOT_FIELDS[i]] = pkv_prefix_slot_offsets[i]
     return {"pkv_block_record": block, "pkv_prefix_slot": slot}
 
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define pkv_prefetch(p) __builtin_prefetch((const void *)(p))
+    #else
+    #define pkv_prefetch(p) ((void)(p))
+    #endif
+    """
+    void pkv_prefetch(const void* p) noexcept nogil
+
+# Blocks hashed and probed together by the longest-hit walk (bounds the wasted hashing
+# past a miss and the memory accesses in flight).
+cdef enum:
+    _WALK_GROUP = 16
 
 # Fibonacci hashing spreads caller-chosen keys (tests use 1, 2, 3) over the table.
 cdef uint64_t _FIB = 0x9E3779B97F4A7C15ULL
@@ -531,6 +548,52 @@ cdef class BlockAllocator:
         h = <uint64_t>(int(res) & 0xFFFFFFFFFFFFFFFF)
         return h if h != 0 else 1
 
+    cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
+                                  uint64_t salt, int32_t* out) except -1:
+        """Length of the longest verified cached prefix of the n-block chain of ``t``; its
+        blocks go to ``out``. A present hash with another identity ends the walk and counts
+        as a collision. Works in groups of _WALK_GROUP blocks: hash the group, prefetch its
+        prefix slots, resolve them and prefetch the blocks' records and token rows, then
+        verify, so the random memory accesses of a group overlap instead of queueing."""
+        cdef Py_ssize_t bs = self._block_size, base = 0, m, j, found, slot, i
+        cdef uint64_t parent = 0, verified_parent = 0
+        cdef uint64_t hashes[_WALK_GROUP]
+        cdef int32_t blocks[_WALK_GROUP]
+        cdef bint native = self._hash_fn is None and xxh3_native()
+        while base < n:
+            m = min(<Py_ssize_t>_WALK_GROUP, n - base)
+            for j in range(m):
+                i = base + j
+                if native:
+                    parent = hash_block_native(parent, t + i * bs, bs, keys.keys_of(i),
+                                               keys.key_count(i), salt, i, self._seed,
+                                               self.scratch)
+                else:
+                    parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                hashes[j] = parent
+                pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
+            found = m
+            for j in range(m):
+                slot = self.pt_find(hashes[j])
+                if slot < 0:
+                    found = j
+                    break
+                blocks[j] = self.slots[slot].block
+                pkv_prefetch(&self.blocks[blocks[j]])
+                pkv_prefetch(self.tokens + <Py_ssize_t>blocks[j] * bs)
+            for j in range(found):
+                i = base + j
+                if not self.identity_matches(blocks[j], t + i * bs, verified_parent, salt, i,
+                                             keys.digest_of(i), keys.digest_len(i)):
+                    self.st_collisions_rejected += 1
+                    return i
+                out[i] = blocks[j]
+                verified_parent = hashes[j]
+            if found < m:
+                return base + found
+            base += m
+        return n
+
     cdef int32_t check_block_id(self, object block_id, str name) except -1:
         if not _is_int(block_id):
             raise InvalidArgumentType(
@@ -844,33 +907,13 @@ cdef class BlockAllocator:
         cdef Py_ssize_t bs = self._block_size
         cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // bs), i, k = 0
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0, h
-        cdef Py_ssize_t slot
-        cdef int32_t b
-        cdef bytes digest
-        cdef const uint8_t* dptr
-        cdef uint32_t dlen
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
         self.st_query_tokens += <uint64_t>tok.shape[0]
         if n == 0 or self.n_cached == 0:
             return out[:0], 0
         self.ensure_scratch(self._most_keys(keys, n))
-        for i in range(n):
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            slot = self.pt_find(h)
-            if slot < 0:
-                break
-            b = self.slots[slot].block
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
-            if not self.identity_matches(b, t + i * bs, parent, salt, i, dptr, dlen):
-                self.st_collisions_rejected += 1
-                break
-            o[k] = b
-            k += 1
-            parent = h
+        k = self.walk_verified(t, n, keys, salt, o)
         with nogil:
             for i in range(k):
                 self.incref_block(o[i])
@@ -895,8 +938,7 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent = 0, h
         cdef Py_ssize_t slot
-        cdef int32_t b, held
-        cdef bytes digest
+        cdef int32_t b
         cdef const uint8_t* dptr
         cdef uint32_t dlen
         if n * bs > tok.shape[0]:
@@ -922,9 +964,8 @@ cdef class BlockAllocator:
         for i in range(n):
             b = <int32_t>p[i]
             h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
+            dptr = keys.digest_of(i)
+            dlen = keys.digest_len(i)
             slot = self.pt_find(h)
             if slot >= 0:
                 if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
