@@ -34,6 +34,7 @@ from pagedkv.hashing cimport (
     as_domain_id,
     as_token_array,
     as_u64,
+    chain_into,
     hash_block,
     hash_block_native,
     hot_buffer_bytes,
@@ -842,6 +843,9 @@ cdef class BlockAllocator:
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent = 0
+        if self._hash_fn is None:
+            chain_into(t, n, self._block_size, keys, salt, self._seed, o)
+            return out
         self.ensure_scratch(self._most_keys(keys, n))
         for i in range(n):
             parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
