@@ -21,7 +21,9 @@ import secrets
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -596,6 +598,12 @@ cdef class BlockAllocator:
         return n
 
     cdef int32_t check_block_id(self, object block_id, str name) except -1:
+        cdef int overflow = 0
+        cdef long long v
+        if type(block_id) is int:                 # the common case, without isinstance
+            v = PyLong_AsLongLongAndOverflow(block_id, &overflow)
+            if overflow == 0 and 0 <= v < self._num_blocks:
+                return <int32_t>v
         if not _is_int(block_id):
             raise InvalidArgumentType(
                 f"{name} must be an int block id, got {type(block_id).__name__}")
@@ -846,13 +854,14 @@ cdef class BlockAllocator:
         if self._hash_fn is None:
             chain_into(t, n, self._block_size, keys, salt, self._seed, o)
             return out
-        self.ensure_scratch(self._most_keys(keys, n))
+        self.ensure_scratch(self.most_keys(keys, n))
         for i in range(n):
             parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
             o[i] = parent
         return out
 
-    def _most_keys(self, ChainKeys keys, Py_ssize_t n):
+    cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept:
+        """The most extra keys any of the first n blocks has (sizes the hash scratch)."""
         cdef Py_ssize_t i, m = 0
         for i in range(n):
             if keys.key_count(i) > m:
@@ -916,7 +925,7 @@ cdef class BlockAllocator:
         self.st_query_tokens += <uint64_t>tok.shape[0]
         if n == 0 or self.n_cached == 0:
             return out[:0], 0
-        self.ensure_scratch(self._most_keys(keys, n))
+        self.ensure_scratch(self.most_keys(keys, n))
         k = self.walk_verified(t, n, keys, salt, o)
         with nogil:
             for i in range(k):
@@ -962,7 +971,7 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        self.ensure_scratch(self._most_keys(keys, n))
+        self.ensure_scratch(self.most_keys(keys, n))
         cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
         cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
         for i in range(n):
