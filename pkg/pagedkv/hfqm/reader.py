@@ -147,6 +147,11 @@ class HfqmFile:
         return self._index.json_end_abs - self.base - self._index.metadata_offset
 
     @property
+    def index_bytes(self) -> int:
+        """Length of the tensor index (count included), bytes."""
+        return self._index.index_end_abs - self._index.json_end_abs
+
+    @property
     def payload_bytes(self) -> int:
         return int(self.records["nbytes"].sum()) if len(self.records) else 0
 

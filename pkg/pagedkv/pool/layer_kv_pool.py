@@ -349,7 +349,10 @@ class LayerKVPool:
             return self._storage.gather(layer, slots)
 
     def gather_layers(self, block_ids, num_tokens: int, *, generation: int | None = None):
-        """All-layers form of :meth:`gather`: ``[num_layers, num_tokens, kv_heads, head_dim]``."""
+        """All-layers form of :meth:`gather`: ``(k_layers, v_layers)``, each
+        ``[num_layers, num_tokens, kv_heads, head_dim]`` with every layer's
+        ``[num_tokens, kv_heads, head_dim]`` slice C-contiguous (on NumPy both are views of
+        one new ``[num_layers, 2, num_tokens, ...]`` array, filled by one copy)."""
         with self._lock:
             self.check_generation(generation)
             slots = self._table_slots(block_ids, num_tokens)

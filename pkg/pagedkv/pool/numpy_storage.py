@@ -70,8 +70,12 @@ class NumpyKVStorage:
 
     def grown(self, new_num_blocks: int) -> NumpyKVStorage:
         new = NumpyKVStorage(self.geometry, new_num_blocks)
-        # One strided copy: num_layers * 2 contiguous runs of num_blocks blocks each.
-        new.array[:, :, : self.num_blocks] = self.array
+        # num_layers * 2 contiguous runs, one np.copyto (a memcpy) each: measured faster
+        # than one strided 6-D assignment, whose inner loop does not reach memcpy speed.
+        old = self.num_blocks
+        for layer in range(self.geometry.num_layers):
+            for kv in (0, 1):
+                np.copyto(new.array[layer, kv, :old], self.array[layer, kv])
         return new
 
     # -- block I/O -------------------------------------------------------------------------
@@ -98,5 +102,7 @@ class NumpyKVStorage:
                 self._tokens[layer, 1].take(slots, axis=0))
 
     def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (self._tokens[:, 0].take(slots, axis=1),
-                self._tokens[:, 1].take(slots, axis=1))
+        # One take over the whole (C-contiguous) array: ndarray.take copies a
+        # non-contiguous source in full first, so K and V are not taken separately.
+        both = self._tokens.take(slots, axis=2)
+        return both[:, 0], both[:, 1]

@@ -1,0 +1,594 @@
+"""PagedKVCacheAdapter: acceptance scenarios D1–D15 and P6–P7 (paged-kv.md §9.3–9.4) with exact
+values, the batched decode step, K/V scatter/gather, and bad input leaving every table, the pool
+and the allocator unchanged. Run against every allocator implementation."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from allocator_implementations import ALLOCATORS, observables
+from pagedkv.adapter import DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
+from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, InvalidArgument,
+                            InvalidArgumentType, LookupAlreadyDone, PagedKVError, PoolExhausted,
+                            StaleBlockTable)
+from pagedkv.pool import LayerKVPool, PoolGeometry
+
+LAYERS, HEADS, DIM = 2, 1, 2
+
+
+@pytest.fixture(params=ALLOCATORS)
+def make(request):
+    """``make(num_blocks, max_num_blocks=None, block_size=4, **adapter_kwargs) -> adapter``."""
+    cls = request.param
+
+    def make(num_blocks, max_num_blocks=None, block_size=4, *, allocator=None, pool=None,
+             **kwargs):
+        if allocator is None:
+            allocator = cls(num_blocks, max_num_blocks, block_size, hash_seed=0)
+        if pool is None:
+            pool = LayerKVPool(PoolGeometry(LAYERS, HEADS, DIM, block_size, "float32"),
+                               allocator.num_blocks, allocator.max_num_blocks)
+        return PagedKVCacheAdapter(allocator, pool, **kwargs)
+
+    make.cls = cls
+    return make
+
+
+def state(adapter: PagedKVCacheAdapter) -> dict:
+    """Everything observable about an adapter, its allocator and its pool."""
+    pool = adapter.pool
+    out = {"allocator": observables(adapter.allocator), "generation": pool.generation,
+           "pool_blocks": pool.num_blocks, "stats": adapter.stats()}
+    out["pool"] = [pool.read_block(b).tobytes() for b in range(pool.num_blocks)]
+    out["seqs"] = {s: (adapter.block_table(s).tolist(), adapter.request_tokens(s).tolist(),
+                       adapter.cached_token_count(s), adapter.physical_revision(s))
+                   for s in adapter.live_seq_ids()}
+    return out
+
+
+def start(adapter, seq, prompt, **lookup):
+    """reset → lookup → allocate → record the uncached part; returns cached tokens."""
+    adapter.reset_for_new_request(seq)
+    hit = adapter.find_cached_prefix(seq, prompt, **lookup)
+    adapter.allocate_suffix_blocks(seq, len(prompt))
+    adapter.record_tokens(seq, np.asarray(prompt)[hit.cached_tokens:])
+    return hit.cached_tokens
+
+
+def rc(adapter, blocks):
+    return [adapter.allocator.ref_count(b) for b in blocks]
+
+
+# --- D1–D15 -----------------------------------------------------------------------------
+
+
+def test_d1_construction_checks(make):
+    alloc = make.cls(16, None, 4, hash_seed=0)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCacheAdapter(alloc, LayerKVPool(PoolGeometry(1, 1, 2, 8, "float32"), 16))
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCacheAdapter(alloc, LayerKVPool(PoolGeometry(1, 1, 2, 4, "float32"), 8))
+    with pytest.raises(ValueError, match="max_num_blocks"):
+        PagedKVCacheAdapter(alloc, LayerKVPool(PoolGeometry(1, 1, 2, 4, "float32"), 16, 32))
+
+
+def test_d2_miss_then_hit(make):
+    a = make(16)
+    prompt = list(range(1, 9))
+    assert start(a, "r1", prompt) == 0
+    assert a.register_full_blocks_for_reuse("r1") == 2
+    a.release_request("r1")
+    a.reset_for_new_request("r2")
+    hit = a.find_cached_prefix("r2", prompt)
+    assert hit.cached_tokens == 8 and hit.hot_blocks.tolist() == [0, 1]
+    assert hit.restored_blocks.tolist() == [] and hit.sidecar is None
+    assert a.request_tokens("r2").tolist() == prompt[:8]
+    assert a.num_tokens("r2") == 8
+    with pytest.raises(LookupAlreadyDone):
+        a.find_cached_prefix("r2", prompt)
+    a.reset_for_new_request("miss")
+    assert a.find_cached_prefix("miss", [90, 91, 92]).cached_tokens == 0
+    with pytest.raises(LookupAlreadyDone):
+        a.find_cached_prefix("miss", [90, 91, 92])
+    assert a.allocate_suffix_blocks("miss", 10) == 3
+    assert a.allocate_suffix_blocks("r2", 10) == 1
+
+
+def test_d3_the_cap_precedes_the_allocator(make):
+    a = make(16)
+    start(a, "x", range(8))
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    before = rc(a, [0, 1])
+    a.reset_for_new_request("y")
+    assert a.find_cached_prefix("y", range(8), max_tokens=7).cached_tokens == 4
+    assert rc(a, [0, 1]) == [before[0] + 1, before[1]]
+    a.reset_for_new_request("z")
+    snap = observables(a.allocator)
+    assert a.find_cached_prefix("z", range(8), max_tokens=0).cached_tokens == 0
+    assert observables(a.allocator)["ref_counts"] == snap["ref_counts"]
+
+
+def test_d4_lazy_decode(make):
+    a = make(128, block_size=16)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(16))
+    assert a.allocate_suffix_blocks("s", 16) == 1
+    a.record_tokens("s", range(16))
+    for t in range(200):
+        a.record_tokens("s", [t])
+    assert a.num_table_blocks("s") == 14
+    assert a.allocator.num_free_blocks == 128 - 14
+
+
+def test_d5_capacity_on_record(make):
+    a = make(2)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(8))
+    a.record_tokens("s", range(8))
+    table = a.block_table("s").tolist()
+    with pytest.raises(CapacityExceeded, match="^context_length_exceeded: "):
+        a.record_tokens("s", [8])
+    assert a.num_tokens("s") == 8 and a.block_table("s").tolist() == table
+
+
+def test_d6_rollback(make):
+    a = make(16)
+    start(a, "s", range(6))
+    a.rollback_last_tokens("s", 3)
+    assert a.num_tokens("s") == 3 and a.num_table_blocks("s") == 2
+    assert a.request_tokens("s").tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        a.rollback_last_tokens("s", 4)
+    assert a.num_tokens("s") == 3
+
+
+def test_d7_register_once_release_cleanly(make):
+    a = make(16)
+    start(a, "s", range(8))
+    assert a.register_full_blocks_for_reuse("s") == 2
+    counts = rc(a, [0, 1])
+    assert counts == [2, 2]
+    assert a.register_full_blocks_for_reuse("s") == 0
+    assert rc(a, [0, 1]) == counts
+    assert a.release_request("s") == 2
+    assert rc(a, [0, 1]) == [1, 1]
+    assert a.release_request("s") == 0
+    assert a.release_request("never-seen") == 0
+    start(a, "s", range(100, 108))
+    assert a.register_full_blocks_for_reuse("s") == 2
+
+
+def test_d8_skip_lookup(make):
+    a = make(16)
+    a.reset_for_new_request("s")
+    assert a.find_cached_prefix("s", range(8), skip_lookup=True).cached_tokens == 0
+    a.allocate_suffix_blocks("s", 8)
+    a.record_tokens("s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request("s")
+    a.reset_for_new_request("t")
+    assert a.find_cached_prefix("t", range(8)).cached_tokens == 8
+    a.reset_for_new_request("u")
+    assert a.find_cached_prefix("u", range(8), skip_lookup=True).cached_tokens == 0
+    with pytest.raises(LookupAlreadyDone):
+        a.find_cached_prefix("u", range(8))
+
+
+def test_d9_two_adapters_share_a_prefix(make):
+    first = make(16)
+    second = PagedKVCacheAdapter(first.allocator, first.pool)
+    sys_prompt = list(range(50, 58))
+    start(first, "A", sys_prompt + [1, 2, 3, 4])
+    assert first.register_full_blocks_for_reuse("A") == 3
+    second.reset_for_new_request("B")
+    hit = second.find_cached_prefix("B", sys_prompt + [5, 6, 7, 8], max_tokens=11)
+    assert hit.cached_tokens == 8 and len(hit.hot_blocks) == 2
+    assert second.block_table("B").tolist() == first.block_table("A")[:2].tolist()
+
+
+def test_d10_progress_when_the_pool_is_full_of_cache(make):
+    a = make(2)
+    p1, p2, p3 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    for seq, p in (("p1", p1), ("p2", p2)):
+        start(a, seq, p)
+        a.register_full_blocks_for_reuse(seq)
+        a.release_request(seq)
+    assert start(a, "p3", p3) == 0
+    assert a.block_table("p3").tolist() == [0]  # P1's block, the LRU cache-only one
+    a.release_request("p3")
+    a.reset_for_new_request("q2")
+    assert a.find_cached_prefix("q2", p2).cached_tokens == 4
+    a.reset_for_new_request("q1")
+    assert a.find_cached_prefix("q1", p1).cached_tokens == 0
+
+
+def test_d11_partial_tail_is_private(make):
+    a = make(16)
+    start(a, "s", range(7))
+    assert a.register_full_blocks_for_reuse("s") == 1
+    a.release_request("s")
+    a.reset_for_new_request("t")
+    assert a.find_cached_prefix("t", range(7)).cached_tokens == 4
+
+
+def test_d12_keep_live_turns(make):
+    a = make(16)
+    turn1 = list(range(7))
+    start(a, "s", turn1)
+    assert a.finalize_turn_keep_live("s") == 1
+    assert a.finalize_turn_keep_live("s") == 0
+    assert a.block_table("s").tolist() == [0, 1] and a.num_tokens("s") == 7
+    assert a.is_live_for_continue("s")
+    assert a.continue_turn("s", turn1 + [7, 8, 9, 10, 11], 12) == (7, 1)
+    assert a.block_table("s").tolist()[:2] == [0, 1] and a.num_table_blocks("s") == 3
+    start(a, "d", turn1)
+    a.finalize_turn_keep_live("d")
+    with pytest.raises(PagedKVError, match="position 3"):
+        a.continue_turn("d", [0, 1, 2, 99, 4, 5, 6, 7], 8)
+    start(a, "n", turn1)
+    with pytest.raises(PagedKVError, match="not finalized"):
+        a.continue_turn("n", turn1 + [7], 8)
+
+
+def test_d13_prepare_turn(make):
+    a = make(16)
+    turn1 = list(range(7))
+    start(a, "s", turn1)
+    a.finalize_turn_keep_live("s")
+    plan = a.prepare_turn("s", turn1 + [7, 8, 9], total_tokens=10)
+    assert plan.reason is TurnPlanReason.CONTINUED_LIVE_PREFIX and plan.cached_tokens == 7
+    a.record_tokens("s", [7, 8, 9])
+    a.finalize_turn_keep_live("s")
+    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54], total_tokens=9)
+    assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 4
+    a.record_tokens("s", [50, 51, 52, 53, 54])
+    a.finalize_turn_keep_live("s")
+    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54, 55], total_tokens=10,
+                          max_cached_tokens=8)
+    assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 8
+
+
+def test_d13_prepare_turn_failure_releases_the_hit(make):
+    a = make(6, growth=False)
+    start(a, "x", range(8))
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    start(a, "w", range(70, 86))  # holds the 4 other blocks
+    before = rc(a, range(6))
+    with pytest.raises(PoolExhausted):
+        a.prepare_turn("z", list(range(8)) + list(range(80, 90)), total_tokens=18)
+    assert rc(a, range(6)) == before
+    assert "z" not in a.live_seq_ids()
+
+
+def test_d14_a_failed_allocation_leaks_no_hit_refs(make):
+    a = make(6)
+    x = list(range(8))
+    start(a, "x", x)
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    a.reset_for_new_request("w")
+    a.find_cached_prefix("w", range(100, 116))
+    a.allocate_suffix_blocks("w", 16)
+    assert a.block_table("w").tolist() == [2, 3, 4, 5]
+    z = x + list(range(200, 212))
+    a.reset_for_new_request("z")
+    assert a.find_cached_prefix("z", z, max_tokens=19).hot_blocks.tolist() == [0, 1]
+    before = state(a)
+    with pytest.raises(PoolExhausted, match="paged cache could not reserve"):
+        a.allocate_suffix_blocks("z", 20)
+    assert state(a) == before
+    a.release_request("z")
+    assert rc(a, [0, 1]) == [1, 1] and rc(a, [2, 3, 4, 5]) == [1, 1, 1, 1]
+    a.allocator.check_invariants()
+
+
+def _hit32(a, seq):
+    a.reset_for_new_request(seq)
+    return a.find_cached_prefix(seq, range(40), max_tokens=39).cached_tokens
+
+
+def test_d15_aux_latch(make):
+    plain = make(32)
+    start(plain, "s", range(32))
+    plain.register_full_blocks_for_reuse("s")
+    plain.release_request("s")
+    assert _hit32(plain, "t") == 32
+    plain.record_tokens("t", range(32, 40))
+
+    a = make(32, requires_aux_confirmation=True)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(32))
+    assert not a.aux_prefix_unbacked("s")  # a miss never latches
+    a.record_tokens("s", range(32))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request("s")
+    assert _hit32(a, "t") == 32 and a.aux_prefix_unbacked("t")
+    before = state(a)
+    with pytest.raises(AuxStateUnconfirmed, match="confirm_aux_prefix_primed"):
+        a.record_tokens("t", [32])
+    with pytest.raises(AuxStateUnconfirmed):
+        a.record_decode_tokens(["t"], [32])
+    with pytest.raises(AuxStateUnconfirmed):
+        a.register_full_blocks_for_reuse("t")
+    with pytest.raises(AuxStateUnconfirmed):
+        a.finalize_turn_keep_live("t")
+    with pytest.raises(ValueError):
+        a.confirm_aux_prefix_primed("t", 31)
+    assert a.aux_prefix_unbacked("t") and state(a) == before
+    a.confirm_aux_prefix_primed("t", 32)
+    a.record_tokens("t", range(32, 40))
+    assert _hit32(a, "t") == 32 and a.aux_prefix_unbacked("t")
+    a.reset_for_new_request("t")
+    assert not a.aux_prefix_unbacked("t")
+    a.confirm_aux_prefix_primed("t", 5)  # unlatched: a no-op
+
+
+# --- P6–P7: growth ----------------------------------------------------------------------
+
+
+def test_p6_grow_on_demand(make, caplog):
+    a = make(4, 16)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(40))
+    with caplog.at_level(logging.INFO, logger="pagedkv"):
+        assert a.allocate_suffix_blocks("s", 40) == 10
+    assert a.pool.num_blocks == a.allocator.num_blocks == 14
+    assert a.pool.generation == 1 and a.stats()["grow_events"] == 1
+    assert "paged pool grew from=4 to=14 generation=1 needed=10" in caplog.text
+    a.allocator.check_invariants()
+
+
+def test_p7_evict_before_growing_when_enough(make):
+    a = make(4, 16)
+    for i in range(3):
+        start(a, f"c{i}", range(10 * i, 10 * i + 4))
+        a.register_full_blocks_for_reuse(f"c{i}")
+        a.release_request(f"c{i}")
+    assert a.allocator.num_free_blocks == 1 and a.allocator.num_evictable_blocks == 3
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(100, 108))
+    assert a.allocate_suffix_blocks("s", 8) == 2
+    assert a.pool.num_blocks == 4 and a.pool.generation == 0
+    assert a.block_table("s").tolist() == [3, 0]
+
+
+def test_growth_off_and_at_max_raise_pool_exhausted_with_nothing_taken(make):
+    for adapter in (make(4, 16, growth=False), make(4, 4)):
+        start(adapter, "w", range(12))
+        adapter.reset_for_new_request("s")
+        adapter.find_cached_prefix("s", range(50, 58))
+        before = state(adapter)
+        with pytest.raises(PoolExhausted):
+            adapter.allocate_suffix_blocks("s", 8)
+        assert state(adapter) == before
+        adapter.allocator.check_invariants()
+
+
+def test_capacity_exceeded_names_the_capacity(make):
+    a = make(4, 8)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", [1])
+    with pytest.raises(CapacityExceeded,
+                       match="requested 33 tokens, paged cache capacity is 32 tokens"):
+        a.allocate_suffix_blocks("s", 33)
+    assert a.pool.num_blocks == 4 and a.num_table_blocks("s") == 0
+
+
+# --- decode step, block tables ----------------------------------------------------------
+
+
+def test_batched_decode_step_matches_per_sequence_record(make):
+    batched, single = make(64), make(64)
+    seqs = [f"s{i}" for i in range(5)]
+    for a in (batched, single):
+        for i, s in enumerate(seqs):
+            start(a, s, range(100 * i, 100 * i + 3 + i))
+    for step in range(9):
+        toks = [step * 10 + i for i in range(5)]
+        batched.record_decode_tokens(seqs, toks)
+        for s, t in zip(seqs, toks):
+            single.record_tokens(s, [t])
+        assert state(batched)["seqs"] == state(single)["seqs"]
+    batch = batched.prepare_decode(seqs)
+    assert isinstance(batch, DecodeBatch)
+    assert batch.block_tables.dtype == np.int32 and batch.seq_lens.dtype == np.int32
+    assert batch.slot_mapping.dtype == np.int64
+    assert batch.seq_lens.tolist() == [12, 13, 14, 15, 16]
+    for i, s in enumerate(seqs):
+        table = batched.block_table(s)
+        row = batch.block_tables[i]
+        assert row[:len(table)].tolist() == table.tolist()
+        assert (row[len(table):] == -1).all()
+        last = batch.seq_lens[i] - 1
+        assert batch.slot_mapping[i] == table[last // 4] * 4 + last % 4
+
+
+def test_decode_step_failure_changes_nothing(make):
+    a = make(4, growth=False)
+    start(a, "a", range(4))
+    start(a, "b", range(10, 14))
+    start(a, "c", range(20, 22))
+    start(a, "d", range(30, 32))  # 4 blocks taken, a and b sit on a boundary
+    before = state(a)
+    with pytest.raises(PoolExhausted, match="paged decode could not reserve"):
+        a.record_decode_tokens(["a", "b", "c"], [1, 2, 3])
+    assert state(a) == before
+    with pytest.raises(InvalidArgument, match="duplicates"):
+        a.record_decode_tokens(["c", "c"], [1, 2])
+    with pytest.raises(InvalidArgument, match="one token each"):
+        a.record_decode_tokens(["c", "d"], [1])
+    with pytest.raises(PagedKVError, match="'zz'"):
+        a.record_decode_tokens(["c", "zz"], [1, 2])
+    assert state(a) == before
+
+
+def test_block_tables_array_and_stale_generation(make):
+    a = make(4, 16)
+    start(a, "s", range(6))
+    start(a, "t", range(10, 13))
+    tables, generation = a.block_tables_array(["s", "t"], 4)
+    assert tables.tolist() == [[0, 1, -1, -1], [2, -1, -1, -1]] and generation == 0
+    with pytest.raises(InvalidArgument, match="narrower"):
+        a.block_tables_array(["s"], 1)
+    batch = a.prepare_decode(["s", "t"])
+    a.check_batch(batch)
+    start(a, "u", range(100, 120))  # grows the pool
+    assert a.pool.generation == 1
+    before = state(a)
+    with pytest.raises(StaleBlockTable):
+        a.check_batch(batch)
+    with pytest.raises(StaleBlockTable):
+        a.gather_kv("s", 0, generation=generation)
+    with pytest.raises(StaleBlockTable):
+        a.write_kv("s", 0, *_kv(1, 1.0), generation=generation)
+    assert state(a) == before
+    assert a.block_table("s").tolist() == [0, 1]  # ids survive growth
+
+
+def test_physical_revision_moves_on_block_changes_only(make):
+    a = make(16)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(3))
+    r0 = a.physical_revision("s")
+    a.record_tokens("s", [0, 1, 2])
+    r1 = a.physical_revision("s")
+    a.record_tokens("s", [3])
+    a.rollback_last_tokens("s", 2)
+    assert r1 == r0 + 1 and a.physical_revision("s") == r1
+    a.record_tokens("s", [7, 8, 9])
+    assert a.physical_revision("s") == r1 + 1
+
+
+def test_rows_and_width_grow(make):
+    a = make(256, initial_rows=2)
+    for i in range(9):
+        start(a, i, range(1000 * i, 1000 * i + 4 * (i + 1)))
+    assert sorted(a.live_seq_ids()) == list(range(9))
+    for i in range(9):
+        assert a.num_tokens(i) == 4 * (i + 1)
+        assert a.request_tokens(i).tolist() == list(range(1000 * i, 1000 * i + 4 * (i + 1)))
+    tables, _ = a.block_tables_array(list(range(9)))
+    assert tables.shape == (9, 9)
+
+
+# --- K/V ---------------------------------------------------------------------------------
+
+
+def _kv(n, base):
+    k = (base + np.arange(n * HEADS * DIM, dtype=np.float32)).reshape(n, HEADS, DIM)
+    return k, -k
+
+
+def test_write_then_gather_round_trips_across_blocks(make):
+    a = make(16)
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", range(6))
+    a.allocate_suffix_blocks("s", 6)
+    a.record_tokens("s", range(6))
+    k, v = _kv(6, 0.0)
+    for layer in range(LAYERS):
+        a.write_kv("s", layer, k + layer, v - layer)
+    a.record_tokens("s", [6])
+    k1, v1 = _kv(1, 100.0)
+    a.write_kv("s", 1, k1, v1)
+    gk, gv = a.gather_kv("s", 1)
+    assert gk.shape == (7, HEADS, DIM) and gk.dtype == np.float32
+    assert gk.tobytes() == np.concatenate([k + 1, k1]).tobytes()
+    assert gv.tobytes() == np.concatenate([v - 1, v1]).tobytes()
+    a.write_kv("s", 0, *_kv(2, 50.0), start=2)
+    assert a.gather_kv("s", 0)[0][2:4].tobytes() == _kv(2, 50.0)[0].tobytes()
+
+
+def test_write_kv_layers_equals_per_layer_writes(make):
+    a, b = make(16), make(16)
+    kl = np.arange(LAYERS * 5 * HEADS * DIM, dtype=np.float32).reshape(LAYERS, 5, HEADS, DIM)
+    for ad in (a, b):
+        start(ad, "s", range(5))
+    a.write_kv_layers("s", kl, kl * 2)
+    for layer in range(LAYERS):
+        b.write_kv("s", layer, kl[layer], kl[layer] * 2)
+    assert state(a)["pool"] == state(b)["pool"]
+
+
+def test_bad_kv_input_changes_nothing(make):
+    a = make(16)
+    start(a, "s", range(5))
+    a.write_kv("s", 0, *_kv(5, 1.0))
+    before = state(a)
+    k, v = _kv(2, 9.0)
+    bad_calls = [
+        (InvalidArgument, lambda: a.write_kv("s", 0, k[:, :, :1], v[:, :, :1])),
+        (InvalidArgument, lambda: a.write_kv("s", 0, k, v[:1])),
+        (InvalidArgument, lambda: a.write_kv("s", 0, k[0], v[0])),
+        (InvalidArgumentType, lambda: a.write_kv("s", 0, k.astype(np.float16), v.astype(np.float16))),
+        (InvalidArgument, lambda: a.write_kv("s", 2, k, v)),
+        (InvalidArgument, lambda: a.write_kv("s", -1, k, v)),
+        (InvalidArgument, lambda: a.write_kv("s", 0, k, v, start=4)),
+        (InvalidArgument, lambda: a.write_kv("s", 0, *_kv(6, 0.0))),
+        (PagedKVError, lambda: a.write_kv("nobody", 0, k, v)),
+        (PagedKVError, lambda: a.gather_kv("nobody", 0)),
+        (InvalidArgument, lambda: a.gather_kv("s", 5)),
+        (PagedKVError, lambda: a.record_tokens("nobody", [1])),
+        (PagedKVError, lambda: a.find_cached_prefix("nobody", [1])),
+        (InvalidArgumentType, lambda: a.record_tokens("s", [1.5])),
+        (InvalidArgument, lambda: a.record_tokens("s", [-1])),
+        (InvalidArgument, lambda: a.record_tokens("s", [[1]])),
+        (InvalidArgumentType, lambda: a.allocate_suffix_blocks("s", 2.0)),
+        (InvalidArgument, lambda: a.allocate_suffix_blocks("s", -1)),
+        (InvalidArgument, lambda: a.write_kv_layers("s", k, v)),
+    ]
+    for exc, call in bad_calls:
+        with pytest.raises(exc):
+            call()
+        assert state(a) == before
+    a.allocator.check_invariants()
+
+
+def test_salt_must_be_a_domain_id(make):
+    a = make(16)
+    a.reset_for_new_request("s")
+    with pytest.raises(InvalidArgumentType, match="salt_domain_id"):
+        a.find_cached_prefix("s", range(8), cache_salt="tenant-a")
+    assert a.find_cached_prefix("s", range(8), cache_salt=5).cached_tokens == 0
+
+
+def test_release_is_transactional_on_invariant_violation(make):
+    a = make(16)
+    start(a, "s", range(8))
+    a.allocator.free(0)  # someone else dropped the table's reference
+    before = observables(a.allocator)
+    with pytest.raises(PagedKVError):
+        a.release_request("s")
+    assert observables(a.allocator) == before
+    assert a.block_table("s").tolist() == [0, 1]
+
+
+def test_purge_arms_the_cold_suppressor(make):
+    calls = []
+
+    class Cold:
+        def restore(self, **kw):
+            calls.append(kw["hot_blocks"].tolist())
+            return np.empty(0, np.int32)
+
+        def capture(self, **kw):
+            pass
+
+    a = make(16, cold_tier=Cold())
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    assert calls == [[]]
+    calls.clear()
+    a.release_request_and_purge_prefix_cache("s")
+    assert a.allocator.prefix_cache_len == 0
+    a.reset_for_new_request("t")
+    assert a.find_cached_prefix("t", range(8)).cached_tokens == 0
+    assert calls == []
+    a.reset_for_new_request("u")
+    a.find_cached_prefix("u", range(8))
+    assert calls == [[]]
