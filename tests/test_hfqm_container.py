@@ -9,12 +9,13 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from hfqm_samples import (MINIMAL_METADATA, MINIMAL_QUANTIZATION_HASH, MINIMAL_SHA256,
                           hfq4g256_ramp_group, write_minimal, write_mixed)
 from pagedkv.errors import (BadMagic, BadMetadata, BadName, CountMismatch, FormatError,
                             InvalidArgument, SizeMismatch, TensorNotFound, Truncated,
-                            UnknownQuantType, UnsupportedVersion)
+                            UnknownQuantType, UnsupportedQuantType, UnsupportedVersion)
 from pagedkv.hfqm import (HfqmFile, HfqmWriter, PlannedTensor, compute_quantization_hash,
                           plan_of)
 from pagedkv.hfqm import index as hfqm_index
@@ -271,6 +272,8 @@ def _patch(data, offset, fmt, value):
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 9), SizeMismatch, "n_dims 9"),
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 200), SizeMismatch, "n_dims 200"),
     (lambda d: _patch(d, 88 + 4, "<H", 0xFFFF), Truncated, "index entry #0 runs past"),
+    (lambda d: _patch(_patch(d, 104, "<I", 0xFFFFFFFF), 108, "<I", 0xFFFFFFFF), SizeMismatch,
+     "more than 2**48 elements"),
     (lambda d: _patch(d, 88 + 4 + 2, "<B", 0xFF), BadName, "is not UTF-8"),
 ])
 def test_broken_files_raise_the_specific_error(tmp_path, mutate, exc, message):
@@ -305,12 +308,19 @@ def test_qt_130_is_accepted_only_in_calib_files(tmp_path):
         HfqmFile(tmp_path / "w.hfq")
 
 
-def test_registered_p2_qt_parses_and_gives_raw_bytes(tmp_path):
+def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):
     arrays = write_mixed(tmp_path / "m.hfq")
     with HfqmFile(tmp_path / "m.hfq") as f:
         name = "model.layers.0.self_attn.q_proj.weight"
         assert f.info(name).qt_name == "HFP4G32"
         assert f[name].tobytes() == arrays[name].tobytes()
+        with pytest.raises(UnsupportedQuantType, match="tensor 'model.layers.0.self_attn"
+                                                      ".q_proj.weight', offset 4442: quant type HFP4G32"):
+            f.dequantize(name)
+        decoded = f.dequantize("h.norm")
+        assert decoded.dtype == np.float32 and decoded.tolist() == [[1, -1], [0.5, 65504]]
+        bf16 = f.dequantize("lm_head.weight")
+        assert bf16[0, 0] == 1.0 and bf16.shape == (2, 3)
 
 
 @pytest.mark.parametrize("meta,arch,message", [
@@ -463,3 +473,37 @@ def test_writer_metadata_arguments(tmp_path):
     assert data[32:46] == b'{"k":"\\u00e9"}'  # JSON text is written verbatim
     with HfqmFile(tmp_path / "a.hfq") as f:
         assert f.arch_id == 6 and f.metadata == {"k": "é"} and len(f) == 0
+
+
+# --- property: random corruption of a richer file ---------------------------------------
+
+
+_MIXED_CACHE: dict[str, bytes] = {}
+
+
+def _mixed_bytes(tmp_path_factory) -> bytes:
+    if "data" not in _MIXED_CACHE:
+        path = tmp_path_factory.mktemp("mixed") / "m.hfq"
+        write_mixed(path)
+        _MIXED_CACHE["data"] = path.read_bytes()
+    return _MIXED_CACHE["data"]
+
+
+@given(edits=st.lists(st.tuples(st.integers(0, 600), st.integers(0, 255)), min_size=1,
+                      max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, 5000)))
+def test_random_corruption_raises_a_format_error_or_stays_in_bounds(tmp_path_factory, edits,
+                                                                   cut):
+    data = bytearray(_mixed_bytes(tmp_path_factory))
+    for pos, value in edits:  # header, metadata and index of the mixed file: bytes 0..456
+        data[pos] = value
+    if cut is not None:
+        data = data[:cut]
+    path = tmp_path_factory.getbasetemp() / "fuzz.hfq"
+    path.write_bytes(bytes(data))
+    try:
+        f = HfqmFile(path)
+    except FormatError:
+        return
+    with f:
+        _check_opened_file_stays_in_bounds(f, len(data))
