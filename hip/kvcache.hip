@@ -94,7 +94,7 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 #define PKV_ATTN_PARTITION 512
 #define PKV_ATTN_THREADS 128
-#define PKV_ATTN_UNROLL 8
+#define PKV_ATTN_UNROLL 4
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -173,11 +173,11 @@ PKV_DEV void paged_attention_partition(
 
   auto row_ptr = [&](const uint8_t* pool, int t) { return pool + rows[t] * row_bytes; };
 
-  // Pass 1: scores.
+  // Pass 1: scores. A token's GMAX partial dot products live on lanes_per_token lanes;
+  // a reduce-scatter halves the heads a lane carries at each of the first log2(GMAX)
+  // shuffle steps (GMAX/2 + GMAX/4 + ... + 1 shuffles instead of GMAX per step), so
+  // each lane ends with one head's full score: the head given by its lane bits.
   float* scores = smem;
-  float tmax[GMAX];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
   // The loop bound is uniform across the warp (its first token), so every lane
   // reaches the shuffles; lanes past the end compute on zeros and store nothing.
   for (int w0 = warp * tokens_per_warp; w0 < n_tok; w0 += stride * PKV_ATTN_UNROLL) {
@@ -196,20 +196,39 @@ PKV_DEV void paged_attention_partition(
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
+      float s[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
-        float s = 0.0f;
+        s[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s += qv[g][i] * kv[u][i];
-        for (int m = lanes_per_token / 2; m > 0; m >>= 1) s += pkv_shfl_xor(s, m);
-        if (t < n_tok) {
-          tmax[g] = fmaxf(tmax[g], s);
-          if (d0 == 0) scores[t * GMAX + g] = s;
-        }
+        for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[u][i];
       }
+      int o = lanes_per_token / 2, head = 0;
+#pragma unroll
+      for (int half = GMAX / 2; half >= 1; half /= 2) {
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int g = 0; g < half; ++g) {
+          const float send = upper ? s[g] : s[g + half];
+          const float keep = upper ? s[g + half] : s[g];
+          s[g] = keep + pkv_shfl_xor(send, o);
+        }
+        head += upper ? half : 0;
+        o >>= 1;
+      }
+      for (; o > 0; o >>= 1) s[0] += pkv_shfl_xor(s[0], o);
+      if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
+        scores[t * GMAX + head] = s[0];
     }
   }
-  // Partition max per head: warp, then CTA.
+  __syncthreads();
+  // Partition max per head, from the stored scores.
+  float tmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) tmax[g] = fmaxf(tmax[g], scores[t * GMAX + g]);
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     float m = tmax[g];

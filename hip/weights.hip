@@ -259,7 +259,19 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
       for (int r = 0; r < GEMV_ROWS; ++r) {
         float q[8];
-        cur[r].codes8(c, q);
+        if (Fm::BITS == 4) {
+          // 4-bit: f = 1 + q/16 exactly, by moving code i (bits [4i, 4i+4) of the chunk's
+          // little-endian word: quant.h's LSB-first order) under the exponent of 1.0f:
+          // two integer ops, no conversion. sum(q x) = 16 (sum(f x) - sum(x)) below.
+          const uint32_t word = cur[r].codes[c];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const uint32_t at19 = i <= 4 ? word << (19 - 4 * i) : word >> (4 * i - 19);
+            q[i] = __uint_as_float(0x3F800000u | (at19 & 0x00780000u));
+          }
+        } else {
+          cur[r].codes8(c, q);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -271,7 +283,10 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
       float scale, offset;
       cur[r].affine(k0 % Fm::G, scale, offset);
 #pragma unroll
-      for (int b = 0; b < BMAX; ++b) acc[r][b] += scale * qx[r][b] + offset * sx[b];
+      for (int b = 0; b < BMAX; ++b) {
+        const float sum_qx = Fm::BITS == 4 ? 16.0f * (qx[r][b] - sx[b]) : qx[r][b];
+        acc[r][b] += scale * sum_qx + offset * sx[b];
+      }
     }
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) cur[r] = nxt[r];
