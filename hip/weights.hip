@@ -189,17 +189,17 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
 // K % G == 0 (every row starts a group). A thread block owns GEMV_ROWS rows and its
-// threads split K: each thread takes slices of 32 weights (one header read, 16-24
-// code bytes per row) strided by the block size, so one x slice loaded from cache
-// serves all the block's rows, and a 4096-long row already spreads over 128 threads
-// (short kernels need many loads in flight). Within a slice the affine map is one
-// (scale, offset): the slice's dot product is scale * sum(q x) + offset * sum(x), and
-// sum(x) is shared by the rows. The next slice's bytes are loaded before the current
-// one is computed; partial sums meet through the warps' shuffles and shared memory.
+// threads split K into spans of 8 weights (16 for 6-bit codes), consecutive threads
+// taking consecutive spans: a warp's loads of codes and of x are then contiguous
+// (x is what limits a GEMV at batch 1: every weight needs its activation from
+// cache), one x span serves all the block's rows, and a 4096-long row spreads over
+// the block's 128 threads. Within a span the affine map is one (scale, offset):
+// its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared by the rows.
+// The next span's bytes are loaded before the current one is computed; partial
+// sums meet through the warps' shuffles and shared memory.
 
 #define GEMV_THREADS 128
 #define GEMV_ROWS 4
-#define GEMV_SLICE 32
 
 template <int F, int BMAX>
 PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
@@ -212,7 +212,8 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)  // missing last rows re-read a real one, unstored
     rows[r] = w_raw + (int64_t)min(row0 + r, M - 1) * row_bytes;
-  const int slices = K / GEMV_SLICE;
+  constexpr int SPAN = Fm::BITS == 6 ? 16 : 8;  // whole 32-bit words of codes
+  const int slices = K / SPAN;
 
   float acc[GEMV_ROWS][BMAX];
 #pragma unroll
@@ -220,7 +221,7 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.0f;
 
-  using SliceSpan = Span<F, GEMV_SLICE>;
+  using SliceSpan = Span<F, SPAN>;
   SliceSpan cur[GEMV_ROWS], nxt[GEMV_ROWS];
   auto load = [&](SliceSpan (&sp)[GEMV_ROWS], int k0) {
     const int g = k0 / Fm::G;
@@ -228,10 +229,10 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
     for (int r = 0; r < GEMV_ROWS; ++r) sp[r].load(rows[r] + (int64_t)g * Fm::B, k0 - g * Fm::G);
   };
   int s = threadIdx.x;
-  if (s < slices) load(cur, s * GEMV_SLICE);
+  if (s < slices) load(cur, s * SPAN);
   for (; s < slices; s += GEMV_THREADS) {
-    const int k0 = s * GEMV_SLICE;
-    if (s + GEMV_THREADS < slices) load(nxt, k0 + GEMV_THREADS * GEMV_SLICE);
+    const int k0 = s * SPAN;
+    if (s + GEMV_THREADS < slices) load(nxt, k0 + GEMV_THREADS * SPAN);
     float qx[GEMV_ROWS][BMAX], sx[BMAX];
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
@@ -240,7 +241,7 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
       for (int r = 0; r < GEMV_ROWS; ++r) qx[r][b] = 0.0f;
     }
 #pragma unroll
-    for (int c = 0; c < GEMV_SLICE / 8; ++c) {
+    for (int c = 0; c < SPAN / 8; ++c) {
       float xv[BMAX][8];
 #pragma unroll
       for (int b = 0; b < BMAX; ++b) {
