@@ -98,31 +98,48 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
+// A lane's 8 dims of one K or V row, as raw words: all of an iteration's loads are
+// issued before any is converted (converting right after each load would wait for
+// it and serialize the loads).
+struct RawRow8 {
+  uint32_t w[4];   // f16/bf16: 8 values; q8: 4 x (2 int8 codes) in the low 16 bits
+  uint32_t scale;  // q8: the record's f16 scale
+};
+
 template <int KIND>
-PKV_DEV void load_row8(const uint8_t* row, int d0, float out[8]) {
+PKV_DEV void load_row8(const uint8_t* row, int d0, RawRow8& r) {
   if (KIND == KV_Q8) {
-    const uint8_t* rec = row + (d0 / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES;
-    const uint16_t* rec16 = (const uint16_t*)rec;  // records are 2-byte aligned
-    const float d = pkv_half_bits_to_float(rec16[0]);
-    const uint16_t* codes = rec16 + 1 + (d0 % PKV_KVQ8_BLOCK) / 2;
+    const uint16_t* rec = (const uint16_t*)(row + (d0 / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES);
+    r.scale = rec[0];  // records are 2-byte aligned
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t c = codes[i];
-      out[2 * i] = pkv_kvq8_value(d, (int8_t)(c & 0xFF));
-      out[2 * i + 1] = pkv_kvq8_value(d, (int8_t)(c >> 8));
-    }
+    for (int i = 0; i < 4; ++i) r.w[i] = rec[1 + (d0 % PKV_KVQ8_BLOCK) / 2 + i];
   } else {
     const uint4 raw = *(const uint4*)(row + 2 * d0);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    r.w[0] = raw.x; r.w[1] = raw.y; r.w[2] = raw.z; r.w[3] = raw.w;
+    r.scale = 0;
+  }
+}
+
+PKV_DEV void zero_row8(RawRow8& r) {
+  r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0;
+  r.scale = 0;
+}
+
+template <int KIND>
+PKV_DEV void convert_row8(const RawRow8& r, float out[8]) {
+  const float d = KIND == KV_Q8 ? pkv_half_bits_to_float((uint16_t)r.scale) : 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (KIND == KV_F16) {
-        out[2 * i] = pkv_half_bits_to_float((uint16_t)(w[i] & 0xFFFF));
-        out[2 * i + 1] = pkv_half_bits_to_float((uint16_t)(w[i] >> 16));
-      } else {
-        out[2 * i] = pkv_bf16_bits_to_float((uint16_t)(w[i] & 0xFFFF));
-        out[2 * i + 1] = pkv_bf16_bits_to_float((uint16_t)(w[i] >> 16));
-      }
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = r.w[i] & 0xFFFF, hi = r.w[i] >> 16;
+    if (KIND == KV_Q8) {
+      out[2 * i] = pkv_kvq8_value(d, (int8_t)(lo & 0xFF));
+      out[2 * i + 1] = pkv_kvq8_value(d, (int8_t)(lo >> 8));
+    } else if (KIND == KV_F16) {
+      out[2 * i] = pkv_half_bits_to_float((uint16_t)lo);
+      out[2 * i + 1] = pkv_half_bits_to_float((uint16_t)hi);
+    } else {
+      out[2 * i] = pkv_bf16_bits_to_float((uint16_t)lo);
+      out[2 * i + 1] = pkv_bf16_bits_to_float((uint16_t)hi);
     }
   }
 }
@@ -182,26 +199,24 @@ PKV_DEV void paged_attention_partition(
   // reaches the shuffles; lanes past the end compute on zeros and store nothing.
   for (int w0 = warp * tokens_per_warp; w0 < n_tok; w0 += stride * PKV_ATTN_UNROLL) {
     const int t0 = w0 + sub;
-    float kv[PKV_ATTN_UNROLL][8];
+    RawRow8 raw[PKV_ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
-      if (t < n_tok) {
-        load_row8<KIND>(row_ptr(k_pool, t), d0, kv[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) kv[u][i] = 0.0f;
-      }
+      if (t < n_tok) load_row8<KIND>(row_ptr(k_pool, t), d0, raw[u]);
+      else zero_row8(raw[u]);
     }
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
+      float kv[8];
+      convert_row8<KIND>(raw[u], kv);
       float s[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         s[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[u][i];
+        for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[i];
       }
       int o = lanes_per_token / 2, head = 0;
 #pragma unroll
@@ -270,21 +285,23 @@ PKV_DEV void paged_attention_partition(
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
   for (int t0 = warp * tokens_per_warp + sub; t0 < n_tok; t0 += stride * PKV_ATTN_UNROLL) {
-    float kv[PKV_ATTN_UNROLL][8];
+    RawRow8 raw[PKV_ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
-      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, kv[u]);
+      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, raw[u]);
     }
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
       if (t < n_tok) {
+        float kv[8];
+        convert_row8<KIND>(raw[u], kv);
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
           const float p = scores[t * GMAX + g];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[u][i];
+          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[i];
         }
       }
     }

@@ -110,9 +110,19 @@ struct Span {
   }
 
   __device__ __forceinline__ void affine(int e0, float& scale, float& offset) const {
-    uint8_t h[8];
-    bytes_of<8>(hdr, 0, h);
-    group_affine<F>(h, e0, scale, offset);
+    if (F == MQ4G256V2) {
+      // The half's (s, z) pair is the 4 bytes at 4 * half: select that word first, so
+      // quant.h converts one pair (with half 0 on the window) instead of both.
+      uint8_t h[4];
+      const uint32_t w[1] = {e0 >= 128 ? hdr[1] : hdr[0]};
+      bytes_of<4>(w, 0, h);
+      scale = pkv_mqv2_scale(h, 0u);
+      offset = pkv_mqv2_zero(h, 0u);
+    } else {
+      uint8_t h[8];
+      bytes_of<8>(hdr, 0, h);
+      group_affine<F>(h, e0, scale, offset);
+    }
   }
 
   // Codes of weights [8c, 8c + 8) of the span, as exact floats (signed for Q8F16).
@@ -199,12 +209,15 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // sums meet through the warps' shuffles and shared memory.
 
 #define GEMV_THREADS 128
-#define GEMV_ROWS 4
+// Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
+// per-row sums already fill the registers.
+#define GEMV_ROWS_FOR(BMAX) ((BMAX) <= 2 ? 8 : 4)
 
 template <int F, int BMAX>
 PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
                   float* __restrict__ y, int M, int K, int batch) {
   using Fm = Format<F>;
+  constexpr int GEMV_ROWS = GEMV_ROWS_FOR(BMAX);
   const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
   const int row0 = blockIdx.x * GEMV_ROWS;
   const int64_t row_bytes = (int64_t)(K / Fm::G) * Fm::B;
@@ -228,11 +241,30 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) sp[r].load(rows[r] + (int64_t)g * Fm::B, k0 - g * Fm::G);
   };
+  // x of a span (batches past `batch` read as zeros), prefetched like the weights.
+  float4 xcur[BMAX][SPAN / 4], xnxt[BMAX][SPAN / 4];
+  auto load_x = [&](float4 (&xs)[BMAX][SPAN / 4], int k0) {
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b)
+#pragma unroll
+      for (int v = 0; v < SPAN / 4; ++v)
+        xs[b][v] = b < batch ? ((const float4*)(x + (int64_t)b * K + k0))[v]
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  };
+  // Prefetching x too needs BMAX * SPAN more registers: only where they fit.
+  constexpr bool PREFETCH_X = BMAX * SPAN <= 32;
   int s = threadIdx.x;
-  if (s < slices) load(cur, s * SPAN);
+  if (s < slices) {
+    load(cur, s * SPAN);
+    if (PREFETCH_X) load_x(xcur, s * SPAN);
+  }
   for (; s < slices; s += GEMV_THREADS) {
     const int k0 = s * SPAN;
-    if (s + GEMV_THREADS < slices) load(nxt, k0 + GEMV_THREADS * SPAN);
+    if (s + GEMV_THREADS < slices) {
+      load(nxt, k0 + GEMV_THREADS * SPAN);
+      if (PREFETCH_X) load_x(xnxt, k0 + GEMV_THREADS * SPAN);
+    }
+    if (!PREFETCH_X) load_x(xcur, k0);
     float qx[GEMV_ROWS][BMAX], sx[BMAX];
 #pragma unroll
     for (int b = 0; b < BMAX; ++b) {
@@ -245,17 +277,11 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
       float xv[BMAX][8];
 #pragma unroll
       for (int b = 0; b < BMAX; ++b) {
-        if (b < batch) {
-          const float4* xb = (const float4*)(x + (int64_t)b * K + k0 + 8 * c);
-          const float4 lo = xb[0], hi = xb[1];
-          xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
-          xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
+        const float4 lo = xcur[b][2 * c], hi = xcur[b][2 * c + 1];
+        xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
+        xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) sx[b] += xv[b][i];
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) xv[b][i] = 0.0f;
-        }
+        for (int i = 0; i < 8; ++i) sx[b] += xv[b][i];
       }
 #pragma unroll
       for (int r = 0; r < GEMV_ROWS; ++r) {
@@ -291,6 +317,12 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
     }
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) cur[r] = nxt[r];
+    if (PREFETCH_X) {
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b)
+#pragma unroll
+        for (int v = 0; v < SPAN / 4; ++v) xcur[b][v] = xnxt[b][v];
+    }
   }
   __shared__ float partial[GEMV_THREADS / PKV_WARP_SIZE][GEMV_ROWS * BMAX];
 #pragma unroll

@@ -72,7 +72,7 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_gpu_gemv_matches_reference(device, fmt, batch):
-    # M = 37 is not a multiple of the 4 rows of a thread block; K = 1280 (40 slices of 32)
+    # M = 37 is not a multiple of a thread block's 8 (or 4) rows; K = 1280 (40 slices of 32)
     # is not a multiple of the block's 128 threads; q8f16 K = 1312 likewise.
     M, K = 37, (1312 if fmt == "q8f16" else 1280)
     w, raw = _weights(fmt, (M, K))

@@ -22,7 +22,6 @@ __all__ = ["WEIGHT_FORMATS", "raw_nbytes", "dequantize", "fwht256", "Gemv"]
 
 SOURCE = "weights"
 GEMV_THREADS = 128
-GEMV_ROWS = 4
 GEMV_BATCHES = (1, 2, 4, 8)
 
 
@@ -119,7 +118,8 @@ class Gemv:
         bmax = next(b for b in GEMV_BATCHES if b >= batch)
         self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
         self._scratch = device.empty((batch, K), np.float32) if f.rotated else None
-        self._grid = (math.ceil(M / GEMV_ROWS),)  # a block per GEMV_ROWS rows, threads split K
+        rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+        self._grid = (math.ceil(M / rows),)  # a block per `rows` rows; its threads split K
 
     def __repr__(self) -> str:
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch})"
