@@ -7,6 +7,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 WHL=${WHL:-.whl}
+rm -rf /tmp/site /tmp/w /tmp/pkv  # a warm machine keeps the last call's files
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
