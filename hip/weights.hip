@@ -203,12 +203,12 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // taking consecutive spans: a warp's loads of codes and of x are then contiguous
 // (x is what limits a GEMV at batch 1: every weight needs its activation from
 // cache), one x span serves all the block's rows, and a 4096-long row spreads over
-// the block's 256 threads. Within a span the affine map is one (scale, offset):
+// the block's 128 threads. Within a span the affine map is one (scale, offset):
 // its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared by the rows.
 // The next span's bytes are loaded before the current one is computed; partial
 // sums meet through the warps' shuffles and shared memory.
 
-#define GEMV_THREADS 256
+#define GEMV_THREADS 128
 // Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
 // per-row sums already fill the registers.
 #define GEMV_ROWS_FOR(BMAX) ((BMAX) <= 2 ? 8 : 4)

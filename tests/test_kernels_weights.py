@@ -73,8 +73,8 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
 @pytest.mark.parametrize("batch,long_rows", [(1, False), (3, False), (8, False), (2, True)])
 def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
     # M = 37 is not a multiple of a thread block's 8 (or 4) rows. K = 1280 gives the
-    # block's 256 threads 160 spans of 8 (80 of 16 for 6-bit): some threads idle; the long
-    # rows (17 groups) take each thread through 2-3 prefetched spans, the last one partial.
+    # block's 128 threads 160 spans of 8 (80 of 16 for 6-bit): a partial second round; the
+    # long rows (17 groups) take each thread through 3-5 prefetched spans, the last partial.
     M = 37
     if fmt == "q8f16":
         K = 4384 if long_rows else 1312

@@ -21,7 +21,7 @@ from pagedkv.kernels.kvcache import _need
 __all__ = ["WEIGHT_FORMATS", "raw_nbytes", "dequantize", "fwht256", "Gemv"]
 
 SOURCE = "weights"
-GEMV_THREADS = 256
+GEMV_THREADS = 128
 GEMV_BATCHES = (1, 2, 4, 8)
 
 
