@@ -94,7 +94,7 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 #define PKV_ATTN_PARTITION 512
 #define PKV_ATTN_THREADS 128
-#define PKV_ATTN_UNROLL 4
+#define PKV_ATTN_UNROLL 8
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
