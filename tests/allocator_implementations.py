@@ -50,6 +50,7 @@ def observables(alloc) -> dict:
         "num_evictable_blocks": alloc.num_evictable_blocks,
         "free_or_evictable_blocks": alloc.free_or_evictable_blocks,
         "prefix_cache_len": alloc.prefix_cache_len,
+        "prefix_cache_capacity": alloc.prefix_cache_capacity,
         "ref_counts": [alloc.ref_count(b) for b in range(alloc.num_blocks) if b != null],
         "lru_hashes": list(alloc.lru_hashes()),
         "stats": dict(alloc.stats()),

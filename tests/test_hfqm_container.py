@@ -14,7 +14,7 @@ from hfqm_samples import (MINIMAL_METADATA, MINIMAL_QUANTIZATION_HASH, MINIMAL_S
                           hfq4g256_ramp_group, write_minimal, write_mixed)
 from pagedkv.errors import (BadMagic, BadMetadata, BadName, CountMismatch, FormatError,
                             InvalidArgument, SizeMismatch, TensorNotFound, Truncated,
-                            UnknownQuantType, UnsupportedVersion)
+                            UnknownQuantType, UnsupportedQuantType, UnsupportedVersion)
 from pagedkv.hfqm import (HfqmFile, HfqmWriter, PlannedTensor, compute_quantization_hash,
                           plan_of)
 from pagedkv.hfqm import index as hfqm_index
@@ -305,12 +305,19 @@ def test_qt_130_is_accepted_only_in_calib_files(tmp_path):
         HfqmFile(tmp_path / "w.hfq")
 
 
-def test_registered_p2_qt_parses_and_gives_raw_bytes(tmp_path):
+def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):
     arrays = write_mixed(tmp_path / "m.hfq")
     with HfqmFile(tmp_path / "m.hfq") as f:
         name = "model.layers.0.self_attn.q_proj.weight"
         assert f.info(name).qt_name == "HFP4G32"
         assert f[name].tobytes() == arrays[name].tobytes()
+        with pytest.raises(UnsupportedQuantType, match="tensor 'model.layers.0.self_attn"
+                                                      ".q_proj.weight', offset 4442: quant type HFP4G32"):
+            f.dequantize(name)
+        decoded = f.dequantize("h.norm")
+        assert decoded.dtype == np.float32 and decoded.tolist() == [[1, -1], [0.5, 65504]]
+        bf16 = f.dequantize("lm_head.weight")
+        assert bf16[0, 0] == 1.0 and bf16.shape == (2, 3)
 
 
 @pytest.mark.parametrize("meta,arch,message", [

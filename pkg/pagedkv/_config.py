@@ -32,10 +32,8 @@ def _mlx_status() -> str:
 
 
 def _kernel_objects() -> list[str]:
-    kdir = Path(__file__).resolve().parent / "kernels" / "objects"
-    if not kdir.is_dir():
-        return []
-    return sorted(p.name for p in kdir.iterdir() if p.is_file())
+    from pagedkv.kernels.code_objects import list_objects
+    return list_objects()
 
 
 def config() -> dict[str, Any]:
@@ -83,6 +81,7 @@ def show_config(file=None) -> None:
         f"  hip targets: {', '.join(c['hip_targets']) or '-'}",
         f"  cuda targets: {', '.join(c['cuda_targets']) or '-'}",
         f"  metal: {'yes' if c['metal'] else 'no'}",
+        f"  kernel objects: {', '.join(c['kernel_objects']) or '-'}",
         f"mlx: {c['mlx']}",
         f"include: {c['include']}",
     ]

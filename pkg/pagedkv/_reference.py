@@ -27,6 +27,8 @@ implementations follow them:
   ``lookup_prefix`` miss, a stopped ``find_longest_cache_hit`` walk, a stopped chain.
 * Hash 0 is reserved (§2.1): ``register_prefix``/``lookup_prefix``/``publish_restored_batch``
   reject ``block_hash`` outside ``[1, 2**64)`` with ``InvalidArgument``.
+* Block events: one call per kind per operation, ``"removed"`` before ``"stored"``;
+  ``purge_prefix_cache`` always sends ``"cleared"`` (even when the table was empty).
 * ``grow_by`` resets the capacity override even when it adds no block (§4.7's steps run
   unconditionally); ``stats()['grows']`` counts only calls that added blocks.
 """
@@ -322,7 +324,7 @@ class BlockAllocator:
         return list(self._prefix)
 
     def free_list(self) -> list[int]:
-        """Free ids in pop order (front first)."""
+        """The free queue, front (next to be allocated) first."""
         return list(self._free)
 
     def ref_count(self, block_id: int) -> int:

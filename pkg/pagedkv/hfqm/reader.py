@@ -101,10 +101,8 @@ class HfqmFile:
                 os.close(fd)
         self.records = self._index.records
         self.names: list[str] = self._index.names
-        self._by_name = {name: i for i, name in enumerate(self.names)}
-        self._by_canonical: dict[str, int] = {}
-        for i, name in enumerate(self.names):
-            self._by_canonical.setdefault(canonical_name(name), i)
+        self._by_name: dict[str, int] = self._index.index_of
+        self._by_canonical: dict[str, int] | None = None  # built on the first alias lookup
         self._closed = False
 
     def _parse_with_reads(self, fd: int, section_bytes: int, calib_ok: bool):
@@ -145,6 +143,11 @@ class HfqmFile:
     def metadata_bytes(self) -> int:
         """Length of the metadata JSON, bytes."""
         return self._index.json_end_abs - self.base - self._index.metadata_offset
+
+    @property
+    def index_bytes(self) -> int:
+        """Length of the tensor index (count included), bytes."""
+        return self._index.index_end_abs - self._index.json_end_abs
 
     @property
     def payload_bytes(self) -> int:
@@ -207,7 +210,7 @@ class HfqmFile:
             raise InvalidArgument(f"tensor name must be a str, got {type(name).__name__}")
         i = self._by_name.get(name)
         if i is None:
-            i = self._by_canonical.get(canonical_name(name))
+            i = self._canonical_index().get(canonical_name(name))
         if i is None:
             raise TensorNotFound(f"{self.path}: no tensor {name!r} (also tried as "
                                  f"{canonical_name(name)!r}); {len(self.names)} tensors")
@@ -216,7 +219,15 @@ class HfqmFile:
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        return name in self._by_name or canonical_name(name) in self._by_canonical
+        return name in self._by_name or canonical_name(name) in self._canonical_index()
+
+    def _canonical_index(self) -> dict[str, int]:
+        if self._by_canonical is None:
+            by_canonical: dict[str, int] = {}
+            for i, name in enumerate(self.names):
+                by_canonical.setdefault(canonical_name(name), i)
+            self._by_canonical = by_canonical
+        return self._by_canonical
 
     def __len__(self) -> int:
         return len(self.names)
@@ -277,6 +288,20 @@ class HfqmFile:
             view = view.copy()
             view.flags.writeable = False
         return view.view(dtype).reshape(shape)
+
+    def dequantize(self, name: str | int, *, basis: str = "original") -> np.ndarray:
+        """Decode one tensor to a new float32 array of its shape
+        (:func:`pagedkv.quant.dequantize`). A registered qt pagedkv does not decode
+        raises :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
+        from pagedkv.errors import UnsupportedQuantType
+        from pagedkv.quant import dequantize
+        i = self._resolve(name)
+        info = self._info(i, self.records[i])
+        try:
+            return dequantize(self.raw(i), info.qt, info.shape, basis=basis)
+        except UnsupportedQuantType as exc:
+            raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
+                                       offset=info.offset) from None
 
     # --- lifetime -------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ class NumpyKVStorage:
     """One generation of a NumPy pool's arrays (immutable size; growth builds a new one)."""
 
     backend = "numpy"
-    __slots__ = ("geometry", "num_blocks", "array", "_tokens", "_blocks")
+    __slots__ = ("geometry", "num_blocks", "array", "_tokens", "_blocks", "_layer_tokens")
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,
                  array: np.ndarray | None = None) -> None:
@@ -42,6 +42,10 @@ class NumpyKVStorage:
                                      g.num_kv_heads, g.row_elements)
         self._blocks = array.reshape(g.num_layers, 2, num_blocks,
                                      g.block_size * g.num_kv_heads * g.row_elements)
+        # Per-layer (K, V) slot views, built once: indexing the 5-D view on every
+        # per-layer call costs as much as the copy of a decode token.
+        self._layer_tokens = [(self._tokens[i, 0], self._tokens[i, 1])
+                              for i in range(g.num_layers)]
 
     # -- payload type ----------------------------------------------------------------------
 
@@ -70,8 +74,12 @@ class NumpyKVStorage:
 
     def grown(self, new_num_blocks: int) -> NumpyKVStorage:
         new = NumpyKVStorage(self.geometry, new_num_blocks)
-        # One strided copy: num_layers * 2 contiguous runs of num_blocks blocks each.
-        new.array[:, :, : self.num_blocks] = self.array
+        # num_layers * 2 contiguous runs, one np.copyto (a memcpy) each: measured faster
+        # than one strided 6-D assignment, whose inner loop does not reach memcpy speed.
+        old = self.num_blocks
+        for layer in range(self.geometry.num_layers):
+            for kv in (0, 1):
+                np.copyto(new.array[layer, kv, :old], self.array[layer, kv])
         return new
 
     # -- block I/O -------------------------------------------------------------------------
@@ -85,8 +93,9 @@ class NumpyKVStorage:
     # -- tokens ----------------------------------------------------------------------------
 
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        self._tokens[layer, 0][slots] = k
-        self._tokens[layer, 1][slots] = v
+        k_slots, v_slots = self._layer_tokens[layer]
+        k_slots[slots] = k
+        v_slots[slots] = v
 
     def write_tokens_layers(self, slots: np.ndarray, k_layers: np.ndarray,
                             v_layers: np.ndarray) -> None:
@@ -94,9 +103,11 @@ class NumpyKVStorage:
         self._tokens[:, 1, slots] = v_layers
 
     def gather(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (self._tokens[layer, 0].take(slots, axis=0),
-                self._tokens[layer, 1].take(slots, axis=0))
+        k_slots, v_slots = self._layer_tokens[layer]
+        return k_slots.take(slots, axis=0), v_slots.take(slots, axis=0)
 
     def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (self._tokens[:, 0].take(slots, axis=1),
-                self._tokens[:, 1].take(slots, axis=1))
+        # One take over the whole (C-contiguous) array: ndarray.take copies a
+        # non-contiguous source in full first, so K and V are not taken separately.
+        both = self._tokens.take(slots, axis=2)
+        return both[:, 0], both[:, 1]

@@ -1,1 +1,177 @@
-"""Weight codecs (HFQ/MQ/Q8), FWHT-256 and KV-cache quantization (hfqm-and-quant.md §3-6)."""
+"""Weight codecs (HFQ/MQ/Q8), FWHT-256 and KV-cache quantization (hfqm-and-quant.md §3-6).
+
+Public API::
+
+    quantize(array, fmt) -> uint8[nbytes]              # hipfire's exact bytes
+    dequantize(raw, fmt, shape, basis="original") -> float32[shape]
+    fwht256(x, inverse=False) -> float32[..., 256]     # R = D2·H·D1/16 per row
+    gemv(raw, fmt, shape, x) -> float32                # x · Wᵀ, dequantizing on the fly
+
+``fmt`` is a lower-case qt name (``"hfq4g256"``, ``"mq4g256v2"``, ...) or a qt id.
+Tensors are flattened row-major and cut into groups of G weights (groups may
+straddle rows, the last one is padded), except that the V2 and MQ4C formats
+need the last dimension K to be a multiple of 256.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
+from pagedkv.quant import affine, fwht, half, q8
+from pagedkv.quant.formats import AFFINE, CODECS, Q8, RAW, Codec, check_k, resolve
+
+__all__ = ["quantize", "dequantize", "fwht256", "gemv", "resolve", "Codec", "CODECS"]
+
+_BASES = ("original", "rotated")
+
+
+def _float32_input(array, what: str) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise InvalidArgumentType(
+            f"{what} must be a numpy.ndarray of float32 or float16, got {type(array).__name__}")
+    if array.dtype not in (np.float32, np.float16):
+        raise InvalidArgumentType(
+            f"{what} must have dtype float32 or float16, got {array.dtype}; convert explicitly "
+            f"(e.g. .astype(np.float32)) so no rounding happens behind your back")
+    if array.ndim == 0:
+        raise InvalidArgument(f"{what} must have at least one dimension, got a 0-d array")
+    return array
+
+
+def _reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, ...]) -> None:
+    if index >= 0:
+        where = np.unravel_index(index, shape) if shape else ()
+        raise InvalidArgument(
+            f"{what} holds a non-finite value {flat[index]!r} at index {tuple(int(i) for i in where)}; "
+            f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
+
+
+def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
+    """Encode ``array`` in format ``fmt``; returns the payload as ``uint8[nbytes]``.
+
+    ``array`` is float32 (float16 is widened exactly). The bytes are hipfire's:
+    F16 by truncation (§3.2), BF16 by truncation, the group codecs per §4.
+    NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`.
+    """
+    codec = resolve(fmt)
+    array = _float32_input(array, "array")
+    shape = tuple(int(d) for d in array.shape)
+    check_k(codec, shape)
+    if codec.name == "f16" and array.dtype == np.float16:
+        if not np.isfinite(array).all():
+            flat16 = array.reshape(-1)
+            _reject_nonfinite(flat16, int(np.flatnonzero(~np.isfinite(flat16))[0]), "array", shape)
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy()
+    flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+    out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
+    if codec.kind == AFFINE:
+        bad = affine.encode(flat, out, codec.family, codec.bits, codec.group_size)
+    elif codec.kind == Q8:
+        bad = q8.encode(flat, out)
+    else:
+        finite = np.isfinite(flat)
+        bad = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
+        if bad < 0:
+            if codec.name == "f32":
+                out[:] = flat.view(np.uint8)
+            elif codec.name == "f16":
+                half.f16_trunc(flat, out.view(np.uint16))
+            else:
+                half.bf16_trunc(flat, out.view(np.uint16))
+    _reject_nonfinite(flat, bad, "array", shape)
+    return out
+
+
+def _raw_input(raw) -> np.ndarray:
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return np.frombuffer(raw, dtype=np.uint8)
+    if not isinstance(raw, np.ndarray):
+        raise InvalidArgumentType(
+            f"raw must be a uint8 numpy array or a bytes-like object, got {type(raw).__name__}")
+    if raw.dtype != np.uint8:
+        raise InvalidArgumentType(f"raw must have dtype uint8, got {raw.dtype}; pass raw.view(np.uint8)")
+    return np.ascontiguousarray(raw).reshape(-1)
+
+
+def _shape_arg(shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise InvalidArgumentType(
+            f"shape must be a sequence of ints, got {type(shape).__name__} {shape!r}") from None
+    if not dims or any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape must have at least one non-negative dimension, got {dims}")
+    return dims
+
+
+def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
+               basis: str = "original") -> np.ndarray:
+    """Decode ``raw`` (format ``fmt``) into a new ``float32`` array of ``shape``.
+
+    Exact on the CPU (every weight is the reference decode, bit for bit). For
+    rotated (MQ) formats ``basis="original"`` undoes the FWHT per 256-group;
+    ``basis="rotated"`` returns the stored basis, what the kernels emit (it needs
+    the element count to be a multiple of 256).
+    """
+    codec = resolve(fmt)
+    data = _raw_input(raw)
+    dims = _shape_arg(shape)
+    if basis not in _BASES:
+        raise InvalidArgument(f"basis must be one of {_BASES}, got {basis!r}")
+    check_k(codec, dims)
+    numel = math.prod(dims)
+    expected = codec.nbytes(numel)
+    if data.size != expected:
+        raise SizeMismatch(
+            f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected} "
+            f"(ceil({numel}/{codec.group_size}) groups x {codec.group_bytes} bytes)")
+    rotated_basis = basis == "rotated"
+    if rotated_basis and codec.rotated and numel % 256 != 0:
+        raise InvalidArgument(
+            f"basis='rotated' needs a multiple of 256 weights (whole rotated groups), got "
+            f"shape {dims}")
+    out = np.empty(numel, dtype=np.float32)
+    if codec.kind == AFFINE:
+        affine.decode(data, out, codec.family, codec.bits, codec.group_size,
+                      rotated_basis and codec.rotated)
+    elif codec.kind == Q8:
+        q8.decode(data, out)
+    elif codec.name == "f32":
+        out[:] = data.view(np.float32)
+    elif codec.name == "f16":
+        half.f16_to_f32(data.view(np.uint16), out)
+    else:
+        half.bf16_to_f32(data.view(np.uint16), out)
+    return out.reshape(dims)
+
+
+def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
+    """The FWHT-256 rotation ``R = D2·H·D1/16`` (§3.6) of every row of ``x`` (``[..., 256]``).
+
+    ``inverse=True`` applies ``Rᵀ`` (R is orthogonal). Bit-exact with hipfire's
+    ``cpu_fwht_256``. Returns a new float32 array of ``x``'s shape.
+    """
+    x = _float32_input(x, "x")
+    if x.shape[-1] != 256:
+        raise InvalidArgument(f"fwht256 needs rows of 256 values (x.shape[-1] == 256), got shape {x.shape}")
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
+    out = np.empty_like(rows)
+    fwht.fwht_rows(rows, out, inverse)
+    return out.reshape(x.shape)
+
+
+def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray:
+    """``x · Wᵀ`` for a quantized ``W`` of ``shape`` ``[M, K]``, dequantizing on the fly.
+
+    ``x`` is float32 ``[K]`` or ``[B, K]`` with 1 ≤ B ≤ 8; returns ``[M]`` or ``[B, M]``.
+    For rotated (MQ) formats ``x`` is rotated with the same forward FWHT per
+    256-segment and multiplied with the stored (rotated) weights (§3.6).
+    """
+    from pagedkv.quant.matvec import gemv as _gemv
+    return _gemv(raw, fmt, shape, x)

@@ -1,0 +1,387 @@
+// KV-cache kernels: q8 quantize on write and dequantize on read (hfqm-and-quant.md
+// §6.3), paged-attention decode over block tables (paged-kv.md §5.2) and block
+// copies between pools.
+//
+// Pool layout, per layer and side: [num_blocks, block_size, kv_heads, row] where a
+// row is head_dim f16/bf16 values (2*head_dim bytes) or head_dim/32 q8 records of
+// 34 bytes. A token's slot is block_id * block_size + offset.
+//
+// Parameters: inputs, outputs, then scalars.
+#include "pagedkv_compat.h"
+#include <pagedkv/kvquant.h>
+
+// ---------------------------------------------------------------------------
+// q8 write: one 32-value record per 32 consecutive lanes (a whole warp on 32-wide
+// targets, half a wavefront on 64-wide ones: the xor offsets stay below 32).
+
+// f32 or f16 (uint16_t bits) values in and out.
+PKV_DEV float pkv_load_value(const float* p) { return *p; }
+PKV_DEV float pkv_load_value(const uint16_t* p) { return pkv_half_bits_to_float(*p); }
+PKV_DEV void pkv_store_value(float* p, float v) { *p = v; }
+PKV_DEV void pkv_store_value(uint16_t* p, float v) { *p = pkv_float_to_half_bits(v); }
+
+template <typename In>
+PKV_DEV void kv_q8_write(const In* __restrict__ src, const int64_t* __restrict__ slots,
+                         uint8_t* __restrict__ pool, int n_tokens, int kv_heads, int head_dim) {
+  const int64_t gid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int j = (int)(gid & 31);
+  const int64_t rec = gid >> 5;
+  const int recs_per_row = head_dim / PKV_KVQ8_BLOCK;
+  const int64_t n_recs = (int64_t)n_tokens * kv_heads * recs_per_row;
+  const bool live = rec < n_recs;
+  int64_t token = 0, slot = -1;
+  float v = 0.0f;
+  if (live) {
+    token = rec / ((int64_t)kv_heads * recs_per_row);
+    slot = slots[token];
+    v = pkv_load_value(src + rec * PKV_KVQ8_BLOCK + j);
+  }
+  float amax = fabsf(v);
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, m));
+  if (!live || slot < 0) return;  // slot -1: a padding token, nothing to store
+  const int64_t head_rec = rec - token * ((int64_t)kv_heads * recs_per_row);
+  uint8_t* out = pool + (slot * kv_heads * recs_per_row + head_rec) * PKV_KVQ8_RECORD_BYTES;
+  const float inv = pkv_kvq8_inv_scale(amax);
+  out[2 + j] = (uint8_t)(int8_t)pkv_kvq8_code(v, inv);
+  if (j == 0) {
+    const uint16_t d = pkv_float_to_half_bits(pkv_kvq8_scale(amax));
+    out[0] = (uint8_t)(d & 0xFF);
+    out[1] = (uint8_t)(d >> 8);
+  }
+}
+
+PKV_KERNEL void pkv_kv_q8_write_f32(const float* src, const int64_t* slots, uint8_t* pool,
+                                    int n_tokens, int kv_heads, int head_dim) {
+  kv_q8_write<float>(src, slots, pool, n_tokens, kv_heads, head_dim);
+}
+PKV_KERNEL void pkv_kv_q8_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* pool,
+                                    int n_tokens, int kv_heads, int head_dim) {
+  kv_q8_write<uint16_t>(src, slots, pool, n_tokens, kv_heads, head_dim);
+}
+
+// q8 read: one output value per thread, gathered by slot.
+
+template <typename Out>
+PKV_DEV void kv_q8_read(const uint8_t* __restrict__ pool, const int64_t* __restrict__ slots,
+                        Out* __restrict__ dst, int n_tokens, int kv_heads, int head_dim) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t row_vals = (int64_t)kv_heads * head_dim;
+  if (i >= (int64_t)n_tokens * row_vals) return;
+  const int64_t token = i / row_vals;
+  const int64_t within = i - token * row_vals;  // head * head_dim + dim
+  const int64_t rec = slots[token] * (row_vals / PKV_KVQ8_BLOCK) + within / PKV_KVQ8_BLOCK;
+  const uint8_t* r = pool + rec * PKV_KVQ8_RECORD_BYTES;
+  const float d = pkv_half_bits_to_float((uint16_t)(r[0] | (r[1] << 8)));
+  pkv_store_value(dst + i, pkv_kvq8_value(d, (int8_t)r[2 + within % PKV_KVQ8_BLOCK]));
+}
+
+PKV_KERNEL void pkv_kv_q8_read_f32(const uint8_t* pool, const int64_t* slots, float* dst,
+                                   int n_tokens, int kv_heads, int head_dim) {
+  kv_q8_read<float>(pool, slots, dst, n_tokens, kv_heads, head_dim);
+}
+PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, uint16_t* dst,
+                                   int n_tokens, int kv_heads, int head_dim) {
+  kv_q8_read<uint16_t>(pool, slots, dst, n_tokens, kv_heads, head_dim);
+}
+
+// ---------------------------------------------------------------------------
+// Paged-attention decode (one query token per sequence, GQA).
+//
+// Split along the sequence ("flash decoding"): CTA (partition, kv_head, seq) scores
+// PKV_ATTN_PARTITION tokens for the kv head's group of query heads, keeps the scores
+// in shared memory (two passes: K then V, no running rescale), and writes the
+// unnormalized partial output with its max and sum; pkv_paged_attention_reduce
+// combines the partitions. Each lane holds 8 consecutive dims of a token row, so a
+// token takes head_dim/8 lanes and one 16-byte load per row (f16/bf16).
+
+#define PKV_ATTN_PARTITION 512
+#define PKV_ATTN_THREADS 128
+#define PKV_ATTN_UNROLL 4
+
+enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
+
+template <int KIND>
+PKV_DEV void load_row8(const uint8_t* row, int d0, float out[8]) {
+  if (KIND == KV_Q8) {
+    const uint8_t* rec = row + (d0 / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES;
+    const uint16_t* rec16 = (const uint16_t*)rec;  // records are 2-byte aligned
+    const float d = pkv_half_bits_to_float(rec16[0]);
+    const uint16_t* codes = rec16 + 1 + (d0 % PKV_KVQ8_BLOCK) / 2;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t c = codes[i];
+      out[2 * i] = pkv_kvq8_value(d, (int8_t)(c & 0xFF));
+      out[2 * i + 1] = pkv_kvq8_value(d, (int8_t)(c >> 8));
+    }
+  } else {
+    const uint4 raw = *(const uint4*)(row + 2 * d0);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (KIND == KV_F16) {
+        out[2 * i] = pkv_half_bits_to_float((uint16_t)(w[i] & 0xFFFF));
+        out[2 * i + 1] = pkv_half_bits_to_float((uint16_t)(w[i] >> 16));
+      } else {
+        out[2 * i] = pkv_bf16_bits_to_float((uint16_t)(w[i] & 0xFFFF));
+        out[2 * i + 1] = pkv_bf16_bits_to_float((uint16_t)(w[i] >> 16));
+      }
+    }
+  }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void paged_attention_partition(
+    const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
+    const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ seq_lens, float* __restrict__ part_out,
+    float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
+    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
+  extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
+  __shared__ int blocks[PKV_ATTN_PARTITION + 2];
+  __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
+
+  const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
+  const int group = num_heads / kv_heads;
+  const int seq_len = seq_lens[seq];
+  const int start = part * PKV_ATTN_PARTITION;
+  if (start >= seq_len) return;  // the reduce reads only partitions below seq_len
+  const int n_tok = min(PKV_ATTN_PARTITION, seq_len - start);
+
+  const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
+  const int n_warps = PKV_ATTN_THREADS / PKV_WARP_SIZE;
+  const int lanes_per_token = head_dim / 8;
+  const int tokens_per_warp = PKV_WARP_SIZE / lanes_per_token;
+  const int d0 = (lane % lanes_per_token) * 8;
+  const int sub = lane / lanes_per_token;
+  const int stride = n_warps * tokens_per_warp;
+  const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
+
+  const int first_blk = start / block_size;
+  const int n_blk = (start + n_tok - 1) / block_size - first_blk + 1;
+  for (int i = threadIdx.x; i < n_blk; i += PKV_ATTN_THREADS)
+    blocks[i] = block_tables[(int64_t)seq * table_width + first_blk + i];
+
+  float qv[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    const int h = kvh * group + (g < group ? g : 0);
+    const float* qh = q + ((int64_t)seq * num_heads + h) * head_dim + d0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qv[g][i] = qh[i] * scale;
+  }
+  __syncthreads();
+
+  auto row_ptr = [&](const uint8_t* pool, int t) {
+    const int pos = start + t;
+    const int64_t slot = (int64_t)blocks[pos / block_size - first_blk] * block_size + pos % block_size;
+    return pool + (slot * kv_heads + kvh) * row_bytes;
+  };
+
+  // Pass 1: scores.
+  float* scores = smem;
+  float tmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
+  // The loop bound is uniform across the warp (its first token), so every lane
+  // reaches the shuffles; lanes past the end compute on zeros and store nothing.
+  for (int w0 = warp * tokens_per_warp; w0 < n_tok; w0 += stride * PKV_ATTN_UNROLL) {
+    const int t0 = w0 + sub;
+    float kv[PKV_ATTN_UNROLL][8];
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+      const int t = t0 + u * stride;
+      if (t < n_tok) {
+        load_row8<KIND>(row_ptr(k_pool, t), d0, kv[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kv[u][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+      const int t = t0 + u * stride;
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += qv[g][i] * kv[u][i];
+        for (int m = lanes_per_token / 2; m > 0; m >>= 1) s += pkv_shfl_xor(s, m);
+        if (t < n_tok) {
+          tmax[g] = fmaxf(tmax[g], s);
+          if (d0 == 0) scores[t * GMAX + g] = s;
+        }
+      }
+    }
+  }
+  // Partition max per head: warp, then CTA.
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    float m = tmax[g];
+    for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) m = fmaxf(m, pkv_shfl_xor(m, o));
+    if (lane == 0) red[warp][g] = m;
+  }
+  __syncthreads();
+  float pmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    pmax[g] = red[0][g];
+    for (int w = 1; w < n_warps; ++w) pmax[g] = fmaxf(pmax[g], red[w][g]);
+  }
+  // Probabilities (unnormalized) and their sum.
+  float tsum[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tsum[g] = 0.0f;
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float p = expf(scores[t * GMAX + g] - pmax[g]);
+      scores[t * GMAX + g] = p;
+      tsum[g] += p;
+    }
+  }
+  __syncthreads();  // everyone has read red[] (pmax) before it is reused
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    float s = tsum[g];
+    for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) s += pkv_shfl_xor(s, o);
+    if (lane == 0) red[warp][g] = s;
+  }
+  __syncthreads();
+
+  // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
+  float acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+  for (int t0 = warp * tokens_per_warp + sub; t0 < n_tok; t0 += stride * PKV_ATTN_UNROLL) {
+    float kv[PKV_ATTN_UNROLL][8];
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+      const int t = t0 + u * stride;
+      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, kv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+      const int t = t0 + u * stride;
+      if (t < n_tok) {
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          const float p = scores[t * GMAX + g];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[u][i];
+        }
+      }
+    }
+  }
+  // Sum the tokens_per_warp token lanes of each dim, then the warps.
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      for (int o = PKV_WARP_SIZE / 2; o >= lanes_per_token; o >>= 1)
+        acc[g][i] += pkv_shfl_xor(acc[g][i], o);
+  __syncthreads();  // scores are no longer read: smem now holds per-warp sums
+  float* wsum = smem;  // [n_warps][GMAX][head_dim]
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wsum[(warp * GMAX + g) * head_dim + d0 + i] = acc[g][i];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < group * head_dim; e += PKV_ATTN_THREADS) {
+    const int g = e / head_dim, d = e % head_dim;
+    float s = 0.0f;
+    for (int w = 0; w < n_warps; ++w) s += wsum[(w * GMAX + g) * head_dim + d];
+    const int64_t hp = ((int64_t)seq * num_heads + kvh * group + g) * max_partitions + part;
+    part_out[hp * head_dim + d] = s;
+    if (d == 0) {
+      float l = 0.0f;
+      for (int w = 0; w < n_warps; ++w) l += red[w][g];
+      float m = pmax[0];
+#pragma unroll
+      for (int gg = 1; gg < GMAX; ++gg)
+        if (gg == g) m = pmax[gg];  // a register array takes constant indices only
+      part_max[hp] = m;
+      part_sum[hp] = l;
+    }
+  }
+}
+
+#define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS) NAME(                                  \
+      const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
+      const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
+      float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
+      int head_dim, int block_size, int table_width, int max_partitions) {                   \
+    paged_attention_partition<KIND, GMAX>(q, k_pool, v_pool, block_tables, seq_lens,         \
+                                          part_out, part_max, part_sum, scale, num_heads,    \
+                                          kv_heads, head_dim, block_size, table_width,       \
+                                          max_partitions);                                   \
+  }
+
+PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)
+PKV_ATTN_KERNEL(pkv_paged_attention_f16_g2, KV_F16, 2)
+PKV_ATTN_KERNEL(pkv_paged_attention_f16_g4, KV_F16, 4)
+PKV_ATTN_KERNEL(pkv_paged_attention_f16_g8, KV_F16, 8)
+PKV_ATTN_KERNEL(pkv_paged_attention_bf16_g1, KV_BF16, 1)
+PKV_ATTN_KERNEL(pkv_paged_attention_bf16_g2, KV_BF16, 2)
+PKV_ATTN_KERNEL(pkv_paged_attention_bf16_g4, KV_BF16, 4)
+PKV_ATTN_KERNEL(pkv_paged_attention_bf16_g8, KV_BF16, 8)
+PKV_ATTN_KERNEL(pkv_paged_attention_q8_g1, KV_Q8, 1)
+PKV_ATTN_KERNEL(pkv_paged_attention_q8_g2, KV_Q8, 2)
+PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
+PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
+
+// Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
+// An empty sequence (seq_len 0) gives zeros.
+PKV_KERNEL void pkv_paged_attention_reduce(const float* part_out, const float* part_max,
+                                           const float* part_sum, const int32_t* seq_lens,
+                                           float* out, int num_heads, int head_dim,
+                                           int max_partitions) {
+  const int h = blockIdx.x, seq = blockIdx.y;
+  const int n_parts = (seq_lens[seq] + PKV_ATTN_PARTITION - 1) / PKV_ATTN_PARTITION;
+  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
+  float m = -INFINITY;
+  for (int p = 0; p < n_parts; ++p) m = fmaxf(m, part_max[hp + p]);
+  float denom = 0.0f;
+  for (int p = 0; p < n_parts; ++p) denom += expf(part_max[hp + p] - m) * part_sum[hp + p];
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float s = 0.0f;
+    for (int p = 0; p < n_parts; ++p)
+      s += expf(part_max[hp + p] - m) * part_out[(hp + p) * head_dim + d];
+    out[((int64_t)seq * num_heads + h) * head_dim + d] = s * inv;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Block copies between pools (growth, cold capture and restore): block src_ids[i]
+// of src to block dst_ids[i] of dst, block_bytes each. The 16-byte kernel needs
+// block_bytes % 16 == 0 and 16-byte aligned pools; the byte kernel takes anything.
+
+PKV_KERNEL void pkv_copy_blocks_16(const uint8_t* src, const int32_t* src_ids,
+                                   const int32_t* dst_ids, uint8_t* dst, int n_pairs,
+                                   int64_t block_bytes) {
+  const int64_t n_vec = block_bytes / 16;
+  for (int pair = blockIdx.y; pair < n_pairs; pair += gridDim.y) {
+    const uint4* s = (const uint4*)(src + (int64_t)src_ids[pair] * block_bytes);
+    uint4* d = (uint4*)(dst + (int64_t)dst_ids[pair] * block_bytes);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n_vec;
+         i += (int64_t)gridDim.x * blockDim.x)
+      d[i] = s[i];
+  }
+}
+
+PKV_KERNEL void pkv_copy_blocks_1(const uint8_t* src, const int32_t* src_ids,
+                                  const int32_t* dst_ids, uint8_t* dst, int n_pairs,
+                                  int64_t block_bytes) {
+  for (int pair = blockIdx.y; pair < n_pairs; pair += gridDim.y) {
+    const uint8_t* s = src + (int64_t)src_ids[pair] * block_bytes;
+    uint8_t* d = dst + (int64_t)dst_ids[pair] * block_bytes;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < block_bytes;
+         i += (int64_t)gridDim.x * blockDim.x)
+      d[i] = s[i];
+  }
+}

@@ -1,0 +1,70 @@
+/* pagedkv_compat.h: the few vendor differences the hip/ kernels touch.
+ *
+ * One .hip source compiles with hipcc (AMD, code objects) and with nvcc
+ * (NVIDIA, `-x cu`, cubins/PTX). HIP's own NVIDIA headers are not used: they
+ * do not compile against CUDA 13, and the kernels need only what is below.
+ * Everything else (threadIdx, __shared__, __syncthreads, atomics) is spelled
+ * the same by both compilers.
+ */
+#ifndef PAGEDKV_COMPAT_H
+#define PAGEDKV_COMPAT_H
+
+#if defined(__HIPCC__)
+#  include <hip/hip_runtime.h>
+/* clang defines the wavefront size per offload target: 64 on GCN/CDNA
+ * (gfx90a, gfx940), 32 on RDNA (gfx1030, gfx11, gfx12) in the default wave32 mode. */
+#  if defined(__AMDGCN_WAVEFRONT_SIZE)
+#    define PKV_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#  elif defined(__HIP_DEVICE_COMPILE__)
+#    error "hipcc did not define __AMDGCN_WAVEFRONT_SIZE for this target"
+#  else
+#    define PKV_WARP_SIZE 64 /* host pass: never used for code generation */
+#  endif
+#elif defined(__CUDACC__)
+#  define PKV_WARP_SIZE 32
+#else
+#  error "pagedkv_compat.h is for hipcc or nvcc"
+#endif
+
+#include <pagedkv/portability.h>
+
+#define PKV_KERNEL extern "C" __global__
+#define PKV_DEV __device__ static __forceinline__
+
+/* Whole-warp butterfly exchange; every lane of the warp takes part. */
+PKV_DEV float pkv_shfl_xor(float v, int lane_mask) {
+#if defined(__HIPCC__)
+  return __shfl_xor(v, lane_mask, PKV_WARP_SIZE);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, PKV_WARP_SIZE);
+#endif
+}
+
+/* Hardware IEEE half <-> float conversions (round to nearest even), on raw bits
+ * so that no vendor half type leaks into the kernels' interfaces. */
+PKV_DEV float pkv_half_bits_to_float(uint16_t h) {
+#if defined(__HIPCC__)
+  return (float)__builtin_bit_cast(_Float16, h);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+PKV_DEV uint16_t pkv_float_to_half_bits(float f) {
+#if defined(__HIPCC__)
+  return __builtin_bit_cast(uint16_t, (_Float16)f);
+#else
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+
+/* bfloat16 widens exactly: its bits are the top half of a float's. */
+PKV_DEV float pkv_bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float((uint32_t)b << 16);
+}
+
+#endif /* PAGEDKV_COMPAT_H */

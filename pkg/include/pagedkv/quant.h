@@ -1,0 +1,550 @@
+/* Per-element quantization math of the HFQ / MQ / Q8 weight codecs.
+ *
+ * Source: shared/specs/hfqm-and-quant.md §3 (primitives) and §4 (codecs).
+ * One text for every consumer: the Cython codecs (pagedkv.quant), the HIP/CUDA
+ * kernels (hip/, through nvcc or hipcc) and the Metal kernels (passed as text).
+ * Hence: every function is PKV_FN, pointers into device buffers are PKV_DEVPTR,
+ * no libc, no statics that need initialising, only integer and f32 arithmetic.
+ *
+ * Bit-exactness. Encoders reproduce hipfire's bytes: each step below is one
+ * rounded f32 operation, in the order written (§3.1); the project compiles C
+ * with -ffp-contract=off so no a*b+c is fused. The decoders are exact on the
+ * CPU for the same reason; GPU builds may fuse (tolerance: 1 ulp of the group's
+ * largest magnitude, DESIGN "Kernels").
+ *
+ * Byte order. Multi-byte fields are little-endian and groups start at any
+ * byte (a 34-byte Q8F16 block, a tensor at an odd file offset), so fields are
+ * read and written byte by byte; compilers merge these into single moves.
+ */
+#ifndef PAGEDKV_QUANT_H
+#define PAGEDKV_QUANT_H
+
+#include "portability.h"
+
+/* ---------------------------------------------------------------------------
+ * Constants
+ * ------------------------------------------------------------------------- */
+
+#define PKV_FWHT_N               256        /* rotation length of every MQ format */
+#define PKV_FWHT_SCALE_256       0.0625f    /* 1/sqrt(256), exact */
+#define PKV_FWHT_SCALE_128       0.0883883461356163f  /* f32(1/sqrt(128)) = 0x3DB504F3 */
+#define PKV_SIGNS1_SEED          42u        /* D1, applied before the butterflies */
+#define PKV_SIGNS2_SEED          1042u      /* D2, applied after */
+
+#define PKV_AFFINE_HEADER_BYTES  8u         /* v1: f32 scale, f32 min; V2/MQ4C: 4 x f16 */
+#define PKV_Q8F16_GROUP          32u
+#define PKV_Q8F16_GROUP_BYTES    34u        /* f16 scale + 32 x int8 (GGML Q8_0 layout) */
+
+/* Bytes of one affine group of G weights at `bits` bits: 8 B header + packed codes. */
+#define PKV_AFFINE_GROUP_BYTES(bits, G) (PKV_AFFINE_HEADER_BYTES + ((bits) * (G)) / 8u)
+
+/* ---------------------------------------------------------------------------
+ * Bit casts and little-endian field access
+ * ------------------------------------------------------------------------- */
+
+PKV_FN uint32_t pkv_f32_bits(float x) {
+    union { float f; uint32_t u; } v;
+    v.f = x;
+    return v.u;
+}
+
+PKV_FN float pkv_f32_from_bits(uint32_t u) {
+    union { float f; uint32_t u; } v;
+    v.u = u;
+    return v.f;
+}
+
+PKV_FN uint32_t pkv_load_u16le(const PKV_DEVPTR uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+}
+
+PKV_FN uint32_t pkv_load_u32le(const PKV_DEVPTR uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+PKV_FN void pkv_store_u16le(PKV_DEVPTR uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)(v & 0xFFu);
+    p[1] = (uint8_t)((v >> 8) & 0xFFu);
+}
+
+PKV_FN void pkv_store_u32le(PKV_DEVPTR uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)(v & 0xFFu);
+    p[1] = (uint8_t)((v >> 8) & 0xFFu);
+    p[2] = (uint8_t)((v >> 16) & 0xFFu);
+    p[3] = (uint8_t)((v >> 24) & 0xFFu);
+}
+
+PKV_FN float pkv_load_f32le(const PKV_DEVPTR uint8_t *p) { return pkv_f32_from_bits(pkv_load_u32le(p)); }
+PKV_FN void pkv_store_f32le(PKV_DEVPTR uint8_t *p, float x) { pkv_store_u32le(p, pkv_f32_bits(x)); }
+
+/* True for NaN and +-Inf (exponent all ones): encoders refuse them (§3.1). */
+PKV_FN int pkv_f32_is_nonfinite(float x) { return (pkv_f32_bits(x) & 0x7F800000u) == 0x7F800000u; }
+
+/* Index of the first NaN/Inf in x[0..n), or -1. The first pass is branch-free
+ * (it vectorizes); only a group that holds one is scanned again. */
+PKV_FN ptrdiff_t pkv_first_nonfinite(const float *x, ptrdiff_t n) {
+    int bad = 0;
+    for (ptrdiff_t i = 0; i < n; ++i) bad |= pkv_f32_is_nonfinite(x[i]);
+    if (!bad) return -1;
+    for (ptrdiff_t i = 0; i < n; ++i)
+        if (pkv_f32_is_nonfinite(x[i])) return i;
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------
+ * Half precision (§3.2)
+ * ------------------------------------------------------------------------- */
+
+/* f32 -> f16 by truncation toward zero: what hipfire's quantizer does for F16
+ * tensors, Q8F16/MQ8 scales and V2/MQ4C headers. NOT round-to-nearest: numpy's
+ * astype(float16) differs on about half of all inputs (0x3F801FFF -> 0x3C00 here,
+ * 0x3C01 there). */
+PKV_FN uint32_t pkv_f16_trunc(float x) {
+    uint32_t b = pkv_f32_bits(x);
+    uint32_t s = (b >> 16) & 0x8000u;
+    int32_t e = (int32_t)((b >> 23) & 0xFFu);
+    uint32_t m = b & 0x7FFFFFu;
+    if (e == 0xFF) return s | 0x7C00u | (m == 0u ? 0u : ((m >> 13) | 1u));
+    int32_t e16 = e - 112;
+    if (e16 >= 31) return s | 0x7C00u;
+    if (e16 <= 0) {
+        if (e16 < -10) return s;
+        return s | ((m | 0x800000u) >> (uint32_t)(14 - e16));
+    }
+    return s | ((uint32_t)e16 << 10) | (m >> 13);
+}
+
+/* f32 -> f16 rounding to nearest, ties to even (Lloyd/GL codebooks, KV cache). */
+PKV_FN uint32_t pkv_f16_rne(float x) {
+    uint32_t b = pkv_f32_bits(x);
+    uint32_t s = (b >> 16) & 0x8000u;
+    int32_t e = (int32_t)((b >> 23) & 0xFFu);
+    uint32_t m = b & 0x7FFFFFu;
+    if (e == 0xFF) return s | 0x7C00u | (m == 0u ? 0u : (0x200u | (m >> 13)));
+    int32_t e16 = e - 112;
+    if (e16 >= 31) return s | 0x7C00u;
+    if (e16 <= 0) {
+        if (e16 < -10) return s;
+        uint32_t mant = m | 0x800000u;
+        uint32_t shift = (uint32_t)(14 - e16);            /* 14 .. 24 */
+        uint32_t r = mant >> shift;
+        uint32_t rem = mant & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (r & 1u))) r += 1u;
+        return s | r;
+    }
+    uint32_t r = ((uint32_t)e16 << 10) | (m >> 13);
+    uint32_t rem = m & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r += 1u;  /* a carry into the exponent is right, up to inf */
+    return s | r;
+}
+
+/* f16 -> f32, exact for every input (subnormals, inf, NaN payloads). */
+PKV_FN float pkv_f16_to_f32(uint32_t h) {
+    uint32_t s = (h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu;
+    uint32_t m = h & 0x3FFu;
+    if (e == 0x1Fu) return pkv_f32_from_bits(s | 0x7F800000u | (m << 13));
+    if (e == 0u) {
+        /* subnormal (or zero): m * 2^-24, exact in f32 */
+        float v = (float)m * 5.9604644775390625e-08f;
+        return s ? -v : v;
+    }
+    return pkv_f32_from_bits(s | ((e + 112u) << 23) | (m << 13));
+}
+
+/* bf16 widens exactly (the top half of an f32); narrowing truncates (hipfire's choice, §3.2). */
+PKV_FN float pkv_bf16_to_f32(uint32_t h) { return pkv_f32_from_bits((h & 0xFFFFu) << 16); }
+PKV_FN uint32_t pkv_bf16_trunc(float x) { return pkv_f32_bits(x) >> 16; }
+
+/* ---------------------------------------------------------------------------
+ * Rounding to integer codes (§3.3)
+ *
+ * Written with compares and truncating conversions (no floorf/roundf) so they
+ * vectorize and run on devices without libm. min(L, floor(v)) == floor(min(v, L))
+ * for integer L, and on [0, L] floor == truncation.
+ * ------------------------------------------------------------------------- */
+
+/* HFQ/MQ v1: q = min(L, floor((x - mn)*inv + 0.5)); the argument is >= 0.5. */
+PKV_FN uint32_t pkv_round_affine_v1(float x, float mn, float inv, float L) {
+    float v = (x - mn) * inv;
+    v = v + 0.5f;
+    v = v < L ? v : L;
+    return (uint32_t)(int32_t)v;
+}
+
+/* V2 / MQ4C: q = clamp(floor((x - z)*inv + 0.5), 0, L); z may exceed the group
+ * minimum (truncated f16), so the lower clamp matters. floor and truncation
+ * agree after clamping to [0, L] (every v < 0 maps to 0 either way). */
+PKV_FN uint32_t pkv_round_affine_v2(float x, float z, float inv, float L) {
+    float v = (x - z) * inv;
+    v = v + 0.5f;
+    v = v > 0.0f ? v : 0.0f;
+    v = v < L ? v : L;
+    return (uint32_t)(int32_t)v;
+}
+
+/* Q8F16 / MQ8 / Q8HFQ: round half away from zero, clamp to [-128, 127].
+ * (a + 0.5 then truncate is wrong for a = 0.49999997, hence the fraction test.) */
+PKV_FN int32_t pkv_round_q8(float v) {
+    float a = v < 0.0f ? -v : v;
+    a = a < 256.0f ? a : 256.0f;                  /* keep the conversion in range */
+    float t = (float)(int32_t)a;
+    float frac = a - t;                           /* exact below 2^23 */
+    int32_t q = (int32_t)t + (frac >= 0.5f ? 1 : 0);
+    q = v < 0.0f ? -q : q;
+    q = q < -128 ? -128 : q;
+    return q > 127 ? 127 : q;
+}
+
+/* KV q8 (§6.3): round half to even, clamp to [-127, 127]. */
+PKV_FN int32_t pkv_round_q8_kv(float v) {
+    float a = v < 0.0f ? -v : v;
+    a = a < 256.0f ? a : 256.0f;
+    int32_t t = (int32_t)a;
+    float frac = a - (float)t;
+    if (frac > 0.5f || (frac == 0.5f && (t & 1))) t += 1;
+    t = v < 0.0f ? -t : t;
+    t = t < -127 ? -127 : t;
+    return t > 127 ? 127 : t;
+}
+
+/* ---------------------------------------------------------------------------
+ * Bit packing (§3.4): code j occupies bits [b*j, b*j + b) of the payload read
+ * as one little-endian integer (LSB first), for every width b in 1..8.
+ * ------------------------------------------------------------------------- */
+
+/* Code j of an LSB-first stream of `bits`-bit codes. Reads the second byte only
+ * when the code straddles it, so it never reads past the payload. */
+PKV_FN uint32_t pkv_unpack_code(const PKV_DEVPTR uint8_t *payload, uint32_t j, uint32_t bits) {
+    uint32_t bit = bits * j;
+    uint32_t byte = bit >> 3, shift = bit & 7u;
+    uint32_t v = (uint32_t)payload[byte] >> shift;
+    if (shift + bits > 8u) v |= (uint32_t)payload[byte + 1u] << (8u - shift);
+    return v & ((1u << bits) - 1u);
+}
+
+/* Pack n codes (each < 2^bits) into ceil(n*bits/8) bytes; a partial last byte is
+ * zero-filled. Whole groups of 8 codes take exactly `bits` bytes. */
+PKV_FN void pkv_pack_codes(const uint8_t *q, uint32_t n, uint32_t bits, PKV_DEVPTR uint8_t *out) {
+    uint32_t acc = 0u, filled = 0u, o = 0u;
+    for (uint32_t j = 0; j < n; ++j) {
+        acc |= (uint32_t)q[j] << filled;
+        filled += bits;
+        while (filled >= 8u) {
+            out[o++] = (uint8_t)(acc & 0xFFu);
+            acc >>= 8;
+            filled -= 8u;
+        }
+    }
+    if (filled) out[o] = (uint8_t)(acc & 0xFFu);
+}
+
+/* Width-specialised unpackers for whole groups (n a multiple of 8): the decode
+ * loops call these on a byte array, then convert codes to floats in a second,
+ * vectorizable pass. Same bit order as pkv_unpack_code. */
+PKV_FN void pkv_unpack_codes(const PKV_DEVPTR uint8_t *payload, uint32_t n, uint32_t bits, uint8_t *q) {
+    if (bits == 4u) {
+        for (uint32_t i = 0; i < n / 2u; ++i) {
+            uint32_t b = payload[i];
+            q[2u * i] = (uint8_t)(b & 0x0Fu);
+            q[2u * i + 1u] = (uint8_t)(b >> 4);
+        }
+    } else if (bits == 2u) {
+        for (uint32_t i = 0; i < n / 4u; ++i) {
+            uint32_t b = payload[i];
+            q[4u * i] = (uint8_t)(b & 3u);
+            q[4u * i + 1u] = (uint8_t)((b >> 2) & 3u);
+            q[4u * i + 2u] = (uint8_t)((b >> 4) & 3u);
+            q[4u * i + 3u] = (uint8_t)(b >> 6);
+        }
+    } else if (bits == 6u) {
+        for (uint32_t i = 0; i < n / 4u; ++i) {
+            uint32_t w = (uint32_t)payload[3u * i] | ((uint32_t)payload[3u * i + 1u] << 8) |
+                         ((uint32_t)payload[3u * i + 2u] << 16);
+            q[4u * i] = (uint8_t)(w & 63u);
+            q[4u * i + 1u] = (uint8_t)((w >> 6) & 63u);
+            q[4u * i + 2u] = (uint8_t)((w >> 12) & 63u);
+            q[4u * i + 3u] = (uint8_t)(w >> 18);
+        }
+    } else if (bits == 8u) {
+        for (uint32_t i = 0; i < n; ++i) q[i] = payload[i];
+    } else {
+        /* 1, 3, 5, 7 bits: 8 codes per `bits` bytes, read as one 64-bit word. */
+        uint32_t mask = (1u << bits) - 1u;
+        for (uint32_t i = 0; i < n / 8u; ++i) {
+            uint64_t w = 0u;
+            for (uint32_t k = 0; k < bits; ++k) w |= (uint64_t)payload[bits * i + k] << (8u * k);
+            for (uint32_t k = 0; k < 8u; ++k) q[8u * i + k] = (uint8_t)((w >> (bits * k)) & mask);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Sign tables (§3.5): a 31-bit LCG; sign i is bit 16 of the state after i+1 steps.
+ * SIGNS1 = signs(42, 256), SIGNS2 = signs(1042, 256); the 128-wide tables are
+ * their first 128 entries.
+ * ------------------------------------------------------------------------- */
+
+PKV_FN uint32_t pkv_sign_lcg_next(uint32_t state) {
+    return (state * 1103515245u + 12345u) & 0x7FFFFFFFu;   /* u32 wrap, then 31 bits */
+}
+
+/* +1.0f or -1.0f for one LCG state. */
+PKV_FN float pkv_sign_of_state(uint32_t state) { return ((state >> 16) & 1u) ? 1.0f : -1.0f; }
+
+/* Fill out[0..n) with signs(seed, n). */
+PKV_FN void pkv_signs_generate(uint32_t seed, uint32_t n, float *out) {
+    uint32_t state = seed;
+    for (uint32_t i = 0; i < n; ++i) {
+        state = pkv_sign_lcg_next(state);
+        out[i] = pkv_sign_of_state(state);
+    }
+}
+
+/* The same tables precomputed, bit-packed: bit (i % 32) of word (i / 32) is set
+ * where sign i is +1 (the §5.1 byte strings read as little-endian u32 words).
+ * A switch, not an array, so device code needs no __constant__ declaration. */
+PKV_FN uint32_t pkv_signs1_word(uint32_t w) {
+    switch (w & 7u) {
+    case 0: return 0x7E1F436Fu; case 1: return 0x7DCCA4DBu;
+    case 2: return 0x656132F7u; case 3: return 0x3461EA31u;
+    case 4: return 0x3F8FF8ACu; case 5: return 0x57873038u;
+    case 6: return 0x3F939D88u; default: return 0x408E25A3u;
+    }
+}
+
+PKV_FN uint32_t pkv_signs2_word(uint32_t w) {
+    switch (w & 7u) {
+    case 0: return 0x615EB361u; case 1: return 0x8EAB84A4u;
+    case 2: return 0x2481C03Bu; case 3: return 0x511CC661u;
+    case 4: return 0x3AD419B8u; case 5: return 0xBEF3EC93u;
+    case 6: return 0xEE3A4271u; default: return 0x390FAFE9u;
+    }
+}
+
+PKV_FN float pkv_sign1(uint32_t i) { return ((pkv_signs1_word(i >> 5) >> (i & 31u)) & 1u) ? 1.0f : -1.0f; }
+PKV_FN float pkv_sign2(uint32_t i) { return ((pkv_signs2_word(i >> 5) >> (i & 31u)) & 1u) ? 1.0f : -1.0f; }
+
+/* ---------------------------------------------------------------------------
+ * FWHT (§3.6): R = D2 . H . D1 / sqrt(n), n in {128, 256}.
+ * The stage order (ascending strides) is part of the contract: vectorizing
+ * within a stage keeps the bits, reordering stages does not.
+ * ------------------------------------------------------------------------- */
+
+/* Unnormalized Walsh-Hadamard butterflies over y[0..n), in place. */
+PKV_FN void pkv_fwht_butterflies(float *y, uint32_t n) {
+    for (uint32_t h = 1u; h < n; h <<= 1) {
+        for (uint32_t i = 0; i < n; i += 2u * h) {
+            for (uint32_t j = i; j < i + h; ++j) {
+                float a = y[j], b = y[j + h];
+                y[j] = a + b;
+                y[j + h] = a - b;
+            }
+        }
+    }
+}
+
+/* The same butterflies for n = 256, scheduled for SIMD: strides 1 and 2 fused
+ * into one radix-4 pass, then one loop per constant stride. Each element sees
+ * the same operations in the same order as pkv_fwht_butterflies (only
+ * independent operations are reordered), so the bits are identical. */
+PKV_FN void pkv_fwht256_stage_(float *y, uint32_t h) {
+    for (uint32_t i = 0; i < 256u; i += 2u * h) {
+        for (uint32_t j = i; j < i + h; ++j) {
+            float a = y[j], b = y[j + h];
+            y[j] = a + b;
+            y[j + h] = a - b;
+        }
+    }
+}
+
+PKV_FN void pkv_fwht256_butterflies(float *y) {
+    for (uint32_t i = 0; i < 256u; i += 4u) {
+        float a0 = y[i], a1 = y[i + 1u], a2 = y[i + 2u], a3 = y[i + 3u];
+        float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
+        y[i] = b0 + b2;
+        y[i + 2u] = b0 - b2;
+        y[i + 1u] = b1 + b3;
+        y[i + 3u] = b1 - b3;
+    }
+    pkv_fwht256_stage_(y, 4u);
+    pkv_fwht256_stage_(y, 8u);
+    pkv_fwht256_stage_(y, 16u);
+    pkv_fwht256_stage_(y, 32u);
+    pkv_fwht256_stage_(y, 64u);
+    pkv_fwht256_stage_(y, 128u);
+}
+
+/* Forward rotation with the sign tables as floats (pre = SIGNS1, post = SIGNS2
+ * for the forward transform; swap them for the inverse). y may alias x. */
+PKV_FN void pkv_fwht_with_tables(const float *x, float *y, uint32_t n,
+                                 const float *pre, const float *post) {
+    float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
+    for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pre[i];
+    if (n == 256u) pkv_fwht256_butterflies(y); else pkv_fwht_butterflies(y, n);
+    for (uint32_t i = 0; i < n; ++i) y[i] = y[i] * (c * post[i]);   /* c*(+-1) is exact */
+}
+
+/* fwht(x, n) and ifwht(x, n) with the packed tables (no setup; device-friendly). */
+PKV_FN void pkv_fwht(const float *x, float *y, uint32_t n) {
+    float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
+    for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pkv_sign1(i);
+    pkv_fwht_butterflies(y, n);
+    for (uint32_t i = 0; i < n; ++i) y[i] = y[i] * (c * pkv_sign2(i));
+}
+
+PKV_FN void pkv_ifwht(const float *x, float *y, uint32_t n) {
+    float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
+    for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pkv_sign2(i);
+    pkv_fwht_butterflies(y, n);
+    for (uint32_t i = 0; i < n; ++i) y[i] = y[i] * (c * pkv_sign1(i));
+}
+
+/* ---------------------------------------------------------------------------
+ * Affine v1 groups: HFQ (qt 6-12) and, after the rotation, MQ v1 (13, 15, 17,
+ * 18, 31). Layout: [0,4) f32 scale, [4,8) f32 min, [8, 8 + bits*G/8) codes.
+ * ------------------------------------------------------------------------- */
+
+PKV_FN float pkv_hfq_scale(const PKV_DEVPTR uint8_t *blk) { return pkv_load_f32le(blk); }
+PKV_FN float pkv_hfq_min(const PKV_DEVPTR uint8_t *blk) { return pkv_load_f32le(blk + 4); }
+
+/* Element i of a v1 group: q*scale + min (two rounded ops, in that order). */
+PKV_FN float pkv_hfq_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint32_t i) {
+    float q = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, i, bits);
+    return q * pkv_hfq_scale(blk) + pkv_hfq_min(blk);
+}
+
+/* Encode x[0..n) (n <= G; codes n..G are 0) into one v1 group. `q` is scratch
+ * of G bytes. min/max run over the n real elements only (§4.1). */
+PKV_FN void pkv_hfq_encode_group(const float *x, uint32_t n, uint32_t bits, uint32_t G,
+                                 uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    float L = (float)((1u << bits) - 1u);
+    float mn = x[0], mx = x[0];
+    for (uint32_t i = 1; i < n; ++i) {
+        mn = x[i] < mn ? x[i] : mn;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    float rng = mx - mn;
+    float scale = 1.0f, inv = 0.0f;
+    if (rng > 0.0f) {
+        scale = rng / L;
+        inv = 1.0f / scale;            /* 1/scale, not L/rng: part of the bytes */
+    }
+    for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine_v1(x[i], mn, inv, L);
+    for (uint32_t i = n; i < G; ++i) q[i] = 0u;
+    pkv_store_f32le(blk, scale);
+    pkv_store_f32le(blk + 4, mn);
+    pkv_pack_codes(q, G, bits, blk + PKV_AFFINE_HEADER_BYTES);
+}
+
+/* Decode a whole v1 group of G weights (G a multiple of 8). `q` is G bytes of scratch. */
+PKV_FN void pkv_hfq_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint32_t G,
+                                 uint8_t *q, float *out) {
+    float scale = pkv_hfq_scale(blk), mn = pkv_hfq_min(blk);
+    pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, G, bits, q);
+    for (uint32_t i = 0; i < G; ++i) out[i] = (float)q[i] * scale + mn;
+}
+
+/* ---------------------------------------------------------------------------
+ * MQ V2 family (qt 44, 47-50) and MQ4C (qt 45), 256 rotated weights per group.
+ * V2:   [0,2) s0 [2,4) z0 (weights 0-127), [4,6) s1 [6,8) z1 (128-255), f16 each.
+ * MQ4C: [0,2) s, [2,4) z, [4,8) zero.   Codes at [8, ...), v1 packing.
+ * Decode: w_rot[i] = q[i]*f32(s) + f32(z), the half taken from the element index.
+ * ------------------------------------------------------------------------- */
+
+/* Quantize v[0..n) against one stored (s, z) pair; writes the two f16 fields
+ * at hdr. The codes use the STORED (truncated) step and zero, not the f32 ones. */
+PKV_FN void pkv_v2_encode_span(const float *v, uint32_t n, uint32_t bits,
+                               uint8_t *q, PKV_DEVPTR uint8_t *hdr) {
+    float L = (float)((1u << bits) - 1u);
+    float lo = v[0], hi = v[0];
+    for (uint32_t i = 1; i < n; ++i) {
+        lo = v[i] < lo ? v[i] : lo;
+        hi = v[i] > hi ? v[i] : hi;
+    }
+    float step = hi > lo ? (hi - lo) / L : 0.0f;
+    uint32_t sb = hi == lo ? 0u : pkv_f16_trunc(step);
+    uint32_t zb = pkv_f16_trunc(lo);
+    float st = pkv_f16_to_f32(sb), z = pkv_f16_to_f32(zb);
+    if (hi == lo || step == 0.0f || st == 0.0f) {
+        for (uint32_t i = 0; i < n; ++i) q[i] = 0u;
+    } else {
+        float inv = 1.0f / st;
+        for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine_v2(v[i], z, inv, L);
+    }
+    pkv_store_u16le(hdr, sb);
+    pkv_store_u16le(hdr + 2, zb);
+}
+
+/* r: the 256 ROTATED weights of one group. `q`: 256 bytes of scratch. */
+PKV_FN void pkv_mqv2_encode_group(const float *r, uint32_t bits, uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    pkv_v2_encode_span(r, 128u, bits, q, blk);
+    pkv_v2_encode_span(r + 128, 128u, bits, q + 128, blk + 4);
+    pkv_pack_codes(q, 256u, bits, blk + PKV_AFFINE_HEADER_BYTES);
+}
+
+PKV_FN void pkv_mq4c_encode_group(const float *r, uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    pkv_v2_encode_span(r, 256u, 4u, q, blk);
+    pkv_store_u32le(blk + 4, 0u);
+    pkv_pack_codes(q, 256u, 4u, blk + PKV_AFFINE_HEADER_BYTES);
+}
+
+PKV_FN float pkv_mqv2_scale(const PKV_DEVPTR uint8_t *blk, uint32_t half) { return pkv_f16_to_f32(pkv_load_u16le(blk + 4u * half)); }
+PKV_FN float pkv_mqv2_zero(const PKV_DEVPTR uint8_t *blk, uint32_t half) { return pkv_f16_to_f32(pkv_load_u16le(blk + 4u * half + 2u)); }
+
+PKV_FN float pkv_mqv2_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint32_t i) {
+    uint32_t h = i >> 7;
+    float q = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, i, bits);
+    return q * pkv_mqv2_scale(blk, h) + pkv_mqv2_zero(blk, h);
+}
+
+PKV_FN float pkv_mq4c_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    float q = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, i, 4u);
+    return q * pkv_mqv2_scale(blk, 0u) + pkv_mqv2_zero(blk, 0u);
+}
+
+/* Whole group in the rotated basis; `q` is 256 bytes of scratch. */
+PKV_FN void pkv_mqv2_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint8_t *q, float *out) {
+    pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, 256u, bits, q);
+    for (uint32_t h = 0; h < 2u; ++h) {
+        float s = pkv_mqv2_scale(blk, h), z = pkv_mqv2_zero(blk, h);
+        for (uint32_t i = 128u * h; i < 128u * h + 128u; ++i) out[i] = (float)q[i] * s + z;
+    }
+}
+
+PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, uint8_t *q, float *out) {
+    float s = pkv_mqv2_scale(blk, 0u), z = pkv_mqv2_zero(blk, 0u);
+    pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, 256u, 4u, q);
+    for (uint32_t i = 0; i < 256u; ++i) out[i] = (float)q[i] * s + z;
+}
+
+/* ---------------------------------------------------------------------------
+ * Q8F16 (qt 3), 32 weights: [0,2) f16_trunc(scale), [2,34) int8 codes.
+ * Codes use the f32 scale amax/127; the stored f16 is truncated (<= 1 ulp smaller).
+ * ------------------------------------------------------------------------- */
+
+/* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block). */
+PKV_FN void pkv_q8f16_encode_group(const float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+    float amax = 0.0f;
+    for (uint32_t i = 0; i < n; ++i) {
+        float a = x[i] < 0.0f ? -x[i] : x[i];
+        amax = a > amax ? a : amax;
+    }
+    float scale = amax / 127.0f;
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    pkv_store_u16le(blk, pkv_f16_trunc(scale));
+    for (uint32_t i = 0; i < n; ++i) blk[2u + i] = (uint8_t)(pkv_round_q8(x[i] * inv) & 0xFF);
+    for (uint32_t i = n; i < PKV_Q8F16_GROUP; ++i) blk[2u + i] = 0u;
+}
+
+PKV_FN float pkv_q8f16_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    return pkv_f16_to_f32(pkv_load_u16le(blk)) * (float)(int8_t)blk[2u + i];
+}
+
+PKV_FN void pkv_q8f16_decode_group(const PKV_DEVPTR uint8_t *blk, float *out) {
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk));
+    for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) out[i] = d * (float)(int8_t)blk[2u + i];
+}
+
+#endif /* PAGEDKV_QUANT_H */

@@ -1,0 +1,153 @@
+"""``pagedkv inspect FILE [--json]``: header, arch, metadata summary, tensor table and
+totals per format of an HFQM file (hfqm-and-quant.md §2)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pagedkv.cli.table import format_table
+
+# Config keys loaders read (§2.3), shown in the metadata summary when present.
+_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                "max_position_embeddings", "rope_theta", "rms_norm_eps")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show the header, metadata and tensors of an HFQM file",
+                       description="Show the header, arch, metadata summary, tensor table "
+                                   "and per-format totals of an HFQM (.hfq/.mq4/...) file.")
+    p.add_argument("file", help="HFQM file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.set_defaults(func=run)
+
+
+def metadata_summary(metadata: dict) -> dict[str, Any]:
+    """The metadata keys worth a glance; the tokenizer is reported by size only."""
+    summary: dict[str, Any] = {}
+    if "architecture" in metadata:
+        summary["architecture"] = metadata["architecture"]
+    config = metadata.get("config")
+    if isinstance(config, dict):
+        text_config = config.get("text_config")
+        for key in _CONFIG_KEYS:
+            if key in config:
+                summary[f"config.{key}"] = config[key]
+            elif isinstance(text_config, dict) and key in text_config:
+                summary[f"config.text_config.{key}"] = text_config[key]
+    tokenizer = metadata.get("tokenizer")
+    if isinstance(tokenizer, str):
+        summary["tokenizer_bytes"] = len(tokenizer.encode("utf-8"))
+    for key in ("tokenizer_config", "generation_config"):
+        if key in metadata:
+            summary[key] = "present" if metadata[key] is not None else None
+    qh = metadata.get("quantization_hash")
+    if isinstance(qh, dict) and "value" in qh:
+        summary["quantization_hash"] = qh["value"]
+    counts = metadata.get("parameter_counts")
+    if isinstance(counts, dict) and "total_params" in counts:
+        summary["total_params"] = counts["total_params"]
+    if "source" in metadata:
+        summary["source"] = metadata["source"]
+    others = sorted(set(metadata) - {"architecture", "config", "tokenizer", "tokenizer_config",
+                                     "generation_config", "quantization_hash",
+                                     "parameter_counts", "source"})
+    if others:
+        summary["other_keys"] = others
+    return summary
+
+
+def describe(file) -> dict[str, Any]:
+    """Everything ``inspect`` prints, as JSON-ready data."""
+    from pagedkv.errors import BadMetadata
+    totals: dict[str, dict[str, int]] = {}
+    tensors = []
+    for t in file.tensors:
+        tensors.append({"name": t.name, "qt": t.qt, "qt_name": t.qt_name, "shape": list(t.shape),
+                        "group_size": t.group_size, "nbytes": t.nbytes, "offset": t.offset})
+        row = totals.setdefault(t.qt_name, {"qt": t.qt, "tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += t.nbytes
+    try:
+        summary: dict[str, Any] | str = metadata_summary(file.metadata)
+    except BadMetadata as exc:
+        summary = f"error: {exc}"
+    mtp = file.mtp
+    return {
+        "path": file.path,
+        "base": file.base,
+        "file_bytes": file.file_bytes,
+        "version": file.version,
+        "arch_id": file.arch_id,
+        "arch_name": file.arch_name,
+        "n_tensors": len(file),
+        "metadata_offset": file.metadata_offset,
+        "metadata_bytes": file.metadata_bytes,
+        "data_offset": file.data_offset,
+        "payload_bytes": file.payload_bytes,
+        "metadata": summary,
+        "tensors": tensors,
+        "totals": dict(sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))),
+        "mtp": describe(mtp) if mtp is not None else None,
+    }
+
+
+def _shape_text(shape: list[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def render(info: dict[str, Any], indent: str = "") -> list[str]:
+    """The text form of :func:`describe`."""
+    lines = [
+        f"file      {info['path']} ({info['file_bytes']:,} bytes"
+        + (f", section at byte {info['base']:,})" if info["base"] else ")"),
+        f"format    HFQM v{info['version']}, arch {info['arch_id']} ({info['arch_name']})",
+        f"metadata  {info['metadata_bytes']:,} bytes at {info['metadata_offset']}; "
+        f"data_offset {info['data_offset']:,}",
+    ]
+    summary = info["metadata"]
+    if isinstance(summary, str):
+        lines.append(f"          {summary}")
+    else:
+        for key, value in summary.items():
+            lines.append(f"          {key}: {value if not isinstance(value, list) else ', '.join(value)}")
+    lines.append("")
+    rows = [["name", "qt", "shape", "bytes", "offset"]]
+    for t in info["tensors"]:
+        rows.append([t["name"], t["qt_name"], _shape_text(t["shape"]), f"{t['nbytes']:,}",
+                     f"{t['offset']:,}"])
+    lines += format_table(rows, right={3, 4})
+    lines.append("")
+    total_bytes = info["payload_bytes"]
+    rows = [["format", "qt", "tensors", "bytes", "share"]]
+    for name, row in info["totals"].items():
+        share = 100.0 * row["bytes"] / total_bytes if total_bytes else 0.0
+        rows.append([name, str(row["qt"]), str(row["tensors"]), f"{row['bytes']:,}",
+                     f"{share:.1f}%"])
+    rows.append(["total", "", str(info["n_tensors"]), f"{total_bytes:,}", "100.0%"
+                 if total_bytes else "0.0%"])
+    lines += format_table(rows, right={1, 2, 3, 4})
+    if info["mtp"] is not None:
+        lines.append("")
+        lines.append(f"MTP head (HFBNDMTP bundle) at byte {info['mtp']['base']:,}:")
+        lines += render(info["mtp"], indent="  ")
+    return [indent + line if line else line for line in lines]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.errors import FormatError
+    from pagedkv.hfqm import HfqmFile
+    try:
+        with HfqmFile(args.file) as f:
+            info = describe(f)
+    except (FormatError, OSError) as exc:
+        print(f"pagedkv inspect: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+    else:
+        print("\n".join(render(info)))
+    return 0

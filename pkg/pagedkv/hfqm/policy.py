@@ -1,0 +1,128 @@
+"""Quantizer tensor policy (hfqm-and-quant.md §2.9): which qt each source tensor gets.
+
+* ``mtp.*`` and (unless asked) ``model.visual.*`` are skipped; integer buffers are
+  left out; both are listed in the conversion summary.
+* Norms and biases (case-insensitive), every 1-D tensor and names without
+  ``weight`` stay F16.
+* Embeddings, ``lm_head`` and MoE routers are Q8F16 under every MQ/HFQ recipe.
+* Stacked experts ``…mlp.experts.gate_up_proj`` [E, 2I, H] / ``…down_proj`` [E, H, I]
+  become E 2-D tensors ``…mlp.experts.{e}.gate_up_proj.weight``.
+* A K (last dim) not divisible by 256 takes the G128/G256 fallback of the table below.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from pagedkv.errors import InvalidArgument
+from pagedkv.hfqm.arch import is_qwen35_metadata
+from pagedkv.hfqm.qtypes import QuantType, qtype
+
+__all__ = ["FORMAT_ALIASES", "K_FALLBACK", "TensorPlan", "resolve_format", "default_format",
+           "plan_tensor"]
+
+#: ``--format`` short names (§2.9); any lower-case qt name is accepted too.
+FORMAT_ALIASES: dict[str, int] = {"mq4": 44, "mq6": 15, "mq6v2": 47, "hf4": 6, "hf6": 8, "q8": 3}
+
+#: qt used instead when K % 256 != 0 (upstream for 13, 14, 15; pagedkv's choice for the
+#: rest). Formats not listed (HFQ v1, Q8F16) let groups straddle rows.
+K_FALLBACK: dict[int, int] = {
+    13: 7, 44: 7, 45: 7,          # MQ4 v1 / V2 / MQ4C -> HFQ4G128
+    15: 8, 47: 8, 31: 8, 48: 8,   # MQ6 / MQ6V2 / MQ5 / MQ5V2 -> HFQ6G256
+    14: 3,                        # MQ8 -> Q8F16
+    17: 12, 49: 12,               # MQ3 / MQ3V2 -> HFQ3G128
+    18: 10, 50: 10,               # MQ2 / MQ2V2 -> HFQ2G128
+}
+
+_F16, _Q8F16 = 1, 3
+_RAW_TARGETS = frozenset({1, 2, 16})
+_EXPERTS = re.compile(r"^(?P<prefix>.*mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class TensorPlan(NamedTuple):
+    """What happens to one (part of a) source tensor. ``qt`` is None for a skipped
+    tensor; ``expert`` selects one expert of a stacked tensor; ``role`` is the
+    tensor class the conversion summary groups errors by."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    qt: int | None
+    role: str
+    reason: str
+    expert: int | None = None
+
+
+def resolve_format(fmt: str) -> QuantType:
+    """``mq4``/``mq6``/``mq6v2``/``hf4``/``hf6``/``q8`` or a lower-case qt name -> its qt."""
+    key = fmt.lower()
+    if key in FORMAT_ALIASES:
+        return qtype(FORMAT_ALIASES[key])
+    try:
+        row = qtype(key)
+    except InvalidArgument:
+        raise InvalidArgument(
+            f"--format {fmt!r} is not a format: use one of {', '.join(FORMAT_ALIASES)} or a "
+            "lower-case qt name such as hfq4g256 or mq4g256v2") from None
+    if not row.decodable:
+        raise InvalidArgument(f"--format {fmt!r}: {row.name} is registered but pagedkv does "
+                              f"not encode it (status {row.status})")
+    return row
+
+
+def default_format(config: dict) -> str:
+    """``mq4`` for Qwen3.5+ models (MQ helps only there), ``hf4`` otherwise."""
+    return "mq4" if is_qwen35_metadata({"config": config}) else "hf4"
+
+
+def _role(lower: str) -> str:
+    if "embed" in lower or "wte" in lower:
+        return "embedding"
+    if "lm_head" in lower:
+        return "lm_head"
+    if lower.endswith("mlp.gate.weight") or "shared_expert_gate" in lower:
+        return "router"
+    if "experts" in lower:
+        return "expert"
+    if "attn" in lower or "attention" in lower:
+        return "attention"
+    if "mlp" in lower or "ffn" in lower or "feed_forward" in lower:
+        return "mlp"
+    return "other"
+
+
+def _weight_qt(target: QuantType, shape: tuple[int, ...], role: str) -> tuple[int, str]:
+    is_mq_hfq = target.id not in _RAW_TARGETS and target.id != _Q8F16
+    if role in ("embedding", "lm_head", "router") and is_mq_hfq:
+        return _Q8F16, f"{role}: Q8F16 under every MQ/HFQ recipe"
+    k = shape[-1]
+    if k % 256 != 0 and target.id in K_FALLBACK:
+        fallback = K_FALLBACK[target.id]
+        return fallback, f"K={k} not a multiple of 256: {qtype(fallback).name}"
+    return target.id, target.name
+
+
+def plan_tensor(name: str, dtype: str, shape: tuple[int, ...], target: QuantType, *,
+                include_visual: bool = False) -> list[TensorPlan]:
+    """The output tensor(s) for one source tensor (several for stacked experts)."""
+    lower = name.lower()
+    if name.startswith("mtp.") or (name.startswith("model.visual.") and not include_visual):
+        return [TensorPlan(name, name, shape, None, "skipped",
+                           "MTP head" if name.startswith("mtp.") else "vision tower")]
+    if dtype not in ("F32", "F16", "BF16"):
+        return [TensorPlan(name, name, shape, None, "skipped", f"{dtype} buffer, not a floating-point weight")]
+    experts = _EXPERTS.match(name)
+    if experts and len(shape) == 3:
+        out = []
+        for e in range(shape[0]):
+            out_name = f"{experts['prefix']}.{e}.{experts['proj']}.weight"
+            qt, reason = _weight_qt(target, shape[1:], "expert")
+            out.append(TensorPlan(out_name, name, shape[1:], qt, "expert", reason, e))
+        return out
+    if ("norm" in lower or "bias" in lower or len(shape) <= 1 or "weight" not in lower):
+        role = "norm" if "norm" in lower else "bias" if "bias" in lower else "other-f16"
+        return [TensorPlan(name, name, shape, _F16, role, "norm/bias/1-D: F16")]
+    role = _role(lower)
+    qt, reason = _weight_qt(target, shape, role)
+    return [TensorPlan(name, name, shape, qt, role, reason)]

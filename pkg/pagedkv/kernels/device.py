@@ -1,0 +1,242 @@
+"""A GPU device: memory, copies, kernel launches, streams, events and graphs.
+
+``open_device()`` loads a runtime (:mod:`pagedkv.kernels.runtime`), makes a device
+current and reads its properties. ``device.kernel(source, name, signature)`` loads
+``source``'s code object once and returns a :class:`Kernel` whose calls pack the
+arguments by ``signature``: one letter per parameter, ``p`` a device pointer (a
+:class:`DeviceArray` or an int), ``i`` int32, ``q`` int64, ``f`` float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import byref, c_float, c_int32, c_int64, c_uint64, c_void_p
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.kernels.code_objects import read_object
+from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
+
+__all__ = ["Device", "Kernel", "Event", "Stream", "Graph", "open_device"]
+
+_PACKERS = {"p": c_uint64, "i": c_int32, "q": c_int64, "f": c_float}
+
+
+class Kernel:
+    """One ``extern "C"`` kernel of a loaded module, with its parameter types."""
+
+    def __init__(self, device: Device, name: str, handle: int, signature: str) -> None:
+        bad = set(signature) - set(_PACKERS)
+        if bad:
+            raise InvalidArgument(f"signature={signature!r}: unknown type codes {sorted(bad)}; "
+                                  f"use p (pointer), i (int32), q (int64), f (float32)")
+        self.device = device
+        self.name = name
+        self.handle = handle
+        self.signature = signature
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, signature={self.signature!r})"
+
+    def pack(self, args) -> tuple[list, ctypes.Array]:
+        """ctypes values for ``args`` and the ``void*[]`` the launch takes (keep both alive)."""
+        if len(args) != len(self.signature):
+            raise InvalidArgument(f"{self.name}: {len(args)} arguments given, the kernel takes "
+                                  f"{len(self.signature)} ({self.signature})")
+        values = []
+        for i, (code, arg) in enumerate(zip(self.signature, args)):
+            if code == "p":
+                arg = arg.ptr if isinstance(arg, DeviceArray) else arg
+                if not isinstance(arg, (int, np.integer)):
+                    raise InvalidArgumentType(f"{self.name}: argument {i} must be a device "
+                                              f"pointer, got {type(arg).__name__}")
+            elif code in "iq" and not isinstance(arg, (int, np.integer)):
+                raise InvalidArgumentType(f"{self.name}: argument {i} must be an integer, "
+                                          f"got {type(arg).__name__}")
+            values.append(_PACKERS[code](arg))
+        params = (c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+        return values, params
+
+    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: Stream | None = None):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        if min(grid) < 1 or min(block) < 1:
+            raise InvalidArgument(f"{self.name}: grid {grid} and block {block} must be >= 1")
+        _values, params = self.pack(args)
+        self.device.runtime.call("launch_kernel", self.handle, *grid, *block, shared_bytes,
+                                 stream.handle if stream else None, params, None)
+
+
+class Stream:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        h = c_void_p()
+        device.runtime.call("stream_create", byref(h), 1)  # non-blocking w.r.t. stream 0
+        self.handle = h.value
+
+    def synchronize(self) -> None:
+        self.device.runtime.call("stream_synchronize", self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self.device.runtime.call("stream_destroy", self.handle)
+        except Exception:
+            pass
+
+
+class Event:
+    """A timing event: ``start.record(); …; end.record(); end.elapsed_ms(start)``."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        h = c_void_p()
+        device.runtime.call("event_create", byref(h), 0)
+        self.handle = h.value
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.device.runtime.call("event_record", self.handle, stream.handle if stream else None)
+
+    def elapsed_ms(self, start: Event) -> float:
+        """Milliseconds from ``start`` to this event (waits for this one)."""
+        self.device.runtime.call("event_synchronize", self.handle)
+        out = c_float(0.0)
+        self.device.runtime.call("event_elapsed_time", byref(out), start.handle, self.handle)
+        return out.value
+
+    def __del__(self) -> None:
+        try:
+            self.device.runtime.call("event_destroy", self.handle)
+        except Exception:
+            pass
+
+
+class Graph:
+    """Launches captured on a stream, replayed with one call (``launch``): removes the
+    per-launch host cost from benchmarks of short kernels."""
+
+    def __init__(self, device: Device, stream: Stream, capture) -> None:
+        rt = device.runtime
+        self.device = device
+        rt.call("stream_begin_capture", stream.handle, 0)  # global capture mode
+        try:
+            capture(stream)
+        finally:
+            graph = c_void_p()
+            rt.call("stream_end_capture", stream.handle, byref(graph))
+        self._graph = graph.value
+        exe = c_void_p()
+        rt.call("graph_instantiate", byref(exe), self._graph, 0)
+        self._exec = exe.value
+
+    def launch(self, stream: Stream) -> None:
+        self.device.runtime.call("graph_launch", self._exec, stream.handle)
+
+    def __del__(self) -> None:
+        try:
+            self.device.runtime.call("graph_exec_destroy", self._exec)
+            self.device.runtime.call("graph_destroy", self._graph)
+        except Exception:
+            pass
+
+
+class Device:
+    """A device made current on the calling thread."""
+
+    def __init__(self, runtime: Runtime, ordinal: int = 0) -> None:
+        count = runtime.device_count()
+        if not 0 <= ordinal < count:
+            raise InvalidArgument(f"ordinal={ordinal}: the {runtime.backend} runtime has "
+                                  f"{count} device(s), valid 0..{count - 1}")
+        self.runtime = runtime
+        self.ordinal = ordinal
+        self._dev = runtime.activate(ordinal)
+        self.properties: DeviceProperties = runtime.properties(ordinal, self._dev)
+        self._modules: dict[str, int] = {}
+        self._kernels: dict[tuple[str, str], Kernel] = {}
+
+    def __repr__(self) -> str:
+        p = self.properties
+        return (f"Device({self.runtime.backend}:{self.ordinal} {p.name!r}, arch={p.arch}, "
+                f"{p.multiprocessor_count} SMs/CUs, {p.total_memory_bytes / 2**30:.1f} GiB)")
+
+    @property
+    def backend(self) -> str:
+        return self.runtime.backend
+
+    # --- memory -----------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = c_uint64(0)
+        self.runtime.call("malloc", byref(ptr), max(1, int(nbytes)))
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self.runtime.call("free", ptr)
+
+    def copy_htod(self, dst: int, host: np.ndarray) -> None:
+        if not host.flags.c_contiguous:
+            raise InvalidArgument("host: must be C-contiguous")
+        if host.nbytes:
+            self.runtime.call("memcpy_htod", dst, host.ctypes.data, host.nbytes)
+
+    def copy_dtoh(self, host: np.ndarray, src: int) -> None:
+        if not (host.flags.c_contiguous and host.flags.writeable):
+            raise InvalidArgument("host: must be C-contiguous and writeable")
+        if host.nbytes:
+            self.runtime.call("memcpy_dtoh", host.ctypes.data, src, host.nbytes)
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
+        if nbytes:
+            self.runtime.call("memcpy_dtod_async", dst, src, nbytes,
+                              stream.handle if stream else None)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        if nbytes:
+            self.runtime.call("memset_d8", ptr, value & 0xFF, nbytes)
+
+    def synchronize(self) -> None:
+        self.runtime.call("synchronize")
+
+    def array(self, host: np.ndarray) -> DeviceArray:
+        return DeviceArray.from_numpy(self, host)
+
+    def empty(self, shape, dtype) -> DeviceArray:
+        return DeviceArray.empty(self, shape, dtype)
+
+    # --- kernels ----------------------------------------------------------------------
+
+    def module(self, source: str) -> int:
+        handle = self._modules.get(source)
+        if handle is None:
+            image = read_object(source, self.backend, self.properties.arch)
+            buf = ctypes.create_string_buffer(image, len(image))
+            mod = c_void_p()
+            self.runtime.call("module_load_data", byref(mod), buf)
+            handle = self._modules[source] = mod.value
+        return handle
+
+    def kernel(self, source: str, name: str, signature: str) -> Kernel:
+        key = (source, name)
+        k = self._kernels.get(key)
+        if k is None:
+            fn = c_void_p()
+            self.runtime.call("module_get_function", byref(fn), self.module(source),
+                              name.encode())
+            k = self._kernels[key] = Kernel(self, name, fn.value, signature)
+        return k
+
+
+_default: Device | None = None
+
+
+def open_device(ordinal: int = 0, backend: str | None = None) -> Device:
+    """The device ``ordinal`` of the first working runtime (see ``load_runtime``); the
+    default device (0, any backend) is opened once and shared."""
+    global _default
+    if ordinal == 0 and backend is None:
+        if _default is None:
+            _default = Device(load_runtime(None), 0)
+        return _default
+    return Device(load_runtime(backend), ordinal)

@@ -1,0 +1,231 @@
+"""Launchers for ``hip/kvcache.hip``: q8 KV write/read, paged-attention decode, block copies.
+
+Each function checks shapes and dtypes of its :class:`DeviceArray` arguments
+(``InvalidArgument`` naming the argument, nothing launched) and enqueues the
+kernel on ``stream`` (default stream when ``None``); results are ready after
+``device.synchronize()`` or a copy back. Block ids in tables are not checked on
+the device: :func:`check_decode_batch` checks host tables before upload.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.kernels.device import Device, Stream
+from pagedkv.kernels.device_array import DeviceArray
+
+__all__ = [
+    "KV_DTYPES",
+    "kv_dtype_of",
+    "kv_q8_write",
+    "kv_q8_read",
+    "check_decode_batch",
+    "PagedAttention",
+    "copy_blocks",
+]
+
+SOURCE = "kvcache"
+ATTN_PARTITION_TOKENS = 512  # PKV_ATTN_PARTITION
+ATTN_THREADS = 128  # PKV_ATTN_THREADS
+KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+
+
+def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
+    if not isinstance(arr, DeviceArray):
+        raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+    if arr.dtype != np.dtype(dtype):
+        raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if ndim is not None and arr.ndim != ndim:
+        raise InvalidArgument(f"{name}: shape {arr.shape} has {arr.ndim} dims, expected {ndim}")
+
+
+def kv_dtype_of(pool: DeviceArray) -> str:
+    """The pool dtype name from its array dtype: float16, bfloat16 (uint16 bits), q8 (uint8)."""
+    names = {np.dtype(np.float16): "float16", np.dtype(np.uint16): "bfloat16",
+             np.dtype(np.uint8): "q8"}
+    try:
+        return names[pool.dtype]
+    except KeyError:
+        raise InvalidArgument(f"pool dtype {pool.dtype}: expected float16, uint16 (bfloat16 "
+                              f"bits) or uint8 (q8 records)") from None
+
+
+def _q8_geometry(src_shape, pool: DeviceArray) -> tuple[int, int, int]:
+    n, kvh, hd = src_shape
+    if hd % 32:
+        raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
+    if pool.ndim != 4 or pool.shape[2] != kvh or pool.shape[3] != hd // 32 * 34:
+        raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
+                              f"{kvh}, {hd // 32 * 34}] for kv_heads {kvh}, head_dim {hd}")
+    return n, kvh, hd
+
+
+def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: DeviceArray,
+                *, stream: Stream | None = None) -> None:
+    """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
+    at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
+    if src.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or src.ndim != 3:
+        raise InvalidArgument(f"src: {src.dtype}{list(src.shape)}, expected float32 or "
+                              f"float16 [n, kv_heads, head_dim]")
+    _need(slots, "slots", np.int64, 1)
+    _need(pool, "pool", np.uint8)
+    n, kvh, hd = _q8_geometry(src.shape, pool)
+    if slots.shape[0] != n:
+        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    if n == 0:
+        return
+    name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
+    k = device.kernel(SOURCE, name, "pppiii")
+    threads = n * kvh * hd  # one lane per value
+    k((math.ceil(threads / 256),), (256,), src, slots, pool, n, kvh, hd, stream=stream)
+
+
+def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: DeviceArray,
+               *, stream: Stream | None = None) -> None:
+    """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
+    head_dim]``)."""
+    if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or out.ndim != 3:
+        raise InvalidArgument(f"out: {out.dtype}{list(out.shape)}, expected float32 or "
+                              f"float16 [n, kv_heads, head_dim]")
+    _need(slots, "slots", np.int64, 1)
+    _need(pool, "pool", np.uint8)
+    n, kvh, hd = _q8_geometry(out.shape, pool)
+    if slots.shape[0] != n:
+        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    if n == 0:
+        return
+    name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
+    k = device.kernel(SOURCE, name, "pppiii")
+    k((math.ceil(n * kvh * hd / 256),), (256,), pool, slots, out, n, kvh, hd, stream=stream)
+
+
+def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_blocks: int,
+                       block_size: int) -> None:
+    """Host-side check of a decode batch before upload: every table entry a sequence
+    uses is a valid block id and every length fits its table row."""
+    block_tables = np.asarray(block_tables)
+    seq_lens = np.asarray(seq_lens)
+    if block_tables.dtype != np.int32 or block_tables.ndim != 2:
+        raise InvalidArgument(f"block_tables: {block_tables.dtype}{list(block_tables.shape)}, "
+                              f"expected int32[seqs, width]")
+    if seq_lens.dtype != np.int32 or seq_lens.shape != (block_tables.shape[0],):
+        raise InvalidArgument(f"seq_lens: {seq_lens.dtype}{list(seq_lens.shape)}, expected "
+                              f"int32[{block_tables.shape[0]}]")
+    width = block_tables.shape[1]
+    if seq_lens.size and (seq_lens.min() < 0 or seq_lens.max() > width * block_size):
+        raise InvalidArgument(f"seq_lens: values must be in 0..{width * block_size} "
+                              f"(table width {width} x block_size {block_size})")
+    used = np.arange(width)[None, :] < -(-seq_lens[:, None] // block_size)
+    ids = block_tables[used]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise InvalidArgument(f"block_tables: a used entry is outside 0..{num_blocks - 1}")
+
+
+class PagedAttention:
+    """Paged-attention decode for one geometry, with its partition workspace allocated once.
+
+    ``run(q, k_pool, v_pool, block_tables, seq_lens, out)``: ``q`` ``float32[seqs, heads,
+    head_dim]``; pools ``[num_blocks, block_size, kv_heads, row]`` of float16, bfloat16
+    (uint16) or q8 (uint8); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
+    ``int32[seqs]``, each at most ``max_seq_len``; ``out`` ``float32[seqs, heads, head_dim]``.
+    """
+
+    def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
+                 head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
+                 scale: float | None = None) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)}")
+        if head_dim not in (32, 64, 128, 256):
+            raise InvalidArgument(f"head_dim={head_dim}: expected 32, 64, 128 or 256")
+        if kv_heads < 1 or num_heads % kv_heads or num_heads // kv_heads > 8:
+            raise InvalidArgument(f"num_heads={num_heads}, kv_heads={kv_heads}: num_heads must "
+                                  f"be 1..8 times kv_heads")
+        if block_size < 1 or num_seqs < 1 or max_seq_len < 1:
+            raise InvalidArgument(f"block_size={block_size}, num_seqs={num_seqs}, max_seq_len="
+                                  f"{max_seq_len}: each must be >= 1")
+        self.device = device
+        self.num_seqs, self.num_heads, self.kv_heads = num_seqs, num_heads, kv_heads
+        self.head_dim, self.block_size, self.kv_dtype = head_dim, block_size, kv_dtype
+        self.scale = float(head_dim ** -0.5 if scale is None else scale)
+        group = num_heads // kv_heads
+        self.gmax = 1 << (group - 1).bit_length()
+        self.max_partitions = math.ceil(max_seq_len / ATTN_PARTITION_TOKENS)
+        n_warps = ATTN_THREADS // device.properties.warp_size
+        self.shared_bytes = 4 * max(ATTN_PARTITION_TOKENS * self.gmax,
+                                    n_warps * self.gmax * head_dim)
+        parts = (num_seqs, num_heads, self.max_partitions)
+        self.part_out = device.empty(parts + (head_dim,), np.float32)
+        self.part_max = device.empty(parts, np.float32)
+        self.part_sum = device.empty(parts, np.float32)
+        self._partition = device.kernel(
+            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "pppppppppfiiiiii")
+        self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiii")
+
+    def __repr__(self) -> str:
+        return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
+                f"head_dim={self.head_dim}, block_size={self.block_size}, "
+                f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions})")
+
+    def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
+        s, h, d = self.num_seqs, self.num_heads, self.head_dim
+        for name, arr in (("q", q), ("out", out)):
+            _need(arr, name, np.float32, 3)
+            if arr.shape != (s, h, d):
+                raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
+        row = d // 32 * 34 if self.kv_dtype == "q8" else d
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != self.kv_dtype:
+                raise InvalidArgument(f"{name}: expected a {self.kv_dtype} pool DeviceArray")
+            if pool.ndim != 4 or pool.shape[1:] != (self.block_size, self.kv_heads, row):
+                raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
+                                      f"{self.block_size}, {self.kv_heads}, {row}]")
+        _need(block_tables, "block_tables", np.int32, 2)
+        _need(seq_lens, "seq_lens", np.int32, 1)
+        if block_tables.shape[0] != s or seq_lens.shape[0] != s:
+            raise InvalidArgument(f"block_tables/seq_lens: {block_tables.shape[0]}/"
+                                  f"{seq_lens.shape[0]} rows, expected {s}")
+
+    def run(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
+            block_tables: DeviceArray, seq_lens: DeviceArray, out: DeviceArray,
+            *, stream: Stream | None = None) -> None:
+        self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
+        self._partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
+                        q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
+                        self.part_max, self.part_sum, self.scale, self.num_heads,
+                        self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
+                        self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
+        self._reduce((self.num_heads, self.num_seqs), (min(self.head_dim, 256),),
+                     self.part_out, self.part_max, self.part_sum, seq_lens, out,
+                     self.num_heads, self.head_dim, self.max_partitions, stream=stream)
+
+
+def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids: DeviceArray,
+                dst: DeviceArray, *, stream: Stream | None = None) -> None:
+    """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` (axis 0 is the
+    block; both arrays have the same bytes per block): pool growth, cold capture (pool →
+    staging) and restore (staging → pool)."""
+    _need(src_ids, "src_ids", np.int32, 1)
+    _need(dst_ids, "dst_ids", np.int32, 1)
+    if src_ids.shape != dst_ids.shape:
+        raise InvalidArgument(f"src_ids/dst_ids: lengths {src_ids.shape[0]} and "
+                              f"{dst_ids.shape[0]} differ")
+    if not isinstance(src, DeviceArray) or not isinstance(dst, DeviceArray):
+        raise InvalidArgumentType("src, dst: expected DeviceArrays")
+    if src.ndim < 1 or dst.ndim < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
+        raise InvalidArgument(f"src/dst: shapes {src.shape}/{dst.shape} need blocks on axis 0")
+    block_bytes = src.nbytes // src.shape[0]
+    if dst.nbytes // dst.shape[0] != block_bytes:
+        raise InvalidArgument(f"src/dst: {block_bytes} and {dst.nbytes // dst.shape[0]} bytes "
+                              f"per block differ")
+    n = src_ids.shape[0]
+    if n == 0:
+        return
+    vec = block_bytes % 16 == 0 and src.ptr % 16 == 0 and dst.ptr % 16 == 0
+    name = "pkv_copy_blocks_16" if vec else "pkv_copy_blocks_1"
+    units = block_bytes // 16 if vec else block_bytes
+    k = device.kernel(SOURCE, name, "ppppiq")
+    k((min(math.ceil(units / 256), 64), min(n, 65535)), (256,), src, src_ids, dst_ids, dst, n,
+      block_bytes, stream=stream)

@@ -1,0 +1,289 @@
+"""ctypes bindings to the GPU runtimes: the CUDA driver (``libcuda``) and HIP (``libamdhip64``).
+
+The two APIs are the same shape (module load from bytes, function lookup, a
+12-argument launch, plain device pointers), so one :class:`Runtime` drives both
+from a table of symbol names. Every failing call raises
+:class:`pagedkv.errors.DeviceError` carrying the runtime's own error name and
+message; a missing library, a failed initialisation or zero devices raise
+:class:`pagedkv.errors.NoDeviceError` with one line saying which.
+
+Library lookup: ``PAGEDKV_CUDA_LIBRARY`` / ``PAGEDKV_HIP_LIBRARY`` (a path) first,
+then the usual sonames. ``PAGEDKV_GPU_BACKEND`` (``cuda`` or ``hip``) picks one
+vendor; by default CUDA is tried, then HIP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
+from dataclasses import dataclass
+
+from pagedkv.errors import DeviceError, InvalidArgument, NoDeviceError
+
+__all__ = ["Runtime", "DeviceProperties", "load_runtime", "BACKENDS"]
+
+BACKENDS = ("cuda", "hip")
+
+_ptr = c_uint64  # CUdeviceptr / hipDeviceptr_t: 64-bit on every supported platform
+_handle = c_void_p  # modules, functions, streams, events, contexts
+
+# logical name -> (CUDA symbol, HIP symbol, argtypes); None where a vendor has no such call.
+_API = {
+    "init": ("cuInit", "hipInit", [c_uint]),
+    "driver_version": ("cuDriverGetVersion", "hipDriverGetVersion", [POINTER(c_int)]),
+    "device_count": ("cuDeviceGetCount", "hipGetDeviceCount", [POINTER(c_int)]),
+    "device_get": ("cuDeviceGet", None, [POINTER(c_int), c_int]),
+    "device_name": ("cuDeviceGetName", "hipDeviceGetName", [c_char_p, c_int, c_int]),
+    "device_attribute": ("cuDeviceGetAttribute", "hipDeviceGetAttribute",
+                         [POINTER(c_int), c_int, c_int]),
+    "device_total_mem": ("cuDeviceTotalMem_v2", "hipDeviceTotalMem", [POINTER(c_size_t), c_int]),
+    "primary_ctx_retain": ("cuDevicePrimaryCtxRetain", None, [POINTER(_handle), c_int]),
+    "ctx_set_current": ("cuCtxSetCurrent", None, [_handle]),
+    "set_device": (None, "hipSetDevice", [c_int]),
+    "synchronize": ("cuCtxSynchronize", "hipDeviceSynchronize", []),
+    "malloc": ("cuMemAlloc_v2", "hipMalloc", [POINTER(_ptr), c_size_t]),
+    "free": ("cuMemFree_v2", "hipFree", [_ptr]),
+    "memcpy_htod": ("cuMemcpyHtoD_v2", "hipMemcpyHtoD", [_ptr, c_void_p, c_size_t]),
+    "memcpy_dtoh": ("cuMemcpyDtoH_v2", "hipMemcpyDtoH", [c_void_p, _ptr, c_size_t]),
+    "memcpy_dtod": ("cuMemcpyDtoD_v2", "hipMemcpyDtoD", [_ptr, _ptr, c_size_t]),
+    "memcpy_dtod_async": ("cuMemcpyDtoDAsync_v2", "hipMemcpyDtoDAsync",
+                          [_ptr, _ptr, c_size_t, _handle]),
+    "memset_d8": ("cuMemsetD8_v2", "hipMemsetD8", [_ptr, ctypes.c_ubyte, c_size_t]),
+    "module_load_data": ("cuModuleLoadData", "hipModuleLoadData", [POINTER(_handle), c_void_p]),
+    "module_unload": ("cuModuleUnload", "hipModuleUnload", [_handle]),
+    "module_get_function": ("cuModuleGetFunction", "hipModuleGetFunction",
+                            [POINTER(_handle), _handle, c_char_p]),
+    "launch_kernel": ("cuLaunchKernel", "hipModuleLaunchKernel",
+                      [_handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, _handle,
+                       POINTER(c_void_p), POINTER(c_void_p)]),
+    "stream_create": ("cuStreamCreate", "hipStreamCreateWithFlags", [POINTER(_handle), c_uint]),
+    "stream_synchronize": ("cuStreamSynchronize", "hipStreamSynchronize", [_handle]),
+    "stream_destroy": ("cuStreamDestroy_v2", "hipStreamDestroy", [_handle]),
+    "event_create": ("cuEventCreate", "hipEventCreateWithFlags", [POINTER(_handle), c_uint]),
+    "event_record": ("cuEventRecord", "hipEventRecord", [_handle, _handle]),
+    "event_synchronize": ("cuEventSynchronize", "hipEventSynchronize", [_handle]),
+    "event_elapsed_time": ("cuEventElapsedTime", "hipEventElapsedTime",
+                           [POINTER(c_float), _handle, _handle]),
+    "event_destroy": ("cuEventDestroy_v2", "hipEventDestroy", [_handle]),
+    # Graphs (benchmarks replay captured launch sequences).
+    "stream_begin_capture": ("cuStreamBeginCapture_v2", "hipStreamBeginCapture", [_handle, c_int]),
+    "stream_end_capture": ("cuStreamEndCapture", "hipStreamEndCapture",
+                           [_handle, POINTER(_handle)]),
+    "graph_instantiate": ("cuGraphInstantiateWithFlags", "hipGraphInstantiateWithFlags",
+                          [POINTER(_handle), _handle, c_uint64]),
+    "graph_launch": ("cuGraphLaunch", "hipGraphLaunch", [_handle, _handle]),
+    "graph_exec_destroy": ("cuGraphExecDestroy", "hipGraphExecDestroy", [_handle]),
+    "graph_destroy": ("cuGraphDestroy", "hipGraphDestroy", [_handle]),
+}
+
+# Device attribute ids (CUdevice_attribute, hipDeviceAttribute_t of ROCm >= 5).
+_ATTRIBUTES = {
+    "multiprocessor_count": (16, 63),
+    "l2_cache_bytes": (38, 19),
+    "warp_size": (10, 87),
+    "compute_capability_major": (75, 23),
+    "compute_capability_minor": (76, 61),
+    "max_shared_memory_per_block_bytes": (8, 74),
+}
+
+_SONAMES = {
+    "cuda": ("libcuda.so.1", "libcuda.so", "libcuda.dylib"),
+    "hip": ("libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"),
+}
+_LIBRARY_ENV = {"cuda": "PAGEDKV_CUDA_LIBRARY", "hip": "PAGEDKV_HIP_LIBRARY"}
+
+# hipDeviceProp_t changed layout between ROCm 5 and 6 (hipGetDevicePropertiesR0600);
+# the arch name is found by its "gfx" prefix in a generously sized buffer instead of a
+# version-specific offset.
+_HIP_PROPS_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What the kernels and benchmarks need to know about a device."""
+
+    ordinal: int
+    name: str
+    arch: str  # "sm_90", "gfx90a"
+    multiprocessor_count: int
+    warp_size: int
+    l2_cache_bytes: int
+    total_memory_bytes: int
+    max_shared_memory_per_block_bytes: int
+
+
+class Runtime:
+    """One vendor's runtime library, with checked calls.
+
+    ``call(name, *args)`` runs the logical API call ``name`` (see ``_API``) and raises
+    :class:`DeviceError` on a non-zero status.
+    """
+
+    def __init__(self, backend: str, lib: ctypes.CDLL, path: str) -> None:
+        if backend not in BACKENDS:
+            raise InvalidArgument(f"backend={backend!r}: expected one of {BACKENDS}")
+        self.backend = backend
+        self.path = path
+        self._lib = lib
+        self._index = BACKENDS.index(backend)
+        self._fns: dict[str, ctypes._CFuncPtr] = {}
+        if backend == "cuda":
+            self._err_name = lib.cuGetErrorName
+            self._err_name.argtypes = [c_int, POINTER(c_char_p)]
+            self._err_string = lib.cuGetErrorString
+            self._err_string.argtypes = [c_int, POINTER(c_char_p)]
+        else:
+            self._err_name = lib.hipGetErrorName
+            self._err_name.restype = c_char_p
+            self._err_name.argtypes = [c_int]
+            self._err_string = lib.hipGetErrorString
+            self._err_string.restype = c_char_p
+            self._err_string.argtypes = [c_int]
+
+    def __repr__(self) -> str:
+        return f"Runtime(backend={self.backend!r}, library={self.path!r})"
+
+    def has(self, name: str) -> bool:
+        symbol = _API[name][self._index]
+        return symbol is not None and hasattr(self._lib, symbol)
+
+    def _fn(self, name: str):
+        fn = self._fns.get(name)
+        if fn is None:
+            symbol = _API[name][self._index]
+            if symbol is None:
+                raise InvalidArgument(f"{name!r} is not a {self.backend} runtime call")
+            # CUDA 12.8+ headers map some calls to a _v2 symbol; older drivers export only
+            # the plain one.
+            fn = getattr(self._lib, symbol, None) or getattr(self._lib, symbol + "_v2")
+            fn.argtypes = _API[name][2]
+            fn.restype = c_int
+            self._fns[name] = fn
+        return fn
+
+    def error_text(self, code: int) -> tuple[str, str]:
+        """The runtime's own (name, message) for a status code."""
+        if self.backend == "cuda":
+            name, msg = c_char_p(), c_char_p()
+            self._err_name(code, byref(name))
+            self._err_string(code, byref(msg))
+            name_b, msg_b = name.value, msg.value
+        else:
+            name_b, msg_b = self._err_name(code), self._err_string(code)
+        return ((name_b or b"unknown error").decode(errors="replace"),
+                (msg_b or b"").decode(errors="replace"))
+
+    def call(self, name: str, *args) -> None:
+        code = self._fn(name)(*args)
+        if code != 0:
+            err, msg = self.error_text(code)
+            raise DeviceError(_API[name][self._index], code, err, msg)
+
+    # --- devices -------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        n = c_int(0)
+        self.call("device_count", byref(n))
+        return n.value
+
+    def activate(self, ordinal: int) -> int:
+        """Make ``ordinal`` current for this thread; returns the vendor's device handle."""
+        if self.backend == "cuda":
+            dev = c_int(0)
+            self.call("device_get", byref(dev), ordinal)
+            ctx = _handle()
+            self.call("primary_ctx_retain", byref(ctx), dev.value)
+            self.call("ctx_set_current", ctx)
+            return dev.value
+        self.call("set_device", ordinal)
+        return ordinal
+
+    def attribute(self, name: str, dev: int) -> int:
+        out = c_int(0)
+        self.call("device_attribute", byref(out), _ATTRIBUTES[name][self._index], dev)
+        return out.value
+
+    def properties(self, ordinal: int, dev: int) -> DeviceProperties:
+        buf = ctypes.create_string_buffer(256)
+        self.call("device_name", buf, len(buf), dev)
+        total = c_size_t(0)
+        self.call("device_total_mem", byref(total), dev)
+        if self.backend == "cuda":
+            major = self.attribute("compute_capability_major", dev)
+            minor = self.attribute("compute_capability_minor", dev)
+            arch = f"sm_{major}{minor}"
+        else:
+            arch = self._hip_arch(ordinal)
+        return DeviceProperties(
+            ordinal=ordinal,
+            name=buf.value.decode(errors="replace"),
+            arch=arch,
+            multiprocessor_count=self.attribute("multiprocessor_count", dev),
+            warp_size=self.attribute("warp_size", dev),
+            l2_cache_bytes=self.attribute("l2_cache_bytes", dev),
+            total_memory_bytes=total.value,
+            max_shared_memory_per_block_bytes=self.attribute(
+                "max_shared_memory_per_block_bytes", dev),
+        )
+
+    def _hip_arch(self, ordinal: int) -> str:
+        props = ctypes.create_string_buffer(_HIP_PROPS_BYTES)
+        fn = self._lib.hipGetDeviceProperties
+        fn.argtypes, fn.restype = [c_void_p, c_int], c_int
+        code = fn(props, ordinal)
+        if code != 0:
+            err, msg = self.error_text(code)
+            raise DeviceError("hipGetDeviceProperties", code, err, msg)
+        raw = props.raw
+        at = raw.find(b"gfx")
+        if at < 0:
+            raise DeviceError("hipGetDeviceProperties", 0, "no gcnArchName",
+                              "the device properties hold no 'gfx…' arch name")
+        name = raw[at:raw.index(b"\0", at)].decode(errors="replace")
+        return name.split(":")[0]  # "gfx90a:sramecc+:xnack-" -> "gfx90a"
+
+
+def _open_library(backend: str) -> tuple[ctypes.CDLL, str]:
+    explicit = os.environ.get(_LIBRARY_ENV[backend])
+    candidates = (explicit,) if explicit else _SONAMES[backend]
+    errors = []
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name), name
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    where = f"{_LIBRARY_ENV[backend]}={explicit}" if explicit else ", ".join(candidates)
+    raise NoDeviceError(f"no {backend} runtime library could be loaded ({where})")
+
+
+def load_runtime(backend: str | None = None) -> Runtime:
+    """Load and initialise a runtime with at least one device.
+
+    ``backend`` (or ``PAGEDKV_GPU_BACKEND``): ``"cuda"``, ``"hip"`` or ``None`` for the
+    first that works, CUDA first. Raises :class:`NoDeviceError` (one line per vendor
+    tried) when none does.
+    """
+    backend = backend or os.environ.get("PAGEDKV_GPU_BACKEND") or None
+    if backend is not None and backend not in BACKENDS:
+        raise InvalidArgument(
+            f"backend={backend!r} (or PAGEDKV_GPU_BACKEND): expected one of {BACKENDS}")
+    reasons = []
+    for name in (backend,) if backend else BACKENDS:
+        try:
+            lib, path = _open_library(name)
+            rt = Runtime(name, lib, path)
+            try:
+                rt.call("init", 0)
+            except DeviceError as exc:
+                raise NoDeviceError(
+                    f"{name} runtime {path} found but {exc.call} failed: "
+                    f"{exc.name} ({exc.code})") from exc
+            if rt.device_count() == 0:
+                raise NoDeviceError(f"{name} runtime {path} found but it reports no device")
+            return rt
+        except NoDeviceError as exc:
+            reasons.append(str(exc))
+        except DeviceError as exc:
+            reasons.append(f"{name}: {exc}")
+    raise NoDeviceError("no GPU available: " + "; ".join(reasons))

@@ -1,0 +1,7 @@
+# Affine weight codecs: HFQ v1, MQ v1, MQ V2 family, MQ4C (hfqm-and-quant.md §4.1-4.4).
+
+cpdef enum AffineFamily:
+    HFQ = 0        # qt 6-12: f32 scale, f32 min, not rotated
+    MQ_V1 = 1      # qt 13, 15, 17, 18, 31: HFQ bytes of the FWHT-256-rotated group
+    MQ_V2 = 2      # qt 44, 47-50: per-128 f16 (scale, zero), rotated
+    MQ4C = 3       # qt 45: one f16 (scale, zero) per 256, rotated

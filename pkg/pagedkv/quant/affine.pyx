@@ -1,0 +1,123 @@
+# cython: freethreading_compatible = True
+"""Affine weight codecs (hfqm-and-quant.md §4.1-4.4): HFQ v1, MQ v1, MQ V2, MQ4C.
+
+Flat in, flat out: the tensor is flattened row-major and cut into consecutive
+groups of ``group`` weights (groups may straddle rows, §3.4); the last group
+may be short. Per-group math is ``pagedkv/quant.h``; these loops only walk
+groups, zero-pad the short last group and apply the FWHT-256 for the rotated
+families.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+from libc.string cimport memcpy, memset
+
+from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.quant_header cimport (
+    pkv_first_nonfinite, pkv_hfq_decode_group, pkv_hfq_encode_group, pkv_mq4c_decode_group,
+    pkv_mq4c_encode_group, pkv_mqv2_decode_group, pkv_mqv2_encode_group, pkv_pack_codes,
+    pkv_unpack_code,
+)
+
+cnp.import_array()
+
+
+cdef inline Py_ssize_t group_bytes(int bits, Py_ssize_t group) noexcept nogil:
+    return 8 + bits * group // 8
+
+
+def encode(const float[::1] x, uint8_t[::1] out, AffineFamily family, int bits, Py_ssize_t group):
+    """Encode ``x`` into ``out`` (``ceil(len(x)/group)`` groups of ``8 + bits*group/8`` bytes).
+
+    Returns -1, or the index of the first NaN/Inf in ``x`` (nothing is guaranteed
+    about ``out`` then). The caller validates sizes; rotated families need group 256.
+    """
+    cdef Py_ssize_t n = x.shape[0], B = group_bytes(bits, group)
+    cdef Py_ssize_t g, start, count, bad = -1, n_groups = (n + group - 1) // group
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    if out.shape[0] != n_groups * B:
+        raise ValueError(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
+    if n == 0:
+        return -1
+    with nogil:
+        for g in range(n_groups):
+            start = g * group
+            count = min(group, n - start)
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
+                break
+            if family == HFQ:
+                pkv_hfq_encode_group(&x[start], <unsigned>count, bits, <unsigned>group,
+                                     q, &out[g * B])
+                continue
+            # rotated families: zero-pad BEFORE rotating (§4.2), then min/max over all 256
+            memcpy(buf, &x[start], count * sizeof(float))
+            if count < 256:
+                memset(&buf[count], 0, (256 - count) * sizeof(float))
+            rotate256(buf, buf, 1)
+            if family == MQ_V1:
+                pkv_hfq_encode_group(buf, 256, bits, 256, q, &out[g * B])
+            elif family == MQ_V2:
+                pkv_mqv2_encode_group(buf, bits, q, &out[g * B])
+            else:
+                pkv_mq4c_encode_group(buf, q, &out[g * B])
+    return bad
+
+
+def decode(const uint8_t[::1] raw, float[::1] out, AffineFamily family, int bits,
+           Py_ssize_t group, bint rotated_basis=False):
+    """Decode ``len(out)`` weights from ``raw``. For rotated families the result is in the
+    original basis (Rᵀ applied per group) unless ``rotated_basis`` (the stored basis)."""
+    cdef Py_ssize_t n = out.shape[0], B = group_bytes(bits, group)
+    cdef Py_ssize_t g, start, count, n_groups = (n + group - 1) // group
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    cdef bint rotated = family != HFQ
+    if raw.shape[0] != n_groups * B:
+        raise ValueError(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+    if n == 0:
+        return
+    with nogil:
+        for g in range(n_groups):
+            start = g * group
+            count = min(group, n - start)
+            if family == HFQ or family == MQ_V1:
+                if count == group and (not rotated or rotated_basis):
+                    pkv_hfq_decode_group(&raw[g * B], bits, <unsigned>group, q, &out[start])
+                    continue
+                pkv_hfq_decode_group(&raw[g * B], bits, <unsigned>group, q, buf)
+            elif family == MQ_V2:
+                pkv_mqv2_decode_group(&raw[g * B], bits, q, buf)
+            else:
+                pkv_mq4c_decode_group(&raw[g * B], q, buf)
+            if rotated and not rotated_basis:
+                unrotate256(buf, buf, 1)
+            memcpy(&out[start], buf, count * sizeof(float))
+
+
+def pack_codes(const uint8_t[::1] q, int bits):
+    """Pack codes (each < 2**bits) as the LSB-first stream of §3.4; returns uint8 bytes."""
+    cdef Py_ssize_t n = q.shape[0]
+    cdef Py_ssize_t i
+    for i in range(n):
+        if q[i] >> bits:
+            raise ValueError(f"code {q[i]} at index {i} does not fit in {bits} bits")
+    out = bytearray((n * bits + 7) // 8)
+    cdef uint8_t[::1] o = out
+    if n:
+        pkv_pack_codes(&q[0], <unsigned>n, bits, &o[0])
+    return bytes(out)
+
+
+def unpack_codes(const uint8_t[::1] payload, Py_ssize_t n, int bits):
+    """The first ``n`` codes of an LSB-first stream (element by element, the kernels' accessor)."""
+    if (n * bits + 7) // 8 > payload.shape[0]:
+        raise ValueError(f"{n} codes of {bits} bits need {(n * bits + 7) // 8} bytes")
+    out = bytearray(n)
+    cdef uint8_t[::1] o = out
+    cdef Py_ssize_t j
+    for j in range(n):
+        o[j] = <uint8_t>pkv_unpack_code(&payload[0], <unsigned>j, bits)
+    return bytes(out)

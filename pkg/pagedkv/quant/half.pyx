@@ -1,0 +1,63 @@
+# cython: freethreading_compatible = True
+"""Raw half-precision conversions (hfqm-and-quant.md §3.2, §4.6).
+
+``f16_trunc``: f32 -> f16 by truncation toward zero, hipfire's conversion for F16
+tensors from F32/BF16 sources (NOT numpy's round-to-nearest ``astype``).
+``f16_rne``: round to nearest even (codebooks, KV cache). ``bf16_trunc``: f32 -> bf16
+keeping the top 16 bits. Widening (``f16_to_f32``, ``bf16_to_f32``) is exact.
+Half values travel as uint16 bit patterns.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint16_t
+
+from pagedkv.quant.quant_header cimport (
+    pkv_bf16_to_f32, pkv_bf16_trunc, pkv_f16_rne, pkv_f16_to_f32, pkv_f16_trunc,
+)
+
+cnp.import_array()
+
+
+def f16_trunc(const float[::1] x, uint16_t[::1] out):
+    cdef Py_ssize_t i, n = x.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+    with nogil:
+        for i in range(n):
+            out[i] = <uint16_t>pkv_f16_trunc(x[i])
+
+
+def f16_rne(const float[::1] x, uint16_t[::1] out):
+    cdef Py_ssize_t i, n = x.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+    with nogil:
+        for i in range(n):
+            out[i] = <uint16_t>pkv_f16_rne(x[i])
+
+
+def bf16_trunc(const float[::1] x, uint16_t[::1] out):
+    cdef Py_ssize_t i, n = x.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+    with nogil:
+        for i in range(n):
+            out[i] = <uint16_t>pkv_bf16_trunc(x[i])
+
+
+def f16_to_f32(const uint16_t[::1] h, float[::1] out):
+    cdef Py_ssize_t i, n = h.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} elements, h has {n}")
+    with nogil:
+        for i in range(n):
+            out[i] = pkv_f16_to_f32(h[i])
+
+
+def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
+    cdef Py_ssize_t i, n = h.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} elements, h has {n}")
+    with nogil:
+        for i in range(n):
+            out[i] = pkv_bf16_to_f32(h[i])

@@ -1,0 +1,88 @@
+"""``gemv``: x · Wᵀ with the weights dequantized on the fly (hfqm-and-quant.md §3.6).
+
+The fused kernels (``pagedkv.quant.gemv_kernels``) never materialise W: per
+group they convert the codes to floats and take ``scale·Σ q·x + min·Σ x``. For
+rotated (MQ) formats ``x`` is rotated once with the same forward FWHT per
+256-segment and meets the stored weights as they are (``Σ w'·x' = Σ w·x``).
+Where the fused path does not apply (groups straddling rows, K % G != 0) the
+weights are dequantized a block of rows at a time and multiplied with NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
+from pagedkv.quant import gemv_kernels
+from pagedkv.quant.formats import AFFINE, Q8, check_k, resolve
+
+__all__ = ["gemv", "MAX_BATCH"]
+
+#: Most rows of x one call takes (decode batches).
+MAX_BATCH = 8
+
+# Rows dequantized per step of the fallback path: bounded scratch (~4 MiB of float32).
+_FALLBACK_ELEMS = 1 << 20
+
+
+def _validate(raw, fmt, shape, x):
+    from pagedkv.quant import _raw_input, _shape_arg  # one validation, shared with dequantize
+    codec = resolve(fmt)
+    data = _raw_input(raw)
+    dims = _shape_arg(shape)
+    if len(dims) != 2:
+        raise InvalidArgument(f"gemv needs a 2-D weight shape [M, K], got {dims}")
+    check_k(codec, dims)
+    m, k = dims
+    expected = codec.nbytes(m * k)
+    if data.size != expected:
+        raise SizeMismatch(
+            f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected}")
+    if not isinstance(x, np.ndarray):
+        raise InvalidArgumentType(f"x must be a numpy.ndarray of float32, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise InvalidArgumentType(f"x must have dtype float32, got {x.dtype}")
+    if x.ndim not in (1, 2) or x.shape[-1] != k:
+        raise InvalidArgument(f"x must be [K] or [B, K] with K = {k}, got shape {x.shape}")
+    batch = 1 if x.ndim == 1 else x.shape[0]
+    if not 1 <= batch <= MAX_BATCH:
+        raise InvalidArgument(f"x holds {batch} rows; gemv takes 1 to {MAX_BATCH}")
+    return codec, data, m, k
+
+
+def _gemv_by_row_blocks(data, codec, m, k, x2):
+    """Reference path: dequantize row blocks (whole groups) and multiply."""
+    from pagedkv.quant import dequantize
+    g = codec.group_size
+    # a row block must start on a group boundary: rows per block is a multiple of
+    # G / gcd(K, G) (one period of the straddling pattern)
+    period = g // math.gcd(k, g)
+    rows = max(period, (_FALLBACK_ELEMS // max(k, 1)) // period * period)
+    y = np.empty((x2.shape[0], m), np.float32)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        b0 = (r0 * k) // g * codec.group_bytes
+        b1 = -(-(r1 * k) // g) * codec.group_bytes
+        w = dequantize(data[b0:b1], codec.qt.id, (r1 - r0, k))
+        for b in range(x2.shape[0]):      # row by row: a batch never changes a row's bits
+            y[b, r0:r1] = w @ x2[b]
+    return y
+
+
+def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray:
+    """``x · Wᵀ`` for a quantized ``W`` of ``shape`` ``[M, K]`` (see :func:`pagedkv.quant.gemv`)."""
+    codec, data, m, k = _validate(raw, fmt, shape, x)
+    x2 = np.ascontiguousarray(x.reshape(-1, k))
+    if not np.isfinite(x2).all():
+        raise InvalidArgument("x holds NaN or Inf")
+    y = np.empty((x2.shape[0], m), np.float32)
+    if codec.kind == AFFINE and k % codec.group_size == 0 and (not codec.rotated or k % 256 == 0):
+        gemv_kernels.gemv_affine(data, m, k, codec.family, codec.bits, codec.group_size, x2, y)
+    elif codec.kind == Q8 and k % 32 == 0:
+        gemv_kernels.gemv_q8f16(data, m, k, x2, y)
+    else:
+        y = _gemv_by_row_blocks(data, codec, m, k, x2)
+    return y[0] if x.ndim == 1 else y

@@ -1,0 +1,57 @@
+# cython: freethreading_compatible = True
+"""Q8F16 (qt 3, hfqm-and-quant.md §4.5): per 32 weights, ``f16_trunc(amax/127)`` then 32
+int8 codes rounded half away from zero with the f32 scale. GGML Q8_0 layout.
+The tensor is flattened; blocks may straddle rows and the last one is zero-padded."""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+from libc.string cimport memcpy
+
+from pagedkv.quant.quant_header cimport (
+    pkv_first_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
+)
+
+cnp.import_array()
+
+cdef enum:
+    BLOCK = 32          # weights per block
+    BLOCK_BYTES = 34    # f16 scale + 32 int8
+
+
+def encode(const float[::1] x, uint8_t[::1] out):
+    """Encode ``x`` into ``out`` (``ceil(len(x)/32) * 34`` bytes). Returns -1 or the index of
+    the first NaN/Inf in ``x``."""
+    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
+    if out.shape[0] != n_blocks * BLOCK_BYTES:
+        raise ValueError(f"out has {out.shape[0]} bytes, the encoding needs "
+                         f"{n_blocks * BLOCK_BYTES}")
+    with nogil:
+        for g in range(n_blocks):
+            start = g * BLOCK
+            count = min(BLOCK, n - start)
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
+                break
+            pkv_q8f16_encode_group(&x[start], <unsigned>count, &out[g * BLOCK_BYTES])
+    return bad
+
+
+def decode(const uint8_t[::1] raw, float[::1] out):
+    """Decode ``len(out)`` weights from ``raw`` (``ceil(len(out)/32) * 34`` bytes)."""
+    cdef Py_ssize_t n = out.shape[0], g, start, count
+    cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
+    cdef float buf[BLOCK]
+    if raw.shape[0] != n_blocks * BLOCK_BYTES:
+        raise ValueError(f"raw has {raw.shape[0]} bytes, {n} weights need "
+                         f"{n_blocks * BLOCK_BYTES}")
+    with nogil:
+        for g in range(n_blocks):
+            start = g * BLOCK
+            count = min(BLOCK, n - start)
+            if count == BLOCK:
+                pkv_q8f16_decode_group(&raw[g * BLOCK_BYTES], &out[start])
+            else:
+                pkv_q8f16_decode_group(&raw[g * BLOCK_BYTES], buf)
+                memcpy(&out[start], buf, count * sizeof(float))

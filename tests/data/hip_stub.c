@@ -1,0 +1,141 @@
+/* A stand-in for libamdhip64 with host memory, so the loader's HIP branch runs
+ * without an AMD GPU: tests/test_kernels_loader.py compiles it and points
+ * PAGEDKV_HIP_LIBRARY at it. Environment knobs (read at each call):
+ * STUB_INIT_ERROR=<code> makes hipInit fail, STUB_DEVICE_COUNT=<n> sets the count.
+ * Launches are recorded (grid, block, shared bytes, parameter bytes) for the test
+ * to read back through stub_last_launch(). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int hipError_t;
+enum { OK = 0, E_INVALID_VALUE = 1, E_OOM = 2, E_INVALID_IMAGE = 200, E_NOT_FOUND = 500 };
+
+const char *hipGetErrorName(hipError_t e) {
+  switch (e) {
+    case 0: return "hipSuccess";
+    case 1: return "hipErrorInvalidValue";
+    case 2: return "hipErrorOutOfMemory";
+    case 100: return "hipErrorNoDevice";
+    case 200: return "hipErrorInvalidImage";
+    case 500: return "hipErrorNotFound";
+    default: return "hipErrorUnknown";
+  }
+}
+const char *hipGetErrorString(hipError_t e) {
+  switch (e) {
+    case 2: return "out of memory";
+    case 100: return "no ROCm-capable device is detected";
+    case 200: return "device kernel image is invalid";
+    case 500: return "named symbol not found";
+    default: return "stub error";
+  }
+}
+
+static int env_int(const char *name, int dflt) {
+  const char *v = getenv(name);
+  return v ? atoi(v) : dflt;
+}
+
+hipError_t hipInit(unsigned flags) { (void)flags; return env_int("STUB_INIT_ERROR", 0); }
+hipError_t hipDriverGetVersion(int *v) { *v = 50221153; return OK; }
+hipError_t hipGetDeviceCount(int *n) { *n = env_int("STUB_DEVICE_COUNT", 1); return OK; }
+hipError_t hipSetDevice(int d) { return d == 0 ? OK : 101; }
+hipError_t hipDeviceGetName(char *name, int len, int dev) {
+  (void)dev;
+  strncpy(name, "pagedkv HIP stub", (size_t)len);
+  return OK;
+}
+hipError_t hipDeviceGetAttribute(int *out, int attr, int dev) {
+  (void)dev;
+  switch (attr) {
+    case 63: *out = 110; return OK;       /* multiprocessors */
+    case 19: *out = 8 << 20; return OK;   /* L2 bytes */
+    case 87: *out = 64; return OK;        /* warp size */
+    case 74: *out = 65536; return OK;     /* shared memory per block */
+    default: return E_INVALID_VALUE;
+  }
+}
+hipError_t hipDeviceTotalMem(size_t *bytes, int dev) { (void)dev; *bytes = (size_t)64 << 30; return OK; }
+hipError_t hipGetDeviceProperties(void *props, int dev) {
+  (void)dev;
+  strcpy((char *)props, "pagedkv HIP stub");
+  strcpy((char *)props + 396, "gfx90a:sramecc+:xnack-"); /* ROCm 5 offset of gcnArchName */
+  return OK;
+}
+hipError_t hipDeviceSynchronize(void) { return OK; }
+
+hipError_t hipMalloc(void **p, size_t n) {
+  if (n > ((size_t)1 << 40)) return E_OOM;
+  *p = malloc(n);
+  return *p ? OK : E_OOM;
+}
+hipError_t hipFree(void *p) { free(p); return OK; }
+hipError_t hipMemcpyHtoD(void *d, const void *s, size_t n) { memcpy(d, s, n); return OK; }
+hipError_t hipMemcpyDtoH(void *d, const void *s, size_t n) { memcpy(d, s, n); return OK; }
+hipError_t hipMemcpyDtoD(void *d, const void *s, size_t n) { memcpy(d, s, n); return OK; }
+hipError_t hipMemcpyDtoDAsync(void *d, const void *s, size_t n, void *st) {
+  (void)st; memcpy(d, s, n); return OK;
+}
+hipError_t hipMemsetD8(void *d, unsigned char v, size_t n) { memset(d, v, n); return OK; }
+
+static int module_token;
+hipError_t hipModuleLoadData(void **mod, const void *image) {
+  /* A code object is an ELF file or a clang offload bundle of them. */
+  if (memcmp(image, "\x7f" "ELF", 4) != 0 && memcmp(image, "__CLANG_OFFLOAD_BUNDLE__", 24) != 0)
+    return E_INVALID_IMAGE;
+  *mod = &module_token;
+  return OK;
+}
+hipError_t hipModuleUnload(void *mod) { (void)mod; return OK; }
+
+static char function_names[64][128];
+static int n_functions;
+hipError_t hipModuleGetFunction(void **fn, void *mod, const char *name) {
+  if (mod != &module_token || strncmp(name, "pkv_", 4) != 0) return E_NOT_FOUND;
+  strncpy(function_names[n_functions], name, 127);
+  *fn = function_names[n_functions];
+  n_functions = (n_functions + 1) % 64;
+  return OK;
+}
+
+/* The last launch: function name, grid, block, shared bytes and each parameter's
+ * bytes (sizes set by the test through stub_set_param_sizes). */
+struct launch_record {
+  char name[128];
+  unsigned grid[3], block[3], shared_bytes;
+  int n_params;
+  uint8_t params[32][8];
+};
+static struct launch_record last;
+static int param_sizes[32];
+static int n_param_sizes;
+void stub_set_param_sizes(int n, const int *sizes) {
+  n_param_sizes = n;
+  memcpy(param_sizes, sizes, sizeof(int) * (size_t)n);
+}
+const struct launch_record *stub_last_launch(void) { return &last; }
+
+hipError_t hipModuleLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned shared, void *stream,
+                                 void **params, void **extra) {
+  (void)stream; (void)extra;
+  strncpy(last.name, (const char *)fn, 127);
+  last.grid[0] = gx; last.grid[1] = gy; last.grid[2] = gz;
+  last.block[0] = bx; last.block[1] = by; last.block[2] = bz;
+  last.shared_bytes = shared;
+  last.n_params = n_param_sizes;
+  memset(last.params, 0, sizeof last.params);
+  for (int i = 0; i < n_param_sizes; ++i) memcpy(last.params[i], params[i], (size_t)param_sizes[i]);
+  return OK;
+}
+
+static int stream_token, event_token;
+hipError_t hipStreamCreateWithFlags(void **s, unsigned f) { (void)f; *s = &stream_token; return OK; }
+hipError_t hipStreamSynchronize(void *s) { (void)s; return OK; }
+hipError_t hipStreamDestroy(void *s) { (void)s; return OK; }
+hipError_t hipEventCreateWithFlags(void **e, unsigned f) { (void)f; *e = &event_token; return OK; }
+hipError_t hipEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
+hipError_t hipEventSynchronize(void *e) { (void)e; return OK; }
+hipError_t hipEventElapsedTime(float *ms, void *a, void *b) { (void)a; (void)b; *ms = 0.5f; return OK; }
+hipError_t hipEventDestroy(void *e) { (void)e; return OK; }

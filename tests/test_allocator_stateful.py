@@ -1,0 +1,324 @@
+"""Differential test: the Cython BlockAllocator against the pure-Python oracle.
+
+A hypothesis state machine drives every implementation of ``allocator_implementations``
+with the same random operation sequence (allocations, valid and invalid frees, increfs,
+chain registration with and without salts and extra keys, low-level register/lookup,
+longest-hit walks, restored-batch publication, grow, purge, capacity overrides) and, after
+every step, compares each result or exception type and every observable (counters, the
+refcount of every block, the LRU order, stats, the free-list order where both expose it),
+compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
+with a tiny range, so hash collisions are frequent and identity verification is exercised.
+
+Pools are tiny (≤ 12 blocks of 2–4 tokens, vocabulary of 3 token ids) so prefixes are shared
+often and every step stays cheap; ``CI=1`` runs 300 examples (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from allocator_implementations import ALLOCATORS, observables
+from pagedkv import _reference
+from pagedkv.identity import BlockIdentity, RestoredBlock
+
+CLASSES = [p.values[0] for p in ALLOCATORS]
+
+VOCAB = 3
+SALTS = [0, 42, _reference.salt_domain_id("tenant-a")]
+UNIFORM_KEYS = [(), (1,), (1, 2), (2, 1)]
+BLOCK_KEYS = [(), (1,), (2,)]
+
+
+def colliding_hash(parent, tokens, extra_keys, cache_salt, block_index, seed):
+    """A real hot hash folded into 1..4: distinct blocks collide all the time."""
+    full = _reference.hot_block_hash(parent, np.asarray(tokens), tuple(extra_keys), cache_salt,
+                                     block_index, seed=seed)
+    return full % 4 + 1
+
+
+def _norm(value):
+    """Make results comparable across implementations (arrays by dtype and content)."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.tolist())
+    if isinstance(value, tuple):
+        return tuple(_norm(v) for v in value)
+    if isinstance(value, (bool, np.bool_)):
+        return ("bool", bool(value))
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return value
+
+
+def _comparable(snapshots):
+    """Drop observables that not every implementation exposes (``free_list``)."""
+    shared = set.intersection(*(set(s) for s in snapshots))
+    return [{k: s[k] for k in sorted(shared)} for s in snapshots]
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Runs each step on every allocator; the first one (the oracle) gives the expectation."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocs = []
+        self.events: list[list] = []  # per allocator: (kind, dtype, hashes) sent by the last step
+        self.held: list[int] = []  # references the driver owns (one entry per reference)
+
+    @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
+                block_size=st.integers(2, 4), null_block=st.booleans(), collide=st.booleans())
+    def build(self, num_blocks, headroom, block_size, null_block, collide):
+        hash_fn = colliding_hash if collide else None
+        self.allocs = [cls(num_blocks, num_blocks + headroom, block_size, hash_seed=0,
+                           reserve_null_block=null_block, _hash_fn=hash_fn)
+                       for cls in CLASSES]
+        self.events = [[] for _ in self.allocs]
+        for alloc, log in zip(self.allocs, self.events):
+            alloc.on_block_event = (
+                lambda kind, hashes, log=log: log.append((kind, hashes.dtype.str,
+                                                          hashes.tolist())))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @property
+    def oracle(self):
+        return self.allocs[0]
+
+    def run(self, op, *, unchanged_on=None):
+        """Apply ``op`` to every allocator; results, exception types and the block events
+        the call sent must agree.
+
+        ``unchanged_on(result)`` says which results promise "nothing changes" (§4.3 item 7);
+        a raised exception always does, and sends no event.
+        """
+        outcomes = []
+        for alloc, log in zip(self.allocs, self.events):
+            log.clear()
+            before = observables(alloc)
+            try:
+                outcome = ("ok", _norm(op(alloc)))
+            except Exception as exc:  # noqa: BLE001 - the type is what we compare
+                outcome = ("raised", type(exc).__name__)
+            if outcome[0] == "raised" or (unchanged_on is not None and unchanged_on(outcome[1])):
+                assert observables(alloc) == before, (
+                    f"{type(alloc).__module__}: {outcome} changed the state")
+                assert log == [], f"{type(alloc).__module__}: {outcome} sent events {log}"
+            outcomes.append(outcome)
+        for alloc, outcome, log in zip(self.allocs[1:], outcomes[1:], self.events[1:]):
+            assert outcome == outcomes[0], (
+                f"{type(alloc).__module__} gave {outcome}, the reference {outcomes[0]}")
+            assert log == self.events[0], (
+                f"{type(alloc).__module__} sent events {log}, the reference {self.events[0]}")
+        return outcomes[0]
+
+    def any_id(self, data):
+        return data.draw(st.integers(-1, self.oracle.max_num_blocks), label="block_id")
+
+    def held_ids(self, data, max_size):
+        """Distinct ids the driver holds, in a drawn order."""
+        pool = sorted(set(self.held))
+        ids = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=max_size)
+                        if pool else st.just([]), label="block_ids")
+        return ids
+
+    def draw_tokens(self, data, max_blocks=4):
+        bs = self.oracle.block_size
+        n = data.draw(st.integers(0, max_blocks * bs + 1), label="n_tokens")
+        return data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
+                         label="tokens")
+
+    def draw_keys(self, data, n_blocks):
+        """(uniform extra_keys, extra_keys_per_block) as the call would pass them."""
+        form = data.draw(st.sampled_from(["none", "uniform", "per_block"]), label="key_form")
+        if form == "uniform":
+            return data.draw(st.sampled_from(UNIFORM_KEYS), label="extra_keys"), None
+        if form == "per_block":
+            per_block = data.draw(st.lists(st.sampled_from(BLOCK_KEYS), min_size=max(n_blocks - 1, 0),
+                                           max_size=n_blocks + 1), label="extra_keys_per_block")
+            return (), per_block
+        return (), None
+
+    def draw_entry(self, data):
+        """A (hash, identity) pair: the true chain hash of a block or a small forged one."""
+        bs = self.oracle.block_size
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs, max_size=bs),
+                           label="block_tokens")
+        salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        keys = data.draw(st.sampled_from(BLOCK_KEYS), label="keys")
+        if data.draw(st.booleans(), label="forged_hash"):
+            block_hash = data.draw(st.integers(1, 4), label="block_hash")
+        else:
+            block_hash = int(self.oracle.chain_hashes(tokens, extra_keys=keys,
+                                                      cache_salt=salt)[0])
+        return block_hash, BlockIdentity.of(tokens, 0, keys, salt, 0)
+
+    # -- allocation and references -------------------------------------------------------
+
+    @rule()
+    def allocate(self):
+        status, got = self.run(lambda a: a.allocate(), unchanged_on=lambda r: r is None)
+        if status == "ok" and got is not None:
+            self.held.append(got)
+
+    @rule(n=st.integers(0, 5))
+    def allocate_many(self, n):
+        status, got = self.run(lambda a: a.allocate_many(n), unchanged_on=lambda r: r is None)
+        if status == "ok" and got is not None:
+            self.held.extend(got[2])
+
+    @rule(n=st.integers(0, 14))
+    def can_allocate(self, n):
+        self.run(lambda a: a.can_allocate(n))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free_held(self, data):
+        block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        assert self.run(lambda a: a.free(block_id)) == ("ok", None)
+        self.held.remove(block_id)
+
+    @rule(data=st.data())
+    def free_any(self, data):
+        block_id = self.any_id(data)
+        status, _ = self.run(lambda a: a.free(block_id))
+        if status == "ok":
+            self.held.remove(block_id)
+
+    @rule(data=st.data())
+    def free_many(self, data):
+        ids = data.draw(st.lists(st.sampled_from(self.held), max_size=len(self.held))
+                        if self.held else st.just([]), label="held_part")
+        if data.draw(st.booleans(), label="add_unowned"):
+            ids.insert(data.draw(st.integers(0, len(ids)), label="at"), self.any_id(data))
+        status, _ = self.run(lambda a: a.free_many(np.array(ids, dtype=np.int64)))
+        if status == "ok":
+            for block_id in ids:
+                self.held.remove(block_id)
+
+    @rule(data=st.data())
+    def incref(self, data):
+        if self.held and data.draw(st.booleans(), label="held"):
+            block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        else:
+            block_id = self.any_id(data)
+        status, _ = self.run(lambda a: a.incref(block_id))
+        if status == "ok":
+            self.held.append(block_id)
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def cache_full_blocks(self, data):
+        bs = self.oracle.block_size
+        tokens = self.draw_tokens(data)
+        ids = self.held_ids(data, len(tokens) // bs + 1)
+        extra_keys, per_block = self.draw_keys(data, len(ids))
+        salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        self.run(lambda a: a.cache_full_blocks(
+            np.array(tokens, dtype=np.uint32), np.array(ids, dtype=np.int32),
+            extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+
+    @rule(data=st.data())
+    def find_longest_cache_hit(self, data):
+        tokens = self.draw_tokens(data)
+        extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
+        salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        status, got = self.run(lambda a: a.find_longest_cache_hit(
+            tokens, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+        if status == "ok":
+            self.held.extend(got[0][2])
+
+    @rule(data=st.data())
+    def chain_hashes(self, data):
+        tokens = self.draw_tokens(data)
+        extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
+        salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        self.run(lambda a: a.chain_hashes(np.array(tokens, dtype=np.int64),
+                                          extra_keys=extra_keys, extra_keys_per_block=per_block,
+                                          cache_salt=salt))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def register_prefix(self, data):
+        block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        block_hash, identity = self.draw_entry(data)
+        self.run(lambda a: a.register_prefix(block_id, block_hash, identity),
+                 unchanged_on=lambda r: r == ("bool", False))
+
+    @rule(data=st.data())
+    def lookup_prefix(self, data):
+        if self.oracle.prefix_cache_len and data.draw(st.booleans(), label="known_hash"):
+            block_hash = data.draw(st.sampled_from(self.oracle.lru_hashes()), label="block_hash")
+            _, identity = self.draw_entry(data)
+        else:
+            block_hash, identity = self.draw_entry(data)
+        status, got = self.run(lambda a: a.lookup_prefix(block_hash, identity))
+        if status == "ok" and got is not None:
+            self.held.append(got)
+
+    @rule(data=st.data())
+    def publish_restored_batch(self, data):
+        bs = self.oracle.block_size
+        ids = self.held_ids(data, 3)
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(ids) * bs,
+                                    max_size=len(ids) * bs), label="tokens")
+        salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        hashes = self.oracle.chain_hashes(tokens, cache_salt=salt).tolist()
+        entries, parent = [], 0
+        for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
+            identity = BlockIdentity.of(tokens[i * bs:(i + 1) * bs], parent, (), salt, i)
+            entries.append(RestoredBlock(block_id, block_hash, identity))
+            parent = block_hash
+        if entries:
+            spoil = data.draw(st.sampled_from(["none", "none", "known_hash", "dup_hash",
+                                               "unowned_id", "short_tokens"]), label="spoil")
+            i = data.draw(st.integers(0, len(entries) - 1), label="spoiled_entry")
+            e = entries[i]
+            if spoil == "known_hash" and self.oracle.prefix_cache_len:
+                entries[i] = e._replace(block_hash=self.oracle.lru_hashes()[0])
+            elif spoil == "dup_hash":
+                entries[i] = e._replace(block_hash=entries[0].block_hash)
+            elif spoil == "unowned_id":
+                entries[i] = e._replace(block_id=self.any_id(data))
+            elif spoil == "short_tokens":
+                entries[i] = e._replace(identity=e.identity._replace(tokens=e.identity.tokens[1:]))
+        self.run(lambda a: a.publish_restored_batch(entries),
+                 unchanged_on=lambda r: r == ("bool", False))
+
+    @rule()
+    def purge_prefix_cache(self):
+        self.run(lambda a: a.purge_prefix_cache())
+
+    @rule(n=st.integers(-1, 9))
+    def set_prefix_cache_capacity(self, n):
+        self.run(lambda a: a.set_prefix_cache_capacity(n))
+
+    @rule(k=st.integers(-1, 3))
+    def grow_by(self, k):
+        self.run(lambda a: a.grow_by(k))
+
+    # -- after every step --------------------------------------------------------------------
+
+    @invariant()
+    def implementations_agree(self):
+        if not self.allocs:
+            return
+        snapshots = _comparable([observables(a) for a in self.allocs])
+        for alloc, snap in zip(self.allocs[1:], snapshots[1:]):
+            assert snap == snapshots[0], f"{type(alloc).__module__} diverged from the reference"
+        refs = {}
+        for block_id in self.held:
+            refs[block_id] = refs.get(block_id, 0) + 1
+        for block_id, n in refs.items():
+            assert self.oracle.ref_count(block_id) >= n
+
+    @invariant()
+    def invariants_hold(self):
+        for alloc in self.allocs:
+            alloc.check_invariants()
+
+
+AllocatorMachine.TestCase.settings = settings(stateful_step_count=40)
+TestAllocatorsAgree = AllocatorMachine.TestCase

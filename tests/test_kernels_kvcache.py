@@ -1,0 +1,201 @@
+"""KV-cache kernels (hip/kvcache.hip) against their NumPy references.
+
+CPU tests pin the references (q8 KV bytes of §6.3, attention over a paged layout
+equal to attention over the same KV laid out contiguously). GPU tests run each
+kernel on fresh random inputs with poisoned outputs and ragged sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernels_support import device, poisoned  # noqa: F401  (fixtures)
+
+from pagedkv import errors
+from pagedkv.kernels import kvcache, reference
+
+RNG = np.random.default_rng()
+
+
+# --- references (CPU) -----------------------------------------------------------------
+
+
+def test_kv_q8_record_bytes_known_answer():
+    x = np.zeros(32, np.float32)
+    x[0], x[1], x[2], x[3], x[4] = 127.0, 2.5, 3.5, -2.5, -127.0  # amax 127: id = 1
+    rec = reference.kv_q8_quantize(x)
+    assert rec.shape == (34,)
+    assert rec[:2].tobytes() == np.float16(1.0).tobytes()  # d = 127/127
+    codes = rec[2:].view(np.int8)
+    assert codes[:5].tolist() == [127, 2, 4, -2, -127]  # half to even
+    assert not codes[5:].any()
+    zero = reference.kv_q8_quantize(np.zeros(64, np.float32))
+    assert not zero.any()  # amax 0: scale 0, codes 0
+    np.testing.assert_array_equal(reference.kv_q8_dequantize(zero, 64), np.zeros(64))
+
+
+def test_kv_q8_round_trip_error_is_half_a_step():
+    x = RNG.standard_normal((7, 3, 96)).astype(np.float32)
+    rec = reference.kv_q8_quantize(x)
+    assert rec.shape == (7, 3, 3 * 34)
+    back = reference.kv_q8_dequantize(rec, 96)
+    d = np.abs(x.reshape(-1, 32)).max(axis=1) / 127
+    err = np.abs(back - x).reshape(-1, 32).max(axis=1)
+    # half a step, plus the f16 rounding of the stored scale (<= 2^-11 relative) times 127
+    assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
+    with pytest.raises(errors.InvalidArgument, match="head_dim=40"):
+        reference.kv_q8_quantize(np.zeros((2, 40), np.float32))
+
+
+def _paged_case(seq_lens, *, kv_heads, head_dim, block_size, kv_dtype, rng=RNG):
+    """Random KV per sequence, scattered into a pool through shuffled block tables."""
+    seqs = len(seq_lens)
+    width = max(1, max(-(-n // block_size) for n in seq_lens))
+    num_blocks = seqs * width + 3
+    perm = rng.permutation(num_blocks)
+    tables = np.full((seqs, width), -1, np.int32)
+    row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
+    pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
+    pools = []
+    for _side in range(2):
+        vals = rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+        if kv_dtype == "float16":
+            pools.append(vals.astype(np.float16))
+        elif kv_dtype == "bfloat16":
+            pools.append((vals.view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            pools.append(reference.kv_q8_quantize(vals))
+        assert pools[-1].shape == (num_blocks, block_size, kv_heads, row)
+        assert pools[-1].dtype == pool_dtype
+    for s, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        tables[s, :nb] = perm[s * width: s * width + nb]
+    return pools[0], pools[1], tables, np.asarray(seq_lens, np.int32)
+
+
+def test_paged_reference_equals_contiguous_attention():
+    k_pool, v_pool, tables, lens = _paged_case([5, 33, 0], kv_heads=2, head_dim=32,
+                                               block_size=8, kv_dtype="float16")
+    q = RNG.standard_normal((3, 4, 32)).astype(np.float32)
+    out = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                           kv_dtype="float16", scale=0.2)
+    assert not out[2].any()  # empty sequence
+    s = 1
+    pos = np.arange(33)
+    k = k_pool[tables[s, pos // 8], pos % 8].astype(np.float64)  # [33, 2, 32]
+    v = v_pool[tables[s, pos // 8], pos % 8].astype(np.float64)
+    for h in range(4):
+        logit = k[:, h // 2] @ q[s, h] * 0.2
+        p = np.exp(logit - logit.max())
+        np.testing.assert_allclose(out[s, h], (p / p.sum()) @ v[:, h // 2], rtol=1e-6, atol=1e-6)
+
+
+def test_check_decode_batch_rejects_bad_tables():
+    tables = np.array([[0, 1, -1], [2, -1, -1]], np.int32)
+    kvcache.check_decode_batch(tables, np.array([16, 3], np.int32), num_blocks=3, block_size=8)
+    with pytest.raises(errors.InvalidArgument, match="outside 0..2"):
+        kvcache.check_decode_batch(tables, np.array([16, 9], np.int32), num_blocks=3,
+                                   block_size=8)
+    with pytest.raises(errors.InvalidArgument, match="seq_lens: values must be in 0..24"):
+        kvcache.check_decode_batch(tables, np.array([25, 3], np.int32), num_blocks=3,
+                                   block_size=8)
+    with pytest.raises(errors.InvalidArgument, match="block_tables: int64"):
+        kvcache.check_decode_batch(tables.astype(np.int64), np.array([1, 1], np.int32),
+                                   num_blocks=3, block_size=8)
+
+
+# --- GPU --------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("src_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (8, 128), (1, 256)])
+def test_gpu_kv_q8_write_matches_reference_bytes(device, src_dtype, kv_heads, head_dim):
+    num_blocks, bs, n = 9, 16, 37  # 37 tokens: not a multiple of the block size
+    src = (RNG.standard_normal((n, kv_heads, head_dim)) * 3).astype(src_dtype)
+    slots = RNG.permutation(num_blocks * bs)[:n].astype(np.int64)
+    slots[5] = -1  # a padding token writes nothing
+    row = head_dim // 32 * 34
+    pool = poisoned(device, (num_blocks, bs, kv_heads, row), np.uint8, 0xAB)
+    kvcache.kv_q8_write(device, device.array(src), device.array(slots), pool)
+    got = pool.to_numpy().reshape(num_blocks * bs, kv_heads, row)
+    want = reference.kv_q8_quantize(src.astype(np.float32))
+    live = slots >= 0
+    np.testing.assert_array_equal(got[slots[live]], want[live])
+    untouched = np.setdiff1d(np.arange(num_blocks * bs), slots[live])
+    assert (got[untouched] == 0xAB).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_gpu_kv_q8_read_matches_reference(device, out_dtype):
+    num_blocks, bs, kvh, hd, n = 7, 8, 2, 96, 29
+    vals = RNG.standard_normal((num_blocks, bs, kvh, hd)).astype(np.float32)
+    pool_host = reference.kv_q8_quantize(vals)
+    slots = RNG.integers(0, num_blocks * bs, n).astype(np.int64)
+    out = poisoned(device, (n, kvh, hd), out_dtype)
+    kvcache.kv_q8_read(device, device.array(pool_host), device.array(slots), out)
+    want = reference.kv_q8_dequantize(pool_host.reshape(-1, kvh, hd // 32 * 34)[slots], hd)
+    np.testing.assert_array_equal(out.to_numpy(), want.astype(out_dtype))
+
+
+ATTN_CASES = [
+    # kv_dtype, heads, kv_heads, head_dim, block_size, seq_lens
+    ("float16", 8, 2, 128, 16, [1, 17, 600, 1100, 0, 513]),
+    ("float16", 4, 4, 64, 5, [7, 1030, 31]),
+    ("bfloat16", 6, 2, 128, 16, [300, 9, 1025]),
+    ("bfloat16", 16, 2, 256, 32, [40, 700]),
+    ("q8", 8, 1, 128, 16, [33, 1500, 2]),
+    ("q8", 4, 2, 32, 8, [513, 12]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens", ATTN_CASES)
+def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads, head_dim,
+                                               block_size, seq_lens):
+    k_pool, v_pool, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
+                                               block_size=block_size, kv_dtype=kv_dtype)
+    kvcache.check_decode_batch(tables, lens, num_blocks=k_pool.shape[0], block_size=block_size)
+    q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
+    attn = kvcache.PagedAttention(device, num_seqs=len(seq_lens), num_heads=heads,
+                                  kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                  max_seq_len=int(lens.max()), kv_dtype=kv_dtype)
+    out = poisoned(device, q.shape, np.float32)
+    attn.run(device.array(q), device.array(k_pool), device.array(v_pool), device.array(tables),
+             device.array(lens), out)
+    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
+                                            scale=attn.scale)
+    got = out.to_numpy()
+    assert np.isfinite(got).all()
+    # float32 accumulation over up to 1500 tokens against a float64 reference.
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_attention_rejects_mismatched_arrays(device):
+    attn = kvcache.PagedAttention(device, num_seqs=2, num_heads=4, kv_heads=2, head_dim=64,
+                                  block_size=16, max_seq_len=64, kv_dtype="float16")
+    q = device.empty((2, 4, 64), np.float32)
+    pool = device.empty((4, 16, 2, 64), np.float16)
+    tables = device.array(np.zeros((2, 4), np.int32))
+    lens = device.array(np.zeros(2, np.int32))
+    with pytest.raises(errors.InvalidArgument, match="out: shape"):
+        attn.run(q, pool, pool, tables, lens, device.empty((2, 4, 32), np.float32))
+    with pytest.raises(errors.InvalidArgument, match="k_pool: expected a float16 pool"):
+        attn.run(q, device.empty((4, 16, 2, 64), np.uint16), pool, tables, lens, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_shape,dtype", [((16, 8, 128), np.float16),
+                                               ((16, 2, 68), np.uint8),
+                                               ((3, 1, 5), np.uint8)])  # 15 B: byte kernel
+def test_gpu_copy_blocks(device, block_shape, dtype):
+    src_host = RNG.integers(0, 255, (11,) + block_shape).astype(dtype)
+    dst_host = RNG.integers(0, 255, (13,) + block_shape).astype(dtype)
+    src_ids = RNG.permutation(11)[:6].astype(np.int32)
+    dst_ids = RNG.permutation(13)[:6].astype(np.int32)
+    dst = device.array(dst_host)
+    kvcache.copy_blocks(device, device.array(src_host), device.array(src_ids),
+                        device.array(dst_ids), dst)
+    want = reference.copy_blocks(src_host, src_ids, dst_ids, dst_host)
+    np.testing.assert_array_equal(dst.to_numpy().view(np.uint8), want.view(np.uint8))

@@ -1,0 +1,161 @@
+"""The ctypes loader without a GPU: error paths, the HIP branch against a stub
+runtime (no AMD device is available to the project), and the installed objects."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pagedkv
+from pagedkv import errors
+from pagedkv._build_config import CUDA_TARGETS, HIP_TARGETS
+from pagedkv.kernels import Device, DeviceArray, list_objects, load_runtime
+from pagedkv.kernels.code_objects import object_name, read_object
+
+
+@pytest.fixture(scope="module")
+def hip_stub(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the HIP stub")
+    out = tmp_path_factory.mktemp("stub") / "libhipstub.so"
+    src = Path(__file__).parent / "data" / "hip_stub.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(src)], check=True)
+    return out
+
+
+@pytest.fixture
+def stub_runtime(hip_stub, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_HIP_LIBRARY", str(hip_stub))
+    monkeypatch.delenv("STUB_INIT_ERROR", raising=False)
+    monkeypatch.delenv("STUB_DEVICE_COUNT", raising=False)
+    return load_runtime("hip")
+
+
+def test_no_library_raises_no_device_error_in_one_line(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CUDA_LIBRARY", "/nonexistent/libcuda.so.1")
+    monkeypatch.setenv("PAGEDKV_HIP_LIBRARY", "/nonexistent/libamdhip64.so")
+    with pytest.raises(errors.NoDeviceError) as info:
+        load_runtime()
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "no cuda runtime library could be loaded" in msg
+    assert "PAGEDKV_HIP_LIBRARY=/nonexistent/libamdhip64.so" in msg
+
+
+def test_unknown_backend_is_invalid_argument(monkeypatch):
+    with pytest.raises(errors.InvalidArgument, match="backend='opencl'"):
+        load_runtime("opencl")
+    monkeypatch.setenv("PAGEDKV_GPU_BACKEND", "metal")
+    with pytest.raises(errors.InvalidArgument, match="PAGEDKV_GPU_BACKEND"):
+        load_runtime()
+
+
+def test_failed_init_names_the_runtime_error(stub_runtime, monkeypatch):
+    monkeypatch.setenv("STUB_INIT_ERROR", "100")
+    with pytest.raises(errors.NoDeviceError) as info:
+        load_runtime("hip")
+    assert "hipInit failed: hipErrorNoDevice (100)" in str(info.value)
+
+
+def test_zero_devices_is_no_device_error(stub_runtime, monkeypatch):
+    monkeypatch.setenv("STUB_DEVICE_COUNT", "0")
+    with pytest.raises(errors.NoDeviceError, match="reports no device"):
+        load_runtime("hip")
+
+
+def test_hip_device_properties_from_the_stub(stub_runtime):
+    dev = Device(stub_runtime, 0)
+    p = dev.properties
+    assert (p.name, p.arch, p.warp_size) == ("pagedkv HIP stub", "gfx90a", 64)
+    assert (p.multiprocessor_count, p.l2_cache_bytes) == (110, 8 << 20)
+    assert p.total_memory_bytes == 64 << 30
+    assert "gfx90a" in repr(dev)
+    with pytest.raises(errors.InvalidArgument, match="ordinal=1: .* valid 0..0"):
+        Device(stub_runtime, 1)
+
+
+def test_device_error_carries_the_runtime_name_and_message(stub_runtime):
+    dev = Device(stub_runtime, 0)
+    with pytest.raises(errors.DeviceError) as info:
+        dev.malloc(1 << 41)
+    e = info.value
+    assert (e.call, e.code, e.name, e.runtime_message) == (
+        "hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
+    assert str(e) == "hipMalloc failed: hipErrorOutOfMemory (2): out of memory"
+
+
+def test_device_array_round_trip_and_poison(stub_runtime):
+    dev = Device(stub_runtime, 0)
+    host = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    arr = DeviceArray.from_numpy(dev, host)
+    assert arr.shape == (2, 3, 4) and arr.nbytes == 96 and arr.dtype == np.float32
+    np.testing.assert_array_equal(arr.to_numpy(), host)
+    arr.fill_bytes(0xFF)
+    assert np.isnan(arr.to_numpy()).all()
+    with pytest.raises(errors.InvalidArgument, match="does not match"):
+        arr.copy_from(np.zeros((3, 2, 4), np.float32))
+    assert np.isnan(arr.to_numpy()).all()  # unchanged after the refused copy
+    with pytest.raises(errors.InvalidArgumentType):
+        DeviceArray.from_numpy(dev, [1, 2, 3])
+    arr.free()
+    assert arr.ptr == 0
+
+
+@pytest.mark.skipif(not HIP_TARGETS, reason="built without hipcc: no AMD code objects")
+def test_hip_launch_packs_typed_arguments(stub_runtime, hip_stub):
+    dev = Device(stub_runtime, 0)
+    k = dev.kernel("kvcache", "pkv_copy_blocks_16", "ppppiq")
+    stub = ctypes.CDLL(str(hip_stub))
+    sizes = (ctypes.c_int * 6)(8, 8, 8, 8, 4, 8)
+    stub.stub_set_param_sizes(6, sizes)
+    a = dev.empty((4, 64), np.uint8)
+    k((3, 2), (256,), a, 0x1234, a.ptr + 16, 7, -5, 1 << 40, shared_bytes=96)
+
+    class Record(ctypes.Structure):
+        _fields_ = [("name", ctypes.c_char * 128), ("grid", ctypes.c_uint * 3),
+                    ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                    ("n_params", ctypes.c_int), ("params", (ctypes.c_uint8 * 8) * 32)]
+    stub.stub_last_launch.restype = ctypes.POINTER(Record)
+    rec = stub.stub_last_launch().contents
+    assert rec.name == b"pkv_copy_blocks_16"
+    assert list(rec.grid) == [3, 2, 1] and list(rec.block) == [256, 1, 1]
+    assert rec.shared_bytes == 96
+    params = [bytes(rec.params[i]) for i in range(6)]
+    assert int.from_bytes(params[0], "little") == a.ptr
+    assert int.from_bytes(params[1], "little") == 0x1234
+    assert int.from_bytes(params[2], "little") == a.ptr + 16
+    assert int.from_bytes(params[3], "little") == 7
+    assert int.from_bytes(params[4][:4], "little", signed=True) == -5
+    assert int.from_bytes(params[5], "little", signed=True) == 1 << 40
+    with pytest.raises(errors.InvalidArgument, match="1 arguments given, the kernel takes 6"):
+        k((1,), (1,), a)
+    with pytest.raises(errors.InvalidArgumentType, match="argument 4 must be an integer"):
+        k((1,), (1,), a, a, a, a, 1.5, 0)
+    with pytest.raises(errors.DeviceError, match="hipErrorNotFound"):
+        dev.kernel("kvcache", "not_a_kernel", "p")
+
+
+def test_missing_code_object_is_no_device_error():
+    # gfx803 is never built: a device of that arch cannot run pagedkv's kernels.
+    with pytest.raises(errors.NoDeviceError, match="no kernel object kvcache.gfx803.hsaco"):
+        read_object("kvcache", "hip", "gfx803")
+
+
+def test_code_objects_match_the_build_and_show_config():
+    objects = list_objects()
+    expected = [object_name("kvcache", "hip", a) for a in HIP_TARGETS]
+    if CUDA_TARGETS:
+        expected.append(object_name("kvcache", "cuda", ""))
+    assert sorted(o for o in objects if o.startswith("kvcache.")) == sorted(expected)
+    assert pagedkv._config.config()["kernel_objects"] == objects
+    for arch in HIP_TARGETS:  # clang offload bundles of AMD code objects
+        assert read_object("kvcache", "hip", arch)[:24] == b"__CLANG_OFFLOAD_BUNDLE__"
+    if CUDA_TARGETS:  # NVIDIA fatbin magic 0xBA55ED50
+        assert read_object("kvcache", "cuda", "")[:4] == bytes.fromhex("50ed55ba")
