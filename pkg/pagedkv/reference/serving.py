@@ -145,6 +145,7 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
         report.prompt_tokens += len(request.prompt)
         report.cached_tokens += hit.cached_tokens
         report.hit_requests += hit.cached_tokens > 0
+        report.blocks_shared += len(hit.hot_blocks) + len(hit.restored_blocks)
         running.append(state)
         return True
 
@@ -194,8 +195,6 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
         report.decode_seconds += t2 - t0
     stats = adapter.stats()
     report.blocks_allocated = stats["blocks_allocated"] - stats0["blocks_allocated"]
-    report.blocks_shared = stats["hit_blocks"] - stats0["hit_blocks"] + (
-        stats["restored_blocks"] - stats0["restored_blocks"])
     report.grow_events = stats["grow_events"] - stats0["grow_events"]
     report.evictions = adapter.allocator.stats()["pressure_evictions"] - evictions0
     report.pool_blocks = adapter.pool.num_blocks
