@@ -21,7 +21,9 @@ import secrets
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -34,9 +36,12 @@ from pagedkv.hashing cimport (
     as_domain_id,
     as_token_array,
     as_u64,
+    chain_into,
     hash_block,
+    hash_block_native,
     hot_buffer_bytes,
     make_chain_keys,
+    xxh3_native,
 )
 from pagedkv.hashing import XXH3_SOURCE
 
@@ -111,6 +116,21 @@ def _c_layout():
         slot[_SLOT_FIELDS[i]] = pkv_prefix_slot_offsets[i]
     return {"pkv_block_record": block, "pkv_prefix_slot": slot}
 
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define pkv_prefetch(p) __builtin_prefetch((const void *)(p))
+    #else
+    #define pkv_prefetch(p) ((void)(p))
+    #endif
+    """
+    void pkv_prefetch(const void* p) noexcept nogil
+
+# Blocks hashed and probed together by the longest-hit walk (bounds the wasted hashing
+# past a miss and the memory accesses in flight).
+cdef enum:
+    _WALK_GROUP = 16
 
 # Fibonacci hashing spreads caller-chosen keys (tests use 1, 2, 3) over the table.
 cdef uint64_t _FIB = 0x9E3779B97F4A7C15ULL
@@ -531,7 +551,59 @@ cdef class BlockAllocator:
         h = <uint64_t>(int(res) & 0xFFFFFFFFFFFFFFFF)
         return h if h != 0 else 1
 
+    cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
+                                  uint64_t salt, int32_t* out) except -1:
+        """Length of the longest verified cached prefix of the n-block chain of ``t``; its
+        blocks go to ``out``. A present hash with another identity ends the walk and counts
+        as a collision. Works in groups of _WALK_GROUP blocks: hash the group, prefetch its
+        prefix slots, resolve them and prefetch the blocks' records and token rows, then
+        verify, so the random memory accesses of a group overlap instead of queueing."""
+        cdef Py_ssize_t bs = self._block_size, base = 0, m, j, found, slot, i
+        cdef uint64_t parent = 0, verified_parent = 0
+        cdef uint64_t hashes[_WALK_GROUP]
+        cdef int32_t blocks[_WALK_GROUP]
+        cdef bint native = self._hash_fn is None and xxh3_native()
+        while base < n:
+            m = min(<Py_ssize_t>_WALK_GROUP, n - base)
+            for j in range(m):
+                i = base + j
+                if native:
+                    parent = hash_block_native(parent, t + i * bs, bs, keys.keys_of(i),
+                                               keys.key_count(i), salt, i, self._seed,
+                                               self.scratch)
+                else:
+                    parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                hashes[j] = parent
+                pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
+            found = m
+            for j in range(m):
+                slot = self.pt_find(hashes[j])
+                if slot < 0:
+                    found = j
+                    break
+                blocks[j] = self.slots[slot].block
+                pkv_prefetch(&self.blocks[blocks[j]])
+                pkv_prefetch(self.tokens + <Py_ssize_t>blocks[j] * bs)
+            for j in range(found):
+                i = base + j
+                if not self.identity_matches(blocks[j], t + i * bs, verified_parent, salt, i,
+                                             keys.digest_of(i), keys.digest_len(i)):
+                    self.st_collisions_rejected += 1
+                    return i
+                out[i] = blocks[j]
+                verified_parent = hashes[j]
+            if found < m:
+                return base + found
+            base += m
+        return n
+
     cdef int32_t check_block_id(self, object block_id, str name) except -1:
+        cdef int overflow = 0
+        cdef long long v
+        if type(block_id) is int:                 # the common case, without isinstance
+            v = PyLong_AsLongLongAndOverflow(block_id, &overflow)
+            if overflow == 0 and 0 <= v < self._num_blocks:
+                return <int32_t>v
         if not _is_int(block_id):
             raise InvalidArgumentType(
                 f"{name} must be an int block id, got {type(block_id).__name__}")
@@ -779,13 +851,17 @@ cdef class BlockAllocator:
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent = 0
-        self.ensure_scratch(self._most_keys(keys, n))
+        if self._hash_fn is None:
+            chain_into(t, n, self._block_size, keys, salt, self._seed, o)
+            return out
+        self.ensure_scratch(self.most_keys(keys, n))
         for i in range(n):
             parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
             o[i] = parent
         return out
 
-    def _most_keys(self, ChainKeys keys, Py_ssize_t n):
+    cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept:
+        """The most extra keys any of the first n blocks has (sizes the hash scratch)."""
         cdef Py_ssize_t i, m = 0
         for i in range(n):
             if keys.key_count(i) > m:
@@ -844,33 +920,13 @@ cdef class BlockAllocator:
         cdef Py_ssize_t bs = self._block_size
         cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // bs), i, k = 0
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0, h
-        cdef Py_ssize_t slot
-        cdef int32_t b
-        cdef bytes digest
-        cdef const uint8_t* dptr
-        cdef uint32_t dlen
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
         self.st_query_tokens += <uint64_t>tok.shape[0]
         if n == 0 or self.n_cached == 0:
             return out[:0], 0
-        self.ensure_scratch(self._most_keys(keys, n))
-        for i in range(n):
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            slot = self.pt_find(h)
-            if slot < 0:
-                break
-            b = self.slots[slot].block
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
-            if not self.identity_matches(b, t + i * bs, parent, salt, i, dptr, dlen):
-                self.st_collisions_rejected += 1
-                break
-            o[k] = b
-            k += 1
-            parent = h
+        self.ensure_scratch(self.most_keys(keys, n))
+        k = self.walk_verified(t, n, keys, salt, o)
         with nogil:
             for i in range(k):
                 self.incref_block(o[i])
@@ -895,8 +951,7 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent = 0, h
         cdef Py_ssize_t slot
-        cdef int32_t b, held
-        cdef bytes digest
+        cdef int32_t b
         cdef const uint8_t* dptr
         cdef uint32_t dlen
         if n * bs > tok.shape[0]:
@@ -916,17 +971,14 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        self.ensure_scratch(self._most_keys(keys, n))
-        cdef cnp.ndarray chain = np.empty(n, dtype=np.int32)
+        self.ensure_scratch(self.most_keys(keys, n))
         cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
-        cdef int32_t* cb = <int32_t*>cnp.PyArray_DATA(chain)
         cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
         for i in range(n):
             b = <int32_t>p[i]
             h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
+            dptr = keys.digest_of(i)
+            dlen = keys.digest_len(i)
             slot = self.pt_find(h)
             if slot >= 0:
                 if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
@@ -935,22 +987,21 @@ cdef class BlockAllocator:
                     break                   # nothing past a collision is registered
                 if self.slots[slot].block == b:
                     self.lru_touch(b)       # refresh of the same (block, hash)
-                else:
-                    b = self.slots[slot].block   # replay of an already-cached block: skip
+                # else: a replay of an already-cached block, skipped (touched below)
             else:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
-            cb[accepted] = b
             ck[accepted] = h
             accepted += 1
             parent = h
-        # Deepest first, so block 0 ends most recent and eviction takes tails first.
+        # Deepest first, so block 0 ends most recent and eviction takes tails first. The
+        # touch follows the hash: an entry a later step capacity-evicted is skipped.
         i = accepted - 1
         while i >= 0:
             slot = self.pt_find(ck[i])
-            if slot >= 0 and self.slots[slot].block == cb[i]:
-                self.lru_touch(cb[i])
+            if slot >= 0:
+                self.lru_touch(self.slots[slot].block)
             i -= 1
         self.flush_events()
         return added

@@ -178,10 +178,11 @@ cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_lim
         numel = 1
         for d in range(ndim):
             rec.shape[d] = load_u32(sec + pos + 4 * d)
-            numel *= rec.shape[d]
-            if numel > MAX_NUMEL:
+            # numel <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
+            if rec.shape[d] != 0 and numel > MAX_NUMEL // rec.shape[d]:
                 err.fault = FAULT_NUMEL
                 return 0
+            numel *= rec.shape[d]
         pos += 4 * <uint64_t>ndim
         rec.group_size = load_u32(sec + pos)
         rec.nbytes = load_u64(sec + pos + 4)
