@@ -552,7 +552,9 @@ class PagedKVCacheAdapter:
         self._counters["registered_blocks"] += new
         if self.cold_tier is not None and not self._captured[row] and full:
             self._captured[row] = True
-            self._cold_capture(tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block)
+            # Copies: the cold writer may keep them after this row is reused.
+            self._cold_capture(tokens.copy(), block_ids, cache_salt, extra_keys,
+                               extra_keys_per_block)
         return new
 
     def register_full_blocks_for_reuse(self, seq_id: Hashable, *, extra_keys: Sequence[int] = (),
