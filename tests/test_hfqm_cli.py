@@ -89,6 +89,22 @@ def test_inspect_mixed_file_summary_and_bundle(tmp_path, capsys):
     assert "  a.weight  HFQ4G256  1x256    136  " in text
 
 
+def test_inspect_verify(tmp_path, capsys):
+    path = tmp_path / "h.hfq"
+    write_minimal(path, add_quantization_hash=True)
+    assert cli_main(["inspect", str(path), "--verify"]) == 0
+    assert "verify    quantization_hash: ok\n" in capsys.readouterr().out
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert cli_main(["inspect", str(path), "--verify", "--json"]) == 1
+    check = json.loads(capsys.readouterr().out)["quantization_hash_check"]
+    assert check.startswith("MISMATCH: ") and "43f356738983a9fd != " in check
+    write_minimal(tmp_path / "plain.hfq")
+    assert cli_main(["inspect", str(tmp_path / "plain.hfq"), "--verify"]) == 0
+    assert "quantization_hash: absent" in capsys.readouterr().out
+
+
 def test_inspect_broken_file_exits_1_with_the_reason(tmp_path, capsys):
     path = tmp_path / "bad.hfq"
     path.write_bytes(b"GGUF" + bytes(40))

@@ -17,7 +17,7 @@ from pagedkv.errors import (BadMagic, BadMetadata, BadName, CountMismatch, Forma
                             InvalidArgument, SizeMismatch, TensorNotFound, Truncated,
                             UnknownQuantType, UnsupportedQuantType, UnsupportedVersion)
 from pagedkv.hfqm import (HfqmFile, HfqmWriter, PlannedTensor, compute_quantization_hash,
-                          plan_of)
+                          plan_of, verify_quantization_hash, write_mtp_bundle)
 from pagedkv.hfqm import index as hfqm_index
 
 
@@ -86,6 +86,18 @@ def test_quantization_hash_key_is_added_and_matches_the_recomputed_value(tmp_pat
         assert qh["producer"]["package"] == "pagedkv"
         assert list(f.metadata) == ["architecture", "config", "quantization_hash"]
         assert f.data_offset == 4096
+
+
+def test_verify_quantization_hash(tmp_path):
+    write_minimal(tmp_path / "h.hfq", add_quantization_hash=True)
+    write_minimal(tmp_path / "plain.hfq")
+    assert verify_quantization_hash(tmp_path / "h.hfq") is True
+    assert verify_quantization_hash(tmp_path / "plain.hfq") is None
+    data = bytearray((tmp_path / "h.hfq").read_bytes())
+    data[-1] ^= 1  # one payload bit
+    (tmp_path / "h.hfq").write_bytes(bytes(data))
+    with pytest.raises(BadMetadata, match="value 43f356738983a9fd != "):
+        verify_quantization_hash(tmp_path / "h.hfq")
 
 
 # --- round trips and the streaming paths -------------------------------------------------
@@ -220,6 +232,16 @@ def test_mtp_bundle_trailer(tmp_path):
         assert mtp["enorm"].tolist() == [0.25, 4]
         assert mtp.info("enorm").offset == len(trunk) + 4096
         assert mtp.mtp is None
+    # write_mtp_bundle produces the same bytes, atomically, and checks its inputs.
+    assert write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "head.hfq",
+                            tmp_path / "w.mq4-mtp") == len(trunk)
+    assert (tmp_path / "w.mq4-mtp").read_bytes() == bundle.read_bytes()
+    with pytest.raises(InvalidArgument, match="arch_id 0; an MTP head has arch_id 21"):
+        write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "trunk.hfq", tmp_path / "x.hfq")
+    with pytest.raises(InvalidArgument, match="not bundles"):
+        write_mtp_bundle(bundle, tmp_path / "head.hfq", tmp_path / "x.hfq")
+    assert not (tmp_path / "x.hfq").exists()
+    assert sorted(os.listdir(tmp_path)) == ["b.mq4-mtp", "head.hfq", "trunk.hfq", "w.mq4-mtp"]
     # A trailer that does not point at an HFQM section is a plain file, not an error.
     bad = tmp_path / "bad.hfq"
     bad.write_bytes(trunk + head + b"HFBNDMTP" + struct.pack("<Q", 5))

@@ -151,10 +151,14 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
                     block = np.atleast_1d(block)  # the codecs take >= 1 dim; a scalar is [1]
                     raw = quantize(block, row.key)
                     if measure_error:
-                        ref = block.astype(np.float64)
-                        back = dequantize(raw, row.key, block.shape).astype(np.float64)
-                        err2 += float(np.sum((back - ref) ** 2))
-                        ref2 += float(np.sum(ref * ref))
+                        # float32 differences, float64 sums (numpy casts in buffered
+                        # chunks): no float64 copy of the block.
+                        ref = block.astype(np.float32, copy=False)
+                        diff = dequantize(raw, row.key, block.shape)
+                        np.subtract(diff, ref, out=diff)
+                        np.square(diff, out=diff)
+                        err2 += float(diff.sum(dtype=np.float64))
+                        ref2 += float(np.square(ref).sum(dtype=np.float64))
                     done += block.size * (2 if src.dtype in ("F16", "BF16") else 4)
                     if progress is not None:
                         progress(done, total, p.name)

@@ -19,11 +19,11 @@ import numpy as np
 from pagedkv.errors import BadMetadata, InvalidArgument, TensorNotFound, Truncated
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
+from pagedkv.hfqm.mtp_bundle import mtp_offset
 from pagedkv.hfqm.qtypes import QTYPES
 
-__all__ = ["HfqmFile", "TensorInfo", "canonical_name", "MTP_TRAILER_MAGIC"]
+__all__ = ["HfqmFile", "TensorInfo", "canonical_name"]
 
-MTP_TRAILER_MAGIC = b"HFBNDMTP"
 WHOLE_FILE_MMAP_LIMIT_BYTES = 64 << 30
 _ALIAS_PREFIXES = ("model.language_model.", "model.")
 
@@ -184,14 +184,16 @@ class HfqmFile:
         """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
         opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
         if self._mtp is False:
+            self._check_open()
             self._mtp = None
-            size = self.file_bytes
-            if self.base == 0 and size >= 16:
-                trailer = bytes(self._read(size - 16, 16))
-                if trailer[:8] == MTP_TRAILER_MAGIC:
-                    mtp_off = int.from_bytes(trailer[8:], "little")
-                    if mtp_off < size - 16 and bytes(self._read(mtp_off, 4)) == b"HFQM":
-                        self._mtp = HfqmFile(self.path, base=mtp_off)
+            if self.base == 0:
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+                try:
+                    offset = mtp_offset(fd, self.file_bytes)
+                finally:
+                    os.close(fd)
+                if offset is not None:
+                    self._mtp = HfqmFile(self.path, base=offset)
         return self._mtp
 
     # --- tensors --------------------------------------------------------------------
