@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pagedkv import allocator as allocator_mod
 from pagedkv.allocator import (
-    BLOCK_DTYPE, PREFIX_SLOT_DTYPE, STATS_KEYS, BlockAllocator, BlockIdentity, RestoredBlock)
+    BLOCK_DTYPE,
+    PREFIX_SLOT_DTYPE,
+    STATS_KEYS,
+    BlockAllocator,
+    BlockIdentity,
+    RestoredBlock,
+)
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
-from pagedkv.hashing import chain_hashes, hot_block_hash, salt_domain_id
+from pagedkv.hashing import chain_hashes, salt_domain_id
 from pagedkv.identity import extra_keys_digest
 
 
@@ -30,13 +35,16 @@ def ident(tokens, parent=0, keys=(), salt=0, index=0):
 
 def snapshot(a: BlockAllocator):
     """Everything observable: the physical tables, counters, LRU and free order."""
-    return dict(
-        records=a.block_records.tobytes(), tokens=a.token_ids.tobytes(),
-        slots=a.prefix_slots.tobytes(), lru=a.lru_hashes(), free=a.free_list(),
-        stats=a.stats(), counters=(a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
-                                   a.num_evictable_blocks, a.prefix_cache_len,
-                                   a.prefix_cache_capacity),
-    )
+    return {
+        "records": a.block_records.tobytes(),
+        "tokens": a.token_ids.tobytes(),
+        "slots": a.prefix_slots.tobytes(),
+        "lru": a.lru_hashes(),
+        "free": a.free_list(),
+        "stats": a.stats(),
+        "counters": (a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
+                     a.num_evictable_blocks, a.prefix_cache_len, a.prefix_cache_capacity),
+    }
 
 
 def populated():
@@ -67,9 +75,10 @@ def test_module_name_and_exports():
 def test_dtypes_match_the_c_structs(dtype, struct):
     c = allocator_mod._c_layout()[struct]
     assert dtype.itemsize == c.pop("itemsize")
-    assert list(c) == list(dtype.names)
+    assert sorted(c) == sorted(dtype.names)            # every member, named as in C
     for name, off in c.items():
         assert dtype.fields[name][1] == off, name
+    assert list(dtype.names) == sorted(c, key=c.get)    # declared in memory order
 
 
 def test_record_field_types():
@@ -80,8 +89,9 @@ def test_record_field_types():
 
 
 def test_header_is_installed():
-    import pagedkv
     from pathlib import Path
+
+    import pagedkv
     text = (Path(pagedkv.get_include()) / "pagedkv" / "records.h").read_text()
     assert "pkv_block_record" in text and "pkv_prefix_slot" in text
 
@@ -185,6 +195,10 @@ def test_allocate_many_is_all_or_nothing():
     assert a.allocate_many(0).tolist() == []
     a.free_many(np.array([2, 0], dtype=np.int32))
     assert a.free_list() == [3, 2, 0]
+
+
+def test_can_allocate_huge_is_false():
+    assert make().can_allocate(2**70) is False
 
 
 def test_free_many_multiplicity():
@@ -568,6 +582,7 @@ BAD_CALLS = [
     ("publish non-entry", lambda a: a.publish_restored_batch([5]), InvalidArgumentType, "RestoredBlock"),
     # counts
     ("allocate_many -1", lambda a: a.allocate_many(-1), InvalidArgument, "n = -1"),
+    ("allocate_many 2**70", lambda a: a.allocate_many(2**70), InvalidArgument, r"2\*\*31"),
     ("allocate_many float", lambda a: a.allocate_many(1.5), InvalidArgumentType, "n must"),
     ("can_allocate -1", lambda a: a.can_allocate(-1), InvalidArgument, "n = -1"),
     ("grow_by -1", lambda a: a.grow_by(-1), InvalidArgument, "k = -1"),
@@ -629,5 +644,5 @@ def test_collision_across_walk_groups(collide_at):
     a.cache_full_blocks(toks, ids)
     query = toks.copy()
     query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
-    blocks, n = a.find_longest_cache_hit(query)
+    _blocks, n = a.find_longest_cache_hit(query)
     assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1

@@ -53,7 +53,7 @@ cdef class BlockAllocator:
     cdef object _records          # BLOCK_DTYPE[max_num_blocks]
     cdef object _token_ids        # uint32[max_num_blocks, block_size]
     cdef object _slots            # PREFIX_SLOT_DTYPE[table_size], power of two
-    cdef object _multiplicity     # int32[max_num_blocks] scratch for free_many (all zero between calls)
+    cdef object _multiplicity     # int32[max_num_blocks] free_many scratch, zero between calls
     cdef pkv_block_record* blocks
     cdef uint32_t* tokens
     cdef pkv_prefix_slot* slots

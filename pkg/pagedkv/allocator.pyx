@@ -21,7 +21,6 @@ import secrets
 
 import numpy as np
 
-cimport cython
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -80,41 +79,54 @@ BLOCK_NULL = PKV_BLOCK_NULL
 STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evictions",
               "collisions_rejected", "grows")
 
-_BLOCK_FIELDS = BLOCK_DTYPE.names
-_SLOT_FIELDS = PREFIX_SLOT_DTYPE.names
-
 cdef extern from *:
     """
     #include <stddef.h>
     #include "pagedkv/records.h"
-    /* offsetof for the layout test, in the field order of BLOCK_DTYPE / PREFIX_SLOT_DTYPE */
-    static const Py_ssize_t pkv_block_record_offsets[13] = {
-        offsetof(pkv_block_record, hot_hash), offsetof(pkv_block_record, parent_hash),
-        offsetof(pkv_block_record, cache_salt), offsetof(pkv_block_record, block_index),
-        offsetof(pkv_block_record, extra_keys_digest), offsetof(pkv_block_record, refcount),
-        offsetof(pkv_block_record, token_count), offsetof(pkv_block_record, lru_prev),
-        offsetof(pkv_block_record, lru_next), offsetof(pkv_block_record, free_prev),
-        offsetof(pkv_block_record, free_next), offsetof(pkv_block_record, flags),
-        offsetof(pkv_block_record, extra_keys_digest_len)};
-    static const Py_ssize_t pkv_prefix_slot_offsets[3] = {
-        offsetof(pkv_prefix_slot, key), offsetof(pkv_prefix_slot, block),
-        offsetof(pkv_prefix_slot, _pad)};
+    /* sizeof/offsetof as this C compiler lays the records out, field names spelled in C
+       so the layout test pairs each dtype field with the struct member of that name. */
+    typedef struct { const char *name; Py_ssize_t offset; } pkv_field_offset;
+    #define PKV_FIELD(T, F) { #F, (Py_ssize_t)offsetof(T, F) }
+    static const pkv_field_offset pkv_block_record_fields[] = {
+        PKV_FIELD(pkv_block_record, hot_hash), PKV_FIELD(pkv_block_record, parent_hash),
+        PKV_FIELD(pkv_block_record, cache_salt), PKV_FIELD(pkv_block_record, block_index),
+        PKV_FIELD(pkv_block_record, extra_keys_digest), PKV_FIELD(pkv_block_record, refcount),
+        PKV_FIELD(pkv_block_record, token_count), PKV_FIELD(pkv_block_record, lru_prev),
+        PKV_FIELD(pkv_block_record, lru_next), PKV_FIELD(pkv_block_record, free_prev),
+        PKV_FIELD(pkv_block_record, free_next), PKV_FIELD(pkv_block_record, flags),
+        PKV_FIELD(pkv_block_record, extra_keys_digest_len)};
+    static const pkv_field_offset pkv_prefix_slot_fields[] = {
+        PKV_FIELD(pkv_prefix_slot, key), PKV_FIELD(pkv_prefix_slot, block),
+        PKV_FIELD(pkv_prefix_slot, _pad)};
+    #define PKV_N_BLOCK_FIELDS (sizeof pkv_block_record_fields / sizeof pkv_block_record_fields[0])
+    #define PKV_N_SLOT_FIELDS (sizeof pkv_prefix_slot_fields / sizeof pkv_prefix_slot_fields[0])
     """
-    const Py_ssize_t pkv_block_record_offsets[13]
-    const Py_ssize_t pkv_prefix_slot_offsets[3]
+    ctypedef struct pkv_field_offset:
+        const char* name
+        Py_ssize_t offset
+    const pkv_field_offset pkv_block_record_fields[]
+    const pkv_field_offset pkv_prefix_slot_fields[]
+    Py_ssize_t PKV_N_BLOCK_FIELDS
+    Py_ssize_t PKV_N_SLOT_FIELDS
+
+
+cdef dict _fields(const pkv_field_offset* fields, Py_ssize_t n, Py_ssize_t itemsize):
+    cdef Py_ssize_t i
+    out = {"itemsize": itemsize}
+    for i in range(n):
+        out[fields[i].name.decode("ascii")] = fields[i].offset
+    return out
 
 
 def _c_layout():
     """``sizeof``/``offsetof`` of the records.h structs as the C compiler laid them out:
-    ``{struct: {"itemsize": n, field: offset, ...}}``, fields named as in the dtypes."""
-    cdef Py_ssize_t i
-    block = {"itemsize": <Py_ssize_t>sizeof(pkv_block_record)}
-    for i in range(13):
-        block[_BLOCK_FIELDS[i]] = pkv_block_record_offsets[i]
-    slot = {"itemsize": <Py_ssize_t>sizeof(pkv_prefix_slot)}
-    for i in range(3):
-        slot[_SLOT_FIELDS[i]] = pkv_prefix_slot_offsets[i]
-    return {"pkv_block_record": block, "pkv_prefix_slot": slot}
+    ``{struct: {"itemsize": n, member: offset, ...}}``."""
+    return {
+        "pkv_block_record": _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS,
+                                    sizeof(pkv_block_record)),
+        "pkv_prefix_slot": _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS,
+                                   sizeof(pkv_prefix_slot)),
+    }
 
 
 cdef extern from *:
@@ -151,10 +163,11 @@ cdef inline bint _is_int(object v):
 
 
 cdef Py_ssize_t _count_arg(object n, str name) except -1:
+    """A count in [0, 2**31): block counts never exceed the int32 id range."""
     if not _is_int(n):
         raise InvalidArgumentType(f"{name} must be an int >= 0, got {type(n).__name__}")
-    if n < 0:
-        raise InvalidArgument(f"{name} = {n} must be >= 0")
+    if not 0 <= n <= 0x7FFFFFFF:
+        raise InvalidArgument(f"{name} = {n} is outside [0, 2**31)")
     return n
 
 
@@ -736,6 +749,8 @@ cdef class BlockAllocator:
 
     def can_allocate(self, n):
         """Whether ``n`` blocks can be handed out now (free + cache-only)."""
+        if _is_int(n) and n > 0x7FFFFFFF:
+            return False                    # more than any pool can hold
         cdef Py_ssize_t k = _count_arg(n, "n")
         return self.n_free >= k or self.n_free + self.n_evictable >= k
 
@@ -1052,7 +1067,8 @@ cdef class BlockAllocator:
             i = n - 1
             while i >= 0:
                 b = <int32_t>ids[i]
-                if self.blocks[b].flags & PKV_BLOCK_CACHED and self.blocks[b].hot_hash == <uint64_t>keys[i]:
+                if (self.blocks[b].flags & PKV_BLOCK_CACHED
+                        and self.blocks[b].hot_hash == <uint64_t>keys[i]):
                     self.lru_touch(b)
                 i -= 1
         finally:
@@ -1137,7 +1153,7 @@ cdef class BlockAllocator:
             if i >= nb:
                 if r.flags or r.refcount:
                     _fail(f"block {i} beyond num_blocks={nb} has flags={r.flags} "
-                         f"refcount={r.refcount}")
+                          f"refcount={r.refcount}")
                 continue
             if r.flags & PKV_BLOCK_NULL:
                 if i != self._null_block or r.flags != PKV_BLOCK_NULL:
@@ -1147,7 +1163,7 @@ cdef class BlockAllocator:
                 free_seen += 1
                 if r.refcount != 0 or r.flags & PKV_BLOCK_CACHED:
                     _fail(f"free block {i} has refcount {r.refcount}, flags {r.flags} "
-                         f"(invariant 1: free xor allocated)")
+                          f"(invariant 1: free xor allocated)")
             else:
                 if r.refcount < 1:
                     _fail(f"block {i} is neither free nor allocated (refcount {r.refcount})")
@@ -1161,7 +1177,7 @@ cdef class BlockAllocator:
                 found = self.pt_find(r.hot_hash)
                 if found < 0 or self.slots[found].block != i:
                     _fail(f"cached block {i} (hash {r.hot_hash:#x}) is not what the prefix "
-                         f"table maps its hash to (invariant 4)")
+                          f"table maps its hash to (invariant 4)")
         if free_seen != self.n_free:
             _fail(f"{free_seen} blocks flagged free but num_free_blocks={self.n_free}")
         if alloc_seen != self.n_allocated:
@@ -1215,7 +1231,7 @@ cdef class BlockAllocator:
             if not 0 <= b < nb or not (self.blocks[b].flags & PKV_BLOCK_CACHED) or \
                     self.blocks[b].hot_hash != self.slots[j].key:
                 _fail(f"prefix slot {j} (hash {self.slots[j].key:#x} -> block {b}) has no "
-                     f"matching cached block (invariant 4)")
+                      f"matching cached block (invariant 4)")
             home = (self.slots[j].key * _FIB) >> self.slot_shift
             while home != j:
                 if self.slots[home].block == _NO:
