@@ -16,6 +16,7 @@ COMMANDS = (
     "pagedkv.cli.config",
     "pagedkv.cli.inspect",
     "pagedkv.cli.convert",
+    "pagedkv.cli.cold",
 )
 
 
