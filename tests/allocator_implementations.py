@@ -55,6 +55,6 @@ def observables(alloc) -> dict:
         "lru_hashes": list(alloc.lru_hashes()),
         "stats": dict(alloc.stats()),
     }
-    if hasattr(alloc, "free_block_ids"):
-        out["free_block_ids"] = alloc.free_block_ids().tolist()
+    if hasattr(alloc, "free_list"):
+        out["free_list"] = list(alloc.free_list())
     return out

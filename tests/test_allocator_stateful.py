@@ -53,7 +53,7 @@ def _norm(value):
 
 
 def _comparable(snapshots):
-    """Drop observables that not every implementation exposes (``free_block_ids``)."""
+    """Drop observables that not every implementation exposes (``free_list``)."""
     shared = set.intersection(*(set(s) for s in snapshots))
     return [{k: s[k] for k in sorted(shared)} for s in snapshots]
 
