@@ -109,3 +109,24 @@ def test_raw_formats_round_trip():
     assert t[3] == 0x0001 and t[2] == 0x7BFF
     b = Q.quantize(x, "bf16").view(np.uint16)
     assert np.array_equal(b, (x.view(np.uint32) >> 16).astype(np.uint16))
+
+
+def test_gemv_argument_errors():
+    w = np.linspace(-1, 1, 4 * 512, dtype=np.float32).reshape(4, 512)
+    raw = Q.quantize(w, "hfq4g256")
+    x = np.ones(512, np.float32)
+    with pytest.raises(InvalidArgument, match=r"2-D"):
+        Q.gemv(raw, "hfq4g256", (2048,), x)
+    with pytest.raises(InvalidArgument, match=r"\[K\] or \[B, K\] with K = 512"):
+        Q.gemv(raw, "hfq4g256", (4, 512), np.ones(256, np.float32))
+    with pytest.raises(InvalidArgument, match="1 to 8"):
+        Q.gemv(raw, "hfq4g256", (4, 512), np.ones((9, 512), np.float32))
+    with pytest.raises(InvalidArgumentType, match="float32"):
+        Q.gemv(raw, "hfq4g256", (4, 512), np.ones(512))
+    with pytest.raises(SizeMismatch):
+        Q.gemv(raw[:-1], "hfq4g256", (4, 512), x)
+    with pytest.raises(InvalidArgument, match="NaN"):
+        Q.gemv(raw, "hfq4g256", (4, 512), np.full(512, np.nan, np.float32))
+    y = Q.gemv(raw, "hfq4g256", (4, 512), x)
+    assert y.shape == (4,)
+    assert np.allclose(y, Q.dequantize(raw, "hfq4g256", (4, 512)).sum(axis=1), rtol=1e-5)

@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
-from pagedkv.quant.formats import check_k, resolve
+from pagedkv.quant import gemv_kernels
+from pagedkv.quant.formats import AFFINE, Q8, check_k, resolve
 
 __all__ = ["gemv", "MAX_BATCH"]
 
@@ -66,7 +67,8 @@ def _gemv_by_row_blocks(data, codec, m, k, x2):
         b0 = (r0 * k) // g * codec.group_bytes
         b1 = -(-(r1 * k) // g) * codec.group_bytes
         w = dequantize(data[b0:b1], codec.qt.id, (r1 - r0, k))
-        y[:, r0:r1] = x2 @ w.T
+        for b in range(x2.shape[0]):      # row by row: a batch never changes a row's bits
+            y[b, r0:r1] = w @ x2[b]
     return y
 
 
@@ -76,5 +78,11 @@ def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray
     x2 = np.ascontiguousarray(x.reshape(-1, k))
     if not np.isfinite(x2).all():
         raise InvalidArgument("x holds NaN or Inf")
-    y = _gemv_by_row_blocks(data, codec, m, k, x2)
+    y = np.empty((x2.shape[0], m), np.float32)
+    if codec.kind == AFFINE and k % codec.group_size == 0 and (not codec.rotated or k % 256 == 0):
+        gemv_kernels.gemv_affine(data, m, k, codec.family, codec.bits, codec.group_size, x2, y)
+    elif codec.kind == Q8 and k % 32 == 0:
+        gemv_kernels.gemv_q8f16(data, m, k, x2, y)
+    else:
+        y = _gemv_by_row_blocks(data, codec, m, k, x2)
     return y[0] if x.ndim == 1 else y

@@ -1,0 +1,108 @@
+# cython: freethreading_compatible = True
+"""Fused dequant-GEMV: ``y = x · Wᵀ`` straight from the packed groups.
+
+Prepares x once per call (forward FWHT for rotated formats, nibble order for
+4-bit codes, per-span sums) and hands the row loop to ``gemv_loops.h``.
+Callers (``pagedkv.quant.matvec``) validate shapes: ``k % group == 0`` and, for
+rotated families, ``k % 256 == 0``; at most 8 rows of x.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+from libc.stdlib cimport free, malloc
+
+from pagedkv.quant.fwht cimport rotate256
+
+cnp.import_array()
+
+cdef extern from "gemv_loops.h" nogil:
+    void pkv_cpu_gemv_affine(const uint8_t *w, Py_ssize_t m, Py_ssize_t k, unsigned bits,
+                             unsigned G, int family, const float *xp, const float *xsum,
+                             Py_ssize_t nb, float *y)
+    void pkv_cpu_gemv_q8f16(const uint8_t *w, Py_ssize_t m, Py_ssize_t k, const float *x,
+                            Py_ssize_t nb, float *y)
+
+cdef enum:
+    MAX_BATCH = 8
+    FAMILY_HFQ = 0
+    FAMILY_MQ_V2 = 2
+
+
+cdef void _nibble_order(float *xp, Py_ssize_t n) noexcept nogil:
+    """Permute each 32-float chunk to its 16 even elements, then its 16 odd ones."""
+    cdef float tmp[32]
+    cdef Py_ssize_t c, j
+    for c in range(0, n, 32):
+        for j in range(16):
+            tmp[j] = xp[c + 2 * j]
+            tmp[16 + j] = xp[c + 2 * j + 1]
+        for j in range(32):
+            xp[c + j] = tmp[j]
+
+
+def gemv_affine(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, int family, int bits,
+                Py_ssize_t group, const float[:, ::1] x, float[:, ::1] y):
+    """``y[b, r] = Σ_j x[b, j] · W[r, j]`` for an affine-family W (see module docstring)."""
+    cdef Py_ssize_t nb = x.shape[0], b, j, s, span, n_spans
+    cdef float *xp
+    cdef float *xsum
+    cdef float acc
+    if nb < 1 or nb > MAX_BATCH or x.shape[1] != k or y.shape[0] != nb or y.shape[1] != m:
+        raise ValueError("gemv_affine: x must be [1..8, k] and y [len(x), m]")
+    if k % group or (family != FAMILY_HFQ and k % 256):
+        raise ValueError(f"gemv_affine: k={k} must be a multiple of the group ({group})")
+    if w.shape[0] != m * (k // group) * (8 + bits * group // 8):
+        raise ValueError("gemv_affine: w has the wrong size")
+    span = 128 if family == FAMILY_MQ_V2 else group
+    n_spans = k // span
+    if m == 0:
+        return
+    xp = <float *>malloc(nb * k * sizeof(float))
+    xsum = <float *>malloc(nb * n_spans * sizeof(float) + 1)
+    if xp == NULL or xsum == NULL:
+        free(xp)
+        free(xsum)
+        raise MemoryError()
+    try:
+        with nogil:
+            for b in range(nb):
+                if family == FAMILY_HFQ:
+                    for j in range(k):
+                        xp[b * k + j] = x[b, j]
+                else:
+                    rotate256(&x[b, 0], &xp[b * k], k // 256)
+                for s in range(n_spans):
+                    acc = 0.0
+                    for j in range(s * span, (s + 1) * span):
+                        acc = acc + xp[b * k + j]
+                    xsum[b * n_spans + s] = acc
+            if bits == 4:
+                # 4-bit codes meet x in nibble order (gemv_loops.h)
+                _nibble_order(xp, nb * k)
+            if k > 0:
+                pkv_cpu_gemv_affine(&w[0], m, k, bits, <unsigned>group, family, xp, xsum, nb,
+                                    &y[0, 0])
+            else:
+                for b in range(nb):
+                    for j in range(m):
+                        y[b, j] = 0.0
+    finally:
+        free(xp)
+        free(xsum)
+
+
+def gemv_q8f16(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, const float[:, ::1] x,
+               float[:, ::1] y):
+    """``y = x · Wᵀ`` for a Q8F16 W of ``[m, k]`` (k % 32 == 0)."""
+    cdef Py_ssize_t nb = x.shape[0], b, r
+    if nb < 1 or nb > MAX_BATCH or x.shape[1] != k or y.shape[0] != nb or y.shape[1] != m:
+        raise ValueError("gemv_q8f16: x must be [1..8, k] and y [len(x), m]")
+    if k % 32 or w.shape[0] != m * (k // 32) * 34:
+        raise ValueError("gemv_q8f16: k must be a multiple of 32 and w m*k/32*34 bytes")
+    with nogil:
+        if m > 0 and k > 0:
+            pkv_cpu_gemv_q8f16(&w[0], m, k, &x[0, 0], nb, &y[0, 0])
+        else:
+            for b in range(nb):
+                for r in range(m):
+                    y[b, r] = 0.0

@@ -1,0 +1,144 @@
+/* Fused dequant-GEMV loops for the CPU, compiled per ISA level (cpu_simd.h).
+ *
+ * y[b][r] = sum over groups g of row r:  scale_g * (q_g . x_b) + min_g * sum(x_b over g)
+ * i.e. the affine decode is folded into the dot product, so the weights are
+ * never written out as floats. The caller prepares x once per call:
+ *   - rotated formats: each 256-segment already rotated by the forward FWHT;
+ *   - 4-bit formats: each 32-element chunk permuted to "nibble order" (the 16
+ *     even elements, then the 16 odd ones) so low and high nibbles of 16
+ *     consecutive bytes meet 16 consecutive floats;
+ *   - xsum[b][s]: the sum of x_b over each span that shares one (scale, min):
+ *     the group (v1, MQ4C) or the 128-half (V2).
+ * Lane arithmetic uses GCC vector extensions: element-wise semantics that do
+ * not depend on the ISA, and a fixed reduction order, so every clone gives the
+ * same bits (though not the bits of x @ dequantize(W).T: a different order).
+ */
+#ifndef PAGEDKV_QUANT_GEMV_LOOPS_H
+#define PAGEDKV_QUANT_GEMV_LOOPS_H
+
+#include <string.h>
+#include "pagedkv/quant.h"
+#include "cpu_simd.h"
+
+/* Codes are widened to floats with plain loops (GCC vectorizes them with one
+ * pmovzx/pmovsx each), not __builtin_convertvector, which GCC 12 scalarizes. */
+typedef float pkv_v16f __attribute__((vector_size(64)));
+
+/* Affine families, as pagedkv.quant.affine.AffineFamily numbers them. */
+enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMILY_MQ4C = 3 };
+
+/* Dot product of n floats (n a multiple of 32), two 16-lane accumulators. */
+static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
+    pkv_v16f acc0 = {0}, acc1 = {0};
+    for (uint32_t i = 0; i < n; i += 32u) {
+        pkv_v16f a0, a1, b0, b1;
+        memcpy(&a0, a + i, 64); memcpy(&a1, a + i + 16u, 64);
+        memcpy(&b0, b + i, 64); memcpy(&b1, b + i + 16u, 64);
+        acc0 += a0 * b0;
+        acc1 += a1 * b1;
+    }
+    acc0 += acc1;
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) s += acc0[k];
+    return s;
+}
+
+/* Codes of one group as floats, in the order the prepared x expects. */
+static inline void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint32_t G,
+                                    uint8_t *q, float *qf) {
+    if (bits == 4u) {
+        for (uint32_t c = 0; c < G / 32u; ++c) {
+            const uint8_t *p = payload + 16u * c;
+            float *o = qf + 32u * c;
+            for (uint32_t i = 0; i < 16u; ++i) {   /* plain loop: GCC widens bytes with one pmovzx */
+                o[i] = (float)(p[i] & 15u);
+                o[16u + i] = (float)(p[i] >> 4);
+            }
+        }
+        return;
+    }
+    pkv_unpack_codes(payload, G, bits, q);
+    for (uint32_t i = 0; i < G; ++i) qf[i] = (float)q[i];
+}
+
+/* W: m rows of k weights (k % G == 0), groups of G at `bits` bits, `family` layout.
+ * xp: nb prepared rows of k floats; xsum: nb rows of k/span sums (span = 128 for
+ * V2, G otherwise); y: nb rows of m outputs. */
+PKV_CPU_CLONES
+static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
+                                uint32_t G, int family, const float *xp, const float *xsum,
+                                ptrdiff_t nb, float *y) {
+    const ptrdiff_t groups_per_row = k / G;
+    const size_t B = PKV_AFFINE_GROUP_BYTES(bits, G);
+    const ptrdiff_t spans_per_row = family == PKV_FAMILY_MQ_V2 ? k / 128 : groups_per_row;
+    uint8_t q[256];
+    float qf[256] __attribute__((aligned(64)));
+    float acc[8];
+    for (ptrdiff_t r = 0; r < m; ++r) {
+        for (ptrdiff_t b = 0; b < nb; ++b) acc[b] = 0.0f;
+        for (ptrdiff_t g = 0; g < groups_per_row; ++g) {
+            const uint8_t *blk = w + (size_t)(r * groups_per_row + g) * B;
+            pkv_codes_to_f32(blk + PKV_AFFINE_HEADER_BYTES, bits, G, q, qf);
+            const ptrdiff_t x0 = g * (ptrdiff_t)G;
+            if (family == PKV_FAMILY_MQ_V2) {
+                float s0 = pkv_mqv2_scale(blk, 0), z0 = pkv_mqv2_zero(blk, 0);
+                float s1 = pkv_mqv2_scale(blk, 1), z1 = pkv_mqv2_zero(blk, 1);
+                for (ptrdiff_t b = 0; b < nb; ++b) {
+                    const float *xb = xp + b * k + x0;
+                    const float *sb = xsum + b * spans_per_row + 2 * g;
+                    float d0 = pkv_dot_f32(qf, xb, 128u), d1 = pkv_dot_f32(qf + 128, xb + 128, 128u);
+                    acc[b] += (s0 * d0 + z0 * sb[0]) + (s1 * d1 + z1 * sb[1]);
+                }
+            } else {
+                float s, z;
+                if (family == PKV_FAMILY_MQ4C) {
+                    s = pkv_mqv2_scale(blk, 0);
+                    z = pkv_mqv2_zero(blk, 0);
+                } else {
+                    s = pkv_hfq_scale(blk);
+                    z = pkv_hfq_min(blk);
+                }
+                for (ptrdiff_t b = 0; b < nb; ++b) {
+                    float d = pkv_dot_f32(qf, xp + b * k + x0, G);
+                    acc[b] += s * d + z * xsum[b * spans_per_row + g];
+                }
+            }
+        }
+        for (ptrdiff_t b = 0; b < nb; ++b) y[b * m + r] = acc[b];
+    }
+}
+
+/* Q8F16: W m rows of k weights (k % 32 == 0); x plain (no permutation, no sums).
+ * One block is only 32 weights, so the scale goes into the lanes (d * (q * x))
+ * and each row reduces its 16 lanes once, not once per block. */
+PKV_CPU_CLONES
+static void pkv_cpu_gemv_q8f16(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, const float *x,
+                               ptrdiff_t nb, float *y) {
+    const ptrdiff_t blocks_per_row = k / 32;
+    for (ptrdiff_t r = 0; r < m; ++r) {
+        const uint8_t *row = w + (size_t)(r * blocks_per_row) * PKV_Q8F16_GROUP_BYTES;
+        /* one x row at a time keeps the accumulator in a register; the 34-byte
+         * blocks of this row stay in L1 for the next x row */
+        for (ptrdiff_t b = 0; b < nb; ++b) {
+            const float *xb = x + b * k;
+            pkv_v16f acc = {0};
+            for (ptrdiff_t g = 0; g < blocks_per_row; ++g) {
+                const uint8_t *blk = row + (size_t)g * PKV_Q8F16_GROUP_BYTES;
+                float d = pkv_f16_to_f32(pkv_load_u16le(blk));
+                float qf[32] __attribute__((aligned(64)));
+                for (uint32_t i = 0; i < 32u; ++i) qf[i] = (float)(int8_t)blk[2u + i];
+                pkv_v16f q0, q1, x0, x1;
+                memcpy(&q0, qf, 64);
+                memcpy(&q1, qf + 16, 64);
+                memcpy(&x0, xb + g * 32, 64);
+                memcpy(&x1, xb + g * 32 + 16, 64);
+                acc += d * (q0 * x0 + q1 * x1);
+            }
+            float s = 0.0f;
+            for (int l = 0; l < 16; ++l) s += acc[l];
+            y[b * m + r] = s;
+        }
+    }
+}
+
+#endif /* PAGEDKV_QUANT_GEMV_LOOPS_H */
