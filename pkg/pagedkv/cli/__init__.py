@@ -17,6 +17,7 @@ COMMANDS = (
     "pagedkv.cli.demo",
     "pagedkv.cli.inspect",
     "pagedkv.cli.convert",
+    "pagedkv.cli.cold",
 )
 
 
