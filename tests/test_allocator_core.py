@@ -363,6 +363,28 @@ def test_hash_fn_zero_is_remapped_and_sees_its_arguments():
     assert calls == [(0, [0, 1, 2, 3], (7,), 9, 0, 3), (1, [4, 5, 6, 7], (7,), 9, 1, 3)]
 
 
+@pytest.mark.parametrize("call", [
+    lambda a: a.cache_full_blocks(range(12), [6, 7, 8]),
+    lambda a: a.find_longest_cache_hit(range(12)),
+    lambda a: a.chain_hashes(range(12)),
+])
+def test_a_failing_hash_hook_changes_nothing(call):
+    """The hook fails on the third block: the chain is hashed before any table changes."""
+    def hook(parent, tokens, keys, salt, index, seed):
+        if index == 2:
+            raise RuntimeError("hook failed")
+        return int(tokens[0]) + 1
+
+    b = BlockAllocator(12, 16, 4, hash_seed=0, _hash_fn=hook)
+    b.allocate_many(9)
+    b.cache_full_blocks(range(8), [0, 1])
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        call(b)
+    assert snapshot(b) == before
+    b.check_invariants()
+
+
 def test_replay_past_a_verified_prefix():                              # A13
     a = make(8)
     first = a.allocate_many(2)
