@@ -31,6 +31,7 @@ LAYOUTS = frozenset({"nhd"})
 cdef object _U64 = struct.Struct("<Q")
 cdef object _DECIMAL = re.compile(r"^(0|[1-9][0-9]{0,18})$")
 cdef object _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+cdef str _ZERO_HEX = "0" * 64
 # Geometry limits a decoder accepts before it believes any length (forged counts).
 cdef Py_ssize_t _MAX_LAYERS = 4096
 cdef Py_ssize_t _MAX_BLOCK_SIZE = 1 << 16
@@ -192,24 +193,9 @@ def block_checksum(bytes tag, BlockGeometry geometry, tokens, buffer):
     return _checksum_block(tag, tok_bytes, flat, geometry.num_layers, geometry.slab_bytes)
 
 
-def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
-                 BlockGeometry geometry, tokens, buffer, str checksum=None):
-    """Encode one block; returns ``(header, tokens_bytes, payload)`` for ``os.writev``.
-
-    ``header`` holds the u64 length and the padded JSON; ``tokens_bytes`` and ``payload``
-    are views of the caller's arrays (nothing copied). ``checksum`` (hex) is computed here
-    unless the capture path already did. Bad input raises before anything is returned.
-    """
-    if not _HEX64.match(key_hex):
-        raise InvalidArgument(f"key_hex = {key_hex!r} must be 64 lowercase hex digits")
-    if not _HEX64.match(fingerprint_hex):
-        raise InvalidArgument(f"fingerprint_hex = {fingerprint_hex!r} must be 64 lowercase hex")
-    tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
-    if checksum is None:
-        checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry.num_layers,
-                                   geometry.slab_bytes)
-    elif not _HEX64.match(checksum):
-        raise InvalidArgument(f"checksum = {checksum!r} must be 64 lowercase hex digits")
+cdef bytes _header_bytes(str abi, str key_hex, str fingerprint_hex, BlockGeometry geometry,
+                         str checksum):
+    """u64 length + the canonical compact JSON header, padded with spaces to 8 bytes."""
     cdef Py_ssize_t s = geometry.slab_bytes
     cdef Py_ssize_t off = 4 * geometry.block_size
     cdef Py_ssize_t i
@@ -230,7 +216,45 @@ def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
     parts.append("}")
     js = "".join(parts).encode("ascii")
     js += b" " * ((8 - len(js) % 8) % 8)
-    return (_U64.pack(len(js)) + js, memoryview(tok_bytes), memoryview(flat))
+    return _U64.pack(len(js)) + js
+
+
+cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
+                                str fingerprint_hex, BlockGeometry g):
+    """The checksum field if ``raw`` starts with exactly the header pagedkv writes for this
+    key, fingerprint and geometry (so §6.6 steps 1-4 hold by construction), else ``None``."""
+    cdef bytes template = _header_bytes(abi, key_hex, fingerprint_hex, g, _ZERO_HEX)
+    cdef Py_ssize_t n = len(template)
+    cdef Py_ssize_t at = template.find(b'"checksum":"') + 12
+    if raw.shape[0] != n + 4 * g.block_size + 2 * g.num_layers * g.slab_bytes:
+        return None
+    head = bytes(raw[:n])
+    if head[:at] != template[:at] or head[at + 64:] != template[at + 64:]:
+        return None
+    cs = head[at:at + 64].decode("latin-1")
+    return cs if _HEX64.match(cs) else None
+
+
+def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
+                 BlockGeometry geometry, tokens, buffer, str checksum=None):
+    """Encode one block; returns ``(header, tokens_bytes, payload)`` for ``os.writev``.
+
+    ``header`` holds the u64 length and the padded JSON; ``tokens_bytes`` and ``payload``
+    are views of the caller's arrays (nothing copied). ``checksum`` (hex) is computed here
+    unless the capture path already did. Bad input raises before anything is returned.
+    """
+    if not _HEX64.match(key_hex):
+        raise InvalidArgument(f"key_hex = {key_hex!r} must be 64 lowercase hex digits")
+    if not _HEX64.match(fingerprint_hex):
+        raise InvalidArgument(f"fingerprint_hex = {fingerprint_hex!r} must be 64 lowercase hex")
+    tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
+    if checksum is None:
+        checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry.num_layers,
+                                   geometry.slab_bytes)
+    elif not _HEX64.match(checksum):
+        raise InvalidArgument(f"checksum = {checksum!r} must be 64 lowercase hex digits")
+    header = _header_bytes(abi, key_hex, fingerprint_hex, geometry, checksum)
+    return (header, memoryview(tok_bytes), memoryview(flat))
 
 
 cdef class DecodedBlock:
@@ -294,6 +318,11 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
         raise Truncated(f"header length {n_header} does not fit the {size}-byte object",
                         path=path, offset=0)
     payload_start = 8 + n_header
+    if expected is not None and key_hex is not None and fingerprint_hex is not None:
+        # Fast path: byte-equal to the canonical header → only the checksum remains (step 5).
+        cs = _canonical_checksum(raw, abi, key_hex, fingerprint_hex, expected)
+        if cs is not None:
+            return _verified(data, raw, checksum_tag, cs, expected, payload_start, size, path)
     try:
         header = json.loads(bytes(raw[8:payload_start]).decode("utf-8"),
                             object_pairs_hook=_reject_duplicates)
@@ -373,20 +402,30 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
     cs = meta.get("checksum")
     if not isinstance(cs, str) or not _HEX64.match(cs):
         raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
-    tok_bytes = raw[payload_start:payload_start + 4 * bs]
-    payload = raw[payload_start + 4 * bs:size]
-    got = _checksum_block(checksum_tag, tok_bytes, payload, nl, slab)
-    if got != cs:
-        raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
     geometry = BlockGeometry(bs, nl, heads, hd, dtype, layout)
+    out = _verified(data, raw, checksum_tag, cs, geometry, payload_start, size, path)
     if expected is not None and geometry != expected:
         raise SizeMismatch(f"object geometry {geometry!r} != pool geometry {expected!r}",
                            path=path)
+    return out
+
+
+cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, str cs,
+                            BlockGeometry geometry, Py_ssize_t payload_start, Py_ssize_t size,
+                            str path):
+    """Step 5 (the checksum) and the zero-copy views of a structurally valid object."""
+    cdef Py_ssize_t bs = geometry.block_size
+    got = _checksum_block(checksum_tag, raw[payload_start:payload_start + 4 * bs],
+                          raw[payload_start + 4 * bs:size], geometry.num_layers,
+                          geometry.slab_bytes)
+    if got != cs:
+        raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
     cdef DecodedBlock out = DecodedBlock()
     out.geometry = geometry
     base = np.frombuffer(data, dtype=np.uint8)
     out.tokens = base[payload_start:payload_start + 4 * bs].view("<u4")
-    out.payload = base[payload_start + 4 * bs:size].reshape(nl, 2, slab)
+    out.payload = base[payload_start + 4 * bs:size].reshape(geometry.num_layers, 2,
+                                                            geometry.slab_bytes)
     out.checksum = cs
     out.nbytes = size
     return out

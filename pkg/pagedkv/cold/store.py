@@ -149,12 +149,11 @@ class ColdStore:
                 buffer = bytearray(want)
             view = memoryview(buffer)
             got = 0
-            with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while got < want:
-                    n = f.readinto(view[got:want])
-                    if not n:
-                        break
-                    got += n
+            while got < want:
+                n = os.readv(fd, [view[got:want]])
+                if not n:
+                    break
+                got += n
             if got > bound or got > st.st_size:
                 os.close(fd)
                 return "oversized", None, ident, -1
