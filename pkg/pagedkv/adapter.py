@@ -188,16 +188,17 @@ class PagedKVCacheAdapter:
                 f"live sequences: {len(self._row_of)}") from None
 
     def _rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
-        """Rows of ``seq_ids`` as intp; cached for the same id list while no row changes."""
-        key = tuple(seq_ids)
+        """Rows of ``seq_ids`` as intp; cached for the same id list while no row changes, so a
+        decode loop over a stable batch resolves its rows once."""
+        key = seq_ids if type(seq_ids) is tuple else tuple(seq_ids)
         cache = self._rows_cache
-        if cache is not None and cache[1] == self._row_map_version and cache[0] == key:
+        if cache is not None and cache[1] == self._row_map_version and (
+                cache[0] is key or cache[0] == key):
             return cache[2]
-        row_of = self._row_of
         try:
-            rows = np.fromiter((row_of[s] for s in key), np.intp, len(key))
+            rows = np.fromiter(map(self._row_of.__getitem__, key), np.intp, len(key))
         except (KeyError, TypeError):
-            unknown = [s for s in key if s not in row_of]
+            unknown = [s for s in key if s not in self._row_of]
             raise PagedKVError(f"seq_ids {unknown!r} have no table: call reset_for_new_request "
                                "for each first") from None
         if len(set(key)) != len(key):
@@ -440,15 +441,15 @@ class PagedKVCacheAdapter:
         """The kernel inputs of one decode step, after its :meth:`record_decode_tokens`."""
         rows = self._rows(seq_ids)
         lens = self._num_tokens[rows]
-        if len(rows) and int(lens.min()) == 0:
+        last = lens - 1
+        if len(rows) and int(last.min()) < 0:
             empty = [self._seq_of[r] for r in rows[lens == 0]]
             raise InvalidArgument(f"seq_ids {empty!r} hold no tokens: record_tokens first")
+        bs = self.block_size
         width = int(self._num_blocks[rows].max(initial=0))
         tables = self._table[rows, :width]
-        last = lens - 1
-        bs = self.block_size
-        slots = tables[np.arange(len(rows)), last // bs].astype(np.int64) * bs + last % bs
-        return DecodeBatch(tables, lens.copy(), slots, self.pool.generation)
+        slots = self._table[rows, last // bs].astype(np.int64) * bs + last % bs
+        return DecodeBatch(tables, lens, slots, self.pool.generation)
 
     def check_batch(self, batch: DecodeBatch) -> None:
         """``StaleBlockTable`` unless ``batch`` (or a ``block_tables_array`` result's
@@ -551,7 +552,9 @@ class PagedKVCacheAdapter:
         self._counters["registered_blocks"] += new
         if self.cold_tier is not None and not self._captured[row] and full:
             self._captured[row] = True
-            self._cold_capture(tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block)
+            # Copies: the cold writer may keep them after this row is reused.
+            self._cold_capture(tokens.copy(), block_ids, cache_salt, extra_keys,
+                               extra_keys_per_block)
         return new
 
     def register_full_blocks_for_reuse(self, seq_id: Hashable, *, extra_keys: Sequence[int] = (),
