@@ -668,3 +668,23 @@ def test_collision_across_walk_groups(collide_at):
     query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
     _blocks, n = a.find_longest_cache_hit(query)
     assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1
+
+
+def test_self_check_passes_and_reports_each_step(capsys):
+    from pagedkv.selfcheck import run_self_check
+    assert run_self_check() is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "allocator self-check" and out[-1] == "self-check passed"
+    steps = [line for line in out if line.startswith("  [")]
+    assert len(steps) == 6 and all(line.startswith("  [ok]") for line in steps)
+    assert "0x321db453eb3be929" in steps[0]
+
+
+def test_python_dash_m_pagedkv_runs_the_self_check():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pagedkv"], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "allocator self-check" in out.stdout and out.stdout.rstrip().endswith(
+        "self-check passed")
