@@ -8,7 +8,6 @@ expects :class:`InvariantViolation` naming it.
 from __future__ import annotations
 
 import pytest
-
 from pagedkv._reference import BlockAllocator
 from pagedkv.errors import InvariantViolation
 
