@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-blocks", type=_positive, default=256,
                    help="pool maximum in blocks (256)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompt seed (0)")
+    from pagedkv.cli.demo_restart import add_arguments
+    add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -70,9 +72,9 @@ def build_requests(args: argparse.Namespace, vocab_size: int):
 
 
 def cold_tier_for(args: argparse.Namespace, model):
-    """The cold tier the adapter gets: none in this build of the demo. A persistence phase
-    (``--cold-dir``, ``--restart``) plugs in here and adds its rows to the table."""
-    return None
+    """The cold tier the adapter gets (``--cold-dir``/``--restart``), else ``None``."""
+    from pagedkv.cli.demo_restart import cold_tier_for as persistence_tier
+    return persistence_tier(args, model)
 
 
 def report_rows(report, requests, args: argparse.Namespace) -> list[list[str]]:
@@ -100,6 +102,10 @@ def report_rows(report, requests, args: argparse.Namespace) -> list[list[str]]:
 def run(args: argparse.Namespace) -> int:
     from pagedkv.reference import ReferenceConfig, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter, check_parity, serve
+
+    if args.restart_child:
+        from pagedkv.cli.demo_restart import run_child
+        return run_child(args)
 
     if args.system_tokens < 0 or args.fewshot_tokens < 0:
         print("pagedkv demo: prompt lengths must be >= 0", file=sys.stderr)
@@ -138,4 +144,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
           "path: tokens and logits)")
-    return 0
+    from pagedkv.cli.demo_restart import run_restart_phase
+    return run_restart_phase(args)
