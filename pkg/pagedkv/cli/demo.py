@@ -14,6 +14,10 @@ import sys
 
 from pagedkv.cli.table import format_table
 
+#: Where a persistent (cold-tier) phase of the demo keeps its files.
+DEFAULT_COLD_DIR = "./.pagedkv-demo"
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
