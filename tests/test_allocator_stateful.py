@@ -9,18 +9,17 @@ refcount of every block, the LRU order, stats, the free-list order),
 compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
 with a tiny range, so hash collisions are frequent and identity verification is exercised.
 
-Pools are tiny (≤ 12 blocks of 2–4 tokens, vocabulary of 3 token ids) so prefixes are shared
+Pools are tiny (≤ 12 blocks of 1–4 tokens, vocabulary of 3 token ids) so prefixes are shared
 often and every step stays cheap; ``CI=1`` runs 300 examples (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from allocator_implementations import ALLOCATORS, observables
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from allocator_implementations import ALLOCATORS, observables
 from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -68,7 +67,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.served: list[tuple[list[int], dict]] = []  # (tokens, tenant) of earlier requests
 
     @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
-                block_size=st.integers(2, 4), null_block=st.booleans(), collide=st.booleans())
+                block_size=st.integers(1, 4), null_block=st.booleans(), collide=st.booleans())
     def build(self, num_blocks, headroom, block_size, null_block, collide):
         hash_fn = colliding_hash if collide else None
         self.allocs = [cls(num_blocks, num_blocks + headroom, block_size, hash_seed=0,
@@ -151,16 +150,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         return (), None
 
     def draw_entry(self, data):
-        """A (hash, identity) pair: the true chain hash of a block or a small forged one."""
+        """A (hash, identity) pair: the true chain hash of a block or a small forged one;
+        rarely malformed (the reserved hash 0, a token too many or too few)."""
         bs = self.oracle.block_size
-        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs, max_size=bs),
+        size = bs + data.draw(st.sampled_from([0] * 12 + [-1, 1]), label="size_error") or bs + 1
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=size, max_size=size),
                            label="block_tokens")
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
         keys = data.draw(st.sampled_from(BLOCK_KEYS), label="keys")
         if data.draw(st.booleans(), label="forged_hash"):
-            block_hash = data.draw(st.integers(1, 4), label="block_hash")
+            block_hash = data.draw(st.sampled_from([1, 2, 3, 4] * 3 + [0]), label="block_hash")
         else:
-            block_hash = int(self.oracle.chain_hashes(tokens, extra_keys=keys,
+            block = (tokens + [0] * bs)[:bs]
+            block_hash = int(self.oracle.chain_hashes(block, extra_keys=keys,
                                                       cache_salt=salt)[0])
         return block_hash, BlockIdentity.of(tokens, 0, keys, salt, 0)
 
@@ -291,7 +293,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def register_prefix(self, data):
-        block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        if data.draw(st.integers(0, 9), label="unowned") == 0:
+            block_id = self.any_id(data)
+        else:
+            block_id = data.draw(st.sampled_from(self.held), label="block_id")
         block_hash, identity = self.draw_entry(data)
         self.run(lambda a: a.register_prefix(block_id, block_hash, identity),
                  unchanged_on=lambda r: r == ("bool", False))
