@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block
+from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block, decode_sidecar
 from pagedkv.cold.format import ColdFormat, DEFAULT_FORMAT
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.index import ColdIndex, IndexEntry
@@ -198,6 +198,45 @@ class ColdStore:
             os.close(fd)
         self.index.touch(key, time.time_ns())
         return block
+
+    def load_sidecar(self, key: bytes, layout, *, fingerprint_hex: str,
+                     buffer: bytearray | None = None):
+        """Bounded load of a sidecar expected to have ``layout`` (a ``ColdSidecarLayout``):
+        the ``uint8[tensors, bytes_per_tensor]`` payload, or ``None`` (a miss). A corrupt
+        object is counted and pruned; a valid one of another layout is a plain miss. Never
+        counts hits."""
+        name = object_name(key, layout.group)
+        status, data, ident, fd = self.read_bounded(name, layout.bound, buffer)
+        if status != "ok":
+            self.counters.add("misses")
+            if status == "oversized":
+                self.counters.add("corruptions")
+            self.prune_failed_load(key, name, ident)
+            return None
+        try:
+            fields, payload = decode_sidecar(
+                data, abi=self.fmt.abi, checksum_tag=self.payload_tag, group=layout.group.label,
+                key_hex=key.hex(), fingerprint_hex=fingerprint_hex, bound=layout.bound,
+                path=name)
+        except FormatError as exc:
+            os.close(fd)
+            self.counters.add("misses")
+            self.counters.add("corruptions")
+            log.warning("cold tier: corrupt sidecar pruned: %s", exc)
+            self.prune_failed_load(key, name, ident)
+            return None
+        if not layout.matches(fields):
+            os.close(fd)
+            self.counters.add("misses")  # valid, but not what this boundary needs
+            return None
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        self.index.touch(key, time.time_ns())
+        return payload
 
     def clear_name(self, name: str) -> bool:
         """Remove whatever is at ``name`` without following links: unlink a file, link,
