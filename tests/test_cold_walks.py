@@ -276,3 +276,23 @@ def test_reconcile_down_without_a_policy_restores_all_eight_blocks(tmp_path):
     with open_tier(root, fmt=UPSTREAM_KEY_FORMAT, fingerprint=fp) as b:
         ids, _, _ = _restore(b, toks, pool=FakePool(geom), alloc=FakeAllocator(block_size=8))
         assert len(ids) == 8 and b.stats().hits == 8
+
+
+def test_an_allocator_error_mid_walk_frees_what_was_taken(tmp_path):
+    root = tmp_path / "root"
+    with open_tier(root) as a:
+        persist_prompt(a, TOKENS_12)
+    with open_tier(root) as b:
+        alloc = FakeAllocator()
+        real = alloc.allocate
+        calls = []
+        def flaky():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected allocator failure")
+            return real()
+        alloc.allocate = flaky
+        ids, _, _ = _restore(b, TOKENS_12, alloc=alloc)
+        # One block was taken and published; the walk stopped at the failure.
+        assert len(ids) == 1 and b.stats().misses == 1
+        assert int(alloc.ref.sum()) == 2 and len(alloc.table) == 1
