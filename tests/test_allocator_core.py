@@ -363,6 +363,28 @@ def test_hash_fn_zero_is_remapped_and_sees_its_arguments():
     assert calls == [(0, [0, 1, 2, 3], (7,), 9, 0, 3), (1, [4, 5, 6, 7], (7,), 9, 1, 3)]
 
 
+@pytest.mark.parametrize("call", [
+    lambda a: a.cache_full_blocks(range(12), [6, 7, 8]),
+    lambda a: a.find_longest_cache_hit(range(12)),
+    lambda a: a.chain_hashes(range(12)),
+])
+def test_a_failing_hash_hook_changes_nothing(call):
+    """The hook fails on the third block: the chain is hashed before any table changes."""
+    def hook(parent, tokens, keys, salt, index, seed):
+        if index == 2:
+            raise RuntimeError("hook failed")
+        return int(tokens[0]) + 1
+
+    b = BlockAllocator(12, 16, 4, hash_seed=0, _hash_fn=hook)
+    b.allocate_many(9)
+    b.cache_full_blocks(range(8), [0, 1])
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        call(b)
+    assert snapshot(b) == before
+    b.check_invariants()
+
+
 def test_replay_past_a_verified_prefix():                              # A13
     a = make(8)
     first = a.allocate_many(2)
@@ -646,3 +668,23 @@ def test_collision_across_walk_groups(collide_at):
     query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
     _blocks, n = a.find_longest_cache_hit(query)
     assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1
+
+
+def test_self_check_passes_and_reports_each_step(capsys):
+    from pagedkv.selfcheck import run_self_check
+    assert run_self_check() is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "allocator self-check" and out[-1] == "self-check passed"
+    steps = [line for line in out if line.startswith("  [")]
+    assert len(steps) == 6 and all(line.startswith("  [ok]") for line in steps)
+    assert "0x321db453eb3be929" in steps[0]
+
+
+def test_python_dash_m_pagedkv_runs_the_self_check():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pagedkv"], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "allocator self-check" in out.stdout and out.stdout.rstrip().endswith(
+        "self-check passed")

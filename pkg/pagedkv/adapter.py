@@ -160,6 +160,7 @@ class PagedKVCacheAdapter:
         self._captured = np.zeros(rows, np.bool_)
         self._aux_unbacked = np.zeros(rows, np.bool_)
         self._sidecar: list[Any] = [None] * rows
+        self._capture_outcome: list[Any] = [None] * rows
         self._row_of: dict[Hashable, int] = {}
         self._seq_of: list[Hashable | None] = [None] * rows
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -230,6 +231,7 @@ class PagedKVCacheAdapter:
                      "_registered", "_finalized", "_captured", "_aux_unbacked"):
             setattr(self, name, grown(getattr(self, name), 0))
         self._sidecar.extend([None] * (rows - old))
+        self._capture_outcome.extend([None] * (rows - old))
         self._seq_of.extend([None] * (rows - old))
         self._free_rows[:0] = range(rows - 1, old - 1, -1)
 
@@ -256,6 +258,7 @@ class PagedKVCacheAdapter:
         self._captured[row] = False
         self._aux_unbacked[row] = False
         self._sidecar[row] = None
+        self._capture_outcome[row] = None
 
     # --- reservations and growth ---------------------------------------------------------
 
@@ -553,8 +556,8 @@ class PagedKVCacheAdapter:
         if self.cold_tier is not None and not self._captured[row] and full:
             self._captured[row] = True
             # Copies: the cold writer may keep them after this row is reused.
-            self._cold_capture(tokens.copy(), block_ids, cache_salt, extra_keys,
-                               extra_keys_per_block)
+            self._capture_outcome[row] = self._cold_capture(
+                tokens.copy(), block_ids, cache_salt, extra_keys, extra_keys_per_block)
         return new
 
     def register_full_blocks_for_reuse(self, seq_id: Hashable, *, extra_keys: Sequence[int] = (),
@@ -692,6 +695,11 @@ class PagedKVCacheAdapter:
     def aux_prefix_unbacked(self, seq_id: Hashable) -> bool:
         return bool(self._aux_unbacked[self._row(seq_id)])
 
+    def cold_capture_outcome(self, seq_id: Hashable):
+        """What the cold tier's ``capture`` returned for this request's registration (``None``
+        before it ran, without a cold tier, or when it failed)."""
+        return self._capture_outcome[self._row(seq_id)]
+
     def take_restored_sidecar(self, seq_id: Hashable):
         """Move the restored sidecar out (valid for exactly ``cached_token_count`` tokens)."""
         row = self._row(seq_id)
@@ -714,14 +722,21 @@ class PagedKVCacheAdapter:
                     extra_keys, extra_keys_per_block, len(tokens) // self.block_size),
                 pool=self.pool, allocator=self.allocator)
             extra = np.asarray(extra, np.int32).reshape(-1)
-            if (len(hot) + len(extra)) * self.block_size > len(tokens):
-                raise InvalidArgument(f"cold restore returned {len(extra)} blocks past a "
-                                      f"{len(hot)}-block hot hit of a {len(tokens)}-token lookup")
-            return extra
         except Exception:
             self._counters["cold_restore_errors"] += 1
             log.exception("cold tier restore failed; continuing with the hot hit only")
             return _EMPTY_IDS
+        if (len(hot) + len(extra)) * self.block_size > len(tokens):
+            self._counters["cold_restore_errors"] += 1
+            log.error("cold tier restore returned %d blocks past a %d-block hot hit of a "
+                      "%d-token lookup; refused", len(extra), len(hot), len(tokens))
+            try:
+                # The caller owns one reference on each returned block: give them back.
+                self.allocator.free_many(extra)
+            except Exception:
+                log.exception("cold tier restore: could not release the refused blocks")
+            return _EMPTY_IDS
+        return extra
 
     def _cold_capture(self, tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block):
         try:
@@ -729,12 +744,13 @@ class PagedKVCacheAdapter:
             hashes = self.allocator.chain_hashes(
                 tokens, extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                 cache_salt=cache_salt)
-            self.cold_tier.capture(
+            return self.cold_tier.capture(
                 tokens=tokens, block_ids=block_ids, hashes=hashes, cache_salt=cache_salt,
                 extra_keys_per_block=per_block, pool=self.pool, allocator=self.allocator)
         except Exception:
             self._counters["cold_capture_errors"] += 1
             log.exception("cold tier capture failed; the hot cache is unaffected")
+            return None
 
     # --- read-only views -----------------------------------------------------------------
 

@@ -119,6 +119,8 @@ cdef class BlockAllocator:
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
                              Py_ssize_t index, uint64_t salt) except 0
     cdef int ensure_scratch(self, Py_ssize_t key_count) except -1
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
                                   uint64_t salt, int32_t* out) except -1
     cdef int32_t check_block_id(self, object block_id, str name) except -1

@@ -861,19 +861,24 @@ cdef class BlockAllocator:
         cdef cnp.ndarray tok = as_token_array(tokens)
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
-        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size), i
+        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size)
         cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
-        cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
+        self.hash_chain(<const uint32_t*>cnp.PyArray_DATA(tok), n, keys, salt, o)
+        return out
+
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1:
+        """Chain hashes of n full blocks of ``t`` into ``out`` (the hook when one is set)."""
+        cdef Py_ssize_t i
         cdef uint64_t parent = 0
         if self._hash_fn is None:
-            chain_into(t, n, self._block_size, keys, salt, self._seed, o)
-            return out
+            return chain_into(t, n, self._block_size, keys, salt, self._seed, out)
         self.ensure_scratch(self.most_keys(keys, n))
         for i in range(n):
             parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
-            o[i] = parent
-        return out
+            out[i] = parent
+        return 0
 
     cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept:
         """The most extra keys any of the first n blocks has (sizes the hash scratch)."""
@@ -937,11 +942,12 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        self.st_query_tokens += <uint64_t>tok.shape[0]
         if n == 0 or self.n_cached == 0:
+            self.st_query_tokens += <uint64_t>tok.shape[0]
             return out[:0], 0
         self.ensure_scratch(self.most_keys(keys, n))
         k = self.walk_verified(t, n, keys, salt, o)
+        self.st_query_tokens += <uint64_t>tok.shape[0]
         with nogil:
             for i in range(k):
                 self.incref_block(o[i])
@@ -986,12 +992,13 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        self.ensure_scratch(self.most_keys(keys, n))
-        cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
-        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
+        # Hash the whole chain before changing anything: a failing hook leaves no trace.
+        cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
+        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain)
+        self.hash_chain(t, n, keys, salt, ck)
         for i in range(n):
             b = <int32_t>p[i]
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
+            h = ck[i]
             dptr = keys.digest_of(i)
             dlen = keys.digest_len(i)
             slot = self.pt_find(h)
@@ -1007,7 +1014,6 @@ cdef class BlockAllocator:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
-            ck[accepted] = h
             accepted += 1
             parent = h
         # Deepest first, so block 0 ends most recent and eviction takes tails first. The
