@@ -537,6 +537,12 @@ def test_write_kv_layers_equals_per_layer_writes(make):
     for layer in range(LAYERS):
         b.write_kv("s", layer, kl[layer], kl[layer] * 2)
     assert state(a)["pool"] == state(b)["pool"]
+    k_layers, v_layers = a.gather_kv_layers("s")
+    assert k_layers.shape == (LAYERS, 5, HEADS, DIM)
+    assert k_layers.tobytes() == kl.tobytes() and v_layers.tobytes() == (kl * 2).tobytes()
+    for layer in range(LAYERS):
+        k, v = b.gather_kv("s", layer)
+        assert k.tobytes() == k_layers[layer].tobytes()
 
 
 def test_bad_kv_input_changes_nothing(make):

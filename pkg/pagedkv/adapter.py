@@ -538,6 +538,14 @@ class PagedKVCacheAdapter:
         return self.pool.gather(layer, self._table[row, :self._blocks_for(n)], n,
                                 generation=generation)
 
+    def gather_kv_layers(self, seq_id: Hashable, *, generation: int | None = None):
+        """All layers at once: ``(k_layers, v_layers)``, ``[num_layers, num_tokens, kv_heads,
+        head_dim]`` each, every layer's slice C-contiguous (one gather per array)."""
+        row = self._row(seq_id)
+        n = int(self._num_tokens[row])
+        return self.pool.gather_layers(self._table[row, :self._blocks_for(n)], n,
+                                       generation=generation)
+
     # --- registration, release, turns ----------------------------------------------------
 
     def _register(self, row: int, call: str, extra_keys, extra_keys_per_block, cache_salt) -> int:
