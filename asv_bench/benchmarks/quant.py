@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 import pagedkv.quant as Q  # noqa: E402
 
-ROWS, K = 1024, 4096            # dequant / quantize: 4 M weights, 16 MiB of float32
+ROWS, K = 4096, 4096            # dequant / quantize: 16 M weights, 64 MiB of float32 (> L3)
 GEMV_M = GEMV_K = 4096
 FWHT_ROWS = 16384
 

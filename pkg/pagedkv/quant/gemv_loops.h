@@ -18,6 +18,7 @@
 
 #include <string.h>
 #include "pagedkv/quant.h"
+#include "affine_loops.h"   /* PKV_FAMILY_* */
 #include "cpu_simd.h"
 
 /* Codes are widened to floats with plain loops (GCC vectorizes them with one
@@ -29,8 +30,6 @@ typedef float pkv_v16f __attribute__((vector_size(64)));
  * the same width forward; a 512-bit load of two 256-bit stores stalls. */
 typedef float pkv_v8f __attribute__((vector_size(32)));
 
-/* Affine families, as pagedkv.quant.affine.AffineFamily numbers them. */
-enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMILY_MQ4C = 3 };
 
 /* Dot product of n floats (n a multiple of 32), two 16-lane accumulators. */
 static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
