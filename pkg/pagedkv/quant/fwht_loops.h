@@ -37,50 +37,60 @@ typedef int32_t pkv_fwht_v16i __attribute__((vector_size(64)));
         (y) = __builtin_shuffle((y), lo_) + __builtin_shuffle((y), hi_) * sg_; \
     } while (0)
 
+typedef pkv_fwht_v16f pkv_fwht_table_[16];  /* a sign table, as pkv_fwht256_row_ takes it */
+
+/* One row: y = D_post · H · (D_pre · x), tables as 16 vectors (post carries the 1/16). */
+static inline void pkv_fwht256_row_(const float *x, float *y, const pkv_fwht_v16f *s_pre,
+                                    const pkv_fwht_v16f *s_post) {
+    pkv_fwht_v16f v[16];
+    memcpy(v, x, sizeof v);
+    for (int i = 0; i < 16; ++i) {
+        v[i] = v[i] * s_pre[i];
+        PKV_FWHT_LANE_STAGE_(v[i], 1);
+        PKV_FWHT_LANE_STAGE_(v[i], 2);
+        PKV_FWHT_LANE_STAGE_(v[i], 4);
+        PKV_FWHT_LANE_STAGE_(v[i], 8);
+    }
+    for (int h = 1; h < 16; h <<= 1) {          /* strides 16, 32, 64, 128 floats */
+        for (int i = 0; i < 16; i += 2 * h) {
+            for (int j = i; j < i + h; ++j) {
+                pkv_fwht_v16f a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+    for (int i = 0; i < 16; ++i) v[i] = v[i] * s_post[i];
+    memcpy(y, v, sizeof v);
+}
+
 /* y[r] = D_post · H · D_pre · x[r] / 16 for n_rows rows of 256 floats (y may equal x).
  * pre: SIGNS1 and post_scaled: SIGNS2/16 for R; swapped for Rᵀ. */
 PKV_CPU_CLONES
 static void pkv_cpu_fwht256_rows(const float *x, float *y, ptrdiff_t n_rows,
                                  const float *pre, const float *post_scaled) {
-    pkv_fwht_v16f s_pre[16], s_post[16];
+    pkv_fwht_table_ s_pre, s_post;
     memcpy(s_pre, pre, sizeof s_pre);
     memcpy(s_post, post_scaled, sizeof s_post);
-    for (ptrdiff_t r = 0; r < n_rows; ++r) {
-        pkv_fwht_v16f v[16];
-        memcpy(v, x + 256 * r, sizeof v);
-        for (int i = 0; i < 16; ++i) {
-            v[i] = v[i] * s_pre[i];
-            PKV_FWHT_LANE_STAGE_(v[i], 1);
-            PKV_FWHT_LANE_STAGE_(v[i], 2);
-            PKV_FWHT_LANE_STAGE_(v[i], 4);
-            PKV_FWHT_LANE_STAGE_(v[i], 8);
-        }
-        for (int h = 1; h < 16; h <<= 1) {          /* strides 16, 32, 64, 128 floats */
-            for (int i = 0; i < 16; i += 2 * h) {
-                for (int j = i; j < i + h; ++j) {
-                    pkv_fwht_v16f a = v[j], b = v[j + h];
-                    v[j] = a + b;
-                    v[j + h] = a - b;
-                }
-            }
-        }
-        for (int i = 0; i < 16; ++i) v[i] = v[i] * s_post[i];
-        memcpy(y + 256 * r, v, sizeof v);
-    }
+    for (ptrdiff_t r = 0; r < n_rows; ++r) pkv_fwht256_row_(x + 256 * r, y + 256 * r, s_pre, s_post);
 }
 
 #undef PKV_FWHT_LANE_STAGE_
 
 #else  /* other compilers: the portable header loop */
 
+typedef float pkv_fwht_table_[256];     /* a sign table, as pkv_fwht256_row_ takes it */
+
+static inline void pkv_fwht256_row_(const float *x, float *y, const float *pre,
+                                    const float *post_scaled) {
+    for (uint32_t i = 0; i < 256u; ++i) y[i] = x[i] * pre[i];
+    pkv_fwht256_butterflies(y);
+    for (uint32_t i = 0; i < 256u; ++i) y[i] = y[i] * post_scaled[i];
+}
+
 static void pkv_cpu_fwht256_rows(const float *x, float *y, ptrdiff_t n_rows,
                                  const float *pre, const float *post_scaled) {
-    for (ptrdiff_t r = 0; r < n_rows; ++r) {
-        float *o = y + 256 * r;
-        for (uint32_t i = 0; i < 256u; ++i) o[i] = x[256 * r + i] * pre[i];
-        pkv_fwht256_butterflies(o);
-        for (uint32_t i = 0; i < 256u; ++i) o[i] = o[i] * post_scaled[i];
-    }
+    for (ptrdiff_t r = 0; r < n_rows; ++r) pkv_fwht256_row_(x + 256 * r, y + 256 * r, pre, post_scaled);
 }
 
 #endif
