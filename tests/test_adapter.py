@@ -592,3 +592,95 @@ def test_purge_arms_the_cold_suppressor(make):
     a.reset_for_new_request("u")
     a.find_cached_prefix("u", range(8))
     assert calls == [[]]
+
+
+# --- cold-tier hooks --------------------------------------------------------------------
+
+
+class RecordingColdTier:
+    """Records every hook call; ``restore`` hands out ``restore_blocks`` freshly allocated
+    blocks (one reference owned by the caller, as the real tier does)."""
+
+    def __init__(self, restore_blocks: int = 0, fail: bool = False) -> None:
+        self.captures: list[dict] = []
+        self.restores: list[dict] = []
+        self.restore_blocks = restore_blocks
+        self.fail = fail
+
+    def capture(self, **kw):
+        self.captures.append(kw)
+        if self.fail:
+            raise OSError("disk full")
+        return ("captured", len(kw["block_ids"]))
+
+    def restore(self, **kw):
+        self.restores.append(kw)
+        if self.fail:
+            raise OSError("disk gone")
+        return kw["allocator"].allocate_many(self.restore_blocks)
+
+
+def test_cold_capture_hook_gets_the_registered_chain(make):
+    cold = RecordingColdTier()
+    a = make(16, cold_tier=cold)
+    start(a, "s", range(10))
+    assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 2
+    assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 0
+    assert len(cold.captures) == 1
+    kw = cold.captures[0]
+    assert kw["tokens"].dtype == np.uint32 and kw["tokens"].tolist() == list(range(8))
+    assert kw["block_ids"].dtype == np.int32 and kw["block_ids"].tolist() == [0, 1]
+    expected = a.allocator.chain_hashes(np.arange(8), extra_keys=(3,), cache_salt=7)
+    assert kw["hashes"].tolist() == expected.tolist()
+    assert kw["cache_salt"] == 7 and kw["extra_keys_per_block"] == [(3,), (3,)]
+    assert kw["pool"] is a.pool and kw["allocator"] is a.allocator
+    assert a.cold_capture_outcome("s") == ("captured", 2)
+    start(a, "short", range(3))
+    a.finalize_turn_keep_live("short")
+    assert len(cold.captures) == 1  # no full block: nothing to capture
+
+
+def test_cold_restore_extends_the_hot_hit(make):
+    cold = RecordingColdTier(restore_blocks=0)
+    a = make(16, cold_tier=cold)
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request("s")
+    cold.restore_blocks = 2
+    a.reset_for_new_request("t")
+    hit = a.find_cached_prefix("t", range(20), max_tokens=19)
+    assert hit.hot_blocks.tolist() == [0, 1] and hit.restored_blocks.tolist() == [2, 3]
+    assert hit.cached_tokens == 16 and a.num_tokens("t") == 16
+    assert a.block_table("t").tolist() == [0, 1, 2, 3]
+    kw = cold.restores[-1]
+    assert kw["tokens"].tolist() == list(range(19)) and kw["hot_blocks"].tolist() == [0, 1]
+    assert kw["extra_keys_per_block"] is None and kw["cache_salt"] == 0
+    assert a.stats()["restored_blocks"] == 2
+    a.release_request("t")
+    a.allocator.check_invariants()
+    assert a.allocator.num_allocated_blocks == 2  # the cached pair; restored blocks freed
+    a.reset_for_new_request("u")
+    a.find_cached_prefix("u", range(8), max_tokens=7)  # no full block past the hit: no call
+    assert len(cold.restores) == 2
+
+
+def test_cold_hooks_never_raise_into_inference(make, caplog):
+    cold = RecordingColdTier(fail=True)
+    a = make(16, cold_tier=cold)
+    with caplog.at_level(logging.ERROR, logger="pagedkv.adapter"):
+        start(a, "s", range(8))
+        assert a.register_full_blocks_for_reuse("s") == 2
+    assert a.stats()["cold_capture_errors"] == 1 and a.stats()["cold_restore_errors"] == 1
+    assert "disk full" in caplog.text and "disk gone" in caplog.text
+    assert a.cold_capture_outcome("s") is None
+
+
+def test_an_overlong_cold_restore_is_refused_and_its_blocks_returned(make):
+    cold = RecordingColdTier(restore_blocks=3)
+    a = make(16, cold_tier=cold)
+    a.reset_for_new_request("s")
+    hit = a.find_cached_prefix("s", range(9))  # 2 full blocks at most
+    assert hit.cached_tokens == 0 and hit.restored_blocks.tolist() == []
+    assert a.stats()["cold_restore_errors"] == 1
+    assert a.allocator.num_free_blocks == 16
+    a.allocator.check_invariants()

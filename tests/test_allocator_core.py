@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pagedkv import allocator as allocator_mod
 from pagedkv.allocator import (
-    BLOCK_DTYPE, PREFIX_SLOT_DTYPE, STATS_KEYS, BlockAllocator, BlockIdentity, RestoredBlock)
+    BLOCK_DTYPE,
+    PREFIX_SLOT_DTYPE,
+    STATS_KEYS,
+    BlockAllocator,
+    BlockIdentity,
+    RestoredBlock,
+)
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
-from pagedkv.hashing import chain_hashes, hot_block_hash, salt_domain_id
+from pagedkv.hashing import chain_hashes, salt_domain_id
 from pagedkv.identity import extra_keys_digest
 
 
@@ -30,13 +35,16 @@ def ident(tokens, parent=0, keys=(), salt=0, index=0):
 
 def snapshot(a: BlockAllocator):
     """Everything observable: the physical tables, counters, LRU and free order."""
-    return dict(
-        records=a.block_records.tobytes(), tokens=a.token_ids.tobytes(),
-        slots=a.prefix_slots.tobytes(), lru=a.lru_hashes(), free=a.free_list(),
-        stats=a.stats(), counters=(a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
-                                   a.num_evictable_blocks, a.prefix_cache_len,
-                                   a.prefix_cache_capacity),
-    )
+    return {
+        "records": a.block_records.tobytes(),
+        "tokens": a.token_ids.tobytes(),
+        "slots": a.prefix_slots.tobytes(),
+        "lru": a.lru_hashes(),
+        "free": a.free_list(),
+        "stats": a.stats(),
+        "counters": (a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
+                     a.num_evictable_blocks, a.prefix_cache_len, a.prefix_cache_capacity),
+    }
 
 
 def populated():
@@ -67,9 +75,10 @@ def test_module_name_and_exports():
 def test_dtypes_match_the_c_structs(dtype, struct):
     c = allocator_mod._c_layout()[struct]
     assert dtype.itemsize == c.pop("itemsize")
-    assert list(c) == list(dtype.names)
+    assert sorted(c) == sorted(dtype.names)            # every member, named as in C
     for name, off in c.items():
         assert dtype.fields[name][1] == off, name
+    assert list(dtype.names) == sorted(c, key=c.get)    # declared in memory order
 
 
 def test_record_field_types():
@@ -80,8 +89,9 @@ def test_record_field_types():
 
 
 def test_header_is_installed():
-    import pagedkv
     from pathlib import Path
+
+    import pagedkv
     text = (Path(pagedkv.get_include()) / "pagedkv" / "records.h").read_text()
     assert "pkv_block_record" in text and "pkv_prefix_slot" in text
 
@@ -185,6 +195,10 @@ def test_allocate_many_is_all_or_nothing():
     assert a.allocate_many(0).tolist() == []
     a.free_many(np.array([2, 0], dtype=np.int32))
     assert a.free_list() == [3, 2, 0]
+
+
+def test_can_allocate_huge_is_false():
+    assert make().can_allocate(2**70) is False
 
 
 def test_free_many_multiplicity():
@@ -349,6 +363,28 @@ def test_hash_fn_zero_is_remapped_and_sees_its_arguments():
     assert calls == [(0, [0, 1, 2, 3], (7,), 9, 0, 3), (1, [4, 5, 6, 7], (7,), 9, 1, 3)]
 
 
+@pytest.mark.parametrize("call", [
+    lambda a: a.cache_full_blocks(range(12), [6, 7, 8]),
+    lambda a: a.find_longest_cache_hit(range(12)),
+    lambda a: a.chain_hashes(range(12)),
+])
+def test_a_failing_hash_hook_changes_nothing(call):
+    """The hook fails on the third block: the chain is hashed before any table changes."""
+    def hook(parent, tokens, keys, salt, index, seed):
+        if index == 2:
+            raise RuntimeError("hook failed")
+        return int(tokens[0]) + 1
+
+    b = BlockAllocator(12, 16, 4, hash_seed=0, _hash_fn=hook)
+    b.allocate_many(9)
+    b.cache_full_blocks(range(8), [0, 1])
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        call(b)
+    assert snapshot(b) == before
+    b.check_invariants()
+
+
 def test_replay_past_a_verified_prefix():                              # A13
     a = make(8)
     first = a.allocate_many(2)
@@ -500,3 +536,155 @@ def test_prefix_table_backward_shift_under_churn():
     slots = a.prefix_slots
     assert int((slots["block"] >= 0).sum()) == a.prefix_cache_len == len(model)
     a.check_invariants()
+
+
+# --- bad input: a specific exception, and every table unchanged ---------------------------
+
+TOKENS_2D = np.zeros((2, 4), dtype=np.uint32)
+BIG = [2**32, 1, 2, 3]
+
+BAD_CALLS = [
+    # token arrays
+    ("hit float tokens", lambda a: a.find_longest_cache_hit(np.arange(8.0)), InvalidArgumentType, "tokens"),
+    ("hit bool tokens", lambda a: a.find_longest_cache_hit(np.ones(8, bool)), InvalidArgumentType, "tokens"),
+    ("hit object tokens", lambda a: a.find_longest_cache_hit(np.array([1, "x"], object)), InvalidArgumentType, "tokens"),
+    ("hit 2-D tokens", lambda a: a.find_longest_cache_hit(TOKENS_2D), InvalidArgument, "1-D"),
+    ("hit tokens >= 2**32", lambda a: a.find_longest_cache_hit(BIG), InvalidArgument, r"2\*\*32"),
+    ("hit tokens >= 2**64", lambda a: a.find_longest_cache_hit([2**64, 1, 2, 3]), InvalidArgument, r"2\*\*32"),
+    ("hit negative tokens", lambda a: a.find_longest_cache_hit([-1, 1, 2, 3]), InvalidArgument, r"2\*\*32"),
+    ("register float tokens", lambda a: a.cache_full_blocks(np.arange(4.0), [6]), InvalidArgumentType, "tokens"),
+    ("register 2-D tokens", lambda a: a.cache_full_blocks(TOKENS_2D, [6]), InvalidArgument, "1-D"),
+    ("register tokens >= 2**32", lambda a: a.cache_full_blocks(BIG, [6]), InvalidArgument, r"2\*\*32"),
+    ("chain_hashes 2-D", lambda a: a.chain_hashes(TOKENS_2D), InvalidArgument, "1-D"),
+    # salts and keys
+    ("str salt in lookup", lambda a: a.find_longest_cache_hit(range(8), cache_salt="t"), InvalidArgumentType, "salt_domain_id"),
+    ("str salt in register", lambda a: a.cache_full_blocks(range(4), [6], cache_salt="t"), InvalidArgumentType, "salt_domain_id"),
+    ("str salt in chain_hashes", lambda a: a.chain_hashes(range(4), cache_salt="t"), InvalidArgumentType, "salt_domain_id"),
+    ("str salt in identity", lambda a: a.register_prefix(6, 5, BlockIdentity(np.arange(4, dtype=np.uint32), 0, b"", "t", 0)), InvalidArgumentType, "salt_domain_id"),
+    ("salt >= 2**64", lambda a: a.find_longest_cache_hit(range(8), cache_salt=2**64), InvalidArgument, "cache_salt"),
+    ("negative salt", lambda a: a.cache_full_blocks(range(4), [6], cache_salt=-1), InvalidArgument, "cache_salt"),
+    ("extra key >= 2**64", lambda a: a.cache_full_blocks(range(4), [6], extra_keys=(2**64,)), InvalidArgument, "extra_keys"),
+    ("float extra key", lambda a: a.find_longest_cache_hit(range(4), extra_keys=(1.0,)), InvalidArgumentType, "extra_keys"),
+    ("both key forms", lambda a: a.find_longest_cache_hit(range(8), extra_keys=(1,), extra_keys_per_block=[(1,), (1,)]), InvalidArgument, "not both"),
+    # ids
+    ("free -1", lambda a: a.free(-1), InvalidArgument, r"\[0, num_blocks=12\)"),
+    ("free num_blocks", lambda a: a.free(12), InvalidArgument, "block_id = 12"),
+    ("free beyond max", lambda a: a.free(10**20), InvalidArgument, "block_id"),
+    ("free float id", lambda a: a.free(1.0), InvalidArgumentType, "block_id"),
+    ("free bool id", lambda a: a.free(True), InvalidArgumentType, "block_id"),
+    ("free never allocated", lambda a: a.free(11), InvariantViolation, "never allocated"),
+    ("free cache-only", lambda a: a.free(3), InvariantViolation, "cache-only"),
+    ("incref -1", lambda a: a.incref(-1), InvalidArgument, "block_id"),
+    ("incref free block", lambda a: a.incref(11), InvariantViolation, "not allocated"),
+    ("ref_count out of range", lambda a: a.ref_count(12), InvalidArgument, "block_id"),
+    ("free_many bad id mid-batch", lambda a: a.free_many([0, 1, 99]), InvalidArgument, r"block_ids\[2\] = 99"),
+    ("free_many negative id", lambda a: a.free_many(np.array([0, -3])), InvalidArgument, r"block_ids\[1\]"),
+    ("free_many too often", lambda a: a.free_many([0, 1, 0]), InvariantViolation, "more often"),
+    ("free_many cache-only", lambda a: a.free_many([0, 3]), InvariantViolation, "prefix cache"),
+    ("free_many never allocated", lambda a: a.free_many([0, 11]), InvariantViolation, "block_ids"),
+    ("free_many float ids", lambda a: a.free_many(np.array([0.0])), InvalidArgumentType, "block_ids"),
+    ("free_many 2-D ids", lambda a: a.free_many(np.zeros((1, 1), int)), InvalidArgument, "1-D"),
+    ("register id out of range", lambda a: a.cache_full_blocks(range(8), [6, 12]), InvalidArgument, r"block_ids\[1\] = 12"),
+    ("register free block", lambda a: a.cache_full_blocks(range(8), [6, 11]), InvariantViolation, "not allocated"),
+    ("register too few tokens", lambda a: a.cache_full_blocks(range(4), [6, 7]), InvalidArgument, "8 tokens"),
+    ("register short per-block keys", lambda a: a.cache_full_blocks(range(12), [6, 7, 8], extra_keys_per_block=[(), ()]), InvalidArgument, "extra_keys_per_block"),
+    # register_prefix / lookup_prefix / publish
+    ("register_prefix hash 0", lambda a: a.register_prefix(6, 0, ident(range(4))), InvalidArgument, "reserved"),
+    ("register_prefix hash 2**64", lambda a: a.register_prefix(6, 2**64, ident(range(4))), InvalidArgument, "block_hash"),
+    ("register_prefix short identity", lambda a: a.register_prefix(6, 5, ident(range(3))), InvalidArgument, "block_size = 4"),
+    ("register_prefix free block", lambda a: a.register_prefix(11, 5, ident(range(4))), InvariantViolation, "not allocated"),
+    ("register_prefix not an identity", lambda a: a.register_prefix(6, 5, (1, 2)), InvalidArgumentType, "BlockIdentity"),
+    ("register_prefix bad digest", lambda a: a.register_prefix(6, 5, BlockIdentity(np.arange(4, dtype=np.uint32), 0, b"abc", 0, 0)), InvalidArgument, "extra_keys_digest"),
+    ("lookup_prefix hash -1", lambda a: a.lookup_prefix(-1, ident(range(4))), InvalidArgument, "block_hash"),
+    ("lookup_prefix 2-D identity", lambda a: a.lookup_prefix(5, BlockIdentity(TOKENS_2D, 0, b"", 0, 0)), InvalidArgument, "1-D"),
+    ("publish short identity", lambda a: a.publish_restored_batch([RestoredBlock(6, 5, ident(range(4))), RestoredBlock(7, 6, ident(range(3)))]), InvalidArgument, "block_size"),
+    ("publish free block", lambda a: a.publish_restored_batch([RestoredBlock(6, 5, ident(range(4))), RestoredBlock(11, 6, ident(range(4)))]), InvariantViolation, "not allocated"),
+    ("publish out-of-range id", lambda a: a.publish_restored_batch([RestoredBlock(12, 5, ident(range(4)))]), InvalidArgument, "block_id"),
+    ("publish hash 0", lambda a: a.publish_restored_batch([RestoredBlock(6, 0, ident(range(4)))]), InvalidArgument, "reserved"),
+    ("publish non-entry", lambda a: a.publish_restored_batch([5]), InvalidArgumentType, "RestoredBlock"),
+    # counts
+    ("allocate_many -1", lambda a: a.allocate_many(-1), InvalidArgument, "n = -1"),
+    ("allocate_many 2**70", lambda a: a.allocate_many(2**70), InvalidArgument, r"2\*\*31"),
+    ("allocate_many float", lambda a: a.allocate_many(1.5), InvalidArgumentType, "n must"),
+    ("can_allocate -1", lambda a: a.can_allocate(-1), InvalidArgument, "n = -1"),
+    ("grow_by -1", lambda a: a.grow_by(-1), InvalidArgument, "k = -1"),
+    ("capacity -1", lambda a: a.set_prefix_cache_capacity(-1), InvalidArgument, "n = -1"),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_and_changes_nothing(name, call, exc, match):
+    a = populated()
+    extra = a.allocate_many(3)                            # blocks 6, 7, 8 held, unregistered
+    assert extra.tolist() == [6, 7, 8] and a.ref_count(3) == 1 and a.ref_count(11) == 0
+    before = snapshot(a)
+    with pytest.raises(exc, match=match):
+        call(a)
+    assert snapshot(a) == before
+    a.check_invariants()
+
+
+def test_check_invariants_names_what_broke():
+    """Corrupt a private copy of the tables through the buffer protocol and check the
+    report names the broken structure (the public views are read-only)."""
+    a = populated()
+    records = np.frombuffer(memoryview(a.block_records).cast("B"), dtype=BLOCK_DTYPE)
+    assert not records.flags.writeable                    # views really are read-only
+    import ctypes
+    rec = a.block_records
+    addr = rec.__array_interface__["data"][0] + 11 * BLOCK_DTYPE.itemsize \
+        + BLOCK_DTYPE.fields["refcount"][1]
+    ctypes.c_int32.from_address(addr).value = 5           # a free block with a refcount
+    with pytest.raises(InvariantViolation, match="free block 11 has refcount 5"):
+        a.check_invariants()
+    ctypes.c_int32.from_address(addr).value = 0
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("diverge_at", [0, 1, 15, 16, 17, 31, 32, 33, 39, 40])
+def test_longest_hit_across_walk_groups(diverge_at):
+    """The walk hashes and probes in groups of 16 blocks; a miss on either side of a group
+    boundary ends the hit exactly there."""
+    a = make(64, 64, 2)
+    toks = np.arange(80, dtype=np.uint32)
+    ids = a.allocate_many(40)
+    assert a.cache_full_blocks(toks, ids) == 40
+    query = toks.copy()
+    if diverge_at < 40:
+        query[2 * diverge_at + 1] = 1000
+    blocks, n = a.find_longest_cache_hit(query)
+    assert blocks.tolist() == ids[:diverge_at].tolist() and n == 2 * diverge_at
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("collide_at", [0, 15, 16, 17])
+def test_collision_across_walk_groups(collide_at):
+    """A present hash whose stored identity differs stops the walk at that block."""
+    a = make(64, 64, 2, _hash_fn=lambda parent, tokens, *rest: int(tokens[0]) + 1)
+    toks = np.arange(80, dtype=np.uint32)
+    ids = a.allocate_many(40)
+    a.cache_full_blocks(toks, ids)
+    query = toks.copy()
+    query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
+    _blocks, n = a.find_longest_cache_hit(query)
+    assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1
+
+
+def test_self_check_passes_and_reports_each_step(capsys):
+    from pagedkv.selfcheck import run_self_check
+    assert run_self_check() is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "allocator self-check" and out[-1] == "self-check passed"
+    steps = [line for line in out if line.startswith("  [")]
+    assert len(steps) == 6 and all(line.startswith("  [ok]") for line in steps)
+    assert "0x321db453eb3be929" in steps[0]
+
+
+def test_python_dash_m_pagedkv_runs_the_self_check():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pagedkv"], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "allocator self-check" in out.stdout and out.stdout.rstrip().endswith(
+        "self-check passed")

@@ -478,7 +478,7 @@ def test_a17_purge(make):
     assert alloc.cache_full_blocks([1] * 4, [b]) == 1
     assert hit(alloc, [1] * 4) == ([b], 4)
     kinds = [kind for kind, _ in events]
-    assert kinds == ["stored", "stored", "cleared", "stored"]
+    assert kinds == ["stored", "stored", "cleared", "cleared", "stored"]
     assert events[2] == ("cleared", [])
     alloc.check_invariants()
 
@@ -502,7 +502,7 @@ def test_a18_vllm_prefill(make):
 
     alloc.free_many(ids0)
     alloc.free_many(ids1)
-    assert alloc.free_block_ids().tolist() == [5, 6, 7, 8, 9, 10, 3, 4]
+    assert alloc.free_list() == [5, 6, 7, 8, 9, 10, 3, 4]
     assert alloc.num_free_blocks == 8 and alloc.num_evictable_blocks == 3
     assert [alloc.ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
 
@@ -525,7 +525,7 @@ def test_a19_tail_first_eviction(make):
     alloc = make(4)
     tokens = list(range(1, 13))
     assert request_registers(alloc, tokens) == [0, 1, 2]
-    assert alloc.free_block_ids().tolist() == [3]
+    assert alloc.free_list() == [3]
     assert alloc.allocate_many(2).tolist() == [3, 2]
     assert hit(alloc, tokens) == ([0, 1], 8)
     alloc.check_invariants()
@@ -550,7 +550,7 @@ def test_a21_fifo_free_list(make):
     assert [alloc.allocate() for _ in range(3)] == [0, 1, 2]
     alloc.free(1)
     alloc.free(0)
-    assert alloc.free_block_ids().tolist() == [3, 1, 0]
+    assert alloc.free_list() == [3, 1, 0]
     assert [alloc.allocate() for _ in range(3)] == [3, 1, 0]
 
 
@@ -628,3 +628,42 @@ def test_null_block_is_never_handed_out(make):
     unchanged(alloc, before)
     assert alloc.grow_by(1) == 0
     assert make(4).null_block_id is None
+
+
+# --- block events (§4.10) ---------------------------------------------------------------------
+
+
+def test_events_once_per_kind_removed_before_stored(make):
+    events = []
+    alloc = make(6, on_block_event=lambda kind, hashes: events.append(
+        (kind, hashes.dtype.str, hashes.tolist())))
+    (h1, i1), (h2, i2), (h3, i3) = (head(alloc, [k] * 4) for k in (1, 2, 3))
+    b1, b2 = alloc.allocate(), alloc.allocate()
+    alloc.set_prefix_cache_capacity(1)
+    assert events == []  # nothing dropped, nothing sent
+    assert alloc.register_prefix(b1, h1, i1)
+    assert events == [("stored", "<u8", [h1])]
+    events.clear()
+    assert alloc.register_prefix(b2, h2, i2)  # capacity-evicts h1 in the same call
+    assert events == [("removed", "<u8", [h1]), ("stored", "<u8", [h2])]
+    events.clear()
+    assert alloc.register_prefix(b2, h3, i3)  # alias move
+    assert events == [("removed", "<u8", [h2]), ("stored", "<u8", [h3])]
+    events.clear()
+    assert alloc.register_prefix(b2, h3, i3)  # refresh: nothing changes in the table
+    assert alloc.register_prefix(b1, h3, i1) is False
+    assert events == []
+    assert alloc.purge_prefix_cache() == 1
+    assert events == [("cleared", "<u8", [])]
+
+
+def test_event_hook_errors_never_undo_the_operation(make, caplog):
+    def hook(kind, hashes):
+        raise RuntimeError("router down")
+
+    alloc = make(4, on_block_event=hook)
+    b = alloc.allocate()
+    assert alloc.cache_full_blocks(range(4), [b]) == 1
+    assert alloc.prefix_cache_len == 1 and hit(alloc, range(4)) == ([b], 4)
+    assert "router down" in caplog.text
+    alloc.check_invariants()

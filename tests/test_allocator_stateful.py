@@ -5,7 +5,7 @@ with the same random operation sequence (allocations, valid and invalid frees, i
 chain registration with and without salts and extra keys, low-level register/lookup,
 longest-hit walks, restored-batch publication, grow, purge, capacity overrides) and, after
 every step, compares each result or exception type and every observable (counters, the
-refcount of every block, the LRU order, stats, the free-list order where both expose it),
+refcount of every block, the LRU order, stats, the free-list order),
 compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
 with a tiny range, so hash collisions are frequent and identity verification is exercised.
 
@@ -27,9 +27,14 @@ from pagedkv.identity import BlockIdentity, RestoredBlock
 CLASSES = [p.values[0] for p in ALLOCATORS]
 
 VOCAB = 3
-SALTS = [0, 42, _reference.salt_domain_id("tenant-a")]
+# Prompts mostly share prefixes with these documents, so chains are found again.
+DOCUMENTS = [[0] * 20, [0, 1] * 10, [1, 0, 0, 1, 1] * 4]
+SALTS = [0, 0, 42, _reference.salt_domain_id("tenant-a")]
 UNIFORM_KEYS = [(), (1,), (1, 2), (2, 1)]
 BLOCK_KEYS = [(), (1,), (2,)]
+# Keyword arguments of a request's lookup and registration: who asks, with which keys.
+TENANTS = [{}, {"cache_salt": 42}, {"extra_keys": (1,)},
+           {"extra_keys_per_block": [(2,), (), (1,)]}]
 
 
 def colliding_hash(parent, tokens, extra_keys, cache_salt, block_index, seed):
@@ -52,12 +57,6 @@ def _norm(value):
     return value
 
 
-def _comparable(snapshots):
-    """Drop observables that not every implementation exposes (``free_block_ids``)."""
-    shared = set.intersection(*(set(s) for s in snapshots))
-    return [{k: s[k] for k in sorted(shared)} for s in snapshots]
-
-
 class AllocatorMachine(RuleBasedStateMachine):
     """Runs each step on every allocator; the first one (the oracle) gives the expectation."""
 
@@ -66,6 +65,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.allocs = []
         self.events: list[list] = []  # per allocator: (kind, dtype, hashes) sent by the last step
         self.held: list[int] = []  # references the driver owns (one entry per reference)
+        self.served: list[tuple[list[int], dict]] = []  # (tokens, tenant) of earlier requests
 
     @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
                 block_size=st.integers(2, 4), null_block=st.booleans(), collide=st.booleans())
@@ -117,21 +117,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         return data.draw(st.integers(-1, self.oracle.max_num_blocks), label="block_id")
 
     def held_ids(self, data, max_size):
-        """Distinct ids the driver holds, in a drawn order."""
+        """Ids the driver holds, in a drawn order; now and then one id twice."""
         pool = sorted(set(self.held))
-        ids = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=max_size)
-                        if pool else st.just([]), label="block_ids")
-        return ids
+        if not pool:
+            return []
+        distinct = data.draw(st.integers(0, 3), label="distinct") > 0
+        return data.draw(st.lists(st.sampled_from(pool), unique=distinct, max_size=max_size),
+                         label="block_ids")
 
     def draw_tokens(self, data, max_blocks=4):
+        """A prompt: usually a prefix of a shared document, sometimes diverging once."""
         bs = self.oracle.block_size
         n = data.draw(st.integers(0, max_blocks * bs + 1), label="n_tokens")
-        return data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
-                         label="tokens")
+        if data.draw(st.integers(0, 3), label="shared") == 0:
+            return data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
+                             label="tokens")
+        doc = data.draw(st.sampled_from([0, 0, 0, 1, 2]), label="document")
+        tokens = list(DOCUMENTS[doc][:n])
+        if tokens and data.draw(st.integers(0, 2), label="diverge") == 0:
+            tokens[data.draw(st.integers(0, n - 1), label="at")] = VOCAB - 1
+        return tokens
 
     def draw_keys(self, data, n_blocks):
         """(uniform extra_keys, extra_keys_per_block) as the call would pass them."""
-        form = data.draw(st.sampled_from(["none", "uniform", "per_block"]), label="key_form")
+        form = data.draw(st.sampled_from(["none", "none", "uniform", "per_block"]),
+                         label="key_form")
         if form == "uniform":
             return data.draw(st.sampled_from(UNIFORM_KEYS), label="extra_keys"), None
         if form == "per_block":
@@ -221,6 +231,45 @@ class AllocatorMachine(RuleBasedStateMachine):
             extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
 
     @rule(data=st.data())
+    def serve_request(self, data):
+        """A new request: a prompt that usually shares a prefix with a document."""
+        tokens = self.draw_tokens(data)
+        tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS), label="tenant")
+        self.serve(data, tokens, tenant)
+
+    @precondition(lambda self: self.served)
+    @rule(data=st.data())
+    def serve_next_turn(self, data):
+        """A served prompt again, possibly extended (the next turn of a conversation)."""
+        tokens, tenant = data.draw(st.sampled_from(self.served), label="earlier_request")
+        more = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2 * self.oracle.block_size),
+                         label="new_tokens")
+        self.serve(data, tokens + more, tenant)
+
+    def serve(self, data, tokens, tenant):
+        """Longest hit, allocate the rest, register the full blocks, maybe release them."""
+        self.served.append((tokens, tenant))
+        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens, **tenant))
+        if status != "ok":
+            return
+        hits = got[0][2]
+        self.held.extend(hits)
+        n_full = len(tokens) // self.oracle.block_size
+        if "extra_keys_per_block" in tenant:
+            n_full = min(n_full, len(tenant["extra_keys_per_block"]))
+        status, new = self.run(lambda a: a.allocate_many(n_full - len(hits)),
+                               unchanged_on=lambda r: r is None)
+        if status != "ok" or new is None:
+            return
+        self.held.extend(new[2])
+        ids = np.array(hits + new[2], dtype=np.int32)
+        self.run(lambda a: a.cache_full_blocks(np.array(tokens, dtype=np.uint32), ids, **tenant))
+        if data.draw(st.booleans(), label="finish"):
+            assert self.run(lambda a: a.free_many(ids[::-1])) == ("ok", None)
+            for block_id in ids.tolist():
+                self.held.remove(block_id)
+
+    @rule(data=st.data())
     def find_longest_cache_hit(self, data):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
@@ -287,13 +336,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.run(lambda a: a.publish_restored_batch(entries),
                  unchanged_on=lambda r: r == ("bool", False))
 
-    @rule()
-    def purge_prefix_cache(self):
-        self.run(lambda a: a.purge_prefix_cache())
-
-    @rule(n=st.integers(-1, 9))
-    def set_prefix_cache_capacity(self, n):
-        self.run(lambda a: a.set_prefix_cache_capacity(n))
+    @rule(purge=st.booleans(), n=st.integers(-1, 9))
+    def shrink_prefix_cache(self, purge, n):
+        """Purge or a capacity override (one rule, so they do not empty the cache too often)."""
+        if purge:
+            self.run(lambda a: a.purge_prefix_cache())
+        else:
+            self.run(lambda a: a.set_prefix_cache_capacity(n))
 
     @rule(k=st.integers(-1, 3))
     def grow_by(self, k):
@@ -305,7 +354,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def implementations_agree(self):
         if not self.allocs:
             return
-        snapshots = _comparable([observables(a) for a in self.allocs])
+        snapshots = [observables(a) for a in self.allocs]
         for alloc, snap in zip(self.allocs[1:], snapshots[1:]):
             assert snap == snapshots[0], f"{type(alloc).__module__} diverged from the reference"
         refs = {}

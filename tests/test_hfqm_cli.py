@@ -89,6 +89,22 @@ def test_inspect_mixed_file_summary_and_bundle(tmp_path, capsys):
     assert "  a.weight  HFQ4G256  1x256    136  " in text
 
 
+def test_inspect_verify(tmp_path, capsys):
+    path = tmp_path / "h.hfq"
+    write_minimal(path, add_quantization_hash=True)
+    assert cli_main(["inspect", str(path), "--verify"]) == 0
+    assert "verify    quantization_hash: ok\n" in capsys.readouterr().out
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert cli_main(["inspect", str(path), "--verify", "--json"]) == 1
+    check = json.loads(capsys.readouterr().out)["quantization_hash_check"]
+    assert check.startswith("MISMATCH: ") and "43f356738983a9fd != " in check
+    write_minimal(tmp_path / "plain.hfq")
+    assert cli_main(["inspect", str(tmp_path / "plain.hfq"), "--verify"]) == 0
+    assert "quantization_hash: absent" in capsys.readouterr().out
+
+
 def test_inspect_broken_file_exits_1_with_the_reason(tmp_path, capsys):
     path = tmp_path / "bad.hfq"
     path.write_bytes(b"GGUF" + bytes(40))
@@ -363,3 +379,25 @@ def test_cli_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "pagedkv", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "inspect" in out and "convert" in out
+
+
+@needs_codecs
+def test_convert_single_file_without_config_needs_arch(tmp_path, capsys):
+    weight = (np.arange(512, dtype=np.float32) / 512).reshape(2, 256)
+    write_safetensors(tmp_path / "one.safetensors", {
+        "w.weight": ("F32", (2, 256), weight.astype("<f4").tobytes()),
+        "scale": ("F32", (), np.float32(0.5).tobytes()),
+    })
+    out = tmp_path / "one.hfq"
+    assert cli_main(["convert", str(tmp_path / "one.safetensors"), "-o", str(out),
+                     "--no-progress"]) == 1
+    assert "has no config.json model_type: pass --arch" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "one.safetensors"), "-o", str(out),
+                     "--arch", "llama", "--no-progress", "--format", "hfq4g128"]) == 0
+    with HfqmFile(out) as f:
+        assert f.arch_id == 0 and f.metadata["architecture"] == "llama"
+        assert f.metadata["config"] == {} and f.metadata["tokenizer"] == "{}"
+        assert f.info("scale")[1:4] == (1, "F16", ())
+        assert f["scale"].tolist() == 0.5
+        assert f.info("w.weight").qt_name == "HFQ4G128"
+        assert f.raw("w.weight").tobytes() == quantize(weight, "hfq4g128").tobytes()

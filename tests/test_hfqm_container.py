@@ -9,14 +9,15 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from hfqm_samples import (MINIMAL_METADATA, MINIMAL_QUANTIZATION_HASH, MINIMAL_SHA256,
                           hfq4g256_ramp_group, write_minimal, write_mixed)
 from pagedkv.errors import (BadMagic, BadMetadata, BadName, CountMismatch, FormatError,
                             InvalidArgument, SizeMismatch, TensorNotFound, Truncated,
-                            UnknownQuantType, UnsupportedVersion)
+                            UnknownQuantType, UnsupportedQuantType, UnsupportedVersion)
 from pagedkv.hfqm import (HfqmFile, HfqmWriter, PlannedTensor, compute_quantization_hash,
-                          plan_of)
+                          plan_of, verify_quantization_hash, write_mtp_bundle)
 from pagedkv.hfqm import index as hfqm_index
 
 
@@ -85,6 +86,18 @@ def test_quantization_hash_key_is_added_and_matches_the_recomputed_value(tmp_pat
         assert qh["producer"]["package"] == "pagedkv"
         assert list(f.metadata) == ["architecture", "config", "quantization_hash"]
         assert f.data_offset == 4096
+
+
+def test_verify_quantization_hash(tmp_path):
+    write_minimal(tmp_path / "h.hfq", add_quantization_hash=True)
+    write_minimal(tmp_path / "plain.hfq")
+    assert verify_quantization_hash(tmp_path / "h.hfq") is True
+    assert verify_quantization_hash(tmp_path / "plain.hfq") is None
+    data = bytearray((tmp_path / "h.hfq").read_bytes())
+    data[-1] ^= 1  # one payload bit
+    (tmp_path / "h.hfq").write_bytes(bytes(data))
+    with pytest.raises(BadMetadata, match="value 43f356738983a9fd != "):
+        verify_quantization_hash(tmp_path / "h.hfq")
 
 
 # --- round trips and the streaming paths -------------------------------------------------
@@ -219,6 +232,16 @@ def test_mtp_bundle_trailer(tmp_path):
         assert mtp["enorm"].tolist() == [0.25, 4]
         assert mtp.info("enorm").offset == len(trunk) + 4096
         assert mtp.mtp is None
+    # write_mtp_bundle produces the same bytes, atomically, and checks its inputs.
+    assert write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "head.hfq",
+                            tmp_path / "w.mq4-mtp") == len(trunk)
+    assert (tmp_path / "w.mq4-mtp").read_bytes() == bundle.read_bytes()
+    with pytest.raises(InvalidArgument, match="arch_id 0; an MTP head has arch_id 21"):
+        write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "trunk.hfq", tmp_path / "x.hfq")
+    with pytest.raises(InvalidArgument, match="not bundles"):
+        write_mtp_bundle(bundle, tmp_path / "head.hfq", tmp_path / "x.hfq")
+    assert not (tmp_path / "x.hfq").exists()
+    assert sorted(os.listdir(tmp_path)) == ["b.mq4-mtp", "head.hfq", "trunk.hfq", "w.mq4-mtp"]
     # A trailer that does not point at an HFQM section is a plain file, not an error.
     bad = tmp_path / "bad.hfq"
     bad.write_bytes(trunk + head + b"HFBNDMTP" + struct.pack("<Q", 5))
@@ -271,6 +294,8 @@ def _patch(data, offset, fmt, value):
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 9), SizeMismatch, "n_dims 9"),
     (lambda d: _patch(d, 88 + 4 + 2 + 8 + 1, "<B", 200), SizeMismatch, "n_dims 200"),
     (lambda d: _patch(d, 88 + 4, "<H", 0xFFFF), Truncated, "index entry #0 runs past"),
+    (lambda d: _patch(_patch(d, 104, "<I", 0xFFFFFFFF), 108, "<I", 0xFFFFFFFF), SizeMismatch,
+     "more than 2**48 elements"),
     (lambda d: _patch(d, 88 + 4 + 2, "<B", 0xFF), BadName, "is not UTF-8"),
 ])
 def test_broken_files_raise_the_specific_error(tmp_path, mutate, exc, message):
@@ -305,12 +330,19 @@ def test_qt_130_is_accepted_only_in_calib_files(tmp_path):
         HfqmFile(tmp_path / "w.hfq")
 
 
-def test_registered_p2_qt_parses_and_gives_raw_bytes(tmp_path):
+def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):
     arrays = write_mixed(tmp_path / "m.hfq")
     with HfqmFile(tmp_path / "m.hfq") as f:
         name = "model.layers.0.self_attn.q_proj.weight"
         assert f.info(name).qt_name == "HFP4G32"
         assert f[name].tobytes() == arrays[name].tobytes()
+        with pytest.raises(UnsupportedQuantType, match="tensor 'model.layers.0.self_attn"
+                                                      ".q_proj.weight', offset 4442: quant type HFP4G32"):
+            f.dequantize(name)
+        decoded = f.dequantize("h.norm")
+        assert decoded.dtype == np.float32 and decoded.tolist() == [[1, -1], [0.5, 65504]]
+        bf16 = f.dequantize("lm_head.weight")
+        assert bf16[0, 0] == 1.0 and bf16.shape == (2, 3)
 
 
 @pytest.mark.parametrize("meta,arch,message", [
@@ -463,3 +495,37 @@ def test_writer_metadata_arguments(tmp_path):
     assert data[32:46] == b'{"k":"\\u00e9"}'  # JSON text is written verbatim
     with HfqmFile(tmp_path / "a.hfq") as f:
         assert f.arch_id == 6 and f.metadata == {"k": "é"} and len(f) == 0
+
+
+# --- property: random corruption of a richer file ---------------------------------------
+
+
+_MIXED_CACHE: dict[str, bytes] = {}
+
+
+def _mixed_bytes(tmp_path_factory) -> bytes:
+    if "data" not in _MIXED_CACHE:
+        path = tmp_path_factory.mktemp("mixed") / "m.hfq"
+        write_mixed(path)
+        _MIXED_CACHE["data"] = path.read_bytes()
+    return _MIXED_CACHE["data"]
+
+
+@given(edits=st.lists(st.tuples(st.integers(0, 600), st.integers(0, 255)), min_size=1,
+                      max_size=6),
+       cut=st.one_of(st.none(), st.integers(0, 5000)))
+def test_random_corruption_raises_a_format_error_or_stays_in_bounds(tmp_path_factory, edits,
+                                                                   cut):
+    data = bytearray(_mixed_bytes(tmp_path_factory))
+    for pos, value in edits:  # header, metadata and index of the mixed file: bytes 0..456
+        data[pos] = value
+    if cut is not None:
+        data = data[:cut]
+    path = tmp_path_factory.getbasetemp() / "fuzz.hfq"
+    path.write_bytes(bytes(data))
+    try:
+        f = HfqmFile(path)
+    except FormatError:
+        return
+    with f:
+        _check_opened_file_stays_in_bounds(f, len(data))

@@ -7,6 +7,8 @@ import logging
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
 from pagedkv.pool import (
@@ -482,3 +484,91 @@ def test_mlx_backend_without_mlx_names_the_platform_floor(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mlx)
     with pytest.raises(InvalidArgument, match="manylinux_2_35.*Apple-silicon"):
         LayerKVPool(geometry(), 2, backend="mlx")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_racing_growth_are_never_lost(backend):
+    import threading
+
+    g = geometry("float32", heads=1, head_dim=8)
+    pool = LayerKVPool(g, 4, 64, backend=backend)
+    last = {}
+    go = threading.Event()
+
+    def writer():
+        go.wait()
+        for step in range(400):
+            slot = (step % 4) * 4  # token 0 of blocks 0..3, which growth copies
+            k = np.full((1, 1, 8), step, np.float32)
+            pool.write_tokens(step % 2, [slot], k, -k)
+            last[(step % 2, slot)] = step
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    go.set()
+    for target in (8, 16, 32, 64):
+        assert pool.grow_to(target)
+    thread.join()
+    assert pool.generation == 4 and pool.num_blocks == 64
+    for (layer, slot), step in last.items():
+        block, offset = pool.block_and_offset(slot)
+        k, v = pool.gather(layer, [block], offset + 1)
+        assert numpy_of(pool, k)[offset].tolist() == [[float(step)] * 8]
+        assert numpy_of(pool, v)[offset].tolist() == [[-float(step)] * 8]
+
+
+def test_numpy_pools_never_import_mlx():
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np\n"
+            "from pagedkv.pool import LayerKVPool, PoolGeometry\n"
+            "import pagedkv.sizing\n"
+            "p = LayerKVPool(PoolGeometry(1, 1, 8, 4), 2, 4)\n"
+            "p.write_tokens(0, [1], np.ones((1, 1, 8), np.float16), np.ones((1, 1, 8), np.float16))\n"
+            "p.grow_to(4); p.read_block(0)\n"
+            "print('mlx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --- property: the pool behaves like a flat per-slot array -------------------------------------
+
+@st.composite
+def write_programs(draw):
+    """A pool size and a list of (layer, slots) writes, some of them growing the pool."""
+    num_blocks = draw(st.integers(1, 4))
+    steps = draw(st.lists(st.tuples(
+        st.integers(0, 1),                                      # layer
+        st.lists(st.integers(0, 4 * 8 - 1), min_size=0, max_size=6, unique=True),  # slots
+        st.booleans(),                                          # grow before the write
+    ), max_size=6))
+    return num_blocks, steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(program=write_programs())
+def test_pool_matches_a_flat_slot_model(backend, program):
+    num_blocks, steps = program
+    g = geometry("bfloat16", layers=2, heads=2, head_dim=4, block_size=4)
+    pool = LayerKVPool(g, num_blocks, 8, backend=backend)
+    model = np.zeros((2, 2, 8 * 4, 2, 4), np.uint16)  # layer, K/V, slot, head, dim
+    value = 1
+    for layer, slots, grow in steps:
+        if grow:
+            pool.grow_to(min(8, 2 * pool.num_blocks))
+        slots = [s for s in slots if s < pool.num_slots]
+        n = len(slots)
+        k = np.arange(value, value + n * 8, dtype=np.uint16).reshape(n, 2, 4)
+        v = k + np.uint16(30000)
+        value += n * 8
+        pool.write_tokens(layer, np.array(slots, np.int32), k, v)
+        model[layer, 0, slots] = k
+        model[layer, 1, slots] = v
+    table = np.arange(pool.num_blocks)[::-1].astype(np.int32)
+    order = (table[:, None] * 4 + np.arange(4)).reshape(-1)
+    kl, vl = pool.gather_layers(table, pool.num_slots)
+    assert np.array_equal(numpy_of(pool, kl), model[:, 0, order])
+    assert np.array_equal(numpy_of(pool, vl), model[:, 1, order])
+    for b in range(pool.num_blocks):
+        buf = pool.read_block(b).view(np.uint16).reshape(2, 2, 4, 2, 4)
+        assert np.array_equal(buf, model[:, :, b * 4:(b + 1) * 4])

@@ -27,41 +27,57 @@ BLOCK = 5  # the block the benchmarks write and gather
 class BlockOfTokensAcross32Layers:
     """write_tokens / gather of one full block (16 tokens) in every one of 32 layers."""
 
-    def setup(self):
+    params = ["numpy", "mlx"]
+    param_names = ["backend"]
+
+    def setup(self, backend="numpy"):
         g = GEOMETRY
-        self.pool = LayerKVPool(g, NUM_BLOCKS)
+        if backend == "mlx":
+            try:
+                import mlx.core as mx
+            except ImportError:
+                raise NotImplementedError("mlx not installed") from None
+        self.pool = LayerKVPool(g, NUM_BLOCKS, backend=backend)
         rng = np.random.default_rng(0)
         shape = (g.num_layers, g.block_size, g.num_kv_heads, g.head_dim)
-        self.k = rng.standard_normal(shape).astype(np.float16)
-        self.v = rng.standard_normal(shape).astype(np.float16)
-        self.slots = np.arange(BLOCK * g.block_size, (BLOCK + 1) * g.block_size, dtype=np.int32)
-        self.table = np.array([BLOCK], dtype=np.int32)
-        self.pool.write_tokens_layers(self.slots, self.k, self.v)
+        k = rng.standard_normal(shape).astype(np.float16)
+        v = rng.standard_normal(shape).astype(np.float16)
         # Baseline: one copy of the same bytes (K and V of all layers), source and
         # destination distinct as in the pool operations.
-        self.src = np.concatenate([self.k.reshape(-1), self.v.reshape(-1)])
+        self.src = np.concatenate([k.reshape(-1), v.reshape(-1)])
         self.dst = np.empty_like(self.src)
+        if backend == "mlx":
+            k, v = mx.array(k), mx.array(v)
+            self.k = [k[i] for i in range(g.num_layers)]
+            self.v = [v[i] for i in range(g.num_layers)]
+            mx.eval(k, v, self.k, self.v)
+        else:
+            self.k, self.v = k, v
+        self.k_layers, self.v_layers = k, v
+        self.slots = np.arange(BLOCK * g.block_size, (BLOCK + 1) * g.block_size, dtype=np.int32)
+        self.table = np.array([BLOCK], dtype=np.int32)
+        self.pool.write_tokens_layers(self.slots, self.k_layers, self.v_layers)
 
-    def time_copyto_baseline(self):
+    def time_copyto_baseline(self, backend="numpy"):
         np.copyto(self.dst, self.src)
 
-    def time_write_tokens_per_layer(self):
+    def time_write_tokens_per_layer(self, backend="numpy"):
         pool, slots, k, v = self.pool, self.slots, self.k, self.v
         for layer in range(GEOMETRY.num_layers):
             pool.write_tokens(layer, slots, k[layer], v[layer])
 
-    def time_write_tokens_layers(self):
-        self.pool.write_tokens_layers(self.slots, self.k, self.v)
+    def time_write_tokens_layers(self, backend="numpy"):
+        self.pool.write_tokens_layers(self.slots, self.k_layers, self.v_layers)
 
-    def time_gather_per_layer(self):
+    def time_gather_per_layer(self, backend="numpy"):
         pool, table, n = self.pool, self.table, GEOMETRY.block_size
         for layer in range(GEOMETRY.num_layers):
             pool.gather(layer, table, n)
 
-    def time_gather_layers(self):
+    def time_gather_layers(self, backend="numpy"):
         self.pool.gather_layers(self.table, GEOMETRY.block_size)
 
-    def time_read_block(self):
+    def time_read_block(self, backend="numpy"):
         self.pool.read_block(BLOCK, out=self.dst.view(np.uint8).reshape(
             GEOMETRY.block_buffer_shape))
 
@@ -132,19 +148,23 @@ def main(argv=None) -> None:
     parser.add_argument("--grow-mib", type=int, default=64,
                         help="pool size before doubling, MiB (default 64)")
     parser.add_argument("--grow-repeat", type=int, default=3)
+    parser.add_argument("--backends", default="numpy",
+                        help="comma-separated pool backends for the token benchmarks")
     args = parser.parse_args(argv)
 
     nbytes = 2 * GEOMETRY.num_layers * GEOMETRY.slab_bytes
-    bench = BlockOfTokensAcross32Layers()
-    bench.setup()
     print(f"machine: {platform.machine()} {platform.processor() or ''}".rstrip())
     print(f"one block x 32 layers = {nbytes} bytes (K+V), geometry {GEOMETRY}")
-    for name in ("write_tokens_per_layer", "write_tokens_layers", "gather_per_layer",
-                 "gather_layers", "read_block"):
-        t, base = _paired_best_seconds(getattr(bench, f"time_{name}"),
-                                       bench.time_copyto_baseline, 50, 9)
-        print(f"  {name:24s} {t * 1e6:8.1f} us {nbytes / t / 1e9:6.2f} GB/s | np.copyto "
-              f"{base * 1e6:6.1f} us {nbytes / base / 1e9:6.2f} GB/s | {base / t:6.1%} of copy")
+    for backend in args.backends.split(","):
+        bench = BlockOfTokensAcross32Layers()
+        bench.setup(backend)
+        for name in ("write_tokens_per_layer", "write_tokens_layers", "gather_per_layer",
+                     "gather_layers", "read_block"):
+            t, base = _paired_best_seconds(getattr(bench, f"time_{name}"),
+                                           bench.time_copyto_baseline, 50, 9)
+            print(f"  {backend:5s} {name:24s} {t * 1e6:8.1f} us {nbytes / t / 1e9:6.2f} GB/s | "
+                  f"np.copyto {base * 1e6:6.1f} us {nbytes / base / 1e9:6.2f} GB/s | "
+                  f"{base / t:6.1%} of copy")
     grow, copy = _grow_case(args.grow_mib, args.grow_repeat)
     print(f"grow_to doubling a {args.grow_mib} MiB pool: {grow * 1e3:.1f} ms; copy of the same "
           f"bytes {copy * 1e3:.1f} ms; ratio {grow / copy:.2f}x")

@@ -27,8 +27,8 @@ implementations follow them:
   ``lookup_prefix`` miss, a stopped ``find_longest_cache_hit`` walk, a stopped chain.
 * Hash 0 is reserved (§2.1): ``register_prefix``/``lookup_prefix``/``publish_restored_batch``
   reject ``block_hash`` outside ``[1, 2**64)`` with ``InvalidArgument``.
-* ``purge_prefix_cache`` sends its ``"cleared"`` event only when it dropped entries; an
-  operation that both removes and stores entries sends ``"removed"`` before ``"stored"``.
+* Block events: one call per kind per operation, ``"removed"`` before ``"stored"``;
+  ``purge_prefix_cache`` always sends ``"cleared"`` (even when the table was empty).
 * ``grow_by`` resets the capacity override even when it adds no block (§4.7's steps run
   unconditionally); ``stats()['grows']`` counts only calls that added blocks.
 """
@@ -323,9 +323,9 @@ class BlockAllocator:
     def lru_hashes(self) -> list[int]:
         return list(self._prefix)
 
-    def free_block_ids(self) -> np.ndarray:
-        """The free queue as ``int32``, front (next to be allocated) first."""
-        return np.array(self._free, dtype=np.int32)
+    def free_list(self) -> list[int]:
+        """The free queue, front (next to be allocated) first."""
+        return list(self._free)
 
     def ref_count(self, block_id: int) -> int:
         block_id = self._check_id(block_id, "block_id")
@@ -706,8 +706,7 @@ class BlockAllocator:
             block_hash = next(iter(self._prefix))
             self._decref(self._remove_entry(block_hash))
             dropped += 1
-        if dropped:
-            self._emit("cleared", ())
+        self._emit("cleared", ())
         return dropped
 
     def set_prefix_cache_capacity(self, n: int) -> None:

@@ -1,6 +1,7 @@
 # cython: language_level=3
 """C-level interface of pagedkv.allocator (records.h layouts and the BlockAllocator)."""
 
+cimport cython
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pagedkv.hashing cimport ChainKeys
@@ -45,11 +46,14 @@ cdef struct IdentityView:
     uint32_t digest_len
 
 
+# final: subclasses cannot override the cdef methods, so calls are direct (no vtable) and
+# the C compiler inlines the list and table primitives into the hot loops.
+@cython.final
 cdef class BlockAllocator:
     cdef object _records          # BLOCK_DTYPE[max_num_blocks]
     cdef object _token_ids        # uint32[max_num_blocks, block_size]
     cdef object _slots            # PREFIX_SLOT_DTYPE[table_size], power of two
-    cdef object _multiplicity     # int32[max_num_blocks] scratch for free_many (all zero between calls)
+    cdef object _multiplicity     # int32[max_num_blocks] free_many scratch, zero between calls
     cdef pkv_block_record* blocks
     cdef uint32_t* tokens
     cdef pkv_prefix_slot* slots
@@ -115,7 +119,12 @@ cdef class BlockAllocator:
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
                              Py_ssize_t index, uint64_t salt) except 0
     cdef int ensure_scratch(self, Py_ssize_t key_count) except -1
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1
+    cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
+                                  uint64_t salt, int32_t* out) except -1
     cdef int32_t check_block_id(self, object block_id, str name) except -1
     cdef int check_identity(self, object identity, IdentityView* out, list keep) except -1
+    cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept
     cdef object flush_events(self)
     cdef _emit_cleared(self)

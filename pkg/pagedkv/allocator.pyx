@@ -22,6 +22,7 @@ import secrets
 import numpy as np
 
 cimport numpy as cnp
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
@@ -34,9 +35,12 @@ from pagedkv.hashing cimport (
     as_domain_id,
     as_token_array,
     as_u64,
+    chain_into,
     hash_block,
+    hash_block_native,
     hot_buffer_bytes,
     make_chain_keys,
+    xxh3_native,
 )
 from pagedkv.hashing import XXH3_SOURCE
 
@@ -75,42 +79,70 @@ BLOCK_NULL = PKV_BLOCK_NULL
 STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evictions",
               "collisions_rejected", "grows")
 
-_BLOCK_FIELDS = BLOCK_DTYPE.names
-_SLOT_FIELDS = PREFIX_SLOT_DTYPE.names
-
 cdef extern from *:
     """
     #include <stddef.h>
     #include "pagedkv/records.h"
-    /* offsetof for the layout test, in the field order of BLOCK_DTYPE / PREFIX_SLOT_DTYPE */
-    static const Py_ssize_t pkv_block_record_offsets[13] = {
-        offsetof(pkv_block_record, hot_hash), offsetof(pkv_block_record, parent_hash),
-        offsetof(pkv_block_record, cache_salt), offsetof(pkv_block_record, block_index),
-        offsetof(pkv_block_record, extra_keys_digest), offsetof(pkv_block_record, refcount),
-        offsetof(pkv_block_record, token_count), offsetof(pkv_block_record, lru_prev),
-        offsetof(pkv_block_record, lru_next), offsetof(pkv_block_record, free_prev),
-        offsetof(pkv_block_record, free_next), offsetof(pkv_block_record, flags),
-        offsetof(pkv_block_record, extra_keys_digest_len)};
-    static const Py_ssize_t pkv_prefix_slot_offsets[3] = {
-        offsetof(pkv_prefix_slot, key), offsetof(pkv_prefix_slot, block),
-        offsetof(pkv_prefix_slot, _pad)};
+    /* sizeof/offsetof as this C compiler lays the records out, field names spelled in C
+       so the layout test pairs each dtype field with the struct member of that name. */
+    typedef struct { const char *name; Py_ssize_t offset; } pkv_field_offset;
+    #define PKV_FIELD(T, F) { #F, (Py_ssize_t)offsetof(T, F) }
+    static const pkv_field_offset pkv_block_record_fields[] = {
+        PKV_FIELD(pkv_block_record, hot_hash), PKV_FIELD(pkv_block_record, parent_hash),
+        PKV_FIELD(pkv_block_record, cache_salt), PKV_FIELD(pkv_block_record, block_index),
+        PKV_FIELD(pkv_block_record, extra_keys_digest), PKV_FIELD(pkv_block_record, refcount),
+        PKV_FIELD(pkv_block_record, token_count), PKV_FIELD(pkv_block_record, lru_prev),
+        PKV_FIELD(pkv_block_record, lru_next), PKV_FIELD(pkv_block_record, free_prev),
+        PKV_FIELD(pkv_block_record, free_next), PKV_FIELD(pkv_block_record, flags),
+        PKV_FIELD(pkv_block_record, extra_keys_digest_len)};
+    static const pkv_field_offset pkv_prefix_slot_fields[] = {
+        PKV_FIELD(pkv_prefix_slot, key), PKV_FIELD(pkv_prefix_slot, block),
+        PKV_FIELD(pkv_prefix_slot, _pad)};
+    #define PKV_N_BLOCK_FIELDS (sizeof pkv_block_record_fields / sizeof pkv_block_record_fields[0])
+    #define PKV_N_SLOT_FIELDS (sizeof pkv_prefix_slot_fields / sizeof pkv_prefix_slot_fields[0])
     """
-    const Py_ssize_t pkv_block_record_offsets[13]
-    const Py_ssize_t pkv_prefix_slot_offsets[3]
+    ctypedef struct pkv_field_offset:
+        const char* name
+        Py_ssize_t offset
+    const pkv_field_offset pkv_block_record_fields[]
+    const pkv_field_offset pkv_prefix_slot_fields[]
+    Py_ssize_t PKV_N_BLOCK_FIELDS
+    Py_ssize_t PKV_N_SLOT_FIELDS
+
+
+cdef dict _fields(const pkv_field_offset* fields, Py_ssize_t n, Py_ssize_t itemsize):
+    cdef Py_ssize_t i
+    out = {"itemsize": itemsize}
+    for i in range(n):
+        out[fields[i].name.decode("ascii")] = fields[i].offset
+    return out
 
 
 def _c_layout():
     """``sizeof``/``offsetof`` of the records.h structs as the C compiler laid them out:
-    ``{struct: {"itemsize": n, field: offset, ...}}``, fields named as in the dtypes."""
-    cdef Py_ssize_t i
-    block = {"itemsize": <Py_ssize_t>sizeof(pkv_block_record)}
-    for i in range(13):
-        block[_BLOCK_FIELDS[i]] = pkv_block_record_offsets[i]
-    slot = {"itemsize": <Py_ssize_t>sizeof(pkv_prefix_slot)}
-    for i in range(3):
-        slot[_SLOT_FIELDS[i]] = pkv_prefix_slot_offsets[i]
-    return {"pkv_block_record": block, "pkv_prefix_slot": slot}
+    ``{struct: {"itemsize": n, member: offset, ...}}``."""
+    return {
+        "pkv_block_record": _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS,
+                                    sizeof(pkv_block_record)),
+        "pkv_prefix_slot": _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS,
+                                   sizeof(pkv_prefix_slot)),
+    }
 
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define pkv_prefetch(p) __builtin_prefetch((const void *)(p))
+    #else
+    #define pkv_prefetch(p) ((void)(p))
+    #endif
+    """
+    void pkv_prefetch(const void* p) noexcept nogil
+
+# Blocks hashed and probed together by the longest-hit walk (bounds the wasted hashing
+# past a miss and the memory accesses in flight).
+cdef enum:
+    _WALK_GROUP = 16
 
 # Fibonacci hashing spreads caller-chosen keys (tests use 1, 2, 3) over the table.
 cdef uint64_t _FIB = 0x9E3779B97F4A7C15ULL
@@ -131,10 +163,11 @@ cdef inline bint _is_int(object v):
 
 
 cdef Py_ssize_t _count_arg(object n, str name) except -1:
+    """A count in [0, 2**31): block counts never exceed the int32 id range."""
     if not _is_int(n):
         raise InvalidArgumentType(f"{name} must be an int >= 0, got {type(n).__name__}")
-    if n < 0:
-        raise InvalidArgument(f"{name} = {n} must be >= 0")
+    if not 0 <= n <= 0x7FFFFFFF:
+        raise InvalidArgument(f"{name} = {n} is outside [0, 2**31)")
     return n
 
 
@@ -531,7 +564,59 @@ cdef class BlockAllocator:
         h = <uint64_t>(int(res) & 0xFFFFFFFFFFFFFFFF)
         return h if h != 0 else 1
 
+    cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
+                                  uint64_t salt, int32_t* out) except -1:
+        """Length of the longest verified cached prefix of the n-block chain of ``t``; its
+        blocks go to ``out``. A present hash with another identity ends the walk and counts
+        as a collision. Works in groups of _WALK_GROUP blocks: hash the group, prefetch its
+        prefix slots, resolve them and prefetch the blocks' records and token rows, then
+        verify, so the random memory accesses of a group overlap instead of queueing."""
+        cdef Py_ssize_t bs = self._block_size, base = 0, m, j, found, slot, i
+        cdef uint64_t parent = 0, verified_parent = 0
+        cdef uint64_t hashes[_WALK_GROUP]
+        cdef int32_t blocks[_WALK_GROUP]
+        cdef bint native = self._hash_fn is None and xxh3_native()
+        while base < n:
+            m = min(<Py_ssize_t>_WALK_GROUP, n - base)
+            for j in range(m):
+                i = base + j
+                if native:
+                    parent = hash_block_native(parent, t + i * bs, bs, keys.keys_of(i),
+                                               keys.key_count(i), salt, i, self._seed,
+                                               self.scratch)
+                else:
+                    parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                hashes[j] = parent
+                pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
+            found = m
+            for j in range(m):
+                slot = self.pt_find(hashes[j])
+                if slot < 0:
+                    found = j
+                    break
+                blocks[j] = self.slots[slot].block
+                pkv_prefetch(&self.blocks[blocks[j]])
+                pkv_prefetch(self.tokens + <Py_ssize_t>blocks[j] * bs)
+            for j in range(found):
+                i = base + j
+                if not self.identity_matches(blocks[j], t + i * bs, verified_parent, salt, i,
+                                             keys.digest_of(i), keys.digest_len(i)):
+                    self.st_collisions_rejected += 1
+                    return i
+                out[i] = blocks[j]
+                verified_parent = hashes[j]
+            if found < m:
+                return base + found
+            base += m
+        return n
+
     cdef int32_t check_block_id(self, object block_id, str name) except -1:
+        cdef int overflow = 0
+        cdef long long v
+        if type(block_id) is int:                 # the common case, without isinstance
+            v = PyLong_AsLongLongAndOverflow(block_id, &overflow)
+            if overflow == 0 and 0 <= v < self._num_blocks:
+                return <int32_t>v
         if not _is_int(block_id):
             raise InvalidArgumentType(
                 f"{name} must be an int block id, got {type(block_id).__name__}")
@@ -664,6 +749,8 @@ cdef class BlockAllocator:
 
     def can_allocate(self, n):
         """Whether ``n`` blocks can be handed out now (free + cache-only)."""
+        if _is_int(n) and n > 0x7FFFFFFF:
+            return False                    # more than any pool can hold
         cdef Py_ssize_t k = _count_arg(n, "n")
         return self.n_free >= k or self.n_free + self.n_evictable >= k
 
@@ -774,18 +861,27 @@ cdef class BlockAllocator:
         cdef cnp.ndarray tok = as_token_array(tokens)
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
-        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size), i
+        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size)
         cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
-        cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0
-        self.ensure_scratch(self._most_keys(keys, n))
-        for i in range(n):
-            parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
-            o[i] = parent
+        self.hash_chain(<const uint32_t*>cnp.PyArray_DATA(tok), n, keys, salt, o)
         return out
 
-    def _most_keys(self, ChainKeys keys, Py_ssize_t n):
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1:
+        """Chain hashes of n full blocks of ``t`` into ``out`` (the hook when one is set)."""
+        cdef Py_ssize_t i
+        cdef uint64_t parent = 0
+        if self._hash_fn is None:
+            return chain_into(t, n, self._block_size, keys, salt, self._seed, out)
+        self.ensure_scratch(self.most_keys(keys, n))
+        for i in range(n):
+            parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
+            out[i] = parent
+        return 0
+
+    cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept:
+        """The most extra keys any of the first n blocks has (sizes the hash scratch)."""
         cdef Py_ssize_t i, m = 0
         for i in range(n):
             if keys.key_count(i) > m:
@@ -844,33 +940,14 @@ cdef class BlockAllocator:
         cdef Py_ssize_t bs = self._block_size
         cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // bs), i, k = 0
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0, h
-        cdef Py_ssize_t slot
-        cdef int32_t b
-        cdef bytes digest
-        cdef const uint8_t* dptr
-        cdef uint32_t dlen
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        self.st_query_tokens += <uint64_t>tok.shape[0]
         if n == 0 or self.n_cached == 0:
+            self.st_query_tokens += <uint64_t>tok.shape[0]
             return out[:0], 0
-        self.ensure_scratch(self._most_keys(keys, n))
-        for i in range(n):
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            slot = self.pt_find(h)
-            if slot < 0:
-                break
-            b = self.slots[slot].block
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
-            if not self.identity_matches(b, t + i * bs, parent, salt, i, dptr, dlen):
-                self.st_collisions_rejected += 1
-                break
-            o[k] = b
-            k += 1
-            parent = h
+        self.ensure_scratch(self.most_keys(keys, n))
+        k = self.walk_verified(t, n, keys, salt, o)
+        self.st_query_tokens += <uint64_t>tok.shape[0]
         with nogil:
             for i in range(k):
                 self.incref_block(o[i])
@@ -895,8 +972,7 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent = 0, h
         cdef Py_ssize_t slot
-        cdef int32_t b, held
-        cdef bytes digest
+        cdef int32_t b
         cdef const uint8_t* dptr
         cdef uint32_t dlen
         if n * bs > tok.shape[0]:
@@ -916,17 +992,15 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        self.ensure_scratch(self._most_keys(keys, n))
-        cdef cnp.ndarray chain = np.empty(n, dtype=np.int32)
-        cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
-        cdef int32_t* cb = <int32_t*>cnp.PyArray_DATA(chain)
-        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
+        # Hash the whole chain before changing anything: a failing hook leaves no trace.
+        cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
+        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain)
+        self.hash_chain(t, n, keys, salt, ck)
         for i in range(n):
             b = <int32_t>p[i]
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
-            digest = keys.digest_of(i)
-            dptr = <const uint8_t*><const char*>digest
-            dlen = <uint32_t>len(digest)
+            h = ck[i]
+            dptr = keys.digest_of(i)
+            dlen = keys.digest_len(i)
             slot = self.pt_find(h)
             if slot >= 0:
                 if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
@@ -935,22 +1009,20 @@ cdef class BlockAllocator:
                     break                   # nothing past a collision is registered
                 if self.slots[slot].block == b:
                     self.lru_touch(b)       # refresh of the same (block, hash)
-                else:
-                    b = self.slots[slot].block   # replay of an already-cached block: skip
+                # else: a replay of an already-cached block, skipped (touched below)
             else:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
-            cb[accepted] = b
-            ck[accepted] = h
             accepted += 1
             parent = h
-        # Deepest first, so block 0 ends most recent and eviction takes tails first.
+        # Deepest first, so block 0 ends most recent and eviction takes tails first. The
+        # touch follows the hash: an entry a later step capacity-evicted is skipped.
         i = accepted - 1
         while i >= 0:
             slot = self.pt_find(ck[i])
-            if slot >= 0 and self.slots[slot].block == cb[i]:
-                self.lru_touch(cb[i])
+            if slot >= 0:
+                self.lru_touch(self.slots[slot].block)
             i -= 1
         self.flush_events()
         return added
@@ -1001,7 +1073,8 @@ cdef class BlockAllocator:
             i = n - 1
             while i >= 0:
                 b = <int32_t>ids[i]
-                if self.blocks[b].flags & PKV_BLOCK_CACHED and self.blocks[b].hot_hash == <uint64_t>keys[i]:
+                if (self.blocks[b].flags & PKV_BLOCK_CACHED
+                        and self.blocks[b].hot_hash == <uint64_t>keys[i]):
                     self.lru_touch(b)
                 i -= 1
         finally:
@@ -1086,7 +1159,7 @@ cdef class BlockAllocator:
             if i >= nb:
                 if r.flags or r.refcount:
                     _fail(f"block {i} beyond num_blocks={nb} has flags={r.flags} "
-                         f"refcount={r.refcount}")
+                          f"refcount={r.refcount}")
                 continue
             if r.flags & PKV_BLOCK_NULL:
                 if i != self._null_block or r.flags != PKV_BLOCK_NULL:
@@ -1096,7 +1169,7 @@ cdef class BlockAllocator:
                 free_seen += 1
                 if r.refcount != 0 or r.flags & PKV_BLOCK_CACHED:
                     _fail(f"free block {i} has refcount {r.refcount}, flags {r.flags} "
-                         f"(invariant 1: free xor allocated)")
+                          f"(invariant 1: free xor allocated)")
             else:
                 if r.refcount < 1:
                     _fail(f"block {i} is neither free nor allocated (refcount {r.refcount})")
@@ -1110,7 +1183,7 @@ cdef class BlockAllocator:
                 found = self.pt_find(r.hot_hash)
                 if found < 0 or self.slots[found].block != i:
                     _fail(f"cached block {i} (hash {r.hot_hash:#x}) is not what the prefix "
-                         f"table maps its hash to (invariant 4)")
+                          f"table maps its hash to (invariant 4)")
         if free_seen != self.n_free:
             _fail(f"{free_seen} blocks flagged free but num_free_blocks={self.n_free}")
         if alloc_seen != self.n_allocated:
@@ -1164,7 +1237,7 @@ cdef class BlockAllocator:
             if not 0 <= b < nb or not (self.blocks[b].flags & PKV_BLOCK_CACHED) or \
                     self.blocks[b].hot_hash != self.slots[j].key:
                 _fail(f"prefix slot {j} (hash {self.slots[j].key:#x} -> block {b}) has no "
-                     f"matching cached block (invariant 4)")
+                      f"matching cached block (invariant 4)")
             home = (self.slots[j].key * _FIB) >> self.slot_shift
             while home != j:
                 if self.slots[home].block == _NO:

@@ -15,8 +15,10 @@ cdef class ChainKeys:
     cdef const uint64_t* keys_ptr
     cdef const Py_ssize_t* offsets_ptr
     cdef Py_ssize_t uniform_count
-    cdef object uniform_digest              # bytes
-    cdef list block_digests                 # bytes per block, or None
+    cdef readonly object digests            # uint8[m, 16]: m = 1 (uniform) or blocks
+    cdef readonly object digest_lens        # uint32[m]: 0 (no keys) or 16
+    cdef const uint8_t* digests_ptr
+    cdef const uint32_t* digest_lens_ptr
     cdef list block_tuples                  # tuple per block (for _hash_fn), or None
     cdef object uniform_tuple
 
@@ -30,12 +32,29 @@ cdef class ChainKeys:
             return self.keys_ptr
         return self.keys_ptr + self.offsets_ptr[block]
 
-    cdef object digest_of(self, Py_ssize_t block)
+    cdef inline const uint8_t* digest_of(self, Py_ssize_t block) noexcept nogil:
+        """The block's extra-keys digest (BLAKE2b-128 or unused when digest_len is 0)."""
+        if self.offsets_ptr == NULL:
+            return self.digests_ptr
+        return self.digests_ptr + 16 * block
+
+    cdef inline uint32_t digest_len(self, Py_ssize_t block) noexcept nogil:
+        if self.offsets_ptr == NULL:
+            return self.digest_lens_ptr[0]
+        return self.digest_lens_ptr[block]
+
     cdef object tuple_of(self, Py_ssize_t block)
     cdef Py_ssize_t blocks_for(self, Py_ssize_t full_blocks) noexcept
 
 
 cdef size_t hot_buffer_bytes(Py_ssize_t block_size, Py_ssize_t key_count) noexcept nogil
+
+cdef bint xxh3_native() noexcept nogil
+
+cdef uint64_t hash_block_native(uint64_t parent, const uint32_t* tokens, Py_ssize_t block_size,
+                                const uint64_t* keys, Py_ssize_t key_count, uint64_t cache_salt,
+                                int64_t block_index, uint64_t seed,
+                                uint8_t* scratch) noexcept nogil
 
 cdef uint64_t hash_block(uint64_t parent, const uint32_t* tokens, Py_ssize_t block_size,
                          const uint64_t* keys, Py_ssize_t key_count, uint64_t cache_salt,

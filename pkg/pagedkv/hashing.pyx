@@ -7,7 +7,9 @@ separate, stable SHA-256 format and live in :mod:`pagedkv.cold`.
 
 One block hashes this little-endian buffer with XXH3-64 (a result of 0 becomes 1)::
 
-    parent u64 | tokens u32 * bs | extra-key count u64 | keys u64 * count | salt u64 (block 0, salt != 0)
+    parent u64 | tokens u32 * bs | extra-key count u64 | keys u64 * count | salt u64
+
+(the salt only on block 0 and only when it is non-zero).
 
 XXH3 is called from C through the system libxxhash when the build found it
 (``XXH3_SOURCE == "libxxhash"``), else through the ``xxhash`` wheel
@@ -217,11 +219,6 @@ cdef class ChainKeys:
             return f"ChainKeys(per_block, max_blocks={self.max_blocks})"
         return f"ChainKeys(uniform={self.uniform_tuple!r})"
 
-    cdef object digest_of(self, Py_ssize_t block):
-        if self.block_digests is None:
-            return self.uniform_digest
-        return self.block_digests[block]
-
     cdef object tuple_of(self, Py_ssize_t block):
         if self.block_tuples is None:
             return self.uniform_tuple
@@ -268,7 +265,7 @@ cpdef ChainKeys make_chain_keys(object extra_keys=(), object extra_keys_per_bloc
         ck.keys_ptr = <const uint64_t*>cnp.PyArray_DATA(flat)
         ck.offsets_ptr = <const Py_ssize_t*>cnp.PyArray_DATA(offsets)
         ck.block_tuples = tuples
-        ck.block_digests = [extra_keys_digest(t) for t in tuples]
+        _set_digests(ck, tuples)
         return ck
     if extra_keys is None or (type(extra_keys) is tuple and len(extra_keys) == 0):
         if _UNIFORM_NONE is None:
@@ -288,16 +285,47 @@ cdef ChainKeys _uniform(tuple keys):
     ck.offsets_ptr = NULL
     ck.uniform_count = len(keys)
     ck.uniform_tuple = keys
-    ck.uniform_digest = extra_keys_digest(keys)
     ck.block_tuples = None
-    ck.block_digests = None
+    _set_digests(ck, [keys])
     return ck
+
+
+cdef _set_digests(ChainKeys ck, list key_tuples):
+    """Identity digests, flat, so the verify loop reads them without Python objects."""
+    cdef Py_ssize_t m = len(key_tuples), i
+    cdef cnp.ndarray digests = np.zeros((max(m, 1), 16), dtype=np.uint8)
+    cdef cnp.ndarray lens = np.zeros(max(m, 1), dtype=np.uint32)
+    for i in range(m):
+        d = extra_keys_digest(key_tuples[i])
+        if d:
+            digests[i] = np.frombuffer(d, dtype=np.uint8)
+            lens[i] = len(d)
+    ck.digests = digests
+    ck.digest_lens = lens
+    ck.digests_ptr = <const uint8_t*>cnp.PyArray_DATA(digests)
+    ck.digest_lens_ptr = <const uint32_t*>cnp.PyArray_DATA(lens)
 
 
 # --- the hash -------------------------------------------------------------------------
 
 cdef size_t hot_buffer_bytes(Py_ssize_t block_size, Py_ssize_t key_count) noexcept nogil:
     return <size_t>(8 + 4 * block_size + 8 + 8 * key_count + 8)
+
+
+cdef bint xxh3_native() noexcept nogil:
+    """Whether hash_block_native may be used (system libxxhash, not routed to the wheel)."""
+    return _use_native
+
+
+cdef uint64_t hash_block_native(uint64_t parent, const uint32_t* tokens, Py_ssize_t block_size,
+                                const uint64_t* keys, Py_ssize_t key_count, uint64_t cache_salt,
+                                int64_t block_index, uint64_t seed,
+                                uint8_t* scratch) noexcept nogil:
+    """hash_block through libxxhash, without the GIL; only valid while xxh3_native()."""
+    cdef size_t n = pkv_hot_buffer(scratch, parent, tokens, <size_t>block_size, keys,
+                                   <size_t>key_count, cache_salt, block_index)
+    cdef uint64_t h = pkv_xxh3_native(scratch, n, seed)
+    return h if h != 0 else 1
 
 
 cdef uint64_t hash_block(uint64_t parent, const uint32_t* tokens, Py_ssize_t block_size,

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and per-format totals of an HFQM (.hfq/.mq4/...) file.")
     p.add_argument("file", help="HFQM file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--verify", action="store_true",
+                   help="recompute the quantization hash over index and payloads and compare "
+                        "it with the stored one (reads every payload byte)")
     p.set_defaults(func=run)
 
 
@@ -60,8 +63,9 @@ def metadata_summary(metadata: dict) -> dict[str, Any]:
     return summary
 
 
-def describe(file) -> dict[str, Any]:
-    """Everything ``inspect`` prints, as JSON-ready data."""
+def describe(file, *, verify: bool = False) -> dict[str, Any]:
+    """Everything ``inspect`` prints, as JSON-ready data. ``verify`` adds
+    ``quantization_hash_check``: "ok", "absent" or the mismatch message."""
     from pagedkv.errors import BadMetadata
     totals: dict[str, dict[str, int]] = {}
     tensors = []
@@ -76,6 +80,14 @@ def describe(file) -> dict[str, Any]:
     except BadMetadata as exc:
         summary = f"error: {exc}"
     mtp = file.mtp
+    extra: dict[str, Any] = {}
+    if verify:
+        from pagedkv.hfqm.quantization_hash import verify_quantization_hash
+        try:
+            extra["quantization_hash_check"] = {True: "ok", None: "absent"}[
+                verify_quantization_hash(file)]
+        except BadMetadata as exc:
+            extra["quantization_hash_check"] = f"MISMATCH: {exc}"
     return {
         "path": file.path,
         "base": file.base,
@@ -91,7 +103,8 @@ def describe(file) -> dict[str, Any]:
         "metadata": summary,
         "tensors": tensors,
         "totals": dict(sorted(totals.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))),
-        "mtp": describe(mtp) if mtp is not None else None,
+        "mtp": describe(mtp, verify=verify) if mtp is not None else None,
+        **extra,
     }
 
 
@@ -114,6 +127,8 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
     else:
         for key, value in summary.items():
             lines.append(f"          {key}: {value if not isinstance(value, list) else ', '.join(value)}")
+    if "quantization_hash_check" in info:
+        lines.append(f"verify    quantization_hash: {info['quantization_hash_check']}")
     lines.append("")
     rows = [["name", "qt", "shape", "bytes", "offset"]]
     for t in info["tensors"]:
@@ -142,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.hfqm import HfqmFile
     try:
         with HfqmFile(args.file) as f:
-            info = describe(f)
+            info = describe(f, verify=args.verify)
     except (FormatError, OSError) as exc:
         print(f"pagedkv inspect: error: {exc}", file=sys.stderr)
         return 1
@@ -150,4 +165,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, ensure_ascii=False))
     else:
         print("\n".join(render(info)))
-    return 0
+    return 1 if str(info.get("quantization_hash_check", "")).startswith("MISMATCH") else 0

@@ -1,1 +1,38 @@
-"""Cold tier: KV blocks persisted to disk, restored fail-closed (cold-tier.md)."""
+"""Cold tier: KV blocks persisted to disk, restored fail-closed (cold-tier.md).
+
+A warm prefix survives a restart: full KV blocks are written as checksummed safetensors
+objects under SHA-256 chain keys bound to the model fingerprint, and a new process restores
+the longest verified chain instead of recomputing it. A failure is a miss, never wrong KV.
+"""
+
+from pagedkv.cold.capture import CaptureOutcome, CaptureStop
+from pagedkv.cold.codec import BlockGeometry, DecodedBlock, block_bound, decode_block
+from pagedkv.cold.fingerprint import (WeightProvenance, cold_fingerprint, geometry_part,
+                                      model_fingerprint, weight_identity)
+from pagedkv.cold.digest_cache import WeightDigestCache
+from pagedkv.cold.format import DEFAULT_FORMAT, UPSTREAM_KEY_FORMAT, ColdFormat
+from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.keys import cold_key_chain, sidecar_key
+from pagedkv.cold.names import object_name, parse_object_name
+from pagedkv.cold.profiles import (COLD_RESTORE_FAMILIES, REFERENCE_FAMILY, FamilyColdProfile,
+                                   OutOfPoolState, cold_restore_supported, family_profile,
+                                   register_family_profile, resolve_persist)
+from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
+from pagedkv.cold.stats import (COLD_DELTA_FIELDS, ColdCacheStats, ColdSidecarStats,
+                                cold_sidecar_stats, record_sidecar_installed)
+from pagedkv.cold.tier import ColdTier, ColdTierContext, cold_cache_stats, install_capture_budget
+from pagedkv.cold.trace import TurnTraceWriter
+from pagedkv.cold.writer import Barrier, BlockJob
+
+__all__ = [
+    "BlockGeometry", "BlockJob", "Barrier", "COLD_DELTA_FIELDS", "COLD_RESTORE_FAMILIES",
+    "CaptureOutcome", "CaptureStop", "ColdCacheStats", "ColdFormat", "ColdGroup",
+    "ColdSidecarStats", "ColdTier", "ColdTierContext", "DEFAULT_FORMAT", "DecodedBlock",
+    "FamilyColdProfile", "OutOfPoolState", "REFERENCE_FAMILY", "RestoreDecline",
+    "RestoreOutcome", "TurnTraceWriter", "UPSTREAM_KEY_FORMAT", "WeightDigestCache",
+    "WeightProvenance", "block_bound", "cold_cache_stats", "cold_fingerprint",
+    "cold_key_chain", "cold_restore_supported", "cold_sidecar_stats", "decode_block",
+    "family_profile", "geometry_part", "install_capture_budget", "model_fingerprint",
+    "object_name", "parse_object_name", "record_sidecar_installed",
+    "register_family_profile", "resolve_persist", "sidecar_key", "weight_identity",
+]

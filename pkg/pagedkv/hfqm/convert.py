@@ -75,11 +75,13 @@ def _blocks(source: SafetensorsSource, src: SourceTensor, plan: TensorPlan,
         yield source.read(src, (plan.expert, r) if plan.expert is not None else (r,))
 
 
-def _metadata(source: SafetensorsSource, fmt_name: str, target_id: int,
+def _metadata(source: SafetensorsSource, fmt_name: str, target_id: int, arch: str | int,
               skipped: list[tuple[str, str]]) -> dict:
     from pagedkv import __version__
     config = source.config
     architecture = config.get("model_type") if isinstance(config, dict) else None
+    if not architecture and isinstance(arch, str) and not arch.strip().isdigit():
+        architecture = arch
     return {
         "architecture": architecture or "unknown",
         "config": config,
@@ -136,7 +138,7 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
     report.source_bytes = total
     done = 0
     started = time.perf_counter()
-    metadata = _metadata(source, fmt_name, target.id, report.skipped)
+    metadata = _metadata(source, fmt_name, target.id, arch, report.skipped)
     with HfqmWriter(out_path, arch_id=arch_id, metadata=metadata, plan=writer_plan,
                     add_quantization_hash=True) as writer:
         for src, p in plans:
@@ -146,12 +148,17 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
             def encoded_blocks() -> Iterator[np.ndarray]:
                 nonlocal err2, ref2, done
                 for block in _blocks(source, src, p, chunk_bytes):
+                    block = np.atleast_1d(block)  # the codecs take >= 1 dim; a scalar is [1]
                     raw = quantize(block, row.key)
                     if measure_error:
-                        ref = block.astype(np.float64)
-                        back = dequantize(raw, row.key, block.shape).astype(np.float64)
-                        err2 += float(np.sum((back - ref) ** 2))
-                        ref2 += float(np.sum(ref * ref))
+                        # float32 differences, float64 sums (numpy casts in buffered
+                        # chunks): no float64 copy of the block.
+                        ref = block.astype(np.float32, copy=False)
+                        diff = dequantize(raw, row.key, block.shape)
+                        np.subtract(diff, ref, out=diff)
+                        np.square(diff, out=diff)
+                        err2 += float(diff.sum(dtype=np.float64))
+                        ref2 += float(np.square(ref).sum(dtype=np.float64))
                     done += block.size * (2 if src.dtype in ("F16", "BF16") else 4)
                     if progress is not None:
                         progress(done, total, p.name)

@@ -10,6 +10,7 @@ subclass and never reads past the buffer it was given.
 
 import numpy as np
 
+from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 from pagedkv.errors import (
@@ -177,10 +178,11 @@ cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_lim
         numel = 1
         for d in range(ndim):
             rec.shape[d] = load_u32(sec + pos + 4 * d)
-            numel *= rec.shape[d]
-            if numel > MAX_NUMEL:
+            # numel <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
+            if rec.shape[d] != 0 and numel > MAX_NUMEL // rec.shape[d]:
                 err.fault = FAULT_NUMEL
                 return 0
+            numel *= rec.shape[d]
         pos += 4 * <uint64_t>ndim
         rec.group_size = load_u32(sec + pos)
         rec.nbytes = load_u64(sec + pos + 4)
@@ -235,6 +237,7 @@ cdef class ParsedIndex:
     cdef readonly uint64_t index_end_abs
     cdef readonly object records
     cdef readonly list names
+    cdef readonly dict index_of
 
 
 def parse_header(const uint8_t[::1] section not None, str path):
@@ -339,7 +342,8 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     if err.fault != FAULT_NONE:
         _raise_index_fault(&err, records, section, abs_base, path)
     out.records = records
-    out.names = _decode_names(records, section, abs_base, path)
+    out.index_of = {}
+    out.names = _decode_names(records, section, abs_base, path, out.index_of)
     out.index_end_abs = abs_base + index_end
     return out
 
@@ -355,26 +359,31 @@ cdef str _name_for_message(object records, const uint8_t[::1] section, uint64_t 
 
 
 cdef list _decode_names(object records, const uint8_t[::1] section, uint64_t abs_base,
-                        str path):
+                        str path, dict index_of):
+    """Names as str, in index order; fills ``index_of`` (name -> position). Raises
+    BadName for non-UTF-8 or duplicate names."""
     cdef Py_ssize_t i, n = len(records)
+    cdef const pkv_hfqm_tensor_record* recs
+    cdef const uint8_t[::1] rec_bytes
     cdef uint64_t start
-    cdef dict seen = {}
-    names = [None] * n
-    name_offsets = records["name_offset"]
-    name_lens = records["name_len"]
+    cdef list names = [None] * n
+    if n == 0:
+        return names
+    rec_bytes = records.view(np.uint8)
+    recs = <const pkv_hfqm_tensor_record*>&rec_bytes[0]
     for i in range(n):
-        start = <uint64_t>name_offsets[i] - abs_base
-        chunk = bytes(section[start:start + <uint64_t>name_lens[i]])
+        start = recs[i].name_offset - abs_base
         try:
-            name = chunk.decode("utf-8")
+            name = PyUnicode_DecodeUTF8(<const char*>&section[start], recs[i].name_len, NULL)
         except UnicodeDecodeError as exc:
+            chunk = bytes(section[start:start + recs[i].name_len])
             raise BadName(f"tensor #{i} name {chunk!r} is not UTF-8 ({exc.reason})",
                           path=path, tensor=chunk.decode("utf-8", "replace"),
                           offset=abs_base + start) from None
-        if name in seen:
-            raise BadName(f"tensor name {name!r} appears twice (entries #{seen[name]} and "
-                          f"#{i})", path=path, tensor=name, offset=abs_base + start)
-        seen[name] = i
+        if name in index_of:
+            raise BadName(f"tensor name {name!r} appears twice (entries #{index_of[name]} "
+                          f"and #{i})", path=path, tensor=name, offset=abs_base + start)
+        index_of[name] = i
         names[i] = name
     return names
 

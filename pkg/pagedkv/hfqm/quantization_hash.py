@@ -17,7 +17,8 @@ import xxhash
 if TYPE_CHECKING:
     from pagedkv.hfqm.reader import HfqmFile
 
-__all__ = ["QuantizationHasher", "compute_quantization_hash", "HASH_TAG", "HASH_SCOPE"]
+__all__ = ["QuantizationHasher", "compute_quantization_hash", "verify_quantization_hash",
+           "HASH_TAG", "HASH_SCOPE"]
 
 HASH_TAG = b"hipfire-hfq-quantized-tensor-payload-v1"
 HASH_SCOPE = "hfq_tensor_index_and_payload_v1"
@@ -97,3 +98,27 @@ def compute_quantization_hash(file: "HfqmFile | str | os.PathLike[str]") -> str:
         for start in range(0, len(payload), _CHUNK_BYTES):
             hasher.update(payload[start:start + _CHUNK_BYTES])
     return hasher.hexdigest()
+
+
+def verify_quantization_hash(file: "HfqmFile | str | os.PathLike[str]") -> bool | None:
+    """Compare the stored ``quantization_hash.value`` with the payloads: True if equal,
+    None if the file stores none. A mismatch (or a malformed entry) raises
+    :class:`~pagedkv.errors.BadMetadata` naming both values."""
+    from pagedkv.errors import BadMetadata
+    from pagedkv.hfqm.reader import HfqmFile
+    if not isinstance(file, HfqmFile):
+        with HfqmFile(file) as opened:
+            return verify_quantization_hash(opened)
+    stored = file.metadata.get("quantization_hash")
+    if stored is None:
+        return None
+    value = stored.get("value") if isinstance(stored, dict) else None
+    if not isinstance(value, str):
+        raise BadMetadata("quantization_hash has no string 'value'", path=file.path,
+                          offset=file.base + file.metadata_offset)
+    actual = compute_quantization_hash(file)
+    if value.lower() != actual:
+        raise BadMetadata(f"quantization_hash.value {value} != {actual} computed from the "
+                          "tensor index and payloads", path=file.path,
+                          offset=file.base + file.metadata_offset)
+    return True

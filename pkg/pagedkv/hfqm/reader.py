@@ -19,11 +19,11 @@ import numpy as np
 from pagedkv.errors import BadMetadata, InvalidArgument, TensorNotFound, Truncated
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
+from pagedkv.hfqm.mtp_bundle import mtp_offset
 from pagedkv.hfqm.qtypes import QTYPES
 
-__all__ = ["HfqmFile", "TensorInfo", "canonical_name", "MTP_TRAILER_MAGIC"]
+__all__ = ["HfqmFile", "TensorInfo", "canonical_name"]
 
-MTP_TRAILER_MAGIC = b"HFBNDMTP"
 WHOLE_FILE_MMAP_LIMIT_BYTES = 64 << 30
 _ALIAS_PREFIXES = ("model.language_model.", "model.")
 
@@ -101,10 +101,8 @@ class HfqmFile:
                 os.close(fd)
         self.records = self._index.records
         self.names: list[str] = self._index.names
-        self._by_name = {name: i for i, name in enumerate(self.names)}
-        self._by_canonical: dict[str, int] = {}
-        for i, name in enumerate(self.names):
-            self._by_canonical.setdefault(canonical_name(name), i)
+        self._by_name: dict[str, int] = self._index.index_of
+        self._by_canonical: dict[str, int] | None = None  # built on the first alias lookup
         self._closed = False
 
     def _parse_with_reads(self, fd: int, section_bytes: int, calib_ok: bool):
@@ -186,14 +184,16 @@ class HfqmFile:
         """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
         opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
         if self._mtp is False:
+            self._check_open()
             self._mtp = None
-            size = self.file_bytes
-            if self.base == 0 and size >= 16:
-                trailer = bytes(self._read(size - 16, 16))
-                if trailer[:8] == MTP_TRAILER_MAGIC:
-                    mtp_off = int.from_bytes(trailer[8:], "little")
-                    if mtp_off < size - 16 and bytes(self._read(mtp_off, 4)) == b"HFQM":
-                        self._mtp = HfqmFile(self.path, base=mtp_off)
+            if self.base == 0:
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+                try:
+                    offset = mtp_offset(fd, self.file_bytes)
+                finally:
+                    os.close(fd)
+                if offset is not None:
+                    self._mtp = HfqmFile(self.path, base=offset)
         return self._mtp
 
     # --- tensors --------------------------------------------------------------------
@@ -212,7 +212,7 @@ class HfqmFile:
             raise InvalidArgument(f"tensor name must be a str, got {type(name).__name__}")
         i = self._by_name.get(name)
         if i is None:
-            i = self._by_canonical.get(canonical_name(name))
+            i = self._canonical_index().get(canonical_name(name))
         if i is None:
             raise TensorNotFound(f"{self.path}: no tensor {name!r} (also tried as "
                                  f"{canonical_name(name)!r}); {len(self.names)} tensors")
@@ -221,7 +221,15 @@ class HfqmFile:
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        return name in self._by_name or canonical_name(name) in self._by_canonical
+        return name in self._by_name or canonical_name(name) in self._canonical_index()
+
+    def _canonical_index(self) -> dict[str, int]:
+        if self._by_canonical is None:
+            by_canonical: dict[str, int] = {}
+            for i, name in enumerate(self.names):
+                by_canonical.setdefault(canonical_name(name), i)
+            self._by_canonical = by_canonical
+        return self._by_canonical
 
     def __len__(self) -> int:
         return len(self.names)
@@ -282,6 +290,20 @@ class HfqmFile:
             view = view.copy()
             view.flags.writeable = False
         return view.view(dtype).reshape(shape)
+
+    def dequantize(self, name: str | int, *, basis: str = "original") -> np.ndarray:
+        """Decode one tensor to a new float32 array of its shape
+        (:func:`pagedkv.quant.dequantize`). A registered qt pagedkv does not decode
+        raises :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
+        from pagedkv.errors import UnsupportedQuantType
+        from pagedkv.quant import dequantize
+        i = self._resolve(name)
+        info = self._info(i, self.records[i])
+        try:
+            return dequantize(self.raw(i), info.qt, info.shape, basis=basis)
+        except UnsupportedQuantType as exc:
+            raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
+                                       offset=info.offset) from None
 
     # --- lifetime -------------------------------------------------------------------
 

@@ -137,8 +137,10 @@ class SafetensorsSource:
         if handle is None:
             from safetensors import safe_open
             handle = self._handles[tensor.shard] = safe_open(tensor.shard, framework="numpy")
-        part = handle.get_slice(tensor.name)
-        array = part[index] if index is not None else part[:]
+        if index is None:
+            array = handle.get_tensor(tensor.name)
+        else:
+            array = handle.get_slice(tensor.name)[index]
         if tensor.dtype == "F16":
             return np.asarray(array, dtype=np.float16)
         return np.asarray(array, dtype=np.float32)

@@ -64,6 +64,8 @@ def _index(name: str, value) -> int:
 
 def _id_array(name: str, ids) -> np.ndarray:
     """``ids`` as a 1-D intp array (no copy when it already is one)."""
+    if type(ids) is np.ndarray and ids.dtype == np.intp and ids.ndim == 1:
+        return ids
     arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":  # [] from a Python list
@@ -147,6 +149,7 @@ class LayerKVPool:
         self._lock = threading.Lock()
         # Token offsets inside a block, reused by every gather.
         self._offsets = np.arange(geometry.block_size, dtype=np.intp)
+        self._token_shape = geometry.token_shape
 
     # -- read-only state -------------------------------------------------------------------
 
@@ -320,7 +323,7 @@ class LayerKVPool:
             self.check_generation(generation)
             layer = self._layer_index(layer)
             slots = self._slots(slots)
-            expected = (slots.shape[0], *self._geometry.token_shape)
+            expected = (slots.shape[0], *self._token_shape)
             meaning = "(len(slots), num_kv_heads, head_dim)"
             k = self._payload("k", k, expected, meaning)
             v = self._payload("v", v, expected, meaning)
@@ -333,7 +336,7 @@ class LayerKVPool:
         with self._lock:
             self.check_generation(generation)
             slots = self._slots(slots)
-            expected = (self._geometry.num_layers, slots.shape[0], *self._geometry.token_shape)
+            expected = (self._geometry.num_layers, slots.shape[0], *self._token_shape)
             meaning = "(num_layers, len(slots), num_kv_heads, head_dim)"
             k_layers = self._payload("k_layers", k_layers, expected, meaning)
             v_layers = self._payload("v_layers", v_layers, expected, meaning)

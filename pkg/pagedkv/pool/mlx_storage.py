@@ -5,10 +5,14 @@ imports it. On Linux MLX runs on its CPU backend; on Apple silicon on Metal. Arr
 native MLX dtype (``mx.bfloat16`` for bfloat16 pools, ``mx.uint8`` records for q8); at the
 NumPy boundary (block I/O, NumPy payloads) bfloat16 travels as ``uint16`` bit patterns.
 
-MLX arrays are values, not views: a write replaces a layer's array, so arrays returned by
-``layer()`` before a write do not show it. Every mutation ends with one ``mx.eval`` over the
-arrays it touched, so the pool never holds a growing lazy graph, and block reads cost one
-device round trip for all layers.
+Each layer's K and V are kept as ``[num_blocks * block_size, kv_heads, row]`` slot arrays so a
+token write is one ``a[slots] = k`` on the stored array itself: MLX then donates the old
+buffer to the scatter and updates in place (a write through a reshape copies the whole
+layer). ``layer()`` returns ``[num_blocks, block_size, ...]`` reshapes of them. MLX arrays are
+values: arrays fetched with ``layer()`` before a write do not show it (and, while alive,
+make the next write copy instead of donating). Every mutation ends with one ``mx.eval``
+over the arrays it touched, so the pool never holds a growing lazy graph; block reads
+``mx.eval`` once for all layers and then copy through zero-copy NumPy views.
 
 This class trusts its arguments: :class:`~pagedkv.pool.LayerKVPool` validates them.
 """
@@ -53,7 +57,7 @@ class MlxKVStorage:
         self._dtype = getattr(mx, _MLX_DTYPE_NAMES[geometry.dtype])
         self._is_bf16 = geometry.dtype == "bfloat16"
         if k is None:
-            shape = geometry.layer_shape(num_blocks)
+            shape = (num_blocks * geometry.block_size, *geometry.token_shape)
             k = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
             v = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
             mx.eval(k, v)
@@ -95,81 +99,74 @@ class MlxKVStorage:
                 f"{g.storage_dtype}{hint} or an mx.array of {self._dtype}; convert before writing")
         return self._from_numpy(x)
 
-    # -- arrays ----------------------------------------------------------------------------
+    # -- arrays ---------------------------------------------------------------------------
 
     def layer(self, layer: int):
-        return self.k[layer], self.v[layer]
+        shape = self.geometry.layer_shape(self.num_blocks)
+        return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
 
     def grown(self, new_num_blocks: int) -> MlxKVStorage:
         mx = self._mx
-        tail = mx.zeros(self.geometry.layer_shape(new_num_blocks - self.num_blocks),
-                        dtype=self._dtype)
-        k = [mx.concatenate([a, tail]) for a in self.k]
-        v = [mx.concatenate([a, tail]) for a in self.v]
-        mx.eval(k, v)
-        return MlxKVStorage(self.geometry, new_num_blocks, k, v)
-
-    def _slot_view(self, a):
         g = self.geometry
-        return a.reshape(self.num_blocks * g.block_size, g.num_kv_heads, g.row_elements)
-
-    def _block_view(self, a):
-        return a.reshape(self.geometry.layer_shape(self.num_blocks))
+        # mx.pad measured 1.7x faster than concatenating a zero tail on MLX's CPU backend.
+        pad = [(0, (new_num_blocks - self.num_blocks) * g.block_size), (0, 0), (0, 0)]
+        k = [mx.pad(a, pad) for a in self.k]
+        v = [mx.pad(a, pad) for a in self.v]
+        mx.eval(k, v)
+        return MlxKVStorage(g, new_num_blocks, k, v)
 
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block_into(self, block_id: int, out: np.ndarray) -> None:
         mx = self._mx
-        slabs = []
-        for k, v in zip(self.k, self.v):
-            slabs += (k[block_id], v[block_id])
-        buf = mx.stack(slabs)
+        arrays = [a for kv in zip(self.k, self.v) for a in kv]  # K0 V0 K1 V1 ...
         if self._is_bf16:
-            buf = buf.view(mx.uint16)
-        mx.eval(buf)  # one round trip for every layer
-        np.copyto(out.view(self.geometry.storage_dtype).reshape(-1), np.asarray(buf).reshape(-1))
+            arrays = [a.view(mx.uint16) for a in arrays]
+        mx.eval(arrays)  # one round trip for every layer
+        bs = self.geometry.block_size
+        rows = out.view(self.geometry.storage_dtype).reshape(len(arrays), bs,
+                                                             *self.geometry.token_shape)
+        for i, a in enumerate(arrays):
+            # A zero-copy view of evaluated MLX memory, copied at once under the pool lock.
+            np.copyto(rows[i], np.asarray(a)[block_id * bs:(block_id + 1) * bs])
 
     def write_block(self, block_id: int, data: np.ndarray) -> None:
         g = self.geometry
-        slabs = data.view(g.storage_dtype).reshape(g.num_layers, 2, g.block_size,
-                                                    g.num_kv_heads, g.row_elements)
+        bs = g.block_size
+        slabs = data.view(g.storage_dtype).reshape(g.num_layers, 2, bs, *g.token_shape)
+        rows = slice(block_id * bs, (block_id + 1) * bs)
         for layer in range(g.num_layers):
-            self.k[layer][block_id] = self._from_numpy(slabs[layer, 0])
-            self.v[layer][block_id] = self._from_numpy(slabs[layer, 1])
+            self.k[layer][rows] = self._from_numpy(slabs[layer, 0])
+            self.v[layer][rows] = self._from_numpy(slabs[layer, 1])
         self._mx.eval(self.k, self.v)
 
     # -- tokens ----------------------------------------------------------------------------
 
-    def _scatter(self, layer: int, idx, k, v) -> None:
-        kf = self._slot_view(self.k[layer])
-        vf = self._slot_view(self.v[layer])
-        kf[idx] = k
-        vf[idx] = v
-        self.k[layer] = self._block_view(kf)
-        self.v[layer] = self._block_view(vf)
-
     def write_tokens(self, layer: int, slots: np.ndarray, k, v) -> None:
-        self._scatter(layer, self._mx.array(slots.astype(np.int32)), k, v)
+        idx = self._mx.array(slots.astype(np.int32))
+        self.k[layer][idx] = k
+        self.v[layer][idx] = v
         self._mx.eval(self.k[layer], self.v[layer])
 
     def write_tokens_layers(self, slots: np.ndarray, k_layers, v_layers) -> None:
         idx = self._mx.array(slots.astype(np.int32))
         for layer in range(self.geometry.num_layers):
-            self._scatter(layer, idx, k_layers[layer], v_layers[layer])
+            self.k[layer][idx] = k_layers[layer]
+            self.v[layer][idx] = v_layers[layer]
         self._mx.eval(self.k, self.v)
 
     def gather(self, layer: int, slots: np.ndarray):
         mx = self._mx
         idx = mx.array(slots.astype(np.int32))
-        k = mx.take(self._slot_view(self.k[layer]), idx, axis=0)
-        v = mx.take(self._slot_view(self.v[layer]), idx, axis=0)
+        k = mx.take(self.k[layer], idx, axis=0)
+        v = mx.take(self.v[layer], idx, axis=0)
         mx.eval(k, v)
         return k, v
 
     def gather_layers(self, slots: np.ndarray):
         mx = self._mx
         idx = mx.array(slots.astype(np.int32))
-        k = mx.stack([mx.take(self._slot_view(a), idx, axis=0) for a in self.k])
-        v = mx.stack([mx.take(self._slot_view(a), idx, axis=0) for a in self.v])
+        k = mx.stack([mx.take(a, idx, axis=0) for a in self.k])
+        v = mx.stack([mx.take(a, idx, axis=0) for a in self.v])
         mx.eval(k, v)
         return k, v

@@ -25,7 +25,7 @@ class NumpyKVStorage:
     """One generation of a NumPy pool's arrays (immutable size; growth builds a new one)."""
 
     backend = "numpy"
-    __slots__ = ("geometry", "num_blocks", "array", "_tokens", "_blocks")
+    __slots__ = ("geometry", "num_blocks", "array", "_tokens", "_blocks", "_layer_tokens")
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,
                  array: np.ndarray | None = None) -> None:
@@ -42,6 +42,10 @@ class NumpyKVStorage:
                                      g.num_kv_heads, g.row_elements)
         self._blocks = array.reshape(g.num_layers, 2, num_blocks,
                                      g.block_size * g.num_kv_heads * g.row_elements)
+        # Per-layer (K, V) slot views, built once: indexing the 5-D view on every
+        # per-layer call costs as much as the copy of a decode token.
+        self._layer_tokens = [(self._tokens[i, 0], self._tokens[i, 1])
+                              for i in range(g.num_layers)]
 
     # -- payload type ----------------------------------------------------------------------
 
@@ -89,8 +93,9 @@ class NumpyKVStorage:
     # -- tokens ----------------------------------------------------------------------------
 
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        self._tokens[layer, 0][slots] = k
-        self._tokens[layer, 1][slots] = v
+        k_slots, v_slots = self._layer_tokens[layer]
+        k_slots[slots] = k
+        v_slots[slots] = v
 
     def write_tokens_layers(self, slots: np.ndarray, k_layers: np.ndarray,
                             v_layers: np.ndarray) -> None:
@@ -98,8 +103,8 @@ class NumpyKVStorage:
         self._tokens[:, 1, slots] = v_layers
 
     def gather(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (self._tokens[layer, 0].take(slots, axis=0),
-                self._tokens[layer, 1].take(slots, axis=0))
+        k_slots, v_slots = self._layer_tokens[layer]
+        return k_slots.take(slots, axis=0), v_slots.take(slots, axis=0)
 
     def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # One take over the whole (C-contiguous) array: ndarray.take copies a

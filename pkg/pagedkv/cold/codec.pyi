@@ -1,0 +1,46 @@
+"""Type stubs of pagedkv.cold.codec (cold-tier.md §6)."""
+
+from typing import Iterable
+
+import numpy as np
+
+DTYPE_CODES: dict[str, int]
+LAYOUTS: frozenset[str]
+
+def header_overhead(n_tensors: int) -> int: ...
+
+class BlockGeometry:
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: str
+    slab_bytes: int
+    def __init__(self, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: str, layout: str = ...) -> None: ...
+    @classmethod
+    def of(cls, geometry: object) -> BlockGeometry: ...
+    @property
+    def bytes_per_block(self) -> int: ...
+    @property
+    def bound(self) -> int: ...
+    def as_tuple(self) -> tuple[int, int, int, int, str, str]: ...
+
+class DecodedBlock:
+    geometry: BlockGeometry
+    tokens: np.ndarray
+    payload: np.ndarray
+    checksum: str
+    nbytes: int
+
+def block_bound(geometry: object) -> int: ...
+def checksum_of_named(tag: bytes, tensors: Iterable[tuple[str, object]]) -> str: ...
+def block_checksum(tag: bytes, geometry: BlockGeometry, tokens: np.ndarray,
+                   buffer: np.ndarray) -> str: ...
+def encode_block(abi: str, checksum_tag: bytes, key_hex: str, fingerprint_hex: str,
+                 geometry: BlockGeometry, tokens: np.ndarray, buffer: np.ndarray,
+                 checksum: str | None = ...) -> tuple[bytes, memoryview, memoryview]: ...
+def decode_block(data: object, *, abi: str, checksum_tag: bytes, key_hex: str | None = ...,
+                 fingerprint_hex: str | None = ..., expected: BlockGeometry | None = ...,
+                 bound: int = ..., path: str | None = ...) -> DecodedBlock: ...

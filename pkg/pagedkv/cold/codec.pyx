@@ -1,0 +1,431 @@
+# cython: language_level=3
+"""Cold-object codec (cold-tier.md §6): safetensors containers of one KV block.
+
+Encoding never copies the payload: :func:`encode_block` returns the header bytes and the
+caller hands ``(header, tokens, buffer)`` to one ``os.writev``. The payload checksum is
+SHA-256 over memoryview slices of the pool's ``read_block`` buffer (hashlib releases the
+GIL for them). Decoding is fail-closed in the order of §6.6 and returns zero-copy NumPy
+views of the bytes it was given; every failure raises a :class:`pagedkv.errors.FormatError`.
+"""
+
+import hashlib
+import json
+import re
+import struct
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, uint64_t
+
+from pagedkv.errors import (BadMetadata, CountMismatch, FormatError, InvalidArgument,
+                            InvalidArgumentType, SizeMismatch, Truncated)
+
+__all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
+           "block_checksum", "encode_block", "decode_block", "header_overhead",
+           "checksum_of_named"]
+
+DTYPE_CODES = {"float16": PKV_COLD_FLOAT16, "bfloat16": PKV_COLD_BFLOAT16,
+               "float32": PKV_COLD_FLOAT32, "q8": PKV_COLD_Q8}
+LAYOUTS = frozenset({"nhd"})
+
+cdef object _U64 = struct.Struct("<Q")
+cdef object _DECIMAL = re.compile(r"^(0|[1-9][0-9]{0,18})$")
+cdef object _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+cdef str _ZERO_HEX = "0" * 64
+# Geometry limits a decoder accepts before it believes any length (forged counts).
+cdef Py_ssize_t _MAX_LAYERS = 4096
+cdef Py_ssize_t _MAX_BLOCK_SIZE = 1 << 16
+cdef Py_ssize_t _MAX_HEADS = 1 << 12
+cdef Py_ssize_t _MAX_HEAD_DIM = 1 << 16
+_METADATA_KEYS = ("abi", "kind", "key", "fingerprint", "checksum", "block_size",
+                  "num_layers", "num_kv_heads", "head_dim", "dtype", "layout",
+                  "key_bytes", "value_bytes")
+
+
+def header_overhead(Py_ssize_t n_tensors):
+    """``256*n + 1024 + 15``: the header budget of an object with ``n_tensors`` tensors."""
+    return pkv_cold_header_overhead(n_tensors)
+
+
+cdef class BlockGeometry:
+    """Geometry of one block object: what must equal the pool's at restore (§6.6 step 6).
+
+    ``slab_bytes`` is one layer's K (or V) bytes: ``block_size * num_kv_heads * head_dim *
+    itemsize`` (itemsize 34/32 for ``q8``).
+    """
+
+    def __init__(self, Py_ssize_t block_size, Py_ssize_t num_layers, Py_ssize_t num_kv_heads,
+                 Py_ssize_t head_dim, str dtype, str layout="nhd"):
+        if dtype not in DTYPE_CODES:
+            raise InvalidArgument(f"dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}")
+        if layout not in LAYOUTS:
+            raise InvalidArgument(f"layout = {layout!r}; valid: {sorted(LAYOUTS)}")
+        for name, v, hi in (("block_size", block_size, _MAX_BLOCK_SIZE),
+                            ("num_layers", num_layers, _MAX_LAYERS),
+                            ("num_kv_heads", num_kv_heads, _MAX_HEADS),
+                            ("head_dim", head_dim, _MAX_HEAD_DIM)):
+            if not 1 <= v <= hi:
+                raise InvalidArgument(f"{name} = {v} is outside [1, {hi}]")
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.layout = layout
+        self.slab_bytes = <Py_ssize_t>pkv_cold_slab_bytes(block_size, num_kv_heads, head_dim,
+                                                          DTYPE_CODES[dtype])
+        if self.slab_bytes == 0:
+            raise InvalidArgument(f"head_dim = {head_dim} must be a multiple of 32 for q8")
+
+    @classmethod
+    def of(cls, geometry):
+        """From a ``PoolGeometry`` (or anything with the same fields)."""
+        if isinstance(geometry, BlockGeometry):
+            return geometry
+        return cls(int(geometry.block_size), int(geometry.num_layers),
+                   int(geometry.num_kv_heads), int(geometry.head_dim), str(geometry.dtype),
+                   str(getattr(geometry, "layout", "nhd")))
+
+    @property
+    def bytes_per_block(self):
+        """K and V of every layer: ``2 * num_layers * slab_bytes``."""
+        return 2 * self.num_layers * self.slab_bytes
+
+    @property
+    def bound(self):
+        """Largest valid encoded object in bytes (§6.5)."""
+        return pkv_cold_block_bound(self.block_size, self.num_layers, self.slab_bytes)
+
+    def as_tuple(self):
+        return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim,
+                self.dtype, self.layout)
+
+    def __eq__(self, other):
+        return isinstance(other, BlockGeometry) and self.as_tuple() == other.as_tuple()
+
+    def __hash__(self):
+        return hash(self.as_tuple())
+
+    def __reduce__(self):
+        return (BlockGeometry, self.as_tuple())
+
+    def __repr__(self):
+        return (f"BlockGeometry(block_size={self.block_size}, num_layers={self.num_layers}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype!r}, layout={self.layout!r}, slab_bytes={self.slab_bytes})")
+
+
+def block_bound(geometry):
+    """Largest valid block object of ``geometry`` in bytes; loads read at most this + 1."""
+    return BlockGeometry.of(geometry).bound
+
+
+cdef list _tensor_names(Py_ssize_t num_layers):
+    cdef list names = ["tokens"]
+    cdef Py_ssize_t i
+    for i in range(num_layers):
+        names.append(f"layer.{i}.key")
+        names.append(f"layer.{i}.value")
+    return names
+
+
+def checksum_of_named(bytes tag, tensors):
+    """SHA-256 of ``tag`` then, per ``(name, data)`` in order, u64 name length, name,
+    u64 data length, data — as 64 lowercase hex (§6.4)."""
+    h = hashlib.sha256(tag)
+    for name, data in tensors:
+        raw = name.encode("ascii")
+        mv = memoryview(data).cast("B")
+        h.update(_U64.pack(len(raw)))
+        h.update(raw)
+        h.update(_U64.pack(mv.nbytes))
+        h.update(mv)
+    return h.hexdigest()
+
+
+cdef str _checksum_block(bytes tag, const uint8_t[::1] tokens_bytes,
+                         const uint8_t[::1] payload, Py_ssize_t num_layers,
+                         Py_ssize_t slab_bytes):
+    # Per-tensor updates on slices of one buffer: no copy, GIL released inside hashlib.
+    cdef Py_ssize_t i, off
+    h = hashlib.sha256(tag)
+    h.update(_U64.pack(6))
+    h.update(b"tokens")
+    h.update(_U64.pack(tokens_bytes.shape[0]))
+    h.update(tokens_bytes)
+    slab_len = _U64.pack(slab_bytes)
+    for i in range(num_layers):
+        off = 2 * i * slab_bytes
+        name = f"layer.{i}.key".encode("ascii")
+        h.update(_U64.pack(len(name)))
+        h.update(name)
+        h.update(slab_len)
+        h.update(payload[off:off + slab_bytes])
+        name = f"layer.{i}.value".encode("ascii")
+        h.update(_U64.pack(len(name)))
+        h.update(name)
+        h.update(slab_len)
+        h.update(payload[off + slab_bytes:off + 2 * slab_bytes])
+    return h.hexdigest()
+
+
+cdef tuple _check_block_inputs(BlockGeometry g, tokens, buffer):
+    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.uint32 or tokens.ndim != 1 \
+            or not tokens.flags.c_contiguous:
+        raise InvalidArgumentType("tokens must be a C-contiguous uint32[block_size] array")
+    if tokens.shape[0] != g.block_size:
+        raise InvalidArgument(f"tokens has {tokens.shape[0]} tokens; a cold block holds "
+                              f"exactly block_size = {g.block_size} (full blocks only)")
+    if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8 \
+            or not buffer.flags.c_contiguous:
+        raise InvalidArgumentType("buffer must be a C-contiguous uint8 array "
+                                  "(pool.read_block's [num_layers, 2, slab_bytes])")
+    if buffer.shape != (g.num_layers, 2, g.slab_bytes):
+        raise InvalidArgument(f"buffer shape {buffer.shape} != (num_layers, 2, slab_bytes) = "
+                              f"{(g.num_layers, 2, g.slab_bytes)}")
+    tok_le = tokens if tokens.dtype.byteorder in "=<|" else tokens.astype("<u4")
+    return (tok_le.view(np.uint8), buffer.reshape(-1))
+
+
+def block_checksum(bytes tag, BlockGeometry geometry, tokens, buffer):
+    """Payload checksum (§6.4) of a block: ``tag`` is ``fmt.tag("cold-cache-payload")``."""
+    tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
+    return _checksum_block(tag, tok_bytes, flat, geometry.num_layers, geometry.slab_bytes)
+
+
+cdef bytes _header_bytes(str abi, str key_hex, str fingerprint_hex, BlockGeometry geometry,
+                         str checksum):
+    """u64 length + the canonical compact JSON header, padded with spaces to 8 bytes."""
+    cdef Py_ssize_t s = geometry.slab_bytes
+    cdef Py_ssize_t off = 4 * geometry.block_size
+    cdef Py_ssize_t i
+    meta = {"abi": abi, "kind": "block", "key": key_hex, "fingerprint": fingerprint_hex,
+            "checksum": checksum, "block_size": str(geometry.block_size),
+            "num_layers": str(geometry.num_layers), "num_kv_heads": str(geometry.num_kv_heads),
+            "head_dim": str(geometry.head_dim), "dtype": geometry.dtype,
+            "layout": geometry.layout, "key_bytes": str(s), "value_bytes": str(s)}
+    parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":")),
+             f',"tokens":{{"dtype":"U8","shape":[{off}],"data_offsets":[0,{off}]}}']
+    for i in range(geometry.num_layers):
+        parts.append(f',"layer.{i}.key":{{"dtype":"U8","shape":[{s}],'
+                     f'"data_offsets":[{off},{off + s}]}}')
+        off += s
+        parts.append(f',"layer.{i}.value":{{"dtype":"U8","shape":[{s}],'
+                     f'"data_offsets":[{off},{off + s}]}}')
+        off += s
+    parts.append("}")
+    js = "".join(parts).encode("ascii")
+    js += b" " * ((8 - len(js) % 8) % 8)
+    return _U64.pack(len(js)) + js
+
+
+cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
+                                str fingerprint_hex, BlockGeometry g):
+    """The checksum field if ``raw`` starts with exactly the header pagedkv writes for this
+    key, fingerprint and geometry (so §6.6 steps 1-4 hold by construction), else ``None``."""
+    cdef bytes template = _header_bytes(abi, key_hex, fingerprint_hex, g, _ZERO_HEX)
+    cdef Py_ssize_t n = len(template)
+    cdef Py_ssize_t at = template.find(b'"checksum":"') + 12
+    if raw.shape[0] != n + 4 * g.block_size + 2 * g.num_layers * g.slab_bytes:
+        return None
+    head = bytes(raw[:n])
+    if head[:at] != template[:at] or head[at + 64:] != template[at + 64:]:
+        return None
+    cs = head[at:at + 64].decode("latin-1")
+    return cs if _HEX64.match(cs) else None
+
+
+def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
+                 BlockGeometry geometry, tokens, buffer, str checksum=None):
+    """Encode one block; returns ``(header, tokens_bytes, payload)`` for ``os.writev``.
+
+    ``header`` holds the u64 length and the padded JSON; ``tokens_bytes`` and ``payload``
+    are views of the caller's arrays (nothing copied). ``checksum`` (hex) is computed here
+    unless the capture path already did. Bad input raises before anything is returned.
+    """
+    if not _HEX64.match(key_hex):
+        raise InvalidArgument(f"key_hex = {key_hex!r} must be 64 lowercase hex digits")
+    if not _HEX64.match(fingerprint_hex):
+        raise InvalidArgument(f"fingerprint_hex = {fingerprint_hex!r} must be 64 lowercase hex")
+    tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
+    if checksum is None:
+        checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry.num_layers,
+                                   geometry.slab_bytes)
+    elif not _HEX64.match(checksum):
+        raise InvalidArgument(f"checksum = {checksum!r} must be 64 lowercase hex digits")
+    header = _header_bytes(abi, key_hex, fingerprint_hex, geometry, checksum)
+    return (header, memoryview(tok_bytes), memoryview(flat))
+
+
+cdef class DecodedBlock:
+    """A verified block object: zero-copy views of the bytes it was decoded from.
+
+    ``tokens``: ``uint32[block_size]``; ``payload``: ``uint8[num_layers, 2, slab_bytes]``,
+    the buffer ``pool.write_block`` takes; ``nbytes``: encoded size.
+    """
+
+    def __repr__(self):
+        return (f"DecodedBlock({self.geometry!r}, nbytes={self.nbytes}, "
+                f"checksum={self.checksum[:16]}...)")
+
+
+def _reject_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise BadMetadata(f"duplicate JSON key {k!r}")
+        out[k] = v
+    return out
+
+
+cdef Py_ssize_t _decimal(dict meta, str field, Py_ssize_t lo, Py_ssize_t hi) except -1:
+    v = meta.get(field)
+    if not isinstance(v, str) or not _DECIMAL.match(v):
+        raise BadMetadata(f"metadata {field} = {v!r} is not a non-negative decimal")
+    n = int(v)
+    if not lo <= n <= hi:
+        raise BadMetadata(f"metadata {field} = {n} is outside [{lo}, {hi}]")
+    return n
+
+
+def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
+                 str fingerprint_hex=None, BlockGeometry expected=None,
+                 Py_ssize_t bound=-1, str path=None):
+    """Decode and verify a block object held in ``data`` (bytes-like), fail-closed (§6.6).
+
+    Checks, in order: size ≤ ``bound`` (default: the expected geometry's bound, else the
+    bound implied by the metadata); header length and JSON before anything else; ``abi``,
+    ``kind``, ``key``, ``fingerprint``; numeric fields, tensor names, dtypes, shapes and
+    contiguous offsets that end at the end of ``data``; the payload checksum; and, when
+    ``expected`` is given, geometry equality. Raises a ``FormatError`` subclass naming the
+    field; returns a :class:`DecodedBlock` of views into ``data``.
+    """
+    cdef const uint8_t[::1] raw = memoryview(data).cast("B")
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t n_header, payload_start, nl, bs, heads, hd, slab, off, start, stop, i
+    if expected is not None and bound < 0:
+        bound = expected.bound
+    if bound >= 0 and size > bound:
+        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
+    if size < 8:
+        raise Truncated(f"object is {size} bytes, shorter than the 8-byte header length",
+                        path=path, offset=0)
+    n_header = <Py_ssize_t>(<uint64_t>raw[0] | (<uint64_t>raw[1] << 8) | (<uint64_t>raw[2] << 16)
+                            | (<uint64_t>raw[3] << 24) | (<uint64_t>raw[4] << 32)
+                            | (<uint64_t>raw[5] << 40) | (<uint64_t>raw[6] << 48)
+                            | (<uint64_t>raw[7] << 56)) if raw[7] < 0x80 else -1
+    if n_header < 2 or n_header > size - 8 or n_header > (1 << 24):
+        raise Truncated(f"header length {n_header} does not fit the {size}-byte object",
+                        path=path, offset=0)
+    payload_start = 8 + n_header
+    if expected is not None and key_hex is not None and fingerprint_hex is not None:
+        # Fast path: byte-equal to the canonical header → only the checksum remains (step 5).
+        cs = _canonical_checksum(raw, abi, key_hex, fingerprint_hex, expected)
+        if cs is not None:
+            return _verified(data, raw, checksum_tag, cs, expected, payload_start, size, path)
+    try:
+        header = json.loads(bytes(raw[8:payload_start]).decode("utf-8"),
+                            object_pairs_hook=_reject_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        if isinstance(exc, BadMetadata):
+            raise BadMetadata(str(exc), path=path) from None
+        raise BadMetadata(f"header JSON does not parse: {exc}", path=path, offset=8) from None
+    if not isinstance(header, dict):
+        raise BadMetadata("header JSON is not an object", path=path, offset=8)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadMetadata("__metadata__ missing or not a string map", path=path)
+    for field, want in (("abi", abi), ("kind", "block"), ("key", key_hex),
+                        ("fingerprint", fingerprint_hex)):
+        got = meta.get(field)
+        if not isinstance(got, str):
+            raise BadMetadata(f"metadata {field} missing", path=path)
+        if want is not None and got != want:
+            raise BadMetadata(f"metadata {field} = {got!r}, expected {want!r}", path=path)
+    bs = _decimal(meta, "block_size", 1, _MAX_BLOCK_SIZE)
+    nl = _decimal(meta, "num_layers", 1, _MAX_LAYERS)
+    heads = _decimal(meta, "num_kv_heads", 1, _MAX_HEADS)
+    hd = _decimal(meta, "head_dim", 1, _MAX_HEAD_DIM)
+    dtype, layout = meta.get("dtype"), meta.get("layout")
+    if dtype not in DTYPE_CODES:
+        raise BadMetadata(f"metadata dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}", path=path)
+    if layout not in LAYOUTS:
+        raise BadMetadata(f"metadata layout = {layout!r}; valid: {sorted(LAYOUTS)}", path=path)
+    slab = <Py_ssize_t>pkv_cold_slab_bytes(bs, heads, hd, DTYPE_CODES[dtype])
+    if slab == 0:
+        raise BadMetadata(f"metadata head_dim = {hd} is invalid for dtype {dtype}", path=path)
+    if _decimal(meta, "key_bytes", 0, 1 << 40) != slab \
+            or _decimal(meta, "value_bytes", 0, 1 << 40) != slab:
+        raise SizeMismatch(f"metadata key_bytes/value_bytes {meta.get('key_bytes')}/"
+                           f"{meta.get('value_bytes')} != slab bytes {slab} of the geometry",
+                           path=path)
+    if size > <Py_ssize_t>pkv_cold_block_bound(bs, nl, slab):
+        raise SizeMismatch(f"object is {size} bytes, over the bound "
+                           f"{pkv_cold_block_bound(bs, nl, slab)} of its own geometry", path=path)
+    # The geometry must fit the bytes actually present before anything trusts it.
+    if 2 * nl * slab + 4 * bs != size - payload_start:
+        raise SizeMismatch(f"geometry implies {2 * nl * slab + 4 * bs} payload bytes, the "
+                           f"object holds {size - payload_start}", path=path,
+                           offset=payload_start)
+    if len(header) != 2 + 2 * nl:
+        raise CountMismatch(f"{len(header) - 1} tensors, metadata implies {1 + 2 * nl}",
+                            path=path)
+    names = iter(header)
+    if next(names) != "__metadata__":
+        raise BadMetadata("__metadata__ is not the first header entry", path=path)
+    off = 0
+    expected_names = _tensor_names(nl)
+    for i, name in enumerate(names):
+        want_name = expected_names[i]
+        length = 4 * bs if i == 0 else slab
+        if name != want_name:
+            raise BadMetadata(f"tensor {i} is {name!r}, expected {want_name!r} "
+                              "(canonical order)", path=path)
+        t = header[name]
+        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+            raise BadMetadata("tensor entry needs exactly dtype, shape, data_offsets",
+                              path=path, tensor=name)
+        if t["dtype"] != "U8":
+            raise BadMetadata(f"dtype {t['dtype']!r}, expected 'U8'", path=path, tensor=name)
+        shape, offs = t["shape"], t["data_offsets"]
+        if (not isinstance(shape, list) or len(shape) != 1 or type(shape[0]) is not int
+                or shape[0] != length):
+            raise SizeMismatch(f"shape {shape!r}, expected [{length}]", path=path, tensor=name)
+        if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int
+                or type(offs[1]) is not int or offs[0] != off or offs[1] != off + length):
+            raise SizeMismatch(f"data_offsets {offs!r}, expected [{off}, {off + length}]",
+                               path=path, tensor=name)
+        off += length
+    if payload_start + off != size:
+        raise SizeMismatch(f"tensors end at {payload_start + off}, the object at {size}",
+                           path=path, offset=payload_start + off)
+    cs = meta.get("checksum")
+    if not isinstance(cs, str) or not _HEX64.match(cs):
+        raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
+    geometry = BlockGeometry(bs, nl, heads, hd, dtype, layout)
+    out = _verified(data, raw, checksum_tag, cs, geometry, payload_start, size, path)
+    if expected is not None and geometry != expected:
+        raise SizeMismatch(f"object geometry {geometry!r} != pool geometry {expected!r}",
+                           path=path)
+    return out
+
+
+cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, str cs,
+                            BlockGeometry geometry, Py_ssize_t payload_start, Py_ssize_t size,
+                            str path):
+    """Step 5 (the checksum) and the zero-copy views of a structurally valid object."""
+    cdef Py_ssize_t bs = geometry.block_size
+    got = _checksum_block(checksum_tag, raw[payload_start:payload_start + 4 * bs],
+                          raw[payload_start + 4 * bs:size], geometry.num_layers,
+                          geometry.slab_bytes)
+    if got != cs:
+        raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
+    cdef DecodedBlock out = DecodedBlock()
+    out.geometry = geometry
+    base = np.frombuffer(data, dtype=np.uint8)
+    out.tokens = base[payload_start:payload_start + 4 * bs].view("<u4")
+    out.payload = base[payload_start + 4 * bs:size].reshape(geometry.num_layers, 2,
+                                                            geometry.slab_bytes)
+    out.checksum = cs
+    out.nbytes = size
+    return out

@@ -1,0 +1,91 @@
+"""SHA-256 cold keys: one chain per group over a request's full blocks (cold-tier.md §3.2–3.3)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+from pagedkv.cold.format import ColdFormat
+from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.extra_keys import per_block_extra_keys
+from pagedkv.hashing import as_domain_id, as_token_array
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+
+__all__ = ["cold_key_chain", "sidecar_key", "KEY_BYTES"]
+
+KEY_BYTES = 32
+_ZERO_KEY = bytes(KEY_BYTES)
+_u64 = struct.Struct("<Q").pack
+
+
+def _check_fingerprint(fingerprint: bytes) -> bytes:
+    if not isinstance(fingerprint, (bytes, bytearray)):
+        raise InvalidArgumentType(
+            f"fingerprint must be 32 bytes, got {type(fingerprint).__name__}")
+    if len(fingerprint) != KEY_BYTES:
+        raise InvalidArgument(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
+    return bytes(fingerprint)
+
+
+def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens,
+                   block_size: int, *, extra_keys: Sequence[int] = (),
+                   extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+                   cache_salt: int = 0, max_blocks: int | None = None) -> list[bytes]:
+    """Keys (32 bytes each) of every full block of ``tokens`` in ``group``'s chain.
+
+    Each key is SHA-256 of: the group's tag, the fingerprint, the parent key (zeros for
+    block 0), u64 block index, u64 token count + u32 tokens, u64 key count + u64 keys,
+    and u64 salt (the domain id on block 0, else 0). ``max_blocks`` stops early.
+    """
+    if not isinstance(fmt, ColdFormat):
+        raise InvalidArgumentType(f"fmt must be a ColdFormat, got {type(fmt).__name__}")
+    if not isinstance(group, ColdGroup):
+        raise InvalidArgumentType(f"group must be a ColdGroup, got {type(group).__name__}")
+    fp = _check_fingerprint(fingerprint)
+    toks = as_token_array(tokens)
+    bs = int(block_size)
+    if bs <= 0:
+        raise InvalidArgument(f"block_size = {block_size} must be > 0")
+    salt = as_domain_id(cache_salt)
+    full = len(toks) // bs
+    if max_blocks is not None:
+        full = min(full, max(0, int(max_blocks)))
+    keys_per_block = per_block_extra_keys(full, extra_keys, extra_keys_per_block)
+    tag = fmt.tag(group.tag_name)
+    tok_count = _u64(bs)
+    toks_le = toks.astype("<u4", copy=False)
+    out: list[bytes] = []
+    parent = _ZERO_KEY
+    for i, keys in enumerate(keys_per_block):
+        h = hashlib.sha256(tag)
+        h.update(fp)
+        h.update(parent)
+        h.update(_u64(i))
+        h.update(tok_count)
+        h.update(toks_le[i * bs:(i + 1) * bs])
+        h.update(_u64(len(keys)))
+        if keys:
+            h.update(struct.pack(f"<{len(keys)}Q", *keys))
+        h.update(_u64(salt if i == 0 else 0))
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+def sidecar_key(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens,
+                block_size: int, boundary_tokens: int, **chain_kwargs) -> bytes:
+    """Key of the ``group`` sidecar at ``boundary_tokens`` (a positive multiple of the
+    block size): the key of block ``boundary/bs - 1`` in that group's chain (§3.3)."""
+    if group is ColdGroup.KV:
+        raise InvalidArgument("sidecar_key: group must be a sidecar group, got ColdGroup.KV")
+    b = int(boundary_tokens)
+    if b <= 0 or b % int(block_size):
+        raise InvalidArgument(f"boundary_tokens = {b} must be a positive multiple of "
+                              f"block_size {block_size}")
+    chain = cold_key_chain(fmt, group, fingerprint, tokens, block_size,
+                           max_blocks=b // int(block_size), **chain_kwargs)
+    if len(chain) < b // int(block_size):
+        raise InvalidArgument(f"boundary_tokens = {b} is past the {len(chain)} full blocks "
+                              "of tokens")
+    return chain[-1]

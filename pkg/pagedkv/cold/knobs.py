@@ -1,0 +1,100 @@
+"""``PAGEDKV_*`` knobs of the cold tier (cold-tier.md §14; parsing as paged-kv.md §6.3).
+
+A set and parseable env value wins over the config field; an unparseable one is ignored
+with one WARNING naming the variable, the value, the accepted syntax and the value used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["env_bool", "env_positive_int", "cold_cache_base", "capture_budget_from_env",
+           "metrics_enabled", "metrics_dir", "install_default_capture_budget", "DEFAULT_CAPTURE_BLOCKS_PER_TURN",
+           "DEFAULT_CAPTURE_BUDGET_MS", "DEFAULT_QUEUE_DEPTH"]
+
+log = logging.getLogger("pagedkv.cold")
+
+DEFAULT_CAPTURE_BLOCKS_PER_TURN = 128
+DEFAULT_CAPTURE_BUDGET_MS = 250
+DEFAULT_QUEUE_DEPTH = 8
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no"}
+_U32_MAX = 0xFFFFFFFF
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(var: str, raw: str, syntax: str, used) -> None:
+    if (var, raw) in _warned:
+        return
+    _warned.add((var, raw))
+    log.warning("%s=%r is not %s; using %r", var, raw, syntax, used)
+
+
+def env_bool(var: str, fallback: bool | None) -> bool | None:
+    """The env value of ``var`` if set and parseable, else ``fallback``."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return fallback
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    _warn_once(var, raw, "a boolean (1/true/on/yes or 0/false/off/no)", fallback)
+    return fallback
+
+
+def env_positive_int(var: str, fallback: int) -> int:
+    """A base-10 integer in ``[1, 2**32)`` from ``var``, else ``fallback``."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return fallback
+    v = raw.strip()
+    if v.isascii() and v.isdigit() and 0 < int(v) <= _U32_MAX:
+        return int(v)
+    _warn_once(var, raw, "a positive base-10 integer", fallback)
+    return fallback
+
+
+def cold_cache_base(config_dir: str | None = None) -> str:
+    """``PAGEDKV_COLD_CACHE_DIR`` if set and non-blank, else the config, else
+    ``~/.pagedkv/cache``. The tier itself lives in ``<base>/pagedkv-v1``."""
+    raw = os.environ.get("PAGEDKV_COLD_CACHE_DIR")
+    if raw is not None and raw.strip():
+        return raw.strip()
+    if config_dir:
+        return config_dir
+    return os.path.join(os.path.expanduser("~"), ".pagedkv", "cache")
+
+
+_installed_budget: tuple[int, int] | None = None
+
+
+def install_default_capture_budget(blocks: int, budget_ms: int) -> tuple[int, int]:
+    """Test hook: the budget later tiers open with, ahead of env and config."""
+    global _installed_budget
+    _installed_budget = (int(blocks), int(budget_ms))
+    return _installed_budget
+
+
+def capture_budget_from_env(blocks: int | None = None, budget_ms: int | None = None
+                            ) -> tuple[int, int]:
+    """``(blocks_per_turn, budget_ms)``: env, then config, then the defaults (128, 250)."""
+    if _installed_budget is not None:
+        return _installed_budget
+    return (env_positive_int("PAGEDKV_COLD_CAPTURE_BLOCKS_PER_TURN",
+                             blocks or DEFAULT_CAPTURE_BLOCKS_PER_TURN),
+            env_positive_int("PAGEDKV_COLD_CAPTURE_BUDGET_MS",
+                             budget_ms or DEFAULT_CAPTURE_BUDGET_MS))
+
+
+def metrics_enabled() -> bool:
+    return bool(env_bool("PAGEDKV_METRICS", True))
+
+
+def metrics_dir() -> str:
+    raw = os.environ.get("PAGEDKV_METRICS_DIR")
+    if raw is not None and raw.strip():
+        return raw.strip()
+    return os.path.join(os.path.expanduser("~"), ".pagedkv", "metrics", "traces")

@@ -1,0 +1,190 @@
+"""The restore walk and transactional block restore (cold-tier.md §8.4, §8.6).
+
+Extends a hot hit with blocks from disk: stop at the first hole, verify every object
+(checksum, geometry, fingerprint, tokens), write it into a freshly allocated block, and
+publish the whole run at once with ``publish_restored_batch``. Nothing is published before
+every block of the run was written; a refused publish frees everything it took.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.cold.codec import BlockGeometry
+from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.keys import cold_key_chain
+from pagedkv.cold.extra_keys import per_block_extra_keys
+from pagedkv.hashing import as_token_array
+from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
+
+__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS", "LOAD_AHEAD_BLOCKS"]
+
+log = logging.getLogger("pagedkv.cold")
+
+EMPTY_BLOCKS = np.empty(0, dtype=np.int32)
+
+
+class RestoreDecline(enum.Enum):
+    """Why a walk was refused before (or instead of) publishing."""
+
+    PARENT_CHAIN_UNAVAILABLE = "parent_chain_unavailable"
+    NO_BACKED_BOUNDARY = "no_backed_boundary"
+    RESTORE_SHORT_OF_BOUNDARY = "restore_short_of_boundary"
+    PUBLISH_REFUSED = "publish_refused"
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """``blocks``: restored and published; ``base``: the hot hit; ``limit``: where the
+    index said the chain ends; ``decline``: why nothing was published, if refused."""
+
+    blocks: int
+    base: int
+    limit: int
+    elapsed_ms: float
+    decline: RestoreDecline | None = None
+
+
+#: Blocks loaded and verified ahead of the one being uploaded (on the tier's loader thread:
+#: reading and SHA-256 release the GIL, so they overlap the upload of the previous block).
+LOAD_AHEAD_BLOCKS = 2
+
+
+class _LoadAhead:
+    """Loads ``keys[idx]`` for ``idx`` in ``[start, stop)`` in order, up to
+    ``LOAD_AHEAD_BLOCKS`` ahead, each into its own buffer. A buffer is reused only after the
+    walk is done with the block that used it."""
+
+    def __init__(self, tier, keys, start: int, stop: int, fp_hex: str,
+                 geometry: BlockGeometry) -> None:
+        self.tier, self.keys, self.stop, self.fp_hex, self.geometry = \
+            tier, keys, stop, fp_hex, geometry
+        self.buffers = [bytearray(geometry.bound + 1) for _ in range(LOAD_AHEAD_BLOCKS + 1)]
+        self.pending: dict[int, object] = {}
+        self.next = start
+        self.ahead = LOAD_AHEAD_BLOCKS
+        self.executor = tier.loader() if self.ahead else None
+
+    def _load(self, idx: int):
+        return self.tier.store.load_block(self.keys[idx], fingerprint_hex=self.fp_hex,
+                                          expected=self.geometry,
+                                          buffer=self.buffers[idx % len(self.buffers)])
+
+    def get(self, idx: int):
+        """The verified block ``idx`` (a ``DecodedBlock``) or ``None`` (a counted miss)."""
+        if self.executor is None:  # LOAD_AHEAD_BLOCKS == 0: load on the calling thread
+            return self._load(idx)
+        while self.next < min(idx + self.ahead, self.stop):
+            self.pending[self.next] = self.executor.submit(self._load, self.next)
+            self.next += 1
+        return self.pending.pop(idx).result()
+
+    def close(self) -> None:
+        """Wait for loads already running (their counters settle before the walk returns)
+        and drop the rest."""
+        for fut in self.pending.values():
+            if not fut.cancel():
+                fut.result()
+        self.pending.clear()
+
+
+def _upload(tier, block, want_tokens, pool, allocator):
+    """Check the tokens, allocate and write one verified block, unpublished.
+    Returns the block id or ``None`` after counting exactly one miss."""
+    if not np.array_equal(block.tokens, want_tokens):
+        tier.counters.add("misses")
+        log.warning("cold tier: an object holds other tokens than its key's chain")
+        return None
+    block_id = allocator.allocate()
+    if block_id is None:
+        tier.counters.add("misses")
+        return None
+    try:
+        pool.write_block(int(block_id), block.payload)
+    except Exception as exc:
+        allocator.free(block_id)
+        tier.counters.add("misses")
+        log.warning("cold tier: upload of restored block failed: %s", exc)
+        return None
+    return int(block_id)
+
+
+def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: int = 0,
+                 extra_keys=(), extra_keys_per_block=None, pool, allocator
+                 ) -> tuple[np.ndarray, RestoreOutcome]:
+    """Restore the persisted blocks after the hot hit; returns the new block ids (one
+    reference each, owned by the caller) and the outcome."""
+    t0 = time.monotonic()
+    toks = as_token_array(tokens)
+    geometry = BlockGeometry.of(pool.geometry)
+    bs = geometry.block_size
+    base = hot_blocks if isinstance(hot_blocks, (int, np.integer)) else len(hot_blocks)
+    base = int(base)
+    full = len(toks) // bs
+    if base >= full:
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0)
+    lookup = toks[:full * bs]
+    key_kwargs = ({"extra_keys_per_block": extra_keys_per_block}
+                  if extra_keys_per_block is not None else {"extra_keys": tuple(extra_keys)})
+    hashes = np.asarray(allocator.chain_hashes(lookup, cache_salt=cache_salt, **key_kwargs),
+                        dtype=np.uint64)
+    full = min(full, len(hashes))
+    keys = cold_key_chain(tier.fmt, ColdGroup.KV, fingerprint, lookup, bs,
+                          extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
+                          cache_salt=cache_salt, max_blocks=full)
+    if len(keys) < base:
+        tier.counters.add("restore_declines")
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0,
+                                            RestoreDecline.PARENT_CHAIN_UNAVAILABLE)
+    ceiling = base
+    while ceiling < len(keys) and tier.contains(keys[ceiling]):
+        ceiling += 1
+    if ceiling == base:
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0)
+    limit = ceiling
+    taken: list[tuple[int, int]] = []
+    loads = _LoadAhead(tier, keys, base, limit, fingerprint.hex(), geometry)
+    try:
+        for idx in range(base, limit):
+            block = loads.get(idx)
+            if block is None:
+                break  # load_block counted the miss
+            block_id = _upload(tier, block, lookup[idx * bs:(idx + 1) * bs], pool, allocator)
+            if block_id is None:
+                break
+            taken.append((block_id, block.nbytes))
+    finally:
+        loads.close()
+    if not taken:
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, (time.monotonic() - t0) * 1e3)
+    keys_per_block = per_block_extra_keys(base + len(taken), extra_keys, extra_keys_per_block)
+    entries = []
+    for j, (block_id, _) in enumerate(taken):
+        idx = base + j
+        identity = BlockIdentity(lookup[idx * bs:(idx + 1) * bs],
+                                 int(hashes[idx - 1]) if idx else 0,
+                                 extra_keys_digest(keys_per_block[idx]), int(cache_salt), idx)
+        entries.append(RestoredBlock(block_id, int(hashes[idx]), identity))
+    ids = np.fromiter((b for b, _ in taken), dtype=np.int32, count=len(taken))
+    try:
+        published = bool(allocator.publish_restored_batch(entries))
+    except Exception as exc:
+        log.warning("cold tier: publish_restored_batch raised: %s", exc)
+        published = False
+    elapsed_ms = (time.monotonic() - t0) * 1e3
+    if not published:
+        allocator.free_many(ids)
+        tier.counters.add("restore_declines")
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, elapsed_ms,
+                                            RestoreDecline.PUBLISH_REFUSED)
+    tier.counters.add("hits", len(taken))
+    tier.counters.add("bytes_restored", sum(n for _, n in taken))
+    log.debug("cold_restore_walk blocks=%d base=%d limit=%d elapsed_ms=%.3f "
+              "per_block_ms=%.4f", len(taken), base, limit, elapsed_ms,
+              elapsed_ms / len(taken))
+    return ids, RestoreOutcome(len(taken), base, limit, elapsed_ms)

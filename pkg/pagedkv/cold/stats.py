@@ -1,0 +1,101 @@
+"""Cold-tier counters (cold-tier.md §11): a thread-safe counter set and its snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+__all__ = ["ColdCacheStats", "ColdSidecarStats", "ColdCounters", "SIDECAR_COUNTERS",
+           "sidecar_counters", "COLD_DELTA_FIELDS"]
+
+
+@dataclass(frozen=True)
+class ColdCacheStats:
+    """Snapshot of one tier's counters (block-scoped except ``enqueued``/``queue_drops``,
+    which count every object that took or was refused a queue slot)."""
+
+    hits: int = 0
+    misses: int = 0
+    enqueued: int = 0
+    queue_drops: int = 0
+    bytes_written: int = 0
+    bytes_restored: int = 0
+    evictions: int = 0
+    corruptions: int = 0
+    write_errors: int = 0
+    restore_declines: int = 0
+    enabled: bool = False
+    root: str = ""
+    quota_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ColdSidecarStats:
+    """Process-wide sidecar counters (§11.2); they move even when no tier is open."""
+
+    capture_reached: int = 0
+    chain_empty: int = 0
+    boundary_skips: int = 0
+    already_persisted: int = 0
+    enqueued: int = 0
+    queue_drops: int = 0
+    installed: int = 0
+    restore_suppressed: int = 0
+
+
+_COUNTER_FIELDS = tuple(f.name for f in dataclasses.fields(ColdCacheStats)
+                        if f.type in ("int", int) and f.name != "quota_bytes")
+SIDECAR_COUNTERS = tuple(f.name for f in dataclasses.fields(ColdSidecarStats))
+
+#: Keys of one per-turn trace record that pagedkv adds (§12): deltas of every counter of
+#: both dataclasses, the enabled/root fields and three cumulative totals.
+COLD_DELTA_FIELDS = frozenset(
+    [f"cold_{n}" for n in _COUNTER_FIELDS]
+    + [f"cold_sidecar_{n}" for n in SIDECAR_COUNTERS]
+    + ["cold_enabled", "cold_root", "cold_corruptions_total", "cold_queue_drops_total",
+       "cold_write_errors_total"])
+
+
+class ColdCounters:
+    """Mutable counters shared by the inference thread and the writer thread."""
+
+    __slots__ = ("_lock", "_values")
+
+    def __init__(self, fields: tuple[str, ...] = _COUNTER_FIELDS) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(fields, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def get(self, name: str) -> int:
+        return self._values[name]
+
+    def values(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"ColdCounters({self.values()})"
+
+
+_sidecar = ColdCounters(SIDECAR_COUNTERS)
+
+
+def sidecar_counters() -> ColdCounters:
+    """The process-wide sidecar counter set (never opens a tier)."""
+    return _sidecar
+
+
+def cold_sidecar_stats() -> ColdSidecarStats:
+    return ColdSidecarStats(**_sidecar.values())
+
+
+def record_sidecar_installed() -> None:
+    """Families call this when a restored sidecar actually became live state."""
+    _sidecar.add("installed")
+
+
+__all__ += ["cold_sidecar_stats", "record_sidecar_installed"]

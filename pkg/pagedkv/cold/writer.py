@@ -1,0 +1,288 @@
+"""The writer pipeline and its bounded job queue (cold-tier.md §7.1, §7.4).
+
+Two daemon threads work in FIFO order: ``pagedkv-cold-hasher`` takes a job from the bounded
+queue, computes its payload checksum (unless capture did) and encodes its header;
+``pagedkv-cold-writer`` runs the atomic write protocol. SHA-256 of a 200 KB block is too
+large a share of a ~0.5 ms fsync floor to sit in series with the write, and too large for
+the inference thread's capture budget, so it runs one object ahead of the write (hashlib
+and the file syscalls release the GIL). The hand-off between the stages holds one object:
+memory stays bounded by ``depth + 2`` objects. Commit order, the protocol and the counters
+are those of a single writer. Nothing here raises into inference except
+:class:`ColdTierClosed` for a job offered after ``close()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedkv.cold.codec import BlockGeometry, encode_block
+from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.stats import ColdCounters
+from pagedkv.cold.store import ColdStore
+from pagedkv.errors import ColdTierClosed, InvalidArgument
+
+__all__ = ["BlockJob", "Barrier", "ColdWriter"]
+
+log = logging.getLogger("pagedkv.cold")
+
+_DRAIN_RETRY_S = 0.005
+_ENQUEUE_RETRY_S = 0.001
+
+
+@dataclass
+class BlockJob:
+    """One KV block to persist. ``tokens`` (``uint32[bs]``) and ``buffer``
+    (``uint8[layers, 2, slab_bytes]``) are owned by the job; ``checksum`` is the payload
+    checksum if the producer already has it (else the hashing stage computes it)."""
+
+    key: bytes
+    fingerprint_hex: str
+    geometry: BlockGeometry
+    tokens: np.ndarray
+    buffer: np.ndarray
+    checksum: str | None = None
+    group: ColdGroup = ColdGroup.KV
+    #: The buffer came from ``ColdWriter.take_buffer`` and goes back after the commit.
+    recycle: bool = False
+
+    def __repr__(self) -> str:
+        return f"BlockJob(key={self.key.hex()[:16]}..., {self.geometry!r})"
+
+
+@dataclass
+class Barrier:
+    """Completes when every job accepted before it was handled; ``ok`` says whether all
+    of them persisted."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = True
+
+
+class _BoundedFifo:
+    """A bounded FIFO whose consumer can be held (test hook) before it takes a job, so a
+    held writer leaves accepted jobs in the queue where they count against the depth."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._items: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self.held = False
+        self.stopped = False
+
+    def put_wait(self, job) -> None:
+        """Put, waiting for room (the hand-off between the two stages)."""
+        with self._cv:
+            while len(self._items) >= self.depth and not self.stopped:
+                self._cv.wait()
+            self._items.append(job)
+            self._cv.notify_all()
+
+    def put_nowait(self, job) -> bool:
+        with self._cv:
+            if len(self._items) >= self.depth:
+                return False
+            self._items.append(job)
+            self._cv.notify_all()
+            return True
+
+    def get(self):
+        """Next job, or ``None`` once stopped and empty."""
+        with self._cv:
+            while (self.held or not self._items) and not (self.stopped and not self._items):
+                self._cv.wait()
+            if not self._items:
+                return None
+            job = self._items.popleft()
+            self._cv.notify_all()  # a waiting put_wait may proceed
+            return job
+
+    def set_held(self, held: bool) -> None:
+        with self._cv:
+            self.held = held
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self.stopped = True
+            self.held = False
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class ColdWriter:
+    """Owns the writer thread of one :class:`ColdStore`."""
+
+    def __init__(self, store: ColdStore, counters: ColdCounters, *, queue_depth: int = 8,
+                 start: bool = True) -> None:
+        if int(queue_depth) <= 0:
+            raise InvalidArgument(f"queue_depth = {queue_depth} must be > 0")
+        self.store = store
+        self.counters = counters
+        self.queue_depth = int(queue_depth)
+        self._queue = _BoundedFifo(self.queue_depth)
+        self._handoff = _BoundedFifo(1)
+        self._closed = False
+        self._failed_since_barrier = False
+        #: Test hooks: seconds slept per object, and how many next jobs to fail.
+        self.service_delay_s = 0.0
+        self.fail_next_jobs = 0
+        # Capture buffers come back here after their commit: a fresh 200 KB array is a fresh
+        # mmap whose page faults the inference thread would pay on every capture.
+        self._spare: list[np.ndarray] = []
+        self._spare_lock = threading.Lock()
+        self._hasher = threading.Thread(target=self._run_hasher, name="pagedkv-cold-hasher",
+                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_writer, name="pagedkv-cold-writer",
+                                        daemon=True)
+        if start:
+            self._hasher.start()
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("held" if self._queue.held else "running")
+        return (f"ColdWriter({state}, queued={len(self._queue)}, "
+                f"depth={self.queue_depth})")
+
+    # --- producers -----------------------------------------------------------------------
+
+    def enqueue(self, job) -> bool:
+        """Offer ``job`` without waiting: ``True`` if accepted, ``False`` (a queue drop) if
+        the queue is full. Raises ``ColdTierClosed`` after ``close()``."""
+        return self.enqueue_before(job, 0.0)
+
+    def enqueue_before(self, job, deadline: float) -> bool:
+        """Offer ``job``, retrying every ≤ 1 ms until ``deadline`` (``time.monotonic()``
+        seconds). Accepted → ``enqueued += 1``; still full → ``queue_drops += 1``."""
+        if self._closed:
+            raise ColdTierClosed("the cold writer is stopped; no job can be enqueued")
+        while True:
+            if self._queue.put_nowait(job):
+                self.counters.add("enqueued")
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed:
+                self.counters.add("queue_drops")
+                return False
+            time.sleep(min(_ENQUEUE_RETRY_S, remaining))
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until every job accepted so far persisted (``True``) or one failed, or the
+        timeout passed (``False``). A stopped writer has nothing pending: ``True``."""
+        if self._closed and not self._thread.is_alive():
+            return True
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        barrier = Barrier()
+        while not self._queue.put_nowait(barrier):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_DRAIN_RETRY_S)
+        if not barrier.done.wait(max(0.0, deadline - time.monotonic())):
+            return False
+        return barrier.ok
+
+    def take_buffer(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A ``uint8`` buffer of ``shape`` for a capture job (recycled when one is spare)."""
+        with self._spare_lock:
+            for i, buf in enumerate(self._spare):
+                if buf.shape == shape:
+                    return self._spare.pop(i)
+        return np.empty(shape, dtype=np.uint8)
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        with self._spare_lock:
+            if len(self._spare) < self.queue_depth + 2:
+                self._spare.append(buffer)
+
+    # --- test hooks ----------------------------------------------------------------------
+
+    def hold(self) -> None:
+        """Test hook: stop taking jobs (accepted ones stay queued)."""
+        self._queue.set_held(True)
+
+    def release(self) -> None:
+        self._queue.set_held(False)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Persist what is queued (up to ``timeout``), then stop the thread. Later jobs
+        raise ``ColdTierClosed``. Returns whether the thread ended in time."""
+        if not self._closed:
+            self._closed = True
+            self._queue.stop()
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        for t in (self._hasher, self._thread):
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not (self._hasher.is_alive() or self._thread.is_alive())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- the threads --------------------------------------------------------------------
+
+    def _run_hasher(self) -> None:
+        try:
+            while True:
+                job = self._queue.get()
+                if job is None:
+                    return
+                self._handoff.put_wait(job if isinstance(job, Barrier) else self._prepare(job))
+        finally:
+            self._handoff.stop()
+
+    def _prepare(self, job: BlockJob):
+        """Checksum and header of ``job``: ``(job, chunks, size)``, or ``(job, None, reason)``
+        when it cannot be encoded (a write error, counted in order by the writer)."""
+        store = self.store
+        try:
+            header, tok, payload = encode_block(
+                store.fmt.abi, store.payload_tag, job.key.hex(), job.fingerprint_hex,
+                job.geometry, job.tokens, job.buffer, job.checksum)
+        except Exception as exc:  # malformed job: never kill the pipeline
+            return job, None, f"cannot encode {job!r}: {exc}"
+        return job, (header, tok, payload), len(header) + tok.nbytes + payload.nbytes
+
+    def _run_writer(self) -> None:
+        while True:
+            item = self._handoff.get()
+            if item is None:
+                return
+            if isinstance(item, Barrier):
+                item.ok = not self._failed_since_barrier
+                self._failed_since_barrier = False
+                item.done.set()
+                continue
+            try:
+                ok = self._persist(*item)
+            except Exception:  # the writer must survive anything a job does
+                log.exception("cold tier: unexpected error persisting %r", item[0])
+                self.counters.add("write_errors")
+                ok = False
+            if not ok:
+                self._failed_since_barrier = True
+            job = item[0]
+            if job.recycle:
+                self._give_back(job.buffer)
+
+    def _persist(self, job: BlockJob, chunks, size) -> bool:
+        if self.service_delay_s:
+            time.sleep(self.service_delay_s)
+        if chunks is None:
+            self.counters.add("write_errors")
+            log.warning("cold tier: %s", size)
+            return False
+        if self.fail_next_jobs > 0:
+            self.fail_next_jobs -= 1
+            self.counters.add("write_errors")
+            return False
+        return self.store.commit(job.key, job.group, chunks, size)

@@ -1,0 +1,103 @@
+"""The cold tier behind the real allocator, pool and adapter (§8; R2, R5, R7, §15 pool)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cold_support import FP, open_tier
+from pagedkv.adapter import PagedKVCacheAdapter
+from pagedkv.allocator import BlockAllocator
+from pagedkv.cold import CaptureStop
+from pagedkv.pool import LayerKVPool, PoolGeometry
+
+GEOM = PoolGeometry(2, 1, 8, 4, "float16")  # §15: 64-byte slabs
+
+
+def _adapter(tier, num_blocks=64):
+    pool = LayerKVPool(GEOM, num_blocks)
+    alloc = BlockAllocator(num_blocks, block_size=4, hash_seed=0)
+    return PagedKVCacheAdapter(alloc, pool, cold_tier=tier), pool, alloc
+
+
+def _fill(adapter, seq, tokens, seed=0):
+    """A request that writes random K/V for ``tokens`` and registers its full blocks."""
+    adapter.reset_for_new_request(seq)
+    hit = adapter.find_cached_prefix(seq, tokens)
+    adapter.allocate_suffix_blocks(seq, len(tokens))
+    new = tokens[hit.cached_tokens:]
+    adapter.record_tokens(seq, new)
+    rng = np.random.default_rng(seed)
+    for layer in range(GEOM.num_layers):
+        k = rng.standard_normal((len(new), 1, 8)).astype(np.float16)
+        v = rng.standard_normal((len(new), 1, 8)).astype(np.float16)
+        adapter.write_kv(seq, layer, k, v)
+    return hit
+
+
+def _slabs(pool, adapter, seq):
+    return np.stack([pool.read_block(int(b)) for b in adapter.block_table(seq)])
+
+
+def test_find_cached_prefix_restores_a_persisted_prefix_on_a_fresh_adapter(tmp_path):
+    toks = np.arange(1, 13, dtype=np.uint32)  # 3 full blocks
+    with open_tier(tmp_path / "root") as tier:
+        a, pool_a, _ = _adapter(tier)
+        _fill(a, "s", toks)
+        assert a.register_full_blocks_for_reuse("s") == 3
+        assert tier.last_capture.enqueued == 3 and tier.drain(5.0)
+        slabs_a = _slabs(pool_a, a, "s")
+    with open_tier(tmp_path / "root") as tier:
+        b, pool_b, alloc_b = _adapter(tier)
+        b.reset_for_new_request("s")
+        hit = b.find_cached_prefix("s", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 3
+        assert tier.stats().hits == 3 and tier.stats().corruptions == 0
+        assert np.array_equal(_slabs(pool_b, b, "s"), slabs_a)
+        alloc_b.check_invariants()
+        b.release_request("s")
+        # Published blocks are now hot: another request hits them without the disk.
+        b.reset_for_new_request("t")
+        hit = b.find_cached_prefix("t", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 0
+        assert tier.stats().hits == 3
+        alloc_b.check_invariants()
+
+
+def test_capture_runs_once_per_request_and_ratchets_over_turns(tmp_path):
+    toks = np.arange(1, 257, dtype=np.uint32)  # 64 full blocks
+    with open_tier(tmp_path / "root") as tier:
+        assert tier.install_capture_budget(16, 60000)
+        a, _, _ = _adapter(tier, num_blocks=256)
+        _fill(a, "s", toks)
+        a.register_full_blocks_for_reuse("s")
+        out = tier.last_capture
+        assert (out.blocks, out.enqueued, out.stop) == (16, 16, CaptureStop.BUDGET)
+        assert a.register_full_blocks_for_reuse("s") == 0
+        assert tier.last_capture is out  # the second registration captured nothing
+        assert tier.drain(5.0)
+        a.release_request("s")
+        _fill(a, "s", toks)  # the same prompt, a new request (hot hit)
+        a.register_full_blocks_for_reuse("s")
+        out = tier.last_capture
+        assert (out.blocks, out.enqueued, out.stop) == (32, 16, CaptureStop.BUDGET)
+
+
+def test_purge_suppresses_the_next_restore_once(tmp_path):
+    toks = np.arange(1, 13, dtype=np.uint32)
+    with open_tier(tmp_path / "root") as tier:
+        a, _, _ = _adapter(tier)
+        _fill(a, "s", toks)
+        a.register_full_blocks_for_reuse("s")
+        assert tier.drain(5.0)
+        a.release_request_and_purge_prefix_cache("s")
+        a.reset_for_new_request("s")
+        assert a.find_cached_prefix("s", toks, skip_lookup=True).cached_tokens == 0
+        a.reset_for_new_request("s")
+        hit = a.find_cached_prefix("s", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 3
+        a.release_request_and_purge_prefix_cache("s")
+        a.reset_for_new_request("s")
+        assert a.find_cached_prefix("s", toks).cached_tokens == 0
+        a.reset_for_new_request("s")
+        assert a.find_cached_prefix("s", toks).cached_tokens == 12
