@@ -25,11 +25,12 @@ def folded_hash(buckets):
     return hash_fn
 
 
-def agree(allocs, op):
+def agree(allocs, method, *args, **kwargs):
+    """Call ``method`` on every allocator; results and then all observables must agree."""
     outcomes = []
     for alloc in allocs:
         try:
-            result = op(alloc)
+            result = getattr(alloc, method)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the class is what must agree
             outcomes.append(("raised", type(exc).__name__))
             continue
@@ -68,29 +69,26 @@ def test_request_churn_agrees(seed, buckets):
             salt = salts[rng.integers(len(salts))]
         if kind == "serve":
             turns.append((tokens, salt))
-            _, (hits, _) = agree(allocs, lambda a: a.find_longest_cache_hit(tokens,
-                                                                             cache_salt=salt))
-            status, new = agree(allocs, lambda a: a.allocate_many(len(tokens) // bs - len(hits)))
+            _, (hits, _) = agree(allocs, "find_longest_cache_hit", tokens, cache_salt=salt)
+            _, new = agree(allocs, "allocate_many", len(tokens) // bs - len(hits))
             if new is None:
                 if hits:
-                    agree(allocs, lambda a: a.free_many(hits))
+                    agree(allocs, "free_many", hits)
                 continue
             table = np.array(hits + new, dtype=np.int32)
-            agree(allocs, lambda a: a.cache_full_blocks(tokens, table, cache_salt=salt))
+            agree(allocs, "cache_full_blocks", tokens, table, cache_salt=salt)
             live.append(table)
         elif kind == "release" and live:
             table = live.pop(rng.integers(len(live)))
-            agree(allocs, lambda a: a.free_many(table[::-1]))
+            agree(allocs, "free_many", table[::-1])
         elif kind == "admin":
             r = rng.random()
             if r < 0.3:
-                n = int(rng.integers(0, 200))
-                agree(allocs, lambda a: a.set_prefix_cache_capacity(n))
+                agree(allocs, "set_prefix_cache_capacity", int(rng.integers(0, 200)))
             elif r < 0.4:
-                agree(allocs, lambda a: a.purge_prefix_cache())
+                agree(allocs, "purge_prefix_cache")
             elif r < 0.6:
-                k = int(rng.integers(0, 20))
-                agree(allocs, lambda a: a.grow_by(k))
+                agree(allocs, "grow_by", int(rng.integers(0, 20)))
         if step % 50 == 0:
             for alloc in allocs:
                 alloc.check_invariants()
