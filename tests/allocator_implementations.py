@@ -3,44 +3,26 @@
 The pure-Python oracle (``pagedkv._reference``) and the Cython core (``pagedkv.hashing``,
 ``pagedkv.allocator``) must agree on every observable; scenario tests are parametrized over
 both, and :func:`observables` is what the differential test compares after every step.
+Both are required: a build without the Cython core fails here instead of skipping.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import pytest
-
-from pagedkv import _reference
-
-
-def _optional(module: str):
-    if importlib.util.find_spec(module) is None:
-        return None
-    return importlib.import_module(module)
-
-
-_hashing = _optional("pagedkv.hashing")
-_allocator = _optional("pagedkv.allocator")
+from pagedkv import _reference, allocator, hashing
 
 #: Modules exposing hot_block_hash, chain_hashes and salt_domain_id.
-HASHING = [pytest.param(_reference, id="reference")]
-if _hashing is not None:
-    HASHING.append(pytest.param(_hashing, id="cython"))
+HASHING = [pytest.param(_reference, id="reference"), pytest.param(hashing, id="cython")]
 
-#: BlockAllocator classes.
-ALLOCATORS = [pytest.param(_reference.BlockAllocator, id="reference")]
-if _allocator is not None:
-    ALLOCATORS.append(pytest.param(_allocator.BlockAllocator, id="cython"))
-
-CYTHON_ALLOCATOR = None if _allocator is None else _allocator.BlockAllocator
+#: BlockAllocator classes, the oracle first.
+ALLOCATORS = [pytest.param(_reference.BlockAllocator, id="reference"),
+              pytest.param(allocator.BlockAllocator, id="cython")]
 
 
 def observables(alloc) -> dict:
     """Everything a caller can see without changing the allocator."""
     null = alloc.null_block_id
-    out = {
+    return {
         "num_blocks": alloc.num_blocks,
         "max_num_blocks": alloc.max_num_blocks,
         "block_size": alloc.block_size,
@@ -53,8 +35,6 @@ def observables(alloc) -> dict:
         "prefix_cache_capacity": alloc.prefix_cache_capacity,
         "ref_counts": [alloc.ref_count(b) for b in range(alloc.num_blocks) if b != null],
         "lru_hashes": list(alloc.lru_hashes()),
+        "free_list": list(alloc.free_list()),
         "stats": dict(alloc.stats()),
     }
-    if hasattr(alloc, "free_list"):
-        out["free_list"] = list(alloc.free_list())
-    return out

@@ -241,15 +241,39 @@ def test_d13_prepare_turn(make):
     a.finalize_turn_keep_live("s")
     plan = a.prepare_turn("s", turn1 + [7, 8, 9], total_tokens=10)
     assert plan.reason is TurnPlanReason.CONTINUED_LIVE_PREFIX and plan.cached_tokens == 7
+    assert a.block_table("s").tolist()[:2] == [0, 1]
     a.record_tokens("s", [7, 8, 9])
-    a.finalize_turn_keep_live("s")
-    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54], total_tokens=9)
+    a.finalize_turn_keep_live("s")  # live 0..9; blocks 0..3 and 4..7 registered
+    # Diverged at position 4, and long enough to be continued otherwise.
+    diverged = [0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57]
+    plan = a.prepare_turn("s", diverged, total_tokens=12)
     assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 4
-    a.record_tokens("s", [50, 51, 52, 53, 54])
+    a.record_tokens("s", diverged[4:])
     a.finalize_turn_keep_live("s")
-    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54, 55], total_tokens=10,
-                          max_cached_tokens=8)
+    plan = a.prepare_turn("s", diverged + [58], total_tokens=13, max_cached_tokens=8)
     assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 8
+
+
+def test_d13_prepare_turn_falls_back_when_continuing_runs_out_of_blocks(make):
+    a = make(4, growth=False)
+    cached = list(range(12))
+    start(a, "x", cached)
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    a.reset_for_new_request("y")
+    a.find_cached_prefix("y", cached + [99])  # holds blocks 0-2: nothing is evictable
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", cached[:4], skip_lookup=True)
+    a.allocate_suffix_blocks("s", 4)
+    a.record_tokens("s", cached[:4])
+    a.finalize_turn_keep_live("s")
+    assert a.block_table("s").tolist() == [3]
+    # Continuing needs 3 more blocks (none left); a fresh start reuses the cached 12 tokens.
+    plan = a.prepare_turn("s", cached + [7], total_tokens=13)
+    assert plan.reason is TurnPlanReason.CONTINUE_FAILED_RESET
+    assert plan.cached_tokens == 12 and plan.newly_allocated == 1
+    assert a.block_table("s").tolist() == [0, 1, 2, 3]
+    a.allocator.check_invariants()
 
 
 def test_d13_prepare_turn_failure_releases_the_hit(make):
@@ -513,6 +537,12 @@ def test_write_kv_layers_equals_per_layer_writes(make):
     for layer in range(LAYERS):
         b.write_kv("s", layer, kl[layer], kl[layer] * 2)
     assert state(a)["pool"] == state(b)["pool"]
+    k_layers, v_layers = a.gather_kv_layers("s")
+    assert k_layers.shape == (LAYERS, 5, HEADS, DIM)
+    assert k_layers.tobytes() == kl.tobytes() and v_layers.tobytes() == (kl * 2).tobytes()
+    for layer in range(LAYERS):
+        k, v = b.gather_kv("s", layer)
+        assert k.tobytes() == k_layers[layer].tobytes()
 
 
 def test_bad_kv_input_changes_nothing(make):
@@ -592,3 +622,95 @@ def test_purge_arms_the_cold_suppressor(make):
     a.reset_for_new_request("u")
     a.find_cached_prefix("u", range(8))
     assert calls == [[]]
+
+
+# --- cold-tier hooks --------------------------------------------------------------------
+
+
+class RecordingColdTier:
+    """Records every hook call; ``restore`` hands out ``restore_blocks`` freshly allocated
+    blocks (one reference owned by the caller, as the real tier does)."""
+
+    def __init__(self, restore_blocks: int = 0, fail: bool = False) -> None:
+        self.captures: list[dict] = []
+        self.restores: list[dict] = []
+        self.restore_blocks = restore_blocks
+        self.fail = fail
+
+    def capture(self, **kw):
+        self.captures.append(kw)
+        if self.fail:
+            raise OSError("disk full")
+        return ("captured", len(kw["block_ids"]))
+
+    def restore(self, **kw):
+        self.restores.append(kw)
+        if self.fail:
+            raise OSError("disk gone")
+        return kw["allocator"].allocate_many(self.restore_blocks)
+
+
+def test_cold_capture_hook_gets_the_registered_chain(make):
+    cold = RecordingColdTier()
+    a = make(16, cold_tier=cold)
+    start(a, "s", range(10))
+    assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 2
+    assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 0
+    assert len(cold.captures) == 1
+    kw = cold.captures[0]
+    assert kw["tokens"].dtype == np.uint32 and kw["tokens"].tolist() == list(range(8))
+    assert kw["block_ids"].dtype == np.int32 and kw["block_ids"].tolist() == [0, 1]
+    expected = a.allocator.chain_hashes(np.arange(8), extra_keys=(3,), cache_salt=7)
+    assert kw["hashes"].tolist() == expected.tolist()
+    assert kw["cache_salt"] == 7 and kw["extra_keys_per_block"] == [(3,), (3,)]
+    assert kw["pool"] is a.pool and kw["allocator"] is a.allocator
+    assert a.cold_capture_outcome("s") == ("captured", 2)
+    start(a, "short", range(3))
+    a.finalize_turn_keep_live("short")
+    assert len(cold.captures) == 1  # no full block: nothing to capture
+
+
+def test_cold_restore_extends_the_hot_hit(make):
+    cold = RecordingColdTier(restore_blocks=0)
+    a = make(16, cold_tier=cold)
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request("s")
+    cold.restore_blocks = 2
+    a.reset_for_new_request("t")
+    hit = a.find_cached_prefix("t", range(20), max_tokens=19)
+    assert hit.hot_blocks.tolist() == [0, 1] and hit.restored_blocks.tolist() == [2, 3]
+    assert hit.cached_tokens == 16 and a.num_tokens("t") == 16
+    assert a.block_table("t").tolist() == [0, 1, 2, 3]
+    kw = cold.restores[-1]
+    assert kw["tokens"].tolist() == list(range(19)) and kw["hot_blocks"].tolist() == [0, 1]
+    assert kw["extra_keys_per_block"] is None and kw["cache_salt"] == 0
+    assert a.stats()["restored_blocks"] == 2
+    a.release_request("t")
+    a.allocator.check_invariants()
+    assert a.allocator.num_allocated_blocks == 2  # the cached pair; restored blocks freed
+    a.reset_for_new_request("u")
+    a.find_cached_prefix("u", range(8), max_tokens=7)  # no full block past the hit: no call
+    assert len(cold.restores) == 2
+
+
+def test_cold_hooks_never_raise_into_inference(make, caplog):
+    cold = RecordingColdTier(fail=True)
+    a = make(16, cold_tier=cold)
+    with caplog.at_level(logging.ERROR, logger="pagedkv.adapter"):
+        start(a, "s", range(8))
+        assert a.register_full_blocks_for_reuse("s") == 2
+    assert a.stats()["cold_capture_errors"] == 1 and a.stats()["cold_restore_errors"] == 1
+    assert "disk full" in caplog.text and "disk gone" in caplog.text
+    assert a.cold_capture_outcome("s") is None
+
+
+def test_an_overlong_cold_restore_is_refused_and_its_blocks_returned(make):
+    cold = RecordingColdTier(restore_blocks=3)
+    a = make(16, cold_tier=cold)
+    a.reset_for_new_request("s")
+    hit = a.find_cached_prefix("s", range(9))  # 2 full blocks at most
+    assert hit.cached_tokens == 0 and hit.restored_blocks.tolist() == []
+    assert a.stats()["cold_restore_errors"] == 1
+    assert a.allocator.num_free_blocks == 16
+    a.allocator.check_invariants()

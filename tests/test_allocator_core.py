@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pagedkv import allocator as allocator_mod
 from pagedkv.allocator import (
-    BLOCK_DTYPE, PREFIX_SLOT_DTYPE, STATS_KEYS, BlockAllocator, BlockIdentity, RestoredBlock)
+    BLOCK_DTYPE,
+    PREFIX_SLOT_DTYPE,
+    STATS_KEYS,
+    BlockAllocator,
+    BlockIdentity,
+    RestoredBlock,
+)
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
-from pagedkv.hashing import chain_hashes, hot_block_hash, salt_domain_id
+from pagedkv.hashing import chain_hashes, salt_domain_id
 from pagedkv.identity import extra_keys_digest
 
 
@@ -30,13 +35,16 @@ def ident(tokens, parent=0, keys=(), salt=0, index=0):
 
 def snapshot(a: BlockAllocator):
     """Everything observable: the physical tables, counters, LRU and free order."""
-    return dict(
-        records=a.block_records.tobytes(), tokens=a.token_ids.tobytes(),
-        slots=a.prefix_slots.tobytes(), lru=a.lru_hashes(), free=a.free_list(),
-        stats=a.stats(), counters=(a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
-                                   a.num_evictable_blocks, a.prefix_cache_len,
-                                   a.prefix_cache_capacity),
-    )
+    return {
+        "records": a.block_records.tobytes(),
+        "tokens": a.token_ids.tobytes(),
+        "slots": a.prefix_slots.tobytes(),
+        "lru": a.lru_hashes(),
+        "free": a.free_list(),
+        "stats": a.stats(),
+        "counters": (a.num_blocks, a.num_free_blocks, a.num_allocated_blocks,
+                     a.num_evictable_blocks, a.prefix_cache_len, a.prefix_cache_capacity),
+    }
 
 
 def populated():
@@ -67,9 +75,10 @@ def test_module_name_and_exports():
 def test_dtypes_match_the_c_structs(dtype, struct):
     c = allocator_mod._c_layout()[struct]
     assert dtype.itemsize == c.pop("itemsize")
-    assert list(c) == list(dtype.names)
+    assert sorted(c) == sorted(dtype.names)            # every member, named as in C
     for name, off in c.items():
         assert dtype.fields[name][1] == off, name
+    assert list(dtype.names) == sorted(c, key=c.get)    # declared in memory order
 
 
 def test_record_field_types():
@@ -80,8 +89,9 @@ def test_record_field_types():
 
 
 def test_header_is_installed():
-    import pagedkv
     from pathlib import Path
+
+    import pagedkv
     text = (Path(pagedkv.get_include()) / "pagedkv" / "records.h").read_text()
     assert "pkv_block_record" in text and "pkv_prefix_slot" in text
 
@@ -185,6 +195,10 @@ def test_allocate_many_is_all_or_nothing():
     assert a.allocate_many(0).tolist() == []
     a.free_many(np.array([2, 0], dtype=np.int32))
     assert a.free_list() == [3, 2, 0]
+
+
+def test_can_allocate_huge_is_false():
+    assert make().can_allocate(2**70) is False
 
 
 def test_free_many_multiplicity():
@@ -347,6 +361,28 @@ def test_hash_fn_zero_is_remapped_and_sees_its_arguments():
     a = make(4, hash_seed=3, _hash_fn=fn)
     assert a.chain_hashes(range(8), extra_keys=(7,), cache_salt=9).tolist() == [1, 1]
     assert calls == [(0, [0, 1, 2, 3], (7,), 9, 0, 3), (1, [4, 5, 6, 7], (7,), 9, 1, 3)]
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: a.cache_full_blocks(range(12), [6, 7, 8]),
+    lambda a: a.find_longest_cache_hit(range(12)),
+    lambda a: a.chain_hashes(range(12)),
+])
+def test_a_failing_hash_hook_changes_nothing(call):
+    """The hook fails on the third block: the chain is hashed before any table changes."""
+    def hook(parent, tokens, keys, salt, index, seed):
+        if index == 2:
+            raise RuntimeError("hook failed")
+        return int(tokens[0]) + 1
+
+    b = BlockAllocator(12, 16, 4, hash_seed=0, _hash_fn=hook)
+    b.allocate_many(9)
+    b.cache_full_blocks(range(8), [0, 1])
+    before = snapshot(b)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        call(b)
+    assert snapshot(b) == before
+    b.check_invariants()
 
 
 def test_replay_past_a_verified_prefix():                              # A13
@@ -568,6 +604,7 @@ BAD_CALLS = [
     ("publish non-entry", lambda a: a.publish_restored_batch([5]), InvalidArgumentType, "RestoredBlock"),
     # counts
     ("allocate_many -1", lambda a: a.allocate_many(-1), InvalidArgument, "n = -1"),
+    ("allocate_many 2**70", lambda a: a.allocate_many(2**70), InvalidArgument, r"2\*\*31"),
     ("allocate_many float", lambda a: a.allocate_many(1.5), InvalidArgumentType, "n must"),
     ("can_allocate -1", lambda a: a.can_allocate(-1), InvalidArgument, "n = -1"),
     ("grow_by -1", lambda a: a.grow_by(-1), InvalidArgument, "k = -1"),
@@ -629,5 +666,46 @@ def test_collision_across_walk_groups(collide_at):
     a.cache_full_blocks(toks, ids)
     query = toks.copy()
     query[2 * collide_at + 1] = 1000       # same first token: same hash, other identity
-    blocks, n = a.find_longest_cache_hit(query)
+    _blocks, n = a.find_longest_cache_hit(query)
     assert n == 2 * collide_at and a.stats()["collisions_rejected"] == 1
+
+
+def test_self_check_passes_and_reports_each_step(capsys):
+    from pagedkv.selfcheck import run_self_check
+    assert run_self_check() is True
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "allocator self-check" and out[-1] == "self-check passed"
+    steps = [line for line in out if line.startswith("  [")]
+    assert len(steps) == 6 and all(line.startswith("  [ok]") for line in steps)
+    assert "0x321db453eb3be929" in steps[0]
+
+
+def test_python_dash_m_pagedkv_runs_the_self_check():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pagedkv"], capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert "allocator self-check" in out.stdout and out.stdout.rstrip().endswith(
+        "self-check passed")
+
+
+def test_wheel_path_serves_the_same_cache():
+    """A chain registered through libxxhash is found through the wheel and back: the
+    allocator's walk, registration and chain_hashes agree on both XXH3 sources."""
+    from pagedkv import hashing
+    a = make(64, 64, 4)
+    toks = np.arange(120, dtype=np.uint32)
+    ids = a.allocate_many(30)
+    a.cache_full_blocks(toks, ids)
+    native = a.chain_hashes(toks).tolist()
+    previous = hashing._set_xxh3_source("xxhash-wheel")
+    try:
+        assert a.chain_hashes(toks).tolist() == native
+        assert a.find_longest_cache_hit(toks)[0].tolist() == ids.tolist()
+        more = a.allocate_many(2)
+        assert a.cache_full_blocks(np.arange(1000, 1008), more) == 2
+    finally:
+        hashing._set_xxh3_source(previous)
+    assert a.find_longest_cache_hit(np.arange(1000, 1008))[0].tolist() == more.tolist()
+    a.check_invariants()

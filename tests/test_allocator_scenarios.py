@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock
@@ -314,7 +313,7 @@ def test_a12_collision_stops_the_chain(make):
     alloc, tokens, intruder = _intruder_at(make, 0)
     b0, b1, b2 = alloc.allocate_many(3).tolist()
     assert alloc.cache_full_blocks(tokens, [b0, b1, b2]) == 0
-    assert alloc.prefix_cache_len == 1
+    assert alloc.prefix_cache_len == 1 and alloc.ref_count(intruder) == 2
     assert [alloc.ref_count(b) for b in (b0, b1, b2)] == [1, 1, 1]
     assert alloc.stats()["collisions_rejected"] == 1
     assert hit(alloc, tokens) == ([], 0)
@@ -323,7 +322,7 @@ def test_a12_collision_stops_the_chain(make):
     alloc, tokens, intruder = _intruder_at(make, 1)
     b0, b1, b2 = alloc.allocate_many(3).tolist()
     assert alloc.cache_full_blocks(tokens, [b0, b1, b2]) == 1
-    assert alloc.prefix_cache_len == 2
+    assert alloc.prefix_cache_len == 2 and alloc.ref_count(intruder) == 2
     assert [alloc.ref_count(b) for b in (b0, b1, b2)] == [2, 1, 1]
     assert hit(alloc, tokens) == ([b0], 4)
     alloc.check_invariants()
@@ -628,3 +627,42 @@ def test_null_block_is_never_handed_out(make):
     unchanged(alloc, before)
     assert alloc.grow_by(1) == 0
     assert make(4).null_block_id is None
+
+
+# --- block events (§4.10) ---------------------------------------------------------------------
+
+
+def test_events_once_per_kind_removed_before_stored(make):
+    events = []
+    alloc = make(6, on_block_event=lambda kind, hashes: events.append(
+        (kind, hashes.dtype.str, hashes.tolist())))
+    (h1, i1), (h2, i2), (h3, i3) = (head(alloc, [k] * 4) for k in (1, 2, 3))
+    b1, b2 = alloc.allocate(), alloc.allocate()
+    alloc.set_prefix_cache_capacity(1)
+    assert events == []  # nothing dropped, nothing sent
+    assert alloc.register_prefix(b1, h1, i1)
+    assert events == [("stored", "<u8", [h1])]
+    events.clear()
+    assert alloc.register_prefix(b2, h2, i2)  # capacity-evicts h1 in the same call
+    assert events == [("removed", "<u8", [h1]), ("stored", "<u8", [h2])]
+    events.clear()
+    assert alloc.register_prefix(b2, h3, i3)  # alias move
+    assert events == [("removed", "<u8", [h2]), ("stored", "<u8", [h3])]
+    events.clear()
+    assert alloc.register_prefix(b2, h3, i3)  # refresh: nothing changes in the table
+    assert alloc.register_prefix(b1, h3, i1) is False
+    assert events == []
+    assert alloc.purge_prefix_cache() == 1
+    assert events == [("cleared", "<u8", [])]
+
+
+def test_event_hook_errors_never_undo_the_operation(make, caplog):
+    def hook(kind, hashes):
+        raise RuntimeError("router down")
+
+    alloc = make(4, on_block_event=hook)
+    b = alloc.allocate()
+    assert alloc.cache_full_blocks(range(4), [b]) == 1
+    assert alloc.prefix_cache_len == 1 and hit(alloc, range(4)) == ([b], 4)
+    assert "router down" in caplog.text
+    alloc.check_invariants()

@@ -5,31 +5,35 @@ with the same random operation sequence (allocations, valid and invalid frees, i
 chain registration with and without salts and extra keys, low-level register/lookup,
 longest-hit walks, restored-batch publication, grow, purge, capacity overrides) and, after
 every step, compares each result or exception type and every observable (counters, the
-refcount of every block, the LRU order, stats, the free-list order where both expose it),
+refcount of every block, the LRU order, stats, the free-list order),
 compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
 with a tiny range, so hash collisions are frequent and identity verification is exercised.
 
-Pools are tiny (≤ 12 blocks of 2–4 tokens, vocabulary of 3 token ids) so prefixes are shared
+Pools are tiny (≤ 12 blocks of 1–4 tokens, vocabulary of 3 token ids) so prefixes are shared
 often and every step stays cheap; ``CI=1`` runs 300 examples (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from allocator_implementations import ALLOCATORS, observables
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from allocator_implementations import ALLOCATORS, observables
 from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
 CLASSES = [p.values[0] for p in ALLOCATORS]
 
 VOCAB = 3
-SALTS = [0, 42, _reference.salt_domain_id("tenant-a")]
+# Prompts mostly share prefixes with these documents, so chains are found again.
+DOCUMENTS = [[0] * 20, [0, 1] * 10, [1, 0, 0, 1, 1] * 4]
+SALTS = [0, 0, 42, _reference.salt_domain_id("tenant-a")]
 UNIFORM_KEYS = [(), (1,), (1, 2), (2, 1)]
 BLOCK_KEYS = [(), (1,), (2,)]
+# Keyword arguments of a request's lookup and registration: who asks, with which keys.
+TENANTS = [{}, {"cache_salt": 42}, {"extra_keys": (1,)},
+           {"extra_keys_per_block": [(2,), (), (1,)]}]
 
 
 def colliding_hash(parent, tokens, extra_keys, cache_salt, block_index, seed):
@@ -52,12 +56,6 @@ def _norm(value):
     return value
 
 
-def _comparable(snapshots):
-    """Drop observables that not every implementation exposes (``free_list``)."""
-    shared = set.intersection(*(set(s) for s in snapshots))
-    return [{k: s[k] for k in sorted(shared)} for s in snapshots]
-
-
 class AllocatorMachine(RuleBasedStateMachine):
     """Runs each step on every allocator; the first one (the oracle) gives the expectation."""
 
@@ -66,9 +64,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.allocs = []
         self.events: list[list] = []  # per allocator: (kind, dtype, hashes) sent by the last step
         self.held: list[int] = []  # references the driver owns (one entry per reference)
+        self.served: list[tuple[list[int], dict]] = []  # (tokens, tenant) of earlier requests
 
     @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
-                block_size=st.integers(2, 4), null_block=st.booleans(), collide=st.booleans())
+                block_size=st.integers(1, 4), null_block=st.booleans(), collide=st.booleans())
     def build(self, num_blocks, headroom, block_size, null_block, collide):
         hash_fn = colliding_hash if collide else None
         self.allocs = [cls(num_blocks, num_blocks + headroom, block_size, hash_seed=0,
@@ -117,21 +116,42 @@ class AllocatorMachine(RuleBasedStateMachine):
         return data.draw(st.integers(-1, self.oracle.max_num_blocks), label="block_id")
 
     def held_ids(self, data, max_size):
-        """Distinct ids the driver holds, in a drawn order."""
+        """Ids the driver holds, in a drawn order; now and then one id twice."""
         pool = sorted(set(self.held))
-        ids = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=max_size)
-                        if pool else st.just([]), label="block_ids")
-        return ids
+        if not pool:
+            return []
+        distinct = data.draw(st.integers(0, 3), label="distinct") > 0
+        return data.draw(st.lists(st.sampled_from(pool), unique=distinct, max_size=max_size),
+                         label="block_ids")
 
     def draw_tokens(self, data, max_blocks=4):
+        """A prompt: usually a prefix of a shared document, sometimes diverging once."""
         bs = self.oracle.block_size
         n = data.draw(st.integers(0, max_blocks * bs + 1), label="n_tokens")
-        return data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
-                         label="tokens")
+        if data.draw(st.integers(0, 3), label="shared") == 0:
+            return data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n),
+                             label="tokens")
+        doc = data.draw(st.sampled_from([0, 0, 0, 1, 2]), label="document")
+        tokens = list(DOCUMENTS[doc][:n])
+        if tokens and data.draw(st.integers(0, 2), label="diverge") == 0:
+            tokens[data.draw(st.integers(0, n - 1), label="at")] = VOCAB - 1
+        return tokens
+
+    def token_input(self, data, tokens):
+        """The same prompt as a list, a uint32 array (the no-copy path), an int64 array or a
+        strided uint32 view."""
+        form = data.draw(st.sampled_from(["list", "uint32", "int64", "strided"]),
+                         label="token_form")
+        if form == "list":
+            return list(tokens)
+        if form == "strided":
+            return np.repeat(np.array(tokens, dtype=np.uint32), 2)[::2]
+        return np.array(tokens, dtype=np.uint32 if form == "uint32" else np.int64)
 
     def draw_keys(self, data, n_blocks):
         """(uniform extra_keys, extra_keys_per_block) as the call would pass them."""
-        form = data.draw(st.sampled_from(["none", "uniform", "per_block"]), label="key_form")
+        form = data.draw(st.sampled_from(["none", "none", "uniform", "per_block"]),
+                         label="key_form")
         if form == "uniform":
             return data.draw(st.sampled_from(UNIFORM_KEYS), label="extra_keys"), None
         if form == "per_block":
@@ -141,16 +161,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         return (), None
 
     def draw_entry(self, data):
-        """A (hash, identity) pair: the true chain hash of a block or a small forged one."""
+        """A (hash, identity) pair: the true chain hash of a block or a small forged one;
+        rarely malformed (the reserved hash 0, a token too many or too few)."""
         bs = self.oracle.block_size
-        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs, max_size=bs),
+        size = bs + data.draw(st.sampled_from([0] * 12 + [-1, 1]), label="size_error") or bs + 1
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=size, max_size=size),
                            label="block_tokens")
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
         keys = data.draw(st.sampled_from(BLOCK_KEYS), label="keys")
         if data.draw(st.booleans(), label="forged_hash"):
-            block_hash = data.draw(st.integers(1, 4), label="block_hash")
+            block_hash = data.draw(st.sampled_from([1, 2, 3, 4] * 3 + [0]), label="block_hash")
         else:
-            block_hash = int(self.oracle.chain_hashes(tokens, extra_keys=keys,
+            block = (tokens + [0] * bs)[:bs]
+            block_hash = int(self.oracle.chain_hashes(block, extra_keys=keys,
                                                       cache_salt=salt)[0])
         return block_hash, BlockIdentity.of(tokens, 0, keys, salt, 0)
 
@@ -216,17 +239,61 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = self.held_ids(data, len(tokens) // bs + 1)
         extra_keys, per_block = self.draw_keys(data, len(ids))
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         self.run(lambda a: a.cache_full_blocks(
-            np.array(tokens, dtype=np.uint32), np.array(ids, dtype=np.int32),
+            tokens_in, np.array(ids, dtype=np.int32),
             extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+        assert np.asarray(tokens_in).tolist() == tokens  # inputs are never written
+
+    @rule(data=st.data())
+    def serve_request(self, data):
+        """A new request: a prompt that usually shares a prefix with a document."""
+        tokens = self.draw_tokens(data)
+        tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS), label="tenant")
+        self.serve(data, tokens, tenant)
+
+    @precondition(lambda self: self.served)
+    @rule(data=st.data())
+    def serve_next_turn(self, data):
+        """A served prompt again, possibly extended (the next turn of a conversation)."""
+        tokens, tenant = data.draw(st.sampled_from(self.served), label="earlier_request")
+        more = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2 * self.oracle.block_size),
+                         label="new_tokens")
+        self.serve(data, tokens + more, tenant)
+
+    def serve(self, data, tokens, tenant):
+        """Longest hit, allocate the rest, register the full blocks, maybe release them."""
+        self.served.append((tokens, tenant))
+        tokens_in = self.token_input(data, tokens)
+        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens_in, **tenant))
+        if status != "ok":
+            return
+        hits = got[0][2]
+        self.held.extend(hits)
+        n_full = len(tokens) // self.oracle.block_size
+        if "extra_keys_per_block" in tenant:
+            n_full = min(n_full, len(tenant["extra_keys_per_block"]))
+        status, new = self.run(lambda a: a.allocate_many(n_full - len(hits)),
+                               unchanged_on=lambda r: r is None)
+        if status != "ok" or new is None:
+            return
+        self.held.extend(new[2])
+        ids = np.array(hits + new[2], dtype=np.int32)
+        self.run(lambda a: a.cache_full_blocks(tokens_in, ids, **tenant))
+        assert np.asarray(tokens_in).tolist() == tokens
+        if data.draw(st.booleans(), label="finish"):
+            assert self.run(lambda a: a.free_many(ids[::-1])) == ("ok", None)
+            for block_id in ids.tolist():
+                self.held.remove(block_id)
 
     @rule(data=st.data())
     def find_longest_cache_hit(self, data):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         status, got = self.run(lambda a: a.find_longest_cache_hit(
-            tokens, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+            tokens_in, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
         if status == "ok":
             self.held.extend(got[0][2])
 
@@ -235,14 +302,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
-        self.run(lambda a: a.chain_hashes(np.array(tokens, dtype=np.int64),
+        tokens_in = self.token_input(data, tokens)
+        self.run(lambda a: a.chain_hashes(tokens_in,
                                           extra_keys=extra_keys, extra_keys_per_block=per_block,
                                           cache_salt=salt))
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def register_prefix(self, data):
-        block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        if data.draw(st.integers(0, 9), label="unowned") == 0:
+            block_id = self.any_id(data)
+        else:
+            block_id = data.draw(st.sampled_from(self.held), label="block_id")
         block_hash, identity = self.draw_entry(data)
         self.run(lambda a: a.register_prefix(block_id, block_hash, identity),
                  unchanged_on=lambda r: r == ("bool", False))
@@ -287,13 +358,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.run(lambda a: a.publish_restored_batch(entries),
                  unchanged_on=lambda r: r == ("bool", False))
 
-    @rule()
-    def purge_prefix_cache(self):
-        self.run(lambda a: a.purge_prefix_cache())
-
-    @rule(n=st.integers(-1, 9))
-    def set_prefix_cache_capacity(self, n):
-        self.run(lambda a: a.set_prefix_cache_capacity(n))
+    @rule(purge=st.booleans(), n=st.integers(-1, 9))
+    def shrink_prefix_cache(self, purge, n):
+        """Purge or a capacity override (one rule, so they do not empty the cache too often)."""
+        if purge:
+            self.run(lambda a: a.purge_prefix_cache())
+        else:
+            self.run(lambda a: a.set_prefix_cache_capacity(n))
 
     @rule(k=st.integers(-1, 3))
     def grow_by(self, k):
@@ -305,7 +376,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def implementations_agree(self):
         if not self.allocs:
             return
-        snapshots = _comparable([observables(a) for a in self.allocs])
+        snapshots = [observables(a) for a in self.allocs]
         for alloc, snap in zip(self.allocs[1:], snapshots[1:]):
             assert snap == snapshots[0], f"{type(alloc).__module__} diverged from the reference"
         refs = {}

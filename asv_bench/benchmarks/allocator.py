@@ -11,10 +11,10 @@ Run without asv: ``cd asv_bench && python -m benchmarks.allocator``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import ClassVar
 
 import numpy as np
 import xxhash
-
 from pagedkv.allocator import BlockAllocator
 
 BLOCK_SIZE = 16
@@ -102,7 +102,7 @@ def _cached_chain(pool, blocks: int):
 class AllocateFree:
     """allocate+free; targets ≤ 40 ns/block at n=256, ≤ 300 ns per single-block call."""
 
-    per_unit = {"time_batch_256": (BATCH, "ns/block"),
+    per_unit: ClassVar[dict[str, tuple[int, str]]] = {"time_batch_256": (BATCH, "ns/block"),
                 "time_batch_256_baseline": (BATCH, "ns/block"),
                 "time_single": (2, "ns/call"), "time_single_baseline": (2, "ns/call")}
 
@@ -127,7 +127,7 @@ class LongestHit:
     """Longest verified hit over a cached 2048-block chain; target ≤ 40 ns/block. The
     returned references are kept (refcounts only grow), so only the lookup is timed."""
 
-    per_unit = {"time_longest_hit_2048": (CHAIN_BLOCKS, "ns/block"),
+    per_unit: ClassVar[dict[str, tuple[int, str]]] = {"time_longest_hit_2048": (CHAIN_BLOCKS, "ns/block"),
                 "time_longest_hit_2048_baseline": (CHAIN_BLOCKS, "ns/block")}
 
     def setup(self):
@@ -151,7 +151,7 @@ class EvictingAllocate:
     number = 8
     repeat = 10
     warmup_time = 0
-    per_unit = {"time_allocate_evicting_256": (BATCH, "ns/block"),
+    per_unit: ClassVar[dict[str, tuple[int, str]]] = {"time_allocate_evicting_256": (BATCH, "ns/block"),
                 "time_allocate_evicting_256_baseline": (BATCH, "ns/block")}
 
     def setup(self):

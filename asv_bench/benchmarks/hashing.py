@@ -9,9 +9,10 @@ Run without asv: ``cd asv_bench && python -m benchmarks.hashing``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import xxhash
-
 from pagedkv import hashing
 
 TOKENS = 32_768
@@ -30,7 +31,7 @@ def python_chain_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
 
 
 class ChainHashes:
-    per_unit = {"time_chain_hashes_32k": (1, "us/call"),
+    per_unit: ClassVar[dict[str, tuple[int, str]]] = {"time_chain_hashes_32k": (1, "us/call"),
                 "time_chain_hashes_32k_wheel": (1, "us/call"),
                 "time_chain_hashes_32k_baseline": (1, "us/call")}
 

@@ -160,6 +160,7 @@ class PagedKVCacheAdapter:
         self._captured = np.zeros(rows, np.bool_)
         self._aux_unbacked = np.zeros(rows, np.bool_)
         self._sidecar: list[Any] = [None] * rows
+        self._capture_outcome: list[Any] = [None] * rows
         self._row_of: dict[Hashable, int] = {}
         self._seq_of: list[Hashable | None] = [None] * rows
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -188,16 +189,17 @@ class PagedKVCacheAdapter:
                 f"live sequences: {len(self._row_of)}") from None
 
     def _rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
-        """Rows of ``seq_ids`` as intp; cached for the same id list while no row changes."""
-        key = tuple(seq_ids)
+        """Rows of ``seq_ids`` as intp; cached for the same id list while no row changes, so a
+        decode loop over a stable batch resolves its rows once."""
+        key = seq_ids if type(seq_ids) is tuple else tuple(seq_ids)
         cache = self._rows_cache
-        if cache is not None and cache[1] == self._row_map_version and cache[0] == key:
+        if cache is not None and cache[1] == self._row_map_version and (
+                cache[0] is key or cache[0] == key):
             return cache[2]
-        row_of = self._row_of
         try:
-            rows = np.fromiter((row_of[s] for s in key), np.intp, len(key))
+            rows = np.fromiter(map(self._row_of.__getitem__, key), np.intp, len(key))
         except (KeyError, TypeError):
-            unknown = [s for s in key if s not in row_of]
+            unknown = [s for s in key if s not in self._row_of]
             raise PagedKVError(f"seq_ids {unknown!r} have no table: call reset_for_new_request "
                                "for each first") from None
         if len(set(key)) != len(key):
@@ -229,6 +231,7 @@ class PagedKVCacheAdapter:
                      "_registered", "_finalized", "_captured", "_aux_unbacked"):
             setattr(self, name, grown(getattr(self, name), 0))
         self._sidecar.extend([None] * (rows - old))
+        self._capture_outcome.extend([None] * (rows - old))
         self._seq_of.extend([None] * (rows - old))
         self._free_rows[:0] = range(rows - 1, old - 1, -1)
 
@@ -255,6 +258,7 @@ class PagedKVCacheAdapter:
         self._captured[row] = False
         self._aux_unbacked[row] = False
         self._sidecar[row] = None
+        self._capture_outcome[row] = None
 
     # --- reservations and growth ---------------------------------------------------------
 
@@ -440,15 +444,15 @@ class PagedKVCacheAdapter:
         """The kernel inputs of one decode step, after its :meth:`record_decode_tokens`."""
         rows = self._rows(seq_ids)
         lens = self._num_tokens[rows]
-        if len(rows) and int(lens.min()) == 0:
+        last = lens - 1
+        if len(rows) and int(last.min()) < 0:
             empty = [self._seq_of[r] for r in rows[lens == 0]]
             raise InvalidArgument(f"seq_ids {empty!r} hold no tokens: record_tokens first")
+        bs = self.block_size
         width = int(self._num_blocks[rows].max(initial=0))
         tables = self._table[rows, :width]
-        last = lens - 1
-        bs = self.block_size
-        slots = tables[np.arange(len(rows)), last // bs].astype(np.int64) * bs + last % bs
-        return DecodeBatch(tables, lens.copy(), slots, self.pool.generation)
+        slots = self._table[rows, last // bs].astype(np.int64) * bs + last % bs
+        return DecodeBatch(tables, lens, slots, self.pool.generation)
 
     def check_batch(self, batch: DecodeBatch) -> None:
         """``StaleBlockTable`` unless ``batch`` (or a ``block_tables_array`` result's
@@ -534,6 +538,14 @@ class PagedKVCacheAdapter:
         return self.pool.gather(layer, self._table[row, :self._blocks_for(n)], n,
                                 generation=generation)
 
+    def gather_kv_layers(self, seq_id: Hashable, *, generation: int | None = None):
+        """All layers at once: ``(k_layers, v_layers)``, ``[num_layers, num_tokens, kv_heads,
+        head_dim]`` each, every layer's slice C-contiguous (one gather per array)."""
+        row = self._row(seq_id)
+        n = int(self._num_tokens[row])
+        return self.pool.gather_layers(self._table[row, :self._blocks_for(n)], n,
+                                       generation=generation)
+
     # --- registration, release, turns ----------------------------------------------------
 
     def _register(self, row: int, call: str, extra_keys, extra_keys_per_block, cache_salt) -> int:
@@ -551,7 +563,9 @@ class PagedKVCacheAdapter:
         self._counters["registered_blocks"] += new
         if self.cold_tier is not None and not self._captured[row] and full:
             self._captured[row] = True
-            self._cold_capture(tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block)
+            # Copies: the cold writer may keep them after this row is reused.
+            self._capture_outcome[row] = self._cold_capture(
+                tokens.copy(), block_ids, cache_salt, extra_keys, extra_keys_per_block)
         return new
 
     def register_full_blocks_for_reuse(self, seq_id: Hashable, *, extra_keys: Sequence[int] = (),
@@ -634,8 +648,12 @@ class PagedKVCacheAdapter:
                      max_cached_tokens: int | None = None) -> TurnPlan:
         """Continue the live table when the prompt extends it, else reset + lookup + allocate.
 
-        The last prompt token is always recomputed (``max_cached_tokens`` defaults to
-        ``len(prompt) - 1``). Any error releases the sequence, so no prefix reference leaks.
+        Continues (``CONTINUED_LIVE_PREFIX``) when ``reuse_live``, the table is finalized, the
+        prompt starts with its tokens and it holds at most ``max_cached_tokens`` (default
+        ``len(prompt) - 1``: the last prompt token is always recomputed). Otherwise, or when
+        the continuation runs out of blocks (``CONTINUE_FAILED_RESET``), the sequence is
+        released and starts fresh (``FRESH_RESET``). Any error releases the sequence, so no
+        prefix reference leaks.
         """
         toks = _as_tokens(prompt, "prompt")
         limit = len(toks) - 1 if max_cached_tokens is None else max_cached_tokens
@@ -643,14 +661,12 @@ class PagedKVCacheAdapter:
         row = self._row_of.get(seq_id)
         if reuse_live and row is not None and self._finalized[row]:
             prior = int(self._num_tokens[row])
-            if prior <= limit:
+            if prior <= limit and prior <= len(toks) and np.array_equal(
+                    toks[:prior], self._tokens[row, :prior]):
                 try:
                     _, new = self.continue_turn(seq_id, toks, total_tokens)
                     return TurnPlan(TurnPlanReason.CONTINUED_LIVE_PREFIX, prior, new)
                 except ContextLengthExceeded:
-                    self.release_request(seq_id)
-                    raise
-                except PagedKVError:
                     reason = TurnPlanReason.CONTINUE_FAILED_RESET
         try:
             self.reset_for_new_request(seq_id)
@@ -689,6 +705,11 @@ class PagedKVCacheAdapter:
     def aux_prefix_unbacked(self, seq_id: Hashable) -> bool:
         return bool(self._aux_unbacked[self._row(seq_id)])
 
+    def cold_capture_outcome(self, seq_id: Hashable):
+        """What the cold tier's ``capture`` returned for this request's registration (``None``
+        before it ran, without a cold tier, or when it failed)."""
+        return self._capture_outcome[self._row(seq_id)]
+
     def take_restored_sidecar(self, seq_id: Hashable):
         """Move the restored sidecar out (valid for exactly ``cached_token_count`` tokens)."""
         row = self._row(seq_id)
@@ -711,14 +732,21 @@ class PagedKVCacheAdapter:
                     extra_keys, extra_keys_per_block, len(tokens) // self.block_size),
                 pool=self.pool, allocator=self.allocator)
             extra = np.asarray(extra, np.int32).reshape(-1)
-            if (len(hot) + len(extra)) * self.block_size > len(tokens):
-                raise InvalidArgument(f"cold restore returned {len(extra)} blocks past a "
-                                      f"{len(hot)}-block hot hit of a {len(tokens)}-token lookup")
-            return extra
         except Exception:
             self._counters["cold_restore_errors"] += 1
             log.exception("cold tier restore failed; continuing with the hot hit only")
             return _EMPTY_IDS
+        if (len(hot) + len(extra)) * self.block_size > len(tokens):
+            self._counters["cold_restore_errors"] += 1
+            log.error("cold tier restore returned %d blocks past a %d-block hot hit of a "
+                      "%d-token lookup; refused", len(extra), len(hot), len(tokens))
+            try:
+                # The caller owns one reference on each returned block: give them back.
+                self.allocator.free_many(extra)
+            except Exception:
+                log.exception("cold tier restore: could not release the refused blocks")
+            return _EMPTY_IDS
+        return extra
 
     def _cold_capture(self, tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block):
         try:
@@ -726,12 +754,13 @@ class PagedKVCacheAdapter:
             hashes = self.allocator.chain_hashes(
                 tokens, extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                 cache_salt=cache_salt)
-            self.cold_tier.capture(
+            return self.cold_tier.capture(
                 tokens=tokens, block_ids=block_ids, hashes=hashes, cache_salt=cache_salt,
                 extra_keys_per_block=per_block, pool=self.pool, allocator=self.allocator)
         except Exception:
             self._counters["cold_capture_errors"] += 1
             log.exception("cold tier capture failed; the hot cache is unaffected")
+            return None
 
     # --- read-only views -----------------------------------------------------------------
 

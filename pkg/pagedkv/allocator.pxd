@@ -53,7 +53,7 @@ cdef class BlockAllocator:
     cdef object _records          # BLOCK_DTYPE[max_num_blocks]
     cdef object _token_ids        # uint32[max_num_blocks, block_size]
     cdef object _slots            # PREFIX_SLOT_DTYPE[table_size], power of two
-    cdef object _multiplicity     # int32[max_num_blocks] scratch for free_many (all zero between calls)
+    cdef object _multiplicity     # int32[max_num_blocks] free_many scratch, zero between calls
     cdef pkv_block_record* blocks
     cdef uint32_t* tokens
     cdef pkv_prefix_slot* slots
@@ -119,8 +119,10 @@ cdef class BlockAllocator:
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
                              Py_ssize_t index, uint64_t salt) except 0
     cdef int ensure_scratch(self, Py_ssize_t key_count) except -1
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
-                                  uint64_t salt, int32_t* out) except -1
+                                  uint64_t salt, bint native, int32_t* out) except -1 nogil
     cdef int32_t check_block_id(self, object block_id, str name) except -1
     cdef int check_identity(self, object identity, IdentityView* out, list keep) except -1
     cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept

@@ -21,7 +21,6 @@ import secrets
 
 import numpy as np
 
-cimport cython
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -80,41 +79,54 @@ BLOCK_NULL = PKV_BLOCK_NULL
 STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evictions",
               "collisions_rejected", "grows")
 
-_BLOCK_FIELDS = BLOCK_DTYPE.names
-_SLOT_FIELDS = PREFIX_SLOT_DTYPE.names
-
 cdef extern from *:
     """
     #include <stddef.h>
     #include "pagedkv/records.h"
-    /* offsetof for the layout test, in the field order of BLOCK_DTYPE / PREFIX_SLOT_DTYPE */
-    static const Py_ssize_t pkv_block_record_offsets[13] = {
-        offsetof(pkv_block_record, hot_hash), offsetof(pkv_block_record, parent_hash),
-        offsetof(pkv_block_record, cache_salt), offsetof(pkv_block_record, block_index),
-        offsetof(pkv_block_record, extra_keys_digest), offsetof(pkv_block_record, refcount),
-        offsetof(pkv_block_record, token_count), offsetof(pkv_block_record, lru_prev),
-        offsetof(pkv_block_record, lru_next), offsetof(pkv_block_record, free_prev),
-        offsetof(pkv_block_record, free_next), offsetof(pkv_block_record, flags),
-        offsetof(pkv_block_record, extra_keys_digest_len)};
-    static const Py_ssize_t pkv_prefix_slot_offsets[3] = {
-        offsetof(pkv_prefix_slot, key), offsetof(pkv_prefix_slot, block),
-        offsetof(pkv_prefix_slot, _pad)};
+    /* sizeof/offsetof as this C compiler lays the records out, field names spelled in C
+       so the layout test pairs each dtype field with the struct member of that name. */
+    typedef struct { const char *name; Py_ssize_t offset; } pkv_field_offset;
+    #define PKV_FIELD(T, F) { #F, (Py_ssize_t)offsetof(T, F) }
+    static const pkv_field_offset pkv_block_record_fields[] = {
+        PKV_FIELD(pkv_block_record, hot_hash), PKV_FIELD(pkv_block_record, parent_hash),
+        PKV_FIELD(pkv_block_record, cache_salt), PKV_FIELD(pkv_block_record, block_index),
+        PKV_FIELD(pkv_block_record, extra_keys_digest), PKV_FIELD(pkv_block_record, refcount),
+        PKV_FIELD(pkv_block_record, token_count), PKV_FIELD(pkv_block_record, lru_prev),
+        PKV_FIELD(pkv_block_record, lru_next), PKV_FIELD(pkv_block_record, free_prev),
+        PKV_FIELD(pkv_block_record, free_next), PKV_FIELD(pkv_block_record, flags),
+        PKV_FIELD(pkv_block_record, extra_keys_digest_len)};
+    static const pkv_field_offset pkv_prefix_slot_fields[] = {
+        PKV_FIELD(pkv_prefix_slot, key), PKV_FIELD(pkv_prefix_slot, block),
+        PKV_FIELD(pkv_prefix_slot, _pad)};
+    #define PKV_N_BLOCK_FIELDS (sizeof pkv_block_record_fields / sizeof pkv_block_record_fields[0])
+    #define PKV_N_SLOT_FIELDS (sizeof pkv_prefix_slot_fields / sizeof pkv_prefix_slot_fields[0])
     """
-    const Py_ssize_t pkv_block_record_offsets[13]
-    const Py_ssize_t pkv_prefix_slot_offsets[3]
+    ctypedef struct pkv_field_offset:
+        const char* name
+        Py_ssize_t offset
+    const pkv_field_offset pkv_block_record_fields[]
+    const pkv_field_offset pkv_prefix_slot_fields[]
+    Py_ssize_t PKV_N_BLOCK_FIELDS
+    Py_ssize_t PKV_N_SLOT_FIELDS
+
+
+cdef dict _fields(const pkv_field_offset* fields, Py_ssize_t n, Py_ssize_t itemsize):
+    cdef Py_ssize_t i
+    out = {"itemsize": itemsize}
+    for i in range(n):
+        out[fields[i].name.decode("ascii")] = fields[i].offset
+    return out
 
 
 def _c_layout():
     """``sizeof``/``offsetof`` of the records.h structs as the C compiler laid them out:
-    ``{struct: {"itemsize": n, field: offset, ...}}``, fields named as in the dtypes."""
-    cdef Py_ssize_t i
-    block = {"itemsize": <Py_ssize_t>sizeof(pkv_block_record)}
-    for i in range(13):
-        block[_BLOCK_FIELDS[i]] = pkv_block_record_offsets[i]
-    slot = {"itemsize": <Py_ssize_t>sizeof(pkv_prefix_slot)}
-    for i in range(3):
-        slot[_SLOT_FIELDS[i]] = pkv_prefix_slot_offsets[i]
-    return {"pkv_block_record": block, "pkv_prefix_slot": slot}
+    ``{struct: {"itemsize": n, member: offset, ...}}``."""
+    return {
+        "pkv_block_record": _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS,
+                                    sizeof(pkv_block_record)),
+        "pkv_prefix_slot": _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS,
+                                   sizeof(pkv_prefix_slot)),
+    }
 
 
 cdef extern from *:
@@ -151,10 +163,11 @@ cdef inline bint _is_int(object v):
 
 
 cdef Py_ssize_t _count_arg(object n, str name) except -1:
+    """A count in [0, 2**31): block counts never exceed the int32 id range."""
     if not _is_int(n):
         raise InvalidArgumentType(f"{name} must be an int >= 0, got {type(n).__name__}")
-    if n < 0:
-        raise InvalidArgument(f"{name} = {n} must be >= 0")
+    if not 0 <= n <= 0x7FFFFFFF:
+        raise InvalidArgument(f"{name} = {n} is outside [0, 2**31)")
     return n
 
 
@@ -552,17 +565,18 @@ cdef class BlockAllocator:
         return h if h != 0 else 1
 
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
-                                  uint64_t salt, int32_t* out) except -1:
+                                  uint64_t salt, bint native, int32_t* out) except -1 nogil:
         """Length of the longest verified cached prefix of the n-block chain of ``t``; its
         blocks go to ``out``. A present hash with another identity ends the walk and counts
         as a collision. Works in groups of _WALK_GROUP blocks: hash the group, prefetch its
         prefix slots, resolve them and prefetch the blocks' records and token rows, then
-        verify, so the random memory accesses of a group overlap instead of queueing."""
+        verify, so the random memory accesses of a group overlap instead of queueing.
+        ``native``: hash through libxxhash without the GIL; otherwise each hash takes the
+        GIL (the ``_hash_fn`` hook or the xxhash wheel)."""
         cdef Py_ssize_t bs = self._block_size, base = 0, m, j, found, slot, i
         cdef uint64_t parent = 0, verified_parent = 0
         cdef uint64_t hashes[_WALK_GROUP]
         cdef int32_t blocks[_WALK_GROUP]
-        cdef bint native = self._hash_fn is None and xxh3_native()
         while base < n:
             m = min(<Py_ssize_t>_WALK_GROUP, n - base)
             for j in range(m):
@@ -572,7 +586,8 @@ cdef class BlockAllocator:
                                                keys.key_count(i), salt, i, self._seed,
                                                self.scratch)
                 else:
-                    parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                    with gil:
+                        parent = self.block_hash(parent, t + i * bs, keys, i, salt)
                 hashes[j] = parent
                 pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
             found = m
@@ -736,6 +751,8 @@ cdef class BlockAllocator:
 
     def can_allocate(self, n):
         """Whether ``n`` blocks can be handed out now (free + cache-only)."""
+        if _is_int(n) and n > 0x7FFFFFFF:
+            return False                    # more than any pool can hold
         cdef Py_ssize_t k = _count_arg(n, "n")
         return self.n_free >= k or self.n_free + self.n_evictable >= k
 
@@ -846,19 +863,24 @@ cdef class BlockAllocator:
         cdef cnp.ndarray tok = as_token_array(tokens)
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
-        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size), i
+        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size)
         cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
-        cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
+        self.hash_chain(<const uint32_t*>cnp.PyArray_DATA(tok), n, keys, salt, o)
+        return out
+
+    cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
+                        uint64_t* out) except -1:
+        """Chain hashes of n full blocks of ``t`` into ``out`` (the hook when one is set)."""
+        cdef Py_ssize_t i
         cdef uint64_t parent = 0
         if self._hash_fn is None:
-            chain_into(t, n, self._block_size, keys, salt, self._seed, o)
-            return out
+            return chain_into(t, n, self._block_size, keys, salt, self._seed, out)
         self.ensure_scratch(self.most_keys(keys, n))
         for i in range(n):
             parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
-            o[i] = parent
-        return out
+            out[i] = parent
+        return 0
 
     cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept:
         """The most extra keys any of the first n blocks has (sizes the hash scratch)."""
@@ -922,12 +944,16 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        self.st_query_tokens += <uint64_t>tok.shape[0]
+        cdef Py_ssize_t n_tokens = tok.shape[0]
+        cdef bint native
         if n == 0 or self.n_cached == 0:
+            self.st_query_tokens += <uint64_t>n_tokens
             return out[:0], 0
         self.ensure_scratch(self.most_keys(keys, n))
-        k = self.walk_verified(t, n, keys, salt, o)
+        native = self._hash_fn is None and xxh3_native()
         with nogil:
+            k = self.walk_verified(t, n, keys, salt, native, o)
+            self.st_query_tokens += <uint64_t>n_tokens
             for i in range(k):
                 self.incref_block(o[i])
             i = k - 1
@@ -971,12 +997,13 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        self.ensure_scratch(self.most_keys(keys, n))
-        cdef cnp.ndarray chain_keys = np.empty(n, dtype=np.uint64)
-        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain_keys)
+        # Hash the whole chain before changing anything: a failing hook leaves no trace.
+        cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
+        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain)
+        self.hash_chain(t, n, keys, salt, ck)
         for i in range(n):
             b = <int32_t>p[i]
-            h = self.block_hash(parent, t + i * bs, keys, i, salt)
+            h = ck[i]
             dptr = keys.digest_of(i)
             dlen = keys.digest_len(i)
             slot = self.pt_find(h)
@@ -992,7 +1019,6 @@ cdef class BlockAllocator:
                 self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
-            ck[accepted] = h
             accepted += 1
             parent = h
         # Deepest first, so block 0 ends most recent and eviction takes tails first. The
@@ -1052,7 +1078,8 @@ cdef class BlockAllocator:
             i = n - 1
             while i >= 0:
                 b = <int32_t>ids[i]
-                if self.blocks[b].flags & PKV_BLOCK_CACHED and self.blocks[b].hot_hash == <uint64_t>keys[i]:
+                if (self.blocks[b].flags & PKV_BLOCK_CACHED
+                        and self.blocks[b].hot_hash == <uint64_t>keys[i]):
                     self.lru_touch(b)
                 i -= 1
         finally:
@@ -1137,7 +1164,7 @@ cdef class BlockAllocator:
             if i >= nb:
                 if r.flags or r.refcount:
                     _fail(f"block {i} beyond num_blocks={nb} has flags={r.flags} "
-                         f"refcount={r.refcount}")
+                          f"refcount={r.refcount}")
                 continue
             if r.flags & PKV_BLOCK_NULL:
                 if i != self._null_block or r.flags != PKV_BLOCK_NULL:
@@ -1147,7 +1174,7 @@ cdef class BlockAllocator:
                 free_seen += 1
                 if r.refcount != 0 or r.flags & PKV_BLOCK_CACHED:
                     _fail(f"free block {i} has refcount {r.refcount}, flags {r.flags} "
-                         f"(invariant 1: free xor allocated)")
+                          f"(invariant 1: free xor allocated)")
             else:
                 if r.refcount < 1:
                     _fail(f"block {i} is neither free nor allocated (refcount {r.refcount})")
@@ -1161,7 +1188,7 @@ cdef class BlockAllocator:
                 found = self.pt_find(r.hot_hash)
                 if found < 0 or self.slots[found].block != i:
                     _fail(f"cached block {i} (hash {r.hot_hash:#x}) is not what the prefix "
-                         f"table maps its hash to (invariant 4)")
+                          f"table maps its hash to (invariant 4)")
         if free_seen != self.n_free:
             _fail(f"{free_seen} blocks flagged free but num_free_blocks={self.n_free}")
         if alloc_seen != self.n_allocated:
@@ -1215,7 +1242,7 @@ cdef class BlockAllocator:
             if not 0 <= b < nb or not (self.blocks[b].flags & PKV_BLOCK_CACHED) or \
                     self.blocks[b].hot_hash != self.slots[j].key:
                 _fail(f"prefix slot {j} (hash {self.slots[j].key:#x} -> block {b}) has no "
-                     f"matching cached block (invariant 4)")
+                      f"matching cached block (invariant 4)")
             home = (self.slots[j].key * _FIB) >> self.slot_shift
             while home != j:
                 if self.slots[home].block == _NO:

@@ -7,7 +7,9 @@ separate, stable SHA-256 format and live in :mod:`pagedkv.cold`.
 
 One block hashes this little-endian buffer with XXH3-64 (a result of 0 becomes 1)::
 
-    parent u64 | tokens u32 * bs | extra-key count u64 | keys u64 * count | salt u64 (block 0, salt != 0)
+    parent u64 | tokens u32 * bs | extra-key count u64 | keys u64 * count | salt u64
+
+(the salt only on block 0 and only when it is non-zero).
 
 XXH3 is called from C through the system libxxhash when the build found it
 (``XXH3_SOURCE == "libxxhash"``), else through the ``xxhash`` wheel

@@ -14,8 +14,10 @@ import sys
 # Subcommand modules, in the order `pagedkv --help` lists them.
 COMMANDS = (
     "pagedkv.cli.config",
+    "pagedkv.cli.demo",
     "pagedkv.cli.inspect",
     "pagedkv.cli.convert",
+    "pagedkv.cli.cold",
 )
 
 

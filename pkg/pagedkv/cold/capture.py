@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.cold.codec import BlockGeometry, block_checksum
+from pagedkv.cold.codec import BlockGeometry
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
 from pagedkv.hashing import as_token_array
 from pagedkv.cold.writer import BlockJob
+from pagedkv.errors import InvalidArgument
 
 __all__ = ["CaptureStop", "CaptureOutcome", "capture_and_enqueue_before", "capture_walk"]
 
@@ -56,22 +57,25 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
                                deadline: float, *, fingerprint_hex: str,
                                geometry: BlockGeometry) -> bool:
     """Copy one block out of the pool into a buffer the job owns (the block is held by an
-    extra reference meanwhile, released always), checksum it, and offer it until
-    ``deadline``. A pool read failure raises and enqueues nothing."""
-    buffer = np.empty((geometry.num_layers, 2, geometry.slab_bytes), dtype=np.uint8)
+    extra reference meanwhile, released always) and offer it until ``deadline``. A pool
+    read failure raises and enqueues nothing."""
+    if len(tokens) != geometry.block_size:
+        raise InvalidArgument(f"tokens has {len(tokens)} tokens; only full blocks of "
+                              f"block_size = {geometry.block_size} are persisted")
+    buffer = tier.writer.take_buffer((geometry.num_layers, 2, geometry.slab_bytes))
     held = _hold(allocator, block_id)
     try:
         out = pool.read_block(int(block_id), out=buffer)
     finally:
         if held:
             allocator.free(block_id)
-    if out is not buffer:
+    recycle = out is buffer
+    if not recycle:
         buffer = np.ascontiguousarray(out, dtype=np.uint8)
     toks = np.array(tokens, dtype=np.uint32)  # the job owns its tokens
-    # Checksummed here (hashlib drops the GIL) so the writer's service time is the bare
-    # protocol (§7.4).
-    checksum = block_checksum(tier.payload_tag, geometry, toks, buffer)
-    job = BlockJob(key, fingerprint_hex, geometry, toks, buffer, checksum)
+    # The checksum is left to the writer's hashing stage: SHA-256 of a 200 KB block alone
+    # would take most of the 0.25 ms this thread may spend per block (§7.4).
+    job = BlockJob(key, fingerprint_hex, geometry, toks, buffer, recycle=recycle)
     return tier.enqueue_before(job, deadline)
 
 

@@ -22,7 +22,7 @@ from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
-__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS"]
+__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS", "LOAD_AHEAD_BLOCKS"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -50,18 +50,55 @@ class RestoreOutcome:
     decline: RestoreDecline | None = None
 
 
-def _restore_block(tier, key: bytes, fp_hex: str, geometry: BlockGeometry, want_tokens,
-                   pool, allocator, buffer: bytearray):
-    """Load, verify and upload one block into a new unpublished block.
-    Returns ``(block_id, nbytes)`` or ``None`` after counting exactly one miss."""
-    block = tier.store.load_block(key, fingerprint_hex=fp_hex, expected=geometry,
-                                  buffer=buffer)
-    if block is None:
-        return None  # load_block counted the miss
+#: Blocks loaded and verified ahead of the one being uploaded (on the tier's loader thread:
+#: reading and SHA-256 release the GIL, so they overlap the upload of the previous block).
+LOAD_AHEAD_BLOCKS = 2
+
+
+class _LoadAhead:
+    """Loads ``keys[idx]`` for ``idx`` in ``[start, stop)`` in order, up to
+    ``LOAD_AHEAD_BLOCKS`` ahead, each into its own buffer. A buffer is reused only after the
+    walk is done with the block that used it."""
+
+    def __init__(self, tier, keys, start: int, stop: int, fp_hex: str,
+                 geometry: BlockGeometry) -> None:
+        self.tier, self.keys, self.stop, self.fp_hex, self.geometry = \
+            tier, keys, stop, fp_hex, geometry
+        self.buffers = [bytearray(geometry.bound + 1) for _ in range(LOAD_AHEAD_BLOCKS + 1)]
+        self.pending: dict[int, object] = {}
+        self.next = start
+        self.ahead = LOAD_AHEAD_BLOCKS
+        self.executor = tier.loader() if self.ahead else None
+
+    def _load(self, idx: int):
+        return self.tier.store.load_block(self.keys[idx], fingerprint_hex=self.fp_hex,
+                                          expected=self.geometry,
+                                          buffer=self.buffers[idx % len(self.buffers)])
+
+    def get(self, idx: int):
+        """The verified block ``idx`` (a ``DecodedBlock``) or ``None`` (a counted miss)."""
+        if self.executor is None:  # LOAD_AHEAD_BLOCKS == 0: load on the calling thread
+            return self._load(idx)
+        while self.next < min(idx + self.ahead, self.stop):
+            self.pending[self.next] = self.executor.submit(self._load, self.next)
+            self.next += 1
+        return self.pending.pop(idx).result()
+
+    def close(self) -> None:
+        """Wait for loads already running (their counters settle before the walk returns)
+        and drop the rest."""
+        for fut in self.pending.values():
+            if not fut.cancel():
+                fut.result()
+        self.pending.clear()
+
+
+def _upload(tier, block, want_tokens, pool, allocator):
+    """Check the tokens, allocate and write one verified block, unpublished.
+    Returns the block id or ``None`` after counting exactly one miss."""
     if not np.array_equal(block.tokens, want_tokens):
         tier.counters.add("misses")
-        log.warning("cold tier: object %s holds other tokens than its key's chain",
-                    key.hex()[:16])
+        log.warning("cold tier: an object holds other tokens than its key's chain")
         return None
     block_id = allocator.allocate()
     if block_id is None:
@@ -74,7 +111,7 @@ def _restore_block(tier, key: bytes, fp_hex: str, geometry: BlockGeometry, want_
         tier.counters.add("misses")
         log.warning("cold tier: upload of restored block failed: %s", exc)
         return None
-    return int(block_id), block.nbytes
+    return int(block_id)
 
 
 def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: int = 0,
@@ -110,27 +147,36 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
     if ceiling == base:
         return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0)
     limit = ceiling
-    fp_hex = fingerprint.hex()
-    buffer = bytearray(geometry.bound + 1)  # reused: each block is uploaded before the next load
     taken: list[tuple[int, int]] = []
-    for idx in range(base, limit):
-        got = _restore_block(tier, keys[idx], fp_hex, geometry, lookup[idx * bs:(idx + 1) * bs],
-                             pool, allocator, buffer)
-        if got is None:
-            break
-        taken.append(got)
+    loads = _LoadAhead(tier, keys, base, limit, fingerprint.hex(), geometry)
+    try:
+        for idx in range(base, limit):
+            block = loads.get(idx)
+            if block is None:
+                break  # load_block counted the miss
+            block_id = _upload(tier, block, lookup[idx * bs:(idx + 1) * bs], pool, allocator)
+            if block_id is None:
+                break
+            taken.append((block_id, block.nbytes))
+    except Exception as exc:  # never leak what was taken, never raise into inference
+        log.warning("cold tier: restore walk stopped: %s", exc)
+        tier.counters.add("misses")
+    finally:
+        loads.close()
     if not taken:
         return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, (time.monotonic() - t0) * 1e3)
-    keys_per_block = per_block_extra_keys(base + len(taken), extra_keys, extra_keys_per_block)
-    entries = []
-    for j, (block_id, _) in enumerate(taken):
-        idx = base + j
-        identity = BlockIdentity(lookup[idx * bs:(idx + 1) * bs],
-                                 int(hashes[idx - 1]) if idx else 0,
-                                 extra_keys_digest(keys_per_block[idx]), int(cache_salt), idx)
-        entries.append(RestoredBlock(block_id, int(hashes[idx]), identity))
     ids = np.fromiter((b for b, _ in taken), dtype=np.int32, count=len(taken))
     try:
+        keys_per_block = per_block_extra_keys(base + len(taken), extra_keys,
+                                              extra_keys_per_block)
+        entries = []
+        for j, block_id in enumerate(ids):
+            idx = base + j
+            identity = BlockIdentity(lookup[idx * bs:(idx + 1) * bs],
+                                     int(hashes[idx - 1]) if idx else 0,
+                                     extra_keys_digest(keys_per_block[idx]), int(cache_salt),
+                                     idx)
+            entries.append(RestoredBlock(int(block_id), int(hashes[idx]), identity))
         published = bool(allocator.publish_restored_batch(entries))
     except Exception as exc:
         log.warning("cold tier: publish_restored_batch raised: %s", exc)

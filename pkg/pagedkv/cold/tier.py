@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,8 @@ class ColdTier:
                                                                        budget_ms)
         self.last_capture: CaptureOutcome | None = None
         self.last_restore: RestoreOutcome | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._loader_lock = threading.Lock()
 
     # --- opening -------------------------------------------------------------------------
 
@@ -139,6 +142,11 @@ class ColdTier:
         return self.store.load_block(key, fingerprint_hex=fp.hex(),
                                      expected=BlockGeometry.of(geometry))
 
+    def load_sidecar(self, key: bytes, layout, fingerprint: bytes | None = None):
+        """Bounded, verified load of a sidecar of exactly ``layout``, or ``None`` (a miss)."""
+        fp = fingerprint if fingerprint is not None else self._fingerprint()
+        return self.store.load_sidecar(key, layout, fingerprint_hex=fp.hex())
+
     def enqueue(self, job) -> bool:
         return self.writer.enqueue(job)
 
@@ -156,9 +164,20 @@ class ColdTier:
     def drain(self, timeout: float = 5.0) -> bool:
         return self.writer.drain(timeout)
 
+    def loader(self) -> ThreadPoolExecutor:
+        """The restore walk's load-ahead thread (``pagedkv-cold-restore``), made on first use."""
+        with self._loader_lock:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-cold-restore")
+            return self._loader
+
     def close(self, timeout: float = 5.0) -> None:
         """Persist what is queued (up to ``timeout``), stop the writer, close the root."""
         ended = self.writer.close(timeout)
+        with self._loader_lock:
+            if self._loader is not None:
+                self._loader.shutdown(wait=True)
+                self._loader = None
         if ended:
             self.store.close()
 

@@ -1,8 +1,13 @@
-"""The writer thread and its bounded job queue (cold-tier.md §7.1).
+"""The writer pipeline and its bounded job queue (cold-tier.md §7.1, §7.4).
 
-Jobs are encoded and committed on one daemon thread, ``pagedkv-cold-writer``, in FIFO
-order. The queue only bounds host memory (``depth`` × object size); waiting for a slot is
-the caller's choice (``enqueue_before``). Nothing here raises into inference except
+Two daemon threads work in FIFO order: ``pagedkv-cold-hasher`` takes a job from the bounded
+queue, computes its payload checksum (unless capture did) and encodes its header;
+``pagedkv-cold-writer`` runs the atomic write protocol. SHA-256 of a 200 KB block is too
+large a share of a ~0.5 ms fsync floor to sit in series with the write, and too large for
+the inference thread's capture budget, so it runs one object ahead of the write (hashlib
+and the file syscalls release the GIL). The hand-off between the stages holds one object:
+memory stays bounded by ``depth + 2`` objects. Commit order, the protocol and the counters
+are those of a single writer. Nothing here raises into inference except
 :class:`ColdTierClosed` for a job offered after ``close()``.
 """
 
@@ -16,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv.cold.codec import BlockGeometry, encode_block
+from pagedkv.cold.codec import BlockGeometry, encode_block, encode_sidecar
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore
-from pagedkv.errors import ColdTierClosed, FormatError, InvalidArgument, PagedKVError
+from pagedkv.errors import ColdTierClosed, InvalidArgument
 
-__all__ = ["BlockJob", "Barrier", "ColdWriter"]
+__all__ = ["BlockJob", "SidecarJob", "Barrier", "ColdWriter"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -34,7 +39,7 @@ _ENQUEUE_RETRY_S = 0.001
 class BlockJob:
     """One KV block to persist. ``tokens`` (``uint32[bs]``) and ``buffer``
     (``uint8[layers, 2, slab_bytes]``) are owned by the job; ``checksum`` is the payload
-    checksum when capture already computed it (else the writer does)."""
+    checksum if the producer already has it (else the hashing stage computes it)."""
 
     key: bytes
     fingerprint_hex: str
@@ -43,9 +48,31 @@ class BlockJob:
     buffer: np.ndarray
     checksum: str | None = None
     group: ColdGroup = ColdGroup.KV
+    #: The buffer came from ``ColdWriter.take_buffer`` and goes back after the commit.
+    recycle: bool = False
 
     def __repr__(self) -> str:
         return f"BlockJob(key={self.key.hex()[:16]}..., {self.geometry!r})"
+
+
+@dataclass
+class SidecarJob:
+    """One sidecar to persist: ``payload`` is ``uint8[tensor_count, bytes_per_tensor]`` of
+    ``layout`` (a ``ColdSidecarLayout``), owned by the job."""
+
+    key: bytes
+    fingerprint_hex: str
+    layout: object
+    payload: np.ndarray
+
+    @property
+    def group(self) -> ColdGroup:
+        return self.layout.group
+
+    recycle = False
+
+    def __repr__(self) -> str:
+        return f"SidecarJob(key={self.key.hex()[:16]}..., {self.layout!r})"
 
 
 @dataclass
@@ -68,12 +95,20 @@ class _BoundedFifo:
         self.held = False
         self.stopped = False
 
+    def put_wait(self, job) -> None:
+        """Put, waiting for room (the hand-off between the two stages)."""
+        with self._cv:
+            while len(self._items) >= self.depth and not self.stopped:
+                self._cv.wait()
+            self._items.append(job)
+            self._cv.notify_all()
+
     def put_nowait(self, job) -> bool:
         with self._cv:
             if len(self._items) >= self.depth:
                 return False
             self._items.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
             return True
 
     def get(self):
@@ -81,7 +116,11 @@ class _BoundedFifo:
         with self._cv:
             while (self.held or not self._items) and not (self.stopped and not self._items):
                 self._cv.wait()
-            return self._items.popleft() if self._items else None
+            if not self._items:
+                return None
+            job = self._items.popleft()
+            self._cv.notify_all()  # a waiting put_wait may proceed
+            return job
 
     def set_held(self, held: bool) -> None:
         with self._cv:
@@ -109,14 +148,22 @@ class ColdWriter:
         self.counters = counters
         self.queue_depth = int(queue_depth)
         self._queue = _BoundedFifo(self.queue_depth)
+        self._handoff = _BoundedFifo(1)
         self._closed = False
         self._failed_since_barrier = False
         #: Test hooks: seconds slept per object, and how many next jobs to fail.
         self.service_delay_s = 0.0
         self.fail_next_jobs = 0
-        self._thread = threading.Thread(target=self._run, name="pagedkv-cold-writer",
+        # Capture buffers come back here after their commit: a fresh 200 KB array is a fresh
+        # mmap whose page faults the inference thread would pay on every capture.
+        self._spare: list[np.ndarray] = []
+        self._spare_lock = threading.Lock()
+        self._hasher = threading.Thread(target=self._run_hasher, name="pagedkv-cold-hasher",
+                                        daemon=True)
+        self._thread = threading.Thread(target=self._run_writer, name="pagedkv-cold-writer",
                                         daemon=True)
         if start:
+            self._hasher.start()
             self._thread.start()
 
     def __repr__(self) -> str:
@@ -161,6 +208,19 @@ class ColdWriter:
             return False
         return barrier.ok
 
+    def take_buffer(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A ``uint8`` buffer of ``shape`` for a capture job (recycled when one is spare)."""
+        with self._spare_lock:
+            for i, buf in enumerate(self._spare):
+                if buf.shape == shape:
+                    return self._spare.pop(i)
+        return np.empty(shape, dtype=np.uint8)
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        with self._spare_lock:
+            if len(self._spare) < self.queue_depth + 2:
+                self._spare.append(buffer)
+
     # --- test hooks ----------------------------------------------------------------------
 
     def hold(self) -> None:
@@ -178,50 +238,75 @@ class ColdWriter:
         if not self._closed:
             self._closed = True
             self._queue.stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        for t in (self._hasher, self._thread):
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not (self._hasher.is_alive() or self._thread.is_alive())
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    # --- the thread ----------------------------------------------------------------------
+    # --- the threads --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_hasher(self) -> None:
+        try:
+            while True:
+                job = self._queue.get()
+                if job is None:
+                    return
+                self._handoff.put_wait(job if isinstance(job, Barrier) else self._prepare(job))
+        finally:
+            self._handoff.stop()
+
+    def _prepare(self, job):
+        """Checksum and header of ``job``: ``(job, chunks, size)``, or ``(job, None, reason)``
+        when it cannot be encoded (a write error, counted in order by the writer)."""
+        store = self.store
+        try:
+            if isinstance(job, SidecarJob):
+                chunks = encode_sidecar(store.fmt.abi, store.payload_tag, job.key.hex(),
+                                        job.fingerprint_hex, job.layout, job.payload)
+            else:
+                chunks = encode_block(store.fmt.abi, store.payload_tag, job.key.hex(),
+                                      job.fingerprint_hex, job.geometry, job.tokens,
+                                      job.buffer, job.checksum)
+        except Exception as exc:  # malformed job: never kill the pipeline
+            return job, None, f"cannot encode {job!r}: {exc}"
+        return job, chunks, sum(memoryview(c).nbytes for c in chunks)
+
+    def _run_writer(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._handoff.get()
+            if item is None:
                 return
-            if isinstance(job, Barrier):
-                job.ok = not self._failed_since_barrier
+            if isinstance(item, Barrier):
+                item.ok = not self._failed_since_barrier
                 self._failed_since_barrier = False
-                job.done.set()
+                item.done.set()
                 continue
             try:
-                ok = self._persist(job)
+                ok = self._persist(*item)
             except Exception:  # the writer must survive anything a job does
-                log.exception("cold tier: unexpected error persisting %r", job)
+                log.exception("cold tier: unexpected error persisting %r", item[0])
                 self.counters.add("write_errors")
                 ok = False
             if not ok:
                 self._failed_since_barrier = True
+            job = item[0]
+            if job.recycle:
+                self._give_back(job.buffer)
 
-    def _persist(self, job: BlockJob) -> bool:
+    def _persist(self, job, chunks, size) -> bool:
         if self.service_delay_s:
             time.sleep(self.service_delay_s)
+        if chunks is None:
+            self.counters.add("write_errors")
+            log.warning("cold tier: %s", size)
+            return False
         if self.fail_next_jobs > 0:
             self.fail_next_jobs -= 1
             self.counters.add("write_errors")
             return False
-        store = self.store
-        try:
-            header, tok, payload = encode_block(
-                store.fmt.abi, store.payload_tag, job.key.hex(), job.fingerprint_hex,
-                job.geometry, job.tokens, job.buffer, job.checksum)
-        except (FormatError, PagedKVError, ValueError, TypeError) as exc:
-            self.counters.add("write_errors")
-            log.warning("cold tier: cannot encode %r: %s", job, exc)
-            return False
-        size = len(header) + tok.nbytes + payload.nbytes
-        return store.commit(job.key, job.group, (header, tok, payload), size)
+        return self.store.commit(job.key, job.group, chunks, size)

@@ -1,0 +1,111 @@
+"""``pagedkv cold``: inspect, verify and trim a cold-tier root (cold-tier.md §9–10).
+
+``[BASE]`` is a base directory like ``PAGEDKV_COLD_CACHE_DIR``: the tier is
+``<BASE>/pagedkv-v1`` (default base: ``PAGEDKV_COLD_CACHE_DIR`` or ``~/.pagedkv/cache``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes, or a number with a K, M, G or T suffix (1024-based): ``512M`` → 536870912."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"SIZE {text!r} is not bytes or a number with a K, M, G or T suffix (e.g. 512M)")
+    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cold", help="inspect, verify and trim the cold-tier cache on disk")
+    cold = p.add_subparsers(dest="cold_command", metavar="ACTION", required=True)
+    base_help = "base directory; the tier is BASE/pagedkv-v1 (default: $PAGEDKV_COLD_CACHE_DIR " \
+                "or ~/.pagedkv/cache)"
+    s = cold.add_parser("stats", help="objects, bytes per group, quota and reserve")
+    s.add_argument("base", nargs="?", metavar="BASE", help=base_help)
+    s.set_defaults(func=run_stats)
+    v = cold.add_parser("verify", help="re-decode every object; exit 1 if any is bad")
+    v.add_argument("base", nargs="?", metavar="BASE", help=base_help)
+    v.add_argument("--prune", action="store_true",
+                   help="rename each bad object to .blocked.<name>.<pid>.<ns> (quarantine)")
+    v.set_defaults(func=run_verify)
+    e = cold.add_parser("evict", help="delete quarantine, then evict least-recently-read "
+                                      "objects until the tier holds at most SIZE")
+    e.add_argument("base", nargs="?", metavar="BASE", help=base_help)
+    e.add_argument("--to", required=True, type=parse_size, metavar="SIZE",
+                   help="target size: bytes or with a K/M/G/T suffix (1024-based)")
+    e.set_defaults(func=run_evict)
+
+
+def _open(args):
+    from pagedkv.cold.knobs import cold_cache_base
+    from pagedkv.cold.offline import open_offline_store
+    from pagedkv.cold.root import MANAGED_CHILD
+    from pagedkv.errors import PagedKVError
+    base = args.base if args.base else cold_cache_base()
+    try:
+        return open_offline_store(base, child=MANAGED_CHILD)
+    except PagedKVError as exc:
+        print(f"pagedkv cold: {exc}", file=sys.stderr)
+        return None
+
+
+def _mib(n: int) -> str:
+    return f"{n} B ({n / 2**20:.2f} MiB)"
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from pagedkv.cold.offline import root_summary
+    store = _open(args)
+    if store is None:
+        return 2
+    try:
+        s = root_summary(store)
+    finally:
+        store.close()
+    print(f"root: {s.root}")
+    print(f"objects: {sum(s.objects.values())}  total: {_mib(s.total_bytes)}")
+    for label, n in s.objects.items():
+        print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
+    print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): {_mib(s.reserve_bytes)}")
+    print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
+    print("counters (hits, misses, corruptions, ...) are per serving process: see "
+          "cold_cache_stats() or the JSONL turn trace")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from pagedkv.cold.offline import verify_store
+    store = _open(args)
+    if store is None:
+        return 2
+    try:
+        checked, bad = verify_store(store, prune=args.prune)
+    finally:
+        store.close()
+    for b in bad:
+        print(f"BAD {b.name}: {b.reason}" + ("  (quarantined)" if args.prune else ""))
+    print(f"verified {checked} objects: {checked - len(bad)} ok, {len(bad)} bad")
+    return 1 if bad else 0
+
+
+def run_evict(args: argparse.Namespace) -> int:
+    store = _open(args)
+    if store is None:
+        return 2
+    try:
+        removed = store.remove_quarantine()
+        before = store.index.total_bytes
+        evicted = store.evict_to(args.to)
+        after = store.index.total_bytes
+    finally:
+        store.close()
+    print(f"removed {removed} quarantined entries; evicted {evicted} objects: "
+          f"{_mib(before)} -> {_mib(after)} (target {_mib(args.to)})")
+    return 0 if after <= args.to else 1

@@ -1,0 +1,132 @@
+"""The persistence phases of ``pagedkv demo`` (``--cold-dir``, ``--restart``).
+
+With ``--cold-dir`` the demo's adapter gets a cold tier in ``<dir>/pagedkv-v1`` (emptied
+first, so a run is repeatable) and the reference model is saved to ``<dir>/model`` so it can
+be fingerprinted. ``--restart`` then starts a second process that restores the first
+request's prefix from disk into an empty hot cache and prints how many tokens came back,
+the restore time against recomputing those tokens, and greedy parity (tokens and logits)
+against a fresh run on the flat path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+#: Arguments the restart child needs to rebuild the same model, prompts and pool.
+_FORWARDED = ("requests", "system_tokens", "fewshot_tokens", "user_tokens", "new_tokens",
+              "block_size", "backend", "max_blocks", "seed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cold-dir", default=None, metavar="DIR",
+                   help="persist the KV cache to a cold tier in DIR/pagedkv-v1 (emptied "
+                        "first); --restart defaults it to ./.pagedkv-demo")
+    p.add_argument("--restart", action="store_true",
+                   help="then restore the first request's prefix in a second process and "
+                        "report restore vs recompute time and parity")
+    p.add_argument("--restart-child", action="store_true", help=argparse.SUPPRESS)
+
+
+def _cold_dir(args) -> str | None:
+    from pagedkv.cli.demo import DEFAULT_COLD_DIR
+    if args.cold_dir:
+        return args.cold_dir
+    return DEFAULT_COLD_DIR if args.restart or args.restart_child else None
+
+
+def _open_tier(args, model, *, empty: bool):
+    """The demo's tier bound to the saved model's fingerprint."""
+    from pagedkv.cold import DEFAULT_FORMAT, ColdTier, family_profile, model_fingerprint
+    from pagedkv.cold.root import MANAGED_CHILD
+    from pagedkv.pool import PoolGeometry
+
+    base = _cold_dir(args)
+    model_dir = os.path.join(base, "model")
+    if empty:
+        model.save(model_dir)
+    c = model.config
+    geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
+                            "float32")
+    fp = model_fingerprint(DEFAULT_FORMAT, model_dir, family_profile("pagedkv_reference"),
+                           geometry)
+    tier = ColdTier.open_at(os.path.join(base, MANAGED_CHILD), quota_bytes=1 << 30,
+                            reserve_bytes=0, fingerprint=fp)
+    if empty:
+        tier.store.remove_quarantine()
+        tier.store.evict_to(0)
+    return tier
+
+
+def cold_tier_for(args, model):
+    """The first process's tier (persist on, emptied), or ``None`` without ``--cold-dir``."""
+    if _cold_dir(args) is None:
+        return None
+    args.cold_tier = _open_tier(args, model, empty=True)
+    return args.cold_tier
+
+
+def run_restart_phase(args) -> int:
+    """Drain the first process's writes, then run the restore phase in a fresh process."""
+    tier = getattr(args, "cold_tier", None)
+    if tier is None:
+        return 0
+    drained = tier.drain(30.0)
+    s = tier.stats()
+    tier.close()
+    print(f"cold tier: {s.enqueued} blocks persisted to {s.root} "
+          f"({s.bytes_written:,} bytes, drained: {'yes' if drained else 'NO'})")
+    if not args.restart:
+        return 0
+    argv = [sys.executable, "-m", "pagedkv", "demo", "--restart-child",
+            "--cold-dir", _cold_dir(args)]
+    for name in _FORWARDED:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    print()
+    sys.stdout.flush()
+    return subprocess.run(argv).returncode
+
+
+def run_child(args) -> int:
+    """Second process: restore request 0's prefix into an empty hot cache, time it against
+    recomputing the same tokens, and check greedy parity with a fresh flat run."""
+    import numpy as np
+
+    from pagedkv.cli.demo import build_requests
+    from pagedkv.reference import PagedKV, ReferenceModel
+    from pagedkv.reference.serving import build_paged_adapter
+
+    model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"), backend=args.backend)
+    request = build_requests(args, model.config.vocab_size)[0]
+    prompt = np.asarray(request.prompt)
+    tier = _open_tier(args, model, empty=False)
+    adapter = build_paged_adapter(model, block_size=args.block_size,
+                                  num_blocks=args.max_blocks, cold_tier=tier)
+    adapter.reset_for_new_request(0)
+    t0 = time.perf_counter()
+    hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)
+    restore_s = time.perf_counter() - t0
+    restored = int(hit.cached_tokens)
+    recompute_s = 0.0
+    if restored:
+        t0 = time.perf_counter()
+        model.forward(prompt[:restored], model.new_flat_kv())
+        recompute_s = time.perf_counter() - t0
+    paged = model.generate(prompt, request.max_new_tokens, PagedKV(adapter, 0))
+    flat = model.generate(prompt, request.max_new_tokens, model.new_flat_kv())
+    same = (np.array_equal(paged.tokens, flat.tokens)
+            and paged.logits.tobytes() == flat.logits.tobytes())
+    s = tier.stats()
+    tier.close()
+    print(f"restart (pid {os.getpid()}): restored {restored} of {len(prompt)} prompt tokens "
+          f"({len(hit.restored_blocks)} blocks) from disk, cold hits {s.hits}, "
+          f"corruptions {s.corruptions}")
+    if restored:
+        print(f"restore {restore_s * 1e3:.2f} ms vs recompute {recompute_s * 1e3:.2f} ms "
+              f"({recompute_s / restore_s:.1f}x)")
+    print(f"parity: {'OK' if same else 'MISMATCH'} ({len(paged.tokens)} greedy tokens and "
+          "their logits, restored prefix vs a fresh flat run)")
+    return 0 if same and restored > 0 and s.corruptions == 0 else 1

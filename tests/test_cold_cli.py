@@ -1,0 +1,86 @@
+"""``pagedkv cold stats | verify | evict`` (cold-tier.md §9–10; O2's offline half)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cold_support import open_tier, persist_prompt
+from pagedkv.cli import main
+from pagedkv.cli.cold import parse_size
+
+import numpy as np
+
+
+def _populate(base, n_prompts=3):
+    root = base / "pagedkv-v1"
+    with open_tier(root) as tier:
+        for i in range(n_prompts):
+            persist_prompt(tier, np.arange(100 * i, 100 * i + 8, dtype=np.uint32), seed=i)
+    return root
+
+
+def _state(root):
+    return {n: (os.stat(root / n).st_mtime_ns, (root / n).read_bytes())
+            for n in sorted(os.listdir(root))}
+
+
+def test_stats_lists_objects_per_group(tmp_path, capsys):
+    root = _populate(tmp_path)
+    assert main(["cold", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    total = sum(os.path.getsize(root / n) for n in os.listdir(root))
+    assert f"objects: 6  total: {total} B" in out
+    assert "kv" in out and "quota:" in out
+
+
+def test_verify_is_read_only_and_prune_quarantines(tmp_path, capsys):
+    root = _populate(tmp_path)
+    assert main(["cold", "verify", str(tmp_path)]) == 0
+    assert "verified 6 objects: 6 ok, 0 bad" in capsys.readouterr().out
+    victim = sorted(os.listdir(root))[2]
+    data = bytearray((root / victim).read_bytes())
+    data[-1] ^= 1
+    (root / victim).write_bytes(bytes(data))
+    before = _state(root)
+    assert main(["cold", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {victim}" in out and "1 bad" in out
+    assert _state(root) == before  # nothing changed: file, bytes, mtime
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    names = os.listdir(root)
+    assert victim not in names
+    q = [n for n in names if n.startswith(f".blocked.{victim}.")]
+    assert len(q) == 1
+    assert main(["cold", "verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    # evict removes the quarantine first, then evicts least recently read down to SIZE.
+    size = os.path.getsize(root / sorted(n for n in names if not n.startswith("."))[0])
+    assert main(["cold", "evict", "--to", str(2 * size), str(tmp_path)]) == 0
+    names = os.listdir(root)
+    assert not [n for n in names if n.startswith(".blocked.")]
+    assert len(names) == 2
+
+
+def test_evict_to_zero_empties_the_tier(tmp_path, capsys):
+    root = _populate(tmp_path, 1)
+    assert main(["cold", "evict", "--to", "0", str(tmp_path)]) == 0
+    assert os.listdir(root) == []
+
+
+def test_size_parsing():
+    assert parse_size("512") == 512
+    assert parse_size("4K") == 4096 and parse_size("2m") == 2 << 20
+    assert parse_size("1G") == 1 << 30 and parse_size("1T") == 1 << 40
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("1.5G")
+    with pytest.raises(SystemExit):
+        main(["cold", "evict", "--to", "lots"])
+
+
+def test_refused_root_exits_2(tmp_path, capsys):
+    (tmp_path / "pagedkv-v1").write_bytes(b"")
+    assert main(["cold", "stats", str(tmp_path)]) == 2
+    assert "pagedkv cold:" in capsys.readouterr().err
