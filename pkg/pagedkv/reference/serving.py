@@ -40,7 +40,7 @@ class SessionReport:
     """What a :func:`serve` run did. Token and block counts are summed over admissions (a
     preempted request counts again when it is readmitted); times are seconds."""
 
-    outputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict, repr=False)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     hit_requests: int = 0
