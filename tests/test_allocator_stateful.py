@@ -137,6 +137,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             tokens[data.draw(st.integers(0, n - 1), label="at")] = VOCAB - 1
         return tokens
 
+    def token_input(self, data, tokens):
+        """The same prompt as a list, a uint32 array (the no-copy path), an int64 array or a
+        strided uint32 view."""
+        form = data.draw(st.sampled_from(["list", "uint32", "int64", "strided"]),
+                         label="token_form")
+        if form == "list":
+            return list(tokens)
+        if form == "strided":
+            return np.repeat(np.array(tokens, dtype=np.uint32), 2)[::2]
+        return np.array(tokens, dtype=np.uint32 if form == "uint32" else np.int64)
+
     def draw_keys(self, data, n_blocks):
         """(uniform extra_keys, extra_keys_per_block) as the call would pass them."""
         form = data.draw(st.sampled_from(["none", "none", "uniform", "per_block"]),
@@ -228,9 +239,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = self.held_ids(data, len(tokens) // bs + 1)
         extra_keys, per_block = self.draw_keys(data, len(ids))
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         self.run(lambda a: a.cache_full_blocks(
-            np.array(tokens, dtype=np.uint32), np.array(ids, dtype=np.int32),
+            tokens_in, np.array(ids, dtype=np.int32),
             extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+        assert np.asarray(tokens_in).tolist() == tokens  # inputs are never written
 
     @rule(data=st.data())
     def serve_request(self, data):
@@ -251,7 +264,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def serve(self, data, tokens, tenant):
         """Longest hit, allocate the rest, register the full blocks, maybe release them."""
         self.served.append((tokens, tenant))
-        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens, **tenant))
+        tokens_in = self.token_input(data, tokens)
+        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens_in, **tenant))
         if status != "ok":
             return
         hits = got[0][2]
@@ -265,7 +279,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.held.extend(new[2])
         ids = np.array(hits + new[2], dtype=np.int32)
-        self.run(lambda a: a.cache_full_blocks(np.array(tokens, dtype=np.uint32), ids, **tenant))
+        self.run(lambda a: a.cache_full_blocks(tokens_in, ids, **tenant))
+        assert np.asarray(tokens_in).tolist() == tokens
         if data.draw(st.booleans(), label="finish"):
             assert self.run(lambda a: a.free_many(ids[::-1])) == ("ok", None)
             for block_id in ids.tolist():
@@ -276,8 +291,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         status, got = self.run(lambda a: a.find_longest_cache_hit(
-            tokens, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+            tokens_in, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
         if status == "ok":
             self.held.extend(got[0][2])
 
@@ -286,7 +302,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
-        self.run(lambda a: a.chain_hashes(np.array(tokens, dtype=np.int64),
+        tokens_in = self.token_input(data, tokens)
+        self.run(lambda a: a.chain_hashes(tokens_in,
                                           extra_keys=extra_keys, extra_keys_per_block=per_block,
                                           cache_salt=salt))
 
