@@ -32,7 +32,7 @@ typedef float pkv_v8f __attribute__((vector_size(32)));
 
 
 /* Dot product of n floats (n a multiple of 32), two 16-lane accumulators. */
-static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
+static inline __attribute__((always_inline)) float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
     pkv_v16f acc0 = {0}, acc1 = {0};
     for (uint32_t i = 0; i < n; i += 32u) {
         pkv_v16f a0, a1, b0, b1;
@@ -49,7 +49,7 @@ static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
 
 /* Dot product of 32*n_chunks 4-bit codes with x in nibble order, straight from
  * the packed bytes (no float copy of the codes in between). */
-static inline float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint32_t n_chunks) {
+static inline __attribute__((always_inline)) float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint32_t n_chunks) {
     pkv_v16f acc0 = {0}, acc1 = {0};
     for (uint32_t c = 0; c < n_chunks; ++c) {
         pkv_v16u8 b;
@@ -67,7 +67,7 @@ static inline float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint
 }
 
 /* Codes of one group (not 4-bit) as floats, in natural order. */
-static inline void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint32_t G,
+static inline __attribute__((always_inline)) void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint32_t G,
                                     uint8_t *q, float *qf) {
     pkv_unpack_codes(payload, G, bits, q);
     for (uint32_t i = 0; i < G; ++i) qf[i] = (float)q[i];
@@ -76,10 +76,11 @@ static inline void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint3
 /* W: m rows of k weights (k % G == 0), groups of G at `bits` bits, `family` layout.
  * xp: nb prepared rows of k floats; xsum: nb rows of k/span sums (span = 128 for
  * V2, G otherwise); y: nb rows of m outputs. */
-PKV_CPU_CLONES
-static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
-                                uint32_t G, int family, const float *xp, const float *xsum,
-                                ptrdiff_t nb, float *y) {
+/* always_inline: a body left out of line would be compiled for the baseline ISA
+ * only and called from every clone (5x slower on AVX-512). */
+static inline __attribute__((always_inline)) void pkv_gemv_affine_body_(const uint8_t *w, ptrdiff_t m, ptrdiff_t k,
+                                         uint32_t bits, uint32_t G, int family, const float *xp,
+                                         const float *xsum, ptrdiff_t nb, float *y) {
     const ptrdiff_t groups_per_row = k / G;
     const size_t B = PKV_AFFINE_GROUP_BYTES(bits, G);
     const ptrdiff_t spans_per_row = family == PKV_FAMILY_MQ_V2 ? k / 128 : groups_per_row;
@@ -128,6 +129,44 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
         for (ptrdiff_t b = 0; b < nb; ++b) y[b * m + r] = acc[b];
     }
 }
+
+/* The dispatcher: each common (family, bits, G) gets the body inlined with
+ * constants, so unpacking and dots unroll and vectorize for that width. */
+#define PKV_GEMV_CASE_(FAMILY, BITS, G_) \
+    pkv_gemv_affine_body_(w, m, k, BITS, G_, FAMILY, xp, xsum, nb, y)
+
+PKV_CPU_CLONES
+static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
+                                uint32_t G, int family, const float *xp, const float *xsum,
+                                ptrdiff_t nb, float *y) {
+    int v1 = family == PKV_FAMILY_HFQ || family == PKV_FAMILY_MQ_V1;
+    int v2 = family == PKV_FAMILY_MQ_V2;
+    if (v1 && G == 256u) {
+        switch (bits) {
+        case 2: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 2u, 256u); return;
+        case 3: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 3u, 256u); return;
+        case 4: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 4u, 256u); return;
+        case 5: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 5u, 256u); return;
+        case 6: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 6u, 256u); return;
+        default: break;
+        }
+    } else if (v2) {
+        switch (bits) {
+        case 2: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 2u, 256u); return;
+        case 3: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 3u, 256u); return;
+        case 4: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 4u, 256u); return;
+        case 5: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 5u, 256u); return;
+        case 6: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 6u, 256u); return;
+        default: break;
+        }
+    } else if (family == PKV_FAMILY_MQ4C) {
+        PKV_GEMV_CASE_(PKV_FAMILY_MQ4C, 4u, 256u);
+        return;
+    }
+    pkv_gemv_affine_body_(w, m, k, bits, G, family, xp, xsum, nb, y);   /* G128 and the rest */
+}
+
+#undef PKV_GEMV_CASE_
 
 /* Q8F16: W m rows of k weights (k % 32 == 0); x plain (no permutation, no sums).
  * One block is only 32 weights, so the scale goes into the lanes (d * (q * x))
