@@ -289,3 +289,26 @@ def test_allowlist_admits_only_gated_families(monkeypatch):
     assert resolve_persist(ref) is False
     with pytest.raises(InvalidArgument):
         FamilyColdProfile("x", OutOfPoolState.SIDECAR, restore_admitted=True)
+
+
+def test_hfqm_weight_identity_uses_the_quantization_hash(tmp_path):
+    from pagedkv.hfqm import HfqmWriter
+    d = _model(tmp_path, shards=())
+    meta = {"architecture": "pagedkv_reference"}
+    for name, add_hash in (("a.hfq", True), ("b.hfq", False)):
+        with HfqmWriter(d / name, arch_id=0, metadata=meta,
+                        add_quantization_hash=add_hash) as w:
+            w.add("a.norm", "f16", [4], np.array([1, 2, 3, 4], dtype=np.float16))
+    import pagedkv.cold.fingerprint as fpmod
+    ident = fpmod.hfqm_weight_identity(PKV, str(d / "a.hfq"))
+    from pagedkv.hfqm import compute_quantization_hash
+    size = os.path.getsize(d / "a.hfq")
+    assert ident == (b"cold-identity:hfqm:v1\0a.hfq\0" + size.to_bytes(8, "little")
+                     + compute_quantization_hash(str(d / "a.hfq")).encode())
+    plain = fpmod.hfqm_weight_identity(PKV, str(d / "b.hfq"))
+    assert len(plain) == len(b"cold-identity:hfqm:v1\0b.hfq\0") + 8 + 32  # full digest
+    a = model_fingerprint(PKV, str(d), Profile, GEOM, hfqm_file=str(d / "a.hfq"))
+    b = model_fingerprint(PKV, str(d), Profile, GEOM, hfqm_file=str(d / "b.hfq"))
+    assert a is not None and b is not None and a != b
+    (d / "empty.hfq").write_bytes(b"")
+    assert model_fingerprint(PKV, str(d), Profile, GEOM, hfqm_file=str(d / "empty.hfq")) is None

@@ -430,3 +430,20 @@ def test_deleted_root_counts_one_write_error_per_job(tmp_path):
             assert tier.enqueue(_job(tier, i))
         assert tier.drain(5.0) is False
         assert (tier.stats().write_errors, tier.stats().bytes_written) == (3, 0)
+
+
+def test_a_refused_create_counts_one_write_error_per_job(tmp_path):
+    """The read-only-root case as root sees it: the exclusive create fails (EROFS)."""
+    import errno
+    root = tmp_path / "root"
+    with open_tier(root) as tier:
+        def refuse(step):
+            if step == "open":
+                raise OSError(errno.EROFS, "injected read-only filesystem")
+        tier.store.step_hook = refuse
+        for i in range(3):
+            assert tier.enqueue(_job(tier, i))
+        assert tier.drain(5.0) is False
+        s = tier.stats()
+        assert (s.write_errors, s.bytes_written, s.enqueued) == (3, 0, 3)
+        assert _files(root) == []

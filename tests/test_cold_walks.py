@@ -243,3 +243,56 @@ def test_trace_is_off_with_pagedkv_metrics_0(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_METRICS_DIR", str(tmp_path / "t"))
     w = TurnTraceWriter()
     assert w.record({"v": 1}) is None and not (tmp_path / "t").exists()
+
+
+# O1 (capture half) -------------------------------------------------------------------------
+
+def test_capturing_a_partial_block_raises_and_enqueues_nothing(tmp_path):
+    from pagedkv.errors import InvalidArgument
+    with open_tier(tmp_path / "root") as tier:
+        pool, alloc = FakePool(), FakeAllocator()
+        b = alloc.allocate()
+        with pytest.raises(InvalidArgument, match="full blocks"):
+            tier.capture_and_enqueue_before(pool, alloc, b, bytes(32), [1, 2, 3],
+                                            time.monotonic() + 1)
+        assert tier.stats().enqueued == 0 and int(alloc.ref[b]) == 1
+
+
+# R6 (the no-policy row) ----------------------------------------------------------------------
+
+def test_reconcile_down_without_a_policy_restores_all_eight_blocks(tmp_path):
+    from cold_support import Geometry
+    from pagedkv.cold import UPSTREAM_KEY_FORMAT, cold_fingerprint
+    fp = cold_fingerprint(UPSTREAM_KEY_FORMAT, [b"qwen3-reconcile-down"])
+    toks = np.array([700 + 3 * i for i in range(64)], np.uint32)
+    geom = Geometry(block_size=8)
+    root = tmp_path / "root"
+    with open_tier(root, fmt=UPSTREAM_KEY_FORMAT, fingerprint=fp) as a:
+        persist_prompt(a, toks, pool=FakePool(geom), alloc=FakeAllocator(block_size=8))
+    names = set(os.listdir(root))
+    assert len(names) == 8
+    assert "9c0f9450e1009988c9d57755602a22748e3dac5db7e699ace16d771485ef31e2.safetensors" in names
+    assert "328dd15556c4bfb1769c44531356803bfdad94bf2b0d121ce8ebf9aabc809802.safetensors" in names
+    with open_tier(root, fmt=UPSTREAM_KEY_FORMAT, fingerprint=fp) as b:
+        ids, _, _ = _restore(b, toks, pool=FakePool(geom), alloc=FakeAllocator(block_size=8))
+        assert len(ids) == 8 and b.stats().hits == 8
+
+
+def test_an_allocator_error_mid_walk_frees_what_was_taken(tmp_path):
+    root = tmp_path / "root"
+    with open_tier(root) as a:
+        persist_prompt(a, TOKENS_12)
+    with open_tier(root) as b:
+        alloc = FakeAllocator()
+        real = alloc.allocate
+        calls = []
+        def flaky():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected allocator failure")
+            return real()
+        alloc.allocate = flaky
+        ids, _, _ = _restore(b, TOKENS_12, alloc=alloc)
+        # One block was taken and published; the walk stopped at the failure.
+        assert len(ids) == 1 and b.stats().misses == 1
+        assert int(alloc.ref.sum()) == 2 and len(alloc.table) == 1

@@ -22,11 +22,13 @@ from pagedkv.cold.stats import (COLD_DELTA_FIELDS, ColdCacheStats, ColdSidecarSt
                                 cold_sidecar_stats, record_sidecar_installed)
 from pagedkv.cold.tier import ColdTier, ColdTierContext, cold_cache_stats, install_capture_budget
 from pagedkv.cold.trace import TurnTraceWriter
-from pagedkv.cold.writer import Barrier, BlockJob
+from pagedkv.cold.sidecar import ColdSidecarLayout
+from pagedkv.cold.writer import Barrier, BlockJob, SidecarJob
 
 __all__ = [
     "BlockGeometry", "BlockJob", "Barrier", "COLD_DELTA_FIELDS", "COLD_RESTORE_FAMILIES",
     "CaptureOutcome", "CaptureStop", "ColdCacheStats", "ColdFormat", "ColdGroup",
+    "ColdSidecarLayout", "SidecarJob",
     "ColdSidecarStats", "ColdTier", "ColdTierContext", "DEFAULT_FORMAT", "DecodedBlock",
     "FamilyColdProfile", "OutOfPoolState", "REFERENCE_FAMILY", "RestoreDecline",
     "RestoreOutcome", "TurnTraceWriter", "UPSTREAM_KEY_FORMAT", "WeightDigestCache",

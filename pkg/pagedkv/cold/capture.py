@@ -20,6 +20,7 @@ from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
 from pagedkv.hashing import as_token_array
 from pagedkv.cold.writer import BlockJob
+from pagedkv.errors import InvalidArgument
 
 __all__ = ["CaptureStop", "CaptureOutcome", "capture_and_enqueue_before", "capture_walk"]
 
@@ -58,6 +59,9 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
     """Copy one block out of the pool into a buffer the job owns (the block is held by an
     extra reference meanwhile, released always) and offer it until ``deadline``. A pool
     read failure raises and enqueues nothing."""
+    if len(tokens) != geometry.block_size:
+        raise InvalidArgument(f"tokens has {len(tokens)} tokens; only full blocks of "
+                              f"block_size = {geometry.block_size} are persisted")
     buffer = tier.writer.take_buffer((geometry.num_layers, 2, geometry.slab_bytes))
     held = _hold(allocator, block_id)
     try:

@@ -22,7 +22,7 @@ from pagedkv.errors import (BadMetadata, CountMismatch, FormatError, InvalidArgu
 
 __all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
            "block_checksum", "encode_block", "decode_block", "header_overhead",
-           "checksum_of_named"]
+           "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar"]
 
 DTYPE_CODES = {"float16": PKV_COLD_FLOAT16, "bfloat16": PKV_COLD_BFLOAT16,
                "float32": PKV_COLD_FLOAT32, "q8": PKV_COLD_Q8}
@@ -288,6 +288,86 @@ cdef Py_ssize_t _decimal(dict meta, str field, Py_ssize_t lo, Py_ssize_t hi) exc
     return n
 
 
+cdef Py_ssize_t _header_length(const uint8_t[::1] raw, str path) except -1:
+    """Step 2a: the u64 header length, which must leave room for itself in the object."""
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t n
+    if size < 8:
+        raise Truncated(f"object is {size} bytes, shorter than the 8-byte header length",
+                        path=path, offset=0)
+    n = <Py_ssize_t>(<uint64_t>raw[0] | (<uint64_t>raw[1] << 8) | (<uint64_t>raw[2] << 16)
+                     | (<uint64_t>raw[3] << 24) | (<uint64_t>raw[4] << 32)
+                     | (<uint64_t>raw[5] << 40) | (<uint64_t>raw[6] << 48)
+                     | (<uint64_t>raw[7] << 56)) if raw[7] < 0x80 else -1
+    if n < 2 or n > size - 8 or n > (1 << 24):
+        raise Truncated(f"header length {n} does not fit the {size}-byte object",
+                        path=path, offset=0)
+    return n
+
+
+cdef tuple _parse_header(const uint8_t[::1] raw, Py_ssize_t payload_start, str path,
+                         tuple expected_fields):
+    """Steps 2b-3: the JSON header (duplicate keys rejected), ``__metadata__`` as a string
+    map, and the identity fields equal to what the caller expects (``None``: any)."""
+    try:
+        header = json.loads(bytes(raw[8:payload_start]).decode("utf-8"),
+                            object_pairs_hook=_reject_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        if isinstance(exc, BadMetadata):
+            raise BadMetadata(str(exc), path=path) from None
+        raise BadMetadata(f"header JSON does not parse: {exc}", path=path, offset=8) from None
+    if not isinstance(header, dict):
+        raise BadMetadata("header JSON is not an object", path=path, offset=8)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadMetadata("__metadata__ missing or not a string map", path=path)
+    for field, want in expected_fields:
+        got = meta.get(field)
+        if not isinstance(got, str):
+            raise BadMetadata(f"metadata {field} missing", path=path)
+        if want is not None and got != want:
+            raise BadMetadata(f"metadata {field} = {got!r}, expected {want!r}", path=path)
+    return header, meta
+
+
+cdef int _check_tensors(dict header, list names, list lengths, Py_ssize_t payload_start,
+                        Py_ssize_t size, str path) except -1:
+    """Step 4's tensor rules: exactly ``names`` after ``__metadata__``, in that order, each
+    U8 and 1-D with its length, offsets contiguous from 0 to the end of the object."""
+    cdef Py_ssize_t off = 0
+    cdef Py_ssize_t i, length
+    if len(header) != 1 + len(names):
+        raise CountMismatch(f"{len(header) - 1} tensors, metadata implies {len(names)}",
+                            path=path)
+    it = iter(header)
+    if next(it) != "__metadata__":
+        raise BadMetadata("__metadata__ is not the first header entry", path=path)
+    for i, name in enumerate(it):
+        length = lengths[i]
+        if name != names[i]:
+            raise BadMetadata(f"tensor {i} is {name!r}, expected {names[i]!r} "
+                              "(canonical order)", path=path)
+        t = header[name]
+        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+            raise BadMetadata("tensor entry needs exactly dtype, shape, data_offsets",
+                              path=path, tensor=name)
+        if t["dtype"] != "U8":
+            raise BadMetadata(f"dtype {t['dtype']!r}, expected 'U8'", path=path, tensor=name)
+        shape, offs = t["shape"], t["data_offsets"]
+        if (not isinstance(shape, list) or len(shape) != 1 or type(shape[0]) is not int
+                or shape[0] != length):
+            raise SizeMismatch(f"shape {shape!r}, expected [{length}]", path=path, tensor=name)
+        if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int
+                or type(offs[1]) is not int or offs[0] != off or offs[1] != off + length):
+            raise SizeMismatch(f"data_offsets {offs!r}, expected [{off}, {off + length}]",
+                               path=path, tensor=name)
+        off += length
+    if payload_start + off != size:
+        raise SizeMismatch(f"tensors end at {payload_start + off}, the object at {size}",
+                           path=path, offset=payload_start + off)
+    return 0
+
+
 def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
                  str fingerprint_hex=None, BlockGeometry expected=None,
                  Py_ssize_t bound=-1, str path=None):
@@ -302,46 +382,21 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
     """
     cdef const uint8_t[::1] raw = memoryview(data).cast("B")
     cdef Py_ssize_t size = raw.shape[0]
-    cdef Py_ssize_t n_header, payload_start, nl, bs, heads, hd, slab, off, start, stop, i
+    cdef Py_ssize_t n_header, payload_start, nl, bs, heads, hd, slab
     if expected is not None and bound < 0:
         bound = expected.bound
     if bound >= 0 and size > bound:
         raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
-    if size < 8:
-        raise Truncated(f"object is {size} bytes, shorter than the 8-byte header length",
-                        path=path, offset=0)
-    n_header = <Py_ssize_t>(<uint64_t>raw[0] | (<uint64_t>raw[1] << 8) | (<uint64_t>raw[2] << 16)
-                            | (<uint64_t>raw[3] << 24) | (<uint64_t>raw[4] << 32)
-                            | (<uint64_t>raw[5] << 40) | (<uint64_t>raw[6] << 48)
-                            | (<uint64_t>raw[7] << 56)) if raw[7] < 0x80 else -1
-    if n_header < 2 or n_header > size - 8 or n_header > (1 << 24):
-        raise Truncated(f"header length {n_header} does not fit the {size}-byte object",
-                        path=path, offset=0)
+    n_header = _header_length(raw, path)
     payload_start = 8 + n_header
     if expected is not None and key_hex is not None and fingerprint_hex is not None:
         # Fast path: byte-equal to the canonical header → only the checksum remains (step 5).
         cs = _canonical_checksum(raw, abi, key_hex, fingerprint_hex, expected)
         if cs is not None:
             return _verified(data, raw, checksum_tag, cs, expected, payload_start, size, path)
-    try:
-        header = json.loads(bytes(raw[8:payload_start]).decode("utf-8"),
-                            object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        if isinstance(exc, BadMetadata):
-            raise BadMetadata(str(exc), path=path) from None
-        raise BadMetadata(f"header JSON does not parse: {exc}", path=path, offset=8) from None
-    if not isinstance(header, dict):
-        raise BadMetadata("header JSON is not an object", path=path, offset=8)
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise BadMetadata("__metadata__ missing or not a string map", path=path)
-    for field, want in (("abi", abi), ("kind", "block"), ("key", key_hex),
-                        ("fingerprint", fingerprint_hex)):
-        got = meta.get(field)
-        if not isinstance(got, str):
-            raise BadMetadata(f"metadata {field} missing", path=path)
-        if want is not None and got != want:
-            raise BadMetadata(f"metadata {field} = {got!r}, expected {want!r}", path=path)
+    header, meta = _parse_header(raw, payload_start, path,
+                                 (("abi", abi), ("kind", "block"), ("key", key_hex),
+                                  ("fingerprint", fingerprint_hex)))
     bs = _decimal(meta, "block_size", 1, _MAX_BLOCK_SIZE)
     nl = _decimal(meta, "num_layers", 1, _MAX_LAYERS)
     heads = _decimal(meta, "num_kv_heads", 1, _MAX_HEADS)
@@ -367,38 +422,8 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
         raise SizeMismatch(f"geometry implies {2 * nl * slab + 4 * bs} payload bytes, the "
                            f"object holds {size - payload_start}", path=path,
                            offset=payload_start)
-    if len(header) != 2 + 2 * nl:
-        raise CountMismatch(f"{len(header) - 1} tensors, metadata implies {1 + 2 * nl}",
-                            path=path)
-    names = iter(header)
-    if next(names) != "__metadata__":
-        raise BadMetadata("__metadata__ is not the first header entry", path=path)
-    off = 0
-    expected_names = _tensor_names(nl)
-    for i, name in enumerate(names):
-        want_name = expected_names[i]
-        length = 4 * bs if i == 0 else slab
-        if name != want_name:
-            raise BadMetadata(f"tensor {i} is {name!r}, expected {want_name!r} "
-                              "(canonical order)", path=path)
-        t = header[name]
-        if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
-            raise BadMetadata("tensor entry needs exactly dtype, shape, data_offsets",
-                              path=path, tensor=name)
-        if t["dtype"] != "U8":
-            raise BadMetadata(f"dtype {t['dtype']!r}, expected 'U8'", path=path, tensor=name)
-        shape, offs = t["shape"], t["data_offsets"]
-        if (not isinstance(shape, list) or len(shape) != 1 or type(shape[0]) is not int
-                or shape[0] != length):
-            raise SizeMismatch(f"shape {shape!r}, expected [{length}]", path=path, tensor=name)
-        if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int
-                or type(offs[1]) is not int or offs[0] != off or offs[1] != off + length):
-            raise SizeMismatch(f"data_offsets {offs!r}, expected [{off}, {off + length}]",
-                               path=path, tensor=name)
-        off += length
-    if payload_start + off != size:
-        raise SizeMismatch(f"tensors end at {payload_start + off}, the object at {size}",
-                           path=path, offset=payload_start + off)
+    _check_tensors(header, _tensor_names(nl), [4 * bs] + [slab] * (2 * nl), payload_start,
+                   size, path)
     cs = meta.get("checksum")
     if not isinstance(cs, str) or not _HEX64.match(cs):
         raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
@@ -429,3 +454,100 @@ cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, st
     out.checksum = cs
     out.nbytes = size
     return out
+
+
+# --- sidecar objects (cold-tier.md §6.3) ------------------------------------------------------
+
+cdef list _sidecar_names(Py_ssize_t num_layers, Py_ssize_t per_layer):
+    cdef Py_ssize_t l, t
+    return [f"layer.{l}.state.{t}" for l in range(num_layers) for t in range(per_layer)]
+
+
+cdef str _sidecar_checksum(bytes tag, Py_ssize_t num_layers, Py_ssize_t per_layer,
+                           Py_ssize_t bpt, payload):
+    flat = memoryview(payload).cast("B")
+    return checksum_of_named(tag, [(n, flat[i * bpt:(i + 1) * bpt]) for i, n in
+                                   enumerate(_sidecar_names(num_layers, per_layer))])
+
+
+def sidecar_checksum(bytes tag, layout, payload):
+    """Payload checksum (§6.4) of a sidecar: tensors ``layer.{l}.state.{s}``, layer-major,
+    each ``layout.bytes_per_tensor`` bytes of ``payload`` (``uint8[tensor_count, bpt]``)."""
+    return _sidecar_checksum(tag, layout.num_layers, layout.tensors_per_layer,
+                             layout.bytes_per_tensor, payload)
+
+
+def encode_sidecar(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex, layout,
+                   payload):
+    """Encode one sidecar; returns ``(header, payload)`` for ``os.writev`` (no copy).
+    ``payload``: C-contiguous ``uint8`` of ``layout.tensor_count * bytes_per_tensor``."""
+    if not _HEX64.match(key_hex) or not _HEX64.match(fingerprint_hex):
+        raise InvalidArgument("key_hex and fingerprint_hex must be 64 lowercase hex digits")
+    if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 \
+            or not payload.flags.c_contiguous:
+        raise InvalidArgumentType("payload must be a C-contiguous uint8 array")
+    cdef Py_ssize_t n = layout.tensor_count
+    cdef Py_ssize_t bpt = layout.bytes_per_tensor
+    cdef Py_ssize_t i
+    if payload.nbytes != n * bpt:
+        raise InvalidArgument(f"payload is {payload.nbytes} bytes; the layout needs "
+                              f"{n} tensors x {bpt} = {n * bpt}")
+    flat = payload.reshape(-1)
+    cs = _sidecar_checksum(checksum_tag, layout.num_layers, layout.tensors_per_layer, bpt,
+                           flat)
+    meta = {"abi": abi, "kind": "sidecar", "group": layout.group.label, "key": key_hex,
+            "fingerprint": fingerprint_hex, "checksum": cs,
+            "boundary_tokens": str(layout.boundary_tokens), "num_layers": str(layout.num_layers),
+            "tensors_per_layer": str(layout.tensors_per_layer), "dtype": layout.dtype,
+            "dims": ",".join(str(d) for d in layout.dims), "bytes_per_tensor": str(bpt)}
+    parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
+    for i, name in enumerate(_sidecar_names(layout.num_layers, layout.tensors_per_layer)):
+        parts.append(f',"{name}":{{"dtype":"U8","shape":[{bpt}],'
+                     f'"data_offsets":[{i * bpt},{(i + 1) * bpt}]}}')
+    parts.append("}")
+    js = "".join(parts).encode("ascii")
+    js += b" " * ((8 - len(js) % 8) % 8)
+    return _U64.pack(len(js)) + js, memoryview(flat)
+
+
+def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=None,
+                   str fingerprint_hex=None, Py_ssize_t bound=-1, str path=None):
+    """Decode and verify a sidecar object (§6.6), fail-closed. Returns ``(fields, payload)``:
+    the metadata's layout fields (``boundary_tokens``, ``num_layers``, ``tensors_per_layer``,
+    ``dtype``, ``dims``, ``bytes_per_tensor``) and a ``uint8[tensors, bytes_per_tensor]``
+    view of ``data``. Comparing them with the expected layout is the caller's step 6."""
+    cdef const uint8_t[::1] raw = memoryview(data).cast("B")
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t payload_start, nl, per, bpt, b, n
+    if bound >= 0 and size > bound:
+        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
+    payload_start = 8 + _header_length(raw, path)
+    header, meta = _parse_header(raw, payload_start, path,
+                                 (("abi", abi), ("kind", "sidecar"), ("group", group),
+                                  ("key", key_hex), ("fingerprint", fingerprint_hex)))
+    b = _decimal(meta, "boundary_tokens", 1, 1 << 40)
+    nl = _decimal(meta, "num_layers", 1, _MAX_LAYERS)
+    per = _decimal(meta, "tensors_per_layer", 1, 16)
+    bpt = _decimal(meta, "bytes_per_tensor", 1, 1 << 40)
+    dtype = meta.get("dtype")
+    if dtype not in DTYPE_CODES:
+        raise BadMetadata(f"metadata dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}", path=path)
+    dims_text = meta.get("dims", "")
+    dims = dims_text.split(",") if dims_text else []
+    if not 1 <= len(dims) <= 8 or not all(_DECIMAL.match(d) and d != "0" for d in dims):
+        raise BadMetadata(f"metadata dims = {dims_text!r}: 1-8 positive decimals", path=path)
+    n = nl * per
+    if n * bpt != size - payload_start or size > n * bpt + pkv_cold_header_overhead(n):
+        raise SizeMismatch(f"layout implies {n * bpt} payload bytes, the object holds "
+                           f"{size - payload_start}", path=path, offset=payload_start)
+    _check_tensors(header, _sidecar_names(nl, per), [bpt] * n, payload_start, size, path)
+    cs = meta.get("checksum")
+    if not isinstance(cs, str) or not _HEX64.match(cs):
+        raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
+    fields = {"boundary_tokens": b, "num_layers": nl, "tensors_per_layer": per,
+              "dtype": dtype, "dims": tuple(int(d) for d in dims), "bytes_per_tensor": bpt}
+    payload = np.frombuffer(data, dtype=np.uint8)[payload_start:size].reshape(n, bpt)
+    got = _sidecar_checksum(checksum_tag, nl, per, bpt, payload)
+    if got != cs:
+        raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
+    return fields, payload

@@ -11,11 +11,12 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from pagedkv.cold.format import (MARKER_DOWNLOAD, MARKER_FULL_DIGEST, MARKER_INDEX_JSON,
-                                 MARKER_MANIFEST, ColdFormat)
+from pagedkv.cold.format import (MARKER_DOWNLOAD, MARKER_FULL_DIGEST, MARKER_HFQM,
+                                 MARKER_INDEX_JSON, MARKER_MANIFEST, ColdFormat)
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["cold_fingerprint", "model_fingerprint", "weight_identity", "geometry_part",
+           "hfqm_weight_identity",
            "WeightProvenance", "MANIFEST_NAME", "FINGERPRINT_BYTES"]
 
 log = logging.getLogger("pagedkv.cold")
@@ -152,14 +153,43 @@ def weight_identity(fmt: ColdFormat, model_dir: str, provenance: WeightProvenanc
     return bytes(out)
 
 
+def hfqm_weight_identity(fmt: ColdFormat, path: str, digest_cache=None) -> bytes | None:
+    """Weight identity of a model served from one HFQM file (§4.3): the file name, its size
+    and the 16 hex digits of its ``quantization_hash`` (a file without one contributes its
+    full digest instead). ``None`` (logged) when unreadable or empty."""
+    from pagedkv.hfqm import HfqmFile
+    from pagedkv.errors import PagedKVError
+    try:
+        st = os.stat(path)
+        if st.st_size == 0:
+            log.warning("cold tier: HFQM file %s is empty; persistence off", path)
+            return None
+        with HfqmFile(path) as f:
+            qhash = f.metadata.get("quantization_hash")
+        value = qhash.get("value") if isinstance(qhash, dict) else None
+        out = MARKER_HFQM + os.path.basename(path).encode() + b"\0" + _u64(st.st_size)
+        if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value):
+            return out + value.encode()
+        digest = digest_cache.get(st) if digest_cache is not None else None
+        if digest is None:
+            digest = _shard_digest(fmt, path, st.st_size)
+            if digest_cache is not None:
+                digest_cache.put(st, digest)
+        return out + digest
+    except (OSError, PagedKVError) as exc:
+        log.warning("cold tier: cannot read HFQM file %s (%s); persistence off", path, exc)
+        return None
+
+
 def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
                       provenance: WeightProvenance | None = None,
-                      digest_cache=None) -> bytes | None:
+                      digest_cache=None, hfqm_file: str | None = None) -> bytes | None:
     """The 32-byte fingerprint of a model served with a pool geometry, or ``None``.
 
     Parts (§4.2): family name, raw ``config.json``, sidecar descriptor, weight identity,
     ``index.json\\0`` + the shard index (only when present), pool geometry and layout.
-    ``None`` (logged) means persistence is off for this model.
+    ``None`` (logged) means persistence is off for this model. ``hfqm_file``: the model is
+    served from that HFQM file, whose identity replaces the safetensors shards'.
     """
     if not os.path.isdir(model_dir):
         log.warning("cold tier: model_dir %s is not a directory; persistence off", model_dir)
@@ -170,7 +200,10 @@ def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
     except OSError as exc:
         log.warning("cold tier: cannot read %s/config.json (%s); persistence off", model_dir, exc)
         return None
-    weights = weight_identity(fmt, model_dir, provenance, digest_cache)
+    if hfqm_file is not None:
+        weights = hfqm_weight_identity(fmt, hfqm_file, digest_cache)
+    else:
+        weights = weight_identity(fmt, model_dir, provenance, digest_cache)
     if weights is None:
         return None
     parts = [profile.family.encode(), config, (profile.sidecar_descriptor or "").encode(),

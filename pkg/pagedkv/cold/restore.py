@@ -158,20 +158,25 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
             if block_id is None:
                 break
             taken.append((block_id, block.nbytes))
+    except Exception as exc:  # never leak what was taken, never raise into inference
+        log.warning("cold tier: restore walk stopped: %s", exc)
+        tier.counters.add("misses")
     finally:
         loads.close()
     if not taken:
         return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, (time.monotonic() - t0) * 1e3)
-    keys_per_block = per_block_extra_keys(base + len(taken), extra_keys, extra_keys_per_block)
-    entries = []
-    for j, (block_id, _) in enumerate(taken):
-        idx = base + j
-        identity = BlockIdentity(lookup[idx * bs:(idx + 1) * bs],
-                                 int(hashes[idx - 1]) if idx else 0,
-                                 extra_keys_digest(keys_per_block[idx]), int(cache_salt), idx)
-        entries.append(RestoredBlock(block_id, int(hashes[idx]), identity))
     ids = np.fromiter((b for b, _ in taken), dtype=np.int32, count=len(taken))
     try:
+        keys_per_block = per_block_extra_keys(base + len(taken), extra_keys,
+                                              extra_keys_per_block)
+        entries = []
+        for j, block_id in enumerate(ids):
+            idx = base + j
+            identity = BlockIdentity(lookup[idx * bs:(idx + 1) * bs],
+                                     int(hashes[idx - 1]) if idx else 0,
+                                     extra_keys_digest(keys_per_block[idx]), int(cache_salt),
+                                     idx)
+            entries.append(RestoredBlock(int(block_id), int(hashes[idx]), identity))
         published = bool(allocator.publish_restored_batch(entries))
     except Exception as exc:
         log.warning("cold tier: publish_restored_batch raised: %s", exc)

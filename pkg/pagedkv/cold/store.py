@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block
+from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block, decode_sidecar
 from pagedkv.cold.format import ColdFormat, DEFAULT_FORMAT
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.index import ColdIndex, IndexEntry
@@ -162,33 +162,30 @@ class ColdStore:
             os.close(fd)
             return "refused", None, None, -1
 
-    def load_block(self, key: bytes, *, fingerprint_hex: str, expected: BlockGeometry,
-                   buffer: bytearray | None = None) -> DecodedBlock | None:
-        """Bounded load of a KV block (§9); ``None`` is a miss (counted, pruned).
-
-        The result's arrays are views of ``buffer`` (or a fresh one): copy them out before
-        the next load into the same buffer.
-        """
-        name = object_name(key, ColdGroup.KV)
-        status, data, ident, fd = self.read_bounded(name, expected.bound, buffer)
+    def _load(self, key: bytes, name: str, bound: int, buffer, decode):
+        """§9 for one object: bounded read, ``decode(data)`` (a ``FormatError`` is a
+        corruption), recency touch on success. Failures count a miss, corruptions only for
+        opened regular files, and prune. Returns ``decode``'s result or ``None``."""
+        status, data, ident, fd = self.read_bounded(name, bound, buffer)
         if status != "ok":
             self.counters.add("misses")
             if status == "oversized":
                 self.counters.add("corruptions")
-                log.warning("cold tier: %s is larger than its bound %d; pruned", name,
-                            expected.bound)
+                log.warning("cold tier: %s is larger than its bound %d; pruned", name, bound)
             self.prune_failed_load(key, name, ident)
             return None
         try:
-            block = decode_block(data, abi=self.fmt.abi, checksum_tag=self.payload_tag,
-                                 key_hex=key.hex(), fingerprint_hex=fingerprint_hex,
-                                 expected=expected, path=name)
+            result = decode(data)
         except FormatError as exc:
-            os.close(fd)
             self.counters.add("misses")
             self.counters.add("corruptions")
             log.warning("cold tier: corrupt object pruned: %s", exc)
+            os.close(fd)
             self.prune_failed_load(key, name, ident)
+            return None
+        if result is None:  # valid, but not what the caller needs: a plain miss
+            os.close(fd)
+            self.counters.add("misses")
             return None
         try:
             os.utime(fd)  # read recency survives a restart through the mtime
@@ -197,7 +194,35 @@ class ColdStore:
         finally:
             os.close(fd)
         self.index.touch(key, time.time_ns())
-        return block
+        return result
+
+    def load_block(self, key: bytes, *, fingerprint_hex: str, expected: BlockGeometry,
+                   buffer: bytearray | None = None) -> DecodedBlock | None:
+        """Bounded load of a KV block (§9); ``None`` is a miss (counted, pruned).
+
+        The result's arrays are views of ``buffer`` (or a fresh one): copy them out before
+        the next load into the same buffer.
+        """
+        name = object_name(key, ColdGroup.KV)
+        return self._load(key, name, expected.bound, buffer, lambda data: decode_block(
+            data, abi=self.fmt.abi, checksum_tag=self.payload_tag, key_hex=key.hex(),
+            fingerprint_hex=fingerprint_hex, expected=expected, path=name))
+
+    def load_sidecar(self, key: bytes, layout, *, fingerprint_hex: str,
+                     buffer: bytearray | None = None):
+        """Bounded load of a sidecar expected to have ``layout`` (a ``ColdSidecarLayout``):
+        the ``uint8[tensors, bytes_per_tensor]`` payload, or ``None`` (a miss). A corrupt
+        object is counted and pruned; a valid one of another layout is a plain miss. Never
+        counts hits."""
+        name = object_name(key, layout.group)
+
+        def decode(data):
+            fields, payload = decode_sidecar(
+                data, abi=self.fmt.abi, checksum_tag=self.payload_tag,
+                group=layout.group.label, key_hex=key.hex(), fingerprint_hex=fingerprint_hex,
+                bound=layout.bound, path=name)
+            return payload if layout.matches(fields) else None
+        return self._load(key, name, layout.bound, buffer, decode)
 
     def clear_name(self, name: str) -> bool:
         """Remove whatever is at ``name`` without following links: unlink a file, link,

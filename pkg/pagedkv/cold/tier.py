@@ -142,6 +142,11 @@ class ColdTier:
         return self.store.load_block(key, fingerprint_hex=fp.hex(),
                                      expected=BlockGeometry.of(geometry))
 
+    def load_sidecar(self, key: bytes, layout, fingerprint: bytes | None = None):
+        """Bounded, verified load of a sidecar of exactly ``layout``, or ``None`` (a miss)."""
+        fp = fingerprint if fingerprint is not None else self._fingerprint()
+        return self.store.load_sidecar(key, layout, fingerprint_hex=fp.hex())
+
     def enqueue(self, job) -> bool:
         return self.writer.enqueue(job)
 

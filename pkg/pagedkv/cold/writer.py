@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv.cold.codec import BlockGeometry, encode_block
+from pagedkv.cold.codec import BlockGeometry, encode_block, encode_sidecar
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore
 from pagedkv.errors import ColdTierClosed, InvalidArgument
 
-__all__ = ["BlockJob", "Barrier", "ColdWriter"]
+__all__ = ["BlockJob", "SidecarJob", "Barrier", "ColdWriter"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -53,6 +53,26 @@ class BlockJob:
 
     def __repr__(self) -> str:
         return f"BlockJob(key={self.key.hex()[:16]}..., {self.geometry!r})"
+
+
+@dataclass
+class SidecarJob:
+    """One sidecar to persist: ``payload`` is ``uint8[tensor_count, bytes_per_tensor]`` of
+    ``layout`` (a ``ColdSidecarLayout``), owned by the job."""
+
+    key: bytes
+    fingerprint_hex: str
+    layout: object
+    payload: np.ndarray
+
+    @property
+    def group(self) -> ColdGroup:
+        return self.layout.group
+
+    recycle = False
+
+    def __repr__(self) -> str:
+        return f"SidecarJob(key={self.key.hex()[:16]}..., {self.layout!r})"
 
 
 @dataclass
@@ -240,17 +260,21 @@ class ColdWriter:
         finally:
             self._handoff.stop()
 
-    def _prepare(self, job: BlockJob):
+    def _prepare(self, job):
         """Checksum and header of ``job``: ``(job, chunks, size)``, or ``(job, None, reason)``
         when it cannot be encoded (a write error, counted in order by the writer)."""
         store = self.store
         try:
-            header, tok, payload = encode_block(
-                store.fmt.abi, store.payload_tag, job.key.hex(), job.fingerprint_hex,
-                job.geometry, job.tokens, job.buffer, job.checksum)
+            if isinstance(job, SidecarJob):
+                chunks = encode_sidecar(store.fmt.abi, store.payload_tag, job.key.hex(),
+                                        job.fingerprint_hex, job.layout, job.payload)
+            else:
+                chunks = encode_block(store.fmt.abi, store.payload_tag, job.key.hex(),
+                                      job.fingerprint_hex, job.geometry, job.tokens,
+                                      job.buffer, job.checksum)
         except Exception as exc:  # malformed job: never kill the pipeline
             return job, None, f"cannot encode {job!r}: {exc}"
-        return job, (header, tok, payload), len(header) + tok.nbytes + payload.nbytes
+        return job, chunks, sum(memoryview(c).nbytes for c in chunks)
 
     def _run_writer(self) -> None:
         while True:
@@ -274,7 +298,7 @@ class ColdWriter:
             if job.recycle:
                 self._give_back(job.buffer)
 
-    def _persist(self, job: BlockJob, chunks, size) -> bool:
+    def _persist(self, job, chunks, size) -> bool:
         if self.service_delay_s:
             time.sleep(self.service_delay_s)
         if chunks is None:
