@@ -8,12 +8,18 @@ import logging
 
 import numpy as np
 import pytest
-
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.adapter import DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
-from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, InvalidArgument,
-                            InvalidArgumentType, LookupAlreadyDone, PagedKVError, PoolExhausted,
-                            StaleBlockTable)
+from pagedkv.errors import (
+    AuxStateUnconfirmed,
+    CapacityExceeded,
+    InvalidArgument,
+    InvalidArgumentType,
+    LookupAlreadyDone,
+    PagedKVError,
+    PoolExhausted,
+    StaleBlockTable,
+)
 from pagedkv.pool import LayerKVPool, PoolGeometry
 
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -241,15 +247,39 @@ def test_d13_prepare_turn(make):
     a.finalize_turn_keep_live("s")
     plan = a.prepare_turn("s", turn1 + [7, 8, 9], total_tokens=10)
     assert plan.reason is TurnPlanReason.CONTINUED_LIVE_PREFIX and plan.cached_tokens == 7
+    assert a.block_table("s").tolist()[:2] == [0, 1]
     a.record_tokens("s", [7, 8, 9])
-    a.finalize_turn_keep_live("s")
-    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54], total_tokens=9)
+    a.finalize_turn_keep_live("s")  # live 0..9; blocks 0..3 and 4..7 registered
+    # Diverged at position 4, and long enough to be continued otherwise.
+    diverged = [0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57]
+    plan = a.prepare_turn("s", diverged, total_tokens=12)
     assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 4
-    a.record_tokens("s", [50, 51, 52, 53, 54])
+    a.record_tokens("s", diverged[4:])
     a.finalize_turn_keep_live("s")
-    plan = a.prepare_turn("s", [0, 1, 2, 3, 50, 51, 52, 53, 54, 55], total_tokens=10,
-                          max_cached_tokens=8)
+    plan = a.prepare_turn("s", diverged + [58], total_tokens=13, max_cached_tokens=8)
     assert plan.reason is TurnPlanReason.FRESH_RESET and plan.cached_tokens == 8
+
+
+def test_d13_prepare_turn_falls_back_when_continuing_runs_out_of_blocks(make):
+    a = make(4, growth=False)
+    cached = list(range(12))
+    start(a, "x", cached)
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    a.reset_for_new_request("y")
+    a.find_cached_prefix("y", cached + [99])  # holds blocks 0-2: nothing is evictable
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", cached[:4], skip_lookup=True)
+    a.allocate_suffix_blocks("s", 4)
+    a.record_tokens("s", cached[:4])
+    a.finalize_turn_keep_live("s")
+    assert a.block_table("s").tolist() == [3]
+    # Continuing needs 3 more blocks (none left); a fresh start reuses the cached 12 tokens.
+    plan = a.prepare_turn("s", cached + [7], total_tokens=13)
+    assert plan.reason is TurnPlanReason.CONTINUE_FAILED_RESET
+    assert plan.cached_tokens == 12 and plan.newly_allocated == 1
+    assert a.block_table("s").tolist() == [0, 1, 2, 3]
+    a.allocator.check_invariants()
 
 
 def test_d13_prepare_turn_failure_releases_the_hit(make):
@@ -513,6 +543,13 @@ def test_write_kv_layers_equals_per_layer_writes(make):
     for layer in range(LAYERS):
         b.write_kv("s", layer, kl[layer], kl[layer] * 2)
     assert state(a)["pool"] == state(b)["pool"]
+    k_layers, v_layers = a.gather_kv_layers("s")
+    assert k_layers.shape == (LAYERS, 5, HEADS, DIM)
+    assert k_layers.tobytes() == kl.tobytes() and v_layers.tobytes() == (kl * 2).tobytes()
+    for layer in range(LAYERS):
+        k, v = b.gather_kv("s", layer)
+        assert k.tobytes() == k_layers[layer].tobytes()
+        assert v.tobytes() == v_layers[layer].tobytes()
 
 
 def test_bad_kv_input_changes_nothing(make):

@@ -688,3 +688,24 @@ def test_python_dash_m_pagedkv_runs_the_self_check():
     assert out.returncode == 0, out.stderr
     assert "allocator self-check" in out.stdout and out.stdout.rstrip().endswith(
         "self-check passed")
+
+
+def test_wheel_path_serves_the_same_cache():
+    """A chain registered through libxxhash is found through the wheel and back: the
+    allocator's walk, registration and chain_hashes agree on both XXH3 sources."""
+    from pagedkv import hashing
+    a = make(64, 64, 4)
+    toks = np.arange(120, dtype=np.uint32)
+    ids = a.allocate_many(30)
+    a.cache_full_blocks(toks, ids)
+    native = a.chain_hashes(toks).tolist()
+    previous = hashing._set_xxh3_source("xxhash-wheel")
+    try:
+        assert a.chain_hashes(toks).tolist() == native
+        assert a.find_longest_cache_hit(toks)[0].tolist() == ids.tolist()
+        more = a.allocate_many(2)
+        assert a.cache_full_blocks(np.arange(1000, 1008), more) == 2
+    finally:
+        hashing._set_xxh3_source(previous)
+    assert a.find_longest_cache_hit(np.arange(1000, 1008))[0].tolist() == more.tolist()
+    a.check_invariants()

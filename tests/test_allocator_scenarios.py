@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock
@@ -314,7 +313,7 @@ def test_a12_collision_stops_the_chain(make):
     alloc, tokens, intruder = _intruder_at(make, 0)
     b0, b1, b2 = alloc.allocate_many(3).tolist()
     assert alloc.cache_full_blocks(tokens, [b0, b1, b2]) == 0
-    assert alloc.prefix_cache_len == 1
+    assert alloc.prefix_cache_len == 1 and alloc.ref_count(intruder) == 2
     assert [alloc.ref_count(b) for b in (b0, b1, b2)] == [1, 1, 1]
     assert alloc.stats()["collisions_rejected"] == 1
     assert hit(alloc, tokens) == ([], 0)
@@ -323,7 +322,7 @@ def test_a12_collision_stops_the_chain(make):
     alloc, tokens, intruder = _intruder_at(make, 1)
     b0, b1, b2 = alloc.allocate_many(3).tolist()
     assert alloc.cache_full_blocks(tokens, [b0, b1, b2]) == 1
-    assert alloc.prefix_cache_len == 2
+    assert alloc.prefix_cache_len == 2 and alloc.ref_count(intruder) == 2
     assert [alloc.ref_count(b) for b in (b0, b1, b2)] == [2, 1, 1]
     assert hit(alloc, tokens) == ([b0], 4)
     alloc.check_invariants()

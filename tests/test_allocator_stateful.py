@@ -9,18 +9,17 @@ refcount of every block, the LRU order, stats, the free-list order),
 compares the block events each step sent, then runs ``check_invariants()`` on each. Half of the machines hash through a ``_hash_fn``
 with a tiny range, so hash collisions are frequent and identity verification is exercised.
 
-Pools are tiny (≤ 12 blocks of 2–4 tokens, vocabulary of 3 token ids) so prefixes are shared
+Pools are tiny (≤ 12 blocks of 1–4 tokens, vocabulary of 3 token ids) so prefixes are shared
 often and every step stays cheap; ``CI=1`` runs 300 examples (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from allocator_implementations import ALLOCATORS, observables
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from allocator_implementations import ALLOCATORS, observables
 from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -68,7 +67,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.served: list[tuple[list[int], dict]] = []  # (tokens, tenant) of earlier requests
 
     @initialize(num_blocks=st.integers(2, 8), headroom=st.integers(0, 4),
-                block_size=st.integers(2, 4), null_block=st.booleans(), collide=st.booleans())
+                block_size=st.integers(1, 4), null_block=st.booleans(), collide=st.booleans())
     def build(self, num_blocks, headroom, block_size, null_block, collide):
         hash_fn = colliding_hash if collide else None
         self.allocs = [cls(num_blocks, num_blocks + headroom, block_size, hash_seed=0,
@@ -138,6 +137,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             tokens[data.draw(st.integers(0, n - 1), label="at")] = VOCAB - 1
         return tokens
 
+    def token_input(self, data, tokens):
+        """The same prompt as a list, a uint32 array (the no-copy path), an int64 array or a
+        strided uint32 view."""
+        form = data.draw(st.sampled_from(["list", "uint32", "int64", "strided"]),
+                         label="token_form")
+        if form == "list":
+            return list(tokens)
+        if form == "strided":
+            return np.repeat(np.array(tokens, dtype=np.uint32), 2)[::2]
+        return np.array(tokens, dtype=np.uint32 if form == "uint32" else np.int64)
+
     def draw_keys(self, data, n_blocks):
         """(uniform extra_keys, extra_keys_per_block) as the call would pass them."""
         form = data.draw(st.sampled_from(["none", "none", "uniform", "per_block"]),
@@ -151,16 +161,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         return (), None
 
     def draw_entry(self, data):
-        """A (hash, identity) pair: the true chain hash of a block or a small forged one."""
+        """A (hash, identity) pair: the true chain hash of a block or a small forged one;
+        rarely malformed (the reserved hash 0, a token too many or too few)."""
         bs = self.oracle.block_size
-        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=bs, max_size=bs),
+        size = bs + data.draw(st.sampled_from([0] * 12 + [-1, 1]), label="size_error") or bs + 1
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=size, max_size=size),
                            label="block_tokens")
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
         keys = data.draw(st.sampled_from(BLOCK_KEYS), label="keys")
         if data.draw(st.booleans(), label="forged_hash"):
-            block_hash = data.draw(st.integers(1, 4), label="block_hash")
+            block_hash = data.draw(st.sampled_from([1, 2, 3, 4] * 3 + [0]), label="block_hash")
         else:
-            block_hash = int(self.oracle.chain_hashes(tokens, extra_keys=keys,
+            block = (tokens + [0] * bs)[:bs]
+            block_hash = int(self.oracle.chain_hashes(block, extra_keys=keys,
                                                       cache_salt=salt)[0])
         return block_hash, BlockIdentity.of(tokens, 0, keys, salt, 0)
 
@@ -226,9 +239,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = self.held_ids(data, len(tokens) // bs + 1)
         extra_keys, per_block = self.draw_keys(data, len(ids))
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         self.run(lambda a: a.cache_full_blocks(
-            np.array(tokens, dtype=np.uint32), np.array(ids, dtype=np.int32),
+            tokens_in, np.array(ids, dtype=np.int32),
             extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+        assert np.asarray(tokens_in).tolist() == tokens  # inputs are never written
 
     @rule(data=st.data())
     def serve_request(self, data):
@@ -249,7 +264,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def serve(self, data, tokens, tenant):
         """Longest hit, allocate the rest, register the full blocks, maybe release them."""
         self.served.append((tokens, tenant))
-        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens, **tenant))
+        tokens_in = self.token_input(data, tokens)
+        status, got = self.run(lambda a: a.find_longest_cache_hit(tokens_in, **tenant))
         if status != "ok":
             return
         hits = got[0][2]
@@ -263,7 +279,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.held.extend(new[2])
         ids = np.array(hits + new[2], dtype=np.int32)
-        self.run(lambda a: a.cache_full_blocks(np.array(tokens, dtype=np.uint32), ids, **tenant))
+        self.run(lambda a: a.cache_full_blocks(tokens_in, ids, **tenant))
+        assert np.asarray(tokens_in).tolist() == tokens
         if data.draw(st.booleans(), label="finish"):
             assert self.run(lambda a: a.free_many(ids[::-1])) == ("ok", None)
             for block_id in ids.tolist():
@@ -274,8 +291,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
+        tokens_in = self.token_input(data, tokens)
         status, got = self.run(lambda a: a.find_longest_cache_hit(
-            tokens, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
+            tokens_in, extra_keys=extra_keys, extra_keys_per_block=per_block, cache_salt=salt))
         if status == "ok":
             self.held.extend(got[0][2])
 
@@ -284,14 +302,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = self.draw_tokens(data)
         extra_keys, per_block = self.draw_keys(data, len(tokens) // self.oracle.block_size)
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
-        self.run(lambda a: a.chain_hashes(np.array(tokens, dtype=np.int64),
+        tokens_in = self.token_input(data, tokens)
+        self.run(lambda a: a.chain_hashes(tokens_in,
                                           extra_keys=extra_keys, extra_keys_per_block=per_block,
                                           cache_salt=salt))
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def register_prefix(self, data):
-        block_id = data.draw(st.sampled_from(self.held), label="block_id")
+        if data.draw(st.integers(0, 9), label="unowned") == 0:
+            block_id = self.any_id(data)
+        else:
+            block_id = data.draw(st.sampled_from(self.held), label="block_id")
         block_hash, identity = self.draw_entry(data)
         self.run(lambda a: a.register_prefix(block_id, block_hash, identity),
                  unchanged_on=lambda r: r == ("bool", False))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-
 from pagedkv import _reference, allocator, hashing
 
 U64 = (1 << 64) - 1

@@ -130,3 +130,14 @@ def test_gemv_argument_errors():
     y = Q.gemv(raw, "hfq4g256", (4, 512), x)
     assert y.shape == (4,)
     assert np.allclose(y, Q.dequantize(raw, "hfq4g256", (4, 512)).sum(axis=1), rtol=1e-5)
+
+
+def test_subnormal_range_group_codes_like_upstream():
+    """A group whose range is subnormal: 1/scale overflows to inf, (x - min)·inf is NaN at
+    x = min, and min(L, NaN) is L (hipfire's f32::min ignores NaN): both codes are L."""
+    x = np.zeros(128, np.float32)
+    x[1] = np.float32(1.1755e-41)
+    raw = Q.quantize(x, "hfq2g128")
+    assert raw[8] & 0b1111 == 0b1111                      # codes 0 and 1 are both L = 3
+    back = Q.dequantize(raw, "hfq2g128", 128)
+    assert np.abs(back - x).max() <= np.float32(1.1755e-41)

@@ -7,11 +7,20 @@ import sys
 
 import numpy as np
 import pytest
-
-from pagedkv.errors import (BadMetadata, FormatError, InvalidArgument, InvalidArgumentType,
-                            SizeMismatch)
-from pagedkv.reference import (MODEL_TYPE, NUMPY_MLX_LOGITS_ATOL, FlatKV, ReferenceConfig,
-                               ReferenceModel)
+from pagedkv.errors import (
+    BadMetadata,
+    FormatError,
+    InvalidArgument,
+    InvalidArgumentType,
+    SizeMismatch,
+)
+from pagedkv.reference import (
+    MODEL_TYPE,
+    NUMPY_MLX_LOGITS_ATOL,
+    FlatKV,
+    ReferenceConfig,
+    ReferenceModel,
+)
 from pagedkv.reference.weights import weight_shapes
 
 PROMPT = (np.arange(40) * 37 + 5) % 512
@@ -102,7 +111,7 @@ def test_load_rejects_other_model_types_and_bad_tensors(tmp_path, model):
         ReferenceModel.load(tmp_path)
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_heads=3), dict(head_dim=7), dict(num_layers=0)])
+@pytest.mark.parametrize("kwargs", [{"num_heads": 3}, {"head_dim": 7}, {"num_layers": 0}])
 def test_config_validation(kwargs):
     with pytest.raises(InvalidArgument):
         ReferenceConfig(**kwargs)

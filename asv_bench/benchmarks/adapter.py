@@ -1,6 +1,11 @@
-"""Adapter bookkeeping per decode step (paged-kv.md §7.3): ``record_decode_tokens`` +
-``prepare_decode`` for 64 live sequences, target <= 20 us, against a per-sequence dict/list
-implementation of the same bookkeeping measured in the same run.
+"""Adapter speed (issue 4), each against a baseline measured in the same run:
+
+* bookkeeping per decode step (paged-kv.md §7.3): ``record_decode_tokens`` +
+  ``prepare_decode`` for 64 live sequences, target <= 20 us, against a per-sequence dict/list
+  implementation of the same bookkeeping;
+* ``write_kv_layers`` / ``gather_kv_layers`` of one block (16 tokens) across 32 layers
+  (NumPy pool, float16, 8 KV heads x 128), target >= 50% of this machine's copy bandwidth:
+  ``np.copyto`` of the same bytes.
 
 Run with asv, or directly for a quick figure (min over repeats, microseconds):
 
@@ -87,6 +92,42 @@ class DecodeStepBookkeeping:
         self.naive.step(self.seqs, self.tokens)
 
 
+class BlockAcross32Layers:
+    """One sequence's K/V for one full block in all 32 layers of a Llama-3-8B-shaped pool."""
+
+    timeout = 120
+
+    def setup(self):
+        from pagedkv.adapter import PagedKVCacheAdapter
+        from pagedkv.allocator import BlockAllocator
+        from pagedkv.pool import LayerKVPool, PoolGeometry
+
+        g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                         dtype="float16")
+        self.adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0),
+                                           LayerKVPool(g, 16))
+        self.adapter.reset_for_new_request("s")
+        self.adapter.find_cached_prefix("s", np.arange(16), skip_lookup=True)
+        self.adapter.allocate_suffix_blocks("s", 16)
+        self.adapter.record_tokens("s", np.arange(16))
+        rng = np.random.default_rng(0)
+        shape = (32, 16, 8, 128)
+        self.k = rng.standard_normal(shape).astype(np.float16)
+        self.v = rng.standard_normal(shape).astype(np.float16)
+        self.src = np.concatenate([self.k.reshape(-1), self.v.reshape(-1)])
+        self.dst = np.empty_like(self.src)
+        self.nbytes = self.src.nbytes
+
+    def time_copyto_baseline(self):
+        np.copyto(self.dst, self.src)
+
+    def time_write_kv_layers(self):
+        self.adapter.write_kv_layers("s", self.k, self.v)
+
+    def time_gather_kv_layers(self):
+        self.adapter.gather_kv_layers("s")
+
+
 def _min_us(fn, number: int = 64, repeat: int = 25) -> float:
     import timeit
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
@@ -101,3 +142,13 @@ if __name__ == "__main__":
     print(f"  adapter (record_decode_tokens + prepare_decode): {adapter_us:.1f} us  (target <= 20)")
     print(f"  naive dict/list baseline:                        {naive_us:.1f} us")
     print(f"  speedup vs baseline: {naive_us / adapter_us:.1f}x")
+    io = BlockAcross32Layers()
+    io.setup()
+    copy_us = _min_us(io.time_copyto_baseline, 50, 15)
+    print(f"one block x 32 layers, f16 8x128, {io.nbytes / 2**20:.0f} MiB K+V "
+          f"(np.copyto {copy_us:.1f} us, {io.nbytes / copy_us / 1e3:.1f} GB/s)")
+    for name, fn in (("write_kv_layers", io.time_write_kv_layers),
+                     ("gather_kv_layers", io.time_gather_kv_layers)):
+        us = _min_us(fn, 50, 15)
+        print(f"  {name}: {us:.1f} us, {io.nbytes / us / 1e3:.1f} GB/s = "
+              f"{copy_us / us:.1%} of copy (target >= 50%)")

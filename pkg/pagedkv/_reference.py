@@ -39,7 +39,7 @@ import hashlib
 import logging
 import secrets
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -424,7 +424,7 @@ class BlockAllocator:
             return
         try:
             hook(kind, np.array(list(hashes), dtype=np.uint64))
-        except Exception:  # the hook never undoes an operation (§4.10)
+        except Exception:  # noqa: BLE001 - the hook never undoes an operation (§4.10)
             _log.exception("on_block_event hook raised for %r; ignored", kind)
 
     def _emit_changes(self, removed: list[int], stored: list[int]) -> None:

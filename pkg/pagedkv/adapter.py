@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Hashable, NamedTuple, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, ContextLengthExceeded,
-                            InvalidArgument, InvalidArgumentType, LookupAlreadyDone,
-                            PagedKVError, PoolExhausted)
+from pagedkv.errors import (
+    AuxStateUnconfirmed,
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidArgument,
+    InvalidArgumentType,
+    LookupAlreadyDone,
+    PagedKVError,
+    PoolExhausted,
+)
 from pagedkv.sizing import ReservationGrowth
 
-__all__ = ["PagedKVCacheAdapter", "PrefixLookup", "DecodeBatch", "TurnPlan", "TurnPlanReason"]
+__all__ = ["DecodeBatch", "PagedKVCacheAdapter", "PrefixLookup", "TurnPlan", "TurnPlanReason"]
 
 log = logging.getLogger("pagedkv.adapter")
 
@@ -538,6 +546,14 @@ class PagedKVCacheAdapter:
         return self.pool.gather(layer, self._table[row, :self._blocks_for(n)], n,
                                 generation=generation)
 
+    def gather_kv_layers(self, seq_id: Hashable, *, generation: int | None = None):
+        """All layers at once: ``(k_layers, v_layers)``, ``[num_layers, num_tokens, kv_heads,
+        head_dim]`` each, every layer's slice C-contiguous (one gather per array)."""
+        row = self._row(seq_id)
+        n = int(self._num_tokens[row])
+        return self.pool.gather_layers(self._table[row, :self._blocks_for(n)], n,
+                                       generation=generation)
+
     # --- registration, release, turns ----------------------------------------------------
 
     def _register(self, row: int, call: str, extra_keys, extra_keys_per_block, cache_salt) -> int:
@@ -640,8 +656,12 @@ class PagedKVCacheAdapter:
                      max_cached_tokens: int | None = None) -> TurnPlan:
         """Continue the live table when the prompt extends it, else reset + lookup + allocate.
 
-        The last prompt token is always recomputed (``max_cached_tokens`` defaults to
-        ``len(prompt) - 1``). Any error releases the sequence, so no prefix reference leaks.
+        Continues (``CONTINUED_LIVE_PREFIX``) when ``reuse_live``, the table is finalized, the
+        prompt starts with its tokens and it holds at most ``max_cached_tokens`` (default
+        ``len(prompt) - 1``: the last prompt token is always recomputed). Otherwise, or when
+        the continuation runs out of blocks (``CONTINUE_FAILED_RESET``), the sequence is
+        released and starts fresh (``FRESH_RESET``). Any error releases the sequence, so no
+        prefix reference leaks.
         """
         toks = _as_tokens(prompt, "prompt")
         limit = len(toks) - 1 if max_cached_tokens is None else max_cached_tokens
@@ -649,14 +669,12 @@ class PagedKVCacheAdapter:
         row = self._row_of.get(seq_id)
         if reuse_live and row is not None and self._finalized[row]:
             prior = int(self._num_tokens[row])
-            if prior <= limit:
+            if prior <= limit and prior <= len(toks) and np.array_equal(
+                    toks[:prior], self._tokens[row, :prior]):
                 try:
                     _, new = self.continue_turn(seq_id, toks, total_tokens)
                     return TurnPlan(TurnPlanReason.CONTINUED_LIVE_PREFIX, prior, new)
                 except ContextLengthExceeded:
-                    self.release_request(seq_id)
-                    raise
-                except PagedKVError:
                     reason = TurnPlanReason.CONTINUE_FAILED_RESET
         try:
             self.reset_for_new_request(seq_id)

@@ -122,7 +122,7 @@ cdef class BlockAllocator:
     cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
                         uint64_t* out) except -1
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
-                                  uint64_t salt, int32_t* out) except -1
+                                  uint64_t salt, bint native, int32_t* out) except -1 nogil
     cdef int32_t check_block_id(self, object block_id, str name) except -1
     cdef int check_identity(self, object identity, IdentityView* out, list keep) except -1
     cdef Py_ssize_t most_keys(self, ChainKeys keys, Py_ssize_t n) noexcept

@@ -565,17 +565,18 @@ cdef class BlockAllocator:
         return h if h != 0 else 1
 
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
-                                  uint64_t salt, int32_t* out) except -1:
+                                  uint64_t salt, bint native, int32_t* out) except -1 nogil:
         """Length of the longest verified cached prefix of the n-block chain of ``t``; its
         blocks go to ``out``. A present hash with another identity ends the walk and counts
         as a collision. Works in groups of _WALK_GROUP blocks: hash the group, prefetch its
         prefix slots, resolve them and prefetch the blocks' records and token rows, then
-        verify, so the random memory accesses of a group overlap instead of queueing."""
+        verify, so the random memory accesses of a group overlap instead of queueing.
+        ``native``: hash through libxxhash without the GIL; otherwise each hash takes the
+        GIL (the ``_hash_fn`` hook or the xxhash wheel)."""
         cdef Py_ssize_t bs = self._block_size, base = 0, m, j, found, slot, i
         cdef uint64_t parent = 0, verified_parent = 0
         cdef uint64_t hashes[_WALK_GROUP]
         cdef int32_t blocks[_WALK_GROUP]
-        cdef bint native = self._hash_fn is None and xxh3_native()
         while base < n:
             m = min(<Py_ssize_t>_WALK_GROUP, n - base)
             for j in range(m):
@@ -585,7 +586,8 @@ cdef class BlockAllocator:
                                                keys.key_count(i), salt, i, self._seed,
                                                self.scratch)
                 else:
-                    parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                    with gil:
+                        parent = self.block_hash(parent, t + i * bs, keys, i, salt)
                 hashes[j] = parent
                 pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
             found = m
@@ -942,13 +944,16 @@ cdef class BlockAllocator:
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        cdef Py_ssize_t n_tokens = tok.shape[0]
+        cdef bint native
         if n == 0 or self.n_cached == 0:
-            self.st_query_tokens += <uint64_t>tok.shape[0]
+            self.st_query_tokens += <uint64_t>n_tokens
             return out[:0], 0
         self.ensure_scratch(self.most_keys(keys, n))
-        k = self.walk_verified(t, n, keys, salt, o)
-        self.st_query_tokens += <uint64_t>tok.shape[0]
+        native = self._hash_fn is None and xxh3_native()
         with nogil:
+            k = self.walk_verified(t, n, keys, salt, native, o)
+            self.st_query_tokens += <uint64_t>n_tokens
             for i in range(k):
                 self.incref_block(o[i])
             i = k - 1

@@ -185,16 +185,19 @@ PKV_FN uint32_t pkv_round_affine_v2(float x, float z, float inv, float L) {
 }
 
 /* Q8F16 / MQ8 / Q8HFQ: round half away from zero, clamp to [-128, 127].
- * (a + 0.5 then truncate is wrong for a = 0.49999997, hence the fraction test.) */
+ * (a + 0.5 then truncate is wrong for a = 0.49999997, hence the fraction test.)
+ * Float selects only, no branches: signs and halves of real weights are
+ * unpredictable, and this form vectorizes. */
 PKV_FN int32_t pkv_round_q8(float v) {
-    float a = v < 0.0f ? -v : v;
-    a = a < 256.0f ? a : 256.0f;                  /* keep the conversion in range */
+    uint32_t bits = pkv_f32_bits(v);
+    float a = pkv_f32_from_bits(bits & 0x7FFFFFFFu);
+    a = a < 256.0f ? a : 256.0f;                      /* keep the conversion in range */
     float t = (float)(int32_t)a;
-    float frac = a - t;                           /* exact below 2^23 */
-    int32_t q = (int32_t)t + (frac >= 0.5f ? 1 : 0);
-    q = v < 0.0f ? -q : q;
-    q = q < -128 ? -128 : q;
-    return q > 127 ? 127 : q;
+    float r = t + ((a - t) >= 0.5f ? 1.0f : 0.0f);    /* a - t is exact below 2^23 */
+    r = pkv_f32_from_bits(pkv_f32_bits(r) | (bits & 0x80000000u));
+    r = r < -128.0f ? -128.0f : r;
+    r = r > 127.0f ? 127.0f : r;
+    return (int32_t)r;
 }
 
 /* KV q8 (§6.3): round half to even, clamp to [-127, 127]. */
@@ -526,16 +529,22 @@ PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, uint8_t *q, flo
 
 /* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block). */
 PKV_FN void pkv_q8f16_encode_group(const float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
-    float amax = 0.0f;
+    /* max |x| on the magnitude bits: for finite floats integer order is float
+     * order, and an integer max reduction vectorizes (a float one may not). */
+    uint32_t amax_bits = 0u;
     for (uint32_t i = 0; i < n; ++i) {
-        float a = x[i] < 0.0f ? -x[i] : x[i];
-        amax = a > amax ? a : amax;
+        uint32_t a = pkv_f32_bits(x[i]) & 0x7FFFFFFFu;
+        amax_bits = a > amax_bits ? a : amax_bits;
     }
+    float amax = pkv_f32_from_bits(amax_bits);
     float scale = amax / 127.0f;
     float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    /* codes go to a local array first: it cannot alias x, so the loop vectorizes */
+    uint8_t codes[PKV_Q8F16_GROUP];
+    for (uint32_t i = 0; i < n; ++i) codes[i] = (uint8_t)(pkv_round_q8(x[i] * inv) & 0xFF);
+    for (uint32_t i = n; i < PKV_Q8F16_GROUP; ++i) codes[i] = 0u;
     pkv_store_u16le(blk, pkv_f16_trunc(scale));
-    for (uint32_t i = 0; i < n; ++i) blk[2u + i] = (uint8_t)(pkv_round_q8(x[i] * inv) & 0xFF);
-    for (uint32_t i = n; i < PKV_Q8F16_GROUP; ++i) blk[2u + i] = 0u;
+    for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) blk[2u + i] = codes[i];
 }
 
 PKV_FN float pkv_q8f16_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {

@@ -111,13 +111,14 @@ def _shape_arg(shape) -> tuple[int, ...]:
 
 
 def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
-               basis: str = "original") -> np.ndarray:
-    """Decode ``raw`` (format ``fmt``) into a new ``float32`` array of ``shape``.
+               basis: str = "original", out: np.ndarray | None = None) -> np.ndarray:
+    """Decode ``raw`` (format ``fmt``) into a ``float32`` array of ``shape``.
 
     Exact on the CPU (every weight is the reference decode, bit for bit). For
     rotated (MQ) formats ``basis="original"`` undoes the FWHT per 256-group;
     ``basis="rotated"`` returns the stored basis, what the kernels emit (it needs
-    the element count to be a multiple of 256).
+    the element count to be a multiple of 256). ``out``: a C-contiguous float32
+    array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer.
     """
     codec = resolve(fmt)
     data = _raw_input(raw)
@@ -136,7 +137,18 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         raise InvalidArgument(
             f"basis='rotated' needs a multiple of 256 weights (whole rotated groups), got "
             f"shape {dims}")
-    out = np.empty(numel, dtype=np.float32)
+    if out is None:
+        result = np.empty(dims, dtype=np.float32)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32:
+            raise InvalidArgumentType(
+                f"out must be a float32 numpy array, got {getattr(out, 'dtype', type(out).__name__)}")
+        if out.shape != dims or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument(
+                f"out must be a writeable C-contiguous array of shape {dims}, got shape "
+                f"{out.shape}")
+        result = out
+    out = result.reshape(-1)
     if codec.kind == AFFINE:
         affine.decode(data, out, codec.family, codec.bits, codec.group_size,
                       rotated_basis and codec.rotated)
@@ -148,7 +160,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         half.f16_to_f32(data.view(np.uint16), out)
     else:
         half.bf16_to_f32(data.view(np.uint16), out)
-    return out.reshape(dims)
+    return result
 
 
 def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:

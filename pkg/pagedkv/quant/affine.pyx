@@ -14,8 +14,8 @@ from libc.string cimport memcpy, memset
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.quant_header cimport (
-    pkv_first_nonfinite, pkv_hfq_decode_group, pkv_hfq_encode_group, pkv_mq4c_decode_group,
-    pkv_mq4c_encode_group, pkv_mqv2_decode_group, pkv_mqv2_encode_group, pkv_pack_codes,
+    pkv_first_nonfinite, pkv_hfq_encode_group, pkv_mq4c_encode_group, pkv_mqv2_encode_group,
+    pkv_pack_codes,
     pkv_unpack_code,
 )
 
@@ -66,35 +66,40 @@ def encode(const float[::1] x, uint8_t[::1] out, AffineFamily family, int bits, 
     return bad
 
 
+cdef extern from "affine_loops.h" nogil:
+    void pkv_cpu_affine_decode_groups(const uint8_t *raw, Py_ssize_t n_groups, int family,
+                                      unsigned bits, unsigned G, float *out)
+
+cdef enum:
+    DECODE_BATCH_GROUPS = 64    # groups decoded then un-rotated together (64 KiB, L2-resident)
+
+
 def decode(const uint8_t[::1] raw, float[::1] out, AffineFamily family, int bits,
            Py_ssize_t group, bint rotated_basis=False):
     """Decode ``len(out)`` weights from ``raw``. For rotated families the result is in the
     original basis (Rᵀ applied per group) unless ``rotated_basis`` (the stored basis)."""
     cdef Py_ssize_t n = out.shape[0], B = group_bytes(bits, group)
-    cdef Py_ssize_t g, start, count, n_groups = (n + group - 1) // group
-    cdef uint8_t q[256]
+    cdef Py_ssize_t i, g, count, n_groups = (n + group - 1) // group
+    cdef Py_ssize_t n_whole = n // group, batch = DECODE_BATCH_GROUPS
     cdef float buf[256]
-    cdef bint rotated = family != HFQ
+    cdef bint unrotate = family != HFQ and not rotated_basis
     if raw.shape[0] != n_groups * B:
         raise ValueError(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
     if n == 0:
         return
     with nogil:
-        for g in range(n_groups):
-            start = g * group
-            count = min(group, n - start)
-            if family == HFQ or family == MQ_V1:
-                if count == group and (not rotated or rotated_basis):
-                    pkv_hfq_decode_group(&raw[g * B], bits, <unsigned>group, q, &out[start])
-                    continue
-                pkv_hfq_decode_group(&raw[g * B], bits, <unsigned>group, q, buf)
-            elif family == MQ_V2:
-                pkv_mqv2_decode_group(&raw[g * B], bits, q, buf)
-            else:
-                pkv_mq4c_decode_group(&raw[g * B], q, buf)
-            if rotated and not rotated_basis:
+        for i in range((n_whole + batch - 1) // batch):
+            g = i * batch
+            count = min(batch, n_whole - g)
+            pkv_cpu_affine_decode_groups(&raw[g * B], count, family, bits, <unsigned>group,
+                                         &out[g * group])
+            if unrotate:
+                unrotate256(&out[g * group], &out[g * group], count)
+        if n_whole < n_groups:              # the short last group
+            pkv_cpu_affine_decode_groups(&raw[n_whole * B], 1, family, bits, <unsigned>group, buf)
+            if unrotate:
                 unrotate256(buf, buf, 1)
-            memcpy(&out[start], buf, count * sizeof(float))
+            memcpy(&out[n_whole * group], buf, (n - n_whole * group) * sizeof(float))
 
 
 def pack_codes(const uint8_t[::1] q, int bits):

@@ -21,22 +21,28 @@ cnp.import_array()
 
 cdef extern from "fwht_loops.h" nogil:
     void pkv_cpu_fwht256_rows(const float *x, float *y, Py_ssize_t n_rows,
-                              const float *pre, const float *post)
+                              const float *pre, const float *post_scaled)
 
 # Generated once at import from the LCG (the header's packed words are checked
 # against them in the tests); read-only afterwards, so safe from any thread.
+# The post tables carry the 1/16 scale (c·(±1) is exact, so the product is the same bits).
 cdef float SIGNS1[256]
 cdef float SIGNS2[256]
+cdef float SIGNS1_SCALED[256]
+cdef float SIGNS2_SCALED[256]
 pkv_signs_generate(42, 256, SIGNS1)
 pkv_signs_generate(1042, 256, SIGNS2)
+for _i in range(256):
+    SIGNS1_SCALED[_i] = SIGNS1[_i] * <float>0.0625
+    SIGNS2_SCALED[_i] = SIGNS2[_i] * <float>0.0625
 
 
 cdef void rotate256(const float *x, float *y, Py_ssize_t n_rows) noexcept nogil:
-    pkv_cpu_fwht256_rows(x, y, n_rows, SIGNS1, SIGNS2)
+    pkv_cpu_fwht256_rows(x, y, n_rows, SIGNS1, SIGNS2_SCALED)
 
 
 cdef void unrotate256(const float *x, float *y, Py_ssize_t n_rows) noexcept nogil:
-    pkv_cpu_fwht256_rows(x, y, n_rows, SIGNS2, SIGNS1)
+    pkv_cpu_fwht256_rows(x, y, n_rows, SIGNS2, SIGNS1_SCALED)
 
 
 def fwht_rows(const float[:, ::1] x, float[:, ::1] out, bint inverse=False):

@@ -18,14 +18,18 @@
 
 #include <string.h>
 #include "pagedkv/quant.h"
+#include "affine_loops.h"   /* PKV_FAMILY_* */
 #include "cpu_simd.h"
 
 /* Codes are widened to floats with plain loops (GCC vectorizes them with one
  * pmovzx/pmovsx each), not __builtin_convertvector, which GCC 12 scalarizes. */
+typedef uint8_t pkv_v16u8 __attribute__((vector_size(16)));
+typedef int32_t pkv_v16i32 __attribute__((vector_size(64)));
 typedef float pkv_v16f __attribute__((vector_size(64)));
+/* 8 lanes where codes are widened through memory: 256-bit stores then loads of
+ * the same width forward; a 512-bit load of two 256-bit stores stalls. */
+typedef float pkv_v8f __attribute__((vector_size(32)));
 
-/* Affine families, as pagedkv.quant.affine.AffineFamily numbers them. */
-enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMILY_MQ4C = 3 };
 
 /* Dot product of n floats (n a multiple of 32), two 16-lane accumulators. */
 static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
@@ -43,20 +47,28 @@ static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
     return s;
 }
 
-/* Codes of one group as floats, in the order the prepared x expects. */
+/* Dot product of 32*n_chunks 4-bit codes with x in nibble order, straight from
+ * the packed bytes (no float copy of the codes in between). */
+static inline float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint32_t n_chunks) {
+    pkv_v16f acc0 = {0}, acc1 = {0};
+    for (uint32_t c = 0; c < n_chunks; ++c) {
+        pkv_v16u8 b;
+        pkv_v16f x0, x1;
+        memcpy(&b, payload + 16u * c, 16);
+        memcpy(&x0, x + 32u * c, 64);
+        memcpy(&x1, x + 32u * c + 16u, 64);
+        acc0 += __builtin_convertvector(__builtin_convertvector(b & 15, pkv_v16i32), pkv_v16f) * x0;
+        acc1 += __builtin_convertvector(__builtin_convertvector(b >> 4, pkv_v16i32), pkv_v16f) * x1;
+    }
+    acc0 += acc1;
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) s += acc0[k];
+    return s;
+}
+
+/* Codes of one group (not 4-bit) as floats, in natural order. */
 static inline void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint32_t G,
                                     uint8_t *q, float *qf) {
-    if (bits == 4u) {
-        for (uint32_t c = 0; c < G / 32u; ++c) {
-            const uint8_t *p = payload + 16u * c;
-            float *o = qf + 32u * c;
-            for (uint32_t i = 0; i < 16u; ++i) {   /* plain loop: GCC widens bytes with one pmovzx */
-                o[i] = (float)(p[i] & 15u);
-                o[16u + i] = (float)(p[i] >> 4);
-            }
-        }
-        return;
-    }
     pkv_unpack_codes(payload, G, bits, q);
     for (uint32_t i = 0; i < G; ++i) qf[i] = (float)q[i];
 }
@@ -78,7 +90,8 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
         for (ptrdiff_t b = 0; b < nb; ++b) acc[b] = 0.0f;
         for (ptrdiff_t g = 0; g < groups_per_row; ++g) {
             const uint8_t *blk = w + (size_t)(r * groups_per_row + g) * B;
-            pkv_codes_to_f32(blk + PKV_AFFINE_HEADER_BYTES, bits, G, q, qf);
+            const uint8_t *payload = blk + PKV_AFFINE_HEADER_BYTES;
+            if (bits != 4u) pkv_codes_to_f32(payload, bits, G, q, qf);
             const ptrdiff_t x0 = g * (ptrdiff_t)G;
             if (family == PKV_FAMILY_MQ_V2) {
                 float s0 = pkv_mqv2_scale(blk, 0), z0 = pkv_mqv2_zero(blk, 0);
@@ -86,7 +99,14 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
                 for (ptrdiff_t b = 0; b < nb; ++b) {
                     const float *xb = xp + b * k + x0;
                     const float *sb = xsum + b * spans_per_row + 2 * g;
-                    float d0 = pkv_dot_f32(qf, xb, 128u), d1 = pkv_dot_f32(qf + 128, xb + 128, 128u);
+                    float d0, d1;
+                    if (bits == 4u) {
+                        d0 = pkv_dot_nibbles(payload, xb, 4u);
+                        d1 = pkv_dot_nibbles(payload + 64, xb + 128, 4u);
+                    } else {
+                        d0 = pkv_dot_f32(qf, xb, 128u);
+                        d1 = pkv_dot_f32(qf + 128, xb + 128, 128u);
+                    }
                     acc[b] += (s0 * d0 + z0 * sb[0]) + (s1 * d1 + z1 * sb[1]);
                 }
             } else {
@@ -99,7 +119,8 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
                     z = pkv_hfq_min(blk);
                 }
                 for (ptrdiff_t b = 0; b < nb; ++b) {
-                    float d = pkv_dot_f32(qf, xp + b * k + x0, G);
+                    const float *xb = xp + b * k + x0;
+                    float d = bits == 4u ? pkv_dot_nibbles(payload, xb, G / 32u) : pkv_dot_f32(qf, xb, G);
                     acc[b] += s * d + z * xsum[b * spans_per_row + g];
                 }
             }
@@ -121,21 +142,21 @@ static void pkv_cpu_gemv_q8f16(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, const
          * blocks of this row stay in L1 for the next x row */
         for (ptrdiff_t b = 0; b < nb; ++b) {
             const float *xb = x + b * k;
-            pkv_v16f acc = {0};
+            pkv_v8f acc0 = {0}, acc1 = {0};
             for (ptrdiff_t g = 0; g < blocks_per_row; ++g) {
                 const uint8_t *blk = row + (size_t)g * PKV_Q8F16_GROUP_BYTES;
                 float d = pkv_f16_to_f32(pkv_load_u16le(blk));
-                float qf[32] __attribute__((aligned(64)));
+                float qf[32] __attribute__((aligned(32)));
                 for (uint32_t i = 0; i < 32u; ++i) qf[i] = (float)(int8_t)blk[2u + i];
-                pkv_v16f q0, q1, x0, x1;
-                memcpy(&q0, qf, 64);
-                memcpy(&q1, qf + 16, 64);
-                memcpy(&x0, xb + g * 32, 64);
-                memcpy(&x1, xb + g * 32 + 16, 64);
-                acc += d * (q0 * x0 + q1 * x1);
+                pkv_v8f q[4], xv[4];
+                memcpy(q, qf, sizeof q);
+                memcpy(xv, xb + g * 32, sizeof xv);
+                acc0 += d * (q[0] * xv[0] + q[1] * xv[1]);
+                acc1 += d * (q[2] * xv[2] + q[3] * xv[3]);
             }
+            pkv_v8f acc = acc0 + acc1;
             float s = 0.0f;
-            for (int l = 0; l < 16; ++l) s += acc[l];
+            for (int l = 0; l < 8; ++l) s += acc[l];
             y[b * m + r] = s;
         }
     }

@@ -16,7 +16,7 @@ from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import FlatKV, KVPath
 from pagedkv.reference.weights import load_model, random_weights, save_model
 
-__all__ = ["ReferenceModel", "Generation", "NUMPY_MLX_LOGITS_ATOL", "BACKENDS"]
+__all__ = ["BACKENDS", "NUMPY_MLX_LOGITS_ATOL", "Generation", "ReferenceModel"]
 
 BACKENDS = ("numpy", "mlx")
 
@@ -62,7 +62,7 @@ class ReferenceModel:
         save_model(directory, self.config, self.weights)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, *, backend: str = "numpy") -> "ReferenceModel":
+    def load(cls, directory: str | os.PathLike, *, backend: str = "numpy") -> ReferenceModel:
         config, weights = load_model(directory)
         return cls(config, weights, backend=backend)
 
