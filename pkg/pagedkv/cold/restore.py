@@ -23,8 +23,7 @@ from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
 __all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS",
-           "LOAD_AHEAD_BLOCKS",
-           "LOADER_THREADS"]
+           "LOAD_AHEAD_BLOCKS", "LOADER_THREADS"]
 
 log = logging.getLogger("pagedkv.cold")
 
