@@ -165,10 +165,13 @@ class ColdTier:
         return self.writer.drain(timeout)
 
     def loader(self) -> ThreadPoolExecutor:
-        """The restore walk's load-ahead thread (``pagedkv-cold-restore``), made on first use."""
+        """The restore walk's load-ahead threads (``pagedkv-cold-restore``), made on first
+        use."""
         with self._loader_lock:
             if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-cold-restore")
+                from pagedkv.cold.restore import LOADER_THREADS
+                self._loader = ThreadPoolExecutor(LOADER_THREADS,
+                                                  thread_name_prefix="pagedkv-cold-restore")
             return self._loader
 
     def close(self, timeout: float = 5.0) -> None:
