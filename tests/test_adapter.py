@@ -8,12 +8,18 @@ import logging
 
 import numpy as np
 import pytest
-
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.adapter import DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
-from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, InvalidArgument,
-                            InvalidArgumentType, LookupAlreadyDone, PagedKVError, PoolExhausted,
-                            StaleBlockTable)
+from pagedkv.errors import (
+    AuxStateUnconfirmed,
+    CapacityExceeded,
+    InvalidArgument,
+    InvalidArgumentType,
+    LookupAlreadyDone,
+    PagedKVError,
+    PoolExhausted,
+    StaleBlockTable,
+)
 from pagedkv.pool import LayerKVPool, PoolGeometry
 
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -543,6 +549,7 @@ def test_write_kv_layers_equals_per_layer_writes(make):
     for layer in range(LAYERS):
         k, v = b.gather_kv("s", layer)
         assert k.tobytes() == k_layers[layer].tobytes()
+        assert v.tobytes() == v_layers[layer].tobytes()
 
 
 def test_bad_kv_input_changes_nothing(make):

@@ -141,3 +141,21 @@ def test_subnormal_range_group_codes_like_upstream():
     assert raw[8] & 0b1111 == 0b1111                      # codes 0 and 1 are both L = 3
     back = Q.dequantize(raw, "hfq2g128", 128)
     assert np.abs(back - x).max() <= np.float32(1.1755e-41)
+
+
+def test_dequantize_into_out_and_errors_leave_it_unchanged():
+    w = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+    raw = Q.quantize(w, "mq4g256")
+    out = np.full((2, 512), 7.0, np.float32)
+    with pytest.raises(SizeMismatch):
+        Q.dequantize(raw[:-1], "mq4g256", (2, 512), out=out)
+    with pytest.raises(InvalidArgument, match="shape"):
+        Q.dequantize(raw, "mq4g256", (2, 512), out=np.empty((512, 2), np.float32))
+    with pytest.raises(InvalidArgumentType, match="float32"):
+        Q.dequantize(raw, "mq4g256", (2, 512), out=np.empty((2, 512), np.float64))
+    with pytest.raises(InvalidArgument, match="C-contiguous"):
+        Q.dequantize(raw, "mq4g256", (2, 512), out=np.empty((512, 2), np.float32).T)
+    assert (out == 7.0).all()
+    res = Q.dequantize(raw, "mq4g256", (2, 512), out=out)
+    assert res is out
+    assert np.array_equal(out, Q.dequantize(raw, "mq4g256", (2, 512)))

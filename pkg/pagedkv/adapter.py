@@ -17,16 +17,24 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Hashable, NamedTuple, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from pagedkv.errors import (AuxStateUnconfirmed, CapacityExceeded, ContextLengthExceeded,
-                            InvalidArgument, InvalidArgumentType, LookupAlreadyDone,
-                            PagedKVError, PoolExhausted)
+from pagedkv.errors import (
+    AuxStateUnconfirmed,
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidArgument,
+    InvalidArgumentType,
+    LookupAlreadyDone,
+    PagedKVError,
+    PoolExhausted,
+)
 from pagedkv.sizing import ReservationGrowth
 
-__all__ = ["PagedKVCacheAdapter", "PrefixLookup", "DecodeBatch", "TurnPlan", "TurnPlanReason"]
+__all__ = ["DecodeBatch", "PagedKVCacheAdapter", "PrefixLookup", "TurnPlan", "TurnPlanReason"]
 
 log = logging.getLogger("pagedkv.adapter")
 

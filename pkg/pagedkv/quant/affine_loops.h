@@ -10,7 +10,7 @@ enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMIL
 
 /* One group; inlined with constant bits/G below, so each common case gets its
  * own fully unrolled, vectorized loop. */
-static inline void pkv_affine_decode_one_(const uint8_t *blk, int family, uint32_t bits,
+static inline __attribute__((always_inline)) void pkv_affine_decode_one_(const uint8_t *blk, int family, uint32_t bits,
                                           uint32_t G, uint8_t *q, float *o) {
     if (family == PKV_FAMILY_MQ_V2) pkv_mqv2_decode_group(blk, bits, q, o);
     else if (family == PKV_FAMILY_MQ4C) pkv_mq4c_decode_group(blk, q, o);

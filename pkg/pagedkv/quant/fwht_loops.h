@@ -40,7 +40,7 @@ typedef int32_t pkv_fwht_v16i __attribute__((vector_size(64)));
 typedef pkv_fwht_v16f pkv_fwht_table_[16];  /* a sign table, as pkv_fwht256_row_ takes it */
 
 /* One row: y = D_post · H · (D_pre · x), tables as 16 vectors (post carries the 1/16). */
-static inline void pkv_fwht256_row_(const float *x, float *y, const pkv_fwht_v16f *s_pre,
+static inline __attribute__((always_inline)) void pkv_fwht256_row_(const float *x, float *y, const pkv_fwht_v16f *s_pre,
                                     const pkv_fwht_v16f *s_post) {
     pkv_fwht_v16f v[16];
     memcpy(v, x, sizeof v);

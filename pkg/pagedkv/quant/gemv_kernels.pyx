@@ -40,6 +40,18 @@ cdef void _nibble_order(float *xp, Py_ssize_t n) noexcept nogil:
             xp[c + j] = tmp[j]
 
 
+cdef void _plane_order(float *xp, Py_ssize_t n, int unit_codes) noexcept nogil:
+    """Permute each 128-float block: element U*u + k goes to k*(128/U) + u."""
+    cdef float tmp[128]
+    cdef Py_ssize_t c, u, j, n_u = 128 // unit_codes
+    for c in range(0, n, 128):
+        for u in range(n_u):
+            for j in range(unit_codes):
+                tmp[j * n_u + u] = xp[c + unit_codes * u + j]
+        for j in range(128):
+            xp[c + j] = tmp[j]
+
+
 def gemv_affine(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, int family, int bits,
                 Py_ssize_t group, const float[:, ::1] x, float[:, ::1] y):
     """``y[b, r] = Σ_j x[b, j] · W[r, j]`` for an affine-family W (see module docstring)."""
@@ -79,6 +91,9 @@ def gemv_affine(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, int family, in
             if bits == 4:
                 # 4-bit codes meet x in nibble order (gemv_loops.h)
                 _nibble_order(xp, nb * k)
+            else:
+                # other widths meet x in plane order (gemv_loops.h, pkv_codes_to_f32)
+                _plane_order(xp, nb * k, 4 if bits == 2 or bits == 6 else 8)
             if k > 0:
                 pkv_cpu_gemv_affine(&w[0], m, k, bits, <unsigned>group, family, xp, xsum, nb,
                                     &y[0, 0])

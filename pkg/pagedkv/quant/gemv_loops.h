@@ -32,7 +32,7 @@ typedef float pkv_v8f __attribute__((vector_size(32)));
 
 
 /* Dot product of n floats (n a multiple of 32), two 16-lane accumulators. */
-static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
+static inline __attribute__((always_inline)) float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
     pkv_v16f acc0 = {0}, acc1 = {0};
     for (uint32_t i = 0; i < n; i += 32u) {
         pkv_v16f a0, a1, b0, b1;
@@ -49,7 +49,7 @@ static inline float pkv_dot_f32(const float *a, const float *b, uint32_t n) {
 
 /* Dot product of 32*n_chunks 4-bit codes with x in nibble order, straight from
  * the packed bytes (no float copy of the codes in between). */
-static inline float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint32_t n_chunks) {
+static inline __attribute__((always_inline)) float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint32_t n_chunks) {
     pkv_v16f acc0 = {0}, acc1 = {0};
     for (uint32_t c = 0; c < n_chunks; ++c) {
         pkv_v16u8 b;
@@ -66,20 +66,70 @@ static inline float pkv_dot_nibbles(const uint8_t *payload, const float *x, uint
     return s;
 }
 
-/* Codes of one group (not 4-bit) as floats, in natural order. */
-static inline void pkv_codes_to_f32(const uint8_t *payload, uint32_t bits, uint32_t G,
-                                    uint8_t *q, float *qf) {
-    pkv_unpack_codes(payload, G, bits, q);
-    for (uint32_t i = 0; i < G; ++i) qf[i] = (float)q[i];
+/* Codes per unit in plane order: 2- and 6-bit codes come 4 to a unit of 1 or 3
+ * bytes, 3- and 5-bit codes 8 to a unit of 3 or 5 bytes. */
+#define PKV_PLANE_UNIT_CODES(bits) (((bits) == 2u || (bits) == 6u) ? 4u : 8u)
+
+/* Codes of one group (2, 3, 5 or 6 bits) as floats in PLANE order, per block of
+ * 128 codes: with U codes per unit and n_u = 128/U units, qf[k*n_u + u] is code
+ * U*u + k of the block (the caller permutes x the same way). Units are gathered
+ * into integer lanes first, then every plane is one shift-and-mask over all
+ * lanes: loops GCC vectorizes, unlike a code-by-code bit stream walk. */
+static inline __attribute__((always_inline)) void pkv_codes_to_f32(const uint8_t *payload,
+                                                                   uint32_t bits, uint32_t G,
+                                                                   uint8_t *q, float *qf) {
+    const uint32_t U = PKV_PLANE_UNIT_CODES(bits), unit_bytes = bits * U / 8u;
+    const uint32_t n_u = 128u / U, mask = (1u << bits) - 1u;
+    (void)q;
+    for (uint32_t blk = 0; blk < G / 128u; ++blk) {
+        const uint8_t *p = payload + blk * 16u * bits;     /* 128 codes = 16*bits bytes */
+        float *o = qf + 128u * blk;
+        if (unit_bytes <= 3u) {                            /* 2, 3, 6 bits: 32-bit lanes */
+            int32_t lanes[64] __attribute__((aligned(64)));
+            for (uint32_t u = 0; u < n_u; ++u) {
+                uint32_t w = 0u;
+                for (uint32_t j = 0; j < unit_bytes; ++j) w |= (uint32_t)p[unit_bytes * u + j] << (8u * j);
+                lanes[u] = (int32_t)w;          /* < 2^24: shifts stay non-negative */
+            }
+            /* 16 lanes at a time as vectors: 64-byte stores that the 64-byte loads of
+             * the dot product can forward from */
+            for (uint32_t k = 0; k < U; ++k) {
+                for (uint32_t u = 0; u < n_u; u += 16u) {
+                    pkv_v16i32 l;
+                    memcpy(&l, lanes + u, 64);
+                    pkv_v16f f = __builtin_convertvector((l >> (int32_t)(bits * k)) & (int32_t)mask,
+                                                         pkv_v16f);
+                    memcpy(o + k * n_u + u, &f, 64);
+                }
+            }
+        } else {                                           /* 5 bits: a unit is 40 bits */
+            uint32_t lo[16], hi[16];
+            for (uint32_t u = 0; u < n_u; ++u) {
+                const uint8_t *b = p + unit_bytes * u;
+                lo[u] = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) |
+                        ((uint32_t)b[3] << 24);
+                hi[u] = b[4];
+            }
+            for (uint32_t k = 0; k < U; ++k) {
+                uint32_t sh = bits * k;
+                for (uint32_t u = 0; u < n_u; ++u) {
+                    uint32_t v = sh < 32u ? (lo[u] >> sh) | (sh ? hi[u] << (32u - sh) : 0u)
+                                          : hi[u] >> (sh - 32u);
+                    o[k * n_u + u] = (float)(int32_t)(v & mask);
+                }
+            }
+        }
+    }
 }
 
 /* W: m rows of k weights (k % G == 0), groups of G at `bits` bits, `family` layout.
  * xp: nb prepared rows of k floats; xsum: nb rows of k/span sums (span = 128 for
  * V2, G otherwise); y: nb rows of m outputs. */
-PKV_CPU_CLONES
-static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
-                                uint32_t G, int family, const float *xp, const float *xsum,
-                                ptrdiff_t nb, float *y) {
+/* always_inline: a body left out of line would be compiled for the baseline ISA
+ * only and called from every clone (5x slower on AVX-512). */
+static inline __attribute__((always_inline)) void pkv_gemv_affine_body_(const uint8_t *w, ptrdiff_t m, ptrdiff_t k,
+                                         uint32_t bits, uint32_t G, int family, const float *xp,
+                                         const float *xsum, ptrdiff_t nb, float *y) {
     const ptrdiff_t groups_per_row = k / G;
     const size_t B = PKV_AFFINE_GROUP_BYTES(bits, G);
     const ptrdiff_t spans_per_row = family == PKV_FAMILY_MQ_V2 ? k / 128 : groups_per_row;
@@ -128,6 +178,44 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
         for (ptrdiff_t b = 0; b < nb; ++b) y[b * m + r] = acc[b];
     }
 }
+
+/* The dispatcher: each common (family, bits, G) gets the body inlined with
+ * constants, so unpacking and dots unroll and vectorize for that width. */
+#define PKV_GEMV_CASE_(FAMILY, BITS, G_) \
+    pkv_gemv_affine_body_(w, m, k, BITS, G_, FAMILY, xp, xsum, nb, y)
+
+PKV_CPU_CLONES
+static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
+                                uint32_t G, int family, const float *xp, const float *xsum,
+                                ptrdiff_t nb, float *y) {
+    int v1 = family == PKV_FAMILY_HFQ || family == PKV_FAMILY_MQ_V1;
+    int v2 = family == PKV_FAMILY_MQ_V2;
+    if (v1 && G == 256u) {
+        switch (bits) {
+        case 2: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 2u, 256u); return;
+        case 3: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 3u, 256u); return;
+        case 4: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 4u, 256u); return;
+        case 5: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 5u, 256u); return;
+        case 6: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 6u, 256u); return;
+        default: break;
+        }
+    } else if (v2) {
+        switch (bits) {
+        case 2: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 2u, 256u); return;
+        case 3: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 3u, 256u); return;
+        case 4: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 4u, 256u); return;
+        case 5: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 5u, 256u); return;
+        case 6: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 6u, 256u); return;
+        default: break;
+        }
+    } else if (family == PKV_FAMILY_MQ4C) {
+        PKV_GEMV_CASE_(PKV_FAMILY_MQ4C, 4u, 256u);
+        return;
+    }
+    pkv_gemv_affine_body_(w, m, k, bits, G, family, xp, xsum, nb, y);   /* G128 and the rest */
+}
+
+#undef PKV_GEMV_CASE_
 
 /* Q8F16: W m rows of k weights (k % 32 == 0); x plain (no permutation, no sums).
  * One block is only 32 weights, so the scale goes into the lanes (d * (q * x))

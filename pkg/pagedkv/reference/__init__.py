@@ -7,8 +7,16 @@ a :class:`pagedkv.adapter.PagedKVCacheAdapter`). See docs/adapter.md, "Reference
 
 from pagedkv.reference.config import MODEL_TYPE, ReferenceConfig
 from pagedkv.reference.kv_paths import FlatKV, KVPath, PagedKV
-from pagedkv.reference.model import (BACKENDS, NUMPY_MLX_LOGITS_ATOL, Generation,
-                                     ReferenceModel)
+from pagedkv.reference.model import BACKENDS, NUMPY_MLX_LOGITS_ATOL, Generation, ReferenceModel
 
-__all__ = ["MODEL_TYPE", "ReferenceConfig", "FlatKV", "KVPath", "PagedKV", "ReferenceModel",
-           "Generation", "BACKENDS", "NUMPY_MLX_LOGITS_ATOL"]
+__all__ = [
+                                     "BACKENDS",
+                                     "MODEL_TYPE",
+                                     "NUMPY_MLX_LOGITS_ATOL",
+                                     "FlatKV",
+                                     "Generation",
+                                     "KVPath",
+                                     "PagedKV",
+                                     "ReferenceConfig",
+                                     "ReferenceModel",
+]

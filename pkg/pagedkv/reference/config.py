@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pagedkv.errors import BadMetadata, InvalidArgument
 
-__all__ = ["ReferenceConfig", "MODEL_TYPE"]
+__all__ = ["MODEL_TYPE", "ReferenceConfig"]
 
 #: ``model_type`` written to ``config.json``; the cold tier fingerprints models by it.
 MODEL_TYPE = "pagedkv_reference"
@@ -60,7 +60,7 @@ class ReferenceConfig:
         return d
 
     @classmethod
-    def from_json_dict(cls, d: dict, *, path: str | None = None) -> "ReferenceConfig":
+    def from_json_dict(cls, d: dict, *, path: str | None = None) -> ReferenceConfig:
         if not isinstance(d, dict) or d.get("model_type") != MODEL_TYPE:
             got = d.get("model_type") if isinstance(d, dict) else type(d).__name__
             raise BadMetadata(f"model_type is {got!r}, expected {MODEL_TYPE!r}", path=path)

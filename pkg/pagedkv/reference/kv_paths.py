@@ -12,14 +12,15 @@ pass twice and only the KV storage differs:
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument
 from pagedkv.reference.config import ReferenceConfig
 
-__all__ = ["KVPath", "FlatKV", "PagedKV"]
+__all__ = ["FlatKV", "KVPath", "PagedKV"]
 
 
 class KVPath(Protocol):

@@ -13,6 +13,7 @@ import numpy as np
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import KVPath
 from pagedkv.reference.numpy_forward import apply_rope, rope_tables
+from pagedkv.reference.weights import layer_operands
 
 __all__ = ["MlxTransformer"]
 
@@ -26,24 +27,8 @@ class MlxTransformer:
         self.embed = mx.array(weights["model.embed_tokens.weight"])
         self.lm_head = mx.array(np.ascontiguousarray(weights["model.embed_tokens.weight"].T))
         self.final_norm = mx.array(weights["model.norm.weight"])
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-
-            def t(name: str):
-                return mx.array(np.ascontiguousarray(weights[p + name].T))
-
-            self.layers.append({
-                "attn_norm": mx.array(weights[p + "input_layernorm.weight"]),
-                "wq": t("self_attn.q_proj.weight"),
-                "wk": t("self_attn.k_proj.weight"),
-                "wv": t("self_attn.v_proj.weight"),
-                "wo": t("self_attn.o_proj.weight"),
-                "mlp_norm": mx.array(weights[p + "post_attention_layernorm.weight"]),
-                "w_gate": t("mlp.gate_proj.weight"),
-                "w_up": t("mlp.up_proj.weight"),
-                "w_down": t("mlp.down_proj.weight"),
-            })
+        self.layers = [{name: mx.array(w) for name, w in layer_operands(weights, i).items()}
+                       for i in range(config.num_layers)]
         cos, sin = rope_tables(config)
         self.cos, self.sin = mx.array(cos), mx.array(sin)
         self.scale = float(1.0 / np.sqrt(config.head_dim))

@@ -14,8 +14,9 @@ import numpy as np
 
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import KVPath
+from pagedkv.reference.weights import layer_operands
 
-__all__ = ["NumpyTransformer", "rope_tables", "apply_rope"]
+__all__ = ["NumpyTransformer", "apply_rope", "rope_tables"]
 
 
 def rope_tables(config: ReferenceConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -47,24 +48,7 @@ class NumpyTransformer:
         self.embed = np.ascontiguousarray(weights["model.embed_tokens.weight"])
         self.lm_head = np.ascontiguousarray(self.embed.T)
         self.final_norm = weights["model.norm.weight"]
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-
-            def t(name: str) -> np.ndarray:
-                return np.ascontiguousarray(weights[p + name].T)
-
-            self.layers.append({
-                "attn_norm": weights[p + "input_layernorm.weight"],
-                "wq": t("self_attn.q_proj.weight"),
-                "wk": t("self_attn.k_proj.weight"),
-                "wv": t("self_attn.v_proj.weight"),
-                "wo": t("self_attn.o_proj.weight"),
-                "mlp_norm": weights[p + "post_attention_layernorm.weight"],
-                "w_gate": t("mlp.gate_proj.weight"),
-                "w_up": t("mlp.up_proj.weight"),
-                "w_down": t("mlp.down_proj.weight"),
-            })
+        self.layers = [layer_operands(weights, i) for i in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config)
         self.scale = np.float32(1.0 / np.sqrt(config.head_dim))
 

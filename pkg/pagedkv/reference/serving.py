@@ -12,8 +12,9 @@ equal the same request run alone on a flat cache: :func:`check_parity`.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from pagedkv.errors import InvalidArgument, PoolExhausted
 from pagedkv.reference.kv_paths import PagedKV
 from pagedkv.reference.model import Generation, ReferenceModel
 
-__all__ = ["Request", "SessionReport", "build_paged_adapter", "serve", "check_parity"]
+__all__ = ["Request", "SessionReport", "build_paged_adapter", "check_parity", "serve"]
 
 
 class Request(NamedTuple):
@@ -40,7 +41,7 @@ class SessionReport:
     """What a :func:`serve` run did. Token and block counts are summed over admissions (a
     preempted request counts again when it is readmitted); times are seconds."""
 
-    outputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict, repr=False)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     hit_requests: int = 0
@@ -87,7 +88,7 @@ def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_bloc
 
 
 class _Running:
-    __slots__ = ("request", "tokens", "logits")
+    __slots__ = ("logits", "request", "tokens")
 
     def __init__(self, request: Request) -> None:
         self.request = request

@@ -15,8 +15,16 @@ import numpy as np
 from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
 from pagedkv.reference.config import ReferenceConfig
 
-__all__ = ["random_weights", "weight_shapes", "save_model", "load_model",
-           "WEIGHTS_FILE", "CONFIG_FILE"]
+__all__ = [
+    "load_hfqm",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "layer_operands",
+    "load_model",
+    "random_weights",
+    "save_model",
+    "weight_shapes",
+]
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -41,6 +49,27 @@ def weight_shapes(config: ReferenceConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.down_proj.weight"] = (h, i)
     shapes["model.norm.weight"] = (h,)
     return shapes
+
+
+def layer_operands(weights: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+    """Layer ``layer``'s weights as the forward passes use them: norms as stored, projections
+    transposed to contiguous ``[in, out]`` so a token row is ``x @ w``."""
+    p = f"model.layers.{layer}."
+
+    def t(name: str) -> np.ndarray:
+        return np.ascontiguousarray(weights[p + name].T)
+
+    return {
+        "attn_norm": weights[p + "input_layernorm.weight"],
+        "wq": t("self_attn.q_proj.weight"),
+        "wk": t("self_attn.k_proj.weight"),
+        "wv": t("self_attn.v_proj.weight"),
+        "wo": t("self_attn.o_proj.weight"),
+        "mlp_norm": weights[p + "post_attention_layernorm.weight"],
+        "w_gate": t("mlp.gate_proj.weight"),
+        "w_up": t("mlp.up_proj.weight"),
+        "w_down": t("mlp.down_proj.weight"),
+    }
 
 
 def random_weights(config: ReferenceConfig) -> dict[str, np.ndarray]:
@@ -100,4 +129,24 @@ def load_model(directory: str | os.PathLike) -> tuple[ReferenceConfig, dict[str,
         if w.shape != shape or w.dtype != np.float32:
             raise SizeMismatch(f"expected float32{list(shape)}, found {w.dtype}{list(w.shape)}",
                                path=weights_path, tensor=name)
+    return config, weights
+
+
+def load_hfqm(path: str | os.PathLike) -> tuple[ReferenceConfig, dict[str, np.ndarray]]:
+    """Config and float32 weights of a reference model converted to HFQM (``pagedkv convert
+    MODEL_DIR -o model.hfq --arch llama``): the config comes from the file's metadata, every
+    tensor is dequantized (:meth:`pagedkv.hfqm.reader.HfqmFile.dequantize`) and checked."""
+    from pagedkv.hfqm.reader import HfqmFile
+
+    with HfqmFile(path) as f:
+        config = ReferenceConfig.from_json_dict(f.metadata.get("config"), path=str(path))
+        weights: dict[str, np.ndarray] = {}
+        for name, shape in weight_shapes(config).items():
+            if name not in f:
+                raise FormatError("missing tensor", path=str(path), tensor=name)
+            w = np.ascontiguousarray(f.dequantize(name), dtype=np.float32)
+            if w.shape != shape:
+                raise SizeMismatch(f"expected shape {list(shape)}, found {list(w.shape)}",
+                                   path=str(path), tensor=name)
+            weights[name] = w
     return config, weights
