@@ -228,9 +228,10 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)  // missing last rows re-read a real one, unstored
     rows[r] = w_raw + (int64_t)min(row0 + r, M - 1) * row_bytes;
-  // 16 weights (8 code bytes) per 4-bit span: more bytes in flight per load; 16 for 6-bit
-  // (whole 32-bit words of codes), 8 for Q8F16.
-  constexpr int SPAN = Fm::BITS == 8 ? 8 : 16;
+  // 4-bit: 16 weights (8 code bytes) per span at batch 1-2, more bytes in flight per
+  // load; 8 at batch 4-8, where the x registers are the limit (both measured). 6-bit: 16
+  // (whole 32-bit words of codes). Q8F16: 8.
+  constexpr int SPAN = Fm::BITS == 8 ? 8 : (Fm::BITS == 4 && BMAX > 2 ? 8 : 16);
   const int slices = K / SPAN;
 
   float acc[GEMV_ROWS][BMAX];
