@@ -199,3 +199,23 @@ def test_forged_huge_counts_are_rejected_before_allocating():
     bad = _rebuild(data, _meta(num_layers="4096", head_dim="65536", num_kv_heads="4096"))
     with pytest.raises(FormatError):
         decode_block(bad, abi=ABI, checksum_tag=TAG)
+
+
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=40)
+@given(bs=st.sampled_from([1, 4, 8, 16]), layers=st.integers(1, 4), heads=st.integers(1, 3),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32", "q8"]),
+       seed=st.integers(0, 2**32 - 1), pos=st.floats(0, 1), bit=st.integers(0, 7))
+def test_any_geometry_round_trips_and_any_bit_flip_is_rejected(bs, layers, heads, dtype, seed,
+                                                                pos, bit):
+    g = BlockGeometry(bs, layers, heads, 32, dtype)
+    data, toks, buf = _encode(g, seed)
+    d = _decode(data, expected=g)
+    assert np.array_equal(d.tokens, toks) and np.array_equal(d.payload, buf)
+    bad = bytearray(data)
+    i = min(int(pos * len(bad)), len(bad) - 1)
+    bad[i] ^= 1 << bit
+    with pytest.raises(FormatError):
+        _decode(bytes(bad), expected=g)

@@ -312,3 +312,42 @@ def test_hfqm_weight_identity_uses_the_quantization_hash(tmp_path):
     assert a is not None and b is not None and a != b
     (d / "empty.hfq").write_bytes(b"")
     assert model_fingerprint(PKV, str(d), Profile, GEOM, hfqm_file=str(d / "empty.hfq")) is None
+
+
+def test_cold_tier_for_model_resolves_persistence_end_to_end(tmp_path, monkeypatch, caplog):
+    from pagedkv.cold import cold_tier_for_model
+    d = _model(tmp_path)
+    base = tmp_path / "base"
+    monkeypatch.delenv("PAGEDKV_PERSIST_PAGED_CACHE", raising=False)
+    assert cold_tier_for_model(str(d), "pagedkv_reference", GEOM, base=str(base)) is None
+    ctx = cold_tier_for_model(str(d), "pagedkv_reference", GEOM, base=str(base),
+                              persist_paged_cache=True)
+    assert ctx is not None and ctx.fingerprint == model_fingerprint(PKV, str(d), Profile, GEOM)
+    assert (base / "pagedkv-v1" / "weight-digests.json").is_file()
+    assert cold_tier_for_model(str(d), "qwen3", GEOM, base=str(base),
+                               persist_paged_cache=True) is None  # not an admitted family
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "0")
+    assert cold_tier_for_model(str(d), "pagedkv_reference", GEOM, base=str(base),
+                               persist_paged_cache=True) is None
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "sometimes")
+    with caplog.at_level(logging.WARNING, "pagedkv.cold"):
+        assert cold_tier_for_model(str(d), "pagedkv_reference", GEOM, base=str(base),
+                                   persist_paged_cache=True) is not None
+    assert any("PAGEDKV_PERSIST_PAGED_CACHE" in r.getMessage() and "sometimes" in r.getMessage()
+               for r in caplog.records)
+    ctx.tier.close()
+
+
+def test_capture_budget_env_parsing(monkeypatch, caplog):
+    from pagedkv.cold.knobs import capture_budget_from_env
+    import pagedkv.cold.knobs as knobs
+    monkeypatch.setattr(knobs, "_installed_budget", None)
+    monkeypatch.delenv("PAGEDKV_COLD_CAPTURE_BLOCKS_PER_TURN", raising=False)
+    monkeypatch.delenv("PAGEDKV_COLD_CAPTURE_BUDGET_MS", raising=False)
+    assert capture_budget_from_env() == (128, 250)
+    assert capture_budget_from_env(16, 100) == (16, 100)
+    monkeypatch.setenv("PAGEDKV_COLD_CAPTURE_BLOCKS_PER_TURN", " 64 ")
+    monkeypatch.setenv("PAGEDKV_COLD_CAPTURE_BUDGET_MS", "-5")
+    with caplog.at_level(logging.WARNING, "pagedkv.cold"):
+        assert capture_budget_from_env(16, 100) == (64, 100)
+    assert any("PAGEDKV_COLD_CAPTURE_BUDGET_MS" in r.getMessage() for r in caplog.records)

@@ -146,3 +146,33 @@ def test_mlx_chunked_prefill_is_bit_identical():
     kv = m.new_flat_kv()
     parts = np.concatenate([m.forward(PROMPT[:11], kv), m.forward(PROMPT[11:], kv)])
     assert parts.tobytes() == whole.tobytes()
+
+
+def test_weights_load_from_an_hfqm_file_and_keep_parity(tmp_path, model):
+    from pagedkv.hfqm.convert import convert_safetensors
+    from pagedkv.reference import PagedKV
+    from pagedkv.reference.serving import build_paged_adapter
+
+    model.save(tmp_path)
+    out = tmp_path / "model.q8.hfq"
+    convert_safetensors(tmp_path, out, fmt="q8", arch="llama", measure_error=False)
+    loaded = ReferenceModel.load_hfqm(out)
+    assert loaded.config == model.config
+    for name, w in model.weights.items():
+        q = loaded.weights[name]
+        assert q.dtype == np.float32 and q.shape == w.shape
+        # Q8 (matrices) and F16 (norms) keep every weight within 0.5% of the tensor's max.
+        assert np.abs(q - w).max() <= 5e-3 * np.abs(w).max(), name
+    flat = loaded.generate(PROMPT, 6, loaded.new_flat_kv())
+    adapter = build_paged_adapter(loaded, num_blocks=8, hash_seed=0)
+    adapter.reset_for_new_request("s")
+    adapter.find_cached_prefix("s", PROMPT)
+    adapter.allocate_suffix_blocks("s", len(PROMPT))
+    paged = loaded.generate(PROMPT, 6, PagedKV(adapter, "s"))
+    assert paged.logits.tobytes() == flat.logits.tobytes()
+    (tmp_path / "config.json").write_text(
+        (tmp_path / "config.json").read_text().replace("pagedkv_reference", "llama"))
+    other = tmp_path / "llama.hfq"
+    convert_safetensors(tmp_path, other, fmt="q8", measure_error=False)
+    with pytest.raises(BadMetadata, match="'llama'"):
+        ReferenceModel.load_hfqm(other)

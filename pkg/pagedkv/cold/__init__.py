@@ -20,7 +20,8 @@ from pagedkv.cold.profiles import (COLD_RESTORE_FAMILIES, REFERENCE_FAMILY, Fami
 from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
 from pagedkv.cold.stats import (COLD_DELTA_FIELDS, ColdCacheStats, ColdSidecarStats,
                                 cold_sidecar_stats, record_sidecar_installed)
-from pagedkv.cold.tier import ColdTier, ColdTierContext, cold_cache_stats, install_capture_budget
+from pagedkv.cold.tier import (ColdTier, ColdTierContext, cold_cache_stats, cold_tier_for_model,
+                               install_capture_budget)
 from pagedkv.cold.trace import TurnTraceWriter
 from pagedkv.cold.sidecar import ColdSidecarLayout
 from pagedkv.cold.writer import Barrier, BlockJob, SidecarJob
@@ -33,7 +34,8 @@ __all__ = [
     "FamilyColdProfile", "OutOfPoolState", "REFERENCE_FAMILY", "RestoreDecline",
     "RestoreOutcome", "TurnTraceWriter", "UPSTREAM_KEY_FORMAT", "WeightDigestCache",
     "WeightProvenance", "block_bound", "cold_cache_stats", "cold_fingerprint",
-    "cold_key_chain", "cold_restore_supported", "cold_sidecar_stats", "decode_block",
+    "cold_key_chain", "cold_restore_supported", "cold_sidecar_stats", "cold_tier_for_model",
+    "decode_block",
     "family_profile", "geometry_part", "install_capture_budget", "model_fingerprint",
     "object_name", "parse_object_name", "record_sidecar_installed",
     "register_family_profile", "resolve_persist", "sidecar_key", "weight_identity",

@@ -219,19 +219,40 @@ cdef bytes _header_bytes(str abi, str key_hex, str fingerprint_hex, BlockGeometr
     return _U64.pack(len(js)) + js
 
 
+cdef dict _TEMPLATES = {}
+
+
+cdef tuple _template(str abi, BlockGeometry g):
+    """The canonical header of ``g`` with placeholder key, fingerprint and checksum, and
+    the offsets of those three 64-hex fields (cached: one per geometry and ABI)."""
+    k = (abi, g.as_tuple())
+    t = _TEMPLATES.get(k)
+    if t is None:
+        tpl = _header_bytes(abi, _ZERO_HEX, _ZERO_HEX, g, _ZERO_HEX)
+        t = (tpl, tpl.find(b'"key":"') + 7, tpl.find(b'"fingerprint":"') + 15,
+             tpl.find(b'"checksum":"') + 12)
+        _TEMPLATES[k] = t
+    return t
+
+
 cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
                                 str fingerprint_hex, BlockGeometry g):
     """The checksum field if ``raw`` starts with exactly the header pagedkv writes for this
     key, fingerprint and geometry (so §6.6 steps 1-4 hold by construction), else ``None``."""
-    cdef bytes template = _header_bytes(abi, key_hex, fingerprint_hex, g, _ZERO_HEX)
-    cdef Py_ssize_t n = len(template)
-    cdef Py_ssize_t at = template.find(b'"checksum":"') + 12
+    cdef bytes tpl
+    cdef Py_ssize_t n, at_key, at_fp, at_cs
+    tpl, at_key, at_fp, at_cs = _template(abi, g)
+    n = len(tpl)
     if raw.shape[0] != n + 4 * g.block_size + 2 * g.num_layers * g.slab_bytes:
         return None
     head = bytes(raw[:n])
-    if head[:at] != template[:at] or head[at + 64:] != template[at + 64:]:
+    if (head[:at_key] != tpl[:at_key] or head[at_key + 64:at_fp] != tpl[at_key + 64:at_fp]
+            or head[at_fp + 64:at_cs] != tpl[at_fp + 64:at_cs]
+            or head[at_cs + 64:] != tpl[at_cs + 64:]
+            or head[at_key:at_key + 64] != key_hex.encode("ascii")
+            or head[at_fp:at_fp + 64] != fingerprint_hex.encode("ascii")):
         return None
-    cs = head[at:at + 64].decode("latin-1")
+    cs = head[at_cs:at_cs + 64].decode("latin-1")
     return cs if _HEX64.match(cs) else None
 
 

@@ -9,52 +9,31 @@ from __future__ import annotations
 import logging
 import os
 
+from pagedkv import sizing
+
 __all__ = ["env_bool", "env_positive_int", "cold_cache_base", "capture_budget_from_env",
-           "metrics_enabled", "metrics_dir", "install_default_capture_budget", "DEFAULT_CAPTURE_BLOCKS_PER_TURN",
-           "DEFAULT_CAPTURE_BUDGET_MS", "DEFAULT_QUEUE_DEPTH"]
+           "metrics_enabled", "metrics_dir", "install_default_capture_budget",
+           "DEFAULT_CAPTURE_BLOCKS_PER_TURN", "DEFAULT_CAPTURE_BUDGET_MS", "DEFAULT_QUEUE_DEPTH"]
 
 log = logging.getLogger("pagedkv.cold")
 
 DEFAULT_CAPTURE_BLOCKS_PER_TURN = 128
 DEFAULT_CAPTURE_BUDGET_MS = 250
 DEFAULT_QUEUE_DEPTH = 8
-_TRUE = {"1", "true", "on", "yes"}
-_FALSE = {"0", "false", "off", "no"}
-_U32_MAX = 0xFFFFFFFF
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_once(var: str, raw: str, syntax: str, used) -> None:
-    if (var, raw) in _warned:
-        return
-    _warned.add((var, raw))
-    log.warning("%s=%r is not %s; using %r", var, raw, syntax, used)
 
 
 def env_bool(var: str, fallback: bool | None) -> bool | None:
-    """The env value of ``var`` if set and parseable, else ``fallback``."""
-    raw = os.environ.get(var)
-    if raw is None:
-        return fallback
-    v = raw.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    _warn_once(var, raw, "a boolean (1/true/on/yes or 0/false/off/no)", fallback)
-    return fallback
+    """The env value of ``var`` if set and parseable, else ``fallback`` (paged-kv.md §6.3)."""
+    return sizing.env_bool(var, fallback, fallback_source="config or default")
 
 
 def env_positive_int(var: str, fallback: int) -> int:
-    """A base-10 integer in ``[1, 2**32)`` from ``var``, else ``fallback``."""
-    raw = os.environ.get(var)
-    if raw is None:
+    """A base-10 integer in ``[1, 2**32)`` from ``var``, else ``fallback`` (logged)."""
+    value = sizing.env_u32(var, fallback, fallback_source="config or default")
+    if value == 0:
+        log.warning("ignoring %s=0: expected a positive integer; using %r", var, fallback)
         return fallback
-    v = raw.strip()
-    if v.isascii() and v.isdigit() and 0 < int(v) <= _U32_MAX:
-        return int(v)
-    _warn_once(var, raw, "a positive base-10 integer", fallback)
-    return fallback
+    return value
 
 
 def cold_cache_base(config_dir: str | None = None) -> str:

@@ -22,7 +22,8 @@ from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
-__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS", "LOAD_AHEAD_BLOCKS"]
+__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS",
+           "LOAD_AHEAD_BLOCKS", "LOADER_THREADS"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -50,9 +51,12 @@ class RestoreOutcome:
     decline: RestoreDecline | None = None
 
 
-#: Blocks loaded and verified ahead of the one being uploaded (on the tier's loader thread:
-#: reading and SHA-256 release the GIL, so they overlap the upload of the previous block).
-LOAD_AHEAD_BLOCKS = 2
+#: Blocks loaded and verified ahead of the one being uploaded, on the tier's loader threads
+#: (``LOADER_THREADS``). Reading and SHA-256 release the GIL, so several blocks verify in
+#: parallel; results are still consumed in chain order and the walk stops at the first
+#: failure. 0 loads on the calling thread.
+LOAD_AHEAD_BLOCKS = 4
+LOADER_THREADS = 2
 
 
 class _LoadAhead:

@@ -29,7 +29,8 @@ from pagedkv.cold.store import ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
 
-__all__ = ["ColdTier", "ColdTierContext", "cold_cache_stats", "install_capture_budget"]
+__all__ = ["ColdTier", "ColdTierContext", "cold_cache_stats", "install_capture_budget",
+           "cold_tier_for_model"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -165,10 +166,13 @@ class ColdTier:
         return self.writer.drain(timeout)
 
     def loader(self) -> ThreadPoolExecutor:
-        """The restore walk's load-ahead thread (``pagedkv-cold-restore``), made on first use."""
+        """The restore walk's load-ahead threads (``pagedkv-cold-restore``), made on first
+        use."""
         with self._loader_lock:
             if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-cold-restore")
+                from pagedkv.cold.restore import LOADER_THREADS
+                self._loader = ThreadPoolExecutor(LOADER_THREADS,
+                                                  thread_name_prefix="pagedkv-cold-restore")
             return self._loader
 
     def close(self, timeout: float = 5.0) -> None:
@@ -297,3 +301,30 @@ def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = 
             install_default_capture_budget(blocks, budget_ms)
         return capture_budget_from_env() == (int(blocks), int(budget_ms))
     return tier.install_capture_budget(blocks, budget_ms)
+
+
+def cold_tier_for_model(model_dir: str, family: str, geometry, *,
+                        persist_paged_cache: bool | None = None, base: str | None = None,
+                        provenance=None, hfqm_file: str | None = None
+                        ) -> ColdTierContext | None:
+    """What an engine passes as ``PagedKVCacheAdapter(cold_tier=...)``, or ``None``.
+
+    Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
+    then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
+    fingerprint covers the model and ``geometry`` (weight digests cached in the root). A
+    refused root or a model without weight bytes turns persistence off (logged), never
+    raises.
+    """
+    from pagedkv.cold.digest_cache import WeightDigestCache
+    from pagedkv.cold.fingerprint import model_fingerprint
+    from pagedkv.cold.profiles import family_profile, resolve_persist
+
+    profile = family_profile(family)
+    if not resolve_persist(profile, persist_paged_cache):
+        return None
+    tier = ColdTier.shared(base)
+    if tier is None:
+        return None
+    fp = model_fingerprint(tier.fmt, model_dir, profile, geometry, provenance,
+                           WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file)
+    return tier.for_model(fp) if fp is not None else None

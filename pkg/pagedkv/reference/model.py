@@ -14,7 +14,7 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import FlatKV, KVPath
-from pagedkv.reference.weights import load_model, random_weights, save_model
+from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
 
 __all__ = ["BACKENDS", "NUMPY_MLX_LOGITS_ATOL", "Generation", "ReferenceModel"]
 
@@ -64,6 +64,13 @@ class ReferenceModel:
     @classmethod
     def load(cls, directory: str | os.PathLike, *, backend: str = "numpy") -> ReferenceModel:
         config, weights = load_model(directory)
+        return cls(config, weights, backend=backend)
+
+    @classmethod
+    def load_hfqm(cls, path: str | os.PathLike, *, backend: str = "numpy") -> ReferenceModel:
+        """A model whose weights are the dequantized tensors of an HFQM file made from a saved
+        reference model (``pagedkv convert DIR -o FILE --arch llama``)."""
+        config, weights = load_hfqm(path)
         return cls(config, weights, backend=backend)
 
     # --- inference ---------------------------------------------------------------------------

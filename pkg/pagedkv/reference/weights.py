@@ -16,6 +16,7 @@ from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
 from pagedkv.reference.config import ReferenceConfig
 
 __all__ = [
+    "load_hfqm",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "layer_operands",
@@ -128,4 +129,24 @@ def load_model(directory: str | os.PathLike) -> tuple[ReferenceConfig, dict[str,
         if w.shape != shape or w.dtype != np.float32:
             raise SizeMismatch(f"expected float32{list(shape)}, found {w.dtype}{list(w.shape)}",
                                path=weights_path, tensor=name)
+    return config, weights
+
+
+def load_hfqm(path: str | os.PathLike) -> tuple[ReferenceConfig, dict[str, np.ndarray]]:
+    """Config and float32 weights of a reference model converted to HFQM (``pagedkv convert
+    MODEL_DIR -o model.hfq --arch llama``): the config comes from the file's metadata, every
+    tensor is dequantized (:meth:`pagedkv.hfqm.reader.HfqmFile.dequantize`) and checked."""
+    from pagedkv.hfqm.reader import HfqmFile
+
+    with HfqmFile(path) as f:
+        config = ReferenceConfig.from_json_dict(f.metadata.get("config"), path=str(path))
+        weights: dict[str, np.ndarray] = {}
+        for name, shape in weight_shapes(config).items():
+            if name not in f:
+                raise FormatError("missing tensor", path=str(path), tensor=name)
+            w = np.ascontiguousarray(f.dequantize(name), dtype=np.float32)
+            if w.shape != shape:
+                raise SizeMismatch(f"expected shape {list(shape)}, found {list(w.shape)}",
+                                   path=str(path), tensor=name)
+            weights[name] = w
     return config, weights
