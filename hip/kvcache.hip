@@ -44,9 +44,7 @@ PKV_DEV void kv_q8_write(const In* __restrict__ src, const int64_t* __restrict__
   const float inv = pkv_kvq8_inv_scale(amax);
   out[2 + j] = (uint8_t)(int8_t)pkv_kvq8_code(v, inv);
   if (j == 0) {
-    const uint16_t d = pkv_float_to_half_bits(pkv_kvq8_scale(amax));
-    out[0] = (uint8_t)(d & 0xFF);
-    out[1] = (uint8_t)(d >> 8);
+    pkv_store_u16le(out, pkv_kvq8_scale_bits(amax));
   }
 }
 
@@ -96,35 +94,52 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 #define PKV_ATTN_PARTITION 512
 #define PKV_ATTN_THREADS 128
-#define PKV_ATTN_UNROLL 4
+#define PKV_ATTN_UNROLL 8
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
+// A lane's 8 dims of one K or V row, as raw words: all of an iteration's loads are
+// issued before any is converted (converting right after each load would wait for
+// it and serialize the loads).
+struct RawRow8 {
+  uint32_t w[4];   // f16/bf16: 8 values; q8: 4 x (2 int8 codes) in the low 16 bits
+  uint32_t scale;  // q8: the record's f16 scale
+};
+
 template <int KIND>
-PKV_DEV void load_row8(const uint8_t* row, int d0, float out[8]) {
+PKV_DEV void load_row8(const uint8_t* row, int d0, RawRow8& r) {
   if (KIND == KV_Q8) {
-    const uint8_t* rec = row + (d0 / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES;
-    const uint16_t* rec16 = (const uint16_t*)rec;  // records are 2-byte aligned
-    const float d = pkv_half_bits_to_float(rec16[0]);
-    const uint16_t* codes = rec16 + 1 + (d0 % PKV_KVQ8_BLOCK) / 2;
+    const uint16_t* rec = (const uint16_t*)(row + (d0 / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES);
+    r.scale = rec[0];  // records are 2-byte aligned
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t c = codes[i];
-      out[2 * i] = pkv_kvq8_value(d, (int8_t)(c & 0xFF));
-      out[2 * i + 1] = pkv_kvq8_value(d, (int8_t)(c >> 8));
-    }
+    for (int i = 0; i < 4; ++i) r.w[i] = rec[1 + (d0 % PKV_KVQ8_BLOCK) / 2 + i];
   } else {
     const uint4 raw = *(const uint4*)(row + 2 * d0);
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    r.w[0] = raw.x; r.w[1] = raw.y; r.w[2] = raw.z; r.w[3] = raw.w;
+    r.scale = 0;
+  }
+}
+
+PKV_DEV void zero_row8(RawRow8& r) {
+  r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0;
+  r.scale = 0;
+}
+
+template <int KIND>
+PKV_DEV void convert_row8(const RawRow8& r, float out[8]) {
+  const float d = KIND == KV_Q8 ? pkv_half_bits_to_float((uint16_t)r.scale) : 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (KIND == KV_F16) {
-        out[2 * i] = pkv_half_bits_to_float((uint16_t)(w[i] & 0xFFFF));
-        out[2 * i + 1] = pkv_half_bits_to_float((uint16_t)(w[i] >> 16));
-      } else {
-        out[2 * i] = pkv_bf16_bits_to_float((uint16_t)(w[i] & 0xFFFF));
-        out[2 * i + 1] = pkv_bf16_bits_to_float((uint16_t)(w[i] >> 16));
-      }
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = r.w[i] & 0xFFFF, hi = r.w[i] >> 16;
+    if (KIND == KV_Q8) {
+      out[2 * i] = pkv_kvq8_value(d, (int8_t)(lo & 0xFF));
+      out[2 * i + 1] = pkv_kvq8_value(d, (int8_t)(lo >> 8));
+    } else if (KIND == KV_F16) {
+      out[2 * i] = pkv_half_bits_to_float((uint16_t)lo);
+      out[2 * i + 1] = pkv_half_bits_to_float((uint16_t)hi);
+    } else {
+      out[2 * i] = pkv_bf16_bits_to_float((uint16_t)lo);
+      out[2 * i + 1] = pkv_bf16_bits_to_float((uint16_t)hi);
     }
   }
 }
@@ -137,7 +152,7 @@ PKV_DEV void paged_attention_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
-  __shared__ int blocks[PKV_ATTN_PARTITION + 2];
+  __shared__ int64_t rows[PKV_ATTN_PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -156,10 +171,12 @@ PKV_DEV void paged_attention_partition(
   const int stride = n_warps * tokens_per_warp;
   const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
 
-  const int first_blk = start / block_size;
-  const int n_blk = (start + n_tok - 1) / block_size - first_blk + 1;
-  for (int i = threadIdx.x; i < n_blk; i += PKV_ATTN_THREADS)
-    blocks[i] = block_tables[(int64_t)seq * table_width + first_blk + i];
+  // Token -> row once per partition, so the two passes do no division per token.
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
+    const int pos = start + t;
+    const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
+    rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
+  }
 
   float qv[GMAX][8];
 #pragma unroll
@@ -171,49 +188,62 @@ PKV_DEV void paged_attention_partition(
   }
   __syncthreads();
 
-  auto row_ptr = [&](const uint8_t* pool, int t) {
-    const int pos = start + t;
-    const int64_t slot = (int64_t)blocks[pos / block_size - first_blk] * block_size + pos % block_size;
-    return pool + (slot * kv_heads + kvh) * row_bytes;
-  };
+  auto row_ptr = [&](const uint8_t* pool, int t) { return pool + rows[t] * row_bytes; };
 
-  // Pass 1: scores.
+  // Pass 1: scores. A token's GMAX partial dot products live on lanes_per_token lanes;
+  // a reduce-scatter halves the heads a lane carries at each of the first log2(GMAX)
+  // shuffle steps (GMAX/2 + GMAX/4 + ... + 1 shuffles instead of GMAX per step), so
+  // each lane ends with one head's full score: the head given by its lane bits.
   float* scores = smem;
-  float tmax[GMAX];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
   // The loop bound is uniform across the warp (its first token), so every lane
   // reaches the shuffles; lanes past the end compute on zeros and store nothing.
   for (int w0 = warp * tokens_per_warp; w0 < n_tok; w0 += stride * PKV_ATTN_UNROLL) {
     const int t0 = w0 + sub;
-    float kv[PKV_ATTN_UNROLL][8];
+    RawRow8 raw[PKV_ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
-      if (t < n_tok) {
-        load_row8<KIND>(row_ptr(k_pool, t), d0, kv[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) kv[u][i] = 0.0f;
-      }
+      if (t < n_tok) load_row8<KIND>(row_ptr(k_pool, t), d0, raw[u]);
+      else zero_row8(raw[u]);
     }
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
+      float kv[8];
+      convert_row8<KIND>(raw[u], kv);
+      float s[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
-        float s = 0.0f;
+        s[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s += qv[g][i] * kv[u][i];
-        for (int m = lanes_per_token / 2; m > 0; m >>= 1) s += pkv_shfl_xor(s, m);
-        if (t < n_tok) {
-          tmax[g] = fmaxf(tmax[g], s);
-          if (d0 == 0) scores[t * GMAX + g] = s;
-        }
+        for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[i];
       }
+      int o = lanes_per_token / 2, head = 0;
+#pragma unroll
+      for (int half = GMAX / 2; half >= 1; half /= 2) {
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int g = 0; g < half; ++g) {
+          const float send = upper ? s[g] : s[g + half];
+          const float keep = upper ? s[g + half] : s[g];
+          s[g] = keep + pkv_shfl_xor(send, o);
+        }
+        head += upper ? half : 0;
+        o >>= 1;
+      }
+      for (; o > 0; o >>= 1) s[0] += pkv_shfl_xor(s[0], o);
+      if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
+        scores[t * GMAX + head] = s[0];
     }
   }
-  // Partition max per head: warp, then CTA.
+  __syncthreads();
+  // Partition max per head, from the stored scores.
+  float tmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) tmax[g] = fmaxf(tmax[g], scores[t * GMAX + g]);
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     float m = tmax[g];
@@ -255,21 +285,23 @@ PKV_DEV void paged_attention_partition(
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
   for (int t0 = warp * tokens_per_warp + sub; t0 < n_tok; t0 += stride * PKV_ATTN_UNROLL) {
-    float kv[PKV_ATTN_UNROLL][8];
+    RawRow8 raw[PKV_ATTN_UNROLL];
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
-      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, kv[u]);
+      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, raw[u]);
     }
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
       if (t < n_tok) {
+        float kv[8];
+        convert_row8<KIND>(raw[u], kv);
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
           const float p = scores[t * GMAX + g];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[u][i];
+          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[i];
         }
       }
     }

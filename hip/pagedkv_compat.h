@@ -67,4 +67,13 @@ PKV_DEV float pkv_bf16_bits_to_float(uint16_t b) {
   return __uint_as_float((uint32_t)b << 16);
 }
 
+/* An integer code (< 2^23) as a float, exactly, without the quarter-rate int->float
+ * conversion: 2^23 + q is a float whose mantissa is q; subtract 2^23. */
+PKV_DEV float pkv_code_to_float(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
+/* A signed byte code the same way: q ^ 0x80 is q + 128 as an unsigned byte. */
+PKV_DEV float pkv_signed_byte_to_float(uint32_t q) {
+  return __uint_as_float(0x4B000000u | ((q & 0xFFu) ^ 0x80u)) - 8388736.0f;
+}
+
 #endif /* PAGEDKV_COMPAT_H */

@@ -11,10 +11,7 @@
 #define PAGEDKV_KVQUANT_H
 
 #include "portability.h"
-
-#if defined(PKV_HOST)
-#  include <math.h>
-#endif
+#include "quant.h"
 
 #define PKV_KVQ8_BLOCK 32        /* values per record */
 #define PKV_KVQ8_RECORD_BYTES 34 /* f16 scale + 32 x int8 */
@@ -32,12 +29,11 @@ PKV_FN float pkv_kvq8_inv_scale(float amax) {
   return amax > 0.0f ? 127.0f / amax : 0.0f;
 }
 
-/* One code: round half to even (rint in the default rounding mode), clamp. */
-PKV_FN int32_t pkv_kvq8_code(float v, float inv_scale) {
-  float r = rintf(v * inv_scale);
-  r = r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r);
-  return (int32_t)r;
-}
+/* One code: v * (127/amax), half to even, clamped to [-127, 127]. */
+PKV_FN int32_t pkv_kvq8_code(float v, float inv_scale) { return pkv_round_q8_kv(v * inv_scale); }
+
+/* The stored scale field: f16 bits of d, round to nearest even. */
+PKV_FN uint32_t pkv_kvq8_scale_bits(float amax) { return pkv_f16_rne(pkv_kvq8_scale(amax)); }
 
 /* Decoded value from the widened f16 scale and a code. */
 PKV_FN float pkv_kvq8_value(float scale, int32_t code) { return scale * (float)code; }

@@ -119,7 +119,8 @@ class Graph:
     def __init__(self, device: Device, stream: Stream, capture) -> None:
         rt = device.runtime
         self.device = device
-        rt.call("stream_begin_capture", stream.handle, 0)  # global capture mode
+        # Relaxed mode: lazy module loads inside a capture stay legal.
+        rt.call("stream_begin_capture", stream.handle, 2)
         try:
             capture(stream)
         finally:

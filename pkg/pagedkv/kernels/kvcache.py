@@ -152,6 +152,9 @@ class PagedAttention:
         self.scale = float(head_dim ** -0.5 if scale is None else scale)
         group = num_heads // kv_heads
         self.gmax = 1 << (group - 1).bit_length()
+        if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
+            raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
+                                  f"at most {head_dim // 8} heads per KV head at this head_dim")
         self.max_partitions = math.ceil(max_seq_len / ATTN_PARTITION_TOKENS)
         n_warps = ATTN_THREADS // device.properties.warp_size
         self.shared_bytes = 4 * max(ATTN_PARTITION_TOKENS * self.gmax,
@@ -161,7 +164,7 @@ class PagedAttention:
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "pppppppppfiiiiii")
+            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "ppppppppfiiiiii")
         self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiii")
 
     def __repr__(self) -> str:

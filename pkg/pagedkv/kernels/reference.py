@@ -18,6 +18,9 @@ __all__ = [
     "kv_pool_to_float",
     "paged_attention_decode",
     "copy_blocks",
+    "dequantize",
+    "fwht256",
+    "gemv",
 ]
 
 KVQ8_BLOCK = 32
@@ -98,3 +101,28 @@ def copy_blocks(src: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray,
     out = dst.copy()
     out[np.asarray(dst_ids)] = src[np.asarray(src_ids)]
     return out
+
+
+# --- weights (through the CPU codecs of pagedkv.quant) ---------------------------------
+
+
+def dequantize(raw: np.ndarray, fmt: str, numel: int) -> np.ndarray:
+    """What the dequant kernels emit: ``float32[numel]`` in the stored basis (rotated for
+    MQ formats)."""
+    from pagedkv import quant
+    return quant.dequantize(raw, fmt, (numel,), basis="rotated")
+
+
+def fwht256(x: np.ndarray) -> np.ndarray:
+    """FWHT-256 of each 256-segment (``pagedkv.quant.fwht256``)."""
+    from pagedkv import quant
+    return quant.fwht256(np.asarray(x, np.float32).reshape(-1, 256)).reshape(np.shape(x))
+
+
+def gemv(raw: np.ndarray, fmt: str, M: int, K: int, x: np.ndarray, *,
+         rotated: bool) -> np.ndarray:
+    """``y[b] = W · x[b]`` in float64 from the stored weights; rotated formats rotate
+    ``x`` the way the kernels do (the result is ``W · x`` of the original weights)."""
+    w = dequantize(raw, fmt, M * K).reshape(M, K).astype(np.float64)
+    xr = fwht256(x) if rotated else np.asarray(x, np.float32)
+    return xr.astype(np.float64) @ w.T

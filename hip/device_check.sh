@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call: build the wheel (meson-python from .whl), run every GPU test and
+# the CPU kernel tests, then the kernel benchmark; logs and the JSON rows go to $OUT.
+# Usage on the GPU machine, from the unpacked source tree: bash hip/device_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+WHL=${WHL:-.whl}
+rm -rf /tmp/site /tmp/w /tmp/pkv  # a warm machine keeps the last call's files
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
+t0=$(date +%s)
+python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/w . >"$OUT/build.log" 2>&1 \
+  || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
+cd tests
+PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -m gpu -p no:cacheprovider \
+  test_kernels_kvcache.py test_kernels_weights.py test_kernels_loader.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -p no:cacheprovider -k kernels 2>&1 | tail -3
+cd ..
+PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-300} python3 -m pagedkv.bench gpu \
+  --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

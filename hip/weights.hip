@@ -1,0 +1,411 @@
+// Weight kernels: dequantize HFQ4G256 / MQ4G256 / MQ4G256V2 / HFQ6G256 / Q8F16 to
+// f32 or f16, fused dequant-GEMV y = W x for a batch of 1-8 activations, and the
+// FWHT-256 rotation of activations (MQ formats: rotate x once, then run the plain
+// affine GEMV on the stored rotated weights, hfqm-and-quant.md §3.6).
+//
+// The per-element math (field layout, code unpacking, f16 widening, affine decode,
+// sign tables, butterflies) is pagedkv/quant.h's; this file only decides which
+// thread reads which bytes. Raw tensors are one stream of groups (row-major, groups
+// of G weights, B bytes each), at an 8-byte aligned device address.
+//
+// Parameters: inputs, outputs, then scalars.
+#include "pagedkv_compat.h"
+#include <pagedkv/quant.h>
+
+// ---------------------------------------------------------------------------
+// Formats. A thread decodes "chunks" of 8 consecutive weights of one group: the
+// group header gives (scale, offset) for the chunk, the codes give 8 integers,
+// and w = code * scale + offset (Q8F16: offset 0, signed codes).
+
+enum WeightFormat { HFQ4G256 = 0, MQ4G256V2 = 1, HFQ6G256 = 2, Q8F16 = 3 };
+
+template <int F>
+struct Format;
+
+template <>
+struct Format<HFQ4G256> {  // also MQ4G256 (qt 13): the same bytes, rotated weights
+  static constexpr int G = 256, B = 136, BITS = 4, HEADER = 8;
+};
+template <>
+struct Format<MQ4G256V2> {
+  static constexpr int G = 256, B = 136, BITS = 4, HEADER = 8;
+};
+template <>
+struct Format<HFQ6G256> {
+  static constexpr int G = 256, B = 200, BITS = 6, HEADER = 8;
+};
+template <>
+struct Format<Q8F16> {
+  static constexpr int G = PKV_Q8F16_GROUP, B = PKV_Q8F16_GROUP_BYTES, BITS = 8, HEADER = 2;
+};
+
+// Raw bytes travel in 32-bit words (registers); quant.h's byte-wise readers run on
+// small byte copies of them made with constant indices, which the compiler turns
+// into shifts. load_words reads N little-endian bytes at p (N % 4 == 0) with the
+// widest loads the alignment allows.
+template <int NW, int ALIGN>
+PKV_DEV void load_words(const uint8_t* p, uint32_t (&out)[NW]) {
+  if (ALIGN % 8 == 0 && NW % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      const uint2 v = ((const uint2*)p)[i];
+      out[2 * i] = v.x;
+      out[2 * i + 1] = v.y;
+    }
+  } else if (ALIGN % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) out[i] = ((const uint32_t*)p)[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < NW; ++i)
+      out[i] = ((const uint16_t*)p)[2 * i] | ((uint32_t)((const uint16_t*)p)[2 * i + 1] << 16);
+  }
+}
+
+template <int N, int NW>
+PKV_DEV void bytes_of(const uint32_t (&w)[NW], int first, uint8_t (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = (uint8_t)(w[(first + i) / 4] >> (8 * ((first + i) % 4)));
+}
+
+// (scale, offset) for weights starting at index e0 of a group, from its header bytes.
+template <int F>
+PKV_DEV void group_affine(const uint8_t (&hdr)[8], int e0, float& scale, float& offset) {
+  if (F == Q8F16) {
+    scale = pkv_f16_to_f32(pkv_load_u16le(hdr));
+    offset = 0.0f;
+  } else if (F == MQ4G256V2) {
+    // The half comes from the weight index (never the lane); both halves are read with
+    // constant indices so the header stays in registers.
+    const bool upper = e0 >= 128;
+    scale = upper ? pkv_mqv2_scale(hdr, 1u) : pkv_mqv2_scale(hdr, 0u);
+    offset = upper ? pkv_mqv2_zero(hdr, 1u) : pkv_mqv2_zero(hdr, 0u);
+  } else {
+    scale = pkv_hfq_scale(hdr);
+    offset = pkv_hfq_min(hdr);
+  }
+}
+
+// The raw bytes a thread needs for SPAN consecutive weights of one group (SPAN a
+// multiple of 16; a span never crosses a group or a V2 half).
+template <int F, int SPAN>
+struct Span {
+  static constexpr int NB = Format<F>::BITS * SPAN / 8;  // code bytes
+  static constexpr int NW = NB / 4;
+  // Codes start at HEADER + NB*k in a group; groups are 8-byte multiples except Q8F16's.
+  static constexpr int ALIGN = F == Q8F16 ? 2 : (NB % 8 == 0 ? 8 : 4);
+  uint32_t hdr[2];
+  uint32_t codes[NW];
+
+  __device__ __forceinline__ void load(const uint8_t* grp, int e0) {
+    if (F == Q8F16) {
+      hdr[0] = *(const uint16_t*)grp;
+      hdr[1] = 0;
+    } else {
+      const uint2 h = *(const uint2*)grp;
+      hdr[0] = h.x;
+      hdr[1] = h.y;
+    }
+    load_words<NW, ALIGN>(grp + Format<F>::HEADER + e0 * Format<F>::BITS / 8, codes);
+  }
+
+  __device__ __forceinline__ void affine(int e0, float& scale, float& offset) const {
+    if (F == MQ4G256V2) {
+      // The half's (s, z) pair is the little-endian word at 4 * half (quant.h's
+      // pkv_mqv2_scale/zero). Its two f16 fields are widened with the hardware
+      // conversion: exact, the same values as pkv_f16_to_f32, a fraction of the
+      // instructions (the header is re-read for every 8 weights of a row).
+      const uint32_t w = e0 >= 128 ? hdr[1] : hdr[0];
+      scale = pkv_half_bits_to_float((uint16_t)(w & 0xFFFFu));
+      offset = pkv_half_bits_to_float((uint16_t)(w >> 16));
+    } else if (F == Q8F16) {
+      scale = pkv_half_bits_to_float((uint16_t)hdr[0]);  // exact, as pkv_f16_to_f32
+      offset = 0.0f;
+    } else {
+      uint8_t h[8];
+      bytes_of<8>(hdr, 0, h);
+      group_affine<F>(h, e0, scale, offset);
+    }
+  }
+
+  // Codes of weights [8c, 8c + 8) of the span, as exact floats (signed for Q8F16).
+  __device__ __forceinline__ void codes8(int c, float (&q)[8]) const {
+    uint8_t b[Format<F>::BITS], u[8];
+    bytes_of<Format<F>::BITS>(codes, c * Format<F>::BITS, b);
+    pkv_unpack_codes(b, 8, Format<F>::BITS, u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      q[i] = F == Q8F16 ? pkv_signed_byte_to_float(u[i]) : pkv_code_to_float(u[i]);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Dequantize: 16 weights per thread over the flat weight stream (groups may straddle
+// rows); a short last group writes only its real weights.
+
+#define DEQUANT_SPAN 16
+#define DEQUANT_THREADS 256
+
+// A thread decodes 16 consecutive weights; the block stages its 4096 outputs in shared
+// memory and writes them back as consecutive 16-byte vectors (stores of one warp
+// instruction then cover contiguous memory instead of 32 scattered pieces).
+PKV_DEV void stage_out(float* stage, int k, float v) { stage[k] = v; }
+PKV_DEV void stage_out(uint16_t* stage, int k, float v) { stage[k] = pkv_float_to_half_bits(v); }
+
+template <int F, typename Out>
+PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
+  using Fm = Format<F>;
+  constexpr int BLOCK_OUT = DEQUANT_THREADS * DEQUANT_SPAN;
+  __shared__ __align__(16) Out stage[BLOCK_OUT];
+  const int64_t base = (int64_t)blockIdx.x * BLOCK_OUT;
+  const int64_t i = base + (int64_t)threadIdx.x * DEQUANT_SPAN;
+  if (i < n) {
+    const int64_t g = i / Fm::G;
+    const int e0 = (int)(i - g * Fm::G);
+    Span<F, DEQUANT_SPAN> sp;
+    sp.load(raw + g * Fm::B, e0);
+    float scale, offset;
+    sp.affine(e0, scale, offset);
+#pragma unroll
+    for (int c = 0; c < DEQUANT_SPAN / 8; ++c) {
+      float q[8];
+      sp.codes8(c, q);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)  // q*s + m, quant.h's decode
+        stage_out(stage, threadIdx.x * DEQUANT_SPAN + 8 * c + k, q[k] * scale + offset);
+    }
+  }
+  __syncthreads();
+  constexpr int PER_VEC = 16 / sizeof(Out);
+  if (base + BLOCK_OUT <= n) {
+    const uint4* src = (const uint4*)stage;
+    uint4* dst = (uint4*)(out + base);
+    for (int v = threadIdx.x; v < BLOCK_OUT / PER_VEC; v += DEQUANT_THREADS) dst[v] = src[v];
+  } else {
+    for (int64_t k = threadIdx.x; base + k < n; k += DEQUANT_THREADS) out[base + k] = stage[k];
+  }
+}
+
+#define PKV_DEQUANT_KERNELS(NAME, F)                                                         \
+  PKV_KERNEL void pkv_dequant_##NAME##_f32(const uint8_t* raw, float* out, int64_t n) {     \
+    dequantize<F, float>(raw, out, n);                                                      \
+  }                                                                                         \
+  PKV_KERNEL void pkv_dequant_##NAME##_f16(const uint8_t* raw, uint16_t* out, int64_t n) {  \
+    dequantize<F, uint16_t>(raw, out, n);                                                   \
+  }
+
+PKV_DEQUANT_KERNELS(hfq4g256, HFQ4G256)
+PKV_DEQUANT_KERNELS(mq4g256v2, MQ4G256V2)
+PKV_DEQUANT_KERNELS(hfq6g256, HFQ6G256)
+PKV_DEQUANT_KERNELS(q8f16, Q8F16)
+
+// ---------------------------------------------------------------------------
+// Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
+// K % G == 0 (every row starts a group). A thread block owns GEMV_ROWS rows and its
+// threads split K into spans of 8 weights (16 for 6-bit codes), consecutive threads
+// taking consecutive spans: a warp's loads of codes and of x are then contiguous
+// (x is what limits a GEMV at batch 1: every weight needs its activation from
+// cache), one x span serves all the block's rows, and a 4096-long row spreads over
+// the block's 128 threads. Within a span the affine map is one (scale, offset):
+// its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared by the rows.
+// The next span's bytes are loaded before the current one is computed; partial
+// sums meet through the warps' shuffles and shared memory.
+
+#define GEMV_THREADS 128
+// Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
+// per-row sums already fill the registers.
+#define GEMV_ROWS_FOR(BMAX) ((BMAX) <= 2 ? 8 : 4)
+
+template <int F, int BMAX>
+PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
+                  float* __restrict__ y, int M, int K, int batch) {
+  using Fm = Format<F>;
+  constexpr int GEMV_ROWS = GEMV_ROWS_FOR(BMAX);
+  const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
+  const int row0 = blockIdx.x * GEMV_ROWS;
+  const int64_t row_bytes = (int64_t)(K / Fm::G) * Fm::B;
+  const uint8_t* rows[GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)  // missing last rows re-read a real one, unstored
+    rows[r] = w_raw + (int64_t)min(row0 + r, M - 1) * row_bytes;
+  constexpr int SPAN = Fm::BITS == 6 ? 16 : 8;  // whole 32-bit words of codes
+  const int slices = K / SPAN;
+
+  float acc[GEMV_ROWS][BMAX];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.0f;
+
+  using SliceSpan = Span<F, SPAN>;
+  SliceSpan cur[GEMV_ROWS], nxt[GEMV_ROWS];
+  auto load = [&](SliceSpan (&sp)[GEMV_ROWS], int k0) {
+    const int g = k0 / Fm::G;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) sp[r].load(rows[r] + (int64_t)g * Fm::B, k0 - g * Fm::G);
+  };
+  // x of a span (batches past `batch` read as zeros), prefetched like the weights.
+  float4 xcur[BMAX][SPAN / 4], xnxt[BMAX][SPAN / 4];
+  auto load_x = [&](float4 (&xs)[BMAX][SPAN / 4], int k0) {
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b)
+#pragma unroll
+      for (int v = 0; v < SPAN / 4; ++v)
+        xs[b][v] = b < batch ? ((const float4*)(x + (int64_t)b * K + k0))[v]
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  };
+  // Prefetching x too needs BMAX * SPAN more registers: only where they fit.
+  constexpr bool PREFETCH_X = BMAX * SPAN <= 32;
+  int s = threadIdx.x;
+  if (s < slices) {
+    load(cur, s * SPAN);
+    if (PREFETCH_X) load_x(xcur, s * SPAN);
+  }
+  for (; s < slices; s += GEMV_THREADS) {
+    const int k0 = s * SPAN;
+    if (s + GEMV_THREADS < slices) {
+      load(nxt, k0 + GEMV_THREADS * SPAN);
+      if (PREFETCH_X) load_x(xnxt, k0 + GEMV_THREADS * SPAN);
+    }
+    if (!PREFETCH_X) load_x(xcur, k0);
+    float qx[GEMV_ROWS][BMAX], sx[BMAX];
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      sx[b] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < GEMV_ROWS; ++r) qx[r][b] = 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < SPAN / 8; ++c) {
+      float xv[BMAX][8];
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        const float4 lo = xcur[b][2 * c], hi = xcur[b][2 * c + 1];
+        xv[b][0] = lo.x; xv[b][1] = lo.y; xv[b][2] = lo.z; xv[b][3] = lo.w;
+        xv[b][4] = hi.x; xv[b][5] = hi.y; xv[b][6] = hi.z; xv[b][7] = hi.w;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sx[b] += xv[b][i];
+      }
+#pragma unroll
+      for (int r = 0; r < GEMV_ROWS; ++r) {
+        float q[8];
+        if (Fm::BITS == 4) {
+          // 4-bit: f = 1 + q/16 exactly, by moving code i (bits [4i, 4i+4) of the chunk's
+          // little-endian word: quant.h's LSB-first order) under the exponent of 1.0f:
+          // two integer ops, no conversion. sum(q x) = 16 (sum(f x) - sum(x)) below.
+          const uint32_t word = cur[r].codes[c];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const uint32_t at19 = i <= 4 ? word << (19 - 4 * i) : word >> (4 * i - 19);
+            q[i] = __uint_as_float(0x3F800000u | (at19 & 0x00780000u));
+          }
+        } else {
+          cur[r].codes8(c, q);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int b = 0; b < BMAX; ++b) qx[r][b] += q[i] * xv[b][i];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) {
+      float scale, offset;
+      cur[r].affine(k0 % Fm::G, scale, offset);
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b) {
+        const float sum_qx = Fm::BITS == 4 ? 16.0f * (qx[r][b] - sx[b]) : qx[r][b];
+        acc[r][b] += scale * sum_qx + offset * sx[b];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) cur[r] = nxt[r];
+    if (PREFETCH_X) {
+#pragma unroll
+      for (int b = 0; b < BMAX; ++b)
+#pragma unroll
+        for (int v = 0; v < SPAN / 4; ++v) xcur[b][v] = xnxt[b][v];
+    }
+  }
+  __shared__ float partial[GEMV_THREADS / PKV_WARP_SIZE][GEMV_ROWS * BMAX];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int b = 0; b < BMAX; ++b) {
+      float v = acc[r][b];
+      for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) v += pkv_shfl_xor(v, o);
+      if (lane == 0) partial[warp][r * BMAX + b] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x < GEMV_ROWS * BMAX) {
+    const int r = threadIdx.x / BMAX, b = threadIdx.x % BMAX;
+    float v = 0.0f;
+    for (int w = 0; w < GEMV_THREADS / PKV_WARP_SIZE; ++w) v += partial[w][threadIdx.x];
+    if (b < batch && row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
+  }
+}
+
+#define PKV_GEMV_KERNEL(NAME, F, BMAX)                                                      \
+  PKV_KERNEL void __launch_bounds__(GEMV_THREADS)                                          \
+      pkv_gemv_##NAME##_b##BMAX(const uint8_t* w, const float* x, float* y, int M, int K,  \
+                                int batch) {                                               \
+    gemv<F, BMAX>(w, x, y, M, K, batch);                                                   \
+  }
+#define PKV_GEMV_KERNELS(NAME, F) \
+  PKV_GEMV_KERNEL(NAME, F, 1)     \
+  PKV_GEMV_KERNEL(NAME, F, 2)     \
+  PKV_GEMV_KERNEL(NAME, F, 4)     \
+  PKV_GEMV_KERNEL(NAME, F, 8)
+
+PKV_GEMV_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_KERNELS(mq4g256v2, MQ4G256V2)
+PKV_GEMV_KERNELS(hfq6g256, HFQ6G256)
+PKV_GEMV_KERNELS(q8f16, Q8F16)
+
+// ---------------------------------------------------------------------------
+// FWHT-256 of activations: one warp per 256-group, each lane holding 256/warp_size
+// consecutive values. Strides below that are quant.h's butterflies in registers;
+// larger strides pair lanes lane ^ (h / per_lane). The lower element of a pair
+// computes a + b and the upper a - b, as in the CPU loop, so the result is bit
+// for bit pkv_fwht's.
+
+#define FWHT_PER_LANE (PKV_FWHT_N / PKV_WARP_SIZE)
+
+PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
+  const int lane = threadIdx.x % PKV_WARP_SIZE;
+  const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / PKV_WARP_SIZE;
+  if (g >= n_groups) return;  // whole warps leave together
+  const int e0 = lane * FWHT_PER_LANE;
+  const float* src = x + g * PKV_FWHT_N + e0;
+  // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
+  // e0 is a multiple of per_lane): look the words up once, not per element.
+  const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
+  const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
+  float v[FWHT_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < FWHT_PER_LANE; i += 4) {
+    const float4 t = *(const float4*)(src + i);
+    const float in[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[i + k] = in[k] * ((s1 >> (i + k)) & 1u ? 1.0f : -1.0f);
+  }
+  pkv_fwht_butterflies(v, FWHT_PER_LANE);
+#pragma unroll
+  for (int lane_stride = 1; lane_stride < PKV_WARP_SIZE; lane_stride <<= 1) {
+    const bool upper = (lane & lane_stride) != 0;
+#pragma unroll
+    for (int i = 0; i < FWHT_PER_LANE; ++i) {
+      const float other = pkv_shfl_xor(v[i], lane_stride);
+      v[i] = upper ? other - v[i] : v[i] + other;
+    }
+  }
+  float* dst = y + g * PKV_FWHT_N + e0;
+#pragma unroll
+  for (int i = 0; i < FWHT_PER_LANE; i += 4) {
+    float o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // c * (+-1) is exact, as in pkv_fwht
+      o[k] = v[i + k] * (PKV_FWHT_SCALE_256 * ((s2 >> (i + k)) & 1u ? 1.0f : -1.0f));
+    *(float4*)(dst + i) = make_float4(o[0], o[1], o[2], o[3]);
+  }
+}

@@ -1,0 +1,1 @@
+"""Benchmarks runnable as ``python -m pagedkv.bench <suite>`` (``gpu``: the HIP/CUDA kernels)."""

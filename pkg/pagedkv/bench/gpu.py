@@ -1,0 +1,276 @@
+"""``python -m pagedkv.bench gpu``: time every kernel against the device's copy bandwidth.
+
+Per kernel and shape: time per call, achieved GB/s (bytes the kernel must move: each
+input read once, each output written once) and the fraction of the copy bandwidth
+measured in the same run (device-to-device copy of >= 1 GiB, read + write bytes).
+Weights rotate through copies totalling >= 4x the L2 so the loop measures memory,
+not cache. Launch sequences are captured once in a graph and the graph is timed
+with events (median of several replays), which keeps host launch cost out.
+With PyTorch present, cuBLAS bf16 GEMV and scaled_dot_product_attention run on
+the same shapes in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pagedkv.errors import NoDeviceError
+from pagedkv.kernels import DeviceArray, Event, Graph, Stream, open_device
+from pagedkv.kernels import kvcache, weights
+
+REPLAYS = 7
+
+
+def _time_graph(device, stream, capture, calls: int) -> float:
+    """Median seconds per call of ``calls`` launches captured by ``capture(stream)``."""
+    graph = Graph(device, stream, capture)
+    graph.launch(stream)  # warm-up
+    stream.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = Event(device), Event(device)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        times.append(end.elapsed_ms(start) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def _time_events(device, stream, launch, calls: int) -> float:
+    """Median seconds per call of ``calls`` direct launches between two events."""
+    launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = Event(device), Event(device)
+        start.record(stream)
+        for _ in range(calls):
+            launch(stream)
+        end.record(stream)
+        times.append(end.elapsed_ms(start) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
+    """Device-to-device copy of ``nbytes`` (read + write bytes per second): the runtime's
+    memcpy and pagedkv's 16-byte block-copy kernel; the larger is the reference."""
+    src, dst = device.empty(nbytes, np.uint8), device.empty(nbytes, np.uint8)
+    src.fill_bytes(0x5A)
+    t_memcpy = _time_events(device, stream,
+                            lambda s: device.copy_dtod(dst.ptr, src.ptr, nbytes, s), 10)
+    n_blocks = 64
+    view_src = DeviceArray(device, src.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
+    view_dst = DeviceArray(device, dst.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
+    ids = device.array(np.arange(n_blocks, dtype=np.int32))
+    t_kernel = _time_events(device, stream, lambda s: kvcache.copy_blocks(
+        device, view_src, ids, ids, view_dst, stream=s), 10)
+    src.free()
+    dst.free()
+    both = {"memcpy_GBps": 2 * nbytes / t_memcpy / 1e9, "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9}
+    return 2 * nbytes / min(t_memcpy, t_kernel), both
+
+
+def _row(rows, kernel, shape, seconds, nbytes, copy_bw, baseline=None):
+    bw = nbytes / seconds
+    row = {"kernel": kernel, "shape": shape, "us": seconds * 1e6, "GB/s": bw / 1e9,
+           "of_copy": bw / copy_bw}
+    if baseline:
+        row.update(baseline)
+    rows.append(row)
+    extra = "".join(f"  {k}={v:.3g}" if isinstance(v, float) else f"  {k}={v}"
+                    for k, v in (baseline or {}).items())
+    print(f"{kernel:<28} {shape:<26} {seconds * 1e6:10.2f} us {bw / 1e9:9.1f} GB/s "
+          f"{100 * bw / copy_bw:6.1f}%{extra}", flush=True)
+
+
+def _torch():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - torch is optional
+        return None
+
+
+def _torch_time(torch, fn, calls: int) -> float:
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()  # warm-up (cuBLAS handles, workspace) outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(calls):
+                fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
+    rng = np.random.default_rng(0)
+    l2 = device.properties.l2_cache_bytes
+    from pagedkv import quant
+    for fmt in ("mq4g256v2", "hfq4g256", "mq4g256", "hfq6g256", "q8f16"):
+        for (M, K) in shapes:
+            w = (rng.standard_normal((M, K)) * 0.02).astype(np.float32)
+            raw = quant.quantize(w, fmt)
+            copies = max(2, math.ceil(4 * l2 / raw.nbytes))
+            dev_w = [device.array(raw) for _ in range(copies)]
+            for batch in batches:
+                g = weights.Gemv(device, fmt, M, K, batch)
+                x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
+                y = device.empty((batch, M), np.float32)
+                calls = copies * max(1, 64 // copies)
+                t = _time_graph(device, stream, lambda s: [
+                    g.run(dev_w[i % copies], x, y, stream=s) for i in range(calls)], calls)
+                nbytes = raw.nbytes + 4 * batch * (K + M)
+                base = {}
+                if torch is not None and fmt in ("mq4g256v2", "hfq4g256"):
+                    wt = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(max(2, math.ceil(4 * l2 / (2 * M * K))))]
+                    xt = torch.randn(batch, K, device="cuda", dtype=torch.bfloat16)
+                    it = iter(range(1 << 30))
+                    tt = _torch_time(torch, lambda: torch.nn.functional.linear(
+                        xt, wt[next(it) % len(wt)]), 2 * len(wt))
+                    base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
+                    del wt
+                _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
+                if g.fmt.rotated:  # the GEMV kernel alone, on an x rotated beforehand
+                    t = _time_graph(device, stream, lambda s: [
+                        g.run(dev_w[i % copies], x, y, stream=s, x_rotated=True)
+                        for i in range(calls)], calls)
+                    _row(rows, f"gemv {fmt} b{batch} (x pre-rotated)", f"{M}x{K}", t, nbytes,
+                         copy_bw)
+            for d in dev_w:
+                d.free()
+
+
+def bench_dequant(device, stream, rows, copy_bw, shape):
+    rng = np.random.default_rng(1)
+    from pagedkv import quant
+    M, K = shape
+    for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16"):
+        raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+        dev_raw = device.array(raw)
+        for dt in (np.float16, np.float32):
+            out = device.empty((M, K), dt)
+            t = _time_graph(device, stream, lambda s: [
+                weights.dequantize(device, dev_raw, fmt, out, stream=s) for _ in range(10)], 10)
+            _row(rows, f"dequant {fmt}->{np.dtype(dt).name}", f"{M}x{K}", t,
+                 raw.nbytes + out.nbytes, copy_bw)
+            out.free()
+
+
+def bench_fwht(device, stream, rows, copy_bw, n: int):
+    x = device.array(np.random.default_rng(2).standard_normal(n).astype(np.float32))
+    y = device.empty(n, np.float32)
+    t = _time_graph(device, stream,
+                    lambda s: [weights.fwht256(device, x, y, stream=s) for _ in range(10)], 10)
+    _row(rows, "fwht256 f32", f"{n // 256}x256", t, 8 * n, copy_bw)
+
+
+def bench_attention(device, stream, rows, copy_bw, torch, seqs=32, tokens=4096, kv_heads=8,
+                    heads=32, head_dim=128, block_size=16):
+    rng = np.random.default_rng(3)
+    blocks_per_seq = tokens // block_size
+    num_blocks = seqs * blocks_per_seq
+    tables = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
+    lens = np.full(seqs, tokens, np.int32)
+    q = rng.standard_normal((seqs, heads, head_dim)).astype(np.float32)
+    for kv_dtype in ("float16", "bfloat16", "q8"):
+        row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
+        pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
+        shape = (num_blocks, block_size, kv_heads, row)
+        k_pool, v_pool = device.empty(shape, pool_dtype), device.empty(shape, pool_dtype)
+        for pool in (k_pool, v_pool):  # random f16 values in [-2, 2), no NaN/Inf patterns
+            host = (rng.random(shape, dtype=np.float32) * 4 - 2)
+            pool.copy_from(host.astype(np.float16) if kv_dtype == "float16" else
+                           (host.view(np.uint32) >> 16).astype(np.uint16)
+                           if kv_dtype == "bfloat16" else
+                           rng.integers(0, 120, shape).astype(np.uint8))
+        attn = kvcache.PagedAttention(device, num_seqs=seqs, num_heads=heads, kv_heads=kv_heads,
+                                      head_dim=head_dim, block_size=block_size,
+                                      max_seq_len=tokens, kv_dtype=kv_dtype)
+        qd, out = device.array(q), device.empty(q.shape, np.float32)
+        td, ld = device.array(tables), device.array(lens)
+        t = _time_graph(device, stream, lambda s: [
+            attn.run(qd, k_pool, v_pool, td, ld, out, stream=s) for _ in range(5)], 5)
+        nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
+        base = {}
+        if torch is not None and kv_dtype == "float16":
+            qt = torch.randn(seqs, heads, 1, head_dim, device="cuda", dtype=torch.float16)
+            kt = torch.randn(seqs, kv_heads, tokens, head_dim, device="cuda", dtype=torch.float16)
+            vt = torch.randn_like(kt)
+            tt = _torch_time(torch, lambda: torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, enable_gqa=True), 5)
+            base = {"torch_sdpa_us": tt * 1e6, "ratio_vs_torch": t / tt}
+            del kt, vt
+        _row(rows, f"paged_attention {kv_dtype}",
+             f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
+        k_pool.free()
+        v_pool.free()
+
+
+def bench_copy_blocks(device, stream, rows, copy_bw, n_blocks=4096, block_bytes=2 * 16 * 8 * 128):
+    src = device.empty((n_blocks, block_bytes), np.uint8)
+    dst = device.empty((n_blocks, block_bytes), np.uint8)
+    rng = np.random.default_rng(4)
+    si = device.array(rng.permutation(n_blocks).astype(np.int32))
+    di = device.array(rng.permutation(n_blocks).astype(np.int32))
+    t = _time_graph(device, stream, lambda s: [
+        kvcache.copy_blocks(device, src, si, di, dst, stream=s) for _ in range(10)], 10)
+    _row(rows, "copy_blocks", f"{n_blocks}x{block_bytes}B", t, 2 * src.nbytes, copy_bw)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedkv.bench gpu", description=__doc__)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--quick", action="store_true", help="one GEMV shape and batch")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+    args = p.parse_args(argv)
+    try:
+        device = open_device()
+    except NoDeviceError as exc:
+        print(f"pagedkv.bench gpu: {exc}", file=sys.stderr)
+        return 1
+    stream = Stream(device)
+    torch = None if args.no_torch else _torch()
+    props = device.properties
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"{props.name} ({props.arch}, {props.multiprocessor_count} SMs, L2 "
+          f"{props.l2_cache_bytes / 2**20:.0f} MiB), {when}; torch: "
+          f"{torch.__version__ if torch else 'not used'}", flush=True)
+    copy_bw, copies = copy_bandwidth(device, stream)
+    print(f"device-to-device copy (1 GiB, read+write): {copy_bw / 1e9:.1f} GB/s "
+          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel {copies['copy_kernel_GBps']:.1f})",
+          flush=True)
+    rows: list[dict] = []
+    shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (4096, 14336), (14336, 4096)]
+    bench_gemv(device, stream, rows, copy_bw, torch, shapes, (1,) if args.quick else (1, 8))
+    bench_dequant(device, stream, rows, copy_bw, (14336, 4096))
+    bench_fwht(device, stream, rows, copy_bw, 64 << 20)
+    bench_attention(device, stream, rows, copy_bw, torch)
+    bench_copy_blocks(device, stream, rows, copy_bw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "arch": props.arch, "date": when,
+                       "copy_GBps": copy_bw / 1e9, **copies, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

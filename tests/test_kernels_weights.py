@@ -1,0 +1,121 @@
+"""Weight kernels (hip/weights.hip): dequant, fused dequant-GEMV and FWHT-256 against
+the CPU codecs of pagedkv.quant, on fresh random inputs with poisoned outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernels_support import device, poisoned  # noqa: F401  (fixtures)
+
+from pagedkv import errors, quant
+from pagedkv.kernels import reference, weights
+
+RNG = np.random.default_rng()
+FORMATS = list(weights.WEIGHT_FORMATS)
+
+
+def _weights(fmt, shape):
+    w = RNG.standard_normal(shape).astype(np.float32) * 0.05
+    return w, quant.quantize(w, fmt)
+
+
+def test_format_table_matches_the_cpu_codecs():
+    for name, f in weights.WEIGHT_FORMATS.items():
+        codec = quant.resolve(name)
+        assert (f.group_size, f.group_bytes, f.rotated) == (
+            codec.group_size, codec.group_bytes, codec.rotated)
+        assert weights.raw_nbytes(name, 1000) == codec.nbytes(1000)
+    with pytest.raises(errors.InvalidArgument, match="fmt='hfq3g256'"):
+        weights.raw_nbytes("hfq3g256", 256)
+
+
+def test_reference_gemv_equals_the_original_basis_product():
+    w, raw = _weights("mq4g256v2", (5, 512))
+    x = RNG.standard_normal((2, 512)).astype(np.float32)
+    y = reference.gemv(raw, "mq4g256v2", 5, 512, x, rotated=True)
+    w_orig = quant.dequantize(raw, "mq4g256v2", (5, 512)).astype(np.float64)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w_orig.T, rtol=1e-4, atol=1e-5)
+
+
+# --- GPU --------------------------------------------------------------------------------
+
+
+def _shape(fmt):
+    # Ragged: 5000 weights is not a multiple of 256 (a short last group). Rotated formats
+    # come in whole 256-groups (the rotated basis is defined per group).
+    return (3, 768) if weights.WEIGHT_FORMATS[fmt].rotated else (5, 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
+    shape = _shape(fmt)
+    _, raw = _weights(fmt, shape)
+    out = poisoned(device, shape, out_dtype)
+    weights.dequantize(device, device.array(raw), fmt, out)
+    got = out.to_numpy().astype(np.float32).reshape(-1)
+    want = reference.dequantize(raw, fmt, int(np.prod(shape)))
+    assert np.isfinite(got).all()
+    # GPU decoders may fuse q*s + m: 1 ulp of the group's largest magnitude (f32), then
+    # the f16 rounding of the result (half an f16 ulp, one more if the FMA moved a tie).
+    g = weights.WEIGHT_FORMATS[fmt].group_size
+    pad = -want.size % g
+    gmax = np.abs(np.pad(want, (0, pad))).reshape(-1, g).max(axis=1).repeat(g)[:want.size]
+    tol = gmax * 2.0**-23 * 2
+    if out_dtype == np.float16:
+        tol = tol + np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
+    assert (np.abs(got - want) <= tol).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch,long_rows", [(1, False), (3, False), (8, False), (2, True)])
+def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
+    # M = 37 is not a multiple of a thread block's 8 (or 4) rows. K = 1280 gives the
+    # block's 128 threads 160 spans of 8 (80 of 16 for 6-bit): a partial second round; the
+    # long rows (17 groups) take each thread through 3-5 prefetched spans, the last partial.
+    M = 37
+    if fmt == "q8f16":
+        K = 4384 if long_rows else 1312
+    else:
+        K = 4352 if long_rows else 1280
+    w, raw = _weights(fmt, (M, K))
+    x = RNG.standard_normal((batch, K)).astype(np.float32)
+    g = weights.Gemv(device, fmt, M, K, batch)
+    y = poisoned(device, (batch, M), np.float32)
+    g.run(device.array(raw), device.array(x), y)
+    want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    wabs = np.abs(reference.dequantize(raw, fmt, M * K).reshape(M, K)).astype(np.float64)
+    xr = reference.fwht256(x) if weights.WEIGHT_FORMATS[fmt].rotated else x
+    scale = np.abs(xr).astype(np.float64) @ wabs.T  # sum |w||x|
+    got = y.to_numpy()
+    assert np.isfinite(got).all()
+    # f32 accumulation in slices of 32 (sum(q x) and sum(x) separately, 4-bit codes as
+    # 1 + q/16): 2e-5 of sum |w||x|, about 2^-15.6, far below any decoding error.
+    assert (np.abs(got - want) <= 2e-5 * scale + 1e-7).all()
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_rejects_bad_shapes(device):
+    with pytest.raises(errors.InvalidArgument, match="K=1000"):
+        weights.Gemv(device, "hfq4g256", 8, 1000)
+    with pytest.raises(errors.InvalidArgument, match="batch=9"):
+        weights.Gemv(device, "hfq4g256", 8, 256, 9)
+    g = weights.Gemv(device, "q8f16", 8, 64)
+    with pytest.raises(errors.InvalidArgument, match="raw: 64 bytes"):
+        g.run(device.empty(64, np.uint8), device.empty((1, 64), np.float32),
+              device.empty((1, 8), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_gpu_fwht256_is_bit_exact(device, rows):
+    x = RNG.standard_normal((rows, 1024)).astype(np.float32)
+    out = poisoned(device, x.shape, np.float32)
+    xd = device.array(x)
+    weights.fwht256(device, xd, out)
+    want = reference.fwht256(x)
+    np.testing.assert_array_equal(out.to_numpy().view(np.uint32), want.view(np.uint32))
+    weights.fwht256(device, xd, xd)  # in place
+    np.testing.assert_array_equal(xd.to_numpy().view(np.uint32), want.view(np.uint32))
