@@ -4,6 +4,8 @@ project = "pagedkv"
 author = "pagedkv developers"
 extensions = ["myst_parser"]
 myst_enable_extensions = ["colon_fence"]
+# GitHub-style heading anchors, so links like cli.md#pagedkv-demo work in both places.
+myst_heading_anchors = 3
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
 html_theme = "alabaster"

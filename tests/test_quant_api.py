@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
 import pagedkv.quant as Q
+import pytest
 from pagedkv.errors import (
-    InvalidArgument, InvalidArgumentType, SizeMismatch, UnknownQuantType, UnsupportedQuantType,
+    InvalidArgument,
+    InvalidArgumentType,
+    SizeMismatch,
+    UnknownQuantType,
+    UnsupportedQuantType,
 )
 
 P1_NAMES = ["f16", "f32", "bf16", "q8f16", "hfq4g256", "hfq4g128", "hfq6g256", "hfq2g256",

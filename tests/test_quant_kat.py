@@ -6,9 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import pytest
-
 import pagedkv.quant as Q
+import pytest
 from pagedkv.quant import affine, fwht, half
 
 RAMP = ((np.arange(256) - 128) / 64).astype(np.float32)
