@@ -202,14 +202,14 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
 // K % G == 0 (every row starts a group). A thread block owns GEMV_ROWS rows and its
-// threads split K into spans of 8 weights (16 for 6-bit codes), consecutive threads
-// taking consecutive spans: a warp's loads of codes and of x are then contiguous
-// (x is what limits a GEMV at batch 1: every weight needs its activation from
-// cache), one x span serves all the block's rows, and a 4096-long row spreads over
-// the block's 128 threads. Within a span the affine map is one (scale, offset):
-// its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared by the rows.
-// The next span's bytes are loaded before the current one is computed; partial
-// sums meet through the warps' shuffles and shared memory.
+// threads split K into spans (8 or 16 weights, see SPAN), consecutive threads taking
+// consecutive spans: a warp's loads of codes and of x are then contiguous (x is what
+// limits a GEMV at batch 1: every weight needs its activation from cache), one x span
+// serves all the block's rows, and a 4096-long row spreads over the block's 128
+// threads. Within a span the affine map is one (scale, offset): its dot product is
+// scale * sum(q x) + offset * sum(x), sum(x) shared by the rows. The next span's
+// bytes are loaded before the current one is computed; partial sums meet through the
+// warps' shuffles and shared memory.
 
 #define GEMV_THREADS 128
 // Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
