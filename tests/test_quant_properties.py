@@ -4,8 +4,8 @@ bound of hfqm-and-quant.md §4, and gemv against x @ dequantize(W).T."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import pagedkv.quant as Q
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
