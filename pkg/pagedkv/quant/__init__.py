@@ -16,6 +16,7 @@ need the last dimension K to be a multiple of 256.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
 __all__ = ["CODECS", "Codec", "dequantize", "fwht256", "gemv", "quantize", "resolve"]
 
 _BASES = ("original", "rotated")
+_MQ2G256V2 = 50
 
 
 def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
@@ -41,6 +43,11 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     array = float_array(array, "array")
     shape = tuple(int(d) for d in array.shape)
     check_k(codec, shape)
+    if codec.qt.id == _MQ2G256V2:
+        # §1.1: wire-complete, but upstream rejects it on quality; encode only when asked, warn
+        warnings.warn(
+            "MQ2G256V2 (qt 50) decodes correctly but upstream rejects it on quality (Qwen3.8 "
+            "KLD 12-14 nats); use mq3g256v2 or wider for real models", UserWarning, stacklevel=2)
     if codec.name == "f16" and array.dtype == np.float16:
         if not np.isfinite(array).all():
             flat16 = array.reshape(-1)
