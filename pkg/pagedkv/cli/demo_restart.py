@@ -61,11 +61,32 @@ def _open_tier(args, model, *, empty: bool):
     return tier
 
 
+_WRITE_FIX = "pass --cold-dir a directory you can write (or remove what is in the way)"
+_RESTORE_FIX = "run `pagedkv demo --restart` with this --cold-dir (it rewrites the directory)"
+
+
+def _unusable_cold_dir(base: str, exc: Exception, problem: str, fix: str) -> SystemExit:
+    """One line naming the directory, what is wrong and the fix; exit status 2."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    where = f" ({exc.filename!r})" if isinstance(exc, OSError) and exc.filename else ""
+    print(f"pagedkv demo: --cold-dir {base!r} {problem}: {reason}{where}; {fix}",
+          file=sys.stderr)
+    return SystemExit(2)
+
+
 def cold_tier_for(args, model):
-    """The first process's tier (persist on, emptied), or ``None`` without ``--cold-dir``."""
-    if _cold_dir(args) is None:
+    """The first process's tier (persist on, emptied), or ``None`` without ``--cold-dir``.
+
+    An unusable directory exits with status 2 and a one-line message (no traceback)."""
+    from pagedkv.errors import PagedKVError
+    base = _cold_dir(args)
+    if base is None:
         return None
-    args.cold_tier = _open_tier(args, model, empty=True)
+    try:
+        args.cold_tier = _open_tier(args, model, empty=True)
+    except (PagedKVError, OSError) as exc:
+        raise _unusable_cold_dir(base, exc, "cannot hold the demo's cold tier",
+                                 _WRITE_FIX) from None
     return args.cold_tier
 
 
@@ -87,7 +108,7 @@ def run_restart_phase(args) -> int:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     print()
     sys.stdout.flush()
-    return subprocess.run(argv).returncode
+    return subprocess.run(argv, check=False).returncode
 
 
 def run_child(args) -> int:
@@ -99,10 +120,16 @@ def run_child(args) -> int:
     from pagedkv.reference import PagedKV, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter
 
-    model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"), backend=args.backend)
+    from pagedkv.errors import PagedKVError
+    try:
+        model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"),
+                                    backend=args.backend)
+        tier = _open_tier(args, model, empty=False)
+    except (PagedKVError, OSError) as exc:
+        raise _unusable_cold_dir(_cold_dir(args), exc, "has no usable demo model or tier",
+                                 _RESTORE_FIX) from None
     request = build_requests(args, model.config.vocab_size)[0]
     prompt = np.asarray(request.prompt)
-    tier = _open_tier(args, model, empty=False)
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.max_blocks, cold_tier=tier)
     adapter.reset_for_new_request(0)
