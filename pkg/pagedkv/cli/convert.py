@@ -75,8 +75,8 @@ def _size(n: float) -> str:
 
 def render_report(report) -> list[str]:
     """Size table per format, skipped tensors, mean relative error per tensor class."""
-    lines = [f"wrote {report.path}: {report.file_bytes:,} bytes, arch {report.arch_id}, "
-             f"format {report.format}, from {report.source_bytes:,} source bytes"]
+    lines = [(f"wrote {report.path}: {report.file_bytes:,} bytes, arch {report.arch_id}, "
+             f"format {report.format}, from {report.source_bytes:,} source bytes")]
     total = sum(r["bytes"] for r in report.per_qt.values())
     rows = [["format", "qt", "tensors", "bytes", "share"]]
     for name, r in sorted(report.per_qt.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):

@@ -94,8 +94,8 @@ def report_rows(report, requests, args: argparse.Namespace) -> list[list[str]]:
         ["evictions", f"{report.evictions:,}"],
         ["preemptions", f"{report.preemptions:,}"],
         ["decode steps", f"{report.decode_steps:,}"],
-        ["time per decode step", f"{step_ms:.2f} ms (adapter bookkeeping "
-                                 f"{report.bookkeeping_seconds_per_step * 1e6:.1f} us)"],
+        ["time per decode step", (f"{step_ms:.2f} ms (adapter bookkeeping "
+                                 f"{report.bookkeeping_seconds_per_step * 1e6:.1f} us)")],
     ]
 
 

@@ -118,8 +118,8 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
         f"file      {info['path']} ({info['file_bytes']:,} bytes"
         + (f", section at byte {info['base']:,})" if info["base"] else ")"),
         f"format    HFQM v{info['version']}, arch {info['arch_id']} ({info['arch_name']})",
-        f"metadata  {info['metadata_bytes']:,} bytes at {info['metadata_offset']}; "
-        f"data_offset {info['data_offset']:,}",
+        (f"metadata  {info['metadata_bytes']:,} bytes at {info['metadata_offset']}; "
+        f"data_offset {info['data_offset']:,}"),
     ]
     summary = info["metadata"]
     if isinstance(summary, str):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, Self
 
 import numpy as np
 
@@ -180,7 +181,7 @@ class HfqmFile:
         return self._metadata
 
     @property
-    def mtp(self) -> "HfqmFile | None":
+    def mtp(self) -> HfqmFile | None:
         """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
         opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
         if self._mtp is False:
@@ -324,10 +325,10 @@ class HfqmFile:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "HfqmFile":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

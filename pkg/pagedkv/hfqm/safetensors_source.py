@@ -21,7 +21,7 @@ import numpy as np
 
 from pagedkv.errors import BadMetadata, InvalidArgument, Truncated
 
-__all__ = ["SafetensorsSource", "SourceTensor", "FLOAT_DTYPES"]
+__all__ = ["FLOAT_DTYPES", "SafetensorsSource", "SourceTensor"]
 
 #: safetensors dtypes the converter quantizes; every other dtype is left out.
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})

@@ -22,7 +22,8 @@ import json
 import os
 import struct
 import uuid
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -371,7 +372,7 @@ class HfqmWriter:
             pass
         self.closed = True
 
-    def __enter__(self) -> "HfqmWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
