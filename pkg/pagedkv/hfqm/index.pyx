@@ -294,6 +294,13 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     cdef uint64_t index_end = 0
     (out.version, out.arch_id, out.n_tensors, out.metadata_offset,
      out.data_offset) = parse_header(section, path)
+    if (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset
+            and out.data_offset > section_bytes):
+        raise Truncated(
+            f"the file is truncated: its header puts the data section at byte "
+            f"{out.data_offset} of the section but only {section_bytes} bytes are there "
+            "(an interrupted copy or download?)",
+            path=path, offset=abs_base + PKV_HFQM_HDR_DATA_OFFSET_OFF)
     if not (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset <= section_bytes):
         raise Truncated(
             f"header offsets out of range: need 32 <= metadata_offset ({out.metadata_offset}) "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 from collections.abc import Iterator
 from typing import NamedTuple, Self
 
@@ -78,7 +79,10 @@ class HfqmFile:
         self._bytes: np.ndarray | None = None  # whole-file uint8 view of the mapping
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         try:
-            self.file_bytes = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise InvalidArgument(f"path {self.path!r} is a directory; pass an HFQM file")
+            self.file_bytes = st.st_size
             if self.base < 0 or self.base > self.file_bytes:
                 raise InvalidArgument(f"base {self.base} is outside the file "
                                       f"({self.file_bytes} bytes): pass 0..file size")

@@ -105,6 +105,9 @@ class SafetensorsSource:
                 raise InvalidArgument(f"{str(root)!r} holds no *.safetensors shard")
         elif root.is_file():
             shards, directory = [str(root)], root.parent
+        elif not root.exists():
+            raise InvalidArgument(f"{str(root)!r} does not exist; pass a .safetensors file or "
+                                  "a model directory holding *.safetensors shards")
         else:
             raise InvalidArgument(f"{str(root)!r} is neither a .safetensors file nor a "
                                   "directory of shards")
