@@ -94,7 +94,7 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 
 #define PKV_ATTN_PARTITION 512
 #define PKV_ATTN_THREADS 128
-#define PKV_ATTN_UNROLL 8
+#define PKV_ATTN_UNROLL 4
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -195,22 +195,30 @@ PKV_DEV void paged_attention_partition(
   // shuffle steps (GMAX/2 + GMAX/4 + ... + 1 shuffles instead of GMAX per step), so
   // each lane ends with one head's full score: the head given by its lane bits.
   float* scores = smem;
-  // The loop bound is uniform across the warp (its first token), so every lane
-  // reaches the shuffles; lanes past the end compute on zeros and store nothing.
-  for (int w0 = warp * tokens_per_warp; w0 < n_tok; w0 += stride * PKV_ATTN_UNROLL) {
-    const int t0 = w0 + sub;
-    RawRow8 raw[PKV_ATTN_UNROLL];
+  // U rows per lane and pass step, double-buffered: the next step's loads are in
+  // flight while this step's rows are converted and reduced.
+  auto load_step = [&](const uint8_t* pool, int t0, RawRow8 (&raw)[PKV_ATTN_UNROLL]) {
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
-      if (t < n_tok) load_row8<KIND>(row_ptr(k_pool, t), d0, raw[u]);
+      if (t < n_tok) load_row8<KIND>(row_ptr(pool, t), d0, raw[u]);
       else zero_row8(raw[u]);
     }
+  };
+  const int step = stride * PKV_ATTN_UNROLL;
+  const int first = warp * tokens_per_warp;
+  RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
+  if (first < n_tok) load_step(k_pool, first + sub, cur);
+  // The loop bound is uniform across the warp (its first token), so every lane
+  // reaches the shuffles; lanes past the end compute on zeros and store nothing.
+  for (int w0 = first; w0 < n_tok; w0 += step) {
+    const int t0 = w0 + sub;
+    if (w0 + step < n_tok) load_step(k_pool, t0 + step, nxt);
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
       float kv[8];
-      convert_row8<KIND>(raw[u], kv);
+      convert_row8<KIND>(cur[u], kv);
       float s[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
@@ -235,7 +243,11 @@ PKV_DEV void paged_attention_partition(
       if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
         scores[t * GMAX + head] = s[0];
     }
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
   }
+  // The first V rows load while the softmax of the scores is computed.
+  if (first < n_tok) load_step(v_pool, first + sub, cur);
   __syncthreads();
   // Partition max per head, from the stored scores.
   float tmax[GMAX];
@@ -284,19 +296,15 @@ PKV_DEV void paged_attention_partition(
   for (int g = 0; g < GMAX; ++g)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-  for (int t0 = warp * tokens_per_warp + sub; t0 < n_tok; t0 += stride * PKV_ATTN_UNROLL) {
-    RawRow8 raw[PKV_ATTN_UNROLL];
-#pragma unroll
-    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
-      const int t = t0 + u * stride;
-      if (t < n_tok) load_row8<KIND>(row_ptr(v_pool, t), d0, raw[u]);
-    }
+  for (int w0 = first; w0 < n_tok; w0 += step) {
+    const int t0 = w0 + sub;
+    if (w0 + step < n_tok) load_step(v_pool, t0 + step, nxt);
 #pragma unroll
     for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
       const int t = t0 + u * stride;
       if (t < n_tok) {
         float kv[8];
-        convert_row8<KIND>(raw[u], kv);
+        convert_row8<KIND>(cur[u], kv);
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
           const float p = scores[t * GMAX + g];
@@ -305,6 +313,8 @@ PKV_DEV void paged_attention_partition(
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
   }
   // Sum the tokens_per_warp token lanes of each dim, then the warps.
 #pragma unroll

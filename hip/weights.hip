@@ -202,14 +202,14 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, with
 // K % G == 0 (every row starts a group). A thread block owns GEMV_ROWS rows and its
-// threads split K into spans of 8 weights (16 for 6-bit codes), consecutive threads
-// taking consecutive spans: a warp's loads of codes and of x are then contiguous
-// (x is what limits a GEMV at batch 1: every weight needs its activation from
-// cache), one x span serves all the block's rows, and a 4096-long row spreads over
-// the block's 128 threads. Within a span the affine map is one (scale, offset):
-// its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared by the rows.
-// The next span's bytes are loaded before the current one is computed; partial
-// sums meet through the warps' shuffles and shared memory.
+// threads split K into spans (8 or 16 weights, see SPAN), consecutive threads taking
+// consecutive spans: a warp's loads of codes and of x are then contiguous (x is what
+// limits a GEMV at batch 1: every weight needs its activation from cache), one x span
+// serves all the block's rows, and a 4096-long row spreads over the block's 128
+// threads. Within a span the affine map is one (scale, offset): its dot product is
+// scale * sum(q x) + offset * sum(x), sum(x) shared by the rows. The next span's
+// bytes are loaded before the current one is computed; partial sums meet through the
+// warps' shuffles and shared memory.
 
 #define GEMV_THREADS 128
 // Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
@@ -228,7 +228,10 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)  // missing last rows re-read a real one, unstored
     rows[r] = w_raw + (int64_t)min(row0 + r, M - 1) * row_bytes;
-  constexpr int SPAN = Fm::BITS == 6 ? 16 : 8;  // whole 32-bit words of codes
+  // 4-bit: 16 weights (8 code bytes) per span at batch 1-2, more bytes in flight per
+  // load; 8 at batch 4-8, where the x registers are the limit (both measured). 6-bit: 16
+  // (whole 32-bit words of codes). Q8F16: 8.
+  constexpr int SPAN = Fm::BITS == 8 ? 8 : (Fm::BITS == 4 && BMAX > 2 ? 8 : 16);
   const int slices = K / SPAN;
 
   float acc[GEMV_ROWS][BMAX];

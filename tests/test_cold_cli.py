@@ -26,13 +26,19 @@ def _state(root):
             for n in sorted(os.listdir(root))}
 
 
-def test_stats_lists_objects_per_group(tmp_path, capsys):
+def test_stats_lists_objects_per_group(tmp_path, capsys, monkeypatch):
     root = _populate(tmp_path)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "2026-11-30-1.jsonl").write_text(
+        '{"v":1,"cold_hits":3,"cold_misses":1}\n{"v":1,"cold_hits":2,"cold_corruptions":1}\n')
+    monkeypatch.setenv("PAGEDKV_METRICS_DIR", str(traces))
     assert main(["cold", "stats", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     total = sum(os.path.getsize(root / n) for n in os.listdir(root))
     assert f"objects: 6  total: {total} B" in out
     assert "kv" in out and "quota:" in out
+    assert "hits=5  misses=1" in out and "corruptions=1" in out
 
 
 def test_verify_is_read_only_and_prune_quarantines(tmp_path, capsys):

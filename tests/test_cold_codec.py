@@ -219,3 +219,16 @@ def test_any_geometry_round_trips_and_any_bit_flip_is_rejected(bs, layers, heads
     bad[i] ^= 1 << bit
     with pytest.raises(FormatError):
         _decode(bytes(bad), expected=g)
+
+
+def test_public_header_bound_matches_the_spec_formula():
+    from pathlib import Path
+
+    import pagedkv
+    assert (Path(pagedkv.get_include()) / "pagedkv" / "cold.h").is_file()
+    for g in (G, BlockGeometry(16, 32, 8, 128, "bfloat16"), BlockGeometry(16, 2, 8, 128, "q8")):
+        n = 1 + 2 * g.num_layers
+        assert g.bound == g.bytes_per_block + 4 * g.block_size + 256 * n + 1024 + 15
+    assert BlockGeometry(16, 2, 8, 128, "q8").slab_bytes == 16 * 8 * 128 // 32 * 34
+    with pytest.raises(InvalidArgument, match="multiple of 32"):
+        BlockGeometry(16, 2, 8, 48, "q8")

@@ -447,3 +447,15 @@ def test_a_refused_create_counts_one_write_error_per_job(tmp_path):
         s = tier.stats()
         assert (s.write_errors, s.bytes_written, s.enqueued) == (3, 0, 3)
         assert _files(root) == []
+
+
+def test_open_at_validates_arguments_before_touching_disk(tmp_path):
+    root = tmp_path / "root"
+    for kw in (dict(quota_bytes=0), dict(reserve_bytes=-1), dict(queue_depth=0),
+               dict(fingerprint=b"short"), dict(durability="sometimes")):
+        with pytest.raises(InvalidArgument):
+            ColdTier.open_at(str(root), **{"quota_bytes": 1 << 20, **kw})
+    assert not root.exists()
+    with open_tier(root, durability="full") as tier:  # F_FULLFSYNC on macOS, fsync here
+        _persist(tier, 0)
+        assert tier.stats().bytes_written > 0 and tier.stats().write_errors == 0

@@ -12,6 +12,7 @@ from kernels_support import device, poisoned  # noqa: F401  (fixtures)
 
 from pagedkv import errors
 from pagedkv.kernels import kvcache, reference
+from pagedkv.quant import kv_q8
 
 RNG = np.random.default_rng()
 
@@ -44,6 +45,35 @@ def test_kv_q8_round_trip_error_is_half_a_step():
     assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     with pytest.raises(errors.InvalidArgument, match="head_dim=40"):
         reference.kv_q8_quantize(np.zeros((2, 40), np.float32))
+
+
+def test_kv_q8_cpu_codec_equals_the_reference_bytes():
+    # Random rows plus exact ties (amax 127 makes id = 1: x.5 values round half to even)
+    # and an all-zero record.
+    x = (RNG.standard_normal((9, 3, 64)) * RNG.uniform(0.01, 100, (9, 3, 1))).astype(np.float32)
+    x[0, 0, :32] = np.arange(-16, 16) + 0.5
+    x[0, 0, 0] = 127.0
+    x[1, 1, 32:] = 0.0
+    rec = kv_q8.quantize(x)
+    np.testing.assert_array_equal(rec, reference.kv_q8_quantize(x))
+    np.testing.assert_array_equal(kv_q8.dequantize(rec, 64), reference.kv_q8_dequantize(rec, 64))
+    x16 = x.astype(np.float16)
+    np.testing.assert_array_equal(kv_q8.quantize(x16),
+                                  reference.kv_q8_quantize(x16.astype(np.float32)))
+    assert kv_q8.quantize(np.zeros((0, 32), np.float32)).shape == (0, 34)
+
+
+def test_kv_q8_cpu_codec_rejects_bad_input():
+    with pytest.raises(errors.InvalidArgument, match="multiple of 32"):
+        kv_q8.quantize(np.zeros((2, 40), np.float32))
+    bad = np.zeros((2, 32), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(errors.InvalidArgument, match="flat index 35"):
+        kv_q8.quantize(bad)
+    with pytest.raises(errors.InvalidArgumentType):
+        kv_q8.quantize(np.zeros((2, 32), np.float64))
+    with pytest.raises(errors.InvalidArgument, match="last axis must be 68 bytes"):
+        kv_q8.dequantize(np.zeros((2, 34), np.uint8), 64)
 
 
 def _paged_case(seq_lens, *, kv_heads, head_dim, block_size, kv_dtype, rng=RNG):

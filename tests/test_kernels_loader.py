@@ -150,12 +150,14 @@ def test_missing_code_object_is_no_device_error():
 
 def test_code_objects_match_the_build_and_show_config():
     objects = list_objects()
-    expected = [object_name("kvcache", "hip", a) for a in HIP_TARGETS]
-    if CUDA_TARGETS:
-        expected.append(object_name("kvcache", "cuda", ""))
-    assert sorted(o for o in objects if o.startswith("kvcache.")) == sorted(expected)
+    expected = []
+    for source in ("kvcache", "weights"):
+        expected += [object_name(source, "hip", a) for a in HIP_TARGETS]
+        if CUDA_TARGETS:
+            expected.append(object_name(source, "cuda", ""))
+        for arch in HIP_TARGETS:  # clang offload bundles of AMD code objects
+            assert read_object(source, "hip", arch)[:24] == b"__CLANG_OFFLOAD_BUNDLE__"
+        if CUDA_TARGETS:  # NVIDIA fatbin magic 0xBA55ED50
+            assert read_object(source, "cuda", "")[:4] == bytes.fromhex("50ed55ba")
+    assert objects == sorted(expected)
     assert pagedkv._config.config()["kernel_objects"] == objects
-    for arch in HIP_TARGETS:  # clang offload bundles of AMD code objects
-        assert read_object("kvcache", "hip", arch)[:24] == b"__CLANG_OFFLOAD_BUNDLE__"
-    if CUDA_TARGETS:  # NVIDIA fatbin magic 0xBA55ED50
-        assert read_object("kvcache", "cuda", "")[:4] == bytes.fromhex("50ed55ba")

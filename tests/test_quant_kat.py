@@ -4,14 +4,17 @@ encodes, exact decodes, sign tables and the FWHT-256."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import numpy as np
-import pytest
-
 import pagedkv.quant as Q
+import pytest
 from pagedkv.quant import affine, fwht, half
 
 RAMP = ((np.arange(256) - 128) / 64).astype(np.float32)
+
+# MQ2G256V2 warns on every encode; test_ramp_group_bytes checks the warning itself
+pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
 # §5.1, rows are elements 0-63, 64-127, 128-191, 192-255
 SIGNS1_TEXT = (
@@ -114,13 +117,19 @@ RAMP_TABLE = [
 @pytest.mark.parametrize("qt,name,nbytes,head,second,sha", RAMP_TABLE, ids=[r[1] for r in RAMP_TABLE])
 def test_ramp_group_bytes(qt, name, nbytes, head, second, sha):
     for fmt in (name, qt):
-        raw = Q.quantize(RAMP, fmt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            raw = Q.quantize(RAMP, fmt)
+        # §1.1: MQ2G256V2 is encoded only on request, with a quality warning
+        assert [str(w.message)[:9] for w in caught] == (["MQ2G256V2"] if qt == 50 else [])
         assert raw.dtype == np.uint8 and raw.shape == (nbytes,)
         assert raw[:8].tobytes().hex() == head
         assert raw[8:16].tobytes().hex() == second
         assert hashlib.sha256(raw.tobytes()).hexdigest()[:16] == sha
     # the 2-D tensor [1, 256] encodes to the same bytes
-    assert np.array_equal(Q.quantize(RAMP.reshape(1, 256), name), raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.array_equal(Q.quantize(RAMP.reshape(1, 256), name), raw)
 
 
 def _reference_decode(raw: np.ndarray, name: str) -> np.ndarray:

@@ -4,13 +4,16 @@ bound of hfqm-and-quant.md §4, and gemv against x @ dequantize(W).T."""
 from __future__ import annotations
 
 import numpy as np
+import pagedkv.quant as Q
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-import pagedkv.quant as Q
 from pagedkv.errors import InvalidArgument
 from pagedkv.quant.affine import AffineFamily
+
+# MQ2G256V2 warns on every encode (quality-rejected upstream); test_quant_kat checks it
+pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
 EPS = float(np.finfo(np.float32).eps)
 ALL = sorted(c.name for c in Q.CODECS.values())

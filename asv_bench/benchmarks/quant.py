@@ -18,9 +18,8 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBLAS
 
-import numpy as np  # noqa: E402
-
-import pagedkv.quant as Q  # noqa: E402
+import numpy as np
+import pagedkv.quant as Q
 
 ROWS, K = 4096, 4096            # dequant / quantize: 16 M weights, 64 MiB of float32 (> L3)
 GEMV_M = GEMV_K = 4096
@@ -62,8 +61,8 @@ def numpy_fwht_butterflies(x: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.
 
 
 class Dequantize:
-    params = ["hfq4g256", "mq4g256", "mq4g256v2"]
-    param_names = ["fmt"]
+    params = ["hfq4g256", "mq4g256", "mq4g256v2"]  # noqa: RUF012 (asv reads lists)
+    param_names = ["fmt"]  # noqa: RUF012
 
     def setup(self, fmt):
         self.raw = Q.quantize(_weights(ROWS, K), fmt)
@@ -82,8 +81,8 @@ class Dequantize:
 
 
 class Gemv:
-    params = ["hfq4g256", "mq4g256", "mq4g256v2", "q8f16"]
-    param_names = ["fmt"]
+    params = ["hfq4g256", "mq4g256", "mq4g256v2", "q8f16"]  # noqa: RUF012 (asv reads lists)
+    param_names = ["fmt"]  # noqa: RUF012
 
     def setup(self, fmt):
         w = _weights(GEMV_M, GEMV_K)
@@ -101,11 +100,9 @@ class Gemv:
 class Fwht256:
     def setup(self):
         self.x = _weights(FWHT_ROWS, 256)
-        rng = np.random.default_rng(2)
         self.s1 = Q.fwht.sign_table(42)
         self.s2 = Q.fwht.sign_table(1042)
         self.dense = Q.fwht256(np.eye(256, dtype=np.float32)).T.copy()   # R as a matrix
-        del rng
 
     def time_fwht256(self):
         Q.fwht256(self.x)
@@ -118,8 +115,8 @@ class Fwht256:
 
 
 class Quantize:
-    params = ["hfq4g256", "mq4g256", "mq4g256v2", "q8f16"]
-    param_names = ["fmt"]
+    params = ["hfq4g256", "mq4g256", "mq4g256v2", "q8f16"]  # noqa: RUF012 (asv reads lists)
+    param_names = ["fmt"]  # noqa: RUF012
 
     def setup(self, fmt):
         self.w = _weights(ROWS, K)
@@ -150,10 +147,10 @@ def main() -> None:
     print(f"dequant numpy-chunked hfq4 baseline  {float_bytes / base / 1e9:6.2f} GB/s")
     for fmt in Dequantize.params:
         d.setup(fmt)
-        t = _best_seconds(lambda: Q.dequantize(d.raw, fmt, (ROWS, K), out=d.out))
+        t = _best_seconds(lambda fmt=fmt: Q.dequantize(d.raw, fmt, (ROWS, K), out=d.out))
         line = f"dequant {fmt:<12} original basis  {float_bytes / t / 1e9:6.2f} GB/s  {base / t:5.1f}x"
         if Q.resolve(fmt).rotated:
-            t2 = _best_seconds(lambda: Q.dequantize(d.raw, fmt, (ROWS, K), out=d.out,
+            t2 = _best_seconds(lambda fmt=fmt: Q.dequantize(d.raw, fmt, (ROWS, K), out=d.out,
                                                     basis="rotated"))
             line += f" | stored basis {float_bytes / t2 / 1e9:6.2f} GB/s  {base / t2:5.1f}x"
         print(line)
@@ -163,7 +160,7 @@ def main() -> None:
     print(f"gemv 1x{GEMV_K}·{GEMV_M}x{GEMV_K}ᵀ float32 OpenBLAS  {blas * 1e3:7.3f} ms")
     for fmt in Gemv.params:
         g.setup(fmt)
-        t = _best_seconds(lambda: Q.gemv(g.raw, fmt, (GEMV_M, GEMV_K), g.x), repeat=15)
+        t = _best_seconds(lambda fmt=fmt: Q.gemv(g.raw, fmt, (GEMV_M, GEMV_K), g.x), repeat=15)
         print(f"gemv {fmt:<12} fused  {t * 1e3:7.3f} ms  {blas / t:5.2f}x vs OpenBLAS f32")
     f = Fwht256()
     f.setup()
@@ -176,7 +173,7 @@ def main() -> None:
     q = Quantize()
     q.setup("hfq4g256")
     for fmt in Quantize.params:
-        t = _best_seconds(lambda: Q.quantize(q.w, fmt), repeat=5)
+        t = _best_seconds(lambda fmt=fmt: Q.quantize(q.w, fmt), repeat=5)
         print(f"quantize {fmt:<12} {float_bytes / t / 1e9:6.2f} GB/s of float32 in")
 
 

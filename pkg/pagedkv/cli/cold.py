@@ -75,8 +75,16 @@ def run_stats(args: argparse.Namespace) -> int:
         print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
     print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): {_mib(s.reserve_bytes)}")
     print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
-    print("counters (hits, misses, corruptions, ...) are per serving process: see "
-          "cold_cache_stats() or the JSONL turn trace")
+    from pagedkv.cold.knobs import metrics_dir
+    from pagedkv.cold.offline import trace_counters
+    traced = trace_counters(metrics_dir())
+    if traced is None:
+        print(f"counters: no turn trace in {metrics_dir()} (counters live in the serving "
+              "process: cold_cache_stats())")
+    else:
+        name, totals = traced
+        print(f"counters of the last traced process ({name}):")
+        print("  " + "  ".join(f"{k}={v}" for k, v in totals.items()))
     return 0
 
 

@@ -19,7 +19,8 @@ from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore, auto_limits
 from pagedkv.errors import FormatError
 
-__all__ = ["open_offline_store", "verify_store", "root_summary", "RootSummary", "BadObject"]
+__all__ = ["open_offline_store", "verify_store", "root_summary", "RootSummary", "BadObject",
+           "trace_counters"]
 
 #: Offline reads of objects whose geometry is not known beforehand stop here.
 OFFLINE_READ_LIMIT_BYTES = 1 << 32
@@ -103,3 +104,37 @@ def root_summary(store: ColdStore) -> RootSummary:
         s.quarantined += is_quarantine(name)
         s.writer_temps += is_writer_temp(name)
     return s
+
+
+def trace_counters(directory: str) -> tuple[str, dict[str, int]] | None:
+    """Counters of the most recent serving process that wrote a turn trace in
+    ``directory``: the sum of its per-turn ``cold_<counter>`` deltas. ``None`` when there
+    is no readable trace."""
+    import dataclasses
+    import json
+
+    from pagedkv.cold.stats import ColdCacheStats
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(".jsonl")]
+    except OSError:
+        return None
+    if not names:
+        return None
+    newest = max(names, key=lambda n: os.stat(os.path.join(directory, n)).st_mtime_ns)
+    fields = [f.name for f in dataclasses.fields(ColdCacheStats)
+              if f.type in ("int", int) and f.name != "quota_bytes"]
+    totals = dict.fromkeys(fields, 0)
+    try:
+        with open(os.path.join(directory, newest), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                for name in fields:
+                    v = rec.get(f"cold_{name}")
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        totals[name] += v
+    except OSError:
+        return None
+    return newest, totals

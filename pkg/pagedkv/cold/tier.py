@@ -25,7 +25,7 @@ from pagedkv.cold.knobs import (capture_budget_from_env, cold_cache_base,
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
 from pagedkv.cold.stats import ColdCacheStats, ColdCounters
-from pagedkv.cold.store import ColdStore, auto_limits
+from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
 
@@ -74,6 +74,8 @@ class ColdTier:
             raise InvalidArgument(f"reserve_bytes = {reserve_bytes} must be >= 0")
         if int(queue_depth) <= 0:
             raise InvalidArgument(f"queue_depth = {queue_depth} must be > 0")
+        if durability not in DURABILITY_MODES:
+            raise InvalidArgument(f"durability = {durability!r}; valid: {DURABILITY_MODES}")
         if fingerprint is not None and (not isinstance(fingerprint, bytes)
                                         or len(fingerprint) != 32):
             raise InvalidArgument("fingerprint must be 32 bytes (model_fingerprint's result)")

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -65,11 +66,12 @@ class SidecarJob:
     layout: object
     payload: np.ndarray
 
+    #: Sidecar payloads belong to the family's checkpoint: never recycled.
+    recycle: ClassVar[bool] = False
+
     @property
     def group(self) -> ColdGroup:
         return self.layout.group
-
-    recycle = False
 
     def __repr__(self) -> str:
         return f"SidecarJob(key={self.key.hex()[:16]}..., {self.layout!r})"

@@ -16,38 +16,20 @@ need the last dimension K to be a multiple of 256.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import warnings
+from collections.abc import Sequence
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import affine, fwht, half, q8
-from pagedkv.quant.formats import AFFINE, CODECS, Q8, RAW, Codec, check_k, resolve
+from pagedkv.quant.arguments import float_array, raw_bytes, reject_nonfinite, shape_tuple
+from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
 
-__all__ = ["quantize", "dequantize", "fwht256", "gemv", "resolve", "Codec", "CODECS"]
+__all__ = ["CODECS", "Codec", "dequantize", "fwht256", "gemv", "quantize", "resolve"]
 
 _BASES = ("original", "rotated")
-
-
-def _float32_input(array, what: str) -> np.ndarray:
-    if not isinstance(array, np.ndarray):
-        raise InvalidArgumentType(
-            f"{what} must be a numpy.ndarray of float32 or float16, got {type(array).__name__}")
-    if array.dtype not in (np.float32, np.float16):
-        raise InvalidArgumentType(
-            f"{what} must have dtype float32 or float16, got {array.dtype}; convert explicitly "
-            f"(e.g. .astype(np.float32)) so no rounding happens behind your back")
-    if array.ndim == 0:
-        raise InvalidArgument(f"{what} must have at least one dimension, got a 0-d array")
-    return array
-
-
-def _reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, ...]) -> None:
-    if index >= 0:
-        where = np.unravel_index(index, shape) if shape else ()
-        raise InvalidArgument(
-            f"{what} holds a non-finite value {flat[index]!r} at index {tuple(int(i) for i in where)}; "
-            f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
+_MQ2G256V2 = 50
 
 
 def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
@@ -58,13 +40,18 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`.
     """
     codec = resolve(fmt)
-    array = _float32_input(array, "array")
+    array = float_array(array, "array")
     shape = tuple(int(d) for d in array.shape)
     check_k(codec, shape)
+    if codec.qt.id == _MQ2G256V2:
+        # §1.1: wire-complete, but upstream rejects it on quality; encode only when asked, warn
+        warnings.warn(
+            "MQ2G256V2 (qt 50) decodes correctly but upstream rejects it on quality (Qwen3.8 "
+            "KLD 12-14 nats); use mq3g256v2 or wider for real models", UserWarning, stacklevel=2)
     if codec.name == "f16" and array.dtype == np.float16:
         if not np.isfinite(array).all():
             flat16 = array.reshape(-1)
-            _reject_nonfinite(flat16, int(np.flatnonzero(~np.isfinite(flat16))[0]), "array", shape)
+            reject_nonfinite(flat16, int(np.flatnonzero(~np.isfinite(flat16))[0]), "array", shape)
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy()
     flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
     out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
@@ -82,32 +69,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
                 half.f16_trunc(flat, out.view(np.uint16))
             else:
                 half.bf16_trunc(flat, out.view(np.uint16))
-    _reject_nonfinite(flat, bad, "array", shape)
+    reject_nonfinite(flat, bad, "array", shape)
     return out
-
-
-def _raw_input(raw) -> np.ndarray:
-    if isinstance(raw, (bytes, bytearray, memoryview)):
-        return np.frombuffer(raw, dtype=np.uint8)
-    if not isinstance(raw, np.ndarray):
-        raise InvalidArgumentType(
-            f"raw must be a uint8 numpy array or a bytes-like object, got {type(raw).__name__}")
-    if raw.dtype != np.uint8:
-        raise InvalidArgumentType(f"raw must have dtype uint8, got {raw.dtype}; pass raw.view(np.uint8)")
-    return np.ascontiguousarray(raw).reshape(-1)
-
-
-def _shape_arg(shape) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (shape,)
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError:
-        raise InvalidArgumentType(
-            f"shape must be a sequence of ints, got {type(shape).__name__} {shape!r}") from None
-    if not dims or any(d < 0 for d in dims):
-        raise InvalidArgument(f"shape must have at least one non-negative dimension, got {dims}")
-    return dims
 
 
 def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
@@ -121,8 +84,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer.
     """
     codec = resolve(fmt)
-    data = _raw_input(raw)
-    dims = _shape_arg(shape)
+    data = raw_bytes(raw)
+    dims = shape_tuple(shape)
     if basis not in _BASES:
         raise InvalidArgument(f"basis must be one of {_BASES}, got {basis!r}")
     check_k(codec, dims)
@@ -169,7 +132,7 @@ def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
     ``inverse=True`` applies ``Rᵀ`` (R is orthogonal). Bit-exact with hipfire's
     ``cpu_fwht_256``. Returns a new float32 array of ``x``'s shape.
     """
-    x = _float32_input(x, "x")
+    x = float_array(x, "x")
     if x.shape[-1] != 256:
         raise InvalidArgument(f"fwht256 needs rows of 256 values (x.shape[-1] == 256), got shape {x.shape}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)

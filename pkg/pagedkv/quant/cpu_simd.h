@@ -6,7 +6,8 @@
  * clones run the same C with -ffp-contract=off (no FMA contraction), and the
  * loops only vectorize independent element operations or use GCC vector
  * extensions whose lane semantics do not depend on the ISA, so every clone
- * gives the same bits. Elsewhere (clang, arm64, macOS) only `unused` remains: a
+ * gives the same bits for finite data (tests/test_quant_header.py builds each
+ * level and compares; a NaN in a stored header could propagate another payload). Elsewhere (clang, arm64, macOS) only `unused` remains: a
  * module includes the loop headers it needs and may not call every loop in them.
  */
 #ifndef PAGEDKV_QUANT_CPU_SIMD_H

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnknownQuantType, \
-    UnsupportedQuantType
+from pagedkv.errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    UnknownQuantType,
+    UnsupportedQuantType,
+)
 from pagedkv.hfqm.qtypes import QTYPES, QuantType
 from pagedkv.quant.affine import AffineFamily
 
-__all__ = ["Codec", "CODECS", "check_k", "resolve"]
+__all__ = ["CODECS", "Codec", "check_k", "resolve"]
 
 RAW = "raw"
 AFFINE = "affine"

@@ -18,23 +18,21 @@ typedef int32_t pkv_fwht_v16i __attribute__((vector_size(64)));
 
 #if defined(__GNUC__) && !defined(__clang__)
 
-/* One in-vector stage of stride h (1, 2, 4 or 8): y[l] = y[l & ~h] + s·y[l | h],
- * s = −1 where bit h of l is set (a + (−1·b) is a − b exactly). Two constant
- * shuffles beat one shuffle plus a blend here (measured). */
+/* One in-vector stage of stride h (1, 2, 4 or 8): t = y[l ^ h] (one shuffle), then
+ * y' = t + s·y with s = +1 where bit h of l is clear (b + a = a + b exactly) and
+ * s = −1 where it is set (t + (−1·y) = a − b exactly): the same rounded result
+ * as the scalar butterfly, for one shuffle per stage. */
 #define PKV_FWHT_LANE_STAGE_(y, h) do { \
-        const pkv_fwht_v16i lo_ = { 0 & ~(h), 1 & ~(h), 2 & ~(h), 3 & ~(h), 4 & ~(h), 5 & ~(h), \
-            6 & ~(h), 7 & ~(h), 8 & ~(h), 9 & ~(h), 10 & ~(h), 11 & ~(h), 12 & ~(h), 13 & ~(h), \
-            14 & ~(h), 15 & ~(h) }; \
-        const pkv_fwht_v16i hi_ = { 0 | (h), 1 | (h), 2 | (h), 3 | (h), 4 | (h), 5 | (h), \
-            6 | (h), 7 | (h), 8 | (h), 9 | (h), 10 | (h), 11 | (h), 12 | (h), 13 | (h), \
-            14 | (h), 15 | (h) }; \
+        const pkv_fwht_v16i px_ = { 0 ^ (h), 1 ^ (h), 2 ^ (h), 3 ^ (h), 4 ^ (h), 5 ^ (h), \
+            6 ^ (h), 7 ^ (h), 8 ^ (h), 9 ^ (h), 10 ^ (h), 11 ^ (h), 12 ^ (h), 13 ^ (h), \
+            14 ^ (h), 15 ^ (h) }; \
         const pkv_fwht_v16f sg_ = { (0 & (h)) ? -1.f : 1.f, (1 & (h)) ? -1.f : 1.f, \
             (2 & (h)) ? -1.f : 1.f, (3 & (h)) ? -1.f : 1.f, (4 & (h)) ? -1.f : 1.f, \
             (5 & (h)) ? -1.f : 1.f, (6 & (h)) ? -1.f : 1.f, (7 & (h)) ? -1.f : 1.f, \
             (8 & (h)) ? -1.f : 1.f, (9 & (h)) ? -1.f : 1.f, (10 & (h)) ? -1.f : 1.f, \
             (11 & (h)) ? -1.f : 1.f, (12 & (h)) ? -1.f : 1.f, (13 & (h)) ? -1.f : 1.f, \
             (14 & (h)) ? -1.f : 1.f, (15 & (h)) ? -1.f : 1.f }; \
-        (y) = __builtin_shuffle((y), lo_) + __builtin_shuffle((y), hi_) * sg_; \
+        (y) = __builtin_shuffle((y), px_) + (y) * sg_; \
     } while (0)
 
 typedef pkv_fwht_v16f pkv_fwht_table_[16];  /* a sign table, as pkv_fwht256_row_ takes it */

@@ -183,6 +183,16 @@ static inline __attribute__((always_inline)) void pkv_gemv_affine_body_(const ui
  * constants, so unpacking and dots unroll and vectorize for that width. */
 #define PKV_GEMV_CASE_(FAMILY, BITS, G_) \
     pkv_gemv_affine_body_(w, m, k, BITS, G_, FAMILY, xp, xsum, nb, y)
+#define PKV_GEMV_WIDTHS_(FAMILY) do { \
+        switch (bits) { \
+        case 2: PKV_GEMV_CASE_(FAMILY, 2u, 256u); return; \
+        case 3: PKV_GEMV_CASE_(FAMILY, 3u, 256u); return; \
+        case 4: PKV_GEMV_CASE_(FAMILY, 4u, 256u); return; \
+        case 5: PKV_GEMV_CASE_(FAMILY, 5u, 256u); return; \
+        case 6: PKV_GEMV_CASE_(FAMILY, 6u, 256u); return; \
+        default: break; \
+        } \
+    } while (0)
 
 PKV_CPU_CLONES
 static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint32_t bits,
@@ -191,23 +201,9 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
     int v1 = family == PKV_FAMILY_HFQ || family == PKV_FAMILY_MQ_V1;
     int v2 = family == PKV_FAMILY_MQ_V2;
     if (v1 && G == 256u) {
-        switch (bits) {
-        case 2: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 2u, 256u); return;
-        case 3: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 3u, 256u); return;
-        case 4: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 4u, 256u); return;
-        case 5: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 5u, 256u); return;
-        case 6: PKV_GEMV_CASE_(PKV_FAMILY_HFQ, 6u, 256u); return;
-        default: break;
-        }
+        PKV_GEMV_WIDTHS_(PKV_FAMILY_HFQ);
     } else if (v2) {
-        switch (bits) {
-        case 2: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 2u, 256u); return;
-        case 3: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 3u, 256u); return;
-        case 4: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 4u, 256u); return;
-        case 5: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 5u, 256u); return;
-        case 6: PKV_GEMV_CASE_(PKV_FAMILY_MQ_V2, 6u, 256u); return;
-        default: break;
-        }
+        PKV_GEMV_WIDTHS_(PKV_FAMILY_MQ_V2);
     } else if (family == PKV_FAMILY_MQ4C) {
         PKV_GEMV_CASE_(PKV_FAMILY_MQ4C, 4u, 256u);
         return;
@@ -215,6 +211,7 @@ static void pkv_cpu_gemv_affine(const uint8_t *w, ptrdiff_t m, ptrdiff_t k, uint
     pkv_gemv_affine_body_(w, m, k, bits, G, family, xp, xsum, nb, y);   /* G128 and the rest */
 }
 
+#undef PKV_GEMV_WIDTHS_
 #undef PKV_GEMV_CASE_
 
 /* Q8F16: W m rows of k weights (k % 32 == 0); x plain (no permutation, no sums).

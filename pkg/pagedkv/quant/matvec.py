@@ -11,15 +11,16 @@ weights are dequantized a block of rows at a time and multiplied with NumPy.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import gemv_kernels
+from pagedkv.quant.arguments import raw_bytes, shape_tuple
 from pagedkv.quant.formats import AFFINE, Q8, check_k, resolve
 
-__all__ = ["gemv", "MAX_BATCH"]
+__all__ = ["MAX_BATCH", "gemv"]
 
 #: Most rows of x one call takes (decode batches).
 MAX_BATCH = 8
@@ -29,10 +30,9 @@ _FALLBACK_ELEMS = 1 << 20
 
 
 def _validate(raw, fmt, shape, x):
-    from pagedkv.quant import _raw_input, _shape_arg  # one validation, shared with dequantize
     codec = resolve(fmt)
-    data = _raw_input(raw)
-    dims = _shape_arg(shape)
+    data = raw_bytes(raw)
+    dims = shape_tuple(shape)
     if len(dims) != 2:
         raise InvalidArgument(f"gemv needs a 2-D weight shape [M, K], got {dims}")
     check_k(codec, dims)

@@ -31,7 +31,8 @@ cdef extern from "pagedkv/quant.h" nogil:
     uint32_t pkv_signs2_word(uint32_t w)
 
     void pkv_fwht_butterflies(float *y, uint32_t n)
-    void pkv_fwht_with_tables(const float *x, float *y, uint32_t n, const float *pre, const float *post)
+    void pkv_fwht_with_tables(const float *x, float *y, uint32_t n, const float *pre,
+                              const float *post)
     void pkv_fwht(const float *x, float *y, uint32_t n)
     void pkv_ifwht(const float *x, float *y, uint32_t n)
 

@@ -1,0 +1,59 @@
+"""Validation of the arguments of the :mod:`pagedkv.quant` API: one place for the checks
+and messages that ``quantize``, ``dequantize``, ``fwht256`` and ``gemv`` share."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+
+__all__ = ["float_array", "raw_bytes", "reject_nonfinite", "shape_tuple"]
+
+
+def float_array(array, what: str) -> np.ndarray:
+    """``array`` if it is a float32/float16 ndarray with at least one dimension."""
+    if not isinstance(array, np.ndarray):
+        raise InvalidArgumentType(
+            f"{what} must be a numpy.ndarray of float32 or float16, got {type(array).__name__}")
+    if array.dtype not in (np.float32, np.float16):
+        raise InvalidArgumentType(
+            f"{what} must have dtype float32 or float16, got {array.dtype}; convert explicitly "
+            f"(e.g. .astype(np.float32)) so no rounding happens behind your back")
+    if array.ndim == 0:
+        raise InvalidArgument(f"{what} must have at least one dimension, got a 0-d array")
+    return array
+
+
+def reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, ...]) -> None:
+    """Raise InvalidArgument naming the element when ``index`` (into ``flat``) is not -1."""
+    if index >= 0:
+        where = np.unravel_index(index, shape) if shape else ()
+        raise InvalidArgument(
+            f"{what} holds a non-finite value {flat[index]!r} at index {tuple(int(i) for i in where)}; "
+            f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
+
+
+def raw_bytes(raw) -> np.ndarray:
+    """A quantized payload as a flat uint8 array (bytes-like objects without a copy)."""
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return np.frombuffer(raw, dtype=np.uint8)
+    if not isinstance(raw, np.ndarray):
+        raise InvalidArgumentType(
+            f"raw must be a uint8 numpy array or a bytes-like object, got {type(raw).__name__}")
+    if raw.dtype != np.uint8:
+        raise InvalidArgumentType(f"raw must have dtype uint8, got {raw.dtype}; pass raw.view(np.uint8)")
+    return np.ascontiguousarray(raw).reshape(-1)
+
+
+def shape_tuple(shape) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints >= 0) as a tuple."""
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError:
+        raise InvalidArgumentType(
+            f"shape must be a sequence of ints, got {type(shape).__name__} {shape!r}") from None
+    if not dims or any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape must have at least one non-negative dimension, got {dims}")
+    return dims

@@ -1,0 +1,99 @@
+# cython: freethreading_compatible = True
+"""KV-cache q8 (hfqm-and-quant.md §6.3), the CPU codec of the q8 pool dtype.
+
+Per 32 dims of a K or V row: ``d = amax/127`` stored as f16 (round to nearest even),
+then 32 int8 codes ``clamp(round_half_even(v * 127/amax), -127, 127)``; a row of
+``head_dim`` values is ``head_dim/32`` such 34-byte records. The math is
+``pagedkv/kvquant.h``, the text the GPU kernels (hip/kvcache.hip) compile, so the
+GPU write and this encoder give the same bytes.
+"""
+
+cimport numpy as cnp
+from libc.math cimport fabsf
+from libc.stdint cimport int8_t, uint8_t
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.quant.quant_header cimport pkv_f16_to_f32, pkv_first_nonfinite
+
+cnp.import_array()
+
+cdef enum:
+    BLOCK = 32          # values per record
+    RECORD_BYTES = 34   # f16 scale + 32 int8
+
+
+cdef void _encode(const float *x, Py_ssize_t n_records, uint8_t *out) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int i
+    cdef float amax, inv
+    cdef unsigned d
+    for r in range(n_records):
+        amax = 0.0
+        for i in range(BLOCK):
+            amax = max(amax, fabsf(x[r * BLOCK + i]))
+        inv = pkv_kvq8_inv_scale(amax)
+        d = pkv_kvq8_scale_bits(amax)
+        out[r * RECORD_BYTES] = <uint8_t>(d & 0xFF)
+        out[r * RECORD_BYTES + 1] = <uint8_t>(d >> 8)
+        for i in range(BLOCK):
+            out[r * RECORD_BYTES + 2 + i] = <uint8_t>(<int8_t>pkv_kvq8_code(x[r * BLOCK + i], inv))
+
+
+cdef void _decode(const uint8_t *rec, Py_ssize_t n_records, float *out) noexcept nogil:
+    cdef Py_ssize_t r
+    cdef int i
+    cdef float d
+    for r in range(n_records):
+        d = pkv_f16_to_f32(rec[r * RECORD_BYTES] | (rec[r * RECORD_BYTES + 1] << 8))
+        for i in range(BLOCK):
+            out[r * BLOCK + i] = pkv_kvq8_value(d, <int8_t>rec[r * RECORD_BYTES + 2 + i])
+
+
+def quantize(x):
+    """``float32`` or ``float16[..., head_dim]`` → ``uint8[..., head_dim/32*34]`` records.
+
+    ``head_dim`` must be a multiple of 32; NaN or Inf raises :class:`InvalidArgument`."""
+    if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float16):
+        raise InvalidArgumentType(
+            f"x must be a float32 or float16 numpy.ndarray, got "
+            f"{getattr(x, 'dtype', type(x).__name__)}")
+    # (the module compiles with wraparound=False: no negative indices)
+    if x.ndim == 0 or x.shape[x.ndim - 1] % BLOCK:
+        raise InvalidArgument(f"x: shape {x.shape}: the last axis (head_dim) must be a "
+                              f"positive multiple of 32 for q8 KV")
+    cdef Py_ssize_t head_dim = x.shape[x.ndim - 1]
+    cdef const float[::1] flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    cdef Py_ssize_t n = flat.shape[0], bad
+    with nogil:
+        bad = pkv_first_nonfinite(&flat[0], n) if n else -1
+    if bad >= 0:
+        raise InvalidArgument(f"x holds a non-finite value at flat index {bad}; q8 KV takes "
+                              f"finite values only")
+    out = np.empty(x.shape[:x.ndim - 1] + (head_dim // BLOCK * RECORD_BYTES,), dtype=np.uint8)
+    cdef uint8_t[::1] o = out.reshape(-1)
+    if n:
+        with nogil:
+            _encode(&flat[0], n // BLOCK, &o[0])
+    return out
+
+
+def dequantize(records, Py_ssize_t head_dim):
+    """``uint8[..., head_dim/32*34]`` records → ``float32[..., head_dim]``."""
+    if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
+        raise InvalidArgumentType(f"records must be a uint8 numpy.ndarray, got "
+                                  f"{getattr(records, 'dtype', type(records).__name__)}")
+    if head_dim <= 0 or head_dim % BLOCK:
+        raise InvalidArgument(f"head_dim={head_dim}: must be a positive multiple of 32")
+    if records.ndim == 0 or records.shape[records.ndim - 1] != pkv_kvq8_row_bytes(head_dim):
+        raise InvalidArgument(f"records: shape {records.shape}, the last axis must be "
+                              f"{pkv_kvq8_row_bytes(head_dim)} bytes for head_dim {head_dim}")
+    cdef const uint8_t[::1] flat = np.ascontiguousarray(records).reshape(-1)
+    out = np.empty(records.shape[:records.ndim - 1] + (head_dim,), dtype=np.float32)
+    cdef float[::1] o = out.reshape(-1)
+    cdef Py_ssize_t n_records = flat.shape[0] // RECORD_BYTES
+    if n_records:
+        with nogil:
+            _decode(&flat[0], n_records, &o[0])
+    return out
