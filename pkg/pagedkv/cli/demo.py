@@ -2,9 +2,11 @@
 
 N requests share a system prompt and a few-shot preamble and differ in their user turn. The
 first runs alone (a warm server), the rest are admitted in batches and decoded in interleaved
-steps through one paged adapter whose pool starts small and grows on demand. The table shows
-what the cache did; every output is then recomputed alone on a flat cache and must be
-byte-identical (tokens and logits), else the exit status is 1.
+steps through one paged adapter whose pool starts small and grows on demand. Full blocks are
+persisted to a cold tier on a local directory (``./.pagedkv-demo``), so the next run restores
+the shared prefix from disk. The table shows what the cache did; every output is then
+recomputed alone on a flat cache and must be byte-identical (tokens and logits), else the
+exit status is 1.
 """
 
 from __future__ import annotations
@@ -155,9 +157,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv demo: error: {problem}", file=sys.stderr)
         return 2
     requests = build_requests(args, model.config.vocab_size)
+    try:
+        cold_tier = cold_tier_for(args, model)
+    except ValueError as e:
+        print(f"pagedkv demo: {e}", file=sys.stderr)
+        return 2
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.initial_blocks, max_num_blocks=args.max_blocks,
-                                  cold_tier=cold_tier_for(args, model))
+                                  cold_tier=cold_tier)
     c = model.config
     print(f"pagedkv demo: {len(requests)} requests, prompt = {args.system_tokens} system + "
           f"{args.fewshot_tokens} few-shot (shared) + {args.user_tokens} user tokens, "
