@@ -178,15 +178,20 @@ def test_demo_refuses_nonsense_options(capsys, argv, message):
      "model holds 4,096; shorten --system-tokens, --fewshot-tokens, --user-tokens or "
      "--new-tokens")),
 ])
-def test_demo_refuses_sizes_that_cannot_run_before_serving(capsys, argv, message):
+def test_demo_refuses_sizes_that_cannot_run_before_serving(capsys, tmp_path, monkeypatch,
+                                                           argv, message):
+    monkeypatch.chdir(tmp_path)
     line = _fails(capsys, ["demo", *argv], status=2)
     assert line == f"pagedkv demo: error: {message}"
+    assert os.listdir(tmp_path) == []   # refused before any cold-tier directory is made
 
 
-def test_demo_at_the_exact_block_limit_runs(capsys):
+def test_demo_at_the_exact_block_limit_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the demo's default cold-tier directory is relative
     # 64 + 48 + 16 prompt + 16 new - 1 = 143 tokens = 9 blocks of 16: the bound is tight.
     assert cli_main(["demo", "--requests", "2", "--initial-blocks", "9",
-                     "--max-blocks", "9"]) == 0
+                     "--max-blocks", "9", "--no-cold"]) == 0
+    assert os.listdir(tmp_path) == []
     assert "parity: OK (2/2" in capsys.readouterr().out
 
 

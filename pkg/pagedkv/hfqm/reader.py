@@ -219,8 +219,10 @@ class HfqmFile:
         if i is None:
             i = self._canonical_index().get(canonical_name(name))
         if i is None:
-            raise TensorNotFound(f"{self.path}: no tensor {name!r} (also tried as "
-                                 f"{canonical_name(name)!r}); {len(self.names)} tensors")
+            canonical = canonical_name(name)
+            tried = f" (also tried as {canonical!r})" if canonical != name else ""
+            raise TensorNotFound(f"{self.path}: no tensor {name!r}{tried}; "
+                                 f"{len(self.names)} tensors")
         return i
 
     def __contains__(self, name: object) -> bool:

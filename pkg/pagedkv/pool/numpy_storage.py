@@ -49,6 +49,10 @@ class NumpyKVStorage:
 
     # -- payload type ----------------------------------------------------------------------
 
+
+    def __repr__(self) -> str:
+        return (f"NumpyKVStorage(num_blocks={self.num_blocks}, shape={self.array.shape}, "
+                f"dtype={self.array.dtype}, nbytes={self.array.nbytes})")
     def as_payload(self, name: str, x) -> np.ndarray:
         """``x`` as an ndarray of the storage dtype; never casts (a cast would change bits)."""
         if not isinstance(x, np.ndarray):
