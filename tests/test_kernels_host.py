@@ -82,3 +82,17 @@ def test_runtime_handles_have_reprs(cls, attrs, text):
     for k, v in attrs.items():
         setattr(obj, k, v)
     assert repr(obj) == text
+
+
+def test_a_kernel_refuses_a_freed_array_before_launch():
+    from pagedkv.kernels.device import Kernel
+    dev = FakeDevice()
+    k = Kernel(dev, "copy", 0x1, "ppi")
+    a = DeviceArray.empty(dev, (8,), np.float32)
+    b = DeviceArray.empty(dev, (8,), np.float32)
+    values, _ = k.pack((a, b, 8))
+    assert [v.value for v in values] == [a.ptr, b.ptr, 8]
+    b.free()
+    with pytest.raises(InvalidArgument, match=r"DeviceArray\(shape=\(8,\), dtype=float32\) "
+                                              r"was freed"):
+        k.pack((a, b, 8))

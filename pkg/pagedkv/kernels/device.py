@@ -48,7 +48,7 @@ class Kernel:
         values = []
         for i, (code, arg) in enumerate(zip(self.signature, args)):
             if code == "p":
-                arg = arg.ptr if isinstance(arg, DeviceArray) else arg
+                arg = arg.live_ptr() if isinstance(arg, DeviceArray) else arg
                 if not isinstance(arg, (int, np.integer)):
                     raise InvalidArgumentType(f"{self.name}: argument {i} must be a device "
                                               f"pointer, got {type(arg).__name__}")

@@ -56,7 +56,8 @@ class DeviceArray:
 
     # --- data -------------------------------------------------------------------------
 
-    def _live_ptr(self) -> int:
+    def live_ptr(self) -> int:
+        """``ptr``, or InvalidArgument once freed (a kernel must never get a null address)."""
         # ptr 0 after free(): refuse here rather than hand the runtime a null address
         if not self.ptr and self.nbytes:
             raise InvalidArgument(
@@ -66,7 +67,7 @@ class DeviceArray:
 
     def to_numpy(self) -> np.ndarray:
         host = np.empty(self.shape, dtype=self.dtype)
-        self.device.copy_dtoh(host, self._live_ptr())
+        self.device.copy_dtoh(host, self.live_ptr())
         return host
 
     def copy_from(self, array: np.ndarray) -> None:
@@ -76,11 +77,11 @@ class DeviceArray:
             raise InvalidArgument(
                 f"array: shape {host.shape} dtype {host.dtype} does not match the device "
                 f"array's {self.shape} {self.dtype}")
-        self.device.copy_htod(self._live_ptr(), host)
+        self.device.copy_htod(self.live_ptr(), host)
 
     def fill_bytes(self, value: int) -> None:
         """Set every byte to ``value`` (tests poison outputs with 0xFF: NaN in f16/f32)."""
-        self.device.memset(self._live_ptr(), value, self.nbytes)
+        self.device.memset(self.live_ptr(), value, self.nbytes)
 
     @property
     def size(self) -> int:
