@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Event, Graph, Stream
 from pagedkv.kernels.device_array import DeviceArray
