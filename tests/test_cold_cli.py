@@ -90,3 +90,71 @@ def test_refused_root_exits_2(tmp_path, capsys):
     (tmp_path / "pagedkv-v1").write_bytes(b"")
     assert main(["cold", "stats", str(tmp_path)]) == 2
     assert "pagedkv cold:" in capsys.readouterr().err
+
+
+# --- a user's mistakes: one line naming the problem and the fix, exit 2, nothing created ---
+
+def _tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "1M"]])
+def test_a_missing_base_is_reported_and_not_created(tmp_path, capsys, action):
+    missing = tmp_path / "typo"
+    assert main(["cold", *action, str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedkv cold: ")
+    assert f"BASE {str(missing)!r} does not exist" in err and "PAGEDKV_COLD_CACHE_DIR" in err
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "0"]])
+def test_a_base_without_a_tier_is_reported_and_left_alone(tmp_path, capsys, action):
+    (tmp_path / "unrelated.txt").write_bytes(b"x")
+    assert main(["cold", *action, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no cold tier ('pagedkv-v1' is missing)" in err
+    assert _tree(tmp_path) == ["unrelated.txt"]
+
+
+def test_a_file_given_as_base_is_reported(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_bytes(b"keep")
+    assert main(["cold", "verify", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"BASE {str(f)!r} is not a directory" in err and "pagedkv-v1" in err
+    assert f.read_bytes() == b"keep"
+
+
+def test_a_file_or_symlink_in_place_of_the_tier_names_its_full_path(tmp_path, capsys):
+    (tmp_path / "pagedkv-v1").symlink_to(tmp_path)
+    assert main(["cold", "stats", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cold root {str(tmp_path / 'pagedkv-v1')!r} is not a plain directory" in err
+    assert "remove it or choose another directory" in err
+    assert (tmp_path / "pagedkv-v1").is_symlink()
+
+
+def test_a_root_owned_by_another_user_is_refused_with_the_fix(tmp_path, capsys, monkeypatch):
+    root = _populate(tmp_path, 1)
+    os.chmod(root, 0o755)
+    before = _state(root)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    assert main(["cold", "evict", "--to", "0", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cold root {str(root)!r} is owned by uid {os.stat(root).st_uid}" in err
+    assert "chown it to this user or choose another directory" in err
+    assert _state(root) == before and os.stat(root).st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("size", ["10XB", "-1", "", "1.5G", "0x10", "1 K B"])
+def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size):
+    root = _populate(tmp_path, 1)
+    before = _state(root)
+    with pytest.raises(SystemExit) as exc:
+        main(["cold", "evict", "--to", size, str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --to: SIZE {size!r} is not bytes" in err and "e.g. 512M" in err
+    assert "Traceback" not in err
+    assert _state(root) == before
