@@ -19,6 +19,23 @@ PAGES = ("allocator.md", "hashing.md", "pool.md", "adapter.md", "formats/hfqm.md
 _BLOCK = re.compile(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", re.DOTALL)
 
 
+def _write_model_mq4() -> None:
+    """The file the HFQM reader example opens (its tensor names, qts and config key)."""
+    import numpy as np
+    from pagedkv.hfqm import HfqmWriter
+    from pagedkv.quant import quantize
+    rows = np.random.default_rng(0).standard_normal((2, 256), np.float32)
+    with HfqmWriter("model.mq4", arch_id=0,
+                    metadata={"architecture": "llama", "config": {"hidden_size": 256}}) as w:
+        w.add("model.layers.0.mlp.up_proj.weight", "hfq4g256", [2, 256],
+              quantize(rows, "hfq4g256"))
+        w.add("model.norm.weight", "f16", [256], np.ones(256, np.float16))
+
+
+#: Files a page's examples expect in the working directory, written before they run.
+PAGE_SETUP = {"formats/hfqm.md": _write_model_mq4}
+
+
 def python_blocks(text: str) -> list[str]:
     """The runnable ```python blocks of a Markdown page, in order."""
     return [m.group(2) for m in _BLOCK.finditer(text) if m.group(1) is None]
@@ -34,6 +51,8 @@ def test_block_extraction_honours_the_skip_marker():
 @pytest.mark.parametrize("page", PAGES)
 def test_page_examples_run(page, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    if page in PAGE_SETUP:
+        PAGE_SETUP[page]()
     namespace: dict = {"__name__": f"docs_{page.replace('/', '_')}"}
     for i, code in enumerate(python_blocks((DOCS / page).read_text(encoding="utf-8"))):
         if code.lstrip().startswith(">>>"):

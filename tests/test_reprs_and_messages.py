@@ -72,3 +72,29 @@ def test_tensor_not_found_mentions_the_canonical_name_only_when_it_differs(tmp_p
         with pytest.raises(TensorNotFound) as exc:
             f["nope"]
         assert str(exc.value) == f"{path}: no tensor 'nope'; 7 tensors"
+
+
+def test_block_identity_equality_compares_every_field():
+    from pagedkv.identity import BlockIdentity, RestoredBlock
+    a = BlockIdentity.of([1, 2, 3, 4], parent_hash=9, extra_keys=(7,), cache_salt=5,
+                         block_index=1)
+    same = BlockIdentity.of(np.array([1, 2, 3, 4], np.int64), 9, (7,), 5, 1)
+    assert a == same and not (a != same)  # noqa: SIM202 (both operators are under test)
+    for other in (BlockIdentity.of([1, 2, 3, 5], 9, (7,), 5, 1),
+                  BlockIdentity.of([1, 2, 3, 4], 8, (7,), 5, 1),
+                  BlockIdentity.of([1, 2, 3, 4], 9, (), 5, 1),
+                  BlockIdentity.of([1, 2, 3, 4], 9, (7,), 6, 1),
+                  BlockIdentity.of([1, 2, 3, 4], 9, (7,), 5, 2),
+                  BlockIdentity.of([1, 2, 3], 9, (7,), 5, 1)):
+        assert a != other and not (a == other)  # noqa: SIM201 (both operators are under test)
+    assert a != tuple(a) and (1,) != a
+    assert RestoredBlock(3, 11, a) == RestoredBlock(3, 11, same)
+    with pytest.raises(TypeError):
+        hash(a)
+
+
+def test_block_identity_token_range_message_names_the_values():
+    from pagedkv.identity import BlockIdentity
+    with pytest.raises(InvalidArgument,
+                       match=r"tokens must be in \[0, 2\*\*32\), got values in \[-1, 2\]"):
+        BlockIdentity.of([-1, 2])

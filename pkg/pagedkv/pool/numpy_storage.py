@@ -47,12 +47,12 @@ class NumpyKVStorage:
         self._layer_tokens = [(self._tokens[i, 0], self._tokens[i, 1])
                               for i in range(g.num_layers)]
 
-    # -- payload type ----------------------------------------------------------------------
-
-
     def __repr__(self) -> str:
         return (f"NumpyKVStorage(num_blocks={self.num_blocks}, shape={self.array.shape}, "
                 f"dtype={self.array.dtype}, nbytes={self.array.nbytes})")
+
+    # -- payload type ----------------------------------------------------------------------
+
     def as_payload(self, name: str, x) -> np.ndarray:
         """``x`` as an ndarray of the storage dtype; never casts (a cast would change bits)."""
         if not isinstance(x, np.ndarray):
