@@ -156,3 +156,23 @@ def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size
     assert f"argument --to: SIZE {size!r} is not bytes" in err and "e.g. 512M" in err
     assert "Traceback" not in err
     assert _state(root) == before
+
+
+def test_evict_removes_quarantine_trees_without_following_links(tmp_path, capsys):
+    """§10: a quarantined directory goes with its contents; a link inside it, or a
+    quarantine entry that is itself a link, is removed as a link, its target untouched."""
+    root = _populate(tmp_path, 1)
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "precious").write_bytes(b"keep")
+    q = root / ".blocked.dir.1.2"
+    (q / "nested").mkdir(parents=True)
+    (q / "nested" / "f").write_bytes(b"x")
+    (q / "to_outside").symlink_to(outside)
+    (root / ".blocked.link.3.4").symlink_to(outside / "sub")
+    objects = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    big = 1 << 40
+    assert main(["cold", "evict", "--to", str(big), str(tmp_path)]) == 0
+    assert "removed 2 quarantined entries; evicted 0 objects" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == objects
+    assert (outside / "sub" / "precious").read_bytes() == b"keep"
