@@ -176,3 +176,20 @@ def test_evict_removes_quarantine_trees_without_following_links(tmp_path, capsys
     assert "removed 2 quarantined entries; evicted 0 objects" in capsys.readouterr().out
     assert sorted(os.listdir(root)) == objects
     assert (outside / "sub" / "precious").read_bytes() == b"keep"
+
+
+def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch):
+    _populate(tmp_path, 1)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "old.jsonl").write_text('{"cold_hits": 100}\n')
+    os.utime(traces / "old.jsonl", ns=(1, 1))
+    (traces / "dangling.jsonl").symlink_to(traces / "missing")
+    (traces / "new.jsonl").write_bytes(
+        b'[1, 2]\n3\n"text"\nnull\n\xff\xfe not utf-8\n{"cold_hits": 2, "cold_misses": true}\n'
+        b'{"cold_hits": 1, "cold_misses": 4}\n{"cold_hits": 9')
+    monkeypatch.setenv("PAGEDKV_METRICS_DIR", str(traces))
+    assert main(["cold", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "counters of the last traced process (new.jsonl):" in out
+    assert "hits=3  misses=4" in out

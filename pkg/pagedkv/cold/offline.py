@@ -114,22 +114,31 @@ def trace_counters(directory: str) -> tuple[str, dict[str, int]] | None:
     import json
 
     from pagedkv.cold.stats import ColdCacheStats
+    stamps = {}
     try:
-        names = [n for n in os.listdir(directory) if n.endswith(".jsonl")]
+        for n in os.listdir(directory):
+            if n.endswith(".jsonl"):
+                try:
+                    stamps[n] = os.stat(os.path.join(directory, n)).st_mtime_ns
+                except OSError:
+                    continue  # gone since the listing, or a dangling link
     except OSError:
         return None
-    if not names:
+    if not stamps:
         return None
-    newest = max(names, key=lambda n: os.stat(os.path.join(directory, n)).st_mtime_ns)
+    newest = max(stamps, key=stamps.__getitem__)
     fields = [f.name for f in dataclasses.fields(ColdCacheStats)
               if f.type in ("int", int) and f.name != "quota_bytes"]
     totals = dict.fromkeys(fields, 0)
     try:
-        with open(os.path.join(directory, newest), encoding="utf-8") as f:
+        # errors="replace": a torn or foreign line is skipped, never fatal to `cold stats`
+        with open(os.path.join(directory, newest), encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
                 except ValueError:
+                    continue
+                if not isinstance(rec, dict):
                     continue
                 for name in fields:
                     v = rec.get(f"cold_{name}")
