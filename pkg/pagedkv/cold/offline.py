@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.cold.codec import decode_block
+from pagedkv.cold.codec import decode_block, decode_sidecar
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.names import is_quarantine, is_writer_temp, quarantine_name
@@ -45,13 +45,12 @@ class BadObject:
 
 
 def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[BadObject]]:
-    """Decode every indexed block with the checks of §6.6 (geometry against its own
-    metadata). Returns ``(checked, bad)``; with ``prune`` bad objects are quarantined."""
+    """Decode every indexed object, KV blocks and sidecars, with the checks of §6.6
+    (geometry or layout against the object's own metadata). Returns ``(checked, bad)``;
+    with ``prune`` bad objects are quarantined."""
     bad: list[BadObject] = []
     checked = 0
     for key, entry in store.index.snapshot():
-        if entry.group is not ColdGroup.KV:
-            continue  # sidecar codecs arrive with the sidecar issue
         checked += 1
         status, data, _, fd = store.read_bounded(entry.file_name, OFFLINE_READ_LIMIT_BYTES)
         reason = None
@@ -60,8 +59,13 @@ def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[Ba
                       "oversized": "larger than any valid object"}[status]
         else:
             try:
-                decode_block(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
-                             key_hex=key.hex(), path=entry.file_name)
+                if entry.group is ColdGroup.KV:
+                    decode_block(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
+                                 key_hex=key.hex(), path=entry.file_name)
+                else:
+                    decode_sidecar(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
+                                   group=entry.group.label, key_hex=key.hex(),
+                                   path=entry.file_name)
             except FormatError as exc:
                 reason = str(exc)
             finally:
