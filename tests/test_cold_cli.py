@@ -193,3 +193,24 @@ def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "counters of the last traced process (new.jsonl):" in out
     assert "hits=3  misses=4" in out
+
+
+def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, capsys,
+                                                                      monkeypatch):
+    import pagedkv.cold.offline as offline
+    root = _populate(tmp_path, 1)
+    victim = sorted(os.listdir(root))[0]
+    data = bytearray((root / victim).read_bytes())
+    data[-1] ^= 1
+    (root / victim).write_bytes(bytes(data))
+
+    # a quarantine target the rename cannot reach
+    monkeypatch.setattr(offline, "quarantine_name", lambda *a: "no-such-dir/q")
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {victim}: " in out and "(NOT quarantined: No such file or directory)" in out
+    assert "(quarantined)" not in out
+    monkeypatch.undo()
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    assert f"BAD {victim}: " in capsys.readouterr().out
+    assert any(n.startswith(f".blocked.{victim}.") for n in os.listdir(root))

@@ -40,8 +40,13 @@ def open_offline_store(root: str, *, child: str | None = None,
 
 @dataclass(frozen=True)
 class BadObject:
+    """An object ``verify`` rejected: its file name, why, and with ``--prune`` whether it
+    was moved to quarantine (``prune_error`` says why not)."""
+
     name: str
     reason: str
+    quarantined: bool = False
+    prune_error: str | None = None
 
 
 def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[BadObject]]:
@@ -72,14 +77,16 @@ def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[Ba
                 os.close(fd)  # no utime: verify is read-only
         if reason is None:
             continue
-        bad.append(BadObject(entry.file_name, reason))
+        quarantined, prune_error = False, None
         if prune:
             try:
                 os.rename(entry.file_name,
                           quarantine_name(entry.file_name, os.getpid(), time.time_ns()),
                           src_dir_fd=store.root_fd, dst_dir_fd=store.root_fd)
-            except OSError:
-                pass
+                quarantined = True
+            except OSError as exc:
+                prune_error = exc.strerror or str(exc)
+        bad.append(BadObject(entry.file_name, reason, quarantined, prune_error))
     return checked, bad
 
 
