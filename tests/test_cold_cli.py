@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
-
 from cold_support import open_tier, persist_prompt
 from pagedkv.cli import main
 from pagedkv.cli.cold import parse_size
-
-import numpy as np
 
 
 def _populate(base, n_prompts=3):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pagedkv.cli import main
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pagedkv import quant
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant.formats import CODECS
