@@ -156,3 +156,61 @@ def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size
     assert f"argument --to: SIZE {size!r} is not bytes" in err and "e.g. 512M" in err
     assert "Traceback" not in err
     assert _state(root) == before
+
+
+def test_evict_removes_quarantine_trees_without_following_links(tmp_path, capsys):
+    """§10: a quarantined directory goes with its contents; a link inside it, or a
+    quarantine entry that is itself a link, is removed as a link, its target untouched."""
+    root = _populate(tmp_path, 1)
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "precious").write_bytes(b"keep")
+    q = root / ".blocked.dir.1.2"
+    (q / "nested").mkdir(parents=True)
+    (q / "nested" / "f").write_bytes(b"x")
+    (q / "to_outside").symlink_to(outside)
+    (root / ".blocked.link.3.4").symlink_to(outside / "sub")
+    objects = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    big = 1 << 40
+    assert main(["cold", "evict", "--to", str(big), str(tmp_path)]) == 0
+    assert "removed 2 quarantined entries; evicted 0 objects" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == objects
+    assert (outside / "sub" / "precious").read_bytes() == b"keep"
+
+
+def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch):
+    _populate(tmp_path, 1)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "old.jsonl").write_text('{"cold_hits": 100}\n')
+    os.utime(traces / "old.jsonl", ns=(1, 1))
+    (traces / "dangling.jsonl").symlink_to(traces / "missing")
+    (traces / "new.jsonl").write_bytes(
+        b'[1, 2]\n3\n"text"\nnull\n\xff\xfe not utf-8\n{"cold_hits": 2, "cold_misses": true}\n'
+        b'{"cold_hits": 1, "cold_misses": 4}\n{"cold_hits": 9')
+    monkeypatch.setenv("PAGEDKV_METRICS_DIR", str(traces))
+    assert main(["cold", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "counters of the last traced process (new.jsonl):" in out
+    assert "hits=3  misses=4" in out
+
+
+def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, capsys,
+                                                                      monkeypatch):
+    import pagedkv.cold.offline as offline
+    root = _populate(tmp_path, 1)
+    victim = sorted(os.listdir(root))[0]
+    data = bytearray((root / victim).read_bytes())
+    data[-1] ^= 1
+    (root / victim).write_bytes(bytes(data))
+
+    # a quarantine target the rename cannot reach
+    monkeypatch.setattr(offline, "quarantine_name", lambda *a: "no-such-dir/q")
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {victim}: " in out and "(NOT quarantined: No such file or directory)" in out
+    assert "(quarantined)" not in out
+    monkeypatch.undo()
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    assert f"BAD {victim}: " in capsys.readouterr().out
+    assert any(n.startswith(f".blocked.{victim}.") for n in os.listdir(root))

@@ -118,7 +118,12 @@ def run_verify(args: argparse.Namespace) -> int:
     finally:
         store.close()
     for b in bad:
-        print(f"BAD {b.name}: {b.reason}" + ("  (quarantined)" if args.prune else ""))
+        note = ""
+        if b.quarantined:
+            note = "  (quarantined)"
+        elif b.prune_error is not None:
+            note = f"  (NOT quarantined: {b.prune_error})"
+        print(f"BAD {b.name}: {b.reason}{note}")
     print(f"verified {checked} objects: {checked - len(bad)} ok, {len(bad)} bad")
     return 1 if bad else 0
 
