@@ -235,3 +235,18 @@ def test_forward_past_max_position_is_refused_with_kv_unchanged():
     assert kv.num_tokens == 30
     model.forward(np.arange(2), kv)  # up to the limit is fine
     assert kv.num_tokens == 32
+
+
+def test_truncation_message_is_the_same_on_the_read_path(tmp_path, mixed_bytes):
+    # Files above the whole-file mapping limit parse header and index with plain reads.
+    from pagedkv.errors import Truncated
+    from pagedkv.hfqm import HfqmFile
+    path = tmp_path / "cut.hfq"
+    path.write_bytes(mixed_bytes[:200])
+    messages = []
+    for limit in (1 << 40, 0):
+        with pytest.raises(Truncated) as exc:
+            HfqmFile(path, _whole_file_mmap_limit_bytes=limit)
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1]
+    assert "the file is truncated: its header puts the data section at byte 4096" in messages[0]
