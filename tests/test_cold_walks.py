@@ -296,3 +296,49 @@ def test_an_allocator_error_mid_walk_frees_what_was_taken(tmp_path):
         # One block was taken and published; the walk stopped at the failure.
         assert len(ids) == 1 and b.stats().misses == 1
         assert int(alloc.ref.sum()) == 2 and len(alloc.table) == 1
+
+
+def test_a_block_queued_by_an_earlier_walk_is_not_captured_again(tmp_path):
+    """Two requests sharing a prefix register it before the writer got to it: the second
+    walk sees the shared blocks as taken (queued), enqueues nothing for them, and each
+    object is written exactly once."""
+    toks = np.arange(16, dtype=np.uint32)  # 4 blocks of 4
+    with open_tier(tmp_path / "root") as tier:
+        tier.writer.hold()
+        pool, alloc = FakePool(), FakeAllocator()
+        ids = np.array([alloc.allocate() for _ in range(4)], np.int32)
+        for i, b in enumerate(ids):
+            pool.fill(int(b), i)
+        first = tier.capture(tokens=toks, block_ids=ids, hashes=None, cache_salt=0,
+                             extra_keys_per_block=None, pool=pool, allocator=alloc)
+        assert (first.blocks, first.enqueued, first.stop) == (4, 4, CaptureStop.END)
+        again = tier.capture(tokens=toks, block_ids=ids, hashes=None, cache_salt=0,
+                             extra_keys_per_block=None, pool=pool, allocator=alloc)
+        assert (again.blocks, again.enqueued, again.stop) == (4, 0, CaptureStop.END)
+        tier.writer.release()
+        assert tier.drain(5.0)
+        s = tier.stats()
+        assert (s.enqueued, s.write_errors) == (4, 0)
+        assert len(os.listdir(tmp_path / "root")) == 4
+        assert not any(tier.writer.is_queued(k) for k in os.listdir(tmp_path / "root"))
+        # Committed keys leave the queued set; the index answers for them now.
+        third = tier.capture(tokens=toks, block_ids=ids, hashes=None, cache_salt=0,
+                             extra_keys_per_block=None, pool=pool, allocator=alloc)
+        assert (third.blocks, third.enqueued) == (4, 0)
+
+
+def test_a_failed_write_leaves_the_key_free_for_a_later_walk(tmp_path):
+    toks = np.arange(4, dtype=np.uint32)
+    with open_tier(tmp_path / "root") as tier:
+        pool, alloc = FakePool(), FakeAllocator()
+        ids = np.array([alloc.allocate()], np.int32)
+        tier.writer.fail_next_jobs = 1
+        out = tier.capture(tokens=toks, block_ids=ids, hashes=None, cache_salt=0,
+                           extra_keys_per_block=None, pool=pool, allocator=alloc)
+        assert out.enqueued == 1
+        assert not tier.drain(5.0)
+        assert tier.stats().write_errors == 1
+        out = tier.capture(tokens=toks, block_ids=ids, hashes=None, cache_salt=0,
+                           extra_keys_per_block=None, pool=pool, allocator=alloc)
+        assert out.enqueued == 1 and tier.drain(5.0)
+        assert len(os.listdir(tmp_path / "root")) == 1

@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv.cli import main
 
-SMALL = ["demo", "--requests", "4", "--system-tokens", "32", "--fewshot-tokens", "16",
+SMALL = ["demo", "--no-cold", "--requests", "4", "--system-tokens", "32", "--fewshot-tokens", "16",
          "--user-tokens", "8", "--new-tokens", "5"]
 
 

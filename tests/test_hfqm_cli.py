@@ -254,7 +254,7 @@ def test_safetensors_source_f32_rows_use_the_library(tmp_path):
 
 
 def test_safetensors_source_errors(tmp_path):
-    with pytest.raises(InvalidArgument, match="neither"):
+    with pytest.raises(InvalidArgument, match="does not exist; pass a .safetensors file"):
         SafetensorsSource(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidArgument, match="no \\*.safetensors"):

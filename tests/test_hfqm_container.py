@@ -277,7 +277,7 @@ def _patch(data, offset, fmt, value):
     (lambda d: _patch(d, 4, "<I", 0), UnsupportedVersion, "version 0"),
     (lambda d: _patch(d, 12, "<I", 3), CountMismatch, "offset 88: index count 2 != header n_tensors 3"),
     (lambda d: _patch(d, 16, "<Q", 8), Truncated, "metadata_offset (8)"),
-    (lambda d: _patch(d, 24, "<Q", 8192), Truncated, "data_offset (8192)"),
+    (lambda d: _patch(d, 24, "<Q", 8192), Truncated, "data section at byte 8192"),
     (lambda d: _patch(d, 24, "<Q", 80), BadMetadata, "unterminated"),
     (lambda d: _patch(d, 16, "<Q", 33), BadMetadata, "does not start with '{'"),
     (lambda d: d[:4236], Truncated, "tensor 'a.norm', offset 4232: payload of 8 bytes"),

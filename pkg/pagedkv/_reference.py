@@ -605,7 +605,7 @@ class BlockAllocator:
         hit_hashes: list[int] = []
         for block_hash, identity in zip(hashes,
                                         self._block_identities(toks, hashes, keys_of,
-                                                               cache_salt)):
+                                                               cache_salt), strict=True):
             block_id = self._prefix.get(block_hash)
             if block_id is None:
                 break
@@ -650,7 +650,7 @@ class BlockAllocator:
         stored: list[int] = []
         accepted: list[int] = []
         new_entries = 0
-        for block_id, block_hash, identity in zip(ids, hashes, identities):
+        for block_id, block_hash, identity in zip(ids, hashes, identities, strict=True):
             holder = self._prefix.get(block_hash)
             if holder is not None:
                 if not self._identity[block_hash].same_as(identity):

@@ -41,13 +41,23 @@ Choices where §4 is silent (both allocators follow them):
   ``purge_prefix_cache`` always sends "cleared" (even when the table was empty).
 """
 
-from typing import Callable, Final, Sequence
+from collections.abc import Callable, Sequence
+from typing import Final, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv.identity import BlockIdentity as BlockIdentity
 from pagedkv.identity import RestoredBlock as RestoredBlock
+
+__all__ = [
+    "BLOCK_DTYPE",
+    "PREFIX_SLOT_DTYPE",
+    "STATS_KEYS",
+    "BlockAllocator",
+    "BlockIdentity",
+    "RestoredBlock",
+]
 
 BLOCK_DTYPE: Final[np.dtype]
 PREFIX_SLOT_DTYPE: Final[np.dtype]
@@ -56,11 +66,13 @@ BLOCK_CACHED: Final[int]
 BLOCK_NULL: Final[int]
 STATS_KEYS: Final[tuple[str, ...]]
 
-BlockEventHook = Callable[[str, npt.NDArray[np.uint64]], object]
-HashFn = Callable[[int, npt.NDArray[np.uint32], tuple, int, int, int], int]
+# Stub-only aliases (underscored: they do not exist at runtime).
+_BlockEventHook: TypeAlias = Callable[[str, npt.NDArray[np.uint64]], object]
+_HashFn: TypeAlias = Callable[[int, npt.NDArray[np.uint32], tuple, int, int, int], int]
 
 def _c_layout() -> dict[str, dict[str, int]]: ...
 
+@final
 class BlockAllocator:
     def __init__(
         self,
@@ -70,8 +82,8 @@ class BlockAllocator:
         *,
         hash_seed: int | None = None,
         reserve_null_block: bool = False,
-        on_block_event: BlockEventHook | None = None,
-        _hash_fn: HashFn | None = None,
+        on_block_event: _BlockEventHook | None = None,
+        _hash_fn: _HashFn | None = None,
     ) -> None: ...
 
     # sizes and O(1) counters
@@ -97,7 +109,7 @@ class BlockAllocator:
     def null_block_id(self) -> int | None: ...
     @property
     def hash_seed(self) -> int: ...
-    on_block_event: BlockEventHook | None
+    on_block_event: _BlockEventHook | None
 
     # read-only views of the physical tables
     @property

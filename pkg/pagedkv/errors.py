@@ -9,7 +9,7 @@ name the argument, the value and the valid range or the fix.
 
 from __future__ import annotations
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "PagedKVError",
     "InvalidArgument",
     "InvalidArgumentType",

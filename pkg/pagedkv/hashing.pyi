@@ -1,11 +1,22 @@
 """Type stubs for pagedkv.hashing (Cython). Contracts: paged-kv.md §2, §3."""
 
-from typing import Final, Sequence
+from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 from pagedkv.identity import BlockIdentity as BlockIdentity
+
+__all__ = [
+    "XXH3_SOURCE",
+    "BlockIdentity",
+    "as_token_array",
+    "chain_hashes",
+    "hot_block_hash",
+    "salt_domain_id",
+]
 
 #: "libxxhash" (system library called from C) or "xxhash-wheel" (the Python package).
 XXH3_SOURCE: Final[str]
@@ -49,13 +60,25 @@ def as_domain_id(cache_salt: int | None, name: str = "cache_salt") -> int:
 
 def as_u64(value: int, name: str) -> int: ...
 
+@disjoint_base
 class ChainKeys:
     """Validated extra keys of one chain (uniform or per block)."""
 
-    flat_keys: npt.NDArray[np.uint64]
-    key_offsets: npt.NDArray[np.intp] | None
-    max_blocks: int
-    per_block: bool
+    @property
+    def flat_keys(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def key_offsets(self) -> npt.NDArray[np.intp] | None: ...
+    @property
+    def max_blocks(self) -> int:
+        """Chain-length limit in blocks; -1 when unbounded."""
+    @property
+    def per_block(self) -> bool: ...
+    @property
+    def digests(self) -> npt.NDArray[np.uint8]:
+        """``uint8[m, 16]`` extra-keys digests: m = 1 (uniform) or one per block."""
+    @property
+    def digest_lens(self) -> npt.NDArray[np.uint32]:
+        """``uint32[m]``: 0 (no keys) or 16."""
 
 def make_chain_keys(
     extra_keys: Sequence[int] = (),

@@ -8,13 +8,14 @@ its flat block arrays. These small immutable types only carry one into
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["BlockIdentity", "RestoredBlock", "extra_keys_digest", "EXTRA_KEYS_DIGEST_BYTES"]
+__all__ = ["EXTRA_KEYS_DIGEST_BYTES", "BlockIdentity", "RestoredBlock", "extra_keys_digest"]
 
 #: Length of a non-empty extra-keys digest: BLAKE2b-128.
 EXTRA_KEYS_DIGEST_BYTES = 16
@@ -60,7 +61,7 @@ class BlockIdentity(NamedTuple):
 
     @classmethod
     def of(cls, tokens, parent_hash: int = 0, extra_keys: Sequence[int] = (),
-           cache_salt: int = 0, block_index: int = 0) -> "BlockIdentity":
+           cache_salt: int = 0, block_index: int = 0) -> BlockIdentity:
         """Build an identity from raw extra keys (digested here) and any integer tokens."""
         arr = np.asarray(tokens)
         if arr.dtype.kind not in "iu":
@@ -73,7 +74,7 @@ class BlockIdentity(NamedTuple):
         return cls(np.ascontiguousarray(arr, dtype=np.uint32), int(parent_hash),
                    extra_keys_digest(extra_keys), int(cache_salt), int(block_index))
 
-    def same_as(self, other: "BlockIdentity") -> bool:
+    def same_as(self, other: BlockIdentity) -> bool:
         """Full comparison (NamedTuple ``==`` would compare arrays elementwise)."""
         return (self.parent_hash == other.parent_hash
                 and self.extra_keys_digest == other.extra_keys_digest

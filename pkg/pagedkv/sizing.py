@@ -174,7 +174,7 @@ class ReservationGrowth:
     Both methods return the blocks added (0 when nothing grew) and act at most once each.
     """
 
-    __slots__ = ("_pool", "_grow_allocator", "_grew_before", "_grew_for_retry")
+    __slots__ = ("_grew_before", "_grew_for_retry", "_grow_allocator", "_pool")
 
     def __init__(self, pool: LayerKVPool, grow_allocator: Callable[[int], object]) -> None:
         self._pool = pool

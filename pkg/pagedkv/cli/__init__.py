@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_text(exc: BaseException) -> str:
+    """One line for a user: an OSError as ``path: reason`` (no errno, no repr quotes)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -43,8 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         # No subcommand: the quick health check (configuration + allocator self-check).
         args = parser.parse_args(["config", "--self-check"])
+    from pagedkv.errors import PagedKVError
     try:
         return int(args.func(args) or 0)
+    except (PagedKVError, OSError) as exc:
+        # Commands catch what they expect; anything else from pagedkv or the OS is still the
+        # user's input or environment, so one line, not a traceback.
+        print(f"pagedkv {args.command}: error: {error_text(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -17,8 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Quantize a safetensors model (one file or a directory of shards with "
                     "config.json) into an HFQM file, one tensor at a time. The output is "
                     "written under a temporary name and renamed at the end.")
-    p.add_argument("source", metavar="MODEL_DIR_OR_SAFETENSORS")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.hfq")
+    p.add_argument("source", metavar="MODEL_DIR_OR_SAFETENSORS",
+                   help="a .safetensors file, or a model directory with config.json and shards")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.hfq",
+                   help="HFQM file to write (its directory must exist)")
     p.add_argument("--format", dest="fmt", default=None,
                    help="mq4 (qt 44), mq6 (15), mq6v2 (47), hf4 (6), hf6 (8), q8 (3), or a "
                         "lower-case qt name; default mq4 for Qwen3.5+, else hf4")
@@ -75,8 +77,8 @@ def _size(n: float) -> str:
 
 def render_report(report) -> list[str]:
     """Size table per format, skipped tensors, mean relative error per tensor class."""
-    lines = [f"wrote {report.path}: {report.file_bytes:,} bytes, arch {report.arch_id}, "
-             f"format {report.format}, from {report.source_bytes:,} source bytes"]
+    lines = [(f"wrote {report.path}: {report.file_bytes:,} bytes, arch {report.arch_id}, "
+             f"format {report.format}, from {report.source_bytes:,} source bytes")]
     total = sum(r["bytes"] for r in report.per_qt.values())
     rows = [["format", "qt", "tensors", "bytes", "share"]]
     for name, r in sorted(report.per_qt.items(), key=lambda kv: (-kv[1]["bytes"], kv[0])):
@@ -97,6 +99,7 @@ def render_report(report) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedkv.cli import error_text
     from pagedkv.errors import FormatError, InvalidArgument
     from pagedkv.hfqm.convert import convert_safetensors
     show = args.progress if args.progress is not None else sys.stderr.isatty()
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     except (FormatError, InvalidArgument, OSError) as exc:
         if bar is not None:
             bar.finish()
-        print(f"pagedkv convert: error: {exc}", file=sys.stderr)
+        print(f"pagedkv convert: error: {error_text(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if bar is not None:

@@ -2,9 +2,11 @@
 
 N requests share a system prompt and a few-shot preamble and differ in their user turn. The
 first runs alone (a warm server), the rest are admitted in batches and decoded in interleaved
-steps through one paged adapter whose pool starts small and grows on demand. The table shows
-what the cache did; every output is then recomputed alone on a flat cache and must be
-byte-identical (tokens and logits), else the exit status is 1.
+steps through one paged adapter whose pool starts small and grows on demand. Full blocks are
+persisted to a cold tier on a local directory (``./.pagedkv-demo``), so the next run restores
+the shared prefix from disk. The table shows what the cache did; every output is then
+recomputed alone on a flat cache and must be byte-identical (tokens and logits), else the
+exit status is 1.
 """
 
 from __future__ import annotations
@@ -18,11 +20,28 @@ from pagedkv.cli.table import format_table
 DEFAULT_COLD_DIR = "./.pagedkv-demo"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
+#: Upper bound of --max-blocks: the allocator sizes its block table for the maximum up front
+#: (80 bytes a block), and the demo never needs more than a few hundred blocks.
+MAX_DEMO_BLOCKS = 1 << 20
+
+
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse ``type`` for an integer in ``[low, high]`` with a message that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value:,} is above the limit {high:,}")
+        return value
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,9 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "through the paged KV cache (prefix reuse, interleaved decode, growth), "
                     "print what the cache did, and check every output against the flat path.")
     p.add_argument("--requests", type=_positive, default=16, help="number of requests (16)")
-    p.add_argument("--system-tokens", type=int, default=64,
+    p.add_argument("--system-tokens", type=_non_negative, default=64,
                    help="shared system prompt length in tokens (64)")
-    p.add_argument("--fewshot-tokens", type=int, default=48,
+    p.add_argument("--fewshot-tokens", type=_non_negative, default=48,
                    help="shared few-shot preamble length in tokens (48)")
     p.add_argument("--user-tokens", type=_positive, default=16,
                    help="per-request user turn length in tokens (16)")
@@ -48,9 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences decoding together (8)")
     p.add_argument("--initial-blocks", type=_positive, default=8,
                    help="pool size at start, in blocks (8); it grows on demand")
-    p.add_argument("--max-blocks", type=_positive, default=256,
+    p.add_argument("--max-blocks", type=_int_at_least(1, MAX_DEMO_BLOCKS), default=256,
                    help="pool maximum in blocks (256)")
-    p.add_argument("--seed", type=int, default=0, help="weights and prompt seed (0)")
+    p.add_argument("--seed", type=_non_negative, default=0, help="weights and prompt seed (0)")
     from pagedkv.cli.demo_restart import add_arguments
     add_arguments(p)
     p.set_defaults(func=run)
@@ -94,9 +113,29 @@ def report_rows(report, requests, args: argparse.Namespace) -> list[list[str]]:
         ["evictions", f"{report.evictions:,}"],
         ["preemptions", f"{report.preemptions:,}"],
         ["decode steps", f"{report.decode_steps:,}"],
-        ["time per decode step", f"{step_ms:.2f} ms (adapter bookkeeping "
-                                 f"{report.bookkeeping_seconds_per_step * 1e6:.1f} us)"],
+        ["time per decode step", (f"{step_ms:.2f} ms (adapter bookkeeping "
+                                 f"{report.bookkeeping_seconds_per_step * 1e6:.1f} us)")],
     ]
+
+
+def check_sizes(args: argparse.Namespace, max_position: int) -> str | None:
+    """Why these options cannot run (one line naming the options and the fix), or None."""
+    if args.initial_blocks > args.max_blocks:
+        return (f"--initial-blocks {args.initial_blocks} exceeds --max-blocks {args.max_blocks}; "
+                "lower --initial-blocks or raise --max-blocks")
+    prompt = args.system_tokens + args.fewshot_tokens + args.user_tokens
+    # The last generated token is never fed back, so a request ends holding prompt + new - 1.
+    held = prompt + args.new_tokens - 1
+    if held > max_position:
+        return (f"a request spans {held:,} positions ({prompt:,} prompt + {args.new_tokens:,} "
+                f"new tokens - 1) but the reference model holds {max_position:,}; shorten "
+                "--system-tokens, --fewshot-tokens, --user-tokens or --new-tokens")
+    blocks = -(-held // args.block_size)
+    if blocks > args.max_blocks:
+        return (f"a request needs {blocks:,} blocks of {args.block_size} tokens ({held:,} "
+                f"tokens) but --max-blocks is {args.max_blocks:,}; raise --max-blocks to at "
+                f"least {blocks:,} or shorten the prompt")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,23 +146,25 @@ def run(args: argparse.Namespace) -> int:
         from pagedkv.cli.demo_restart import run_child
         return run_child(args)
 
-    if args.system_tokens < 0 or args.fewshot_tokens < 0:
-        print("pagedkv demo: prompt lengths must be >= 0", file=sys.stderr)
-        return 2
-    if args.initial_blocks > args.max_blocks:
-        print(f"pagedkv demo: --initial-blocks {args.initial_blocks} exceeds --max-blocks "
-              f"{args.max_blocks}", file=sys.stderr)
-        return 2
     try:
         model = ReferenceModel(ReferenceConfig(seed=args.seed), backend=args.backend)
     except ImportError as e:
-        print(f"pagedkv demo: backend {args.backend!r} is not available here: {e}",
+        print(f"pagedkv demo: error: backend {args.backend!r} is not available here: {e}",
               file=sys.stderr)
         return 2
+    problem = check_sizes(args, model.config.max_position)
+    if problem:
+        print(f"pagedkv demo: error: {problem}", file=sys.stderr)
+        return 2
     requests = build_requests(args, model.config.vocab_size)
+    try:
+        cold_tier = cold_tier_for(args, model)
+    except ValueError as e:
+        print(f"pagedkv demo: {e}", file=sys.stderr)
+        return 2
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.initial_blocks, max_num_blocks=args.max_blocks,
-                                  cold_tier=cold_tier_for(args, model))
+                                  cold_tier=cold_tier)
     c = model.config
     print(f"pagedkv demo: {len(requests)} requests, prompt = {args.system_tokens} system + "
           f"{args.fewshot_tokens} few-shot (shared) + {args.user_tokens} user tokens, "

@@ -1,11 +1,14 @@
-"""The persistence phases of ``pagedkv demo`` (``--cold-dir``, ``--restart``).
+"""The persistence phases of ``pagedkv demo`` (the cold tier, ``--restart``).
 
-With ``--cold-dir`` the demo's adapter gets a cold tier in ``<dir>/pagedkv-v1`` (emptied
-first, so a run is repeatable) and the reference model is saved to ``<dir>/model`` so it can
-be fingerprinted. ``--restart`` then starts a second process that restores the first
-request's prefix from disk into an empty hot cache and prints how many tokens came back,
-the restore time against recomputing those tokens, and greedy parity (tokens and logits)
-against a fresh run on the flat path.
+By default the demo's adapter gets a cold tier in ``<cold-dir>/pagedkv-v1`` (``./.pagedkv-demo``
+unless ``--cold-dir`` says otherwise) and the reference model is saved to ``<cold-dir>/model``
+so it can be fingerprinted. The tier is kept between runs: a second ``pagedkv demo`` starts
+with an empty hot cache and restores the shared prefix from disk, verified, instead of
+recomputing it (``--fresh`` empties the tier first; ``--no-cold`` runs without one).
+``--restart`` then starts a second process that restores the first request's prefix from disk
+into an empty hot cache and prints how many tokens came back, the restore time against
+recomputing those tokens, and greedy parity (tokens and logits) against a fresh run on the
+flat path.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ _FORWARDED = ("requests", "system_tokens", "fewshot_tokens", "user_tokens", "new
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-dir", default=None, metavar="DIR",
-                   help="persist the KV cache to a cold tier in DIR/pagedkv-v1 (emptied "
-                        "first); --restart defaults it to ./.pagedkv-demo")
+                   help="cold tier directory: KV blocks persist in DIR/pagedkv-v1 and are "
+                        "restored by the next run (./.pagedkv-demo)")
+    p.add_argument("--fresh", action="store_true",
+                   help="empty the cold tier first, so this run restores nothing from disk")
+    p.add_argument("--no-cold", action="store_true",
+                   help="run on the hot cache alone, without a cold tier")
     p.add_argument("--restart", action="store_true",
                    help="then restore the first request's prefix in a second process and "
                         "report restore vs recompute time and parity")
@@ -35,18 +42,23 @@ def _cold_dir(args) -> str | None:
     from pagedkv.cli.demo import DEFAULT_COLD_DIR
     if args.cold_dir:
         return args.cold_dir
-    return DEFAULT_COLD_DIR if args.restart or args.restart_child else None
+    return None if args.no_cold else DEFAULT_COLD_DIR
 
 
-def _open_tier(args, model, *, empty: bool):
-    """The demo's tier bound to the saved model's fingerprint."""
+def _open_tier(args, model, *, save_model: bool, empty: bool):
+    """The demo's tier bound to the saved model's fingerprint.
+
+    Saving the model again is harmless: the same seed writes the same bytes, so the
+    fingerprint, and with it every object on disk, stays valid; another seed gives another
+    fingerprint and the old objects simply miss.
+    """
     from pagedkv.cold import DEFAULT_FORMAT, ColdTier, family_profile, model_fingerprint
     from pagedkv.cold.root import MANAGED_CHILD
     from pagedkv.pool import PoolGeometry
 
     base = _cold_dir(args)
     model_dir = os.path.join(base, "model")
-    if empty:
+    if save_model:
         model.save(model_dir)
     c = model.config
     geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
@@ -62,10 +74,13 @@ def _open_tier(args, model, *, empty: bool):
 
 
 def cold_tier_for(args, model):
-    """The first process's tier (persist on, emptied), or ``None`` without ``--cold-dir``."""
+    """The first process's tier (persist on; emptied with ``--fresh``), or ``None`` with
+    ``--no-cold``."""
+    if args.no_cold and (args.cold_dir or args.restart):
+        raise ValueError("--no-cold cannot be combined with --cold-dir or --restart")
     if _cold_dir(args) is None:
         return None
-    args.cold_tier = _open_tier(args, model, empty=True)
+    args.cold_tier = _open_tier(args, model, save_model=True, empty=args.fresh)
     return args.cold_tier
 
 
@@ -77,8 +92,12 @@ def run_restart_phase(args) -> int:
     drained = tier.drain(30.0)
     s = tier.stats()
     tier.close()
-    print(f"cold tier: {s.enqueued} blocks persisted to {s.root} "
-          f"({s.bytes_written:,} bytes, drained: {'yes' if drained else 'NO'})")
+    print(f"cold tier: {s.hits} blocks restored from disk ({s.bytes_restored:,} bytes), "
+          f"{s.enqueued} blocks persisted ({s.bytes_written:,} bytes, drained: "
+          f"{'yes' if drained else 'NO'}), corruptions {s.corruptions}, in {s.root}")
+    if s.hits == 0 and not args.restart:
+        print("  run `pagedkv demo` again: the next process restores the shared prefix "
+              "from disk instead of recomputing it")
     if not args.restart:
         return 0
     argv = [sys.executable, "-m", "pagedkv", "demo", "--restart-child",
@@ -102,7 +121,7 @@ def run_child(args) -> int:
     model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"), backend=args.backend)
     request = build_requests(args, model.config.vocab_size)[0]
     prompt = np.asarray(request.prompt)
-    tier = _open_tier(args, model, empty=False)
+    tier = _open_tier(args, model, save_model=False, empty=False)
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.max_blocks, cold_tier=tier)
     adapter.reset_for_new_request(0)

@@ -118,8 +118,8 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
         f"file      {info['path']} ({info['file_bytes']:,} bytes"
         + (f", section at byte {info['base']:,})" if info["base"] else ")"),
         f"format    HFQM v{info['version']}, arch {info['arch_id']} ({info['arch_name']})",
-        f"metadata  {info['metadata_bytes']:,} bytes at {info['metadata_offset']}; "
-        f"data_offset {info['data_offset']:,}",
+        (f"metadata  {info['metadata_bytes']:,} bytes at {info['metadata_offset']}; "
+        f"data_offset {info['data_offset']:,}"),
     ]
     summary = info["metadata"]
     if isinstance(summary, str):
@@ -153,13 +153,14 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.errors import FormatError
+    from pagedkv.cli import error_text
+    from pagedkv.errors import FormatError, InvalidArgument
     from pagedkv.hfqm import HfqmFile
     try:
         with HfqmFile(args.file) as f:
             info = describe(f, verify=args.verify)
-    except (FormatError, OSError) as exc:
-        print(f"pagedkv inspect: error: {exc}", file=sys.stderr)
+    except (FormatError, InvalidArgument, OSError) as exc:
+        print(f"pagedkv inspect: error: {error_text(exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))

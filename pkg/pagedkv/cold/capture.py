@@ -1,8 +1,9 @@
 """The budgeted capture walk (cold-tier.md §8.1–8.2).
 
 Runs on the inference thread after hot registration. The budget counts blocks *written*
-(a block already on disk costs one index probe), and the walk waits for a queue slot until
-its deadline instead of stopping at the first full queue — depth bounds memory, not reach.
+(a block already on disk, or queued by an earlier walk, costs one index probe), and the
+walk waits for a queue slot until its deadline instead of stopping at the first full
+queue — depth bounds memory, not reach.
 It breaks rather than skips: a restore stops at the first hole anyway.
 """
 
@@ -96,7 +97,7 @@ def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int
     enqueued = reach = 0
     stop = CaptureStop.END
     for i, key in enumerate(keys):
-        if not tier.contains(key):
+        if not tier.persisted_or_queued(key):
             if enqueued >= blocks_per_turn:
                 stop = CaptureStop.BUDGET
                 break

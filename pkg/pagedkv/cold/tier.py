@@ -136,6 +136,11 @@ class ColdTier:
         """Index probe only (no I/O, no counters)."""
         return self.store.contains(key)
 
+    def persisted_or_queued(self, key: bytes) -> bool:
+        """On disk, or accepted by the writer and not yet committed: a capture walk has
+        nothing to do for ``key`` (index probe and a set lookup; no I/O, no counters)."""
+        return self.store.contains(key) or self.writer.is_queued(key)
+
     def contains_in(self, key: bytes, group: ColdGroup) -> bool:
         return self.store.contains_in(key, group)
 

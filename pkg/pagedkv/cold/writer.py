@@ -151,6 +151,11 @@ class ColdWriter:
         self.queue_depth = int(queue_depth)
         self._queue = _BoundedFifo(self.queue_depth)
         self._handoff = _BoundedFifo(1)
+        # Keys accepted but not yet committed or failed: a capture walk of the next request
+        # must see a shared block as taken while its write is still in flight, or it would
+        # copy the block out again and the same object would be written twice.
+        self._queued_keys: collections.Counter = collections.Counter()
+        self._queued_lock = threading.Lock()
         self._closed = False
         self._failed_since_barrier = False
         #: Test hooks: seconds slept per object, and how many next jobs to fail.
@@ -186,7 +191,11 @@ class ColdWriter:
         if self._closed:
             raise ColdTierClosed("the cold writer is stopped; no job can be enqueued")
         while True:
-            if self._queue.put_nowait(job):
+            with self._queued_lock:
+                accepted = self._queue.put_nowait(job)
+                if accepted:
+                    self._queued_keys[job.key] += 1
+            if accepted:
                 self.counters.add("enqueued")
                 return True
             remaining = deadline - time.monotonic()
@@ -194,6 +203,19 @@ class ColdWriter:
                 self.counters.add("queue_drops")
                 return False
             time.sleep(min(_ENQUEUE_RETRY_S, remaining))
+
+    def is_queued(self, key: bytes) -> bool:
+        """Whether a job for ``key`` was accepted and has not been committed or failed yet."""
+        with self._queued_lock:
+            return key in self._queued_keys
+
+    def _done_with(self, key: bytes) -> None:
+        with self._queued_lock:
+            left = self._queued_keys[key] - 1
+            if left > 0:
+                self._queued_keys[key] = left
+            else:
+                del self._queued_keys[key]
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every job accepted so far persisted (``True``) or one failed, or the
@@ -297,6 +319,9 @@ class ColdWriter:
             if not ok:
                 self._failed_since_barrier = True
             job = item[0]
+            # After the commit (the index already has the key) or the failure (a later walk
+            # may try again).
+            self._done_with(job.key)
             if job.recycle:
                 self._give_back(job.buffer)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["ARCH_NAMES", "arch_name", "arch_id_for", "QWEN35_ARCH_IDS", "is_qwen35_metadata"]
+__all__ = ["ARCH_NAMES", "QWEN35_ARCH_IDS", "arch_id_for", "arch_name", "is_qwen35_metadata"]
 
 #: Known arch ids. 2-4 are never assigned; forks reuse 15-19 with other meanings,
 #: so those (and ids above 23 other than the sentinels) read as unknown.

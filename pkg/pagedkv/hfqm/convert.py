@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from pagedkv.hfqm.qtypes import expected_nbytes, qtype
 from pagedkv.hfqm.safetensors_source import SafetensorsSource, SourceTensor
 from pagedkv.hfqm.writer import HfqmWriter, PlannedTensor
 
-__all__ = ["ConversionReport", "convert_safetensors", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ConversionReport", "convert_safetensors"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -145,7 +145,8 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
             row = qtype(p.qt)
             err2 = ref2 = 0.0
 
-            def encoded_blocks() -> Iterator[np.ndarray]:
+            # Parameters, not closure cells: the generator must see this tensor's plan.
+            def encoded_blocks(src=src, p=p, row=row) -> Iterator[np.ndarray]:
                 nonlocal err2, ref2, done
                 for block in _blocks(source, src, p, chunk_bytes):
                     block = np.atleast_1d(block)  # the codecs take >= 1 dim; a scalar is [1]

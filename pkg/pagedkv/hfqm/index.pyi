@@ -4,6 +4,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 TENSOR_RECORD_DTYPE: np.dtype[np.void]
 HEADER_BYTES: int
@@ -11,6 +12,7 @@ DATA_ALIGN_BYTES: int
 MAX_DIMS: int
 VERSION: int
 
+@disjoint_base
 class ParsedIndex:
     @property
     def version(self) -> int: ...

@@ -130,9 +130,9 @@ cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
 
 
 cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_limit,
-                       uint64_t n, uint64_t data_offset, uint64_t section_bytes,
-                       uint64_t abs_base, bint calib_ok,
-                       pkv_hfqm_tensor_record* recs, IndexError_* err) noexcept nogil:
+                            uint64_t n, uint64_t data_offset, uint64_t section_bytes,
+                            uint64_t abs_base, bint calib_ok,
+                            pkv_hfqm_tensor_record* recs, IndexError_* err) noexcept nogil:
     """Parse ``n`` index entries starting at ``pos``; entries must end by
     ``index_limit``, payloads by ``section_bytes``. Returns the end of the index
     (section-relative) or 0 with ``err`` filled."""
@@ -294,6 +294,13 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     cdef uint64_t index_end = 0
     (out.version, out.arch_id, out.n_tensors, out.metadata_offset,
      out.data_offset) = parse_header(section, path)
+    if (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset
+            and out.data_offset > section_bytes):
+        raise Truncated(
+            f"the file is truncated: its header puts the data section at byte "
+            f"{out.data_offset} of the section but only {section_bytes} bytes are there "
+            "(an interrupted copy or download?)",
+            path=path, offset=abs_base + PKV_HFQM_HDR_DATA_OFFSET_OFF)
     if not (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset <= section_bytes):
         raise Truncated(
             f"header offsets out of range: need 32 <= metadata_offset ({out.metadata_offset}) "
@@ -337,8 +344,8 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     err.fault = FAULT_NONE
     err.offset = pos
     with nogil:
-        index_end = parse_entries(sec, pos, out.data_offset, count, out.data_offset, section_bytes,
-                      abs_base, calib_ok, recs, &err)
+        index_end = parse_entries(sec, pos, out.data_offset, count, out.data_offset,
+                                  section_bytes, abs_base, calib_ok, recs, &err)
     if err.fault != FAULT_NONE:
         _raise_index_fault(&err, records, section, abs_base, path)
     out.records = records
@@ -415,9 +422,10 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] sec
                            f"to be a multiple of 256, got K={err.value}", path=path,
                            tensor=name, offset=offset)
     if fault == FAULT_SIZE:
+        rec = records[err.tensor]
+        shape = tuple(int(d) for d in rec['shape'][:rec['ndim']])
         raise SizeMismatch(f"data_size {err.value} != {err.expected} bytes required by "
-                           f"quant type {records[err.tensor]['qt']} and shape "
-                           f"{tuple(int(d) for d in records[err.tensor]['shape'][:records[err.tensor]['ndim']])}",
+                           f"quant type {rec['qt']} and shape {shape}",
                            path=path, tensor=name, offset=offset)
     if fault == FAULT_PAYLOAD_TRUNCATED:
         raise Truncated(f"payload of {err.value} bytes runs past the end of the file "

@@ -14,7 +14,7 @@ import uuid
 
 from pagedkv.errors import InvalidArgument
 
-__all__ = ["MTP_TRAILER_MAGIC", "MTP_ARCH_ID", "mtp_offset", "write_mtp_bundle"]
+__all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
 MTP_TRAILER_MAGIC = b"HFBNDMTP"
 MTP_ARCH_ID = 21

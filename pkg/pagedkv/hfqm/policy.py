@@ -19,8 +19,14 @@ from pagedkv.errors import InvalidArgument
 from pagedkv.hfqm.arch import is_qwen35_metadata
 from pagedkv.hfqm.qtypes import QuantType, qtype
 
-__all__ = ["FORMAT_ALIASES", "K_FALLBACK", "TensorPlan", "resolve_format", "default_format",
-           "plan_tensor"]
+__all__ = [
+    "FORMAT_ALIASES",
+    "K_FALLBACK",
+    "TensorPlan",
+    "default_format",
+    "plan_tensor",
+    "resolve_format",
+]
 
 #: ``--format`` short names (§2.9); any lower-case qt name is accepted too.
 FORMAT_ALIASES: dict[str, int] = {"mq4": 44, "mq6": 15, "mq6v2": 47, "hf4": 6, "hf6": 8, "q8": 3}

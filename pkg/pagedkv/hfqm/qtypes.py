@@ -20,16 +20,21 @@ Vocabulary:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = [
-    "QuantType", "QTYPES", "qtype", "expected_nbytes", "is_registered",
-    "SIZE_RULES", "STATUSES",
+    "QTYPES",
+    "SIZE_RULES",
+    "STATUSES",
+    "QuantType",
+    "expected_nbytes",
+    "is_registered",
+    "qtype",
 ]
 
 SIZE_RULES = ("none", "groups", "row_header", "row_pad128", "hessian")

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 if TYPE_CHECKING:
     from pagedkv.hfqm.reader import HfqmFile
 
-__all__ = ["QuantizationHasher", "compute_quantization_hash", "verify_quantization_hash",
-           "HASH_TAG", "HASH_SCOPE"]
+__all__ = [
+    "HASH_SCOPE",
+    "HASH_TAG",
+    "QuantizationHasher",
+    "compute_quantization_hash",
+    "verify_quantization_hash",
+]
 
 HASH_TAG = b"hipfire-hfq-quantized-tensor-payload-v1"
 HASH_SCOPE = "hfq_tensor_index_and_payload_v1"
@@ -29,7 +35,7 @@ class QuantizationHasher:
     """Incremental §2.7 hash: ``begin_tensor`` with the index fields, then ``update``
     with the payload bytes, tensor after tensor in index order."""
 
-    __slots__ = ("_h", "tensor_count", "payload_bytes")
+    __slots__ = ("_h", "payload_bytes", "tensor_count")
 
     def __init__(self) -> None:
         self._h = xxhash.xxh64(seed=0)
@@ -79,7 +85,7 @@ class QuantizationHasher:
         }
 
 
-def compute_quantization_hash(file: "HfqmFile | str | os.PathLike[str]") -> str:
+def compute_quantization_hash(file: HfqmFile | str | os.PathLike[str]) -> str:
     """The §2.7 ``value`` (16 hex digits) of an open :class:`HfqmFile` or a path,
     whether or not the file stores one."""
     from pagedkv.hfqm.reader import HfqmFile
@@ -100,7 +106,7 @@ def compute_quantization_hash(file: "HfqmFile | str | os.PathLike[str]") -> str:
     return hasher.hexdigest()
 
 
-def verify_quantization_hash(file: "HfqmFile | str | os.PathLike[str]") -> bool | None:
+def verify_quantization_hash(file: HfqmFile | str | os.PathLike[str]) -> bool | None:
     """Compare the stored ``quantization_hash.value`` with the payloads: True if equal,
     None if the file stores none. A mismatch (or a malformed entry) raises
     :class:`~pagedkv.errors.BadMetadata` naming both values."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Any, Iterator, NamedTuple
+import stat
+from collections.abc import Iterator
+from typing import NamedTuple, Self
 
 import numpy as np
 
@@ -77,7 +79,10 @@ class HfqmFile:
         self._bytes: np.ndarray | None = None  # whole-file uint8 view of the mapping
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         try:
-            self.file_bytes = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise InvalidArgument(f"path {self.path!r} is a directory; pass an HFQM file")
+            self.file_bytes = st.st_size
             if self.base < 0 or self.base > self.file_bytes:
                 raise InvalidArgument(f"base {self.base} is outside the file "
                                       f"({self.file_bytes} bytes): pass 0..file size")
@@ -180,7 +185,7 @@ class HfqmFile:
         return self._metadata
 
     @property
-    def mtp(self) -> "HfqmFile | None":
+    def mtp(self) -> HfqmFile | None:
         """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
         opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
         if self._mtp is False:
@@ -324,10 +329,10 @@ class HfqmFile:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "HfqmFile":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from pagedkv.errors import BadMetadata, InvalidArgument, Truncated
 
-__all__ = ["SafetensorsSource", "SourceTensor", "FLOAT_DTYPES"]
+__all__ = ["FLOAT_DTYPES", "SafetensorsSource", "SourceTensor"]
 
 #: safetensors dtypes the converter quantizes; every other dtype is left out.
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
@@ -105,6 +105,9 @@ class SafetensorsSource:
                 raise InvalidArgument(f"{str(root)!r} holds no *.safetensors shard")
         elif root.is_file():
             shards, directory = [str(root)], root.parent
+        elif not root.exists():
+            raise InvalidArgument(f"{str(root)!r} does not exist; pass a .safetensors file or "
+                                  "a model directory holding *.safetensors shards")
         else:
             raise InvalidArgument(f"{str(root)!r} is neither a .safetensors file nor a "
                                   "directory of shards")

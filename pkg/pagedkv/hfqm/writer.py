@@ -18,11 +18,13 @@ the reservation moves the payloads once at close.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 import uuid
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -111,9 +113,21 @@ class HfqmWriter:
             self.data_offset = _round_up(HEADER_BYTES + self._meta_len_bound + index_len,
                                          DATA_ALIGN_BYTES)
         directory, base = os.path.split(os.path.abspath(self.path))
+        # Checked now, not at the final rename: a conversion must not fail after the work.
+        if os.path.isdir(self.path):
+            raise InvalidArgument(f"path {self.path!r} is a directory; pass a file name such "
+                                  f"as {os.path.join(self.path, 'model.hfq')!r}")
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(errno.ENOENT,
+                                    f"directory {directory} does not exist; create it first",
+                                    self.path)
         self.temp_path = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-        self._fd: int | None = os.open(self.temp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL
-                                       | getattr(os, "O_BINARY", 0), 0o644)
+        try:
+            self._fd: int | None = os.open(self.temp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                                           | getattr(os, "O_BINARY", 0), 0o644)
+        except OSError as e:  # name the file the caller asked for, not our temporary one
+            raise OSError(e.errno, f"{e.strerror} (creating the temporary file "
+                          f"{os.path.basename(self.temp_path)} next to it)", self.path) from e
         _pwrite_all(self._fd, b"HFQ!", 0)
         self.closed = False
 
@@ -371,7 +385,7 @@ class HfqmWriter:
             pass
         self.closed = True
 
-    def __enter__(self) -> "HfqmWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["PoolGeometry", "POOL_DTYPES", "LAYOUTS", "Q8_GROUP_DIMS", "Q8_GROUP_BYTES"]
+__all__ = ["LAYOUTS", "POOL_DTYPES", "Q8_GROUP_BYTES", "Q8_GROUP_DIMS", "PoolGeometry"]
 
 #: dtype name -> NumPy storage dtype of one pool element.
 POOL_DTYPES: dict[str, np.dtype] = {

@@ -26,7 +26,7 @@ from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
 from pagedkv.pool.numpy_storage import NumpyKVStorage
 
-__all__ = ["LayerKVPool", "BACKENDS", "growth_lock"]
+__all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 
 logger = logging.getLogger("pagedkv")
 

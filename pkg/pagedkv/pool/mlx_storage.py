@@ -46,7 +46,7 @@ class MlxKVStorage:
     """One generation of an MLX pool's arrays (immutable size; growth builds a new one)."""
 
     backend = "mlx"
-    __slots__ = ("geometry", "num_blocks", "k", "v", "_mx", "_dtype", "_is_bf16")
+    __slots__ = ("_dtype", "_is_bf16", "_mx", "geometry", "k", "num_blocks", "v")
     # No C fast path: every token call goes through LayerKVPool's validating path.
     slot_copier = None
 
@@ -121,7 +121,7 @@ class MlxKVStorage:
 
     def read_block_into(self, block_id: int, out: np.ndarray) -> None:
         mx = self._mx
-        arrays = [a for kv in zip(self.k, self.v) for a in kv]  # K0 V0 K1 V1 ...
+        arrays = [a for kv in zip(self.k, self.v, strict=True) for a in kv]  # K0 V0 K1 V1 ...
         if self._is_bf16:
             arrays = [a.view(mx.uint16) for a in arrays]
         mx.eval(arrays)  # one round trip for every layer

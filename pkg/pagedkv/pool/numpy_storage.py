@@ -26,8 +26,8 @@ class NumpyKVStorage:
     """One generation of a NumPy pool's arrays (immutable size; growth builds a new one)."""
 
     backend = "numpy"
-    __slots__ = ("geometry", "num_blocks", "array", "slot_copier", "_tokens", "_blocks",
-                 "_layer_tokens")
+    __slots__ = ("_blocks", "_layer_tokens", "_tokens", "array", "geometry", "num_blocks",
+                 "slot_copier")
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,
                  array: np.ndarray | None = None) -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgumentType
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import FlatKV, KVPath
 from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
@@ -103,6 +103,14 @@ class ReferenceModel:
                     f"already_recorded=True but kv holds {kv.num_tokens} < {len(tokens)} tokens")
         else:
             start = kv.num_tokens
+        # Checked before kv.extend, so a refused call leaves kv unchanged (the RoPE tables
+        # stop at max_position).
+        if start + len(tokens) > self.config.max_position:
+            raise ContextLengthExceeded(
+                f"positions [{start}, {start + len(tokens)}) exceed max_position="
+                f"{self.config.max_position} of the reference config; use a shorter "
+                "sequence or a config with a larger max_position")
+        if not already_recorded:
             kv.extend(tokens)
         return self._impl.forward(tokens, start, kv)
 

@@ -16,10 +16,10 @@ from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
 from pagedkv.reference.config import ReferenceConfig
 
 __all__ = [
-    "load_hfqm",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "layer_operands",
+    "load_hfqm",
     "load_model",
     "random_weights",
     "save_model",
