@@ -95,24 +95,30 @@ class DecodeStepBookkeeping:
         self.naive.step(self.seqs, self.tokens)
 
 
+def _llama_shaped_adapter(tokens: int):
+    """An adapter over a 32-layer, 8 KV heads x 128, f16, 16-token-block NumPy pool holding
+    one sequence "s" of ``tokens`` recorded tokens."""
+    from pagedkv.adapter import PagedKVCacheAdapter
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+
+    g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                     dtype="float16")
+    adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0), LayerKVPool(g, 16))
+    adapter.reset_for_new_request("s")
+    adapter.find_cached_prefix("s", np.arange(tokens), skip_lookup=True)
+    adapter.allocate_suffix_blocks("s", tokens)
+    adapter.record_tokens("s", np.arange(tokens))
+    return adapter
+
+
 class BlockAcross32Layers:
     """One sequence's K/V for one full block in all 32 layers of a Llama-3-8B-shaped pool."""
 
     timeout = 120
 
     def setup(self):
-        from pagedkv.adapter import PagedKVCacheAdapter
-        from pagedkv.allocator import BlockAllocator
-        from pagedkv.pool import LayerKVPool, PoolGeometry
-
-        g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                         dtype="float16")
-        self.adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0),
-                                           LayerKVPool(g, 16))
-        self.adapter.reset_for_new_request("s")
-        self.adapter.find_cached_prefix("s", np.arange(16), skip_lookup=True)
-        self.adapter.allocate_suffix_blocks("s", 16)
-        self.adapter.record_tokens("s", np.arange(16))
+        self.adapter = _llama_shaped_adapter(16)
         rng = np.random.default_rng(0)
         shape = (32, 16, 8, 128)
         self.k = rng.standard_normal(shape).astype(np.float16)
@@ -148,18 +154,7 @@ class DecodeTokenWrite:
     timeout = 120
 
     def setup(self):
-        from pagedkv.adapter import PagedKVCacheAdapter
-        from pagedkv.allocator import BlockAllocator
-        from pagedkv.pool import LayerKVPool, PoolGeometry
-
-        g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                         dtype="float16")
-        self.adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0),
-                                           LayerKVPool(g, 16))
-        self.adapter.reset_for_new_request("s")
-        self.adapter.find_cached_prefix("s", np.arange(20), skip_lookup=True)
-        self.adapter.allocate_suffix_blocks("s", 20)
-        self.adapter.record_tokens("s", np.arange(20))
+        self.adapter = _llama_shaped_adapter(20)
         rng = np.random.default_rng(0)
         self.k = rng.standard_normal((1, 8, 128)).astype(np.float16)
         self.v = rng.standard_normal((1, 8, 128)).astype(np.float16)

@@ -71,6 +71,19 @@ cdef void _copy_runs(char* dst, char* src, const Py_ssize_t* slots, Py_ssize_t n
         i = j
 
 
+cdef void _copy_kv(char* dst_k, char* src_k, char* dst_v, char* src_v,
+                   const Py_ssize_t* slots, Py_ssize_t n, Py_ssize_t token_bytes,
+                   bint scatter) noexcept:
+    """K then V through :func:`_copy_runs`, without the GIL when the copy is large."""
+    if n * token_bytes >= NOGIL_BYTES:
+        with nogil:
+            _copy_runs(dst_k, src_k, slots, n, token_bytes, scatter)
+            _copy_runs(dst_v, src_v, slots, n, token_bytes, scatter)
+    else:
+        _copy_runs(dst_k, src_k, slots, n, token_bytes, scatter)
+        _copy_runs(dst_v, src_v, slots, n, token_bytes, scatter)
+
+
 cdef class SlotCopier:
     """Token copies between caller arrays and one NumPy storage array
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, row]`` (C-contiguous). Built per
@@ -134,14 +147,7 @@ cdef class SlotCopier:
         cdef char* dst_v = dst_k + self.kv_stride_bytes
         cdef char* src_k = <char*>cnp.PyArray_DATA(<cnp.ndarray>k)
         cdef char* src_v = <char*>cnp.PyArray_DATA(<cnp.ndarray>v)
-        cdef Py_ssize_t tb = self.token_bytes
-        if n * tb >= NOGIL_BYTES:
-            with nogil:
-                _copy_runs(dst_k, src_k, slots, n, tb, True)
-                _copy_runs(dst_v, src_v, slots, n, tb, True)
-        else:
-            _copy_runs(dst_k, src_k, slots, n, tb, True)
-            _copy_runs(dst_v, src_v, slots, n, tb, True)
+        _copy_kv(dst_k, src_k, dst_v, src_v, slots, n, self.token_bytes, True)
         return True
 
     def write_slots(self, layer, slots, k, v) -> bool:
@@ -224,12 +230,5 @@ cdef class SlotCopier:
         cdef const Py_ssize_t* s = <Py_ssize_t*>cnp.PyArray_DATA(<cnp.ndarray>slots)
         cdef char* dk = <char*>cnp.PyArray_DATA(k)
         cdef char* dv = <char*>cnp.PyArray_DATA(v)
-        cdef Py_ssize_t tb = self.token_bytes
-        if n * tb >= NOGIL_BYTES:
-            with nogil:
-                _copy_runs(dk, src_k, s, n, tb, False)
-                _copy_runs(dv, src_v, s, n, tb, False)
-        else:
-            _copy_runs(dk, src_k, s, n, tb, False)
-            _copy_runs(dv, src_v, s, n, tb, False)
+        _copy_kv(dk, src_k, dv, src_v, s, n, self.token_bytes, False)
         return k, v
