@@ -421,7 +421,7 @@ def test_batched_decode_step_matches_per_sequence_record(make):
     for step in range(9):
         toks = [step * 10 + i for i in range(5)]
         batched.record_decode_tokens(seqs, toks)
-        for s, t in zip(seqs, toks):
+        for s, t in zip(seqs, toks, strict=True):
             single.record_tokens(s, [t])
         assert state(batched)["seqs"] == state(single)["seqs"]
     batch = batched.prepare_decode(seqs)

@@ -148,7 +148,7 @@ def test_a5_lru_order_and_refresh(make):
     alloc.set_prefix_cache_capacity(3)
     entries = [head(alloc, [k] * 4) for k in (1, 2, 3, 4)]
     blocks = [alloc.allocate() for _ in entries]
-    for b, (h, ident) in zip(blocks, entries):
+    for b, (h, ident) in zip(blocks, entries, strict=True):
         assert alloc.register_prefix(b, h, ident) is True
     assert alloc.lru_hashes() == [h for h, _ in entries[1:]]
     assert alloc.ref_count(blocks[0]) == 1

@@ -74,7 +74,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                            reserve_null_block=null_block, _hash_fn=hash_fn)
                        for cls in CLASSES]
         self.events = [[] for _ in self.allocs]
-        for alloc, log in zip(self.allocs, self.events):
+        for alloc, log in zip(self.allocs, self.events, strict=True):
             alloc.on_block_event = (
                 lambda kind, hashes, log=log: log.append((kind, hashes.dtype.str,
                                                           hashes.tolist())))
@@ -93,7 +93,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         a raised exception always does, and sends no event.
         """
         outcomes = []
-        for alloc, log in zip(self.allocs, self.events):
+        for alloc, log in zip(self.allocs, self.events, strict=True):
             log.clear()
             before = observables(alloc)
             try:
@@ -105,7 +105,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                     f"{type(alloc).__module__}: {outcome} changed the state")
                 assert log == [], f"{type(alloc).__module__}: {outcome} sent events {log}"
             outcomes.append(outcome)
-        for alloc, outcome, log in zip(self.allocs[1:], outcomes[1:], self.events[1:]):
+        for alloc, outcome, log in zip(self.allocs[1:], outcomes[1:], self.events[1:], strict=True):
             assert outcome == outcomes[0], (
                 f"{type(alloc).__module__} gave {outcome}, the reference {outcomes[0]}")
             assert log == self.events[0], (
@@ -338,7 +338,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         salt = data.draw(st.sampled_from(SALTS), label="cache_salt")
         hashes = self.oracle.chain_hashes(tokens, cache_salt=salt).tolist()
         entries, parent = [], 0
-        for i, (block_id, block_hash) in enumerate(zip(ids, hashes)):
+        for i, (block_id, block_hash) in enumerate(zip(ids, hashes, strict=True)):
             identity = BlockIdentity.of(tokens[i * bs:(i + 1) * bs], parent, (), salt, i)
             entries.append(RestoredBlock(block_id, block_hash, identity))
             parent = block_hash
@@ -377,7 +377,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not self.allocs:
             return
         snapshots = [observables(a) for a in self.allocs]
-        for alloc, snap in zip(self.allocs[1:], snapshots[1:]):
+        for alloc, snap in zip(self.allocs[1:], snapshots[1:], strict=True):
             assert snap == snapshots[0], f"{type(alloc).__module__} diverged from the reference"
         refs = {}
         for block_id in self.held:

@@ -178,15 +178,20 @@ def test_demo_refuses_nonsense_options(capsys, argv, message):
      "model holds 4,096; shorten --system-tokens, --fewshot-tokens, --user-tokens or "
      "--new-tokens")),
 ])
-def test_demo_refuses_sizes_that_cannot_run_before_serving(capsys, argv, message):
+def test_demo_refuses_sizes_that_cannot_run_before_serving(capsys, tmp_path, monkeypatch,
+                                                           argv, message):
+    monkeypatch.chdir(tmp_path)
     line = _fails(capsys, ["demo", *argv], status=2)
     assert line == f"pagedkv demo: error: {message}"
+    assert os.listdir(tmp_path) == []   # refused before any cold-tier directory is made
 
 
-def test_demo_at_the_exact_block_limit_runs(capsys):
+def test_demo_at_the_exact_block_limit_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the demo's default cold-tier directory is relative
     # 64 + 48 + 16 prompt + 16 new - 1 = 143 tokens = 9 blocks of 16: the bound is tight.
     assert cli_main(["demo", "--requests", "2", "--initial-blocks", "9",
-                     "--max-blocks", "9"]) == 0
+                     "--max-blocks", "9", "--no-cold"]) == 0
+    assert os.listdir(tmp_path) == []
     assert "parity: OK (2/2" in capsys.readouterr().out
 
 
@@ -230,3 +235,18 @@ def test_forward_past_max_position_is_refused_with_kv_unchanged():
     assert kv.num_tokens == 30
     model.forward(np.arange(2), kv)  # up to the limit is fine
     assert kv.num_tokens == 32
+
+
+def test_truncation_message_is_the_same_on_the_read_path(tmp_path, mixed_bytes):
+    # Files above the whole-file mapping limit parse header and index with plain reads.
+    from pagedkv.errors import Truncated
+    from pagedkv.hfqm import HfqmFile
+    path = tmp_path / "cut.hfq"
+    path.write_bytes(mixed_bytes[:200])
+    messages = []
+    for limit in (1 << 40, 0):
+        with pytest.raises(Truncated) as exc:
+            HfqmFile(path, _whole_file_mmap_limit_bytes=limit)
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1]
+    assert "the file is truncated: its header puts the data section at byte 4096" in messages[0]

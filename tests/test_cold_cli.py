@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
-
 from cold_support import open_tier, persist_prompt
 from pagedkv.cli import main
 from pagedkv.cli.cold import parse_size
-
-import numpy as np
 
 
 def _populate(base, n_prompts=3):
@@ -90,3 +88,129 @@ def test_refused_root_exits_2(tmp_path, capsys):
     (tmp_path / "pagedkv-v1").write_bytes(b"")
     assert main(["cold", "stats", str(tmp_path)]) == 2
     assert "pagedkv cold:" in capsys.readouterr().err
+
+
+# --- a user's mistakes: one line naming the problem and the fix, exit 2, nothing created ---
+
+def _tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "1M"]])
+def test_a_missing_base_is_reported_and_not_created(tmp_path, capsys, action):
+    missing = tmp_path / "typo"
+    assert main(["cold", *action, str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedkv cold: ")
+    assert f"BASE {str(missing)!r} does not exist" in err and "PAGEDKV_COLD_CACHE_DIR" in err
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "0"]])
+def test_a_base_without_a_tier_is_reported_and_left_alone(tmp_path, capsys, action):
+    (tmp_path / "unrelated.txt").write_bytes(b"x")
+    assert main(["cold", *action, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no cold tier ('pagedkv-v1' is missing)" in err
+    assert _tree(tmp_path) == ["unrelated.txt"]
+
+
+def test_a_file_given_as_base_is_reported(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_bytes(b"keep")
+    assert main(["cold", "verify", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"BASE {str(f)!r} is not a directory" in err and "pagedkv-v1" in err
+    assert f.read_bytes() == b"keep"
+
+
+def test_a_file_or_symlink_in_place_of_the_tier_names_its_full_path(tmp_path, capsys):
+    (tmp_path / "pagedkv-v1").symlink_to(tmp_path)
+    assert main(["cold", "stats", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cold root {str(tmp_path / 'pagedkv-v1')!r} is not a plain directory" in err
+    assert "remove it or choose another directory" in err
+    assert (tmp_path / "pagedkv-v1").is_symlink()
+
+
+def test_a_root_owned_by_another_user_is_refused_with_the_fix(tmp_path, capsys, monkeypatch):
+    root = _populate(tmp_path, 1)
+    os.chmod(root, 0o755)
+    before = _state(root)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    assert main(["cold", "evict", "--to", "0", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cold root {str(root)!r} is owned by uid {os.stat(root).st_uid}" in err
+    assert "chown it to this user or choose another directory" in err
+    assert _state(root) == before and os.stat(root).st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("size", ["10XB", "-1", "", "1.5G", "0x10", "1 K B"])
+def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size):
+    root = _populate(tmp_path, 1)
+    before = _state(root)
+    with pytest.raises(SystemExit) as exc:
+        main(["cold", "evict", "--to", size, str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --to: SIZE {size!r} is not bytes" in err and "e.g. 512M" in err
+    assert "Traceback" not in err
+    assert _state(root) == before
+
+
+def test_evict_removes_quarantine_trees_without_following_links(tmp_path, capsys):
+    """§10: a quarantined directory goes with its contents; a link inside it, or a
+    quarantine entry that is itself a link, is removed as a link, its target untouched."""
+    root = _populate(tmp_path, 1)
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "precious").write_bytes(b"keep")
+    q = root / ".blocked.dir.1.2"
+    (q / "nested").mkdir(parents=True)
+    (q / "nested" / "f").write_bytes(b"x")
+    (q / "to_outside").symlink_to(outside)
+    (root / ".blocked.link.3.4").symlink_to(outside / "sub")
+    objects = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    big = 1 << 40
+    assert main(["cold", "evict", "--to", str(big), str(tmp_path)]) == 0
+    assert "removed 2 quarantined entries; evicted 0 objects" in capsys.readouterr().out
+    assert sorted(os.listdir(root)) == objects
+    assert (outside / "sub" / "precious").read_bytes() == b"keep"
+
+
+def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch):
+    _populate(tmp_path, 1)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "old.jsonl").write_text('{"cold_hits": 100}\n')
+    os.utime(traces / "old.jsonl", ns=(1, 1))
+    (traces / "dangling.jsonl").symlink_to(traces / "missing")
+    (traces / "new.jsonl").write_bytes(
+        b'[1, 2]\n3\n"text"\nnull\n\xff\xfe not utf-8\n{"cold_hits": 2, "cold_misses": true}\n'
+        b'{"cold_hits": 1, "cold_misses": 4}\n{"cold_hits": 9')
+    monkeypatch.setenv("PAGEDKV_METRICS_DIR", str(traces))
+    assert main(["cold", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "counters of the last traced process (new.jsonl):" in out
+    assert "hits=3  misses=4" in out
+
+
+def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, capsys,
+                                                                      monkeypatch):
+    import pagedkv.cold.offline as offline
+    root = _populate(tmp_path, 1)
+    victim = sorted(os.listdir(root))[0]
+    data = bytearray((root / victim).read_bytes())
+    data[-1] ^= 1
+    (root / victim).write_bytes(bytes(data))
+
+    # a quarantine target the rename cannot reach
+    monkeypatch.setattr(offline, "quarantine_name", lambda *a: "no-such-dir/q")
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {victim}: " in out and "(NOT quarantined: No such file or directory)" in out
+    assert "(quarantined)" not in out
+    monkeypatch.undo()
+    assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
+    assert f"BAD {victim}: " in capsys.readouterr().out
+    assert any(n.startswith(f".blocked.{victim}.") for n in os.listdir(root))

@@ -7,6 +7,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+from pagedkv.cli import main
+
 
 def test_demo_restart_restores_in_a_second_process_with_parity(tmp_path):
     cold = tmp_path / "demo"
@@ -76,3 +79,73 @@ def test_demo_no_cold_writes_nothing_and_rejects_contradictions(tmp_path, monkey
     assert not (tmp_path / ".pagedkv-demo").exists()
     assert main(SMALL_COLD + ["--no-cold", "--restart"]) == 2
     assert "--no-cold cannot be combined" in capsys.readouterr().err
+
+
+def _demo(cold, cwd, *extra):
+    argv = [sys.executable, "-m", "pagedkv", "demo", "--restart", "--cold-dir", str(cold),
+            "--requests", "2", "--system-tokens", "16", "--fewshot-tokens", "8",
+            "--user-tokens", "8", "--new-tokens", "2", "--block-size", "8", *extra]
+    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=300,
+                          cwd=cwd, env=dict(os.environ, PAGEDKV_METRICS="0"))
+
+
+_RESTORED = re.compile(r"restored \d+ of \d+ prompt tokens \(\d+ blocks\) from disk, "
+                       r"cold hits \d+, corruptions 0")
+
+
+def test_demo_restart_twice_in_a_row_gives_the_same_result(tmp_path):
+    cold = tmp_path / "demo"
+    first = _demo(cold, tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    names = sorted(os.listdir(cold / "pagedkv-v1"))
+    second = _demo(cold, tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert _RESTORED.search(first.stdout).group(0) == _RESTORED.search(second.stdout).group(0)
+    assert "parity: OK" in second.stdout
+    # The kept tier is reused, not duplicated: same objects after the second run.
+    assert sorted(os.listdir(cold / "pagedkv-v1")) == names
+
+
+def test_demo_restart_over_a_corrupted_cold_dir_detects_and_recovers(tmp_path):
+    cold = tmp_path / "demo"
+    assert _demo(cold, tmp_path).returncode == 0
+    root = cold / "pagedkv-v1"
+    for name in os.listdir(root):
+        data = bytearray((root / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (root / name).write_bytes(bytes(data))
+    (cold / "model" / "config.json").write_text("{garbage")
+    again = _demo(cold, tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    parent = _cold_line(again.stdout)
+    # The first phase finds the flipped objects (never a hit), rewrites them; the restart
+    # child then restores clean objects with parity.
+    assert parent.startswith("cold tier: 0 blocks restored from disk (0 bytes)")
+    assert re.search(r"corruptions [1-9]", parent), parent
+    assert _RESTORED.search(again.stdout) and "parity: OK" in again.stdout
+
+
+@pytest.mark.parametrize("in_the_way", ["cold_dir", "model", "pagedkv-v1"])
+def test_an_unusable_cold_dir_is_one_line_and_exit_2(tmp_path, capsys, in_the_way):
+    cold = tmp_path / "demo"
+    if in_the_way == "cold_dir":
+        cold.write_bytes(b"")
+    else:
+        cold.mkdir()
+        (cold / in_the_way).write_bytes(b"")
+    assert main(["demo", "--cold-dir", str(cold), "--requests", "1", "--system-tokens", "8",
+                 "--fewshot-tokens", "0", "--user-tokens", "4", "--new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"pagedkv demo: --cold-dir {str(cold)!r} cannot hold the demo's "
+                          "cold tier: ")
+    assert "pass --cold-dir a directory you can write" in err
+
+
+def test_a_restart_child_without_a_saved_model_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["demo", "--restart-child", "--cold-dir", str(tmp_path),
+                 "--block-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no usable demo model or tier" in err
+    assert "model/config.json" in err and "pagedkv demo --restart" in err
+    assert os.listdir(tmp_path) == []

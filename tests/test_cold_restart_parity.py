@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from cold_support import reference_session  # noqa: F401  (the children import it too)
 from pagedkv.reference import ReferenceModel

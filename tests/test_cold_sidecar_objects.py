@@ -105,3 +105,24 @@ def test_sidecars_are_indexed_and_accounted_across_restart(tmp_path):
     with open_tier(root, quota_bytes=sum(sizes.values())) as tier:
         persist_prompt(tier, TOKENS[16:20], seed=9)
         assert not tier.contains(key) and tier.stats().evictions >= 1
+
+
+def test_offline_verify_decodes_sidecars_too(tmp_path, capsys):
+    """`pagedkv cold verify` checks every indexed object (§9), sidecars included."""
+    from pagedkv.cli import main
+    root = tmp_path / "pagedkv-v1"
+    lay = _layout()
+    key = sidecar_key(DEFAULT_FORMAT, ColdGroup.GDN_STATE, FP, TOKENS, 4, 16)
+    with open_tier(root) as tier:
+        persist_prompt(tier, TOKENS[:8])  # 2 blocks
+        assert tier.enqueue(SidecarJob(key, FP.hex(), lay, _payload(lay))) and tier.drain(5.0)
+    assert main(["cold", "verify", str(tmp_path)]) == 0
+    assert "verified 3 objects: 3 ok, 0 bad" in capsys.readouterr().out
+    name = object_name(key, ColdGroup.GDN_STATE)
+    data = bytearray((root / name).read_bytes())
+    data[-1] ^= 1
+    (root / name).write_bytes(bytes(data))
+    assert main(["cold", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {name}: " in out and "checksum" in out
+    assert "verified 3 objects: 2 ok, 1 bad" in out

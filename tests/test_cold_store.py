@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from cold_support import FP, FakeAllocator, FakePool, open_tier, persist_prompt
+from cold_support import FP, open_tier
 from pagedkv.cold import BlockGeometry, ColdGroup, ColdTier, cold_key_chain, object_name
 from pagedkv.cold.writer import BlockJob
 from pagedkv.errors import InvalidArgument

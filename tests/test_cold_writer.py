@@ -149,3 +149,21 @@ def test_concurrent_readers_while_the_writer_runs(tmp_path):
         s = tier.stats()
         assert (s.corruptions, s.misses, s.write_errors) == (0, 0, 0)
         assert all(tier.contains(j.key) for j in jobs)
+
+
+def test_a_job_racing_close_is_refused_not_stranded(tmp_path):
+    """A producer that read ``closed == False`` just before ``close()`` must get
+    ColdTierClosed, not leave a job (and its key, marked queued) behind stopped threads."""
+    tier = open_tier(tmp_path / "root")
+    writer = tier.writer
+    writer.close()
+    assert not writer._thread.is_alive() and not writer._hasher.is_alive()
+    writer._closed = False  # the producer's stale read of the flag
+    job = _job(7)
+    with pytest.raises(ColdTierClosed, match="the cold writer is stopped"):
+        writer.enqueue_before(job, time.monotonic() + 0.05)
+    assert not writer.is_queued(job.key)
+    assert len(writer._queue) == 0
+    assert tier.stats().enqueued == 0 and tier.stats().queue_drops == 0
+    assert writer.drain(0.1) is True  # nothing pending, answered at once
+    tier.close()

@@ -70,12 +70,24 @@ class BlockIdentity(NamedTuple):
         if arr.ndim != 1:
             raise InvalidArgument(f"tokens must be 1-D, got ndim={arr.ndim}")
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-            raise InvalidArgument("tokens must satisfy 0 <= t < 2**32")
+            raise InvalidArgument(f"tokens must be in [0, 2**32), got values in "
+                                  f"[{int(arr.min())}, {int(arr.max())}]")
         return cls(np.ascontiguousarray(arr, dtype=np.uint32), int(parent_hash),
                    extra_keys_digest(extra_keys), int(cache_salt), int(block_index))
 
+    def __eq__(self, other: object) -> bool:
+        # The tuple ``==`` would compare the token arrays elementwise and then fail on the
+        # truth value of an array; two identities are equal when every field is. Not
+        # NotImplemented for other objects: the reflected tuple ``==`` would fail the same way.
+        return isinstance(other, BlockIdentity) and self.same_as(other)
+
+    def __ne__(self, other: object) -> bool:  # tuple's own != would compare the arrays
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]  # holds an ndarray: unhashable anyway
+
     def same_as(self, other: BlockIdentity) -> bool:
-        """Full comparison (NamedTuple ``==`` would compare arrays elementwise)."""
+        """Full comparison of every field (what ``==`` does)."""
         return (self.parent_hash == other.parent_hash
                 and self.extra_keys_digest == other.extra_keys_digest
                 and self.cache_salt == other.cache_salt

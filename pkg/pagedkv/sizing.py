@@ -182,6 +182,11 @@ class ReservationGrowth:
         self._grew_before = False
         self._grew_for_retry = False
 
+    def __repr__(self) -> str:
+        return (f"ReservationGrowth(pool_blocks={self._pool.num_blocks}/"
+                f"{self._pool.max_num_blocks}, grew_before={self._grew_before}, "
+                f"grew_for_retry={self._grew_for_retry})")
+
     def before_allocation(self, needed: int, free_or_evictable: int) -> int:
         """Grow iff ``needed > free_or_evictable`` and the pool is below its max: the pool
         grows for the live working set, not to keep cache (when ``needed`` fits into free +
@@ -285,6 +290,10 @@ class PagedCacheConfig:
                 self.watermark_fraction, (int, float)):
             raise InvalidArgumentType(
                 f"watermark_fraction: expected a float, got {self.watermark_fraction!r}")
+        if not 0.0 <= self.watermark_fraction < 1.0:  # also refuses NaN
+            raise InvalidArgument(
+                f"watermark_fraction: {self.watermark_fraction!r} is outside [0, 1); it is the "
+                "share of the pool kept free at admission (default 0.01)")
 
     def with_env(self, environ: Mapping[str, str] | None = None) -> PagedCacheConfig:
         """This config with every set and parseable ``PAGEDKV_*`` knob applied (env wins);

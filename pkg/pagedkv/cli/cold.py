@@ -43,12 +43,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_evict)
 
 
+def _missing_tier(base: str, child: str) -> str | None:
+    """Why ``base`` holds no tier to inspect, or ``None``. The offline commands never create
+    a root: a typo must not silently report an empty tier (and leave a directory behind)."""
+    import os
+    tier = os.path.join(base, child)
+    if not os.path.lexists(base):
+        return f"BASE {base!r} does not exist; pass the directory a serving process used " \
+               "as PAGEDKV_COLD_CACHE_DIR (the tier is BASE/pagedkv-v1)"
+    if not os.path.isdir(base):
+        return f"BASE {base!r} is not a directory; pass the directory that holds pagedkv-v1"
+    if not os.path.lexists(tier):
+        return f"BASE {base!r} holds no cold tier ({child!r} is missing); pass the " \
+               "directory a serving process used as PAGEDKV_COLD_CACHE_DIR"
+    return None
+
+
 def _open(args):
     from pagedkv.cold.knobs import cold_cache_base
     from pagedkv.cold.offline import open_offline_store
     from pagedkv.cold.root import MANAGED_CHILD
     from pagedkv.errors import PagedKVError
     base = args.base if args.base else cold_cache_base()
+    problem = _missing_tier(base, MANAGED_CHILD)
+    if problem is not None:
+        print(f"pagedkv cold: {problem}", file=sys.stderr)
+        return None
     try:
         return open_offline_store(base, child=MANAGED_CHILD)
     except PagedKVError as exc:
@@ -98,7 +118,12 @@ def run_verify(args: argparse.Namespace) -> int:
     finally:
         store.close()
     for b in bad:
-        print(f"BAD {b.name}: {b.reason}" + ("  (quarantined)" if args.prune else ""))
+        note = ""
+        if b.quarantined:
+            note = "  (quarantined)"
+        elif b.prune_error is not None:
+            note = f"  (NOT quarantined: {b.prune_error})"
+        print(f"BAD {b.name}: {b.reason}{note}")
     print(f"verified {checked} objects: {checked - len(bad)} ok, {len(bad)} bad")
     return 1 if bad else 0
 

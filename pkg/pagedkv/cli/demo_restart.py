@@ -73,14 +73,33 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
     return tier
 
 
+def _unusable_cold_dir(base: str, exc: Exception, problem: str, fix: str) -> str:
+    """One line naming the directory, what is wrong and the fix."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    where = f" ({exc.filename!r})" if isinstance(exc, OSError) and exc.filename else ""
+    return f"--cold-dir {base!r} {problem}: {reason}{where}; {fix}"
+
+
 def cold_tier_for(args, model):
     """The first process's tier (persist on; emptied with ``--fresh``), or ``None`` with
-    ``--no-cold``."""
+    ``--no-cold``.
+
+    Raises ``InvalidArgument`` (a ``ValueError``) with a one-line message naming the
+    directory and the fix when ``--cold-dir`` cannot hold the tier (a file in the way, no
+    permission): ``pagedkv demo`` prints it and exits 2, never with a traceback."""
+    from pagedkv.errors import InvalidArgument, PagedKVError
     if args.no_cold and (args.cold_dir or args.restart):
         raise ValueError("--no-cold cannot be combined with --cold-dir or --restart")
-    if _cold_dir(args) is None:
+    base = _cold_dir(args)
+    if base is None:
         return None
-    args.cold_tier = _open_tier(args, model, save_model=True, empty=args.fresh)
+    try:
+        args.cold_tier = _open_tier(args, model, save_model=True, empty=args.fresh)
+    except (PagedKVError, OSError) as exc:
+        raise InvalidArgument(_unusable_cold_dir(
+            base, exc, "cannot hold the demo's cold tier",
+            "pass --cold-dir a directory you can write (or remove what is in the way)")) \
+            from None
     return args.cold_tier
 
 
@@ -106,7 +125,7 @@ def run_restart_phase(args) -> int:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     print()
     sys.stdout.flush()
-    return subprocess.run(argv).returncode
+    return subprocess.run(argv, check=False).returncode
 
 
 def run_child(args) -> int:
@@ -118,10 +137,19 @@ def run_child(args) -> int:
     from pagedkv.reference import PagedKV, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter
 
-    model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"), backend=args.backend)
+    from pagedkv.errors import PagedKVError
+    try:
+        model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"),
+                                    backend=args.backend)
+        tier = _open_tier(args, model, save_model=False, empty=False)
+    except (PagedKVError, OSError) as exc:
+        message = _unusable_cold_dir(
+            _cold_dir(args), exc, "has no usable demo model or tier",
+            "run `pagedkv demo --restart` with this --cold-dir (it saves the model first)")
+        print(f"pagedkv demo: {message}", file=sys.stderr)
+        return 2
     request = build_requests(args, model.config.vocab_size)[0]
     prompt = np.asarray(request.prompt)
-    tier = _open_tier(args, model, save_model=False, empty=False)
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.max_blocks, cold_tier=tier)
     adapter.reset_for_new_request(0)

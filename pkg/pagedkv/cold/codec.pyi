@@ -3,12 +3,18 @@
 from typing import Iterable
 
 import numpy as np
+from typing_extensions import disjoint_base
+
+__all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
+           "block_checksum", "encode_block", "decode_block", "header_overhead",
+           "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar"]
 
 DTYPE_CODES: dict[str, int]
 LAYOUTS: frozenset[str]
 
 def header_overhead(n_tensors: int) -> int: ...
 
+@disjoint_base
 class BlockGeometry:
     block_size: int
     num_layers: int
@@ -27,6 +33,7 @@ class BlockGeometry:
     def bound(self) -> int: ...
     def as_tuple(self) -> tuple[int, int, int, int, str, str]: ...
 
+@disjoint_base
 class DecodedBlock:
     geometry: BlockGeometry
     tokens: np.ndarray

@@ -480,8 +480,9 @@ cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, st
 # --- sidecar objects (cold-tier.md §6.3) ------------------------------------------------------
 
 cdef list _sidecar_names(Py_ssize_t num_layers, Py_ssize_t per_layer):
-    cdef Py_ssize_t l, t
-    return [f"layer.{l}.state.{t}" for l in range(num_layers) for t in range(per_layer)]
+    cdef Py_ssize_t layer, t
+    return [f"layer.{layer}.state.{t}" for layer in range(num_layers)
+            for t in range(per_layer)]
 
 
 cdef str _sidecar_checksum(bytes tag, Py_ssize_t num_layers, Py_ssize_t per_layer,

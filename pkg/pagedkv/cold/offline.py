@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from pagedkv.cold.codec import decode_block
+from pagedkv.cold.codec import decode_block, decode_sidecar
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.names import is_quarantine, is_writer_temp, quarantine_name
@@ -40,18 +40,22 @@ def open_offline_store(root: str, *, child: str | None = None,
 
 @dataclass(frozen=True)
 class BadObject:
+    """An object ``verify`` rejected: its file name, why, and with ``--prune`` whether it
+    was moved to quarantine (``prune_error`` says why not)."""
+
     name: str
     reason: str
+    quarantined: bool = False
+    prune_error: str | None = None
 
 
 def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[BadObject]]:
-    """Decode every indexed block with the checks of §6.6 (geometry against its own
-    metadata). Returns ``(checked, bad)``; with ``prune`` bad objects are quarantined."""
+    """Decode every indexed object, KV blocks and sidecars, with the checks of §6.6
+    (geometry or layout against the object's own metadata). Returns ``(checked, bad)``;
+    with ``prune`` bad objects are quarantined."""
     bad: list[BadObject] = []
     checked = 0
     for key, entry in store.index.snapshot():
-        if entry.group is not ColdGroup.KV:
-            continue  # sidecar codecs arrive with the sidecar issue
         checked += 1
         status, data, _, fd = store.read_bounded(entry.file_name, OFFLINE_READ_LIMIT_BYTES)
         reason = None
@@ -60,22 +64,29 @@ def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[Ba
                       "oversized": "larger than any valid object"}[status]
         else:
             try:
-                decode_block(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
-                             key_hex=key.hex(), path=entry.file_name)
+                if entry.group is ColdGroup.KV:
+                    decode_block(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
+                                 key_hex=key.hex(), path=entry.file_name)
+                else:
+                    decode_sidecar(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
+                                   group=entry.group.label, key_hex=key.hex(),
+                                   path=entry.file_name)
             except FormatError as exc:
                 reason = str(exc)
             finally:
                 os.close(fd)  # no utime: verify is read-only
         if reason is None:
             continue
-        bad.append(BadObject(entry.file_name, reason))
+        quarantined, prune_error = False, None
         if prune:
             try:
                 os.rename(entry.file_name,
                           quarantine_name(entry.file_name, os.getpid(), time.time_ns()),
                           src_dir_fd=store.root_fd, dst_dir_fd=store.root_fd)
-            except OSError:
-                pass
+                quarantined = True
+            except OSError as exc:
+                prune_error = exc.strerror or str(exc)
+        bad.append(BadObject(entry.file_name, reason, quarantined, prune_error))
     return checked, bad
 
 
@@ -114,22 +125,31 @@ def trace_counters(directory: str) -> tuple[str, dict[str, int]] | None:
     import json
 
     from pagedkv.cold.stats import ColdCacheStats
+    stamps = {}
     try:
-        names = [n for n in os.listdir(directory) if n.endswith(".jsonl")]
+        for n in os.listdir(directory):
+            if n.endswith(".jsonl"):
+                try:
+                    stamps[n] = os.stat(os.path.join(directory, n)).st_mtime_ns
+                except OSError:
+                    continue  # gone since the listing, or a dangling link
     except OSError:
         return None
-    if not names:
+    if not stamps:
         return None
-    newest = max(names, key=lambda n: os.stat(os.path.join(directory, n)).st_mtime_ns)
+    newest = max(stamps, key=stamps.__getitem__)
     fields = [f.name for f in dataclasses.fields(ColdCacheStats)
               if f.type in ("int", int) and f.name != "quota_bytes"]
     totals = dict.fromkeys(fields, 0)
     try:
-        with open(os.path.join(directory, newest), encoding="utf-8") as f:
+        # errors="replace": a torn or foreign line is skipped, never fatal to `cold stats`
+        with open(os.path.join(directory, newest), encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
                 except ValueError:
+                    continue
+                if not isinstance(rec, dict):
                     continue
                 for name in fields:
                     v = rec.get(f"cold_{name}")

@@ -33,7 +33,9 @@ def platform_supported() -> bool:
             and os.utime in os.supports_fd)
 
 
-def _open_child(parent_fd: int, name: str, what: str) -> int:
+def _open_child(parent_fd: int, name: str, shown_path: str) -> int:
+    """Open (creating with 0700 if missing) directory ``name`` under ``parent_fd``;
+    ``shown_path`` is the full path errors name."""
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
@@ -44,12 +46,13 @@ def _open_child(parent_fd: int, name: str, what: str) -> int:
         try:
             return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
-            raise InvalidArgument(f"{what} {name!r}: cannot open after creating it: {exc}") \
+            raise InvalidArgument(f"cold root {shown_path!r} cannot be opened after creating it "
+                                  f"({exc.strerror}); choose another directory") \
                 from None
     except OSError as exc:
         # ELOOP (a symlink) or ENOTDIR (a regular file in its place): refuse.
         raise InvalidArgument(
-            f"{what} {name!r} is not a plain directory ({exc.strerror}); a cold root must "
+            f"cold root {shown_path!r} is not a plain directory ({exc.strerror}); a cold root must "
             "not be a symlink or a file — remove it or choose another directory") from None
 
 
@@ -73,19 +76,26 @@ def open_managed_root(base: str, child: str | None) -> int:
     try:
         os.makedirs(real, mode=0o700, exist_ok=True)
         base_fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileExistsError, NotADirectoryError):
+        raise InvalidArgument(f"cold root base {real!r} is not a directory (a file is in its "
+                              "place); choose a directory for the cold tier") from None
     except OSError as exc:
-        raise InvalidArgument(f"cold root base {real!r} cannot be opened: {exc}") from None
+        raise InvalidArgument(f"cold root base {real!r} cannot be opened ({exc.strerror}); "
+                              "choose a directory this user can create and write") from None
     try:
-        root_fd = _open_child(base_fd, child, "cold root")
+        root_fd = _open_child(base_fd, child, os.path.join(real, child))
     finally:
         os.close(base_fd)
     try:
         st = os.fstat(root_fd)
         if not stat.S_ISDIR(st.st_mode):
-            raise InvalidArgument(f"cold root {child!r} is not a directory")
+            raise InvalidArgument(f"cold root {os.path.join(real, child)!r} is not a directory; "
+                                  "remove it or choose another directory")
         if st.st_uid != os.geteuid():
-            raise InvalidArgument(f"cold root {child!r} is owned by uid {st.st_uid}, not by "
-                                  f"this process's effective uid {os.geteuid()}")
+            raise InvalidArgument(
+                f"cold root {os.path.join(real, child)!r} is owned by uid {st.st_uid}, not by "
+                f"this process's effective uid {os.geteuid()}; chown it to this user or "
+                "choose another directory")
         os.fchmod(root_fd, 0o700)
     except BaseException:
         os.close(root_fd)

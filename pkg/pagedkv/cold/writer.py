@@ -106,7 +106,11 @@ class _BoundedFifo:
             self._cv.notify_all()
 
     def put_nowait(self, job) -> bool:
+        """Put if there is room (``False`` if full). Raises ``ColdTierClosed`` once stopped:
+        checked under the lock, so no job lands behind a consumer that already returned."""
         with self._cv:
+            if self.stopped:
+                raise ColdTierClosed("the cold writer is stopped; no job can be enqueued")
             if len(self._items) >= self.depth:
                 return False
             self._items.append(job)
@@ -224,7 +228,13 @@ class ColdWriter:
             return True
         deadline = time.monotonic() + max(0.0, float(timeout))
         barrier = Barrier()
-        while not self._queue.put_nowait(barrier):
+        while True:
+            try:
+                if self._queue.put_nowait(barrier):
+                    break
+            except ColdTierClosed:  # closing: the threads persist what is queued, then end
+                self._thread.join(max(0.0, deadline - time.monotonic()))
+                return not self._thread.is_alive()
             if time.monotonic() >= deadline:
                 return False
             time.sleep(_DRAIN_RETRY_S)

@@ -239,6 +239,11 @@ cdef class ParsedIndex:
     cdef readonly list names
     cdef readonly dict index_of
 
+    def __repr__(self):
+        return (f"ParsedIndex(version={self.version}, arch_id={self.arch_id}, "
+                f"n_tensors={self.n_tensors}, metadata_offset={self.metadata_offset}, "
+                f"data_offset={self.data_offset})")
+
 
 def parse_header(const uint8_t[::1] section not None, str path):
     """Validate the 32-byte header at the start of ``section`` (§2.4 rule 1).

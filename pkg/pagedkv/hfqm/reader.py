@@ -114,8 +114,10 @@ class HfqmFile:
         header = os.pread(fd, _index.HEADER_BYTES, self.base)
         data_offset = _index.parse_header(header, self.path)[4]
         if data_offset > section_bytes:
-            raise Truncated(f"data_offset {data_offset} is past the end of the file "
-                            f"({section_bytes} bytes from the section start)",
+            # Same words as parse_index's check on the mapped path.
+            raise Truncated(f"the file is truncated: its header puts the data section at byte "
+                            f"{data_offset} of the section but only {section_bytes} bytes are "
+                            "there (an interrupted copy or download?)",
                             path=self.path, offset=self.base + 24)
         region = os.pread(fd, data_offset, self.base)
         return _index.parse_index(region, section_bytes, self.base, self.path, calib_ok)
@@ -219,8 +221,10 @@ class HfqmFile:
         if i is None:
             i = self._canonical_index().get(canonical_name(name))
         if i is None:
-            raise TensorNotFound(f"{self.path}: no tensor {name!r} (also tried as "
-                                 f"{canonical_name(name)!r}); {len(self.names)} tensors")
+            canonical = canonical_name(name)
+            tried = f" (also tried as {canonical!r})" if canonical != name else ""
+            raise TensorNotFound(f"{self.path}: no tensor {name!r}{tried}; "
+                                 f"{len(self.names)} tensors")
         return i
 
     def __contains__(self, name: object) -> bool:

@@ -48,7 +48,7 @@ class Kernel:
         values = []
         for i, (code, arg) in enumerate(zip(self.signature, args)):
             if code == "p":
-                arg = arg.ptr if isinstance(arg, DeviceArray) else arg
+                arg = arg.live_ptr() if isinstance(arg, DeviceArray) else arg
                 if not isinstance(arg, (int, np.integer)):
                     raise InvalidArgumentType(f"{self.name}: argument {i} must be a device "
                                               f"pointer, got {type(arg).__name__}")
@@ -79,6 +79,9 @@ class Stream:
     def synchronize(self) -> None:
         self.device.runtime.call("stream_synchronize", self.handle)
 
+    def __repr__(self) -> str:
+        return f"Stream(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
+
     def __del__(self) -> None:
         try:
             self.device.runtime.call("stream_destroy", self.handle)
@@ -94,6 +97,9 @@ class Event:
         h = c_void_p()
         device.runtime.call("event_create", byref(h), 0)
         self.handle = h.value
+
+    def __repr__(self) -> str:
+        return f"Event(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
 
     def record(self, stream: Stream | None = None) -> None:
         self.device.runtime.call("event_record", self.handle, stream.handle if stream else None)
@@ -133,6 +139,9 @@ class Graph:
 
     def launch(self, stream: Stream) -> None:
         self.device.runtime.call("graph_launch", self._exec, stream.handle)
+
+    def __repr__(self) -> str:
+        return f"Graph(exec=0x{self._exec or 0:x}, device={self.device.ordinal})"
 
     def __del__(self) -> None:
         try:

@@ -56,9 +56,18 @@ class DeviceArray:
 
     # --- data -------------------------------------------------------------------------
 
+    def live_ptr(self) -> int:
+        """``ptr``, or InvalidArgument once freed (a kernel must never get a null address)."""
+        # ptr 0 after free(): refuse here rather than hand the runtime a null address
+        if not self.ptr and self.nbytes:
+            raise InvalidArgument(
+                f"DeviceArray(shape={self.shape}, dtype={self.dtype}) was freed; allocate a "
+                "new one (DeviceArray.empty / from_numpy)")
+        return self.ptr
+
     def to_numpy(self) -> np.ndarray:
         host = np.empty(self.shape, dtype=self.dtype)
-        self.device.copy_dtoh(host, self.ptr)
+        self.device.copy_dtoh(host, self.live_ptr())
         return host
 
     def copy_from(self, array: np.ndarray) -> None:
@@ -68,11 +77,11 @@ class DeviceArray:
             raise InvalidArgument(
                 f"array: shape {host.shape} dtype {host.dtype} does not match the device "
                 f"array's {self.shape} {self.dtype}")
-        self.device.copy_htod(self.ptr, host)
+        self.device.copy_htod(self.live_ptr(), host)
 
     def fill_bytes(self, value: int) -> None:
         """Set every byte to ``value`` (tests poison outputs with 0xFF: NaN in f16/f32)."""
-        self.device.memset(self.ptr, value, self.nbytes)
+        self.device.memset(self.live_ptr(), value, self.nbytes)
 
     @property
     def size(self) -> int:
@@ -94,5 +103,7 @@ class DeviceArray:
             pass
 
     def __repr__(self) -> str:
-        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x}, "
+        where = f"ptr=0x{self.ptr:x}" if self.ptr else "freed"
+        view = "" if self._owned else ", view"
+        return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where}{view}, "
                 f"device={self.device.properties.name!r})")

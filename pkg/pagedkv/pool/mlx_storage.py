@@ -66,6 +66,10 @@ class MlxKVStorage:
         self.k = k
         self.v = v
 
+    def __repr__(self) -> str:
+        return (f"MlxKVStorage(num_blocks={self.num_blocks}, layers={len(self.k)}, "
+                f"dtype={self.geometry.dtype})")
+
     # -- NumPy boundary --------------------------------------------------------------------
 
     def _from_numpy(self, x: np.ndarray):

@@ -51,6 +51,10 @@ class NumpyKVStorage:
         # The C fast path of the per-layer token calls (LayerKVPool tries it first).
         self.slot_copier = SlotCopier(array)
 
+    def __repr__(self) -> str:
+        return (f"NumpyKVStorage(num_blocks={self.num_blocks}, shape={self.array.shape}, "
+                f"dtype={self.array.dtype}, nbytes={self.array.nbytes})")
+
     # -- payload type ----------------------------------------------------------------------
 
     def as_payload(self, name: str, x) -> np.ndarray:

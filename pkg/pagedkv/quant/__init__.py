@@ -104,12 +104,17 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         result = np.empty(dims, dtype=np.float32)
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
-            raise InvalidArgumentType(
-                f"out must be a float32 numpy array, got {getattr(out, 'dtype', type(out).__name__)}")
-        if out.shape != dims or not out.flags.c_contiguous or not out.flags.writeable:
+            got = getattr(out, "dtype", type(out).__name__)
+            raise InvalidArgumentType(f"out must be a float32 numpy array, got {got}; pass "
+                                      "np.empty(shape, np.float32)")
+        if out.shape != dims:
+            raise InvalidArgument(f"out must have shape {dims}, got shape {out.shape}")
+        if not out.flags.c_contiguous:
             raise InvalidArgument(
-                f"out must be a writeable C-contiguous array of shape {dims}, got shape "
-                f"{out.shape}")
+                f"out (shape {dims}) must be C-contiguous, got strides {out.strides}; pass "
+                "np.empty(shape, np.float32) or np.ascontiguousarray")
+        if not out.flags.writeable:
+            raise InvalidArgument(f"out (shape {dims}) is read-only; pass a writeable array")
         result = out
     out = result.reshape(-1)
     if codec.kind == AFFINE:
@@ -134,7 +139,8 @@ def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
     """
     x = float_array(x, "x")
     if x.shape[-1] != 256:
-        raise InvalidArgument(f"fwht256 needs rows of 256 values (x.shape[-1] == 256), got shape {x.shape}")
+        raise InvalidArgument(
+            f"fwht256 needs rows of 256 values (x.shape[-1] == 256), got shape {x.shape}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
     out = np.empty_like(rows)
     fwht.fwht_rows(rows, out, inverse)

@@ -3,6 +3,8 @@ and messages that ``quantize``, ``dequantize``, ``fwht256`` and ``gemv`` share."
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
@@ -13,23 +15,26 @@ __all__ = ["float_array", "raw_bytes", "reject_nonfinite", "shape_tuple"]
 def float_array(array, what: str) -> np.ndarray:
     """``array`` if it is a float32/float16 ndarray with at least one dimension."""
     if not isinstance(array, np.ndarray):
+        kind = "numpy scalar " if isinstance(array, np.generic) else ""
         raise InvalidArgumentType(
-            f"{what} must be a numpy.ndarray of float32 or float16, got {type(array).__name__}")
+            f"{what} must be a numpy.ndarray of float32 or float16, got {kind}"
+            f"{type(array).__name__}; wrap it with np.asarray(..., dtype=np.float32)")
     if array.dtype not in (np.float32, np.float16):
         raise InvalidArgumentType(
             f"{what} must have dtype float32 or float16, got {array.dtype}; convert explicitly "
             f"(e.g. .astype(np.float32)) so no rounding happens behind your back")
     if array.ndim == 0:
-        raise InvalidArgument(f"{what} must have at least one dimension, got a 0-d array")
+        raise InvalidArgument(f"{what} must have at least one dimension, got a 0-d array; "
+                              f"reshape it (e.g. {what}.reshape(1))")
     return array
 
 
 def reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, ...]) -> None:
     """Raise InvalidArgument naming the element when ``index`` (into ``flat``) is not -1."""
     if index >= 0:
-        where = np.unravel_index(index, shape) if shape else ()
+        where = tuple(int(i) for i in np.unravel_index(index, shape)) if shape else ()
         raise InvalidArgument(
-            f"{what} holds a non-finite value {flat[index]!r} at index {tuple(int(i) for i in where)}; "
+            f"{what} holds a non-finite value {flat[index]!r} at index {where}; "
             f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
 
 
@@ -41,19 +46,30 @@ def raw_bytes(raw) -> np.ndarray:
         raise InvalidArgumentType(
             f"raw must be a uint8 numpy array or a bytes-like object, got {type(raw).__name__}")
     if raw.dtype != np.uint8:
-        raise InvalidArgumentType(f"raw must have dtype uint8, got {raw.dtype}; pass raw.view(np.uint8)")
+        raise InvalidArgumentType(
+            f"raw must have dtype uint8, got {raw.dtype}; pass raw.view(np.uint8)")
     return np.ascontiguousarray(raw).reshape(-1)
+
+
+def _dim(d) -> int:
+    # operator.index: 4.5 or "4" must not become 4, nor True become 1
+    if isinstance(d, (bool, np.bool_)):
+        raise TypeError(d)
+    return operator.index(d)
 
 
 def shape_tuple(shape) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints >= 0) as a tuple."""
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
         shape = (shape,)
     try:
-        dims = tuple(int(d) for d in shape)
+        if isinstance(shape, (str, bytes)):
+            raise TypeError(shape)
+        dims = tuple(_dim(d) for d in shape)
     except TypeError:
         raise InvalidArgumentType(
-            f"shape must be a sequence of ints, got {type(shape).__name__} {shape!r}") from None
+            f"shape must be an int or a sequence of ints (e.g. (4096, 4096)), got "
+            f"{type(shape).__name__} {shape!r}") from None
     if not dims or any(d < 0 for d in dims):
         raise InvalidArgument(f"shape must have at least one non-negative dimension, got {dims}")
     return dims

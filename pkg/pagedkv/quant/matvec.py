@@ -44,13 +44,15 @@ def _validate(raw, fmt, shape, x):
     if not isinstance(x, np.ndarray):
         raise InvalidArgumentType(f"x must be a numpy.ndarray of float32, got {type(x).__name__}")
     if x.dtype != np.float32:
-        raise InvalidArgumentType(f"x must have dtype float32, got {x.dtype}")
+        raise InvalidArgumentType(
+            f"x must have dtype float32, got {x.dtype}; convert explicitly with "
+            "x.astype(np.float32)")
     if x.ndim not in (1, 2) or x.shape[-1] != k:
         raise InvalidArgument(f"x must be [K] or [B, K] with K = {k}, got shape {x.shape}")
     batch = 1 if x.ndim == 1 else x.shape[0]
     if not 1 <= batch <= MAX_BATCH:
         raise InvalidArgument(f"x holds {batch} rows; gemv takes 1 to {MAX_BATCH}")
-    return codec, data, m, k
+    return codec, data, m, k, batch
 
 
 def _gemv_by_row_blocks(data, codec, m, k, x2):
@@ -74,11 +76,14 @@ def _gemv_by_row_blocks(data, codec, m, k, x2):
 
 def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray:
     """``x · Wᵀ`` for a quantized ``W`` of ``shape`` ``[M, K]`` (see :func:`pagedkv.quant.gemv`)."""
-    codec, data, m, k = _validate(raw, fmt, shape, x)
-    x2 = np.ascontiguousarray(x.reshape(-1, k))
+    codec, data, m, k, batch = _validate(raw, fmt, shape, x)
+    x2 = np.ascontiguousarray(x.reshape(batch, k))
     if not np.isfinite(x2).all():
-        raise InvalidArgument("x holds NaN or Inf")
-    y = np.empty((x2.shape[0], m), np.float32)
+        raise InvalidArgument("x holds NaN or Inf; gemv takes finite activations only")
+    y = np.empty((batch, m), np.float32)
+    if k == 0 or m == 0:  # an empty sum: no kernel has anything to read
+        y.fill(0.0)
+        return y[0] if x.ndim == 1 else y
     if codec.kind == AFFINE and k % codec.group_size == 0 and (not codec.rotated or k % 256 == 0):
         gemv_kernels.gemv_affine(data, m, k, codec.family, codec.bits, codec.group_size, x2, y)
     elif codec.kind == Q8 and k % 32 == 0:

@@ -1,0 +1,94 @@
+"""Argument errors of the pagedkv.quant API: the specific exception, a message naming the
+argument, the value and the fix, and the caller's arrays left unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pagedkv import quant
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.quant.formats import CODECS
+
+RNG = np.random.default_rng(20261130)
+X = RNG.standard_normal((4, 256)).astype(np.float32)
+RAW = quant.quantize(X, "hfq4g256")
+
+
+@pytest.mark.parametrize("shape", [(4.5, 256), "4,256", b"\x04", (True, 1024), True, None,
+                                   (4, "256"), (4, 256.0)])
+def test_a_shape_that_is_not_ints_is_refused_not_truncated(shape):
+    with pytest.raises(InvalidArgumentType, match=r"shape must be an int or a sequence of "
+                                                  r"ints \(e\.g\. \(4096, 4096\)\), got "):
+        quant.dequantize(RAW, "hfq4g256", shape)
+    with pytest.raises(InvalidArgumentType, match="shape must be an int or a sequence"):
+        quant.gemv(RAW, "hfq4g256", shape, X[0])
+
+
+def test_numpy_integer_dims_are_accepted():
+    dims = (np.int64(4), np.uint16(256))
+    assert quant.dequantize(RAW, "hfq4g256", dims).tobytes() == \
+        quant.dequantize(RAW, "hfq4g256", (4, 256)).tobytes()
+    assert quant.dequantize(RAW, "hfq4g256", np.int32(1024)).shape == (1024,)
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    (np.full((4, 255), 7, np.float32), r"out must have shape \(4, 256\), got shape \(4, 255\)"),
+    (np.full((4, 512), 7, np.float32)[:, ::2],
+     r"out \(shape \(4, 256\)\) must be C-contiguous, got strides \(2048, 8\); pass np\.empty"),
+    (np.full((256, 4), 7, np.float32).T, r"out .* must be C-contiguous"),
+])
+def test_a_wrong_out_is_named_precisely_and_left_unchanged(out, message):
+    before = out.copy()
+    with pytest.raises(InvalidArgument, match=message):
+        quant.dequantize(RAW, "hfq4g256", (4, 256), out=out)
+    assert out.tobytes() == before.tobytes()
+
+
+def test_a_read_only_out_is_refused():
+    out = np.full((4, 256), 7, np.float32)
+    out.setflags(write=False)
+    with pytest.raises(InvalidArgument, match=r"out \(shape \(4, 256\)\) is read-only"):
+        quant.dequantize(RAW, "hfq4g256", (4, 256), out=out)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("array", [np.float32(1.0), np.zeros((), np.float32)])
+def test_scalars_and_0d_arrays_say_how_to_fix_them(array):
+    with pytest.raises((InvalidArgument, InvalidArgumentType),
+                       match=r"array must .*(np\.asarray|reshape it)"):
+        quant.quantize(array, "f32")
+
+
+def test_gemv_x_of_another_dtype_says_how_to_convert():
+    x = X[0].astype(np.float16)
+    with pytest.raises(InvalidArgumentType,
+                       match=r"x must have dtype float32, got float16; .*astype\(np\.float32\)"):
+        quant.gemv(RAW, "hfq4g256", (4, 256), x)
+
+
+@pytest.mark.parametrize(("m", "k", "x"), [(4, 0, np.zeros(0, np.float32)),
+                                           (4, 0, np.zeros((3, 0), np.float32)),
+                                           (0, 256, np.ones((2, 256), np.float32))])
+def test_gemv_with_an_empty_dimension_is_zeros(m, k, x):
+    y = quant.gemv(np.zeros(0, np.uint8), "hfq4g256", (m, k), x)
+    assert y.dtype == np.float32
+    assert y.shape == ((m,) if x.ndim == 1 else (x.shape[0], m))
+    assert not y.any()
+
+
+@pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
+@pytest.mark.parametrize("qt_id", sorted(CODECS))
+def test_quantize_and_gemv_never_modify_their_inputs(qt_id):
+    w = RNG.standard_normal((3, 256)).astype(np.float32)
+    w16 = w.astype(np.float16)
+    x = RNG.standard_normal((2, 256)).astype(np.float32)
+    copies = [a.copy() for a in (w, w16, x)]
+    raw = quant.quantize(w, qt_id)
+    raw_copy = raw.copy()
+    quant.quantize(w16, qt_id)
+    quant.gemv(raw, qt_id, (3, 256), x)
+    quant.dequantize(raw, qt_id, (3, 256))
+    quant.fwht256(x)
+    for a, before in zip((w, w16, x), copies, strict=True):
+        assert a.tobytes() == before.tobytes()
+    assert raw.tobytes() == raw_copy.tobytes()
