@@ -87,13 +87,19 @@ def test_sidecar_load_truncated_is_corrupt_and_other_layout_is_a_plain_miss(tmp_
         assert not path.exists() and not tier.contains(key)
 
 
-def test_sidecars_are_indexed_and_accounted_across_restart(tmp_path):
-    root = tmp_path / "root"
+def _two_blocks_and_a_sidecar(root):
+    """Persist 2 KV blocks and one GDN sidecar at ``root``; returns the sidecar's key."""
     lay = _layout()
     key = sidecar_key(DEFAULT_FORMAT, ColdGroup.GDN_STATE, FP, TOKENS, 4, 16)
     with open_tier(root) as tier:
         persist_prompt(tier, TOKENS[:8])  # 2 blocks
         assert tier.enqueue(SidecarJob(key, FP.hex(), lay, _payload(lay))) and tier.drain(5.0)
+    return key
+
+
+def test_sidecars_are_indexed_and_accounted_across_restart(tmp_path):
+    root = tmp_path / "root"
+    key = _two_blocks_and_a_sidecar(root)
     sizes = {n: os.path.getsize(root / n) for n in os.listdir(root)}
     assert len(sizes) == 3
     with open_tier(root) as tier:
@@ -111,11 +117,7 @@ def test_offline_verify_decodes_sidecars_too(tmp_path, capsys):
     """`pagedkv cold verify` checks every indexed object (§9), sidecars included."""
     from pagedkv.cli import main
     root = tmp_path / "pagedkv-v1"
-    lay = _layout()
-    key = sidecar_key(DEFAULT_FORMAT, ColdGroup.GDN_STATE, FP, TOKENS, 4, 16)
-    with open_tier(root) as tier:
-        persist_prompt(tier, TOKENS[:8])  # 2 blocks
-        assert tier.enqueue(SidecarJob(key, FP.hex(), lay, _payload(lay))) and tier.drain(5.0)
+    key = _two_blocks_and_a_sidecar(root)
     assert main(["cold", "verify", str(tmp_path)]) == 0
     assert "verified 3 objects: 3 ok, 0 bad" in capsys.readouterr().out
     name = object_name(key, ColdGroup.GDN_STATE)

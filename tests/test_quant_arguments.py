@@ -92,3 +92,74 @@ def test_quantize_and_gemv_never_modify_their_inputs(qt_id):
     for a, before in zip((w, w16, x), copies, strict=True):
         assert a.tobytes() == before.tobytes()
     assert raw.tobytes() == raw_copy.tobytes()
+
+
+# --- the low-level Cython entry points refuse what would overrun their buffers ---------
+
+from pagedkv.errors import SizeMismatch  # noqa: E402
+from pagedkv.quant import affine, fwht, gemv_kernels, half, q8  # noqa: E402
+
+ONES = np.ones(256, np.float32)
+
+
+@pytest.mark.parametrize(("family", "bits", "group", "message"), [
+    (9, 4, 256, r"family = 9: valid 0-3"),
+    (-1, 4, 256, r"family = -1: valid 0-3"),
+    (0, 4, 0, r"group = 0: valid 256, or 128 for AffineFamily\.HFQ"),
+    (0, 4, 512, r"group = 512"),
+    (1, 4, 128, r"group = 128: valid 256, or 128 for AffineFamily\.HFQ"),
+    (0, 7, 256, r"bits = 7: the affine codecs take 2 to 6 bits"),
+    (0, 1, 256, r"bits = 1"),
+    (3, 3, 256, r"bits = 3: AffineFamily\.MQ4C is 4-bit only"),
+])
+def test_affine_entry_points_refuse_unknown_geometry(family, bits, group, message):
+    out = np.full(4096, 0xAB, np.uint8)
+    with pytest.raises(InvalidArgument, match=message):
+        affine.encode(ONES, out, family, bits, group)
+    assert (out == 0xAB).all()
+    dec = np.full(256, 7, np.float32)
+    with pytest.raises(InvalidArgument, match=message):
+        affine.decode(np.zeros(4096, np.uint8), dec, family, bits, group)
+    assert (dec == 7).all()
+    y = np.full((1, 1), 7, np.float32)
+    with pytest.raises(InvalidArgument, match=message):
+        gemv_kernels.gemv_affine(np.zeros(4096, np.uint8), 1, 256, family, bits, group,
+                                 ONES.reshape(1, 256), y)
+    assert (y == 7).all()
+
+
+def test_every_implemented_affine_geometry_passes_the_guard():
+    for codec in CODECS.values():
+        if codec.family is None:
+            continue
+        out = np.empty(codec.nbytes(256), np.uint8)
+        assert affine.encode(ONES, out, codec.family, codec.bits, codec.group_size) == -1
+
+
+@pytest.mark.parametrize("call", [
+    lambda: affine.pack_codes(np.zeros(8, np.uint8), 9),
+    lambda: affine.pack_codes(np.zeros(8, np.uint8), 0),
+    lambda: affine.unpack_codes(np.zeros(8, np.uint8), 4, 0),
+    lambda: affine.unpack_codes(np.zeros(8, np.uint8), -1, 4),
+    lambda: fwht.header_sign_words(3),
+    lambda: affine.encode(ONES, np.empty(10, np.uint8), 0, 4, 256),
+    lambda: q8.encode(ONES, np.empty(3, np.uint8)),
+    lambda: half.f16_trunc(ONES, np.empty(3, np.uint16)),
+    lambda: half.f16_to_f32(np.zeros(256, np.uint16), np.empty(3, np.float32)),
+    lambda: fwht.fwht_rows(np.zeros((4, 256), np.float32), np.empty((2, 256), np.float32)),
+    lambda: gemv_kernels.gemv_q8f16(np.zeros(3, np.uint8), 4, 256,
+                                    np.zeros((1, 256), np.float32),
+                                    np.empty((1, 4), np.float32)),
+])
+def test_low_level_argument_errors_come_from_pagedkv_errors(call):
+    with pytest.raises(InvalidArgument):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: affine.decode(np.zeros(10, np.uint8), np.empty(256, np.float32), 0, 4, 256),
+    lambda: q8.decode(np.zeros(3, np.uint8), np.empty(256, np.float32)),
+])
+def test_a_short_payload_is_a_size_mismatch(call):
+    with pytest.raises(SizeMismatch, match=r"raw has \d+ bytes, 256 weights need"):
+        call()

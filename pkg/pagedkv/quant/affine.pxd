@@ -5,3 +5,7 @@ cpdef enum AffineFamily:
     MQ_V1 = 1      # qt 13, 15, 17, 18, 31: HFQ bytes of the FWHT-256-rotated group
     MQ_V2 = 2      # qt 44, 47-50: per-128 f16 (scale, zero), rotated
     MQ4C = 3       # qt 45: one f16 (scale, zero) per 256, rotated
+
+# Raises InvalidArgument unless (family, bits, group) is a geometry the loops handle: the
+# low-level entry points index fixed 256-float scratch buffers and 128-float planes.
+cdef int check_affine_geometry(int family, int bits, Py_ssize_t group) except -1

@@ -21,23 +21,42 @@ from pagedkv.quant.quant_header cimport (
 
 cnp.import_array()
 
+from pagedkv.errors import InvalidArgument, SizeMismatch
+
+
+cdef int check_affine_geometry(int family, int bits, Py_ssize_t group) except -1:
+    # The codecs' formats (hfqm-and-quant.md §1.1): HFQ G128/G256 at 2-6 bits, the rotated
+    # families G256 only, MQ4C 4-bit only. Anything else would overrun the scratch buffers.
+    if family < HFQ or family > MQ4C:
+        raise InvalidArgument(f"family = {family}: valid 0-3 (AffineFamily.HFQ..MQ4C)")
+    if bits < 2 or bits > 6:
+        raise InvalidArgument(f"bits = {bits}: the affine codecs take 2 to 6 bits")
+    if group != 256 and (group != 128 or family != HFQ):
+        raise InvalidArgument(f"group = {group}: valid 256, or 128 for AffineFamily.HFQ")
+    if family == MQ4C and bits != 4:
+        raise InvalidArgument(f"bits = {bits}: AffineFamily.MQ4C is 4-bit only")
+    return 0
+
 
 cdef inline Py_ssize_t group_bytes(int bits, Py_ssize_t group) noexcept nogil:
     return 8 + bits * group // 8
 
 
-def encode(const float[::1] x, uint8_t[::1] out, AffineFamily family, int bits, Py_ssize_t group):
+def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_t group):
     """Encode ``x`` into ``out`` (``ceil(len(x)/group)`` groups of ``8 + bits*group/8`` bytes).
 
     Returns -1, or the index of the first NaN/Inf in ``x`` (nothing is guaranteed
-    about ``out`` then). The caller validates sizes; rotated families need group 256.
+    about ``out`` then). Raises InvalidArgument for a geometry no format uses (rotated
+    families need group 256) or an ``out`` of the wrong size.
     """
-    cdef Py_ssize_t n = x.shape[0], B = group_bytes(bits, group)
-    cdef Py_ssize_t g, start, count, bad = -1, n_groups = (n + group - 1) // group
+    cdef Py_ssize_t n = x.shape[0], B, g, start, count, bad = -1, n_groups
     cdef uint8_t q[256]
     cdef float buf[256]
+    check_affine_geometry(family, bits, group)  # before dividing by group
+    B = group_bytes(bits, group)
+    n_groups = (n + group - 1) // group
     if out.shape[0] != n_groups * B:
-        raise ValueError(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
     if n == 0:
         return -1
     with nogil:
@@ -74,17 +93,20 @@ cdef enum:
     DECODE_BATCH_GROUPS = 64    # groups decoded then un-rotated together (64 KiB, L2-resident)
 
 
-def decode(const uint8_t[::1] raw, float[::1] out, AffineFamily family, int bits,
+def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
            Py_ssize_t group, bint rotated_basis=False):
     """Decode ``len(out)`` weights from ``raw``. For rotated families the result is in the
     original basis (Rᵀ applied per group) unless ``rotated_basis`` (the stored basis)."""
-    cdef Py_ssize_t n = out.shape[0], B = group_bytes(bits, group)
-    cdef Py_ssize_t i, g, count, n_groups = (n + group - 1) // group
-    cdef Py_ssize_t n_whole = n // group, batch = DECODE_BATCH_GROUPS
+    cdef Py_ssize_t n = out.shape[0], B, i, g, count, n_groups, n_whole
+    cdef Py_ssize_t batch = DECODE_BATCH_GROUPS
     cdef float buf[256]
     cdef bint unrotate = family != HFQ and not rotated_basis
+    check_affine_geometry(family, bits, group)  # before dividing by group
+    B = group_bytes(bits, group)
+    n_groups = (n + group - 1) // group
+    n_whole = n // group
     if raw.shape[0] != n_groups * B:
-        raise ValueError(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
     if n == 0:
         return
     with nogil:
@@ -106,9 +128,11 @@ def pack_codes(const uint8_t[::1] q, int bits):
     """Pack codes (each < 2**bits) as the LSB-first stream of §3.4; returns uint8 bytes."""
     cdef Py_ssize_t n = q.shape[0]
     cdef Py_ssize_t i
+    if bits < 1 or bits > 8:
+        raise InvalidArgument(f"bits = {bits}: codes are 1 to 8 bits wide")
     for i in range(n):
         if q[i] >> bits:
-            raise ValueError(f"code {q[i]} at index {i} does not fit in {bits} bits")
+            raise InvalidArgument(f"code {q[i]} at index {i} does not fit in {bits} bits")
     out = bytearray((n * bits + 7) // 8)
     cdef uint8_t[::1] o = out
     if n:
@@ -118,8 +142,12 @@ def pack_codes(const uint8_t[::1] q, int bits):
 
 def unpack_codes(const uint8_t[::1] payload, Py_ssize_t n, int bits):
     """The first ``n`` codes of an LSB-first stream (element by element, the kernels' accessor)."""
+    if bits < 1 or bits > 8:
+        raise InvalidArgument(f"bits = {bits}: codes are 1 to 8 bits wide")
+    if n < 0:
+        raise InvalidArgument(f"n = {n}: the code count must be >= 0")
     if (n * bits + 7) // 8 > payload.shape[0]:
-        raise ValueError(f"{n} codes of {bits} bits need {(n * bits + 7) // 8} bytes")
+        raise InvalidArgument(f"{n} codes of {bits} bits need {(n * bits + 7) // 8} bytes")
     out = bytearray(n)
     cdef uint8_t[::1] o = out
     cdef Py_ssize_t j

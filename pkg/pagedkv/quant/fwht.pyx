@@ -19,6 +19,8 @@ from pagedkv.quant.quant_header cimport (
 
 cnp.import_array()
 
+from pagedkv.errors import InvalidArgument
+
 cdef extern from "fwht_loops.h" nogil:
     void pkv_cpu_fwht256_rows(const float *x, float *y, Py_ssize_t n_rows,
                               const float *pre, const float *post_scaled)
@@ -50,7 +52,7 @@ def fwht_rows(const float[:, ::1] x, float[:, ::1] out, bint inverse=False):
     own buffer only if ``x`` was passed writable). ``inverse`` applies Rᵀ."""
     cdef Py_ssize_t n = x.shape[0]
     if x.shape[1] != 256 or out.shape[0] != n or out.shape[1] != 256:
-        raise ValueError("fwht_rows needs [n, 256] float32 input and output of equal shape")
+        raise InvalidArgument("fwht_rows needs [n, 256] float32 input and output of equal shape")
     if n == 0:
         return
     with nogil:
@@ -62,8 +64,11 @@ def fwht_rows(const float[:, ::1] x, float[:, ::1] out, bint inverse=False):
 
 def header_sign_words(int table):
     """The packed sign words of ``pagedkv/quant.h`` (table 1 = SIGNS1, 2 = SIGNS2), uint32[8]."""
-    cdef cnp.ndarray[cnp.uint32_t, ndim=1] out = np.empty(8, dtype=np.uint32)
+    cdef cnp.ndarray[cnp.uint32_t, ndim=1] out
     cdef uint32_t w
+    if table != 1 and table != 2:
+        raise InvalidArgument(f"table = {table}: 1 (SIGNS1) or 2 (SIGNS2)")
+    out = np.empty(8, dtype=np.uint32)
     for w in range(8):
         out[w] = pkv_signs1_word(w) if table == 1 else pkv_signs2_word(w)
     return out

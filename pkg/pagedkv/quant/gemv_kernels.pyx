@@ -11,9 +11,12 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport free, malloc
 
+from pagedkv.quant.affine cimport check_affine_geometry
 from pagedkv.quant.fwht cimport rotate256
 
 cnp.import_array()
+
+from pagedkv.errors import InvalidArgument
 
 cdef extern from "gemv_loops.h" nogil:
     void pkv_cpu_gemv_affine(const uint8_t *w, Py_ssize_t m, Py_ssize_t k, unsigned bits,
@@ -59,12 +62,13 @@ def gemv_affine(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, int family, in
     cdef float *xp
     cdef float *xsum
     cdef float acc
+    check_affine_geometry(family, bits, group)
     if nb < 1 or nb > MAX_BATCH or x.shape[1] != k or y.shape[0] != nb or y.shape[1] != m:
-        raise ValueError("gemv_affine: x must be [1..8, k] and y [len(x), m]")
+        raise InvalidArgument("gemv_affine: x must be [1..8, k] and y [len(x), m]")
     if k % group or (family != FAMILY_HFQ and k % 256):
-        raise ValueError(f"gemv_affine: k={k} must be a multiple of the group ({group})")
+        raise InvalidArgument(f"gemv_affine: k={k} must be a multiple of the group ({group})")
     if w.shape[0] != m * (k // group) * (8 + bits * group // 8):
-        raise ValueError("gemv_affine: w has the wrong size")
+        raise InvalidArgument("gemv_affine: w has the wrong size")
     span = 128 if family == FAMILY_MQ_V2 else group
     n_spans = k // span
     if m == 0:
@@ -111,9 +115,9 @@ def gemv_q8f16(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, const float[:, 
     """``y = x · Wᵀ`` for a Q8F16 W of ``[m, k]`` (k % 32 == 0)."""
     cdef Py_ssize_t nb = x.shape[0], b, r
     if nb < 1 or nb > MAX_BATCH or x.shape[1] != k or y.shape[0] != nb or y.shape[1] != m:
-        raise ValueError("gemv_q8f16: x must be [1..8, k] and y [len(x), m]")
+        raise InvalidArgument("gemv_q8f16: x must be [1..8, k] and y [len(x), m]")
     if k % 32 or w.shape[0] != m * (k // 32) * 34:
-        raise ValueError("gemv_q8f16: k must be a multiple of 32 and w m*k/32*34 bytes")
+        raise InvalidArgument("gemv_q8f16: k must be a multiple of 32 and w m*k/32*34 bytes")
     with nogil:
         if m > 0 and k > 0:
             pkv_cpu_gemv_q8f16(&w[0], m, k, &x[0, 0], nb, &y[0, 0])

@@ -17,11 +17,13 @@ from pagedkv.quant.quant_header cimport (
 
 cnp.import_array()
 
+from pagedkv.errors import InvalidArgument
+
 
 def f16_trunc(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
-        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+        raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_trunc(x[i])
@@ -30,7 +32,7 @@ def f16_trunc(const float[::1] x, uint16_t[::1] out):
 def f16_rne(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
-        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+        raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_rne(x[i])
@@ -39,7 +41,7 @@ def f16_rne(const float[::1] x, uint16_t[::1] out):
 def bf16_trunc(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
-        raise ValueError(f"out has {out.shape[0]} elements, x has {n}")
+        raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_bf16_trunc(x[i])
@@ -48,7 +50,7 @@ def bf16_trunc(const float[::1] x, uint16_t[::1] out):
 def f16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t i, n = h.shape[0]
     if out.shape[0] != n:
-        raise ValueError(f"out has {out.shape[0]} elements, h has {n}")
+        raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
     with nogil:
         for i in range(n):
             out[i] = pkv_f16_to_f32(h[i])
@@ -57,7 +59,7 @@ def f16_to_f32(const uint16_t[::1] h, float[::1] out):
 def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t i, n = h.shape[0]
     if out.shape[0] != n:
-        raise ValueError(f"out has {out.shape[0]} elements, h has {n}")
+        raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
     with nogil:
         for i in range(n):
             out[i] = pkv_bf16_to_f32(h[i])

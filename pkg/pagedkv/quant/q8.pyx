@@ -13,6 +13,8 @@ from pagedkv.quant.quant_header cimport (
 
 cnp.import_array()
 
+from pagedkv.errors import InvalidArgument, SizeMismatch
+
 cdef enum:
     BLOCK = 32          # weights per block
     BLOCK_BYTES = 34    # f16 scale + 32 int8
@@ -24,8 +26,8 @@ def encode(const float[::1] x, uint8_t[::1] out):
     cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
     cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
     if out.shape[0] != n_blocks * BLOCK_BYTES:
-        raise ValueError(f"out has {out.shape[0]} bytes, the encoding needs "
-                         f"{n_blocks * BLOCK_BYTES}")
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
+                              f"{n_blocks * BLOCK_BYTES}")
     with nogil:
         for g in range(n_blocks):
             start = g * BLOCK
@@ -44,8 +46,8 @@ def decode(const uint8_t[::1] raw, float[::1] out):
     cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
     cdef float buf[BLOCK]
     if raw.shape[0] != n_blocks * BLOCK_BYTES:
-        raise ValueError(f"raw has {raw.shape[0]} bytes, {n} weights need "
-                         f"{n_blocks * BLOCK_BYTES}")
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
+                           f"{n_blocks * BLOCK_BYTES}")
     with nogil:
         for g in range(n_blocks):
             start = g * BLOCK
