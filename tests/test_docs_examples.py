@@ -72,3 +72,36 @@ def test_adapter_example_reuses_the_shared_prefix(tmp_path, monkeypatch, capsys)
     for code in python_blocks((DOCS / "adapter.md").read_text(encoding="utf-8")):
         exec(compile(code, "adapter.md", "exec"), namespace)  # noqa: S102 (our docs)
     assert capsys.readouterr().out == "req-1 reused 0 tokens\nreq-2 reused 64 tokens\n"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``pagedkv.a.b.c`` names an importable module or an attribute of one."""
+    import importlib
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.skipif(not DOCS.is_dir(), reason="docs/ is not next to the tests")
+def test_every_dotted_pagedkv_name_in_the_guides_exists():
+    names = set()
+    for page in (*PAGES, "cli.md", "installation.md", "development.md", "../README.md"):
+        text = (DOCS / page).read_text(encoding="utf-8")
+        names |= {(page, n) for n in re.findall(r"`(pagedkv(?:\.[A-Za-z_]\w*)+)", text)}
+    assert len(names) > 20
+    assert sorted(n for n in names if not _resolves(n[1])) == []
+
+
+def test_resolves():
+    assert _resolves("pagedkv.allocator.BlockAllocator.find_longest_cache_hit")
+    assert not _resolves("pagedkv.allocator.BlockAllocator.find_longest_hit")
+    assert not _resolves("pagedkv.nonexistent")

@@ -98,3 +98,17 @@ def test_block_identity_token_range_message_names_the_values():
     with pytest.raises(InvalidArgument,
                        match=r"tokens must be in \[0, 2\*\*32\), got values in \[-1, 2\]"):
         BlockIdentity.of([-1, 2])
+
+
+@pytest.mark.parametrize("module", ["pagedkv.allocator", "pagedkv._reference"])
+def test_cache_full_blocks_with_a_partial_block_says_how_to_fix_it(module):
+    import importlib
+    alloc = importlib.import_module(module).BlockAllocator(8, 8, 4)
+    ids = alloc.allocate_many(3)
+    before = alloc.stats(), alloc.lru_hashes(), [alloc.ref_count(b) for b in range(8)]
+    with pytest.raises(InvalidArgument,
+                       match=r"register only the full blocks: "
+                             r"block_ids\[:len\(tokens\) // block_size\]"):
+        alloc.cache_full_blocks(np.arange(10, dtype=np.uint32), ids)
+    assert (alloc.stats(), alloc.lru_hashes(), [alloc.ref_count(b) for b in range(8)]) == before
+    assert alloc.cache_full_blocks(np.arange(10, dtype=np.uint32), ids[:10 // 4]) == 2

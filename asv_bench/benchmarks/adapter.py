@@ -3,9 +3,12 @@
 * bookkeeping per decode step (paged-kv.md §7.3): ``record_decode_tokens`` +
   ``prepare_decode`` for 64 live sequences, target <= 20 us, against a per-sequence dict/list
   implementation of the same bookkeeping;
-* ``write_kv_layers`` / ``gather_kv_layers`` of one block (16 tokens) across 32 layers
-  (NumPy pool, float16, 8 KV heads x 128), target >= 50% of this machine's copy bandwidth:
-  ``np.copyto`` of the same bytes.
+* ``write_kv_layers`` / ``gather_kv_layers`` and the per-layer forms (32 ``write_kv`` /
+  ``gather_kv`` calls) of one block (16 tokens) across 32 layers (NumPy pool, float16, 8 KV
+  heads x 128), target >= 50% of this machine's copy bandwidth: ``np.copyto`` of the same
+  bytes;
+* the single-token decode write (``write_kv`` of 1 token, 8 KV heads x 128, f16) per call,
+  against the bare NumPy assignment of the same K and V into their slot.
 
 Run with asv, or directly for a quick figure (min over repeats, microseconds):
 
@@ -92,24 +95,30 @@ class DecodeStepBookkeeping:
         self.naive.step(self.seqs, self.tokens)
 
 
+def _llama_shaped_adapter(tokens: int):
+    """An adapter over a 32-layer, 8 KV heads x 128, f16, 16-token-block NumPy pool holding
+    one sequence "s" of ``tokens`` recorded tokens."""
+    from pagedkv.adapter import PagedKVCacheAdapter
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+
+    g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                     dtype="float16")
+    adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0), LayerKVPool(g, 16))
+    adapter.reset_for_new_request("s")
+    adapter.find_cached_prefix("s", np.arange(tokens), skip_lookup=True)
+    adapter.allocate_suffix_blocks("s", tokens)
+    adapter.record_tokens("s", np.arange(tokens))
+    return adapter
+
+
 class BlockAcross32Layers:
     """One sequence's K/V for one full block in all 32 layers of a Llama-3-8B-shaped pool."""
 
     timeout = 120
 
     def setup(self):
-        from pagedkv.adapter import PagedKVCacheAdapter
-        from pagedkv.allocator import BlockAllocator
-        from pagedkv.pool import LayerKVPool, PoolGeometry
-
-        g = PoolGeometry(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                         dtype="float16")
-        self.adapter = PagedKVCacheAdapter(BlockAllocator(16, None, 16, hash_seed=0),
-                                           LayerKVPool(g, 16))
-        self.adapter.reset_for_new_request("s")
-        self.adapter.find_cached_prefix("s", np.arange(16), skip_lookup=True)
-        self.adapter.allocate_suffix_blocks("s", 16)
-        self.adapter.record_tokens("s", np.arange(16))
+        self.adapter = _llama_shaped_adapter(16)
         rng = np.random.default_rng(0)
         shape = (32, 16, 8, 128)
         self.k = rng.standard_normal(shape).astype(np.float16)
@@ -126,6 +135,39 @@ class BlockAcross32Layers:
 
     def time_gather_kv_layers(self):
         self.adapter.gather_kv_layers("s")
+
+    def time_write_kv_per_layer(self):
+        adapter, k, v = self.adapter, self.k, self.v
+        for layer in range(32):
+            adapter.write_kv("s", layer, k[layer], v[layer])
+
+    def time_gather_kv_per_layer(self):
+        adapter = self.adapter
+        for layer in range(32):
+            adapter.gather_kv("s", layer)
+
+
+class DecodeTokenWrite:
+    """``write_kv`` of one decode token (1 x 8 KV heads x 128, f16) into one layer, against
+    the bare NumPy assignment of the same K and V into that slot of a same-shaped layer."""
+
+    timeout = 120
+
+    def setup(self):
+        self.adapter = _llama_shaped_adapter(20)
+        rng = np.random.default_rng(0)
+        self.k = rng.standard_normal((1, 8, 128)).astype(np.float16)
+        self.v = rng.standard_normal((1, 8, 128)).astype(np.float16)
+        self.k_dst = np.zeros((16 * 16, 8, 128), np.float16)
+        self.v_dst = np.zeros_like(self.k_dst)
+        self.slot = np.array([19], np.intp)
+
+    def time_write_kv_one_token(self):
+        self.adapter.write_kv("s", 7, self.k, self.v)
+
+    def time_numpy_assign_baseline(self):
+        self.k_dst[self.slot] = self.k
+        self.v_dst[self.slot] = self.v
 
 
 def _min_us(fn, number: int = 64, repeat: int = 25) -> float:
@@ -148,7 +190,16 @@ if __name__ == "__main__":
     print(f"one block x 32 layers, f16 8x128, {io.nbytes / 2**20:.0f} MiB K+V "
           f"(np.copyto {copy_us:.1f} us, {io.nbytes / copy_us / 1e3:.1f} GB/s)")
     for name, fn in (("write_kv_layers", io.time_write_kv_layers),
-                     ("gather_kv_layers", io.time_gather_kv_layers)):
+                     ("gather_kv_layers", io.time_gather_kv_layers),
+                     ("write_kv x 32 layers", io.time_write_kv_per_layer),
+                     ("gather_kv x 32 layers", io.time_gather_kv_per_layer)):
         us = _min_us(fn, 50, 15)
+        copy_us = min(copy_us, _min_us(io.time_copyto_baseline, 50, 5))  # same load as fn
         print(f"  {name}: {us:.1f} us, {io.nbytes / us / 1e3:.1f} GB/s = "
               f"{copy_us / us:.1%} of copy (target >= 50%)")
+    dec = DecodeTokenWrite()
+    dec.setup()
+    write_us = _min_us(dec.time_write_kv_one_token, 1000, 15)
+    assign_us = _min_us(dec.time_numpy_assign_baseline, 1000, 15)
+    print(f"decode write_kv, 1 token x 8 x 128 f16 into one layer: {write_us:.2f} us per call "
+          f"(bare NumPy k[slot] = k; v[slot] = v: {assign_us:.2f} us)")

@@ -82,6 +82,27 @@ class BlockOfTokensAcross32Layers:
             GEOMETRY.block_buffer_shape))
 
 
+class DecodeTokenWrite:
+    """write_tokens of one decode token (1 x 8 KV heads x 128, f16) into one layer, against
+    the bare NumPy assignment of the same K and V into that slot of the pool's own arrays."""
+
+    def setup(self):
+        self.pool = LayerKVPool(GEOMETRY, NUM_BLOCKS)
+        rng = np.random.default_rng(0)
+        shape = (1, GEOMETRY.num_kv_heads, GEOMETRY.head_dim)
+        self.k = rng.standard_normal(shape).astype(np.float16)
+        self.v = rng.standard_normal(shape).astype(np.float16)
+        self.slots = np.array([BLOCK * GEOMETRY.block_size + 3], dtype=np.int32)
+        self.k_slots, self.v_slots = (a.reshape(-1, *shape[1:]) for a in self.pool.layer(7))
+
+    def time_write_tokens_one_token(self):
+        self.pool.write_tokens(7, self.slots, self.k, self.v)
+
+    def time_numpy_assign_baseline(self):
+        self.k_slots[self.slots] = self.k
+        self.v_slots[self.slots] = self.v
+
+
 class GrowDoubling:
     """grow_to(2 * num_blocks) of a pool holding ``pool_mib`` MiB vs ``ndarray.copy()`` of the
     same bytes (a copy into freshly allocated memory, as growth must make)."""
@@ -165,6 +186,12 @@ def main(argv=None) -> None:
             print(f"  {backend:5s} {name:24s} {t * 1e6:8.1f} us {nbytes / t / 1e9:6.2f} GB/s | "
                   f"np.copyto {base * 1e6:6.1f} us {nbytes / base / 1e9:6.2f} GB/s | "
                   f"{base / t:6.1%} of copy")
+    dec = DecodeTokenWrite()
+    dec.setup()
+    t, base = _paired_best_seconds(dec.time_write_tokens_one_token,
+                                   dec.time_numpy_assign_baseline, 2000, 9)
+    print(f"  numpy write_tokens of 1 decode token  {t * 1e6:6.2f} us per call | bare NumPy "
+          f"k[slot] = k; v[slot] = v {base * 1e6:6.2f} us")
     grow, copy = _grow_case(args.grow_mib, args.grow_repeat)
     print(f"grow_to doubling a {args.grow_mib} MiB pool: {grow * 1e3:.1f} ms; copy of the same "
           f"bytes {copy * 1e3:.1f} ms; ratio {grow / copy:.2f}x")

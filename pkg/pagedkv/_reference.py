@@ -631,7 +631,8 @@ class BlockAllocator:
         if len(ids) * bs > len(toks):
             raise InvalidArgument(
                 f"block_ids has {len(ids)} blocks ({len(ids) * bs} tokens at block_size "
-                f"{bs}) but tokens has only {len(toks)}")
+                f"{bs}) but tokens has only {len(toks)}; register only the full blocks: "
+                "block_ids[:len(tokens) // block_size]")
         if per_block is not None and len(per_block) < len(ids):
             raise InvalidArgument(
                 f"extra_keys_per_block has {len(per_block)} entries for {len(ids)} blocks; "

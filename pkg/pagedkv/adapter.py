@@ -509,10 +509,19 @@ class PagedKVCacheAdapter:
         :meth:`record_tokens`). Bad shape, dtype, layer or positions change nothing; a
         ``generation`` other than the pool's raises ``StaleBlockTable``."""
         row = self._row(seq_id)
+        have = int(self._num_tokens[row])
+        # Fast path (once per layer per step): the pool's C copy takes exact-kind arrays and
+        # checks everything else; only the recorded-positions bound is the adapter's.
+        if type(k) is np.ndarray and k.ndim == 3:
+            n = k.shape[0]
+            first = have - n if start is None else start
+            if type(first) is int and 0 <= first and first + n <= have and n and \
+                    self.pool.try_write_positions(layer, self._table[row], first, k, v,
+                                                  generation=generation):
+                return
         layer = self._check_layer(layer)
         n = self._token_count("k", k, None)
         self._token_count("v", v, n)
-        have = int(self._num_tokens[row])
         first = have - n if start is None else _as_count(start, "start")
         if first < 0 or first + n > have:
             raise InvalidArgument(
@@ -541,8 +550,11 @@ class PagedKVCacheAdapter:
     def gather_kv(self, seq_id: Hashable, layer: int, *, generation: int | None = None):
         """Copies of the sequence's K and V, ``[num_tokens, kv_heads, head_dim]``, in order."""
         row = self._row(seq_id)
-        layer = self._check_layer(layer)
         n = int(self._num_tokens[row])
+        out = self.pool.try_gather(layer, self._table[row], n, generation=generation)
+        if out is not None:
+            return out
+        layer = self._check_layer(layer)
         return self.pool.gather(layer, self._table[row, :self._blocks_for(n)], n,
                                 generation=generation)
 

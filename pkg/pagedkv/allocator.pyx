@@ -983,7 +983,8 @@ cdef class BlockAllocator:
         if n * bs > tok.shape[0]:
             raise InvalidArgument(
                 f"cache_full_blocks: {n} block_ids need {n * bs} tokens at block_size {bs}, "
-                f"but tokens has {tok.shape[0]}")
+                f"but tokens has {tok.shape[0]}; register only the full blocks: "
+                f"block_ids[:len(tokens) // block_size]")
         if keys.per_block and keys.max_blocks < n:
             raise InvalidArgument(
                 f"cache_full_blocks: extra_keys_per_block has {keys.max_blocks} entries for "

@@ -6,7 +6,8 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="print the build configuration and run a self-check")
+    p = sub.add_parser("config", help="print the build configuration; --self-check also "
+                                      "tests the allocator")
     p.add_argument("--self-check", action="store_true",
                    help="also run a short allocator self-check")
     p.set_defaults(func=run)

@@ -82,6 +82,7 @@ class _ClosedStorage:
     """Stands in for the storage of a closed pool: every use raises."""
 
     backend = "closed"
+    slot_copier = None
 
     def __getattr__(self, name):
         raise PagedKVError("the pool is closed; build a new LayerKVPool")
@@ -140,6 +141,8 @@ class LayerKVPool:
         self._geometry = geometry
         self._backend = backend
         self._storage = storage
+        # The storage's C fast path for per-layer token calls (None: always validate in Python).
+        self._slot_copier = storage.slot_copier
         self._num_blocks = num_blocks
         self._max_num_blocks = max_num_blocks
         self._generation = 0
@@ -316,10 +319,20 @@ class LayerKVPool:
 
     # -- token scatter / gather ------------------------------------------------------------
 
+    # The per-layer calls run once per layer per sequence per decode step, so each first
+    # offers its arguments to the storage's C fast path (NumPy backend), which copies only
+    # when every argument is of the exact expected kind and in range, and otherwise declines
+    # without touching the pool. Declined calls take the validating path below: it alone
+    # raises, with the same messages whichever path ran.
+
     def write_tokens(self, layer: int, slots, k, v, *, generation: int | None = None) -> None:
         """Write ``n`` tokens' K and V (``[n, kv_heads, head_dim]``, pool dtype) of ``layer``
         into ``slots`` (``int[n]``). Duplicate slots: the last write wins."""
         with self._lock:
+            copier = self._slot_copier
+            if copier is not None and (generation is None or generation == self._generation) \
+                    and copier.write_slots(layer, slots, k, v):
+                return
             self.check_generation(generation)
             layer = self._layer_index(layer)
             slots = self._slots(slots)
@@ -328,6 +341,19 @@ class LayerKVPool:
             k = self._payload("k", k, expected, meaning)
             v = self._payload("v", v, expected, meaning)
             self._storage.write_tokens(layer, slots, k, v)
+
+    def try_write_positions(self, layer: int, block_ids, start: int, k, v, *,
+                            generation: int | None = None) -> bool:
+        """The fast path alone: write ``k``, ``v`` (``[n, kv_heads, head_dim]``) of ``layer``
+        at positions ``[start, start + n)`` of the sequence whose block table row is
+        ``block_ids``, and return True; or return False, having changed nothing, when the
+        arguments are not C-contiguous ndarrays of the pool dtype and shape, an int32/int64
+        table and ``int`` layer/start all in range (or the backend has no fast path). Callers
+        then take a validating path (:meth:`slots_for_positions` + :meth:`write_tokens`)."""
+        with self._lock:
+            copier = self._slot_copier
+            return copier is not None and (generation is None or generation == self._generation) \
+                and copier.write_positions(layer, block_ids, start, k, v)
 
     def write_tokens_layers(self, slots, k_layers, v_layers, *,
                             generation: int | None = None) -> None:
@@ -346,10 +372,26 @@ class LayerKVPool:
         """K and V of positions ``[0, num_tokens)`` of the sequence whose block table row is
         ``block_ids``: new contiguous ``[num_tokens, kv_heads, head_dim]`` arrays."""
         with self._lock:
+            copier = self._slot_copier
+            if copier is not None and (generation is None or generation == self._generation):
+                out = copier.gather(layer, block_ids, num_tokens)
+                if out is not None:
+                    return out
             self.check_generation(generation)
             layer = self._layer_index(layer)
             slots = self._table_slots(block_ids, num_tokens)
             return self._storage.gather(layer, slots)
+
+    def try_gather(self, layer: int, block_ids, num_tokens: int, *,
+                   generation: int | None = None):
+        """The fast path of :meth:`gather` alone: its result, or None (nothing done) when the
+        arguments are not of the exact kind the C path takes (see :meth:`try_write_positions`)
+        or the backend has none. Callers then validate and call :meth:`gather`."""
+        with self._lock:
+            copier = self._slot_copier
+            if copier is not None and (generation is None or generation == self._generation):
+                return copier.gather(layer, block_ids, num_tokens)
+            return None
 
     def gather_layers(self, block_ids, num_tokens: int, *, generation: int | None = None):
         """All-layers form of :meth:`gather`: ``(k_layers, v_layers)``, each
@@ -454,6 +496,7 @@ class LayerKVPool:
                 # The pool lock is held through the copy so no concurrent write is lost.
                 with self._lock:
                     self._storage = self._storage.grown(new_num_blocks)
+                    self._slot_copier = self._storage.slot_copier
                     self._num_blocks = new_num_blocks
                     self._generation += 1
                     generation = self._generation
@@ -478,5 +521,6 @@ class LayerKVPool:
         """Drop the arrays and release the memory-budget debit. Idempotent."""
         with self._lock:
             self._storage = _ClosedStorage()
+            self._slot_copier = None
         if self._budget is not None:
             self._budget.release_pool(self._pool_id)

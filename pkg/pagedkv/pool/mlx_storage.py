@@ -47,6 +47,8 @@ class MlxKVStorage:
 
     backend = "mlx"
     __slots__ = ("_dtype", "_is_bf16", "_mx", "geometry", "k", "num_blocks", "v")
+    # No C fast path: every token call goes through LayerKVPool's validating path.
+    slot_copier = None
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,
                  k: list | None = None, v: list | None = None) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentType
 from pagedkv.pool.geometry import PoolGeometry
+from pagedkv.pool.slot_copy import SlotCopier
 
 __all__ = ["NumpyKVStorage"]
 
@@ -25,7 +26,8 @@ class NumpyKVStorage:
     """One generation of a NumPy pool's arrays (immutable size; growth builds a new one)."""
 
     backend = "numpy"
-    __slots__ = ("_blocks", "_layer_tokens", "_tokens", "array", "geometry", "num_blocks")
+    __slots__ = ("_blocks", "_layer_tokens", "_tokens", "array", "geometry", "num_blocks",
+                 "slot_copier")
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,
                  array: np.ndarray | None = None) -> None:
@@ -46,6 +48,8 @@ class NumpyKVStorage:
         # per-layer call costs as much as the copy of a decode token.
         self._layer_tokens = [(self._tokens[i, 0], self._tokens[i, 1])
                               for i in range(g.num_layers)]
+        # The C fast path of the per-layer token calls (LayerKVPool tries it first).
+        self.slot_copier = SlotCopier(array)
 
     def __repr__(self) -> str:
         return (f"NumpyKVStorage(num_blocks={self.num_blocks}, shape={self.array.shape}, "
