@@ -342,3 +342,35 @@ def test_a_failed_write_leaves_the_key_free_for_a_later_walk(tmp_path):
                            extra_keys_per_block=None, pool=pool, allocator=alloc)
         assert out.enqueued == 1 and tier.drain(5.0)
         assert len(os.listdir(tmp_path / "root")) == 1
+
+
+def test_a_dropped_or_failed_capture_returns_its_buffer_for_reuse(tmp_path):
+    """A capture buffer is a fresh ~slab-sized array otherwise: page faults on the
+    inference thread exactly when the disk is behind (queue drops) or a read fails."""
+    from pagedkv.cold import DEFAULT_FORMAT
+    from pagedkv.cold.capture import capture_and_enqueue_before
+    from pagedkv.cold.codec import BlockGeometry
+    pool = FakePool()
+    no_refcounts = object()  # an allocator without incref: the block is not held
+    geometry = BlockGeometry.of(pool.geometry)
+    keys = cold_key_chain(DEFAULT_FORMAT, ColdGroup.KV, FP, TOKENS_12, geometry.block_size)
+    with open_tier(tmp_path / "root", queue_depth=1) as tier:
+        writer = tier.writer
+        writer.hold()
+
+        def capture(i):
+            return capture_and_enqueue_before(
+                tier, pool, no_refcounts, i, keys[i], TOKENS_12[4 * i:4 * i + 4],
+                time.monotonic(), fingerprint_hex=FP.hex(), geometry=geometry)
+
+        assert capture(0) is True          # fills the queue (depth 1)
+        assert len(writer._spare) == 0
+        assert capture(1) is False         # dropped: its buffer goes back
+        assert len(writer._spare) == 1
+        spare = writer._spare[0]
+        pool.fail_reads = True
+        with pytest.raises(RuntimeError, match="injected pool read failure"):
+            capture(2)
+        assert writer._spare == [spare]    # the same buffer was taken and given back
+        writer.release()
+        assert tier.drain(5.0)

@@ -63,21 +63,33 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
     if len(tokens) != geometry.block_size:
         raise InvalidArgument(f"tokens has {len(tokens)} tokens; only full blocks of "
                               f"block_size = {geometry.block_size} are persisted")
-    buffer = tier.writer.take_buffer((geometry.num_layers, 2, geometry.slab_bytes))
+    writer = tier.writer
+    taken = writer.take_buffer((geometry.num_layers, 2, geometry.slab_bytes))
     held = _hold(allocator, block_id)
     try:
-        out = pool.read_block(int(block_id), out=buffer)
+        out = pool.read_block(int(block_id), out=taken)
+    except BaseException:
+        writer.give_back(taken)
+        raise
     finally:
         if held:
             allocator.free(block_id)
-    recycle = out is buffer
+    recycle = out is taken
     if not recycle:
-        buffer = np.ascontiguousarray(out, dtype=np.uint8)
+        writer.give_back(taken)
+    buffer = taken if recycle else np.ascontiguousarray(out, dtype=np.uint8)
     toks = np.array(tokens, dtype=np.uint32)  # the job owns its tokens
     # The checksum is left to the writer's hashing stage: SHA-256 of a 200 KB block alone
     # would take most of the 0.25 ms this thread may spend per block (§7.4).
     job = BlockJob(key, fingerprint_hex, geometry, toks, buffer, recycle=recycle)
-    return tier.enqueue_before(job, deadline)
+    accepted = False
+    try:
+        accepted = tier.enqueue_before(job, deadline)
+    finally:
+        # a dropped job's buffer is reused: a fresh one is page faults on this thread
+        if not accepted and recycle:
+            writer.give_back(buffer)
+    return accepted
 
 
 def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int = 0,

@@ -250,7 +250,8 @@ class ColdWriter:
                     return self._spare.pop(i)
         return np.empty(shape, dtype=np.uint8)
 
-    def _give_back(self, buffer: np.ndarray) -> None:
+    def give_back(self, buffer: np.ndarray) -> None:
+        """Return a ``take_buffer`` buffer no job took (kept while spares are few)."""
         with self._spare_lock:
             if len(self._spare) < self.queue_depth + 2:
                 self._spare.append(buffer)
@@ -333,7 +334,7 @@ class ColdWriter:
             # may try again).
             self._done_with(job.key)
             if job.recycle:
-                self._give_back(job.buffer)
+                self.give_back(job.buffer)
 
     def _persist(self, job, chunks, size) -> bool:
         if self.service_delay_s:
