@@ -58,7 +58,7 @@ def test_multi_block_prefix_restores_after_restart(tmp_path):
         assert len(ids) == 3 and ids.dtype == np.int32
         assert b.stats().hits == 3 and b.stats().corruptions == 0
         assert b.stats().bytes_restored == sum(os.path.getsize(root / n) for n in os.listdir(root))
-        for src, dst in zip(ids_a, ids):
+        for src, dst in zip(ids_a, ids, strict=True):
             assert np.array_equal(pool_b.data[dst], pool_a.data[src])
         # Published with the request's identities, one caller ref + one prefix ref.
         assert [int(alloc_b.ref[i]) for i in ids] == [2, 2, 2]
