@@ -145,7 +145,12 @@ def test_a_root_owned_by_another_user_is_refused_with_the_fix(tmp_path, capsys, 
     assert _state(root) == before and os.stat(root).st_mode & 0o777 == 0o755
 
 
-@pytest.mark.parametrize("size", ["10XB", "-1", "", "1.5G", "0x10", "1 K B"])
+def test_size_units_accept_b_kb_and_kib_spellings():
+    assert [parse_size(t) for t in ("10", "10B", "10kb", "10KiB", " 3 g ", "1T")] == \
+        [10, 10, 10240, 10240, 3 << 30, 1 << 40]
+
+
+@pytest.mark.parametrize("size", ["10XB", "-1", "", "1.5G", "0x10", "1 K B", "10iB", "5 MM"])
 def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size):
     root = _populate(tmp_path, 1)
     before = _state(root)

@@ -232,3 +232,14 @@ def test_public_header_bound_matches_the_spec_formula():
     assert BlockGeometry(16, 2, 8, 128, "q8").slab_bytes == 16 * 8 * 128 // 32 * 34
     with pytest.raises(InvalidArgument, match="multiple of 32"):
         BlockGeometry(16, 2, 8, 48, "q8")
+
+
+@pytest.mark.parametrize("data", ["text", None, 12, [0, 1]])
+def test_decoding_a_non_bytes_object_is_a_type_error_naming_it(data):
+    from pagedkv.cold.codec import decode_block, decode_sidecar
+    from pagedkv.errors import InvalidArgumentType
+    match = rf"data must be a bytes-like object .*got {type(data).__name__}"
+    with pytest.raises(InvalidArgumentType, match=match):
+        decode_block(data, abi="a", checksum_tag=b"t")
+    with pytest.raises(InvalidArgumentType, match=match):
+        decode_sidecar(data, abi="a", checksum_tag=b"t", group="gdn_state")

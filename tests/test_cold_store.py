@@ -185,6 +185,19 @@ def test_symlinked_or_file_managed_child_disables_the_tier(tmp_path):
     tier.close()
 
 
+def test_the_shared_tier_is_opened_once_and_again_after_a_close(tmp_path):
+    base = str(tmp_path / "base")
+    tier = ColdTier.shared(base)
+    assert tier is not None and ColdTier.shared(base) is tier  # once per process
+    tier.close()
+    again = ColdTier.shared(base)  # not the closed one: its writer would refuse every job
+    assert again is not tier and not again.writer.closed
+    assert ColdTier.shared(base) is again
+    job = _persist(again, 0)
+    assert again.contains(job.key)
+    again.close()
+
+
 def test_swapping_the_root_for_a_symlink_cannot_redirect_io(tmp_path):
     root = tmp_path / "root"
     attacker = tmp_path / "attacker"

@@ -15,11 +15,12 @@ _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(text: str) -> int:
     """Bytes, or a number with a K, M, G or T suffix (1024-based): ``512M`` → 536870912."""
-    m = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    # "iB" only after a unit letter: "10KiB" is 10240, "10iB" is refused
+    m = re.fullmatch(r"\s*([0-9]+)\s*(?:([KMGT])(?:i?B)?|B)?\s*", text, flags=re.IGNORECASE)
     if m is None:
         raise argparse.ArgumentTypeError(
             f"SIZE {text!r} is not bytes or a number with a K, M, G or T suffix (e.g. 512M)")
-    return int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    return int(m.group(1)) * _SUFFIX[(m.group(2) or "").upper()]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

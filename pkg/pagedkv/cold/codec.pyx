@@ -129,6 +129,16 @@ cdef list _tensor_names(Py_ssize_t num_layers):
     return names
 
 
+cdef object _object_bytes(data):
+    """``data`` as a flat byte view: an object read from disk is bytes, mmap or a buffer."""
+    try:
+        return memoryview(data).cast("B")
+    except TypeError:
+        raise InvalidArgumentType(
+            f"data must be a bytes-like object (bytes, bytearray, mmap, memoryview), got "
+            f"{type(data).__name__}") from None
+
+
 def checksum_of_named(bytes tag, tensors):
     """SHA-256 of ``tag`` then, per ``(name, data)`` in order, u64 name length, name,
     u64 data length, data — as 64 lowercase hex (§6.4)."""
@@ -401,7 +411,7 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
     ``expected`` is given, geometry equality. Raises a ``FormatError`` subclass naming the
     field; returns a :class:`DecodedBlock` of views into ``data``.
     """
-    cdef const uint8_t[::1] raw = memoryview(data).cast("B")
+    cdef const uint8_t[::1] raw = _object_bytes(data)
     cdef Py_ssize_t size = raw.shape[0]
     cdef Py_ssize_t n_header, payload_start, nl, bs, heads, hd, slab
     if expected is not None and bound < 0:
@@ -538,7 +548,7 @@ def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=
     the metadata's layout fields (``boundary_tokens``, ``num_layers``, ``tensors_per_layer``,
     ``dtype``, ``dims``, ``bytes_per_tensor``) and a ``uint8[tensors, bytes_per_tensor]``
     view of ``data``. Comparing them with the expected layout is the caller's step 6."""
-    cdef const uint8_t[::1] raw = memoryview(data).cast("B")
+    cdef const uint8_t[::1] raw = _object_bytes(data)
     cdef Py_ssize_t size = raw.shape[0]
     cdef Py_ssize_t payload_start, nl, per, bpt, b, n
     if bound >= 0 and size > bound:

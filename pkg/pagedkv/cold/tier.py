@@ -101,12 +101,15 @@ class ColdTier:
     @classmethod
     def shared(cls, base: str | None = None) -> "ColdTier | None":
         """The process-wide tier at ``<base>/pagedkv-v1`` (base: ``PAGEDKV_COLD_CACHE_DIR``
-        or ``~/.pagedkv/cache``), opened once, lazily; ``None`` (one WARNING) if refused."""
+        or ``~/.pagedkv/cache``), opened once, lazily; ``None`` (one WARNING) if refused.
+        A shared tier someone closed is opened again rather than handed out dead."""
         base = base if base is not None else cold_cache_base()
         real = os.path.realpath(base)
         with _shared_lock:
             if real in _shared_tiers:
-                return _shared_tiers[real]
+                cached = _shared_tiers[real]
+                if cached is None or not cached.writer.closed:
+                    return cached
             try:
                 tier = cls.open_at(real, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
