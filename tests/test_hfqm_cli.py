@@ -110,7 +110,9 @@ def test_inspect_broken_file_exits_1_with_the_reason(tmp_path, capsys):
     path.write_bytes(b"GGUF" + bytes(40))
     assert cli_main(["inspect", str(path)]) == 1
     err = capsys.readouterr().err
-    assert err == f"pagedkv inspect: error: {path}, offset 0: magic is b'GGUF', expected b'HFQM'\n"
+    assert err == (f"pagedkv inspect: error: {path}, offset 0: magic is b'GGUF', expected "
+                   "b'HFQM': not an HFQM file (a safetensors model converts with "
+                   "`pagedkv convert`)\n")
 
 
 # --- tensor policy -----------------------------------------------------------------------

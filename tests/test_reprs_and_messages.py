@@ -112,3 +112,14 @@ def test_cache_full_blocks_with_a_partial_block_says_how_to_fix_it(module):
         alloc.cache_full_blocks(np.arange(10, dtype=np.uint32), ids)
     assert (alloc.stats(), alloc.lru_hashes(), [alloc.ref_count(b) for b in range(8)]) == before
     assert alloc.cache_full_blocks(np.arange(10, dtype=np.uint32), ids[:10 // 4]) == 2
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", -1, r"ReferenceConfig.seed = -1: must be an int >= 0"),
+    ("rope_theta", 0.0, r"ReferenceConfig.rope_theta = 0.0: must be a finite number > 0"),
+    ("rms_norm_eps", math.nan, r"ReferenceConfig.rms_norm_eps = nan: must be a finite number"),
+])
+def test_reference_config_refuses_values_the_model_cannot_use(field, value, message):
+    from pagedkv.reference import ReferenceConfig
+    with pytest.raises(InvalidArgument, match=message):
+        ReferenceConfig(**{field: value})

@@ -261,8 +261,9 @@ def parse_header(const uint8_t[::1] section not None, str path):
         raise BadMagic("magic is 'HFQ!', the marker of an incomplete (interrupted) write; "
                        "re-export the file", path=path, offset=0)
     if magic != PKV_HFQM_MAGIC_U32:
-        raise BadMagic(f"magic is {bytes(section[:4])!r}, expected b'HFQM'", path=path,
-                       offset=0)
+        raise BadMagic(f"magic is {bytes(section[:4])!r}, expected b'HFQM': not an HFQM "
+                       "file (a safetensors model converts with `pagedkv convert`)",
+                       path=path, offset=0)
     version = load_u32(p + PKV_HFQM_HDR_VERSION_OFF)
     if version == 2:
         raise UnsupportedVersion("HFQM v2 (xynexus fork layout) is not supported; "

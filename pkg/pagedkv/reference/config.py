@@ -40,6 +40,14 @@ class ReferenceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"ReferenceConfig.{name} = {value!r}: must be an int > 0")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidArgument(f"ReferenceConfig.seed = {self.seed!r}: must be an int >= 0 "
+                                  "(it seeds numpy.random.default_rng)")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidArgument(f"ReferenceConfig.{name} = {value!r}: must be a finite "
+                                      "number > 0")
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(
                 f"ReferenceConfig.num_heads = {self.num_heads} must be a multiple of "
