@@ -12,9 +12,26 @@ from pagedkv.kernels.device import Event, Graph, Stream
 from pagedkv.kernels.device_array import DeviceArray
 
 
+class FakeKernel:
+    def __init__(self, device, name):
+        self.device, self.name = device, name
+
+    def __call__(self, grid, block, *args, stream=None):
+        self.device.calls.append(("launch", self.name, tuple(grid), tuple(block)))
+
+
 class FakeDevice:
     ordinal = 0
-    properties = SimpleNamespace(name="fake")
+    properties = SimpleNamespace(name="fake", warp_size=32)
+
+    def kernel(self, source, name, signature):
+        return FakeKernel(self, name)
+
+    def empty(self, shape, dtype):
+        return DeviceArray.empty(self, shape, dtype)
+
+    def array(self, host):
+        return DeviceArray.from_numpy(self, host)
 
     def __init__(self):
         self.calls = []
@@ -95,3 +112,71 @@ def test_a_kernel_refuses_a_freed_array_before_launch():
     with pytest.raises(InvalidArgument, match=r"DeviceArray\(shape=\(8,\), dtype=float32\) "
                                               r"was freed"):
         k.pack((a, b, 8))
+
+
+# --- pagedkv.kernels.weights: the host-side checks run before any launch -----------------
+
+from pagedkv.errors import InvalidArgumentType, UnknownQuantType  # noqa: E402
+from pagedkv.kernels import weights  # noqa: E402
+
+
+def _launches(dev):
+    return [c for c in dev.calls if c[0] == "launch"]
+
+
+def test_formats_take_the_quant_spellings():
+    assert weights.raw_nbytes("MQ4G256V2", 512) == weights.raw_nbytes(44, 512) == 2 * 136
+    assert repr(weights.Gemv(FakeDevice(), 6, 4, 256)) == "Gemv('hfq4g256', M=4, K=256, batch=1)"
+    with pytest.raises(InvalidArgument, match=r"fmt='hfq3g256': the GPU kernels take \["):
+        weights.raw_nbytes("hfq3g256", 256)
+    with pytest.raises(UnknownQuantType):
+        weights.raw_nbytes("hfq5g999", 256)
+    with pytest.raises(InvalidArgumentType):
+        weights.raw_nbytes(4.0, 256)
+
+
+@pytest.mark.parametrize(("m", "k", "batch", "message"), [
+    (0, 256, 1, r"M=0, K=256: need M >= 1"), (4, 100, 1, r"K a positive multiple of 256"),
+    (4, 256, 0, r"batch=0: expected 1\.\.8"), (4, 256, 9, r"batch=9")])
+def test_gemv_geometry_is_checked_before_any_kernel_is_loaded(m, k, batch, message):
+    dev = FakeDevice()
+    with pytest.raises(InvalidArgument, match=message):
+        weights.Gemv(dev, "hfq4g256", m, k, batch)
+    assert dev.calls == []
+
+
+def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
+    dev = FakeDevice()
+    g = weights.Gemv(dev, "mq4g256v2", 4, 256, batch=2)
+    w = dev.empty((4 * 136,), np.uint8)
+    x, y = dev.empty((2, 256), np.float32), dev.empty((2, 4), np.float32)
+    g.run(w, x, y)
+    assert [c[1] for c in _launches(dev)] == ["pkv_fwht256_f32", "pkv_gemv_mq4g256v2_b2"]
+    dev.calls.clear()
+    cases = [
+        ((dev.empty((4 * 136 - 1,), np.uint8), x, y), r"raw: 543 bytes, mq4g256v2 of 1024 "
+                                                      r"weights takes 544"),
+        ((DeviceArray(dev, w.ptr + 4, w.shape, np.uint8, owned=False), x, y),
+         r"not 8-byte aligned"),
+        ((w, dev.empty((1, 256), np.float32), y), r"x/y: shapes \(1, 256\)/\(2, 4\)"),
+        ((w, x, dev.empty((2, 4), np.float16)), r"y: dtype float16, expected float32"),
+        ((w.to_numpy(), x, y), r"raw: expected a DeviceArray, got ndarray"),
+    ]
+    for args, message in cases:
+        with pytest.raises((InvalidArgument, InvalidArgumentType), match=message):
+            g.run(*args)
+    assert _launches(dev) == []
+
+
+def test_dequantize_and_fwht_check_before_launching():
+    dev = FakeDevice()
+    raw = dev.empty((136,), np.uint8)
+    with pytest.raises(InvalidArgument, match=r"out: dtype float64, expected float32"):
+        weights.dequantize(dev, raw, "hfq4g256", dev.empty((256,), np.float64))
+    with pytest.raises(InvalidArgument, match=r"x/out: sizes 255/255, expected equal"):
+        weights.fwht256(dev, dev.empty((255,), np.float32), dev.empty((255,), np.float32))
+    weights.dequantize(dev, dev.empty((0,), np.uint8), "hfq4g256",
+                       dev.empty((0,), np.float32))  # nothing to decode: no launch
+    assert _launches(dev) == []
+    weights.dequantize(dev, raw, "HFQ4G256", dev.empty((256,), np.float16))
+    assert [c[1] for c in _launches(dev)] == ["pkv_dequant_hfq4g256_f16"]

@@ -45,14 +45,16 @@ WEIGHT_FORMATS = {f.name: f for f in (
 )}
 
 
-def _format(fmt: str) -> _WeightFormat:
-    try:
-        return WEIGHT_FORMATS[fmt]
-    except KeyError:
-        raise InvalidArgument(f"fmt={fmt!r}: the GPU kernels take {list(WEIGHT_FORMATS)}") from None
+def _format(fmt: str | int) -> _WeightFormat:
+    # the same spellings as pagedkv.quant: a qt name in any case, or a qt id
+    from pagedkv.quant.formats import resolve
+    f = WEIGHT_FORMATS.get(resolve(fmt).name)
+    if f is None:
+        raise InvalidArgument(f"fmt={fmt!r}: the GPU kernels take {list(WEIGHT_FORMATS)}")
+    return f
 
 
-def raw_nbytes(fmt: str, numel: int) -> int:
+def raw_nbytes(fmt: str | int, numel: int) -> int:
     """Bytes of a tensor of ``numel`` weights in ``fmt`` (last group padded)."""
     f = _format(fmt)
     return math.ceil(numel / f.group_size) * f.group_bytes
@@ -68,7 +70,7 @@ def _raw(raw, fmt: _WeightFormat, numel: int) -> None:
         raise InvalidArgument(f"raw: device address 0x{raw.ptr:x} is not 8-byte aligned")
 
 
-def dequantize(device: Device, raw: DeviceArray, fmt: str, out: DeviceArray,
+def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArray,
                *, stream: Stream | None = None) -> None:
     """Decode ``raw`` into ``out`` (``float32`` or ``float16``, any shape: its size is the
     weight count; groups run over the flattened tensor)."""
@@ -107,7 +109,7 @@ class Gemv:
     multiple of the group size (every row starts a group). Rotated formats keep a
     ``[batch, K]`` scratch for the rotated ``x``."""
 
-    def __init__(self, device: Device, fmt: str, M: int, K: int, batch: int = 1) -> None:
+    def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1) -> None:
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
