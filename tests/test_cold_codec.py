@@ -243,3 +243,16 @@ def test_decoding_a_non_bytes_object_is_a_type_error_naming_it(data):
         decode_block(data, abi="a", checksum_tag=b"t")
     with pytest.raises(InvalidArgumentType, match=match):
         decode_sidecar(data, abi="a", checksum_tag=b"t", group="gdn_state")
+
+
+def test_geometry_of_something_else_and_a_negative_tensor_count_are_refused():
+    from pagedkv.cold.codec import BlockGeometry, block_bound, header_overhead
+    from pagedkv.errors import InvalidArgument, InvalidArgumentType
+    with pytest.raises(InvalidArgumentType, match=r"geometry must be a PoolGeometry or "
+                                                  r"BlockGeometry .*got int"):
+        block_bound(5)
+    with pytest.raises(InvalidArgumentType, match="got dict"):
+        BlockGeometry.of({"block_size": 4})
+    assert header_overhead(0) == 1039 and header_overhead(2) == 1551
+    with pytest.raises(InvalidArgument, match=r"n_tensors = -1 must be >= 0"):
+        header_overhead(-1)

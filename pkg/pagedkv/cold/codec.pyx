@@ -44,6 +44,8 @@ _METADATA_KEYS = ("abi", "kind", "key", "fingerprint", "checksum", "block_size",
 
 def header_overhead(Py_ssize_t n_tensors):
     """``256*n + 1024 + 15``: the header budget of an object with ``n_tensors`` tensors."""
+    if n_tensors < 0:
+        raise InvalidArgument(f"n_tensors = {n_tensors} must be >= 0")
     return pkv_cold_header_overhead(n_tensors)
 
 
@@ -82,9 +84,15 @@ cdef class BlockGeometry:
         """From a ``PoolGeometry`` (or anything with the same fields)."""
         if isinstance(geometry, BlockGeometry):
             return geometry
-        return cls(int(geometry.block_size), int(geometry.num_layers),
-                   int(geometry.num_kv_heads), int(geometry.head_dim), str(geometry.dtype),
-                   str(getattr(geometry, "layout", "nhd")))
+        try:
+            fields = (int(geometry.block_size), int(geometry.num_layers),
+                      int(geometry.num_kv_heads), int(geometry.head_dim), str(geometry.dtype),
+                      str(getattr(geometry, "layout", "nhd")))
+        except AttributeError as exc:
+            raise InvalidArgumentType(
+                f"geometry must be a PoolGeometry or BlockGeometry (block_size, num_layers, "
+                f"num_kv_heads, head_dim, dtype), got {type(geometry).__name__}: {exc}") from None
+        return cls(*fields)
 
     @property
     def bytes_per_block(self):
