@@ -122,7 +122,16 @@ def test_demo_restart_over_a_corrupted_cold_dir_detects_and_recovers(tmp_path):
     # child then restores clean objects with parity.
     assert parent.startswith("cold tier: 0 blocks restored from disk (0 bytes)")
     assert re.search(r"corruptions [1-9]", parent), parent
-    assert _RESTORED.search(again.stdout) and "parity: OK" in again.stdout
+    # The parent's walk stops at its first bad object and sees deeper ones only if its
+    # load-ahead reached them first, so the child may still meet one: a counted miss, never
+    # a hit. Block 0 was rewritten by the parent, so at least that block comes back.
+    m = re.search(r"restored (\d+) of \d+ prompt tokens \((\d+) blocks\) from disk, "
+                  r"cold hits (\d+), corruptions (\d+)", again.stdout)
+    assert m, again.stdout
+    restored, blocks, hits, corruptions = map(int, m.groups())
+    assert 8 <= restored <= 24 and blocks == restored // 8 and hits == blocks
+    assert corruptions == 0 if blocks == 3 else corruptions >= 1
+    assert "parity: OK" in again.stdout
 
 
 @pytest.mark.parametrize("in_the_way", ["cold_dir", "model", "pagedkv-v1"])

@@ -176,4 +176,8 @@ def run_child(args) -> int:
               f"({recompute_s / restore_s:.1f}x)")
     print(f"parity: {'OK' if same else 'MISMATCH'} ({len(paged.tokens)} greedy tokens and "
           "their logits, restored prefix vs a fresh flat run)")
-    return 0 if same and restored > 0 and s.corruptions == 0 else 1
+    # A corruption the child meets is a handled miss (counted, quarantined, never served):
+    # the restore stops there and parity is still checked. The parent's walk only reads the
+    # chain up to its first bad object, so deeper bad objects from an earlier run can
+    # legitimately surface here. Success is a verified restore with parity.
+    return 0 if same and restored > 0 else 1
