@@ -84,7 +84,13 @@ class BlockIdentity(NamedTuple):
     def __ne__(self, other: object) -> bool:  # tuple's own != would compare the arrays
         return not self == other
 
-    __hash__ = None  # type: ignore[assignment]  # holds an ndarray: unhashable anyway
+    def __hash__(self) -> int:
+        # Unhashable, as before, but declared as a method: a ``__hash__ = None`` line in a
+        # NamedTuple body is read by type checkers as a field, making every call to the
+        # constructor look one argument short. Hashing the tuple would hash the token
+        # ndarray (a TypeError anyway); key dicts by ``block_hash`` instead.
+        raise TypeError("unhashable type: 'BlockIdentity' (it holds the token array; "
+                        "key by the block hash instead)")
 
     def same_as(self, other: BlockIdentity) -> bool:
         """Full comparison of every field (what ``==`` does)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.cold.codec import BlockGeometry
+from pagedkv.cold.codec import BlockGeometry, DecodedBlock
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
 from pagedkv.cold.extra_keys import per_block_extra_keys
@@ -69,17 +70,17 @@ class _LoadAhead:
         self.tier, self.keys, self.stop, self.fp_hex, self.geometry = \
             tier, keys, stop, fp_hex, geometry
         self.buffers = [bytearray(geometry.bound + 1) for _ in range(LOAD_AHEAD_BLOCKS + 1)]
-        self.pending: dict[int, object] = {}
+        self.pending: dict[int, Future[DecodedBlock | None]] = {}
         self.next = start
         self.ahead = LOAD_AHEAD_BLOCKS
         self.executor = tier.loader() if self.ahead else None
 
-    def _load(self, idx: int):
+    def _load(self, idx: int) -> DecodedBlock | None:
         return self.tier.store.load_block(self.keys[idx], fingerprint_hex=self.fp_hex,
                                           expected=self.geometry,
                                           buffer=self.buffers[idx % len(self.buffers)])
 
-    def get(self, idx: int):
+    def get(self, idx: int) -> DecodedBlock | None:
         """The verified block ``idx`` (a ``DecodedBlock``) or ``None`` (a counted miss)."""
         if self.executor is None:  # LOAD_AHEAD_BLOCKS == 0: load on the calling thread
             return self._load(idx)
