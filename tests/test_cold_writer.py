@@ -167,3 +167,65 @@ def test_a_job_racing_close_is_refused_not_stranded(tmp_path):
     assert tier.stats().enqueued == 0 and tier.stats().queue_drops == 0
     assert writer.drain(0.1) is True  # nothing pending, answered at once
     tier.close()
+
+
+def _drain_in_thread(tier, results, name):
+    t = threading.Thread(target=lambda: results.__setitem__(name, tier.drain(10.0)))
+    t.start()
+    return t
+
+
+def _wait_queued(tier, n):
+    deadline = time.monotonic() + 5.0
+    while len(tier.writer._queue) < n:
+        assert time.monotonic() < deadline, "drain barrier never queued"
+        time.sleep(0.001)
+
+
+def test_a_failure_reaches_every_concurrent_drain_queued_behind_it(tmp_path):
+    with open_tier(tmp_path / "root") as tier:
+        tier.writer.hold()
+        tier.writer.fail_next_jobs = 1
+        assert tier.enqueue(_job(0))
+        results: dict[str, bool] = {}
+        first = _drain_in_thread(tier, results, "first")
+        _wait_queued(tier, 2)
+        second = _drain_in_thread(tier, results, "second")
+        _wait_queued(tier, 3)
+        tier.writer.release()
+        first.join(10.0)
+        second.join(10.0)
+        assert results == {"first": False, "second": False}
+        assert tier.stats().write_errors == 1
+        # Reported to the drains that were waiting for it; a later drain starts clean.
+        assert tier.drain(5.0) is True
+        assert tier.enqueue(_job(1)) and tier.drain(5.0) is True
+
+
+def test_a_failure_with_no_drain_waiting_goes_to_the_next_drain_only(tmp_path):
+    with open_tier(tmp_path / "root") as tier:
+        tier.writer.fail_next_jobs = 1
+        assert tier.enqueue(_job(0))
+        deadline = time.monotonic() + 5.0
+        while tier.stats().write_errors == 0:  # the failure happens before any drain
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert tier.drain(5.0) is False
+        assert tier.drain(5.0) is True
+
+
+def test_a_drain_queued_before_the_failed_job_is_not_told(tmp_path):
+    with open_tier(tmp_path / "root") as tier:
+        tier.writer.hold()
+        results: dict[str, bool] = {}
+        early = _drain_in_thread(tier, results, "early")
+        _wait_queued(tier, 1)
+        tier.writer.fail_next_jobs = 1
+        assert tier.enqueue(_job(0))
+        late = _drain_in_thread(tier, results, "late")
+        _wait_queued(tier, 3)
+        tier.writer.release()
+        early.join(10.0)
+        late.join(10.0)
+        assert results == {"early": True, "late": False}
+        assert tier.drain(5.0) is True

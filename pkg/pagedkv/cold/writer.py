@@ -84,6 +84,8 @@ class Barrier:
 
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = True
+    #: Its place among everything accepted (``ColdWriter._accepted``), set when it is.
+    seq: int = 0
 
 
 class _BoundedFifo:
@@ -161,7 +163,13 @@ class ColdWriter:
         self._queued_keys: collections.Counter = collections.Counter()
         self._queued_lock = threading.Lock()
         self._closed = False
-        self._failed_since_barrier = False
+        # Jobs and barriers accepted so far (under _queued_lock): a barrier's ``seq`` is its
+        # place in that order. A failure is owed to every barrier already queued behind the
+        # failed job (concurrent drains each asked about it) up to ``_failure_horizon``, the
+        # count accepted when it failed; if none of those took it, to the next barrier.
+        self._accepted = 0
+        self._failure_horizon: int | None = None
+        self._failure_reported = False
         #: Test hooks: seconds slept per object, and how many next jobs to fail.
         self.service_delay_s = 0.0
         self.fail_next_jobs = 0
@@ -198,6 +206,7 @@ class ColdWriter:
             with self._queued_lock:
                 accepted = self._queue.put_nowait(job)
                 if accepted:
+                    self._accepted += 1
                     self._queued_keys[job.key] += 1
             if accepted:
                 self.counters.add("enqueued")
@@ -223,15 +232,19 @@ class ColdWriter:
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every job accepted so far persisted (``True``) or one failed, or the
-        timeout passed (``False``). A stopped writer has nothing pending: ``True``."""
+        timeout passed (``False``). A stopped writer has nothing pending: ``True``.
+        Concurrent drains queued behind a failed job all get ``False``."""
         if self._closed and not self._thread.is_alive():
             return True
         deadline = time.monotonic() + max(0.0, float(timeout))
         barrier = Barrier()
         while True:
             try:
-                if self._queue.put_nowait(barrier):
-                    break
+                with self._queued_lock:  # seq and queue position agree
+                    if self._queue.put_nowait(barrier):
+                        self._accepted += 1
+                        barrier.seq = self._accepted
+                        break
             except ColdTierClosed:  # closing: the threads persist what is queued, then end
                 self._thread.join(max(0.0, deadline - time.monotonic()))
                 return not self._thread.is_alive()
@@ -317,8 +330,7 @@ class ColdWriter:
             if item is None:
                 return
             if isinstance(item, Barrier):
-                item.ok = not self._failed_since_barrier
-                self._failed_since_barrier = False
+                item.ok = self._barrier_ok(item)
                 item.done.set()
                 continue
             try:
@@ -328,13 +340,27 @@ class ColdWriter:
                 self.counters.add("write_errors")
                 ok = False
             if not ok:
-                self._failed_since_barrier = True
+                with self._queued_lock:
+                    self._failure_horizon = self._accepted
+                self._failure_reported = False
             job = item[0]
             # After the commit (the index already has the key) or the failure (a later walk
             # may try again).
             self._done_with(job.key)
             if job.recycle:
                 self.give_back(job.buffer)
+
+    def _barrier_ok(self, barrier: Barrier) -> bool:
+        """Whether no failure is owed to ``barrier`` (writer thread only)."""
+        horizon = self._failure_horizon
+        if horizon is None:
+            return True
+        if barrier.seq <= horizon:  # queued before the failure was known: it covers it
+            self._failure_reported = True
+            return False
+        ok = self._failure_reported  # the first barrier after it, unless one already took it
+        self._failure_horizon = None
+        return ok
 
     def _persist(self, job, chunks, size) -> bool:
         if self.service_delay_s:
