@@ -163,3 +163,22 @@ def test_low_level_argument_errors_come_from_pagedkv_errors(call):
 def test_a_short_payload_is_a_size_mismatch(call):
     with pytest.raises(SizeMismatch, match=r"raw has \d+ bytes, 256 weights need"):
         call()
+
+
+@pytest.mark.parametrize("inverse", ["false", "True", 0, 1, None, 1.0, np.array([True]),
+                                     np.int64(1)])
+def test_fwht256_inverse_must_be_a_bool(inverse):
+    x = X.copy()
+    with pytest.raises(InvalidArgumentType, match=r"inverse must be a bool, got "):
+        quant.fwht256(x, inverse=inverse)
+    assert np.array_equal(x, X)
+
+
+def test_fwht256_inverse_takes_python_and_numpy_bools():
+    forward = quant.fwht256(X)
+    assert np.array_equal(quant.fwht256(X, inverse=np.bool_(False)), forward)
+    assert np.array_equal(quant.fwht256(X, inverse=False), forward)
+    back = quant.fwht256(forward, inverse=True)
+    assert np.array_equal(quant.fwht256(forward, inverse=np.True_), back)
+    assert not np.array_equal(back, forward)
+    np.testing.assert_allclose(back, X, atol=1e-5)

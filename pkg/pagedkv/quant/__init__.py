@@ -137,13 +137,18 @@ def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
     ``inverse=True`` applies ``Rᵀ`` (R is orthogonal). Bit-exact with hipfire's
     ``cpu_fwht_256``. Returns a new float32 array of ``x``'s shape.
     """
+    # Only a real bool: a truthy string ("false") or array would silently pick a direction.
+    if not isinstance(inverse, (bool, np.bool_)):
+        raise InvalidArgumentType(
+            f"inverse must be a bool, got {type(inverse).__name__} {inverse!r}; pass True "
+            "or False")
     x = float_array(x, "x")
     if x.shape[-1] != 256:
         raise InvalidArgument(
             f"fwht256 needs rows of 256 values (x.shape[-1] == 256), got shape {x.shape}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
     out = np.empty_like(rows)
-    fwht.fwht_rows(rows, out, inverse)
+    fwht.fwht_rows(rows, out, bool(inverse))
     return out.reshape(x.shape)
 
 
