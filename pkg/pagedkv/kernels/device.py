@@ -21,7 +21,8 @@ from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 
 __all__ = ["Device", "Kernel", "Event", "Stream", "Graph", "open_device"]
 
-_PACKERS = {"p": c_uint64, "i": c_int32, "q": c_int64, "f": c_float}
+_PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "q": c_int64,
+                                                  "f": c_float}
 
 
 class Kernel:
@@ -40,12 +41,12 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, signature={self.signature!r})"
 
-    def pack(self, args) -> tuple[list, ctypes.Array]:
+    def pack(self, args) -> tuple[list[ctypes._SimpleCData], ctypes.Array]:
         """ctypes values for ``args`` and the ``void*[]`` the launch takes (keep both alive)."""
         if len(args) != len(self.signature):
             raise InvalidArgument(f"{self.name}: {len(args)} arguments given, the kernel takes "
                                   f"{len(self.signature)} ({self.signature})")
-        values = []
+        values: list[ctypes._SimpleCData] = []
         for i, (code, arg) in enumerate(zip(self.signature, args)):
             if code == "p":
                 arg = arg.live_ptr() if isinstance(arg, DeviceArray) else arg
@@ -224,6 +225,7 @@ class Device:
             buf = ctypes.create_string_buffer(image, len(image))
             mod = c_void_p()
             self.runtime.call("module_load_data", byref(mod), buf)
+            assert mod.value is not None, "a successful module load returns a non-NULL handle"
             handle = self._modules[source] = mod.value
         return handle
 
@@ -234,6 +236,7 @@ class Device:
             fn = c_void_p()
             self.runtime.call("module_get_function", byref(fn), self.module(source),
                               name.encode())
+            assert fn.value is not None, "a found function has a non-NULL handle"
             k = self._kernels[key] = Kernel(self, name, fn.value, signature)
         return k
 

@@ -38,7 +38,7 @@ class DeviceArray:
 
     @classmethod
     def empty(cls, device: Device, shape, dtype) -> DeviceArray:
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise InvalidArgument(f"shape={shape}: dimensions must be >= 0")
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ _ptr = c_uint64  # CUdeviceptr / hipDeviceptr_t: 64-bit on every supported platf
 _handle = c_void_p  # modules, functions, streams, events, contexts
 
 # logical name -> (CUDA symbol, HIP symbol, argtypes); None where a vendor has no such call.
-_API = {
+# name -> (cuda symbol, hip symbol, argtypes); None where that runtime has no such call.
+_API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "init": ("cuInit", "hipInit", [c_uint]),
     "driver_version": ("cuDriverGetVersion", "hipDriverGetVersion", [POINTER(c_int)]),
     "device_count": ("cuDeviceGetCount", "hipGetDeviceCount", [POINTER(c_int)]),
@@ -127,7 +129,7 @@ class Runtime:
         self.path = path
         self._lib = lib
         self._index = BACKENDS.index(backend)
-        self._fns: dict[str, ctypes._CFuncPtr] = {}
+        self._fns: dict[str, Any] = {}  # ctypes function pointers (no public type)
         if backend == "cuda":
             self._err_name = lib.cuGetErrorName
             self._err_name.argtypes = [c_int, POINTER(c_char_p)]
@@ -144,14 +146,19 @@ class Runtime:
     def __repr__(self) -> str:
         return f"Runtime(backend={self.backend!r}, library={self.path!r})"
 
+    def _symbol(self, name: str) -> str | None:
+        """This backend's symbol for the logical call ``name`` (``None``: it has none)."""
+        cuda, hip, _ = _API[name]
+        return cuda if self.backend == "cuda" else hip
+
     def has(self, name: str) -> bool:
-        symbol = _API[name][self._index]
+        symbol = self._symbol(name)
         return symbol is not None and hasattr(self._lib, symbol)
 
     def _fn(self, name: str):
         fn = self._fns.get(name)
         if fn is None:
-            symbol = _API[name][self._index]
+            symbol = self._symbol(name)
             if symbol is None:
                 raise InvalidArgument(f"{name!r} is not a {self.backend} runtime call")
             # CUDA 12.8+ headers map some calls to a _v2 symbol; older drivers export only
@@ -178,7 +185,7 @@ class Runtime:
         code = self._fn(name)(*args)
         if code != 0:
             err, msg = self.error_text(code)
-            raise DeviceError(_API[name][self._index], code, err, msg)
+            raise DeviceError(self._symbol(name) or name, code, err, msg)
 
     # --- devices -------------------------------------------------------------------
 
