@@ -37,6 +37,9 @@ def run_self_check() -> bool:
     blocks = alloc.allocate_many(3)
     step("allocate_many(3)", blocks is not None and blocks.tolist() == [0, 1, 2],
          f"{None if blocks is None else blocks.tolist()}")
+    if blocks is None:  # nothing to register: the remaining steps would only crash
+        print("self-check FAILED")
+        return False
     added = alloc.cache_full_blocks(tokens, blocks)
     alloc.free_many(blocks)
     step("register and release a 3-block chain", added == 3 and alloc.num_evictable_blocks == 3,

@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry, growth_lock
@@ -245,15 +246,18 @@ def _env_value(name, parse, syntax, fallback, fallback_source, environ):
     return value
 
 
-def env_u32(name: str, fallback: int | None, *, fallback_source: str = "default",
-            environ: Mapping[str, str] | None = None) -> int | None:
+_Fallback = TypeVar("_Fallback")  # what an unset or bad env value gives back, e.g. None
+
+
+def env_u32(name: str, fallback: _Fallback, *, fallback_source: str = "default",
+            environ: Mapping[str, str] | None = None) -> int | _Fallback:
     """The u32 value of env ``name`` when set and parseable, else ``fallback`` (a bad value
     is logged once per call at WARNING, naming ``fallback_source``)."""
     return _env_value(name, parse_u32, _U32_SYNTAX, fallback, fallback_source, environ)
 
 
-def env_bool(name: str, fallback: bool, *, fallback_source: str = "default",
-             environ: Mapping[str, str] | None = None) -> bool:
+def env_bool(name: str, fallback: _Fallback, *, fallback_source: str = "default",
+             environ: Mapping[str, str] | None = None) -> bool | _Fallback:
     """The boolean value of env ``name`` when set and parseable, else ``fallback``."""
     return _env_value(name, parse_bool, _BOOL_SYNTAX, fallback, fallback_source, environ)
 

@@ -22,5 +22,6 @@ def per_block_extra_keys(num_full_blocks: int, extra_keys: Sequence[int] = (),
     if not keys.per_block:
         return [tuple(flat)] * num_full_blocks
     offs = keys.key_offsets
+    assert offs is not None, "per-block chain keys always carry their offsets"
     n = min(num_full_blocks, keys.max_blocks)
     return [tuple(flat[offs[i]:offs[i + 1]]) for i in range(n)]

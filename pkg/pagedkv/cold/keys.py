@@ -63,7 +63,7 @@ def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens
         h.update(parent)
         h.update(_u64(i))
         h.update(tok_count)
-        h.update(toks_le[i * bs:(i + 1) * bs])
+        h.update(toks_le[i * bs:(i + 1) * bs].data)
         h.update(_u64(len(keys)))
         if keys:
             h.update(struct.pack(f"<{len(keys)}Q", *keys))

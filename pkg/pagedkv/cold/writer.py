@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore
 from pagedkv.errors import ColdTierClosed, InvalidArgument
+
+if TYPE_CHECKING:
+    from pagedkv.cold.sidecar import ColdSidecarLayout
 
 __all__ = ["BlockJob", "SidecarJob", "Barrier", "ColdWriter"]
 
@@ -63,7 +66,7 @@ class SidecarJob:
 
     key: bytes
     fingerprint_hex: str
-    layout: object
+    layout: ColdSidecarLayout
     payload: np.ndarray
 
     #: Sidecar payloads belong to the family's checkpoint: never recycled.

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -124,7 +124,8 @@ class SafetensorsSource:
         self.tokenizer = tokenizer.read_text(encoding="utf-8") if tokenizer.is_file() else "{}"
         self.tokenizer_config = _read_json(directory / "tokenizer_config.json")
         self.generation_config = _read_json(directory / "generation_config.json")
-        self._handles: dict[str, object] = {}
+        # shard path -> safetensors.safe_open handle (a Rust object without type stubs)
+        self._handles: dict[str, Any] = {}
 
     @property
     def total_bytes(self) -> int:

@@ -58,13 +58,16 @@ class MlxKVStorage:
         self.num_blocks = num_blocks
         self._dtype = getattr(mx, _MLX_DTYPE_NAMES[geometry.dtype])
         self._is_bf16 = geometry.dtype == "bfloat16"
-        if k is None:
+        if k is None or v is None:
+            if k is not None or v is not None:  # one side alone would leave a None layer list
+                raise InvalidArgument("MlxKVStorage: pass both k and v (lists of per-layer "
+                                      "mx.arrays) or neither")
             shape = (num_blocks * geometry.block_size, *geometry.token_shape)
             k = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
             v = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
             mx.eval(k, v)
-        self.k = k
-        self.v = v
+        self.k: list = k
+        self.v: list = v
 
     def __repr__(self) -> str:
         return (f"MlxKVStorage(num_blocks={self.num_blocks}, layers={len(self.k)}, "

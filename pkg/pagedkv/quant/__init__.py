@@ -56,7 +56,7 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
     out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
     if codec.kind == AFFINE:
-        bad = affine.encode(flat, out, codec.family, codec.bits, codec.group_size)
+        bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
     elif codec.kind == Q8:
         bad = q8.encode(flat, out)
     else:
@@ -118,7 +118,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         result = out
     out = result.reshape(-1)
     if codec.kind == AFFINE:
-        affine.decode(data, out, codec.family, codec.bits, codec.group_size,
+        affine.decode(data, out, codec.affine_family, codec.bits, codec.group_size,
                       rotated_basis and codec.rotated)
     elif codec.kind == Q8:
         q8.decode(data, out)

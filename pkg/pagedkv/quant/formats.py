@@ -56,6 +56,12 @@ class Codec:
         """Stored after the FWHT-256 rotation (§3.6)."""
         return self.qt.rotated
 
+    @property
+    def affine_family(self) -> AffineFamily:
+        """The family of an affine codec (raw and Q8 codecs have none)."""
+        assert self.family is not None, f"{self.name} is not an affine codec"
+        return self.family
+
     def nbytes(self, numel: int) -> int:
         """Payload bytes of ``numel`` weights: ``ceil(numel / G) * B`` (§1.1)."""
         return -(-numel // self.group_size) * self.group_bytes

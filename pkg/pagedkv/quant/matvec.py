@@ -85,7 +85,8 @@ def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray
         y.fill(0.0)
         return y[0] if x.ndim == 1 else y
     if codec.kind == AFFINE and k % codec.group_size == 0 and (not codec.rotated or k % 256 == 0):
-        gemv_kernels.gemv_affine(data, m, k, codec.family, codec.bits, codec.group_size, x2, y)
+        gemv_kernels.gemv_affine(data, m, k, codec.affine_family, codec.bits, codec.group_size,
+                                 x2, y)
     elif codec.kind == Q8 and k % 32 == 0:
         gemv_kernels.gemv_q8f16(data, m, k, x2, y)
     else:

@@ -49,6 +49,10 @@ class FlatKV:
         self._backend = backend
         self._num_tokens = 0
         shape = (initial_capacity_tokens, config.num_kv_heads, config.head_dim)
+        # Per layer: a float32 ndarray (numpy), or an mx.array / None before the first write
+        # (mlx, imported lazily: its type cannot be named here).
+        self._k: list[Any]
+        self._v: list[Any]
         if backend == "numpy":
             self._k = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
             self._v = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
