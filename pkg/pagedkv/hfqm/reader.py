@@ -14,7 +14,7 @@ import mmap
 import os
 import stat
 from collections.abc import Iterator
-from typing import NamedTuple, Self
+from typing import Literal, NamedTuple, Self
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class HfqmFile:
         self.base = int(base)
         self._closed = True
         self._metadata: dict | None = None
-        self._mtp: HfqmFile | None | bool = False  # False: not looked up yet
+        self._mtp: HfqmFile | None | Literal[False] = False  # False: not looked up yet
         self._tensors: list[TensorInfo] | None = None
         self._fd: int | None = None
         self._bytes: np.ndarray | None = None  # whole-file uint8 view of the mapping
@@ -217,15 +217,15 @@ class HfqmFile:
             return i
         if not isinstance(name, str):
             raise InvalidArgument(f"tensor name must be a str, got {type(name).__name__}")
-        i = self._by_name.get(name)
-        if i is None:
-            i = self._canonical_index().get(canonical_name(name))
-        if i is None:
+        found = self._by_name.get(name)
+        if found is None:
+            found = self._canonical_index().get(canonical_name(name))
+        if found is None:
             canonical = canonical_name(name)
             tried = f" (also tried as {canonical!r})" if canonical != name else ""
             raise TensorNotFound(f"{self.path}: no tensor {name!r}{tried}; "
                                  f"{len(self.names)} tensors")
-        return i
+        return found
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -276,6 +276,7 @@ class HfqmFile:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         if nbytes == 0:
             return np.zeros(0, dtype=np.uint8)
+        assert self._fd is not None, "an open file not read whole keeps its descriptor"
         mapping = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_READ,
                             offset=start)
         return np.frombuffer(mapping, dtype=np.uint8)[offset - start:]

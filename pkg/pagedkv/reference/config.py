@@ -68,7 +68,7 @@ class ReferenceConfig:
         return d
 
     @classmethod
-    def from_json_dict(cls, d: dict, *, path: str | None = None) -> ReferenceConfig:
+    def from_json_dict(cls, d: object, *, path: str | None = None) -> ReferenceConfig:
         if not isinstance(d, dict) or d.get("model_type") != MODEL_TYPE:
             got = d.get("model_type") if isinstance(d, dict) else type(d).__name__
             raise BadMetadata(f"model_type is {got!r}, expected {MODEL_TYPE!r}", path=path)

@@ -7,7 +7,7 @@ touches MLX unless ``backend="mlx"`` is asked for.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgume
 from pagedkv.reference.config import ReferenceConfig
 from pagedkv.reference.kv_paths import FlatKV, KVPath
 from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
+
+if TYPE_CHECKING:  # mlx_forward imports MLX: only for the checker
+    from pagedkv.reference.mlx_forward import MlxTransformer
+    from pagedkv.reference.numpy_forward import NumpyTransformer
 
 __all__ = ["BACKENDS", "NUMPY_MLX_LOGITS_ATOL", "Generation", "ReferenceModel"]
 
@@ -42,6 +46,7 @@ class ReferenceModel:
         self.config = config if config is not None else ReferenceConfig()
         self.weights = weights if weights is not None else random_weights(self.config)
         self.backend = backend
+        self._impl: MlxTransformer | NumpyTransformer
         if backend == "mlx":
             from pagedkv.reference.mlx_forward import MlxTransformer
             self._impl = MlxTransformer(self.config, self.weights)

@@ -67,7 +67,8 @@ class NumpyTransformer:
         for layer, w in enumerate(self.layers):
             q = np.empty((n, c.num_heads * c.head_dim), np.float32)
             k = np.empty((n, c.num_kv_heads * c.head_dim), np.float32)
-            v = np.empty((n, c.num_kv_heads * c.head_dim), np.float32)
+            # [n, kv_heads * head_dim] rows here, [n, kv_heads, head_dim] once reshaped
+            v: np.ndarray = np.empty((n, c.num_kv_heads * c.head_dim), np.float32)
             for i in range(n):
                 h = self._rms_norm(x[i], w["attn_norm"])
                 q[i] = h @ w["wq"]
