@@ -248,6 +248,7 @@ class HfqmWriter:
                 raise InvalidArgument(f"tensor {name!r}: {given} bytes given, {row.name} "
                                       f"{dims} needs {need}")
             need = given
+        assert need is not None, "set by the size rule, or by listing the chunks when none"
         start = self._payload_bytes
         saved = (self._hasher.snapshot(), len(self._pending), self._pending_bytes)
         written = 0
@@ -275,7 +276,7 @@ class HfqmWriter:
 
     def _write_payload(self, chunk: memoryview, rel_offset: int) -> None:
         if self.data_offset is not None:
-            _pwrite_all(self._fd, chunk, self.data_offset + rel_offset)
+            _pwrite_all(self._open_fd, chunk, self.data_offset + rel_offset)
             return
         self._pending.append(bytes(chunk))
         self._pending_bytes += chunk.nbytes
@@ -286,11 +287,18 @@ class HfqmWriter:
             self._fix_data_offset(_round_up(HEADER_BYTES + self._meta_len_bound + index_len,
                                             DATA_ALIGN_BYTES))
 
+    @property
+    def _open_fd(self) -> int:
+        """The temporary file's descriptor, held from ``__init__`` until close or abort."""
+        assert self._fd is not None, "writes happen only while the writer is open"
+        return self._fd
+
     def _fix_data_offset(self, data_offset: int) -> None:
         self.data_offset = data_offset
         pos = data_offset
+        fd = self._open_fd
         for held in self._pending:
-            _pwrite_all(self._fd, held, pos)
+            _pwrite_all(fd, held, pos)
             pos += len(held)
         self._pending = []
         self._pending_bytes = 0
@@ -333,16 +341,19 @@ class HfqmWriter:
                 self._fix_data_offset(needed)
             elif needed > self.data_offset:
                 self._move_payloads(needed)
+            data_offset = self.data_offset
+            assert data_offset is not None, "fixed or moved just above"
+            fd = self._open_fd
             region = meta + index
-            _pwrite_all(self._fd, region + bytes(self.data_offset - HEADER_BYTES - len(region)),
+            _pwrite_all(fd, region + bytes(data_offset - HEADER_BYTES - len(region)),
                         HEADER_BYTES)
-            os.ftruncate(self._fd, self.data_offset + self._payload_bytes)
+            os.ftruncate(fd, data_offset + self._payload_bytes)
             header = struct.pack("<4sIIIQQ", b"HFQM", 1, self.arch_id, len(self._entries),
-                                 HEADER_BYTES, self.data_offset)
-            _pwrite_all(self._fd, header, 0)
+                                 HEADER_BYTES, data_offset)
+            _pwrite_all(fd, header, 0)
             if self._fsync:
-                os.fsync(self._fd)
-            os.close(self._fd)
+                os.fsync(fd)
+            os.close(fd)
             self._fd = None
             os.replace(self.temp_path, self.path)
             if self._fsync:
@@ -354,11 +365,14 @@ class HfqmWriter:
 
     def _move_payloads(self, new_data_offset: int) -> None:
         """Shift the payloads forward (copying from the end) to make room for the index."""
-        delta = new_data_offset - self.data_offset
-        end = self.data_offset + self._payload_bytes
-        while end > self.data_offset:
-            start = max(self.data_offset, end - _COPY_CHUNK_BYTES)
-            _pwrite_all(self._fd, os.pread(self._fd, end - start, start), start + delta)
+        old = self.data_offset
+        assert old is not None, "payloads move only once their offset is fixed"
+        fd = self._open_fd
+        delta = new_data_offset - old
+        end = old + self._payload_bytes
+        while end > old:
+            start = max(old, end - _COPY_CHUNK_BYTES)
+            _pwrite_all(fd, os.pread(fd, end - start, start), start + delta)
             end = start
         self.data_offset = new_data_offset
 
