@@ -118,3 +118,11 @@ def test_header_and_record_layout_match_the_c_structs():
         assert hdr[field] == hdr["const_" + field], field
     assert [hdr[f] for f in ("magic", "version", "arch_id", "n_tensors", "metadata_offset",
                              "data_offset")] == [0, 4, 8, 12, 16, 24]
+
+
+def test_every_quant_codec_qt_has_a_size_rule():
+    # The converter plans exact data sizes for the pagedkv.quant codecs it writes.
+    from pagedkv.quant.formats import CODECS
+    for codec in CODECS.values():
+        numel = 4 * 256
+        assert expected_nbytes(codec.qt.id, (4, 256)) == codec.nbytes(numel), codec

@@ -62,9 +62,18 @@ def _rows_per_chunk(shape: tuple[int, ...], group: int, chunk_bytes: int) -> int
     return min(rows, shape[0]) if shape[0] else 1
 
 
+def _planned(p: TensorPlan, qt: int) -> PlannedTensor:
+    """The writer's plan entry of a tensor converted to ``qt``."""
+    data_size = expected_nbytes(qt, p.shape)
+    # The targets are pagedkv.quant codecs, whose qts all have a size rule (tested).
+    assert data_size is not None, f"qt {qt} has no size rule"
+    return PlannedTensor(p.name, qt, p.shape, qtype(qt).index_group_size, data_size)
+
+
 def _blocks(source: SafetensorsSource, src: SourceTensor, plan: TensorPlan,
             chunk_bytes: int) -> Iterator[np.ndarray]:
     shape = plan.shape
+    assert plan.qt is not None, "only planned tensors are read (skipped ones have no qt)"
     group = qtype(plan.qt).group_size
     if len(shape) < 2:
         yield source.read(src, (plan.expert,) if plan.expert is not None else None)
@@ -122,7 +131,7 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
         raise InvalidArgument(f"config names Qwen3.5/3.6 but arch_id is {arch_id}; "
                               "Qwen3.5/3.6 files need --arch 5 (dense) or 6 (MoE)")
 
-    plans: list[tuple[SourceTensor, TensorPlan]] = []
+    plans: list[tuple[SourceTensor, TensorPlan, PlannedTensor]] = []
     report = ConversionReport(str(out_path), fmt_name, arch_id)
     for src in source.tensors:
         for p in plan_tensor(src.name, src.dtype, src.shape, target,
@@ -130,19 +139,18 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
             if p.qt is None:
                 report.skipped.append((p.name, p.reason))
             else:
-                plans.append((src, p))
-    writer_plan = [PlannedTensor(p.name, p.qt, p.shape, qtype(p.qt).index_group_size,
-                                 expected_nbytes(p.qt, p.shape)) for _, p in plans]
+                plans.append((src, p, _planned(p, p.qt)))
+    writer_plan = [planned for _, _, planned in plans]
     total = sum(src.nbytes // (src.shape[0] if p.expert is not None else 1)
-                for src, p in plans)
+                for src, p, _ in plans)
     report.source_bytes = total
     done = 0
     started = time.perf_counter()
     metadata = _metadata(source, fmt_name, target.id, arch, report.skipped)
     with HfqmWriter(out_path, arch_id=arch_id, metadata=metadata, plan=writer_plan,
                     add_quantization_hash=True) as writer:
-        for src, p in plans:
-            row = qtype(p.qt)
+        for src, p, planned in plans:
+            row = qtype(planned.qt)
             err2 = ref2 = 0.0
 
             # Parameters, not closure cells: the generator must see this tensor's plan.
@@ -171,7 +179,7 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
                 report.rel_errors.setdefault(p.role, []).append(rel)
             stats = report.per_qt.setdefault(row.name, {"qt": row.id, "tensors": 0, "bytes": 0})
             stats["tensors"] += 1
-            stats["bytes"] += expected_nbytes(row.id, p.shape)
+            stats["bytes"] += planned.data_size
     report.seconds = time.perf_counter() - started
     report.file_bytes = os.path.getsize(out_path)
     return report
