@@ -45,6 +45,14 @@ def _cold_dir(args) -> str | None:
     return None if args.no_cold else DEFAULT_COLD_DIR
 
 
+def _tier_dir(args) -> str:
+    """The cold dir of a run that has a tier: the parent's (``--no-cold`` refuses
+    ``--restart``) or the restart child's (launched with ``--cold-dir``)."""
+    base = _cold_dir(args)
+    assert base is not None, "a run with a cold tier has a cold dir"
+    return base
+
+
 def _open_tier(args, model, *, save_model: bool, empty: bool):
     """The demo's tier bound to the saved model's fingerprint.
 
@@ -56,7 +64,7 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
     from pagedkv.cold.root import MANAGED_CHILD
     from pagedkv.pool import PoolGeometry
 
-    base = _cold_dir(args)
+    base = _tier_dir(args)
     model_dir = os.path.join(base, "model")
     if save_model:
         model.save(model_dir)
@@ -120,7 +128,7 @@ def run_restart_phase(args) -> int:
     if not args.restart:
         return 0
     argv = [sys.executable, "-m", "pagedkv", "demo", "--restart-child",
-            "--cold-dir", _cold_dir(args)]
+            "--cold-dir", _tier_dir(args)]
     for name in _FORWARDED:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     print()
@@ -139,12 +147,12 @@ def run_child(args) -> int:
 
     from pagedkv.errors import PagedKVError
     try:
-        model = ReferenceModel.load(os.path.join(_cold_dir(args), "model"),
+        model = ReferenceModel.load(os.path.join(_tier_dir(args), "model"),
                                     backend=args.backend)
         tier = _open_tier(args, model, save_model=False, empty=False)
     except (PagedKVError, OSError) as exc:
         message = _unusable_cold_dir(
-            _cold_dir(args), exc, "has no usable demo model or tier",
+            _tier_dir(args), exc, "has no usable demo model or tier",
             "run `pagedkv demo --restart` with this --cold-dir (it saves the model first)")
         print(f"pagedkv demo: {message}", file=sys.stderr)
         return 2
