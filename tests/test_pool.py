@@ -572,3 +572,19 @@ def test_pool_matches_a_flat_slot_model(backend, program):
     for b in range(pool.num_blocks):
         buf = pool.read_block(b).view(np.uint16).reshape(2, 2, 4, 2, 4)
         assert np.array_equal(buf, model[:, :, b * 4:(b + 1) * 4])
+
+
+@pytest.mark.skipif(not HAVE_MLX, reason="mlx not installed")
+def test_mlx_storage_takes_k_and_v_together_or_neither():
+    import mlx.core as mx
+
+    from pagedkv.pool.mlx_storage import MlxKVStorage
+    g = PoolGeometry(2, 1, 8, 4, "float32")
+    layers = [mx.zeros((3 * 4, 1, 8), dtype=mx.float32) for _ in range(2)]
+    for k, v in ((layers, None), (None, layers)):
+        with pytest.raises(InvalidArgument, match="pass both k and v"):
+            MlxKVStorage(g, 3, k, v)
+    made = MlxKVStorage(g, 3)
+    assert len(made.k) == len(made.v) == 2 and made.k[0].shape == (12, 1, 8)
+    given_kv = MlxKVStorage(g, 3, layers, list(layers))
+    assert given_kv.k is layers and len(given_kv.v) == 2
