@@ -182,20 +182,32 @@ def _wait_queued(tier, n):
         time.sleep(0.001)
 
 
-def test_a_failure_reaches_every_concurrent_drain_queued_behind_it(tmp_path):
+def _two_drains_and_a_failing_job(tier, order):
+    """Queue a failing job and drains ``"first"``/``"second"`` in ``order`` on a held writer,
+    then release it; each drain's result."""
+    tier.writer.hold()
+    tier.writer.fail_next_jobs = 1
+    results: dict[str, bool] = {}
+    threads = []
+    for queued, step in enumerate(order, start=1):
+        if step == "job":
+            assert tier.enqueue(_job(0))
+        else:
+            threads.append(_drain_in_thread(tier, results, step))
+        _wait_queued(tier, queued)
+    tier.writer.release()
+    for t in threads:
+        t.join(10.0)
+    return results
+
+
+@pytest.mark.parametrize("order, expected", [
+    (("job", "first", "second"), {"first": False, "second": False}),  # both queued behind it
+    (("first", "job", "second"), {"first": True, "second": False}),  # first was before it
+])
+def test_a_failure_reaches_every_concurrent_drain_queued_behind_it(tmp_path, order, expected):
     with open_tier(tmp_path / "root") as tier:
-        tier.writer.hold()
-        tier.writer.fail_next_jobs = 1
-        assert tier.enqueue(_job(0))
-        results: dict[str, bool] = {}
-        first = _drain_in_thread(tier, results, "first")
-        _wait_queued(tier, 2)
-        second = _drain_in_thread(tier, results, "second")
-        _wait_queued(tier, 3)
-        tier.writer.release()
-        first.join(10.0)
-        second.join(10.0)
-        assert results == {"first": False, "second": False}
+        assert _two_drains_and_a_failing_job(tier, order) == expected
         assert tier.stats().write_errors == 1
         # Reported to the drains that were waiting for it; a later drain starts clean.
         assert tier.drain(5.0) is True
@@ -211,21 +223,4 @@ def test_a_failure_with_no_drain_waiting_goes_to_the_next_drain_only(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.001)
         assert tier.drain(5.0) is False
-        assert tier.drain(5.0) is True
-
-
-def test_a_drain_queued_before_the_failed_job_is_not_told(tmp_path):
-    with open_tier(tmp_path / "root") as tier:
-        tier.writer.hold()
-        results: dict[str, bool] = {}
-        early = _drain_in_thread(tier, results, "early")
-        _wait_queued(tier, 1)
-        tier.writer.fail_next_jobs = 1
-        assert tier.enqueue(_job(0))
-        late = _drain_in_thread(tier, results, "late")
-        _wait_queued(tier, 3)
-        tier.writer.release()
-        early.join(10.0)
-        late.join(10.0)
-        assert results == {"early": True, "late": False}
         assert tier.drain(5.0) is True
