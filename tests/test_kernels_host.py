@@ -180,3 +180,70 @@ def test_dequantize_and_fwht_check_before_launching():
     assert _launches(dev) == []
     weights.dequantize(dev, raw, "HFQ4G256", dev.empty((256,), np.float16))
     assert [c[1] for c in _launches(dev)] == ["pkv_dequant_hfq4g256_f16"]
+
+
+# --- the KV q8 launchers' host-side checks (no GPU: the fake device records the launch) ---
+
+def _q8_args(dev, *, n=3, kvh=2, hd=64, dtype=np.float32, num_blocks=2, block_size=4):
+    rows = dev.empty((n, kvh, hd), dtype)
+    slots = dev.array(np.arange(n, dtype=np.int64))
+    pool = dev.empty((num_blocks, block_size, kvh, hd // 32 * 34), np.uint8)
+    return rows, slots, pool
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("dtype,suffix", [(np.float32, "f32"), (np.float16, "f16")])
+def test_kv_q8_launchers_pick_the_kernel_and_grid(op, dtype, suffix):
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    rows, slots, pool = _q8_args(dev, dtype=dtype)
+    dev.calls.clear()
+    if op == "write":
+        kvcache.kv_q8_write(dev, rows, slots, pool)
+    else:
+        kvcache.kv_q8_read(dev, pool, slots, rows)
+    # 3 tokens x 2 heads x 64 values = 384 lanes -> 2 blocks of 256
+    assert dev.calls == [("launch", f"pkv_kv_q8_{op}_{suffix}", (2,), (256,))]
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_kv_q8_launchers_reject_bad_arguments_before_launching(op):
+    from pagedkv.errors import InvalidArgumentType
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    name = "src" if op == "write" else "out"
+
+    def call(rows, slots, pool):
+        if op == "write":
+            kvcache.kv_q8_write(dev, rows, slots, pool)
+        else:
+            kvcache.kv_q8_read(dev, pool, slots, rows)
+
+    rows, slots, pool = _q8_args(dev)
+    cases = [
+        ((dev.empty((3, 2, 64), np.float64), slots, pool), InvalidArgument,
+         f"{name}: float64[3, 2, 64], expected float32 or float16 [n, kv_heads, head_dim]"),
+        ((rows, dev.array(np.arange(3, dtype=np.int32)), pool), InvalidArgument,
+         "slots: dtype int32, expected int64"),
+        ((rows, np.arange(3, dtype=np.int64), pool), InvalidArgumentType,
+         "slots: expected a DeviceArray, got ndarray"),
+        ((rows, slots, dev.empty((2, 4, 2, 68), np.float16)), InvalidArgument,
+         "pool: dtype float16, expected uint8"),
+        ((dev.empty((3, 2, 48), np.float32), slots, pool), InvalidArgument,
+         "head_dim=48: q8 KV needs a multiple of 32"),
+        ((rows, slots, dev.empty((2, 4, 2, 64), np.uint8)), InvalidArgument,
+         "pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for "
+         "kv_heads 2, head_dim 64"),
+        ((rows, dev.array(np.arange(2, dtype=np.int64)), pool), InvalidArgument,
+         "slots: length 2, expected 3 (one per token)"),
+    ]
+    dev.calls.clear()
+    for args, exc, message in cases:
+        with pytest.raises(exc) as info:
+            call(*args)
+        assert str(info.value) == message
+    assert not [c for c in dev.calls if c[0] == "launch"]
+    # no tokens: nothing to launch
+    empty_rows, empty_slots, _ = _q8_args(dev, n=0)
+    call(empty_rows, empty_slots, pool)
+    assert not [c for c in dev.calls if c[0] == "launch"]
