@@ -53,13 +53,24 @@ def kv_dtype_of(pool: DeviceArray) -> str:
                               f"bits) or uint8 (q8 records)") from None
 
 
-def _q8_geometry(src_shape, pool: DeviceArray) -> tuple[int, int, int]:
-    n, kvh, hd = src_shape
+def _q8_rows(rows: DeviceArray, name: str, slots: DeviceArray,
+             pool: DeviceArray) -> tuple[int, int, int]:
+    """Check the arguments shared by the q8 write and read: ``rows`` (``src`` or ``out``,
+    ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token, and a q8
+    pool of the matching geometry. Returns ``(n, kv_heads, head_dim)``."""
+    if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
+        raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
+                              f"float16 [n, kv_heads, head_dim]")
+    _need(slots, "slots", np.int64, 1)
+    _need(pool, "pool", np.uint8)
+    n, kvh, hd = rows.shape
     if hd % 32:
         raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
     if pool.ndim != 4 or pool.shape[2] != kvh or pool.shape[3] != hd // 32 * 34:
         raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
                               f"{kvh}, {hd // 32 * 34}] for kv_heads {kvh}, head_dim {hd}")
+    if slots.shape[0] != n:
+        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
     return n, kvh, hd
 
 
@@ -67,14 +78,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    if src.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or src.ndim != 3:
-        raise InvalidArgument(f"src: {src.dtype}{list(src.shape)}, expected float32 or "
-                              f"float16 [n, kv_heads, head_dim]")
-    _need(slots, "slots", np.int64, 1)
-    _need(pool, "pool", np.uint8)
-    n, kvh, hd = _q8_geometry(src.shape, pool)
-    if slots.shape[0] != n:
-        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    n, kvh, hd = _q8_rows(src, "src", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -87,14 +91,7 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or out.ndim != 3:
-        raise InvalidArgument(f"out: {out.dtype}{list(out.shape)}, expected float32 or "
-                              f"float16 [n, kv_heads, head_dim]")
-    _need(slots, "slots", np.int64, 1)
-    _need(pool, "pool", np.uint8)
-    n, kvh, hd = _q8_geometry(out.shape, pool)
-    if slots.shape[0] != n:
-        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    n, kvh, hd = _q8_rows(out, "out", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
