@@ -18,7 +18,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
 cd tests
 PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -m gpu -p no:cacheprovider \
-  test_kernels_kvcache.py test_kernels_weights.py test_kernels_loader.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -p no:cacheprovider -k kernels 2>&1 | tail -3
 cd ..
 PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-300} python3 -m pagedkv.bench gpu \

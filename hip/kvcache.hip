@@ -92,9 +92,18 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 // combines the partitions. Each lane holds 8 consecutive dims of a token row, so a
 // token takes head_dim/8 lanes and one 16-byte load per row (f16/bf16).
 
+#ifndef PKV_ATTN_PARTITION  // overridable (-D) for tuning sweeps; kvcache.py mirrors them
 #define PKV_ATTN_PARTITION 512
+#endif
+#ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
+#endif
+#ifndef PKV_ATTN_UNROLL
 #define PKV_ATTN_UNROLL 4
+#endif
+#ifndef PKV_ATTN_MIN_BLOCKS  // __launch_bounds__: 6 blocks per SM caps registers at 85,
+#define PKV_ATTN_MIN_BLOCKS 6  // 69.9% vs 62.0% of copy bandwidth uncapped on the H200
+#endif
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -352,7 +361,7 @@ PKV_DEV void paged_attention_partition(
 }
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS) NAME(                                  \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS) NAME(                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \

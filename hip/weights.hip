@@ -143,36 +143,42 @@ struct Span {
 // Dequantize: 16 weights per thread over the flat weight stream (groups may straddle
 // rows); a short last group writes only its real weights.
 
+#ifndef DEQUANT_SPAN  // overridable (-D) for tuning sweeps; weights.py mirrors them
 #define DEQUANT_SPAN 16
-#define DEQUANT_THREADS 256
+#endif
+#ifndef DEQUANT_THREADS  // 64: the fastest of 64/128/256 for every format and output
+#define DEQUANT_THREADS 64  // on the H200 (docs/performance.md)
+#endif
 
-// A thread decodes 16 consecutive weights; the block stages its 4096 outputs in shared
-// memory and writes them back as consecutive 16-byte vectors (stores of one warp
-// instruction then cover contiguous memory instead of 32 scattered pieces).
+// A thread decodes 16 consecutive weights; the block stages its outputs in shared memory
+// and writes them back as consecutive 16-byte vectors (stores of one warp instruction
+// then cover contiguous memory; threads storing their own 32-64 bytes directly ran at
+// 40-58% of copy bandwidth instead of 82-93%).
 PKV_DEV void stage_out(float* stage, int k, float v) { stage[k] = v; }
 PKV_DEV void stage_out(uint16_t* stage, int k, float v) { stage[k] = pkv_float_to_half_bits(v); }
 
 template <int F, typename Out>
 PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
   using Fm = Format<F>;
-  constexpr int BLOCK_OUT = DEQUANT_THREADS * DEQUANT_SPAN;
-  __shared__ __align__(16) Out stage[BLOCK_OUT];
+  constexpr int SPAN = DEQUANT_SPAN;
+  constexpr int BLOCK_OUT = DEQUANT_THREADS * SPAN;
   const int64_t base = (int64_t)blockIdx.x * BLOCK_OUT;
-  const int64_t i = base + (int64_t)threadIdx.x * DEQUANT_SPAN;
+  const int64_t i = base + (int64_t)threadIdx.x * SPAN;
+  __shared__ __align__(16) Out stage[BLOCK_OUT];
   if (i < n) {
     const int64_t g = i / Fm::G;
     const int e0 = (int)(i - g * Fm::G);
-    Span<F, DEQUANT_SPAN> sp;
+    Span<F, SPAN> sp;
     sp.load(raw + g * Fm::B, e0);
     float scale, offset;
     sp.affine(e0, scale, offset);
 #pragma unroll
-    for (int c = 0; c < DEQUANT_SPAN / 8; ++c) {
+    for (int c = 0; c < SPAN / 8; ++c) {
       float q[8];
       sp.codes8(c, q);
 #pragma unroll
       for (int k = 0; k < 8; ++k)  // q*s + m, quant.h's decode
-        stage_out(stage, threadIdx.x * DEQUANT_SPAN + 8 * c + k, q[k] * scale + offset);
+        stage_out(stage, threadIdx.x * SPAN + 8 * c + k, q[k] * scale + offset);
     }
   }
   __syncthreads();
@@ -374,24 +380,16 @@ PKV_GEMV_KERNELS(q8f16, Q8F16)
 
 #define FWHT_PER_LANE (PKV_FWHT_N / PKV_WARP_SIZE)
 
-PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
-  const int lane = threadIdx.x % PKV_WARP_SIZE;
-  const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / PKV_WARP_SIZE;
-  if (g >= n_groups) return;  // whole warps leave together
+// The rotation of one 256-group held by a warp, FWHT_PER_LANE consecutive values per
+// lane (lane * FWHT_PER_LANE onwards), in place.
+PKV_DEV void fwht256_warp(float (&v)[FWHT_PER_LANE], int lane) {
   const int e0 = lane * FWHT_PER_LANE;
-  const float* src = x + g * PKV_FWHT_N + e0;
   // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
   // e0 is a multiple of per_lane): look the words up once, not per element.
   const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
   const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
-  float v[FWHT_PER_LANE];
 #pragma unroll
-  for (int i = 0; i < FWHT_PER_LANE; i += 4) {
-    const float4 t = *(const float4*)(src + i);
-    const float in[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[i + k] = in[k] * ((s1 >> (i + k)) & 1u ? 1.0f : -1.0f);
-  }
+  for (int i = 0; i < FWHT_PER_LANE; ++i) v[i] = v[i] * ((s1 >> i) & 1u ? 1.0f : -1.0f);
   pkv_fwht_butterflies(v, FWHT_PER_LANE);
 #pragma unroll
   for (int lane_stride = 1; lane_stride < PKV_WARP_SIZE; lane_stride <<= 1) {
@@ -402,13 +400,276 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
       v[i] = upper ? other - v[i] : v[i] + other;
     }
   }
-  float* dst = y + g * PKV_FWHT_N + e0;
+#pragma unroll
+  for (int i = 0; i < FWHT_PER_LANE; ++i)  // c * (+-1) is exact, as in pkv_fwht
+    v[i] = v[i] * (PKV_FWHT_SCALE_256 * ((s2 >> i) & 1u ? 1.0f : -1.0f));
+}
+
+PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
+  const int lane = threadIdx.x % PKV_WARP_SIZE;
+  const int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / PKV_WARP_SIZE;
+  if (g >= n_groups) return;  // whole warps leave together
+  const int e0 = lane * FWHT_PER_LANE;
+  const float* src = x + g * PKV_FWHT_N + e0;
+  float v[FWHT_PER_LANE];
 #pragma unroll
   for (int i = 0; i < FWHT_PER_LANE; i += 4) {
-    float o[4];
+    const float4 t = *(const float4*)(src + i);
+    v[i] = t.x; v[i + 1] = t.y; v[i + 2] = t.z; v[i + 3] = t.w;
+  }
+  fwht256_warp(v, lane);
+  float* dst = y + g * PKV_FWHT_N + e0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k)  // c * (+-1) is exact, as in pkv_fwht
-      o[k] = v[i + k] * (PKV_FWHT_SCALE_256 * ((s2 >> (i + k)) & 1u ? 1.0f : -1.0f));
-    *(float4*)(dst + i) = make_float4(o[0], o[1], o[2], o[3]);
+  for (int i = 0; i < FWHT_PER_LANE; i += 4)
+    *(float4*)(dst + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core GEMV for the 4-bit formats (NVIDIA sm_80+; AMD runs the GEMV above).
+//
+// At batch 1 a 4-bit GEMV reads 4.6 weights per byte, and the H200 moves ~4.3 TB/s:
+// decoding each weight to f32 and multiplying it costs ~3 instructions a weight, the
+// whole issue rate of the chip. Here weights stay integers: x is quantized per
+// 256-group to 22-bit integers (a power-of-two step, so |x| / step <= 2^22 and the
+// rounding error is at most step / 2 = 2^-23 of the group's largest |x|), split into
+// three signed bytes x = p2 * 2^16 + p1 * 2^8 + p0, and the codes meet the byte planes
+// in int8 mma (m16n8k32, exact int32 sums). A weight then costs 3/8 of an integer
+// instruction (two masks and a shift unpack 8 codes into two int8x4 registers).
+//
+// pkv_gemv_prep_x (once per x, shared by every GEMV on it; it rotates x first for the
+// MQ formats) writes the byte planes already in the mma's B-fragment order, and per
+// (group, batch) the step and the sums of x over each 128-half (the affine offset's
+// term: w = q * s + m gives sum w x = s * sum q x + m * sum x).
+//
+// Weights are packed once for this kernel (Gemv.pack, at load time): per 16-row tile
+// and group, the 16 group headers (128 bytes, row order), then the 2048 code bytes in
+// the order the lanes load them, 16 bytes per lane and load. A block owns one tile;
+// its W warps take contiguous ranges of groups and add their partial sums in shared
+// memory. A warp streams each (tile, group) as one contiguous 2176-byte run, 512 bytes
+// per load instruction (the row-major layout, read in place, gave 32-byte pieces of 8
+// rows per load and ran 10-15% slower on the H200; docs/performance.md).
+//
+// Lane (gid = lane / 4, t = lane % 4) holds rows gid and gid + 8: its load i is row
+// gid + 8 (i / 2), code chunks 4j + t and 4(j + 1) + t (8 bytes each) for j = 2 (i % 2).
+// Word h of chunk j is mma m = 2j + h (m < 4: the first 128 weights, the V2 format's
+// first half); its low nibbles are the A register paired with B's b0, its high nibbles
+// with b1 (the k order inside an mma is free as long as A and B agree, and the prep
+// kernel writes x in exactly this order). B column n = 3 * batch + plane; n-tiles of
+// 8 columns: 1 for batch 1-2, 2 for 3-5, 3 for 6-8.
+
+#define GEMV_MMA_ROWS 16      // one m16 tile per block
+#define GEMV_MMA_MAX_WARPS 8  // warps per block, splitting the groups of the tile
+#define GEMV_MMA_MAX_TILES 3
+#define GEMV_X_WORDS 16  // per lane, group and n-tile: 8 mmas x (b0, b1)
+#define GEMV_X_RANGE 22
+#if defined(__CUDACC__)
+
+PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                            uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher picks this kernel only on sm_80 and newer
+#endif
+}
+
+// One warp per (group, batch row): lane L holds x[8L, 8L + 8) of the group, which is
+// code-byte word 4L of a row: chunk j = L / 8, lane t = (L / 2) % 4, word h = L % 2, so
+// mma m = 2j + h (see the layout above). Its even k are b0's bytes, odd k b1's.
+PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K, int batch,
+                                int n_tiles, int rotate) {
+  const int lane = threadIdx.x % 32;
+  const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int groups = K / 256;
+  if (wid >= (int64_t)groups * batch) return;  // whole warps leave together
+  const int g = (int)(wid % groups), b = (int)(wid / groups);
+  const float* src = x + (int64_t)b * K + (int64_t)g * 256 + 8 * lane;
+  float v[8];
+  const float4 lo = ((const float4*)src)[0], hi = ((const float4*)src)[1];
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
+  v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+  if (rotate) fwht256_warp(v, lane);
+  float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    sum += v[i];
+  }
+  if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
+  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
+  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
+  const float other_half = pkv_shfl_xor(half_sum, 16);
+  // step = 2^(e - 22) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
+  int e = 0;
+  frexpf(amax, &e);
+  e = max(e, -104);
+  const bool finite = amax <= 3.4e38f;
+  const float inv_step = finite ? ldexpf(1.0f, GEMV_X_RANGE - e) : 0.0f;
+  const float step = finite ? ldexpf(1.0f, e - GEMV_X_RANGE) : __int_as_float(0x7FC00000);
+  uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = __float2int_rn(v[i] * inv_step);  // exact scaling, one rounding
+    const int p0 = (int)(int8_t)(q & 0xFF);
+    const int r1 = (q - p0) >> 8;
+    const int p1 = (int)(int8_t)(r1 & 0xFF);
+    const int p2 = (r1 - p1) >> 8;
+    const int shift = 8 * (i / 2);
+    planes[0][i % 2] |= (uint32_t)(p0 & 0xFF) << shift;
+    planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
+    planes[2][i % 2] |= (uint32_t)(p2 & 0xFF) << shift;
+  }
+  const int t = (lane / 2) % 4, m = 2 * (lane / 8) + lane % 2;
+#pragma unroll
+  for (int p = 0; p < 3; ++p) {
+    const int col = 3 * b + p, tile = col / 8, n = col % 8;
+    uint32_t* dst = xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * GEMV_X_WORDS + 2 * m;
+    *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
+  }
+  if (lane == 0) {
+    const float s_lo = half_sum, s_hi = other_half;
+    xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
   }
 }
+
+// (scale, offset) of a row's group (HFQ4: f32 pair) or of one of its halves (V2: f16 pairs).
+template <int F>
+PKV_DEV void header_affine(uint2 hdr, int half, float& scale, float& offset) {
+  if (F == MQ4G256V2) {
+    const uint32_t w = half ? hdr.y : hdr.x;
+    scale = pkv_half_bits_to_float((uint16_t)(w & 0xFFFFu));
+    offset = pkv_half_bits_to_float((uint16_t)(w >> 16));
+  } else {
+    scale = __uint_as_float(hdr.x);  // pkv_hfq_scale / pkv_hfq_min: little-endian f32
+    offset = __uint_as_float(hdr.y);
+  }
+}
+
+template <int F, int NT>
+PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                             const float4* __restrict__ xs, float* __restrict__ y, int M,
+                             int K, int batch) {
+  constexpr int TILE_BYTES = GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * GEMV_MMA_ROWS;
+  const int groups = K / 256;
+  const int g_begin = warp * groups / n_warps, g_end = (warp + 1) * groups / n_warps;
+  const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+
+  float acc[2][NT][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
+
+  struct Stage {
+    uint2 hdr[2];
+    uint4 code[4];
+  };
+  auto load = [&](Stage& s, int g) {
+    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
+    s.hdr[0] = *(const uint2*)(base + 8 * gid);
+    s.hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s.code[i] = ((const uint4*)(base + 128))[32 * i + lane];
+  };
+  Stage cur, nxt;
+  if (g_begin < g_end) load(cur, g_begin);
+  for (int g = g_begin; g < g_end; ++g) {
+    if (g + 1 < g_end) load(nxt, g + 1);
+    uint4 xb[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const uint4* xsrc = (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * GEMV_X_WORDS);
+      const bool live = 8 * i + gid < 3 * batch;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float4 xsv[NT][2];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = (8 * i + 2 * t + e) / 3;
+        xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    int c[NT][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 0 || F == MQ4G256V2) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0;
+      }
+#pragma unroll
+      for (int m = 4 * half; m < 4 * half + 4; ++m) {
+        // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
+        const int j = m / 2, h = m % 2;
+        const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
+        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+        const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
+        const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
+        const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          const uint4 q = xb[i][m / 2];
+          const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
+          mma_s8_16x8x32(c[i], a0, a1, a2, a3, b0, b1);
+        }
+      }
+      if (half == 1 || F == MQ4G256V2) {
+        float scale[2], offset[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) header_affine<F>(cur.hdr[r], half, scale[r], offset[r]);
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int p = (8 * i + 2 * t + e) % 3;
+            const float4 s = xsv[i][e];  // zeros for batch rows past `batch`
+            // step * 2^(8p) * c is exact (c < 2^24); the sum of x joins plane 0's column.
+            const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+            const float sum_x = p != 0 ? 0.0f : F == MQ4G256V2 ? (half ? s.z : s.y) : s.w;
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+              acc[r][i][e] += scale[r] * (f * (float)c[i][2 * r + e]) + offset[r] * sum_x;
+          }
+      }
+    }
+    cur = nxt;
+  }
+  __shared__ float red[GEMV_MMA_MAX_WARPS][GEMV_MMA_ROWS][8 * GEMV_MMA_MAX_TILES];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) red[warp][gid + 8 * r][8 * i + 2 * t + e] = acc[r][i][e];
+  __syncthreads();
+  for (int k = threadIdx.x; k < GEMV_MMA_ROWS * batch; k += blockDim.x) {
+    const int r = k % GEMV_MMA_ROWS, b = k / GEMV_MMA_ROWS;
+    float v = 0.0f;
+    for (int w = 0; w < n_warps; ++w) v += red[w][r][3 * b] + red[w][r][3 * b + 1] + red[w][r][3 * b + 2];
+    if (row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
+  }
+}
+
+#define PKV_GEMV_MMA_KERNEL(NAME, F, NT)                                                    \
+  PKV_KERNEL void __launch_bounds__(32 * GEMV_MMA_MAX_WARPS) pkv_gemv_mma_##NAME##_n##NT(    \
+      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
+      int batch) {                                                                          \
+    gemv_mma<F, NT>(w, xq, xs, y, M, K, batch);                                             \
+  }
+#define PKV_GEMV_MMA_KERNELS(NAME, F) \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 1)     \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 2)     \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 3)
+
+PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)
+
+#endif  // __CUDACC__

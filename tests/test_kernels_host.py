@@ -18,6 +18,7 @@ class FakeKernel:
 
     def __call__(self, grid, block, *args, stream=None):
         self.device.calls.append(("launch", self.name, tuple(grid), tuple(block)))
+        self.device.launch_args.append(args)
 
 
 class FakeDevice:
@@ -35,6 +36,7 @@ class FakeDevice:
 
     def __init__(self):
         self.calls = []
+        self.launch_args = []
         self.next_ptr = 0x1000
 
     def malloc(self, nbytes):
@@ -116,8 +118,8 @@ def test_a_kernel_refuses_a_freed_array_before_launch():
 
 # --- pagedkv.kernels.weights: the host-side checks run before any launch -----------------
 
-from pagedkv.errors import InvalidArgumentType, UnknownQuantType  # noqa: E402
-from pagedkv.kernels import weights  # noqa: E402
+from pagedkv.errors import InvalidArgumentType, UnknownQuantType
+from pagedkv.kernels import weights
 
 
 def _launches(dev):
@@ -158,7 +160,7 @@ def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
                                                       r"weights takes 544"),
         ((DeviceArray(dev, w.ptr + 4, w.shape, np.uint8, owned=False), x, y),
          r"not 8-byte aligned"),
-        ((w, dev.empty((1, 256), np.float32), y), r"x/y: shapes \(1, 256\)/\(2, 4\)"),
+        ((w, dev.empty((1, 256), np.float32), y), r"x: shape \(1, 256\), expected \(2, 256\)"),
         ((w, x, dev.empty((2, 4), np.float16)), r"y: dtype float16, expected float32"),
         ((w.to_numpy(), x, y), r"raw: expected a DeviceArray, got ndarray"),
     ]
@@ -166,6 +168,111 @@ def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
         with pytest.raises((InvalidArgument, InvalidArgumentType), match=message):
             g.run(*args)
     assert _launches(dev) == []
+
+
+class FakeCudaDevice(FakeDevice):
+    backend = "cuda"
+
+    def __init__(self, arch="sm_90"):
+        super().__init__()
+        self.properties = SimpleNamespace(name="fake", warp_size=32, arch=arch)
+
+
+@pytest.mark.parametrize(("fmt", "batch", "kernel", "rotate"), [
+    ("hfq4g256", 1, "pkv_gemv_mma_hfq4g256_n1", 0),
+    ("mq4g256", 2, "pkv_gemv_mma_hfq4g256_n1", 1),  # HFQ4 bytes, x rotated in the prep
+    ("mq4g256v2", 3, "pkv_gemv_mma_mq4g256v2_n2", 1),
+    ("hfq4g256", 5, "pkv_gemv_mma_hfq4g256_n2", 0),
+    ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 1)])
+def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel, rotate):
+    dev = FakeCudaDevice()
+    M, K = 37, 17 * 256
+    g = weights.Gemv(dev, fmt, M, K, batch)
+    assert g.tensor_cores
+    assert g.packed and g.weight_bytes == 48 * 17 * 136  # three 16-row tiles
+    with pytest.raises(InvalidArgument, match=r"raw rows; the tensor-core GEMV reads "
+                                              r"Gemv.upload\(raw\)"):
+        g.run(dev.empty((g.weight_bytes,), np.uint8), dev.empty((batch, K), np.float32),
+              dev.empty((batch, M), np.float32))
+    assert _launches(dev) == []
+    w = g.upload(np.zeros(M * 17 * 136, np.uint8))
+    assert repr(w) == (f"GemvWeights('{fmt}', M=37, K=4352, packed 16-row tiles, "
+                       f"{48 * 17 * 136} bytes)")
+    x, y = dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32)
+    g.run(w, x, y)
+    # the prep: a warp per (group, batch row), 8 per block; then 16 rows per block and 8
+    # warps splitting the 17 groups
+    assert [c[1:] for c in _launches(dev)] == [
+        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (256,))]
+    tiles = -(-3 * batch // 8)
+    assert dev.launch_args[0][3:] == (K, batch, tiles, rotate)
+    assert dev.launch_args[1][4:] == (M, K, batch)
+    dev.calls.clear()
+    g.run(w, x, y, x_rotated=True)  # an x rotated beforehand is only quantized
+    assert dev.launch_args[2][-1] == 0
+
+
+def test_gemv_prepared_x_serves_several_weights_and_is_required():
+    dev = FakeCudaDevice()
+    g = weights.Gemv(dev, "mq4g256v2", 4, 256)
+    w1, w2 = (g.upload(np.zeros(4 * 136, np.uint8)) for _ in range(2))
+    y = dev.empty((1, 4), np.float32)
+    with pytest.raises(InvalidArgument, match=r"no prepared x; call prepare\(x\) first"):
+        g.run_prepared(w1, y)
+    assert _launches(dev) == []
+    g.prepare(dev.empty((1, 256), np.float32))
+    g.run_prepared(w1, y)
+    g.run_prepared(w2, y)
+    assert [c[1] for c in _launches(dev)] == ["pkv_gemv_prep_x", "pkv_gemv_mma_mq4g256v2_n1",
+                                              "pkv_gemv_mma_mq4g256v2_n1"]
+    assert _launches(dev)[1][3] == (32,)  # one group: one warp per block
+    other = weights.Gemv(dev, "mq4g256v2", 8, 256)
+    dev.calls.clear()
+    for w, message in [(other.upload(np.zeros(8 * 136, np.uint8)), r"uploaded for another GEMV"),
+                       (weights.GemvWeights(dev.empty((16 * 136,), np.float32), "mq4g256v2", 4,
+                                            256, True), r"w: dtype float32, expected uint8")]:
+        with pytest.raises(InvalidArgument, match=message):
+            g.run_prepared(w, y)
+    assert _launches(dev) == []
+
+
+def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it():
+    M, K, B = 21, 512, 136  # two tiles, the second with 11 padding rows
+    raw = np.random.default_rng(5).integers(0, 256, M * K // 256 * B, dtype=np.uint8)
+    g = weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K)
+    packed = g.pack(raw)
+    assert packed.dtype == np.uint8 and packed.size == g.weight_bytes == 32 * 2 * B
+    rows = raw.reshape(M, 2, B)
+    want = np.zeros_like(packed)
+    for row in range(32):
+        for grp in range(2):
+            if row >= M:
+                continue  # padding rows stay zero groups
+            base = ((row // 16) * 2 + grp) * 16 * B
+            r = row % 16
+            want[base + 8 * r:base + 8 * r + 8] = rows[row, grp, :8]
+            gid, rr = r % 8, r // 8
+            for chunk in range(16):  # chunk 4j + t -> load 2 rr + j // 2 of lane 4 gid + t
+                j, t = divmod(chunk, 4)
+                at = base + 128 + 16 * (32 * (2 * rr + j // 2) + 4 * gid + t) + 8 * (j % 2)
+                want[at:at + 8] = rows[row, grp, 8 + 8 * chunk:16 + 8 * chunk]
+    np.testing.assert_array_equal(packed, want)
+    with pytest.raises(InvalidArgument, match=r"raw: uint8\[100\], expected uint8\[5712\]"):
+        g.pack(raw[:100])
+    f32 = weights.Gemv(FakeDevice(), "hfq4g256", M, K)  # the f32 kernel reads raw rows
+    assert not f32.packed and f32.pack(raw) is not None
+    np.testing.assert_array_equal(f32.pack(raw), raw)
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("sm_75", "hfq4g256"), ("sm_90", "hfq6g256"),
+                                           ("sm_90", "q8f16")])
+def test_gemv_keeps_the_f32_kernel_below_sm80_and_for_other_formats(arch, fmt):
+    dev = FakeCudaDevice(arch)
+    g = weights.Gemv(dev, fmt, 4, 256)
+    assert not g.tensor_cores
+    g.run(dev.empty((weights.raw_nbytes(fmt, 1024),), np.uint8), dev.empty((1, 256), np.float32),
+          dev.empty((1, 4), np.float32))
+    assert [c[1] for c in _launches(dev)] == [f"pkv_gemv_{fmt}_b1"]
 
 
 def test_dequantize_and_fwht_check_before_launching():

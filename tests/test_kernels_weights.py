@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernels_support import device, poisoned  # noqa: F401  (fixtures)
-
 from pagedkv import errors, quant
 from pagedkv.kernels import reference, weights
 
@@ -84,16 +83,60 @@ def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
     x = RNG.standard_normal((batch, K)).astype(np.float32)
     g = weights.Gemv(device, fmt, M, K, batch)
     y = poisoned(device, (batch, M), np.float32)
-    g.run(device.array(raw), device.array(x), y)
+    g.run(g.upload(raw), device.array(x), y)
     want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
-    wabs = np.abs(reference.dequantize(raw, fmt, M * K).reshape(M, K)).astype(np.float64)
-    xr = reference.fwht256(x) if weights.WEIGHT_FORMATS[fmt].rotated else x
-    scale = np.abs(xr).astype(np.float64) @ wabs.T  # sum |w||x|
+    scale = _gemv_bound(raw, fmt, M, K, x)
     got = y.to_numpy()
     assert np.isfinite(got).all()
     # f32 accumulation in slices of 32 (sum(q x) and sum(x) separately, 4-bit codes as
-    # 1 + q/16): 2e-5 of sum |w||x|, about 2^-15.6, far below any decoding error.
+    # 1 + q/16), or x quantized to 2^-23 of its group's max |x| and exact integer sums
+    # (tensor cores): 2e-5 of sum |w||x|, about 2^-15.6, far below any decoding error.
     assert (np.abs(got - want) <= 2e-5 * scale + 1e-7).all()
+
+
+def _gemv_bound(raw, fmt, M, K, x):
+    """sum |w||x| per output: the scale of the GEMV tolerance."""
+    wabs = np.abs(reference.dequantize(raw, fmt, M * K).reshape(M, K)).astype(np.float64)
+    xr = reference.fwht256(x) if weights.WEIGHT_FORMATS[fmt].rotated else x
+    return np.abs(xr).astype(np.float64) @ wabs.T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_gemv_extreme_magnitudes_and_one_prepare_for_two_weights(device, fmt):
+    # Batch rows of |x| ~ 1e30, ~ 1e-30, all zeros and ordinary: the tensor-core kernel
+    # quantizes x with a power-of-two step per group, which must follow every scale.
+    M, K = 21, 768
+    x = RNG.standard_normal((4, K)).astype(np.float32)
+    x[0] *= np.float32(1e30)
+    x[1] *= np.float32(1e-30)
+    x[2] = 0.0
+    g = weights.Gemv(device, fmt, M, K, 4)
+    g.prepare(device.array(x))
+    for _ in range(2):  # two weights on one prepared x
+        _, raw = _weights(fmt, (M, K))
+        y = poisoned(device, (4, M), np.float32)
+        g.run_prepared(g.upload(raw), y)
+        got = y.to_numpy()
+        want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+        bound = _gemv_bound(raw, fmt, M, K, x)
+        assert np.isfinite(got).all()
+        assert (got[2] == 0.0).all()
+        assert (np.abs(got - want) <= 2e-5 * bound + 1e-37).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_gemv_a_nan_in_x_poisons_only_its_batch_row(device, fmt):
+    M, K = 9, 512
+    _, raw = _weights(fmt, (M, K))
+    x = RNG.standard_normal((2, K)).astype(np.float32)
+    x[1, 300] = np.nan
+    y = poisoned(device, (2, M), np.float32)
+    g = weights.Gemv(device, fmt, M, K, 2)
+    g.run(g.upload(raw), device.array(x), y)
+    got = y.to_numpy()
+    assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
 
 
 @pytest.mark.gpu

@@ -21,9 +21,8 @@ import time
 
 import numpy as np
 
-from pagedkv.errors import NoDeviceError
-from pagedkv.kernels import DeviceArray, Event, Graph, Stream, open_device
-from pagedkv.kernels import kvcache, weights
+from pagedkv.errors import InvalidArgument, NoDeviceError
+from pagedkv.kernels import DeviceArray, Event, Graph, Stream, kvcache, open_device, weights
 
 REPLAYS = 7
 
@@ -77,6 +76,40 @@ def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
     return 2 * nbytes / min(t_memcpy, t_kernel), both
 
 
+def read_probe(device, src: DeviceArray, block_sums: DeviceArray, *, stream=None) -> None:
+    """Read every byte of ``src`` (whole 16-byte vectors, 16-byte aligned) with
+    hip/bench.hip's streaming kernel, one block per element of ``block_sums``
+    (``uint32``), which receive the 32-bit wrapping sums of their blocks' words. The
+    ceiling that bandwidth-bound kernels of the same size are measured against."""
+    if (src.nbytes % 16 or src.ptr % 16 or block_sums.dtype != np.uint32
+            or block_sums.size < 1):
+        raise InvalidArgument(f"read_probe: src {src.nbytes} bytes at 0x{src.ptr:x} and "
+                              f"block_sums {block_sums.dtype}[{block_sums.size}]: need whole "
+                              f"16-byte vectors at a 16-byte aligned address and uint32 sums")
+    device.kernel("bench", "pkv_read_probe", "ppq")((block_sums.size,), (256,), src, block_sums,
+                                                     src.nbytes // 16, stream=stream)
+
+
+def read_ceiling(device, stream, nbytes: int) -> float:
+    """Seconds per streaming read of ``nbytes`` (rotating copies totalling >= 4x the L2,
+    launches in a graph, 8 blocks of 256 threads per SM): what a kernel that only reads
+    that many bytes takes here, launch and drain included."""
+    nbytes = -(-nbytes // 16) * 16
+    copies = max(2, math.ceil(4 * device.properties.l2_cache_bytes / nbytes))
+    bufs = [device.empty(nbytes, np.uint8) for _ in range(copies)]
+    sums = device.empty(8 * device.properties.multiprocessor_count, np.uint32)
+    calls = copies * max(1, 64 // copies)
+
+    def capture(s: Stream) -> None:  # read_probe returns nothing: no list to build
+        for i in range(calls):
+            read_probe(device, bufs[i % copies], sums, stream=s)
+
+    t = _time_graph(device, stream, capture, calls)
+    for b in bufs + [sums]:
+        b.free()
+    return t
+
+
 def _row(rows, kernel, shape, seconds, nbytes, copy_bw, baseline=None):
     bw = nbytes / seconds
     row = {"kernel": kernel, "shape": shape, "us": seconds * 1e6, "GB/s": bw / 1e9,
@@ -128,8 +161,13 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
         for (M, K) in shapes:
             w = (rng.standard_normal((M, K)) * 0.02).astype(np.float32)
             raw = quant.quantize(w, fmt)
-            copies = max(2, math.ceil(4 * l2 / raw.nbytes))
-            dev_w = [device.array(raw) for _ in range(copies)]
+            loader = weights.Gemv(device, fmt, M, K)  # upload() packs for the kernel
+            copies = max(2, math.ceil(4 * l2 / loader.weight_bytes))
+            dev_w = [loader.upload(raw) for _ in range(copies)]
+            if fmt == "mq4g256v2":  # one ceiling per weight size
+                t = read_ceiling(device, stream, raw.nbytes)
+                _row(rows, "read probe (ceiling)", f"{raw.nbytes / 2**20:.1f} MiB", t,
+                     raw.nbytes, copy_bw)
             for batch in batches:
                 g = weights.Gemv(device, fmt, M, K, batch)
                 x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
@@ -149,12 +187,11 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                     base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
                     del wt
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
-                if g.fmt.rotated:  # the GEMV kernel alone, on an x rotated beforehand
-                    t = _time_graph(device, stream, lambda s: [
-                        g.run(dev_w[i % copies], x, y, stream=s, x_rotated=True)
-                        for i in range(calls)], calls)
-                    _row(rows, f"gemv {fmt} b{batch} (x pre-rotated)", f"{M}x{K}", t, nbytes,
-                         copy_bw)
+                # The GEMV kernel alone, on an x prepared once (several weights share it)
+                g.prepare(x, stream=stream)
+                t = _time_graph(device, stream, lambda s: [
+                    g.run_prepared(dev_w[i % copies], y, stream=s) for i in range(calls)], calls)
+                _row(rows, f"gemv {fmt} b{batch} (x prepared)", f"{M}x{K}", t, nbytes, copy_bw)
             for d in dev_w:
                 d.free()
 
@@ -259,9 +296,10 @@ def main(argv=None) -> int:
           f"{props.l2_cache_bytes / 2**20:.0f} MiB), {when}; torch: "
           f"{torch.__version__ if torch else 'not used'}", flush=True)
     copy_bw, copies = copy_bandwidth(device, stream)
+    read_gbps = (1 << 30) / read_ceiling(device, stream, 1 << 30) / 1e9
     print(f"device-to-device copy (1 GiB, read+write): {copy_bw / 1e9:.1f} GB/s "
-          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel {copies['copy_kernel_GBps']:.1f})",
-          flush=True)
+          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel {copies['copy_kernel_GBps']:.1f}); "
+          f"streaming read of 1 GiB: {read_gbps:.1f} GB/s", flush=True)
     rows: list[dict] = []
     shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (4096, 14336), (14336, 4096)]
     bench_gemv(device, stream, rows, copy_bw, torch, shapes, (1,) if args.quick else (1, 8))
@@ -272,7 +310,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "arch": props.arch, "date": when,
-                       "copy_GBps": copy_bw / 1e9, **copies, "rows": rows}, f, indent=1)
+                       "copy_GBps": copy_bw / 1e9, **copies, "read_GBps": read_gbps,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

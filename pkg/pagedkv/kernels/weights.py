@@ -18,15 +18,21 @@ from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 
-__all__ = ["WEIGHT_FORMATS", "raw_nbytes", "dequantize", "fwht256", "Gemv"]
+__all__ = ["WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256", "raw_nbytes"]
 
 SOURCE = "weights"
 GEMV_THREADS = 128
 GEMV_BATCHES = (1, 2, 4, 8)
+DEQUANT_SPAN = 16  # weights decoded per thread (weights.hip)
+DEQUANT_THREADS = 64
+GEMV_MMA_ROWS = 16  # rows per block of the tensor-core GEMV (one m16 tile)
+GEMV_MMA_WARP_TARGET = 2048  # warps per launch it aims at (132 SMs x ~16), see _mma_warps
+GEMV_X_WORDS = 16  # prepared-x words per lane, group and n-tile
+_MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 
 
 class _WeightFormat:
-    __slots__ = ("name", "kernel", "group_size", "group_bytes", "rotated")
+    __slots__ = ("group_bytes", "group_size", "kernel", "name", "rotated")
 
     def __init__(self, name, kernel, group_size, group_bytes, rotated):
         self.name, self.kernel, self.rotated = name, kernel, rotated
@@ -83,7 +89,8 @@ def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArra
         return
     suffix = "f32" if out.dtype == np.float32 else "f16"
     k = device.kernel(SOURCE, f"pkv_dequant_{f.kernel}_{suffix}", "ppq")
-    k((math.ceil(n / (16 * 256)),), (256,), raw, out, n, stream=stream)  # 16 weights a thread
+    per_block = DEQUANT_SPAN * DEQUANT_THREADS
+    k((math.ceil(n / per_block),), (DEQUANT_THREADS,), raw, out, n, stream=stream)
 
 
 def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
@@ -103,11 +110,37 @@ def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
     k((math.ceil(groups / warps_per_block),), (256,), x, out, groups, stream=stream)
 
 
+class GemvWeights:
+    """A weight matrix on the device in the layout one :class:`Gemv` configuration reads
+    (made by :meth:`Gemv.upload`): ``array`` holds :meth:`Gemv.pack`'s bytes."""
+
+    __slots__ = ("K", "M", "array", "fmt", "packed")
+
+    def __init__(self, array: DeviceArray, fmt: str, M: int, K: int, packed: bool) -> None:
+        self.array, self.fmt, self.M, self.K, self.packed = array, fmt, M, K, packed
+
+    def __repr__(self) -> str:
+        layout = "packed 16-row tiles" if self.packed else "raw rows"
+        return (f"GemvWeights({self.fmt!r}, M={self.M}, K={self.K}, {layout}, "
+                f"{self.array.nbytes} bytes)")
+
+    def free(self) -> None:
+        self.array.free()
+
+
 class Gemv:
     """``y[b] = W · x[b]`` for ``W`` of shape ``[M, K]`` in ``fmt`` and ``batch`` (1–8)
     activations: ``x`` ``float32[batch, K]``, ``y`` ``float32[batch, M]``. ``K`` must be a
-    multiple of the group size (every row starts a group). Rotated formats keep a
-    ``[batch, K]`` scratch for the rotated ``x``."""
+    multiple of the group size (every row starts a group).
+
+    Weights go up once with :meth:`upload` (host bytes as stored; the tensor-core kernel
+    reads them re-packed in 16-row tiles, see :meth:`pack`). :meth:`run` is
+    :meth:`prepare` then :meth:`run_prepared`. Preparing x rotates it for
+    the rotated formats and, on NVIDIA sm_80+ for the 4-bit formats (the tensor-core
+    kernel), quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
+    of the group's largest ``|x|``, then exact integer dot products). Several weights
+    multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
+    :meth:`run_prepared` each; the prepared x lives in this object's scratch."""
 
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1) -> None:
         self.fmt = f = _format(fmt)
@@ -117,32 +150,159 @@ class Gemv:
         if not 1 <= batch <= 8:
             raise InvalidArgument(f"batch={batch}: expected 1..8")
         self.device, self.M, self.K, self.batch = device, M, K, batch
-        bmax = next(b for b in GEMV_BATCHES if b >= batch)
-        self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
-        self._scratch = device.empty((batch, K), np.float32) if f.rotated else None
-        rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
-        self._grid = (math.ceil(M / rows),)  # a block per `rows` rows; its threads split K
+        self.tensor_cores = _uses_tensor_cores(device, f)
+        self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
+        self._x: DeviceArray | None = None  # the x run_prepared reads (None: not prepared)
+        if self.tensor_cores:
+            groups = K // 256
+            tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
+            self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
+            self._xs = device.empty((groups * batch, 4), np.float32)
+            self._prep = device.kernel(SOURCE, "pkv_gemv_prep_x", "pppiiii")
+            self._prep_args = (K, batch, tiles, int(f.rotated))
+            self._prep_grid = (math.ceil(groups * batch / 8),)  # a warp per (group, batch row)
+            self.packed = True
+            self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{f.kernel}_n{tiles}", "ppppiii")
+            row_tiles = math.ceil(M / GEMV_MMA_ROWS)
+            self._grid = (row_tiles,)
+            self._block = (32 * _mma_warps(row_tiles, groups),)
+        else:
+            bmax = next(b for b in GEMV_BATCHES if b >= batch)
+            self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
+            self._scratch = device.empty((batch, K), np.float32) if f.rotated else None
+            rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+            self._grid = (math.ceil(M / rows),)  # a block per `rows` rows; its threads split K
+            self._block = (GEMV_THREADS,)
 
     def __repr__(self) -> str:
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch})"
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the weights :meth:`run` reads (the packed layout when :attr:`packed`)."""
+        if self.packed:
+            return math.ceil(self.M / 16) * 16 * self.K // 256 * self.fmt.group_bytes
         return raw_nbytes(self.fmt.name, self.M * self.K)
 
-    def run(self, w: DeviceArray, x: DeviceArray, y: DeviceArray,
-            *, stream: Stream | None = None, x_rotated: bool = False) -> None:
-        """``y = W·x``. For a rotated format, ``x_rotated=True`` says ``x`` already holds
-        the rotated activations (one rotation shared by several GEMVs on the same x)."""
-        _raw(w, self.fmt, self.M * self.K)
+    def pack(self, raw: np.ndarray) -> np.ndarray:
+        """The weights in the layout :meth:`run` reads, from the stored bytes (``uint8``,
+        ``raw_nbytes(fmt, M * K)`` of them, row-major groups). The tensor-core kernel reads
+        16-row tiles: per tile and group, the 16 group headers then the code bytes in the
+        order its lanes load them, so a warp streams each tile-group as one contiguous
+        run (rows past M are zero groups). Otherwise the bytes are returned unchanged.
+        Pack once when the weights are loaded, then upload."""
+        raw = np.asarray(raw)
+        want = raw_nbytes(self.fmt.name, self.M * self.K)
+        if raw.dtype != np.uint8 or raw.size != want:
+            raise InvalidArgument(f"raw: {raw.dtype}[{raw.size}], expected uint8[{want}] "
+                                  f"({self.fmt.name} of {self.M}x{self.K})")
+        if not self.packed:
+            return raw.reshape(-1)
+        return _pack_tiles(raw, self.M, self.K, self.fmt.group_bytes)
+
+    def upload(self, raw: np.ndarray) -> GemvWeights:
+        """Copy the stored weight bytes to the device in the layout :meth:`run` reads."""
+        return GemvWeights(self.device.array(self.pack(raw)), self.fmt.name, self.M, self.K,
+                           self.packed)
+
+    def _check_x(self, x: DeviceArray) -> None:
         _need(x, "x", np.float32)
+        if x.shape != (self.batch, self.K):
+            raise InvalidArgument(f"x: shape {x.shape}, expected {(self.batch, self.K)}")
+
+    def _check_wy(self, w: GemvWeights | DeviceArray, y: DeviceArray) -> DeviceArray:
+        """The device array of ``w`` after checking it fits this GEMV; ``y`` checked too."""
+        if isinstance(w, GemvWeights):
+            if (w.fmt, w.M, w.K, w.packed) != (self.fmt.name, self.M, self.K, self.packed):
+                raise InvalidArgument(f"w: {w!r} was uploaded for another GEMV; this one is "
+                                      f"{self!r}")
+            arr = w.array
+            _need(arr, "w", np.uint8)
+            if arr.nbytes != self.weight_bytes:
+                raise InvalidArgument(f"w: {arr.nbytes} bytes, expected {self.weight_bytes}")
+            if arr.ptr % 16:
+                raise InvalidArgument(f"w: device address 0x{arr.ptr:x} is not 16-byte aligned")
+        elif self.packed:
+            _need(w, "w", np.uint8)  # a DeviceArray of any other type says so first
+            raise InvalidArgument("w: a DeviceArray of raw rows; the tensor-core GEMV reads "
+                                  "Gemv.upload(raw) (the rows packed in 16-row tiles once)")
+        else:
+            arr = w
+            _raw(arr, self.fmt, self.M * self.K)
         _need(y, "y", np.float32)
-        if x.shape != (self.batch, self.K) or y.shape != (self.batch, self.M):
-            raise InvalidArgument(f"x/y: shapes {x.shape}/{y.shape}, expected "
-                                  f"{(self.batch, self.K)}/{(self.batch, self.M)}")
-        xin = x
-        if self._scratch is not None and not x_rotated:
+        if y.shape != (self.batch, self.M):
+            raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
+        return arr
+
+    def prepare(self, x: DeviceArray, *, stream: Stream | None = None,
+                x_rotated: bool = False) -> None:
+        """Make ``x`` (``float32[batch, K]``) the activations of the next
+        :meth:`run_prepared` calls. For a rotated format, ``x_rotated=True`` says ``x``
+        already holds the rotated activations. Without the tensor-core kernel, an
+        unrotated ``x`` is used in place: keep it unchanged until the GEMVs ran."""
+        self._check_x(x)
+        rotate = self.fmt.rotated and not x_rotated
+        if self.tensor_cores:
+            K, batch, tiles, _ = self._prep_args
+            self._prep(self._prep_grid, (256,), x, self._xq, self._xs, K, batch, tiles,
+                       int(rotate), stream=stream)
+            self._x = x
+        elif rotate:
+            assert self._scratch is not None
             fwht256(self.device, x, self._scratch, stream=stream)
-            xin = self._scratch
-        self._kernel(self._grid, (GEMV_THREADS,), w, xin, y, self.M, self.K, self.batch,
-                     stream=stream)
+            self._x = self._scratch
+        else:
+            self._x = x
+
+    def run_prepared(self, w: GemvWeights | DeviceArray, y: DeviceArray, *,
+                     stream: Stream | None = None) -> None:
+        """``y = W·x`` for the x of the last :meth:`prepare`. ``w``: :meth:`upload`'s
+        result (or, off the tensor-core kernel, a DeviceArray of the stored bytes)."""
+        arr = self._check_wy(w, y)
+        if self._x is None:
+            raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
+        if self.tensor_cores:
+            self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, self.M, self.K,
+                         self.batch, stream=stream)
+        else:
+            self._kernel(self._grid, self._block, arr, self._x, y, self.M, self.K, self.batch,
+                         stream=stream)
+
+    def run(self, w: GemvWeights | DeviceArray, x: DeviceArray, y: DeviceArray,
+            *, stream: Stream | None = None, x_rotated: bool = False) -> None:
+        """``y = W·x``: :meth:`prepare` then :meth:`run_prepared`, every argument checked
+        before anything is launched."""
+        self._check_wy(w, y)
+        self._check_x(x)
+        self.prepare(x, stream=stream, x_rotated=x_rotated)
+        self.run_prepared(w, y, stream=stream)
+
+
+def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray:
+    """Gemv.pack for the tensor-core kernel (weights.hip, gemv_mma)."""
+    groups, tiles = K // 256, math.ceil(M / 16)
+    rows = np.zeros((tiles * 16, groups, group_bytes), np.uint8)
+    rows[:M] = raw.reshape(M, groups, group_bytes)
+    by_tile = rows.reshape(tiles, 16, groups, group_bytes).transpose(0, 2, 1, 3)
+    headers = by_tile[..., :8].reshape(tiles, groups, 128)
+    # code chunk 4j + t (8 bytes) of row 8 rr + gid goes to load 2 rr + j // 2 of lane
+    # 4 gid + t, at byte 8 (j % 2) of its 16: axes (rr, gid, jh, jl, t, byte) below
+    codes = by_tile[..., 8:].reshape(tiles, groups, 2, 8, 2, 2, 4, 8)
+    codes = codes.transpose(0, 1, 2, 4, 3, 6, 5, 7).reshape(tiles, groups, 2048)
+    return np.concatenate([headers, codes], axis=2).reshape(-1)
+
+
+def _mma_warps(row_tiles: int, groups: int) -> int:
+    """Warps per block (each takes a contiguous share of the groups): enough for about
+    GEMV_MMA_WARP_TARGET warps in all, a power of two from 1 to 8 and at most one per
+    group. On the H200 that picks the fastest of 4/8/16 for M = 4096 (8) and 14336 (4)."""
+    want = max(1, math.ceil(GEMV_MMA_WARP_TARGET / row_tiles))
+    return min(8, groups, 1 << (want - 1).bit_length())
+
+
+def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
+    """The int8-mma GEMV: NVIDIA compute capability 8.0 and newer, 4-bit formats."""
+    if getattr(device, "backend", None) != "cuda" or f.kernel not in _MMA_KERNELS:
+        return False
+    arch = device.properties.arch  # "sm_90"
+    return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
