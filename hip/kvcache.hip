@@ -92,7 +92,13 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 // combines the partitions. Each lane holds 8 consecutive dims of a token row, so a
 // token takes head_dim/8 lanes and one 16-byte load per row (f16/bf16).
 
-#ifndef PKV_ATTN_PARTITION  // overridable (-D) for tuning sweeps; kvcache.py mirrors them
+// Tokens per partition and __launch_bounds__ minimum blocks per SM, for f16 KV (tensor
+// cores on sm_80+) and for the others: the best of the H200 sweeps (docs/performance.md).
+// Overridable (-D) for tuning sweeps; kvcache.py mirrors the partition sizes.
+#ifndef PKV_ATTN_PARTITION_F16
+#define PKV_ATTN_PARTITION_F16 1024
+#endif
+#ifndef PKV_ATTN_PARTITION
 #define PKV_ATTN_PARTITION 512
 #endif
 #ifndef PKV_ATTN_THREADS
@@ -101,9 +107,14 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 #ifndef PKV_ATTN_UNROLL
 #define PKV_ATTN_UNROLL 4
 #endif
-#ifndef PKV_ATTN_MIN_BLOCKS  // __launch_bounds__: 6 blocks per SM caps registers at 85,
-#define PKV_ATTN_MIN_BLOCKS 6  // 69.9% vs 62.0% of copy bandwidth uncapped on the H200
+#ifndef PKV_ATTN_MIN_BLOCKS_F16
+#define PKV_ATTN_MIN_BLOCKS_F16 4
 #endif
+#ifndef PKV_ATTN_MIN_BLOCKS
+#define PKV_ATTN_MIN_BLOCKS 6
+#endif
+#define PKV_ATTN_PARTITION_MAX \
+  (PKV_ATTN_PARTITION_F16 > PKV_ATTN_PARTITION ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION)
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
@@ -153,7 +164,164 @@ PKV_DEV void convert_row8(const RawRow8& r, float out[8]) {
   }
 }
 
-template <int KIND, int GMAX>
+// Pass 1 on NVIDIA tensor cores (sm_80+, f16 KV, head_dim <= 128): per warp, 8 tokens
+// at a time, scores = q . K^T as m16n8k16 f16 mma with f32 sums. A rows 0-7 hold the
+// group's queries rounded to f16, rows 8-15 their f16 remainders (q - hi: together 22
+// bits of q), so a head's score is the sum of its two rows. Lane (gid, t) loads 16-byte
+// chunks 4i + t of token gid's K row; word 2h / 2h + 1 of chunk i is B's b0 / b1 of
+// k-step 2i + h, and the q fragments take the same dims (the k order inside an mma is
+// free as long as A and B agree). Saves the f16 -> f32 conversion and GMAX FMAs per K
+// element that the CUDA-core pass spends.
+PKV_DEV void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
+#endif
+}
+
+#if defined(__CUDACC__) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
+#define PKV_ATTN_MMA_QK 1
+#else
+#define PKV_ATTN_MMA_QK 0
+#endif
+
+template <int GMAX>
+PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
+                           float scale, const uint8_t* __restrict__ k_pool,
+                           const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
+    if (s / 2 < n_loads && gid < group) {
+      const float* qd = q_group + (int64_t)gid * head_dim + 32 * (s / 2) + 8 * t + 4 * (s % 2);
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = qd[e] * scale;
+        hi[e] = pkv_float_to_half_bits(v);
+        lo[e] = pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi[e]));
+      }
+      qa[s][0] = hi[0] | hi[1] << 16;  // row gid, dims +0, +1 (with b0)
+      qa[s][1] = lo[0] | lo[1] << 16;  // row gid + 8
+      qa[s][2] = hi[2] | hi[3] << 16;  // row gid, dims +2, +3 (with b1)
+      qa[s][3] = lo[2] | lo[3] << 16;
+    }
+  }
+  const int n_groups = (n_tok + 7) / 8;
+  auto load = [&](uint4 (&kr)[4], int grp) {
+    const int tok = 8 * grp + gid;
+    const uint4* row = (const uint4*)(k_pool + rows[min(tok, n_tok - 1)] * row_bytes);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      kr[i] = i < n_loads && tok < n_tok ? row[4 * i + t] : make_uint4(0u, 0u, 0u, 0u);
+  };
+  uint4 cur[4], nxt[4];
+  int grp = warp;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if (s / 2 < n_loads) {
+        const uint4 k = cur[s / 2];
+        mma_f16_16x8x16(c, qa[s], s % 2 ? k.z : k.x, s % 2 ? k.w : k.y);
+      }
+    }
+    const int tok = 8 * grp + 2 * t;  // c0/c2: token 2t, rows gid / gid + 8; c1/c3: 2t + 1
+    if (gid < GMAX) {
+      if (tok < n_tok) scores[tok * GMAX + gid] = c[0] + c[2];
+      if (tok + 1 < n_tok) scores[(tok + 1) * GMAX + gid] = c[1] + c[3];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+  }
+}
+
+// Pass 2 on NVIDIA tensor cores (sm_80+, f16 KV, GMAX <= 4, head_dim 64 or 128):
+// out^T = V^T . P^T as m16n8k16 f16 mma with f32 sums, 16 tokens per warp step. A is
+// V^T: lane (gid, t) reads 16-byte chunks at dims 64l + 8 gid of tokens 4t .. 4t + 3
+// (8 lanes read 128 contiguous bytes of a token) and pairs the same dim of two tokens
+// with a byte permute: word j of chunk l gives m-tile 4l + j, rows gid (even dim) and
+// gid + 8 (odd dim). B is P^T: columns 0-3 the group's probabilities rounded to f16,
+// 4-7 their f16 remainders (22 bits together), added after the last step. Replaces
+// the f16 -> f32 conversion and GMAX FMAs per V element by half a byte permute.
+PKV_DEV uint32_t word_of(const uint4& v, int j) {  // j is a constant after unrolling
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+template <int GMAX>
+PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
+                    const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                    float (&o)[8][4]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_chunks = head_dim / 64;  // 16-byte chunks per lane and token: 1 or 2
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  const int n_steps = (n_tok + 15) / 16;
+  auto load = [&](uint4 (&vr)[4][2], int st) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = 16 * st + 4 * t + j;
+      const uint4* row = (const uint4*)(v_pool + rows[min(tok, n_tok - 1)] * row_bytes);
+#pragma unroll
+      for (int l = 0; l < 2; ++l)
+        vr[j][l] = l < n_chunks && tok < n_tok ? row[8 * l + gid] : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  // Column gid of P^T: head gid (f16) or head gid - 4 (remainder); zero past GMAX.
+  const int head = gid % 4;
+  const bool rest = gid >= 4, live = head < GMAX;
+  auto p_pair = [&](int tok) {
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float p = live && tok + e < n_tok ? scores[(tok + e) * GMAX + (live ? head : 0)] : 0.0f;
+      const uint16_t hi = pkv_float_to_half_bits(p);
+      const uint16_t h = rest ? pkv_float_to_half_bits(p - pkv_half_bits_to_float(hi)) : hi;
+      bits |= (uint32_t)h << (16 * e);
+    }
+    return bits;
+  };
+  uint4 cur[4][2], nxt[4][2];
+  int st = warp;
+  if (st < n_steps) load(cur, st);
+  for (; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (st + n_warps < n_steps) load(nxt, st + n_warps);
+    const uint32_t b0 = p_pair(16 * st + 4 * t), b1 = p_pair(16 * st + 4 * t + 2);
+#pragma unroll
+    for (int l = 0; l < 2; ++l) {
+      if (l < n_chunks) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t w0 = word_of(cur[0][l], j), w1 = word_of(cur[1][l], j);
+          const uint32_t w2 = word_of(cur[2][l], j), w3 = word_of(cur[3][l], j);
+          const uint32_t a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                                 __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
+          mma_f16_16x8x16(o[4 * l + j], a, b0, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cur[j][0] = nxt[j][0], cur[j][1] = nxt[j][1];
+  }
+  // Columns 4-7 (remainders) live on lanes t + 2: add them to columns 0-3.
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[mt][r] += pkv_shfl_xor(o[mt][r], 2);
+}
+
+template <int KIND, int GMAX, bool MMA>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -161,15 +329,16 @@ PKV_DEV void paged_attention_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
-  __shared__ int64_t rows[PKV_ATTN_PARTITION];  // row index (slot * kv_heads + kvh) per token
+  constexpr int PARTITION = KIND == KV_F16 ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION;
+  __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
   const int seq_len = seq_lens[seq];
-  const int start = part * PKV_ATTN_PARTITION;
+  const int start = part * PARTITION;
   if (start >= seq_len) return;  // the reduce reads only partitions below seq_len
-  const int n_tok = min(PKV_ATTN_PARTITION, seq_len - start);
+  const int n_tok = min(PARTITION, seq_len - start);
 
   const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
   const int n_warps = PKV_ATTN_THREADS / PKV_WARP_SIZE;
@@ -187,13 +356,15 @@ PKV_DEV void paged_attention_partition(
     rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
   }
 
-  float qv[GMAX][8];
+  float qv[GMAX][8];  // the CUDA-core pass's queries (the mma pass builds fragments)
+  if constexpr (!MMA) {
 #pragma unroll
-  for (int g = 0; g < GMAX; ++g) {
-    const int h = kvh * group + (g < group ? g : 0);
-    const float* qh = q + ((int64_t)seq * num_heads + h) * head_dim + d0;
+    for (int g = 0; g < GMAX; ++g) {
+      const int h = kvh * group + (g < group ? g : 0);
+      const float* qh = q + ((int64_t)seq * num_heads + h) * head_dim + d0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qv[g][i] = qh[i] * scale;
+      for (int i = 0; i < 8; ++i) qv[g][i] = qh[i] * scale;
+    }
   }
   __syncthreads();
 
@@ -217,46 +388,51 @@ PKV_DEV void paged_attention_partition(
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
-  if (first < n_tok) load_step(k_pool, first + sub, cur);
-  // The loop bound is uniform across the warp (its first token), so every lane
-  // reaches the shuffles; lanes past the end compute on zeros and store nothing.
-  for (int w0 = first; w0 < n_tok; w0 += step) {
-    const int t0 = w0 + sub;
-    if (w0 + step < n_tok) load_step(k_pool, t0 + step, nxt);
-#pragma unroll
-    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
-      const int t = t0 + u * stride;
-      float kv[8];
-      convert_row8<KIND>(cur[u], kv);
-      float s[GMAX];
-#pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        s[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[i];
-      }
-      int o = lanes_per_token / 2, head = 0;
-#pragma unroll
-      for (int half = GMAX / 2; half >= 1; half /= 2) {
-        const bool upper = (lane & o) != 0;
-#pragma unroll
-        for (int g = 0; g < half; ++g) {
-          const float send = upper ? s[g] : s[g + half];
-          const float keep = upper ? s[g + half] : s[g];
-          s[g] = keep + pkv_shfl_xor(send, o);
+  if constexpr (MMA) {
+    qk_scores_mma<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                        head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+  } else {
+    if (first < n_tok) load_step(k_pool, first + sub, cur);
+    // The loop bound is uniform across the warp (its first token), so every lane
+    // reaches the shuffles; lanes past the end compute on zeros and store nothing.
+    for (int w0 = first; w0 < n_tok; w0 += step) {
+      const int t0 = w0 + sub;
+      if (w0 + step < n_tok) load_step(k_pool, t0 + step, nxt);
+  #pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        float kv[8];
+        convert_row8<KIND>(cur[u], kv);
+        float s[GMAX];
+  #pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          s[g] = 0.0f;
+  #pragma unroll
+          for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[i];
         }
-        head += upper ? half : 0;
-        o >>= 1;
+        int o = lanes_per_token / 2, head = 0;
+  #pragma unroll
+        for (int half = GMAX / 2; half >= 1; half /= 2) {
+          const bool upper = (lane & o) != 0;
+  #pragma unroll
+          for (int g = 0; g < half; ++g) {
+            const float send = upper ? s[g] : s[g + half];
+            const float keep = upper ? s[g + half] : s[g];
+            s[g] = keep + pkv_shfl_xor(send, o);
+          }
+          head += upper ? half : 0;
+          o >>= 1;
+        }
+        for (; o > 0; o >>= 1) s[0] += pkv_shfl_xor(s[0], o);
+        if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
+          scores[t * GMAX + head] = s[0];
       }
-      for (; o > 0; o >>= 1) s[0] += pkv_shfl_xor(s[0], o);
-      if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
-        scores[t * GMAX + head] = s[0];
+  #pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
     }
-#pragma unroll
-    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
   }
   // The first V rows load while the softmax of the scores is computed.
-  if (first < n_tok) load_step(v_pool, first + sub, cur);
+  if (!MMA && first < n_tok) load_step(v_pool, first + sub, cur);
   __syncthreads();
   // Partition max per head, from the stored scores.
   float tmax[GMAX];
@@ -299,46 +475,72 @@ PKV_DEV void paged_attention_partition(
   }
   __syncthreads();
 
-  // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
-  float acc[GMAX][8];
+  float* wsum = smem;  // [n_warps][GMAX][head_dim], over the scores once they are read
+  if constexpr (MMA) {
+    {
+      float o[8][4];
+      pv_mma<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+      __syncthreads();  // every warp has read the scores
+      const int gid = lane / 4, t = lane % 4;
+      if (t < 2) {  // lane t holds heads 2t, 2t + 1; o[mt][0..1] even dim, [2..3] odd
 #pragma unroll
-  for (int g = 0; g < GMAX; ++g)
+        for (int mt = 0; mt < 8; ++mt) {
+          const int d = 64 * (mt / 4) + 8 * gid + 2 * (mt % 4);
+          if (d < head_dim) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-  for (int w0 = first; w0 < n_tok; w0 += step) {
-    const int t0 = w0 + sub;
-    if (w0 + step < n_tok) load_step(v_pool, t0 + step, nxt);
-#pragma unroll
-    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
-      const int t = t0 + u * stride;
-      if (t < n_tok) {
-        float kv[8];
-        convert_row8<KIND>(cur[u], kv);
-#pragma unroll
-        for (int g = 0; g < GMAX; ++g) {
-          const float p = scores[t * GMAX + g];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[i];
+            for (int e = 0; e < 2; ++e) {
+              const int g = 2 * t + e;
+              if (g < GMAX) {
+                wsum[(warp * GMAX + g) * head_dim + d] = o[mt][e];
+                wsum[(warp * GMAX + g) * head_dim + d + 1] = o[mt][2 + e];
+              }
+            }
+          }
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
   }
-  // Sum the tokens_per_warp token lanes of each dim, then the warps.
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      for (int o = PKV_WARP_SIZE / 2; o >= lanes_per_token; o >>= 1)
-        acc[g][i] += pkv_shfl_xor(acc[g][i], o);
-  __syncthreads();  // scores are no longer read: smem now holds per-warp sums
-  float* wsum = smem;  // [n_warps][GMAX][head_dim]
-  if (sub == 0) {
+  if constexpr (!MMA) {
+    // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
+    float acc[GMAX][8];
 #pragma unroll
     for (int g = 0; g < GMAX; ++g)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) wsum[(warp * GMAX + g) * head_dim + d0 + i] = acc[g][i];
+      for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+    for (int w0 = first; w0 < n_tok; w0 += step) {
+      const int t0 = w0 + sub;
+      if (w0 + step < n_tok) load_step(v_pool, t0 + step, nxt);
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) {
+          float kv[8];
+          convert_row8<KIND>(cur[u], kv);
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g) {
+            const float p = scores[t * GMAX + g];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += p * kv[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
+    }
+    // Sum the tokens_per_warp token lanes of each dim, then the warps.
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        for (int o = PKV_WARP_SIZE / 2; o >= lanes_per_token; o >>= 1)
+          acc[g][i] += pkv_shfl_xor(acc[g][i], o);
+    __syncthreads();  // scores are no longer read: smem now holds per-warp sums
+    if (sub == 0) {
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wsum[(warp * GMAX + g) * head_dim + d0 + i] = acc[g][i];
+    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < group * head_dim; e += PKV_ATTN_THREADS) {
@@ -360,16 +562,36 @@ PKV_DEV void paged_attention_partition(
   }
 }
 
+// f16 KV with up to 4 query heads per KV head and head_dim 64 or 128 runs both passes on
+// tensor cores where there are some (sm_80+); everything else on CUDA cores.
+template <int KIND, int GMAX>
+PKV_DEV void paged_attention_dispatch(
+    const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
+    const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
+    int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
+    int max_partitions) {
+  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && KIND == KV_F16 && GMAX <= 4 && PKV_WARP_SIZE == 32;
+  if (MMA_OK && (head_dim == 64 || head_dim == 128))
+    paged_attention_partition<KIND, GMAX, MMA_OK>(
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+  else
+    paged_attention_partition<KIND, GMAX, false>(
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+}
+
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS) NAME(                                  \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, KIND == KV_F16 ? PKV_ATTN_MIN_BLOCKS_F16 \
+                                                                     : PKV_ATTN_MIN_BLOCKS) \
+      NAME(                                                                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
       int head_dim, int block_size, int table_width, int max_partitions) {                   \
-    paged_attention_partition<KIND, GMAX>(q, k_pool, v_pool, block_tables, seq_lens,         \
-                                          part_out, part_max, part_sum, scale, num_heads,    \
-                                          kv_heads, head_dim, block_size, table_width,       \
-                                          max_partitions);                                   \
+    paged_attention_dispatch<KIND, GMAX>(q, k_pool, v_pool, block_tables, seq_lens, part_out, \
+                                         part_max, part_sum, scale, num_heads, kv_heads,      \
+                                         head_dim, block_size, table_width, max_partitions);  \
   }
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)
@@ -386,13 +608,13 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
 
 // Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
-// An empty sequence (seq_len 0) gives zeros.
+// An empty sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.
 PKV_KERNEL void pkv_paged_attention_reduce(const float* part_out, const float* part_max,
                                            const float* part_sum, const int32_t* seq_lens,
                                            float* out, int num_heads, int head_dim,
-                                           int max_partitions) {
+                                           int max_partitions, int partition_tokens) {
   const int h = blockIdx.x, seq = blockIdx.y;
-  const int n_parts = (seq_lens[seq] + PKV_ATTN_PARTITION - 1) / PKV_ATTN_PARTITION;
+  const int n_parts = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
   const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
   float m = -INFINITY;
   for (int p = 0; p < n_parts; ++p) m = fmaxf(m, part_max[hp + p]);

@@ -598,48 +598,53 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
         const int b = (8 * i + 2 * t + e) / 3;
         xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    int c[NT][4];
+    // Exact int32 sums per affine half (V2: one (scale, zero) per 128 weights), then one
+    // epilogue per group.
+    constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
+    int c[HALVES][NT][4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (half == 0 || F == MQ4G256V2) {
+    for (int hv = 0; hv < HALVES; ++hv)
 #pragma unroll
-        for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0;
-      }
+      for (int i = 0; i < NT; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
 #pragma unroll
-      for (int m = 4 * half; m < 4 * half + 4; ++m) {
-        // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
-        const int j = m / 2, h = m % 2;
-        const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
-        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-        const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
-        const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
-        const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
+    for (int m = 0; m < 8; ++m) {
+      // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
+      const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
+      const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
+      const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+      const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
+      const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
+      const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          const uint4 q = xb[i][m / 2];
-          const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
-          mma_s8_16x8x32(c[i], a0, a1, a2, a3, b0, b1);
-        }
-      }
-      if (half == 1 || F == MQ4G256V2) {
-        float scale[2], offset[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) header_affine<F>(cur.hdr[r], half, scale[r], offset[r]);
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int p = (8 * i + 2 * t + e) % 3;
-            const float4 s = xsv[i][e];  // zeros for batch rows past `batch`
-            // step * 2^(8p) * c is exact (c < 2^24); the sum of x joins plane 0's column.
-            const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
-            const float sum_x = p != 0 ? 0.0f : F == MQ4G256V2 ? (half ? s.z : s.y) : s.w;
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              acc[r][i][e] += scale[r] * (f * (float)c[i][2 * r + e]) + offset[r] * sum_x;
-          }
+      for (int i = 0; i < NT; ++i) {
+        const uint4 q = xb[i][m / 2];
+        const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
+        mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, b0, b1);
       }
     }
+    float scale[HALVES][2], offset[HALVES][2];
+#pragma unroll
+    for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int p = (8 * i + 2 * t + e) % 3;
+        const float4 s = xsv[i][e];  // zeros for batch rows past `batch`
+        // step * 2^(8p) * c is exact (c < 2^24); the sums of x join plane 0's column.
+        const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
+          if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
+          if (p == 0)
+            v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
+                             : offset[0][r] * s.w;
+          acc[r][i][e] += v;
+        }
+      }
     cur = nxt;
   }
   __shared__ float red[GEMV_MMA_MAX_WARPS][GEMV_MMA_ROWS][8 * GEMV_MMA_MAX_TILES];

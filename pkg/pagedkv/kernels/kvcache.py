@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 SOURCE = "kvcache"
-ATTN_PARTITION_TOKENS = 512  # PKV_ATTN_PARTITION
+# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 / PKV_ATTN_PARTITION).
+ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 512, "q8": 512}
 ATTN_THREADS = 128  # PKV_ATTN_THREADS
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 
@@ -152,9 +153,10 @@ class PagedAttention:
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
-        self.max_partitions = math.ceil(max_seq_len / ATTN_PARTITION_TOKENS)
+        self.partition_tokens = ATTN_PARTITION_TOKENS[kv_dtype]
+        self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         n_warps = ATTN_THREADS // device.properties.warp_size
-        self.shared_bytes = 4 * max(ATTN_PARTITION_TOKENS * self.gmax,
+        self.shared_bytes = 4 * max(self.partition_tokens * self.gmax,
                                     n_warps * self.gmax * head_dim)
         parts = (num_seqs, num_heads, self.max_partitions)
         self.part_out = device.empty(parts + (head_dim,), np.float32)
@@ -162,7 +164,7 @@ class PagedAttention:
         self.part_sum = device.empty(parts, np.float32)
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "ppppppppfiiiiii")
-        self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiii")
+        self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiiii")
 
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
@@ -199,7 +201,8 @@ class PagedAttention:
                         self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
         self._reduce((self.num_heads, self.num_seqs), (min(self.head_dim, 256),),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
-                     self.num_heads, self.head_dim, self.max_partitions, stream=stream)
+                     self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
+                     stream=stream)
 
 
 def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids: DeviceArray,
