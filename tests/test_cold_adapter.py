@@ -100,3 +100,35 @@ def test_purge_suppresses_the_next_restore_once(tmp_path):
         assert a.find_cached_prefix("s", toks).cached_tokens == 0
         a.reset_for_new_request("s")
         assert a.find_cached_prefix("s", toks).cached_tokens == 12
+
+
+def test_restarting_a_restored_prepared_turn_cold_counts_restore_suppressed(tmp_path):
+    from pagedkv.cold.stats import sidecar_counters
+
+    toks = np.arange(1, 13, dtype=np.uint32)
+    counter = sidecar_counters()
+    with open_tier(tmp_path / "root") as tier:
+        a, _, _ = _adapter(tier)
+        _fill(a, "s", toks)
+        a.register_full_blocks_for_reuse("s")
+        assert tier.drain(5.0)
+    with open_tier(tmp_path / "root") as tier:
+        b, _, alloc = _adapter(tier)
+        b.reset_for_new_request("s")
+        assert len(b.find_cached_prefix("s", toks).restored_blocks) == 3
+        before = counter.get("restore_suppressed")
+        # The restored hit is thrown away: a forced miss, the whole prompt allocated anew.
+        assert b.restart_prepared_turn_cold("s", toks, len(toks)) == 3
+        assert b.cached_token_count("s") == 0
+        assert counter.get("restore_suppressed") == before + 1
+        alloc.check_invariants()
+        # A hot hit (nothing restored) thrown away the same way is not a suppressed restore.
+        b.release_request("s")
+        _fill(b, "t", toks)
+        b.register_full_blocks_for_reuse("t")
+        b.reset_for_new_request("u")
+        hit = b.find_cached_prefix("u", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 0
+        b.restart_prepared_turn_cold("u", toks, len(toks))
+        assert counter.get("restore_suppressed") == before + 1
+        alloc.check_invariants()

@@ -160,6 +160,7 @@ class PagedKVCacheAdapter:
         self._num_blocks = np.zeros(rows, np.int32)
         self._num_tokens = np.zeros(rows, np.int32)
         self._cached = np.zeros(rows, np.int32)
+        self._restored = np.zeros(rows, np.int32)  # blocks the cold tier restored this request
         self._revision = np.zeros(rows, np.int64)
         # Flags, one byte per row: a bool array keeps `.any()` over a batch cheap.
         self._lookup_done = np.zeros(rows, np.bool_)
@@ -235,7 +236,8 @@ class PagedKVCacheAdapter:
 
         self._table = grown(self._table, -1)
         self._tokens = grown(self._tokens, 0)
-        for name in ("_num_blocks", "_num_tokens", "_cached", "_revision", "_lookup_done",
+        for name in ("_num_blocks", "_num_tokens", "_cached", "_restored", "_revision",
+                     "_lookup_done",
                      "_registered", "_finalized", "_captured", "_aux_unbacked"):
             setattr(self, name, grown(getattr(self, name), 0))
         self._sidecar.extend([None] * (rows - old))
@@ -259,6 +261,7 @@ class PagedKVCacheAdapter:
         self._num_blocks[row] = 0
         self._num_tokens[row] = 0
         self._cached[row] = 0
+        self._restored[row] = 0
         self._revision[row] += 1
         self._lookup_done[row] = False
         self._registered[row] = False
@@ -368,6 +371,7 @@ class PagedKVCacheAdapter:
         self._tokens[row, :cached] = tokens[:cached]
         self._num_tokens[row] = cached
         self._cached[row] = cached
+        self._restored[row] = len(restored)
         if len(blocks):
             self._revision[row] += 1
         self._lookup_done[row] = True
@@ -700,7 +704,11 @@ class PagedKVCacheAdapter:
         return TurnPlan(reason, hit.cached_tokens, new)
 
     def restart_prepared_turn_cold(self, seq_id: Hashable, prompt, total_tokens: int) -> int:
-        """Discard a prepared hit: release, reset, forced miss, allocate. Returns new blocks."""
+        """Discard a prepared hit: release, reset, forced miss, allocate. Returns new blocks.
+        Throwing away a hit that the cold tier restored counts ``restore_suppressed``."""
+        if self._restored[self._row(seq_id)] > 0:  # only with a cold tier, so it is loaded
+            from pagedkv.cold.stats import sidecar_counters
+            sidecar_counters().add("restore_suppressed")
         self.reset_for_new_request(seq_id)
         try:
             self.find_cached_prefix(seq_id, prompt, skip_lookup=True)
