@@ -9,6 +9,7 @@ Both are required: a build without the Cython core fails here instead of skippin
 from __future__ import annotations
 
 import pytest
+
 from pagedkv import _reference, allocator, hashing
 
 #: Modules exposing hot_block_hash, chain_hashes and salt_domain_id.

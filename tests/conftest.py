@@ -17,13 +17,16 @@ settings.register_profile("dev", max_examples=60, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-import pytest  # noqa: E402
+import pytest
+
+# The GPU `device` fixture (skipped without a GPU), for every test module.
+pytest_plugins = ["kernels_support"]
 
 
 @pytest.fixture(autouse=True)
 def _demo_cold_dir_in_tmp(tmp_path_factory, monkeypatch):
     """`pagedkv demo` keeps a cold tier in ./.pagedkv-demo by default; a test that runs the
     demo in-process must never leave one in the working directory (the repository)."""
-    import pagedkv.cli.demo as demo
+    from pagedkv.cli import demo
     monkeypatch.setattr(demo, "DEFAULT_COLD_DIR",
                         str(tmp_path_factory.mktemp("demo-cold") / ".pagedkv-demo"))

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.adapter import DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
 from pagedkv.errors import (

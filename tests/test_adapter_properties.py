@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from allocator_implementations import ALLOCATORS, observables
 from hypothesis import given
 from hypothesis import strategies as st
+
+from allocator_implementations import ALLOCATORS, observables
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.errors import ContextLengthExceeded
 from pagedkv.pool import LayerKVPool, PoolGeometry

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv import _reference
 

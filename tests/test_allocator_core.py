@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pagedkv import allocator as allocator_mod
 from pagedkv.allocator import (
     BLOCK_DTYPE,

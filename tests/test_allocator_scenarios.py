@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock

@@ -16,10 +16,11 @@ often and every step stays cheap; ``CI=1`` runs 300 examples (tests/conftest.py)
 from __future__ import annotations
 
 import numpy as np
-from allocator_implementations import ALLOCATORS, observables
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from allocator_implementations import ALLOCATORS, observables
 from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernels_support import device  # noqa: F401  (fixture)
+
 from pagedkv import errors
 from pagedkv.bench import gpu
 

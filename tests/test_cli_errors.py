@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from hfqm_samples import write_mixed
 from pagedkv.cli import error_text
 from pagedkv.cli import main as cli_main

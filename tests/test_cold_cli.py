@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+
 from cold_support import open_tier, persist_prompt
 from pagedkv.cli import main
 from pagedkv.cli.cold import parse_size
@@ -60,7 +61,7 @@ def test_verify_is_read_only_and_prune_quarantines(tmp_path, capsys):
     assert main(["cold", "verify", str(tmp_path)]) == 0
     capsys.readouterr()
     # evict removes the quarantine first, then evicts least recently read down to SIZE.
-    size = os.path.getsize(root / sorted(n for n in names if not n.startswith("."))[0])
+    size = os.path.getsize(root / min(n for n in names if not n.startswith(".")))
     assert main(["cold", "evict", "--to", str(2 * size), str(tmp_path)]) == 0
     names = os.listdir(root)
     assert not [n for n in names if n.startswith(".blocked.")]
@@ -202,9 +203,9 @@ def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch)
 
 def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, capsys,
                                                                       monkeypatch):
-    import pagedkv.cold.offline as offline
+    from pagedkv.cold import offline
     root = _populate(tmp_path, 1)
-    victim = sorted(os.listdir(root))[0]
+    victim = min(os.listdir(root))
     data = bytearray((root / victim).read_bytes())
     data[-1] ^= 1
     (root / victim).write_bytes(bytes(data))

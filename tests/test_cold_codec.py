@@ -100,7 +100,7 @@ def test_every_single_byte_flip_is_rejected():
 
 def test_truncation_and_trailing_bytes_are_rejected():
     data, _, _ = _encode()
-    for n in range(0, len(data)):
+    for n in range(len(data)):
         with pytest.raises(FormatError):
             _decode(data[:n])
     with pytest.raises(FormatError):
@@ -201,7 +201,8 @@ def test_forged_huge_counts_are_rejected_before_allocating():
         decode_block(bad, abi=ABI, checksum_tag=TAG)
 
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @settings(max_examples=40)

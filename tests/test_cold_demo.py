@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagedkv.cli import main
 
 
@@ -44,8 +45,7 @@ def _cold_line(out: str) -> str:
 def test_default_demo_persists_then_the_next_run_restores_from_disk(tmp_path, monkeypatch, capsys):
     """The README's main job: the cold tier is on by default in ./.pagedkv-demo and kept, so a
     second run restores the shared prefix from disk; --fresh empties it; parity holds."""
-    import pagedkv.cli.demo as demo
-    from pagedkv.cli import main
+    from pagedkv.cli import demo, main
 
     monkeypatch.chdir(tmp_path)
     # conftest points the default elsewhere for every test; this one is about the default.
@@ -73,8 +73,7 @@ def test_default_demo_persists_then_the_next_run_restores_from_disk(tmp_path, mo
 
 
 def test_demo_no_cold_writes_nothing_and_rejects_contradictions(tmp_path, monkeypatch, capsys):
-    import pagedkv.cli.demo as demo
-    from pagedkv.cli import main
+    from pagedkv.cli import demo, main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(demo, "DEFAULT_COLD_DIR", "./.pagedkv-demo")

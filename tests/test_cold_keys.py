@@ -9,10 +9,23 @@ import os
 import numpy as np
 import pytest
 
-from pagedkv.cold import (COLD_RESTORE_FAMILIES, DEFAULT_FORMAT, UPSTREAM_KEY_FORMAT, ColdFormat,
-                          ColdGroup, FamilyColdProfile, OutOfPoolState, WeightProvenance,
-                          cold_fingerprint, cold_key_chain, cold_restore_supported,
-                          model_fingerprint, parse_object_name, resolve_persist, sidecar_key)
+from pagedkv.cold import (
+    COLD_RESTORE_FAMILIES,
+    DEFAULT_FORMAT,
+    UPSTREAM_KEY_FORMAT,
+    ColdFormat,
+    ColdGroup,
+    FamilyColdProfile,
+    OutOfPoolState,
+    WeightProvenance,
+    cold_fingerprint,
+    cold_key_chain,
+    cold_restore_supported,
+    model_fingerprint,
+    parse_object_name,
+    resolve_persist,
+    sidecar_key,
+)
 from pagedkv.cold.codec import checksum_of_named
 from pagedkv.cold.profiles import builtin_profiles
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
@@ -168,8 +181,8 @@ class Profile:
     sidecar_descriptor = ""
 
 
-GEOM = type("G", (), dict(block_size=4, num_layers=2, num_kv_heads=1, head_dim=8,
-                          dtype="float16", layout="nhd"))()
+GEOM = type("G", (), {"block_size": 4, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8,
+                          "dtype": "float16", "layout": "nhd"})()
 
 
 def _model(tmp_path, shards=(("model.safetensors", b"\x01" * 4096),)):
@@ -224,8 +237,8 @@ def test_manifest_path_reads_no_weight_bytes(tmp_path, monkeypatch):
     assert model_fingerprint(PKV, str(d), Profile, GEOM, provenance=prov) != a
 
 
-@pytest.mark.parametrize("bad", [dict(revision="main"), dict(files=[]),
-                                 dict(files=["sub/model.safetensors"])])
+@pytest.mark.parametrize("bad", [{"revision": "main"}, {"files": []},
+                                 {"files": ["sub/model.safetensors"]}])
 def test_invalid_manifest_falls_back_to_full_digest(tmp_path, bad):
     d = _model(tmp_path)
     _manifest(d, **bad)
@@ -249,9 +262,9 @@ def test_no_weights_means_no_fingerprint(tmp_path, caplog):
 
 
 def test_digest_cache_avoids_rereading(tmp_path, monkeypatch):
+    import pagedkv.cold.fingerprint as fpmod
     from pagedkv.cold import WeightDigestCache
     from pagedkv.cold.root import open_managed_root
-    import pagedkv.cold.fingerprint as fpmod
     d = _model(tmp_path)
     fd = open_managed_root(str(tmp_path / "root"), None)
     try:
@@ -339,8 +352,8 @@ def test_cold_tier_for_model_resolves_persistence_end_to_end(tmp_path, monkeypat
 
 
 def test_capture_budget_env_parsing(monkeypatch, caplog):
+    from pagedkv.cold import knobs
     from pagedkv.cold.knobs import capture_budget_from_env
-    import pagedkv.cold.knobs as knobs
     monkeypatch.setattr(knobs, "_installed_budget", None)
     monkeypatch.delenv("PAGEDKV_COLD_CAPTURE_BLOCKS_PER_TURN", raising=False)
     monkeypatch.delenv("PAGEDKV_COLD_CAPTURE_BUDGET_MS", raising=False)

@@ -10,8 +10,14 @@ import pytest
 from safetensors import safe_open
 
 from cold_support import FP, open_tier, persist_prompt
-from pagedkv.cold import (DEFAULT_FORMAT, ColdGroup, ColdSidecarLayout, SidecarJob,
-                          object_name, sidecar_key)
+from pagedkv.cold import (
+    DEFAULT_FORMAT,
+    ColdGroup,
+    ColdSidecarLayout,
+    SidecarJob,
+    object_name,
+    sidecar_key,
+)
 from pagedkv.cold.codec import decode_sidecar, encode_sidecar
 from pagedkv.errors import FormatError, InvalidArgument
 
@@ -20,8 +26,8 @@ TOKENS = np.arange(100, 132, dtype=np.uint32)
 
 
 def _layout(**kw):
-    d = dict(group=ColdGroup.GDN_STATE, boundary_tokens=16, num_layers=3, tensors_per_layer=1,
-             dtype="bfloat16", dims=(3, 8, 2, 4, 4), bytes_per_tensor=2 * (3 * 8 + 2 * 4 * 4))
+    d = {"group": ColdGroup.GDN_STATE, "boundary_tokens": 16, "num_layers": 3, "tensors_per_layer": 1,
+             "dtype": "bfloat16", "dims": (3, 8, 2, 4, 4), "bytes_per_tensor": 2 * (3 * 8 + 2 * 4 * 4)}
     d.update(kw)
     return ColdSidecarLayout(**d)
 
@@ -48,18 +54,18 @@ def test_gdn_sidecar_round_trips_and_opens_with_safetensors(tmp_path):
     with safe_open(str(p), "numpy") as f:
         assert f.metadata()["kind"] == "sidecar" and f.metadata()["group"] == "gdn_state"
         assert np.array_equal(f.get_tensor("layer.2.state.0"), pay[2])
-    for bad in (dict(group="sliding_window"), dict(key_hex="00" * 32),
-                dict(fingerprint_hex="11" * 32)):
-        kw = dict(group="gdn_state", key_hex=key.hex(), fingerprint_hex=FP.hex())
+    for bad in ({"group": "sliding_window"}, {"key_hex": "00" * 32},
+                {"fingerprint_hex": "11" * 32}):
+        kw = {"group": "gdn_state", "key_hex": key.hex(), "fingerprint_hex": FP.hex()}
         kw.update(bad)
         with pytest.raises(FormatError):
             decode_sidecar(data, abi=DEFAULT_FORMAT.abi, checksum_tag=TAG, **kw)
 
 
-@pytest.mark.parametrize("bad", [dict(group=ColdGroup.KV), dict(num_layers=0),
-                                 dict(tensors_per_layer=0), dict(tensors_per_layer=17),
-                                 dict(dims=()), dict(dims=(1,) * 9), dict(dims=(3, 0, 2)),
-                                 dict(bytes_per_tensor=0), dict(boundary_tokens=0)])
+@pytest.mark.parametrize("bad", [{"group": ColdGroup.KV}, {"num_layers": 0},
+                                 {"tensors_per_layer": 0}, {"tensors_per_layer": 17},
+                                 {"dims": ()}, {"dims": (1,) * 9}, {"dims": (3, 0, 2)},
+                                 {"bytes_per_tensor": 0}, {"boundary_tokens": 0}])
 def test_sidecar_layout_rejects_out_of_range_geometry(bad):
     with pytest.raises(InvalidArgument):
         _layout(**bad)

@@ -39,8 +39,8 @@ def _files(root):
 
 def _counters(tier):
     s = tier.stats()
-    return dict(hits=s.hits, misses=s.misses, corruptions=s.corruptions,
-                write_errors=s.write_errors, evictions=s.evictions)
+    return {"hits": s.hits, "misses": s.misses, "corruptions": s.corruptions,
+                "write_errors": s.write_errors, "evictions": s.evictions}
 
 
 # W1 --------------------------------------------------------------------------------------
@@ -464,8 +464,8 @@ def test_a_refused_create_counts_one_write_error_per_job(tmp_path):
 
 def test_open_at_validates_arguments_before_touching_disk(tmp_path):
     root = tmp_path / "root"
-    for kw in (dict(quota_bytes=0), dict(reserve_bytes=-1), dict(queue_depth=0),
-               dict(fingerprint=b"short"), dict(durability="sometimes")):
+    for kw in ({"quota_bytes": 0}, {"reserve_bytes": -1}, {"queue_depth": 0},
+               {"fingerprint": b"short"}, {"durability": "sometimes"}):
         with pytest.raises(InvalidArgument):
             ColdTier.open_at(str(root), **{"quota_bytes": 1 << 20, **kw})
     assert not root.exists()

@@ -10,9 +10,18 @@ import numpy as np
 import pytest
 
 from cold_support import FP, FakeAllocator, FakePool, open_tier, persist_prompt
-from pagedkv.cold import (COLD_DELTA_FIELDS, CaptureStop, ColdGroup, ColdTier, RestoreDecline,
-                          TurnTraceWriter, cold_cache_stats, cold_key_chain,
-                          install_capture_budget, object_name)
+from pagedkv.cold import (
+    COLD_DELTA_FIELDS,
+    CaptureStop,
+    ColdGroup,
+    ColdTier,
+    RestoreDecline,
+    TurnTraceWriter,
+    cold_cache_stats,
+    cold_key_chain,
+    install_capture_budget,
+    object_name,
+)
 from pagedkv.cold.stats import sidecar_counters
 
 TOKENS_12 = np.arange(100, 112, dtype=np.uint32)
@@ -31,7 +40,7 @@ def _restore(tier, tokens, *, pool=None, alloc=None, hot=0, cache_salt=0):
 
 def test_stats_without_a_tier_are_zero_and_budget_install_is_idempotent(tmp_path,
                                                                          monkeypatch):
-    import pagedkv.cold.knobs as knobs
+    from pagedkv.cold import knobs
     monkeypatch.setattr(knobs, "_installed_budget", None)  # restored after the test
     base = tmp_path / "base"
     base.mkdir()
@@ -226,8 +235,8 @@ def test_counters_and_one_traced_turn(tmp_path):
         assert tier.stats().write_errors == 1
         writer = TurnTraceWriter(str(tmp_path / "traces"), tier=tier, enabled=True)
         persist_prompt(tier, TOKENS_12)
-        rec = writer.record(dict(v=1, trace_id="t", ts_ms=1, model="m", duration_ms=2.0,
-                                 prompt_tokens=12, cached_tokens=0, output_tokens=3))
+        rec = writer.record({"v": 1, "trace_id": "t", "ts_ms": 1, "model": "m", "duration_ms": 2.0,
+                                 "prompt_tokens": 12, "cached_tokens": 0, "output_tokens": 3})
         files = os.listdir(tmp_path / "traces")
         assert len(files) == 1 and files[0].endswith(f"-{os.getpid()}.jsonl")
         line = json.loads((tmp_path / "traces" / files[0]).read_text().splitlines()[-1])

@@ -22,6 +22,7 @@ _BLOCK = re.compile(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", re.
 def _write_model_mq4() -> None:
     """The file the HFQM reader example opens (its tensor names, qts and config key)."""
     import numpy as np
+
     from pagedkv.hfqm import HfqmWriter
     from pagedkv.quant import quantize
     rows = np.random.default_rng(0).standard_normal((2, 256), np.float32)

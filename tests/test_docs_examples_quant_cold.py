@@ -6,8 +6,8 @@ from __future__ import annotations
 import tempfile
 
 import pytest
+
 import test_docs_examples as runner
-from kernels_support import device  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not runner.DOCS.is_dir(), reason="docs/ is not next to the tests")
 
@@ -27,7 +27,7 @@ def test_cold_page_example_restores_the_prefix_in_a_fresh_adapter(tmp_path, monk
 
 
 @pytest.mark.gpu
-def test_kernels_page_example_runs_on_the_device(device, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_kernels_page_example_runs_on_the_device(device, tmp_path, monkeypatch, capsys):
     runner.test_page_examples_run("kernels.md", tmp_path, monkeypatch, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == repr(device) and float(lines[1]) < 1e-3

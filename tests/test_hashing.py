@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 import xxhash
+
 from pagedkv import hashing
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hashing import chain_hashes, hot_block_hash, salt_domain_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pagedkv import _reference, allocator, hashing
 
 U64 = (1 << 64) - 1

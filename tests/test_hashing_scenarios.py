@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from allocator_implementations import ALLOCATORS, HASHING
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 

@@ -337,7 +337,6 @@ def test_convert_errors_and_interrupt_leave_no_output(tmp_path, capsys, monkeypa
     assert "--format 'zz' is not a format" in capsys.readouterr().err
     assert cli_main(["convert", str(tmp_path / "m"), "-o", str(out), "--arch", "gpt2"]) == 1
     assert "no arch_id mapping" in capsys.readouterr().err
-    import pagedkv.hfqm.convert as conv
     calls = []
 
     def interrupting_quantize(block, fmt):

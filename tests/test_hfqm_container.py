@@ -9,15 +9,40 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hfqm_samples import (MINIMAL_METADATA, MINIMAL_QUANTIZATION_HASH, MINIMAL_SHA256,
-                          hfq4g256_ramp_group, write_minimal, write_mixed)
-from pagedkv.errors import (BadMagic, BadMetadata, BadName, CountMismatch, FormatError,
-                            InvalidArgument, SizeMismatch, TensorNotFound, Truncated,
-                            UnknownQuantType, UnsupportedQuantType, UnsupportedVersion)
-from pagedkv.hfqm import (HfqmFile, HfqmWriter, PlannedTensor, compute_quantization_hash,
-                          plan_of, verify_quantization_hash, write_mtp_bundle)
+from hfqm_samples import (
+    MINIMAL_METADATA,
+    MINIMAL_QUANTIZATION_HASH,
+    MINIMAL_SHA256,
+    hfq4g256_ramp_group,
+    write_minimal,
+    write_mixed,
+)
+from pagedkv.errors import (
+    BadMagic,
+    BadMetadata,
+    BadName,
+    CountMismatch,
+    FormatError,
+    InvalidArgument,
+    SizeMismatch,
+    TensorNotFound,
+    Truncated,
+    UnknownQuantType,
+    UnsupportedQuantType,
+    UnsupportedVersion,
+)
+from pagedkv.hfqm import (
+    HfqmFile,
+    HfqmWriter,
+    PlannedTensor,
+    compute_quantization_hash,
+    plan_of,
+    verify_quantization_hash,
+    write_mtp_bundle,
+)
 from pagedkv.hfqm import index as hfqm_index
 
 
@@ -43,10 +68,10 @@ def test_minimal_file_is_reproduced_exactly(tmp_path, use_plan):
     assert data[:32].hex() == ("4846514d" "01000000" "00000000" "02000000"
                                "2000000000000000" "0010000000000000")
     assert data[32:88] == json.dumps(MINIMAL_METADATA, separators=(",", ":")).encode()
-    assert data[88:150].hex() == "".join("""
-        02000000
-        0800 612e776569676874 06 02 01000000 00010000 00010000 8800000000000000
-        0600 612e6e6f726d 01 01 04000000 00000000 0800000000000000""".split())
+    assert data[88:150].hex() == (
+        "02000000" "0800" "612e776569676874" "06" "02" "01000000" "00010000" "00010000"
+        "8800000000000000" "0600" "612e6e6f726d" "01" "01" "04000000" "00000000"
+        "0800000000000000")
     assert data[150:4096] == bytes(4096 - 150)
     assert data[4232:4240].hex() == "003c004000420044"
     assert sha256(path) == MINIMAL_SHA256
@@ -361,7 +386,7 @@ def test_bad_metadata_is_reported_when_parsed(tmp_path, meta, arch, message):
     f = HfqmFile(path)          # opening does not parse the JSON
     assert len(f) == 0
     with pytest.raises(BadMetadata, match=message):
-        f.metadata
+        _ = f.metadata
     assert f._metadata is None
 
 
@@ -378,9 +403,9 @@ def _check_opened_file_stays_in_bounds(f: HfqmFile, size: int) -> None:
     for t in f.tensors:
         assert t.offset + t.nbytes <= size
         assert f.raw(t.name).nbytes == t.nbytes
-        f[t.name]
+        _ = f[t.name]
     try:
-        f.metadata
+        _ = f.metadata
     except BadMetadata:
         pass
 
@@ -388,7 +413,7 @@ def _check_opened_file_stays_in_bounds(f: HfqmFile, size: int) -> None:
 def test_truncation_at_every_offset_raises_a_format_error(tmp_path):
     data = bytes(_minimal_bytes(tmp_path))
     path = tmp_path / "t.hfq"
-    for n in list(range(0, 200)) + list(range(200, 4096, 97)) + list(range(4096, len(data))):
+    for n in list(range(200)) + list(range(200, 4096, 97)) + list(range(4096, len(data))):
         path.write_bytes(data[:n])
         with pytest.raises(FormatError):
             HfqmFile(path)
@@ -398,7 +423,7 @@ def test_bit_flips_in_header_metadata_and_index_never_escape_the_file(tmp_path):
     data = bytes(_minimal_bytes(tmp_path))
     path = tmp_path / "f.hfq"
     outcomes = {"ok": 0, "error": 0}
-    for pos in range(0, 150):
+    for pos in range(150):
         for bit in range(8):
             flipped = bytearray(data)
             flipped[pos] ^= 1 << bit
@@ -465,10 +490,10 @@ def test_writer_plan_is_enforced(tmp_path):
 
 def test_interrupted_write_leaves_no_file(tmp_path):
     path = tmp_path / "out.hfq"
-    with pytest.raises(KeyboardInterrupt):
-        with HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA) as w:
-            w.add("a.norm", "f16", [4], np.ones(4, np.float16))
-            raise KeyboardInterrupt
+    with (pytest.raises(KeyboardInterrupt),
+          HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA) as w):
+        w.add("a.norm", "f16", [4], np.ones(4, np.float16))
+        raise KeyboardInterrupt
     assert os.listdir(tmp_path) == []
     w = HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA, buffer_bytes=0)
     w.add("a.norm", "f16", [4], np.ones(4, np.float16))
@@ -489,7 +514,7 @@ def test_writer_metadata_arguments(tmp_path):
     with pytest.raises(InvalidArgument, match="no arch_id mapping"):
         HfqmWriter(tmp_path / "a.hfq", arch_id="gpt2", metadata={})
     assert os.listdir(tmp_path) == []
-    with HfqmWriter(tmp_path / "a.hfq", arch_id="qwen3_5_moe", metadata='{"k":"\\u00e9"}') as w:
+    with HfqmWriter(tmp_path / "a.hfq", arch_id="qwen3_5_moe", metadata='{"k":"\\u00e9"}'):
         pass
     data = (tmp_path / "a.hfq").read_bytes()
     assert data[32:46] == b'{"k":"\\u00e9"}'  # JSON text is written verbatim

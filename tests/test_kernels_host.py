@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Event, Graph, Stream
 from pagedkv.kernels.device_array import DeviceArray
@@ -156,8 +157,8 @@ def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
     assert [c[1] for c in _launches(dev)] == ["pkv_fwht256_f32", "pkv_gemv_mq4g256v2_b2"]
     dev.calls.clear()
     cases = [
-        ((dev.empty((4 * 136 - 1,), np.uint8), x, y), r"raw: 543 bytes, mq4g256v2 of 1024 "
-                                                      r"weights takes 544"),
+        ((dev.empty((4 * 136 - 1,), np.uint8), x, y), (r"raw: 543 bytes, mq4g256v2 of 1024 "
+                                                       r"weights takes 544")),
         ((DeviceArray(dev, w.ptr + 4, w.shape, np.uint8, owned=False), x, y),
          r"not 8-byte aligned"),
         ((w, dev.empty((1, 256), np.float32), y), r"x: shape \(1, 256\), expected \(2, 256\)"),
@@ -339,8 +340,8 @@ def test_kv_q8_launchers_reject_bad_arguments_before_launching(op):
         ((dev.empty((3, 2, 48), np.float32), slots, pool), InvalidArgument,
          "head_dim=48: q8 KV needs a multiple of 32"),
         ((rows, slots, dev.empty((2, 4, 2, 64), np.uint8)), InvalidArgument,
-         "pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for "
-         "kv_heads 2, head_dim 64"),
+         ("pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for "
+          "kv_heads 2, head_dim 64")),
         ((rows, dev.array(np.arange(2, dtype=np.int64)), pool), InvalidArgument,
          "slots: length 2, expected 3 (one per token)"),
     ]

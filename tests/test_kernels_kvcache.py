@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernels_support import device, poisoned  # noqa: F401  (fixtures)
 
+from kernels_support import poisoned
 from pagedkv import errors
 from pagedkv.kernels import kvcache, reference
 from pagedkv.quant import kv_q8

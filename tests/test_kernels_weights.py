@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernels_support import device, poisoned  # noqa: F401  (fixtures)
+
+from kernels_support import poisoned
 from pagedkv import errors, quant
 from pagedkv.kernels import reference, weights
 
@@ -29,7 +30,7 @@ def test_format_table_matches_the_cpu_codecs():
 
 
 def test_reference_gemv_equals_the_original_basis_product():
-    w, raw = _weights("mq4g256v2", (5, 512))
+    _, raw = _weights("mq4g256v2", (5, 512))
     x = RNG.standard_normal((2, 512)).astype(np.float32)
     y = reference.gemv(raw, "mq4g256v2", 5, 512, x, rotated=True)
     w_orig = quant.dequantize(raw, "mq4g256v2", (5, 512)).astype(np.float64)
@@ -79,7 +80,7 @@ def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
         K = 4384 if long_rows else 1312
     else:
         K = 4352 if long_rows else 1280
-    w, raw = _weights(fmt, (M, K))
+    _, raw = _weights(fmt, (M, K))
     x = RNG.standard_normal((batch, K)).astype(np.float32)
     g = weights.Gemv(device, fmt, M, K, batch)
     y = poisoned(device, (batch, M), np.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from allocator_implementations import ALLOCATORS
 from pagedkv.reference import FlatKV, PagedKV, ReferenceConfig, ReferenceModel
 from pagedkv.reference.serving import Request, build_paged_adapter, check_parity, serve

@@ -84,20 +84,20 @@ def test_geometry_normalizes_numpy_dtypes():
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(num_layers=0), InvalidArgument, "num_layers: 0"),
-    (dict(head_dim=0), InvalidArgument, "head_dim: 0"),
-    (dict(num_kv_heads=-1), InvalidArgument, "num_kv_heads: -1"),
-    (dict(block_size=0), InvalidArgument, "block_size: 0"),
-    (dict(dtype="int8"), InvalidArgument, "'int8'"),
-    (dict(dtype=np.int8), InvalidArgument, "'int8'"),
-    (dict(head_dim=7), InvalidArgument, "odd"),
-    (dict(dtype="q8", head_dim=48), InvalidArgument, "multiple of 32"),
-    (dict(layout="hnd"), InvalidArgument, "layout"),
-    (dict(num_layers=2.0), InvalidArgumentType, "num_layers"),
-    (dict(num_layers=True), InvalidArgumentType, "num_layers"),
+    ({"num_layers": 0}, InvalidArgument, "num_layers: 0"),
+    ({"head_dim": 0}, InvalidArgument, "head_dim: 0"),
+    ({"num_kv_heads": -1}, InvalidArgument, "num_kv_heads: -1"),
+    ({"block_size": 0}, InvalidArgument, "block_size: 0"),
+    ({"dtype": "int8"}, InvalidArgument, "'int8'"),
+    ({"dtype": np.int8}, InvalidArgument, "'int8'"),
+    ({"head_dim": 7}, InvalidArgument, "odd"),
+    ({"dtype": "q8", "head_dim": 48}, InvalidArgument, "multiple of 32"),
+    ({"layout": "hnd"}, InvalidArgument, "layout"),
+    ({"num_layers": 2.0}, InvalidArgumentType, "num_layers"),
+    ({"num_layers": True}, InvalidArgumentType, "num_layers"),
 ])
 def test_p3_geometry_rejections(kwargs, exc, words):
-    args = dict(num_layers=2, num_kv_heads=1, head_dim=32, block_size=4, dtype="float16")
+    args = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 32, "block_size": 4, "dtype": "float16"}
     args.update(kwargs)
     with pytest.raises(exc, match=words):
         PoolGeometry(**args)
@@ -258,18 +258,18 @@ def test_bad_token_writes_raise_and_leave_pool_unchanged(backend):
     before = snapshot(pool)
     good = np.array([8, 9, 10], np.int32)
     cases = [
-        (dict(k=k[:, :1]), InvalidArgument, r"k: shape \(3, 1, 8\).*expected \(3, 2, 8\)"),
-        (dict(v=k[:2]), InvalidArgument, r"v: shape \(2, 2, 8\).*expected \(3, 2, 8\)"),
-        (dict(k=k.astype(np.float32)), InvalidArgumentType, "k: dtype float32.*float16"),
-        (dict(slots=[8, 9, 16]), InvalidArgument, r"slots: slot 16 is out of range \[0, 16\)"),
-        (dict(slots=[8, -1, 10]), InvalidArgument, "slot -1"),
-        (dict(slots=np.array([8.0, 9.0, 10.0])), InvalidArgumentType, "slots: dtype float64"),
-        (dict(slots=good.reshape(3, 1)), InvalidArgument, "slots: ndim 2"),
-        (dict(layer=2), InvalidArgument, r"layer: 2 is out of range \[0, 2\)"),
-        (dict(generation=1), StaleBlockTable, "generation 1.*generation 0"),
+        ({"k": k[:, :1]}, InvalidArgument, r"k: shape \(3, 1, 8\).*expected \(3, 2, 8\)"),
+        ({"v": k[:2]}, InvalidArgument, r"v: shape \(2, 2, 8\).*expected \(3, 2, 8\)"),
+        ({"k": k.astype(np.float32)}, InvalidArgumentType, "k: dtype float32.*float16"),
+        ({"slots": [8, 9, 16]}, InvalidArgument, r"slots: slot 16 is out of range \[0, 16\)"),
+        ({"slots": [8, -1, 10]}, InvalidArgument, "slot -1"),
+        ({"slots": np.array([8.0, 9.0, 10.0])}, InvalidArgumentType, "slots: dtype float64"),
+        ({"slots": good.reshape(3, 1)}, InvalidArgument, "slots: ndim 2"),
+        ({"layer": 2}, InvalidArgument, r"layer: 2 is out of range \[0, 2\)"),
+        ({"generation": 1}, StaleBlockTable, "generation 1.*generation 0"),
     ]
     for change, exc, words in cases:
-        args = dict(layer=0, slots=good, k=k, v=k, generation=0)
+        args = {"layer": 0, "slots": good, "k": k, "v": k, "generation": 0}
         args.update(change)
         with pytest.raises(exc, match=words):
             pool.write_tokens(args["layer"], args["slots"], args["k"], args["v"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import PagedKVError

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-import pagedkv.quant as Q
 import pytest
+
+import pagedkv.quant as Q
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,

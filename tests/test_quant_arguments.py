@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pagedkv import quant
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant.formats import CODECS
@@ -96,8 +97,8 @@ def test_quantize_and_gemv_never_modify_their_inputs(qt_id):
 
 # --- the low-level Cython entry points refuse what would overrun their buffers ---------
 
-from pagedkv.errors import SizeMismatch  # noqa: E402
-from pagedkv.quant import affine, fwht, gemv_kernels, half, q8  # noqa: E402
+from pagedkv.errors import SizeMismatch
+from pagedkv.quant import affine, fwht, gemv_kernels, half, q8
 
 ONES = np.ones(256, np.float32)
 

@@ -7,8 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pagedkv
 import pytest
+
+import pagedkv
 
 DEVICE_SOURCE = r"""
 #include <pagedkv/quant.h>

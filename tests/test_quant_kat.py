@@ -7,8 +7,9 @@ import hashlib
 import warnings
 
 import numpy as np
-import pagedkv.quant as Q
 import pytest
+
+import pagedkv.quant as Q
 from pagedkv.quant import affine, fwht, half
 
 RAMP = ((np.arange(256) - 128) / 64).astype(np.float32)

@@ -4,11 +4,12 @@ bound of hfqm-and-quant.md §4, and gemv against x @ dequantize(W).T."""
 from __future__ import annotations
 
 import numpy as np
-import pagedkv.quant as Q
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+import pagedkv.quant as Q
 from pagedkv.errors import InvalidArgument
 from pagedkv.quant.affine import AffineFamily
 

@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 import test_stubs
 
 CYTHON_MODULES = ("pagedkv.quant.fwht", "pagedkv.quant.affine", "pagedkv.quant.q8",

@@ -8,6 +8,7 @@ expects :class:`InvariantViolation` naming it.
 from __future__ import annotations
 
 import pytest
+
 from pagedkv._reference import BlockAllocator
 from pagedkv.errors import InvariantViolation
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from hfqm_samples import write_mixed
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument, TensorNotFound

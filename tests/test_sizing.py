@@ -188,12 +188,12 @@ def test_env_wins_over_config_and_garbage_falls_back(caplog):
         assert config.with_env(garbage) == config
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
-        f"ignoring {ENV_ENABLED}='maybe': expected one of 1/true/on/yes or 0/false/off/no "
-        "(any case); using True (config field enabled)",
-        f"ignoring {ENV_MEMORY_MB}='lots': expected a base-10 integer 0..4294967295 (no sign, "
-        "unit or underscores); using 512 (config field memory_mb)",
-        f"ignoring {ENV_INITIAL_MB}='1e3': expected a base-10 integer 0..4294967295 (no sign, "
-        "unit or underscores); using 64 (config field initial_memory_mb)",
+        (f"ignoring {ENV_ENABLED}='maybe': expected one of 1/true/on/yes or 0/false/off/no "
+         "(any case); using True (config field enabled)"),
+        (f"ignoring {ENV_MEMORY_MB}='lots': expected a base-10 integer 0..4294967295 (no sign, "
+         "unit or underscores); using 512 (config field memory_mb)"),
+        (f"ignoring {ENV_INITIAL_MB}='1e3': expected a base-10 integer 0..4294967295 (no sign, "
+         "unit or underscores); using 64 (config field initial_memory_mb)"),
     ]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pagedkv"):
@@ -247,8 +247,8 @@ def test_load_resolution_and_log_lines(caplog):
         pool = create_pool(g, PagedCacheConfig(memory_mb=1, initial_memory_mb=None), environ={})
     assert pool.num_blocks == 1024 and pool.max_num_blocks == 1024
     assert [r.getMessage() for r in caplog.records] == [
-        "paged pool: block_size=16 initial_blocks=1024 max_blocks=1024 "
-        "effective_window_tokens=16384 bytes_per_block=1024"]
+        ("paged pool: block_size=16 initial_blocks=1024 max_blocks=1024 "
+         "effective_window_tokens=16384 bytes_per_block=1024")]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagedkv"):
         pool = create_pool(g, max_model_len=4096, environ={ENV_INITIAL_MB: "1"},
@@ -263,8 +263,8 @@ def test_load_resolution_and_log_lines(caplog):
     with caplog.at_level(logging.INFO, logger="pagedkv"):
         sizing.log_load()
     assert [r.getMessage() for r in caplog.records] == [
-        "paged pool: block_size=16 initial_blocks=3 max_blocks=6553 "
-        "effective_window_tokens=104848 bytes_per_block=327680",
+        ("paged pool: block_size=16 initial_blocks=3 max_blocks=6553 "
+         "effective_window_tokens=104848 bytes_per_block=327680"),
         "paged pool is dynamic (grow-on-demand)"]
     auto = resolve_pool_sizing(G10, max_model_len=262_144, environ={})
     assert (auto.max_mb, auto.max_blocks, auto.initial_blocks) == (5120, 16_384, 16_384)

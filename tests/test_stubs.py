@@ -11,8 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pagedkv
 import pytest
+
+import pagedkv
 
 CYTHON_MODULES = ("pagedkv.hashing", "pagedkv.allocator", "pagedkv.hfqm.index")
 ALLOWLIST = Path(__file__).with_name("stubtest_allowlist.txt")

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 import xxhash
+
 from pagedkv.allocator import BlockAllocator
 
 BLOCK_SIZE = 16

@@ -30,7 +30,7 @@ import numpy as np
 
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
-from pagedkv.cold import ColdTier, cold_key_chain, ColdGroup
+from pagedkv.cold import ColdGroup, ColdTier, cold_key_chain
 from pagedkv.cold.capture import capture_and_enqueue_before
 from pagedkv.cold.codec import BlockGeometry, block_checksum, encode_block
 from pagedkv.cold.writer import BlockJob
@@ -113,6 +113,14 @@ def writer_service_s(tier: ColdTier, jobs) -> float:
     return (time.perf_counter() - t0) / len(jobs)
 
 
+
+def _service_run_s(root, jobs) -> float:
+    """Seconds for the writer service to persist ``jobs`` into a fresh tier at ``root``."""
+    with _open(root) as tier:
+        s = writer_service_s(tier, jobs)
+        assert tier.stats().write_errors == 0
+    return s
+
 def writer_vs_floor(rounds: int = 4):
     ratios, floors, services = [], [], []
     for r in range(rounds):
@@ -124,18 +132,12 @@ def writer_vs_floor(rounds: int = 4):
             blobs.append(h + bytes(t) + bytes(p))
         d1, d2 = _tmpdir(), _tmpdir()
         try:
-            def floor_run():
-                return raw_protocol_s(d1, blobs)
-
-            def service_run():
-                with _open(d2) as tier:
-                    s = writer_service_s(tier, jobs)
-                    assert tier.stats().write_errors == 0
-                return s
             if r % 2:  # alternate the order: the shared disk's state drifts
-                service, floor = service_run(), floor_run()
+                service = _service_run_s(d2, jobs)
+                floor = raw_protocol_s(d1, blobs)
             else:
-                floor, service = floor_run(), service_run()
+                floor = raw_protocol_s(d1, blobs)
+                service = _service_run_s(d2, jobs)
         finally:
             shutil.rmtree(d1), shutil.rmtree(d2)
         floors.append(floor), services.append(service), ratios.append(service / floor)

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 import xxhash
+
 from pagedkv import hashing
 
 TOKENS = 32_768

@@ -10,7 +10,6 @@ Run as asv benchmarks, or as a script: ``python asv_bench/benchmarks/hfqm.py``.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
@@ -57,7 +56,7 @@ def python_struct_index(path: str) -> dict:
     """Baseline: mmap + struct.unpack walk of header, JSON extent and index."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    _, version, arch, n, meta_off, data_off = struct.unpack_from("<4sIIIQQ", mm, 0)
+    _, _version, _arch, _n, meta_off, data_off = struct.unpack_from("<4sIIIQQ", mm, 0)
     depth, in_str, esc, p = 0, False, False, meta_off
     while True:
         c = mm[p]

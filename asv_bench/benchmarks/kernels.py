@@ -18,10 +18,10 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from pagedkv.kernels import reference  # noqa: E402
-from pagedkv.quant import kv_q8  # noqa: E402
+from pagedkv.kernels import reference
+from pagedkv.quant import kv_q8
 
 TOKENS, KV_HEADS, HEAD_DIM = 4096, 8, 128
 

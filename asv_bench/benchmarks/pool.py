@@ -27,8 +27,8 @@ BLOCK = 5  # the block the benchmarks write and gather
 class BlockOfTokensAcross32Layers:
     """write_tokens / gather of one full block (16 tokens) in every one of 32 layers."""
 
-    params = ["numpy", "mlx"]
-    param_names = ["backend"]
+    params = ["numpy", "mlx"]  # noqa: RUF012 - asv's class-attribute API
+    param_names = ["backend"]  # noqa: RUF012
 
     def setup(self, backend="numpy"):
         g = GEOMETRY
@@ -107,8 +107,8 @@ class GrowDoubling:
     """grow_to(2 * num_blocks) of a pool holding ``pool_mib`` MiB vs ``ndarray.copy()`` of the
     same bytes (a copy into freshly allocated memory, as growth must make)."""
 
-    params = [64]
-    param_names = ["pool_mib"]
+    params = [64]  # noqa: RUF012 - asv's class-attribute API
+    param_names = ["pool_mib"]  # noqa: RUF012
     number = 1
     repeat = 5
     warmup_time = 0

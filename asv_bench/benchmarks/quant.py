@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBLAS
 
 import numpy as np
+
 import pagedkv.quant as Q
 
 ROWS, K = 4096, 4096            # dequant / quantize: 16 M weights, 64 MiB of float32 (> L3)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 
 from pagedkv import errors
-from pagedkv._config import get_include, show_config
 from pagedkv._build_config import VERSION as __version__
+from pagedkv._config import get_include, show_config
 
 __all__ = ["__version__", "errors", "get_include", "show_config"]
 

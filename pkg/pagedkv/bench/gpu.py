@@ -18,6 +18,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -40,6 +41,30 @@ def _time_graph(device, stream, capture, calls: int) -> float:
         end.record(stream)
         times.append(end.elapsed_ms(start) / 1e3 / calls)
     return statistics.median(times)
+
+
+def _repeat(fn, args: tuple, n: int, stream) -> None:
+    """A capture step: ``fn(*args, stream=stream)`` ``n`` times (bind with ``partial``)."""
+    for _ in range(n):
+        fn(*args, stream=stream)
+
+
+def _rotating(fn, weights: list, args: tuple, n: int, stream) -> None:
+    """A capture step: ``fn(weights[i % len(weights)], *args, stream=stream)`` for i < n,
+    cycling through weight copies so the loop measures memory, not the L2."""
+    for i in range(n):
+        fn(weights[i % len(weights)], *args, stream=stream)
+
+
+def _cycling_linear(torch, x, weights: list):
+    """A torch call that multiplies ``x`` by the next of ``weights`` each time."""
+    state = {"i": 0}
+
+    def call():
+        w = weights[state["i"] % len(weights)]
+        state["i"] += 1
+        return torch.nn.functional.linear(x, w)
+    return call
 
 
 def _time_events(device, stream, launch, calls: int) -> float:
@@ -173,24 +198,22 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                 x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
                 y = device.empty((batch, M), np.float32)
                 calls = copies * max(1, 64 // copies)
-                t = _time_graph(device, stream, lambda s: [
-                    g.run(dev_w[i % copies], x, y, stream=s) for i in range(calls)], calls)
+                t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls),
+                                calls)
                 nbytes = raw.nbytes + 4 * batch * (K + M)
                 base = {}
                 if torch is not None and fmt in ("mq4g256v2", "hfq4g256"):
                     wt = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                           for _ in range(max(2, math.ceil(4 * l2 / (2 * M * K))))]
                     xt = torch.randn(batch, K, device="cuda", dtype=torch.bfloat16)
-                    it = iter(range(1 << 30))
-                    tt = _torch_time(torch, lambda: torch.nn.functional.linear(
-                        xt, wt[next(it) % len(wt)]), 2 * len(wt))
+                    tt = _torch_time(torch, _cycling_linear(torch, xt, wt), 2 * len(wt))
                     base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
                     del wt
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
                 # The GEMV kernel alone, on an x prepared once (several weights share it)
                 g.prepare(x, stream=stream)
-                t = _time_graph(device, stream, lambda s: [
-                    g.run_prepared(dev_w[i % copies], y, stream=s) for i in range(calls)], calls)
+                t = _time_graph(device, stream,
+                                partial(_rotating, g.run_prepared, dev_w, (y,), calls), calls)
                 _row(rows, f"gemv {fmt} b{batch} (x prepared)", f"{M}x{K}", t, nbytes, copy_bw)
             for d in dev_w:
                 d.free()
@@ -205,8 +228,9 @@ def bench_dequant(device, stream, rows, copy_bw, shape):
         dev_raw = device.array(raw)
         for dt in (np.float16, np.float32):
             out = device.empty((M, K), dt)
-            t = _time_graph(device, stream, lambda s: [
-                weights.dequantize(device, dev_raw, fmt, out, stream=s) for _ in range(10)], 10)
+            t = _time_graph(device, stream,
+                            partial(_repeat, weights.dequantize, (device, dev_raw, fmt, out), 10),
+                            10)
             _row(rows, f"dequant {fmt}->{np.dtype(dt).name}", f"{M}x{K}", t,
                  raw.nbytes + out.nbytes, copy_bw)
             out.free()
@@ -248,16 +272,16 @@ def bench_attention(device, stream, rows, copy_bw, torch, seqs=32, tokens=4096, 
                                       max_seq_len=tokens, kv_dtype=kv_dtype)
         qd, out = device.array(q), device.empty(q.shape, np.float32)
         td, ld = device.array(tables), device.array(lens)
-        t = _time_graph(device, stream, lambda s: [
-            attn.run(qd, k_pool, v_pool, td, ld, out, stream=s) for _ in range(5)], 5)
+        t = _time_graph(device, stream,
+                        partial(_repeat, attn.run, (qd, k_pool, v_pool, td, ld, out), 5), 5)
         nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
         base = {}
         if torch is not None and kv_dtype == "float16":
             qt = torch.randn(seqs, heads, 1, head_dim, device="cuda", dtype=torch.float16)
             kt = torch.randn(seqs, kv_heads, tokens, head_dim, device="cuda", dtype=torch.float16)
             vt = torch.randn_like(kt)
-            tt = _torch_time(torch, lambda: torch.nn.functional.scaled_dot_product_attention(
-                qt, kt, vt, enable_gqa=True), 5)
+            tt = _torch_time(torch, partial(torch.nn.functional.scaled_dot_product_attention,
+                                            qt, kt, vt, enable_gqa=True), 5)
             base = {"torch_sdpa_us": tt * 1e6, "ratio_vs_torch": t / tt}
             del kt, vt
         _row(rows, f"paged_attention {kv_dtype}",
@@ -272,8 +296,8 @@ def bench_copy_blocks(device, stream, rows, copy_bw, n_blocks=4096, block_bytes=
     rng = np.random.default_rng(4)
     si = device.array(rng.permutation(n_blocks).astype(np.int32))
     di = device.array(rng.permutation(n_blocks).astype(np.int32))
-    t = _time_graph(device, stream, lambda s: [
-        kvcache.copy_blocks(device, src, si, di, dst, stream=s) for _ in range(10)], 10)
+    t = _time_graph(device, stream,
+                    partial(_repeat, kvcache.copy_blocks, (device, src, si, di, dst), 10), 10)
     _row(rows, "copy_blocks", f"{n_blocks}x{block_bytes}B", t, 2 * src.nbytes, copy_bw)
 
 

@@ -142,10 +142,9 @@ def run_child(args) -> int:
     import numpy as np
 
     from pagedkv.cli.demo import build_requests
+    from pagedkv.errors import PagedKVError
     from pagedkv.reference import PagedKV, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter
-
-    from pagedkv.errors import PagedKVError
     try:
         model = ReferenceModel.load(os.path.join(_tier_dir(args), "model"),
                                     backend=args.backend)

@@ -7,36 +7,91 @@ the longest verified chain instead of recomputing it. A failure is a miss, never
 
 from pagedkv.cold.capture import CaptureOutcome, CaptureStop
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock, block_bound, decode_block
-from pagedkv.cold.fingerprint import (WeightProvenance, cold_fingerprint, geometry_part,
-                                      model_fingerprint, weight_identity)
 from pagedkv.cold.digest_cache import WeightDigestCache
+from pagedkv.cold.fingerprint import (
+                                      WeightProvenance,
+                                      cold_fingerprint,
+                                      geometry_part,
+                                      model_fingerprint,
+                                      weight_identity,
+)
 from pagedkv.cold.format import DEFAULT_FORMAT, UPSTREAM_KEY_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain, sidecar_key
 from pagedkv.cold.names import object_name, parse_object_name
-from pagedkv.cold.profiles import (COLD_RESTORE_FAMILIES, REFERENCE_FAMILY, FamilyColdProfile,
-                                   OutOfPoolState, cold_restore_supported, family_profile,
-                                   register_family_profile, resolve_persist)
+from pagedkv.cold.profiles import (
+                                      COLD_RESTORE_FAMILIES,
+                                      REFERENCE_FAMILY,
+                                      FamilyColdProfile,
+                                      OutOfPoolState,
+                                      cold_restore_supported,
+                                      family_profile,
+                                      register_family_profile,
+                                      resolve_persist,
+)
 from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
-from pagedkv.cold.stats import (COLD_DELTA_FIELDS, ColdCacheStats, ColdSidecarStats,
-                                cold_sidecar_stats, record_sidecar_installed)
-from pagedkv.cold.tier import (ColdTier, ColdTierContext, cold_cache_stats, cold_tier_for_model,
-                               install_capture_budget)
-from pagedkv.cold.trace import TurnTraceWriter
 from pagedkv.cold.sidecar import ColdSidecarLayout
+from pagedkv.cold.stats import (
+                                      COLD_DELTA_FIELDS,
+                                      ColdCacheStats,
+                                      ColdSidecarStats,
+                                      cold_sidecar_stats,
+                                      record_sidecar_installed,
+)
+from pagedkv.cold.tier import (
+                                      ColdTier,
+                                      ColdTierContext,
+                                      cold_cache_stats,
+                                      cold_tier_for_model,
+                                      install_capture_budget,
+)
+from pagedkv.cold.trace import TurnTraceWriter
 from pagedkv.cold.writer import Barrier, BlockJob, SidecarJob
 
 __all__ = [
-    "BlockGeometry", "BlockJob", "Barrier", "COLD_DELTA_FIELDS", "COLD_RESTORE_FAMILIES",
-    "CaptureOutcome", "CaptureStop", "ColdCacheStats", "ColdFormat", "ColdGroup",
-    "ColdSidecarLayout", "SidecarJob",
-    "ColdSidecarStats", "ColdTier", "ColdTierContext", "DEFAULT_FORMAT", "DecodedBlock",
-    "FamilyColdProfile", "OutOfPoolState", "REFERENCE_FAMILY", "RestoreDecline",
-    "RestoreOutcome", "TurnTraceWriter", "UPSTREAM_KEY_FORMAT", "WeightDigestCache",
-    "WeightProvenance", "block_bound", "cold_cache_stats", "cold_fingerprint",
-    "cold_key_chain", "cold_restore_supported", "cold_sidecar_stats", "cold_tier_for_model",
-    "decode_block",
-    "family_profile", "geometry_part", "install_capture_budget", "model_fingerprint",
-    "object_name", "parse_object_name", "record_sidecar_installed",
-    "register_family_profile", "resolve_persist", "sidecar_key", "weight_identity",
+                                      "COLD_DELTA_FIELDS",
+                                      "COLD_RESTORE_FAMILIES",
+                                      "DEFAULT_FORMAT",
+                                      "REFERENCE_FAMILY",
+                                      "UPSTREAM_KEY_FORMAT",
+                                      "Barrier",
+                                      "BlockGeometry",
+                                      "BlockJob",
+                                      "CaptureOutcome",
+                                      "CaptureStop",
+                                      "ColdCacheStats",
+                                      "ColdFormat",
+                                      "ColdGroup",
+                                      "ColdSidecarLayout",
+                                      "ColdSidecarStats",
+                                      "ColdTier",
+                                      "ColdTierContext",
+                                      "DecodedBlock",
+                                      "FamilyColdProfile",
+                                      "OutOfPoolState",
+                                      "RestoreDecline",
+                                      "RestoreOutcome",
+                                      "SidecarJob",
+                                      "TurnTraceWriter",
+                                      "WeightDigestCache",
+                                      "WeightProvenance",
+                                      "block_bound",
+                                      "cold_cache_stats",
+                                      "cold_fingerprint",
+                                      "cold_key_chain",
+                                      "cold_restore_supported",
+                                      "cold_sidecar_stats",
+                                      "cold_tier_for_model",
+                                      "decode_block",
+                                      "family_profile",
+                                      "geometry_part",
+                                      "install_capture_budget",
+                                      "model_fingerprint",
+                                      "object_name",
+                                      "parse_object_name",
+                                      "record_sidecar_installed",
+                                      "register_family_profile",
+                                      "resolve_persist",
+                                      "sidecar_key",
+                                      "weight_identity",
 ]

@@ -19,11 +19,11 @@ import numpy as np
 from pagedkv.cold.codec import BlockGeometry
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
-from pagedkv.hashing import as_token_array
 from pagedkv.cold.writer import BlockJob
 from pagedkv.errors import InvalidArgument
+from pagedkv.hashing import as_token_array
 
-__all__ = ["CaptureStop", "CaptureOutcome", "capture_and_enqueue_before", "capture_walk"]
+__all__ = ["CaptureOutcome", "CaptureStop", "capture_and_enqueue_before", "capture_walk"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -120,7 +120,7 @@ def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int
                 accepted = capture_and_enqueue_before(
                     tier, pool, allocator, int(ids[i]), key, toks[i * bs:(i + 1) * bs],
                     deadline, fingerprint_hex=fp_hex, geometry=geometry)
-            except Exception as exc:  # a pool read failure must not reach inference
+            except Exception as exc:  # noqa: BLE001 - a pool read failure must not reach inference
                 log.warning("cold tier: capture of block %d failed: %s", i, exc)
                 stop = CaptureStop.ERROR
                 break

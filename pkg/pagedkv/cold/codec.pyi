@@ -1,13 +1,25 @@
 """Type stubs of pagedkv.cold.codec (cold-tier.md §6)."""
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 from typing_extensions import disjoint_base
 
-__all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
-           "block_checksum", "encode_block", "decode_block", "header_overhead",
-           "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar"]
+__all__ = [
+    "DTYPE_CODES",
+    "LAYOUTS",
+    "BlockGeometry",
+    "DecodedBlock",
+    "block_bound",
+    "block_checksum",
+    "checksum_of_named",
+    "decode_block",
+    "decode_sidecar",
+    "encode_block",
+    "encode_sidecar",
+    "header_overhead",
+    "sidecar_checksum",
+]
 
 DTYPE_CODES: dict[str, int]
 LAYOUTS: frozenset[str]

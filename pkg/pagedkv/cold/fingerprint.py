@@ -8,16 +8,29 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from pagedkv.cold.format import (MARKER_DOWNLOAD, MARKER_FULL_DIGEST, MARKER_HFQM,
-                                 MARKER_INDEX_JSON, MARKER_MANIFEST, ColdFormat)
+from pagedkv.cold.format import (
+    MARKER_DOWNLOAD,
+    MARKER_FULL_DIGEST,
+    MARKER_HFQM,
+    MARKER_INDEX_JSON,
+    MARKER_MANIFEST,
+    ColdFormat,
+)
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["cold_fingerprint", "model_fingerprint", "weight_identity", "geometry_part",
-           "hfqm_weight_identity",
-           "WeightProvenance", "MANIFEST_NAME", "FINGERPRINT_BYTES"]
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "MANIFEST_NAME",
+    "WeightProvenance",
+    "cold_fingerprint",
+    "geometry_part",
+    "hfqm_weight_identity",
+    "model_fingerprint",
+    "weight_identity",
+]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -157,8 +170,8 @@ def hfqm_weight_identity(fmt: ColdFormat, path: str, digest_cache=None) -> bytes
     """Weight identity of a model served from one HFQM file (§4.3): the file name, its size
     and the 16 hex digits of its ``quantization_hash`` (a file without one contributes its
     full digest instead). ``None`` (logged) when unreadable or empty."""
-    from pagedkv.hfqm import HfqmFile
     from pagedkv.errors import PagedKVError
+    from pagedkv.hfqm import HfqmFile
     try:
         st = os.stat(path)
         if st.st_size == 0:

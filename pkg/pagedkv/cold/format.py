@@ -6,8 +6,16 @@ from dataclasses import dataclass
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["ColdFormat", "DEFAULT_FORMAT", "UPSTREAM_KEY_FORMAT", "MARKER_MANIFEST",
-           "MARKER_FULL_DIGEST", "MARKER_HFQM", "MARKER_DOWNLOAD", "MARKER_INDEX_JSON"]
+__all__ = [
+    "DEFAULT_FORMAT",
+    "MARKER_DOWNLOAD",
+    "MARKER_FULL_DIGEST",
+    "MARKER_HFQM",
+    "MARKER_INDEX_JSON",
+    "MARKER_MANIFEST",
+    "UPSTREAM_KEY_FORMAT",
+    "ColdFormat",
+]
 
 # Literal, un-namespaced markers of the weight identity (§3.1, §4.3).
 MARKER_MANIFEST = b"cold-identity:manifest:v1\0"

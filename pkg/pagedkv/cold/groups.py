@@ -29,7 +29,7 @@ class ColdGroup(enum.Enum):
         return self.value[1]
 
     @classmethod
-    def from_label(cls, label: str) -> "ColdGroup":
+    def from_label(cls, label: str) -> ColdGroup:
         for g in cls:
             if g.label == label:
                 return g

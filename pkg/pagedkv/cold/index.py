@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Iterator
+from collections.abc import Iterator
 
 from pagedkv.cold.groups import ColdGroup
 
-__all__ = ["IndexEntry", "ColdIndex"]
+__all__ = ["ColdIndex", "IndexEntry"]
 
 
 class IndexEntry:
     """One object on disk. ``size`` in bytes; ``last_access_ns`` = write or last validated
     read (the file's mtime after a restart); ``unclearable`` = eviction could not remove it."""
 
-    __slots__ = ("group", "file_name", "size", "last_access_ns", "unclearable")
+    __slots__ = ("file_name", "group", "last_access_ns", "size", "unclearable")
 
     def __init__(self, group: ColdGroup, file_name: str, size: int, last_access_ns: int):
         self.group = group

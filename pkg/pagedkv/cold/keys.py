@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
+from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.format import ColdFormat
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.extra_keys import per_block_extra_keys
-from pagedkv.hashing import as_domain_id, as_token_array
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.hashing import as_domain_id, as_token_array
 
-__all__ = ["cold_key_chain", "sidecar_key", "KEY_BYTES"]
+__all__ = ["KEY_BYTES", "cold_key_chain", "sidecar_key"]
 
 KEY_BYTES = 32
 _ZERO_KEY = bytes(KEY_BYTES)

@@ -11,9 +11,18 @@ import os
 
 from pagedkv import sizing
 
-__all__ = ["env_bool", "env_positive_int", "cold_cache_base", "capture_budget_from_env",
-           "metrics_enabled", "metrics_dir", "install_default_capture_budget",
-           "DEFAULT_CAPTURE_BLOCKS_PER_TURN", "DEFAULT_CAPTURE_BUDGET_MS", "DEFAULT_QUEUE_DEPTH"]
+__all__ = [
+    "DEFAULT_CAPTURE_BLOCKS_PER_TURN",
+    "DEFAULT_CAPTURE_BUDGET_MS",
+    "DEFAULT_QUEUE_DEPTH",
+    "capture_budget_from_env",
+    "cold_cache_base",
+    "env_bool",
+    "env_positive_int",
+    "install_default_capture_budget",
+    "metrics_dir",
+    "metrics_enabled",
+]
 
 log = logging.getLogger("pagedkv.cold")
 

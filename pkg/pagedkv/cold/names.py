@@ -6,8 +6,17 @@ import re
 
 from pagedkv.cold.groups import ColdGroup
 
-__all__ = ["object_name", "parse_object_name", "temp_name", "is_writer_temp", "temp_pid",
-           "quarantine_name", "is_quarantine", "QUARANTINE_PREFIX", "WEIGHT_DIGESTS_NAME"]
+__all__ = [
+    "QUARANTINE_PREFIX",
+    "WEIGHT_DIGESTS_NAME",
+    "is_quarantine",
+    "is_writer_temp",
+    "object_name",
+    "parse_object_name",
+    "quarantine_name",
+    "temp_name",
+    "temp_pid",
+]
 
 _OBJECT = re.compile(r"^([0-9a-f]{64})(?:\.(gdn_state|sliding_window|conv_state))?\.safetensors$")
 _TEMP = re.compile(r"^\.([0-9a-f]{64})\.([0-9]+)\.([0-9]+)\.tmp$")

@@ -19,8 +19,14 @@ from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore, auto_limits
 from pagedkv.errors import FormatError
 
-__all__ = ["open_offline_store", "verify_store", "root_summary", "RootSummary", "BadObject",
-           "trace_counters"]
+__all__ = [
+    "BadObject",
+    "RootSummary",
+    "open_offline_store",
+    "root_summary",
+    "trace_counters",
+    "verify_store",
+]
 
 #: Offline reads of objects whose geometry is not known beforehand stop here.
 OFFLINE_READ_LIMIT_BYTES = 1 << 32

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pagedkv.cold.knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["OutOfPoolState", "FamilyColdProfile", "register_family_profile",
-           "family_profile", "cold_restore_supported", "resolve_persist",
-           "COLD_RESTORE_FAMILIES", "REFERENCE_FAMILY", "builtin_profiles"]
+__all__ = [
+    "COLD_RESTORE_FAMILIES",
+    "REFERENCE_FAMILY",
+    "FamilyColdProfile",
+    "OutOfPoolState",
+    "builtin_profiles",
+    "cold_restore_supported",
+    "family_profile",
+    "register_family_profile",
+    "resolve_persist",
+]
 
 REFERENCE_FAMILY = "pagedkv_reference"
 

@@ -17,14 +17,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock
+from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
-from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
-__all__ = ["RestoreDecline", "RestoreOutcome", "restore_walk", "EMPTY_BLOCKS",
-           "LOAD_AHEAD_BLOCKS", "LOADER_THREADS"]
+__all__ = [
+    "EMPTY_BLOCKS",
+    "LOADER_THREADS",
+    "LOAD_AHEAD_BLOCKS",
+    "RestoreDecline",
+    "RestoreOutcome",
+    "restore_walk",
+]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -111,7 +117,7 @@ def _upload(tier, block, want_tokens, pool, allocator):
         return None
     try:
         pool.write_block(int(block_id), block.payload)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any upload failure is one counted miss
         allocator.free(block_id)
         tier.counters.add("misses")
         log.warning("cold tier: upload of restored block failed: %s", exc)
@@ -163,7 +169,7 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
             if block_id is None:
                 break
             taken.append((block_id, block.nbytes))
-    except Exception as exc:  # never leak what was taken, never raise into inference
+    except Exception as exc:  # noqa: BLE001 - never leak what was taken, never raise into inference
         log.warning("cold tier: restore walk stopped: %s", exc)
         tier.counters.add("misses")
     finally:
@@ -183,7 +189,7 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
                                      idx)
             entries.append(RestoredBlock(int(block_id), int(hashes[idx]), identity))
         published = bool(allocator.publish_restored_batch(entries))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - an allocator failure unpublishes, never raises
         log.warning("cold tier: publish_restored_batch raised: %s", exc)
         published = False
     elapsed_ms = (time.monotonic() - t0) * 1e3

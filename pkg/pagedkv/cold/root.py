@@ -14,8 +14,13 @@ import time
 from pagedkv.cold.names import is_writer_temp, temp_pid
 from pagedkv.errors import InvalidArgument
 
-__all__ = ["MANAGED_CHILD", "open_managed_root", "platform_supported", "clean_writer_temps",
-           "STALE_TEMP_SECONDS"]
+__all__ = [
+    "MANAGED_CHILD",
+    "STALE_TEMP_SECONDS",
+    "clean_writer_temps",
+    "open_managed_root",
+    "platform_supported",
+]
 
 log = logging.getLogger("pagedkv.cold")
 

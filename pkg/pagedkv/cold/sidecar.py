@@ -11,7 +11,7 @@ from pagedkv.cold.codec import DTYPE_CODES, header_overhead
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["ColdSidecarLayout", "MAX_TENSORS_PER_LAYER", "MAX_DIMS"]
+__all__ = ["MAX_DIMS", "MAX_TENSORS_PER_LAYER", "ColdSidecarLayout"]
 
 MAX_TENSORS_PER_LAYER = 16
 MAX_DIMS = 8

@@ -6,8 +6,14 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-__all__ = ["ColdCacheStats", "ColdSidecarStats", "ColdCounters", "SIDECAR_COUNTERS",
-           "sidecar_counters", "COLD_DELTA_FIELDS"]
+__all__ = [
+    "COLD_DELTA_FIELDS",
+    "SIDECAR_COUNTERS",
+    "ColdCacheStats",
+    "ColdCounters",
+    "ColdSidecarStats",
+    "sidecar_counters",
+]
 
 
 @dataclass(frozen=True)

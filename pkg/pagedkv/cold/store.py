@@ -13,19 +13,24 @@ import os
 import stat
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block, decode_sidecar
-from pagedkv.cold.format import ColdFormat, DEFAULT_FORMAT
+from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.index import ColdIndex, IndexEntry
-from pagedkv.cold.names import (is_quarantine, object_name, parse_object_name,
-                                quarantine_name, temp_name)
+from pagedkv.cold.names import (
+    is_quarantine,
+    object_name,
+    parse_object_name,
+    quarantine_name,
+    temp_name,
+)
 from pagedkv.cold.root import clean_writer_temps
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.errors import FormatError, InvalidArgument
 
-__all__ = ["ColdStore", "DURABILITY_MODES", "auto_limits", "WRITE_STEPS"]
+__all__ = ["DURABILITY_MODES", "WRITE_STEPS", "ColdStore", "auto_limits"]
 
 log = logging.getLogger("pagedkv.cold")
 

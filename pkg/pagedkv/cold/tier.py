@@ -12,16 +12,24 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 
-from pagedkv.cold.capture import CaptureOutcome, CaptureStop, capture_and_enqueue_before, \
-    capture_walk
+from pagedkv.cold.capture import (
+    CaptureOutcome,
+    CaptureStop,
+    capture_and_enqueue_before,
+    capture_walk,
+)
 from pagedkv.cold.codec import BlockGeometry
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.knobs import (capture_budget_from_env, cold_cache_base,
-                                install_default_capture_budget)
+from pagedkv.cold.knobs import (
+    capture_budget_from_env,
+    cold_cache_base,
+    install_default_capture_budget,
+)
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
 from pagedkv.cold.stats import ColdCacheStats, ColdCounters
@@ -29,8 +37,13 @@ from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
 
-__all__ = ["ColdTier", "ColdTierContext", "cold_cache_stats", "install_capture_budget",
-           "cold_tier_for_model"]
+__all__ = [
+    "ColdTier",
+    "ColdTierContext",
+    "cold_cache_stats",
+    "cold_tier_for_model",
+    "install_capture_budget",
+]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -61,7 +74,7 @@ class ColdTier:
                 queue_depth: int = 8, durability: str = "fsync",
                 fmt: ColdFormat = DEFAULT_FORMAT, fingerprint: bytes | None = None,
                 blocks_per_turn: int | None = None, budget_ms: int | None = None,
-                _child: str | None = None) -> "ColdTier":
+                _child: str | None = None) -> ColdTier:
         """Open ``root`` itself as the managed directory (nothing appended).
 
         ``quota_bytes``/``reserve_bytes`` default to the automatic limits of §10;
@@ -99,7 +112,7 @@ class ColdTier:
                    blocks_per_turn=blocks_per_turn, budget_ms=budget_ms)
 
     @classmethod
-    def shared(cls, base: str | None = None) -> "ColdTier | None":
+    def shared(cls, base: str | None = None) -> ColdTier | None:
         """The process-wide tier at ``<base>/pagedkv-v1`` (base: ``PAGEDKV_COLD_CACHE_DIR``
         or ``~/.pagedkv/cache``), opened once, lazily; ``None`` (one WARNING) if refused.
         A shared tier someone closed is opened again rather than handed out dead."""
@@ -120,7 +133,7 @@ class ColdTier:
             _last_shared = tier
             return tier
 
-    def for_model(self, fingerprint: bytes) -> "ColdTierContext":
+    def for_model(self, fingerprint: bytes) -> ColdTierContext:
         """What an adapter holds: this tier bound to one model's fingerprint."""
         return ColdTierContext(self, fingerprint)
 
@@ -195,7 +208,7 @@ class ColdTier:
         if ended:
             self.store.close()
 
-    def __enter__(self) -> "ColdTier":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -231,7 +244,7 @@ class ColdTier:
                 extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                 pool=pool, allocator=allocator, blocks_per_turn=self.blocks_per_turn,
                 budget_ms=self.budget_ms)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: capture walk failed: %s", exc)
             outcome = CaptureOutcome(0, 0, 0.0, CaptureStop.ERROR)
         self.last_capture = outcome
@@ -248,7 +261,7 @@ class ColdTier:
                 tokens=tokens, hot_blocks=hot_blocks, cache_salt=cache_salt,
                 extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                 pool=pool, allocator=allocator)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: restore walk failed: %s", exc)
             return EMPTY_BLOCKS
         self.last_restore = outcome

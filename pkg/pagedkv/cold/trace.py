@@ -20,7 +20,7 @@ from pagedkv.cold.knobs import metrics_dir, metrics_enabled
 from pagedkv.cold.stats import SIDECAR_COUNTERS, cold_sidecar_stats
 from pagedkv.cold.tier import cold_cache_stats
 
-__all__ = ["TurnTraceWriter", "HOST_FIELDS"]
+__all__ = ["HOST_FIELDS", "TurnTraceWriter"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -83,7 +83,7 @@ class TurnTraceWriter:
                 with open(self.path(), "a", encoding="utf-8") as f:
                     f.write(line)
                 return out
-        except Exception as exc:  # a trace must never break a turn
+        except Exception as exc:  # noqa: BLE001 - a trace must never break a turn
             if not self._warned:
                 self._warned = True
                 log.warning("cold tier: turn trace disabled after an error: %s", exc)

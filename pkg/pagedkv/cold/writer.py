@@ -31,7 +31,7 @@ from pagedkv.errors import ColdTierClosed, InvalidArgument
 if TYPE_CHECKING:
     from pagedkv.cold.sidecar import ColdSidecarLayout
 
-__all__ = ["BlockJob", "SidecarJob", "Barrier", "ColdWriter"]
+__all__ = ["Barrier", "BlockJob", "ColdWriter", "SidecarJob"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -323,7 +323,7 @@ class ColdWriter:
                 chunks = encode_block(store.fmt.abi, store.payload_tag, job.key.hex(),
                                       job.fingerprint_hex, job.geometry, job.tokens,
                                       job.buffer, job.checksum)
-        except Exception as exc:  # malformed job: never kill the pipeline
+        except Exception as exc:  # noqa: BLE001 - malformed job: never kill the pipeline
             return job, None, f"cannot encode {job!r}: {exc}"
         return job, chunks, sum(memoryview(c).nbytes for c in chunks)
 

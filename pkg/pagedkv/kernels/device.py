@@ -10,6 +10,7 @@ arguments by ``signature``: one letter per parameter, ``p`` a device pointer (a
 from __future__ import annotations
 
 import ctypes
+from contextlib import suppress
 from ctypes import byref, c_float, c_int32, c_int64, c_uint64, c_void_p
 
 import numpy as np
@@ -19,7 +20,7 @@ from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 
-__all__ = ["Device", "Kernel", "Event", "Stream", "Graph", "open_device"]
+__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "open_device"]
 
 _PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "q": c_int64,
                                                   "f": c_float}
@@ -84,10 +85,8 @@ class Stream:
         return f"Stream(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
             self.device.runtime.call("stream_destroy", self.handle)
-        except Exception:
-            pass
 
 
 class Event:
@@ -113,10 +112,8 @@ class Event:
         return out.value
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
             self.device.runtime.call("event_destroy", self.handle)
-        except Exception:
-            pass
 
 
 class Graph:
@@ -145,11 +142,9 @@ class Graph:
         return f"Graph(exec=0x{self._exec or 0:x}, device={self.device.ordinal})"
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
             self.device.runtime.call("graph_exec_destroy", self._exec)
             self.device.runtime.call("graph_destroy", self._graph)
-        except Exception:
-            pass
 
 
 class Device:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import suppress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +24,7 @@ class DeviceArray:
     in pagedkv. ``ptr`` is the device address the kernels take.
     """
 
-    __slots__ = ("device", "ptr", "shape", "dtype", "nbytes", "_owned")
+    __slots__ = ("_owned", "device", "dtype", "nbytes", "ptr", "shape")
 
     def __init__(self, device: Device, ptr: int, shape: tuple[int, ...], dtype,
                  *, owned: bool = True) -> None:
@@ -97,10 +98,8 @@ class DeviceArray:
         self.ptr = 0
 
     def __del__(self) -> None:
-        try:
+        with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
             self.free()
-        except Exception:  # interpreter shutdown: the runtime may already be gone
-            pass
 
     def __repr__(self) -> str:
         where = f"ptr=0x{self.ptr:x}" if self.ptr else "freed"

@@ -19,12 +19,12 @@ from pagedkv.kernels.device_array import DeviceArray
 
 __all__ = [
     "KV_DTYPES",
-    "kv_dtype_of",
-    "kv_q8_write",
-    "kv_q8_read",
-    "check_decode_batch",
     "PagedAttention",
+    "check_decode_batch",
     "copy_blocks",
+    "kv_dtype_of",
+    "kv_q8_read",
+    "kv_q8_write",
 ]
 
 SOURCE = "kvcache"

@@ -13,14 +13,14 @@ import numpy as np
 from pagedkv.errors import InvalidArgument
 
 __all__ = [
-    "kv_q8_quantize",
-    "kv_q8_dequantize",
-    "kv_pool_to_float",
-    "paged_attention_decode",
     "copy_blocks",
     "dequantize",
     "fwht256",
     "gemv",
+    "kv_pool_to_float",
+    "kv_q8_dequantize",
+    "kv_q8_quantize",
+    "paged_attention_decode",
 ]
 
 KVQ8_BLOCK = 32

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.errors import DeviceError, InvalidArgument, NoDeviceError
 
-__all__ = ["Runtime", "DeviceProperties", "load_runtime", "BACKENDS"]
+__all__ = ["BACKENDS", "DeviceProperties", "Runtime", "load_runtime"]
 
 BACKENDS = ("cuda", "hip")
 
