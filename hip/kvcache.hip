@@ -85,12 +85,15 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 // ---------------------------------------------------------------------------
 // Paged-attention decode (one query token per sequence, GQA).
 //
-// Split along the sequence ("flash decoding"): CTA (partition, kv_head, seq) scores
-// PKV_ATTN_PARTITION tokens for the kv head's group of query heads, keeps the scores
-// in shared memory (two passes: K then V, no running rescale), and writes the
+// Split along the sequence ("flash decoding"): CTA (partition, kv_head, seq) scores a
+// partition's tokens for the kv head's group of query heads, keeps the scores in
+// shared memory (two passes: K then V, no running rescale), and writes the
 // unnormalized partial output with its max and sum; pkv_paged_attention_reduce
-// combines the partitions. Each lane holds 8 consecutive dims of a token row, so a
-// token takes head_dim/8 lanes and one 16-byte load per row (f16/bf16).
+// combines the partitions. Two implementations of the passes: f16 KV with up to 4
+// query heads per KV head and head_dim 64/128 runs both as f16 tensor-core mma on
+// NVIDIA sm_80+ (qk_scores_mma, pv_mma); everything else runs on CUDA cores / SIMD
+// lanes, each lane holding 8 consecutive dims of a token row (a token takes
+// head_dim/8 lanes and one 16-byte load per row for f16/bf16).
 
 // Tokens per partition and __launch_bounds__ minimum blocks per SM, for f16 KV (tensor
 // cores on sm_80+) and for the others: the best of the H200 sweeps (docs/performance.md).
@@ -113,8 +116,6 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 #ifndef PKV_ATTN_MIN_BLOCKS
 #define PKV_ATTN_MIN_BLOCKS 6
 #endif
-#define PKV_ATTN_PARTITION_MAX \
-  (PKV_ATTN_PARTITION_F16 > PKV_ATTN_PARTITION ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION)
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
 
