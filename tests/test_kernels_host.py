@@ -190,6 +190,7 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel,
     M, K = 37, 17 * 256
     g = weights.Gemv(dev, fmt, M, K, batch)
     assert g.tensor_cores
+    assert repr(g) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 tensor cores)"
     assert g.packed and g.weight_bytes == 48 * 17 * 136  # three 16-row tiles
     with pytest.raises(InvalidArgument, match=r"raw rows; the tensor-core GEMV reads "
                                               r"Gemv.upload\(raw\)"):

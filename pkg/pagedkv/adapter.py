@@ -212,7 +212,8 @@ class PagedKVCacheAdapter:
             raise PagedKVError(f"seq_ids {unknown!r} have no table: call reset_for_new_request "
                                "for each first") from None
         if len(set(key)) != len(key):
-            raise InvalidArgument("seq_ids contains duplicates; each sequence appears once per step")
+            raise InvalidArgument("seq_ids contains duplicates; each sequence appears once per "
+                                  "step")
         rows.setflags(write=False)
         self._rows_cache = (key, self._row_map_version, rows)
         return rows

@@ -97,7 +97,8 @@ def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
         device, view_src, ids, ids, view_dst, stream=s), 10)
     src.free()
     dst.free()
-    both = {"memcpy_GBps": 2 * nbytes / t_memcpy / 1e9, "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9}
+    both = {"memcpy_GBps": 2 * nbytes / t_memcpy / 1e9,
+            "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9}
     return 2 * nbytes / min(t_memcpy, t_kernel), both
 
 

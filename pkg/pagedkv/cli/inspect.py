@@ -126,7 +126,8 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
         lines.append(f"          {summary}")
     else:
         for key, value in summary.items():
-            lines.append(f"          {key}: {value if not isinstance(value, list) else ', '.join(value)}")
+            shown = ", ".join(value) if isinstance(value, list) else value
+            lines.append(f"          {key}: {shown}")
     if "quantization_hash_check" in info:
         lines.append(f"verify    quantization_hash: {info['quantization_hash_check']}")
     lines.append("")

@@ -117,7 +117,8 @@ def plan_tensor(name: str, dtype: str, shape: tuple[int, ...], target: QuantType
         return [TensorPlan(name, name, shape, None, "skipped",
                            "MTP head" if name.startswith("mtp.") else "vision tower")]
     if dtype not in ("F32", "F16", "BF16"):
-        return [TensorPlan(name, name, shape, None, "skipped", f"{dtype} buffer, not a floating-point weight")]
+        return [TensorPlan(name, name, shape, None, "skipped",
+                           f"{dtype} buffer, not a floating-point weight")]
     experts = _EXPERTS.match(name)
     if experts and len(shape) == 3:
         out = []

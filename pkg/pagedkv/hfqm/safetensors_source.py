@@ -131,7 +131,8 @@ class SafetensorsSource:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def read(self, tensor: SourceTensor, index: tuple[slice | int, ...] | None = None) -> np.ndarray:
+    def read(self, tensor: SourceTensor,
+             index: tuple[slice | int, ...] | None = None) -> np.ndarray:
         """Rows of a floating tensor as float32 (F16 stays float16): ``index`` selects
         along the leading dims (e.g. ``(slice(r0, r1),)``, or ``(e, slice(r0, r1))`` for
         one expert); ``None`` reads it whole."""

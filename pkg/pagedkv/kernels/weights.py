@@ -175,7 +175,8 @@ class Gemv:
             self._block = (GEMV_THREADS,)
 
     def __repr__(self) -> str:
-        return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch})"
+        kernel = ", int8 tensor cores" if self.tensor_cores else ""
+        return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
     @property
     def weight_bytes(self) -> int:

@@ -53,7 +53,8 @@ def _storage_class(backend: str):
     if backend == "mlx":
         from pagedkv.pool.mlx_storage import MlxKVStorage
         return MlxKVStorage
-    raise InvalidArgument(f"backend: {backend!r} is not a pool backend; use one of {list(BACKENDS)}")
+    raise InvalidArgument(f"backend: {backend!r} is not a pool backend; use one of "
+                          f"{list(BACKENDS)}")
 
 
 def _index(name: str, value) -> int:
@@ -437,7 +438,8 @@ class LayerKVPool:
                     f"data: expected a uint8{shape} array or {total} bytes, "
                     f"got {type(data).__name__}") from None
         if data.dtype != np.uint8:
-            raise InvalidArgumentType(f"data: dtype {data.dtype} is not uint8; expected uint8{shape}")
+            raise InvalidArgumentType(f"data: dtype {data.dtype} is not uint8; expected "
+                                      f"uint8{shape}")
         if data.shape != shape:
             if data.ndim != 1 or data.size != total:
                 raise InvalidArgument(

@@ -63,7 +63,8 @@ class NumpyKVStorage:
             try:
                 x = np.asarray(x)
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise InvalidArgumentType(f"{name}: cannot be read as a NumPy array ({exc})") from None
+                raise InvalidArgumentType(
+                    f"{name}: cannot be read as a NumPy array ({exc})") from None
         if x.dtype != self.geometry.storage_dtype:
             g = self.geometry
             hint = " (bfloat16 pools take uint16 bit patterns)" if g.dtype == "bfloat16" else ""

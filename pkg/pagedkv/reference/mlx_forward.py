@@ -39,7 +39,8 @@ class MlxTransformer:
         return row * mx.rsqrt(var + self.config.rms_norm_eps) * weight
 
     def forward(self, tokens: np.ndarray, start: int, kv: KVPath) -> np.ndarray:
-        """Same contract as :meth:`NumpyTransformer.forward`; returns NumPy ``float32[n, vocab]``."""
+        """Same contract as :meth:`NumpyTransformer.forward`; returns NumPy
+        ``float32[n, vocab]``."""
         mx = self.mx
         c = self.config
         n = len(tokens)

@@ -54,7 +54,8 @@ class NumpyTransformer:
 
     def _rms_norm(self, row: np.ndarray, weight: np.ndarray) -> np.ndarray:
         var = np.mean(row * row, dtype=np.float32)
-        return row * (np.float32(1.0) / np.sqrt(var + np.float32(self.config.rms_norm_eps))) * weight
+        inv_rms = np.float32(1.0) / np.sqrt(var + np.float32(self.config.rms_norm_eps))
+        return row * inv_rms * weight
 
     def forward(self, tokens: np.ndarray, start: int, kv: KVPath) -> np.ndarray:
         """Logits ``float32[n, vocab]`` of ``tokens`` (int64) at positions ``start ..``, whose
