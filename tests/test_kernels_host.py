@@ -238,19 +238,14 @@ def test_gemv_prepared_x_serves_several_weights_and_is_required():
     assert _launches(dev) == []
 
 
-def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it():
-    M, K, B = 21, 512, 136  # two tiles, the second with 11 padding rows
-    raw = np.random.default_rng(5).integers(0, 256, M * K // 256 * B, dtype=np.uint8)
-    g = weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K)
-    packed = g.pack(raw)
-    assert packed.dtype == np.uint8 and packed.size == g.weight_bytes == 32 * 2 * B
-    rows = raw.reshape(M, 2, B)
-    want = np.zeros_like(packed)
-    for row in range(32):
-        for grp in range(2):
-            if row >= M:
-                continue  # padding rows stay zero groups
-            base = ((row // 16) * 2 + grp) * 16 * B
+def _expected_pack(raw, M, groups, B=136):
+    """The tensor-core GEMV's tile layout, written out byte by byte (weights.hip)."""
+    tiles = -(-M // 16)
+    rows = raw.reshape(M, groups, B)
+    want = np.zeros(tiles * 16 * groups * B, np.uint8)
+    for row in range(M):  # padding rows past M stay zero groups
+        for grp in range(groups):
+            base = ((row // 16) * groups + grp) * 16 * B
             r = row % 16
             want[base + 8 * r:base + 8 * r + 8] = rows[row, grp, :8]
             gid, rr = r % 8, r // 8
@@ -258,11 +253,26 @@ def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it():
                 j, t = divmod(chunk, 4)
                 at = base + 128 + 16 * (32 * (2 * rr + j // 2) + 4 * gid + t) + 8 * (j % 2)
                 want[at:at + 8] = rows[row, grp, 8 + 8 * chunk:16 + 8 * chunk]
+    return want
+
+
+@pytest.mark.parametrize("M", [21, 32])  # a padded last tile; whole tiles
+def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it(M):
+    K, B = 512, 136
+    raw = np.random.default_rng(M).integers(0, 256, M * K // 256 * B, dtype=np.uint8)
+    g = weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K)
+    packed = g.pack(raw)
+    assert packed.dtype == np.uint8 and packed.size == g.weight_bytes == 32 * 2 * B
+    want = _expected_pack(raw, M, 2)
     np.testing.assert_array_equal(packed, want)
-    with pytest.raises(InvalidArgument, match=r"raw: uint8\[100\], expected uint8\[5712\]"):
+    unaligned = np.empty(raw.size + 1, np.uint8)[1:]  # words are copied out first
+    unaligned[:] = raw
+    np.testing.assert_array_equal(g.pack(unaligned), want)
+    size = M * 2 * B
+    with pytest.raises(InvalidArgument, match=rf"raw: uint8\[100\], expected uint8\[{size}\]"):
         g.pack(raw[:100])
     f32 = weights.Gemv(FakeDevice(), "hfq4g256", M, K)  # the f32 kernel reads raw rows
-    assert not f32.packed and f32.pack(raw) is not None
+    assert not f32.packed
     np.testing.assert_array_equal(f32.pack(raw), raw)
 
 
@@ -356,3 +366,10 @@ def test_kv_q8_launchers_reject_bad_arguments_before_launching(op):
     empty_rows, empty_slots, _ = _q8_args(dev, n=0)
     call(empty_rows, empty_slots, pool)
     assert not [c for c in dev.calls if c[0] == "launch"]
+
+
+def test_gemv_pack_module_refuses_rows_of_another_width():
+    from pagedkv.kernels.gemv_pack import pack_tiles_4bit
+    with pytest.raises(InvalidArgument, match=r"rows: 33 words per row, expected 34 for 2 groups"):
+        pack_tiles_4bit(np.zeros((16, 33), np.uint64), 2)
+    assert pack_tiles_4bit(np.zeros((0, 34), np.uint64), 2).size == 0  # no rows: no tiles

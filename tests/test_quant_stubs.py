@@ -1,4 +1,4 @@
-"""The .pyi stubs of the quant and cold Cython modules agree with the compiled modules.
+"""The .pyi stubs of the quant, cold and kernels Cython modules agree with the compiled modules.
 
 The checks are test_stubs.py's (mypy.stubtest over the modules, the stub installed next to
 each extension), run over this area's modules with this area's allowlist: only Cython
@@ -16,7 +16,7 @@ import test_stubs
 
 CYTHON_MODULES = ("pagedkv.quant.fwht", "pagedkv.quant.affine", "pagedkv.quant.q8",
                   "pagedkv.quant.half", "pagedkv.quant.gemv_kernels", "pagedkv.quant.kv_q8",
-                  "pagedkv.cold.codec")
+                  "pagedkv.cold.codec", "pagedkv.kernels.gemv_pack")
 ALLOWLIST = Path(__file__).with_name("stubtest_allowlist_review2.txt")
 
 

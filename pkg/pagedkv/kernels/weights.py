@@ -280,17 +280,17 @@ class Gemv:
 
 
 def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray:
-    """Gemv.pack for the tensor-core kernel (weights.hip, gemv_mma)."""
-    groups, tiles = K // 256, math.ceil(M / 16)
-    rows = np.zeros((tiles * 16, groups, group_bytes), np.uint8)
-    rows[:M] = raw.reshape(M, groups, group_bytes)
-    by_tile = rows.reshape(tiles, 16, groups, group_bytes).transpose(0, 2, 1, 3)
-    headers = by_tile[..., :8].reshape(tiles, groups, 128)
-    # code chunk 4j + t (8 bytes) of row 8 rr + gid goes to load 2 rr + j // 2 of lane
-    # 4 gid + t, at byte 8 (j % 2) of its 16: axes (rr, gid, jh, jl, t, byte) below
-    codes = by_tile[..., 8:].reshape(tiles, groups, 2, 8, 2, 2, 4, 8)
-    codes = codes.transpose(0, 1, 2, 4, 3, 6, 5, 7).reshape(tiles, groups, 2048)
-    return np.concatenate([headers, codes], axis=2).reshape(-1)
+    """Gemv.pack for the tensor-core kernel (weights.hip, gemv_mma): gemv_pack's C loop
+    over 8-byte words (a 4-bit group is 17 of them)."""
+    from pagedkv.kernels.gemv_pack import pack_tiles_4bit
+    groups = K // 256
+    flat = raw.reshape(-1)
+    if flat.flags.c_contiguous and flat.ctypes.data % 8 == 0:
+        rows = flat.view(np.uint64).reshape(M, -1)
+    else:  # words need 8-byte alignment: copy once
+        rows = np.empty((M, groups * group_bytes // 8), np.uint64)
+        rows.view(np.uint8)[:] = flat.reshape(M, -1)
+    return pack_tiles_4bit(rows, groups).view(np.uint8)
 
 
 def _mma_warps(row_tiles: int, groups: int) -> int:
