@@ -228,6 +228,9 @@ def test_gemv_prepared_x_serves_several_weights_and_is_required():
     assert [c[1] for c in _launches(dev)] == ["pkv_gemv_prep_x", "pkv_gemv_mma_mq4g256v2_n1",
                                               "pkv_gemv_mma_mq4g256v2_n1"]
     assert _launches(dev)[1][3] == (32,)  # one group: one warp per block
+    assert weights.Gemv(dev, "mq4g256v2", 4, 256, warps=8)._block == (256,)  # as asked
+    with pytest.raises(InvalidArgument, match=r"warps=9: expected 1\.\.8"):
+        weights.Gemv(dev, "mq4g256v2", 4, 256, warps=9)
     other = weights.Gemv(dev, "mq4g256v2", 8, 256)
     dev.calls.clear()
     for w, message in [(other.upload(np.zeros(8 * 136, np.uint8)), r"uploaded for another GEMV"),

@@ -161,3 +161,18 @@ def test_code_objects_match_the_build_and_show_config():
             assert read_object(source, "cuda", "")[:4] == bytes.fromhex("50ed55ba")
     assert objects == sorted(expected)
     assert pagedkv._config.config()["kernel_objects"] == objects
+
+
+def test_load_module_serves_a_source_from_another_image(stub_runtime):
+    dev = Device(stub_runtime, 0)
+    before = dict(dev._modules)
+    with pytest.raises(errors.DeviceError, match="hipErrorInvalidImage"):
+        dev.load_module("weights", b"not a code object")
+    assert dev._modules == before  # the refused image replaced nothing
+    with pytest.raises(errors.InvalidArgumentType, match="expected non-empty bytes"):
+        dev.load_module("weights", "\x7fELF")
+    dev.load_module("weights", b"\x7fELF" + bytes(60))  # the stub accepts any ELF
+    k = dev.kernel("weights", "pkv_fwht256_f32", "ppq")
+    assert k.name == "pkv_fwht256_f32" and "weights" in dev._modules
+    dev.load_module("weights", b"\x7fELF" + bytes(60))
+    assert dev.kernel("weights", "pkv_fwht256_f32", "ppq") is not k  # looked up afresh

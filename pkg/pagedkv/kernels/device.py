@@ -213,16 +213,34 @@ class Device:
 
     # --- kernels ----------------------------------------------------------------------
 
+    def _load_image(self, image: bytes) -> int:
+        buf = ctypes.create_string_buffer(image, len(image))
+        mod = c_void_p()
+        self.runtime.call("module_load_data", byref(mod), buf)
+        assert mod.value is not None, "a successful module load returns a non-NULL handle"
+        return mod.value
+
     def module(self, source: str) -> int:
+        """The loaded module of ``source`` (``"weights"``, ``"kvcache"``, ``"bench"``): the
+        installed code object for this device, loaded on first use."""
         handle = self._modules.get(source)
         if handle is None:
             image = read_object(source, self.backend, self.properties.arch)
-            buf = ctypes.create_string_buffer(image, len(image))
-            mod = c_void_p()
-            self.runtime.call("module_load_data", byref(mod), buf)
-            assert mod.value is not None, "a successful module load returns a non-NULL handle"
-            handle = self._modules[source] = mod.value
+            handle = self._modules[source] = self._load_image(image)
         return handle
+
+    def load_module(self, source: str, image: bytes) -> None:
+        """Serve ``source``'s kernels from ``image`` (a code object or fatbin/cubin for this
+        device, e.g. the same source rebuilt with other ``-D`` tuning values) instead of the
+        installed object; kernels looked up from now on come from it. An image the runtime
+        refuses raises :class:`DeviceError` and leaves the current module in place."""
+        if not isinstance(image, (bytes, bytearray)) or not image:
+            raise InvalidArgumentType(f"image: expected non-empty bytes, got "
+                                      f"{type(image).__name__}")
+        handle = self._load_image(bytes(image))
+        self._modules[source] = handle
+        for key in [k for k in self._kernels if k[0] == source]:
+            del self._kernels[key]
 
     def kernel(self, source: str, name: str, signature: str) -> Kernel:
         key = (source, name)

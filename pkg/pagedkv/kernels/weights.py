@@ -142,13 +142,18 @@ class Gemv:
     multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
     :meth:`run_prepared` each; the prepared x lives in this object's scratch."""
 
-    def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1) -> None:
+    def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
+                 warps: int | None = None) -> None:
+        """``warps``: warps per block of the tensor-core kernel (1-8; ``None``: chosen from
+        M, the fastest measured on the H200). Ignored by the f32 kernel."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
                                   f"{max(f.group_size, 32)} for {f.name}")
         if not 1 <= batch <= 8:
             raise InvalidArgument(f"batch={batch}: expected 1..8")
+        if warps is not None and not 1 <= warps <= 8:
+            raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
         self.device, self.M, self.K, self.batch = device, M, K, batch
         self.tensor_cores = _uses_tensor_cores(device, f)
         self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
@@ -165,7 +170,7 @@ class Gemv:
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{f.kernel}_n{tiles}", "ppppiii")
             row_tiles = math.ceil(M / GEMV_MMA_ROWS)
             self._grid = (row_tiles,)
-            self._block = (32 * _mma_warps(row_tiles, groups),)
+            self._block = (32 * (warps or _mma_warps(row_tiles, groups)),)
         else:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")

@@ -1,0 +1,184 @@
+"""Tuning sweeps for the hip/ kernels on an NVIDIA GPU: rebuild a source with other ``-D``
+values, load it in place of the installed object (``Device.load_module``), time it the way
+``python -m pagedkv.bench gpu`` does and check its outputs against the first variant's.
+
+Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
+
+    python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
+    python hip/tune.py dequant --set DEQUANT_THREADS=64,128,256
+    python hip/tune.py gemv --warps 2,4,8
+
+Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros at
+the top of the kernel sections (their defaults are the figures in docs/performance.md). The
+launchers' mirrors of the partition sizes and dequant shape are set to each variant's
+values. The figures of 2026-11-30 came from these sweeps on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+HIP = Path(__file__).resolve().parent
+INCLUDE = HIP.parent / "pkg" / "include"
+
+
+def parse_sets(items: list[str]) -> dict[str, list[str]]:
+    """``["A=1,2", "B=3"]`` → ``{"A": ["1", "2"], "B": ["3"]}``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not name.isidentifier() or not values:
+            raise SystemExit(f"--set {item!r}: expected NAME=v1,v2,...")
+        out[name] = values.split(",")
+    return out
+
+
+def variants(sets: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every combination of the ``--set`` values, in the order given."""
+    names = list(sets)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(sets[n] for n in names))]
+
+
+def nvcc_command(source: str, defines: dict[str, str], arch: str, out: Path) -> list[str]:
+    return ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-std=c++17", f"-I{INCLUDE}", f"-I{HIP}",
+            *[f"-D{k}={v}" for k, v in defines.items()], "-x", "cu",
+            str(HIP / f"{source}.hip"), "-o", str(out)]
+
+
+def build(source: str, defines: dict[str, str], arch: str, tmp: Path) -> bytes:
+    out = tmp / ("-".join([source, *(f"{k}{v}" for k, v in defines.items())]) + ".cubin")
+    subprocess.run(nvcc_command(source, defines, arch, out), check=True)
+    return out.read_bytes()
+
+
+def _pct(nbytes: int, seconds: float, copy_bw: float) -> str:
+    return (f"{seconds * 1e6:9.2f} us {nbytes / seconds / 1e9:8.1f} GB/s "
+            f"{100 * nbytes / seconds / copy_bw:5.1f}%")
+
+
+def sweep_attn(dev, stream, copy_bw, B, images) -> None:
+    from pagedkv.kernels import kvcache
+    rng = np.random.default_rng(0)
+    seqs, tokens, kvh, heads, hd, bs = 32, 4096, 8, 32, 128, 16
+    nb = seqs * tokens // bs
+    tables = rng.permutation(nb).astype(np.int32).reshape(seqs, tokens // bs)
+    shape = (nb, bs, kvh, hd)
+    kp, vp = dev.empty(shape, np.float16), dev.empty(shape, np.float16)
+    for pool in (kp, vp):
+        pool.copy_from((rng.random(shape, dtype=np.float32) * 4 - 2).astype(np.float16))
+    q = dev.array(rng.standard_normal((seqs, heads, hd)).astype(np.float32))
+    out = dev.empty((seqs, heads, hd), np.float32)
+    td, ld = dev.array(tables), dev.array(np.full(seqs, tokens, np.int32))
+    nbytes = kp.nbytes + vp.nbytes + 2 * q.nbytes + tables.nbytes
+    first = None
+    for defines, image in images:
+        dev.load_module("kvcache", image)
+        kvcache.ATTN_PARTITION_TOKENS["float16"] = int(defines.get("PKV_ATTN_PARTITION_F16",
+                                                                   1024))
+        attn = kvcache.PagedAttention(dev, num_seqs=seqs, num_heads=heads, kv_heads=kvh,
+                                      head_dim=hd, block_size=bs, max_seq_len=tokens,
+                                      kv_dtype="float16")
+        t = B._time_graph(dev, stream, partial(B._repeat, attn.run,
+                                               (q, kp, vp, td, ld, out), 5), 5)
+        got = out.to_numpy()
+        first = got if first is None else first
+        print(f"attn f16 {defines}: {_pct(nbytes, t, copy_bw)} "
+              f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
+
+
+def sweep_dequant(dev, stream, copy_bw, B, images) -> None:
+    from pagedkv import quant
+    from pagedkv.kernels import weights
+    rng = np.random.default_rng(1)
+    M, K = 14336, 4096
+    raws = {fmt: quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+            for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16")}
+    first: dict = {}
+    for defines, image in images:
+        dev.load_module("weights", image)
+        weights.DEQUANT_SPAN = int(defines.get("DEQUANT_SPAN", 16))
+        weights.DEQUANT_THREADS = int(defines.get("DEQUANT_THREADS", 64))
+        for fmt, raw in raws.items():
+            dr = dev.array(raw)
+            for dt in (np.float16, np.float32):
+                o = dev.empty((M, K), dt)
+                t = B._time_graph(dev, stream, partial(B._repeat, weights.dequantize,
+                                                       (dev, dr, fmt, o), 10), 10)
+                got = o.to_numpy().tobytes()
+                same = first.setdefault((fmt, dt), got) == got
+                print(f"dequant {fmt}->{np.dtype(dt).name} {defines}: "
+                      f"{_pct(raw.nbytes + o.nbytes, t, copy_bw)} same bytes as first: {same}",
+                      flush=True)
+                o.free()
+            dr.free()
+
+
+def sweep_gemv(dev, stream, copy_bw, B, warps: list[int]) -> None:
+    from pagedkv import quant
+    from pagedkv.kernels import weights
+    rng = np.random.default_rng(2)
+    l2 = dev.properties.l2_cache_bytes
+    for M, K in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for fmt in ("mq4g256v2", "hfq4g256"):
+            raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+            loader = weights.Gemv(dev, fmt, M, K)
+            copies = max(2, math.ceil(4 * l2 / loader.weight_bytes))
+            calls = copies * max(1, 64 // copies)
+            dev_w = [loader.upload(raw) for _ in range(copies)]
+            x = dev.array(rng.standard_normal((1, K)).astype(np.float32))
+            y = dev.empty((1, M), np.float32)
+            for w in warps:
+                g = weights.Gemv(dev, fmt, M, K, warps=w)
+                g.prepare(x, stream=stream)
+                t = B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w,
+                                                       (y,), calls), calls)
+                print(f"gemv {fmt} b1 {M}x{K} warps={w} (x prepared): "
+                      f"{_pct(raw.nbytes + 4 * (K + M), t, copy_bw)}", flush=True)
+            for d in dev_w:
+                d.free()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python hip/tune.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("attn", "dequant", "gemv"))
+    p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
+                   help="a -D macro and the values to try (repeatable)")
+    p.add_argument("--warps", default="2,4,8", help="gemv: warps per block to try")
+    args = p.parse_args(argv)
+    from pagedkv.bench import gpu as B
+    from pagedkv.errors import NoDeviceError
+    from pagedkv.kernels import Stream, open_device
+    try:
+        dev = open_device()
+    except NoDeviceError as exc:
+        print(f"hip/tune.py: {exc}", file=sys.stderr)
+        return 1
+    if dev.backend != "cuda":
+        print("hip/tune.py: rebuilds with nvcc, so it needs an NVIDIA device", file=sys.stderr)
+        return 1
+    stream = Stream(dev)
+    copy_bw, _ = B.copy_bandwidth(dev, stream)
+    print(f"{dev!r}; copy bandwidth {copy_bw / 1e9:.1f} GB/s", flush=True)
+    if args.what == "gemv":
+        sweep_gemv(dev, stream, copy_bw, B, [int(w) for w in args.warps.split(",")])
+        return 0
+    source = "kvcache" if args.what == "attn" else "weights"
+    with tempfile.TemporaryDirectory() as tmp:
+        images = [(d, build(source, d, dev.properties.arch, Path(tmp)))
+                  for d in variants(parse_sets(args.set))]
+    (sweep_attn if args.what == "attn" else sweep_dequant)(dev, stream, copy_bw, B, images)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""hip/tune.py, the kernels' tuning sweep: its variant expansion and nvcc command lines, and
+that every -D knob it is documented with still builds (needs nvcc; no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "hip" / "tune.py"
+
+
+@pytest.fixture(scope="module")
+def tune():
+    if not TOOL.is_file():
+        pytest.skip("hip/tune.py is not in this tree (an installed package without sources)")
+    spec = importlib.util.spec_from_file_location("pagedkv_tune", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sets_multiply_into_variants_in_order(tune):
+    sets = tune.parse_sets(["A=1,2", "B=x,y,z"])
+    assert sets == {"A": ["1", "2"], "B": ["x", "y", "z"]}
+    got = tune.variants(sets)
+    assert len(got) == 6 and got[0] == {"A": "1", "B": "x"} and got[-1] == {"A": "2", "B": "z"}
+    assert tune.variants({}) == [{}]  # no --set: the defaults, once
+    for bad in ("A", "A=", "=1", "1A=2"):
+        with pytest.raises(SystemExit, match="expected NAME=v1,v2"):
+            tune.parse_sets([bad])
+
+
+def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
+    cmd = tune.nvcc_command("kvcache", {"PKV_ATTN_PARTITION_F16": "512"}, "sm_90",
+                            tmp_path / "k.cubin")
+    assert cmd[:4] == ["nvcc", "-cubin", "-arch=sm_90", "-O3"]
+    assert "-DPKV_ATTN_PARTITION_F16=512" in cmd
+    assert cmd[-3:] == [str(tune.HIP / "kvcache.hip"), "-o", str(tmp_path / "k.cubin")]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+@pytest.mark.parametrize(("source", "defines"), [
+    ("kvcache", {"PKV_ATTN_PARTITION_F16": "512", "PKV_ATTN_MIN_BLOCKS_F16": "3",
+                 "PKV_ATTN_PARTITION": "1024", "PKV_ATTN_MIN_BLOCKS": "4",
+                 "PKV_ATTN_UNROLL": "2"}),
+    ("weights", {"DEQUANT_THREADS": "128", "DEQUANT_SPAN": "32"}),
+])
+def test_every_documented_knob_builds(tune, tmp_path, source, defines):
+    image = tune.build(source, defines, "sm_90", tmp_path)
+    assert image[:4] == b"\x7fELF"  # a cubin
+
+
+def test_without_a_gpu_it_says_so_in_one_line(tune, capsys):
+    from pagedkv.errors import NoDeviceError
+    from pagedkv.kernels import open_device
+    try:
+        open_device()
+        pytest.skip("a GPU is present")
+    except NoDeviceError:
+        pass
+    assert tune.main(["attn"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hip/tune.py: ") and err.count("\n") == 1
