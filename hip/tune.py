@@ -156,12 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="2,4,8", help="gemv: warps per block to try")
     args = p.parse_args(argv)
     from pagedkv.bench import gpu as B
-    from pagedkv.errors import NoDeviceError
-    from pagedkv.kernels import Stream, open_device
-    try:
-        dev = open_device()
-    except NoDeviceError as exc:
-        print(f"hip/tune.py: {exc}", file=sys.stderr)
+    from pagedkv.kernels import Stream
+    dev = B.open_device_or_explain("hip/tune.py")
+    if dev is None:
         return 1
     if dev.backend != "cuda":
         print("hip/tune.py: rebuilds with nvcc, so it needs an NVIDIA device", file=sys.stderr)

@@ -302,16 +302,23 @@ def bench_copy_blocks(device, stream, rows, copy_bw, n_blocks=4096, block_bytes=
     _row(rows, "copy_blocks", f"{n_blocks}x{block_bytes}B", t, 2 * src.nbytes, copy_bw)
 
 
+def open_device_or_explain(prog: str):
+    """The default device, or ``None`` after one line on stderr that says why there is none."""
+    try:
+        return open_device()
+    except NoDeviceError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench gpu", description=__doc__)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--quick", action="store_true", help="one GEMV shape and batch")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     args = p.parse_args(argv)
-    try:
-        device = open_device()
-    except NoDeviceError as exc:
-        print(f"pagedkv.bench gpu: {exc}", file=sys.stderr)
+    device = open_device_or_explain("pagedkv.bench gpu")
+    if device is None:
         return 1
     stream = Stream(device)
     torch = None if args.no_torch else _torch()
