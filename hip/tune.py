@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import subprocess
 import sys
 import tempfile
@@ -65,41 +64,28 @@ def _pct(nbytes: int, seconds: float, copy_bw: float) -> str:
             f"{100 * nbytes / seconds / copy_bw:5.1f}%")
 
 
-def sweep_attn(dev, stream, copy_bw, B, images) -> None:
+def sweep_attn(dev, stream, copy_bw, B, images, case=None) -> None:
     from pagedkv.kernels import kvcache
-    rng = np.random.default_rng(0)
-    seqs, tokens, kvh, heads, hd, bs = 32, 4096, 8, 32, 128, 16
-    nb = seqs * tokens // bs
-    tables = rng.permutation(nb).astype(np.int32).reshape(seqs, tokens // bs)
-    shape = (nb, bs, kvh, hd)
-    kp, vp = dev.empty(shape, np.float16), dev.empty(shape, np.float16)
-    for pool in (kp, vp):
-        pool.copy_from((rng.random(shape, dtype=np.float32) * 4 - 2).astype(np.float16))
-    q = dev.array(rng.standard_normal((seqs, heads, hd)).astype(np.float32))
-    out = dev.empty((seqs, heads, hd), np.float32)
-    td, ld = dev.array(tables), dev.array(np.full(seqs, tokens, np.int32))
-    nbytes = kp.nbytes + vp.nbytes + 2 * q.nbytes + tables.nbytes
+    args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), "float16",
+                                                   **(case or B.ATTENTION_CASE))
+    out = args[-1]
     first = None
     for defines, image in images:
         dev.load_module("kvcache", image)
         kvcache.ATTN_PARTITION_TOKENS["float16"] = int(defines.get("PKV_ATTN_PARTITION_F16",
                                                                    1024))
-        attn = kvcache.PagedAttention(dev, num_seqs=seqs, num_heads=heads, kv_heads=kvh,
-                                      head_dim=hd, block_size=bs, max_seq_len=tokens,
-                                      kv_dtype="float16")
-        t = B._time_graph(dev, stream, partial(B._repeat, attn.run,
-                                               (q, kp, vp, td, ld, out), 5), 5)
+        t = B.time_attention(dev, stream, kvcache.PagedAttention(dev, **attn_kwargs), args)
         got = out.to_numpy()
         first = got if first is None else first
         print(f"attn f16 {defines}: {_pct(nbytes, t, copy_bw)} "
               f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
 
 
-def sweep_dequant(dev, stream, copy_bw, B, images) -> None:
+def sweep_dequant(dev, stream, copy_bw, B, images, shape=(14336, 4096)) -> None:
     from pagedkv import quant
     from pagedkv.kernels import weights
     rng = np.random.default_rng(1)
-    M, K = 14336, 4096
+    M, K = shape
     raws = {fmt: quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
             for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16")}
     first: dict = {}
@@ -122,18 +108,15 @@ def sweep_dequant(dev, stream, copy_bw, B, images) -> None:
             dr.free()
 
 
-def sweep_gemv(dev, stream, copy_bw, B, warps: list[int]) -> None:
+def sweep_gemv(dev, stream, copy_bw, B, warps: list[int],
+               shapes=((4096, 4096), (4096, 14336), (14336, 4096))) -> None:
     from pagedkv import quant
     from pagedkv.kernels import weights
     rng = np.random.default_rng(2)
-    l2 = dev.properties.l2_cache_bytes
-    for M, K in ((4096, 4096), (4096, 14336), (14336, 4096)):
+    for M, K in shapes:
         for fmt in ("mq4g256v2", "hfq4g256"):
             raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
-            loader = weights.Gemv(dev, fmt, M, K)
-            copies = max(2, math.ceil(4 * l2 / loader.weight_bytes))
-            calls = copies * max(1, 64 // copies)
-            dev_w = [loader.upload(raw) for _ in range(copies)]
+            dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
             x = dev.array(rng.standard_normal((1, K)).astype(np.float32))
             y = dev.empty((1, M), np.float32)
             for w in warps:

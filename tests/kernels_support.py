@@ -1,10 +1,18 @@
-"""Shared fixtures for the kernel tests: the GPU device (skipped without one)."""
+"""Shared fixtures for the kernel tests: the GPU device (skipped without one), and a ctypes
+stub of libamdhip64 (tests/data/hip_stub.c) that records launches and runs nothing."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from pagedkv.errors import NoDeviceError
+from pagedkv.kernels import load_runtime
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +30,34 @@ def poisoned(device, shape, dtype, byte=0xFF):
     out = device.empty(shape, dtype)
     out.fill_bytes(byte)
     return out
+
+
+@pytest.fixture(scope="session")
+def hip_stub(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the HIP stub")
+    out = tmp_path_factory.mktemp("stub") / "libhipstub.so"
+    src = Path(__file__).parent / "data" / "hip_stub.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(src)], check=True)
+    return out
+
+
+@pytest.fixture
+def stub_runtime(hip_stub, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_HIP_LIBRARY", str(hip_stub))
+    monkeypatch.delenv("STUB_INIT_ERROR", raising=False)
+    monkeypatch.delenv("STUB_DEVICE_COUNT", raising=False)
+    return load_runtime("hip")
+
+
+@pytest.fixture(scope="session")
+def tune():
+    """hip/tune.py as a module (it is a script of the source tree, not of the package)."""
+    path = Path(__file__).resolve().parents[1] / "hip" / "tune.py"
+    if not path.is_file():
+        pytest.skip("hip/tune.py is not in this tree (an installed package without sources)")
+    spec = importlib.util.spec_from_file_location("pagedkv_tune", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,10 +4,6 @@ runtime (no AMD device is available to the project), and the installed objects."
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,25 +13,6 @@ from pagedkv import errors
 from pagedkv._build_config import CUDA_TARGETS, HIP_TARGETS
 from pagedkv.kernels import Device, DeviceArray, list_objects, load_runtime
 from pagedkv.kernels.code_objects import object_name, read_object
-
-
-@pytest.fixture(scope="module")
-def hip_stub(tmp_path_factory):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the HIP stub")
-    out = tmp_path_factory.mktemp("stub") / "libhipstub.so"
-    src = Path(__file__).parent / "data" / "hip_stub.c"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(src)], check=True)
-    return out
-
-
-@pytest.fixture
-def stub_runtime(hip_stub, monkeypatch):
-    monkeypatch.setenv("PAGEDKV_HIP_LIBRARY", str(hip_stub))
-    monkeypatch.delenv("STUB_INIT_ERROR", raising=False)
-    monkeypatch.delenv("STUB_DEVICE_COUNT", raising=False)
-    return load_runtime("hip")
 
 
 def test_no_library_raises_no_device_error_in_one_line(monkeypatch):

@@ -3,23 +3,9 @@ that every -D knob it is documented with still builds (needs nvcc; no GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[1] / "hip" / "tune.py"
-
-
-@pytest.fixture(scope="module")
-def tune():
-    if not TOOL.is_file():
-        pytest.skip("hip/tune.py is not in this tree (an installed package without sources)")
-    spec = importlib.util.spec_from_file_location("pagedkv_tune", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_sets_multiply_into_variants_in_order(tune):

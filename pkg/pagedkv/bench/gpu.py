@@ -56,6 +56,14 @@ def _rotating(fn, weights: list, args: tuple, n: int, stream) -> None:
         fn(weights[i % len(weights)], *args, stream=stream)
 
 
+def _rotation(device, nbytes: int) -> tuple[int, int]:
+    """``(copies, calls)``: copies of an ``nbytes`` buffer totalling >= 4x the L2, so a loop
+    over them measures memory, not cache, and the launches a timing graph holds (a
+    multiple of the copies, about 64)."""
+    copies = max(2, math.ceil(4 * device.properties.l2_cache_bytes / nbytes))
+    return copies, copies * max(1, 64 // copies)
+
+
 def _cycling_linear(torch, x, weights: list):
     """A torch call that multiplies ``x`` by the next of ``weights`` each time."""
     state = {"i": 0}
@@ -121,10 +129,9 @@ def read_ceiling(device, stream, nbytes: int) -> float:
     launches in a graph, 8 blocks of 256 threads per SM): what a kernel that only reads
     that many bytes takes here, launch and drain included."""
     nbytes = -(-nbytes // 16) * 16
-    copies = max(2, math.ceil(4 * device.properties.l2_cache_bytes / nbytes))
+    copies, calls = _rotation(device, nbytes)
     bufs = [device.empty(nbytes, np.uint8) for _ in range(copies)]
     sums = device.empty(8 * device.properties.multiprocessor_count, np.uint32)
-    calls = copies * max(1, 64 // copies)
 
     def capture(s: Stream) -> None:  # read_probe returns nothing: no list to build
         for i in range(calls):
@@ -179,17 +186,21 @@ def _torch_time(torch, fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def rotating_weights(device, fmt: str, M: int, K: int, raw: np.ndarray):
+    """``(uploaded copies of one weight, GEMV calls per timing graph)``, see _rotation."""
+    loader = weights.Gemv(device, fmt, M, K)  # upload() packs for the kernel
+    copies, calls = _rotation(device, loader.weight_bytes)
+    return [loader.upload(raw) for _ in range(copies)], calls
+
+
 def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
     rng = np.random.default_rng(0)
-    l2 = device.properties.l2_cache_bytes
     from pagedkv import quant
     for fmt in ("mq4g256v2", "hfq4g256", "mq4g256", "hfq6g256", "q8f16"):
         for (M, K) in shapes:
             w = (rng.standard_normal((M, K)) * 0.02).astype(np.float32)
             raw = quant.quantize(w, fmt)
-            loader = weights.Gemv(device, fmt, M, K)  # upload() packs for the kernel
-            copies = max(2, math.ceil(4 * l2 / loader.weight_bytes))
-            dev_w = [loader.upload(raw) for _ in range(copies)]
+            dev_w, calls = rotating_weights(device, fmt, M, K, raw)
             if fmt == "mq4g256v2":  # one ceiling per weight size
                 t = read_ceiling(device, stream, raw.nbytes)
                 _row(rows, "read probe (ceiling)", f"{raw.nbytes / 2**20:.1f} MiB", t,
@@ -198,14 +209,13 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                 g = weights.Gemv(device, fmt, M, K, batch)
                 x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
                 y = device.empty((batch, M), np.float32)
-                calls = copies * max(1, 64 // copies)
                 t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls),
                                 calls)
                 nbytes = raw.nbytes + 4 * batch * (K + M)
                 base = {}
                 if torch is not None and fmt in ("mq4g256v2", "hfq4g256"):
                     wt = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                          for _ in range(max(2, math.ceil(4 * l2 / (2 * M * K))))]
+                          for _ in range(_rotation(device, 2 * M * K)[0])]
                     xt = torch.randn(batch, K, device="cuda", dtype=torch.bfloat16)
                     tt = _torch_time(torch, _cycling_linear(torch, xt, wt), 2 * len(wt))
                     base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
@@ -249,33 +259,50 @@ def bench_fwht(device, stream, rows, copy_bw, n: int):
     _row(rows, "fwht256 f32", f"{n // 256}x256", t, 8 * n, copy_bw)
 
 
-def bench_attention(device, stream, rows, copy_bw, torch, seqs=32, tokens=4096, kv_heads=8,
-                    heads=32, head_dim=128, block_size=16):
-    rng = np.random.default_rng(3)
+ATTENTION_CASE = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "heads": 32, "head_dim": 128,
+                  "block_size": 16}
+
+
+def attention_inputs(device, rng, kv_dtype: str, *, seqs, tokens, kv_heads, heads, head_dim,
+                     block_size):
+    """Device inputs of one decode batch (``seqs`` sequences of ``tokens`` tokens, blocks in
+    random order, random K/V in [-2, 2) or random q8 codes): ``(args, nbytes, attn_kwargs)``
+    where ``PagedAttention(device, **attn_kwargs).run(*args)`` runs it and ``nbytes`` is what
+    it must move (K + V + q + out + tables)."""
     blocks_per_seq = tokens // block_size
     num_blocks = seqs * blocks_per_seq
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
-    lens = np.full(seqs, tokens, np.int32)
     q = rng.standard_normal((seqs, heads, head_dim)).astype(np.float32)
+    row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
+    pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
+    shape = (num_blocks, block_size, kv_heads, row)
+    k_pool, v_pool = device.empty(shape, pool_dtype), device.empty(shape, pool_dtype)
+    for pool in (k_pool, v_pool):  # random f16 values in [-2, 2), no NaN/Inf patterns
+        host = (rng.random(shape, dtype=np.float32) * 4 - 2)
+        pool.copy_from(host.astype(np.float16) if kv_dtype == "float16" else
+                       (host.view(np.uint32) >> 16).astype(np.uint16)
+                       if kv_dtype == "bfloat16" else
+                       rng.integers(0, 120, shape).astype(np.uint8))
+    args = (device.array(q), k_pool, v_pool, device.array(tables),
+            device.array(np.full(seqs, tokens, np.int32)), device.empty(q.shape, np.float32))
+    nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
+    attn_kwargs = {"num_seqs": seqs, "num_heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                       "block_size": block_size, "max_seq_len": tokens, "kv_dtype": kv_dtype}
+    return args, nbytes, attn_kwargs
+
+
+def time_attention(device, stream, attn, args) -> float:
+    """Seconds per ``attn.run(*args)``, five launches in a graph."""
+    return _time_graph(device, stream, partial(_repeat, attn.run, args, 5), 5)
+
+
+def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE):
+    rng = np.random.default_rng(3)
+    seqs, tokens, kv_heads = case["seqs"], case["tokens"], case["kv_heads"]
+    heads, head_dim = case["heads"], case["head_dim"]
     for kv_dtype in ("float16", "bfloat16", "q8"):
-        row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
-        pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
-        shape = (num_blocks, block_size, kv_heads, row)
-        k_pool, v_pool = device.empty(shape, pool_dtype), device.empty(shape, pool_dtype)
-        for pool in (k_pool, v_pool):  # random f16 values in [-2, 2), no NaN/Inf patterns
-            host = (rng.random(shape, dtype=np.float32) * 4 - 2)
-            pool.copy_from(host.astype(np.float16) if kv_dtype == "float16" else
-                           (host.view(np.uint32) >> 16).astype(np.uint16)
-                           if kv_dtype == "bfloat16" else
-                           rng.integers(0, 120, shape).astype(np.uint8))
-        attn = kvcache.PagedAttention(device, num_seqs=seqs, num_heads=heads, kv_heads=kv_heads,
-                                      head_dim=head_dim, block_size=block_size,
-                                      max_seq_len=tokens, kv_dtype=kv_dtype)
-        qd, out = device.array(q), device.empty(q.shape, np.float32)
-        td, ld = device.array(tables), device.array(lens)
-        t = _time_graph(device, stream,
-                        partial(_repeat, attn.run, (qd, k_pool, v_pool, td, ld, out), 5), 5)
-        nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
+        args, nbytes, attn_kwargs = attention_inputs(device, rng, kv_dtype, **case)
+        t = time_attention(device, stream, kvcache.PagedAttention(device, **attn_kwargs), args)
         base = {}
         if torch is not None and kv_dtype == "float16":
             qt = torch.randn(seqs, heads, 1, head_dim, device="cuda", dtype=torch.float16)
@@ -287,8 +314,8 @@ def bench_attention(device, stream, rows, copy_bw, torch, seqs=32, tokens=4096, 
             del kt, vt
         _row(rows, f"paged_attention {kv_dtype}",
              f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
-        k_pool.free()
-        v_pool.free()
+        for a in args:
+            a.free()
 
 
 def bench_copy_blocks(device, stream, rows, copy_bw, n_blocks=4096, block_bytes=2 * 16 * 8 * 128):

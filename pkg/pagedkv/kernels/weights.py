@@ -157,14 +157,16 @@ class Gemv:
         self.device, self.M, self.K, self.batch = device, M, K, batch
         self.tensor_cores = _uses_tensor_cores(device, f)
         self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
-        self._x: DeviceArray | None = None  # the x run_prepared reads (None: not prepared)
+        # The x run_prepared reads (the f32 kernel), or the one last quantized into the
+        # scratch (tensor cores); None before the first prepare().
+        self._x: DeviceArray | None = None
         if self.tensor_cores:
             groups = K // 256
             tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
             self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
             self._xs = device.empty((groups * batch, 4), np.float32)
             self._prep = device.kernel(SOURCE, "pkv_gemv_prep_x", "pppiiii")
-            self._prep_args = (K, batch, tiles, int(f.rotated))
+            self._tiles = tiles
             self._prep_grid = (math.ceil(groups * batch / 8),)  # a warp per (group, batch row)
             self.packed = True
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{f.kernel}_n{tiles}", "ppppiii")
@@ -249,9 +251,8 @@ class Gemv:
         self._check_x(x)
         rotate = self.fmt.rotated and not x_rotated
         if self.tensor_cores:
-            K, batch, tiles, _ = self._prep_args
-            self._prep(self._prep_grid, (256,), x, self._xq, self._xs, K, batch, tiles,
-                       int(rotate), stream=stream)
+            self._prep(self._prep_grid, (256,), x, self._xq, self._xs, self.K, self.batch,
+                       self._tiles, int(rotate), stream=stream)
             self._x = x
         elif rotate:
             assert self._scratch is not None

@@ -1,0 +1,90 @@
+"""The GPU benchmark's plumbing (pagedkv.bench.gpu, hip/tune.py) on the HIP ctypes stub: the
+kernels do not run, every event pair reads 0.5 ms, the stub reports an 8 MiB L2. What is
+checked: rotation counts, the bytes each row is charged, the rows produced, the tune sweeps'
+loops; the kernels' own speed and results are the GPU suite's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv._build_config import HIP_TARGETS
+from pagedkv.bench import gpu
+from pagedkv.kernels import Device, Stream
+from pagedkv.kernels.code_objects import read_object
+
+pytestmark = pytest.mark.skipif(not HIP_TARGETS, reason="built without hipcc: no AMD objects "
+                                                        "for the stub to load")
+SMALL_CASE = {"seqs": 2, "tokens": 64, "kv_heads": 2, "heads": 4, "head_dim": 64,
+              "block_size": 16}
+
+
+@pytest.fixture
+def dev(stub_runtime):
+    return Device(stub_runtime, 0)
+
+
+def test_rotation_covers_four_l2s_and_rounds_calls_to_copies(dev):
+    assert gpu._rotation(dev, 1 << 20) == (32, 64)  # 4 x 8 MiB / 1 MiB copies
+    assert gpu._rotation(dev, 3 << 20) == (11, 55)  # 64 // 11 = 5 rounds
+    assert gpu._rotation(dev, 1 << 30) == (2, 64)  # at least two copies
+    w, calls = gpu.rotating_weights(dev, "hfq4g256", 1024, 1024, np.zeros(557056, np.uint8))
+    assert (len(w), calls) == (61, 61)  # 557,056 bytes each
+    assert all(x.array.nbytes == 557056 and not x.packed for x in w)  # HIP: raw rows
+
+
+def test_attention_inputs_and_rows(dev):
+    args, nbytes, kw = gpu.attention_inputs(dev, np.random.default_rng(0), "q8", **SMALL_CASE)
+    q, k_pool, v_pool, tables, lens, out = args
+    assert k_pool.shape == (8, 16, 2, 68) and k_pool.dtype == np.uint8  # 64 dims: 2 records
+    assert tables.shape == (2, 4) and sorted(tables.to_numpy().ravel()) == list(range(8))
+    assert (lens.to_numpy() == 64).all() and q.shape == out.shape == (2, 4, 64)
+    assert v_pool.shape == k_pool.shape and v_pool.dtype == np.uint8
+    assert nbytes == 2 * k_pool.nbytes + 2 * q.nbytes + tables.nbytes
+    assert kw == {"num_seqs": 2, "num_heads": 4, "kv_heads": 2, "head_dim": 64,
+                  "block_size": 16, "max_seq_len": 64, "kv_dtype": "q8"}
+    rows: list[dict] = []
+    gpu.bench_attention(dev, Stream(dev), rows, 1e12, None, case=SMALL_CASE)
+    assert [r["kernel"] for r in rows] == ["paged_attention float16", "paged_attention bfloat16",
+                                           "paged_attention q8"]
+    assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
+
+
+def test_gemv_rows_charge_weights_x_and_y(dev):
+    rows: list[dict] = []
+    gpu.bench_gemv(dev, Stream(dev), rows, 1e12, None, [(32, 512)], (1, 2))
+    names = [r["kernel"] for r in rows]
+    assert names[:5] == ["read probe (ceiling)", "gemv mq4g256v2 b1",
+                         "gemv mq4g256v2 b1 (x prepared)", "gemv mq4g256v2 b2",
+                         "gemv mq4g256v2 b2 (x prepared)"]
+    assert len(rows) == 1 + 5 * 4
+    b2 = rows[3]  # weights + x + y of batch 2
+    calls = gpu._rotation(dev, 32 * 2 * 136)[1]
+    assert b2["GB/s"] * b2["us"] * 1e3 == pytest.approx(32 * 2 * 136 + 4 * 2 * (512 + 32))
+    assert b2["us"] == pytest.approx(500.0 / calls)
+
+
+# The stub runs no kernel, so outputs hold whatever the allocator left: NaN differences.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch):
+    from pagedkv.kernels import kvcache, weights
+    # the sweeps set the launchers' mirrors to each variant's values: restore them after
+    monkeypatch.setitem(kvcache.ATTN_PARTITION_TOKENS, "float16", 1024)
+    monkeypatch.setattr(weights, "DEQUANT_THREADS", weights.DEQUANT_THREADS)
+    monkeypatch.setattr(weights, "DEQUANT_SPAN", weights.DEQUANT_SPAN)
+    arch = dev.properties.arch
+    images = [({"PKV_ATTN_PARTITION_F16": "512"}, read_object("kvcache", "hip", arch)),
+              ({"PKV_ATTN_PARTITION_F16": "1024"}, read_object("kvcache", "hip", arch))]
+    stream = Stream(dev)
+    tune.sweep_attn(dev, stream, 1e12, gpu, images, case=SMALL_CASE)
+    tune.sweep_dequant(dev, stream, 1e12, gpu,
+                       [({"DEQUANT_THREADS": "64"}, read_object("weights", "hip", arch))],
+                       shape=(16, 256))
+    tune.sweep_gemv(dev, stream, 1e12, gpu, [2, 4], shapes=((32, 512),))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("}")[0] + "}" for line in lines[:2]] == [
+        "attn f16 {'PKV_ATTN_PARTITION_F16': '512'}", "attn f16 {'PKV_ATTN_PARTITION_F16': '1024'}"]
+    assert kvcache.ATTN_PARTITION_TOKENS["float16"] == 1024  # the last variant's partition
+    assert sum(line.startswith("dequant ") for line in lines) == 8  # 4 formats x f16/f32
+    assert sum(line.startswith("gemv ") for line in lines) == 4  # 2 formats x 2 warp counts
+    assert weights.DEQUANT_THREADS == 64
