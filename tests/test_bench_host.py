@@ -5,6 +5,9 @@ loops; the kernels' own speed and results are the GPU suite's."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -88,3 +91,46 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
     assert sum(line.startswith("dequant ") for line in lines) == 8  # 4 formats x f16/f32
     assert sum(line.startswith("gemv ") for line in lines) == 4  # 2 formats x 2 warp counts
     assert weights.DEQUANT_THREADS == 64
+
+
+def _asv_gpu():
+    path = Path(__file__).resolve().parents[1] / "asv_bench" / "benchmarks" / "gpu.py"
+    if not path.is_file():
+        pytest.skip("asv_bench is not in this tree")
+    spec = importlib.util.spec_from_file_location("pagedkv_asv_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_asv_tracks_rows_the_bench_emits(dev):
+    asv = _asv_gpu()
+    rows: list[dict] = []
+    stream = Stream(dev)
+    gpu.bench_gemv(dev, stream, rows, 1e12, None, [(32, 512)], (1,))
+    gpu.bench_dequant(dev, stream, rows, 1e12, (16, 256))
+    gpu.bench_fwht(dev, stream, rows, 1e12, 1024)
+    gpu.bench_attention(dev, stream, rows, 1e12, None, case=SMALL_CASE)
+    emitted = {r["kernel"] for r in rows}
+    tracked = {name.split(" | ")[0] for name in asv.BANDWIDTH_ROWS + asv.TORCH_ROWS}
+    assert tracked <= emitted, tracked - emitted
+    got = asv.by_row(rows, "of_copy")
+    assert (rows[3]["kernel"], rows[3]["shape"]) == ("gemv hfq4g256 b1", "32x512")
+    assert got["gemv hfq4g256 b1 | 32x512"] == rows[3]["of_copy"]
+    assert len(got) == len(rows)  # every row has its fraction of the copy
+    assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
+
+
+def test_asv_gpu_suites_skip_without_a_gpu():
+    from pagedkv.errors import NoDeviceError
+    from pagedkv.kernels import open_device
+    try:
+        open_device()
+        pytest.skip("a GPU is present")
+    except NoDeviceError:
+        pass
+    asv = _asv_gpu()
+    for suite in (asv.GpuBandwidth(), asv.GpuVsTorch()):
+        with pytest.raises(NotImplementedError, match="no GPU"):
+            suite.setup_cache()
+    assert asv.GpuBandwidth().track_percent_of_copy({"x | y": 83.0}, "x | y") == 83.0

@@ -1,0 +1,81 @@
+"""GPU kernel speed (issue 6) as asv track benchmarks: the targeted rows of
+``python -m pagedkv.bench gpu``, each a ratio measured in one run, so noise between runs
+and machines cancels.
+
+- ``GpuBandwidth.track_percent_of_copy``: achieved bandwidth as % of the device-to-device
+  copy bandwidth measured in the same run (targets: GEMV 85, dequant 80, FWHT 70,
+  attention 75).
+- ``GpuVsTorch.track_speedup``: cuBLAS bf16 GEMV time / ours (target 3) and SDPA's time /
+  ours for attention (target 1 / 1.3).
+
+Skipped where there is no GPU (``setup_cache`` raises NotImplementedError). Figures and the
+device they came from: docs/performance.md, "GPU kernels".
+"""
+
+from __future__ import annotations
+
+GEMV_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+BANDWIDTH_ROWS = (
+    [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
+    + [f"gemv {fmt} b1 (x prepared) | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256")
+       for m, k in GEMV_SHAPES]
+    + [f"dequant {fmt}->{dt} | 14336x4096"
+       for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16") for dt in ("float16", "float32")]
+    + ["fwht256 f32 | 262144x256", "paged_attention float16 | 32x4096 kvh8 d128"])
+TORCH_ROWS = (
+    [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
+    + ["paged_attention float16 | 32x4096 kvh8 d128"])
+
+
+def _run_bench(with_torch: bool) -> list[dict]:
+    from pagedkv.bench import gpu
+
+    device = gpu.open_device_or_explain("asv gpu")
+    if device is None:
+        raise NotImplementedError("no GPU")
+    stream = gpu.Stream(device)
+    torch = gpu._torch() if with_torch else None
+    copy_bw, _ = gpu.copy_bandwidth(device, stream)
+    rows: list[dict] = []
+    gpu.bench_gemv(device, stream, rows, copy_bw, torch, GEMV_SHAPES, (1,))
+    if not with_torch:
+        gpu.bench_dequant(device, stream, rows, copy_bw, (14336, 4096))
+        gpu.bench_fwht(device, stream, rows, copy_bw, 64 << 20)
+    gpu.bench_attention(device, stream, rows, copy_bw, torch)
+    return rows
+
+
+def by_row(rows: list[dict], field: str) -> dict[str, float]:
+    """``{"<kernel> | <shape>": row[field]}`` for the rows that have ``field``."""
+    return {f"{r['kernel']} | {r['shape']}": float(r[field]) for r in rows if field in r}
+
+
+class GpuBandwidth:
+    params = BANDWIDTH_ROWS
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "% of copy bandwidth"
+
+    def setup_cache(self):
+        return {k: 100 * v for k, v in by_row(_run_bench(False), "of_copy").items()}
+
+    def track_percent_of_copy(self, cache, row):
+        return cache[row]
+
+
+class GpuVsTorch:
+    params = TORCH_ROWS
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (torch time / ours)"
+
+    def setup_cache(self):
+        rows = _run_bench(True)
+        out = by_row(rows, "speedup_vs_torch")
+        out.update({k: 1 / v for k, v in by_row(rows, "ratio_vs_torch").items()})
+        if not out:
+            raise NotImplementedError("PyTorch with CUDA is not installed: no baseline")
+        return out
+
+    def track_speedup(self, cache, row):
+        return cache[row]
