@@ -51,13 +51,19 @@ def stub_runtime(hip_stub, monkeypatch):
     return load_runtime("hip")
 
 
-@pytest.fixture(scope="session")
-def tune():
-    """hip/tune.py as a module (it is a script of the source tree, not of the package)."""
-    path = Path(__file__).resolve().parents[1] / "hip" / "tune.py"
+def load_tree_script(relative: str, name: str):
+    """A script of the source tree (not of the package) as a module; skips the test when
+    the tree is not there (an installed package run without its sources)."""
+    path = Path(__file__).resolve().parents[1] / relative
     if not path.is_file():
-        pytest.skip("hip/tune.py is not in this tree (an installed package without sources)")
-    spec = importlib.util.spec_from_file_location("pagedkv_tune", path)
+        pytest.skip(f"{relative} is not in this tree")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def tune():
+    """hip/tune.py as a module."""
+    return load_tree_script("hip/tune.py", "pagedkv_tune")

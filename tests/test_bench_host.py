@@ -5,12 +5,10 @@ loops; the kernels' own speed and results are the GPU suite's."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from kernels_support import load_tree_script
 from pagedkv._build_config import HIP_TARGETS
 from pagedkv.bench import gpu
 from pagedkv.kernels import Device, Stream
@@ -94,13 +92,7 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
 
 
 def _asv_gpu():
-    path = Path(__file__).resolve().parents[1] / "asv_bench" / "benchmarks" / "gpu.py"
-    if not path.is_file():
-        pytest.skip("asv_bench is not in this tree")
-    spec = importlib.util.spec_from_file_location("pagedkv_asv_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tree_script("asv_bench/benchmarks/gpu.py", "pagedkv_asv_gpu")
 
 
 def test_asv_tracks_rows_the_bench_emits(dev):
