@@ -2,6 +2,8 @@
 # One device call: build the wheel (meson-python from .whl), run every GPU test and
 # the CPU kernel tests, then the kernel benchmark; logs and the JSON rows go to $OUT.
 # Usage on the GPU machine, from the unpacked source tree: bash hip/device_check.sh
+# SANITIZE=1 also runs the GPU tests under compute-sanitizer memcheck and racecheck, after
+# proving the tool sees ctypes launches (hip/sanitizer_probe.py); BENCH=0 skips the bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,10 +18,29 @@ python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/w . >"$OUT/build.
   || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
+export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
 cd tests
 PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -m gpu -p no:cacheprovider \
   2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -p no:cacheprovider -k kernels 2>&1 | tail -3
 cd ..
+if [ "${SANITIZE:-0}" = 1 ]; then
+  cs="compute-sanitizer --error-exitcode 86 --print-limit 20"
+  PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool memcheck python3 hip/sanitizer_probe.py --plant \
+    >"$OUT/sanitizer_probe.log" 2>&1
+  echo "sanitizer probe, planted out-of-bounds write: rc $? (86 = seen)"
+  PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool memcheck python3 hip/sanitizer_probe.py --clean \
+    >>"$OUT/sanitizer_probe.log" 2>&1
+  echo "sanitizer probe, clean launch: rc $? (0 = clean)"
+  cd tests
+  for tool in memcheck racecheck; do
+    PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool $tool python3 -m pytest -q -m gpu \
+      -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
+    echo "compute-sanitizer $tool over the GPU tests: rc $? (0 = no error, no hazard);" \
+      "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ')"
+  done
+  cd ..
+fi
+[ "${BENCH:-1}" = 1 ] || exit 0
 PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-300} python3 -m pagedkv.bench gpu \
   --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
