@@ -15,7 +15,7 @@ and the paged path over the grouped coordinator run the same forward pass.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,7 +27,6 @@ from pagedkv.reference.hybrid_state import HybridSnapshot, check_rows
 __all__ = ["HybridFlatKV", "HybridKVPath"]
 
 
-@runtime_checkable
 class HybridKVPath(Protocol):
     """What the hybrid forward pass needs from a KV store (layer indices are model layers).
 
