@@ -147,6 +147,20 @@ def test_save_load_round_trip_and_bad_configs(tmp_path, model):
             ReferenceModel.load(tmp_path)
 
 
+def test_weights_load_from_an_hfqm_file(tmp_path, model):
+    from pagedkv.hfqm.convert import convert_safetensors
+
+    model.save(tmp_path)
+    convert_safetensors(tmp_path, tmp_path / "q8.hfq", fmt="q8", arch="llama",
+                        measure_error=False)
+    loaded = ReferenceModel.load_hfqm(tmp_path / "q8.hfq")
+    assert type(loaded.config) is HybridConfig and loaded.config == model.config
+    for name, w in model.weights.items():   # the conv taps and A_log included
+        q = loaded.weights[name]
+        assert q.dtype == np.float32 and q.shape == w.shape
+        assert np.abs(q - w).max() <= 5e-3 * np.abs(w).max(), name
+
+
 def test_repr_names_the_layer_kinds(model):
     assert repr(model) == (
         "ReferenceModel(backend='numpy', layers=6 (2 full + 2 sliding(window=24) + 2 linear, "
