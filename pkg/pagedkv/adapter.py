@@ -587,7 +587,10 @@ class PagedKVCacheAdapter:
             cache_salt=cache_salt)
         self._registered[row] = True
         self._counters["registered_blocks"] += new
-        if self.cold_tier is not None and not self._captured[row] and full:
+        # A family with sidecar state enters capture every turn, even without a full block
+        # (its sidecar stats count that turn as chain_empty: docs/cold.md, "Sidecar capture").
+        if self.cold_tier is not None and not self._captured[row] and (
+                full or getattr(self.cold_tier, "sidecar", None) is not None):
             self._captured[row] = True
             # Copies: the cold writer may keep them after this row is reused.
             self._capture_outcome[row] = self._cold_capture(

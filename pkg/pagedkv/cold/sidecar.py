@@ -20,8 +20,9 @@ MAX_TENSORS_PER_LAYER = 16
 MAX_DIMS = 8
 
 #: NumPy dtype a sidecar element travels as (bfloat16 as uint16 bit patterns).
-DTYPE_STORAGE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-                 "float32": np.dtype(np.float32)}
+DTYPE_STORAGE: dict[str, np.dtype] = {"float16": np.dtype(np.float16),
+                                       "bfloat16": np.dtype(np.uint16),
+                                       "float32": np.dtype(np.float32)}
 
 
 def storage_dtype(dtype: str) -> np.dtype:

@@ -40,13 +40,15 @@ _BF16 = np.dtype(np.uint16)  # bfloat16 travels as uint16 bit patterns
 @dataclass(frozen=True)
 class SlidingGroupRows:
     """One sliding group of a live request, as :meth:`SlidingWindowCodec.snapshot` reads it:
-    the group's pool (its physical layers, in group order) and the request's block table
+    the group's pool (its physical layers, in group order), the request's block table
     row — absolute logical width, entry ``i`` holding tokens ``[i*bs, (i+1)*bs)``, expired
-    entries ``null_block_id``, ``-1`` past the end."""
+    entries ``null_block_id``, ``-1`` past the end — and ``num_tokens``, the committed
+    tokens whose rows are written."""
 
     pool: Any
     block_table: np.ndarray
     null_block_id: int
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -178,12 +180,16 @@ class SlidingWindowCodec:
     def snapshot(self, groups: Sequence[SlidingGroupRows], boundary_tokens: int):
         """``(k, v)`` rows ``[b - min(b, window), b)`` of every physical sliding layer (group
         order), read from the live tables; ``None`` when any of those rows was already
-        pruned (its entry is null or missing)."""
+        pruned (its entry is null or missing). A boundary past a group's committed tokens
+        raises ``InvalidArgument``."""
         b = _pos_int("boundary_tokens", boundary_tokens)
         self._check_groups([g.pool for g in groups])
         rows = self.rows_at(b)
         ks, vs = [], []
-        for g in groups:
+        for i, g in enumerate(groups):
+            if b > g.num_tokens:
+                raise InvalidArgument(f"sliding group {i}: boundary {b} is past its "
+                                      f"{g.num_tokens} committed tokens")
             bs = g.pool.block_size
             first, last = (b - rows) // bs, (b - 1) // bs
             table = np.asarray(g.block_table, dtype=np.int64).reshape(-1)

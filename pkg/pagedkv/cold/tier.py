@@ -351,7 +351,8 @@ class ColdTierContext:
         per_block = kwargs.get("extra_keys_per_block")
         extra = kwargs.get("extra_keys", ())
         try:
-            found = self.checkpoints(tokens, cache_salt=salt, extra_keys_per_block=per_block)
+            found = self.checkpoints(tokens, cache_salt=salt, extra_keys_per_block=per_block) \
+                if outcome.blocks else {}
             side = self.capture_sidecar(found, tokens=tokens, captured_blocks=outcome.blocks,
                                         block_size=int(kwargs["pool"].block_size),
                                         cache_salt=salt, extra_keys=extra,
