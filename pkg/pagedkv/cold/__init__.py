@@ -3,6 +3,8 @@
 A warm prefix survives a restart: full KV blocks are written as checksummed safetensors
 objects under SHA-256 chain keys bound to the model fingerprint, and a new process restores
 the longest verified chain instead of recomputing it. A failure is a miss, never wrong KV.
+Hybrid families persist their out-of-pool state beside the blocks as sidecars, and a
+restore never returns K/V without the sidecar that backs it (docs/cold.md, "Sidecars").
 """
 
 from pagedkv.cold.capture import CaptureOutcome, CaptureStop

@@ -99,14 +99,28 @@ def capture_sidecar(tier, fingerprint: bytes, codec, checkpoints: Mapping[int, A
     if tier.contains_in(key, codec.group) or tier.writer.is_queued(key):
         counters.add("already_persisted")
         return done(SidecarCaptureStop.ALREADY_PERSISTED, anchor)
+    layout = codec.layout_at(anchor)
+    writer = tier.writer
+    # A recycled buffer: a fresh one of tens of MiB costs this thread its page faults.
+    taken = writer.take_buffer((layout.tensor_count, layout.bytes_per_tensor))
     try:
-        layout, payload = codec.pack(checkpoints[anchor], anchor)
+        layout, payload = codec.pack(checkpoints[anchor], anchor, out=taken)
     except SidecarLayoutMismatch as exc:
+        writer.give_back(taken)
         log.warning("cold tier: %s sidecar at %d tokens not captured: %s",
                     codec.group.label, anchor, exc)
         return done(SidecarCaptureStop.LAYOUT_MISMATCH, anchor)
-    job = SidecarJob(key, fingerprint.hex(), layout, payload)
-    if tier.enqueue_before(job, deadline):
+    except BaseException:
+        writer.give_back(taken)
+        raise
+    job = SidecarJob(key, fingerprint.hex(), layout, payload, recycle=payload is taken)
+    accepted = False
+    try:
+        accepted = tier.enqueue_before(job, deadline)
+    finally:
+        if not accepted and job.recycle:
+            writer.give_back(payload)
+    if accepted:
         counters.add("enqueued")
         return done(SidecarCaptureStop.ENQUEUED, anchor)
     counters.add("queue_drops")
