@@ -29,6 +29,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from pagedkv.cold.int_arguments import int_argument
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = [
@@ -71,23 +72,15 @@ SLIDING_BYTES_PER_ELEMENT = 4
 SLIDING_PROTECTED_ENTRIES = 2
 
 
-def _int(name: str, value, lo: int = 0) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise InvalidArgument(f"{name} = {value} must be >= {lo}")
-    return int(value)
-
-
 # --- GDN ladder and prefill splits --------------------------------------------------------
 
 def gdn_checkpoint_target(n_tokens: int, cached_tokens: int, block_size: int) -> int | None:
     """The last block boundary strictly below the prompt end, ``((n - 1) // bs) * bs``, or
     ``None`` when it is not past ``cached_tokens`` (tokens). (37, 0, 16) → 32;
     (32, 0, 16) → 16; (37, 32, 16) → ``None``."""
-    n = _int("n_tokens", n_tokens)
-    cached = _int("cached_tokens", cached_tokens)
-    bs = _int("block_size", block_size, 1)
+    n = int_argument("n_tokens", n_tokens)
+    cached = int_argument("cached_tokens", cached_tokens)
+    bs = int_argument("block_size", block_size, 1)
     if n == 0:
         return None
     target = ((n - 1) // bs) * bs
@@ -99,8 +92,8 @@ def gdn_ladder_rungs(n_tokens: int, cached_tokens: int, block_size: int) -> list
     ``next = ((rung // 4) // bs) * bs`` until 4 rungs or ``next`` is 0, ``<= cached`` or
     not below the rung. (1400, 0, 16) → ``[16, 80, 336, 1392]``;
     (4096, 240, 16) → ``[1008, 4080]``."""
-    bs = _int("block_size", block_size, 1)
-    cached = _int("cached_tokens", cached_tokens)
+    bs = int_argument("block_size", block_size, 1)
+    cached = int_argument("cached_tokens", cached_tokens)
     rung = gdn_checkpoint_target(n_tokens, cached, bs)
     if rung is None:
         return []
@@ -134,12 +127,12 @@ def prefill_ranges(n_tokens: int, chunk_tokens: int | None, boundaries: Sequence
     next boundary, at ``chunk_tokens`` after its start (``None`` or 0: no chunking), or at
     the end, whichever comes first; a chunk restarts after every split.
     ``prefill_ranges(1400, 2048, [1392])`` → ``[(0, 1392), (1392, 1400)]``."""
-    n = _int("n_tokens", n_tokens)
-    s = _int("start", start)
-    chunk = 0 if chunk_tokens is None else _int("chunk_tokens", chunk_tokens)
+    n = int_argument("n_tokens", n_tokens)
+    s = int_argument("start", start)
+    chunk = 0 if chunk_tokens is None else int_argument("chunk_tokens", chunk_tokens)
     if s > n:
         raise InvalidArgument(f"start = {s} is past n_tokens = {n}")
-    cuts = sorted({_int("boundary", b) for b in boundaries if s < b < n})
+    cuts = sorted({int_argument("boundary", b) for b in boundaries if s < b < n})
     out: list[tuple[int, int]] = []
     pos, k = s, 0
     while pos < n:
@@ -171,8 +164,8 @@ class RetentionCaps:
     order: VictimOrder
 
     def __post_init__(self) -> None:
-        _int("global_cap", self.global_cap, 1)
-        _int("per_owner_cap", self.per_owner_cap, 1)
+        int_argument("global_cap", self.global_cap, 1)
+        int_argument("per_owner_cap", self.per_owner_cap, 1)
         if not isinstance(self.order, VictimOrder):
             raise InvalidArgumentType(f"order must be a VictimOrder, got {self.order!r}")
 
@@ -348,14 +341,14 @@ def gdn_retention_victims(owners, lengths, ancestry, *, publisher: int, caps: Re
 def sliding_anchor_rungs(block_size: int) -> tuple[int, ...]:
     """The anchor grid ``bs * 4**k`` for ``k = 1..4``, pinned at token 0 so one sidecar
     object serves every later prompt sharing that prefix: (64, 256, 1024, 4096) at bs 16."""
-    bs = _int("block_size", block_size, 1)
+    bs = int_argument("block_size", block_size, 1)
     return tuple(bs * 4 ** k for k in range(1, SLIDING_ANCHOR_MAX_RUNGS + 1))
 
 
 def sliding_decode_cadence(window: int, block_size: int) -> int:
     """Decode checkpoint cadence, tokens: ``ceil(max(window, bs) / bs) * bs``."""
-    w = _int("window", window, 1)
-    bs = _int("block_size", block_size, 1)
+    w = int_argument("window", window, 1)
+    bs = int_argument("block_size", block_size, 1)
     return -(-max(w, bs) // bs) * bs
 
 
@@ -365,7 +358,7 @@ def sliding_checkpoint_due(position: int, window: int, block_size: int, *,
     at the window cadence, or (persist turns only) at an anchor rung (``rungs``: the
     admitted ones, default the whole grid). Without the rungs a short prompt with a long
     generation would never produce the sub-window rungs."""
-    p = _int("position", position)
+    p = int_argument("position", position)
     if p == 0:
         return False
     if p % sliding_decode_cadence(window, block_size) == 0:
@@ -382,9 +375,9 @@ def sliding_prefill_checkpoints(start: int, end: int, window: int, block_size: i
     """Boundaries in ``(start, end]`` a prefill chunk walk publishes (ascending, tokens):
     the decode cadence, plus the anchor rungs on persist turns (:func:`sliding_checkpoint_due`
     at every block boundary)."""
-    s = _int("start", start)
-    e = _int("end", end)
-    bs = _int("block_size", block_size, 1)
+    s = int_argument("start", start)
+    e = int_argument("end", end)
+    bs = int_argument("block_size", block_size, 1)
     first = (s // bs + 1) * bs
     return [b for b in range(first, e + 1, bs)
             if sliding_checkpoint_due(b, window, bs, persist=persist, rungs=rungs)]
@@ -394,8 +387,8 @@ def sliding_full_window_bytes(sliding_layers: int, window: int, kv_heads: int,
                               head_dim: int) -> int:
     """``sliding_layers * window * kv_heads * head_dim * 2 (K, V) * 4`` bytes: one full
     window of every physical sliding layer at the conservative 4 bytes per element."""
-    return (_int("sliding_layers", sliding_layers, 1) * _int("window", window, 1)
-            * _int("kv_heads", kv_heads, 1) * _int("head_dim", head_dim, 1)
+    return (int_argument("sliding_layers", sliding_layers, 1) * int_argument("window", window, 1)
+            * int_argument("kv_heads", kv_heads, 1) * int_argument("head_dim", head_dim, 1)
             * 2 * SLIDING_BYTES_PER_ELEMENT)
 
 
@@ -405,10 +398,10 @@ def sliding_base_limit(window: int, block_size: int, full_window_bytes: int,
     max(1 GiB // full_window_bytes, 2))``, or ``override`` (``PAGEDKV_SLIDING_CHECKPOINT_LIMIT``,
     see :func:`pagedkv.cold.knobs.sliding_checkpoint_limit_override`)."""
     if override is not None:
-        return _int("override", override, 1)
-    w = _int("window", window, 1)
-    bs = _int("block_size", block_size, 1)
-    fwb = _int("full_window_bytes", full_window_bytes, 1)
+        return int_argument("override", override, 1)
+    w = int_argument("window", window, 1)
+    bs = int_argument("block_size", block_size, 1)
+    fwb = int_argument("full_window_bytes", full_window_bytes, 1)
     by_window = min(max(-(-w // bs) * 2, 16), 128)
     return min(by_window, max((1 << 30) // fwb, 2))
 
@@ -442,7 +435,7 @@ class SlidingCheckpointBudget:
     def cost(self, boundary_tokens: int) -> int:
         """Bytes one checkpoint at ``boundary_tokens`` is charged:
         ``full_window_bytes / window * min(b, window)``."""
-        b = _int("boundary_tokens", boundary_tokens)
+        b = int_argument("boundary_tokens", boundary_tokens)
         return self.full_window_bytes * min(b, self.window) // self.window
 
 

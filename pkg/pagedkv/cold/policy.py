@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.sidecar import ColdSidecarLayout
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
@@ -80,13 +81,13 @@ class ColdSidecarPolicy:
     def scaled_extent(self, boundary_tokens: int) -> int | None:
         """``min(b, extent)``: rows a payload at ``b`` holds along the scaled axis (0 at
         ``b == 0``), or ``None`` when unscaled."""
-        b = _boundary(boundary_tokens)
+        b = int_argument("boundary_tokens", boundary_tokens)
         return None if self.axis is None else min(b, self.template.dims[self.axis])
 
     def expected_at(self, boundary_tokens: int) -> ColdSidecarLayout | None:
         """The exact layout of a sidecar at ``boundary_tokens``; ``None`` at 0, where the
         payload would be empty and nothing matches."""
-        b = _boundary(boundary_tokens)
+        b = int_argument("boundary_tokens", boundary_tokens)
         if b == 0:
             return None
         t = self.template
@@ -108,11 +109,3 @@ class ColdSidecarPolicy:
         return (f"ColdSidecarPolicy.{rule}({t.group!r}, layers={t.num_layers}, "
                 f"tensors_per_layer={t.tensors_per_layer}, dtype={t.dtype!r}, dims={t.dims}, "
                 f"bytes_per_tensor={t.bytes_per_tensor})")
-
-
-def _boundary(value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentType(f"boundary_tokens must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise InvalidArgument(f"boundary_tokens = {value} must be >= 0")
-    return int(value)

@@ -19,20 +19,13 @@ from functools import cached_property
 import numpy as np
 
 from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar, storage_dtype
 from pagedkv.cold.stats import record_sidecar_installed
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SidecarLayoutMismatch
 
 __all__ = ["RecurrentStateCodec", "conv_state_codec", "gdn_state_codec"]
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise InvalidArgument(f"{name} = {value} must be > 0")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -55,8 +48,8 @@ class RecurrentStateCodec:
         if self.group not in (ColdGroup.GDN_STATE, ColdGroup.CONV_STATE):
             raise InvalidArgument(f"group = {self.group!r}: a recurrent state codec is for "
                                   "GDN_STATE or CONV_STATE")
-        _positive("num_layers", self.num_layers)
-        parts = tuple(tuple(_positive("part dim", d) for d in p) for p in self.parts)
+        int_argument("num_layers", self.num_layers, 1)
+        parts = tuple(tuple(int_argument("part dim", d, 1) for d in p) for p in self.parts)
         if not parts:
             raise InvalidArgument("parts must name at least one state tensor shape")
         object.__setattr__(self, "parts", parts)
@@ -214,7 +207,7 @@ def gdn_state_codec(num_layers: int, *, conv_kernel: int, conv_dim: int, num_v_h
     ``[conv_kernel - 1, conv_dim]`` and recurrent state ``[num_v_heads, v_head_dim,
     k_head_dim]`` per layer. 48 layers, conv ``[3, 10240]``, recurrent ``[48, 128, 128]``,
     bf16: 1,634,304 bytes per layer, 78,446,592 per checkpoint."""
-    k = _positive("conv_kernel", conv_kernel)
+    k = int_argument("conv_kernel", conv_kernel, 1)
     if k < 2:
         raise InvalidArgument(f"conv_kernel = {k}: a conv state needs a kernel of >= 2 taps")
     return RecurrentStateCodec(ColdGroup.GDN_STATE, num_layers,
@@ -225,7 +218,7 @@ def gdn_state_codec(num_layers: int, *, conv_kernel: int, conv_dim: int, num_v_h
 def conv_state_codec(num_layers: int, *, conv_kernel: int, conv_dim: int,
                      dtype: str = "bfloat16") -> RecurrentStateCodec:
     """Conv-only sidecar (short-conv families): ``[conv_kernel - 1, conv_dim]`` per layer."""
-    k = _positive("conv_kernel", conv_kernel)
+    k = int_argument("conv_kernel", conv_kernel, 1)
     if k < 2:
         raise InvalidArgument(f"conv_kernel = {k}: a conv state needs a kernel of >= 2 taps")
     return RecurrentStateCodec(ColdGroup.CONV_STATE, num_layers, ((k - 1, conv_dim),), dtype)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.cold.groups import ColdGroup
+from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar
 from pagedkv.errors import (
@@ -60,14 +61,6 @@ class SlidingGroupTarget:
     null_block_id: int
 
 
-def _pos_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise InvalidArgument(f"{name} = {value} must be > 0")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class SlidingWindowCodec:
     """Packs the window rows of ``num_layers`` physical sliding layers (all sliding groups
@@ -88,7 +81,7 @@ class SlidingWindowCodec:
 
     def __post_init__(self) -> None:
         for name in ("window", "num_layers", "kv_heads", "head_dim"):
-            _pos_int(name, getattr(self, name))
+            int_argument(name, getattr(self, name), 1)
         if self.dtype != "bfloat16":
             raise InvalidArgument(f"dtype = {self.dtype!r}: the sliding-window sidecar is "
                                   "bfloat16 only")
@@ -182,7 +175,7 @@ class SlidingWindowCodec:
         order), read from the live tables; ``None`` when any of those rows was already
         pruned (its entry is null or missing). A boundary past a group's committed tokens
         raises ``InvalidArgument``."""
-        b = _pos_int("boundary_tokens", boundary_tokens)
+        b = int_argument("boundary_tokens", boundary_tokens, 1)
         self._check_groups([g.pool for g in groups])
         rows = self.rows_at(b)
         ks, vs = [], []
