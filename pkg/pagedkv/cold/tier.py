@@ -426,7 +426,8 @@ def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = 
 
 def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         persist_paged_cache: bool | None = None, base: str | None = None,
-                        provenance=None, hfqm_file: str | None = None
+                        provenance=None, hfqm_file: str | None = None, sidecar=None,
+                        checkpoints: Callable[..., Mapping[int, Any]] | None = None
                         ) -> ColdTierContext | None:
     """What an engine passes as ``PagedKVCacheAdapter(cold_tier=...)``, or ``None``.
 
@@ -434,7 +435,8 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
     fingerprint covers the model and ``geometry`` (weight digests cached in the root). A
     refused root or a model without weight bytes turns persistence off (logged), never
-    raises.
+    raises. ``sidecar``/``checkpoints``: a hybrid family's sidecar codec and checkpoint
+    source (see :class:`ColdTierContext`).
     """
     from pagedkv.cold.digest_cache import WeightDigestCache
     from pagedkv.cold.fingerprint import model_fingerprint
@@ -448,4 +450,6 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
         return None
     fp = model_fingerprint(tier.fmt, model_dir, profile, geometry, provenance,
                            WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file)
-    return tier.for_model(fp) if fp is not None else None
+    if fp is None:
+        return None
+    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)
