@@ -428,3 +428,30 @@ def test_the_anchor_rule_over_small_cases():
     for reach, boundaries in itertools.product(range(4), [(), (16,), (32,), (16, 48), (8,)]):
         eligible = [b for b in boundaries if b <= reach * 16 and b % 16 == 0]
         assert sidecar_anchor(boundaries, reach, 16) == (max(eligible) if eligible else None)
+
+
+def test_sidecar_buffers_are_recycled_and_large_spares_capped(tmp_path):
+    from pagedkv.cold.writer import LARGE_SPARE_BYTES, LARGE_SPARES
+    toks = np.arange(64, dtype=np.uint32)
+    with open_tier(tmp_path / "root", queue_depth=1) as tier:
+        ctx = ColdTierContext(tier, FP, GDN)
+        writer = tier.writer
+        shape = (2, GDN.bytes_per_layer)
+        # A skipped (wrong dtype) capture gives its buffer back; the next capture takes it.
+        bad = (gdn_state(1)[0].astype(np.float32), gdn_state(1)[1])
+        spare = writer.take_buffer(shape)
+        writer.give_back(spare)
+        ctx.capture_sidecar({32: bad}, tokens=toks, captured_blocks=8, block_size=4)
+        got = writer.take_buffer(shape)
+        assert got is spare
+        writer.give_back(got)
+        # Accepted: the job owns it until its commit, then it comes back.
+        ctx.capture_sidecar({32: gdn_state(2)}, tokens=toks, captured_blocks=8, block_size=4)
+        assert writer.take_buffer(shape) is not spare
+        assert tier.drain(5.0)
+        assert writer.take_buffer(shape) is spare
+        big = [np.empty(LARGE_SPARE_BYTES + 1, np.uint8) for _ in range(LARGE_SPARES + 1)]
+        for b in big:
+            writer.give_back(b)
+        kept = [writer.take_buffer(b.shape) for b in big]
+        assert sum(k is b for k, b in zip(kept, big, strict=True)) == LARGE_SPARES
