@@ -359,11 +359,11 @@ class PagedKVCacheAdapter:
             tokens, extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
             cache_salt=cache_salt)
         hot = np.asarray(hot, np.int32)
-        restored = _EMPTY_IDS
+        restored, sidecar = _EMPTY_IDS, None
         if (self.cold_tier is not None and not suppress_cold
                 and (len(hot) + 1) * self.block_size <= len(tokens)):
-            restored = self._cold_restore(tokens, hot, cache_salt, extra_keys,
-                                          extra_keys_per_block)
+            restored, sidecar = self._cold_restore(tokens, hot, cache_salt, extra_keys,
+                                                   extra_keys_per_block)
         blocks = np.concatenate([hot, restored]) if len(restored) else hot
         cached = min(len(blocks) * self.block_size, len(tokens))
         self._ensure_width(len(blocks))
@@ -376,10 +376,11 @@ class PagedKVCacheAdapter:
         if len(blocks):
             self._revision[row] += 1
         self._lookup_done[row] = True
-        sidecar = None
         self._sidecar[row] = sidecar
-        # A family with out-of-pool state cannot resume from K/V alone (§7.5).
-        self._aux_unbacked[row] = self.requires_aux_confirmation and cached > 0
+        # A family with out-of-pool state cannot resume from K/V alone (§7.5): only a
+        # restored sidecar at exactly the cached boundary backs the hit.
+        self._aux_unbacked[row] = self.requires_aux_confirmation and cached > 0 and (
+            sidecar is None or getattr(sidecar, "boundary_tokens", None) != cached)
         c = self._counters
         c["lookups"] += 1
         c["lookup_tokens"] += len(tokens)
@@ -586,7 +587,10 @@ class PagedKVCacheAdapter:
             cache_salt=cache_salt)
         self._registered[row] = True
         self._counters["registered_blocks"] += new
-        if self.cold_tier is not None and not self._captured[row] and full:
+        # A family with sidecar state enters capture every turn, even without a full block
+        # (its sidecar stats count that turn as chain_empty: docs/cold.md, "Sidecar capture").
+        if self.cold_tier is not None and not self._captured[row] and (
+                full or getattr(self.cold_tier, "sidecar", None) is not None):
             self._captured[row] = True
             # Copies: the cold writer may keep them after this row is reused.
             self._capture_outcome[row] = self._cold_capture(
@@ -754,17 +758,22 @@ class PagedKVCacheAdapter:
         return [keys] * blocks if keys else None
 
     def _cold_restore(self, tokens, hot, cache_salt, extra_keys, extra_keys_per_block):
+        """``(restored ids, sidecar or None)``; the hook returns ids, or an
+        ``(ids, sidecar)`` pair under a sidecar policy (docs/adapter.md, "Cold-tier hooks")."""
+        sidecar = None
         try:
             extra = self.cold_tier.restore(
                 tokens=tokens, hot_blocks=hot, cache_salt=cache_salt,
                 extra_keys_per_block=self._per_block_keys(
                     extra_keys, extra_keys_per_block, len(tokens) // self.block_size),
                 pool=self.pool, allocator=self.allocator)
+            if isinstance(extra, tuple):
+                extra, sidecar = extra
             extra = np.asarray(extra, np.int32).reshape(-1)
         except Exception:
             self._counters["cold_restore_errors"] += 1
             log.exception("cold tier restore failed; continuing with the hot hit only")
-            return _EMPTY_IDS
+            return _EMPTY_IDS, None
         if (len(hot) + len(extra)) * self.block_size > len(tokens):
             self._counters["cold_restore_errors"] += 1
             log.error("cold tier restore returned %d blocks past a %d-block hot hit of a "
@@ -774,8 +783,8 @@ class PagedKVCacheAdapter:
                 self.allocator.free_many(extra)
             except Exception:
                 log.exception("cold tier restore: could not release the refused blocks")
-            return _EMPTY_IDS
-        return extra
+            return _EMPTY_IDS, None
+        return extra, (sidecar if len(extra) else None)
 
     def _cold_capture(self, tokens, block_ids, cache_salt, extra_keys, extra_keys_per_block):
         try:

@@ -13,6 +13,7 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "PagedKVError",
     "InvalidArgument",
     "InvalidArgumentType",
+    "SidecarLayoutMismatch",
     "FormatError",
     "BadMagic",
     "UnsupportedVersion",
@@ -59,6 +60,13 @@ class InvalidArgument(PagedKVError, ValueError):
 class InvalidArgumentType(PagedKVError, TypeError):
     """An argument of the wrong type or dtype kind (float/bool/object tokens, a ``str``
     where a domain id is expected)."""
+
+
+class SidecarLayoutMismatch(InvalidArgument):
+    """Out-of-pool state (or a restored sidecar) whose dtype, shape or dims disagree with
+    the layout its sidecar policy expects at that boundary (docs/cold.md, "Sidecars").
+    Capture skips such state rather than mislabel it; install refuses it and leaves the
+    target arrays as they were."""
 
 
 # --- formats (hfqm-and-quant.md §2.4, cold-tier.md §6.6) ---------------------------------
