@@ -55,7 +55,7 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy()
     # Aligned too: the Cython encoders read floats through typed pointers (a float32 view
     # at an odd byte offset would be undefined behaviour there).
-    flat = np.require(array, np.float32, "CA").reshape(-1)
+    flat = np.require(array, np.float32, ["C", "A"]).reshape(-1)
     out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
     if codec.kind == AFFINE:
         bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
@@ -128,7 +128,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         out[:] = data.view(np.float32)
     else:
         # HFQM payloads sit at any byte offset of the file: widen from an aligned copy.
-        halves = np.require(data.view(np.uint16), requirements="CA")
+        halves = np.require(data.view(np.uint16), requirements=["C", "A"])
         (half.f16_to_f32 if codec.name == "f16" else half.bf16_to_f32)(halves, out)
     return result
 

@@ -27,7 +27,7 @@ cdef inline int _check_aligned(const void *p, Py_ssize_t n, size_t align, str na
     # copy it (pagedkv.quant.dequantize does).
     if n and (<size_t>p) % align:
         raise InvalidArgument(f"{name} is not {align}-byte aligned; pass an aligned copy "
-                              "(np.require(a, requirements='CA'))")
+                              "(np.require(a, requirements=['C', 'A']))")
     return 0
 
 
