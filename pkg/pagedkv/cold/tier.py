@@ -32,7 +32,7 @@ from pagedkv.cold.knobs import (
 )
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
-from pagedkv.cold.stats import ColdCacheStats, ColdCounters
+from pagedkv.cold.stats import ColdCacheStats, ColdCounters, sidecar_counters
 from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
@@ -267,10 +267,16 @@ class ColdTier:
         self.last_restore = outcome
         return ids
 
+    def restore_discarded(self, *, blocks: int) -> None:
+        """The lifecycle threw away a restored hit of ``blocks`` blocks unused
+        (``restart_prepared_turn_cold``): counts ``restore_suppressed``."""
+        if blocks > 0:
+            sidecar_counters().add("restore_suppressed")
+
 
 @dataclass(frozen=True)
 class ColdTierContext:
-    """A tier bound to one model: what ``PagedKVCacheAdapter(cold_tier=...)`` holds."""
+    """A tier bound to one model: what ``PagedKVCacheAdapter(cold=...)`` holds."""
 
     tier: ColdTier
     fingerprint: bytes
@@ -290,6 +296,9 @@ class ColdTierContext:
 
     def restore(self, **kwargs) -> np.ndarray:
         return self.tier.restore(fingerprint=self.fingerprint, **kwargs)
+
+    def restore_discarded(self, *, blocks: int) -> None:
+        self.tier.restore_discarded(blocks=blocks)
 
     def drain(self, timeout: float = 5.0) -> bool:
         return self.tier.drain(timeout)
@@ -330,7 +339,7 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         persist_paged_cache: bool | None = None, base: str | None = None,
                         provenance=None, hfqm_file: str | None = None
                         ) -> ColdTierContext | None:
-    """What an engine passes as ``PagedKVCacheAdapter(cold_tier=...)``, or ``None``.
+    """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
     Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the

@@ -73,7 +73,7 @@ class SessionReport:
 
 def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_blocks: int = 64,
                         max_num_blocks: int | None = None, growth: bool = True,
-                        cold_tier=None, hash_seed: int | None = None,
+                        cold=None, hash_seed: int | None = None,
                         allocator_cls=None) -> PagedKVCacheAdapter:
     """A float32 pool shaped for ``model`` (on its backend), an allocator and an adapter."""
     from pagedkv.pool import LayerKVPool, PoolGeometry
@@ -84,7 +84,7 @@ def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_bloc
     geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, block_size, "float32")
     pool = LayerKVPool(geometry, num_blocks, max_num_blocks, backend=model.backend)
     allocator = allocator_cls(num_blocks, max_num_blocks, block_size, hash_seed=hash_seed)
-    return PagedKVCacheAdapter(allocator, pool, cold_tier=cold_tier, growth=growth)
+    return PagedKVCacheAdapter(allocator, pool, cold=cold, growth=growth)
 
 
 class _Running:
