@@ -521,30 +521,41 @@ class RequestLifecycle:
                                   "groups: one per group (or one int for all)")
         return out
 
+    #: The admission watermark when ``can_admit`` is given none (a fraction of each pool,
+    #: clamped to [0, 1]; non-finite → 0.01).
+    default_watermark_fraction: float = DEFAULT_WATERMARK_FRACTION
+
     def unallocated_reserved_blocks(self) -> tuple[int, ...]:
         """Per group: blocks admitted rows reserved and do not hold yet."""
         live = np.fromiter(self._rows.row_of.values(), np.intp, len(self._rows))
         return tuple(g.unallocated_reserved(live) for g in self._groups)
 
-    def can_admit(self, blocks, *, watermark_fraction: float | None = None) -> bool:
-        """Whether a request reserving ``blocks`` (an int for every group, or one per group)
+    def admission_need(self, seq_id: Hashable, blocks) -> tuple[int, ...]:
+        """Per group: what a reservation of ``blocks`` still needs once the live row
+        ``seq_id`` holds its lookup's blocks (``max(0, reservation - held)``)."""
+        row = self._row(seq_id)
+        return tuple(max(0, b - g.live_blocks(row)) for g, b in
+                     zip(self._groups, self._per_group(blocks, "blocks"), strict=True))
+
+    def can_admit(self, blocks, *, watermark_fraction: float | None = None,
+                  exclude: Hashable | None = None) -> bool:
+        """Whether a request needing ``blocks`` (an int for every group, or one per group)
         fits now: ``unallocated_reserved + blocks + watermark <= free + reclaimable`` in
-        every group, with ``watermark = ceil(pool_blocks * fraction)`` while rows are live.
-        Counts are the current ones (a growable pool's max never counts)."""
+        every group, with ``watermark = ceil(pool_blocks * fraction)`` while rows are live
+        (``exclude``: the candidate's own live row, which neither counts as live nor as
+        reserved). Counts are the current ones: a growable pool's max never counts."""
         wanted = self._per_group(blocks, "blocks")
         fraction = clamp_watermark(self.default_watermark_fraction if watermark_fraction is None
                                    else watermark_fraction)
-        live = len(self._rows)
-        for g, want, reserved in zip(self._groups, wanted, self.unallocated_reserved_blocks(),
-                                     strict=True):
-            mark = watermark_blocks(g.usable_blocks(), fraction, live)
-            if reserved + want + mark > g.allocator.free_or_evictable_blocks:
+        rows = self._rows
+        skip = rows.row_of.get(exclude) if exclude is not None else None
+        live_rows = [r for r in rows.row_of.values() if r != skip]
+        live = np.asarray(live_rows, np.intp)
+        for g, want in zip(self._groups, wanted, strict=True):
+            mark = watermark_blocks(g.usable_blocks(), fraction, len(live_rows))
+            if g.unallocated_reserved(live) + want + mark > g.allocator.free_or_evictable_blocks:
                 return False
         return True
-
-    #: The admission watermark when ``can_admit`` is given none (a fraction of each pool,
-    #: clamped to [0, 1]; non-finite → 0.01).
-    default_watermark_fraction: float = DEFAULT_WATERMARK_FRACTION
 
     def note_admitted(self, seq_id: Hashable, blocks) -> None:
         """Record the admission reservation of a live sequence (counted by
