@@ -115,6 +115,10 @@ cdef class BlockAllocator:
                               uint64_t salt, int64_t index, const uint8_t* digest,
                               uint32_t digest_len) noexcept nogil
     cdef int insert_entry(self, int32_t b, uint64_t key) except -1
+    cdef Py_ssize_t register_chain(self, const uint32_t* t, const int32_t* ids, Py_ssize_t n,
+                                   ChainKeys keys, uint64_t salt, uint64_t parent,
+                                   int64_t first, uint64_t* chain) except -1
+    cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1
 
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
                              Py_ssize_t index, uint64_t salt, int64_t block_index) except 0

@@ -846,13 +846,20 @@ cdef class BlockAllocator:
         """Free each id in order; validated as a whole first (nothing changes on error)."""
         cdef cnp.ndarray arr = _id_array(block_ids, "block_ids")
         cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
-        cdef Py_ssize_t n = arr.shape[0], i, bad = -1
-        cdef int64_t b
-        cdef pkv_block_record* r
+        cdef Py_ssize_t n = arr.shape[0], i
         for i in range(n):
             if not 0 <= p[i] < self._num_blocks:
                 raise InvalidArgument(
                     f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
+        cdef cnp.ndarray ids32 = arr.astype(np.int32)
+        self.release_ids(<const int32_t*>cnp.PyArray_DATA(ids32), n)
+
+    cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1:
+        """free_many on in-range ids: every id must be held by the caller as often as it
+        appears (else InvariantViolation, nothing freed); then decref each, in order."""
+        cdef Py_ssize_t i, bad = -1
+        cdef int32_t b
+        cdef pkv_block_record* r
         with nogil:
             for i in range(n):
                 b = p[i]
@@ -871,7 +878,8 @@ cdef class BlockAllocator:
                    & PKV_BLOCK_CACHED else "") + "); nothing was freed")
         with nogil:
             for i in range(n):
-                self.decref_block(<int32_t>p[i])
+                self.decref_block(p[i])
+        return 0
 
     def ref_count(self, block_id):
         """References held on ``block_id`` (0 when free); InvalidArgument when out of range."""
@@ -905,6 +913,18 @@ cdef class BlockAllocator:
         """Chain hashes of n full blocks of ``t`` (chain blocks ``first_block ..``, the first
         chaining from ``parent``) into ``out``, through the hook when one is set."""
         cdef Py_ssize_t i
+        if self._hash_fn is None and xxh3_native():
+            # The allocator's own scratch: no allocation per call (short segments are hashed
+            # once per decode step by sliding groups).
+            self.ensure_scratch(self.most_keys(keys, n))
+            with nogil:
+                for i in range(n):
+                    parent = hash_block_native(parent, t + i * self._block_size,
+                                               self._block_size, keys.keys_of(i),
+                                               keys.key_count(i), salt, first_block + i,
+                                               self._seed, self.scratch)
+                    out[i] = parent
+            return 0
         if self._hash_fn is None:
             return chain_segment_into(t, n, self._block_size, keys, salt, self._seed, parent,
                                       first_block, out)
@@ -1066,15 +1086,11 @@ cdef class BlockAllocator:
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
         cdef Py_ssize_t bs = self._block_size
-        cdef Py_ssize_t n = ids.shape[0], i, accepted = 0, added = 0
+        cdef Py_ssize_t n = ids.shape[0], i, added
         cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(ids)
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0, h
+        cdef uint64_t parent
         cdef int64_t first
-        cdef Py_ssize_t slot
-        cdef int32_t b
-        cdef const uint8_t* dptr
-        cdef uint32_t dlen
         parent, first = _segment_args(parent_hash, first_block)
         if n * bs > tok.shape[0]:
             raise InvalidArgument(
@@ -1094,13 +1110,28 @@ cdef class BlockAllocator:
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        # Hash the whole chain before changing anything: a failing hook leaves no trace.
+        cdef cnp.ndarray ids32 = ids.astype(np.int32)
         cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
-        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain)
-        self.hash_chain(t, n, keys, salt, parent, first, ck)
+        added = self.register_chain(t, <const int32_t*>cnp.PyArray_DATA(ids32), n, keys, salt,
+                                    parent, first, <uint64_t*>cnp.PyArray_DATA(chain))
+        self.flush_events()
+        return added
+
+    cdef Py_ssize_t register_chain(self, const uint32_t* t, const int32_t* ids, Py_ssize_t n,
+                                   ChainKeys keys, uint64_t salt, uint64_t parent,
+                                   int64_t first, uint64_t* chain) except -1:
+        """The body of cache_full_blocks on checked arguments (every id allocated, capacity >
+        0): hash the n blocks into ``chain`` first (a failing hook leaves no trace), then
+        register them; returns new entries. Events are left for the caller to flush."""
+        cdef Py_ssize_t bs = self._block_size, i, accepted = 0, added = 0, slot
+        cdef uint64_t h
+        cdef int32_t b
+        cdef const uint8_t* dptr
+        cdef uint32_t dlen
+        self.hash_chain(t, n, keys, salt, parent, first, chain)
         for i in range(n):
-            b = <int32_t>p[i]
-            h = ck[i]
+            b = ids[i]
+            h = chain[i]
             dptr = keys.digest_of(i)
             dlen = keys.digest_len(i)
             slot = self.pt_find(h)
@@ -1122,11 +1153,10 @@ cdef class BlockAllocator:
         # touch follows the hash: an entry a later step capacity-evicted is skipped.
         i = accepted - 1
         while i >= 0:
-            slot = self.pt_find(ck[i])
+            slot = self.pt_find(chain[i])
             if slot >= 0:
                 self.lru_touch(self.slots[slot].block)
             i -= 1
-        self.flush_events()
         return added
 
     def publish_restored_batch(self, entries):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedkv.adapter import table_ops
 from pagedkv.adapter.results import DecodeBatch
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvariantViolation, PoolExhausted
 from pagedkv.sizing import ReservationGrowth
@@ -278,20 +279,19 @@ class GroupBlocks:
         self.num_blocks[row] = num_blocks
         self.revision[row] += 1
 
-    def extend_decode(self, rows: np.ndarray, ends: np.ndarray, phrase: str
+    def extend_decode(self, rows: np.ndarray, ends: np.ndarray, top: int, phrase: str
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """One decode step: the rows whose ``ends`` cross a block boundary get one block
-        each from one ``allocate_many``. Returns ``(rows, ids)`` appended, for
-        :meth:`undo_decode`, or ``None`` when no row crossed."""
-        crossing = rows[ends > self.num_blocks[rows] * self.block_size]
+        each from one ``allocate_many`` (``top``: the largest end, for messages). Returns
+        ``(rows, ids)`` appended, for :meth:`undo_decode`, or ``None`` when no row
+        crossed."""
+        crossing, width = table_ops.crossing_rows(self.num_blocks, rows, ends, self.block_size)
         if not len(crossing):
             return None
-        blocks = self.reserve(len(crossing), int(ends.max()), phrase)
-        slots = self.num_blocks[crossing]
-        self.ensure_width(int(slots.max()) + 1)
-        self.table[crossing, slots] = blocks
-        self.num_blocks[crossing] = slots + 1
-        self.revision[crossing] += 1
+        blocks = self.reserve(len(crossing), top, phrase)
+        if width > self.table.shape[1]:
+            self.ensure_width(width)
+        table_ops.append_blocks(self.table, self.num_blocks, self.revision, crossing, blocks)
         return crossing, blocks
 
     def undo_decode(self, appended: tuple[np.ndarray, np.ndarray]) -> None:
@@ -349,11 +349,9 @@ class GroupBlocks:
 
     # --- decode ---------------------------------------------------------------------------
 
-    def decode_batch(self, rows: np.ndarray, lens: np.ndarray, last: np.ndarray) -> DecodeBatch:
-        bs = self.block_size
-        width = int(self.num_blocks[rows].max(initial=0))
-        tables = self.table[rows, :width]
-        slots = self.table[rows, last // bs].astype(np.int64) * bs + last % bs
+    def decode_batch(self, rows: np.ndarray, lens: np.ndarray) -> DecodeBatch:
+        tables, slots = table_ops.decode_batch(self.table, self.num_blocks, rows, lens,
+                                               self.block_size)
         return DecodeBatch(tables, lens, slots, self.pool.generation)
 
     def slots(self, row: int, start: int, stop: int) -> np.ndarray:

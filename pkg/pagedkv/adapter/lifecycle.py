@@ -37,6 +37,7 @@ from pagedkv.adapter.cold_hooks import ColdCalls
 from pagedkv.adapter.group_blocks import GroupBlocks, HitProposal
 from pagedkv.adapter.results import DecodeBatch, PrefixLookup
 from pagedkv.adapter.sequence_rows import SequenceRows
+from pagedkv.adapter.table_ops import PUBLISH_KEYED, PUBLISH_PLAIN
 from pagedkv.errors import (
     AuxStateUnconfirmed,
     CapacityExceeded,
@@ -107,9 +108,14 @@ class RequestLifecycle:
         self.requires_aux_confirmation = bool(requires_aux_confirmation)
         self.hot_reuse = bool(hot_reuse)
         self._suppress_cold_restore_once = False
-        # Groups whose row capacity is in tokens, checked once per decode step (a sliding
-        # group's limit is the blocks it holds at once, which a decode step cannot break).
+        # A row's limit in tokens, checked once per decode step: the tightest group whose
+        # capacity is in tokens (a sliding group's limit is the blocks it holds at once,
+        # which one decode token cannot break) and the model's (max_row_tokens).
         self._decode_groups = tuple(g for g in self._groups if g.limits_tokens)
+        self._decode_limit = min((g.capacity_tokens for g in self._decode_groups),
+                                 default=np.iinfo(np.int64).max)
+        if self.max_row_tokens is not None:
+            self._decode_limit = min(self._decode_limit, self.max_row_tokens)
 
     # --- rows -------------------------------------------------------------------------------
 
@@ -161,9 +167,11 @@ class RequestLifecycle:
         # The request's domain, for blocks a sliding group publishes before registration (a
         # forced miss declares none, so its dropped blocks are never published).
         rows.salt[row] = salt
-        rows.keys[row] = (tuple(extra_keys),
+        uniform = tuple(extra_keys)
+        rows.keys[row] = (uniform,
                           None if extra_keys_per_block is None else list(extra_keys_per_block))
-        rows.publish[row] = True
+        rows.publish[row] = (PUBLISH_PLAIN if not uniform and extra_keys_per_block is None
+                             else PUBLISH_KEYED)
         if max_tokens is not None:
             tokens = tokens[:as_count(max_tokens, "max_tokens")]
         entries, cached, checkpoint = self._hot_hit(tokens, extra_keys, extra_keys_per_block,
@@ -247,9 +255,18 @@ class RequestLifecycle:
         total = as_count(total_tokens, "total_tokens")
         return self._extend_all(row, total, _RESERVE)
 
+    #: The most tokens a row may hold whatever the pools (a model's max_model_len), or None.
+    max_row_tokens: int | None = None
+
+    def _check_row_limit(self, total: int, phrase: str) -> None:
+        if self.max_row_tokens is not None and total > self.max_row_tokens:
+            raise CapacityExceeded(f"{phrase}: requested {total} tokens, the model's "
+                                   f"max_model_len is {self.max_row_tokens}")
+
     def _extend_all(self, row: int, total: int, phrase: str) -> int:
         """The cursor rule's reservation: capacity in every group first, then reserve in
         group order; a failure gives back what earlier groups took and re-raises."""
+        self._check_row_limit(total, phrase)
         for g in self._groups:
             g.check_capacity(row, total, phrase)
         done: list[tuple[GroupBlocks, int]] = []
@@ -306,13 +323,14 @@ class RequestLifecycle:
                               "record_decode_tokens")
         ends = rows_state.num_tokens[rows] + 1
         top = int(ends.max(initial=0))
-        for g in self._decode_groups:
-            if top > g.capacity_tokens:
+        if top > self._decode_limit:
+            self._check_row_limit(top, _DECODE)
+            for g in self._decode_groups:
                 g.check_capacity(int(rows[ends.argmax()]), top, _DECODE)
         done = []
         try:
             for g in self._groups:
-                appended = g.extend_decode(rows, ends, _DECODE)
+                appended = g.extend_decode(rows, ends, top, _DECODE)
                 if appended is not None:
                     done.append((g, appended))
         except BaseException:
@@ -327,11 +345,10 @@ class RequestLifecycle:
     def _decode_batches(self, seq_ids: Sequence[Hashable]) -> list[DecodeBatch]:
         rows = self._rows.rows(seq_ids)
         lens = self._rows.num_tokens[rows]
-        last = lens - 1
-        if len(rows) and int(last.min()) < 0:
+        if len(rows) and int(lens.min()) < 1:
             empty = [self._rows.seq_of[r] for r in rows[lens == 0]]
             raise InvalidArgument(f"seq_ids {empty!r} hold no tokens: record_tokens first")
-        return [g.decode_batch(rows, lens, last) for g in self._groups]
+        return [g.decode_batch(rows, lens) for g in self._groups]
 
     def rollback_last_tokens(self, seq_id: Hashable, n: int) -> None:
         """Move the cursor back ``n`` tokens (speculative decoding); blocks stay in the tables.

@@ -20,7 +20,7 @@ from pagedkv.errors import InvalidArgument, PagedKVError
 __all__ = ["SequenceRows"]
 
 #: Per-row bool flags (one byte a row: ``.any()`` over a batch stays cheap).
-FLAGS = ("lookup_done", "registered", "finalized", "captured", "aux_unbacked", "publish")
+FLAGS = ("lookup_done", "registered", "finalized", "captured", "aux_unbacked")
 
 #: Per-row int arrays: dtype and meaning.
 COUNTERS = {
@@ -29,6 +29,7 @@ COUNTERS = {
     "restored": np.int32,       # blocks the cold tier restored this request
     "reserved": np.int32,       # admission reservation, blocks (see admission.py)
     "salt": np.uint64,          # the lookup's cache_salt: what pruned blocks publish under
+    "publish": np.uint8,        # how a sliding group publishes dropped blocks (table_ops)
 }
 
 
@@ -50,7 +51,7 @@ class SequenceRows:
         self.finalized = np.zeros(rows, np.bool_)
         self.captured = np.zeros(rows, np.bool_)
         self.aux_unbacked = np.zeros(rows, np.bool_)
-        self.publish = np.zeros(rows, np.bool_)
+        self.publish = np.zeros(rows, np.uint8)
         #: Per-row Python values: the restored sidecar, the cold capture outcome, and the
         #: lookup's extra keys (``(uniform_keys, per_block_keys_or_None)``).
         self.sidecar: list[Any] = [None] * rows

@@ -92,11 +92,11 @@ class GroupedKVCoordinator(RequestLifecycle):
         counters: dict[str, int] = {}
         for manager in topology.managers:
             manager.counters = counters
+        self.max_model_len = self.max_row_tokens = as_count(max_model_len, "max_model_len")
         super().__init__(topology.managers, cold=cold, checkpoints=checkpoints,
                          requires_aux_confirmation=requires_aux_confirmation,
                          initial_rows=initial_rows, hot_reuse=hot_reuse, counters=counters)
         self.topology = topology
-        self.max_model_len = as_count(max_model_len, "max_model_len")
         self.budget = budget
         self._route_of = {r.layer_index: r for r in topology.routes}
         self._sliding = tuple(g for g in self._groups if isinstance(g, SlidingGroupBlocks))
@@ -107,25 +107,38 @@ class GroupedKVCoordinator(RequestLifecycle):
                    memory_mb: int | None = None, backend: str = "numpy",
                    hash_seed: int | None = None, cold=None, checkpoints: bool | object = False,
                    checkpoint_entries: int = 8, requires_aux_confirmation: bool = False,
-                   hot_reuse: bool = True) -> GroupedKVCoordinator:
+                   hot_reuse: bool = True,
+                   blocks_per_group: Sequence[int] | None = None) -> GroupedKVCoordinator:
         """Group ``specs``, size every pool from one budget (docs/coordinator.md, "Pool budget
         and admission width"), and build one allocator, pool and manager per group (fixed
         size: grouped pools do not grow).
 
         ``checkpoints=True`` creates a :class:`~pagedkv.coordinator.StateCheckpointStore`
         keyed by the first group's allocator (``checkpoint_entries`` entries) for a model
-        with recurrent layers; a store object is used as given."""
+        with recurrent layers; a store object is used as given. ``blocks_per_group`` sizes
+        the pools explicitly instead (a sliding group's count includes its null block; no
+        budget, no admission width)."""
         from pagedkv.allocator import BlockAllocator
         from pagedkv.coordinator.checkpoints import StateCheckpointStore
         from pagedkv.pool import LayerKVPool
 
         specs = list(specs)
         groups = group_layer_kv_cache_specs(specs, max_model_len, max_chunk)
-        budget = plan_pool_budget(groups, max_num_seqs=max_num_seqs,
-                                  memory_bytes=memory_bytes, memory_mb=memory_mb)
-        rows = budget.admission_width
+        budget: PoolBudget | None = None
+        if blocks_per_group is None:
+            budget = plan_pool_budget(groups, max_num_seqs=max_num_seqs,
+                                      memory_bytes=memory_bytes, memory_mb=memory_mb)
+            sizes = budget.blocks_per_group
+            rows = budget.admission_width
+        else:
+            sizes = tuple(as_count(b, f"blocks_per_group[{i}]")
+                          for i, b in enumerate(blocks_per_group))
+            if len(sizes) != len(groups):
+                raise InvalidArgument(f"blocks_per_group has {len(sizes)} entries for "
+                                      f"{len(groups)} groups")
+            rows = min(as_count(max_num_seqs, "max_num_seqs"), 1024)
         managers: list[GroupBlocks] = []
-        for g, blocks in zip(groups, budget.blocks_per_group, strict=True):
+        for g, blocks in zip(groups, sizes, strict=True):
             allocator = BlockAllocator(blocks, blocks, g.block_size, hash_seed=hash_seed,
                                        reserve_null_block=g.kind.is_sliding)
             pool = LayerKVPool(g.layout.pool_geometry(len(g.physical_layer_indices)), blocks,
@@ -179,21 +192,6 @@ class GroupedKVCoordinator(RequestLifecycle):
             raise InvalidArgument(f"group_id = {group_id!r} is outside [0, {len(self._groups)})")
         return self._groups[group_id]
 
-    # --- the cursor limit -------------------------------------------------------------------
-
-    def _extend_all(self, row: int, total: int, phrase: str) -> int:
-        if total > self.max_model_len:
-            raise CapacityExceeded(f"{phrase}: requested {total} tokens, the model's "
-                                   f"max_model_len is {self.max_model_len}")
-        return super()._extend_all(row, total, phrase)
-
-    def record_decode_tokens(self, seq_ids: Sequence[Hashable], tokens) -> None:
-        rows = self._rows.rows(seq_ids)
-        if len(rows) and int(self._rows.num_tokens[rows].max()) + 1 > self.max_model_len:
-            raise CapacityExceeded(f"paged decode could not reserve: a sequence would pass "
-                                   f"the model's max_model_len of {self.max_model_len}")
-        super().record_decode_tokens(seq_ids, tokens)
-
     # --- decode ---------------------------------------------------------------------------
 
     def prepare_decode(self, seq_ids: Sequence[Hashable]) -> tuple[DecodeBatch, ...]:
@@ -216,19 +214,16 @@ class GroupedKVCoordinator(RequestLifecycle):
             if committed.dtype.kind not in "iu" or len(committed) != len(rows):
                 raise InvalidArgument(
                     f"committed_tokens must be {len(rows)} ints, one per seq_id")
-            committed = committed.astype(np.int64)
-            if (committed < 0).any() or (committed > have).any():
-                bad = int(np.flatnonzero((committed < 0) | (committed > have))[0])
+            wrong = (committed < 0) | (committed > have)
+            if wrong.any():
+                bad = int(np.flatnonzero(wrong)[0])
                 raise InvalidArgument(
                     f"committed_tokens[{bad}] = {int(committed[bad])} is outside [0, "
                     f"{int(have[bad])}] (the tokens of seq_id {self._rows.seq_of[rows[bad]]!r})")
+            committed = committed.astype(np.int32)
         freed = 0
-        publish = self.hot_reuse
         for g in self._sliding:
-            cut = np.maximum(committed - (g.window - 1), 0) // g.block_size
-            due = np.flatnonzero(cut > g.null_upto[rows])
-            for i in due:
-                freed += g.prune(int(rows[i]), int(committed[i]), self._rows, publish)
+            freed += g.prune_many(rows, committed, self._rows, self.hot_reuse)
         return freed
 
     # --- K/V by layer ---------------------------------------------------------------------

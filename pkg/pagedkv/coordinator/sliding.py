@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pagedkv.adapter import table_ops
 from pagedkv.adapter.group_blocks import GroupBlocks, HitProposal
 from pagedkv.adapter.sequence_rows import SequenceRows
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvariantViolation
@@ -101,6 +102,7 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto = np.zeros(rows, np.int32)      # leading null entries
         self.parent_hash = np.zeros(rows, np.uint64)   # hash of block null_upto - 1 ...
         self.parent_known = np.zeros(rows, np.bool_)   # ... once computed (publication)
+        self._zeros = np.zeros(0, np.uint8)
 
     def __repr__(self) -> str:
         return (f"SlidingGroupBlocks(window={self.window}, block_size={self.block_size}, "
@@ -252,6 +254,26 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto[row] = cut
         self.revision[row] += 1
         return cut - first
+
+    def prune_many(self, rows: np.ndarray, committed: np.ndarray, seq_rows: SequenceRows,
+                   publish: bool) -> int:
+        """:meth:`prune` for a batch of rows (``committed``: int32 per row), in C; rows whose
+        request has extra keys publish through :meth:`prune`. Returns the blocks freed."""
+        modes = seq_rows.publish if publish else self._no_publish(len(seq_rows.publish))
+        freed, keyed = table_ops.prune_rows(
+            self.allocator, self.table, self.num_blocks, self.null_upto, self.revision,
+            self.parent_hash, self.parent_known, rows, committed, self.window,
+            seq_rows.tokens, seq_rows.salt, modes)
+        if len(keyed):
+            at = {int(r): i for i, r in enumerate(rows)}
+            for r in keyed:
+                freed += self.prune(int(r), int(committed[at[int(r)]]), seq_rows, True)
+        return freed
+
+    def _no_publish(self, rows: int) -> np.ndarray:
+        if self._zeros.shape[0] != rows:
+            self._zeros = np.zeros(rows, np.uint8)
+        return self._zeros
 
     def _check_row_prefix(self, row: int, first: int) -> None:
         if first != int(self.null_upto[row]) or \
