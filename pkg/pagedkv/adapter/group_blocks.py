@@ -244,13 +244,24 @@ class GroupBlocks:
                 self.counters["grow_events"] += 1
                 blocks = allocator.allocate_many(needed)
         if blocks is None:
-            raise PoolExhausted(
-                f"{phrase}: {needed} more blocks needed for {total_tokens} tokens, "
-                f"{allocator.free_or_evictable_blocks} free or evictable of "
-                f"{allocator.num_blocks} (max {allocator.max_num_blocks}); preempt a request "
-                "or raise the pool's memory_mb")
+            self.raise_exhausted(needed, total_tokens, phrase)
         self.counters["blocks_allocated"] += needed
         return blocks
+
+    def raise_exhausted(self, needed: int, total_tokens: int, phrase: str) -> None:
+        allocator = self.allocator
+        raise PoolExhausted(
+            f"{phrase}: {needed} more blocks needed for {total_tokens} tokens, "
+            f"{allocator.free_or_evictable_blocks} free or evictable of "
+            f"{allocator.num_blocks} (max {allocator.max_num_blocks}); preempt a request "
+            "or raise the pool's memory_mb")
+
+    def preflight(self, needed: int, total_tokens: int, phrase: str) -> None:
+        """``PoolExhausted`` now, before any group reserves, when ``needed`` blocks cannot
+        come from free, evictable or growth blocks: a failure then changes nothing (not
+        even the free-list order)."""
+        if needed > self.available_blocks():
+            self.raise_exhausted(needed, total_tokens, phrase)
 
     def append(self, row: int, blocks: np.ndarray) -> None:
         n = int(self.num_blocks[row])
@@ -268,8 +279,10 @@ class GroupBlocks:
             self.append(row, self.reserve(needed, new_total, phrase))
         return needed
 
-    def truncate(self, row: int, num_blocks: int) -> None:
-        """Undo appends: free the entries past ``num_blocks`` (newest first) and drop them."""
+    def truncate(self, row: int, num_blocks: int, revision: int | None = None) -> None:
+        """Undo appends: free the entries past ``num_blocks`` (newest first) and drop them.
+        ``revision``: the row's revision before the appends, restored (the table is as it
+        was, so kernels' cached copies are still valid); else the revision moves on."""
         n = int(self.num_blocks[row])
         if n <= num_blocks:
             return
@@ -277,17 +290,20 @@ class GroupBlocks:
         self.allocator.free_many(ids)
         self.table[row, num_blocks:n] = -1
         self.num_blocks[row] = num_blocks
-        self.revision[row] += 1
+        if revision is None:
+            self.revision[row] += 1
+        else:
+            self.revision[row] = revision
 
-    def extend_decode(self, rows: np.ndarray, ends: np.ndarray, top: int, phrase: str
-                      ) -> tuple[np.ndarray, np.ndarray] | None:
-        """One decode step: the rows whose ``ends`` cross a block boundary get one block
-        each from one ``allocate_many`` (``top``: the largest end, for messages). Returns
-        ``(rows, ids)`` appended, for :meth:`undo_decode`, or ``None`` when no row
-        crossed."""
-        crossing, width = table_ops.crossing_rows(self.num_blocks, rows, ends, self.block_size)
-        if not len(crossing):
-            return None
+    def decode_crossing(self, rows: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, int]:
+        """The rows whose ``ends`` cross a block boundary (one new block each) and the table
+        width that needs; nothing changes."""
+        return table_ops.crossing_rows(self.num_blocks, rows, ends, self.block_size)
+
+    def extend_decode(self, crossing: np.ndarray, width: int, top: int, phrase: str
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Give each crossing row one block from one ``allocate_many`` (``top``: the largest
+        token count, for messages). Returns ``(rows, ids)`` for :meth:`undo_decode`."""
         blocks = self.reserve(len(crossing), top, phrase)
         if width > self.table.shape[1]:
             self.ensure_width(width)
@@ -295,11 +311,13 @@ class GroupBlocks:
         return crossing, blocks
 
     def undo_decode(self, appended: tuple[np.ndarray, np.ndarray]) -> None:
+        """Give back what :meth:`extend_decode` appended; the rows' tables and revisions are
+        as they were before it."""
         crossing, blocks = appended
         slots = self.num_blocks[crossing] - 1
         self.table[crossing, slots] = -1
         self.num_blocks[crossing] = slots
-        self.revision[crossing] += 1
+        self.revision[crossing] -= 1
         self.allocator.free_many(blocks)
 
     def release_row(self, row: int) -> int:

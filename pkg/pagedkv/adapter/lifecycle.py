@@ -269,16 +269,18 @@ class RequestLifecycle:
         self._check_row_limit(total, phrase)
         for g in self._groups:
             g.check_capacity(row, total, phrase)
-        done: list[tuple[GroupBlocks, int]] = []
+        for g in self._groups:
+            g.preflight(g.blocks_needed(row, total), total, phrase)
+        done: list[tuple[GroupBlocks, int, int]] = []
         added = 0
         try:
             for g in self._groups:
-                before = int(g.num_blocks[row])
+                before = (int(g.num_blocks[row]), int(g.revision[row]))
                 added += g.extend(row, total, phrase)
-                done.append((g, before))
+                done.append((g, *before))
         except BaseException:
-            for g, before in reversed(done):
-                g.truncate(row, before)
+            for g, blocks, revision in reversed(done):
+                g.truncate(row, blocks, revision)
             raise
         return added
 
@@ -327,12 +329,16 @@ class RequestLifecycle:
             self._check_row_limit(top, _DECODE)
             for g in self._decode_groups:
                 g.check_capacity(int(rows[ends.argmax()]), top, _DECODE)
+        plans = []
+        for g in self._groups:
+            crossing, width = g.decode_crossing(rows, ends)
+            if len(crossing):
+                g.preflight(len(crossing), top, _DECODE)
+                plans.append((g, crossing, width))
         done = []
         try:
-            for g in self._groups:
-                appended = g.extend_decode(rows, ends, top, _DECODE)
-                if appended is not None:
-                    done.append((g, appended))
+            for g, crossing, width in plans:
+                done.append((g, g.extend_decode(crossing, width, top, _DECODE)))
         except BaseException:
             for g, appended in reversed(done):
                 g.undo_decode(appended)
