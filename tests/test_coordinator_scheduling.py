@@ -213,3 +213,17 @@ def test_admission_does_not_reserve_a_hit_twice_and_finish_publishes_with_the_sa
     cc = sched.admit_next()
     assert cc.lookup.cached_tokens == 0
     assert repr(sched).startswith("RecomputeScheduler(waiting=0, running=2")
+
+
+def test_per_row_state_bytes_count_against_the_state_budget():
+    c = full_sliding_alias(window=64, blocks=(64, 64))
+    c.state_budget_bytes = 1000
+    sched = RecomputeScheduler(c, state_bytes=lambda r: 400)
+    for i in range(3):
+        sched.add(f"r{i}", prompt(i), 4)
+    assert sched.admit_next().request.seq_id == "r0"
+    assert sched.admit_next().request.seq_id == "r1"
+    assert sched.admit_next() is None          # 400 * 3 > 1000: deferred
+    assert c.can_admit(1, extra_state_bytes=200) and not c.can_admit(1, extra_state_bytes=201)
+    sched.finish("r0")
+    assert sched.admit_next().request.seq_id == "r2"

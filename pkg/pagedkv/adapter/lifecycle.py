@@ -96,7 +96,8 @@ class RequestLifecycle:
         for name in _COUNTERS:
             self._counters.setdefault(name, 0)
         self._groups = tuple(groups)
-        self._rows = SequenceRows(initial_rows, self._groups[0].block_size)
+        rows = max(int(initial_rows), *(g.table.shape[0] for g in self._groups))
+        self._rows = SequenceRows(rows, self._groups[0].block_size)
         for g in self._groups:
             if g.table.shape[0] != self._rows.capacity:
                 g.grow_rows(self._rows.capacity)
@@ -560,13 +561,19 @@ class RequestLifecycle:
         return tuple(max(0, b - g.live_blocks(row)) for g, b in
                      zip(self._groups, self._per_group(blocks, "blocks"), strict=True))
 
+    #: Bytes of per-row state (recurrent, conv) all admitted rows may hold together, or
+    #: ``None`` (unchecked); rows declare theirs with ``note_admitted(..., state_bytes=)``.
+    state_budget_bytes: int | None = None
+
     def can_admit(self, blocks, *, watermark_fraction: float | None = None,
-                  exclude: Hashable | None = None) -> bool:
+                  exclude: Hashable | None = None, extra_state_bytes: int = 0) -> bool:
         """Whether a request needing ``blocks`` (an int for every group, or one per group)
         fits now: ``unallocated_reserved + blocks + watermark <= free + reclaimable`` in
         every group, with ``watermark = ceil(pool_blocks * fraction)`` while rows are live
         (``exclude``: the candidate's own live row, which neither counts as live nor as
-        reserved). Counts are the current ones: a growable pool's max never counts."""
+        reserved). Counts are the current ones: a growable pool's max never counts. With a
+        :attr:`state_budget_bytes`, the live rows' state bytes plus ``extra_state_bytes``
+        (the candidate's) must fit it too."""
         wanted = self._per_group(blocks, "blocks")
         fraction = clamp_watermark(self.default_watermark_fraction if watermark_fraction is None
                                    else watermark_fraction)
@@ -574,17 +581,23 @@ class RequestLifecycle:
         skip = rows.row_of.get(exclude) if exclude is not None else None
         live_rows = [r for r in rows.row_of.values() if r != skip]
         live = np.asarray(live_rows, np.intp)
+        if self.state_budget_bytes is not None and int(rows.state_bytes[live].sum()) + \
+                as_count(extra_state_bytes, "extra_state_bytes") > self.state_budget_bytes:
+            return False
         for g, want in zip(self._groups, wanted, strict=True):
             mark = watermark_blocks(g.usable_blocks(), fraction, len(live_rows))
             if g.unallocated_reserved(live) + want + mark > g.allocator.free_or_evictable_blocks:
                 return False
         return True
 
-    def note_admitted(self, seq_id: Hashable, blocks) -> None:
+    def note_admitted(self, seq_id: Hashable, blocks, *, state_bytes: int = 0) -> None:
         """Record the admission reservation of a live sequence (counted by
-        :meth:`can_admit` until its tables hold that many blocks)."""
+        :meth:`can_admit` until its tables hold that many blocks) and the bytes of its
+        per-row state (counted against :attr:`state_budget_bytes` while it is live)."""
         row = self._row(seq_id)
-        for g, b in zip(self._groups, self._per_group(blocks, "blocks"), strict=True):
+        per_group = self._per_group(blocks, "blocks")
+        self._rows.state_bytes[row] = as_count(state_bytes, "state_bytes")
+        for g, b in zip(self._groups, per_group, strict=True):
             g.reserved[row] = b
 
     def try_grow_for(self, blocks) -> bool:

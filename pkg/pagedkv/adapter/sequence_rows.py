@@ -30,6 +30,7 @@ COUNTERS = {
     "reserved": np.int32,       # admission reservation, blocks (see admission.py)
     "salt": np.uint64,          # the lookup's cache_salt: what pruned blocks publish under
     "publish": np.uint8,        # how a sliding group publishes dropped blocks (table_ops)
+    "state_bytes": np.int64,    # per-row out-of-pool state, bytes (admission)
 }
 
 
@@ -46,6 +47,7 @@ class SequenceRows:
         self.restored = np.zeros(rows, np.int32)
         self.reserved = np.zeros(rows, np.int32)
         self.salt = np.zeros(rows, np.uint64)
+        self.state_bytes = np.zeros(rows, np.int64)
         self.lookup_done = np.zeros(rows, np.bool_)
         self.registered = np.zeros(rows, np.bool_)
         self.finalized = np.zeros(rows, np.bool_)

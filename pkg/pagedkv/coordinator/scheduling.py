@@ -78,12 +78,15 @@ class RecomputeScheduler:
     ``max_concurrent_sequences`` when it has one, else unbounded). ``watermark_fraction``
     overrides the cache's admission watermark. ``prefill_chunk_tokens`` (default: the whole
     prompt) is what admission reserves beyond the cached prefix: a grouped model with sliding
-    groups prefills in chunks and reserves each with ``record_tokens``.
+    groups prefills in chunks and reserves each with ``record_tokens``. ``state_bytes`` (a
+    family's hook) gives a request's per-row state bytes, checked against the cache's
+    ``state_budget_bytes``.
     """
 
     def __init__(self, cache: RequestLifecycle, *, max_running: int | None = None,
                  watermark_fraction: float | None = None,
-                 prefill_chunk_tokens: int | None = None) -> None:
+                 prefill_chunk_tokens: int | None = None,
+                 state_bytes: Callable[[ScheduledRequest], int] | None = None) -> None:
         if not isinstance(cache, RequestLifecycle):
             raise InvalidArgument(f"cache must be a PagedKVCacheAdapter or a "
                                   f"GroupedKVCoordinator, got {type(cache).__name__}")
@@ -96,6 +99,7 @@ class RecomputeScheduler:
         self.watermark_fraction = watermark_fraction
         self.prefill_chunk_tokens = (None if prefill_chunk_tokens is None
                                      else as_count(prefill_chunk_tokens, "prefill_chunk_tokens"))
+        self.state_bytes = state_bytes
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
         self.num_preemptions = 0
@@ -138,15 +142,23 @@ class RecomputeScheduler:
         self.waiting.append(request)
         return request
 
+    def _state_bytes(self, request: ScheduledRequest) -> int:
+        return 0 if self.state_bytes is None else as_count(self.state_bytes(request),
+                                                           "state_bytes")
+
     def _decide(self, request: ScheduledRequest, need: Sequence[int]) -> AdmissionDecision:
         cache = self.cache
-        if cache.can_admit(need, watermark_fraction=self.watermark_fraction,
-                           exclude=request.seq_id):
+
+        def fits() -> bool:
+            return cache.can_admit(need, watermark_fraction=self.watermark_fraction,
+                                   exclude=request.seq_id,
+                                   extra_state_bytes=self._state_bytes(request))
+
+        if fits():
             return AdmissionDecision.ADMIT
         if self.running:
             return AdmissionDecision.DEFER
-        if cache.try_grow_for(need) and cache.can_admit(
-                need, watermark_fraction=self.watermark_fraction, exclude=request.seq_id):
+        if cache.try_grow_for(need) and fits():
             return AdmissionDecision.ADMIT
         return AdmissionDecision.REJECT
 
@@ -198,7 +210,7 @@ class RecomputeScheduler:
                     "cache even after growing it")
             return None
         self.waiting.popleft()
-        cache.note_admitted(seq, request.reservation)
+        cache.note_admitted(seq, request.reservation, state_bytes=self._state_bytes(request))
         request.status = RequestStatus.RUNNING
         request.cached_tokens = lookup.cached_tokens
         self.running.append(request)
