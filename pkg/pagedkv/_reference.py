@@ -601,26 +601,31 @@ class BlockAllocator:
         self._incref(block_id)
         return block_id
 
+    def _segment_chain(self, tokens, extra_keys, extra_keys_per_block, cache_salt,
+                       parent_hash, first_block):
+        """Checked arguments of a chain segment and its hashes."""
+        toks, uniform, per_block, cache_salt = self._chain_args(
+            tokens, extra_keys, extra_keys_per_block, cache_salt)
+        parent, first = self._segment_args(parent_hash, first_block)
+        hashes = _chain(toks, self._block_size, uniform, per_block, cache_salt, self._seed,
+                        self._hash_fn, parent, first)
+        return toks, uniform, per_block, cache_salt, parent, first, hashes
+
     def chain_hashes(self, tokens, *, extra_keys: Sequence[int] = (),
                      extra_keys_per_block: Sequence[Sequence[int]] | None = None,
                      cache_salt: int = 0, parent_hash: int = 0,
                      first_block: int = 0) -> np.ndarray:
-        toks, uniform, per_block, cache_salt = self._chain_args(
-            tokens, extra_keys, extra_keys_per_block, cache_salt)
-        parent, first = self._segment_args(parent_hash, first_block)
-        return np.array(_chain(toks, self._block_size, uniform, per_block, cache_salt,
-                               self._seed, self._hash_fn, parent, first), dtype=np.uint64)
+        hashes = self._segment_chain(tokens, extra_keys, extra_keys_per_block, cache_salt,
+                                     parent_hash, first_block)[-1]
+        return np.array(hashes, dtype=np.uint64)
 
     def cached_block_ids(self, tokens, *, extra_keys: Sequence[int] = (),
                          extra_keys_per_block: Sequence[Sequence[int]] | None = None,
                          cache_salt: int = 0, parent_hash: int = 0,
                          first_block: int = 0) -> np.ndarray:
         """Per full block, the verified cached id or -1; changes nothing."""
-        toks, uniform, per_block, cache_salt = self._chain_args(
-            tokens, extra_keys, extra_keys_per_block, cache_salt)
-        parent, first = self._segment_args(parent_hash, first_block)
-        hashes = _chain(toks, self._block_size, uniform, per_block, cache_salt, self._seed,
-                        self._hash_fn, parent, first)
+        toks, uniform, per_block, cache_salt, parent, first, hashes = self._segment_chain(
+            tokens, extra_keys, extra_keys_per_block, cache_salt, parent_hash, first_block)
         keys_of = (lambda i: per_block[i]) if per_block is not None else (lambda i: uniform)
         out = np.full(len(hashes), -1, np.int32)
         for i, (block_hash, identity) in enumerate(zip(

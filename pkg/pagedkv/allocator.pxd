@@ -2,6 +2,7 @@
 """C-level interface of pagedkv.allocator (records.h layouts and the BlockAllocator)."""
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pagedkv.hashing cimport ChainKeys
@@ -119,6 +120,7 @@ cdef class BlockAllocator:
                                    ChainKeys keys, uint64_t salt, uint64_t parent,
                                    int64_t first, uint64_t* chain) except -1
     cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1
+    cdef cnp.ndarray checked_ids(self, cnp.ndarray arr)
 
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
                              Py_ssize_t index, uint64_t salt, int64_t block_index) except 0

@@ -842,17 +842,21 @@ cdef class BlockAllocator:
                     f"is the prefix cache's own reference)")
         return f"free(block_id={b}): double free or never allocated (the block is free)"
 
-    def free_many(self, block_ids):
-        """Free each id in order; validated as a whole first (nothing changes on error)."""
-        cdef cnp.ndarray arr = _id_array(block_ids, "block_ids")
+    cdef cnp.ndarray checked_ids(self, cnp.ndarray arr):
+        """An ``_id_array`` result as int32, every id in ``[0, num_blocks)`` (else
+        InvalidArgument naming the first one out of range)."""
         cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
         cdef Py_ssize_t n = arr.shape[0], i
         for i in range(n):
             if not 0 <= p[i] < self._num_blocks:
                 raise InvalidArgument(
                     f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
-        cdef cnp.ndarray ids32 = arr.astype(np.int32)
-        self.release_ids(<const int32_t*>cnp.PyArray_DATA(ids32), n)
+        return arr.astype(np.int32)
+
+    def free_many(self, block_ids):
+        """Free each id in order; validated as a whole first (nothing changes on error)."""
+        cdef cnp.ndarray ids = self.checked_ids(_id_array(block_ids, "block_ids"))
+        self.release_ids(<const int32_t*>cnp.PyArray_DATA(ids), ids.shape[0])
 
     cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1:
         """free_many on in-range ids: every id must be held by the caller as often as it
@@ -1058,20 +1062,17 @@ cdef class BlockAllocator:
         """Add one reference to each id (repeats add several); validated as a whole first:
         an id out of range (InvalidArgument) or not allocated (InvariantViolation, the null
         block included) changes nothing. LRU positions are not touched."""
-        cdef cnp.ndarray arr = _id_array(block_ids, "block_ids")
-        cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
-        cdef Py_ssize_t n = arr.shape[0], i
+        cdef cnp.ndarray ids = self.checked_ids(_id_array(block_ids, "block_ids"))
+        cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(ids)
+        cdef Py_ssize_t n = ids.shape[0], i
         for i in range(n):
-            if not 0 <= p[i] < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
             if self.blocks[p[i]].refcount < 1:
                 raise InvariantViolation(
                     f"incref_many: block_ids[{i}] = {p[i]} is not allocated; nothing was "
                     "incref'd")
         with nogil:
             for i in range(n):
-                self.incref_block(<int32_t>p[i])
+                self.incref_block(p[i])
 
     def cache_full_blocks(self, tokens, block_ids, *, extra_keys=(), extra_keys_per_block=None,
                           cache_salt=0, parent_hash=0, first_block=0):
@@ -1087,7 +1088,7 @@ cdef class BlockAllocator:
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
         cdef Py_ssize_t bs = self._block_size
         cdef Py_ssize_t n = ids.shape[0], i, added
-        cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(ids)
+        cdef const int32_t* p
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
         cdef uint64_t parent
         cdef int64_t first
@@ -1101,19 +1102,17 @@ cdef class BlockAllocator:
             raise InvalidArgument(
                 f"cache_full_blocks: extra_keys_per_block has {keys.max_blocks} entries for "
                 f"{n} block_ids; give one key tuple per block")
+        ids = self.checked_ids(ids)
+        p = <const int32_t*>cnp.PyArray_DATA(ids)
         for i in range(n):
-            if not 0 <= p[i] < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
             if self.blocks[p[i]].refcount < 1:
                 raise InvariantViolation(
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        cdef cnp.ndarray ids32 = ids.astype(np.int32)
         cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
-        added = self.register_chain(t, <const int32_t*>cnp.PyArray_DATA(ids32), n, keys, salt,
-                                    parent, first, <uint64_t*>cnp.PyArray_DATA(chain))
+        added = self.register_chain(t, p, n, keys, salt, parent, first,
+                                    <uint64_t*>cnp.PyArray_DATA(chain))
         self.flush_events()
         return added
 

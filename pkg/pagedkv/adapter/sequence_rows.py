@@ -27,7 +27,6 @@ COUNTERS = {
     "num_tokens": np.int32,     # the cursor: tokens recorded
     "cached": np.int32,         # tokens the lookup served
     "restored": np.int32,       # blocks the cold tier restored this request
-    "reserved": np.int32,       # admission reservation, blocks (see admission.py)
     "salt": np.uint64,          # the lookup's cache_salt: what pruned blocks publish under
     "publish": np.uint8,        # how a sliding group publishes dropped blocks (table_ops)
     "state_bytes": np.int64,    # per-row out-of-pool state, bytes (admission)
@@ -38,22 +37,27 @@ class SequenceRows:
     """Rows of request state. ``on_grow(rows)`` callbacks let the groups grow their tables
     in step when more sequences are live than rows exist."""
 
+    # The per-row arrays (built from COUNTERS and FLAGS).
+    num_tokens: np.ndarray
+    cached: np.ndarray
+    restored: np.ndarray
+    salt: np.ndarray
+    publish: np.ndarray
+    state_bytes: np.ndarray
+    lookup_done: np.ndarray
+    registered: np.ndarray
+    finalized: np.ndarray
+    captured: np.ndarray
+    aux_unbacked: np.ndarray
+
     def __init__(self, rows: int, block_size_tokens: int) -> None:
         rows = max(1, int(rows))
         self._token_unit = max(1, int(block_size_tokens))
         self.tokens = np.zeros((rows, 4 * self._token_unit), np.uint32)
-        self.num_tokens = np.zeros(rows, np.int32)
-        self.cached = np.zeros(rows, np.int32)
-        self.restored = np.zeros(rows, np.int32)
-        self.reserved = np.zeros(rows, np.int32)
-        self.salt = np.zeros(rows, np.uint64)
-        self.state_bytes = np.zeros(rows, np.int64)
-        self.lookup_done = np.zeros(rows, np.bool_)
-        self.registered = np.zeros(rows, np.bool_)
-        self.finalized = np.zeros(rows, np.bool_)
-        self.captured = np.zeros(rows, np.bool_)
-        self.aux_unbacked = np.zeros(rows, np.bool_)
-        self.publish = np.zeros(rows, np.uint8)
+        for name, dtype in COUNTERS.items():
+            setattr(self, name, np.zeros(rows, dtype))
+        for name in FLAGS:
+            setattr(self, name, np.zeros(rows, np.bool_))
         #: Per-row Python values: the restored sidecar, the cold capture outcome, and the
         #: lookup's extra keys (``(uniform_keys, per_block_keys_or_None)``).
         self.sidecar: list[Any] = [None] * rows

@@ -15,6 +15,7 @@ from pagedkv.coordinator.specs import (
     AttentionKind,
     KVCachePhysicalLayout,
     LayerKVCacheSpec,
+    _check_kind_layout,
     _int,
     validate_layer_kv_cache_specs,
 )
@@ -44,12 +45,7 @@ class KVCacheGroupSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_id", _int("group_id", self.group_id))
-        if not isinstance(self.kind, AttentionKind):
-            raise InvalidArgumentType(
-                f"kind must be an AttentionKind, got {type(self.kind).__name__}")
-        if not isinstance(self.layout, KVCachePhysicalLayout):
-            raise InvalidArgumentType(
-                f"layout must be a KVCachePhysicalLayout, got {type(self.layout).__name__}")
+        _check_kind_layout(self.kind, self.layout)
         for name in ("layer_indices", "physical_layer_indices"):
             object.__setattr__(self, name,
                                tuple(_int(f"{name}[{i}]", v)

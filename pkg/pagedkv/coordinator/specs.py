@@ -41,6 +41,14 @@ def _int(name: str, value) -> int:
     return int(value)
 
 
+def _check_kind_layout(kind, layout) -> None:
+    if not isinstance(kind, AttentionKind):
+        raise InvalidArgumentType(f"kind must be an AttentionKind, got {type(kind).__name__}")
+    if not isinstance(layout, KVCachePhysicalLayout):
+        raise InvalidArgumentType(
+            f"layout must be a KVCachePhysicalLayout, got {type(layout).__name__}")
+
+
 @functools.total_ordering
 class AttentionKind:
     """Full attention, or sliding-window attention over the last ``window`` tokens.
@@ -160,12 +168,7 @@ class LayerKVCacheSpec:
         if index < 0:
             raise InvalidArgument(f"layer_index = {index} must be >= 0")
         object.__setattr__(self, "layer_index", index)
-        if not isinstance(self.kind, AttentionKind):
-            raise InvalidArgumentType(
-                f"kind must be an AttentionKind, got {type(self.kind).__name__}")
-        if not isinstance(self.layout, KVCachePhysicalLayout):
-            raise InvalidArgumentType(
-                f"layout must be a KVCachePhysicalLayout, got {type(self.layout).__name__}")
+        _check_kind_layout(self.kind, self.layout)
         if self.shared_kv_anchor is not None:
             object.__setattr__(self, "shared_kv_anchor",
                                _int("shared_kv_anchor", self.shared_kv_anchor))
