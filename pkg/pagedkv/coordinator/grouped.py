@@ -204,7 +204,9 @@ class GroupedKVCoordinator(RequestLifecycle):
         """After a step's forward: in every sliding group, point the entries no query can
         attend after ``committed_tokens`` (per sequence; default: each one's token count)
         at the null block and free their blocks, newest first. Use the committed frontier,
-        never a speculative cursor. O(blocks freed). Returns the blocks freed."""
+        never a speculative cursor: committed tokens are recorded *and* their K/V written in
+        every layer (a dropped block is published for other requests as it is). O(blocks
+        freed). Returns the blocks freed."""
         rows = self._rows.rows(seq_ids)
         have = self._rows.num_tokens[rows]
         if committed_tokens is None:
