@@ -5,10 +5,11 @@ what it and the grouped coordinator (``pagedkv.coordinator``) share:
 
 * ``sequence_rows``: per-request state rows (tokens, cursor, flags), shared by all groups;
 * ``group_blocks``: one group's allocator, pool and block tables;
-* ``lifecycle``: the lifecycle over one or more groups (cursor rule, latch, admission);
+* ``lifecycle``: the lifecycle over one or more groups (cursor rule, lookups, latch);
 * ``turns``: the multi-turn policy (``prepare_turn``, ``restart_prepared_turn_cold``);
 * ``cold_hooks``: how a cold tier plugs in (the core never imports ``pagedkv.cold``);
-* ``kv_io``: K/V scatter and gather; ``admission``: the admission arithmetic;
+* ``kv_io``: K/V scatter and gather; ``admission``: reservations and ``can_admit``;
+* ``table_ops`` (Cython): the per-step block-table loops;
 * ``results``: the values calls return.
 """
 
