@@ -16,7 +16,7 @@ GEOM = PoolGeometry(2, 1, 8, 4, "float16")  # §15: 64-byte slabs
 def _adapter(tier, num_blocks=64):
     pool = LayerKVPool(GEOM, num_blocks)
     alloc = BlockAllocator(num_blocks, block_size=4, hash_seed=0)
-    return PagedKVCacheAdapter(alloc, pool, cold_tier=tier), pool, alloc
+    return PagedKVCacheAdapter(alloc, pool, cold=tier), pool, alloc
 
 
 def _fill(adapter, seq, tokens, seed=0):

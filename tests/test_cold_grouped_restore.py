@@ -85,7 +85,7 @@ def persist(root, n_tokens, boundary, seed=0, prune=True):
             boundary: CODEC.snapshot([sliding.rows()], boundary)})
         pool = LayerKVPool(FULL, 128)
         alloc = BlockAllocator(128, block_size=BS, hash_seed=0)
-        a = PagedKVCacheAdapter(alloc, pool, cold_tier=ctx)
+        a = PagedKVCacheAdapter(alloc, pool, cold=ctx)
         a.reset_for_new_request("w")
         a.find_cached_prefix("w", tokens)
         a.allocate_suffix_blocks("w", n_tokens)

@@ -55,7 +55,7 @@ def delta(before, after=None):
 def adapter(ctx, bs, num_blocks=64, aux=True):
     pool = LayerKVPool(PoolGeometry(2, 1, 8, bs, "float16"), num_blocks)
     alloc = BlockAllocator(num_blocks, block_size=bs, hash_seed=0)
-    return PagedKVCacheAdapter(alloc, pool, cold_tier=ctx, requires_aux_confirmation=aux)
+    return PagedKVCacheAdapter(alloc, pool, cold=ctx, requires_aux_confirmation=aux)
 
 
 def run_turn(a, seq, tokens, seed=0, *, confirm=True):

@@ -41,6 +41,7 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "NonContiguousGroupIds",
     "MissingLayerAssignment",
     "IncompatibleGroupLayer",
+    "GroupManagerMismatch",
     "StaleBlockTable",
     "ColdTierClosed",
     "NoDeviceError",
@@ -246,10 +247,22 @@ class MissingLayerAssignment(TopologyError):
 
 
 class IncompatibleGroupLayer(TopologyError):
-    def __init__(self, group: int, layer: int) -> None:
-        super().__init__(f"layer {layer} does not match the spec of group {group}")
+    def __init__(self, group: int, layer: int, reason: str = "") -> None:
+        super().__init__(f"layer {layer} does not match the spec of group {group}"
+                         + (f": {reason}" if reason else
+                            ": its attention kind or physical layout differs"))
         self.group = group
         self.layer = layer
+
+
+class GroupManagerMismatch(TopologyError):
+    """A group's manager (allocator and pool) does not implement the group: another block
+    size, geometry, physical layer count, attention kind or window."""
+
+    def __init__(self, group: int, reason: str) -> None:
+        super().__init__(f"the manager of group {group} does not fit the group: {reason}")
+        self.group = group
+        self.reason = reason
 
 
 # --- devices -----------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.initial_blocks, max_num_blocks=args.max_blocks,
-                                  cold_tier=cold_tier)
+                                  cold=cold_tier)
     c = model.config
     print(f"pagedkv demo: {len(requests)} requests, prompt = {args.system_tokens} system + "
           f"{args.fewshot_tokens} few-shot (shared) + {args.user_tokens} user tokens, "

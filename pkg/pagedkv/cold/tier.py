@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Self
+from typing import Any, Self
 
 import numpy as np
 
+from pagedkv.adapter.cold_hooks import ColdRestore
 from pagedkv.cold.capture import (
     CaptureOutcome,
     CaptureStop,
@@ -34,9 +35,8 @@ from pagedkv.cold.knobs import (
 )
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
-from pagedkv.cold.sidecar import RestoredSidecar
 from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, capture_sidecar
-from pagedkv.cold.stats import ColdCacheStats, ColdCounters
+from pagedkv.cold.stats import ColdCacheStats, ColdCounters, sidecar_counters
 from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
@@ -51,16 +51,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("pagedkv.cold")
-
-
-class ColdRestore(NamedTuple):
-    """What a restore with a sidecar policy returns: the restored block ids (``int32``, one
-    reference each, owned by the caller) and the sidecar backing them (``None`` when nothing
-    was restored). Whenever ``block_ids`` is non-empty, ``sidecar.boundary_tokens`` is the
-    hit's end: hot blocks + restored blocks, in tokens."""
-
-    block_ids: np.ndarray
-    sidecar: RestoredSidecar | None
 
 
 class ColdTier:
@@ -298,10 +288,16 @@ class ColdTier:
         self.last_restore = outcome
         return ColdRestore(ids, sidecar)
 
+    def restore_discarded(self, *, blocks: int) -> None:
+        """The lifecycle threw away a restored hit of ``blocks`` blocks unused
+        (``restart_prepared_turn_cold``): counts ``restore_suppressed``."""
+        if blocks > 0:
+            sidecar_counters().add("restore_suppressed")
+
 
 @dataclass(frozen=True)
 class ColdTierContext:
-    """A tier bound to one model: what ``PagedKVCacheAdapter(cold_tier=...)`` holds.
+    """A tier bound to one model: what ``PagedKVCacheAdapter(cold=...)`` holds.
 
     ``sidecar``: the family's sidecar codec (``RecurrentStateCodec`` from
     ``gdn_state_codec``/``conv_state_codec``, or a ``SlidingWindowCodec``) when it keeps
@@ -388,6 +384,9 @@ class ColdTierContext:
         from pagedkv.cold.grouped_restore import restore_grouped
         return restore_grouped(self, **kwargs)
 
+    def restore_discarded(self, *, blocks: int) -> None:
+        self.tier.restore_discarded(blocks=blocks)
+
     def drain(self, timeout: float = 5.0) -> bool:
         return self.tier.drain(timeout)
 
@@ -429,7 +428,7 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         provenance=None, hfqm_file: str | None = None, sidecar=None,
                         checkpoints: Callable[..., Mapping[int, Any]] | None = None
                         ) -> ColdTierContext | None:
-    """What an engine passes as ``PagedKVCacheAdapter(cold_tier=...)``, or ``None``.
+    """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
     Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
