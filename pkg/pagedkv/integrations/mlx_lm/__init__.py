@@ -36,9 +36,9 @@ if _version_tuple(MLX_LM_VERSION) < MIN_MLX_LM:
         f"pagedkv.integrations.mlx_lm implements mlx-lm {MIN_MLX_LM[0]}.{MIN_MLX_LM[1]}'s cache "
         f"protocol; mlx-lm {MLX_LM_VERSION} is installed: pip install 'mlx-lm>=0.32'")
 
-from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache  # noqa: E402
-from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec, layer_specs  # noqa: E402
-from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache, PagedRequest  # noqa: E402
+from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache
+from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec, layer_specs
+from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache, PagedRequest
 
 __all__ = [
     "MLX_LM_VERSION",

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -49,14 +50,16 @@ def _parameters_digest(model) -> bytes:
     from mlx.utils import tree_flatten
 
     h = hashlib.sha256()
-    for name, value in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+    flat: Any = tree_flatten(model.parameters())  # [(dotted name, mx.array)]
+    params: list[tuple[str, Any]] = sorted(flat, key=lambda kv: kv[0])
+    for name, value in params:
         dtype = str(value.dtype)
         if value.dtype == mx.bfloat16:  # NumPy has no bfloat16: hash its bit patterns
             value = value.view(mx.uint16)
         data = np.ascontiguousarray(np.asarray(value))
         h.update(name.encode() + b"\0" + dtype.encode() + b"\0"
                  + json.dumps(list(value.shape)).encode() + b"\0")
-        h.update(memoryview(data).cast("B"))
+        h.update(data.data)  # a zero-copy memoryview
     return h.digest()
 
 

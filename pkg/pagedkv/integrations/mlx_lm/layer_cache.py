@@ -36,7 +36,7 @@ class PagedKVLayerCache:
     """
 
     step = STEP_TOKENS
-    __slots__ = ("index", "keys", "offset", "request", "values", "__weakref__")
+    __slots__ = ("__weakref__", "index", "keys", "offset", "request", "values")
 
     def __init__(self, request, index: int, keys=None, values=None, offset: int = 0) -> None:
         self.request = request

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pagedkv.errors import UnsupportedModel
 
-__all__ = ["LayerKind", "LayerSpec", "SERVED_KINDS", "check_served", "layer_specs"]
+__all__ = ["SERVED_KINDS", "LayerKind", "LayerSpec", "check_served", "layer_specs"]
 
 
 class LayerKind(enum.Enum):

@@ -28,7 +28,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -86,7 +86,7 @@ def model_kv_geometry(model, num_caches: int) -> tuple[int, int, str]:
     for i, c in enumerate(caches[:num_caches]):
         k, v = c.keys, c.values
         shapes.append((i, int(k.shape[1]), int(k.shape[3]), int(v.shape[3]), k.dtype, v.dtype))
-    i0, heads, k_dim, v_dim, k_dtype, v_dtype = shapes[0]
+    i0, heads, k_dim, _, k_dtype, _ = shapes[0]
     for i, h, kd, vd, kt, vt in shapes:
         if kd != vd or kt != vt:
             raise UnsupportedModel(
@@ -316,7 +316,7 @@ class PagedPromptCache:
             self.cold_tier.close(timeout)
             self.cold_tier = None
 
-    def __enter__(self) -> PagedPromptCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -347,7 +347,7 @@ class PagedPromptCache:
         self._counters["parked_released"] += 1
 
     def _park(self, seq: int, tokens: np.ndarray, salt: int) -> None:
-        if self.max_parked == 0:
+        if self.max_parked == 0 or len(tokens) == 0:
             self.adapter.release_request(seq)
             return
         self._parked[seq] = (salt, tokens)

@@ -12,7 +12,8 @@ from typing import Any
 
 from pagedkv.errors import InvalidArgument
 
-__all__ = ["ARCHITECTURES", "FULL_ATTENTION_ARCHITECTURES", "random_model", "random_config"]
+__all__ = ["ARCHITECTURES", "FULL_ATTENTION_ARCHITECTURES", "random_config", "random_model",
+           "save_random_model", "word_tokenizer"]
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
@@ -73,3 +74,47 @@ def random_model(arch: str = "qwen3", *, dtype: str = "float32", seed: int = 0,
         model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     return model, config
+
+
+#: Words of :func:`word_tokenizer` before ``w0``: unknown, end of sequence, three roles.
+TOKENIZER_SPECIALS = ("<unk>", "<eos>", "system:", "user:", "assistant:")
+
+#: A chat template that writes ``role: content`` turns in the tokenizer's own words.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def word_tokenizer(vocab_size: int = 256):
+    """A Hugging Face fast tokenizer built in memory: one id per whitespace-separated word
+    (:data:`TOKENIZER_SPECIALS`, then ``w0``, ``w1``, ...), ``<eos>`` as end of sequence and a
+    plain chat template. Text for it is ``"w5 w17 w3"``; any other word is ``<unk>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(TOKENIZER_SPECIALS)
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                   eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_random_model(path, arch: str = "qwen3", *, dtype: str = "float32", seed: int = 0,
+                      **overrides):
+    """Write a random ``arch`` model and a :func:`word_tokenizer` to ``path`` as an mlx-lm
+    model directory (config.json, model.safetensors, tokenizer files) that
+    ``mlx_lm.load(path)`` and ``pagedkv serve --model path`` read. Returns the model."""
+    import os
+
+    from mlx_lm.utils import save_config, save_model
+
+    model, config = random_model(arch, dtype=dtype, seed=seed, **overrides)
+    os.makedirs(path, exist_ok=True)
+    save_model(path, model)
+    save_config(dict(config), os.path.join(path, "config.json"))
+    word_tokenizer(config["vocab_size"]).save_pretrained(path)
+    return model
