@@ -49,7 +49,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 FULL_ATTENTION_ARCHITECTURES = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma2")
 
 
-def random_config(arch: str = "qwen3", **overrides) -> dict[str, Any]:
+def random_config(arch: str = "qwen3", **overrides: Any) -> dict[str, Any]:
     """The tiny config of ``arch`` with ``overrides`` applied (e.g. ``hidden_size=256``)."""
     try:
         config = dict(ARCHITECTURES[arch])
@@ -60,7 +60,7 @@ def random_config(arch: str = "qwen3", **overrides) -> dict[str, Any]:
 
 
 def random_model(arch: str = "qwen3", *, dtype: str = "float32", seed: int = 0,
-                 **overrides):
+                 **overrides: Any):
     """``(model, config)``: mlx-lm's ``arch`` built from :func:`random_config` with weights
     drawn from ``mx.random`` seeded with ``seed``, cast to ``dtype`` and evaluated."""
     import mlx.core as mx
@@ -104,7 +104,7 @@ def word_tokenizer(vocab_size: int = 256):
 
 
 def save_random_model(path, arch: str = "qwen3", *, dtype: str = "float32", seed: int = 0,
-                      **overrides):
+                      **overrides: Any):
     """Write a random ``arch`` model and a :func:`word_tokenizer` to ``path`` as an mlx-lm
     model directory (config.json, model.safetensors, tokenizer files) that
     ``mlx_lm.load(path)`` and ``pagedkv serve --model path`` read. Returns the model."""
