@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from pagedkv.errors import InvalidArgument, PagedKVError
