@@ -593,3 +593,54 @@ def test_import_pagedkv_without_mlx_lm():
     assert done.returncode == 0, done.stderr
     assert "ImportError: pagedkv.integrations.mlx_lm needs mlx-lm >= 0.32" in done.stdout
     assert "pip install 'pagedkv[mlx-lm]'" in done.stdout
+
+
+# --- the server's prompt-cache object and the command line ------------------------------------
+
+def test_server_prompt_cache_answers_mlx_lm_servers_calls(caplog):
+    from types import SimpleNamespace
+
+    from pagedkv.integrations.mlx_lm.server import PagedServerPromptCache
+
+    model = model_of()
+    cache = PagedServerPromptCache(SimpleNamespace(model=model), block_size=BS)
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.stats_by_type() == {}
+    key = ("/no/such/dir", None, None)
+    system = toks(24, 70)
+    for i in range(3):
+        prompt = system + toks(4, 71 + i)
+        layers, rest = cache.fetch_nearest_cache(key, prompt)
+        assert len(rest) == len(prompt) - (0 if i == 0 else 24)
+        out = run(model, rest, layers)[0]
+        cache.insert_cache(key, prompt + out, layers)
+    assert len(cache) == 3 and cache.paged.stats()["blocks_shared"] == 3
+    assert cache.nbytes == cache.paged.stats()["bytes_in_use"] > 0
+    assert cache.stats_by_type() == {"paged": {"n_sequences": 3, "n_bytes": cache.nbytes}}
+    cache.trim_to(n_sequences=1)
+    # 34 tokens each: 3 shared blocks + 1 own block per conversation stay cached.
+    assert len(cache) == 1 and cache.paged.stats()["blocks_cached"] == 3 + 3
+    # A publication that does not match its cache is logged and counted, never raised.
+    layers, rest = cache.fetch_nearest_cache(key, system + [9])
+    assert layers[0].offset == 24 and rest == [9]
+    cache.insert_cache(key, system, layers)  # exactly what the layers hold: fine
+    assert cache.publish_errors == 0
+    before = cache.paged.stats()
+    layers, rest = cache.fetch_nearest_cache(key, system + [9, 9])
+    cache.insert_cache(key, system + [9, 9, 9], layers)
+    assert cache.publish_errors == 1 and "could not publish 27 tokens" in caplog.text
+    assert cache.paged.stats()["published_tokens"] == before["published_tokens"]
+    cache.close()
+    assert cache.paged is None
+
+
+def test_serve_refuses_what_it_cannot_page_and_other_commands_refuse_extra_options(capsys):
+    from pagedkv.cli import main
+
+    assert main(["serve", "--model", "/nonexistent", "--draft-model", "x"]) == 1
+    assert "--draft-model: pagedkv serve does not page the draft model" in \
+        capsys.readouterr().err
+    assert main(["serve", "--model", "/nonexistent", "--kv-bits=4"]) == 1
+    assert "--kv-bits: pagedkv serve does not page quantized KV" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--port", "1"])
+    assert e.value.code == 2 and "unrecognized arguments: --port 1" in capsys.readouterr().err

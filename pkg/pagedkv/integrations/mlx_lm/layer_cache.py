@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import copy
 
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, create_attention_mask
+
 from pagedkv.errors import InvalidArgument, RequestClosed
 
 __all__ = ["PagedKVLayerCache"]
@@ -55,8 +58,6 @@ class PagedKVLayerCache:
     def update_and_fetch(self, keys, values):
         prev = self.offset
         if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
-            import mlx.core as mx
-
             B, n_kv_heads, _, k_head_dim = keys.shape
             v_head_dim = values.shape[3]
             n_steps = (self.step + keys.shape[2] - 1) // self.step
@@ -83,7 +84,6 @@ class PagedKVLayerCache:
         return self.keys, self.values
 
     def make_mask(self, *args, **kwargs):
-        from mlx_lm.models.cache import create_attention_mask
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     # --- the rest of the protocol --------------------------------------------------------
@@ -139,8 +139,6 @@ class PagedKVLayerCache:
         ``BatchKVCache.merge``. The batch owns copies from here on, so each paged request
         among ``caches`` is handed over (its pool references released, nothing published);
         publish what the batch computed with ``PagedPromptCache.insert(tokens, cache)``."""
-        from mlx_lm.models.cache import BatchKVCache
-
         batch = BatchKVCache.merge(caches)
         for c in caches:
             request = getattr(c, "request", None)

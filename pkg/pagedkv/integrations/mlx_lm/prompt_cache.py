@@ -341,6 +341,16 @@ class PagedPromptCache:
                     raise
                 self._release_parked(next(iter(self._parked)))
 
+    def release_parked(self, keep: int = 0) -> int:
+        """Release parked conversations, oldest first, until ``keep`` remain; their published
+        blocks stay cached (evictable). Returns how many were released."""
+        with self._lock:
+            released = 0
+            while len(self._parked) > max(0, keep):
+                self._release_parked(next(iter(self._parked)))
+                released += 1
+            return released
+
     def _release_parked(self, seq: int) -> None:
         del self._parked[seq]
         self.adapter.release_request(seq)

@@ -108,11 +108,8 @@ class PagedServerPromptCache:
         cached until the pool needs them). ``n_bytes`` is not a paged-pool limit: the pool's
         size is set by ``--max-blocks``."""
         with self._lock:
-            paged = self.paged
-            if paged is None or n_sequences is None:
-                return
-            while len(paged._parked) > max(0, n_sequences):
-                paged._release_parked(next(iter(paged._parked)))
+            if self.paged is not None and n_sequences is not None:
+                self.paged.release_parked(n_sequences)
 
     def __len__(self) -> int:
         return 0 if self.paged is None else self.paged.stats()["parked"]
