@@ -45,12 +45,20 @@ from pagedkv.integrations.mlx_lm.layer_kinds import check_served, layer_specs
 
 __all__ = ["PagedPromptCache", "PagedRequest", "model_kv_geometry"]
 
+#: Seconds ``close`` (or interpreter exit) waits for the cold tier's queued writes.
+COLD_DRAIN_SECONDS = 30.0
+
 #: Pool dtypes a paged prompt cache stores (q8 needs the KV-quantization codecs).
 _POOL_DTYPES = ("float16", "bfloat16", "float32")
 #: Blocks a pool starts with when neither ``initial_blocks`` nor the env knob says.
 _DEFAULT_INITIAL_BLOCKS = 64
 #: Context (tokens) sizing the default max pool when the config names none.
 _DEFAULT_CONTEXT_TOKENS = 32768
+
+
+def _close_tier(tier) -> None:
+    tier.drain(COLD_DRAIN_SECONDS)
+    tier.close(COLD_DRAIN_SECONDS)
 
 
 def model_type_of(model) -> str:
@@ -282,10 +290,14 @@ class PagedPromptCache:
         self.pool = LayerKVPool(geometry, initial_blocks, max_blocks, backend="mlx")
         self.cold_tier = None
         cold = None
+        self._closer = None
         if cold_dir is not None:
             from pagedkv.integrations.mlx_lm.cold import open_cold_tier
             cold = open_cold_tier(cold_dir, model, geometry, model_dir=model_dir)
-            self.cold_tier = None if cold is None else cold.tier
+            if cold is not None:
+                self.cold_tier = cold.tier
+                # close() or, failing that, interpreter exit persists what is queued.
+                self._closer = weakref.finalize(self, _close_tier, cold.tier)
         # One call site for the adapter's cold-tier keyword (renamed `cold=` on main soon).
         self.adapter = PagedKVCacheAdapter(self.allocator, self.pool, cold_tier=cold)
         self._lock = threading.RLock()
@@ -309,12 +321,14 @@ class PagedPromptCache:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Persist what the cold tier has queued (up to ``timeout`` s) and close it."""
-        if self.cold_tier is not None:
-            self.cold_tier.drain(timeout)
-            self.cold_tier.close(timeout)
+    def close(self) -> None:
+        """Persist what the cold tier has queued and close it (also done at interpreter exit
+        for a cache never closed). Idempotent; the hot cache keeps working without a tier."""
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
             self.cold_tier = None
+            self.adapter.cold_tier = None
 
     def __enter__(self) -> Self:
         return self
@@ -329,6 +343,13 @@ class PagedPromptCache:
             seq = self._dropped.popleft()
             if self.adapter.release_request(seq):
                 self._counters["released"] += 1
+
+    def _make_room(self, blocks: int) -> None:
+        """Release parked conversations, oldest first, while the allocator has fewer than
+        ``blocks`` free or evictable blocks: a parked table must never make the pool grow."""
+        allocator = self.allocator
+        while self._parked and allocator.free_or_evictable_blocks < blocks:
+            self._release_parked(next(iter(self._parked)))
 
     def _with_room(self, call):
         """``call()``, releasing parked conversations oldest first while it runs out of
@@ -394,6 +415,7 @@ class PagedPromptCache:
             seq = self._take_parked(tokens, salt)
             if seq is None:
                 seq = next(self._ids)
+            self._make_room(-(-len(tokens) // self.geometry.block_size))
             restored0 = adapter.stats()["restored_blocks"]
             plan = self._with_room(lambda: adapter.prepare_turn(
                 seq, tokens, total_tokens=len(tokens), cache_salt=salt))
@@ -525,6 +547,8 @@ class PagedPromptCache:
                 seq, toks, cache_salt=salt)).cached_tokens
         new = n - held
         if new:
+            bs = self.geometry.block_size
+            self._make_room(-(-n // bs) - adapter.num_table_blocks(seq))
             self._with_room(lambda: adapter.record_tokens(seq, toks[held:]))
             import mlx.core as mx
             pool_dtype = getattr(mx, self.geometry.dtype)
