@@ -437,8 +437,10 @@ def test_bad_arguments_are_refused_before_anything_changes():
     before = paged.stats()
     with pytest.raises(InvalidArgument, match="empty"):
         paged.begin([])
-    with pytest.raises(InvalidArgument, match="1-D"):
+    with pytest.raises(InvalidArgument, match="must be 1-D"):
         paged.begin([[1, 2]])
+    with pytest.raises(InvalidArgument, match="contains -1"):
+        paged.begin([1, -1])
     with pytest.raises(InvalidArgumentType, match="cache_salt"):
         paged.begin([1, 2], cache_salt=1.5)
     with pytest.raises(InvalidArgument, match="layers"):

@@ -35,7 +35,6 @@ import numpy as np
 from pagedkv.adapter import PagedKVCacheAdapter, TurnPlanReason
 from pagedkv.errors import (
     InvalidArgument,
-    InvalidArgumentType,
     PoolExhausted,
     RequestClosed,
     UnsupportedModel,
@@ -111,37 +110,22 @@ def model_kv_geometry(model, num_caches: int) -> tuple[int, int, str]:
 
 
 def _as_tokens(tokens, name: str = "tokens") -> np.ndarray:
-    """Token ids (list, NumPy or mx.array, 1-D) as a uint32 NumPy array."""
-    if not isinstance(tokens, np.ndarray):
-        if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):
-            tokens = tokens.tolist()  # an mx.array
-        tokens = np.asarray(tokens)
-    if tokens.ndim != 1:
-        raise InvalidArgument(f"{name}: shape {tokens.shape}; pass a 1-D list of token ids")
-    if tokens.size == 0:
-        return np.empty(0, np.uint32)
-    if tokens.dtype.kind not in "iu":
-        raise InvalidArgumentType(f"{name}: dtype {tokens.dtype}; pass integer token ids")
-    if int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF:
-        raise InvalidArgument(f"{name}: ids must be in [0, 2**32), got [{int(tokens.min())}, "
-                              f"{int(tokens.max())}]")
-    return np.ascontiguousarray(tokens, dtype=np.uint32)
+    """Token ids (a list, NumPy array or ``mx.array``, 1-D) as uint32, by the project's token
+    rule (``pagedkv.hashing.as_token_array``)."""
+    from pagedkv.hashing import as_token_array
+
+    if not isinstance(tokens, (np.ndarray, list, tuple)):
+        tokens = np.asarray(tokens)  # an mx.array: its buffer, no Python list
+    return as_token_array(tokens, name)
 
 
 def _salt(cache_salt) -> int:
-    """``None`` → 0 (shared); a str → its domain id; an int domain id as is."""
-    if cache_salt is None:
-        return 0
+    """``None`` → 0 (shared); a str (a tenant name) → its domain id; a u64 domain id as is."""
+    from pagedkv.hashing import as_domain_id, salt_domain_id
+
     if isinstance(cache_salt, str):
-        from pagedkv.hashing import salt_domain_id
         return salt_domain_id(cache_salt)
-    if isinstance(cache_salt, bool) or not isinstance(cache_salt, (int, np.integer)):
-        raise InvalidArgumentType(
-            f"cache_salt: {type(cache_salt).__name__}; pass a str (a tenant name) or a u64 "
-            "domain id from pagedkv.hashing.salt_domain_id")
-    if not 0 <= int(cache_salt) < 1 << 64:
-        raise InvalidArgument(f"cache_salt: {cache_salt} is not a u64 domain id")
-    return int(cache_salt)
+    return as_domain_id(cache_salt)
 
 
 class PagedRequest:
