@@ -40,9 +40,18 @@ from pagedkv.errors import (
     UnsupportedModel,
 )
 from pagedkv.integrations.mlx_lm.layer_cache import STEP_TOKENS, PagedKVLayerCache
-from pagedkv.integrations.mlx_lm.layer_kinds import check_served, layer_specs
+from pagedkv.integrations.mlx_lm.layer_kinds import (
+    SERVED_KINDS,
+    LayerKind,
+    check_served,
+    layer_specs,
+)
 
 __all__ = ["PagedPromptCache", "PagedRequest", "model_kv_geometry"]
+
+#: The per-layer cache class of each served kind (hybrid support adds its kinds here).
+LAYER_CACHE_CLASSES: dict[LayerKind, type] = {LayerKind.FULL: PagedKVLayerCache}
+assert set(LAYER_CACHE_CLASSES) == SERVED_KINDS
 
 #: Seconds ``close`` (or interpreter exit) waits for the cold tier's queued writes.
 COLD_DRAIN_SECONDS = 30.0
@@ -433,7 +442,7 @@ class PagedPromptCache:
     def _load(self, seq: int, cached: int, prompt_len: int, request: PagedRequest):
         """Per-layer caches holding the ``cached`` leading positions, gathered lazily from
         the pool into buffers with room for the whole prompt (prefill appends in place)."""
-        layers = [PagedKVLayerCache(request, i) for i in range(self.geometry.num_layers)]
+        layers = [LAYER_CACHE_CLASSES[spec.kind](request, spec.index) for spec in self.layers]
         if not cached:
             return layers
         import mlx.core as mx
@@ -572,10 +581,9 @@ class PagedPromptCache:
                                 request.cached_tokens, request.restored_tokens)
             fork._pool_tokens = held[:hit.cached_tokens]
             # a[...] is a new array object over the same data: a write into either copies.
-            fork.cache = [PagedKVLayerCache(fork, c.index,
-                                            None if c.keys is None else c.keys[...],
-                                            None if c.values is None else c.values[...],
-                                            c.offset) for c in request.cache]
+            fork.cache = [type(c)(fork, c.index, None if c.keys is None else c.keys[...],
+                                  None if c.values is None else c.values[...], c.offset)
+                          for c in request.cache]
             self._live[seq] = fork
             self._counters["forks"] += 1
             return fork
