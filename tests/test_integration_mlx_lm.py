@@ -555,27 +555,30 @@ def test_a_pool_dtype_other_than_the_models_casts_at_the_pool_boundary():
 
 # --- the MLX pool path ------------------------------------------------------------------------
 
+class CountingMlx:
+    """``mlx.core`` that counts ``eval`` and ``async_eval`` calls (a pool storage's ``_mx``)."""
+
+    def __init__(self):
+        self.evals = self.async_evals = 0
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *a):
+        self.evals += 1
+        return mx.eval(*a)
+
+    def async_eval(self, *a):
+        self.async_evals += 1
+        return mx.async_eval(*a)
+
+
 def test_mlx_pool_token_writes_and_gathers_do_not_evaluate():
     from pagedkv.pool import LayerKVPool, PoolGeometry
     from pagedkv.pool.mlx_storage import MAX_PENDING_WRITES
 
-    class Counting:
-        def __init__(self, real):
-            self.real, self.evals, self.async_evals = real, 0, 0
-
-        def __getattr__(self, name):
-            return getattr(self.real, name)
-
-        def eval(self, *a):
-            self.evals += 1
-            return self.real.eval(*a)
-
-        def async_eval(self, *a):
-            self.async_evals += 1
-            return self.real.async_eval(*a)
-
     pool = LayerKVPool(PoolGeometry(2, 2, 16, BS, "float32"), 8, backend="mlx")
-    counting = Counting(mx)
+    counting = CountingMlx()
     pool._storage._mx = counting
     k = mx.ones((1, 2, 16))
     for step in range(MAX_PENDING_WRITES + 1):
@@ -586,6 +589,19 @@ def test_mlx_pool_token_writes_and_gathers_do_not_evaluate():
     assert counting.async_evals == 2 and counting.evals == 0
     got, _ = pool.gather(0, list(range(8)), 64)
     assert got[62, 0, 0].item() == 62.0 and got[63, 0, 0].item() == 0.0
+
+
+def test_an_mlx_without_shareable_streams_keeps_the_pool_eager(monkeypatch):
+    from pagedkv.pool import LayerKVPool, PoolGeometry, mlx_storage
+
+    monkeypatch.setattr(mlx_storage, "pool_stream", lambda mx: None)
+    pool = LayerKVPool(PoolGeometry(1, 2, 16, BS, "float32"), 2, backend="mlx")
+    counting = CountingMlx()
+    monkeypatch.setattr(pool._storage, "_mx", counting)
+    pool.write_tokens(0, [3], mx.ones((1, 2, 16)), mx.ones((1, 2, 16)))
+    k, _ = pool.gather(0, [0], 4)
+    assert counting.evals == 2 and k[3, 0, 0].item() == 1.0
+    assert repr(pool._storage).endswith("lazy=False)")
 
 
 def test_import_pagedkv_without_mlx_lm():
