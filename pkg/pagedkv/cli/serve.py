@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+#: Upper bound of --max-blocks: the allocator sizes its block table for the maximum up front
+#: (80 bytes a block, so 320 MiB at this bound: 64 M tokens of 16).
+MAX_SERVE_BLOCKS = 1 << 22
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pagedkv.cli.demo import MAX_DEMO_BLOCKS, _int_at_least
+    from pagedkv.cli.demo import _int_at_least
 
     p = sub.add_parser(
         "serve", help="mlx-lm's OpenAI-compatible server with pagedkv as the prompt cache",
@@ -24,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="an mlx-lm model directory (or Hugging Face repo id)")
     p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16,
                    help="tokens per KV block (16)")
-    p.add_argument("--max-blocks", type=_int_at_least(1, MAX_DEMO_BLOCKS << 4), default=None,
+    p.add_argument("--max-blocks", type=_int_at_least(1, MAX_SERVE_BLOCKS), default=None,
                    help="most blocks the pool may grow to (default: one full context of the "
                         "model, or PAGEDKV_PAGED_CACHE_MEMORY_MB)")
     p.add_argument("--cold-dir", default=None, metavar="DIR",
