@@ -361,6 +361,11 @@ def test_restart_restores_a_shared_prefix_from_disk(tmp_path, monkeypatch):
         r = paged.begin(p)
         r.end(p + run(model, p, r.cache)[0])
         assert paged.stats()["cold_enqueued"] == 5  # 46 tokens: 5 full blocks
+    # Closed: the hot cache keeps serving, nothing more reaches the stopped tier.
+    q0 = p[:20] + [7]
+    r = paged.begin(q0)
+    r.end(q0 + run(model, q0[r.cached_tokens:], r.cache, n=1)[0])
+    assert paged.cold_tier is None and paged.adapter.stats()["cold_capture_errors"] == 0
     q = p[:4 * BS] + toks(6, 32)
     done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, str(cold), json.dumps(q)],
                           check=False, capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["family_name", "loaded_model_fingerprint", "open_cold_tier"]
+__all__ = ["ClosableColdHooks", "family_name", "loaded_model_fingerprint", "open_cold_tier"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -111,3 +111,38 @@ def open_cold_tier(cold_dir, model, geometry, *, model_dir=None):
         tier.close()
         return None
     return tier.for_model(fp)
+
+
+class ClosableColdHooks:
+    """The adapter's cold-tier hooks for one ``PagedPromptCache``: the tier bound to the
+    model, until :meth:`close` drains and closes it; from then on captures and restores are
+    skipped (the hot cache keeps working) instead of reaching a stopped writer."""
+
+    def __init__(self, context) -> None:
+        self._context = context
+        self.closed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    def __repr__(self) -> str:
+        return f"ClosableColdHooks(closed={self.closed}, {self._context!r})"
+
+    @property
+    def tier(self):
+        return self._context.tier
+
+    def capture(self, **kwargs):
+        return None if self.closed else self._context.capture(**kwargs)
+
+    def restore(self, **kwargs):
+        if self.closed:
+            return np.empty(0, np.int32)
+        return self._context.restore(**kwargs)
+
+    def close(self, timeout: float) -> None:
+        """Persist what is queued (up to ``timeout`` s), close the tier; idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._context.tier.drain(timeout)
+            self._context.tier.close(timeout)

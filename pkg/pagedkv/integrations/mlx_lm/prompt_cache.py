@@ -64,11 +64,6 @@ _DEFAULT_INITIAL_BLOCKS = 64
 _DEFAULT_CONTEXT_TOKENS = 32768
 
 
-def _close_tier(tier) -> None:
-    tier.drain(COLD_DRAIN_SECONDS)
-    tier.close(COLD_DRAIN_SECONDS)
-
-
 def model_type_of(model) -> str:
     """The mlx-lm ``model_type`` of a loaded model (``"unknown"`` when it has none)."""
     name = getattr(model, "model_type", None)
@@ -285,12 +280,13 @@ class PagedPromptCache:
         cold = None
         self._closer = None
         if cold_dir is not None:
-            from pagedkv.integrations.mlx_lm.cold import open_cold_tier
-            cold = open_cold_tier(cold_dir, model, geometry, model_dir=model_dir)
-            if cold is not None:
-                self.cold_tier = cold.tier
+            from pagedkv.integrations.mlx_lm.cold import ClosableColdHooks, open_cold_tier
+            context = open_cold_tier(cold_dir, model, geometry, model_dir=model_dir)
+            if context is not None:
+                cold = ClosableColdHooks(context)
+                self.cold_tier = context.tier
                 # close() or, failing that, interpreter exit persists what is queued.
-                self._closer = weakref.finalize(self, _close_tier, cold.tier)
+                self._closer = weakref.finalize(self, cold.close, COLD_DRAIN_SECONDS)
         # One call site for the adapter's cold-tier keyword (renamed `cold=` on main soon).
         self.adapter = PagedKVCacheAdapter(self.allocator, self.pool, cold_tier=cold)
         self._lock = threading.RLock()
@@ -321,7 +317,6 @@ class PagedPromptCache:
             self._closer()
             self._closer = None
             self.cold_tier = None
-            self.adapter.cold_tier = None
 
     def __enter__(self) -> Self:
         return self
