@@ -44,6 +44,8 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "GroupManagerMismatch",
     "StaleBlockTable",
     "ColdTierClosed",
+    "RequestClosed",
+    "UnsupportedModel",
     "NoDeviceError",
     "DeviceError",
 ]
@@ -182,6 +184,23 @@ class StaleBlockTable(PagedKVError):
 
 class ColdTierClosed(PagedKVError):
     """A job was offered to a stopped cold writer."""
+
+
+class RequestClosed(PagedKVError):
+    """A call on an engine-integration request that already ended, was released, or whose
+    caches were handed to a batch (e.g. ``PagedRequest.end`` twice)."""
+
+
+class UnsupportedModel(PagedKVError, NotImplementedError):
+    """A model with a layer kind this build cannot page yet. ``layer`` (index in the model's
+    cache list), ``kind`` and ``missing`` (what would serve it) say which and why."""
+
+    def __init__(self, message: str, *, layer: int | None = None, kind: str | None = None,
+                 missing: str | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.kind = kind
+        self.missing = missing
 
 
 # --- topology (paged-kv.md §8.2) ---------------------------------------------------------

@@ -70,6 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-blocks", type=_int_at_least(1, MAX_DEMO_BLOCKS), default=256,
                    help="pool maximum in blocks (256)")
     p.add_argument("--seed", type=_non_negative, default=0, help="weights and prompt seed (0)")
+    p.add_argument("--engine", choices=("reference", "mlx-lm"), default="reference",
+                   help="model code: pagedkv's reference transformer, or mlx-lm's (with "
+                        "pagedkv as its prompt cache; needs pagedkv[mlx-lm])")
+    p.add_argument("--arch", default=None, metavar="ARCH",
+                   help="with --engine mlx-lm: the mlx-lm architecture, random weights "
+                        "(qwen3; also llama, mistral, qwen2, phi3, gemma2; gemma3_text, "
+                        "gpt_oss, qwen3_next need hybrid-model support: not yet)")
     from pagedkv.cli.demo_restart import add_arguments
     add_arguments(p)
     p.set_defaults(func=run)
@@ -142,6 +149,18 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.reference import ReferenceConfig, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter, check_parity, serve
 
+    if args.engine == "mlx-lm":
+        from pagedkv.cli.demo_mlx_lm import ARCHS, run_mlx_lm
+        args.arch = args.arch or "qwen3"
+        if args.arch not in ARCHS:
+            print(f"pagedkv demo: error: --arch {args.arch!r} is not one of {list(ARCHS)}",
+                  file=sys.stderr)
+            return 2
+        return run_mlx_lm(args)
+    if args.arch is not None:
+        print("pagedkv demo: error: --arch needs --engine mlx-lm (the reference engine has "
+              "one architecture)", file=sys.stderr)
+        return 2
     if args.restart_child:
         from pagedkv.cli.demo_restart import run_child
         return run_child(args)

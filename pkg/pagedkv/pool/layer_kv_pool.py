@@ -404,6 +404,13 @@ class LayerKVPool:
             slots = self._table_slots(block_ids, num_tokens)
             return self._storage.gather_layers(slots)
 
+    def flush(self) -> None:
+        """Start evaluating the pool's pending lazy writes and return at once (MLX backend:
+        ``mx.async_eval``; NumPy writes are eager, so nothing to do). Token writes and
+        gathers on an MLX pool never evaluate (docs/pool.md, "MLX backend")."""
+        with self._lock:
+            self._storage.flush()
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -101,6 +101,9 @@ class NumpyKVStorage:
 
     # -- tokens ----------------------------------------------------------------------------
 
+    def flush(self) -> None:
+        """Nothing to do: NumPy writes are done when they return."""
+
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         k_slots, v_slots = self._layer_tokens[layer]
         k_slots[slots] = k
