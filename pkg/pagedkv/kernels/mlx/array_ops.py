@@ -46,7 +46,7 @@ def unpack_codes(mx, payload, bits: int, count: int):
     shifts = mx.arange(8, dtype=mx.uint8)
     bit_planes = (payload[:, :, None] >> shifts) & 1  # [rows, bytes, 8], bit order LSB first
     per_code = bit_planes.reshape(rows, count, bits).astype(mx.uint32)
-    weights = (1 << mx.arange(bits, dtype=mx.uint32))
+    weights = mx.array(1 << np.arange(bits, dtype=np.uint32))
     return (per_code * weights).sum(axis=-1).astype(mx.uint8)
 
 
