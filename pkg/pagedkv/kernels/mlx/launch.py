@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KernelSource", "Launch", "Runner", "run_cuda", "run_metal"]
+__all__ = ["KernelSource", "Launch", "Runner", "poisoning", "run_cuda", "run_metal"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,8 @@ class Launch:
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     template: list[tuple[str, Any]] = field(default_factory=list)
+    #: Fill the outputs with this before the kernel runs (tests poison them with NaN).
+    init_value: float | None = None
 
     def __repr__(self) -> str:
         return (f"Launch({self.kernel.name!r}, grid={self.grid}, threadgroup={self.threadgroup}, "
@@ -61,6 +63,17 @@ class Launch:
 
 
 Runner = Callable[[Launch], Sequence[Any]]
+
+
+def poisoning(run: Runner) -> Runner:
+    """``run`` with every output filled first (NaN for float outputs, 255 for integer
+    ones; a launch with both kinds gets 255), so an element a kernel does not write
+    shows up."""
+    def poisoned(launch: Launch) -> Sequence[Any]:
+        floats = all("float" in str(d) for d in launch.output_dtypes)
+        launch.init_value = float("nan") if floats else 255.0
+        return run(launch)
+    return poisoned
 
 
 @functools.cache
@@ -76,7 +89,7 @@ def run_metal(launch: Launch) -> Sequence[Any]:
     kernel = _metal_kernel(launch.kernel)
     return kernel(inputs=launch.inputs, template=launch.template or None, grid=launch.grid,
                   threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
-                  output_dtypes=launch.output_dtypes)
+                  output_dtypes=launch.output_dtypes, init_value=launch.init_value)
 
 
 @functools.cache
@@ -93,4 +106,4 @@ def run_cuda(launch: Launch) -> Sequence[Any]:
     kernel = _cuda_kernel(launch.kernel)
     return kernel(inputs=launch.inputs, template=launch.template or None, grid=launch.grid,
                   threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
-                  output_dtypes=launch.output_dtypes)
+                  output_dtypes=launch.output_dtypes, init_value=launch.init_value)
