@@ -181,7 +181,7 @@ def test_paged_attention_checks_tables_and_shapes_before_running():
 
 
 def test_copy_blocks_copies_bytes_and_refuses_bad_ids():
-    rng, seed = fresh_rng()
+    rng, _ = fresh_rng()
     src = rng.standard_normal((9, 16, 2, 32)).astype(np.float16)
     dst = rng.standard_normal((5, 16, 2, 32)).astype(np.float16)
     out = K.copy_blocks(mx.array(src), [8, 0, 3], [4, 1, 0], mx.array(dst))

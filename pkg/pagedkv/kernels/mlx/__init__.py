@@ -166,7 +166,7 @@ def dequantize(raw, fmt: str | int, shape, *, dtype=None, basis: str = "original
     if codec.kind == "raw":
         src = {"f16": mx.float16, "f32": mx.float32, "bf16": mx.bfloat16}[codec.name]
         return raw.view(src).astype(dtype).reshape(shape)
-    name, impl, run = _impl()
+    _, impl, run = _impl()
     work = mx.float32 if undo else dtype
     if run is None:
         out = impl.dequantize(mx, raw, codec, numel, work)
@@ -188,7 +188,7 @@ def fwht256(x):
         raise InvalidArgument(f"x: size {x.size} is not a multiple of 256")
     if x.size == 0:
         return x
-    name, impl, run = _impl()
+    _, impl, run = _impl()
     return impl.fwht256(mx, x) if run is None else impl.fwht256(mx, x, run)
 
 
@@ -347,7 +347,7 @@ def kv_q8_read(pool, slots, *, dtype=None):
         raise InvalidArgument(f"slots: values must be in [0, {n_slots})")
     if host.size == 0:
         return mx.zeros((0, kvh, head_dim), dtype=dtype)
-    name, impl, run = _impl()
+    _, impl, run = _impl()
     idx = mx.array(host)
     if run is None:
         return impl.kv_q8_read(mx, pool, idx, kvh, head_dim, dtype)

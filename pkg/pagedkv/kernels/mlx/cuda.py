@@ -75,7 +75,7 @@ def _hip_text(source: str) -> str:
 @functools.cache
 def hip_constant(source: str, name: str) -> int:
     """The default of a ``#define NAME <int>`` tuning constant of hip/<source>.hip."""
-    m = re.search(rf"^#define {name} (\d+)", read_source(f"hip/{source}.hip"), re.M)
+    m = re.search(rf"^#define {name} (\d+)", read_source(f"hip/{source}.hip"), re.MULTILINE)
     if m is None:
         raise LookupError(f"hip/{source}.hip defines no integer {name}")
     return int(m.group(1))
