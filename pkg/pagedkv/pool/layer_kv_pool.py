@@ -404,6 +404,26 @@ class LayerKVPool:
             slots = self._table_slots(block_ids, num_tokens)
             return self._storage.gather_layers(slots)
 
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, *,
+                        generation: int | None = None, scale: float | None = None):
+        """Decode attention of one layer straight from the pool: one query token per sequence
+        (``q`` ``[seqs, heads, head_dim]``), GQA, over ``block_tables`` (``int32[seqs,
+        width]``, -1 padded) and ``seq_lens`` (``int32[seqs]``), as
+        :meth:`PagedKVCacheAdapter.prepare_decode <pagedkv.adapter.PagedKVCacheAdapter.prepare_decode>`
+        builds them (pass its ``generation``). Returns ``float32[seqs, heads, head_dim]``;
+        ``scale`` defaults to ``head_dim ** -0.5``.
+
+        MLX pools run :func:`pagedkv.kernels.mlx.paged_attention` (the Metal or CUDA kernel
+        on an MLX GPU, MLX array ops on its CPU), reading K/V where they are: no gather into
+        a contiguous cache. NumPy pools compute the float64 reference
+        (:func:`pagedkv.kernels.reference.paged_attention_decode`)."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            return self._storage.paged_attention(layer, q, block_tables, seq_lens, scale)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -355,12 +355,13 @@ def kv_q8_read(pool, slots, *, dtype=None):
 
 
 def _kv_dtype(mx, pool, name: str) -> str:
-    names = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.uint8: "q8"}
+    names = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.uint8: "q8",
+             mx.float32: "float32"}
     if not isinstance(pool, mx.array):
         raise InvalidArgumentType(f"{name}: expected an mx.array pool, got {type(pool).__name__}")
     if pool.dtype not in names:
-        raise InvalidArgument(f"{name}: dtype {pool.dtype}, expected float16, bfloat16 or uint8 "
-                              f"(q8 records)")
+        raise InvalidArgument(f"{name}: dtype {pool.dtype}, expected float16, bfloat16, uint8 "
+                              f"(q8 records) or float32")
     return names[pool.dtype]
 
 
@@ -371,10 +372,11 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
 
     ``q``: ``[seqs, heads, head_dim]`` (float32, float16 or bfloat16; computed in float32);
     pools: ``[num_blocks, block_size, kv_heads, row]`` of float16, bfloat16 or q8 records
-    (``uint8``, row ``head_dim/32*34``); ``block_tables``: ``int32[seqs, width]`` (-1 past
-    a sequence's blocks, as the adapter builds them); ``seq_lens``: ``int32[seqs]``.
-    ``scale`` defaults to ``head_dim ** -0.5``; ``max_seq_len`` (partitions to launch)
-    to ``max(seq_lens)``. Returns ``float32[seqs, heads, head_dim]``; an empty sequence
+    (``uint8``, row ``head_dim/32*34``), or float32 (test pools: MLX array ops);
+    ``block_tables``: ``int32[seqs, width]`` (-1 past a sequence's blocks, as the adapter
+    builds them); ``seq_lens``: ``int32[seqs]``. ``scale`` defaults to
+    ``head_dim ** -0.5``; ``max_seq_len`` (partitions to launch) to ``max(seq_lens)``.
+    Returns ``float32[seqs, heads, head_dim]``; an empty sequence
     gives zeros. Tables and lengths are checked on the host first."""
     mx = _mx()
     kv_dtype = _kv_dtype(mx, k_pool, "k_pool")
@@ -411,6 +413,9 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     scale = float(head_dim ** -0.5 if scale is None else scale)
     q = q.astype(mx.float32)
     name, impl, run = _impl()
+    if kv_dtype == "float32":  # CPU-test pools (pagedkv.pool.geometry): no kernel reads them
+        from pagedkv.kernels.mlx import array_ops
+        name, impl, run = "ops", array_ops, None
     if name == "cuda":
         from pagedkv.kernels.mlx.cuda import attention_geometry
         gmax = attention_geometry(kv_dtype, heads, kv_heads, head_dim)["gmax"]
