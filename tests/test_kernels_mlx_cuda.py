@@ -48,7 +48,14 @@ def _kvcache_calls(run):
                        run)
 
 
-CALLS = {"weights": _weights_calls, "kvcache": _kvcache_calls}
+# The hip/ text each group of kernels is built on ("quant": compat + quant.h only).
+CALLS = {"weights": _weights_calls, "kvcache": _kvcache_calls, "quant": _weights_calls}
+
+
+def _launches(source: str) -> list:
+    common = cuda._hip_text(source)
+    return [launch for launch in record_launches(CALLS[source])
+            if launch.kernel.header.endswith(common)]
 
 
 def _batched(source: str, launches) -> str:
@@ -62,21 +69,21 @@ def _batched(source: str, launches) -> str:
             continue
         seen.add(launch.kernel.name)
         header = launch.kernel.header
-        assert header.endswith(common)
         decls.append(header[len(cuda._PRELUDE):-len(common)])
         wrapped = mlx_cuda_source(launch)
         bodies.append(wrapped[wrapped.index("namespace mlx::core::cu {\n\nnamespace cg"):])
     return DEFAULT_HEADER + cuda._PRELUDE + "".join(decls) + common + "".join(bodies)
 
 
-@pytest.mark.parametrize("source", ["weights", "kvcache"])
+@pytest.mark.parametrize("source", ["weights", "kvcache", "quant"])
 def test_mlx_wrapped_kernels_compile_with_nvcc_and_keep_their_launch_bounds(source, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("no nvcc")
     import subprocess
 
     from cuda_jit import MLX_STAND_IN
-    launches = record_launches(CALLS[source])
+    launches = _launches(source)
+    assert launches
     path = tmp_path / f"{source}.cu"
     path.write_text(_batched(source, launches))
     done = subprocess.run(["nvcc", "-ptx", "-arch=sm_90a", "-std=c++17", "-I", str(MLX_STAND_IN),

@@ -65,9 +65,12 @@ _DEVICE_KERNELS = """#undef PKV_KERNEL
 
 @functools.cache
 def _hip_text(source: str) -> str:
-    """hip/<source>.hip with its includes inlined and every kernel a device template."""
+    """hip/<source>.hip with its includes inlined and every kernel a device template
+    (``quant``: hip/pagedkv_compat.h and pagedkv/quant.h alone)."""
     done: set[str] = set()
     compat = inline_includes("hip/pagedkv_compat.h", done=done)
+    if source == "quant":
+        return strip_comments(compat + inline_includes("pagedkv/quant.h", done=done))
     body = inline_includes(f"hip/{source}.hip", done=done)
     return strip_comments(compat + _DEVICE_KERNELS + body)
 
@@ -129,22 +132,31 @@ def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
                             (threads,))
         blocks = math.ceil(numel / (span * threads))
     else:
+        # One kernel for every other format (the layout comes in params): NVRTC compiles it
+        # once per output dtype, not once per format.
         threads = 256
         value = "__float2half_rn(v)" if f16 else "v"
         body = (
             "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
             "if (i >= params[0]) return;\n"
-            f"const int64_t g = i / {codec.group_size};\n"
-            f"const uint32_t e = (uint32_t)(i - g * {codec.group_size});\n"
-            f"const uint8_t* blk = raw + g * {codec.group_bytes};\n"
+            "const int family = (int)params[1];\n"
+            "const uint32_t bits = (uint32_t)params[2];\n"
+            "const int64_t G = params[3], B = params[4];\n"
+            "const int64_t g = i / G;\n"
+            "const uint32_t e = (uint32_t)(i - g * G);\n"
+            "const uint8_t* blk = raw + g * B;\n"
             "float s, o;\n"
-            f"pkv_affine_params(blk, {int(codec.family)}, e, &s, &o);\n"
-            f"const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, "
-            f"{codec.bits}u) * s + o;\n"
+            "pkv_affine_params(blk, family, e, &s, &o);\n"
+            "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
+            "* s + o;\n"
             f"out[i] = {value};")
-        src = kernel_source("weights", f"dequant_{codec.name}_{'f16' if f16 else 'f32'}", io_in,
+        src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in,
                             io_out, body, (threads,))
         blocks = math.ceil(numel / threads)
+        return run(Launch(src, [raw, _params(mx, numel, int(codec.family), codec.bits,
+                                             codec.group_size, codec.group_bytes)],
+                          [(numel,)], [out_dtype], grid=(blocks * threads, 1, 1),
+                          threadgroup=(threads, 1, 1)))[0]
     return run(Launch(src, [raw, _params(mx, numel)], [(numel,)], [out_dtype],
                       grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1)))[0]
 
