@@ -20,6 +20,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -39,6 +40,11 @@ def _time(mx, fn, calls: int) -> float:
         mx.synchronize()
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def _cycling(fn, items: list):
+    """``i -> fn(items[i % len(items)])``: each call takes the next copy."""
+    return lambda i: fn(items[i % len(items)])
 
 
 def _copies(mx, make, nbytes: int, gpu: bool) -> list:
@@ -64,21 +70,26 @@ def bench_gemv(mx, K, rows, copy_bw, shapes, batches, gpu):
     for M, N in shapes:
         w = (rng.standard_normal((M, N)) * 0.02).astype(np.float32)
         wq_ref = mx.quantize(mx.array(w).astype(mx.float16), group_size=64, bits=4)
-        refs = _copies(mx, lambda: tuple(mx.array(a) for a in wq_ref), wq_ref[0].nbytes, gpu)
+        refs = _copies(mx, partial(tuple, [mx.array(a) for a in wq_ref]), wq_ref[0].nbytes, gpu)
         for fmt in ("hfq4g256", "mq4g256v2"):
             raw = quant.quantize(w, fmt)
-            packed = _copies(mx, lambda raw=raw, fmt=fmt: K.prepare_gemv(raw, fmt, M, N),
-                             raw.nbytes, gpu)
+            packed = _copies(mx, partial(K.prepare_gemv, raw, fmt, M, N), raw.nbytes, gpu)
             for batch in batches:
                 x = mx.array(rng.standard_normal((batch, N)).astype(np.float32))
-                t = _time(mx, lambda i: K.gemv(packed[i % len(packed)], x), 4 * len(packed))
-                xh = x.astype(mx.float16)
-                t_ref = _time(mx, lambda i: mx.quantized_matmul(
-                    xh, *refs[i % len(refs)], transpose=True, group_size=64, bits=4),
-                    4 * len(refs))
+                t = _time(mx, _cycling(partial(_gemv, K, x=x), packed), 4 * len(packed))
+                qmm = partial(_qmm, mx, x.astype(mx.float16))
+                t_ref = _time(mx, _cycling(qmm, refs), 4 * len(refs))
                 nbytes = raw.nbytes + 4 * batch * (M + N)
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{N}", t, nbytes, copy_bw,
                      {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t})
+
+
+def _gemv(K, weights, x):
+    return K.gemv(weights, x)
+
+
+def _qmm(mx, xh, ref):
+    return mx.quantized_matmul(xh, *ref, transpose=True, group_size=64, bits=4)
 
 
 def bench_dequant(mx, K, rows, copy_bw, shape, gpu):
@@ -88,12 +99,16 @@ def bench_dequant(mx, K, rows, copy_bw, shape, gpu):
     M, N = shape
     for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
         raw = quant.quantize((rng.standard_normal((M, N)) * 0.02).astype(np.float32), fmt)
-        raws = _copies(mx, lambda raw=raw: mx.array(raw), raw.nbytes, gpu)
+        raws = _copies(mx, partial(mx.array, raw), raw.nbytes, gpu)
         for dt, size in ((mx.float16, 2), (mx.float32, 4)):
-            t = _time(mx, lambda i, dt=dt, fmt=fmt: K.dequantize(
-                raws[i % len(raws)], fmt, (M, N), dtype=dt, basis="rotated"), 2 * len(raws))
+            decode = partial(_dequant, K, fmt=fmt, shape=(M, N), dtype=dt)
+            t = _time(mx, _cycling(decode, raws), 2 * len(raws))
             _row(rows, f"dequant {fmt}->{str(dt).rpartition('.')[2]}", f"{M}x{N}", t,
                  raw.nbytes + size * M * N, copy_bw)
+
+
+def _dequant(K, raw, *, fmt, shape, dtype):
+    return K.dequantize(raw, fmt, shape, dtype=dtype, basis="rotated")
 
 
 def bench_fwht(mx, K, rows, copy_bw, n):
@@ -137,8 +152,8 @@ def bench_attention(mx, K, rows, copy_bw, case):
     kc = mx.random.normal((seqs, kvh, tokens, hd)).astype(mx.float16)
     vc = mx.random.normal((seqs, kvh, tokens, hd)).astype(mx.float16)
     mx.eval(kc, vc)
-    t_sdpa = _time(mx, lambda i: mx.fast.scaled_dot_product_attention(
-        qs, kc, vc, scale=hd ** -0.5), 5)
+    sdpa = partial(mx.fast.scaled_dot_product_attention, qs, kc, vc, scale=hd ** -0.5)
+    t_sdpa = _time(mx, _cycling(lambda _: sdpa(), [None]), 5)
     del kc, vc
     for kv_dtype in ("float16", "bfloat16", "q8"):
         if kv_dtype == "q8":
@@ -186,7 +201,7 @@ def main(argv=None) -> int:
     gpu = backend != "ops"
     info = mx.device_info()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"MLX {mx.__version__} on {mx.default_device()} ({info.get('device_name', '?')}, "
+    print(f"MLX {getattr(mx, '__version__', '?')} on {mx.default_device()} ({info.get('device_name', '?')}, "
           f"{info.get('architecture', '?')}); pagedkv kernels: {backend}; {when}", flush=True)
     copy_bw = copy_bandwidth(mx, (1 << 30) if not args.quick else (64 << 20))
     print(f"elementwise copy (read+write): {copy_bw / 1e9:.1f} GB/s", flush=True)
@@ -208,7 +223,7 @@ def main(argv=None) -> int:
         bench_copy_blocks(mx, K, rows, copy_bw, 4096, 2 * 16 * 8 * 128)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mlx": mx.__version__, "device": str(mx.default_device()),
+            json.dump({"mlx": getattr(mx, "__version__", "?"), "device": str(mx.default_device()),
                        "device_info": {k: str(v) for k, v in info.items()}, "backend": backend,
                        "date": when, "copy_GBps": copy_bw / 1e9, "rows": rows}, f, indent=1)
     return 0

@@ -17,6 +17,7 @@ of docs/kernels.md ("MLX dispatch").
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -89,6 +90,7 @@ def backend() -> str:
     return gpu or "ops"
 
 
+@functools.cache
 def _hip_sources_installed() -> bool:
     from pagedkv.kernels.mlx.sources import _locate
     return _locate("hip/kvcache.hip") is not None and _locate("hip/weights.hip") is not None

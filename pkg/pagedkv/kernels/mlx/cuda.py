@@ -109,7 +109,26 @@ def kernel_source(source: str, name: str, inputs: tuple[tuple[str, str], ...],
 
 
 def _params(mx, *values: int):
-    return mx.array(np.asarray(values, dtype=np.int64))
+    """The scalars of a launch as a small ``int64`` input, one array per distinct tuple
+    (a decode step re-launches with the same values: no new host-to-device copy)."""
+    return _cached_params(tuple(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=64)
+def _iota(n: int, dtype: str):
+    """0..n-1 (the slots a launch writes its outputs in order), cached per length."""
+    import mlx.core as mx
+    arr = mx.arange(n, dtype=getattr(mx, dtype))
+    mx.eval(arr)
+    return arr
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_params(values: tuple[int, ...]):
+    import mlx.core as mx
+    arr = mx.array(np.asarray(values, dtype=np.int64))
+    mx.eval(arr)
+    return arr
 
 
 def _io(*pairs) -> tuple[tuple[str, str], ...]:
@@ -227,7 +246,7 @@ def kv_q8_quantize(mx, values, run: Runner):
         _io(("out", mx.uint8)),
         f"pkv_kv_q8_write_{'f16' if f16 else 'f32'}<>({'(const uint16_t*)src' if f16 else 'src'}"
         ", slots, out, (int)params[0], (int)params[1], (int)params[2]);", None)
-    slots = mx.arange(n, dtype=mx.int64)
+    slots = _iota(n, 'int64')
     total = n * kvh * hd
     return run(Launch(src, [values, slots, _params(mx, n, kvh, hd)], [(n, kvh, hd // 32 * 34)],
                       [mx.uint8], grid=(256 * math.ceil(total / 256), 1, 1),
@@ -320,7 +339,7 @@ def gather_blocks(mx, src, src_ids, run: Runner):
         f"pkv_{name}<>(src, src_ids, dst_ids, out, (int)params[0], params[1]);", None)
     units = block_bytes // 16 if vec else block_bytes
     gx, gy = min(math.ceil(units / 256), 64), min(n, 65535)
-    return run(Launch(kernel, [flat, src_ids, mx.arange(n, dtype=mx.int32),
+    return run(Launch(kernel, [flat, src_ids, _iota(n, 'int32'),
                                _params(mx, n, block_bytes)], [(n, block_bytes)], [mx.uint8],
                       grid=(256 * gx, gy, 1), threadgroup=(256, 1, 1)))[0]
 

@@ -98,8 +98,18 @@ def _kernels() -> dict[str, KernelSource]:
     }
 
 
-def _params(mx, *values: int) -> object:
-    return mx.array(np.asarray(values, dtype=np.int32))
+def _params(mx, *values: int):
+    """The scalars of a launch as a small ``int32`` input, one array per distinct tuple
+    (a decode step re-launches with the same values: no new host-to-device copy)."""
+    return _cached_params(tuple(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_params(values: tuple[int, ...]):
+    import mlx.core as mx
+    arr = mx.array(np.asarray(values, dtype=np.int32))
+    mx.eval(arr)
+    return arr
 
 
 def layout_id(codec) -> int:
