@@ -194,3 +194,16 @@ def test_copy_blocks_copies_bytes_and_refuses_bad_ids():
         K.copy_blocks(mx.array(src), [0], [5], mx.array(dst))
     with pytest.raises(InvalidArgument, match="bytes per block differ"):
         K.copy_blocks(mx.array(src), [0], [0], mx.zeros((5, 3), dtype=mx.uint8))
+
+
+def test_the_mlx_dispatch_example_of_docs_kernels_runs(capsys):
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
+    if not page.is_file():
+        pytest.skip("docs/ is not next to the tests")
+    text = page.read_text(encoding="utf-8")
+    section = text[text.index("## MLX dispatch"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", section.index(
+        "```python\n") + 10)]
+    exec(compile(code, "docs/kernels.md", "exec"), {"__name__": "docs_kernels_mlx"})
+    assert capsys.readouterr().out.splitlines() == ["ops (2, 64)", "(2, 4, 64)"]
