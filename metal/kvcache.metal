@@ -108,7 +108,7 @@ inline void pkv_paged_attention_thread(
   }
   float m[GMAX], l[GMAX], acc[GMAX][D];
   for (int g = 0; g < GMAX; ++g) {
-    m[g] = -INFINITY;
+    m[g] = PKV_LOWEST_FLOAT;
     l[g] = 0.0f;
     for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
   }
@@ -143,7 +143,7 @@ inline void pkv_paged_attention_thread(
   for (int g = 0; g < GMAX; ++g) {
     float mm = sm_m[g];
     for (int s = 1; s < PKV_ATTN_SIMDGROUPS; ++s) mm = max(mm, sm_m[s * GMAX + g]);
-    w[g] = exp(m[g] - mm);  // 0 for a simdgroup that saw no token (m = -inf)
+    w[g] = exp(m[g] - mm);  // 0 for a simdgroup that saw no token (m: the lowest float)
   }
   for (int s = 0; s < PKV_ATTN_SIMDGROUPS; ++s) {
     if (int(simdgroup) == s) {
@@ -181,7 +181,7 @@ inline void pkv_paged_attention_reduce_thread(F part_out, F part_max, F part_sum
   if (d >= head_dim) return;
   const int n_parts = (seq_lens[seq] + PKV_ATTN_PARTITION - 1) / PKV_ATTN_PARTITION;
   const int64_t hp = (int64_t(seq) * num_heads + h) * max_partitions;
-  float mm = -INFINITY;
+  float mm = PKV_LOWEST_FLOAT;
   for (int p = 0; p < n_parts; ++p) mm = max(mm, part_max[hp + p]);
   float denom = 0.0f, s = 0.0f;
   for (int p = 0; p < n_parts; ++p) {

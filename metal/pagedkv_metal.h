@@ -24,6 +24,10 @@ using namespace metal;
 // and the Q8F16 blocks, which are not affine (signed codes, no offset).
 #define PKV_LAYOUT_Q8F16 4
 
+// The running max of a softmax starts at the lowest finite float, not -INFINITY: Metal
+// compiles with fast math, which may assume no infinities (exp of it is still 0).
+#define PKV_LOWEST_FLOAT (-3.40282347e38f)
+
 // Threadgroup arrays are declared at kernel scope (Metal allows them nowhere else);
 // the Linux shim turns them into statics shared by the emulated threads.
 #ifndef PKV_SHARED

@@ -207,3 +207,19 @@ def test_the_mlx_dispatch_example_of_docs_kernels_runs(capsys):
         "```python\n") + 10)]
     exec(compile(code, "docs/kernels.md", "exec"), {"__name__": "docs_kernels_mlx"})
     assert capsys.readouterr().out.splitlines() == ["ops (2, 64)", "(2, 4, 64)"]
+
+
+@pytest.mark.parametrize("which", ["metal", "cuda"])
+def test_the_gpu_runners_reach_mlx_with_accepted_arguments(which):
+    """On MLX's CPU the custom-kernel calls get as far as MLX's 'no backend' error: every
+    keyword (template, grid, threadgroup, output shapes and dtypes, init_value) passed
+    MLX's own argument checks."""
+    if mx.default_device().type == mx.gpu:
+        pytest.skip("MLX's default device is a GPU")
+    from pagedkv.kernels.mlx import cuda, launch, metal
+    from pagedkv.quant.formats import resolve
+    codec = resolve("hfq4g256")
+    mod, run = (metal, launch.run_metal) if which == "metal" else (cuda, launch.run_cuda)
+    raw = mx.zeros((codec.nbytes(256),), dtype=mx.uint8)
+    with pytest.raises(RuntimeError, match=rf"\[{which}_kernel\] No (Metal|CUDA) back-end"):
+        mx.eval(mod.dequantize(mx, raw, codec, 256, mx.float32, launch.poisoning(run)))
