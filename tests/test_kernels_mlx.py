@@ -205,7 +205,7 @@ def test_the_mlx_dispatch_example_of_docs_kernels_runs(capsys):
     section = text[text.index("## MLX dispatch"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index(
         "```python\n") + 10)]
-    exec(compile(code, "docs/kernels.md", "exec"), {"__name__": "docs_kernels_mlx"})
+    exec(compile(code, "docs/kernels.md", "exec"), {"__name__": "docs_kernels_mlx"})  # noqa: S102 (our docs)
     assert capsys.readouterr().out.splitlines() == ["ops (2, 64)", "(2, 4, 64)"]
 
 
@@ -223,3 +223,19 @@ def test_the_gpu_runners_reach_mlx_with_accepted_arguments(which):
     raw = mx.zeros((codec.nbytes(256),), dtype=mx.uint8)
     with pytest.raises(RuntimeError, match=rf"\[{which}_kernel\] No (Metal|CUDA) back-end"):
         mx.eval(mod.dequantize(mx, raw, codec, 256, mx.float32, launch.poisoning(run)))
+
+
+def test_paged_attention_unchecked_takes_mlx_tables_and_gives_the_same_result():
+    rng, seed = fresh_rng()
+    q, kp, vp, tables, lens, expect = attention_case(rng, "q8", seqs=3, heads=8, kv_heads=2,
+                                                     head_dim=64, block_size=16,
+                                                     lens=[90, 0, 33])
+    t, s = mx.array(tables), mx.array(lens)
+    got = K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t, s, check=False)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+    with pytest.raises(InvalidArgument, match=r"block_tables: dtype mlx.core.int64"):
+        K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t.astype(mx.int64), s,
+                          check=False)
+    with pytest.raises(InvalidArgument, match=r"shapes \(3, 7\)/\(2,\)"):
+        K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t, s[:2], check=False)

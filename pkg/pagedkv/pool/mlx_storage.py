@@ -126,11 +126,11 @@ class MlxKVStorage:
 
     # -- decode attention ------------------------------------------------------------------
 
-    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale):
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale, check: bool = True):
         """pagedkv.kernels.mlx.paged_attention over this layer's K/V (reshapes: no copy)."""
         from pagedkv.kernels.mlx import paged_attention
         k, v = self.layer(layer)
-        return paged_attention(q, k, v, block_tables, seq_lens, scale=scale)
+        return paged_attention(q, k, v, block_tables, seq_lens, scale=scale, check=check)
 
     # -- block I/O -------------------------------------------------------------------------
 

@@ -93,9 +93,10 @@ class NumpyKVStorage:
 
     # -- decode attention ------------------------------------------------------------------
 
-    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale) -> np.ndarray:
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale,
+                        check: bool = True) -> np.ndarray:
         """The float64 NumPy reference over this layer (the oracle the kernels are tested
-        against; correct, not fast)."""
+        against; correct, not fast). The tables are always checked."""
         from pagedkv.kernels.kvcache import check_decode_batch
         from pagedkv.kernels.reference import paged_attention_decode
         g = self.geometry

@@ -368,7 +368,7 @@ def _kv_dtype(mx, pool, name: str) -> str:
 
 
 def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float | None = None,
-                    max_seq_len: int | None = None):
+                    max_seq_len: int | None = None, check: bool = True):
     """Decode attention over a paged KV cache: one query token per sequence, GQA (query head
     ``h`` reads KV head ``h // (heads // kv_heads)``).
 
@@ -378,8 +378,13 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     ``block_tables``: ``int32[seqs, width]`` (-1 past a sequence's blocks, as the adapter
     builds them); ``seq_lens``: ``int32[seqs]``. ``scale`` defaults to
     ``head_dim ** -0.5``; ``max_seq_len`` (partitions to launch) to ``max(seq_lens)``.
-    Returns ``float32[seqs, heads, head_dim]``; an empty sequence
-    gives zeros. Tables and lengths are checked on the host first."""
+    Returns ``float32[seqs, heads, head_dim]``; an empty sequence gives zeros.
+
+    ``check=True`` checks every used table entry and length on the host
+    (:func:`pagedkv.kernels.kvcache.check_decode_batch`; the kernels read the ids
+    unchecked). A model's decode step checks its batch once and passes the same
+    ``mx.array`` tables to every layer with ``check=False`` and ``max_seq_len`` (without
+    it the longest length is read back from the device)."""
     mx = _mx()
     kv_dtype = _kv_dtype(mx, k_pool, "k_pool")
     if _kv_dtype(mx, v_pool, "v_pool") != kv_dtype or v_pool.shape != k_pool.shape:
@@ -400,18 +405,28 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     if kv_heads < 1 or heads % kv_heads or heads // kv_heads > 8:
         raise InvalidArgument(f"q/k_pool: {heads} query heads over {kv_heads} KV heads; heads "
                               f"must be 1..8 times kv_heads")
-    tables = _host_ints("block_tables", block_tables, np.int32)
-    lens = _host_ints("seq_lens", seq_lens, np.int32)
-    from pagedkv.kernels.kvcache import check_decode_batch
-    if tables.ndim != 2 or tables.shape[0] != seqs:
-        raise InvalidArgument(f"block_tables: shape {tables.shape}, expected [{seqs}, width]")
-    check_decode_batch(tables, lens, num_blocks=num_blocks, block_size=block_size)
-    longest = int(lens.max()) if lens.size else 0
+    if check:
+        tables = _host_ints("block_tables", block_tables, np.int32)
+        lens = _host_ints("seq_lens", seq_lens, np.int32)
+        from pagedkv.kernels.kvcache import check_decode_batch
+        if tables.ndim != 2 or tables.shape[0] != seqs:
+            raise InvalidArgument(f"block_tables: shape {tables.shape}, expected [{seqs}, "
+                                  f"width]")
+        check_decode_batch(tables, lens, num_blocks=num_blocks, block_size=block_size)
+        longest = int(lens.max()) if lens.size else 0
+        if max_seq_len is not None and max_seq_len < longest:
+            raise InvalidArgument(f"max_seq_len={max_seq_len} is below the longest sequence "
+                                  f"({longest})")
+        t, s = mx.array(tables), mx.array(lens)
+    else:
+        t = _array(mx, "block_tables", block_tables, (mx.int32,), "int32 [seqs, width]")
+        s = _array(mx, "seq_lens", seq_lens, (mx.int32,), "int32 [seqs]")
+        if t.ndim != 2 or t.shape[0] != seqs or s.shape != (seqs,):
+            raise InvalidArgument(f"block_tables/seq_lens: shapes {tuple(t.shape)}/"
+                                  f"{tuple(s.shape)}, expected [{seqs}, width]/[{seqs}]")
+        longest = int(s.max().item()) if max_seq_len is None and seqs else 0
     if max_seq_len is None:
         max_seq_len = max(longest, 1)
-    elif max_seq_len < longest:
-        raise InvalidArgument(f"max_seq_len={max_seq_len} is below the longest sequence "
-                              f"({longest})")
     scale = float(head_dim ** -0.5 if scale is None else scale)
     q = q.astype(mx.float32)
     name, impl, run = _impl()
@@ -426,7 +441,6 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
                                   f"per KV head: the CUDA kernel takes at most "
                                   f"{head_dim // 8}")
     args: dict[str, Any] = {"kv_dtype": kv_dtype, "scale": scale, "max_seq_len": max_seq_len}
-    t, s = mx.array(tables), mx.array(lens)
     if run is None:
         return impl.paged_attention(mx, q, k_pool, v_pool, t, s, **args)
     return impl.paged_attention(mx, q, k_pool, v_pool, t, s, run=run, **args)
