@@ -43,3 +43,20 @@ def test_gemv_rows_have_mlx_quantized_matmul_next_to_them():
 def test_the_suite_is_registered():
     from pagedkv.bench.__main__ import SUITES
     assert SUITES["mlx"] == "pagedkv.bench.mlx"
+
+
+def test_asv_tracks_rows_the_bench_emits_and_skips_on_the_array_ops_path(monkeypatch):
+    from kernels_support import load_tree_script
+    asv = load_tree_script("asv_bench/benchmarks/mlx_kernels.py", "pagedkv_asv_mlx")
+    rows = []
+    bench.bench_gemv(mx, K, rows, 1e9, [(16, 256)], (1, 8), gpu=False)
+    bench.bench_attention(mx, K, rows, 1e9, {**bench.ATTENTION_CASE, "seqs": 1, "tokens": 32,
+                                             "kv_heads": 2, "heads": 4, "head_dim": 32})
+    names = {r["kernel"] for r in rows}
+    assert {row.split(" | ")[0] for row in asv.RATIO_ROWS + asv.BANDWIDTH_ROWS} <= names
+    assert set(asv.by_row(rows, "speedup_vs_mlx")) == {
+        f"gemv {f} b{b} | 16x256" for f in ("hfq4g256", "mq4g256v2") for b in (1, 8)}
+    monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "ops")
+    for suite in (asv.MlxVsMlx(), asv.MlxBandwidth()):
+        with pytest.raises(NotImplementedError, match="array ops"):
+            suite.setup_cache()
