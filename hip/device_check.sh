@@ -4,6 +4,11 @@
 # Usage on the GPU machine, from the unpacked source tree: bash hip/device_check.sh
 # SANITIZE=1 also runs the GPU tests under compute-sanitizer memcheck and racecheck, after
 # proving the tool sees ctypes launches (hip/sanitizer_probe.py); BENCH=0 skips the bench.
+# MLX=1 also runs pagedkv.kernels.mlx on MLX's CUDA backend: its tests (tests/
+# test_kernels_mlx*.py, test_pool_paged_attention.py) and `python -m pagedkv.bench mlx`
+# (bench_mlx.json), with the mlx and mlx-cuda-13 wheels installed in /tmp/mlxsite
+# (docs/kernels.md, "MLX dispatch": how to bring the wheels over). MLX_ONLY=1 skips the
+# ctypes GPU tests and bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +24,18 @@ python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/w . >"$OUT/build.
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
 export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
+if [ "${MLX:-0}" = 1 ]; then
+  [ -d /tmp/mlxsite/mlx ] || { echo "MLX=1: no mlx in /tmp/mlxsite; install the mlx and mlx-cuda-13 wheels there first"; exit 1; }
+  MLXPATH=/tmp/pkv:/tmp/site:/tmp/mlxsite
+  PYTHONPATH=$MLXPATH python3 -c "import mlx.core as mx, pagedkv.kernels.mlx as k; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('architecture'), 'kernels:', k.backend())" 2>&1 | tee "$OUT/mlx_device.txt"
+  cd tests
+  PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider test_kernels_mlx_gpu.py \
+    test_kernels_mlx.py test_pool_paged_attention.py 2>&1 | tee "$OUT/pytest_mlx.log" | tail -25
+  cd ..
+  PYTHONPATH=$MLXPATH timeout ${MLX_BENCH_TIMEOUT:-420} python3 -m pagedkv.bench mlx \
+    --json "$OUT/bench_mlx.json" 2>&1 | tee "$OUT/bench_mlx.log"
+  [ "${MLX_ONLY:-0}" = 1 ] && exit 0
+fi
 cd tests
 PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -m gpu -p no:cacheprovider \
   2>&1 | tee "$OUT/pytest_gpu.log" | tail -25

@@ -411,6 +411,31 @@ class LayerKVPool:
         with self._lock:
             self._storage.flush()
 
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, *,
+                        generation: int | None = None, scale: float | None = None,
+                        check: bool = True):
+        """Decode attention of one layer straight from the pool: one query token per sequence
+        (``q`` ``[seqs, heads, head_dim]``), GQA, over ``block_tables`` (``int32[seqs,
+        width]``, -1 padded) and ``seq_lens`` (``int32[seqs]``), as
+        :meth:`PagedKVCacheAdapter.prepare_decode <pagedkv.adapter.PagedKVCacheAdapter.prepare_decode>`
+        builds them (pass its ``generation``). Returns ``float32[seqs, heads, head_dim]``;
+        ``scale`` defaults to ``head_dim ** -0.5``.
+
+        MLX pools run :func:`pagedkv.kernels.mlx.paged_attention` (the Metal or CUDA kernel
+        on an MLX GPU, MLX array ops on its CPU), reading K/V where they are: no gather into
+        a contiguous cache. NumPy pools compute the float64 reference
+        (:func:`pagedkv.kernels.reference.paged_attention_decode`). ``check=False`` skips
+        the host check of the table entries on MLX pools: for a decode step that checked
+        its batch once (``pagedkv.kernels.kvcache.check_decode_batch``) and passes the same
+        ``mx.array`` tables to every layer."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            return self._storage.paged_attention(layer, q, block_tables, seq_lens, scale,
+                                                 check)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
