@@ -314,6 +314,7 @@ def test_a_hybrid_model_never_persists_under_a_family_without_its_state(tmp_path
 
 def test_the_core_never_imports_the_cold_tier():
     code = ("import sys, pagedkv.adapter, pagedkv.coordinator, pagedkv.reference; "
+            "import pagedkv.reference.hybrid_paged, pagedkv.reference.hybrid_serving; "
             "print(sorted(m for m in sys.modules if m.startswith('pagedkv.cold')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
