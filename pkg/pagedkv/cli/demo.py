@@ -6,7 +6,8 @@ steps through one paged adapter whose pool starts small and grows on demand. Ful
 persisted to a cold tier on a local directory (``./.pagedkv-demo``), so the next run restores
 the shared prefix from disk. The table shows what the cache did; every output is then
 recomputed alone on a flat cache and must be byte-identical (tokens and logits), else the
-exit status is 1.
+exit status is 1. ``--model hybrid`` runs the same session on the hybrid reference model
+(``pagedkv.cli.demo_hybrid``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve N requests that share a system prompt and a few-shot preamble "
                     "through the paged KV cache (prefix reuse, interleaved decode, growth), "
                     "print what the cache did, and check every output against the flat path.")
+    p.add_argument("--model", choices=("reference", "hybrid"), default="reference",
+                   help="reference: every layer full attention; hybrid: full, sliding-window "
+                        "and gated-delta-net layers and a KV-shared alias, served by the "
+                        "grouped coordinator (reference)")
     p.add_argument("--requests", type=_positive, default=16, help="number of requests (16)")
     p.add_argument("--system-tokens", type=_non_negative, default=64,
                    help="shared system prompt length in tokens (64)")
@@ -145,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if args.restart_child:
         from pagedkv.cli.demo_restart import run_child
         return run_child(args)
+    if args.model == "hybrid":
+        from pagedkv.cli.demo_hybrid import run_hybrid
+        return run_hybrid(args)
 
     try:
         model = ReferenceModel(ReferenceConfig(seed=args.seed), backend=args.backend)

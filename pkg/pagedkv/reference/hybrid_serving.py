@@ -36,7 +36,8 @@ __all__ = ["HybridSessionReport", "install_hit_state", "serve_hybrid"]
 @dataclass
 class HybridSessionReport(SessionReport):
     """:class:`~pagedkv.reference.serving.SessionReport` plus, per group (group id order),
-    its kind, pool blocks and the most blocks it had allocated at once; the sliding blocks
+    its kind, pool blocks and the most blocks rows held at once (cache-only blocks
+    excluded); the sliding blocks
     the prunes returned to the null sentinel; the checkpoints the prefills published; and
     how many hits came with a hot checkpoint or a restored cold sidecar."""
 
@@ -142,8 +143,8 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
 
     def note_peaks() -> None:
         for i, g in enumerate(cache.groups):
-            report.group_peak_blocks[i] = max(report.group_peak_blocks[i],
-                                              g.allocator.num_allocated_blocks)
+            held = g.allocator.num_allocated_blocks - g.allocator.num_evictable_blocks
+            report.group_peak_blocks[i] = max(report.group_peak_blocks[i], held)
 
     def prefill(admission) -> None:
         state: _Running = admission.request.payload
@@ -156,6 +157,11 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
         source = install_hit_state(kv, hit, cold_codec)
         report.hot_state_hits += source == "hot"
         report.cold_state_restores += source == "cold"
+        if source == "cold" and store is not None and kv.sliding_rows_live():
+            # The restored state becomes a hot checkpoint: later requests sharing the prefix
+            # resume from memory (the full blocks are hot now, so the disk is not asked).
+            report.checkpoints_published += store.publish(
+                prompt, hit.cached_tokens, kv.snapshot(), cache_salt=r.cache_salt, owner=seq)
         cuts = rule(len(prompt), hit.cached_tokens, bs) if store is not None else []
         logits = None
         for a, b in prefill_ranges(len(prompt), prefill_chunk_tokens, cuts,
