@@ -143,19 +143,13 @@ def check_sizes(args: argparse.Namespace, max_position: int) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from pagedkv.reference import ReferenceConfig, ReferenceModel
-    from pagedkv.reference.serving import build_paged_adapter, check_parity, serve
-
-    if args.restart_child:
-        from pagedkv.cli.demo_restart import run_child
-        return run_child(args)
-    if args.model == "hybrid":
-        from pagedkv.cli.demo_hybrid import run_hybrid
-        return run_hybrid(args)
+def prepare_session(args: argparse.Namespace, config):
+    """``(model, requests)`` for ``config`` on ``--backend``, or the exit status (2) after
+    printing why these options cannot run."""
+    from pagedkv.reference import ReferenceModel
 
     try:
-        model = ReferenceModel(ReferenceConfig(seed=args.seed), backend=args.backend)
+        model = ReferenceModel(config, backend=args.backend)
     except ImportError as e:
         print(f"pagedkv demo: error: backend {args.backend!r} is not available here: {e}",
               file=sys.stderr)
@@ -164,7 +158,39 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"pagedkv demo: error: {problem}", file=sys.stderr)
         return 2
-    requests = build_requests(args, model.config.vocab_size)
+    return model, build_requests(args, model.config.vocab_size)
+
+
+def print_parity(model, requests, outputs) -> bool:
+    """Recompute every request alone on a flat cache; print the verdict; whether all match."""
+    from pagedkv.reference.serving import check_parity
+
+    bad = check_parity(model, requests, outputs)
+    if bad:
+        print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
+              f"({', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}): the paged "
+              "output differs from the flat path")
+        return False
+    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
+          "path: tokens and logits)")
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.reference import ReferenceConfig
+    from pagedkv.reference.serving import build_paged_adapter, serve
+
+    if args.restart_child:
+        from pagedkv.cli.demo_restart import run_child
+        return run_child(args)
+    if args.model == "hybrid":
+        from pagedkv.cli.demo_hybrid import run_hybrid
+        return run_hybrid(args)
+
+    prepared = prepare_session(args, ReferenceConfig(seed=args.seed))
+    if isinstance(prepared, int):
+        return prepared
+    model, requests = prepared
     try:
         cold_tier = cold_tier_for(args, model)
     except ValueError as e:
@@ -185,13 +211,7 @@ def run(args: argparse.Namespace) -> int:
     for line in format_table(report_rows(report, requests, args)):
         print(line)
     print()
-    bad = check_parity(model, requests, report.outputs)
-    if bad:
-        print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
-              f"({', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}): the paged "
-              "output differs from the flat path")
+    if not print_parity(model, requests, report.outputs):
         return 1
-    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
-          "path: tokens and logits)")
     from pagedkv.cli.demo_restart import run_restart_phase
     return run_restart_phase(args)

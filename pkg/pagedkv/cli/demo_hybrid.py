@@ -92,29 +92,21 @@ def report_rows(report, requests, args: argparse.Namespace, sidecars) -> list[li
 
 def run_hybrid(args: argparse.Namespace) -> int:
     """The demo on the hybrid model; exit status as the default demo's."""
-    from pagedkv.cli.demo import build_requests, check_sizes
+    from pagedkv.cli.demo import prepare_session, print_parity
     from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
-    from pagedkv.reference import HybridConfig, ReferenceModel
+    from pagedkv.reference import HybridConfig
     from pagedkv.reference.hybrid_paged import build_hybrid_coordinator
     from pagedkv.reference.hybrid_serving import serve_hybrid
-    from pagedkv.reference.serving import check_parity
 
     if args.restart:
         print("pagedkv demo: error: --restart is the reference model's; run `pagedkv demo "
               "--model hybrid` twice on one --cold-dir instead (the second run restores)",
               file=sys.stderr)
         return 2
-    try:
-        model = ReferenceModel(HybridConfig(seed=args.seed), backend=args.backend)
-    except ImportError as e:
-        print(f"pagedkv demo: error: backend {args.backend!r} is not available here: {e}",
-              file=sys.stderr)
-        return 2
-    problem = check_sizes(args, model.config.max_position)
-    if problem:
-        print(f"pagedkv demo: error: {problem}", file=sys.stderr)
-        return 2
-    requests = build_requests(args, model.config.vocab_size)
+    prepared = prepare_session(args, HybridConfig(seed=args.seed))
+    if isinstance(prepared, int):
+        return prepared
+    model, requests = prepared
     try:
         ctx, source = _cold_context(args, model)
     except ValueError as e:
@@ -151,14 +143,8 @@ def run_hybrid(args: argparse.Namespace) -> int:
         print(line)
     print()
     cache.check_invariants()
-    bad = check_parity(model, requests, report.outputs)
-    if bad:
-        print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
-              f"({', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}): the paged "
-              "output differs from the flat path")
+    if not print_parity(model, requests, report.outputs):
         return 1
-    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
-          "path: tokens and logits)")
     if ctx is not None:
         s = ctx.stats()
         ctx.tier.close()

@@ -19,6 +19,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.reference.hybrid_config import FULL_ATTENTION, LINEAR_ATTENTION, HybridConfig
+from pagedkv.reference.hybrid_kv import LinearStateHolder
 from pagedkv.reference.hybrid_state import HybridSnapshot
 
 __all__ = ["HybridPagedKV", "build_hybrid_coordinator", "hybrid_layer_specs"]
@@ -70,7 +71,7 @@ def build_hybrid_coordinator(config: HybridConfig, *, block_size: int = 8,
         max_blocks_per_group=max_blocks_per_group)
 
 
-class HybridPagedKV:
+class HybridPagedKV(LinearStateHolder):
     """One sequence of a grouped coordinator as the hybrid model's KV path.
 
     ``extend`` records tokens in every group (after pointing the sliding entries no later
@@ -91,28 +92,13 @@ class HybridPagedKV:
         self.config = config
         self._backend = backend
         self._sliding = tuple(config.physical_sliding_layers)
-        self._states: dict[int, tuple[Any, Any]] = {}
         #: Sliding blocks this path's prunes returned to the null sentinel.
         self.blocks_nulled = 0
-        self.reset_states()
+        self._zero_linear_states()
 
     def __repr__(self) -> str:
         return (f"HybridPagedKV(seq_id={self.seq_id!r}, num_tokens={self.num_tokens}, "
                 f"backend={self._backend!r})")
-
-    def _to_backend(self, a: np.ndarray) -> Any:
-        if self._backend == "mlx":
-            import mlx.core as mx
-            return mx.array(a)
-        return a
-
-    def reset_states(self) -> None:
-        """Zero every linear layer's state (a sequence that starts at token 0)."""
-        c = self.config
-        for layer in c.linear_attention_layers:
-            self._states[layer] = (self._to_backend(np.zeros(c.conv_state_shape, np.float32)),
-                                   self._to_backend(np.zeros(c.recurrent_state_shape,
-                                                             np.float32)))
 
     # --- HybridKVPath ------------------------------------------------------------------------
 
@@ -131,22 +117,6 @@ class HybridPagedKV:
     def read(self, layer: int, first: int = 0) -> tuple[Any, Any]:
         return self.cache.gather_kv(self.seq_id, layer, start=first)
 
-    def linear_state(self, layer: int) -> tuple[Any, Any]:
-        state = self._states.get(layer)
-        if state is None:
-            raise InvalidArgument(self._not_linear(layer))
-        return state
-
-    def set_linear_state(self, layer: int, conv_state: Any, recurrent_state: Any) -> None:
-        if layer not in self._states:
-            raise InvalidArgument(self._not_linear(layer))
-        self._states[layer] = conv_state, recurrent_state
-
-    def _not_linear(self, layer: int) -> str:
-        kinds = self.config.layer_types
-        kind = kinds[layer] if 0 <= layer < len(kinds) else "missing"
-        return f"layer {layer} ({kind}) has no recurrent state: it is not {LINEAR_ATTENTION}"
-
     # --- state at a boundary -----------------------------------------------------------------
 
     def snapshot(self) -> HybridSnapshot:
@@ -162,10 +132,7 @@ class HybridPagedKV:
             k, v = self.cache.gather_kv(self.seq_id, layer, start=first)
             keys.append(np.asarray(k).transpose(1, 0, 2))
             values.append(np.asarray(v).transpose(1, 0, 2))
-        linear = c.linear_attention_layers
-        return HybridSnapshot.build(c, b, [np.asarray(self._states[i][0]) for i in linear],
-                                    [np.asarray(self._states[i][1]) for i in linear], keys,
-                                    values)
+        return HybridSnapshot.build(c, b, *self._linear_arrays(), keys, values)
 
     def install_linear_states(self, boundary_tokens: int, conv_states, recurrent_states
                               ) -> None:
@@ -193,8 +160,7 @@ class HybridPagedKV:
                     f"expected float32{c.conv_state_shape} / float32{c.recurrent_state_shape}")
             checked.append((layer, conv, rec))
         for layer, conv, rec in checked:
-            self._states[layer] = (self._to_backend(np.array(conv)),
-                                   self._to_backend(np.array(rec)))
+            self._install_linear_state(layer, conv, rec)
         self.cache.confirm_aux_prefix_primed(self.seq_id, b)
 
     def sliding_rows_live(self) -> bool:

@@ -28,8 +28,14 @@ import numpy as np
 from pagedkv.errors import AuxStateUnconfirmed, InvalidArgument, InvalidArgumentType
 from pagedkv.reference.hybrid_config import HybridConfig
 from pagedkv.reference.hybrid_paged import HybridPagedKV
-from pagedkv.reference.model import Generation, ReferenceModel
-from pagedkv.reference.serving import Request, SessionReport
+from pagedkv.reference.model import ReferenceModel
+from pagedkv.reference.serving import (
+    Request,
+    RunningRequest,
+    SessionReport,
+    count_admission,
+    run_session,
+)
 
 __all__ = ["HybridSessionReport", "install_hit_state", "serve_hybrid"]
 
@@ -48,26 +54,6 @@ class HybridSessionReport(SessionReport):
     checkpoints_published: int = 0
     hot_state_hits: int = 0
     cold_state_restores: int = 0
-
-
-class _Running:
-    __slots__ = ("kv", "logits", "request", "tokens")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.kv: HybridPagedKV | None = None
-        self.tokens: list[int] = []
-        self.logits: list[np.ndarray] = []
-
-    def take(self, logits: np.ndarray) -> int:
-        self.logits.append(logits)
-        token = int(np.argmax(logits))
-        self.tokens.append(token)
-        return token
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens) >= self.request.max_new_tokens
 
 
 def install_hit_state(kv: HybridPagedKV, lookup, cold_codec=None) -> str:
@@ -139,7 +125,7 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
                                    prefill_chunk_tokens=prefill_chunk_tokens)
     for r in requests:
         scheduler.add(r.seq_id, r.prompt, r.max_new_tokens, cache_salt=r.cache_salt,
-                      payload=_Running(r))
+                      payload=RunningRequest(r))
 
     def note_peaks() -> None:
         for i, g in enumerate(cache.groups):
@@ -147,9 +133,8 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
             report.group_peak_blocks[i] = max(report.group_peak_blocks[i], held)
 
     def prefill(admission) -> None:
-        state: _Running = admission.request.payload
-        state.tokens.clear()
-        state.logits.clear()
+        state: RunningRequest = admission.request.payload
+        state.restart()
         r = state.request
         seq, prompt, hit = r.seq_id, np.asarray(r.prompt), admission.lookup
         kv = state.kv = HybridPagedKV(cache, seq, config, model.backend)
@@ -177,40 +162,18 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
         assert logits is not None
         report.sliding_blocks_nulled += kv.blocks_nulled
         state.take(logits[-1])
-        report.prefill_seconds += time.perf_counter() - t0
-        report.prompt_tokens += len(prompt)
-        report.cached_tokens += hit.cached_tokens
-        report.hit_requests += hit.cached_tokens > 0
-        report.blocks_shared += len(hit.hot_blocks) + len(hit.restored_blocks)
+        count_admission(report, len(prompt), hit, time.perf_counter() - t0)
 
-    while scheduler.has_work:
-        while (admission := scheduler.admit_next()) is not None:
-            prefill(admission)
-        for request in [q for q in scheduler.running if q.payload.done]:
-            state = request.payload
-            scheduler.finish(request.seq_id, register=True)
-            report.outputs[request.seq_id] = Generation(np.asarray(state.tokens, np.int64),
-                                                        np.stack(state.logits))
-            scheduler.max_running = max_batch
-        if not scheduler.running:
-            continue
-        t0 = time.perf_counter()
-        scheduler.record_decode_step(lambda q: q.payload.tokens[-1])
-        if not scheduler.running:
-            continue
-        seqs = [q.seq_id for q in scheduler.running]
-        cache.prepare_decode(seqs)
-        t1 = time.perf_counter()
-        for request in scheduler.running:
-            state = request.payload
-            state.take(model.forward(state.tokens[-1:], state.kv, already_recorded=True)[-1])
+    def decode(request) -> np.ndarray:
+        state = request.payload
+        return model.forward(state.tokens[-1:], state.kv, already_recorded=True)[-1]
+
+    def after_step(seqs) -> None:
         note_peaks()
         report.sliding_blocks_nulled += cache.prune_sliding(seqs)
-        t2 = time.perf_counter()
-        report.decode_steps += 1
-        report.bookkeeping_seconds += t1 - t0
-        report.decode_seconds += t2 - t0
-    report.preemptions = scheduler.num_preemptions
+
+    run_session(scheduler, cache, report, prefill=prefill, decode=decode,
+                max_batch=max_batch, after_step=after_step)
     stats = cache.stats()
     report.blocks_allocated = stats["blocks_allocated"] - stats0["blocks_allocated"]
     report.grow_events = stats["grow_events"] - stats0["grow_events"]
