@@ -270,3 +270,30 @@ def test_reservations_above_the_max_pool_name_the_numbers_and_change_nothing():
     with pytest.raises(CapacityExceeded, match="request requires 13 paged blocks"):
         RecomputeScheduler(cache).add("big", np.arange(96), 8)
     _unchanged(cache, before)
+
+
+def test_a_sliding_codec_of_another_window_than_the_groups_restores_nothing(tmp_path):
+    """The context's sliding codec (window 32) disagrees with the coordinator's sliding group
+    (window 24): the grouped restore refuses before touching any group, the lookup counts a
+    restore error and keeps its (empty) hot hit."""
+    other = SlidingWindowCodec(window=32, num_layers=2, kv_heads=2, head_dim=16,
+                               dtype="float32")
+    with open_tier(tmp_path) as tier:
+        ctx = ColdTierContext(tier, FP, SidecarBundle((GDN, other)))
+        cache = build_hybrid_coordinator(CONFIG, block_size=BS, blocks_per_group=(12, 10),
+                                         hash_seed=0, max_model_len=96, cold=ctx)
+        with pytest.raises(SidecarLayoutMismatch, match="window of 24 tokens, the sliding "
+                                                        "sidecar holds 32"):
+            ctx.restore_grouped(tokens=np.arange(40), pool=cache.groups[0].pool,
+                                allocator=cache.groups[0].allocator,
+                                sliding=[cache.groups[1]])
+        cache.reset_for_new_request("a")
+        before = state(cache)
+        hit = cache.find_cached_prefix("a", np.arange(40))
+        assert hit.cached_tokens == 0 and cache.stats()["cold_restore_errors"] == 1
+        after = state(cache)
+        for g in (*before["groups"], *after["groups"]):
+            del g["allocator"]["stats"]            # the lookup's own query counts
+        assert after["groups"] == before["groups"]
+        assert cache.block_table("a", 0).tolist() == cache.block_table("a", 1).tolist() == []
+        cache.check_invariants()

@@ -101,11 +101,14 @@ class RequestLifecycle(AdmissionControl):
         self._cold = cold
         self._cold_calls = ColdCalls(cold, self._counters) if cold is not None else None
         # Disk restore of a grouped model: one full group (group 0) whose chain the tier
-        # walks, every other group sliding and rebuilt from the sliding sidecar at the same
-        # boundary (docs/coordinator.md, "The cold tier"). Any other grouping (two full
-        # groups, a sliding-only model) restores nothing from disk.
+        # walks, every other group sliding, of one window, and rebuilt from the one sliding
+        # sidecar at the same boundary (docs/coordinator.md, "The cold tier"). Any other
+        # grouping (two full groups, sliding groups of several windows, a sliding-only
+        # model) restores nothing from disk.
+        sliding = self._groups[1:]
         self._sliding_cold = (len(self._groups) > 1 and self._groups[0].kind_name == "full"
-                              and all(g.kind_name == "sliding" for g in self._groups[1:]))
+                              and all(g.kind_name == "sliding" for g in sliding)
+                              and len({getattr(g, "window", None) for g in sliding}) == 1)
         self.checkpoints = checkpoints
         self.requires_aux_confirmation = bool(requires_aux_confirmation)
         self.hot_reuse = bool(hot_reuse)

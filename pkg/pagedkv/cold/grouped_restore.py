@@ -21,7 +21,7 @@ from pagedkv.cold.sidecar import RestoredSidecar
 from pagedkv.cold.sidecar_bundle import RestoredSidecars, SidecarBundle
 from pagedkv.cold.sliding_window import SlidingGroupTarget, SlidingWindowCodec
 from pagedkv.cold.stats import record_sidecar_installed
-from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, SidecarLayoutMismatch
 
 __all__ = ["GroupedRestore", "restore_grouped"]
 
@@ -46,7 +46,13 @@ def _nothing(n_groups: int) -> GroupedRestore:
     return GroupedRestore(0, EMPTY_BLOCKS, [EMPTY_BLOCKS] * n_groups, None)
 
 
-def _target(i: int, group) -> SlidingGroupTarget:
+def _target(i: int, group, codec: SlidingWindowCodec) -> SlidingGroupTarget:
+    """A coordinator's sliding group as a target; one whose window is not the codec's
+    cannot be rebuilt from its rows (``SidecarLayoutMismatch``, nothing restored)."""
+    window = getattr(group, "window", None)
+    if window is not None and int(window) != codec.window:
+        raise SidecarLayoutMismatch(f"sliding[{i}] has a window of {window} tokens, the "
+                                    f"sliding sidecar holds {codec.window}")
     try:
         return SlidingGroupTarget(group.pool, group.allocator, int(group.null_block_id))
     except (AttributeError, TypeError):
@@ -79,7 +85,7 @@ def restore_grouped(context, *, tokens, pool, allocator, sliding: Sequence[Slidi
         raise InvalidArgumentType("restore_grouped needs a ColdTierContext whose sidecar is a "
                                   "SlidingWindowCodec (or a SidecarBundle holding one), got "
                                   f"{type(context.sidecar).__name__}")
-    targets = [t if isinstance(t, SlidingGroupTarget) else _target(i, t)
+    targets = [t if isinstance(t, SlidingGroupTarget) else _target(i, t, codec)
                for i, t in enumerate(sliding)]
     if not targets:
         raise InvalidArgument("restore_grouped: no sliding group given; use restore() for a "
