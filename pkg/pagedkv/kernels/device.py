@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from contextlib import suppress
 from ctypes import byref, c_float, c_int32, c_int64, c_uint64, c_void_p
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -20,7 +21,27 @@ from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 
-__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "open_device"]
+__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "StreamLike", "open_device",
+           "stream_handle"]
+
+#: What a ``stream=`` argument takes: a :class:`Stream`, a raw runtime handle (an ``int``:
+#: ``torch.cuda.Stream().cuda_stream``, CuPy's ``stream.ptr``), an object with a
+#: ``cuda_stream`` (torch) or ``ptr`` (CuPy) attribute, or ``None`` (the default stream).
+StreamLike: TypeAlias = Any
+
+
+def stream_handle(stream: StreamLike) -> int | None:
+    """The runtime handle of a ``stream=`` argument (``None``: the legacy default stream)."""
+    if stream is None or isinstance(stream, Stream):
+        return None if stream is None else stream.handle
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream) or None
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return int(value) or None
+    raise InvalidArgumentType(f"stream: expected a pagedkv Stream, an integer stream handle or "
+                              f"a torch/CuPy stream, got {type(stream).__name__}")
 
 _PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "q": c_int64,
                                                   "f": c_float}
@@ -61,14 +82,15 @@ class Kernel:
         params = (c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         return values, params
 
-    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: Stream | None = None):
+    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: StreamLike = None):
+        handle = stream_handle(stream)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if min(grid) < 1 or min(block) < 1:
             raise InvalidArgument(f"{self.name}: grid {grid} and block {block} must be >= 1")
         _values, params = self.pack(args)
         self.device.runtime.call("launch_kernel", self.handle, *grid, *block, shared_bytes,
-                                 stream.handle if stream else None, params, None)
+                                 handle, params, None)
 
 
 class Stream:
@@ -101,8 +123,8 @@ class Event:
     def __repr__(self) -> str:
         return f"Event(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
 
-    def record(self, stream: Stream | None = None) -> None:
-        self.device.runtime.call("event_record", self.handle, stream.handle if stream else None)
+    def record(self, stream: StreamLike = None) -> None:
+        self.device.runtime.call("event_record", self.handle, stream_handle(stream))
 
     def elapsed_ms(self, start: Event) -> float:
         """Milliseconds from ``start`` to this event (waits for this one)."""
@@ -193,10 +215,9 @@ class Device:
         if host.nbytes:
             self.runtime.call("memcpy_dtoh", host.ctypes.data, src, host.nbytes)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
+    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: StreamLike = None) -> None:
         if nbytes:
-            self.runtime.call("memcpy_dtod_async", dst, src, nbytes,
-                              stream.handle if stream else None)
+            self.runtime.call("memcpy_dtod_async", dst, src, nbytes, stream_handle(stream))
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         if nbytes:

@@ -68,6 +68,7 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "event_elapsed_time": ("cuEventElapsedTime", "hipEventElapsedTime",
                            [POINTER(c_float), _handle, _handle]),
     "event_destroy": ("cuEventDestroy_v2", "hipEventDestroy", [_handle]),
+    "stream_wait_event": ("cuStreamWaitEvent", "hipStreamWaitEvent", [_handle, _handle, c_uint]),
     # Graphs (benchmarks replay captured launch sequences).
     "stream_begin_capture": ("cuStreamBeginCapture_v2", "hipStreamBeginCapture", [_handle, c_int]),
     "stream_end_capture": ("cuStreamEndCapture", "hipStreamEndCapture",
