@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build the wheel (meson-python from .whl), run every GPU test and
-# the CPU kernel tests, then the kernel benchmark; logs and the JSON rows go to $OUT.
+# the CPU kernel tests, then the kernel benchmark and the decode-step benchmark (with its
+# PyTorch baseline); logs and the JSON rows go to $OUT. About 6-8 minutes on an H200
+# (BENCH_ARGS=--quick and DECODE_ARGS= for the full decode grid change that).
 # Usage on the GPU machine, from the unpacked source tree: bash hip/device_check.sh
 # SANITIZE=1 also runs the GPU tests under compute-sanitizer memcheck and racecheck, after
 # proving the tool sees ctypes launches (hip/sanitizer_probe.py); BENCH=0 skips the bench.
@@ -42,5 +44,9 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   cd ..
 fi
 [ "${BENCH:-1}" = 1 ] || exit 0
-PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-300} python3 -m pagedkv.bench gpu \
+# The decode step: correctness check against float64, then the targeted configurations
+# (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
+PYTHONPATH=/tmp/pkv:/tmp/site timeout ${DECODE_TIMEOUT:-240} python3 -m pagedkv.bench decode \
+  --json "$OUT/decode.json" ${DECODE_ARGS---quick} 2>&1 | tee "$OUT/decode.log"
+PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-240} python3 -m pagedkv.bench gpu \
   --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
