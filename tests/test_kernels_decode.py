@@ -145,3 +145,44 @@ def test_gpu_decode_step_matches_the_float64_step(device, fmt, kv_dtype):
     result = check_step(device, fmt, kv_dtype, contexts=(1, 5, 17, 33, 64, 65, 100, 7, 300),
                         shape=SMALL)
     assert result["ok"], result
+
+
+def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
+    """The bench's whole host side on the HIP stub (events report 0.5 ms, kernels run
+    nothing): adapter, device pools, tables, chunked GEMVs, graph capture, the table's
+    arithmetic. The numbers it would print are the GPU run's business."""
+    from pagedkv.bench import decode as bench
+    from pagedkv.kernels import Stream
+    count = stub_recorder.count
+    rows = bench.run_table(stub_device, Stream(stub_device), 1e12, None, [(1, 20), (9, 40)],
+                           ("hfq4g256",), ("float16", "q8"), SMALL)
+    assert [(r["kv"], r["batch"], r["context"]) for r in rows] == [
+        ("float16", 1, 20), ("float16", 9, 40), ("q8", 1, 20), ("q8", 9, 40)]
+    weight_bytes = sum(4 * 136 * np.prod(SMALL.matrix_shape(m)) // 1024
+                       for m in ("qkv", "o", "gate_up", "down")) * 2 + \
+        136 * np.prod(SMALL.matrix_shape("lm_head")) // 256
+    for r in rows:
+        row_bytes = 128 if r["kv"] == "float16" else 68
+        assert r["us"] == pytest.approx(500.0) and r["tok_s"] == pytest.approx(r["batch"] / 5e-4)
+        assert r["bytes"] == bench.step_bytes(SMALL, weight_bytes, row_bytes, r["batch"],
+                                              r["context"])
+        assert r["floor_us"] == pytest.approx(r["bytes"] / 1e6)
+    # One captured step per row (the stub's graph replays run nothing). Per layer: norm,
+    # RoPE, KV write (q8: K and V apart), attention (partitions + reduce), norm, SiLU, and
+    # the four projections' GEMVs, one launch per chunk of 8 rows (the stub is gfx90a: the
+    # f32 GEMV, no x preparation); then the final norm and the LM head.
+    def launches(batch, kv):
+        chunks = -(-batch // 8)
+        per_layer = 7 + (kv == "q8") + 4 * chunks
+        return SMALL.num_layers * per_layer + 1 + chunks
+    assert stub_recorder.count - count == sum(launches(r["batch"], r["kv"]) for r in rows)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "q8"])
+def test_the_step_check_fails_when_no_kernel_computed(stub_device, kv_dtype):
+    """On the stub nothing is computed: the logits stay poisoned and the check must say
+    so (a check that cannot fail proves nothing)."""
+    from pagedkv.bench.decode import check_step
+    result = check_step(stub_device, "mq4g256v2", kv_dtype, contexts=(3, 17), shape=SMALL)
+    assert result["check"] == f"mq4g256v2 {kv_dtype}" and result["ok"] is False
+    assert np.isnan(result["logits"])  # poisoned with 0xFF, never written

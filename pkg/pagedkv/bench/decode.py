@@ -71,7 +71,8 @@ def build_adapter(device, shape: DecoderShape, kv_dtype: str, batch: int, contex
 
 
 def _pool_values(g, rng, shape) -> np.ndarray:
-    """Random K or V rows in the pool's storage dtype."""
+    """Random K or V values of ``shape`` (``[..., head_dim]``) as rows of the pool's storage
+    dtype (q8: ``[..., head_dim / 32 * 34]`` records)."""
     from pagedkv.kernels import reference
     from pagedkv.pool import float32_to_bf16_bits
     vals = rng.standard_normal(shape, dtype=np.float32)
@@ -96,7 +97,8 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, len(contexts), contexts, rng)
     g = pool.geometry
     for s, n in zip(seqs, contexts, strict=True):
-        kv = (_pool_values(g, rng, (shape.num_layers, n, *g.token_shape)) for _ in range(2))
+        kv = (_pool_values(g, rng, (shape.num_layers, n, g.num_kv_heads, g.head_dim))
+              for _ in range(2))
         adapter.write_kv_layers(s, *kv)
     adapter.record_decode_tokens(seqs, rng.integers(0, 32000, len(seqs), dtype=np.uint32))
     batch = adapter.prepare_decode(seqs)
