@@ -263,3 +263,25 @@ def test_gpu_torch_tensors_are_queries_outputs_and_pool_storage(device):
     assert t.cpu().tolist() == [0, 1, 2, 3, 4, 5]
     c = torch.as_tensor(arr, device="cuda")  # through __cuda_array_interface__
     assert c.data_ptr() == arr.ptr
+
+
+def test_a_new_thread_makes_the_device_current_once(stub_device, monkeypatch):
+    import threading
+    activations = []
+    activate = stub_device.runtime.activate
+    monkeypatch.setattr(stub_device.runtime, "activate",
+                        lambda ordinal: (activations.append(threading.get_ident()),
+                                         activate(ordinal))[1])
+    results = []
+
+    def work():
+        a = stub_device.array(np.arange(3, dtype=np.float32))
+        results.append(a.to_numpy().tolist())
+        a.free()
+
+    stub_device.array(np.zeros(2, np.float32))  # the opening thread: already current
+    assert activations == []
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert results == [[0.0, 1.0, 2.0]] and activations == [t.ident]  # once, on that thread

@@ -110,7 +110,7 @@ def _wait_default_stream(device: Device, stream) -> None:
     from pagedkv.kernels.device import Event
     event = Event(device)
     event.record(None)
-    device.runtime.call("stream_wait_event", int(stream), event.handle, 0)
+    device.call("stream_wait_event", int(stream), event.handle, 0)
 
 
 def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device=None,
@@ -213,7 +213,7 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
                         what="__cuda_array_interface__")
     stream = cai.get("stream")
     if stream not in (None, 1, 2):
-        device.runtime.call("stream_synchronize", int(stream))
+        device.call("stream_synchronize", int(stream))
     return DeviceArray(device, int(ptr or 0), shape, dtype, owned=False, base=obj)
 
 
