@@ -152,6 +152,13 @@ def _decode_setup(device, dtype="float16", seqs=2, contexts=(5, 9)):
     return g, pool, adapter, ids, batch
 
 
+def _attention_for(device, block_size=4):
+    """PagedAttention for _decode_setup's pool, with q and out buffers."""
+    attn = kvcache.PagedAttention(device, num_seqs=2, num_heads=4, kv_heads=2, head_dim=32,
+                                  block_size=block_size, max_seq_len=64, kv_dtype="float16")
+    return attn, device.empty((2, 4, 32), np.float32), device.empty((2, 4, 32), np.float32)
+
+
 def test_device_decode_batch_holds_the_adapter_batch(stub_device):
     _g, _pool, _adapter, _ids, batch = _decode_setup(stub_device)
     tables = DeviceDecodeBatch.upload(stub_device, batch, width=5)
@@ -175,11 +182,7 @@ def test_device_decode_batch_holds_the_adapter_batch(stub_device):
 def test_stale_tables_are_refused_before_any_launch(stub_device, stub_recorder):
     _g, pool, adapter, ids, batch = _decode_setup(stub_device)
     tables = DeviceDecodeBatch.upload(stub_device, batch)
-    attn = kvcache.PagedAttention(stub_device, num_seqs=2, num_heads=4, kv_heads=2,
-                                  head_dim=32, block_size=4, max_seq_len=64,
-                                  kv_dtype="float16")
-    q = stub_device.empty((2, 4, 32), np.float32)
-    out = stub_device.empty((2, 4, 32), np.float32)
+    attn, q, out = _attention_for(stub_device)
     k = stub_device.empty((2, 2, 32), np.float32)
     assert pool.grow_to(16)
     count = stub_recorder.count
@@ -206,11 +209,7 @@ def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
         stub_device, stub_recorder, monkeypatch):
     _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)
     tables = DeviceDecodeBatch.upload(stub_device, batch)
-    attn = kvcache.PagedAttention(stub_device, num_seqs=2, num_heads=4, kv_heads=2,
-                                  head_dim=32, block_size=4, max_seq_len=64,
-                                  kv_dtype="float16")
-    q = stub_device.empty((2, 4, 32), np.float32)
-    out = stub_device.empty((2, 4, 32), np.float32)
+    attn, q, out = _attention_for(stub_device)
     k_pool, v_pool = pool.layer(1)
     seen = []
     run = attn.run
@@ -230,9 +229,7 @@ def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
     count = stub_recorder.count
     with pytest.raises(InvalidArgument, match=r"k: shape \(2, 2, 16\), expected \(2, 2, 32\)"):
         write_kv(pool, 1, stub_device.empty((2, 2, 16), np.float32), v, tables)
-    other = kvcache.PagedAttention(stub_device, num_seqs=2, num_heads=4, kv_heads=2,
-                                   head_dim=32, block_size=8, max_seq_len=64,
-                                   kv_dtype="float16")
+    other, _, _ = _attention_for(stub_device, block_size=8)
     with pytest.raises(InvalidArgument, match="another pool geometry"):
         attention(other, q, pool, 1, tables, out)
     assert stub_recorder.count == count

@@ -186,3 +186,28 @@ def test_the_step_check_fails_when_no_kernel_computed(stub_device, kv_dtype):
     result = check_step(stub_device, "mq4g256v2", kv_dtype, contexts=(3, 17), shape=SMALL)
     assert result["check"] == f"mq4g256v2 {kv_dtype}" and result["ok"] is False
     assert np.isnan(result["logits"])  # poisoned with 0xFF, never written
+
+
+def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_device, tmp_path,
+                                                                       monkeypatch, capsys):
+    """``python -m pagedkv.bench decode`` end to end on the stub, shrunk to SMALL: the JSON
+    holds both checks (failed: the stub computes nothing) and every row, and the exit
+    status says a check failed."""
+    import json
+
+    from pagedkv.bench import decode as bench
+    from pagedkv.bench.__main__ import main
+    monkeypatch.setattr(bench, "LLAMA3_8B", SMALL)
+    monkeypatch.setattr(bench, "CHECK_SHAPE", SMALL)
+    monkeypatch.setattr(bench, "QUICK_GRID", [(1, 20), (3, 40)])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device, stream: (2e12, {}))
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--quick", "--no-torch", "--layers", "2", "--json", str(out)]) == 1
+    got = json.loads(out.read_text())
+    assert [(c["check"], c["ok"]) for c in got["checks"]] == [("hfq4g256 float16", False),
+                                                             ("mq4g256v2 q8", False)]
+    assert len(got["rows"]) == 2 * 2 * 2 and got["copy_GBps"] == 2000.0
+    assert {(r["weights"], r["kv"], r["batch"]) for r in got["rows"]} == {
+        (f, kv, b) for f in bench.FORMATS for kv in bench.KV_DTYPES for b in (1, 3)}
+    text = capsys.readouterr().out
+    assert text.count("check ") == 2 and "FAILED" in text

@@ -27,8 +27,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from pagedkv.bench.gpu import REPLAYS, copy_bandwidth, open_device_or_explain
-from pagedkv.kernels import Event, Graph, Stream
+from pagedkv.bench.gpu import REPLAYS, copy_bandwidth, open_session
+from pagedkv.kernels import Event, Graph
 from pagedkv.kernels.decoder import (
     LLAMA3_8B,
     MATRICES,
@@ -245,7 +245,9 @@ def _print_row(row: dict) -> None:
 
 
 def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
-              shape: DecoderShape = LLAMA3_8B, seed: int = 0) -> list[dict]:
+              shape: DecoderShape = LLAMA3_8B, seed: int = 0, on_row=None) -> list[dict]:
+    """The rows of the table (see the module docstring); ``on_row(rows)`` after each one
+    (the CLI rewrites its JSON, so a run cut short keeps what it measured)."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     torch_times: dict[tuple[int, int], float] = {}
@@ -277,12 +279,13 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
                                 "speedup_vs_torch": tt / t})
                 rows.append(row)
                 _print_row(row)
+                if on_row is not None:
+                    on_row(rows)
         weights.free()
     return rows
 
 
 def main(argv=None) -> int:
-    from pagedkv.bench.gpu import _torch
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the checks and rows to this JSON file")
@@ -294,38 +297,46 @@ def main(argv=None) -> int:
     p.add_argument("--check-only", action="store_true", help="only the correctness check")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     args = p.parse_args(argv)
-    device = open_device_or_explain("pagedkv.bench decode")
-    if device is None:
+    session = open_session("pagedkv.bench decode", no_torch=args.no_torch)
+    if session is None:
         return 1
-    stream = Stream(device)
-    torch = None if args.no_torch else _torch()
+    device, stream, torch, when = session
     props = device.properties
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     shape = replace(LLAMA3_8B, num_layers=args.layers)
     print(f"{props.name} ({props.arch}), {when}; torch: "
           f"{torch.__version__ if torch else 'not used'}; model {shape}", flush=True)
-    checks = []
+    checks: list[dict] = []
+    rows: list[dict] = []
+    copy_bw = None
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": props.name, "arch": props.arch, "date": when,
+                           "model": str(shape), "copy_GBps": copy_bw and copy_bw / 1e9,
+                           "checks": checks, "rows": rows}, f, indent=1)
+
     if not args.no_check:
         for fmt, kv in (("hfq4g256", "float16"), ("mq4g256v2", "q8")):
             t0 = time.perf_counter()
             result = check_step(device, fmt, kv)
             checks.append(result)
+            save()
             print(f"check {result['check']}: {'ok' if result['ok'] else 'FAILED'} (logits "
                   f"{result['logits']:.2e}, x {result['x']:.2e} of their max; KV write "
                   f"{result['kv_write_steps']:.2f} rounding steps; "
                   f"{time.perf_counter() - t0:.0f} s)", flush=True)
-    rows: list[dict] = []
-    copy_bw = None
     if not args.check_only:
         copy_bw, _ = copy_bandwidth(device, stream)
         print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (floors use it)", flush=True)
-        rows = run_table(device, stream, copy_bw, torch, QUICK_GRID if args.quick else FULL_GRID,
-                         FORMATS, KV_DTYPES, shape)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props.name, "arch": props.arch, "date": when,
-                       "model": str(shape), "copy_GBps": copy_bw and copy_bw / 1e9,
-                       "checks": checks, "rows": rows}, f, indent=1)
+
+        def save_rows(done: list[dict]) -> None:
+            rows[:] = done
+            save()
+
+        run_table(device, stream, copy_bw, torch, QUICK_GRID if args.quick else FULL_GRID,
+                  FORMATS, KV_DTYPES, shape, on_row=save_rows)
+    save()
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -426,19 +426,27 @@ def open_device_or_explain(prog: str):
         return None
 
 
+def open_session(prog: str, *, no_torch: bool):
+    """``(device, stream, torch or None, "YYYY-MM-DD HH:MM UTC")`` for a bench suite, or
+    ``None`` after one line on stderr when there is no GPU."""
+    device = open_device_or_explain(prog)
+    if device is None:
+        return None
+    return (device, Stream(device), None if no_torch else _torch(),
+            time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench gpu", description=__doc__)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--quick", action="store_true", help="one GEMV shape and batch")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     args = p.parse_args(argv)
-    device = open_device_or_explain("pagedkv.bench gpu")
-    if device is None:
+    session = open_session("pagedkv.bench gpu", no_torch=args.no_torch)
+    if session is None:
         return 1
-    stream = Stream(device)
-    torch = None if args.no_torch else _torch()
+    device, stream, torch, when = session
     props = device.properties
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{props.name} ({props.arch}, {props.multiprocessor_count} SMs, L2 "
           f"{props.l2_cache_bytes / 2**20:.0f} MiB), {when}; torch: "
           f"{torch.__version__ if torch else 'not used'}", flush=True)
