@@ -46,7 +46,7 @@ fi
 [ "${BENCH:-1}" = 1 ] || exit 0
 # The decode step: correctness check against float64, then the targeted configurations
 # (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
-PYTHONPATH=/tmp/pkv:/tmp/site timeout ${DECODE_TIMEOUT:-240} python3 -m pagedkv.bench decode \
+PYTHONPATH=/tmp/pkv:/tmp/site timeout ${DECODE_TIMEOUT:-200} python3 -m pagedkv.bench decode \
   --json "$OUT/decode.json" ${DECODE_ARGS---quick} 2>&1 | tee "$OUT/decode.log"
-PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-240} python3 -m pagedkv.bench gpu \
+PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-200} python3 -m pagedkv.bench gpu \
   --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

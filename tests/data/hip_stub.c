@@ -95,13 +95,22 @@ hipError_t hipModuleLoadData(void **mod, const void *image) {
 }
 hipError_t hipModuleUnload(void *mod) { (void)mod; return OK; }
 
-static char function_names[64][128];
+/* A function handle points at its name, interned: a name keeps its slot for the life of
+ * the process, so a handle looked up long ago still names the same kernel. */
+#define MAX_FUNCTIONS 512
+static char function_names[MAX_FUNCTIONS][128];
 static int n_functions;
 hipError_t hipModuleGetFunction(void **fn, void *mod, const char *name) {
   if (mod != &module_token || strncmp(name, "pkv_", 4) != 0) return E_NOT_FOUND;
+  for (int i = 0; i < n_functions; ++i) {
+    if (strncmp(function_names[i], name, 127) == 0) {
+      *fn = function_names[i];
+      return OK;
+    }
+  }
+  if (n_functions == MAX_FUNCTIONS) return E_OOM;
   strncpy(function_names[n_functions], name, 127);
-  *fn = function_names[n_functions];
-  n_functions = (n_functions + 1) % 64;
+  *fn = function_names[n_functions++];
   return OK;
 }
 
