@@ -41,6 +41,7 @@ def geometry(dtype="float16", layers=2, heads=2, head_dim=32, block_size=4):
 
 
 def values(g, shape, rng=RNG):
+    """Random K or V of ``shape`` (``[..., head_dim]``) as the pool stores them (q8: records)."""
     x = rng.standard_normal(shape).astype(np.float32)
     if g.dtype == "q8":
         return reference.kv_q8_quantize(x)
@@ -283,7 +284,7 @@ def test_gpu_device_pool_matches_the_numpy_pool(device, dtype):
     table = RNG.permutation(5).astype(np.int32)
     n = 71  # not a multiple of the block size
     slots = pools[1].slots_for_positions(table, np.arange(n))
-    k, v = values(g, (3, n, 2, g.row_elements)), values(g, (3, n, 2, g.row_elements))
+    k, v = values(g, (3, n, 2, g.head_dim)), values(g, (3, n, 2, g.head_dim))
     for pool in pools:
         pool.write_tokens_layers(slots, k, v)
         pool.write_tokens(1, slots[:9][::-1].copy(), k[0, :9], v[0, :9])
@@ -328,7 +329,7 @@ def test_gpu_attention_over_the_adapter_tables(device, dtype):
     g, pool, adapter, ids, batch = _decode_setup(device, dtype, seqs=3, contexts=(3, 30, 17))
     for s in ids:
         n = adapter.num_tokens(s)
-        kv = [values(g, (2, n, 2, g.row_elements)) for _ in range(2)]
+        kv = [values(g, (2, n, 2, g.head_dim)) for _ in range(2)]
         adapter.write_kv_layers(s, *kv)
     tables = DeviceDecodeBatch.upload(device, batch)
     attn = kvcache.PagedAttention(device, num_seqs=3, num_heads=4, kv_heads=2, head_dim=32,
