@@ -341,3 +341,20 @@ def test_gpu_attention_over_the_adapter_tables(device, dtype):
     want = reference.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
                                             batch.seq_lens, kv_dtype=dtype, scale=attn.scale)
     np.testing.assert_allclose(out.to_numpy(), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_q8_pool_write_then_read_gives_the_codec_values(device):
+    _g, pool, _adapter, _ids, batch = _decode_setup(device, "q8", seqs=3, contexts=(3, 8, 13))
+    tables = DeviceDecodeBatch.upload(device, batch)
+    k = (RNG.standard_normal((3, 2, 32)) * 5).astype(np.float32)
+    v = RNG.standard_normal((3, 2, 32)).astype(np.float32)
+    write_kv(pool, 0, device.array(k), device.array(v), tables)
+    k_out = poisoned(device, (3, 2, 32), np.float32)
+    v_out = poisoned(device, (3, 2, 32), np.float16)
+    read_kv_q8(pool, 0, tables.slot_mapping, k_out, v_out, generation=tables.generation)
+    np.testing.assert_array_equal(k_out.to_numpy(),
+                                  reference.kv_q8_dequantize(reference.kv_q8_quantize(k), 32))
+    np.testing.assert_array_equal(
+        v_out.to_numpy(),
+        reference.kv_q8_dequantize(reference.kv_q8_quantize(v), 32).astype(np.float16))

@@ -115,7 +115,8 @@ hipError_t hipModuleGetFunction(void **fn, void *mod, const char *name) {
 }
 
 /* The last launch: function name, grid, block, shared bytes, each parameter's bytes
- * (sizes set by the test through stub_set_param_sizes) and the stream handle. */
+ * (sizes set by the test through stub_set_param_sizes, for the next launch only) and the
+ * stream handle. */
 struct launch_record {
   char name[128];
   unsigned grid[3], block[3], shared_bytes;
@@ -173,6 +174,7 @@ hipError_t hipModuleLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz
   last.n_params = n_param_sizes;
   memset(last.params, 0, sizeof last.params);
   for (int i = 0; i < n_param_sizes; ++i) memcpy(last.params[i], params[i], (size_t)param_sizes[i]);
+  n_param_sizes = 0;  /* sizes describe one kernel: the next launch may take fewer params */
   ++launch_count;
   if (strncmp(last.name, "pkv_copy_blocks_", 16) == 0) emulate_copy_blocks(params);
   else if (strcmp(last.name, "pkv_slabs_gather") == 0) emulate_slabs(params, 1);
