@@ -285,3 +285,20 @@ def test_a_new_thread_makes_the_device_current_once(stub_device, monkeypatch):
     t.start()
     t.join()
     assert results == [[0.0, 1.0, 2.0]] and activations == [t.ident]  # once, on that thread
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_host_tensors_are_host_data_for_a_device_pool(stub_device):
+    """A CPU torch tensor offers host memory through DLPack: a device pool reads it as a
+    host payload (uploaded), not as device memory."""
+    import torch
+
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    assert not interop.is_device_buffer(torch.zeros(2))
+    assert not interop.is_device_buffer(np.zeros(2))
+    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float16")
+    pool = LayerKVPool(g, 2, backend="device")
+    k = torch.arange(16, dtype=torch.float16).reshape(2, 1, 8)
+    pool.write_tokens(0, [5, 1], k, k)
+    got = pool.layer(0)[0].to_numpy().reshape(8, 1, 8)
+    assert got[[5, 1]].tolist() == k.numpy().tolist()

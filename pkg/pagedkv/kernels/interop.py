@@ -149,11 +149,26 @@ def cuda_array_interface(arr: DeviceArray) -> dict:
 
 
 def is_device_buffer(obj) -> bool:
-    """Whether ``obj`` offers device memory through DLPack or the CUDA array interface
-    (NumPy arrays, which offer host memory through DLPack, do not count)."""
+    """Whether ``obj`` offers device memory through DLPack or the CUDA array interface.
+    Host memory offered through DLPack (NumPy arrays, CPU torch tensors: device type
+    kDLCPU or kDLCUDAHost) does not count: callers read it as host data."""
     if isinstance(obj, np.ndarray):
         return False
-    return hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__")
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    if not hasattr(obj, "__dlpack__"):
+        return False
+    try:
+        dev_type = int(obj.__dlpack_device__()[0])
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return True  # no usable device query: let from_dlpack decide and explain
+    return dev_type not in (KDL_CPU, KDL_CUDA_HOST) or dev_type in _host_types_taken()
+
+
+def _host_types_taken() -> set[int]:
+    """Host device types some backend imports as device memory (the HIP stub's tests)."""
+    return {t for kinds in DLPACK_DEVICE_TYPES.values() for t in kinds["import"]
+            if t in (KDL_CPU, KDL_CUDA_HOST)}
 
 
 def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArray:
