@@ -358,3 +358,20 @@ def test_gpu_q8_pool_write_then_read_gives_the_codec_values(device):
     np.testing.assert_array_equal(
         v_out.to_numpy(),
         reference.kv_q8_dequantize(reference.kv_q8_quantize(v), 32).astype(np.float16))
+
+
+def test_create_pool_clamps_a_device_pool_to_the_free_gpu_memory(stub_device, monkeypatch,
+                                                                   caplog):
+    import logging
+
+    from pagedkv.sizing import create_pool
+    monkeypatch.setenv("STUB_FREE_MIB", "3")  # the stub reports 3 MiB free
+    assert stub_device.free_memory_bytes() == 3 << 20
+    g = geometry(layers=2, heads=2, head_dim=32, block_size=16)  # 8 KiB per block
+    with caplog.at_level(logging.INFO, logger="pagedkv"):
+        pool = create_pool(g, max_model_len=1 << 20, backend="device",
+                           available_memory_bytes=stub_device.free_memory_bytes,
+                           device=stub_device)
+    assert pool.backend == "device" and pool.device is stub_device
+    assert pool.max_num_blocks == (3 << 20) // g.bytes_per_block
+    assert "clamped to live memory" in caplog.text

@@ -84,6 +84,11 @@ hipError_t hipMemcpyDtoDAsync(void *d, const void *s, size_t n, void *st) {
   (void)st; memcpy(d, s, n); return OK;
 }
 hipError_t hipMemsetD8(void *d, unsigned char v, size_t n) { memset(d, v, n); return OK; }
+hipError_t hipMemGetInfo(size_t *free_bytes, size_t *total) {
+  *free_bytes = (size_t)env_int("STUB_FREE_MIB", 48 << 10) << 20;
+  *total = (size_t)64 << 30;
+  return OK;
+}
 
 static int module_token;
 hipError_t hipModuleLoadData(void **mod, const void *image) {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from contextlib import suppress
-from ctypes import byref, c_float, c_int32, c_int64, c_uint64, c_void_p
+from ctypes import byref, c_float, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -213,6 +213,14 @@ class Device:
 
     def free(self, ptr: int) -> None:
         self.call("free", ptr)
+
+    def free_memory_bytes(self) -> int:
+        """Device memory free now (the runtime's ``MemGetInfo``): pass the bound method as
+        ``available_memory_bytes`` to ``pagedkv.sizing.create_pool`` to clamp a device pool's
+        maximum to what the GPU has left."""
+        free, total = c_size_t(0), c_size_t(0)
+        self.call("mem_get_info", byref(free), byref(total))
+        return free.value
 
     def copy_htod(self, dst: int, host: np.ndarray) -> None:
         if not host.flags.c_contiguous:
