@@ -211,3 +211,23 @@ def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_devi
         (f, kv, b) for f in bench.FORMATS for kv in bench.KV_DTYPES for b in (1, 3)}
     text = capsys.readouterr().out
     assert text.count("check ") == 2 and "FAILED" in text
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+def test_rounding_steps_accepts_a_rounding_and_refuses_two_steps(kv_dtype):
+    from pagedkv.bench.decode import rounding_steps
+    from pagedkv.kernels import reference
+    from pagedkv.pool import bf16_bits_to_float32, float32_to_bf16_bits
+    ref = RNG.standard_normal((3, 8, 64)) * np.logspace(-6, 3, 64)  # subnormal f16 included
+    x = ref.astype(np.float32)
+    if kv_dtype == "q8":
+        got = reference.kv_q8_dequantize(reference.kv_q8_quantize(x), 64)
+    elif kv_dtype == "bfloat16":
+        got = bf16_bits_to_float32(float32_to_bf16_bits(x))
+    else:
+        got = x.astype(np.float16).astype(np.float32)
+    assert rounding_steps(got, ref, kv_dtype) <= 1.0
+    worse = got.copy()
+    worse[1, 2, 40] += 2.05 * (np.abs(ref[1, 2, 32:]).max() / 127 if kv_dtype == "q8" else
+                               abs(ref[1, 2, 40]) * 2.0 ** -(7 if kv_dtype == "bfloat16" else 10))
+    assert rounding_steps(worse, ref, kv_dtype) > 1.0

@@ -83,6 +83,19 @@ def _pool_values(g, rng, shape) -> np.ndarray:
     return vals.astype(np.float16)
 
 
+def rounding_steps(got: np.ndarray, ref: np.ndarray, kv_dtype: str) -> float:
+    """The largest ``|got - ref|`` in rounding steps of the pool dtype: a q8 code step (the
+    32-group's largest ``|ref|`` / 127), or one unit in the last place of f16 (10 fraction
+    bits) or bf16 (7), plus 1e-6 absolute for f16's subnormals. A correct rounding of
+    ``ref`` is within 1 (q8: half a step plus the f16 rounding of the scale)."""
+    ref = np.asarray(ref, np.float64)
+    if kv_dtype == "q8":
+        step = np.abs(ref).reshape(-1, 32).max(axis=1).repeat(32).reshape(ref.shape) / 127
+    else:
+        step = np.abs(ref) * 2.0 ** -(7 if kv_dtype == "bfloat16" else 10)
+    return float((np.abs(got - ref) / (step * 1.01 + 1e-6)).max())
+
+
 def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), seed=None,
                shape: DecoderShape = CHECK_SHAPE) -> dict:
     """One step on fresh random weights, inputs and context KV through the adapter and a
@@ -125,9 +138,7 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     for layer in range(shape.num_layers):
         for side, ref in ((0, want["k"][layer]), (1, want["v"][layer])):
             got = np.stack([kv_after(layer, i)[side][-1] for i in range(len(seqs))])
-            scale = (np.abs(ref).reshape(-1, 32).max(axis=1).repeat(32).reshape(ref.shape) / 127
-                     if g.dtype == "q8" else np.abs(ref) * 2.0 ** -10)
-            step_rows.append(float((np.abs(got - ref) / (scale * 1.01 + 1e-6)).max()))
+            step_rows.append(rounding_steps(got, ref, g.dtype))
     errors["kv_write_steps"] = max(step_rows)
     ok = errors["logits"] <= 2e-3 and errors["x"] <= 2e-3 and errors["kv_write_steps"] <= 1.0
     weights.free()
