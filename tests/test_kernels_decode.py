@@ -231,3 +231,16 @@ def test_rounding_steps_accepts_a_rounding_and_refuses_two_steps(kv_dtype):
     worse[1, 2, 40] += 2.05 * (np.abs(ref[1, 2, 32:]).max() / 127 if kv_dtype == "q8" else
                                abs(ref[1, 2, 40]) * 2.0 ** -(7 if kv_dtype == "bfloat16" else 10))
     assert rounding_steps(worse, ref, kv_dtype) > 1.0
+
+
+def test_targets_name_the_issue_configurations(capsys):
+    from pagedkv.bench.decode import print_targets, target_of
+    rows = [{"weights": "hfq4g256", "kv": kv, "batch": b, "context": c, "speedup_vs_torch": x}
+            for kv, b, c, x in [("float16", 1, 32768, 2.6), ("q8", 8, 32768, 1.2),
+                                ("float16", 8, 32768, 9.0), ("q8", 32, 1024, 1.5)]]
+    assert [target_of(r) for r in rows] == [2.5, 1.6, None, 1.5]
+    print_targets(rows)
+    assert capsys.readouterr().out.splitlines() == [
+        "target hfq4g256 kv float16 b1 ctx 32768: 2.60x torch bf16 (>= 2.5x) met",
+        "target hfq4g256 kv q8 b8 ctx 32768: 1.20x torch bf16 (>= 1.6x) MISSED",
+        "target hfq4g256 kv q8 b32 ctx 1024: 1.50x torch bf16 (>= 1.5x) met"]

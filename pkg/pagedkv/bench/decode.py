@@ -246,6 +246,31 @@ class TorchDecoder:
         return _torch_time(torch, step, 1)
 
 
+#: The issue's targets: (batch, context or None for any, KV dtype or None) -> the least
+#: pagedkv tokens/s over torch bf16 tokens/s.
+TARGETS = {(1, None, None): 2.5, (32, 1024, None): 1.5, (8, 32768, "q8"): 1.6}
+
+
+def target_of(row: dict) -> float | None:
+    """The speedup target a row is held to, or None."""
+    for (b, c, kv), want in TARGETS.items():
+        if row["batch"] == b and c in (None, row["context"]) and kv in (None, row["kv"]):
+            return want
+    return None
+
+
+def print_targets(rows: list[dict]) -> None:
+    """One line per targeted row: met or missed, with the measured speedup."""
+    for row in rows:
+        want = target_of(row)
+        if want is None or "speedup_vs_torch" not in row:
+            continue
+        got = row["speedup_vs_torch"]
+        print(f"target {row['weights']} kv {row['kv']} b{row['batch']} ctx {row['context']}: "
+              f"{got:.2f}x torch bf16 (>= {want}x) {'met' if got >= want else 'MISSED'}",
+              flush=True)
+
+
 def _print_row(row: dict) -> None:
     torch_part = (f" | torch {row['torch_us']:9.0f} us {row['torch_tok_s']:8.0f} tok/s "
                   f"-> {row['speedup_vs_torch']:.2f}x" if "torch_us" in row else "")
@@ -347,6 +372,7 @@ def main(argv=None) -> int:
 
         run_table(device, stream, copy_bw, torch, QUICK_GRID if args.quick else FULL_GRID,
                   FORMATS, KV_DTYPES, shape, on_row=save_rows)
+        print_targets(rows)
     save()
     return 0 if all(c["ok"] for c in checks) else 1
 
