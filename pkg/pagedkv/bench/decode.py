@@ -97,13 +97,14 @@ def rounding_steps(got: np.ndarray, ref: np.ndarray, kv_dtype: str) -> float:
 
 
 def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), seed=None,
-               shape: DecoderShape = CHECK_SHAPE) -> dict:
+               shape: DecoderShape | None = None) -> dict:
     """One step on fresh random weights, inputs and context KV through the adapter and a
     device pool, against the float64 reference. Returns the errors and whether they are
     within tolerance: logits and the residual stream within ``2e-3`` of their largest
     magnitude, this token's written K/V within one step of the pool dtype's rounding."""
     from pagedkv.kernels import reference
     from pagedkv.kernels.decoder_reference import decode_step
+    shape = CHECK_SHAPE if shape is None else shape
     rng = np.random.default_rng(seed)
     host = DecoderHostWeights.random(shape, fmt, int(rng.integers(1 << 31)))
     weights = DecoderWeights(device, host)
