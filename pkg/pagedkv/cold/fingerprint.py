@@ -37,7 +37,7 @@ log = logging.getLogger("pagedkv.cold")
 FINGERPRINT_BYTES = 32
 MANIFEST_NAME = ".pagedkv-download-complete.json"
 _READ_CHUNK_BYTES = 1 << 20
-_REVISION = re.compile(r"^[0-9a-f]{40}$")
+_REVISION = re.compile(r"[0-9a-f]{40}")  # fullmatch: no trailing newline
 _u64 = struct.Struct("<Q").pack
 
 
@@ -100,7 +100,7 @@ def _read_manifest(model_dir: str, provenance: WeightProvenance | None):
 
 def _manifest_valid(manifest: dict, shards: list[str]) -> bool:
     rev, repo, files = manifest.get("revision"), manifest.get("repo"), manifest.get("files")
-    if not isinstance(rev, str) or not _REVISION.match(rev) or not isinstance(repo, str):
+    if not isinstance(rev, str) or not _REVISION.fullmatch(rev) or not isinstance(repo, str):
         return False
     if not isinstance(files, (list, tuple)) or not all(isinstance(f, str) for f in files):
         return False
