@@ -163,7 +163,8 @@ def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 
     tier = None
     profile = family_profile("pagedkv_reference")
     if persist and resolve_persist(profile, config_value=True):
-        fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry)
+        fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry,
+                               compute=model.compute_identity)
         tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
                                 fingerprint=fp)
     adapter = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)

@@ -465,3 +465,50 @@ def test_a_trailing_newline_object_name_is_never_indexed_or_counted(tmp_path):
     (root / (("ab" * 32) + ".safetensors\n")).write_bytes(b"x" * 1000)
     with open_tier(root) as tier:
         assert len(tier.store.index) == 0 and tier.store.index.total_bytes == 0
+
+
+# Medium 5: the fingerprint binds the compute path ------------------------------------------
+
+def test_the_fingerprint_binds_the_compute_identity(tmp_path):
+    from pagedkv.cold import family_profile, model_fingerprint
+    from pagedkv.pool import PoolGeometry
+    from pagedkv.reference import ReferenceConfig, ReferenceModel
+    model = ReferenceModel(ReferenceConfig(seed=0))
+    model.save(tmp_path / "model")
+    c = model.config
+    geom = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 8, "float32")
+    profile = family_profile("pagedkv_reference")
+
+    def fp(compute):
+        return model_fingerprint(DEFAULT_FORMAT, str(tmp_path / "model"), profile, geom,
+                                 compute=compute)
+    assert fp("numpy-2.4.6") == fp("numpy-2.4.6")
+    assert len({fp(""), fp("numpy-2.4.6"), fp("numpy-2.4.7"), fp("mlx-0.32.4:cpu"),
+                fp("mlx-0.32.4:gpu")}) == 5
+
+
+def test_the_reference_compute_identity_names_backend_library_and_device():
+    from pagedkv.reference import ReferenceModel
+    assert ReferenceModel().compute_identity == f"numpy-{np.__version__}"
+    mx = pytest.importorskip("mlx.core")
+    ident = ReferenceModel(backend="mlx").compute_identity
+    assert ident == f"mlx-{mx.__version__}:{mx.default_device()}"
+
+
+def test_demo_on_numpy_then_on_mlx_over_one_cold_dir_keeps_byte_parity(tmp_path, capsys):
+    """The finding: NumPy KV restored into an MLX run failed the demo's byte-parity check.
+    With the backend in the fingerprint the MLX run misses NumPy's objects, and each
+    backend restores only its own KV."""
+    pytest.importorskip("mlx.core")
+    small = ["demo", "--cold-dir", str(tmp_path / "cold"), "--requests", "3",
+             "--system-tokens", "32", "--fewshot-tokens", "16", "--user-tokens", "8",
+             "--new-tokens", "4", "--block-size", "8"]
+    outs = []
+    for backend in ("numpy", "mlx", "mlx", "numpy"):
+        assert main(small + ["--backend", backend]) == 0, capsys.readouterr().out
+        outs.append(capsys.readouterr().out)
+    for out in outs:
+        assert "parity: OK (3/3 outputs byte-identical" in out
+    restored = [next(x for x in out.splitlines() if x.startswith("cold tier: ")).split()[2]
+                for out in outs]
+    assert restored == ["0", "0", "6", "6"]

@@ -196,13 +196,19 @@ def hfqm_weight_identity(fmt: ColdFormat, path: str, digest_cache=None) -> bytes
 
 def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
                       provenance: WeightProvenance | None = None,
-                      digest_cache=None, hfqm_file: str | None = None) -> bytes | None:
+                      digest_cache=None, hfqm_file: str | None = None,
+                      compute: str = "") -> bytes | None:
     """The 32-byte fingerprint of a model served with a pool geometry, or ``None``.
 
     Parts (§4.2): family name, raw ``config.json``, sidecar descriptor, weight identity,
-    ``index.json\\0`` + the shard index (only when present), pool geometry and layout.
-    ``None`` (logged) means persistence is off for this model. ``hfqm_file``: the model is
-    served from that HFQM file, whose identity replaces the safetensors shards'.
+    ``index.json\\0`` + the shard index (only when present), pool geometry and layout, and
+    the compute identity. ``None`` (logged) means persistence is off for this model.
+    ``hfqm_file``: the model is served from that HFQM file, whose identity replaces the
+    safetensors shards'. ``compute``: everything else that makes this process's KV differ
+    bitwise from another's for the same model (backend, library version, device, kernel
+    set), e.g. ``ReferenceModel.compute_identity``; KV restored under one fingerprint is
+    then bit-identical to what this process computes (docs/cold.md, "Keys and
+    fingerprint"). Empty for an engine with a single compute path.
     """
     if not os.path.isdir(model_dir):
         log.warning("cold tier: model_dir %s is not a directory; persistence off", model_dir)
@@ -230,4 +236,7 @@ def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
             log.warning("cold tier: cannot read %s (%s); persistence off", index_path, exc)
             return None
     parts.append(geometry_part(geometry))
+    if not isinstance(compute, str):
+        raise InvalidArgumentType(f"compute must be a str, got {type(compute).__name__}")
+    parts.append(compute.encode("utf-8"))
     return cold_fingerprint(fmt, parts)
