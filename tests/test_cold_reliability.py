@@ -491,8 +491,9 @@ def test_the_reference_compute_identity_names_backend_library_and_device():
     from pagedkv.reference import ReferenceModel
     assert ReferenceModel().compute_identity == f"numpy-{np.__version__}"
     mx = pytest.importorskip("mlx.core")
+    from importlib.metadata import version
     ident = ReferenceModel(backend="mlx").compute_identity
-    assert ident == f"mlx-{mx.__version__}:{mx.default_device()}"
+    assert ident == f"mlx-{version('mlx')}:{mx.default_device()}"
 
 
 def test_demo_on_numpy_then_on_mlx_over_one_cold_dir_keeps_byte_parity(tmp_path, capsys):

@@ -67,8 +67,10 @@ class ReferenceModel:
         ``"mlx-0.32.4:Device(gpu, 0)"``. The cold tier puts it in the fingerprint
         (``model_fingerprint(..., compute=...)``), so a restore never mixes backends."""
         if self.backend == "mlx":
+            from importlib.metadata import version
+
             import mlx.core as mx
-            return f"mlx-{mx.__version__}:{mx.default_device()}"
+            return f"mlx-{version('mlx')}:{mx.default_device()}"
         return f"numpy-{np.__version__}"
 
     # --- persistence -------------------------------------------------------------------------
