@@ -636,9 +636,9 @@ def header_length(data, Py_ssize_t object_size, str path=None):
 cdef Py_ssize_t _header_prefix(const uint8_t[::1] raw, Py_ssize_t object_size,
                                str path) except -1:
     cdef Py_ssize_t payload_start = 8 + _header_length(raw, object_size, path)
-    if raw.shape[0] < payload_start:
-        raise InvalidArgument(f"data holds {raw.shape[0]} bytes; the header needs the first "
-                              f"{payload_start} (8 + header_length)")
+    if raw.shape[0] < payload_start:  # e.g. the file shrank after its size was taken
+        raise Truncated(f"{raw.shape[0]} bytes hold less than the header's "
+                        f"{payload_start} (8 + header_length)", path=path, offset=0)
     return payload_start
 
 
