@@ -40,12 +40,12 @@ DURABILITY_MODES = ("fsync", "full")
 #: inject failures and SIGKILLs there).
 WRITE_STEPS = ("open", "write", "sync", "rename", "dirsync")
 _GIB = 1 << 30
-#: open/read errors that say nothing about the object (the process is out of descriptors
-#: or memory, or was interrupted): a miss, never a reason to drop the object.
 #: Names one ``remove_quarantine`` call deletes at most (a hostile tree cannot hold
 #: ``pagedkv cold evict`` forever; the next call continues).
 MAX_QUARANTINE_ENTRIES = 1 << 20
 _HOISTED = itertools.count()
+#: open/read errors that say nothing about the object (the process is out of descriptors
+#: or memory, or was interrupted): a miss, never a reason to drop the object.
 _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR,
                                errno.EAGAIN})
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
