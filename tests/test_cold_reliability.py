@@ -542,3 +542,17 @@ def test_verify_of_an_object_that_shrinks_while_read_reports_it_bad(tmp_path, mo
         store.close()
     assert [b.name for b in result.bad] == [object_name(job.key)]
     assert "less than the header" in result.bad[0].reason
+
+
+def test_quarantine_removal_is_bounded_per_call_and_resumes(tmp_path):
+    root = tmp_path / "root"
+    with open_tier(root) as tier:
+        tree = root / ".blocked.wide.1.2"
+        for i in range(4):
+            (tree / f"d{i}" / "e").mkdir(parents=True)
+            (tree / f"d{i}" / "e" / "f").write_bytes(b"x")
+        assert tier.store.remove_quarantine(max_entries=3) == 0  # stopped inside the tree
+        left = [n for n in os.listdir(root) if n.startswith(".blocked.")]
+        assert left  # hoisted subtrees wait in the root as quarantine entries
+        tier.store.remove_quarantine()
+        assert os.listdir(root) == []
