@@ -14,20 +14,18 @@ import sys
 import numpy as np
 import pytest
 
-from cold_support import FP, open_tier
+from cold_support import FP, block_job, open_tier
 from pagedkv.cli import main
 from pagedkv.cold import (
     DEFAULT_FORMAT,
     BlockGeometry,
     ColdGroup,
     ColdSidecarLayout,
-    cold_key_chain,
     object_name,
 )
 from pagedkv.cold.codec import decode_block, decode_sidecar, encode_block, encode_sidecar
 from pagedkv.cold.names import is_writer_temp, parse_object_name
 from pagedkv.cold.offline import open_offline_store, verify_store
-from pagedkv.cold.writer import BlockJob
 from pagedkv.errors import BadMetadata
 
 G = BlockGeometry(4, 2, 1, 8, "float16")
@@ -35,16 +33,8 @@ TAG = DEFAULT_FORMAT.tag("cold-cache-payload")
 ABI = DEFAULT_FORMAT.abi
 
 
-def _job(i, geometry=G):
-    rng = np.random.default_rng(i)
-    toks = rng.integers(0, 1000, geometry.block_size, dtype=np.uint32)
-    buf = rng.integers(0, 256, (geometry.num_layers, 2, geometry.slab_bytes), dtype=np.uint8)
-    key = cold_key_chain(DEFAULT_FORMAT, ColdGroup.KV, FP, toks, geometry.block_size)[0]
-    return BlockJob(key, FP.hex(), geometry, toks, buf)
-
-
 def _persist(tier, i, geometry=G):
-    job = _job(i, geometry)
+    job = block_job(i, geometry)
     assert tier.enqueue(job) and tier.drain(5.0)
     return job
 
@@ -340,27 +330,36 @@ FIELDS = {"v": 1, "trace_id": "t", "ts_ms": 1, "model": "m", "duration_ms": 1,
           "prompt_tokens": 1, "cached_tokens": 0, "output_tokens": 1}
 
 
-def test_the_trace_never_follows_a_planted_symlink(tmp_path):
+def _plant_symlink(victim, path):
+    os.symlink(victim, path)
+
+
+def _plant_hard_link(victim, path):
+    os.link(victim, path)
+
+
+def _plant_foreign_file(victim, path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can make a file of another owner")
+    path.write_bytes(b"")
+    os.chown(path, 65534, -1)
+
+
+@pytest.mark.parametrize("plant", [_plant_symlink, _plant_hard_link, _plant_foreign_file])
+def test_the_trace_never_writes_through_a_planted_file(tmp_path, plant):
     traces = tmp_path / "traces"
     traces.mkdir(mode=0o700)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious\n")
     writer = _trace(traces)
-    os.symlink(victim, writer.path())
+    path = traces / os.path.basename(writer.path())
+    plant(victim, path)
+    planted = path.read_bytes() if not path.is_symlink() else None
     assert writer.record(FIELDS) is None
     assert victim.read_bytes() == b"precious\n"
-
-
-def test_the_trace_refuses_a_hard_link_and_a_file_of_another_owner(tmp_path, monkeypatch):
-    traces = tmp_path / "traces"
-    traces.mkdir(mode=0o700)
-    victim = tmp_path / "victim"
-    victim.write_bytes(b"precious\n")
-    writer = _trace(traces)
-    os.link(victim, writer.path())
-    assert writer.record(FIELDS) is None
-    assert victim.read_bytes() == b"precious\n"
-    os.unlink(writer.path())
+    if planted is not None:
+        assert path.read_bytes() == planted
+    os.unlink(path)
     assert writer.record(FIELDS) is not None  # a fresh file of our own: written
     with open(writer.path()) as f:
         assert json.loads(f.read())["trace_id"] == "t"
@@ -412,7 +411,7 @@ def _block_bytes(job):
 @pytest.mark.parametrize("field", ["block_size", "num_layers", "num_kv_heads", "head_dim",
                                    "key_bytes", "value_bytes"])
 def test_a_decimal_with_a_trailing_newline_is_rejected(field):
-    job = _job(0)
+    job = block_job(0)
     raw = _block_bytes(job)
     decode_block(_reheader(raw, lambda h: None), abi=ABI, checksum_tag=TAG, expected=G)
     bad = _reheader(raw, lambda h: h["__metadata__"].__setitem__(
@@ -422,7 +421,7 @@ def test_a_decimal_with_a_trailing_newline_is_rejected(field):
 
 
 def test_a_checksum_with_a_trailing_newline_is_rejected():
-    job = _job(0)
+    job = block_job(0)
     bad = _reheader(_block_bytes(job), lambda h: h["__metadata__"].__setitem__(
         "checksum", h["__metadata__"]["checksum"] + "\n"))
     with pytest.raises(BadMetadata, match="checksum"):
@@ -452,7 +451,7 @@ def test_names_and_hex_inputs_with_a_trailing_newline_are_not_accepted():
     assert parse_object_name(f"{hexkey}.safetensors\n") is None
     assert parse_object_name(f"{hexkey}.gdn_state.safetensors\n") is None
     assert is_writer_temp(f".{hexkey}.1.2.tmp") and not is_writer_temp(f".{hexkey}.1.2.tmp\n")
-    job = _job(0)
+    job = block_job(0)
     with pytest.raises(ValueError, match="key_hex"):
         encode_block(ABI, TAG, job.key.hex() + "\n", FP.hex(), G, job.tokens, job.buffer)
 

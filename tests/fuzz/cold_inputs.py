@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 from pagedkv.cold import DEFAULT_FORMAT, BlockGeometry, ColdGroup, ColdSidecarLayout
-from pagedkv.cold.codec import encode_block, encode_sidecar
+from pagedkv.cold.codec import checksum_of_stream, encode_block, encode_sidecar
 
 ABI = DEFAULT_FORMAT.abi
 TAG = DEFAULT_FORMAT.tag("cold-cache-payload")
@@ -51,6 +51,20 @@ INTERESTING_STRINGS = [
 INTERESTING_VALUES = [None, True, False, 0, 1, -1, 4, 1 << 31, 1 << 63, 1 << 64, 1.5,
                       float("1e300"), "U8", "F16", [], [0], [0, 0], [0, 1 << 40], [-1, 0],
                       [1.0], [True], [[4]], {}, {"dtype": "U8"}]
+
+
+def streamed_checksum_ok(obj: bytes, header) -> bool:
+    """The verify path's step 5 over ``obj`` held in memory: its payload streamed in
+    64-byte chunks through ``checksum_of_stream``, compared with the stored checksum."""
+    offset = header.payload_start
+
+    def readinto(view: memoryview) -> int:
+        nonlocal offset
+        chunk = obj[offset:offset + len(view)]
+        view[:len(chunk)] = chunk
+        offset += len(chunk)
+        return len(chunk)
+    return checksum_of_stream(TAG, header.tensors, readinto, 64) == header.checksum
 
 
 def block_object(geometry: BlockGeometry, seed: int, key: bytes = KEYS[0]) -> bytes:

@@ -17,10 +17,18 @@ from collections.abc import Iterable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
-from cold_inputs import ABI, FP_HEX, GEOMETRIES, KEYS, TAG, block_object, object_from
+from cold_inputs import (
+    ABI,
+    FP_HEX,
+    GEOMETRIES,
+    KEYS,
+    TAG,
+    block_object,
+    object_from,
+    streamed_checksum_ok,
+)
 
 from pagedkv.cold.codec import (
-    checksum_of_stream,
     decode_block,
     encode_block,
     parse_block_header,
@@ -33,16 +41,7 @@ SEEDS = [block_object(g, i) for i, g in enumerate(GEOMETRIES)]
 def _streamed_ok(obj: bytes) -> bool:
     """The verify path: header first, then the payload streamed through the checksum."""
     try:
-        header = parse_block_header(obj, len(obj), abi=ABI)
-        offset = header.payload_start
-
-        def readinto(view: memoryview) -> int:
-            nonlocal offset
-            chunk = obj[offset:offset + len(view)]
-            view[:len(chunk)] = chunk
-            offset += len(chunk)
-            return len(chunk)
-        return checksum_of_stream(TAG, header.tensors, readinto, 64) == header.checksum
+        return streamed_checksum_ok(obj, parse_block_header(obj, len(obj), abi=ABI))
     except FormatError:
         return False
 

@@ -24,11 +24,11 @@ from cold_inputs import (
     TAG,
     object_from,
     sidecar_object,
+    streamed_checksum_ok,
 )
 
 from pagedkv.cold import ColdGroup, ColdSidecarLayout
 from pagedkv.cold.codec import (
-    checksum_of_stream,
     decode_sidecar,
     encode_sidecar,
     parse_sidecar_header,
@@ -41,16 +41,7 @@ _GROUPS = [g for g in ColdGroup if g is not ColdGroup.KV]
 
 def _streamed_ok(obj: bytes, group: str) -> bool:
     try:
-        header = parse_sidecar_header(obj, len(obj), abi=ABI, group=group)
-        offset = header.payload_start
-
-        def readinto(view: memoryview) -> int:
-            nonlocal offset
-            chunk = obj[offset:offset + len(view)]
-            view[:len(chunk)] = chunk
-            offset += len(chunk)
-            return len(chunk)
-        return checksum_of_stream(TAG, header.tensors, readinto, 64) == header.checksum
+        return streamed_checksum_ok(obj, parse_sidecar_header(obj, len(obj), abi=ABI, group=group))
     except FormatError:
         return False
 
