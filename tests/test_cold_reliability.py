@@ -98,6 +98,8 @@ def test_offline_verify_reports_an_unowned_name_and_changes_nothing(tmp_path, ca
     assert main(["cold", "stats", str(base)]) == 0
     out = capsys.readouterr().out
     assert f"objects: 1  total: {os.path.getsize(root / object_name(job.key))} B" in out
+    assert "names sharing a key the index owns (not counted; quarantined by the next open " \
+        "or `pagedkv cold evict`): 1" in out
     assert main(["cold", "verify", str(base)]) == 1
     out = capsys.readouterr().out
     assert f"BAD {planted}: shares its key with {object_name(job.key)}" in out

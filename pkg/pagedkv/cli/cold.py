@@ -97,6 +97,9 @@ def run_stats(args: argparse.Namespace) -> int:
         print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
     print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): {_mib(s.reserve_bytes)}")
     print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
+    if s.unowned:
+        print(f"names sharing a key the index owns (not counted; quarantined by the next "
+              f"open or `pagedkv cold evict`): {s.unowned}")
     from pagedkv.cold.knobs import metrics_dir
     from pagedkv.cold.offline import trace_counters
     traced = trace_counters(metrics_dir())

@@ -185,11 +185,14 @@ class RootSummary:
     reserve_bytes: int = 0
     quarantined: int = 0
     writer_temps: int = 0
+    #: Object names sharing a key the index already owns: never counted in ``total_bytes``.
+    unowned: int = 0
 
 
 def root_summary(store: ColdStore) -> RootSummary:
     s = RootSummary(store.root_path, quota_bytes=store.quota_bytes,
-                    reserve_bytes=store.reserve_bytes, total_bytes=store.index.total_bytes)
+                    reserve_bytes=store.reserve_bytes, total_bytes=store.index.total_bytes,
+                    unowned=len(store.unowned))
     for g in ColdGroup:
         s.objects[g.label] = 0
         s.bytes_by_group[g.label] = 0
