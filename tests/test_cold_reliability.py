@@ -299,7 +299,10 @@ def test_evict_removes_a_quarantine_tree_deeper_than_the_recursion_limit(tmp_pat
     root = base / "pagedkv-v1"
     with open_tier(root):
         pass
-    depth = sys.getrecursionlimit() + 200
+    # Under a lowered recursion limit, so the tree stays small (rmdir on a disk filesystem
+    # costs milliseconds): the recursive removal died at any limit, the iterative one has
+    # no depth at all.
+    limit, depth = 300, 500
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     os.mkdir(".blocked.deep.1.2", dir_fd=fd)
     cur = os.open(".blocked.deep.1.2", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
@@ -312,8 +315,14 @@ def test_evict_removes_a_quarantine_tree_deeper_than_the_recursion_limit(tmp_pat
         os.close(cur)
         cur = nxt
     os.close(cur)
+    old_limit = sys.getrecursionlimit()
     try:
-        assert main(["cold", "evict", "--to", "0", str(base)]) == 0
+        sys.setrecursionlimit(limit)
+        try:
+            rc = main(["cold", "evict", "--to", "0", str(base)])
+        finally:
+            sys.setrecursionlimit(old_limit)
+        assert rc == 0
         out = capsys.readouterr().out
         assert out.startswith("removed 1 quarantined entries;")
         assert os.listdir(root) == []
