@@ -104,15 +104,9 @@ def _check_object(store: ColdStore, fd: int, size: int, key: bytes, group: ColdG
     else:
         header = parse_sidecar_header(prefix, size, abi=store.fmt.abi, group=group.label,
                                       key_hex=key.hex(), path=name)
-    offset = header.payload_start
-
-    def readinto(view: memoryview) -> int:
-        nonlocal offset
-        got = os.preadv(fd, [view], offset)
-        offset += got
-        return got
-    got = checksum_of_stream(store.payload_tag, header.tensors, readinto, _CHUNK_BYTES,
-                             path=name)
+    os.lseek(fd, header.payload_start, os.SEEK_SET)
+    got = checksum_of_stream(store.payload_tag, header.tensors,
+                             lambda view: os.readv(fd, [view]), _CHUNK_BYTES, path=name)
     if got != header.checksum:
         raise FormatError(f"payload checksum {got} != stored {header.checksum}", path=name)
     if os.fstat(fd).st_size != size:
