@@ -568,3 +568,16 @@ def test_quarantine_removal_is_bounded_per_call_and_resumes(tmp_path):
         assert len(left) == 4 and ".blocked.wide.1.2" not in left
         tier.store.remove_quarantine()
         assert os.listdir(root) == []
+
+
+def test_a_failed_load_under_another_name_keeps_the_entry_that_owns_the_key(tmp_path):
+    """A sidecar load for a key the index holds as a KV block misses on the sidecar name:
+    the miss must not de-index the block, whose file would then stay on disk uncounted."""
+    root = tmp_path / "root"
+    with open_tier(root) as tier:
+        job = _persist(tier, 0)
+        layout = ColdSidecarLayout(ColdGroup.GDN_STATE, 4, 1, 1, "float16", (4,), 8)
+        assert tier.load_sidecar(job.key, layout) is None
+        assert tier.contains_in(job.key, ColdGroup.KV)
+        assert _objects_on_disk(root) == _indexed(tier)
+        assert tier.store.index.total_bytes == sum(_objects_on_disk(root).values())

@@ -339,12 +339,13 @@ class ColdStore:
     def prune_failed_load(self, key: bytes, name: str, ident) -> None:
         """Clear a bad object's name and de-index it, sparing a concurrent writer's
         replacement (a regular file with another inode, or one that appeared after a
-        not-found)."""
+        not-found). The entry goes only if it is ``name``'s: a miss under another name
+        (a sidecar load for a key indexed as a block) leaves the owner of the key alone."""
         with self.index.lock:
             try:
                 st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
             except FileNotFoundError:
-                self.index.remove(key)
+                self._forget(key, name)
                 return
             except OSError:
                 st = None
@@ -352,6 +353,11 @@ class ColdStore:
                     ident is None or (st.st_dev, st.st_ino) != tuple(ident)):
                 return
             self.clear_name(name)
+            self._forget(key, name)
+
+    def _forget(self, key: bytes, name: str) -> None:
+        entry = self.index.get(key)
+        if entry is not None and entry.file_name == name:
             self.index.remove(key)
 
     # --- writes --------------------------------------------------------------------------
