@@ -102,3 +102,15 @@ def test_the_index_oracle_catches_a_miscount(monkeypatch):
     monkeypatch.setattr(ColdIndex, "rebuild", miscount)
     with pytest.raises(AssertionError, match="total_bytes"):
         target.one_input(bytes([1, 0, 0, 0, 0, 0, 0, 0]))
+
+
+def test_running_a_target_leaves_the_cold_logger_as_it_was():
+    import logging
+    logger = logging.getLogger("pagedkv.cold")
+    before = logger.level
+    logger.setLevel(logging.NOTSET)
+    try:
+        _load("fuzz_cold_index").one_input(bytes([1, 0, 0, 0, 0, 0, 0, 0]))
+        assert logger.level == logging.NOTSET  # later tests' caplog still sees warnings
+    finally:
+        logger.setLevel(before)

@@ -46,9 +46,8 @@ from pagedkv.cold.offline import verify_store
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore
 
-# Every planted defect is logged by design: silence it, or the log is the campaign's cost.
-logging.getLogger("pagedkv.cold").setLevel(logging.CRITICAL)
 _WORK: dict[str, str] = {}
+_LOG = logging.getLogger("pagedkv.cold")
 _OUTSIDE_BYTES = b"outside the root: never touched\n"
 _SIDE_GROUPS = [ColdGroup.GDN_STATE, ColdGroup.SLIDING_WINDOW, ColdGroup.CONV_STATE]
 _VALID = {(k, g): (block_object(GEOMETRIES[i % len(GEOMETRIES)], i, k) if g is ColdGroup.KV
@@ -170,6 +169,17 @@ def _open_fds() -> int:
 
 
 def one_input(data: bytes) -> None:
+    # Every planted defect is logged by design: quiet for this input only (a process that
+    # imports the target, such as the test suite, keeps its logging as it was).
+    level = _LOG.level
+    _LOG.setLevel(logging.CRITICAL)
+    try:
+        _one_input(data)
+    finally:
+        _LOG.setLevel(level)
+
+
+def _one_input(data: bytes) -> None:
     work = _workdir()
     outside = os.path.join(work, "outside")
     root = tempfile.mkdtemp(dir=work)
