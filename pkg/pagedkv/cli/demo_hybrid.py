@@ -42,7 +42,8 @@ def _cold_context(args: argparse.Namespace, model):
     try:
         model.save(model_dir)
         ctx, source = hybrid_cold_context(model_dir, model.config, block_size=args.block_size,
-                                          base=base, persist=True)
+                                          base=base, persist=True,
+                                          compute=model.compute_identity)
     except (PagedKVError, OSError) as exc:
         raise InvalidArgument(_unusable_cold_dir(
             base, exc, "cannot hold the demo's cold tier",

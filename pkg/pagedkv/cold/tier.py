@@ -440,13 +440,15 @@ def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = 
 def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         persist_paged_cache: bool | None = None, base: str | None = None,
                         provenance=None, hfqm_file: str | None = None, sidecar=None,
-                        checkpoints: Callable[..., Mapping[int, Any]] | None = None
+                        checkpoints: Callable[..., Mapping[int, Any]] | None = None,
+                        compute: str = ""
                         ) -> ColdTierContext | None:
     """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
     Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
-    fingerprint covers the model and ``geometry`` (weight digests cached in the root). A
+    fingerprint covers the model, ``geometry`` and ``compute`` (the compute identity, see
+    ``model_fingerprint``; weight digests cached in the root). A
     refused root or a model without weight bytes turns persistence off (logged), never
     raises for those. ``checkpoints``: a hybrid family's checkpoint source (see
     :class:`ColdTierContext`).
@@ -493,7 +495,8 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
     if tier is None:
         return None
     fp = model_fingerprint(tier.fmt, model_dir, profile, geometry, provenance,
-                           WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file)
+                           WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file,
+                           compute=compute)
     if fp is None:
         return None
     return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)

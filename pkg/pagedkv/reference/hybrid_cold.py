@@ -95,15 +95,18 @@ class HybridCheckpointSource:
 
 
 def hybrid_cold_context(model_dir: str, config: HybridConfig, *, block_size: int,
-                        base: str | None = None, persist: bool | None = True):
+                        base: str | None = None, persist: bool | None = True,
+                        compute: str = ""):
     """``(context, source)``: the ``ColdTierContext`` of a saved hybrid model under the
     ``pagedkv_reference_hybrid`` family (its sidecar codec built from ``config.json``), or
     ``None`` when persistence is off, and the checkpoint source to :meth:`bind
-    <HybridCheckpointSource.bind>` to the coordinator's store."""
+    <HybridCheckpointSource.bind>` to the coordinator's store. ``compute``: the model's
+    ``compute_identity`` (part of the fingerprint, so KV of another backend never restores)."""
     from pagedkv.cold import cold_tier_for_model
 
     source = HybridCheckpointSource()
     ctx = cold_tier_for_model(model_dir, REFERENCE_HYBRID_FAMILY,
                               full_group_geometry(config, block_size),
-                              persist_paged_cache=persist, base=base, checkpoints=source)
+                              persist_paged_cache=persist, base=base, checkpoints=source,
+                              compute=compute)
     return ctx, source

@@ -83,6 +83,16 @@ class ReferenceModel:
                 f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
                 f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
 
+    @property
+    def compute_identity(self) -> str:
+        """What makes this model's KV differ bitwise from the same weights run elsewhere:
+        the backend, its library version and (MLX) the device, e.g. ``"numpy-2.4.6"`` or
+        ``"mlx-0.32.4:Device(gpu, 0)"``. The cold tier puts it in the fingerprint
+        (``model_fingerprint(..., compute=...)``), so a restore never mixes backends."""
+        from pagedkv.cold.fingerprint import backend_compute_identity
+
+        return backend_compute_identity(self.backend)
+
     # --- persistence -------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> None:

@@ -66,11 +66,16 @@ def _parameters_digest(model) -> bytes:
 def loaded_model_fingerprint(fmt, model, family: str, geometry) -> bytes:
     """The 32-byte fingerprint of a loaded model served with ``geometry`` (same parts as
     ``model_fingerprint``, the weights identified by their in-memory bytes)."""
-    from pagedkv.cold.fingerprint import cold_fingerprint, geometry_part
+    from pagedkv.cold.fingerprint import (
+        backend_compute_identity,
+        cold_fingerprint,
+        geometry_part,
+    )
 
     return cold_fingerprint(fmt, [family.encode(), _config_bytes(model), b"",
                                   _PARAMETERS_MARKER + _parameters_digest(model),
-                                  geometry_part(geometry)])
+                                  geometry_part(geometry),
+                                  backend_compute_identity("mlx").encode()])
 
 
 def open_cold_tier(cold_dir, model, geometry, *, model_dir=None):
@@ -87,6 +92,7 @@ def open_cold_tier(cold_dir, model, geometry, *, model_dir=None):
         register_family_profile,
         resolve_persist,
     )
+    from pagedkv.cold.fingerprint import backend_compute_identity
     from pagedkv.cold.root import MANAGED_CHILD
     from pagedkv.integrations.mlx_lm.prompt_cache import model_type_of
 
@@ -101,7 +107,8 @@ def open_cold_tier(cold_dir, model, geometry, *, model_dir=None):
     try:
         if model_dir is not None:
             fp = model_fingerprint(tier.fmt, os.fspath(model_dir), profile, geometry,
-                                   digest_cache=WeightDigestCache(tier.store.root_fd))
+                                   digest_cache=WeightDigestCache(tier.store.root_fd),
+                                   compute=backend_compute_identity("mlx"))
         else:
             fp = loaded_model_fingerprint(tier.fmt, model, family, geometry)
     except BaseException:
