@@ -22,10 +22,10 @@ def hfq4g256_ramp_group() -> np.ndarray:
                            packed])
 
 
-def write_minimal(path, **writer_kwargs) -> None:
-    """The §5.4 minimal file."""
+def write_minimal(path, arch_id=0, **writer_kwargs) -> None:
+    """The §5.4 minimal file (``arch_id=21`` makes it an MTP head)."""
     from pagedkv.hfqm import HfqmWriter
-    with HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
+    with HfqmWriter(path, arch_id=arch_id, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
         w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())
         w.add("a.norm", "f16", [4], np.array([1, 2, 3, 4], dtype=np.float16))
 

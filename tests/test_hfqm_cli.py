@@ -74,7 +74,7 @@ def test_inspect_json(tmp_path, capsys):
 def test_inspect_mixed_file_summary_and_bundle(tmp_path, capsys):
     write_mixed(tmp_path / "m.hfq")
     trunk = (tmp_path / "m.hfq").read_bytes()
-    write_minimal(tmp_path / "head.hfq")
+    write_minimal(tmp_path / "head.hfq", arch_id=21)
     bundle = tmp_path / "b.hfq"
     bundle.write_bytes(trunk + (tmp_path / "head.hfq").read_bytes() + b"HFBNDMTP"
                        + struct.pack("<Q", len(trunk)))
