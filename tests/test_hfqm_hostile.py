@@ -332,3 +332,23 @@ def test_inspect_text_mode_summarises_any_json_value(tmp_path, capsys):
     # the writer kept the lone surrogate as its JSON escape: it reads back as written
     with HfqmFile(path) as f:
         assert f.metadata["config"]["rope_theta"] == "\ud800lone surrogate"
+
+
+def test_empty_shape_whose_other_dims_no_array_can_hold_is_refused(tmp_path):
+    """Found while writing the reader's fuzz target: an F16 tensor of shape
+    (0, 2**32-1, 2**32-1) has 0 elements and a 0-byte payload, but NumPy cannot even
+    make an empty array of that shape, so file[name] leaked its ValueError."""
+    dims = (0, 2**32 - 1, 2**32 - 1)
+    entry = struct.pack("<H", 1) + b"t" + struct.pack(f"<BB{len(dims)}IIQ", 1, len(dims),
+                                                      *dims, 0, 0)
+    meta = b"{}"
+    header = struct.pack("<4sIIIQQ", b"HFQM", 1, 0, 1, 32, 4096)
+    body = header + meta + struct.pack("<I", 1) + entry
+    path = tmp_path / "empty.hfq"
+    path.write_bytes(body + bytes(4096 - len(body)))
+    for kwargs in ({}, READ_PATH):
+        with pytest.raises(SizeMismatch, match="more than 2\\*\\*48 elements \\(counting only "
+                                               "its non-zero dims\\)"):
+            HfqmFile(path, **kwargs)
+    with pytest.raises(InvalidArgument, match="non-zero dims multiply past 2\\*\\*48"):
+        HfqmWriter(tmp_path / "w.hfq", arch_id=0, metadata={}).add("t", "f16", dims, b"")

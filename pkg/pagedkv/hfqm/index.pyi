@@ -10,6 +10,7 @@ TENSOR_RECORD_DTYPE: np.dtype[np.void]
 HEADER_BYTES: int
 DATA_ALIGN_BYTES: int
 MAX_DIMS: int
+MAX_NUMEL: int
 VERSION: int
 
 @disjoint_base

@@ -63,8 +63,9 @@ DATA_ALIGN_BYTES = PKV_HFQM_DATA_ALIGN_BYTES
 MAX_DIMS = PKV_HFQM_MAX_DIMS
 VERSION = PKV_HFQM_VERSION
 
-# A cap far above any real tensor that keeps every size computation inside u64.
-cdef uint64_t MAX_NUMEL = (<uint64_t>1) << 48
+#: Cap on the product of a shape's non-zero dims (PKV_HFQM_MAX_NUMEL): far above any
+#: real tensor, it keeps every size computation inside u64 and every shape allocatable.
+MAX_NUMEL = PKV_HFQM_MAX_NUMEL
 
 cdef enum IndexFault:
     FAULT_NONE = 0
@@ -192,7 +193,7 @@ cdef uint64_t parse_entries(const uint8_t* reg, uint64_t reg_start, uint64_t pos
     least ``index_limit``; entries must end by ``index_limit``, payloads (the next at
     ``*payload_pos``, advanced here) by ``section_bytes``. Returns the offset after the
     last entry (section-relative), or 0 with ``err`` filled."""
-    cdef uint64_t i, d, numel, k, expected
+    cdef uint64_t i, d, numel, nonzero, k, expected
     cdef uint64_t payload = payload_pos[0]
     cdef uint32_t name_len, status, flags
     cdef uint8_t qt, ndim
@@ -232,12 +233,15 @@ cdef uint64_t parse_entries(const uint8_t* reg, uint64_t reg_start, uint64_t pos
             err.fault = FAULT_INDEX_TRUNCATED
             return 0
         numel = 1
+        nonzero = 1
         for d in range(ndim):
             rec.shape[d] = load_u32(reg + (pos - reg_start) + 4 * d)
-            # numel <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
-            if rec.shape[d] != 0 and numel > MAX_NUMEL // rec.shape[d]:
-                err.fault = FAULT_NUMEL
-                return 0
+            # nonzero <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
+            if rec.shape[d] != 0:
+                if nonzero > PKV_HFQM_MAX_NUMEL // rec.shape[d]:
+                    err.fault = FAULT_NUMEL
+                    return 0
+                nonzero *= rec.shape[d]
             numel *= rec.shape[d]
         pos += 4 * <uint64_t>ndim
         rec.group_size = load_u32(reg + (pos - reg_start))
@@ -530,7 +534,8 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] reg
         raise SizeMismatch(f"n_dims {err.value} exceeds the {PKV_HFQM_MAX_DIMS} dims "
                            "pagedkv reads", path=path, tensor=name, offset=offset)
     if fault == FAULT_NUMEL:
-        raise SizeMismatch("shape has more than 2**48 elements", path=path, tensor=name,
+        raise SizeMismatch("shape has more than 2**48 elements (counting only its non-zero "
+                           "dims)", path=path, tensor=name,
                            offset=offset)
     if fault == FAULT_UNKNOWN_QT:
         raise UnknownQuantType(

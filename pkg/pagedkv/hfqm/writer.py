@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 import uuid
@@ -30,7 +31,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm.arch import arch_id_for
-from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, json_end
+from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, MAX_NUMEL, json_end
 from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
 
@@ -179,6 +180,9 @@ class HfqmWriter:
         if len(dims) > MAX_DIMS or any(not 0 <= d <= _U32_MAX for d in dims):
             raise InvalidArgument(f"shape {dims} of {name!r}: at most {MAX_DIMS} dims, each "
                                   f"in 0..{_U32_MAX}")
+        if math.prod(d for d in dims if d) > MAX_NUMEL:
+            raise InvalidArgument(f"shape {dims} of {name!r}: its non-zero dims multiply past "
+                                  "2**48, the most the reader accepts")
         gs = row.index_group_size if group_size is None else int(group_size)
         if not 0 <= gs <= _U32_MAX:
             raise InvalidArgument(f"group_size {gs} of {name!r} is outside 0..{_U32_MAX}")
