@@ -210,3 +210,35 @@ def test_loader_errors_that_slip_past_the_check_are_explained(tmp_path, monkeypa
     from pagedkv.errors import BadMetadata
     with pytest.raises(BadMetadata, match="the safetensors loader refuses the file: "):
         source.read(source.tensors[0])
+
+
+def _model_with_weight(root, values: np.ndarray) -> None:
+    _model(root)
+    data = values.astype("<f4").tobytes()
+    head = json.dumps({"w.weight": {"dtype": "F32", "shape": list(values.shape),
+                                    "data_offsets": [0, len(data)]}}).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def test_large_weights_do_not_overflow_the_error_measure(tmp_path, capsys):
+    """Found by the fuzz campaign (regressions/convert_safetensors): the relative error
+    squared float32 values, so weights above ~1.8e19 printed a RuntimeWarning and made
+    the error NaN."""
+    root = tmp_path / "m"
+    _model_with_weight(root, np.linspace(-1e30, 1e30, 256, dtype=np.float32).reshape(1, 256))
+    out = tmp_path / "out.hfq"
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress"]) == 0
+    stdout, err = capsys.readouterr()
+    assert err == ""
+    row = next(line for line in stdout.splitlines()
+               if line.startswith(("attention", "other")))
+    assert "nan" not in row and float(row.split()[-1]) < 0.1
+
+
+def test_weights_no_format_can_store_name_the_tensor(tmp_path, capsys):
+    root = tmp_path / "m"
+    _model_with_weight(root, np.full((1, 256), 3e38, np.float32) * np.where(
+        np.arange(256) % 2, 1, -1).astype(np.float32))
+    line = _convert_fails(capsys, tmp_path, root)
+    assert f"{root / 'model.safetensors'}: tensor 'w.weight': array: group 0" in line
+    assert "cannot be stored in hfq4g256" in line

@@ -352,3 +352,31 @@ def test_empty_shape_whose_other_dims_no_array_can_hold_is_refused(tmp_path):
             HfqmFile(path, **kwargs)
     with pytest.raises(InvalidArgument, match="non-zero dims multiply past 2\\*\\*48"):
         HfqmWriter(tmp_path / "w.hfq", arch_id=0, metadata={}).add("t", "f16", dims, b"")
+
+
+def test_empty_tensors_are_read_only_on_both_paths(tmp_path):
+    """Found by the fuzz campaign (regressions/hfqm_reader): on the plain-read path a
+    0-byte payload came back as a writable array, every other view is read-only."""
+    with HfqmWriter(tmp_path / "e.hfq", arch_id=0, metadata={}) as w:
+        w.add("x", "mq4g256v2", [1, 0], b"")
+        w.add("h", "f16", [0], b"")
+    for kwargs in ({}, READ_PATH):
+        with HfqmFile(tmp_path / "e.hfq", **kwargs) as f:
+            for name in ("x", "h"):
+                assert f.raw(name).size == 0 and not f.raw(name).flags.writeable
+                assert not f[name].flags.writeable
+
+
+def test_verify_fails_when_the_mtp_head_mismatches(tmp_path, capsys):
+    """Found by the fuzz campaign (regressions/inspect): `inspect --verify` printed the
+    head's MISMATCH but exited 0, looking only at the trunk's check."""
+    write_minimal(tmp_path / "trunk.hfq")
+    write_minimal(tmp_path / "head.hfq", arch_id=21, add_quantization_hash=True)
+    head = bytearray((tmp_path / "head.hfq").read_bytes())
+    head[-1] ^= 1                                         # a payload bit: hash mismatch
+    (tmp_path / "head.hfq").write_bytes(bytes(head))
+    write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "head.hfq", tmp_path / "b.hfq")
+    for mode in ([], ["--json"]):
+        assert cli_main(["inspect", str(tmp_path / "b.hfq"), "--verify", *mode]) == 1
+        out = capsys.readouterr().out
+        assert "MISMATCH" in out and "absent" in out       # trunk absent, head mismatch

@@ -207,4 +207,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, ensure_ascii=False))
     else:
         print("\n".join(render(info)))
-    return 1 if str(info.get("quantization_hash_check", "")).startswith("MISMATCH") else 0
+    return 1 if _hash_mismatch(info) else 0
+
+
+def _hash_mismatch(info: dict[str, Any]) -> bool:
+    """True when ``--verify`` found a mismatch in the trunk or in its MTP head."""
+    if str(info.get("quantization_hash_check", "")).startswith("MISMATCH"):
+        return True
+    return info["mtp"] is not None and _hash_mismatch(info["mtp"])

@@ -327,7 +327,9 @@ class HfqmFile:
         # Large files: one mapping per request, aligned down to the allocation granularity.
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         if nbytes == 0:
-            return np.zeros(0, dtype=np.uint8)
+            empty = np.zeros(0, dtype=np.uint8)
+            empty.flags.writeable = False   # read-only like every view of the file
+            return empty
         assert self._fd is not None, "an open file not read whole keeps its descriptor"
         mapping = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_READ,
                             offset=start)
