@@ -13,7 +13,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hfqm_samples import hfq4g256_ramp_group, write_minimal, write_mixed
+from hfqm_samples import hfq4g256_ramp_group, write_minimal, write_mixed, write_odd_summary
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import (
     BadBundle,
@@ -304,16 +304,8 @@ def test_metadata_larger_than_the_limit_is_refused(tmp_path, monkeypatch):
 def test_inspect_text_mode_summarises_any_json_value(tmp_path, capsys):
     """The campaign's case: a summarised value that is a list of non-strings crashed the
     text mode (--json worked)."""
-    nested: dict = {"a": 1}
-    for _ in range(500):
-        nested = {"x": nested}
-    config = {"model_type": ["llama", 2], "hidden_size": [1, 2.5, None, True],
-              "num_hidden_layers": nested, "vocab_size": list(range(100)),
-              "rope_theta": "\ud800lone surrogate", "head_dim": "tab\there",
-              "max_position_embeddings": "x" * 1000}
     path = tmp_path / "odd.hfq"
-    with HfqmWriter(path, arch_id=0, metadata={"architecture": [[1]], "config": config}) as w:
-        w.add("n", "f16", [1], np.ones(1, np.float16))
+    write_odd_summary(path)
     assert cli_main(["inspect", str(path)]) == 0
     text = capsys.readouterr().out
     assert "          architecture: list of 1 items\n" in text

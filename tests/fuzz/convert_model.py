@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
+
+from hfqm_samples import safetensors_bytes
 
 CONFIG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 1,
           "architectures": ["LlamaForCausalLM"]}
@@ -16,21 +17,6 @@ TOKENIZER_CONFIG = {"chat_template": [{"name": "default", "template": "{{ x }}"}
 GENERATION_CONFIG = {"eos_token_id": 2}
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
               "generation_config.json")
-
-
-def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
-                      metadata: dict[str, str] | None = None) -> bytes:
-    """A safetensors file, written by hand (the NumPy backend cannot write BF16)."""
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    blobs, offset = [], 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
 
 
 def model_tensors(seed: int = 0) -> dict[str, tuple[str, tuple[int, ...], bytes]]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from convert_model import model_tensors, run_convert, safetensors_bytes, write_model
+from convert_model import model_tensors, run_convert, write_model
 from runner import Scratch
+
+from hfqm_samples import safetensors_bytes
 
 _SCRATCH = Scratch("convert_safetensors")
 FORMATS = ("hf4", "mq4", "q8", "mq6", "hfq2g128", "f16", "mq4cg256", "hf6")

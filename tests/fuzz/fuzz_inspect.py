@@ -51,25 +51,12 @@ def _json_mismatch(info: dict) -> bool:
 def seeds() -> Iterable[tuple[str, bytes]]:
     """The reader target's files in every mode, plus summaries that need care: lists of
     non-strings, long and control-character strings, deep nesting, a stored hash."""
-    import numpy as np
     from fuzz_hfqm_reader import seeds as reader_seeds
 
-    from pagedkv.hfqm import HfqmWriter
+    from hfqm_samples import write_odd_summary
     files = list(reader_seeds())
-    work = Scratch("inspect_seeds")
-    nested: dict = {"a": 1}
-    for _ in range(200):
-        nested = {"x": nested}
-    config = {"model_type": ["llama", 2], "hidden_size": [1, 2.5, None, True],
-              "num_hidden_layers": nested, "vocab_size": list(range(40)),
-              "rope_theta": "\ud800lone", "head_dim": "tab\there",
-              "text_config": {"num_attention_heads": 8}}
-    path = work.path / "odd.hfq"
-    with HfqmWriter(path, arch_id=0, metadata={"architecture": [[1]], "config": config,
-                                               "parameter_counts": {"total_params": 7},
-                                               "source": "gguf", "extra": None},
-                    add_quantization_hash=True) as w:
-        w.add("n", "f16", [2], np.ones(2, np.float16))
+    path = Scratch("inspect_seeds").path / "odd.hfq"
+    write_odd_summary(path)
     files.append(("odd_summary", path.read_bytes()))
     return [(f"{label}_mode{m}", bytes([m]) + data) for label, data in files
             for m in range(len(MODES))]

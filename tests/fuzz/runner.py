@@ -52,6 +52,9 @@ from pathlib import Path
 from types import ModuleType
 
 FUZZ_DIR = Path(__file__).resolve().parent
+# Targets share the test suite's sample writers (tests/hfqm_samples.py).
+if str(FUZZ_DIR.parent) not in sys.path:
+    sys.path.insert(1, str(FUZZ_DIR.parent))
 REGRESSIONS_DIR = FUZZ_DIR / "regressions"
 CORPUS_DIR = FUZZ_DIR / "corpus"
 CRASHES_DIR = FUZZ_DIR / "crashes"
@@ -255,6 +258,8 @@ def _import_all_pagedkv() -> None:
     get instrumented too. Modules that need what this machine lacks are skipped."""
     import pagedkv
     for info in pkgutil.walk_packages(pagedkv.__path__, "pagedkv."):
+        if info.name.endswith("__main__"):     # importing it would run the CLI
+            continue
         try:
             importlib.import_module(info.name)
         except Exception:  # noqa: BLE001, S112 (an optional backend: GPU runtime, MLX)
