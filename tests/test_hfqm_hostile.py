@@ -165,6 +165,29 @@ def test_forged_data_offset_costs_no_memory_on_the_read_path(tmp_path, forged_gi
     assert opened["raw"] == hfq4g256_ramp_group().tobytes()
 
 
+def test_peak_rss_of_opening_a_forged_file_stays_small(tmp_path):
+    """The same 1 GiB forged data_offset, measured as the OS sees it: the peak resident
+    set of a fresh process that opens the file on the read path (ru_maxrss, KiB on
+    Linux) grows by less than 64 MiB."""
+    import subprocess
+    import sys
+    write_minimal(tmp_path / "m.hfq")
+    data = (tmp_path / "m.hfq").read_bytes()
+    path = _sparse_copy(tmp_path, "sparse.hfq", data, data_offset=GiB,
+                        size=GiB + len(data) - 4096)
+    script = (
+        "import resource, sys\n"
+        "from pagedkv.hfqm import HfqmFile\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "with HfqmFile(sys.argv[1], _whole_file_mmap_limit_bytes=0) as f:\n"
+        "    assert f.names == ['a.weight', 'a.norm'], f.names\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) < 64 << 10, f"peak RSS grew by {proc.stdout.strip()} KiB"
+
+
 def test_unterminated_metadata_is_scanned_in_bounded_chunks(tmp_path):
     path = tmp_path / "open_brace.hfq"
     data_offset = 128 << 20
