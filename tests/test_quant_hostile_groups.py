@@ -119,16 +119,15 @@ int main(void) {
     /* both NaN signs: x86's default NaN is negative, ARM's positive */
     if (pkv_round_q8(pkv_f32_from_bits(0x7FC00000u)) != -128) return 1;
     if (pkv_round_q8(pkv_f32_from_bits(0xFFC00000u)) != -128) return 2;
-    if (pkv_round_affine(0.0f, 0.0f, pkv_f32_from_bits(0x7F800000u), 15.0f) != 0u) return 3;
-    if (pkv_round_affine(1e-44f, 0.0f, pkv_f32_from_bits(0x7F800000u), 15.0f) != 15u) return 4;
     return 0;
 }
 """
 
 
-def test_nan_codes_do_not_depend_on_the_nan_sign(tmp_path):
-    """What the C text gives for a NaN argument, for both signs of NaN (the CPU codecs on
-    x86 only ever see the negative one)."""
+def test_q8_nan_code_does_not_depend_on_the_nan_sign(tmp_path):
+    """What the C text gives for a NaN argument, for both signs of NaN: the CPU codecs on
+    x86 only ever see the negative one (0·inf there is the negative default NaN), ARM and
+    Metal the positive one."""
     if shutil.which("cc") is None:
         pytest.skip("cc not found")
     src, exe = tmp_path / "q8nan.c", tmp_path / "q8nan"
