@@ -399,3 +399,14 @@ def test_verify_fails_when_the_mtp_head_mismatches(tmp_path, capsys):
         assert cli_main(["inspect", str(tmp_path / "b.hfq"), "--verify", *mode]) == 1
         out = capsys.readouterr().out
         assert "MISMATCH" in out and "absent" in out       # trunk absent, head mismatch
+
+
+def test_the_mtp_head_is_read_the_way_its_trunk_is(tmp_path, parts):
+    """A bundle over the mapping limit must not map its head whole either."""
+    trunk, head = parts
+    path = tmp_path / "b.hfq"
+    path.write_bytes(trunk + head + _trailer(len(trunk)))
+    with HfqmFile(path, **READ_PATH) as f:
+        assert f._bytes is None and f.mtp is not None
+        assert f.mtp._bytes is None                      # plain reads, no whole-file map
+        assert f.mtp.raw("a.weight").tobytes() == hfq4g256_ramp_group().tobytes()

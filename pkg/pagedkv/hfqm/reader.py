@@ -79,6 +79,7 @@ class HfqmFile:
                  _whole_file_mmap_limit_bytes: int = WHOLE_FILE_MMAP_LIMIT_BYTES) -> None:
         self.path = os.fspath(path)
         self.base = int(base)
+        self._whole_file_mmap_limit_bytes = _whole_file_mmap_limit_bytes  # the head's too
         self._closed = True
         self._metadata: dict | None = None
         self._mtp: HfqmFile | None | Literal[False] = False  # False: not looked up yet
@@ -241,17 +242,21 @@ class HfqmFile:
                 offset = mtp_offset(fd, self.file_bytes, trunk_end, path=self.path)
             finally:
                 os.close(fd)
-            head = None if offset is None else HfqmFile(self.path, base=offset)
-            if head is not None:
-                head_end = head.base + head.data_offset + head.payload_bytes
-                problem = (f"has arch_id {head.arch_id}, not the MTP arch {MTP_ARCH_ID}"
-                           if head.arch_id != MTP_ARCH_ID else
-                           f"ends at byte {head_end}, inside the trailer"
-                           if head_end > self.file_bytes - TRAILER_BYTES else None)
-                if problem is not None:
-                    head.close()
-                    raise BadBundle(f"the MTP head the bundle trailer points at (byte "
-                                    f"{offset}) {problem}", path=self.path, offset=offset)
+            if offset is None:
+                self._mtp = None
+                return None
+            head = HfqmFile(self.path, base=offset,
+                            _whole_file_mmap_limit_bytes=self._whole_file_mmap_limit_bytes)
+            head_end = head.base + head.data_offset + head.payload_bytes
+            problem = None
+            if head.arch_id != MTP_ARCH_ID:
+                problem = f"has arch_id {head.arch_id}, not the MTP arch {MTP_ARCH_ID}"
+            elif head_end > self.file_bytes - TRAILER_BYTES:
+                problem = f"ends at byte {head_end}, inside the trailer"
+            if problem is not None:
+                head.close()
+                raise BadBundle(f"the MTP head the bundle trailer points at (byte {offset}) "
+                                f"{problem}", path=self.path, offset=offset)
             self._mtp = head
         return self._mtp
 
