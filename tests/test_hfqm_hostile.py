@@ -410,3 +410,20 @@ def test_the_mtp_head_is_read_the_way_its_trunk_is(tmp_path, parts):
         assert f._bytes is None and f.mtp is not None
         assert f.mtp._bytes is None                      # plain reads, no whole-file map
         assert f.mtp.raw("a.weight").tobytes() == hfq4g256_ramp_group().tobytes()
+
+
+def test_scalar_tensors_decode_to_0d_arrays(tmp_path):
+    """Found by the fuzz campaign (regressions/hfqm_reader): a tensor with n_dims 0 is
+    valid, file[name] gave a 0-d array, but dequantize passed the empty shape on to
+    the codecs, which take at least one dim, and raised InvalidArgument."""
+    path = tmp_path / "s.hfq"
+    with HfqmWriter(path, arch_id=0, metadata={}) as w:
+        w.add("f", "f16", [], np.float16(1.5).reshape(1))
+        w.add("q", "hfq4g256", [], np.frombuffer(np.float32(1).tobytes() + np.float32(-2)
+                                                 .tobytes() + bytes(128), np.uint8))
+    for kwargs in ({}, READ_PATH):
+        with HfqmFile(path, **kwargs) as f:
+            assert f["f"].shape == () and float(f["f"]) == 1.5
+            for name, value in (("f", 1.5), ("q", -2.0)):
+                out = f.dequantize(name)
+                assert out.shape == () and out.dtype == np.float32 and float(out) == value

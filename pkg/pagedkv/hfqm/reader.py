@@ -362,14 +362,17 @@ class HfqmFile:
 
     def dequantize(self, name: str | int, *, basis: str = "original") -> np.ndarray:
         """Decode one tensor to a new float32 array of its shape
-        (:func:`pagedkv.quant.dequantize`). A registered qt pagedkv does not decode
-        raises :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
+        (:func:`pagedkv.quant.dequantize`); a scalar (n_dims 0) comes back 0-d. A
+        registered qt pagedkv does not decode raises
+        :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
         from pagedkv.errors import UnsupportedQuantType
         from pagedkv.quant import dequantize
         i = self._resolve(name)
         info = self._info(i, self.records[i])
         try:
-            return dequantize(self.raw(i), info.qt, info.shape, basis=basis)
+            # The codecs take at least one dim; a scalar is one element either way.
+            return dequantize(self.raw(i), info.qt, info.shape or (1,),
+                              basis=basis).reshape(info.shape)
         except UnsupportedQuantType as exc:
             raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
                                        offset=info.offset) from None
