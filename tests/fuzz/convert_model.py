@@ -8,8 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from hfqm_samples import safetensors_bytes
-
 CONFIG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 1,
           "architectures": ["LlamaForCausalLM"]}
 TOKENIZER = {"model": {"type": "BPE", "vocab": {"a": 0, "é": 1}}, "added_tokens": []}
@@ -62,6 +60,7 @@ _written: dict[Path, bytes] = {}
 
 
 def _default_shard() -> bytes:
+    from hfqm_samples import safetensors_bytes  # tests/: on sys.path once runner is imported
     if "shard" not in _defaults:
         _defaults["shard"] = safetensors_bytes(model_tensors())
     return _defaults["shard"]

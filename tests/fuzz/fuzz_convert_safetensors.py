@@ -13,8 +13,6 @@ from collections.abc import Iterable
 from convert_model import model_tensors, run_convert, write_model
 from runner import Scratch
 
-from hfqm_samples import safetensors_bytes
-
 _SCRATCH = Scratch("convert_safetensors")
 FORMATS = ("hf4", "mq4", "q8", "mq6", "hfq2g128", "f16", "mq4cg256", "hf6")
 
@@ -30,6 +28,7 @@ def one_input(data: bytes) -> None:
 def seeds() -> Iterable[tuple[str, bytes]]:
     """The model's shard (every format), one tensor per dtype the loader knows, a
     ``__metadata__`` block and an empty shard."""
+    from hfqm_samples import safetensors_bytes  # tests/: on sys.path once runner is imported
     out = [(f"model_{fmt}", bytes([i]) + safetensors_bytes(model_tensors()))
            for i, fmt in enumerate(FORMATS)]
     one_each = {f"t.{dtype.lower()}.weight": (dtype, (2, 4), bytes(2 * 4 * bits // 8))
