@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import struct
+
 import numpy as np
 
 MINIMAL_METADATA = {"architecture": "llama", "config": {"model_type": "llama"}}
@@ -22,10 +25,10 @@ def hfq4g256_ramp_group() -> np.ndarray:
                            packed])
 
 
-def write_minimal(path, **writer_kwargs) -> None:
-    """The §5.4 minimal file."""
+def write_minimal(path, arch_id=0, **writer_kwargs) -> None:
+    """The §5.4 minimal file (``arch_id=21`` makes it an MTP head)."""
     from pagedkv.hfqm import HfqmWriter
-    with HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
+    with HfqmWriter(path, arch_id=arch_id, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
         w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())
         w.add("a.norm", "f16", [4], np.array([1, 2, 3, 4], dtype=np.float16))
 
@@ -53,3 +56,39 @@ def write_mixed(path, **writer_kwargs) -> dict[str, np.ndarray]:
         for name, (qt, shape, data) in tensors.items():
             w.add(name, qt, shape, data)
     return {name: data for name, (qt, shape, data) in tensors.items()}
+
+
+def write_odd_summary(path) -> dict:
+    """A file whose metadata summary needs care (inspect): summarised values that are lists
+    of non-strings, deep objects, long lists and strings, a lone surrogate, a tab, and a
+    stored quantization hash. Returns its config."""
+    from pagedkv.hfqm import HfqmWriter
+    nested: dict = {"a": 1}
+    for _ in range(500):
+        nested = {"x": nested}
+    config = {"model_type": ["llama", 2], "hidden_size": [1, 2.5, None, True],
+              "num_hidden_layers": nested, "vocab_size": list(range(100)),
+              "rope_theta": "\ud800lone surrogate", "head_dim": "tab\there",
+              "max_position_embeddings": "x" * 1000,
+              "text_config": {"num_attention_heads": 8}}
+    metadata = {"architecture": [[1]], "config": config, "parameter_counts": {"total_params": 7},
+                "source": "gguf", "extra": None}
+    with HfqmWriter(path, arch_id=0, metadata=metadata, add_quantization_hash=True) as w:
+        w.add("n", "f16", [1], np.ones(1, np.float16))
+    return config
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
+                      metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors file written by hand (the NumPy backend cannot write BF16): ``tensors``
+    maps a name to (dtype, shape, raw bytes), laid out in order."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    blobs, offset = [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)

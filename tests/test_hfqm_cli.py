@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from hfqm_samples import write_minimal, write_mixed
+from hfqm_samples import safetensors_bytes, write_minimal, write_mixed
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import InvalidArgument
 from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
@@ -74,7 +74,7 @@ def test_inspect_json(tmp_path, capsys):
 def test_inspect_mixed_file_summary_and_bundle(tmp_path, capsys):
     write_mixed(tmp_path / "m.hfq")
     trunk = (tmp_path / "m.hfq").read_bytes()
-    write_minimal(tmp_path / "head.hfq")
+    write_minimal(tmp_path / "head.hfq", arch_id=21)
     bundle = tmp_path / "b.hfq"
     bundle.write_bytes(trunk + (tmp_path / "head.hfq").read_bytes() + b"HFBNDMTP"
                        + struct.pack("<Q", len(trunk)))
@@ -179,16 +179,8 @@ def test_format_names_and_defaults():
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
     """A safetensors file written by hand (the numpy backend cannot write bf16)."""
-    header, blobs, offset = {}, [], 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+        f.write(safetensors_bytes(tensors))
 
 
 def _bf16(x: np.ndarray) -> bytes:

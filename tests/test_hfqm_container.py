@@ -21,6 +21,7 @@ from hfqm_samples import (
     write_mixed,
 )
 from pagedkv.errors import (
+    BadBundle,
     BadMagic,
     BadMetadata,
     BadName,
@@ -267,11 +268,12 @@ def test_mtp_bundle_trailer(tmp_path):
         write_mtp_bundle(bundle, tmp_path / "head.hfq", tmp_path / "x.hfq")
     assert not (tmp_path / "x.hfq").exists()
     assert sorted(os.listdir(tmp_path)) == ["b.mq4-mtp", "head.hfq", "trunk.hfq", "w.mq4-mtp"]
-    # A trailer that does not point at an HFQM section is a plain file, not an error.
+    # A trailer that does not point past the trunk at an HFQM section is a broken bundle
+    # (issue 10); tests/test_hfqm_hostile.py covers every way to get it wrong.
     bad = tmp_path / "bad.hfq"
     bad.write_bytes(trunk + head + b"HFBNDMTP" + struct.pack("<Q", 5))
-    with HfqmFile(bad) as f:
-        assert f.mtp is None
+    with HfqmFile(bad) as f, pytest.raises(BadBundle, match="points at byte 5"):
+        f.mtp  # noqa: B018
 
 
 # --- validation (§2.4) -------------------------------------------------------------------

@@ -43,8 +43,8 @@ def _groups(flat: np.ndarray, g: int) -> np.ndarray:
 
 def _ulps(a: np.ndarray) -> np.ndarray:
     # "plus a few f32 ulps" (§4), and an absolute floor for groups whose range is
-    # subnormal: there 1/scale overflows to inf, (x - min)·inf is NaN for x = min and
-    # the code clamps to L, as upstream's f32::min does (error < range < 2^-126)
+    # subnormal: there 1/scale overflows to inf, every element above the minimum codes
+    # as L (error < range < 2^-126) and the minimum as 0 (tests/test_quant_hostile_groups.py)
     return 8 * EPS * a + 2.0**-124
 
 

@@ -24,6 +24,7 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "UnsupportedQuantType",
     "BadName",
     "BadMetadata",
+    "BadBundle",
     "TensorNotFound",
     "ContextLengthExceeded",
     "CapacityExceeded",
@@ -129,6 +130,11 @@ class BadName(FormatError):
 
 class BadMetadata(FormatError):
     """Metadata JSON that is malformed, not an object, or inconsistent with the file."""
+
+
+class BadBundle(FormatError):
+    """A file that ends in an MTP bundle trailer (``HFBNDMTP`` + u64 offset) that does not
+    point past the trunk, inside the file, at an HFQM section of the MTP arch."""
 
 
 class TensorNotFound(PagedKVError, KeyError):

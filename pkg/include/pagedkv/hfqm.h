@@ -24,6 +24,9 @@
 #define PKV_HFQM_METADATA_OFFSET    32u          /* what writers store */
 #define PKV_HFQM_DATA_ALIGN_BYTES   4096u        /* data_offset is a multiple of this */
 #define PKV_HFQM_MAX_DIMS           8u           /* n_dims is a u8; pagedkv caps it at 8 */
+/* pagedkv's cap on a shape: the product of its NON-ZERO dims (so an empty tensor of
+ * shape [0, 2^32-1, 2^32-1] is refused too: no array library can allocate it). */
+#define PKV_HFQM_MAX_NUMEL          (1ull << 48)
 #define PKV_HFQM_MTP_TRAILER_BYTES  16u          /* "HFBNDMTP" ++ u64 mtp_off */
 
 /* On-disk header, 32 bytes, little-endian. Offsets are relative to `base`,

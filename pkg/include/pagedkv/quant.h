@@ -39,6 +39,17 @@
 /* Bytes of one affine group of G weights at `bits` bits: 8 B header + packed codes. */
 #define PKV_AFFINE_GROUP_BYTES(bits, G) (PKV_AFFINE_HEADER_BYTES + ((bits) * (G)) / 8u)
 
+/* What a group encoder returns. UNREPRESENTABLE: the group's finite inputs need a
+ * stored field or a decoded value that is not finite (an f32 range that overflows,
+ * an f16 scale or zero beyond +-65504); the bytes are written anyway, as hipfire
+ * would write them, and the caller refuses the tensor (docs/formats/quant.md,
+ * "Groups the codecs refuse"). */
+#define PKV_ENCODE_OK              0
+#define PKV_ENCODE_UNREPRESENTABLE 1
+
+/* True when the f16 bit pattern h is +-inf or NaN (exponent all ones). */
+#define PKV_F16_IS_NONFINITE(h) (((h) & 0x7C00u) == 0x7C00u)
+
 /* ---------------------------------------------------------------------------
  * Bit casts and little-endian field access
  * ------------------------------------------------------------------------- */
@@ -174,21 +185,17 @@ PKV_FN uint32_t pkv_bf16_trunc(float x) { return pkv_f32_bits(x) >> 16; }
  * for integer L, and on [0, L] floor == truncation.
  * ------------------------------------------------------------------------- */
 
-/* HFQ/MQ v1: q = min(L, floor((x - mn)*inv + 0.5)); the argument is >= 0.5. */
-PKV_FN uint32_t pkv_round_affine_v1(float x, float mn, float inv, float L) {
-    float v = (x - mn) * inv;
+/* Affine codes, every family (§3.3): q = clamp(floor((x - base)*inv + 0.5), 0, L),
+ * base = the group minimum (v1) or the stored zero (V2, MQ4C; it can exceed the
+ * minimum, so the lower clamp matters there). floor and truncation agree after
+ * clamping to [0, L]. A NaN argument is code 0, as in hipfire, whose encoders
+ * convert with Rust's saturating `as u8` (NaN -> 0) before `.min(L)`: NaN arises
+ * in a v1 group whose range is subnormal, where 1/scale overflows to inf and
+ * (mn - mn)*inf is NaN for the group minimum. */
+PKV_FN uint32_t pkv_round_affine(float x, float base, float inv, float L) {
+    float v = (x - base) * inv;
     v = v + 0.5f;
-    v = v < L ? v : L;
-    return (uint32_t)(int32_t)v;
-}
-
-/* V2 / MQ4C: q = clamp(floor((x - z)*inv + 0.5), 0, L); z may exceed the group
- * minimum (truncated f16), so the lower clamp matters. floor and truncation
- * agree after clamping to [0, L] (every v < 0 maps to 0 either way). */
-PKV_FN uint32_t pkv_round_affine_v2(float x, float z, float inv, float L) {
-    float v = (x - z) * inv;
-    v = v + 0.5f;
-    v = v > 0.0f ? v : 0.0f;
+    v = v > 0.0f ? v : 0.0f;           /* also NaN -> 0 */
     v = v < L ? v : L;
     return (uint32_t)(int32_t)v;
 }
@@ -206,6 +213,11 @@ PKV_FN int32_t pkv_round_q8(float v) {
     r = pkv_f32_from_bits(pkv_f32_bits(r) | (bits & 0x80000000u));
     r = r < -128.0f ? -128.0f : r;
     r = r > 127.0f ? 127.0f : r;
+    /* NaN (0 * inf when 1/scale overflowed) is -128, as hipfire's
+     * `round().max(-128.0).min(127.0) as i8` gives (f32::max returns the non-NaN
+     * operand); without this the result would follow the NaN's sign bit, which
+     * differs between x86 (negative default NaN) and ARM (positive). */
+    r = v == v ? r : -128.0f;
     return (int32_t)r;
 }
 
@@ -428,8 +440,10 @@ PKV_FN float pkv_hfq_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, u
 }
 
 /* Encode x[0..n) (n <= G; codes n..G are 0) into one v1 group. `q` is scratch
- * of G bytes. min/max run over the n real elements only (§4.1). */
-PKV_FN void pkv_hfq_encode_group(const PKV_THREAD float *x, uint32_t n, uint32_t bits, uint32_t G,
+ * of G bytes. min/max run over the n real elements only (§4.1). Decoded values
+ * run from mn (code 0) to L*scale + mn (code L): UNREPRESENTABLE when the latter
+ * overflows, which covers a range mx - mn that overflows (scale = inf). */
+PKV_FN int pkv_hfq_encode_group(const PKV_THREAD float *x, uint32_t n, uint32_t bits, uint32_t G,
                                  PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
     float L = (float)((1u << bits) - 1u);
     float mn = x[0], mx = x[0];
@@ -443,11 +457,32 @@ PKV_FN void pkv_hfq_encode_group(const PKV_THREAD float *x, uint32_t n, uint32_t
         scale = rng / L;
         inv = 1.0f / scale;            /* 1/scale, not L/rng: part of the bytes */
     }
-    for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine_v1(x[i], mn, inv, L);
+    for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine(x[i], mn, inv, L);
     for (uint32_t i = n; i < G; ++i) q[i] = 0u;
     pkv_store_f32le(blk, scale);
     pkv_store_f32le(blk + 4, mn);
     pkv_pack_codes(q, G, bits, blk + PKV_AFFINE_HEADER_BYTES);
+    float top = L * scale;
+    top = top + mn;
+    return pkv_f32_is_nonfinite(top) ? PKV_ENCODE_UNREPRESENTABLE : PKV_ENCODE_OK;
+}
+
+/* Largest magnitude an MQ v1 group may store: the inverse FWHT-256 adds 256 stored
+ * values before its 1/16 scaling, and 256 * 2^119 = 2^127 keeps every partial sum
+ * finite. (V2/MQ4C store f16 fields, far below this.) */
+#define PKV_MQV1_MAX_STORED_MAGNITUDE 6.646139978924579e35f   /* 2^119 */
+
+/* MQ v1 (qt 13, 15, 17, 18, 31): one v1 group over the 256 ROTATED weights r, plus
+ * the bound above on the decoded values mn .. L*scale + mn. */
+PKV_FN int pkv_mqv1_encode_group(const PKV_THREAD float *r, uint32_t bits, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    if (pkv_hfq_encode_group(r, 256u, bits, 256u, q, blk) != PKV_ENCODE_OK)
+        return PKV_ENCODE_UNREPRESENTABLE;
+    float L = (float)((1u << bits) - 1u);
+    float mn = pkv_hfq_min(blk), top = L * pkv_hfq_scale(blk);
+    top = top + mn;
+    float lo = mn < 0.0f ? -mn : mn, hi = top < 0.0f ? -top : top;
+    return lo > PKV_MQV1_MAX_STORED_MAGNITUDE || hi > PKV_MQV1_MAX_STORED_MAGNITUDE
+               ? PKV_ENCODE_UNREPRESENTABLE : PKV_ENCODE_OK;
 }
 
 /* Decode a whole v1 group of G weights (G a multiple of 8). `q` is G bytes of scratch. */
@@ -466,8 +501,10 @@ PKV_FN void pkv_hfq_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, u
  * ------------------------------------------------------------------------- */
 
 /* Quantize v[0..n) against one stored (s, z) pair; writes the two f16 fields
- * at hdr. The codes use the STORED (truncated) step and zero, not the f32 ones. */
-PKV_FN void pkv_v2_encode_span(const PKV_THREAD float *v, uint32_t n, uint32_t bits,
+ * at hdr. The codes use the STORED (truncated) step and zero, not the f32 ones.
+ * UNREPRESENTABLE when either field saturates to f16 inf (|lo| or the step
+ * beyond 65504); with both finite every decoded value is finite. */
+PKV_FN int pkv_v2_encode_span(const PKV_THREAD float *v, uint32_t n, uint32_t bits,
                                PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *hdr) {
     float L = (float)((1u << bits) - 1u);
     float lo = v[0], hi = v[0];
@@ -483,23 +520,27 @@ PKV_FN void pkv_v2_encode_span(const PKV_THREAD float *v, uint32_t n, uint32_t b
         for (uint32_t i = 0; i < n; ++i) q[i] = 0u;
     } else {
         float inv = 1.0f / st;
-        for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine_v2(v[i], z, inv, L);
+        for (uint32_t i = 0; i < n; ++i) q[i] = (uint8_t)pkv_round_affine(v[i], z, inv, L);
     }
     pkv_store_u16le(hdr, sb);
     pkv_store_u16le(hdr + 2, zb);
+    return PKV_F16_IS_NONFINITE(sb) || PKV_F16_IS_NONFINITE(zb) ? PKV_ENCODE_UNREPRESENTABLE
+                                                                : PKV_ENCODE_OK;
 }
 
 /* r: the 256 ROTATED weights of one group. `q`: 256 bytes of scratch. */
-PKV_FN void pkv_mqv2_encode_group(const PKV_THREAD float *r, uint32_t bits, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
-    pkv_v2_encode_span(r, 128u, bits, q, blk);
-    pkv_v2_encode_span(r + 128, 128u, bits, q + 128, blk + 4);
+PKV_FN int pkv_mqv2_encode_group(const PKV_THREAD float *r, uint32_t bits, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    int status = pkv_v2_encode_span(r, 128u, bits, q, blk);
+    status |= pkv_v2_encode_span(r + 128, 128u, bits, q + 128, blk + 4);
     pkv_pack_codes(q, 256u, bits, blk + PKV_AFFINE_HEADER_BYTES);
+    return status;
 }
 
-PKV_FN void pkv_mq4c_encode_group(const PKV_THREAD float *r, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
-    pkv_v2_encode_span(r, 256u, 4u, q, blk);
+PKV_FN int pkv_mq4c_encode_group(const PKV_THREAD float *r, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+    int status = pkv_v2_encode_span(r, 256u, 4u, q, blk);
     pkv_store_u32le(blk + 4, 0u);
     pkv_pack_codes(q, 256u, 4u, blk + PKV_AFFINE_HEADER_BYTES);
+    return status;
 }
 
 PKV_FN float pkv_mqv2_scale(const PKV_DEVPTR uint8_t *blk, uint32_t half) { return pkv_f16_to_f32(pkv_load_u16le(blk + 4u * half)); }
@@ -560,8 +601,9 @@ PKV_FN void pkv_affine_params(const PKV_DEVPTR uint8_t *blk, int family, uint32_
  * Codes use the f32 scale amax/127; the stored f16 is truncated (<= 1 ulp smaller).
  * ------------------------------------------------------------------------- */
 
-/* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block). */
-PKV_FN void pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+/* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block).
+ * UNREPRESENTABLE when the stored f16 scale saturates (amax/127 beyond 65504). */
+PKV_FN int pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
     /* max |x| on the magnitude bits: for finite floats integer order is float
      * order, and an integer max reduction vectorizes (a float one may not). */
     uint32_t amax_bits = 0u;
@@ -576,8 +618,10 @@ PKV_FN void pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DE
     uint8_t codes[PKV_Q8F16_GROUP];
     for (uint32_t i = 0; i < n; ++i) codes[i] = (uint8_t)(pkv_round_q8(x[i] * inv) & 0xFF);
     for (uint32_t i = n; i < PKV_Q8F16_GROUP; ++i) codes[i] = 0u;
-    pkv_store_u16le(blk, pkv_f16_trunc(scale));
+    uint32_t scale16 = pkv_f16_trunc(scale);
+    pkv_store_u16le(blk, scale16);
     for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) blk[2u + i] = codes[i];
+    return PKV_F16_IS_NONFINITE(scale16) ? PKV_ENCODE_UNREPRESENTABLE : PKV_ENCODE_OK;
 }
 
 PKV_FN float pkv_q8f16_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {

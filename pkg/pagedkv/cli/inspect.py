@@ -10,6 +10,12 @@ from typing import Any
 
 from pagedkv.cli.table import format_table
 
+# Summarised values: lists up to this many scalars are shown whole, strings up to this
+# many characters; anything else is described by its type and size. (Metadata is the
+# file's, not ours: a value can be any JSON, nested as deep as the parser allows.)
+_LIST_ITEMS_SHOWN = 16
+_STRING_CHARS_SHOWN = 200
+
 # Config keys loaders read (§2.3), shown in the metadata summary when present.
 _CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -28,38 +34,73 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _scalar(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def brief(value: Any) -> Any:
+    """``value`` made safe to print and to dump as JSON: scalars as they are (strings cut
+    at 200 characters), a list of at most 16 scalars as it is, any other list or object
+    as a short description (``"list of 1000 items"``, ``"object with 3 keys"``)."""
+    if isinstance(value, str):
+        # lone surrogates (from JSON escapes) cannot be printed or dumped as UTF-8
+        shown = value[:_STRING_CHARS_SHOWN].encode("utf-8", "backslashreplace").decode()
+        if len(value) <= _STRING_CHARS_SHOWN:
+            return shown
+        return f"{shown}... ({len(value)} characters)"
+    if _scalar(value):
+        return value
+    if isinstance(value, list):
+        if len(value) <= _LIST_ITEMS_SHOWN and all(_scalar(v) for v in value):
+            return [brief(v) for v in value]
+        return f"list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"object with {len(value)} keys"
+    return type(value).__name__
+
+
+def _text(value: Any) -> str:
+    """One line of text for a :func:`brief` value (control characters escaped)."""
+    if isinstance(value, list):
+        return ", ".join(_text(v) for v in value)
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def metadata_summary(metadata: dict) -> dict[str, Any]:
-    """The metadata keys worth a glance; the tokenizer is reported by size only."""
+    """The metadata keys worth a glance, each through :func:`brief`; the tokenizer is
+    reported by size only."""
     summary: dict[str, Any] = {}
     if "architecture" in metadata:
-        summary["architecture"] = metadata["architecture"]
+        summary["architecture"] = brief(metadata["architecture"])
     config = metadata.get("config")
     if isinstance(config, dict):
         text_config = config.get("text_config")
         for key in _CONFIG_KEYS:
             if key in config:
-                summary[f"config.{key}"] = config[key]
+                summary[f"config.{key}"] = brief(config[key])
             elif isinstance(text_config, dict) and key in text_config:
-                summary[f"config.text_config.{key}"] = text_config[key]
+                summary[f"config.text_config.{key}"] = brief(text_config[key])
     tokenizer = metadata.get("tokenizer")
-    if isinstance(tokenizer, str):
-        summary["tokenizer_bytes"] = len(tokenizer.encode("utf-8"))
+    if isinstance(tokenizer, str):   # JSON escapes can make lone surrogates: count them too
+        summary["tokenizer_bytes"] = len(tokenizer.encode("utf-8", "surrogatepass"))
     for key in ("tokenizer_config", "generation_config"):
         if key in metadata:
             summary[key] = "present" if metadata[key] is not None else None
     qh = metadata.get("quantization_hash")
     if isinstance(qh, dict) and "value" in qh:
-        summary["quantization_hash"] = qh["value"]
+        summary["quantization_hash"] = brief(qh["value"])
     counts = metadata.get("parameter_counts")
     if isinstance(counts, dict) and "total_params" in counts:
-        summary["total_params"] = counts["total_params"]
+        summary["total_params"] = brief(counts["total_params"])
     if "source" in metadata:
-        summary["source"] = metadata["source"]
+        summary["source"] = brief(metadata["source"])
     others = sorted(set(metadata) - {"architecture", "config", "tokenizer", "tokenizer_config",
                                      "generation_config", "quantization_hash",
                                      "parameter_counts", "source"})
     if others:
-        summary["other_keys"] = others
+        summary["other_keys"] = [brief(k) for k in others[:_LIST_ITEMS_SHOWN]] + (
+            [f"... ({len(others)} keys)"] if len(others) > _LIST_ITEMS_SHOWN else [])
     return summary
 
 
@@ -126,8 +167,7 @@ def render(info: dict[str, Any], indent: str = "") -> list[str]:
         lines.append(f"          {summary}")
     else:
         for key, value in summary.items():
-            shown = ", ".join(value) if isinstance(value, list) else value
-            lines.append(f"          {key}: {shown}")
+            lines.append(f"          {key}: {_text(value)}")
     if "quantization_hash_check" in info:
         lines.append(f"verify    quantization_hash: {info['quantization_hash_check']}")
     lines.append("")
@@ -167,4 +207,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, ensure_ascii=False))
     else:
         print("\n".join(render(info)))
-    return 1 if str(info.get("quantization_hash_check", "")).startswith("MISMATCH") else 0
+    return 1 if _hash_mismatch(info) else 0
+
+
+def _hash_mismatch(info: dict[str, Any]) -> bool:
+    """True when ``--verify`` found a mismatch in the trunk or in its MTP head."""
+    if str(info.get("quantization_hash_check", "")).startswith("MISMATCH"):
+        return True
+    return info["mtp"] is not None and _hash_mismatch(info["mtp"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["ARCH_NAMES", "QWEN35_ARCH_IDS", "arch_id_for", "arch_name", "is_qwen35_metadata"]
@@ -36,6 +38,9 @@ _MODEL_TYPE_ARCH: dict[str, int] = {
     "qwen2": 7,
 }
 
+# An integer arch_id given as text: decimal (leading zeros allowed) or 0x-hex, ASCII only.
+_INTEGER_TEXT = re.compile(r"-?(?:0[xX][0-9a-fA-F]+|[0-9]+)")
+
 #: Metadata naming Qwen3.5/3.6 is only valid with these arch ids (§2.4 rule 6).
 QWEN35_ARCH_IDS = frozenset({5, 6})
 
@@ -52,8 +57,9 @@ def arch_id_for(arch: str | int) -> int:
     """
     if isinstance(arch, bool) or not isinstance(arch, (str, int)):
         raise InvalidArgumentType(f"arch must be a name or an int, got {type(arch).__name__}")
-    if isinstance(arch, str) and arch.strip().lstrip("-").isdigit():
-        arch = int(arch.strip(), 0)
+    if isinstance(arch, str) and _INTEGER_TEXT.fullmatch(arch.strip()):
+        text = arch.strip()
+        arch = int(text, 16) if text.lower().startswith(("0x", "-0x")) else int(text, 10)
     if isinstance(arch, int):
         if not 0 <= arch <= 0xFFFFFFFF:
             raise InvalidArgument(f"arch_id {arch} is outside the u32 range 0..4294967295")

@@ -62,6 +62,13 @@ def _rows_per_chunk(shape: tuple[int, ...], group: int, chunk_bytes: int) -> int
     return min(rows, shape[0]) if shape[0] else 1
 
 
+def _sum_of_squares(x: np.ndarray) -> float:
+    """Σx² of a float32 array, squared and summed in float64 (einsum casts in buffered
+    chunks: no float64 copy of the block, and no float32 square that overflows)."""
+    flat = x.reshape(-1)
+    return float(np.einsum("i,i->", flat, flat, dtype=np.float64))
+
+
 def _planned(p: TensorPlan, qt: int) -> PlannedTensor:
     """The writer's plan entry of a tensor converted to ``qt``."""
     data_size = expected_nbytes(qt, p.shape)
@@ -158,16 +165,17 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
                 nonlocal err2, ref2, done
                 for block in _blocks(source, src, p, chunk_bytes):
                     block = np.atleast_1d(block)  # the codecs take >= 1 dim; a scalar is [1]
-                    raw = quantize(block, row.key)
+                    try:
+                        raw = quantize(block, row.key)
+                    except InvalidArgument as exc:   # NaN/Inf, a group no format can store
+                        raise InvalidArgument(f"{src.shard}: tensor {p.name!r}: "
+                                              f"{exc}") from None
                     if measure_error:
-                        # float32 differences, float64 sums (numpy casts in buffered
-                        # chunks): no float64 copy of the block.
                         ref = block.astype(np.float32, copy=False)
                         diff = dequantize(raw, row.key, block.shape)
                         np.subtract(diff, ref, out=diff)
-                        np.square(diff, out=diff)
-                        err2 += float(diff.sum(dtype=np.float64))
-                        ref2 += float(np.square(ref).sum(dtype=np.float64))
+                        err2 += _sum_of_squares(diff)
+                        ref2 += _sum_of_squares(ref)
                     done += block.size * (2 if src.dtype in ("F16", "BF16") else 4)
                     if progress is not None:
                         progress(done, total, p.name)

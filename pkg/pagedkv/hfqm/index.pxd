@@ -37,6 +37,8 @@ cdef extern from "pagedkv/hfqm.h" nogil:
         PKV_QT_FLAG_K_MULT_256
         PKV_QT_FLAG_RAW
 
+    const uint64_t PKV_HFQM_MAX_NUMEL
+
     ctypedef struct pkv_hfqm_header:
         uint8_t magic[4]
         uint32_t version

@@ -1,6 +1,6 @@
 """Type stubs for pagedkv.hfqm.index (Cython): HFQM header and tensor-index parser."""
 
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -10,6 +10,7 @@ TENSOR_RECORD_DTYPE: np.dtype[np.void]
 HEADER_BYTES: int
 DATA_ALIGN_BYTES: int
 MAX_DIMS: int
+MAX_NUMEL: int
 VERSION: int
 
 @disjoint_base
@@ -35,9 +36,21 @@ class ParsedIndex:
     @property
     def index_of(self) -> dict[str, int]: ...
 
+@disjoint_base
+class JsonEndScanner:
+    def __init__(self) -> None: ...
+    def feed(self, chunk: Any) -> int: ...
+
 def parse_header(section: Any, path: str) -> tuple[int, int, int, int, int]: ...
+def check_offsets(metadata_offset: int, data_offset: int, section_bytes: int, abs_base: int,
+                  path: str) -> None: ...
+def raise_json_end_error(code: int, metadata_offset: int, data_offset: int, abs_base: int,
+                         path: str) -> NoReturn: ...
 def parse_index(section: Any, section_bytes: int, abs_base: int, path: str,
                 calib_ok: bool = ...) -> ParsedIndex: ...
+def parse_index_region(header: tuple[int, int, int, int, int], region: Any, json_end: int,
+                       section_bytes: int, abs_base: int, path: str,
+                       calib_ok: bool = ...) -> ParsedIndex | None: ...
 def json_end(buf: Any, start: int, limit: int) -> int: ...
 def record_layout() -> dict[str, int]: ...
 def header_layout() -> dict[str, int]: ...

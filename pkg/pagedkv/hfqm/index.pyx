@@ -63,8 +63,9 @@ DATA_ALIGN_BYTES = PKV_HFQM_DATA_ALIGN_BYTES
 MAX_DIMS = PKV_HFQM_MAX_DIMS
 VERSION = PKV_HFQM_VERSION
 
-# A cap far above any real tensor that keeps every size computation inside u64.
-cdef uint64_t MAX_NUMEL = (<uint64_t>1) << 48
+#: Cap on the product of a shape's non-zero dims (PKV_HFQM_MAX_NUMEL): far above any
+#: real tensor, it keeps every size computation inside u64 and every shape allocatable.
+MAX_NUMEL = PKV_HFQM_MAX_NUMEL
 
 cdef enum IndexFault:
     FAULT_NONE = 0
@@ -98,17 +99,23 @@ cdef inline uint64_t load_u64(const uint8_t* p) noexcept nogil:
     return <uint64_t>load_u32(p) | (<uint64_t>load_u32(p + 4) << 32)
 
 
-cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
-                              Py_ssize_t limit) noexcept nogil:
-    """§2.2 brace scan: the offset one past the closing '}', -1 if unterminated
-    below ``limit``, -2 if ``buf[start]`` is not '{'."""
-    cdef Py_ssize_t p
-    cdef Py_ssize_t depth = 0
-    cdef bint in_str = False
-    cdef bint esc = False
+cdef struct BraceState:
+    Py_ssize_t depth
+    bint in_str
+    bint esc
+
+
+cdef Py_ssize_t scan_braces(const uint8_t* buf, Py_ssize_t start, Py_ssize_t limit,
+                            BraceState* st) noexcept nogil:
+    """The §2.2 brace scan over ``buf[start:limit]``, resuming from ``st``: the offset one
+    past the '}' that closes the object, or -1 when the bytes run out first."""
+    # The state lives in locals during the loop: buf is a byte pointer, which may alias
+    # *st, so fields read through st would be reloaded after every byte.
+    cdef Py_ssize_t p, found = -1
+    cdef Py_ssize_t depth = st.depth
+    cdef bint in_str = st.in_str
+    cdef bint esc = st.esc
     cdef uint8_t c
-    if start >= limit or buf[start] != b'{':
-        return -2
     for p in range(start, limit):
         c = buf[p]
         if in_str:
@@ -125,30 +132,80 @@ cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
         elif c == b'}':
             depth -= 1
             if depth == 0:
-                return p + 1
-    return -1
+                found = p + 1
+                break
+    st.depth = depth
+    st.in_str = in_str
+    st.esc = esc
+    return found
 
 
-cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_limit,
-                            uint64_t n, uint64_t data_offset, uint64_t section_bytes,
+cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
+                              Py_ssize_t limit) noexcept nogil:
+    """§2.2 brace scan: the offset one past the closing '}', -1 if unterminated
+    below ``limit``, -2 if ``buf[start]`` is not '{'."""
+    cdef BraceState st
+    if start >= limit or buf[start] != b'{':
+        return -2
+    st.depth = 0
+    st.in_str = False
+    st.esc = False
+    return scan_braces(buf, start, limit, &st)
+
+
+cdef class JsonEndScanner:
+    """The §2.2 brace scan fed chunk by chunk (the read path of files too large to map:
+    the metadata is scanned in bounded chunks, never held whole).
+
+    ``feed(chunk)`` returns the offset in ``chunk`` one past the closing '}', -1 when
+    more bytes are needed, or -2 when the first byte fed is not '{'."""
+
+    cdef BraceState st
+    cdef bint started
+
+    def __cinit__(self):
+        self.st.depth = 0
+        self.st.in_str = False
+        self.st.esc = False
+        self.started = False
+
+    def feed(self, const uint8_t[::1] chunk not None):
+        cdef Py_ssize_t n = chunk.shape[0]
+        cdef Py_ssize_t end
+        if n == 0:
+            return -1
+        if not self.started:
+            if chunk[0] != b'{':
+                return -2
+            self.started = True
+        with nogil:
+            end = scan_braces(&chunk[0], 0, n, &self.st)
+        return end
+
+
+cdef uint64_t parse_entries(const uint8_t* reg, uint64_t reg_start, uint64_t pos,
+                            uint64_t index_limit, uint64_t first, uint64_t n,
+                            uint64_t* payload_pos, uint64_t section_bytes,
                             uint64_t abs_base, bint calib_ok,
                             pkv_hfqm_tensor_record* recs, IndexError_* err) noexcept nogil:
-    """Parse ``n`` index entries starting at ``pos``; entries must end by
-    ``index_limit``, payloads by ``section_bytes``. Returns the end of the index
-    (section-relative) or 0 with ``err`` filled."""
-    cdef uint64_t i, d, numel, k, expected
-    cdef uint64_t payload = data_offset
+    """Parse entries ``first .. first + n - 1`` starting at section offset ``pos``, into
+    ``recs[first ..]``. ``reg`` holds the section's bytes from ``reg_start`` up to at
+    least ``index_limit``; entries must end by ``index_limit``, payloads (the next at
+    ``*payload_pos``, advanced here) by ``section_bytes``. Returns the offset after the
+    last entry (section-relative), or 0 with ``err`` filled."""
+    cdef uint64_t i, d, numel, nonzero, k, expected
+    cdef uint64_t payload = payload_pos[0]
     cdef uint32_t name_len, status, flags
     cdef uint8_t qt, ndim
     cdef pkv_hfqm_tensor_record* rec
-    for i in range(n):
+    for i in range(first, first + n):
         rec = &recs[i]
         err.tensor = <Py_ssize_t>i
         err.offset = pos
         if index_limit - pos < 2:
             err.fault = FAULT_INDEX_TRUNCATED
             return 0
-        name_len = load_u16(sec + pos)
+        name_len = load_u16(reg + (pos - reg_start))
         pos += 2
         err.offset = pos
         if index_limit - pos < name_len:
@@ -161,8 +218,8 @@ cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_lim
         if index_limit - pos < 2:
             err.fault = FAULT_INDEX_TRUNCATED
             return 0
-        qt = sec[pos]
-        ndim = sec[pos + 1]
+        qt = reg[pos - reg_start]
+        ndim = reg[pos + 1 - reg_start]
         rec.qt = qt
         if ndim > PKV_HFQM_MAX_DIMS:
             err.offset = pos + 1
@@ -176,16 +233,19 @@ cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_lim
             err.fault = FAULT_INDEX_TRUNCATED
             return 0
         numel = 1
+        nonzero = 1
         for d in range(ndim):
-            rec.shape[d] = load_u32(sec + pos + 4 * d)
-            # numel <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
-            if rec.shape[d] != 0 and numel > MAX_NUMEL // rec.shape[d]:
-                err.fault = FAULT_NUMEL
-                return 0
+            rec.shape[d] = load_u32(reg + (pos - reg_start) + 4 * d)
+            # nonzero <= 2**48 and a dim < 2**32: test before multiplying (no u64 wrap).
+            if rec.shape[d] != 0:
+                if nonzero > PKV_HFQM_MAX_NUMEL // rec.shape[d]:
+                    err.fault = FAULT_NUMEL
+                    return 0
+                nonzero *= rec.shape[d]
             numel *= rec.shape[d]
         pos += 4 * <uint64_t>ndim
-        rec.group_size = load_u32(sec + pos)
-        rec.nbytes = load_u64(sec + pos + 4)
+        rec.group_size = load_u32(reg + (pos - reg_start))
+        rec.nbytes = load_u64(reg + (pos - reg_start) + 4)
         err.offset = pos + 4
         pos += 12
         status = pkv_qt_status(qt)
@@ -220,6 +280,7 @@ cdef uint64_t parse_entries(const uint8_t* sec, uint64_t pos, uint64_t index_lim
             return 0
         rec.offset = abs_base + payload
         payload += rec.nbytes
+    payload_pos[0] = payload
     err.fault = FAULT_NONE
     return pos
 
@@ -278,6 +339,35 @@ def parse_header(const uint8_t[::1] section not None, str path):
             load_u64(p + PKV_HFQM_HDR_DATA_OFFSET_OFF))
 
 
+def check_offsets(uint64_t metadata_offset, uint64_t data_offset, uint64_t section_bytes,
+                  uint64_t abs_base, str path):
+    """§2.4 rule 2: ``32 <= metadata_offset <= data_offset <= section_bytes``, checked from
+    the header alone, before any byte past it is read."""
+    if (PKV_HFQM_HEADER_BYTES <= metadata_offset <= data_offset
+            and data_offset > section_bytes):
+        raise Truncated(
+            f"the file is truncated: its header puts the data section at byte "
+            f"{data_offset} of the section but only {section_bytes} bytes are there "
+            "(an interrupted copy or download?)",
+            path=path, offset=abs_base + PKV_HFQM_HDR_DATA_OFFSET_OFF)
+    if not (PKV_HFQM_HEADER_BYTES <= metadata_offset <= data_offset <= section_bytes):
+        raise Truncated(
+            f"header offsets out of range: need 32 <= metadata_offset ({metadata_offset}) "
+            f"<= data_offset ({data_offset}) <= bytes from section start "
+            f"({section_bytes})", path=path, offset=abs_base + PKV_HFQM_HDR_METADATA_OFFSET_OFF)
+
+
+def raise_json_end_error(Py_ssize_t code, uint64_t metadata_offset, uint64_t data_offset,
+                         uint64_t abs_base, str path):
+    """The BadMetadata of a failed §2.2 scan: ``code`` -2 (no '{') or -1 (unterminated)."""
+    if code == -2:
+        raise BadMetadata("metadata does not start with '{'", path=path,
+                          offset=abs_base + metadata_offset)
+    raise BadMetadata("unterminated HFQM metadata JSON: no closing '}' before "
+                      f"data_offset {data_offset}", path=path,
+                      offset=abs_base + metadata_offset)
+
+
 def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
                 uint64_t abs_base, str path, bint calib_ok=False):
     """Parse header, metadata extent and tensor index of one HFQM section.
@@ -288,91 +378,121 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     (``*.calib.hfq`` files). Raises a :class:`~pagedkv.errors.FormatError` subclass
     on any violation of §2.4 rules 1-5.
     """
-    cdef ParsedIndex out = ParsedIndex.__new__(ParsedIndex)
     cdef Py_ssize_t have = section.shape[0]
     cdef Py_ssize_t json_end
-    cdef uint64_t count, pos, max_entries
+    header = parse_header(section, path)
+    cdef uint64_t metadata_offset = header[3]
+    cdef uint64_t data_offset = header[4]
+    check_offsets(metadata_offset, data_offset, section_bytes, abs_base, path)
+    if <uint64_t>have < data_offset:
+        raise Truncated(f"buffer holds {have} bytes, the index region ends at data_offset "
+                        f"{data_offset}", path=path, offset=abs_base + have)
+    with nogil:
+        json_end = scan_json_end(&section[0], <Py_ssize_t>metadata_offset,
+                                 <Py_ssize_t>data_offset)
+    if json_end < 0:
+        raise_json_end_error(json_end, metadata_offset, data_offset, abs_base, path)
+    return _parse_index_region(header, section, 0, <uint64_t>json_end, section_bytes,
+                               abs_base, path, calib_ok)
+
+
+def parse_index_region(tuple header not None, const uint8_t[::1] region not None,
+                       uint64_t json_end, uint64_t section_bytes, uint64_t abs_base, str path,
+                       bint calib_ok=False):
+    """Parse the tensor index from ``region``, the section's bytes from ``json_end`` (the
+    first byte after the metadata JSON) on; for readers that cannot map the file.
+
+    ``header`` is :func:`parse_header`'s tuple, already checked by
+    :func:`check_offsets`. ``region`` may end before ``data_offset``: when the index
+    runs past its end (but not past ``data_offset``) this returns None, and the caller
+    reads a longer region and calls again. Otherwise as :func:`parse_index`.
+    """
+    return _parse_index_region(header, region, json_end, json_end, section_bytes, abs_base,
+                               path, calib_ok)
+
+
+cdef enum:
+    RECORDS_FIRST_BATCH = 1024   # records allocated before any entry has parsed
+
+
+cdef object _parse_index_region(tuple header, const uint8_t[::1] region, uint64_t reg_start,
+                                uint64_t json_end, uint64_t section_bytes, uint64_t abs_base,
+                                str path, bint calib_ok):
+    cdef ParsedIndex out = ParsedIndex.__new__(ParsedIndex)
+    cdef uint64_t count, pos, max_entries, limit, done, batch, payload
+    cdef uint64_t index_end = 0
     cdef IndexError_ err
     cdef pkv_hfqm_tensor_record* recs = NULL
     cdef uint8_t[::1] rec_bytes
-    cdef const uint8_t* sec
-
-    cdef uint64_t index_end = 0
+    cdef const uint8_t* reg = &region[0] if region.shape[0] else NULL
     (out.version, out.arch_id, out.n_tensors, out.metadata_offset,
-     out.data_offset) = parse_header(section, path)
-    if (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset
-            and out.data_offset > section_bytes):
-        raise Truncated(
-            f"the file is truncated: its header puts the data section at byte "
-            f"{out.data_offset} of the section but only {section_bytes} bytes are there "
-            "(an interrupted copy or download?)",
-            path=path, offset=abs_base + PKV_HFQM_HDR_DATA_OFFSET_OFF)
-    if not (PKV_HFQM_HEADER_BYTES <= out.metadata_offset <= out.data_offset <= section_bytes):
-        raise Truncated(
-            f"header offsets out of range: need 32 <= metadata_offset ({out.metadata_offset}) "
-            f"<= data_offset ({out.data_offset}) <= bytes from section start "
-            f"({section_bytes})", path=path, offset=abs_base + PKV_HFQM_HDR_METADATA_OFFSET_OFF)
-    if <uint64_t>have < out.data_offset:
-        raise Truncated(f"buffer holds {have} bytes, the index region ends at data_offset "
-                        f"{out.data_offset}", path=path, offset=abs_base + have)
-    sec = &section[0]
-    with nogil:
-        json_end = scan_json_end(sec, <Py_ssize_t>out.metadata_offset,
-                                 <Py_ssize_t>out.data_offset)
-    if json_end == -2:
-        raise BadMetadata("metadata does not start with '{'", path=path,
-                          offset=abs_base + out.metadata_offset)
-    if json_end < 0:
-        raise BadMetadata("unterminated HFQM metadata JSON: no closing '}' before "
-                          f"data_offset {out.data_offset}", path=path,
-                          offset=abs_base + out.metadata_offset)
-    out.json_end_abs = abs_base + <uint64_t>json_end
-    pos = <uint64_t>json_end
-    if out.data_offset - pos < PKV_HFQM_INDEX_COUNT_BYTES:
+     out.data_offset) = header
+    # The region may stop short of data_offset only on the read path; then an index that
+    # runs past it needs more bytes, not an error.
+    limit = min(reg_start + <uint64_t>region.shape[0], out.data_offset)
+    cdef bint complete = limit == out.data_offset
+    out.json_end_abs = abs_base + json_end
+    pos = json_end
+    if limit - pos < PKV_HFQM_INDEX_COUNT_BYTES:
+        if not complete:
+            return None
         raise Truncated("tensor index count runs past data_offset "
                         f"{out.data_offset}", path=path, offset=abs_base + pos)
-    count = load_u32(sec + pos)
+    count = load_u32(reg + (pos - reg_start))
     if count != out.n_tensors:
         raise CountMismatch(f"index count {count} != header n_tensors {out.n_tensors}",
                             path=path, offset=abs_base + pos)
     pos += PKV_HFQM_INDEX_COUNT_BYTES
-    # Each entry takes at least 16 bytes: refuse a count the region cannot hold
-    # before allocating records for it.
+    # Each entry takes at least 16 bytes: refuse a count the region cannot hold.
     max_entries = (out.data_offset - pos) // PKV_HFQM_INDEX_ENTRY_FIXED_BYTES
     if count > max_entries:
         raise Truncated(f"index declares {count} tensors, the {out.data_offset - pos} bytes "
                         f"before data_offset hold at most {max_entries}", path=path,
                         offset=abs_base + pos)
-    records = np.zeros(count, dtype=TENSOR_RECORD_DTYPE)
-    if count:
-        rec_bytes = records.view(np.uint8)
-        recs = <pkv_hfqm_tensor_record*>&rec_bytes[0]
+    # Records grow with the entries that parse (a batch, then doubling): a forged count
+    # under a forged data_offset costs memory only for entries that are really there.
+    records = np.zeros(min(count, RECORDS_FIRST_BATCH), dtype=TENSOR_RECORD_DTYPE)
+    payload = out.data_offset
+    done = 0
     err.fault = FAULT_NONE
     err.offset = pos
-    with nogil:
-        index_end = parse_entries(sec, pos, out.data_offset, count, out.data_offset,
-                                  section_bytes, abs_base, calib_ok, recs, &err)
-    if err.fault != FAULT_NONE:
-        _raise_index_fault(&err, records, section, abs_base, path)
+    while done < count:
+        if done == <uint64_t>len(records):
+            records = np.concatenate([records, np.zeros(min(count - done, done),
+                                                        dtype=TENSOR_RECORD_DTYPE)])
+        rec_bytes = records.view(np.uint8)
+        recs = <pkv_hfqm_tensor_record*>&rec_bytes[0]
+        batch = <uint64_t>len(records) - done
+        with nogil:
+            index_end = parse_entries(reg, reg_start, pos, limit, done, batch, &payload,
+                                      section_bytes, abs_base, calib_ok, recs, &err)
+        if err.fault != FAULT_NONE:
+            if err.fault == FAULT_INDEX_TRUNCATED and not complete:
+                return None
+            _raise_index_fault(&err, records, region, reg_start, abs_base, path)
+        pos = index_end
+        done += batch
+    if count == 0:
+        index_end = pos
     out.records = records
     out.index_of = {}
-    out.names = _decode_names(records, section, abs_base, path, out.index_of)
+    out.names = _decode_names(records, region, reg_start, abs_base, path, out.index_of)
     out.index_end_abs = abs_base + index_end
     return out
 
 
-cdef str _name_for_message(object records, const uint8_t[::1] section, uint64_t abs_base,
-                           Py_ssize_t i):
+cdef str _name_for_message(object records, const uint8_t[::1] region, uint64_t reg_start,
+                           uint64_t abs_base, Py_ssize_t i):
     cdef uint64_t start
     rec = records[i]
     if rec["name_offset"] == 0:
         return f"#{i}"
-    start = int(rec["name_offset"]) - abs_base
-    return bytes(section[start:start + int(rec["name_len"])]).decode("utf-8", "replace")
+    start = int(rec["name_offset"]) - abs_base - reg_start
+    return bytes(region[start:start + int(rec["name_len"])]).decode("utf-8", "replace")
 
 
-cdef list _decode_names(object records, const uint8_t[::1] section, uint64_t abs_base,
-                        str path, dict index_of):
+cdef list _decode_names(object records, const uint8_t[::1] region, uint64_t reg_start,
+                        uint64_t abs_base, str path, dict index_of):
     """Names as str, in index order; fills ``index_of`` (name -> position). Raises
     BadName for non-UTF-8 or duplicate names."""
     cdef Py_ssize_t i, n = len(records)
@@ -385,25 +505,26 @@ cdef list _decode_names(object records, const uint8_t[::1] section, uint64_t abs
     rec_bytes = records.view(np.uint8)
     recs = <const pkv_hfqm_tensor_record*>&rec_bytes[0]
     for i in range(n):
-        start = recs[i].name_offset - abs_base
+        start = recs[i].name_offset - abs_base - reg_start
         try:
-            name = PyUnicode_DecodeUTF8(<const char*>&section[start], recs[i].name_len, NULL)
+            name = PyUnicode_DecodeUTF8(<const char*>&region[0] + start, recs[i].name_len,
+                                        NULL)
         except UnicodeDecodeError as exc:
-            chunk = bytes(section[start:start + recs[i].name_len])
+            chunk = bytes(region[start:start + recs[i].name_len])
             raise BadName(f"tensor #{i} name {chunk!r} is not UTF-8 ({exc.reason})",
                           path=path, tensor=chunk.decode("utf-8", "replace"),
-                          offset=abs_base + start) from None
+                          offset=recs[i].name_offset) from None
         if name in index_of:
             raise BadName(f"tensor name {name!r} appears twice (entries #{index_of[name]} "
-                          f"and #{i})", path=path, tensor=name, offset=abs_base + start)
+                          f"and #{i})", path=path, tensor=name, offset=recs[i].name_offset)
         index_of[name] = i
         names[i] = name
     return names
 
 
-cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] section,
-                        uint64_t abs_base, str path):
-    name = _name_for_message(records, section, abs_base, err.tensor)
+cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] region,
+                        uint64_t reg_start, uint64_t abs_base, str path):
+    name = _name_for_message(records, region, reg_start, abs_base, err.tensor)
     offset = abs_base + err.offset
     fault = err.fault
     if fault == FAULT_INDEX_TRUNCATED:
@@ -413,7 +534,8 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] sec
         raise SizeMismatch(f"n_dims {err.value} exceeds the {PKV_HFQM_MAX_DIMS} dims "
                            "pagedkv reads", path=path, tensor=name, offset=offset)
     if fault == FAULT_NUMEL:
-        raise SizeMismatch("shape has more than 2**48 elements", path=path, tensor=name,
+        raise SizeMismatch("shape has more than 2**48 elements (counting only its non-zero "
+                           "dims)", path=path, tensor=name,
                            offset=offset)
     if fault == FAULT_UNKNOWN_QT:
         raise UnknownQuantType(

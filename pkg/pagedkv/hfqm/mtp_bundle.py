@@ -2,7 +2,11 @@
 16 bytes ``"HFBNDMTP" ++ u64 mtp_off`` (``mtp_off`` = trunk size, no padding).
 
 Trunk readers ignore everything after the trunk's last payload, so a bundle is
-a valid trunk file; the head is the HFQM section at ``base = mtp_off``.
+a valid trunk file; the head is the HFQM section at ``base = mtp_off``. A file
+that ends in the trailer magic claims to be a bundle: a trailer pointing
+anywhere but past the trunk, inside the file, at an HFQM header raises
+:class:`~pagedkv.errors.BadBundle` (docs/formats/hfqm.md, "MTP bundles"). In
+particular ``mtp_off = 0`` would make the trunk its own head, recursively.
 """
 
 from __future__ import annotations
@@ -12,26 +16,39 @@ import shutil
 import struct
 import uuid
 
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import BadBundle, InvalidArgument
+from pagedkv.hfqm.index import HEADER_BYTES
+from pagedkv.hfqm.positional_reads import pread_exact
 
 __all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
 MTP_TRAILER_MAGIC = b"HFBNDMTP"
 MTP_ARCH_ID = 21
-_TRAILER_BYTES = 16
+TRAILER_BYTES = 16
 
 
-def mtp_offset(fd: int, file_bytes: int) -> int | None:
-    """``mtp_off`` when the open file ``fd`` is a bundle: its last 16 bytes start with
-    ``HFBNDMTP``, ``mtp_off < size - 16`` and ``HFQM`` sits at ``mtp_off``; else None."""
-    if file_bytes < _TRAILER_BYTES:
+def mtp_offset(fd: int, file_bytes: int, trunk_end: int, *, path: str) -> int | None:
+    """``mtp_off`` of the open file ``fd`` when its last 16 bytes are a bundle trailer,
+    None when they are not. ``trunk_end`` is the byte after the trunk's last payload.
+
+    Raises :class:`~pagedkv.errors.BadBundle` when the trailer does not point at an HFQM
+    header that starts at or after ``trunk_end`` and ends before the trailer."""
+    if file_bytes < TRAILER_BYTES:
         return None
-    trailer = os.pread(fd, _TRAILER_BYTES, file_bytes - _TRAILER_BYTES)
+    trailer_at = file_bytes - TRAILER_BYTES
+    trailer = pread_exact(fd, TRAILER_BYTES, trailer_at, path=path)
     if trailer[:8] != MTP_TRAILER_MAGIC:
         return None
     (offset,) = struct.unpack("<Q", trailer[8:])
-    if offset >= file_bytes - _TRAILER_BYTES or os.pread(fd, 4, offset) != b"HFQM":
-        return None
+    if not trunk_end <= offset <= trailer_at - HEADER_BYTES:
+        raise BadBundle(f"MTP bundle trailer points at byte {offset}; the head must start "
+                        f"after the trunk's last payload (byte {trunk_end}) and leave room "
+                        f"for its {HEADER_BYTES}-byte header before the trailer (byte "
+                        f"{trailer_at})", path=path, offset=trailer_at + 8)
+    magic = pread_exact(fd, 4, offset, path=path)
+    if magic != b"HFQM":
+        raise BadBundle(f"MTP bundle trailer points at byte {offset}, which holds "
+                        f"{bytes(magic)!r}, not an HFQM header", path=path, offset=offset)
     return offset
 
 

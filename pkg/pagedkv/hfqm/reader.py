@@ -4,7 +4,9 @@ The file is memory-mapped read-only; header and index are validated and parsed
 once at open (Cython, :mod:`pagedkv.hfqm.index`); tensors are handed out as
 zero-copy read-only NumPy views of the mapping. Files above 64 GiB are opened
 with plain reads of header and index and one small mapping per tensor, because
-a whole-file mapping of such files hit unified-memory OOMs upstream.
+a whole-file mapping of such files hit unified-memory OOMs upstream. Those reads
+are bounded by what the header justifies and grow only as the parse needs them,
+so a forged ``data_offset`` costs no memory (docs/formats/hfqm.md, "Validation").
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ from typing import Literal, NamedTuple, Self
 
 import numpy as np
 
-from pagedkv.errors import BadMetadata, InvalidArgument, TensorNotFound, Truncated
+from pagedkv.errors import BadBundle, BadMetadata, InvalidArgument, TensorNotFound, Truncated
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
-from pagedkv.hfqm.mtp_bundle import mtp_offset
+from pagedkv.hfqm.mtp_bundle import MTP_ARCH_ID, TRAILER_BYTES, mtp_offset
+from pagedkv.hfqm.positional_reads import pread_exact
 from pagedkv.hfqm.qtypes import QTYPES
 
 __all__ = ["HfqmFile", "TensorInfo", "canonical_name"]
 
 WHOLE_FILE_MMAP_LIMIT_BYTES = 64 << 30
+#: Largest metadata JSON ``.metadata`` parses (hipfire's largest, a tokenizer, is ~30 MB).
+MAX_METADATA_BYTES = 1 << 30
+# Read path: the metadata is brace-scanned in chunks of this size, and the index is
+# read from a first region of this size, doubled while the parse needs more.
+_READ_CHUNK_BYTES = 1 << 20
 _ALIAS_PREFIXES = ("model.language_model.", "model.")
 
 
@@ -71,6 +79,7 @@ class HfqmFile:
                  _whole_file_mmap_limit_bytes: int = WHOLE_FILE_MMAP_LIMIT_BYTES) -> None:
         self.path = os.fspath(path)
         self.base = int(base)
+        self._whole_file_mmap_limit_bytes = _whole_file_mmap_limit_bytes  # the head's too
         self._closed = True
         self._metadata: dict | None = None
         self._mtp: HfqmFile | None | Literal[False] = False  # False: not looked up yet
@@ -111,16 +120,36 @@ class HfqmFile:
         self._closed = False
 
     def _parse_with_reads(self, fd: int, section_bytes: int, calib_ok: bool):
-        header = os.pread(fd, _index.HEADER_BYTES, self.base)
-        data_offset = _index.parse_header(header, self.path)[4]
-        if data_offset > section_bytes:
-            # Same words as parse_index's check on the mapped path.
-            raise Truncated(f"the file is truncated: its header puts the data section at byte "
-                            f"{data_offset} of the section but only {section_bytes} bytes are "
-                            "there (an interrupted copy or download?)",
-                            path=self.path, offset=self.base + 24)
-        region = os.pread(fd, data_offset, self.base)
-        return _index.parse_index(region, section_bytes, self.base, self.path, calib_ok)
+        """Header, metadata extent and index with plain reads. Nothing past the header is
+        read before the header's offsets are checked against the file; the metadata is
+        scanned in bounded chunks and not kept; the index region grows (doubling) only
+        while entries keep parsing, so memory follows the index really in the file."""
+        header = _index.parse_header(
+            pread_exact(fd, _index.HEADER_BYTES, self.base, path=self.path), self.path)
+        metadata_offset, data_offset = header[3], header[4]
+        _index.check_offsets(metadata_offset, data_offset, section_bytes, self.base,
+                             self.path)
+        scanner = _index.JsonEndScanner()
+        pos, json_end = metadata_offset, -1
+        while json_end == -1 and pos < data_offset:
+            chunk = pread_exact(fd, min(_READ_CHUNK_BYTES, data_offset - pos),
+                                self.base + pos, path=self.path)
+            end = scanner.feed(chunk)
+            json_end = pos + end if end >= 0 else end
+            pos += len(chunk)
+        if json_end < 0:
+            _index.raise_json_end_error(-2 if metadata_offset == data_offset else json_end,
+                                        metadata_offset, data_offset, self.base, self.path)
+        index_room = data_offset - json_end
+        want = min(_READ_CHUNK_BYTES, index_room)
+        while True:
+            region = pread_exact(fd, want, self.base + json_end, path=self.path)
+            parsed = _index.parse_index_region(header, region, json_end, section_bytes,
+                                               self.base, self.path, calib_ok)
+            if parsed is not None:
+                return parsed
+            assert want < index_room, "a region reaching data_offset parses or raises"
+            want = min(2 * want, index_room)
 
     # --- header fields --------------------------------------------------------------
 
@@ -169,12 +198,20 @@ class HfqmFile:
         object, or names Qwen3.5/3.6 with an arch_id other than 5 or 6."""
         if self._metadata is None:
             start = self.base + self._index.metadata_offset
-            text = bytes(self._read(start, self._index.json_end_abs - start))
+            length = self._index.json_end_abs - start
+            if length > MAX_METADATA_BYTES:
+                raise BadMetadata(f"metadata JSON is {length} bytes, more than the "
+                                  f"{MAX_METADATA_BYTES} pagedkv parses", path=self.path,
+                                  offset=start)
+            text = bytes(self._read(start, length))
             try:
                 value = json.loads(text.decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as exc:
                 raise BadMetadata(f"metadata is not valid UTF-8 JSON ({exc})",
                                   path=self.path, offset=start) from None
+            except RecursionError:
+                raise BadMetadata("metadata JSON nests arrays/objects deeper than the "
+                                  "JSON parser allows", path=self.path, offset=start) from None
             if not isinstance(value, dict):
                 raise BadMetadata(f"metadata is a JSON {type(value).__name__}, not an object",
                                   path=self.path, offset=start)
@@ -189,18 +226,38 @@ class HfqmFile:
     @property
     def mtp(self) -> HfqmFile | None:
         """The MTP head of a bundle (``[trunk][MTP HFQM]"HFBNDMTP" u64 mtp_off``),
-        opened lazily with ``base = mtp_off``; ``None`` for a plain file."""
+        opened lazily with ``base = mtp_off``; ``None`` for a plain file and for a
+        section that is itself a head (``base > 0``). Raises
+        :class:`~pagedkv.errors.BadBundle` when the file ends in the trailer magic but
+        the trailer does not point past the trunk, inside the file, at an HFQM section
+        of arch 21 whose payloads end before the trailer."""
         if self._mtp is False:
             self._check_open()
-            self._mtp = None
-            if self.base == 0:
-                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-                try:
-                    offset = mtp_offset(fd, self.file_bytes)
-                finally:
-                    os.close(fd)
-                if offset is not None:
-                    self._mtp = HfqmFile(self.path, base=offset)
+            if self.base != 0:
+                self._mtp = None
+                return None
+            trunk_end = self.data_offset + self.payload_bytes
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            try:
+                offset = mtp_offset(fd, self.file_bytes, trunk_end, path=self.path)
+            finally:
+                os.close(fd)
+            if offset is None:
+                self._mtp = None
+                return None
+            head = HfqmFile(self.path, base=offset,
+                            _whole_file_mmap_limit_bytes=self._whole_file_mmap_limit_bytes)
+            head_end = head.base + head.data_offset + head.payload_bytes
+            problem = None
+            if head.arch_id != MTP_ARCH_ID:
+                problem = f"has arch_id {head.arch_id}, not the MTP arch {MTP_ARCH_ID}"
+            elif head_end > self.file_bytes - TRAILER_BYTES:
+                problem = f"ends at byte {head_end}, inside the trailer"
+            if problem is not None:
+                head.close()
+                raise BadBundle(f"the MTP head the bundle trailer points at (byte {offset}) "
+                                f"{problem}", path=self.path, offset=offset)
+            self._mtp = head
         return self._mtp
 
     # --- tensors --------------------------------------------------------------------
@@ -275,7 +332,9 @@ class HfqmFile:
         # Large files: one mapping per request, aligned down to the allocation granularity.
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         if nbytes == 0:
-            return np.zeros(0, dtype=np.uint8)
+            empty = np.zeros(0, dtype=np.uint8)
+            empty.flags.writeable = False   # read-only like every view of the file
+            return empty
         assert self._fd is not None, "an open file not read whole keeps its descriptor"
         mapping = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_READ,
                             offset=start)
@@ -303,14 +362,17 @@ class HfqmFile:
 
     def dequantize(self, name: str | int, *, basis: str = "original") -> np.ndarray:
         """Decode one tensor to a new float32 array of its shape
-        (:func:`pagedkv.quant.dequantize`). A registered qt pagedkv does not decode
-        raises :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
+        (:func:`pagedkv.quant.dequantize`); a scalar (n_dims 0) comes back 0-d. A
+        registered qt pagedkv does not decode raises
+        :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
         from pagedkv.errors import UnsupportedQuantType
         from pagedkv.quant import dequantize
         i = self._resolve(name)
         info = self._info(i, self.records[i])
         try:
-            return dequantize(self.raw(i), info.qt, info.shape, basis=basis)
+            # The codecs take at least one dim; a scalar is one element either way.
+            return dequantize(self.raw(i), info.qt, info.shape or (1,),
+                              basis=basis).reshape(info.shape)
         except UnsupportedQuantType as exc:
             raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
                                        offset=info.offset) from None

@@ -25,9 +25,17 @@ __all__ = ["FLOAT_DTYPES", "SafetensorsSource", "SourceTensor"]
 
 #: safetensors dtypes the converter quantizes; every other dtype is left out.
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-_HEADER_LIMIT_BYTES = 100 << 20
+# Bits per element of every dtype the safetensors loader (0.8) knows; any other name
+# is refused, as the loader refuses it.
+_DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
+               "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+               "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+               "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+# The loader's limits: header at most 100 MB; sizes and offsets are Rust usize; serde_json
+# refuses arrays/objects nested deeper than 127 (its recursion limit of 128).
+_HEADER_LIMIT_BYTES = 100_000_000
+_USIZE_MAX = 2**64 - 1
+_HEADER_MAX_DEPTH = 127
 
 
 class SourceTensor(NamedTuple):
@@ -41,6 +49,83 @@ class SourceTensor(NamedTuple):
     nbytes: int
 
 
+def _usize(value: object) -> bool:
+    # JSON integers only: the loader's serde refuses 2.0, true and "2" where a usize goes
+    return type(value) is int and 0 <= value <= _USIZE_MAX
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float64")
+    return value
+
+
+def load_json_text(data: bytes, path: str, what: str):
+    """Parse ``data`` (the bytes of ``what`` in ``path``) as UTF-8 JSON (a leading BOM is
+    allowed). Raises :class:`~pagedkv.errors.BadMetadata` naming the file for bytes
+    that are not UTF-8, text that is not strict JSON (``NaN``, ``Infinity`` and numbers
+    beyond float64 included: the HFQM writer could not write them back) and nesting
+    too deep to parse."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise BadMetadata(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})",
+                          path=path, offset=exc.start) from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except ValueError as exc:
+        raise BadMetadata(f"{what} is not valid JSON ({exc})", path=path) from None
+    except RecursionError:
+        raise BadMetadata(f"{what} nests arrays/objects deeper than the JSON parser allows",
+                          path=path) from None
+
+
+def _nesting_depth(value: object) -> int:
+    """Arrays/objects nested in ``value``, the outermost counting 1 (iterative)."""
+    depth, level = 0, [value]
+    while level:
+        nested = [v for item in level if isinstance(item, (list, dict))
+                  for v in (item.values() if isinstance(item, dict) else item)]
+        if not any(isinstance(item, (list, dict)) for item in level):
+            break
+        depth += 1
+        level = nested
+    return depth
+
+
+def _check_entry(name: str, entry: object, path: str) -> tuple[str, tuple[int, ...], int, int]:
+    """dtype, shape, start, end of one header entry, checked as the safetensors loader
+    checks them (docs/formats/hfqm.md, "Converting from safetensors")."""
+    if not isinstance(entry, dict):
+        raise BadMetadata("header entry is not a JSON object", path=path, tensor=name, offset=8)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+        raise BadMetadata(f"dtype {dtype!r} is not a safetensors dtype "
+                          f"({', '.join(_DTYPE_BITS)})", path=path, tensor=name, offset=8)
+    if not isinstance(shape, list) or not all(_usize(d) for d in shape):
+        raise BadMetadata(f"shape {shape!r} is not a list of non-negative integers",
+                          path=path, tensor=name, offset=8)
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_usize(v) for v in offsets)):
+        raise BadMetadata(f"data_offsets {offsets!r} is not a pair of non-negative integers",
+                          path=path, tensor=name, offset=8)
+    bits = math.prod(shape) * _DTYPE_BITS[dtype]
+    start, end = offsets
+    if bits % 8 or bits // 8 > _USIZE_MAX:
+        raise BadMetadata(f"{dtype} {tuple(shape)} is not a whole number of bytes below 2**64",
+                          path=path, tensor=name, offset=8)
+    if end < start or end - start != bits // 8:
+        raise BadMetadata(f"{dtype} {tuple(shape)} needs {bits // 8} bytes, data_offsets "
+                          f"[{start}, {end}) give {end - start}", path=path, tensor=name,
+                          offset=8)
+    return dtype, tuple(shape), start, end
+
+
 def _read_header(path: str) -> list[SourceTensor]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -49,45 +134,62 @@ def _read_header(path: str) -> list[SourceTensor]:
             raise Truncated("safetensors file shorter than its 8-byte header length",
                             path=path, offset=len(head))
         (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _HEADER_LIMIT_BYTES):
+        if header_len > _HEADER_LIMIT_BYTES:
+            raise BadMetadata(f"safetensors header length {header_len} is above the "
+                              f"loader's limit of {_HEADER_LIMIT_BYTES} bytes", path=path,
+                              offset=0)
+        if header_len > size - 8:
             raise Truncated(f"safetensors header length {header_len} runs past the file "
                             f"({size} bytes)", path=path, offset=0)
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as exc:
-            raise BadMetadata(f"safetensors header is not JSON ({exc})", path=path,
-                              offset=8) from None
+        header = load_json_text(f.read(header_len), path, "the safetensors header")
     if not isinstance(header, dict):
         raise BadMetadata("safetensors header is not a JSON object", path=path, offset=8)
+    if _nesting_depth(header) > _HEADER_MAX_DEPTH:
+        raise BadMetadata(f"safetensors header nests arrays/objects deeper than the loader's "
+                          f"{_HEADER_MAX_DEPTH} levels", path=path, offset=8)
     base = 8 + header_len
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise BadMetadata("safetensors __metadata__ is not an object of strings", path=path,
+                          offset=8)
     tensors = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = str(entry["dtype"])
-            shape = tuple(int(d) for d in entry["shape"])
-            start, end = (int(v) for v in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise BadMetadata("malformed safetensors header entry", path=path, tensor=name,
-                              offset=8) from None
-        itemsize = _ITEMSIZE.get(dtype)
-        if itemsize is not None and end - start != math.prod(shape) * itemsize:
-            raise BadMetadata(f"{dtype} {shape} needs {math.prod(shape) * itemsize} bytes, "
-                              f"data_offsets give {end - start}", path=path, tensor=name,
-                              offset=base + start)
-        if not 0 <= start <= end <= size - base:
-            raise Truncated(f"data_offsets [{start}, {end}) run past the file", path=path,
-                            tensor=name, offset=base + start)
+        dtype, shape, start, end = _check_entry(name, entry, path)
         tensors.append(SourceTensor(name, dtype, shape, path, base + start, end - start))
-    tensors.sort(key=lambda t: t.data_start)  # file order: sequential reads
+    # The loader's coverage rule: sorted by offsets, tensors tile the data section exactly,
+    # no gap, no overlap, no trailing byte.
+    tensors.sort(key=lambda t: (t.data_start, t.data_start + t.nbytes))
+    covered = base
+    for t in tensors:
+        if t.data_start != covered:
+            raise BadMetadata(f"data_offsets start at {t.data_start - base}, the previous "
+                              f"tensor ends at {covered - base} (tensors must tile the data "
+                              "section without gaps or overlaps)", path=path, tensor=t.name,
+                              offset=t.data_start)
+        covered += t.nbytes
+    if covered != size:
+        what = "run past the end of" if covered > size else "leave trailing bytes in"
+        raise (Truncated if covered > size else BadMetadata)(
+            f"the tensors' data_offsets end at byte {covered - base} of the data section and "
+            f"{what} the file's {size - base}-byte data section", path=path, offset=covered)
     return tensors
 
 
+def _json_object(data: bytes, path: Path):
+    """The JSON object (or ``null``) in a side file's bytes (``config.json``, ...)."""
+    value = load_json_text(data, str(path), path.name)
+    if value is not None and not isinstance(value, dict):
+        raise BadMetadata(f"{path.name} holds a JSON {type(value).__name__}, not an object",
+                          path=str(path))
+    return value
+
+
 def _read_json(path: Path):
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    """A JSON side file as a dict (None for ``null`` or when there is no such file)."""
+    return _json_object(path.read_bytes(), path) if path.is_file() else None
 
 
 class SafetensorsSource:
@@ -120,12 +222,25 @@ class SafetensorsSource:
             raise BadMetadata("tensor appears in more than one shard", path=self.path,
                               tensor=dup, offset=0)
         self.config = _read_json(directory / "config.json") or {}
-        tokenizer = directory / "tokenizer.json"
-        self.tokenizer = tokenizer.read_text(encoding="utf-8") if tokenizer.is_file() else "{}"
+        model_type = self.config.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise BadMetadata(f"config.json model_type is a JSON {type(model_type).__name__}, "
+                              "not a string", path=str(directory / "config.json"))
+        self.tokenizer = self._read_tokenizer(directory / "tokenizer.json")
         self.tokenizer_config = _read_json(directory / "tokenizer_config.json")
         self.generation_config = _read_json(directory / "generation_config.json")
         # shard path -> safetensors.safe_open handle (a Rust object without type stubs)
         self._handles: dict[str, Any] = {}
+
+    @staticmethod
+    def _read_tokenizer(path: Path) -> str:
+        """``tokenizer.json`` as text (stored verbatim, §2.3), checked to be a JSON object."""
+        if not path.is_file():
+            return "{}"
+        data = path.read_bytes()
+        if _json_object(data, path) is None:
+            raise BadMetadata(f"{path.name} holds a JSON null, not an object", path=str(path))
+        return data.decode("utf-8-sig")
 
     @property
     def total_bytes(self) -> int:
@@ -138,14 +253,20 @@ class SafetensorsSource:
         one expert); ``None`` reads it whole."""
         if tensor.dtype == "BF16":
             return self._read_bf16(tensor, index)
-        handle = self._handles.get(tensor.shard)
-        if handle is None:
-            from safetensors import safe_open
-            handle = self._handles[tensor.shard] = safe_open(tensor.shard, framework="numpy")
-        if index is None:
-            array = handle.get_tensor(tensor.name)
-        else:
-            array = handle.get_slice(tensor.name)[index]
+        from safetensors import SafetensorError, safe_open
+        try:
+            handle = self._handles.get(tensor.shard)
+            if handle is None:
+                handle = self._handles[tensor.shard] = safe_open(tensor.shard,
+                                                                 framework="numpy")
+            if index is None:
+                array = handle.get_tensor(tensor.name)
+            else:
+                array = handle.get_slice(tensor.name)[index]
+        except SafetensorError as exc:
+            # _read_header checks what the loader checks; this is the safety net
+            raise BadMetadata(f"the safetensors loader refuses the file: {exc}",
+                              path=tensor.shard, tensor=tensor.name) from None
         if tensor.dtype == "F16":
             return np.asarray(array, dtype=np.float16)
         return np.asarray(array, dtype=np.float32)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 import uuid
@@ -30,7 +31,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm.arch import arch_id_for
-from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, json_end
+from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, MAX_NUMEL, json_end
 from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
 
@@ -90,7 +91,7 @@ class HfqmWriter:
                  buffer_bytes: int = 64 << 20, fsync: bool = True) -> None:
         self.path = os.fspath(path)
         self.arch_id = arch_id_for(arch_id)
-        self._metadata = self._check_metadata(metadata)
+        self._metadata = self._check_metadata(metadata, self.path)
         self.add_quantization_hash = bool(add_quantization_hash)
         if self.add_quantization_hash and not isinstance(self._metadata, dict):
             self._metadata = json.loads(self._metadata)
@@ -134,7 +135,7 @@ class HfqmWriter:
     # --- argument checks ------------------------------------------------------------
 
     @staticmethod
-    def _check_metadata(metadata: dict | str | bytes) -> dict | bytes:
+    def _check_metadata(metadata: dict | str | bytes, path: str) -> dict | bytes:
         if isinstance(metadata, dict):
             return metadata
         if isinstance(metadata, str):
@@ -144,14 +145,17 @@ class HfqmWriter:
                                       f"{type(metadata).__name__}")
         raw = bytes(metadata)
         if not raw or json_end(raw, 0, len(raw)) != len(raw):
-            raise InvalidArgument("metadata JSON text must be exactly one JSON object "
-                                  "(nothing after its closing '}')")
+            raise InvalidArgument(f"{path}: metadata JSON text must be exactly one JSON "
+                                  "object (nothing after its closing '}')")
         try:
             value = json.loads(raw)
         except ValueError as exc:
-            raise InvalidArgument(f"metadata JSON text does not parse: {exc}") from None
+            raise InvalidArgument(f"{path}: metadata JSON text does not parse: {exc}") from None
+        except RecursionError:
+            raise InvalidArgument(f"{path}: metadata JSON text nests arrays/objects deeper "
+                                  "than the JSON parser allows") from None
         if not isinstance(value, dict):
-            raise InvalidArgument("metadata JSON text must be an object")
+            raise InvalidArgument(f"{path}: metadata JSON text must be an object")
         return raw
 
     def _check_tensor(self, name: str, qt: int | str | QuantType, shape: Sequence[int],
@@ -176,6 +180,9 @@ class HfqmWriter:
         if len(dims) > MAX_DIMS or any(not 0 <= d <= _U32_MAX for d in dims):
             raise InvalidArgument(f"shape {dims} of {name!r}: at most {MAX_DIMS} dims, each "
                                   f"in 0..{_U32_MAX}")
+        if math.prod(d for d in dims if d) > MAX_NUMEL:
+            raise InvalidArgument(f"shape {dims} of {name!r}: its non-zero dims multiply past "
+                                  "2**48, the most the reader accepts")
         gs = row.index_group_size if group_size is None else int(group_size)
         if not 0 <= gs <= _U32_MAX:
             raise InvalidArgument(f"group_size {gs} of {name!r} is outside 0..{_U32_MAX}")
@@ -208,10 +215,16 @@ class HfqmWriter:
             meta = dict(meta)
             meta["quantization_hash"] = hasher.metadata_entry()
         try:
+            # A lone surrogate (a JSON escape like "\\ud800" in a source file) has no UTF-8
+            # form; backslashreplace writes it back as that same JSON escape.
             return json.dumps(meta, ensure_ascii=False, separators=(",", ":"),
-                              allow_nan=False).encode("utf-8")
+                              allow_nan=False).encode("utf-8", "backslashreplace")
         except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"metadata is not JSON-serializable: {exc}") from None
+            raise InvalidArgument(f"{self.path}: metadata is not JSON-serializable: "
+                                  f"{exc}") from None
+        except RecursionError:
+            raise InvalidArgument(f"{self.path}: metadata nests lists/dicts deeper than the "
+                                  "JSON encoder allows (or refers to itself)") from None
 
     # --- streaming ------------------------------------------------------------------
 

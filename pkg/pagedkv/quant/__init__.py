@@ -23,7 +23,13 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import affine, fwht, half, q8
-from pagedkv.quant.arguments import float_array, raw_bytes, reject_nonfinite, shape_tuple
+from pagedkv.quant.arguments import (
+    float_array,
+    raw_bytes,
+    reject_nonfinite,
+    reject_unrepresentable,
+    shape_tuple,
+)
 from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
 
 __all__ = ["CODECS", "Codec", "dequantize", "fwht256", "gemv", "quantize", "resolve"]
@@ -37,7 +43,10 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
 
     ``array`` is float32 (float16 is widened exactly). The bytes are hipfire's:
     F16 by truncation (§3.2), BF16 by truncation, the group codecs per §4.
-    NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`.
+    NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`, and so does a group
+    of finite weights the format cannot store with finite values (near ±3.4e38, or
+    an f16 scale/zero beyond ±65504: docs/formats/quant.md, "Groups the codecs
+    refuse"); F16/BF16 keep the spec's truncation (``|x| >= 65536`` becomes ±inf).
     """
     codec = resolve(fmt)
     array = float_array(array, "array")
@@ -71,6 +80,10 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
                 half.f16_trunc(flat, out.view(np.uint16))
             else:
                 half.bf16_trunc(flat, out.view(np.uint16))
+    if bad <= -2:
+        family = codec.family.name if codec.family is not None else None
+        reject_unrepresentable(flat, -2 - bad, codec.group_size, codec.name, family, "array",
+                               shape)
     reject_nonfinite(flat, bad, "array", shape)
     return out
 

@@ -14,8 +14,8 @@ from libc.string cimport memcpy, memset
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.quant_header cimport (
-    pkv_first_nonfinite, pkv_hfq_encode_group, pkv_mq4c_encode_group, pkv_mqv2_encode_group,
-    pkv_pack_codes,
+    PKV_ENCODE_OK, PKV_ENCODE_UNREPRESENTABLE, pkv_first_nonfinite, pkv_hfq_encode_group,
+    pkv_mq4c_encode_group, pkv_mqv1_encode_group, pkv_mqv2_encode_group, pkv_pack_codes,
     pkv_unpack_code,
 )
 
@@ -45,11 +45,15 @@ cdef inline Py_ssize_t group_bytes(int bits, Py_ssize_t group) noexcept nogil:
 def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_t group):
     """Encode ``x`` into ``out`` (``ceil(len(x)/group)`` groups of ``8 + bits*group/8`` bytes).
 
-    Returns -1, or the index of the first NaN/Inf in ``x`` (nothing is guaranteed
-    about ``out`` then). Raises InvalidArgument for a geometry no format uses (rotated
-    families need group 256) or an ``out`` of the wrong size.
+    Returns -1 when every group is stored; ``i >= 0``, the index of the first NaN/Inf
+    in ``x``; or ``-2 - g`` when group ``g`` has finite inputs that the format cannot
+    store with finite values (an f32 range or FWHT output that overflows, an f16
+    scale or zero beyond 65504). Nothing is guaranteed about ``out`` unless -1.
+    Raises InvalidArgument for a geometry no format uses (rotated families need
+    group 256) or an ``out`` of the wrong size.
     """
     cdef Py_ssize_t n = x.shape[0], B, g, start, count, bad = -1, n_groups
+    cdef int status = PKV_ENCODE_OK
     cdef uint8_t q[256]
     cdef float buf[256]
     check_affine_geometry(family, bits, group)  # before dividing by group
@@ -68,20 +72,26 @@ def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_
                 bad += start
                 break
             if family == HFQ:
-                pkv_hfq_encode_group(&x[start], <unsigned>count, bits, <unsigned>group,
-                                     q, &out[g * B])
-                continue
-            # rotated families: zero-pad BEFORE rotating (§4.2), then min/max over all 256
-            memcpy(buf, &x[start], count * sizeof(float))
-            if count < 256:
-                memset(&buf[count], 0, (256 - count) * sizeof(float))
-            rotate256(buf, buf, 1)
-            if family == MQ_V1:
-                pkv_hfq_encode_group(buf, 256, bits, 256, q, &out[g * B])
-            elif family == MQ_V2:
-                pkv_mqv2_encode_group(buf, bits, q, &out[g * B])
+                status = pkv_hfq_encode_group(&x[start], <unsigned>count, bits,
+                                              <unsigned>group, q, &out[g * B])
             else:
-                pkv_mq4c_encode_group(buf, q, &out[g * B])
+                # rotated families: zero-pad BEFORE rotating (§4.2), then min/max over
+                # all 256; finite weights near 3.4e38 can rotate to inf
+                memcpy(buf, &x[start], count * sizeof(float))
+                if count < 256:
+                    memset(&buf[count], 0, (256 - count) * sizeof(float))
+                rotate256(buf, buf, 1)
+                if pkv_first_nonfinite(buf, 256) >= 0:
+                    status = PKV_ENCODE_UNREPRESENTABLE
+                elif family == MQ_V1:
+                    status = pkv_mqv1_encode_group(buf, bits, q, &out[g * B])
+                elif family == MQ_V2:
+                    status = pkv_mqv2_encode_group(buf, bits, q, &out[g * B])
+                else:
+                    status = pkv_mq4c_encode_group(buf, q, &out[g * B])
+            if status != PKV_ENCODE_OK:
+                bad = -2 - g
+                break
     return bad
 
 

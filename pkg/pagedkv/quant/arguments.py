@@ -3,13 +3,15 @@ and messages that ``quantize``, ``dequantize``, ``fwht256`` and ``gemv`` share."
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["float_array", "raw_bytes", "reject_nonfinite", "shape_tuple"]
+__all__ = ["float_array", "raw_bytes", "reject_nonfinite", "reject_unrepresentable",
+           "shape_tuple"]
 
 
 def float_array(array, what: str) -> np.ndarray:
@@ -36,6 +38,36 @@ def reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, 
         raise InvalidArgument(
             f"{what} holds a non-finite value {flat[index]!r} at index {where}; "
             f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
+
+
+# Why a group's finite weights cannot be stored, per codec family (formats.Codec.family
+# names; None for Q8F16). docs/formats/quant.md, "Groups the codecs refuse".
+_UNREPRESENTABLE_WHY = {
+    "HFQ": "its largest decoded value (L·scale + min) overflows float32",
+    "MQ_V1": "its FWHT-256 rotation overflows float32, or a stored (rotated) value would "
+             "exceed 2**119 ≈ 6.6e35, beyond which the inverse rotation can overflow",
+    "MQ_V2": "a half's f16 scale or zero would be beyond ±65504 (or the FWHT-256 rotation "
+             "overflows float32)",
+    "MQ4C": "its f16 scale or zero would be beyond ±65504 (or the FWHT-256 rotation "
+            "overflows float32)",
+    None: "its f16 scale max|x|/127 would be beyond 65504",
+}
+
+
+def reject_unrepresentable(flat: np.ndarray, group: int, group_size: int, codec_name: str,
+                           family: str | None, what: str, shape: tuple[int, ...]) -> None:
+    """Raise InvalidArgument for group ``group`` (of ``group_size`` weights of ``flat``),
+    whose finite weights ``codec_name`` cannot store with finite values."""
+    start = group * group_size
+    values = flat[start:start + group_size]
+    end = start + values.size - 1
+    first = tuple(int(i) for i in np.unravel_index(start, shape))
+    last = tuple(int(i) for i in np.unravel_index(end, shape))
+    raise InvalidArgument(
+        f"{what}: group {group} (elements {first}..{last}, values in "
+        f"[{values.min():.7g}, {values.max():.7g}]) cannot be stored in {codec_name} with finite "
+        f"values: {_UNREPRESENTABLE_WHY[family]}. The codecs refuse it rather than write "
+        "weights that decode to Inf/NaN; rescale the tensor or keep it in f32")
 
 
 def raw_bytes(raw) -> np.ndarray:
@@ -72,4 +104,9 @@ def shape_tuple(shape) -> tuple[int, ...]:
             f"{type(shape).__name__} {shape!r}") from None
     if not dims or any(d < 0 for d in dims):
         raise InvalidArgument(f"shape must have at least one non-negative dimension, got {dims}")
+    # NumPy refuses to create a float32 array whose non-zero dims multiply past its
+    # index range, even when another dim is 0 and the array would be empty.
+    if math.prod(d for d in dims if d) * 4 > np.iinfo(np.intp).max:
+        raise InvalidArgument(f"shape {dims} is too large: its non-zero dimensions make more "
+                              f"than {np.iinfo(np.intp).max} bytes of float32")
     return dims

@@ -8,7 +8,7 @@ from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
 from pagedkv.quant.quant_header cimport (
-    pkv_first_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
+    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
 )
 
 cnp.import_array()
@@ -21,8 +21,9 @@ cdef enum:
 
 
 def encode(const float[::1] x, uint8_t[::1] out):
-    """Encode ``x`` into ``out`` (``ceil(len(x)/32) * 34`` bytes). Returns -1 or the index of
-    the first NaN/Inf in ``x``."""
+    """Encode ``x`` into ``out`` (``ceil(len(x)/32) * 34`` bytes). Returns -1; ``i >= 0``,
+    the index of the first NaN/Inf in ``x``; or ``-2 - g`` when block ``g``'s scale
+    ``max|x|/127`` does not fit an f16 (beyond 65504)."""
     cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
     cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
     if out.shape[0] != n_blocks * BLOCK_BYTES:
@@ -36,7 +37,10 @@ def encode(const float[::1] x, uint8_t[::1] out):
             if bad >= 0:
                 bad += start
                 break
-            pkv_q8f16_encode_group(&x[start], <unsigned>count, &out[g * BLOCK_BYTES])
+            if pkv_q8f16_encode_group(&x[start], <unsigned>count,
+                                      &out[g * BLOCK_BYTES]) != PKV_ENCODE_OK:
+                bad = -2 - g
+                break
     return bad
 
 

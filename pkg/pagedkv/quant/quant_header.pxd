@@ -7,6 +7,8 @@ cdef extern from "pagedkv/quant.h" nogil:
     const uint32_t PKV_AFFINE_HEADER_BYTES
     const uint32_t PKV_Q8F16_GROUP
     const uint32_t PKV_Q8F16_GROUP_BYTES
+    const int PKV_ENCODE_OK
+    const int PKV_ENCODE_UNREPRESENTABLE
 
     uint32_t pkv_f32_bits(float x)
     int pkv_f32_is_nonfinite(float x)
@@ -17,8 +19,7 @@ cdef extern from "pagedkv/quant.h" nogil:
     float pkv_bf16_to_f32(uint32_t h)
     uint32_t pkv_bf16_trunc(float x)
 
-    uint32_t pkv_round_affine_v1(float x, float mn, float inv, float L)
-    uint32_t pkv_round_affine_v2(float x, float z, float inv, float L)
+    uint32_t pkv_round_affine(float x, float base, float inv, float L)
     int32_t pkv_round_q8(float v)
 
     uint32_t pkv_unpack_code(const uint8_t *payload, uint32_t j, uint32_t bits)
@@ -38,16 +39,17 @@ cdef extern from "pagedkv/quant.h" nogil:
 
     float pkv_hfq_scale(const uint8_t *blk)
     float pkv_hfq_min(const uint8_t *blk)
-    void pkv_hfq_encode_group(const float *x, uint32_t n, uint32_t bits, uint32_t G,
-                              uint8_t *q, uint8_t *blk)
+    int pkv_hfq_encode_group(const float *x, uint32_t n, uint32_t bits, uint32_t G,
+                             uint8_t *q, uint8_t *blk)
     void pkv_hfq_decode_group(const uint8_t *blk, uint32_t bits, uint32_t G, uint8_t *q, float *out)
 
-    void pkv_mqv2_encode_group(const float *r, uint32_t bits, uint8_t *q, uint8_t *blk)
-    void pkv_mq4c_encode_group(const float *r, uint8_t *q, uint8_t *blk)
+    int pkv_mqv1_encode_group(const float *r, uint32_t bits, uint8_t *q, uint8_t *blk)
+    int pkv_mqv2_encode_group(const float *r, uint32_t bits, uint8_t *q, uint8_t *blk)
+    int pkv_mq4c_encode_group(const float *r, uint8_t *q, uint8_t *blk)
     float pkv_mqv2_scale(const uint8_t *blk, uint32_t half)
     float pkv_mqv2_zero(const uint8_t *blk, uint32_t half)
     void pkv_mqv2_decode_group(const uint8_t *blk, uint32_t bits, uint8_t *q, float *out)
     void pkv_mq4c_decode_group(const uint8_t *blk, uint8_t *q, float *out)
 
-    void pkv_q8f16_encode_group(const float *x, uint32_t n, uint8_t *blk)
+    int pkv_q8f16_encode_group(const float *x, uint32_t n, uint8_t *blk)
     void pkv_q8f16_decode_group(const uint8_t *blk, float *out)
