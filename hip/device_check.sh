@@ -13,12 +13,16 @@
 # (bench_mlx.json), with the mlx and mlx-cuda-13 wheels installed in /tmp/mlxsite
 # (docs/kernels.md, "MLX dispatch": how to bring the wheels over). MLX_ONLY=1 skips the
 # ctypes GPU tests and benches.
+# FUZZ=1 runs the fuzz campaign (tests/fuzz/campaign.py) on the spare CPU cores meanwhile,
+# FUZZ_WORKERS processes for FUZZ_SECONDS each (default: cores - 2, 420 s), with atheris
+# installed from the wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end
+# ($OUT/fuzz: campaign.json, table.md, the logs and any findings).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 WHL=${WHL:-.whl}
-rm -rf /tmp/site /tmp/w /tmp/pkv  # a warm machine keeps the last call's files
+rm -rf /tmp/site /tmp/w /tmp/pkv /tmp/fuzz /tmp/fuzzsite  # a warm machine keeps the last call's files
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
@@ -27,6 +31,20 @@ python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/w . >"$OUT/build.
   || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
+if [ "${FUZZ:-0}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fuzzsite "${ATHERIS_WHL:-.atheris}"/*.whl || exit 1
+  mkdir -p "$OUT/fuzz"
+  PYTHONPATH=/tmp/pkv:/tmp/site:/tmp/fuzzsite python3 tests/fuzz/campaign.py \
+    --workers "${FUZZ_WORKERS:-$(( $(nproc) - 2 ))}" --seconds "${FUZZ_SECONDS:-420}" \
+    --out /tmp/fuzz >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
+  fuzz_pid=$!
+  fuzz_finish() {
+    wait "$fuzz_pid"; echo "fuzz campaign: rc $? (0 = no finding)"; cat "$OUT/fuzz/table.md"
+    cp /tmp/fuzz/campaign.json "$OUT/fuzz/" 2>/dev/null
+    tar -C /tmp/fuzz -czf "$OUT/fuzz/logs_and_findings.tgz" logs crashes 2>/dev/null
+  }
+  trap fuzz_finish EXIT
+fi
 export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
 if [ "${MLX:-0}" = 1 ]; then
   [ -d /tmp/mlxsite/mlx ] || { echo "MLX=1: no mlx in /tmp/mlxsite; install the mlx and mlx-cuda-13 wheels there first"; exit 1; }

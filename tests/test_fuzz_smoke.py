@@ -65,3 +65,19 @@ def test_add_regression_names_files_by_sha1(tmp_path, monkeypatch):
     assert path == tmp_path / "x" / "a9993e364706816aba3e25717850c26c9cd0d89d.bin"
     assert runner.add_regression("x", b"abc") == path and path.read_bytes() == b"abc"
     assert runner.regression_files("x") == [path]
+
+
+def test_campaign_reads_libfuzzer_final_stats():
+    """The campaign's figures come from libFuzzer's own lines (docs/reliability.md)."""
+    import campaign
+
+    log = ("#2048\tpulse  cov: 1 ft: 2 corp: 3/4b exec/s: 5 rss: 6Mb\n"
+           "Done 12345 runs in 61 second(s)\n"
+           "stat::number_of_executed_units: 12345\nstat::average_exec_per_sec:     202\n"
+           "stat::new_units_added:          17\nstat::slowest_unit_time_sec:    0\n"
+           "stat::peak_rss_mb:              88\n")
+    assert campaign.worker_stats(log) == {
+        "number_of_executed_units": 12345, "average_exec_per_sec": 202,
+        "new_units_added": 17, "slowest_unit_time_sec": 0, "peak_rss_mb": 88,
+        "fuzz_seconds": 61}
+    assert campaign.worker_stats("==1== ERROR: libFuzzer: deadly signal\n") == {}
