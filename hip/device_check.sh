@@ -14,7 +14,8 @@
 # (docs/kernels.md, "MLX dispatch": how to bring the wheels over). MLX_ONLY=1 skips the
 # ctypes GPU tests and benches.
 # FUZZ=1 runs the fuzz campaign (tests/fuzz/campaign.py) on the spare CPU cores meanwhile,
-# FUZZ_WORKERS processes for FUZZ_SECONDS each (default: cores - 2, 420 s), with atheris
+# FUZZ_WORKERS processes for FUZZ_SECONDS each (default: cores - 2, 420 s) over FUZZ_TARGETS
+# (default: all), with atheris
 # installed from the wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end
 # ($OUT/fuzz: campaign.json, table.md, the logs and any findings).
 set -uo pipefail
@@ -36,7 +37,7 @@ if [ "${FUZZ:-0}" = 1 ]; then
   mkdir -p "$OUT/fuzz"
   PYTHONPATH=/tmp/pkv:/tmp/site:/tmp/fuzzsite python3 tests/fuzz/campaign.py \
     --workers "${FUZZ_WORKERS:-$(( $(nproc) - 2 ))}" --seconds "${FUZZ_SECONDS:-420}" \
-    --out /tmp/fuzz >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
+    --out /tmp/fuzz ${FUZZ_TARGETS:-} >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
   fuzz_pid=$!
   fuzz_finish() {
     wait "$fuzz_pid"; echo "fuzz campaign: rc $? (0 = no finding)"; cat "$OUT/fuzz/table.md"
