@@ -8,9 +8,10 @@ Every hip/ kernel is then an inline device function with its original parameters
 each MLX body is one call of it, scalars read from an ``int64`` ``params`` input. The
 ``__launch_bounds__`` of the original kernel (which the tuning on the H200 chose)
 reach MLX's generated kernel through a declaration of it, with the bounds, ahead of
-MLX's definition. Launch geometry mirrors :mod:`pagedkv.kernels.kvcache` and
-:mod:`pagedkv.kernels.weights`; tuning constants are read from the hip/ text, so there
-is one value of each.
+MLX's definition. Launch geometry is :mod:`pagedkv.kernels.kvcache`'s and :mod:`pagedkv.kernels.weights`'s:
+threads, partitions, rows per block and ``__launch_bounds__`` come from
+``pagedkv/launch.h`` through those modules (:mod:`pagedkv.kernels.launch_constants`), the
+same header the kernel text includes, so there is one value of each.
 
 Formats the hip/ kernels do not decode (every P1 affine format but HFQ4G256, MQ4G256,
 MQ4G256V2 and HFQ6G256) dequantize with a one-weight-per-thread body on quant.h's
@@ -21,12 +22,11 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import numpy as np
 
 from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
-from pagedkv.kernels.mlx.sources import inline_includes, read_source, strip_comments
+from pagedkv.kernels.mlx.sources import inline_includes, strip_comments
 
 __all__ = [
     "copy_blocks",
@@ -34,7 +34,6 @@ __all__ = [
     "fwht256",
     "gather_blocks",
     "gemv",
-    "hip_constant",
     "kernel_source",
     "kv_q8_quantize",
     "kv_q8_read",
@@ -73,15 +72,6 @@ def _hip_text(source: str) -> str:
         return strip_comments(compat + inline_includes("pagedkv/quant.h", done=done))
     body = inline_includes(f"hip/{source}.hip", done=done)
     return strip_comments(compat + _DEVICE_KERNELS + body)
-
-
-@functools.cache
-def hip_constant(source: str, name: str) -> int:
-    """The default of a ``#define NAME <int>`` tuning constant of hip/<source>.hip."""
-    m = re.search(rf"^#define {name} (\d+)", read_source(f"hip/{source}.hip"), re.MULTILINE)
-    if m is None:
-        raise LookupError(f"hip/{source}.hip defines no integer {name}")
-    return int(m.group(1))
 
 
 def _dtype_name(dtype) -> str:
@@ -139,12 +129,12 @@ def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
     """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
     f16 = out_dtype == mx.float16
     out_t = "(uint16_t*)out" if f16 else "out"
+    from pagedkv.kernels import weights
     kernel = HIP_WEIGHT_KERNELS.get(codec.name)
     io_in = _io(("raw", mx.uint8), ("params", mx.int64))
     io_out = _io(("out", out_dtype))
     if kernel is not None:
-        span = hip_constant("weights", "DEQUANT_SPAN")
-        threads = hip_constant("weights", "DEQUANT_THREADS")
+        span, threads = weights.DEQUANT_SPAN, weights.DEQUANT_THREADS
         suffix = "f16" if f16 else "f32"
         src = kernel_source("weights", f"dequant_{kernel}_{suffix}", io_in, io_out,
                             f"pkv_dequant_{kernel}_{suffix}<>(raw, {out_t}, params[0]);",
@@ -193,7 +183,14 @@ def fwht256(mx, x, run: Runner):
 def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
     """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
     weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
-    from pagedkv.kernels.weights import GEMV_MMA_ROWS, GEMV_X_WORDS, _mma_warps
+    from pagedkv.kernels.launch_constants import gemv_rows_per_block
+    from pagedkv.kernels.weights import (
+        GEMV_MMA_MAX_WARPS,
+        GEMV_MMA_ROWS,
+        GEMV_THREADS,
+        GEMV_X_WORDS,
+        _mma_warps,
+    )
     kernel = HIP_WEIGHT_KERNELS[codec.name]
     batch = x.shape[0]
     if tensor_cores:
@@ -209,7 +206,6 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
                             [(n_xq,), (groups * batch * 4,)], [mx.uint32, mx.float32],
                             grid=(256 * math.ceil(groups * batch / 8), 1, 1),
                             threadgroup=(256, 1, 1)))
-        max_warps = hip_constant("weights", "GEMV_MMA_MAX_WARPS")
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
         mma = kernel_source(
@@ -217,15 +213,14 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
             _io(("w", mx.uint8), ("xq", mx.uint32), ("xs", mx.float32), ("params", mx.int64)),
             _io(("y", mx.float32)),
             f"pkv_gemv_mma_{kernel}_n{tiles}<>(w, xq, (const float4*)xs, y, (int)params[0], "
-            "(int)params[1], (int)params[2]);", (32 * max_warps,))
+            "(int)params[1], (int)params[2]);", (32 * GEMV_MMA_MAX_WARPS,))
         return run(Launch(mma, [w, xq, xs, _params(mx, M, K, batch)], [(batch, M)],
                           [mx.float32], grid=(threads * row_tiles, 1, 1),
                           threadgroup=(threads, 1, 1)))[0]
     if codec.rotated:
         x = fwht256(mx, x, run)
     bmax = next(b for b in (1, 2, 4, 8) if b >= batch)
-    threads = hip_constant("weights", "GEMV_THREADS")
-    rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+    threads, rows = GEMV_THREADS, gemv_rows_per_block(bmax)
     src = kernel_source(
         "weights", f"gemv_{kernel}_b{bmax}",
         _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)), _io(("y", mx.float32)),
@@ -272,17 +267,14 @@ def kv_q8_read(mx, pool, slots, kv_heads: int, head_dim: int, out_dtype, run: Ru
 
 def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) -> dict:
     """Partition tokens, threads, ``__launch_bounds__`` and dynamic shared memory of the
-    hip/ attention kernel for one geometry (pagedkv.kernels.kvcache.PagedAttention's)."""
-    f16 = kv_dtype == "float16"
-    partition = hip_constant("kvcache", "PKV_ATTN_PARTITION_F16" if f16 else
-                             "PKV_ATTN_PARTITION")
-    threads = hip_constant("kvcache", "PKV_ATTN_THREADS")
-    min_blocks = hip_constant("kvcache", "PKV_ATTN_MIN_BLOCKS_F16" if f16 else
-                              "PKV_ATTN_MIN_BLOCKS")
-    group = heads // kv_heads
-    gmax = 1 << (group - 1).bit_length()
-    shared = 4 * max(partition * gmax, threads // 32 * gmax * head_dim)
-    return {"partition": partition, "threads": threads, "bounds": (threads, min_blocks),
+    hip/ attention kernel for one geometry: pagedkv.kernels.kvcache's tables, the ones
+    PagedAttention launches with (pagedkv/launch.h, per KV dtype by its own name)."""
+    from pagedkv.kernels import kvcache
+    partition = kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+    gmax = kvcache.attention_group_slots(heads, kv_heads)
+    shared = kvcache.attention_shared_bytes(kv_dtype, gmax, head_dim, warp_size=32)
+    return {"partition": partition, "threads": kvcache.ATTN_THREADS,
+            "bounds": (kvcache.ATTN_THREADS, kvcache.ATTN_MIN_BLOCKS[kv_dtype]),
             "gmax": gmax, "shared": shared}
 
 
