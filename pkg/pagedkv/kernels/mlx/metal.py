@@ -67,7 +67,7 @@ def _kernels() -> dict[str, KernelSource]:
                         "thread_index_in_simdgroup);", cooperative=True),
         "gemv": _kernel(w, "gemv", ("w", "x", "params"), ("y",),
                         "pkv_gemv_thread<FAMILY, BITS, G, BMAX>(w, x, y, params, "
-                        "threadgroup_position_in_grid.x * PKV_GEMV_SIMDGROUPS + "
+                        "threadgroup_position_in_grid.x * PKV_METAL_GEMV_SIMDGROUPS + "
                         "simdgroup_index_in_threadgroup, thread_index_in_simdgroup);",
                         cooperative=True),
         "q8_quantize": _kernel(kv, "kv_q8_quantize", ("src", "params"), ("out",),
@@ -81,8 +81,8 @@ def _kernels() -> dict[str, KernelSource]:
             kv, "paged_attention",
             ("q", "k_pool", "v_pool", "block_tables", "seq_lens", "params"),
             ("part_out", "part_max", "part_sum"),
-            "PKV_SHARED(float, sm_m, PKV_ATTN_SIMDGROUPS * GMAX);\n"
-            "PKV_SHARED(float, sm_l, PKV_ATTN_SIMDGROUPS * GMAX);\n"
+            "PKV_SHARED(float, sm_m, PKV_METAL_ATTN_SIMDGROUPS * GMAX);\n"
+            "PKV_SHARED(float, sm_l, PKV_METAL_ATTN_SIMDGROUPS * GMAX);\n"
             "PKV_SHARED(float, sm_acc, GMAX * HEAD_DIM);\n"
             "pkv_paged_attention_thread<KIND, GMAX, HEAD_DIM>(q, k_pool, v_pool, block_tables, "
             "seq_lens, part_out, part_max, part_sum, params, threadgroup_position_in_grid, "
