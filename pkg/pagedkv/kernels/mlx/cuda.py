@@ -74,7 +74,9 @@ def _hip_text(source: str) -> str:
     return strip_comments(compat + _DEVICE_KERNELS + body)
 
 
+@functools.cache
 def _dtype_name(dtype) -> str:
+    # str() of an mx.Dtype costs ~7 us (nanobind repr); launches name dtypes on every call
     return str(dtype).rpartition(".")[2]
 
 
@@ -125,14 +127,18 @@ def _io(*pairs) -> tuple[tuple[str, str], ...]:
     return tuple((n, _dtype_name(t)) for n, t in pairs)
 
 
-def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
-    """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
-    f16 = out_dtype == mx.float16
-    out_t = "(uint16_t*)out" if f16 else "out"
+@functools.lru_cache(maxsize=1024)
+def _dequant_plan(codec_name: str, numel: int, f16: bool):
+    """``(source, params, grid, threads)`` of one dequantize configuration, built once."""
+    import mlx.core as mx
+
     from pagedkv.kernels import weights
+    from pagedkv.quant.formats import resolve
+    codec = resolve(codec_name)
+    out_t = "(uint16_t*)out" if f16 else "out"
     kernel = HIP_WEIGHT_KERNELS.get(codec.name)
     io_in = _io(("raw", mx.uint8), ("params", mx.int64))
-    io_out = _io(("out", out_dtype))
+    io_out = _io(("out", mx.float16 if f16 else mx.float32))
     if kernel is not None:
         span, threads = weights.DEQUANT_SPAN, weights.DEQUANT_THREADS
         suffix = "f16" if f16 else "f32"
@@ -140,34 +146,37 @@ def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
                             f"pkv_dequant_{kernel}_{suffix}<>(raw, {out_t}, params[0]);",
                             (threads,))
         blocks = math.ceil(numel / (span * threads))
-    else:
-        # One kernel for every other format (the layout comes in params): NVRTC compiles it
-        # once per output dtype, not once per format.
-        threads = 256
-        value = "__float2half_rn(v)" if f16 else "v"
-        body = (
-            "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            "if (i >= params[0]) return;\n"
-            "const int family = (int)params[1];\n"
-            "const uint32_t bits = (uint32_t)params[2];\n"
-            "const int64_t G = params[3], B = params[4];\n"
-            "const int64_t g = i / G;\n"
-            "const uint32_t e = (uint32_t)(i - g * G);\n"
-            "const uint8_t* blk = raw + g * B;\n"
-            "float s, o;\n"
-            "pkv_affine_params(blk, family, e, &s, &o);\n"
-            "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
-            "* s + o;\n"
-            f"out[i] = {value};")
-        src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in,
-                            io_out, body, (threads,))
-        blocks = math.ceil(numel / threads)
-        return run(Launch(src, [raw, _params(mx, numel, int(codec.family), codec.bits,
-                                             codec.group_size, codec.group_bytes)],
-                          [(numel,)], [out_dtype], grid=(blocks * threads, 1, 1),
-                          threadgroup=(threads, 1, 1)))[0]
-    return run(Launch(src, [raw, _params(mx, numel)], [(numel,)], [out_dtype],
-                      grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1)))[0]
+        return src, _params(mx, numel), (blocks * threads, 1, 1), threads
+    # One kernel for every other format (the layout comes in params): NVRTC compiles it
+    # once per output dtype, not once per format.
+    threads = 256
+    value = "__float2half_rn(v)" if f16 else "v"
+    body = (
+        "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "if (i >= params[0]) return;\n"
+        "const int family = (int)params[1];\n"
+        "const uint32_t bits = (uint32_t)params[2];\n"
+        "const int64_t G = params[3], B = params[4];\n"
+        "const int64_t g = i / G;\n"
+        "const uint32_t e = (uint32_t)(i - g * G);\n"
+        "const uint8_t* blk = raw + g * B;\n"
+        "float s, o;\n"
+        "pkv_affine_params(blk, family, e, &s, &o);\n"
+        "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
+        "* s + o;\n"
+        f"out[i] = {value};")
+    src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in, io_out,
+                        body, (threads,))
+    params = _params(mx, numel, int(codec.family), codec.bits, codec.group_size,
+                     codec.group_bytes)
+    return src, params, (math.ceil(numel / threads) * threads, 1, 1), threads
+
+
+def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
+    """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
+    src, params, grid, threads = _dequant_plan(codec.name, numel, out_dtype == mx.float16)
+    return run(Launch(src, [raw, params], [(numel,)], [out_dtype], grid=grid,
+                      threadgroup=(threads, 1, 1)))[0]
 
 
 def fwht256(mx, x, run: Runner):
@@ -180,9 +189,13 @@ def fwht256(mx, x, run: Runner):
                       grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1)))[0].reshape(x.shape)
 
 
-def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
-    """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
-    weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
+@functools.lru_cache(maxsize=1024)
+def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_cores: bool):
+    """What every GEMV call of one configuration launches, built once: a decode loop then
+    spends per call only the ``Launch`` objects (sources, dtype names, grids and the
+    ``params`` arrays of a configuration do not change from call to call)."""
+    import mlx.core as mx
+
     from pagedkv.kernels.launch_constants import gemv_rows_per_block
     from pagedkv.kernels.weights import (
         GEMV_MMA_MAX_WARPS,
@@ -191,21 +204,14 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
         GEMV_X_WORDS,
         _mma_warps,
     )
-    kernel = HIP_WEIGHT_KERNELS[codec.name]
-    batch = x.shape[0]
     if tensor_cores:
         groups = K // 256
         tiles = math.ceil(3 * batch / 8)
-        n_xq = groups * tiles * 32 * GEMV_X_WORDS
         prep = kernel_source(
             "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
             _io(("xq", mx.uint32), ("xs", mx.float32)),
             "pkv_gemv_prep_x<>(x, xq, (float4*)xs, (int)params[0], (int)params[1], "
             "(int)params[2], (int)params[3]);", None)
-        xq, xs = run(Launch(prep, [x, _params(mx, K, batch, tiles, int(codec.rotated))],
-                            [(n_xq,), (groups * batch * 4,)], [mx.uint32, mx.float32],
-                            grid=(256 * math.ceil(groups * batch / 8), 1, 1),
-                            threadgroup=(256, 1, 1)))
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
         mma = kernel_source(
@@ -214,11 +220,10 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
             _io(("y", mx.float32)),
             f"pkv_gemv_mma_{kernel}_n{tiles}<>(w, xq, (const float4*)xs, y, (int)params[0], "
             "(int)params[1], (int)params[2]);", (32 * GEMV_MMA_MAX_WARPS,))
-        return run(Launch(mma, [w, xq, xs, _params(mx, M, K, batch)], [(batch, M)],
-                          [mx.float32], grid=(threads * row_tiles, 1, 1),
-                          threadgroup=(threads, 1, 1)))[0]
-    if codec.rotated:
-        x = fwht256(mx, x, run)
+        return (prep, _params(mx, K, batch, tiles, int(rotated)),
+                [(groups * tiles * 32 * GEMV_X_WORDS,), (groups * batch * 4,)],
+                (256 * math.ceil(groups * batch / 8), 1, 1),
+                mma, _params(mx, M, K, batch), (threads * row_tiles, 1, 1), threads)
     bmax = next(b for b in (1, 2, 4, 8) if b >= batch)
     threads, rows = GEMV_THREADS, gemv_rows_per_block(bmax)
     src = kernel_source(
@@ -226,8 +231,25 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
         _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)), _io(("y", mx.float32)),
         f"pkv_gemv_{kernel}_b{bmax}<>(w, x, y, (int)params[0], (int)params[1], "
         "(int)params[2]);", (threads,))
-    return run(Launch(src, [w, x, _params(mx, M, K, batch)], [(batch, M)], [mx.float32],
-                      grid=(threads * math.ceil(M / rows), 1, 1),
+    return src, _params(mx, M, K, batch), (threads * math.ceil(M / rows), 1, 1), threads
+
+
+def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
+    """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
+    weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
+    batch = x.shape[0]
+    rotated = codec.rotated
+    plan = _gemv_plan(HIP_WEIGHT_KERNELS[codec.name], rotated, M, K, batch, tensor_cores)
+    if tensor_cores:
+        prep, prep_params, prep_shapes, prep_grid, mma, params, grid, threads = plan
+        xq, xs = run(Launch(prep, [x, prep_params], prep_shapes, [mx.uint32, mx.float32],
+                            grid=prep_grid, threadgroup=(256, 1, 1)))
+        return run(Launch(mma, [w, xq, xs, params], [(batch, M)], [mx.float32], grid=grid,
+                          threadgroup=(threads, 1, 1)))[0]
+    if rotated:
+        x = fwht256(mx, x, run)
+    src, params, grid, threads = plan
+    return run(Launch(src, [w, x, params], [(batch, M)], [mx.float32], grid=grid,
                       threadgroup=(threads, 1, 1)))[0]
 
 
