@@ -300,33 +300,32 @@ def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) 
             "gmax": gmax, "shared": shared}
 
 
-def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
-                    scale: float, max_seq_len: int, run: Runner):
-    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
-    seqs, heads, head_dim = q.shape
-    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+@functools.lru_cache(maxsize=1024)
+def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_heads: int,
+                    head_dim: int, block_size: int, table_width: int, max_seq_len: int,
+                    scale_bits: int):
+    """The partition and reduce launches of one attention configuration, built once (a
+    decode step launches the same configuration for every layer)."""
+    import mlx.core as mx
     geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
     parts = max(1, math.ceil(max_seq_len / geo["partition"]))
-    pool_dtype = k_pool.dtype
+    pool_t = getattr(mx, pool_dtype)
     name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
     src = kernel_source(
         "kvcache", name[4:] + f"_s{geo['shared']}",
-        _io(("q", mx.float32), ("k_pool", pool_dtype), ("v_pool", pool_dtype),
+        _io(("q", mx.float32), ("k_pool", pool_t), ("v_pool", pool_t),
             ("block_tables", mx.int32), ("seq_lens", mx.int32), ("params", mx.int64)),
         _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32)),
         f"{name}<>(q, (const uint8_t*)k_pool, (const uint8_t*)v_pool, block_tables, seq_lens, "
         "part_out, part_max, part_sum, __int_as_float((int)params[0]), (int)params[1], "
         "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6]);",
         geo["bounds"], geo["shared"])
-    scale_bits = int(np.float32(scale).view(np.int32))
     part_shape = (seqs, heads, parts)
     threads = geo["threads"]
-    part_out, part_max, part_sum = run(Launch(
-        src, [q, k_pool, v_pool, block_tables, seq_lens,
-              _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
-                      block_tables.shape[1], parts)],
-        [part_shape + (head_dim,), part_shape, part_shape], [mx.float32] * 3,
-        grid=(parts * threads, kv_heads, seqs), threadgroup=(threads, 1, 1)))
+    partition = (src, _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
+                              table_width, parts),
+                 [part_shape + (head_dim,), part_shape, part_shape],
+                 (parts * threads, kv_heads, seqs), threads)
     reduce = kernel_source(
         "kvcache", "paged_attention_reduce",
         _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32),
@@ -334,9 +333,25 @@ def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: 
         "pkv_paged_attention_reduce<>(part_out, part_max, part_sum, seq_lens, out, "
         "(int)params[0], (int)params[1], (int)params[2], (int)params[3]);", None)
     t = min(head_dim, 256)
-    return run(Launch(reduce, [part_out, part_max, part_sum, seq_lens,
-                               _params(mx, heads, head_dim, parts, geo["partition"])],
-                      [(seqs, heads, head_dim)], [mx.float32], grid=(heads * t, seqs, 1),
+    return partition, (reduce, _params(mx, heads, head_dim, parts, geo["partition"]),
+                       (heads * t, seqs, 1), t)
+
+
+def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
+                    scale: float, max_seq_len: int, run: Runner):
+    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
+    seqs, heads, head_dim = q.shape
+    partition, reduce = _attention_plan(
+        kv_dtype, _dtype_name(k_pool.dtype), seqs, heads, k_pool.shape[2], head_dim,
+        k_pool.shape[1], block_tables.shape[1], max_seq_len,
+        int(np.float32(scale).view(np.int32)))
+    src, params, part_shapes, grid, threads = partition
+    part_out, part_max, part_sum = run(Launch(
+        src, [q, k_pool, v_pool, block_tables, seq_lens, params], part_shapes,
+        [mx.float32] * 3, grid=grid, threadgroup=(threads, 1, 1)))
+    src, params, grid, t = reduce
+    return run(Launch(src, [part_out, part_max, part_sum, seq_lens, params],
+                      [(seqs, heads, head_dim)], [mx.float32], grid=grid,
                       threadgroup=(t, 1, 1)))[0]
 
 
