@@ -167,6 +167,7 @@ def _dequant_plan(codec_name: str, numel: int, f16: bool):
         f"out[i] = {value};")
     src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in, io_out,
                         body, (threads,))
+    assert codec.family is not None  # every P1 format without a hip/ kernel is affine
     params = _params(mx, numel, int(codec.family), codec.bits, codec.group_size,
                      codec.group_bytes)
     return src, params, (math.ceil(numel / threads) * threads, 1, 1), threads
