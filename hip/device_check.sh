@@ -19,6 +19,12 @@
 # ctypes tests ~25 s, MLX tests ~75 s (NVRTC compiles each kernel once a process),
 # decode bench --quick ~150 s, kernel bench ~120 s.
 #
+# FUZZ=1 runs the fuzz campaign (tests/fuzz/campaign.py) on the spare CPU cores meanwhile,
+# FUZZ_WORKERS processes (default: cores - 2) for FUZZ_SECONDS each (default 420, cut to
+# what the budget leaves) over FUZZ_TARGETS (default: all), with atheris installed from the
+# wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end ($OUT/fuzz:
+# campaign.json, table.md, the logs and any findings).
+#
 # MLX=1 needs the mlx and mlx-cuda-13 wheels in $WORK/mlxsite, or their pieces: the script
 # stashes whatever of .mlx1/ and .mlx2/ the call carried in $MLX_STASH (/root/mlx, kept while
 # the machine stays warm), joins part.aa + part.ab there into the mlx-cuda-13 wheel and
@@ -54,7 +60,8 @@ phase() {
   return 0
 }
 
-rm -rf "$WORK/site" "$WORK/w" "$WORK/pkv"  # a warm machine keeps the last call's files
+# a warm machine keeps the last call's files
+rm -rf "$WORK/site" "$WORK/w" "$WORK/pkv" "$WORK/fuzz" "$WORK/fuzzsite"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHL"/*.whl || exit 1
 export PYTHONPATH=$WORK/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
@@ -66,6 +73,29 @@ python3 -m pip install -q --no-deps --target "$WORK/pkv" "$WORK"/w/*.whl || exit
 export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
 PKV=$WORK/pkv:$WORK/site
 MLXPATH=$PKV:$WORK/mlxsite
+
+if [ "${FUZZ:-0}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$WORK/fuzzsite" \
+    "${ATHERIS_WHL:-.atheris}"/*.whl || exit 1
+  mkdir -p "$OUT/fuzz"
+  fuzz_s=${FUZZ_SECONDS:-420}
+  (( fuzz_s > $(left) - 40 )) && fuzz_s=$(( $(left) - 40 ))  # ends inside the budget
+  fuzz_t0=$(date +%s)
+  PYTHONPATH=$PKV:$WORK/fuzzsite python3 tests/fuzz/campaign.py \
+    --workers "${FUZZ_WORKERS:-$(( $(nproc) - 2 ))}" --seconds "$fuzz_s" \
+    --out "$WORK/fuzz" ${FUZZ_TARGETS:-} >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
+  fuzz_pid=$!
+  fuzz_finish() {
+    wait "$fuzz_pid"
+    local rc=$?
+    echo "phase fuzz: rc $rc, $(( $(date +%s) - fuzz_t0 )) s (${fuzz_s} s per worker; 0 = no finding)" \
+      | tee -a "$OUT/phases.txt"
+    cat "$OUT/fuzz/table.md"
+    cp "$WORK/fuzz/campaign.json" "$OUT/fuzz/" 2>/dev/null
+    tar -C "$WORK/fuzz" -czf "$OUT/fuzz/logs_and_findings.tgz" logs crashes 2>/dev/null
+  }
+  trap fuzz_finish EXIT
+fi
 
 stash_mlx() {
   mkdir -p "$MLX_STASH"

@@ -87,6 +87,20 @@ def test_phases_the_budget_no_longer_fits_are_skipped(tmp_path):
     assert "of a 12 s budget" in out
 
 
+def test_the_fuzz_campaign_runs_beside_the_phases_and_ends_inside_the_budget(tmp_path):
+    (tmp_path / "tree" / ".atheris").mkdir(parents=True)
+    (tmp_path / "tree" / ".atheris" / "atheris-0-cp312-cp312-linux_x86_64.whl").touch()
+    phases, calls, _ = _run(tmp_path, FUZZ="1", FUZZ_WORKERS="3", FUZZ_TARGETS="cold_index",
+                            BENCH="0", BUDGET_S="100")
+    assert _names(phases) == ["build", "ctypes-tests", "fuzz"]
+    assert "rc 0" in phases[-1]
+    campaign = [c for c in calls if "tests/fuzz/campaign.py" in c]
+    assert len(campaign) == 1 and "--workers 3" in campaign[0] and "cold_index" in campaign[0]
+    seconds = int(campaign[0].split("--seconds ")[1].split()[0])
+    assert 0 < seconds <= 100 - 40  # cut from its 420 s default to what the budget leaves
+    assert any("fuzzsite" in c and "atheris" in c for c in calls)
+
+
 def test_the_mlx_wheel_pieces_of_two_calls_are_joined_and_installed(tmp_path):
     tree = tmp_path / "tree"
     (tree / ".mlx1").mkdir(parents=True)
