@@ -6,10 +6,7 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
-
-#ifndef PKV_NORM_THREADS
-#define PKV_NORM_THREADS 256
-#endif
+#include <pagedkv/launch.h>
 
 // Sum over the block (PKV_NORM_THREADS threads); every thread gets the total.
 PKV_DEV float block_sum(float v, float* red) {

@@ -1,96 +1,188 @@
 #!/usr/bin/env bash
-# One device call: build the wheel (meson-python from .whl), run every GPU test and
-# the CPU kernel tests, then the decode-step benchmark (with its PyTorch baseline) and the
-# kernel benchmark; logs and the JSON rows go to $OUT. About 6-9 minutes on an H200.
+# One device call: build the wheel (meson-python from .whl), run the GPU tests and the CPU
+# kernel tests, the MLX-CUDA tests and bench (MLX=1), the decode-step and kernel benchmarks,
+# and the compute-sanitizer runs (SANITIZE=1), all inside one time budget; logs, the JSON
+# rows and phases.txt (each phase's seconds and exit status) go to $OUT.
 # Usage on the GPU machine, from the unpacked source tree: bash hip/device_check.sh
-# SANITIZE=1 also runs the GPU tests under compute-sanitizer memcheck and racecheck, after
-# proving the tool sees ctypes launches (hip/sanitizer_probe.py). BENCH=0 skips both
-# benchmarks, DECODE_BENCH=0 / KERNEL_BENCH=0 one of them, TESTS=0 the tests (a second call
-# that only measures); DECODE_ARGS= runs the full decode grid instead of --quick, BENCH_ARGS
-# go to the kernel bench; PAGEDKV_VLLM_TRITON_DIR adds vLLM's Triton attention as a peer.
-# MLX=1 also runs pagedkv.kernels.mlx on MLX's CUDA backend: its tests (tests/
-# test_kernels_mlx*.py, test_pool_paged_attention.py) and `python -m pagedkv.bench mlx`
-# (bench_mlx.json), with the mlx and mlx-cuda-13 wheels installed in /tmp/mlxsite
-# (docs/kernels.md, "MLX dispatch": how to bring the wheels over). MLX_ONLY=1 skips the
-# ctypes GPU tests and benches.
+#
+# Budget: BUDGET_S (default 560, under a device call's 600 s) is the whole call's wall
+# time. Phases run in this order, each under `timeout` of the smaller of its own limit and
+# what is left of the budget; a phase that would get less than MIN_PHASE_S (20) is skipped
+# and says so. Order (most needed first): build; ctypes GPU tests + CPU kernel tests
+# (TESTS=0 skips); MLX tests (MLX=1); decode bench (DECODE_TIMEOUT, 150; DECODE_BENCH=0
+# skips; DECODE_ARGS= runs the full grid instead of --quick); kernel bench (BENCH_TIMEOUT,
+# 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
+# Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 150); sanitizer (SANITIZE=1:
+# the probe proving compute-sanitizer sees ctypes launches, then memcheck and racecheck
+# over the GPU tests, SANITIZE_TIMEOUT each, 120). BENCH=0 skips all three benches;
+# MLX_ONLY=1 runs build + MLX phases only. Measured on the H200 (2026-12-02): build 30 s,
+# ctypes tests ~25 s, MLX tests ~75 s (NVRTC compiles each kernel once a process),
+# decode bench --quick ~150 s, kernel bench ~120 s.
+#
 # FUZZ=1 runs the fuzz campaign (tests/fuzz/campaign.py) on the spare CPU cores meanwhile,
-# FUZZ_WORKERS processes for FUZZ_SECONDS each (default: cores - 2, 420 s) over FUZZ_TARGETS
-# (default: all), with atheris
-# installed from the wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end
-# ($OUT/fuzz: campaign.json, table.md, the logs and any findings).
+# FUZZ_WORKERS processes (default: cores - 2) for FUZZ_SECONDS each (default 420, cut to
+# what the budget leaves) over FUZZ_TARGETS (default: all), with atheris installed from the
+# wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end ($OUT/fuzz:
+# campaign.json, table.md, the logs and any findings).
+#
+# MLX=1 needs the mlx and mlx-cuda-13 wheels in $WORK/mlxsite, or their pieces: the script
+# stashes whatever of .mlx1/ and .mlx2/ the call carried in $MLX_STASH (/root/mlx, kept while
+# the machine stays warm), joins part.aa + part.ab there into the mlx-cuda-13 wheel and
+# installs both (docs/kernels.md, "On the H200"). A call that carries .mlx1 can run
+# everything but MLX; the next call, carrying .mlx2, then has the whole wheel.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 WHL=${WHL:-.whl}
-rm -rf /tmp/site /tmp/w /tmp/pkv /tmp/fuzz /tmp/fuzzsite  # a warm machine keeps the last call's files
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHL"/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+WORK=${WORK:-/tmp}              # the installs: $WORK/site, $WORK/pkv, $WORK/mlxsite
+MLX_STASH=${MLX_STASH:-/root/mlx}  # MLX wheel pieces kept between calls
+T_START=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}
+MIN_PHASE_S=${MIN_PHASE_S:-20}
+: >"$OUT/phases.txt"
+
+left() { echo $(( BUDGET_S - ($(date +%s) - T_START) )); }
+
+# phase NAME LIMIT_S CMD...: run CMD under timeout min(LIMIT_S, budget left - 5).
+phase() {
+  local name=$1 limit=$2; shift 2
+  local t; t=$(( $(left) - 5 )); (( limit < t )) && t=$limit
+  if (( t < MIN_PHASE_S )); then
+    echo "phase $name: skipped, ${t} s of the budget left" | tee -a "$OUT/phases.txt"
+    return 0
+  fi
+  local t0; t0=$(date +%s)
+  timeout "$t" "$@"
+  local rc=$?
+  echo "phase $name: rc $rc, $(( $(date +%s) - t0 )) s (limit $t s)$( ((rc == 124)) && echo ', CUT by its time limit')" \
+    | tee -a "$OUT/phases.txt"
+  return 0
+}
+
+# a warm machine keeps the last call's files
+rm -rf "$WORK/site" "$WORK/w" "$WORK/pkv" "$WORK/fuzz" "$WORK/fuzzsite"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHL"/*.whl || exit 1
+export PYTHONPATH=$WORK/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
 t0=$(date +%s)
-python3 -m pip wheel -q --no-build-isolation --no-deps -w /tmp/w . >"$OUT/build.log" 2>&1 \
+python3 -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/w" . >"$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-python3 -m pip install -q --no-deps --target /tmp/pkv /tmp/w/*.whl || exit 1
+echo "phase build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
+python3 -m pip install -q --no-deps --target "$WORK/pkv" "$WORK"/w/*.whl || exit 1
+export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
+PKV=$WORK/pkv:$WORK/site
+MLXPATH=$PKV:$WORK/mlxsite
+
 if [ "${FUZZ:-0}" = 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fuzzsite "${ATHERIS_WHL:-.atheris}"/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --target "$WORK/fuzzsite" \
+    "${ATHERIS_WHL:-.atheris}"/*.whl || exit 1
   mkdir -p "$OUT/fuzz"
-  PYTHONPATH=/tmp/pkv:/tmp/site:/tmp/fuzzsite python3 tests/fuzz/campaign.py \
-    --workers "${FUZZ_WORKERS:-$(( $(nproc) - 2 ))}" --seconds "${FUZZ_SECONDS:-420}" \
-    --out /tmp/fuzz ${FUZZ_TARGETS:-} >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
+  fuzz_s=${FUZZ_SECONDS:-420}
+  (( fuzz_s > $(left) - 40 )) && fuzz_s=$(( $(left) - 40 ))  # ends inside the budget
+  fuzz_t0=$(date +%s)
+  PYTHONPATH=$PKV:$WORK/fuzzsite python3 tests/fuzz/campaign.py \
+    --workers "${FUZZ_WORKERS:-$(( $(nproc) - 2 ))}" --seconds "$fuzz_s" \
+    --out "$WORK/fuzz" ${FUZZ_TARGETS:-} >"$OUT/fuzz/table.md" 2>"$OUT/fuzz/campaign.err" &
   fuzz_pid=$!
   fuzz_finish() {
-    wait "$fuzz_pid"; echo "fuzz campaign: rc $? (0 = no finding)"; cat "$OUT/fuzz/table.md"
-    cp /tmp/fuzz/campaign.json "$OUT/fuzz/" 2>/dev/null
-    tar -C /tmp/fuzz -czf "$OUT/fuzz/logs_and_findings.tgz" logs crashes 2>/dev/null
+    wait "$fuzz_pid"
+    local rc=$?
+    echo "phase fuzz: rc $rc, $(( $(date +%s) - fuzz_t0 )) s (${fuzz_s} s per worker; 0 = no finding)" \
+      | tee -a "$OUT/phases.txt"
+    cat "$OUT/fuzz/table.md"
+    cp "$WORK/fuzz/campaign.json" "$OUT/fuzz/" 2>/dev/null
+    tar -C "$WORK/fuzz" -czf "$OUT/fuzz/logs_and_findings.tgz" logs crashes 2>/dev/null
   }
   trap fuzz_finish EXIT
 fi
-export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
+
+stash_mlx() {
+  mkdir -p "$MLX_STASH"
+  local d
+  for d in .mlx1 .mlx2; do [ -d "$d" ] && cp -n "$d"/* "$MLX_STASH"/; done
+  return 0
+}
+mlx_install() {
+  [ -d "$WORK/mlxsite/mlx" ] && return 0
+  stash_mlx
+  local cuda_whl=$MLX_STASH/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  if [ ! -f "$cuda_whl" ] && [ -f "$MLX_STASH/part.aa" ] && [ -f "$MLX_STASH/part.ab" ]; then
+    cat "$MLX_STASH/part.aa" "$MLX_STASH/part.ab" >"$cuda_whl"
+  fi
+  if [ ! -f "$cuda_whl" ] || ! ls "$MLX_STASH"/mlx-0.32.4-*.whl >/dev/null 2>&1; then
+    echo "MLX=1: $MLX_STASH holds $(ls "$MLX_STASH" | tr '\n' ' '); the mlx wheel and both" \
+      "parts of mlx-cuda-13 are needed (carry .mlx1 in one call, .mlx2 in the next)"
+    return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --target "$WORK/mlxsite" \
+    "$MLX_STASH"/mlx-0.32.4-*.whl "$cuda_whl"
+}
+
+MLX_OK=0
 if [ "${MLX:-0}" = 1 ]; then
-  [ -d /tmp/mlxsite/mlx ] || { echo "MLX=1: no mlx in /tmp/mlxsite; install the mlx and mlx-cuda-13 wheels there first"; exit 1; }
-  MLXPATH=/tmp/pkv:/tmp/site:/tmp/mlxsite
-  PYTHONPATH=$MLXPATH python3 -c "import mlx.core as mx, pagedkv.kernels.mlx as k; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('architecture'), 'kernels:', k.backend())" 2>&1 | tee "$OUT/mlx_device.txt"
-  cd tests
+  if mlx_install; then
+    MLX_OK=1
+    PYTHONPATH=$MLXPATH python3 -c "import mlx.core as mx, pagedkv.kernels.mlx as k; print('mlx', mx.__version__, mx.default_device(), mx.device_info().get('architecture'), 'kernels:', k.backend())" 2>&1 | tee "$OUT/mlx_device.txt"
+  fi
+else
+  stash_mlx  # the pieces this call carried, for a later MLX=1 call on this warm machine
+fi
+
+ctypes_tests() {
+  set -o pipefail
+  cd tests || return 1
+  local rc=0
+  PYTHONPATH=$PKV python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -25 || rc=$?
+  PYTHONPATH=$PKV python3 -m pytest -q -p no:cacheprovider -k kernels 2>&1 | tail -3 || rc=$?
+  return $rc
+}
+mlx_tests() {
+  set -o pipefail
+  cd tests || return 1
   PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider test_kernels_mlx_gpu.py \
     test_kernels_mlx.py test_pool_paged_attention.py 2>&1 | tee "$OUT/pytest_mlx.log" | tail -25
-  cd ..
-  PYTHONPATH=$MLXPATH timeout ${MLX_BENCH_TIMEOUT:-420} python3 -m pagedkv.bench mlx \
-    --json "$OUT/bench_mlx.json" 2>&1 | tee "$OUT/bench_mlx.log"
-  [ "${MLX_ONLY:-0}" = 1 ] && exit 0
-fi
-if [ "${TESTS:-1}" = 1 ]; then
-  cd tests
-  PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -m gpu -p no:cacheprovider \
-    2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-  PYTHONPATH=/tmp/pkv:/tmp/site python3 -m pytest -q -p no:cacheprovider -k kernels 2>&1 | tail -3
-  cd ..
-fi
-if [ "${SANITIZE:-0}" = 1 ]; then
-  cs="compute-sanitizer --error-exitcode 86 --print-limit 20"
-  PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool memcheck python3 hip/sanitizer_probe.py --plant \
+}
+sanitize() {
+  local cs="compute-sanitizer --error-exitcode 86 --print-limit 20"
+  PYTHONPATH=$PKV $cs --tool memcheck python3 hip/sanitizer_probe.py --plant \
     >"$OUT/sanitizer_probe.log" 2>&1
   echo "sanitizer probe, planted out-of-bounds write: rc $? (86 = seen)"
-  PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool memcheck python3 hip/sanitizer_probe.py --clean \
+  PYTHONPATH=$PKV $cs --tool memcheck python3 hip/sanitizer_probe.py --clean \
     >>"$OUT/sanitizer_probe.log" 2>&1
   echo "sanitizer probe, clean launch: rc $? (0 = clean)"
-  cd tests
-  for tool in memcheck racecheck; do
-    PYTHONPATH=/tmp/pkv:/tmp/site $cs --tool $tool python3 -m pytest -q -m gpu \
-      -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
-    echo "compute-sanitizer $tool over the GPU tests: rc $? (0 = no error, no hazard);" \
-      "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$tool.log" | tail -2 | tr '\n' ' ')"
-  done
-  cd ..
+}
+sanitize_tool() {
+  cd tests || return 1
+  PYTHONPATH=$PKV compute-sanitizer --error-exitcode 86 --print-limit 20 --tool "$1" \
+    python3 -m pytest -q -m gpu -p no:cacheprovider >"$OUT/sanitize_$1.log" 2>&1
+  local rc=$?
+  echo "compute-sanitizer $1 over the GPU tests: rc $rc (0 = no error, no hazard);" \
+    "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$1.log" | tail -2 | tr '\n' ' ')"
+  return $rc
+}
+export -f ctypes_tests mlx_tests sanitize sanitize_tool
+export OUT PKV MLXPATH
+
+ONLY_MLX=${MLX_ONLY:-0}
+[ "${TESTS:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ] && phase ctypes-tests 200 bash -c ctypes_tests
+[ "$MLX_OK" = 1 ] && phase mlx-tests 200 bash -c mlx_tests
+if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
+  # The decode step: correctness check against float64, then the targeted configurations
+  # (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
+  # The bench rewrites its JSON after every row, so a cut run keeps its figures.
+  [ "${DECODE_BENCH:-1}" = 1 ] && phase decode-bench "${DECODE_TIMEOUT:-150}" bash -c \
+    "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench decode --json $OUT/decode.json ${DECODE_ARGS---quick} 2>&1 | tee $OUT/decode.log"
+  [ "${KERNEL_BENCH:-1}" = 1 ] && phase kernel-bench "${BENCH_TIMEOUT:-150}" bash -c \
+    "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench gpu --json $OUT/bench.json ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log"
 fi
-[ "${BENCH:-1}" = 1 ] || exit 0
-# The decode step: correctness check against float64, then the targeted configurations
-# (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
-if [ "${DECODE_BENCH:-1}" = 1 ]; then
-  PYTHONPATH=/tmp/pkv:/tmp/site timeout ${DECODE_TIMEOUT:-200} python3 -m pagedkv.bench decode \
-    --json "$OUT/decode.json" ${DECODE_ARGS---quick} 2>&1 | tee "$OUT/decode.log"
+[ "$MLX_OK" = 1 ] && [ "${BENCH:-1}" = 1 ] && phase mlx-bench "${MLX_BENCH_TIMEOUT:-150}" bash -c \
+  "set -o pipefail; PYTHONPATH=$MLXPATH python3 -m pagedkv.bench mlx --json $OUT/bench_mlx.json 2>&1 | tee $OUT/bench_mlx.log"
+if [ "${SANITIZE:-0}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
+  phase sanitizer-probe 60 bash -c sanitize
+  phase memcheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool memcheck"
+  phase racecheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool racecheck"
 fi
-if [ "${KERNEL_BENCH:-1}" = 1 ]; then
-  PYTHONPATH=/tmp/pkv:/tmp/site timeout ${BENCH_TIMEOUT:-200} python3 -m pagedkv.bench gpu \
-    --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-fi
+echo "device_check: $(( $(date +%s) - T_START )) s of a ${BUDGET_S} s budget"
+cat "$OUT/phases.txt"

@@ -9,6 +9,7 @@
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
 #include <pagedkv/kvquant.h>
+#include <pagedkv/launch.h>
 
 // ---------------------------------------------------------------------------
 // q8 write: one 32-value record per 32 consecutive lanes (a whole warp on 32-wide
@@ -95,29 +96,17 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 // lanes, each lane holding 8 consecutive dims of a token row (a token takes
 // head_dim/8 lanes and one 16-byte load per row for f16/bf16).
 
-// Tokens per partition and __launch_bounds__ minimum blocks per SM, for f16 and bf16 KV
-// (tensor cores on sm_80+) and for q8: the best of the H200 sweeps (docs/performance.md).
-// Overridable (-D) for tuning sweeps; kvcache.py mirrors the partition sizes.
-#ifndef PKV_ATTN_PARTITION_F16
-#define PKV_ATTN_PARTITION_F16 1024
-#endif
-#ifndef PKV_ATTN_PARTITION
-#define PKV_ATTN_PARTITION 512
-#endif
-#ifndef PKV_ATTN_THREADS
-#define PKV_ATTN_THREADS 128
-#endif
+// Tokens per partition, threads and __launch_bounds__ minimum blocks per SM of each KV
+// kind: pagedkv/launch.h (the one definition, read by every launcher too).
 #ifndef PKV_ATTN_UNROLL
 #define PKV_ATTN_UNROLL 4
 #endif
-#ifndef PKV_ATTN_MIN_BLOCKS_F16
-#define PKV_ATTN_MIN_BLOCKS_F16 4
-#endif
-#ifndef PKV_ATTN_MIN_BLOCKS
-#define PKV_ATTN_MIN_BLOCKS 6
-#endif
 
 enum KvKind { KV_F16 = 0, KV_BF16 = 1, KV_Q8 = 2 };
+// A kind's launch.h values, picked by the kind's own name (F16, BF16, Q8) as the launchers
+// do: a kind never borrows another kind's constant.
+#define PKV_ATTN_OF_KIND(NAME, KIND) \
+  ((KIND) == KV_F16 ? NAME##_F16 : (KIND) == KV_BF16 ? NAME##_BF16 : NAME##_Q8)
 
 // A lane's 8 dims of one K or V row, as raw words: all of an iteration's loads are
 // issued before any is converted (converting right after each load would wait for
@@ -368,7 +357,7 @@ PKV_DEV void paged_attention_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
-  constexpr int PARTITION = KIND != KV_Q8 ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION;
+  constexpr int PARTITION = PKV_ATTN_OF_KIND(PKV_ATTN_PARTITION, KIND);
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
 
@@ -622,8 +611,8 @@ PKV_DEV void paged_attention_dispatch(
 }
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, KIND != KV_Q8 ? PKV_ATTN_MIN_BLOCKS_F16 \
-                                                                    : PKV_ATTN_MIN_BLOCKS)  \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
+                                    PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
       NAME(                                                                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \

@@ -5,12 +5,12 @@ values, load it in place of the installed object (``Device.load_module``), time 
 Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
-    python hip/tune.py dequant --set DEQUANT_THREADS=64,128,256
+    python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
 
-Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros at
-the top of the kernel sections (their defaults are the figures in docs/performance.md). The
-launchers' mirrors of the partition sizes and dequant shape are set to each variant's
+Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros of
+``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
+launchers' values of the swept partition size and dequant shape are set to each variant's
 values. The figures of 2026-11-30 came from these sweeps on an H200.
 """
 
@@ -66,14 +66,15 @@ def _pct(nbytes: int, seconds: float, copy_bw: float) -> str:
 
 def sweep_attn(dev, stream, copy_bw, B, images, case=None) -> None:
     from pagedkv.kernels import kvcache
+    from pagedkv.kernels.launch_constants import launch_constant
     args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), "float16",
                                                    **(case or B.ATTENTION_CASE))
     out = args[-1]
     first = None
     for defines, image in images:
         dev.load_module("kvcache", image)
-        kvcache.ATTN_PARTITION_TOKENS["float16"] = int(defines.get("PKV_ATTN_PARTITION_F16",
-                                                                   1024))
+        kvcache.ATTN_PARTITION_TOKENS["float16"] = int(defines.get(
+            "PKV_ATTN_PARTITION_F16", launch_constant("PKV_ATTN_PARTITION_F16")))
         t = B.time_attention(dev, stream, kvcache.PagedAttention(dev, **attn_kwargs), args)
         got = out.to_numpy()
         first = got if first is None else first
@@ -84,6 +85,7 @@ def sweep_attn(dev, stream, copy_bw, B, images, case=None) -> None:
 def sweep_dequant(dev, stream, copy_bw, B, images, shape=(14336, 4096)) -> None:
     from pagedkv import quant
     from pagedkv.kernels import weights
+    from pagedkv.kernels.launch_constants import launch_constant
     rng = np.random.default_rng(1)
     M, K = shape
     raws = {fmt: quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
@@ -91,8 +93,9 @@ def sweep_dequant(dev, stream, copy_bw, B, images, shape=(14336, 4096)) -> None:
     first: dict = {}
     for defines, image in images:
         dev.load_module("weights", image)
-        weights.DEQUANT_SPAN = int(defines.get("DEQUANT_SPAN", 16))
-        weights.DEQUANT_THREADS = int(defines.get("DEQUANT_THREADS", 64))
+        for name in ("DEQUANT_SPAN", "DEQUANT_THREADS"):
+            setattr(weights, name, int(defines.get(f"PKV_{name}",
+                                                   launch_constant(f"PKV_{name}"))))
         for fmt, raw in raws.items():
             dr = dev.array(raw)
             for dt in (np.float16, np.float32):

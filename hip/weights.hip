@@ -11,6 +11,7 @@
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
 #include <pagedkv/quant.h>
+#include <pagedkv/launch.h>
 
 // ---------------------------------------------------------------------------
 // Formats. A thread decodes "chunks" of 8 consecutive weights of one group: the
@@ -140,15 +141,8 @@ struct Span {
 };
 
 // ---------------------------------------------------------------------------
-// Dequantize: 16 weights per thread over the flat weight stream (groups may straddle
-// rows); a short last group writes only its real weights.
-
-#ifndef DEQUANT_SPAN  // overridable (-D) for tuning sweeps; weights.py mirrors them
-#define DEQUANT_SPAN 16
-#endif
-#ifndef DEQUANT_THREADS  // 64: the fastest of 64/128/256 for every format and output
-#define DEQUANT_THREADS 64  // on the H200 (docs/performance.md)
-#endif
+// Dequantize: PKV_DEQUANT_SPAN (16) weights per thread over the flat weight stream (groups
+// may straddle rows); a short last group writes only its real weights.
 
 // A thread decodes 16 consecutive weights; the block stages its outputs in shared memory
 // and writes them back as consecutive 16-byte vectors (stores of one warp instruction
@@ -160,8 +154,8 @@ PKV_DEV void stage_out(uint16_t* stage, int k, float v) { stage[k] = pkv_float_t
 template <int F, typename Out>
 PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
   using Fm = Format<F>;
-  constexpr int SPAN = DEQUANT_SPAN;
-  constexpr int BLOCK_OUT = DEQUANT_THREADS * SPAN;
+  constexpr int SPAN = PKV_DEQUANT_SPAN;
+  constexpr int BLOCK_OUT = PKV_DEQUANT_THREADS * SPAN;
   const int64_t base = (int64_t)blockIdx.x * BLOCK_OUT;
   const int64_t i = base + (int64_t)threadIdx.x * SPAN;
   __shared__ __align__(16) Out stage[BLOCK_OUT];
@@ -186,9 +180,9 @@ PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, 
   if (base + BLOCK_OUT <= n) {
     const uint4* src = (const uint4*)stage;
     uint4* dst = (uint4*)(out + base);
-    for (int v = threadIdx.x; v < BLOCK_OUT / PER_VEC; v += DEQUANT_THREADS) dst[v] = src[v];
+    for (int v = threadIdx.x; v < BLOCK_OUT / PER_VEC; v += PKV_DEQUANT_THREADS) dst[v] = src[v];
   } else {
-    for (int64_t k = threadIdx.x; base + k < n; k += DEQUANT_THREADS) out[base + k] = stage[k];
+    for (int64_t k = threadIdx.x; base + k < n; k += PKV_DEQUANT_THREADS) out[base + k] = stage[k];
   }
 }
 
@@ -217,10 +211,9 @@ PKV_DEQUANT_KERNELS(q8f16, Q8F16)
 // bytes are loaded before the current one is computed; partial sums meet through the
 // warps' shuffles and shared memory.
 
-#define GEMV_THREADS 128
-// Rows per block: 8 share each x span at batch 1-2; 4 at batch 4-8, where x and the
-// per-row sums already fill the registers.
-#define GEMV_ROWS_FOR(BMAX) ((BMAX) <= 2 ? 8 : 4)
+// Threads and rows per block (PKV_GEMV_ROWS_B2 at batch 1-2, PKV_GEMV_ROWS_B8 at 3-8):
+// pagedkv/launch.h.
+#define GEMV_ROWS_FOR(BMAX) ((BMAX) <= 2 ? PKV_GEMV_ROWS_B2 : PKV_GEMV_ROWS_B8)
 
 template <int F, int BMAX>
 PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x,
@@ -270,11 +263,11 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
     load(cur, s * SPAN);
     if (PREFETCH_X) load_x(xcur, s * SPAN);
   }
-  for (; s < slices; s += GEMV_THREADS) {
+  for (; s < slices; s += PKV_GEMV_THREADS) {
     const int k0 = s * SPAN;
-    if (s + GEMV_THREADS < slices) {
-      load(nxt, k0 + GEMV_THREADS * SPAN);
-      if (PREFETCH_X) load_x(xnxt, k0 + GEMV_THREADS * SPAN);
+    if (s + PKV_GEMV_THREADS < slices) {
+      load(nxt, k0 + PKV_GEMV_THREADS * SPAN);
+      if (PREFETCH_X) load_x(xnxt, k0 + PKV_GEMV_THREADS * SPAN);
     }
     if (!PREFETCH_X) load_x(xcur, k0);
     float qx[GEMV_ROWS][BMAX], sx[BMAX];
@@ -336,7 +329,7 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
         for (int v = 0; v < SPAN / 4; ++v) xcur[b][v] = xnxt[b][v];
     }
   }
-  __shared__ float partial[GEMV_THREADS / PKV_WARP_SIZE][GEMV_ROWS * BMAX];
+  __shared__ float partial[PKV_GEMV_THREADS / PKV_WARP_SIZE][GEMV_ROWS * BMAX];
 #pragma unroll
   for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
@@ -349,13 +342,13 @@ PKV_DEV void gemv(const uint8_t* __restrict__ w_raw, const float* __restrict__ x
   if (threadIdx.x < GEMV_ROWS * BMAX) {
     const int r = threadIdx.x / BMAX, b = threadIdx.x % BMAX;
     float v = 0.0f;
-    for (int w = 0; w < GEMV_THREADS / PKV_WARP_SIZE; ++w) v += partial[w][threadIdx.x];
+    for (int w = 0; w < PKV_GEMV_THREADS / PKV_WARP_SIZE; ++w) v += partial[w][threadIdx.x];
     if (b < batch && row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
   }
 }
 
 #define PKV_GEMV_KERNEL(NAME, F, BMAX)                                                      \
-  PKV_KERNEL void __launch_bounds__(GEMV_THREADS)                                          \
+  PKV_KERNEL void __launch_bounds__(PKV_GEMV_THREADS)                                      \
       pkv_gemv_##NAME##_b##BMAX(const uint8_t* w, const float* x, float* y, int M, int K,  \
                                 int batch) {                                               \
     gemv<F, BMAX>(w, x, y, M, K, batch);                                                   \
@@ -457,10 +450,7 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
 // kernel writes x in exactly this order). B column n = 3 * batch + plane; n-tiles of
 // 8 columns: 1 for batch 1-2, 2 for 3-5, 3 for 6-8.
 
-#define GEMV_MMA_ROWS 16      // one m16 tile per block
-#define GEMV_MMA_MAX_WARPS 8  // warps per block, splitting the groups of the tile
-#define GEMV_MMA_MAX_TILES 3
-#define GEMV_X_WORDS 16  // per lane, group and n-tile: 8 mmas x (b0, b1)
+// Rows per block, most warps, most n-tiles and prepared-x words: pagedkv/launch.h.
 #define GEMV_X_RANGE 22
 #if defined(__CUDACC__)
 
@@ -527,7 +517,8 @@ PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K,
 #pragma unroll
   for (int p = 0; p < 3; ++p) {
     const int col = 3 * b + p, tile = col / 8, n = col % 8;
-    uint32_t* dst = xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * GEMV_X_WORDS + 2 * m;
+    uint32_t* dst =
+        xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m;
     *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
   }
   if (lane == 0) {
@@ -553,10 +544,10 @@ template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
                              int K, int batch) {
-  constexpr int TILE_BYTES = GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * GEMV_MMA_ROWS;
+  const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
   const int groups = K / 256;
   const int g_begin = warp * groups / n_warps, g_end = (warp + 1) * groups / n_warps;
   const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
@@ -585,7 +576,8 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
     uint4 xb[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      const uint4* xsrc = (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * GEMV_X_WORDS);
+      const uint4* xsrc =
+          (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * PKV_GEMV_X_WORDS);
       const bool live = 8 * i + gid < 3 * batch;
 #pragma unroll
       for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
@@ -647,7 +639,7 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
       }
     cur = nxt;
   }
-  __shared__ float red[GEMV_MMA_MAX_WARPS][GEMV_MMA_ROWS][8 * GEMV_MMA_MAX_TILES];
+  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -655,8 +647,8 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 #pragma unroll
       for (int e = 0; e < 2; ++e) red[warp][gid + 8 * r][8 * i + 2 * t + e] = acc[r][i][e];
   __syncthreads();
-  for (int k = threadIdx.x; k < GEMV_MMA_ROWS * batch; k += blockDim.x) {
-    const int r = k % GEMV_MMA_ROWS, b = k / GEMV_MMA_ROWS;
+  for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * batch; k += blockDim.x) {
+    const int r = k % PKV_GEMV_MMA_ROWS, b = k / PKV_GEMV_MMA_ROWS;
     float v = 0.0f;
     for (int w = 0; w < n_warps; ++w) v += red[w][r][3 * b] + red[w][r][3 * b + 1] + red[w][r][3 * b + 2];
     if (row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
@@ -664,7 +656,8 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 }
 
 #define PKV_GEMV_MMA_KERNEL(NAME, F, NT)                                                    \
-  PKV_KERNEL void __launch_bounds__(32 * GEMV_MMA_MAX_WARPS) pkv_gemv_mma_##NAME##_n##NT(    \
+  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
+      pkv_gemv_mma_##NAME##_n##NT(                                                          \
       const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
       int batch) {                                                                          \
     gemv_mma<F, NT>(w, xq, xs, y, M, K, batch);                                             \

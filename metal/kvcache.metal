@@ -48,10 +48,10 @@ inline void pkv_kv_q8_read_thread(const device uint8_t* pool, S slots, device Ou
 // ---------------------------------------------------------------------------
 // Paged-attention decode, one query token per sequence, GQA (query head h reads KV
 // head h / (heads / kv_heads)). Split along the sequence: threadgroup (partition,
-// kv_head, seq) attends PKV_ATTN_PARTITION tokens for the kv head's group of query
+// kv_head, seq) attends PKV_METAL_ATTN_PARTITION tokens for the kv head's group of query
 // heads and writes the unnormalized partial output with its max and sum (the layout
 // hip/kvcache.hip's partitions write); pkv_paged_attention_reduce_thread combines
-// them. Within a partition each simdgroup takes every PKV_ATTN_SIMDGROUPS-th token,
+// them. Within a partition each simdgroup takes every PKV_METAL_ATTN_SIMDGROUPS-th token,
 // lanes splitting head_dim (HEAD_DIM / 32 consecutive dims each, so a row is one
 // contiguous load across the simdgroup), with an online softmax; the simdgroups meet
 // in threadgroup memory at the end.
@@ -59,9 +59,8 @@ inline void pkv_kv_q8_read_thread(const device uint8_t* pool, S slots, device Ou
 // params: [num_heads, kv_heads, block_size, table_width, max_partitions, scale as f32
 // bits]. KIND: 0 f16, 1 bf16, 2 q8.
 
-#define PKV_ATTN_PARTITION 256
-#define PKV_ATTN_SIMDGROUPS 4
-#define PKV_ATTN_THREADS (PKV_ATTN_SIMDGROUPS * PKV_SIMD)
+// Tokens per partition and simdgroups per threadgroup: pagedkv/launch.h.
+#define PKV_METAL_ATTN_THREADS (PKV_METAL_ATTN_SIMDGROUPS * PKV_SIMD)
 #define PKV_KV_F16 0
 #define PKV_KV_BF16 1
 #define PKV_KV_Q8 2
@@ -94,9 +93,9 @@ inline void pkv_paged_attention_thread(
   const int part = int(tg.x), kvh = int(tg.y), seq = int(tg.z);
   const int group = num_heads / kv_heads;
   const int seq_len = seq_lens[seq];
-  const int start = part * PKV_ATTN_PARTITION;
+  const int start = part * PKV_METAL_ATTN_PARTITION;
   if (start >= seq_len) return;  // the whole threadgroup: the reduce reads only live partitions
-  const int n_tok = min(PKV_ATTN_PARTITION, seq_len - start);
+  const int n_tok = min(PKV_METAL_ATTN_PARTITION, seq_len - start);
   const int64_t row_bytes = KIND == PKV_KV_Q8 ? int64_t(pkv_kvq8_row_bytes(HEAD_DIM)) : 2 * HEAD_DIM;
   const uint32_t d0 = lane * D;
 
@@ -113,7 +112,7 @@ inline void pkv_paged_attention_thread(
     for (int i = 0; i < D; ++i) acc[g][i] = 0.0f;
   }
   // t is uniform across the simdgroup, so every lane reaches simd_sum.
-  for (int t = int(simdgroup); t < n_tok; t += PKV_ATTN_SIMDGROUPS) {
+  for (int t = int(simdgroup); t < n_tok; t += PKV_METAL_ATTN_SIMDGROUPS) {
     const int pos = start + t;
     const int64_t block = block_tables[int64_t(seq) * table_width + pos / block_size];
     const int64_t row = (block * block_size + pos % block_size) * kv_heads + kvh;
@@ -142,10 +141,10 @@ inline void pkv_paged_attention_thread(
   float w[GMAX];
   for (int g = 0; g < GMAX; ++g) {
     float mm = sm_m[g];
-    for (int s = 1; s < PKV_ATTN_SIMDGROUPS; ++s) mm = max(mm, sm_m[s * GMAX + g]);
+    for (int s = 1; s < PKV_METAL_ATTN_SIMDGROUPS; ++s) mm = max(mm, sm_m[s * GMAX + g]);
     w[g] = exp(m[g] - mm);  // 0 for a simdgroup that saw no token (m: the lowest float)
   }
-  for (int s = 0; s < PKV_ATTN_SIMDGROUPS; ++s) {
+  for (int s = 0; s < PKV_METAL_ATTN_SIMDGROUPS; ++s) {
     if (int(simdgroup) == s) {
       for (int g = 0; g < GMAX; ++g)
         for (int i = 0; i < D; ++i) {
@@ -155,15 +154,16 @@ inline void pkv_paged_attention_thread(
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  for (int e = int(tid); e < group * HEAD_DIM; e += PKV_ATTN_THREADS) {
+  for (int e = int(tid); e < group * HEAD_DIM; e += PKV_METAL_ATTN_THREADS) {
     const int g = e / HEAD_DIM, d = e - g * HEAD_DIM;
     const int64_t hp = (int64_t(seq) * num_heads + kvh * group + g) * max_partitions + part;
     part_out[hp * HEAD_DIM + d] = sm_acc[e];
     if (d == 0) {
       float mm = sm_m[g];
-      for (int s = 1; s < PKV_ATTN_SIMDGROUPS; ++s) mm = max(mm, sm_m[s * GMAX + g]);
+      for (int s = 1; s < PKV_METAL_ATTN_SIMDGROUPS; ++s) mm = max(mm, sm_m[s * GMAX + g]);
       float ll = 0.0f;
-      for (int s = 0; s < PKV_ATTN_SIMDGROUPS; ++s) ll += exp(sm_m[s * GMAX + g] - mm) * sm_l[s * GMAX + g];
+      for (int s = 0; s < PKV_METAL_ATTN_SIMDGROUPS; ++s)
+        ll += exp(sm_m[s * GMAX + g] - mm) * sm_l[s * GMAX + g];
       part_max[hp] = mm;
       part_sum[hp] = ll;
     }
@@ -179,7 +179,7 @@ inline void pkv_paged_attention_reduce_thread(F part_out, F part_max, F part_sum
   const int num_heads = params[0], head_dim = params[1], max_partitions = params[2];
   const int d = int(pos.x), h = int(pos.y), seq = int(pos.z);
   if (d >= head_dim) return;
-  const int n_parts = (seq_lens[seq] + PKV_ATTN_PARTITION - 1) / PKV_ATTN_PARTITION;
+  const int n_parts = (seq_lens[seq] + PKV_METAL_ATTN_PARTITION - 1) / PKV_METAL_ATTN_PARTITION;
   const int64_t hp = (int64_t(seq) * num_heads + h) * max_partitions;
   float mm = PKV_LOWEST_FLOAT;
   for (int p = 0; p < n_parts; ++p) mm = max(mm, part_max[hp + p]);
@@ -251,8 +251,8 @@ inline void pkv_gather_blocks1_thread(S src, I src_ids, device uint8_t* out, P p
       device float* part_sum [[buffer(8)]], uint3 tg [[threadgroup_position_in_grid]],         \
       uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],     \
       uint tid [[thread_index_in_threadgroup]]) {                                              \
-    PKV_SHARED(float, sm_m, PKV_ATTN_SIMDGROUPS * GMAX);                                       \
-    PKV_SHARED(float, sm_l, PKV_ATTN_SIMDGROUPS * GMAX);                                       \
+    PKV_SHARED(float, sm_m, PKV_METAL_ATTN_SIMDGROUPS * GMAX);                                 \
+    PKV_SHARED(float, sm_l, PKV_METAL_ATTN_SIMDGROUPS * GMAX);                                 \
     PKV_SHARED(float, sm_acc, GMAX * HEAD_DIM);                                                \
     pkv_paged_attention_thread<KIND, GMAX, HEAD_DIM>(                                          \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, params, tg,   \

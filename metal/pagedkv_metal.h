@@ -14,11 +14,12 @@
 #include <metal_stdlib>
 #include <pagedkv/quant.h>
 #include <pagedkv/kvquant.h>
+#include <pagedkv/launch.h>
 
 using namespace metal;
 
 // Apple GPUs run simdgroups of 32 threads; the kernels' lane arithmetic assumes it.
-#define PKV_SIMD 32
+#define PKV_SIMD PKV_METAL_SIMD_WIDTH
 
 // Weight layouts the kernel templates take (FAMILY): quant.h's affine families,
 // and the Q8F16 blocks, which are not affine (signed codes, no offset).

@@ -84,14 +84,13 @@ inline void pkv_fwht256_thread(const device float* x, device float* y, P params,
 
 // ---------------------------------------------------------------------------
 // Fused dequant-GEMV: y[b, m] = sum_k W[m, k] x[b, k] for b < batch <= BMAX, K % G == 0.
-// A simdgroup owns PKV_GEMV_ROWS rows; its lanes take 16-weight spans of K in turn
+// A simdgroup owns PKV_METAL_GEMV_ROWS rows; its lanes take 16-weight spans of K in turn
 // (consecutive lanes, consecutive spans: a simdgroup's loads of codes and of x are
 // contiguous), each span's x serving all the rows. Within a span the affine map is one
 // (scale, offset): its dot product is scale * sum(q x) + offset * sum(x), sum(x) shared
 // by the rows. Lane sums meet in simd_sum. params: [M, K, batch].
 
-#define PKV_GEMV_ROWS 4
-#define PKV_GEMV_SIMDGROUPS 2  // per threadgroup: 64 threads, 8 rows
+// Rows per simdgroup and simdgroups per threadgroup (64 threads, 8 rows): pagedkv/launch.h.
 #define PKV_GEMV_SPAN 16
 
 template <int FAMILY, int BITS, int G, int BMAX, typename P>
@@ -99,11 +98,11 @@ inline void pkv_gemv_thread(const device uint8_t* w, const device float* x, devi
                             P params, uint32_t simdgroup, uint32_t lane) {
   using L = PkvWeightLayout<FAMILY, BITS, G>;
   const int M = params[0], K = params[1], batch = params[2];
-  const int row0 = int(simdgroup) * PKV_GEMV_ROWS;
+  const int row0 = int(simdgroup) * PKV_METAL_GEMV_ROWS;
   const int64_t row_bytes = int64_t(K / G) * L::BYTES;
   const int slices = K / PKV_GEMV_SPAN;
-  float acc[PKV_GEMV_ROWS][BMAX];
-  for (int r = 0; r < PKV_GEMV_ROWS; ++r)
+  float acc[PKV_METAL_GEMV_ROWS][BMAX];
+  for (int r = 0; r < PKV_METAL_GEMV_ROWS; ++r)
     for (int b = 0; b < BMAX; ++b) acc[r][b] = 0.0f;
   for (int s = int(lane); s < slices; s += PKV_SIMD) {
     const int k0 = s * PKV_GEMV_SPAN;
@@ -117,7 +116,7 @@ inline void pkv_gemv_thread(const device uint8_t* w, const device float* x, devi
         sx[b] += xv[b][i];
       }
     }
-    for (int r = 0; r < PKV_GEMV_ROWS; ++r) {
+    for (int r = 0; r < PKV_METAL_GEMV_ROWS; ++r) {
       const int row = min(row0 + r, M - 1);  // missing last rows re-read a real one, unstored
       float scale, offset, q[PKV_GEMV_SPAN];
       pkv_weight_span<FAMILY, BITS, G, PKV_GEMV_SPAN>(w + row * row_bytes + g * L::BYTES, e0,
@@ -129,7 +128,7 @@ inline void pkv_gemv_thread(const device uint8_t* w, const device float* x, devi
       }
     }
   }
-  for (int r = 0; r < PKV_GEMV_ROWS; ++r) {
+  for (int r = 0; r < PKV_METAL_GEMV_ROWS; ++r) {
     for (int b = 0; b < BMAX; ++b) {
       const float v = simd_sum(acc[r][b]);
       if (lane == 0 && b < batch && row0 + r < M) y[int64_t(b) * M + row0 + r] = v;
@@ -182,8 +181,8 @@ PKV_DEQUANT_ENTRY(q8f16, PKV_LAYOUT_Q8F16, 8, 32)
       const device int32_t* params [[buffer(2)]], device float* y [[buffer(3)]],               \
       uint3 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],   \
       uint lane [[thread_index_in_simdgroup]]) {                                               \
-    pkv_gemv_thread<FAMILY, BITS, G, BMAX>(w, x, y, params, tg.x * PKV_GEMV_SIMDGROUPS + sg,   \
-                                           lane);                                              \
+    pkv_gemv_thread<FAMILY, BITS, G, BMAX>(w, x, y, params,                                   \
+                                           tg.x * PKV_METAL_GEMV_SIMDGROUPS + sg, lane);       \
   }
 #define PKV_GEMV_ENTRIES(NAME, FAMILY, BITS, G) \
   PKV_GEMV_ENTRY(NAME, FAMILY, BITS, G, 1)      \

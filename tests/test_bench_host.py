@@ -79,7 +79,7 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
     stream = Stream(dev)
     tune.sweep_attn(dev, stream, 1e12, gpu, images, case=SMALL_CASE)
     tune.sweep_dequant(dev, stream, 1e12, gpu,
-                       [({"DEQUANT_THREADS": "64"}, read_object("weights", "hip", arch))],
+                       [({"PKV_DEQUANT_THREADS": "64"}, read_object("weights", "hip", arch))],
                        shape=(16, 256))
     tune.sweep_gemv(dev, stream, 1e12, gpu, [2, 4], shapes=((32, 512),))
     lines = capsys.readouterr().out.splitlines()

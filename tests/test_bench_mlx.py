@@ -38,6 +38,29 @@ def test_gemv_rows_have_mlx_quantized_matmul_next_to_them():
     for r in rows:
         assert r["speedup_vs_mlx"] == pytest.approx(r["mlx_qmm_4bit_us"] / r["us"])
         assert r["of_copy"] == pytest.approx(r["GB/s"] * 1e9 / 1e9)
+        assert 0 < r["host_us"] and 0 < r["mlx_qmm_host_us"]
+
+
+def test_host_time_times_building_the_calls_not_evaluating_them():
+    import time
+    built, evaluated = [], []
+
+    class FakeMx:
+        @staticmethod
+        def eval(outs):
+            evaluated.append(len(outs))
+            time.sleep(0.05)  # a slow device: not in the host time
+
+        @staticmethod
+        def synchronize():
+            pass
+
+    def call(i):
+        built.append(i)
+        return i
+
+    t = bench._host_time(FakeMx, call, 3)
+    assert t < 0.01 and built == [0, 1, 2] * bench.REPEATS and evaluated == [3] * bench.REPEATS
 
 
 def test_the_suite_is_registered():

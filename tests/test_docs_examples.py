@@ -2,12 +2,16 @@
 
 Each page's ```python blocks run in order in one namespace (a later block may continue an
 earlier one), in an empty working directory. ``>>>`` blocks run as doctests. A block preceded
-by ``<!-- docs-test: skip ... -->`` is a call sketch, not user code, and is left out.
+by ``<!-- docs-test: skip ... -->`` is a call sketch, not user code, and is left out; one
+preceded by ``<!-- docs-test: needs MODULE -->`` runs only where MODULE imports (an optional
+backend such as ``mlx.core``: the block runs where it is installed, and is left out, not
+failed, where it is not).
 """
 
 from __future__ import annotations
 
 import doctest
+import importlib.util
 import re
 from pathlib import Path
 
@@ -17,7 +21,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = ("allocator.md", "hashing.md", "pool.md", "adapter.md", "coordinator.md",
          "reference-model.md", "formats/hfqm.md")
 
-_BLOCK = re.compile(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", re.DOTALL)
+_BLOCK = re.compile(r"(?:<!-- docs-test: (?:(skip)|needs ([\w.]+))[^>]*-->\n)?```python\n(.*?)```",
+                    re.DOTALL)
 
 
 def _write_model_mq4() -> None:
@@ -38,15 +43,30 @@ def _write_model_mq4() -> None:
 PAGE_SETUP = {"formats/hfqm.md": _write_model_mq4}
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
 def python_blocks(text: str) -> list[str]:
-    """The runnable ```python blocks of a Markdown page, in order."""
-    return [m.group(2) for m in _BLOCK.finditer(text) if m.group(1) is None]
+    """The runnable ```python blocks of a Markdown page, in order (a ``needs`` block only
+    where its module imports)."""
+    return [m.group(3) for m in _BLOCK.finditer(text)
+            if m.group(1) is None and (m.group(2) is None or _importable(m.group(2)))]
 
 
 def test_block_extraction_honours_the_skip_marker():
     text = ("a\n```python\nx = 1\n```\n<!-- docs-test: skip (sketch) -->\n```python\n"
             "y = undefined\n```\n```text\nnot python\n```\n```python\nz = x\n```\n")
     assert python_blocks(text) == ["x = 1\n", "z = x\n"]
+
+
+def test_a_needs_block_runs_only_where_its_module_imports():
+    text = ("```python\nx = 1\n```\n<!-- docs-test: needs json -->\n```python\ny = 2\n```\n"
+            "<!-- docs-test: needs no_such_module_pagedkv.core -->\n```python\nz = 3\n```\n")
+    assert python_blocks(text) == ["x = 1\n", "y = 2\n"]
 
 
 @pytest.mark.skipif(not DOCS.is_dir(), reason="docs/ is not next to the tests")

@@ -35,7 +35,8 @@ def _weights_calls(run):
 def _kvcache_calls(run):
     q = mx.zeros((2, 8, 128))
     tables, lens = mx.zeros((2, 4), dtype=mx.int32), mx.array([10, 20], dtype=mx.int32)
-    for kv_dtype, pool_dtype, row in (("float16", mx.float16, 128), ("q8", mx.uint8, 136)):
+    for kv_dtype, pool_dtype, row in (("float16", mx.float16, 128), ("bfloat16", mx.bfloat16, 128),
+                                      ("q8", mx.uint8, 136)):
         pool = mx.zeros((8, 16, 2, row), dtype=pool_dtype)
         cuda.paged_attention(mx, q, pool, pool, tables, lens, kv_dtype=kv_dtype, scale=0.1,
                              max_seq_len=64, run=run)
@@ -117,15 +118,19 @@ def test_nvrtc_compiles_the_exact_mlx_source(source):
     assert ok, log[-4000:]
 
 
-def test_launch_geometry_mirrors_the_hip_launchers():
+def test_launch_geometry_is_the_hip_launchers_and_launch_h():
     from pagedkv.kernels import kvcache, weights
-    assert cuda.hip_constant("kvcache", "PKV_ATTN_THREADS") == kvcache.ATTN_THREADS
-    assert cuda.hip_constant("kvcache", "PKV_ATTN_PARTITION_F16") == \
-        kvcache.ATTN_PARTITION_TOKENS["float16"]
-    assert cuda.hip_constant("kvcache", "PKV_ATTN_PARTITION") == kvcache.ATTN_PARTITION_TOKENS["q8"]
-    assert cuda.hip_constant("weights", "GEMV_THREADS") == weights.GEMV_THREADS
-    assert cuda.hip_constant("weights", "DEQUANT_THREADS") == weights.DEQUANT_THREADS
-    assert cuda.hip_constant("weights", "DEQUANT_SPAN") == weights.DEQUANT_SPAN
+    from pagedkv.kernels.launch_constants import launch_constant
+    for kv_dtype, suffix in (("float16", "F16"), ("bfloat16", "BF16"), ("q8", "Q8")):
+        geo = cuda.attention_geometry(kv_dtype, 32, 8, 128)
+        partition = launch_constant(f"PKV_ATTN_PARTITION_{suffix}")
+        assert geo["partition"] == partition == kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+        assert geo["bounds"] == (launch_constant("PKV_ATTN_THREADS"),
+                                 launch_constant(f"PKV_ATTN_MIN_BLOCKS_{suffix}"))
+        assert geo["shared"] == 4 * max(partition * 4, 4 * 4 * 128)
+    assert weights.GEMV_THREADS == launch_constant("PKV_GEMV_THREADS")
+    assert weights.DEQUANT_THREADS == launch_constant("PKV_DEQUANT_THREADS")
+    assert weights.DEQUANT_SPAN == launch_constant("PKV_DEQUANT_SPAN")
     launches = record_launches(_kvcache_calls)
     attn = next(launch for launch in launches if "attention_f16" in launch.kernel.name)
     # 2 seqs, 2 KV heads, ceil(64 / 1024) partitions of 128 threads; 4 heads per KV head

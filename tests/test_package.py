@@ -66,6 +66,7 @@ def test_get_include_holds_the_public_headers():
     inc = Path(pagedkv.get_include())
     assert inc.name == "include"
     assert (inc / "pagedkv" / "portability.h").is_file()
+    assert (inc / "pagedkv" / "launch.h").is_file()  # the launchers read it at run time
 
 
 def test_show_config_prints_version_and_backends():

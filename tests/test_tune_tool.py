@@ -30,9 +30,9 @@ def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 @pytest.mark.parametrize(("source", "defines"), [
     ("kvcache", {"PKV_ATTN_PARTITION_F16": "512", "PKV_ATTN_MIN_BLOCKS_F16": "3",
-                 "PKV_ATTN_PARTITION": "1024", "PKV_ATTN_MIN_BLOCKS": "4",
+                 "PKV_ATTN_PARTITION_Q8": "1024", "PKV_ATTN_MIN_BLOCKS_Q8": "4",
                  "PKV_ATTN_UNROLL": "2"}),
-    ("weights", {"DEQUANT_THREADS": "128", "DEQUANT_SPAN": "32"}),
+    ("weights", {"PKV_DEQUANT_THREADS": "128", "PKV_DEQUANT_SPAN": "32"}),
 ])
 def test_every_documented_knob_builds(tune, tmp_path, source, defines):
     image = tune.build(source, defines, "sm_90", tmp_path)

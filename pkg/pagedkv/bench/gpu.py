@@ -250,11 +250,16 @@ def vllm_triton_attention_time(torch, case) -> float | None:
         q = torch.randn(S, H, D, device="cuda", dtype=torch.float16)
         o = torch.empty_like(q)
         lse = torch.empty(S, H, device="cuda", dtype=torch.float32)
+        # The KV scales as device tensors, as vLLM passes a layer's: left out, the function
+        # makes them with torch.tensor(1.0, device=...), a host-to-device copy that a CUDA
+        # graph capture refuses (the error of the first H200 run).
+        one = torch.ones((), device="cuda", dtype=torch.float32)
         best = None
         for splits in (8, 16, 32):
             logits = torch.empty(S, H, splits, D + 1, device="cuda", dtype=torch.float32)
             t = _torch_time(torch, partial(decode_attention_fwd, q, k, v, o, lse, table, lens,
-                                           logits, splits, D ** -0.5, page_size=P), 5)
+                                           logits, splits, D ** -0.5, page_size=P,
+                                           k_scale=one, v_scale=one), 5)
             best = t if best is None else min(best, t)
         return best
     except Exception as exc:  # noqa: BLE001 - an optional peer: say why and go on

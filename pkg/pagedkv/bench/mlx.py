@@ -7,7 +7,11 @@ attention, MLX's own ``mx.fast.scaled_dot_product_attention`` on a contiguous ca
 same shape; next to the 4-bit GEMV, ``mx.quantized_matmul`` (4 bits, group 64) on the same
 matrix. Weights rotate through copies totalling >= 256 MiB (4x the H200's L2) so a loop
 measures memory, not cache. Times are medians of several loops of calls evaluated
-together (MLX queues them asynchronously), host work included, as a model sees them.
+together (MLX queues them asynchronously), host work included, as a model sees them;
+``host_us`` (GEMV, dequantize) is the host's share alone: building the same calls without
+evaluating them (Python, argument checks, MLX graph construction), for ours and for
+``mx.quantized_matmul``. A row whose ``us`` is close to its ``host_us`` is bound by the
+host, not by the kernel.
 Targets (issue 14, on the H200 through MLX CUDA): attention within 1.1x of MLX's SDPA;
 4-bit GEMV faster than mx.quantized_matmul at batch 1 and 8.
 """
@@ -39,6 +43,20 @@ def _time(mx, fn, calls: int) -> float:
         mx.eval(outs)
         mx.synchronize()
         times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _host_time(mx, fn, calls: int) -> float:
+    """Median seconds per call spent on the host building ``fn(i)`` (Python, argument
+    checks, MLX graph construction), nothing evaluated while timed: next to :func:`_time`
+    it says whether a row is bound by the host or by the device."""
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        outs = [fn(i) for i in range(calls)]
+        times.append((time.perf_counter() - t0) / calls)
+        mx.eval(outs)
+    mx.synchronize()
     return statistics.median(times)
 
 
@@ -76,12 +94,15 @@ def bench_gemv(mx, K, rows, copy_bw, shapes, batches, gpu):
             packed = _copies(mx, partial(K.prepare_gemv, raw, fmt, M, N), raw.nbytes, gpu)
             for batch in batches:
                 x = mx.array(rng.standard_normal((batch, N)).astype(np.float32))
-                t = _time(mx, _cycling(partial(_gemv, K, x=x), packed), 4 * len(packed))
-                qmm = partial(_qmm, mx, x.astype(mx.float16))
-                t_ref = _time(mx, _cycling(qmm, refs), 4 * len(refs))
+                ours = _cycling(partial(_gemv, K, x=x), packed)
+                t = _time(mx, ours, 4 * len(packed))
+                qmm = _cycling(partial(_qmm, mx, x.astype(mx.float16)), refs)
+                t_ref = _time(mx, qmm, 4 * len(refs))
                 nbytes = raw.nbytes + 4 * batch * (M + N)
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{N}", t, nbytes, copy_bw,
-                     {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t})
+                     {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t,
+                      "host_us": _host_time(mx, ours, 4 * len(packed)) * 1e6,
+                      "mlx_qmm_host_us": _host_time(mx, qmm, 4 * len(refs)) * 1e6})
 
 
 def _gemv(K, weights, x):
@@ -104,7 +125,8 @@ def bench_dequant(mx, K, rows, copy_bw, shape, gpu):
             decode = partial(_dequant, K, fmt=fmt, shape=(M, N), dtype=dt)
             t = _time(mx, _cycling(decode, raws), 2 * len(raws))
             _row(rows, f"dequant {fmt}->{str(dt).rpartition('.')[2]}", f"{M}x{N}", t,
-                 raw.nbytes + size * M * N, copy_bw)
+                 raw.nbytes + size * M * N, copy_bw,
+                 {"host_us": _host_time(mx, _cycling(decode, raws), 2 * len(raws)) * 1e6})
 
 
 def _dequant(K, raw, *, fmt, shape, dtype):

@@ -17,12 +17,13 @@ from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
+from pagedkv.kernels.launch_constants import launch_constant
 
 __all__ = ["add_rmsnorm", "qkv_rope_split", "silu_mul"]
 
 SOURCE = "decode"
-NORM_THREADS = 256  # PKV_NORM_THREADS
-ELEMENTWISE_THREADS = 256
+NORM_THREADS = launch_constant("PKV_NORM_THREADS")
+ELEMENTWISE_THREADS = 256  # any block size: the elementwise kernels index by global thread
 
 
 def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...]) -> None:

@@ -16,6 +16,12 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.launch_constants import (
+    KV_SUFFIX,
+    attn_min_blocks,
+    attn_partition_tokens,
+    launch_constant,
+)
 
 __all__ = [
     "KV_DTYPES",
@@ -28,11 +34,26 @@ __all__ = [
 ]
 
 SOURCE = "kvcache"
-# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 for f16 and bf16, the
-# tensor-core settings; PKV_ATTN_PARTITION for q8).
-ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 1024, "q8": 512}
-ATTN_THREADS = 128  # PKV_ATTN_THREADS
+# Tokens per attention partition and __launch_bounds__ minimum blocks by KV dtype, and the
+# threads per block (pagedkv/launch.h). The ctypes and MLX CUDA launchers both read these
+# tables; hip/tune.py sets a swept variant's partition here.
+ATTN_PARTITION_TOKENS = {dt: attn_partition_tokens(dt) for dt in KV_SUFFIX}
+ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
+ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+
+
+def attention_group_slots(num_heads: int, kv_heads: int) -> int:
+    """The kernel variant's query heads per KV head (``_g<GMAX>``): the group rounded up
+    to a power of two."""
+    return 1 << (num_heads // kv_heads - 1).bit_length()
+
+
+def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size: int) -> int:
+    """Dynamic shared memory of one attention CTA, bytes: a partition's f32 scores for the
+    group (``scores[PARTITION][GMAX]``), reused later for the warps' partial outputs."""
+    n_warps = ATTN_THREADS // warp_size
+    return 4 * max(ATTN_PARTITION_TOKENS[kv_dtype] * gmax, n_warps * gmax * head_dim)
 
 
 def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
@@ -150,15 +171,14 @@ class PagedAttention:
         self.head_dim, self.block_size, self.kv_dtype = head_dim, block_size, kv_dtype
         self.scale = float(head_dim ** -0.5 if scale is None else scale)
         group = num_heads // kv_heads
-        self.gmax = 1 << (group - 1).bit_length()
+        self.gmax = attention_group_slots(num_heads, kv_heads)
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
         self.partition_tokens = ATTN_PARTITION_TOKENS[kv_dtype]
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
-        n_warps = ATTN_THREADS // device.properties.warp_size
-        self.shared_bytes = 4 * max(self.partition_tokens * self.gmax,
-                                    n_warps * self.gmax * head_dim)
+        self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
+                                                   warp_size=device.properties.warp_size)
         parts = (num_seqs, num_heads, self.max_partitions)
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)

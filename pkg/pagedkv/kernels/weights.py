@@ -17,17 +17,20 @@ from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
+from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 
 __all__ = ["WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256", "raw_nbytes"]
 
 SOURCE = "weights"
-GEMV_THREADS = 128
+# pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
+GEMV_THREADS = launch_constant("PKV_GEMV_THREADS")
 GEMV_BATCHES = (1, 2, 4, 8)
-DEQUANT_SPAN = 16  # weights decoded per thread (weights.hip)
-DEQUANT_THREADS = 64
-GEMV_MMA_ROWS = 16  # rows per block of the tensor-core GEMV (one m16 tile)
+DEQUANT_SPAN = launch_constant("PKV_DEQUANT_SPAN")  # weights decoded per thread
+DEQUANT_THREADS = launch_constant("PKV_DEQUANT_THREADS")
+GEMV_MMA_ROWS = launch_constant("PKV_GEMV_MMA_ROWS")  # rows per block (one m16 tile)
+GEMV_MMA_MAX_WARPS = launch_constant("PKV_GEMV_MMA_MAX_WARPS")
 GEMV_MMA_WARP_TARGET = 2048  # warps per launch it aims at (132 SMs x ~16), see _mma_warps
-GEMV_X_WORDS = 16  # prepared-x words per lane, group and n-tile
+GEMV_X_WORDS = launch_constant("PKV_GEMV_X_WORDS")  # prepared-x words per lane, group, n-tile
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 
 
@@ -177,7 +180,7 @@ class Gemv:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
             self._scratch = device.empty((batch, K), np.float32) if f.rotated else None
-            rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+            rows = gemv_rows_per_block(bmax)
             self._grid = (math.ceil(M / rows),)  # a block per `rows` rows; its threads split K
             self._block = (GEMV_THREADS,)
 

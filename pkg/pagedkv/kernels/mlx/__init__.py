@@ -53,19 +53,27 @@ HEAD_DIMS = (32, 64, 128, 256)
 _warned: set[str] = set()
 
 
+@functools.cache
 def _mx():
+    # cached: every call of every kernel asks (a from-import costs ~10 us each time); a
+    # missing MLX raises, which is not cached
     from pagedkv.pool.mlx_storage import load_mlx
     return load_mlx()
 
 
-def _gpu_backend(mx) -> str | None:
-    if mx.default_device().type != mx.gpu:
-        return None
+@functools.cache
+def _gpu_kind() -> str | None:
+    """The GPU backend this MLX build has (fixed for the process)."""
+    mx = _mx()
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
         return "cuda"
     return None
+
+
+def _gpu_backend(mx) -> str | None:
+    return _gpu_kind() if mx.default_device().type == mx.gpu else None
 
 
 def backend() -> str:
@@ -97,8 +105,13 @@ def _hip_sources_installed() -> bool:
 
 
 def _impl():
-    """(implementation module, runner) of the current backend."""
-    name = backend()
+    """(backend name, implementation module, runner) of the current backend."""
+    return _impl_of(backend())
+
+
+@functools.cache
+def _impl_of(name: str):
+    # cached: every kernel call asks, and the imports below cost microseconds each time
     if name == "metal":
         from pagedkv.kernels.mlx import metal
         from pagedkv.kernels.mlx.launch import run_metal

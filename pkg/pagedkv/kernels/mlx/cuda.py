@@ -8,9 +8,10 @@ Every hip/ kernel is then an inline device function with its original parameters
 each MLX body is one call of it, scalars read from an ``int64`` ``params`` input. The
 ``__launch_bounds__`` of the original kernel (which the tuning on the H200 chose)
 reach MLX's generated kernel through a declaration of it, with the bounds, ahead of
-MLX's definition. Launch geometry mirrors :mod:`pagedkv.kernels.kvcache` and
-:mod:`pagedkv.kernels.weights`; tuning constants are read from the hip/ text, so there
-is one value of each.
+MLX's definition. Launch geometry is :mod:`pagedkv.kernels.kvcache`'s and :mod:`pagedkv.kernels.weights`'s:
+threads, partitions, rows per block and ``__launch_bounds__`` come from
+``pagedkv/launch.h`` through those modules (:mod:`pagedkv.kernels.launch_constants`), the
+same header the kernel text includes, so there is one value of each.
 
 Formats the hip/ kernels do not decode (every P1 affine format but HFQ4G256, MQ4G256,
 MQ4G256V2 and HFQ6G256) dequantize with a one-weight-per-thread body on quant.h's
@@ -21,12 +22,11 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import numpy as np
 
 from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
-from pagedkv.kernels.mlx.sources import inline_includes, read_source, strip_comments
+from pagedkv.kernels.mlx.sources import inline_includes, strip_comments
 
 __all__ = [
     "copy_blocks",
@@ -34,7 +34,6 @@ __all__ = [
     "fwht256",
     "gather_blocks",
     "gemv",
-    "hip_constant",
     "kernel_source",
     "kv_q8_quantize",
     "kv_q8_read",
@@ -76,15 +75,8 @@ def _hip_text(source: str) -> str:
 
 
 @functools.cache
-def hip_constant(source: str, name: str) -> int:
-    """The default of a ``#define NAME <int>`` tuning constant of hip/<source>.hip."""
-    m = re.search(rf"^#define {name} (\d+)", read_source(f"hip/{source}.hip"), re.MULTILINE)
-    if m is None:
-        raise LookupError(f"hip/{source}.hip defines no integer {name}")
-    return int(m.group(1))
-
-
 def _dtype_name(dtype) -> str:
+    # str() of an mx.Dtype costs ~7 us (nanobind repr); launches name dtypes on every call
     return str(dtype).rpartition(".")[2]
 
 
@@ -135,49 +127,57 @@ def _io(*pairs) -> tuple[tuple[str, str], ...]:
     return tuple((n, _dtype_name(t)) for n, t in pairs)
 
 
-def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
-    """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
-    f16 = out_dtype == mx.float16
+@functools.lru_cache(maxsize=1024)
+def _dequant_plan(codec_name: str, numel: int, f16: bool):
+    """``(source, params, grid, threads)`` of one dequantize configuration, built once."""
+    import mlx.core as mx
+
+    from pagedkv.kernels import weights
+    from pagedkv.quant.formats import resolve
+    codec = resolve(codec_name)
     out_t = "(uint16_t*)out" if f16 else "out"
     kernel = HIP_WEIGHT_KERNELS.get(codec.name)
     io_in = _io(("raw", mx.uint8), ("params", mx.int64))
-    io_out = _io(("out", out_dtype))
+    io_out = _io(("out", mx.float16 if f16 else mx.float32))
     if kernel is not None:
-        span = hip_constant("weights", "DEQUANT_SPAN")
-        threads = hip_constant("weights", "DEQUANT_THREADS")
+        span, threads = weights.DEQUANT_SPAN, weights.DEQUANT_THREADS
         suffix = "f16" if f16 else "f32"
         src = kernel_source("weights", f"dequant_{kernel}_{suffix}", io_in, io_out,
                             f"pkv_dequant_{kernel}_{suffix}<>(raw, {out_t}, params[0]);",
                             (threads,))
         blocks = math.ceil(numel / (span * threads))
-    else:
-        # One kernel for every other format (the layout comes in params): NVRTC compiles it
-        # once per output dtype, not once per format.
-        threads = 256
-        value = "__float2half_rn(v)" if f16 else "v"
-        body = (
-            "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
-            "if (i >= params[0]) return;\n"
-            "const int family = (int)params[1];\n"
-            "const uint32_t bits = (uint32_t)params[2];\n"
-            "const int64_t G = params[3], B = params[4];\n"
-            "const int64_t g = i / G;\n"
-            "const uint32_t e = (uint32_t)(i - g * G);\n"
-            "const uint8_t* blk = raw + g * B;\n"
-            "float s, o;\n"
-            "pkv_affine_params(blk, family, e, &s, &o);\n"
-            "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
-            "* s + o;\n"
-            f"out[i] = {value};")
-        src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in,
-                            io_out, body, (threads,))
-        blocks = math.ceil(numel / threads)
-        return run(Launch(src, [raw, _params(mx, numel, int(codec.family), codec.bits,
-                                             codec.group_size, codec.group_bytes)],
-                          [(numel,)], [out_dtype], grid=(blocks * threads, 1, 1),
-                          threadgroup=(threads, 1, 1)))[0]
-    return run(Launch(src, [raw, _params(mx, numel)], [(numel,)], [out_dtype],
-                      grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1)))[0]
+        return src, _params(mx, numel), (blocks * threads, 1, 1), threads
+    # One kernel for every other format (the layout comes in params): NVRTC compiles it
+    # once per output dtype, not once per format.
+    threads = 256
+    value = "__float2half_rn(v)" if f16 else "v"
+    body = (
+        "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "if (i >= params[0]) return;\n"
+        "const int family = (int)params[1];\n"
+        "const uint32_t bits = (uint32_t)params[2];\n"
+        "const int64_t G = params[3], B = params[4];\n"
+        "const int64_t g = i / G;\n"
+        "const uint32_t e = (uint32_t)(i - g * G);\n"
+        "const uint8_t* blk = raw + g * B;\n"
+        "float s, o;\n"
+        "pkv_affine_params(blk, family, e, &s, &o);\n"
+        "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
+        "* s + o;\n"
+        f"out[i] = {value};")
+    src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in, io_out,
+                        body, (threads,))
+    assert codec.family is not None  # every P1 format without a hip/ kernel is affine
+    params = _params(mx, numel, int(codec.family), codec.bits, codec.group_size,
+                     codec.group_bytes)
+    return src, params, (math.ceil(numel / threads) * threads, 1, 1), threads
+
+
+def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
+    """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
+    src, params, grid, threads = _dequant_plan(codec.name, numel, out_dtype == mx.float16)
+    return run(Launch(src, [raw, params], [(numel,)], [out_dtype], grid=grid,
+                      threadgroup=(threads, 1, 1)))[0]
 
 
 def fwht256(mx, x, run: Runner):
@@ -190,26 +190,29 @@ def fwht256(mx, x, run: Runner):
                       grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1)))[0].reshape(x.shape)
 
 
-def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
-    """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
-    weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
-    from pagedkv.kernels.weights import GEMV_MMA_ROWS, GEMV_X_WORDS, _mma_warps
-    kernel = HIP_WEIGHT_KERNELS[codec.name]
-    batch = x.shape[0]
+@functools.lru_cache(maxsize=1024)
+def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_cores: bool):
+    """What every GEMV call of one configuration launches, built once: a decode loop then
+    spends per call only the ``Launch`` objects (sources, dtype names, grids and the
+    ``params`` arrays of a configuration do not change from call to call)."""
+    import mlx.core as mx
+
+    from pagedkv.kernels.launch_constants import gemv_rows_per_block
+    from pagedkv.kernels.weights import (
+        GEMV_MMA_MAX_WARPS,
+        GEMV_MMA_ROWS,
+        GEMV_THREADS,
+        GEMV_X_WORDS,
+        _mma_warps,
+    )
     if tensor_cores:
         groups = K // 256
         tiles = math.ceil(3 * batch / 8)
-        n_xq = groups * tiles * 32 * GEMV_X_WORDS
         prep = kernel_source(
             "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
             _io(("xq", mx.uint32), ("xs", mx.float32)),
             "pkv_gemv_prep_x<>(x, xq, (float4*)xs, (int)params[0], (int)params[1], "
             "(int)params[2], (int)params[3]);", None)
-        xq, xs = run(Launch(prep, [x, _params(mx, K, batch, tiles, int(codec.rotated))],
-                            [(n_xq,), (groups * batch * 4,)], [mx.uint32, mx.float32],
-                            grid=(256 * math.ceil(groups * batch / 8), 1, 1),
-                            threadgroup=(256, 1, 1)))
-        max_warps = hip_constant("weights", "GEMV_MMA_MAX_WARPS")
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
         mma = kernel_source(
@@ -217,22 +220,37 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
             _io(("w", mx.uint8), ("xq", mx.uint32), ("xs", mx.float32), ("params", mx.int64)),
             _io(("y", mx.float32)),
             f"pkv_gemv_mma_{kernel}_n{tiles}<>(w, xq, (const float4*)xs, y, (int)params[0], "
-            "(int)params[1], (int)params[2]);", (32 * max_warps,))
-        return run(Launch(mma, [w, xq, xs, _params(mx, M, K, batch)], [(batch, M)],
-                          [mx.float32], grid=(threads * row_tiles, 1, 1),
-                          threadgroup=(threads, 1, 1)))[0]
-    if codec.rotated:
-        x = fwht256(mx, x, run)
+            "(int)params[1], (int)params[2]);", (32 * GEMV_MMA_MAX_WARPS,))
+        return (prep, _params(mx, K, batch, tiles, int(rotated)),
+                [(groups * tiles * 32 * GEMV_X_WORDS,), (groups * batch * 4,)],
+                (256 * math.ceil(groups * batch / 8), 1, 1),
+                mma, _params(mx, M, K, batch), (threads * row_tiles, 1, 1), threads)
     bmax = next(b for b in (1, 2, 4, 8) if b >= batch)
-    threads = hip_constant("weights", "GEMV_THREADS")
-    rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+    threads, rows = GEMV_THREADS, gemv_rows_per_block(bmax)
     src = kernel_source(
         "weights", f"gemv_{kernel}_b{bmax}",
         _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)), _io(("y", mx.float32)),
         f"pkv_gemv_{kernel}_b{bmax}<>(w, x, y, (int)params[0], (int)params[1], "
         "(int)params[2]);", (threads,))
-    return run(Launch(src, [w, x, _params(mx, M, K, batch)], [(batch, M)], [mx.float32],
-                      grid=(threads * math.ceil(M / rows), 1, 1),
+    return src, _params(mx, M, K, batch), (threads * math.ceil(M / rows), 1, 1), threads
+
+
+def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
+    """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
+    weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
+    batch = x.shape[0]
+    rotated = codec.rotated
+    plan = _gemv_plan(HIP_WEIGHT_KERNELS[codec.name], rotated, M, K, batch, tensor_cores)
+    if tensor_cores:
+        prep, prep_params, prep_shapes, prep_grid, mma, params, grid, threads = plan
+        xq, xs = run(Launch(prep, [x, prep_params], prep_shapes, [mx.uint32, mx.float32],
+                            grid=prep_grid, threadgroup=(256, 1, 1)))
+        return run(Launch(mma, [w, xq, xs, params], [(batch, M)], [mx.float32], grid=grid,
+                          threadgroup=(threads, 1, 1)))[0]
+    if rotated:
+        x = fwht256(mx, x, run)
+    src, params, grid, threads = plan
+    return run(Launch(src, [w, x, params], [(batch, M)], [mx.float32], grid=grid,
                       threadgroup=(threads, 1, 1)))[0]
 
 
@@ -272,47 +290,43 @@ def kv_q8_read(mx, pool, slots, kv_heads: int, head_dim: int, out_dtype, run: Ru
 
 def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) -> dict:
     """Partition tokens, threads, ``__launch_bounds__`` and dynamic shared memory of the
-    hip/ attention kernel for one geometry (pagedkv.kernels.kvcache.PagedAttention's)."""
-    f16 = kv_dtype == "float16"
-    partition = hip_constant("kvcache", "PKV_ATTN_PARTITION_F16" if f16 else
-                             "PKV_ATTN_PARTITION")
-    threads = hip_constant("kvcache", "PKV_ATTN_THREADS")
-    min_blocks = hip_constant("kvcache", "PKV_ATTN_MIN_BLOCKS_F16" if f16 else
-                              "PKV_ATTN_MIN_BLOCKS")
-    group = heads // kv_heads
-    gmax = 1 << (group - 1).bit_length()
-    shared = 4 * max(partition * gmax, threads // 32 * gmax * head_dim)
-    return {"partition": partition, "threads": threads, "bounds": (threads, min_blocks),
+    hip/ attention kernel for one geometry: pagedkv.kernels.kvcache's tables, the ones
+    PagedAttention launches with (pagedkv/launch.h, per KV dtype by its own name)."""
+    from pagedkv.kernels import kvcache
+    partition = kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+    gmax = kvcache.attention_group_slots(heads, kv_heads)
+    shared = kvcache.attention_shared_bytes(kv_dtype, gmax, head_dim, warp_size=32)
+    return {"partition": partition, "threads": kvcache.ATTN_THREADS,
+            "bounds": (kvcache.ATTN_THREADS, kvcache.ATTN_MIN_BLOCKS[kv_dtype]),
             "gmax": gmax, "shared": shared}
 
 
-def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
-                    scale: float, max_seq_len: int, run: Runner):
-    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
-    seqs, heads, head_dim = q.shape
-    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+@functools.lru_cache(maxsize=1024)
+def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_heads: int,
+                    head_dim: int, block_size: int, table_width: int, max_seq_len: int,
+                    scale_bits: int):
+    """The partition and reduce launches of one attention configuration, built once (a
+    decode step launches the same configuration for every layer)."""
+    import mlx.core as mx
     geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
     parts = max(1, math.ceil(max_seq_len / geo["partition"]))
-    pool_dtype = k_pool.dtype
+    pool_t = getattr(mx, pool_dtype)
     name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
     src = kernel_source(
         "kvcache", name[4:] + f"_s{geo['shared']}",
-        _io(("q", mx.float32), ("k_pool", pool_dtype), ("v_pool", pool_dtype),
+        _io(("q", mx.float32), ("k_pool", pool_t), ("v_pool", pool_t),
             ("block_tables", mx.int32), ("seq_lens", mx.int32), ("params", mx.int64)),
         _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32)),
         f"{name}<>(q, (const uint8_t*)k_pool, (const uint8_t*)v_pool, block_tables, seq_lens, "
         "part_out, part_max, part_sum, __int_as_float((int)params[0]), (int)params[1], "
         "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6]);",
         geo["bounds"], geo["shared"])
-    scale_bits = int(np.float32(scale).view(np.int32))
     part_shape = (seqs, heads, parts)
     threads = geo["threads"]
-    part_out, part_max, part_sum = run(Launch(
-        src, [q, k_pool, v_pool, block_tables, seq_lens,
-              _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
-                      block_tables.shape[1], parts)],
-        [part_shape + (head_dim,), part_shape, part_shape], [mx.float32] * 3,
-        grid=(parts * threads, kv_heads, seqs), threadgroup=(threads, 1, 1)))
+    partition = (src, _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
+                              table_width, parts),
+                 [part_shape + (head_dim,), part_shape, part_shape],
+                 (parts * threads, kv_heads, seqs), threads)
     reduce = kernel_source(
         "kvcache", "paged_attention_reduce",
         _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32),
@@ -320,9 +334,25 @@ def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: 
         "pkv_paged_attention_reduce<>(part_out, part_max, part_sum, seq_lens, out, "
         "(int)params[0], (int)params[1], (int)params[2], (int)params[3]);", None)
     t = min(head_dim, 256)
-    return run(Launch(reduce, [part_out, part_max, part_sum, seq_lens,
-                               _params(mx, heads, head_dim, parts, geo["partition"])],
-                      [(seqs, heads, head_dim)], [mx.float32], grid=(heads * t, seqs, 1),
+    return partition, (reduce, _params(mx, heads, head_dim, parts, geo["partition"]),
+                       (heads * t, seqs, 1), t)
+
+
+def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
+                    scale: float, max_seq_len: int, run: Runner):
+    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
+    seqs, heads, head_dim = q.shape
+    partition, reduce = _attention_plan(
+        kv_dtype, _dtype_name(k_pool.dtype), seqs, heads, k_pool.shape[2], head_dim,
+        k_pool.shape[1], block_tables.shape[1], max_seq_len,
+        int(np.float32(scale).view(np.int32)))
+    src, params, part_shapes, grid, threads = partition
+    part_out, part_max, part_sum = run(Launch(
+        src, [q, k_pool, v_pool, block_tables, seq_lens, params], part_shapes,
+        [mx.float32] * 3, grid=grid, threadgroup=(threads, 1, 1)))
+    src, params, grid, t = reduce
+    return run(Launch(src, [part_out, part_max, part_sum, seq_lens, params],
+                      [(seqs, heads, head_dim)], [mx.float32], grid=grid,
                       threadgroup=(t, 1, 1)))[0]
 
 

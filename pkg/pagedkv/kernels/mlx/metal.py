@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from pagedkv.kernels.launch_constants import launch_constant
 from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
 from pagedkv.kernels.mlx.sources import inline_includes, strip_comments
 
@@ -32,10 +33,13 @@ __all__ = [
     "paged_attention",
 ]
 
-ATTN_PARTITION_TOKENS = 256  # PKV_ATTN_PARTITION in kvcache.metal
-ATTN_THREADS = 128  # PKV_ATTN_THREADS
-GEMV_ROWS_PER_THREADGROUP = 8  # PKV_GEMV_ROWS * PKV_GEMV_SIMDGROUPS
-GEMV_THREADS = 64
+# pagedkv/launch.h (docs/kernels.md, "Launch constants").
+SIMD_WIDTH = launch_constant("PKV_METAL_SIMD_WIDTH")
+ATTN_PARTITION_TOKENS = launch_constant("PKV_METAL_ATTN_PARTITION")
+ATTN_THREADS = launch_constant("PKV_METAL_ATTN_SIMDGROUPS") * SIMD_WIDTH
+GEMV_SIMDGROUPS = launch_constant("PKV_METAL_GEMV_SIMDGROUPS")
+GEMV_ROWS_PER_THREADGROUP = launch_constant("PKV_METAL_GEMV_ROWS") * GEMV_SIMDGROUPS
+GEMV_THREADS = GEMV_SIMDGROUPS * SIMD_WIDTH
 LAYOUT_Q8F16 = 4  # PKV_LAYOUT_Q8F16 in pagedkv_metal.h
 KV_KIND = {"float16": 0, "bfloat16": 1, "q8": 2}
 
@@ -63,7 +67,7 @@ def _kernels() -> dict[str, KernelSource]:
                         "thread_index_in_simdgroup);", cooperative=True),
         "gemv": _kernel(w, "gemv", ("w", "x", "params"), ("y",),
                         "pkv_gemv_thread<FAMILY, BITS, G, BMAX>(w, x, y, params, "
-                        "threadgroup_position_in_grid.x * PKV_GEMV_SIMDGROUPS + "
+                        "threadgroup_position_in_grid.x * PKV_METAL_GEMV_SIMDGROUPS + "
                         "simdgroup_index_in_threadgroup, thread_index_in_simdgroup);",
                         cooperative=True),
         "q8_quantize": _kernel(kv, "kv_q8_quantize", ("src", "params"), ("out",),
@@ -77,8 +81,8 @@ def _kernels() -> dict[str, KernelSource]:
             kv, "paged_attention",
             ("q", "k_pool", "v_pool", "block_tables", "seq_lens", "params"),
             ("part_out", "part_max", "part_sum"),
-            "PKV_SHARED(float, sm_m, PKV_ATTN_SIMDGROUPS * GMAX);\n"
-            "PKV_SHARED(float, sm_l, PKV_ATTN_SIMDGROUPS * GMAX);\n"
+            "PKV_SHARED(float, sm_m, PKV_METAL_ATTN_SIMDGROUPS * GMAX);\n"
+            "PKV_SHARED(float, sm_l, PKV_METAL_ATTN_SIMDGROUPS * GMAX);\n"
             "PKV_SHARED(float, sm_acc, GMAX * HEAD_DIM);\n"
             "pkv_paged_attention_thread<KIND, GMAX, HEAD_DIM>(q, k_pool, v_pool, block_tables, "
             "seq_lens, part_out, part_max, part_sum, params, threadgroup_position_in_grid, "

@@ -1,0 +1,109 @@
+/* Launch constants of the hip/ and metal/ kernels: the one definition of every number that
+ * a kernel and its launchers must agree on (threads per block, tokens per attention
+ * partition, rows per block, __launch_bounds__ minimum blocks).
+ *
+ * Read by the kernels (the hip/ sources and metal/pagedkv_metal.h include this header) and
+ * by every launcher: pagedkv.kernels.launch_constants parses the `#define PKV_<NAME> <int>`
+ * lines below for the ctypes launchers (pagedkv.kernels.kvcache, .weights, .decode), the
+ * MLX CUDA launcher (pagedkv.kernels.mlx.cuda) and the Metal one (.mlx.metal), and
+ * tests/test_launch_constants.py fails if a launcher's value differs or a kernel source
+ * defines one of these names itself. Keep each value a plain decimal integer on its own
+ * `#define` line (the parser reads no expressions).
+ *
+ * Every value is overridable with -D for tuning sweeps (hip/tune.py), which also sets
+ * the launchers' Python mirrors of the swept value. The defaults are the best of the
+ * H200 sweeps (docs/performance.md).
+ */
+#ifndef PAGEDKV_LAUNCH_H
+#define PAGEDKV_LAUNCH_H
+
+/* --- paged-attention decode (hip/kvcache.hip) ---------------------------------------
+ * Tokens per partition (one CTA per partition, kv head and sequence; the scores of a
+ * partition live in shared memory) and minimum CTAs per SM, per KV dtype: f16 and bf16
+ * run the tensor-core passes on sm_80+, q8 the CUDA-core ones. A launcher sizes the
+ * partition count, the reduce and the dynamic shared memory from these. */
+#ifndef PKV_ATTN_PARTITION_F16
+#define PKV_ATTN_PARTITION_F16 1024
+#endif
+#ifndef PKV_ATTN_PARTITION_BF16
+#define PKV_ATTN_PARTITION_BF16 1024
+#endif
+#ifndef PKV_ATTN_PARTITION_Q8
+#define PKV_ATTN_PARTITION_Q8 512
+#endif
+#ifndef PKV_ATTN_MIN_BLOCKS_F16
+#define PKV_ATTN_MIN_BLOCKS_F16 4
+#endif
+#ifndef PKV_ATTN_MIN_BLOCKS_BF16
+#define PKV_ATTN_MIN_BLOCKS_BF16 4
+#endif
+#ifndef PKV_ATTN_MIN_BLOCKS_Q8
+#define PKV_ATTN_MIN_BLOCKS_Q8 6
+#endif
+#ifndef PKV_ATTN_THREADS
+#define PKV_ATTN_THREADS 128
+#endif
+
+/* --- weights (hip/weights.hip) ------------------------------------------------------ */
+/* Dequantize: weights decoded per thread, threads per block (64 was the fastest of
+ * 64/128/256 for every format and output on the H200). */
+#ifndef PKV_DEQUANT_SPAN
+#define PKV_DEQUANT_SPAN 16
+#endif
+#ifndef PKV_DEQUANT_THREADS
+#define PKV_DEQUANT_THREADS 64
+#endif
+/* CUDA-core GEMV: threads per block; rows per block at batch 1-2 (8 rows share each x
+ * span) and at batch 3-8 (4: x and the per-row sums already fill the registers). */
+#ifndef PKV_GEMV_THREADS
+#define PKV_GEMV_THREADS 128
+#endif
+#ifndef PKV_GEMV_ROWS_B2
+#define PKV_GEMV_ROWS_B2 8
+#endif
+#ifndef PKV_GEMV_ROWS_B8
+#define PKV_GEMV_ROWS_B8 4
+#endif
+/* Tensor-core GEMV: rows per block (one m16 tile), most warps per block (they split the
+ * tile's groups), most n-tiles of 8 B columns (3 byte planes per batch row: batch <= 8),
+ * prepared-x words per lane, group and n-tile (8 mmas x (b0, b1)). */
+#ifndef PKV_GEMV_MMA_ROWS
+#define PKV_GEMV_MMA_ROWS 16
+#endif
+#ifndef PKV_GEMV_MMA_MAX_WARPS
+#define PKV_GEMV_MMA_MAX_WARPS 8
+#endif
+#ifndef PKV_GEMV_MMA_MAX_TILES
+#define PKV_GEMV_MMA_MAX_TILES 3
+#endif
+#ifndef PKV_GEMV_X_WORDS
+#define PKV_GEMV_X_WORDS 16
+#endif
+
+/* --- decode-step glue (hip/decode.hip) ---------------------------------------------- */
+/* RMSNorm: threads per block (one block per row). */
+#ifndef PKV_NORM_THREADS
+#define PKV_NORM_THREADS 256
+#endif
+
+/* --- Metal (the metal/ sources through MLX, pagedkv.kernels.mlx.metal) ----------------------
+ * Apple GPUs' simdgroup width (the kernels' lane arithmetic assumes it); paged attention:
+ * tokens per partition and simdgroups per threadgroup; GEMV: rows per simdgroup and
+ * simdgroups per threadgroup. */
+#ifndef PKV_METAL_SIMD_WIDTH
+#define PKV_METAL_SIMD_WIDTH 32
+#endif
+#ifndef PKV_METAL_ATTN_PARTITION
+#define PKV_METAL_ATTN_PARTITION 256
+#endif
+#ifndef PKV_METAL_ATTN_SIMDGROUPS
+#define PKV_METAL_ATTN_SIMDGROUPS 4
+#endif
+#ifndef PKV_METAL_GEMV_ROWS
+#define PKV_METAL_GEMV_ROWS 4
+#endif
+#ifndef PKV_METAL_GEMV_SIMDGROUPS
+#define PKV_METAL_GEMV_SIMDGROUPS 2
+#endif
+
+#endif /* PAGEDKV_LAUNCH_H */

@@ -1,0 +1,125 @@
+"""hip/device_check.sh's one time budget, run here with stub commands instead of a GPU:
+phases run in order, a phase over its own limit is cut and says so, a phase the budget no
+longer fits is skipped and says so, and the MLX wheel's pieces carried by two calls are
+stashed, joined and installed (docs/development.md, "GPU tests")."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "hip" / "device_check.sh"
+
+pytestmark = [
+    pytest.mark.skipif(not SCRIPT.is_file(), reason="hip/ is not next to the tests"),
+    pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("bash") is None,
+                       reason="needs bash and coreutils timeout"),
+]
+
+# python3 stub: logs its arguments; the wheel build leaves a wheel; the decode bench sleeps
+# DECODE_SLEEP seconds (to be cut); pytest prints a summary.
+PYTHON3 = """#!/bin/bash
+echo "python3 $*" >>"$CALLS"
+case "$*" in
+  *"pip wheel"*) mkdir -p "$WORK/w" && touch "$WORK/w/pagedkv-0-py3-none-any.whl" ;;
+  *"pagedkv.bench decode"*) sleep "${DECODE_SLEEP:-0}" ;;
+  *"-m pytest"*) echo "1 passed in 0.01s" ;;
+esac
+exit 0
+"""
+LOGGING_STUB = """#!/bin/bash
+echo "$(basename "$0") $*" >>"$CALLS"
+exit 0
+"""
+
+
+def _run(tmp_path: Path, **env: str) -> tuple[list[str], list[str], str]:
+    """(phases.txt lines, logged stub calls, stdout) of one run of the script."""
+    bin_dir, tree, out, work = (tmp_path / n for n in ("bin", "tree", "out", "work"))
+    for d in (bin_dir, tree / "tests", tree / ".whl", out, work):
+        d.mkdir(parents=True, exist_ok=True)
+    (tree / ".whl" / "meson_python-0-py3-none-any.whl").touch()
+    for name, text in (("python3", PYTHON3), ("nvidia-smi", LOGGING_STUB),
+                       ("compute-sanitizer", LOGGING_STUB)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls.log"
+    calls.touch()
+    full_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path),
+                "OUT": str(out), "WORK": str(work), "MLX_STASH": str(tmp_path / "stash"),
+                "CALLS": str(calls), "MIN_PHASE_S": "1", **env}
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=tree, env=full_env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return (out / "phases.txt").read_text().splitlines(), calls.read_text().splitlines(), \
+        proc.stdout
+
+
+def _names(phases: list[str]) -> list[str]:
+    return [line.split(":")[0].removeprefix("phase ") for line in phases]
+
+
+def test_every_phase_runs_in_order_and_a_phase_over_its_limit_is_cut(tmp_path):
+    phases, calls, _ = _run(tmp_path, SANITIZE="1", DECODE_TIMEOUT="2", DECODE_SLEEP="30",
+                            BUDGET_S="100")
+    assert _names(phases) == ["build", "ctypes-tests", "decode-bench", "kernel-bench",
+                              "sanitizer-probe", "memcheck", "racecheck"]
+    decode = phases[2]
+    assert "rc 124" in decode and "CUT by its time limit" in decode and "(limit 2 s)" in decode
+    assert all("rc 0" in line for i, line in enumerate(phases) if i not in (0, 2)), phases
+    assert any("pagedkv.bench gpu --json" in c for c in calls)
+    assert sum("--tool memcheck" in c for c in calls) == 3  # probe --plant, --clean, the tests
+
+
+def test_phases_the_budget_no_longer_fits_are_skipped(tmp_path):
+    phases, calls, out = _run(tmp_path, SANITIZE="1", TESTS="0", DECODE_TIMEOUT="100",
+                              DECODE_SLEEP="60", BUDGET_S="12", MIN_PHASE_S="5")
+    assert _names(phases) == ["build", "decode-bench", "kernel-bench", "sanitizer-probe",
+                              "memcheck", "racecheck"]
+    assert "CUT by its time limit" in phases[1]  # cut by what was left, not by its 100 s
+    assert all("skipped" in line for line in phases[2:]), phases
+    assert not any("pagedkv.bench gpu" in c or "compute-sanitizer" in c for c in calls)
+    assert "of a 12 s budget" in out
+
+
+def test_the_fuzz_campaign_runs_beside_the_phases_and_ends_inside_the_budget(tmp_path):
+    (tmp_path / "tree" / ".atheris").mkdir(parents=True)
+    (tmp_path / "tree" / ".atheris" / "atheris-0-cp312-cp312-linux_x86_64.whl").touch()
+    phases, calls, _ = _run(tmp_path, FUZZ="1", FUZZ_WORKERS="3", FUZZ_TARGETS="cold_index",
+                            BENCH="0", BUDGET_S="100")
+    assert _names(phases) == ["build", "ctypes-tests", "fuzz"]
+    assert "rc 0" in phases[-1]
+    campaign = [c for c in calls if "tests/fuzz/campaign.py" in c]
+    assert len(campaign) == 1 and "--workers 3" in campaign[0] and "cold_index" in campaign[0]
+    seconds = int(campaign[0].split("--seconds ")[1].split()[0])
+    assert 0 < seconds <= 100 - 40  # cut from its 420 s default to what the budget leaves
+    assert any("fuzzsite" in c and "atheris" in c for c in calls)
+
+
+def test_the_mlx_wheel_pieces_of_two_calls_are_joined_and_installed(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / ".mlx1").mkdir(parents=True)
+    (tree / ".mlx1" / "mlx-0.32.4-cp312-cp312-manylinux_2_35_x86_64.whl").write_bytes(b"m")
+    (tree / ".mlx1" / "part.aa").write_bytes(b"first half ")
+    # call 1 carries .mlx1 and runs no MLX phase: the pieces wait in the stash
+    phases, calls, _ = _run(tmp_path, MLX="1", BENCH="0")
+    assert _names(phases) == ["build", "ctypes-tests"]
+    assert not any("mlxsite" in c for c in calls)
+    stash = tmp_path / "stash"
+    assert sorted(p.name for p in stash.iterdir()) == [
+        "mlx-0.32.4-cp312-cp312-manylinux_2_35_x86_64.whl", "part.aa"]
+    # call 2 carries .mlx2 only (the machine kept the stash)
+    shutil.rmtree(tree / ".mlx1")
+    (tree / ".mlx2").mkdir()
+    (tree / ".mlx2" / "part.ab").write_bytes(b"second half")
+    phases, calls, _ = _run(tmp_path, MLX="1", MLX_ONLY="1")
+    assert _names(phases) == ["build", "mlx-tests", "mlx-bench"]
+    joined = stash / "mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl"
+    assert joined.read_bytes() == b"first half second half"
+    install = [c for c in calls if "mlxsite" in c and "pip install" in c]
+    assert len(install) == 1 and str(joined) in install[0]
