@@ -153,10 +153,12 @@ class RedisColdStore:
         try:
             # One immediate retry: a pooled connection the server dropped (a restart)
             # reconnects; a server that is down costs one refused connect, not a backoff.
+            # 1 MiB reads: a restore window is tens of MiB of replies.
             client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                           socket_connect_timeout=timeout_s,
                                           health_check_interval=0,
-                                          retry=Retry(NoBackoff(), 1))
+                                          retry=Retry(NoBackoff(), 1),
+                                          socket_read_size=1 << 20)
         except ValueError as exc:
             raise InvalidArgument(f"cold backend {shown!r}: {exc}") from None
         try:
