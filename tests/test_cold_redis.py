@@ -416,3 +416,50 @@ def test_shared_tier_uses_the_backend_env(redis_server, tmp_path, monkeypatch):
     finally:
         fallback.close()
         _shared_tiers.clear()
+
+
+# --- sidecars -------------------------------------------------------------------------------
+
+def test_sidecar_on_redis_round_trips_and_a_truncated_one_is_corrupt(redis_server, tmp_path):
+    from pagedkv.cold import DEFAULT_FORMAT, ColdSidecarLayout, sidecar_key
+    from pagedkv.cold.writer import SidecarJob
+    lay = ColdSidecarLayout(group=ColdGroup.GDN_STATE, boundary_tokens=16, num_layers=3,
+                            tensors_per_layer=1, dtype="bfloat16", dims=(3, 8, 2, 4, 4),
+                            bytes_per_tensor=2 * (3 * 8 + 2 * 4 * 4))
+    payload = np.random.default_rng(0).integers(
+        0, 256, (lay.tensor_count, lay.bytes_per_tensor), dtype=np.uint8)
+    key = sidecar_key(DEFAULT_FORMAT, ColdGroup.GDN_STATE, FP, _tokens(4), 4, 16)
+    tier = ColdTier.open_remote(redis_server.url, fingerprint=FP)
+    assert tier.enqueue(SidecarJob(key, FP.hex(), lay, payload)) and tier.drain(5.0)
+    rkey = PREFIX + object_name(key, ColdGroup.GDN_STATE)
+    client = redis_server.client()
+    assert client.exists(rkey) == 1
+    # A second replica (two levels) loads it from the fleet and fills its own disk.
+    other = ColdTier.open_at(tmp_path / "b", quota_bytes=1 << 30, reserve_bytes=0,
+                             fingerprint=FP, remote=redis_server.url)
+    got = other.load_sidecar(key, lay)
+    assert got is not None and np.array_equal(got, payload) and other.drain(5.0)
+    local = tmp_path / "b" / object_name(key, ColdGroup.GDN_STATE)
+    assert local.read_bytes() == client.get(rkey)
+    other.close()
+    assert tier.load_sidecar(key, ColdSidecarLayout(
+        group=ColdGroup.GDN_STATE, boundary_tokens=32, num_layers=3, tensors_per_layer=1,
+        dtype="bfloat16", dims=(3, 8, 2, 4, 4), bytes_per_tensor=lay.bytes_per_tensor)) is None
+    s = tier.stats()
+    assert (s.misses, s.corruptions, s.hits) == (1, 0, 0)  # another layout: a plain miss
+    client.set(rkey, client.get(rkey)[:-7])
+    assert tier.load_sidecar(key, lay) is None
+    s = tier.stats()
+    assert (s.misses, s.corruptions) == (2, 1) and client.exists(rkey) == 0
+    tier.close()
+
+
+def test_missing_redis_server_skips_here_and_fails_under_ci(monkeypatch):
+    import redis_support
+    monkeypatch.setattr(redis_support, "REDIS_SERVER", None)
+    monkeypatch.delenv("PAGEDKV_EXPECT_REDIS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="redis-server is not installed"):
+        redis_support.require_redis()
+    monkeypatch.setenv("PAGEDKV_EXPECT_REDIS", "1")
+    with pytest.raises(pytest.fail.Exception, match="PAGEDKV_EXPECT_REDIS=1 but redis-server"):
+        redis_support.require_redis()
