@@ -93,8 +93,10 @@ def redacted_url(url: str) -> str:
 
 
 def _client_errors():
+    """What a round trip may raise when the server is gone, loading its AOF after a restart,
+    read-only, or otherwise unable to answer: a miss or a write error, never raised."""
     import redis
-    return redis.exceptions.ConnectionError, redis.exceptions.TimeoutError
+    return redis.exceptions.RedisError, OSError
 
 
 class RedisColdStore:
