@@ -5,8 +5,9 @@ queue, computes its payload checksum (unless capture did) and encodes its header
 ``pagedkv-cold-writer`` runs the atomic write protocol. SHA-256 of a 200 KB block is too
 large a share of a ~0.5 ms fsync floor to sit in series with the write, and too large for
 the inference thread's capture budget, so it runs one object ahead of the write (hashlib
-and the file syscalls release the GIL). The hand-off between the stages holds one object:
-memory stays bounded by ``depth + 2`` objects. Commit order, the protocol and the counters
+and the file syscalls release the GIL). The hand-off between the stages holds one object
+(a batch of ``store.batch_objects`` for a store that commits several per round trip, e.g.
+Redis): memory stays bounded by ``depth + batch + 1`` objects. Commit order, the protocol and the counters
 are those of a single writer. Nothing here raises into inference except
 :class:`ColdTierClosed` for a job offered after ``close()``.
 """
