@@ -157,10 +157,12 @@ def persist_prompt(tier, tokens, *, pool=None, alloc=None, cache_salt=0, seed=0)
 # --- the reference transformer over the real allocator, pool and adapter ----------------
 
 def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 8,
-                      block_size: int = 4, num_blocks: int = 256) -> dict:
+                      block_size: int = 4, num_blocks: int = 256, remote: str | None = None
+                      ) -> dict:
     """One request of the reference model through a fresh adapter (a fresh process in the
-    restart tests). ``persist`` attaches a cold tier at ``root``. Returns what the parity
-    gate compares: generated tokens, a digest of the logits, cached tokens and counters."""
+    restart tests). ``persist`` attaches a cold tier at ``root`` (``None``: on ``remote``
+    alone; else with ``remote`` behind it). Returns what the parity gate compares: generated
+    tokens, a digest of the logits, cached tokens and counters."""
     from pagedkv.adapter import PagedKVCacheAdapter
     from pagedkv.allocator import BlockAllocator
     from pagedkv.cold import DEFAULT_FORMAT, family_profile, model_fingerprint, resolve_persist
@@ -177,8 +179,11 @@ def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 
     if persist and resolve_persist(profile, config_value=True):
         fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry,
                                compute=model.compute_identity)
-        tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
-                                fingerprint=fp)
+        if root is None:
+            tier = ColdTier.open_remote(remote, fingerprint=fp)
+        else:
+            tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
+                                    fingerprint=fp, remote=remote)
     adapter = PagedKVCacheAdapter(alloc, pool, cold=tier)
     prompt = np.asarray(prompt, np.int64)
     adapter.reset_for_new_request(0)

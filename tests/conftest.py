@@ -19,8 +19,9 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 import pytest
 
-# The GPU `device` fixture (skipped without a GPU), for every test module.
-pytest_plugins = ["kernels_support"]
+# The GPU `device` fixture (skipped without a GPU), and the cold tier's `redis_server` (a
+# real redis-server per test, tests/redis_support.py), for every test module.
+pytest_plugins = ["kernels_support", "redis_support"]
 
 
 @pytest.fixture(autouse=True)

@@ -45,6 +45,9 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "GroupManagerMismatch",
     "StaleBlockTable",
     "ColdTierClosed",
+    "ColdBackendError",
+    "ColdBackendAuthError",
+    "ColdBackendTLSError",
     "RequestClosed",
     "UnsupportedModel",
     "NoDeviceError",
@@ -190,6 +193,22 @@ class StaleBlockTable(PagedKVError):
 
 class ColdTierClosed(PagedKVError):
     """A job was offered to a stopped cold writer."""
+
+
+class ColdBackendError(PagedKVError):
+    """The cold tier's remote backend (Redis/Valkey) cannot be opened: unreachable, the
+    ``redis`` client missing (``pip install pagedkv[redis]``), or a refusal named by a
+    subclass. Raised at open only; once open, a remote failure is a counted miss or write
+    error, never an exception in inference."""
+
+
+class ColdBackendAuthError(ColdBackendError):
+    """The Redis/Valkey server refused the credentials (wrong or missing password/user)."""
+
+
+class ColdBackendTLSError(ColdBackendError):
+    """TLS does not match between the URL and the server: ``rediss://`` to a plain server,
+    ``redis://`` to a TLS-only one, or a certificate the client does not trust."""
 
 
 class RequestClosed(PagedKVError):

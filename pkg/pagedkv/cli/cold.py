@@ -1,7 +1,9 @@
 """``pagedkv cold``: inspect, verify and trim a cold-tier root (cold-tier.md §9–10).
 
 ``[BASE]`` is a base directory like ``PAGEDKV_COLD_CACHE_DIR``: the tier is
-``<BASE>/pagedkv-v1`` (default base: ``PAGEDKV_COLD_CACHE_DIR`` or ``~/.pagedkv/cache``).
+``<BASE>/pagedkv-v1`` (default base: ``PAGEDKV_COLD_CACHE_DIR`` or ``~/.pagedkv/cache``), or a
+fleet's Redis/Valkey URL (``redis://host:port/db``; without BASE, ``PAGEDKV_COLD_BACKEND``
+when it names one).
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cold", help="inspect, verify and trim the cold-tier cache on disk")
     cold = p.add_subparsers(dest="cold_command", metavar="ACTION", required=True)
     base_help = "base directory; the tier is BASE/pagedkv-v1 (default: $PAGEDKV_COLD_CACHE_DIR " \
-                "or ~/.pagedkv/cache)"
+                "or ~/.pagedkv/cache); or a redis://host:port/db URL (default when set: " \
+                "$PAGEDKV_COLD_BACKEND)"
     s = cold.add_parser("stats", help="objects, bytes per group, quota and reserve")
     s.add_argument("base", nargs="?", metavar="BASE", help=base_help)
     s.set_defaults(func=run_stats)
     v = cold.add_parser("verify", help="re-decode every object; exit 1 if any is bad")
     v.add_argument("base", nargs="?", metavar="BASE", help=base_help)
     v.add_argument("--prune", action="store_true",
-                   help="rename each bad object to .blocked.<name>.<pid>.<ns> (quarantine)")
+                   help="rename each bad object to .blocked.<name>.<pid>.<ns> (quarantine); "
+                        "on Redis, delete it")
     v.set_defaults(func=run_verify)
     e = cold.add_parser("evict", help="delete quarantine, then evict least-recently-read "
                                       "objects until the tier holds at most SIZE")
@@ -61,10 +65,18 @@ def _missing_tier(base: str, child: str) -> str | None:
 
 
 def _open(args, *, quarantine_unowned: bool = False):
-    from pagedkv.cold.knobs import cold_cache_base
+    from pagedkv.cold.knobs import cold_backend_url, cold_cache_base
     from pagedkv.cold.offline import open_offline_store
+    from pagedkv.cold.redis_store import RedisColdStore, is_redis_url
     from pagedkv.cold.root import MANAGED_CHILD
     from pagedkv.errors import PagedKVError
+    url = args.base if is_redis_url(args.base) else (None if args.base else cold_backend_url())
+    if url is not None:
+        try:
+            return RedisColdStore.open(url)
+        except PagedKVError as exc:
+            print(f"pagedkv cold: {exc}", file=sys.stderr)
+            return None
     base = args.base if args.base else cold_cache_base()
     problem = _missing_tier(base, MANAGED_CHILD)
     if problem is not None:
@@ -82,22 +94,35 @@ def _mib(n: int) -> str:
     return f"{n} B ({n / 2**20:.2f} MiB)"
 
 
+def _is_remote(store) -> bool:
+    from pagedkv.cold.redis_store import RedisColdStore
+    return isinstance(store, RedisColdStore)
+
+
 def run_stats(args: argparse.Namespace) -> int:
     from pagedkv.cold.offline import root_summary
+    from pagedkv.cold.redis_offline import remote_summary
     store = _open(args)
     if store is None:
         return 2
+    remote = _is_remote(store)
     try:
-        s = root_summary(store)
+        s = remote_summary(store) if remote else root_summary(store)
     finally:
         store.close()
     print(f"root: {s.root}")
     print(f"objects: {sum(s.objects.values())}  total: {_mib(s.total_bytes)}")
     for label, n in s.objects.items():
         print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
-    print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): {_mib(s.reserve_bytes)}")
-    print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
-    if s.unowned:
+    if remote:
+        print(f"quota (the server's maxmemory; 0 = unlimited): {_mib(s.quota_bytes)}")
+        if s.unowned:
+            print(f"keys under the prefix that are no object (never loaded): {s.unowned}")
+    else:
+        print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): "
+              f"{_mib(s.reserve_bytes)}")
+        print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
+    if s.unowned and not remote:
         print(f"names sharing a key the index owns (not counted; quarantined by the next "
               f"open or `pagedkv cold evict`): {s.unowned}")
     from pagedkv.cold.knobs import metrics_dir
@@ -115,17 +140,20 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     from pagedkv.cold.offline import verify_store
+    from pagedkv.cold.redis_offline import verify_remote
     store = _open(args)
     if store is None:
         return 2
+    remote = _is_remote(store)
     try:
-        result = verify_store(store, prune=args.prune)
+        result = verify_remote(store, prune=args.prune) if remote \
+            else verify_store(store, prune=args.prune)
     finally:
         store.close()
     for b in result.bad:
         note = ""
         if b.quarantined:
-            note = "  (quarantined)"
+            note = "  (deleted)" if remote else "  (quarantined)"
         elif b.prune_error is not None:
             note = f"  (NOT quarantined: {b.prune_error})"
         print(f"BAD {b.name}: {b.reason}{note}")
@@ -143,9 +171,15 @@ def run_evict(args: argparse.Namespace) -> int:
         return 2
     try:
         removed = store.remove_quarantine()
-        before = store.index.total_bytes
-        evicted = store.evict_to(args.to)
-        after = store.index.total_bytes
+        if _is_remote(store):
+            from pagedkv.cold.redis_offline import remote_summary
+            before = remote_summary(store).total_bytes
+            evicted = store.evict_to(args.to)
+            after = remote_summary(store).total_bytes
+        else:
+            before = store.index.total_bytes
+            evicted = store.evict_to(args.to)
+            after = store.index.total_bytes
     finally:
         store.close()
     print(f"removed {removed} quarantined entries; evicted {evicted} objects: "

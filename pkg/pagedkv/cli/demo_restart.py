@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-dir", default=None, metavar="DIR",
                    help="cold tier directory: KV blocks persist in DIR/pagedkv-v1 and are "
                         "restored by the next run (./.pagedkv-demo)")
+    p.add_argument("--cold-backend", default=None, metavar="URL",
+                   help="a fleet's Redis/Valkey behind the directory (redis://host:port/db): "
+                        "a second demo with another --cold-dir restores from it")
     p.add_argument("--fresh", action="store_true",
                    help="empty the cold tier first, so this run restores nothing from disk")
     p.add_argument("--no-cold", action="store_true",
@@ -76,7 +79,8 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
     fp = model_fingerprint(DEFAULT_FORMAT, model_dir, family_profile("pagedkv_reference"),
                            geometry, compute=model.compute_identity)
     tier = ColdTier.open_at(os.path.join(base, MANAGED_CHILD), quota_bytes=1 << 30,
-                            reserve_bytes=0, fingerprint=fp)
+                            reserve_bytes=0, fingerprint=fp,
+                            remote=getattr(args, "cold_backend", None))
     if empty:
         tier.store.remove_quarantine()
         tier.store.evict_to(0)
@@ -97,14 +101,17 @@ def cold_tier_for(args, model):
     Raises ``InvalidArgument`` (a ``ValueError``) with a one-line message naming the
     directory and the fix when ``--cold-dir`` cannot hold the tier (a file in the way, no
     permission): ``pagedkv demo`` prints it and exits 2, never with a traceback."""
-    from pagedkv.errors import InvalidArgument, PagedKVError
-    if args.no_cold and (args.cold_dir or args.restart):
-        raise ValueError("--no-cold cannot be combined with --cold-dir or --restart")
+    from pagedkv.errors import ColdBackendError, InvalidArgument, PagedKVError
+    if args.no_cold and (args.cold_dir or args.restart or args.cold_backend):
+        raise ValueError("--no-cold cannot be combined with --cold-dir, --cold-backend or "
+                         "--restart")
     base = _cold_dir(args)
     if base is None:
         return None
     try:
         args.cold_tier = _open_tier(args, model, save_model=True, empty=args.fresh)
+    except ColdBackendError as exc:
+        raise InvalidArgument(f"--cold-backend: {exc}") from None
     except (PagedKVError, OSError) as exc:
         raise InvalidArgument(_unusable_cold_dir(
             base, exc, "cannot hold the demo's cold tier",
@@ -121,7 +128,8 @@ def run_restart_phase(args) -> int:
     drained = tier.drain(30.0)
     s = tier.stats()
     tier.close()
-    print(f"cold tier: {s.hits} blocks restored from disk ({s.bytes_restored:,} bytes), "
+    where = "disk and the fleet's store" if args.cold_backend else "disk"
+    print(f"cold tier: {s.hits} blocks restored from {where} ({s.bytes_restored:,} bytes), "
           f"{s.enqueued} blocks persisted ({s.bytes_written:,} bytes, drained: "
           f"{'yes' if drained else 'NO'}), corruptions {s.corruptions}, in {s.root}")
     if s.hits == 0 and not args.restart:
@@ -133,6 +141,8 @@ def run_restart_phase(args) -> int:
             "--cold-dir", _tier_dir(args)]
     for name in _FORWARDED:
         argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.cold_backend:
+        argv += ["--cold-backend", args.cold_backend]
     print()
     sys.stdout.flush()
     return subprocess.run(argv, check=False).returncode

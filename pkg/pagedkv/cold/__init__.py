@@ -7,6 +7,7 @@ Hybrid families persist their out-of-pool state beside the blocks as sidecars, a
 restore never returns K/V without the sidecar that backs it (docs/cold.md, "Sidecars").
 """
 
+from pagedkv.cold.backend import ColdBackend
 from pagedkv.cold.capture import CaptureOutcome, CaptureStop
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock, block_bound, decode_block
 from pagedkv.cold.digest_cache import WeightDigestCache
@@ -34,6 +35,7 @@ from pagedkv.cold.profiles import (
                                       resolve_persist,
 )
 from pagedkv.cold.recurrent_state import RecurrentStateCodec, conv_state_codec, gdn_state_codec
+from pagedkv.cold.redis_store import RedisColdStore
 from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar
 from pagedkv.cold.sidecar_bundle import RestoredSidecars, SidecarBundle
@@ -54,6 +56,7 @@ from pagedkv.cold.tier import (
                                       cold_tier_for_model,
                                       install_capture_budget,
 )
+from pagedkv.cold.tiered_store import TieredColdStore
 from pagedkv.cold.trace import TurnTraceWriter
 from pagedkv.cold.writer import Barrier, BlockJob, SidecarJob
 
@@ -68,6 +71,7 @@ __all__ = [
                                       "BlockJob",
                                       "CaptureOutcome",
                                       "CaptureStop",
+                                      "ColdBackend",
                                       "ColdCacheStats",
                                       "ColdFormat",
                                       "ColdGroup",
@@ -82,6 +86,7 @@ __all__ = [
                                       "GroupedRestore",
                                       "OutOfPoolState",
                                       "RecurrentStateCodec",
+                                      "RedisColdStore",
                                       "RestoreDecline",
                                       "RestoreOutcome",
                                       "RestoredSidecar",
@@ -93,6 +98,7 @@ __all__ = [
                                       "SlidingGroupRows",
                                       "SlidingGroupTarget",
                                       "SlidingWindowCodec",
+                                      "TieredColdStore",
                                       "TurnTraceWriter",
                                       "WeightDigestCache",
                                       "WeightProvenance",

@@ -115,6 +115,9 @@ def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int
     fp_hex = fingerprint.hex()
     enqueued = reach = 0
     stop = CaptureStop.END
+    # A remote backend learns which blocks the fleet already stored in one round trip, so
+    # the probes below stay index lookups.
+    tier.store.learn_presence(keys)
     for i, key in enumerate(keys):
         if not tier.persisted_or_queued(key):
             if enqueued >= blocks_per_turn:

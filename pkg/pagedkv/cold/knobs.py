@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_CAPTURE_BUDGET_MS",
     "DEFAULT_QUEUE_DEPTH",
     "capture_budget_from_env",
+    "cold_backend_url",
     "cold_cache_base",
     "env_bool",
     "env_positive_int",
@@ -55,6 +56,21 @@ def cold_cache_base(config_dir: str | None = None) -> str:
     if config_dir:
         return config_dir
     return os.path.join(os.path.expanduser("~"), ".pagedkv", "cache")
+
+
+def cold_backend_url() -> str | None:
+    """``PAGEDKV_COLD_BACKEND`` when set to a ``redis://``/``rediss://``/``unix://`` URL
+    (the fleet's store behind the local directory), else ``None``. Another non-blank value
+    is ignored with one WARNING."""
+    from pagedkv.cold.redis_store import is_redis_url
+    raw = os.environ.get("PAGEDKV_COLD_BACKEND")
+    if raw is None or not raw.strip() or raw.strip() in ("dir", "local"):
+        return None
+    if is_redis_url(raw):
+        return raw.strip()
+    log.warning("ignoring PAGEDKV_COLD_BACKEND=%r: expected redis://host:port/db, "
+                "rediss://... or unix://path; using the local directory alone", raw)
+    return None
 
 
 _installed_budget: tuple[int, int] | None = None

@@ -9,6 +9,7 @@ checksum, so its memory never depends on what a file claims or how large it is.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.cold.codec import (
@@ -29,6 +30,7 @@ __all__ = [
     "BadObject",
     "RootSummary",
     "VerifyResult",
+    "check_object",
     "open_offline_store",
     "root_summary",
     "trace_counters",
@@ -91,24 +93,37 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def _check_object(store: ColdStore, fd: int, size: int, key: bytes, group: ColdGroup,
-                  name: str) -> None:
+def check_object(store, size: int, key: bytes, group: ColdGroup, name: str,
+                 read_at: Callable[[int, int], bytes],
+                 stream_from: Callable[[int], Callable[[memoryview], int]]) -> None:
     """Header first, then the payload streamed through the checksum: memory is the header
-    (at most 16 MiB, and only once its length fits the file) plus one 1 MiB chunk, whatever
-    the file's size. Raises ``FormatError`` naming what is wrong."""
-    n = header_length(_pread_exact(fd, 8, 0), size, name)
-    prefix = _pread_exact(fd, 8 + n, 0)
+    (at most 16 MiB, and only once its length fits the object) plus one 1 MiB chunk,
+    whatever the object's size. ``read_at(offset, n)`` reads bytes of the object;
+    ``stream_from(offset)`` returns a ``readinto(view) -> n`` continuing from ``offset``
+    (a file or a Redis value alike). Raises ``FormatError`` naming what is wrong."""
+    n = header_length(read_at(0, 8), size, name)
+    prefix = read_at(0, 8 + n)
     if group is ColdGroup.KV:
         header = parse_block_header(prefix, size, abi=store.fmt.abi, key_hex=key.hex(),
                                     path=name)
     else:
         header = parse_sidecar_header(prefix, size, abi=store.fmt.abi, group=group.label,
                                       key_hex=key.hex(), path=name)
-    os.lseek(fd, header.payload_start, os.SEEK_SET)
     got = checksum_of_stream(store.payload_tag, header.tensors,
-                             lambda view: os.readv(fd, [view]), _CHUNK_BYTES, path=name)
+                             stream_from(header.payload_start), _CHUNK_BYTES, path=name)
     if got != header.checksum:
         raise FormatError(f"payload checksum {got} != stored {header.checksum}", path=name)
+
+
+def _check_object(store: ColdStore, fd: int, size: int, key: bytes, group: ColdGroup,
+                  name: str) -> None:
+    """:func:`check_object` on an open file; its size must not change meanwhile."""
+    def stream_from(offset: int):
+        os.lseek(fd, offset, os.SEEK_SET)
+        return lambda view: os.readv(fd, [view])
+
+    check_object(store, size, key, group, name, lambda offset, n: _pread_exact(fd, n, offset),
+                 stream_from)
     if os.fstat(fd).st_size != size:
         raise FormatError(f"object changed size while it was read ({size} bytes before)",
                           path=name)

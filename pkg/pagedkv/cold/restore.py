@@ -87,15 +87,18 @@ class _LoadAhead:
         self.tier, self.keys, self.stop, self.fp_hex, self.geometry = \
             tier, keys, stop, fp_hex, geometry
         self.buffers = [bytearray(geometry.bound + 1) for _ in range(LOAD_AHEAD_BLOCKS + 1)]
+        # The directory loads each block from its file; a remote backend fetches the run in
+        # pipelined round trips and verifies each object here, on the loader threads.
+        self.source = tier.store.chain_source(keys, start, stop, geometry.bound)
         self.pending: dict[int, Future[DecodedBlock | None]] = {}
         self.next = start
         self.ahead = LOAD_AHEAD_BLOCKS
         self.executor = tier.loader() if self.ahead else None
 
     def _load(self, idx: int) -> DecodedBlock | None:
-        return self.tier.store.load_block(self.keys[idx], fingerprint_hex=self.fp_hex,
-                                          expected=self.geometry,
-                                          buffer=self.buffers[idx % len(self.buffers)])
+        return self.source.load_block(self.keys[idx], fingerprint_hex=self.fp_hex,
+                                      expected=self.geometry,
+                                      buffer=self.buffers[idx % len(self.buffers)])
 
     def get(self, idx: int) -> DecodedBlock | None:
         """The verified block ``idx`` (a ``DecodedBlock``) or ``None`` (a counted miss)."""
@@ -208,9 +211,7 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
                           **chain_kwargs)
     if len(keys) < base:
         return _declined(tier, base, base, t0, RestoreDecline.PARENT_CHAIN_UNAVAILABLE)
-    ceiling = base
-    while ceiling < len(keys) and tier.contains(keys[ceiling]):
-        ceiling += 1
+    ceiling = tier.store.present_run(keys, base)
     if ceiling == base:
         return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0), None
     fp_hex = fingerprint.hex()

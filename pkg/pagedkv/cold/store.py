@@ -80,7 +80,11 @@ def _write_all(fd: int, chunks: Sequence) -> None:
 
 
 class ColdStore:
-    """Files of one root, addressed through its directory fd."""
+    """Files of one root, addressed through its directory fd: the local-directory
+    :class:`~pagedkv.cold.backend.ColdBackend`."""
+
+    #: One object per commit: each is its own atomic rename.
+    batch_objects = 1
 
     def __init__(self, root_fd: int, root_path: str, counters: ColdCounters, *,
                  quota_bytes: int, reserve_bytes: int, durability: str = "fsync",
@@ -174,6 +178,20 @@ class ColdStore:
 
     def contains_in(self, key: bytes, group: ColdGroup) -> bool:
         return self.index.contains_in(key, group)
+
+    def present_run(self, keys: Sequence[bytes], start: int) -> int:
+        """The first index ``>= start`` whose key is not indexed (index probes only)."""
+        idx = start
+        while idx < len(keys) and self.index.contains(keys[idx]):
+            idx += 1
+        return idx
+
+    def learn_presence(self, keys: Sequence[bytes]) -> None:
+        """Nothing to learn: the index is this root's truth."""
+
+    def chain_source(self, keys: Sequence[bytes], start: int, stop: int, bound: int):
+        """Blocks load one by one from their files: the store is its own source."""
+        return self
 
     def open_object(self, name: str):
         """Open ``name`` read-only without following links or blocking. Returns
@@ -446,6 +464,10 @@ class ColdStore:
             return False
         self.counters.add("bytes_written", size)
         return True
+
+    def commit_many(self, items: Sequence) -> list[bool]:
+        """:meth:`commit` of each ``(key, group, chunks, size)`` in order."""
+        return [self.commit(*item) for item in items]
 
     # --- offline maintenance -------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any, Self
 import numpy as np
 
 from pagedkv.adapter.cold_hooks import ColdRestore
+from pagedkv.cold.backend import ColdBackend
 from pagedkv.cold.capture import (
     CaptureOutcome,
     CaptureStop,
@@ -30,17 +31,20 @@ from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.knobs import (
     capture_budget_from_env,
+    cold_backend_url,
     cold_cache_base,
     install_default_capture_budget,
 )
+from pagedkv.cold.redis_store import RedisColdStore
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
 from pagedkv.cold.sidecar_bundle import SidecarBundle
 from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, capture_sidecar
 from pagedkv.cold.stats import ColdCacheStats, ColdCounters, sidecar_counters
 from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
+from pagedkv.cold.tiered_store import TieredColdStore
 from pagedkv.cold.writer import ColdWriter
-from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
+from pagedkv.errors import ColdBackendError, InvalidArgument, InvalidArgumentType, PagedKVError
 
 __all__ = [
     "ColdRestore",
@@ -57,7 +61,7 @@ log = logging.getLogger("pagedkv.cold")
 class ColdTier:
     """One opened root: index, writer thread, bounded queue, quota and loads."""
 
-    def __init__(self, store: ColdStore, writer: ColdWriter, counters: ColdCounters, *,
+    def __init__(self, store: ColdBackend, writer: ColdWriter, counters: ColdCounters, *,
                  fingerprint: bytes | None = None, blocks_per_turn: int | None = None,
                  budget_ms: int | None = None) -> None:
         self.store = store
@@ -72,6 +76,8 @@ class ColdTier:
         self.last_restore: RestoreOutcome | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._loader_lock = threading.Lock()
+        if isinstance(store, TieredColdStore):  # remote hits are written back through us
+            store.fill_enqueue = writer.enqueue
 
     # --- opening -------------------------------------------------------------------------
 
@@ -80,12 +86,16 @@ class ColdTier:
                 queue_depth: int = 8, durability: str = "fsync",
                 fmt: ColdFormat = DEFAULT_FORMAT, fingerprint: bytes | None = None,
                 blocks_per_turn: int | None = None, budget_ms: int | None = None,
-                _child: str | None = None) -> ColdTier:
+                remote: str | None = None, _child: str | None = None) -> ColdTier:
         """Open ``root`` itself as the managed directory (nothing appended).
 
         ``quota_bytes``/``reserve_bytes`` default to the automatic limits of §10;
         ``durability`` is ``"fsync"`` or ``"full"`` (§7.3). Raises ``InvalidArgument`` when
         the root is refused (symlink, not a directory, owned by someone else).
+
+        ``remote``: a ``redis://host:port/db`` (``rediss://``, ``unix://``) URL puts the
+        fleet's Redis/Valkey behind the directory (docs/cold.md, "Two levels"); raises a
+        ``ColdBackendError`` when it cannot be opened.
         """
         if quota_bytes is not None and int(quota_bytes) <= 0:
             raise InvalidArgument(f"quota_bytes = {quota_bytes} must be > 0")
@@ -110,9 +120,32 @@ class ColdTier:
                               else int(reserve_bytes),
                               durability=durability, fmt=fmt)
             store.scan()
+            backend: ColdBackend = store
+            if remote is not None:
+                backend = TieredColdStore(store, RedisColdStore.open(remote, counters,
+                                                                     fmt=fmt))
         except BaseException:
             os.close(root_fd)
             raise
+        writer = ColdWriter(backend, counters, queue_depth=queue_depth)
+        return cls(backend, writer, counters, fingerprint=fingerprint,
+                   blocks_per_turn=blocks_per_turn, budget_ms=budget_ms)
+
+    @classmethod
+    def open_remote(cls, url: str, *, queue_depth: int = 8, fmt: ColdFormat = DEFAULT_FORMAT,
+                    fingerprint: bytes | None = None, blocks_per_turn: int | None = None,
+                    budget_ms: int | None = None) -> ColdTier:
+        """A tier on one Redis/Valkey server alone (``redis://[:password@]host:port/db``,
+        ``rediss://`` for TLS, ``unix://path?db=N``): docs/cold.md, "A fleet on Redis or
+        Valkey". Raises ``ColdBackendAuthError``/``ColdBackendTLSError``/
+        ``ColdBackendError`` when the server refuses or cannot be reached."""
+        if int(queue_depth) <= 0:
+            raise InvalidArgument(f"queue_depth = {queue_depth} must be > 0")
+        if fingerprint is not None and (not isinstance(fingerprint, bytes)
+                                        or len(fingerprint) != 32):
+            raise InvalidArgument("fingerprint must be 32 bytes (model_fingerprint's result)")
+        counters = ColdCounters()
+        store = RedisColdStore.open(url, counters, fmt=fmt)
         writer = ColdWriter(store, counters, queue_depth=queue_depth)
         return cls(store, writer, counters, fingerprint=fingerprint,
                    blocks_per_turn=blocks_per_turn, budget_ms=budget_ms)
@@ -121,20 +154,28 @@ class ColdTier:
     def shared(cls, base: str | None = None) -> ColdTier | None:
         """The process-wide tier at ``<base>/pagedkv-v1`` (base: ``PAGEDKV_COLD_CACHE_DIR``
         or ``~/.pagedkv/cache``), opened once, lazily; ``None`` (one WARNING) if refused.
+        With ``PAGEDKV_COLD_BACKEND=redis://...`` the fleet's Redis/Valkey sits behind the
+        directory; one that cannot be opened leaves the directory alone (one WARNING).
         A shared tier someone closed is opened again rather than handed out dead."""
         base = base if base is not None else cold_cache_base()
         real = os.path.realpath(base)
+        remote = cold_backend_url()
+        slot = real if remote is None else f"{real} + {remote}"
         with _shared_lock:
-            if real in _shared_tiers:
-                cached = _shared_tiers[real]
+            if slot in _shared_tiers:
+                cached = _shared_tiers[slot]
                 if cached is None or not cached.writer.closed:
                     return cached
             try:
-                tier = cls.open_at(real, _child=MANAGED_CHILD)
+                try:
+                    tier = cls.open_at(real, _child=MANAGED_CHILD, remote=remote)
+                except ColdBackendError as exc:
+                    log.warning("cold tier: the fleet's store is not used: %s", exc)
+                    tier = cls.open_at(real, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
                 log.warning("cold tier disabled: %s", exc)
                 tier = None
-            _shared_tiers[real] = tier
+            _shared_tiers[slot] = tier
             global _last_shared
             _last_shared = tier
             return tier
@@ -156,6 +197,16 @@ class ColdTier:
     @property
     def root(self) -> str:
         return self.store.root_path
+
+    @property
+    def local_root_fd(self) -> int:
+        """The local directory's fd (the weight-digest cache lives there). Raises
+        ``InvalidArgument`` for a tier on Redis alone, which has no directory."""
+        fd = getattr(self.store, "root_fd", None)
+        if fd is None:
+            raise InvalidArgument(f"{self!r} has no local directory: open it with "
+                                  "ColdTier.open_at(root, remote=url) to keep one")
+        return int(fd)
 
     def contains(self, key: bytes) -> bool:
         """Index probe only (no I/O, no counters)."""
@@ -495,7 +546,7 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
     if tier is None:
         return None
     fp = model_fingerprint(tier.fmt, model_dir, profile, geometry, provenance,
-                           WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file,
+                           WeightDigestCache(tier.local_root_fd), hfqm_file=hfqm_file,
                            compute=compute)
     if fp is None:
         return None

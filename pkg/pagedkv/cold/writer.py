@@ -5,8 +5,9 @@ queue, computes its payload checksum (unless capture did) and encodes its header
 ``pagedkv-cold-writer`` runs the atomic write protocol. SHA-256 of a 200 KB block is too
 large a share of a ~0.5 ms fsync floor to sit in series with the write, and too large for
 the inference thread's capture budget, so it runs one object ahead of the write (hashlib
-and the file syscalls release the GIL). The hand-off between the stages holds one object:
-memory stays bounded by ``depth + 2`` objects. Commit order, the protocol and the counters
+and the file syscalls release the GIL). The hand-off between the stages holds one object
+(a batch of ``store.batch_objects`` for a store that commits several per round trip, e.g.
+Redis): memory stays bounded by ``depth + batch + 1`` objects. Commit order, the protocol and the counters
 are those of a single writer. Nothing here raises into inference except
 :class:`ColdTierClosed` for a job offered after ``close()``.
 """
@@ -18,20 +19,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pagedkv.cold.codec import BlockGeometry, encode_block, encode_sidecar
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.stats import ColdCounters
-from pagedkv.cold.store import ColdStore
 from pagedkv.errors import ColdTierClosed, InvalidArgument
 
 if TYPE_CHECKING:
+    from pagedkv.cold.backend import ColdBackend
     from pagedkv.cold.sidecar import ColdSidecarLayout
 
-__all__ = ["Barrier", "BlockJob", "ColdWriter", "SidecarJob"]
+__all__ = ["Barrier", "BlockJob", "ColdWriter", "FillJob", "SidecarJob"]
 
 log = logging.getLogger("pagedkv.cold")
 
@@ -89,6 +90,24 @@ class SidecarJob:
 
 
 @dataclass
+class FillJob:
+    """A verified object read from the fleet's store, written back to the local directory
+    of a two-level store (``TieredColdStore.fill``): ``data`` is its exact bytes."""
+
+    key: bytes
+    group: ColdGroup
+    data: bytes
+    recycle: bool = False
+
+    @property
+    def buffer(self) -> bytes:
+        return self.data
+
+    def __repr__(self) -> str:
+        return f"FillJob(key={self.key.hex()[:16]}..., {self.group!r}, {len(self.data)} B)"
+
+
+@dataclass
 class Barrier:
     """Completes when every job accepted before it was handled; ``ok`` says whether all
     of them persisted."""
@@ -141,6 +160,17 @@ class _BoundedFifo:
             self._cv.notify_all()  # a waiting put_wait may proceed
             return job
 
+    def take_ready(self, limit: int) -> list:
+        """Up to ``limit`` jobs at the front that are ready now (no waiting), stopping at a
+        barrier (it must see every job before it persisted)."""
+        out: list = []
+        with self._cv:
+            while self._items and len(out) < limit and not isinstance(self._items[0], Barrier):
+                out.append(self._items.popleft())
+            if out:
+                self._cv.notify_all()
+        return out
+
     def set_held(self, held: bool) -> None:
         with self._cv:
             self.held = held
@@ -159,7 +189,7 @@ class _BoundedFifo:
 class ColdWriter:
     """Owns the writer thread of one :class:`ColdStore`."""
 
-    def __init__(self, store: ColdStore, counters: ColdCounters, *, queue_depth: int = 8,
+    def __init__(self, store: ColdBackend, counters: ColdCounters, *, queue_depth: int = 8,
                  start: bool = True) -> None:
         if int(queue_depth) <= 0:
             raise InvalidArgument(f"queue_depth = {queue_depth} must be > 0")
@@ -167,7 +197,10 @@ class ColdWriter:
         self.counters = counters
         self.queue_depth = int(queue_depth)
         self._queue = _BoundedFifo(self.queue_depth)
-        self._handoff = _BoundedFifo(1)
+        # A remote store commits several objects per round trip: the hand-off then holds a
+        # batch, and the writer takes what is ready (memory: depth + batch + 1 objects).
+        self._batch = max(1, int(getattr(store, "batch_objects", 1)))
+        self._handoff = _BoundedFifo(self._batch)
         # Keys accepted but not yet committed or failed: a capture walk of the next request
         # must see a shared block as taken while its write is still in flight, or it would
         # copy the block out again and the same object would be written twice.
@@ -330,6 +363,8 @@ class ColdWriter:
         when it cannot be encoded (a write error, counted in order by the writer)."""
         store = self.store
         try:
+            if isinstance(job, FillJob):
+                return job, [job.data], len(job.data)
             if isinstance(job, SidecarJob):
                 chunks = encode_sidecar(store.fmt.abi, store.payload_tag, job.key.hex(),
                                         job.fingerprint_hex, job.layout, job.payload)
@@ -350,22 +385,43 @@ class ColdWriter:
                 item.ok = self._barrier_ok(item)
                 item.done.set()
                 continue
+            batch = [item]
+            if self._batch > 1:
+                batch += self._handoff.take_ready(self._batch - 1)
             try:
-                ok = self._persist(*item)
+                oks = self._persist_batch(batch) if len(batch) > 1 else [self._persist(*item)]
             except Exception:  # the writer must survive anything a job does
                 log.exception("cold tier: unexpected error persisting %r", item[0])
-                self.counters.add("write_errors")
-                ok = False
-            if not ok:
-                with self._queued_lock:
-                    self._failure_horizon = self._accepted
-                self._failure_reported = False
-            job = item[0]
-            # After the commit (the index already has the key) or the failure (a later walk
-            # may try again).
-            self._done_with(job.key)
-            if job.recycle:
-                self.give_back(job.buffer)
+                self.counters.add("write_errors", len(batch))
+                oks = [False] * len(batch)
+            for (job, _, _), ok in zip(batch, oks, strict=True):
+                if not ok:
+                    with self._queued_lock:
+                        self._failure_horizon = self._accepted
+                    self._failure_reported = False
+                # After the commit (the index already has the key) or the failure (a later
+                # walk may try again).
+                self._done_with(job.key)
+                if job.recycle:
+                    self.give_back(job.buffer)
+
+    def _persist_batch(self, batch: list) -> list[bool]:
+        """Several prepared jobs: the store's objects in one ``commit_many``, the rest
+        (fills, unencodable or hooked-to-fail jobs) one by one, results in batch order."""
+        oks: list[bool | None] = [None] * len(batch)
+        grouped = []
+        for i, (job, chunks, size) in enumerate(batch):
+            if chunks is None or isinstance(job, FillJob) or self.fail_next_jobs > 0 \
+                    or self.service_delay_s:
+                oks[i] = self._persist(job, chunks, size)
+            else:
+                grouped.append(i)
+        if grouped:
+            done = self.store.commit_many([(batch[i][0].key, batch[i][0].group, batch[i][1],
+                                            batch[i][2]) for i in grouped])
+            for i, ok in zip(grouped, done, strict=True):
+                oks[i] = ok
+        return [bool(ok) for ok in oks]
 
     def _barrier_ok(self, barrier: Barrier) -> bool:
         """Whether no failure is owed to ``barrier`` (writer thread only)."""
@@ -390,4 +446,7 @@ class ColdWriter:
             self.fail_next_jobs -= 1
             self.counters.add("write_errors")
             return False
+        if isinstance(job, FillJob):  # only a two-level store has a local level to fill
+            tiered: Any = self.store
+            return tiered.fill(job.key, job.group, chunks, size)
         return self.store.commit(job.key, job.group, chunks, size)

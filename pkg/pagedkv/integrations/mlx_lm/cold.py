@@ -107,7 +107,7 @@ def open_cold_tier(cold_dir, model, geometry, *, model_dir=None):
     try:
         if model_dir is not None:
             fp = model_fingerprint(tier.fmt, os.fspath(model_dir), profile, geometry,
-                                   digest_cache=WeightDigestCache(tier.store.root_fd),
+                                   digest_cache=WeightDigestCache(tier.local_root_fd),
                                    compute=backend_compute_identity("mlx"))
         else:
             fp = loaded_model_fingerprint(tier.fmt, model, family, geometry)
