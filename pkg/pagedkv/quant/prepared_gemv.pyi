@@ -1,0 +1,28 @@
+import numpy as np
+import numpy.typing as npt
+
+ISA_NAMES: tuple[str, ...]
+
+def supported_isas() -> tuple[str, ...]: ...
+def default_isa() -> str: ...
+
+class PreparedGemv:
+    fmt: str
+    qt_id: int
+    m: int
+    k: int
+    span: int
+    isa: str
+    threads: int
+    rotated: bool
+    def __init__(self, raw: npt.ArrayLike | bytes | bytearray | memoryview, fmt: str | int,
+                 shape: tuple[int, int] | list[int], *, threads: int = 1,
+                 isa: str | None = None) -> None: ...
+    @property
+    def shape(self) -> tuple[int, int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __call__(self, x: npt.NDArray[np.float32], *, out: npt.NDArray[np.float32] | None = None,
+                 threads: int | None = None) -> npt.NDArray[np.float32]: ...
+
+def check_threads(threads: int) -> int: ...
