@@ -71,7 +71,8 @@ typedef struct {
 typedef float pkv_pg_v16f __attribute__((vector_size(64)));
 
 /* Quantize one row of k floats (k % span == 0, span % 16 == 0) per span:
- *   amax = max |x|, dx = amax / 127, xq = rne(x * (127 / amax)) (0 where amax == 0),
+ *   amax = max |x|, dx = amax / 127, xq = rne(x * (127 / amax)) (0 where amax == 0;
+ *          where amax < 2^-118, x and amax are first multiplied by 2^64 and dx by 2^-64),
  *   xsum = the f32 sum of x over the span: 16 lanes (lane l adds x[16t + l] in
  *          order of t), then halved 16 -> 8 -> 4 -> 2 -> 1 (lane l + lane l + h),
  *   xqsum = the int sum of xq.
@@ -92,12 +93,16 @@ static ptrdiff_t pkv_pgemv_quantize_x(const float *x, ptrdiff_t k, uint32_t span
             for (uint32_t i = 0; i < span; ++i)
                 if (pkv_f32_is_nonfinite(xs[i])) return s0 + (ptrdiff_t)i;
         }
-        float amax = pkv_f32_from_bits(amax_bits);
+        /* below 2^-118, 127 / amax would overflow: such a span is scaled by 2^64 first
+         * (exact) and its dx by 2^-64 after */
+        const int tiny = amax_bits < 0x04800000u;
+        const float pre = tiny ? 0x1p64f : 1.0f;
+        float amax = pkv_f32_from_bits(amax_bits) * pre;
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        dx[s] = amax / 127.0f;
+        dx[s] = tiny ? (amax / 127.0f) * 0x1p-64f : amax / 127.0f;
         int32_t qs = 0;
         for (uint32_t i = 0; i < span; ++i) {
-            float v = xs[i] * inv;
+            float v = (xs[i] * pre) * inv;
             /* round half to even: adding and subtracting 1.5 * 2^23 leaves the nearest
              * integer for |v| < 2^22 (default rounding mode, no -ffast-math) */
             float r = (v + 12582912.0f) - 12582912.0f;
