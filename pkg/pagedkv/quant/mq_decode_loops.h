@@ -73,6 +73,7 @@ PKV_TGT_MQD512 static void pkv_mqd_groups_avx512(const uint8_t *raw, ptrdiff_t n
         for (int h = 0; h < 2; ++h)
             lut[h] = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s[h])), _mm512_set1_ps(z[h]));
         __m512 v[16];
+        _Pragma("GCC unroll 8")
         for (int a = 0; a < 16; a += 2) {
             /* bytes 8a..8a+7 hold codes 16a..16a+15, low nibble first */
             __m128i b = _mm_loadu_si128((const __m128i *)(codes + 8 * a));
@@ -85,14 +86,18 @@ PKV_TGT_MQD512 static void pkv_mqd_groups_avx512(const uint8_t *raw, ptrdiff_t n
             v[a + 1] = _mm512_mul_ps(_mm512_permutexvar_ps(q1, lut[a >= 8]),
                                      _mm512_load_ps(pkv_mqd_pre + 16 * a + 16));
         }
+        _Pragma("GCC unroll 16")
         for (int a = 0; a < 16; ++a) {
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_permute_ps(v[a], 0xB1), 1);
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_permute_ps(v[a], 0x4E), 2);
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0xB1), 4);
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0x4E), 8);
         }
+        _Pragma("GCC unroll 4")
         for (int H = 1; H < 16; H <<= 1) {          /* strides 16 .. 128 floats */
+            _Pragma("GCC unroll 16")
             for (int i = 0; i < 16; i += 2 * H) {
+                _Pragma("GCC unroll 8")
                 for (int j = i; j < i + H; ++j) {
                     __m512 a = v[j], c = v[j + H];
                     v[j] = _mm512_add_ps(a, c);
@@ -101,56 +106,77 @@ PKV_TGT_MQD512 static void pkv_mqd_groups_avx512(const uint8_t *raw, ptrdiff_t n
             }
         }
         float *o = out + (size_t)g * 256u;
+        _Pragma("GCC unroll 16")
         for (int a = 0; a < 16; ++a)
             _mm512_storeu_ps(o + 16 * a, _mm512_mul_ps(v[a], _mm512_load_ps(pkv_mqd_post + 16 * a)));
     }
 }
 
-/* AVX2: 32 vectors of 8; strides 1, 2, 4 inside a vector, 8 .. 128 between vectors.
- * The decode is q * s + z on converted codes (an 8-entry vpermps table is too small). */
+/* AVX2: a group is 32 vectors of 8, twice the 16 registers, so each 128-half goes
+ * through strides 1 .. 64 in registers (strides 1, 2, 4 inside a vector, 8 .. 64
+ * between vectors) and waits in an L1 buffer; stride 128 then pairs the halves on the
+ * way out. The decode is q * s + z on converted codes (an 8-entry vpermps table is too
+ * small for 16 codes). */
 PKV_TGT_MQD256 static void pkv_mqd_groups_avx2(const uint8_t *raw, ptrdiff_t n_groups, int family,
                                                size_t group_bytes, float *out) {
     const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
     const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
     const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
     const __m128i m4 = _mm_set1_epi8(0x0F);
+    float half_buf[256] __attribute__((aligned(32)));
     for (ptrdiff_t g = 0; g < n_groups; ++g) {
         const uint8_t *blk = raw + (size_t)g * group_bytes;
         const uint8_t *codes = blk + PKV_AFFINE_HEADER_BYTES;
         float s[2], z[2];
         pkv_mqd_params(blk, family, s, z);
-        __m256 v[32];
-        for (int a = 0; a < 32; a += 4) {
-            /* bytes 4a..4a+15 hold codes 8a..8a+31 */
-            __m128i b = _mm_loadu_si128((const __m128i *)(codes + 4 * a));
-            __m128i lo = _mm_and_si128(b, m4);
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-            __m128i il0 = _mm_unpacklo_epi8(lo, hi), il1 = _mm_unpackhi_epi8(lo, hi);
-            __m128i q8[4] = {il0, _mm_srli_si128(il0, 8), il1, _mm_srli_si128(il1, 8)};
-            const __m256 sv = _mm256_set1_ps(s[a >= 16]), zv = _mm256_set1_ps(z[a >= 16]);
-            for (int j = 0; j < 4; ++j) {
-                __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8[j]));
-                v[a + j] = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(q, sv), zv),
-                                         _mm256_load_ps(pkv_mqd_pre + 8 * (a + j)));
-            }
-        }
-        for (int a = 0; a < 32; ++a) {
-            v[a] = _mm256_fmadd_ps(v[a], sg1, _mm256_permute_ps(v[a], 0xB1));
-            v[a] = _mm256_fmadd_ps(v[a], sg2, _mm256_permute_ps(v[a], 0x4E));
-            v[a] = _mm256_fmadd_ps(v[a], sg4, _mm256_permute2f128_ps(v[a], v[a], 0x01));
-        }
-        for (int H = 1; H < 32; H <<= 1) {          /* strides 8 .. 128 floats */
-            for (int i = 0; i < 32; i += 2 * H) {
-                for (int j = i; j < i + H; ++j) {
-                    __m256 a = v[j], c = v[j + H];
-                    v[j] = _mm256_add_ps(a, c);
-                    v[j + H] = _mm256_sub_ps(a, c);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sv = _mm256_set1_ps(s[h]), zv = _mm256_set1_ps(z[h]);
+            __m256 v[16];
+            _Pragma("GCC unroll 4")
+            for (int a = 0; a < 16; a += 4) {
+                /* bytes 64h + 4a .. +15 hold codes 128h + 8a .. +31 */
+                __m128i b = _mm_loadu_si128((const __m128i *)(codes + 64 * h + 4 * a));
+                __m128i lo = _mm_and_si128(b, m4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                __m128i il0 = _mm_unpacklo_epi8(lo, hi), il1 = _mm_unpackhi_epi8(lo, hi);
+                __m128i q8[4] = {il0, _mm_srli_si128(il0, 8), il1, _mm_srli_si128(il1, 8)};
+                _Pragma("GCC unroll 4")
+                for (int j = 0; j < 4; ++j) {
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8[j]));
+                    v[a + j] = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(q, sv), zv),
+                                             _mm256_load_ps(pkv_mqd_pre + 128 * h + 8 * (a + j)));
                 }
             }
+            _Pragma("GCC unroll 16")
+            for (int a = 0; a < 16; ++a) {
+                v[a] = _mm256_fmadd_ps(v[a], sg1, _mm256_permute_ps(v[a], 0xB1));
+                v[a] = _mm256_fmadd_ps(v[a], sg2, _mm256_permute_ps(v[a], 0x4E));
+                v[a] = _mm256_fmadd_ps(v[a], sg4, _mm256_permute2f128_ps(v[a], v[a], 0x01));
+            }
+            _Pragma("GCC unroll 4")
+            for (int H = 1; H < 16; H <<= 1) {          /* strides 8 .. 64 floats */
+                _Pragma("GCC unroll 16")
+                for (int i = 0; i < 16; i += 2 * H) {
+                    _Pragma("GCC unroll 8")
+                    for (int j = i; j < i + H; ++j) {
+                        __m256 a = v[j], c = v[j + H];
+                        v[j] = _mm256_add_ps(a, c);
+                        v[j + H] = _mm256_sub_ps(a, c);
+                    }
+                }
+            }
+            _Pragma("GCC unroll 16")
+            for (int a = 0; a < 16; ++a) _mm256_store_ps(half_buf + 128 * h + 8 * a, v[a]);
         }
         float *o = out + (size_t)g * 256u;
-        for (int a = 0; a < 32; ++a)
-            _mm256_storeu_ps(o + 8 * a, _mm256_mul_ps(v[a], _mm256_load_ps(pkv_mqd_post + 8 * a)));
+        _Pragma("GCC unroll 16")
+        for (int a = 0; a < 16; ++a) {                  /* stride 128, then SIGNS1/16 */
+            __m256 lo = _mm256_load_ps(half_buf + 8 * a), hi = _mm256_load_ps(half_buf + 128 + 8 * a);
+            _mm256_storeu_ps(o + 8 * a, _mm256_mul_ps(_mm256_add_ps(lo, hi),
+                                                      _mm256_load_ps(pkv_mqd_post + 8 * a)));
+            _mm256_storeu_ps(o + 128 + 8 * a, _mm256_mul_ps(_mm256_sub_ps(lo, hi),
+                                                            _mm256_load_ps(pkv_mqd_post + 128 + 8 * a)));
+        }
     }
 }
 #endif /* x86-64 */

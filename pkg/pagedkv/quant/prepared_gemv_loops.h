@@ -462,13 +462,19 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
         } \
     } while (0)
 
+#ifndef PKV_PG_PASS_AVX2
+#define PKV_PG_PASS_AVX2 4
+#endif
+#ifndef PKV_PG_PASS_VNNI256
+#define PKV_PG_PASS_VNNI256 4
+#endif
 /* The 256-bit kernels take up to 4 x rows per pass: a second pass over the tile reads
  * its codes from L1/L2 again. */
 #define PKV_PG_AVX2_(KIND, N) for (uint32_t h = 0; h < 2u; ++h) \
         pkv_pg_body_avx2_(w, x, b0 + bb, t, h, y_tile + bb * PKV_PG_TR, KIND, N)
 PKV_TGT_AVX2 static void pkv_pgemv_tile_avx2(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                              ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t, float *y_tile) {
-    for (ptrdiff_t bb = 0; bb < nb; bb += 4) PKV_PG_NB4_SWITCH_(PKV_PG_AVX2_, nb - bb);
+    for (ptrdiff_t bb = 0; bb < nb; bb += PKV_PG_PASS_AVX2) PKV_PG_NB4_SWITCH_(PKV_PG_AVX2_, nb - bb < PKV_PG_PASS_AVX2 ? nb - bb : PKV_PG_PASS_AVX2);
 }
 
 #define PKV_PG_AVXVNNI_(KIND, N) for (uint32_t h = 0; h < 2u; ++h) \
@@ -476,7 +482,7 @@ PKV_TGT_AVX2 static void pkv_pgemv_tile_avx2(const pkv_pgemv_w *w, const pkv_pge
 PKV_TGT_AVXVNNI static void pkv_pgemv_tile_avxvnni(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                    ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t,
                                                    float *y_tile) {
-    for (ptrdiff_t bb = 0; bb < nb; bb += 4) PKV_PG_NB4_SWITCH_(PKV_PG_AVXVNNI_, nb - bb);
+    for (ptrdiff_t bb = 0; bb < nb; bb += PKV_PG_PASS_VNNI256) PKV_PG_NB4_SWITCH_(PKV_PG_AVXVNNI_, nb - bb < PKV_PG_PASS_VNNI256 ? nb - bb : PKV_PG_PASS_VNNI256);
 }
 
 #define PKV_PG_AVX512_(KIND, N) pkv_pg_body_avx512_(w, x, b0, t, y_tile, KIND, N)
