@@ -7,6 +7,7 @@ docs/performance.md, "CPU GEMV against ggml"), one measurement at a time, the or
 rotated every round, single-threaded unless a row says otherwise::
 
     python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --rounds 7
+    python asv_bench/benchmarks/cpu_gemv.py --threads-scaling 40     # 1 vs 2 threads
 
 Each measurement is the median of its calls (2 warm-up calls, then at least 5 and up
 to ``--budget-ms``); the table shows the median and the minimum over rounds, in wall
@@ -161,10 +162,42 @@ def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None):
                                                             threads=2))))
     if ggml is not None:
         for t, mode in (("q4_0", "repack"), ("q4_K", "repack"), ("q8_0", "graph")):
-            cases.append((f"ggml {t} {mode} b1", "gemv", f"gemv {t} {mode} {m} {k} hot"))
+            for b in (1, 4, 8) if t == "q4_0" else (1,):
+                cases.append((f"ggml {t} {mode} b{b}", "gemv", f"gemv {t} {mode} {m} {k} hot", b))
         for t in ("q4_0", "q4_K", "q8_0"):
-            cases.append((f"ggml {t} to_float", "dequant", f"dequant {t} x {m} {k}"))
+            cases.append((f"ggml {t} to_float", "dequant", f"dequant {t} x {m} {k}", 0))
     return cases
+
+
+def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
+    """Wall time of 1 and 2 threads, called in alternation (pairs of calls), per case: the
+    ratio of the medians and of the minimums (threads= on a 2-core machine)."""
+    print("| shape | case | 1 thread wall ms median (min) | 2 threads | speed-up median (min) |")
+    print("|---|---|---|---|---|")
+    for m, k in shapes:
+        w = _weights(m, k)
+        x = _weights(1, k, seed=1)
+        out = np.empty((m, k), np.float32)
+        for fmt in GEMV_FORMATS:
+            raw = Q.quantize(w, fmt)
+            g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
+            shape = (m, k)
+            for name, call in ((f"{fmt} gemv b1", lambda t, g=g, x=x: g(x, threads=t)),
+                               (f"{fmt} dequantize",
+                                lambda t, raw=raw, fmt=fmt, shape=shape, out=out: Q.dequantize(
+                                    raw, fmt, shape, out=out, threads=t))):
+                call(1)
+                call(2)
+                times: dict[int, list[float]] = {1: [], 2: []}
+                for i in range(pairs):
+                    for t in ((1, 2) if i % 2 == 0 else (2, 1)):
+                        t0 = time.perf_counter()
+                        call(t)
+                        times[t].append(time.perf_counter() - t0)
+                m1, m2 = statistics.median(times[1]), statistics.median(times[2])
+                n1, n2 = min(times[1]), min(times[2])
+                print(f"| {m}x{k} | {name} | {m1 * 1e3:.3f} ({n1 * 1e3:.3f}) | "
+                      f"{m2 * 1e3:.3f} ({n2 * 1e3:.3f}) | {m1 / m2:.2f}x ({n1 / n2:.2f}x) |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,8 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--isa", help="pagedkv kernel (default: the best this CPU runs)")
     ap.add_argument("--only", help="comma-separated substrings: run the cases that match")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--threads-scaling", type=int, metavar="PAIRS",
+                    help="only time 1 against 2 threads, PAIRS alternated pairs of calls")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    if args.threads_scaling:
+        load0 = os.getloadavg()
+        threads_scaling(shapes, args.threads_scaling, args.isa)
+        load1 = os.getloadavg()
+        print(f"# load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+              f"at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}; {os.cpu_count()} CPUs")
+        return
     ggml = _Ggml(args.ggml) if args.ggml else None
     load0 = os.getloadavg()
     info = {"cpu": platform.processor() or platform.machine(), "isa": args.isa or
@@ -193,11 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         for shape, cases in all_cases.items():
             chosen = [c for c in cases if only is None or any(o in c[0] for o in only)]
             rot = r % max(1, len(chosen))
-            for name, op, what in chosen[rot:] + chosen[:rot]:
+            for name, op, what, *batch in chosen[rot:] + chosen[:rot]:
                 if isinstance(what, str):
                     assert ggml is not None
                     budget = args.budget_ms if op == "gemv" else 2 * args.budget_ms
-                    rep = ggml.ask(f"{what} 400 2 {budget}" if op == "gemv" else
+                    rep = ggml.ask(f"{what} 400 2 {budget} {batch[0]}" if op == "gemv" else
                                    f"{what} 100 1 {budget}")
                     wall = [int(v) for v in rep["wall"].split(",")]
                     cpu = [int(v) for v in rep["cpu"].split(",")]

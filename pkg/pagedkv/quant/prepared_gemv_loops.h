@@ -245,7 +245,9 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_float_stage8_(const pkv_pgemv_w *w, const
     }
 }
 
-/* AVX2: vpmaddubsw into int16 (nibbles: 4 chunks before widening), vpmaddwd to int32. */
+/* AVX2: vpmaddubsw into int16, vpmaddwd to int32. Nibbles: 1-2 x rows sum 4 chunks in
+ * int16 before widening; 3-4 widen every chunk, as 2 x 4 int16 accumulators more would
+ * not fit the 16 registers (GCC spilled 1.6 values per vpmaddubsw). */
 PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                  ptrdiff_t b0, ptrdiff_t t, uint32_t h,
                                                  float *y_tile, const int KIND, const int NB) {
@@ -254,6 +256,7 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk + 32u * h;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int WIDEN = NB <= 2 ? 4 : 1;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i i32[4];
         const int8_t *xs[4];
@@ -264,10 +267,10 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
         if (KIND == PKV_PGEMV_NIBBLE) {
             for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
                 const uint8_t *cu = cw + (size_t)u * 16u * 64u;
-                for (uint32_t c0 = 0; c0 < 16u; c0 += 4u) {
+                for (uint32_t c0 = 0; c0 < 16u; c0 += (uint32_t)WIDEN) {
                     __m256i i16[4];
                     for (int b = 0; b < NB; ++b) i16[b] = _mm256_setzero_si256();
-                    for (uint32_t c = c0; c < c0 + 4u; ++c) {
+                    for (uint32_t c = c0; c < c0 + (uint32_t)WIDEN; ++c) {
                         __m256i wv = _mm256_loadu_si256((const __m256i *)(cu + 64u * c));
                         __m256i lo = _mm256_and_si256(wv, m4);
                         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
