@@ -51,6 +51,23 @@ static inline void pkv_mqd_params(const uint8_t *blk, int family, float *s, floa
 #define PKV_TGT_MQD512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl")))
 #define PKV_TGT_MQD256 __attribute__((target("avx2,fma")))
 
+/* Butterflies between vectors, v[j] and v[j + H] for H = 1, 2, 4, 8 (strides of 16 H
+ * floats on 512-bit vectors, 8 H on 256-bit ones), in ascending order. */
+#define PKV_MQD_CROSS_STAGES_(V, v, ADD, SUB) do {                                      \
+        _Pragma("GCC unroll 4")                                                         \
+        for (int H = 1; H < 16; H <<= 1) {                                              \
+            _Pragma("GCC unroll 16")                                                    \
+            for (int i = 0; i < 16; i += 2 * H) {                                       \
+                _Pragma("GCC unroll 8")                                                 \
+                for (int j = i; j < i + H; ++j) {                                       \
+                    V a_ = (v)[j], c_ = (v)[j + H];                                     \
+                    (v)[j] = ADD(a_, c_);                                               \
+                    (v)[j + H] = SUB(a_, c_);                                           \
+                }                                                                       \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
 /* y = t + y * sg: one in-vector butterfly stage (see the file comment). */
 #define PKV_MQD_LANE_STAGE512_(v, t, h) \
     (v) = _mm512_fmadd_ps((v), sg##h, (t))
@@ -93,18 +110,7 @@ PKV_TGT_MQD512 static void pkv_mqd_groups_avx512(const uint8_t *raw, ptrdiff_t n
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0xB1), 4);
             PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0x4E), 8);
         }
-        _Pragma("GCC unroll 4")
-        for (int H = 1; H < 16; H <<= 1) {          /* strides 16 .. 128 floats */
-            _Pragma("GCC unroll 16")
-            for (int i = 0; i < 16; i += 2 * H) {
-                _Pragma("GCC unroll 8")
-                for (int j = i; j < i + H; ++j) {
-                    __m512 a = v[j], c = v[j + H];
-                    v[j] = _mm512_add_ps(a, c);
-                    v[j + H] = _mm512_sub_ps(a, c);
-                }
-            }
-        }
+        PKV_MQD_CROSS_STAGES_(__m512, v, _mm512_add_ps, _mm512_sub_ps);   /* strides 16-128 */
         float *o = out + (size_t)g * 256u;
         _Pragma("GCC unroll 16")
         for (int a = 0; a < 16; ++a)
@@ -153,18 +159,7 @@ PKV_TGT_MQD256 static void pkv_mqd_groups_avx2(const uint8_t *raw, ptrdiff_t n_g
                 v[a] = _mm256_fmadd_ps(v[a], sg2, _mm256_permute_ps(v[a], 0x4E));
                 v[a] = _mm256_fmadd_ps(v[a], sg4, _mm256_permute2f128_ps(v[a], v[a], 0x01));
             }
-            _Pragma("GCC unroll 4")
-            for (int H = 1; H < 16; H <<= 1) {          /* strides 8 .. 64 floats */
-                _Pragma("GCC unroll 16")
-                for (int i = 0; i < 16; i += 2 * H) {
-                    _Pragma("GCC unroll 8")
-                    for (int j = i; j < i + H; ++j) {
-                        __m256 a = v[j], c = v[j + H];
-                        v[j] = _mm256_add_ps(a, c);
-                        v[j + H] = _mm256_sub_ps(a, c);
-                    }
-                }
-            }
+            PKV_MQD_CROSS_STAGES_(__m256, v, _mm256_add_ps, _mm256_sub_ps);   /* strides 8-64 */
             _Pragma("GCC unroll 16")
             for (int a = 0; a < 16; ++a) _mm256_store_ps(half_buf + 128 * h + 8 * a, v[a]);
         }

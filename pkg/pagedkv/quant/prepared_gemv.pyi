@@ -1,3 +1,5 @@
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -16,7 +18,7 @@ class PreparedGemv:
     threads: int
     rotated: bool
     def __init__(self, raw: npt.ArrayLike | bytes | bytearray | memoryview, fmt: str | int,
-                 shape: tuple[int, int] | list[int], *, threads: int = 1,
+                 shape: Sequence[int], *, threads: int = 1,
                  isa: str | None = None) -> None: ...
     @property
     def shape(self) -> tuple[int, int]: ...

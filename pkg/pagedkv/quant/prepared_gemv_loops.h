@@ -315,6 +315,50 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     }
 }
 
+/* The integer part of one span for the vpdpbusd kernels (256- and 512-bit): fills
+ * ia[CH][NB] with the exact sums of (q - c) * xq, c folded into the start value.
+ * V: the vector type; LOAD, AND, SRL4, XOR, BCAST, DP: its operations. */
+#define PKV_PG_VNNI_SPAN_(V, LOAD, AND, SRL4, XOR, BCAST, DP, ZERO)                          \
+    const int8_t *xs[PKV_PG_MAX_NB];                                                        \
+    for (int b = 0; b < NB; ++b) {                                                          \
+        xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;                                 \
+        ia[0][b] = BCAST(-c0 * x->xqsum[(b0 + b) * ns + s]);                                \
+        for (int j = 1; j < CH; ++j) ia[j][b] = ZERO();                                     \
+    }                                                                                       \
+    if (KIND == PKV_PGEMV_NIBBLE) {                                                         \
+        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {                        \
+            const uint8_t *cu = cw + (size_t)u * 16u * 64u;                                 \
+            PKV_PG_UNROLL                                                                   \
+            for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {                         \
+                for (int j = 0; j < CH / 2; ++j) {                                          \
+                    V wv = LOAD(cu + 64u * (c + j));                                        \
+                    V lo = AND(wv, m4), hi = AND(SRL4(wv), m4);                             \
+                    for (int b = 0; b < NB; ++b) {                                          \
+                        const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j); \
+                        ia[2 * j][b] = DP(ia[2 * j][b], lo, BCAST(pkv_pg_load_i32(xu)));    \
+                        ia[2 * j + 1][b] = DP(ia[2 * j + 1][b], hi,                         \
+                                              BCAST(pkv_pg_load_i32(xu + 64)));             \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } else {                                                                                \
+        PKV_PG_UNROLL                                                                       \
+        for (uint32_t c = 0; c < span / 4u; c += (uint32_t)CH) {                            \
+            for (int j = 0; j < CH; ++j) {                                                  \
+                V wv = LOAD(cw + 64u * (c + j));                                            \
+                if (KIND == PKV_PGEMV_SBYTE) wv = XOR(wv, bias);                            \
+                for (int b = 0; b < NB; ++b)                                                \
+                    ia[j][b] = DP(ia[j][b], wv, BCAST(pkv_pg_load_i32(xs[b] + 4u * (c + j)))); \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+#define PKV_PG_LOAD256_(p) _mm256_loadu_si256((const __m256i *)(p))
+#define PKV_PG_SRL4_256_(v) _mm256_srli_epi16((v), 4)
+#define PKV_PG_LOAD512_(p) _mm512_loadu_si512((const void *)(p))
+#define PKV_PG_SRL4_512_(v) _mm512_srli_epi16((v), 4)
+
 /* AVX-VNNI: vpdpbusd on 256-bit vectors; Q8F16 codes biased by 128 (accumulator starts
  * at -128 * sum(xq)). */
 PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
@@ -328,44 +372,10 @@ PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, co
     const __m256i m4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80);
     const int32_t c0 = KIND == PKV_PGEMV_SBYTE ? 128 : w->center;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
-        __m256i ia[4][4];
-        const int8_t *xs[4];
-        for (int b = 0; b < NB; ++b) {
-            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
-            ia[0][b] = _mm256_set1_epi32(-c0 * x->xqsum[(b0 + b) * ns + s]);
-            for (int j = 1; j < CH; ++j) ia[j][b] = _mm256_setzero_si256();
-        }
-        if (KIND == PKV_PGEMV_NIBBLE) {
-            for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-                const uint8_t *cu = cw + (size_t)u * 16u * 64u;
-                PKV_PG_UNROLL
-                for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {
-                    for (int j = 0; j < CH / 2; ++j) {
-                        __m256i wv = _mm256_loadu_si256((const __m256i *)(cu + 64u * (c + j)));
-                        __m256i lo = _mm256_and_si256(wv, m4);
-                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
-                        for (int b = 0; b < NB; ++b) {
-                            const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j);
-                            ia[2 * j][b] = _mm256_dpbusd_avx_epi32(
-                                ia[2 * j][b], lo, _mm256_set1_epi32(pkv_pg_load_i32(xu)));
-                            ia[2 * j + 1][b] = _mm256_dpbusd_avx_epi32(
-                                ia[2 * j + 1][b], hi, _mm256_set1_epi32(pkv_pg_load_i32(xu + 64)));
-                        }
-                    }
-                }
-            }
-        } else {
-            PKV_PG_UNROLL
-            for (uint32_t c = 0; c < span / 4u; c += (uint32_t)CH) {
-                for (int j = 0; j < CH; ++j) {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(cw + 64u * (c + j)));
-                    if (KIND == PKV_PGEMV_SBYTE) wv = _mm256_xor_si256(wv, bias);
-                    for (int b = 0; b < NB; ++b)
-                        ia[j][b] = _mm256_dpbusd_avx_epi32(
-                            ia[j][b], wv, _mm256_set1_epi32(pkv_pg_load_i32(xs[b] + 4u * (c + j))));
-                }
-            }
-        }
+        __m256i ia[4][PKV_PG_MAX_NB];
+        PKV_PG_VNNI_SPAN_(__m256i, PKV_PG_LOAD256_, _mm256_and_si256, PKV_PG_SRL4_256_,
+                          _mm256_xor_si256, _mm256_set1_epi32, _mm256_dpbusd_avx_epi32,
+                          _mm256_setzero_si256)
         __m256i isum[4];
         for (int b = 0; b < NB; ++b) {
             isum[b] = ia[0][b];
@@ -396,43 +406,9 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m512i ia[4][PKV_PG_MAX_NB];
-        const int8_t *xs[PKV_PG_MAX_NB];
-        for (int b = 0; b < NB; ++b) {
-            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
-            ia[0][b] = _mm512_set1_epi32(-c0 * x->xqsum[(b0 + b) * ns + s]);
-            for (int j = 1; j < CH; ++j) ia[j][b] = _mm512_setzero_si512();
-        }
-        if (KIND == PKV_PGEMV_NIBBLE) {
-            for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-                const uint8_t *cu = cw + (size_t)u * 16u * 64u;
-                PKV_PG_UNROLL
-                for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {
-                    for (int j = 0; j < CH / 2; ++j) {
-                        __m512i wv = _mm512_loadu_si512((const void *)(cu + 64u * (c + j)));
-                        __m512i lo = _mm512_and_si512(wv, m4);
-                        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-                        for (int b = 0; b < NB; ++b) {
-                            const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j);
-                            ia[2 * j][b] = _mm512_dpbusd_epi32(
-                                ia[2 * j][b], lo, _mm512_set1_epi32(pkv_pg_load_i32(xu)));
-                            ia[2 * j + 1][b] = _mm512_dpbusd_epi32(
-                                ia[2 * j + 1][b], hi, _mm512_set1_epi32(pkv_pg_load_i32(xu + 64)));
-                        }
-                    }
-                }
-            }
-        } else {
-            PKV_PG_UNROLL
-            for (uint32_t c = 0; c < span / 4u; c += (uint32_t)CH) {
-                for (int j = 0; j < CH; ++j) {
-                    __m512i wv = _mm512_loadu_si512((const void *)(cw + 64u * (c + j)));
-                    if (KIND == PKV_PGEMV_SBYTE) wv = _mm512_xor_si512(wv, bias);
-                    for (int b = 0; b < NB; ++b)
-                        ia[j][b] = _mm512_dpbusd_epi32(
-                            ia[j][b], wv, _mm512_set1_epi32(pkv_pg_load_i32(xs[b] + 4u * (c + j))));
-                }
-            }
-        }
+        PKV_PG_VNNI_SPAN_(__m512i, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
+                          _mm512_xor_si512, _mm512_set1_epi32, _mm512_dpbusd_epi32,
+                          _mm512_setzero_si512)
         const size_t sb = (size_t)(t * ns + s) * PKV_PG_TR;
         __m512 sc = pkv_pg_load16_avx512(w->scales, w->f16, sb);
         __m512 mn = KIND != PKV_PGEMV_SBYTE
