@@ -67,8 +67,8 @@ static void gemv_formats(void) {
         uint8_t *codes = calloc((size_t)tiles * ns * 16 * pkv_pgemv_span_row_bytes(kind, span), 1);
         size_t np = (size_t)tiles * ns * 16, psz = f16 ? 2 : 4;
         void *scales = calloc(np, psz), *mins = calloc(np, psz);
-        if (q8) pkv_pgemv_pack_q8f16(raw, M, K, codes, scales);
-        else pkv_pgemv_pack_affine(raw, M, K, family, bits, G, codes, scales, mins);
+        if (q8) pkv_pgemv_pack_q8f16(raw, 0, M, K, codes, scales);
+        else pkv_pgemv_pack_affine(raw, 0, M, K, family, bits, G, codes, scales, mins);
         pkv_pgemv_w w = {codes, scales, q8 ? NULL : mins, M, K, tiles, ns, span, kind, f16,
                          q8 ? 0 : (int32_t)(1u << (bits - 1))};
         float *x = malloc(NB * K * 4), *dx = malloc(NB * ns * 4), *xs = malloc(NB * ns * 4);

@@ -162,7 +162,7 @@ def test_threads_and_batch_never_change_a_bit(fmt):
         assert g(x, threads=threads).tobytes() == want.tobytes()
     for b in range(9):                             # a row's result does not depend on its batch
         assert g(x[b]).tobytes() == want[b].tobytes()
-    g4 = Q.prepare_gemv(raw, fmt, (m, k), threads=4)
+    g4 = Q.prepare_gemv(raw, fmt, (m, k), threads=4)      # also repacked on 4 threads
     assert g4.threads == 4 and g4(x).tobytes() == want.tobytes()
 
 

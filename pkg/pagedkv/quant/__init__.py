@@ -170,7 +170,7 @@ def prepare_gemv(raw, fmt: str | int, shape: Sequence[int], *, threads: int = 1,
     than :func:`gemv`. Every HFQ/MQ format and Q8F16 with ``K % G == 0``. The copy
     takes ``nbytes`` (the stored bytes, f32 scales for v1 formats, 2- and 3-bit codes
     widened to 4 bits, 5- and 6-bit codes to 8). ``threads``: the default thread count
-    of its calls. ``isa``: a kernel name (``supported_isas()``; default: the best this
+    of its calls, also used for the repacking. ``isa``: a kernel name (``supported_isas()``; default: the best this
     CPU runs, or the ``PAGEDKV_CPU_ISA`` environment variable); every kernel gives the
     same bits.
     """

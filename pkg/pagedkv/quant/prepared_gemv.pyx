@@ -58,11 +58,11 @@ cdef extern from "prepared_gemv_loops.h" nogil:
                          Py_ssize_t t0, Py_ssize_t t1, int isa)
 
 cdef extern from "prepared_gemv_pack.h" nogil:
-    void pkv_pgemv_pack_affine(const uint8_t *raw, Py_ssize_t m, Py_ssize_t k, int family,
-                               unsigned bits, unsigned G, uint8_t *codes, void *scales,
-                               void *mins)
-    void pkv_pgemv_pack_q8f16(const uint8_t *raw, Py_ssize_t m, Py_ssize_t k, uint8_t *codes,
-                              uint16_t *scales)
+    void pkv_pgemv_pack_affine(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
+                               Py_ssize_t k, int family, unsigned bits, unsigned G,
+                               uint8_t *codes, void *scales, void *mins)
+    void pkv_pgemv_pack_q8f16(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
+                              Py_ssize_t k, uint8_t *codes, uint16_t *scales)
 
 cdef enum:
     FAMILY_HFQ = 0
@@ -114,6 +114,26 @@ def _aligned_zeros(Py_ssize_t n, dtype):
     buf = np.zeros(n * itemsize + ALIGN_BYTES, np.uint8)
     start = (-buf.ctypes.data) % ALIGN_BYTES
     return buf[start:start + n * itemsize].view(dtype)
+
+
+cdef struct _PackJob:
+    const uint8_t *raw
+    Py_ssize_t m, k
+    int family, kind
+    unsigned bits, G
+    uint8_t *codes
+    void *scales
+    void *mins
+
+
+cdef void _pack_part(void *ctx, int part, int n_parts) noexcept nogil:
+    cdef _PackJob *job = <_PackJob *>ctx
+    cdef Py_ssize_t r0 = job.m * part // n_parts, r1 = job.m * (part + 1) // n_parts
+    if job.kind == PKV_PGEMV_SBYTE:
+        pkv_pgemv_pack_q8f16(job.raw, r0, r1, job.k, job.codes, <uint16_t *>job.scales)
+    else:
+        pkv_pgemv_pack_affine(job.raw, r0, r1, job.k, job.family, job.bits, job.G, job.codes,
+                              job.scales, job.mins)
 
 
 cdef struct _Job:
@@ -214,16 +234,20 @@ cdef class PreparedGemv:
         if m == 0 or k == 0:
             return
         cdef const uint8_t[::1] src = data
-        cdef uint8_t *codes = <uint8_t *>cnp.PyArray_DATA(self._codes)
-        cdef void *scales = cnp.PyArray_DATA(self._scales)
-        cdef void *mins = <void *>self._w.mins
-        cdef unsigned ubits = bits, ug = g
-        cdef Py_ssize_t rows = m, cols = k
+        cdef _PackJob pack
+        pack.raw = &src[0]
+        pack.m = m
+        pack.k = k
+        pack.family = family
+        pack.kind = kind
+        pack.bits = bits
+        pack.G = g
+        pack.codes = <uint8_t *>cnp.PyArray_DATA(self._codes)
+        pack.scales = cnp.PyArray_DATA(self._scales)
+        pack.mins = <void *>self._w.mins
+        # the repacking runs on the object's threads too (whole rows per part)
         with nogil:
-            if kind == PKV_PGEMV_SBYTE:
-                pkv_pgemv_pack_q8f16(&src[0], rows, cols, codes, <uint16_t *>scales)
-            else:
-                pkv_pgemv_pack_affine(&src[0], rows, cols, family, ubits, ug, codes, scales, mins)
+            pool_run(_pack_part, &pack, self.threads)
 
     @property
     def shape(self):

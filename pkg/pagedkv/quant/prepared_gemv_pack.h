@@ -28,12 +28,13 @@ static inline void pkv_pgemv_put_span(const uint8_t *q, uint32_t span, int kind,
     }
 }
 
-/* Affine groups (family, bits, G; K % G == 0) of m rows into codes / scales / mins.
+/* Rows [row0, row1) of affine groups (family, bits, G; K % G == 0) into codes / scales /
+ * mins (rows write disjoint bytes, so ranges may run on different threads).
  * Spans: G for HFQ and MQ v1 (f32 parameters), 128 for MQ V2 and 256 for MQ4C (the
  * stored f16 bits). Nibble codes for 2-4 bits, bytes for 5-6 bits. */
-static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t m, ptrdiff_t k, int family,
-                                  uint32_t bits, uint32_t G, uint8_t *codes, void *scales,
-                                  void *mins) {
+static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
+                                  int family, uint32_t bits, uint32_t G, uint8_t *codes,
+                                  void *scales, void *mins) {
     const int kind = bits <= 4u ? PKV_PGEMV_NIBBLE : PKV_PGEMV_UBYTE;
     const uint32_t span = family == PKV_FAMILY_MQ_V2 ? 128u : G;
     const uint32_t spans_per_group = G / span;
@@ -42,7 +43,7 @@ static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t m, ptrdiff_t k, 
     const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * pkv_pgemv_span_row_bytes(kind, span);
     const int f16 = family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C;
     uint8_t q[256];
-    for (ptrdiff_t row = 0; row < m; ++row) {
+    for (ptrdiff_t row = row0; row < row1; ++row) {
         const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
         const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
         for (ptrdiff_t g = 0; g < groups_per_row; ++g) {
@@ -65,12 +66,12 @@ static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t m, ptrdiff_t k, 
     }
 }
 
-/* Q8F16 blocks (K % 32 == 0) of m rows: span 32, f16 scales, signed byte codes. */
-static void pkv_pgemv_pack_q8f16(const uint8_t *raw, ptrdiff_t m, ptrdiff_t k, uint8_t *codes,
-                                 uint16_t *scales) {
+/* Rows [row0, row1) of Q8F16 blocks (K % 32 == 0): span 32, f16 scales, signed codes. */
+static void pkv_pgemv_pack_q8f16(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
+                                 uint8_t *codes, uint16_t *scales) {
     const ptrdiff_t ns = k / (ptrdiff_t)PKV_Q8F16_GROUP;
     const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * PKV_Q8F16_GROUP;
-    for (ptrdiff_t row = 0; row < m; ++row) {
+    for (ptrdiff_t row = row0; row < row1; ++row) {
         const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
         const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
         for (ptrdiff_t s = 0; s < ns; ++s) {
