@@ -21,7 +21,7 @@ static float pkv_mqd_pre[256] __attribute__((aligned(64)));
 static float pkv_mqd_post[256] __attribute__((aligned(64)));
 
 /* Fill the tables (once, at module import, before any thread can call a decoder). */
-static void pkv_mqd_init_tables(void) {
+static inline void pkv_mqd_init_tables(void) {
     for (uint32_t i = 0; i < 256u; ++i) {
         pkv_mqd_pre[i] = pkv_sign2(i);
         pkv_mqd_post[i] = pkv_sign1(i) * PKV_FWHT_SCALE_256;
@@ -179,7 +179,7 @@ PKV_TGT_MQD256 static void pkv_mqd_groups_avx2(const uint8_t *raw, ptrdiff_t n_g
 /* Decode n_groups whole 4-bit rotated groups (family MQ_V1, MQ_V2 or MQ4C) into the
  * original basis, out[256 * n_groups]. Returns 0 when this CPU has no one-pass kernel
  * (AVX2 + FMA at least): the caller then decodes and un-rotates in two passes. */
-static int pkv_cpu_mq4_decode_original(const uint8_t *raw, ptrdiff_t n_groups, int family,
+static inline int pkv_cpu_mq4_decode_original(const uint8_t *raw, ptrdiff_t n_groups, int family,
                                        float *out) {
 #if defined(PKV_MQD_HAVE_X86)
     const size_t group_bytes = PKV_AFFINE_GROUP_BYTES(4u, 256u);
