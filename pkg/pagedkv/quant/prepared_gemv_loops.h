@@ -207,17 +207,75 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
 /* Arrays of vectors are sized by constants, never by NB: GCC keeps a fixed-size array
  * indexed by unrolled constants in registers, but a variable-length one in memory. */
 
-/* Integer accumulators per x row: 4 (two per nibble half, or per chunk parity) when a
- * pass holds 1-2 x rows, else 2, so that enough vpdpbusd chains (latency 5) are in
- * flight; the int32 sums are exact, so how they are split changes no result. */
-#define PKV_PG_CHAINS(NB) ((NB) <= 2 ? 4 : 2)
 /* Chunk loops are unrolled: a loop-carried vpdpbusd accumulator costs GCC 12 two
  * register copies per instruction. */
 #define PKV_PG_UNROLL _Pragma("GCC unroll 16")
 
-/* ---- 256-bit kernels (AVX2, AVX-VNNI): half a tile (8 rows), up to 4 x rows per pass.
- * The float sums live in y_tile (zeroed by the caller): 16 ymm registers hold only the
- * integer accumulators. ---- */
+/* The integer part of one span for the vpdpbusd kernels: fills ia[VPL][CH][NB] with the
+ * exact sums of (q - c) * xq, c folded into the start value. A chunk line of 64 bytes
+ * (16 rows x 4 bytes) is VPL vectors (2 of 256 bits, 1 of 512), loaded together so one
+ * x broadcast serves all 16 rows. CH accumulators per (vector, x row) keep enough
+ * vpdpbusd chains (latency 5) in flight: nibbles split low/high (and, for CH 4, chunk
+ * parity), bytes split chunk parity; the int32 sums are exact, so how they are split
+ * changes no result. V: the vector type; LOAD, AND, SRL4, XOR, BCAST, DP: its
+ * operations. */
+#define PKV_PG_VNNI_SPAN_(V, VPL, LOAD, AND, SRL4, XOR, BCAST, DP, ZERO)                   \
+    const int8_t *xs[PKV_PG_MAX_NB];                                                        \
+    for (int b = 0; b < NB; ++b) {                                                          \
+        xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;                                 \
+        for (int v = 0; v < VPL; ++v) {                                                     \
+            ia[v][0][b] = BCAST(-c0 * x->xqsum[(b0 + b) * ns + s]);  /* every row's lane */ \
+            for (int j = 1; j < CH; ++j) ia[v][j][b] = ZERO();                              \
+        }                                                                                   \
+    }                                                                                       \
+    if (KIND == PKV_PGEMV_NIBBLE) {                                                         \
+        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {                        \
+            const uint8_t *cu = cw + (size_t)u * 16u * 64u;                                 \
+            PKV_PG_UNROLL                                                                   \
+            for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {                         \
+                for (int j = 0; j < CH / 2; ++j) {                                          \
+                    V lo[VPL], hi[VPL];                                                     \
+                    for (int v = 0; v < VPL; ++v) {                                         \
+                        V wv = LOAD(cu + 64u * (c + j) + (64u / VPL) * v);                  \
+                        lo[v] = AND(wv, m4);                                                \
+                        hi[v] = AND(SRL4(wv), m4);                                          \
+                    }                                                                       \
+                    for (int b = 0; b < NB; ++b) {                                          \
+                        const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j); \
+                        V xl = BCAST(pkv_pg_load_i32(xu)), xh = BCAST(pkv_pg_load_i32(xu + 64)); \
+                        for (int v = 0; v < VPL; ++v) {                                     \
+                            ia[v][2 * j][b] = DP(ia[v][2 * j][b], lo[v], xl);               \
+                            ia[v][2 * j + 1][b] = DP(ia[v][2 * j + 1][b], hi[v], xh);       \
+                        }                                                                   \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } else {                                                                                \
+        PKV_PG_UNROLL                                                                       \
+        for (uint32_t c = 0; c < span / 4u; c += (uint32_t)CH) {                            \
+            for (int j = 0; j < CH; ++j) {                                                  \
+                V wv[VPL];                                                                  \
+                for (int v = 0; v < VPL; ++v) {                                             \
+                    wv[v] = LOAD(cw + 64u * (c + j) + (64u / VPL) * v);                     \
+                    if (KIND == PKV_PGEMV_SBYTE) wv[v] = XOR(wv[v], bias);                  \
+                }                                                                           \
+                for (int b = 0; b < NB; ++b) {                                              \
+                    V xb = BCAST(pkv_pg_load_i32(xs[b] + 4u * (c + j)));                    \
+                    for (int v = 0; v < VPL; ++v) ia[v][j][b] = DP(ia[v][j][b], wv[v], xb); \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+#define PKV_PG_LOAD256_(p) _mm256_loadu_si256((const __m256i *)(p))
+#define PKV_PG_SRL4_256_(v) _mm256_srli_epi16((v), 4)
+#define PKV_PG_LOAD512_(p) _mm512_loadu_si512((const void *)(p))
+#define PKV_PG_SRL4_512_(v) _mm512_srli_epi16((v), 4)
+
+/* ---- 256-bit kernels (AVX2, AVX-VNNI): rows 0-7 and 8-15 of a chunk line are two
+ * vectors, loaded together; 1-2 x rows per pass. The float sums live in y_tile (zeroed
+ * by the caller): the 16 ymm registers hold the integer accumulators. ---- */
 
 PKV_TGT_AVX2 PKV_PG_INLINE __m256 pkv_pg_load8_avx2(const void *p, int f16, size_t idx) {
     return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + idx)))
@@ -245,143 +303,107 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_float_stage8_(const pkv_pgemv_w *w, const
     }
 }
 
-/* AVX2: vpmaddubsw into int16, vpmaddwd to int32. Nibbles: 1-2 x rows sum 4 chunks in
- * int16 before widening; 3-4 widen every chunk, as 2 x 4 int16 accumulators more would
- * not fit the 16 registers (GCC spilled 1.6 values per vpmaddubsw). */
+/* AVX2: vpmaddubsw into int16, vpmaddwd to int32. Nibbles with one x row sum 4 chunks in
+ * int16 before widening; with two, every chunk widens (the 16 registers would not hold
+ * 2 x 2 int16 accumulators more). */
 PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
-                                                 ptrdiff_t b0, ptrdiff_t t, uint32_t h,
-                                                 float *y_tile, const int KIND, const int NB) {
+                                                 ptrdiff_t b0, ptrdiff_t t, float *y_tile,
+                                                 const int KIND, const int NB) {
     const uint32_t span = w->span;
     const ptrdiff_t ns = w->n_spans, k = w->k;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
-    const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk + 32u * h;
+    const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int WIDEN = NB <= 2 ? 4 : 1;
+    const int WIDEN = NB == 1 ? 4 : 1;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
-        __m256i i32[4];
-        const int8_t *xs[4];
+        __m256i i32[2][2];
+        const int8_t *xs[2];
         for (int b = 0; b < NB; ++b) {
             xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
-            i32[b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
+            i32[0][b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
+            i32[1][b] = i32[0][b];
         }
         if (KIND == PKV_PGEMV_NIBBLE) {
             for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
                 const uint8_t *cu = cw + (size_t)u * 16u * 64u;
                 for (uint32_t c0 = 0; c0 < 16u; c0 += (uint32_t)WIDEN) {
-                    __m256i i16[4];
-                    for (int b = 0; b < NB; ++b) i16[b] = _mm256_setzero_si256();
+                    __m256i i16[2][2];
+                    for (int b = 0; b < NB; ++b) i16[0][b] = i16[1][b] = _mm256_setzero_si256();
                     for (uint32_t c = c0; c < c0 + (uint32_t)WIDEN; ++c) {
-                        __m256i wv = _mm256_loadu_si256((const __m256i *)(cu + 64u * c));
-                        __m256i lo = _mm256_and_si256(wv, m4);
-                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                        __m256i lo[2], hi[2];
+                        for (int h = 0; h < 2; ++h) {
+                            __m256i wv = PKV_PG_LOAD256_(cu + 64u * c + 32u * h);
+                            lo[h] = _mm256_and_si256(wv, m4);
+                            hi[h] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                        }
                         for (int b = 0; b < NB; ++b) {
                             const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
-                            i16[b] = _mm256_add_epi16(i16[b], _mm256_maddubs_epi16(
-                                lo, _mm256_set1_epi32(pkv_pg_load_i32(xu))));
-                            i16[b] = _mm256_add_epi16(i16[b], _mm256_maddubs_epi16(
-                                hi, _mm256_set1_epi32(pkv_pg_load_i32(xu + 64))));
+                            __m256i xl = _mm256_set1_epi32(pkv_pg_load_i32(xu));
+                            __m256i xh = _mm256_set1_epi32(pkv_pg_load_i32(xu + 64));
+                            for (int h = 0; h < 2; ++h)
+                                i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)));
                         }
                     }
                     for (int b = 0; b < NB; ++b)
-                        i32[b] = _mm256_add_epi32(i32[b], _mm256_madd_epi16(i16[b], ones));
+                        for (int h = 0; h < 2; ++h)
+                            i32[h][b] = _mm256_add_epi32(i32[h][b], _mm256_madd_epi16(i16[h][b], ones));
                 }
             }
         } else {
             for (uint32_t c = 0; c < span / 4u; c += 2u) {
-                __m256i w0 = _mm256_loadu_si256((const __m256i *)(cw + 64u * c));
-                __m256i w1 = _mm256_loadu_si256((const __m256i *)(cw + 64u * c + 64u));
-                __m256i a0 = w0, a1 = w1;
-                if (KIND == PKV_PGEMV_SBYTE) {         /* |w| * sign(x, w): u8 * s8 */
-                    a0 = _mm256_sign_epi8(w0, w0);
-                    a1 = _mm256_sign_epi8(w1, w1);
-                }
+                __m256i wv[2][2], av[2][2];
+                for (int h = 0; h < 2; ++h)
+                    for (int j = 0; j < 2; ++j) {
+                        wv[h][j] = PKV_PG_LOAD256_(cw + 64u * (c + j) + 32u * h);
+                        /* Q8F16: |w| * sign(x, w), a u8 * s8 product */
+                        av[h][j] = KIND == PKV_PGEMV_SBYTE ? _mm256_sign_epi8(wv[h][j], wv[h][j])
+                                                           : wv[h][j];
+                    }
                 for (int b = 0; b < NB; ++b) {
                     __m256i x0 = _mm256_set1_epi32(pkv_pg_load_i32(xs[b] + 4u * c));
                     __m256i x1 = _mm256_set1_epi32(pkv_pg_load_i32(xs[b] + 4u * c + 4u));
-                    if (KIND == PKV_PGEMV_UBYTE) {
-                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0),
-                                                     _mm256_maddubs_epi16(w1, x1));
-                        i32[b] = _mm256_add_epi32(i32[b], _mm256_madd_epi16(p, ones));
-                    } else {
-                        __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, w0));
-                        __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, w1));
-                        i32[b] = _mm256_add_epi32(i32[b], _mm256_add_epi32(_mm256_madd_epi16(p0, ones),
-                                                                           _mm256_madd_epi16(p1, ones)));
+                    for (int h = 0; h < 2; ++h) {
+                        if (KIND == PKV_PGEMV_UBYTE) {      /* 2 x 63 x 127 x 2 fits int16 */
+                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(av[h][0], x0),
+                                                         _mm256_maddubs_epi16(av[h][1], x1));
+                            i32[h][b] = _mm256_add_epi32(i32[h][b], _mm256_madd_epi16(p, ones));
+                        } else {
+                            __m256i p0 = _mm256_maddubs_epi16(av[h][0], _mm256_sign_epi8(x0, wv[h][0]));
+                            __m256i p1 = _mm256_maddubs_epi16(av[h][1], _mm256_sign_epi8(x1, wv[h][1]));
+                            i32[h][b] = _mm256_add_epi32(i32[h][b], _mm256_add_epi32(
+                                _mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+                        }
                     }
                 }
             }
         }
-        pkv_pg_float_stage8_(w, x, b0, t, s, h, y_tile, i32, KIND, NB);
+        for (int h = 0; h < 2; ++h) pkv_pg_float_stage8_(w, x, b0, t, s, (uint32_t)h, y_tile, i32[h], KIND, NB);
     }
 }
-
-/* The integer part of one span for the vpdpbusd kernels (256- and 512-bit): fills
- * ia[CH][NB] with the exact sums of (q - c) * xq, c folded into the start value.
- * V: the vector type; LOAD, AND, SRL4, XOR, BCAST, DP: its operations. */
-#define PKV_PG_VNNI_SPAN_(V, LOAD, AND, SRL4, XOR, BCAST, DP, ZERO)                          \
-    const int8_t *xs[PKV_PG_MAX_NB];                                                        \
-    for (int b = 0; b < NB; ++b) {                                                          \
-        xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;                                 \
-        ia[0][b] = BCAST(-c0 * x->xqsum[(b0 + b) * ns + s]);                                \
-        for (int j = 1; j < CH; ++j) ia[j][b] = ZERO();                                     \
-    }                                                                                       \
-    if (KIND == PKV_PGEMV_NIBBLE) {                                                         \
-        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {                        \
-            const uint8_t *cu = cw + (size_t)u * 16u * 64u;                                 \
-            PKV_PG_UNROLL                                                                   \
-            for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {                         \
-                for (int j = 0; j < CH / 2; ++j) {                                          \
-                    V wv = LOAD(cu + 64u * (c + j));                                        \
-                    V lo = AND(wv, m4), hi = AND(SRL4(wv), m4);                             \
-                    for (int b = 0; b < NB; ++b) {                                          \
-                        const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j); \
-                        ia[2 * j][b] = DP(ia[2 * j][b], lo, BCAST(pkv_pg_load_i32(xu)));    \
-                        ia[2 * j + 1][b] = DP(ia[2 * j + 1][b], hi,                         \
-                                              BCAST(pkv_pg_load_i32(xu + 64)));             \
-                    }                                                                       \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
-    } else {                                                                                \
-        PKV_PG_UNROLL                                                                       \
-        for (uint32_t c = 0; c < span / 4u; c += (uint32_t)CH) {                            \
-            for (int j = 0; j < CH; ++j) {                                                  \
-                V wv = LOAD(cw + 64u * (c + j));                                            \
-                if (KIND == PKV_PGEMV_SBYTE) wv = XOR(wv, bias);                            \
-                for (int b = 0; b < NB; ++b)                                                \
-                    ia[j][b] = DP(ia[j][b], wv, BCAST(pkv_pg_load_i32(xs[b] + 4u * (c + j)))); \
-            }                                                                               \
-        }                                                                                   \
-    }
-
-#define PKV_PG_LOAD256_(p) _mm256_loadu_si256((const __m256i *)(p))
-#define PKV_PG_SRL4_256_(v) _mm256_srli_epi16((v), 4)
-#define PKV_PG_LOAD512_(p) _mm512_loadu_si512((const void *)(p))
-#define PKV_PG_SRL4_512_(v) _mm512_srli_epi16((v), 4)
 
 /* AVX-VNNI: vpdpbusd on 256-bit vectors; Q8F16 codes biased by 128 (accumulator starts
  * at -128 * sum(xq)). */
 PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
-                                                       ptrdiff_t b0, ptrdiff_t t, uint32_t h,
-                                                       float *y_tile, const int KIND, const int NB) {
-    const int CH = PKV_PG_CHAINS(NB);
+                                                       ptrdiff_t b0, ptrdiff_t t, float *y_tile,
+                                                       const int KIND, const int NB) {
+    const int CH = 2;
     const uint32_t span = w->span;
     const ptrdiff_t ns = w->n_spans, k = w->k;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
-    const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk + 32u * h;
+    const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80);
     const int32_t c0 = KIND == PKV_PGEMV_SBYTE ? 128 : w->center;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
-        __m256i ia[4][PKV_PG_MAX_NB];
-        PKV_PG_VNNI_SPAN_(__m256i, PKV_PG_LOAD256_, _mm256_and_si256, PKV_PG_SRL4_256_,
+        __m256i ia[2][2][2];
+        PKV_PG_VNNI_SPAN_(__m256i, 2, PKV_PG_LOAD256_, _mm256_and_si256, PKV_PG_SRL4_256_,
                           _mm256_xor_si256, _mm256_set1_epi32, _mm256_dpbusd_avx_epi32,
                           _mm256_setzero_si256)
-        __m256i isum[4];
-        for (int b = 0; b < NB; ++b) {
-            isum[b] = ia[0][b];
-            for (int j = 1; j < CH; ++j) isum[b] = _mm256_add_epi32(isum[b], ia[j][b]);
+        for (int h = 0; h < 2; ++h) {
+            __m256i isum[2];
+            for (int b = 0; b < NB; ++b) isum[b] = _mm256_add_epi32(ia[h][0][b], ia[h][1][b]);
+            pkv_pg_float_stage8_(w, x, b0, t, s, (uint32_t)h, y_tile, isum, KIND, NB);
         }
-        pkv_pg_float_stage8_(w, x, b0, t, s, h, y_tile, isum, KIND, NB);
     }
 }
 
@@ -395,7 +417,7 @@ PKV_TGT_AVX512 PKV_PG_INLINE __m512 pkv_pg_load16_avx512(const void *p, int f16,
 PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                      ptrdiff_t b0, ptrdiff_t t, float *y_tile,
                                                      const int KIND, const int NB) {
-    const int CH = PKV_PG_CHAINS(NB);
+    const int CH = NB <= 2 ? 4 : 2;         /* vpdpbusd chains per x row */
     const uint32_t span = w->span;
     const ptrdiff_t ns = w->n_spans, k = w->k;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
@@ -405,8 +427,8 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     __m512 acc[PKV_PG_MAX_NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
-        __m512i ia[4][PKV_PG_MAX_NB];
-        PKV_PG_VNNI_SPAN_(__m512i, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
+        __m512i ia[1][4][PKV_PG_MAX_NB];
+        PKV_PG_VNNI_SPAN_(__m512i, 1, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
                           _mm512_xor_si512, _mm512_set1_epi32, _mm512_dpbusd_epi32,
                           _mm512_setzero_si512)
         const size_t sb = (size_t)(t * ns + s) * PKV_PG_TR;
@@ -415,8 +437,8 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
             ? _mm512_add_ps(pkv_pg_load16_avx512(w->mins, w->f16, sb),
                             _mm512_mul_ps(sc, _mm512_set1_ps((float)w->center))) : sc;
         for (int b = 0; b < NB; ++b) {
-            __m512i isum = ia[0][b];
-            for (int j = 1; j < CH; ++j) isum = _mm512_add_epi32(isum, ia[j][b]);
+            __m512i isum = ia[0][0][b];
+            for (int j = 1; j < CH; ++j) isum = _mm512_add_epi32(isum, ia[0][j][b]);
             __m512 sd = _mm512_mul_ps(sc, _mm512_set1_ps(x->dx[(b0 + b) * ns + s]));
             acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sd));
             if (KIND != PKV_PGEMV_SBYTE)
@@ -432,36 +454,25 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
         else if (w->kind == PKV_PGEMV_UBYTE) BODY(PKV_PGEMV_UBYTE, N); \
         else BODY(PKV_PGEMV_SBYTE, N); \
     } while (0)
-#define PKV_PG_NB4_SWITCH_(BODY, n) do { \
-        switch (n) { \
-        case 1: PKV_PG_KIND_SWITCH_(BODY, 1); break; \
-        case 2: PKV_PG_KIND_SWITCH_(BODY, 2); break; \
-        case 3: PKV_PG_KIND_SWITCH_(BODY, 3); break; \
-        default: PKV_PG_KIND_SWITCH_(BODY, 4); break; \
-        } \
+/* The 256-bit kernels take 1-2 x rows per pass (their registers hold no more): a
+ * further pass over the tile reads its codes from L1/L2 again. */
+#define PKV_PG_NB2_SWITCH_(BODY, n) do { \
+        if ((n) == 1) PKV_PG_KIND_SWITCH_(BODY, 1); \
+        else PKV_PG_KIND_SWITCH_(BODY, 2); \
     } while (0)
 
-#ifndef PKV_PG_PASS_AVX2
-#define PKV_PG_PASS_AVX2 4
-#endif
-#ifndef PKV_PG_PASS_VNNI256
-#define PKV_PG_PASS_VNNI256 4
-#endif
-/* The 256-bit kernels take up to 4 x rows per pass: a second pass over the tile reads
- * its codes from L1/L2 again. */
-#define PKV_PG_AVX2_(KIND, N) for (uint32_t h = 0; h < 2u; ++h) \
-        pkv_pg_body_avx2_(w, x, b0 + bb, t, h, y_tile + bb * PKV_PG_TR, KIND, N)
+#define PKV_PG_AVX2_(KIND, N) pkv_pg_body_avx2_(w, x, b0 + bb, t, y_tile + bb * PKV_PG_TR, KIND, N)
 PKV_TGT_AVX2 static void pkv_pgemv_tile_avx2(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                              ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t, float *y_tile) {
-    for (ptrdiff_t bb = 0; bb < nb; bb += PKV_PG_PASS_AVX2) PKV_PG_NB4_SWITCH_(PKV_PG_AVX2_, nb - bb < PKV_PG_PASS_AVX2 ? nb - bb : PKV_PG_PASS_AVX2);
+    for (ptrdiff_t bb = 0; bb < nb; bb += 2) PKV_PG_NB2_SWITCH_(PKV_PG_AVX2_, nb - bb);
 }
 
-#define PKV_PG_AVXVNNI_(KIND, N) for (uint32_t h = 0; h < 2u; ++h) \
-        pkv_pg_body_avxvnni_(w, x, b0 + bb, t, h, y_tile + bb * PKV_PG_TR, KIND, N)
+#define PKV_PG_AVXVNNI_(KIND, N) \
+    pkv_pg_body_avxvnni_(w, x, b0 + bb, t, y_tile + bb * PKV_PG_TR, KIND, N)
 PKV_TGT_AVXVNNI static void pkv_pgemv_tile_avxvnni(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                    ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t,
                                                    float *y_tile) {
-    for (ptrdiff_t bb = 0; bb < nb; bb += PKV_PG_PASS_VNNI256) PKV_PG_NB4_SWITCH_(PKV_PG_AVXVNNI_, nb - bb < PKV_PG_PASS_VNNI256 ? nb - bb : PKV_PG_PASS_VNNI256);
+    for (ptrdiff_t bb = 0; bb < nb; bb += 2) PKV_PG_NB2_SWITCH_(PKV_PG_AVXVNNI_, nb - bb);
 }
 
 #define PKV_PG_AVX512_(KIND, N) pkv_pg_body_avx512_(w, x, b0, t, y_tile, KIND, N)
