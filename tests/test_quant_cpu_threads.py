@@ -52,6 +52,15 @@ def test_one_pass_mq4_decode_equals_decode_then_inverse_rotation_on_odd_headers(
     assert got.tobytes() == _two_pass(raw, fmt, (96, 256)).tobytes()
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512-vnni"])
+def test_the_isa_cap_picks_another_mq_decoder_with_the_same_bits(isa, monkeypatch):
+    rng = np.random.default_rng(5)
+    raw = Q.quantize(rng.standard_normal((64, 512)).astype(np.float32), "mq4g256v2")
+    want = Q.dequantize(raw, "mq4g256v2", (64, 512))
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)      # scalar: the two-pass path
+    assert Q.dequantize(raw, "mq4g256v2", (64, 512), threads=2).tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256", "q8f16", "hfq3g128"])
 def test_a_short_last_group_with_threads(fmt):
     rng = np.random.default_rng(3)

@@ -206,12 +206,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-ms", type=float, default=150.0)
     ap.add_argument("--shape", action="append", help="MxK (default: 4096x4096 and 4096x14336)")
-    ap.add_argument("--isa", help="pagedkv kernel (default: the best this CPU runs)")
+    ap.add_argument("--isa", help="pagedkv kernel, as PAGEDKV_CPU_ISA (default: the best here)")
     ap.add_argument("--only", help="comma-separated substrings: run the cases that match")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--threads-scaling", type=int, metavar="PAIRS",
                     help="only time 1 against 2 threads, PAIRS alternated pairs of calls")
     args = ap.parse_args(argv)
+    if args.isa:                         # the one-pass MQ dequantize follows it too
+        os.environ["PAGEDKV_CPU_ISA"] = args.isa
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shape] if args.shape else SHAPES
     if args.threads_scaling:
         load0 = os.getloadavg()

@@ -8,6 +8,8 @@ groups, zero-pad the short last group and apply the FWHT-256 for the rotated
 families.
 """
 
+import os
+
 cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy, memset
@@ -93,7 +95,7 @@ cdef extern from "affine_loops.h" nogil:
 cdef extern from "mq_decode_loops.h" nogil:
     void pkv_mqd_init_tables()
     int pkv_cpu_mq4_decode_original(const uint8_t *raw, Py_ssize_t n_groups, int family,
-                                    float *out)
+                                    float *out, int max_level)
 
 pkv_mqd_init_tables()
 
@@ -105,8 +107,17 @@ cdef struct _DecodeJob:
     const uint8_t *raw
     float *out
     Py_ssize_t n_whole, B, group
-    int family, bits
+    int family, bits, mq_level
     bint unrotate
+
+
+# PAGEDKV_CPU_ISA (docs/formats/cpu-gemv.md) caps the one-pass MQ decoder too: no kernel
+# for "scalar", the AVX2 one for the 256-bit kernels, else the best (same bits).
+_MQ_LEVELS = {"scalar": 0, "neon-dotprod": 0, "avx2": 1, "avx-vnni": 1}
+
+
+cdef int _mq_level():
+    return _MQ_LEVELS.get(os.environ.get("PAGEDKV_CPU_ISA", ""), 2)
 
 
 cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
@@ -115,7 +126,7 @@ cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
     cdef Py_ssize_t g0 = job.n_whole * part // n_parts, g1 = job.n_whole * (part + 1) // n_parts
     cdef Py_ssize_t g, count, B = job.B, group = job.group
     if job.unrotate and job.bits == 4 and group == 256 and pkv_cpu_mq4_decode_original(
-            &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group]):
+            &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group], job.mq_level):
         return
     g = g0
     while g < g1:
@@ -154,6 +165,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
     job.family = family
     job.bits = bits
     job.unrotate = unrotate
+    job.mq_level = _mq_level()
     with nogil:
         if n_whole > 0:
             # at least 64 groups (64 KiB of floats) per thread: less is not worth a wake-up

@@ -177,23 +177,24 @@ PKV_TGT_MQD256 static void pkv_mqd_groups_avx2(const uint8_t *raw, ptrdiff_t n_g
 #endif /* x86-64 */
 
 /* Decode n_groups whole 4-bit rotated groups (family MQ_V1, MQ_V2 or MQ4C) into the
- * original basis, out[256 * n_groups]. Returns 0 when this CPU has no one-pass kernel
- * (AVX2 + FMA at least): the caller then decodes and un-rotates in two passes. */
+ * original basis, out[256 * n_groups], with the best one-pass kernel this CPU runs up to
+ * max_level (0: none, 1: AVX2, 2: AVX-512). Returns 0 when none runs: the caller then
+ * decodes and un-rotates in two passes (same bits). */
 static inline int pkv_cpu_mq4_decode_original(const uint8_t *raw, ptrdiff_t n_groups, int family,
-                                       float *out) {
+                                              float *out, int max_level) {
 #if defined(PKV_MQD_HAVE_X86)
     const size_t group_bytes = PKV_AFFINE_GROUP_BYTES(4u, 256u);
     const unsigned features = pkv_cpu_features();
-    if (features & PKV_CPU_AVX512) {
+    if (max_level >= 2 && (features & PKV_CPU_AVX512)) {
         pkv_mqd_groups_avx512(raw, n_groups, family, group_bytes, out);
         return 1;
     }
-    if (features & PKV_CPU_AVX2) {
+    if (max_level >= 1 && (features & PKV_CPU_AVX2)) {
         pkv_mqd_groups_avx2(raw, n_groups, family, group_bytes, out);
         return 1;
     }
 #endif
-    (void)raw; (void)n_groups; (void)family; (void)out;
+    (void)raw; (void)n_groups; (void)family; (void)out; (void)max_level;
     return 0;
 }
 
