@@ -52,6 +52,35 @@ def test_one_pass_mq4_decode_equals_decode_then_inverse_rotation_on_odd_headers(
     assert got.tobytes() == _two_pass(raw, fmt, (96, 256)).tobytes()
 
 
+@pytest.mark.parametrize("fmt", ["mq4g256", "mq4g256v2", "mq4cg256"])
+def test_large_outputs_streamed_or_not_keep_the_bits(fmt):
+    """8 MiB of output takes streaming stores when out is aligned to the vector, plain
+    stores otherwise (NumPy's 16 bytes, 4 bytes): same bits."""
+    rng = np.random.default_rng(6)
+    shape = (2048, 1024)
+    raw = Q.quantize(rng.standard_normal(shape).astype(np.float32), fmt)
+    want = _two_pass(raw, fmt, shape)
+    buf = np.empty(2048 * 1024 + 16, np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    for offset in (start, start + 4, start + 1):         # 64-, 16-, 4-byte aligned
+        out = buf[offset:offset + 2048 * 1024].reshape(shape)
+        for threads in (1, 3):
+            out.fill(np.nan)
+            Q.dequantize(raw, fmt, shape, out=out, threads=threads)
+            assert out.tobytes() == want.tobytes(), (offset, threads)
+
+
+def test_dequantize_allocates_a_64_byte_aligned_output_with_the_same_bits():
+    rng = np.random.default_rng(7)
+    shape = (2048, 1024)                                 # 8 MiB: streamed
+    raw = Q.quantize(rng.standard_normal(shape).astype(np.float32), "mq4g256v2")
+    got = Q.dequantize(raw, "mq4g256v2", shape)
+    assert got.ctypes.data % 64 == 0 and got.shape == shape and got.flags.c_contiguous
+    assert got.tobytes() == _two_pass(raw, "mq4g256v2", shape).tobytes()
+    small = Q.dequantize(raw[:136], "mq4g256v2", (256,))
+    assert small.ctypes.data % 64 == 0 and small.shape == (256,)
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512-vnni"])
 def test_the_isa_cap_picks_another_mq_decoder_with_the_same_bits(isa, monkeypatch):
     rng = np.random.default_rng(5)

@@ -93,7 +93,7 @@ class DequantizeThreads:
 
     def setup(self, fmt, threads):
         self.raw = Q.quantize(_weights(4096, 4096), fmt)
-        self.out = np.empty((4096, 4096), np.float32)
+        self.out = prepared_gemv.aligned_empty((4096, 4096), np.float32)
 
     def time_dequantize(self, fmt, threads):
         Q.dequantize(self.raw, fmt, (4096, 4096), out=self.out, threads=threads)
@@ -144,7 +144,7 @@ def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None):
     """(name, op, callable or ggml command) for one shape; callables for pagedkv."""
     w = _weights(m, k)
     x8 = _weights(8, k, seed=1)
-    out = np.empty((m, k), np.float32)
+    out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
     cases = []
     for fmt in GEMV_FORMATS:
         raw = Q.quantize(w, fmt)
@@ -177,7 +177,7 @@ def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
     for m, k in shapes:
         w = _weights(m, k)
         x = _weights(1, k, seed=1)
-        out = np.empty((m, k), np.float32)
+        out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
         for fmt in GEMV_FORMATS:
             raw = Q.quantize(w, fmt)
             g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)

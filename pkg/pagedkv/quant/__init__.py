@@ -26,7 +26,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import affine, fwht, half, q8
 from pagedkv.quant.arguments import float_array, raw_bytes, reject_nonfinite, shape_tuple
 from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
-from pagedkv.quant.prepared_gemv import PreparedGemv, check_threads
+from pagedkv.quant.prepared_gemv import PreparedGemv, aligned_empty, check_threads
 
 __all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "prepare_gemv",
            "quantize", "resolve"]
@@ -85,7 +85,9 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     rotated (MQ) formats ``basis="original"`` undoes the FWHT per 256-group;
     ``basis="rotated"`` returns the stored basis, what the kernels emit (it needs
     the element count to be a multiple of 256). ``out``: a C-contiguous float32
-    array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer.
+    array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer;
+    one from ``pagedkv.quant.prepared_gemv.aligned_empty`` (64-byte aligned, as the
+    array allocated without ``out``) lets large MQ 4-bit decodes bypass the caches.
     ``threads``: decode the groups of HFQ/MQ/Q8 formats on that many threads (the
     bits do not depend on it; raw F16/BF16/F32 run on one).
     """
@@ -107,8 +109,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         raise InvalidArgument(
             f"basis='rotated' needs a multiple of 256 weights (whole rotated groups), got "
             f"shape {dims}")
-    if out is None:
-        result = np.empty(dims, dtype=np.float32)
+    if out is None:             # 64-byte aligned: the MQ decoders' streaming stores need it
+        result = aligned_empty(dims, np.float32)
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
             got = getattr(out, "dtype", type(out).__name__)

@@ -95,7 +95,7 @@ cdef extern from "affine_loops.h" nogil:
 cdef extern from "mq_decode_loops.h" nogil:
     void pkv_mqd_init_tables()
     int pkv_cpu_mq4_decode_original(const uint8_t *raw, Py_ssize_t n_groups, int family,
-                                    float *out, int max_level)
+                                    float *out, int max_level, size_t total_bytes)
 
 pkv_mqd_init_tables()
 
@@ -126,7 +126,8 @@ cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
     cdef Py_ssize_t g0 = job.n_whole * part // n_parts, g1 = job.n_whole * (part + 1) // n_parts
     cdef Py_ssize_t g, count, B = job.B, group = job.group
     if job.unrotate and job.bits == 4 and group == 256 and pkv_cpu_mq4_decode_original(
-            &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group], job.mq_level):
+            &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group], job.mq_level,
+            job.n_whole * group * sizeof(float)):
         return
     g = g0
     while g < g1:

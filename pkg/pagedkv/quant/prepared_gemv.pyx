@@ -108,12 +108,26 @@ def check_threads(threads):
     return int(threads)
 
 
-def _aligned_zeros(Py_ssize_t n, dtype):
-    """Zeroed ``dtype[n]`` starting on a 64-byte boundary (numpy only promises 16)."""
+def _aligned(alloc, Py_ssize_t n, dtype):
     itemsize = np.dtype(dtype).itemsize
-    buf = np.zeros(n * itemsize + ALIGN_BYTES, np.uint8)
+    buf = alloc(n * itemsize + ALIGN_BYTES, np.uint8)
     start = (-buf.ctypes.data) % ALIGN_BYTES
     return buf[start:start + n * itemsize].view(dtype)
+
+
+def _aligned_zeros(Py_ssize_t n, dtype):
+    """Zeroed ``dtype[n]`` starting on a 64-byte boundary (numpy only promises 16)."""
+    return _aligned(np.zeros, n, dtype)
+
+
+def aligned_empty(shape, dtype):
+    """Uninitialised C-contiguous ``dtype`` array of ``shape`` starting on a 64-byte
+    boundary (a cache line; NumPy's large arrays start 16 bytes past a page), so that
+    vector kernels can store whole lines to it (``dequantize`` allocates its output so)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return _aligned(np.empty, n, dtype).reshape(shape)
 
 
 cdef struct _PackJob:
