@@ -118,6 +118,18 @@ class FakeAllocator:
         return True
 
 
+def block_job(i: int, geometry=None):
+    """A ``BlockJob`` of random tokens and payload (seeded by ``i``) keyed under ``FP``."""
+    from pagedkv.cold import DEFAULT_FORMAT, ColdGroup, cold_key_chain
+    from pagedkv.cold.writer import BlockJob
+    g = geometry if geometry is not None else BlockGeometry.of(SPEC_GEOMETRY)
+    rng = np.random.default_rng(i)
+    toks = rng.integers(0, 1000, g.block_size, dtype=np.uint32)
+    buf = rng.integers(0, 256, (g.num_layers, 2, g.slab_bytes), dtype=np.uint8)
+    key = cold_key_chain(DEFAULT_FORMAT, ColdGroup.KV, FP, toks, g.block_size)[0]
+    return BlockJob(key, FP.hex(), g, toks, buf)
+
+
 def open_tier(path, **kw) -> ColdTier:
     kw.setdefault("quota_bytes", 1 << 30)
     kw.setdefault("reserve_bytes", 0)
@@ -163,10 +175,11 @@ def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 
     tier = None
     profile = family_profile("pagedkv_reference")
     if persist and resolve_persist(profile, config_value=True):
-        fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry)
+        fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry,
+                               compute=model.compute_identity)
         tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
                                 fingerprint=fp)
-    adapter = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+    adapter = PagedKVCacheAdapter(alloc, pool, cold=tier)
     prompt = np.asarray(prompt, np.int64)
     adapter.reset_for_new_request(0)
     hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)

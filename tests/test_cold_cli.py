@@ -203,7 +203,7 @@ def test_stats_skips_foreign_and_torn_trace_lines(tmp_path, capsys, monkeypatch)
 
 def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, capsys,
                                                                       monkeypatch):
-    from pagedkv.cold import offline
+    from pagedkv.cold import store
     root = _populate(tmp_path, 1)
     victim = min(os.listdir(root))
     data = bytearray((root / victim).read_bytes())
@@ -211,7 +211,7 @@ def test_verify_prune_says_when_a_bad_object_could_not_be_quarantined(tmp_path, 
     (root / victim).write_bytes(bytes(data))
 
     # a quarantine target the rename cannot reach
-    monkeypatch.setattr(offline, "quarantine_name", lambda *a: "no-such-dir/q")
+    monkeypatch.setattr(store, "quarantine_name", lambda *a: "no-such-dir/q")
     assert main(["cold", "verify", "--prune", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert f"BAD {victim}: " in out and "(NOT quarantined: No such file or directory)" in out

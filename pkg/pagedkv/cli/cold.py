@@ -60,7 +60,7 @@ def _missing_tier(base: str, child: str) -> str | None:
     return None
 
 
-def _open(args):
+def _open(args, *, quarantine_unowned: bool = False):
     from pagedkv.cold.knobs import cold_cache_base
     from pagedkv.cold.offline import open_offline_store
     from pagedkv.cold.root import MANAGED_CHILD
@@ -71,7 +71,8 @@ def _open(args):
         print(f"pagedkv cold: {problem}", file=sys.stderr)
         return None
     try:
-        return open_offline_store(base, child=MANAGED_CHILD)
+        return open_offline_store(base, child=MANAGED_CHILD,
+                                  quarantine_unowned=quarantine_unowned)
     except PagedKVError as exc:
         print(f"pagedkv cold: {exc}", file=sys.stderr)
         return None
@@ -96,6 +97,9 @@ def run_stats(args: argparse.Namespace) -> int:
         print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
     print(f"quota: {_mib(s.quota_bytes)}  reserve (free space kept): {_mib(s.reserve_bytes)}")
     print(f"quarantined entries: {s.quarantined}  writer temp files: {s.writer_temps}")
+    if s.unowned:
+        print(f"names sharing a key the index owns (not counted; quarantined by the next "
+              f"open or `pagedkv cold evict`): {s.unowned}")
     from pagedkv.cold.knobs import metrics_dir
     from pagedkv.cold.offline import trace_counters
     traced = trace_counters(metrics_dir())
@@ -115,22 +119,26 @@ def run_verify(args: argparse.Namespace) -> int:
     if store is None:
         return 2
     try:
-        checked, bad = verify_store(store, prune=args.prune)
+        result = verify_store(store, prune=args.prune)
     finally:
         store.close()
-    for b in bad:
+    for b in result.bad:
         note = ""
         if b.quarantined:
             note = "  (quarantined)"
         elif b.prune_error is not None:
             note = f"  (NOT quarantined: {b.prune_error})"
         print(f"BAD {b.name}: {b.reason}{note}")
-    print(f"verified {checked} objects: {checked - len(bad)} ok, {len(bad)} bad")
-    return 1 if bad else 0
+    n_bad = len(result.bad)
+    # An object a live server evicted or replaced during the scan is not a bad object.
+    vanished = f", {result.vanished} vanished during the scan" if result.vanished else ""
+    print(f"verified {result.checked} objects: {result.checked - n_bad - result.vanished} ok, "
+          f"{n_bad} bad{vanished}")
+    return 1 if n_bad else 0
 
 
 def run_evict(args: argparse.Namespace) -> int:
-    store = _open(args)
+    store = _open(args, quarantine_unowned=True)  # then deleted with the rest of quarantine
     if store is None:
         return 2
     try:

@@ -57,8 +57,8 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
     """The demo's tier bound to the saved model's fingerprint.
 
     Saving the model again is harmless: the same seed writes the same bytes, so the
-    fingerprint, and with it every object on disk, stays valid; another seed gives another
-    fingerprint and the old objects simply miss.
+    fingerprint, and with it every object on disk, stays valid; another seed or another
+    backend (``--backend``) gives another fingerprint and the old objects simply miss.
     """
     from pagedkv.cold import DEFAULT_FORMAT, ColdTier, family_profile, model_fingerprint
     from pagedkv.cold.root import MANAGED_CHILD
@@ -71,8 +71,10 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
     c = model.config
     geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
                             "float32")
+    # The backend is part of the fingerprint: NumPy and MLX KV differ in the last bits, and
+    # the demo checks byte parity, so each backend restores only KV it computed itself.
     fp = model_fingerprint(DEFAULT_FORMAT, model_dir, family_profile("pagedkv_reference"),
-                           geometry)
+                           geometry, compute=model.compute_identity)
     tier = ColdTier.open_at(os.path.join(base, MANAGED_CHILD), quota_bytes=1 << 30,
                             reserve_bytes=0, fingerprint=fp)
     if empty:
@@ -158,7 +160,7 @@ def run_child(args) -> int:
     request = build_requests(args, model.config.vocab_size)[0]
     prompt = np.asarray(request.prompt)
     adapter = build_paged_adapter(model, block_size=args.block_size,
-                                  num_blocks=args.max_blocks, cold_tier=tier)
+                                  num_blocks=args.max_blocks, cold=tier)
     adapter.reset_for_new_request(0)
     t0 = time.perf_counter()
     hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)

@@ -1,6 +1,7 @@
 """Type stubs of pagedkv.cold.codec (cold-tier.md §6)."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 from typing_extensions import disjoint_base
@@ -10,14 +11,19 @@ __all__ = [
     "LAYOUTS",
     "BlockGeometry",
     "DecodedBlock",
+    "ObjectHeader",
     "block_bound",
     "block_checksum",
     "checksum_of_named",
+    "checksum_of_stream",
     "decode_block",
     "decode_sidecar",
     "encode_block",
     "encode_sidecar",
+    "header_length",
     "header_overhead",
+    "parse_block_header",
+    "parse_sidecar_header",
     "sidecar_checksum",
 ]
 
@@ -69,3 +75,19 @@ def encode_sidecar(abi: str, checksum_tag: bytes, key_hex: str, fingerprint_hex:
 def decode_sidecar(data: object, *, abi: str, checksum_tag: bytes, group: str,
                    key_hex: str | None = ..., fingerprint_hex: str | None = ...,
                    bound: int = ..., path: str | None = ...) -> tuple[dict, np.ndarray]: ...
+
+class ObjectHeader(NamedTuple):
+    payload_start: int
+    checksum: str
+    tensors: list
+
+def header_length(data: object, object_size: int, path: str | None = ...) -> int: ...
+def parse_block_header(data: object, object_size: int, *, abi: str, key_hex: str | None = ...,
+                       fingerprint_hex: str | None = ..., path: str | None = ...
+                       ) -> ObjectHeader: ...
+def parse_sidecar_header(data: object, object_size: int, *, abi: str, group: str,
+                         key_hex: str | None = ..., fingerprint_hex: str | None = ...,
+                         path: str | None = ...) -> ObjectHeader: ...
+def checksum_of_stream(tag: bytes, tensors: Iterable[tuple[str, int]],
+                       readinto: Callable[[memoryview], int], chunk_bytes: int = ...,
+                       path: str | None = ...) -> str: ...

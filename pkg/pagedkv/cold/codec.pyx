@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,15 +23,18 @@ from pagedkv.errors import (BadMetadata, CountMismatch, FormatError, InvalidArgu
 
 __all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
            "block_checksum", "encode_block", "decode_block", "header_overhead",
-           "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar"]
+           "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar",
+           "ObjectHeader", "header_length", "parse_block_header", "parse_sidecar_header",
+           "checksum_of_stream"]
 
 DTYPE_CODES = {"float16": PKV_COLD_FLOAT16, "bfloat16": PKV_COLD_BFLOAT16,
                "float32": PKV_COLD_FLOAT32, "q8": PKV_COLD_Q8}
 LAYOUTS = frozenset({"nhd"})
 
 cdef object _U64 = struct.Struct("<Q")
-cdef object _DECIMAL = re.compile(r"^(0|[1-9][0-9]{0,18})$")
-cdef object _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Used with fullmatch only: `$` also matches before a trailing newline ("256\n").
+cdef object _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
+cdef object _HEX64 = re.compile(r"[0-9a-f]{64}")
 cdef str _ZERO_HEX = "0" * 64
 # Geometry limits a decoder accepts before it believes any length (forged counts).
 cdef Py_ssize_t _MAX_LAYERS = 4096
@@ -271,7 +275,7 @@ cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
             or head[at_fp:at_fp + 64] != fingerprint_hex.encode("ascii")):
         return None
     cs = head[at_cs:at_cs + 64].decode("latin-1")
-    return cs if _HEX64.match(cs) else None
+    return cs if _HEX64.fullmatch(cs) else None
 
 
 def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
@@ -282,15 +286,15 @@ def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
     are views of the caller's arrays (nothing copied). ``checksum`` (hex) is computed here
     unless the capture path already did. Bad input raises before anything is returned.
     """
-    if not _HEX64.match(key_hex):
+    if not _HEX64.fullmatch(key_hex):
         raise InvalidArgument(f"key_hex = {key_hex!r} must be 64 lowercase hex digits")
-    if not _HEX64.match(fingerprint_hex):
+    if not _HEX64.fullmatch(fingerprint_hex):
         raise InvalidArgument(f"fingerprint_hex = {fingerprint_hex!r} must be 64 lowercase hex")
     tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
     if checksum is None:
         checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry.num_layers,
                                    geometry.slab_bytes)
-    elif not _HEX64.match(checksum):
+    elif not _HEX64.fullmatch(checksum):
         raise InvalidArgument(f"checksum = {checksum!r} must be 64 lowercase hex digits")
     header = _header_bytes(abi, key_hex, fingerprint_hex, geometry, checksum)
     return (header, memoryview(tok_bytes), memoryview(flat))
@@ -319,7 +323,7 @@ def _reject_duplicates(pairs):
 
 cdef Py_ssize_t _decimal(dict meta, str field, Py_ssize_t lo, Py_ssize_t hi) except -1:
     v = meta.get(field)
-    if not isinstance(v, str) or not _DECIMAL.match(v):
+    if not isinstance(v, str) or not _DECIMAL.fullmatch(v):
         raise BadMetadata(f"metadata {field} = {v!r} is not a non-negative decimal")
     n = int(v)
     if not lo <= n <= hi:
@@ -327,11 +331,11 @@ cdef Py_ssize_t _decimal(dict meta, str field, Py_ssize_t lo, Py_ssize_t hi) exc
     return n
 
 
-cdef Py_ssize_t _header_length(const uint8_t[::1] raw, str path) except -1:
-    """Step 2a: the u64 header length, which must leave room for itself in the object."""
-    cdef Py_ssize_t size = raw.shape[0]
+cdef Py_ssize_t _header_length(const uint8_t[::1] raw, Py_ssize_t size, str path) except -1:
+    """Step 2a: the u64 header length, which must leave room for itself in an object of
+    ``size`` bytes. ``raw`` holds the object or at least its first 8 bytes."""
     cdef Py_ssize_t n
-    if size < 8:
+    if size < 8 or raw.shape[0] < 8:
         raise Truncated(f"object is {size} bytes, shorter than the 8-byte header length",
                         path=path, offset=0)
     n = <Py_ssize_t>(<uint64_t>raw[0] | (<uint64_t>raw[1] << 8) | (<uint64_t>raw[2] << 16)
@@ -407,32 +411,11 @@ cdef int _check_tensors(dict header, list names, list lengths, Py_ssize_t payloa
     return 0
 
 
-def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
-                 str fingerprint_hex=None, BlockGeometry expected=None,
-                 Py_ssize_t bound=-1, str path=None):
-    """Decode and verify a block object held in ``data`` (bytes-like), fail-closed (§6.6).
-
-    Checks, in order: size ≤ ``bound`` (default: the expected geometry's bound, else the
-    bound implied by the metadata); header length and JSON before anything else; ``abi``,
-    ``kind``, ``key``, ``fingerprint``; numeric fields, tensor names, dtypes, shapes and
-    contiguous offsets that end at the end of ``data``; the payload checksum; and, when
-    ``expected`` is given, geometry equality. Raises a ``FormatError`` subclass naming the
-    field; returns a :class:`DecodedBlock` of views into ``data``.
-    """
-    cdef const uint8_t[::1] raw = _object_bytes(data)
-    cdef Py_ssize_t size = raw.shape[0]
-    cdef Py_ssize_t n_header, payload_start, nl, bs, heads, hd, slab
-    if expected is not None and bound < 0:
-        bound = expected.bound
-    if bound >= 0 and size > bound:
-        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
-    n_header = _header_length(raw, path)
-    payload_start = 8 + n_header
-    if expected is not None and key_hex is not None and fingerprint_hex is not None:
-        # Fast path: byte-equal to the canonical header → only the checksum remains (step 5).
-        cs = _canonical_checksum(raw, abi, key_hex, fingerprint_hex, expected)
-        if cs is not None:
-            return _verified(data, raw, checksum_tag, cs, expected, payload_start, size, path)
+cdef tuple _block_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t payload_start,
+                         str abi, str key_hex, str fingerprint_hex, str path):
+    """Steps 2b-4 of a block object of ``size`` bytes whose header ``raw`` holds: its
+    geometry and stored checksum, after every structural check."""
+    cdef Py_ssize_t nl, bs, heads, hd, slab
     header, meta = _parse_header(raw, payload_start, path,
                                  (("abi", abi), ("kind", "block"), ("key", key_hex),
                                   ("fingerprint", fingerprint_hex)))
@@ -464,9 +447,37 @@ def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
     _check_tensors(header, _tensor_names(nl), [4 * bs] + [slab] * (2 * nl), payload_start,
                    size, path)
     cs = meta.get("checksum")
-    if not isinstance(cs, str) or not _HEX64.match(cs):
+    if not isinstance(cs, str) or not _HEX64.fullmatch(cs):
         raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
-    geometry = BlockGeometry(bs, nl, heads, hd, dtype, layout)
+    return BlockGeometry(bs, nl, heads, hd, dtype, layout), cs
+
+
+def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
+                 str fingerprint_hex=None, BlockGeometry expected=None,
+                 Py_ssize_t bound=-1, str path=None):
+    """Decode and verify a block object held in ``data`` (bytes-like), fail-closed (§6.6).
+
+    Checks, in order: size ≤ ``bound`` (default: the expected geometry's bound, else the
+    bound implied by the metadata); header length and JSON before anything else; ``abi``,
+    ``kind``, ``key``, ``fingerprint``; numeric fields, tensor names, dtypes, shapes and
+    contiguous offsets that end at the end of ``data``; the payload checksum; and, when
+    ``expected`` is given, geometry equality. Raises a ``FormatError`` subclass naming the
+    field; returns a :class:`DecodedBlock` of views into ``data``.
+    """
+    cdef const uint8_t[::1] raw = _object_bytes(data)
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t payload_start
+    if expected is not None and bound < 0:
+        bound = expected.bound
+    if bound >= 0 and size > bound:
+        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
+    payload_start = 8 + _header_length(raw, size, path)
+    if expected is not None and key_hex is not None and fingerprint_hex is not None:
+        # Fast path: byte-equal to the canonical header → only the checksum remains (step 5).
+        cs = _canonical_checksum(raw, abi, key_hex, fingerprint_hex, expected)
+        if cs is not None:
+            return _verified(data, raw, checksum_tag, cs, expected, payload_start, size, path)
+    geometry, cs = _block_fields(raw, size, payload_start, abi, key_hex, fingerprint_hex, path)
     out = _verified(data, raw, checksum_tag, cs, geometry, payload_start, size, path)
     if expected is not None and geometry != expected:
         raise SizeMismatch(f"object geometry {geometry!r} != pool geometry {expected!r}",
@@ -521,7 +532,7 @@ def encode_sidecar(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex
                    payload):
     """Encode one sidecar; returns ``(header, payload)`` for ``os.writev`` (no copy).
     ``payload``: C-contiguous ``uint8`` of ``layout.tensor_count * bytes_per_tensor``."""
-    if not _HEX64.match(key_hex) or not _HEX64.match(fingerprint_hex):
+    if not _HEX64.fullmatch(key_hex) or not _HEX64.fullmatch(fingerprint_hex):
         raise InvalidArgument("key_hex and fingerprint_hex must be 64 lowercase hex digits")
     if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 \
             or not payload.flags.c_contiguous:
@@ -550,18 +561,11 @@ def encode_sidecar(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex
     return _U64.pack(len(js)) + js, memoryview(flat)
 
 
-def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=None,
-                   str fingerprint_hex=None, Py_ssize_t bound=-1, str path=None):
-    """Decode and verify a sidecar object (§6.6), fail-closed. Returns ``(fields, payload)``:
-    the metadata's layout fields (``boundary_tokens``, ``num_layers``, ``tensors_per_layer``,
-    ``dtype``, ``dims``, ``bytes_per_tensor``) and a ``uint8[tensors, bytes_per_tensor]``
-    view of ``data``. Comparing them with the expected layout is the caller's step 6."""
-    cdef const uint8_t[::1] raw = _object_bytes(data)
-    cdef Py_ssize_t size = raw.shape[0]
-    cdef Py_ssize_t payload_start, nl, per, bpt, b, n
-    if bound >= 0 and size > bound:
-        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
-    payload_start = 8 + _header_length(raw, path)
+cdef tuple _sidecar_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t payload_start,
+                           str abi, str group, str key_hex, str fingerprint_hex, str path):
+    """Steps 2b-4 of a sidecar object of ``size`` bytes whose header ``raw`` holds: its
+    layout fields, stored checksum, tensor count and bytes per tensor."""
+    cdef Py_ssize_t nl, per, bpt, b, n
     header, meta = _parse_header(raw, payload_start, path,
                                  (("abi", abi), ("kind", "sidecar"), ("group", group),
                                   ("key", key_hex), ("fingerprint", fingerprint_hex)))
@@ -574,7 +578,7 @@ def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=
         raise BadMetadata(f"metadata dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}", path=path)
     dims_text = meta.get("dims", "")
     dims = dims_text.split(",") if dims_text else []
-    if not 1 <= len(dims) <= 8 or not all(_DECIMAL.match(d) and d != "0" for d in dims):
+    if not 1 <= len(dims) <= 8 or not all(_DECIMAL.fullmatch(d) and d != "0" for d in dims):
         raise BadMetadata(f"metadata dims = {dims_text!r}: 1-8 positive decimals", path=path)
     n = nl * per
     if n * bpt != size - payload_start or size > n * bpt + pkv_cold_header_overhead(n):
@@ -582,12 +586,110 @@ def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=
                            f"{size - payload_start}", path=path, offset=payload_start)
     _check_tensors(header, _sidecar_names(nl, per), [bpt] * n, payload_start, size, path)
     cs = meta.get("checksum")
-    if not isinstance(cs, str) or not _HEX64.match(cs):
+    if not isinstance(cs, str) or not _HEX64.fullmatch(cs):
         raise BadMetadata(f"metadata checksum missing or malformed: {cs!r}", path=path)
     fields = {"boundary_tokens": b, "num_layers": nl, "tensors_per_layer": per,
               "dtype": dtype, "dims": tuple(int(d) for d in dims), "bytes_per_tensor": bpt}
-    payload = np.frombuffer(data, dtype=np.uint8)[payload_start:size].reshape(n, bpt)
+    return fields, cs
+
+
+def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=None,
+                   str fingerprint_hex=None, Py_ssize_t bound=-1, str path=None):
+    """Decode and verify a sidecar object (§6.6), fail-closed. Returns ``(fields, payload)``:
+    the metadata's layout fields (``boundary_tokens``, ``num_layers``, ``tensors_per_layer``,
+    ``dtype``, ``dims``, ``bytes_per_tensor``) and a ``uint8[tensors, bytes_per_tensor]``
+    view of ``data``. Comparing them with the expected layout is the caller's step 6."""
+    cdef const uint8_t[::1] raw = _object_bytes(data)
+    cdef Py_ssize_t size = raw.shape[0]
+    cdef Py_ssize_t payload_start, nl, per, bpt
+    if bound >= 0 and size > bound:
+        raise SizeMismatch(f"object is {size} bytes, over the bound {bound}", path=path)
+    payload_start = 8 + _header_length(raw, size, path)
+    fields, cs = _sidecar_fields(raw, size, payload_start, abi, group, key_hex,
+                                 fingerprint_hex, path)
+    nl, per, bpt = fields["num_layers"], fields["tensors_per_layer"], fields["bytes_per_tensor"]
+    payload = np.frombuffer(data, dtype=np.uint8)[payload_start:size].reshape(nl * per, bpt)
     got = _sidecar_checksum(checksum_tag, nl, per, bpt, payload)
     if got != cs:
         raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
     return fields, payload
+
+
+# --- header-first verification (what `pagedkv cold verify` runs) ------------------------------
+
+class ObjectHeader(NamedTuple):
+    """What an object's header says, after steps 2-4: where the payload starts, the stored
+    checksum, and the payload's tensors as ``(name, nbytes)`` in canonical order."""
+
+    payload_start: int
+    checksum: str
+    tensors: list
+
+
+def header_length(data, Py_ssize_t object_size, str path=None):
+    """Step 2a from the first 8 bytes of an object of ``object_size`` bytes: the JSON
+    header's length, checked to fit the object (and 16 MiB) before anything is read for
+    it. A reader needs ``8 + header_length`` bytes for :func:`parse_block_header`."""
+    return _header_length(_object_bytes(data), object_size, path)
+
+
+cdef Py_ssize_t _header_prefix(const uint8_t[::1] raw, Py_ssize_t object_size,
+                               str path) except -1:
+    cdef Py_ssize_t payload_start = 8 + _header_length(raw, object_size, path)
+    if raw.shape[0] < payload_start:  # e.g. the file shrank after its size was taken
+        raise Truncated(f"{raw.shape[0]} bytes hold less than the header's "
+                        f"{payload_start} (8 + header_length)", path=path, offset=0)
+    return payload_start
+
+
+def parse_block_header(data, Py_ssize_t object_size, *, str abi, str key_hex=None,
+                       str fingerprint_hex=None, str path=None):
+    """Steps 2-4 of a block object of ``object_size`` bytes from ``data``, its first
+    ``8 + header_length`` bytes or more: every structural check, without the payload.
+    Returns an :class:`ObjectHeader`; the caller checksums the payload
+    (:func:`checksum_of_stream`)."""
+    cdef const uint8_t[::1] raw = _object_bytes(data)
+    cdef Py_ssize_t payload_start = _header_prefix(raw, object_size, path)
+    geometry, cs = _block_fields(raw, object_size, payload_start, abi, key_hex,
+                                 fingerprint_hex, path)
+    cdef BlockGeometry g = geometry
+    tensors = [(n, g.slab_bytes) for n in _tensor_names(g.num_layers)]
+    tensors[0] = ("tokens", 4 * g.block_size)
+    return ObjectHeader(payload_start, cs, tensors)
+
+
+def parse_sidecar_header(data, Py_ssize_t object_size, *, str abi, str group,
+                         str key_hex=None, str fingerprint_hex=None, str path=None):
+    """:func:`parse_block_header` for a sidecar object of group label ``group``."""
+    cdef const uint8_t[::1] raw = _object_bytes(data)
+    cdef Py_ssize_t payload_start = _header_prefix(raw, object_size, path)
+    fields, cs = _sidecar_fields(raw, object_size, payload_start, abi, group, key_hex,
+                                 fingerprint_hex, path)
+    bpt = fields["bytes_per_tensor"]
+    return ObjectHeader(payload_start, cs, [
+        (n, bpt) for n in _sidecar_names(fields["num_layers"], fields["tensors_per_layer"])])
+
+
+def checksum_of_stream(bytes tag, tensors, readinto, Py_ssize_t chunk_bytes=1 << 20,
+                       str path=None):
+    """The payload checksum (§6.4) of ``tensors`` (``(name, nbytes)`` in order) whose bytes
+    come, in order, from ``readinto(view) -> int`` (0 at the end): memory is one chunk of
+    ``chunk_bytes``, whatever the payload's size. A short stream raises ``Truncated``."""
+    h = hashlib.sha256(tag)
+    buf = bytearray(max(1, min(chunk_bytes, 1 << 26)))
+    view = memoryview(buf)
+    cdef Py_ssize_t left, got
+    for name, nbytes in tensors:
+        raw = name.encode("ascii")
+        h.update(_U64.pack(len(raw)))
+        h.update(raw)
+        h.update(_U64.pack(nbytes))
+        left = nbytes
+        while left > 0:
+            got = readinto(view[:min(left, len(buf))])
+            if got <= 0:
+                raise Truncated(f"payload ended {left} bytes short in tensor {name!r}",
+                                path=path, tensor=name)
+            h.update(view[:got])
+            left -= got
+    return h.hexdigest()

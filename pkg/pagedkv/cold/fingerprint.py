@@ -37,7 +37,7 @@ log = logging.getLogger("pagedkv.cold")
 FINGERPRINT_BYTES = 32
 MANIFEST_NAME = ".pagedkv-download-complete.json"
 _READ_CHUNK_BYTES = 1 << 20
-_REVISION = re.compile(r"^[0-9a-f]{40}$")
+_REVISION = re.compile(r"[0-9a-f]{40}")  # fullmatch: no trailing newline
 _u64 = struct.Struct("<Q").pack
 
 
@@ -100,7 +100,7 @@ def _read_manifest(model_dir: str, provenance: WeightProvenance | None):
 
 def _manifest_valid(manifest: dict, shards: list[str]) -> bool:
     rev, repo, files = manifest.get("revision"), manifest.get("repo"), manifest.get("files")
-    if not isinstance(rev, str) or not _REVISION.match(rev) or not isinstance(repo, str):
+    if not isinstance(rev, str) or not _REVISION.fullmatch(rev) or not isinstance(repo, str):
         return False
     if not isinstance(files, (list, tuple)) or not all(isinstance(f, str) for f in files):
         return False
@@ -194,15 +194,37 @@ def hfqm_weight_identity(fmt: ColdFormat, path: str, digest_cache=None) -> bytes
         return None
 
 
+def backend_compute_identity(backend: str) -> str:
+    """The compute identity of a process computing KV with ``backend`` (``"numpy"`` or
+    ``"mlx"``): the backend, its library version and (MLX) the default device, e.g.
+    ``"numpy-2.4.6"`` or ``"mlx-0.32.4:Device(gpu, 0)"``. Pass it as ``model_fingerprint(...,
+    compute=...)`` so KV computed by another backend, version or device never restores."""
+    from importlib.metadata import version
+
+    if backend == "mlx":
+        import mlx.core as mx
+        return f"mlx-{version('mlx')}:{mx.default_device()}"
+    if backend == "numpy":
+        import numpy
+        return f"numpy-{numpy.__version__}"
+    raise InvalidArgument(f"backend={backend!r}: expected 'numpy' or 'mlx'")
+
+
 def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
                       provenance: WeightProvenance | None = None,
-                      digest_cache=None, hfqm_file: str | None = None) -> bytes | None:
+                      digest_cache=None, hfqm_file: str | None = None,
+                      compute: str = "") -> bytes | None:
     """The 32-byte fingerprint of a model served with a pool geometry, or ``None``.
 
     Parts (§4.2): family name, raw ``config.json``, sidecar descriptor, weight identity,
-    ``index.json\\0`` + the shard index (only when present), pool geometry and layout.
-    ``None`` (logged) means persistence is off for this model. ``hfqm_file``: the model is
-    served from that HFQM file, whose identity replaces the safetensors shards'.
+    ``index.json\\0`` + the shard index (only when present), pool geometry and layout, and
+    the compute identity. ``None`` (logged) means persistence is off for this model.
+    ``hfqm_file``: the model is served from that HFQM file, whose identity replaces the
+    safetensors shards'. ``compute``: everything else that makes this process's KV differ
+    bitwise from another's for the same model (backend, library version, device, kernel
+    set), e.g. ``ReferenceModel.compute_identity``; KV restored under one fingerprint is
+    then bit-identical to what this process computes (docs/cold.md, "Keys and
+    fingerprint"). Empty for an engine with a single compute path.
     """
     if not os.path.isdir(model_dir):
         log.warning("cold tier: model_dir %s is not a directory; persistence off", model_dir)
@@ -230,4 +252,7 @@ def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
             log.warning("cold tier: cannot read %s (%s); persistence off", index_path, exc)
             return None
     parts.append(geometry_part(geometry))
+    if not isinstance(compute, str):
+        raise InvalidArgumentType(f"compute must be a str, got {type(compute).__name__}")
+    parts.append(compute.encode("utf-8"))
     return cold_fingerprint(fmt, parts)

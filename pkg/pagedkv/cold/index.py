@@ -50,10 +50,12 @@ class ColdIndex:
         return f"ColdIndex(objects={len(self._entries)}, total_bytes={self.total_bytes})"
 
     def rebuild(self, items: list[tuple[bytes, IndexEntry]]) -> None:
-        """Replace the contents with ``items`` (any order; sorted by recency here)."""
+        """Replace the contents with ``items`` (any order; sorted by recency here; of a
+        repeated key the most recent entry stays)."""
         with self.lock:
             self._entries = OrderedDict(sorted(items, key=lambda kv: kv[1].last_access_ns))
-            self.total_bytes = sum(e.size for _, e in items)
+            # From the entries kept, not from ``items``: a repeated key must not count twice.
+            self.total_bytes = sum(e.size for e in self._entries.values())
 
     def contains(self, key: bytes) -> bool:
         """Index probe only: no I/O, no counters."""

@@ -18,8 +18,9 @@ __all__ = [
     "temp_pid",
 ]
 
-_OBJECT = re.compile(r"^([0-9a-f]{64})(?:\.(gdn_state|sliding_window|conv_state))?\.safetensors$")
-_TEMP = re.compile(r"^\.([0-9a-f]{64})\.([0-9]+)\.([0-9]+)\.tmp$")
+# Whole names only (fullmatch): a `$` would also accept a trailing newline.
+_OBJECT = re.compile(r"([0-9a-f]{64})(?:\.(gdn_state|sliding_window|conv_state))?\.safetensors")
+_TEMP = re.compile(r"\.([0-9a-f]{64})\.([0-9]+)\.([0-9]+)\.tmp")
 QUARANTINE_PREFIX = ".blocked."
 WEIGHT_DIGESTS_NAME = "weight-digests.json"
 
@@ -33,7 +34,7 @@ def object_name(key: bytes, group: ColdGroup = ColdGroup.KV) -> str:
 
 def parse_object_name(name: str) -> tuple[bytes, ColdGroup] | None:
     """``(key, group)`` of a canonical object name, else ``None`` (never indexed)."""
-    m = _OBJECT.match(name)
+    m = _OBJECT.fullmatch(name)
     if m is None:
         return None
     group = ColdGroup.KV if m.group(2) is None else ColdGroup.from_label(m.group(2))
@@ -46,11 +47,11 @@ def temp_name(key: bytes, pid: int, ns: int) -> str:
 
 
 def is_writer_temp(name: str) -> bool:
-    return _TEMP.match(name) is not None
+    return _TEMP.fullmatch(name) is not None
 
 
 def temp_pid(name: str) -> int | None:
-    m = _TEMP.match(name)
+    m = _TEMP.fullmatch(name)
     return int(m.group(2)) if m else None
 
 

@@ -1,19 +1,25 @@
 """Offline maintenance of a cold root: the work behind ``pagedkv cold`` (cold-tier.md §9–10).
 
 ``verify`` is read-only unless asked to prune: it moves no counter, touches no mtime and
-changes no index; ``--prune`` renames each bad object to its quarantine name.
+changes no index; ``--prune`` renames each bad object to its quarantine name. It reads each
+object's length and header before anything else and streams the payload through the
+checksum, so its memory never depends on what a file claims or how large it is.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
-from pagedkv.cold.codec import decode_block, decode_sidecar
+from pagedkv.cold.codec import (
+    checksum_of_stream,
+    header_length,
+    parse_block_header,
+    parse_sidecar_header,
+)
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.names import is_quarantine, is_writer_temp, quarantine_name
+from pagedkv.cold.names import is_quarantine, is_writer_temp
 from pagedkv.cold.root import open_managed_root
 from pagedkv.cold.stats import ColdCounters
 from pagedkv.cold.store import ColdStore, auto_limits
@@ -22,6 +28,7 @@ from pagedkv.errors import FormatError
 __all__ = [
     "BadObject",
     "RootSummary",
+    "VerifyResult",
     "open_offline_store",
     "root_summary",
     "trace_counters",
@@ -33,14 +40,17 @@ OFFLINE_READ_LIMIT_BYTES = 1 << 32
 
 
 def open_offline_store(root: str, *, child: str | None = None,
-                       fmt: ColdFormat = DEFAULT_FORMAT) -> ColdStore:
-    """Open a root (same symlink/ownership rules) with a fresh index and no writer."""
+                       fmt: ColdFormat = DEFAULT_FORMAT,
+                       quarantine_unowned: bool = False) -> ColdStore:
+    """Open a root (same symlink/ownership rules) with a fresh index and no writer.
+    Read-only by default: names the index cannot own stay where they are (listed in
+    ``store.unowned``) unless ``quarantine_unowned``."""
     root_fd = open_managed_root(root, child)
     quota, reserve = auto_limits(root_fd)
     path = os.path.join(os.path.realpath(root), child) if child else os.path.realpath(root)
     store = ColdStore(root_fd, path, ColdCounters(), quota_bytes=quota, reserve_bytes=reserve,
                       fmt=fmt)
-    store.scan()
+    store.scan(quarantine_unowned=quarantine_unowned)
     return store
 
 
@@ -55,45 +65,108 @@ class BadObject:
     prune_error: str | None = None
 
 
-def verify_store(store: ColdStore, *, prune: bool = False) -> tuple[int, list[BadObject]]:
-    """Decode every indexed object, KV blocks and sidecars, with the checks of §6.6
-    (geometry or layout against the object's own metadata). Returns ``(checked, bad)``;
-    with ``prune`` bad objects are quarantined."""
+@dataclass(frozen=True)
+class VerifyResult:
+    """``checked`` objects (the indexed ones and the names the index could not own), the
+    ``bad`` ones, and how many ``vanished`` between the scan and their check (evicted or
+    replaced by a live server: not bad)."""
+
+    checked: int
+    bad: list[BadObject]
+    vanished: int = 0
+
+
+_CHUNK_BYTES = 1 << 20
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """``n`` bytes at ``offset`` (short only at the end of the file)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _check_object(store: ColdStore, fd: int, size: int, key: bytes, group: ColdGroup,
+                  name: str) -> None:
+    """Header first, then the payload streamed through the checksum: memory is the header
+    (at most 16 MiB, and only once its length fits the file) plus one 1 MiB chunk, whatever
+    the file's size. Raises ``FormatError`` naming what is wrong."""
+    n = header_length(_pread_exact(fd, 8, 0), size, name)
+    prefix = _pread_exact(fd, 8 + n, 0)
+    if group is ColdGroup.KV:
+        header = parse_block_header(prefix, size, abi=store.fmt.abi, key_hex=key.hex(),
+                                    path=name)
+    else:
+        header = parse_sidecar_header(prefix, size, abi=store.fmt.abi, group=group.label,
+                                      key_hex=key.hex(), path=name)
+    os.lseek(fd, header.payload_start, os.SEEK_SET)
+    got = checksum_of_stream(store.payload_tag, header.tensors,
+                             lambda view: os.readv(fd, [view]), _CHUNK_BYTES, path=name)
+    if got != header.checksum:
+        raise FormatError(f"payload checksum {got} != stored {header.checksum}", path=name)
+    if os.fstat(fd).st_size != size:
+        raise FormatError(f"object changed size while it was read ({size} bytes before)",
+                          path=name)
+
+
+def _verify_one(store: ColdStore, key: bytes, group: ColdGroup, name: str) -> str | None:
+    """Why the object at ``name`` is bad, ``None`` if it is good; raises
+    ``FileNotFoundError`` when it is gone."""
+    status, fd, st, exc = store.open_object(name)
+    if status == "absent":
+        raise FileNotFoundError(name)
+    if status != "ok":
+        detail = f" ({exc.strerror})" if exc is not None and exc.strerror else ""
+        return {"refused": "not a regular file", "unreadable": f"cannot be read{detail}",
+                "busy": f"cannot be opened now{detail}"}[status]
+    try:
+        if st.st_size > OFFLINE_READ_LIMIT_BYTES:
+            return "larger than any valid object"
+        _check_object(store, fd, st.st_size, key, group, name)
+        return None
+    except FormatError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)  # no utime: verify is read-only
+
+
+def verify_store(store: ColdStore, *, prune: bool = False) -> VerifyResult:
+    """Check every indexed object, KV blocks and sidecars, with the checks of §6.6
+    (geometry or layout against the object's own metadata), header first and the payload
+    streamed. Names the index could not own (``store.unowned``) are bad too. An object that
+    vanished since the scan is counted apart, never bad. With ``prune`` bad objects are
+    quarantined (unless they could not even be opened for want of descriptors)."""
     bad: list[BadObject] = []
-    checked = 0
+    checked = vanished = 0
     for key, entry in store.index.snapshot():
         checked += 1
-        status, data, _, fd = store.read_bounded(entry.file_name, OFFLINE_READ_LIMIT_BYTES)
-        reason = None
-        if status != "ok":
-            reason = {"absent": "missing or not openable", "refused": "not a regular file",
-                      "oversized": "larger than any valid object"}[status]
-        else:
-            try:
-                if entry.group is ColdGroup.KV:
-                    decode_block(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
-                                 key_hex=key.hex(), path=entry.file_name)
-                else:
-                    decode_sidecar(data, abi=store.fmt.abi, checksum_tag=store.payload_tag,
-                                   group=entry.group.label, key_hex=key.hex(),
-                                   path=entry.file_name)
-            except FormatError as exc:
-                reason = str(exc)
-            finally:
-                os.close(fd)  # no utime: verify is read-only
-        if reason is None:
+        try:
+            reason = _verify_one(store, key, entry.group, entry.file_name)
+        except FileNotFoundError:
+            vanished += 1
             continue
-        quarantined, prune_error = False, None
-        if prune:
-            try:
-                os.rename(entry.file_name,
-                          quarantine_name(entry.file_name, os.getpid(), time.time_ns()),
-                          src_dir_fd=store.root_fd, dst_dir_fd=store.root_fd)
-                quarantined = True
-            except OSError as exc:
-                prune_error = exc.strerror or str(exc)
-        bad.append(BadObject(entry.file_name, reason, quarantined, prune_error))
-    return checked, bad
+        if reason is not None:
+            bad.append(_bad(store, entry.file_name, reason,
+                            prune and not reason.startswith("cannot be opened now")))
+    for name, owner in store.unowned:
+        checked += 1
+        bad.append(_bad(store, name, f"shares its key with {owner}; the index owns one "
+                                     "object per key, so this one is never used", prune))
+    return VerifyResult(checked, bad, vanished)
+
+
+def _bad(store: ColdStore, name: str, reason: str, prune: bool) -> BadObject:
+    if not prune:
+        return BadObject(name, reason)
+    error = store.quarantine(name)
+    return BadObject(name, reason, error is None, error)
 
 
 @dataclass
@@ -106,11 +179,14 @@ class RootSummary:
     reserve_bytes: int = 0
     quarantined: int = 0
     writer_temps: int = 0
+    #: Object names sharing a key the index already owns: never counted in ``total_bytes``.
+    unowned: int = 0
 
 
 def root_summary(store: ColdStore) -> RootSummary:
     s = RootSummary(store.root_path, quota_bytes=store.quota_bytes,
-                    reserve_bytes=store.reserve_bytes, total_bytes=store.index.total_bytes)
+                    reserve_bytes=store.reserve_bytes, total_bytes=store.index.total_bytes,
+                    unowned=len(store.unowned))
     for g in ColdGroup:
         s.objects[g.label] = 0
         s.bytes_by_group[g.label] = 0

@@ -38,9 +38,9 @@ def platform_supported() -> bool:
             and os.utime in os.supports_fd)
 
 
-def _open_child(parent_fd: int, name: str, shown_path: str) -> int:
+def _open_child(parent_fd: int, name: str, shown_path: str, what: str) -> int:
     """Open (creating with 0700 if missing) directory ``name`` under ``parent_fd``;
-    ``shown_path`` is the full path errors name."""
+    ``shown_path`` is the full path errors name, ``what`` the kind of directory."""
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
@@ -51,54 +51,56 @@ def _open_child(parent_fd: int, name: str, shown_path: str) -> int:
         try:
             return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
-            raise InvalidArgument(f"cold root {shown_path!r} cannot be opened after creating it "
+            raise InvalidArgument(f"{what} {shown_path!r} cannot be opened after creating it "
                                   f"({exc.strerror}); choose another directory") \
                 from None
     except OSError as exc:
         # ELOOP (a symlink) or ENOTDIR (a regular file in its place): refuse.
         raise InvalidArgument(
-            f"cold root {shown_path!r} is not a plain directory ({exc.strerror}); a cold root must "
+            f"{what} {shown_path!r} is not a plain directory ({exc.strerror}); a {what} must "
             "not be a symlink or a file — remove it or choose another directory") from None
 
 
-def open_managed_root(base: str, child: str | None) -> int:
+def open_managed_root(base: str, child: str | None, *, what: str = "cold root") -> int:
     """Open ``<realpath(base)>/<child>`` (or ``base`` itself as the managed dir when
     ``child`` is None, its parent acting as the base) and return the root fd.
 
     Raises ``InvalidArgument`` (tier disabled) for a symlinked or foreign-owned root.
+    ``what`` names the directory in messages (the turn trace opens its directory with the
+    same rules: "metrics dir").
     """
     if not platform_supported():
         raise InvalidArgument("this platform lacks dir_fd or O_NOFOLLOW; cold tier disabled")
     base = os.fspath(base)
     if not base or not base.strip():
-        raise InvalidArgument(f"cold root base = {base!r} is blank")
+        raise InvalidArgument(f"{what} base = {base!r} is blank")
     if child is None:
         parent, child = os.path.split(os.path.abspath(base).rstrip(os.sep) or os.sep)
         if not child:
-            raise InvalidArgument(f"cold root {base!r} has no final component")
+            raise InvalidArgument(f"{what} {base!r} has no final component")
         base = parent
     real = os.path.realpath(base)
     try:
         os.makedirs(real, mode=0o700, exist_ok=True)
         base_fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileExistsError, NotADirectoryError):
-        raise InvalidArgument(f"cold root base {real!r} is not a directory (a file is in its "
-                              "place); choose a directory for the cold tier") from None
+        raise InvalidArgument(f"{what} base {real!r} is not a directory (a file is in its "
+                              f"place); choose a directory for the {what}") from None
     except OSError as exc:
-        raise InvalidArgument(f"cold root base {real!r} cannot be opened ({exc.strerror}); "
+        raise InvalidArgument(f"{what} base {real!r} cannot be opened ({exc.strerror}); "
                               "choose a directory this user can create and write") from None
     try:
-        root_fd = _open_child(base_fd, child, os.path.join(real, child))
+        root_fd = _open_child(base_fd, child, os.path.join(real, child), what)
     finally:
         os.close(base_fd)
     try:
         st = os.fstat(root_fd)
         if not stat.S_ISDIR(st.st_mode):
-            raise InvalidArgument(f"cold root {os.path.join(real, child)!r} is not a directory; "
+            raise InvalidArgument(f"{what} {os.path.join(real, child)!r} is not a directory; "
                                   "remove it or choose another directory")
         if st.st_uid != os.geteuid():
             raise InvalidArgument(
-                f"cold root {os.path.join(real, child)!r} is owned by uid {st.st_uid}, not by "
+                f"{what} {os.path.join(real, child)!r} is owned by uid {st.st_uid}, not by "
                 f"this process's effective uid {os.geteuid()}; chown it to this user or "
                 "choose another directory")
         os.fchmod(root_fd, 0o700)

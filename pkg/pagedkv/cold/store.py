@@ -8,6 +8,7 @@ Index mutations happen under ``index.lock``; probes read the dict without it.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -39,6 +40,14 @@ DURABILITY_MODES = ("fsync", "full")
 #: inject failures and SIGKILLs there).
 WRITE_STEPS = ("open", "write", "sync", "rename", "dirsync")
 _GIB = 1 << 30
+#: Names one ``remove_quarantine`` call deletes at most (a hostile tree cannot hold
+#: ``pagedkv cold evict`` forever; the next call continues).
+MAX_QUARANTINE_ENTRIES = 1 << 20
+_HOISTED = itertools.count()
+#: open/read errors that say nothing about the object (the process is out of descriptors
+#: or memory, or was interrupted): a miss, never a reason to drop the object.
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR,
+                               errno.EAGAIN})
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                | getattr(os, "O_CLOEXEC", 0))
@@ -92,6 +101,8 @@ class ColdStore:
         self.payload_tag = fmt.tag("cold-cache-payload")
         #: Test hook: called as ``hook(step)`` before each step of WRITE_STEPS.
         self.step_hook: Callable[[str], None] | None = None
+        #: ``(name, owner)`` of object names the last :meth:`scan` could not index.
+        self.unowned: list[tuple[str, str]] = []
 
     def __repr__(self) -> str:
         return (f"ColdStore(root={self.root_path!r}, objects={len(self.index)}, "
@@ -99,12 +110,21 @@ class ColdStore:
 
     # --- opening -------------------------------------------------------------------------
 
-    def scan(self) -> int:
+    def scan(self, *, quarantine_unowned: bool = True) -> int:
         """Clean dead writers' temps, then rebuild the index from regular files with
-        canonical names (size and mtime from ``lstat``). Returns the object count."""
+        canonical names (size and mtime from ``lstat``). Returns the object count.
+
+        The index owns one object per key, and ``total_bytes`` counts exactly what it owns.
+        A second name with an owned key (``<hex>.safetensors`` beside
+        ``<hex>.gdn_state.safetensors``) cannot be owned: it is listed in ``unowned`` as
+        ``(name, owner)`` and, with ``quarantine_unowned``, moved to quarantine, so it is
+        neither counted nor left to fill the disk (``pagedkv cold evict`` deletes it).
+        The KV block keeps the key, else the first name in sort order.
+        """
         clean_writer_temps(self.root_fd)
-        items = []
-        for name in os.listdir(self.root_fd):
+        owned: dict[bytes, IndexEntry] = {}
+        unowned: list[tuple[str, str]] = []
+        for name in sorted(os.listdir(self.root_fd)):
             parsed = parse_object_name(name)
             if parsed is None:
                 continue
@@ -112,11 +132,35 @@ class ColdStore:
                 st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
-                items.append((parsed[0], IndexEntry(parsed[1], name, st.st_size,
-                                                    st.st_mtime_ns)))
-        self.index.rebuild(items)
-        return len(items)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            key, group = parsed
+            entry = IndexEntry(group, name, st.st_size, st.st_mtime_ns)
+            prior = owned.get(key)
+            if prior is not None:
+                if group is ColdGroup.KV and prior.group is not ColdGroup.KV:
+                    prior, entry = entry, prior
+                unowned.append((entry.file_name, prior.file_name))
+                entry = prior
+            owned[key] = entry
+        self.unowned = unowned
+        if quarantine_unowned:
+            for name, owner in unowned:
+                log.warning("cold tier: %s shares its key with %s; the index owns one object "
+                            "per key, so it is quarantined", name, owner)
+                self.quarantine(name)
+            self.unowned = []
+        self.index.rebuild(list(owned.items()))
+        return len(owned)
+
+    def quarantine(self, name: str) -> str | None:
+        """Rename ``name`` to its quarantine name; ``None`` on success, else why not."""
+        try:
+            os.rename(name, quarantine_name(name, os.getpid(), time.time_ns()),
+                      src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -131,21 +175,49 @@ class ColdStore:
     def contains_in(self, key: bytes, group: ColdGroup) -> bool:
         return self.index.contains_in(key, group)
 
-    def read_bounded(self, name: str, bound: int, buffer: bytearray | None = None):
-        """Open ``name`` without following links or blocking and read at most ``bound + 1``
-        bytes. Returns ``(status, data, ident, fd)``: status is ``"ok"``, ``"absent"``
-        (not opened), ``"refused"`` (not a regular file) or ``"oversized"``. The caller
-        closes ``fd`` (``-1`` unless status is ``"ok"``)."""
+    def open_object(self, name: str):
+        """Open ``name`` read-only without following links or blocking. Returns
+        ``(status, fd, st, error)``: status ``"ok"`` (``fd`` open, ``st`` its ``fstat``, a
+        regular file), ``"absent"`` (no such name), ``"refused"`` (not a regular file:
+        a link, directory, FIFO...), ``"unreadable"`` (open or fstat refused for the object
+        itself: EACCES, EIO...; ``st`` from ``lstat`` when possible) or ``"busy"`` (refused
+        for a reason that says nothing about the object: out of descriptors or memory).
+        ``error`` is the ``OSError`` behind a failure, else ``None``."""
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=self.root_fd)
-        except OSError:
-            return "absent", None, None, -1
+        except FileNotFoundError as exc:
+            return "absent", -1, None, exc
+        except OSError as exc:
+            if exc.errno in _TRANSIENT_ERRNOS:
+                return "busy", -1, None, exc
+            try:
+                st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
+            except OSError:
+                return "absent", -1, None, exc
+            # ELOOP/ENXIO: a link or socket in place of the object.
+            return ("unreadable" if stat.S_ISREG(st.st_mode) else "refused"), -1, st, exc
         try:
             st = os.fstat(fd)
-            ident = (st.st_dev, st.st_ino)
-            if not stat.S_ISREG(st.st_mode):
-                os.close(fd)
-                return "refused", None, ident, -1
+        except OSError as exc:
+            os.close(fd)
+            return ("busy" if exc.errno in _TRANSIENT_ERRNOS else "unreadable"), -1, None, exc
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return "refused", -1, st, None
+        return "ok", fd, st, None
+
+    def read_bounded(self, name: str, bound: int, buffer: bytearray | None = None):
+        """Open ``name`` (:meth:`open_object`) and read at most ``bound + 1`` bytes.
+        Returns ``(status, data, ident, fd)``: status is one of :meth:`open_object`'s or
+        ``"oversized"``; ``ident`` is ``(st_dev, st_ino)`` of what was found there when
+        known. The caller closes ``fd`` (``-1`` unless status is ``"ok"``)."""
+        status, fd, st, exc = self.open_object(name)
+        ident = (st.st_dev, st.st_ino) if st is not None else None
+        if status != "ok":
+            if status == "unreadable":
+                log.warning("cold tier: cannot open %s (%s)", name, exc)
+            return status, None, ident, -1
+        try:
             if st.st_size > bound:
                 os.close(fd)
                 return "oversized", None, ident, -1
@@ -163,9 +235,12 @@ class ColdStore:
                 os.close(fd)
                 return "oversized", None, ident, -1
             return "ok", view[:got], ident, fd
-        except OSError:
+        except OSError as exc:
             os.close(fd)
-            return "refused", None, None, -1
+            if exc.errno in _TRANSIENT_ERRNOS:
+                return "busy", None, ident, -1
+            log.warning("cold tier: cannot read %s (%s)", name, exc)
+            return "unreadable", None, ident, -1
 
     def _load(self, key: bytes, name: str, bound: int, buffer, decode):
         """§9 for one object: bounded read, ``decode(data)`` (a ``FormatError`` is a
@@ -174,9 +249,13 @@ class ColdStore:
         status, data, ident, fd = self.read_bounded(name, bound, buffer)
         if status != "ok":
             self.counters.add("misses")
+            if status == "busy":  # nothing wrong with the object: keep it for next time
+                return None
             if status == "oversized":
                 self.counters.add("corruptions")
                 log.warning("cold tier: %s is larger than its bound %d; pruned", name, bound)
+            # An unreadable object is dropped like a corrupt one, so the next capture
+            # rewrites it instead of every restart missing it forever.
             self.prune_failed_load(key, name, ident)
             return None
         try:
@@ -260,12 +339,13 @@ class ColdStore:
     def prune_failed_load(self, key: bytes, name: str, ident) -> None:
         """Clear a bad object's name and de-index it, sparing a concurrent writer's
         replacement (a regular file with another inode, or one that appeared after a
-        not-found)."""
+        not-found). The entry goes only if it is ``name``'s: a miss under another name
+        (a sidecar load for a key indexed as a block) leaves the owner of the key alone."""
         with self.index.lock:
             try:
                 st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
             except FileNotFoundError:
-                self.index.remove(key)
+                self._forget(key, name)
                 return
             except OSError:
                 st = None
@@ -273,6 +353,11 @@ class ColdStore:
                     ident is None or (st.st_dev, st.st_ino) != tuple(ident)):
                 return
             self.clear_name(name)
+            self._forget(key, name)
+
+    def _forget(self, key: bytes, name: str) -> None:
+        entry = self.index.get(key)
+        if entry is not None and entry.file_name == name:
             self.index.remove(key)
 
     # --- writes --------------------------------------------------------------------------
@@ -335,6 +420,11 @@ class ColdStore:
             with self.index.lock:
                 self._step("rename")
                 os.rename(tmp, name, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+                old = self.index.get(key)
+                if old is not None and old.file_name != name:
+                    # One object per key: the entry replaced names another file, which
+                    # must not stay on disk uncounted.
+                    self.clear_name(old.file_name)
                 self.index.put(key, IndexEntry(group, name, size, time.time_ns()))
                 try:
                     self._step("dirsync")
@@ -359,19 +449,58 @@ class ColdStore:
 
     # --- offline maintenance -------------------------------------------------------------
 
-    def remove_quarantine(self) -> int:
+    def remove_quarantine(self, max_entries: int = MAX_QUARANTINE_ENTRIES) -> int:
         """Delete every ``.blocked.*`` entry (a directory with its contents, never following
-        a link). Returns the count removed."""
+        a link). Returns the count of those entries removed.
+
+        Iterative, one descriptor at a time: a directory inside a quarantined tree is moved
+        up into the root as a quarantine entry of its own before its parent is removed, so
+        a tree of any depth costs neither recursion nor a descriptor per level. At most
+        ``max_entries`` names are deleted per call; what is left waits for the next one.
+        """
+        top = [n for n in os.listdir(self.root_fd) if is_quarantine(n)]
+        pending = list(reversed(top))
+        top_names = set(top)
         removed = 0
-        for name in os.listdir(self.root_fd):
-            if not is_quarantine(name):
-                continue
+        budget = max_entries
+        while pending and budget > 0:
+            name = pending.pop()
             try:
-                _remove_tree(self.root_fd, name)
-                removed += 1
+                budget -= self._remove_flat(name, pending)
             except OSError as exc:
                 log.warning("cold tier: cannot remove quarantined %s: %s", name, exc)
+                continue
+            removed += name in top_names
+        if pending:
+            log.warning("cold tier: quarantine removal stopped after %d entries; %d left for "
+                        "the next `pagedkv cold evict`", max_entries, len(pending))
         return removed
+
+    def _remove_flat(self, name: str, pending: list[str]) -> int:
+        """Remove root entry ``name``: a non-directory is unlinked; a directory has its
+        files unlinked and its subdirectories renamed into the root (appended to
+        ``pending``), then is removed. Returns the names handled."""
+        st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=self.root_fd)
+            return 1
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=self.root_fd)
+        handled = 1
+        try:
+            for child in os.listdir(fd):
+                if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
+                    hoisted = quarantine_name(f"tree{next(_HOISTED)}", os.getpid(),
+                                              time.time_ns())
+                    os.rename(child, hoisted, src_dir_fd=fd, dst_dir_fd=self.root_fd)
+                    pending.append(hoisted)
+                else:
+                    os.unlink(child, dir_fd=fd)
+                handled += 1
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=self.root_fd)
+        return handled
 
     def evict_to(self, target_bytes: int) -> int:
         """Evict least-recently-read objects until ``total_bytes <= target_bytes``."""
@@ -389,17 +518,3 @@ class ColdStore:
                 self.counters.add("evictions")
                 evicted += 1
         return evicted
-
-
-def _remove_tree(dir_fd: int, name: str) -> None:
-    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dir_fd)
-        return
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-    try:
-        for child in os.listdir(fd):
-            _remove_tree(fd, child)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dir_fd)

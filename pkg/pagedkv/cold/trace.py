@@ -3,7 +3,9 @@
 One appended JSON line per successful turn in ``<dir>/<YYYY-MM-DD>-<pid>.jsonl`` (dir:
 ``PAGEDKV_METRICS_DIR``, default ``~/.pagedkv/metrics/traces``; off with
 ``PAGEDKV_METRICS=0``). The host supplies the turn fields; pagedkv adds the deltas of every
-cold counter since its previous record. Never raises (a failure is logged once).
+cold counter since its previous record. Never raises (a failure is logged once). The
+directory and the file follow the cold root's rules (no symlinks, owned by this user, 0700
+directory, 0600 file): see ``TurnTraceWriter._append``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import json
 import logging
 import math
 import os
+import stat
 import threading
 import time
 
 from pagedkv.cold.knobs import metrics_dir, metrics_enabled
+from pagedkv.cold.root import open_managed_root
 from pagedkv.cold.stats import SIDECAR_COUNTERS, cold_sidecar_stats
 from pagedkv.cold.tier import cold_cache_stats
+from pagedkv.errors import InvalidArgument
 
 __all__ = ["HOST_FIELDS", "TurnTraceWriter"]
 
@@ -28,6 +33,8 @@ HOST_FIELDS = ("v", "trace_id", "ts_ms", "model", "duration_ms", "prompt_tokens"
                "cached_tokens", "output_tokens")
 _OPTIONAL_HOST_FIELDS = ("session_id", "ttft_ms", "prefill_tps", "decode_tps")
 _TOTALS = ("corruptions", "queue_drops", "write_errors")
+_APPEND_FLAGS = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | getattr(os, "O_CLOEXEC", 0))
 
 
 class TurnTraceWriter:
@@ -54,6 +61,32 @@ class TurnTraceWriter:
         day = time.strftime("%Y-%m-%d", time.localtime())
         return os.path.join(self.directory, f"{day}-{os.getpid()}.jsonl")
 
+    def _append(self, line: bytes) -> None:
+        """Append ``line`` to today's file under the cold root's rules: the directory is
+        opened without following a final symlink, owned by this user and made 0700
+        (created so when missing); the file is opened relative to it with ``O_NOFOLLOW``
+        and must be a regular file of ours with one link. So a symlink or hard link planted
+        in a shared metrics directory cannot make the server append to another file."""
+        dir_fd = open_managed_root(self.directory, None, what="metrics dir")
+        try:
+            name = os.path.basename(self.path())
+            fd = os.open(name, _APPEND_FLAGS, 0o600, dir_fd=dir_fd)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
+                        or st.st_nlink != 1:
+                    raise InvalidArgument(
+                        f"trace file {os.path.join(self.directory, name)!r} is not a regular "
+                        f"file of this user with one link (uid {st.st_uid}, "
+                        f"{st.st_nlink} links); remove it")
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
     def record(self, fields: dict) -> dict | None:
         """Append ``fields`` plus the cold deltas; returns the written record (``None`` when
         disabled or on failure)."""
@@ -78,10 +111,8 @@ class TurnTraceWriter:
                 self._last_cold, self._last_sidecar = cold, sidecar
                 if not self.enabled:
                     return None
-                os.makedirs(self.directory, mode=0o700, exist_ok=True)
                 line = json.dumps(out, separators=(",", ":"), allow_nan=False) + "\n"
-                with open(self.path(), "a", encoding="utf-8") as f:
-                    f.write(line)
+                self._append(line.encode("utf-8"))
                 return out
         except Exception as exc:  # noqa: BLE001 - a trace must never break a turn
             if not self._warned:

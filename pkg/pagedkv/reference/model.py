@@ -13,10 +13,13 @@ import numpy as np
 
 from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgumentType
 from pagedkv.reference.config import ReferenceConfig
+from pagedkv.reference.hybrid_config import HybridConfig
+from pagedkv.reference.hybrid_kv import HybridFlatKV, HybridKVPath
 from pagedkv.reference.kv_paths import FlatKV, KVPath
 from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
 
 if TYPE_CHECKING:  # mlx_forward imports MLX: only for the checker
+    from pagedkv.reference.hybrid_forward import HybridTransformer
     from pagedkv.reference.mlx_forward import MlxTransformer
     from pagedkv.reference.numpy_forward import NumpyTransformer
 
@@ -37,7 +40,12 @@ class Generation(NamedTuple):
 
 
 class ReferenceModel:
-    """Seeded decoder-only transformer (float32) on the NumPy or MLX backend."""
+    """Seeded decoder-only transformer (float32) on the NumPy or MLX backend.
+
+    A :class:`~pagedkv.reference.hybrid_config.HybridConfig` makes it the hybrid model (full,
+    sliding-window and gated-delta-net layers, a KV-shared alias), which runs over a
+    :class:`~pagedkv.reference.hybrid_kv.HybridKVPath` instead of a ``KVPath``.
+    """
 
     def __init__(self, config: ReferenceConfig | None = None,
                  weights: dict[str, np.ndarray] | None = None, *, backend: str = "numpy") -> None:
@@ -46,19 +54,44 @@ class ReferenceModel:
         self.config = config if config is not None else ReferenceConfig()
         self.weights = weights if weights is not None else random_weights(self.config)
         self.backend = backend
-        self._impl: MlxTransformer | NumpyTransformer
-        if backend == "mlx":
+        self._impl: MlxTransformer | NumpyTransformer | HybridTransformer
+        if isinstance(self.config, HybridConfig):
+            from pagedkv.reference.hybrid_forward import HybridTransformer
+            self._impl = HybridTransformer(self.config, self.weights, backend)
+        elif backend == "mlx":
             from pagedkv.reference.mlx_forward import MlxTransformer
             self._impl = MlxTransformer(self.config, self.weights)
         else:
             from pagedkv.reference.numpy_forward import NumpyTransformer
             self._impl = NumpyTransformer(self.config, self.weights)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the config mixes layer kinds (the model then needs a ``HybridKVPath``)."""
+        return isinstance(self.config, HybridConfig)
+
     def __repr__(self) -> str:
         c = self.config
+        if isinstance(c, HybridConfig):
+            kinds = (f"{len(c.full_attention_layers)} full + {len(c.sliding_attention_layers)} "
+                     f"sliding(window={c.sliding_window}) + {len(c.linear_attention_layers)} "
+                     f"linear, {len(c.kv_shared_layers)} kv-shared")
+            return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers} ({kinds}), "
+                    f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
+                    f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
         return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers}, "
                 f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
                 f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
+
+    @property
+    def compute_identity(self) -> str:
+        """What makes this model's KV differ bitwise from the same weights run elsewhere:
+        the backend, its library version and (MLX) the device, e.g. ``"numpy-2.4.6"`` or
+        ``"mlx-0.32.4:Device(gpu, 0)"``. The cold tier puts it in the fingerprint
+        (``model_fingerprint(..., compute=...)``), so a restore never mixes backends."""
+        from pagedkv.cold.fingerprint import backend_compute_identity
+
+        return backend_compute_identity(self.backend)
 
     # --- persistence -------------------------------------------------------------------------
 
@@ -80,17 +113,28 @@ class ReferenceModel:
 
     # --- inference ---------------------------------------------------------------------------
 
-    def new_flat_kv(self) -> FlatKV:
-        """An empty flat KV path on this model's backend."""
+    def new_flat_kv(self) -> FlatKV | HybridFlatKV:
+        """An empty flat KV path on this model's backend (a ``HybridFlatKV`` for a hybrid
+        config)."""
+        if isinstance(self.config, HybridConfig):
+            return HybridFlatKV(self.config, self.backend)
         return FlatKV(self.config, self.backend)
 
-    def forward(self, tokens, kv: KVPath, *, already_recorded: bool = False) -> np.ndarray:
+    def forward(self, tokens, kv: KVPath | HybridKVPath, *,
+                already_recorded: bool = False) -> np.ndarray:
         """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``.
 
         ``kv.extend(tokens)`` reserves the positions first (the paged path records the tokens in
         the adapter). With ``already_recorded=True`` the caller has done that already (a batched
         ``record_decode_tokens``): the tokens are then the last ``n`` that ``kv`` holds.
         """
+        # hasattr, not isinstance on the Protocol: that costs ~100 us per decode step.
+        if self.is_hybrid != hasattr(kv, "linear_state"):
+            need = ("a HybridKVPath (HybridFlatKV)" if self.is_hybrid
+                    else "a KVPath (FlatKV, PagedKV)")
+            raise InvalidArgumentType(
+                f"{type(kv).__name__} cannot carry this model's state: it needs {need}; "
+                "model.new_flat_kv() makes the right one")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size == 0:
             raise InvalidArgument(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
@@ -117,9 +161,9 @@ class ReferenceModel:
                 "sequence or a config with a larger max_position")
         if not already_recorded:
             kv.extend(tokens)
-        return self._impl.forward(tokens, start, kv)
+        return self._impl.forward(tokens, start, kv)  # type: ignore[arg-type]
 
-    def generate(self, prompt, max_new_tokens: int, kv: KVPath) -> Generation:
+    def generate(self, prompt, max_new_tokens: int, kv: KVPath | HybridKVPath) -> Generation:
         """Greedy decoding. ``kv`` may already hold ``prompt[:kv.num_tokens]`` (a prefix hit or a
         live previous turn): only the rest of the prompt is computed. The last generated token
         is not fed back, so ``kv`` ends holding ``prompt + tokens[:-1]``.
