@@ -8,6 +8,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pagedkv.quant as Q
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
@@ -185,6 +187,28 @@ def test_fresh_random_inputs_stay_within_the_documented_bound(fmt, seed):
     # for 2-bit codes, whose |q - c| is large relative to their spread)
     rel = np.linalg.norm(y[0] - exact[0]) / np.linalg.norm(exact[0])
     assert rel < (0.02 if Q.resolve(fmt).bits == 2 else 0.01)
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(["hfq4g256", "mq4g256v2", "q8f16", "mq4cg256", "hfq6g256"]),
+       seed=st.integers(0, 2**32 - 1), tiles=st.integers(1, 3), groups=st.integers(1, 4),
+       batch=st.integers(1, 9), log_scale=st.floats(-20, 20))
+def test_hypothesis_inputs_stay_within_the_documented_bound(fmt, seed, tiles, groups, batch,
+                                                            log_scale):
+    """New weights, x, shapes and x magnitudes on every run (hypothesis), every kernel."""
+    rng = np.random.default_rng(seed)
+    m, k = 16 * tiles - int(rng.integers(0, 8)), 256 * groups
+    raw = Q.quantize(_weights(rng, m, k), fmt)
+    x = (rng.standard_normal((batch, k)) * 2.0**log_scale).astype(F32)
+    x[0, rng.integers(0, k, 3)] *= F32(40)                 # a few outliers
+    exact = exact_product(raw, fmt, (m, k), x)
+    bound = error_bound(raw, fmt, (m, k), x)
+    want = None
+    for isa in ISAS:
+        y = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+        assert want is None or y.tobytes() == want.tobytes(), isa
+        want = y
+    assert want is not None and np.all(np.abs(want.astype(np.float64) - exact) <= bound)
 
 
 def test_tiny_zero_and_huge_spans():

@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -7,7 +8,7 @@ ISA_NAMES: tuple[str, ...]
 
 def supported_isas() -> tuple[str, ...]: ...
 def default_isa() -> str: ...
-def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> npt.NDArray[np.generic]: ...
+def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> npt.NDArray[Any]: ...
 
 class PreparedGemv:
     fmt: str
