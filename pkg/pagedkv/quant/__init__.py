@@ -6,6 +6,7 @@ Public API::
     dequantize(raw, fmt, shape, basis="original") -> float32[shape]
     fwht256(x, inverse=False) -> float32[..., 256]     # R = D2·H·D1/16 per row
     gemv(raw, fmt, shape, x) -> float32                # x · Wᵀ, dequantizing on the fly
+    prepare_gemv(raw, fmt, shape) -> PreparedGemv      # repacked once; g(x) = x · Wᵀ, int8 x
 
 ``fmt`` is a lower-case qt name (``"hfq4g256"``, ``"mq4g256v2"``, ...) or a qt id.
 Tensors are flattened row-major and cut into groups of G weights (groups may
@@ -31,8 +32,10 @@ from pagedkv.quant.arguments import (
     shape_tuple,
 )
 from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
+from pagedkv.quant.prepared_gemv import PreparedGemv, aligned_empty, check_threads
 
-__all__ = ["CODECS", "Codec", "dequantize", "fwht256", "gemv", "quantize", "resolve"]
+__all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "prepare_gemv",
+           "quantize", "resolve"]
 
 _BASES = ("original", "rotated")
 _MQ2G256V2 = 50
@@ -89,18 +92,24 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
 
 
 def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
-               basis: str = "original", out: np.ndarray | None = None) -> np.ndarray:
+               basis: str = "original", out: np.ndarray | None = None,
+               threads: int = 1) -> np.ndarray:
     """Decode ``raw`` (format ``fmt``) into a ``float32`` array of ``shape``.
 
     Exact on the CPU (every weight is the reference decode, bit for bit). For
     rotated (MQ) formats ``basis="original"`` undoes the FWHT per 256-group;
     ``basis="rotated"`` returns the stored basis, what the kernels emit (it needs
     the element count to be a multiple of 256). ``out``: a C-contiguous float32
-    array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer.
+    array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer;
+    one from ``pagedkv.quant.prepared_gemv.aligned_empty`` (64-byte aligned, as the
+    array allocated without ``out``) lets large MQ 4-bit decodes bypass the caches.
+    ``threads``: decode the groups of HFQ/MQ/Q8 formats on that many threads (the
+    bits do not depend on it; raw F16/BF16/F32 run on one).
     """
     codec = resolve(fmt)
     data = raw_bytes(raw)
     dims = shape_tuple(shape)
+    threads = check_threads(threads)
     if basis not in _BASES:
         raise InvalidArgument(f"basis must be one of {_BASES}, got {basis!r}")
     check_k(codec, dims)
@@ -115,8 +124,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         raise InvalidArgument(
             f"basis='rotated' needs a multiple of 256 weights (whole rotated groups), got "
             f"shape {dims}")
-    if out is None:
-        result = np.empty(dims, dtype=np.float32)
+    if out is None:             # 64-byte aligned: the MQ decoders' streaming stores need it
+        result = aligned_empty(dims, np.float32)
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
             got = getattr(out, "dtype", type(out).__name__)
@@ -134,9 +143,9 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     out = result.reshape(-1)
     if codec.kind == AFFINE:
         affine.decode(data, out, codec.affine_family, codec.bits, codec.group_size,
-                      rotated_basis and codec.rotated)
+                      rotated_basis and codec.rotated, threads)
     elif codec.kind == Q8:
-        q8.decode(data, out)
+        q8.decode(data, out, threads)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
     else:
@@ -165,6 +174,24 @@ def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
     out = np.empty_like(rows)
     fwht.fwht_rows(rows, out, bool(inverse))
     return out.reshape(x.shape)
+
+
+def prepare_gemv(raw, fmt: str | int, shape: Sequence[int], *, threads: int = 1,
+                 isa: str | None = None) -> PreparedGemv:
+    """Repack a quantized ``W`` of ``shape`` ``[M, K]`` for fast ``x · Wᵀ`` on the CPU.
+
+    Returns a :class:`PreparedGemv`; ``g(x)`` takes float32 ``x`` ``[K]`` or ``[B, K]``
+    and returns ``[M]`` or ``[B, M]``. x is quantized to int8 per span of K (rotated
+    first for MQ formats) and multiplied with integer dot products: within a documented
+    bound of ``x · dequantize(W)ᵀ`` (docs/formats/cpu-gemv.md), several times faster
+    than :func:`gemv`. Every HFQ/MQ format and Q8F16 with ``K % G == 0``. The copy
+    takes ``nbytes`` bytes (the stored size for 4-bit formats and Q8F16; 2- and 3-bit
+    codes widened to 4 bits, 5- and 6-bit codes to 8). ``threads``: the default thread
+    count of its calls, also used for the repacking. ``isa``: a kernel name
+    (``prepared_gemv.supported_isas()``; default: the best this CPU runs, or the
+    ``PAGEDKV_CPU_ISA`` environment variable); every kernel gives the same bits.
+    """
+    return PreparedGemv(raw, fmt, shape, threads=threads, isa=isa)
 
 
 def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray:

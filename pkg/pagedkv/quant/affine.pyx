@@ -8,10 +8,13 @@ groups, zero-pad the short last group and apply the FWHT-256 for the rotated
 families.
 """
 
+import os
+
 cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy, memset
 
+from pagedkv.quant.cpu_pool cimport pool_run
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, PKV_ENCODE_UNREPRESENTABLE, pkv_first_nonfinite, pkv_hfq_encode_group,
@@ -99,19 +102,65 @@ cdef extern from "affine_loops.h" nogil:
     void pkv_cpu_affine_decode_groups(const uint8_t *raw, Py_ssize_t n_groups, int family,
                                       unsigned bits, unsigned G, float *out)
 
+cdef extern from "mq_decode_loops.h" nogil:
+    void pkv_mqd_init_tables()
+    int pkv_cpu_mq4_decode_original(const uint8_t *raw, Py_ssize_t n_groups, int family,
+                                    float *out, int max_level, size_t total_bytes)
+
+pkv_mqd_init_tables()
+
 cdef enum:
     DECODE_BATCH_GROUPS = 64    # groups decoded then un-rotated together (64 KiB, L2-resident)
 
 
+cdef struct _DecodeJob:
+    const uint8_t *raw
+    float *out
+    Py_ssize_t n_whole, B, group
+    int family, bits, mq_level
+    bint unrotate
+
+
+# PAGEDKV_CPU_ISA (docs/formats/cpu-gemv.md) caps the one-pass MQ decoder too: no kernel
+# for "scalar", the AVX2 one for the 256-bit kernels, else the best (same bits).
+_MQ_LEVELS = {"scalar": 0, "neon-dotprod": 0, "avx2": 1, "avx-vnni": 1}
+
+
+cdef int _mq_level():
+    return _MQ_LEVELS.get(os.environ.get("PAGEDKV_CPU_ISA", ""), 2)
+
+
+cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
+    """Whole groups [n * part / n_parts, n * (part + 1) / n_parts) of a decode job."""
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef Py_ssize_t g0 = job.n_whole * part // n_parts, g1 = job.n_whole * (part + 1) // n_parts
+    cdef Py_ssize_t g, count, B = job.B, group = job.group
+    if job.unrotate and job.bits == 4 and group == 256 and pkv_cpu_mq4_decode_original(
+            &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group], job.mq_level,
+            job.n_whole * group * sizeof(float)):
+        return
+    g = g0
+    while g < g1:
+        count = min(<Py_ssize_t>DECODE_BATCH_GROUPS, g1 - g)
+        pkv_cpu_affine_decode_groups(&job.raw[g * B], count, job.family, job.bits,
+                                     <unsigned>group, &job.out[g * group])
+        if job.unrotate:
+            unrotate256(&job.out[g * group], &job.out[g * group], count)
+        g += count
+
+
 def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
-           Py_ssize_t group, bint rotated_basis=False):
+           Py_ssize_t group, bint rotated_basis=False, int threads=1):
     """Decode ``len(out)`` weights from ``raw``. For rotated families the result is in the
-    original basis (Rᵀ applied per group) unless ``rotated_basis`` (the stored basis)."""
-    cdef Py_ssize_t n = out.shape[0], B, i, g, count, n_groups, n_whole
-    cdef Py_ssize_t batch = DECODE_BATCH_GROUPS
+    original basis (Rᵀ applied per group) unless ``rotated_basis`` (the stored basis).
+    ``threads``: split the groups over that many threads (same bits for any count)."""
+    cdef Py_ssize_t n = out.shape[0], B, n_groups, n_whole
     cdef float buf[256]
+    cdef _DecodeJob job
     cdef bint unrotate = family != HFQ and not rotated_basis
     check_affine_geometry(family, bits, group)  # before dividing by group
+    if threads < 1:
+        raise InvalidArgument(f"threads = {threads}: pass 1 or more")
     B = group_bytes(bits, group)
     n_groups = (n + group - 1) // group
     n_whole = n // group
@@ -119,14 +168,19 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
     if n == 0:
         return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.n_whole = n_whole
+    job.B = B
+    job.group = group
+    job.family = family
+    job.bits = bits
+    job.unrotate = unrotate
+    job.mq_level = _mq_level()
     with nogil:
-        for i in range((n_whole + batch - 1) // batch):
-            g = i * batch
-            count = min(batch, n_whole - g)
-            pkv_cpu_affine_decode_groups(&raw[g * B], count, family, bits, <unsigned>group,
-                                         &out[g * group])
-            if unrotate:
-                unrotate256(&out[g * group], &out[g * group], count)
+        if n_whole > 0:
+            # at least 64 groups (64 KiB of floats) per thread: less is not worth a wake-up
+            pool_run(_decode_part, &job, max(1, min(threads, n_whole // DECODE_BATCH_GROUPS)))
         if n_whole < n_groups:              # the short last group
             pkv_cpu_affine_decode_groups(&raw[n_whole * B], 1, family, bits, <unsigned>group, buf)
             if unrotate:

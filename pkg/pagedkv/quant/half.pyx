@@ -11,9 +11,7 @@ Half values travel as uint16 bit patterns.
 cimport numpy as cnp
 from libc.stdint cimport uint16_t
 
-from pagedkv.quant.quant_header cimport (
-    pkv_bf16_to_f32, pkv_bf16_trunc, pkv_f16_rne, pkv_f16_to_f32, pkv_f16_trunc,
-)
+from pagedkv.quant.quant_header cimport pkv_bf16_trunc, pkv_f16_rne, pkv_f16_trunc
 
 cnp.import_array()
 
@@ -64,23 +62,28 @@ def bf16_trunc(const float[::1] x, uint16_t[::1] out):
             out[i] = <uint16_t>pkv_bf16_trunc(x[i])
 
 
+cdef extern from "raw_decode_loops.h" nogil:
+    void pkv_cpu_f16_to_f32(const uint16_t *h, Py_ssize_t n, float *out)
+    void pkv_cpu_bf16_to_f32(const uint16_t *h, Py_ssize_t n, float *out)
+
+
 def f16_to_f32(const uint16_t[::1] h, float[::1] out):
-    cdef Py_ssize_t i, n = h.shape[0]
+    cdef Py_ssize_t n = h.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
     _check_aligned(&h[0] if n else NULL, n, 2, "h")
     _check_aligned(&out[0] if n else NULL, n, 4, "out")
-    with nogil:
-        for i in range(n):
-            out[i] = pkv_f16_to_f32(h[i])
+    if n:
+        with nogil:
+            pkv_cpu_f16_to_f32(&h[0], n, &out[0])
 
 
 def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
-    cdef Py_ssize_t i, n = h.shape[0]
+    cdef Py_ssize_t n = h.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
     _check_aligned(&h[0] if n else NULL, n, 2, "h")
     _check_aligned(&out[0] if n else NULL, n, 4, "out")
-    with nogil:
-        for i in range(n):
-            out[i] = pkv_bf16_to_f32(h[i])
+    if n:
+        with nogil:
+            pkv_cpu_bf16_to_f32(&h[0], n, &out[0])

@@ -20,7 +20,7 @@ from pagedkv.quant import gemv_kernels
 from pagedkv.quant.arguments import raw_bytes, shape_tuple
 from pagedkv.quant.formats import AFFINE, Q8, check_k, resolve
 
-__all__ = ["MAX_BATCH", "gemv"]
+__all__ = ["MAX_BATCH", "check_activations", "check_out", "check_weights", "gemv"]
 
 #: Most rows of x one call takes (decode batches).
 MAX_BATCH = 8
@@ -29,7 +29,8 @@ MAX_BATCH = 8
 _FALLBACK_ELEMS = 1 << 20
 
 
-def _validate(raw, fmt, shape, x):
+def check_weights(raw, fmt, shape):
+    """``(codec, data, M, K)`` of a quantized 2-D ``W``; raises on a bad format, shape or size."""
     codec = resolve(fmt)
     data = raw_bytes(raw)
     dims = shape_tuple(shape)
@@ -41,6 +42,11 @@ def _validate(raw, fmt, shape, x):
     if data.size != expected:
         raise SizeMismatch(
             f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected}")
+    return codec, data, m, k
+
+
+def check_activations(x, k: int, max_batch: int | None = None):
+    """``(x2, batch)``: ``x`` (float32 ``[K]`` or ``[B, K]``) as a C-contiguous ``[B, K]``."""
     if not isinstance(x, np.ndarray):
         raise InvalidArgumentType(f"x must be a numpy.ndarray of float32, got {type(x).__name__}")
     if x.dtype != np.float32:
@@ -50,9 +56,29 @@ def _validate(raw, fmt, shape, x):
     if x.ndim not in (1, 2) or x.shape[-1] != k:
         raise InvalidArgument(f"x must be [K] or [B, K] with K = {k}, got shape {x.shape}")
     batch = 1 if x.ndim == 1 else x.shape[0]
-    if not 1 <= batch <= MAX_BATCH:
-        raise InvalidArgument(f"x holds {batch} rows; gemv takes 1 to {MAX_BATCH}")
-    return codec, data, m, k, batch
+    if batch < 1 or (max_batch is not None and batch > max_batch):
+        limit = f"1 to {max_batch}" if max_batch is not None else "at least 1"
+        raise InvalidArgument(f"x holds {batch} rows; gemv takes {limit}")
+    return np.ascontiguousarray(x.reshape(batch, k)), batch
+
+
+def check_out(out, shape: tuple[int, ...]) -> np.ndarray:
+    """``out`` if it is a writeable, C-contiguous float32 array of ``shape``."""
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32:
+        got = getattr(out, "dtype", type(out).__name__)
+        raise InvalidArgumentType(f"out must be a float32 numpy array, got {got}; pass "
+                                  f"np.empty({shape}, np.float32)")
+    if out.shape != shape:
+        raise InvalidArgument(f"out must have shape {shape}, got shape {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgument(f"out (shape {shape}) must be C-contiguous and writeable")
+    return out
+
+
+def _validate(raw, fmt, shape, x):
+    codec, data, m, k = check_weights(raw, fmt, shape)
+    x2, batch = check_activations(x, k, MAX_BATCH)
+    return codec, data, m, k, x2, batch
 
 
 def _gemv_by_row_blocks(data, codec, m, k, x2):
@@ -76,8 +102,7 @@ def _gemv_by_row_blocks(data, codec, m, k, x2):
 
 def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray:
     """``x · Wᵀ`` for a quantized ``W`` of ``shape`` ``[M, K]`` (see :func:`pagedkv.quant.gemv`)."""
-    codec, data, m, k, batch = _validate(raw, fmt, shape, x)
-    x2 = np.ascontiguousarray(x.reshape(batch, k))
+    codec, data, m, k, x2, batch = _validate(raw, fmt, shape, x)
     if not np.isfinite(x2).all():
         raise InvalidArgument("x holds NaN or Inf; gemv takes finite activations only")
     y = np.empty((batch, m), np.float32)

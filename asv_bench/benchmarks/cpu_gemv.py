@@ -1,0 +1,277 @@
+"""CPU weight kernels (issue 18): the prepared int8 GEMV, dequantize and their threads.
+
+asv suites time pagedkv alone. Run as a script for the side-by-side table of
+docs/performance.md: pagedkv in this process, llama.cpp's ggml in a worker process
+(``asv_bench/peers/ggml_worker.cpp``, built against a ggml outside the repository; see
+docs/performance.md, "CPU GEMV against ggml"), one measurement at a time, the order
+rotated every round, single-threaded unless a row says otherwise::
+
+    python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --rounds 7
+    python asv_bench/benchmarks/cpu_gemv.py --threads-scaling 40     # 1 vs 2 threads
+
+Each measurement is the median of its calls (2 warm-up calls, then at least 5 and up
+to ``--budget-ms``); the table shows the median and the minimum over rounds, in wall
+time and in this thread's CPU time (on a shared machine the CPU time is the cost of
+the code, the wall time also what the neighbours took). ``PAGEDKV_CPU_ISA`` picks the
+pagedkv kernel (e.g. ``avx2``); the ggml worker runs whatever it was built for.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBLAS
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import pagedkv.quant as Q
+from pagedkv.quant import prepared_gemv
+
+SHAPES = [(4096, 4096), (4096, 14336)]        # (M, K)
+GEMV_FORMATS = ["hfq4g256", "mq4g256v2", "q8f16"]
+BATCHES = [1, 2, 4, 8]
+
+
+def _weights(m: int, k: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+
+
+class PreparedGemv:
+    """``PreparedGemv.__call__`` per format and batch at 4096x4096 (one thread)."""
+
+    params = (GEMV_FORMATS, BATCHES)
+    param_names = ["fmt", "batch"]  # noqa: RUF012 (asv reads lists)
+
+    def setup(self, fmt, batch):
+        self.gemv = Q.prepare_gemv(Q.quantize(_weights(4096, 4096), fmt), fmt, (4096, 4096))
+        self.x = _weights(batch, 4096, seed=1)
+
+    def time_call(self, fmt, batch):
+        self.gemv(self.x)
+
+
+class PreparedGemvThreads:
+    """The same call on 1 and 2 threads, 4096x14336, batch 1."""
+
+    params = (["hfq4g256", "mq4g256v2", "q8f16"], [1, 2])
+    param_names = ["fmt", "threads"]  # noqa: RUF012
+
+    def setup(self, fmt, threads):
+        self.gemv = Q.prepare_gemv(Q.quantize(_weights(4096, 14336), fmt), fmt, (4096, 14336))
+        self.x = _weights(1, 14336, seed=1)
+
+    def time_call(self, fmt, threads):
+        self.gemv(self.x, threads=threads)
+
+
+class Prepare:
+    """Building the prepared layout of a 4096x4096 tensor (once per tensor)."""
+
+    params = ["hfq4g256", "mq4g256v2", "q8f16"]  # noqa: RUF012
+    param_names = ["fmt"]  # noqa: RUF012
+
+    def setup(self, fmt):
+        self.raw = Q.quantize(_weights(4096, 4096), fmt)
+
+    def time_prepare(self, fmt):
+        Q.prepare_gemv(self.raw, fmt, (4096, 4096))
+
+
+class DequantizeThreads:
+    """``dequantize`` into a reused buffer, 4096x4096, on 1 and 2 threads."""
+
+    params = (["hfq4g256", "mq4g256v2", "q8f16"], [1, 2])
+    param_names = ["fmt", "threads"]  # noqa: RUF012
+
+    def setup(self, fmt, threads):
+        self.raw = Q.quantize(_weights(4096, 4096), fmt)
+        self.out = prepared_gemv.aligned_empty((4096, 4096), np.float32)
+
+    def time_dequantize(self, fmt, threads):
+        Q.dequantize(self.raw, fmt, (4096, 4096), out=self.out, threads=threads)
+
+
+# ----------------------------------------------------------------------------- script
+
+def _timed(call, budget_ms: float, max_calls: int = 400) -> tuple[list[int], list[int]]:
+    call()
+    call()
+    wall, cpu = [], []
+    start = time.perf_counter_ns()
+    while len(wall) < max_calls and (len(wall) < 5 or time.perf_counter_ns() - start < budget_ms * 1e6):
+        w0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
+        call()
+        c1 = time.thread_time_ns()
+        wall.append(time.perf_counter_ns() - w0)
+        cpu.append(c1 - c0)
+    return wall, cpu
+
+
+class _Ggml:
+    """The ggml worker (one command per line on stdin, one ``OK ...`` reply on stdout)."""
+
+    def __init__(self, path: str):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, bufsize=1)
+
+    def ask(self, line: str) -> dict[str, str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().strip()
+        if not reply.startswith("OK"):
+            raise RuntimeError(f"ggml worker: {line!r} -> {reply!r}")
+        return dict(tok.split("=", 1) for tok in reply.split()[1:])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=60)
+
+
+def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None):
+    """(name, op, callable or ggml command) for one shape; callables for pagedkv."""
+    w = _weights(m, k)
+    x8 = _weights(8, k, seed=1)
+    out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
+    cases = []
+    for fmt in GEMV_FORMATS:
+        raw = Q.quantize(w, fmt)
+        g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
+        for b in BATCHES:
+            cases.append((f"pagedkv {fmt} b{b}", "gemv", (lambda g=g, x=x8[:b]: g(x))))
+        cases.append((f"pagedkv {fmt} b1 threads=2", "gemv",
+                      (lambda g=g, x=x8[:1]: g(x, threads=2))))
+        cases.append((f"pagedkv {fmt} gemv() f32 x", "gemv",
+                      (lambda raw=raw, fmt=fmt, x=x8[0]: Q.gemv(raw, fmt, (m, k), x))))
+        cases.append((f"pagedkv {fmt} dequantize", "dequant",
+                      (lambda raw=raw, fmt=fmt: Q.dequantize(raw, fmt, (m, k), out=out))))
+        cases.append((f"pagedkv {fmt} dequantize threads=2", "dequant",
+                      (lambda raw=raw, fmt=fmt: Q.dequantize(raw, fmt, (m, k), out=out,
+                                                            threads=2))))
+    if ggml is not None:
+        for t, mode in (("q4_0", "repack"), ("q4_K", "repack"), ("q8_0", "graph")):
+            for b in (1, 4, 8) if t == "q4_0" else (1,):
+                cases.append((f"ggml {t} {mode} b{b}", "gemv", f"gemv {t} {mode} {m} {k} hot", b))
+        for t in ("q4_0", "q4_K", "q8_0"):
+            cases.append((f"ggml {t} to_float", "dequant", f"dequant {t} x {m} {k}", 0))
+    return cases
+
+
+def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
+    """Wall time of 1 and 2 threads, called in alternation (pairs of calls), per case: the
+    ratio of the medians and of the minimums (threads= on a 2-core machine)."""
+    print("| shape | case | 1 thread wall ms median (min) | 2 threads | speed-up median (min) |")
+    print("|---|---|---|---|---|")
+    for m, k in shapes:
+        w = _weights(m, k)
+        x = _weights(1, k, seed=1)
+        out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
+        for fmt in GEMV_FORMATS:
+            raw = Q.quantize(w, fmt)
+            g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
+            shape = (m, k)
+            for name, call in ((f"{fmt} gemv b1", lambda t, g=g, x=x: g(x, threads=t)),
+                               (f"{fmt} dequantize",
+                                lambda t, raw=raw, fmt=fmt, shape=shape, out=out: Q.dequantize(
+                                    raw, fmt, shape, out=out, threads=t))):
+                call(1)
+                call(2)
+                times: dict[int, list[float]] = {1: [], 2: []}
+                for i in range(pairs):
+                    for t in ((1, 2) if i % 2 == 0 else (2, 1)):
+                        t0 = time.perf_counter()
+                        call(t)
+                        times[t].append(time.perf_counter() - t0)
+                m1, m2 = statistics.median(times[1]), statistics.median(times[2])
+                n1, n2 = min(times[1]), min(times[2])
+                print(f"| {m}x{k} | {name} | {m1 * 1e3:.3f} ({n1 * 1e3:.3f}) | "
+                      f"{m2 * 1e3:.3f} ({n2 * 1e3:.3f}) | {m1 / m2:.2f}x ({n1 / n2:.2f}x) |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ggml", help="path of the ggml worker binary (asv_bench/peers)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-ms", type=float, default=150.0)
+    ap.add_argument("--shape", action="append", help="MxK (default: 4096x4096 and 4096x14336)")
+    ap.add_argument("--isa", help="pagedkv kernel, as PAGEDKV_CPU_ISA (default: the best here)")
+    ap.add_argument("--only", help="comma-separated substrings: run the cases that match")
+    ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--threads-scaling", type=int, metavar="PAIRS",
+                    help="only time 1 against 2 threads, PAIRS alternated pairs of calls")
+    args = ap.parse_args(argv)
+    if args.isa:                         # the one-pass MQ dequantize follows it too
+        os.environ["PAGEDKV_CPU_ISA"] = args.isa
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    if args.threads_scaling:
+        load0 = os.getloadavg()
+        threads_scaling(shapes, args.threads_scaling, args.isa)
+        load1 = os.getloadavg()
+        print(f"# load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+              f"at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}; {os.cpu_count()} CPUs")
+        return
+    ggml = _Ggml(args.ggml) if args.ggml else None
+    load0 = os.getloadavg()
+    info = {"cpu": platform.processor() or platform.machine(), "isa": args.isa or
+            prepared_gemv.default_isa(), "supported": prepared_gemv.supported_isas(),
+            "ggml": ggml.ask("info").get("features") if ggml else None,
+            "start": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": load0}
+    print("#", json.dumps(info))
+    results: dict[tuple[tuple[int, int], str], list[tuple[float, float]]] = {}
+    order: list[tuple[tuple[int, int], str, str]] = []
+    all_cases = {shape: _cases(*shape, ggml, args.isa) for shape in shapes}
+    only = args.only.split(",") if args.only else None
+    for r in range(args.rounds):
+        for shape, cases in all_cases.items():
+            chosen = [c for c in cases if only is None or any(o in c[0] for o in only)]
+            rot = r % max(1, len(chosen))
+            for name, op, what, *batch in chosen[rot:] + chosen[:rot]:
+                if isinstance(what, str):
+                    assert ggml is not None
+                    budget = args.budget_ms if op == "gemv" else 2 * args.budget_ms
+                    rep = ggml.ask(f"{what} 400 2 {budget} {batch[0]}" if op == "gemv" else
+                                   f"{what} 100 1 {budget}")
+                    wall = [int(v) for v in rep["wall"].split(",")]
+                    cpu = [int(v) for v in rep["cpu"].split(",")]
+                else:
+                    wall, cpu = _timed(what, args.budget_ms if op == "gemv" else 2 * args.budget_ms)
+                key = (shape, name)
+                if key not in results:
+                    order.append((shape, name, op))
+                results.setdefault(key, []).append((statistics.median(wall) / 1e6,
+                                                    statistics.median(cpu) / 1e6))
+        print(f"# round {r} done, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    if ggml is not None:
+        ggml.close()
+    load1 = os.getloadavg()
+    print(f"# load average at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+          f"at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}; {args.rounds} rounds")
+    print("| shape | case | wall ms median (min) | CPU ms median (min) |")
+    print("|---|---|---|---|")
+    for shape, name, _op in order:
+        rows = results[(shape, name)]
+        wall = [w for w, _ in rows]
+        cpu = [c for _, c in rows]
+        print(f"| {shape[0]}x{shape[1]} | {name} | {statistics.median(wall):.3f} ({min(wall):.3f}) "
+              f"| {statistics.median(cpu):.3f} ({min(cpu):.3f}) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": [
+                {"shape": list(s), "case": n, "op": o, "rounds": results[(s, n)]}
+                for s, n, o in order]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+MAX_THREADS: int
+
+def run_parts(n_parts: int) -> list[tuple[int, int]]: ...

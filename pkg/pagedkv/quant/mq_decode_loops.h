@@ -1,0 +1,223 @@
+/* 4-bit rotated groups (MQ4G256, MQ4G256V2, MQ4CG256) decoded to the original basis in
+ * one pass: decode, Rᵀ = D1 · H · D2 / 16 in registers, one store per float.
+ *
+ * Same bits as pkv_*_decode_group followed by the inverse rotation of fwht_loops.h
+ * (the two-pass path it replaces): every weight is q * s + z (two rounded
+ * operations), then w * SIGNS2 (exact), the butterflies in ascending strides, then
+ * * SIGNS1/16. A butterfly inside a vector is t + y * sg with t = y[l ^ h] and sg =
+ * ±1: y * sg is exact, so computing it as one fused multiply-add rounds once, as
+ * the reference's a + b or a - b does. The decode of 16 codes at one (s, z) is a
+ * lookup in the 16 values q * s + z (vpermps), the same two operations per value.
+ */
+#ifndef PAGEDKV_QUANT_MQ_DECODE_LOOPS_H
+#define PAGEDKV_QUANT_MQ_DECODE_LOOPS_H
+
+#include <string.h>
+#include "pagedkv/quant.h"
+#include "affine_loops.h"   /* PKV_FAMILY_* */
+
+/* The sign tables as floats: SIGNS2 (the inverse's pre-signs) and SIGNS1/16. */
+static float pkv_mqd_pre[256] __attribute__((aligned(64)));
+static float pkv_mqd_post[256] __attribute__((aligned(64)));
+
+/* Fill the tables (once, at module import, before any thread can call a decoder). */
+static inline void pkv_mqd_init_tables(void) {
+    for (uint32_t i = 0; i < 256u; ++i) {
+        pkv_mqd_pre[i] = pkv_sign2(i);
+        pkv_mqd_post[i] = pkv_sign1(i) * PKV_FWHT_SCALE_256;
+    }
+}
+
+/* The group's (s, z) per 128-half as floats. */
+static inline void pkv_mqd_params(const uint8_t *blk, int family, float *s, float *z) {
+    if (family == PKV_FAMILY_MQ_V2) {
+        s[0] = pkv_mqv2_scale(blk, 0); z[0] = pkv_mqv2_zero(blk, 0);
+        s[1] = pkv_mqv2_scale(blk, 1); z[1] = pkv_mqv2_zero(blk, 1);
+    } else if (family == PKV_FAMILY_MQ4C) {
+        s[0] = s[1] = pkv_mqv2_scale(blk, 0);
+        z[0] = z[1] = pkv_mqv2_zero(blk, 0);
+    } else {
+        s[0] = s[1] = pkv_hfq_scale(blk);
+        z[0] = z[1] = pkv_hfq_min(blk);
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#include "cpu_features.h"
+#define PKV_MQD_HAVE_X86 1
+
+#define PKV_MQD_INLINE static inline __attribute__((always_inline))
+#define PKV_TGT_MQD512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl")))
+#define PKV_TGT_MQD256 __attribute__((target("avx2,fma")))
+
+/* Butterflies between vectors, v[j] and v[j + H] for H = 1, 2, 4, 8 (strides of 16 H
+ * floats on 512-bit vectors, 8 H on 256-bit ones), in ascending order. */
+#define PKV_MQD_CROSS_STAGES_(V, v, ADD, SUB) do {                                      \
+        _Pragma("GCC unroll 4")                                                         \
+        for (int H = 1; H < 16; H <<= 1) {                                              \
+            _Pragma("GCC unroll 16")                                                    \
+            for (int i = 0; i < 16; i += 2 * H) {                                       \
+                _Pragma("GCC unroll 8")                                                 \
+                for (int j = i; j < i + H; ++j) {                                       \
+                    V a_ = (v)[j], c_ = (v)[j + H];                                     \
+                    (v)[j] = ADD(a_, c_);                                               \
+                    (v)[j + H] = SUB(a_, c_);                                           \
+                }                                                                       \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
+/* y = t + y * sg: one in-vector butterfly stage (see the file comment). */
+#define PKV_MQD_LANE_STAGE512_(v, t, h) \
+    (v) = _mm512_fmadd_ps((v), sg##h, (t))
+
+PKV_TGT_MQD512 static void pkv_mqd_groups_avx512(const uint8_t *raw, ptrdiff_t n_groups, int family,
+                                                 size_t group_bytes, float *out, int stream) {
+    /* sg_h: +1 on lanes whose bit h is clear, -1 where it is set */
+    const __m512 sg1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+    const __m512 sg2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+    const __m512 sg4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+    const __m512 sg8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (ptrdiff_t g = 0; g < n_groups; ++g) {
+        const uint8_t *blk = raw + (size_t)g * group_bytes;
+        const uint8_t *codes = blk + PKV_AFFINE_HEADER_BYTES;
+        float s[2], z[2];
+        pkv_mqd_params(blk, family, s, z);
+        __m512 lut[2];
+        for (int h = 0; h < 2; ++h)
+            lut[h] = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(s[h])), _mm512_set1_ps(z[h]));
+        __m512 v[16];
+        _Pragma("GCC unroll 8")
+        for (int a = 0; a < 16; a += 2) {
+            /* bytes 8a..8a+7 hold codes 16a..16a+15, low nibble first */
+            __m128i b = _mm_loadu_si128((const __m128i *)(codes + 8 * a));
+            __m128i lo = _mm_and_si128(b, m4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+            __m512i q0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+            __m512i q1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+            v[a] = _mm512_mul_ps(_mm512_permutexvar_ps(q0, lut[a >= 8]),
+                                 _mm512_load_ps(pkv_mqd_pre + 16 * a));
+            v[a + 1] = _mm512_mul_ps(_mm512_permutexvar_ps(q1, lut[a >= 8]),
+                                     _mm512_load_ps(pkv_mqd_pre + 16 * a + 16));
+        }
+        _Pragma("GCC unroll 16")
+        for (int a = 0; a < 16; ++a) {
+            PKV_MQD_LANE_STAGE512_(v[a], _mm512_permute_ps(v[a], 0xB1), 1);
+            PKV_MQD_LANE_STAGE512_(v[a], _mm512_permute_ps(v[a], 0x4E), 2);
+            PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0xB1), 4);
+            PKV_MQD_LANE_STAGE512_(v[a], _mm512_shuffle_f32x4(v[a], v[a], 0x4E), 8);
+        }
+        PKV_MQD_CROSS_STAGES_(__m512, v, _mm512_add_ps, _mm512_sub_ps);   /* strides 16-128 */
+        float *o = out + (size_t)g * 256u;
+        _Pragma("GCC unroll 16")
+        for (int a = 0; a < 16; ++a) {
+            __m512 r = _mm512_mul_ps(v[a], _mm512_load_ps(pkv_mqd_post + 16 * a));
+            if (stream) _mm512_stream_ps(o + 16 * a, r);
+            else _mm512_storeu_ps(o + 16 * a, r);
+        }
+    }
+    if (stream) _mm_sfence();       /* streaming stores are weakly ordered */
+}
+
+/* AVX2: a group is 32 vectors of 8, twice the 16 registers, so each 128-half goes
+ * through strides 1 .. 64 in registers (strides 1, 2, 4 inside a vector, 8 .. 64
+ * between vectors) and waits in an L1 buffer; stride 128 then pairs the halves on the
+ * way out. The decode is q * s + z on converted codes (an 8-entry vpermps table is too
+ * small for 16 codes). */
+PKV_TGT_MQD256 static void pkv_mqd_groups_avx2(const uint8_t *raw, ptrdiff_t n_groups, int family,
+                                               size_t group_bytes, float *out, int stream) {
+    const __m256 sg1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 sg2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 sg4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    float half_buf[256] __attribute__((aligned(32)));
+    for (ptrdiff_t g = 0; g < n_groups; ++g) {
+        const uint8_t *blk = raw + (size_t)g * group_bytes;
+        const uint8_t *codes = blk + PKV_AFFINE_HEADER_BYTES;
+        float s[2], z[2];
+        pkv_mqd_params(blk, family, s, z);
+        for (int h = 0; h < 2; ++h) {
+            const __m256 sv = _mm256_set1_ps(s[h]), zv = _mm256_set1_ps(z[h]);
+            __m256 v[16];
+            _Pragma("GCC unroll 4")
+            for (int a = 0; a < 16; a += 4) {
+                /* bytes 64h + 4a .. +15 hold codes 128h + 8a .. +31 */
+                __m128i b = _mm_loadu_si128((const __m128i *)(codes + 64 * h + 4 * a));
+                __m128i lo = _mm_and_si128(b, m4);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                __m128i il0 = _mm_unpacklo_epi8(lo, hi), il1 = _mm_unpackhi_epi8(lo, hi);
+                __m128i q8[4] = {il0, _mm_srli_si128(il0, 8), il1, _mm_srli_si128(il1, 8)};
+                _Pragma("GCC unroll 4")
+                for (int j = 0; j < 4; ++j) {
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8[j]));
+                    v[a + j] = _mm256_mul_ps(_mm256_add_ps(_mm256_mul_ps(q, sv), zv),
+                                             _mm256_load_ps(pkv_mqd_pre + 128 * h + 8 * (a + j)));
+                }
+            }
+            _Pragma("GCC unroll 16")
+            for (int a = 0; a < 16; ++a) {
+                v[a] = _mm256_fmadd_ps(v[a], sg1, _mm256_permute_ps(v[a], 0xB1));
+                v[a] = _mm256_fmadd_ps(v[a], sg2, _mm256_permute_ps(v[a], 0x4E));
+                v[a] = _mm256_fmadd_ps(v[a], sg4, _mm256_permute2f128_ps(v[a], v[a], 0x01));
+            }
+            PKV_MQD_CROSS_STAGES_(__m256, v, _mm256_add_ps, _mm256_sub_ps);   /* strides 8-64 */
+            _Pragma("GCC unroll 16")
+            for (int a = 0; a < 16; ++a) _mm256_store_ps(half_buf + 128 * h + 8 * a, v[a]);
+        }
+        float *o = out + (size_t)g * 256u;
+        _Pragma("GCC unroll 16")
+        for (int a = 0; a < 16; ++a) {                  /* stride 128, then SIGNS1/16 */
+            __m256 lo = _mm256_load_ps(half_buf + 8 * a), hi = _mm256_load_ps(half_buf + 128 + 8 * a);
+            __m256 r0 = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_load_ps(pkv_mqd_post + 8 * a));
+            __m256 r1 = _mm256_mul_ps(_mm256_sub_ps(lo, hi), _mm256_load_ps(pkv_mqd_post + 128 + 8 * a));
+            if (stream) {
+                _mm256_stream_ps(o + 8 * a, r0);
+                _mm256_stream_ps(o + 128 + 8 * a, r1);
+            } else {
+                _mm256_storeu_ps(o + 8 * a, r0);
+                _mm256_storeu_ps(o + 128 + 8 * a, r1);
+            }
+        }
+    }
+    if (stream) _mm_sfence();
+}
+#endif /* x86-64 */
+
+/* Outputs of at least this many bytes, aligned to the vector, bypass the caches
+ * (streaming stores): they do not fit them anyway, and a store that misses the cache
+ * otherwise reads the line first (MQ4G256V2 4096x14336, thread CPU time: 32 -> 20 ms on
+ * AVX-512, 54 -> 34 ms on AVX2). NumPy's large arrays are only 16-byte aligned
+ * (malloc's 16 bytes past a page), where streaming 128-bit pieces measured no faster
+ * than plain stores on AVX-512: dequantize allocates its own output 64-byte aligned. */
+#define PKV_MQD_STREAM_BYTES ((size_t)8 << 20)
+
+/* Decode n_groups whole 4-bit rotated groups (family MQ_V1, MQ_V2 or MQ4C) into the
+ * original basis, out[256 * n_groups], with the best one-pass kernel this CPU runs up to
+ * max_level (0: none, 1: AVX2, 2: AVX-512). total_bytes: the whole output of the call
+ * (of which this is a part), to choose streaming stores. Returns 0 when no kernel runs:
+ * the caller then decodes and un-rotates in two passes (same bits). */
+static inline int pkv_cpu_mq4_decode_original(const uint8_t *raw, ptrdiff_t n_groups, int family,
+                                              float *out, int max_level, size_t total_bytes) {
+#if defined(PKV_MQD_HAVE_X86)
+    const size_t group_bytes = PKV_AFFINE_GROUP_BYTES(4u, 256u);
+    const unsigned features = pkv_cpu_features();
+    const int big = total_bytes >= PKV_MQD_STREAM_BYTES;
+    if (max_level >= 2 && (features & PKV_CPU_AVX512)) {
+        pkv_mqd_groups_avx512(raw, n_groups, family, group_bytes, out,
+                              big && ((uintptr_t)out & 63u) == 0);
+        return 1;
+    }
+    if (max_level >= 1 && (features & PKV_CPU_AVX2)) {
+        pkv_mqd_groups_avx2(raw, n_groups, family, group_bytes, out,
+                            big && ((uintptr_t)out & 31u) == 0);
+        return 1;
+    }
+#endif
+    (void)raw; (void)n_groups; (void)family; (void)out; (void)max_level; (void)total_bytes;
+    return 0;
+}
+
+#endif /* PAGEDKV_QUANT_MQ_DECODE_LOOPS_H */

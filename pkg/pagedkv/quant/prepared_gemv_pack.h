@@ -1,0 +1,86 @@
+/* Building the prepared GEMV layout (pagedkv/cpu_gemv.h) from stored groups.
+ *
+ * The stored groups are those of docs/formats/quant.md with K % G == 0 (a group
+ * never straddles rows). The caller zeroes the output arrays: rows past M (the
+ * last tile's padding) stay zero codes with zero scales and minimums.
+ */
+#ifndef PAGEDKV_QUANT_PREPARED_GEMV_PACK_H
+#define PAGEDKV_QUANT_PREPARED_GEMV_PACK_H
+
+#include "pagedkv/cpu_gemv.h"
+#include "pagedkv/quant.h"
+#include "affine_loops.h"   /* PKV_FAMILY_* */
+
+/* The codes of one (row, span) into the code block of its (tile, span). */
+static inline void pkv_pgemv_put_span(const uint8_t *q, uint32_t span, int kind, uint32_t r,
+                                      uint8_t *blk) {
+    if (kind == PKV_PGEMV_NIBBLE) {
+        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
+            const uint8_t *qu = q + u * PKV_PGEMV_UNIT_CODES;
+            uint8_t *bu = blk + (size_t)u * 16u * 64u;
+            for (uint32_t j = 0; j < 64u; ++j)
+                bu[((j / 4u) * PKV_PGEMV_TILE_ROWS + r) * 4u + j % 4u] =
+                    (uint8_t)(qu[j] | (qu[j + 64u] << 4));
+        }
+    } else {
+        for (uint32_t j = 0; j < span; ++j)
+            blk[((j / 4u) * PKV_PGEMV_TILE_ROWS + r) * 4u + j % 4u] = q[j];
+    }
+}
+
+/* Rows [row0, row1) of affine groups (family, bits, G; K % G == 0) into codes / scales /
+ * mins (rows write disjoint bytes, so ranges may run on different threads).
+ * Spans: G for HFQ and MQ v1 (f32 parameters), 128 for MQ V2 and 256 for MQ4C (the
+ * stored f16 bits). Nibble codes for 2-4 bits, bytes for 5-6 bits. */
+static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
+                                  int family, uint32_t bits, uint32_t G, uint8_t *codes,
+                                  void *scales, void *mins) {
+    const int kind = bits <= 4u ? PKV_PGEMV_NIBBLE : PKV_PGEMV_UBYTE;
+    const uint32_t span = family == PKV_FAMILY_MQ_V2 ? 128u : G;
+    const uint32_t spans_per_group = G / span;
+    const ptrdiff_t groups_per_row = k / (ptrdiff_t)G, ns = k / (ptrdiff_t)span;
+    const size_t B = PKV_AFFINE_GROUP_BYTES(bits, G);
+    const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * pkv_pgemv_span_row_bytes(kind, span);
+    const int f16 = family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C;
+    uint8_t q[256];
+    for (ptrdiff_t row = row0; row < row1; ++row) {
+        const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
+        const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
+        for (ptrdiff_t g = 0; g < groups_per_row; ++g) {
+            const uint8_t *grp = raw + (size_t)(row * groups_per_row + g) * B;
+            pkv_unpack_codes(grp + PKV_AFFINE_HEADER_BYTES, G, bits, q);
+            for (uint32_t h = 0; h < spans_per_group; ++h) {
+                const ptrdiff_t s = g * (ptrdiff_t)spans_per_group + (ptrdiff_t)h;
+                const size_t sb = (size_t)(t * ns + s);
+                pkv_pgemv_put_span(q + h * span, span, kind, r, codes + sb * blk_bytes);
+                const size_t at = sb * PKV_PGEMV_TILE_ROWS + r;
+                if (f16) {     /* V2: (s, z) of half h at 4h; MQ4C: at 0 */
+                    ((uint16_t *)scales)[at] = (uint16_t)pkv_load_u16le(grp + 4u * h);
+                    ((uint16_t *)mins)[at] = (uint16_t)pkv_load_u16le(grp + 4u * h + 2u);
+                } else {
+                    ((float *)scales)[at] = pkv_hfq_scale(grp);
+                    ((float *)mins)[at] = pkv_hfq_min(grp);
+                }
+            }
+        }
+    }
+}
+
+/* Rows [row0, row1) of Q8F16 blocks (K % 32 == 0): span 32, f16 scales, signed codes. */
+static void pkv_pgemv_pack_q8f16(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
+                                 uint8_t *codes, uint16_t *scales) {
+    const ptrdiff_t ns = k / (ptrdiff_t)PKV_Q8F16_GROUP;
+    const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * PKV_Q8F16_GROUP;
+    for (ptrdiff_t row = row0; row < row1; ++row) {
+        const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
+        const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
+        for (ptrdiff_t s = 0; s < ns; ++s) {
+            const uint8_t *blk = raw + (size_t)(row * ns + s) * PKV_Q8F16_GROUP_BYTES;
+            const size_t sb = (size_t)(t * ns + s);
+            pkv_pgemv_put_span(blk + 2, PKV_Q8F16_GROUP, PKV_PGEMV_SBYTE, r, codes + sb * blk_bytes);
+            scales[sb * PKV_PGEMV_TILE_ROWS + r] = (uint16_t)pkv_load_u16le(blk);
+        }
+    }
+}
+
+#endif /* PAGEDKV_QUANT_PREPARED_GEMV_PACK_H */

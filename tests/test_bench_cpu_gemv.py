@@ -1,0 +1,43 @@
+"""asv_bench/benchmarks/cpu_gemv.py runs: its table script (without the ggml worker) and
+the threads-scaling mode print one row per case, on a small shape."""
+
+from __future__ import annotations
+
+from kernels_support import load_tree_script
+
+
+def _bench():
+    return load_tree_script("asv_bench/benchmarks/cpu_gemv.py", "pagedkv_asv_cpu_gemv")
+
+
+def test_table_has_a_row_per_case(capsys, tmp_path):
+    bench = _bench()
+    out_json = tmp_path / "r.json"
+    bench.main(["--shape", "32x512", "--rounds", "2", "--budget-ms", "1", "--isa", "scalar",
+                "--json", str(out_json)])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 32x512 |")]
+    # per format: 4 batches, threads=2, gemv(), dequantize on 1 and 2 threads
+    assert len(rows) == 3 * 8
+    assert any("mq4g256v2 b8" in r for r in rows)
+    import json
+    data = json.loads(out_json.read_text())
+    assert data["info"]["isa"] == "scalar" and len(data["rows"]) == 24
+    assert all(len(r["rounds"]) == 2 for r in data["rows"])
+
+
+def test_threads_scaling_rows(capsys):
+    bench = _bench()
+    bench.main(["--shape", "32x512", "--threads-scaling", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("| 32x512 |") for ln in lines) == 6
+    assert lines[-1].startswith("# load average")
+
+
+def test_asv_suites_set_up_and_run():
+    bench = _bench()
+    suite = bench.PreparedGemv()
+    suite.setup("q8f16", 2)
+    suite.time_call("q8f16", 2)
+    deq = bench.DequantizeThreads()
+    deq.setup("mq4g256v2", 2)
+    deq.time_dequantize("mq4g256v2", 2)

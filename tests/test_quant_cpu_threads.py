@@ -1,0 +1,150 @@
+"""threads= of dequantize and the worker pool behind it (pagedkv.quant.cpu_pool): the bits
+never depend on the thread count, MQ 4-bit groups decoded in one pass equal decode + Rᵀ,
+and the pool survives concurrent callers and fork()."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+import pagedkv.quant as Q
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.quant import cpu_pool
+from pagedkv.quant.formats import CODECS
+
+pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
+
+ALL = sorted(c.name for c in CODECS.values())
+
+
+def _two_pass(raw, fmt, shape):
+    """The stored-basis decode, then Rᵀ per 256-group (the reference of the original basis)."""
+    codec = Q.resolve(fmt)
+    if not codec.rotated:
+        return Q.dequantize(raw, fmt, shape)
+    rot = Q.dequantize(raw, fmt, shape, basis="rotated")
+    return Q.fwht256(rot.reshape(-1, 256), inverse=True).reshape(shape)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_dequantize_bits_do_not_depend_on_threads(fmt):
+    rng = np.random.default_rng(len(fmt))
+    shape = (67, 4096)                 # 1072 groups of 256: several per thread
+    raw = Q.quantize(rng.standard_normal(shape).astype(np.float32), fmt)
+    want = Q.dequantize(raw, fmt, shape)
+    for threads in (2, 3, 8):
+        assert Q.dequantize(raw, fmt, shape, threads=threads).tobytes() == want.tobytes()
+    if Q.resolve(fmt).rotated:
+        assert want.tobytes() == _two_pass(raw, fmt, shape).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["mq4g256", "mq4g256v2", "mq4cg256"])
+def test_one_pass_mq4_decode_equals_decode_then_inverse_rotation_on_odd_headers(fmt):
+    rng = np.random.default_rng(2)
+    raw = Q.quantize((rng.standard_normal((96, 256)) * rng.uniform(1e-6, 1e4, (96, 1)))
+                     .astype(np.float32), fmt)
+    groups = raw.reshape(96, 136)
+    groups[::3, 8:] = rng.integers(0, 256, (32, 128), dtype=np.uint8)   # any codes
+    got = Q.dequantize(raw, fmt, (96, 256), threads=2)
+    assert got.tobytes() == _two_pass(raw, fmt, (96, 256)).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["mq4g256", "mq4g256v2", "mq4cg256"])
+def test_large_outputs_streamed_or_not_keep_the_bits(fmt):
+    """8 MiB of output takes streaming stores when out is aligned to the vector, plain
+    stores otherwise (NumPy's 16 bytes, 4 bytes): same bits."""
+    rng = np.random.default_rng(6)
+    shape = (2048, 1024)
+    raw = Q.quantize(rng.standard_normal(shape).astype(np.float32), fmt)
+    want = _two_pass(raw, fmt, shape)
+    buf = np.empty(2048 * 1024 + 16, np.float32)
+    start = (-buf.ctypes.data % 64) // 4
+    for offset in (start, start + 4, start + 1):         # 64-, 16-, 4-byte aligned
+        out = buf[offset:offset + 2048 * 1024].reshape(shape)
+        for threads in (1, 3):
+            out.fill(np.nan)
+            Q.dequantize(raw, fmt, shape, out=out, threads=threads)
+            assert out.tobytes() == want.tobytes(), (offset, threads)
+
+
+def test_dequantize_allocates_a_64_byte_aligned_output_with_the_same_bits():
+    rng = np.random.default_rng(7)
+    shape = (2048, 1024)                                 # 8 MiB: streamed
+    raw = Q.quantize(rng.standard_normal(shape).astype(np.float32), "mq4g256v2")
+    got = Q.dequantize(raw, "mq4g256v2", shape)
+    assert got.ctypes.data % 64 == 0 and got.shape == shape and got.flags.c_contiguous
+    assert got.tobytes() == _two_pass(raw, "mq4g256v2", shape).tobytes()
+    small = Q.dequantize(raw[:136], "mq4g256v2", (256,))
+    assert small.ctypes.data % 64 == 0 and small.shape == (256,)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512-vnni"])
+def test_the_isa_cap_picks_another_mq_decoder_with_the_same_bits(isa, monkeypatch):
+    rng = np.random.default_rng(5)
+    raw = Q.quantize(rng.standard_normal((64, 512)).astype(np.float32), "mq4g256v2")
+    want = Q.dequantize(raw, "mq4g256v2", (64, 512))
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", isa)      # scalar: the two-pass path
+    assert Q.dequantize(raw, "mq4g256v2", (64, 512), threads=2).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256", "q8f16", "hfq3g128"])
+def test_a_short_last_group_with_threads(fmt):
+    rng = np.random.default_rng(3)
+    n = 256 * 300 + 77
+    raw = Q.quantize(rng.standard_normal(n).astype(np.float32), fmt)
+    want = Q.dequantize(raw, fmt, n)
+    assert Q.dequantize(raw, fmt, n, threads=4).tobytes() == want.tobytes()
+
+
+def test_dequantize_threads_argument_errors_leave_out_untouched():
+    raw = Q.quantize(np.ones((4, 256), np.float32), "hfq4g256")
+    out = np.full((4, 256), 5.0, np.float32)
+    for bad, exc in ((0, InvalidArgument), (-2, InvalidArgument), (True, InvalidArgumentType),
+                     (2.0, InvalidArgumentType), ("2", InvalidArgumentType)):
+        with pytest.raises(exc, match="threads"):
+            Q.dequantize(raw, "hfq4g256", (4, 256), out=out, threads=bad)
+    assert np.all(out == 5.0)
+
+
+def test_pool_runs_every_part_once_with_its_count():
+    for n in (1, 2, 3, 7, cpu_pool.MAX_THREADS):
+        assert cpu_pool.run_parts(n) == [(1, n)] * n
+    for _ in range(500):                      # wake-ups are never lost
+        assert cpu_pool.run_parts(2) == [(1, 2)] * 2
+    for bad in (0, cpu_pool.MAX_THREADS + 1):
+        with pytest.raises(InvalidArgument, match="n_parts"):
+            cpu_pool.run_parts(bad)
+
+
+def test_pool_with_concurrent_callers():
+    errors = []
+
+    def worker():
+        for _ in range(300):
+            got = cpu_pool.run_parts(3)
+            if got != [(1, 3)] * 3:
+                errors.append(got)
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == []
+
+
+def _child(q):
+    q.put(cpu_pool.run_parts(4))
+
+
+def test_pool_after_fork():
+    cpu_pool.run_parts(4)                     # the parent has workers now
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q,))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(timeout=60)
+    assert p.exitcode == 0 and got == [(1, 4)] * 4

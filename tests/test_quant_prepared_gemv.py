@@ -1,0 +1,380 @@
+"""PreparedGemv (docs/formats/cpu-gemv.md): bit-exact against a NumPy model of its
+arithmetic, the same bits on every kernel and thread count, within the documented error
+bound of the exact product, and the argument errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedkv.quant as Q
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
+from pagedkv.quant import prepared_gemv
+from pagedkv.quant.formats import AFFINE, CODECS, Q8
+
+pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
+
+F32 = np.float32
+FORMATS = sorted(c.name for c in CODECS.values() if c.kind in (AFFINE, Q8))
+ISAS = prepared_gemv.supported_isas()
+
+
+# ----------------------------------------------------------------------------- model
+
+def _codes_and_params(raw, codec, m, k):
+    """Codes [M, spans, span] (int64) and per-span scale/min [M, spans] (f32, exact)."""
+    g, nbytes = codec.group_size, codec.group_bytes
+    groups = np.frombuffer(raw, np.uint8).reshape(m, k // g, nbytes)
+    if codec.kind == Q8:
+        q = groups[:, :, 2:].view(np.int8).astype(np.int64)
+        d = np.ascontiguousarray(groups[:, :, :2]).view(np.float16).astype(F32)
+        return q, d.reshape(m, -1), None, 32
+    bits = codec.bits
+    lsb = np.unpackbits(groups[:, :, 8:], axis=-1, bitorder="little").reshape(m, k // g, g, bits)
+    q = (lsb.astype(np.int64) << np.arange(bits)).sum(-1)
+    hdr = np.ascontiguousarray(groups[:, :, :8])
+    family = int(codec.affine_family)
+    if family in (0, 1):                                   # HFQ, MQ v1: f32 scale, min
+        f = hdr.view(F32)
+        return q, f[..., 0], f[..., 1], g
+    h = hdr.view(np.float16).astype(F32)
+    if family == 2:                                        # V2: (s, z) per 128-half
+        return q.reshape(m, -1, 128), h[..., 0::2].reshape(m, -1), h[..., 1::2].reshape(m, -1), 128
+    return q, h[..., 0], h[..., 1], 256                    # MQ4C
+
+
+def _quantize_x(x, span):
+    """int8 x per span, dx, and the 16-lane f32 sum of the span (cpu-gemv.md)."""
+    b, k = x.shape
+    xs = x.reshape(b, k // span, span)
+    amax = np.abs(xs).max(-1).astype(F32)
+    pre = np.where(amax < F32(2.0**-118), F32(2.0**64), F32(1)).astype(F32)   # tiny spans
+    amax_s = (amax * pre).astype(F32)
+    dx = ((amax_s / F32(127)).astype(F32) / pre).astype(F32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax_s > 0, F32(127) / amax_s, F32(0)).astype(F32)
+    v = ((xs * pre[..., None]).astype(F32) * inv[..., None]).astype(F32)
+    xq = np.clip(np.rint(v), -127, 127).astype(np.int64)
+    lanes = xs.reshape(b, k // span, span // 16, 16)
+    acc = lanes[:, :, 0, :].copy()
+    for t in range(1, span // 16):
+        acc = (acc + lanes[:, :, t, :]).astype(F32)
+    h = 8
+    while h >= 1:
+        acc = (acc[..., :h] + acc[..., h:2 * h]).astype(F32)
+        h //= 2
+    return xq, dx, acc[..., 0]
+
+
+def _rotated(codec, x2):
+    return Q.fwht256(x2.reshape(-1, 256)).reshape(x2.shape) if codec.rotated else x2
+
+
+def model(raw, fmt, shape, x):
+    """The PreparedGemv result, computed with NumPy float32 steps in the documented order."""
+    codec = Q.resolve(fmt)
+    m, k = shape
+    x2 = _rotated(codec, x.reshape(-1, k).astype(F32))
+    q, sc, mn, span = _codes_and_params(raw, codec, m, k)
+    xq, dx, xsum = _quantize_x(x2, span)
+    c = 0 if mn is None else 1 << (codec.bits - 1)
+    isum = np.einsum("rsj,bsj->brs", q - c, xq)             # exact
+    acc = np.zeros((x2.shape[0], m), F32)
+    for s in range(k // span):
+        sd = (sc[None, :, s] * dx[:, s, None]).astype(F32)
+        acc = (acc + (isum[:, :, s].astype(F32) * sd).astype(F32)).astype(F32)
+        if mn is not None:
+            mc = (mn[:, s] + (sc[:, s] * F32(c)).astype(F32)).astype(F32)
+            acc = (acc + (mc[None, :] * xsum[:, s, None]).astype(F32)).astype(F32)
+    return acc
+
+
+def error_bound(raw, fmt, shape, x):
+    """The documented bound on |y - x'·Ŵᵀ| (float64), x' = x rotated for MQ formats."""
+    codec = Q.resolve(fmt)
+    m, k = shape
+    x2 = _rotated(codec, x.reshape(-1, k).astype(F32)).astype(np.float64)
+    q, sc, mn, span = _codes_and_params(raw, codec, m, k)
+    ns = k // span
+    xs = x2.reshape(-1, ns, span)
+    dx = np.abs(xs).max(-1) / 127
+    c = 0 if mn is None else 1 << (codec.bits - 1)
+    sc64 = sc.astype(np.float64)
+    # x rounded to int8: |x̂ - x| <= dx/2 (1 + 2^-12), times |s (q - c)|
+    e_x = np.einsum("rs,bs->br", sc64 * np.abs(q - c).sum(-1), dx) * 0.5 * (1 + 2.0**-12)
+    eps = 2.0**-24
+    isum_mag = np.einsum("rs,bs->br", sc64 * np.abs(q - c).sum(-1), dx)
+    abs_x = np.abs(xs).sum(-1)                                 # [B, spans]
+    if mn is None:
+        mc_mag = np.zeros_like(isum_mag)
+        e_sum = np.zeros_like(isum_mag)
+    else:
+        mc = np.abs(mn.astype(np.float64) + sc64 * c)
+        mc_mag = np.einsum("rs,bs->br", mc, abs_x)
+        e_sum = np.einsum("rs,bs->br", mc, abs_x) * (span // 16 + 4) * eps
+    e_float = (2 * ns + 4) * eps * (isum_mag * 1.01 + mc_mag)
+    return e_x + e_sum + e_float
+
+
+def exact_product(raw, fmt, shape, x):
+    """x'·Ŵᵀ in float64, Ŵ the stored-basis decode (exact) and x' rotated for MQ."""
+    codec = Q.resolve(fmt)
+    k = shape[1]
+    x2 = _rotated(codec, x.reshape(-1, k).astype(F32)).astype(np.float64)
+    w = Q.dequantize(raw, fmt, shape, basis="rotated" if codec.rotated else "original")
+    return x2 @ w.astype(np.float64).T
+
+
+def _weights(rng, m, k):
+    # rows of very different magnitude, some constant groups
+    w = rng.standard_normal((m, k)).astype(F32) * rng.uniform(0.01, 3, (m, 1)).astype(F32)
+    w[min(1, m - 1), :256] = 0.5
+    return w
+
+
+# ----------------------------------------------------------------------------- results
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_kernel_matches_the_model_bit_for_bit(fmt):
+    rng = np.random.default_rng(abs(hash(fmt)) % 2**32)
+    m, k = 37, 512                                  # 3 tiles, the last with 5 rows
+    raw = Q.quantize(_weights(rng, m, k), fmt)
+    for batch in (1, 3, 8, 11):                     # 11: one pass of 8, then 3
+        x = rng.standard_normal((batch, k)).astype(F32) * F32(rng.uniform(0.1, 10))
+        want = model(raw, fmt, (m, k), x)
+        for isa in ISAS:
+            got = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+            assert got.dtype == F32 and got.shape == (batch, m)
+            assert got.tobytes() == want.tobytes(), (isa, batch)
+
+
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2", "q8f16", "mq6g256v2", "hfq3g128"])
+def test_threads_and_batch_never_change_a_bit(fmt):
+    rng = np.random.default_rng(7)
+    m, k = 100, 1024
+    raw = Q.quantize(_weights(rng, m, k), fmt)
+    g = Q.prepare_gemv(raw, fmt, (m, k))
+    x = rng.standard_normal((9, k)).astype(F32)
+    want = g(x)
+    for threads in (2, 3, 7, 13):                  # 13 parts > 7 tiles: some get none
+        assert g(x, threads=threads).tobytes() == want.tobytes()
+    for b in range(9):                             # a row's result does not depend on its batch
+        assert g(x[b]).tobytes() == want[b].tobytes()
+    g4 = Q.prepare_gemv(raw, fmt, (m, k), threads=4)      # also repacked on 4 threads
+    assert g4.threads == 4 and g4(x).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["hfq4g256", "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256",
+                                 "q8f16", "hfq2g256", "mq3g256v2", "mq5g256v2", "hfq6g256"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_fresh_random_inputs_stay_within_the_documented_bound(fmt, seed):
+    rng = np.random.default_rng(1000 * seed + len(fmt))
+    m, k = 64, 2048
+    raw = Q.quantize(rng.standard_normal((m, k)).astype(F32), fmt)
+    x = rng.standard_normal((4, k)).astype(F32)
+    x[1] *= F32(1e-3)
+    x[2, rng.integers(0, k, 8)] = F32(50.0)          # outliers in a few spans
+    x[3] = rng.uniform(-1, 1, k).astype(F32) * F32(1e4)
+    y = Q.prepare_gemv(raw, fmt, (m, k))(x).astype(np.float64)
+    exact = exact_product(raw, fmt, (m, k), x)
+    bound = error_bound(raw, fmt, (m, k), x)
+    assert np.all(np.abs(y - exact) <= bound)
+    # the bound is a worst case; the typical error on Gaussian x is far below it (more
+    # for 2-bit codes, whose |q - c| is large relative to their spread)
+    rel = np.linalg.norm(y[0] - exact[0]) / np.linalg.norm(exact[0])
+    assert rel < (0.02 if Q.resolve(fmt).bits == 2 else 0.01)
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(["hfq4g256", "mq4g256v2", "q8f16", "mq4cg256", "hfq6g256"]),
+       seed=st.integers(0, 2**32 - 1), tiles=st.integers(1, 3), groups=st.integers(1, 4),
+       batch=st.integers(1, 9), log_scale=st.floats(-20, 20))
+def test_hypothesis_inputs_stay_within_the_documented_bound(fmt, seed, tiles, groups, batch,
+                                                            log_scale):
+    """New weights, x, shapes and x magnitudes on every run (hypothesis), every kernel."""
+    rng = np.random.default_rng(seed)
+    m, k = 16 * tiles - int(rng.integers(0, 8)), 256 * groups
+    raw = Q.quantize(_weights(rng, m, k), fmt)
+    x = (rng.standard_normal((batch, k)) * 2.0**log_scale).astype(F32)
+    x[0, rng.integers(0, k, 3)] *= F32(40)                 # a few outliers
+    exact = exact_product(raw, fmt, (m, k), x)
+    bound = error_bound(raw, fmt, (m, k), x)
+    want = None
+    for isa in ISAS:
+        y = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+        assert want is None or y.tobytes() == want.tobytes(), isa
+        want = y
+    assert want is not None and np.all(np.abs(want.astype(np.float64) - exact) <= bound)
+
+
+def test_tiny_zero_and_huge_spans():
+    """Spans of x whose largest magnitude is 0, subnormal or near FLT_MAX."""
+    rng = np.random.default_rng(9)
+    m, k = 20, 1024
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+        raw = Q.quantize(rng.standard_normal((m, k)).astype(F32), fmt)
+        x = rng.standard_normal((3, k)).astype(F32)
+        x[0, :256] = 0.0
+        x[0, 256:512] *= F32(1e-39)                 # subnormal
+        x[0, 512:768] = F32(1e-44)                  # a few ulps of the smallest subnormal
+        x[1] *= F32(1e-38)
+        x[2] *= F32(1e30)
+        want = model(raw, fmt, (m, k), x)
+        for isa in ISAS:
+            got = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+            assert got.tobytes() == want.tobytes(), (fmt, isa)
+        y = got.astype(np.float64)
+        exact = exact_product(raw, fmt, (m, k), x)
+        assert np.all(np.abs(y - exact) <= error_bound(raw, fmt, (m, k), x) * 1.0000001 + 1e-300)
+        assert np.all(np.isfinite(y)) and np.any(y[1] != 0)
+
+
+def test_matches_x_dot_dequantized_w_closely_on_gaussian_data():
+    rng = np.random.default_rng(3)
+    m, k = 256, 4096
+    w = rng.standard_normal((m, k)).astype(F32)
+    x = rng.standard_normal((2, k)).astype(F32)
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+        raw = Q.quantize(w, fmt)
+        y = Q.prepare_gemv(raw, fmt, (m, k))(x)
+        ref = x.astype(np.float64) @ Q.dequantize(raw, fmt, (m, k)).astype(np.float64).T
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.01, fmt
+
+
+def test_the_prepared_copy_does_not_depend_on_raw():
+    rng = np.random.default_rng(4)
+    raw = Q.quantize(rng.standard_normal((20, 256)).astype(F32), "mq4g256v2")
+    x = rng.standard_normal(256).astype(F32)
+    g = Q.prepare_gemv(raw, "mq4g256v2", (20, 256))
+    want = g(x)
+    raw[:] = 0
+    del raw
+    assert g(x).tobytes() == want.tobytes()
+
+
+def test_calls_from_several_python_threads_agree():
+    rng = np.random.default_rng(5)
+    m, k = 200, 2048
+    g = Q.prepare_gemv(Q.quantize(rng.standard_normal((m, k)).astype(F32), "hfq4g256"),
+                       "hfq4g256", (m, k))
+    xs = [rng.standard_normal((2, k)).astype(F32) for _ in range(4)]
+    want = [g(x) for x in xs]
+    got: list[list[bytes]] = [[] for _ in xs]
+
+    def worker(i):
+        for _ in range(20):
+            got[i].append(g(xs[i], threads=2).tobytes())
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for i, w in enumerate(want):
+        assert got[i] == [w.tobytes()] * 20
+
+
+def test_one_dimensional_x_out_and_empty_shapes():
+    rng = np.random.default_rng(6)
+    raw = Q.quantize(rng.standard_normal((17, 256)).astype(F32), "q8f16")
+    g = Q.prepare_gemv(raw, "q8f16", (17, 256))
+    x = rng.standard_normal(256).astype(F32)
+    y = g(x)
+    assert y.shape == (17,)
+    out = np.full((17,), 7.0, F32)
+    assert g(x, out=out) is out and out.tobytes() == y.tobytes()
+    out2 = np.empty((3, 17), F32)
+    assert np.array_equal(g(np.stack([x] * 3), out=out2), np.stack([y] * 3))
+    for shape in ((0, 256), (5, 0)):
+        e = Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", shape)
+        assert np.array_equal(e(np.ones((2, shape[1]), F32)), np.zeros((2, shape[0]), F32))
+
+
+def test_repr_and_properties():
+    raw = Q.quantize(np.ones((40, 512), F32), "mq4g256v2")
+    g = Q.prepare_gemv(raw, 44, (40, 512), threads=2)
+    assert (g.fmt, g.qt_id, g.shape, g.m, g.k, g.span, g.threads, g.rotated) == (
+        "mq4g256v2", 44, (40, 512), 40, 512, 128, 2, True)
+    assert g.isa == prepared_gemv.default_isa()
+    # 3 tiles x 4 spans: 16 rows x 64 code bytes, 16 f16 scales and minimums each
+    assert g.nbytes == 3 * 4 * (16 * 64 + 2 * 16 * 2)
+    assert repr(g) == (f"<PreparedGemv mq4g256v2 [40, 512]: 0.01 MiB prepared, x int8 per 128 "
+                       f"after FWHT-256, kernel {g.isa}, threads=2>")
+    assert isinstance(g, Q.PreparedGemv)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_argument_errors_leave_out_untouched():
+    rng = np.random.default_rng(8)
+    raw = Q.quantize(rng.standard_normal((4, 512)).astype(F32), "mq4g256v2")
+    g = Q.prepare_gemv(raw, "mq4g256v2", (4, 512))
+    out = np.full((4,), 3.0, F32)
+    x = np.ones(512, F32)
+    for bad, exc, match in [
+        (x.astype(np.float64), InvalidArgumentType, "float32"),
+        (np.ones(256, F32), InvalidArgument, "K = 512"),
+        (np.ones((2, 2, 512), F32), InvalidArgument, "K = 512"),
+        (np.ones((0, 512), F32), InvalidArgument, "0 rows"),
+        ([1.0] * 512, InvalidArgumentType, "ndarray"),
+    ]:
+        with pytest.raises(exc, match=match):
+            g(bad, out=out)
+    for value in (np.nan, np.inf):
+        xb = x.copy()
+        xb[300] = value
+        with pytest.raises(InvalidArgument, match="finite"):
+            g(xb, out=out)
+    xb = np.full(512, 3e38, F32)
+    with pytest.raises(InvalidArgument, match="overflows"):
+        g(xb, out=out)
+    assert np.all(out == 3.0)
+    with pytest.raises(InvalidArgumentType, match="float32"):
+        g(x, out=np.empty(4, np.float64))
+    with pytest.raises(InvalidArgument, match="shape"):
+        g(x, out=np.empty(5, F32))
+    with pytest.raises(InvalidArgument, match="C-contiguous"):
+        g(np.ones((2, 512), F32), out=np.empty((4, 2), F32).T)
+    for threads, exc in ((0, InvalidArgument), (True, InvalidArgumentType),
+                         (1.5, InvalidArgumentType)):
+        with pytest.raises(exc, match="threads"):
+            g(x, threads=threads)
+    xn = np.ones((2, 512), F32)
+    xn[1, 5] = np.nan
+    with pytest.raises(InvalidArgument, match=r"x\[1, 5\]"):
+        Q.prepare_gemv(Q.quantize(np.ones((4, 512), F32), "hfq4g256"), "hfq4g256", (4, 512))(xn)
+
+
+def test_prepare_errors():
+    raw = Q.quantize(np.ones((3, 384), F32), "hfq4g256")          # groups straddle rows
+    with pytest.raises(InvalidArgument, match="multiple of the group size"):
+        Q.prepare_gemv(raw, "hfq4g256", (3, 384))
+    with pytest.raises(InvalidArgument, match="quantized formats"):
+        Q.prepare_gemv(np.zeros(8, np.uint8), "f16", (2, 2))
+    with pytest.raises(SizeMismatch):
+        Q.prepare_gemv(raw[:-1], "hfq4g256", (3, 384))
+    with pytest.raises(InvalidArgument, match="2-D"):
+        Q.prepare_gemv(raw, "hfq4g256", (1152,))
+    with pytest.raises(InvalidArgument, match="not a kernel name"):
+        Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), isa="sse9")
+    with pytest.raises(InvalidArgumentType):
+        Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), isa=3)
+    missing = [i for i in prepared_gemv.ISA_NAMES if i not in ISAS]
+    if missing:
+        with pytest.raises(InvalidArgument, match="does not run on this CPU"):
+            Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), isa=missing[0])
+    with pytest.raises(InvalidArgument, match="threads"):
+        Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), threads=0)
+
+
+def test_isa_names_and_the_environment_override(monkeypatch):
+    assert ISAS[0] == "scalar" and set(ISAS) <= set(prepared_gemv.ISA_NAMES)
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "scalar")
+    assert prepared_gemv.default_isa() == "scalar"
+    assert Q.prepare_gemv(np.zeros(0, np.uint8), "q8f16", (0, 32)).isa == "scalar"
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "bogus")
+    with pytest.raises(InvalidArgument, match="'bogus' is not a kernel name"):
+        Q.prepare_gemv(np.zeros(0, np.uint8), "q8f16", (0, 32))
