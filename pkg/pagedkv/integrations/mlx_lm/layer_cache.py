@@ -25,7 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, create_attention_mask
 
 from pagedkv.errors import InvalidArgument, RequestClosed
 
-__all__ = ["PagedKVLayerCache"]
+__all__ = ["PagedKVLayerCache", "fork_layer"]
 
 #: Buffer growth step in tokens: KVCache.step, so buffers have KVCache's shapes.
 STEP_TOKENS = 256
@@ -120,7 +120,9 @@ class PagedKVLayerCache:
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);
-        returns how many were dropped."""
+        returns how many were dropped. ``InvalidArgument`` (no layer changed) when a sliding
+        layer of the request cannot rewind that far."""
+        self.request.check_trim(n)
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -149,5 +151,10 @@ class PagedKVLayerCache:
     def __deepcopy__(self, memo):
         """What ``copy.deepcopy`` (mlx-lm's ``LRUPromptCache``) calls: the matching layer of
         an independent fork of the whole request, made once per deep copy."""
-        fork = copy.deepcopy(self.request, memo)
-        return fork.cache[self.index]
+        return fork_layer(self, memo)
+
+
+def fork_layer(layer, memo):
+    """``copy.deepcopy`` of one layer of a paged request: the same layer of a fork of the
+    whole request (made once per deep copy, whichever layer is copied first)."""
+    return copy.deepcopy(layer.request, memo).cache[layer.index]
