@@ -132,3 +132,36 @@ def test_restarting_a_restored_prepared_turn_cold_counts_restore_suppressed(tmp_
         b.restart_prepared_turn_cold("u", toks, len(toks))
         assert counter.get("restore_suppressed") == before + 1
         alloc.check_invariants()
+
+
+def test_a_device_pool_captures_to_and_restores_from_the_cold_tier(tmp_path, stub_device):
+    """Block I/O of a device pool (docs/pool.md, "Device backend") behind the cold tier:
+    capture reads each registered block's bytes through the slab kernel and one copy to
+    the host; restore uploads and publishes (on the HIP stub, whose memory is host
+    memory); the restored bytes equal a NumPy pool's capture of the same request."""
+    toks = np.arange(1, 13, dtype=np.uint32)
+    with open_tier(tmp_path / "host") as tier:
+        a, pool_a, _ = _adapter(tier)
+        _fill(a, "s", toks, seed=3)
+        a.register_full_blocks_for_reuse("s")
+        assert tier.drain(5.0)
+        want = _slabs(pool_a, a, "s")
+    with open_tier(tmp_path / "root") as tier:
+        pool = LayerKVPool(GEOM, 64, backend="device")
+        d = PagedKVCacheAdapter(BlockAllocator(64, block_size=4, hash_seed=0), pool,
+                                cold_tier=tier)
+        _fill(d, "s", toks, seed=3)
+        assert d.register_full_blocks_for_reuse("s") == 3
+        assert tier.last_capture.enqueued == 3 and tier.drain(5.0)
+        assert np.array_equal(_slabs(pool, d, "s"), want)
+    with open_tier(tmp_path / "root") as tier:
+        pool = LayerKVPool(GEOM, 64, backend="device")
+        alloc = BlockAllocator(64, block_size=4, hash_seed=0)
+        r = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+        r.reset_for_new_request("s")
+        hit = r.find_cached_prefix("s", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 3
+        assert np.array_equal(_slabs(pool, r, "s"), want)
+        k, _ = r.gather_kv("s", 1)  # the restored K of layer 1, on the device
+        assert k.to_numpy().tobytes() == want[:, 1, 0].tobytes()
+        alloc.check_invariants()

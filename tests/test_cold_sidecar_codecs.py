@@ -216,5 +216,23 @@ def test_sliding_payload_is_k_then_v_per_layer_head_major():
         codec.pack((k, v), 80)
     with pytest.raises(SidecarLayoutMismatch):  # not bf16
         codec.pack((k.astype(np.float32), v), 16)
-    with pytest.raises(InvalidArgument):
-        SlidingWindowCodec(window=32, num_layers=2, kv_heads=2, head_dim=4, dtype="float16")
+    with pytest.raises(InvalidArgument):  # q8 records have no element type
+        SlidingWindowCodec(window=32, num_layers=2, kv_heads=2, head_dim=4, dtype="q8")
+
+
+def test_sliding_float32_sidecar_records_its_dtype_and_round_trips_bit_exactly():
+    rng = np.random.default_rng(5)
+    codec = SlidingWindowCodec(window=32, num_layers=2, kv_heads=2, head_dim=4, dtype="float32")
+    k = rng.standard_normal((2, 16, 2, 4)).astype(np.float32)
+    v = rng.standard_normal((2, 16, 2, 4)).astype(np.float32)
+    lay, pay = codec.pack((k, v), 16)
+    assert (lay.dtype, lay.dims, lay.bytes_per_tensor) == ("float32", (1, 2, 16, 4), 512)
+    assert pay.shape == (4, 512)
+    assert pay[2].tobytes() == k[1].transpose(1, 0, 2).tobytes()
+    k2, v2 = codec.unpack(RestoredSidecar(lay, pay, b"\x04" * 32))
+    assert k2.dtype == np.float32 and k2.tobytes() == k.tobytes() and v2.tobytes() == v.tobytes()
+    with pytest.raises(SidecarLayoutMismatch):  # bf16 bits under a float32 layout
+        codec.pack((_bf16(rng, (2, 16, 2, 4)), v), 16)
+    bf16 = SlidingWindowCodec(window=32, num_layers=2, kv_heads=2, head_dim=4)
+    with pytest.raises(SidecarLayoutMismatch):  # a float32 sidecar never decodes as bf16
+        bf16.unpack(RestoredSidecar(lay, pay, b"\x04" * 32))

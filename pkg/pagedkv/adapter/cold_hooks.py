@@ -38,7 +38,11 @@ class ColdRestore(NamedTuple):
 class ColdHooks(Protocol):
     """A cold tier as the lifecycle sees it. Optional: ``restore_discarded(blocks=n)``,
     called when a restored hit of ``n`` blocks is thrown away unused
-    (``restart_prepared_turn_cold``), so the tier can count it."""
+    (``restart_prepared_turn_cold``), so the tier can count it; ``restore_grouped(*,
+    tokens, hot_blocks, cache_salt, extra_keys_per_block, pool, allocator, sliding)`` →
+    ``(cached_tokens, full block ids, sliding table rows, sidecar)``, the disk restore of a
+    grouped coordinator with sliding groups (``sliding``: its sliding group managers, each
+    with ``pool``, ``allocator``, ``null_block_id``, ``block_size``)."""
 
     def capture(self, *, tokens: np.ndarray, block_ids: np.ndarray, hashes: np.ndarray,
                 cache_salt: int, extra_keys_per_block: list | None, pool: Any,
@@ -103,6 +107,51 @@ class ColdCalls:
                 log.exception("cold tier restore: could not release the refused blocks")
             return _EMPTY_IDS, None
         return extra, sidecar
+
+    def restore_grouped(self, tokens: np.ndarray, hot: np.ndarray, full, sliding: Sequence,
+                        cache_salt: int, extra_keys, extra_keys_per_block, unit: int
+                        ) -> tuple[int, np.ndarray, list[np.ndarray], Any] | None:
+        """A full + sliding restore through the hook's optional ``restore_grouped`` (docs/
+        cold.md, "Grouped restore"): ``(tokens, full block ids after hot, one table row per
+        sliding group, sidecar)``, or ``None`` on a miss, a hook without it, or a failure.
+        A result that is not a boundary of every group (a multiple of ``unit``) within the
+        lookup, or whose tables do not cover it, is refused and every block given back."""
+        hook = getattr(self.hooks, "restore_grouped", None)
+        if hook is None:
+            return None
+        try:
+            result = hook(
+                tokens=tokens, hot_blocks=hot, cache_salt=cache_salt,
+                extra_keys_per_block=per_block_keys(extra_keys, extra_keys_per_block,
+                                                    len(tokens) // full.block_size),
+                pool=full.pool, allocator=full.allocator, sliding=list(sliding))
+            cached, ids, tables, sidecar = result
+            cached = int(cached)
+            ids = np.asarray(ids, np.int32).reshape(-1)
+            tables = [np.asarray(t, np.int32).reshape(-1) for t in tables]
+        except Exception:
+            self.counters["cold_restore_errors"] += 1
+            log.exception("cold tier grouped restore failed; continuing with the hot hit only")
+            return None
+        if cached == 0 and not len(ids):
+            return None
+        shapes_ok = (len(tables) == len(sliding) and all(
+            len(t) == -(-cached // g.block_size) for t, g in zip(tables, sliding, strict=False)))
+        if (cached != (len(hot) + len(ids)) * full.block_size or cached > len(tokens)
+                or cached % unit or not shapes_ok):
+            self.counters["cold_restore_errors"] += 1
+            log.error("cold tier grouped restore returned %d tokens (%d blocks after a %d-block "
+                      "hot hit, %d tables) for a %d-token lookup; refused", cached, len(ids),
+                      len(hot), len(tables), len(tokens))
+            try:
+                full.allocator.free_many(ids)
+                for t, g in zip(tables, sliding, strict=False):
+                    g.drop_entries(t)
+            except Exception:
+                log.exception("cold tier grouped restore: could not release the refused "
+                              "blocks")
+            return None
+        return cached, ids, tables, sidecar
 
     def capture(self, tokens: np.ndarray, block_ids: np.ndarray, cache_salt: int, extra_keys,
                 extra_keys_per_block, pool, allocator) -> Any:

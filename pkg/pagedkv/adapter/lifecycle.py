@@ -100,6 +100,15 @@ class RequestLifecycle(AdmissionControl):
         self._unit = math.lcm(*(g.block_size for g in self._groups))
         self._cold = cold
         self._cold_calls = ColdCalls(cold, self._counters) if cold is not None else None
+        # Disk restore of a grouped model: one full group (group 0) whose chain the tier
+        # walks, every other group sliding, of one window, and rebuilt from the one sliding
+        # sidecar at the same boundary (docs/coordinator.md, "The cold tier"). Any other
+        # grouping (two full groups, sliding groups of several windows, a sliding-only
+        # model) restores nothing from disk.
+        sliding = self._groups[1:]
+        self._sliding_cold = (len(self._groups) > 1 and self._groups[0].kind_name == "full"
+                              and all(g.kind_name == "sliding" for g in sliding)
+                              and len({getattr(g, "window", None) for g in sliding}) == 1)
         self.checkpoints = checkpoints
         self.requires_aux_confirmation = bool(requires_aux_confirmation)
         self.hot_reuse = bool(hot_reuse)
@@ -170,18 +179,32 @@ class RequestLifecycle(AdmissionControl):
                              else PUBLISH_KEYED)
         if max_tokens is not None:
             tokens = tokens[:as_count(max_tokens, "max_tokens")]
-        entries, cached, checkpoint = self._hot_hit(tokens, extra_keys, extra_keys_per_block,
-                                                    salt)
+        entries, cached, checkpoint, full_ceiling = self._hot_hit(
+            tokens, extra_keys, extra_keys_per_block, salt)
         first = self._groups[0]
         restored, sidecar = _EMPTY_IDS, checkpoint
-        if (self._cold_calls is not None and not suppress_cold and len(self._groups) == 1
+        calls = self._cold_calls
+        if (calls is not None and not suppress_cold and len(self._groups) == 1
                 and cached + first.block_size <= len(tokens)):
-            restored, restored_sidecar = self._cold_calls.restore(
+            restored, restored_sidecar = calls.restore(
                 tokens, entries[0], first.block_size, salt, extra_keys, extra_keys_per_block,
                 first.pool, first.allocator)
             if len(restored):
                 entries[0] = np.concatenate([entries[0], restored])
                 sidecar = restored_sidecar
+        elif (calls is not None and not suppress_cold and self._sliding_cold
+              and full_ceiling <= cached and cached + first.block_size <= len(tokens)):
+            # A full group with hot blocks past the hit could not publish restored copies of
+            # them; its deeper state, if any, is in the checkpoint store.
+            grouped = calls.restore_grouped(
+                tokens, entries[0], first, self._groups[1:], salt, extra_keys,
+                extra_keys_per_block, self._unit)
+            if grouped is not None:
+                cached, restored, tables, sidecar = grouped
+                entries[0] = np.concatenate([entries[0], restored])
+                for i, (g, table) in enumerate(zip(self._groups[1:], tables, strict=True), 1):
+                    g.drop_entries(entries[i])
+                    entries[i] = table
         if len(self._groups) == 1:
             cached = min(len(entries[0]) * first.block_size, len(tokens))
         for g, e in zip(self._groups, entries, strict=True):
@@ -207,13 +230,14 @@ class RequestLifecycle(AdmissionControl):
         return PrefixLookup(cached, hot, restored, sidecar)
 
     def _hot_hit(self, tokens: np.ndarray, extra_keys, extra_keys_per_block, salt: int
-                 ) -> tuple[list[np.ndarray], int, Any]:
+                 ) -> tuple[list[np.ndarray], int, Any, int]:
         """Every group's table entries for the longest boundary all groups (and the
         checkpoint store, when there is one) back: ``(entries per group, tokens,
-        checkpoint)``. Each group proposes what it can back; the boundary is the longest
-        multiple of every block size that every proposal accepts."""
+        checkpoint, the first group's own ceiling in tokens)``. Each group proposes what it
+        can back; the boundary is the longest multiple of every block size that every
+        proposal accepts."""
         if not self.hot_reuse or not len(tokens):
-            return [_EMPTY_IDS for _ in self._groups], 0, None
+            return [_EMPTY_IDS for _ in self._groups], 0, None, 0
         proposals: list[HitProposal] = []
         entries: list[np.ndarray] = []
         try:
@@ -240,7 +264,7 @@ class RequestLifecycle(AdmissionControl):
             for g, e in zip(self._groups, entries, strict=False):
                 g.drop_entries(e)
             raise
-        return entries, t, checkpoint
+        return entries, t, checkpoint, int(proposals[0].ceiling_tokens)
 
     def allocate_suffix_blocks(self, seq_id: Hashable, total_tokens: int) -> int:
         """Reserve in every group what a prompt of ``total_tokens`` needs (decode blocks

@@ -1,1 +1,1 @@
-"""Benchmarks runnable as ``python -m pagedkv.bench <suite>`` (``gpu``: the HIP/CUDA kernels)."""
+"""Benchmarks runnable as ``python -m pagedkv.bench <suite>`` (``gpu``: the HIP/CUDA kernels; ``mlx``: pagedkv.kernels.mlx)."""

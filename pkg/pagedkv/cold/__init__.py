@@ -36,6 +36,7 @@ from pagedkv.cold.profiles import (
 from pagedkv.cold.recurrent_state import RecurrentStateCodec, conv_state_codec, gdn_state_codec
 from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar
+from pagedkv.cold.sidecar_bundle import RestoredSidecars, SidecarBundle
 from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, SidecarCaptureStop
 from pagedkv.cold.sliding_window import SlidingGroupRows, SlidingGroupTarget, SlidingWindowCodec
 from pagedkv.cold.stats import (
@@ -84,6 +85,8 @@ __all__ = [
                                       "RestoreDecline",
                                       "RestoreOutcome",
                                       "RestoredSidecar",
+                                      "RestoredSidecars",
+                                      "SidecarBundle",
                                       "SidecarCaptureOutcome",
                                       "SidecarCaptureStop",
                                       "SidecarJob",

@@ -44,13 +44,13 @@ class CaptureOutcome:
     """``blocks``: the chain reach (blocks on disk or queued, from block 0);
     ``enqueued``: jobs this walk queued; ``elapsed_ms``: wall time on the calling thread;
     ``sidecar``: how the family's sidecar capture after the walk ended (``None`` without a
-    sidecar codec)."""
+    sidecar codec; one outcome per part for a ``SidecarBundle``)."""
 
     blocks: int
     enqueued: int
     elapsed_ms: float
     stop: CaptureStop
-    sidecar: SidecarCaptureOutcome | None = None
+    sidecar: SidecarCaptureOutcome | tuple[SidecarCaptureOutcome, ...] | None = None
 
 
 def _hold(allocator, block_id: int) -> bool:

@@ -39,6 +39,7 @@ __all__ = [
     "SLIDING_BYTES_PER_ELEMENT",
     "SLIDING_LADDER_BUDGET_BYTES",
     "SLIDING_PROTECTED_ENTRIES",
+    "LadderRetention",
     "RetentionCaps",
     "SlidingCheckpointBudget",
     "VictimOrder",
@@ -334,6 +335,38 @@ def gdn_retention_victims(owners, lengths, ancestry, *, publisher: int, caps: Re
             v = non_root[0] if non_root else everyone[0]
         evict(v)
     return victims
+
+
+@dataclass(frozen=True)
+class LadderRetention:
+    """The GDN victim orders as the retention of a hot checkpoint store
+    (``pagedkv.coordinator.StateCheckpointStore(..., retention=LadderRetention(caps))``):
+    after every publish, :func:`gdn_retention_victims` over the store's entries, their
+    owners and their lineage (:func:`lineage_ancestry` of the entries' chain hashes).
+    ``root_owner``: the store's owner id of an explicitly named root (kept last)."""
+
+    caps: RetentionCaps
+    root_owner: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.caps, RetentionCaps):
+            raise InvalidArgumentType(f"caps must be a RetentionCaps, got {self.caps!r}")
+
+    @classmethod
+    def for_store(cls, *, want_ladder: bool, explicit_root: bool = False,
+                  root_owner: int | None = None) -> LadderRetention:
+        """The caps of :func:`gdn_retention_caps` (a persisting store: ``want_ladder``)."""
+        return cls(gdn_retention_caps(want_ladder, explicit_root), root_owner)
+
+    def __call__(self, owners, lengths, chains, *, publisher: int, last_used=None
+                 ) -> list[int]:
+        return gdn_retention_victims(owners, lengths, lineage_ancestry(chains),
+                                     publisher=publisher, caps=self.caps,
+                                     root_owner=self.root_owner, last_used=last_used)
+
+    def __repr__(self) -> str:
+        c = self.caps
+        return f"LadderRetention({c.order.value}, global {c.global_cap}, per owner {c.per_owner_cap})"
 
 
 # --- sliding anchor grid, cadence and budget ------------------------------------------------

@@ -26,6 +26,7 @@ from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
 from pagedkv.cold.sidecar import RestoredSidecar
+from pagedkv.cold.sidecar_bundle import RestoredSidecars, policies_of, restored_for
 from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
@@ -137,20 +138,31 @@ def _upload(tier, block, want_tokens, pool, allocator):
 
 def deepest_backed_boundary(tier, policy, sidecar_keys, floor: int, ceiling: int,
                             block_size: int, fingerprint_hex: str
-                            ) -> tuple[int, RestoredSidecar] | None:
+                            ) -> tuple[int, RestoredSidecar | RestoredSidecars] | None:
     """``(count, sidecar)`` for the largest ``count`` in ``(floor, ceiling]`` (blocks) whose
     sidecar (key ``sidecar_keys[count - 1]``) is indexed and loads with exactly
     ``policy.expected_at(count * block_size)``; ``None`` when no boundary is backed. Each
-    failed load is a counted miss (a corrupt one also a corruption, pruned); never a hit."""
-    group = policy.group
+    failed load is a counted miss (a corrupt one also a corruption, pruned); never a hit.
+
+    ``policy`` may be a bundle's tuple of policies (``sidecar_keys`` then one key chain per
+    policy): a boundary is backed only when every part's sidecar there loads, and the
+    result is a :class:`~pagedkv.cold.sidecar_bundle.RestoredSidecars`."""
+    policies = policies_of(policy)
+    chains = [sidecar_keys] if len(policies) == 1 else list(sidecar_keys)
     for count in range(int(ceiling), int(floor), -1):
-        key = sidecar_keys[count - 1]
-        if not tier.contains_in(key, group):
+        keys = [chain[count - 1] for chain in chains]
+        if not all(tier.contains_in(k, p.group) for k, p in zip(keys, policies, strict=True)):
             continue
-        layout = policy.expected_at(count * block_size)
-        payload = tier.store.load_sidecar(key, layout, fingerprint_hex=fingerprint_hex)
-        if payload is not None:
-            return count, RestoredSidecar(layout, payload, key)
+        found = []
+        for key, p in zip(keys, policies, strict=True):
+            layout = p.expected_at(count * block_size)
+            assert layout is not None  # count >= 1
+            payload = tier.store.load_sidecar(key, layout, fingerprint_hex=fingerprint_hex)
+            if payload is None:
+                break
+            found.append(RestoredSidecar(layout, payload, key))
+        if len(found) == len(policies):
+            return count, restored_for(policies, found)
     return None
 
 
@@ -164,11 +176,13 @@ def _declined(tier, base, limit, t0, decline):
 def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: int = 0,
                  extra_keys=(), extra_keys_per_block=None, pool, allocator, policy=None,
                  exact_boundary: bool = False
-                 ) -> tuple[np.ndarray, RestoreOutcome, RestoredSidecar | None]:
+                 ) -> tuple[np.ndarray, RestoreOutcome,
+                            RestoredSidecar | RestoredSidecars | None]:
     """Restore the persisted blocks after the hot hit; returns the new block ids (one
     reference each, owned by the caller), the outcome and, with a ``policy`` (a
-    ``ColdSidecarPolicy``), the sidecar backing the result: whenever blocks are returned,
-    ``sidecar.boundary_tokens == (base + blocks) * block_size``.
+    ``ColdSidecarPolicy``, or a ``SidecarBundle``'s tuple of them), the sidecar backing the
+    result: whenever blocks are returned, ``sidecar.boundary_tokens == (base + blocks) *
+    block_size``.
 
     ``exact_boundary`` (prefixes whose inputs cannot be rebuilt from token ids): the backed
     boundary must be the K/V chain's whole proposal, else nothing is restored.
@@ -201,11 +215,13 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
         return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0), None
     fp_hex = fingerprint.hex()
     sidecar = None
-    sidecar_keys: list[bytes] = []
+    sidecar_keys: list = []
     limit = ceiling
     if policy is not None:
-        sidecar_keys = cold_key_chain(tier.fmt, policy.group, fingerprint, lookup, bs,
-                                      max_blocks=ceiling, **chain_kwargs)
+        chains = [cold_key_chain(tier.fmt, p.group, fingerprint, lookup, bs,
+                                 max_blocks=ceiling, **chain_kwargs)
+                  for p in policies_of(policy)]
+        sidecar_keys = chains[0] if len(chains) == 1 else chains
         backed = deepest_backed_boundary(tier, policy, sidecar_keys, base, ceiling, bs, fp_hex)
         if backed is None or (exact_boundary and backed[0] != ceiling):
             return _declined(tier, base, ceiling, t0, RestoreDecline.NO_BACKED_BOUNDARY)

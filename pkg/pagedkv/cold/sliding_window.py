@@ -2,7 +2,8 @@
 boundary (docs/cold.md, "Sliding-window sidecar").
 
 Per physical sliding layer (KV-shared aliases hold no state of their own) two tensors, K
-then V, each ``[1, kv_heads, min(b, window), head_dim]`` bfloat16 — the rows
+then V, each ``[1, kv_heads, min(b, window), head_dim]`` in the pool's dtype (bfloat16 as
+uint16 bit patterns, float16 or float32; the layout records it) — the rows
 ``[b - min(b, window), b)`` — layer-major across the sliding groups in group order. The
 policy is ``boundary_scaled(axis=2)``: any positive block-aligned boundary works and a
 pre-wrap state (``b < window``) is first-class.
@@ -25,7 +26,7 @@ import numpy as np
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.policy import ColdSidecarPolicy
-from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar
+from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar, storage_dtype
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -34,8 +35,6 @@ from pagedkv.errors import (
 )
 
 __all__ = ["SlidingGroupRows", "SlidingGroupTarget", "SlidingWindowCodec"]
-
-_BF16 = np.dtype(np.uint16)  # bfloat16 travels as uint16 bit patterns
 
 
 @dataclass(frozen=True)
@@ -64,11 +63,13 @@ class SlidingGroupTarget:
 @dataclass(frozen=True)
 class SlidingWindowCodec:
     """Packs the window rows of ``num_layers`` physical sliding layers (all sliding groups
-    together, group order) into a sidecar payload and back. bfloat16 only.
+    together, group order) into a sidecar payload and back.
 
-    A state is ``(k, v)``, each ``uint16[num_layers, min(b, window), kv_heads, head_dim]``
-    (token-major, as the pool stores rows); the payload stores each as
-    ``[kv_heads, rows, head_dim]``.
+    ``dtype``: the sliding pools' dtype, ``bfloat16`` (default), ``float16`` or ``float32``;
+    it is part of the layout, so a sidecar of another dtype never decodes. A state is
+    ``(k, v)``, each ``[num_layers, min(b, window), kv_heads, head_dim]`` in the storage dtype
+    (bfloat16: ``uint16`` bit patterns; token-major, as the pool stores rows); the payload
+    stores each as ``[kv_heads, rows, head_dim]``.
     """
 
     window: int
@@ -82,19 +83,22 @@ class SlidingWindowCodec:
     def __post_init__(self) -> None:
         for name in ("window", "num_layers", "kv_heads", "head_dim"):
             int_argument(name, getattr(self, name), 1)
-        if self.dtype != "bfloat16":
-            raise InvalidArgument(f"dtype = {self.dtype!r}: the sliding-window sidecar is "
-                                  "bfloat16 only")
+        storage_dtype(self.dtype)  # InvalidArgument for q8 or an unknown name
         self.policy  # noqa: B018 - validates the template geometry
 
     @cached_property
     def policy(self) -> ColdSidecarPolicy:
         """``boundary_scaled(axis=2)`` over ``[1, kv_heads, window, head_dim]``."""
-        row_bytes = self.kv_heads * self.head_dim * _BF16.itemsize
+        row_bytes = self.kv_heads * self.head_dim * self.storage.itemsize
         template = ColdSidecarLayout(self.group, self.window, self.num_layers, 2, self.dtype,
                                      (1, self.kv_heads, self.window, self.head_dim),
                                      row_bytes * self.window)
         return ColdSidecarPolicy.boundary_scaled(template, 2)
+
+    @property
+    def storage(self) -> np.dtype:
+        """The NumPy dtype one element travels as (bfloat16: ``uint16``)."""
+        return storage_dtype(self.dtype)
 
     def rows_at(self, boundary_tokens: int) -> int:
         """Rows one layer's K (or V) holds at ``boundary_tokens``: ``min(b, window)``."""
@@ -121,23 +125,25 @@ class SlidingWindowCodec:
         if not isinstance(state, (tuple, list)) or len(state) != 2:
             raise SidecarLayoutMismatch("a sliding state is (k, v)")
         for name, a in zip("kv", state, strict=True):
-            if not isinstance(a, np.ndarray) or a.dtype != _BF16 or a.shape != want:
+            if not isinstance(a, np.ndarray) or a.dtype != self.storage or a.shape != want:
                 got = f"{a.dtype}{a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise SidecarLayoutMismatch(
                     f"sliding {name} at {boundary_tokens} tokens: {got}; the layout needs "
-                    f"bfloat16 bits (uint16){want} (other dtypes are never relabelled)")
+                    f"{self.dtype} ({self.storage}){want} (other dtypes are never "
+                    "relabelled)")
         shape = (layout.tensor_count, layout.bytes_per_tensor)
         if out is None:
             out = np.empty(shape, np.uint8)
         elif out.dtype != np.uint8 or out.shape != shape or not out.flags.c_contiguous:
             raise InvalidArgument(f"out must be a C-contiguous uint8{shape} array")
-        dst = out.view(_BF16).reshape(self.num_layers, 2, self.kv_heads, rows, self.head_dim)
+        dst = out.view(self.storage).reshape(self.num_layers, 2, self.kv_heads, rows, self.head_dim)
         dst[:, 0] = state[0].transpose(0, 2, 1, 3)
         dst[:, 1] = state[1].transpose(0, 2, 1, 3)
         return layout, out
 
     def unpack(self, sidecar: RestoredSidecar) -> tuple[np.ndarray, np.ndarray]:
-        """``(k, v)``, each ``uint16[num_layers, rows, kv_heads, head_dim]`` (new arrays).
+        """``(k, v)``, each ``[num_layers, rows, kv_heads, head_dim]`` in the storage dtype
+        (new arrays).
         ``SidecarLayoutMismatch`` when the sidecar is not this codec's layout."""
         if not isinstance(sidecar, RestoredSidecar):
             raise InvalidArgumentType(
@@ -148,7 +154,7 @@ class SlidingWindowCodec:
             raise SidecarLayoutMismatch(f"sidecar layout {sidecar.layout!r} is not this "
                                         f"codec's layout at {sidecar.boundary_tokens}: {want!r}")
         rows = want.dims[2]
-        src = np.ascontiguousarray(sidecar.payload).view(_BF16).reshape(
+        src = np.ascontiguousarray(sidecar.payload).view(self.storage).reshape(
             self.num_layers, 2, self.kv_heads, rows, self.head_dim)
         return (np.ascontiguousarray(src[:, 0].transpose(0, 2, 1, 3)),
                 np.ascontiguousarray(src[:, 1].transpose(0, 2, 1, 3)))
@@ -160,10 +166,10 @@ class SlidingWindowCodec:
         for g, pool in enumerate(pools):
             geo = pool.geometry
             if (geo.num_kv_heads, geo.head_dim) != (self.kv_heads, self.head_dim) or \
-                    geo.dtype != "bfloat16":
+                    geo.dtype != self.dtype:
                 raise SidecarLayoutMismatch(
                     f"sliding group {g}: pool rows are {geo.dtype}[{geo.num_kv_heads}, "
-                    f"{geo.head_dim}], the sidecar holds bfloat16[{self.kv_heads}, "
+                    f"{geo.head_dim}], the sidecar holds {self.dtype}[{self.kv_heads}, "
                     f"{self.head_dim}]")
             total += geo.num_layers
         if total != self.num_layers:
@@ -239,4 +245,4 @@ class SlidingWindowCodec:
 
     def __repr__(self) -> str:
         return (f"SlidingWindowCodec(window={self.window}, layers={self.num_layers}, "
-                f"kv_heads={self.kv_heads}, head_dim={self.head_dim})")
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype!r})")

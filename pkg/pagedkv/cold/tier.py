@@ -35,6 +35,7 @@ from pagedkv.cold.knobs import (
 )
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
+from pagedkv.cold.sidecar_bundle import SidecarBundle
 from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, capture_sidecar
 from pagedkv.cold.stats import ColdCacheStats, ColdCounters, sidecar_counters
 from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
@@ -300,12 +301,13 @@ class ColdTierContext:
     """A tier bound to one model: what ``PagedKVCacheAdapter(cold=...)`` holds.
 
     ``sidecar``: the family's sidecar codec (``RecurrentStateCodec`` from
-    ``gdn_state_codec``/``conv_state_codec``, or a ``SlidingWindowCodec``) when it keeps
-    state outside the pool; its ``policy`` reconciles every restore down to a backed
-    boundary. ``checkpoints``: called as ``checkpoints(tokens, cache_salt=...,
-    extra_keys_per_block=...)`` after each K/V capture walk, it returns the request
-    lineage's retained in-memory checkpoints (boundary tokens → state in the codec's form);
-    the deepest one under the walk's reach is persisted (docs/cold.md, "Sidecar capture").
+    ``gdn_state_codec``/``conv_state_codec``, a ``SlidingWindowCodec``, or a
+    ``SidecarBundle`` of several) when it keeps state outside the pool; its ``policy``
+    reconciles every restore down to a backed boundary. ``checkpoints``: called as
+    ``checkpoints(tokens, cache_salt=..., extra_keys_per_block=...)`` after each K/V capture
+    walk, it returns the request lineage's retained in-memory checkpoints (boundary tokens →
+    state in the codec's form; a bundle's: ``{ColdGroup: state}``); the deepest one under
+    the walk's reach is persisted (docs/cold.md, "Sidecar capture").
     """
 
     tier: ColdTier
@@ -318,11 +320,11 @@ class ColdTierContext:
             raise InvalidArgumentType(f"tier must be a ColdTier, got {type(self.tier).__name__}")
         if not isinstance(self.fingerprint, bytes) or len(self.fingerprint) != 32:
             raise InvalidArgument("fingerprint must be 32 bytes (model_fingerprint's result)")
-        if self.sidecar is not None and not (hasattr(self.sidecar, "policy")
-                                             and hasattr(self.sidecar, "pack")):
+        if self.sidecar is not None and not isinstance(self.sidecar, SidecarBundle) and not (
+                hasattr(self.sidecar, "policy") and hasattr(self.sidecar, "pack")):
             raise InvalidArgumentType(
                 f"sidecar must be a sidecar codec (gdn_state_codec, conv_state_codec, "
-                f"SlidingWindowCodec), got {type(self.sidecar).__name__}")
+                f"SlidingWindowCodec, SidecarBundle), got {type(self.sidecar).__name__}")
         if self.checkpoints is not None and not callable(self.checkpoints):
             raise InvalidArgumentType("checkpoints must be callable(tokens, cache_salt=..., "
                                       "extra_keys_per_block=...) -> {boundary: state}")
@@ -333,7 +335,8 @@ class ColdTierContext:
 
     @property
     def policy(self):
-        """The sidecar codec's ``ColdSidecarPolicy``, or ``None`` (K/V-only family)."""
+        """The sidecar codec's ``ColdSidecarPolicy`` (a bundle's: a tuple of them), or
+        ``None`` (K/V-only family)."""
         return None if self.sidecar is None else self.sidecar.policy
 
     def capture(self, **kwargs) -> CaptureOutcome:
@@ -362,16 +365,27 @@ class ColdTierContext:
 
     def capture_sidecar(self, checkpoints: Mapping[int, Any], *, tokens, captured_blocks: int,
                         block_size: int, cache_salt: int = 0, extra_keys=(),
-                        extra_keys_per_block=None) -> SidecarCaptureOutcome:
+                        extra_keys_per_block=None
+                        ) -> SidecarCaptureOutcome | tuple[SidecarCaptureOutcome, ...]:
         """Sidecar capture alone (docs/cold.md, "Sidecar capture"): for hosts that run the
-        K/V walk elsewhere. Waits for a queue slot up to the tier's capture budget."""
+        K/V walk elsewhere. Waits for a queue slot up to the tier's capture budget. A
+        bundle captures each part at its own deepest anchor (the same one when every part
+        has state at the same boundaries) and returns one outcome per part."""
         if self.sidecar is None:
             raise InvalidArgument("this ColdTierContext has no sidecar codec")
         deadline = time.monotonic() + self.tier.budget_ms / 1000.0
-        return capture_sidecar(self.tier, self.fingerprint, self.sidecar, checkpoints,
-                               tokens=tokens, captured_blocks=captured_blocks,
-                               block_size=block_size, deadline=deadline, cache_salt=cache_salt,
-                               extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block)
+
+        def one(codec, found):
+            return capture_sidecar(self.tier, self.fingerprint, codec, found, tokens=tokens,
+                                   captured_blocks=captured_blocks, block_size=block_size,
+                                   deadline=deadline, cache_salt=cache_salt,
+                                   extra_keys=extra_keys,
+                                   extra_keys_per_block=extra_keys_per_block)
+
+        if isinstance(self.sidecar, SidecarBundle):
+            return tuple(one(codec, self.sidecar.split(checkpoints, codec.group))
+                         for codec in self.sidecar.parts)
+        return one(self.sidecar, checkpoints)
 
     def restore(self, **kwargs) -> ColdRestore:
         """Restore under this context's policy: ``ColdRestore(block_ids, sidecar)``."""
@@ -434,15 +448,46 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
     fingerprint covers the model and ``geometry`` (weight digests cached in the root). A
     refused root or a model without weight bytes turns persistence off (logged), never
-    raises. ``sidecar``/``checkpoints``: a hybrid family's sidecar codec and checkpoint
-    source (see :class:`ColdTierContext`).
+    raises for those. ``checkpoints``: a hybrid family's checkpoint source (see
+    :class:`ColdTierContext`).
+
+    A family with out-of-pool state gets its sidecar codec from its profile's
+    ``sidecar_policy`` and the model's ``config.json`` (docs/cold.md, "Family profiles and
+    sidecars"); ``sidecar`` (the engine's own codec) must equal it
+    (``SidecarLayoutMismatch`` otherwise). A family declaring no out-of-pool state whose
+    ``config.json`` lists sliding-window or recurrent ``layer_types`` is refused (persistence
+    off, logged): its K/V alone would resume the model wrongly.
     """
     from pagedkv.cold.digest_cache import WeightDigestCache
     from pagedkv.cold.fingerprint import model_fingerprint
-    from pagedkv.cold.profiles import family_profile, resolve_persist
+    from pagedkv.cold.profiles import (
+        OutOfPoolState,
+        family_profile,
+        family_sidecar_codec,
+        resolve_persist,
+        stateful_layer_kinds,
+    )
 
     profile = family_profile(family)
     if not resolve_persist(profile, persist_paged_cache):
+        return None
+    assert profile is not None
+    config = _read_config(model_dir)
+    if config is None:
+        return None
+    stateful = stateful_layer_kinds(config)
+    if stateful and profile.out_of_pool_state is OutOfPoolState.NONE:
+        log.warning("cold tier: family %r declares no out-of-pool state but %s/config.json "
+                    "has %s layers; persistence off (serve it under a family whose profile "
+                    "has their sidecars)", family, model_dir, ", ".join(stateful))
+        return None
+    try:
+        sidecar = family_sidecar_codec(profile, config, geometry, sidecar)
+    except InvalidArgument:  # a ValueError: the caller's codec or family is wrong, say so
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("cold tier: family %r cannot build its sidecar codec from %s/config.json "
+                    "(%s); persistence off", family, model_dir, exc)
         return None
     tier = ColdTier.shared(base)
     if tier is None:
@@ -452,3 +497,20 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
     if fp is None:
         return None
     return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)
+
+
+def _read_config(model_dir: str) -> dict | None:
+    """``config.json`` of ``model_dir`` as a dict, or ``None`` (logged): persistence off."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        log.warning("cold tier: cannot read %s/config.json (%s); persistence off", model_dir,
+                    exc)
+        return None
+    if not isinstance(config, dict):
+        log.warning("cold tier: %s/config.json is not an object; persistence off", model_dir)
+        return None
+    return config

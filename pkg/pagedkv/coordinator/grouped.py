@@ -106,18 +106,22 @@ class GroupedKVCoordinator(RequestLifecycle):
                    max_chunk: int, max_num_seqs: int = 32, memory_bytes: int | None = None,
                    memory_mb: int | None = None, backend: str = "numpy",
                    hash_seed: int | None = None, cold=None, checkpoints: bool | object = False,
-                   checkpoint_entries: int = 8, requires_aux_confirmation: bool = False,
+                   checkpoint_entries: int = 8, checkpoint_retention=None,
+                   requires_aux_confirmation: bool = False,
                    hot_reuse: bool = True,
-                   blocks_per_group: Sequence[int] | None = None) -> GroupedKVCoordinator:
+                   blocks_per_group: Sequence[int] | None = None,
+                   max_blocks_per_group: Sequence[int] | None = None) -> GroupedKVCoordinator:
         """Group ``specs``, size every pool from one budget (docs/coordinator.md, "Pool budget
         and admission width"), and build one allocator, pool and manager per group (fixed
-        size: grouped pools do not grow).
+        size unless ``max_blocks_per_group`` says otherwise).
 
         ``checkpoints=True`` creates a :class:`~pagedkv.coordinator.StateCheckpointStore`
-        keyed by the first group's allocator (``checkpoint_entries`` entries) for a model
+        keyed by the first group's allocator (``checkpoint_entries`` entries, retention
+        ``checkpoint_retention``, e.g. ``pagedkv.cold.ladder.LadderRetention``) for a model
         with recurrent layers; a store object is used as given. ``blocks_per_group`` sizes
         the pools explicitly instead (a sliding group's count includes its null block; no
-        budget, no admission width)."""
+        budget, no admission width); ``max_blocks_per_group`` (with it) lets a group's pool
+        grow on demand up to that many blocks (docs/adapter.md, "Growth")."""
         from pagedkv.allocator import BlockAllocator
         from pagedkv.coordinator.checkpoints import StateCheckpointStore
         from pagedkv.pool import LayerKVPool
@@ -137,23 +141,39 @@ class GroupedKVCoordinator(RequestLifecycle):
                 raise InvalidArgument(f"blocks_per_group has {len(sizes)} entries for "
                                       f"{len(groups)} groups")
             rows = min(as_count(max_num_seqs, "max_num_seqs"), 1024)
+        if max_blocks_per_group is None:
+            limits = sizes
+        else:
+            if blocks_per_group is None:
+                raise InvalidArgument("max_blocks_per_group needs blocks_per_group (the "
+                                      "starting size of each pool)")
+            limits = tuple(as_count(b, f"max_blocks_per_group[{i}]")
+                           for i, b in enumerate(max_blocks_per_group))
+            if len(limits) != len(groups):
+                raise InvalidArgument(f"max_blocks_per_group has {len(limits)} entries for "
+                                      f"{len(groups)} groups")
+            for i, (blocks, top) in enumerate(zip(sizes, limits, strict=True)):
+                if top < blocks:
+                    raise InvalidArgument(f"max_blocks_per_group[{i}] = {top} is below "
+                                          f"blocks_per_group[{i}] = {blocks}")
         managers: list[GroupBlocks] = []
-        for g, blocks in zip(groups, sizes, strict=True):
-            allocator = BlockAllocator(blocks, blocks, g.block_size, hash_seed=hash_seed,
+        for g, blocks, top in zip(groups, sizes, limits, strict=True):
+            allocator = BlockAllocator(blocks, top, g.block_size, hash_seed=hash_seed,
                                        reserve_null_block=g.kind.is_sliding)
             pool = LayerKVPool(g.layout.pool_geometry(len(g.physical_layer_indices)), blocks,
-                               backend=backend)
+                               top, backend=backend)
             if g.kind.is_sliding:
                 assert g.kind.window is not None
                 managers.append(SlidingGroupBlocks(
-                    allocator, pool, g.kind.window, rows=rows,
+                    allocator, pool, g.kind.window, growth=top > blocks, rows=rows,
                     max_admission_blocks=g.max_admission_blocks))
             else:
-                managers.append(GroupBlocks(allocator, pool, growth=False, rows=rows))
+                managers.append(GroupBlocks(allocator, pool, growth=top > blocks, rows=rows))
         topology = KVCacheCoordinator.from_groups(specs, groups, managers)
         store = checkpoints
         if checkpoints is True:
-            store = StateCheckpointStore(managers[0].allocator, max_entries=checkpoint_entries)
+            store = StateCheckpointStore(managers[0].allocator, max_entries=checkpoint_entries,
+                                         retention=checkpoint_retention)
         elif checkpoints is False:
             store = None
         return cls(topology, max_model_len=max_model_len, cold=cold, checkpoints=store,

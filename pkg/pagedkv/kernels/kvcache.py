@@ -28,8 +28,9 @@ __all__ = [
 ]
 
 SOURCE = "kvcache"
-# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 / PKV_ATTN_PARTITION).
-ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 512, "q8": 512}
+# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 for f16 and bf16, the
+# tensor-core settings; PKV_ATTN_PARTITION for q8).
+ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 1024, "q8": 512}
 ATTN_THREADS = 128  # PKV_ATTN_THREADS
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 
@@ -203,6 +204,14 @@ class PagedAttention:
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
+
+    def run_pool(self, q: DeviceArray, pool, layer: int, tables, out: DeviceArray, *,
+                 generation: int | None = None, stream=None) -> None:
+        """:meth:`run` over ``layer`` of a device ``LayerKVPool`` and a
+        :class:`~pagedkv.kernels.paged.DeviceDecodeBatch`; a table of another pool
+        generation raises ``StaleBlockTable`` before any launch (pagedkv.kernels.paged)."""
+        from pagedkv.kernels.paged import attention
+        attention(self, q, pool, layer, tables, out, generation=generation, stream=stream)
 
 
 def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids: DeviceArray,

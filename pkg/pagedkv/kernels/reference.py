@@ -55,14 +55,15 @@ def kv_q8_dequantize(records: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def kv_pool_to_float(pool: np.ndarray, kv_dtype: str, head_dim: int) -> np.ndarray:
-    """A pool array (float16, bfloat16 as uint16 bits, or q8 records) as float32."""
-    if kv_dtype == "float16":
+    """A pool array (float16, bfloat16 as uint16 bits, q8 records, or float32) as float32."""
+    if kv_dtype in ("float16", "float32"):
         return pool.astype(np.float32)
     if kv_dtype == "bfloat16":
         return (pool.astype(np.uint32) << 16).view(np.float32)
     if kv_dtype == "q8":
         return kv_q8_dequantize(pool, head_dim)
-    raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected 'float16', 'bfloat16' or 'q8'")
+    raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected 'float16', 'bfloat16', 'q8' or "
+                          f"'float32'")
 
 
 def paged_attention_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray,

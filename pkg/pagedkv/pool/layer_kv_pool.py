@@ -1,7 +1,8 @@
 """LayerKVPool: the physical K/V storage of a paged cache (paged-kv.md §5).
 
 Per physical layer one K and one V array ``[num_blocks, block_size, num_kv_heads, head_dim]``
-of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``).
+of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``,
+a GPU :class:`~pagedkv.kernels.DeviceArray` with ``backend="device"``).
 Slot ``s = block_id * block_size + offset`` addresses one token of one block. The pool never
 decides *which* block a token goes to: the allocator and the adapter do; the pool validates
 and copies, vectorized, one NumPy (or MLX) call per array.
@@ -31,7 +32,7 @@ __all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 logger = logging.getLogger("pagedkv")
 
 #: Backend names a pool accepts.
-BACKENDS = ("numpy", "mlx")
+BACKENDS = ("numpy", "mlx", "device")
 
 GrowCallback = Callable[[int, int, int], None]
 
@@ -53,6 +54,9 @@ def _storage_class(backend: str):
     if backend == "mlx":
         from pagedkv.pool.mlx_storage import MlxKVStorage
         return MlxKVStorage
+    if backend == "device":
+        from pagedkv.pool.device_storage import DeviceKVStorage
+        return DeviceKVStorage
     raise InvalidArgument(f"backend: {backend!r} is not a pool backend; use one of "
                           f"{list(BACKENDS)}")
 
@@ -95,12 +99,13 @@ class LayerKVPool:
     ``num_blocks``: blocks allocated now; ``max_num_blocks`` (default ``num_blocks``): the
     most :meth:`grow_to` may reach. ``memory_budget``: debited with this pool's bytes (the
     first allocation must fit, else ``InvalidArgument``). ``pool_id`` names the pool in the
-    budget (default ``"pool-<n>"``).
+    budget (default ``"pool-<n>"``). ``device``: the GPU of a ``backend="device"`` pool
+    (a :class:`pagedkv.kernels.Device`; default ``open_device()``); other backends refuse it.
     """
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int, max_num_blocks: int | None = None,
                  *, backend: str = "numpy", memory_budget: MemoryBudget | None = None,
-                 pool_id: Hashable | None = None) -> None:
+                 pool_id: Hashable | None = None, device=None) -> None:
         if not isinstance(geometry, PoolGeometry):
             raise InvalidArgumentType(
                 f"geometry: expected a PoolGeometry, got {type(geometry).__name__}")
@@ -118,6 +123,12 @@ class LayerKVPool:
             raise InvalidArgumentType(
                 f"memory_budget: expected a MemoryBudget, got {type(memory_budget).__name__}")
         storage_class = _storage_class(backend)
+        storage_args = {}
+        if backend == "device":
+            storage_args["device"] = device
+        elif device is not None:
+            raise InvalidArgument(f"device: only a backend='device' pool takes a device "
+                                  f"(backend={backend!r})")
         if pool_id is None:
             pool_id = f"pool-{next(_pool_numbers)}"
 
@@ -133,7 +144,7 @@ class LayerKVPool:
                     f"budget: {memory_budget.available_bytes} of {memory_budget.limit_bytes} "
                     "bytes available")
         try:
-            storage = storage_class(geometry, num_blocks)
+            storage = storage_class(geometry, num_blocks, **storage_args)
         except BaseException:
             if memory_budget is not None:
                 memory_budget.release_pool(pool_id)
@@ -163,8 +174,13 @@ class LayerKVPool:
 
     @property
     def backend(self) -> str:
-        """``"numpy"`` or ``"mlx"``."""
+        """``"numpy"``, ``"mlx"`` or ``"device"``."""
         return self._backend
+
+    @property
+    def device(self):
+        """The :class:`pagedkv.kernels.Device` of a ``backend="device"`` pool, else None."""
+        return getattr(self._storage, "device", None)
 
     @property
     def pool_id(self) -> Hashable:
@@ -411,6 +427,31 @@ class LayerKVPool:
         with self._lock:
             self._storage.flush()
 
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, *,
+                        generation: int | None = None, scale: float | None = None,
+                        check: bool = True):
+        """Decode attention of one layer straight from the pool: one query token per sequence
+        (``q`` ``[seqs, heads, head_dim]``), GQA, over ``block_tables`` (``int32[seqs,
+        width]``, -1 padded) and ``seq_lens`` (``int32[seqs]``), as
+        :meth:`PagedKVCacheAdapter.prepare_decode <pagedkv.adapter.PagedKVCacheAdapter.prepare_decode>`
+        builds them (pass its ``generation``). Returns ``float32[seqs, heads, head_dim]``;
+        ``scale`` defaults to ``head_dim ** -0.5``.
+
+        MLX pools run :func:`pagedkv.kernels.mlx.paged_attention` (the Metal or CUDA kernel
+        on an MLX GPU, MLX array ops on its CPU), reading K/V where they are: no gather into
+        a contiguous cache. NumPy pools compute the float64 reference
+        (:func:`pagedkv.kernels.reference.paged_attention_decode`). ``check=False`` skips
+        the host check of the table entries on MLX pools: for a decode step that checked
+        its batch once (``pagedkv.kernels.kvcache.check_decode_batch``) and passes the same
+        ``mx.array`` tables to every layer."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            return self._storage.paged_attention(layer, q, block_tables, seq_lens, scale,
+                                                 check)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -504,11 +545,17 @@ class LayerKVPool:
             try:
                 # The pool lock is held through the copy so no concurrent write is lost.
                 with self._lock:
-                    self._storage = self._storage.grown(new_num_blocks)
+                    old_storage = self._storage
+                    self._storage = old_storage.grown(new_num_blocks)
                     self._slot_copier = self._storage.slot_copier
                     self._num_blocks = new_num_blocks
                     self._generation += 1
                     generation = self._generation
+                    # The old generation's memory goes only after the bump (device pools:
+                    # the last holder of an exported view frees it).
+                    release = getattr(old_storage, "release", None)
+                    if release is not None:
+                        release()
             except BaseException:
                 if budget is not None:
                     budget.update_pool(self._pool_id, old_bytes)

@@ -173,6 +173,14 @@ class MlxKVStorage:
             mx.eval(k, v)
         return MlxKVStorage(g, new_num_blocks, k, v)
 
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale, check: bool = True):
+        """pagedkv.kernels.mlx.paged_attention over this layer's K/V (reshapes: no copy)."""
+        from pagedkv.kernels.mlx import paged_attention
+        k, v = self.layer(layer)
+        return paged_attention(q, k, v, block_tables, seq_lens, scale=scale, check=check)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block_into(self, block_id: int, out: np.ndarray) -> None:

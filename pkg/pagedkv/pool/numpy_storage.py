@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgumentType
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.slot_copy import SlotCopier
 
@@ -90,6 +90,29 @@ class NumpyKVStorage:
             for kv in (0, 1):
                 np.copyto(new.array[layer, kv, :old], self.array[layer, kv])
         return new
+
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale,
+                        check: bool = True) -> np.ndarray:
+        """The float64 NumPy reference over this layer (the oracle the kernels are tested
+        against; correct, not fast). The tables are always checked."""
+        from pagedkv.kernels.kvcache import check_decode_batch
+        from pagedkv.kernels.reference import paged_attention_decode
+        g = self.geometry
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 3 or q.shape[2] != g.head_dim or q.shape[1] % g.num_kv_heads:
+            raise InvalidArgument(f"q: shape {q.shape}, expected [seqs, heads (a multiple of "
+                                  f"{g.num_kv_heads}), {g.head_dim}]")
+        tables = np.asarray(block_tables)
+        lens = np.asarray(seq_lens)
+        check_decode_batch(tables, lens, num_blocks=self.num_blocks, block_size=g.block_size)
+        if tables.shape[0] != q.shape[0]:
+            raise InvalidArgument(f"block_tables: {tables.shape[0]} rows, q has {q.shape[0]} "
+                                  f"sequences")
+        k, v = self.layer(layer)
+        return paged_attention_decode(q, k, v, tables, lens, kv_dtype=g.dtype,
+                                      scale=g.head_dim ** -0.5 if scale is None else scale)
 
     # -- block I/O -------------------------------------------------------------------------
 

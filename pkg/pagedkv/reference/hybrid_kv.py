@@ -24,7 +24,7 @@ from pagedkv.reference.flat_rows import LayerRows
 from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, SLIDING_ATTENTION, HybridConfig
 from pagedkv.reference.hybrid_state import HybridSnapshot, check_rows
 
-__all__ = ["HybridFlatKV", "HybridKVPath"]
+__all__ = ["HybridFlatKV", "HybridKVPath", "LinearStateHolder"]
 
 
 class HybridKVPath(Protocol):
@@ -54,7 +54,57 @@ class HybridKVPath(Protocol):
     def set_linear_state(self, layer: int, conv_state: Any, recurrent_state: Any) -> None: ...
 
 
-class HybridFlatKV:
+class LinearStateHolder:
+    """The gated-delta-net layers' states of one sequence, for a hybrid KV path (set
+    ``config`` and ``_backend``, then call :meth:`_zero_linear_states`): ``float32`` zeros
+    before the first token, ``mx.array`` on the MLX backend."""
+
+    config: HybridConfig
+    _backend: str
+    _states: dict[int, tuple[Any, Any]]
+
+    def _to_backend(self, a: np.ndarray) -> Any:
+        if self._backend == "mlx":
+            import mlx.core as mx
+            return mx.array(a)
+        return a
+
+    def _zero_linear_states(self) -> None:
+        c = self.config
+        self._states = {layer: (self._to_backend(np.zeros(c.conv_state_shape, np.float32)),
+                                self._to_backend(np.zeros(c.recurrent_state_shape,
+                                                          np.float32)))
+                        for layer in c.linear_attention_layers}
+
+    def linear_state(self, layer: int) -> tuple[Any, Any]:
+        state = self._states.get(layer)
+        if state is None:
+            raise InvalidArgument(self._not_linear(layer))
+        return state
+
+    def set_linear_state(self, layer: int, conv_state: Any, recurrent_state: Any) -> None:
+        if layer not in self._states:
+            raise InvalidArgument(self._not_linear(layer))
+        self._states[layer] = conv_state, recurrent_state
+
+    def _install_linear_state(self, layer: int, conv: np.ndarray, recurrent: np.ndarray
+                              ) -> None:
+        """Copies (the source stays read-only and reusable)."""
+        self._states[layer] = (self._to_backend(np.array(conv)),
+                               self._to_backend(np.array(recurrent)))
+
+    def _linear_arrays(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        linear = self.config.linear_attention_layers
+        return ([np.asarray(self._states[i][0]) for i in linear],
+                [np.asarray(self._states[i][1]) for i in linear])
+
+    def _not_linear(self, layer: int) -> str:
+        kinds = self.config.layer_types
+        kind = kinds[layer] if 0 <= layer < len(kinds) else "missing"
+        return f"layer {layer} ({kind}) has no recurrent state: it is not {LINEAR_ATTENTION}"
+
+
+class HybridFlatKV(LinearStateHolder):
     """One sequence of the hybrid model on contiguous arrays (the baseline for parity).
 
     ``backend="numpy"`` or ``"mlx"`` (the K/V and states are then ``mx.array``s). A sliding
@@ -76,20 +126,10 @@ class HybridFlatKV:
         row_shape = (config.num_kv_heads, config.head_dim)
         self._rows = {layer: LayerRows(backend, row_shape, initial_capacity_tokens)
                       for layer in config.physical_full_layers + config.physical_sliding_layers}
-        self._states: dict[int, tuple[Any, Any]] = {}
-        for layer in config.linear_attention_layers:
-            conv = np.zeros(config.conv_state_shape, np.float32)
-            recurrent = np.zeros(config.recurrent_state_shape, np.float32)
-            self._states[layer] = self._to_backend(conv), self._to_backend(recurrent)
+        self._zero_linear_states()
 
     def __repr__(self) -> str:
         return f"HybridFlatKV(backend={self._backend!r}, num_tokens={self._num_tokens})"
-
-    def _to_backend(self, a: np.ndarray) -> Any:
-        if self._backend == "mlx":
-            import mlx.core as mx
-            return mx.array(a)
-        return a
 
     # --- HybridKVPath ------------------------------------------------------------------------
 
@@ -120,17 +160,6 @@ class HybridFlatKV:
             raise InvalidArgument(self._not_physical(layer, "read K/V from"))
         return rows.rows(first)
 
-    def linear_state(self, layer: int) -> tuple[Any, Any]:
-        state = self._states.get(layer)
-        if state is None:
-            raise InvalidArgument(self._not_linear(layer))
-        return state
-
-    def set_linear_state(self, layer: int, conv_state: Any, recurrent_state: Any) -> None:
-        if layer not in self._states:
-            raise InvalidArgument(self._not_linear(layer))
-        self._states[layer] = conv_state, recurrent_state
-
     def _not_physical(self, layer: int, what: str) -> str:
         kinds = self.config.layer_types
         if not 0 <= layer < len(kinds):
@@ -140,11 +169,6 @@ class HybridFlatKV:
             return (f"cannot {what} layer {layer}: it is a KV-shared alias of layer {anchor} "
                     "and owns no K/V (the model writes the anchor only)")
         return f"cannot {what} layer {layer}: it is a {kinds[layer]} layer, not attention"
-
-    def _not_linear(self, layer: int) -> str:
-        kinds = self.config.layer_types
-        kind = kinds[layer] if 0 <= layer < len(kinds) else "missing"
-        return f"layer {layer} ({kind}) has no recurrent state: it is not {LINEAR_ATTENTION}"
 
     # --- snapshots ---------------------------------------------------------------------------
 
@@ -170,10 +194,7 @@ class HybridFlatKV:
             k, v = self._rows[layer].rows(first)
             keys.append(np.asarray(k).transpose(1, 0, 2))
             values.append(np.asarray(v).transpose(1, 0, 2))
-        linear = c.linear_attention_layers
-        return HybridSnapshot.build(
-            c, b, [np.asarray(self._states[i][0]) for i in linear],
-            [np.asarray(self._states[i][1]) for i in linear], keys, values)
+        return HybridSnapshot.build(c, b, *self._linear_arrays(), keys, values)
 
     @classmethod
     def from_snapshot(cls, config: HybridConfig, snapshot: HybridSnapshot,
@@ -209,8 +230,6 @@ class HybridFlatKV:
                         kv._to_backend(np.ascontiguousarray(v.transpose(1, 0, 2))))
         for layer, conv, recurrent in zip(config.linear_attention_layers, snapshot.conv_states,
                                           snapshot.recurrent_states, strict=True):
-            # Copies: the snapshot stays read-only and reusable.
-            kv._states[layer] = (kv._to_backend(np.array(conv)),
-                                 kv._to_backend(np.array(recurrent)))
+            kv._install_linear_state(layer, conv, recurrent)
         return kv
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from pagedkv.errors import InvalidArgument
 from pagedkv.reference.kv_paths import PagedKV
 from pagedkv.reference.model import Generation, ReferenceModel
 
-__all__ = ["Request", "SessionReport", "build_paged_adapter", "check_parity", "serve"]
+__all__ = ["Request", "RunningRequest", "SessionReport", "build_paged_adapter", "check_parity",
+           "count_admission", "run_session", "serve"]
 
 
 class Request(NamedTuple):
@@ -89,13 +90,21 @@ def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_bloc
     return PagedKVCacheAdapter(allocator, pool, cold=cold, growth=growth)
 
 
-class _Running:
-    __slots__ = ("logits", "request", "tokens")
+class RunningRequest:
+    """A request's output so far (and, for the hybrid model, its KV path)."""
+
+    __slots__ = ("kv", "logits", "request", "tokens")
 
     def __init__(self, request: Request) -> None:
         self.request = request
+        self.kv: Any = None
         self.tokens: list[int] = []
         self.logits: list[np.ndarray] = []
+
+    def restart(self) -> None:
+        """A (re)admission: a preempted request's partial output is void."""
+        self.tokens.clear()
+        self.logits.clear()
 
     def take(self, logits: np.ndarray) -> int:
         self.logits.append(logits)
@@ -136,22 +145,52 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
                                    watermark_fraction=watermark_fraction)
     for r in requests:
         scheduler.add(r.seq_id, r.prompt, r.max_new_tokens, cache_salt=r.cache_salt,
-                      payload=_Running(r))
+                      payload=RunningRequest(r))
 
     def prefill(admission) -> None:
-        state: _Running = admission.request.payload
-        state.tokens.clear()
-        state.logits.clear()
+        state: RunningRequest = admission.request.payload
+        state.restart()
         r = state.request
         hit = admission.lookup
         t0 = time.perf_counter()
         state.take(model.forward(r.prompt[hit.cached_tokens:], PagedKV(adapter, r.seq_id))[-1])
-        report.prefill_seconds += time.perf_counter() - t0
-        report.prompt_tokens += len(r.prompt)
-        report.cached_tokens += hit.cached_tokens
-        report.hit_requests += hit.cached_tokens > 0
-        report.blocks_shared += len(hit.hot_blocks) + len(hit.restored_blocks)
+        count_admission(report, len(r.prompt), hit, time.perf_counter() - t0)
 
+    def decode(request) -> np.ndarray:
+        state = request.payload
+        kv = PagedKV(adapter, request.seq_id)
+        return model.forward(state.tokens[-1:], kv, already_recorded=True)[-1]
+
+    run_session(scheduler, adapter, report, prefill=prefill, decode=decode,
+                max_batch=max_batch)
+    stats = adapter.stats()
+    report.blocks_allocated = stats["blocks_allocated"] - stats0["blocks_allocated"]
+    report.grow_events = stats["grow_events"] - stats0["grow_events"]
+    report.evictions = adapter.allocator.stats()["pressure_evictions"] - evictions0
+    report.pool_blocks = adapter.pool.num_blocks
+    report.pool_max_blocks = adapter.pool.max_num_blocks
+    return report
+
+
+def count_admission(report: SessionReport, prompt_tokens: int, lookup, seconds: float
+                    ) -> None:
+    """Add one admitted request's prefill (``seconds``) and lookup to ``report``."""
+    report.prefill_seconds += seconds
+    report.prompt_tokens += prompt_tokens
+    report.cached_tokens += lookup.cached_tokens
+    report.hit_requests += lookup.cached_tokens > 0
+    report.blocks_shared += len(lookup.hot_blocks) + len(lookup.restored_blocks)
+
+
+def run_session(scheduler, cache, report: SessionReport, *, prefill, decode, max_batch: int,
+                after_step=None) -> None:
+    """The loop of a serving session (shared by :func:`serve` and the hybrid model's
+    ``serve_hybrid``): admit and ``prefill(admission)`` while requests fit; finish the done
+    ones (register, release, record their output); then one decode step: one batched
+    ``record_decode_tokens`` (preempting on exhaustion), ``prepare_decode``,
+    ``decode(request) -> logits`` for each running request, ``after_step(seq_ids)``.
+    Requests' payloads are :class:`RunningRequest`. Fills the step counts and times of ``report``
+    and its ``preemptions``."""
     while scheduler.has_work:
         while (admission := scheduler.admit_next()) is not None:
             prefill(admission)
@@ -168,24 +207,17 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
         if not scheduler.running:
             continue
         seqs = [q.seq_id for q in scheduler.running]
-        adapter.prepare_decode(seqs)
+        cache.prepare_decode(seqs)
         t1 = time.perf_counter()
         for request in scheduler.running:
-            state = request.payload
-            kv = PagedKV(adapter, request.seq_id)
-            state.take(model.forward(state.tokens[-1:], kv, already_recorded=True)[-1])
+            request.payload.take(decode(request))
+        if after_step is not None:
+            after_step(seqs)
         t2 = time.perf_counter()
         report.decode_steps += 1
         report.bookkeeping_seconds += t1 - t0
         report.decode_seconds += t2 - t0
     report.preemptions = scheduler.num_preemptions
-    stats = adapter.stats()
-    report.blocks_allocated = stats["blocks_allocated"] - stats0["blocks_allocated"]
-    report.grow_events = stats["grow_events"] - stats0["grow_events"]
-    report.evictions = adapter.allocator.stats()["pressure_evictions"] - evictions0
-    report.pool_blocks = adapter.pool.num_blocks
-    report.pool_max_blocks = adapter.pool.max_num_blocks
-    return report
 
 
 def check_parity(model: ReferenceModel, requests: Sequence[Request], outputs: dict) -> list:
