@@ -55,6 +55,7 @@ from pagedkv.integrations.mlx_lm.topology import (
     build_coordinator,
     dtype_name,
     model_layout,
+    plan_groups,
 )
 
 __all__ = ["PagedPromptCache", "PagedRequest"]
@@ -289,22 +290,29 @@ class PagedPromptCache:
         self.kv_dtype = first_kv.dtype
         self.cold_tier = None
         self._closer = None
+        self._snapshots = None
+        kv_specs, groups = plan_groups(layout, block_size, pool_dtype, context)
         cold = None
         if cold_dir is not None:
-            cold = self._open_cold(cold_dir, model, model_dir, layout, pool_dtype, config,
-                                   context)
+            cold = self._open_cold(cold_dir, model, model_dir, groups)
 
         def checkpoint_store(hasher):
+            from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
             from pagedkv.coordinator import StateCheckpointStore
 
-            return StateCheckpointStore(hasher, max_entries=checkpoint_entries)
+            # The ladder's victim orders (docs/cold.md, "Retention"): a request's own rungs
+            # are capped at the ladder's 4, the store at checkpoint_entries.
+            caps = RetentionCaps(checkpoint_entries, 4, VictimOrder.LADDER)
+            return StateCheckpointStore(hasher, max_entries=checkpoint_entries,
+                                        retention=LadderRetention(caps))
 
         self.coordinator = build_coordinator(
-            layout, block_size=block_size, pool_dtype=pool_dtype, context_tokens=context,
-            config=config, max_blocks=max_blocks, initial_blocks=initial_blocks, cold=cold,
+            kv_specs, groups, block_size=block_size, context_tokens=context, config=config,
+            max_blocks=max_blocks, initial_blocks=initial_blocks, cold=cold,
             checkpoints=checkpoint_store if self.recurrent else None)
         self.recurrent.store = self.coordinator.checkpoints
-        groups = self.coordinator.topology.groups
+        if self._snapshots is not None:
+            self._snapshots.bind(self.coordinator.groups[0].allocator)
         self.groups = groups
         #: The pool geometry of the first group (all K/V layers of a full-attention model).
         self.geometry = self.coordinator.groups[0].pool.geometry
@@ -325,28 +333,60 @@ class PagedPromptCache:
             "prefilled_tokens", "published_tokens", "forks", "handed_over", "released",
             "parked_released", "write_through_stops"), 0)
 
-    def _open_cold(self, cold_dir, model, model_dir, layout, pool_dtype, config, context):
-        from pagedkv.integrations.mlx_lm.cold import ClosableColdHooks, open_cold_tier
-        from pagedkv.integrations.mlx_lm.topology import layer_kv_specs
+    def _open_cold(self, cold_dir, model, model_dir, groups):
+        """The cold tier's hooks for this model, with its sidecar codec: none (full attention
+        only), the GDN state of the recurrent layers, or the window rows of the one sliding
+        group (its snapshots kept by :class:`~pagedkv.integrations.mlx_lm.cold.
+        SlidingSnapshots`). ``None`` when persistence is off."""
+        from pagedkv.cold import SlidingWindowCodec
+        from pagedkv.integrations.mlx_lm.cold import (
+            ClosableColdHooks,
+            SlidingSnapshots,
+            gdn_codec_for,
+            open_cold_tier,
+        )
 
-        if self._sliding:
+        def refuse(why: str, missing: str):
             raise UnsupportedModel(
-                f"model_type {self.model_type!r}: cold_dir: restoring a sliding-window model "
-                "from disk needs the cold tier's grouped restore (a sliding sidecar rebuilding "
-                "every window at the full group's boundary), which this build does not have; "
-                "run it without cold_dir (the hot cache works)", kind="sliding",
-                missing="grouped cold restore")
-        from pagedkv.pool import PoolGeometry
+                f"model_type {self.model_type!r}: cold_dir: {why}; run it without cold_dir "
+                "(the hot cache works)", missing=missing)
 
-        spec = layer_kv_specs(layout, self.block_size, pool_dtype)[0]
-        geometry = PoolGeometry(len(self._full), spec.layout.num_kv_heads,
-                                spec.layout.head_dim, self.block_size, spec.layout.dtype)
-        context_obj = open_cold_tier(cold_dir, model, geometry, model_dir=model_dir,
-                                     recurrent=self.recurrent)
-        if context_obj is None:
+        full = groups[0]
+        sliding = [g for g in groups if g.kind.is_sliding]
+        if not full.kind.is_full:
+            refuse("the cold tier restores through a full-attention group's chain and this "
+                   "model has none", "a full-attention group")
+        sidecar = checkpoints = None
+        if self.recurrent and sliding:
+            refuse("a model with both recurrent and sliding-window layers needs a bundle of "
+                   "both sidecars, which this integration does not build", "a sidecar bundle")
+        if self.recurrent:
+            sidecar = gdn_codec_for(self.layout.states)
+            if sidecar is None:
+                refuse(f"its recurrent state arrays {self.layout.states} are not a gated-delta "
+                       "conv + recurrent pair, the one recurrent sidecar this integration "
+                       "writes", "a recurrent sidecar codec")
+            self.recurrent.codec = sidecar
+            checkpoints = self.recurrent
+        elif sliding:
+            if len(sliding) != 1:
+                refuse(f"its sliding layers form {len(sliding)} groups (windows or layouts "
+                       "differ); the cold tier rebuilds one sliding group", "one sliding group")
+            g = sliding[0]
+            sidecar = SlidingWindowCodec(window=g.kind.window,
+                                         num_layers=g.num_physical_layers,
+                                         kv_heads=g.layout.num_kv_heads,
+                                         head_dim=g.layout.head_dim, dtype=g.layout.dtype)
+            self._snapshots = checkpoints = SlidingSnapshots(
+                sidecar, g.physical_layer_indices, g.layout.dtype, self.block_size)
+        geometry = full.layout.pool_geometry(full.num_physical_layers)
+        context = open_cold_tier(cold_dir, model, geometry, model_dir=model_dir,
+                                 sidecar=sidecar, checkpoints=checkpoints)
+        if context is None:
+            self._snapshots = None
             return None
-        hooks = ClosableColdHooks(context_obj)
-        self.cold_tier = context_obj.tier
+        hooks = ClosableColdHooks(context)
+        self.cold_tier = context.tier
         # close() or, failing that, interpreter exit persists what is queued.
         self._closer = weakref.finalize(self, hooks.close, COLD_DRAIN_SECONDS)
         return hooks
@@ -619,6 +659,10 @@ class PagedPromptCache:
                 with self._stream():
                     lc.write_kv(request._seq, index, k, v, start=prev)
                 if index == self._sliding[-1]:
+                    if self._snapshots is not None:  # before the prune drops their rows
+                        for b in self._snapshots.due(prev, chunk[1]):
+                            self._snapshots.publish(request.prompt_tokens, b, request.cache,
+                                                    request.cache_salt, request._seq)
                     lc.prune_sliding_all(request._seq, chunk[1])
                     request._recorded = chunk[1]
                     request._chunk = None
@@ -661,6 +705,9 @@ class PagedPromptCache:
         states = self.recurrent.states_of(layers) if self.recurrent else None
         with self._lock:
             self._reap()
+            if self._snapshots is not None:  # the window the cold tier persists
+                self._snapshots.publish(toks, self._snapshots.deepest_ready(layers, n), layers,
+                                        request.cache_salt, request._seq)
             try:
                 written = self._publish(request._seq, toks, buffers, request._full_from,
                                         request.cache_salt, states)
@@ -791,7 +838,7 @@ class PagedPromptCache:
         new = n - full_from  # what this request added (written through or now)
         self._counters["published_tokens"] += new
         if states is not None and n:
-            self.recurrent.publish(toks, n, states, salt)
+            self.recurrent.publish(toks, n, states, salt, seq)
         self._park(seq, toks, salt, states)
         return new
 

@@ -74,12 +74,23 @@ class RecurrentCheckpoints:
 
     # --- checkpoints --------------------------------------------------------------------
 
-    def publish(self, tokens: np.ndarray, boundary: int, states: States, salt: int) -> bool:
-        """Keep ``states`` as the state after ``tokens[:boundary]`` (a block boundary)."""
+    def publish(self, tokens: np.ndarray, boundary: int, states: States, salt: int,
+                owner=None) -> bool:
+        """Keep ``states`` as the state after ``tokens[:boundary]`` (a block boundary);
+        ``owner``: the publishing request (the ladder retention caps per owner)."""
         if self.store is None or boundary <= 0 or boundary % self.block_size:
             return False
         return self.store.publish(tokens, boundary, states, cache_salt=salt,
-                                  nbytes=self.nbytes(states))
+                                  nbytes=self.nbytes(states), owner=owner)
+
+    def __call__(self, tokens, *, cache_salt: int = 0, extra_keys_per_block=None) -> dict:
+        """The cold tier's checkpoint source: ``{boundary: sidecar state}`` of the retained
+        checkpoints on ``tokens``' lineage (:meth:`sidecar_state`)."""
+        if self.store is None:
+            return {}
+        found = self.store.verified(tokens, cache_salt=cache_salt,
+                                    extra_keys_per_block=extra_keys_per_block)
+        return {b: self.sidecar_state(state) for b, state in found.items()}
 
     def from_lookup(self, sidecar) -> States:
         """The state a lookup handed out: a hot :class:`~pagedkv.coordinator.Checkpoint`
@@ -134,5 +145,6 @@ class RecurrentCheckpoints:
             model(mx.array(prompt[start:stop])[None], cache=cache)
             mx.eval([c.state for c in cache])
             if stop in rungs:
-                self.publish(prompt, stop, self.states_of(cache), request.cache_salt)
+                self.publish(prompt, stop, self.states_of(cache), request.cache_salt,
+                             request.request_id)
         return rungs[-1] - cached

@@ -17,8 +17,16 @@ from dataclasses import dataclass
 from pagedkv.errors import InvalidArgument, TopologyError, UnsupportedModel
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec
 
-__all__ = ["KVGeometry", "ModelLayout", "POOL_DTYPES", "build_coordinator", "dtype_name",
-           "model_layout"]
+__all__ = [
+    "POOL_DTYPES",
+    "KVGeometry",
+    "ModelLayout",
+    "build_coordinator",
+    "dtype_name",
+    "layer_kv_specs",
+    "model_layout",
+    "plan_groups",
+]
 
 #: Pool dtypes a paged prompt cache stores (q8 needs the KV-quantization codecs).
 POOL_DTYPES = ("float16", "bfloat16", "float32")
@@ -164,22 +172,12 @@ def _block_counts(groups, config, context_tokens: int, max_blocks: int | None,
     return max(2, min(int(initial), top)), top
 
 
-def build_coordinator(layout: ModelLayout, *, block_size: int, pool_dtype: str | None,
-                      context_tokens: int, config, max_blocks: int | None,
-                      initial_blocks: int | None, cold=None, checkpoints=None):
-    """The :class:`~pagedkv.coordinator.GroupedKVCoordinator` of the model: one group per
-    (kind, layout), MLX pools growing on demand, the KV-shared layers as aliases, a state
-    checkpoint store when the model has recurrent layers. A layout the coordinator refuses
-    raises ``UnsupportedModel`` naming the model and the topology error."""
-    from pagedkv.adapter.group_blocks import GroupBlocks
-    from pagedkv.allocator import BlockAllocator
-    from pagedkv.coordinator import (
-        GroupedKVCoordinator,
-        KVCacheCoordinator,
-        SlidingGroupBlocks,
-        group_layer_kv_cache_specs,
-    )
-    from pagedkv.pool import LayerKVPool
+def plan_groups(layout: ModelLayout, block_size: int, pool_dtype: str | None,
+                context_tokens: int):
+    """``(layer specs, KV-cache groups)`` of the model (docs/coordinator.md, "Grouping and
+    admission blocks"). A layout the coordinator refuses raises ``UnsupportedModel`` naming
+    the model and the topology error."""
+    from pagedkv.coordinator import group_layer_kv_cache_specs
 
     specs = layer_kv_specs(layout, block_size, pool_dtype)
     try:
@@ -188,6 +186,21 @@ def build_coordinator(layout: ModelLayout, *, block_size: int, pool_dtype: str |
         raise UnsupportedModel(
             f"model_type {layout.model_type!r}: its layers cannot be paged as one topology: "
             f"{exc} (docs/coordinator.md, 'Topology errors')") from exc
+    return specs, groups
+
+
+def build_coordinator(specs, groups, *, block_size: int, context_tokens: int, config,
+                      max_blocks: int | None, initial_blocks: int | None, cold=None,
+                      checkpoints=None):
+    """The :class:`~pagedkv.coordinator.GroupedKVCoordinator` of the model's
+    :func:`plan_groups`: one allocator and one MLX pool per group, growing on demand, the
+    KV-shared layers as aliases; ``checkpoints(hasher)`` builds the state checkpoint store of
+    a model with recurrent layers."""
+    from pagedkv.adapter.group_blocks import GroupBlocks
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.coordinator import GroupedKVCoordinator, KVCacheCoordinator, SlidingGroupBlocks
+    from pagedkv.pool import LayerKVPool
+
     initial, top = _block_counts(groups, config, context_tokens, max_blocks, initial_blocks)
     managers = []
     for g in groups:
