@@ -149,7 +149,7 @@ def test_a_device_pool_captures_to_and_restores_from_the_cold_tier(tmp_path, stu
     with open_tier(tmp_path / "root") as tier:
         pool = LayerKVPool(GEOM, 64, backend="device")
         d = PagedKVCacheAdapter(BlockAllocator(64, block_size=4, hash_seed=0), pool,
-                                cold_tier=tier)
+                                cold=tier)
         _fill(d, "s", toks, seed=3)
         assert d.register_full_blocks_for_reuse("s") == 3
         assert tier.last_capture.enqueued == 3 and tier.drain(5.0)
@@ -157,7 +157,7 @@ def test_a_device_pool_captures_to_and_restores_from_the_cold_tier(tmp_path, stu
     with open_tier(tmp_path / "root") as tier:
         pool = LayerKVPool(GEOM, 64, backend="device")
         alloc = BlockAllocator(64, block_size=4, hash_seed=0)
-        r = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+        r = PagedKVCacheAdapter(alloc, pool, cold=tier)
         r.reset_for_new_request("s")
         hit = r.find_cached_prefix("s", toks)
         assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 3
