@@ -423,19 +423,21 @@ def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monke
 
 # --- what the cache refuses, and the state it leaves -----------------------------------------
 
-@pytest.mark.parametrize("arch,overrides,layer,kind", [
-    ("falcon_h1", {}, 0, "composite"),
-    ("deepseek_v3", {}, 0, "full"),
+@pytest.mark.parametrize("entry,kind", [
+    ("CacheList", "composite"), ("ChunkedKVCache", "chunked"), ("QuantizedKVCache", "quantized"),
 ])
-def test_models_with_layers_it_cannot_page_are_refused_by_name(arch, overrides, layer, kind):
-    from pagedkv.integrations.mlx_lm.random_models import ARCHITECTURES
+def test_models_with_layers_it_cannot_page_are_refused_by_name(monkeypatch, entry, kind):
+    from mlx_lm.models import cache as mc
 
-    if arch not in ARCHITECTURES:
-        pytest.skip(f"no tiny {arch} config")
-    model = random_model(arch, **overrides)[0]
-    with pytest.raises(UnsupportedModel) as e:
+    make = {"CacheList": lambda: mc.CacheList(mc.ArraysCache(2), mc.KVCache()),
+            "ChunkedKVCache": lambda: mc.ChunkedKVCache(16),
+            "QuantizedKVCache": lambda: mc.QuantizedKVCache()}[entry]
+    model = random_model("qwen3")[0]
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [mc.KVCache(), make()],
+                        raising=False)
+    with pytest.raises(UnsupportedModel, match=f"layer 1 .{entry}: {kind}.") as e:
         PagedPromptCache(model)
-    assert (e.value.layer, e.value.kind) == (layer, kind)
+    assert (e.value.layer, e.value.kind) == (1, kind)
 
 
 def test_a_kv_shared_layer_without_a_kv_anchor_is_refused_before_any_forward(monkeypatch):
@@ -488,3 +490,18 @@ def test_cold_tier_refuses_what_it_cannot_restore(tmp_path, monkeypatch):
     with pytest.raises(UnsupportedModel, match="sliding layers form 2 groups"):
         PagedPromptCache(model, cold_dir=tmp_path)
     assert PagedPromptCache(model).groups[2].kind.window == 16  # the hot cache serves it
+
+
+# --- pagedkv demo --engine mlx-lm ------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_demo_runs_hybrid_architectures_with_parity(capsys, arch):
+    from pagedkv.cli import main
+
+    assert main(["demo", "--no-cold", "--engine", "mlx-lm", "--arch", arch, "--requests", "3",
+                 "--system-tokens", "32", "--fewshot-tokens", "16", "--user-tokens", "8",
+                 "--new-tokens", "4", "--block-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: mlx-lm {arch} " in out
+    assert "(2 with a prefix hit)" in out
+    assert "parity: OK (3/3 outputs byte-identical to" in out
