@@ -357,6 +357,26 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
         r.release()
 
 
+@pytest.mark.parametrize("arch,shared", [("gemma3_text", 32), ("qwen3_next", 32)])
+def test_tenants_with_different_salts_never_share_hybrid_prefixes(arch, shared):
+    """K/V blocks, sliding windows and recurrent checkpoints are all keyed by the salt."""
+    model = model_of(arch)
+    paged = PagedPromptCache(model, block_size=BS)
+    p = toks(40, 50)
+    a = paged.begin(p, cache_salt="tenant-a")
+    a.end(p + run(model, p[a.cached_tokens:], a.cache, n=2)[0])
+    assert paged.release_parked() == 1
+    q = p[:33] + toks(5, 51)
+    for salt, hit in (("tenant-b", 0), (None, 0), ("tenant-a", shared)):
+        r = paged.begin(q, cache_salt=salt)
+        assert r.hit_tokens == hit, salt
+        got = run(model, q[r.cached_tokens:], r.cache)
+        assert got == (uncached(model, q, got[0]) if arch == "gemma3_text" else
+                       fresh(model, q))
+        r.release()
+    paged.coordinator.check_invariants()
+
+
 # --- restart through the cold tier -------------------------------------------------------
 
 _RESTORE_CHILD = r"""
