@@ -398,7 +398,7 @@ with PagedPromptCache(model, block_size=8, cold_dir=cold) as paged:
     stats = paged.stats()
     # the reference: a request of another tenant, which nothing serves
     other = paged.begin(prompt, cache_salt="reference")
-    ref = run(prompt, other.cache if arch.startswith("gemma") else make_prompt_cache(model))
+    ref = run(prompt, other.cache if arch.startswith(("gemma", "gpt")) else make_prompt_cache(model))
 print(json.dumps({"restored": request.restored_tokens, "hit": request.hit_tokens,
                   "fresh_hit": other.hit_tokens, "same": got == ref,
                   "corruptions": stats["cold_corruptions"]}))
@@ -413,7 +413,8 @@ def _child(arch, cold, prompt):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arch,restored", [("qwen3_next", 64), ("gemma3_text", 88)])
+@pytest.mark.parametrize("arch,restored", [("qwen3_next", 64), ("qwen3_5", 64), ("gemma3_text", 88),
+                                             ("gemma4_text", 88), ("gpt_oss", 88)])
 def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monkeypatch, arch,
                                                                   restored):
     monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
@@ -431,7 +432,7 @@ def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monke
                                      "same": True, "corruptions": 0}
     # A corrupt sidecar is a counted miss: nothing is restored without it.
     from pagedkv.cold import ColdGroup
-    infix = ColdGroup.GDN_STATE.label if arch == "qwen3_next" else \
+    infix = ColdGroup.GDN_STATE.label if arch.startswith("qwen") else \
         ColdGroup.SLIDING_WINDOW.label
     (side,) = [f for f in (cold / "pagedkv-v1").rglob("*.safetensors") if infix in f.name]
     data = bytearray(side.read_bytes())
