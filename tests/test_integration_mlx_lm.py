@@ -8,7 +8,6 @@ config dicts with seeded random weights; nothing is downloaded.
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import subprocess
@@ -22,7 +21,6 @@ pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
 
 from mlx_lm.generate import (
     batch_generate,
-    generate_step,
     speculative_generate_step,
     stream_generate,
 )
@@ -33,6 +31,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_lm_support import fresh, model_of, run, toks
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -45,29 +44,6 @@ from pagedkv.integrations.mlx_lm import (
 from pagedkv.integrations.mlx_lm.random_models import random_model, word_tokenizer
 
 BS = 8  # block size: short prompts still span several blocks
-
-
-@functools.cache
-def model_of(arch: str = "qwen3", dtype: str = "float32", seed: int = 0):
-    return random_model(arch, dtype=dtype, seed=seed)[0]
-
-
-def toks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(5, 256, n).tolist()
-
-
-def run(model, prompt, cache, n: int = 6, **kwargs) -> tuple[list[int], bytes]:
-    """Greedy ``generate_step``: the tokens and the bytes of every step's logprobs."""
-    out, lps = [], []
-    for token, logprobs in generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                         max_tokens=n, **kwargs):
-        out.append(int(token))
-        lps.append(np.array(logprobs.astype(mx.float32)))
-    return out, np.stack(lps).tobytes()
-
-
-def fresh(model, prompt, n: int = 6, **kwargs):
-    return run(model, prompt, make_prompt_cache(model), n, **kwargs)
 
 
 # --- parity -------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ built from tiny config dicts with seeded random weights; nothing is downloaded.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import subprocess
 import sys
@@ -23,10 +22,11 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
 
-from mlx_lm.generate import batch_generate, generate_step, speculative_generate_step
+from mlx_lm.generate import batch_generate, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_lm_support import fresh, model_of, run, toks
 from pagedkv.coordinator import expired_blocks
 from pagedkv.errors import InvalidArgument, UnsupportedModel
 from pagedkv.integrations.mlx_lm import (
@@ -44,25 +44,6 @@ BS = 8      # block size: short prompts span several blocks
 WINDOW = 8  # every tiny sliding config's window
 
 
-@functools.cache
-def model_of(arch: str, dtype: str = "float32", seed: int = 0):
-    return random_model(arch, dtype=dtype, seed=seed)[0]
-
-
-def toks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(5, 256, n).tolist()
-
-
-def run(model, prompt, cache, n: int = 6, **kwargs) -> tuple[list[int], bytes]:
-    """Greedy ``generate_step``: the tokens and the bytes of every step's logprobs."""
-    out, lps = [], []
-    for token, logprobs in generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                         max_tokens=n, **kwargs):
-        out.append(int(token))
-        lps.append(np.array(logprobs.astype(mx.float32)))
-    return out, np.stack(lps).tobytes()
-
-
 def uncached(model, prompt, out) -> tuple[list[int], bytes]:
     """What ``run`` must return, from mlx-lm's forward of the whole sequence without a cache:
     the logprobs ``generate_step`` computes from each row that predicted a token of ``out``."""
@@ -73,11 +54,6 @@ def uncached(model, prompt, out) -> tuple[list[int], bytes]:
         row = logits[i:i + 1]
         lps.append(np.array((row - mx.logsumexp(row, keepdims=True)).astype(mx.float32))[0])
     return list(out), np.stack(lps).tobytes()
-
-
-def fresh(model, prompt, n: int = 6, **kwargs):
-    """mlx-lm's own caches over the whole prompt."""
-    return run(model, prompt, make_prompt_cache(model), n, **kwargs)
 
 
 def sliding_group(paged):

@@ -25,10 +25,17 @@ from mlx_lm.models.cache import BatchKVCache, create_attention_mask
 
 from pagedkv.errors import InvalidArgument, RequestClosed
 
-__all__ = ["PagedKVLayerCache", "fork_layer"]
+__all__ = ["SAVED_STATE_REFUSAL", "PagedKVLayerCache", "fork_layer"]
 
 #: Buffer growth step in tokens: KVCache.step, so buffers have KVCache's shapes.
 STEP_TOKENS = 256
+
+#: What a paged layer's ``state`` setter says: mlx-lm's ``load_prompt_cache`` /
+#: ``from_state`` cannot rebuild one.
+SAVED_STATE_REFUSAL = (
+    "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's load_prompt_cache / "
+    "from_state): paged prefixes persist through PagedPromptCache(cold_dir=...), "
+    "docs/integrations/mlx-lm.md, 'Restarts'")
 
 
 class PagedKVLayerCache:
@@ -110,10 +117,7 @@ class PagedKVLayerCache:
 
     @state.setter
     def state(self, value) -> None:
-        raise RequestClosed(
-            "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's "
-            "load_prompt_cache / from_state): paged prefixes persist through "
-            "PagedPromptCache(cold_dir=...), docs/integrations/mlx-lm.md, 'Restarts'")
+        raise RequestClosed(SAVED_STATE_REFUSAL)
 
     def is_trimmable(self) -> bool:
         return True

@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, create_causal_mask
 
 from pagedkv.errors import InvalidArgument, RequestClosed
-from pagedkv.integrations.mlx_lm.layer_cache import STEP_TOKENS, fork_layer
+from pagedkv.integrations.mlx_lm.layer_cache import SAVED_STATE_REFUSAL, STEP_TOKENS, fork_layer
 
 __all__ = ["TRIM_MARGIN_TOKENS", "PagedSlidingLayerCache"]
 
@@ -163,10 +163,7 @@ class PagedSlidingLayerCache:
 
     @state.setter
     def state(self, value) -> None:
-        raise RequestClosed(
-            "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's "
-            "load_prompt_cache / from_state): paged prefixes persist through "
-            "PagedPromptCache(cold_dir=...), docs/integrations/mlx-lm.md, 'Restarts'")
+        raise RequestClosed(SAVED_STATE_REFUSAL)
 
     def is_trimmable(self) -> bool:
         return True

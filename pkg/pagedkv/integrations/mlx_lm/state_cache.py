@@ -14,7 +14,7 @@ from __future__ import annotations
 from mlx_lm.models.cache import ArraysCache
 
 from pagedkv.errors import InvalidArgument, RequestClosed
-from pagedkv.integrations.mlx_lm.layer_cache import fork_layer
+from pagedkv.integrations.mlx_lm.layer_cache import SAVED_STATE_REFUSAL, fork_layer
 
 __all__ = ["PagedStateLayerCache"]
 
@@ -42,10 +42,7 @@ class PagedStateLayerCache(ArraysCache):
 
     @state.setter
     def state(self, value) -> None:
-        raise RequestClosed(
-            "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's "
-            "load_prompt_cache / from_state): paged prefixes persist through "
-            "PagedPromptCache(cold_dir=...), docs/integrations/mlx-lm.md, 'Restarts'")
+        raise RequestClosed(SAVED_STATE_REFUSAL)
 
     def is_trimmable(self) -> bool:
         """A recurrent state cannot be rewound (mlx-lm's ``ArraysCache`` neither)."""
