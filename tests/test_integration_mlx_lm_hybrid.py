@@ -333,6 +333,31 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
         r.release()
 
 
+def test_batch_generate_with_sliding_layers_and_insert_refuses_a_bare_window():
+    """Paged sliding layers merge into mlx-lm's BatchRotatingKVCache: the batch computes what
+    mlx-lm's own caches compute. The caches it returns keep the last window only, which
+    starts inside a block: insert refuses them by name and changes nothing."""
+    model = model_of("gemma3_text")
+    tokenizer = TokenizerWrapper(word_tokenizer(256))
+    paged = PagedPromptCache(model, block_size=BS)
+    prompts = [toks(20 + k, 60 + k) for k in (0, 5)]
+    requests = [paged.begin(p) for p in prompts]
+    got = batch_generate(model, tokenizer, prompts, prompt_caches=[r.cache for r in requests],
+                         max_tokens=5, return_prompt_caches=True, return_token_ids=True)
+    own = batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True,
+                         prompt_caches=[make_prompt_cache(model) for _ in prompts])
+    assert got.token_ids == own.token_ids
+    assert all(r.state == "handed over to a batch" for r in requests)
+    for p, ids, cache in zip(prompts, got.token_ids, got.caches, strict=True):
+        held = p + ids[:cache[1].offset - len(p)]
+        assert cache[0].keys.shape[2] == WINDOW
+        before = paged.stats()
+        with pytest.raises(InvalidArgument, match="keeps the window only"):
+            paged.insert(held, cache)
+        assert paged.stats() == before
+    paged.coordinator.check_invariants()
+
+
 @pytest.mark.parametrize("arch,shared", [("gemma3_text", 32), ("qwen3_next", 32)])
 def test_tenants_with_different_salts_never_share_hybrid_prefixes(arch, shared):
     """K/V blocks, sliding windows and recurrent checkpoints are all keyed by the salt."""
