@@ -22,9 +22,12 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedkv.coordinator import StateCheckpointStore
 
 __all__ = ["ClosableColdHooks", "family_name", "gdn_codec_for", "loaded_model_fingerprint",
            "open_cold_tier", "sidecar_descriptor"]
@@ -213,7 +216,7 @@ class SlidingSnapshots:
         self.budget = sliding_checkpoint_budget(
             window=codec.window, block_size=block_size, sliding_layers=codec.num_layers,
             kv_heads=codec.kv_heads, head_dim=codec.head_dim, persist=True)
-        self.store = None
+        self.store: StateCheckpointStore | None = None
 
     def bind(self, hasher) -> None:
         """Key the snapshots like the blocks of ``hasher`` (the full group's allocator)."""

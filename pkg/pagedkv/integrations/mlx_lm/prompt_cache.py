@@ -319,7 +319,8 @@ class PagedPromptCache:
         self._routes = {i: self.coordinator.route_for_layer(i) for i in self._kv}
         self._pool_dtypes = {i: self.coordinator.groups[r.group_id].pool.geometry.dtype
                              for i, r in self._routes.items()}
-        self._windows = {s.index: s.window for s in specs if s.kind is LayerKind.SLIDING}
+        self._windows: dict[int, int] = {s.index: int(s.window) for s in specs
+                                         if s.kind is LayerKind.SLIDING and s.window}
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         # seq -> (salt, tokens, recurrent states at len(tokens) or None)
@@ -580,7 +581,7 @@ class PagedPromptCache:
             if spec.kind is LayerKind.FULL:
                 layers.append(PagedKVLayerCache(request, i))
             elif spec.kind is LayerKind.SLIDING:
-                layers.append(PagedSlidingLayerCache(request, i, spec.window))
+                layers.append(PagedSlidingLayerCache(request, i, self._windows[i]))
             else:
                 arrays = recurrent.get(i)
                 layers.append(PagedStateLayerCache(request, i, len(self.layout.states[i]),
@@ -920,7 +921,7 @@ class PagedPromptCache:
             fork._full_from = fork._recorded = hit.cached_tokens
             fork._write_through = False
             # a[...] is a new array object over the same data: a write into either copies.
-            layers = []
+            layers: list[Any] = []
             for c in request.cache:
                 if isinstance(c, PagedStateLayerCache):
                     layers.append(PagedStateLayerCache(fork, c.index, len(c.cache), c.cache))
@@ -979,7 +980,7 @@ class PagedPromptCache:
             out.update(totals)
             out.update(grow_events=self.coordinator.stats()["grow_events"],
                        live_requests=len(self._live), parked=len(self._parked))
-            if self.recurrent:
+            if self.recurrent and self.recurrent.store is not None:
                 store = self.recurrent.store.stats()
                 out.update(checkpoints=store["entries"], checkpoint_bytes=store["nbytes"],
                            checkpoint_hits=store["hits"])

@@ -124,12 +124,16 @@ def layer_kv_specs(layout: ModelLayout, block_size: int, pool_dtype: str | None)
     for spec in layout.layers:
         if spec.kind in (LayerKind.FULL, LayerKind.SLIDING):
             g = layout.kv[spec.index]
-            kind = AttentionKind.FULL if spec.kind is LayerKind.FULL else \
-                AttentionKind.sliding(spec.window)
+            if spec.kind is LayerKind.FULL:
+                kind = AttentionKind.FULL
+            else:
+                assert spec.window is not None  # layer_specs gives every sliding one
+                kind = AttentionKind.sliding(spec.window)
             out.append(LayerKVCacheSpec(spec.index, kind, KVCachePhysicalLayout(
                 block_size, g.num_kv_heads, g.head_dim, pool_dtype or g.dtype)))
     by_index = {s.layer_index: s for s in out}
     for spec in layout.of_kind(LayerKind.SHARED):
+        assert spec.anchor is not None  # layer_specs gives every shared one
         anchor = by_index[spec.anchor]
         out.append(LayerKVCacheSpec(spec.index, anchor.kind, anchor.layout,
                                     shared_kv_anchor=spec.anchor))
@@ -202,7 +206,7 @@ def build_coordinator(specs, groups, *, block_size: int, context_tokens: int, co
     from pagedkv.pool import LayerKVPool
 
     initial, top = _block_counts(groups, config, context_tokens, max_blocks, initial_blocks)
-    managers = []
+    managers: list[GroupBlocks | SlidingGroupBlocks] = []
     for g in groups:
         allocator = BlockAllocator(initial, top, block_size,
                                    reserve_null_block=g.kind.is_sliding)
