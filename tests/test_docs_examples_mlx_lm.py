@@ -20,7 +20,7 @@ def test_mlx_lm_page_examples_run(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PAGEDKV_PERSIST_PAGED_CACHE", raising=False)
     runner.test_page_examples_run(PAGE, tmp_path, monkeypatch, capsys)
     # Quick start: 64 tokens reused by the second conversation, 4 blocks held by both.
-    assert capsys.readouterr().out == "64 4\n"
+    assert capsys.readouterr().out == "64 4\n24\n"
 
 
 def test_every_dotted_pagedkv_name_on_the_page_exists():

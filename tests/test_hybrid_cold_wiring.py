@@ -235,6 +235,33 @@ def test_store_retention_follows_the_ladder_victim_orders():
         4, 4, VictimOrder.LADDER)
 
 
+def test_store_sliding_retention_keeps_the_anchor_rungs_and_the_newest_windows():
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.cold.ladder import SlidingRetention, sliding_checkpoint_budget
+    from pagedkv.errors import InvalidArgumentType
+
+    prompt = np.arange(5000, dtype=np.uint32)
+    kept = {}
+    for persist in (True, False):
+        budget = sliding_checkpoint_budget(window=8, block_size=8, sliding_layers=1,
+                                           kv_heads=1, head_dim=4, persist=persist)
+        store = StateCheckpointStore(BlockAllocator(8, None, 8, hash_seed=0),
+                                     max_entries=budget.limit + 1,
+                                     retention=SlidingRetention(budget))
+        for b in range(8, 641, 8):  # a prompt's window snapshots, one per block
+            store.publish(prompt, b, np.zeros(1, np.float32), owner="p")
+        kept[persist] = store.boundaries()
+        assert store.stats()["evictions"] == 80 - budget.limit
+    # Ladder (a cold sidecar): the anchor rungs 32, 128, 512 survive, then the newest 17.
+    assert kept[True] == [32, 128] + list(range(504, 641, 8))
+    # PreLadder (hot only): the newest base_limit (16).
+    assert kept[False] == list(range(520, 641, 8))
+    assert repr(SlidingRetention(budget)) == \
+        "SlidingRetention(pre_ladder, limit 16, rungs [])"
+    with pytest.raises(InvalidArgumentType, match="SlidingCheckpointBudget"):
+        SlidingRetention(RetentionCaps(4, 2, VictimOrder.LADDER))
+
+
 def test_store_verified_lists_the_lineage_without_touching_it():
     from pagedkv.allocator import BlockAllocator
     store = StateCheckpointStore(BlockAllocator(8, None, 4, hash_seed=0), max_entries=2)

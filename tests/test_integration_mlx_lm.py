@@ -8,7 +8,6 @@ config dicts with seeded random weights; nothing is downloaded.
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import subprocess
@@ -22,7 +21,6 @@ pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
 
 from mlx_lm.generate import (
     batch_generate,
-    generate_step,
     speculative_generate_step,
     stream_generate,
 )
@@ -33,44 +31,19 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_lm_support import fresh, model_of, run, toks
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
     RequestClosed,
-    UnsupportedModel,
 )
 from pagedkv.integrations.mlx_lm import (
-    LayerKind,
     PagedKVLayerCache,
     PagedPromptCache,
-    layer_specs,
 )
 from pagedkv.integrations.mlx_lm.random_models import random_model, word_tokenizer
 
 BS = 8  # block size: short prompts still span several blocks
-
-
-@functools.cache
-def model_of(arch: str = "qwen3", dtype: str = "float32", seed: int = 0):
-    return random_model(arch, dtype=dtype, seed=seed)[0]
-
-
-def toks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(5, 256, n).tolist()
-
-
-def run(model, prompt, cache, n: int = 6, **kwargs) -> tuple[list[int], bytes]:
-    """Greedy ``generate_step``: the tokens and the bytes of every step's logprobs."""
-    out, lps = [], []
-    for token, logprobs in generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                         max_tokens=n, **kwargs):
-        out.append(int(token))
-        lps.append(np.array(logprobs.astype(mx.float32)))
-    return out, np.stack(lps).tobytes()
-
-
-def fresh(model, prompt, n: int = 6, **kwargs):
-    return run(model, prompt, make_prompt_cache(model), n, **kwargs)
 
 
 # --- parity -------------------------------------------------------------------------------
@@ -365,7 +338,7 @@ def test_restart_restores_a_shared_prefix_from_disk(tmp_path, monkeypatch):
     q0 = p[:20] + [7]
     r = paged.begin(q0)
     r.end(q0 + run(model, q0[r.cached_tokens:], r.cache, n=1)[0])
-    assert paged.cold_tier is None and paged.adapter.stats()["cold_capture_errors"] == 0
+    assert paged.cold_tier is None and paged.coordinator.stats()["cold_capture_errors"] == 0
     q = p[:4 * BS] + toks(6, 32)
     done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, str(cold), json.dumps(q)],
                           check=False, capture_output=True, text=True, timeout=300)
@@ -396,24 +369,6 @@ def test_restart_restores_a_shared_prefix_from_disk(tmp_path, monkeypatch):
 
 
 # --- what the cache refuses, and the state it leaves -----------------------------------------
-
-@pytest.mark.parametrize("arch,layer,kind", [("gemma3_text", 0, "sliding"),
-                                             ("gpt_oss", 0, "sliding"),
-                                             ("qwen3_next", 0, "recurrent")])
-def test_models_with_layers_it_cannot_page_yet_are_refused_by_name(arch, layer, kind):
-    model = model_of(arch)
-    specs = layer_specs(model)
-    assert any(s.kind is LayerKind.FULL for s in specs)
-    with pytest.raises(UnsupportedModel) as e:
-        PagedPromptCache(model)
-    assert (e.value.layer, e.value.kind) == (layer, kind)
-    text = str(e.value)
-    assert f"model_type {arch!r}: layer {layer} (" in text and e.value.missing in text
-    if kind == "sliding":
-        assert "window 8 tokens" in text and "coordinator" in text
-    else:
-        assert "state checkpoints" in text
-
 
 def test_end_with_the_wrong_tokens_changes_nothing():
     model = model_of()

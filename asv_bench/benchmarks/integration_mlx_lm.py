@@ -16,6 +16,11 @@ asv suites, or as a script for the table of docs/performance.md::
 
     python asv_bench/benchmarks/integration_mlx_lm.py            # everything (~3 minutes)
     python asv_bench/benchmarks/integration_mlx_lm.py --quick    # 3 repetitions
+    python asv_bench/benchmarks/integration_mlx_lm.py --hybrid   # gemma3_text, qwen3_5
+
+``--hybrid`` measures the decode cost (against mlx-lm's own ``RotatingKVCache`` /
+``ArraysCache`` lists) and the hot TTFT of a sliding-window model (gemma3_text, window 256)
+and a recurrent one (qwen3_5) at the same size.
 """
 
 from __future__ import annotations
@@ -39,9 +44,16 @@ SHARED_TOKENS = 512
 OWN_TOKENS = 32
 
 
-def _model():
+#: Hybrid architectures ``--hybrid`` measures (sliding window, recurrent), with the window
+#: the sliding one gets at this size (gemma 3's own is 512 to 1,024 tokens).
+HYBRID_ARCHS = ("gemma3_text", "qwen3_5")
+HYBRID_CONTEXTS = (128, 1024)
+_OVERRIDES = {"gemma3_text": {"sliding_window": 256}}
+
+
+def _model(arch: str = "qwen3"):
     from pagedkv.integrations.mlx_lm.random_models import random_model
-    return random_model("qwen3", seed=SEED, **MODEL)[0]
+    return random_model(arch, seed=SEED, **MODEL, **_OVERRIDES.get(arch, {}))[0]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -70,14 +82,15 @@ def _decode_cpu_s(model, prompt: list[int], cache, new_tokens: int) -> float:
     return (time.process_time() - t0) / new_tokens
 
 
-def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 48) -> tuple[float, float]:
-    """Median CPU s/token of ``(kvcache, paged)`` decoding after a ``context``-token prompt
-    (the paged request misses, so both did the same prefill)."""
+def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 48,
+                arch: str = "qwen3") -> tuple[float, float]:
+    """Median CPU s/token of ``(mlx-lm's own caches, paged)`` decoding after a
+    ``context``-token prompt (the paged request misses, so both did the same prefill)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from pagedkv.integrations.mlx_lm import PagedPromptCache
 
-    model = _model()
+    model = _model(arch)
     paged = PagedPromptCache(model, max_blocks=1024)
     ref, ours = [], []
     for rep in range(reps + 1):
@@ -112,14 +125,16 @@ def _serve_a(paged, model, a: list[int]) -> None:
     request.end(a + [token])  # generate_step fed the first token back before yielding it
 
 
-def ttft_shared_prefix(*, reps: int = 7) -> dict[str, float]:
-    """Median TTFT (wall, CPU) of request B after A finished: a fresh ``KVCache`` (no reuse)
-    vs a ``PagedPromptCache`` hit, ``begin`` (lookup + gather) included."""
+def ttft_shared_prefix(*, reps: int = 7, arch: str = "qwen3") -> dict[str, float]:
+    """Median TTFT (wall, CPU) of request B after A finished: mlx-lm's own fresh caches (no
+    reuse) vs a ``PagedPromptCache`` hit, ``begin`` (lookup + gather, and for a recurrent
+    model the prefill to its last checkpoint rung) included. ``hit_tokens``: what B reused
+    (a recurrent model's reuse stops at its deepest state checkpoint)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from pagedkv.integrations.mlx_lm import PagedPromptCache
 
-    model = _model()
+    model = _model(arch)
     a, b = shared_prefix_prompts()
     rows: dict[str, list[float]] = {k: [] for k in ("fresh_wall", "fresh_cpu", "hit_wall",
                                                     "hit_cpu")}
@@ -133,13 +148,16 @@ def ttft_shared_prefix(*, reps: int = 7) -> dict[str, float]:
         request = paged.begin(b)
         _first_token(model, b[request.cached_tokens:], request.cache)
         hit = _since(t)
-        if request.cached_tokens != SHARED_TOKENS:
-            raise AssertionError(f"B reused {request.cached_tokens} tokens, not {SHARED_TOKENS}")
+        hit_tokens = request.hit_tokens
+        if arch == "qwen3" and hit_tokens != SHARED_TOKENS:
+            raise AssertionError(f"B reused {hit_tokens} tokens, not {SHARED_TOKENS}")
         request.release()
         if rep:
             for key, value in zip(rows, fresh + hit):
                 rows[key].append(value)
-    return {k: statistics.median(v) for k, v in rows.items()}
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["hit_tokens"] = hit_tokens
+    return out
 
 
 def _cold_child(cold_dir: str, phase: str, reps: int) -> dict[str, float]:
@@ -265,6 +283,19 @@ class TimeToFirstToken:
     track_cold_speedup_cpu.unit = "x"
 
 
+class HybridDecodeCost:
+    """CPU per decode token of the hybrid architectures, paged / mlx-lm's own caches."""
+
+    timeout = 900
+    params = (HYBRID_ARCHS, HYBRID_CONTEXTS)
+    param_names = ["arch", "context"]  # noqa: RUF012
+
+    def track_paged_over_own_caches(self, arch, context):
+        ref, ours = decode_cost(context, reps=3, arch=arch)
+        return ours / ref
+    track_paged_over_own_caches.unit = "ratio"
+
+
 class ConversationMemory:
     """16 conversations sharing a 1,024-token system prompt (target <= 1.2)."""
 
@@ -278,8 +309,26 @@ class ConversationMemory:
 
 # --- script ---------------------------------------------------------------------------------
 
+def hybrid_main(reps: int) -> int:
+    """``--hybrid``: decode cost and hot TTFT of the sliding and recurrent architectures."""
+    for arch in HYBRID_ARCHS:
+        for context in HYBRID_CONTEXTS:
+            ref, ours = decode_cost(context, reps=reps, arch=arch)
+            print(f"{arch}: decode at {context} tokens of context: mlx-lm's caches "
+                  f"{ref * 1e3:.2f} CPU ms/token, paged {ours * 1e3:.2f}: {ours / ref:.3f}x")
+        r = ttft_shared_prefix(reps=reps, arch=arch)
+        print(f"{arch}: TTFT, {SHARED_TOKENS}-token shared prefix (hot, {r['hit_tokens']} "
+              f"tokens reused): no reuse {r['fresh_cpu'] * 1e3:.1f} CPU ms "
+              f"({r['fresh_wall'] * 1e3:.1f} ms wall), paged hit {r['hit_cpu'] * 1e3:.1f} "
+              f"({r['hit_wall'] * 1e3:.1f}): {r['fresh_cpu'] / r['hit_cpu']:.1f}x CPU, "
+              f"{r['fresh_wall'] / r['hit_wall']:.1f}x wall")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     reps = 3 if "--quick" in argv else 7
+    if "--hybrid" in argv:
+        return hybrid_main(reps)
     for context in CONTEXTS:
         ref, ours = decode_cost(context, reps=reps)
         print(f"decode at {context} tokens of context: KVCache {ref * 1e3:.2f} CPU ms/token, "

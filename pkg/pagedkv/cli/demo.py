@@ -80,8 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "pagedkv as its prompt cache; needs pagedkv[mlx-lm])")
     p.add_argument("--arch", default=None, metavar="ARCH",
                    help="with --engine mlx-lm: the mlx-lm architecture, random weights "
-                        "(qwen3; also llama, mistral, qwen2, phi3, gemma2; gemma3_text, "
-                        "gpt_oss, qwen3_next need hybrid-model support: not yet)")
+                        "(qwen3; also llama, mistral, qwen2, phi3, gemma2; sliding-window "
+                        "gemma3_text, gpt_oss, gemma4_text; recurrent qwen3_next, qwen3_5)")
     from pagedkv.cli.demo_restart import add_arguments
     add_arguments(p)
     p.set_defaults(func=run)

@@ -4,8 +4,11 @@ The same requests as the reference demo (a shared system prompt and few-shot pre
 each request's own user turn) run one after another through ``mlx_lm.generate_step`` with a
 :class:`~pagedkv.integrations.mlx_lm.PagedPromptCache` as the prompt cache, on an mlx-lm
 architecture (``--arch``) built with random weights. The table shows what the cache did;
-every output is then recomputed on mlx-lm's own ``KVCache`` and must be byte-identical
-(greedy tokens and full-vocabulary logprobs). The cold tier works as in the reference demo:
+every output is then recomputed on mlx-lm's own caches (``make_prompt_cache``) and must be
+byte-identical (greedy tokens and full-vocabulary logprobs). A sliding-window model's
+logprobs are compared with mlx-lm's forward of the whole sequence without a cache instead
+(mlx-lm's ``RotatingKVCache`` returns decode keys in ring order, so its bits differ) and its
+tokens with ``RotatingKVCache``'s. The cold tier works as in the reference demo:
 a second run restores the shared prefix from disk.
 """
 
@@ -18,9 +21,9 @@ from typing import Any
 
 from pagedkv.cli.table import format_table
 
-#: --arch values: every architecture with a tiny config (the hybrid ones say "not yet").
+#: --arch values: every architecture with a tiny config.
 ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "gpt_oss",
-         "qwen3_next")
+         "gemma4_text", "qwen3_next", "qwen3_5")
 
 #: The demo model: mlx-lm's architecture at this size, random weights.
 DEMO_MODEL: dict[str, Any] = {
@@ -93,7 +96,7 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
         for r in requests:
             prompt = r.prompt.tolist()
             request = paged.begin(prompt)
-            hits += request.cached_tokens > 0
+            hits += request.hit_tokens > 0  # not what begin prefilled itself
             t0 = time.perf_counter()
             out = _generate(model, prompt[request.cached_tokens:], request.cache,
                             r.max_new_tokens)
@@ -124,15 +127,17 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
     for line in format_table(rows):
         print(line)
     print()
+    sliding = any(g.kind.is_sliding for g in paged.groups)
     bad = [r.seq_id for r, out in zip(requests, outputs)
-           if out != _generate(model, r.prompt.tolist(), _kv_cache(model), r.max_new_tokens)]
+           if not _matches_mlx_lm(model, r.prompt.tolist(), out, r.max_new_tokens, sliding)]
+    reference = ("mlx-lm's forward without a cache (logprobs) and its RotatingKVCache "
+                 "(tokens)" if sliding else "mlx-lm's own caches")
     if bad:
         print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
-              f"({', '.join(map(str, bad[:5]))}): the paged output differs from mlx-lm's "
-              "KVCache")
+              f"({', '.join(map(str, bad[:5]))}): the paged output differs from {reference}")
         return 1
-    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to mlx-lm's "
-          "own KVCache: tokens and logprobs)")
+    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to "
+          f"{reference}: tokens and logprobs)")
     if cold is not None:
         print(f"cold tier: {cold.hits} blocks restored from disk ({cold.bytes_restored:,} "
               f"bytes), {cold.enqueued} blocks persisted ({cold.bytes_written:,} bytes), "
@@ -143,6 +148,19 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv_cache(model):
+def _matches_mlx_lm(model, prompt, out, new_tokens: int, sliding: bool) -> bool:
+    """Whether ``out`` (tokens, logprob bytes) is what mlx-lm computes for ``prompt``: its own
+    caches give the same tokens, and the same logprob bytes too unless the model has sliding
+    layers, whose logprobs must be those of the uncached forward of the whole sequence."""
+    import mlx.core as mx
+    import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
-    return make_prompt_cache(model)
+
+    own = _generate(model, prompt, make_prompt_cache(model), new_tokens)
+    if not sliding:
+        return own == out
+    tokens, lp_bytes = out
+    logits = model(mx.array(list(prompt) + tokens)[None])[0]
+    rows = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+    uncached = np.array((rows - mx.logsumexp(rows, axis=-1, keepdims=True)).astype(mx.float32))
+    return own[0] == tokens and uncached.tobytes() == lp_bytes

@@ -42,6 +42,7 @@ __all__ = [
     "LadderRetention",
     "RetentionCaps",
     "SlidingCheckpointBudget",
+    "SlidingRetention",
     "VictimOrder",
     "gdn_checkpoint_target",
     "gdn_ladder_rungs",
@@ -569,3 +570,26 @@ def sliding_retention_victims(lengths, ancestry, budget: SlidingCheckpointBudget
             break
         evict(v)
     return victims
+
+
+@dataclass(frozen=True)
+class SlidingRetention:
+    """The sliding victim orders as the retention of a hot checkpoint store of sliding
+    window snapshots (``StateCheckpointStore(..., retention=SlidingRetention(budget))``):
+    after every publish, :func:`sliding_retention_victims` over the entries' boundaries and
+    lineage (:func:`lineage_ancestry` of their chain hashes), the newest last."""
+
+    budget: SlidingCheckpointBudget
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, SlidingCheckpointBudget):
+            raise InvalidArgumentType(
+                f"budget must be a SlidingCheckpointBudget, got {self.budget!r}")
+
+    def __call__(self, owners, lengths, chains, *, publisher: int, last_used=None
+                 ) -> list[int]:
+        return sliding_retention_victims(lengths, lineage_ancestry(chains), self.budget)
+
+    def __repr__(self) -> str:
+        b = self.budget
+        return f"SlidingRetention({b.order.value}, limit {b.limit}, rungs {list(b.rungs)})"

@@ -220,13 +220,19 @@ class GroupedKVCoordinator(RequestLifecycle):
         hold its null block id for expired entries (the kernel masks by the window)."""
         return tuple(self._decode_batches(seq_ids))
 
-    def prune_sliding(self, seq_ids: Sequence[Hashable], committed_tokens=None) -> int:
+    def prune_sliding(self, seq_ids: Sequence[Hashable], committed_tokens=None, *,
+                      publish: bool = True) -> int:
         """After a step's forward: in every sliding group, point the entries no query can
         attend after ``committed_tokens`` (per sequence; default: each one's token count)
         at the null block and free their blocks, newest first. Use the committed frontier,
         never a speculative cursor: committed tokens are recorded *and* their K/V written in
         every layer (a dropped block is published for other requests as it is). O(blocks
-        freed). Returns the blocks freed."""
+        freed). Returns the blocks freed.
+
+        ``publish=False`` drops the blocks without publishing them: for positions a host
+        recorded but never wrote in the sliding layers (it kept only a window of them, e.g.
+        mlx-lm's decode), whose blocks must never be served. The rows' publication chain
+        then restarts from their tokens at the next publication."""
         rows = self._rows.rows(seq_ids)
         have = self._rows.num_tokens[rows]
         if committed_tokens is None:
@@ -245,7 +251,9 @@ class GroupedKVCoordinator(RequestLifecycle):
             committed = committed.astype(np.int32)
         freed = 0
         for g in self._sliding:
-            freed += g.prune_many(rows, committed, self._rows, self.hot_reuse)
+            freed += g.prune_many(rows, committed, self._rows, self.hot_reuse and publish)
+            if not publish:
+                g.parent_known[rows] = False  # the cached parent hash skips what was dropped
         return freed
 
     # --- K/V by layer ---------------------------------------------------------------------
@@ -383,9 +391,11 @@ class GroupedKVCoordinator(RequestLifecycle):
                                             extra_keys_per_block=extra_keys_per_block,
                                             cache_salt=cache_salt)
 
-    def prune_sliding_all(self, seq_id: Hashable, committed_tokens: int) -> int:
+    def prune_sliding_all(self, seq_id: Hashable, committed_tokens: int, *,
+                          publish: bool = True) -> int:
         """:meth:`prune_sliding` for one sequence."""
-        return self.prune_sliding((seq_id,), [as_count(committed_tokens, "committed_tokens")])
+        return self.prune_sliding((seq_id,), [as_count(committed_tokens, "committed_tokens")],
+                                  publish=publish)
 
     def expired_blocks(self, committed_tokens: int, group_id: int) -> int:
         """Leading entries group ``group_id`` drops at ``committed_tokens`` (0 for a full

@@ -39,6 +39,8 @@ if _version_tuple(MLX_LM_VERSION) < MIN_MLX_LM:
 from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec, layer_specs
 from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache, PagedRequest
+from pagedkv.integrations.mlx_lm.sliding_cache import PagedSlidingLayerCache
+from pagedkv.integrations.mlx_lm.state_cache import PagedStateLayerCache
 
 __all__ = [
     "MLX_LM_VERSION",
@@ -47,5 +49,7 @@ __all__ = [
     "PagedKVLayerCache",
     "PagedPromptCache",
     "PagedRequest",
+    "PagedSlidingLayerCache",
+    "PagedStateLayerCache",
     "layer_specs",
 ]

@@ -25,10 +25,17 @@ from mlx_lm.models.cache import BatchKVCache, create_attention_mask
 
 from pagedkv.errors import InvalidArgument, RequestClosed
 
-__all__ = ["PagedKVLayerCache"]
+__all__ = ["SAVED_STATE_REFUSAL", "PagedKVLayerCache", "fork_layer"]
 
 #: Buffer growth step in tokens: KVCache.step, so buffers have KVCache's shapes.
 STEP_TOKENS = 256
+
+#: What a paged layer's ``state`` setter says: mlx-lm's ``load_prompt_cache`` /
+#: ``from_state`` cannot rebuild one.
+SAVED_STATE_REFUSAL = (
+    "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's load_prompt_cache / "
+    "from_state): paged prefixes persist through PagedPromptCache(cold_dir=...), "
+    "docs/integrations/mlx-lm.md, 'Restarts'")
 
 
 class PagedKVLayerCache:
@@ -110,17 +117,16 @@ class PagedKVLayerCache:
 
     @state.setter
     def state(self, value) -> None:
-        raise RequestClosed(
-            "a paged layer cache cannot be rebuilt from a saved state (mlx-lm's "
-            "load_prompt_cache / from_state): paged prefixes persist through "
-            "PagedPromptCache(cold_dir=...), docs/integrations/mlx-lm.md, 'Restarts'")
+        raise RequestClosed(SAVED_STATE_REFUSAL)
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);
-        returns how many were dropped."""
+        returns how many were dropped. ``InvalidArgument`` (no layer changed) when a sliding
+        layer of the request cannot rewind that far."""
+        self.request.check_trim(n)
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -149,5 +155,10 @@ class PagedKVLayerCache:
     def __deepcopy__(self, memo):
         """What ``copy.deepcopy`` (mlx-lm's ``LRUPromptCache``) calls: the matching layer of
         an independent fork of the whole request, made once per deep copy."""
-        fork = copy.deepcopy(self.request, memo)
-        return fork.cache[self.index]
+        return fork_layer(self, memo)
+
+
+def fork_layer(layer, memo):
+    """``copy.deepcopy`` of one layer of a paged request: the same layer of a fork of the
+    whole request (made once per deep copy, whichever layer is copied first)."""
+    return copy.deepcopy(layer.request, memo).cache[layer.index]

@@ -1,0 +1,529 @@
+"""pagedkv as the prompt cache of mlx-lm's hybrid models (issue 12, hybrid phase).
+
+Sliding-window models (gemma3_text, gpt_oss, gemma4_text with KV-shared layers): every step's
+full-vocabulary logprobs are compared *byte for byte* with mlx-lm's own forward of the whole
+sequence without a cache (mlx-lm's ``RotatingKVCache`` is not bit-exact: its decode step
+returns keys in ring order), and the greedy tokens with mlx-lm's ``RotatingKVCache``.
+Recurrent hybrids (qwen3_next, qwen3_5): bytes equal to mlx-lm's own caches
+(``ArraysCache`` + ``KVCache``) running the whole prompt. Models are mlx-lm architectures
+built from tiny config dicts with seeded random weights; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
+
+from mlx_lm.generate import batch_generate, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_lm_support import fresh, model_of, run, toks
+from pagedkv.coordinator import expired_blocks
+from pagedkv.errors import InvalidArgument, UnsupportedModel
+from pagedkv.integrations.mlx_lm import (
+    LayerKind,
+    PagedKVLayerCache,
+    PagedPromptCache,
+    PagedSlidingLayerCache,
+    PagedStateLayerCache,
+    layer_specs,
+)
+from pagedkv.integrations.mlx_lm.random_models import random_model, word_tokenizer
+from pagedkv.integrations.mlx_lm.sliding_cache import TRIM_MARGIN_TOKENS
+
+BS = 8      # block size: short prompts span several blocks
+WINDOW = 8  # every tiny sliding config's window
+
+
+def uncached(model, prompt, out) -> tuple[list[int], bytes]:
+    """What ``run`` must return, from mlx-lm's forward of the whole sequence without a cache:
+    the logprobs ``generate_step`` computes from each row that predicted a token of ``out``."""
+    seq = list(prompt) + list(out)
+    logits = model(mx.array(seq)[None])[0]
+    lps = []
+    for i in range(len(prompt) - 1, len(seq) - 1):
+        row = logits[i:i + 1]
+        lps.append(np.array((row - mx.logsumexp(row, keepdims=True)).astype(mx.float32))[0])
+    return list(out), np.stack(lps).tobytes()
+
+
+def sliding_group(paged):
+    (gid,) = [i for i, g in enumerate(paged.groups) if g.kind.is_sliding]
+    return gid
+
+
+# --- sliding window ----------------------------------------------------------------------
+
+SLIDING_CASES = [("gemma3_text", "float32"), ("gemma3_text", "bfloat16"),
+                 ("gpt_oss", "float32"), ("gemma4_text", "float32")]
+
+
+@pytest.mark.parametrize("arch,dtype", SLIDING_CASES)
+def test_sliding_models_match_the_uncached_forward_and_rotating_tokens(arch, dtype):
+    model = model_of(arch, dtype)
+    paged = PagedPromptCache(model, block_size=BS)
+    p1 = toks(40, 1)  # five windows
+
+    # A: one prompt, prefilled in chunks past the window: bytes of the uncached forward,
+    # tokens of mlx-lm's RotatingKVCache.
+    a = paged.begin(p1)
+    assert a.cached_tokens == 0
+    got_a = run(model, p1, a.cache, n=12, prefill_step_size=16)
+    assert got_a == uncached(model, p1, got_a[0])
+    assert got_a[0] == fresh(model, p1, n=12)[0]
+    held = p1 + got_a[0]
+    assert a.end(held) == len(held)
+
+    # B: the next turn continues the parked tables (sliding windows included) exactly.
+    p2 = held + toks(9, 2)
+    b = paged.begin(p2)
+    assert b.cached_tokens == len(held) == 52 and b.hit_tokens == 52
+    got_b = run(model, p2[b.cached_tokens:], b.cache)
+    assert got_b == uncached(model, p2, got_b[0])
+    b.end(p2 + got_b[0])
+
+    # C: a new request sharing 3 blocks with A: every group backs 24 tokens (the full
+    # group its blocks, the sliding group the window before 24), equal to a fresh run.
+    p3 = p1[:3 * BS] + toks(10, 3)
+    c = paged.begin(p3)
+    assert c.cached_tokens == 3 * BS
+    got_c = run(model, p3[c.cached_tokens:], c.cache)
+    assert got_c == uncached(model, p3, got_c[0])
+    assert got_c[0] == fresh(model, p3)[0]
+    c.release()
+    paged.coordinator.check_invariants()
+    s = paged.stats()
+    assert s["hit_tokens"] == 52 + 24 and s["continued_tokens"] == 52
+    assert s["write_through_stops"] == 0
+
+
+def test_gemma4_kv_shared_layers_are_aliases_of_their_anchors():
+    model = model_of("gemma4_text")
+    specs = layer_specs(model)
+    assert [(s.index, s.kind, s.anchor) for s in specs if s.kind is LayerKind.SHARED] == \
+        [(4, LayerKind.SHARED, 2), (5, LayerKind.SHARED, 3)]
+    paged = PagedPromptCache(model, block_size=BS)
+    routes = {i: paged.coordinator.route_for_layer(i) for i in range(6)}
+    assert routes[4].shared_kv_anchor == 2 and routes[5].shared_kv_anchor == 3
+    assert (routes[4].group_id, routes[4].physical_layer_ordinal) == \
+        (routes[2].group_id, routes[2].physical_layer_ordinal)
+    # The sliding layers (head_dim 16) and the full ones (32) have pools of their own; an
+    # alias owns no slot.
+    dims = sorted((g.kind.is_sliding, g.layout.head_dim, g.physical_layer_indices,
+                   g.layer_indices) for g in paged.groups)
+    assert dims == [(False, 32, (1, 3), (1, 3, 5)), (True, 16, (0, 2), (0, 2, 4))]
+    r = paged.begin(toks(12, 4))
+    assert len(r.cache) == 4  # the cache list mlx-lm builds: no entry for shared layers
+    with pytest.raises(InvalidArgument, match="alias of layer 2"):
+        paged.coordinator.write_kv(r._seq, 4, np.zeros((1, 2, 16), np.float32),
+                                   np.zeros((1, 2, 16), np.float32))
+    r.release()
+
+
+def test_sliding_blocks_go_back_to_the_pool_as_the_window_moves():
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=BS)
+    gid = sliding_group(paged)
+    lc = paged.coordinator
+    p = toks(200, 5)
+    r = paged.begin(p)
+    seen = []
+
+    def watch(processed, total):
+        seen.append((lc.num_tokens(r._seq), lc.first_live_position(r._seq, gid),
+                     lc.groups[gid].live_blocks(lc._row(r._seq))))
+
+    out = run(model, p, r.cache, n=40, prefill_step_size=32, prompt_progress_callback=watch)
+    assert out == uncached(model, p, out[0])
+    # While the prompt was prefilled, every chunk's positions went to the pool and the
+    # sliding row kept the window before its cursor only: the rest was freed.
+    prefill = [x for x in seen if 0 < x[0] < len(p)]
+    assert [x[0] for x in prefill] == [32, 64, 96, 128, 160, 192, 199]
+    for n, first, live in prefill:
+        assert first == expired_blocks(n, WINDOW, BS) * BS and live == -(-n // BS) - first // BS
+    # The dropped blocks were published (cached, evictable) for later requests.
+    assert lc.groups[gid].allocator.prefix_cache_len >= expired_blocks(192, WINDOW, BS)
+    # The request's sliding buffers hold about one window, not the context.
+    layer = r.cache[0]
+    assert isinstance(layer, PagedSlidingLayerCache)
+    assert layer.keys.shape[2] - (layer.offset - layer.start) < 256
+    assert layer.offset - layer.start <= WINDOW + TRIM_MARGIN_TOKENS + 2 * BS + 256
+    held = p + out[0]
+    r.end(held)
+    s = paged.stats()
+    full_blocks = -(-len(held) // BS)
+    window_blocks = -(-len(held) // BS) - expired_blocks(len(held), WINDOW, BS)
+    # Parked: the full group holds every block, the sliding group its last window.
+    assert lc.num_table_blocks(r._seq, gid) == full_blocks
+    assert lc.groups[gid].live_blocks(lc._row(r._seq)) == window_blocks <= 2
+    assert s["parked"] == 1
+    lc.check_invariants()
+
+
+def test_a_long_generation_publishes_the_last_window_only():
+    """Past the buffer's retention the generated positions' sliding K/V are gone: end()
+    records them without publishing (prune_sliding(publish=False)), then writes the last
+    window, so a later request can resume at the end but never reads a block it lacks."""
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=BS)
+    gid = sliding_group(paged)
+    lc = paged.coordinator
+    p = toks(30, 6)
+    r = paged.begin(p)
+    out = run(model, p, r.cache, n=340)
+    assert out[0] == uncached(model, p, out[0])[0]
+    assert r.cache[0].start > len(p)  # the buffer dropped generated positions
+    # A rewind past what the sliding buffers hold is refused before any layer changes.
+    offsets = [(c.offset, getattr(c, "start", 0)) for c in r.cache]
+    with pytest.raises(InvalidArgument, match="rewind at most"):
+        trim_prompt_cache(r.cache, offsets[0][0] - 1)
+    assert [(c.offset, getattr(c, "start", 0)) for c in r.cache] == offsets
+    held = p + out[0]
+    r.end(held)
+    lc.check_invariants()
+    assert paged.release_parked() == 1
+    # A new request extending the conversation: every group backs the last full block
+    # boundary (its window came from end()), not a boundary inside the generation.
+    q = held + toks(5, 7)
+    r2 = paged.begin(q)
+    assert r2.cached_tokens == len(held) // BS * BS
+    got = run(model, q[r2.cached_tokens:], r2.cache)
+    assert got == uncached(model, q, got[0])
+    r2.release()
+    # One that diverges mid-generation: the full group backs it, the sliding group only
+    # up to the prompt's published windows.
+    q2 = held[:100] + toks(5, 8)
+    r3 = paged.begin(q2)
+    assert r3.cached_tokens == 24
+    got = run(model, q2[r3.cached_tokens:], r3.cache)
+    assert got == uncached(model, q2, got[0])
+    r3.release()
+    assert lc.groups[gid].allocator.prefix_cache_len > 0
+
+
+def test_fork_trim_and_speculative_decoding_on_a_sliding_model():
+    from mlx.utils import tree_map
+
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=BS)
+    p = toks(30, 9)
+    r = paged.begin(p)
+    out = run(model, p, r.cache)
+    fork = copy.deepcopy(r.cache)
+    assert fork[0].request is fork[1].request is not r
+    more = toks(5, 10)
+    got_fork = run(model, more, fork)
+    got_orig = run(model, more, r.cache)
+    assert got_fork == got_orig == uncached(model, p + out[0] + more, got_orig[0])
+    # A rewind works on every layer while the sliding buffers hold the window before it,
+    # and the continuation is the uncached forward of the shorter sequence.
+    assert trim_prompt_cache(r.cache, 3) == 3
+    assert [c.offset for c in r.cache] == [len(p) + 6 + 5 + 6 - 3] * 4
+    seq = (p + out[0] + more + got_orig[0])[:-3]
+    again = run(model, [7], r.cache, n=3)
+    assert again == uncached(model, seq + [7], again[0])
+    r.release()
+    fork[0].request.end(p + out[0] + more + got_fork[0])
+
+    # Speculative decoding trims rejected drafts: its tokens are greedy decoding's.
+    draft = random_model("gemma3_text", seed=0)[0]
+    draft.update(tree_map(lambda w: w + 0.02 * mx.random.normal(w.shape, key=mx.random.key(1)),
+                          draft.parameters()))
+    q = toks(40, 11)
+    s = paged.begin(q)
+    spec = [(int(t), bool(d)) for t, _, d in speculative_generate_step(
+        mx.array(q), model, draft, prompt_cache=s.cache + make_prompt_cache(draft),
+        max_tokens=12, num_draft_tokens=3)]
+    assert [t for t, _ in spec] == uncached(model, q, [t for t, _ in spec])[0]
+    assert 0 < sum(d for _, d in spec) < len(spec)
+    n = s.cache[0].offset
+    s.end((q + [t for t, _ in spec])[:n])
+    paged.coordinator.check_invariants()
+
+
+# --- recurrent hybrids -------------------------------------------------------------------
+
+RECURRENT_CASES = [("qwen3_next", "float32"), ("qwen3_5", "float32"), ("qwen3_5", "bfloat16")]
+
+
+@pytest.mark.parametrize("arch,dtype", RECURRENT_CASES)
+def test_recurrent_reuse_stops_at_a_checkpointed_boundary(arch, dtype):
+    model = model_of(arch, dtype)
+    paged = PagedPromptCache(model, block_size=BS)
+    p1 = toks(70, 12)
+    a = paged.begin(p1)
+    # begin ran the prompt to its last block boundary, split at the ladder's rungs
+    # (gdn_ladder_rungs(70, 0, 8) == [16, 64]) with a state checkpoint at each.
+    assert (a.hit_tokens, a.prefilled_tokens, a.cached_tokens) == (0, 64, 64)
+    assert isinstance(a.cache[0], PagedStateLayerCache)
+    assert isinstance(a.cache[1], PagedKVLayerCache)
+    got_a = run(model, p1[a.cached_tokens:], a.cache, n=10)
+    assert got_a == fresh(model, p1, n=10)
+    held = p1 + got_a[0]
+    a.end(held)
+    assert sorted(paged.recurrent.store.boundaries()) == [16, 64, 80]  # 80: end, aligned
+
+    # B shares 60 tokens: the full group backs 56, but a state exists at 16 only below
+    # that, so the hit stops at 16 (never K/V without its state).
+    p2 = p1[:60] + toks(11, 13)
+    b = paged.begin(p2)
+    assert (b.hit_tokens, b.restored_tokens) == (16, 0)
+    got_b = run(model, p2[b.cached_tokens:], b.cache)
+    assert got_b == fresh(model, p2)
+    b.release()
+
+    # C continues A's conversation from its parked tables and state.
+    p3 = held + toks(6, 14)
+    c = paged.begin(p3)
+    assert c.hit_tokens == len(held) and paged.stats()["continued_tokens"] == len(held)
+    got_c = run(model, p3[c.cached_tokens:], c.cache)
+    assert got_c == fresh(model, p3)
+    c.release()
+
+    # D shares A's first 64 tokens and more: the checkpoint at 64 serves it from memory.
+    p4 = p1[:66] + toks(4, 15)
+    d = paged.begin(p4)
+    assert d.hit_tokens == 64
+    assert run(model, p4[d.cached_tokens:], d.cache) == fresh(model, p4)
+    d.release()
+    assert paged.stats()["checkpoint_hits"] == 2
+
+
+def test_recurrent_reuse_without_a_checkpoint_recomputes():
+    model = model_of("qwen3_next")
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_entries=1)
+    p = toks(70, 16)
+    r = paged.begin(p)
+    r.end(p + run(model, p[r.cached_tokens:], r.cache, n=4)[0])  # 74 tokens: no end state
+    assert paged.recurrent.store.boundaries() == [64]  # the store keeps one entry
+    paged.release_parked()
+    q = p[:60] + toks(6, 17)  # its K/V blocks are cached, its state at 16 was evicted
+    r2 = paged.begin(q)
+    assert r2.hit_tokens == 0
+    assert run(model, q[r2.cached_tokens:], r2.cache) == fresh(model, q)
+    r2.release()
+
+
+def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
+    model = model_of("qwen3_next")
+    tokenizer = TokenizerWrapper(word_tokenizer(256))
+    paged = PagedPromptCache(model, block_size=BS)
+    prompts = [toks(20 + k, 18 + k) for k in (0, 5)]
+    requests = [paged.begin(p) for p in prompts]
+    tails = [p[r.cached_tokens:] for p, r in zip(prompts, requests, strict=True)]
+    got = batch_generate(model, tokenizer, tails, prompt_caches=[r.cache for r in requests],
+                         max_tokens=5, return_prompt_caches=True, return_token_ids=True)
+    assert all(r.state == "handed over to a batch" for r in requests)
+    for p, ids, cache in zip(prompts, got.token_ids, got.caches, strict=True):
+        held = p + ids[:cache[1].offset - len(p)]
+        paged.insert(held, cache)
+        tail = held + toks(4, 40)
+        r = paged.begin(tail)
+        assert r.hit_tokens == len(held)  # the parked conversation, its state included
+        assert run(model, tail[r.cached_tokens:], r.cache) == fresh(model, tail)
+        r.release()
+
+
+def test_batch_generate_with_sliding_layers_and_insert_refuses_a_bare_window():
+    """Paged sliding layers merge into mlx-lm's BatchRotatingKVCache: the batch computes what
+    mlx-lm's own caches compute. The caches it returns keep the last window only, which
+    starts inside a block: insert refuses them by name and changes nothing."""
+    model = model_of("gemma3_text")
+    tokenizer = TokenizerWrapper(word_tokenizer(256))
+    paged = PagedPromptCache(model, block_size=BS)
+    prompts = [toks(20 + k, 60 + k) for k in (0, 5)]
+    requests = [paged.begin(p) for p in prompts]
+    got = batch_generate(model, tokenizer, prompts, prompt_caches=[r.cache for r in requests],
+                         max_tokens=5, return_prompt_caches=True, return_token_ids=True)
+    own = batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True,
+                         prompt_caches=[make_prompt_cache(model) for _ in prompts])
+    assert got.token_ids == own.token_ids
+    assert all(r.state == "handed over to a batch" for r in requests)
+    for p, ids, cache in zip(prompts, got.token_ids, got.caches, strict=True):
+        held = p + ids[:cache[1].offset - len(p)]
+        assert cache[0].keys.shape[2] == WINDOW
+        before = paged.stats()
+        with pytest.raises(InvalidArgument, match="keeps the window only"):
+            paged.insert(held, cache)
+        assert paged.stats() == before
+    paged.coordinator.check_invariants()
+
+
+@pytest.mark.parametrize("arch,shared", [("gemma3_text", 32), ("qwen3_next", 32)])
+def test_tenants_with_different_salts_never_share_hybrid_prefixes(arch, shared):
+    """K/V blocks, sliding windows and recurrent checkpoints are all keyed by the salt."""
+    model = model_of(arch)
+    paged = PagedPromptCache(model, block_size=BS)
+    p = toks(40, 50)
+    a = paged.begin(p, cache_salt="tenant-a")
+    a.end(p + run(model, p[a.cached_tokens:], a.cache, n=2)[0])
+    assert paged.release_parked() == 1
+    q = p[:33] + toks(5, 51)
+    for salt, hit in (("tenant-b", 0), (None, 0), ("tenant-a", shared)):
+        r = paged.begin(q, cache_salt=salt)
+        assert r.hit_tokens == hit, salt
+        got = run(model, q[r.cached_tokens:], r.cache)
+        assert got == (uncached(model, q, got[0]) if arch == "gemma3_text" else
+                       fresh(model, q))
+        r.release()
+    paged.coordinator.check_invariants()
+
+
+# --- restart through the cold tier -------------------------------------------------------
+
+_RESTORE_CHILD = r"""
+import json, sys
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from pagedkv.integrations.mlx_lm import PagedPromptCache
+from pagedkv.integrations.mlx_lm.random_models import random_model
+arch, cold, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = random_model(arch, seed=0)[0]
+def run(p, cache):
+    return [(int(t), np.array(lp).tobytes().hex()) for t, lp in
+            generate_step(mx.array(p), model, prompt_cache=cache, max_tokens=6)]
+with PagedPromptCache(model, block_size=8, cold_dir=cold) as paged:
+    request = paged.begin(prompt)
+    got = run(prompt[request.cached_tokens:], request.cache)
+    stats = paged.stats()
+    # the reference: a request of another tenant, which nothing serves
+    other = paged.begin(prompt, cache_salt="reference")
+    ref = run(prompt, other.cache if arch.startswith(("gemma", "gpt")) else make_prompt_cache(model))
+print(json.dumps({"restored": request.restored_tokens, "hit": request.hit_tokens,
+                  "fresh_hit": other.hit_tokens, "same": got == ref,
+                  "corruptions": stats["cold_corruptions"]}))
+"""
+
+
+def _child(arch, cold, prompt):
+    done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, arch, str(cold),
+                           json.dumps(prompt)], check=False, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch,restored", [("qwen3_next", 64), ("qwen3_5", 64), ("gemma3_text", 88),
+                                             ("gemma4_text", 88), ("gpt_oss", 88)])
+def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monkeypatch, arch,
+                                                                  restored):
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    model = model_of(arch)
+    cold = tmp_path / "cold"
+    p = toks(70, 21)
+    with PagedPromptCache(model, block_size=BS, cold_dir=cold) as paged:
+        r = paged.begin(p)
+        held = p + run(model, p[r.cached_tokens:], r.cache, n=20)[0]
+        r.end(held)
+    q = held + toks(9, 22)
+    # The GDN state at the deepest rung (64), or the sliding window at the deepest block
+    # boundary the request's buffers held (88), came back with the K/V before it.
+    assert _child(arch, cold, q) == {"restored": restored, "hit": restored, "fresh_hit": 0,
+                                     "same": True, "corruptions": 0}
+    # A corrupt sidecar is a counted miss: nothing is restored without it.
+    from pagedkv.cold import ColdGroup
+    infix = ColdGroup.GDN_STATE.label if arch.startswith("qwen") else \
+        ColdGroup.SLIDING_WINDOW.label
+    (side,) = [f for f in (cold / "pagedkv-v1").rglob("*.safetensors") if infix in f.name]
+    data = bytearray(side.read_bytes())
+    data[-40] ^= 0xFF
+    side.write_bytes(bytes(data))
+    assert _child(arch, cold, q) == {"restored": 0, "hit": 0, "fresh_hit": 0, "same": True,
+                                     "corruptions": 1}
+
+
+# --- what the cache refuses, and the state it leaves -----------------------------------------
+
+@pytest.mark.parametrize("entry,kind", [
+    ("CacheList", "composite"), ("ChunkedKVCache", "chunked"), ("QuantizedKVCache", "quantized"),
+])
+def test_models_with_layers_it_cannot_page_are_refused_by_name(monkeypatch, entry, kind):
+    from mlx_lm.models import cache as mc
+
+    make = {"CacheList": lambda: mc.CacheList(mc.ArraysCache(2), mc.KVCache()),
+            "ChunkedKVCache": lambda: mc.ChunkedKVCache(16),
+            "QuantizedKVCache": lambda: mc.QuantizedKVCache()}[entry]
+    model = random_model("qwen3")[0]
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [mc.KVCache(), make()],
+                        raising=False)
+    with pytest.raises(UnsupportedModel, match=f"layer 1 .{entry}: {kind}.") as e:
+        PagedPromptCache(model)
+    assert (e.value.layer, e.value.kind) == (1, kind)
+
+
+def test_a_kv_shared_layer_without_a_kv_anchor_is_refused_before_any_forward(monkeypatch):
+    model = random_model("gemma4_text")[0]
+    sources = list(model.model.previous_kvs)
+    assert sources == [0, 1, 2, 3, 2, 3]
+    # An alias of a layer that keeps no K/V (past the cache list): refused by name, before
+    # the geometry forward (which would fail inside mlx-lm's attention).
+    model.model.previous_kvs = sources[:4] + [5, 3]
+    with pytest.raises(UnsupportedModel, match="layer 4 .KV-shared: reads layer 5.") as e:
+        PagedPromptCache(model)
+    assert (e.value.layer, e.value.kind) == (4, "shared")
+
+
+def test_sink_tokens_and_recurrent_only_models_are_refused(monkeypatch):
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model = random_model("gemma3_text")[0]
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [
+        RotatingKVCache(8, keep=4), KVCache(), RotatingKVCache(8, keep=4), KVCache()])
+    with pytest.raises(UnsupportedModel, match="keep=4") as e:
+        PagedPromptCache(model)
+    assert (e.value.layer, e.value.kind) == (0, "other")
+
+
+def test_insert_of_a_window_that_misses_its_block_changes_nothing():
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=BS)
+    p = toks(43, 23)  # the window at 43 needs positions from expired(43) * 8 = 32
+    cache = make_prompt_cache(model)
+    model(mx.array([p[:-1]]), cache=cache)
+    model(mx.array([p[-1:]]), cache=cache)  # a decode step: the ring keeps the window only
+    assert isinstance(cache[0], RotatingKVCache) and cache[0].keys.shape[2] == WINDOW
+    before = paged.stats()
+    with pytest.raises(InvalidArgument, match="keeps the window only"):
+        paged.insert(p, cache)
+    assert paged.stats() == before
+    paged.coordinator.check_invariants()
+
+
+def test_cold_tier_refuses_what_it_cannot_restore(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    model = random_model("gemma3_text", sliding_window=8)[0]
+    # Two sliding groups (two windows) cannot be rebuilt from one sidecar.
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    monkeypatch.setattr(type(model), "make_cache", lambda self: [
+        RotatingKVCache(8), KVCache(), RotatingKVCache(16), KVCache()])
+    with pytest.raises(UnsupportedModel, match="sliding layers form 2 groups"):
+        PagedPromptCache(model, cold_dir=tmp_path)
+    assert PagedPromptCache(model).groups[2].kind.window == 16  # the hot cache serves it
+
+
+# --- pagedkv demo --engine mlx-lm ------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_demo_runs_hybrid_architectures_with_parity(capsys, arch):
+    from pagedkv.cli import main
+
+    assert main(["demo", "--no-cold", "--engine", "mlx-lm", "--arch", arch, "--requests", "3",
+                 "--system-tokens", "32", "--fewshot-tokens", "16", "--user-tokens", "8",
+                 "--new-tokens", "4", "--block-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: mlx-lm {arch} " in out
+    assert "(2 with a prefix hit)" in out
+    assert "parity: OK (3/3 outputs byte-identical to" in out
