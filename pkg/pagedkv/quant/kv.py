@@ -191,7 +191,7 @@ def transcode(records: Any, src: str, dst: str, head_dim: int) -> Any:
             from pagedkv.quant import kv_mlx
             return kv_mlx.downshift(records, s, d, head_dim)
         return downshift(records, src, dst, head_dim)
-    if s.name == "q8" and d.sides == "V" or s.name == "q8" and d.sides == "K":
+    if s.name == "q8":
         return encode(decode(records, src, head_dim), dst)
     raise InvalidArgument(f"transcode {src} -> {dst}: supported are q8 -> any mode and "
                           f"narrowing within one table family (fwht4 -> fwht2, lloyd4 -> "

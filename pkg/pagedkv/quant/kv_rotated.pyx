@@ -74,6 +74,18 @@ cdef uint32_t _rotated_mode(object mode, Py_ssize_t head_dim) except 0xFFFFFFFF:
     return mode
 
 
+cdef Py_ssize_t _first_overflow(const uint8_t[::1] rec, Py_ssize_t n_rows,
+                                uint32_t row_bytes) noexcept nogil:
+    """The first row whose stored cnorm is Inf (its norm overflowed float32), or -1."""
+    cdef Py_ssize_t r
+    cdef const uint8_t *p
+    for r in range(n_rows):
+        p = &rec[r * row_bytes]
+        if (p[3] & 0x7F) == 0x7F and (p[2] & 0x80):
+            return r
+    return -1
+
+
 cdef Py_ssize_t _first_nonfinite_f16(const uint16_t[::1] h) noexcept nogil:
     cdef Py_ssize_t i, n = h.shape[0]
     cdef int bad = 0
@@ -90,8 +102,8 @@ cdef Py_ssize_t _first_nonfinite_f16(const uint16_t[::1] h) noexcept nogil:
 def encode(x, mode, *, bint reference=False):
     """``float32`` or ``float16[..., head_dim]`` -> ``uint8[..., row_bytes]`` records.
 
-    ``mode``: a rotated mode id of :data:`MODE_IDS`. NaN or Inf raises
-    :class:`InvalidArgument` naming the flat index. ``reference=True`` runs the scalar
+    ``mode``: a rotated mode id of :data:`MODE_IDS`. NaN or Inf, or a row whose norm
+    overflows float32, raises :class:`InvalidArgument` naming the flat index or the row. ``reference=True`` runs the scalar
     header loop instead of the vectorized one (same bytes; for tests)."""
     if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float16):
         raise InvalidArgumentType(
@@ -133,6 +145,12 @@ def encode(x, mode, *, bint reference=False):
                 pkv_cpu_kv_encode_rows_reference(NULL, &f16[0], n_rows, hd, m, &o[0])
             else:
                 pkv_cpu_kv_encode_rows(NULL, &f16[0], n_rows, hd, m, &o[0])
+    with nogil:
+        bad = _first_overflow(o, n_rows, rb)
+    if bad >= 0:
+        raise InvalidArgument(f"x: row {bad} (flat, of {n_rows} rows of {hd}) has a norm "
+                              f"beyond float32; {_NAMES[m]} KV needs rows whose sum of "
+                              f"squares fits float32 (|x| below about 1e18)")
     return out
 
 
