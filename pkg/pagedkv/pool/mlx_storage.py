@@ -42,6 +42,15 @@ def load_mlx():
     return mx
 
 
+def _slab(g: PoolGeometry, buffer: np.ndarray, layer: int, side: int) -> np.ndarray:
+    """One layer's K (side 0) or V (1) slab of a block buffer, ``[block_size, kv_heads,
+    row]`` of the storage dtype (K and V rows may differ: docs/kv-quant.md)."""
+    rows = buffer.view(g.storage_dtype).reshape(g.num_layers, -1)
+    k = g.k_slab_bytes // g.storage_dtype.itemsize
+    slab = rows[layer, :k] if side == 0 else rows[layer, k:]
+    return slab.reshape(g.block_size, *(g.k_token_shape if side == 0 else g.v_token_shape))
+
+
 class MlxKVStorage:
     """One generation of an MLX pool's arrays (immutable size; growth builds a new one)."""
 
@@ -56,15 +65,16 @@ class MlxKVStorage:
         self._mx = mx
         self.geometry = geometry
         self.num_blocks = num_blocks
-        self._dtype = getattr(mx, _MLX_DTYPE_NAMES[geometry.dtype])
+        self._dtype = getattr(mx, _MLX_DTYPE_NAMES.get(geometry.dtype, "uint8"))  # K/V modes
         self._is_bf16 = geometry.dtype == "bfloat16"
         if k is None or v is None:
             if k is not None or v is not None:  # one side alone would leave a None layer list
                 raise InvalidArgument("MlxKVStorage: pass both k and v (lists of per-layer "
                                       "mx.arrays) or neither")
-            shape = (num_blocks * geometry.block_size, *geometry.token_shape)
-            k = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
-            v = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+            k_shape = (num_blocks * geometry.block_size, *geometry.k_token_shape)
+            v_shape = (num_blocks * geometry.block_size, *geometry.v_token_shape)
+            k = [mx.zeros(k_shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+            v = [mx.zeros(v_shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
             mx.eval(k, v)
         self.k: list = k
         self.v: list = v
@@ -111,8 +121,9 @@ class MlxKVStorage:
     # -- arrays ---------------------------------------------------------------------------
 
     def layer(self, layer: int):
-        shape = self.geometry.layer_shape(self.num_blocks)
-        return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+        g = self.geometry
+        return (self.k[layer].reshape(g.k_layer_shape(self.num_blocks)),
+                self.v[layer].reshape(g.v_layer_shape(self.num_blocks)))
 
     def grown(self, new_num_blocks: int) -> MlxKVStorage:
         mx = self._mx
@@ -132,21 +143,19 @@ class MlxKVStorage:
         if self._is_bf16:
             arrays = [a.view(mx.uint16) for a in arrays]
         mx.eval(arrays)  # one round trip for every layer
-        bs = self.geometry.block_size
-        rows = out.view(self.geometry.storage_dtype).reshape(len(arrays), bs,
-                                                             *self.geometry.token_shape)
-        for i, a in enumerate(arrays):
+        g = self.geometry
+        bs = g.block_size
+        for i, a in enumerate(arrays):  # K0 V0 K1 V1 ...: each layer's K slab, then its V slab
             # A zero-copy view of evaluated MLX memory, copied at once under the pool lock.
-            np.copyto(rows[i], np.asarray(a)[block_id * bs:(block_id + 1) * bs])
+            np.copyto(_slab(g, out, i // 2, i % 2), np.asarray(a)[block_id * bs:(block_id + 1) * bs])
 
     def write_block(self, block_id: int, data: np.ndarray) -> None:
         g = self.geometry
         bs = g.block_size
-        slabs = data.view(g.storage_dtype).reshape(g.num_layers, 2, bs, *g.token_shape)
         rows = slice(block_id * bs, (block_id + 1) * bs)
         for layer in range(g.num_layers):
-            self.k[layer][rows] = self._from_numpy(slabs[layer, 0])
-            self.v[layer][rows] = self._from_numpy(slabs[layer, 1])
+            self.k[layer][rows] = self._from_numpy(_slab(g, data, layer, 0))
+            self.v[layer][rows] = self._from_numpy(_slab(g, data, layer, 1))
         self._mx.eval(self.k, self.v)
 
     # -- tokens ----------------------------------------------------------------------------
