@@ -152,7 +152,7 @@ class PagedKVCacheAdapter:
         self.growth = bool(growth)
         self.block_size = bs
         self._num_layers = pool.geometry.num_layers
-        self._token_shape = tuple(pool.geometry.token_shape)
+        self._token_shape = (pool.geometry.num_kv_heads, pool.geometry.head_dim)
         rows = max(1, int(initial_rows))
         width = 4
         self._table = np.full((rows, width), -1, np.int32)
