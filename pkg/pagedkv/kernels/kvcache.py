@@ -1,4 +1,5 @@
-"""Launchers for ``hip/kvcache.hip``: q8 KV write/read, paged-attention decode, block copies.
+"""Launchers for ``hip/kvcache.hip``: q8 KV write/read, paged-attention decode (f16, bf16, q8
+and compressed ``<K mode>/<V mode>`` KV, docs/kv-quant.md), block copies.
 
 Each function checks shapes and dtypes of its :class:`DeviceArray` arguments
 (``InvalidArgument`` naming the argument, nothing launched) and enqueues the
@@ -19,6 +20,7 @@ from pagedkv.kernels.device_array import DeviceArray
 
 __all__ = [
     "KV_DTYPES",
+    "QUANT_KV_DTYPES",
     "PagedAttention",
     "check_decode_batch",
     "copy_blocks",
@@ -28,10 +30,14 @@ __all__ = [
 ]
 
 SOURCE = "kvcache"
-# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 / PKV_ATTN_PARTITION).
+# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 / PKV_ATTN_PARTITION;
+# every compressed dtype uses the latter).
 ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 512, "q8": 512}
 ATTN_THREADS = 128  # PKV_ATTN_THREADS
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+#: The compressed K/V pairs hip/kvcache.hip has kernels for: an fwht K with a q8 or lloyd V.
+QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2")
+                        for v in ("q8", "lloyd4", "lloyd3", "lloyd2"))
 
 
 def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
@@ -127,17 +133,31 @@ class PagedAttention:
 
     ``run(q, k_pool, v_pool, block_tables, seq_lens, out)``: ``q`` ``float32[seqs, heads,
     head_dim]``; pools ``[num_blocks, block_size, kv_heads, row]`` of float16, bfloat16
-    (uint16) or q8 (uint8); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
+    (uint16), q8 (uint8), or for a compressed ``kv_dtype`` (``"fwht4/q8"``,
+    ``"fwht4/lloyd4"``, ...: :data:`QUANT_KV_DTYPES`) uint8 records of each side's mode, read
+    as stored (no decompressed copy); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
     ``int32[seqs]``, each at most ``max_seq_len``; ``out`` ``float32[seqs, heads, head_dim]``.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None) -> None:
-        if kv_dtype not in KV_DTYPES:
-            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)}")
+        if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)} or "
+                                  f"a compressed pair {list(QUANT_KV_DTYPES)}")
         if head_dim not in (32, 64, 128, 256):
             raise InvalidArgument(f"head_dim={head_dim}: expected 32, 64, 128 or 256")
+        if kv_dtype in QUANT_KV_DTYPES:
+            from pagedkv.quant import kv as kv_modes
+            for side in kv_modes.split_kv_dtype(kv_dtype):
+                if not kv_modes.kv_mode(side).supports(head_dim):
+                    raise InvalidArgument(f"head_dim={head_dim}: {side} (of kv_dtype "
+                                          f"{kv_dtype!r}) needs head_dim "
+                                          f"{kv_modes.kv_mode(side).head_dims()}")
+            self.k_row, self.v_row = (kv_modes.side_row_bytes(m, head_dim)
+                                      for m in kv_modes.split_kv_dtype(kv_dtype))
+        else:
+            self.k_row = self.v_row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
         if kv_heads < 1 or num_heads % kv_heads or num_heads // kv_heads > 8:
             raise InvalidArgument(f"num_heads={num_heads}, kv_heads={kv_heads}: num_heads must "
                                   f"be 1..8 times kv_heads")
@@ -153,7 +173,7 @@ class PagedAttention:
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
-        self.partition_tokens = ATTN_PARTITION_TOKENS[kv_dtype]
+        self.partition_tokens = ATTN_PARTITION_TOKENS.get(kv_dtype, 512)
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         n_warps = ATTN_THREADS // device.properties.warp_size
         self.shared_bytes = 4 * max(self.partition_tokens * self.gmax,
@@ -162,9 +182,14 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
+        kind = KV_DTYPES.get(kv_dtype) or kv_dtype.replace("/", "_")
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "ppppppppfiiiiii")
-        self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiiii")
+            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
+        # A lloyd V leaves each head's output in the R256 basis: its reduce rotates it back.
+        self._rotated_out = kv_dtype.split("/")[-1].startswith("lloyd")
+        self._reduce = device.kernel(
+            SOURCE, "pkv_paged_attention_reduce_ifwht256" if self._rotated_out
+            else "pkv_paged_attention_reduce", "pppppiiii")
 
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
@@ -177,9 +202,9 @@ class PagedAttention:
             _need(arr, name, np.float32, 3)
             if arr.shape != (s, h, d):
                 raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
-        row = d // 32 * 34 if self.kv_dtype == "q8" else d
-        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-            if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != self.kv_dtype:
+        storage = "q8" if self.kv_dtype in QUANT_KV_DTYPES else self.kv_dtype  # uint8 records
+        for name, pool, row in (("k_pool", k_pool, self.k_row), ("v_pool", v_pool, self.v_row)):
+            if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != storage:
                 raise InvalidArgument(f"{name}: expected a {self.kv_dtype} pool DeviceArray")
             if pool.ndim != 4 or pool.shape[1:] != (self.block_size, self.kv_heads, row):
                 raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
@@ -199,7 +224,8 @@ class PagedAttention:
                         self.part_max, self.part_sum, self.scale, self.num_heads,
                         self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
                         self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
-        self._reduce((self.num_heads, self.num_seqs), (min(self.head_dim, 256),),
+        self._reduce((self.num_heads, self.num_seqs),
+                     (256 if self._rotated_out else min(self.head_dim, 256),),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
