@@ -216,5 +216,5 @@ def test_transcode_in_fixed_regions_gains_blocks_and_keeps_them_in_place():
     with pytest.raises(errors.InvalidArgument, match=r"num_blocks: 99 is outside \[20, 29\]"):
         pool.transcode("fwht2/lloyd2", num_blocks=99)
     assert (pool.num_blocks, pool.generation, pool.geometry.dtype) == (20, 2, "fwht2/lloyd2")
-    with pytest.raises(errors.InvalidArgument, match="layer_region_bytes"):
+    with pytest.raises(errors.InvalidArgument, match="fewer than num_blocks=11"):
         LayerKVPool(g, num_blocks=11, layer_region_bytes=per_layer)

@@ -192,7 +192,9 @@ class KVAdaptive:
                                   f"layer) holds no {block_size}-token block at "
                                   f"{plan.kv_dtype(0)}")
         floor_blocks = region // (block_size * num_kv_heads * plan.bytes_per_head[-1])
-        pool = LayerKVPool(geometry, blocks, layer_region_bytes=region)
+        # max_num_blocks: what the regions hold at the floor (the adapter checks that pool
+        # and allocator agree); transcoding, not growth, gets the pool there.
+        pool = LayerKVPool(geometry, blocks, floor_blocks, layer_region_bytes=region)
         allocator = BlockAllocator(blocks, floor_blocks, block_size, hash_seed=hash_seed)
         return cls(plan, pool, allocator, num_seqs=num_seqs)
 

@@ -135,11 +135,11 @@ class LayerKVPool:
                 raise InvalidArgument("layer_region_bytes: only NumPy pools of KV-mode records "
                                       "have fixed byte regions (kv_adaptive)")
             per_block = geometry.k_slab_bytes + geometry.v_slab_bytes
-            if max_num_blocks * per_block > layer_region_bytes:
+            if num_blocks * per_block > layer_region_bytes:
                 raise InvalidArgument(
                     f"layer_region_bytes: {layer_region_bytes} bytes per layer hold "
                     f"{layer_region_bytes // per_block} blocks of {per_block} bytes, fewer "
-                    f"than max_num_blocks={max_num_blocks}")
+                    f"than num_blocks={num_blocks}")
         storage_class = _storage_class(backend, geometry, layer_region_bytes is not None)
         if pool_id is None:
             pool_id = f"pool-{next(_pool_numbers)}"
