@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"gpu": "pagedkv.bench.gpu"}
+SUITES = {"gpu": "pagedkv.bench.gpu", "kvquant-quality": "pagedkv.bench.kvquant_quality"}
 
 
 def main(argv: list[str] | None = None) -> int:
