@@ -141,9 +141,12 @@ def test_every_finite_half_widens_exactly(hd):
     halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
     halves = halves[np.isfinite(halves)]
     rows = np.resize(halves, (-(-halves.size // hd)) * hd).reshape(-1, hd)
-    for mode in HD128 if hd == 128 else ("fwht3", "lloyd4"):
+    for mode in (*HD128, "q8") if hd == 128 else ("fwht3", "lloyd4"):
         np.testing.assert_array_equal(kv.encode(rows, mode),
                                       kv.encode(rows.astype(np.float32), mode))
+    if hd == 128:  # the vectorized q8 rounding against the reference, on every half
+        np.testing.assert_array_equal(kv.encode(rows, "q8"),
+                                      ref.kv_q8_quantize(rows.astype(np.float32)))
 
 
 # Mean squared error of a unit-variance Gaussian under the Lloyd-Max quantizer of 2/3/4 bits

@@ -16,6 +16,7 @@
 #include "pagedkv/kvquant.h"
 #include "cpu_simd.h"
 #include "fwht_loops.h"
+#include "half_vectors.h"
 
 #if defined(__GNUC__)
 #  define PKV_KV_LOOP_ static __attribute__((unused))
@@ -29,31 +30,6 @@ static inline float pkv_kv_load_(const float *x32, const uint16_t *x16, size_t i
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
-
-typedef uint16_t pkv_kv_v16u16_ __attribute__((vector_size(32)));
-typedef uint32_t pkv_kv_v16u32_ __attribute__((vector_size(64)));
-
-/* f16 bits -> f32, exactly, in integer vector ops (every ISA level vectorizes them;
- * GCC scalarizes a _Float16 vector conversion): shift the exponent and mantissa into
- * place and rebias; subnormals (exponent 0) via one exact float subtraction of 2^-14;
- * Inf/NaN keep an all-ones exponent. */
-static inline __attribute__((always_inline)) void pkv_kv_f16_to_f32_v_(const uint16_t *src,
-                                                                         pkv_fwht_v16f *dst) {
-    pkv_kv_v16u16_ h16;
-    memcpy(&h16, src, sizeof h16);
-    const pkv_kv_v16u32_ h = __builtin_convertvector(h16, pkv_kv_v16u32_);
-    pkv_kv_v16u32_ o = (h & 0x7FFFu) << 13;
-    const pkv_kv_v16u32_ e = o & 0x0F800000u;
-    o = o + (112u << 23);
-    /* masks from signed shifts (e is 0 .. 0x0F800000): all ones exponent, exponent 0 */
-    o = o + ((pkv_kv_v16u32_)((pkv_fwht_v16i)(0x0F7FFFFFu - e) >> 31) & (112u << 23));
-    const pkv_kv_v16u32_ den = (pkv_kv_v16u32_)((pkv_fwht_v16i)(e - 1u) >> 31);
-    o = o + (den & (1u << 23));
-    const pkv_fwht_v16f f = (pkv_fwht_v16f)o;
-    const pkv_fwht_v16f fd = f - 6.103515625e-05f;   /* 2^-14: the subnormal bias, exact */
-    o = ((pkv_kv_v16u32_)f & ~den) | ((pkv_kv_v16u32_)fd & den);
-    *dst = (pkv_fwht_v16f)(o | ((h & 0x8000u) << 16));
-}
 
 /* Rotation sign tables as vectors: pre = SIGNS1, post = c * SIGNS2 (c = 1/sqrt(n)). */
 typedef struct {
