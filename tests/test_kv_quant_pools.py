@@ -42,7 +42,7 @@ def test_bytes_per_token_and_head_follow_the_record_layouts():
     assert g.block_buffer_shape == (32, 16 * 8 * (68 + 136))
     assert g.itemsize == (68 + 136) / 256
     with pytest.raises(errors.InvalidArgument, match="use k_row_bytes / v_row_bytes"):
-        g.row_bytes
+        _ = g.row_bytes
     assert blocks_for_memory_mb(1, g) == (1 << 20) // (32 * 16 * 8 * 204)
     sym = PoolGeometry(2, 1, 256, 16, "fwht4/lloyd4")
     assert sym.symmetric and sym.block_buffer_shape == (2, 2, 16 * 132)

@@ -166,11 +166,11 @@ class KVAdaptive:
         self.pool = pool
         self.allocator = allocator
         self.num_seqs = num_seqs
-        self.tier = next((i for i in range(len(plan.tiers))
-                          if plan.kv_dtype(i) == pool.geometry.dtype), None)
-        if self.tier is None:
+        tiers = [i for i in range(len(plan.tiers)) if plan.kv_dtype(i) == pool.geometry.dtype]
+        if not tiers:
             raise InvalidArgument(f"pool dtype {pool.geometry.dtype!r} is no tier of "
                                   f"{plan!r}")
+        self.tier: int = tiers[0]
         self._listeners: list[Callable[[str, str], None]] = []
 
     @classmethod

@@ -170,7 +170,8 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     out: dict[str, str] = {}
     sources: dict[str, str] = {}
     for knob, spec in KNOBS.items():
-        value, source = None, None
+        value: str | None = None
+        source = ""
         candidates: list[tuple[object, str, bool]] = [
             (explicit[knob], f"argument {knob}", False),
             (env.get(spec.env), spec.env, False),
@@ -201,7 +202,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
             value, source = registry[knob], f"registry {model!r}"
         if value is None:
             value, source = spec.default, "default"
-        if value == "auto":
+        elif value == "auto":
             value, source = spec.default, f"{source} (auto)"
         out[knob], sources[knob] = value, source
     if out["adaptive"] != "off":

@@ -22,9 +22,9 @@ All run in float64 NumPy with fixed seeds, so every method sees the same rotatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from functools import cache
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def int4_token(x: np.ndarray) -> np.ndarray:
     return np.clip(np.round((x - zero) / safe), 0, 15) * scale + zero
 
 
-@lru_cache(maxsize=None)
+@cache
 def sphere_lloyd_max(bits: int, d: int) -> np.ndarray:
     """Lloyd-Max centroids (ascending) of one coordinate of a uniform point on the unit
     sphere in ``d`` dims (density ∝ (1 - x²)^((d-3)/2)), by Lloyd's iteration on a grid."""
@@ -93,13 +93,13 @@ def sphere_lloyd_max(bits: int, d: int) -> np.ndarray:
     return c
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rotation(d: int, seed: int) -> np.ndarray:
     q, r = np.linalg.qr(np.random.default_rng(seed).standard_normal((d, d)))
     return q * np.sign(np.diag(r))  # a Haar-random orthogonal matrix
 
 
-@lru_cache(maxsize=None)
+@cache
 def _qjl(d: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((d, d))
 
@@ -137,13 +137,18 @@ def turboquant_prod(bits: int) -> Callable[[np.ndarray], np.ndarray]:
     return roundtrip
 
 
+def _per_row_bits(bits: int, row_bits: int) -> Callable[[int], float]:
+    """Bits per element of ``bits``-bit codes plus ``row_bits`` of side data per row."""
+    return lambda d: bits + row_bits / d
+
+
 #: The peers of docs/kv-quant.md's quality table, by name.
 PEERS: dict[str, Peer] = {
     "fp8 e4m3 per-tensor": Peer("fp8 e4m3 per-tensor", lambda d: 8.0, fp8_e4m3_tensor),
     "int8 per-token-head": Peer("int8 per-token-head", lambda d: 8 + 16 / d, int8_token),
     "int4 per-token-head": Peer("int4 per-token-head", lambda d: 4 + 32 / d, int4_token),
-    **{f"turboquant-mse {b}": Peer(f"turboquant-mse {b}", lambda d, b=b: b + 16 / d,
+    **{f"turboquant-mse {b}": Peer(f"turboquant-mse {b}", _per_row_bits(b, 16),
                                    turboquant_mse(b)) for b in (2, 3, 4)},
-    **{f"turboquant-prod {b}": Peer(f"turboquant-prod {b}", lambda d, b=b: b + 32 / d,
+    **{f"turboquant-prod {b}": Peer(f"turboquant-prod {b}", _per_row_bits(b, 32),
                                     turboquant_prod(b)) for b in (2, 3, 4)},
 }

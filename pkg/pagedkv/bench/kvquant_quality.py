@@ -30,8 +30,8 @@ import importlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -76,6 +76,12 @@ def _ours(mode: str) -> Callable[[np.ndarray], np.ndarray]:
                                x.shape[-1]).astype(np.float64)
 
 
+def _record_bits(*modes: str) -> Callable[[int], float]:
+    """Bits per stored element of pagedkv records of ``modes`` (averaged over the sides)."""
+    from pagedkv.quant import kv
+    return lambda d: sum(kv.side_row_bytes(m, d) for m in modes) * 8 / (d * len(modes))
+
+
 def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float64)
 
@@ -89,7 +95,7 @@ def side_methods(head_dim: int) -> list[Method]:
         mode = kv.kv_mode(name)
         if mode.supports(head_dim):
             rt = _ours(name)
-            out.append(Method(f"pagedkv {name}", lambda d, b=mode.bits: b + 32 / d,
+            out.append(Method(f"pagedkv {name}", _record_bits(name),
                               rt if mode.sides == "K" else None,
                               rt if mode.sides == "V" else None))
     for peer in PEERS.values():
@@ -106,10 +112,7 @@ def kv_pairs(head_dim: int) -> list[Method]:
            Method("pagedkv q8", lambda d: 8.5, _ours("q8"), _ours("q8"))]
     for k in ks:
         for v in vs:
-            out.append(Method(f"pagedkv {k}/{v}",
-                              lambda d, k=k, v=v: (kv.side_row_bytes(k, d)
-                                                   + kv.side_row_bytes(v, d)) * 4 / d,
-                              _ours(k), _ours(v)))
+            out.append(Method(f"pagedkv {k}/{v}", _record_bits(k, v), _ours(k), _ours(v)))
     for peer in PEERS.values():
         out.append(Method(peer.name, peer.bits, peer.roundtrip, peer.roundtrip))
     return out
@@ -304,8 +307,9 @@ def report(results: dict) -> list[str]:
     lines = []
     for name, r in results["models"].items():
         hd = r["head_dim"]
-        lines += [f"### {name} (head_dim {hd}, mean max attention prob "
-                  f"{r['mean_max_attention_prob']:.3f})", ""]
+        title = (f"### {name} (head_dim {hd}, mean max attention prob "
+                 f"{r['mean_max_attention_prob']:.3f})")
+        lines += [title, ""]
         rows = [["method", "bits/elem", "K only", "V only"]]
         for m, bits in r["bits"].items():
             if m in r["k_only"] or m in r["v_only"]:

@@ -14,8 +14,8 @@ leaves the pool as it was. Calls that take block tables or slot arrays accept th
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
 import operator
 import threading
 from collections.abc import Callable, Hashable
@@ -25,8 +25,8 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
-from pagedkv.quant import kv as kv_modes
 from pagedkv.pool.numpy_storage import NumpyKVStorage, NumpySplitKVStorage
+from pagedkv.quant import kv as kv_modes
 
 __all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 

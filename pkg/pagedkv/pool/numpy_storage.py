@@ -137,7 +137,7 @@ class NumpySplitKVStorage:
     """
 
     backend = "numpy"
-    __slots__ = ("geometry", "num_blocks", "region", "_k", "_v")
+    __slots__ = ("_k", "_v", "geometry", "num_blocks", "region")
     slot_copier = None
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int,

@@ -11,7 +11,7 @@ this is the array-op implementation every MLX build runs.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -29,13 +29,13 @@ def _mx():
     return mx
 
 
-@lru_cache(maxsize=None)
+@cache
 def _signs(seed: int) -> np.ndarray:
     states = fwht.lcg_states(seed, 256)
     return np.where((states >> 16) & 1, np.float32(1), np.float32(-1)).astype(np.float32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rotation_tables(n: int, inverse: bool):
     mx = _mx()
     pre, post = (_signs(1042), _signs(42)) if inverse else (_signs(42), _signs(1042))
@@ -43,7 +43,7 @@ def _rotation_tables(n: int, inverse: bool):
     return mx.array(pre[:n]), mx.array((c * post[:n]).astype(np.float32))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables(bits: int, family: int):
     mx = _mx()
     c, t = kv_rotated.tables(bits, family)

@@ -103,8 +103,9 @@ def encode(x, mode, *, bint reference=False):
     """``float32`` or ``float16[..., head_dim]`` -> ``uint8[..., row_bytes]`` records.
 
     ``mode``: a rotated mode id of :data:`MODE_IDS`. NaN or Inf, or a row whose norm
-    overflows float32, raises :class:`InvalidArgument` naming the flat index or the row. ``reference=True`` runs the scalar
-    header loop instead of the vectorized one (same bytes; for tests)."""
+    overflows float32, raises :class:`InvalidArgument` naming the flat index or the row.
+    ``reference=True`` runs the scalar header loop instead of the vectorized one (same
+    bytes; for tests)."""
     if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float16):
         raise InvalidArgumentType(
             f"x must be a float32 or float16 numpy.ndarray, got "
