@@ -613,7 +613,8 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
 // Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed
 // KV"): the records are read as they are stored, never decompressed into a copy.
 //
-// K is a rotated mode (fwht4/fwht3/fwht2: KBITS-bit codes, R128 per half or R256, KROT):
+// K is a rotated mode (fwht4/fwht3/fwht2, or a lloyd mode: KBITS-bit codes, R128 per half
+// or R256, KROT):
 // q is rotated once per CTA into the K basis, in shared memory, and a token's score is
 // scale * cnorm_t * sum_d q_rot[d] * C[code_t[d]]. V is q8 (VBITS 8, dequantized per
 // lane as in the q8 kernel) or lloyd (VBITS 4/3/2, R256): sum_t p_t * cnorm_t *
@@ -969,6 +970,16 @@ PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd2, 2)
 PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd4, 4)
 PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd3, 3)
 PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd2, 2)
+// K in a lloyd mode (pagedkv's extension: R256 with the matched 256-family tables); a lloyd3
+// K is fwht3's bytes and runs the fwht3 kernels.
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, q8, 8)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd4, 4)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd3, 3)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd2, 2)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, q8, 8)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd4, 4)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd3, 3)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd2, 2)
 
 // The reduce of a lloyd V: combine the partitions in the R256 basis, then rotate each
 // (seq, head) row back (R^T) before writing it. 256 threads, one per dim.

@@ -398,6 +398,10 @@ def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_l
      "pkv_paged_attention_reduce", 128),
     ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_g4",
      "pkv_paged_attention_reduce", 128),
+    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_g2",
+     "pkv_paged_attention_reduce", 256),
+    ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
+     "pkv_paged_attention_reduce_ifwht256", 256),
 ])
 def test_compressed_attention_picks_its_kernels_and_reads_records(kv_dtype, head_dim, heads,
                                                                   k_row, v_row, partition,
@@ -456,7 +460,7 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     objects = [n for n in code_objects.list_objects() if n.startswith("kvcache.")]
     if not objects:
         pytest.skip("built without a GPU compiler: no kernel objects")
-    names = {f"pkv_paged_attention_{d.replace('/', '_')}_g{g}"
+    names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/', '_')}_g{g}"
              for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256"}
     for obj in objects:

@@ -125,7 +125,8 @@ def test_paged_reference_equals_contiguous_attention():
 
 @pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht2/q8", 128),
                                          ("fwht4/lloyd4", 256), ("fwht3/lloyd2", 256),
-                                         ("fwht2/lloyd3", 256)])
+                                         ("fwht2/lloyd3", 256), ("lloyd4/lloyd4", 256),
+                                         ("lloyd2/q8", 256)])
 def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
     # The rotated-basis computation (scores from q_rot and C[codes], V summed in R256 and
     # rotated back once) is attention over the decoded rows, up to float64 rounding.
@@ -150,7 +151,8 @@ def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
 
 @pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX not installed")
 @pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd4", 256),
-                                         ("fwht3/lloyd2", 256), ("q8", 64)])
+                                         ("fwht3/lloyd2", 256), ("q8", 64),
+                                         ("lloyd4/lloyd3", 256)])
 def test_mlx_attention_reads_records_like_the_reference(kv_dtype, hd):
     import mlx.core as mx
 
@@ -244,6 +246,11 @@ ATTN_CASES = [
     ("fwht2/lloyd4", 4, 1, 256, 16, [1500, 9]),
     ("fwht2/lloyd3", 8, 8, 256, 16, [333]),
     ("fwht2/lloyd2", 4, 2, 256, 16, [2049, 1]),
+    # lloyd modes on K (R256, matched tables; lloyd3 runs fwht3's kernels)
+    ("lloyd4/lloyd4", 8, 2, 256, 16, [1, 700, 1300]),
+    ("lloyd4/q8", 4, 4, 256, 16, [513, 60]),
+    ("lloyd2/lloyd3", 2, 1, 256, 8, [900, 2]),
+    ("lloyd3/lloyd4", 8, 2, 256, 16, [555]),
 ]
 
 

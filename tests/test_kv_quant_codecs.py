@@ -262,15 +262,17 @@ def test_bad_input_raises_and_names_it():
 
 @pytest.mark.parametrize("dtype,k,v", [("float16", "float16", "float16"), ("q8", "q8", "q8"),
                                        ("fwht4/q8", "fwht4", "q8"),
-                                       ("fwht3/lloyd2", "fwht3", "lloyd2")])
+                                       ("fwht3/lloyd2", "fwht3", "lloyd2"),
+                                       ("lloyd4/lloyd4", "lloyd4", "lloyd4"),
+                                       ("lloyd2/q8", "lloyd2", "q8")])
 def test_kv_dtype_names(dtype, k, v):
     assert kv.split_kv_dtype(dtype) == (k, v)
     assert kv.join_kv_dtype(k, v) == dtype
 
 
 @pytest.mark.parametrize("dtype,match", [
-    ("fwht4", "name both sides"), ("lloyd4", "name both sides"), ("q8/lloyd4", "fwht K"),
-    ("lloyd4/fwht4", "K must be one of"), ("float16/q8", "K must be one of"),
+    ("fwht4", "name both sides"), ("lloyd4", "name both sides"), ("q8/lloyd4", "rotated K"),
+    ("lloyd4/fwht4", "V one of"), ("float16/q8", "K must be one of"),
     ("int8", "not a pool dtype")])
 def test_kv_dtype_names_refused(dtype, match):
     with pytest.raises(errors.InvalidArgument, match=match):

@@ -85,7 +85,7 @@ def test_deprecated_upstream_names_mean_fwht_and_warn_once(caplog, alias, mode):
 
 
 def test_pairing_rules():
-    with pytest.raises(errors.InvalidArgument, match="V 'lloyd4' .*needs an fwht K"):
+    with pytest.raises(errors.InvalidArgument, match="V 'lloyd4' .*needs a rotated K"):
         resolve_kv_modes(environ={"PAGEDKV_KV_V": "lloyd4"})
     c = resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "bf16"})
     assert (c.kv_dtype, c.v) == ("bfloat16", "bf16")

@@ -50,7 +50,7 @@ def test_bytes_per_token_and_head_follow_the_record_layouts():
 
 @pytest.mark.parametrize("dtype,hd,match", [
     ("fwht3/q8", 128, "fwht3 needs head_dim 256"), ("fwht4/lloyd4", 128, "lloyd4 needs"),
-    ("fwht4/q8", 96, "fwht4 needs head_dim 128 or 256"), ("q8/lloyd4", 256, "fwht K"),
+    ("fwht4/q8", 96, "fwht4 needs head_dim 128 or 256"), ("q8/lloyd4", 256, "rotated K"),
     ("fwht4", 128, "name both sides")])
 def test_geometry_refuses_what_a_mode_cannot_store(dtype, hd, match):
     with pytest.raises(errors.InvalidArgument, match=match):

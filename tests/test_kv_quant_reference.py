@@ -68,7 +68,7 @@ def test_demo_takes_the_mode_from_the_environment(capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv,env,message", [
     (["--kv-mode", "fwht9"], {}, "argument k = 'fwht9': accepted values are"),
-    (["--kv-v", "lloyd4"], {}, "needs an fwht K"),
+    (["--kv-v", "lloyd4"], {}, "needs a rotated K"),
     ([], {"PAGEDKV_KV_ADAPTIVE": "balanced"}, "the demo serves many sequences"),
     (["--kv-mode", "bf16"], {}, "computes in float32"),
 ])

@@ -95,8 +95,7 @@ def side_methods(head_dim: int) -> list[Method]:
         mode = kv.kv_mode(name)
         if mode.supports(head_dim):
             rt = _ours(name)
-            out.append(Method(f"pagedkv {name}", _record_bits(name),
-                              rt if mode.sides == "K" else None,
+            out.append(Method(f"pagedkv {name}", _record_bits(name), rt,
                               rt if mode.sides == "V" else None))
     for peer in PEERS.values():
         out.append(Method(peer.name, peer.bits, peer.roundtrip, peer.roundtrip))
@@ -106,7 +105,8 @@ def side_methods(head_dim: int) -> list[Method]:
 def kv_pairs(head_dim: int) -> list[Method]:
     """K+V storages: pagedkv's pairs at this head_dim and each peer on both sides."""
     from pagedkv.quant import kv
-    ks = [m for m in ("fwht4", "fwht3", "fwht2") if kv.kv_mode(m).supports(head_dim)]
+    ks = [m for m in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd2")
+          if kv.kv_mode(m).supports(head_dim)]
     vs = ["q8"] + [m for m in ("lloyd4", "lloyd3", "lloyd2") if kv.kv_mode(m).supports(head_dim)]
     out = [Method("float16", lambda d: 16.0, _f16, _f16),
            Method("pagedkv q8", lambda d: 8.5, _ours("q8"), _ours("q8"))]

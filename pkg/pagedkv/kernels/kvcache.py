@@ -35,9 +35,13 @@ SOURCE = "kvcache"
 ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 512, "q8": 512}
 ATTN_THREADS = 128  # PKV_ATTN_THREADS
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
-#: The compressed K/V pairs hip/kvcache.hip has kernels for: an fwht K with a q8 or lloyd V.
-QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2")
+#: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
+#: mode on K) with a q8 or lloyd V.
+QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3",
+                                             "lloyd2")
                         for v in ("q8", "lloyd4", "lloyd3", "lloyd2"))
+# A lloyd3 K is fwht3's bytes and tables (R256, 3-bit 256 family): it runs fwht3's kernels.
+_K_KERNEL = {"lloyd3": "fwht3"}
 
 
 def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
@@ -182,7 +186,11 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
-        kind = KV_DTYPES.get(kv_dtype) or kv_dtype.replace("/", "_")
+        if kv_dtype in KV_DTYPES:
+            kind = KV_DTYPES[kv_dtype]
+        else:
+            k_side, v_side = kv_dtype.split("/")
+            kind = f"{_K_KERNEL.get(k_side, k_side)}_{v_side}"
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
         # A lloyd V leaves each head's output in the R256 basis: its reduce rotates it back.

@@ -14,7 +14,7 @@ lloyd4/3/2 V     4/3/2 R256                      ``4 + head_dim*b/8`` (hd 256)
 
 A pool's *KV dtype* names both sides: ``"float16"``, ``"bfloat16"``, ``"float32"`` or
 ``"q8"`` for both, or ``"<K mode>/<V mode>"`` (``"fwht4/q8"``, ``"fwht4/lloyd4"``); lloyd V
-needs an fwht K (docs/kv-quant.md "Modes"). :func:`encode` and :func:`decode` take NumPy
+needs a rotated K; K may also be a lloyd mode (docs/kv-quant.md "Modes"). :func:`encode` and :func:`decode` take NumPy
 arrays (the Cython codecs) or ``mx.array`` (MLX array ops, :mod:`pagedkv.quant.kv_mlx`).
 """
 
@@ -46,7 +46,9 @@ __all__ = [
 
 #: Unquantized pool dtypes and their bytes per element.
 UNQUANTIZED_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
-K_MODES = ("q8", "fwht4", "fwht3", "fwht2")
+#: K takes the lloyd modes too (pagedkv's extension, docs/kv-quant.md "Modes"): at head_dim
+#: 256 they are the R256 quantizer with matched tables (lloyd3 writes fwht3's bytes).
+K_MODES = ("q8", "fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3", "lloyd2")
 V_MODES = ("q8", "lloyd4", "lloyd3", "lloyd2")
 
 
@@ -115,8 +117,8 @@ def split_kv_dtype(dtype: str) -> tuple[str, str]:
     if not sep:
         if dtype in UNQUANTIZED_DTYPES or dtype == "q8":
             return dtype, dtype
-        hint = (f"; {dtype} is a {'K' if dtype in K_MODES else 'V'} mode: name both sides, "
-                f"e.g. {'fwht4/q8' if dtype in K_MODES else 'fwht4/' + dtype!r}"
+        hint = (f"; name both sides, e.g. "
+                f"{dtype + '/q8' if dtype.startswith('fwht') else 'fwht4/' + dtype!r}"
                 if dtype in KV_MODES else "")
         raise InvalidArgument(f"dtype {dtype!r} is not a pool dtype; use one of "
                               f"{sorted(UNQUANTIZED_DTYPES) + ['q8']} or '<K mode>/<V mode>' "
@@ -124,15 +126,15 @@ def split_kv_dtype(dtype: str) -> tuple[str, str]:
     if k not in K_MODES or v not in V_MODES:
         raise InvalidArgument(f"dtype {dtype!r}: K must be one of {list(K_MODES)} and V one "
                               f"of {list(V_MODES)}")
-    if v.startswith("lloyd") and not k.startswith("fwht"):
-        raise InvalidArgument(f"dtype {dtype!r}: lloyd V needs an fwht K (fwht4, fwht3, "
-                              f"fwht2)")
+    if v.startswith("lloyd") and k == "q8":
+        raise InvalidArgument(f"dtype {dtype!r}: lloyd V needs a rotated K (fwht4, fwht3, "
+                              f"fwht2 or lloydN)")
     return k, v
 
 
 def join_kv_dtype(k: str, v: str) -> str:
     """The pool KV dtype of a K and a V side (``"q8"`` when both are q8)."""
-    name = k if k == v else f"{k}/{v}"
+    name = k if k == v and (k == "q8" or k in UNQUANTIZED_DTYPES) else f"{k}/{v}"
     split_kv_dtype(name)
     return name
 
