@@ -13,7 +13,8 @@ copying exists). For every model and method:
 * **greedy agreement**: 256 tokens are generated greedily through mlx-lm with a float16 KV
   cache; each method then runs teacher-forced over the same sequence with its own cache
   (K/V round-tripped as stored), and the share of the 256 positions whose argmax equals
-  the float16 run's token is reported (so one early flip does not decide the rest).
+  the float16 run's token is reported (so one early flip does not decide the rest), with
+  the mean KL divergence of the next-token distributions from the float16 run's.
 * **memory**: bits per stored K/V element and bytes per token and layer vs float16.
 
 Random weights make attention diffuse and logits flat; two knobs bring them closer to a
@@ -241,8 +242,8 @@ def _roundtrip_cache_class():
 
 
 def greedy_agreement(model, prompt: np.ndarray, n_new: int, methods: list[Method]):
-    """(float16 greedy tokens, {method: share of positions whose teacher-forced argmax is
-    the float16 token})."""
+    """(float16 greedy tokens, {method: (share of positions whose teacher-forced argmax is
+    the float16 token, mean KL(p_float16 || p_method) in nats)})."""
     import mlx.core as mx
     gen = importlib.import_module("mlx_lm.generate")
     cache_cls = _roundtrip_cache_class()
@@ -254,12 +255,18 @@ def greedy_agreement(model, prompt: np.ndarray, n_new: int, methods: list[Method
         tokens.append(int(tok))
     tokens_arr = np.asarray(tokens, np.int32)
     seq = np.concatenate([prompt, tokens_arr[:-1]])
+
+    def logprobs(m: Method) -> np.ndarray:
+        caches = [cache_cls(m) for _ in model.layers]
+        logits = model(mx.array(seq)[None], cache=caches)[0, len(prompt) - 1:]
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), np.float64)
+
+    base = logprobs(f16)
     out = {}
     for m in methods:
-        caches = [cache_cls(m) for _ in model.layers]
-        logits = model(mx.array(seq)[None], cache=caches)
-        pred = np.array(mx.argmax(logits[0, len(prompt) - 1:], axis=-1))
-        out[m.name] = float((pred == tokens_arr).mean())
+        lp = base if m is f16 else logprobs(m)
+        kl = float((np.exp(base) * (base - lp)).sum(axis=-1).mean())
+        out[m.name] = (float((lp.argmax(axis=-1) == tokens_arr).mean()), kl)
     return tokens_arr, out
 
 
@@ -320,12 +327,13 @@ def report(results: dict) -> list[str]:
                              f"{v:.4f}" if v is not None else "-"])
         lines += _table(rows) + [""]
         rows = [["K+V", "bits/elem", "bytes/token/layer vs f16", "attention error",
-                 "greedy agreement"]]
+                 "greedy agreement", "KL vs f16 (nats)"]]
         for m, err in r["kv"].items():
             bits = r["bits"][m]
-            agree = r.get("greedy_agreement", {}).get(m)
+            agree, kl = r.get("greedy_agreement", {}).get(m, (None, None))
             rows.append([m, f"{bits:.2f}", f"{bits / 16:.1%}", f"{err:.4f}",
-                         f"{agree:.1%}" if agree is not None else "-"])
+                         f"{agree:.1%}" if agree is not None else "-",
+                         f"{kl:.2e}" if kl is not None else "-"])
         lines += _table(rows) + [""]
     return lines
 
