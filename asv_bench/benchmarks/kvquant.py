@@ -14,7 +14,6 @@ Run as an asv suite, or as a script (single-threaded)::
 from __future__ import annotations
 
 import os
-import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -79,14 +78,9 @@ class OracleBlock(_Block):
 
 
 def _best(fn, number: int = 20, repeat: int = 7) -> float:
-    """Best thread CPU seconds per call (CPU time: per core, whatever else runs here)."""
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.thread_time()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.thread_time() - t0) / number)
-    return best
+    """Best thread CPU seconds per call (per core, whatever else runs here)."""
+    from benchmarks.quant import _best_seconds
+    return _best_seconds(fn, repeat=repeat, number=number)
 
 
 def main() -> None:

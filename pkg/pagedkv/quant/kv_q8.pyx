@@ -15,7 +15,9 @@ from libc.stdint cimport int8_t, uint8_t, uint16_t
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.quant.quant_header cimport pkv_f16_to_f32, pkv_first_nonfinite
+from pagedkv.quant.quant_header cimport (
+    pkv_f16_to_f32, pkv_first_nonfinite, pkv_first_nonfinite_f16,
+)
 
 cnp.import_array()
 
@@ -27,19 +29,6 @@ cdef enum:
 cdef extern from "kv_q8_loops.h" nogil:
     void pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, Py_ssize_t n_records,
                              uint8_t *out)
-
-
-cdef Py_ssize_t _first_nonfinite_f16(const uint16_t[::1] h) noexcept nogil:
-    cdef Py_ssize_t i, n = h.shape[0]
-    cdef int bad = 0
-    for i in range(n):
-        bad |= (h[i] & 0x7C00) == 0x7C00
-    if not bad:
-        return -1
-    for i in range(n):
-        if (h[i] & 0x7C00) == 0x7C00:
-            return i
-    return -1
 
 
 cdef void _decode(const uint8_t *rec, Py_ssize_t n_records, float *out) noexcept nogil:
@@ -75,7 +64,7 @@ def quantize(x):
     else:
         flat16 = np.ascontiguousarray(x).reshape(-1).view(np.uint16)
         with nogil:
-            bad = _first_nonfinite_f16(flat16)
+            bad = pkv_first_nonfinite_f16(&flat16[0], n) if n else -1
     if bad >= 0:
         raise InvalidArgument(f"x holds a non-finite value at flat index {bad}; q8 KV takes "
                               f"finite values only")

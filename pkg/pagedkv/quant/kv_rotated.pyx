@@ -16,7 +16,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.quant.quant_header cimport pkv_first_nonfinite
+from pagedkv.quant.quant_header cimport pkv_first_nonfinite, pkv_first_nonfinite_f16
 
 cnp.import_array()
 
@@ -86,19 +86,6 @@ cdef Py_ssize_t _first_overflow(const uint8_t[::1] rec, Py_ssize_t n_rows,
     return -1
 
 
-cdef Py_ssize_t _first_nonfinite_f16(const uint16_t[::1] h) noexcept nogil:
-    cdef Py_ssize_t i, n = h.shape[0]
-    cdef int bad = 0
-    for i in range(n):
-        bad |= (h[i] & 0x7C00) == 0x7C00
-    if not bad:
-        return -1
-    for i in range(n):
-        if (h[i] & 0x7C00) == 0x7C00:
-            return i
-    return -1
-
-
 def encode(x, mode, *, bint reference=False):
     """``float32`` or ``float16[..., head_dim]`` -> ``uint8[..., row_bytes]`` records.
 
@@ -128,7 +115,7 @@ def encode(x, mode, *, bint reference=False):
     else:
         f16 = np.ascontiguousarray(x).reshape(-1).view(np.uint16)
         with nogil:
-            bad = _first_nonfinite_f16(f16)
+            bad = pkv_first_nonfinite_f16(&f16[0], f16.shape[0]) if f16.shape[0] else -1
     if bad >= 0:
         raise InvalidArgument(f"x holds a non-finite value at flat index {bad}; "
                               f"{_NAMES[m]} KV takes finite values only")

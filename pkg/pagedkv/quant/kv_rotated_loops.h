@@ -176,18 +176,15 @@ static void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, ptrdif
 
 #undef PKV_KV_ENCODE_CASE_
 
-#else  /* other compilers: the scalar reference per row */
+#else  /* other compilers: the scalar reference per row (below) */
+
+static void pkv_cpu_kv_encode_rows_reference(const float *x32, const uint16_t *x16,
+                                             ptrdiff_t n_rows, uint32_t hd, uint32_t mode,
+                                             uint8_t *out);
 
 PKV_KV_LOOP_ void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, ptrdiff_t n_rows,
-                                   uint32_t hd, uint32_t mode, uint8_t *out) {
-    float x[256], r[256];
-    uint8_t q[256];
-    const uint32_t row_bytes = pkv_kv_row_bytes(mode, hd);
-    for (ptrdiff_t row = 0; row < n_rows; ++row) {
-        for (uint32_t d = 0; d < hd; ++d) x[d] = pkv_kv_load_(x32, x16, (size_t)row * hd + d);
-        pkv_kv_encode_row(x, hd, mode, pkv_kv_centroids, pkv_kv_thresholds, r, q,
-                          out + (size_t)row * row_bytes);
-    }
+                                         uint32_t hd, uint32_t mode, uint8_t *out) {
+    pkv_cpu_kv_encode_rows_reference(x32, x16, n_rows, hd, mode, out);
 }
 
 #endif
