@@ -90,14 +90,14 @@ PKV_KERNEL void pkv_kv_q8_read_f16(const uint8_t* pool, const int64_t* slots, ui
 // partition's tokens for the kv head's group of query heads, keeps the scores in
 // shared memory (two passes: K then V, no running rescale), and writes the
 // unnormalized partial output with its max and sum; pkv_paged_attention_reduce
-// combines the partitions. Two implementations of the passes: f16 KV with up to 4
-// query heads per KV head and head_dim 64/128 runs both as f16 tensor-core mma on
-// NVIDIA sm_80+ (qk_scores_mma, pv_mma); everything else runs on CUDA cores / SIMD
+// combines the partitions. Two implementations of the passes: f16 and bf16 KV with up
+// to 4 query heads per KV head and head_dim 64/128 run both as f16 / bf16 tensor-core
+// mma on NVIDIA sm_80+ (qk_scores_mma, pv_mma); everything else runs on CUDA cores / SIMD
 // lanes, each lane holding 8 consecutive dims of a token row (a token takes
 // head_dim/8 lanes and one 16-byte load per row for f16/bf16).
 
-// Tokens per partition and __launch_bounds__ minimum blocks per SM, for f16 KV (tensor
-// cores on sm_80+) and for the others: the best of the H200 sweeps (docs/performance.md).
+// Tokens per partition and __launch_bounds__ minimum blocks per SM, for f16 and bf16 KV
+// (tensor cores on sm_80+) and for q8: the best of the H200 sweeps (docs/performance.md).
 // Overridable (-D) for tuning sweeps; kvcache.py mirrors the partition sizes.
 #ifndef PKV_ATTN_PARTITION_F16
 #define PKV_ATTN_PARTITION_F16 1024
@@ -185,13 +185,51 @@ PKV_DEV void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
 #endif
 }
 
+// The same for bf16 KV: the fragment layouts are the f16 ones (16-bit elements), so the
+// loads, the byte permutes and the hi + remainder split below serve both; bf16 hi + lo
+// carry 16 bits of q and of P (f16: 22).
+PKV_DEV void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
+#endif
+}
+
+template <int KIND>
+PKV_DEV void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if (KIND == KV_BF16) mma_bf16_16x8x16(c, a, b0, b1);
+  else mma_f16_16x8x16(c, a, b0, b1);
+}
+
+// f32 -> the mma's 16-bit element (f16 or bf16 bits, round to nearest even) and back.
+template <int KIND>
+PKV_DEV uint32_t to_mma_bits(float v) {
+  if (KIND != KV_BF16) return pkv_float_to_half_bits(v);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+#else
+  return 0u;  // no bf16 mma below sm_80: never called
+#endif
+}
+template <int KIND>
+PKV_DEV float from_mma_bits(uint32_t h) {
+  return KIND == KV_BF16 ? pkv_bf16_bits_to_float((uint16_t)h)
+                         : pkv_half_bits_to_float((uint16_t)h);
+}
+
 #if defined(__CUDACC__) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
 #define PKV_ATTN_MMA_QK 1
 #else
 #define PKV_ATTN_MMA_QK 0
 #endif
 
-template <int GMAX>
+template <int KIND, int GMAX>
 PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
                            float scale, const uint8_t* __restrict__ k_pool,
                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
@@ -208,8 +246,8 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float v = qd[e] * scale;
-        hi[e] = pkv_float_to_half_bits(v);
-        lo[e] = pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi[e]));
+        hi[e] = to_mma_bits<KIND>(v);
+        lo[e] = to_mma_bits<KIND>(v - from_mma_bits<KIND>(hi[e]));
       }
       qa[s][0] = hi[0] | hi[1] << 16;  // row gid, dims +0, +1 (with b0)
       qa[s][1] = lo[0] | lo[1] << 16;  // row gid + 8
@@ -235,7 +273,7 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
     for (int s = 0; s < 8; ++s) {
       if (s / 2 < n_loads) {
         const uint4 k = cur[s / 2];
-        mma_f16_16x8x16(c, qa[s], s % 2 ? k.z : k.x, s % 2 ? k.w : k.y);
+        mma_16x8x16<KIND>(c, qa[s], s % 2 ? k.z : k.x, s % 2 ? k.w : k.y);
       }
     }
     const int tok = 8 * grp + 2 * t;  // c0/c2: token 2t, rows gid / gid + 8; c1/c3: 2t + 1
@@ -260,7 +298,7 @@ PKV_DEV uint32_t word_of(const uint4& v, int j) {  // j is a constant after unro
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-template <int GMAX>
+template <int KIND, int GMAX>
 PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
                     const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
                     float (&o)[8][4]) {
@@ -288,8 +326,8 @@ PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float p = live && tok + e < n_tok ? scores[(tok + e) * GMAX + (live ? head : 0)] : 0.0f;
-      const uint16_t hi = pkv_float_to_half_bits(p);
-      const uint16_t h = rest ? pkv_float_to_half_bits(p - pkv_half_bits_to_float(hi)) : hi;
+      const uint32_t hi = to_mma_bits<KIND>(p);
+      const uint32_t h = rest ? to_mma_bits<KIND>(p - from_mma_bits<KIND>(hi)) : hi;
       bits |= (uint32_t)h << (16 * e);
     }
     return bits;
@@ -309,7 +347,7 @@ PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
           const uint32_t w2 = word_of(cur[2][l], j), w3 = word_of(cur[3][l], j);
           const uint32_t a[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
                                  __byte_perm(w2, w3, 0x5410), __byte_perm(w2, w3, 0x7632)};
-          mma_f16_16x8x16(o[4 * l + j], a, b0, b1);
+          mma_16x8x16<KIND>(o[4 * l + j], a, b0, b1);
         }
       }
     }
@@ -331,7 +369,7 @@ PKV_DEV void paged_attention_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
-  constexpr int PARTITION = KIND == KV_F16 ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION;
+  constexpr int PARTITION = KIND != KV_Q8 ? PKV_ATTN_PARTITION_F16 : PKV_ATTN_PARTITION;
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
 
@@ -391,7 +429,7 @@ PKV_DEV void paged_attention_partition(
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
   if constexpr (MMA) {
-    qk_scores_mma<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+    qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
   } else {
     if (first < n_tok) load_step(k_pool, first + sub, cur);
@@ -481,7 +519,7 @@ PKV_DEV void paged_attention_partition(
   if constexpr (MMA) {
     {
       float o[8][4];
-      pv_mma<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+      pv_mma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
       __syncthreads();  // every warp has read the scores
       const int gid = lane / 4, t = lane % 4;
       if (t < 2) {  // lane t holds heads 2t, 2t + 1; o[mt][0..1] even dim, [2..3] odd
@@ -564,15 +602,16 @@ PKV_DEV void paged_attention_partition(
   }
 }
 
-// f16 KV with up to 4 query heads per KV head and head_dim 64 or 128 runs both passes on
-// tensor cores where there are some (sm_80+); everything else on CUDA cores.
+// f16 and bf16 KV with up to 4 query heads per KV head and head_dim 64 or 128 run both
+// passes on tensor cores where there are some (sm_80+); everything else on CUDA cores.
 template <int KIND, int GMAX>
 PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
     int max_partitions) {
-  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && KIND == KV_F16 && GMAX <= 4 && PKV_WARP_SIZE == 32;
+  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && (KIND == KV_F16 || KIND == KV_BF16) && GMAX <= 4 &&
+                          PKV_WARP_SIZE == 32;
   if (MMA_OK && (head_dim == 64 || head_dim == 128))
     paged_attention_partition<KIND, GMAX, MMA_OK>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
@@ -584,8 +623,8 @@ PKV_DEV void paged_attention_dispatch(
 }
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, KIND == KV_F16 ? PKV_ATTN_MIN_BLOCKS_F16 \
-                                                                     : PKV_ATTN_MIN_BLOCKS) \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, KIND != KV_Q8 ? PKV_ATTN_MIN_BLOCKS_F16 \
+                                                                    : PKV_ATTN_MIN_BLOCKS)  \
       NAME(                                                                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
@@ -682,6 +721,103 @@ PKV_DEV void rotate_shared(float* x, int n, bool inverse) {
   for (int e = threadIdx.x; e < n; e += blockDim.x)
     x[e] = x[e] * (c * (inverse ? pkv_sign1(e % ROT) : pkv_sign2(e % ROT)));
   __syncthreads();
+}
+
+// ---------------------------------------------------------------------------
+// Rotated KV write (fwhtN / lloydN records, docs/kv-quant.md "Encoding"): the device form
+// of pkv_kv_encode_row, byte for byte. One CTA of PKV_KV_WRITE_THREADS threads encodes
+// one (token, kv-head) row into the pool at its slot. Every multiply and add that the
+// scalar reference rounds separately is an explicit _rn intrinsic here (nvcc would fuse
+// x*x + s into one FMA and change the norm's last bit), sqrt and divide are the correctly
+// rounded ones, and the sums keep the reference's order: PKV_KV_SUMSQ_LANES partials in
+// index order, folded 8, 4, 2, 1; the rotation is rotate_shared, whose butterflies are
+// pkv_fwht's. Non-finite input is not checked here (the host encoder refuses it).
+
+#ifndef PKV_KV_WRITE_THREADS
+#define PKV_KV_WRITE_THREADS 256
+#endif
+
+__constant__ float kKvThresholds[PKV_KV_THRESHOLD_COUNT] = {PKV_KV_THRESHOLDS};
+
+// pkv_kv_sumsq of x[0..n) into *out, by threads 0..15 then thread 0; the caller syncs.
+PKV_DEV void sumsq_shared(const float* x, int n, float* part, float* out) {
+  const int t = threadIdx.x;
+  if (t < (int)PKV_KV_SUMSQ_LANES) {
+    float s = 0.0f;
+    for (int i = t; i < n; i += PKV_KV_SUMSQ_LANES) s = __fadd_rn(s, __fmul_rn(x[i], x[i]));
+    part[t] = s;
+  }
+  __syncthreads();
+  if (t == 0) {
+    for (int w = PKV_KV_SUMSQ_LANES / 2; w > 0; w >>= 1)
+      for (int j = 0; j < w; ++j) part[j] = __fadd_rn(part[j], part[j + w]);
+    *out = part[0];
+  }
+}
+
+template <typename In>
+PKV_DEV void kv_rotated_write(const In* __restrict__ src, const int64_t* __restrict__ slots,
+                              uint8_t* __restrict__ pool, int n_tokens, int kv_heads,
+                              int head_dim, uint32_t mode) {
+  __shared__ float r[256];
+  __shared__ uint8_t codes[256];
+  __shared__ float part[PKV_KV_SUMSQ_LANES];
+  __shared__ float sums[2];  // the value norm's and the centroid row's sums of squares
+  const int64_t row = blockIdx.x;  // token * kv_heads + head
+  const int t = threadIdx.x;
+  if (row >= (int64_t)n_tokens * kv_heads) return;
+  const int64_t slot = slots[row / kv_heads];
+  if (slot < 0) return;  // a padding token: nothing to store (uniform over the CTA)
+  const uint32_t bits = pkv_kv_mode_bits(mode), rot = pkv_kv_mode_rotation(mode);
+  const float* C = kKvCentroids + pkv_kv_centroid_offset(bits, rot);
+  const float* T = kKvThresholds + pkv_kv_threshold_offset(bits, rot);
+  const int nt = (1 << bits) - 1;
+
+  for (int d = t; d < head_dim; d += blockDim.x) r[d] = pkv_load_value(src + row * head_dim + d);
+  __syncthreads();
+  sumsq_shared(r, head_dim, part, &sums[0]);
+  __syncthreads();
+  const float norm = __fsqrt_rn(sums[0]);
+  const float inv = norm > PKV_KV_NORM_EPS ? __fdiv_rn(1.0f, norm) : 0.0f;
+  for (int d = t; d < head_dim; d += blockDim.x) r[d] = __fmul_rn(r[d], inv);
+  __syncthreads();
+  if (rot == 256u) rotate_shared<256>(r, head_dim, false);
+  else rotate_shared<128>(r, head_dim, false);
+  for (int d = t; d < head_dim; d += blockDim.x) {
+    int c = 0;
+    for (int k = 0; k < nt; ++k) c += r[d] > T[k] ? 1 : 0;
+    codes[d] = (uint8_t)c;
+    r[d] = C[c];
+  }
+  __syncthreads();
+  sumsq_shared(r, head_dim, part, &sums[1]);
+  __syncthreads();
+  uint8_t* out = pool + (slot * kv_heads + row % kv_heads) *
+                            (int64_t)pkv_kv_row_bytes(mode, (uint32_t)head_dim);
+  if (t == 0) {
+    const float rn = __fsqrt_rn(sums[1]);
+    pkv_store_f32le(out, rn > PKV_KV_NORM_EPS ? __fdiv_rn(norm, rn) : norm);
+  }
+  // Byte b of the LSB-first code stream: bits [8b, 8b + 8) of code i at bit bits*i.
+  for (int b = t; b < head_dim * (int)bits / 8; b += blockDim.x) {
+    uint32_t byte = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int bit = 8 * b + j;
+      byte |= ((uint32_t)(codes[bit / bits] >> (bit % bits)) & 1u) << j;
+    }
+    out[PKV_KV_CNORM_BYTES + b] = (uint8_t)byte;
+  }
+}
+
+PKV_KERNEL void __launch_bounds__(PKV_KV_WRITE_THREADS)
+pkv_kv_rotated_write_f32(const float* src, const int64_t* slots, uint8_t* pool, int n_tokens,
+                         int kv_heads, int head_dim, int mode) {
+  kv_rotated_write<float>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
+}
+PKV_KERNEL void __launch_bounds__(PKV_KV_WRITE_THREADS)
+pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* pool,
+                         int n_tokens, int kv_heads, int head_dim, int mode) {
+  kv_rotated_write<uint16_t>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
 }
 
 template <int KBITS, int KROT, int VBITS, int GMAX>

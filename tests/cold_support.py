@@ -166,7 +166,7 @@ def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 
         fp = model_fingerprint(DEFAULT_FORMAT, str(model_dir), profile, geometry)
         tier = ColdTier.open_at(str(root), quota_bytes=1 << 30, reserve_bytes=0,
                                 fingerprint=fp)
-    adapter = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+    adapter = PagedKVCacheAdapter(alloc, pool, cold=tier)
     prompt = np.asarray(prompt, np.int64)
     adapter.reset_for_new_request(0)
     hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)

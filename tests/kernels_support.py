@@ -3,6 +3,7 @@ stub of libamdhip64 (tests/data/hip_stub.c) that records launches and runs nothi
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -15,12 +16,21 @@ from pagedkv.errors import NoDeviceError
 from pagedkv.kernels import load_runtime
 
 
+def gpu_required() -> bool:
+    """``PAGEDKV_REQUIRE_GPU=1`` (docs/development.md, "GPU tests"): on a GPU machine a
+    missing device is a failure, not a skip, so a broken driver or a wheel built without
+    kernels cannot pass as "all skipped"."""
+    return os.environ.get("PAGEDKV_REQUIRE_GPU", "") not in ("", "0")
+
+
 @pytest.fixture(scope="session")
 def device():
     from pagedkv.kernels import open_device
     try:
         return open_device()
     except NoDeviceError as exc:
+        if gpu_required():
+            pytest.fail(f"PAGEDKV_REQUIRE_GPU is set but no GPU was found: {exc}")
         pytest.skip(f"no GPU: {exc}")
 
 
@@ -49,6 +59,62 @@ def stub_runtime(hip_stub, monkeypatch):
     monkeypatch.delenv("STUB_INIT_ERROR", raising=False)
     monkeypatch.delenv("STUB_DEVICE_COUNT", raising=False)
     return load_runtime("hip")
+
+
+@pytest.fixture
+def stub_device(stub_runtime, monkeypatch):
+    """A Device on the HIP stub, made the default (``open_device()``), so
+    ``LayerKVPool(backend="device")`` runs on host memory: the stub emulates the pool's
+    byte movers (copy_blocks, the slab gather/scatter) and runs no other kernel. Needs the
+    AMD code objects (the stub loads the real gfx90a images)."""
+    from pagedkv._build_config import HIP_TARGETS
+    from pagedkv.kernels import Device
+    from pagedkv.kernels import device as device_module
+    if "gfx90a" not in HIP_TARGETS:
+        pytest.skip("built without hipcc for gfx90a: no AMD code objects for the stub")
+    dev = Device(stub_runtime, 0)
+    monkeypatch.setattr(device_module, "_default", dev)
+    return dev
+
+
+class StubLaunch(ctypes.Structure):
+    """The HIP stub's record of its last launch (tests/data/hip_stub.c)."""
+    _fields_ = [("name", ctypes.c_char * 128), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("n_params", ctypes.c_int), ("params", (ctypes.c_uint8 * 8) * 32),
+                ("stream", ctypes.c_void_p)]
+
+
+class StubRecorder:
+    """Reads the HIP stub's launch counter and last launch; ``record_params(sizes)`` makes
+    the next launch copy that many bytes of each parameter."""
+
+    def __init__(self, hip_stub):
+        self.lib = ctypes.CDLL(str(hip_stub))
+        self.lib.stub_launch_count.restype = ctypes.c_long
+        self.lib.stub_last_launch.restype = ctypes.POINTER(StubLaunch)
+        self.lib.stub_last_wait_stream.restype = ctypes.c_void_p
+
+    @property
+    def count(self) -> int:
+        return self.lib.stub_launch_count()
+
+    def last(self) -> StubLaunch:
+        return self.lib.stub_last_launch().contents
+
+    def last_wait_stream(self) -> int | None:
+        return self.lib.stub_last_wait_stream()
+
+    def record_params(self, sizes) -> None:
+        self.lib.stub_set_param_sizes(len(sizes), (ctypes.c_int * len(sizes))(*sizes))
+
+    def param(self, i: int, signed: bool = False) -> int:
+        return int.from_bytes(bytes(self.last().params[i]), "little", signed=signed)
+
+
+@pytest.fixture
+def stub_recorder(hip_stub, stub_device):
+    return StubRecorder(hip_stub)
 
 
 def load_tree_script(relative: str, name: str):

@@ -617,7 +617,7 @@ def test_purge_arms_the_cold_suppressor(make):
         def capture(self, **kw):
             pass
 
-    a = make(16, cold_tier=Cold())
+    a = make(16, cold=Cold())
     start(a, "s", range(8))
     a.register_full_blocks_for_reuse("s")
     assert calls == [[]]
@@ -660,7 +660,7 @@ class RecordingColdTier:
 
 def test_cold_capture_hook_gets_the_registered_chain(make):
     cold = RecordingColdTier()
-    a = make(16, cold_tier=cold)
+    a = make(16, cold=cold)
     start(a, "s", range(10))
     assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 2
     assert a.register_full_blocks_for_reuse("s", cache_salt=7, extra_keys=(3,)) == 0
@@ -680,7 +680,7 @@ def test_cold_capture_hook_gets_the_registered_chain(make):
 
 def test_cold_restore_extends_the_hot_hit(make):
     cold = RecordingColdTier(restore_blocks=0)
-    a = make(16, cold_tier=cold)
+    a = make(16, cold=cold)
     start(a, "s", range(8))
     a.register_full_blocks_for_reuse("s")
     a.release_request("s")
@@ -704,7 +704,7 @@ def test_cold_restore_extends_the_hot_hit(make):
 
 def test_cold_hooks_never_raise_into_inference(make, caplog):
     cold = RecordingColdTier(fail=True)
-    a = make(16, cold_tier=cold)
+    a = make(16, cold=cold)
     with caplog.at_level(logging.ERROR, logger="pagedkv.adapter"):
         start(a, "s", range(8))
         assert a.register_full_blocks_for_reuse("s") == 2
@@ -715,7 +715,7 @@ def test_cold_hooks_never_raise_into_inference(make, caplog):
 
 def test_an_overlong_cold_restore_is_refused_and_its_blocks_returned(make):
     cold = RecordingColdTier(restore_blocks=3)
-    a = make(16, cold_tier=cold)
+    a = make(16, cold=cold)
     a.reset_for_new_request("s")
     hit = a.find_cached_prefix("s", range(9))  # 2 full blocks at most
     assert hit.cached_tokens == 0 and hit.restored_blocks.tolist() == []

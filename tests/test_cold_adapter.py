@@ -16,7 +16,7 @@ GEOM = PoolGeometry(2, 1, 8, 4, "float16")  # §15: 64-byte slabs
 def _adapter(tier, num_blocks=64):
     pool = LayerKVPool(GEOM, num_blocks)
     alloc = BlockAllocator(num_blocks, block_size=4, hash_seed=0)
-    return PagedKVCacheAdapter(alloc, pool, cold_tier=tier), pool, alloc
+    return PagedKVCacheAdapter(alloc, pool, cold=tier), pool, alloc
 
 
 def _fill(adapter, seq, tokens, seed=0):
@@ -131,4 +131,37 @@ def test_restarting_a_restored_prepared_turn_cold_counts_restore_suppressed(tmp_
         assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 0
         b.restart_prepared_turn_cold("u", toks, len(toks))
         assert counter.get("restore_suppressed") == before + 1
+        alloc.check_invariants()
+
+
+def test_a_device_pool_captures_to_and_restores_from_the_cold_tier(tmp_path, stub_device):
+    """Block I/O of a device pool (docs/pool.md, "Device backend") behind the cold tier:
+    capture reads each registered block's bytes through the slab kernel and one copy to
+    the host; restore uploads and publishes (on the HIP stub, whose memory is host
+    memory); the restored bytes equal a NumPy pool's capture of the same request."""
+    toks = np.arange(1, 13, dtype=np.uint32)
+    with open_tier(tmp_path / "host") as tier:
+        a, pool_a, _ = _adapter(tier)
+        _fill(a, "s", toks, seed=3)
+        a.register_full_blocks_for_reuse("s")
+        assert tier.drain(5.0)
+        want = _slabs(pool_a, a, "s")
+    with open_tier(tmp_path / "root") as tier:
+        pool = LayerKVPool(GEOM, 64, backend="device")
+        d = PagedKVCacheAdapter(BlockAllocator(64, block_size=4, hash_seed=0), pool,
+                                cold=tier)
+        _fill(d, "s", toks, seed=3)
+        assert d.register_full_blocks_for_reuse("s") == 3
+        assert tier.last_capture.enqueued == 3 and tier.drain(5.0)
+        assert np.array_equal(_slabs(pool, d, "s"), want)
+    with open_tier(tmp_path / "root") as tier:
+        pool = LayerKVPool(GEOM, 64, backend="device")
+        alloc = BlockAllocator(64, block_size=4, hash_seed=0)
+        r = PagedKVCacheAdapter(alloc, pool, cold=tier)
+        r.reset_for_new_request("s")
+        hit = r.find_cached_prefix("s", toks)
+        assert hit.cached_tokens == 12 and len(hit.restored_blocks) == 3
+        assert np.array_equal(_slabs(pool, r, "s"), want)
+        k, _ = r.gather_kv("s", 1)  # the restored K of layer 1, on the device
+        assert k.to_numpy().tobytes() == want[:, 1, 0].tobytes()
         alloc.check_invariants()

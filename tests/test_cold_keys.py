@@ -284,7 +284,7 @@ def test_digest_cache_avoids_rereading(tmp_path, monkeypatch):
 def test_allowlist_admits_only_gated_families(monkeypatch):
     assert COLD_RESTORE_FAMILIES == frozenset(p.family for p in builtin_profiles()
                                               if cold_restore_supported(p))
-    assert COLD_RESTORE_FAMILIES == frozenset({"pagedkv_reference"})
+    assert COLD_RESTORE_FAMILIES == frozenset({"pagedkv_reference", "pagedkv_reference_hybrid"})
     monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
     in_process = FamilyColdProfile("nemotron_h", OutOfPoolState.IN_PROCESS_ONLY,
                                    restore_admitted=True)

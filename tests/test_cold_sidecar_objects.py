@@ -1,5 +1,5 @@
-"""Sidecar objects as codec, names and quota citizens (O3, E6). Policies, capture and
-restore of sidecars belong to the sidecar issue."""
+"""Sidecar objects as codec, names and quota citizens (O3, E6). Policies and state codecs:
+test_cold_sidecar_codecs.py; capture and reconcile-down: test_cold_sidecar_walks.py."""
 
 from __future__ import annotations
 

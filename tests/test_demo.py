@@ -42,8 +42,12 @@ def test_demo_small_config_exact_table(capsys):
 
 
 def test_demo_growth_and_evictions_show_in_the_table(capsys):
-    # 80-token prompts (5 blocks, 3 shared) on a pool that starts at 2 blocks and may reach 8:
-    # it grows twice, then the last request must evict a cache-only block to fit.
+    # 72-token prompts (5 blocks with the first decode token, 3 shared) on a pool that starts
+    # at 2 blocks and may reach 8. Admission counts current blocks (docs/coordinator.md,
+    # "Admission and preemption"): the first request finds the idle pool too small, which
+    # grows once (2 -> 5); each later one needs 2 blocks beyond its 3-block hit while a
+    # running one holds all 5, so it waits, and then evicts the cached tail blocks of the
+    # previous request (3 evictions in all).
     argv = SMALL + ["--user-tokens", "24", "--initial-blocks", "2", "--max-blocks", "8",
                     "--max-batch", "3"]
     assert main(argv) == 0
@@ -51,8 +55,8 @@ def test_demo_growth_and_evictions_show_in_the_table(capsys):
     rows = table(out)
     assert rows["prompt tokens"] == "288" and rows["cached tokens reused"] == "144"
     assert rows["blocks shared"] == "9"
-    assert rows["pool growth events"] == "2 (2 -> 8 blocks, max 8)"
-    assert rows["evictions"] == "1"
+    assert rows["pool growth events"] == "1 (2 -> 5 blocks, max 8)"
+    assert rows["evictions"] == "3" and rows["decode steps"] == "16"
     assert "parity: OK (4/4" in out
 
 

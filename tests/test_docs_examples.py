@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = ("allocator.md", "hashing.md", "pool.md", "adapter.md", "formats/hfqm.md")
+PAGES = ("allocator.md", "hashing.md", "pool.md", "adapter.md", "coordinator.md",
+         "reference-model.md", "formats/hfqm.md")
 
 _BLOCK = re.compile(r"(<!-- docs-test: skip[^>]*-->\n)?```python\n(.*?)```", re.DOTALL)
 

@@ -23,7 +23,7 @@ def test_cold_page_example_restores_the_prefix_in_a_fresh_adapter(tmp_path, monk
     monkeypatch.delenv("PAGEDKV_PERSIST_PAGED_CACHE", raising=False)
     monkeypatch.setenv("PAGEDKV_METRICS", "0")
     runner.test_page_examples_run("cold.md", tmp_path, monkeypatch, capsys)
-    assert capsys.readouterr().out == "0 32\n"
+    assert capsys.readouterr().out == "0 32\n32 True\n"
 
 
 @pytest.mark.gpu

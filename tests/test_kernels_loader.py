@@ -128,7 +128,7 @@ def test_missing_code_object_is_no_device_error():
 def test_code_objects_match_the_build_and_show_config():
     objects = list_objects()
     expected = []
-    for source in ("bench", "kvcache", "weights"):
+    for source in ("bench", "decode", "kvcache", "pool", "weights"):
         expected += [object_name(source, "hip", a) for a in HIP_TARGETS]
         if CUDA_TARGETS:
             expected.append(object_name(source, "cuda", ""))

@@ -27,7 +27,7 @@ TAG = b"pagedkv-v1\0cold-cache-payload"
 def _adapter(tier, geometry, num_blocks=32):
     pool = LayerKVPool(geometry, num_blocks)
     alloc = BlockAllocator(num_blocks, block_size=geometry.block_size, hash_seed=0)
-    return PagedKVCacheAdapter(alloc, pool, cold_tier=tier), pool
+    return PagedKVCacheAdapter(alloc, pool, cold=tier), pool
 
 
 def _fill(adapter, geometry, seq, tokens, seed=0):

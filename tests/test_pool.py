@@ -22,8 +22,18 @@ from pagedkv.pool import (
 
 HAVE_MLX = importlib.util.find_spec("mlx") is not None
 BACKENDS = ["numpy", pytest.param("mlx", marks=pytest.mark.skipif(not HAVE_MLX,
-                                                                  reason="mlx not installed"))]
+                                                                  reason="mlx not installed")),
+            "device"]
 STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "q8": np.uint8}
+
+
+@pytest.fixture(autouse=True)
+def _device_backend_on_the_hip_stub(request):
+    """``backend="device"`` cases run on the HIP stub made the default device (host memory;
+    the stub emulates the pool's copy kernels: tests/data/hip_stub.c)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "device":
+        request.getfixturevalue("stub_device")
 
 
 def geometry(dtype="float16", layers=2, heads=1, head_dim=8, block_size=4):
@@ -37,6 +47,8 @@ def snapshot(pool: LayerKVPool) -> np.ndarray:
 
 
 def numpy_of(pool: LayerKVPool, x) -> np.ndarray:
+    if pool.backend == "device":
+        return x.to_numpy()
     if pool.backend == "mlx":
         import mlx.core as mx
         if x.dtype == mx.bfloat16:

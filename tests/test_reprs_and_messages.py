@@ -29,7 +29,8 @@ def test_numpy_storage_repr():
 def test_mlx_storage_repr():
     pytest.importorskip("mlx.core")
     from pagedkv.pool.mlx_storage import MlxKVStorage
-    assert repr(MlxKVStorage(G, 3)) == "MlxKVStorage(num_blocks=3, layers=2, dtype=float16)"
+    assert repr(MlxKVStorage(G, 3)) == ("MlxKVStorage(num_blocks=3, layers=2, dtype=float16, "
+                                        "lazy=True)")
 
 
 def test_reservation_growth_repr_tracks_its_one_grow():

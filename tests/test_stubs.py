@@ -15,7 +15,8 @@ import pytest
 
 import pagedkv
 
-CYTHON_MODULES = ("pagedkv.hashing", "pagedkv.allocator", "pagedkv.hfqm.index")
+CYTHON_MODULES = ("pagedkv.hashing", "pagedkv.allocator", "pagedkv.hfqm.index",
+                  "pagedkv.adapter.table_ops")
 ALLOWLIST = Path(__file__).with_name("stubtest_allowlist.txt")
 MYPY_CONFIG = Path(__file__).with_name("stubtest_mypy.ini")
 

@@ -249,7 +249,7 @@ def restore_vs_recompute(tokens_n: int = 8192, recompute: bool = True):
         pool = LayerKVPool(GEOM_87, n_blocks + 8)
         alloc = BlockAllocator(n_blocks + 8, block_size=16, hash_seed=0)
         with _open(root) as tier:
-            adapter = PagedKVCacheAdapter(alloc, pool, cold_tier=tier)
+            adapter = PagedKVCacheAdapter(alloc, pool, cold=tier)
             adapter.reset_for_new_request(0)
             t0 = time.perf_counter()
             hit = adapter.find_cached_prefix(0, np.append(tokens, 1))

@@ -8,6 +8,11 @@ and machines cancels.
 - ``GpuVsTorch.track_speedup``: cuBLAS bf16 GEMV time / ours (target 3) and SDPA's time /
   ours for attention (target 1 / 1.3).
 
+- ``GpuDecode.track_tokens_per_s_vs_torch``: pagedkv's full decode step of a
+  Llama-3-8B-shaped decoder (``python -m pagedkv.bench decode``) against the PyTorch bf16
+  step, tokens/s ratio (targets: 2.5 at batch 1, 1.5 at batch 32 with 1k contexts, 1.6 at
+  batch 8 with 32k contexts and q8 KV).
+
 Skipped where there is no GPU (``setup_cache`` raises NotImplementedError). Figures and the
 device they came from: docs/performance.md, "GPU kernels".
 """
@@ -78,4 +83,34 @@ class GpuVsTorch:
         return out
 
     def track_speedup(self, cache, row):
+        return cache[row]
+
+
+DECODE_ROWS = [f"{fmt} {kv} b{b} ctx{c}" for fmt in ("hfq4g256", "mq4g256v2")
+               for kv in ("float16", "q8") for b, c in ((1, 1024), (1, 32768), (8, 32768),
+                                                         (32, 1024))]
+
+
+class GpuDecode:
+    params = DECODE_ROWS
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (pagedkv tokens/s / torch bf16 tokens/s)"
+
+    def setup_cache(self):
+        from pagedkv.bench import decode, gpu
+        device = gpu.open_device_or_explain("asv gpu decode")
+        if device is None:
+            raise NotImplementedError("no GPU")
+        torch = gpu._torch()
+        if torch is None:
+            raise NotImplementedError("PyTorch with CUDA is not installed: no baseline")
+        stream = gpu.Stream(device)
+        copy_bw, _ = gpu.copy_bandwidth(device, stream)
+        rows = decode.run_table(device, stream, copy_bw, torch, decode.QUICK_GRID,
+                                decode.FORMATS, decode.KV_DTYPES)
+        return {f"{r['weights']} {r['kv']} b{r['batch']} ctx{r['context']}":
+                r["speedup_vs_torch"] for r in rows if "speedup_vs_torch" in r}
+
+    def track_tokens_per_s_vs_torch(self, cache, row):
         return cache[row]

@@ -1,7 +1,8 @@
 """pagedkv: the memory layer of an LLM inference engine.
 
 A block-paged KV cache with verified prefix sharing (:mod:`pagedkv.allocator`,
-:mod:`pagedkv.pool`, :mod:`pagedkv.adapter`), a disk cold tier
+:mod:`pagedkv.pool`, :mod:`pagedkv.adapter`; hybrid models: :mod:`pagedkv.coordinator`), a
+disk cold tier
 (:mod:`pagedkv.cold`), and quantized tensor storage (:mod:`pagedkv.hfqm`,
 :mod:`pagedkv.quant`, :mod:`pagedkv.kernels`). ``import pagedkv`` is cheap:
 subsystems load on first attribute access, and MLX is never imported here.
@@ -18,7 +19,7 @@ from pagedkv._config import get_include, show_config
 __all__ = ["__version__", "errors", "get_include", "show_config"]
 
 _LAZY_SUBMODULES = frozenset({
-    "adapter", "allocator", "cold", "hashing", "hfqm", "kernels", "pool",
+    "adapter", "allocator", "cold", "coordinator", "hashing", "hfqm", "kernels", "pool",
     "quant", "reference", "sizing",
 })
 

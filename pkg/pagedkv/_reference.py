@@ -174,20 +174,23 @@ def hot_block_hash(parent: int, tokens, extra_keys: Sequence[int] = (), cache_sa
 
 def _chain(tokens: np.ndarray, block_size: int, uniform: tuple[int, ...],
            per_block: tuple[tuple[int, ...], ...] | None, cache_salt: int, seed: int,
-           hash_fn: Callable | None) -> list[int]:
+           hash_fn: Callable | None, parent: int = 0, first_block: int = 0) -> list[int]:
+    """Hashes of the full blocks of ``tokens``, chain blocks ``first_block ..`` chaining from
+    ``parent`` (a segment; the whole chain when both are 0). Keys are segment-relative."""
     n = len(tokens) // block_size if block_size else 0
     if per_block is not None:
         n = min(n, len(per_block))
     out: list[int] = []
-    parent = 0
     for i in range(n):
         block = tokens[i * block_size:(i + 1) * block_size]
         keys = per_block[i] if per_block is not None else uniform
+        index = first_block + i
         if hash_fn is None:
-            h = xxhash.xxh3_64_intdigest(_hot_hash_buffer(parent, block, keys, cache_salt, i),
-                                         seed) or 1
+            h = xxhash.xxh3_64_intdigest(
+                _hot_hash_buffer(parent, block, keys, cache_salt, index), seed) or 1
         else:
-            h = (int(hash_fn(parent, block.copy(), keys, cache_salt, i, seed)) & _U64_MAX) or 1
+            h = (int(hash_fn(parent, block.copy(), keys, cache_salt, index, seed))
+                 & _U64_MAX) or 1
         out.append(h)
         parent = h
     return out
@@ -464,13 +467,14 @@ class BlockAllocator:
 
     def _block_identities(self, toks: np.ndarray, hashes: list[int],
                           keys_of: Callable[[int], tuple[int, ...]],
-                          cache_salt: int) -> list[BlockIdentity]:
+                          cache_salt: int, parent: int = 0,
+                          first_block: int = 0) -> list[BlockIdentity]:
         bs = self._block_size
         out = []
-        parent = 0
         for i, h in enumerate(hashes):
             out.append(BlockIdentity(toks[i * bs:(i + 1) * bs].copy(), parent,
-                                     extra_keys_digest(keys_of(i)), cache_salt, i))
+                                     extra_keys_digest(keys_of(i)), cache_salt,
+                                     first_block + i))
             parent = h
         return out
 
@@ -480,6 +484,19 @@ class BlockAllocator:
         per_block = _per_block_keys(uniform, extra_keys_per_block)
         cache_salt = _check_u64(cache_salt, "cache_salt")
         return toks, uniform, per_block, cache_salt
+
+    @staticmethod
+    def _segment_args(parent_hash, first_block) -> tuple[int, int]:
+        """A chain segment's start: block 0 chains from 0, a later block from a real hash."""
+        parent = _check_u64(parent_hash, "parent_hash")
+        first = _check_int(first_block, "first_block", 0, (1 << 62) - 1)
+        if first == 0 and parent != 0:
+            raise InvalidArgument(
+                f"parent_hash = {parent:#x} with first_block = 0: block 0 chains from 0")
+        if first > 0 and parent == 0:
+            raise InvalidArgument(
+                f"first_block = {first} needs parent_hash = the hash of block {first - 1}")
+        return parent, first
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -584,13 +601,50 @@ class BlockAllocator:
         self._incref(block_id)
         return block_id
 
-    def chain_hashes(self, tokens, *, extra_keys: Sequence[int] = (),
-                     extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-                     cache_salt: int = 0) -> np.ndarray:
+    def _segment_chain(self, tokens, extra_keys, extra_keys_per_block, cache_salt,
+                       parent_hash, first_block):
+        """Checked arguments of a chain segment and its hashes."""
         toks, uniform, per_block, cache_salt = self._chain_args(
             tokens, extra_keys, extra_keys_per_block, cache_salt)
-        return np.array(_chain(toks, self._block_size, uniform, per_block, cache_salt,
-                               self._seed, self._hash_fn), dtype=np.uint64)
+        parent, first = self._segment_args(parent_hash, first_block)
+        hashes = _chain(toks, self._block_size, uniform, per_block, cache_salt, self._seed,
+                        self._hash_fn, parent, first)
+        return toks, uniform, per_block, cache_salt, parent, first, hashes
+
+    def chain_hashes(self, tokens, *, extra_keys: Sequence[int] = (),
+                     extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+                     cache_salt: int = 0, parent_hash: int = 0,
+                     first_block: int = 0) -> np.ndarray:
+        hashes = self._segment_chain(tokens, extra_keys, extra_keys_per_block, cache_salt,
+                                     parent_hash, first_block)[-1]
+        return np.array(hashes, dtype=np.uint64)
+
+    def cached_block_ids(self, tokens, *, extra_keys: Sequence[int] = (),
+                         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+                         cache_salt: int = 0, parent_hash: int = 0,
+                         first_block: int = 0) -> np.ndarray:
+        """Per full block, the verified cached id or -1; changes nothing."""
+        toks, uniform, per_block, cache_salt, parent, first, hashes = self._segment_chain(
+            tokens, extra_keys, extra_keys_per_block, cache_salt, parent_hash, first_block)
+        keys_of = (lambda i: per_block[i]) if per_block is not None else (lambda i: uniform)
+        out = np.full(len(hashes), -1, np.int32)
+        for i, (block_hash, identity) in enumerate(zip(
+                hashes, self._block_identities(toks, hashes, keys_of, cache_salt, parent,
+                                               first), strict=True)):
+            block_id = self._prefix.get(block_hash)
+            if block_id is not None and self._identity[block_hash].same_as(identity):
+                out[i] = block_id
+        return out
+
+    def incref_many(self, block_ids) -> None:
+        ids = _ids_array(block_ids, "block_ids")
+        for i, block_id in enumerate(ids):
+            if not 0 <= block_id < self._num_blocks:
+                raise InvalidArgument(
+                    f"block_ids[{i}] = {block_id} is outside [0, {self._num_blocks})")
+            self._check_allocated(block_id, f"block_ids[{i}]")
+        for block_id in ids:
+            self._incref(block_id)
 
     def find_longest_cache_hit(self, tokens, *, extra_keys: Sequence[int] = (),
                                extra_keys_per_block: Sequence[Sequence[int]] | None = None,
@@ -623,9 +677,11 @@ class BlockAllocator:
 
     def cache_full_blocks(self, tokens, block_ids, *, extra_keys: Sequence[int] = (),
                           extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-                          cache_salt: int = 0) -> int:
+                          cache_salt: int = 0, parent_hash: int = 0,
+                          first_block: int = 0) -> int:
         toks, uniform, per_block, cache_salt = self._chain_args(
             tokens, extra_keys, extra_keys_per_block, cache_salt)
+        parent, first = self._segment_args(parent_hash, first_block)
         ids = _ids_array(block_ids, "block_ids")
         bs = self._block_size
         if len(ids) * bs > len(toks):
@@ -643,9 +699,9 @@ class BlockAllocator:
                     f"block_ids[{i}] = {block_id} is outside [0, {self._num_blocks})")
             self._check_allocated(block_id, f"block_ids[{i}]")
         hashes = _chain(toks[:len(ids) * bs], bs, uniform, per_block, cache_salt, self._seed,
-                        self._hash_fn)
+                        self._hash_fn, parent, first)
         keys_of = (lambda i: per_block[i]) if per_block is not None else (lambda i: uniform)
-        identities = self._block_identities(toks, hashes, keys_of, cache_salt)
+        identities = self._block_identities(toks, hashes, keys_of, cache_salt, parent, first)
 
         removed: list[int] = []
         stored: list[int] = []

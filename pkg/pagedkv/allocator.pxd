@@ -2,6 +2,7 @@
 """C-level interface of pagedkv.allocator (records.h layouts and the BlockAllocator)."""
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from pagedkv.hashing cimport ChainKeys
@@ -115,12 +116,17 @@ cdef class BlockAllocator:
                               uint64_t salt, int64_t index, const uint8_t* digest,
                               uint32_t digest_len) noexcept nogil
     cdef int insert_entry(self, int32_t b, uint64_t key) except -1
+    cdef Py_ssize_t register_chain(self, const uint32_t* t, const int32_t* ids, Py_ssize_t n,
+                                   ChainKeys keys, uint64_t salt, uint64_t parent,
+                                   int64_t first, uint64_t* chain) except -1
+    cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1
+    cdef cnp.ndarray checked_ids(self, cnp.ndarray arr)
 
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
-                             Py_ssize_t index, uint64_t salt) except 0
+                             Py_ssize_t index, uint64_t salt, int64_t block_index) except 0
     cdef int ensure_scratch(self, Py_ssize_t key_count) except -1
     cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
-                        uint64_t* out) except -1
+                        uint64_t parent, int64_t first_block, uint64_t* out) except -1
     cdef Py_ssize_t walk_verified(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys,
                                   uint64_t salt, bint native, int32_t* out) except -1 nogil
     cdef int32_t check_block_id(self, object block_id, str name) except -1

@@ -17,6 +17,12 @@ Observable API shared with the pure-Python oracle ``pagedkv._reference.BlockAllo
 * ``lru_hashes()`` → ``list[int]``, least recently used first.
 * ``ref_count(block_id)`` → int, 0 for a free block (and the null block); an id outside
   ``[0, num_blocks)`` → InvalidArgument.
+* Chain segments: ``chain_hashes``, ``cached_block_ids`` and ``cache_full_blocks`` take
+  ``parent_hash`` / ``first_block``: ``tokens`` (and ``block_ids``) start at chain block
+  ``first_block``, which chains from ``parent_hash`` (the hash of block ``first_block - 1``;
+  0 exactly when ``first_block`` is 0, else InvalidArgument); per-block keys are
+  segment-relative. A segment hashes, registers and verifies exactly as the same blocks of
+  the whole chain. ``cached_block_ids`` is a pure probe (no refcount, LRU or counter change).
 * ``find_longest_cache_hit`` → ``(np.ndarray[int32], int)``; ``allocate_many`` → int32
   array or None; ``check_invariants()`` → None or InvariantViolation.
 
@@ -136,7 +142,20 @@ class BlockAllocator:
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
         cache_salt: int = 0,
+        parent_hash: int = 0,
+        first_block: int = 0,
     ) -> npt.NDArray[np.uint64]: ...
+    def cached_block_ids(
+        self,
+        tokens: npt.ArrayLike,
+        *,
+        extra_keys: Sequence[int] = (),
+        extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+        cache_salt: int = 0,
+        parent_hash: int = 0,
+        first_block: int = 0,
+    ) -> npt.NDArray[np.int32]: ...
+    def incref_many(self, block_ids: npt.ArrayLike) -> None: ...
     def register_prefix(self, block_id: int, block_hash: int, identity: BlockIdentity) -> bool: ...
     def lookup_prefix(self, block_hash: int, identity: BlockIdentity) -> int | None: ...
     def find_longest_cache_hit(
@@ -155,6 +174,8 @@ class BlockAllocator:
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
         cache_salt: int = 0,
+        parent_hash: int = 0,
+        first_block: int = 0,
     ) -> int: ...
     def publish_restored_batch(self, entries: Sequence[RestoredBlock]) -> bool: ...
     def purge_prefix_cache(self) -> int: ...

@@ -35,7 +35,7 @@ from pagedkv.hashing cimport (
     as_domain_id,
     as_token_array,
     as_u64,
-    chain_into,
+    chain_segment_into,
     hash_block,
     hash_block_native,
     hot_buffer_bytes,
@@ -187,6 +187,26 @@ cdef cnp.ndarray _id_array(object ids, str name):
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > 0x7FFFFFFFFFFFFFFF:
         raise InvalidArgument(f"{name} contains {int(arr.max())}, not a block id")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+cdef tuple _segment_args(object parent_hash, object first_block):
+    """Validated ``(parent_hash, first_block)`` of a chain segment: block 0 chains from 0,
+    any later block from a real (never 0) hash."""
+    cdef uint64_t parent = as_u64(parent_hash, "parent_hash")
+    if not _is_int(first_block):
+        raise InvalidArgumentType(
+            f"first_block must be an int >= 0, got {type(first_block).__name__}")
+    if not 0 <= first_block < (1 << 62):
+        raise InvalidArgument(f"first_block = {first_block} must be >= 0")
+    if first_block == 0 and parent != 0:
+        raise InvalidArgument(
+            f"parent_hash = {parent:#x} with first_block = 0: block 0 chains from 0; pass "
+            "first_block = the index of the segment's first block")
+    if first_block > 0 and parent == 0:
+        raise InvalidArgument(
+            f"first_block = {first_block} needs parent_hash = the hash of block "
+            f"{first_block - 1} (chain_hashes(...)[{first_block - 1}]), got 0")
+    return parent, <int64_t>first_block
 
 
 def _fail(str message):
@@ -552,15 +572,17 @@ cdef class BlockAllocator:
         return 0
 
     cdef uint64_t block_hash(self, uint64_t parent, const uint32_t* toks, ChainKeys keys,
-                             Py_ssize_t index, uint64_t salt) except 0:
+                             Py_ssize_t index, uint64_t salt, int64_t block_index) except 0:
+        """Hot hash of chain block ``block_index``, whose keys are ``keys`` entry ``index``
+        (the two differ only for a chain segment that does not start at block 0)."""
         cdef Py_ssize_t nk = keys.key_count(index)
         cdef uint64_t h
         if self._hash_fn is None:
             return hash_block(parent, toks, self._block_size, keys.keys_of(index), nk, salt,
-                              index, self._seed, self.scratch)
+                              block_index, self._seed, self.scratch)
         row = np.empty(self._block_size, dtype=np.uint32)
         memcpy(cnp.PyArray_DATA(row), toks, 4 * self._block_size)
-        res = self._hash_fn(parent, row, keys.tuple_of(index), salt, index, self._seed)
+        res = self._hash_fn(parent, row, keys.tuple_of(index), salt, block_index, self._seed)
         h = <uint64_t>(int(res) & 0xFFFFFFFFFFFFFFFF)
         return h if h != 0 else 1
 
@@ -587,7 +609,7 @@ cdef class BlockAllocator:
                                                self.scratch)
                 else:
                     with gil:
-                        parent = self.block_hash(parent, t + i * bs, keys, i, salt)
+                        parent = self.block_hash(parent, t + i * bs, keys, i, salt, i)
                 hashes[j] = parent
                 pkv_prefetch(&self.slots[(parent * _FIB) >> self.slot_shift])
             found = m
@@ -820,17 +842,28 @@ cdef class BlockAllocator:
                     f"is the prefix cache's own reference)")
         return f"free(block_id={b}): double free or never allocated (the block is free)"
 
-    def free_many(self, block_ids):
-        """Free each id in order; validated as a whole first (nothing changes on error)."""
-        cdef cnp.ndarray arr = _id_array(block_ids, "block_ids")
+    cdef cnp.ndarray checked_ids(self, cnp.ndarray arr):
+        """An ``_id_array`` result as int32, every id in ``[0, num_blocks)`` (else
+        InvalidArgument naming the first one out of range)."""
         cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(arr)
-        cdef Py_ssize_t n = arr.shape[0], i, bad = -1
-        cdef int64_t b
-        cdef pkv_block_record* r
+        cdef Py_ssize_t n = arr.shape[0], i
         for i in range(n):
             if not 0 <= p[i] < self._num_blocks:
                 raise InvalidArgument(
                     f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
+        return arr.astype(np.int32)
+
+    def free_many(self, block_ids):
+        """Free each id in order; validated as a whole first (nothing changes on error)."""
+        cdef cnp.ndarray ids = self.checked_ids(_id_array(block_ids, "block_ids"))
+        self.release_ids(<const int32_t*>cnp.PyArray_DATA(ids), ids.shape[0])
+
+    cdef int release_ids(self, const int32_t* p, Py_ssize_t n) except -1:
+        """free_many on in-range ids: every id must be held by the caller as often as it
+        appears (else InvariantViolation, nothing freed); then decref each, in order."""
+        cdef Py_ssize_t i, bad = -1
+        cdef int32_t b
+        cdef pkv_block_record* r
         with nogil:
             for i in range(n):
                 b = p[i]
@@ -849,7 +882,8 @@ cdef class BlockAllocator:
                    & PKV_BLOCK_CACHED else "") + "); nothing was freed")
         with nogil:
             for i in range(n):
-                self.decref_block(<int32_t>p[i])
+                self.decref_block(p[i])
+        return 0
 
     def ref_count(self, block_id):
         """References held on ``block_id`` (0 when free); InvalidArgument when out of range."""
@@ -858,27 +892,50 @@ cdef class BlockAllocator:
 
     # --- prefix cache --------------------------------------------------------------------
 
-    def chain_hashes(self, tokens, *, extra_keys=(), extra_keys_per_block=None, cache_salt=0):
-        """pagedkv.hashing.chain_hashes with this allocator's seed, block size and hook."""
+    def chain_hashes(self, tokens, *, extra_keys=(), extra_keys_per_block=None, cache_salt=0,
+                     parent_hash=0, first_block=0):
+        """pagedkv.hashing.chain_hashes with this allocator's seed, block size and hook.
+
+        ``first_block`` > 0 hashes a chain *segment*: ``tokens`` starts at chain block
+        ``first_block`` and ``parent_hash`` is the hash of block ``first_block - 1``; the
+        result equals the matching slice of the whole chain's hashes (per-block keys are
+        segment-relative)."""
         cdef cnp.ndarray tok = as_token_array(tokens)
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
+        cdef uint64_t parent
+        cdef int64_t first
+        parent, first = _segment_args(parent_hash, first_block)
         cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // self._block_size)
         cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
         cdef uint64_t* o = <uint64_t*>cnp.PyArray_DATA(out)
-        self.hash_chain(<const uint32_t*>cnp.PyArray_DATA(tok), n, keys, salt, o)
+        self.hash_chain(<const uint32_t*>cnp.PyArray_DATA(tok), n, keys, salt, parent, first, o)
         return out
 
     cdef int hash_chain(self, const uint32_t* t, Py_ssize_t n, ChainKeys keys, uint64_t salt,
-                        uint64_t* out) except -1:
-        """Chain hashes of n full blocks of ``t`` into ``out`` (the hook when one is set)."""
+                        uint64_t parent, int64_t first_block, uint64_t* out) except -1:
+        """Chain hashes of n full blocks of ``t`` (chain blocks ``first_block ..``, the first
+        chaining from ``parent``) into ``out``, through the hook when one is set."""
         cdef Py_ssize_t i
-        cdef uint64_t parent = 0
+        if self._hash_fn is None and xxh3_native():
+            # The allocator's own scratch: no allocation per call (short segments are hashed
+            # once per decode step by sliding groups).
+            self.ensure_scratch(self.most_keys(keys, n))
+            with nogil:
+                for i in range(n):
+                    parent = hash_block_native(parent, t + i * self._block_size,
+                                               self._block_size, keys.keys_of(i),
+                                               keys.key_count(i), salt, first_block + i,
+                                               self._seed, self.scratch)
+                    out[i] = parent
+            return 0
         if self._hash_fn is None:
-            return chain_into(t, n, self._block_size, keys, salt, self._seed, out)
+            return chain_segment_into(t, n, self._block_size, keys, salt, self._seed, parent,
+                                      first_block, out)
         self.ensure_scratch(self.most_keys(keys, n))
         for i in range(n):
-            parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt)
+            parent = self.block_hash(parent, t + i * self._block_size, keys, i, salt,
+                                     first_block + i)
             out[i] = parent
         return 0
 
@@ -963,23 +1020,79 @@ cdef class BlockAllocator:
         self.st_hit_tokens += <uint64_t>(k * bs)
         return out[:k], k * bs
 
+    def cached_block_ids(self, tokens, *, extra_keys=(), extra_keys_per_block=None,
+                         cache_salt=0, parent_hash=0, first_block=0):
+        """``int32[k]``: for each full block ``i`` of ``tokens``, the id of the cached block
+        that verifies as chain block ``i`` (identity compared in full, as in a hit), or -1.
+
+        A pure probe: no reference, LRU position or counter changes, and a hole does not
+        end the scan (sliding-window groups need every block of a window, not a prefix).
+        ``parent_hash`` / ``first_block`` probe a chain segment as :meth:`chain_hashes`."""
+        cdef cnp.ndarray tok = as_token_array(tokens)
+        cdef uint64_t salt = as_domain_id(cache_salt)
+        cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
+        cdef uint64_t parent
+        cdef int64_t first
+        parent, first = _segment_args(parent_hash, first_block)
+        cdef Py_ssize_t bs = self._block_size
+        cdef Py_ssize_t n = keys.blocks_for(tok.shape[0] // bs), i, slot
+        cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
+        cdef cnp.ndarray out = np.full(n, _NO, dtype=np.int32)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        cdef cnp.ndarray chain
+        cdef uint64_t* ck
+        cdef int32_t b
+        if n == 0 or self.n_cached == 0:
+            return out
+        chain = np.empty(n, dtype=np.uint64)
+        ck = <uint64_t*>cnp.PyArray_DATA(chain)
+        self.hash_chain(t, n, keys, salt, parent, first, ck)
+        with nogil:
+            for i in range(n):
+                slot = self.pt_find(ck[i])
+                if slot >= 0:
+                    b = self.slots[slot].block
+                    if self.identity_matches(b, t + i * bs, parent, salt, first + i,
+                                             keys.digest_of(i), keys.digest_len(i)):
+                        o[i] = b
+                parent = ck[i]
+        return out
+
+    def incref_many(self, block_ids):
+        """Add one reference to each id (repeats add several); validated as a whole first:
+        an id out of range (InvalidArgument) or not allocated (InvariantViolation, the null
+        block included) changes nothing. LRU positions are not touched."""
+        cdef cnp.ndarray ids = self.checked_ids(_id_array(block_ids, "block_ids"))
+        cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(ids)
+        cdef Py_ssize_t n = ids.shape[0], i
+        for i in range(n):
+            if self.blocks[p[i]].refcount < 1:
+                raise InvariantViolation(
+                    f"incref_many: block_ids[{i}] = {p[i]} is not allocated; nothing was "
+                    "incref'd")
+        with nogil:
+            for i in range(n):
+                self.incref_block(p[i])
+
     def cache_full_blocks(self, tokens, block_ids, *, extra_keys=(), extra_keys_per_block=None,
-                          cache_salt=0):
+                          cache_salt=0, parent_hash=0, first_block=0):
         """Register ``block_ids[i]`` as chain block ``i`` of ``tokens``; returns the number
-        of new entries. A replayed identical block is skipped, a collision stops the chain."""
+        of new entries. A replayed identical block is skipped, a collision stops the chain.
+
+        ``first_block`` > 0 registers a chain *segment* (as :meth:`chain_hashes`): ``tokens``
+        and ``block_ids`` start at chain block ``first_block``, which chains from
+        ``parent_hash``. Sliding-window groups publish the blocks they still hold this way."""
         cdef cnp.ndarray tok = as_token_array(tokens)
         cdef cnp.ndarray ids = _id_array(block_ids, "block_ids")
         cdef uint64_t salt = as_domain_id(cache_salt)
         cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
         cdef Py_ssize_t bs = self._block_size
-        cdef Py_ssize_t n = ids.shape[0], i, accepted = 0, added = 0
-        cdef const int64_t* p = <const int64_t*>cnp.PyArray_DATA(ids)
+        cdef Py_ssize_t n = ids.shape[0], i, added
+        cdef const int32_t* p
         cdef const uint32_t* t = <const uint32_t*>cnp.PyArray_DATA(tok)
-        cdef uint64_t parent = 0, h
-        cdef Py_ssize_t slot
-        cdef int32_t b
-        cdef const uint8_t* dptr
-        cdef uint32_t dlen
+        cdef uint64_t parent
+        cdef int64_t first
+        parent, first = _segment_args(parent_hash, first_block)
         if n * bs > tok.shape[0]:
             raise InvalidArgument(
                 f"cache_full_blocks: {n} block_ids need {n * bs} tokens at block_size {bs}, "
@@ -989,35 +1102,48 @@ cdef class BlockAllocator:
             raise InvalidArgument(
                 f"cache_full_blocks: extra_keys_per_block has {keys.max_blocks} entries for "
                 f"{n} block_ids; give one key tuple per block")
+        ids = self.checked_ids(ids)
+        p = <const int32_t*>cnp.PyArray_DATA(ids)
         for i in range(n):
-            if not 0 <= p[i] < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {p[i]} is outside [0, num_blocks={self._num_blocks})")
             if self.blocks[p[i]].refcount < 1:
                 raise InvariantViolation(
                     f"cache_full_blocks: block_ids[{i}] = {p[i]} is not allocated")
         if n == 0 or self._capacity == 0:
             return 0
-        # Hash the whole chain before changing anything: a failing hook leaves no trace.
         cdef cnp.ndarray chain = np.empty(n, dtype=np.uint64)
-        cdef uint64_t* ck = <uint64_t*>cnp.PyArray_DATA(chain)
-        self.hash_chain(t, n, keys, salt, ck)
+        added = self.register_chain(t, p, n, keys, salt, parent, first,
+                                    <uint64_t*>cnp.PyArray_DATA(chain))
+        self.flush_events()
+        return added
+
+    cdef Py_ssize_t register_chain(self, const uint32_t* t, const int32_t* ids, Py_ssize_t n,
+                                   ChainKeys keys, uint64_t salt, uint64_t parent,
+                                   int64_t first, uint64_t* chain) except -1:
+        """The body of cache_full_blocks on checked arguments (every id allocated, capacity >
+        0): hash the n blocks into ``chain`` first (a failing hook leaves no trace), then
+        register them; returns new entries. Events are left for the caller to flush."""
+        cdef Py_ssize_t bs = self._block_size, i, accepted = 0, added = 0, slot
+        cdef uint64_t h
+        cdef int32_t b
+        cdef const uint8_t* dptr
+        cdef uint32_t dlen
+        self.hash_chain(t, n, keys, salt, parent, first, chain)
         for i in range(n):
-            b = <int32_t>p[i]
-            h = ck[i]
+            b = ids[i]
+            h = chain[i]
             dptr = keys.digest_of(i)
             dlen = keys.digest_len(i)
             slot = self.pt_find(h)
             if slot >= 0:
                 if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
-                                             salt, i, dptr, dlen):
+                                             salt, first + i, dptr, dlen):
                     self.st_collisions_rejected += 1
                     break                   # nothing past a collision is registered
                 if self.slots[slot].block == b:
                     self.lru_touch(b)       # refresh of the same (block, hash)
                 # else: a replay of an already-cached block, skipped (touched below)
             else:
-                self.record_identity(b, t + i * bs, parent, salt, i, dptr, dlen)
+                self.record_identity(b, t + i * bs, parent, salt, first + i, dptr, dlen)
                 self.insert_entry(b, h)
                 added += 1
             accepted += 1
@@ -1026,11 +1152,10 @@ cdef class BlockAllocator:
         # touch follows the hash: an entry a later step capacity-evicted is skipped.
         i = accepted - 1
         while i >= 0:
-            slot = self.pt_find(ck[i])
+            slot = self.pt_find(chain[i])
             if slot >= 0:
                 self.lru_touch(self.slots[slot].block)
             i -= 1
-        self.flush_events()
         return added
 
     def publish_restored_batch(self, entries):

@@ -13,6 +13,7 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "PagedKVError",
     "InvalidArgument",
     "InvalidArgumentType",
+    "SidecarLayoutMismatch",
     "FormatError",
     "BadMagic",
     "UnsupportedVersion",
@@ -40,8 +41,11 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "NonContiguousGroupIds",
     "MissingLayerAssignment",
     "IncompatibleGroupLayer",
+    "GroupManagerMismatch",
     "StaleBlockTable",
     "ColdTierClosed",
+    "RequestClosed",
+    "UnsupportedModel",
     "NoDeviceError",
     "DeviceError",
 ]
@@ -59,6 +63,13 @@ class InvalidArgument(PagedKVError, ValueError):
 class InvalidArgumentType(PagedKVError, TypeError):
     """An argument of the wrong type or dtype kind (float/bool/object tokens, a ``str``
     where a domain id is expected)."""
+
+
+class SidecarLayoutMismatch(InvalidArgument):
+    """Out-of-pool state (or a restored sidecar) whose dtype, shape or dims disagree with
+    the layout its sidecar policy expects at that boundary (docs/cold.md, "Sidecars").
+    Capture skips such state rather than mislabel it; install refuses it and leaves the
+    target arrays as they were."""
 
 
 # --- formats (hfqm-and-quant.md §2.4, cold-tier.md §6.6) ---------------------------------
@@ -175,6 +186,23 @@ class ColdTierClosed(PagedKVError):
     """A job was offered to a stopped cold writer."""
 
 
+class RequestClosed(PagedKVError):
+    """A call on an engine-integration request that already ended, was released, or whose
+    caches were handed to a batch (e.g. ``PagedRequest.end`` twice)."""
+
+
+class UnsupportedModel(PagedKVError, NotImplementedError):
+    """A model with a layer kind this build cannot page yet. ``layer`` (index in the model's
+    cache list), ``kind`` and ``missing`` (what would serve it) say which and why."""
+
+    def __init__(self, message: str, *, layer: int | None = None, kind: str | None = None,
+                 missing: str | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.kind = kind
+        self.missing = missing
+
+
 # --- topology (paged-kv.md §8.2) ---------------------------------------------------------
 
 
@@ -238,10 +266,22 @@ class MissingLayerAssignment(TopologyError):
 
 
 class IncompatibleGroupLayer(TopologyError):
-    def __init__(self, group: int, layer: int) -> None:
-        super().__init__(f"layer {layer} does not match the spec of group {group}")
+    def __init__(self, group: int, layer: int, reason: str = "") -> None:
+        super().__init__(f"layer {layer} does not match the spec of group {group}"
+                         + (f": {reason}" if reason else
+                            ": its attention kind or physical layout differs"))
         self.group = group
         self.layer = layer
+
+
+class GroupManagerMismatch(TopologyError):
+    """A group's manager (allocator and pool) does not implement the group: another block
+    size, geometry, physical layer count, attention kind or window."""
+
+    def __init__(self, group: int, reason: str) -> None:
+        super().__init__(f"the manager of group {group} does not fit the group: {reason}")
+        self.group = group
+        self.reason = reason
 
 
 # --- devices -----------------------------------------------------------------------------

@@ -64,6 +64,10 @@ cdef int chain_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bloc
                     ChainKeys keys, uint64_t cache_salt, uint64_t seed,
                     uint64_t* out) except -1
 
+cdef int chain_segment_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
+                            ChainKeys keys, uint64_t cache_salt, uint64_t seed,
+                            uint64_t parent, int64_t first_block, uint64_t* out) except -1
+
 cpdef object as_token_array(object tokens, str name=*)
 cpdef uint64_t as_domain_id(object cache_salt, str name=*) except? 0
 cpdef uint64_t as_u64(object value, str name) except? 0

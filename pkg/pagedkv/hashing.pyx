@@ -346,8 +346,18 @@ cdef int chain_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bloc
                     ChainKeys keys, uint64_t cache_salt, uint64_t seed,
                     uint64_t* out) except -1:
     """Hash ``n_blocks`` chained full blocks into ``out`` (block i's parent is out[i-1])."""
+    return chain_segment_into(tokens, n_blocks, block_size, keys, cache_salt, seed, 0, 0, out)
+
+
+cdef int chain_segment_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
+                            ChainKeys keys, uint64_t cache_salt, uint64_t seed,
+                            uint64_t parent, int64_t first_block, uint64_t* out) except -1:
+    """Hash a chain *segment*: ``n_blocks`` full blocks that are chain blocks
+    ``first_block ..`` (their block indices), the first one chaining from ``parent`` (the
+    hash of block ``first_block - 1``; 0 when the segment starts the chain). Keys are read
+    segment-relative: block ``first_block + j`` takes ``keys`` entry ``j``."""
     cdef Py_ssize_t i, most_keys = 0, count
-    cdef uint64_t parent = 0, h
+    cdef uint64_t h
     cdef size_t n
     cdef uint8_t* scratch
     if n_blocks <= 0:
@@ -365,15 +375,15 @@ cdef int chain_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bloc
                 for i in range(n_blocks):
                     n = pkv_hot_buffer(scratch, parent, tokens + i * block_size,
                                        <size_t>block_size, keys.keys_of(i),
-                                       <size_t>keys.key_count(i), cache_salt, i)
+                                       <size_t>keys.key_count(i), cache_salt, first_block + i)
                     h = pkv_xxh3_native(scratch, n, seed)
                     parent = h if h != 0 else 1
                     out[i] = parent
         else:
             for i in range(n_blocks):
                 parent = hash_block(parent, tokens + i * block_size, block_size,
-                                    keys.keys_of(i), keys.key_count(i), cache_salt, i,
-                                    seed, scratch)
+                                    keys.keys_of(i), keys.key_count(i), cache_salt,
+                                    first_block + i, seed, scratch)
                 out[i] = parent
     finally:
         free(scratch)

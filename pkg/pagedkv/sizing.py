@@ -382,13 +382,16 @@ def create_pool(geometry: PoolGeometry, config: PagedCacheConfig | None = None, 
                 max_model_len: int | None = None, backend: str = "numpy",
                 memory_budget: MemoryBudget | None = None, pool_id=None,
                 environ: Mapping[str, str] | None = None,
-                available_memory_bytes: int | Callable[[], int] | None = None) -> LayerKVPool:
+                available_memory_bytes: int | Callable[[], int] | None = None,
+                device=None) -> LayerKVPool:
     """Resolve the sizing (:func:`resolve_pool_sizing`), log the load lines and build the
-    pool at its initial size with its max."""
+    pool at its initial size with its max. ``device``: a ``backend="device"`` pool's GPU
+    (default ``open_device()``); ``available_memory_bytes=device.free_memory_bytes`` clamps
+    its max to the GPU's free memory."""
     sizing = resolve_pool_sizing(geometry, config, max_model_len=max_model_len, environ=environ,
                                  available_memory_bytes=available_memory_bytes)
     pool = LayerKVPool(geometry, sizing.initial_blocks, sizing.max_blocks, backend=backend,
-                       memory_budget=memory_budget, pool_id=pool_id)
+                       memory_budget=memory_budget, pool_id=pool_id, device=device)
     sizing.log_load()
     return pool
 

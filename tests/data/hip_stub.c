@@ -3,7 +3,13 @@
  * PAGEDKV_HIP_LIBRARY at it. Environment knobs (read at each call):
  * STUB_INIT_ERROR=<code> makes hipInit fail, STUB_DEVICE_COUNT=<n> sets the count.
  * Launches are recorded (grid, block, shared bytes, parameter bytes) for the test
- * to read back through stub_last_launch(). */
+ * to read back through stub_last_launch(); stub_launch_count() counts them.
+ *
+ * Kernels run nothing, except the pool's byte movers (pkv_copy_blocks_{16,1},
+ * pkv_slabs_{gather,scatter}), which are emulated on host memory with the
+ * kernels' semantics so the device pool's bookkeeping (growth, token scatter and
+ * gather, block I/O) can be tested end to end without a GPU. Their device code is
+ * tested on a GPU (tests/test_device_pool.py, marked gpu). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +84,11 @@ hipError_t hipMemcpyDtoDAsync(void *d, const void *s, size_t n, void *st) {
   (void)st; memcpy(d, s, n); return OK;
 }
 hipError_t hipMemsetD8(void *d, unsigned char v, size_t n) { memset(d, v, n); return OK; }
+hipError_t hipMemGetInfo(size_t *free_bytes, size_t *total) {
+  *free_bytes = (size_t)env_int("STUB_FREE_MIB", 48 << 10) << 20;
+  *total = (size_t)64 << 30;
+  return OK;
+}
 
 static int module_token;
 hipError_t hipModuleLoadData(void **mod, const void *image) {
@@ -89,25 +100,65 @@ hipError_t hipModuleLoadData(void **mod, const void *image) {
 }
 hipError_t hipModuleUnload(void *mod) { (void)mod; return OK; }
 
-static char function_names[64][128];
+/* A function handle points at its name, interned: a name keeps its slot for the life of
+ * the process, so a handle looked up long ago still names the same kernel. */
+#define MAX_FUNCTIONS 512
+static char function_names[MAX_FUNCTIONS][128];
 static int n_functions;
 hipError_t hipModuleGetFunction(void **fn, void *mod, const char *name) {
   if (mod != &module_token || strncmp(name, "pkv_", 4) != 0) return E_NOT_FOUND;
+  for (int i = 0; i < n_functions; ++i) {
+    if (strncmp(function_names[i], name, 127) == 0) {
+      *fn = function_names[i];
+      return OK;
+    }
+  }
+  if (n_functions == MAX_FUNCTIONS) return E_OOM;
   strncpy(function_names[n_functions], name, 127);
-  *fn = function_names[n_functions];
-  n_functions = (n_functions + 1) % 64;
+  *fn = function_names[n_functions++];
   return OK;
 }
 
-/* The last launch: function name, grid, block, shared bytes and each parameter's
- * bytes (sizes set by the test through stub_set_param_sizes). */
+/* The last launch: function name, grid, block, shared bytes, each parameter's bytes
+ * (sizes set by the test through stub_set_param_sizes, for the next launch only) and the
+ * stream handle. */
 struct launch_record {
   char name[128];
   unsigned grid[3], block[3], shared_bytes;
   int n_params;
   uint8_t params[32][8];
+  void *stream;
 };
 static struct launch_record last;
+static long launch_count;
+long stub_launch_count(void) { return launch_count; }
+
+/* hip/kvcache.hip pkv_copy_blocks_*: block src_ids[i] of src to block dst_ids[i] of dst. */
+static void emulate_copy_blocks(void **params) {
+  const uint8_t *src = *(const uint8_t **)params[0];
+  const int32_t *src_ids = *(const int32_t **)params[1];
+  const int32_t *dst_ids = *(const int32_t **)params[2];
+  uint8_t *dst = *(uint8_t **)params[3];
+  const int n = *(const int *)params[4];
+  const int64_t bytes = *(const int64_t *)params[5];
+  for (int i = 0; i < n; ++i)
+    memmove(dst + (int64_t)dst_ids[i] * bytes, src + (int64_t)src_ids[i] * bytes, (size_t)bytes);
+}
+
+/* hip/pool.hip pkv_slabs_gather / _scatter: slab i of a staging buffer <-> the bytes at
+ * bases[i] + offset. */
+static void emulate_slabs(void **params, int gather) {
+  const uint64_t *bases = *(const uint64_t **)params[gather ? 0 : 1];
+  uint8_t *staging = *(uint8_t **)params[gather ? 1 : 0];
+  const int n = *(const int *)params[2];
+  const int64_t offset = *(const int64_t *)params[3];
+  const int64_t bytes = *(const int64_t *)params[4];
+  for (int i = 0; i < n; ++i) {
+    uint8_t *pool = (uint8_t *)(uintptr_t)bases[i] + offset;
+    if (gather) memcpy(staging + (int64_t)i * bytes, pool, (size_t)bytes);
+    else memcpy(pool, staging + (int64_t)i * bytes, (size_t)bytes);
+  }
+}
 static int param_sizes[32];
 static int n_param_sizes;
 void stub_set_param_sizes(int n, const int *sizes) {
@@ -119,14 +170,20 @@ const struct launch_record *stub_last_launch(void) { return &last; }
 hipError_t hipModuleLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                                  unsigned by, unsigned bz, unsigned shared, void *stream,
                                  void **params, void **extra) {
-  (void)stream; (void)extra;
+  (void)extra;
   strncpy(last.name, (const char *)fn, 127);
+  last.stream = stream;
   last.grid[0] = gx; last.grid[1] = gy; last.grid[2] = gz;
   last.block[0] = bx; last.block[1] = by; last.block[2] = bz;
   last.shared_bytes = shared;
   last.n_params = n_param_sizes;
   memset(last.params, 0, sizeof last.params);
   for (int i = 0; i < n_param_sizes; ++i) memcpy(last.params[i], params[i], (size_t)param_sizes[i]);
+  n_param_sizes = 0;  /* sizes describe one kernel: the next launch may take fewer params */
+  ++launch_count;
+  if (strncmp(last.name, "pkv_copy_blocks_", 16) == 0) emulate_copy_blocks(params);
+  else if (strcmp(last.name, "pkv_slabs_gather") == 0) emulate_slabs(params, 1);
+  else if (strcmp(last.name, "pkv_slabs_scatter") == 0) emulate_slabs(params, 0);
   return OK;
 }
 
@@ -139,6 +196,11 @@ hipError_t hipEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
 hipError_t hipEventSynchronize(void *e) { (void)e; return OK; }
 hipError_t hipEventElapsedTime(float *ms, void *a, void *b) { (void)a; (void)b; *ms = 0.5f; return OK; }
 hipError_t hipEventDestroy(void *e) { (void)e; return OK; }
+static void *last_wait_stream;
+hipError_t hipStreamWaitEvent(void *s, void *e, unsigned f) {
+  (void)e; (void)f; last_wait_stream = s; return OK;
+}
+void *stub_last_wait_stream(void) { return last_wait_stream; }
 
 /* Graphs: a capture records nothing (launches inside it are recorded as usual) and
  * launching the instantiated graph does nothing. */

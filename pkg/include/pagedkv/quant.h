@@ -4,6 +4,7 @@
  * One text for every consumer: the Cython codecs (pagedkv.quant), the HIP/CUDA
  * kernels (hip/, through nvcc or hipcc) and the Metal kernels (passed as text).
  * Hence: every function is PKV_FN, pointers into device buffers are PKV_DEVPTR,
+ * pointers to a thread's own scratch PKV_THREAD (Metal names every address space),
  * no libc, no statics that need initialising, only integer and f32 arithmetic.
  *
  * Bit-exactness. Encoders reproduce hipfire's bytes: each step below is one
@@ -43,15 +44,23 @@
  * ------------------------------------------------------------------------- */
 
 PKV_FN uint32_t pkv_f32_bits(float x) {
+#if defined(PKV_METAL)
+    return as_type<uint32_t>(x);
+#else
     union { float f; uint32_t u; } v;
     v.f = x;
     return v.u;
+#endif
 }
 
 PKV_FN float pkv_f32_from_bits(uint32_t u) {
+#if defined(PKV_METAL)
+    return as_type<float>(u);
+#else
     union { float f; uint32_t u; } v;
     v.u = u;
     return v.f;
+#endif
 }
 
 PKV_FN uint32_t pkv_load_u16le(const PKV_DEVPTR uint8_t *p) {
@@ -82,7 +91,7 @@ PKV_FN int pkv_f32_is_nonfinite(float x) { return (pkv_f32_bits(x) & 0x7F800000u
 
 /* Index of the first NaN/Inf in x[0..n), or -1. The first pass is branch-free
  * (it vectorizes); only a group that holds one is scanned again. */
-PKV_FN ptrdiff_t pkv_first_nonfinite(const float *x, ptrdiff_t n) {
+PKV_FN ptrdiff_t pkv_first_nonfinite(const PKV_THREAD float *x, ptrdiff_t n) {
     int bad = 0;
     for (ptrdiff_t i = 0; i < n; ++i) bad |= pkv_f32_is_nonfinite(x[i]);
     if (!bad) return -1;
@@ -239,7 +248,7 @@ PKV_FN uint32_t pkv_unpack_code(const PKV_DEVPTR uint8_t *payload, uint32_t j, u
 
 /* Pack n codes (each < 2^bits) into ceil(n*bits/8) bytes; a partial last byte is
  * zero-filled. Whole groups of 8 codes take exactly `bits` bytes. */
-PKV_FN void pkv_pack_codes(const uint8_t *q, uint32_t n, uint32_t bits, PKV_DEVPTR uint8_t *out) {
+PKV_FN void pkv_pack_codes(const PKV_THREAD uint8_t *q, uint32_t n, uint32_t bits, PKV_DEVPTR uint8_t *out) {
     uint32_t acc = 0u, filled = 0u, o = 0u;
     for (uint32_t j = 0; j < n; ++j) {
         acc |= (uint32_t)q[j] << filled;
@@ -256,7 +265,7 @@ PKV_FN void pkv_pack_codes(const uint8_t *q, uint32_t n, uint32_t bits, PKV_DEVP
 /* Width-specialised unpackers for whole groups (n a multiple of 8): the decode
  * loops call these on a byte array, then convert codes to floats in a second,
  * vectorizable pass. Same bit order as pkv_unpack_code. */
-PKV_FN void pkv_unpack_codes(const PKV_DEVPTR uint8_t *payload, uint32_t n, uint32_t bits, uint8_t *q) {
+PKV_FN void pkv_unpack_codes(const PKV_DEVPTR uint8_t *payload, uint32_t n, uint32_t bits, PKV_THREAD uint8_t *q) {
     if (bits == 4u) {
         for (uint32_t i = 0; i < n / 2u; ++i) {
             uint32_t b = payload[i];
@@ -307,7 +316,7 @@ PKV_FN uint32_t pkv_sign_lcg_next(uint32_t state) {
 PKV_FN float pkv_sign_of_state(uint32_t state) { return ((state >> 16) & 1u) ? 1.0f : -1.0f; }
 
 /* Fill out[0..n) with signs(seed, n). */
-PKV_FN void pkv_signs_generate(uint32_t seed, uint32_t n, float *out) {
+PKV_FN void pkv_signs_generate(uint32_t seed, uint32_t n, PKV_THREAD float *out) {
     uint32_t state = seed;
     for (uint32_t i = 0; i < n; ++i) {
         state = pkv_sign_lcg_next(state);
@@ -346,7 +355,7 @@ PKV_FN float pkv_sign2(uint32_t i) { return ((pkv_signs2_word(i >> 5) >> (i & 31
  * ------------------------------------------------------------------------- */
 
 /* Unnormalized Walsh-Hadamard butterflies over y[0..n), in place. */
-PKV_FN void pkv_fwht_butterflies(float *y, uint32_t n) {
+PKV_FN void pkv_fwht_butterflies(PKV_THREAD float *y, uint32_t n) {
     for (uint32_t h = 1u; h < n; h <<= 1) {
         for (uint32_t i = 0; i < n; i += 2u * h) {
             for (uint32_t j = i; j < i + h; ++j) {
@@ -362,7 +371,7 @@ PKV_FN void pkv_fwht_butterflies(float *y, uint32_t n) {
  * into one radix-4 pass, then one loop per constant stride. Each element sees
  * the same operations in the same order as pkv_fwht_butterflies (only
  * independent operations are reordered), so the bits are identical. */
-PKV_FN void pkv_fwht256_stage_(float *y, uint32_t h) {
+PKV_FN void pkv_fwht256_stage_(PKV_THREAD float *y, uint32_t h) {
     for (uint32_t i = 0; i < 256u; i += 2u * h) {
         for (uint32_t j = i; j < i + h; ++j) {
             float a = y[j], b = y[j + h];
@@ -372,7 +381,7 @@ PKV_FN void pkv_fwht256_stage_(float *y, uint32_t h) {
     }
 }
 
-PKV_FN void pkv_fwht256_butterflies(float *y) {
+PKV_FN void pkv_fwht256_butterflies(PKV_THREAD float *y) {
     for (uint32_t i = 0; i < 256u; i += 4u) {
         float a0 = y[i], a1 = y[i + 1u], a2 = y[i + 2u], a3 = y[i + 3u];
         float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
@@ -391,8 +400,8 @@ PKV_FN void pkv_fwht256_butterflies(float *y) {
 
 /* Forward rotation with the sign tables as floats (pre = SIGNS1, post = SIGNS2
  * for the forward transform; swap them for the inverse). y may alias x. */
-PKV_FN void pkv_fwht_with_tables(const float *x, float *y, uint32_t n,
-                                 const float *pre, const float *post) {
+PKV_FN void pkv_fwht_with_tables(const PKV_THREAD float *x, PKV_THREAD float *y, uint32_t n,
+                                 const PKV_THREAD float *pre, const PKV_THREAD float *post) {
     float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
     for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pre[i];
     if (n == 256u) pkv_fwht256_butterflies(y); else pkv_fwht_butterflies(y, n);
@@ -400,14 +409,14 @@ PKV_FN void pkv_fwht_with_tables(const float *x, float *y, uint32_t n,
 }
 
 /* fwht(x, n) and ifwht(x, n) with the packed tables (no setup; device-friendly). */
-PKV_FN void pkv_fwht(const float *x, float *y, uint32_t n) {
+PKV_FN void pkv_fwht(const PKV_THREAD float *x, PKV_THREAD float *y, uint32_t n) {
     float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
     for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pkv_sign1(i);
     pkv_fwht_butterflies(y, n);
     for (uint32_t i = 0; i < n; ++i) y[i] = y[i] * (c * pkv_sign2(i));
 }
 
-PKV_FN void pkv_ifwht(const float *x, float *y, uint32_t n) {
+PKV_FN void pkv_ifwht(const PKV_THREAD float *x, PKV_THREAD float *y, uint32_t n) {
     float c = n == 256u ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
     for (uint32_t i = 0; i < n; ++i) y[i] = x[i] * pkv_sign2(i);
     pkv_fwht_butterflies(y, n);
@@ -430,8 +439,8 @@ PKV_FN float pkv_hfq_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, u
 
 /* Encode x[0..n) (n <= G; codes n..G are 0) into one v1 group. `q` is scratch
  * of G bytes. min/max run over the n real elements only (§4.1). */
-PKV_FN void pkv_hfq_encode_group(const float *x, uint32_t n, uint32_t bits, uint32_t G,
-                                 uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+PKV_FN void pkv_hfq_encode_group(const PKV_THREAD float *x, uint32_t n, uint32_t bits, uint32_t G,
+                                 PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
     float L = (float)((1u << bits) - 1u);
     float mn = x[0], mx = x[0];
     for (uint32_t i = 1; i < n; ++i) {
@@ -453,7 +462,7 @@ PKV_FN void pkv_hfq_encode_group(const float *x, uint32_t n, uint32_t bits, uint
 
 /* Decode a whole v1 group of G weights (G a multiple of 8). `q` is G bytes of scratch. */
 PKV_FN void pkv_hfq_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint32_t G,
-                                 uint8_t *q, float *out) {
+                                 PKV_THREAD uint8_t *q, PKV_THREAD float *out) {
     float scale = pkv_hfq_scale(blk), mn = pkv_hfq_min(blk);
     pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, G, bits, q);
     for (uint32_t i = 0; i < G; ++i) out[i] = (float)q[i] * scale + mn;
@@ -468,8 +477,8 @@ PKV_FN void pkv_hfq_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, u
 
 /* Quantize v[0..n) against one stored (s, z) pair; writes the two f16 fields
  * at hdr. The codes use the STORED (truncated) step and zero, not the f32 ones. */
-PKV_FN void pkv_v2_encode_span(const float *v, uint32_t n, uint32_t bits,
-                               uint8_t *q, PKV_DEVPTR uint8_t *hdr) {
+PKV_FN void pkv_v2_encode_span(const PKV_THREAD float *v, uint32_t n, uint32_t bits,
+                               PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *hdr) {
     float L = (float)((1u << bits) - 1u);
     float lo = v[0], hi = v[0];
     for (uint32_t i = 1; i < n; ++i) {
@@ -491,13 +500,13 @@ PKV_FN void pkv_v2_encode_span(const float *v, uint32_t n, uint32_t bits,
 }
 
 /* r: the 256 ROTATED weights of one group. `q`: 256 bytes of scratch. */
-PKV_FN void pkv_mqv2_encode_group(const float *r, uint32_t bits, uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+PKV_FN void pkv_mqv2_encode_group(const PKV_THREAD float *r, uint32_t bits, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
     pkv_v2_encode_span(r, 128u, bits, q, blk);
     pkv_v2_encode_span(r + 128, 128u, bits, q + 128, blk + 4);
     pkv_pack_codes(q, 256u, bits, blk + PKV_AFFINE_HEADER_BYTES);
 }
 
-PKV_FN void pkv_mq4c_encode_group(const float *r, uint8_t *q, PKV_DEVPTR uint8_t *blk) {
+PKV_FN void pkv_mq4c_encode_group(const PKV_THREAD float *r, PKV_THREAD uint8_t *q, PKV_DEVPTR uint8_t *blk) {
     pkv_v2_encode_span(r, 256u, 4u, q, blk);
     pkv_store_u32le(blk + 4, 0u);
     pkv_pack_codes(q, 256u, 4u, blk + PKV_AFFINE_HEADER_BYTES);
@@ -518,7 +527,7 @@ PKV_FN float pkv_mq4c_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
 }
 
 /* Whole group in the rotated basis; `q` is 256 bytes of scratch. */
-PKV_FN void pkv_mqv2_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint8_t *q, float *out) {
+PKV_FN void pkv_mqv2_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, PKV_THREAD uint8_t *q, PKV_THREAD float *out) {
     pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, 256u, bits, q);
     for (uint32_t h = 0; h < 2u; ++h) {
         float s = pkv_mqv2_scale(blk, h), z = pkv_mqv2_zero(blk, h);
@@ -526,10 +535,34 @@ PKV_FN void pkv_mqv2_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, 
     }
 }
 
-PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, uint8_t *q, float *out) {
+PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD uint8_t *q, PKV_THREAD float *out) {
     float s = pkv_mqv2_scale(blk, 0u), z = pkv_mqv2_zero(blk, 0u);
     pkv_unpack_codes(blk + PKV_AFFINE_HEADER_BYTES, 256u, 4u, q);
     for (uint32_t i = 0; i < 256u; ++i) out[i] = (float)q[i] * s + z;
+}
+
+/* ---------------------------------------------------------------------------
+ * Any affine group: the header families of pagedkv.quant.affine.AffineFamily
+ * (HFQ and MQ v1 share the v1 header), for kernels that take the family as a
+ * parameter (metal/, the generic dequant of pagedkv.kernels.mlx).
+ * ------------------------------------------------------------------------- */
+
+enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMILY_MQ4C = 3 };
+
+/* (scale, offset) of the weights from index e0 of an affine group on, up to the end
+ * of the group or of its V2 half: w = q * scale + offset. */
+PKV_FN void pkv_affine_params(const PKV_DEVPTR uint8_t *blk, int family, uint32_t e0,
+                              PKV_THREAD float *scale, PKV_THREAD float *offset) {
+    if (family == PKV_FAMILY_MQ_V2) {
+        *scale = pkv_mqv2_scale(blk, e0 >> 7);
+        *offset = pkv_mqv2_zero(blk, e0 >> 7);
+    } else if (family == PKV_FAMILY_MQ4C) {
+        *scale = pkv_mqv2_scale(blk, 0u);
+        *offset = pkv_mqv2_zero(blk, 0u);
+    } else {
+        *scale = pkv_hfq_scale(blk);
+        *offset = pkv_hfq_min(blk);
+    }
 }
 
 /* ---------------------------------------------------------------------------
@@ -538,7 +571,7 @@ PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, uint8_t *q, flo
  * ------------------------------------------------------------------------- */
 
 /* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block). */
-PKV_FN void pkv_q8f16_encode_group(const float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+PKV_FN void pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
     /* max |x| on the magnitude bits: for finite floats integer order is float
      * order, and an integer max reduction vectorizes (a float one may not). */
     uint32_t amax_bits = 0u;
@@ -561,7 +594,7 @@ PKV_FN float pkv_q8f16_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
     return pkv_f16_to_f32(pkv_load_u16le(blk)) * (float)(int8_t)blk[2u + i];
 }
 
-PKV_FN void pkv_q8f16_decode_group(const PKV_DEVPTR uint8_t *blk, float *out) {
+PKV_FN void pkv_q8f16_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD float *out) {
     float d = pkv_f16_to_f32(pkv_load_u16le(blk));
     for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) out[i] = d * (float)(int8_t)blk[2u + i];
 }

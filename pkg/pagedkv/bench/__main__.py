@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"gpu": "pagedkv.bench.gpu", "kvquant-quality": "pagedkv.bench.kvquant_quality"}
+SUITES = {"gpu": "pagedkv.bench.gpu", "decode": "pagedkv.bench.decode",
+          "mlx": "pagedkv.bench.mlx", "kvquant-quality": "pagedkv.bench.kvquant_quality"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,12 @@ measured in the same run (device-to-device copy of >= 1 GiB, read + write bytes)
 Weights rotate through copies totalling >= 4x the L2 so the loop measures memory,
 not cache. Launch sequences are captured once in a graph and the graph is timed
 with events (median of several replays), which keeps host launch cost out.
-With PyTorch present, cuBLAS bf16 GEMV and scaled_dot_product_attention run on
-the same shapes in the same process.
+With PyTorch present, cuBLAS bf16 GEMV, PyTorch's tinygemm int4 GEMV
+(``_weight_int4pack_mm``, group 128) and scaled_dot_product_attention on a contiguous
+cache run on the same shapes in the same process; with ``PAGEDKV_VLLM_TRITON_DIR`` naming
+a folder that holds vLLM's ``vllm/v1/attention/ops/triton_decode_attention.py`` (copied
+unmodified from a vLLM wheel) and Triton installed, vLLM's Triton paged decode kernel runs
+on the attention shape too (best of 8/16/32 splits).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
+import types
 from functools import partial
 
 import numpy as np
@@ -186,6 +192,77 @@ def _torch_time(torch, fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def tinygemm_time(torch, M: int, K: int, batch: int, group: int = 128) -> float | None:
+    """Seconds per PyTorch tinygemm int4 GEMV (``_weight_int4pack_mm``, bf16 x, int4 weights
+    in groups of ``group``) over rotating weights; None where this torch lacks it."""
+    try:
+        copies = max(2, math.ceil(4 * 60 * 2**20 / (M * K // 2)))
+        ws = []
+        for _ in range(copies):
+            wq = torch.randint(0, 256, (M, K // 2), dtype=torch.uint8, device="cuda")
+            packed = torch.ops.aten._convert_weight_to_int4pack(wq, 8)
+            scales = torch.rand(K // group, M, 2, device="cuda", dtype=torch.bfloat16) * 0.01
+            ws.append((packed, scales))
+        x = torch.randn(batch, K, device="cuda", dtype=torch.bfloat16)
+        state = {"i": 0}
+
+        def call():
+            w, sz = ws[state["i"] % copies]
+            state["i"] += 1
+            return torch.ops.aten._weight_int4pack_mm(x, w, group, sz)
+        return _torch_time(torch, call, 2 * copies)
+    except Exception as exc:  # noqa: BLE001 - an optional peer: say why and go on
+        print(f"tinygemm int4 {M}x{K} b{batch}: not run ({type(exc).__name__}: "
+              f"{str(exc)[:120]})", flush=True)
+        return None
+
+
+def vllm_triton_attention_time(torch, case) -> float | None:
+    """Seconds per vLLM Triton paged decode attention (``decode_attention_fwd``, best of
+    8/16/32 splits) at ``case``, f16; None without ``PAGEDKV_VLLM_TRITON_DIR`` or Triton."""
+    folder = os.environ.get("PAGEDKV_VLLM_TRITON_DIR")
+    if not folder:
+        return None
+    try:
+        import triton
+        import triton.language as tl
+        plat = types.ModuleType("vllm.platforms")
+        plat.current_platform = types.SimpleNamespace(is_rocm=lambda: False,  # type: ignore[attr-defined]
+                                                      is_cuda=lambda: True)
+        tu = types.ModuleType("vllm.triton_utils")
+        tu.tl, tu.triton = tl, triton  # type: ignore[attr-defined]
+        for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
+            mod = types.ModuleType(name)
+            mod.__path__ = [os.path.join(folder, *name.split("."))]
+            sys.modules.setdefault(name, mod)
+        sys.modules.setdefault("vllm.platforms", plat)
+        sys.modules.setdefault("vllm.triton_utils", tu)
+        from vllm.v1.attention.ops.triton_decode_attention import (  # type: ignore[import-not-found]
+            decode_attention_fwd,
+        )
+        S, T, H, KVH, D, P = (case["seqs"], case["tokens"], case["heads"], case["kv_heads"],
+                              case["head_dim"], case["block_size"])
+        pages = S * (T // P)
+        k = torch.randn(pages, P, KVH, D, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(S, T // P)
+        lens = torch.full((S,), T, device="cuda", dtype=torch.int32)
+        q = torch.randn(S, H, D, device="cuda", dtype=torch.float16)
+        o = torch.empty_like(q)
+        lse = torch.empty(S, H, device="cuda", dtype=torch.float32)
+        best = None
+        for splits in (8, 16, 32):
+            logits = torch.empty(S, H, splits, D + 1, device="cuda", dtype=torch.float32)
+            t = _torch_time(torch, partial(decode_attention_fwd, q, k, v, o, lse, table, lens,
+                                           logits, splits, D ** -0.5, page_size=P), 5)
+            best = t if best is None else min(best, t)
+        return best
+    except Exception as exc:  # noqa: BLE001 - an optional peer: say why and go on
+        print(f"vLLM Triton attention: not run ({type(exc).__name__}: {str(exc)[:160]})",
+              flush=True)
+        return None
+
+
 def rotating_weights(device, fmt: str, M: int, K: int, raw: np.ndarray):
     """``(uploaded copies of one weight, GEMV calls per timing graph)``, see _rotation."""
     loader = weights.Gemv(device, fmt, M, K)  # upload() packs for the kernel
@@ -220,6 +297,9 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                     tt = _torch_time(torch, _cycling_linear(torch, xt, wt), 2 * len(wt))
                     base = {"torch_bf16_us": tt * 1e6, "speedup_vs_torch": tt / t}
                     del wt
+                    tg = tinygemm_time(torch, M, K, batch)
+                    if tg is not None:
+                        base.update({"tinygemm_us": tg * 1e6, "speedup_vs_tinygemm": tg / t})
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
                 # The GEMV kernel alone, on an x prepared once (several weights share it)
                 g.prepare(x, stream=stream)
@@ -328,22 +408,61 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
         args, nbytes, attn_kwargs = attention_inputs(device, rng, kv_dtype, **case)
         t = time_attention(device, stream, kvcache.PagedAttention(device, **attn_kwargs), args)
         base = {}
+        if torch is not None and kv_dtype in ("float16", "bfloat16"):
+            tdt = torch.float16 if kv_dtype == "float16" else torch.bfloat16
+            qt = torch.randn(seqs, heads, 1, head_dim, device="cuda", dtype=tdt)
+            kt = torch.randn(seqs, kv_heads, tokens, head_dim, device="cuda", dtype=tdt)
+            vt = torch.randn_like(kt)
+            tt = _torch_time(torch, partial(torch.nn.functional.scaled_dot_product_attention,
+                                            qt, kt, vt, enable_gqa=True), 5)
+            base = {"torch_sdpa_us": tt * 1e6, "ratio_vs_torch": t / tt}
+            del kt, vt
+            tv = vllm_triton_attention_time(torch, case) if kv_dtype == "float16" else None
+            if tv is not None:
+                base.update({"vllm_triton_us": tv * 1e6, "speedup_vs_vllm_triton": tv / t})
         if kv_dtype == "float16":
             t_f16 = t
-            if torch is not None:
-                qt = torch.randn(seqs, heads, 1, head_dim, device="cuda", dtype=torch.float16)
-                kt = torch.randn(seqs, kv_heads, tokens, head_dim, device="cuda",
-                                 dtype=torch.float16)
-                vt = torch.randn_like(kt)
-                tt = _torch_time(torch, partial(torch.nn.functional.scaled_dot_product_attention,
-                                                qt, kt, vt, enable_gqa=True), 5)
-                base = {"torch_sdpa_us": tt * 1e6, "ratio_vs_torch": t / tt}
-                del kt, vt
+        elif kv_dtype == "bfloat16" and t_f16 is not None:
+            base["time_vs_f16"] = t / t_f16  # target <= 1.1
         elif t_f16 is not None:
-            base = {"vs_float16": t_f16 / t}
+            base["vs_float16"] = t_f16 / t  # > 1: faster than f16 on the same context
         _row(rows, f"paged_attention {kv_dtype}",
              f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
         for a in args:
+            a.free()
+
+
+#: (mode, head_dim, kv_heads) of the KV write rows: q8 is the baseline of the same run.
+KV_WRITE_CASES = (("q8", 128, 8), ("fwht4", 128, 8), ("fwht2", 128, 8), ("q8", 256, 4),
+                  ("fwht4", 256, 4), ("fwht3", 256, 4), ("lloyd4", 256, 4), ("lloyd2", 256, 4))
+
+
+def bench_kv_write(device, stream, rows, copy_bw, tokens: int = 4096):
+    """KV encode on the device: ``tokens`` float32 rows of K (a prefill chunk) written into a
+    pool of each mode at shuffled slots (``kv_q8_write`` / ``kv_rotated_write``); bytes =
+    float32 in + records out. Rotated rows carry ``vs_q8`` (q8's time on the same shape /
+    this one)."""
+    from pagedkv.quant import kv
+    rng = np.random.default_rng(5)
+    t_q8: dict[int, float] = {}
+    for mode, hd, kvh in KV_WRITE_CASES:
+        x = device.array(rng.standard_normal((tokens, kvh, hd)).astype(np.float32))
+        slots = device.array(rng.permutation(tokens).astype(np.int64))
+        row = kv.kv_mode(mode).row_bytes(hd)
+        pool = device.empty((tokens // 16, 16, kvh, row), np.uint8)
+        if mode == "q8":
+            fn, fargs = kvcache.kv_q8_write, (device, x, slots, pool)
+        else:
+            fn, fargs = partial(kvcache.kv_rotated_write, mode=mode), (device, x, slots, pool)
+        t = _time_graph(device, stream, partial(_repeat, fn, fargs, 10), 10)
+        base = {}
+        if mode == "q8":
+            t_q8[hd] = t
+        elif hd in t_q8:
+            base = {"vs_q8": t_q8[hd] / t}
+        _row(rows, f"kv_write {mode} f32", f"{tokens}x{kvh}x{hd}", t, x.nbytes + pool.nbytes,
+             copy_bw, base)
+        for a in (x, slots, pool):
             a.free()
 
 
@@ -367,19 +486,27 @@ def open_device_or_explain(prog: str):
         return None
 
 
+def open_session(prog: str, *, no_torch: bool):
+    """``(device, stream, torch or None, "YYYY-MM-DD HH:MM UTC")`` for a bench suite, or
+    ``None`` after one line on stderr when there is no GPU."""
+    device = open_device_or_explain(prog)
+    if device is None:
+        return None
+    return (device, Stream(device), None if no_torch else _torch(),
+            time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench gpu", description=__doc__)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--quick", action="store_true", help="one GEMV shape and batch")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
     args = p.parse_args(argv)
-    device = open_device_or_explain("pagedkv.bench gpu")
-    if device is None:
+    session = open_session("pagedkv.bench gpu", no_torch=args.no_torch)
+    if session is None:
         return 1
-    stream = Stream(device)
-    torch = None if args.no_torch else _torch()
+    device, stream, torch, when = session
     props = device.properties
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{props.name} ({props.arch}, {props.multiprocessor_count} SMs, L2 "
           f"{props.l2_cache_bytes / 2**20:.0f} MiB), {when}; torch: "
           f"{torch.__version__ if torch else 'not used'}", flush=True)
@@ -395,6 +522,7 @@ def main(argv=None) -> int:
     bench_fwht(device, stream, rows, copy_bw, 64 << 20)
     bench_attention(device, stream, rows, copy_bw, torch)
     bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_256)
+    bench_kv_write(device, stream, rows, copy_bw)
     bench_copy_blocks(device, stream, rows, copy_bw)
     if args.json:
         with open(args.json, "w") as f:

@@ -18,6 +18,7 @@ COMMANDS = (
     "pagedkv.cli.inspect",
     "pagedkv.cli.convert",
     "pagedkv.cli.cold",
+    "pagedkv.cli.serve",
 )
 
 
@@ -42,7 +43,11 @@ def error_text(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `pagedkv serve` passes the options it does not define to mlx-lm's own server parser.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     if args.version:
         from pagedkv import __version__
         print(__version__)

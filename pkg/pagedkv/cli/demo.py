@@ -6,7 +6,8 @@ steps through one paged adapter whose pool starts small and grows on demand. Ful
 persisted to a cold tier on a local directory (``./.pagedkv-demo``), so the next run restores
 the shared prefix from disk. The table shows what the cache did; every output is then
 recomputed alone on a flat cache and must be byte-identical (tokens and logits), else the
-exit status is 1.
+exit status is 1. ``--model hybrid`` runs the same session on the hybrid reference model
+(``pagedkv.cli.demo_hybrid``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve N requests that share a system prompt and a few-shot preamble "
                     "through the paged KV cache (prefix reuse, interleaved decode, growth), "
                     "print what the cache did, and check every output against the flat path.")
+    p.add_argument("--model", choices=("reference", "hybrid"), default="reference",
+                   help="reference: every layer full attention; hybrid: full, sliding-window "
+                        "and gated-delta-net layers and a KV-shared alias, served by the "
+                        "grouped coordinator (reference)")
     p.add_argument("--requests", type=_positive, default=16, help="number of requests (16)")
     p.add_argument("--system-tokens", type=_non_negative, default=64,
                    help="shared system prompt length in tokens (64)")
@@ -75,6 +80,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(docs/kv-quant.md; also PAGEDKV_KV_MODE). Default: float32 KV")
     p.add_argument("--kv-v", default=None, metavar="MODE",
                    help="V mode with --kv-mode: q8, lloyd4, lloyd3, lloyd2 (also PAGEDKV_KV_V)")
+    p.add_argument("--engine", choices=("reference", "mlx-lm"), default="reference",
+                   help="model code: pagedkv's reference transformer, or mlx-lm's (with "
+                        "pagedkv as its prompt cache; needs pagedkv[mlx-lm])")
+    p.add_argument("--arch", default=None, metavar="ARCH",
+                   help="with --engine mlx-lm: the mlx-lm architecture, random weights "
+                        "(qwen3; also llama, mistral, qwen2, phi3, gemma2; gemma3_text, "
+                        "gpt_oss, qwen3_next need hybrid-model support: not yet)")
     from pagedkv.cli.demo_restart import add_arguments
     add_arguments(p)
     p.set_defaults(func=run)
@@ -181,23 +193,13 @@ def check_sizes(args: argparse.Namespace, max_position: int) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from pagedkv.reference import ReferenceConfig, ReferenceModel
-    from pagedkv.reference.serving import build_paged_adapter, check_parity, serve
+def prepare_session(args: argparse.Namespace, config, kv_dtype: str = "float32"):
+    """``(model, requests)`` for ``config`` on ``--backend`` with its KV cache stored as
+    ``kv_dtype``, or the exit status (2) after printing why these options cannot run."""
+    from pagedkv.reference import ReferenceModel
 
-    if args.restart_child:
-        from pagedkv.cli.demo_restart import run_child
-        return run_child(args)
-
-    from pagedkv.errors import InvalidArgument
     try:
-        kv_dtype = kv_dtype_for(args)
-    except InvalidArgument as e:
-        print(f"pagedkv demo: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        model = ReferenceModel(ReferenceConfig(seed=args.seed, head_dim=head_dim_for(kv_dtype)),
-                               backend=args.backend, kv_dtype=kv_dtype)
+        model = ReferenceModel(config, backend=args.backend, kv_dtype=kv_dtype)
     except ImportError as e:
         print(f"pagedkv demo: error: backend {args.backend!r} is not available here: {e}",
               file=sys.stderr)
@@ -206,7 +208,67 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"pagedkv demo: error: {problem}", file=sys.stderr)
         return 2
-    requests = build_requests(args, model.config.vocab_size)
+    return model, build_requests(args, model.config.vocab_size)
+
+
+def print_parity(model, requests, outputs) -> bool:
+    """Recompute every request alone on a flat cache; print the verdict; whether all match."""
+    from pagedkv.reference.serving import check_parity
+
+    bad = check_parity(model, requests, outputs)
+    if bad:
+        print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
+              f"({', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}): the paged "
+              "output differs from the flat path")
+        return False
+    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
+          "path: tokens and logits)")
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.reference import ReferenceConfig
+    from pagedkv.reference.serving import build_paged_adapter, serve
+
+    if args.engine == "mlx-lm":
+        if args.model != "reference":
+            print("pagedkv demo: error: --model picks the reference engine's model; with "
+                  "--engine mlx-lm pick the architecture with --arch", file=sys.stderr)
+            return 2
+        from pagedkv.cli.demo_mlx_lm import ARCHS, run_mlx_lm
+        args.arch = args.arch or "qwen3"
+        if args.arch not in ARCHS:
+            print(f"pagedkv demo: error: --arch {args.arch!r} is not one of {list(ARCHS)}",
+                  file=sys.stderr)
+            return 2
+        return run_mlx_lm(args)
+    if args.arch is not None:
+        print("pagedkv demo: error: --arch needs --engine mlx-lm (the reference engine's "
+              "models are picked with --model)", file=sys.stderr)
+        return 2
+    if args.restart_child:
+        from pagedkv.cli.demo_restart import run_child
+        return run_child(args)
+    from pagedkv.errors import InvalidArgument
+    try:
+        kv_dtype = kv_dtype_for(args)
+    except InvalidArgument as e:
+        print(f"pagedkv demo: error: {e}", file=sys.stderr)
+        return 2
+    if args.model == "hybrid":
+        if kv_dtype != "float32":
+            print(f"pagedkv demo: error: --model hybrid stores float32 K/V; KV mode "
+                  f"{kv_dtype!r} runs with --model reference (unset --kv-mode/--kv-v and the "
+                  f"PAGEDKV_KV_* variables)", file=sys.stderr)
+            return 2
+        from pagedkv.cli.demo_hybrid import run_hybrid
+        return run_hybrid(args)
+
+    prepared = prepare_session(
+        args, ReferenceConfig(seed=args.seed, head_dim=head_dim_for(kv_dtype)), kv_dtype)
+    if isinstance(prepared, int):
+        return prepared
+    model, requests = prepared
     try:
         cold_tier = cold_tier_for(args, model)
     except ValueError as e:
@@ -214,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     adapter = build_paged_adapter(model, block_size=args.block_size,
                                   num_blocks=args.initial_blocks, max_num_blocks=args.max_blocks,
-                                  cold_tier=cold_tier)
+                                  cold=cold_tier)
     c = model.config
     print(f"pagedkv demo: {len(requests)} requests, prompt = {args.system_tokens} system + "
           f"{args.fewshot_tokens} few-shot (shared) + {args.user_tokens} user tokens, "
@@ -232,13 +294,7 @@ def run(args: argparse.Namespace) -> int:
     for line in format_table(report_rows(report, requests, args)):
         print(line)
     print()
-    bad = check_parity(model, requests, report.outputs)
-    if bad:
-        print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
-              f"({', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}): the paged "
-              "output differs from the flat path")
+    if not print_parity(model, requests, report.outputs):
         return 1
-    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to the flat "
-          "path: tokens and logits)")
     from pagedkv.cli.demo_restart import run_restart_phase
     return run_restart_phase(args)

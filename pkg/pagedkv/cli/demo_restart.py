@@ -159,7 +159,7 @@ def run_child(args) -> int:
     request = build_requests(args, model.config.vocab_size)[0]
     prompt = np.asarray(request.prompt)
     adapter = build_paged_adapter(model, block_size=args.block_size,
-                                  num_blocks=args.max_blocks, cold_tier=tier)
+                                  num_blocks=args.max_blocks, cold=tier)
     adapter.reset_for_new_request(0)
     t0 = time.perf_counter()
     hit = adapter.find_cached_prefix(0, prompt, max_tokens=len(prompt) - 1)

@@ -3,6 +3,8 @@
 A warm prefix survives a restart: full KV blocks are written as checksummed safetensors
 objects under SHA-256 chain keys bound to the model fingerprint, and a new process restores
 the longest verified chain instead of recomputing it. A failure is a miss, never wrong KV.
+Hybrid families persist their out-of-pool state beside the blocks as sidecars, and a
+restore never returns K/V without the sidecar that backs it (docs/cold.md, "Sidecars").
 """
 
 from pagedkv.cold.capture import CaptureOutcome, CaptureStop
@@ -16,9 +18,11 @@ from pagedkv.cold.fingerprint import (
                                       weight_identity,
 )
 from pagedkv.cold.format import DEFAULT_FORMAT, UPSTREAM_KEY_FORMAT, ColdFormat
+from pagedkv.cold.grouped_restore import GroupedRestore, restore_grouped
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain, sidecar_key
 from pagedkv.cold.names import object_name, parse_object_name
+from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.profiles import (
                                       COLD_RESTORE_FAMILIES,
                                       REFERENCE_FAMILY,
@@ -29,8 +33,12 @@ from pagedkv.cold.profiles import (
                                       register_family_profile,
                                       resolve_persist,
 )
+from pagedkv.cold.recurrent_state import RecurrentStateCodec, conv_state_codec, gdn_state_codec
 from pagedkv.cold.restore import RestoreDecline, RestoreOutcome
-from pagedkv.cold.sidecar import ColdSidecarLayout
+from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar
+from pagedkv.cold.sidecar_bundle import RestoredSidecars, SidecarBundle
+from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, SidecarCaptureStop
+from pagedkv.cold.sliding_window import SlidingGroupRows, SlidingGroupTarget, SlidingWindowCodec
 from pagedkv.cold.stats import (
                                       COLD_DELTA_FIELDS,
                                       ColdCacheStats,
@@ -39,6 +47,7 @@ from pagedkv.cold.stats import (
                                       record_sidecar_installed,
 )
 from pagedkv.cold.tier import (
+                                      ColdRestore,
                                       ColdTier,
                                       ColdTierContext,
                                       cold_cache_stats,
@@ -62,16 +71,28 @@ __all__ = [
                                       "ColdCacheStats",
                                       "ColdFormat",
                                       "ColdGroup",
+                                      "ColdRestore",
                                       "ColdSidecarLayout",
+                                      "ColdSidecarPolicy",
                                       "ColdSidecarStats",
                                       "ColdTier",
                                       "ColdTierContext",
                                       "DecodedBlock",
                                       "FamilyColdProfile",
+                                      "GroupedRestore",
                                       "OutOfPoolState",
+                                      "RecurrentStateCodec",
                                       "RestoreDecline",
                                       "RestoreOutcome",
+                                      "RestoredSidecar",
+                                      "RestoredSidecars",
+                                      "SidecarBundle",
+                                      "SidecarCaptureOutcome",
+                                      "SidecarCaptureStop",
                                       "SidecarJob",
+                                      "SlidingGroupRows",
+                                      "SlidingGroupTarget",
+                                      "SlidingWindowCodec",
                                       "TurnTraceWriter",
                                       "WeightDigestCache",
                                       "WeightProvenance",
@@ -82,8 +103,10 @@ __all__ = [
                                       "cold_restore_supported",
                                       "cold_sidecar_stats",
                                       "cold_tier_for_model",
+                                      "conv_state_codec",
                                       "decode_block",
                                       "family_profile",
+                                      "gdn_state_codec",
                                       "geometry_part",
                                       "install_capture_budget",
                                       "model_fingerprint",
@@ -92,6 +115,7 @@ __all__ = [
                                       "record_sidecar_installed",
                                       "register_family_profile",
                                       "resolve_persist",
+                                      "restore_grouped",
                                       "sidecar_key",
                                       "weight_identity",
 ]

@@ -13,6 +13,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from pagedkv.cold.keys import cold_key_chain
 from pagedkv.cold.writer import BlockJob
 from pagedkv.errors import InvalidArgument
 from pagedkv.hashing import as_token_array
+
+if TYPE_CHECKING:
+    from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome
 
 __all__ = ["CaptureOutcome", "CaptureStop", "capture_and_enqueue_before", "capture_walk"]
 
@@ -38,12 +42,15 @@ class CaptureStop(enum.Enum):
 @dataclass(frozen=True)
 class CaptureOutcome:
     """``blocks``: the chain reach (blocks on disk or queued, from block 0);
-    ``enqueued``: jobs this walk queued; ``elapsed_ms``: wall time on the calling thread."""
+    ``enqueued``: jobs this walk queued; ``elapsed_ms``: wall time on the calling thread;
+    ``sidecar``: how the family's sidecar capture after the walk ended (``None`` without a
+    sidecar codec; one outcome per part for a ``SidecarBundle``)."""
 
     blocks: int
     enqueued: int
     elapsed_ms: float
     stop: CaptureStop
+    sidecar: SidecarCaptureOutcome | tuple[SidecarCaptureOutcome, ...] | None = None
 
 
 def _hold(allocator, block_id: int) -> bool:

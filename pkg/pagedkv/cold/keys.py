@@ -54,20 +54,23 @@ def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens
     keys_per_block = per_block_extra_keys(full, extra_keys, extra_keys_per_block)
     tag = fmt.tag(group.tag_name)
     tok_count = _u64(bs)
-    toks_le = toks.astype("<u4", copy=False)
+    row = 4 * bs
+    toks_le = toks[:full * bs].astype("<u4", copy=False).tobytes()
+    no_keys, no_salt = _u64(0), _u64(0)
+    # The tag and fingerprint open every block's hash: hash them once and copy the state;
+    # the rest of a block's fields go in as one buffer (the per-call overhead of many small
+    # updates is most of a key's cost, and the sidecar capture pays it on the inference
+    # thread for every block under its anchor).
+    head = hashlib.sha256(tag)
+    head.update(fp)
     out: list[bytes] = []
     parent = _ZERO_KEY
     for i, keys in enumerate(keys_per_block):
-        h = hashlib.sha256(tag)
-        h.update(fp)
-        h.update(parent)
-        h.update(_u64(i))
-        h.update(tok_count)
-        h.update(toks_le[i * bs:(i + 1) * bs].data)
-        h.update(_u64(len(keys)))
-        if keys:
-            h.update(struct.pack(f"<{len(keys)}Q", *keys))
-        h.update(_u64(salt if i == 0 else 0))
+        h = head.copy()
+        h.update(b"".join((
+            parent, _u64(i), tok_count, toks_le[i * row:(i + 1) * row],
+            _u64(len(keys)) + struct.pack(f"<{len(keys)}Q", *keys) if keys else no_keys,
+            _u64(salt) if i == 0 else no_salt)))
         parent = h.digest()
         out.append(parent)
     return out

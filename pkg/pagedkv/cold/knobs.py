@@ -22,6 +22,7 @@ __all__ = [
     "install_default_capture_budget",
     "metrics_dir",
     "metrics_enabled",
+    "sliding_checkpoint_limit_override",
 ]
 
 log = logging.getLogger("pagedkv.cold")
@@ -86,3 +87,16 @@ def metrics_dir() -> str:
     if raw is not None and raw.strip():
         return raw.strip()
     return os.path.join(os.path.expanduser("~"), ".pagedkv", "metrics", "traces")
+
+
+def sliding_checkpoint_limit_override() -> int | None:
+    """``PAGEDKV_SLIDING_CHECKPOINT_LIMIT`` as a positive integer, else ``None`` (the computed
+    ``base_limit`` of :func:`pagedkv.cold.ladder.sliding_base_limit`); an unparseable or zero
+    value is ignored with one WARNING."""
+    value = sizing.env_u32("PAGEDKV_SLIDING_CHECKPOINT_LIMIT", None,
+                           fallback_source="the computed limit")
+    if value == 0:
+        log.warning("ignoring PAGEDKV_SLIDING_CHECKPOINT_LIMIT=0: expected a positive integer; "
+                    "using the computed limit")
+        return None
+    return value

@@ -1,9 +1,14 @@
-"""The restore walk and transactional block restore (cold-tier.md §8.4, §8.6).
+"""The restore walk and transactional block restore (cold-tier.md §8.4, §8.6; docs/cold.md,
+"Capture and restore" and "Reconcile-down").
 
 Extends a hot hit with blocks from disk: stop at the first hole, verify every object
 (checksum, geometry, fingerprint, tokens), write it into a freshly allocated block, and
 publish the whole run at once with ``publish_restored_batch``. Nothing is published before
 every block of the run was written; a refused publish frees everything it took.
+
+With a sidecar policy the K/V chain only *proposes* a length: the walk reconciles it down to
+the deepest boundary whose sidecar loads and validates, restores nothing when none does,
+and never publishes K/V without the sidecar that backs it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pagedkv.cold.codec import BlockGeometry, DecodedBlock
 from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
+from pagedkv.cold.sidecar import RestoredSidecar
+from pagedkv.cold.sidecar_bundle import RestoredSidecars, policies_of, restored_for
 from pagedkv.hashing import as_token_array
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
@@ -29,6 +36,7 @@ __all__ = [
     "LOAD_AHEAD_BLOCKS",
     "RestoreDecline",
     "RestoreOutcome",
+    "deepest_backed_boundary",
     "restore_walk",
 ]
 
@@ -49,13 +57,16 @@ class RestoreDecline(enum.Enum):
 @dataclass(frozen=True)
 class RestoreOutcome:
     """``blocks``: restored and published; ``base``: the hot hit; ``limit``: where the
-    index said the chain ends; ``decline``: why nothing was published, if refused."""
+    walk aimed (the index's ceiling, or the deepest backed boundary under a policy, in
+    blocks); ``decline``: why nothing was published, if refused; ``sidecar_tokens``: the
+    boundary of the sidecar returned with the blocks (0: none)."""
 
     blocks: int
     base: int
     limit: int
     elapsed_ms: float
     decline: RestoreDecline | None = None
+    sidecar_tokens: int = 0
 
 
 #: Blocks loaded and verified ahead of the one being uploaded, on the tier's loader threads
@@ -125,11 +136,57 @@ def _upload(tier, block, want_tokens, pool, allocator):
     return int(block_id)
 
 
+def deepest_backed_boundary(tier, policy, sidecar_keys, floor: int, ceiling: int,
+                            block_size: int, fingerprint_hex: str
+                            ) -> tuple[int, RestoredSidecar | RestoredSidecars] | None:
+    """``(count, sidecar)`` for the largest ``count`` in ``(floor, ceiling]`` (blocks) whose
+    sidecar (key ``sidecar_keys[count - 1]``) is indexed and loads with exactly
+    ``policy.expected_at(count * block_size)``; ``None`` when no boundary is backed. Each
+    failed load is a counted miss (a corrupt one also a corruption, pruned); never a hit.
+
+    ``policy`` may be a bundle's tuple of policies (``sidecar_keys`` then one key chain per
+    policy): a boundary is backed only when every part's sidecar there loads, and the
+    result is a :class:`~pagedkv.cold.sidecar_bundle.RestoredSidecars`."""
+    policies = policies_of(policy)
+    chains = [sidecar_keys] if len(policies) == 1 else list(sidecar_keys)
+    for count in range(int(ceiling), int(floor), -1):
+        keys = [chain[count - 1] for chain in chains]
+        if not all(tier.contains_in(k, p.group) for k, p in zip(keys, policies, strict=True)):
+            continue
+        found = []
+        for key, p in zip(keys, policies, strict=True):
+            layout = p.expected_at(count * block_size)
+            assert layout is not None  # count >= 1
+            payload = tier.store.load_sidecar(key, layout, fingerprint_hex=fingerprint_hex)
+            if payload is None:
+                break
+            found.append(RestoredSidecar(layout, payload, key))
+        if len(found) == len(policies):
+            return count, restored_for(policies, found)
+    return None
+
+
+def _declined(tier, base, limit, t0, decline):
+    tier.counters.add("restore_declines")
+    log.debug("cold_restore_walk declined: %s base=%d limit=%d", decline.value, base, limit)
+    return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, (time.monotonic() - t0) * 1e3,
+                                        decline), None
+
+
 def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: int = 0,
-                 extra_keys=(), extra_keys_per_block=None, pool, allocator
-                 ) -> tuple[np.ndarray, RestoreOutcome]:
+                 extra_keys=(), extra_keys_per_block=None, pool, allocator, policy=None,
+                 exact_boundary: bool = False
+                 ) -> tuple[np.ndarray, RestoreOutcome,
+                            RestoredSidecar | RestoredSidecars | None]:
     """Restore the persisted blocks after the hot hit; returns the new block ids (one
-    reference each, owned by the caller) and the outcome."""
+    reference each, owned by the caller), the outcome and, with a ``policy`` (a
+    ``ColdSidecarPolicy``, or a ``SidecarBundle``'s tuple of them), the sidecar backing the
+    result: whenever blocks are returned, ``sidecar.boundary_tokens == (base + blocks) *
+    block_size``.
+
+    ``exact_boundary`` (prefixes whose inputs cannot be rebuilt from token ids): the backed
+    boundary must be the K/V chain's whole proposal, else nothing is restored.
+    """
     t0 = time.monotonic()
     toks = as_token_array(tokens)
     geometry = BlockGeometry.of(pool.geometry)
@@ -138,28 +195,39 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
     base = int(base)
     full = len(toks) // bs
     if base >= full:
-        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0)
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0), None
     lookup = toks[:full * bs]
     key_kwargs = ({"extra_keys_per_block": extra_keys_per_block}
                   if extra_keys_per_block is not None else {"extra_keys": tuple(extra_keys)})
     hashes = np.asarray(allocator.chain_hashes(lookup, cache_salt=cache_salt, **key_kwargs),
                         dtype=np.uint64)
     full = min(full, len(hashes))
-    keys = cold_key_chain(tier.fmt, ColdGroup.KV, fingerprint, lookup, bs,
-                          extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
-                          cache_salt=cache_salt, max_blocks=full)
+    chain_kwargs = {"extra_keys": extra_keys, "extra_keys_per_block": extra_keys_per_block,
+                    "cache_salt": cache_salt}
+    keys = cold_key_chain(tier.fmt, ColdGroup.KV, fingerprint, lookup, bs, max_blocks=full,
+                          **chain_kwargs)
     if len(keys) < base:
-        tier.counters.add("restore_declines")
-        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0,
-                                            RestoreDecline.PARENT_CHAIN_UNAVAILABLE)
+        return _declined(tier, base, base, t0, RestoreDecline.PARENT_CHAIN_UNAVAILABLE)
     ceiling = base
     while ceiling < len(keys) and tier.contains(keys[ceiling]):
         ceiling += 1
     if ceiling == base:
-        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0)
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, base, 0.0), None
+    fp_hex = fingerprint.hex()
+    sidecar = None
+    sidecar_keys: list = []
     limit = ceiling
+    if policy is not None:
+        chains = [cold_key_chain(tier.fmt, p.group, fingerprint, lookup, bs,
+                                 max_blocks=ceiling, **chain_kwargs)
+                  for p in policies_of(policy)]
+        sidecar_keys = chains[0] if len(chains) == 1 else chains
+        backed = deepest_backed_boundary(tier, policy, sidecar_keys, base, ceiling, bs, fp_hex)
+        if backed is None or (exact_boundary and backed[0] != ceiling):
+            return _declined(tier, base, ceiling, t0, RestoreDecline.NO_BACKED_BOUNDARY)
+        limit, sidecar = backed
     taken: list[tuple[int, int]] = []
-    loads = _LoadAhead(tier, keys, base, limit, fingerprint.hex(), geometry)
+    loads = _LoadAhead(tier, keys, base, limit, fp_hex, geometry)
     try:
         for idx in range(base, limit):
             block = loads.get(idx)
@@ -174,9 +242,22 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
         tier.counters.add("misses")
     finally:
         loads.close()
-    if not taken:
-        return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, (time.monotonic() - t0) * 1e3)
     ids = np.fromiter((b for b, _ in taken), dtype=np.int32, count=len(taken))
+    if policy is not None and base + len(taken) < limit:
+        # Reconcile down again: keep only what a validated sidecar backs, never K/V alone.
+        sidecar = None
+        backed = None if exact_boundary else deepest_backed_boundary(
+            tier, policy, sidecar_keys, base, base + len(taken), bs, fp_hex)
+        keep = 0 if backed is None else backed[0] - base
+        if keep < len(taken):
+            allocator.free_many(ids[keep:])
+            ids, taken = ids[:keep], taken[:keep]
+        if backed is None:
+            return _declined(tier, base, limit, t0, RestoreDecline.RESTORE_SHORT_OF_BOUNDARY)
+        sidecar = backed[1]
+    if not taken:
+        return EMPTY_BLOCKS, RestoreOutcome(0, base, limit,
+                                            (time.monotonic() - t0) * 1e3), None
     try:
         keys_per_block = per_block_extra_keys(base + len(taken), extra_keys,
                                               extra_keys_per_block)
@@ -192,15 +273,15 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
     except Exception as exc:  # noqa: BLE001 - an allocator failure unpublishes, never raises
         log.warning("cold tier: publish_restored_batch raised: %s", exc)
         published = False
-    elapsed_ms = (time.monotonic() - t0) * 1e3
     if not published:
         allocator.free_many(ids)
-        tier.counters.add("restore_declines")
-        return EMPTY_BLOCKS, RestoreOutcome(0, base, limit, elapsed_ms,
-                                            RestoreDecline.PUBLISH_REFUSED)
+        return _declined(tier, base, limit, t0, RestoreDecline.PUBLISH_REFUSED)
+    elapsed_ms = (time.monotonic() - t0) * 1e3
     tier.counters.add("hits", len(taken))
     tier.counters.add("bytes_restored", sum(n for _, n in taken))
     log.debug("cold_restore_walk blocks=%d base=%d limit=%d elapsed_ms=%.3f "
               "per_block_ms=%.4f", len(taken), base, limit, elapsed_ms,
               elapsed_ms / len(taken))
-    return ids, RestoreOutcome(len(taken), base, limit, elapsed_ms)
+    return ids, RestoreOutcome(len(taken), base, limit, elapsed_ms,
+                               sidecar_tokens=0 if sidecar is None
+                               else sidecar.boundary_tokens), sidecar

@@ -1,20 +1,37 @@
-"""Sidecar layouts (cold-tier.md §13.1): the geometry of a family's out-of-pool state at a
-block-aligned boundary. Policies and capture/restore of sidecars come with the sidecar
-issue; the layout, its object codec and its names are here so the store can index, bound,
-verify and evict sidecar objects now."""
+"""Sidecar layouts (docs/cold.md, "Sidecars"): the geometry of a family's out-of-pool state
+at a block-aligned boundary, and a restored sidecar (its verified layout and payload).
+Policies are in ``policy.py``, the state codecs in ``recurrent_state.py`` and
+``sliding_window.py``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagedkv.cold.codec import DTYPE_CODES, header_overhead
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["MAX_DIMS", "MAX_TENSORS_PER_LAYER", "ColdSidecarLayout"]
+__all__ = ["DTYPE_STORAGE", "MAX_DIMS", "MAX_TENSORS_PER_LAYER", "ColdSidecarLayout",
+           "RestoredSidecar", "storage_dtype"]
 
 MAX_TENSORS_PER_LAYER = 16
 MAX_DIMS = 8
+
+#: NumPy dtype a sidecar element travels as (bfloat16 as uint16 bit patterns).
+DTYPE_STORAGE: dict[str, np.dtype] = {"float16": np.dtype(np.float16),
+                                       "bfloat16": np.dtype(np.uint16),
+                                       "float32": np.dtype(np.float32)}
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype of one element of a ``dtype`` sidecar (``q8`` has none)."""
+    try:
+        return DTYPE_STORAGE[dtype]
+    except KeyError:
+        raise InvalidArgument(f"dtype = {dtype!r} has no element type for sidecar state; "
+                              f"valid: {sorted(DTYPE_STORAGE)}") from None
 
 
 @dataclass(frozen=True)
@@ -65,3 +82,33 @@ class ColdSidecarLayout:
                 fields["dtype"], fields["dims"], fields["bytes_per_tensor"]) == (
             self.boundary_tokens, self.num_layers, self.tensors_per_layer, self.dtype,
             self.dims, self.bytes_per_tensor)
+
+
+@dataclass(frozen=True, eq=False)
+class RestoredSidecar:
+    """A sidecar the restore walk loaded and verified: valid for exactly
+    ``boundary_tokens`` tokens (what ``take_restored_sidecar`` hands to the family).
+
+    ``payload``: ``uint8[tensor_count, bytes_per_tensor]``, owned (not shared with any
+    buffer the tier reuses). Decode it with the family's codec (``unpack``/``install``).
+    """
+
+    layout: ColdSidecarLayout
+    payload: np.ndarray
+    key: bytes
+
+    @property
+    def boundary_tokens(self) -> int:
+        return self.layout.boundary_tokens
+
+    @property
+    def group(self) -> ColdGroup:
+        return self.layout.group
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    def __repr__(self) -> str:
+        return (f"RestoredSidecar({self.layout.group!r}, boundary_tokens="
+                f"{self.boundary_tokens}, nbytes={self.nbytes}, key={self.key.hex()[:16]}...)")

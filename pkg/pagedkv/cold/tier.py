@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Self
+from dataclasses import dataclass, replace
+from typing import Any, Self
 
 import numpy as np
 
+from pagedkv.adapter.cold_hooks import ColdRestore
 from pagedkv.cold.capture import (
     CaptureOutcome,
     CaptureStop,
@@ -32,12 +35,15 @@ from pagedkv.cold.knobs import (
 )
 from pagedkv.cold.restore import EMPTY_BLOCKS, RestoreOutcome, restore_walk
 from pagedkv.cold.root import MANAGED_CHILD, open_managed_root
-from pagedkv.cold.stats import ColdCacheStats, ColdCounters
+from pagedkv.cold.sidecar_bundle import SidecarBundle
+from pagedkv.cold.sidecar_capture import SidecarCaptureOutcome, capture_sidecar
+from pagedkv.cold.stats import ColdCacheStats, ColdCounters, sidecar_counters
 from pagedkv.cold.store import DURABILITY_MODES, ColdStore, auto_limits
 from pagedkv.cold.writer import ColdWriter
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
 
 __all__ = [
+    "ColdRestore",
     "ColdTier",
     "ColdTierContext",
     "cold_cache_stats",
@@ -133,9 +139,12 @@ class ColdTier:
             _last_shared = tier
             return tier
 
-    def for_model(self, fingerprint: bytes) -> ColdTierContext:
-        """What an adapter holds: this tier bound to one model's fingerprint."""
-        return ColdTierContext(self, fingerprint)
+    def for_model(self, fingerprint: bytes, *, sidecar=None,
+                  checkpoints: Callable[..., Mapping[int, Any]] | None = None
+                  ) -> ColdTierContext:
+        """What an adapter holds: this tier bound to one model's fingerprint, with the
+        family's sidecar codec and checkpoint source when it keeps out-of-pool state."""
+        return ColdTierContext(self, fingerprint, sidecar, checkpoints)
 
     def __repr__(self) -> str:
         return (f"ColdTier(root={self.store.root_path!r}, objects={len(self.store.index)}, "
@@ -255,41 +264,142 @@ class ColdTier:
                 fingerprint: bytes | None = None) -> np.ndarray:
         """Extend a hot hit from disk; returns the restored block ids (``int32``, one
         reference each owned by the caller), empty on a miss. Never raises."""
+        return self.restore_backed(
+            tokens=tokens, hot_blocks=hot_blocks, cache_salt=cache_salt, extra_keys=extra_keys,
+            extra_keys_per_block=extra_keys_per_block, pool=pool, allocator=allocator,
+            fingerprint=fingerprint).block_ids
+
+    def restore_backed(self, *, tokens, hot_blocks, cache_salt: int = 0, extra_keys=(),
+                       extra_keys_per_block=None, pool, allocator, policy=None,
+                       exact_boundary: bool = False,
+                       fingerprint: bytes | None = None) -> ColdRestore:
+        """:meth:`restore` under a sidecar ``policy`` (a ``ColdSidecarPolicy``): the K/V
+        chain is reconciled down to the deepest boundary a validated sidecar backs, and
+        that sidecar comes back with the blocks (docs/cold.md, "Reconcile-down"). Never
+        raises."""
         try:
-            ids, outcome = restore_walk(
+            ids, outcome, sidecar = restore_walk(
                 self, fingerprint if fingerprint is not None else self._fingerprint(),
                 tokens=tokens, hot_blocks=hot_blocks, cache_salt=cache_salt,
                 extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
-                pool=pool, allocator=allocator)
+                pool=pool, allocator=allocator, policy=policy, exact_boundary=exact_boundary)
         except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: restore walk failed: %s", exc)
-            return EMPTY_BLOCKS
+            return ColdRestore(EMPTY_BLOCKS, None)
         self.last_restore = outcome
-        return ids
+        return ColdRestore(ids, sidecar)
+
+    def restore_discarded(self, *, blocks: int) -> None:
+        """The lifecycle threw away a restored hit of ``blocks`` blocks unused
+        (``restart_prepared_turn_cold``): counts ``restore_suppressed``."""
+        if blocks > 0:
+            sidecar_counters().add("restore_suppressed")
 
 
 @dataclass(frozen=True)
 class ColdTierContext:
-    """A tier bound to one model: what ``PagedKVCacheAdapter(cold_tier=...)`` holds."""
+    """A tier bound to one model: what ``PagedKVCacheAdapter(cold=...)`` holds.
+
+    ``sidecar``: the family's sidecar codec (``RecurrentStateCodec`` from
+    ``gdn_state_codec``/``conv_state_codec``, a ``SlidingWindowCodec``, or a
+    ``SidecarBundle`` of several) when it keeps state outside the pool; its ``policy``
+    reconciles every restore down to a backed boundary. ``checkpoints``: called as
+    ``checkpoints(tokens, cache_salt=..., extra_keys_per_block=...)`` after each K/V capture
+    walk, it returns the request lineage's retained in-memory checkpoints (boundary tokens →
+    state in the codec's form; a bundle's: ``{ColdGroup: state}``); the deepest one under
+    the walk's reach is persisted (docs/cold.md, "Sidecar capture").
+    """
 
     tier: ColdTier
     fingerprint: bytes
+    sidecar: Any = None
+    checkpoints: Callable[..., Mapping[int, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, ColdTier):
             raise InvalidArgumentType(f"tier must be a ColdTier, got {type(self.tier).__name__}")
         if not isinstance(self.fingerprint, bytes) or len(self.fingerprint) != 32:
             raise InvalidArgument("fingerprint must be 32 bytes (model_fingerprint's result)")
+        if self.sidecar is not None and not isinstance(self.sidecar, SidecarBundle) and not (
+                hasattr(self.sidecar, "policy") and hasattr(self.sidecar, "pack")):
+            raise InvalidArgumentType(
+                f"sidecar must be a sidecar codec (gdn_state_codec, conv_state_codec, "
+                f"SlidingWindowCodec, SidecarBundle), got {type(self.sidecar).__name__}")
+        if self.checkpoints is not None and not callable(self.checkpoints):
+            raise InvalidArgumentType("checkpoints must be callable(tokens, cache_salt=..., "
+                                      "extra_keys_per_block=...) -> {boundary: state}")
 
     @property
     def fmt(self) -> ColdFormat:
         return self.tier.fmt
 
-    def capture(self, **kwargs) -> CaptureOutcome:
-        return self.tier.capture(fingerprint=self.fingerprint, **kwargs)
+    @property
+    def policy(self):
+        """The sidecar codec's ``ColdSidecarPolicy`` (a bundle's: a tuple of them), or
+        ``None`` (K/V-only family)."""
+        return None if self.sidecar is None else self.sidecar.policy
 
-    def restore(self, **kwargs) -> np.ndarray:
-        return self.tier.restore(fingerprint=self.fingerprint, **kwargs)
+    def capture(self, **kwargs) -> CaptureOutcome:
+        """The K/V capture walk, then (with a codec and a checkpoint source) the sidecar
+        capture anchored under its reach; its outcome is ``result.sidecar``. Never raises."""
+        outcome = self.tier.capture(fingerprint=self.fingerprint, **kwargs)
+        if self.sidecar is None or self.checkpoints is None:
+            return outcome
+        tokens = kwargs["tokens"]
+        salt = kwargs.get("cache_salt", 0)
+        per_block = kwargs.get("extra_keys_per_block")
+        extra = kwargs.get("extra_keys", ())
+        try:
+            found = self.checkpoints(tokens, cache_salt=salt, extra_keys_per_block=per_block) \
+                if outcome.blocks else {}
+            side = self.capture_sidecar(found, tokens=tokens, captured_blocks=outcome.blocks,
+                                        block_size=int(kwargs["pool"].block_size),
+                                        cache_salt=salt, extra_keys=extra,
+                                        extra_keys_per_block=per_block)
+        except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
+            log.warning("cold tier: sidecar capture failed: %s", exc)
+            return outcome
+        outcome = replace(outcome, sidecar=side)
+        self.tier.last_capture = outcome
+        return outcome
+
+    def capture_sidecar(self, checkpoints: Mapping[int, Any], *, tokens, captured_blocks: int,
+                        block_size: int, cache_salt: int = 0, extra_keys=(),
+                        extra_keys_per_block=None
+                        ) -> SidecarCaptureOutcome | tuple[SidecarCaptureOutcome, ...]:
+        """Sidecar capture alone (docs/cold.md, "Sidecar capture"): for hosts that run the
+        K/V walk elsewhere. Waits for a queue slot up to the tier's capture budget. A
+        bundle captures each part at its own deepest anchor (the same one when every part
+        has state at the same boundaries) and returns one outcome per part."""
+        if self.sidecar is None:
+            raise InvalidArgument("this ColdTierContext has no sidecar codec")
+        deadline = time.monotonic() + self.tier.budget_ms / 1000.0
+
+        def one(codec, found):
+            return capture_sidecar(self.tier, self.fingerprint, codec, found, tokens=tokens,
+                                   captured_blocks=captured_blocks, block_size=block_size,
+                                   deadline=deadline, cache_salt=cache_salt,
+                                   extra_keys=extra_keys,
+                                   extra_keys_per_block=extra_keys_per_block)
+
+        if isinstance(self.sidecar, SidecarBundle):
+            return tuple(one(codec, self.sidecar.split(checkpoints, codec.group))
+                         for codec in self.sidecar.parts)
+        return one(self.sidecar, checkpoints)
+
+    def restore(self, **kwargs) -> ColdRestore:
+        """Restore under this context's policy: ``ColdRestore(block_ids, sidecar)``."""
+        return self.tier.restore_backed(fingerprint=self.fingerprint, policy=self.policy,
+                                        **kwargs)
+
+    def restore_grouped(self, **kwargs):
+        """Full + sliding restore (docs/cold.md, "Grouped restore"): see
+        :func:`pagedkv.cold.grouped_restore.restore_grouped`."""
+        from pagedkv.cold.grouped_restore import restore_grouped
+        return restore_grouped(self, **kwargs)
+
+    def restore_discarded(self, *, blocks: int) -> None:
+        self.tier.restore_discarded(blocks=blocks)
 
     def drain(self, timeout: float = 5.0) -> bool:
         return self.tier.drain(timeout)
@@ -298,7 +408,8 @@ class ColdTierContext:
         return self.tier.stats()
 
     def __repr__(self) -> str:
-        return f"ColdTierContext(fingerprint={self.fingerprint.hex()[:16]}..., {self.tier!r})"
+        side = "" if self.sidecar is None else f", sidecar={self.sidecar!r}"
+        return f"ColdTierContext(fingerprint={self.fingerprint.hex()[:16]}...{side}, {self.tier!r})"
 
 
 _shared_lock = threading.Lock()
@@ -328,26 +439,78 @@ def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = 
 
 def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         persist_paged_cache: bool | None = None, base: str | None = None,
-                        provenance=None, hfqm_file: str | None = None
+                        provenance=None, hfqm_file: str | None = None, sidecar=None,
+                        checkpoints: Callable[..., Mapping[int, Any]] | None = None
                         ) -> ColdTierContext | None:
-    """What an engine passes as ``PagedKVCacheAdapter(cold_tier=...)``, or ``None``.
+    """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
     Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
     fingerprint covers the model and ``geometry`` (weight digests cached in the root). A
     refused root or a model without weight bytes turns persistence off (logged), never
-    raises.
+    raises for those. ``checkpoints``: a hybrid family's checkpoint source (see
+    :class:`ColdTierContext`).
+
+    A family with out-of-pool state gets its sidecar codec from its profile's
+    ``sidecar_policy`` and the model's ``config.json`` (docs/cold.md, "Family profiles and
+    sidecars"); ``sidecar`` (the engine's own codec) must equal it
+    (``SidecarLayoutMismatch`` otherwise). A family declaring no out-of-pool state whose
+    ``config.json`` lists sliding-window or recurrent ``layer_types`` is refused (persistence
+    off, logged): its K/V alone would resume the model wrongly.
     """
     from pagedkv.cold.digest_cache import WeightDigestCache
     from pagedkv.cold.fingerprint import model_fingerprint
-    from pagedkv.cold.profiles import family_profile, resolve_persist
+    from pagedkv.cold.profiles import (
+        OutOfPoolState,
+        family_profile,
+        family_sidecar_codec,
+        resolve_persist,
+        stateful_layer_kinds,
+    )
 
     profile = family_profile(family)
     if not resolve_persist(profile, persist_paged_cache):
+        return None
+    assert profile is not None
+    config = _read_config(model_dir)
+    if config is None:
+        return None
+    stateful = stateful_layer_kinds(config)
+    if stateful and profile.out_of_pool_state is OutOfPoolState.NONE:
+        log.warning("cold tier: family %r declares no out-of-pool state but %s/config.json "
+                    "has %s layers; persistence off (serve it under a family whose profile "
+                    "has their sidecars)", family, model_dir, ", ".join(stateful))
+        return None
+    try:
+        sidecar = family_sidecar_codec(profile, config, geometry, sidecar)
+    except InvalidArgument:  # a ValueError: the caller's codec or family is wrong, say so
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("cold tier: family %r cannot build its sidecar codec from %s/config.json "
+                    "(%s); persistence off", family, model_dir, exc)
         return None
     tier = ColdTier.shared(base)
     if tier is None:
         return None
     fp = model_fingerprint(tier.fmt, model_dir, profile, geometry, provenance,
                            WeightDigestCache(tier.store.root_fd), hfqm_file=hfqm_file)
-    return tier.for_model(fp) if fp is not None else None
+    if fp is None:
+        return None
+    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)
+
+
+def _read_config(model_dir: str) -> dict | None:
+    """``config.json`` of ``model_dir`` as a dict, or ``None`` (logged): persistence off."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        log.warning("cold tier: cannot read %s/config.json (%s); persistence off", model_dir,
+                    exc)
+        return None
+    if not isinstance(config, dict):
+        log.warning("cold tier: %s/config.json is not an object; persistence off", model_dir)
+        return None
+    return config

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["Barrier", "BlockJob", "ColdWriter", "SidecarJob"]
 
 log = logging.getLogger("pagedkv.cold")
+
+#: Spare capture buffers over ``LARGE_SPARE_BYTES`` kept for reuse, at most (sidecars: a
+#: fresh multi-MiB buffer costs the inference thread page faults worth half a copy).
+LARGE_SPARES = 2
+LARGE_SPARE_BYTES = 1 << 20
 
 _DRAIN_RETRY_S = 0.005
 _ENQUEUE_RETRY_S = 0.001
@@ -68,13 +73,16 @@ class SidecarJob:
     fingerprint_hex: str
     layout: ColdSidecarLayout
     payload: np.ndarray
-
-    #: Sidecar payloads belong to the family's checkpoint: never recycled.
-    recycle: ClassVar[bool] = False
+    #: The payload came from ``ColdWriter.take_buffer`` and goes back after the commit.
+    recycle: bool = False
 
     @property
     def group(self) -> ColdGroup:
         return self.layout.group
+
+    @property
+    def buffer(self) -> np.ndarray:
+        return self.payload
 
     def __repr__(self) -> str:
         return f"SidecarJob(key={self.key.hex()[:16]}..., {self.layout!r})"
@@ -267,10 +275,16 @@ class ColdWriter:
         return np.empty(shape, dtype=np.uint8)
 
     def give_back(self, buffer: np.ndarray) -> None:
-        """Return a ``take_buffer`` buffer no job took (kept while spares are few)."""
+        """Return a ``take_buffer`` buffer no job took (kept while spares are few: at most
+        ``queue_depth + 2``, of which at most ``LARGE_SPARES`` are over ``LARGE_SPARE_BYTES``
+        — a sidecar checkpoint can be tens of MiB)."""
         with self._spare_lock:
-            if len(self._spare) < self.queue_depth + 2:
-                self._spare.append(buffer)
+            if len(self._spare) >= self.queue_depth + 2:
+                return
+            if buffer.nbytes > LARGE_SPARE_BYTES and sum(
+                    b.nbytes > LARGE_SPARE_BYTES for b in self._spare) >= LARGE_SPARES:
+                return
+            self._spare.append(buffer)
 
     # --- test hooks ----------------------------------------------------------------------
 

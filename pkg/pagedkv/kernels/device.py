@@ -10,8 +10,10 @@ arguments by ``signature``: one letter per parameter, ``p`` a device pointer (a
 from __future__ import annotations
 
 import ctypes
+import threading
 from contextlib import suppress
-from ctypes import byref, c_float, c_int32, c_int64, c_uint64, c_void_p
+from ctypes import byref, c_float, c_int32, c_int64, c_size_t, c_uint64, c_void_p
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -20,7 +22,27 @@ from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 
-__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "open_device"]
+__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "StreamLike", "open_device",
+           "stream_handle"]
+
+#: What a ``stream=`` argument takes: a :class:`Stream`, a raw runtime handle (an ``int``:
+#: ``torch.cuda.Stream().cuda_stream``, CuPy's ``stream.ptr``), an object with a
+#: ``cuda_stream`` (torch) or ``ptr`` (CuPy) attribute, or ``None`` (the default stream).
+StreamLike: TypeAlias = Any
+
+
+def stream_handle(stream: StreamLike) -> int | None:
+    """The runtime handle of a ``stream=`` argument (``None``: the legacy default stream)."""
+    if stream is None or isinstance(stream, Stream):
+        return None if stream is None else stream.handle
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream) or None
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return int(value) or None
+    raise InvalidArgumentType(f"stream: expected a pagedkv Stream, an integer stream handle or "
+                              f"a torch/CuPy stream, got {type(stream).__name__}")
 
 _PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "q": c_int64,
                                                   "f": c_float}
@@ -61,32 +83,33 @@ class Kernel:
         params = (c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         return values, params
 
-    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: Stream | None = None):
+    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: StreamLike = None):
+        handle = stream_handle(stream)
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if min(grid) < 1 or min(block) < 1:
             raise InvalidArgument(f"{self.name}: grid {grid} and block {block} must be >= 1")
         _values, params = self.pack(args)
-        self.device.runtime.call("launch_kernel", self.handle, *grid, *block, shared_bytes,
-                                 stream.handle if stream else None, params, None)
+        self.device.call("launch_kernel", self.handle, *grid, *block, shared_bytes,
+                                 handle, params, None)
 
 
 class Stream:
     def __init__(self, device: Device) -> None:
         self.device = device
         h = c_void_p()
-        device.runtime.call("stream_create", byref(h), 1)  # non-blocking w.r.t. stream 0
+        device.call("stream_create", byref(h), 1)  # non-blocking w.r.t. stream 0
         self.handle = h.value
 
     def synchronize(self) -> None:
-        self.device.runtime.call("stream_synchronize", self.handle)
+        self.device.call("stream_synchronize", self.handle)
 
     def __repr__(self) -> str:
         return f"Stream(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
 
     def __del__(self) -> None:
         with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
-            self.device.runtime.call("stream_destroy", self.handle)
+            self.device.call("stream_destroy", self.handle)
 
 
 class Event:
@@ -95,25 +118,25 @@ class Event:
     def __init__(self, device: Device) -> None:
         self.device = device
         h = c_void_p()
-        device.runtime.call("event_create", byref(h), 0)
+        device.call("event_create", byref(h), 0)
         self.handle = h.value
 
     def __repr__(self) -> str:
         return f"Event(handle=0x{self.handle or 0:x}, device={self.device.ordinal})"
 
-    def record(self, stream: Stream | None = None) -> None:
-        self.device.runtime.call("event_record", self.handle, stream.handle if stream else None)
+    def record(self, stream: StreamLike = None) -> None:
+        self.device.call("event_record", self.handle, stream_handle(stream))
 
     def elapsed_ms(self, start: Event) -> float:
         """Milliseconds from ``start`` to this event (waits for this one)."""
-        self.device.runtime.call("event_synchronize", self.handle)
+        self.device.call("event_synchronize", self.handle)
         out = c_float(0.0)
-        self.device.runtime.call("event_elapsed_time", byref(out), start.handle, self.handle)
+        self.device.call("event_elapsed_time", byref(out), start.handle, self.handle)
         return out.value
 
     def __del__(self) -> None:
         with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
-            self.device.runtime.call("event_destroy", self.handle)
+            self.device.call("event_destroy", self.handle)
 
 
 class Graph:
@@ -121,30 +144,29 @@ class Graph:
     per-launch host cost from benchmarks of short kernels."""
 
     def __init__(self, device: Device, stream: Stream, capture) -> None:
-        rt = device.runtime
         self.device = device
         # Relaxed mode: lazy module loads inside a capture stay legal.
-        rt.call("stream_begin_capture", stream.handle, 2)
+        device.call("stream_begin_capture", stream.handle, 2)
         try:
             capture(stream)
         finally:
             graph = c_void_p()
-            rt.call("stream_end_capture", stream.handle, byref(graph))
+            device.call("stream_end_capture", stream.handle, byref(graph))
         self._graph = graph.value
         exe = c_void_p()
-        rt.call("graph_instantiate", byref(exe), self._graph, 0)
+        device.call("graph_instantiate", byref(exe), self._graph, 0)
         self._exec = exe.value
 
     def launch(self, stream: Stream) -> None:
-        self.device.runtime.call("graph_launch", self._exec, stream.handle)
+        self.device.call("graph_launch", self._exec, stream.handle)
 
     def __repr__(self) -> str:
         return f"Graph(exec=0x{self._exec or 0:x}, device={self.device.ordinal})"
 
     def __del__(self) -> None:
         with suppress(Exception):  # interpreter shutdown: the runtime may already be gone
-            self.device.runtime.call("graph_exec_destroy", self._exec)
-            self.device.runtime.call("graph_destroy", self._graph)
+            self.device.call("graph_exec_destroy", self._exec)
+            self.device.call("graph_destroy", self._graph)
 
 
 class Device:
@@ -158,6 +180,10 @@ class Device:
         self.runtime = runtime
         self.ordinal = ordinal
         self._dev = runtime.activate(ordinal)
+        # The CUDA driver keeps the current context per thread: a thread that first uses
+        # this device (a cold-tier or engine worker, a finalizer) makes it current once.
+        self._thread = threading.local()
+        self._thread.active = True
         self.properties: DeviceProperties = runtime.properties(ordinal, self._dev)
         self._modules: dict[str, int] = {}
         self._kernels: dict[tuple[str, str], Kernel] = {}
@@ -171,39 +197,53 @@ class Device:
     def backend(self) -> str:
         return self.runtime.backend
 
+    def call(self, name: str, *args) -> None:
+        """``runtime.call`` with this device current on the calling thread."""
+        if not getattr(self._thread, "active", False):
+            self.runtime.activate(self.ordinal)
+            self._thread.active = True
+        self.runtime.call(name, *args)
+
     # --- memory -----------------------------------------------------------------------
 
     def malloc(self, nbytes: int) -> int:
         ptr = c_uint64(0)
-        self.runtime.call("malloc", byref(ptr), max(1, int(nbytes)))
+        self.call("malloc", byref(ptr), max(1, int(nbytes)))
         return ptr.value
 
     def free(self, ptr: int) -> None:
-        self.runtime.call("free", ptr)
+        self.call("free", ptr)
+
+    def free_memory_bytes(self) -> int:
+        """Device memory free now (the runtime's ``MemGetInfo``): pass the bound method as
+        ``available_memory_bytes`` to ``pagedkv.sizing.create_pool`` to clamp a device pool's
+        maximum to what the GPU has left."""
+        free, total = c_size_t(0), c_size_t(0)
+        self.call("mem_get_info", byref(free), byref(total))
+        return free.value
 
     def copy_htod(self, dst: int, host: np.ndarray) -> None:
         if not host.flags.c_contiguous:
             raise InvalidArgument("host: must be C-contiguous")
         if host.nbytes:
-            self.runtime.call("memcpy_htod", dst, host.ctypes.data, host.nbytes)
+            self.call("memcpy_htod", dst, host.ctypes.data, host.nbytes)
 
     def copy_dtoh(self, host: np.ndarray, src: int) -> None:
         if not (host.flags.c_contiguous and host.flags.writeable):
             raise InvalidArgument("host: must be C-contiguous and writeable")
         if host.nbytes:
-            self.runtime.call("memcpy_dtoh", host.ctypes.data, src, host.nbytes)
+            self.call("memcpy_dtoh", host.ctypes.data, src, host.nbytes)
 
-    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
+    def copy_dtod(self, dst: int, src: int, nbytes: int, stream: StreamLike = None) -> None:
         if nbytes:
-            self.runtime.call("memcpy_dtod_async", dst, src, nbytes,
-                              stream.handle if stream else None)
+            self.call("memcpy_dtod_async", dst, src, nbytes, stream_handle(stream))
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         if nbytes:
-            self.runtime.call("memset_d8", ptr, value & 0xFF, nbytes)
+            self.call("memset_d8", ptr, value & 0xFF, nbytes)
 
     def synchronize(self) -> None:
-        self.runtime.call("synchronize")
+        self.call("synchronize")
 
     def array(self, host: np.ndarray) -> DeviceArray:
         return DeviceArray.from_numpy(self, host)
@@ -216,7 +256,7 @@ class Device:
     def _load_image(self, image: bytes) -> int:
         buf = ctypes.create_string_buffer(image, len(image))
         mod = c_void_p()
-        self.runtime.call("module_load_data", byref(mod), buf)
+        self.call("module_load_data", byref(mod), buf)
         assert mod.value is not None, "a successful module load returns a non-NULL handle"
         return mod.value
 
@@ -247,7 +287,7 @@ class Device:
         k = self._kernels.get(key)
         if k is None:
             fn = c_void_p()
-            self.runtime.call("module_get_function", byref(fn), self.module(source),
+            self.call("module_get_function", byref(fn), self.module(source),
                               name.encode())
             assert fn.value is not None, "a found function has a non-NULL handle"
             k = self._kernels[key] = Kernel(self, name, fn.value, signature)

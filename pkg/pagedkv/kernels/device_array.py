@@ -22,18 +22,25 @@ class DeviceArray:
     Owns its allocation unless made with ``owned=False`` (a view of memory someone
     else frees). bfloat16 data is carried as ``uint16`` bit patterns, as everywhere
     in pagedkv. ``ptr`` is the device address the kernels take.
+
+    ``base``: the object that keeps a view's memory alive (the array it was cut from,
+    or the producer of an imported DLPack / CUDA-array-interface buffer); ``None`` for
+    an owning array. Interop (``__dlpack__``, ``from_dlpack``,
+    ``__cuda_array_interface__``): :mod:`pagedkv.kernels.interop`, docs/kernels.md
+    "Interop".
     """
 
-    __slots__ = ("_owned", "device", "dtype", "nbytes", "ptr", "shape")
+    __slots__ = ("__weakref__", "_owned", "base", "device", "dtype", "nbytes", "ptr", "shape")
 
     def __init__(self, device: Device, ptr: int, shape: tuple[int, ...], dtype,
-                 *, owned: bool = True) -> None:
+                 *, owned: bool = True, base: object = None) -> None:
         self.device = device
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._owned = owned
+        self.base = base
 
     # --- construction ---------------------------------------------------------------
 
@@ -54,6 +61,60 @@ class DeviceArray:
         out = cls.empty(device, host.shape, host.dtype)
         device.copy_htod(out.ptr, host)
         return out
+
+    def view(self, shape=None, dtype=None, *, offset_bytes: int = 0) -> DeviceArray:
+        """A non-owning C-contiguous view of ``nbytes`` of this array's memory starting
+        ``offset_bytes`` in (a reshape, a reinterpretation as another dtype, or a slice of
+        whole rows); it keeps this array alive. ``InvalidArgument`` when it would reach
+        past the end or the offset is not a multiple of the new dtype's size."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        if shape is None:
+            if (self.nbytes - offset_bytes) % dtype.itemsize:
+                raise InvalidArgument(f"view: {self.nbytes - offset_bytes} bytes are not a "
+                                      f"whole number of {dtype} elements")
+            shape = ((self.nbytes - offset_bytes) // dtype.itemsize,)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if (offset_bytes < 0 or offset_bytes % dtype.itemsize or any(s < 0 for s in shape)
+                or offset_bytes + nbytes > self.nbytes):
+            raise InvalidArgument(f"view: shape {shape} of {dtype} at byte {offset_bytes} does "
+                                  f"not fit in {self!r} ({self.nbytes} bytes)")
+        return DeviceArray(self.device, self.live_ptr() + offset_bytes if nbytes else 0, shape,
+                           dtype, owned=False, base=self)
+
+    def rows(self, start: int, stop: int) -> DeviceArray:
+        """A view of rows ``[start, stop)`` along axis 0."""
+        if not 0 <= start <= stop <= self.shape[0]:
+            raise InvalidArgument(f"rows [{start}, {stop}) are outside 0..{self.shape[0]}")
+        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
+        return self.view((stop - start, *self.shape[1:]), offset_bytes=start * row_bytes)
+
+    # --- interop (pagedkv.kernels.interop) ----------------------------------------------
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule over this memory (no copy; versioned 1.0 when the consumer's
+        ``max_version`` allows). The capsule keeps this array alive."""
+        from pagedkv.kernels.interop import dlpack_capsule
+        return dlpack_capsule(self, stream=stream, max_version=max_version,
+                              dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from pagedkv.kernels.interop import dlpack_device
+        return dlpack_device(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        from pagedkv.kernels.interop import cuda_array_interface
+        return cuda_array_interface(self)
+
+    @classmethod
+    def from_dlpack(cls, obj, device: Device | None = None, *, stream=None) -> DeviceArray:
+        """A view of a torch/CuPy/JAX device tensor (DLPack, else the CUDA array interface),
+        without a copy; it keeps the producer's buffer alive."""
+        from pagedkv.kernels.interop import from_cuda_array_interface, from_dlpack
+        if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
+            return from_cuda_array_interface(obj, device)
+        return from_dlpack(obj, device, stream=stream)
 
     # --- data -------------------------------------------------------------------------
 
@@ -93,9 +154,14 @@ class DeviceArray:
         return len(self.shape)
 
     def free(self) -> None:
+        """Give the memory back now (owning arrays; a view only forgets its address).
+        Idempotent. Views and exported DLPack tensors of this array must not be used
+        after it: free explicitly only what nobody else holds, or drop the reference and
+        let the last holder's release free it."""
         if self._owned and self.ptr:
             self.device.free(self.ptr)
         self.ptr = 0
+        self.base = None
 
     def __del__(self) -> None:
         with suppress(Exception):  # interpreter shutdown: the runtime may already be gone

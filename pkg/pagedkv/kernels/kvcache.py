@@ -27,12 +27,13 @@ __all__ = [
     "kv_dtype_of",
     "kv_q8_read",
     "kv_q8_write",
+    "kv_rotated_write",
 ]
 
 SOURCE = "kvcache"
-# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 / PKV_ATTN_PARTITION;
-# every compressed dtype uses the latter).
-ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 512, "q8": 512}
+# Tokens per attention partition by KV dtype (PKV_ATTN_PARTITION_F16 for f16 and bf16, the
+# tensor-core settings; PKV_ATTN_PARTITION for q8 and every compressed K/V pair).
+ATTN_PARTITION_TOKENS = {"float16": 1024, "bfloat16": 1024, "q8": 512}
 ATTN_THREADS = 128  # PKV_ATTN_THREADS
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
@@ -108,6 +109,41 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
     k = device.kernel(SOURCE, name, "pppiii")
     k((math.ceil(n * kvh * hd / 256),), (256,), pool, slots, out, n, kvh, hd, stream=stream)
+
+
+KV_WRITE_THREADS = 256  # PKV_KV_WRITE_THREADS
+
+
+def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: DeviceArray,
+                     mode: str, *, stream: Stream | None = None) -> None:
+    """Encode ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) as records of the
+    rotated KV mode ``mode`` (``fwht4``, ``fwht3``, ``fwht2``, ``lloyd4``, ``lloyd3``,
+    ``lloyd2``) into ``pool`` (``uint8[num_blocks, block_size, kv_heads, row_bytes]``) at
+    ``slots`` (``int64[n]``; -1 skips a token): the bytes :func:`pagedkv.quant.kv.encode`
+    writes on the host, one CTA per (token, head) row. Finite input only (not checked on
+    the device)."""
+    from pagedkv.quant import kv as kv_modes
+    m = kv_modes.kv_mode(mode)
+    if not m.rotated:
+        raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
+                              f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
+    if src.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or src.ndim != 3:
+        raise InvalidArgument(f"src: {src.dtype}{list(src.shape)}, expected float32 or "
+                              f"float16 [n, kv_heads, head_dim]")
+    _need(slots, "slots", np.int64, 1)
+    _need(pool, "pool", np.uint8)
+    n, kvh, hd = src.shape
+    row = m.row_bytes(hd)
+    if pool.ndim != 4 or pool.shape[2:] != (kvh, row):
+        raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
+                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd}")
+    if slots.shape[0] != n:
+        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    if n == 0:
+        return
+    name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
+    k = device.kernel(SOURCE, name, "pppiiii")
+    k((n * kvh,), (KV_WRITE_THREADS,), src, slots, pool, n, kvh, hd, m.id, stream=stream)
 
 
 def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_blocks: int,
@@ -237,6 +273,14 @@ class PagedAttention:
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
+
+    def run_pool(self, q: DeviceArray, pool, layer: int, tables, out: DeviceArray, *,
+                 generation: int | None = None, stream=None) -> None:
+        """:meth:`run` over ``layer`` of a device ``LayerKVPool`` and a
+        :class:`~pagedkv.kernels.paged.DeviceDecodeBatch`; a table of another pool
+        generation raises ``StaleBlockTable`` before any launch (pagedkv.kernels.paged)."""
+        from pagedkv.kernels.paged import attention
+        attention(self, q, pool, layer, tables, out, generation=generation, stream=stream)
 
 
 def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids: DeviceArray,

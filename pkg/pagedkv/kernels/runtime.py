@@ -52,6 +52,7 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "memcpy_dtod_async": ("cuMemcpyDtoDAsync_v2", "hipMemcpyDtoDAsync",
                           [_ptr, _ptr, c_size_t, _handle]),
     "memset_d8": ("cuMemsetD8_v2", "hipMemsetD8", [_ptr, ctypes.c_ubyte, c_size_t]),
+    "mem_get_info": ("cuMemGetInfo_v2", "hipMemGetInfo", [POINTER(c_size_t), POINTER(c_size_t)]),
     "module_load_data": ("cuModuleLoadData", "hipModuleLoadData", [POINTER(_handle), c_void_p]),
     "module_unload": ("cuModuleUnload", "hipModuleUnload", [_handle]),
     "module_get_function": ("cuModuleGetFunction", "hipModuleGetFunction",
@@ -68,6 +69,7 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "event_elapsed_time": ("cuEventElapsedTime", "hipEventElapsedTime",
                            [POINTER(c_float), _handle, _handle]),
     "event_destroy": ("cuEventDestroy_v2", "hipEventDestroy", [_handle]),
+    "stream_wait_event": ("cuStreamWaitEvent", "hipStreamWaitEvent", [_handle, _handle, c_uint]),
     # Graphs (benchmarks replay captured launch sequences).
     "stream_begin_capture": ("cuStreamBeginCapture_v2", "hipStreamBeginCapture", [_handle, c_int]),
     "stream_end_capture": ("cuStreamEndCapture", "hipStreamEndCapture",

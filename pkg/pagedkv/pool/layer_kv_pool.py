@@ -1,7 +1,8 @@
 """LayerKVPool: the physical K/V storage of a paged cache (paged-kv.md §5).
 
 Per physical layer one K and one V array ``[num_blocks, block_size, num_kv_heads, head_dim]``
-of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``).
+of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``,
+a GPU :class:`~pagedkv.kernels.DeviceArray` with ``backend="device"``).
 Slot ``s = block_id * block_size + offset`` addresses one token of one block. The pool never
 decides *which* block a token goes to: the allocator and the adapter do; the pool validates
 and copies, vectorized, one NumPy (or MLX) call per array.
@@ -33,7 +34,7 @@ __all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 logger = logging.getLogger("pagedkv")
 
 #: Backend names a pool accepts.
-BACKENDS = ("numpy", "mlx")
+BACKENDS = ("numpy", "mlx", "device")
 
 GrowCallback = Callable[[int, int, int], None]
 
@@ -57,6 +58,9 @@ def _storage_class(backend: str, geometry: PoolGeometry, split: bool = False):
     if backend == "mlx":
         from pagedkv.pool.mlx_storage import MlxKVStorage
         return MlxKVStorage
+    if backend == "device":
+        from pagedkv.pool.device_storage import DeviceKVStorage
+        return DeviceKVStorage
     raise InvalidArgument(f"backend: {backend!r} is not a pool backend; use one of "
                           f"{list(BACKENDS)}")
 
@@ -107,12 +111,14 @@ class LayerKVPool:
     ``num_blocks``: blocks allocated now; ``max_num_blocks`` (default ``num_blocks``): the
     most :meth:`grow_to` may reach. ``memory_budget``: debited with this pool's bytes (the
     first allocation must fit, else ``InvalidArgument``). ``pool_id`` names the pool in the
-    budget (default ``"pool-<n>"``).
+    budget (default ``"pool-<n>"``). ``device``: the GPU of a ``backend="device"`` pool
+    (a :class:`pagedkv.kernels.Device`; default ``open_device()``); other backends refuse it.
     """
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int, max_num_blocks: int | None = None,
                  *, backend: str = "numpy", memory_budget: MemoryBudget | None = None,
-                 pool_id: Hashable | None = None, layer_region_bytes: int | None = None) -> None:
+                 pool_id: Hashable | None = None, device=None,
+                 layer_region_bytes: int | None = None) -> None:
         if not isinstance(geometry, PoolGeometry):
             raise InvalidArgumentType(
                 f"geometry: expected a PoolGeometry, got {type(geometry).__name__}")
@@ -141,6 +147,12 @@ class LayerKVPool:
                     f"{layer_region_bytes // per_block} blocks of {per_block} bytes, fewer "
                     f"than num_blocks={num_blocks}")
         storage_class = _storage_class(backend, geometry, layer_region_bytes is not None)
+        storage_args = {}
+        if backend == "device":
+            storage_args["device"] = device
+        elif device is not None:
+            raise InvalidArgument(f"device: only a backend='device' pool takes a device "
+                                  f"(backend={backend!r})")
         if pool_id is None:
             pool_id = f"pool-{next(_pool_numbers)}"
 
@@ -157,7 +169,7 @@ class LayerKVPool:
                     "bytes available")
         try:
             if layer_region_bytes is None:
-                storage = storage_class(geometry, num_blocks)
+                storage = storage_class(geometry, num_blocks, **storage_args)
             else:
                 storage = NumpySplitKVStorage(geometry, num_blocks, np.zeros(
                     (geometry.num_layers, layer_region_bytes), np.uint8))
@@ -191,8 +203,13 @@ class LayerKVPool:
 
     @property
     def backend(self) -> str:
-        """``"numpy"`` or ``"mlx"``."""
+        """``"numpy"``, ``"mlx"`` or ``"device"``."""
         return self._backend
+
+    @property
+    def device(self):
+        """The :class:`pagedkv.kernels.Device` of a ``backend="device"`` pool, else None."""
+        return getattr(self._storage, "device", None)
 
     @property
     def pool_id(self) -> Hashable:
@@ -454,13 +471,48 @@ class LayerKVPool:
             slots = self._table_slots(block_ids, num_tokens)
             return self._storage.gather_layers(slots)
 
+    def flush(self) -> None:
+        """Start evaluating the pool's pending lazy writes and return at once (MLX backend:
+        ``mx.async_eval``; NumPy writes are eager, so nothing to do). Token writes and
+        gathers on an MLX pool never evaluate (docs/pool.md, "MLX backend")."""
+        with self._lock:
+            self._storage.flush()
+
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, *,
+                        generation: int | None = None, scale: float | None = None,
+                        check: bool = True):
+        """Decode attention of one layer straight from the pool: one query token per sequence
+        (``q`` ``[seqs, heads, head_dim]``), GQA, over ``block_tables`` (``int32[seqs,
+        width]``, -1 padded) and ``seq_lens`` (``int32[seqs]``), as
+        :meth:`PagedKVCacheAdapter.prepare_decode <pagedkv.adapter.PagedKVCacheAdapter.prepare_decode>`
+        builds them (pass its ``generation``). Returns ``float32[seqs, heads, head_dim]``;
+        ``scale`` defaults to ``head_dim ** -0.5``.
+
+        MLX pools run :func:`pagedkv.kernels.mlx.paged_attention` (the Metal or CUDA kernel
+        on an MLX GPU, MLX array ops on its CPU), reading K/V where they are: no gather into
+        a contiguous cache. NumPy pools compute the float64 reference
+        (:func:`pagedkv.kernels.reference.paged_attention_decode`). ``check=False`` skips
+        the host check of the table entries on MLX pools: for a decode step that checked
+        its batch once (``pagedkv.kernels.kvcache.check_decode_batch``) and passes the same
+        ``mx.array`` tables to every layer."""
+        with self._lock:
+            self.check_generation(generation)
+            layer = self._layer_index(layer)
+            return self._storage.paged_attention(layer, q, block_tables, seq_lens, scale,
+                                                 check)
+
     def decode_tokens(self, k, v):
         """``(k, v)`` gathered from this pool as float32 values ``[..., kv_heads, head_dim]``:
-        the records of a KV-mode pool decoded (NumPy, or MLX array ops on an MLX pool),
-        float arrays of an unquantized pool returned as they are (bfloat16 bits widened)."""
+        the records of a KV-mode pool decoded (NumPy, or MLX array ops on an MLX pool; a
+        device pool's arrays are copied to the host first), float arrays of an unquantized
+        pool returned as they are (bfloat16 bits widened)."""
         g = self._geometry
         out = []
         for side, x in ((g.k_dtype, k), (g.v_dtype, v)):
+            if self._backend == "device":  # DeviceArrays: decoded on the host
+                x = self._storage.to_numpy(x)
             if side in kv_modes.KV_MODES:
                 x = kv_modes.decode(x, side, g.head_dim)
             elif side == "bfloat16" and isinstance(x, np.ndarray):
@@ -521,7 +573,9 @@ class LayerKVPool:
                 if target != old_blocks:
                     raise InvalidArgument("num_blocks: only a pool with layer_region_bytes "
                                           "gains blocks when it transcodes")
-                new_storage = _storage_class(self._backend, new)(new, old_blocks)  # type: ignore[operator]
+                extra = {"device": storage.device} if self._backend == "device" else {}
+                new_storage = _storage_class(self._backend, new)(  # type: ignore[operator]
+                    new, old_blocks, **extra)
                 buf = np.empty(old.block_buffer_shape, np.uint8)
                 for b in range(old_blocks):
                     storage.read_block_into(b, buf)
@@ -542,6 +596,9 @@ class LayerKVPool:
             self._max_num_blocks = max(self._max_num_blocks, target)
             self._generation += 1
             generation = self._generation
+            release = getattr(storage, "release", None)  # device pools: after the bump
+            if release is not None and storage is not new_storage:
+                release()
             if self._budget is not None:
                 self._budget.update_pool(self._pool_id, self.total_bytes)
         logger.info("paged pool transcoded %s -> %s blocks=%d->%d generation=%d", old.dtype,
@@ -648,11 +705,17 @@ class LayerKVPool:
             try:
                 # The pool lock is held through the copy so no concurrent write is lost.
                 with self._lock:
-                    self._storage = self._storage.grown(new_num_blocks)
+                    old_storage = self._storage
+                    self._storage = old_storage.grown(new_num_blocks)
                     self._slot_copier = self._storage.slot_copier
                     self._num_blocks = new_num_blocks
                     self._generation += 1
                     generation = self._generation
+                    # The old generation's memory goes only after the bump (device pools:
+                    # the last holder of an exported view frees it).
+                    release = getattr(old_storage, "release", None)
+                    if release is not None:
+                        release()
             except BaseException:
                 if budget is not None:
                     budget.update_pool(self._pool_id, old_bytes)

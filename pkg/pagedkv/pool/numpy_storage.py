@@ -92,6 +92,29 @@ class NumpyKVStorage:
                 np.copyto(new.array[layer, kv, :old], self.array[layer, kv])
         return new
 
+    # -- decode attention ------------------------------------------------------------------
+
+    def paged_attention(self, layer: int, q, block_tables, seq_lens, scale,
+                        check: bool = True) -> np.ndarray:
+        """The float64 NumPy reference over this layer (the oracle the kernels are tested
+        against; correct, not fast). The tables are always checked."""
+        from pagedkv.kernels.kvcache import check_decode_batch
+        from pagedkv.kernels.reference import paged_attention_decode
+        g = self.geometry
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 3 or q.shape[2] != g.head_dim or q.shape[1] % g.num_kv_heads:
+            raise InvalidArgument(f"q: shape {q.shape}, expected [seqs, heads (a multiple of "
+                                  f"{g.num_kv_heads}), {g.head_dim}]")
+        tables = np.asarray(block_tables)
+        lens = np.asarray(seq_lens)
+        check_decode_batch(tables, lens, num_blocks=self.num_blocks, block_size=g.block_size)
+        if tables.shape[0] != q.shape[0]:
+            raise InvalidArgument(f"block_tables: {tables.shape[0]} rows, q has {q.shape[0]} "
+                                  f"sequences")
+        k, v = self.layer(layer)
+        return paged_attention_decode(q, k, v, tables, lens, kv_dtype=g.dtype,
+                                      scale=g.head_dim ** -0.5 if scale is None else scale)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block_into(self, block_id: int, out: np.ndarray) -> None:
@@ -101,6 +124,9 @@ class NumpyKVStorage:
         np.copyto(self._blocks[:, :, block_id], data.view(self.geometry.storage_dtype))
 
     # -- tokens ----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Nothing to do: NumPy writes are done when they return."""
 
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         k_slots, v_slots = self._layer_tokens[layer]
@@ -162,6 +188,9 @@ class NumpySplitKVStorage:
 
     as_payload = NumpyKVStorage.as_payload
     to_numpy = NumpyKVStorage.to_numpy
+    # The float64 reference over the layer's strided views (compressed K/V read as stored).
+    paged_attention = NumpyKVStorage.paged_attention
+    flush = NumpyKVStorage.flush
 
     @property
     def region_bytes(self) -> int:

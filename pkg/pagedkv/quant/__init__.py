@@ -53,7 +53,9 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
             flat16 = array.reshape(-1)
             reject_nonfinite(flat16, int(np.flatnonzero(~np.isfinite(flat16))[0]), "array", shape)
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy()
-    flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+    # Aligned too: the Cython encoders read floats through typed pointers (a float32 view
+    # at an odd byte offset would be undefined behaviour there).
+    flat = np.require(array, np.float32, ["C", "A"]).reshape(-1)
     out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
     if codec.kind == AFFINE:
         bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
@@ -124,10 +126,10 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         q8.decode(data, out)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
-    elif codec.name == "f16":
-        half.f16_to_f32(data.view(np.uint16), out)
     else:
-        half.bf16_to_f32(data.view(np.uint16), out)
+        # HFQM payloads sit at any byte offset of the file: widen from an aligned copy.
+        halves = np.require(data.view(np.uint16), requirements=["C", "A"])
+        (half.f16_to_f32 if codec.name == "f16" else half.bf16_to_f32)(halves, out)
     return result
 
 

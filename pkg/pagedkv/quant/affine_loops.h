@@ -5,8 +5,7 @@
 #include "pagedkv/quant.h"
 #include "cpu_simd.h"
 
-/* Affine families, as pagedkv.quant.affine.AffineFamily numbers them. */
-enum { PKV_FAMILY_HFQ = 0, PKV_FAMILY_MQ_V1 = 1, PKV_FAMILY_MQ_V2 = 2, PKV_FAMILY_MQ4C = 3 };
+/* Affine families (PKV_FAMILY_*, AffineFamily's numbers): pagedkv/quant.h. */
 
 /* One group; inlined with constant bits/G below, so each common case gets its
  * own fully unrolled, vectorized loop. */

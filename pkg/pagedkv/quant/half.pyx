@@ -20,10 +20,23 @@ cnp.import_array()
 from pagedkv.errors import InvalidArgument
 
 
+cdef inline int _check_aligned(const void *p, Py_ssize_t n, size_t align, str name) except -1:
+    # A typed memoryview accepts any buffer, aligned or not; reading uint16/float through a
+    # misaligned pointer is undefined behaviour in C (UBSan reports it, and vectorized loops
+    # may use aligned loads), so a view at an odd file offset is refused here and callers
+    # copy it (pagedkv.quant.dequantize does).
+    if n and (<size_t>p) % align:
+        raise InvalidArgument(f"{name} is not {align}-byte aligned; pass an aligned copy "
+                              "(np.require(a, requirements=['C', 'A']))")
+    return 0
+
+
 def f16_trunc(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
+    _check_aligned(&x[0] if n else NULL, n, 4, "x")
+    _check_aligned(&out[0] if n else NULL, n, 2, "out")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_trunc(x[i])
@@ -33,6 +46,8 @@ def f16_rne(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
+    _check_aligned(&x[0] if n else NULL, n, 4, "x")
+    _check_aligned(&out[0] if n else NULL, n, 2, "out")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_rne(x[i])
@@ -42,6 +57,8 @@ def bf16_trunc(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
+    _check_aligned(&x[0] if n else NULL, n, 4, "x")
+    _check_aligned(&out[0] if n else NULL, n, 2, "out")
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_bf16_trunc(x[i])
@@ -51,6 +68,8 @@ def f16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t i, n = h.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
+    _check_aligned(&h[0] if n else NULL, n, 2, "h")
+    _check_aligned(&out[0] if n else NULL, n, 4, "out")
     with nogil:
         for i in range(n):
             out[i] = pkv_f16_to_f32(h[i])
@@ -60,6 +79,8 @@ def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t i, n = h.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
+    _check_aligned(&h[0] if n else NULL, n, 2, "h")
+    _check_aligned(&out[0] if n else NULL, n, 4, "out")
     with nogil:
         for i in range(n):
             out[i] = pkv_bf16_to_f32(h[i])

@@ -2,21 +2,32 @@
 
 :class:`ReferenceModel` (NumPy by default, MLX with ``backend="mlx"``) runs greedy decoding
 over a :class:`FlatKV` (one contiguous array per layer) or a :class:`PagedKV` (a sequence of
-a :class:`pagedkv.adapter.PagedKVCacheAdapter`). See docs/adapter.md, "Reference model".
+a :class:`pagedkv.adapter.PagedKVCacheAdapter`). With a :class:`HybridConfig` it is the hybrid
+model (full, sliding-window and gated-delta-net layers, a KV-shared alias) over a
+:class:`HybridKVPath` such as :class:`HybridFlatKV`, whose out-of-pool state at a token
+boundary is a :class:`HybridSnapshot`. See docs/adapter.md, "Reference model", and
+docs/reference-model.md.
 """
 
 from pagedkv.reference.config import MODEL_TYPE, ReferenceConfig
+from pagedkv.reference.hybrid_config import HybridConfig
+from pagedkv.reference.hybrid_kv import HybridFlatKV, HybridKVPath
+from pagedkv.reference.hybrid_state import HybridSnapshot
 from pagedkv.reference.kv_paths import FlatKV, KVPath, PagedKV
 from pagedkv.reference.model import BACKENDS, NUMPY_MLX_LOGITS_ATOL, Generation, ReferenceModel
 
 __all__ = [
-                                     "BACKENDS",
-                                     "MODEL_TYPE",
-                                     "NUMPY_MLX_LOGITS_ATOL",
-                                     "FlatKV",
-                                     "Generation",
-                                     "KVPath",
-                                     "PagedKV",
-                                     "ReferenceConfig",
-                                     "ReferenceModel",
+    "BACKENDS",
+    "MODEL_TYPE",
+    "NUMPY_MLX_LOGITS_ATOL",
+    "FlatKV",
+    "Generation",
+    "HybridConfig",
+    "HybridFlatKV",
+    "HybridKVPath",
+    "HybridSnapshot",
+    "KVPath",
+    "PagedKV",
+    "ReferenceConfig",
+    "ReferenceModel",
 ]

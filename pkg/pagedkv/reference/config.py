@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from pagedkv.errors import BadMetadata, InvalidArgument
+from pagedkv.errors import BadMetadata, InvalidArgument, TopologyError
 
 __all__ = ["MODEL_TYPE", "ReferenceConfig"]
 
@@ -72,10 +72,14 @@ class ReferenceConfig:
         if not isinstance(d, dict) or d.get("model_type") != MODEL_TYPE:
             got = d.get("model_type") if isinstance(d, dict) else type(d).__name__
             raise BadMetadata(f"model_type is {got!r}, expected {MODEL_TYPE!r}", path=path)
+        if cls is ReferenceConfig and "layer_types" in d:
+            # A hybrid model saves its layer kinds; the model_type stays the same.
+            from pagedkv.reference.hybrid_config import HybridConfig
+            return HybridConfig.from_json_dict(d, path=path)
         fields = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in d.items() if k in fields})
-        except (TypeError, InvalidArgument) as e:
+        except (TypeError, InvalidArgument, TopologyError) as e:
             raise BadMetadata(f"invalid reference config: {e}", path=path) from e
 
     def to_json(self) -> str:

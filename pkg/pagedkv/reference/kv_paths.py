@@ -25,6 +25,7 @@ import numpy as np
 from pagedkv.errors import InvalidArgument
 from pagedkv.quant import kv as kv_modes
 from pagedkv.reference.config import ReferenceConfig
+from pagedkv.reference.flat_rows import LayerRows
 
 __all__ = ["FlatKV", "KVPath", "PagedKV"]
 
@@ -57,17 +58,9 @@ class FlatKV:
         sides = kv_modes.split_kv_dtype(kv_dtype)
         self._modes = sides if sides[0] in kv_modes.KV_MODES else None
         self._num_tokens = 0
-        shape = (initial_capacity_tokens, config.num_kv_heads, config.head_dim)
-        # Per layer: a float32 ndarray (numpy), or an mx.array / None before the first write
-        # (mlx, imported lazily: its type cannot be named here).
-        self._k: list[Any]
-        self._v: list[Any]
-        if backend == "numpy":
-            self._k = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-            self._v = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
-        else:
-            self._k = [None] * config.num_layers
-            self._v = [None] * config.num_layers
+        row_shape = (config.num_kv_heads, config.head_dim)
+        self._rows = [LayerRows(backend, row_shape, initial_capacity_tokens)
+                      for _ in range(config.num_layers)]
 
     def __repr__(self) -> str:
         return f"FlatKV(backend={self._backend!r}, num_tokens={self._num_tokens})"
@@ -84,32 +77,14 @@ class FlatKV:
             hd = self._config.head_dim
             k, v = (kv_modes.decode(kv_modes.encode(x, m), m, hd)
                     for x, m in zip((k, v), self._modes, strict=True))
-        n = k.shape[0]
-        start = self._num_tokens - n
-        if self._backend == "mlx":
-            import mlx.core as mx
-            old_k, old_v = self._k[layer], self._v[layer]
-            stored = 0 if old_k is None else old_k.shape[0]
-            if stored != start:
-                raise InvalidArgument(f"FlatKV layer {layer}: writing at {start}, holds {stored}")
-            self._k[layer] = k if old_k is None else mx.concatenate([old_k, k], axis=0)
-            self._v[layer] = v if old_v is None else mx.concatenate([old_v, v], axis=0)
-            return
-        buf_k, buf_v = self._k[layer], self._v[layer]
-        if self._num_tokens > buf_k.shape[0]:
-            capacity = max(2 * buf_k.shape[0], self._num_tokens)
-            new_k = np.zeros((capacity,) + buf_k.shape[1:], np.float32)
-            new_v = np.zeros_like(new_k)
-            new_k[:buf_k.shape[0]] = buf_k
-            new_v[:buf_v.shape[0]] = buf_v
-            self._k[layer], self._v[layer] = buf_k, buf_v = new_k, new_v
-        buf_k[start:self._num_tokens] = k
-        buf_v[start:self._num_tokens] = v
+        start = self._num_tokens - k.shape[0]
+        rows = self._rows[layer]
+        if rows.end != start:
+            raise InvalidArgument(f"FlatKV layer {layer}: writing at {start}, holds {rows.end}")
+        rows.append(k, v)
 
     def read(self, layer: int):
-        if self._backend == "mlx":
-            return self._k[layer], self._v[layer]
-        return self._k[layer][:self._num_tokens], self._v[layer][:self._num_tokens]
+        return self._rows[layer].rows(0)
 
 
 class PagedKV:

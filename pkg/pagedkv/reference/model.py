@@ -13,10 +13,13 @@ import numpy as np
 
 from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgumentType
 from pagedkv.reference.config import ReferenceConfig
+from pagedkv.reference.hybrid_config import HybridConfig
+from pagedkv.reference.hybrid_kv import HybridFlatKV, HybridKVPath
 from pagedkv.reference.kv_paths import FlatKV, KVPath
 from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
 
 if TYPE_CHECKING:  # mlx_forward imports MLX: only for the checker
+    from pagedkv.reference.hybrid_forward import HybridTransformer
     from pagedkv.reference.mlx_forward import MlxTransformer
     from pagedkv.reference.numpy_forward import NumpyTransformer
 
@@ -43,7 +46,13 @@ class ReferenceModel:
     (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md), which needs a
     ``head_dim`` the modes store (q8: a multiple of 32; fwht4/fwht2: 128 or 256; fwht3 and
     lloyd: 256). Paged pools built for the model take it; its flat path round-trips K/V
-    through the same codec, so paged and flat stay bit-identical."""
+    through the same codec, so paged and flat stay bit-identical.
+
+    A :class:`~pagedkv.reference.hybrid_config.HybridConfig` makes it the hybrid model (full,
+    sliding-window and gated-delta-net layers, a KV-shared alias), which runs over a
+    :class:`~pagedkv.reference.hybrid_kv.HybridKVPath` instead of a ``KVPath`` (float32 KV
+    only).
+    """
 
     def __init__(self, config: ReferenceConfig | None = None,
                  weights: dict[str, np.ndarray] | None = None, *, backend: str = "numpy",
@@ -60,18 +69,36 @@ class ReferenceModel:
             raise InvalidArgument(f"kv_dtype={kv_dtype!r}: the reference model computes in "
                                   f"float32; store its K/V as float32 or a KV mode (q8, "
                                   f"fwht4/q8, ...)")
+        if isinstance(c, HybridConfig) and self.kv_dtype != "float32":
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: the hybrid reference model stores "
+                                  f"float32 K/V only; build it with kv_dtype='float32'")
         self.weights = weights if weights is not None else random_weights(self.config)
         self.backend = backend
-        self._impl: MlxTransformer | NumpyTransformer
-        if backend == "mlx":
+        self._impl: MlxTransformer | NumpyTransformer | HybridTransformer
+        if isinstance(self.config, HybridConfig):
+            from pagedkv.reference.hybrid_forward import HybridTransformer
+            self._impl = HybridTransformer(self.config, self.weights, backend)
+        elif backend == "mlx":
             from pagedkv.reference.mlx_forward import MlxTransformer
             self._impl = MlxTransformer(self.config, self.weights)
         else:
             from pagedkv.reference.numpy_forward import NumpyTransformer
             self._impl = NumpyTransformer(self.config, self.weights)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the config mixes layer kinds (the model then needs a ``HybridKVPath``)."""
+        return isinstance(self.config, HybridConfig)
+
     def __repr__(self) -> str:
         c = self.config
+        if isinstance(c, HybridConfig):
+            kinds = (f"{len(c.full_attention_layers)} full + {len(c.sliding_attention_layers)} "
+                     f"sliding(window={c.sliding_window}) + {len(c.linear_attention_layers)} "
+                     f"linear, {len(c.kv_shared_layers)} kv-shared")
+            return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers} ({kinds}), "
+                    f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
+                    f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
         return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers}, "
                 f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
                 f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed}, "
@@ -98,17 +125,28 @@ class ReferenceModel:
 
     # --- inference ---------------------------------------------------------------------------
 
-    def new_flat_kv(self) -> FlatKV:
-        """An empty flat KV path on this model's backend (and KV mode)."""
+    def new_flat_kv(self) -> FlatKV | HybridFlatKV:
+        """An empty flat KV path on this model's backend and KV mode (a ``HybridFlatKV`` for
+        a hybrid config)."""
+        if isinstance(self.config, HybridConfig):
+            return HybridFlatKV(self.config, self.backend)
         return FlatKV(self.config, self.backend, kv_dtype=self.kv_dtype)
 
-    def forward(self, tokens, kv: KVPath, *, already_recorded: bool = False) -> np.ndarray:
+    def forward(self, tokens, kv: KVPath | HybridKVPath, *,
+                already_recorded: bool = False) -> np.ndarray:
         """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``.
 
         ``kv.extend(tokens)`` reserves the positions first (the paged path records the tokens in
         the adapter). With ``already_recorded=True`` the caller has done that already (a batched
         ``record_decode_tokens``): the tokens are then the last ``n`` that ``kv`` holds.
         """
+        # hasattr, not isinstance on the Protocol: that costs ~100 us per decode step.
+        if self.is_hybrid != hasattr(kv, "linear_state"):
+            need = ("a HybridKVPath (HybridFlatKV)" if self.is_hybrid
+                    else "a KVPath (FlatKV, PagedKV)")
+            raise InvalidArgumentType(
+                f"{type(kv).__name__} cannot carry this model's state: it needs {need}; "
+                "model.new_flat_kv() makes the right one")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size == 0:
             raise InvalidArgument(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
@@ -135,9 +173,9 @@ class ReferenceModel:
                 "sequence or a config with a larger max_position")
         if not already_recorded:
             kv.extend(tokens)
-        return self._impl.forward(tokens, start, kv)
+        return self._impl.forward(tokens, start, kv)  # type: ignore[arg-type]
 
-    def generate(self, prompt, max_new_tokens: int, kv: KVPath) -> Generation:
+    def generate(self, prompt, max_new_tokens: int, kv: KVPath | HybridKVPath) -> Generation:
         """Greedy decoding. ``kv`` may already hold ``prompt[:kv.num_tokens]`` (a prefix hit or a
         live previous turn): only the rest of the prompt is computed. The last generated token
         is not fed back, so ``kv`` ends holding ``prompt + tokens[:-1]``.

@@ -51,11 +51,77 @@ class NumpyTransformer:
         self.layers = [layer_operands(weights, i) for i in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config)
         self.scale = np.float32(1.0 / np.sqrt(config.head_dim))
+        self.xp = np
 
-    def _rms_norm(self, row: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def rms_norm(self, row: np.ndarray, weight: np.ndarray) -> np.ndarray:
         var = np.mean(row * row, dtype=np.float32)
         inv_rms = np.float32(1.0) / np.sqrt(var + np.float32(self.config.rms_norm_eps))
         return row * inv_rms * weight
+
+    def embed_rows(self, tokens: np.ndarray) -> np.ndarray:
+        return self.embed[tokens]
+
+    @staticmethod
+    def rows_done(rows: list) -> np.ndarray:
+        """A layer's output rows as one ``[n, hidden]`` array (a copy: no arithmetic)."""
+        return np.stack(rows)
+
+    def project_qkv(self, x: np.ndarray, w: dict, positions: np.ndarray, *, with_kv: bool
+                     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Roped ``q[n, heads, head_dim]`` and, with ``with_kv``, roped ``k`` and ``v``
+        ``[n, kv_heads, head_dim]`` of rows ``x[n, hidden]`` (one row at a time)."""
+        c = self.config
+        n = len(x)
+        q = np.empty((n, c.num_heads * c.head_dim), np.float32)
+        k = np.empty((n, c.num_kv_heads * c.head_dim), np.float32) if with_kv else None
+        v = np.empty((n, c.num_kv_heads * c.head_dim), np.float32) if with_kv else None
+        for i in range(n):
+            h = self.rms_norm(x[i], w["attn_norm"])
+            q[i] = h @ w["wq"]
+            if k is not None and v is not None:
+                k[i] = h @ w["wk"]
+                v[i] = h @ w["wv"]
+        q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), positions,
+                       self.cos, self.sin, np.concatenate)
+        if k is None or v is None:
+            return q, None, None
+        k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), positions,
+                       self.cos, self.sin, np.concatenate)
+        return q, k, v.reshape(n, c.num_kv_heads, c.head_dim)
+
+    @staticmethod
+    def heads_major(keys, values) -> tuple[np.ndarray, np.ndarray]:
+        """``[kv_heads, tokens, head_dim]``: each head's history is one contiguous matrix."""
+        return (np.ascontiguousarray(np.asarray(keys).transpose(1, 0, 2)),
+                np.ascontiguousarray(np.asarray(values).transpose(1, 0, 2)))
+
+    def attend(self, q_row: np.ndarray, keys: np.ndarray, values: np.ndarray, lo: int,
+                hi: int) -> np.ndarray:
+        """Attention output ``[heads * head_dim]`` of one token's ``q_row[heads, head_dim]``
+        over rows ``[lo, hi)`` of heads-major ``keys``/``values``."""
+        c = self.config
+        group = c.queries_per_kv_head
+        attn = np.empty((c.num_heads, c.head_dim), np.float32)
+        for g in range(c.num_kv_heads):
+            qg = q_row[g * group:(g + 1) * group]              # [group, head_dim]
+            scores = (keys[g, lo:hi] @ qg.T) * self.scale      # [hi - lo, group]
+            scores = np.exp(scores - scores.max(axis=0))
+            probs = scores / scores.sum(axis=0)
+            attn[g * group:(g + 1) * group] = probs.T @ values[g, lo:hi]
+        return attn.reshape(-1)
+
+    def mlp_residual(self, row: np.ndarray, w: dict) -> np.ndarray:
+        """``row + MLP(norm(row))`` for one token row (SwiGLU)."""
+        h = self.rms_norm(row, w["mlp_norm"])
+        gate = h @ w["w_gate"]
+        act = gate / (np.float32(1.0) + np.exp(-gate)) * (h @ w["w_up"])
+        return row + act @ w["w_down"]
+
+    def lm_logits(self, x: np.ndarray) -> np.ndarray:
+        logits = np.empty((len(x), self.config.vocab_size), np.float32)
+        for i in range(len(x)):
+            logits[i] = self.rms_norm(x[i], self.final_norm) @ self.lm_head
+        return logits
 
     def forward(self, tokens: np.ndarray, start: int, kv: KVPath) -> np.ndarray:
         """Logits ``float32[n, vocab]`` of ``tokens`` (int64) at positions ``start ..``, whose
@@ -63,45 +129,14 @@ class NumpyTransformer:
         c = self.config
         n = len(tokens)
         positions = np.arange(start, start + n)
-        group = c.queries_per_kv_head
-        x = self.embed[tokens]
+        x = self.embed_rows(tokens)
         for layer, w in enumerate(self.layers):
-            q = np.empty((n, c.num_heads * c.head_dim), np.float32)
-            k = np.empty((n, c.num_kv_heads * c.head_dim), np.float32)
-            # [n, kv_heads * head_dim] rows here, [n, kv_heads, head_dim] once reshaped
-            v: np.ndarray = np.empty((n, c.num_kv_heads * c.head_dim), np.float32)
-            for i in range(n):
-                h = self._rms_norm(x[i], w["attn_norm"])
-                q[i] = h @ w["wq"]
-                k[i] = h @ w["wk"]
-                v[i] = h @ w["wv"]
-            q = apply_rope(q.reshape(n, c.num_heads, c.head_dim), positions,
-                           self.cos, self.sin, np.concatenate)
-            k = apply_rope(k.reshape(n, c.num_kv_heads, c.head_dim), positions,
-                           self.cos, self.sin, np.concatenate)
-            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            q, k, v = self.project_qkv(x, w, positions, with_kv=True)
             kv.write(layer, k, v)
-            keys, values = kv.read(layer)
-            # [kv_heads, tokens, head_dim]: each head's history is one contiguous matrix.
-            keys = np.ascontiguousarray(np.asarray(keys).transpose(1, 0, 2))
-            values = np.ascontiguousarray(np.asarray(values).transpose(1, 0, 2))
+            keys, values = self.heads_major(*kv.read(layer))
             out = np.empty((n, c.hidden_size), np.float32)
             for i in range(n):
-                visible = start + i + 1
-                attn = np.empty((c.num_heads, c.head_dim), np.float32)
-                for g in range(c.num_kv_heads):
-                    qg = q[i, g * group:(g + 1) * group]              # [group, head_dim]
-                    scores = (keys[g, :visible] @ qg.T) * self.scale  # [visible, group]
-                    scores = np.exp(scores - scores.max(axis=0))
-                    probs = scores / scores.sum(axis=0)
-                    attn[g * group:(g + 1) * group] = probs.T @ values[g, :visible]
-                row = x[i] + attn.reshape(-1) @ w["wo"]
-                h = self._rms_norm(row, w["mlp_norm"])
-                gate = h @ w["w_gate"]
-                act = gate / (np.float32(1.0) + np.exp(-gate)) * (h @ w["w_up"])
-                out[i] = row + act @ w["w_down"]
+                attn = self.attend(q[i], keys, values, 0, start + i + 1)
+                out[i] = self.mlp_residual(x[i] + attn @ w["wo"], w)
             x = out
-        logits = np.empty((n, c.vocab_size), np.float32)
-        for i in range(n):
-            logits[i] = self._rms_norm(x[i], self.final_norm) @ self.lm_head
-        return logits
+        return self.lm_logits(x)

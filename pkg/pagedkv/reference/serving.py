@@ -1,12 +1,14 @@
 """A small serving loop over the reference model and a paged adapter (``pagedkv demo``,
 parity tests).
 
-Requests are admitted (reset → prefix lookup → suffix reservation → prefill of the uncached
-part), decoded in interleaved steps (one batched ``record_decode_tokens`` + ``prepare_decode``
-per step, then each sequence's forward), and on completion registered for reuse and released.
-A request that cannot get blocks waits (admission) or is preempted and recomputed (decode), as
-a scheduler does on ``PoolExhausted``. Greedy decoding is deterministic, so every output must
-equal the same request run alone on a flat cache: :func:`check_parity`.
+Requests are admitted by :class:`pagedkv.coordinator.RecomputeScheduler` (reset → prefix
+lookup → fit check → suffix reservation), prefilled from their cached prefix, decoded in
+interleaved steps (one batched ``record_decode_tokens`` + ``prepare_decode`` per step, then each
+sequence's forward), and on completion registered for reuse and released. A request that does
+not fit waits; a decode step that runs out of blocks preempts the newest running request,
+which recomputes later (docs/coordinator.md, "Admission and preemption"). Greedy decoding is
+deterministic, so every output must equal the same request run alone on a flat cache:
+:func:`check_parity`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pagedkv.adapter import PagedKVCacheAdapter
-from pagedkv.errors import InvalidArgument, PoolExhausted
+from pagedkv.errors import InvalidArgument
 from pagedkv.reference.kv_paths import PagedKV
 from pagedkv.reference.model import Generation, ReferenceModel
 
-__all__ = ["Request", "SessionReport", "build_paged_adapter", "check_parity", "serve"]
+__all__ = ["Request", "RunningRequest", "SessionReport", "build_paged_adapter", "check_parity",
+           "count_admission", "run_session", "serve"]
 
 
 class Request(NamedTuple):
@@ -73,7 +76,7 @@ class SessionReport:
 
 def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_blocks: int = 64,
                         max_num_blocks: int | None = None, growth: bool = True,
-                        cold_tier=None, hash_seed: int | None = None,
+                        cold=None, hash_seed: int | None = None,
                         allocator_cls=None) -> PagedKVCacheAdapter:
     """A pool shaped for ``model`` (its backend and ``kv_dtype``: float32 unless the model
     runs a KV mode), an allocator and an adapter."""
@@ -85,16 +88,24 @@ def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_bloc
     geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.kv_dtype)
     pool = LayerKVPool(geometry, num_blocks, max_num_blocks, backend=model.backend)
     allocator = allocator_cls(num_blocks, max_num_blocks, block_size, hash_seed=hash_seed)
-    return PagedKVCacheAdapter(allocator, pool, cold_tier=cold_tier, growth=growth)
+    return PagedKVCacheAdapter(allocator, pool, cold=cold, growth=growth)
 
 
-class _Running:
-    __slots__ = ("logits", "request", "tokens")
+class RunningRequest:
+    """A request's output so far (and, for the hybrid model, its KV path)."""
+
+    __slots__ = ("kv", "logits", "request", "tokens")
 
     def __init__(self, request: Request) -> None:
         self.request = request
+        self.kv: Any = None
         self.tokens: list[int] = []
         self.logits: list[np.ndarray] = []
+
+    def restart(self) -> None:
+        """A (re)admission: a preempted request's partial output is void."""
+        self.tokens.clear()
+        self.logits.clear()
 
     def take(self, logits: np.ndarray) -> int:
         self.logits.append(logits)
@@ -108,13 +119,21 @@ class _Running:
 
 
 def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequence[Request], *,
-          max_batch: int = 8, warm_first: bool = True) -> SessionReport:
+          max_batch: int = 8, warm_first: bool = True,
+          watermark_fraction: float | None = None) -> SessionReport:
     """Run ``requests`` to completion; returns their outputs and what the cache did.
 
-    ``warm_first`` runs the first request alone before admitting the rest, so the shared
-    prefix it registers is there for the others (a warm server); ``max_batch`` bounds the
-    sequences decoding together.
+    Admission and preemption are :class:`pagedkv.coordinator.RecomputeScheduler`'s: a request
+    is admitted when its reservation (less the blocks its prefix hit holds) fits now,
+    deferred while others run, and when a decode step runs out of blocks the newest running
+    request is preempted and recomputed later (greedy: the same output). ``warm_first``
+    runs the first request alone before admitting the rest, so the shared prefix it
+    registers is there for the others (a warm server); ``max_batch`` bounds the sequences
+    decoding together; ``watermark_fraction`` overrides the admission watermark (0: admit
+    into the last free block).
     """
+    from pagedkv.coordinator import RecomputeScheduler
+
     if max_batch < 1:
         raise InvalidArgument(f"max_batch = {max_batch}: must be >= 1")
     for r in requests:
@@ -123,78 +142,28 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
     report = SessionReport()
     stats0 = adapter.stats()
     evictions0 = adapter.allocator.stats()["pressure_evictions"]
-    waiting = list(requests)
-    running: list[_Running] = []
-    batch_limit = 1 if warm_first else max_batch
-    # After a preemption nothing new is admitted until a running request finishes, or the
-    # victim would be readmitted into the same shortage forever.
-    admission_open = True
+    scheduler = RecomputeScheduler(adapter, max_running=1 if warm_first else max_batch,
+                                   watermark_fraction=watermark_fraction)
+    for r in requests:
+        scheduler.add(r.seq_id, r.prompt, r.max_new_tokens, cache_salt=r.cache_salt,
+                      payload=RunningRequest(r))
 
-    def admit(request: Request) -> bool:
-        s = request.seq_id
-        t0 = time.perf_counter()
-        adapter.reset_for_new_request(s)
-        try:
-            hit = adapter.find_cached_prefix(s, request.prompt, cache_salt=request.cache_salt,
-                                             max_tokens=len(request.prompt) - 1)
-            adapter.allocate_suffix_blocks(s, len(request.prompt))
-        except PoolExhausted:
-            adapter.release_request(s)
-            return False
-        state = _Running(request)
-        state.take(model.forward(request.prompt[hit.cached_tokens:], PagedKV(adapter, s))[-1])
-        report.prefill_seconds += time.perf_counter() - t0
-        report.prompt_tokens += len(request.prompt)
-        report.cached_tokens += hit.cached_tokens
-        report.hit_requests += hit.cached_tokens > 0
-        report.blocks_shared += len(hit.hot_blocks) + len(hit.restored_blocks)
-        running.append(state)
-        return True
-
-    def finish(state: _Running) -> None:
+    def prefill(admission) -> None:
+        state: RunningRequest = admission.request.payload
+        state.restart()
         r = state.request
-        adapter.register_full_blocks_for_reuse(r.seq_id, cache_salt=r.cache_salt)
-        adapter.release_request(r.seq_id)
-        report.outputs[r.seq_id] = Generation(np.asarray(state.tokens, np.int64),
-                                              np.stack(state.logits))
-
-    while waiting or running:
-        while admission_open and waiting and len(running) < batch_limit:
-            if not admit(waiting[0]):
-                if not running:
-                    raise PoolExhausted(f"request {waiting[0].seq_id!r} does not fit an idle pool")
-                break
-            waiting.pop(0)
-        for state in [s for s in running if s.done]:
-            running.remove(state)
-            finish(state)
-            admission_open = True
-        if not running:
-            batch_limit = max_batch
-            admission_open = True
-            continue
-        seqs = [s.request.seq_id for s in running]
-        tokens = np.asarray([s.tokens[-1] for s in running], np.uint32)
+        hit = admission.lookup
         t0 = time.perf_counter()
-        try:
-            adapter.record_decode_tokens(seqs, tokens)
-            adapter.prepare_decode(seqs)
-        except PoolExhausted:
-            # Preempt the newest sequence and recompute it later (greedy: same output).
-            victim = running.pop()
-            adapter.release_request(victim.request.seq_id)
-            waiting.insert(0, victim.request)
-            report.preemptions += 1
-            admission_open = False
-            continue
-        t1 = time.perf_counter()
-        for state in running:
-            kv = PagedKV(adapter, state.request.seq_id)
-            state.take(model.forward(state.tokens[-1:], kv, already_recorded=True)[-1])
-        t2 = time.perf_counter()
-        report.decode_steps += 1
-        report.bookkeeping_seconds += t1 - t0
-        report.decode_seconds += t2 - t0
+        state.take(model.forward(r.prompt[hit.cached_tokens:], PagedKV(adapter, r.seq_id))[-1])
+        count_admission(report, len(r.prompt), hit, time.perf_counter() - t0)
+
+    def decode(request) -> np.ndarray:
+        state = request.payload
+        kv = PagedKV(adapter, request.seq_id)
+        return model.forward(state.tokens[-1:], kv, already_recorded=True)[-1]
+
+    run_session(scheduler, adapter, report, prefill=prefill, decode=decode,
+                max_batch=max_batch)
     stats = adapter.stats()
     report.blocks_allocated = stats["blocks_allocated"] - stats0["blocks_allocated"]
     report.grow_events = stats["grow_events"] - stats0["grow_events"]
@@ -202,6 +171,54 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
     report.pool_blocks = adapter.pool.num_blocks
     report.pool_max_blocks = adapter.pool.max_num_blocks
     return report
+
+
+def count_admission(report: SessionReport, prompt_tokens: int, lookup, seconds: float
+                    ) -> None:
+    """Add one admitted request's prefill (``seconds``) and lookup to ``report``."""
+    report.prefill_seconds += seconds
+    report.prompt_tokens += prompt_tokens
+    report.cached_tokens += lookup.cached_tokens
+    report.hit_requests += lookup.cached_tokens > 0
+    report.blocks_shared += len(lookup.hot_blocks) + len(lookup.restored_blocks)
+
+
+def run_session(scheduler, cache, report: SessionReport, *, prefill, decode, max_batch: int,
+                after_step=None) -> None:
+    """The loop of a serving session (shared by :func:`serve` and the hybrid model's
+    ``serve_hybrid``): admit and ``prefill(admission)`` while requests fit; finish the done
+    ones (register, release, record their output); then one decode step: one batched
+    ``record_decode_tokens`` (preempting on exhaustion), ``prepare_decode``,
+    ``decode(request) -> logits`` for each running request, ``after_step(seq_ids)``.
+    Requests' payloads are :class:`RunningRequest`. Fills the step counts and times of ``report``
+    and its ``preemptions``."""
+    while scheduler.has_work:
+        while (admission := scheduler.admit_next()) is not None:
+            prefill(admission)
+        for request in [q for q in scheduler.running if q.payload.done]:
+            state = request.payload
+            scheduler.finish(request.seq_id)
+            report.outputs[request.seq_id] = Generation(np.asarray(state.tokens, np.int64),
+                                                        np.stack(state.logits))
+            scheduler.max_running = max_batch
+        if not scheduler.running:
+            continue
+        t0 = time.perf_counter()
+        scheduler.record_decode_step(lambda q: q.payload.tokens[-1])
+        if not scheduler.running:
+            continue
+        seqs = [q.seq_id for q in scheduler.running]
+        cache.prepare_decode(seqs)
+        t1 = time.perf_counter()
+        for request in scheduler.running:
+            request.payload.take(decode(request))
+        if after_step is not None:
+            after_step(seqs)
+        t2 = time.perf_counter()
+        report.decode_steps += 1
+        report.bookkeeping_seconds += t1 - t0
+        report.decode_seconds += t2 - t0
+    report.preemptions = scheduler.num_preemptions
 
 
 def check_parity(model: ReferenceModel, requests: Sequence[Request], outputs: dict) -> list:

@@ -1,8 +1,9 @@
 """Seeded random weights of the reference transformer, and their safetensors file.
 
 Tensor names and ``[out_features, in_features]`` orientation follow the Hugging Face Llama
-checkpoints, so ``model.safetensors`` looks like any small dense model to the cold tier and
-to ``pagedkv inspect``.
+checkpoints (and Qwen3.5's ``linear_attn.*`` for the hybrid model's gated-delta-net layers),
+so ``model.safetensors`` looks like any small model to the cold tier and to
+``pagedkv inspect``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
 from pagedkv.reference.config import ReferenceConfig
+from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, HybridConfig
 
 __all__ = [
     "CONFIG_FILE",
@@ -33,16 +35,11 @@ CONFIG_FILE = "config.json"
 def weight_shapes(config: ReferenceConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape, in a fixed order (the order weights are drawn in)."""
     h, i = config.hidden_size, config.intermediate_size
-    q_out = config.num_heads * config.head_dim
-    kv_out = config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        shapes.update((p + name, shape) for name, shape in _mixer_shapes(config, layer))
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
@@ -51,25 +48,73 @@ def weight_shapes(config: ReferenceConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _mixer_shapes(config: ReferenceConfig, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The token mixer's tensors of one layer: attention (Llama names; a KV-shared alias has
+    no K/V projections) or a gated delta net (Qwen3.5 names, conv1d as ``[C, 1, K]``)."""
+    h = config.hidden_size
+    if isinstance(config, HybridConfig) and config.layer_types[layer] == LINEAR_ATTENTION:
+        c = config
+        hv = c.linear_num_value_heads
+        return [("linear_attn.in_proj_qkv.weight", (c.conv_dim, h)),
+                ("linear_attn.in_proj_z.weight", (c.linear_value_dim, h)),
+                ("linear_attn.in_proj_b.weight", (hv, h)),
+                ("linear_attn.in_proj_a.weight", (hv, h)),
+                ("linear_attn.conv1d.weight", (c.conv_dim, 1, c.linear_conv_kernel_dim)),
+                ("linear_attn.dt_bias", (hv,)),
+                ("linear_attn.A_log", (hv,)),
+                ("linear_attn.norm.weight", (c.linear_value_head_dim,)),
+                ("linear_attn.out_proj.weight", (h, c.linear_value_dim))]
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [("self_attn.q_proj.weight", (q_out, h))]
+    if not (isinstance(config, HybridConfig) and config.kv_anchor(layer) is not None):
+        shapes += [("self_attn.k_proj.weight", (kv_out, h)),
+                   ("self_attn.v_proj.weight", (kv_out, h))]
+    return shapes + [("self_attn.o_proj.weight", (h, q_out))]
+
+
+# (operand, tensor name in the layer, the form the forward passes want)
+_OPERANDS = (
+    ("attn_norm", "input_layernorm.weight", "as_is"),
+    ("wq", "self_attn.q_proj.weight", "t"),
+    ("wk", "self_attn.k_proj.weight", "t"),
+    ("wv", "self_attn.v_proj.weight", "t"),
+    ("wo", "self_attn.o_proj.weight", "t"),
+    ("w_qkv", "linear_attn.in_proj_qkv.weight", "t"),
+    ("w_z", "linear_attn.in_proj_z.weight", "t"),
+    ("w_b", "linear_attn.in_proj_b.weight", "t"),
+    ("w_a", "linear_attn.in_proj_a.weight", "t"),
+    ("conv_w", "linear_attn.conv1d.weight", "taps"),
+    ("dt_bias", "linear_attn.dt_bias", "as_is"),
+    ("neg_A", "linear_attn.A_log", "neg_exp"),
+    ("gdn_norm", "linear_attn.norm.weight", "as_is"),
+    ("w_out", "linear_attn.out_proj.weight", "t"),
+    ("mlp_norm", "post_attention_layernorm.weight", "as_is"),
+    ("w_gate", "mlp.gate_proj.weight", "t"),
+    ("w_up", "mlp.up_proj.weight", "t"),
+    ("w_down", "mlp.down_proj.weight", "t"),
+)
+
+
 def layer_operands(weights: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
-    """Layer ``layer``'s weights as the forward passes use them: norms as stored, projections
-    transposed to contiguous ``[in, out]`` so a token row is ``x @ w``."""
+    """Layer ``layer``'s weights as the forward passes use them, for the tensors the layer
+    has: norms and biases as stored, projections transposed to contiguous ``[in, out]`` so a
+    token row is ``x @ w``, the conv as ``[K, C]`` (row ``j`` multiplies the input ``K - 1 -
+    j`` tokens back), and ``A_log`` as ``-exp(A_log)`` (float32, computed once)."""
     p = f"model.layers.{layer}."
-
-    def t(name: str) -> np.ndarray:
-        return np.ascontiguousarray(weights[p + name].T)
-
-    return {
-        "attn_norm": weights[p + "input_layernorm.weight"],
-        "wq": t("self_attn.q_proj.weight"),
-        "wk": t("self_attn.k_proj.weight"),
-        "wv": t("self_attn.v_proj.weight"),
-        "wo": t("self_attn.o_proj.weight"),
-        "mlp_norm": weights[p + "post_attention_layernorm.weight"],
-        "w_gate": t("mlp.gate_proj.weight"),
-        "w_up": t("mlp.up_proj.weight"),
-        "w_down": t("mlp.down_proj.weight"),
-    }
+    operands = {}
+    for key, name, form in _OPERANDS:
+        w = weights.get(p + name)
+        if w is None:
+            continue
+        if form == "t":
+            w = np.ascontiguousarray(w.T)
+        elif form == "taps":
+            w = np.ascontiguousarray(w[:, 0, :].T)
+        elif form == "neg_exp":
+            w = -np.exp(w)
+        operands[key] = w
+    return operands
 
 
 def random_weights(config: ReferenceConfig) -> dict[str, np.ndarray]:
@@ -80,11 +125,19 @@ def random_weights(config: ReferenceConfig) -> dict[str, np.ndarray]:
     weights are 1 + N(0, 0.1). The embedding is N(0, 0.05**2): it is also the LM head, and a
     small one keeps the residual stream from being dominated by the input token (a tied head
     would otherwise echo that token forever).
+
+    Hybrid layers add: ``A_log = log(U(0.05, 1))``, so the decay ``g = exp(-A *
+    softplus(a + dt_bias))`` keeps some heads' memory over tens of tokens; ``dt_bias`` follows
+    the 1-D rule; conv taps are N(0, 1/K).
     """
     rng = np.random.default_rng(config.seed)
     weights: dict[str, np.ndarray] = {}
     for name, shape in weight_shapes(config).items():
-        if len(shape) == 1:
+        if name.endswith(".A_log"):
+            w = np.log(rng.uniform(0.05, 1.0, shape))
+        elif len(shape) == 3:
+            w = rng.standard_normal(shape) / np.sqrt(shape[-1])
+        elif len(shape) == 1:
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name == "model.embed_tokens.weight":
             w = 0.05 * rng.standard_normal(shape)

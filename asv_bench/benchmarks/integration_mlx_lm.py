@@ -1,0 +1,310 @@
+"""pagedkv as mlx-lm's prompt cache (issue 12), every figure a ratio measured in one run:
+
+* decode cost per token (CPU time) with a paged cache / with mlx-lm's ``KVCache``, at 128 and
+  4,096 tokens of context: target <= 1.05x;
+* time to first token of a request sharing a 512-token prefix with a finished one, against
+  the same request without reuse (mlx-lm ``KVCache``): >= 10x faster;
+* the same from the cold tier, in a fresh process: >= 5x faster;
+* pool memory of 16 conversations sharing a 1,024-token system prompt against one
+  conversation's KV plus their own tokens: <= 1.2x (``LRUPromptCache`` holds 16 copies).
+
+The model is mlx-lm's qwen3 with random weights (hidden 256, 4 layers, 4 query heads, 2 KV
+heads x 64, vocab 512, float32), greedy. Times are CPU time (``time.process_time``, all MLX
+threads) because wall time on a shared machine moves by 2x; the variants are interleaved
+inside each repetition, the first repetition is dropped and the medians are compared. Run as
+asv suites, or as a script for the table of docs/performance.md::
+
+    python asv_bench/benchmarks/integration_mlx_lm.py            # everything (~3 minutes)
+    python asv_bench/benchmarks/integration_mlx_lm.py --quick    # 3 repetitions
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768, "vocab_size": 512}
+CONTEXTS = (128, 4096)
+SEED = 0
+SHARED_TOKENS = 512
+OWN_TOKENS = 32
+
+
+def _model():
+    from pagedkv.integrations.mlx_lm.random_models import random_model
+    return random_model("qwen3", seed=SEED, **MODEL)[0]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, MODEL["vocab_size"], n).tolist()
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t: tuple[float, float]) -> tuple[float, float]:
+    return time.perf_counter() - t[0], time.process_time() - t[1]
+
+
+def _decode_cpu_s(model, prompt: list[int], cache, new_tokens: int) -> float:
+    """CPU seconds per decode token: from the first yielded token to the last (prefill and
+    the first token excluded)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = 0.0
+    for n, _ in enumerate(generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                        max_tokens=new_tokens + 1)):
+        if n == 0:
+            t0 = time.process_time()
+    return (time.process_time() - t0) / new_tokens
+
+
+def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 48) -> tuple[float, float]:
+    """Median CPU s/token of ``(kvcache, paged)`` decoding after a ``context``-token prompt
+    (the paged request misses, so both did the same prefill)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.integrations.mlx_lm import PagedPromptCache
+
+    model = _model()
+    paged = PagedPromptCache(model, max_blocks=1024)
+    ref, ours = [], []
+    for rep in range(reps + 1):
+        prompt = _tokens(context, 100 + rep)
+        r = _decode_cpu_s(model, prompt, make_prompt_cache(model), new_tokens)
+        request = paged.begin(prompt)
+        p = _decode_cpu_s(model, prompt, request.cache, new_tokens)
+        request.release()
+        if rep:
+            ref.append(r)
+            ours.append(p)
+    return statistics.median(ref), statistics.median(ours)
+
+
+def _first_token(model, prompt: list[int], cache) -> int:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    token, _ = next(generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=1))
+    return int(token)
+
+
+def shared_prefix_prompts() -> tuple[list[int], list[int]]:
+    """Request A and request B: the same 512-token prefix, 32 tokens of their own."""
+    prefix = _tokens(SHARED_TOKENS, 2)
+    return prefix + _tokens(OWN_TOKENS, 3), prefix + _tokens(OWN_TOKENS, 4)
+
+
+def _serve_a(paged, model, a: list[int]) -> None:
+    request = paged.begin(a)
+    token = _first_token(model, a[request.cached_tokens:], request.cache)
+    request.end(a + [token])  # generate_step fed the first token back before yielding it
+
+
+def ttft_shared_prefix(*, reps: int = 7) -> dict[str, float]:
+    """Median TTFT (wall, CPU) of request B after A finished: a fresh ``KVCache`` (no reuse)
+    vs a ``PagedPromptCache`` hit, ``begin`` (lookup + gather) included."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.integrations.mlx_lm import PagedPromptCache
+
+    model = _model()
+    a, b = shared_prefix_prompts()
+    rows: dict[str, list[float]] = {k: [] for k in ("fresh_wall", "fresh_cpu", "hit_wall",
+                                                    "hit_cpu")}
+    for rep in range(reps + 1):
+        t = _clock()
+        _first_token(model, b, make_prompt_cache(model))
+        fresh = _since(t)
+        paged = PagedPromptCache(model, max_blocks=256)
+        _serve_a(paged, model, a)
+        t = _clock()
+        request = paged.begin(b)
+        _first_token(model, b[request.cached_tokens:], request.cache)
+        hit = _since(t)
+        if request.cached_tokens != SHARED_TOKENS:
+            raise AssertionError(f"B reused {request.cached_tokens} tokens, not {SHARED_TOKENS}")
+        request.release()
+        if rep:
+            for key, value in zip(rows, fresh + hit):
+                rows[key].append(value)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def _cold_child(cold_dir: str, phase: str, reps: int) -> dict[str, float]:
+    """One process of the cold-tier figure: ``write`` serves A and persists it; ``restore``
+    (a fresh process) times B restoring the prefix from disk against B without reuse."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.integrations.mlx_lm import PagedPromptCache
+
+    model = _model()
+    a, b = shared_prefix_prompts()
+    if phase == "write":
+        with PagedPromptCache(model, max_blocks=256, cold_dir=cold_dir) as paged:
+            _serve_a(paged, model, a)
+        return {}
+    fresh_c, hit_c, fresh_w, hit_w, restored = [], [], [], [], 0
+    for rep in range(reps + 1):
+        t = _clock()
+        _first_token(model, b, make_prompt_cache(model))
+        fresh = _since(t)
+        paged = PagedPromptCache(model, max_blocks=256, cold_dir=cold_dir)  # empty hot cache
+        t = _clock()
+        request = paged.begin(b)
+        _first_token(model, b[request.cached_tokens:], request.cache)
+        hit = _since(t)
+        restored = request.restored_tokens
+        request.release()
+        paged.close()
+        if rep:
+            fresh_w.append(fresh[0])
+            fresh_c.append(fresh[1])
+            hit_w.append(hit[0])
+            hit_c.append(hit[1])
+    return {"fresh_wall": statistics.median(fresh_w), "fresh_cpu": statistics.median(fresh_c),
+            "hit_wall": statistics.median(hit_w), "hit_cpu": statistics.median(hit_c),
+            "restored_tokens": restored}
+
+
+def ttft_cold(*, reps: int = 7) -> dict[str, float]:
+    """:func:`_cold_child` in two fresh processes sharing a temporary cold directory."""
+    cold_dir = tempfile.mkdtemp(prefix="pagedkv-mlxlm-bench-",
+                                dir=os.environ.get("TMPDIR", "/tmp"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = {}
+        for phase in ("write", "restore"):
+            code = (f"import json, sys; sys.path.insert(0, {here!r}); "
+                    "import integration_mlx_lm as m; "
+                    f"print(json.dumps(m._cold_child({cold_dir!r}, {phase!r}, {reps})))")
+            done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                  text=True)
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+        return out
+    finally:
+        shutil.rmtree(cold_dir, ignore_errors=True)
+
+
+def conversation_memory(conversations: int = 16, system: int = 1024, user: int = 32,
+                        new_tokens: int = 16) -> dict[str, int]:
+    """Bytes of K/V held after ``conversations`` conversations that share a ``system``-token
+    prompt each asked ``user`` tokens and got ``new_tokens`` back: the paged pool (blocks in
+    use, and the pool's allocation), against one conversation's KV plus the others' own
+    tokens, and against mlx-lm's ``LRUPromptCache`` (a ``KVCache`` list per conversation)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+    from pagedkv.integrations.mlx_lm import PagedPromptCache
+
+    model = _model()
+    paged = PagedPromptCache(model, max_blocks=4096)
+    lru = LRUPromptCache(max_size=conversations)
+    system_prompt = _tokens(system, 5)
+    held = []
+    for i in range(conversations):
+        prompt = system_prompt + _tokens(user, 10 + i)
+        request = paged.begin(prompt)
+        out = [t for t, _ in generate_step(mx.array(prompt[request.cached_tokens:]), model,
+                                           prompt_cache=request.cache, max_tokens=new_tokens)]
+        request.end(prompt + out)
+        held.append(len(prompt) + len(out))
+        cache = make_prompt_cache(model)
+        out = [t for t, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                           max_tokens=new_tokens)]
+        lru.insert_cache("model", prompt + out, cache)
+    g = paged.geometry
+    per_token = g.bytes_per_token
+    one_plus_own = (held[0] + sum(n - system for n in held[1:])) * per_token
+    s = paged.stats()
+    return {"paged_bytes_in_use": s["bytes_in_use"], "paged_pool_bytes": s["pool_bytes"],
+            "ideal_bytes": one_plus_own, "lru_bytes": lru.nbytes,
+            "blocks_shared": s["blocks_shared"]}
+
+
+# --- asv suites -----------------------------------------------------------------------------
+
+class DecodeCost:
+    """CPU per decode token, paged / KVCache (target <= 1.05)."""
+
+    timeout = 900
+    params = CONTEXTS
+    param_names = ["context"]  # noqa: RUF012
+
+    def track_paged_over_kvcache(self, context):
+        ref, ours = decode_cost(context, reps=5)
+        return ours / ref
+    track_paged_over_kvcache.unit = "ratio"
+
+
+class TimeToFirstToken:
+    """TTFT speedup from reusing a 512-token prefix (targets: >= 10x hot, >= 5x cold)."""
+
+    timeout = 900
+
+    def track_hot_speedup_cpu(self):
+        r = ttft_shared_prefix(reps=5)
+        return r["fresh_cpu"] / r["hit_cpu"]
+    track_hot_speedup_cpu.unit = "x"
+
+    def track_cold_speedup_cpu(self):
+        r = ttft_cold(reps=5)
+        return r["fresh_cpu"] / r["hit_cpu"]
+    track_cold_speedup_cpu.unit = "x"
+
+
+class ConversationMemory:
+    """16 conversations sharing a 1,024-token system prompt (target <= 1.2)."""
+
+    timeout = 600
+
+    def track_paged_over_ideal(self):
+        m = conversation_memory()
+        return m["paged_bytes_in_use"] / m["ideal_bytes"]
+    track_paged_over_ideal.unit = "ratio"
+
+
+# --- script ---------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    reps = 3 if "--quick" in argv else 7
+    for context in CONTEXTS:
+        ref, ours = decode_cost(context, reps=reps)
+        print(f"decode at {context} tokens of context: KVCache {ref * 1e3:.2f} CPU ms/token, "
+              f"paged {ours * 1e3:.2f}: {ours / ref:.3f}x (target <= 1.05x)")
+    r = ttft_shared_prefix(reps=reps)
+    print(f"TTFT, {SHARED_TOKENS}-token shared prefix (hot): no reuse {r['fresh_cpu'] * 1e3:.1f} "
+          f"CPU ms ({r['fresh_wall'] * 1e3:.1f} ms wall), paged hit {r['hit_cpu'] * 1e3:.1f} "
+          f"({r['hit_wall'] * 1e3:.1f}): {r['fresh_cpu'] / r['hit_cpu']:.1f}x CPU, "
+          f"{r['fresh_wall'] / r['hit_wall']:.1f}x wall (target >= 10x)")
+    r = ttft_cold(reps=reps)
+    print(f"TTFT, {SHARED_TOKENS}-token prefix from the cold tier in a fresh process "
+          f"({r['restored_tokens']} tokens restored): no reuse {r['fresh_cpu'] * 1e3:.1f} CPU ms "
+          f"({r['fresh_wall'] * 1e3:.1f} ms wall), restored {r['hit_cpu'] * 1e3:.1f} "
+          f"({r['hit_wall'] * 1e3:.1f}): {r['fresh_cpu'] / r['hit_cpu']:.1f}x CPU, "
+          f"{r['fresh_wall'] / r['hit_wall']:.1f}x wall (target >= 5x)")
+    m = conversation_memory()
+    print(f"16 conversations sharing a 1,024-token system prompt: paged blocks in use "
+          f"{m['paged_bytes_in_use'] / 2**20:.2f} MiB (pool allocated "
+          f"{m['paged_pool_bytes'] / 2**20:.2f} MiB), one conversation + own tokens "
+          f"{m['ideal_bytes'] / 2**20:.2f} MiB: {m['paged_bytes_in_use'] / m['ideal_bytes']:.3f}x "
+          f"({m['paged_pool_bytes'] / m['ideal_bytes']:.3f}x allocated; target <= 1.2x); "
+          f"LRUPromptCache {m['lru_bytes'] / 2**20:.2f} MiB "
+          f"({m['lru_bytes'] / m['paged_bytes_in_use']:.1f}x the paged pool)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,382 @@
+"""``python -m pagedkv.bench decode``: one full decode step of a Llama-3-8B-shaped decoder.
+
+pagedkv's path (:class:`pagedkv.kernels.decoder.DecoderStep`, no PyTorch): 4-bit GEMVs
+(HFQ4G256 / MQ4G256V2, QKV and gate/up packed), RMSNorm, RoPE, this step's K/V written
+into a device ``LayerKVPool`` (f16 or q8) at the adapter's slot mapping, paged attention
+over the adapter's block tables. Baseline in the same run (with PyTorch + CUDA): bf16
+weights through cuBLAS (``F.linear``), ``F.rms_norm``, RoPE and SiLU in torch, and SDPA
+on a contiguous bf16 KV cache. Both are captured in graphs and timed with events (median
+of several replays); host bookkeeping (the adapter's ``prepare_decode``, ~13 µs for 64
+sequences, docs/performance.md) is outside the timed step.
+
+First a correctness check on fresh random inputs: a 2-layer model of the same widths
+(vocab 4,096) through the adapter and a device pool, against the float64 NumPy step
+(:mod:`pagedkv.kernels.decoder_reference`). Then the table: per (weights, KV dtype, batch,
+context) the step time, tokens/s, the bytes the step must move (weights + KV read + this
+token's KV write) and the floor they imply at the copy bandwidth measured in the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from pagedkv.bench.gpu import REPLAYS, copy_bandwidth, open_session
+from pagedkv.kernels import Event, Graph
+from pagedkv.kernels.decoder import (
+    LLAMA3_8B,
+    MATRICES,
+    DecoderHostWeights,
+    DecoderShape,
+    DecoderStep,
+    DecoderWeights,
+)
+from pagedkv.kernels.paged import DeviceDecodeBatch
+
+BLOCK_SIZE = 16
+FORMATS = ("hfq4g256", "mq4g256v2")
+KV_DTYPES = ("float16", "q8")
+FULL_GRID = [(b, c) for b in (1, 8, 32) for c in (1024, 4096, 16384, 32768)]
+#: The issue's targets: b1 (any context), b32 at 1k, b8 at 32k with q8 KV.
+QUICK_GRID = [(1, 1024), (1, 32768), (8, 32768), (32, 1024)]
+KV_LIMIT_BYTES = 40 << 30  # skip configurations whose f16 KV alone is larger
+CHECK_SHAPE = replace(LLAMA3_8B, num_layers=2, vocab=4096)
+
+
+def build_adapter(device, shape: DecoderShape, kv_dtype: str, batch: int, contexts,
+                  rng) -> tuple:
+    """A device pool, allocator and adapter holding ``batch`` sequences of ``contexts[i]``
+    tokens, and the adapter's decode batch for their next token. Returns ``(pool,
+    adapter, seq_ids, decode_batch)``; the KV of the contexts is left for the caller."""
+    from pagedkv.adapter import PagedKVCacheAdapter
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    blocks = sum(-(-(c + 1) // BLOCK_SIZE) for c in contexts) + 1
+    g = PoolGeometry(shape.num_layers, shape.kv_heads, shape.head_dim, BLOCK_SIZE, kv_dtype)
+    pool = LayerKVPool(g, blocks, backend="device", device=device)
+    adapter = PagedKVCacheAdapter(BlockAllocator(blocks, blocks, BLOCK_SIZE), pool,
+                                  growth=False)
+    seqs = [f"seq-{i}" for i in range(batch)]
+    for s, n in zip(seqs, contexts, strict=True):
+        adapter.reset_for_new_request(s)
+        adapter.allocate_suffix_blocks(s, n)
+        adapter.record_tokens(s, rng.integers(0, 32000, n, dtype=np.uint32))
+    return pool, adapter, seqs
+
+
+def _pool_values(g, rng, shape) -> np.ndarray:
+    """Random K or V values of ``shape`` (``[..., head_dim]``) as rows of the pool's storage
+    dtype (q8: ``[..., head_dim / 32 * 34]`` records)."""
+    from pagedkv.kernels import reference
+    from pagedkv.pool import float32_to_bf16_bits
+    vals = rng.standard_normal(shape, dtype=np.float32)
+    if g.dtype == "q8":
+        return reference.kv_q8_quantize(vals)
+    if g.dtype == "bfloat16":
+        return float32_to_bf16_bits(vals)
+    return vals.astype(np.float16)
+
+
+def rounding_steps(got: np.ndarray, ref: np.ndarray, kv_dtype: str) -> float:
+    """The largest ``|got - ref|`` in rounding steps of the pool dtype: a q8 code step (the
+    32-group's largest ``|ref|`` / 127), or one unit in the last place of f16 (10 fraction
+    bits) or bf16 (7), plus 1e-6 absolute for f16's subnormals. A correct rounding of
+    ``ref`` is within 1 (q8: half a step plus the f16 rounding of the scale)."""
+    ref = np.asarray(ref, np.float64)
+    if kv_dtype == "q8":
+        step = np.abs(ref).reshape(-1, 32).max(axis=1).repeat(32).reshape(ref.shape) / 127
+    else:
+        step = np.abs(ref) * 2.0 ** -(7 if kv_dtype == "bfloat16" else 10)
+    return float((np.abs(got - ref) / (step * 1.01 + 1e-6)).max())
+
+
+def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), seed=None,
+               shape: DecoderShape | None = None) -> dict:
+    """One step on fresh random weights, inputs and context KV through the adapter and a
+    device pool, against the float64 reference. Returns the errors and whether they are
+    within tolerance: logits and the residual stream within ``2e-3`` of their largest
+    magnitude, this token's written K/V within one step of the pool dtype's rounding."""
+    from pagedkv.kernels import reference
+    from pagedkv.kernels.decoder_reference import decode_step
+    shape = CHECK_SHAPE if shape is None else shape
+    rng = np.random.default_rng(seed)
+    host = DecoderHostWeights.random(shape, fmt, int(rng.integers(1 << 31)))
+    weights = DecoderWeights(device, host)
+    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, len(contexts), contexts, rng)
+    g = pool.geometry
+    for s, n in zip(seqs, contexts, strict=True):
+        kv = (_pool_values(g, rng, (shape.num_layers, n, g.num_kv_heads, g.head_dim))
+              for _ in range(2))
+        adapter.write_kv_layers(s, *kv)
+    adapter.record_decode_tokens(seqs, rng.integers(0, 32000, len(seqs), dtype=np.uint32))
+    batch = adapter.prepare_decode(seqs)
+    tables = DeviceDecodeBatch.upload(device, batch)
+    step = DecoderStep(device, weights, pool, len(seqs), max(contexts) + 1)
+    x = rng.standard_normal((len(seqs), shape.d_model), dtype=np.float32)
+    step.x.copy_from(x)
+    step.logits.fill_bytes(0xFF)
+    step.run(tables)
+    device.synchronize()
+    logits, x_out = step.logits.to_numpy(), step.x.to_numpy()
+
+    def kv_after(layer, i):
+        k, v = adapter.gather_kv(seqs[i], layer)
+        return tuple(reference.kv_pool_to_float(a.to_numpy(), g.dtype, g.head_dim)
+                     for a in (k, v))
+
+    want = decode_step(host, x, batch.seq_lens - 1, kv_after)
+    errors = {"logits": float(np.abs(logits - want["logits"]).max()
+                              / np.abs(want["logits"]).max()),
+              "x": float(np.abs(x_out - want["x"]).max() / np.abs(want["x"]).max())}
+    # This token's K/V as written: within the pool dtype's rounding of the reference's.
+    step_rows = []
+    for layer in range(shape.num_layers):
+        for side, ref in ((0, want["k"][layer]), (1, want["v"][layer])):
+            got = np.stack([kv_after(layer, i)[side][-1] for i in range(len(seqs))])
+            step_rows.append(rounding_steps(got, ref, g.dtype))
+    errors["kv_write_steps"] = max(step_rows)
+    ok = errors["logits"] <= 2e-3 and errors["x"] <= 2e-3 and errors["kv_write_steps"] <= 1.0
+    weights.free()
+    pool.close()
+    return {"check": f"{fmt} {kv_dtype}", "ok": bool(ok), **errors}
+
+
+def _time(device, stream, fn) -> float:
+    """Median seconds per ``fn(stream)`` replayed from a graph."""
+    graph = Graph(device, stream, fn)
+    graph.launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = Event(device), Event(device)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        times.append(end.elapsed_ms(start) / 1e3)
+    return statistics.median(times)
+
+
+def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch: int,
+               context: int) -> int:
+    """Bytes one step must move: every weight once, each sequence's KV over all layers
+    (``context + 1`` tokens read, this token's written), hidden states in and logits out."""
+    kv = 2 * shape.num_layers * shape.kv_heads * kv_row_bytes * batch * (context + 2)
+    return weight_bytes + kv + 4 * batch * (shape.d_model + shape.vocab)
+
+
+def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
+                 context: int, rng) -> tuple[float, int]:
+    """Seconds per step and the KV row bytes of the pool."""
+    shape = weights.shape
+    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
+    for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
+        for arr in pool.layer(layer):
+            arr.fill_bytes(0x2E)
+    adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
+    tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
+    step = DecoderStep(device, weights, pool, batch, context + 1)
+    step.x.copy_from(rng.standard_normal((batch, shape.d_model), dtype=np.float32))
+    t = _time(device, stream, lambda s: step.run(tables, stream=s))
+    row_bytes = pool.geometry.row_bytes
+    pool.close()
+    return t, row_bytes
+
+
+class TorchDecoder:
+    """The bf16 PyTorch baseline: cuBLAS projections, torch RMSNorm/RoPE/SiLU, SDPA over a
+    contiguous ``[batch, kv_heads, context + 1, head_dim]`` cache per layer."""
+
+    def __init__(self, torch, shape: DecoderShape) -> None:
+        self.torch, self.shape = torch, shape
+        bf = torch.bfloat16
+
+        def w(name):
+            m, k = shape.matrix_shape(name)
+            return torch.randn(m, k, device="cuda", dtype=bf) * k ** -0.5
+
+        self.layers = [{m: w(m) for m in MATRICES} for _ in range(shape.num_layers)]
+        self.lm_head = w("lm_head")
+        self.norm = torch.ones(shape.d_model, device="cuda", dtype=bf)
+
+    def weight_bytes(self) -> int:
+        return 2 * self.shape.weight_count()
+
+    def time(self, batch: int, context: int) -> float:
+        torch, s = self.torch, self.shape
+        F = torch.nn.functional
+        bf = torch.bfloat16
+        cache = [(torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device="cuda",
+                              dtype=bf),
+                  torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device="cuda",
+                              dtype=bf)) for _ in range(s.num_layers)]
+        half = s.head_dim // 2
+        inv = s.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / s.head_dim)
+        ang = context * inv
+        cos = torch.cat([ang.cos(), ang.cos()]).to("cuda", bf)
+        sin = torch.cat([ang.sin(), ang.sin()]).to("cuda", bf)
+        x0 = torch.randn(batch, s.d_model, device="cuda", dtype=bf)
+
+        def rope(t):
+            a, b = t[..., :half], t[..., half:]
+            return t * cos + torch.cat([-b, a], dim=-1) * sin
+
+        def step():
+            x = x0
+            nq, nkv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
+            for layer, (kc, vc) in zip(self.layers, cache, strict=True):
+                h = F.rms_norm(x, (s.d_model,), self.norm, s.eps)
+                q, k, v = F.linear(h, layer["qkv"]).split([nq, nkv, nkv], dim=-1)
+                q = rope(q.reshape(batch, s.q_heads, 1, s.head_dim))
+                k = rope(k.reshape(batch, s.kv_heads, 1, s.head_dim))
+                kc[:, :, context:] = k
+                vc[:, :, context:] = v.reshape(batch, s.kv_heads, 1, s.head_dim)
+                a = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+                x = x + F.linear(a.reshape(batch, s.d_model), layer["o"])
+                h = F.rms_norm(x, (s.d_model,), self.norm, s.eps)
+                g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(g) * u, layer["down"])
+            return F.linear(F.rms_norm(x, (s.d_model,), self.norm, s.eps), self.lm_head)
+
+        from pagedkv.bench.gpu import _torch_time
+        return _torch_time(torch, step, 1)
+
+
+#: The issue's targets: (batch, context or None for any, KV dtype or None) -> the least
+#: pagedkv tokens/s over torch bf16 tokens/s.
+TARGETS = {(1, None, None): 2.5, (32, 1024, None): 1.5, (8, 32768, "q8"): 1.6}
+
+
+def target_of(row: dict) -> float | None:
+    """The speedup target a row is held to, or None."""
+    for (b, c, kv), want in TARGETS.items():
+        if row["batch"] == b and c in (None, row["context"]) and kv in (None, row["kv"]):
+            return want
+    return None
+
+
+def print_targets(rows: list[dict]) -> None:
+    """One line per targeted row: met or missed, with the measured speedup."""
+    for row in rows:
+        want = target_of(row)
+        if want is None or "speedup_vs_torch" not in row:
+            continue
+        got = row["speedup_vs_torch"]
+        print(f"target {row['weights']} kv {row['kv']} b{row['batch']} ctx {row['context']}: "
+              f"{got:.2f}x torch bf16 (>= {want}x) {'met' if got >= want else 'MISSED'}",
+              flush=True)
+
+
+def _print_row(row: dict) -> None:
+    torch_part = (f" | torch {row['torch_us']:9.0f} us {row['torch_tok_s']:8.0f} tok/s "
+                  f"-> {row['speedup_vs_torch']:.2f}x" if "torch_us" in row else "")
+    print(f"{row['weights']:<10} kv {row['kv']:<8} b{row['batch']:<3} ctx {row['context']:>6} "
+          f"{row['us']:9.0f} us {row['tok_s']:8.0f} tok/s  {row['bytes'] / 2**20:8.0f} MiB "
+          f"floor {row['floor_us']:8.0f} us ({100 * row['of_floor']:4.1f}%){torch_part}",
+          flush=True)
+
+
+def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
+              shape: DecoderShape = LLAMA3_8B, seed: int = 0, on_row=None) -> list[dict]:
+    """The rows of the table (see the module docstring); ``on_row(rows)`` after each one
+    (the CLI rewrites its JSON, so a run cut short keeps what it measured)."""
+    rng = np.random.default_rng(seed)
+    rows: list[dict] = []
+    torch_times: dict[tuple[int, int], float] = {}
+    grid = [(b, c) for b, c in grid
+            if 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 2 * b * (c + 1)
+            <= KV_LIMIT_BYTES]
+    if torch is not None:
+        baseline = TorchDecoder(torch, shape)
+        for b, c in grid:
+            torch_times[(b, c)] = baseline.time(b, c)
+            torch.cuda.empty_cache()  # the last configuration's contiguous cache
+        torch_weight_bytes = baseline.weight_bytes()
+        del baseline
+        torch.cuda.empty_cache()
+    for fmt in formats:
+        weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
+        for kv_dtype in kv_dtypes:
+            for b, c in grid:
+                t, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng)
+                nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
+                row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
+                       "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
+                       "floor_us": nbytes / copy_bw * 1e6, "of_floor": nbytes / copy_bw / t}
+                if (b, c) in torch_times:
+                    tt = torch_times[(b, c)]
+                    tb = step_bytes(shape, torch_weight_bytes, 2 * shape.head_dim, b, c)
+                    row.update({"torch_us": tt * 1e6, "torch_tok_s": b / tt,
+                                "torch_bytes": tb, "torch_floor_us": tb / copy_bw * 1e6,
+                                "speedup_vs_torch": tt / t})
+                rows.append(row)
+                _print_row(row)
+                if on_row is not None:
+                    on_row(rows)
+        weights.free()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedkv.bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="also write the checks and rows to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help=f"only the targeted configurations {QUICK_GRID}")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers,
+                   help="decoder layers of the timed model (default 32)")
+    p.add_argument("--check-only", action="store_true", help="only the correctness check")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    args = p.parse_args(argv)
+    session = open_session("pagedkv.bench decode", no_torch=args.no_torch)
+    if session is None:
+        return 1
+    device, stream, torch, when = session
+    props = device.properties
+    shape = replace(LLAMA3_8B, num_layers=args.layers)
+    print(f"{props.name} ({props.arch}), {when}; torch: "
+          f"{torch.__version__ if torch else 'not used'}; model {shape}", flush=True)
+    checks: list[dict] = []
+    rows: list[dict] = []
+    copy_bw = None
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": props.name, "arch": props.arch, "date": when,
+                           "model": str(shape), "copy_GBps": copy_bw and copy_bw / 1e9,
+                           "checks": checks, "rows": rows}, f, indent=1)
+
+    if not args.no_check:
+        for fmt, kv in (("hfq4g256", "float16"), ("mq4g256v2", "q8")):
+            t0 = time.perf_counter()
+            result = check_step(device, fmt, kv)
+            checks.append(result)
+            save()
+            print(f"check {result['check']}: {'ok' if result['ok'] else 'FAILED'} (logits "
+                  f"{result['logits']:.2e}, x {result['x']:.2e} of their max; KV write "
+                  f"{result['kv_write_steps']:.2f} rounding steps; "
+                  f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    if not args.check_only:
+        copy_bw, _ = copy_bandwidth(device, stream)
+        print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (floors use it)", flush=True)
+
+        def save_rows(done: list[dict]) -> None:
+            rows[:] = done
+            save()
+
+        run_table(device, stream, copy_bw, torch, QUICK_GRID if args.quick else FULL_GRID,
+                  FORMATS, KV_DTYPES, shape, on_row=save_rows)
+        print_targets(rows)
+    save()
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

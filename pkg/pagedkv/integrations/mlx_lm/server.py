@@ -1,0 +1,175 @@
+"""mlx-lm's OpenAI-compatible server with pagedkv as its prompt cache (``pagedkv serve``).
+
+The server is mlx-lm's own: its argument parser, ``ModelProvider``, ``ResponseGenerator``
+(batched and single-request generation) and HTTP handler run unchanged. The one thing
+replaced is the prompt cache object they are given: instead of ``LRUPromptCache`` (a trie of
+deep-copied ``KVCache`` lists), :class:`PagedServerPromptCache` answers the same calls from a
+:class:`PagedPromptCache`, so the conversations of many users share their system prompt's
+blocks, and with ``--cold-dir`` warm prefixes survive a restart.
+
+mlx-lm's server calls on its prompt cache (0.32): ``fetch_nearest_cache(model_key, tokens)
+-> (cache, rest)``, ``insert_cache(model_key, tokens, cache, cache_type=...)``,
+``trim_to(n_sequences=, n_bytes=)``, ``len()``, ``nbytes``, ``stats_by_type()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.errors import InvalidArgument, PagedKVError
+
+if TYPE_CHECKING:
+    from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache
+
+__all__ = ["PagedServerPromptCache", "run_server"]
+
+log = logging.getLogger("pagedkv.serve")
+
+
+class PagedServerPromptCache:
+    """The prompt cache mlx-lm's ``ResponseGenerator`` talks to, backed by one
+    :class:`PagedPromptCache` for the model the server has loaded (a model switch builds a
+    new one and closes the old)."""
+
+    def __init__(self, model_provider, *, block_size: int = 16, max_blocks: int | None = None,
+                 cold_dir=None) -> None:
+        self.model_provider = model_provider
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.cold_dir = cold_dir
+        self._key = None
+        self.paged: PagedPromptCache | None = None
+        self.publish_errors = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"PagedServerPromptCache(model={self._key!r}, {self.paged!r})"
+
+    def _paged_for(self, model_key):
+        from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache
+
+        if self.paged is not None and model_key == self._key:
+            return self.paged
+        self.close()
+        model_path = model_key[0] if isinstance(model_key, tuple) else None
+        model_dir = model_path if isinstance(model_path, str) and os.path.isdir(model_path) \
+            else None
+        self.paged = PagedPromptCache(self.model_provider.model, block_size=self.block_size,
+                                      max_blocks=self.max_blocks, cold_dir=self.cold_dir,
+                                      model_dir=model_dir)
+        self._key = model_key
+        log.info("pagedkv prompt cache for %s: %r", model_path, self.paged)
+        return self.paged
+
+    def close(self) -> None:
+        """Persist the cold tier's queue and drop the paged cache."""
+        if self.paged is not None:
+            self.paged.close()
+            self.paged = None
+            self._key = None
+
+    # --- LRUPromptCache's interface, as mlx-lm's server uses it ----------------------------
+
+    def fetch_nearest_cache(self, model_key, tokens: Sequence[int]):
+        """A paged request for ``tokens``: its per-layer caches (holding the longest cached
+        prefix) and the tokens still to compute."""
+        with self._lock:
+            request = self._paged_for(model_key).begin(list(tokens))
+        return request.cache, list(tokens[request.cached_tokens:])
+
+    def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache,
+                     *, cache_type: str = "assistant") -> None:
+        """Publish ``prompt_cache`` (a request's own layers, or the ``KVCache`` list mlx-lm's
+        batching extracted) holding ``tokens``. A failure is logged and counted, never raised
+        into mlx-lm's generation loop: the cache simply does not learn these tokens."""
+        with self._lock:
+            try:
+                paged = self._paged_for(model_key)
+                written = paged.insert(list(tokens), prompt_cache)
+            except PagedKVError as exc:
+                self.publish_errors += 1
+                log.warning("pagedkv: could not publish %d tokens (%s): %s", len(tokens),
+                            cache_type, exc)
+                return
+            s = paged.stats()
+            log.info("pagedkv: published %d new tokens (%s, %d total); %d blocks in use "
+                     "(%.2f MiB), %d shared, %d cached tokens served so far", written,
+                     cache_type, len(tokens), s["blocks_in_use"], s["bytes_in_use"] / 2**20,
+                     s["blocks_shared"], s["hit_tokens"])
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Release parked conversations down to ``n_sequences`` (their published blocks stay
+        cached until the pool needs them). ``n_bytes`` is not a paged-pool limit: the pool's
+        size is set by ``--max-blocks``."""
+        with self._lock:
+            if self.paged is not None and n_sequences is not None:
+                self.paged.release_parked(n_sequences)
+
+    def __len__(self) -> int:
+        return 0 if self.paged is None else self.paged.stats()["parked"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool blocks holding K/V (each shared block counted once)."""
+        return 0 if self.paged is None else self.paged.stats()["bytes_in_use"]
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        if self.paged is None:
+            return {}
+        s = self.paged.stats()
+        return {"paged": {"n_sequences": s["parked"], "n_bytes": s["bytes_in_use"]}}
+
+
+def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int = 16,
+               max_blocks: int | None = None, cold_dir=None) -> int:
+    """Run mlx-lm's server on ``model`` with a :class:`PagedServerPromptCache`.
+
+    ``mlx_lm_args`` are ``mlx_lm.server``'s own options (``--port``, ``--host``,
+    ``--max-tokens``, ...), parsed by its own parser. Blocks until interrupted (SIGINT or
+    SIGTERM), then persists the cold tier's queue. ``--draft-model`` and ``--kv-bits`` are
+    refused: the draft model's cache and mlx-lm's KV quantization are not paged.
+    """
+    from mlx_lm import server
+
+    for flag in ("--draft-model", "--kv-bits"):
+        if any(a == flag or a.startswith(flag + "=") for a in mlx_lm_args):
+            raise InvalidArgument(
+                f"{flag}: pagedkv serve does not page "
+                f"{'the draft model' if flag == '--draft-model' else 'quantized KV'} yet "
+                "(docs/integrations/mlx-lm.md, 'Limits'); run without it")
+    caches: list[PagedServerPromptCache] = []
+
+    def run(host, port, model_provider, server_class=None, handler_class=None):
+        prompt_cache = PagedServerPromptCache(model_provider, block_size=block_size,
+                                              max_blocks=max_blocks, cold_dir=cold_dir)
+        caches.append(prompt_cache)
+        generator = server.ResponseGenerator(model_provider, prompt_cache)
+        kwargs = {k: v for k, v in (("server_class", server_class),
+                                    ("handler_class", handler_class)) if v is not None}
+        try:
+            server._run_http_server(host, port, generator, **kwargs)
+        except BaseException:
+            generator.stop_and_join()  # e.g. the port is taken: stop its generation thread
+            raise
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    saved = server.run, sys.argv, signal.getsignal(signal.SIGTERM)
+    server.run = run
+    sys.argv = ["pagedkv serve", "--model", str(model), *mlx_lm_args]
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        server.main()
+    finally:
+        server.run, sys.argv = saved[0], saved[1]
+        signal.signal(signal.SIGTERM, saved[2])
+        for prompt_cache in caches:
+            prompt_cache.close()
+    return 0

@@ -1,0 +1,268 @@
+"""One decode step of a Llama-shaped decoder on the GPU, with pagedkv's kernels only.
+
+Per layer: RMSNorm (fused with the residual add) → the packed QKV projection through the
+4-bit GEMV → RoPE (splitting q, k, v) → this step's K/V written into the device pool at the
+adapter's slot mapping (f16, bf16 or q8) → paged attention over the adapter's block tables
+→ O projection → residual + RMSNorm → the packed gate/up projection → SiLU(gate)·up → down
+projection; then the final norm and the LM head. No PyTorch. It exists to measure what the
+kernels and the glue cost in a real step (``python -m pagedkv.bench decode``) and to prove
+them correct together against :mod:`pagedkv.kernels.decoder_reference`; it is not a model
+runtime (no embedding lookup, no sampling: the step starts from hidden states and ends at
+logits).
+
+Weights: :class:`DecoderHostWeights` holds each layer's stored bytes (``qkv`` =
+``[Wq; Wk; Wv]`` and ``gate_up`` = ``[Wgate; Wup]`` packed by rows, the split given by the
+shape) and float32 norm weights; :class:`DecoderWeights` is the same on the device, in the
+layout the GEMV reads. Batches above 8 run the GEMV in chunks of 8 rows (the second and
+later chunks of a step find the weight in L2 when it fits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument
+from pagedkv.kernels.decode import add_rmsnorm, qkv_rope_split, silu_mul
+from pagedkv.kernels.device import Device, StreamLike
+from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.kvcache import PagedAttention
+from pagedkv.kernels.paged import DeviceDecodeBatch, attention, check_tables, write_kv
+from pagedkv.kernels.weights import Gemv, GemvWeights
+
+__all__ = [
+    "LLAMA3_8B",
+    "MATRICES",
+    "DecoderHostWeights",
+    "DecoderShape",
+    "DecoderStep",
+    "DecoderWeights",
+]
+
+#: The per-layer projection matrices, in step order.
+MATRICES = ("qkv", "o", "gate_up", "down")
+GEMV_MAX_BATCH = 8
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """A Llama-style decoder: ``num_layers`` of ``d_model`` with ``q_heads`` / ``kv_heads``
+    attention heads of ``head_dim`` and a SwiGLU FFN of ``ffn``; ``vocab`` rows of LM head;
+    RoPE base ``rope_theta`` (no frequency scaling); RMSNorm ``eps``."""
+
+    num_layers: int = 32
+    d_model: int = 4096
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    ffn: int = 14336
+    vocab: int = 32768
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.q_heads * self.head_dim != self.d_model or self.q_heads % self.kv_heads:
+            raise InvalidArgument(f"{self}: q_heads * head_dim must equal d_model and q_heads "
+                                  f"be a multiple of kv_heads")
+
+    def matrix_shape(self, name: str) -> tuple[int, int]:
+        """``(M, K)`` of a projection (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
+        d, hd = self.d_model, self.head_dim
+        shapes = {"qkv": ((self.q_heads + 2 * self.kv_heads) * hd, d), "o": (d, d),
+                  "gate_up": (2 * self.ffn, d), "down": (d, self.ffn),
+                  "lm_head": (self.vocab, d)}
+        return shapes[name]
+
+    def weight_count(self) -> int:
+        """Projection weights of a step (every layer, the LM head)."""
+        per_layer = sum(math.prod(self.matrix_shape(m)) for m in MATRICES)
+        return self.num_layers * per_layer + math.prod(self.matrix_shape("lm_head"))
+
+
+#: Llama-3-8B's shape with the vocabulary reduced from 128,256 to 32,768 (the LM head is
+#: one GEMV; its size changes the step by a fixed amount, stated with the figures).
+LLAMA3_8B = DecoderShape()
+
+
+@dataclass
+class DecoderHostWeights:
+    """Stored weight bytes per layer and matrix (``layers[i][name]``, ``uint8``), the LM
+    head's, and float32 norm weights (``attn_norm[i]``, ``ffn_norm[i]``, ``final_norm``)."""
+
+    shape: DecoderShape
+    fmt: str
+    layers: list[dict[str, np.ndarray]]
+    lm_head: np.ndarray
+    attn_norm: list[np.ndarray]
+    ffn_norm: list[np.ndarray]
+    final_norm: np.ndarray
+
+    @classmethod
+    def random(cls, shape: DecoderShape, fmt: str, seed: int) -> DecoderHostWeights:
+        """Weights uniform with variance ``1/K`` quantized to ``fmt`` (activations stay O(1)
+        through the layers), norm weights ``1 + N(0, 0.1)``: for correctness checks."""
+        from pagedkv import quant
+        rng = np.random.default_rng(seed)
+
+        def matrix(name):
+            m, k = shape.matrix_shape(name)
+            # uniform, not normal: several times faster to draw at Llama widths
+            w = rng.random((m, k), dtype=np.float32)
+            w -= np.float32(0.5)
+            w *= np.float32(math.sqrt(12 / k))
+            return quant.quantize(w, fmt)
+
+        def norm():
+            return (1 + 0.1 * rng.standard_normal(shape.d_model)).astype(np.float32)
+
+        layers = [{m: matrix(m) for m in MATRICES} for _ in range(shape.num_layers)]
+        return cls(shape, fmt, layers, matrix("lm_head"),
+                   [norm() for _ in range(shape.num_layers)],
+                   [norm() for _ in range(shape.num_layers)], norm())
+
+    @classmethod
+    def tiled(cls, shape: DecoderShape, fmt: str, seed: int,
+              rows: int = 64) -> DecoderHostWeights:
+        """Fast weights for timing: ``rows`` random rows quantized once per matrix and
+        repeated down to ``M`` (valid groups, every byte read like any other weight); the
+        same bytes for every layer (the device copies are distinct allocations)."""
+        from pagedkv import quant
+        rng = np.random.default_rng(seed)
+
+        def matrix(name):
+            m, k = shape.matrix_shape(name)
+            r = min(rows, m)
+            w = rng.standard_normal((r, k), dtype=np.float32) / np.float32(math.sqrt(k))
+            raw = quant.quantize(w, fmt).reshape(r, -1)
+            return np.tile(raw, (-(-m // r), 1))[:m].reshape(-1)
+
+        layer = {m: matrix(m) for m in MATRICES}
+        ones = np.ones(shape.d_model, np.float32)
+        return cls(shape, fmt, [layer] * shape.num_layers, matrix("lm_head"),
+                   [ones] * shape.num_layers, [ones] * shape.num_layers, ones)
+
+    def weight_bytes(self) -> int:
+        """Stored bytes of every projection of a step."""
+        return sum(raw.nbytes for layer in self.layers for raw in layer.values()) + \
+            self.lm_head.nbytes
+
+
+class DecoderWeights:
+    """:class:`DecoderHostWeights` on the device in the GEMV's layout. Identical host
+    arrays (``tiled``) are packed and uploaded once, then copied on the device."""
+
+    def __init__(self, device: Device, host: DecoderHostWeights) -> None:
+        self.device, self.shape, self.fmt = device, host.shape, host.fmt
+        uploaded: dict[int, GemvWeights] = {}
+
+        def up(name: str, raw: np.ndarray) -> GemvWeights:
+            m, k = self.shape.matrix_shape(name)
+            first = uploaded.get(id(raw))
+            if first is None:
+                first = uploaded[id(raw)] = Gemv(device, self.fmt, m, k).upload(raw)
+                return first
+            copy = device.empty(first.array.shape, np.uint8)
+            device.copy_dtod(copy.ptr, first.array.ptr, first.array.nbytes)
+            return GemvWeights(copy, first.fmt, first.M, first.K, first.packed)
+
+        self.layers = [{m: up(m, layer[m]) for m in MATRICES} for layer in host.layers]
+        self.lm_head = up("lm_head", host.lm_head)
+        self.attn_norm = [device.array(w) for w in host.attn_norm]
+        self.ffn_norm = [device.array(w) for w in host.ffn_norm]
+        self.final_norm = device.array(host.final_norm)
+        device.synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the projections the step reads."""
+        return sum(w.array.nbytes for layer in self.layers for w in layer.values()) + \
+            self.lm_head.array.nbytes
+
+    def free(self) -> None:
+        for layer in self.layers:
+            for w in layer.values():
+                w.free()
+        self.lm_head.free()
+
+
+class _Projection:
+    """One weight shape's GEMVs over batch chunks of at most 8 rows."""
+
+    def __init__(self, device: Device, fmt: str, m: int, k: int, batch: int) -> None:
+        self.chunks = [(lo, min(batch, lo + GEMV_MAX_BATCH))
+                       for lo in range(0, batch, GEMV_MAX_BATCH)]
+        self.gemvs = {n: Gemv(device, fmt, m, k, n) for n in {hi - lo for lo, hi in self.chunks}}
+
+    def __call__(self, w: GemvWeights, x: DeviceArray, y: DeviceArray, stream) -> None:
+        for lo, hi in self.chunks:
+            self.gemvs[hi - lo].run(w, x.rows(lo, hi), y.rows(lo, hi), stream=stream)
+
+
+class DecoderStep:
+    """The launches of one decode step for ``batch`` sequences over ``pool`` (a device
+    ``LayerKVPool`` with the shape's KV geometry). Put the input hidden states in
+    :attr:`x` (``float32[batch, d_model]``); :meth:`run` leaves the logits in
+    :attr:`logits` (``float32[batch, vocab]``) and the residual stream in :attr:`x`.
+    Buffers are allocated once, so a step can be captured in a graph and replayed."""
+
+    def __init__(self, device: Device, weights: DecoderWeights, pool, batch: int,
+                 max_seq_len: int) -> None:
+        s = weights.shape
+        g = pool.geometry
+        if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.kv_heads, s.head_dim):
+            raise InvalidArgument(f"pool: {g!r} does not hold the KV of {s}")
+        self.device, self.weights, self.pool, self.shape = device, weights, pool, s
+        self.batch = batch
+        f32 = np.float32
+        self.x = device.empty((batch, s.d_model), f32)
+        self._h = device.empty((batch, s.d_model), f32)
+        self._qkv = device.empty((batch, s.matrix_shape("qkv")[0]), f32)
+        self.q = device.empty((batch, s.q_heads, s.head_dim), f32)
+        self.k = device.empty((batch, s.kv_heads, s.head_dim), f32)
+        self.v = device.empty((batch, s.kv_heads, s.head_dim), f32)
+        self._attn = device.empty((batch, s.q_heads, s.head_dim), f32)
+        self._attn_rows = self._attn.view((batch, s.d_model))
+        self._o = device.empty((batch, s.d_model), f32)
+        self._gu = device.empty((batch, 2 * s.ffn), f32)
+        self._act = device.empty((batch, s.ffn), f32)
+        self._down = device.empty((batch, s.d_model), f32)
+        self.logits = device.empty((batch, s.vocab), f32)
+        self._proj = {name: _Projection(device, weights.fmt, *s.matrix_shape(name), batch)
+                      for name in (*MATRICES, "lm_head")}
+        self.attn = PagedAttention(device, num_seqs=batch, num_heads=s.q_heads,
+                                   kv_heads=s.kv_heads, head_dim=s.head_dim,
+                                   block_size=g.block_size, max_seq_len=max_seq_len,
+                                   kv_dtype=g.dtype)
+
+    def __repr__(self) -> str:
+        return (f"DecoderStep(batch={self.batch}, {self.shape}, fmt={self.weights.fmt!r}, "
+                f"kv={self.pool.geometry.dtype})")
+
+    def run(self, tables: DeviceDecodeBatch, *, stream: StreamLike = None) -> None:
+        """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``
+        before the first launch otherwise)."""
+        check_tables(self.pool, tables)
+        if tables.num_seqs != self.batch:
+            raise InvalidArgument(f"tables: {tables.num_seqs} sequences, the step was built "
+                                  f"for {self.batch}")
+        s, dev, w, proj = self.shape, self.device, self.weights, self._proj
+        for layer in range(s.num_layers):
+            lw = w.layers[layer]
+            add_rmsnorm(dev, self.x, None if layer == 0 else self._down, w.attn_norm[layer],
+                        self._h, eps=s.eps, stream=stream)
+            proj["qkv"](lw["qkv"], self._h, self._qkv, stream)
+            qkv_rope_split(dev, self._qkv, tables.positions, self.q, self.k, self.v,
+                           q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                           theta=s.rope_theta, stream=stream)
+            write_kv(self.pool, layer, self.k, self.v, tables, stream=stream)
+            attention(self.attn, self.q, self.pool, layer, tables, self._attn, stream=stream)
+            proj["o"](lw["o"], self._attn_rows, self._o, stream)
+            add_rmsnorm(dev, self.x, self._o, w.ffn_norm[layer], self._h, eps=s.eps,
+                        stream=stream)
+            proj["gate_up"](lw["gate_up"], self._h, self._gu, stream)
+            silu_mul(dev, self._gu, self._act, stream=stream)
+            proj["down"](lw["down"], self._act, self._down, stream)
+        add_rmsnorm(dev, self.x, self._down, w.final_norm, self._h, eps=s.eps, stream=stream)
+        proj["lm_head"](w.lm_head, self._h, self.logits, stream)

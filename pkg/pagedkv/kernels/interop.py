@@ -1,0 +1,250 @@
+"""Zero-copy interop of :class:`DeviceArray` with torch, CuPy, JAX and NumPy: DLPack
+(``__dlpack__`` / ``__dlpack_device__`` / ``from_dlpack``, legacy and versioned 1.0
+capsules) and the CUDA array interface v3 (``__cuda_array_interface__``).
+
+Ownership (docs/kernels.md, "Interop"):
+
+- **Export.** A capsule holds a strong reference to the exported DeviceArray until the
+  consumer's deleter runs, so a torch tensor made from a pagedkv buffer keeps that memory
+  alive even after pagedkv dropped it (a grown pool's old layer arrays, say); an explicit
+  ``free()`` by the owner while a consumer still uses the memory is the caller's error. The
+  CUDA array interface carries no lifetime: the consumer must keep the DeviceArray.
+- **Import.** ``from_dlpack(obj)`` consumes the producer's capsule (renamed
+  ``used_dltensor``) and returns a non-owning DeviceArray whose ``base`` holds it; the
+  producer's deleter runs when that DeviceArray (and every view of it) is gone.
+  ``from_cuda_array_interface(obj)`` keeps ``obj`` itself as the base.
+- **Layout.** Only C-contiguous buffers (strides ``None`` or row-major; size-1 axes may
+  carry any stride) are taken; anything else raises :class:`InvalidArgument`. bfloat16
+  comes in as ``uint16`` bits and goes out as ``uint16`` (``tensor.view(torch.bfloat16)``).
+- **Streams.** pagedkv's host-side pool calls work on the legacy default stream. An
+  export asked for on another consumer stream (``__dlpack__(stream=s)``) makes ``s`` wait
+  for the default stream's work (an event, no host wait); ``__cuda_array_interface__``
+  reports stream 1 (legacy default). An import whose producer names a stream waits for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+
+if TYPE_CHECKING:
+    from pagedkv.kernels.device import Device
+    from pagedkv.kernels.device_array import DeviceArray
+
+__all__ = [
+    "DLPACK_DEVICE_TYPES",
+    "as_device_array",
+    "cuda_array_interface",
+    "dlpack_capsule",
+    "dlpack_device",
+    "from_cuda_array_interface",
+    "from_dlpack",
+    "is_device_buffer",
+]
+
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM, KDL_CUDA_MANAGED = 1, 2, 3, 10, 13
+_KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT, _KDL_BOOL = 0, 1, 2, 4, 6
+
+#: DLPack device types a backend's memory is exported as ("export") and accepted as
+#: ("import"). Tests of the HIP stub, whose "device" memory is host memory, add kDLCPU.
+DLPACK_DEVICE_TYPES: dict[str, dict[str, tuple[int, ...]]] = {
+    "cuda": {"export": (KDL_CUDA,), "import": (KDL_CUDA, KDL_CUDA_MANAGED)},
+    "hip": {"export": (KDL_ROCM,), "import": (KDL_ROCM,)},
+}
+# The stream argument that means "the legacy default stream" (the array API's rule).
+_DEFAULT_STREAM = {"cuda": 1, "hip": 0}
+
+
+def _dl_dtype(dtype: np.dtype) -> tuple[int, int, int]:
+    code = {"i": _KDL_INT, "u": _KDL_UINT, "f": _KDL_FLOAT, "b": _KDL_BOOL}.get(dtype.kind)
+    if code is None or dtype.byteorder == ">":
+        raise InvalidArgument(f"dtype {dtype}: DLPack export takes bool, int, uint and float")
+    return (code, 8 * dtype.itemsize, 1)
+
+
+def _np_dtype(triple: tuple[int, int, int]) -> np.dtype:
+    code, bits, lanes = triple
+    if lanes == 1:
+        if code == _KDL_BFLOAT and bits == 16:
+            return np.dtype(np.uint16)  # bfloat16 as bit patterns, as everywhere in pagedkv
+        kind = {_KDL_INT: "i", _KDL_UINT: "u", _KDL_FLOAT: "f", _KDL_BOOL: "b"}.get(code)
+        if kind is not None and bits % 8 == 0:
+            try:
+                return np.dtype(f"{kind}{bits // 8}" if kind != "b" else "?")
+            except TypeError:
+                pass
+    raise InvalidArgument(f"DLPack dtype (code {code}, bits {bits}, lanes {lanes}) has no "
+                          f"pagedkv equivalent")
+
+
+def _check_c_contiguous(shape: tuple[int, ...], strides, itemsize: int, *, in_bytes: bool,
+                        what: str) -> None:
+    if strides is None:
+        return
+    expected = 1 if not in_bytes else itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if dim != 1 and stride != expected:
+            raise InvalidArgument(f"{what}: shape {shape} with strides {tuple(strides)} is not "
+                                  f"C-contiguous; make it contiguous first (.contiguous())")
+        expected *= dim
+
+
+def _backend(device: Device) -> str:
+    return getattr(device, "backend", "cuda")
+
+
+# --- export -------------------------------------------------------------------------------
+
+
+def dlpack_device(arr: DeviceArray) -> tuple[int, int]:
+    """``(device_type, device_id)`` for ``__dlpack_device__``."""
+    return (DLPACK_DEVICE_TYPES[_backend(arr.device)]["export"][0], arr.device.ordinal)
+
+
+def _wait_default_stream(device: Device, stream) -> None:
+    """Make the consumer's ``stream`` wait for the work queued so far on the legacy
+    default stream (where pagedkv's host-side calls launch), without blocking the host."""
+    from pagedkv.kernels.device import Event
+    event = Event(device)
+    event.record(None)
+    device.call("stream_wait_event", int(stream), event.handle, 0)
+
+
+def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device=None,
+                   copy=None):
+    """``arr.__dlpack__(...)``: a capsule over ``arr``'s memory (versioned DLPack 1.0 when
+    ``max_version >= (1, 0)``, else legacy). ``copy=True`` and another ``dl_device`` raise
+    ``BufferError`` (pagedkv does not copy on export)."""
+    from pagedkv.kernels.dlpack import export_capsule
+    if copy:
+        raise BufferError("DeviceArray.__dlpack__(copy=True): pagedkv exports its memory "
+                          "without copying; copy on the consumer's side")
+    here = dlpack_device(arr)
+    if dl_device is not None and tuple(dl_device) != here:
+        raise BufferError(f"DeviceArray.__dlpack__(dl_device={tuple(dl_device)}): the array "
+                          f"lives on {here} and is not copied across devices")
+    ptr = arr.live_ptr()
+    backend = _backend(arr.device)
+    if stream is not None and stream != -1 and stream != _DEFAULT_STREAM[backend] \
+            and not (backend == "cuda" and stream == 2):
+        if not isinstance(stream, int) or isinstance(stream, bool):
+            raise InvalidArgumentType(f"stream: expected an int stream handle, got "
+                                      f"{type(stream).__name__}")
+        _wait_default_stream(arr.device, stream)
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    return export_capsule(arr, ptr, arr.shape, _dl_dtype(arr.dtype), here[0], here[1],
+                          versioned)
+
+
+def cuda_array_interface(arr: DeviceArray) -> dict:
+    """``arr.__cuda_array_interface__`` (version 3): the consumer must keep ``arr`` alive."""
+    return {"shape": arr.shape, "typestr": arr.dtype.str, "data": (arr.live_ptr(), False),
+            "version": 3, "strides": None, "stream": 1}
+
+
+# --- import -------------------------------------------------------------------------------
+
+
+def is_device_buffer(obj) -> bool:
+    """Whether ``obj`` offers device memory through DLPack or the CUDA array interface.
+    Host memory offered through DLPack (NumPy arrays, CPU torch tensors: device type
+    kDLCPU or kDLCUDAHost) does not count: callers read it as host data."""
+    if isinstance(obj, np.ndarray):
+        return False
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    if not hasattr(obj, "__dlpack__"):
+        return False
+    try:
+        dev_type = int(obj.__dlpack_device__()[0])
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return True  # no usable device query: let from_dlpack decide and explain
+    return dev_type not in (KDL_CPU, KDL_CUDA_HOST) or dev_type in _host_types_taken()
+
+
+def _host_types_taken() -> set[int]:
+    """Host device types some backend imports as device memory (the HIP stub's tests)."""
+    return {t for kinds in DLPACK_DEVICE_TYPES.values() for t in kinds["import"]
+            if t in (KDL_CPU, KDL_CUDA_HOST)}
+
+
+def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArray:
+    """A non-owning DeviceArray over ``obj``'s memory (a torch/CuPy/JAX array or anything
+    with ``__dlpack__``), taken without a copy. ``device``: the pagedkv Device it must be
+    on (default ``open_device()``). ``stream``: the stream the memory will be used on
+    (an int handle; default the legacy default stream)."""
+    from pagedkv.kernels.device import open_device
+    from pagedkv.kernels.device_array import DeviceArray
+    from pagedkv.kernels.dlpack import import_capsule
+    if not hasattr(obj, "__dlpack__"):
+        raise InvalidArgumentType(f"from_dlpack: {type(obj).__name__} has no __dlpack__")
+    device = open_device() if device is None else device
+    backend = _backend(device)
+    accepted = DLPACK_DEVICE_TYPES[backend]["import"]
+    dev_type = None
+    if hasattr(obj, "__dlpack_device__"):
+        dev_type, dev_id = (int(v) for v in obj.__dlpack_device__())
+        if dev_type not in accepted or dev_id != device.ordinal:
+            raise InvalidArgument(f"from_dlpack: the {type(obj).__name__} lives on DLPack "
+                                  f"device ({dev_type}, {dev_id}); this {backend} device takes "
+                                  f"types {accepted} and ordinal {device.ordinal}: move it first")
+    # The array API: host memory takes no stream; device memory is ordered before ours.
+    consumer = None if dev_type in (None, KDL_CPU) else \
+        _DEFAULT_STREAM[backend] if stream is None else int(stream)
+    try:
+        capsule = obj.__dlpack__(stream=consumer, max_version=(1, 0))
+    except TypeError:  # a producer from before DLPack 1.0 (no max_version)
+        capsule = obj.__dlpack__(stream=consumer)
+    tensor = import_capsule(capsule)
+    if tensor.device[0] not in accepted:
+        raise InvalidArgument(f"from_dlpack: DLPack device {tensor.device} is not one this "
+                              f"{backend} device takes {accepted}")
+    dtype = _np_dtype(tensor.dtype)
+    _check_c_contiguous(tensor.shape, tensor.strides, dtype.itemsize, in_bytes=False,
+                        what="from_dlpack")
+    return DeviceArray(device, tensor.data, tensor.shape, dtype, owned=False, base=tensor)
+
+
+def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
+    """A non-owning DeviceArray over ``obj.__cuda_array_interface__`` (v2/v3, C-contiguous;
+    ``obj`` is kept as the base). A producer stream in the interface is waited for."""
+    from pagedkv.kernels.device import open_device
+    from pagedkv.kernels.device_array import DeviceArray
+    cai = obj.__cuda_array_interface__
+    device = open_device() if device is None else device
+    try:
+        ptr, _read_only = cai["data"]
+        shape = tuple(int(s) for s in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"__cuda_array_interface__ of {type(obj).__name__} is "
+                              f"malformed ({exc})") from None
+    if cai.get("mask") is not None:
+        raise InvalidArgument("__cuda_array_interface__: masked arrays are not taken")
+    _check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, in_bytes=True,
+                        what="__cuda_array_interface__")
+    stream = cai.get("stream")
+    if stream not in (None, 1, 2):
+        device.call("stream_synchronize", int(stream))
+    return DeviceArray(device, int(ptr or 0), shape, dtype, owned=False, base=obj)
+
+
+def as_device_array(obj, device: Device | None = None, *, name: str = "array") -> DeviceArray:
+    """``obj`` if it is a DeviceArray (of ``device``), else a zero-copy DeviceArray over a
+    DLPack or CUDA-array-interface buffer. ``InvalidArgumentType`` for host data."""
+    from pagedkv.kernels.device_array import DeviceArray
+    if isinstance(obj, DeviceArray):
+        arr = obj
+    elif is_device_buffer(obj):
+        arr = (from_dlpack(obj, device) if hasattr(obj, "__dlpack__")
+               else from_cuda_array_interface(obj, device))
+    else:
+        raise InvalidArgumentType(f"{name}: expected a DeviceArray or a device tensor "
+                                  f"(DLPack / __cuda_array_interface__), got "
+                                  f"{type(obj).__name__}")
+    if device is not None and arr.device is not device:
+        raise InvalidArgument(f"{name}: on {arr.device!r}, expected {device!r}")
+    return arr

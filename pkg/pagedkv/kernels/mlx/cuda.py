@@ -1,0 +1,350 @@
+"""The ``hip/`` kernels as MLX launches on MLX's CUDA backend (``mx.fast.cuda_kernel``).
+
+The device code is ``hip/weights.hip`` and ``hip/kvcache.hip`` themselves, compiled by
+NVRTC inside MLX: the header is ``hip/pagedkv_compat.h`` (with the public headers it
+includes), then ``PKV_KERNEL`` turned from ``extern "C" __global__`` into a
+``__device__`` function template and ``__launch_bounds__`` emptied, then the source.
+Every hip/ kernel is then an inline device function with its original parameters, and
+each MLX body is one call of it, scalars read from an ``int64`` ``params`` input. The
+``__launch_bounds__`` of the original kernel (which the tuning on the H200 chose)
+reach MLX's generated kernel through a declaration of it, with the bounds, ahead of
+MLX's definition. Launch geometry mirrors :mod:`pagedkv.kernels.kvcache` and
+:mod:`pagedkv.kernels.weights`; tuning constants are read from the hip/ text, so there
+is one value of each.
+
+Formats the hip/ kernels do not decode (every P1 affine format but HFQ4G256, MQ4G256,
+MQ4G256V2 and HFQ6G256) dequantize with a one-weight-per-thread body on quant.h's
+``pkv_affine_params`` and ``pkv_unpack_code``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import numpy as np
+
+from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
+from pagedkv.kernels.mlx.sources import inline_includes, read_source, strip_comments
+
+__all__ = [
+    "copy_blocks",
+    "dequantize",
+    "fwht256",
+    "gather_blocks",
+    "gemv",
+    "hip_constant",
+    "kernel_source",
+    "kv_q8_quantize",
+    "kv_q8_read",
+    "paged_attention",
+]
+
+# The hip/ kernel each weight format runs (hip/weights.hip; pagedkv.kernels.weights).
+HIP_WEIGHT_KERNELS = {"hfq4g256": "hfq4g256", "mq4g256": "hfq4g256",
+                      "mq4g256v2": "mq4g256v2", "hfq6g256": "hfq6g256", "q8f16": "q8f16"}
+MMA_KERNELS = ("hfq4g256", "mq4g256v2")
+KV_NAMES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+
+# MLX's CUDA type names of dtypes in generated signatures (mlx/backend/cuda/utils.cpp).
+CUDA_TYPES = {"uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t",
+              "int32": "int32_t", "int64": "int64_t", "float32": "float",
+              "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+_PRELUDE = """#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+"""
+_DEVICE_KERNELS = """#undef PKV_KERNEL
+#define PKV_KERNEL template <int PKV_JIT_ = 0> __device__ __forceinline__
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+"""
+
+
+@functools.cache
+def _hip_text(source: str) -> str:
+    """hip/<source>.hip with its includes inlined and every kernel a device template
+    (``quant``: hip/pagedkv_compat.h and pagedkv/quant.h alone)."""
+    done: set[str] = set()
+    compat = inline_includes("hip/pagedkv_compat.h", done=done)
+    if source == "quant":
+        return strip_comments(compat + inline_includes("pagedkv/quant.h", done=done))
+    body = inline_includes(f"hip/{source}.hip", done=done)
+    return strip_comments(compat + _DEVICE_KERNELS + body)
+
+
+@functools.cache
+def hip_constant(source: str, name: str) -> int:
+    """The default of a ``#define NAME <int>`` tuning constant of hip/<source>.hip."""
+    m = re.search(rf"^#define {name} (\d+)", read_source(f"hip/{source}.hip"), re.MULTILINE)
+    if m is None:
+        raise LookupError(f"hip/{source}.hip defines no integer {name}")
+    return int(m.group(1))
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rpartition(".")[2]
+
+
+@functools.cache
+def kernel_source(source: str, name: str, inputs: tuple[tuple[str, str], ...],
+                  outputs: tuple[tuple[str, str], ...], body: str,
+                  bounds: tuple[int, ...] | None, shared_memory: int = 0) -> KernelSource:
+    """One cuda_kernel: ``inputs``/``outputs`` are (name, dtype name) pairs in MLX's order;
+    ``bounds`` the ``__launch_bounds__`` arguments its generated kernel is declared with."""
+    kernel_name = f"pagedkv_{name}"
+    decl = ""
+    if bounds is not None:
+        params = [f"const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+        params += [f"{CUDA_TYPES[t]}* {n}" for n, t in outputs]
+        decl = (f"namespace mlx::core::cu {{\n__global__ void __launch_bounds__("
+                f"{', '.join(map(str, bounds))}) custom_kernel_{kernel_name}(\n    "
+                + ",\n    ".join(params) + ");\n}\n")
+    return KernelSource(name=kernel_name, input_names=tuple(n for n, _ in inputs),
+                        output_names=tuple(n for n, _ in outputs), source=body,
+                        header=_PRELUDE + decl + _hip_text(source), cooperative=True,
+                        shared_memory=shared_memory)
+
+
+def _params(mx, *values: int):
+    """The scalars of a launch as a small ``int64`` input, one array per distinct tuple
+    (a decode step re-launches with the same values: no new host-to-device copy)."""
+    return _cached_params(tuple(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=64)
+def _iota(n: int, dtype: str):
+    """0..n-1 (the slots a launch writes its outputs in order), cached per length."""
+    import mlx.core as mx
+    arr = mx.arange(n, dtype=getattr(mx, dtype))
+    mx.eval(arr)
+    return arr
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_params(values: tuple[int, ...]):
+    import mlx.core as mx
+    arr = mx.array(np.asarray(values, dtype=np.int64))
+    mx.eval(arr)
+    return arr
+
+
+def _io(*pairs) -> tuple[tuple[str, str], ...]:
+    return tuple((n, _dtype_name(t)) for n, t in pairs)
+
+
+def dequantize(mx, raw, codec, numel: int, out_dtype, run: Runner):
+    """``out_dtype[numel]`` weights in the stored basis (hip/ kernel where one exists)."""
+    f16 = out_dtype == mx.float16
+    out_t = "(uint16_t*)out" if f16 else "out"
+    kernel = HIP_WEIGHT_KERNELS.get(codec.name)
+    io_in = _io(("raw", mx.uint8), ("params", mx.int64))
+    io_out = _io(("out", out_dtype))
+    if kernel is not None:
+        span = hip_constant("weights", "DEQUANT_SPAN")
+        threads = hip_constant("weights", "DEQUANT_THREADS")
+        suffix = "f16" if f16 else "f32"
+        src = kernel_source("weights", f"dequant_{kernel}_{suffix}", io_in, io_out,
+                            f"pkv_dequant_{kernel}_{suffix}<>(raw, {out_t}, params[0]);",
+                            (threads,))
+        blocks = math.ceil(numel / (span * threads))
+    else:
+        # One kernel for every other format (the layout comes in params): NVRTC compiles it
+        # once per output dtype, not once per format.
+        threads = 256
+        value = "__float2half_rn(v)" if f16 else "v"
+        body = (
+            "const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;\n"
+            "if (i >= params[0]) return;\n"
+            "const int family = (int)params[1];\n"
+            "const uint32_t bits = (uint32_t)params[2];\n"
+            "const int64_t G = params[3], B = params[4];\n"
+            "const int64_t g = i / G;\n"
+            "const uint32_t e = (uint32_t)(i - g * G);\n"
+            "const uint8_t* blk = raw + g * B;\n"
+            "float s, o;\n"
+            "pkv_affine_params(blk, family, e, &s, &o);\n"
+            "const float v = (float)pkv_unpack_code(blk + PKV_AFFINE_HEADER_BYTES, e, bits) "
+            "* s + o;\n"
+            f"out[i] = {value};")
+        src = kernel_source("quant", f"dequant_affine_{'f16' if f16 else 'f32'}", io_in,
+                            io_out, body, (threads,))
+        blocks = math.ceil(numel / threads)
+        return run(Launch(src, [raw, _params(mx, numel, int(codec.family), codec.bits,
+                                             codec.group_size, codec.group_bytes)],
+                          [(numel,)], [out_dtype], grid=(blocks * threads, 1, 1),
+                          threadgroup=(threads, 1, 1)))[0]
+    return run(Launch(src, [raw, _params(mx, numel)], [(numel,)], [out_dtype],
+                      grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1)))[0]
+
+
+def fwht256(mx, x, run: Runner):
+    """hip/ ``pkv_fwht256_f32``: a warp per 256-group, eight groups per 256-thread block."""
+    groups = x.size // 256
+    src = kernel_source("weights", "fwht256_f32", _io(("x", mx.float32), ("params", mx.int64)),
+                        _io(("y", mx.float32)), "pkv_fwht256_f32<>(x, y, params[0]);", None)
+    blocks = math.ceil(groups / 8)
+    return run(Launch(src, [x.reshape(-1), _params(mx, groups)], [(x.size,)], [mx.float32],
+                      grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1)))[0].reshape(x.shape)
+
+
+def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
+    """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
+    weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
+    from pagedkv.kernels.weights import GEMV_MMA_ROWS, GEMV_X_WORDS, _mma_warps
+    kernel = HIP_WEIGHT_KERNELS[codec.name]
+    batch = x.shape[0]
+    if tensor_cores:
+        groups = K // 256
+        tiles = math.ceil(3 * batch / 8)
+        n_xq = groups * tiles * 32 * GEMV_X_WORDS
+        prep = kernel_source(
+            "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
+            _io(("xq", mx.uint32), ("xs", mx.float32)),
+            "pkv_gemv_prep_x<>(x, xq, (float4*)xs, (int)params[0], (int)params[1], "
+            "(int)params[2], (int)params[3]);", None)
+        xq, xs = run(Launch(prep, [x, _params(mx, K, batch, tiles, int(codec.rotated))],
+                            [(n_xq,), (groups * batch * 4,)], [mx.uint32, mx.float32],
+                            grid=(256 * math.ceil(groups * batch / 8), 1, 1),
+                            threadgroup=(256, 1, 1)))
+        max_warps = hip_constant("weights", "GEMV_MMA_MAX_WARPS")
+        row_tiles = math.ceil(M / GEMV_MMA_ROWS)
+        threads = 32 * _mma_warps(row_tiles, groups)
+        mma = kernel_source(
+            "weights", f"gemv_mma_{kernel}_n{tiles}",
+            _io(("w", mx.uint8), ("xq", mx.uint32), ("xs", mx.float32), ("params", mx.int64)),
+            _io(("y", mx.float32)),
+            f"pkv_gemv_mma_{kernel}_n{tiles}<>(w, xq, (const float4*)xs, y, (int)params[0], "
+            "(int)params[1], (int)params[2]);", (32 * max_warps,))
+        return run(Launch(mma, [w, xq, xs, _params(mx, M, K, batch)], [(batch, M)],
+                          [mx.float32], grid=(threads * row_tiles, 1, 1),
+                          threadgroup=(threads, 1, 1)))[0]
+    if codec.rotated:
+        x = fwht256(mx, x, run)
+    bmax = next(b for b in (1, 2, 4, 8) if b >= batch)
+    threads = hip_constant("weights", "GEMV_THREADS")
+    rows = 8 if bmax <= 2 else 4  # GEMV_ROWS_FOR in weights.hip
+    src = kernel_source(
+        "weights", f"gemv_{kernel}_b{bmax}",
+        _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)), _io(("y", mx.float32)),
+        f"pkv_gemv_{kernel}_b{bmax}<>(w, x, y, (int)params[0], (int)params[1], "
+        "(int)params[2]);", (threads,))
+    return run(Launch(src, [w, x, _params(mx, M, K, batch)], [(batch, M)], [mx.float32],
+                      grid=(threads * math.ceil(M / rows), 1, 1),
+                      threadgroup=(threads, 1, 1)))[0]
+
+
+def kv_q8_quantize(mx, values, run: Runner):
+    """hip/ ``pkv_kv_q8_write``, writing the n tokens' records in order (slots 0..n-1)."""
+    n, kvh, hd = values.shape
+    f16 = values.dtype == mx.float16
+    src = kernel_source(
+        "kvcache", f"kv_q8_write_{'f16' if f16 else 'f32'}",
+        _io(("src", values.dtype), ("slots", mx.int64), ("params", mx.int64)),
+        _io(("out", mx.uint8)),
+        f"pkv_kv_q8_write_{'f16' if f16 else 'f32'}<>({'(const uint16_t*)src' if f16 else 'src'}"
+        ", slots, out, (int)params[0], (int)params[1], (int)params[2]);", None)
+    slots = _iota(n, 'int64')
+    total = n * kvh * hd
+    return run(Launch(src, [values, slots, _params(mx, n, kvh, hd)], [(n, kvh, hd // 32 * 34)],
+                      [mx.uint8], grid=(256 * math.ceil(total / 256), 1, 1),
+                      threadgroup=(256, 1, 1)))[0]
+
+
+def kv_q8_read(mx, pool, slots, kv_heads: int, head_dim: int, out_dtype, run: Runner):
+    """hip/ ``pkv_kv_q8_read``: the q8 rows at ``slots`` (int64) as f32 or f16."""
+    n = slots.shape[0]
+    f16 = out_dtype == mx.float16
+    src = kernel_source(
+        "kvcache", f"kv_q8_read_{'f16' if f16 else 'f32'}",
+        _io(("pool", mx.uint8), ("slots", mx.int64), ("params", mx.int64)),
+        _io(("out", out_dtype)),
+        f"pkv_kv_q8_read_{'f16' if f16 else 'f32'}<>(pool, slots, "
+        f"{'(uint16_t*)out' if f16 else 'out'}, (int)params[0], (int)params[1], "
+        "(int)params[2]);", None)
+    total = n * kv_heads * head_dim
+    return run(Launch(src, [pool.reshape(-1), slots, _params(mx, n, kv_heads, head_dim)],
+                      [(n, kv_heads, head_dim)], [out_dtype],
+                      grid=(256 * math.ceil(total / 256), 1, 1), threadgroup=(256, 1, 1)))[0]
+
+
+def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """Partition tokens, threads, ``__launch_bounds__`` and dynamic shared memory of the
+    hip/ attention kernel for one geometry (pagedkv.kernels.kvcache.PagedAttention's)."""
+    f16 = kv_dtype == "float16"
+    partition = hip_constant("kvcache", "PKV_ATTN_PARTITION_F16" if f16 else
+                             "PKV_ATTN_PARTITION")
+    threads = hip_constant("kvcache", "PKV_ATTN_THREADS")
+    min_blocks = hip_constant("kvcache", "PKV_ATTN_MIN_BLOCKS_F16" if f16 else
+                              "PKV_ATTN_MIN_BLOCKS")
+    group = heads // kv_heads
+    gmax = 1 << (group - 1).bit_length()
+    shared = 4 * max(partition * gmax, threads // 32 * gmax * head_dim)
+    return {"partition": partition, "threads": threads, "bounds": (threads, min_blocks),
+            "gmax": gmax, "shared": shared}
+
+
+def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
+                    scale: float, max_seq_len: int, run: Runner):
+    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
+    seqs, heads, head_dim = q.shape
+    block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
+    parts = max(1, math.ceil(max_seq_len / geo["partition"]))
+    pool_dtype = k_pool.dtype
+    name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
+    src = kernel_source(
+        "kvcache", name[4:] + f"_s{geo['shared']}",
+        _io(("q", mx.float32), ("k_pool", pool_dtype), ("v_pool", pool_dtype),
+            ("block_tables", mx.int32), ("seq_lens", mx.int32), ("params", mx.int64)),
+        _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32)),
+        f"{name}<>(q, (const uint8_t*)k_pool, (const uint8_t*)v_pool, block_tables, seq_lens, "
+        "part_out, part_max, part_sum, __int_as_float((int)params[0]), (int)params[1], "
+        "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6]);",
+        geo["bounds"], geo["shared"])
+    scale_bits = int(np.float32(scale).view(np.int32))
+    part_shape = (seqs, heads, parts)
+    threads = geo["threads"]
+    part_out, part_max, part_sum = run(Launch(
+        src, [q, k_pool, v_pool, block_tables, seq_lens,
+              _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
+                      block_tables.shape[1], parts)],
+        [part_shape + (head_dim,), part_shape, part_shape], [mx.float32] * 3,
+        grid=(parts * threads, kv_heads, seqs), threadgroup=(threads, 1, 1)))
+    reduce = kernel_source(
+        "kvcache", "paged_attention_reduce",
+        _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32),
+            ("seq_lens", mx.int32), ("params", mx.int64)), _io(("out", mx.float32)),
+        "pkv_paged_attention_reduce<>(part_out, part_max, part_sum, seq_lens, out, "
+        "(int)params[0], (int)params[1], (int)params[2], (int)params[3]);", None)
+    t = min(head_dim, 256)
+    return run(Launch(reduce, [part_out, part_max, part_sum, seq_lens,
+                               _params(mx, heads, head_dim, parts, geo["partition"])],
+                      [(seqs, heads, head_dim)], [mx.float32], grid=(heads * t, seqs, 1),
+                      threadgroup=(t, 1, 1)))[0]
+
+
+def gather_blocks(mx, src, src_ids, run: Runner):
+    """hip/ ``pkv_copy_blocks_{16,1}`` into a new ``uint8[n, block_bytes]`` (slots 0..n-1)."""
+    n = src_ids.shape[0]
+    block_bytes = src.nbytes // src.shape[0]
+    flat = src.reshape(-1).view(mx.uint8) if src.dtype != mx.uint8 else src.reshape(-1)
+    vec = block_bytes % 16 == 0  # MLX buffers are 16-byte aligned
+    name = "copy_blocks_16" if vec else "copy_blocks_1"
+    kernel = kernel_source(
+        "kvcache", name, _io(("src", mx.uint8), ("src_ids", mx.int32), ("dst_ids", mx.int32),
+                             ("params", mx.int64)), _io(("out", mx.uint8)),
+        f"pkv_{name}<>(src, src_ids, dst_ids, out, (int)params[0], params[1]);", None)
+    units = block_bytes // 16 if vec else block_bytes
+    gx, gy = min(math.ceil(units / 256), 64), min(n, 65535)
+    return run(Launch(kernel, [flat, src_ids, _iota(n, 'int32'),
+                               _params(mx, n, block_bytes)], [(n, block_bytes)], [mx.uint8],
+                      grid=(256 * gx, gy, 1), threadgroup=(256, 1, 1)))[0]
+
+
+def copy_blocks(mx, src, src_ids, dst_ids, dst, run: Runner):
+    """``dst`` with block ``dst_ids[i]`` replaced by ``src``'s block ``src_ids[i]``."""
+    from pagedkv.kernels.mlx.array_ops import scatter_blocks
+    return scatter_blocks(mx, gather_blocks(mx, src, src_ids, run), dst_ids, dst)

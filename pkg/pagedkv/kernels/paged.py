@@ -1,0 +1,194 @@
+"""The kernels driven by a device pool and the adapter's block tables.
+
+An engine step: ``batch = adapter.prepare_decode(seq_ids)``; ``tables =
+DeviceDecodeBatch.upload(device, batch)`` (or ``tables.update(batch)`` into the same
+buffers, which keeps captured graphs valid); then per layer :func:`write_kv` (this step's
+K/V into the pool at ``batch.slot_mapping``) and :func:`attention` (or
+``PagedAttention.run_pool``). Every entry point takes the pool, the tables and the
+generation they were built for, and raises :class:`~pagedkv.errors.StaleBlockTable` before
+anything is launched when the pool has grown since (docs/adapter.md, "Block tables and
+decode batches"): block ids survive growth, the arrays the kernels would read do not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
+from pagedkv.kernels.device import Device, StreamLike
+from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.kvcache import PagedAttention, _need, copy_blocks, kv_q8_read, kv_q8_write
+
+__all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks", "read_kv_q8",
+           "write_kv"]
+
+KV_WRITE_THREADS = 256
+
+
+class DeviceDecodeBatch:
+    """A :class:`pagedkv.adapter.DecodeBatch` on the device: ``block_tables``
+    ``int32[seqs, width]``, ``seq_lens`` ``int32[seqs]``, ``slot_mapping`` ``int64[seqs]``,
+    ``positions`` ``int32[seqs]`` (``seq_lens - 1``: this step's token, for RoPE) and the
+    pool ``generation`` they belong to. ``width`` may exceed the batch's (rows padded with
+    -1) so that later steps fit the same buffers."""
+
+    __slots__ = ("block_tables", "device", "generation", "positions", "seq_lens",
+                 "slot_mapping")
+
+    def __init__(self, device: Device, num_seqs: int, width: int) -> None:
+        if num_seqs < 1 or width < 1:
+            raise InvalidArgument(f"num_seqs={num_seqs}, width={width}: each must be >= 1")
+        self.device = device
+        self.block_tables = device.empty((num_seqs, width), np.int32)
+        self.seq_lens = device.empty((num_seqs,), np.int32)
+        self.slot_mapping = device.empty((num_seqs,), np.int64)
+        self.positions = device.empty((num_seqs,), np.int32)
+        self.generation: int | None = None
+
+    def __repr__(self) -> str:
+        s, w = self.block_tables.shape
+        return f"DeviceDecodeBatch(seqs={s}, width={w}, generation={self.generation})"
+
+    @classmethod
+    def upload(cls, device: Device, batch, *, width: int | None = None) -> DeviceDecodeBatch:
+        """New device buffers holding ``batch`` (a DecodeBatch); ``width``: table columns to
+        reserve (default the batch's)."""
+        tables = np.asarray(batch.block_tables)
+        out = cls(device, tables.shape[0], max(1, tables.shape[1] if width is None else width))
+        out.update(batch)
+        return out
+
+    def update(self, batch) -> None:
+        """Copy ``batch`` into these buffers (same number of sequences, table width at most
+        this one's). Checked on the host first; nothing is copied on error."""
+        tables = np.asarray(batch.block_tables)
+        seq_lens = np.asarray(batch.seq_lens)
+        slots = np.asarray(batch.slot_mapping)
+        s, w = self.block_tables.shape
+        if tables.dtype != np.int32 or tables.ndim != 2 or tables.shape[0] != s \
+                or tables.shape[1] > w:
+            raise InvalidArgument(f"block_tables: {tables.dtype}{list(tables.shape)}, expected "
+                                  f"int32[{s}, <= {w}]")
+        if seq_lens.dtype != np.int32 or seq_lens.shape != (s,):
+            raise InvalidArgument(f"seq_lens: {seq_lens.dtype}{list(seq_lens.shape)}, expected "
+                                  f"int32[{s}]")
+        if slots.dtype != np.int64 or slots.shape != (s,):
+            raise InvalidArgument(f"slot_mapping: {slots.dtype}{list(slots.shape)}, expected "
+                                  f"int64[{s}]")
+        if not isinstance(batch.generation, (int, np.integer)):
+            raise InvalidArgumentType("generation: expected an int")
+        padded = np.full((s, w), -1, np.int32)
+        padded[:, :tables.shape[1]] = tables
+        self.block_tables.copy_from(padded)
+        self.seq_lens.copy_from(seq_lens)
+        self.slot_mapping.copy_from(slots)
+        self.positions.copy_from(np.maximum(seq_lens - 1, 0).astype(np.int32))
+        self.generation = int(batch.generation)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+
+def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None) -> None:
+    """``StaleBlockTable`` unless ``tables`` (and ``generation``, when given) belong to the
+    pool's current generation; ``InvalidArgument`` for a pool without device storage."""
+    if getattr(pool, "backend", None) != "device":
+        raise InvalidArgument(f"pool: expected a LayerKVPool(backend='device'), got "
+                              f"{type(pool).__name__}"
+                              + (f" of backend {pool.backend!r}" if hasattr(pool, "backend")
+                                 else ""))
+    if not isinstance(tables, DeviceDecodeBatch):
+        raise InvalidArgumentType(f"tables: expected a DeviceDecodeBatch, got "
+                                  f"{type(tables).__name__}")
+    if generation is not None and tables.generation != generation:
+        raise StaleBlockTable(f"generation: the tables were uploaded for pool generation "
+                              f"{tables.generation}, the caller says {generation}")
+    pool.check_generation(tables.generation if generation is None else generation)
+
+
+def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDecodeBatch, *,
+             generation: int | None = None, stream: StreamLike = None) -> None:
+    """Write this step's K and V (``float32[seqs, kv_heads, head_dim]``; ``float16`` too for
+    q8 pools) of ``layer`` into the pool at ``tables.slot_mapping``, rounding to the pool
+    dtype (f16 / bf16 round to nearest even; q8 as ``kv_q8_write``)."""
+    check_tables(pool, tables, generation)
+    g = pool.geometry
+    k_pool, v_pool = pool.layer(layer)
+    shape = (tables.num_seqs, g.num_kv_heads, g.head_dim)
+    for name, arr in (("k", k), ("v", v)):
+        if not isinstance(arr, DeviceArray):
+            raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+        if arr.shape != shape:
+            raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
+    if g.dtype == "q8":
+        kv_q8_write(pool.device, k, tables.slot_mapping, k_pool, stream=stream)
+        kv_q8_write(pool.device, v, tables.slot_mapping, v_pool, stream=stream)
+        return
+    if g.dtype not in ("float16", "bfloat16"):
+        raise InvalidArgument(f"pool dtype {g.dtype}: the KV write kernels take float16, "
+                              f"bfloat16 and q8 pools")
+    _need(k, "k", np.float32)
+    _need(v, "v", np.float32)
+    suffix = "f16" if g.dtype == "float16" else "bf16"
+    kernel = pool.device.kernel("decode", f"pkv_kv_write_{suffix}", "pppppii")
+    n = tables.num_seqs * g.num_kv_heads * g.head_dim
+    kernel((math.ceil(n / KV_WRITE_THREADS),), (KV_WRITE_THREADS,), k, v, tables.slot_mapping,
+           k_pool, v_pool, tables.num_seqs, g.num_kv_heads * g.head_dim, stream=stream)
+
+
+def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
+              tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
+              stream: StreamLike = None) -> None:
+    """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
+    check_tables(pool, tables, generation)
+    g = pool.geometry
+    if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
+            g.dtype, g.num_kv_heads, g.head_dim, g.block_size):
+        raise InvalidArgument(f"attn: {attn!r} was built for another pool geometry than {g!r}")
+    k_pool, v_pool = pool.layer(layer)
+    attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, out, stream=stream)
+
+
+def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: DeviceArray,
+               *, generation: int, stream: StreamLike = None) -> None:
+    """Dequantize ``layer``'s q8 K and V rows at ``slots`` (``int64``, built for pool
+    ``generation``) into ``k_out``, ``v_out`` (``float32``/``float16[n, kv_heads,
+    head_dim]``)."""
+    pool.check_generation(generation)
+    if pool.geometry.dtype != "q8":
+        raise InvalidArgument(f"pool dtype {pool.geometry.dtype}: read_kv_q8 needs a q8 pool")
+    k_pool, v_pool = pool.layer(layer)
+    kv_q8_read(pool.device, k_pool, slots, k_out, stream=stream)
+    kv_q8_read(pool.device, v_pool, slots, v_out, stream=stream)
+
+
+def copy_pool_blocks(pool, src_ids, dst_ids, *, generation: int,
+                     stream: StreamLike = None) -> None:
+    """Copy block ``src_ids[i]`` to block ``dst_ids[i]`` in every layer's K and V (a forked
+    sequence's copy-on-write tail, say). Ids (``int32``, host or device) are checked on the
+    host when they are NumPy arrays; ``generation`` is the one they were chosen in."""
+    pool.check_generation(generation)
+    device = pool.device
+    ids = []
+    for name, arr in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        if isinstance(arr, DeviceArray):
+            ids.append(arr)
+            continue
+        host = np.asarray(arr)
+        if host.dtype.kind not in "iu" or host.ndim != 1:
+            raise InvalidArgument(f"{name}: {host.dtype}{list(host.shape)}, expected int32[n]")
+        if host.size and (host.min() < 0 or host.max() >= pool.num_blocks):
+            raise InvalidArgument(f"{name}: an id is outside 0..{pool.num_blocks - 1}")
+        ids.append(device.array(host.astype(np.int32)))
+    if not any(isinstance(a, DeviceArray) for a in (src_ids, dst_ids)) and \
+            np.intersect1d(np.asarray(src_ids), np.asarray(dst_ids)).size:
+        raise InvalidArgument("src_ids/dst_ids: a block is both a source and a destination; "
+                              "the copies run in parallel, so use disjoint sets")
+    slab = pool.geometry.slab_bytes
+    for layer in range(pool.num_layers):
+        for arr in pool.layer(layer):
+            blocks = arr.view((pool.num_blocks, slab), np.uint8)
+            copy_blocks(device, blocks, ids[0], ids[1], blocks, stream=stream)

@@ -1,0 +1,377 @@
+"""The device backend of LayerKVPool and the kernels driven by it (docs/pool.md "Device
+backend", docs/kernels.md "Device pool").
+
+Host tests run on the HIP stub (tests/data/hip_stub.c): its memory is host memory and it
+emulates the pool's byte movers (copy_blocks, the slab gather/scatter), so growth, token
+scatter/gather, block I/O and the adapter run end to end; every other kernel is only
+recorded, which is what the argument and generation checks need (nothing may be launched
+after an error). The pool contracts shared with the NumPy backend run on it from
+tests/test_pool.py. GPU tests (marked gpu) run the same paths on real kernels against the
+NumPy pool, byte for byte."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from kernels_support import poisoned
+from pagedkv.adapter import PagedKVCacheAdapter
+from pagedkv.allocator import BlockAllocator
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
+from pagedkv.kernels import DeviceArray, kvcache, reference
+from pagedkv.kernels.paged import (
+    DeviceDecodeBatch,
+    attention,
+    check_tables,
+    copy_pool_blocks,
+    read_kv_q8,
+    write_kv,
+)
+from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry, float32_to_bf16_bits
+
+RNG = np.random.default_rng()
+
+
+def geometry(dtype="float16", layers=2, heads=2, head_dim=32, block_size=4):
+    return PoolGeometry(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                        block_size=block_size, dtype=dtype)
+
+
+def values(g, shape, rng=RNG):
+    """Random K or V of ``shape`` (``[..., head_dim]``) as the pool stores them (q8: records)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if g.dtype == "q8":
+        return reference.kv_q8_quantize(x)
+    if g.dtype == "bfloat16":
+        return float32_to_bf16_bits(x)
+    return x.astype(g.storage_dtype)
+
+
+def snapshot(pool):
+    return np.stack([pool.read_block(b) for b in range(pool.num_blocks)])
+
+
+# --- host: the stub -------------------------------------------------------------------------
+
+
+def test_device_pool_layout_is_one_allocation_per_layer_and_side(stub_device):
+    g = geometry("q8", layers=3)
+    pool = LayerKVPool(g, 5, 9, backend="device")
+    assert pool.backend == "device" and pool.device is stub_device
+    arrays = [a for layer in range(3) for a in pool.layer(layer)]
+    assert len({a.ptr for a in arrays}) == 6
+    for a in arrays:
+        assert isinstance(a, DeviceArray) and a.shape == (5, 4, 2, 34) and a.dtype == np.uint8
+        assert not a.to_numpy().any()  # a new pool reads as zeros
+    assert "DeviceKVStorage" not in repr(pool) and "backend='device'" in repr(pool)
+    with pytest.raises(InvalidArgument, match="only a backend='device' pool takes a device"):
+        LayerKVPool(g, 5, device=stub_device)
+
+
+def test_grow_copies_blocks_on_the_device_and_releases_the_old_arrays_after_the_bump(
+        stub_device, stub_recorder):
+    g = geometry(layers=2)
+    budget = MemoryBudget(1 << 20)
+    pool = LayerKVPool(g, 3, 8, backend="device", memory_budget=budget, pool_id="d")
+    for b in range(3):
+        pool.write_block(b, RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8))
+    before = snapshot(pool)
+    old = [weakref.ref(a) for layer in range(2) for a in pool.layer(layer)]
+    held = pool.layer(1)[0]  # a view someone keeps: its memory must outlive the grow
+    seen = []
+    from pagedkv.pool import device_storage
+    release = device_storage.DeviceKVStorage.release
+
+    def spy(storage):
+        seen.append(pool.generation)
+        release(storage)
+
+    count = stub_recorder.count
+    device_storage.DeviceKVStorage.release = spy
+    try:
+        assert pool.grow_to(7)
+    finally:
+        device_storage.DeviceKVStorage.release = release
+    assert seen == [1]  # released after the generation bump
+    assert stub_recorder.count - count == 4  # one copy_blocks per layer and side
+    assert stub_recorder.last().name == b"pkv_copy_blocks_16"
+    after = snapshot(pool)
+    assert np.array_equal(after[:3], before) and not after[3:].any()
+    gc.collect()
+    assert [r() is None for r in old] == [True, True, False, True]
+    assert held.to_numpy().tobytes() == before[:, 1, 0].tobytes()  # still readable
+    assert budget.debit("d") == 7 * g.bytes_per_block
+
+
+def test_token_writes_take_device_arrays_and_duplicates_keep_the_last(stub_device):
+    g = geometry("bfloat16", heads=1, head_dim=8)
+    pool = LayerKVPool(g, 4, backend="device")
+    k = values(g, (4, 1, 8))
+    v = values(g, (4, 1, 8))
+    pool.write_tokens(1, np.array([5, 9, 5, 2]), stub_device.array(k), stub_device.array(v))
+    lk, lv = (a.to_numpy().reshape(16, 1, 8) for a in pool.layer(1))
+    assert np.array_equal(lk[[5, 9, 2]], k[[2, 1, 3]])  # slot 5: the last write (row 2)
+    assert np.array_equal(lv[[5, 9, 2]], v[[2, 1, 3]])
+    with pytest.raises(InvalidArgumentType, match=r"k: dtype float16 .* bfloat16"):
+        pool.write_tokens(0, [0], stub_device.array(k.view(np.float16)[:1]),
+                          stub_device.array(v[:1]))
+    assert not pool.layer(0)[0].to_numpy().any()
+
+
+def test_adapter_on_a_device_pool_survives_growth(stub_device):
+    g = geometry(layers=2, heads=2, head_dim=32, block_size=4)
+    pool = LayerKVPool(g, 2, 16, backend="device")
+    adapter = PagedKVCacheAdapter(BlockAllocator(2, 16, 4), pool)
+    adapter.reset_for_new_request("a")
+    adapter.allocate_suffix_blocks("a", 6)
+    adapter.record_tokens("a", np.arange(6, dtype=np.uint32))
+    k, v = values(g, (2, 6, 2, 32)), values(g, (2, 6, 2, 32))
+    adapter.write_kv_layers("a", k, v)
+    adapter.reset_for_new_request("b")
+    adapter.allocate_suffix_blocks("b", 9)  # needs 3 more blocks: the pool grows
+    assert pool.generation >= 1 and pool.num_blocks > 2
+    for layer in range(2):
+        gk, gv = adapter.gather_kv("a", layer)
+        assert np.array_equal(gk.to_numpy(), k[layer]) and np.array_equal(gv.to_numpy(),
+                                                                         v[layer])
+
+
+def _decode_setup(device, dtype="float16", seqs=2, contexts=(5, 9)):
+    g = geometry(dtype, layers=2, heads=2, head_dim=32, block_size=4)
+    pool = LayerKVPool(g, 8, 16, backend="device")
+    adapter = PagedKVCacheAdapter(BlockAllocator(8, 16, 4), pool)
+    ids = [f"s{i}" for i in range(seqs)]
+    for s, n in zip(ids, contexts, strict=True):
+        adapter.reset_for_new_request(s)
+        adapter.allocate_suffix_blocks(s, n)
+        adapter.record_tokens(s, np.arange(n, dtype=np.uint32))
+    adapter.record_decode_tokens(ids, np.zeros(seqs, np.uint32))
+    batch = adapter.prepare_decode(ids)
+    return g, pool, adapter, ids, batch
+
+
+def _attention_for(device, block_size=4):
+    """PagedAttention for _decode_setup's pool, with q and out buffers."""
+    attn = kvcache.PagedAttention(device, num_seqs=2, num_heads=4, kv_heads=2, head_dim=32,
+                                  block_size=block_size, max_seq_len=64, kv_dtype="float16")
+    return attn, device.empty((2, 4, 32), np.float32), device.empty((2, 4, 32), np.float32)
+
+
+def test_device_decode_batch_holds_the_adapter_batch(stub_device):
+    _g, _pool, _adapter, _ids, batch = _decode_setup(stub_device)
+    tables = DeviceDecodeBatch.upload(stub_device, batch, width=5)
+    assert repr(tables) == "DeviceDecodeBatch(seqs=2, width=5, generation=0)"
+    got = tables.block_tables.to_numpy()
+    assert np.array_equal(got[:, :batch.block_tables.shape[1]], batch.block_tables)
+    assert (got[:, batch.block_tables.shape[1]:] == -1).all()
+    assert tables.seq_lens.to_numpy().tolist() == [6, 10]
+    assert tables.positions.to_numpy().tolist() == [5, 9]
+    assert np.array_equal(tables.slot_mapping.to_numpy(), batch.slot_mapping)
+    before = tables.block_tables.to_numpy()
+    bad = batch._replace(block_tables=np.zeros((2, 6), np.int32))
+    with pytest.raises(InvalidArgument, match=r"block_tables: int32\[2, 6\], expected "
+                                              r"int32\[2, <= 5\]"):
+        tables.update(bad)
+    with pytest.raises(InvalidArgument, match="slot_mapping: int32"):
+        tables.update(batch._replace(slot_mapping=batch.slot_mapping.astype(np.int32)))
+    assert np.array_equal(tables.block_tables.to_numpy(), before)
+
+
+def test_stale_tables_are_refused_before_any_launch(stub_device, stub_recorder):
+    _g, pool, adapter, ids, batch = _decode_setup(stub_device)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    attn, q, out = _attention_for(stub_device)
+    k = stub_device.empty((2, 2, 32), np.float32)
+    assert pool.grow_to(16)
+    count = stub_recorder.count
+    calls = [
+        lambda: write_kv(pool, 0, k, k, tables),
+        lambda: attention(attn, q, pool, 0, tables, out),
+        lambda: attn.run_pool(q, pool, 1, tables, out),
+        lambda: copy_pool_blocks(pool, [0], [1], generation=0),
+        lambda: read_kv_q8(pool, 0, tables.slot_mapping, q, q, generation=0),
+        lambda: check_tables(pool, tables, generation=1),  # the tables say 0
+    ]
+    for call in calls:
+        with pytest.raises(StaleBlockTable, match="generation"):
+            call()
+    assert stub_recorder.count == count  # nothing launched
+    tables.update(adapter.prepare_decode(ids))  # rebuilt for generation 1: launches
+    assert tables.generation == 1
+    attn.run_pool(q, pool, 1, tables, out)
+    assert stub_recorder.count == count + 2  # the partitions and the reduce
+    assert stub_recorder.last().name == b"pkv_paged_attention_reduce"
+
+
+def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
+        stub_device, stub_recorder, monkeypatch):
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    attn, q, out = _attention_for(stub_device)
+    k_pool, v_pool = pool.layer(1)
+    seen = []
+    run = attn.run
+    monkeypatch.setattr(attn, "run", lambda *a, **kw: (seen.append((a, kw)), run(*a, **kw)))
+    attention(attn, q, pool, 1, tables, out, stream=0x1234)
+    (args, _kwargs), = seen
+    assert args == (q, k_pool, v_pool, tables.block_tables, tables.seq_lens, out)
+    assert stub_recorder.last().stream == 0x1234  # an integer stream handle is used as is
+    k = stub_device.empty((2, 2, 32), np.float32)
+    v = stub_device.empty((2, 2, 32), np.float32)
+    stub_recorder.record_params([8, 8, 8, 8, 8, 4, 4])
+    write_kv(pool, 1, k, v, tables)
+    assert stub_recorder.last().name == b"pkv_kv_write_f16"
+    assert [stub_recorder.param(i) for i in range(5)] == [k.ptr, v.ptr, tables.slot_mapping.ptr,
+                                                         k_pool.ptr, v_pool.ptr]
+    assert stub_recorder.param(5) == 2 and stub_recorder.param(6) == 64
+    count = stub_recorder.count
+    with pytest.raises(InvalidArgument, match=r"k: shape \(2, 2, 16\), expected \(2, 2, 32\)"):
+        write_kv(pool, 1, stub_device.empty((2, 2, 16), np.float32), v, tables)
+    other, _, _ = _attention_for(stub_device, block_size=8)
+    with pytest.raises(InvalidArgument, match="another pool geometry"):
+        attention(other, q, pool, 1, tables, out)
+    assert stub_recorder.count == count
+
+
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", b"pkv_kv_write_bf16"),
+                                          ("q8", b"pkv_kv_q8_write_f32")])
+def test_kv_write_picks_the_pool_dtype_kernel(stub_device, stub_recorder, dtype, kernel):
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device, dtype)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    k = stub_device.empty((2, 2, 32), np.float32)
+    count = stub_recorder.count
+    write_kv(pool, 0, k, k, tables)
+    assert stub_recorder.last().name == kernel
+    assert stub_recorder.count - count == (2 if dtype == "q8" else 1)
+
+
+def test_copy_pool_blocks_copies_every_layer_and_refuses_overlap(stub_device):
+    g = geometry(layers=3)
+    pool = LayerKVPool(g, 6, backend="device")
+    for b in range(6):
+        pool.write_block(b, RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8))
+    before = snapshot(pool)
+    copy_pool_blocks(pool, [1, 4], [2, 0], generation=0)
+    after = snapshot(pool)
+    assert np.array_equal(after[[2, 0]], before[[1, 4]])
+    assert np.array_equal(after[[1, 3, 4, 5]], before[[1, 3, 4, 5]])
+    with pytest.raises(InvalidArgument, match="both a source and a destination"):
+        copy_pool_blocks(pool, [1, 2], [2, 3], generation=0)
+    with pytest.raises(InvalidArgument, match=r"dst_ids: an id is outside 0..5"):
+        copy_pool_blocks(pool, [1], [6], generation=0)
+    assert np.array_equal(snapshot(pool), after)
+
+
+def test_entry_points_refuse_a_host_pool(stub_device):
+    pool = LayerKVPool(geometry(), 4)
+    tables = DeviceDecodeBatch(stub_device, 1, 1)
+    with pytest.raises(InvalidArgument, match=r"expected a LayerKVPool\(backend='device'\), got "
+                                              r"LayerKVPool of backend 'numpy'"):
+        check_tables(pool, tables)
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8"])
+def test_gpu_device_pool_matches_the_numpy_pool(device, dtype):
+    g = geometry(dtype, layers=3, heads=2, head_dim=64, block_size=16)
+    pools = [LayerKVPool(g, 5, 40, backend="device", device=device), LayerKVPool(g, 5, 40)]
+    table = RNG.permutation(5).astype(np.int32)
+    n = 71  # not a multiple of the block size
+    slots = pools[1].slots_for_positions(table, np.arange(n))
+    k, v = values(g, (3, n, 2, g.head_dim)), values(g, (3, n, 2, g.head_dim))
+    for pool in pools:
+        pool.write_tokens_layers(slots, k, v)
+        pool.write_tokens(1, slots[:9][::-1].copy(), k[0, :9], v[0, :9])
+    assert np.array_equal(snapshot(pools[0]), snapshot(pools[1]))
+    for pool in pools:
+        pool.grow_to(23)
+    assert np.array_equal(snapshot(pools[0]), snapshot(pools[1]))
+    buf = RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8)
+    for pool in pools:
+        pool.write_block(17, buf)
+    assert np.array_equal(pools[0].read_block(17), buf)
+    dk, dv = pools[0].gather_layers(table, n)
+    hk, hv = pools[1].gather_layers(table, n)
+    assert np.array_equal(dk.to_numpy(), hk) and np.array_equal(dv.to_numpy(), hv)
+    copy_pool_blocks(pools[0], [1, 2], [20, 21], generation=1)
+    got = snapshot(pools[0])
+    assert np.array_equal(got[[20, 21]], got[[1, 2]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8"])
+def test_gpu_kv_write_rounds_like_the_host_codecs(device, dtype):
+    g, pool, _adapter, _ids, batch = _decode_setup(device, dtype, seqs=3, contexts=(3, 8, 13))
+    tables = DeviceDecodeBatch.upload(device, batch)
+    k = (RNG.standard_normal((3, 2, 32)) * 3).astype(np.float32)
+    v = (RNG.standard_normal((3, 2, 32)) * 3).astype(np.float32)
+    for arr in pool.layer(1):
+        arr.fill_bytes(0xAB)
+    write_kv(pool, 1, device.array(k), device.array(v), tables)
+    for side, x in enumerate((k, v)):
+        want = (reference.kv_q8_quantize(x) if dtype == "q8" else
+                float32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(np.float16))
+        got = pool.layer(1)[side].to_numpy().reshape(-1, 2, g.row_elements)
+        assert np.array_equal(got[batch.slot_mapping], want)
+        untouched = np.setdiff1d(np.arange(got.shape[0]), batch.slot_mapping)
+        assert (got[untouched].view(np.uint8) == 0xAB).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8"])
+def test_gpu_attention_over_the_adapter_tables(device, dtype):
+    g, pool, adapter, ids, batch = _decode_setup(device, dtype, seqs=3, contexts=(3, 30, 17))
+    for s in ids:
+        n = adapter.num_tokens(s)
+        kv = [values(g, (2, n, 2, g.head_dim)) for _ in range(2)]
+        adapter.write_kv_layers(s, *kv)
+    tables = DeviceDecodeBatch.upload(device, batch)
+    attn = kvcache.PagedAttention(device, num_seqs=3, num_heads=4, kv_heads=2, head_dim=32,
+                                  block_size=4, max_seq_len=64, kv_dtype=dtype)
+    q = RNG.standard_normal((3, 4, 32)).astype(np.float32)
+    out = poisoned(device, (3, 4, 32), np.float32)
+    attn.run_pool(device.array(q), pool, 1, tables, out)
+    k_pool, v_pool = (a.to_numpy() for a in pool.layer(1))
+    want = reference.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
+                                            batch.seq_lens, kv_dtype=dtype, scale=attn.scale)
+    np.testing.assert_allclose(out.to_numpy(), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_q8_pool_write_then_read_gives_the_codec_values(device):
+    _g, pool, _adapter, _ids, batch = _decode_setup(device, "q8", seqs=3, contexts=(3, 8, 13))
+    tables = DeviceDecodeBatch.upload(device, batch)
+    k = (RNG.standard_normal((3, 2, 32)) * 5).astype(np.float32)
+    v = RNG.standard_normal((3, 2, 32)).astype(np.float32)
+    write_kv(pool, 0, device.array(k), device.array(v), tables)
+    k_out = poisoned(device, (3, 2, 32), np.float32)
+    v_out = poisoned(device, (3, 2, 32), np.float16)
+    read_kv_q8(pool, 0, tables.slot_mapping, k_out, v_out, generation=tables.generation)
+    np.testing.assert_array_equal(k_out.to_numpy(),
+                                  reference.kv_q8_dequantize(reference.kv_q8_quantize(k), 32))
+    np.testing.assert_array_equal(
+        v_out.to_numpy(),
+        reference.kv_q8_dequantize(reference.kv_q8_quantize(v), 32).astype(np.float16))
+
+
+def test_create_pool_clamps_a_device_pool_to_the_free_gpu_memory(stub_device, monkeypatch,
+                                                                   caplog):
+    import logging
+
+    from pagedkv.sizing import create_pool
+    monkeypatch.setenv("STUB_FREE_MIB", "3")  # the stub reports 3 MiB free
+    assert stub_device.free_memory_bytes() == 3 << 20
+    g = geometry(layers=2, heads=2, head_dim=32, block_size=16)  # 8 KiB per block
+    with caplog.at_level(logging.INFO, logger="pagedkv"):
+        pool = create_pool(g, max_model_len=1 << 20, backend="device",
+                           available_memory_bytes=stub_device.free_memory_bytes,
+                           device=stub_device)
+    assert pool.backend == "device" and pool.device is stub_device
+    assert pool.max_num_blocks == (3 << 20) // g.bytes_per_block
+    assert "clamped to live memory" in caplog.text

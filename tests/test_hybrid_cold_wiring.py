@@ -1,0 +1,321 @@
+"""The cold tier wired to hybrid models (docs/cold.md, "Sidecar bundles", "Family profiles
+and sidecars"; docs/coordinator.md, "The cold tier"): a grouped coordinator with sliding
+groups restores from disk through one full chain plus a GDN + sliding sidecar bundle, every
+group at one boundary or none; the hot checkpoint store keeps what the ladder's victim
+orders keep; family profiles build the codec, and a hybrid model never restores under a
+profile without its state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cold_support import FP, open_tier
+from coordinator_support import full_sliding_alias, prefill
+from pagedkv.cold import (
+    DEFAULT_FORMAT as FMT,
+)
+from pagedkv.cold import (
+    ColdGroup,
+    ColdTierContext,
+    RestoredSidecars,
+    SidecarBundle,
+    SidecarCaptureStop,
+    SlidingGroupRows,
+    SlidingWindowCodec,
+    cold_sidecar_stats,
+    cold_tier_for_model,
+    family_profile,
+    gdn_state_codec,
+    object_name,
+    sidecar_key,
+)
+from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
+from pagedkv.cold.profiles import (
+    REFERENCE_FAMILY,
+    REFERENCE_HYBRID_FAMILY,
+    family_sidecar_codec,
+    stateful_layer_kinds,
+)
+from pagedkv.coordinator import StateCheckpointStore
+from pagedkv.errors import InvalidArgument, SidecarLayoutMismatch
+from pagedkv.pool import PoolGeometry
+
+BS, WINDOW = 4, 8
+GDN = gdn_state_codec(1, conv_kernel=2, conv_dim=4, num_v_heads=1, v_head_dim=2,
+                      k_head_dim=2, dtype="float32")
+SLIDING = SlidingWindowCodec(window=WINDOW, num_layers=1, kv_heads=1, head_dim=2,
+                             dtype="float32")
+BUNDLE = SidecarBundle((GDN, SLIDING))
+TOKENS = (np.arange(30, dtype=np.uint32) * 11 + 3) % 5000
+
+
+def _gdn_state(boundary: int):
+    conv = np.full((1, 1, 4), boundary, np.float32)
+    return conv, np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2) + boundary
+
+
+def _sliding_rows(cache, seq, boundary):
+    g = cache.groups[1]
+    return SLIDING.snapshot([SlidingGroupRows(g.pool, cache.block_table(seq, 1),
+                                              g.null_block_id, cache.num_tokens(seq))],
+                            boundary)
+
+
+def persist(root, boundaries=(12, 20), **cache_kwargs):
+    """Process A: 30 tokens through a full + sliding(8) + alias coordinator; at each of
+    ``boundaries`` the GDN state and the sliding rows are published to the hot store; at
+    registration the K/V chain and the deepest bundle are captured."""
+    with open_tier(root) as tier:
+        assert tier.install_capture_budget(128, 60_000)
+        store_box = []
+        ctx = ColdTierContext(tier, FP, BUNDLE, lambda toks, **kw: store_box[0].verified(
+            toks, cache_salt=kw.get("cache_salt", 0)))
+        cache = full_sliding_alias(window=WINDOW, block_size=BS, cold=ctx, checkpoints=True,
+                                   requires_aux_confirmation=True, **cache_kwargs)
+        store_box.append(cache.checkpoints)
+        cache.reset_for_new_request("a")
+        cache.find_cached_prefix("a", TOKENS, max_tokens=0)  # computes every token
+        done = 0
+        for b in (*boundaries, len(TOKENS)):
+            prefill(cache, "a", TOKENS[:b], chunk=4, start=done)
+            done = b
+            if b in boundaries:
+                cache.checkpoints.publish(
+                    TOKENS, b, {ColdGroup.GDN_STATE: _gdn_state(b),
+                                ColdGroup.SLIDING_WINDOW: _sliding_rows(cache, "a", b)},
+                    owner="a")
+        cache.register_full_blocks_for_reuse("a")
+        outcomes = tier.last_capture.sidecar
+        assert tier.drain(5.0)
+        full_rows = cache.gather_kv("a", 0)
+        window_rows = cache.gather_kv("a", 1, start=cache.first_live_position("a", 1))
+        cache.release_request("a")
+    return outcomes, full_rows, window_rows
+
+
+def lookup(root, **cache_kwargs):
+    """Process B: a fresh coordinator and hot cache look the prompt up."""
+    with open_tier(root) as tier:
+        cache = full_sliding_alias(window=WINDOW, block_size=BS,
+                                   cold=ColdTierContext(tier, FP, BUNDLE),
+                                   checkpoints=True, requires_aux_confirmation=True,
+                                   **cache_kwargs)
+        cache.reset_for_new_request("b")
+        hit = cache.find_cached_prefix("b", TOKENS, max_tokens=len(TOKENS) - 1)
+        stats = tier.stats()
+    return cache, hit, stats
+
+
+def test_a_grouped_coordinator_restores_every_group_from_one_bundle(tmp_path):
+    root = tmp_path / "root"
+    outcomes, full_rows, _ = persist(root)
+    assert [(o.stop, o.boundary_tokens) for o in outcomes] == [
+        (SidecarCaptureStop.ENQUEUED, 20), (SidecarCaptureStop.ENQUEUED, 20)]
+    s0 = cold_sidecar_stats()
+    cache, hit, stats = lookup(root)
+    assert hit.cached_tokens == 20 and len(hit.restored_blocks) == 5 and stats.hits == 5
+    assert isinstance(hit.sidecar, RestoredSidecars) and hit.sidecar.boundary_tokens == 20
+    conv, rec = GDN.unpack(hit.sidecar[ColdGroup.GDN_STATE])
+    assert conv.tobytes() == _gdn_state(20)[0].tobytes()
+    assert rec.tobytes() == _gdn_state(20)[1].tobytes()
+    assert not cache.aux_prefix_unbacked("b")
+    assert cold_sidecar_stats().installed - s0.installed == 1   # the sliding rows went in
+    # Every group stands at 20: the full group's chain, the sliding window [12, 20) rebuilt
+    # behind null entries, read back bit for bit (position-coded K/V of the prefill).
+    null = cache.groups[1].null_block_id
+    assert cache.block_table("b", 0).tolist() == hit.restored_blocks.tolist()
+    sliding = cache.block_table("b", 1)
+    assert len(sliding) == 5 and (sliding[:3] == null).all() and (sliding[3:] != null).all()
+    assert cache.gather_kv("b", 0)[0].tobytes() == full_rows[0][:20].tobytes()
+    k, v = cache.gather_kv("b", 1, start=12)
+    pos = np.arange(12, 20, dtype=np.float32)[:, None, None] + 1
+    assert k.tobytes() == np.repeat(pos, 2, axis=2).tobytes()
+    assert v.tobytes() == (np.repeat(pos, 2, axis=2) + 0.5).tobytes()
+    cache.check_invariants()
+    # The request continues from 20 like any other.
+    prefill(cache, "b", TOKENS, chunk=4, start=20)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["delete_sliding", "corrupt_gdn"])
+def test_a_missing_or_corrupt_part_reconciles_down_to_a_boundary_every_part_backs(
+        tmp_path, damage):
+    root = tmp_path / "root"
+    persist(root, boundaries=(12, 20))     # the bundle anchored at 20 ...
+    persist(root, boundaries=(12,))        # ... and one at 12 (a turn anchoring there)
+    group = ColdGroup.SLIDING_WINDOW if damage == "delete_sliding" else ColdGroup.GDN_STATE
+    path = root / object_name(sidecar_key(FMT, group, FP, TOKENS, BS, 20), group)
+    if damage == "delete_sliding":
+        os.unlink(path)
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    cache, hit, stats = lookup(root)
+    # 20 is not backed by every part: the walk settles on 12, never K/V alone.
+    assert hit.cached_tokens == 12 and hit.sidecar.boundary_tokens == 12
+    assert stats.hits == 3 and stats.corruptions == (damage == "corrupt_gdn")
+    assert GDN.unpack(hit.sidecar[ColdGroup.GDN_STATE])[0].tobytes() == \
+        _gdn_state(12)[0].tobytes()
+    assert len(cache.block_table("b", 1)) == 3
+    cache.check_invariants()
+
+
+def test_without_any_backed_boundary_nothing_is_restored_and_nothing_leaks(tmp_path):
+    root = tmp_path / "root"
+    persist(root, boundaries=(20,))
+    os.unlink(root / object_name(sidecar_key(FMT, ColdGroup.SLIDING_WINDOW, FP, TOKENS, BS,
+                                             20), ColdGroup.SLIDING_WINDOW))
+    cache, hit, stats = lookup(root)
+    assert hit.cached_tokens == 0 and hit.sidecar is None and stats.hits == 0
+    assert stats.restore_declines == 1
+    for g in cache.groups:   # (the null block is never counted as allocated)
+        assert g.allocator.num_allocated_blocks == 0 and g.allocator.prefix_cache_len == 0
+        assert g.allocator.num_free_blocks == g.usable_blocks()
+    cache.check_invariants()
+
+
+def test_hot_full_blocks_past_the_hit_keep_the_hot_hit(tmp_path):
+    """The full group holds every block hot but the store only a state at 12: the cold tier
+    could not publish copies of hot blocks, so the lookup keeps the hot hit at 12."""
+    root = tmp_path / "root"
+    persist(root, boundaries=(20,))
+    with open_tier(root) as tier:
+        cache = full_sliding_alias(window=WINDOW, block_size=BS,
+                                   cold=ColdTierContext(tier, FP, BUNDLE), checkpoints=True,
+                                   requires_aux_confirmation=True)
+        cache.reset_for_new_request("a")
+        cache.find_cached_prefix("a", TOKENS, max_tokens=0)
+        prefill(cache, "a", TOKENS[:12], chunk=4)
+        cache.checkpoints.publish(TOKENS, 12, "state@12")
+        prefill(cache, "a", TOKENS, chunk=4, start=12)
+        cache.register_full_blocks_for_reuse("a")
+        cache.release_request("a")
+        cache.reset_for_new_request("b")
+        hit = cache.find_cached_prefix("b", TOKENS, max_tokens=29)
+        assert hit.cached_tokens == 12 and hit.sidecar.state == "state@12"
+        assert tier.stats().hits == 0 and not len(hit.restored_blocks)
+        cache.check_invariants()
+
+
+# --- the hot store's retention: the ladder's victim orders ------------------------------------
+
+def _store(caps, **kw):
+    from pagedkv.allocator import BlockAllocator
+    return StateCheckpointStore(BlockAllocator(8, None, 16, hash_seed=0), max_entries=64,
+                                retention=LadderRetention(caps, **kw))
+
+
+def test_store_retention_follows_the_ladder_victim_orders():
+    prompt = np.arange(5000, dtype=np.uint32)
+    # Per-owner cap 2; one owner publishes 16, 32, 48 (docs/cold.md, "Retention").
+    for order, kept in ((VictimOrder.PRE_LADDER, [32, 48]), (VictimOrder.LADDER, [16, 48])):
+        store = _store(RetentionCaps(4, 2, order))
+        for b in (16, 32, 48):
+            store.publish(prompt, b, np.zeros(1, np.float32), owner="p")
+        assert store.boundaries() == kept, order
+    # Explicit root, ladder caps 5/4: the root alone publishes 16, 80, 336, 1392, then S
+    # publishes 48, 240, 1008, 4080 on another lineage: 336, 16, 80 are evicted.
+    store = _store(RetentionCaps(5, 4, VictimOrder.LADDER), root_owner=0)
+    other = prompt + 7
+    for b in (16, 80, 336, 1392):
+        store.publish(prompt, b, np.zeros(1, np.float32), owner="root")
+    for b in (48, 240, 1008, 4080):
+        store.publish(other, b, np.zeros(1, np.float32), owner="s")
+    assert sorted(store.verified(prompt)) == [1392]
+    assert sorted(store.verified(other)) == [48, 240, 1008, 4080]
+    assert store.stats()["evictions"] == 3
+    assert LadderRetention.for_store(want_ladder=True).caps == RetentionCaps(
+        4, 4, VictimOrder.LADDER)
+
+
+def test_store_verified_lists_the_lineage_without_touching_it():
+    from pagedkv.allocator import BlockAllocator
+    store = StateCheckpointStore(BlockAllocator(8, None, 4, hash_seed=0), max_entries=2)
+    prompt = np.arange(40, dtype=np.uint32)
+    store.publish(prompt, 8, "a")
+    store.publish(prompt, 16, "b")
+    assert store.verified(prompt) == {8: "a", 16: "b"}
+    assert store.verified(prompt[:12]) == {8: "a"}
+    assert store.verified(prompt, cache_salt=1) == {}
+    # verified() did not touch: 8 is still the least recently used and goes first.
+    store.publish(prompt, 24, "c")
+    assert store.boundaries() == [16, 24] and store.stats()["hits"] == 0
+
+
+# --- family profiles ---------------------------------------------------------------------------
+
+def _hybrid_config(**over):
+    from pagedkv.reference import HybridConfig
+    d = HybridConfig(**over).to_json_dict()
+    return json.loads(json.dumps(d))
+
+
+def test_the_hybrid_family_builds_its_bundle_from_config_json():
+    geometry = PoolGeometry(1, 2, 16, 8, "float32")
+    profile = family_profile(REFERENCE_HYBRID_FAMILY)
+    codec = family_sidecar_codec(profile, _hybrid_config(), geometry)
+    assert isinstance(codec, SidecarBundle)
+    gdn, sliding = codec.parts
+    assert (gdn.group, gdn.num_layers, gdn.parts, gdn.dtype) == (
+        ColdGroup.GDN_STATE, 2, ((3, 128), (4, 16, 16)), "float32")
+    assert (sliding.window, sliding.num_layers, sliding.kv_heads, sliding.head_dim,
+            sliding.dtype) == (24, 2, 2, 16, "float32")
+    # A model with only recurrent layers gets the GDN codec alone.
+    only_linear = _hybrid_config(num_layers=2, layer_types=("linear_attention",
+                                                            "full_attention"),
+                                 kv_shared_layers=())
+    assert family_sidecar_codec(profile, only_linear, geometry).group is ColdGroup.GDN_STATE
+    # The engine's own codec must be exactly the family's.
+    assert family_sidecar_codec(profile, _hybrid_config(), geometry, codec) is codec
+    wrong = SidecarBundle((gdn, SlidingWindowCodec(window=32, num_layers=2, kv_heads=2,
+                                                   head_dim=16, dtype="float32")))
+    with pytest.raises(SidecarLayoutMismatch, match="disagrees"):
+        family_sidecar_codec(profile, _hybrid_config(), geometry, wrong)
+    with pytest.raises(InvalidArgument, match="no out-of-pool state|takes no sidecar"):
+        family_sidecar_codec(family_profile(REFERENCE_FAMILY), _hybrid_config(), geometry,
+                             codec)
+    assert stateful_layer_kinds(_hybrid_config()) == ("linear_attention", "sliding_attention")
+    assert stateful_layer_kinds({"layer_types": ["full_attention"] * 3}) == ()
+
+
+def test_a_hybrid_model_never_persists_under_a_family_without_its_state(tmp_path,
+                                                                        monkeypatch):
+    from pagedkv.reference import HybridConfig, ReferenceModel
+    monkeypatch.delenv("PAGEDKV_PERSIST_PAGED_CACHE", raising=False)
+    model_dir = tmp_path / "model"
+    ReferenceModel(HybridConfig(seed=1)).save(model_dir)
+    geometry = PoolGeometry(1, 2, 16, 8, "float32")
+    base = str(tmp_path / "cache")
+    assert cold_tier_for_model(str(model_dir), REFERENCE_FAMILY, geometry,
+                               persist_paged_cache=True, base=base) is None
+    ctx = cold_tier_for_model(str(model_dir), REFERENCE_HYBRID_FAMILY, geometry,
+                              persist_paged_cache=True, base=base)
+    assert isinstance(ctx, ColdTierContext) and isinstance(ctx.sidecar, SidecarBundle)
+    assert ctx.policy == ctx.sidecar.policy
+    # The plain model under the plain family: no sidecar, another fingerprint domain.
+    plain_dir = tmp_path / "plain"
+    from pagedkv.reference import ReferenceConfig
+    ReferenceModel(ReferenceConfig(seed=1)).save(plain_dir)
+    plain = cold_tier_for_model(str(plain_dir), REFERENCE_FAMILY, geometry,
+                                persist_paged_cache=True, base=base)
+    assert plain is not None and plain.sidecar is None
+    with pytest.raises(InvalidArgument):  # the hybrid family on a plain config
+        cold_tier_for_model(str(plain_dir), REFERENCE_HYBRID_FAMILY, geometry,
+                            persist_paged_cache=True, base=base)
+    ctx.tier.close()
+
+
+def test_the_core_never_imports_the_cold_tier():
+    code = ("import sys, pagedkv.adapter, pagedkv.coordinator, pagedkv.reference; "
+            "import pagedkv.reference.hybrid_paged, pagedkv.reference.hybrid_serving; "
+            "print(sorted(m for m in sys.modules if m.startswith('pagedkv.cold')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"

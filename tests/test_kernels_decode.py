@@ -1,0 +1,246 @@
+"""The decode-step kernels (hip/decode.hip) and the whole step (pagedkv.kernels.decoder)
+against their float64 references (pagedkv.kernels.decoder_reference).
+
+CPU tests pin the references (RoPE against a complex-number rotation, the step's shape
+arithmetic) and the launchers' argument checks on the HIP stub (nothing launched after an
+error). GPU tests run each kernel on fresh random inputs with poisoned outputs, and full
+decode steps (2 layers, small widths, batch 9 so the GEMVs run in chunks of 8 + 1) through
+the adapter and a device pool for every weight format and KV dtype."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kernels_support import poisoned
+from pagedkv.errors import InvalidArgument
+from pagedkv.kernels import decode
+from pagedkv.kernels import decoder_reference as ref
+from pagedkv.kernels.decoder import LLAMA3_8B, DecoderShape
+
+RNG = np.random.default_rng()
+SMALL = DecoderShape(num_layers=2, d_model=256, q_heads=4, kv_heads=2, head_dim=64, ffn=512,
+                     vocab=300, rope_theta=10000.0)
+
+
+def test_rope_reference_is_a_complex_rotation():
+    x = RNG.standard_normal((3, 2, 8))
+    pos = np.array([0, 5, 32767])
+    got = ref.rope(x, pos, 500000.0)
+    z = x[..., :4] + 1j * x[..., 4:]
+    angle = pos[:, None, None] * 500000.0 ** (-np.arange(4) / 4)
+    want = z * np.exp(1j * angle)
+    np.testing.assert_allclose(got, np.concatenate([want.real, want.imag], -1), atol=1e-12)
+    np.testing.assert_array_equal(got[0], x[0])  # position 0 does not rotate
+
+
+def test_llama3_shape_and_weight_count():
+    s = LLAMA3_8B
+    assert s.matrix_shape("qkv") == (6144, 4096) and s.matrix_shape("gate_up") == (28672, 4096)
+    assert s.matrix_shape("down") == (4096, 14336) and s.matrix_shape("lm_head") == (32768, 4096)
+    assert s.weight_count() == 32 * (6144 + 4096 + 28672) * 4096 + 32 * 4096 * 14336 + \
+        32768 * 4096
+    with pytest.raises(InvalidArgument, match="q_heads \\* head_dim must equal d_model"):
+        replace(s, q_heads=16)
+
+
+def test_step_bytes_count_weights_and_kv():
+    from pagedkv.bench.decode import step_bytes
+    s = replace(LLAMA3_8B, num_layers=2, vocab=10)
+    # 2 layers x K,V x 8 heads x 256 B rows x 3 seqs x (100 read + 1 written + ... )
+    assert step_bytes(s, 1000, 256, 3, 100) == 1000 + 2 * 2 * 8 * 256 * 3 * 102 + \
+        4 * 3 * (4096 + 10)
+
+
+def test_launchers_check_before_launching(stub_device, stub_recorder):
+    dev = stub_device
+    f32 = np.float32
+    x, w, y = dev.empty((2, 64), f32), dev.empty((64,), f32), dev.empty((2, 64), f32)
+    count = stub_recorder.count
+    cases = [
+        (lambda: decode.add_rmsnorm(dev, dev.empty((2, 62), f32), None, w, y, eps=1e-5),
+         "x: dim 62 must be a positive multiple of 4"),
+        (lambda: decode.add_rmsnorm(dev, x, None, dev.empty((63,), f32), y, eps=1e-5),
+         r"weight: shape \(63,\), expected \(64,\)"),
+        (lambda: decode.add_rmsnorm(dev, x, dev.empty((2, 64), np.float16), w, y, eps=1e-5),
+         "residual: dtype float16, expected float32"),
+        (lambda: decode.qkv_rope_split(dev, dev.empty((2, 120), f32),
+                                       dev.empty((2,), np.int32), dev.empty((2, 4, 16), f32),
+                                       dev.empty((2, 2, 16), f32), dev.empty((2, 2, 16), f32),
+                                       q_heads=4, kv_heads=2, head_dim=16, theta=1e4),
+         r"qkv: shape \(2, 120\), expected \(rows, 128\) for 4 \+ 2 x 2 heads"),
+        (lambda: decode.qkv_rope_split(dev, dev.empty((2, 8 * 16), f32),
+                                       dev.empty((2,), np.int64), dev.empty((2, 4, 16), f32),
+                                       dev.empty((2, 2, 16), f32), dev.empty((2, 2, 16), f32),
+                                       q_heads=4, kv_heads=2, head_dim=16, theta=1e4),
+         "positions: dtype int64, expected int32"),
+        (lambda: decode.silu_mul(dev, dev.empty((2, 63), f32), dev.empty((2, 31), f32)),
+         "gate_up: 63 columns"),
+        (lambda: decode.silu_mul(dev, dev.empty((2, 64), f32), dev.empty((2, 31), f32)),
+         r"out: shape \(2, 31\), expected \(2, 32\)"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            call()
+    assert stub_recorder.count == count
+    decode.add_rmsnorm(dev, x, None, w, y, eps=1e-5)
+    decode.qkv_rope_split(dev, dev.empty((2, 8 * 16), f32), dev.empty((2,), np.int32),
+                          dev.empty((2, 4, 16), f32), dev.empty((2, 2, 16), f32),
+                          dev.empty((2, 2, 16), f32), q_heads=4, kv_heads=2, head_dim=16,
+                          theta=1e4)
+    assert stub_recorder.count == count + 2
+    assert stub_recorder.last().name == b"pkv_qkv_rope_split_f32"
+    assert list(stub_recorder.last().grid) == [1, 1, 1]  # 2 rows x 8 heads x 8 pairs: 1 block
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,dim,residual", [(1, 4096, False), (5, 4096, True),
+                                               (3, 1028, True)])
+def test_gpu_add_rmsnorm(device, rows, dim, residual):
+    x = (RNG.standard_normal((rows, dim)) * 3).astype(np.float32)
+    r = RNG.standard_normal((rows, dim)).astype(np.float32)
+    w = (1 + 0.1 * RNG.standard_normal(dim)).astype(np.float32)
+    xd = device.array(x)
+    y = poisoned(device, (rows, dim), np.float32)
+    decode.add_rmsnorm(device, xd, device.array(r) if residual else None, device.array(w), y,
+                       eps=1e-5)
+    want_x, want_y = ref.add_rmsnorm(x, r if residual else None, w, 1e-5)
+    np.testing.assert_allclose(xd.to_numpy(), want_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y.to_numpy(), want_y, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_qkv_rope_split(device):
+    rows, qh, kvh, hd = 5, 32, 8, 128
+    qkv = RNG.standard_normal((rows, (qh + 2 * kvh) * hd)).astype(np.float32)
+    pos = np.array([0, 1, 1000, 8191, 32767], np.int32)
+    outs = [poisoned(device, (rows, h, hd), np.float32) for h in (qh, kvh, kvh)]
+    decode.qkv_rope_split(device, device.array(qkv), device.array(pos), *outs, q_heads=qh,
+                          kv_heads=kvh, head_dim=hd, theta=500000.0)
+    want = ref.qkv_rope_split(qkv, pos, q_heads=qh, kv_heads=kvh, head_dim=hd, theta=500000.0)
+    for got, w in zip(outs, want, strict=True):
+        # angles in double, then f32 sin/cos and products: a few f32 ulps
+        np.testing.assert_allclose(got.to_numpy(), w, rtol=1e-6, atol=2e-6)
+    np.testing.assert_array_equal(outs[2].to_numpy(), want[2].astype(np.float32))  # v as is
+
+
+@pytest.mark.gpu
+def test_gpu_silu_mul(device):
+    gu = (RNG.standard_normal((9, 2 * 1000)) * 4).astype(np.float32)
+    out = poisoned(device, (9, 1000), np.float32)
+    decode.silu_mul(device, device.array(gu), out)
+    np.testing.assert_allclose(out.to_numpy(), ref.silu_mul(gu), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,kv_dtype", [("hfq4g256", "float16"), ("mq4g256v2", "q8"),
+                                          ("hfq4g256", "bfloat16"), ("mq4g256", "float16")])
+def test_gpu_decode_step_matches_the_float64_step(device, fmt, kv_dtype):
+    from pagedkv.bench.decode import check_step
+    result = check_step(device, fmt, kv_dtype, contexts=(1, 5, 17, 33, 64, 65, 100, 7, 300),
+                        shape=SMALL)
+    assert result["ok"], result
+
+
+def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
+    """The bench's whole host side on the HIP stub (events report 0.5 ms, kernels run
+    nothing): adapter, device pools, tables, chunked GEMVs, graph capture, the table's
+    arithmetic. The numbers it would print are the GPU run's business."""
+    from pagedkv.bench import decode as bench
+    from pagedkv.kernels import Stream
+    count = stub_recorder.count
+    rows = bench.run_table(stub_device, Stream(stub_device), 1e12, None, [(1, 20), (9, 40)],
+                           ("hfq4g256",), ("float16", "q8"), SMALL)
+    assert [(r["kv"], r["batch"], r["context"]) for r in rows] == [
+        ("float16", 1, 20), ("float16", 9, 40), ("q8", 1, 20), ("q8", 9, 40)]
+    weight_bytes = sum(4 * 136 * np.prod(SMALL.matrix_shape(m)) // 1024
+                       for m in ("qkv", "o", "gate_up", "down")) * 2 + \
+        136 * np.prod(SMALL.matrix_shape("lm_head")) // 256
+    for r in rows:
+        row_bytes = 128 if r["kv"] == "float16" else 68
+        assert r["us"] == pytest.approx(500.0) and r["tok_s"] == pytest.approx(r["batch"] / 5e-4)
+        assert r["bytes"] == bench.step_bytes(SMALL, weight_bytes, row_bytes, r["batch"],
+                                              r["context"])
+        assert r["floor_us"] == pytest.approx(r["bytes"] / 1e6)
+    # One captured step per row (the stub's graph replays run nothing). Per layer: norm,
+    # RoPE, KV write (q8: K and V apart), attention (partitions + reduce), norm, SiLU, and
+    # the four projections' GEMVs, one launch per chunk of 8 rows (the stub is gfx90a: the
+    # f32 GEMV, no x preparation); then the final norm and the LM head.
+    def launches(batch, kv):
+        chunks = -(-batch // 8)
+        per_layer = 7 + (kv == "q8") + 4 * chunks
+        return SMALL.num_layers * per_layer + 1 + chunks
+    assert stub_recorder.count - count == sum(launches(r["batch"], r["kv"]) for r in rows)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "q8"])
+def test_the_step_check_fails_when_no_kernel_computed(stub_device, kv_dtype):
+    """On the stub nothing is computed: the logits stay poisoned and the check must say
+    so (a check that cannot fail proves nothing)."""
+    from pagedkv.bench.decode import check_step
+    result = check_step(stub_device, "mq4g256v2", kv_dtype, contexts=(3, 17), shape=SMALL)
+    assert result["check"] == f"mq4g256v2 {kv_dtype}" and result["ok"] is False
+    assert np.isnan(result["logits"])  # poisoned with 0xFF, never written
+
+
+def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_device, tmp_path,
+                                                                       monkeypatch, capsys):
+    """``python -m pagedkv.bench decode`` end to end on the stub, shrunk to SMALL: the JSON
+    holds both checks (failed: the stub computes nothing) and every row, and the exit
+    status says a check failed."""
+    import json
+
+    from pagedkv.bench import decode as bench
+    from pagedkv.bench.__main__ import main
+    monkeypatch.setattr(bench, "LLAMA3_8B", SMALL)
+    monkeypatch.setattr(bench, "CHECK_SHAPE", SMALL)
+    monkeypatch.setattr(bench, "QUICK_GRID", [(1, 20), (3, 40)])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device, stream: (2e12, {}))
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--quick", "--no-torch", "--layers", "2", "--json", str(out)]) == 1
+    got = json.loads(out.read_text())
+    assert [(c["check"], c["ok"]) for c in got["checks"]] == [("hfq4g256 float16", False),
+                                                             ("mq4g256v2 q8", False)]
+    assert len(got["rows"]) == 2 * 2 * 2 and got["copy_GBps"] == 2000.0
+    assert {(r["weights"], r["kv"], r["batch"]) for r in got["rows"]} == {
+        (f, kv, b) for f in bench.FORMATS for kv in bench.KV_DTYPES for b in (1, 3)}
+    text = capsys.readouterr().out
+    assert text.count("check ") == 2 and "FAILED" in text
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+def test_rounding_steps_accepts_a_rounding_and_refuses_two_steps(kv_dtype):
+    from pagedkv.bench.decode import rounding_steps
+    from pagedkv.kernels import reference
+    from pagedkv.pool import bf16_bits_to_float32, float32_to_bf16_bits
+    ref = RNG.standard_normal((3, 8, 64)) * np.logspace(-6, 3, 64)  # subnormal f16 included
+    x = ref.astype(np.float32)
+    if kv_dtype == "q8":
+        got = reference.kv_q8_dequantize(reference.kv_q8_quantize(x), 64)
+    elif kv_dtype == "bfloat16":
+        got = bf16_bits_to_float32(float32_to_bf16_bits(x))
+    else:
+        got = x.astype(np.float16).astype(np.float32)
+    assert rounding_steps(got, ref, kv_dtype) <= 1.0
+    worse = got.copy()
+    worse[1, 2, 40] += 2.05 * (np.abs(ref[1, 2, 32:]).max() / 127 if kv_dtype == "q8" else
+                               abs(ref[1, 2, 40]) * 2.0 ** -(7 if kv_dtype == "bfloat16" else 10))
+    assert rounding_steps(worse, ref, kv_dtype) > 1.0
+
+
+def test_targets_name_the_issue_configurations(capsys):
+    from pagedkv.bench.decode import print_targets, target_of
+    rows = [{"weights": "hfq4g256", "kv": kv, "batch": b, "context": c, "speedup_vs_torch": x}
+            for kv, b, c, x in [("float16", 1, 32768, 2.6), ("q8", 8, 32768, 1.2),
+                                ("float16", 8, 32768, 9.0), ("q8", 32, 1024, 1.5)]]
+    assert [target_of(r) for r in rows] == [2.5, 1.6, None, 1.5]
+    print_targets(rows)
+    assert capsys.readouterr().out.splitlines() == [
+        "target hfq4g256 kv float16 b1 ctx 32768: 2.60x torch bf16 (>= 2.5x) met",
+        "target hfq4g256 kv q8 b8 ctx 32768: 1.20x torch bf16 (>= 1.6x) MISSED",
+        "target hfq4g256 kv q8 b32 ctx 1024: 1.50x torch bf16 (>= 1.5x) met"]

@@ -1,0 +1,304 @@
+"""DeviceArray interop (docs/kernels.md, "Interop"): DLPack capsules (legacy and versioned
+1.0, the deleter, ``used_dltensor`` renaming), the CUDA array interface v3 and stream
+handles.
+
+Host tests use the HIP stub, whose "device" memory is host memory: with kDLCPU added to
+the stub backend's DLPack device types, NumPy and CPU torch can consume and produce the
+capsules, so ownership and layout are checked on real consumers. GPU tests (marked gpu) do
+the same with CUDA torch tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.kernels import DeviceArray, interop
+from pagedkv.kernels.device import Stream, stream_handle
+from pagedkv.kernels.dlpack import import_capsule
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+_name = ctypes.pythonapi.PyCapsule_GetName
+_name.restype, _name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+
+
+@pytest.fixture
+def host_dlpack(stub_device, monkeypatch):
+    """The stub's memory is host memory: let it travel as kDLCPU both ways."""
+    monkeypatch.setitem(interop.DLPACK_DEVICE_TYPES, "hip",
+                        {"export": (interop.KDL_CPU,), "import": (interop.KDL_CPU,)})
+    return stub_device
+
+
+def test_numpy_consumes_a_capsule_without_copying(host_dlpack):
+    dev = host_dlpack
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    arr = dev.array(host)
+    view = np.from_dlpack(arr)
+    assert view.ctypes.data == arr.ptr and view.shape == (3, 4) and view.dtype == np.float32
+    view[1, 2] = -7.0  # the same memory both ways
+    assert arr.to_numpy()[1, 2] == -7.0
+    arr.copy_from(host)
+    assert view[1, 2] == 6.0
+    assert arr.__dlpack_device__() == (interop.KDL_CPU, 0)
+
+
+def test_capsule_names_versions_and_the_owner_reference(host_dlpack):
+    arr = host_dlpack.empty((2, 3), np.uint16)
+    refs = sys.getrefcount(arr)
+    legacy = arr.__dlpack__()
+    assert _name(legacy) == b"dltensor" and sys.getrefcount(arr) == refs + 1
+    versioned = arr.__dlpack__(max_version=(1, 2))
+    assert _name(versioned) == b"dltensor_versioned"
+    assert _name(arr.__dlpack__(max_version=(0, 8))) == b"dltensor"
+    del legacy, versioned  # dropped unconsumed: the capsule destructors call the deleters
+    gc.collect()
+    assert sys.getrefcount(arr) == refs
+    capsule = arr.__dlpack__(max_version=(1, 0))
+    tensor = import_capsule(capsule)
+    assert _name(capsule) == b"used_dltensor_versioned"  # consumed once
+    assert (tensor.data, tensor.shape, tensor.strides) == (arr.ptr, (2, 3), (3, 1))
+    assert tensor.dtype == (1, 16, 1) and tensor.version == (1, 0) and not tensor.read_only
+    del capsule
+    gc.collect()
+    assert sys.getrefcount(arr) == refs + 1  # the consumer still holds the tensor
+    del tensor
+    gc.collect()
+    assert sys.getrefcount(arr) == refs  # its deleter ran
+    with pytest.raises(InvalidArgument, match="got a capsule named 'used_dltensor'"):
+        used = arr.__dlpack__()
+        import_capsule(used)
+        import_capsule(used)
+    with pytest.raises(InvalidArgument, match="got int"):
+        import_capsule(3)
+
+
+def test_an_exported_array_outlives_its_owner_reference(host_dlpack):
+    arr = host_dlpack.array(np.arange(4, dtype=np.int32))
+    ref = weakref.ref(arr)
+    view = np.from_dlpack(arr)
+    del arr
+    gc.collect()
+    assert ref() is not None and view.tolist() == [0, 1, 2, 3]  # kept by the capsule
+    del view
+    gc.collect()
+    assert ref() is None  # the consumer let go: freed
+
+
+def test_export_refuses_copies_other_devices_and_freed_arrays(host_dlpack):
+    arr = host_dlpack.empty((2,), np.float32)
+    with pytest.raises(BufferError, match="copy=True"):
+        arr.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match=r"dl_device=\(2, 0\)"):
+        arr.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(InvalidArgument, match="dtype complex64: DLPack export takes"):
+        host_dlpack.empty((2,), np.complex64).__dlpack__()
+    arr.free()
+    with pytest.raises(InvalidArgument, match="was freed"):
+        arr.__dlpack__()
+
+
+def test_export_on_another_stream_makes_it_wait(host_dlpack, hip_stub):
+    from kernels_support import StubRecorder
+    rec = StubRecorder(hip_stub)
+    arr = host_dlpack.empty((2,), np.float32)
+    arr.__dlpack__(stream=0x5000)
+    assert rec.last_wait_stream() == 0x5000
+    with pytest.raises(InvalidArgumentType, match="stream: expected an int"):
+        arr.__dlpack__(stream="s")
+
+
+def test_from_dlpack_imports_numpy_memory_and_releases_it(host_dlpack):
+    host = np.arange(6, dtype=np.int64).reshape(2, 3)
+    refs = sys.getrefcount(host)
+    arr = DeviceArray.from_dlpack(host, host_dlpack)
+    assert arr.ptr == host.ctypes.data and arr.shape == (2, 3) and arr.dtype == np.int64
+    assert "view" in repr(arr) and sys.getrefcount(host) > refs
+    assert arr.to_numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
+    sub = arr.rows(1, 2)  # a view keeps the import alive
+    del arr
+    gc.collect()
+    assert sub.to_numpy().tolist() == [[3, 4, 5]]
+    del sub
+    gc.collect()
+    assert sys.getrefcount(host) == refs  # the producer's deleter ran
+    with pytest.raises(InvalidArgument, match="not C-contiguous"):
+        DeviceArray.from_dlpack(np.zeros((4, 4), np.float32)[:, ::2], host_dlpack)
+    with pytest.raises(InvalidArgumentType, match="has no __dlpack__"):
+        interop.from_dlpack([1, 2], host_dlpack)
+
+
+def test_from_dlpack_refuses_memory_of_another_device(stub_device):
+    with pytest.raises(InvalidArgument, match=r"lives on DLPack device \(1, 0\); this hip "
+                                              r"device takes types \(10,\)"):
+        DeviceArray.from_dlpack(np.zeros(3, np.float32), stub_device)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_torch_round_trips_and_bfloat16_travels_as_bits(host_dlpack):
+    import torch
+    t = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    arr = DeviceArray.from_dlpack(t, host_dlpack)
+    assert arr.ptr == t.data_ptr() and arr.shape == (2, 4)
+    back = torch.from_dlpack(arr)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == torch.float32
+    back[0, 0] = 42.0
+    assert t[0, 0].item() == 42.0
+    bf = torch.tensor([1.0, -2.5], dtype=torch.bfloat16)
+    bits = DeviceArray.from_dlpack(bf, host_dlpack)
+    assert bits.dtype == np.uint16
+    assert bits.to_numpy().tolist() == [0x3F80, 0xC020]
+    assert torch.from_dlpack(bits).view(torch.bfloat16).tolist() == [1.0, -2.5]
+    with pytest.raises(InvalidArgument, match="not C-contiguous"):
+        DeviceArray.from_dlpack(t.t(), host_dlpack)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_a_device_pool_layer_is_a_torch_tensor_of_its_memory(host_dlpack):
+    import torch
+
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    g = PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+    pool = LayerKVPool(g, 3, 6, backend="device")
+    k = torch.from_dlpack(pool.layer(1)[0])
+    assert tuple(k.shape) == (3, 4, 2, 8) and k.dtype == torch.float16
+    slots = pool.slots_for_positions([2], [1])
+    rows = np.full((1, 2, 8), 1.5, np.float16)
+    pool.write_tokens(1, slots, rows, rows)
+    assert (k[2, 1] == 1.5).all() and int((k != 0).sum()) == 16
+    assert pool.grow_to(6)
+    assert (k[2, 1] == 1.5).all()  # the old generation's memory lives while torch holds it
+
+
+def test_cuda_array_interface_export_and_import(host_dlpack):
+    arr = host_dlpack.empty((3, 2), np.float16)
+    cai = arr.__cuda_array_interface__
+    assert cai == {"shape": (3, 2), "typestr": "<f2", "data": (arr.ptr, False), "version": 3,
+                   "strides": None, "stream": 1}
+
+    class Producer:
+        def __init__(self, **extra):
+            self.__cuda_array_interface__ = {**cai, **extra}
+
+    p = Producer()
+    view = DeviceArray.from_dlpack(p, host_dlpack)  # no __dlpack__: the interface
+    assert (view.ptr, view.shape, view.dtype) == (arr.ptr, (3, 2), np.float16)
+    assert view.base is p
+    assert interop.from_cuda_array_interface(Producer(strides=(4, 2)), host_dlpack).shape == (3, 2)
+    with pytest.raises(InvalidArgument, match="not C-contiguous"):
+        interop.from_cuda_array_interface(Producer(strides=(2, 6)), host_dlpack)
+    with pytest.raises(InvalidArgument, match="masked"):
+        interop.from_cuda_array_interface(Producer(mask=object()), host_dlpack)
+    with pytest.raises(InvalidArgument, match="malformed"):
+        interop.from_cuda_array_interface(Producer(typestr="not a dtype"), host_dlpack)
+
+
+def test_stream_handles_of_pagedkv_torch_and_cupy_streams(stub_device):
+    class TorchLike:
+        cuda_stream = 0x77
+
+    class CupyLike:
+        ptr = 0x88
+
+    s = Stream(stub_device)
+    assert stream_handle(s) == s.handle
+    assert [stream_handle(x) for x in (None, 0, 0x10, TorchLike(), CupyLike())] == \
+        [None, None, 0x10, 0x77, 0x88]
+    with pytest.raises(InvalidArgumentType, match="got str"):
+        stream_handle("default")
+    with pytest.raises(InvalidArgumentType):
+        stream_handle(True)
+
+
+def test_views_of_device_arrays(stub_device):
+    arr = stub_device.array(np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert arr.view((12,)).to_numpy().tolist() == list(range(12))
+    assert arr.view(dtype=np.uint8).shape == (48,)
+    assert arr.rows(1, 3).to_numpy().tolist() == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert arr.view((2,), offset_bytes=40).to_numpy().tolist() == [10, 11]
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        arr.view((4,), offset_bytes=40)
+    with pytest.raises(InvalidArgument, match=r"rows \[2, 4\) are outside 0..3"):
+        arr.rows(2, 4)
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+def _cuda_torch():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_are_queries_outputs_and_pool_storage(device):
+    torch = _cuda_torch()
+    from pagedkv.kernels import weights
+    x = torch.randn(2, 512, device="cuda")
+    y = torch.full((2, 512), float("nan"), device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        weights.fwht256(device, DeviceArray.from_dlpack(x, device, stream=stream.cuda_stream),
+                        DeviceArray.from_dlpack(y, device, stream=stream.cuda_stream),
+                        stream=stream)  # on torch's stream: torch sees it in order
+        got = y.cpu().numpy()
+    from pagedkv import quant
+    np.testing.assert_array_equal(got, quant.fwht256(x.cpu().numpy().reshape(-1, 256))
+                                  .reshape(2, 512))
+    arr = device.array(np.arange(6, dtype=np.float32))
+    t = torch.from_dlpack(arr)
+    assert t.device.type == "cuda" and t.data_ptr() == arr.ptr
+    assert t.cpu().tolist() == [0, 1, 2, 3, 4, 5]
+    c = torch.as_tensor(arr, device="cuda")  # through __cuda_array_interface__
+    assert c.data_ptr() == arr.ptr
+
+
+def test_a_new_thread_makes_the_device_current_once(stub_device, monkeypatch):
+    import threading
+    activations = []
+    activate = stub_device.runtime.activate
+    monkeypatch.setattr(stub_device.runtime, "activate",
+                        lambda ordinal: (activations.append(threading.get_ident()),
+                                         activate(ordinal))[1])
+    results = []
+
+    def work():
+        a = stub_device.array(np.arange(3, dtype=np.float32))
+        results.append(a.to_numpy().tolist())
+        a.free()
+
+    stub_device.array(np.zeros(2, np.float32))  # the opening thread: already current
+    assert activations == []
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert results == [[0.0, 1.0, 2.0]] and activations == [t.ident]  # once, on that thread
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_host_tensors_are_host_data_for_a_device_pool(stub_device):
+    """A CPU torch tensor offers host memory through DLPack: a device pool reads it as a
+    host payload (uploaded), not as device memory."""
+    import torch
+
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    assert not interop.is_device_buffer(torch.zeros(2))
+    assert not interop.is_device_buffer(np.zeros(2))
+    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float16")
+    pool = LayerKVPool(g, 2, backend="device")
+    k = torch.arange(16, dtype=torch.float16).reshape(2, 1, 8)
+    pool.write_tokens(0, [5, 1], k, k)
+    got = pool.layer(0)[0].to_numpy().reshape(8, 1, 8)
+    assert got[[5, 1]].tolist() == k.numpy().tolist()

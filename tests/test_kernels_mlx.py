@@ -1,0 +1,241 @@
+"""pagedkv.kernels.mlx on MLX's CPU backend (the array-ops path) against the NumPy
+references, plus argument checks and backend selection. Fresh random inputs every run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_kernel_cases import (
+    GEMV_FORMATS,
+    QUANT_FORMATS,
+    attention_case,
+    bits_equal,
+    fresh_rng,
+    gemv_case,
+    to_mlx_pool,
+    weights_case,
+)
+from pagedkv import quant
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnknownQuantType
+from pagedkv.kernels import reference as ref
+
+mx = pytest.importorskip("mlx.core")
+K = pytest.importorskip("pagedkv.kernels.mlx")
+
+
+@pytest.fixture(autouse=True)
+def _ops(monkeypatch):
+    monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "ops")
+
+
+def test_backend_is_ops_on_the_cpu_and_a_forced_gpu_backend_is_refused(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_MLX_KERNELS")
+    if mx.default_device().type == mx.gpu:
+        pytest.skip("MLX's default device is a GPU")
+    assert K.backend() == "ops"
+    monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "metal")
+    with pytest.raises(InvalidArgument, match="PAGEDKV_MLX_KERNELS='metal', but MLX"):
+        K.backend()
+    monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "vulkan")
+    with pytest.raises(InvalidArgument, match="expected one of"):
+        K.backend()
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_dequantize_every_p1_format_is_bit_exact_in_both_bases(fmt):
+    rng, seed = fresh_rng()
+    raw, numel = weights_case(rng, fmt)
+    rotated = K.dequantize(mx.array(raw), fmt, numel, basis="rotated")
+    assert bits_equal(np.array(rotated), ref.dequantize(raw, fmt, numel)), f"seed {seed}"
+    original = K.dequantize(raw, fmt, (numel,))
+    assert bits_equal(np.array(original), quant.dequantize(raw, fmt, (numel,))), f"seed {seed}"
+    half = K.dequantize(raw, fmt, numel, dtype=mx.float16, basis="rotated")
+    assert half.dtype == mx.float16
+    assert bits_equal(np.array(half), ref.dequantize(raw, fmt, numel).astype(np.float16))
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32"])
+def test_dequantize_raw_formats_widen_exactly(fmt):
+    rng, _ = fresh_rng()
+    w = rng.standard_normal(77).astype(np.float32)
+    raw = quant.quantize(w, fmt)
+    got = K.dequantize(raw, fmt, (7, 11))
+    assert got.shape == (7, 11)
+    assert bits_equal(np.array(got), quant.dequantize(raw, fmt, (7, 11)))
+
+
+def test_fwht256_is_bit_exact_and_its_errors_name_the_problem():
+    rng, seed = fresh_rng()
+    x = (rng.standard_normal((3, 768)) * 10.0 ** rng.uniform(-20, 20)).astype(np.float32)
+    assert bits_equal(np.array(K.fwht256(mx.array(x))), ref.fwht256(x)), f"seed {seed}"
+    with pytest.raises(InvalidArgument, match="not a multiple of 256"):
+        K.fwht256(mx.zeros((300,)))
+    with pytest.raises(InvalidArgument, match="dtype mlx.core.float16, expected float32"):
+        K.fwht256(mx.zeros((256,), dtype=mx.float16))
+
+
+@pytest.mark.parametrize("fmt", GEMV_FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8, 11])
+def test_gemv_matches_the_reference(fmt, batch):
+    rng, seed = fresh_rng()
+    M, K_ = 45, 512
+    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
+    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    assert w.backend == "ops" and not w.tensor_cores
+    got = np.array(K.gemv(w, mx.array(x)))
+    assert got.shape == (batch, M)
+    assert (np.abs(got - expect) <= tol).all(), f"seed {seed}: {np.abs(got - expect).max()}"
+
+
+def test_gemv_refuses_bad_arguments():
+    raw = quant.quantize(np.zeros((4, 256), np.float32), "hfq4g256")
+    with pytest.raises(InvalidArgument, match="the GEMV takes"):
+        K.prepare_gemv(quant.quantize(np.zeros((4, 256), np.float32), "hfq2g256"), "hfq2g256",
+                       4, 256)
+    with pytest.raises(InvalidArgument, match="K a positive multiple of 256"):
+        K.prepare_gemv(raw, "hfq4g256", 8, 128)
+    with pytest.raises(UnknownQuantType):
+        K.prepare_gemv(raw, "hfq9g256", 4, 256)
+    w = K.prepare_gemv(raw, "hfq4g256", 4, 256)
+    with pytest.raises(InvalidArgument, match=r"x: shape \(2, 128\), expected \[batch >= 1, 256\]"):
+        K.gemv(w, mx.zeros((2, 128)))
+    with pytest.raises(InvalidArgumentType, match="expected GemvWeights"):
+        K.gemv(raw, mx.zeros((1, 256)))
+
+
+def test_kv_q8_quantize_write_read_are_bit_exact_and_skip_slot_minus_one():
+    rng, seed = fresh_rng()
+    for dt in (np.float32, np.float16):
+        v = (rng.standard_normal((6, 3, 64)) * 4).astype(dt)
+        v[0, 0, :32] = 0  # an all-zero record: scale 0, codes 0
+        records = np.array(K.kv_q8_quantize(mx.array(v)))
+        assert bits_equal(records, ref.kv_q8_quantize(v.astype(np.float32))), f"seed {seed}"
+    pool = rng.integers(0, 256, (4, 2, 3, 68), dtype=np.uint8)  # [blocks, bs, kvh, row]
+    slots = np.array([7, -1, 0, 5, -1, 2])
+    out = K.kv_q8_write(mx.array(pool), slots, mx.array(v))
+    expect = pool.reshape(8, 3, 68).copy()
+    expect[slots[slots >= 0]] = ref.kv_q8_quantize(v[slots >= 0].astype(np.float32))
+    assert out.shape == pool.shape
+    assert bits_equal(np.array(out).reshape(8, 3, 68), expect), f"seed {seed}"
+    read = K.kv_q8_read(out, [5, 0, 7], dtype=mx.float16)
+    assert bits_equal(np.array(read), ref.kv_q8_dequantize(expect[[5, 0, 7]], 64)
+                      .astype(np.float16))
+
+
+def test_kv_q8_errors_leave_the_pool_as_it_was():
+    pool = mx.array(np.arange(8 * 68, dtype=np.uint8).reshape(8, 1, 68))
+    before = np.array(pool)
+    v = mx.zeros((2, 1, 64))
+    with pytest.raises(InvalidArgument, match=r"slots: values must be -1 \(skip\) or in \[0, 8\)"):
+        K.kv_q8_write(pool, [1, 8], v)
+    with pytest.raises(InvalidArgument, match="slots: length 1, expected 2"):
+        K.kv_q8_write(pool, [1], v)
+    with pytest.raises(InvalidArgument, match=r"values: shape \(2, 1, 32\), expected \[n, 1, 64\]"):
+        K.kv_q8_write(pool, [1, 2], mx.zeros((2, 1, 32)))
+    with pytest.raises(InvalidArgument, match=r"slots: values must be in \[0, 8\)"):
+        K.kv_q8_read(pool, [-1])
+    with pytest.raises(InvalidArgument, match="uint8 q8 records"):
+        K.kv_q8_read(mx.zeros((8, 1, 68)), [0])
+    assert bits_equal(np.array(pool), before)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(4, 4, 64), (8, 4, 128), (8, 2, 32), (16, 2, 256), (6, 2, 64)])
+def test_paged_attention_matches_the_reference(kv_dtype, heads, kv_heads, head_dim):
+    rng, seed = fresh_rng()
+    lens = [int(rng.integers(1, 700)), 0, int(rng.integers(1, 40)), 16]
+    q, kp, vp, tables, lens_arr, expect = attention_case(
+        rng, kv_dtype, seqs=4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=16, lens=lens)
+    got = K.paged_attention(mx.array(q), to_mlx_pool(mx, kp, kv_dtype),
+                            to_mlx_pool(mx, vp, kv_dtype), tables, lens_arr)
+    assert got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+    assert not np.array(got)[1].any()  # the empty sequence
+
+
+def test_paged_attention_checks_tables_and_shapes_before_running():
+    rng, _ = fresh_rng()
+    q, kp, vp, tables, lens, _ = attention_case(rng, "float16", seqs=2, heads=4, kv_heads=2,
+                                                head_dim=64, block_size=16, lens=[20, 3])
+    k, v = mx.array(kp), mx.array(vp)
+    bad = tables.copy()
+    bad[0, 1] = kp.shape[0]
+    with pytest.raises(InvalidArgument, match="block_tables: a used entry is outside"):
+        K.paged_attention(mx.array(q), k, v, bad, lens)
+    with pytest.raises(InvalidArgument, match="seq_lens: values must be in"):
+        K.paged_attention(mx.array(q), k, v, tables, np.array([20, 10_000], np.int32))
+    with pytest.raises(InvalidArgument, match="max_seq_len=8 is below the longest"):
+        K.paged_attention(mx.array(q), k, v, tables, lens, max_seq_len=8)
+    with pytest.raises(InvalidArgument, match="heads must be 1..8 times kv_heads"):
+        K.paged_attention(mx.zeros((2, 3, 64)), k, v, tables, lens)
+    with pytest.raises(InvalidArgument, match="needs pool rows of 48"):
+        K.paged_attention(mx.zeros((2, 4, 48)), k, v, tables, lens)
+    with pytest.raises(InvalidArgument, match="v_pool"):
+        K.paged_attention(mx.array(q), k, v.astype(mx.bfloat16), tables, lens)
+    with pytest.raises(InvalidArgumentType, match="expected an mx.array pool"):
+        K.paged_attention(mx.array(q), kp, v, tables, lens)
+
+
+def test_copy_blocks_copies_bytes_and_refuses_bad_ids():
+    rng, _ = fresh_rng()
+    src = rng.standard_normal((9, 16, 2, 32)).astype(np.float16)
+    dst = rng.standard_normal((5, 16, 2, 32)).astype(np.float16)
+    out = K.copy_blocks(mx.array(src), [8, 0, 3], [4, 1, 0], mx.array(dst))
+    assert out.dtype == mx.float16
+    assert bits_equal(np.array(out), ref.copy_blocks(src, [8, 0, 3], [4, 1, 0], dst))
+    odd = rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)  # 15-byte blocks
+    got = K.copy_blocks(mx.array(odd), [3], [0], mx.array(odd))
+    assert bits_equal(np.array(got), ref.copy_blocks(odd, [3], [0], odd))
+    with pytest.raises(InvalidArgument, match=r"dst_ids: block ids must be in \[0, 5\)"):
+        K.copy_blocks(mx.array(src), [0], [5], mx.array(dst))
+    with pytest.raises(InvalidArgument, match="bytes per block differ"):
+        K.copy_blocks(mx.array(src), [0], [0], mx.zeros((5, 3), dtype=mx.uint8))
+
+
+def test_the_mlx_dispatch_example_of_docs_kernels_runs(capsys):
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
+    if not page.is_file():
+        pytest.skip("docs/ is not next to the tests")
+    text = page.read_text(encoding="utf-8")
+    section = text[text.index("## MLX dispatch"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", section.index(
+        "```python\n") + 10)]
+    exec(compile(code, "docs/kernels.md", "exec"), {"__name__": "docs_kernels_mlx"})  # noqa: S102 (our docs)
+    assert capsys.readouterr().out.splitlines() == ["ops (2, 64)", "(2, 4, 64)"]
+
+
+@pytest.mark.parametrize("which", ["metal", "cuda"])
+def test_the_gpu_runners_reach_mlx_with_accepted_arguments(which):
+    """On MLX's CPU the custom-kernel calls get as far as MLX's 'no backend' error: every
+    keyword (template, grid, threadgroup, output shapes and dtypes, init_value) passed
+    MLX's own argument checks."""
+    if mx.default_device().type == mx.gpu:
+        pytest.skip("MLX's default device is a GPU")
+    from pagedkv.kernels.mlx import cuda, launch, metal
+    from pagedkv.quant.formats import resolve
+    codec = resolve("hfq4g256")
+    mod, run = (metal, launch.run_metal) if which == "metal" else (cuda, launch.run_cuda)
+    raw = mx.zeros((codec.nbytes(256),), dtype=mx.uint8)
+    with pytest.raises(RuntimeError, match=rf"\[{which}_kernel\] No (Metal|CUDA) back-end"):
+        mx.eval(mod.dequantize(mx, raw, codec, 256, mx.float32, launch.poisoning(run)))
+
+
+def test_paged_attention_unchecked_takes_mlx_tables_and_gives_the_same_result():
+    rng, seed = fresh_rng()
+    q, kp, vp, tables, lens, expect = attention_case(rng, "q8", seqs=3, heads=8, kv_heads=2,
+                                                     head_dim=64, block_size=16,
+                                                     lens=[90, 0, 33])
+    t, s = mx.array(tables), mx.array(lens)
+    got = K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t, s, check=False)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+    with pytest.raises(InvalidArgument, match=r"block_tables: dtype mlx.core.int64"):
+        K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t.astype(mx.int64), s,
+                          check=False)
+    with pytest.raises(InvalidArgument, match=r"shapes \(3, 7\)/\(2,\)"):
+        K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t, s[:2], check=False)

@@ -1,0 +1,127 @@
+"""pagedkv.kernels.mlx on an MLX GPU backend (Metal on a Mac, CUDA on NVIDIA) against the
+NumPy references: every output poisoned before its launch (NaN, or 255 in integer
+outputs), fresh random inputs. Skipped without an MLX GPU; with PAGEDKV_REQUIRE_GPU=1 a
+missing one is a failure (hip/device_check.sh with MLX=1 runs these on the H200)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels_support import gpu_required
+from mlx_kernel_cases import (
+    GEMV_FORMATS,
+    QUANT_FORMATS,
+    attention_case,
+    bits_equal,
+    fresh_rng,
+    gemv_case,
+    to_mlx_pool,
+    weights_case,
+)
+from pagedkv.kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+mx = pytest.importorskip("mlx.core")
+K = pytest.importorskip("pagedkv.kernels.mlx")
+
+
+@pytest.fixture(autouse=True)
+def gpu_backend(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_MLX_KERNELS", raising=False)
+    name = K.backend()
+    if name == "ops":
+        if gpu_required():
+            pytest.fail(f"PAGEDKV_REQUIRE_GPU is set but MLX runs on {mx.default_device()} "
+                        f"(no Metal or CUDA backend)")
+        pytest.skip(f"no MLX GPU backend (MLX default device {mx.default_device()})")
+    from pagedkv.kernels.mlx.launch import poisoning
+    real = K._impl
+
+    def poisoned():
+        n, impl, run = real()
+        return n, impl, poisoning(run)
+    monkeypatch.setattr(K, "_impl", poisoned)
+    return name
+
+
+def _within_group_ulp(got, expect, group: int) -> bool:
+    """|got - expect| <= one f32 ulp of the group's largest magnitude (GPU decoders may
+    fuse q * scale + offset)."""
+    n = expect.size
+    pad = -n % group
+    mags = np.abs(np.concatenate([expect, np.zeros(pad, np.float32)])).reshape(-1, group)
+    ulp = np.repeat(np.spacing(mags.max(axis=1)), group)[:n]
+    return bool((np.abs(got.astype(np.float64) - expect) <= ulp).all())
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_dequantize(fmt):
+    from pagedkv.quant.formats import resolve
+    rng, seed = fresh_rng()
+    raw, numel = weights_case(rng, fmt)
+    got = np.array(K.dequantize(mx.array(raw), fmt, numel, basis="rotated"))
+    expect = ref.dequantize(raw, fmt, numel)
+    assert _within_group_ulp(got, expect, resolve(fmt).group_size), f"seed {seed}"
+    half = np.array(K.dequantize(mx.array(raw), fmt, numel, dtype=mx.float16, basis="rotated"))
+    assert np.isfinite(half).all() and np.allclose(half, expect, rtol=1e-3, atol=1e-3)
+
+
+def test_fwht256_bit_exact():
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((33, 512)).astype(np.float32)
+    assert bits_equal(np.array(K.fwht256(mx.array(x))), ref.fwht256(x)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", GEMV_FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_gemv(fmt, batch):
+    rng, seed = fresh_rng()
+    M, K_ = 333, 1280
+    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
+    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    got = np.array(K.gemv(w, mx.array(x)))
+    err = np.abs(got - expect)
+    assert (err <= tol).all(), f"{w!r}, seed {seed}: max error {err.max()}"
+
+
+def test_kv_q8_write_and_read():
+    rng, seed = fresh_rng()
+    v = (rng.standard_normal((37, 4, 128)) * 3).astype(np.float32)
+    assert bits_equal(np.array(K.kv_q8_quantize(mx.array(v))), ref.kv_q8_quantize(v))
+    pool = rng.integers(0, 256, (64, 4, 136), dtype=np.uint8)
+    slots = rng.permutation(64)[:37]
+    slots[5] = -1
+    out = np.array(K.kv_q8_write(mx.array(pool), slots, mx.array(v)))
+    expect = pool.copy()
+    expect[slots[slots >= 0]] = ref.kv_q8_quantize(v[slots >= 0])
+    assert bits_equal(out, expect), f"seed {seed}"
+    read = np.array(K.kv_q8_read(mx.array(expect), slots[slots >= 0]))
+    assert bits_equal(read, ref.kv_q8_dequantize(expect[slots[slots >= 0]], 128))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(32, 8, 128), (8, 8, 64), (16, 2, 256), (12, 4, 32)])
+def test_paged_attention(kv_dtype, heads, kv_heads, head_dim):
+    rng, seed = fresh_rng()
+    lens = [int(rng.integers(1, 3000)), 0, 1, 1025, int(rng.integers(1, 64))]
+    q, kp, vp, tables, lens_arr, expect = attention_case(
+        rng, kv_dtype, seqs=len(lens), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=16, lens=lens)
+    got = K.paged_attention(mx.array(q), to_mlx_pool(mx, kp, kv_dtype),
+                            to_mlx_pool(mx, vp, kv_dtype), tables, lens_arr)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+
+
+def test_copy_blocks():
+    rng, seed = fresh_rng()
+    src = rng.standard_normal((40, 16, 8, 128)).astype(np.float16)
+    dst = rng.standard_normal((30, 16, 8, 128)).astype(np.float16)
+    si, di = rng.permutation(40)[:20], rng.permutation(30)[:20]
+    got = K.copy_blocks(mx.array(src), si, di, mx.array(dst))
+    assert bits_equal(np.array(got), ref.copy_blocks(src, si, di, dst)), f"seed {seed}"
+    odd = rng.integers(0, 256, (9, 7, 3), dtype=np.uint8)
+    got = K.copy_blocks(mx.array(odd), [8, 1], [0, 2], mx.array(odd))
+    assert bits_equal(np.array(got), ref.copy_blocks(odd, [8, 1], [0, 2], odd))

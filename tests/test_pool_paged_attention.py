@@ -1,0 +1,67 @@
+"""LayerKVPool.paged_attention: decode attention read straight from the pool (MLX pools
+through pagedkv.kernels.mlx.paged_attention, NumPy pools through the float64 reference),
+on tables built by the adapter, against the reference; a stale generation is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_kernel_cases import fresh_rng
+from pagedkv.adapter import PagedKVCacheAdapter
+from pagedkv.allocator import BlockAllocator
+from pagedkv.errors import InvalidArgument, StaleBlockTable
+from pagedkv.kernels import reference as ref
+from pagedkv.pool import LayerKVPool, PoolGeometry
+
+mx = pytest.importorskip("mlx.core")
+
+
+def _tokens(rng, geometry: PoolGeometry, n: int):
+    x = rng.uniform(-2, 2, (n, geometry.num_kv_heads, geometry.head_dim)).astype(np.float32)
+    if geometry.dtype == "q8":
+        return ref.kv_q8_quantize(x)
+    if geometry.dtype == "bfloat16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x.astype(geometry.storage_dtype)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8", "float32"])
+def test_pool_paged_attention_on_adapter_tables_matches_the_reference(backend, dtype):
+    rng, seed = fresh_rng()
+    g = PoolGeometry(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    pool = LayerKVPool(g, 64, backend=backend)
+    adapter = PagedKVCacheAdapter(BlockAllocator(64, None, 16, hash_seed=0), pool)
+    lens = [int(rng.integers(1, 300)), int(rng.integers(1, 40)), 16]
+    seq_ids = []
+    for i, n in enumerate(lens):
+        sid = f"s{i}"
+        prompt = rng.integers(0, 30000, n)
+        adapter.reset_for_new_request(sid)
+        adapter.allocate_suffix_blocks(sid, n)
+        adapter.record_tokens(sid, prompt)
+        seq_ids.append(sid)
+    batch = adapter.prepare_decode(seq_ids)
+    layer = 1
+    k_all, v_all = {}, {}
+    for sid, n, table in zip(seq_ids, batch.seq_lens, batch.block_tables, strict=True):
+        k, v = _tokens(rng, g, int(n)), _tokens(rng, g, int(n))
+        slots = pool.slots_for_positions(table, np.arange(n), generation=batch.generation)
+        pool.write_tokens(layer, slots, k, v, generation=batch.generation)
+        k_all[sid], v_all[sid] = k, v
+    q = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    got = pool.paged_attention(layer, q if backend == "numpy" else mx.array(q),
+                               batch.block_tables, batch.seq_lens, generation=batch.generation)
+    kp, vp = pool.layer(layer)
+    if backend == "mlx":  # bfloat16 leaves MLX as its uint16 bits
+        kp, vp = (np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in (kp, vp))
+    expect = ref.paged_attention_decode(q, kp, vp, batch.block_tables, batch.seq_lens,
+                                        kv_dtype=dtype, scale=64 ** -0.5)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+    with pytest.raises(StaleBlockTable):
+        pool.paged_attention(layer, q, batch.block_tables, batch.seq_lens,
+                             generation=batch.generation + 1)
+    with pytest.raises(InvalidArgument, match="layer: 2 is out of range"):
+        pool.paged_attention(2, q, batch.block_tables, batch.seq_lens)
