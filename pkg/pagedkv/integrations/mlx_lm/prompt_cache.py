@@ -56,7 +56,8 @@ assert set(LAYER_CACHE_CLASSES) == SERVED_KINDS
 #: Seconds ``close`` (or interpreter exit) waits for the cold tier's queued writes.
 COLD_DRAIN_SECONDS = 30.0
 
-#: Pool dtypes a paged prompt cache stores (q8 needs the KV-quantization codecs).
+#: Unquantized pool dtypes a paged prompt cache stores; it also stores every KV mode
+#: (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md).
 _POOL_DTYPES = ("float16", "bfloat16", "float32")
 #: Blocks a pool starts with when neither ``initial_blocks`` nor the env knob says.
 _DEFAULT_INITIAL_BLOCKS = 64
@@ -73,14 +74,20 @@ def model_type_of(model) -> str:
 
 
 def _dtype_name(dtype) -> str:
-    """An ``mx.Dtype``, NumPy dtype or name as one of the pool dtype names."""
+    """An ``mx.Dtype``, NumPy dtype or name as one of the pool dtype names, or a KV mode
+    (``"q8"``, ``"<K mode>/<V mode>"``) normalized as the pool spells it."""
+    from pagedkv.quant import kv as kv_modes
     text = str(dtype)
     name = text.rsplit(".", 1)[-1]
-    if name not in _POOL_DTYPES:
+    if name in _POOL_DTYPES:
+        return name
+    try:
+        return kv_modes.join_kv_dtype(*kv_modes.split_kv_dtype(text))
+    except InvalidArgument:
         raise InvalidArgument(
             f"dtype: {dtype!r} is not a paged prompt-cache dtype; use one of "
-            f"{list(_POOL_DTYPES)} (q8 KV needs the KV-quantization codecs, not wired here)")
-    return name
+            f"{list(_POOL_DTYPES)} or a KV mode such as 'q8', 'fwht4/q8' or 'fwht4/lloyd4' "
+            f"(docs/kv-quant.md)") from None
 
 
 def model_kv_geometry(model, num_caches: int) -> tuple[int, int, str]:
@@ -226,7 +233,11 @@ class PagedPromptCache:
         one full context of the model's ``max_position_embeddings``, docs/pool.md "Sizing").
     dtype:
         Pool dtype (``"float16"``, ``"bfloat16"``, ``"float32"``; default: the model's K/V
-        dtype, which keeps reuse bit-exact; another dtype casts at the pool boundary).
+        dtype, which keeps reuse bit-exact; another dtype casts at the pool boundary), or a
+        KV mode (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md): K/V
+        are encoded as they enter the pool and decoded back to the model's dtype when a
+        cached prefix is loaded, so reuse is as exact as the mode (the model's own
+        per-request cache is not quantized).
     cold_dir:
         A directory for the cold tier: full blocks persist there and a later process with
         the same model restores them (``None``: no cold tier).
@@ -449,6 +460,8 @@ class PagedPromptCache:
         with self._stream():
             for i, layer in enumerate(layers):
                 k, v = self.adapter.gather_kv(seq, i)  # [cached, heads, dim], lazy
+                if g.quantized:  # records of a KV mode: decoded in MLX ops
+                    k, v = self.pool.decode_tokens(k, v)
                 keys = mx.zeros(shape, dtype)
                 values = mx.zeros(shape, dtype)
                 keys[..., :cached, :] = k.transpose(1, 0, 2)[None].astype(dtype)
@@ -539,7 +552,10 @@ class PagedPromptCache:
             self._make_room(-(-n // bs) - adapter.num_table_blocks(seq))
             self._with_room(lambda: adapter.record_tokens(seq, toks[held:]))
             import mlx.core as mx
-            pool_dtype = getattr(mx, self.geometry.dtype)
+            g = self.geometry
+            # A KV-mode pool takes float values and encodes them (float32: what its codecs
+            # read); an unquantized pool takes its own dtype.
+            pool_dtype = mx.float32 if g.quantized else getattr(mx, g.dtype)
             with self._stream():
                 for i, (keys, values) in enumerate(buffers):
                     k = keys[0, :, held:n, :].transpose(1, 0, 2).astype(pool_dtype)
