@@ -65,22 +65,28 @@ def kv_dtype_of(pool: DeviceArray) -> str:
                               f"bits) or uint8 (q8 records)") from None
 
 
-def _q8_rows(rows: DeviceArray, name: str, slots: DeviceArray,
-             pool: DeviceArray) -> tuple[int, int, int]:
-    """Check the arguments shared by the q8 write and read: ``rows`` (``src`` or ``out``,
-    ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token, and a q8
-    pool of the matching geometry. Returns ``(n, kv_heads, head_dim)``."""
+def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
+             mode: str = "q8") -> tuple[int, int, int]:
+    """Check the arguments shared by the KV writes and the q8 read: ``rows`` (``src`` or
+    ``out``, ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token,
+    and a ``uint8`` pool of ``mode``'s records at that geometry. Returns ``(n, kv_heads,
+    head_dim)``."""
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
     _need(slots, "slots", np.int64, 1)
     _need(pool, "pool", np.uint8)
     n, kvh, hd = rows.shape
-    if hd % 32:
-        raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
-    if pool.ndim != 4 or pool.shape[2] != kvh or pool.shape[3] != hd // 32 * 34:
+    if mode == "q8":
+        if hd % 32:
+            raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
+        row = hd // 32 * 34
+    else:
+        from pagedkv.quant import kv as kv_modes
+        row = kv_modes.kv_mode(mode).row_bytes(hd)
+    if pool.ndim != 4 or pool.shape[2:] != (kvh, row):
         raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
-                              f"{kvh}, {hd // 32 * 34}] for kv_heads {kvh}, head_dim {hd}")
+                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd}")
     if slots.shape[0] != n:
         raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
     return n, kvh, hd
@@ -90,7 +96,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = _q8_rows(src, "src", slots, pool)
+    n, kvh, hd = _kv_rows(src, "src", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -103,7 +109,7 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = _q8_rows(out, "out", slots, pool)
+    n, kvh, hd = _kv_rows(out, "out", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
@@ -127,18 +133,7 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     if not m.rotated:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
                               f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
-    if src.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or src.ndim != 3:
-        raise InvalidArgument(f"src: {src.dtype}{list(src.shape)}, expected float32 or "
-                              f"float16 [n, kv_heads, head_dim]")
-    _need(slots, "slots", np.int64, 1)
-    _need(pool, "pool", np.uint8)
-    n, kvh, hd = src.shape
-    row = m.row_bytes(hd)
-    if pool.ndim != 4 or pool.shape[2:] != (kvh, row):
-        raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
-                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd}")
-    if slots.shape[0] != n:
-        raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
+    n, kvh, hd = _kv_rows(src, "src", slots, pool, mode)
     if n == 0:
         return
     name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
