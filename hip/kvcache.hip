@@ -1,5 +1,6 @@
 // KV-cache kernels: q8 quantize on write and dequantize on read (hfqm-and-quant.md
-// §6.3), paged-attention decode over block tables (paged-kv.md §5.2) and block
+// §6.3), paged-attention decode over block tables (paged-kv.md §5.2) on f16/bf16/q8 KV
+// and on compressed KV (fwhtN K with q8 or lloydN V, docs/kv-quant.md), and block
 // copies between pools.
 //
 // Pool layout, per layer and side: [num_blocks, block_size, kv_heads, row] where a
@@ -635,6 +636,499 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g1, KV_Q8, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g2, KV_Q8, 2)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
+
+// ---------------------------------------------------------------------------
+// Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed
+// KV"): the records are read as they are stored, never decompressed into a copy.
+//
+// K is a rotated mode (fwht4/fwht3/fwht2, or a lloyd mode: KBITS-bit codes, R128 per half
+// or R256, KROT):
+// q is rotated once per CTA into the K basis, in shared memory, and a token's score is
+// scale * cnorm_t * sum_d q_rot[d] * C[code_t[d]]. V is q8 (VBITS 8, dequantized per
+// lane as in the q8 kernel) or lloyd (VBITS 4/3/2, R256): sum_t p_t * cnorm_t *
+// C[code_t[d]] accumulates in the rotated basis and pkv_paged_attention_reduce_ifwht256
+// rotates each head's combined output back once. Centroid tables sit in shared memory
+// (16 floats in 16 banks: lanes that look up different codes never conflict).
+//
+// Lanes hold 8 consecutive dims of a row, as in the kernel above: 8 codes are KBITS
+// bytes of the record (one 32-bit load at 4 bits, 16-bit at 2, three bytes at 3) plus the
+// record's f32 cnorm (the same 4 bytes for every lane of a token: one broadcast load).
+
+__constant__ float kKvCentroids[PKV_KV_CENTROID_COUNT] = {PKV_KV_CENTROIDS};
+
+// A lane's 8 codes and the row's corrected norm, raw.
+struct RawCodes8 {
+  uint32_t codes;  // code i in bits [BITS*i, BITS*i + BITS)
+  float cnorm;
+};
+
+template <int BITS>
+PKV_DEV void load_codes8(const uint8_t* row, int d0, RawCodes8& r) {
+  // Rows start 4-byte aligned (4 + head_dim*BITS/8 bytes, a multiple of 4 for every mode),
+  // so the 32- and 16-bit loads are aligned; 3-bit codes straddle and load byte by byte.
+  r.cnorm = *(const float*)row;
+  const uint8_t* p = row + PKV_KV_CNORM_BYTES + d0 * BITS / 8;
+  if (BITS == 4) {
+    r.codes = *(const uint32_t*)p;
+  } else if (BITS == 2) {
+    r.codes = *(const uint16_t*)p;
+  } else {
+    r.codes = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+  }
+}
+
+PKV_DEV void zero_codes8(RawCodes8& r) {
+  r.codes = 0;
+  r.cnorm = 0.0f;
+}
+
+// The 8 centroids of a lane's codes, from the shared table.
+template <int BITS>
+PKV_DEV void lookup8(const RawCodes8& r, const float* table, float out[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = table[(r.codes >> (BITS * i)) & ((1u << BITS) - 1u)];
+}
+
+// In place on n floats of shared memory holding n / ROT rows: y = R x per ROT-block
+// (inverse: R^T), with the CTA's threads (R = D2 H D1 / sqrt(ROT), quant.h's signs).
+template <int ROT>
+PKV_DEV void rotate_shared(float* x, int n, bool inverse) {
+  const float c = ROT == 256 ? PKV_FWHT_SCALE_256 : PKV_FWHT_SCALE_128;
+  for (int e = threadIdx.x; e < n; e += blockDim.x)
+    x[e] = x[e] * (inverse ? pkv_sign2(e % ROT) : pkv_sign1(e % ROT));
+  __syncthreads();
+  for (int h = 1; h < ROT; h <<= 1) {
+    for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+      const int blk = p / (ROT / 2), j = p % (ROT / 2);
+      const int i = blk * ROT + (j / h) * 2 * h + j % h;
+      const float a = x[i], b = x[i + h];
+      x[i] = a + b;
+      x[i + h] = a - b;
+    }
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < n; e += blockDim.x)
+    x[e] = x[e] * (c * (inverse ? pkv_sign1(e % ROT) : pkv_sign2(e % ROT)));
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------
+// Rotated KV write (fwhtN / lloydN records, docs/kv-quant.md "Encoding"): the device form
+// of pkv_kv_encode_row, byte for byte. One CTA of PKV_KV_WRITE_THREADS threads encodes
+// one (token, kv-head) row into the pool at its slot. Every multiply and add that the
+// scalar reference rounds separately is an explicit _rn intrinsic here (nvcc would fuse
+// x*x + s into one FMA and change the norm's last bit), sqrt and divide are the correctly
+// rounded ones, and the sums keep the reference's order: PKV_KV_SUMSQ_LANES partials in
+// index order, folded 8, 4, 2, 1; the rotation is rotate_shared, whose butterflies are
+// pkv_fwht's. Non-finite input is not checked here (the host encoder refuses it).
+
+#ifndef PKV_KV_WRITE_THREADS
+#define PKV_KV_WRITE_THREADS 256
+#endif
+
+__constant__ float kKvThresholds[PKV_KV_THRESHOLD_COUNT] = {PKV_KV_THRESHOLDS};
+
+// pkv_kv_sumsq of x[0..n) into *out, by threads 0..15 then thread 0; the caller syncs.
+PKV_DEV void sumsq_shared(const float* x, int n, float* part, float* out) {
+  const int t = threadIdx.x;
+  if (t < (int)PKV_KV_SUMSQ_LANES) {
+    float s = 0.0f;
+    for (int i = t; i < n; i += PKV_KV_SUMSQ_LANES) s = __fadd_rn(s, __fmul_rn(x[i], x[i]));
+    part[t] = s;
+  }
+  __syncthreads();
+  if (t == 0) {
+    for (int w = PKV_KV_SUMSQ_LANES / 2; w > 0; w >>= 1)
+      for (int j = 0; j < w; ++j) part[j] = __fadd_rn(part[j], part[j + w]);
+    *out = part[0];
+  }
+}
+
+template <typename In>
+PKV_DEV void kv_rotated_write(const In* __restrict__ src, const int64_t* __restrict__ slots,
+                              uint8_t* __restrict__ pool, int n_tokens, int kv_heads,
+                              int head_dim, uint32_t mode) {
+  __shared__ float r[256];
+  __shared__ uint8_t codes[256];
+  __shared__ float part[PKV_KV_SUMSQ_LANES];
+  __shared__ float sums[2];  // the value norm's and the centroid row's sums of squares
+  const int64_t row = blockIdx.x;  // token * kv_heads + head
+  const int t = threadIdx.x;
+  if (row >= (int64_t)n_tokens * kv_heads) return;
+  const int64_t slot = slots[row / kv_heads];
+  if (slot < 0) return;  // a padding token: nothing to store (uniform over the CTA)
+  const uint32_t bits = pkv_kv_mode_bits(mode), rot = pkv_kv_mode_rotation(mode);
+  const float* C = kKvCentroids + pkv_kv_centroid_offset(bits, rot);
+  const float* T = kKvThresholds + pkv_kv_threshold_offset(bits, rot);
+  const int nt = (1 << bits) - 1;
+
+  for (int d = t; d < head_dim; d += blockDim.x) r[d] = pkv_load_value(src + row * head_dim + d);
+  __syncthreads();
+  sumsq_shared(r, head_dim, part, &sums[0]);
+  __syncthreads();
+  const float norm = __fsqrt_rn(sums[0]);
+  const float inv = norm > PKV_KV_NORM_EPS ? __fdiv_rn(1.0f, norm) : 0.0f;
+  for (int d = t; d < head_dim; d += blockDim.x) r[d] = __fmul_rn(r[d], inv);
+  __syncthreads();
+  if (rot == 256u) rotate_shared<256>(r, head_dim, false);
+  else rotate_shared<128>(r, head_dim, false);
+  for (int d = t; d < head_dim; d += blockDim.x) {
+    int c = 0;
+    for (int k = 0; k < nt; ++k) c += r[d] > T[k] ? 1 : 0;
+    codes[d] = (uint8_t)c;
+    r[d] = C[c];
+  }
+  __syncthreads();
+  sumsq_shared(r, head_dim, part, &sums[1]);
+  __syncthreads();
+  uint8_t* out = pool + (slot * kv_heads + row % kv_heads) *
+                            (int64_t)pkv_kv_row_bytes(mode, (uint32_t)head_dim);
+  if (t == 0) {
+    const float rn = __fsqrt_rn(sums[1]);
+    pkv_store_f32le(out, rn > PKV_KV_NORM_EPS ? __fdiv_rn(norm, rn) : norm);
+  }
+  // Byte b of the LSB-first code stream: bits [8b, 8b + 8) of code i at bit bits*i.
+  for (int b = t; b < head_dim * (int)bits / 8; b += blockDim.x) {
+    uint32_t byte = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int bit = 8 * b + j;
+      byte |= ((uint32_t)(codes[bit / bits] >> (bit % bits)) & 1u) << j;
+    }
+    out[PKV_KV_CNORM_BYTES + b] = (uint8_t)byte;
+  }
+}
+
+PKV_KERNEL void __launch_bounds__(PKV_KV_WRITE_THREADS)
+pkv_kv_rotated_write_f32(const float* src, const int64_t* slots, uint8_t* pool, int n_tokens,
+                         int kv_heads, int head_dim, int mode) {
+  kv_rotated_write<float>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
+}
+PKV_KERNEL void __launch_bounds__(PKV_KV_WRITE_THREADS)
+pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* pool,
+                         int n_tokens, int kv_heads, int head_dim, int mode) {
+  kv_rotated_write<uint16_t>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
+}
+
+template <int KBITS, int KROT, int VBITS, int GMAX>
+PKV_DEV void paged_attention_quant_partition(
+    const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
+    const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ seq_lens, float* __restrict__ part_out,
+    float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
+    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
+  constexpr bool V_Q8 = VBITS == 8;
+  constexpr int PARTITION = PKV_ATTN_PARTITION_QKV;
+  extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
+  __shared__ int64_t rows[PARTITION];
+  __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
+  __shared__ float qs[GMAX * 256];  // the group's queries, rotated into the K basis
+  __shared__ float ctab_k[16], ctab_v[16];
+
+  const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
+  const int group = num_heads / kv_heads;
+  const int seq_len = seq_lens[seq];
+  const int start = part * PARTITION;
+  if (start >= seq_len) return;  // the reduce reads only partitions below seq_len
+  const int n_tok = min(PARTITION, seq_len - start);
+
+  const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
+  const int n_warps = PKV_ATTN_THREADS / PKV_WARP_SIZE;
+  const int lanes_per_token = head_dim / 8;
+  const int tokens_per_warp = PKV_WARP_SIZE / lanes_per_token;
+  const int d0 = (lane % lanes_per_token) * 8;
+  const int sub = lane / lanes_per_token;
+  const int stride = n_warps * tokens_per_warp;
+  const int64_t k_row_bytes = PKV_KV_CNORM_BYTES + head_dim * KBITS / 8;
+  const int64_t v_row_bytes = V_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim)
+                                   : PKV_KV_CNORM_BYTES + head_dim * VBITS / 8;
+
+  if (threadIdx.x < 16) {
+    const int t = threadIdx.x;
+    ctab_k[t] = kKvCentroids[pkv_kv_centroid_offset(KBITS, KROT) + min(t, (1 << KBITS) - 1)];
+    if (!V_Q8)
+      ctab_v[t] = kKvCentroids[pkv_kv_centroid_offset(VBITS, 256) + min(t, (1 << VBITS) - 1)];
+  }
+  for (int e = threadIdx.x; e < GMAX * head_dim; e += PKV_ATTN_THREADS) {
+    const int g = e / head_dim;
+    const int h = kvh * group + (g < group ? g : 0);
+    qs[e] = q[((int64_t)seq * num_heads + h) * head_dim + e % head_dim] * scale;
+  }
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
+    const int pos = start + t;
+    const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
+    rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
+  }
+  __syncthreads();
+  rotate_shared<KROT>(qs, GMAX * head_dim, false);
+  float qv[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qv[g][i] = qs[g * head_dim + d0 + i];
+
+  // Pass 1: scores (the reduce-scatter of the kernel above: each lane ends with one
+  // head's dot product), times the row's cnorm.
+  float* scores = smem;
+  const int step = stride * PKV_ATTN_UNROLL;
+  const int first = warp * tokens_per_warp;
+  {
+    RawCodes8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
+    auto load_k = [&](int t0, RawCodes8 (&raw)[PKV_ATTN_UNROLL]) {
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) load_codes8<KBITS>(k_pool + rows[t] * k_row_bytes, d0, raw[u]);
+        else zero_codes8(raw[u]);
+      }
+    };
+    if (first < n_tok) load_k(first + sub, cur);
+    for (int w0 = first; w0 < n_tok; w0 += step) {
+      const int t0 = w0 + sub;
+      if (w0 + step < n_tok) load_k(t0 + step, nxt);
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        float kv[8];
+        lookup8<KBITS>(cur[u], ctab_k, kv);
+        float s[GMAX];
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          s[g] = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[g] += qv[g][i] * kv[i];
+        }
+        int o = lanes_per_token / 2, head = 0;
+#pragma unroll
+        for (int half = GMAX / 2; half >= 1; half /= 2) {
+          const bool upper = (lane & o) != 0;
+#pragma unroll
+          for (int g = 0; g < half; ++g) {
+            const float send = upper ? s[g] : s[g + half];
+            const float keep = upper ? s[g + half] : s[g];
+            s[g] = keep + pkv_shfl_xor(send, o);
+          }
+          head += upper ? half : 0;
+          o >>= 1;
+        }
+        for (; o > 0; o >>= 1) s[0] += pkv_shfl_xor(s[0], o);
+        if (t < n_tok && (lane % lanes_per_token) % (lanes_per_token / GMAX) == 0)
+          scores[t * GMAX + head] = s[0] * cur[u].cnorm;
+      }
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
+    }
+  }
+  __syncthreads();
+  // Partition max and the probabilities (unnormalized) with their sum, as above.
+  float tmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tmax[g] = -INFINITY;
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) tmax[g] = fmaxf(tmax[g], scores[t * GMAX + g]);
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    float m = tmax[g];
+    for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) m = fmaxf(m, pkv_shfl_xor(m, o));
+    if (lane == 0) red[warp][g] = m;
+  }
+  __syncthreads();
+  float pmax[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    pmax[g] = red[0][g];
+    for (int w = 1; w < n_warps; ++w) pmax[g] = fmaxf(pmax[g], red[w][g]);
+  }
+  float tsum[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) tsum[g] = 0.0f;
+  for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float p = expf(scores[t * GMAX + g] - pmax[g]);
+      scores[t * GMAX + g] = p;
+      tsum[g] += p;
+    }
+  }
+  __syncthreads();  // everyone has read red[] (pmax) before it is reused
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    float s = tsum[g];
+    for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) s += pkv_shfl_xor(s, o);
+    if (lane == 0) red[warp][g] = s;
+  }
+  __syncthreads();
+
+  // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims (lloyd: p_t * cnorm_t * C[code]
+  // in the rotated basis).
+  float acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+  if constexpr (V_Q8) {
+    RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
+    auto load_v = [&](int t0, RawRow8 (&raw)[PKV_ATTN_UNROLL]) {
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) load_row8<KV_Q8>(v_pool + rows[t] * v_row_bytes, d0, raw[u]);
+        else zero_row8(raw[u]);
+      }
+    };
+    if (first < n_tok) load_v(first + sub, cur);
+    for (int w0 = first; w0 < n_tok; w0 += step) {
+      const int t0 = w0 + sub;
+      if (w0 + step < n_tok) load_v(t0 + step, nxt);
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) {
+          float vv[8];
+          convert_row8<KV_Q8>(cur[u], vv);
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g) {
+            const float p = scores[t * GMAX + g];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += p * vv[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
+    }
+  } else {
+    RawCodes8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
+    auto load_v = [&](int t0, RawCodes8 (&raw)[PKV_ATTN_UNROLL]) {
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) load_codes8<VBITS>(v_pool + rows[t] * v_row_bytes, d0, raw[u]);
+        else zero_codes8(raw[u]);
+      }
+    };
+    if (first < n_tok) load_v(first + sub, cur);
+    for (int w0 = first; w0 < n_tok; w0 += step) {
+      const int t0 = w0 + sub;
+      if (w0 + step < n_tok) load_v(t0 + step, nxt);
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) {
+        const int t = t0 + u * stride;
+        if (t < n_tok) {
+          float vv[8];
+          lookup8<VBITS>(cur[u], ctab_v, vv);
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g) {
+            const float p = scores[t * GMAX + g] * cur[u].cnorm;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += p * vv[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < PKV_ATTN_UNROLL; ++u) cur[u] = nxt[u];
+    }
+  }
+  // Sum the tokens_per_warp token lanes of each dim, then the warps; write the partial.
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      for (int o = PKV_WARP_SIZE / 2; o >= lanes_per_token; o >>= 1)
+        acc[g][i] += pkv_shfl_xor(acc[g][i], o);
+  __syncthreads();  // scores are no longer read: smem now holds per-warp sums
+  float* wsum = smem;  // [n_warps][GMAX][head_dim]
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wsum[(warp * GMAX + g) * head_dim + d0 + i] = acc[g][i];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < group * head_dim; e += PKV_ATTN_THREADS) {
+    const int g = e / head_dim, d = e % head_dim;
+    float s = 0.0f;
+    for (int w = 0; w < n_warps; ++w) s += wsum[(w * GMAX + g) * head_dim + d];
+    const int64_t hp = ((int64_t)seq * num_heads + kvh * group + g) * max_partitions + part;
+    part_out[hp * head_dim + d] = s;
+    if (d == 0) {
+      float l = 0.0f;
+      for (int w = 0; w < n_warps; ++w) l += red[w][g];
+      float m = pmax[0];
+#pragma unroll
+      for (int gg = 1; gg < GMAX; ++gg)
+        if (gg == g) m = pmax[gg];  // a register array takes constant indices only
+      part_max[hp] = m;
+      part_sum[hp] = l;
+    }
+  }
+}
+
+// Kernel names: pkv_paged_attention_<K mode>_<V mode>_g<GMAX>; the modes' widths and
+// rotations are those of pagedkv/kvquant.h (pkv_kv_mode_bits / pkv_kv_mode_rotation).
+#define PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, GMAX)                               \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_QKV)                   \
+      pkv_paged_attention_##KNAME##_##VNAME##_g##GMAX(                                         \
+          const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
+          const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \
+          float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,          \
+          int head_dim, int block_size, int table_width, int max_partitions) {                 \
+    paged_attention_quant_partition<KBITS, KROT, VBITS, GMAX>(                                 \
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,        \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);               \
+  }
+#define PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, VNAME, VBITS)  \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 1)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 2)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 4)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 8)
+
+PKV_ATTN_QKERNELS(fwht4, 4, 128, q8, 8)
+PKV_ATTN_QKERNELS(fwht3, 3, 256, q8, 8)
+PKV_ATTN_QKERNELS(fwht2, 2, 128, q8, 8)
+PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd4, 4)
+PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd3, 3)
+PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd2, 2)
+PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd4, 4)
+PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd3, 3)
+PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd2, 2)
+PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd4, 4)
+PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd3, 3)
+PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd2, 2)
+// K in a lloyd mode (pagedkv's extension: R256 with the matched 256-family tables); a lloyd3
+// K is fwht3's bytes and runs the fwht3 kernels.
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, q8, 8)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd4, 4)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd3, 3)
+PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd2, 2)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, q8, 8)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd4, 4)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd3, 3)
+PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd2, 2)
+
+// The reduce of a lloyd V: combine the partitions in the R256 basis, then rotate each
+// (seq, head) row back (R^T) before writing it. 256 threads, one per dim.
+PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const float* part_max,
+                                                    const float* part_sum, const int32_t* seq_lens,
+                                                    float* out, int num_heads, int head_dim,
+                                                    int max_partitions, int partition_tokens) {
+  __shared__ float buf[256];
+  const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  const int n_parts = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
+  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
+  float m = -INFINITY;
+  for (int p = 0; p < n_parts; ++p) m = fmaxf(m, part_max[hp + p]);
+  float denom = 0.0f;
+  for (int p = 0; p < n_parts; ++p) denom += expf(part_max[hp + p] - m) * part_sum[hp + p];
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  float s = 0.0f;
+  for (int p = 0; p < n_parts; ++p)
+    s += expf(part_max[hp + p] - m) * part_out[(hp + p) * head_dim + d];
+  buf[d] = s * inv;
+  __syncthreads();
+  rotate_shared<256>(buf, 256, true);
+  out[((int64_t)seq * num_heads + h) * head_dim + d] = buf[d];
+}
 
 // Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
 // An empty sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.

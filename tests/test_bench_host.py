@@ -51,6 +51,42 @@ def test_attention_inputs_and_rows(dev):
     assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
 
 
+def test_compressed_attention_rows_charge_stored_bytes_and_compare_with_f16(dev):
+    case = dict(SMALL_CASE, head_dim=256)
+    args, nbytes, kw = gpu.attention_inputs(dev, np.random.default_rng(0), "fwht4/lloyd4",
+                                            **case)
+    q, k_pool, v_pool, tables, _lens, _out = args
+    assert k_pool.shape == v_pool.shape == (8, 16, 2, 132) and k_pool.dtype == np.uint8
+    assert nbytes == 2 * k_pool.nbytes + 2 * q.nbytes + tables.nbytes  # compressed bytes
+    assert kw["kv_dtype"] == "fwht4/lloyd4"
+    rows: list[dict] = []
+    gpu.bench_attention(dev, Stream(dev), rows, 1e12, None, case=case,
+                        dtypes=("float16", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4"))
+    assert [r["kernel"] for r in rows] == ["paged_attention float16", "paged_attention fwht4/q8",
+                                           "paged_attention fwht4/lloyd4",
+                                           "paged_attention lloyd4/lloyd4"]
+    assert "vs_float16" not in rows[0]
+    assert all(r["vs_float16"] == pytest.approx(1.0) for r in rows[1:])  # the stub: 0.5 ms each
+    assert rows[1]["GB/s"] * rows[1]["us"] * 1e3 == pytest.approx(
+        8 * 16 * 2 * (132 + 272) + 2 * 2 * 4 * 256 * 4 + 2 * 4 * 4)
+
+
+def test_kv_write_rows_charge_float32_in_and_records_out(dev, monkeypatch):
+    monkeypatch.setattr(gpu, "KV_WRITE_CASES", (("q8", 128, 2), ("fwht4", 128, 2),
+                                                ("lloyd4", 256, 1)))
+    rows: list[dict] = []
+    gpu.bench_kv_write(dev, Stream(dev), rows, 1e12, tokens=64)
+    assert [(r["kernel"], r["shape"]) for r in rows] == [
+        ("kv_write q8 f32", "64x2x128"), ("kv_write fwht4 f32", "64x2x128"),
+        ("kv_write lloyd4 f32", "64x1x256")]
+    assert "vs_q8" not in rows[0] and rows[1]["vs_q8"] == pytest.approx(1.0)
+    assert "vs_q8" not in rows[2]  # no q8 row at head_dim 256 in this run
+    for r, nbytes in zip(rows, (64 * 2 * 128 * 4 + 64 * 2 * 136, 64 * 2 * 128 * 4 + 64 * 2 * 68,
+                                64 * 256 * 4 + 64 * 132), strict=True):
+        assert r["us"] == pytest.approx(50.0)  # 0.5 ms / 10 launches
+        assert r["GB/s"] * r["us"] * 1e3 == pytest.approx(nbytes)
+
+
 def test_gemv_rows_charge_weights_x_and_y(dev):
     rows: list[dict] = []
     gpu.bench_gemv(dev, Stream(dev), rows, 1e12, None, [(32, 512)], (1, 2))

@@ -17,8 +17,9 @@ class FakeKernel:
     def __init__(self, device, name):
         self.device, self.name = device, name
 
-    def __call__(self, grid, block, *args, stream=None):
+    def __call__(self, grid, block, *args, stream=None, shared_bytes=0):
         self.device.calls.append(("launch", self.name, tuple(grid), tuple(block)))
+        self.device.shared_bytes.append(shared_bytes)
         self.device.launch_args.append(args)
 
 
@@ -38,6 +39,7 @@ class FakeDevice:
     def __init__(self):
         self.calls = []
         self.launch_args = []
+        self.shared_bytes = []
         self.next_ptr = 0x1000
 
     def malloc(self, nbytes):
@@ -354,7 +356,7 @@ def test_kv_q8_launchers_reject_bad_arguments_before_launching(op):
         ((dev.empty((3, 2, 48), np.float32), slots, pool), InvalidArgument,
          "head_dim=48: q8 KV needs a multiple of 32"),
         ((rows, slots, dev.empty((2, 4, 2, 64), np.uint8)), InvalidArgument,
-         ("pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for "
+         ("pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for q8 at "
           "kv_heads 2, head_dim 64")),
         ((rows, dev.array(np.arange(2, dtype=np.int64)), pool), InvalidArgument,
          "slots: length 2, expected 3 (one per token)"),
@@ -376,3 +378,93 @@ def test_gemv_pack_module_refuses_rows_of_another_width():
     with pytest.raises(InvalidArgument, match=r"rows: 33 words per row, expected 34 for 2 groups"):
         pack_tiles_4bit(np.zeros((16, 33), np.uint64), 2)
     assert pack_tiles_4bit(np.zeros((0, 34), np.uint64), 2).size == 0  # no rows: no tiles
+
+
+# --- paged attention over compressed KV: kernel choice and host checks (fake device) ---
+
+def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_len=1100):
+    from pagedkv.kernels import kvcache
+    return kvcache.PagedAttention(dev, num_seqs=seqs, num_heads=heads, kv_heads=kv_heads,
+                                  head_dim=head_dim, block_size=16, max_seq_len=max_seq_len,
+                                  kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,heads,k_row,v_row,partition,reduce,threads", [
+    ("fwht4/lloyd4", 256, 8, 132, 132, "pkv_paged_attention_fwht4_lloyd4_g4",
+     "pkv_paged_attention_reduce_ifwht256", 256),
+    ("fwht3/lloyd2", 256, 2, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g1",
+     "pkv_paged_attention_reduce_ifwht256", 256),
+    ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_g8",
+     "pkv_paged_attention_reduce", 128),
+    ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_g4",
+     "pkv_paged_attention_reduce", 128),
+    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_g2",
+     "pkv_paged_attention_reduce", 256),
+    ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
+     "pkv_paged_attention_reduce_ifwht256", 256),
+])
+def test_compressed_attention_picks_its_kernels_and_reads_records(kv_dtype, head_dim, heads,
+                                                                  k_row, v_row, partition,
+                                                                  reduce, threads):
+    dev = FakeDevice()
+    attn = _attn(dev, kv_dtype, heads=heads, head_dim=head_dim)
+    assert (attn.k_row, attn.v_row, attn.partition_tokens, attn.max_partitions) == \
+        (k_row, v_row, 512, 3)
+    q = dev.empty((3, heads, head_dim), np.float32)
+    k_pool = dev.empty((40, 16, 2, k_row), np.uint8)
+    v_pool = dev.empty((40, 16, 2, v_row), np.uint8)
+    tables = dev.array(np.zeros((3, 69), np.int32))
+    lens = dev.array(np.zeros(3, np.int32))
+    dev.calls.clear()
+    attn.run(q, k_pool, v_pool, tables, lens, dev.empty((3, heads, head_dim), np.float32))
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches == [("launch", partition, (3, 2, 3), (128,)),
+                        ("launch", reduce, (heads, 3), (threads,))]
+    # the scalar argument block: scale, heads, kv_heads, head_dim, block_size, width, parts
+    assert dev.launch_args[-2][8:] == (head_dim ** -0.5, heads, 2, head_dim, 16, 69, 3)
+    # dynamic shared memory: the scores of a partition, or the per-warp sums if larger
+    gmax = 1 << (heads // 2 - 1).bit_length()
+    assert dev.shared_bytes[-2] == 4 * max(512 * gmax, 4 * gmax * head_dim)
+
+
+def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
+    dev = FakeDevice()
+    with pytest.raises(InvalidArgument, match="lloyd4 \\(of kv_dtype 'fwht4/lloyd4'\\) needs "
+                                              "head_dim 256"):
+        _attn(dev, "fwht4/lloyd4", head_dim=128)
+    with pytest.raises(InvalidArgument, match="fwht3 \\(of kv_dtype 'fwht3/q8'\\) needs"):
+        _attn(dev, "fwht3/q8", head_dim=128)
+    with pytest.raises(InvalidArgument, match="kv_dtype='q8/lloyd4'"):
+        _attn(dev, "q8/lloyd4")
+    attn = _attn(dev, "fwht4/q8")
+    q = dev.empty((3, 8, 256), np.float32)
+    good_k, good_v = dev.empty((4, 16, 2, 132), np.uint8), dev.empty((4, 16, 2, 272), np.uint8)
+    tables = dev.array(np.zeros((3, 4), np.int32))
+    lens = dev.array(np.zeros(3, np.int32))
+    dev.calls.clear()
+    for k_pool, v_pool, message in [
+            (good_v, good_v, "k_pool: shape (4, 16, 2, 272), expected [num_blocks, 16, 2, 132]"),
+            (good_k, good_k, "v_pool: shape (4, 16, 2, 132), expected [num_blocks, 16, 2, 272]"),
+            (dev.empty((4, 16, 2, 132), np.float16), good_v,
+             "k_pool: expected a fwht4/q8 pool DeviceArray")]:
+        with pytest.raises(InvalidArgument) as info:
+            attn.run(q, k_pool, v_pool, tables, lens, q)
+        assert str(info.value) == message
+    assert not [c for c in dev.calls if c[0] == "launch"]
+
+
+def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
+    # Names are built by the launcher from kv_dtype; the .hip file defines them through
+    # macros. Compare with the symbols of the objects this build produced (skip without).
+    from pagedkv.kernels import code_objects, kvcache
+    objects = [n for n in code_objects.list_objects() if n.startswith("kvcache.")]
+    if not objects:
+        pytest.skip("built without a GPU compiler: no kernel objects")
+    names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/', '_')}_g{g}"
+             for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
+    names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256"}
+    for obj in objects:
+        backend, arch = ("cuda", "") if obj.endswith(".fatbin") else ("hip", obj.split(".")[1])
+        data = code_objects.read_object("kvcache", backend, arch)
+        missing = sorted(n for n in names if n.encode() not in data)
+        assert not missing, f"{obj} lacks {missing}"

@@ -6,13 +6,15 @@ kernel on fresh random inputs with poisoned outputs and ragged sizes."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
 from kernels_support import poisoned
 from pagedkv import errors
 from pagedkv.kernels import kvcache, reference
-from pagedkv.quant import kv_q8
+from pagedkv.quant import kv, kv_q8
 
 RNG = np.random.default_rng()
 
@@ -77,25 +79,27 @@ def test_kv_q8_cpu_codec_rejects_bad_input():
 
 
 def _paged_case(seq_lens, *, kv_heads, head_dim, block_size, kv_dtype, rng=RNG):
-    """Random KV per sequence, scattered into a pool through shuffled block tables."""
+    """Random KV per sequence, scattered into a pool through shuffled block tables.
+    ``kv_dtype``: one dtype for both sides, or ``"<K mode>/<V mode>"`` (records encoded by
+    the CPU codec)."""
     seqs = len(seq_lens)
     width = max(1, max(-(-n // block_size) for n in seq_lens))
     num_blocks = seqs * width + 3
     perm = rng.permutation(num_blocks)
     tables = np.full((seqs, width), -1, np.int32)
-    row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
-    pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
     pools = []
-    for _side in range(2):
+    for side in kv.split_kv_dtype(kv_dtype):
         vals = rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
-        if kv_dtype == "float16":
+        if side == "float16":
             pools.append(vals.astype(np.float16))
-        elif kv_dtype == "bfloat16":
+        elif side == "bfloat16":
             pools.append((vals.view(np.uint32) >> 16).astype(np.uint16))
-        else:
+        elif side == "q8":
             pools.append(reference.kv_q8_quantize(vals))
+        else:
+            pools.append(reference.kv_rotated_quantize(vals, side))
+        row = kv.side_row_bytes(side, head_dim) // pools[-1].itemsize
         assert pools[-1].shape == (num_blocks, block_size, kv_heads, row)
-        assert pools[-1].dtype == pool_dtype
     for s, n in enumerate(seq_lens):
         nb = -(-n // block_size)
         tables[s, :nb] = perm[s * width: s * width + nb]
@@ -117,6 +121,54 @@ def test_paged_reference_equals_contiguous_attention():
         logit = k[:, h // 2] @ q[s, h] * 0.2
         p = np.exp(logit - logit.max())
         np.testing.assert_allclose(out[s, h], (p / p.sum()) @ v[:, h // 2], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht2/q8", 128),
+                                         ("fwht4/lloyd4", 256), ("fwht3/lloyd2", 256),
+                                         ("fwht2/lloyd3", 256), ("lloyd4/lloyd4", 256),
+                                         ("lloyd2/q8", 256)])
+def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
+    # The rotated-basis computation (scores from q_rot and C[codes], V summed in R256 and
+    # rotated back once) is attention over the decoded rows, up to float64 rounding.
+    k_pool, v_pool, tables, lens = _paged_case([5, 40, 0], kv_heads=2, head_dim=hd,
+                                               block_size=8, kv_dtype=kv_dtype)
+    q = RNG.standard_normal((3, 4, hd)).astype(np.float32)
+    out = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                           kv_dtype=kv_dtype, scale=0.1)
+    assert not out[2].any()
+    k_side, v_side = kv.split_kv_dtype(kv_dtype)
+    kf = kv.decode(k_pool, k_side, hd).astype(np.float64)
+    vf = kv.decode(v_pool, v_side, hd).astype(np.float64)
+    for s in (0, 1):
+        pos = np.arange(lens[s])
+        k, v = kf[tables[s, pos // 8], pos % 8], vf[tables[s, pos // 8], pos % 8]
+        for h in range(4):
+            logit = k[:, h // 2] @ q[s, h] * 0.1
+            p = np.exp(logit - logit.max())
+            np.testing.assert_allclose(out[s, h], (p / p.sum()) @ v[:, h // 2], rtol=2e-5,
+                                       atol=2e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX not installed")
+@pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd4", 256),
+                                         ("fwht3/lloyd2", 256), ("q8", 64),
+                                         ("lloyd4/lloyd3", 256)])
+def test_mlx_attention_reads_records_like_the_reference(kv_dtype, hd):
+    import mlx.core as mx
+
+    from pagedkv.quant import kv_mlx
+    k_pool, v_pool, tables, lens = _paged_case([37], kv_heads=2, head_dim=hd, block_size=8,
+                                               kv_dtype=kv_dtype)
+    q = RNG.standard_normal((1, 8, hd)).astype(np.float32)
+    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                            kv_dtype=kv_dtype, scale=0.15)
+    pos = np.arange(37)
+    k = k_pool[tables[0, pos // 8], pos % 8]
+    v = v_pool[tables[0, pos // 8], pos % 8]
+    k_side, v_side = kv.split_kv_dtype(kv_dtype)
+    got = kv_mlx.attention_decode(mx.array(q[0]), mx.array(k), mx.array(v),
+                                  kv.kv_mode(k_side), kv.kv_mode(v_side), hd, 0.15)
+    np.testing.assert_allclose(np.array(got), want[0], rtol=1e-4, atol=2e-5)
 
 
 def test_check_decode_batch_rejects_bad_tables():
@@ -179,6 +231,26 @@ ATTN_CASES = [
     ("bfloat16", 16, 2, 256, 32, [40, 700]),
     ("q8", 8, 1, 128, 16, [33, 1500, 2]),
     ("q8", 4, 2, 32, 8, [513, 12]),
+    # compressed KV read as stored (docs/kv-quant.md): every K width, q8 and lloyd V, all
+    # group sizes (1, 2, 4, 8 heads per KV head), ragged lengths across 512-token partitions
+    ("fwht4/q8", 8, 2, 128, 16, [1, 17, 600, 1100, 0]),
+    ("fwht2/q8", 4, 4, 128, 8, [513, 31]),
+    ("fwht4/q8", 16, 2, 256, 16, [40, 1030]),
+    ("fwht3/q8", 2, 2, 256, 16, [700, 3]),
+    ("fwht4/lloyd4", 8, 2, 256, 16, [1, 300, 1600, 0]),
+    ("fwht4/lloyd3", 4, 4, 256, 32, [513, 77]),
+    ("fwht4/lloyd2", 6, 2, 256, 16, [1025, 5]),
+    ("fwht3/lloyd4", 8, 1, 256, 16, [900]),
+    ("fwht3/lloyd3", 2, 2, 256, 8, [64, 1200]),
+    ("fwht3/lloyd2", 16, 2, 256, 16, [222]),
+    ("fwht2/lloyd4", 4, 1, 256, 16, [1500, 9]),
+    ("fwht2/lloyd3", 8, 8, 256, 16, [333]),
+    ("fwht2/lloyd2", 4, 2, 256, 16, [2049, 1]),
+    # lloyd modes on K (R256, matched tables; lloyd3 runs fwht3's kernels)
+    ("lloyd4/lloyd4", 8, 2, 256, 16, [1, 700, 1300]),
+    ("lloyd4/q8", 4, 4, 256, 16, [513, 60]),
+    ("lloyd2/lloyd3", 2, 1, 256, 8, [900, 2]),
+    ("lloyd3/lloyd4", 8, 2, 256, 16, [555]),
 ]
 
 
@@ -201,8 +273,33 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
     got = out.to_numpy()
     assert np.isfinite(got).all()
     # float32 accumulation over up to 2100 tokens (three 1024-token partitions) against a
-    # float64 reference; f16 scores come from tensor cores on sm_80+ (q as f16 + f16 rest).
+    # float64 reference; f16 scores come from tensor cores on sm_80+ (q as f16 + f16 rest);
+    # compressed K: q rotated in float32 on the device, in float64 by the reference.
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["fwht4/q8", "fwht4/lloyd4", "fwht2/lloyd2"])
+def test_gpu_compressed_attention_tracks_attention_on_the_decoded_kv(device, kv_dtype):
+    # The same compressed pool read as stored (GPU) and decoded to float16 first (GPU f16
+    # kernel): what the rotated-basis computation must equal up to float rounding.
+    k_pool, v_pool, tables, lens = _paged_case([700, 65], kv_heads=2, head_dim=256,
+                                               block_size=16, kv_dtype=kv_dtype)
+    q = RNG.standard_normal((2, 8, 256)).astype(np.float32)
+    outs = []
+    for dt, kp, vp in ((kv_dtype, k_pool, v_pool),
+                       ("float16", *(kv.decode(p, m, 256).astype(np.float16) for p, m in
+                                     zip((k_pool, v_pool), kv.split_kv_dtype(kv_dtype),
+                                         strict=True)))):
+        attn = kvcache.PagedAttention(device, num_seqs=2, num_heads=8, kv_heads=2,
+                                      head_dim=256, block_size=16, max_seq_len=700,
+                                      kv_dtype=dt)
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(device.array(q), device.array(kp), device.array(vp), device.array(tables),
+                 device.array(lens), out)
+        outs.append(out.to_numpy())
+    # float16 rounding of the decoded values is the difference (2^-11 relative per value)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.gpu

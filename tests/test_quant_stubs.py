@@ -16,6 +16,7 @@ import test_stubs
 
 CYTHON_MODULES = ("pagedkv.quant.fwht", "pagedkv.quant.affine", "pagedkv.quant.q8",
                   "pagedkv.quant.half", "pagedkv.quant.gemv_kernels", "pagedkv.quant.kv_q8",
+                  "pagedkv.quant.kv_rotated",
                   "pagedkv.cold.codec", "pagedkv.kernels.gemv_pack", "pagedkv.kernels.dlpack")
 ALLOWLIST = Path(__file__).with_name("stubtest_allowlist_review2.txt")
 

@@ -54,4 +54,11 @@ PKV_FN uint64_t pkv_cold_block_bound(uint64_t block_size, uint64_t num_layers,
          + pkv_cold_header_overhead(1u + 2u * num_layers);
 }
 
+/* The same bound when a layer's K and V slabs differ (KV modes such as fwht4/q8). */
+PKV_FN uint64_t pkv_cold_block_bound_kv(uint64_t block_size, uint64_t num_layers,
+                                        uint64_t key_bytes, uint64_t value_bytes) {
+    return num_layers * (key_bytes + value_bytes) + 4u * block_size
+         + pkv_cold_header_overhead(1u + 2u * num_layers);
+}
+
 #endif /* PAGEDKV_COLD_H */

@@ -40,6 +40,14 @@
 #ifndef PKV_ATTN_MIN_BLOCKS_Q8
 #define PKV_ATTN_MIN_BLOCKS_Q8 6
 #endif
+/* Compressed K/V pairs (fwhtN or lloydN K with a q8 or lloydN V, docs/kv-quant.md): CUDA
+ * cores, q8's settings. */
+#ifndef PKV_ATTN_PARTITION_QKV
+#define PKV_ATTN_PARTITION_QKV 512
+#endif
+#ifndef PKV_ATTN_MIN_BLOCKS_QKV
+#define PKV_ATTN_MIN_BLOCKS_QKV 6
+#endif
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif

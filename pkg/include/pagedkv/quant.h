@@ -111,6 +111,16 @@ PKV_FN ptrdiff_t pkv_first_nonfinite(const PKV_THREAD float *x, ptrdiff_t n) {
     return -1;
 }
 
+/* Index of the first Inf/NaN among n float16 bit patterns (exponent all ones), or -1. */
+PKV_FN ptrdiff_t pkv_first_nonfinite_f16(const uint16_t *h, ptrdiff_t n) {
+    int bad = 0;
+    for (ptrdiff_t i = 0; i < n; ++i) bad |= (h[i] & 0x7C00u) == 0x7C00u;
+    if (!bad) return -1;
+    for (ptrdiff_t i = 0; i < n; ++i)
+        if ((h[i] & 0x7C00u) == 0x7C00u) return i;
+    return -1;
+}
+
 /* ---------------------------------------------------------------------------
  * Half precision (§3.2)
  * ------------------------------------------------------------------------- */

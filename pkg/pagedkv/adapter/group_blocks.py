@@ -104,7 +104,7 @@ class GroupBlocks:
         self.growth = bool(growth)
         self.block_size = bs
         self.num_layers = pool.geometry.num_layers
-        self.token_shape = tuple(pool.geometry.token_shape)
+        self.token_shape = (pool.geometry.num_kv_heads, pool.geometry.head_dim)
         rows = max(1, int(rows))
         self.table = np.full((rows, 4), -1, np.int32)
         self.num_blocks = np.zeros(rows, np.int32)

@@ -346,28 +346,46 @@ def bench_fwht(device, stream, rows, copy_bw, n: int):
 
 ATTENTION_CASE = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "heads": 32, "head_dim": 128,
                   "block_size": 16}
+#: head_dim 256 (what lloyd V needs): compressed KV against f16 on the same context.
+ATTENTION_CASE_256 = {"seqs": 32, "tokens": 4096, "kv_heads": 4, "heads": 16, "head_dim": 256,
+                      "block_size": 16}
+#: KV dtypes timed per case: the unquantized and q8 baselines, then compressed pairs.
+ATTENTION_DTYPES = {128: ("float16", "bfloat16", "q8", "fwht4/q8", "fwht2/q8"),
+                    256: ("float16", "q8", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4",
+                          "fwht3/lloyd3", "fwht2/lloyd2")}
+
+
+def _side_pool_host(rng, side: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One side of a pool with random K/V in [-2, 2): float16, bfloat16 bits, or the records
+    of a KV mode (encoded on the CPU, so norms and codes are real ones)."""
+    vals = rng.random(shape, dtype=np.float32) * 4 - 2
+    if side == "float16":
+        return vals.astype(np.float16)
+    if side == "bfloat16":
+        return (vals.view(np.uint32) >> 16).astype(np.uint16)
+    from pagedkv.quant import kv
+    return kv.encode(vals, side)
 
 
 def attention_inputs(device, rng, kv_dtype: str, *, seqs, tokens, kv_heads, heads, head_dim,
                      block_size):
     """Device inputs of one decode batch (``seqs`` sequences of ``tokens`` tokens, blocks in
-    random order, random K/V in [-2, 2) or random q8 codes): ``(args, nbytes, attn_kwargs)``
-    where ``PagedAttention(device, **attn_kwargs).run(*args)`` runs it and ``nbytes`` is what
-    it must move (K + V + q + out + tables)."""
+    random order, random K/V in [-2, 2) stored as ``kv_dtype``: a dtype for both sides or a
+    ``<K>/<V>`` pair of KV modes): ``(args, nbytes, attn_kwargs)`` where
+    ``PagedAttention(device, **attn_kwargs).run(*args)`` runs it and ``nbytes`` is what it
+    must move (K + V as stored, i.e. compressed bytes, + q + out + tables)."""
+    from pagedkv.quant import kv
     blocks_per_seq = tokens // block_size
     num_blocks = seqs * blocks_per_seq
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
     q = rng.standard_normal((seqs, heads, head_dim)).astype(np.float32)
-    row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
-    pool_dtype = {"float16": np.float16, "bfloat16": np.uint16, "q8": np.uint8}[kv_dtype]
-    shape = (num_blocks, block_size, kv_heads, row)
-    k_pool, v_pool = device.empty(shape, pool_dtype), device.empty(shape, pool_dtype)
-    for pool in (k_pool, v_pool):  # random f16 values in [-2, 2), no NaN/Inf patterns
-        host = (rng.random(shape, dtype=np.float32) * 4 - 2)
-        pool.copy_from(host.astype(np.float16) if kv_dtype == "float16" else
-                       (host.view(np.uint32) >> 16).astype(np.uint16)
-                       if kv_dtype == "bfloat16" else
-                       rng.integers(0, 120, shape).astype(np.uint8))
+    pools = []
+    for side in kv.split_kv_dtype(kv_dtype):
+        host = _side_pool_host(rng, side, (num_blocks, block_size, kv_heads, head_dim))
+        pool = device.empty(host.shape, host.dtype)
+        pool.copy_from(host)
+        pools.append(pool)
+    k_pool, v_pool = pools
     args = (device.array(q), k_pool, v_pool, device.array(tables),
             device.array(np.full(seqs, tokens, np.int32)), device.empty(q.shape, np.float32))
     nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
@@ -381,11 +399,17 @@ def time_attention(device, stream, attn, args) -> float:
     return _time_graph(device, stream, partial(_repeat, attn.run, args, 5), 5)
 
 
-def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE):
+def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
+                    dtypes: tuple[str, ...] | None = None):
+    """One row per KV dtype on ``case``: time, GB/s and % of copy bandwidth counted in the
+    bytes the kernel must move (stored, i.e. compressed, KV); every row after float16 also
+    carries ``vs_float16`` (f16 time / this time: > 1 is faster than f16 on the same
+    context); float16 carries PyTorch SDPA's time when torch is there."""
     rng = np.random.default_rng(3)
     seqs, tokens, kv_heads = case["seqs"], case["tokens"], case["kv_heads"]
     heads, head_dim = case["heads"], case["head_dim"]
-    for kv_dtype in ("float16", "bfloat16", "q8"):
+    t_f16 = None
+    for kv_dtype in dtypes or ATTENTION_DTYPES.get(head_dim, ("float16", "bfloat16", "q8")):
         args, nbytes, attn_kwargs = attention_inputs(device, rng, kv_dtype, **case)
         t = time_attention(device, stream, kvcache.PagedAttention(device, **attn_kwargs), args)
         base = {}
@@ -403,11 +427,47 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE):
                 base.update({"vllm_triton_us": tv * 1e6, "speedup_vs_vllm_triton": tv / t})
         if kv_dtype == "float16":
             t_f16 = t
-        elif kv_dtype == "bfloat16":
+        elif kv_dtype == "bfloat16" and t_f16 is not None:
             base["time_vs_f16"] = t / t_f16  # target <= 1.1
+        elif t_f16 is not None:
+            base["vs_float16"] = t_f16 / t  # > 1: faster than f16 on the same context
         _row(rows, f"paged_attention {kv_dtype}",
              f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
         for a in args:
+            a.free()
+
+
+#: (mode, head_dim, kv_heads) of the KV write rows: q8 is the baseline of the same run.
+KV_WRITE_CASES = (("q8", 128, 8), ("fwht4", 128, 8), ("fwht2", 128, 8), ("q8", 256, 4),
+                  ("fwht4", 256, 4), ("fwht3", 256, 4), ("lloyd4", 256, 4), ("lloyd2", 256, 4))
+
+
+def bench_kv_write(device, stream, rows, copy_bw, tokens: int = 4096):
+    """KV encode on the device: ``tokens`` float32 rows of K (a prefill chunk) written into a
+    pool of each mode at shuffled slots (``kv_q8_write`` / ``kv_rotated_write``); bytes =
+    float32 in + records out. Rotated rows carry ``vs_q8`` (q8's time on the same shape /
+    this one)."""
+    from pagedkv.quant import kv
+    rng = np.random.default_rng(5)
+    t_q8: dict[int, float] = {}
+    for mode, hd, kvh in KV_WRITE_CASES:
+        x = device.array(rng.standard_normal((tokens, kvh, hd)).astype(np.float32))
+        slots = device.array(rng.permutation(tokens).astype(np.int64))
+        row = kv.kv_mode(mode).row_bytes(hd)
+        pool = device.empty((tokens // 16, 16, kvh, row), np.uint8)
+        if mode == "q8":
+            fn, fargs = kvcache.kv_q8_write, (device, x, slots, pool)
+        else:
+            fn, fargs = partial(kvcache.kv_rotated_write, mode=mode), (device, x, slots, pool)
+        t = _time_graph(device, stream, partial(_repeat, fn, fargs, 10), 10)
+        base = {}
+        if mode == "q8":
+            t_q8[hd] = t
+        elif hd in t_q8:
+            base = {"vs_q8": t_q8[hd] / t}
+        _row(rows, f"kv_write {mode} f32", f"{tokens}x{kvh}x{hd}", t, x.nbytes + pool.nbytes,
+             copy_bw, base)
+        for a in (x, slots, pool):
             a.free()
 
 
@@ -466,6 +526,8 @@ def main(argv=None) -> int:
     bench_dequant(device, stream, rows, copy_bw, (14336, 4096))
     bench_fwht(device, stream, rows, copy_bw, 64 << 20)
     bench_attention(device, stream, rows, copy_bw, torch)
+    bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_256)
+    bench_kv_write(device, stream, rows, copy_bw)
     bench_copy_blocks(device, stream, rows, copy_bw)
     if args.json:
         with open(args.json, "w") as f:

@@ -75,6 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-blocks", type=_int_at_least(1, MAX_DEMO_BLOCKS), default=256,
                    help="pool maximum in blocks (256)")
     p.add_argument("--seed", type=_non_negative, default=0, help="weights and prompt seed (0)")
+    p.add_argument("--kv-mode", default=None, metavar="MODE",
+                   help="K mode of the KV cache: q8, fwht4, fwht3, fwht2, auto "
+                        "(docs/kv-quant.md; also PAGEDKV_KV_MODE). Default: float32 KV")
+    p.add_argument("--kv-v", default=None, metavar="MODE",
+                   help="V mode with --kv-mode: q8, lloyd4, lloyd3, lloyd2 (also PAGEDKV_KV_V)")
     p.add_argument("--engine", choices=("reference", "mlx-lm"), default="reference",
                    help="model code: pagedkv's reference transformer, or mlx-lm's (with "
                         "pagedkv as its prompt cache; needs pagedkv[mlx-lm])")
@@ -100,6 +105,44 @@ def build_requests(args: argparse.Namespace, vocab_size: int):
                                                          np.uint32)]),
                     args.new_tokens)
             for i in range(args.requests)]
+
+
+_KV_ENV = ("PAGEDKV_KV_MODE", "PAGEDKV_KV_V", "PAGEDKV_KV_ADAPTIVE", "HIPFIRE_KV_MODE",
+           "HIPFIRE_KV_V", "HIPFIRE_KV_ADAPTIVE")
+
+
+def kv_dtype_for(args: argparse.Namespace) -> str:
+    """The demo's KV storage: float32 unless ``--kv-mode``/``--kv-v`` or a KV-mode variable
+    asks for a mode (docs/kv-quant.md "Choosing a mode"). ``InvalidArgument`` for bad
+    values and for kv_adaptive (a per-sequence budget; the demo serves many sequences)."""
+    import os
+
+    from pagedkv.errors import InvalidArgument
+    from pagedkv.kv_mode import resolve_kv_modes
+    if args.kv_mode is None and args.kv_v is None and not any(
+            os.environ.get(name) for name in _KV_ENV):
+        return "float32"
+    choice = resolve_kv_modes(k=args.kv_mode, v=args.kv_v)
+    if choice.adaptive != "off":
+        raise InvalidArgument(f"kv_adaptive={choice.adaptive!r} ({choice.sources['adaptive']}):"
+                              " the demo serves many sequences from one pool and kv_adaptive "
+                              "budgets one; unset it (see docs/kv-quant.md, kv_adaptive)")
+    if choice.kv_dtype == "bfloat16":
+        raise InvalidArgument("--kv-mode bf16: the reference model computes in float32; "
+                              "omit --kv-mode for float32 KV or pick a quantized mode")
+    return choice.kv_dtype
+
+
+def head_dim_for(kv_dtype: str) -> int:
+    """The reference model's head_dim for a KV storage: 16 for float32 (fast), else the
+    smallest the modes store (q8: 32, fwht4/fwht2: 128, fwht3 and lloyd: 256)."""
+    from pagedkv.quant import kv
+    if kv_dtype == "float32":
+        return 16
+    modes = [kv.kv_mode(s) for s in kv.split_kv_dtype(kv_dtype)]
+    if any(m.rotation == 256 for m in modes):
+        return 256
+    return 128 if any(m.rotated for m in modes) else 32
 
 
 def cold_tier_for(args: argparse.Namespace, model):
@@ -150,13 +193,13 @@ def check_sizes(args: argparse.Namespace, max_position: int) -> str | None:
     return None
 
 
-def prepare_session(args: argparse.Namespace, config):
-    """``(model, requests)`` for ``config`` on ``--backend``, or the exit status (2) after
-    printing why these options cannot run."""
+def prepare_session(args: argparse.Namespace, config, kv_dtype: str = "float32"):
+    """``(model, requests)`` for ``config`` on ``--backend`` with its KV cache stored as
+    ``kv_dtype``, or the exit status (2) after printing why these options cannot run."""
     from pagedkv.reference import ReferenceModel
 
     try:
-        model = ReferenceModel(config, backend=args.backend)
+        model = ReferenceModel(config, backend=args.backend, kv_dtype=kv_dtype)
     except ImportError as e:
         print(f"pagedkv demo: error: backend {args.backend!r} is not available here: {e}",
               file=sys.stderr)
@@ -206,11 +249,23 @@ def run(args: argparse.Namespace) -> int:
     if args.restart_child:
         from pagedkv.cli.demo_restart import run_child
         return run_child(args)
+    from pagedkv.errors import InvalidArgument
+    try:
+        kv_dtype = kv_dtype_for(args)
+    except InvalidArgument as e:
+        print(f"pagedkv demo: error: {e}", file=sys.stderr)
+        return 2
     if args.model == "hybrid":
+        if kv_dtype != "float32":
+            print(f"pagedkv demo: error: --model hybrid stores float32 K/V; KV mode "
+                  f"{kv_dtype!r} runs with --model reference (unset --kv-mode/--kv-v and the "
+                  f"PAGEDKV_KV_* variables)", file=sys.stderr)
+            return 2
         from pagedkv.cli.demo_hybrid import run_hybrid
         return run_hybrid(args)
 
-    prepared = prepare_session(args, ReferenceConfig(seed=args.seed))
+    prepared = prepare_session(
+        args, ReferenceConfig(seed=args.seed, head_dim=head_dim_for(kv_dtype)), kv_dtype)
     if isinstance(prepared, int):
         return prepared
     model, requests = prepared
@@ -229,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: reference transformer ({c.num_layers} layers, hidden {c.hidden_size}, "
           f"{c.num_heads}/{c.num_kv_heads} heads, vocab {c.vocab_size}), backend {args.backend}, "
           f"block size {args.block_size}, max batch {args.max_batch}")
+    if kv_dtype != "float32":
+        g = adapter.pool.geometry
+        f16 = 2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim
+        print(f"KV cache: {kv_dtype} at head_dim {c.head_dim}, {g.bytes_per_token} bytes per "
+              f"token ({g.bytes_per_token / f16:.1%} of float16)")
     print()
     report = serve(model, adapter, requests, max_batch=args.max_batch)
     for line in format_table(report_rows(report, requests, args)):

@@ -21,7 +21,7 @@ import time
 
 #: Arguments the restart child needs to rebuild the same model, prompts and pool.
 _FORWARDED = ("requests", "system_tokens", "fewshot_tokens", "user_tokens", "new_tokens",
-              "block_size", "backend", "max_blocks", "seed")
+              "block_size", "backend", "max_blocks", "seed", "kv_mode", "kv_v")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +73,7 @@ def _open_tier(args, model, *, save_model: bool, empty: bool):
         model.save(model_dir)
     c = model.config
     geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
-                            "float32")
+                            model.kv_dtype)
     # The backend is part of the fingerprint: NumPy and MLX KV differ in the last bits, and
     # the demo checks byte parity, so each backend restores only KV it computed itself.
     fp = model_fingerprint(DEFAULT_FORMAT, model_dir, family_profile("pagedkv_reference"),
@@ -140,7 +140,8 @@ def run_restart_phase(args) -> int:
     argv = [sys.executable, "-m", "pagedkv", "demo", "--restart-child",
             "--cold-dir", _tier_dir(args)]
     for name in _FORWARDED:
-        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        if getattr(args, name) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.cold_backend:
         argv += ["--cold-backend", args.cold_backend]
     print()
@@ -153,13 +154,13 @@ def run_child(args) -> int:
     recomputing the same tokens, and check greedy parity with a fresh flat run."""
     import numpy as np
 
-    from pagedkv.cli.demo import build_requests
+    from pagedkv.cli.demo import build_requests, kv_dtype_for
     from pagedkv.errors import PagedKVError
     from pagedkv.reference import PagedKV, ReferenceModel
     from pagedkv.reference.serving import build_paged_adapter
     try:
         model = ReferenceModel.load(os.path.join(_tier_dir(args), "model"),
-                                    backend=args.backend)
+                                    backend=args.backend, kv_dtype=kv_dtype_for(args))
         tier = _open_tier(args, model, save_model=False, empty=False)
     except (PagedKVError, OSError) as exc:
         message = _unusable_cold_dir(

@@ -71,7 +71,7 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
         raise InvalidArgument(f"tokens has {len(tokens)} tokens; only full blocks of "
                               f"block_size = {geometry.block_size} are persisted")
     writer = tier.writer
-    taken = writer.take_buffer((geometry.num_layers, 2, geometry.slab_bytes))
+    taken = writer.take_buffer(geometry.buffer_shape)
     held = _hold(allocator, block_id)
     try:
         out = pool.read_block(int(block_id), out=taken)

@@ -12,6 +12,8 @@ cdef extern from "pagedkv/cold.h":
                                  uint64_t head_dim, int dtype) nogil
     uint64_t pkv_cold_block_bound(uint64_t block_size, uint64_t num_layers,
                                   uint64_t slab_bytes) nogil
+    uint64_t pkv_cold_block_bound_kv(uint64_t block_size, uint64_t num_layers,
+                                     uint64_t key_bytes, uint64_t value_bytes) nogil
 
 
 cdef class BlockGeometry:
@@ -22,6 +24,8 @@ cdef class BlockGeometry:
     cdef readonly str dtype
     cdef readonly str layout
     cdef readonly Py_ssize_t slab_bytes
+    cdef readonly Py_ssize_t key_bytes
+    cdef readonly Py_ssize_t value_bytes
 
 
 cdef class DecodedBlock:

@@ -22,6 +22,7 @@ __all__ = [
     "encode_sidecar",
     "header_length",
     "header_overhead",
+    "kv_slab_bytes",
     "parse_block_header",
     "parse_sidecar_header",
     "sidecar_checksum",
@@ -31,6 +32,8 @@ DTYPE_CODES: dict[str, int]
 LAYOUTS: frozenset[str]
 
 def header_overhead(n_tensors: int) -> int: ...
+def kv_slab_bytes(block_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: str) -> tuple[int, int]: ...
 
 @disjoint_base
 class BlockGeometry:
@@ -41,12 +44,16 @@ class BlockGeometry:
     dtype: str
     layout: str
     slab_bytes: int
+    key_bytes: int
+    value_bytes: int
     def __init__(self, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: str, layout: str = ...) -> None: ...
     @classmethod
     def of(cls, geometry: object) -> BlockGeometry: ...
     @property
     def bytes_per_block(self) -> int: ...
+    @property
+    def buffer_shape(self) -> tuple[int, ...]: ...
     @property
     def bound(self) -> int: ...
     def as_tuple(self) -> tuple[int, int, int, int, str, str]: ...

@@ -20,12 +20,13 @@ from libc.stdint cimport uint8_t, uint64_t
 
 from pagedkv.errors import (BadMetadata, CountMismatch, FormatError, InvalidArgument,
                             InvalidArgumentType, SizeMismatch, Truncated)
+from pagedkv.quant.kv import side_row_bytes, split_kv_dtype
 
 __all__ = ["BlockGeometry", "DecodedBlock", "DTYPE_CODES", "LAYOUTS", "block_bound",
            "block_checksum", "encode_block", "decode_block", "header_overhead",
            "checksum_of_named", "sidecar_checksum", "encode_sidecar", "decode_sidecar",
            "ObjectHeader", "header_length", "parse_block_header", "parse_sidecar_header",
-           "checksum_of_stream"]
+           "checksum_of_stream", "kv_slab_bytes"]
 
 DTYPE_CODES = {"float16": PKV_COLD_FLOAT16, "bfloat16": PKV_COLD_BFLOAT16,
                "float32": PKV_COLD_FLOAT32, "q8": PKV_COLD_Q8}
@@ -46,6 +47,32 @@ _METADATA_KEYS = ("abi", "kind", "key", "fingerprint", "checksum", "block_size",
                   "key_bytes", "value_bytes")
 
 
+cdef bint _known_dtype(str dtype):
+    if dtype in DTYPE_CODES:
+        return True
+    try:
+        split_kv_dtype(dtype)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def kv_slab_bytes(Py_ssize_t block_size, Py_ssize_t num_kv_heads, Py_ssize_t head_dim,
+                  str dtype):
+    """``(key_bytes, value_bytes)`` of one layer's block of a pool dtype: ``float16``,
+    ``bfloat16``, ``float32``, ``q8``, or a ``<K>/<V>`` pair of KV modes (docs/kv-quant.md);
+    ``(0, 0)`` when the dtype is unknown or cannot store ``head_dim``."""
+    if dtype in DTYPE_CODES:
+        s = pkv_cold_slab_bytes(block_size, num_kv_heads, head_dim, DTYPE_CODES[dtype])
+        return s, s
+    try:
+        k, v = split_kv_dtype(dtype)
+        return (block_size * num_kv_heads * side_row_bytes(k, head_dim),
+                block_size * num_kv_heads * side_row_bytes(v, head_dim))
+    except (InvalidArgument, InvalidArgumentType):
+        return 0, 0
+
+
 def header_overhead(Py_ssize_t n_tensors):
     """``256*n + 1024 + 15``: the header budget of an object with ``n_tensors`` tensors."""
     if n_tensors < 0:
@@ -56,14 +83,17 @@ def header_overhead(Py_ssize_t n_tensors):
 cdef class BlockGeometry:
     """Geometry of one block object: what must equal the pool's at restore (§6.6 step 6).
 
-    ``slab_bytes`` is one layer's K (or V) bytes: ``block_size * num_kv_heads * head_dim *
-    itemsize`` (itemsize 34/32 for ``q8``).
+    ``key_bytes``/``value_bytes`` are one layer's K and V bytes (``block_size *
+    num_kv_heads`` rows of the side's dtype: ``head_dim * itemsize``, 34/32 per element for
+    ``q8``, a record of a KV mode); ``slab_bytes`` is their common value, 0 when they differ
+    (``<K>/<V>`` dtypes such as ``fwht4/q8``).
     """
 
     def __init__(self, Py_ssize_t block_size, Py_ssize_t num_layers, Py_ssize_t num_kv_heads,
                  Py_ssize_t head_dim, str dtype, str layout="nhd"):
-        if dtype not in DTYPE_CODES:
-            raise InvalidArgument(f"dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}")
+        if not _known_dtype(dtype):
+            raise InvalidArgument(f"dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)} or "
+                                  f"'<K mode>/<V mode>' (docs/kv-quant.md)")
         if layout not in LAYOUTS:
             raise InvalidArgument(f"layout = {layout!r}; valid: {sorted(LAYOUTS)}")
         for name, v, hi in (("block_size", block_size, _MAX_BLOCK_SIZE),
@@ -78,10 +108,12 @@ cdef class BlockGeometry:
         self.head_dim = head_dim
         self.dtype = dtype
         self.layout = layout
-        self.slab_bytes = <Py_ssize_t>pkv_cold_slab_bytes(block_size, num_kv_heads, head_dim,
-                                                          DTYPE_CODES[dtype])
-        if self.slab_bytes == 0:
-            raise InvalidArgument(f"head_dim = {head_dim} must be a multiple of 32 for q8")
+        self.key_bytes, self.value_bytes = kv_slab_bytes(block_size, num_kv_heads, head_dim,
+                                                         dtype)
+        self.slab_bytes = self.key_bytes if self.key_bytes == self.value_bytes else 0
+        if self.key_bytes == 0:
+            raise InvalidArgument(f"head_dim = {head_dim} cannot be stored as {dtype} (q8: a "
+                                  f"multiple of 32; KV modes: docs/kv-quant.md)")
 
     @classmethod
     def of(cls, geometry):
@@ -100,13 +132,22 @@ cdef class BlockGeometry:
 
     @property
     def bytes_per_block(self):
-        """K and V of every layer: ``2 * num_layers * slab_bytes``."""
-        return 2 * self.num_layers * self.slab_bytes
+        """K and V of every layer: ``num_layers * (key_bytes + value_bytes)``."""
+        return self.num_layers * (self.key_bytes + self.value_bytes)
+
+    @property
+    def buffer_shape(self):
+        """The pool's block buffer: ``(num_layers, 2, slab_bytes)``, or ``(num_layers,
+        key_bytes + value_bytes)`` when K and V differ."""
+        if self.slab_bytes:
+            return (self.num_layers, 2, self.slab_bytes)
+        return (self.num_layers, self.key_bytes + self.value_bytes)
 
     @property
     def bound(self):
         """Largest valid encoded object in bytes (§6.5)."""
-        return pkv_cold_block_bound(self.block_size, self.num_layers, self.slab_bytes)
+        return pkv_cold_block_bound_kv(self.block_size, self.num_layers, self.key_bytes,
+                                       self.value_bytes)
 
     def as_tuple(self):
         return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim,
@@ -124,7 +165,8 @@ cdef class BlockGeometry:
     def __repr__(self):
         return (f"BlockGeometry(block_size={self.block_size}, num_layers={self.num_layers}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype!r}, layout={self.layout!r}, slab_bytes={self.slab_bytes})")
+                f"dtype={self.dtype!r}, layout={self.layout!r}, key_bytes={self.key_bytes}, "
+                f"value_bytes={self.value_bytes})")
 
 
 def block_bound(geometry):
@@ -166,28 +208,28 @@ def checksum_of_named(bytes tag, tensors):
 
 
 cdef str _checksum_block(bytes tag, const uint8_t[::1] tokens_bytes,
-                         const uint8_t[::1] payload, Py_ssize_t num_layers,
-                         Py_ssize_t slab_bytes):
+                         const uint8_t[::1] payload, BlockGeometry g):
     # Per-tensor updates on slices of one buffer: no copy, GIL released inside hashlib.
     cdef Py_ssize_t i, off
+    cdef Py_ssize_t kb = g.key_bytes, vb = g.value_bytes
     h = hashlib.sha256(tag)
     h.update(_U64.pack(6))
     h.update(b"tokens")
     h.update(_U64.pack(tokens_bytes.shape[0]))
     h.update(tokens_bytes)
-    slab_len = _U64.pack(slab_bytes)
-    for i in range(num_layers):
-        off = 2 * i * slab_bytes
+    key_len, value_len = _U64.pack(kb), _U64.pack(vb)
+    for i in range(g.num_layers):
+        off = i * (kb + vb)
         name = f"layer.{i}.key".encode("ascii")
         h.update(_U64.pack(len(name)))
         h.update(name)
-        h.update(slab_len)
-        h.update(payload[off:off + slab_bytes])
+        h.update(key_len)
+        h.update(payload[off:off + kb])
         name = f"layer.{i}.value".encode("ascii")
         h.update(_U64.pack(len(name)))
         h.update(name)
-        h.update(slab_len)
-        h.update(payload[off + slab_bytes:off + 2 * slab_bytes])
+        h.update(value_len)
+        h.update(payload[off + kb:off + kb + vb])
     return h.hexdigest()
 
 
@@ -201,10 +243,9 @@ cdef tuple _check_block_inputs(BlockGeometry g, tokens, buffer):
     if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint8 \
             or not buffer.flags.c_contiguous:
         raise InvalidArgumentType("buffer must be a C-contiguous uint8 array "
-                                  "(pool.read_block's [num_layers, 2, slab_bytes])")
-    if buffer.shape != (g.num_layers, 2, g.slab_bytes):
-        raise InvalidArgument(f"buffer shape {buffer.shape} != (num_layers, 2, slab_bytes) = "
-                              f"{(g.num_layers, 2, g.slab_bytes)}")
+                                  "(pool.read_block's block buffer)")
+    if buffer.shape != g.buffer_shape:
+        raise InvalidArgument(f"buffer shape {buffer.shape} != the block buffer {g.buffer_shape}")
     tok_le = tokens if tokens.dtype.byteorder in "=<|" else tokens.astype("<u4")
     return (tok_le.view(np.uint8), buffer.reshape(-1))
 
@@ -212,29 +253,29 @@ cdef tuple _check_block_inputs(BlockGeometry g, tokens, buffer):
 def block_checksum(bytes tag, BlockGeometry geometry, tokens, buffer):
     """Payload checksum (§6.4) of a block: ``tag`` is ``fmt.tag("cold-cache-payload")``."""
     tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
-    return _checksum_block(tag, tok_bytes, flat, geometry.num_layers, geometry.slab_bytes)
+    return _checksum_block(tag, tok_bytes, flat, geometry)
 
 
 cdef bytes _header_bytes(str abi, str key_hex, str fingerprint_hex, BlockGeometry geometry,
                          str checksum):
     """u64 length + the canonical compact JSON header, padded with spaces to 8 bytes."""
-    cdef Py_ssize_t s = geometry.slab_bytes
+    cdef Py_ssize_t ks = geometry.key_bytes, vs = geometry.value_bytes
     cdef Py_ssize_t off = 4 * geometry.block_size
     cdef Py_ssize_t i
     meta = {"abi": abi, "kind": "block", "key": key_hex, "fingerprint": fingerprint_hex,
             "checksum": checksum, "block_size": str(geometry.block_size),
             "num_layers": str(geometry.num_layers), "num_kv_heads": str(geometry.num_kv_heads),
             "head_dim": str(geometry.head_dim), "dtype": geometry.dtype,
-            "layout": geometry.layout, "key_bytes": str(s), "value_bytes": str(s)}
+            "layout": geometry.layout, "key_bytes": str(ks), "value_bytes": str(vs)}
     parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":")),
              f',"tokens":{{"dtype":"U8","shape":[{off}],"data_offsets":[0,{off}]}}']
     for i in range(geometry.num_layers):
-        parts.append(f',"layer.{i}.key":{{"dtype":"U8","shape":[{s}],'
-                     f'"data_offsets":[{off},{off + s}]}}')
-        off += s
-        parts.append(f',"layer.{i}.value":{{"dtype":"U8","shape":[{s}],'
-                     f'"data_offsets":[{off},{off + s}]}}')
-        off += s
+        parts.append(f',"layer.{i}.key":{{"dtype":"U8","shape":[{ks}],'
+                     f'"data_offsets":[{off},{off + ks}]}}')
+        off += ks
+        parts.append(f',"layer.{i}.value":{{"dtype":"U8","shape":[{vs}],'
+                     f'"data_offsets":[{off},{off + vs}]}}')
+        off += vs
     parts.append("}")
     js = "".join(parts).encode("ascii")
     js += b" " * ((8 - len(js) % 8) % 8)
@@ -265,7 +306,7 @@ cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
     cdef Py_ssize_t n, at_key, at_fp, at_cs
     tpl, at_key, at_fp, at_cs = _template(abi, g)
     n = len(tpl)
-    if raw.shape[0] != n + 4 * g.block_size + 2 * g.num_layers * g.slab_bytes:
+    if raw.shape[0] != n + 4 * g.block_size + g.bytes_per_block:
         return None
     head = bytes(raw[:n])
     if (head[:at_key] != tpl[:at_key] or head[at_key + 64:at_fp] != tpl[at_key + 64:at_fp]
@@ -292,8 +333,7 @@ def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
         raise InvalidArgument(f"fingerprint_hex = {fingerprint_hex!r} must be 64 lowercase hex")
     tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
     if checksum is None:
-        checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry.num_layers,
-                                   geometry.slab_bytes)
+        checksum = _checksum_block(checksum_tag, tok_bytes, flat, geometry)
     elif not _HEX64.fullmatch(checksum):
         raise InvalidArgument(f"checksum = {checksum!r} must be 64 lowercase hex digits")
     header = _header_bytes(abi, key_hex, fingerprint_hex, geometry, checksum)
@@ -303,8 +343,8 @@ def encode_block(str abi, bytes checksum_tag, str key_hex, str fingerprint_hex,
 cdef class DecodedBlock:
     """A verified block object: zero-copy views of the bytes it was decoded from.
 
-    ``tokens``: ``uint32[block_size]``; ``payload``: ``uint8[num_layers, 2, slab_bytes]``,
-    the buffer ``pool.write_block`` takes; ``nbytes``: encoded size.
+    ``tokens``: ``uint32[block_size]``; ``payload``: the block buffer ``pool.write_block``
+    takes (``geometry.buffer_shape``); ``nbytes``: encoded size.
     """
 
     def __repr__(self):
@@ -415,7 +455,7 @@ cdef tuple _block_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t pay
                          str abi, str key_hex, str fingerprint_hex, str path):
     """Steps 2b-4 of a block object of ``size`` bytes whose header ``raw`` holds: its
     geometry and stored checksum, after every structural check."""
-    cdef Py_ssize_t nl, bs, heads, hd, slab
+    cdef Py_ssize_t nl, bs, heads, hd, ks, vs
     header, meta = _parse_header(raw, payload_start, path,
                                  (("abi", abi), ("kind", "block"), ("key", key_hex),
                                   ("fingerprint", fingerprint_hex)))
@@ -424,27 +464,30 @@ cdef tuple _block_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t pay
     heads = _decimal(meta, "num_kv_heads", 1, _MAX_HEADS)
     hd = _decimal(meta, "head_dim", 1, _MAX_HEAD_DIM)
     dtype, layout = meta.get("dtype"), meta.get("layout")
-    if dtype not in DTYPE_CODES:
-        raise BadMetadata(f"metadata dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)}", path=path)
+    if not isinstance(dtype, str) or not _known_dtype(dtype):
+        raise BadMetadata(f"metadata dtype = {dtype!r}; valid: {sorted(DTYPE_CODES)} or "
+                          f"'<K mode>/<V mode>'", path=path)
     if layout not in LAYOUTS:
         raise BadMetadata(f"metadata layout = {layout!r}; valid: {sorted(LAYOUTS)}", path=path)
-    slab = <Py_ssize_t>pkv_cold_slab_bytes(bs, heads, hd, DTYPE_CODES[dtype])
-    if slab == 0:
-        raise BadMetadata(f"metadata head_dim = {hd} is invalid for dtype {dtype}", path=path)
-    if _decimal(meta, "key_bytes", 0, 1 << 40) != slab \
-            or _decimal(meta, "value_bytes", 0, 1 << 40) != slab:
+    ks, vs = kv_slab_bytes(bs, heads, hd, dtype)
+    if ks == 0:
+        raise BadMetadata(f"metadata dtype {dtype!r} with head_dim = {hd} is invalid",
+                          path=path)
+    if _decimal(meta, "key_bytes", 0, 1 << 40) != ks \
+            or _decimal(meta, "value_bytes", 0, 1 << 40) != vs:
         raise SizeMismatch(f"metadata key_bytes/value_bytes {meta.get('key_bytes')}/"
-                           f"{meta.get('value_bytes')} != slab bytes {slab} of the geometry",
+                           f"{meta.get('value_bytes')} != {ks}/{vs} of the geometry",
                            path=path)
-    if size > <Py_ssize_t>pkv_cold_block_bound(bs, nl, slab):
+    if size > <Py_ssize_t>pkv_cold_block_bound_kv(bs, nl, ks, vs):
         raise SizeMismatch(f"object is {size} bytes, over the bound "
-                           f"{pkv_cold_block_bound(bs, nl, slab)} of its own geometry", path=path)
+                           f"{pkv_cold_block_bound_kv(bs, nl, ks, vs)} of its own geometry",
+                           path=path)
     # The geometry must fit the bytes actually present before anything trusts it.
-    if 2 * nl * slab + 4 * bs != size - payload_start:
-        raise SizeMismatch(f"geometry implies {2 * nl * slab + 4 * bs} payload bytes, the "
+    if nl * (ks + vs) + 4 * bs != size - payload_start:
+        raise SizeMismatch(f"geometry implies {nl * (ks + vs) + 4 * bs} payload bytes, the "
                            f"object holds {size - payload_start}", path=path,
                            offset=payload_start)
-    _check_tensors(header, _tensor_names(nl), [4 * bs] + [slab] * (2 * nl), payload_start,
+    _check_tensors(header, _tensor_names(nl), [4 * bs] + [ks, vs] * nl, payload_start,
                    size, path)
     cs = meta.get("checksum")
     if not isinstance(cs, str) or not _HEX64.fullmatch(cs):
@@ -491,16 +534,14 @@ cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, st
     """Step 5 (the checksum) and the zero-copy views of a structurally valid object."""
     cdef Py_ssize_t bs = geometry.block_size
     got = _checksum_block(checksum_tag, raw[payload_start:payload_start + 4 * bs],
-                          raw[payload_start + 4 * bs:size], geometry.num_layers,
-                          geometry.slab_bytes)
+                          raw[payload_start + 4 * bs:size], geometry)
     if got != cs:
         raise FormatError(f"payload checksum {got} != stored {cs}", path=path)
     cdef DecodedBlock out = DecodedBlock()
     out.geometry = geometry
     base = np.frombuffer(data, dtype=np.uint8)
     out.tokens = base[payload_start:payload_start + 4 * bs].view("<u4")
-    out.payload = base[payload_start + 4 * bs:size].reshape(geometry.num_layers, 2,
-                                                            geometry.slab_bytes)
+    out.payload = base[payload_start + 4 * bs:size].reshape(geometry.buffer_shape)
     out.checksum = cs
     out.nbytes = size
     return out
@@ -653,8 +694,8 @@ def parse_block_header(data, Py_ssize_t object_size, *, str abi, str key_hex=Non
     geometry, cs = _block_fields(raw, object_size, payload_start, abi, key_hex,
                                  fingerprint_hex, path)
     cdef BlockGeometry g = geometry
-    tensors = [(n, g.slab_bytes) for n in _tensor_names(g.num_layers)]
-    tensors[0] = ("tokens", 4 * g.block_size)
+    sizes = [4 * g.block_size] + [g.key_bytes, g.value_bytes] * g.num_layers
+    tensors = list(zip(_tensor_names(g.num_layers), sizes, strict=True))
     return ObjectHeader(payload_start, cs, tensors)
 
 

@@ -114,7 +114,7 @@ AttentionKind.FULL = AttentionKind(0)
 class KVCachePhysicalLayout:
     """How one layer's K/V sit in a pool block: ``block_size`` tokens of ``num_kv_heads`` x
     ``head_dim`` elements of ``dtype`` (a pool dtype name: ``float16``, ``bfloat16``,
-    ``float32``, ``q8``).
+    ``float32``, ``q8``, or a ``<K mode>/<V mode>`` pair of docs/kv-quant.md).
 
     A layout may be built with non-positive sizes (so a model's whole spec set can be checked
     at once); :attr:`is_valid` says whether every size is > 0 and the dtype is a pool dtype,
@@ -136,8 +136,17 @@ class KVCachePhysicalLayout:
 
     @property
     def is_valid(self) -> bool:
-        return (self.block_size > 0 and self.num_kv_heads > 0 and self.head_dim > 0
-                and self.dtype in POOL_DTYPES)
+        if self.block_size <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+            return False
+        if self.dtype in POOL_DTYPES:
+            return True
+        from pagedkv.quant import kv as kv_modes
+
+        try:  # a KV mode pair ('<K mode>/<V mode>': docs/kv-quant.md); whether head_dim
+            kv_modes.split_kv_dtype(self.dtype)  # suits it is the pool geometry's check
+        except InvalidArgument:
+            return False
+        return True
 
     def pool_geometry(self, num_layers: int) -> PoolGeometry:
         """The :class:`~pagedkv.pool.PoolGeometry` of a pool holding ``num_layers`` physical

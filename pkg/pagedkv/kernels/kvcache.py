@@ -1,4 +1,5 @@
-"""Launchers for ``hip/kvcache.hip``: q8 KV write/read, paged-attention decode, block copies.
+"""Launchers for ``hip/kvcache.hip``: q8 KV write/read, paged-attention decode (f16, bf16, q8
+and compressed ``<K mode>/<V mode>`` KV, docs/kv-quant.md), block copies.
 
 Each function checks shapes and dtypes of its :class:`DeviceArray` arguments
 (``InvalidArgument`` naming the argument, nothing launched) and enqueues the
@@ -25,12 +26,14 @@ from pagedkv.kernels.launch_constants import (
 
 __all__ = [
     "KV_DTYPES",
+    "QUANT_KV_DTYPES",
     "PagedAttention",
     "check_decode_batch",
     "copy_blocks",
     "kv_dtype_of",
     "kv_q8_read",
     "kv_q8_write",
+    "kv_rotated_write",
 ]
 
 SOURCE = "kvcache"
@@ -41,6 +44,17 @@ ATTN_PARTITION_TOKENS = {dt: attn_partition_tokens(dt) for dt in KV_SUFFIX}
 ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
 ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+#: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
+#: mode on K) with a q8 or lloyd V.
+QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3",
+                                             "lloyd2")
+                        for v in ("q8", "lloyd4", "lloyd3", "lloyd2"))
+# A lloyd3 K is fwht3's bytes and tables (R256, 3-bit 256 family): it runs fwht3's kernels.
+_K_KERNEL = {"lloyd3": "fwht3"}
+# Every compressed pair runs the CUDA-core kernels of one launch setting (PKV_*_QKV).
+ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
+                                           launch_constant("PKV_ATTN_PARTITION_QKV")))
+ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")))
 
 
 def attention_group_slots(num_heads: int, kv_heads: int) -> int:
@@ -76,22 +90,28 @@ def kv_dtype_of(pool: DeviceArray) -> str:
                               f"bits) or uint8 (q8 records)") from None
 
 
-def _q8_rows(rows: DeviceArray, name: str, slots: DeviceArray,
-             pool: DeviceArray) -> tuple[int, int, int]:
-    """Check the arguments shared by the q8 write and read: ``rows`` (``src`` or ``out``,
-    ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token, and a q8
-    pool of the matching geometry. Returns ``(n, kv_heads, head_dim)``."""
+def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
+             mode: str = "q8") -> tuple[int, int, int]:
+    """Check the arguments shared by the KV writes and the q8 read: ``rows`` (``src`` or
+    ``out``, ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token,
+    and a ``uint8`` pool of ``mode``'s records at that geometry. Returns ``(n, kv_heads,
+    head_dim)``."""
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
     _need(slots, "slots", np.int64, 1)
     _need(pool, "pool", np.uint8)
     n, kvh, hd = rows.shape
-    if hd % 32:
-        raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
-    if pool.ndim != 4 or pool.shape[2] != kvh or pool.shape[3] != hd // 32 * 34:
+    if mode == "q8":
+        if hd % 32:
+            raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
+        row = hd // 32 * 34
+    else:
+        from pagedkv.quant import kv as kv_modes
+        row = kv_modes.kv_mode(mode).row_bytes(hd)
+    if pool.ndim != 4 or pool.shape[2:] != (kvh, row):
         raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
-                              f"{kvh}, {hd // 32 * 34}] for kv_heads {kvh}, head_dim {hd}")
+                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd}")
     if slots.shape[0] != n:
         raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
     return n, kvh, hd
@@ -101,7 +121,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = _q8_rows(src, "src", slots, pool)
+    n, kvh, hd = _kv_rows(src, "src", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -114,12 +134,36 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = _q8_rows(out, "out", slots, pool)
+    n, kvh, hd = _kv_rows(out, "out", slots, pool)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
     k = device.kernel(SOURCE, name, "pppiii")
     k((math.ceil(n * kvh * hd / 256),), (256,), pool, slots, out, n, kvh, hd, stream=stream)
+
+
+KV_WRITE_THREADS = 256  # PKV_KV_WRITE_THREADS
+
+
+def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: DeviceArray,
+                     mode: str, *, stream: Stream | None = None) -> None:
+    """Encode ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) as records of the
+    rotated KV mode ``mode`` (``fwht4``, ``fwht3``, ``fwht2``, ``lloyd4``, ``lloyd3``,
+    ``lloyd2``) into ``pool`` (``uint8[num_blocks, block_size, kv_heads, row_bytes]``) at
+    ``slots`` (``int64[n]``; -1 skips a token): the bytes :func:`pagedkv.quant.kv.encode`
+    writes on the host, one CTA per (token, head) row. Finite input only (not checked on
+    the device)."""
+    from pagedkv.quant import kv as kv_modes
+    m = kv_modes.kv_mode(mode)
+    if not m.rotated:
+        raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
+                              f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
+    n, kvh, hd = _kv_rows(src, "src", slots, pool, mode)
+    if n == 0:
+        return
+    name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
+    k = device.kernel(SOURCE, name, "pppiiii")
+    k((n * kvh,), (KV_WRITE_THREADS,), src, slots, pool, n, kvh, hd, m.id, stream=stream)
 
 
 def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_blocks: int,
@@ -149,17 +193,31 @@ class PagedAttention:
 
     ``run(q, k_pool, v_pool, block_tables, seq_lens, out)``: ``q`` ``float32[seqs, heads,
     head_dim]``; pools ``[num_blocks, block_size, kv_heads, row]`` of float16, bfloat16
-    (uint16) or q8 (uint8); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
+    (uint16), q8 (uint8), or for a compressed ``kv_dtype`` (``"fwht4/q8"``,
+    ``"fwht4/lloyd4"``, ...: :data:`QUANT_KV_DTYPES`) uint8 records of each side's mode, read
+    as stored (no decompressed copy); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
     ``int32[seqs]``, each at most ``max_seq_len``; ``out`` ``float32[seqs, heads, head_dim]``.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None) -> None:
-        if kv_dtype not in KV_DTYPES:
-            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)}")
+        if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)} or "
+                                  f"a compressed pair {list(QUANT_KV_DTYPES)}")
         if head_dim not in (32, 64, 128, 256):
             raise InvalidArgument(f"head_dim={head_dim}: expected 32, 64, 128 or 256")
+        if kv_dtype in QUANT_KV_DTYPES:
+            from pagedkv.quant import kv as kv_modes
+            for side in kv_modes.split_kv_dtype(kv_dtype):
+                if not kv_modes.kv_mode(side).supports(head_dim):
+                    raise InvalidArgument(f"head_dim={head_dim}: {side} (of kv_dtype "
+                                          f"{kv_dtype!r}) needs head_dim "
+                                          f"{kv_modes.kv_mode(side).head_dims()}")
+            self.k_row, self.v_row = (kv_modes.side_row_bytes(m, head_dim)
+                                      for m in kv_modes.split_kv_dtype(kv_dtype))
+        else:
+            self.k_row = self.v_row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
         if kv_heads < 1 or num_heads % kv_heads or num_heads // kv_heads > 8:
             raise InvalidArgument(f"num_heads={num_heads}, kv_heads={kv_heads}: num_heads must "
                                   f"be 1..8 times kv_heads")
@@ -183,9 +241,18 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
+        if kv_dtype in KV_DTYPES:
+            kind = KV_DTYPES[kv_dtype]
+        else:
+            k_side, v_side = kv_dtype.split("/")
+            kind = f"{_K_KERNEL.get(k_side, k_side)}_{v_side}"
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{KV_DTYPES[kv_dtype]}_g{self.gmax}", "ppppppppfiiiiii")
-        self._reduce = device.kernel(SOURCE, "pkv_paged_attention_reduce", "pppppiiii")
+            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
+        # A lloyd V leaves each head's output in the R256 basis: its reduce rotates it back.
+        self._rotated_out = kv_dtype.split("/")[-1].startswith("lloyd")
+        self._reduce = device.kernel(
+            SOURCE, "pkv_paged_attention_reduce_ifwht256" if self._rotated_out
+            else "pkv_paged_attention_reduce", "pppppiiii")
 
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
@@ -198,9 +265,9 @@ class PagedAttention:
             _need(arr, name, np.float32, 3)
             if arr.shape != (s, h, d):
                 raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
-        row = d // 32 * 34 if self.kv_dtype == "q8" else d
-        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-            if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != self.kv_dtype:
+        storage = "q8" if self.kv_dtype in QUANT_KV_DTYPES else self.kv_dtype  # uint8 records
+        for name, pool, row in (("k_pool", k_pool, self.k_row), ("v_pool", v_pool, self.v_row)):
+            if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != storage:
                 raise InvalidArgument(f"{name}: expected a {self.kv_dtype} pool DeviceArray")
             if pool.ndim != 4 or pool.shape[1:] != (self.block_size, self.kv_heads, row):
                 raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
@@ -220,7 +287,8 @@ class PagedAttention:
                         self.part_max, self.part_sum, self.scale, self.num_heads,
                         self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
                         self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
-        self._reduce((self.num_heads, self.num_seqs), (min(self.head_dim, 256),),
+        self._reduce((self.num_heads, self.num_seqs),
+                     (256 if self._rotated_out else min(self.head_dim, 256),),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)

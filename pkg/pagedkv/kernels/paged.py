@@ -19,7 +19,14 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
-from pagedkv.kernels.kvcache import PagedAttention, _need, copy_blocks, kv_q8_read, kv_q8_write
+from pagedkv.kernels.kvcache import (
+    PagedAttention,
+    _need,
+    copy_blocks,
+    kv_q8_read,
+    kv_q8_write,
+    kv_rotated_write,
+)
 
 __all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks", "read_kv_q8",
            "write_kv"]
@@ -112,8 +119,10 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
 def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDecodeBatch, *,
              generation: int | None = None, stream: StreamLike = None) -> None:
     """Write this step's K and V (``float32[seqs, kv_heads, head_dim]``; ``float16`` too for
-    q8 pools) of ``layer`` into the pool at ``tables.slot_mapping``, rounding to the pool
-    dtype (f16 / bf16 round to nearest even; q8 as ``kv_q8_write``)."""
+    q8 and KV-mode pools) of ``layer`` into the pool at ``tables.slot_mapping``, rounding to
+    the pool dtype (f16 / bf16 round to nearest even; q8 as ``kv_q8_write``) or encoding
+    each side in its KV mode (``fwht4/q8``, ``fwht4/lloyd4``, ...: ``kv_rotated_write`` for
+    a rotated side, ``kv_q8_write`` for a q8 one; the host codec's bytes)."""
     check_tables(pool, tables, generation)
     g = pool.geometry
     k_pool, v_pool = pool.layer(layer)
@@ -123,9 +132,13 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
             raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
-    if g.dtype == "q8":
-        kv_q8_write(pool.device, k, tables.slot_mapping, k_pool, stream=stream)
-        kv_q8_write(pool.device, v, tables.slot_mapping, v_pool, stream=stream)
+    if g.quantized:  # q8, or a <K>/<V> pair of KV modes
+        for side, arr, side_pool in ((g.k_dtype, k, k_pool), (g.v_dtype, v, v_pool)):
+            if side == "q8":
+                kv_q8_write(pool.device, arr, tables.slot_mapping, side_pool, stream=stream)
+            else:
+                kv_rotated_write(pool.device, arr, tables.slot_mapping, side_pool, side,
+                                 stream=stream)
         return
     if g.dtype not in ("float16", "bfloat16"):
         raise InvalidArgument(f"pool dtype {g.dtype}: the KV write kernels take float16, "
@@ -187,8 +200,8 @@ def copy_pool_blocks(pool, src_ids, dst_ids, *, generation: int,
             np.intersect1d(np.asarray(src_ids), np.asarray(dst_ids)).size:
         raise InvalidArgument("src_ids/dst_ids: a block is both a source and a destination; "
                               "the copies run in parallel, so use disjoint sets")
-    slab = pool.geometry.slab_bytes
+    g = pool.geometry
     for layer in range(pool.num_layers):
-        for arr in pool.layer(layer):
+        for arr, slab in zip(pool.layer(layer), (g.k_slab_bytes, g.v_slab_bytes), strict=True):
             blocks = arr.view((pool.num_blocks, slab), np.uint8)
             copy_blocks(device, blocks, ids[0], ids[1], blocks, stream=stream)

@@ -1,7 +1,8 @@
 """Device storage of a paged KV pool: one GPU allocation per layer for K and one for V.
 
 Each is a :class:`~pagedkv.kernels.DeviceArray` ``[num_blocks, block_size, num_kv_heads,
-row]`` of the storage dtype (``uint16`` bits for bfloat16, ``uint8`` records for q8), the
+row]`` of the storage dtype (``uint16`` bits for bfloat16, ``uint8`` records for q8 and the
+``<K>/<V>`` KV modes, whose K and V rows may differ in size), the
 layout of docs/pool.md, so ``layer(i)`` hands kernels (and, through DLPack, torch) the
 arrays themselves. Every byte moves on the device:
 
@@ -9,7 +10,9 @@ arrays themselves. Every byte moves on the device:
   ``num_kv_heads * row_bytes`` is a "block" of 1 token), host payloads going up first;
 - block I/O (the cold tier) is one ``pkv_slabs_gather`` / ``pkv_slabs_scatter`` launch
   between the pool and a ``uint8[num_layers, 2, slab_bytes]`` staging buffer plus one
-  host copy, through a table of the arrays' base addresses built once per generation;
+  host copy, through a table of the arrays' base addresses built once per generation
+  (K/V modes whose K and V rows differ, docs/kv-quant.md: one launch per side into a
+  staging buffer per side, interleaved into the block buffer's order on the host);
 - growth allocates the new arrays and copies blocks ``[0, old)`` with one ``copy_blocks``
   launch per array; the old arrays are released after the generation bump
   (:meth:`release`) and their memory returns when the last holder of a view or an
@@ -42,25 +45,34 @@ class DeviceKVStorage:
     backend = "device"
     # No C fast path: the per-layer token calls validate in Python, then launch.
     slot_copier = None
-    __slots__ = ("_bases", "_staging", "device", "geometry", "k", "num_blocks", "v")
+    __slots__ = ("_bases", "_side_bases", "_staging", "device", "geometry", "k", "num_blocks",
+                 "v")
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int, device=None) -> None:
         from pagedkv.kernels import DeviceArray
         self.device = device = _open(device)
         self.geometry = g = geometry
         self.num_blocks = num_blocks
-        shape = g.layer_shape(num_blocks)
         self.k: list = []
         self.v: list = []
         for _ in range(g.num_layers):
-            for side in (self.k, self.v):
+            for side, shape in ((self.k, g.k_layer_shape(num_blocks)),
+                                (self.v, g.v_layer_shape(num_blocks))):
                 arr = DeviceArray.empty(device, shape, g.storage_dtype)
                 arr.fill_bytes(0)  # a new block reads as zeros, never as old bytes
                 side.append(arr)
-        # Base addresses K0 V0 K1 V1 ... (the block buffer's order) for the slab kernels.
-        self._bases = device.array(np.array([a.ptr for pair in zip(self.k, self.v, strict=True)
-                                             for a in pair], dtype=np.uint64))
-        self._staging = None  # uint8[num_layers, 2, slab_bytes], made on first block I/O
+        if g.symmetric:
+            # Base addresses K0 V0 K1 V1 ... (the block buffer's order) for the slab kernels.
+            self._bases = device.array(np.array(
+                [a.ptr for pair in zip(self.k, self.v, strict=True) for a in pair],
+                dtype=np.uint64))
+            self._side_bases: tuple = ()
+        else:
+            # K and V slabs differ in size: one table (and one launch) per side.
+            self._bases = None
+            self._side_bases = tuple(device.array(np.array([a.ptr for a in side], np.uint64))
+                                     for side in (self.k, self.v))
+        self._staging: tuple = ()  # the staging buffer(s), made on first block I/O
 
     def __repr__(self) -> str:
         return (f"DeviceKVStorage(num_blocks={self.num_blocks}, layers={len(self.k)}, "
@@ -110,16 +122,20 @@ class DeviceKVStorage:
         return self.k[layer], self.v[layer]
 
     def _token_rows(self, arr):
-        """``arr`` (``[..., kv_heads, row]``) as ``uint8[tokens, token_bytes]``."""
-        token_bytes = self.geometry.num_kv_heads * self.geometry.row_bytes
+        """``arr`` (``[..., kv_heads, row]``, either side) as ``uint8[tokens, token_bytes]``."""
+        token_bytes = self.geometry.num_kv_heads * arr.shape[-1] * arr.dtype.itemsize
         return arr.view((arr.nbytes // token_bytes, token_bytes), np.uint8)
+
+    def _slabs(self):
+        """``((K arrays, k_slab_bytes), (V arrays, v_slab_bytes))``."""
+        g = self.geometry
+        return (self.k, g.k_slab_bytes), (self.v, g.v_slab_bytes)
 
     def grown(self, new_num_blocks: int) -> DeviceKVStorage:
         from pagedkv.kernels.kvcache import copy_blocks
         new = DeviceKVStorage(self.geometry, new_num_blocks, self.device)
         ids = self._ids(np.arange(self.num_blocks))
-        slab = self.geometry.slab_bytes
-        for old_side, new_side in ((self.k, new.k), (self.v, new.v)):
+        for (old_side, slab), new_side in zip(self._slabs(), (new.k, new.v), strict=True):
             for old, fresh in zip(old_side, new_side, strict=True):
                 copy_blocks(self.device, old.view((self.num_blocks, slab), np.uint8), ids, ids,
                             fresh.view((new_num_blocks, slab), np.uint8))
@@ -129,34 +145,66 @@ class DeviceKVStorage:
     def release(self) -> None:
         """Drop this generation's arrays (after the generation bump). Memory returns when
         the last view or exported DLPack tensor of an array lets go of it."""
-        self.k, self.v, self._bases, self._staging = [], [], None, None
+        self.k, self.v, self._bases, self._side_bases, self._staging = [], [], None, (), ()
 
     # -- block I/O -------------------------------------------------------------------------
 
     def _slab_kernel(self, name: str):
         return self.device.kernel("pool", name, "ppiqq")
 
-    def _launch_slabs(self, name: str, block_id: int, staging, *, gather: bool) -> None:
-        g = self.geometry
-        n = 2 * g.num_layers
-        args = (self._bases, staging) if gather else (staging, self._bases)
-        grid = (max(1, min(64, -(-g.slab_bytes // (16 * 256)))), min(n, 65535))
-        self._slab_kernel(name)(grid, (256,), *args, n, block_id * g.slab_bytes, g.slab_bytes)
+    def _launch_slabs(self, name: str, block_id: int, bases, staging, n: int, slab: int, *,
+                      gather: bool) -> None:
+        args = (bases, staging) if gather else (staging, bases)
+        grid = (max(1, min(64, -(-slab // (16 * 256)))), min(n, 65535))
+        self._slab_kernel(name)(grid, (256,), *args, n, block_id * slab, slab)
 
-    def _staging_buffer(self):
-        if self._staging is None:
-            self._staging = self.device.empty(self.geometry.block_buffer_shape, np.uint8)
+    def _staging_buffers(self) -> tuple:
+        """One ``uint8[num_layers, 2, slab_bytes]`` buffer, or per side ``uint8[num_layers,
+        side_slab_bytes]`` when K and V slabs differ."""
+        if not self._staging:
+            g = self.geometry
+            if g.symmetric:
+                self._staging = (self.device.empty(g.block_buffer_shape, np.uint8),)
+            else:
+                self._staging = tuple(self.device.empty((g.num_layers, slab), np.uint8)
+                                      for _, slab in self._slabs())
         return self._staging
 
+    def _side_views(self, buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V slabs of a ``[num_layers, k_slab + v_slab]`` block buffer."""
+        k_slab = self.geometry.k_slab_bytes
+        return buffer[:, :k_slab], buffer[:, k_slab:]
+
     def read_block_into(self, block_id: int, out: np.ndarray) -> None:
-        staging = self._staging_buffer()
-        self._launch_slabs("pkv_slabs_gather", block_id, staging, gather=True)
-        self.device.copy_dtoh(out, staging.ptr)  # ordered after the gather (default stream)
+        g = self.geometry
+        staging = self._staging_buffers()
+        if g.symmetric:
+            self._launch_slabs("pkv_slabs_gather", block_id, self._bases, staging[0],
+                               2 * g.num_layers, g.slab_bytes, gather=True)
+            self.device.copy_dtoh(out, staging[0].ptr)  # ordered after the gather
+            return
+        host = [np.empty((g.num_layers, slab), np.uint8) for _, slab in self._slabs()]
+        for (_, slab), bases, buf, h in zip(self._slabs(), self._side_bases, staging, host,
+                                            strict=True):
+            self._launch_slabs("pkv_slabs_gather", block_id, bases, buf, g.num_layers, slab,
+                               gather=True)
+            self.device.copy_dtoh(h, buf.ptr)
+        for view, h in zip(self._side_views(out), host, strict=True):
+            np.copyto(view, h)
 
     def write_block(self, block_id: int, data: np.ndarray) -> None:
-        staging = self._staging_buffer()
-        self.device.copy_htod(staging.ptr, data)
-        self._launch_slabs("pkv_slabs_scatter", block_id, staging, gather=False)
+        g = self.geometry
+        staging = self._staging_buffers()
+        if g.symmetric:
+            self.device.copy_htod(staging[0].ptr, data)
+            self._launch_slabs("pkv_slabs_scatter", block_id, self._bases, staging[0],
+                               2 * g.num_layers, g.slab_bytes, gather=False)
+        else:
+            for (_, slab), bases, buf, view in zip(self._slabs(), self._side_bases, staging,
+                                                   self._side_views(data), strict=True):
+                self.device.copy_htod(buf.ptr, np.ascontiguousarray(view))
+                self._launch_slabs("pkv_slabs_scatter", block_id, bases, buf, g.num_layers,
+                                   slab, gather=False)
         self.device.synchronize()  # a restored block is published only after this returns
 
     # -- tokens ----------------------------------------------------------------------------
@@ -199,9 +247,9 @@ class DeviceKVStorage:
                         self._ids(np.arange(slots.size)), self._token_rows(out))
 
     def gather(self, layer: int, slots: np.ndarray):
-        shape = (slots.size, *self.geometry.token_shape)
-        k = self.device.empty(shape, self.geometry.storage_dtype)
-        v = self.device.empty(shape, self.geometry.storage_dtype)
+        g = self.geometry
+        k = self.device.empty((slots.size, *g.k_token_shape), g.storage_dtype)
+        v = self.device.empty((slots.size, *g.v_token_shape), g.storage_dtype)
         self._gather_into(k, self.k[layer], slots)
         self._gather_into(v, self.v[layer], slots)
         self.device.synchronize()
@@ -209,9 +257,8 @@ class DeviceKVStorage:
 
     def gather_layers(self, slots: np.ndarray):
         g = self.geometry
-        shape = (g.num_layers, slots.size, *g.token_shape)
-        k = self.device.empty(shape, g.storage_dtype)
-        v = self.device.empty(shape, g.storage_dtype)
+        k = self.device.empty((g.num_layers, slots.size, *g.k_token_shape), g.storage_dtype)
+        v = self.device.empty((g.num_layers, slots.size, *g.v_token_shape), g.storage_dtype)
         for layer in range(g.num_layers):
             self._gather_into(k.rows(layer, layer + 1), self.k[layer], slots)
             self._gather_into(v.rows(layer, layer + 1), self.v[layer], slots)

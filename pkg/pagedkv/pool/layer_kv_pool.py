@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import threading
 from collections.abc import Callable, Hashable
@@ -25,7 +26,8 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
-from pagedkv.pool.numpy_storage import NumpyKVStorage
+from pagedkv.pool.numpy_storage import NumpyKVStorage, NumpySplitKVStorage
+from pagedkv.quant import kv as kv_modes
 
 __all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 
@@ -48,9 +50,11 @@ def growth_lock() -> threading.RLock:
     return _GROWTH_LOCK
 
 
-def _storage_class(backend: str):
+def _storage_class(backend: str, geometry: PoolGeometry, split: bool = False):
     if backend == "numpy":
-        return NumpyKVStorage
+        # Records with K and V rows of different sizes (and kv_adaptive pools, whose rows
+        # shrink in place) keep both sides of a block together: the split layout.
+        return NumpyKVStorage if geometry.symmetric and not split else NumpySplitKVStorage
     if backend == "mlx":
         from pagedkv.pool.mlx_storage import MlxKVStorage
         return MlxKVStorage
@@ -83,6 +87,14 @@ def _id_array(name: str, ids) -> np.ndarray:
     return arr.astype(np.intp, copy=False)
 
 
+def _is_float_values(x) -> bool:
+    """A NumPy float32/float16 array, or an MLX floating array (values to encode)."""
+    if isinstance(x, np.ndarray):
+        return x.dtype in (np.float32, np.float16)
+    dtype = getattr(x, "dtype", None)
+    return type(x).__module__.startswith("mlx") and "float" in str(dtype)
+
+
 class _ClosedStorage:
     """Stands in for the storage of a closed pool: every use raises."""
 
@@ -105,7 +117,8 @@ class LayerKVPool:
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int, max_num_blocks: int | None = None,
                  *, backend: str = "numpy", memory_budget: MemoryBudget | None = None,
-                 pool_id: Hashable | None = None, device=None) -> None:
+                 pool_id: Hashable | None = None, device=None,
+                 layer_region_bytes: int | None = None) -> None:
         if not isinstance(geometry, PoolGeometry):
             raise InvalidArgumentType(
                 f"geometry: expected a PoolGeometry, got {type(geometry).__name__}")
@@ -122,7 +135,18 @@ class LayerKVPool:
         if memory_budget is not None and not isinstance(memory_budget, MemoryBudget):
             raise InvalidArgumentType(
                 f"memory_budget: expected a MemoryBudget, got {type(memory_budget).__name__}")
-        storage_class = _storage_class(backend)
+        if layer_region_bytes is not None:
+            layer_region_bytes = _index("layer_region_bytes", layer_region_bytes)
+            if backend != "numpy" or not geometry.quantized:
+                raise InvalidArgument("layer_region_bytes: only NumPy pools of KV-mode records "
+                                      "have fixed byte regions (kv_adaptive)")
+            per_block = geometry.k_slab_bytes + geometry.v_slab_bytes
+            if num_blocks * per_block > layer_region_bytes:
+                raise InvalidArgument(
+                    f"layer_region_bytes: {layer_region_bytes} bytes per layer hold "
+                    f"{layer_region_bytes // per_block} blocks of {per_block} bytes, fewer "
+                    f"than num_blocks={num_blocks}")
+        storage_class = _storage_class(backend, geometry, layer_region_bytes is not None)
         storage_args = {}
         if backend == "device":
             storage_args["device"] = device
@@ -144,7 +168,11 @@ class LayerKVPool:
                     f"budget: {memory_budget.available_bytes} of {memory_budget.limit_bytes} "
                     "bytes available")
         try:
-            storage = storage_class(geometry, num_blocks, **storage_args)
+            if layer_region_bytes is None:
+                storage = storage_class(geometry, num_blocks, **storage_args)
+            else:
+                storage = NumpySplitKVStorage(geometry, num_blocks, np.zeros(
+                    (geometry.num_layers, layer_region_bytes), np.uint8))
         except BaseException:
             if memory_budget is not None:
                 memory_budget.release_pool(pool_id)
@@ -161,10 +189,11 @@ class LayerKVPool:
         self._budget = memory_budget
         self._pool_id = pool_id
         self._grow_callbacks: list[GrowCallback] = []
+        self._fixed_regions = layer_region_bytes is not None
         self._lock = threading.Lock()
         # Token offsets inside a block, reused by every gather.
         self._offsets = np.arange(geometry.block_size, dtype=np.intp)
-        self._token_shape = geometry.token_shape
+        self._side_shapes = (geometry.k_token_shape, geometry.v_token_shape)
 
     # -- read-only state -------------------------------------------------------------------
 
@@ -288,6 +317,29 @@ class LayerKVPool:
         self._check_range("block_ids", used, self._num_blocks, "block id")
         return (used[:, None] * bs + self._offsets).reshape(-1)[:num_tokens]
 
+    def _side_payload(self, side: int, name: str, x, lead: tuple[int, ...]):
+        """``x`` as stored records or values of one side (0 = K, 1 = V), shape
+        ``lead + (kv_heads, row)``. A pool of KV-mode records also takes float32/float16
+        values ``lead + (kv_heads, head_dim)`` and encodes them (docs/kv-quant.md)."""
+        g = self._geometry
+        mode = (g.k_dtype, g.v_dtype)[side]
+        what = ", ".join(("num_layers", "len(slots)")[-len(lead):]) if lead else ""
+        if g.quantized and isinstance(x, np.ndarray) and x.dtype.kind == "f" \
+                and not _is_float_values(x):
+            raise InvalidArgumentType(
+                f"{name}: dtype {x.dtype}; a {g.dtype} pool takes float32/float16 values to "
+                f"encode or uint8 records; convert before writing")
+        if g.quantized and _is_float_values(x):
+            want = lead + (g.num_kv_heads, g.head_dim)
+            if tuple(x.shape) != want:
+                raise InvalidArgument(
+                    f"{name}: shape {tuple(x.shape)} does not match the pool; expected {want} "
+                    f"= ({what}, num_kv_heads, head_dim) values to encode as {mode}")
+            x = kv_modes.encode(x, mode)
+        expected = lead + self._side_shapes[side]
+        unit = "record bytes" if g.quantized else "head_dim"
+        return self._payload(name, x, expected, f"({what}, num_kv_heads, {unit})")
+
     def _payload(self, name: str, x, expected: tuple[int, ...], meaning: str):
         x = self._storage.as_payload(name, x)
         if tuple(x.shape) != expected:
@@ -343,8 +395,10 @@ class LayerKVPool:
     # raises, with the same messages whichever path ran.
 
     def write_tokens(self, layer: int, slots, k, v, *, generation: int | None = None) -> None:
-        """Write ``n`` tokens' K and V (``[n, kv_heads, head_dim]``, pool dtype) of ``layer``
-        into ``slots`` (``int[n]``). Duplicate slots: the last write wins."""
+        """Write ``n`` tokens' K and V (``[n, kv_heads, row]`` of the storage dtype) of
+        ``layer`` into ``slots`` (``int[n]``). A pool of KV-mode records (``q8``,
+        ``fwht4/q8``, ...) also takes float32/float16 values ``[n, kv_heads, head_dim]`` and
+        encodes each side in its mode first. Duplicate slots: the last write wins."""
         with self._lock:
             copier = self._slot_copier
             if copier is not None and (generation is None or generation == self._generation) \
@@ -353,10 +407,8 @@ class LayerKVPool:
             self.check_generation(generation)
             layer = self._layer_index(layer)
             slots = self._slots(slots)
-            expected = (slots.shape[0], *self._token_shape)
-            meaning = "(len(slots), num_kv_heads, head_dim)"
-            k = self._payload("k", k, expected, meaning)
-            v = self._payload("v", v, expected, meaning)
+            k = self._side_payload(0, "k", k, (slots.shape[0],))
+            v = self._side_payload(1, "v", v, (slots.shape[0],))
             self._storage.write_tokens(layer, slots, k, v)
 
     def try_write_positions(self, layer: int, block_ids, start: int, k, v, *,
@@ -379,10 +431,9 @@ class LayerKVPool:
         with self._lock:
             self.check_generation(generation)
             slots = self._slots(slots)
-            expected = (self._geometry.num_layers, slots.shape[0], *self._token_shape)
-            meaning = "(num_layers, len(slots), num_kv_heads, head_dim)"
-            k_layers = self._payload("k_layers", k_layers, expected, meaning)
-            v_layers = self._payload("v_layers", v_layers, expected, meaning)
+            lead = (self._geometry.num_layers, slots.shape[0])
+            k_layers = self._side_payload(0, "k_layers", k_layers, lead)
+            v_layers = self._side_payload(1, "v_layers", v_layers, lead)
             self._storage.write_tokens_layers(slots, k_layers, v_layers)
 
     def gather(self, layer: int, block_ids, num_tokens: int, *, generation: int | None = None):
@@ -452,11 +503,120 @@ class LayerKVPool:
             return self._storage.paged_attention(layer, q, block_tables, seq_lens, scale,
                                                  check)
 
+    def decode_tokens(self, k, v):
+        """``(k, v)`` gathered from this pool as float32 values ``[..., kv_heads, head_dim]``:
+        the records of a KV-mode pool decoded (NumPy, or MLX array ops on an MLX pool; a
+        device pool's arrays are copied to the host first), float arrays of an unquantized
+        pool returned as they are (bfloat16 bits widened)."""
+        g = self._geometry
+        out = []
+        for side, x in ((g.k_dtype, k), (g.v_dtype, v)):
+            if self._backend == "device":  # DeviceArrays: decoded on the host
+                x = self._storage.to_numpy(x)
+            if side in kv_modes.KV_MODES:
+                x = kv_modes.decode(x, side, g.head_dim)
+            elif side == "bfloat16" and isinstance(x, np.ndarray):
+                from pagedkv.pool.bfloat16 import bf16_bits_to_float32
+                x = bf16_bits_to_float32(x)
+            out.append(x)
+        return out[0], out[1]
+
+    def transcode(self, dtype: str, *, num_blocks: int | None = None) -> None:
+        """Re-encode every block into the KV dtype ``dtype`` (kv_adaptive's downshift,
+        docs/kv-quant.md): per side unchanged, narrowed within a table family (fwht4 ->
+        fwht2, lloyd4 -> lloyd3 -> lloyd2) or q8 -> lloydN / fwhtN (decode + encode). A pool
+        built with ``layer_region_bytes`` is transcoded inside its regions and may then hold
+        more blocks: ``num_blocks`` (default: as many as fit, at most the regions') becomes
+        both ``num_blocks`` and ``max_num_blocks``. The generation increments (block tables
+        stay valid by id but must be rebuilt), the budget is updated, grow callbacks run when
+        blocks were added. Bad ``dtype`` or transition: ``InvalidArgument``, nothing changed.
+        """
+        old = self._geometry
+        new = PoolGeometry(old.num_layers, old.num_kv_heads, old.head_dim, old.block_size,
+                           dtype, old.layout)
+        if not (old.quantized and new.quantized):
+            raise InvalidArgument(f"dtype: transcoding runs between KV-mode records; "
+                                  f"{old.dtype!r} -> {new.dtype!r} is not such a pair")
+        sides = []
+        for src, dst in ((old.k_dtype, new.k_dtype), (old.v_dtype, new.v_dtype)):
+            s_mode, d_mode = kv_modes.kv_mode(src), kv_modes.kv_mode(dst)
+            ok = src == dst or src == "q8" or (
+                s_mode.rotation == d_mode.rotation and s_mode.sides == d_mode.sides
+                and d_mode.bits < s_mode.bits)
+            if not ok:
+                raise InvalidArgument(f"dtype: {old.dtype!r} -> {new.dtype!r}: {src} -> {dst} is "
+                                      f"not a transcode (same, q8 -> any mode, or narrowing "
+                                      f"within a table family)")
+            sides.append((src, dst))
+        hd = old.head_dim
+
+        def convert(side: int, records):
+            src, dst = sides[side]
+            return records if src == dst else kv_modes.transcode(records, src, dst, hd)
+
+        with _GROWTH_LOCK, self._lock:
+            if isinstance(self._storage, _ClosedStorage):
+                raise PagedKVError("the pool is closed; build a new LayerKVPool")
+            storage = self._storage
+            per_block = new.k_slab_bytes + new.v_slab_bytes
+            old_blocks = self._num_blocks
+            if self._fixed_regions:
+                assert isinstance(storage, NumpySplitKVStorage)
+                room = storage.region_bytes // per_block
+                target = room if num_blocks is None else _index("num_blocks", num_blocks)
+                if not old_blocks <= target <= room:
+                    raise InvalidArgument(f"num_blocks: {target} is outside [{old_blocks}, "
+                                          f"{room}] (the blocks the regions hold at {dtype!r})")
+                new_storage = storage.transcoded(new, target, convert)
+            else:
+                target = old_blocks if num_blocks is None else _index("num_blocks", num_blocks)
+                if target != old_blocks:
+                    raise InvalidArgument("num_blocks: only a pool with layer_region_bytes "
+                                          "gains blocks when it transcodes")
+                extra = {"device": storage.device} if self._backend == "device" else {}
+                new_storage = _storage_class(self._backend, new)(  # type: ignore[operator]
+                    new, old_blocks, **extra)
+                buf = np.empty(old.block_buffer_shape, np.uint8)
+                for b in range(old_blocks):
+                    storage.read_block_into(b, buf)
+                    rows = buf.reshape(old.num_layers, -1)
+                    k = rows[:, :old.k_slab_bytes].reshape(old.num_layers, old.block_size,
+                                                           *old.k_token_shape)
+                    v = rows[:, old.k_slab_bytes:].reshape(old.num_layers, old.block_size,
+                                                           *old.v_token_shape)
+                    out = np.concatenate([convert(0, k).reshape(old.num_layers, -1),
+                                          convert(1, v).reshape(old.num_layers, -1)], axis=1)
+                    new_storage.write_block(b, np.ascontiguousarray(out).reshape(
+                        new.block_buffer_shape))
+            self._storage = new_storage
+            self._slot_copier = new_storage.slot_copier
+            self._geometry = new
+            self._side_shapes = (new.k_token_shape, new.v_token_shape)
+            self._num_blocks = target
+            self._max_num_blocks = max(self._max_num_blocks, target)
+            self._generation += 1
+            generation = self._generation
+            release = getattr(storage, "release", None)  # device pools: after the bump
+            if release is not None and storage is not new_storage:
+                release()
+            if self._budget is not None:
+                self._budget.update_pool(self._pool_id, self.total_bytes)
+        logger.info("paged pool transcoded %s -> %s blocks=%d->%d generation=%d", old.dtype,
+                    new.dtype, old_blocks, target, generation)
+        if target > old_blocks:
+            for fn in tuple(self._grow_callbacks):
+                try:
+                    fn(old_blocks, target, generation)
+                except Exception:
+                    logger.exception("paged pool grow callback %r failed after a transcode", fn)
+
     # -- block I/O -------------------------------------------------------------------------
 
     def read_block(self, block_id: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Block ``block_id`` of every layer as one ``uint8[num_layers, 2, slab_bytes]`` buffer
-        (K then V per layer, layers in pool order), written into ``out`` when given."""
+        """Block ``block_id`` of every layer as one ``uint8`` buffer of
+        ``geometry.block_buffer_shape`` (``[num_layers, 2, slab_bytes]``, or ``[num_layers,
+        k_slab_bytes + v_slab_bytes]`` when K and V rows differ): K then V per layer, layers
+        in pool order. Written into ``out`` when given."""
         shape = self._geometry.block_buffer_shape
         with self._lock:
             block_id = self._block_id(block_id)
@@ -474,10 +634,10 @@ class LayerKVPool:
             return out
 
     def write_block(self, block_id: int, data) -> None:
-        """Write a ``uint8[num_layers, 2, slab_bytes]`` buffer (or its bytes, flat) into block
-        ``block_id`` of every layer. The id, shape and length are validated first."""
+        """Write a block buffer (``geometry.block_buffer_shape``, or its bytes, flat) into
+        block ``block_id`` of every layer. The id, shape and length are validated first."""
         shape = self._geometry.block_buffer_shape
-        total = shape[0] * shape[1] * shape[2]
+        total = math.prod(shape)
         if not isinstance(data, np.ndarray):
             try:
                 data = np.frombuffer(data, dtype=np.uint8)

@@ -79,6 +79,15 @@ def pool_stream(mx):
     return stream
 
 
+def _slab(g: PoolGeometry, buffer: np.ndarray, layer: int, side: int) -> np.ndarray:
+    """One layer's K (side 0) or V (1) slab of a block buffer, ``[block_size, kv_heads,
+    row]`` of the storage dtype (K and V rows may differ: docs/kv-quant.md)."""
+    rows = buffer.view(g.storage_dtype).reshape(g.num_layers, -1)
+    k = g.k_slab_bytes // g.storage_dtype.itemsize
+    slab = rows[layer, :k] if side == 0 else rows[layer, k:]
+    return slab.reshape(g.block_size, *(g.k_token_shape if side == 0 else g.v_token_shape))
+
+
 class MlxKVStorage:
     """One generation of an MLX pool's arrays (immutable size; growth builds a new one)."""
 
@@ -95,16 +104,17 @@ class MlxKVStorage:
         self._stream = pool_stream(mx)
         self.geometry = geometry
         self.num_blocks = num_blocks
-        self._dtype = getattr(mx, _MLX_DTYPE_NAMES[geometry.dtype])
+        self._dtype = getattr(mx, _MLX_DTYPE_NAMES.get(geometry.dtype, "uint8"))  # K/V modes
         self._is_bf16 = geometry.dtype == "bfloat16"
         if k is None or v is None:
             if k is not None or v is not None:  # one side alone would leave a None layer list
                 raise InvalidArgument("MlxKVStorage: pass both k and v (lists of per-layer "
                                       "mx.arrays) or neither")
-            shape = (num_blocks * geometry.block_size, *geometry.token_shape)
+            k_shape = (num_blocks * geometry.block_size, *geometry.k_token_shape)
+            v_shape = (num_blocks * geometry.block_size, *geometry.v_token_shape)
             with self._on_stream():
-                k = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
-                v = [mx.zeros(shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+                k = [mx.zeros(k_shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
+                v = [mx.zeros(v_shape, dtype=self._dtype) for _ in range(geometry.num_layers)]
                 mx.eval(k, v)
         self.k: list = k
         self.v: list = v
@@ -158,9 +168,10 @@ class MlxKVStorage:
     # -- arrays ---------------------------------------------------------------------------
 
     def layer(self, layer: int):
-        shape = self.geometry.layer_shape(self.num_blocks)
+        g = self.geometry
         with self._on_stream():
-            return self.k[layer].reshape(shape), self.v[layer].reshape(shape)
+            return (self.k[layer].reshape(g.k_layer_shape(self.num_blocks)),
+                    self.v[layer].reshape(g.v_layer_shape(self.num_blocks)))
 
     def grown(self, new_num_blocks: int) -> MlxKVStorage:
         mx = self._mx
@@ -176,10 +187,44 @@ class MlxKVStorage:
     # -- decode attention ------------------------------------------------------------------
 
     def paged_attention(self, layer: int, q, block_tables, seq_lens, scale, check: bool = True):
-        """pagedkv.kernels.mlx.paged_attention over this layer's K/V (reshapes: no copy)."""
-        from pagedkv.kernels.mlx import paged_attention
-        k, v = self.layer(layer)
-        return paged_attention(q, k, v, block_tables, seq_lens, scale=scale, check=check)
+        """pagedkv.kernels.mlx.paged_attention over this layer's K/V (reshapes: no copy); a
+        ``<K>/<V>`` KV-mode pool runs :func:`pagedkv.quant.kv_mlx.attention_decode` per
+        sequence over its records (read as stored, never decoded into a copy; tables are
+        always checked on the host)."""
+        g = self.geometry
+        if "/" not in g.dtype:
+            from pagedkv.kernels.mlx import paged_attention
+            k, v = self.layer(layer)
+            return paged_attention(q, k, v, block_tables, seq_lens, scale=scale, check=check)
+        from pagedkv.kernels.kvcache import check_decode_batch
+        from pagedkv.quant import kv as kv_modes
+        from pagedkv.quant.kv_mlx import attention_decode
+        mx = self._mx
+        tables = np.asarray(block_tables)
+        lens = np.asarray(seq_lens)
+        check_decode_batch(tables, lens, num_blocks=self.num_blocks, block_size=g.block_size)
+        q = q if isinstance(q, mx.array) else mx.array(np.asarray(q, np.float32))
+        if q.ndim != 3 or q.shape[0] != tables.shape[0] or q.shape[2] != g.head_dim \
+                or q.shape[1] % g.num_kv_heads:
+            raise InvalidArgument(f"q: shape {tuple(q.shape)}, expected [{tables.shape[0]}, "
+                                  f"heads (a multiple of {g.num_kv_heads}), {g.head_dim}]")
+        k_mode, v_mode = (kv_modes.kv_mode(side) for side in (g.k_dtype, g.v_dtype))
+        scale = g.head_dim ** -0.5 if scale is None else float(scale)
+        bs = g.block_size
+        outs = []
+        with self._on_stream():
+            for s in range(tables.shape[0]):
+                n = int(lens[s])
+                if n == 0:
+                    outs.append(mx.zeros(q.shape[1:], dtype=mx.float32))
+                    continue
+                pos = np.arange(n)
+                idx = mx.array((tables[s, pos // bs].astype(np.int64) * bs + pos % bs)
+                               .astype(np.int32))
+                outs.append(attention_decode(q[s], mx.take(self.k[layer], idx, axis=0),
+                                             mx.take(self.v[layer], idx, axis=0), k_mode,
+                                             v_mode, g.head_dim, scale))
+            return mx.stack(outs)
 
     # -- block I/O -------------------------------------------------------------------------
 
@@ -191,22 +236,20 @@ class MlxKVStorage:
                 arrays = [a.view(mx.uint16) for a in arrays]
             mx.eval(arrays)  # one round trip for every layer
         self._pending = 0
-        bs = self.geometry.block_size
-        rows = out.view(self.geometry.storage_dtype).reshape(len(arrays), bs,
-                                                             *self.geometry.token_shape)
-        for i, a in enumerate(arrays):
+        g = self.geometry
+        bs = g.block_size
+        for i, a in enumerate(arrays):  # K0 V0 K1 V1 ...: each layer's K slab, then its V slab
             # A zero-copy view of evaluated MLX memory, copied at once under the pool lock.
-            np.copyto(rows[i], np.asarray(a)[block_id * bs:(block_id + 1) * bs])
+            np.copyto(_slab(g, out, i // 2, i % 2), np.asarray(a)[block_id * bs:(block_id + 1) * bs])
 
     def write_block(self, block_id: int, data: np.ndarray) -> None:
         g = self.geometry
         bs = g.block_size
-        slabs = data.view(g.storage_dtype).reshape(g.num_layers, 2, bs, *g.token_shape)
         rows = slice(block_id * bs, (block_id + 1) * bs)
         with self._on_stream():
             for layer in range(g.num_layers):
-                self.k[layer][rows] = self._from_numpy(slabs[layer, 0])
-                self.v[layer][rows] = self._from_numpy(slabs[layer, 1])
+                self.k[layer][rows] = self._from_numpy(_slab(g, data, layer, 0))
+                self.v[layer][rows] = self._from_numpy(_slab(g, data, layer, 1))
             self._mx.eval(self.k, self.v)
         self._pending = 0
 

@@ -19,7 +19,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.slot_copy import SlotCopier
 
-__all__ = ["NumpyKVStorage"]
+__all__ = ["NumpyKVStorage", "NumpySplitKVStorage"]
 
 
 class NumpyKVStorage:
@@ -67,7 +67,8 @@ class NumpyKVStorage:
                     f"{name}: cannot be read as a NumPy array ({exc})") from None
         if x.dtype != self.geometry.storage_dtype:
             g = self.geometry
-            hint = " (bfloat16 pools take uint16 bit patterns)" if g.dtype == "bfloat16" else ""
+            hint = (" (bfloat16 pools take uint16 bit patterns)" if g.dtype == "bfloat16" else
+                    " records, or float32/float16 values to encode" if g.quantized else "")
             raise InvalidArgumentType(
                 f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: expected "
                 f"{g.storage_dtype}{hint}; convert before writing")
@@ -146,3 +147,123 @@ class NumpyKVStorage:
         # non-contiguous source in full first, so K and V are not taken separately.
         both = self._tokens.take(slots, axis=2)
         return both[:, 0], both[:, 1]
+
+
+class NumpySplitKVStorage:
+    """NumPy storage of a pool of KV-mode records whose K and V rows may differ in size
+    (``fwht4/q8`` ...), and of every kv_adaptive pool: per layer one ``uint8`` region in
+    which block ``b`` sits at ``b * (k_slab + v_slab)``, its K slab then its V slab, so the
+    block buffer (``uint8[num_layers, k_slab + v_slab]``) is one contiguous copy per layer.
+    ``layer()`` returns strided ``[num_blocks, block_size, kv_heads, row]`` views.
+
+    ``region_bytes`` (default: exactly ``num_blocks`` blocks) fixes each layer's region:
+    :meth:`transcoded` re-encodes every block into narrower records inside the same
+    regions, front to back (a block's new offset never passes its old one), so a
+    downshift moves no memory to a new buffer. No C fast path (``slot_copier`` is None).
+    """
+
+    backend = "numpy"
+    __slots__ = ("_k", "_v", "geometry", "num_blocks", "region")
+    slot_copier = None
+
+    def __init__(self, geometry: PoolGeometry, num_blocks: int,
+                 region: np.ndarray | None = None) -> None:
+        g = geometry
+        self.geometry = g
+        self.num_blocks = num_blocks
+        block = g.k_slab_bytes + g.v_slab_bytes
+        if region is None:
+            region = np.zeros((g.num_layers, num_blocks * block), np.uint8)
+        if region.shape[1] < num_blocks * block:
+            raise InvalidArgument(f"region: {region.shape[1]} bytes per layer hold fewer than "
+                                  f"{num_blocks} blocks of {block} bytes")
+        self.region = region
+        blocks = region[:, :num_blocks * block].reshape(g.num_layers, num_blocks, block)
+        self._k = blocks[:, :, :g.k_slab_bytes].reshape(g.num_layers, *g.k_layer_shape(num_blocks))
+        self._v = blocks[:, :, g.k_slab_bytes:].reshape(g.num_layers, *g.v_layer_shape(num_blocks))
+
+    def __repr__(self) -> str:
+        return (f"NumpySplitKVStorage(num_blocks={self.num_blocks}, dtype={self.geometry.dtype!r}"
+                f", region_bytes={self.region.shape[1]}, nbytes={self.region.nbytes})")
+
+    as_payload = NumpyKVStorage.as_payload
+    to_numpy = NumpyKVStorage.to_numpy
+    # The float64 reference over the layer's strided views (compressed K/V read as stored).
+    paged_attention = NumpyKVStorage.paged_attention
+    flush = NumpyKVStorage.flush
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of one layer's region."""
+        return self.region.shape[1]
+
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._k[layer], self._v[layer]
+
+    def grown(self, new_num_blocks: int) -> NumpySplitKVStorage:
+        g = self.geometry
+        block = g.k_slab_bytes + g.v_slab_bytes
+        if new_num_blocks * block <= self.region_bytes:  # room left in the regions
+            return NumpySplitKVStorage(g, new_num_blocks, self.region)
+        new = NumpySplitKVStorage(g, new_num_blocks)
+        np.copyto(new.region[:, :self.num_blocks * block],
+                  self.region[:, :self.num_blocks * block])
+        return new
+
+    def transcoded(self, geometry: PoolGeometry, num_blocks: int, convert) -> NumpySplitKVStorage:
+        """This storage's blocks re-encoded to ``geometry`` (narrower records) by ``convert(
+        side, records)`` (``side`` 0 = K, 1 = V; records ``[n, kv_heads, row]``), inside the
+        same regions, then viewed as ``num_blocks`` blocks of the new geometry."""
+        old, g = self.geometry, geometry
+        ob, nb = old.k_slab_bytes + old.v_slab_bytes, g.k_slab_bytes + g.v_slab_bytes
+        if nb > ob or num_blocks * nb > self.region_bytes:
+            raise InvalidArgument(f"transcode to {g.dtype!r}: {num_blocks} blocks of {nb} "
+                                  f"bytes do not fit regions of {self.region_bytes} bytes "
+                                  f"holding blocks of {ob}")
+        bs_tokens = old.block_size
+        for layer in range(old.num_layers):
+            row = self.region[layer]
+            for b in range(self.num_blocks):  # front to back: b * nb <= b * ob
+                blk = row[b * ob:(b + 1) * ob]
+                k = convert(0, blk[:old.k_slab_bytes].reshape(bs_tokens, *old.k_token_shape))
+                v = convert(1, blk[old.k_slab_bytes:].reshape(bs_tokens, *old.v_token_shape))
+                out = row[b * nb:(b + 1) * nb]
+                out[:g.k_slab_bytes] = k.reshape(-1)
+                out[g.k_slab_bytes:] = v.reshape(-1)
+        # Bytes past the live blocks keep old records: zero them, as a fresh pool would be.
+        self.region[:, self.num_blocks * nb:] = 0
+        return NumpySplitKVStorage(g, num_blocks, self.region)
+
+    def _block_views(self, buffer: np.ndarray) -> np.ndarray:
+        g = self.geometry
+        return buffer.reshape(g.num_layers, g.k_slab_bytes + g.v_slab_bytes)
+
+    def read_block_into(self, block_id: int, out: np.ndarray) -> None:
+        block = self.geometry.k_slab_bytes + self.geometry.v_slab_bytes
+        np.copyto(self._block_views(out), self.region[:, block_id * block:(block_id + 1) * block])
+
+    def write_block(self, block_id: int, data: np.ndarray) -> None:
+        block = self.geometry.k_slab_bytes + self.geometry.v_slab_bytes
+        np.copyto(self.region[:, block_id * block:(block_id + 1) * block], self._block_views(data))
+
+    def _split(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.divmod(slots, self.geometry.block_size)
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        blocks, offs = self._split(slots)
+        self._k[layer, blocks, offs] = k
+        self._v[layer, blocks, offs] = v
+
+    def write_tokens_layers(self, slots: np.ndarray, k_layers: np.ndarray,
+                            v_layers: np.ndarray) -> None:
+        blocks, offs = self._split(slots)
+        self._k[:, blocks, offs] = k_layers
+        self._v[:, blocks, offs] = v_layers
+
+    def gather(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks, offs = self._split(slots)
+        return self._k[layer, blocks, offs], self._v[layer, blocks, offs]
+
+    def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        blocks, offs = self._split(slots)
+        return self._k[:, blocks, offs], self._v[:, blocks, offs]

@@ -37,20 +37,20 @@ typedef int32_t pkv_fwht_v16i __attribute__((vector_size(64)));
 
 typedef pkv_fwht_v16f pkv_fwht_table_[16];  /* a sign table, as pkv_fwht256_row_ takes it */
 
-/* One row: y = D_post · H · (D_pre · x), tables as 16 vectors (post carries the 1/16). */
-static inline __attribute__((always_inline)) void pkv_fwht256_row_(const float *x, float *y, const pkv_fwht_v16f *s_pre,
-                                    const pkv_fwht_v16f *s_post) {
-    pkv_fwht_v16f v[16];
-    memcpy(v, x, sizeof v);
-    for (int i = 0; i < 16; ++i) {
+/* In place on nvec vectors in registers (nvec * 16 = n in {128, 256}): y = D_post · H ·
+ * D_pre · y, tables as nvec vectors (post carries the scale). Also used by the KV
+ * codec loops (kv_rotated_loops.h) for its R128 and R256 rows. */
+static inline __attribute__((always_inline)) void pkv_fwht_vecs_(pkv_fwht_v16f *v, int nvec,
+                                    const pkv_fwht_v16f *s_pre, const pkv_fwht_v16f *s_post) {
+    for (int i = 0; i < nvec; ++i) {
         v[i] = v[i] * s_pre[i];
         PKV_FWHT_LANE_STAGE_(v[i], 1);
         PKV_FWHT_LANE_STAGE_(v[i], 2);
         PKV_FWHT_LANE_STAGE_(v[i], 4);
         PKV_FWHT_LANE_STAGE_(v[i], 8);
     }
-    for (int h = 1; h < 16; h <<= 1) {          /* strides 16, 32, 64, 128 floats */
-        for (int i = 0; i < 16; i += 2 * h) {
+    for (int h = 1; h < nvec; h <<= 1) {        /* strides 16, 32, ... floats */
+        for (int i = 0; i < nvec; i += 2 * h) {
             for (int j = i; j < i + h; ++j) {
                 pkv_fwht_v16f a = v[j], b = v[j + h];
                 v[j] = a + b;
@@ -58,7 +58,15 @@ static inline __attribute__((always_inline)) void pkv_fwht256_row_(const float *
             }
         }
     }
-    for (int i = 0; i < 16; ++i) v[i] = v[i] * s_post[i];
+    for (int i = 0; i < nvec; ++i) v[i] = v[i] * s_post[i];
+}
+
+/* One row: y = D_post · H · (D_pre · x), tables as 16 vectors (post carries the 1/16). */
+static inline __attribute__((always_inline)) void pkv_fwht256_row_(const float *x, float *y, const pkv_fwht_v16f *s_pre,
+                                    const pkv_fwht_v16f *s_post) {
+    pkv_fwht_v16f v[16];
+    memcpy(v, x, sizeof v);
+    pkv_fwht_vecs_(v, 16, s_pre, s_post);
     memcpy(y, v, sizeof v);
 }
 
@@ -72,8 +80,6 @@ static void pkv_cpu_fwht256_rows(const float *x, float *y, ptrdiff_t n_rows,
     memcpy(s_post, post_scaled, sizeof s_post);
     for (ptrdiff_t r = 0; r < n_rows; ++r) pkv_fwht256_row_(x + 256 * r, y + 256 * r, s_pre, s_post);
 }
-
-#undef PKV_FWHT_LANE_STAGE_
 
 #else  /* other compilers: the portable header loop */
 

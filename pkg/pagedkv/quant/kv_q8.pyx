@@ -5,17 +5,19 @@ Per 32 dims of a K or V row: ``d = amax/127`` stored as f16 (round to nearest ev
 then 32 int8 codes ``clamp(round_half_even(v * 127/amax), -127, 127)``; a row of
 ``head_dim`` values is ``head_dim/32`` such 34-byte records. The math is
 ``pagedkv/kvquant.h``, the text the GPU kernels (hip/kvcache.hip) compile, so the
-GPU write and this encoder give the same bytes.
+GPU write and this encoder give the same bytes; ``kv_q8_loops.h`` runs the encode
+vectorized (float16 input widened in place, no float32 copy).
 """
 
 cimport numpy as cnp
-from libc.math cimport fabsf
-from libc.stdint cimport int8_t, uint8_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.quant.quant_header cimport pkv_f16_to_f32, pkv_first_nonfinite
+from pagedkv.quant.quant_header cimport (
+    pkv_f16_to_f32, pkv_first_nonfinite, pkv_first_nonfinite_f16,
+)
 
 cnp.import_array()
 
@@ -24,21 +26,9 @@ cdef enum:
     RECORD_BYTES = 34   # f16 scale + 32 int8
 
 
-cdef void _encode(const float *x, Py_ssize_t n_records, uint8_t *out) noexcept nogil:
-    cdef Py_ssize_t r
-    cdef int i
-    cdef float amax, inv
-    cdef unsigned d
-    for r in range(n_records):
-        amax = 0.0
-        for i in range(BLOCK):
-            amax = max(amax, fabsf(x[r * BLOCK + i]))
-        inv = pkv_kvq8_inv_scale(amax)
-        d = pkv_kvq8_scale_bits(amax)
-        out[r * RECORD_BYTES] = <uint8_t>(d & 0xFF)
-        out[r * RECORD_BYTES + 1] = <uint8_t>(d >> 8)
-        for i in range(BLOCK):
-            out[r * RECORD_BYTES + 2 + i] = <uint8_t>(<int8_t>pkv_kvq8_code(x[r * BLOCK + i], inv))
+cdef extern from "kv_q8_loops.h" nogil:
+    void pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, Py_ssize_t n_records,
+                             uint8_t *out)
 
 
 cdef void _decode(const uint8_t *rec, Py_ssize_t n_records, float *out) noexcept nogil:
@@ -64,18 +54,29 @@ def quantize(x):
         raise InvalidArgument(f"x: shape {x.shape}: the last axis (head_dim) must be a "
                               f"positive multiple of 32 for q8 KV")
     cdef Py_ssize_t head_dim = x.shape[x.ndim - 1]
-    cdef const float[::1] flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    cdef Py_ssize_t n = flat.shape[0], bad
-    with nogil:
-        bad = pkv_first_nonfinite(&flat[0], n) if n else -1
+    cdef const float[::1] flat
+    cdef const uint16_t[::1] flat16
+    cdef Py_ssize_t n = x.size, bad = -1
+    if x.dtype == np.float32:
+        flat = np.ascontiguousarray(x).reshape(-1)
+        with nogil:
+            bad = pkv_first_nonfinite(&flat[0], n) if n else -1
+    else:
+        flat16 = np.ascontiguousarray(x).reshape(-1).view(np.uint16)
+        with nogil:
+            bad = pkv_first_nonfinite_f16(&flat16[0], n) if n else -1
     if bad >= 0:
         raise InvalidArgument(f"x holds a non-finite value at flat index {bad}; q8 KV takes "
                               f"finite values only")
     out = np.empty(x.shape[:x.ndim - 1] + (head_dim // BLOCK * RECORD_BYTES,), dtype=np.uint8)
     cdef uint8_t[::1] o = out.reshape(-1)
     if n:
-        with nogil:
-            _encode(&flat[0], n // BLOCK, &o[0])
+        if x.dtype == np.float32:
+            with nogil:
+                pkv_cpu_kvq8_encode(&flat[0], NULL, n // BLOCK, &o[0])
+        else:
+            with nogil:
+                pkv_cpu_kvq8_encode(NULL, &flat16[0], n // BLOCK, &o[0])
     return out
 
 

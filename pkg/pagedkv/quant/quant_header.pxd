@@ -1,6 +1,6 @@
 # Declarations of pagedkv/quant.h (the per-element quant math shared with the
 # GPU kernels). Declarations only: there is no quant_header module.
-from libc.stdint cimport int32_t, uint8_t, uint32_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
 
 cdef extern from "pagedkv/quant.h" nogil:
     const uint32_t PKV_FWHT_N
@@ -13,6 +13,7 @@ cdef extern from "pagedkv/quant.h" nogil:
     uint32_t pkv_f32_bits(float x)
     int pkv_f32_is_nonfinite(float x)
     Py_ssize_t pkv_first_nonfinite(const float *x, Py_ssize_t n)
+    Py_ssize_t pkv_first_nonfinite_f16(const uint16_t *h, Py_ssize_t n)
     uint32_t pkv_f16_trunc(float x)
     uint32_t pkv_f16_rne(float x)
     float pkv_f16_to_f32(uint32_t h)

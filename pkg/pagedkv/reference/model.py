@@ -42,16 +42,36 @@ class Generation(NamedTuple):
 class ReferenceModel:
     """Seeded decoder-only transformer (float32) on the NumPy or MLX backend.
 
+    ``kv_dtype``: how its KV cache is stored: ``"float32"`` (default), or a KV mode
+    (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md), which needs a
+    ``head_dim`` the modes store (q8: a multiple of 32; fwht4/fwht2: 128 or 256; fwht3 and
+    lloyd: 256). Paged pools built for the model take it; its flat path round-trips K/V
+    through the same codec, so paged and flat stay bit-identical.
+
     A :class:`~pagedkv.reference.hybrid_config.HybridConfig` makes it the hybrid model (full,
     sliding-window and gated-delta-net layers, a KV-shared alias), which runs over a
-    :class:`~pagedkv.reference.hybrid_kv.HybridKVPath` instead of a ``KVPath``.
+    :class:`~pagedkv.reference.hybrid_kv.HybridKVPath` instead of a ``KVPath`` (float32 KV
+    only).
     """
 
     def __init__(self, config: ReferenceConfig | None = None,
-                 weights: dict[str, np.ndarray] | None = None, *, backend: str = "numpy") -> None:
+                 weights: dict[str, np.ndarray] | None = None, *, backend: str = "numpy",
+                 kv_dtype: str = "float32") -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend={backend!r}: expected one of {BACKENDS}")
         self.config = config if config is not None else ReferenceConfig()
+        from pagedkv.pool import PoolGeometry
+        c = self.config
+        # validates the mode against head_dim, once, here
+        self.kv_dtype = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, 16,
+                                     kv_dtype).dtype
+        if self.kv_dtype in ("float16", "bfloat16"):
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: the reference model computes in "
+                                  f"float32; store its K/V as float32 or a KV mode (q8, "
+                                  f"fwht4/q8, ...)")
+        if isinstance(c, HybridConfig) and self.kv_dtype != "float32":
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r}: the hybrid reference model stores "
+                                  f"float32 K/V only; build it with kv_dtype='float32'")
         self.weights = weights if weights is not None else random_weights(self.config)
         self.backend = backend
         self._impl: MlxTransformer | NumpyTransformer | HybridTransformer
@@ -81,7 +101,8 @@ class ReferenceModel:
                     f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
         return (f"ReferenceModel(backend={self.backend!r}, layers={c.num_layers}, "
                 f"hidden={c.hidden_size}, heads={c.num_heads}/{c.num_kv_heads}, "
-                f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed})")
+                f"head_dim={c.head_dim}, vocab={c.vocab_size}, seed={c.seed}, "
+                f"kv_dtype={self.kv_dtype!r})")
 
     @property
     def compute_identity(self) -> str:
@@ -100,9 +121,10 @@ class ReferenceModel:
         save_model(directory, self.config, self.weights)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, *, backend: str = "numpy") -> ReferenceModel:
+    def load(cls, directory: str | os.PathLike, *, backend: str = "numpy",
+             kv_dtype: str = "float32") -> ReferenceModel:
         config, weights = load_model(directory)
-        return cls(config, weights, backend=backend)
+        return cls(config, weights, backend=backend, kv_dtype=kv_dtype)
 
     @classmethod
     def load_hfqm(cls, path: str | os.PathLike, *, backend: str = "numpy") -> ReferenceModel:
@@ -114,11 +136,11 @@ class ReferenceModel:
     # --- inference ---------------------------------------------------------------------------
 
     def new_flat_kv(self) -> FlatKV | HybridFlatKV:
-        """An empty flat KV path on this model's backend (a ``HybridFlatKV`` for a hybrid
-        config)."""
+        """An empty flat KV path on this model's backend and KV mode (a ``HybridFlatKV`` for
+        a hybrid config)."""
         if isinstance(self.config, HybridConfig):
             return HybridFlatKV(self.config, self.backend)
-        return FlatKV(self.config, self.backend)
+        return FlatKV(self.config, self.backend, kv_dtype=self.kv_dtype)
 
     def forward(self, tokens, kv: KVPath | HybridKVPath, *,
                 already_recorded: bool = False) -> np.ndarray:

@@ -78,13 +78,14 @@ def build_paged_adapter(model: ReferenceModel, *, block_size: int = 16, num_bloc
                         max_num_blocks: int | None = None, growth: bool = True,
                         cold=None, hash_seed: int | None = None,
                         allocator_cls=None) -> PagedKVCacheAdapter:
-    """A float32 pool shaped for ``model`` (on its backend), an allocator and an adapter."""
+    """A pool shaped for ``model`` (its backend and ``kv_dtype``: float32 unless the model
+    runs a KV mode), an allocator and an adapter."""
     from pagedkv.pool import LayerKVPool, PoolGeometry
 
     if allocator_cls is None:
         from pagedkv.allocator import BlockAllocator as allocator_cls
     c = model.config
-    geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, block_size, "float32")
+    geometry = PoolGeometry(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.kv_dtype)
     pool = LayerKVPool(geometry, num_blocks, max_num_blocks, backend=model.backend)
     allocator = allocator_cls(num_blocks, max_num_blocks, block_size, hash_seed=hash_seed)
     return PagedKVCacheAdapter(allocator, pool, cold=cold, growth=growth)

@@ -240,7 +240,11 @@ class PagedPromptCache:
         "Sizing").
     dtype:
         Pool dtype (``"float16"``, ``"bfloat16"``, ``"float32"``; default: the model's K/V
-        dtype, which keeps reuse bit-exact; another dtype casts at the pool boundary).
+        dtype, which keeps reuse bit-exact; another dtype casts at the pool boundary), or a
+        KV mode (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md): K/V
+        are encoded as they enter the pool and decoded back to the model's dtype when a
+        cached prefix is loaded, so reuse is as exact as the mode (the model's own
+        per-request cache is not quantized).
     cold_dir:
         A directory for the cold tier: full blocks (and a recurrent model's state sidecars)
         persist there and a later process with the same model restores them (``None``: no
@@ -317,8 +321,8 @@ class PagedPromptCache:
         #: The pool geometry of the first group (all K/V layers of a full-attention model).
         self.geometry = self.coordinator.groups[0].pool.geometry
         self._routes = {i: self.coordinator.route_for_layer(i) for i in self._kv}
-        self._pool_dtypes = {i: self.coordinator.groups[r.group_id].pool.geometry.dtype
-                             for i, r in self._routes.items()}
+        self._pools = {i: self.coordinator.groups[r.group_id].pool
+                       for i, r in self._routes.items()}
         self._windows: dict[int, int] = {s.index: int(s.window) for s in specs
                                          if s.kind is LayerKind.SLIDING and s.window}
         self._lock = threading.RLock()
@@ -611,6 +615,8 @@ class PagedPromptCache:
                     first = 0
                     k, v = lc.gather_kv(seq, i)  # [cached, heads, dim], lazy
                     need = prompt_len
+                if self._pools[i].geometry.quantized:  # a KV mode's records: decoded
+                    k, v = self._pools[i].decode_tokens(k, v)
                 capacity = -(-need // STEP_TOKENS) * STEP_TOKENS
                 shape = (1, k.shape[1], capacity, k.shape[2])
                 keys = mx.zeros(shape, dtype)
@@ -683,9 +689,12 @@ class PagedPromptCache:
                     request.request_id, exc)
 
     def _mx_pool_dtype(self, index: int):
+        """The MLX dtype layer ``index``'s K/V enter its pool as: the pool's own dtype, or
+        float32 for a KV-mode pool (its codecs encode float values as they are written)."""
         import mlx.core as mx
 
-        return getattr(mx, self._pool_dtypes[index])
+        g = self._pools[index].geometry
+        return mx.float32 if g.quantized else getattr(mx, g.dtype)
 
     def _end(self, request: PagedRequest, tokens) -> int:
         toks = _as_tokens(tokens)

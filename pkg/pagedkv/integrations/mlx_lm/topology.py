@@ -28,7 +28,8 @@ __all__ = [
     "plan_groups",
 ]
 
-#: Pool dtypes a paged prompt cache stores (q8 needs the KV-quantization codecs).
+#: Unquantized pool dtypes a paged prompt cache stores; it also stores every KV mode
+#: (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md).
 POOL_DTYPES = ("float16", "bfloat16", "float32")
 #: Blocks a group's pool starts with when neither ``initial_blocks`` nor the env knob says.
 DEFAULT_INITIAL_BLOCKS = 64
@@ -40,14 +41,21 @@ _MAX_ROW_TOKENS = (1 << 31) - 1
 
 
 def dtype_name(dtype) -> str:
-    """An ``mx.Dtype``, NumPy dtype or name as one of the pool dtype names."""
+    """An ``mx.Dtype``, NumPy dtype or name as one of the pool dtype names, or a KV mode
+    (``"q8"``, ``"<K mode>/<V mode>"``) normalized as the pool spells it."""
+    from pagedkv.quant import kv as kv_modes
+
     text = str(dtype)
     name = text.rsplit(".", 1)[-1]
-    if name not in POOL_DTYPES:
+    if name in POOL_DTYPES:
+        return name
+    try:
+        return kv_modes.join_kv_dtype(*kv_modes.split_kv_dtype(text))
+    except InvalidArgument:
         raise InvalidArgument(
             f"dtype: {dtype!r} is not a paged prompt-cache dtype; use one of "
-            f"{list(POOL_DTYPES)} (q8 KV needs the KV-quantization codecs, not wired here)")
-    return name
+            f"{list(POOL_DTYPES)} or a KV mode such as 'q8', 'fwht4/q8' or 'fwht4/lloyd4' "
+            f"(docs/kv-quant.md)") from None
 
 
 @dataclass(frozen=True, slots=True)

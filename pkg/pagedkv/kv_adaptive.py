@@ -1,0 +1,240 @@
+"""kv_adaptive: lower the K and V modes, one tier at a time, as the context grows.
+
+docs/kv-quant.md "kv_adaptive". The cache starts at K fwht4 / V q8 (head_dim 256) and its
+memory is fixed by the *floor* tier: per layer and sequence ``budget = max_seq * kv_heads *
+(k_bph(floor K) + v_bph(floor V))`` bytes, so ``max_seq`` is the context guaranteed at the
+floor and a tier holds ``cap = budget // (kv_heads * (k_bph + v_bph))`` tokens. Before ``n``
+tokens are appended at position ``seq_pos``, steps apply while ``seq_pos + n`` passes the
+next threshold (``cap(current tier) - 64``); if they still do not fit, the usual
+:class:`~pagedkv.errors.CapacityExceeded` is raised.
+
+=============  ==================================================  ==============
+preset         steps (one side, one tier each)                      floor K/V
+=============  ==================================================  ==============
+conservative   V->lloyd4                                            fwht4/lloyd4
+balanced       V->lloyd4, V->lloyd3, K->fwht2, V->lloyd2            fwht2/lloyd2
+aggressive     K->fwht2, V->lloyd4, V->lloyd3, V->lloyd2            fwht2/lloyd2
+advanced:...   ``advanced:k=<fwht4|fwht2>,v=<q8|lloyd4|lloyd3|      as given
+               lloyd2>``: balanced's order cut at the given floors
+=============  ==================================================  ==============
+
+A step transcodes every block of the pool in place (:meth:`LayerKVPool.transcode`: q8 ->
+lloyd4 decodes and re-encodes, the other steps narrow codes within a table family) inside
+layer regions sized for the floor, so memory never grows; the pool then holds more blocks,
+and the allocator grows by as many. Anything that baked the old mode (an attention object,
+a captured graph) must be rebuilt: :meth:`KVAdaptive.add_listener`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedkv.errors import CapacityExceeded, InvalidArgument
+from pagedkv.quant.kv import join_kv_dtype, side_row_bytes
+
+__all__ = [
+    "PRESETS",
+    "START_TIER",
+    "THRESHOLD_MARGIN_TOKENS",
+    "AdaptivePreset",
+    "KVAdaptive",
+    "KVAdaptivePlan",
+    "parse_adaptive",
+]
+
+logger = logging.getLogger("pagedkv")
+
+START_TIER = ("fwht4", "q8")
+#: Tokens before a tier's capacity at which the next step applies.
+THRESHOLD_MARGIN_TOKENS = 64
+PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "conservative": (("v", "lloyd4"),),
+    "balanced": (("v", "lloyd4"), ("v", "lloyd3"), ("k", "fwht2"), ("v", "lloyd2")),
+    "aggressive": (("k", "fwht2"), ("v", "lloyd4"), ("v", "lloyd3"), ("v", "lloyd2")),
+}
+_V_ORDER = ("q8", "lloyd4", "lloyd3", "lloyd2")
+
+
+@dataclass(frozen=True)
+class AdaptivePreset:
+    """A parsed ``kv_adaptive`` value: its canonical ``spec`` and ``steps`` ((side, mode)
+    pairs in order; empty for ``off``)."""
+
+    spec: str
+    steps: tuple[tuple[str, str], ...]
+
+    @property
+    def tiers(self) -> list[tuple[str, str]]:
+        """(K, V) of the start tier and after each step."""
+        out = [START_TIER]
+        for side, mode in self.steps:
+            k, v = out[-1]
+            out.append((mode, v) if side == "k" else (k, mode))
+        return out
+
+    @property
+    def floor(self) -> tuple[str, str]:
+        return self.tiers[-1]
+
+
+def parse_adaptive(value: str) -> AdaptivePreset:
+    """``off``, a preset name or ``advanced:k=<fwht4|fwht2>,v=<q8|lloyd4|lloyd3|lloyd2>``;
+    ``InvalidArgument`` naming the accepted values otherwise."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"kv_adaptive {value!r}: expected a string")
+    text = value.strip().lower()
+    if text == "off":
+        return AdaptivePreset("off", ())
+    if text in PRESETS:
+        return AdaptivePreset(text, PRESETS[text])
+    accepted = ("off, conservative, balanced, aggressive or "
+                "advanced:k=<fwht4|fwht2>,v=<q8|lloyd4|lloyd3|lloyd2>")
+    if not text.startswith("advanced:"):
+        raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
+    fields = {}
+    for part in text[len("advanced:"):].split(","):
+        key, eq, val = part.strip().partition("=")
+        if not eq or key not in ("k", "v") or key in fields:
+            raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
+        fields[key] = val.strip()
+    if set(fields) != {"k", "v"}:
+        raise InvalidArgument(f"kv_adaptive {value!r}: name both floors, k= and v= ({accepted})")
+    k, v = fields["k"], fields["v"]
+    if k == "fwht3":
+        raise InvalidArgument(f"kv_adaptive {value!r}: k=fwht3 would need an R128 -> R256 "
+                              f"re-rotating transcode; use k=fwht4 or k=fwht2")
+    if k not in ("fwht4", "fwht2") or v not in _V_ORDER:
+        raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
+    floor_v = _V_ORDER.index(v)
+    steps = tuple((side, mode) for side, mode in PRESETS["balanced"]
+                  if (side == "k" and k == "fwht2")
+                  or (side == "v" and _V_ORDER.index(mode) <= floor_v))
+    return AdaptivePreset(f"advanced:k={k},v={v}", steps)
+
+
+class KVAdaptivePlan:
+    """The tiers of a preset for one model shape: capacities and thresholds in tokens.
+
+    ``max_seq``: the context guaranteed at the floor (tokens); ``num_kv_heads``, ``head_dim``
+    (must be 256) as the model's."""
+
+    def __init__(self, preset: AdaptivePreset | str, *, head_dim: int, num_kv_heads: int,
+                 max_seq: int) -> None:
+        self.preset = parse_adaptive(preset) if isinstance(preset, str) else preset
+        if not self.preset.steps:
+            raise InvalidArgument("kv_adaptive is off: there is nothing to plan")
+        if head_dim != 256:
+            raise InvalidArgument(f"kv_adaptive needs head_dim 256 (lloyd V); this model has "
+                                  f"{head_dim}")
+        if num_kv_heads < 1 or max_seq < 1:
+            raise InvalidArgument(f"num_kv_heads={num_kv_heads}, max_seq={max_seq}: each >= 1")
+        self.head_dim, self.num_kv_heads, self.max_seq = head_dim, num_kv_heads, max_seq
+        self.tiers = self.preset.tiers
+        self.bytes_per_head = [side_row_bytes(k, head_dim) + side_row_bytes(v, head_dim)
+                               for k, v in self.tiers]
+        #: bytes per layer and sequence: max_seq tokens at the floor
+        self.budget_bytes = max_seq * num_kv_heads * self.bytes_per_head[-1]
+        self.caps = [self.budget_bytes // (num_kv_heads * b) for b in self.bytes_per_head]
+        #: threshold[i]: the step from tier i to i + 1 applies past this many tokens
+        self.thresholds = [c - THRESHOLD_MARGIN_TOKENS for c in self.caps[:-1]]
+
+    def __repr__(self) -> str:
+        tiers = " -> ".join(f"{join_kv_dtype(k, v)}({c})" for (k, v), c in
+                            zip(self.tiers, self.caps, strict=True))
+        return f"KVAdaptivePlan({self.preset.spec}: {tiers} tokens)"
+
+    def kv_dtype(self, tier: int) -> str:
+        return join_kv_dtype(*self.tiers[tier])
+
+    def tier_before_append(self, tier: int, seq_pos: int, n: int) -> int:
+        """The tier to be at before appending ``n`` tokens at ``seq_pos``: steps apply while
+        ``seq_pos + n`` is past the next threshold."""
+        while tier < len(self.thresholds) and seq_pos + n > self.thresholds[tier]:
+            tier += 1
+        return tier
+
+
+class KVAdaptive:
+    """kv_adaptive over one paged pool and its allocator: :meth:`before_append` transcodes
+    the pool tier by tier. Build one with :meth:`create` (pool regions sized for the floor).
+    """
+
+    def __init__(self, plan: KVAdaptivePlan, pool, allocator, *, num_seqs: int = 1) -> None:
+        self.plan = plan
+        self.pool = pool
+        self.allocator = allocator
+        self.num_seqs = num_seqs
+        tiers = [i for i in range(len(plan.tiers)) if plan.kv_dtype(i) == pool.geometry.dtype]
+        if not tiers:
+            raise InvalidArgument(f"pool dtype {pool.geometry.dtype!r} is no tier of "
+                                  f"{plan!r}")
+        self.tier: int = tiers[0]
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    @classmethod
+    def create(cls, preset: AdaptivePreset | str, *, num_layers: int, num_kv_heads: int,
+               head_dim: int, block_size: int, max_seq: int, num_seqs: int = 1,
+               hash_seed: int | None = None) -> KVAdaptive:
+        """A NumPy pool at the start tier whose layer regions hold ``num_seqs`` sequences of
+        ``max_seq`` tokens at the floor, its allocator, and the controller."""
+        from pagedkv.allocator import BlockAllocator
+        from pagedkv.pool import LayerKVPool, PoolGeometry
+        plan = KVAdaptivePlan(preset, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                              max_seq=max_seq)
+        geometry = PoolGeometry(num_layers, num_kv_heads, head_dim, block_size, plan.kv_dtype(0))
+        region = num_seqs * plan.budget_bytes
+        per_block = geometry.k_slab_bytes + geometry.v_slab_bytes
+        blocks = region // per_block
+        if blocks < 1:
+            raise InvalidArgument(f"max_seq={max_seq}: the floor budget ({region} bytes per "
+                                  f"layer) holds no {block_size}-token block at "
+                                  f"{plan.kv_dtype(0)}")
+        floor_blocks = region // (block_size * num_kv_heads * plan.bytes_per_head[-1])
+        # max_num_blocks: what the regions hold at the floor (the adapter checks that pool
+        # and allocator agree); transcoding, not growth, gets the pool there.
+        pool = LayerKVPool(geometry, blocks, floor_blocks, layer_region_bytes=region)
+        allocator = BlockAllocator(blocks, floor_blocks, block_size, hash_seed=hash_seed)
+        return cls(plan, pool, allocator, num_seqs=num_seqs)
+
+    def __repr__(self) -> str:
+        return (f"KVAdaptive(tier={self.tier} {self.kv_dtype!r}, blocks="
+                f"{self.pool.num_blocks}, {self.plan!r})")
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.plan.kv_dtype(self.tier)
+
+    def add_listener(self, fn: Callable[[str, str], None]) -> None:
+        """Call ``fn(old_kv_dtype, new_kv_dtype)`` after every step (rebuild what baked the
+        old mode: attention objects, captured graphs)."""
+        self._listeners.append(fn)
+
+    def before_append(self, seq_pos: int, n: int) -> list[str]:
+        """Apply the steps ``n`` more tokens at ``seq_pos`` need; returns the KV dtypes
+        stepped to (in order). ``CapacityExceeded`` when even the floor cannot hold them."""
+        from pagedkv.pool import growth_lock
+        target = self.plan.tier_before_append(self.tier, seq_pos, n)
+        applied = []
+        while self.tier < target:
+            old = self.kv_dtype
+            new = self.plan.kv_dtype(self.tier + 1)
+            with growth_lock():
+                before = self.pool.num_blocks
+                self.pool.transcode(new)
+                if self.pool.num_blocks > before:
+                    self.allocator.grow_by(self.pool.num_blocks - before)
+            self.tier += 1
+            applied.append(new)
+            logger.info("kv_adaptive %s: %s -> %s at %d tokens (+%d), %d blocks",
+                        self.plan.preset.spec, old, new, seq_pos, n, self.pool.num_blocks)
+            for fn in tuple(self._listeners):
+                fn(old, new)
+        if seq_pos + n > self.plan.caps[self.tier]:
+            raise CapacityExceeded(
+                f"context_length_exceeded: {seq_pos + n} tokens do not fit {self.kv_dtype} "
+                f"({self.plan.caps[self.tier]} tokens at the "
+                f"{'floor' if self.tier == len(self.plan.tiers) - 1 else 'current tier'}) of "
+                f"kv_adaptive {self.plan.preset.spec} with max_seq={self.plan.max_seq}")
+        return applied

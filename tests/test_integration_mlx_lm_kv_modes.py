@@ -1,0 +1,77 @@
+"""mlx-lm's prompt cache over a pool of a KV mode (docs/kv-quant.md "Pools",
+docs/integrations/mlx-lm.md): published turns are stored as the mode's records (the host
+codec's bytes), and a later request that reuses the prefix starts from exactly the decoded
+records, in the model's dtype. Skipped without mlx-lm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from pagedkv.errors import InvalidArgument
+from pagedkv.integrations.mlx_lm import PagedPromptCache
+from pagedkv.integrations.mlx_lm.random_models import random_model
+from pagedkv.quant import kv as kv_modes
+
+BS = 8
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 256, n).tolist()
+
+
+def run(model, prompt, cache, n: int = 4) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                             max_tokens=n)]
+
+
+@pytest.mark.parametrize("mode,head_dim", [("q8", 32), ("fwht4/q8", 128),
+                                           ("fwht4/lloyd4", 256)])
+def test_published_turns_are_stored_in_the_mode_and_reloaded_decoded(mode, head_dim):
+    model = random_model("qwen3", seed=3, head_dim=head_dim)[0]
+    paged = PagedPromptCache(model, block_size=BS, dtype=mode)
+    g = paged.geometry
+    assert g.dtype == mode and g.quantized
+    prompt = toks(21, 7)
+    a = paged.begin(prompt)
+    out = run(model, prompt, a.cache)
+    held = prompt + out  # generate_step feeds every token back (mlx-lm 0.32)
+    # The exact K/V the model computed, before publishing.
+    want = [(np.array(c.keys[0, :, :len(held)].transpose(1, 0, 2).astype(mx.float32)),
+             np.array(c.values[0, :, :len(held)].transpose(1, 0, 2).astype(mx.float32)))
+            for c in a.cache]
+    assert a.end(held) == len(held)
+    b = paged.begin(held + toks(3, 8))
+    assert b.cached_tokens == len(held)
+    for layer, (k, v) in enumerate(want):
+        rec_k, rec_v = paged.coordinator.gather_kv(b._seq, layer)
+        assert np.array_equal(np.array(rec_k), kv_modes.encode(k, g.k_dtype))
+        assert np.array_equal(np.array(rec_v), kv_modes.encode(v, g.v_dtype))
+        cache = b.cache[layer]
+        got_k = np.array(cache.keys[0, :, :len(held)].transpose(1, 0, 2).astype(mx.float32))
+        got_v = np.array(cache.values[0, :, :len(held)].transpose(1, 0, 2).astype(mx.float32))
+        dec_k = kv_modes.decode(kv_modes.encode(k, g.k_dtype), g.k_dtype, head_dim)
+        dec_v = kv_modes.decode(kv_modes.encode(v, g.v_dtype), g.v_dtype, head_dim)
+        np.testing.assert_allclose(got_k, dec_k, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got_v, dec_v, rtol=1e-6, atol=1e-6)
+        assert not np.array_equal(got_k, k)  # the mode's error is there: nothing bypassed it
+    assert len(run(model, toks(3, 8), b.cache, 2)) == 2  # generation goes on from there
+    b.release()
+
+
+def test_kv_modes_are_checked_against_the_model_head_dim():
+    model = random_model("qwen3", seed=0)[0]  # head_dim 16
+    with pytest.raises(InvalidArgument, match="multiple of 32"):
+        PagedPromptCache(model, dtype="q8")
+    with pytest.raises(InvalidArgument, match="not a paged prompt-cache dtype"):
+        PagedPromptCache(model, dtype="int4")
+    model = random_model("qwen3", seed=0, head_dim=128)[0]
+    with pytest.raises(InvalidArgument, match="lloyd4"):
+        PagedPromptCache(model, dtype="fwht4/lloyd4")  # lloyd needs head_dim 256
+    assert make_prompt_cache(model)  # the model itself is untouched

@@ -1,0 +1,183 @@
+"""KV mode resolution (PAGEDKV_KV_MODE > config > registry > q8, HIPFIRE_* aliases) and
+kv_adaptive (presets, tiers, capacities, thresholds, in-place downshift): docs/kv-quant.md."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from pagedkv import errors, kv_mode
+from pagedkv.kv_adaptive import KVAdaptive, KVAdaptivePlan, parse_adaptive
+from pagedkv.kv_mode import register_model_kv_defaults, resolve_kv_modes
+from pagedkv.quant import kv
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(kv_mode, "_warned", set())
+    monkeypatch.setattr(kv_mode, "_REGISTRY", {})
+
+
+def test_defaults_are_q8_and_off():
+    c = resolve_kv_modes(environ={})
+    assert (c.k, c.v, c.adaptive, c.kv_dtype) == ("q8", "q8", "off", "q8")
+    assert c.sources == {"k": "default", "v": "default", "adaptive": "default"}
+
+
+def test_the_order_argument_env_alias_model_global_registry_default():
+    register_model_kv_defaults("m", kv_cache="fwht2", kv_v="lloyd2")
+    env = {"PAGEDKV_KV_MODE": "fwht3", "HIPFIRE_KV_MODE": "fwht2", "HIPFIRE_KV_V": "lloyd3"}
+    model, glob = {"kv_cache": "fwht4", "kv_v": "lloyd4"}, {"kv_cache": "q8", "kv_v": "q8"}
+    c = resolve_kv_modes(k="fwht4", environ=env, model_config=model, global_config=glob,
+                         model="m")
+    assert (c.k, c.sources["k"]) == ("fwht4", "argument k")
+    assert (c.v, c.sources["v"]) == ("lloyd3", "HIPFIRE_KV_V")  # alias: PAGEDKV_KV_V unset
+    c = resolve_kv_modes(environ=env, model_config=model, global_config=glob, model="m")
+    assert (c.k, c.sources["k"]) == ("fwht3", "PAGEDKV_KV_MODE")  # alias not read
+    c = resolve_kv_modes(environ={}, model_config=model, global_config=glob, model="m")
+    assert (c.kv_dtype, c.sources["k"]) == ("fwht4/lloyd4", "model config kv_cache")
+    c = resolve_kv_modes(environ={}, global_config=glob, model="m")
+    assert (c.kv_dtype, c.sources["v"]) == ("q8", "global config kv_v")
+    c = resolve_kv_modes(environ={}, model="m")
+    assert (c.kv_dtype, c.sources["k"]) == ("fwht2/lloyd2", "registry 'm'")
+    # the registry fills in a knob set to auto, and a final auto is q8
+    c = resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "auto"}, model="m")
+    assert (c.k, c.sources["k"]) == ("fwht2", "registry 'm'")
+    c = resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "AUTO"})
+    assert (c.k, c.sources["k"]) == ("q8", "PAGEDKV_KV_MODE (auto)")
+
+
+def test_bad_pagedkv_or_config_values_raise_naming_the_source(caplog):
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"PAGEDKV_KV_MODE = 'fwht5': accepted values are q8, fwht4"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "fwht5"})
+    with pytest.raises(errors.InvalidArgument, match=r"PAGEDKV_KV_V = 'fp8' is not supported"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_V": "fp8"})
+    with pytest.raises(errors.InvalidArgument, match=r"model config kv_cache = 'legacy-asym3'"):
+        resolve_kv_modes(environ={}, model_config={"kv_cache": "legacy-asym3"})
+    with pytest.raises(errors.InvalidArgument, match=r"PAGEDKV_KV_ADAPTIVE = 'fast'"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "fast"})
+    with pytest.raises(errors.InvalidArgument, match=r"argument v = 'fwht4'"):
+        resolve_kv_modes(v="fwht4", environ={})
+
+
+def test_a_bad_alias_is_logged_and_skipped_and_an_alias_logged_once(caplog):
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    env = {"HIPFIRE_KV_MODE": "fp8", "HIPFIRE_KV_V": "lloyd4"}
+    c = resolve_kv_modes(environ=env, model_config={"kv_cache": "fwht4"})
+    assert (c.k, c.sources["k"]) == ("fwht4", "model config kv_cache")
+    assert (c.v, c.sources["v"]) == ("lloyd4", "HIPFIRE_KV_V")
+    resolve_kv_modes(environ=env, model_config={"kv_cache": "fwht4"})
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("ignoring HIPFIRE_KV_MODE='fp8'" in t for t in text) == 1
+    assert sum("using HIPFIRE_KV_V='lloyd4'" in t for t in text) == 1
+
+
+@pytest.mark.parametrize("alias,mode", [("asym4", "fwht4"), ("turbo", "fwht3"),
+                                        ("turbo2", "fwht2"), ("asym3", "fwht3")])
+def test_deprecated_upstream_names_mean_fwht_and_warn_once(caplog, alias, mode):
+    caplog.set_level(logging.WARNING, logger="pagedkv")
+    for _ in range(2):
+        assert resolve_kv_modes(environ={"PAGEDKV_KV_MODE": alias}).k == mode
+    assert sum("deprecated name" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_pairing_rules():
+    with pytest.raises(errors.InvalidArgument, match="V 'lloyd4' .*needs a rotated K"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_V": "lloyd4"})
+    c = resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "bf16"})
+    assert (c.kv_dtype, c.v) == ("bfloat16", "bf16")
+    with pytest.raises(errors.InvalidArgument, match="bf16 on both sides"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_MODE": "bf16", "PAGEDKV_KV_V": "lloyd2"})
+
+
+def test_adaptive_forces_the_start_tier_and_refuses_an_explicit_mode():
+    c = resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "Balanced"})
+    assert (c.adaptive, c.kv_dtype) == ("balanced", "fwht4/q8")
+    with pytest.raises(errors.InvalidArgument, match="unset one of them"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "balanced"},
+                         model_config={"kv_v": "lloyd4"})
+    c = resolve_kv_modes(adaptive="advanced: v=lloyd3 ,k=fwht2", environ={})
+    assert c.adaptive == "advanced:k=fwht2,v=lloyd3"
+
+
+@pytest.mark.parametrize("spec,tiers", [
+    ("conservative", ["fwht4/q8", "fwht4/lloyd4"]),
+    ("balanced", ["fwht4/q8", "fwht4/lloyd4", "fwht4/lloyd3", "fwht2/lloyd3", "fwht2/lloyd2"]),
+    ("aggressive", ["fwht4/q8", "fwht2/q8", "fwht2/lloyd4", "fwht2/lloyd3", "fwht2/lloyd2"]),
+    ("advanced:k=fwht4,v=lloyd3", ["fwht4/q8", "fwht4/lloyd4", "fwht4/lloyd3"]),
+    ("advanced:k=fwht2,v=q8", ["fwht4/q8", "fwht2/q8"]),
+    ("advanced:k=fwht2,v=lloyd4", ["fwht4/q8", "fwht4/lloyd4", "fwht2/lloyd4"]),
+])
+def test_presets_and_their_tiers(spec, tiers):
+    assert [kv.join_kv_dtype(*t) for t in parse_adaptive(spec).tiers] == tiers
+
+
+@pytest.mark.parametrize("bad,match", [("advanced:k=fwht3,v=lloyd2", "re-rotating"),
+                                       ("advanced:k=fwht2", "name both floors"),
+                                       ("advanced:k=fwht2,v=lloyd5", "expected off"),
+                                       ("balance", "expected off")])
+def test_bad_adaptive_values(bad, match):
+    with pytest.raises(errors.InvalidArgument, match=match):
+        parse_adaptive(bad)
+
+
+def test_plan_capacities_and_thresholds_follow_the_budget():
+    # docs/kv-quant.md: bytes per head at hd 256 for balanced are 404 -> 264 -> 232 -> 168
+    # -> 136; budget = max_seq * kv_heads * 136; cap = budget // (kv_heads * bytes).
+    plan = KVAdaptivePlan("balanced", head_dim=256, num_kv_heads=4, max_seq=40000)
+    assert plan.bytes_per_head == [404, 264, 232, 168, 136]
+    assert plan.budget_bytes == 40000 * 4 * 136
+    assert plan.caps == [40000 * 136 // b for b in (404, 264, 232, 168, 136)]
+    assert plan.caps[0] == 13465  # 136/404 = 0.337 of max_seq
+    assert plan.thresholds == [c - 64 for c in plan.caps[:-1]]
+    assert plan.tier_before_append(0, 13000, 1) == 0
+    assert plan.tier_before_append(0, 13400, 2) == 1  # 13402 > 13401
+    assert plan.tier_before_append(0, 0, 30000) == 3  # one append crossing several
+    assert plan.tier_before_append(0, 0, 33000) == 4
+    assert plan.tier_before_append(2, 100, 1) == 2  # never back up
+    aggressive = KVAdaptivePlan("aggressive", head_dim=256, num_kv_heads=1, max_seq=1000)
+    assert aggressive.bytes_per_head == [404, 340, 200, 168, 136]
+    with pytest.raises(errors.InvalidArgument, match="head_dim 256"):
+        KVAdaptivePlan("balanced", head_dim=128, num_kv_heads=4, max_seq=100)
+    with pytest.raises(errors.InvalidArgument, match="off"):
+        KVAdaptivePlan("off", head_dim=256, num_kv_heads=4, max_seq=100)
+
+
+def test_adaptive_pool_downshifts_in_place_and_keeps_every_token():
+    ad = KVAdaptive.create("balanced", num_layers=2, num_kv_heads=2, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    pool, alloc = ad.pool, ad.allocator
+    region = pool._storage.region
+    assert pool.num_blocks == ad.plan.budget_bytes // (16 * 2 * 404)  # 10 blocks of 16
+    assert alloc.num_blocks == pool.num_blocks
+    seen = []
+    ad.add_listener(lambda old, new: seen.append((old, new)))
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal((2, 2, 480, 2, 256)).astype(np.float32)  # layer, k/v, tokens
+    ids = alloc.allocate_many(min(alloc.num_free_blocks, 30))
+    assert ad.before_append(0, 100) == []
+    slots = (ids[:7, None] * 16 + np.arange(16)).reshape(-1)[:100]
+    for layer in range(2):
+        pool.write_tokens(layer, slots, vals[layer, 0, :100], vals[layer, 1, :100])
+    cap0 = ad.plan.caps[0]
+    assert ad.before_append(100, cap0 - 64 - 100) == []  # up to the threshold: no step
+    assert ad.before_append(100, cap0 - 64 - 99) == ["fwht4/lloyd4"]
+    assert pool._storage.region is region and pool.geometry.dtype == "fwht4/lloyd4"
+    assert alloc.num_blocks == pool.num_blocks > 10
+    for layer in range(2):
+        k, v = pool.decode_tokens(*pool.gather(layer, ids[:7], 100))
+        want_k = kv.decode(kv.encode(vals[layer, 0, :100], "fwht4"), "fwht4", 256)
+        want_v = kv.decode(kv.transcode(kv.encode(vals[layer, 1, :100], "q8"), "q8", "lloyd4",
+                                        256), "lloyd4", 256)
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
+    applied = ad.before_append(200, 300)  # 500 tokens: past every threshold but the floor's
+    assert applied == ["fwht4/lloyd3", "fwht2/lloyd3", "fwht2/lloyd2"]
+    assert seen[-1] == ("fwht2/lloyd3", "fwht2/lloyd2") and len(seen) == 4
+    assert pool.num_blocks == alloc.num_blocks == 512 // 16
+    with pytest.raises(errors.CapacityExceeded, match="513 tokens do not fit fwht2/lloyd2"):
+        ad.before_append(512, 1)
+    assert repr(ad).startswith("KVAdaptive(tier=4 'fwht2/lloyd2'")

@@ -1,0 +1,220 @@
+"""Pools whose K and V are KV modes (docs/kv-quant.md "Pools"): geometry and sizes, encode on
+write and decode on read on the NumPy and MLX backends, block I/O between them, growth,
+transcoding in place, bad input leaving the pool unchanged; the MLX codecs byte-equal to
+the Cython ones."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from pagedkv import errors
+from pagedkv.pool import LayerKVPool, PoolGeometry
+from pagedkv.quant import kv
+from pagedkv.sizing import blocks_for_memory_mb
+
+HAVE_MLX = importlib.util.find_spec("mlx") is not None
+BACKENDS = ["numpy", pytest.param("mlx", marks=pytest.mark.skipif(not HAVE_MLX,
+                                                                   reason="MLX not installed"))]
+RNG = np.random.default_rng()
+CASES = [("q8", 64), ("fwht4/q8", 128), ("fwht2/q8", 128), ("fwht4/lloyd4", 256),
+         ("fwht3/lloyd2", 256), ("fwht4/lloyd3", 256), ("q8/q8", 128)]
+
+
+def _np(x):
+    return np.array(x)
+
+
+def test_bytes_per_token_and_head_follow_the_record_layouts():
+    # docs/kv-quant.md "Record layouts" / kv_adaptive: bytes per (token, kv-head), K + V, hd 256
+    per_head = {"fwht4/q8": 404, "fwht3/q8": 372, "fwht3/lloyd4": 232, "fwht3/lloyd3": 200,
+                "fwht3/lloyd2": 168, "fwht2/lloyd2": 136, "fwht4/lloyd4": 264,
+                "fwht2/lloyd4": 200, "q8": 544, "bfloat16": 1024}
+    for dtype, n in per_head.items():
+        g = PoolGeometry(3, 2, 256, 16, dtype)
+        assert g.k_row_bytes + g.v_row_bytes == n
+        assert g.bytes_per_token == 3 * 2 * n
+        assert g.bytes_per_block == 16 * 3 * 2 * n
+    g = PoolGeometry(32, 8, 128, 16, "fwht4/q8")
+    assert (g.k_row_bytes, g.v_row_bytes, g.symmetric) == (68, 136, False)
+    assert g.block_buffer_shape == (32, 16 * 8 * (68 + 136))
+    assert g.itemsize == (68 + 136) / 256
+    with pytest.raises(errors.InvalidArgument, match="use k_row_bytes / v_row_bytes"):
+        _ = g.row_bytes
+    assert blocks_for_memory_mb(1, g) == (1 << 20) // (32 * 16 * 8 * 204)
+    sym = PoolGeometry(2, 1, 256, 16, "fwht4/lloyd4")
+    assert sym.symmetric and sym.block_buffer_shape == (2, 2, 16 * 132)
+
+
+@pytest.mark.parametrize("dtype,hd,match", [
+    ("fwht3/q8", 128, "fwht3 needs head_dim 256"), ("fwht4/lloyd4", 128, "lloyd4 needs"),
+    ("fwht4/q8", 96, "fwht4 needs head_dim 128 or 256"), ("q8/lloyd4", 256, "rotated K"),
+    ("fwht4", 128, "name both sides")])
+def test_geometry_refuses_what_a_mode_cannot_store(dtype, hd, match):
+    with pytest.raises(errors.InvalidArgument, match=match):
+        PoolGeometry(2, 2, hd, 16, dtype)
+
+
+def _fill(pool, n_tokens=13, layer=1, seed=None):
+    g = pool.geometry
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((n_tokens, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_tokens, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    slots = rng.permutation(pool.num_slots)[:n_tokens].astype(np.int64)
+    pool.write_tokens(layer, slots, k, v)
+    return slots, k, v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,hd", CASES)
+def test_values_are_encoded_on_write_and_decoded_on_read(backend, dtype, hd):
+    g = PoolGeometry(2, 3, hd, 4, dtype)
+    pool = LayerKVPool(g, num_blocks=6, backend=backend)
+    slots, k, v = _fill(pool)
+    table = np.arange(6, dtype=np.int32)
+    rk, rv = pool.gather(1, table, 24)
+    np.testing.assert_array_equal(_np(rk)[slots], kv.encode(k, g.k_dtype))
+    np.testing.assert_array_equal(_np(rv)[slots], kv.encode(v, g.v_dtype))
+    dk, dv = pool.decode_tokens(rk, rv)
+    np.testing.assert_array_equal(_np(dk)[slots], kv.decode(kv.encode(k, g.k_dtype), g.k_dtype, hd))
+    np.testing.assert_array_equal(_np(dv)[slots], kv.decode(kv.encode(v, g.v_dtype), g.v_dtype, hd))
+    # float16 values encode like their float32 widening; records are written as they are
+    pool.write_tokens(0, slots[:2], k[:2].astype(np.float16), v[:2].astype(np.float16))
+    gk, _ = pool.gather(0, table, 24)
+    np.testing.assert_array_equal(_np(gk)[slots[:2]],
+                                  kv.encode(k[:2].astype(np.float16).astype(np.float32), g.k_dtype))
+    recs = (kv.encode(k[:3], g.k_dtype), kv.encode(v[:3], g.v_dtype))
+    pool.write_tokens(0, slots[5:8], *recs)
+    gk, gv = pool.gather(0, table, 24)
+    np.testing.assert_array_equal(_np(gk)[slots[5:8]], recs[0])
+    np.testing.assert_array_equal(_np(gv)[slots[5:8]], recs[1])
+    # all layers at once
+    kl = np.stack([k, k[::-1]])
+    vl = np.stack([v, v[::-1]])
+    pool.write_tokens_layers(slots, kl, vl)
+    lk, lv = pool.gather_layers(table, 24)
+    np.testing.assert_array_equal(_np(lk)[:, slots], kv.encode(kl, g.k_dtype))
+    np.testing.assert_array_equal(_np(lv)[:, slots], kv.encode(vl, g.v_dtype))
+
+
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+@pytest.mark.parametrize("dtype,hd", CASES)
+def test_mlx_values_encode_in_mlx_to_the_same_records(dtype, hd):
+    import mlx.core as mx
+    g = PoolGeometry(2, 3, hd, 4, dtype)
+    pool = LayerKVPool(g, num_blocks=6, backend="mlx")
+    k = RNG.standard_normal((5, 3, hd)).astype(np.float32)
+    v = RNG.standard_normal((5, 3, hd)).astype(np.float32)
+    slots = np.array([0, 3, 7, 8, 22])
+    pool.write_tokens(0, slots, mx.array(k), mx.array(v).astype(mx.bfloat16))
+    rk, rv = pool.gather(0, np.arange(6, dtype=np.int32), 24)
+    np.testing.assert_array_equal(np.array(rk)[slots], kv.encode(k, g.k_dtype))
+    bf = np.array(mx.array(v).astype(mx.bfloat16).astype(mx.float32))
+    np.testing.assert_array_equal(np.array(rv)[slots], kv.encode(bf, g.v_dtype))
+
+
+@pytest.mark.parametrize("dtype,hd", CASES)
+def test_block_io_is_the_same_bytes_on_both_backends_and_survives_growth(dtype, hd):
+    g = PoolGeometry(3, 2, hd, 4, dtype)
+    src = LayerKVPool(g, num_blocks=3, max_num_blocks=8)
+    for layer in range(3):
+        _fill(src, 9, layer, seed=layer)
+    blocks = [src.read_block(b) for b in range(3)]
+    assert blocks[0].shape == g.block_buffer_shape
+    # each layer's K slab then its V slab: the gathered records, in order
+    rk, rv = src.gather(1, np.array([2], np.int32), 4)
+    flat = blocks[2].reshape(3, -1)[1]
+    np.testing.assert_array_equal(flat[:g.k_slab_bytes], rk.reshape(-1))
+    np.testing.assert_array_equal(flat[g.k_slab_bytes:], rv.reshape(-1))
+    assert src.grow_to(8)
+    for b in range(3):
+        np.testing.assert_array_equal(src.read_block(b), blocks[b])
+    assert not src.read_block(7).any()
+    backends = ["numpy"] + (["mlx"] if HAVE_MLX else [])
+    for backend in backends:
+        dst = LayerKVPool(g, num_blocks=4, backend=backend)
+        for b in range(3):
+            dst.write_block(3 - b, blocks[b])
+        for b in range(3):
+            np.testing.assert_array_equal(dst.read_block(3 - b), blocks[b])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_values_leave_the_pool_unchanged(backend):
+    g = PoolGeometry(2, 2, 128, 4, "fwht4/q8")
+    pool = LayerKVPool(g, num_blocks=2, backend=backend)
+    _fill(pool, 6, 0, seed=3)
+    before = [pool.read_block(b) for b in range(2)]
+    k = np.ones((2, 2, 128), np.float32)
+    v = k.copy()
+    v[1, 1, 100] = np.nan
+    with pytest.raises(errors.InvalidArgument, match="non-finite"):
+        pool.write_tokens(0, [0, 1], k, v)
+    with pytest.raises(errors.InvalidArgument, match=r"expected \(2, 2, 128\).*values to encode"):
+        pool.write_tokens(0, [0, 1], np.ones((2, 2, 64), np.float32), k)
+    with pytest.raises(errors.InvalidArgument, match=r"expected \(2, 2, 136\)"):
+        pool.write_tokens(0, [0, 1], kv.encode(k, "fwht4"), kv.encode(k, "fwht4"))
+    with pytest.raises(errors.InvalidArgumentType, match="float32/float16 values to encode"):
+        pool.write_tokens(0, [0, 1], k.astype(np.float64), v)
+    for b in range(2):
+        np.testing.assert_array_equal(pool.read_block(b), before[b])
+
+
+def test_transcode_reencodes_every_block_and_refuses_bad_transitions():
+    g = PoolGeometry(2, 2, 256, 4, "fwht4/q8")
+    pool = LayerKVPool(g, num_blocks=3)
+    for layer in range(2):
+        _fill(pool, 10, layer, seed=10 + layer)
+    table = np.arange(3, dtype=np.int32)
+    old = [pool.gather(layer, table, 12) for layer in range(2)]
+    with pytest.raises(errors.InvalidArgument, match="fwht4 -> fwht3 is not a transcode"):
+        pool.transcode("fwht3/q8")
+    with pytest.raises(errors.InvalidArgument, match="only a pool with layer_region_bytes"):
+        pool.transcode("fwht4/lloyd4", num_blocks=5)
+    assert pool.geometry.dtype == "fwht4/q8" and pool.generation == 0
+    pool.transcode("fwht4/lloyd4")
+    assert pool.generation == 1 and pool.geometry.dtype == "fwht4/lloyd4"
+    for layer in range(2):
+        k, v = pool.gather(layer, table, 12)
+        np.testing.assert_array_equal(k, old[layer][0])
+        np.testing.assert_array_equal(v, kv.transcode(old[layer][1], "q8", "lloyd4", 256))
+    pool.transcode("fwht2/lloyd3")
+    for layer in range(2):
+        k, v = pool.gather(layer, table, 12)
+        np.testing.assert_array_equal(k, kv.downshift(old[layer][0], "fwht4", "fwht2", 256))
+        np.testing.assert_array_equal(v, kv.downshift(kv.transcode(old[layer][1], "q8", "lloyd4",
+                                                                   256), "lloyd4", "lloyd3", 256))
+    with pytest.raises(errors.InvalidArgument, match="lloyd3 -> lloyd4"):
+        pool.transcode("fwht2/lloyd4")
+
+
+def test_transcode_in_fixed_regions_gains_blocks_and_keeps_them_in_place():
+    g = PoolGeometry(2, 1, 256, 4, "fwht4/q8")
+    per_layer = 10 * (g.k_slab_bytes + g.v_slab_bytes)  # room for 10 start-tier blocks
+    pool = LayerKVPool(g, num_blocks=10, layer_region_bytes=per_layer)
+    grown = []
+    pool.add_grow_callback(lambda old, new, gen: grown.append((old, new, gen)))
+    for layer in range(2):
+        _fill(pool, 40, layer, seed=20 + layer)
+    region = pool._storage.region
+    table = np.arange(10, dtype=np.int32)
+    old = [pool.gather(layer, table, 40) for layer in range(2)]
+    pool.transcode("fwht4/lloyd4")
+    assert pool._storage.region is region  # same memory
+    new_g = pool.geometry
+    assert pool.num_blocks == per_layer // (new_g.k_slab_bytes + new_g.v_slab_bytes) == 15
+    assert pool.max_num_blocks == 15 and grown == [(10, 15, 1)]
+    for layer in range(2):
+        k, v = pool.gather(layer, table, 40)
+        np.testing.assert_array_equal(k, old[layer][0])
+        np.testing.assert_array_equal(v, kv.transcode(old[layer][1], "q8", "lloyd4", 256))
+    assert not pool.read_block(14).any()
+    pool.transcode("fwht2/lloyd2", num_blocks=20)
+    assert pool.num_blocks == 20
+    with pytest.raises(errors.InvalidArgument, match=r"num_blocks: 99 is outside \[20, 29\]"):
+        pool.transcode("fwht2/lloyd2", num_blocks=99)
+    assert (pool.num_blocks, pool.generation, pool.geometry.dtype) == (20, 2, "fwht2/lloyd2")
+    with pytest.raises(errors.InvalidArgument, match="fewer than num_blocks=11"):
+        LayerKVPool(g, num_blocks=11, layer_region_bytes=per_layer)
