@@ -6,7 +6,7 @@ import importlib
 import sys
 
 SUITES = {"gpu": "pagedkv.bench.gpu", "decode": "pagedkv.bench.decode",
-          "mlx": "pagedkv.bench.mlx"}
+          "mlx": "pagedkv.bench.mlx", "quality": "pagedkv.bench.quality"}
 
 
 def main(argv: list[str] | None = None) -> int:
