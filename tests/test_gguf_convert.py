@@ -27,7 +27,7 @@ from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
 from pagedkv.hfqm.convert import convert_gguf, parameter_counts
 from pagedkv.hfqm.gguf_source import GgufSource, hf_name, unpermute_rows
 from pagedkv.hfqm.policy import plan_tensor, promoted, resolve_format
-from pagedkv.quant import quantize
+from pagedkv.quant import dequantize, quantize
 
 H, I, V = 256, 512, 64           # hidden, intermediate, vocab
 N_HEAD, N_KV = 4, 2              # head_dim 64
@@ -426,9 +426,8 @@ def test_broken_gguf_files_raise_specific_errors_and_write_nothing(tmp_path, cap
 
 
 def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(tmp_path):
-    from test_hfqm_cli import make_model
-
     from pagedkv.hfqm.convert import convert_safetensors
+    from test_hfqm_cli import make_model
     values = make_model(tmp_path / "m")
     convert_safetensors(tmp_path / "m", tmp_path / "a.hfq", fmt="hf4", measure_error=False)
     convert_safetensors(tmp_path / "m", tmp_path / "b.hfq", fmt="hf4", promote=True,
@@ -452,3 +451,20 @@ def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(
         "model.layers.0.mlp.experts.0.gate_up_proj.weight",
         "model.layers.0.mlp.experts.1.gate_up_proj.weight"}
     assert {qb[n] for n in qb if qa[n] != qb[n]} == {8}
+
+
+def test_quality_bench_measures_each_codec_on_the_same_tensors():
+    from pagedkv.bench.quality import measure, rel_error, weight_sets
+    w = np.array([[3.0, 4.0]], np.float32)
+    assert rel_error(w, np.zeros_like(w)) == 1.0
+    assert rel_error(w, np.array([[3.0, 4.5]], np.float32)) == pytest.approx(0.1)
+    rows = {r["codec"]: r for r in measure(4, 256, 1, None)}
+    sets = weight_sets(4, 256, 1)
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+        want = np.mean([rel_error(x, dequantize(quantize(x, fmt), fmt, x.shape))
+                        for x in sets["llm-like"]])
+        assert rows[f"pagedkv {fmt}"]["llm-like"] == want
+    q4_0 = rows["ggml q4_0"]
+    assert q4_0["bpw"] == 4.5 and q4_0["library"] == "ggml"
+    assert rows["pagedkv mq4g256v2"]["bpw"] == 4.25
+    assert rows["pagedkv q8f16"]["gaussian"] < 0.01 < rows["pagedkv hfq4g256"]["gaussian"]

@@ -33,7 +33,7 @@ def weight_sets(rows: int, k: int, seed: int) -> dict[str, list[np.ndarray]]:
     (Student-t ν=5 values, log-normal per-row scales, 0.5% of input channels ×8: the heavy
     tails and outlier channels of trained transformer weights)."""
     rng = np.random.default_rng(seed)
-    gauss = [rng.standard_normal((rows, k)).astype(np.float32) / np.sqrt(k) for _ in range(2)]
+    gauss = [(rng.standard_normal((rows, k)) / np.sqrt(k)).astype(np.float32) for _ in range(2)]
     llm = []
     for _ in range(2):
         w = rng.standard_t(5, (rows, k)) * np.exp(0.3 * rng.standard_normal((rows, 1)))
