@@ -49,10 +49,10 @@ K_FALLBACK: dict[int, int] = {
 }
 
 #: 6-bit qt a promoted weight gets, per base qt (hipfire's ``default_promote_target``:
-#: MQ v1/MQ4V2/MQ4C -> MQ6G256, the other V2 -> MQ6G256V2, HFQ -> HFQ6G256). Bases not
+#: MQ v1/MQ4V2/MQ4C/Lloyd -> MQ6G256, the other V2 -> MQ6G256V2, HFQ -> HFQ6G256). Bases not
 #: listed (Q8F16, raw types) are not promoted.
 PROMOTE_6BIT: dict[int, int] = {
-    13: 15, 15: 15, 17: 15, 18: 15, 31: 15, 44: 15, 45: 15,
+    13: 15, 15: 15, 17: 15, 18: 15, 31: 15, 44: 15, 45: 15, 19: 15, 20: 15, 30: 15,
     47: 47, 48: 47, 49: 47, 50: 47,
     6: 8, 7: 8, 8: 8, 9: 8, 10: 8, 11: 8, 12: 8,
 }

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
-from pagedkv.quant import affine, fwht, half, q8
+from pagedkv.quant import affine, codebook, fwht, half, q8
 from pagedkv.quant.arguments import float_array, raw_bytes, reject_nonfinite, shape_tuple
-from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
+from pagedkv.quant.formats import AFFINE, CODECS, LLOYD, Q8, Codec, check_k, resolve
 
 __all__ = ["CODECS", "Codec", "dequantize", "fwht256", "gemv", "quantize", "resolve"]
 
@@ -61,6 +61,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
         bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
     elif codec.kind == Q8:
         bad = q8.encode(flat, out)
+    elif codec.kind == LLOYD:
+        bad = codebook.encode(flat, out, codec.bits, codec.rotated)
     else:
         finite = np.isfinite(flat)
         bad = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
@@ -124,6 +126,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
                       rotated_basis and codec.rotated)
     elif codec.kind == Q8:
         q8.decode(data, out)
+    elif codec.kind == LLOYD:
+        codebook.decode(data, out, codec.bits, codec.rotated, rotated_basis and codec.rotated)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
     else:
