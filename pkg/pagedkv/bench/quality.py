@@ -24,8 +24,9 @@ import numpy as np
 _GGML_TYPES = {"q4_0": 2, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
 _GGML_BPW = {"q4_0": 4.5, "q8_0": 8.5, "q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625}
 
-PAGEDKV_FORMATS = ("hfq4g256", "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256", "mq5g256v2",
-                   "hfq6g256", "mq6g256v2", "q8f16")
+PAGEDKV_FORMATS = ("mq3g256v2", "mq3g256lloyd", "hfq4g256", "hfq4g128", "mq4g256",
+                   "mq4g256v2", "mq4cg256", "mq4g256lloyd", "mq5g256v2", "hfq6g256",
+                   "mq6g256v2", "q8f16")
 
 
 def weight_sets(rows: int, k: int, seed: int) -> dict[str, list[np.ndarray]]:
