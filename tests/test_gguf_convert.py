@@ -54,6 +54,8 @@ def encode(values: np.ndarray, qt: T, rng) -> np.ndarray:
         return values.astype(np.float32)
     if qt == T.F16:
         return values.astype(np.float16)
+    if qt == T.F64:
+        return values.astype(np.float64)
     if qt in (T.Q4_K, T.Q5_K, T.Q6_K):
         return _kquant_bytes(qt, values.shape[0], values.shape[-1], rng)
     return gguf_quantize(values.astype(np.float32), qt)
@@ -139,7 +141,8 @@ def make_llama(path, n_layers: int = 2, weight_type: T = T.Q8_0, seed: int = 0):
 # --- the source ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qt", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qt", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K,
+                                T.F64])
 def test_each_type_reads_back_as_the_gguf_package_dequantizes_it(tmp_path, qt):
     rng = np.random.default_rng(int(qt))
     values = rng.standard_normal((6, 512)).astype(np.float32)
@@ -157,9 +160,9 @@ def test_each_type_reads_back_as_the_gguf_package_dequantizes_it(tmp_path, qt):
     # Row blocks are the same rows (bounded reads).
     np.testing.assert_array_equal(np.concatenate([src.read(t, (slice(r, r + 4),))
                                                   for r in range(0, 6, 4)]), oracle)
-    if qt in (T.F32, T.BF16, T.Q8_0, T.Q4_0):  # the package's encoder round trip
+    if qt in (T.F32, T.F64, T.BF16, T.Q8_0, T.Q4_0):  # the package's encoder round trip
         assert np.abs(whole.astype(np.float32) - values).max() <= (
-            0 if qt == T.F32 else 0.02 if qt == T.BF16 else 0.5)
+            0 if qt in (T.F32, T.F64) else 0.02 if qt == T.BF16 else 0.5)
 
 
 def test_names_map_to_the_hf_names_of_the_policy():

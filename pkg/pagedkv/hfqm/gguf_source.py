@@ -266,10 +266,10 @@ class GgufSource:
     def _dequantize(self, tensor: GgufTensor, raw: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        if tensor.ggml_type in ("F32", "F16"):
+        if tensor.ggml_type in ("F32", "F16") or tensor.ggml_type in _INT_TYPES:
             return np.array(raw)  # F16 stays float16 (exact; the codecs take it)
-        if tensor.ggml_type in _INT_TYPES:
-            return np.array(raw)
+        if tensor.ggml_type == "F64":
+            return np.asarray(raw, dtype=np.float32)
         try:
             return dequantize(np.asarray(raw), GGMLQuantizationType[tensor.ggml_type])
         except NotImplementedError:
