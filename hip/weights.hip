@@ -1,4 +1,5 @@
-// Weight kernels: dequantize HFQ4G256 / MQ4G256 / MQ4G256V2 / HFQ6G256 / Q8F16 to
+// Weight kernels: dequantize HFQ4G256 / MQ4G256 / MQ4G256V2 / HFQ6G256 / Q8F16 (and the
+// Lloyd codebook formats, qt 19/20/30/51) to
 // f32 or f16, fused dequant-GEMV y = W x for a batch of 1-8 activations, and the
 // FWHT-256 rotation of activations (MQ formats: rotate x once, then run the plain
 // affine GEMV on the stored rotated weights, hfqm-and-quant.md §3.6).
@@ -193,6 +194,38 @@ PKV_DEV void dequantize(const uint8_t* __restrict__ raw, Out* __restrict__ out, 
   PKV_KERNEL void pkv_dequant_##NAME##_f16(const uint8_t* raw, uint16_t* out, int64_t n) {  \
     dequantize<F, uint16_t>(raw, out, n);                                                   \
   }
+
+// Lloyd codebook formats (qt 19, 20, 30; 51 unrotated): w = cb[idx] in the stored basis,
+// quant.h's pkv_lloyd_decode_group per 16-weight span (a span never leaves its group:
+// 256 % PKV_DEQUANT_SPAN == 0). Same launch geometry as dequantize() above.
+template <int BITS, typename Out>
+PKV_DEV void dequantize_lloyd(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n) {
+  constexpr int SPAN = PKV_DEQUANT_SPAN;
+  static_assert(256 % SPAN == 0 && (SPAN * BITS) % 8 == 0, "a span is whole bytes of one group");
+  const int64_t i = ((int64_t)blockIdx.x * PKV_DEQUANT_THREADS + threadIdx.x) * SPAN;
+  if (i >= n) return;
+  const int64_t g = i / 256;
+  const int e0 = (int)(i - g * 256);
+  const uint8_t* blk = raw + g * PKV_LLOYD_GROUP_BYTES(BITS);
+  uint8_t q[SPAN];
+  pkv_unpack_codes(blk + 2 * (1 << BITS) + e0 * BITS / 8, SPAN, BITS, q);
+#pragma unroll
+  for (int k = 0; k < SPAN; ++k)
+    if (i + k < n) stage_out(out + i, k, pkv_f16_to_f32(pkv_load_u16le(blk + 2 * q[k])));
+}
+
+#define PKV_DEQUANT_LLOYD_KERNELS(BITS)                                                      \
+  PKV_KERNEL void pkv_dequant_lloyd##BITS##_f32(const uint8_t* raw, float* out, int64_t n) { \
+    dequantize_lloyd<BITS, float>(raw, out, n);                                             \
+  }                                                                                         \
+  PKV_KERNEL void pkv_dequant_lloyd##BITS##_f16(const uint8_t* raw, uint16_t* out,          \
+                                                int64_t n) {                                \
+    dequantize_lloyd<BITS, uint16_t>(raw, out, n);                                          \
+  }
+
+PKV_DEQUANT_LLOYD_KERNELS(2)
+PKV_DEQUANT_LLOYD_KERNELS(3)
+PKV_DEQUANT_LLOYD_KERNELS(4)
 
 PKV_DEQUANT_KERNELS(hfq4g256, HFQ4G256)
 PKV_DEQUANT_KERNELS(mq4g256v2, MQ4G256V2)

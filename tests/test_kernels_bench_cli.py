@@ -12,8 +12,8 @@ from pagedkv.errors import NoDeviceError
 def test_help_lists_the_suites_on_stdout(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m pagedkv.bench {gpu,decode,mlx,kvquant-quality} "
-                          "[options]")
+    assert out.startswith("usage: python -m pagedkv.bench {gpu,decode,mlx,kvquant-quality,"
+                          "quality} [options]")
 
 
 @pytest.mark.parametrize(("argv", "problem"), [([], "no suite given"),

@@ -27,6 +27,13 @@ def test_format_table_matches_the_cpu_codecs():
         assert weights.raw_nbytes(name, 1000) == codec.nbytes(1000)
     with pytest.raises(errors.InvalidArgument, match="fmt='hfq3g256'"):
         weights.raw_nbytes("hfq3g256", 256)
+    for name, f in weights.DEQUANT_ONLY_FORMATS.items():   # the Lloyd codebooks
+        codec = quant.resolve(name)
+        assert (f.group_size, f.group_bytes, f.rotated) == (
+            codec.group_size, codec.group_bytes, codec.rotated)
+        assert weights.raw_nbytes(name, 1000) == codec.nbytes(1000)
+        with pytest.raises(errors.InvalidArgument, match="the GPU kernels take"):
+            weights.Gemv(None, name, 256, 256)  # dequantize only: no GEMV kernel
 
 
 def test_reference_gemv_equals_the_original_basis_product():
@@ -66,6 +73,20 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
     if out_dtype == np.float16:
         tol = tol + np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
     assert (np.abs(got - want) <= tol).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(weights.DEQUANT_ONLY_FORMATS))
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_gpu_dequantize_lloyd_is_the_exact_codebook_lookup(device, fmt, out_dtype):
+    rotated = weights.DEQUANT_ONLY_FORMATS[fmt].rotated
+    shape = (3, 768) if rotated else (5, 1000)   # unrotated: a short last group
+    _, raw = _weights(fmt, shape)
+    out = poisoned(device, shape, out_dtype)
+    weights.dequantize(device, device.array(raw), fmt, out)
+    want = quant.dequantize(raw, fmt, shape, basis="rotated" if rotated else "original")
+    # Every weight is an f16 centroid: exact in f32 and in f16.
+    np.testing.assert_array_equal(out.to_numpy().astype(np.float32), want)
 
 
 @pytest.mark.gpu

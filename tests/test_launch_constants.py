@@ -69,7 +69,11 @@ def test_every_ctypes_launcher_uses_the_header_values():
     for kv_dtype in KV_SUFFIX:
         assert kvcache.ATTN_PARTITION_TOKENS[kv_dtype] == attn_partition_tokens(kv_dtype)
         assert kvcache.ATTN_MIN_BLOCKS[kv_dtype] == attn_min_blocks(kv_dtype)
-    assert set(kvcache.ATTN_PARTITION_TOKENS) == set(kvcache.KV_DTYPES) == set(KV_SUFFIX)
+    for pair in kvcache.QUANT_KV_DTYPES:  # compressed K/V pairs: one setting (PKV_*_QKV)
+        assert kvcache.ATTN_PARTITION_TOKENS[pair] == launch_constant("PKV_ATTN_PARTITION_QKV")
+        assert kvcache.ATTN_MIN_BLOCKS[pair] == launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")
+    assert set(kvcache.KV_DTYPES) == set(KV_SUFFIX)
+    assert set(kvcache.ATTN_PARTITION_TOKENS) == set(KV_SUFFIX) | set(kvcache.QUANT_KV_DTYPES)
     assert kvcache.ATTN_THREADS == launch_constant("PKV_ATTN_THREADS")
     assert weights.GEMV_THREADS == launch_constant("PKV_GEMV_THREADS")
     assert weights.DEQUANT_SPAN == launch_constant("PKV_DEQUANT_SPAN")

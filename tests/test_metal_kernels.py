@@ -16,7 +16,7 @@ import pytest
 from metal_emulation import ROOT, SHIM, MetalEmulator, clangxx
 from mlx_kernel_cases import (
     GEMV_FORMATS,
-    QUANT_FORMATS,
+    KERNEL_QUANT_FORMATS,
     attention_case,
     bits_equal,
     fresh_rng,
@@ -63,7 +63,7 @@ def test_the_shim_rejects_a_device_pointer_where_thread_scratch_is_expected(tmp_
 
 def test_dequantize_every_p1_format(emu):
     rng, seed = fresh_rng()
-    cases = {fmt: weights_case(rng, fmt) for fmt in QUANT_FORMATS}
+    cases = {fmt: weights_case(rng, fmt) for fmt in KERNEL_QUANT_FORMATS}
 
     def calls(run):
         out = {}

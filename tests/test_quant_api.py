@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 P1_NAMES = ["f16", "f32", "bf16", "q8f16", "hfq4g256", "hfq4g128", "hfq6g256", "hfq2g256",
             "hfq2g128", "hfq3g256", "hfq3g128", "mq4g256", "mq6g256", "mq3g256", "mq2g256",
             "mq5g256", "mq4g256v2", "mq4cg256", "mq6g256v2", "mq5g256v2", "mq3g256v2",
-            "mq2g256v2"]
+            "mq2g256v2", "mq2g256lloyd", "mq3g256lloyd", "mq4g256lloyd", "mq2g256lloydu"]
 
 
 def test_every_p1_format_is_implemented_by_name_and_id():
@@ -38,7 +38,7 @@ def test_unknown_and_unsupported_formats():
     for qt in (23, 42, 43, 46, 200):
         with pytest.raises(UnknownQuantType, match=str(qt)):
             Q.resolve(qt)
-    for fmt in ("mq3g256lloyd", 20, "hfp4g32", 0, 14):
+    for fmt in ("mq2g256gl", 39, "hfp4g32", 0, 14):
         with pytest.raises(UnsupportedQuantType, match="registered"):
             Q.dequantize(np.zeros(0, np.uint8), fmt, (0,))
     with pytest.raises(InvalidArgumentType):

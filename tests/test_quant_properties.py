@@ -17,7 +17,10 @@ from pagedkv.quant.affine import AffineFamily
 pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
 EPS = float(np.finfo(np.float32).eps)
-ALL = sorted(c.name for c in Q.CODECS.values())
+# The Lloyd codebooks have no per-element bound of this kind (a value's centroid is the
+# nearest one of the last assignment, not of the final centroids): tests/test_quant_lloyd.py
+# checks them byte for byte against a transcription of the rule instead.
+ALL = sorted(c.name for c in Q.CODECS.values() if c.kind != "lloyd")
 GROUPED = [n for n in ALL if Q.resolve(n).kind != "raw"]
 
 

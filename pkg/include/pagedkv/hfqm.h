@@ -135,8 +135,8 @@ PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 byt
     X( 16, BF16,            1,   2, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_RAW) \
     X( 17, MQ3G256,       256, 104, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
     X( 18, MQ2G256,       256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
-    X( 19, MQ2G256Lloyd,  256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P2,       PKV_QT_FLAG_ROTATED) \
-    X( 20, MQ3G256Lloyd,  256, 112, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P2,       PKV_QT_FLAG_ROTATED) \
+    X( 19, MQ2G256Lloyd,  256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
+    X( 20, MQ3G256Lloyd,  256, 112, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
     X( 21, HFP4G32,        32,  17, PKV_QT_SIZE_ROW_HEADER, PKV_QT_STATUS_P2,       0) \
     X( 22, TidI32,          1,   4, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_RAW) \
     X( 23, Reserved23,      0,   0, PKV_QT_SIZE_NONE,       PKV_QT_STATUS_RESERVED, 0) \
@@ -146,7 +146,7 @@ PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 byt
     X( 27, Reserved27,      0,   0, PKV_QT_SIZE_NONE,       PKV_QT_STATUS_RESERVED, 0) \
     X( 28, PARO4G128,       0,   0, PKV_QT_SIZE_NONE,       PKV_QT_STATUS_P2,       0) \
     X( 29, PARO4G128T,      0,   0, PKV_QT_SIZE_NONE,       PKV_QT_STATUS_P2,       0) \
-    X( 30, MQ4G256Lloyd,  256, 160, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P2,       PKV_QT_FLAG_ROTATED) \
+    X( 30, MQ4G256Lloyd,  256, 160, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
     X( 31, MQ5G256,       256, 168, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED) \
     X( 32, MFP4G32Lloyd,    0,   0, PKV_QT_SIZE_NONE,       PKV_QT_STATUS_P2,       PKV_QT_FLAG_ROTATED) \
     X( 33, MFP4G32P,       32,  17, PKV_QT_SIZE_ROW_HEADER, PKV_QT_STATUS_P2,       PKV_QT_FLAG_ROTATED) \
@@ -167,7 +167,7 @@ PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 byt
     X( 48, MQ5G256V2,     256, 168, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED | PKV_QT_FLAG_K_MULT_256) \
     X( 49, MQ3G256V2,     256, 104, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED | PKV_QT_FLAG_K_MULT_256) \
     X( 50, MQ2G256V2,     256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       PKV_QT_FLAG_ROTATED | PKV_QT_FLAG_K_MULT_256) \
-    X( 51, MQ2G256LloydU, 256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P2,       0) \
+    X( 51, MQ2G256LloydU, 256,  72, PKV_QT_SIZE_GROUPS,     PKV_QT_STATUS_P1,       0) \
     X(130, CalibHessian,    0,   0, PKV_QT_SIZE_HESSIAN,    PKV_QT_STATUS_CALIB,    0)
 
 /* Ids: PKV_QT_<NAME>; per-qt group geometry: PKV_QT_<NAME>_GROUP (weights per

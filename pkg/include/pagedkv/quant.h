@@ -583,6 +583,30 @@ PKV_FN void pkv_mq4c_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD uint
 }
 
 /* ---------------------------------------------------------------------------
+ * Lloyd codebook groups (qt 19, 20, 30 rotated; 51 not): 2^bits f16 (RNE)
+ * centroids in ascending order, then 256 LSB-first `bits`-wide indices;
+ * w = cb[idx]. docs/formats/quant.md, "Lloyd codebooks (qt 19, 20, 30, 51)".
+ * The encoder (Lloyd iterations, f64 means) is CPU-only: quant/codebook_loops.h.
+ * ------------------------------------------------------------------------- */
+
+#define PKV_LLOYD_MAX_ITER 8u
+#define PKV_LLOYD_GROUP_BYTES(bits) (2u * (1u << (bits)) + 32u * (bits))
+
+PKV_FN float pkv_lloyd_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, uint32_t i) {
+    uint32_t k = pkv_unpack_code(blk + 2u * (1u << bits), i, bits);
+    return pkv_f16_to_f32(pkv_load_u16le(blk + 2u * k));
+}
+
+/* Whole group in the stored basis; `q` is 256 bytes of scratch. */
+PKV_FN void pkv_lloyd_decode_group(const PKV_DEVPTR uint8_t *blk, uint32_t bits, PKV_THREAD uint8_t *q, PKV_THREAD float *out) {
+    float cb[16];
+    uint32_t n_cb = 1u << bits;
+    for (uint32_t k = 0; k < n_cb; ++k) cb[k] = pkv_f16_to_f32(pkv_load_u16le(blk + 2u * k));
+    pkv_unpack_codes(blk + 2u * n_cb, 256u, bits, q);
+    for (uint32_t i = 0; i < 256u; ++i) out[i] = cb[q[i]];
+}
+
+/* ---------------------------------------------------------------------------
  * Any affine group: the header families of pagedkv.quant.affine.AffineFamily
  * (HFQ and MQ v1 share the v1 header), for kernels that take the family as a
  * parameter (metal/, the generic dequant of pagedkv.kernels.mlx).

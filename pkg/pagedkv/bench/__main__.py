@@ -6,7 +6,8 @@ import importlib
 import sys
 
 SUITES = {"gpu": "pagedkv.bench.gpu", "decode": "pagedkv.bench.decode",
-          "mlx": "pagedkv.bench.mlx", "kvquant-quality": "pagedkv.bench.kvquant_quality"}
+          "mlx": "pagedkv.bench.mlx", "kvquant-quality": "pagedkv.bench.kvquant_quality",
+          "quality": "pagedkv.bench.quality"}
 
 
 def main(argv: list[str] | None = None) -> int:

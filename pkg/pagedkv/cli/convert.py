@@ -1,5 +1,5 @@
-"""``pagedkv convert MODEL -o OUT.hfq [--format F] [--arch A]``: safetensors -> HFQM
-with hipfire's tensor policy (hfqm-and-quant.md §2.9)."""
+"""``pagedkv convert MODEL -o OUT.hfq [--format F] [--arch A]``: safetensors or GGUF ->
+HFQM with hipfire's tensor policy (docs/formats/hfqm.md, docs/formats/gguf.md)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,29 @@ from pagedkv.cli.table import format_table
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "convert", help="quantize a safetensors model into an HFQM file",
+        "convert", help="quantize a safetensors or GGUF model into an HFQM file",
         description="Quantize a safetensors model (one file or a directory of shards with "
-                    "config.json) into an HFQM file, one tensor at a time. The output is "
-                    "written under a temporary name and renamed at the end.")
-    p.add_argument("source", metavar="MODEL_DIR_OR_SAFETENSORS",
-                   help="a .safetensors file, or a model directory with config.json and shards")
+                    "config.json) or a GGUF file (any type llama.cpp's gguf package "
+                    "dequantizes; needs pagedkv[gguf]) into an HFQM file, one tensor at a "
+                    "time. The output is written under a temporary name and renamed at the "
+                    "end.")
+    p.add_argument("source", metavar="MODEL",
+                   help="a .safetensors file, a model directory with config.json and shards, "
+                        "or a .gguf file")
     p.add_argument("-o", "--output", required=True, metavar="OUT.hfq",
                    help="HFQM file to write (its directory must exist)")
     p.add_argument("--format", dest="fmt", default=None,
                    help="mq4 (qt 44), mq6 (15), mq6v2 (47), hf4 (6), hf6 (8), q8 (3), or a "
-                        "lower-case qt name; default mq4 for Qwen3.5+, else hf4")
+                        "lower-case qt name; default mq4 for Qwen3.5+ safetensors, else hf4")
     p.add_argument("--arch", default=None,
                    help="architecture name (llama, qwen3, qwen3_5, ...) or integer arch_id; "
-                        "default: config.json model_type")
+                        "default: config.json model_type, or GGUF general.architecture")
+    promote = p.add_mutually_exclusive_group()
+    promote.add_argument("--promote-6bit", dest="promote", action="store_true", default=None,
+                         help="store the first/last two layers' FFN weights (all weights on "
+                              "MoE) and routed experts at 6 bits (default: MoE/Gemma4 only)")
+    promote.add_argument("--no-promote-6bit", dest="promote", action="store_false",
+                         help="never promote (uniform format)")
     p.add_argument("--include-visual", action="store_true",
                    help="also convert model.visual.* (skipped by default)")
     p.add_argument("--no-error", dest="measure_error", action="store_false",
@@ -101,13 +110,13 @@ def render_report(report) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from pagedkv.cli import error_text
     from pagedkv.errors import FormatError, InvalidArgument
-    from pagedkv.hfqm.convert import convert_safetensors
+    from pagedkv.hfqm.convert import convert_model
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = ProgressBar(sys.stderr) if show else None
     try:
-        report = convert_safetensors(args.source, args.output, fmt=args.fmt, arch=args.arch,
-                                     include_visual=args.include_visual,
-                                     measure_error=args.measure_error, progress=bar)
+        report = convert_model(args.source, args.output, fmt=args.fmt, arch=args.arch,
+                               include_visual=args.include_visual, promote=args.promote,
+                               measure_error=args.measure_error, progress=bar)
     except (FormatError, InvalidArgument, OSError) as exc:
         if bar is not None:
             bar.finish()

@@ -8,6 +8,10 @@
 * Stacked experts ``…mlp.experts.gate_up_proj`` [E, 2I, H] / ``…down_proj`` [E, H, I]
   become E 2-D tensors ``…mlp.experts.{e}.gate_up_proj.weight``.
 * A K (last dim) not divisible by 256 takes the G128/G256 fallback of the table below.
+* With ``promote`` (hipfire's K-map, full mode; on by default for MoE files), the
+  first and last two layers' FFN weights (every weight of those layers on MoE
+  models) and every routed expert are stored at 6 bits: :data:`PROMOTE_6BIT`.
+  docs/formats/hfqm.md, "Edge-layer 6-bit promotion".
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from pagedkv.hfqm.qtypes import QuantType, qtype
 __all__ = [
     "FORMAT_ALIASES",
     "K_FALLBACK",
+    "PROMOTE_6BIT",
     "TensorPlan",
     "default_format",
+    "layer_index",
     "plan_tensor",
+    "promoted",
     "resolve_format",
 ]
 
@@ -41,7 +48,17 @@ K_FALLBACK: dict[int, int] = {
     18: 10, 50: 10,               # MQ2 / MQ2V2 -> HFQ2G128
 }
 
+#: 6-bit qt a promoted weight gets, per base qt (hipfire's ``default_promote_target``:
+#: MQ v1/MQ4V2/MQ4C/Lloyd -> MQ6G256, the other V2 -> MQ6G256V2, HFQ -> HFQ6G256). Bases not
+#: listed (Q8F16, raw types) are not promoted.
+PROMOTE_6BIT: dict[int, int] = {
+    13: 15, 15: 15, 17: 15, 18: 15, 31: 15, 44: 15, 45: 15, 19: 15, 20: 15, 30: 15,
+    47: 47, 48: 47, 49: 47, 50: 47,
+    6: 8, 7: 8, 8: 8, 9: 8, 10: 8, 11: 8, 12: 8,
+}
+
 _F16, _Q8F16 = 1, 3
+_LAYER = re.compile(r"(?:layers|blk)\.(\d+)\.")
 _RAW_TARGETS = frozenset({1, 2, 16})
 _EXPERTS = re.compile(r"^(?P<prefix>.*mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
@@ -109,9 +126,33 @@ def _weight_qt(target: QuantType, shape: tuple[int, ...], role: str) -> tuple[in
     return target.id, target.name
 
 
+def layer_index(name: str) -> int | None:
+    """Decoder layer of a tensor name (``…layers.N.…`` or GGUF ``blk.N.…``), else None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def promoted(name: str, n_layers: int, is_moe: bool) -> bool:
+    """hipfire's K-map full mode for a quantized weight: routed experts of a MoE model,
+    and the first/last two layers (``idx < 2`` or ``idx >= n_layers - 2``) — all their
+    weights on MoE models, only the FFN (``mlp.``/``ffn``) on dense ones."""
+    if is_moe and "mlp.experts." in name:
+        return True
+    idx = layer_index(name)
+    if n_layers <= 0 or idx is None or not (idx < 2 or idx >= max(n_layers - 2, 0)):
+        return False
+    return is_moe or "mlp." in name or "ffn" in name
+
+
 def plan_tensor(name: str, dtype: str, shape: tuple[int, ...], target: QuantType, *,
-                include_visual: bool = False) -> list[TensorPlan]:
-    """The output tensor(s) for one source tensor (several for stacked experts)."""
+                include_visual: bool = False, promote: bool = False, n_layers: int = 0,
+                is_moe: bool = False) -> list[TensorPlan]:
+    """The output tensor(s) for one source tensor (several for stacked experts).
+    ``promote`` applies the edge-layer/expert 6-bit promotion (``n_layers`` decoder
+    layers; ``is_moe`` widens it as :func:`promoted` says)."""
+    if promote and target.id in PROMOTE_6BIT:
+        plans = plan_tensor(name, dtype, shape, target, include_visual=include_visual)
+        return [_promote(p, n_layers, is_moe) for p in plans]
     lower = name.lower()
     if name.startswith("mtp.") or (name.startswith("model.visual.") and not include_visual):
         return [TensorPlan(name, name, shape, None, "skipped",
@@ -133,3 +174,15 @@ def plan_tensor(name: str, dtype: str, shape: tuple[int, ...], target: QuantType
     role = _role(lower)
     qt, reason = _weight_qt(target, shape, role)
     return [TensorPlan(name, name, shape, qt, role, reason)]
+
+
+def _promote(p: TensorPlan, n_layers: int, is_moe: bool) -> TensorPlan:
+    if p.qt is None or p.qt in (_F16, _Q8F16) or p.role in ("embedding", "lm_head", "router"):
+        return p
+    # hipfire promotes only where K % 256 == 0; elsewhere the K fallback stands.
+    if not p.shape or p.shape[-1] % 256 or not promoted(p.name, n_layers, is_moe):
+        return p
+    six = PROMOTE_6BIT.get(p.qt)
+    if six is None:
+        return p
+    return p._replace(qt=six, reason=f"edge layer/expert: promoted to {qtype(six).name}")

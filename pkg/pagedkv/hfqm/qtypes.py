@@ -106,8 +106,8 @@ _ROWS: tuple[QuantType, ...] = (
     _row(16, "BF16", 1, 2, "groups", "p1", raw="uint16"),
     _row(17, "MQ3G256", 256, 104, "groups", "p1", rot=True),
     _row(18, "MQ2G256", 256, 72, "groups", "p1", rot=True),
-    _row(19, "MQ2G256Lloyd", 256, 72, "groups", "p2", rot=True),
-    _row(20, "MQ3G256Lloyd", 256, 112, "groups", "p2", rot=True),
+    _row(19, "MQ2G256Lloyd", 256, 72, "groups", "p1", rot=True),
+    _row(20, "MQ3G256Lloyd", 256, 112, "groups", "p1", rot=True),
     _row(21, "HFP4G32", 32, 17, "row_header", "p2"),
     _row(22, "TidI32", 1, 4, "groups", "p1", raw="uint32"),
     _row(23, "Reserved23", 0, 0, "none", "reserved"),
@@ -117,7 +117,7 @@ _ROWS: tuple[QuantType, ...] = (
     _row(27, "Reserved27", 0, 0, "none", "reserved"),
     _row(28, "PARO4G128", 0, 0, "none", "p2"),
     _row(29, "PARO4G128T", 0, 0, "none", "p2"),
-    _row(30, "MQ4G256Lloyd", 256, 160, "groups", "p2", rot=True),
+    _row(30, "MQ4G256Lloyd", 256, 160, "groups", "p1", rot=True),
     _row(31, "MQ5G256", 256, 168, "groups", "p1", rot=True),
     _row(32, "MFP4G32Lloyd", 0, 0, "none", "p2", rot=True),
     _row(33, "MFP4G32P", 32, 17, "row_header", "p2", rot=True),
@@ -138,7 +138,7 @@ _ROWS: tuple[QuantType, ...] = (
     _row(48, "MQ5G256V2", 256, 168, "groups", "p1", rot=True, k256=True),
     _row(49, "MQ3G256V2", 256, 104, "groups", "p1", rot=True, k256=True),
     _row(50, "MQ2G256V2", 256, 72, "groups", "p1", rot=True, k256=True),
-    _row(51, "MQ2G256LloydU", 256, 72, "groups", "p2"),
+    _row(51, "MQ2G256LloydU", 256, 72, "groups", "p1"),
     _row(130, "CalibHessian", 0, 0, "hessian", "calib"),
 )
 

@@ -1,7 +1,9 @@
 """Launchers for ``hip/weights.hip``: weight dequantization, fused dequant-GEMV, FWHT-256.
 
 Formats: ``hfq4g256``, ``mq4g256`` (HFQ4 bytes of rotated weights), ``mq4g256v2``,
-``hfq6g256``, ``q8f16``. Kernels emit rotated formats in their stored (rotated)
+``hfq6g256``, ``q8f16``; :func:`dequantize` also takes the Lloyd codebook formats
+(``mq2g256lloyd``, ``mq3g256lloyd``, ``mq4g256lloyd``, ``mq2g256lloydu``; no GEMV). Kernels
+emit rotated formats in their stored (rotated)
 basis, like ``pagedkv.quant.dequantize(..., basis="rotated")``; the GEMV of a
 rotated format rotates ``x`` once (FWHT-256 per 256-segment), then runs the
 plain affine GEMV, which equals ``W·x`` in the original basis (§3.6).
@@ -19,7 +21,7 @@ from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 
-__all__ = ["WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256", "raw_nbytes"]
+__all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256", "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -53,19 +55,29 @@ WEIGHT_FORMATS = {f.name: f for f in (
     _WeightFormat("q8f16", "q8f16", 32, 34, False),
 )}
 
+#: Formats with a dequantize kernel but no GEMV (docs/formats/quant.md, "Lloyd codebooks").
+DEQUANT_ONLY_FORMATS = {f.name: f for f in (
+    _WeightFormat("mq2g256lloyd", "lloyd2", 256, 72, True),
+    _WeightFormat("mq3g256lloyd", "lloyd3", 256, 112, True),
+    _WeightFormat("mq4g256lloyd", "lloyd4", 256, 160, True),
+    _WeightFormat("mq2g256lloydu", "lloyd2", 256, 72, False),
+)}
 
-def _format(fmt: str | int) -> _WeightFormat:
+
+def _format(fmt: str | int, *, dequant: bool = False) -> _WeightFormat:
     # the same spellings as pagedkv.quant: a qt name in any case, or a qt id
     from pagedkv.quant.formats import resolve
-    f = WEIGHT_FORMATS.get(resolve(fmt).name)
+    name = resolve(fmt).name
+    f = WEIGHT_FORMATS.get(name) or (DEQUANT_ONLY_FORMATS.get(name) if dequant else None)
     if f is None:
-        raise InvalidArgument(f"fmt={fmt!r}: the GPU kernels take {list(WEIGHT_FORMATS)}")
+        took = [*WEIGHT_FORMATS, *(DEQUANT_ONLY_FORMATS if dequant else ())]
+        raise InvalidArgument(f"fmt={fmt!r}: the GPU kernels take {took}")
     return f
 
 
 def raw_nbytes(fmt: str | int, numel: int) -> int:
     """Bytes of a tensor of ``numel`` weights in ``fmt`` (last group padded)."""
-    f = _format(fmt)
+    f = _format(fmt, dequant=True)
     return math.ceil(numel / f.group_size) * f.group_bytes
 
 
@@ -83,7 +95,7 @@ def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArra
                *, stream: Stream | None = None) -> None:
     """Decode ``raw`` into ``out`` (``float32`` or ``float16``, any shape: its size is the
     weight count; groups run over the flattened tensor)."""
-    f = _format(fmt)
+    f = _format(fmt, dequant=True)
     if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise InvalidArgument(f"out: dtype {out.dtype}, expected float32 or float16")
     n = out.size

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
-from pagedkv.quant import affine, fwht, half, q8
+from pagedkv.quant import affine, codebook, fwht, half, q8
 from pagedkv.quant.arguments import (
     float_array,
     raw_bytes,
@@ -31,7 +31,7 @@ from pagedkv.quant.arguments import (
     reject_unrepresentable,
     shape_tuple,
 )
-from pagedkv.quant.formats import AFFINE, CODECS, Q8, Codec, check_k, resolve
+from pagedkv.quant.formats import AFFINE, CODECS, LLOYD, Q8, Codec, check_k, resolve
 from pagedkv.quant.prepared_gemv import PreparedGemv, aligned_empty, check_threads
 
 __all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "prepare_gemv",
@@ -73,6 +73,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
         bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
     elif codec.kind == Q8:
         bad = q8.encode(flat, out)
+    elif codec.kind == LLOYD:
+        bad = codebook.encode(flat, out, codec.bits, codec.rotated)
     else:
         finite = np.isfinite(flat)
         bad = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
@@ -84,7 +86,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
             else:
                 half.bf16_trunc(flat, out.view(np.uint16))
     if bad <= -2:
-        family = codec.family.name if codec.family is not None else None
+        family = codec.family.name if codec.family is not None else \
+            (LLOYD if codec.kind == LLOYD else None)
         reject_unrepresentable(flat, -2 - bad, codec.group_size, codec.name, family, "array",
                                shape)
     reject_nonfinite(flat, bad, "array", shape)
@@ -146,6 +149,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
                       rotated_basis and codec.rotated, threads)
     elif codec.kind == Q8:
         q8.decode(data, out, threads)
+    elif codec.kind == LLOYD:
+        codebook.decode(data, out, codec.bits, codec.rotated, rotated_basis and codec.rotated)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
     else:

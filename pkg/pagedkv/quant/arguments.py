@@ -51,6 +51,8 @@ _UNREPRESENTABLE_WHY = {
     "MQ4C": "its f16 scale or zero would be beyond ±65504 (or the FWHT-256 rotation "
             "overflows float32)",
     None: "its f16 scale max|x|/127 would be beyond 65504",
+    "lloyd": "its f16 codebook entries would be beyond ±65504 (or the FWHT-256 rotation "
+             "overflows float32)",
 }
 
 

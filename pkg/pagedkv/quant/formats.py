@@ -20,11 +20,12 @@ from pagedkv.errors import (
 from pagedkv.hfqm.qtypes import QTYPES, QuantType
 from pagedkv.quant.affine import AffineFamily
 
-__all__ = ["CODECS", "Codec", "check_k", "resolve"]
+__all__ = ["CODECS", "LLOYD", "Codec", "check_k", "resolve"]
 
 RAW = "raw"
 AFFINE = "affine"
 Q8 = "q8"
+LLOYD = "lloyd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class Codec:
     """A P1 quant type as the codecs see it."""
 
     qt: QuantType
-    kind: str                     # "raw", "affine" or "q8"
+    kind: str                     # "raw", "affine", "q8" or "lloyd"
     bits: int = 0                 # code width (affine) or element bits (raw)
     family: AffineFamily | None = None
 
@@ -94,6 +95,8 @@ CODECS: dict[int, Codec] = {c.qt.id: c for c in (
     _affine(44, MQ_V2, 4), _affine(47, MQ_V2, 6), _affine(48, MQ_V2, 5),
     _affine(49, MQ_V2, 3), _affine(50, MQ_V2, 2),
     _affine(45, MQ4C, 4),
+    Codec(QTYPES[19], LLOYD, 2), Codec(QTYPES[20], LLOYD, 3), Codec(QTYPES[30], LLOYD, 4),
+    Codec(QTYPES[51], LLOYD, 2),  # MQ2G256LloydU: qt 19's bytes, not rotated
 )}
 
 _BY_NAME: dict[str, Codec] = {c.name: c for c in CODECS.values()}

@@ -183,7 +183,10 @@ def dequantize(raw, fmt: str | int, shape, *, dtype=None, basis: str = "original
         return raw.view(src).astype(dtype).reshape(shape)
     _, impl, run = _impl()
     work = mx.float32 if undo else dtype
-    if run is None:
+    if codec.kind == "lloyd":  # no custom kernel yet: MLX array ops on every backend
+        from pagedkv.kernels.mlx import array_ops
+        out = array_ops.dequantize(mx, raw, codec, numel, work)
+    elif run is None:
         out = impl.dequantize(mx, raw, codec, numel, work)
     else:
         out = impl.dequantize(mx, raw, codec, numel, work, run)

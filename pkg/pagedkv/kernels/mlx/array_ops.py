@@ -62,6 +62,11 @@ def dequantize(mx, raw, codec, numel: int, out_dtype):
     if codec.kind == "q8":
         d = _f16_fields(mx, groups, 0, 1)
         w = d * groups[:, 2:].view(mx.int8).astype(mx.float32)
+    elif codec.kind == "lloyd":  # 2**bits f16 centroids, then the indices: w = cb[idx]
+        n_cb = 1 << codec.bits
+        cb = _f16_fields(mx, groups, 0, n_cb)
+        idx = unpack_codes(mx, groups[:, 2 * n_cb:], codec.bits, G).astype(mx.uint32)
+        w = mx.take_along_axis(cb, idx, axis=1)
     else:
         q = unpack_codes(mx, groups[:, 8:], codec.bits, G).astype(mx.float32)
         family = int(codec.family)

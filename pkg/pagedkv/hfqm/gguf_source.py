@@ -1,0 +1,312 @@
+"""Lazy reader of a GGUF model for ``pagedkv convert MODEL.gguf`` (docs/formats/gguf.md).
+
+The file is parsed by the ``gguf`` package (llama.cpp's own reader, the optional
+extra ``pagedkv[gguf]``), which maps it read-only: tensor headers and metadata come
+from its index, payloads stay on disk until a block of rows is asked for. Each
+block is dequantized to float32 by ``gguf.quants.dequantize`` (every type llama.cpp
+can decode: F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, the IQ types, ...),
+so memory is bounded by the converter's chunk size, not by the tensor.
+
+GGUF names (``blk.N.attn_q.weight``) are mapped to the Hugging Face names the
+tensor policy of docs/formats/hfqm.md expects (``model.layers.N.self_attn.q_proj.weight``);
+GGUF dims (``ne0`` fastest) are reversed into row-major HF shapes; stacked MoE
+experts (``ffn_gate_exps`` [E, I, H]) become one 2-D tensor per expert; the Q/K
+rows that llama.cpp's converter interleaves for the ``llama`` architecture are put
+back in HF order. The HF ``config`` is synthesized from the ``<arch>.*`` keys.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from pagedkv.errors import (
+    BadMagic,
+    BadMetadata,
+    InvalidArgument,
+    Truncated,
+    UnknownQuantType,
+    UnsupportedQuantType,
+    UnsupportedVersion,
+)
+
+__all__ = ["GGUF_ARCH_IDS", "GgufSource", "GgufTensor", "hf_name", "unpermute_rows"]
+
+#: GGUF ``general.architecture`` -> HFQM arch_id (docs/formats/gguf.md); others need --arch.
+GGUF_ARCH_IDS: dict[str, int] = {"llama": 0, "mistral": 0, "qwen3": 1, "qwen2": 7}
+
+#: Architectures whose llama.cpp converter permutes attn_q/attn_k rows for its rope.
+_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+_SLOTS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_EXPERT_SLOTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
+_BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<slot>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
+_FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F32"}
+_INT_TYPES = frozenset({"I8", "I16", "I32", "I64"})
+
+
+class GgufTensor(NamedTuple):
+    """One output tensor of a GGUF file (an expert of a stacked tensor counts as one).
+
+    ``dtype`` is what the converter's policy sees (``F32``/``F16``/``BF16`` for
+    anything that dequantizes, the GGUF name for integer buffers); ``ggml_type`` is
+    the stored type; ``file_index`` its position in the GGUF index; ``nbytes`` the stored bytes of this (expert's) slice."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    gguf_name: str
+    ggml_type: str
+    file_index: int
+    nbytes: int
+    expert: int | None = None
+    permute_heads: int = 0
+
+
+def hf_name(gguf_name: str) -> tuple[str, str | None]:
+    """HF name of a GGUF tensor name and, for stacked experts, the per-expert
+    projection (``gate_proj``/``up_proj``/``down_proj``); unknown names pass through."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name], None
+    m = _BLOCK.match(gguf_name)
+    if m is None:
+        return gguf_name, None
+    layer, slot, kind = m["layer"], m["slot"], m["kind"]
+    if slot in _EXPERT_SLOTS:
+        return f"model.layers.{layer}.mlp.experts", _EXPERT_SLOTS[slot]
+    return f"model.layers.{layer}.{_SLOTS.get(slot, slot)}.{kind}", None
+
+
+def unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute(w, n_head)`` on whole heads of rows: within each
+    head of ``d`` rows, GGUF row ``2j + h`` holds HF row ``h·d/2 + j``."""
+    d = rows.shape[0] // n_heads
+    tail = rows.shape[1:]
+    return rows.reshape(n_heads, d // 2, 2, *tail).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _value(field) -> Any:
+    """A GGUF key/value field as plain JSON data (arrays as lists, bytes-free)."""
+    from gguf import GGUFValueType
+    if not field.types:
+        return None
+    if field.types[0] == GGUFValueType.ARRAY:
+        if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _classify(exc: Exception, path: str, size: int) -> Exception:
+    msg = str(exc)
+    if "magic" in msg.lower():
+        return BadMagic(f"not a GGUF file ({msg})", path=path, offset=0)
+    if "version" in msg.lower():
+        return UnsupportedVersion(f"GGUF version not readable by the gguf package ({msg}); "
+                                  "GGUF v2 and v3 are supported", path=path, offset=4)
+    if "GGMLQuantizationType" in msg:
+        return UnknownQuantType(f"tensor type id unknown to the gguf package ({msg}); upgrade "
+                                "gguf (pip install -U gguf) or re-export the model",
+                                path=path)
+    if "GGUFValueType" in msg or "utf-8" in msg.lower() or "alignment" in msg.lower():
+        return BadMetadata(f"GGUF key/value section is corrupt ({msg})", path=path)
+    return Truncated(f"GGUF header or tensor data run past the end of the file ({size} "
+                     f"bytes; {type(exc).__name__}: {msg})", path=path)
+
+
+def _synthesize_config(arch: str, meta: dict[str, Any], tensors: dict[str, tuple[int, ...]]
+                       ) -> dict[str, Any]:
+    """An HF-style ``config`` from the ``<arch>.*`` keys (the fields HFQM loaders read)."""
+    def key(name: str) -> Any:
+        return meta.get(f"{arch}.{name}")
+    config: dict[str, Any] = {"model_type": arch}
+    fields = {
+        "hidden_size": key("embedding_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv"),
+        "intermediate_size": key("feed_forward_length"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "vocab_size": key("vocab_size"),
+        "max_position_embeddings": key("context_length"),
+        "rope_theta": key("rope.freq_base"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "head_dim": key("attention.key_length"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if fields["num_key_value_heads"] is None:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if fields["vocab_size"] is None and "token_embd.weight" in tensors:
+        fields["vocab_size"] = tensors["token_embd.weight"][0]
+    if fields["vocab_size"] is None and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        fields["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+    if fields["head_dim"] is None and isinstance(heads, int) and heads and hidden:
+        fields["head_dim"] = hidden // heads
+    if isinstance(fields["rope_theta"], float):
+        fields["rope_theta"] = float(np.float32(fields["rope_theta"]))
+    config.update({k: v for k, v in fields.items() if v is not None})
+    return config
+
+
+class GgufSource:
+    """A GGUF model: ``GgufSource(path)``. ``tensors`` (HF names, file order),
+    ``config`` (synthesized), ``metadata`` (the raw key/value tree), ``architecture``.
+
+    Raises :class:`~pagedkv.errors.BadMagic`, ``UnsupportedVersion``, ``Truncated``,
+    ``BadMetadata`` or ``UnknownQuantType`` on a broken file, before anything is read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        try:
+            import gguf
+        except ImportError:  # pragma: no cover - the extra is installed with [test]
+            raise InvalidArgument("reading GGUF needs the gguf package: "
+                                  "pip install 'pagedkv[gguf]'") from None
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise InvalidArgument(f"{self.path!r} does not exist or is not a file")
+        self.shards = [self.path]
+        size = os.path.getsize(self.path)
+        try:
+            reader = gguf.GGUFReader(self.path, "r")
+        except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as exc:
+            raise _classify(exc, self.path, size) from None
+        self._reader = reader
+        try:
+            self.metadata: dict[str, Any] = {
+                name: _value(field) for name, field in reader.fields.items()
+                if not name.startswith("GGUF.")}
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise BadMetadata(f"GGUF key/value section is corrupt ({exc})",
+                              path=self.path) from None
+        arch = self.metadata.get("general.architecture")
+        self.architecture: str = arch if isinstance(arch, str) and arch else "unknown"
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
+                  for t in reader.tensors}
+        self.config = _synthesize_config(self.architecture, self.metadata, shapes)
+        self.tokenizer = "{}"
+        self.tokenizer_config = None
+        self.generation_config = None
+        self.tensors: list[GgufTensor] = []
+        for i, t in enumerate(reader.tensors):
+            end = t.data_offset + t.n_bytes
+            if end > size:
+                raise Truncated(f"tensor data [{t.data_offset}, {end}) runs past the end of "
+                                f"the file ({size} bytes)", path=self.path, tensor=t.name,
+                                offset=t.data_offset)
+            self.tensors.extend(self._outputs(i, t, shapes[t.name]))
+        self.tensors.sort(key=lambda x: (reader.tensors[x.file_index].data_offset,
+                                         x.expert if x.expert is not None else -1))
+
+    def _outputs(self, index: int, t, shape: tuple[int, ...]) -> list[GgufTensor]:
+        type_name = t.tensor_type.name
+        if type_name in _INT_TYPES:
+            dtype = type_name
+        else:
+            dtype = _FLOAT_TYPES.get(type_name, "F32")
+        name, expert_proj = hf_name(t.name)
+        if expert_proj is not None and len(shape) == 3:
+            per = t.n_bytes // shape[0]
+            return [GgufTensor(f"{name}.{e}.{expert_proj}.weight", dtype, shape[1:], t.name,
+                               type_name, index, per, e) for e in range(shape[0])]
+        heads = 0
+        if self.architecture in _PERMUTED_QK_ARCHS and len(shape) == 2:
+            slot = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            key = {"attn_q": "attention.head_count",
+                   "attn_k": "attention.head_count_kv"}.get(slot)
+            if key is not None:
+                n = self.metadata.get(f"{self.architecture}.{key}")
+                if key.endswith("_kv") and n is None:
+                    n = self.metadata.get(f"{self.architecture}.attention.head_count")
+                if not isinstance(n, int) or n <= 0 or shape[0] % n or (shape[0] // n) % 2:
+                    raise BadMetadata(f"{shape[0]} rows do not split into {n} heads of an even "
+                                      f"size ({self.architecture}.{key})", path=self.path,
+                                      tensor=t.name)
+                heads = n
+        return [GgufTensor(name, dtype, shape, t.name, type_name, index, int(t.n_bytes),
+                           None, heads)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def _dequantize(self, tensor: GgufTensor, raw: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        if tensor.ggml_type in ("F32", "F16") or tensor.ggml_type in _INT_TYPES:
+            return np.array(raw)  # F16 stays float16 (exact; the codecs take it)
+        if tensor.ggml_type == "F64":
+            return np.asarray(raw, dtype=np.float32)
+        try:
+            return dequantize(np.asarray(raw), GGMLQuantizationType[tensor.ggml_type])
+        except NotImplementedError:
+            raise UnsupportedQuantType(
+                f"GGUF type {tensor.ggml_type} has no dequantizer in the gguf package; "
+                "re-export the model as F16/BF16/Q8_0 or upgrade gguf", path=self.path,
+                tensor=tensor.gguf_name) from None
+
+    def read(self, tensor: GgufTensor,
+             index: tuple[slice | int, ...] | None = None) -> np.ndarray:
+        """Rows of ``tensor`` as float32 (F16 stays float16), in HF order: ``index``
+        selects along the leading dim (``(slice(r0, r1),)``); ``None`` reads it whole.
+        For a stacked expert the leading int of ``index`` is ignored (the tensor
+        already names its expert)."""
+        data = self._reader.tensors[tensor.file_index].data
+        if tensor.expert is not None:
+            data = data[tensor.expert]
+            if index is not None and index and isinstance(index[0], (int, np.integer)):
+                index = index[1:]
+        rows = index[0] if index else slice(None)
+        if not isinstance(rows, slice):
+            rows = slice(int(rows), int(rows) + 1)
+        n = tensor.shape[0] if tensor.shape else 1
+        lo, hi, _ = rows.indices(n)
+        if len(tensor.shape) < 2:
+            return self._dequantize(tensor, data).reshape(tensor.shape)
+        if tensor.permute_heads:
+            # The permutation stays inside a head: read whole heads, then cut.
+            d = n // tensor.permute_heads
+            h0, h1 = lo // d * d, -(-hi // d) * d
+            block = self._dequantize(tensor, data[h0:h1])
+            block = unpermute_rows(block.reshape(h1 - h0, -1), (h1 - h0) // d)
+            out = block[lo - h0:hi - h0]
+        else:
+            out = self._dequantize(tensor, data[lo:hi])
+        return out.reshape((hi - lo, *tensor.shape[1:]))
+
+    def __repr__(self) -> str:
+        return (f"<GgufSource {self.path!r}: {self.architecture}, {len(self.tensors)} tensors, "
+                f"{self.total_bytes} bytes>")

@@ -1,0 +1,95 @@
+# cython: freethreading_compatible = True
+"""Lloyd codebook codecs (qt 19, 20, 30 rotated; 51 unrotated): docs/formats/quant.md,
+"Lloyd codebooks (qt 19, 20, 30, 51)".
+
+Flat in, flat out, like :mod:`pagedkv.quant.affine`: groups of 256 weights (groups may
+straddle rows; the short last group is zero-padded before the rotation), each stored
+as ``2**bits`` f16 centroids and 256 packed indices.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+from libc.string cimport memcpy, memset
+
+from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.quant_header cimport pkv_first_nonfinite
+
+cnp.import_array()
+
+from pagedkv.errors import InvalidArgument, SizeMismatch
+
+
+cdef extern from "pagedkv/quant.h" nogil:
+    void pkv_lloyd_decode_group(const uint8_t *blk, unsigned bits, uint8_t *q, float *out)
+
+cdef extern from "codebook_loops.h" nogil:
+    void pkv_lloyd_encode_group(const float *r, unsigned bits, uint8_t *q, uint8_t *blk)
+
+
+cdef Py_ssize_t lloyd_group_bytes(int bits) except -1:
+    if bits < 2 or bits > 4:
+        raise InvalidArgument(f"bits = {bits}: the Lloyd codecs are 2, 3 or 4 bits")
+    return 2 * (1 << bits) + 32 * bits
+
+
+cdef inline bint _beyond_f16(const float *buf) noexcept nogil:
+    """Whether a (rotated) group holds a value its f16 codebook cannot store finite: a
+    centroid is a mean of group values, so |x| <= 65504 everywhere keeps every entry finite
+    (NaN, from a rotation that overflowed, fails the comparison too)."""
+    cdef int i
+    for i in range(256):
+        if not (buf[i] <= 65504.0 and buf[i] >= -65504.0):
+            return True
+    return False
+
+
+def encode(const float[::1] x, uint8_t[::1] out, int bits, bint rotated):
+    """Encode ``x`` into ``out`` (``ceil(len(x)/256)`` groups). Returns -1; the index of
+    the first NaN/Inf in ``x``; or ``-2 - g`` when group ``g`` is finite but beyond what its
+    f16 codebook can store (``out`` is then unspecified)."""
+    cdef Py_ssize_t B = lloyd_group_bytes(bits)
+    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n_groups = (n + 255) // 256
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    if out.shape[0] != n_groups * B:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
+    with nogil:
+        for g in range(n_groups):
+            start = g * 256
+            count = min(256, n - start)
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
+                break
+            memcpy(buf, &x[start], count * sizeof(float))
+            if count < 256:
+                memset(&buf[count], 0, (256 - count) * sizeof(float))
+            if rotated:
+                rotate256(buf, buf, 1)
+            if _beyond_f16(buf):
+                bad = -2 - g
+                break
+            pkv_lloyd_encode_group(buf, <unsigned>bits, q, &out[g * B])
+    return bad
+
+
+def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated,
+           bint rotated_basis=False):
+    """Decode ``len(out)`` weights; a rotated format is un-rotated per group unless
+    ``rotated_basis`` (the stored basis)."""
+    cdef Py_ssize_t B = lloyd_group_bytes(bits)
+    cdef Py_ssize_t n = out.shape[0], g, count
+    cdef Py_ssize_t n_groups = (n + 255) // 256
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    cdef bint unrotate = rotated and not rotated_basis
+    if raw.shape[0] != n_groups * B:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+    with nogil:
+        for g in range(n_groups):
+            count = min(256, n - g * 256)
+            pkv_lloyd_decode_group(&raw[g * B], <unsigned>bits, q, buf)
+            if unrotate:
+                unrotate256(buf, buf, 1)
+            memcpy(&out[g * 256], buf, count * sizeof(float))

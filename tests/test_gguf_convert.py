@@ -1,0 +1,473 @@
+"""`pagedkv convert MODEL.gguf` (docs/formats/gguf.md): GGUF files written by the gguf
+package's own GGUFWriter, read back through pagedkv.hfqm.gguf_source and checked against
+that package's dequantization; name mapping, Q/K un-permutation, expert splitting, the
+edge-layer 6-bit promotion, parameter_counts, and broken files."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedkv.cli import main as cli_main
+from pagedkv.errors import (
+    BadMagic,
+    InvalidArgument,
+    Truncated,
+    UnknownQuantType,
+)
+from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
+from pagedkv.hfqm.convert import convert_gguf, parameter_counts
+from pagedkv.hfqm.gguf_source import GgufSource, hf_name, unpermute_rows
+from pagedkv.hfqm.policy import plan_tensor, promoted, resolve_format
+from pagedkv.quant import dequantize, quantize
+
+H, I, V = 256, 512, 64           # hidden, intermediate, vocab
+N_HEAD, N_KV = 4, 2              # head_dim 64
+
+
+def _kquant_bytes(qt: T, rows: int, k: int, rng) -> np.ndarray:
+    """Random K-quant blocks with finite, moderate f16 super-block scales (the gguf
+    package has no K-quant encoder); layout from GGML_QUANT_SIZES."""
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    d = np.float16(0.01 + 0.001 * rng.random())
+    dmin = np.float16(0.002)
+    if qt in (T.Q4_K, T.Q5_K):   # [0,2) d, [2,4) dmin
+        raw[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        raw[..., 2:4] = np.frombuffer(dmin.tobytes(), np.uint8)
+    elif qt == T.Q6_K:           # d is the last 2 bytes
+        raw[..., size - 2:] = np.frombuffer(d.tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def encode(values: np.ndarray, qt: T, rng) -> np.ndarray:
+    """Bytes (or a float array) of ``values`` [rows, K] in GGUF type ``qt``."""
+    if qt == T.F32:
+        return values.astype(np.float32)
+    if qt == T.F16:
+        return values.astype(np.float16)
+    if qt == T.F64:
+        return values.astype(np.float64)
+    if qt in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return _kquant_bytes(qt, values.shape[0], values.shape[-1], rng)
+    return gguf_quantize(values.astype(np.float32), qt)
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (the oracle)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path, arch: str, tensors: list[tuple[str, np.ndarray, T | None]],
+               kv: dict | None = None) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (kv or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, data, qt in tensors:
+        if qt is None or data.dtype != np.uint8:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def llama_kv(n_layers: int) -> dict:
+    return {"llama.embedding_length": H, "llama.block_count": n_layers,
+            "llama.attention.head_count": N_HEAD, "llama.attention.head_count_kv": N_KV,
+            "llama.feed_forward_length": I, "llama.context_length": 4096,
+            "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.tokens": [f"t{i}" for i in range(V)]}
+
+
+def make_llama(path, n_layers: int = 2, weight_type: T = T.Q8_0, seed: int = 0):
+    """A tiny llama GGUF; returns {hf name: the float32 values the file decodes to}."""
+    rng = np.random.default_rng(seed)
+    tensors: list[tuple[str, np.ndarray, T | None]] = []
+    expected: dict[str, np.ndarray] = {}
+
+    def add(gguf_name, hf, shape, qt, permute=0):
+        values = rng.standard_normal(shape).astype(np.float32) * 0.05
+        data = encode(values, qt, rng)
+        decoded = gguf_dequantize(data, qt) if data.dtype == np.uint8 else data
+        decoded = np.asarray(decoded, dtype=np.float32).reshape(shape)
+        stored = data
+        if permute:
+            # The file holds llama.cpp's permuted rows; HF order is the un-permuted one.
+            stored = encode(llama_permute(decoded, permute), qt, rng) if qt in (
+                T.F32, T.F16) else data
+            decoded = (decoded if qt in (T.F32, T.F16) else
+                       unpermute_rows(decoded, permute))
+        tensors.append((gguf_name, stored, qt if stored.dtype == np.uint8 else None))
+        expected[hf] = decoded
+
+    add("token_embd.weight", "model.embed_tokens.weight", (V, H), T.F16)
+    for li in range(n_layers):
+        b, m = f"blk.{li}.", f"model.layers.{li}."
+        add(b + "attn_norm.weight", m + "input_layernorm.weight", (H,), T.F32)
+        add(b + "attn_q.weight", m + "self_attn.q_proj.weight", (H, H), weight_type, N_HEAD)
+        add(b + "attn_k.weight", m + "self_attn.k_proj.weight", (128, H), weight_type, N_KV)
+        add(b + "attn_v.weight", m + "self_attn.v_proj.weight", (128, H), weight_type)
+        add(b + "attn_output.weight", m + "self_attn.o_proj.weight", (H, H), T.Q4_0)
+        add(b + "ffn_norm.weight", m + "post_attention_layernorm.weight", (H,), T.F32)
+        add(b + "ffn_gate.weight", m + "mlp.gate_proj.weight", (I, H), T.Q4_K)
+        add(b + "ffn_up.weight", m + "mlp.up_proj.weight", (I, H), T.Q5_K)
+        add(b + "ffn_down.weight", m + "mlp.down_proj.weight", (H, I), T.Q6_K)
+    add("output_norm.weight", "model.norm.weight", (H,), T.F32)
+    add("output.weight", "lm_head.weight", (V, H), T.Q8_0)
+    write_gguf(path, "llama", tensors, llama_kv(n_layers))
+    return expected
+
+
+# --- the source ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qt", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K,
+                                T.F64])
+def test_each_type_reads_back_as_the_gguf_package_dequantizes_it(tmp_path, qt):
+    rng = np.random.default_rng(int(qt))
+    values = rng.standard_normal((6, 512)).astype(np.float32)
+    data = encode(values, qt, rng)
+    write_gguf(tmp_path / "t.gguf", "qwen3", [("blk.0.ffn_up.weight", data, qt)])
+    src = GgufSource(tmp_path / "t.gguf")
+    (t,) = src.tensors
+    assert (t.name, t.shape, t.ggml_type) == ("model.layers.0.mlp.up_proj.weight", (6, 512),
+                                              qt.name)
+    assert t.nbytes == data.nbytes
+    oracle = gguf_dequantize(data, qt) if data.dtype == np.uint8 else data
+    whole = src.read(t)
+    assert whole.dtype == (np.float16 if qt == T.F16 else np.float32)
+    np.testing.assert_array_equal(whole, oracle)
+    # Row blocks are the same rows (bounded reads).
+    np.testing.assert_array_equal(np.concatenate([src.read(t, (slice(r, r + 4),))
+                                                  for r in range(0, 6, 4)]), oracle)
+    if qt in (T.F32, T.F64, T.BF16, T.Q8_0, T.Q4_0):  # the package's encoder round trip
+        assert np.abs(whole.astype(np.float32) - values).max() <= (
+            0 if qt in (T.F32, T.F64) else 0.02 if qt == T.BF16 else 0.5)
+
+
+def test_names_map_to_the_hf_names_of_the_policy():
+    assert hf_name("token_embd.weight") == ("model.embed_tokens.weight", None)
+    assert hf_name("output.weight") == ("lm_head.weight", None)
+    assert hf_name("output_norm.weight") == ("model.norm.weight", None)
+    assert hf_name("blk.3.attn_q.weight") == ("model.layers.3.self_attn.q_proj.weight", None)
+    assert hf_name("blk.3.attn_q.bias") == ("model.layers.3.self_attn.q_proj.bias", None)
+    assert hf_name("blk.0.ffn_norm.weight") == (
+        "model.layers.0.post_attention_layernorm.weight", None)
+    assert hf_name("blk.1.ffn_gate_inp.weight") == ("model.layers.1.mlp.gate.weight", None)
+    assert hf_name("blk.1.ffn_down_exps.weight") == ("model.layers.1.mlp.experts", "down_proj")
+    assert hf_name("blk.2.ffn_up_shexp.weight") == (
+        "model.layers.2.mlp.shared_expert.up_proj.weight", None)
+    assert hf_name("blk.2.ssm_a") == ("blk.2.ssm_a", None)  # unknown: kept as is
+
+
+def test_llama_qk_rows_are_unpermuted_on_any_row_range(tmp_path):
+    rng = np.random.default_rng(5)
+    hf_q = rng.standard_normal((H, H)).astype(np.float32)
+    hf_k = rng.standard_normal((128, H)).astype(np.float32)
+    write_gguf(tmp_path / "l.gguf", "llama", [
+        ("blk.0.attn_q.weight", llama_permute(hf_q, N_HEAD), None),
+        ("blk.0.attn_k.weight", llama_permute(hf_k, N_KV), None),
+        ("blk.0.attn_v.weight", hf_k, None)], llama_kv(1))
+    src = GgufSource(tmp_path / "l.gguf")
+    by = {t.name: t for t in src.tensors}
+    q, k = by["model.layers.0.self_attn.q_proj.weight"], by["model.layers.0.self_attn.k_proj.weight"]
+    assert (q.permute_heads, k.permute_heads) == (N_HEAD, N_KV)
+    np.testing.assert_array_equal(src.read(q), hf_q)
+    np.testing.assert_array_equal(src.read(k), hf_k)
+    for lo, hi in [(0, 1), (3, 70), (63, 65), (100, 256)]:  # straddling heads
+        np.testing.assert_array_equal(src.read(q, (slice(lo, hi),)), hf_q[lo:hi])
+    np.testing.assert_array_equal(src.read(by["model.layers.0.self_attn.v_proj.weight"]), hf_k)
+    # qwen3 files are not permuted by llama.cpp: rows pass through unchanged.
+    write_gguf(tmp_path / "q.gguf", "qwen3", [("blk.0.attn_q.weight", hf_q, None)])
+    (t,) = GgufSource(tmp_path / "q.gguf").tensors
+    assert t.permute_heads == 0
+
+
+# --- conversion -----------------------------------------------------------------------
+
+
+def test_convert_llama_gguf_writes_the_policy_payloads_and_metadata(tmp_path, capsys):
+    expected = make_llama(tmp_path / "m.gguf")
+    out = tmp_path / "m.hfq"
+    assert cli_main(["convert", str(tmp_path / "m.gguf"), "-o", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"wrote {out}: {os.path.getsize(out):,} bytes, arch 0, format hf4")
+    with HfqmFile(out) as f:
+        qts = {t.name: t.qt for t in f.tensors}
+        assert qts == {name: (3 if "embed" in name or "lm_head" in name else
+                              1 if v.ndim == 1 else 6) for name, v in expected.items()}
+        for t in f.tensors:
+            shape = expected[t.name].shape
+            assert t.shape == shape
+            want = quantize(expected[t.name], qtype(t.qt).key)
+            assert f.raw(t.name).tobytes() == want.tobytes(), t.name
+        meta = f.metadata
+        assert meta["architecture"] == "llama" and meta["source"] == "gguf"
+        assert meta["config"] == {
+            "model_type": "llama", "hidden_size": H, "num_hidden_layers": 2,
+            "num_attention_heads": N_HEAD, "num_key_value_heads": N_KV,
+            "intermediate_size": I, "vocab_size": V, "max_position_embeddings": 4096,
+            "rope_theta": 10000.0, "rms_norm_eps": float(np.float32(1e-5)), "head_dim": 64,
+            "bos_token_id": 1, "eos_token_id": 2}
+        assert meta["gguf_meta"]["general.architecture"] == "llama"
+        assert meta["gguf_meta"]["tokenizer.ggml.tokens"][:3] == ["t0", "t1", "t2"]
+        assert meta["quantization_hash"]["value"] == compute_quantization_hash(f)
+        total = sum(v.size for v in expected.values())
+        quantized = sum(v.size for v in expected.values() if v.ndim == 2)
+        assert meta["parameter_counts"] == {
+            "schema": "hipfire.parameter_counts.v1", "total_params": total,
+            "source_total_params": total, "active_params": total, "effective_params": total,
+            "quantized_params": quantized, "skipped_params": 0}
+        assert meta["pagedkv"]["promote_6bit"] is False
+    lines = text.splitlines()
+    assert lines[2].split() == ["format", "qt", "tensors", "bytes", "share"]
+    assert "mean rel. error" in text
+
+
+def test_convert_gguf_in_row_blocks_is_byte_identical(tmp_path):
+    make_llama(tmp_path / "m.gguf", weight_type=T.Q8_0)
+    a = convert_gguf(tmp_path / "m.gguf", tmp_path / "a.hfq", fmt="mq4", chunk_bytes=1,
+                     measure_error=False)
+    b = convert_gguf(tmp_path / "m.gguf", tmp_path / "b.hfq", fmt="mq4")
+    assert (tmp_path / "a.hfq").read_bytes() == (tmp_path / "b.hfq").read_bytes()
+    assert a.source_bytes == b.source_bytes == GgufSource(tmp_path / "m.gguf").total_bytes
+    assert 0 < b.mean_rel_error()["mlp"][1] < 0.2
+
+
+def test_convert_gguf_progress_counts_source_bytes(tmp_path):
+    make_llama(tmp_path / "m.gguf")
+    seen = []
+    report = convert_gguf(tmp_path / "m.gguf", tmp_path / "o.hfq", measure_error=False,
+                          chunk_bytes=1 << 16, progress=lambda d, t, n: seen.append((d, t)))
+    assert seen[-1] == (report.source_bytes, report.source_bytes)
+    assert all(b[0] >= a[0] for a, b in itertools.pairwise(seen))
+
+
+def make_moe(path, n_layers: int = 4, experts: int = 4):
+    rng = np.random.default_rng(9)
+    kv = {"qwen3moe.embedding_length": H, "qwen3moe.block_count": n_layers,
+          "qwen3moe.attention.head_count": N_HEAD, "qwen3moe.attention.head_count_kv": N_KV,
+          "qwen3moe.expert_count": experts, "qwen3moe.expert_used_count": 2,
+          "qwen3moe.expert_feed_forward_length": 256}
+    tensors: list[tuple[str, np.ndarray, T | None]] = [
+        ("token_embd.weight", rng.standard_normal((V, H)).astype(np.float16), None)]
+    for li in range(n_layers):
+        b = f"blk.{li}."
+        tensors += [
+            (b + "attn_q.weight", gguf_quantize(rng.standard_normal((H, H)).astype(np.float32),
+                                                T.Q8_0), T.Q8_0),
+            (b + "ffn_gate_inp.weight", rng.standard_normal((experts, H)).astype(np.float32),
+             None),
+            (b + "ffn_gate_exps.weight",
+             gguf_quantize(rng.standard_normal((experts, 256, H)).astype(np.float32), T.Q8_0),
+             T.Q8_0),
+            (b + "ffn_down_exps.weight",
+             rng.standard_normal((experts, H, 256)).astype(np.float16), None),
+        ]
+    write_gguf(path, "qwen3moe", tensors, kv)
+
+
+def test_moe_experts_split_and_promote_with_exact_parameter_counts(tmp_path):
+    make_moe(tmp_path / "moe.gguf")
+    with pytest.raises(InvalidArgument, match="qwen3moe.*pass --arch"):
+        convert_gguf(tmp_path / "moe.gguf", tmp_path / "o.hfq")
+    assert not (tmp_path / "o.hfq").exists()
+    src = GgufSource(tmp_path / "moe.gguf")
+    report = convert_gguf(tmp_path / "moe.gguf", tmp_path / "o.hfq", arch=6,
+                          measure_error=False)
+    with HfqmFile(tmp_path / "o.hfq") as f:
+        qts = {t.name: t.qt for t in f.tensors}
+        # MoE: promotion on by default; every expert 6-bit, edge layers' attention too.
+        assert qts["model.layers.0.mlp.experts.3.gate_proj.weight"] == 8
+        assert qts["model.layers.2.mlp.experts.0.down_proj.weight"] == 8
+        assert qts["model.layers.0.self_attn.q_proj.weight"] == 8
+        assert qts["model.layers.3.self_attn.q_proj.weight"] == 8
+        # n_layers = 4: layers 0, 1 and 2, 3 are all edges; routers stay Q8F16.
+        assert qts["model.layers.1.mlp.gate.weight"] == 3
+        assert len(qts) == 1 + 4 * (2 + 2 * 4)
+        exp = next(t for t in src.tensors
+                   if t.name == "model.layers.1.mlp.experts.2.gate_proj.weight")
+        assert (exp.gguf_name, exp.expert, exp.shape) == ("blk.1.ffn_gate_exps.weight", 2,
+                                                          (256, H))
+        stacked = gguf.GGUFReader(tmp_path / "moe.gguf").tensors[exp.file_index].data
+        np.testing.assert_array_equal(src.read(exp), gguf_dequantize(stacked[2], T.Q8_0))
+        counts = f.metadata["parameter_counts"]
+    routed = 4 * 4 * (256 * H + H * 256)
+    total = V * H + 4 * (H * H + 4 * H) + routed
+    assert counts == {
+        "schema": "hipfire.parameter_counts.v1", "total_params": total,
+        "source_total_params": total, "active_params": total - routed + routed * 2 // 4,
+        "effective_params": total - routed + routed * 2 // 4, "quantized_params": total,
+        "skipped_params": 0,
+        "moe": {"num_experts": 4, "num_experts_per_tok": 2, "routed_expert_params": routed,
+                "routed_expert_active_params": routed * 2 // 4,
+                "active_rule": "dense_and_shared_full_plus_routed_top_k_over_num_experts",
+                "routed_active_fraction": {"numerator": routed * 2, "denominator": 4}}}
+    assert report.per_qt["HFQ6G256"]["tensors"] == 4 * (1 + 2 * 4)
+    convert_gguf(tmp_path / "moe.gguf", tmp_path / "u.hfq", arch=6, promote=False,
+                 measure_error=False)
+    with HfqmFile(tmp_path / "u.hfq") as f:
+        assert {t.qt for t in f.tensors} == {3, 6}
+
+
+# --- promotion decisions --------------------------------------------------------------
+
+
+def _qts(names, fmt, n_layers, is_moe, k=256):
+    target = resolve_format(fmt)
+    return {n: plan_tensor(n, "BF16", (512, k), target, promote=True, n_layers=n_layers,
+                           is_moe=is_moe)[0].qt for n in names}
+
+
+def test_promotion_matches_hipfire_kmap_full_mode_on_a_small_config():
+    names = [f"model.layers.{i}.{p}.weight" for i in range(6)
+             for p in ("self_attn.q_proj", "mlp.down_proj")]
+    dense = _qts(names, "hf4", 6, False)
+    assert {n for n, q in dense.items() if q == 8} == {
+        f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1, 4, 5)}
+    assert {q for q in dense.values()} == {6, 8}
+    moe = _qts(names, "mq4", 6, True)
+    assert {n for n, q in moe.items() if q == 15} == {
+        n for n in names if int(n.split(".")[2]) in (0, 1, 4, 5)}
+    assert set(_qts(names, "mq4g256", 6, False).values()) == {13, 15}
+    assert set(_qts(names, "mq3g256v2", 6, False).values()) == {49, 47}
+    assert set(_qts(names, "q8", 6, True).values()) == {3}     # not promoted
+    # K % 256 != 0 keeps the K fallback (hipfire promotes only 256-aligned K).
+    assert set(_qts(names, "mq4", 6, True, k=384).values()) == {7}
+    # Experts of a MoE model, any layer; routers and embeddings are never promoted.
+    assert promoted("model.layers.30.mlp.experts.5.down_proj.weight", 64, True)
+    assert not promoted("model.layers.30.mlp.experts.5.down_proj.weight", 64, False)
+    assert not promoted("model.layers.2.mlp.gate_proj.weight", 64, False)
+    assert promoted("blk.63.ffn_gate.weight", 64, False)
+    assert not promoted("blk.0.attn_q.weight", 64, False)
+    assert promoted("blk.0.attn_q.weight", 64, True)
+    assert not promoted("model.layers.0.mlp.gate_proj.weight", 0, False)
+    target = resolve_format("hf4")
+    assert plan_tensor("model.layers.0.mlp.gate.weight", "F32", (8, 256), target,
+                       promote=True, n_layers=4, is_moe=True)[0].qt == 3
+    assert plan_tensor("model.embed_tokens.weight", "F32", (8, 256), target,
+                       promote=True, n_layers=4, is_moe=True)[0].qt == 3
+
+
+def test_parameter_counts_without_experts_config():
+    target = resolve_format("hf4")
+    plans = plan_tensor("model.layers.0.mlp.experts.gate_up_proj", "F32", (2, 4, 256), target)
+    counts = parameter_counts(plans, 7, {})
+    assert counts["moe"] == {"routed_expert_params": 2048,
+                             "active_rule": "unknown_top_k_or_num_experts"}
+    assert (counts["total_params"], counts["source_total_params"]) == (2048, 2055)
+
+
+def test_cli_promote_flag_on_a_dense_gguf(tmp_path, capsys):
+    make_llama(tmp_path / "m.gguf", n_layers=5)
+    out = tmp_path / "p.hfq"
+    assert cli_main(["convert", str(tmp_path / "m.gguf"), "-o", str(out), "--no-progress",
+                     "--no-error", "--promote-6bit"]) == 0
+    with HfqmFile(out) as f:
+        six = sorted(t.name for t in f.tensors if t.qt == 8)
+        assert f.metadata["pagedkv"]["promote_6bit"] is True
+    # Dense: the FFN of layers 0, 1 and 3, 4 of 5 (down_proj's K = 512 is aligned too).
+    assert set(six) == {f"model.layers.{i}.mlp.{p}_proj.weight" for i in (0, 1, 3, 4)
+                        for p in ("gate", "up", "down")}
+    assert "HFQ6G256" in capsys.readouterr().out
+
+
+# --- broken input ---------------------------------------------------------------------
+
+
+def test_broken_gguf_files_raise_specific_errors_and_write_nothing(tmp_path, capsys):
+    make_llama(tmp_path / "m.gguf")
+    good = (tmp_path / "m.gguf").read_bytes()
+    out = tmp_path / "o.hfq"
+    out.write_bytes(b"previous")
+    cases = {
+        "magic.gguf": (b"GGUX" + good[4:], BadMagic),
+        "short.gguf": (good[: len(good) // 2], Truncated),
+        "header.gguf": (good[:200], Truncated),
+    }
+    # An unknown tensor type id: patch the type field of the first tensor info.
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    field = reader.tensors[0].field
+    type_offset = field.offset + sum(p.nbytes for p in field.parts[:4])
+    bad = bytearray(good)
+    bad[type_offset:type_offset + 4] = (250).to_bytes(4, "little")
+    cases["type.gguf"] = (bytes(bad), UnknownQuantType)
+    for name, (data, error) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(error):
+            convert_gguf(tmp_path / name, out)
+        assert out.read_bytes() == b"previous"
+        assert cli_main(["convert", str(tmp_path / name), "-o", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("pagedkv convert: error: ") and name in err, err
+    assert sorted(os.listdir(tmp_path)) == sorted([*cases, "m.gguf", "o.hfq"])
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        GgufSource(tmp_path / "missing.gguf")
+    with pytest.raises(InvalidArgument, match="--format 'zz'"):
+        convert_gguf(tmp_path / "m.gguf", out, fmt="zz")
+    assert out.read_bytes() == b"previous"
+
+
+def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(tmp_path):
+    from pagedkv.hfqm.convert import convert_safetensors
+    from test_hfqm_cli import make_model
+    values = make_model(tmp_path / "m")
+    convert_safetensors(tmp_path / "m", tmp_path / "a.hfq", fmt="hf4", measure_error=False)
+    convert_safetensors(tmp_path / "m", tmp_path / "b.hfq", fmt="hf4", promote=True,
+                        measure_error=False)
+    skipped = 4 + 4 * 256  # position_ids (I64) and the MTP head
+    total = sum(v.size for v in values.values())
+    routed = values["model.layers.0.mlp.experts.gate_up_proj"].size
+    with HfqmFile(tmp_path / "a.hfq") as a, HfqmFile(tmp_path / "b.hfq") as b:
+        assert a.metadata["parameter_counts"] == {
+            "schema": "hipfire.parameter_counts.v1", "total_params": total,
+            "source_total_params": total + skipped, "active_params": total,
+            "effective_params": total, "quantized_params": total - 256,
+            "skipped_params": skipped,
+            "moe": {"routed_expert_params": routed,
+                    "active_rule": "unknown_top_k_or_num_experts"}}
+        qa = {t.name: t.qt for t in a.tensors}
+        qb = {t.name: t.qt for t in b.tensors}
+    # num_hidden_layers = 1: layer 0 is an edge; dense, so only the FFN-named weights
+    # with K % 256 == 0 are promoted (down_proj has K = 384: its fallback stands).
+    assert {n for n in qa if qa[n] != qb[n]} == {
+        "model.layers.0.mlp.experts.0.gate_up_proj.weight",
+        "model.layers.0.mlp.experts.1.gate_up_proj.weight"}
+    assert {qb[n] for n in qb if qa[n] != qb[n]} == {8}
+
+
+def test_quality_bench_measures_each_codec_on_the_same_tensors():
+    from pagedkv.bench.quality import measure, rel_error, weight_sets
+    w = np.array([[3.0, 4.0]], np.float32)
+    assert rel_error(w, np.zeros_like(w)) == 1.0
+    assert rel_error(w, np.array([[3.0, 4.5]], np.float32)) == pytest.approx(0.1)
+    rows = {r["codec"]: r for r in measure(4, 256, 1, None)}
+    sets = weight_sets(4, 256, 1)
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+        want = np.mean([rel_error(x, dequantize(quantize(x, fmt), fmt, x.shape))
+                        for x in sets["llm-like"]])
+        assert rows[f"pagedkv {fmt}"]["llm-like"] == want
+    q4_0 = rows["ggml q4_0"]
+    assert q4_0["bpw"] == 4.5 and q4_0["library"] == "ggml"
+    assert rows["pagedkv mq4g256v2"]["bpw"] == 4.25
+    assert rows["pagedkv q8f16"]["gaussian"] < 0.01 < rows["pagedkv hfq4g256"]["gaussian"]
