@@ -1,5 +1,6 @@
-// KV-cache kernels: q8 quantize on write and dequantize on read (hfqm-and-quant.md
-// §6.3), paged-attention decode over block tables (paged-kv.md §5.2) and block
+// KV-cache kernels: q8 quantize on write and dequantize on read (docs/contracts/hfqm-and-quant.md,
+// '6.3 q8 (K and V)'), paged-attention decode over block tables (docs/contracts/paged-kv.md,
+// '5.2 Layout') and block
 // copies between pools.
 //
 // Pool layout, per layer and side: [num_blocks, block_size, kv_heads, row] where a

@@ -1,4 +1,5 @@
-/* KV-cache q8 quantization: per-element math (hfqm-and-quant.md §6.3).
+/* KV-cache q8 quantization: per-element math (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and
+ * V)').
  *
  * A q8 K or V row of head_dim values is head_dim/32 records of 34 bytes:
  * the f16 (round to nearest even) scale d, then 32 int8 codes. Unlike the

@@ -1,4 +1,5 @@
-"""``pagedkv cold``: inspect, verify and trim a cold-tier root (cold-tier.md §9–10).
+"""``pagedkv cold``: inspect, verify and trim a cold-tier root (docs/contracts/cold-tier.md, '9.
+Loads and corruption' to '10. Quota and eviction').
 
 ``[BASE]`` is a base directory like ``PAGEDKV_COLD_CACHE_DIR``: the tier is
 ``<BASE>/pagedkv-v1`` (default base: ``PAGEDKV_COLD_CACHE_DIR`` or ``~/.pagedkv/cache``).

@@ -1,5 +1,5 @@
 """``pagedkv convert MODEL -o OUT.hfq [--format F] [--arch A]``: safetensors -> HFQM
-with hipfire's tensor policy (hfqm-and-quant.md §2.9)."""
+with hipfire's tensor policy (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy')."""
 
 from __future__ import annotations
 

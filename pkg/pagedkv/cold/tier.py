@@ -1,4 +1,5 @@
-"""``ColdTier``: one opened cold root with its writer, counters and walks (cold-tier.md §1).
+"""``ColdTier``: one opened cold root with its writer, counters and walks
+(docs/contracts/cold-tier.md, '1. Components').
 
 The adapter holds a tier bound to a model fingerprint (``ColdTier.open_at(...,
 fingerprint=...)`` or ``tier.for_model(fp)``) and calls :meth:`capture` after registering
@@ -83,8 +84,10 @@ class ColdTier:
                 _child: str | None = None) -> ColdTier:
         """Open ``root`` itself as the managed directory (nothing appended).
 
-        ``quota_bytes``/``reserve_bytes`` default to the automatic limits of §10;
-        ``durability`` is ``"fsync"`` or ``"full"`` (§7.3). Raises ``InvalidArgument`` when
+        ``quota_bytes``/``reserve_bytes`` default to the automatic limits of
+        docs/contracts/cold-tier.md, '10. Quota and eviction';
+        ``durability`` is ``"fsync"`` or ``"full"`` (docs/contracts/cold-tier.md, '7.3 Durability').
+        Raises ``InvalidArgument`` when
         the root is refused (symlink, not a directory, owned by someone else).
         """
         if quota_bytes is not None and int(quota_bytes) <= 0:
@@ -427,7 +430,8 @@ def cold_cache_stats(tier: ColdTier | None = None) -> ColdCacheStats:
 
 
 def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = None) -> bool:
-    """Test hook (§8.1): set the shared tier's (or ``tier``'s) capture budget; ``True`` iff
+    """Test hook (docs/contracts/cold-tier.md, '8.1 Capture budget'): set the shared tier's (or
+    ``tier``'s) capture budget; ``True`` iff
     the effective setting equals the request. Without a tier it sets what tiers open with."""
     tier = tier if tier is not None else _last_shared
     if tier is None:
@@ -445,7 +449,8 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         ) -> ColdTierContext | None:
     """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
-    Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
+    Persistence resolves per docs/contracts/cold-tier.md, '2.2 Persist resolution' (the family gate,
+    then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
     fingerprint covers the model, ``geometry`` and ``compute`` (the compute identity, see
     ``model_fingerprint``; weight digests cached in the root). A

@@ -1,4 +1,5 @@
-"""MTP bundles (hfqm-and-quant.md §2.8): ``[trunk HFQM][MTP HFQM, arch 21]`` then
+"""MTP bundles (docs/contracts/hfqm-and-quant.md, '2.8 Embedded sections and MTP bundle'): ``[trunk
+HFQM][MTP HFQM, arch 21]`` then
 16 bytes ``"HFBNDMTP" ++ u64 mtp_off`` (``mtp_off`` = trunk size, no padding).
 
 Trunk readers ignore everything after the trunk's last payload, so a bundle is

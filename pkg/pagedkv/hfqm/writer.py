@@ -1,4 +1,5 @@
-"""``HfqmWriter``: streaming HFQM v1 writer (hfqm-and-quant.md §2.6-2.7).
+"""``HfqmWriter``: streaming HFQM v1 writer (docs/contracts/hfqm-and-quant.md, '2.6 Writer
+(pagedkv)' to '2.7 quantization_hash').
 
 Payloads are written as they come, at ``data_offset`` onward, into a temporary
 file next to the target; ``close()`` writes metadata, index and header into the
@@ -11,7 +12,8 @@ order) the final metadata and index sizes are known up front and the file is
 byte-identical to hipfire's writer. Without one, payloads are held in memory
 up to ``buffer_bytes`` (the file is then exact too); past that, the writer
 fixes ``data_offset`` with ``index_reserve_bytes`` of room for the rest of the
-index and streams: ``data_offset`` may then exceed the §2.6 formula by whole
+index and streams: ``data_offset`` may then exceed the docs/contracts/hfqm-and-quant.md, '2.6 Writer
+(pagedkv)' formula by whole
 4096-byte pages of zeros (valid for every reader), and an index that outgrows
 the reservation moves the payloads once at close.
 """
@@ -171,7 +173,7 @@ class HfqmWriter:
         row = qtype(qt)
         if not row.registered:
             raise InvalidArgument(f"quant type {row.id} ({row.name}) is reserved, not "
-                                  "writable (hfqm-and-quant.md §1.1)")
+                                  "writable (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')")
         try:
             dims = tuple(int(d) for d in shape)
         except TypeError:
@@ -231,7 +233,8 @@ class HfqmWriter:
     def add(self, name: str, qt: int | str | QuantType, shape: Sequence[int], data: Any, *,
             group_size: int | None = None) -> None:
         """Append one tensor. ``data``: a C-contiguous buffer (NumPy array, bytes) holding
-        exactly the bytes §1.1 requires for ``qt`` and ``shape``, or an iterable of such
+        exactly the bytes docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' requires for
+        ``qt`` and ``shape``, or an iterable of such
         buffers (written one after the other, for tensors quantized in chunks).
         ``group_size`` defaults to the register's (G, 0 for raw types).
         On any error nothing is written and the writer is unchanged."""

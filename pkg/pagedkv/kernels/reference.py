@@ -1,6 +1,7 @@
 """NumPy references for every kernel in ``hip/``: what the GPU tests compare against.
 
-KV q8 follows hfqm-and-quant.md §6.3 step for step in float32 (the GPU write is
+KV q8 follows docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)' step for step in float32 (the GPU
+write is
 bit-exact with it). Attention is computed in float64 from the stored (rounded)
 KV. Weight dequantization, GEMV and FWHT use the CPU codecs of
 :mod:`pagedkv.quant` (one implementation of the formats' math).
@@ -28,7 +29,8 @@ KVQ8_RECORD_BYTES = 34
 
 
 def kv_q8_quantize(x: np.ndarray) -> np.ndarray:
-    """``float32[..., head_dim]`` → ``uint8[..., head_dim/32*34]`` q8 records (§6.3)."""
+    """``float32[..., head_dim]`` → ``uint8[..., head_dim/32*34]`` q8 records
+    (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)')."""
     x = np.asarray(x, dtype=np.float32)
     hd = x.shape[-1]
     if hd % KVQ8_BLOCK:

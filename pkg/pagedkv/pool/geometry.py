@@ -1,4 +1,5 @@
-"""PoolGeometry: the shape, dtype and layout of a paged KV pool (paged-kv.md §5.1–5.3).
+"""PoolGeometry: the shape, dtype and layout of a paged KV pool (docs/contracts/paged-kv.md, '5.1
+Geometry' to '5.3 dtype').
 
 A geometry fixes every byte of the pool: one K and one V array per physical layer, each
 ``[num_blocks, block_size, num_kv_heads, row]`` where ``row`` is ``head_dim`` elements of the
@@ -37,7 +38,8 @@ POOL_DTYPES: dict[str, np.dtype] = {
 #: Layouts this build stores. "nhd" = token-major [num_blocks, block_size, kv_heads, head_dim].
 LAYOUTS = ("nhd",)
 
-#: q8 packs 32 dims into one 34-byte record (f16 scale + 32 int8), hfqm-and-quant.md §6.3.
+#: q8 packs 32 dims into one 34-byte record (f16 scale + 32 int8), docs/contracts/hfqm-and-quant.md,
+# '6.3 q8 (K and V)'.
 Q8_GROUP_DIMS = 32
 Q8_GROUP_BYTES = 34
 
@@ -141,12 +143,14 @@ class PoolGeometry:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (paged-kv.md §5.1)."""
+        """K and V bytes of one block over all layers (docs/contracts/paged-kv.md, '5.1
+        Geometry')."""
         return 2 * self.num_layers * self.slab_bytes
 
     @property
     def block_buffer_shape(self) -> tuple[int, int, int]:
-        """Shape of the uint8 block I/O buffer: ``(num_layers, 2, slab_bytes)`` (§5.5)."""
+        """Shape of the uint8 block I/O buffer: ``(num_layers, 2, slab_bytes)``
+        (docs/contracts/paged-kv.md, '5.5 Block I/O')."""
         return (self.num_layers, 2, self.slab_bytes)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
