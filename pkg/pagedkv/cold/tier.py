@@ -77,15 +77,18 @@ class ColdTier:
     # --- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open_at(cls, root, *, quota_bytes: int | None = None, reserve_bytes: int | None = None,
+    def open_at(cls, root, *, quota_bytes: int | None = None, reserve_bytes: int | None = 0,
                 queue_depth: int = 8, durability: str = "fsync",
                 fmt: ColdFormat = DEFAULT_FORMAT, fingerprint: bytes | None = None,
                 blocks_per_turn: int | None = None, budget_ms: int | None = None,
                 _child: str | None = None) -> ColdTier:
         """Open ``root`` itself as the managed directory (nothing appended).
 
-        ``quota_bytes``/``reserve_bytes`` default to the automatic limits of
-        docs/contracts/cold-tier.md, '10. Quota and eviction';
+        ``quota_bytes`` (``None``: automatic) and ``reserve_bytes`` (free disk space kept, in
+        bytes; default 0, ``None``: automatic) follow docs/contracts/cold-tier.md, '10. Quota and
+        eviction' and '5.1 Root': the explicit form keeps no reserve unless asked, because the
+        automatic one (at least 5 GiB) refuses every write on a disk with less free space;
+        ``shared()`` uses the automatic limits;
         ``durability`` is ``"fsync"`` or ``"full"`` (docs/contracts/cold-tier.md, '7.3 Durability').
         Raises ``InvalidArgument`` when
         the root is refused (symlink, not a directory, owned by someone else).
@@ -133,7 +136,7 @@ class ColdTier:
                 if cached is None or not cached.writer.closed:
                     return cached
             try:
-                tier = cls.open_at(real, _child=MANAGED_CHILD)
+                tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
                 log.warning("cold tier disabled: %s", exc)
                 tier = None
