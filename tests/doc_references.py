@@ -121,7 +121,7 @@ def citable(page: Path) -> set[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def section_headings(contract: str) -> dict[str, str]:
     """Section number ("4.3", "9") -> heading text of a contract page."""
     out = {}

@@ -20,8 +20,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import _reference
 from allocator_implementations import ALLOCATORS, observables
-from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
 CLASSES = [p.values[0] for p in ALLOCATORS]

@@ -3,8 +3,9 @@ repository cites a file outside it (tests/doc_references.py has the rules and th
 
 from __future__ import annotations
 
-import doc_references as refs
 import pytest
+
+import doc_references as refs
 
 pytestmark = pytest.mark.skipif(not refs.CONTRACTS.is_dir(), reason="docs/ not next to tests")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
 from kernels_support import load_tree_script
 
 

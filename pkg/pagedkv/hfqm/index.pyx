@@ -546,7 +546,8 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] reg
                            offset=offset)
     if fault == FAULT_UNKNOWN_QT:
         raise UnknownQuantType(
-            f"quant type {err.value} is not a registered id (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')",
+            f"quant type {err.value} is not a registered id "
+            "(docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')",
             path=path, tensor=name, offset=offset)
     if fault == FAULT_CALIB_QT:
         raise UnknownQuantType(
