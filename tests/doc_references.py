@@ -30,6 +30,7 @@ a bare mark in a file about one contract that cites another needs a ``FILE_CONTR
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import re
 import sys
@@ -425,9 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.rewrite:
                 f.write_text(new, encoding="utf-8")
             else:
-                for a, b in zip(text.split("\n"), new.split("\n")):
-                    if a != b:
-                        print(f"{rel}:\n  - {a.strip()}\n  + {b.strip()}")
+                sys.stdout.writelines(difflib.unified_diff(
+                    text.splitlines(True), new.splitlines(True), rel, rel, n=0))
     verb = "rewrote" if args.rewrite else "would rewrite"
     print(f"{verb} {changed} files; {stuck} citations need a hand", file=sys.stderr)
     return 0 if args.rewrite or not changed else 1
