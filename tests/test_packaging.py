@@ -30,3 +30,27 @@ def test_the_version_is_written_once_in_meson_build():
 def test_the_allocator_oracle_is_not_shipped():
     assert importlib.util.find_spec("pagedkv._reference") is None
     assert not (Path(pagedkv.__file__).resolve().parent / "_reference.py").exists()
+
+
+def test_the_mtp_bundle_syncs_its_directory_after_the_rename(tmp_path, monkeypatch):
+    """Both HFQM writers make the rename durable through one helper."""
+    import os
+    import stat
+
+    import numpy as np
+
+    from pagedkv.hfqm import HfqmWriter, write_mtp_bundle
+    for name, arch in (("trunk.hfq", 0), ("head.hfq", 21)):
+        with HfqmWriter(tmp_path / name, arch_id=arch, metadata={"architecture": "x"}) as w:
+            w.add("a.norm", "f16", [2], np.ones(2, np.float16))
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_mtp_bundle(tmp_path / "trunk.hfq", tmp_path / "head.hfq", tmp_path / "b.hfq")
+    assert synced == [os.path.realpath(tmp_path)]

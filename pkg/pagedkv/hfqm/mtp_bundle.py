@@ -20,6 +20,7 @@ import uuid
 from pagedkv.errors import BadBundle, InvalidArgument
 from pagedkv.hfqm.index import HEADER_BYTES
 from pagedkv.hfqm.positional_reads import pread_exact
+from pagedkv.hfqm.writer import fsync_parent_directory
 
 __all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
@@ -77,6 +78,7 @@ def write_mtp_bundle(trunk: str | os.PathLike[str], head: str | os.PathLike[str]
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(temp, out)
+        fsync_parent_directory(out)
     except BaseException:
         if os.path.exists(temp):
             os.unlink(temp)

@@ -393,16 +393,7 @@ class HfqmWriter:
         self.data_offset = new_data_offset
 
     def _fsync_directory(self) -> None:
-        try:
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        fsync_parent_directory(self.path)
 
     def abort(self) -> None:
         """Discard the file being written (the target path is left untouched)."""
@@ -432,3 +423,18 @@ class HfqmWriter:
         state = "closed" if self.closed else "open"
         return (f"<HfqmWriter {self.path!r} arch {self.arch_id}, {len(self._entries)} tensors, "
                 f"{self._payload_bytes} payload bytes, {state}>")
+
+
+def fsync_parent_directory(path: str | os.PathLike[str]) -> None:
+    """fsync the directory holding ``path``, so a rename into it survives a power loss.
+    Best effort: a filesystem that cannot open or sync a directory is left as it is."""
+    try:
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
