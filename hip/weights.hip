@@ -2,7 +2,8 @@
 // Lloyd codebook formats, qt 19/20/30/51) to
 // f32 or f16, fused dequant-GEMV y = W x for a batch of 1-8 activations, and the
 // FWHT-256 rotation of activations (MQ formats: rotate x once, then run the plain
-// affine GEMV on the stored rotated weights, hfqm-and-quant.md §3.6).
+// affine GEMV on the stored rotated weights, docs/contracts/hfqm-and-quant.md, '3.6 FWHT
+// rotation').
 //
 // The per-element math (field layout, code unpacking, f16 widening, affine decode,
 // sign tables, butterflies) is pagedkv/quant.h's; this file only decides which

@@ -1,6 +1,7 @@
 // KV-cache kernels: q8 quantize (the write side; MLX scatters the records into the
-// pool) and dequantize-on-gather (hfqm-and-quant.md §6.3), paged-attention decode over
-// block tables (paged-kv.md §5.2) and block gathers between pools.
+// pool) and dequantize-on-gather (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'),
+// paged-attention decode over
+// block tables (docs/contracts/paged-kv.md, '5.2 Layout') and block gathers between pools.
 //
 // Pool layout, per layer and side: [num_blocks, block_size, kv_heads, row] where a row
 // is head_dim f16/bf16 values (passed as uint16 bits) or head_dim/32 q8 records of 34

@@ -1,5 +1,6 @@
 """Test doubles for the cold-tier tests: a small pool and allocator with the contracts the
-walks rely on (paged-kv.md §4.4, §4.9, §5.5), used where the real ones are not needed."""
+walks rely on (docs/contracts/paged-kv.md, '4.4 Operations' and '4.9 Batch publish of restored
+blocks' and '5.5 Block I/O'), used where the real ones are not needed."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Geometry:
     layout: str = "nhd"
 
 
-SPEC_GEOMETRY = Geometry()  # §15: 2 layers x 1 head x head_dim 8 x bs 4 x float16
+SPEC_GEOMETRY = Geometry()  # docs/contracts/cold-tier.md, '15. Acceptance scenarios': 2 layers x 1 head x head_dim 8 x bs 4 x float16
 
 
 class FakePool:

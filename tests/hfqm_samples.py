@@ -13,8 +13,10 @@ MINIMAL_QUANTIZATION_HASH = "43f356738983a9fd"
 
 
 def hfq4g256_ramp_group() -> np.ndarray:
-    """HFQ4G256 of x[i] = (i - 128)/64 (§5.2, sha256[:16] 9b951e76fb1696b7), in f32
-    steps as §4.1 says; kept here so the container tests need no codec."""
+    """HFQ4G256 of x[i] = (i - 128)/64 (docs/contracts/hfqm-and-quant.md, '5.2 Ramp group per
+    format', sha256[:16] 9b951e76fb1696b7), in f32
+    steps as docs/contracts/hfqm-and-quant.md, '4.1 HFQ generic affine v1' says; kept here so the
+    container tests need no codec."""
     x = (np.arange(256, dtype=np.float32) - np.float32(128)) / np.float32(64)
     mn = x.min()
     scale = np.float32((x.max() - mn) / np.float32(15))
@@ -26,7 +28,8 @@ def hfq4g256_ramp_group() -> np.ndarray:
 
 
 def write_minimal(path, arch_id=0, **writer_kwargs) -> None:
-    """The §5.4 minimal file (``arch_id=21`` makes it an MTP head)."""
+    """The docs/contracts/hfqm-and-quant.md, '5.4 Minimal HFQM v1 file (layout verified, hashes
+    derived)' minimal file (``arch_id=21`` makes it an MTP head)."""
     from pagedkv.hfqm import HfqmWriter
     with HfqmWriter(path, arch_id=arch_id, metadata=MINIMAL_METADATA, **writer_kwargs) as w:
         w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())

@@ -1,4 +1,5 @@
-"""PagedKVCacheAdapter: acceptance scenarios D1–D15 and P6–P7 (paged-kv.md §9.3–9.4) with exact
+"""PagedKVCacheAdapter: acceptance scenarios D1–D15 and P6–P7 (docs/contracts/paged-kv.md, '9.3
+Pool, sizing and growth' to '9.4 Adapter') with exact
 values, the batched decode step, K/V scatter/gather, and bad input leaving every table, the pool
 and the allocator unchanged. Run against every allocator implementation."""
 

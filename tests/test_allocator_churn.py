@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import _reference
 from allocator_implementations import ALLOCATORS, observables
-from pagedkv import _reference
 
 CLASSES = [p.values[0] for p in ALLOCATORS]
 

@@ -1,9 +1,12 @@
-"""pagedkv.allocator.BlockAllocator: the Cython core on its physical tables (paged-kv.md §4).
+"""pagedkv.allocator.BlockAllocator: the Cython core on its physical tables
+(docs/contracts/paged-kv.md, '4. BlockAllocator').
 
-The acceptance scenarios of §9.2 and the differential test against the pure-Python
+The acceptance scenarios of docs/contracts/paged-kv.md, '9.2 BlockAllocator' and the differential
+test against the pure-Python
 oracle live in test_allocator_scenarios.py / test_allocator_stateful.py; this file pins
 the physical representation (records.h layouts, intrusive lists, the prefix table),
-every §4 contract on it, and bad input leaving every table unchanged.
+every docs/contracts/paged-kv.md, '4. BlockAllocator' contract on it, and bad input leaving every
+table unchanged.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ def test_null_block():
 
 # --- allocation, FIFO, refcounts ------------------------------------------------------
 
-def test_fifo_free_queue():                                            # §4.7
+def test_fifo_free_queue():                                            # docs/contracts/paged-kv.md, '4.7 Free-list order and grow_by'
     a = make(4)
     assert [a.allocate() for _ in range(3)] == [0, 1, 2]
     a.free(1)
@@ -233,7 +236,7 @@ def test_register_lookup_lifecycle():                                  # A2/A3
     a.check_invariants()
 
 
-def test_duplicate_registration_rules():                               # §4.5
+def test_duplicate_registration_rules():                               # docs/contracts/paged-kv.md, '4.5 Duplicate registration rules'
     a = make(8)
     b1, b2 = a.allocate(), a.allocate()
     i = ident([1, 1, 1, 1])

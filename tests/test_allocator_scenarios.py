@@ -1,4 +1,5 @@
-"""Acceptance scenarios A1–A21 (paged-kv.md §9.2), exact values, on both allocators.
+"""Acceptance scenarios A1–A21 (docs/contracts/paged-kv.md, '9.2 BlockAllocator'), exact values, on
+both allocators.
 
 Unless a test says otherwise: ``hash_seed=0``, ``block_size=4``, ``max_num_blocks =
 num_blocks``, "register" is ``cache_full_blocks`` with no extra keys and salt 0, and ids are
@@ -630,7 +631,7 @@ def test_null_block_is_never_handed_out(make):
     assert make(4).null_block_id is None
 
 
-# --- block events (§4.10) ---------------------------------------------------------------------
+# --- block events (docs/contracts/paged-kv.md, '4.10 Stats and block events') ---------------------
 
 
 def test_events_once_per_kind_removed_before_stored(make):

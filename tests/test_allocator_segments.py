@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import _reference
 from allocator_implementations import ALLOCATORS, observables
-from pagedkv import _reference
 from pagedkv.allocator import BlockAllocator as CythonAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 

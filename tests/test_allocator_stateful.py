@@ -20,8 +20,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import _reference
 from allocator_implementations import ALLOCATORS, observables
-from pagedkv import _reference
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
 CLASSES = [p.values[0] for p in ALLOCATORS]
@@ -90,7 +90,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         """Apply ``op`` to every allocator; results, exception types and the block events
         the call sent must agree.
 
-        ``unchanged_on(result)`` says which results promise "nothing changes" (§4.3 item 7);
+        ``unchanged_on(result)`` says which results promise "nothing changes"
+        (docs/contracts/paged-kv.md, '4.3 Invariants' item 7);
         a raised exception always does, and sends no event.
         """
         outcomes = []

@@ -1,4 +1,6 @@
-"""The cold tier behind the real allocator, pool and adapter (§8; R2, R5, R7, §15 pool)."""
+"""The cold tier behind the real allocator, pool and adapter (docs/contracts/cold-tier.md, '8.
+Capture and restore walks'; R2, R5, R7, docs/contracts/cold-tier.md, '15. Acceptance scenarios'
+pool)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.cold import CaptureStop
 from pagedkv.pool import LayerKVPool, PoolGeometry
 
-GEOM = PoolGeometry(2, 1, 8, 4, "float16")  # §15: 64-byte slabs
+GEOM = PoolGeometry(2, 1, 8, 4, "float16")  # docs/contracts/cold-tier.md, '15. Acceptance scenarios': 64-byte slabs
 
 
 def _adapter(tier, num_blocks=64):

@@ -1,4 +1,5 @@
-"""``pagedkv cold stats | verify | evict`` (cold-tier.md §9–10; O2's offline half)."""
+"""``pagedkv cold stats | verify | evict`` (docs/contracts/cold-tier.md, '9. Loads and corruption'
+to '10. Quota and eviction'; O2's offline half)."""
 
 from __future__ import annotations
 
@@ -165,7 +166,8 @@ def test_a_garbage_size_is_a_usage_error_naming_the_value(tmp_path, capsys, size
 
 
 def test_evict_removes_quarantine_trees_without_following_links(tmp_path, capsys):
-    """§10: a quarantined directory goes with its contents; a link inside it, or a
+    """docs/contracts/cold-tier.md, '10. Quota and eviction': a quarantined directory goes with its
+    contents; a link inside it, or a
     quarantine entry that is itself a link, is removed as a link, its target untouched."""
     root = _populate(tmp_path, 1)
     outside = tmp_path / "outside"

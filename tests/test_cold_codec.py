@@ -1,4 +1,5 @@
-"""The cold-object codec: safetensors round trip and fail-closed decoding (§6; O1, O2)."""
+"""The cold-object codec: safetensors round trip and fail-closed decoding
+(docs/contracts/cold-tier.md, '6. Object format'; O1, O2)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def test_round_trip_opens_with_safetensors(tmp_path, g):
         for i in range(g.num_layers):
             assert np.array_equal(f.get_tensor(f"layer.{i}.key"), buf[i, 0])
             assert np.array_equal(f.get_tensor(f"layer.{i}.value"), buf[i, 1])
-    # The checksum is §6.4's recipe over the named tensors.
+    # The checksum is the recipe of docs/contracts/cold-tier.md, '6.4 Payload checksum', over the
+    # named tensors.
     named = [("tokens", toks)] + [(f"layer.{i}.{kv}", buf[i, j]) for i in range(g.num_layers)
                                   for j, kv in enumerate(("key", "value"))]
     assert d.checksum == checksum_of_named(TAG, named) == block_checksum(TAG, g, toks, buf)

@@ -1,4 +1,5 @@
-"""Cold keys, fingerprints, names and the family allowlist (cold-tier.md §2–5; K1–K6)."""
+"""Cold keys, fingerprints, names and the family allowlist (docs/contracts/cold-tier.md, '2.
+Enablement' to '5. Directory layout'; K1–K6)."""
 
 from __future__ import annotations
 

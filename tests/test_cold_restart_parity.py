@@ -1,4 +1,5 @@
-"""The parity gate (cold-tier.md §2.3) on the reference model, in three separate processes:
+"""The parity gate (docs/contracts/cold-tier.md, '2.3 Parity gate') on the reference model, in three
+separate processes:
 (a) persist on, run, drain; (b) a fresh process restores and runs; (c) persist off. (b) and
 (c) must give identical greedy tokens and bit-identical logits; (b) must hit, uncorrupted."""
 

@@ -120,7 +120,8 @@ def test_sidecars_are_indexed_and_accounted_across_restart(tmp_path):
 
 
 def test_offline_verify_decodes_sidecars_too(tmp_path, capsys):
-    """`pagedkv cold verify` checks every indexed object (§9), sidecars included."""
+    """`pagedkv cold verify` checks every indexed object (docs/contracts/cold-tier.md, '9. Loads and
+    corruption'), sidecars included."""
     from pagedkv.cli import main
     root = tmp_path / "pagedkv-v1"
     key = _two_blocks_and_a_sidecar(root)

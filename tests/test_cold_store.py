@@ -1,4 +1,5 @@
-"""Root opening, index, loads, corruption handling, quota and eviction (§5, §9, §10;
+"""Root opening, index, loads, corruption handling, quota and eviction (docs/contracts/cold-tier.md,
+'5. Directory layout' and '9. Loads and corruption' and '10. Quota and eviction';
 O2, W1, W3, E1–E7)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Capture and restore walks against a test pool and allocator (§8; R1–R5, R8, R12)."""
+"""Capture and restore walks against a test pool and allocator (docs/contracts/cold-tier.md, '8.
+Capture and restore walks'; R1–R5, R8, R12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Writer thread, bounded queue, durability under SIGKILL, concurrent readers (§7; W1–W2)."""
+"""Writer thread, bounded queue, durability under SIGKILL, concurrent readers
+(docs/contracts/cold-tier.md, '7. Write path'; W1–W2)."""
 
 from __future__ import annotations
 

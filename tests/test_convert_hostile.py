@@ -1,7 +1,7 @@
 """Hostile inputs to `pagedkv convert` (issue 10): JSON side files that are not UTF-8, not
 JSON or nested too deep, and safetensors headers checked exactly as strictly as the
 safetensors loader checks them. Each is one line on stderr naming the file, exit 1, no
-output file (docs/formats/hfqm.md, "Converting from safetensors")."""
+output file (docs/cli.md, "pagedkv convert")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The device backend of LayerKVPool and the kernels driven by it (docs/pool.md "Device
-backend", docs/kernels.md "Device pool").
+backend", docs/kernels.md "Device pool and block tables").
 
 Host tests run on the HIP stub (tests/data/hip_stub.c): its memory is host memory and it
 emulates the pool's byte movers (copy_blocks, the slab gather/scatter), so growth, token

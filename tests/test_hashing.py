@@ -1,4 +1,5 @@
-"""pagedkv.hashing: hot block hashes, chains, domain ids (paged-kv.md §2, §3, §9.1)."""
+"""pagedkv.hashing: hot block hashes, chains, domain ids (docs/contracts/paged-kv.md, '2. Block
+hashing' and '3. cache_salt domain id' and '9.1 Hashing and salt')."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pagedkv.hashing import chain_hashes, hot_block_hash, salt_domain_id
 B0 = 0x321DB453EB3BE929
 
 
-# --- §2.4 reference vectors (hash_seed = 0) --------------------------------------------
+# --- docs/contracts/paged-kv.md, '2.4 Reference vectors (hash_seed = 0)' reference vectors
+# (hash_seed = 0) ---
 
 def test_vector_block0():
     assert hot_block_hash(0, [1, 2, 3, 4]) == B0
@@ -149,7 +151,7 @@ def test_unknown_xxh3_source():
         hashing._set_xxh3_source("md5")
 
 
-# --- token input rules (§2.1) -------------------------------------------------------------
+# --- token input rules (docs/contracts/paged-kv.md, '2.1 Hot block hash') -------------------------
 
 def test_uint32_c_contiguous_is_used_without_copy():
     toks = np.arange(8, dtype=np.uint32)
@@ -229,7 +231,7 @@ def test_bad_block_size():
         chain_hashes([1, 2], 2.0)
 
 
-# --- §3 domain ids (H6) -----------------------------------------------------------------
+# --- docs/contracts/paged-kv.md, '3. cache_salt domain id' domain ids (H6) ------------------------
 
 def test_domain_id_vectors():
     assert salt_domain_id(None) == 0

@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv import _reference, allocator, hashing
+import _reference
+from pagedkv import allocator, hashing
 
 U64 = (1 << 64) - 1
 

@@ -1,4 +1,6 @@
-"""Acceptance scenarios H1–H6 (paged-kv.md §9.1) and the vectors of §2.4 and §3.
+"""Acceptance scenarios H1–H6 (docs/contracts/paged-kv.md, '9.1 Hashing and salt') and the vectors
+of docs/contracts/paged-kv.md, '2.4 Reference vectors (hash_seed = 0)' and '3. cache_salt domain
+id'.
 
 Every test runs on the pure-Python oracle and on the Cython core.
 """
@@ -11,7 +13,7 @@ import pytest
 from allocator_implementations import ALLOCATORS, HASHING
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-# §2.4, hash_seed = 0.
+# docs/contracts/paged-kv.md, '2.4 Reference vectors (hash_seed = 0)', hash_seed = 0.
 H_BLOCK0 = 0x321DB453EB3BE929
 H_BLOCK1 = 0xEF870606313E5CD7
 H_SALT42 = 0xF56348E4A8B8E33D
@@ -224,7 +226,7 @@ def test_h6_bad_salt_types(hashing, salt):
         hashing.salt_domain_id(salt)
 
 
-# --- bad input (§2.1 rules) -----------------------------------------------------------------
+# --- bad input (docs/contracts/paged-kv.md, '2.1 Hot block hash' rules) ---------------------------
 
 
 @pytest.mark.parametrize("tokens", [

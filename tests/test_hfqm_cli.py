@@ -1,4 +1,5 @@
-"""`pagedkv inspect` and `pagedkv convert` (hfqm-and-quant.md §2.9), plus the tensor policy
+"""`pagedkv inspect` and `pagedkv convert` (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor
+policy'), plus the tensor policy
 and the lazy safetensors source they use."""
 
 from __future__ import annotations

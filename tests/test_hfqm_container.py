@@ -1,4 +1,5 @@
-"""HFQM v1 reader and writer (hfqm-and-quant.md §2): exact bytes, API, validation, fuzzing."""
+"""HFQM v1 reader and writer (docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container'): exact
+bytes, API, validation, fuzzing."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-# --- §5.4 minimal file -------------------------------------------------------------------
+# --- docs/contracts/hfqm-and-quant.md, '5.4 Minimal HFQM v1 file (layout verified, hashes derived)'
+# minimal file ---
 
 
 def test_ramp_group_is_the_verified_hfq4g256_vector():
@@ -276,7 +278,7 @@ def test_mtp_bundle_trailer(tmp_path):
         f.mtp  # noqa: B018
 
 
-# --- validation (§2.4) -------------------------------------------------------------------
+# --- validation (docs/contracts/hfqm-and-quant.md, '2.4 Reader validation') -----------------------
 
 
 def _minimal_bytes(tmp_path) -> bytearray:

@@ -81,7 +81,7 @@ def test_raw_types_and_index_group_size():
 @pytest.mark.parametrize("qt,shape,nbytes", [
     ("f16", [4], 8), ("f32", [3, 5], 60), ("bf16", [7], 14), ("tidi32", [2, 3], 24),
     ("hfq4g256", [1, 256], 136),
-    ("hfq4g256", [300], 272),            # §5.2 short last group: 2 groups
+    ("hfq4g256", [300], 272),            # docs/contracts/hfqm-and-quant.md, '5.2 Ramp group per format' short last group: 2 groups
     ("hfq4g128", [256], 144),
     ("q8f16", [256], 272),
     ("q8f16", [3, 33], 4 * 34),          # groups straddle rows

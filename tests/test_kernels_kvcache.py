@@ -1,6 +1,7 @@
 """KV-cache kernels (hip/kvcache.hip) against their NumPy references.
 
-CPU tests pin the references (q8 KV bytes of §6.3, attention over a paged layout
+CPU tests pin the references (q8 KV bytes of docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)',
+attention over a paged layout
 equal to attention over the same KV laid out contiguously). GPU tests run each
 kernel on fresh random inputs with poisoned outputs and ragged sizes."""
 

@@ -1,4 +1,5 @@
-"""Paged == flat parity on the reference transformer (DESIGN "Reference model and parity"):
+"""Paged == flat parity on the reference transformer (docs/development.md, 'Reference model and
+parity'):
 identical greedy tokens and bit-identical logits, through prefix reuse, multi-turn dialogs,
 concurrent requests, tenants and pool growth."""
 

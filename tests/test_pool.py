@@ -1,4 +1,5 @@
-"""LayerKVPool, PoolGeometry, MemoryBudget: paged-kv.md §5 and scenarios §9.3 (P3–P5)."""
+"""LayerKVPool, PoolGeometry, MemoryBudget: docs/contracts/paged-kv.md, '5. LayerKVPool' and
+scenarios docs/contracts/paged-kv.md, '9.3 Pool, sizing and growth' (P3–P5)."""
 
 from __future__ import annotations
 

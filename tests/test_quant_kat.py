@@ -1,4 +1,6 @@
-"""Known-answer vectors of hfqm-and-quant.md §5 (and the checks of §3.2-3.5): byte-exact
+"""Known-answer vectors of docs/contracts/hfqm-and-quant.md, '5. Known-answer vectors' (and the
+checks of docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation' to '3.5 Sign tables'):
+byte-exact
 encodes, exact decodes, sign tables and the FWHT-256."""
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ RAMP = ((np.arange(256) - 128) / 64).astype(np.float32)
 # MQ2G256V2 warns on every encode; test_ramp_group_bytes checks the warning itself
 pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
-# §5.1, rows are elements 0-63, 64-127, 128-191, 192-255
+# docs/contracts/hfqm-and-quant.md, '5.1 Sign tables and FWHT', rows are elements 0-63, 64-127,
+# 128-191, 192-255
 SIGNS1_TEXT = (
     "++++-++-++----+-+++++----++++++-++-++-++--+--+-+--++--+++-+++++-"
     "+++-++++-+--++--+----++-+-+--++-+---++---+-+-++++----++---+-++--"
@@ -76,7 +79,8 @@ def test_fwht_known_answers():
 
 
 def test_fwht_matches_reference_order_bit_for_bit():
-    """Batched rows equal a literal transcription of §3.6 in float32, stage by stage."""
+    """Batched rows equal a literal transcription of docs/contracts/hfqm-and-quant.md, '3.6 FWHT
+    rotation' in float32, stage by stage."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     s1, s2 = fwht.sign_table(42), fwht.sign_table(1042)
@@ -94,7 +98,8 @@ def test_fwht_matches_reference_order_bit_for_bit():
     assert np.allclose(back, x, atol=1e-5)
 
 
-# §5.2: qt, name, bytes, [0,8), [8,16), sha256[:16]
+# docs/contracts/hfqm-and-quant.md, '5.2 Ramp group per format': qt, name, bytes, [0,8), [8,16),
+# sha256[:16]
 RAMP_TABLE = [
     (6, "hfq4g256", 136, "0000883e000000c0", "0000000010111111", "9b951e76fb1696b7"),
     (7, "hfq4g128", 144, "7777073e000000c0", "0000101111112122", "4e41b8fc29de0fae"),
@@ -121,7 +126,8 @@ def test_ramp_group_bytes(qt, name, nbytes, head, second, sha):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             raw = Q.quantize(RAMP, fmt)
-        # §1.1: MQ2G256V2 is encoded only on request, with a quality warning
+        # docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register': MQ2G256V2 is encoded only on
+        # request, with a quality warning
         assert [str(w.message)[:9] for w in caught] == (["MQ2G256V2"] if qt == 50 else [])
         assert raw.dtype == np.uint8 and raw.shape == (nbytes,)
         assert raw[:8].tobytes().hex() == head
@@ -134,7 +140,8 @@ def test_ramp_group_bytes(qt, name, nbytes, head, second, sha):
 
 
 def _reference_decode(raw: np.ndarray, name: str) -> np.ndarray:
-    """Decode of one ramp group straight from §4 in numpy float32 (rotated basis)."""
+    """Decode of one ramp group straight from docs/contracts/hfqm-and-quant.md, '4. Weight codecs'
+    in numpy float32 (rotated basis)."""
     codec = Q.resolve(name)
     if codec.kind == "q8":
         blocks = raw.reshape(-1, 34)
@@ -262,7 +269,7 @@ def test_f16_rne_matches_numpy_and_trunc_is_toward_zero():
     tr = np.empty(x.size, np.uint16)
     half.f16_trunc(x, tr)
     t = tr.view(np.float16).astype(np.float32)
-    overflow = np.abs(x) >= 65536.0            # e16 >= 31: truncation saturates to inf (§3.2)
+    overflow = np.abs(x) >= 65536.0            # e16 >= 31: truncation saturates to inf (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation')
     assert np.isinf(t[overflow]).all() and overflow.any()
     t, x, tr = t[~overflow], x[~overflow], tr[~overflow]
     assert (np.abs(t) <= np.abs(x)).all()

@@ -1,5 +1,6 @@
 """Property tests (hypothesis) of pagedkv.quant: decode(encode(x)) within each format's error
-bound of hfqm-and-quant.md §4, and gemv against x @ dequantize(W).T."""
+bound of docs/contracts/hfqm-and-quant.md, '4. Weight codecs', and gemv against x @
+dequantize(W).T."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _groups(flat: np.ndarray, g: int) -> np.ndarray:
 
 
 def _ulps(a: np.ndarray) -> np.ndarray:
-    # "plus a few f32 ulps" (§4), and an absolute floor for groups whose range is
+    # "plus a few f32 ulps" (docs/contracts/hfqm-and-quant.md, '4. Weight codecs'), and an absolute
+    # floor for groups whose range is
     # subnormal: there 1/scale overflows to inf, every element above the minimum codes
     # as L (error < range < 2^-126) and the minimum as 0 (tests/test_quant_hostile_groups.py)
     return 8 * EPS * a + 2.0**-124

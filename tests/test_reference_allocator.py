@@ -1,7 +1,8 @@
 """The oracle's own checks: ``check_invariants`` catches every kind of broken state.
 
-The differential test trusts ``pagedkv._reference.BlockAllocator.check_invariants``; each
-case here breaks one rule of paged-kv.md §4.3 in the oracle's logical state by hand and
+The differential test trusts ``_reference.BlockAllocator.check_invariants`` (tests/_reference.py); each
+case here breaks one rule of docs/contracts/paged-kv.md, '4.3 Invariants' in the oracle's logical
+state by hand and
 expects :class:`InvariantViolation` naming it.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv._reference import BlockAllocator
+from _reference import BlockAllocator
 from pagedkv.errors import InvariantViolation
 
 

@@ -1,4 +1,6 @@
-"""Sizing, grow policy and env knobs: paged-kv.md §5.4, §6 and scenarios §9.3 (P1, P2, P6–P9)."""
+"""Sizing, grow policy and env knobs: docs/contracts/paged-kv.md, '5.4 Sizing from MB' and '6. Grow
+policy and sizing knobs' and scenarios docs/contracts/paged-kv.md, '9.3 Pool, sizing and growth'
+(P1, P2, P6–P9)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from pagedkv._reference import BlockAllocator
+from _reference import BlockAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry
 from pagedkv.sizing import (
@@ -132,7 +134,7 @@ def test_grow_pool_refused_by_budget_does_not_grow_the_allocator():
     assert calls == [] and pool.num_blocks == 4
 
 
-# --- env knobs (§6.3, P8) --------------------------------------------------------------------
+# --- env knobs (docs/contracts/paged-kv.md, '6.3 Knobs and precedence', P8) -----------------------
 
 
 @pytest.mark.parametrize("config_mb, env, expected", [

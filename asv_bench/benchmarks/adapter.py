@@ -1,6 +1,7 @@
 """Adapter speed (issue 4), each against a baseline measured in the same run:
 
-* bookkeeping per decode step (paged-kv.md §7.3): ``record_decode_tokens`` +
+* bookkeeping per decode step (docs/contracts/paged-kv.md, '7.3 Lifecycle'):
+``record_decode_tokens`` +
   ``prepare_decode`` for 64 live sequences, target <= 20 us, against a per-sequence dict/list
   implementation of the same bookkeeping;
 * ``write_kv_layers`` / ``gather_kv_layers`` and the per-layer forms (32 ``write_kv`` /

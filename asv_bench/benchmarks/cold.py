@@ -39,7 +39,8 @@ from pagedkv.pool import LayerKVPool, PoolGeometry
 # ~200 KB objects: 3 layers x 8 KV heads x 128 dims x bf16 x 16 tokens = 196,608 B of K/V.
 GEOM_200K = PoolGeometry(num_layers=3, num_kv_heads=8, head_dim=128, block_size=16,
                          dtype="bfloat16")
-# cold-tier.md §8.7: 2 layers x 8 KV heads x 128 x bf16 x bs 16 = 128 KiB per block.
+# docs/contracts/cold-tier.md, '8.7 Restore versus recompute': 2 layers x 8 KV heads x 128 x bf16 x
+# bs 16 = 128 KiB per block.
 GEOM_87 = PoolGeometry(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16,
                        dtype="bfloat16")
 FP = hashlib.sha256(b"bench-fingerprint").digest()

@@ -21,7 +21,8 @@ BLOCK_SIZE = 16
 
 
 def python_chain_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
-    """The §2.1 buffer hashed block by block from Python (no extra keys, no salt)."""
+    """The docs/contracts/paged-kv.md, '2.1 Hot block hash' buffer hashed block by block from Python
+    (no extra keys, no salt)."""
     out, parent = [], 0
     for i in range(len(tokens) // block_size):
         buf = parent.to_bytes(8, "little") + tokens[i * block_size:(i + 1) * block_size] \

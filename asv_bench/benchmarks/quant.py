@@ -48,7 +48,8 @@ def numpy_hfq4_dequant(raw: np.ndarray, out: np.ndarray, chunk_groups: int = 409
 
 
 def numpy_fwht_butterflies(x: np.ndarray, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
-    """Baseline: the §3.6 stages as whole-array NumPy ops over all rows."""
+    """Baseline: the docs/contracts/hfqm-and-quant.md, '3.6 FWHT rotation' stages as whole-array
+    NumPy ops over all rows."""
     y = x * s1
     n = x.shape[0]
     h = 1

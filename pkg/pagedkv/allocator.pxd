@@ -79,7 +79,7 @@ cdef class BlockAllocator:
     cdef uint8_t* scratch
     cdef size_t scratch_bytes
 
-    # stats (paged-kv.md §4.10)
+    # stats (docs/contracts/paged-kv.md, '4.10 Stats and block events')
     cdef uint64_t st_query_tokens, st_hit_tokens, st_pressure_evictions
     cdef uint64_t st_capacity_evictions, st_collisions_rejected, st_grows
 

@@ -1,6 +1,7 @@
-"""Type stubs for pagedkv.allocator (Cython). Contracts: paged-kv.md §4.
+"""Type stubs for pagedkv.allocator (Cython). Contracts: docs/contracts/paged-kv.md, '4.
+BlockAllocator'.
 
-Observable API shared with the pure-Python oracle ``pagedkv._reference.BlockAllocator``
+Observable API shared with the pure-Python oracle ``BlockAllocator`` of tests/_reference.py
 (the differential test compares these after every step):
 
 * ``stats()`` → dict with exactly the keys of ``STATS_KEYS``: query_tokens, hit_tokens,
@@ -26,14 +27,16 @@ Observable API shared with the pure-Python oracle ``pagedkv._reference.BlockAllo
 * ``find_longest_cache_hit`` → ``(np.ndarray[int32], int)``; ``allocate_many`` → int32
   array or None; ``check_invariants()`` → None or InvariantViolation.
 
-Choices where §4 is silent (both allocators follow them):
+Choices where docs/contracts/paged-kv.md, '4. BlockAllocator' is silent (both allocators follow
+them):
 
 * A caller holds ``refcount - 1`` references on a cached block (the cache owns one). So
   ``free`` of a cache-only block, or a ``free_many`` freeing an id more often than that,
   is InvariantViolation with nothing changed.
 * ``incref``, ``register_prefix`` and ``cache_full_blocks`` of a block that is not
   allocated (refcount 0, including the null block) → InvariantViolation.
-* Hash 0 is reserved (§2.1): ``register_prefix``, ``lookup_prefix`` and
+* Hash 0 is reserved (docs/contracts/paged-kv.md, '2.1 Hot block hash'): ``register_prefix``,
+``lookup_prefix`` and
   ``publish_restored_batch`` reject a ``block_hash`` outside ``[1, 2**64)`` with
   InvalidArgument. A ``_hash_fn`` result is taken modulo 2**64, then 0 → 1.
 * An identity whose tokens are not exactly ``block_size`` long → InvalidArgument in

@@ -1,7 +1,8 @@
 # cython: language_level=3
 """BlockAllocator: refcounted KV blocks with a verified, LRU-evicted prefix cache.
 
-Contracts: paged-kv.md §4. Physical representation: DESIGN "Core layouts".
+Contracts: docs/contracts/paged-kv.md, '4. BlockAllocator'. Physical representation:
+docs/development.md, 'Core layouts'.
 
 * ``block_records``: one ``BLOCK_DTYPE`` record per block id, ``max_num_blocks`` long
   and sized up front, so ``grow_by`` never reallocates. It carries the refcount, the
@@ -150,7 +151,8 @@ cdef int32_t _NO = PKV_NO_BLOCK
 
 
 cdef uint64_t _block_hash_arg(object block_hash, str name) except 0:
-    """A caller-supplied hot hash: 0 is reserved (§2.1), so the range is [1, 2**64)."""
+    """A caller-supplied hot hash: 0 is reserved (docs/contracts/paged-kv.md, '2.1 Hot block hash'),
+    so the range is [1, 2**64)."""
     cdef uint64_t h = as_u64(block_hash, name)
     if h == 0:
         raise InvalidArgument(
@@ -217,7 +219,8 @@ cdef class BlockAllocator:
     """Refcounted KV block ids with a content-addressed, verified prefix cache.
 
     ``BlockAllocator(num_blocks, max_num_blocks=None, block_size=16, *, hash_seed=None,
-    reserve_null_block=False, on_block_event=None, _hash_fn=None)``; see paged-kv.md §4
+    reserve_null_block=False, on_block_event=None, _hash_fn=None)``; see docs/contracts/paged-kv.md,
+    '4. BlockAllocator'
     and allocator.pyi for every method's contract.
     """
 
@@ -948,7 +951,8 @@ cdef class BlockAllocator:
         return m
 
     def register_prefix(self, block_id, block_hash, identity):
-        """Low-level insert of an allocated block under a caller-computed hash (§4.4)."""
+        """Low-level insert of an allocated block under a caller-computed hash
+        (docs/contracts/paged-kv.md, '4.4 Operations')."""
         cdef int32_t b = self.check_block_id(block_id, "block_id")
         cdef uint64_t key = _block_hash_arg(block_hash, "block_hash")
         cdef IdentityView idv
@@ -1159,7 +1163,8 @@ cdef class BlockAllocator:
         return added
 
     def publish_restored_batch(self, entries):
-        """All-or-nothing publish of restored blocks in chain order (§4.9)."""
+        """All-or-nothing publish of restored blocks in chain order (docs/contracts/paged-kv.md,
+        '4.9 Batch publish of restored blocks')."""
         cdef list items = list(entries)
         cdef Py_ssize_t n = len(items), i
         cdef IdentityView* views
@@ -1277,7 +1282,8 @@ cdef class BlockAllocator:
         return out
 
     def check_invariants(self):
-        """Verify §4.3 and the physical structures; raise InvariantViolation naming the break."""
+        """Verify docs/contracts/paged-kv.md, '4.3 Invariants' and the physical structures; raise
+        InvariantViolation naming the break."""
         cdef Py_ssize_t i, count, free_seen = 0, alloc_seen = 0, cached_seen = 0, evict_seen = 0
         cdef int32_t b, prev
         cdef pkv_block_record* r

@@ -1,4 +1,4 @@
-"""Every exception of pagedkv (paged-kv.md §1.2).
+"""Every exception of pagedkv (docs/contracts/paged-kv.md, '1.2 Errors').
 
 One module holds the allocator's, the pool's, the cold tier's, the HFQM
 reader's and the kernels' exceptions, so callers catch classes, never match
@@ -76,7 +76,8 @@ class SidecarLayoutMismatch(InvalidArgument):
     target arrays as they were."""
 
 
-# --- formats (hfqm-and-quant.md §2.4, cold-tier.md §6.6) ---------------------------------
+# --- formats (docs/contracts/hfqm-and-quant.md, '2.4 Reader validation',
+# docs/contracts/cold-tier.md, '6.6 Decoding') ---
 
 
 class FormatError(PagedKVError, ValueError):
@@ -179,7 +180,8 @@ class LookupAlreadyDone(PagedKVError):
 
 
 class AuxStateUnconfirmed(PagedKVError):
-    """A write-side call while the aux latch is set (paged-kv.md §7.5)."""
+    """A write-side call while the aux latch is set (docs/contracts/paged-kv.md, '7.5 Aux
+    latch')."""
 
 
 class InvariantViolation(PagedKVError):
@@ -228,7 +230,7 @@ class UnsupportedModel(PagedKVError, NotImplementedError):
         self.missing = missing
 
 
-# --- topology (paged-kv.md §8.2) ---------------------------------------------------------
+# --- topology (docs/contracts/paged-kv.md, '8.2 Validation and errors') ---------------------------
 
 
 class TopologyError(PagedKVError):

@@ -1,4 +1,5 @@
-"""Type stubs for pagedkv.hashing (Cython). Contracts: paged-kv.md §2, §3."""
+"""Type stubs for pagedkv.hashing (Cython). Contracts: docs/contracts/paged-kv.md, '2. Block
+hashing' and '3. cache_salt domain id'."""
 
 from collections.abc import Sequence
 from typing import Final
@@ -51,7 +52,8 @@ def salt_domain_id(salt: str | None) -> int:
     InvalidArgument."""
 
 def as_token_array(tokens: npt.ArrayLike, name: str = "tokens") -> npt.NDArray[np.uint32]:
-    """Token input rule of §2.1: a C-contiguous 1-D uint32 array is returned as is; other
+    """Token input rule of docs/contracts/paged-kv.md, '2.1 Hot block hash': a C-contiguous 1-D
+    uint32 array is returned as is; other
     integer input is range-checked and converted; float/bool/object → InvalidArgumentType;
     ndim != 1 → InvalidArgument."""
 

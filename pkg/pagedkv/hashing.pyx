@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""Hot block hashes and cache-salt domain ids (paged-kv.md §2, §3).
+"""Hot block hashes and cache-salt domain ids (docs/contracts/paged-kv.md, '2. Block hashing' and
+'3. cache_salt domain id').
 
 The hot hash keys the in-process prefix table. It is process-local (seeded per
 allocator) and may change between versions; the cold tier's on-disk keys are a
@@ -61,7 +62,8 @@ cdef extern from *:
         for (int i = 0; i < 4; ++i) p[i] = (uint8_t)(v >> (8 * i));
     }
 
-    /* Writes the hot-hash input of one block (paged-kv.md §2.1); returns its length. */
+    /* Writes the hot-hash input of one block (docs/contracts/paged-kv.md, '2.1 Hot block hash');
+    returns its length. */
     static inline size_t pkv_hot_buffer(uint8_t *out, uint64_t parent, const uint32_t *tokens,
                                         size_t block_size, const uint64_t *keys,
                                         size_t key_count, uint64_t salt, int64_t block_index) {
@@ -129,7 +131,8 @@ cdef object _wheel():
 # --- argument validation (shared with pagedkv.allocator) ------------------------------
 
 cpdef object as_token_array(object tokens, str name="tokens"):
-    """Return ``tokens`` as a 1-D C-contiguous ``uint32`` array (paged-kv.md §2.1).
+    """Return ``tokens`` as a 1-D C-contiguous ``uint32`` array (docs/contracts/paged-kv.md, '2.1
+    Hot block hash').
 
     A C-contiguous 1-D ``uint32`` ndarray is returned as is (no copy). Other integer
     array-likes are range-checked (``0 <= t < 2**32``) and converted. Float, bool or
@@ -234,7 +237,8 @@ cdef ChainKeys _UNIFORM_NONE = None
 
 
 cpdef ChainKeys make_chain_keys(object extra_keys=(), object extra_keys_per_block=None):
-    """Validate ``extra_keys`` / ``extra_keys_per_block`` (paged-kv.md §2.2)."""
+    """Validate ``extra_keys`` / ``extra_keys_per_block`` (docs/contracts/paged-kv.md, '2.2
+    Chains')."""
     global _UNIFORM_NONE
     cdef ChainKeys ck
     cdef cnp.ndarray flat, offsets
@@ -391,7 +395,7 @@ cdef int chain_segment_into(const uint32_t* tokens, Py_ssize_t n_blocks, Py_ssiz
 
 
 def hot_block_hash(parent, tokens, extra_keys=(), cache_salt=0, block_index=0, *, seed=0):
-    """XXH3-64 hot hash of one full block (paged-kv.md §2.1).
+    """XXH3-64 hot hash of one full block (docs/contracts/paged-kv.md, '2.1 Hot block hash').
 
     parent: hot hash of the previous block, 0 for block 0 (u64).
     tokens: the block's token ids (its length is the block size).
@@ -423,7 +427,8 @@ def hot_block_hash(parent, tokens, extra_keys=(), cache_salt=0, block_index=0, *
 
 def chain_hashes(tokens, block_size, *, extra_keys=(), extra_keys_per_block=None,
                  cache_salt=0, seed=0):
-    """Hot hashes of the full blocks of ``tokens`` as ``uint64[k]`` (paged-kv.md §2.2).
+    """Hot hashes of the full blocks of ``tokens`` as ``uint64[k]`` (docs/contracts/paged-kv.md,
+    '2.2 Chains').
 
     ``k = len(tokens) // block_size`` (trailing partial tokens are ignored; block_size 0
     gives an empty array), capped at ``len(extra_keys_per_block)`` when per-block keys
@@ -447,7 +452,8 @@ def chain_hashes(tokens, block_size, *, extra_keys=(), extra_keys_per_block=None
 
 
 def salt_domain_id(salt):
-    """Domain id (u64) of a ``cache_salt`` string (paged-kv.md §3).
+    """Domain id (u64) of a ``cache_salt`` string (docs/contracts/paged-kv.md, '3. cache_salt domain
+    id').
 
     ``None`` → 0 (the shared domain). Otherwise a non-empty ``str`` of at most 256 UTF-8
     bytes; the id is the first 8 bytes of its SHA-256, little-endian, with 0 remapped to 1.

@@ -1,4 +1,5 @@
-"""Argument types that carry a cached block's identity (paged-kv.md §2.3, §4.9).
+"""Argument types that carry a cached block's identity (docs/contracts/paged-kv.md, '2.3 Block
+identity and verification' and '4.9 Batch publish of restored blocks').
 
 No per-block identity object is ever *stored*: the allocator keeps identities in
 its flat block arrays. These small immutable types only carry one into
@@ -103,7 +104,8 @@ class BlockIdentity(NamedTuple):
 
 
 class RestoredBlock(NamedTuple):
-    """One entry of ``BlockAllocator.publish_restored_batch`` (paged-kv.md §4.9)."""
+    """One entry of ``BlockAllocator.publish_restored_batch`` (docs/contracts/paged-kv.md, '4.9
+    Batch publish of restored blocks')."""
 
     block_id: int
     block_hash: int

@@ -11,7 +11,8 @@ import numpy as np
 
 __all__ = ["run_self_check"]
 
-# paged-kv.md §2.4, first row: block 0, tokens [1, 2, 3, 4], no keys, salt 0, seed 0.
+# docs/contracts/paged-kv.md, '2.4 Reference vectors (hash_seed = 0)', first row: block 0, tokens
+# [1, 2, 3, 4], no keys, salt 0, seed 0.
 _PINNED_HASH = 0x321DB453EB3BE929
 
 

@@ -1,4 +1,5 @@
-"""Pool sizing, the grow-on-demand policy and the ``PAGEDKV_*`` knobs (paged-kv.md §5.4, §6).
+"""Pool sizing, the grow-on-demand policy and the ``PAGEDKV_*`` knobs (docs/contracts/paged-kv.md,
+'5.4 Sizing from MB' and '6. Grow policy and sizing knobs').
 
 Sizes are in MiB (``mb`` = 2**20 bytes) and blocks. At load the pool is sized in two steps:
 the **max** (``memory_mb``, else one full-context sequence, optionally clamped to live
@@ -75,7 +76,7 @@ def _count(name: str, value, *, minimum: int = 0) -> int:
     return value
 
 
-# --- MB <-> blocks (§5.4) ----------------------------------------------------------------------
+# --- MB <-> blocks (docs/contracts/paged-kv.md, '5.4 Sizing from MB') -----------------------------
 
 
 def blocks_for_memory_mb(mb: int, geometry: PoolGeometry) -> int:
@@ -115,7 +116,8 @@ def max_pool_blocks(max_mb: int, geometry: PoolGeometry, *,
 
 def initial_pool_blocks(initial_mb: int | None, max_mb: int, max_blocks: int,
                         geometry: PoolGeometry) -> int:
-    """Blocks allocated at load (§6.2): unset → ``max_blocks`` (a fixed pool); otherwise
+    """Blocks allocated at load (docs/contracts/paged-kv.md, '6.2 Two-step sizing at load'): unset →
+    ``max_blocks`` (a fixed pool); otherwise
     ``min(blocks_for_memory_mb(min(initial_mb, max_mb)), max_blocks)``. An initial size
     below one block (an explicit 0 included) raises ``InvalidArgument``."""
     max_blocks = _count("max_blocks", max_blocks, minimum=1)
@@ -131,7 +133,7 @@ def initial_pool_blocks(initial_mb: int | None, max_mb: int, max_blocks: int,
     return min(blocks, max_blocks)
 
 
-# --- grow on demand (§6.1) ---------------------------------------------------------------------
+# --- grow on demand (docs/contracts/paged-kv.md, '6.1 Grow-on-demand') ----------------------------
 
 
 def grow_target(current: int, needed: int, maximum: int) -> int:
@@ -154,13 +156,14 @@ def grow_pool(pool: LayerKVPool, needed: int, grow_allocator: Callable[[int], ob
         if target <= old or not pool.grow_to(target, needed=needed):
             return 0
         # Physical first, logical second: the allocator never hands out a block the pool
-        # does not have (§5.6 ordering).
+        # does not have (docs/contracts/paged-kv.md, '5.6 grow_to and generations' ordering).
         grow_allocator(target - old)
         return target - old
 
 
 class ReservationGrowth:
-    """The growth allowance of one reservation (§6.1): one grow before the allocation loop,
+    """The growth allowance of one reservation (docs/contracts/paged-kv.md, '6.1 Grow-on-demand'):
+    one grow before the allocation loop,
     plus one grow for a single retry if the loop still runs dry.
 
     The adapter creates one per reservation::
@@ -211,7 +214,7 @@ class ReservationGrowth:
         return grow_pool(self._pool, remaining, self._grow_allocator)
 
 
-# --- environment knobs (§6.3) ------------------------------------------------------------------
+# --- environment knobs (docs/contracts/paged-kv.md, '6.3 Knobs and precedence') -------------------
 
 
 def parse_u32(text: str) -> int | None:
@@ -264,11 +267,14 @@ def env_bool(name: str, fallback: _Fallback, *, fallback_source: str = "default"
 
 @dataclass(frozen=True, slots=True)
 class PagedCacheConfig:
-    """The paged-cache fields of a model config (§6.3). MiB sizes; ``None`` = unset.
+    """The paged-cache fields of a model config (docs/contracts/paged-kv.md, '6.3 Knobs and
+    precedence'). MiB sizes; ``None`` = unset.
 
     ``memory_mb``: the max pool (unset: one full-context sequence). ``initial_memory_mb``:
     the pool at load (unset: the max, a fixed pool). ``max_num_seqs`` (capped at 32 by the
-    coordinator) and ``watermark_fraction`` are used by the grouped coordinator (§8.8–8.9).
+    coordinator) and ``watermark_fraction`` are used by the grouped coordinator
+    (docs/contracts/paged-kv.md, '8.8 Scheduling contract: admission and preemption' to '8.9 Minimum
+    pool budget and admission width').
     """
 
     enabled: bool = True
@@ -316,7 +322,8 @@ class PagedCacheConfig:
         )
 
 
-# --- load-time resolution (§6.2, §6.4) ---------------------------------------------------------
+# --- load-time resolution (docs/contracts/paged-kv.md, '6.2 Two-step sizing at load' and '6.4 Load
+# and growth logs') ---
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +348,8 @@ class PoolSizing:
         return self.max_blocks * self.block_size
 
     def log_load(self) -> None:
-        """The load lines of §6.4 on the ``pagedkv`` logger (INFO)."""
+        """The load lines of docs/contracts/paged-kv.md, '6.4 Load and growth logs' on the
+        ``pagedkv`` logger (INFO)."""
         logger.info("paged pool: block_size=%d initial_blocks=%d max_blocks=%d "
                     "effective_window_tokens=%d bytes_per_block=%d", self.block_size,
                     self.initial_blocks, self.max_blocks, self.effective_window_tokens,

@@ -1,4 +1,4 @@
-"""Fuzz target: the cold block decoder (docs/cold.md, "Decoding, fail-closed").
+"""Fuzz target: the cold block decoder (docs/cold.md, "Decoding, fail-closed, in this order").
 
 Every input is decoded three ways that must agree: ``decode_block`` with no expectation
 (what is in the file), the header-first path of ``pagedkv cold verify``

@@ -1,4 +1,5 @@
-/* pagedkv cold-object layout (cold-tier.md §6): the fixed parts of a block object.
+/* pagedkv cold-object layout (docs/contracts/cold-tier.md, '6. Object format'): the fixed parts of
+ * a block object.
  *
  * A cold object is a safetensors container: u64 LE header length N, N bytes of
  * compact JSON padded with spaces to a multiple of 8, then the tensor bytes in
@@ -25,7 +26,8 @@ enum pkv_cold_dtype {
     PKV_COLD_Q8 = 3,
 };
 
-/* header_overhead(n) = 256*n + 1024 + 15 bytes for n tensors (§6.5). */
+/* header_overhead(n) = 256*n + 1024 + 15 bytes for n tensors (docs/contracts/cold-tier.md, '6.5
+ * Size bounds'). */
 PKV_FN uint64_t pkv_cold_header_overhead(uint64_t n_tensors) {
     return 256u * n_tensors + 1024u + 15u;
 }
@@ -47,7 +49,8 @@ PKV_FN uint64_t pkv_cold_slab_bytes(uint64_t block_size, uint64_t num_kv_heads,
     return block_size * num_kv_heads * row;
 }
 
-/* Largest valid block object: payload + tokens + header overhead (§6.5). */
+/* Largest valid block object: payload + tokens + header overhead (docs/contracts/cold-tier.md, '6.5
+ * Size bounds'). */
 PKV_FN uint64_t pkv_cold_block_bound(uint64_t block_size, uint64_t num_layers,
                                      uint64_t slab_bytes) {
     return 2u * num_layers * slab_bytes + 4u * block_size

@@ -1,6 +1,7 @@
 /* HFQM v1 container layout and the quant-type (qt) register.
  *
- * Source: shared/specs/hfqm-and-quant.md §1.1 (register) and §2 (container).
+ * Source: docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' (register) and
+ * docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container' (container).
  * This header is the single C-side statement of both; pagedkv.hfqm.qtypes holds
  * the same register as Python data and tests/test_hfqm_qtypes.py checks, id by
  * id, that the two agree (through pagedkv.hfqm.index, which includes this file).
@@ -14,7 +15,8 @@
 #include "portability.h"
 
 /* ---------------------------------------------------------------------------
- * Container constants (§2.1, §2.8)
+ * Container constants (docs/contracts/hfqm-and-quant.md, '2.1 Header (32 bytes) and body' and '2.8
+ * Embedded sections and MTP bundle')
  * ------------------------------------------------------------------------- */
 
 #define PKV_HFQM_MAGIC_U32          0x4D514648u  /* "HFQM" read as a little-endian u32 */
@@ -35,7 +37,7 @@
 typedef struct pkv_hfqm_header {
     uint8_t  magic[4];          /* "HFQM" */
     uint32_t version;           /* 1 */
-    uint32_t arch_id;           /* §2.5 */
+    uint32_t arch_id;           /* docs/contracts/hfqm-and-quant.md, '2.5 arch_id' */
     uint32_t n_tensors;         /* == index count */
     uint64_t metadata_offset;   /* bytes from base; writers: 32 */
     uint64_t data_offset;       /* bytes from base; multiple of 4096 */
@@ -76,7 +78,7 @@ typedef struct pkv_hfqm_tensor_record {
     uint32_t shape[PKV_HFQM_MAX_DIMS];  /* outermost first; unused dims are 0 */
     uint32_t name_len;      /* bytes (u16 on disk) */
     uint32_t group_size;    /* informational, as stored */
-    uint8_t  qt;            /* quant type id, §1.1 */
+    uint8_t  qt;            /* quant type id, docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' */
     uint8_t  ndim;
     uint8_t  pad_[6];
 } pkv_hfqm_tensor_record;
@@ -84,18 +86,20 @@ typedef struct pkv_hfqm_tensor_record {
 PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 bytes");
 
 /* ---------------------------------------------------------------------------
- * Quant-type register (§1.1)
+ * Quant-type register (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')
  *
  * PKV_QT_LIST(X) expands X(id, NAME, G, B, SIZE_RULE, STATUS, FLAGS) once per
  * registered or reserved id:
- *   G         weights per group (1 for raw types, 0 where §1.1 gives none)
+ *   G         weights per group (1 for raw types, 0 where docs/contracts/hfqm-and-quant.md, '1.1
+ * Quant-type register' gives none)
  *   B         bytes per group   (element bytes for raw types, 0 where none)
  *   SIZE_RULE how data_size follows from the shape (PKV_QT_SIZE_*)
  *   STATUS    what pagedkv does with it (PKV_QT_STATUS_*)
  *   FLAGS     PKV_QT_FLAG_* bits
  * ------------------------------------------------------------------------- */
 
-/* Size rules (checked by the reader, §1.1 "Tensor size"). M = numel / K, K = last dim. */
+/* Size rules (checked by the reader, docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'
+ * "Tensor size"). M = numel / K, K = last dim. */
 #define PKV_QT_SIZE_NONE        0  /* no rule: any data_size is accepted */
 #define PKV_QT_SIZE_GROUPS      1  /* ceil(numel / G) * B, last group padded */
 #define PKV_QT_SIZE_ROW_HEADER  2  /* HFP4 family: M * (16 + B * ceil(K / G)) */
@@ -111,7 +115,7 @@ PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 byt
 #define PKV_QT_STATUS_CALIB     5  /* only valid inside a *.calib.hfq file */
 
 /* Flags. */
-#define PKV_QT_FLAG_ROTATED     1  /* stored after the FWHT-256 rotation (§3.6) */
+#define PKV_QT_FLAG_ROTATED     1  /* stored after the FWHT-256 rotation (docs/contracts/hfqm-and-quant.md, '3.6 FWHT rotation') */
 #define PKV_QT_FLAG_K_MULT_256  2  /* requires K % 256 == 0 (V2, MQ4C, GL) */
 #define PKV_QT_FLAG_RAW         4  /* one element per "group": F16, F32, BF16, TidI32 */
 
@@ -171,7 +175,8 @@ PKV_STATIC_ASSERT(sizeof(pkv_hfqm_tensor_record) == 72, "tensor record is 72 byt
     X(130, CalibHessian,    0,   0, PKV_QT_SIZE_HESSIAN,    PKV_QT_STATUS_CALIB,    0)
 
 /* Ids: PKV_QT_<NAME>; per-qt group geometry: PKV_QT_<NAME>_GROUP (weights per
- * group) and PKV_QT_<NAME>_GROUP_BYTES (bytes per group), 0 where §1.1 gives none. */
+ * group) and PKV_QT_<NAME>_GROUP_BYTES (bytes per group), 0 where docs/contracts/hfqm-and-quant.md,
+ * '1.1 Quant-type register' gives none. */
 #define PKV_QT_ENUM_ITEM_(id, name, g, b, rule, status, flags) \
     PKV_QT_##name = id, PKV_QT_##name##_GROUP = g, PKV_QT_##name##_GROUP_BYTES = b,
 enum pkv_qt_ids { PKV_QT_LIST(PKV_QT_ENUM_ITEM_) PKV_QT_ID_LIMIT_ = 256 };
@@ -199,7 +204,8 @@ PKV_FN uint32_t pkv_qt_flags(uint32_t qt) { switch (qt) { PKV_QT_LIST(PKV_QT_CAS
 #undef PKV_QT_CASE_
 
 /* Payload bytes a tensor of qt needs, from its element count and last dim K
- * (§1.1 "Tensor size"). Returns 0 when the qt has no size rule (PKV_QT_SIZE_NONE):
+ * (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' "Tensor size"). Returns 0 when the
+ * qt has no size rule (PKV_QT_SIZE_NONE):
  * callers then accept any data_size. Rows: M = numel / K (K > 0). */
 PKV_FN uint64_t pkv_qt_expected_nbytes(uint32_t qt, uint64_t numel, uint64_t k)
 {

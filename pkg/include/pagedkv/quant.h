@@ -1,6 +1,7 @@
 /* Per-element quantization math of the HFQ / MQ / Q8 weight codecs.
  *
- * Source: shared/specs/hfqm-and-quant.md §3 (primitives) and §4 (codecs).
+ * Source: docs/contracts/hfqm-and-quant.md, '3. Shared primitives' (primitives) and
+ * docs/contracts/hfqm-and-quant.md, '4. Weight codecs' (codecs).
  * One text for every consumer: the Cython codecs (pagedkv.quant), the HIP/CUDA
  * kernels (hip/, through nvcc or hipcc) and the Metal kernels (passed as text).
  * Hence: every function is PKV_FN, pointers into device buffers are PKV_DEVPTR,
@@ -8,10 +9,11 @@
  * no libc, no statics that need initialising, only integer and f32 arithmetic.
  *
  * Bit-exactness. Encoders reproduce hipfire's bytes: each step below is one
- * rounded f32 operation, in the order written (§3.1); the project compiles C
+ * rounded f32 operation, in the order written (docs/contracts/hfqm-and-quant.md, '3.1 Arithmetic
+ * discipline'); the project compiles C
  * with -ffp-contract=off so no a*b+c is fused. The decoders are exact on the
  * CPU for the same reason; GPU builds may fuse (tolerance: 1 ulp of the group's
- * largest magnitude, DESIGN "Kernels").
+ * largest magnitude, docs/development.md, 'Kernel design').
  *
  * Byte order. Multi-byte fields are little-endian and groups start at any
  * byte (a 34-byte Q8F16 block, a tensor at an odd file offset), so fields are
@@ -97,7 +99,8 @@ PKV_FN void pkv_store_u32le(PKV_DEVPTR uint8_t *p, uint32_t v) {
 PKV_FN float pkv_load_f32le(const PKV_DEVPTR uint8_t *p) { return pkv_f32_from_bits(pkv_load_u32le(p)); }
 PKV_FN void pkv_store_f32le(PKV_DEVPTR uint8_t *p, float x) { pkv_store_u32le(p, pkv_f32_bits(x)); }
 
-/* True for NaN and +-Inf (exponent all ones): encoders refuse them (§3.1). */
+/* True for NaN and +-Inf (exponent all ones): encoders refuse them
+ * (docs/contracts/hfqm-and-quant.md, '3.1 Arithmetic discipline'). */
 PKV_FN int pkv_f32_is_nonfinite(float x) { return (pkv_f32_bits(x) & 0x7F800000u) == 0x7F800000u; }
 
 /* Index of the first NaN/Inf in x[0..n), or -1. The first pass is branch-free
@@ -122,7 +125,7 @@ PKV_FN ptrdiff_t pkv_first_nonfinite_f16(const uint16_t *h, ptrdiff_t n) {
 }
 
 /* ---------------------------------------------------------------------------
- * Half precision (§3.2)
+ * Half precision (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation')
  * ------------------------------------------------------------------------- */
 
 /* f32 -> f16 by truncation toward zero: what hipfire's quantizer does for F16
@@ -183,19 +186,21 @@ PKV_FN float pkv_f16_to_f32(uint32_t h) {
     return pkv_f32_from_bits(s | ((e + 112u) << 23) | (m << 13));
 }
 
-/* bf16 widens exactly (the top half of an f32); narrowing truncates (hipfire's choice, §3.2). */
+/* bf16 widens exactly (the top half of an f32); narrowing truncates (hipfire's choice,
+ * docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation'). */
 PKV_FN float pkv_bf16_to_f32(uint32_t h) { return pkv_f32_from_bits((h & 0xFFFFu) << 16); }
 PKV_FN uint32_t pkv_bf16_trunc(float x) { return pkv_f32_bits(x) >> 16; }
 
 /* ---------------------------------------------------------------------------
- * Rounding to integer codes (§3.3)
+ * Rounding to integer codes (docs/contracts/hfqm-and-quant.md, '3.3 Rounding to integers')
  *
  * Written with compares and truncating conversions (no floorf/roundf) so they
  * vectorize and run on devices without libm. min(L, floor(v)) == floor(min(v, L))
  * for integer L, and on [0, L] floor == truncation.
  * ------------------------------------------------------------------------- */
 
-/* Affine codes, every family (§3.3): q = clamp(floor((x - base)*inv + 0.5), 0, L),
+/* Affine codes, every family (docs/contracts/hfqm-and-quant.md, '3.3 Rounding to integers'): q =
+ * clamp(floor((x - base)*inv + 0.5), 0, L),
  * base = the group minimum (v1) or the stored zero (V2, MQ4C; it can exceed the
  * minimum, so the lower clamp matters there). floor and truncation agree after
  * clamping to [0, L]. A NaN argument is code 0, as in hipfire, whose encoders
@@ -231,7 +236,8 @@ PKV_FN int32_t pkv_round_q8(float v) {
     return (int32_t)r;
 }
 
-/* KV q8 (§6.3): round half to even, clamp to [-127, 127]. */
+/* KV q8 (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'): round half to even, clamp to [-127,
+ * 127]. */
 PKV_FN int32_t pkv_round_q8_kv(float v) {
     float a = v < 0.0f ? -v : v;
     a = a < 256.0f ? a : 256.0f;
@@ -244,7 +250,8 @@ PKV_FN int32_t pkv_round_q8_kv(float v) {
 }
 
 /* ---------------------------------------------------------------------------
- * Bit packing (§3.4): code j occupies bits [b*j, b*j + b) of the payload read
+ * Bit packing (docs/contracts/hfqm-and-quant.md, '3.4 Bit packing'): code j occupies bits [b*j, b*j
+ * + b) of the payload read
  * as one little-endian integer (LSB first), for every width b in 1..8.
  * ------------------------------------------------------------------------- */
 
@@ -315,7 +322,8 @@ PKV_FN void pkv_unpack_codes(const PKV_DEVPTR uint8_t *payload, uint32_t n, uint
 }
 
 /* ---------------------------------------------------------------------------
- * Sign tables (§3.5): a 31-bit LCG; sign i is bit 16 of the state after i+1 steps.
+ * Sign tables (docs/contracts/hfqm-and-quant.md, '3.5 Sign tables'): a 31-bit LCG; sign i is bit 16
+ * of the state after i+1 steps.
  * SIGNS1 = signs(42, 256), SIGNS2 = signs(1042, 256); the 128-wide tables are
  * their first 128 entries.
  * ------------------------------------------------------------------------- */
@@ -337,7 +345,8 @@ PKV_FN void pkv_signs_generate(uint32_t seed, uint32_t n, PKV_THREAD float *out)
 }
 
 /* The same tables precomputed, bit-packed: bit (i % 32) of word (i / 32) is set
- * where sign i is +1 (the §5.1 byte strings read as little-endian u32 words).
+ * where sign i is +1 (the docs/contracts/hfqm-and-quant.md, '5.1 Sign tables and FWHT' byte strings
+ * read as little-endian u32 words).
  * A switch, not an array, so device code needs no __constant__ declaration. */
 PKV_FN uint32_t pkv_signs1_word(uint32_t w) {
     switch (w & 7u) {
@@ -361,7 +370,8 @@ PKV_FN float pkv_sign1(uint32_t i) { return ((pkv_signs1_word(i >> 5) >> (i & 31
 PKV_FN float pkv_sign2(uint32_t i) { return ((pkv_signs2_word(i >> 5) >> (i & 31u)) & 1u) ? 1.0f : -1.0f; }
 
 /* ---------------------------------------------------------------------------
- * FWHT (§3.6): R = D2 . H . D1 / sqrt(n), n in {128, 256}.
+ * FWHT (docs/contracts/hfqm-and-quant.md, '3.6 FWHT rotation'): R = D2 . H . D1 / sqrt(n), n in
+ * {128, 256}.
  * The stage order (ascending strides) is part of the contract: vectorizing
  * within a stage keeps the bits, reordering stages does not.
  * ------------------------------------------------------------------------- */
@@ -450,7 +460,8 @@ PKV_FN float pkv_hfq_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t bits, u
 }
 
 /* Encode x[0..n) (n <= G; codes n..G are 0) into one v1 group. `q` is scratch
- * of G bytes. min/max run over the n real elements only (§4.1). Decoded values
+ * of G bytes. min/max run over the n real elements only (docs/contracts/hfqm-and-quant.md, '4.1 HFQ
+ * generic affine v1'). Decoded values
  * run from mn (code 0) to L*scale + mn (code L): UNREPRESENTABLE when the latter
  * overflows, which covers a range mx - mn that overflows (scale = inf). */
 PKV_FN int pkv_hfq_encode_group(const PKV_THREAD float *x, uint32_t n, uint32_t bits, uint32_t G,

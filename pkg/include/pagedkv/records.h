@@ -1,4 +1,5 @@
-/* Public records of the hot block allocator (paged-kv.md §2.3, §4; DESIGN "Core layouts").
+/* Public records of the hot block allocator (docs/contracts/paged-kv.md, '2.3 Block identity and
+ * verification' and '4. BlockAllocator'; docs/development.md, 'Core layouts').
  *
  * These structs are the embedding contract: pagedkv.allocator.BLOCK_DTYPE and
  * PREFIX_SLOT_DTYPE are NumPy structured dtypes built to match them field by field
@@ -23,7 +24,7 @@ extern "C" {
 /* pkv_block_record.flags */
 #define PKV_BLOCK_FREE   0x1u  /* linked into the free queue */
 #define PKV_BLOCK_CACHED 0x2u  /* holds a prefix-table entry (hot_hash is its key) */
-#define PKV_BLOCK_NULL   0x4u  /* the reserved null block of a sliding group (§8.6) */
+#define PKV_BLOCK_NULL   0x4u  /* the reserved null block of a sliding group (docs/contracts/paged-kv.md, '8.6 Sliding null sentinel') */
 
 /* Bytes of a non-empty extra-keys digest (BLAKE2b-128). */
 #define PKV_EXTRA_KEYS_DIGEST_BYTES 16

@@ -1,5 +1,5 @@
 """``RequestLifecycle``: the per-request state machine over one or more KV-cache groups
-(docs/adapter.md, "Lifecycle"; docs/coordinator.md, "All-groups operations").
+(docs/adapter.md, "Lifecycle"; docs/coordinator.md, "All-groups operations and the cursor rule").
 
 Reset → lookup → allocate → record … → register → release, plus keep-live turns, the aux
 latch and admission, written once for any number of groups. The single-group

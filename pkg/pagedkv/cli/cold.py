@@ -1,9 +1,13 @@
-"""``pagedkv cold``: inspect, verify and trim a cold-tier root (cold-tier.md §9–10).
+"""``pagedkv cold``: inspect, verify and trim a cold-tier root (docs/contracts/cold-tier.md, '9.
+Loads and corruption' to '10. Quota and eviction').
 
 ``[BASE]`` is a base directory like ``PAGEDKV_COLD_CACHE_DIR``: the tier is
 ``<BASE>/pagedkv-v1`` (default base: ``PAGEDKV_COLD_CACHE_DIR`` or ``~/.pagedkv/cache``), or a
 fleet's Redis/Valkey URL (``redis://host:port/db``; without BASE, ``PAGEDKV_COLD_BACKEND``
 when it names one).
+Without ``BASE``, when that default holds no tier but ``pagedkv demo``'s directory in the
+working directory does, ``stats`` and ``verify`` look there and say so: a new user runs the
+demo, then ``pagedkv cold stats``, and sees what the demo persisted.
 """
 
 from __future__ import annotations
@@ -64,7 +68,14 @@ def _missing_tier(base: str, child: str) -> str | None:
     return None
 
 
-def _open(args, *, quarantine_unowned: bool = False):
+def _demo_base(child: str) -> str | None:
+    """``pagedkv demo``'s default cold dir when it holds a tier, else ``None``."""
+    from pagedkv.cli import demo
+    base = demo.DEFAULT_COLD_DIR
+    return base if _missing_tier(base, child) is None else None
+
+
+def _open(args, *, quarantine_unowned: bool = False, demo_fallback: bool = False):
     from pagedkv.cold.knobs import cold_backend_url, cold_cache_base
     from pagedkv.cold.offline import open_offline_store
     from pagedkv.cold.redis_store import RedisColdStore, is_redis_url
@@ -79,6 +90,14 @@ def _open(args, *, quarantine_unowned: bool = False):
             return None
     base = args.base if args.base else cold_cache_base()
     problem = _missing_tier(base, MANAGED_CHILD)
+    if problem is not None and not args.base:
+        demo_base = _demo_base(MANAGED_CHILD)
+        if demo_base is not None and demo_fallback:
+            print(f"pagedkv cold: no tier in the default {base!r}; showing the `pagedkv demo` "
+                  f"tier in {demo_base!r}", file=sys.stderr)
+            base, problem = demo_base, None
+        elif demo_base is not None:
+            problem += f" (the `pagedkv demo` tier is in {demo_base!r}: pass it as BASE)"
     if problem is not None:
         print(f"pagedkv cold: {problem}", file=sys.stderr)
         return None
@@ -102,7 +121,7 @@ def _is_remote(store) -> bool:
 def run_stats(args: argparse.Namespace) -> int:
     from pagedkv.cold.offline import root_summary
     from pagedkv.cold.redis_offline import remote_summary
-    store = _open(args)
+    store = _open(args, demo_fallback=True)
     if store is None:
         return 2
     remote = _is_remote(store)
@@ -141,7 +160,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from pagedkv.cold.offline import verify_store
     from pagedkv.cold.redis_offline import verify_remote
-    store = _open(args)
+    store = _open(args, demo_fallback=not args.prune)
     if store is None:
         return 2
     remote = _is_remote(store)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -132,6 +133,7 @@ def run_restart_phase(args) -> int:
     print(f"cold tier: {s.hits} blocks restored from {where} ({s.bytes_restored:,} bytes), "
           f"{s.enqueued} blocks persisted ({s.bytes_written:,} bytes, drained: "
           f"{'yes' if drained else 'NO'}), corruptions {s.corruptions}, in {s.root}")
+    print(f"  inspect it: pagedkv cold stats {shlex.quote(_tier_dir(args))}")
     if s.hits == 0 and not args.restart:
         print("  run `pagedkv demo` again: the next process restores the shared prefix "
               "from disk instead of recomputing it")

@@ -1,5 +1,5 @@
 """``pagedkv inspect FILE [--json]``: header, arch, metadata summary, tensor table and
-totals per format of an HFQM file (hfqm-and-quant.md §2)."""
+totals per format of an HFQM file (docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container')."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pagedkv.cli.table import format_table
 _LIST_ITEMS_SHOWN = 16
 _STRING_CHARS_SHOWN = 200
 
-# Config keys loaders read (§2.3), shown in the metadata summary when present.
+# Config keys loaders read (docs/contracts/hfqm-and-quant.md, '2.3 Metadata keys'), shown in the
+# metadata summary when present.
 _CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
                 "max_position_embeddings", "rope_theta", "rms_norm_eps")

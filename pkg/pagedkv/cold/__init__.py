@@ -1,4 +1,4 @@
-"""Cold tier: KV blocks persisted to disk, restored fail-closed (cold-tier.md).
+"""Cold tier: KV blocks persisted to disk, restored fail-closed (docs/contracts/cold-tier.md).
 
 A warm prefix survives a restart: full KV blocks are written as checksummed safetensors
 objects under SHA-256 chain keys bound to the model fingerprint, and a new process restores

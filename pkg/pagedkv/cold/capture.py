@@ -1,4 +1,5 @@
-"""The budgeted capture walk (cold-tier.md §8.1–8.2).
+"""The budgeted capture walk (docs/contracts/cold-tier.md, '8.1 Capture budget' to '8.2 Capture
+walk').
 
 Runs on the inference thread after hot registration. The budget counts blocks *written*
 (a block already on disk, or queued by an earlier walk, costs one index probe), and the
@@ -87,7 +88,8 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
     buffer = taken if recycle else np.ascontiguousarray(out, dtype=np.uint8)
     toks = np.array(tokens, dtype=np.uint32)  # the job owns its tokens
     # The checksum is left to the writer's hashing stage: SHA-256 of a 200 KB block alone
-    # would take most of the 0.25 ms this thread may spend per block (§7.4).
+    # would take most of the 0.25 ms this thread may spend per block (docs/contracts/cold-tier.md,
+    # '7.4 Service time').
     job = BlockJob(key, fingerprint_hex, geometry, toks, buffer, recycle=recycle)
     accepted = False
     try:

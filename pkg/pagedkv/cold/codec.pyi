@@ -1,4 +1,4 @@
-"""Type stubs of pagedkv.cold.codec (cold-tier.md §6)."""
+"""Type stubs of pagedkv.cold.codec (docs/contracts/cold-tier.md, '6. Object format')."""
 
 from collections.abc import Callable, Iterable
 from typing import NamedTuple

@@ -1,10 +1,12 @@
 # cython: language_level=3
-"""Cold-object codec (cold-tier.md §6): safetensors containers of one KV block.
+"""Cold-object codec (docs/contracts/cold-tier.md, '6. Object format'): safetensors containers of
+one KV block.
 
 Encoding never copies the payload: :func:`encode_block` returns the header bytes and the
 caller hands ``(header, tokens, buffer)`` to one ``os.writev``. The payload checksum is
 SHA-256 over memoryview slices of the pool's ``read_block`` buffer (hashlib releases the
-GIL for them). Decoding is fail-closed in the order of §6.6 and returns zero-copy NumPy
+GIL for them). Decoding is fail-closed in the order of docs/contracts/cold-tier.md, '6.6 Decoding'
+and returns zero-copy NumPy
 views of the bytes it was given; every failure raises a :class:`pagedkv.errors.FormatError`.
 """
 
@@ -81,7 +83,8 @@ def header_overhead(Py_ssize_t n_tensors):
 
 
 cdef class BlockGeometry:
-    """Geometry of one block object: what must equal the pool's at restore (§6.6 step 6).
+    """Geometry of one block object: what must equal the pool's at restore
+    (docs/contracts/cold-tier.md, '6.6 Decoding' step 6).
 
     ``key_bytes``/``value_bytes`` are one layer's K and V bytes (``block_size *
     num_kv_heads`` rows of the side's dtype: ``head_dim * itemsize``, 34/32 per element for
@@ -195,7 +198,8 @@ cdef object _object_bytes(data):
 
 def checksum_of_named(bytes tag, tensors):
     """SHA-256 of ``tag`` then, per ``(name, data)`` in order, u64 name length, name,
-    u64 data length, data — as 64 lowercase hex (§6.4)."""
+    u64 data length, data — as 64 lowercase hex (docs/contracts/cold-tier.md, '6.4 Payload
+    checksum')."""
     h = hashlib.sha256(tag)
     for name, data in tensors:
         raw = name.encode("ascii")
@@ -251,7 +255,8 @@ cdef tuple _check_block_inputs(BlockGeometry g, tokens, buffer):
 
 
 def block_checksum(bytes tag, BlockGeometry geometry, tokens, buffer):
-    """Payload checksum (§6.4) of a block: ``tag`` is ``fmt.tag("cold-cache-payload")``."""
+    """Payload checksum (docs/contracts/cold-tier.md, '6.4 Payload checksum') of a block: ``tag`` is
+    ``fmt.tag("cold-cache-payload")``."""
     tok_bytes, flat = _check_block_inputs(geometry, tokens, buffer)
     return _checksum_block(tag, tok_bytes, flat, geometry)
 
@@ -301,7 +306,8 @@ cdef tuple _template(str abi, BlockGeometry g):
 cdef object _canonical_checksum(const uint8_t[::1] raw, str abi, str key_hex,
                                 str fingerprint_hex, BlockGeometry g):
     """The checksum field if ``raw`` starts with exactly the header pagedkv writes for this
-    key, fingerprint and geometry (so §6.6 steps 1-4 hold by construction), else ``None``."""
+    key, fingerprint and geometry (so docs/contracts/cold-tier.md, '6.6 Decoding' steps 1-4 hold by
+    construction), else ``None``."""
     cdef bytes tpl
     cdef Py_ssize_t n, at_key, at_fp, at_cs
     tpl, at_key, at_fp, at_cs = _template(abi, g)
@@ -498,7 +504,8 @@ cdef tuple _block_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t pay
 def decode_block(data, *, str abi, bytes checksum_tag, str key_hex=None,
                  str fingerprint_hex=None, BlockGeometry expected=None,
                  Py_ssize_t bound=-1, str path=None):
-    """Decode and verify a block object held in ``data`` (bytes-like), fail-closed (§6.6).
+    """Decode and verify a block object held in ``data`` (bytes-like), fail-closed
+    (docs/contracts/cold-tier.md, '6.6 Decoding').
 
     Checks, in order: size ≤ ``bound`` (default: the expected geometry's bound, else the
     bound implied by the metadata); header length and JSON before anything else; ``abi``,
@@ -547,7 +554,7 @@ cdef DecodedBlock _verified(data, const uint8_t[::1] raw, bytes checksum_tag, st
     return out
 
 
-# --- sidecar objects (cold-tier.md §6.3) ------------------------------------------------------
+# --- sidecar objects (docs/contracts/cold-tier.md, '6.3 Sidecar object') --------------------------
 
 cdef list _sidecar_names(Py_ssize_t num_layers, Py_ssize_t per_layer):
     cdef Py_ssize_t layer, t
@@ -563,7 +570,8 @@ cdef str _sidecar_checksum(bytes tag, Py_ssize_t num_layers, Py_ssize_t per_laye
 
 
 def sidecar_checksum(bytes tag, layout, payload):
-    """Payload checksum (§6.4) of a sidecar: tensors ``layer.{l}.state.{s}``, layer-major,
+    """Payload checksum (docs/contracts/cold-tier.md, '6.4 Payload checksum') of a sidecar: tensors
+    ``layer.{l}.state.{s}``, layer-major,
     each ``layout.bytes_per_tensor`` bytes of ``payload`` (``uint8[tensor_count, bpt]``)."""
     return _sidecar_checksum(tag, layout.num_layers, layout.tensors_per_layer,
                              layout.bytes_per_tensor, payload)
@@ -636,7 +644,8 @@ cdef tuple _sidecar_fields(const uint8_t[::1] raw, Py_ssize_t size, Py_ssize_t p
 
 def decode_sidecar(data, *, str abi, bytes checksum_tag, str group, str key_hex=None,
                    str fingerprint_hex=None, Py_ssize_t bound=-1, str path=None):
-    """Decode and verify a sidecar object (§6.6), fail-closed. Returns ``(fields, payload)``:
+    """Decode and verify a sidecar object (docs/contracts/cold-tier.md, '6.6 Decoding'),
+    fail-closed. Returns ``(fields, payload)``:
     the metadata's layout fields (``boundary_tokens``, ``num_layers``, ``tensors_per_layer``,
     ``dtype``, ``dims``, ``bytes_per_tensor``) and a ``uint8[tensors, bytes_per_tensor]``
     view of ``data``. Comparing them with the expected layout is the caller's step 6."""
@@ -713,7 +722,8 @@ def parse_sidecar_header(data, Py_ssize_t object_size, *, str abi, str group,
 
 def checksum_of_stream(bytes tag, tensors, readinto, Py_ssize_t chunk_bytes=1 << 20,
                        str path=None):
-    """The payload checksum (§6.4) of ``tensors`` (``(name, nbytes)`` in order) whose bytes
+    """The payload checksum (docs/contracts/cold-tier.md, '6.4 Payload checksum') of ``tensors``
+    (``(name, nbytes)`` in order) whose bytes
     come, in order, from ``readinto(view) -> int`` (0 at the end): memory is one chunk of
     ``chunk_bytes``, whatever the payload's size. A short stream raises ``Truncated``."""
     h = hashlib.sha256(tag)

@@ -1,4 +1,5 @@
-"""The weight-digest cache of a cold root (cold-tier.md §4.3): full-digest fallbacks read
+"""The weight-digest cache of a cold root (docs/contracts/cold-tier.md, '4.3 Weight identity'):
+full-digest fallbacks read
 every weight byte once per weight file, not once per load."""
 
 from __future__ import annotations

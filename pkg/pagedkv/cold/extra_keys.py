@@ -15,7 +15,7 @@ def per_block_extra_keys(num_full_blocks: int, extra_keys: Sequence[int] = (),
     """The extra keys of each chained block, with the hot chain's stopping rule.
 
     ``extra_keys`` applies to every block; ``extra_keys_per_block[i]`` to block ``i`` and
-    the chain stops at the first block without an entry (paged-kv.md §2.2).
+    the chain stops at the first block without an entry (docs/contracts/paged-kv.md, '2.2 Chains').
     """
     keys = make_chain_keys(extra_keys, extra_keys_per_block)
     flat = [int(k) for k in keys.flat_keys]

@@ -1,4 +1,5 @@
-"""Model fingerprints: what makes KV of one model unusable by another (cold-tier.md §4)."""
+"""Model fingerprints: what makes KV of one model unusable by another (docs/contracts/cold-tier.md,
+'4. Fingerprint')."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class WeightProvenance:
 
 
 def geometry_part(geometry) -> bytes:
-    """Pool geometry part (§4.2 item 6): u64 block_size, num_layers, num_kv_heads, head_dim,
+    """Pool geometry part (docs/contracts/cold-tier.md, '4.2 Model fingerprint parts' item 6): u64
+    block_size, num_layers, num_kv_heads, head_dim,
     then ``dtype\\0layout``. ``geometry`` is a ``PoolGeometry`` or anything with those fields."""
     try:
         nums = (int(geometry.block_size), int(geometry.num_layers),
@@ -123,7 +125,8 @@ def _shard_digest(fmt: ColdFormat, path: str, size: int) -> bytes:
 
 def weight_identity(fmt: ColdFormat, model_dir: str, provenance: WeightProvenance | None = None,
                     digest_cache=None) -> bytes | None:
-    """Weight identity bytes (§4.3), or ``None`` when there are no readable weight bytes.
+    """Weight identity bytes (docs/contracts/cold-tier.md, '4.3 Weight identity'), or ``None`` when
+    there are no readable weight bytes.
 
     The manifest path stats the shards only; the full-digest fallback reads every weight
     byte once, unless ``digest_cache`` (a :class:`WeightDigestCache`) already knows it.
@@ -167,7 +170,8 @@ def weight_identity(fmt: ColdFormat, model_dir: str, provenance: WeightProvenanc
 
 
 def hfqm_weight_identity(fmt: ColdFormat, path: str, digest_cache=None) -> bytes | None:
-    """Weight identity of a model served from one HFQM file (§4.3): the file name, its size
+    """Weight identity of a model served from one HFQM file (docs/contracts/cold-tier.md, '4.3
+    Weight identity'): the file name, its size
     and the 16 hex digits of its ``quantization_hash`` (a file without one contributes its
     full digest instead). ``None`` (logged) when unreadable or empty."""
     from pagedkv.errors import PagedKVError
@@ -216,7 +220,8 @@ def model_fingerprint(fmt: ColdFormat, model_dir: str, profile, geometry,
                       compute: str = "") -> bytes | None:
     """The 32-byte fingerprint of a model served with a pool geometry, or ``None``.
 
-    Parts (§4.2): family name, raw ``config.json``, sidecar descriptor, weight identity,
+    Parts (docs/contracts/cold-tier.md, '4.2 Model fingerprint parts'): family name, raw
+    ``config.json``, sidecar descriptor, weight identity,
     ``index.json\\0`` + the shard index (only when present), pool geometry and layout, and
     the compute identity. ``None`` (logged) means persistence is off for this model.
     ``hfqm_file``: the model is served from that HFQM file, whose identity replaces the

@@ -1,4 +1,5 @@
-"""Cold-object key format: namespace, ABI and the domain tags (cold-tier.md §3.1)."""
+"""Cold-object key format: namespace, ABI and the domain tags (docs/contracts/cold-tier.md, '3.1
+Format and namespace')."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ __all__ = [
     "ColdFormat",
 ]
 
-# Literal, un-namespaced markers of the weight identity (§3.1, §4.3).
+# Literal, un-namespaced markers of the weight identity (docs/contracts/cold-tier.md, '3.1 Format
+# and namespace' and '4.3 Weight identity').
 MARKER_MANIFEST = b"cold-identity:manifest:v1\0"
 MARKER_FULL_DIGEST = b"cold-identity:full-digest:v1\0"
 MARKER_HFQM = b"cold-identity:hfqm:v1\0"

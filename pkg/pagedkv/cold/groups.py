@@ -1,4 +1,5 @@
-"""Cold groups: which chain a key belongs to, and the file-name label (cold-tier.md §13.1)."""
+"""Cold groups: which chain a key belongs to, and the file-name label (docs/contracts/cold-tier.md,
+'13.1 Groups and layouts')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SHA-256 cold keys: one chain per group over a request's full blocks (cold-tier.md §3.2–3.3)."""
+"""SHA-256 cold keys: one chain per group over a request's full blocks (docs/contracts/cold-tier.md,
+'3.2 Key recipe' to '3.3 Sidecar keys')."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens
 def sidecar_key(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens,
                 block_size: int, boundary_tokens: int, **chain_kwargs) -> bytes:
     """Key of the ``group`` sidecar at ``boundary_tokens`` (a positive multiple of the
-    block size): the key of block ``boundary/bs - 1`` in that group's chain (§3.3)."""
+    block size): the key of block ``boundary/bs - 1`` in that group's chain
+    (docs/contracts/cold-tier.md, '3.3 Sidecar keys')."""
     if group is ColdGroup.KV:
         raise InvalidArgument("sidecar_key: group must be a sidecar group, got ColdGroup.KV")
     b = int(boundary_tokens)

@@ -1,4 +1,5 @@
-"""``PAGEDKV_*`` knobs of the cold tier (cold-tier.md §14; parsing as paged-kv.md §6.3).
+"""``PAGEDKV_*`` knobs of the cold tier (docs/contracts/cold-tier.md, '14. Knobs'; parsing as
+docs/contracts/paged-kv.md, '6.3 Knobs and precedence').
 
 A set and parseable env value wins over the config field; an unparseable one is ignored
 with one WARNING naming the variable, the value, the accepted syntax and the value used.
@@ -34,7 +35,8 @@ DEFAULT_QUEUE_DEPTH = 8
 
 
 def env_bool(var: str, fallback: bool | None) -> bool | None:
-    """The env value of ``var`` if set and parseable, else ``fallback`` (paged-kv.md §6.3)."""
+    """The env value of ``var`` if set and parseable, else ``fallback`` (docs/contracts/paged-kv.md,
+    '6.3 Knobs and precedence')."""
     return sizing.env_bool(var, fallback, fallback_source="config or default")
 
 

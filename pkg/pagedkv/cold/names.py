@@ -1,4 +1,5 @@
-"""File names in a cold root (cold-tier.md §5.3): objects, writer temps, quarantine."""
+"""File names in a cold root (docs/contracts/cold-tier.md, '5.3 Names'): objects, writer temps,
+quarantine."""
 
 from __future__ import annotations
 

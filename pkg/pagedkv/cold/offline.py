@@ -1,4 +1,5 @@
-"""Offline maintenance of a cold root: the work behind ``pagedkv cold`` (cold-tier.md §9–10).
+"""Offline maintenance of a cold root: the work behind ``pagedkv cold``
+(docs/contracts/cold-tier.md, '9. Loads and corruption' to '10. Quota and eviction').
 
 ``verify`` is read-only unless asked to prune: it moves no counter, touches no mtime and
 changes no index; ``--prune`` renames each bad object to its quarantine name. It reads each
@@ -153,7 +154,8 @@ def _verify_one(store: ColdStore, key: bytes, group: ColdGroup, name: str) -> st
 
 
 def verify_store(store: ColdStore, *, prune: bool = False) -> VerifyResult:
-    """Check every indexed object, KV blocks and sidecars, with the checks of §6.6
+    """Check every indexed object, KV blocks and sidecars, with the checks of
+    docs/contracts/cold-tier.md, '6.6 Decoding'
     (geometry or layout against the object's own metadata), header first and the payload
     streamed. Names the index could not own (``store.unowned``) are bad too. An object that
     vanished since the scan is counted apart, never bad. With ``prune`` bad objects are

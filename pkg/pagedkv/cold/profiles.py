@@ -1,9 +1,11 @@
-"""Family profiles and persist resolution (cold-tier.md §2; docs/cold.md, "Family profiles
+"""Family profiles and persist resolution (docs/contracts/cold-tier.md, '2. Enablement';
+docs/cold.md, "Family profiles
 and sidecars").
 
 Restoring is a correctness question: a K/V prefix is usable only if every piece of state the
 model needs at that prefix comes back with it. A family is restore-eligible only after it
-passed the cross-process parity gate (§2.3) and says so with ``restore_admitted``. A family
+passed the cross-process parity gate (docs/contracts/cold-tier.md, '2.3 Parity gate') and says so
+with ``restore_admitted``. A family
 with out-of-pool state names its sidecar groups and a ``sidecar_policy``: the factory of the
 codec (and so of the policy) its sidecars follow, built from the model's ``config.json``.
 """
@@ -62,7 +64,8 @@ class OutOfPoolState(enum.Enum):
 
 @dataclass(frozen=True)
 class FamilyColdProfile:
-    """A model family's cold-tier declaration (§2.1).
+    """A model family's cold-tier declaration (docs/contracts/cold-tier.md, '2.1 What a family
+    declares').
 
     ``sidecar_group``: the ``ColdGroup`` (or tuple of groups) its sidecars live in;
     ``sidecar_policy``: ``factory(config, geometry) -> codec``, the family's sidecar codec
@@ -188,7 +191,8 @@ def family_profile(family: str) -> FamilyColdProfile | None:
 
 
 def resolve_persist(profile: FamilyColdProfile | None, config_value: bool | None = None) -> bool:
-    """Persist resolution (§2.2): the family gate first, then the env, then the config,
+    """Persist resolution (docs/contracts/cold-tier.md, '2.2 Persist resolution'): the family gate
+    first, then the env, then the config,
     else off."""
     if not cold_restore_supported(profile):
         return False

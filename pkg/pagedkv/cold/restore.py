@@ -1,4 +1,5 @@
-"""The restore walk and transactional block restore (cold-tier.md §8.4, §8.6; docs/cold.md,
+"""The restore walk and transactional block restore (docs/contracts/cold-tier.md, '8.4 Restore walk
+and reconcile-down' and '8.6 Transactional block restore'; docs/cold.md,
 "Capture and restore" and "Reconcile-down").
 
 Extends a hot hit with blocks from disk: stop at the first hole, verify every object

@@ -1,4 +1,5 @@
-"""Opening a cold root safely (cold-tier.md §5.2): no symlinks, owned by us, mode 0700.
+"""Opening a cold root safely (docs/contracts/cold-tier.md, '5.2 Opening'): no symlinks, owned by
+us, mode 0700.
 
 Every later file operation goes through the returned directory fd (``dir_fd=``), so
 swapping the root's path for a symlink after opening cannot redirect any I/O.

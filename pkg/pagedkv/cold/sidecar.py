@@ -73,7 +73,8 @@ class ColdSidecarLayout:
 
     @property
     def bound(self) -> int:
-        """Largest valid encoded object in bytes (§6.5)."""
+        """Largest valid encoded object in bytes (docs/contracts/cold-tier.md, '6.5 Size
+        bounds')."""
         return self.tensor_count * self.bytes_per_tensor + header_overhead(self.tensor_count)
 
     def matches(self, fields: dict) -> bool:

@@ -1,4 +1,5 @@
-"""Cold-tier counters (cold-tier.md §11): a thread-safe counter set and its snapshots."""
+"""Cold-tier counters (docs/contracts/cold-tier.md, '11. Stats'): a thread-safe counter set and its
+snapshots."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class ColdCacheStats:
 
 @dataclass(frozen=True)
 class ColdSidecarStats:
-    """Process-wide sidecar counters (§11.2); they move even when no tier is open."""
+    """Process-wide sidecar counters (docs/contracts/cold-tier.md, '11.2 ColdSidecarStats'); they
+    move even when no tier is open."""
 
     capture_reached: int = 0
     chain_empty: int = 0
@@ -54,7 +56,8 @@ _COUNTER_FIELDS = tuple(f.name for f in dataclasses.fields(ColdCacheStats)
                         if f.type in ("int", int) and f.name != "quota_bytes")
 SIDECAR_COUNTERS = tuple(f.name for f in dataclasses.fields(ColdSidecarStats))
 
-#: Keys of one per-turn trace record that pagedkv adds (§12): deltas of every counter of
+#: Keys of one per-turn trace record that pagedkv adds (docs/contracts/cold-tier.md, '12. Per-turn
+# JSONL delta trace'): deltas of every counter of
 #: both dataclasses, the enabled/root fields and three cumulative totals.
 COLD_DELTA_FIELDS = frozenset(
     [f"cold_{n}" for n in _COUNTER_FIELDS]

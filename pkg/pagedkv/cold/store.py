@@ -1,5 +1,6 @@
 """One opened cold root: index, bounded loads, atomic commits, quota and eviction
-(cold-tier.md §5, §7.2, §9, §10).
+(docs/contracts/cold-tier.md, '5. Directory layout' and '7.2 Atomic write protocol' and '9. Loads
+and corruption' and '10. Quota and eviction').
 
 Thread model: the writer thread commits and evicts; inference threads probe and load.
 Index mutations happen under ``index.lock``; probes read the dict without it.
@@ -54,7 +55,8 @@ _TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 
 def auto_limits(root_fd: int) -> tuple[int, int]:
-    """``(quota, reserve)`` in bytes from the filesystem size (§10)."""
+    """``(quota, reserve)`` in bytes from the filesystem size (docs/contracts/cold-tier.md, '10.
+    Quota and eviction')."""
     st = os.statvfs(root_fd)
     total = st.f_blocks * st.f_frsize
     return min(total // 10, 100 * _GIB), max(total // 20, 5 * _GIB)
@@ -261,7 +263,8 @@ class ColdStore:
             return "unreadable", None, ident, -1
 
     def _load(self, key: bytes, name: str, bound: int, buffer, decode):
-        """§9 for one object: bounded read, ``decode(data)`` (a ``FormatError`` is a
+        """docs/contracts/cold-tier.md, '9. Loads and corruption' for one object: bounded read,
+        ``decode(data)`` (a ``FormatError`` is a
         corruption), recency touch on success. Failures count a miss, corruptions only for
         opened regular files, and prune. Returns ``decode``'s result or ``None``."""
         status, data, ident, fd = self.read_bounded(name, bound, buffer)
@@ -300,7 +303,8 @@ class ColdStore:
 
     def load_block(self, key: bytes, *, fingerprint_hex: str, expected: BlockGeometry,
                    buffer: bytearray | None = None) -> DecodedBlock | None:
-        """Bounded load of a KV block (§9); ``None`` is a miss (counted, pruned).
+        """Bounded load of a KV block (docs/contracts/cold-tier.md, '9. Loads and corruption');
+        ``None`` is a miss (counted, pruned).
 
         The result's arrays are views of ``buffer`` (or a fresh one): copy them out before
         the next load into the same buffer.
@@ -413,7 +417,8 @@ class ColdStore:
             self.step_hook(name)
 
     def commit(self, key: bytes, group: ColdGroup, chunks: Sequence, size: int) -> bool:
-        """The atomic write protocol (§7.2) for one encoded object. Errors are counted in
+        """The atomic write protocol (docs/contracts/cold-tier.md, '7.2 Atomic write protocol') for
+        one encoded object. Errors are counted in
         ``write_errors`` and logged, never raised; returns whether the object is durable."""
         name = object_name(key, group)
         try:

@@ -1,4 +1,5 @@
-"""``ColdTier``: one opened cold root with its writer, counters and walks (cold-tier.md §1).
+"""``ColdTier``: one opened cold root with its writer, counters and walks
+(docs/contracts/cold-tier.md, '1. Components').
 
 The adapter holds a tier bound to a model fingerprint (``ColdTier.open_at(...,
 fingerprint=...)`` or ``tier.for_model(fp)``) and calls :meth:`capture` after registering
@@ -82,15 +83,20 @@ class ColdTier:
     # --- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open_at(cls, root, *, quota_bytes: int | None = None, reserve_bytes: int | None = None,
+    def open_at(cls, root, *, quota_bytes: int | None = None, reserve_bytes: int | None = 0,
                 queue_depth: int = 8, durability: str = "fsync",
                 fmt: ColdFormat = DEFAULT_FORMAT, fingerprint: bytes | None = None,
                 blocks_per_turn: int | None = None, budget_ms: int | None = None,
                 remote: str | None = None, _child: str | None = None) -> ColdTier:
         """Open ``root`` itself as the managed directory (nothing appended).
 
-        ``quota_bytes``/``reserve_bytes`` default to the automatic limits of §10;
-        ``durability`` is ``"fsync"`` or ``"full"`` (§7.3). Raises ``InvalidArgument`` when
+        ``quota_bytes`` (``None``: automatic) and ``reserve_bytes`` (free disk space kept, in
+        bytes; default 0, ``None``: automatic) follow docs/contracts/cold-tier.md, '10. Quota and
+        eviction' and '5.1 Root': the explicit form keeps no reserve unless asked, because the
+        automatic one (at least 5 GiB) refuses every write on a disk with less free space;
+        ``shared()`` uses the automatic limits;
+        ``durability`` is ``"fsync"`` or ``"full"`` (docs/contracts/cold-tier.md, '7.3 Durability').
+        Raises ``InvalidArgument`` when
         the root is refused (symlink, not a directory, owned by someone else).
 
         ``remote``: a ``redis://host:port/db`` (``rediss://``, ``unix://``) URL puts the
@@ -168,10 +174,10 @@ class ColdTier:
                     return cached
             try:
                 try:
-                    tier = cls.open_at(real, _child=MANAGED_CHILD, remote=remote)
+                    tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD, remote=remote)
                 except ColdBackendError as exc:
                     log.warning("cold tier: the fleet's store is not used: %s", exc)
-                    tier = cls.open_at(real, _child=MANAGED_CHILD)
+                    tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
                 log.warning("cold tier disabled: %s", exc)
                 tier = None
@@ -478,7 +484,8 @@ def cold_cache_stats(tier: ColdTier | None = None) -> ColdCacheStats:
 
 
 def install_capture_budget(blocks: int, budget_ms: int, tier: ColdTier | None = None) -> bool:
-    """Test hook (§8.1): set the shared tier's (or ``tier``'s) capture budget; ``True`` iff
+    """Test hook (docs/contracts/cold-tier.md, '8.1 Capture budget'): set the shared tier's (or
+    ``tier``'s) capture budget; ``True`` iff
     the effective setting equals the request. Without a tier it sets what tiers open with."""
     tier = tier if tier is not None else _last_shared
     if tier is None:
@@ -496,7 +503,8 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                         ) -> ColdTierContext | None:
     """What an engine passes as ``PagedKVCacheAdapter(cold=...)``, or ``None``.
 
-    Persistence resolves per §2.2 (the family gate, then ``PAGEDKV_PERSIST_PAGED_CACHE``,
+    Persistence resolves per docs/contracts/cold-tier.md, '2.2 Persist resolution' (the family gate,
+    then ``PAGEDKV_PERSIST_PAGED_CACHE``,
     then ``persist_paged_cache``); the tier is the shared one at ``<base>/pagedkv-v1``; the
     fingerprint covers the model, ``geometry`` and ``compute`` (the compute identity, see
     ``model_fingerprint``; weight digests cached in the root). A

@@ -1,4 +1,4 @@
-"""Per-turn JSONL delta trace (cold-tier.md §12).
+"""Per-turn JSONL delta trace (docs/contracts/cold-tier.md, '12. Per-turn JSONL delta trace').
 
 One appended JSON line per successful turn in ``<dir>/<YYYY-MM-DD>-<pid>.jsonl`` (dir:
 ``PAGEDKV_METRICS_DIR``, default ``~/.pagedkv/metrics/traces``; off with

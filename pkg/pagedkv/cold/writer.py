@@ -1,4 +1,5 @@
-"""The writer pipeline and its bounded job queue (cold-tier.md §7.1, §7.4).
+"""The writer pipeline and its bounded job queue (docs/contracts/cold-tier.md, '7.1 Writer thread
+and queue' and '7.4 Service time').
 
 Two daemon threads work in FIFO order: ``pagedkv-cold-hasher`` takes a job from the bounded
 queue, computes its payload checksum (unless capture did) and encodes its header;

@@ -64,7 +64,7 @@ class KVCacheGroupSpec:
     @property
     def bytes_per_block(self) -> int:
         """K and V bytes of one block over the group's physical layers (``bpb(g)`` of
-        docs/coordinator.md, "Pool budget")."""
+        docs/coordinator.md, "Pool budget and admission width")."""
         return self.layout.bytes_per_block_per_layer * len(self.physical_layer_indices)
 
 

@@ -1,4 +1,5 @@
-"""HFQM container: mmap reader, streaming writer, quant-type register (hfqm-and-quant.md §1-2)."""
+"""HFQM container: mmap reader, streaming writer, quant-type register
+(docs/contracts/hfqm-and-quant.md, '1. Quick reference' to '2. HFQM v1 container')."""
 
 from pagedkv.hfqm.mtp_bundle import write_mtp_bundle
 from pagedkv.hfqm.qtypes import QTYPES, QuantType, expected_nbytes, is_registered, qtype

@@ -1,4 +1,5 @@
-"""HFQM ``arch_id`` values (hfqm-and-quant.md §2.5) and the writer's model_type mapping."""
+"""HFQM ``arch_id`` values (docs/contracts/hfqm-and-quant.md, '2.5 arch_id') and the writer's
+model_type mapping."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ _MODEL_TYPE_ARCH: dict[str, int] = {
 # An integer arch_id given as text: decimal (leading zeros allowed) or 0x-hex, ASCII only.
 _INTEGER_TEXT = re.compile(r"-?(?:0[xX][0-9a-fA-F]+|[0-9]+)")
 
-#: Metadata naming Qwen3.5/3.6 is only valid with these arch ids (§2.4 rule 6).
+#: Metadata naming Qwen3.5/3.6 is only valid with these arch ids (docs/contracts/hfqm-and-quant.md,
+# '2.4 Reader validation' rule 6).
 QWEN35_ARCH_IDS = frozenset({5, 6})
 
 

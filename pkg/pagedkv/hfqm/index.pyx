@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""HFQM v1 header and tensor-index parser (hfqm-and-quant.md §2.1-2.4).
+"""HFQM v1 header and tensor-index parser (docs/contracts/hfqm-and-quant.md, '2.1 Header (32 bytes)
+and body' to '2.4 Reader validation').
 
 The index is parsed in one nogil pass into a structured array of
 ``pkv_hfqm_tensor_record`` (``TENSOR_RECORD_DTYPE``); only the names become
@@ -107,7 +108,8 @@ cdef struct BraceState:
 
 cdef Py_ssize_t scan_braces(const uint8_t* buf, Py_ssize_t start, Py_ssize_t limit,
                             BraceState* st) noexcept nogil:
-    """The §2.2 brace scan over ``buf[start:limit]``, resuming from ``st``: the offset one
+    """The docs/contracts/hfqm-and-quant.md, '2.2 End of the metadata JSON' brace scan over
+    ``buf[start:limit]``, resuming from ``st``: the offset one
     past the '}' that closes the object, or -1 when the bytes run out first."""
     # The state lives in locals during the loop: buf is a byte pointer, which may alias
     # *st, so fields read through st would be reloaded after every byte.
@@ -142,7 +144,8 @@ cdef Py_ssize_t scan_braces(const uint8_t* buf, Py_ssize_t start, Py_ssize_t lim
 
 cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
                               Py_ssize_t limit) noexcept nogil:
-    """§2.2 brace scan: the offset one past the closing '}', -1 if unterminated
+    """docs/contracts/hfqm-and-quant.md, '2.2 End of the metadata JSON' brace scan: the offset one
+    past the closing '}', -1 if unterminated
     below ``limit``, -2 if ``buf[start]`` is not '{'."""
     cdef BraceState st
     if start >= limit or buf[start] != b'{':
@@ -154,7 +157,8 @@ cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start,
 
 
 cdef class JsonEndScanner:
-    """The §2.2 brace scan fed chunk by chunk (the read path of files too large to map:
+    """The docs/contracts/hfqm-and-quant.md, '2.2 End of the metadata JSON' brace scan fed chunk by
+    chunk (the read path of files too large to map:
     the metadata is scanned in bounded chunks, never held whole).
 
     ``feed(chunk)`` returns the offset in ``chunk`` one past the closing '}', -1 when
@@ -307,7 +311,8 @@ cdef class ParsedIndex:
 
 
 def parse_header(const uint8_t[::1] section not None, str path):
-    """Validate the 32-byte header at the start of ``section`` (§2.4 rule 1).
+    """Validate the 32-byte header at the start of ``section`` (docs/contracts/hfqm-and-quant.md,
+    '2.4 Reader validation' rule 1).
 
     Returns ``(version, arch_id, n_tensors, metadata_offset, data_offset)``.
     """
@@ -341,7 +346,8 @@ def parse_header(const uint8_t[::1] section not None, str path):
 
 def check_offsets(uint64_t metadata_offset, uint64_t data_offset, uint64_t section_bytes,
                   uint64_t abs_base, str path):
-    """§2.4 rule 2: ``32 <= metadata_offset <= data_offset <= section_bytes``, checked from
+    """docs/contracts/hfqm-and-quant.md, '2.4 Reader validation' rule 2: ``32 <= metadata_offset <=
+    data_offset <= section_bytes``, checked from
     the header alone, before any byte past it is read."""
     if (PKV_HFQM_HEADER_BYTES <= metadata_offset <= data_offset
             and data_offset > section_bytes):
@@ -359,7 +365,8 @@ def check_offsets(uint64_t metadata_offset, uint64_t data_offset, uint64_t secti
 
 def raise_json_end_error(Py_ssize_t code, uint64_t metadata_offset, uint64_t data_offset,
                          uint64_t abs_base, str path):
-    """The BadMetadata of a failed §2.2 scan: ``code`` -2 (no '{') or -1 (unterminated)."""
+    """The BadMetadata of a failed docs/contracts/hfqm-and-quant.md, '2.2 End of the metadata JSON'
+    scan: ``code`` -2 (no '{') or -1 (unterminated)."""
     if code == -2:
         raise BadMetadata("metadata does not start with '{'", path=path,
                           offset=abs_base + metadata_offset)
@@ -376,7 +383,7 @@ def parse_index(const uint8_t[::1] section not None, uint64_t section_bytes,
     file) at least up to ``data_offset``; ``section_bytes`` is the number of file
     bytes from ``abs_base`` to EOF (payload bounds). ``calib_ok`` admits qt 130
     (``*.calib.hfq`` files). Raises a :class:`~pagedkv.errors.FormatError` subclass
-    on any violation of §2.4 rules 1-5.
+    on any violation of docs/contracts/hfqm-and-quant.md, '2.4 Reader validation' rules 1-5.
     """
     cdef Py_ssize_t have = section.shape[0]
     cdef Py_ssize_t json_end
@@ -539,7 +546,8 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] reg
                            offset=offset)
     if fault == FAULT_UNKNOWN_QT:
         raise UnknownQuantType(
-            f"quant type {err.value} is not a registered id (hfqm-and-quant.md §1.1)",
+            f"quant type {err.value} is not a registered id "
+            "(docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')",
             path=path, tensor=name, offset=offset)
     if fault == FAULT_CALIB_QT:
         raise UnknownQuantType(
@@ -562,7 +570,8 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] reg
 
 
 def json_end(const uint8_t[::1] buf not None, Py_ssize_t start, Py_ssize_t limit):
-    """The §2.2 brace scan over ``buf[start:limit]``: the offset one past the closing
+    """The docs/contracts/hfqm-and-quant.md, '2.2 End of the metadata JSON' brace scan over
+    ``buf[start:limit]``: the offset one past the closing
     '}' (the first byte of the index); -1 if unterminated, -2 if ``buf[start]`` is
     not '{'."""
     if start < 0 or limit > buf.shape[0] or start > limit:

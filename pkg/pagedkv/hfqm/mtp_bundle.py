@@ -1,4 +1,5 @@
-"""MTP bundles (hfqm-and-quant.md §2.8): ``[trunk HFQM][MTP HFQM, arch 21]`` then
+"""MTP bundles (docs/contracts/hfqm-and-quant.md, '2.8 Embedded sections and MTP bundle'): ``[trunk
+HFQM][MTP HFQM, arch 21]`` then
 16 bytes ``"HFBNDMTP" ++ u64 mtp_off`` (``mtp_off`` = trunk size, no padding).
 
 Trunk readers ignore everything after the trunk's last payload, so a bundle is
@@ -19,6 +20,7 @@ import uuid
 from pagedkv.errors import BadBundle, InvalidArgument
 from pagedkv.hfqm.index import HEADER_BYTES
 from pagedkv.hfqm.positional_reads import pread_exact
+from pagedkv.hfqm.writer import fsync_parent_directory
 
 __all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
@@ -76,6 +78,7 @@ def write_mtp_bundle(trunk: str | os.PathLike[str], head: str | os.PathLike[str]
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(temp, out)
+        fsync_parent_directory(out)
     except BaseException:
         if os.path.exists(temp):
             os.unlink(temp)

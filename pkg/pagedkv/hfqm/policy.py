@@ -1,4 +1,5 @@
-"""Quantizer tensor policy (hfqm-and-quant.md §2.9): which qt each source tensor gets.
+"""Quantizer tensor policy (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy'): which
+qt each source tensor gets.
 
 * ``mtp.*`` and (unless asked) ``model.visual.*`` are skipped; integer buffers are
   left out; both are listed in the conversion summary.
@@ -35,7 +36,8 @@ __all__ = [
     "resolve_format",
 ]
 
-#: ``--format`` short names (§2.9); any lower-case qt name is accepted too.
+#: ``--format`` short names (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy'); any
+# lower-case qt name is accepted too.
 FORMAT_ALIASES: dict[str, int] = {"mq4": 44, "mq6": 15, "mq6v2": 47, "hf4": 6, "hf6": 8, "q8": 3}
 
 #: qt used instead when K % 256 != 0 (upstream for 13, 14, 15; pagedkv's choice for the

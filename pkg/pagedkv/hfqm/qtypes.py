@@ -1,4 +1,5 @@
-"""The quant-type (qt) register of hfqm-and-quant.md §1.1, as Python data.
+"""The quant-type (qt) register of docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register', as
+Python data.
 
 One row per registered or reserved id. The same table exists once in C
 (``PKV_QT_LIST`` in ``pagedkv/hfqm.h``); ``tests/test_hfqm_qtypes.py`` checks
@@ -8,7 +9,8 @@ Vocabulary:
 
 * ``name``: upstream spelling (``"MQ4G256V2"``); ``key``: its lower-case form
   (``"mq4g256v2"``), the format name the codecs and the CLI accept.
-* ``group_size`` (G): weights per group; 1 for the raw types, 0 where §1.1
+* ``group_size`` (G): weights per group; 1 for the raw types, 0 where
+docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'
   gives none. ``group_bytes`` (B): bytes per group (element bytes for raw types).
 * ``size_rule``: how a tensor's payload size follows from its shape
   (:func:`expected_nbytes`).
@@ -43,7 +45,8 @@ STATUSES = ("unknown", "p1", "p2", "refuse", "reserved", "calib")
 
 @dataclass(frozen=True, slots=True)
 class QuantType:
-    """One row of the quant-type register (§1.1)."""
+    """One row of the quant-type register (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type
+    register')."""
 
     id: int
     name: str
@@ -72,7 +75,8 @@ class QuantType:
 
     @property
     def index_group_size(self) -> int:
-        """The ``group_size`` writers store in the index: G, or 0 for raw types (§2.1)."""
+        """The ``group_size`` writers store in the index: G, or 0 for raw types
+        (docs/contracts/hfqm-and-quant.md, '2.1 Header (32 bytes) and body')."""
         return self.group_size if self.group_size > 1 else 0
 
     def __repr__(self) -> str:
@@ -159,8 +163,9 @@ def qtype(name_or_id: int | str | QuantType) -> QuantType:
         row = _BY_KEY.get(name_or_id.lower())
         if row is None:
             raise InvalidArgument(
-                f"quant type name {name_or_id!r} is not in the register (hfqm-and-quant.md "
-                f"§1.1); valid names: {', '.join(r.key for r in _ROWS if r.registered)}")
+                f"quant type name {name_or_id!r} is not in the register "
+                f"(docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
+                f"valid names: {', '.join(r.key for r in _ROWS if r.registered)}")
         return row
     if isinstance(name_or_id, (bool, np.bool_)) or not isinstance(name_or_id, (int, np.integer)):
         raise InvalidArgumentType(
@@ -169,7 +174,7 @@ def qtype(name_or_id: int | str | QuantType) -> QuantType:
     row = QTYPES.get(int(name_or_id))
     if row is None:
         raise InvalidArgument(
-            f"quant type id {int(name_or_id)} is not in the register (hfqm-and-quant.md §1.1); "
+            f"quant type id {int(name_or_id)} is not in the register (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
             f"registered ids: 0-22, 24, 28-41, 44, 45, 47-51, 130")
     return row
 
@@ -181,7 +186,8 @@ def is_registered(qt_id: int) -> bool:
 
 
 def expected_nbytes(qt: int | str | QuantType, shape: Iterable[int]) -> int | None:
-    """Payload bytes a tensor of ``qt`` and ``shape`` must have (§1.1 "Tensor size").
+    """Payload bytes a tensor of ``qt`` and ``shape`` must have (docs/contracts/hfqm-and-quant.md,
+    '1.1 Quant-type register' "Tensor size").
 
     ``None`` where the register gives no size rule (any size is accepted).
     Raises :class:`~pagedkv.errors.InvalidArgument` where the shape is invalid for
@@ -198,7 +204,7 @@ def expected_nbytes(qt: int | str | QuantType, shape: Iterable[int]) -> int | No
     if row.k_multiple_of_256 and k % 256 != 0:
         raise InvalidArgument(
             f"{row.name} needs the last dimension K to be a multiple of 256, got shape "
-            f"{tuple(dims)}; use the G128 fallback of hfqm-and-quant.md §2.9")
+            f"{tuple(dims)}; use the G128 fallback of docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy'")
     g, b = row.group_size, row.group_bytes
     if row.size_rule == "groups":
         return -(-numel // g) * b

@@ -1,4 +1,5 @@
-"""``quantization_hash`` of an HFQM file (hfqm-and-quant.md §2.7).
+"""``quantization_hash`` of an HFQM file (docs/contracts/hfqm-and-quant.md, '2.7
+quantization_hash').
 
 xxh64 (seed 0) over a fixed ASCII tag, then per tensor in index order
 ``u64 name_len, name, u8 qt, u64 n_dims, u32 dims..., u32 group_size,
@@ -32,7 +33,8 @@ _CHUNK_BYTES = 16 << 20
 
 
 class QuantizationHasher:
-    """Incremental §2.7 hash: ``begin_tensor`` with the index fields, then ``update``
+    """Incremental docs/contracts/hfqm-and-quant.md, '2.7 quantization_hash' hash: ``begin_tensor``
+    with the index fields, then ``update``
     with the payload bytes, tensor after tensor in index order."""
 
     __slots__ = ("_h", "payload_bytes", "tensor_count")
@@ -86,7 +88,8 @@ class QuantizationHasher:
 
 
 def compute_quantization_hash(file: HfqmFile | str | os.PathLike[str]) -> str:
-    """The §2.7 ``value`` (16 hex digits) of an open :class:`HfqmFile` or a path,
+    """The docs/contracts/hfqm-and-quant.md, '2.7 quantization_hash' ``value`` (16 hex digits) of an
+    open :class:`HfqmFile` or a path,
     whether or not the file stores one."""
     from pagedkv.hfqm.reader import HfqmFile
     if not isinstance(file, HfqmFile):

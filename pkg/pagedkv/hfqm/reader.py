@@ -1,4 +1,4 @@
-"""``HfqmFile``: the HFQM v1 reader (hfqm-and-quant.md §2).
+"""``HfqmFile``: the HFQM v1 reader (docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container').
 
 The file is memory-mapped read-only; header and index are validated and parsed
 once at open (Cython, :mod:`pagedkv.hfqm.index`); tensors are handed out as
@@ -40,7 +40,7 @@ _ALIAS_PREFIXES = ("model.language_model.", "model.")
 
 def canonical_name(name: str) -> str:
     """The name lookups compare: ``model.language_model.X``, ``model.X`` and ``X``
-    are one name (§2.4)."""
+    are one name (docs/contracts/hfqm-and-quant.md, '2.4 Reader validation')."""
     for prefix in _ALIAS_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
@@ -63,8 +63,10 @@ class HfqmFile:
     """A read-only HFQM v1 file.
 
     ``HfqmFile(path, base=0)``: ``base`` is the byte where the HFQM section starts
-    (non-zero for the MTP head of a bundle, §2.8). Raises a
-    :class:`~pagedkv.errors.FormatError` subclass for any broken file (§2.4).
+    (non-zero for the MTP head of a bundle, docs/contracts/hfqm-and-quant.md, '2.8 Embedded sections
+    and MTP bundle'). Raises a
+    :class:`~pagedkv.errors.FormatError` subclass for any broken file
+    (docs/contracts/hfqm-and-quant.md, '2.4 Reader validation').
 
     * ``file[name]``: F16/F32/BF16/TidI32 as a read-only typed array of the tensor's
       shape (``float16``/``float32``/``uint16`` bf16 bits/``uint32``; zero-copy when

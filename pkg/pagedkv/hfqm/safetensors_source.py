@@ -1,11 +1,13 @@
 """Lazy reader of a safetensors model (one file, or a directory of shards plus its
-``config.json``, ``tokenizer.json``, ...) for ``pagedkv convert`` (hfqm-and-quant.md §2.9).
+``config.json``, ``tokenizer.json``, ...) for ``pagedkv convert`` (docs/contracts/hfqm-and-quant.md,
+'2.9 Quantizer tensor policy').
 
 Shard headers are parsed once (names, dtypes, shapes, byte ranges); tensors are
 then read a block of rows at a time, so memory stays bounded by the chunk size.
 F32/F16 rows come from the ``safetensors`` library (``get_slice``); BF16 rows
 are read as raw bytes through the header's ``data_offsets`` (its NumPy backend
-cannot return bf16) and widened exactly to float32 by ``<< 16`` (§3.2).
+cannot return bf16) and widened exactly to float32 by ``<< 16`` (docs/contracts/hfqm-and-quant.md,
+'3.2 f32 to f16 by truncation').
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _nesting_depth(value: object) -> int:
 
 def _check_entry(name: str, entry: object, path: str) -> tuple[str, tuple[int, ...], int, int]:
     """dtype, shape, start, end of one header entry, checked as the safetensors loader
-    checks them (docs/formats/hfqm.md, "Converting from safetensors")."""
+    checks them (docs/cli.md, "pagedkv convert")."""
     if not isinstance(entry, dict):
         raise BadMetadata("header entry is not a JSON object", path=path, tensor=name, offset=8)
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -234,7 +236,8 @@ class SafetensorsSource:
 
     @staticmethod
     def _read_tokenizer(path: Path) -> str:
-        """``tokenizer.json`` as text (stored verbatim, §2.3), checked to be a JSON object."""
+        """``tokenizer.json`` as text (stored verbatim, docs/contracts/hfqm-and-quant.md, '2.3
+        Metadata keys'), checked to be a JSON object."""
         if not path.is_file():
             return "{}"
         data = path.read_bytes()

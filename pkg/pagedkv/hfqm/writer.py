@@ -1,4 +1,5 @@
-"""``HfqmWriter``: streaming HFQM v1 writer (hfqm-and-quant.md §2.6-2.7).
+"""``HfqmWriter``: streaming HFQM v1 writer (docs/contracts/hfqm-and-quant.md, '2.6 Writer
+(pagedkv)' to '2.7 quantization_hash').
 
 Payloads are written as they come, at ``data_offset`` onward, into a temporary
 file next to the target; ``close()`` writes metadata, index and header into the
@@ -11,7 +12,8 @@ order) the final metadata and index sizes are known up front and the file is
 byte-identical to hipfire's writer. Without one, payloads are held in memory
 up to ``buffer_bytes`` (the file is then exact too); past that, the writer
 fixes ``data_offset`` with ``index_reserve_bytes`` of room for the rest of the
-index and streams: ``data_offset`` may then exceed the §2.6 formula by whole
+index and streams: ``data_offset`` may then exceed the docs/contracts/hfqm-and-quant.md, '2.6 Writer
+(pagedkv)' formula by whole
 4096-byte pages of zeros (valid for every reader), and an index that outgrows
 the reservation moves the payloads once at close.
 """
@@ -171,7 +173,7 @@ class HfqmWriter:
         row = qtype(qt)
         if not row.registered:
             raise InvalidArgument(f"quant type {row.id} ({row.name}) is reserved, not "
-                                  "writable (hfqm-and-quant.md §1.1)")
+                                  "writable (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')")
         try:
             dims = tuple(int(d) for d in shape)
         except TypeError:
@@ -231,7 +233,8 @@ class HfqmWriter:
     def add(self, name: str, qt: int | str | QuantType, shape: Sequence[int], data: Any, *,
             group_size: int | None = None) -> None:
         """Append one tensor. ``data``: a C-contiguous buffer (NumPy array, bytes) holding
-        exactly the bytes §1.1 requires for ``qt`` and ``shape``, or an iterable of such
+        exactly the bytes docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' requires for
+        ``qt`` and ``shape``, or an iterable of such
         buffers (written one after the other, for tensors quantized in chunks).
         ``group_size`` defaults to the register's (G, 0 for raw types).
         On any error nothing is written and the writer is unchanged."""
@@ -390,16 +393,7 @@ class HfqmWriter:
         self.data_offset = new_data_offset
 
     def _fsync_directory(self) -> None:
-        try:
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        fsync_parent_directory(self.path)
 
     def abort(self) -> None:
         """Discard the file being written (the target path is left untouched)."""
@@ -429,3 +423,18 @@ class HfqmWriter:
         state = "closed" if self.closed else "open"
         return (f"<HfqmWriter {self.path!r} arch {self.arch_id}, {len(self._entries)} tensors, "
                 f"{self._payload_bytes} payload bytes, {state}>")
+
+
+def fsync_parent_directory(path: str | os.PathLike[str]) -> None:
+    """fsync the directory holding ``path``, so a rename into it survives a power loss.
+    Best effort: a filesystem that cannot open or sync a directory is left as it is."""
+    try:
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)

@@ -36,7 +36,8 @@ KVQ8_RECORD_BYTES = 34
 
 
 def kv_q8_quantize(x: np.ndarray) -> np.ndarray:
-    """``float32[..., head_dim]`` → ``uint8[..., head_dim/32*34]`` q8 records (§6.3)."""
+    """``float32[..., head_dim]`` → ``uint8[..., head_dim/32*34]`` q8 records
+    (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)')."""
     x = np.asarray(x, dtype=np.float32)
     hd = x.shape[-1]
     if hd % KVQ8_BLOCK:

@@ -6,7 +6,8 @@ Formats: ``hfq4g256``, ``mq4g256`` (HFQ4 bytes of rotated weights), ``mq4g256v2`
 emit rotated formats in their stored (rotated)
 basis, like ``pagedkv.quant.dequantize(..., basis="rotated")``; the GEMV of a
 rotated format rotates ``x`` once (FWHT-256 per 256-segment), then runs the
-plain affine GEMV, which equals ``W·x`` in the original basis (§3.6).
+plain affine GEMV, which equals ``W·x`` in the original basis (docs/contracts/hfqm-and-quant.md,
+'3.6 FWHT rotation').
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The physical KV pool (paged-kv.md §5): geometry, storage backends, growth, memory budget.
+"""The physical KV pool (docs/contracts/paged-kv.md, '5. LayerKVPool'): geometry, storage backends,
+growth, memory budget.
 
 >>> from pagedkv.pool import LayerKVPool, PoolGeometry
 >>> pool = LayerKVPool(PoolGeometry(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4,

@@ -1,4 +1,4 @@
-"""bfloat16 as uint16 bit patterns (paged-kv.md §5.3).
+"""bfloat16 as uint16 bit patterns (docs/contracts/paged-kv.md, '5.3 dtype').
 
 NumPy has no bfloat16, so a bfloat16 pool stores, reads and writes the upper 16 bits of the
 float32 encoding. Widening is exact (``bits << 16``); narrowing rounds to nearest, ties to

@@ -1,4 +1,5 @@
-"""PoolGeometry: the shape, dtype and layout of a paged KV pool (paged-kv.md §5.1–5.3).
+"""PoolGeometry: the shape, dtype and layout of a paged KV pool (docs/contracts/paged-kv.md, '5.1
+Geometry' to '5.3 dtype').
 
 A geometry fixes every byte of the pool: one K and one V array per physical layer, each
 ``[num_blocks, block_size, num_kv_heads, row]`` where ``row`` is ``head_dim`` elements of the
@@ -46,7 +47,8 @@ POOL_DTYPES: dict[str, np.dtype] = {
 #: Layouts this build stores. "nhd" = token-major [num_blocks, block_size, kv_heads, head_dim].
 LAYOUTS = ("nhd",)
 
-#: q8 packs 32 dims into one 34-byte record (f16 scale + 32 int8), hfqm-and-quant.md §6.3.
+#: q8 packs 32 dims into one 34-byte record (f16 scale + 32 int8), docs/contracts/hfqm-and-quant.md,
+# '6.3 q8 (K and V)'.
 Q8_GROUP_DIMS = 32
 Q8_GROUP_BYTES = 34
 

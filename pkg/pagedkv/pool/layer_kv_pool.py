@@ -1,4 +1,5 @@
-"""LayerKVPool: the physical K/V storage of a paged cache (paged-kv.md §5).
+"""LayerKVPool: the physical K/V storage of a paged cache (docs/contracts/paged-kv.md, '5.
+LayerKVPool').
 
 Per physical layer one K and one V array ``[num_blocks, block_size, num_kv_heads, head_dim]``
 of the pool's backend (``numpy.ndarray`` by default, ``mx.array`` with ``backend="mlx"``,

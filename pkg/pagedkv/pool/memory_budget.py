@@ -1,4 +1,5 @@
-"""MemoryBudget: one byte limit shared by every pool of a process (paged-kv.md §5.6).
+"""MemoryBudget: one byte limit shared by every pool of a process (docs/contracts/paged-kv.md, '5.6
+grow_to and generations').
 
 Each pool holds a *debit*. Growth is two-phase: ``try_reserve(pool_id, new_total_bytes)``
 checks that the transient peak (old generation + new generation) fits and raises the debit

@@ -3,7 +3,8 @@
 The array is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, row]`` (axis 1: K, V),
 so ``array[layer, 0]`` is layer ``layer``'s K, itself a C-contiguous
 ``[num_blocks, block_size, num_kv_heads, row]`` array, and ``array[:, :, block]`` is exactly
-the ``uint8[num_layers, 2, slab_bytes]`` block buffer of paged-kv.md §5.5 once viewed as
+the ``uint8[num_layers, 2, slab_bytes]`` block buffer of docs/contracts/paged-kv.md, '5.5 Block I/O'
+once viewed as
 bytes. One array instead of ``2 * num_layers`` lets block I/O and all-layer token writes and
 gathers run as one NumPy call each.
 

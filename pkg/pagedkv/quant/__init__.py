@@ -1,4 +1,5 @@
-"""Weight codecs (HFQ/MQ/Q8), FWHT-256 and KV-cache quantization (hfqm-and-quant.md §3-6).
+"""Weight codecs (HFQ/MQ/Q8), FWHT-256 and KV-cache quantization (docs/contracts/hfqm-and-quant.md,
+'3. Shared primitives' to '6. KV-cache quantization').
 
 Public API::
 
@@ -45,7 +46,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     """Encode ``array`` in format ``fmt``; returns the payload as ``uint8[nbytes]``.
 
     ``array`` is float32 (float16 is widened exactly). The bytes are hipfire's:
-    F16 by truncation (§3.2), BF16 by truncation, the group codecs per §4.
+    F16 by truncation (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation'), BF16 by
+    truncation, the group codecs per docs/contracts/hfqm-and-quant.md, '4. Weight codecs'.
     NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`, and so does a group
     of finite weights the format cannot store with finite values (near ±3.4e38, or
     an f16 scale/zero beyond ±65504: docs/formats/quant.md, "Groups the codecs
@@ -56,7 +58,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     shape = tuple(int(d) for d in array.shape)
     check_k(codec, shape)
     if codec.qt.id == _MQ2G256V2:
-        # §1.1: wire-complete, but upstream rejects it on quality; encode only when asked, warn
+        # docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register': wire-complete, but upstream
+        # rejects it on quality; encode only when asked, warn
         warnings.warn(
             "MQ2G256V2 (qt 50) decodes correctly but upstream rejects it on quality (Qwen3.8 "
             "KLD 12-14 nats); use mq3g256v2 or wider for real models", UserWarning, stacklevel=2)
@@ -161,7 +164,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
 
 
 def fwht256(x: np.ndarray, *, inverse: bool = False) -> np.ndarray:
-    """The FWHT-256 rotation ``R = D2·H·D1/16`` (§3.6) of every row of ``x`` (``[..., 256]``).
+    """The FWHT-256 rotation ``R = D2·H·D1/16`` (docs/contracts/hfqm-and-quant.md, '3.6 FWHT
+    rotation') of every row of ``x`` (``[..., 256]``).
 
     ``inverse=True`` applies ``Rᵀ`` (R is orthogonal). Bit-exact with hipfire's
     ``cpu_fwht_256``. Returns a new float32 array of ``x``'s shape.
@@ -204,7 +208,8 @@ def gemv(raw, fmt: str | int, shape: Sequence[int], x: np.ndarray) -> np.ndarray
 
     ``x`` is float32 ``[K]`` or ``[B, K]`` with 1 ≤ B ≤ 8; returns ``[M]`` or ``[B, M]``.
     For rotated (MQ) formats ``x`` is rotated with the same forward FWHT per
-    256-segment and multiplied with the stored (rotated) weights (§3.6).
+    256-segment and multiplied with the stored (rotated) weights (docs/contracts/hfqm-and-quant.md,
+    '3.6 FWHT rotation').
     """
     from pagedkv.quant.matvec import gemv as _gemv
     return _gemv(raw, fmt, shape, x)

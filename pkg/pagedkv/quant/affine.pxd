@@ -1,4 +1,5 @@
-# Affine weight codecs: HFQ v1, MQ v1, MQ V2 family, MQ4C (hfqm-and-quant.md §4.1-4.4).
+# Affine weight codecs: HFQ v1, MQ v1, MQ V2 family, MQ4C (docs/contracts/hfqm-and-quant.md, '4.1
+# HFQ generic affine v1' to '4.4 MQ4CG256 (qt 45)').
 
 cpdef enum AffineFamily:
     HFQ = 0        # qt 6-12: f32 scale, f32 min, not rotated

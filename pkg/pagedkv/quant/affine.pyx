@@ -1,8 +1,10 @@
 # cython: freethreading_compatible = True
-"""Affine weight codecs (hfqm-and-quant.md §4.1-4.4): HFQ v1, MQ v1, MQ V2, MQ4C.
+"""Affine weight codecs (docs/contracts/hfqm-and-quant.md, '4.1 HFQ generic affine v1' to '4.4
+MQ4CG256 (qt 45)'): HFQ v1, MQ v1, MQ V2, MQ4C.
 
 Flat in, flat out: the tensor is flattened row-major and cut into consecutive
-groups of ``group`` weights (groups may straddle rows, §3.4); the last group
+groups of ``group`` weights (groups may straddle rows, docs/contracts/hfqm-and-quant.md, '3.4 Bit
+packing'); the last group
 may be short. Per-group math is ``pagedkv/quant.h``; these loops only walk
 groups, zero-pad the short last group and apply the FWHT-256 for the rotated
 families.
@@ -28,7 +30,8 @@ from pagedkv.errors import InvalidArgument, SizeMismatch
 
 
 cdef int check_affine_geometry(int family, int bits, Py_ssize_t group) except -1:
-    # The codecs' formats (hfqm-and-quant.md §1.1): HFQ G128/G256 at 2-6 bits, the rotated
+    # The codecs' formats (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'): HFQ
+    # G128/G256 at 2-6 bits, the rotated
     # families G256 only, MQ4C 4-bit only. Anything else would overrun the scratch buffers.
     if family < HFQ or family > MQ4C:
         raise InvalidArgument(f"family = {family}: valid 0-3 (AffineFamily.HFQ..MQ4C)")
@@ -78,7 +81,8 @@ def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_
                 status = pkv_hfq_encode_group(&x[start], <unsigned>count, bits,
                                               <unsigned>group, q, &out[g * B])
             else:
-                # rotated families: zero-pad BEFORE rotating (§4.2), then min/max over
+                # rotated families: zero-pad BEFORE rotating (docs/contracts/hfqm-and-quant.md, '4.2
+                # MQ v1 — rotated HFQ (qt 13, 15, 17, 18, 31)'), then min/max over
                 # all 256; finite weights near 3.4e38 can rotate to inf
                 memcpy(buf, &x[start], count * sizeof(float))
                 if count < 256:
@@ -189,7 +193,8 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
 
 
 def pack_codes(const uint8_t[::1] q, int bits):
-    """Pack codes (each < 2**bits) as the LSB-first stream of §3.4; returns uint8 bytes."""
+    """Pack codes (each < 2**bits) as the LSB-first stream of docs/contracts/hfqm-and-quant.md, '3.4
+    Bit packing'; returns uint8 bytes."""
     cdef Py_ssize_t n = q.shape[0]
     cdef Py_ssize_t i
     if bits < 1 or bits > 8:

@@ -37,7 +37,7 @@ def reject_nonfinite(flat: np.ndarray, index: int, what: str, shape: tuple[int, 
         where = tuple(int(i) for i in np.unravel_index(index, shape)) if shape else ()
         raise InvalidArgument(
             f"{what} holds a non-finite value {flat[index]!r} at index {where}; "
-            f"the weight codecs accept finite values only (hfqm-and-quant.md §3.1)")
+            f"the weight codecs accept finite values only (docs/contracts/hfqm-and-quant.md, '3.1 Arithmetic discipline')")
 
 
 # Why a group's finite weights cannot be stored, per codec family (formats.Codec.family

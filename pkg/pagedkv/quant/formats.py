@@ -1,4 +1,5 @@
-"""Which codec encodes and decodes each quant type (hfqm-and-quant.md §1.1, §4).
+"""Which codec encodes and decodes each quant type (docs/contracts/hfqm-and-quant.md, '1.1
+Quant-type register' and '4. Weight codecs').
 
 Group geometry (weights and bytes per group, rotation, the K % 256 rule) comes
 from the register, :mod:`pagedkv.hfqm.qtypes`; this table only adds what the
@@ -54,7 +55,8 @@ class Codec:
 
     @property
     def rotated(self) -> bool:
-        """Stored after the FWHT-256 rotation (§3.6)."""
+        """Stored after the FWHT-256 rotation (docs/contracts/hfqm-and-quant.md, '3.6 FWHT
+        rotation')."""
         return self.qt.rotated
 
     @property
@@ -64,7 +66,8 @@ class Codec:
         return self.family
 
     def nbytes(self, numel: int) -> int:
-        """Payload bytes of ``numel`` weights: ``ceil(numel / G) * B`` (§1.1)."""
+        """Payload bytes of ``numel`` weights: ``ceil(numel / G) * B``
+        (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')."""
         return -(-numel // self.group_size) * self.group_bytes
 
     def __repr__(self) -> str:
@@ -128,7 +131,7 @@ def resolve(fmt: str | int | np.integer) -> Codec:
         qt = QTYPES.get(int(fmt))
         if qt is None or not qt.registered:
             raise UnknownQuantType(
-                f"quant type id {int(fmt)} is not in the register (hfqm-and-quant.md §1.1); "
+                f"quant type id {int(fmt)} is not in the register (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
                 f"implemented ids: {', '.join(str(i) for i in sorted(CODECS))}")
     else:
         raise InvalidArgumentType(
@@ -140,10 +143,11 @@ def resolve(fmt: str | int | np.integer) -> Codec:
 
 
 def check_k(codec: Codec, shape: tuple[int, ...]) -> None:
-    """V2, MQ4C (and GL) need the last dimension K to be a multiple of 256 (§1.1)."""
+    """V2, MQ4C (and GL) need the last dimension K to be a multiple of 256
+    (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register')."""
     if codec.qt.k_multiple_of_256:
         k = shape[-1] if shape else 1
         if k % 256 != 0:
             raise InvalidArgument(
                 f"{codec.name} needs the last dimension K to be a multiple of 256, got shape "
-                f"{shape}; use the G128 fallback of hfqm-and-quant.md §2.9 (e.g. hfq4g128)")
+                f"{shape}; use the G128 fallback of docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy' (e.g. hfq4g128)")

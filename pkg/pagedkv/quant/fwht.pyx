@@ -1,5 +1,6 @@
 # cython: freethreading_compatible = True
-"""FWHT-256 rotation and the sign tables of the MQ formats (hfqm-and-quant.md §3.5-3.6).
+"""FWHT-256 rotation and the sign tables of the MQ formats (docs/contracts/hfqm-and-quant.md, '3.5
+Sign tables' to '3.6 FWHT rotation').
 
 ``R = D2 . H . D1 / 16``: SIGNS1 (LCG seed 42), Walsh-Hadamard butterflies in
 ascending strides, scale 1/16, SIGNS2 (seed 1042). ``fwht_rows`` applies R (or
@@ -86,7 +87,8 @@ def lcg_states(uint32_t seed, Py_ssize_t n):
 
 
 def sign_table(uint32_t seed, Py_ssize_t n=256):
-    """``signs(seed, n)`` of §3.5 as float32 (+1.0 / -1.0)."""
+    """``signs(seed, n)`` of docs/contracts/hfqm-and-quant.md, '3.5 Sign tables' as float32 (+1.0 /
+    -1.0)."""
     cdef cnp.ndarray[cnp.float32_t, ndim=1] out = np.empty(n, dtype=np.float32)
     if n > 0:
         pkv_signs_generate(seed, <uint32_t>n, <float *>cnp.PyArray_DATA(out))

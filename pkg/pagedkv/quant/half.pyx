@@ -1,5 +1,6 @@
 # cython: freethreading_compatible = True
-"""Raw half-precision conversions (hfqm-and-quant.md §3.2, §4.6).
+"""Raw half-precision conversions (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation'
+and '4.6 Raw types (qt 1, 2, 16, 22)').
 
 ``f16_trunc``: f32 -> f16 by truncation toward zero, hipfire's conversion for F16
 tensors from F32/BF16 sources (NOT numpy's round-to-nearest ``astype``).

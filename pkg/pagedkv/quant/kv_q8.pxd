@@ -1,4 +1,5 @@
-# KV-cache q8 records (hfqm-and-quant.md §6.3): the per-element math of kvquant.h.
+# KV-cache q8 records (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'): the per-element math
+# of kvquant.h.
 from libc.stdint cimport int32_t, uint32_t
 
 cdef extern from "pagedkv/kvquant.h" nogil:

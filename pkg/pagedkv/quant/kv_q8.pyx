@@ -1,5 +1,6 @@
 # cython: freethreading_compatible = True
-"""KV-cache q8 (hfqm-and-quant.md §6.3), the CPU codec of the q8 pool dtype.
+"""KV-cache q8 (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'), the CPU codec of the q8 pool
+dtype.
 
 Per 32 dims of a K or V row: ``d = amax/127`` stored as f16 (round to nearest even),
 then 32 int8 codes ``clamp(round_half_even(v * 127/amax), -127, 127)``; a row of

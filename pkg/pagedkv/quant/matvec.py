@@ -1,4 +1,5 @@
-"""``gemv``: x · Wᵀ with the weights dequantized on the fly (hfqm-and-quant.md §3.6).
+"""``gemv``: x · Wᵀ with the weights dequantized on the fly (docs/contracts/hfqm-and-quant.md, '3.6
+FWHT rotation').
 
 The fused kernels (``pagedkv.quant.gemv_kernels``) never materialise W: per
 group they convert the codes to floats and take ``scale·Σ q·x + min·Σ x``. For

@@ -1,5 +1,6 @@
 # cython: freethreading_compatible = True
-"""Q8F16 (qt 3, hfqm-and-quant.md §4.5): per 32 weights, ``f16_trunc(amax/127)`` then 32
+"""Q8F16 (qt 3, docs/contracts/hfqm-and-quant.md, '4.5 Q8F16 (qt 3)'): per 32 weights,
+``f16_trunc(amax/127)`` then 32
 int8 codes rounded half away from zero with the f32 scale. GGML Q8_0 layout.
 The tensor is flattened; blocks may straddle rows and the last one is zero-padded."""
 

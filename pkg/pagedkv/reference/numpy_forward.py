@@ -1,6 +1,7 @@
 """Forward pass of the reference transformer in NumPy (float32).
 
-Parity rule (DESIGN "Reference model and parity"): every reduction, transcendental and matrix
+Parity rule (docs/development.md, 'Reference model and parity'): every reduction, transcendental and
+matrix
 product runs on one token row at a time, with shapes that depend only on that token's
 position, never on how many tokens the call carries or which sequences run beside it. BLAS
 may pick a different kernel (and summation order) for a different shape; with per-row shapes

@@ -2,7 +2,7 @@
 family profile that admits its restore, and the sidecars of hybrid models.
 
 A restored block is only usable by the same weights, config and pool geometry, so the
-objects are bound to a fingerprint (docs/cold.md, "Fingerprints"): with ``model_dir`` the
+objects are bound to a fingerprint (docs/cold.md, "Keys and fingerprint"): with ``model_dir`` the
 project's file-based fingerprint (config.json, the safetensors shards' digests, cached in the
 tier), otherwise the same parts built from the loaded model: its family, its config
 (``model.args``), a SHA-256 over every parameter's name, dtype, shape and bytes, the sidecar

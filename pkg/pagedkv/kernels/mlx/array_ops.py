@@ -113,7 +113,8 @@ def gemv(mx, w_raw, codec, M: int, K: int, x):
 
 
 def kv_q8_quantize(mx, values):
-    """q8 records of ``values`` (f32/f16 ``[..., head_dim]``), hfqm-and-quant.md §6.3."""
+    """q8 records of ``values`` (f32/f16 ``[..., head_dim]``), docs/contracts/hfqm-and-quant.md,
+    '6.3 q8 (K and V)'."""
     shape = values.shape
     blocks = values.astype(mx.float32).reshape(-1, 32)
     amax = mx.abs(blocks).max(axis=1)

@@ -1,9 +1,12 @@
-"""Pure-Python oracle for the hot hashes and the BlockAllocator (paged-kv.md §2–4).
+"""Pure-Python oracle for the hot hashes and the BlockAllocator (docs/contracts/paged-kv.md, '2.
+Block hashing' to '4. BlockAllocator').
 
-This module is the executable reading of the spec: it keeps the *logical* state of §4.2
+This module is the executable reading of the spec: it keeps the *logical* state of
+docs/contracts/paged-kv.md, '4.2 State'
 literally (a ``deque`` free list, a refcount dict, an ``OrderedDict`` prefix table whose order
 is the LRU order, an identity per entry and a reverse map) and implements every contract of
-§4 on it, step by step, with no attempt at speed. The Cython core (``pagedkv.hashing``,
+docs/contracts/paged-kv.md, '4. BlockAllocator' on it, step by step, with no attempt at speed. The
+Cython core (``pagedkv.hashing``,
 ``pagedkv.allocator``) must agree with it on every observable; the differential test
 ``tests/test_allocator_stateful.py`` drives both with random operation sequences.
 
@@ -14,7 +17,8 @@ implementations follow them:
   not the caller's: freeing a block whose only references are the cache's (a cache-only
   block), or more references than the caller holds in ``free_many``, is a refcount underflow
   and raises :class:`~pagedkv.errors.InvariantViolation` with nothing changed. Without this a
-  free could put a block that still has a prefix entry on the free list (§4.3 items 1–2).
+  free could put a block that still has a prefix entry on the free list (docs/contracts/paged-kv.md,
+  '4.3 Invariants' items 1–2).
 * ``register_prefix``, ``cache_full_blocks`` and ``publish_restored_batch`` need allocated
   blocks (``InvariantViolation`` otherwise); an alias move is refcount-neutral and never sends
   the block through the free list.
@@ -25,12 +29,14 @@ implementations follow them:
   capacity-evict), and at the end the accepted chain is touched deepest first.
 * ``collisions_rejected`` counts every identity mismatch on a present hash: a
   ``lookup_prefix`` miss, a stopped ``find_longest_cache_hit`` walk, a stopped chain.
-* Hash 0 is reserved (§2.1): ``register_prefix``/``lookup_prefix``/``publish_restored_batch``
+* Hash 0 is reserved (docs/contracts/paged-kv.md, '2.1 Hot block hash'):
+``register_prefix``/``lookup_prefix``/``publish_restored_batch``
   reject ``block_hash`` outside ``[1, 2**64)`` with ``InvalidArgument``.
 * Block events: one call per kind per operation, ``"removed"`` before ``"stored"``;
   ``purge_prefix_cache`` always sends ``"cleared"`` (even when the table was empty).
-* ``grow_by`` resets the capacity override even when it adds no block (§4.7's steps run
-  unconditionally); ``stats()['grows']`` counts only calls that added blocks.
+* ``grow_by`` resets the capacity override even when it adds no block (its steps in
+docs/contracts/paged-kv.md,
+  '4.7 Free-list order and grow_by' run unconditionally); ``stats()['grows']`` counts only calls that added blocks.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ _log = logging.getLogger(__name__)
 
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
-#: Longest accepted salt in UTF-8 bytes (§3, upstream's server limit).
+#: Longest accepted salt in UTF-8 bytes (docs/contracts/paged-kv.md, '3. cache_salt domain id',
+# upstream's server limit).
 MAX_SALT_BYTES = 256
 
 STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evictions",
@@ -88,7 +95,8 @@ def _check_u64(value, name: str) -> int:
 
 
 def _tokens_u32(tokens, name: str = "tokens") -> np.ndarray:
-    """Any 1-D integer array-like as a C-contiguous ``uint32`` array (§2.1 rules)."""
+    """Any 1-D integer array-like as a C-contiguous ``uint32`` array (docs/contracts/paged-kv.md,
+    '2.1 Hot block hash' rules)."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1:
         return np.ascontiguousarray(tokens)
     try:
@@ -132,7 +140,8 @@ def _keys_tuple(keys, name: str) -> tuple[int, ...]:
 
 
 def _per_block_keys(extra_keys, extra_keys_per_block) -> tuple[tuple[int, ...], ...] | None:
-    """Validate the two extra-key forms of §2.2; ``None`` means "uniform"."""
+    """Validate the two extra-key forms of docs/contracts/paged-kv.md, '2.2 Chains'; ``None`` means
+    "uniform"."""
     if extra_keys_per_block is None:
         return None
     if len(extra_keys) > 0:
@@ -143,7 +152,7 @@ def _per_block_keys(extra_keys, extra_keys_per_block) -> tuple[tuple[int, ...], 
                  for i, keys in enumerate(extra_keys_per_block))
 
 
-# --- hashing (§2, §3) -----------------------------------------------------------------------
+# --- hashing (docs/contracts/paged-kv.md, '2. Block hashing' and '3. cache_salt domain id') -------
 
 
 def _hot_hash_buffer(parent: int, tokens: np.ndarray, keys: tuple[int, ...], cache_salt: int,
@@ -160,7 +169,8 @@ def _hot_hash_buffer(parent: int, tokens: np.ndarray, keys: tuple[int, ...], cac
 
 def hot_block_hash(parent: int, tokens, extra_keys: Sequence[int] = (), cache_salt: int = 0,
                    block_index: int = 0, *, seed: int = 0) -> int:
-    """XXH3-64 of one full block (§2.1); never 0 (0 means "no parent")."""
+    """XXH3-64 of one full block (docs/contracts/paged-kv.md, '2.1 Hot block hash'); never 0 (0
+    means "no parent")."""
     parent = _check_u64(parent, "parent")
     toks = _tokens_u32(tokens)
     keys = _keys_tuple(extra_keys, "extra_keys")
@@ -199,7 +209,8 @@ def _chain(tokens: np.ndarray, block_size: int, uniform: tuple[int, ...],
 def chain_hashes(tokens, block_size: int, *, extra_keys: Sequence[int] = (),
                  extra_keys_per_block: Sequence[Sequence[int]] | None = None,
                  cache_salt: int = 0, seed: int = 0) -> np.ndarray:
-    """``uint64`` hot hashes of the full blocks of ``tokens`` (§2.2)."""
+    """``uint64`` hot hashes of the full blocks of ``tokens`` (docs/contracts/paged-kv.md, '2.2
+    Chains')."""
     toks = _tokens_u32(tokens)
     block_size = _check_int(block_size, "block_size", 0, _U32_MAX)
     uniform = _keys_tuple(extra_keys, "extra_keys")
@@ -211,7 +222,8 @@ def chain_hashes(tokens, block_size: int, *, extra_keys: Sequence[int] = (),
 
 
 def salt_domain_id(salt: str | None) -> int:
-    """The u64 domain id of a ``cache_salt`` string (§3); ``None`` is the shared domain 0."""
+    """The u64 domain id of a ``cache_salt`` string (docs/contracts/paged-kv.md, '3. cache_salt
+    domain id'); ``None`` is the shared domain 0."""
     if salt is None:
         return 0
     if not isinstance(salt, str):
@@ -229,11 +241,12 @@ def salt_domain_id(salt: str | None) -> int:
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "little") or 1
 
 
-# --- allocator (§4) ------------------------------------------------------------------------
+# --- allocator (docs/contracts/paged-kv.md, '4. BlockAllocator') ----------------------------------
 
 
 class BlockAllocator:
-    """Reference BlockAllocator: the logical state of §4.2 kept literally.
+    """Reference BlockAllocator: the logical state of docs/contracts/paged-kv.md, '4.2 State' kept
+    literally.
 
     Sizes are in blocks; ``block_size`` is in tokens. See the module docstring for the
     readings of the spec this oracle fixes.
@@ -427,7 +440,7 @@ class BlockAllocator:
             return
         try:
             hook(kind, np.array(list(hashes), dtype=np.uint64))
-        except Exception:  # noqa: BLE001 - the hook never undoes an operation (§4.10)
+        except Exception:  # noqa: BLE001 - the hook never undoes an operation (docs/contracts/paged-kv.md, '4.10 Stats and block events')
             _log.exception("on_block_event hook raised for %r; ignored", kind)
 
     def _emit_changes(self, removed: list[int], stored: list[int]) -> None:
@@ -788,7 +801,8 @@ class BlockAllocator:
     # -- diagnostics ---------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise :class:`InvariantViolation` naming the first broken rule of §4.3."""
+        """Raise :class:`InvariantViolation` naming the first broken rule of
+        docs/contracts/paged-kv.md, '4.3 Invariants'."""
         def fail(msg: str) -> None:
             raise InvariantViolation(f"reference allocator invariant broken: {msg}")
 
