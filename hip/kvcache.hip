@@ -1,5 +1,6 @@
-// KV-cache kernels: q8 quantize on write and dequantize on read (hfqm-and-quant.md
-// §6.3), paged-attention decode over block tables (paged-kv.md §5.2) on f16/bf16/q8 KV
+// KV-cache kernels: q8 quantize on write and dequantize on read (docs/contracts/hfqm-and-quant.md
+// docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'), paged-attention decode over block tables
+// (docs/contracts/paged-kv.md, '5.2 Layout') on f16/bf16/q8 KV
 // and on compressed KV (fwhtN K with q8 or lloydN V, docs/kv-quant.md), and block
 // copies between pools.
 //
@@ -713,7 +714,7 @@ PKV_DEV void rotate_shared(float* x, int n, bool inverse) {
 }
 
 // ---------------------------------------------------------------------------
-// Rotated KV write (fwhtN / lloydN records, docs/kv-quant.md "Encoding"): the device form
+// Rotated KV write (fwhtN / lloydN records, docs/kv-quant.md "Encoding and decoding"): the device form
 // of pkv_kv_encode_row, byte for byte. One CTA of PKV_KV_WRITE_THREADS threads encodes
 // one (token, kv-head) row into the pool at its slot. Every multiply and add that the
 // scalar reference rounds separately is an explicit _rn intrinsic here (nvcc would fuse

@@ -1,4 +1,4 @@
-"""The cold tier stores compressed KV blocks as they are (docs/kv-quant.md "Cold tier"): the
+"""The cold tier stores compressed KV blocks as they are (docs/kv-quant.md "Pools"): the
 KV dtype in the object's metadata and in the fingerprint, K and V slabs of their own sizes,
 restore byte for byte, a forged dtype refused."""
 

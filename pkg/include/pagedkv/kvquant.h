@@ -1,6 +1,6 @@
 /* KV-cache quantization: per-element math of every KV mode (docs/kv-quant.md).
  *
- * q8 (hfqm-and-quant.md §6.3):
+ * q8 (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'):
  * A q8 K or V row of head_dim values is head_dim/32 records of 34 bytes:
  * the f16 (round to nearest even) scale d, then 32 int8 codes. Unlike the
  * Q8F16 weight format, the codes use id = 127/amax (not 1/d) and round half
@@ -206,7 +206,7 @@ PKV_FN void pkv_kv_unrotate(float *r, uint32_t hd, uint32_t rot) {
     }
 }
 
-/* kv_encode of one row (fwhtN / lloydN; docs/kv-quant.md "Encoding"), the scalar
+/* kv_encode of one row (fwhtN / lloydN; docs/kv-quant.md "Encoding and decoding"), the scalar
  * reference of every encoder: x[hd] f32 in, row_bytes out. Scratch: r[hd], q[hd].
  * centroids / thresholds: the full PKV_KV_CENTROIDS / PKV_KV_THRESHOLDS lists. */
 PKV_FN void pkv_kv_encode_row(const float *x, uint32_t hd, uint32_t mode,

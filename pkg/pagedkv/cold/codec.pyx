@@ -148,7 +148,8 @@ cdef class BlockGeometry:
 
     @property
     def bound(self):
-        """Largest valid encoded object in bytes (§6.5)."""
+        """Largest valid encoded object in bytes (docs/contracts/cold-tier.md, '6.5 Size
+        bounds')."""
         return pkv_cold_block_bound_kv(self.block_size, self.num_layers, self.key_bytes,
                                        self.value_bytes)
 

@@ -383,7 +383,7 @@ class RedisColdStore:
                 oks.append(True)
                 continue
             self.counters.add("write_errors")
-            hint = " (set maxmemory-policy allkeys-lru: docs/cold.md, 'Sizing')" \
+            hint = " (set maxmemory-policy allkeys-lru: docs/cold.md, 'Quota and sizing')" \
                 if "OOM" in str(reply) else ""
             log.warning("cold tier: write of %s to %s failed: %s%s",
                         object_name(key, group), self.url, reply, hint)

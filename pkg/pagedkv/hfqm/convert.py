@@ -1,4 +1,5 @@
-"""safetensors/GGUF -> HFQM conversion (the library side of ``pagedkv convert``, §2.9).
+"""safetensors/GGUF -> HFQM conversion (the library side of ``pagedkv convert``,
+docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy').
 
 The tensor plan is computed from the shard headers first, so the writer knows
 every index entry up front and the file matches hipfire's layout exactly. Then

@@ -1,6 +1,7 @@
 """NumPy references for every kernel in ``hip/``: what the GPU tests compare against.
 
-KV q8 follows hfqm-and-quant.md §6.3 step for step in float32 (the GPU write is
+KV q8 follows docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)' step for step in float32 (the GPU
+write is
 bit-exact with it). The rotated KV modes (fwhtN K, lloydN V) follow docs/kv-quant.md
 step for step in float32, written here independently of the Cython codec (its own
 sign generator and butterflies; only the tables come from ``pagedkv/kvquant.h``), so

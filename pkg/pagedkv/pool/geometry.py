@@ -237,12 +237,14 @@ class PoolGeometry:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (paged-kv.md §5.1)."""
+        """K and V bytes of one block over all layers (docs/contracts/paged-kv.md, '5.1
+        Geometry')."""
         return self.num_layers * (self.k_slab_bytes + self.v_slab_bytes)
 
     @property
     def block_buffer_shape(self) -> tuple[int, ...]:
-        """Shape of the uint8 block I/O buffer: ``(num_layers, 2, slab_bytes)`` (§5.5), or
+        """Shape of the uint8 block I/O buffer: ``(num_layers, 2, slab_bytes)``
+        (docs/contracts/paged-kv.md, '5.5 Block I/O'), or
         ``(num_layers, k_slab_bytes + v_slab_bytes)`` when K and V rows differ. The bytes are
         the same either way: per layer in pool order, its K slab then its V slab."""
         if self.symmetric:

@@ -1,5 +1,6 @@
 /* KV q8 encode loop for the CPU, compiled per ISA level (cpu_simd.h); math from
- * pagedkv/kvquant.h (hfqm-and-quant.md §6.3), the same bytes as its scalar helpers.
+ * pagedkv/kvquant.h (docs/contracts/hfqm-and-quant.md, '6.3 q8 (K and V)'), the same bytes as its
+ * scalar helpers.
  *
  * Per 32 values: amax as the max of the magnitude bits (integer order is float order for
  * finite values, and an integer max vectorizes), the scale and its f16 bits from
