@@ -20,14 +20,3 @@ cdef extern from "pagedkv/kvquant.h" nogil:
     uint32_t pkv_kv_row_bytes(uint32_t mode, uint32_t head_dim)
     uint32_t pkv_kv_centroid_offset(uint32_t bits, uint32_t family)
     uint32_t pkv_kv_threshold_offset(uint32_t bits, uint32_t family)
-
-cdef extern from "kv_rotated_loops.h" nogil:
-    void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, Py_ssize_t n_rows,
-                                uint32_t hd, uint32_t mode, uint8_t *out)
-    void pkv_cpu_kv_encode_rows_reference(const float *x32, const uint16_t *x16,
-                                          Py_ssize_t n_rows, uint32_t hd, uint32_t mode,
-                                          uint8_t *out)
-    void pkv_cpu_kv_decode_rows(const uint8_t *rec, Py_ssize_t n_rows, uint32_t hd,
-                                uint32_t mode, int rotated_basis, float *out)
-    void pkv_cpu_kv_downshift_rows(const uint8_t *src, Py_ssize_t n_rows, uint32_t hd,
-                                   uint32_t src_mode, uint32_t dst_mode, uint8_t *dst)

@@ -18,6 +18,19 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant.quant_header cimport pkv_first_nonfinite, pkv_first_nonfinite_f16
 
+# The CPU loops stay private to this module: the .pxd holds only kvquant.h's public API,
+# which other Cython code may cimport.
+cdef extern from "kv_rotated_loops.h" nogil:
+    void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, Py_ssize_t n_rows,
+                                uint32_t hd, uint32_t mode, uint8_t *out)
+    void pkv_cpu_kv_encode_rows_reference(const float *x32, const uint16_t *x16,
+                                          Py_ssize_t n_rows, uint32_t hd, uint32_t mode,
+                                          uint8_t *out)
+    void pkv_cpu_kv_decode_rows(const uint8_t *rec, Py_ssize_t n_rows, uint32_t hd,
+                                uint32_t mode, int rotated_basis, float *out)
+    void pkv_cpu_kv_downshift_rows(const uint8_t *src, Py_ssize_t n_rows, uint32_t hd,
+                                   uint32_t src_mode, uint32_t dst_mode, uint8_t *dst)
+
 cnp.import_array()
 
 #: Mode name -> the header's id (``PKV_KV_MODE_*``).

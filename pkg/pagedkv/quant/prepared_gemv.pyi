@@ -3,6 +3,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 ISA_NAMES: tuple[str, ...]
 
@@ -10,6 +11,7 @@ def supported_isas() -> tuple[str, ...]: ...
 def default_isa() -> str: ...
 def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> npt.NDArray[Any]: ...
 
+@disjoint_base
 class PreparedGemv:
     fmt: str
     qt_id: int
