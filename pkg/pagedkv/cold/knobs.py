@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pagedkv import sizing
+from pagedkv import env_knobs
 
 __all__ = [
     "DEFAULT_CAPTURE_BLOCKS_PER_TURN",
@@ -37,12 +37,12 @@ DEFAULT_QUEUE_DEPTH = 8
 def env_bool(var: str, fallback: bool | None) -> bool | None:
     """The env value of ``var`` if set and parseable, else ``fallback`` (docs/contracts/paged-kv.md,
     '6.3 Knobs and precedence')."""
-    return sizing.env_bool(var, fallback, fallback_source="config or default")
+    return env_knobs.env_bool(var, fallback, fallback_source="config or default")
 
 
 def env_positive_int(var: str, fallback: int) -> int:
     """A base-10 integer in ``[1, 2**32)`` from ``var``, else ``fallback`` (logged)."""
-    value = sizing.env_u32(var, fallback, fallback_source="config or default")
+    value = env_knobs.env_u32(var, fallback, fallback_source="config or default")
     if value == 0:
         log.warning("ignoring %s=0: expected a positive integer; using %r", var, fallback)
         return fallback
@@ -111,7 +111,7 @@ def sliding_checkpoint_limit_override() -> int | None:
     """``PAGEDKV_SLIDING_CHECKPOINT_LIMIT`` as a positive integer, else ``None`` (the computed
     ``base_limit`` of :func:`pagedkv.cold.ladder.sliding_base_limit`); an unparseable or zero
     value is ignored with one WARNING."""
-    value = sizing.env_u32("PAGEDKV_SLIDING_CHECKPOINT_LIMIT", None,
+    value = env_knobs.env_u32("PAGEDKV_SLIDING_CHECKPOINT_LIMIT", None,
                            fallback_source="the computed limit")
     if value == 0:
         log.warning("ignoring PAGEDKV_SLIDING_CHECKPOINT_LIMIT=0: expected a positive integer; "
