@@ -139,6 +139,9 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     gpu.bench_dequant(dev, stream, rows, 1e12, (16, 256))
     gpu.bench_fwht(dev, stream, rows, 1e12, 1024)
     gpu.bench_attention(dev, stream, rows, 1e12, None, case=SMALL_CASE)
+    n_default = len(rows)
+    gpu.bench_attention(dev, stream, rows, 1e12, None, case=dict(SMALL_CASE, head_dim=256),
+                        dtypes=("float16", "fwht4/lloyd4"))
     emitted = {r["kernel"] for r in rows}
     tracked = {name.split(" | ")[0] for name in asv.BANDWIDTH_ROWS + asv.TORCH_ROWS}
     assert tracked <= emitted, tracked - emitted
@@ -146,6 +149,9 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     assert (rows[3]["kernel"], rows[3]["shape"]) == ("gemv hfq4g256 b1", "32x512")
     assert got["gemv hfq4g256 b1 | 32x512"] == rows[3]["of_copy"]
     assert len(got) == len(rows)  # every row has its fraction of the copy
+    assert list(asv.by_row(rows, "vs_float16")) == [
+        f"paged_attention q8 | {rows[n_default - 1]['shape']}",
+        f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
 
 

@@ -5,6 +5,9 @@ and machines cancels.
 - ``GpuBandwidth.track_percent_of_copy``: achieved bandwidth as % of the device-to-device
   copy bandwidth measured in the same run (targets: GEMV 85, dequant 80, FWHT 70,
   attention 75).
+- ``GpuKVModeVsF16.track_speedup_vs_f16``: attention over fwht4/lloyd4 KV against f16
+  attention on the same context (target > 1; its bandwidth and q8's are
+  ``GpuBandwidth`` rows, targets 70 and 75).
 - ``GpuVsTorch.track_speedup``: cuBLAS bf16 GEMV time / ours (target 3) and SDPA's time /
   ours for attention (target 1 / 1.3).
 
@@ -20,13 +23,18 @@ device they came from: docs/performance.md, "GPU kernels".
 from __future__ import annotations
 
 GEMV_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+#: Attention over quantized KV (docs/kv-quant.md): q8 (target 75% of copy) and the 4-bit
+#: compressed pair (target 70%, and faster than f16 on the same context).
+KV_MODE_ROWS = ["paged_attention q8 | 32x4096 kvh8 d128",
+                "paged_attention fwht4/lloyd4 | 32x4096 kvh4 d256"]
 BANDWIDTH_ROWS = (
     [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
     + [f"gemv {fmt} b1 (x prepared) | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256")
        for m, k in GEMV_SHAPES]
     + [f"dequant {fmt}->{dt} | 14336x4096"
        for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16") for dt in ("float16", "float32")]
-    + ["fwht256 f32 | 262144x256", "paged_attention float16 | 32x4096 kvh8 d128"])
+    + ["fwht256 f32 | 262144x256", "paged_attention float16 | 32x4096 kvh8 d128"]
+    + KV_MODE_ROWS)
 TORCH_ROWS = (
     [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
     + ["paged_attention float16 | 32x4096 kvh8 d128"])
@@ -47,6 +55,9 @@ def _run_bench(with_torch: bool) -> list[dict]:
         gpu.bench_dequant(device, stream, rows, copy_bw, (14336, 4096))
         gpu.bench_fwht(device, stream, rows, copy_bw, 64 << 20)
     gpu.bench_attention(device, stream, rows, copy_bw, torch)
+    if not with_torch:
+        gpu.bench_attention(device, stream, rows, copy_bw, None, gpu.ATTENTION_CASE_256,
+                            dtypes=("float16", "fwht4/lloyd4"))
     return rows
 
 
@@ -83,6 +94,22 @@ class GpuVsTorch:
         return out
 
     def track_speedup(self, cache, row):
+        return cache[row]
+
+
+class GpuKVModeVsF16:
+    """Compressed-KV attention time against f16 attention on the same context, same run
+    (``vs_float16``: f16 time / ours; target > 1)."""
+
+    params = KV_MODE_ROWS[1:]
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (f16 time / ours)"
+
+    def setup_cache(self):
+        return by_row(_run_bench(False), "vs_float16")
+
+    def track_speedup_vs_f16(self, cache, row):
         return cache[row]
 
 
