@@ -19,13 +19,14 @@ its quantized attention on ``hasattr(cache, "bits")``.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, create_attention_mask
 
 from pagedkv.errors import InvalidArgument, RequestClosed
 
-__all__ = ["SAVED_STATE_REFUSAL", "PagedKVLayerCache", "fork_layer"]
+__all__ = ["SAVED_STATE_REFUSAL", "LayerBuffers", "PagedKVLayerCache", "fork_layer"]
 
 #: Buffer growth step in tokens: KVCache.step, so buffers have KVCache's shapes.
 STEP_TOKENS = 256
@@ -38,7 +39,41 @@ SAVED_STATE_REFUSAL = (
     "docs/integrations/mlx-lm.md, 'Restarts'")
 
 
-class PagedKVLayerCache:
+class LayerBuffers:
+    """What the paged layer caches share of mlx-lm's cache protocol: ``keys``/``values``
+    buffers (``None`` before the first write) valid up to ``offset``, a ``state`` that
+    ``generate_step`` evaluates but no saved state can rebuild, and ``trim``."""
+
+    __slots__ = ()
+    keys: Any  # an mx.array, or None before the first write
+    values: Any
+    offset: int
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this request's buffers (what a live request holds beyond the pool)."""
+        if self.keys is None or self.values is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state(self):
+        """``(keys, values, offset)`` as KVCache's: what ``generate_step`` evaluates after
+        each prefill chunk."""
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, value) -> None:
+        raise RequestClosed(SAVED_STATE_REFUSAL)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+
+class PagedKVLayerCache(LayerBuffers):
     """The cache of one full-attention layer of one :class:`PagedRequest`.
 
     ``keys``/``values``: ``[1, kv_heads, capacity, head_dim]`` buffers (``None`` before the
@@ -98,29 +133,6 @@ class PagedKVLayerCache:
     def size(self) -> int:
         """Tokens held (mlx-lm's "sequence length")."""
         return self.offset
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this request's buffers (what a live request holds beyond the pool)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
-    def state(self):
-        """``(keys, values, offset)`` as KVCache's: what ``generate_step`` evaluates after
-        each prefill chunk."""
-        return self.keys, self.values, self.offset
-
-    @state.setter
-    def state(self, value) -> None:
-        raise RequestClosed(SAVED_STATE_REFUSAL)
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);

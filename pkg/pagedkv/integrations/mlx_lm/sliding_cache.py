@@ -23,8 +23,12 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, create_causal_mask
 
-from pagedkv.errors import InvalidArgument, RequestClosed
-from pagedkv.integrations.mlx_lm.layer_cache import SAVED_STATE_REFUSAL, STEP_TOKENS, fork_layer
+from pagedkv.errors import InvalidArgument
+from pagedkv.integrations.mlx_lm.layer_cache import (
+    STEP_TOKENS,
+    LayerBuffers,
+    fork_layer,
+)
 
 __all__ = ["TRIM_MARGIN_TOKENS", "PagedSlidingLayerCache"]
 
@@ -34,7 +38,7 @@ __all__ = ["TRIM_MARGIN_TOKENS", "PagedSlidingLayerCache"]
 TRIM_MARGIN_TOKENS = 64
 
 
-class PagedSlidingLayerCache:
+class PagedSlidingLayerCache(LayerBuffers):
     """The cache of one sliding-window layer of one :class:`PagedRequest`.
 
     ``keys``/``values``: ``[1, kv_heads, capacity, head_dim]`` buffers (``None`` before the
@@ -145,28 +149,6 @@ class PagedSlidingLayerCache:
     def size(self) -> int:
         """Tokens a query attends at most (mlx-lm's ``RotatingKVCache.size``)."""
         return min(self.offset, self.window)
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this request's buffers (about one window plus one step)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
-    def state(self):
-        """``(keys, values, offset)``: what ``generate_step`` evaluates after each chunk."""
-        return self.keys, self.values, self.offset
-
-    @state.setter
-    def state(self, value) -> None:
-        raise RequestClosed(SAVED_STATE_REFUSAL)
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def can_rewind(self, n: int) -> bool:
         """Whether the buffer still holds the window a query at ``offset - n`` attends."""
