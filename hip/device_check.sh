@@ -15,7 +15,9 @@
 # Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 150); sanitizer (SANITIZE=1:
 # the probe proving compute-sanitizer sees ctypes launches, then memcheck and racecheck
 # over the GPU tests, SANITIZE_TIMEOUT each, 120). BENCH=0 skips all three benches;
-# MLX_ONLY=1 runs build + MLX phases only. Measured on the H200 (2026-12-02): build 30 s,
+# MLX_ONLY=1 runs build + MLX phases only; MLX_LM=1 adds the mlx-lm integration tests
+# (MLX_LM_TIMEOUT, 300; the mlx-lm and sentencepiece wheels travel in .mlx2; MLX_TESTS=0 skips
+# the kernel tests). Measured on the H200 (2026-12-02): build 30 s,
 # ctypes tests ~25 s, MLX tests ~75 s (NVRTC compiles each kernel once a process),
 # decode bench --quick ~150 s, kernel bench ~120 s.
 #
@@ -117,6 +119,12 @@ mlx_install() {
   fi
   python3 -m pip install -q --no-index --no-deps --target "$WORK/mlxsite" \
     "$MLX_STASH"/mlx-0.32.4-*.whl "$cuda_whl"
+  # mlx-lm is pure Python; its own deps (transformers, jinja2, protobuf, pyyaml) are on the
+  # machine already, sentencepiece is not: both wheels travel in .mlx2 when MLX_LM=1.
+  if ls "$MLX_STASH"/mlx_lm-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target "$WORK/mlxsite" \
+      "$MLX_STASH"/mlx_lm-*.whl "$MLX_STASH"/sentencepiece-*.whl
+  fi
 }
 
 MLX_OK=0
@@ -144,6 +152,15 @@ mlx_tests() {
   PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider test_kernels_mlx_gpu.py \
     test_kernels_mlx.py test_pool_paged_attention.py 2>&1 | tee "$OUT/pytest_mlx.log" | tail -25
 }
+# The mlx-lm integration's tests (issue 12) on MLX's CUDA backend: the same files as on CPU.
+mlx_lm_tests() {
+  set -o pipefail
+  cd tests || return 1
+  PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider ${MLX_LM_PYTEST_ARGS:-} \
+    test_integration_mlx_lm.py test_integration_mlx_lm_hybrid.py \
+    test_integration_mlx_lm_kv_modes.py test_serve_mlx_lm.py test_docs_examples_mlx_lm.py \
+    2>&1 | tee "$OUT/pytest_mlx_lm.log" | tail -40
+}
 sanitize() {
   local cs="compute-sanitizer --error-exitcode 86 --print-limit 20"
   PYTHONPATH=$PKV $cs --tool memcheck python3 hip/sanitizer_probe.py --plant \
@@ -162,12 +179,13 @@ sanitize_tool() {
     "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$1.log" | tail -2 | tr '\n' ' ')"
   return $rc
 }
-export -f ctypes_tests mlx_tests sanitize sanitize_tool
+export -f ctypes_tests mlx_tests mlx_lm_tests sanitize sanitize_tool
 export OUT PKV MLXPATH
 
 ONLY_MLX=${MLX_ONLY:-0}
 [ "${TESTS:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ] && phase ctypes-tests 200 bash -c ctypes_tests
-[ "$MLX_OK" = 1 ] && phase mlx-tests 200 bash -c mlx_tests
+[ "$MLX_OK" = 1 ] && [ "${MLX_TESTS:-1}" = 1 ] && phase mlx-tests 200 bash -c mlx_tests
+[ "$MLX_OK" = 1 ] && [ "${MLX_LM:-0}" = 1 ] && phase mlx-lm-tests "${MLX_LM_TIMEOUT:-300}" bash -c mlx_lm_tests
 if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   # The decode step: correctness check against float64, then the targeted configurations
   # (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
