@@ -62,7 +62,12 @@ phase() {
   return 0
 }
 
-# a warm machine keeps the last call's files
+# a warm machine keeps the last call's files; REUSE_BUILD=1 keeps its build of pagedkv too
+# (a second call on the same tree, e.g. the MLX half of a two-call run)
+if [ "${REUSE_BUILD:-0}" = 1 ] && [ -d "$WORK/pkv/pagedkv" ]; then
+  echo "phase build: reused the warm machine's build" | tee -a "$OUT/phases.txt"
+  export PYTHONPATH=$WORK/site
+else
 rm -rf "$WORK/site" "$WORK/w" "$WORK/pkv" "$WORK/fuzz" "$WORK/fuzzsite"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHL"/*.whl || exit 1
 export PYTHONPATH=$WORK/site
@@ -72,6 +77,7 @@ python3 -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/w" . >"$OUT/bui
   || { tail -50 "$OUT/build.log"; exit 1; }
 echo "phase build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 python3 -m pip install -q --no-deps --target "$WORK/pkv" "$WORK"/w/*.whl || exit 1
+fi
 export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
 PKV=$WORK/pkv:$WORK/site
 MLXPATH=$PKV:$WORK/mlxsite
@@ -156,9 +162,11 @@ mlx_tests() {
 mlx_lm_tests() {
   set -o pipefail
   cd tests || return 1
-  PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider ${MLX_LM_PYTEST_ARGS:-} \
+  PAGEDKV_PARITY_LOG=$OUT/parity.jsonl PYTHONPATH=$MLXPATH \
+    python3 -m pytest -q -p no:cacheprovider ${MLX_LM_PYTEST_ARGS:-} \
     test_integration_mlx_lm.py test_integration_mlx_lm_hybrid.py \
     test_integration_mlx_lm_kv_modes.py test_serve_mlx_lm.py test_docs_examples_mlx_lm.py \
+    test_mlx_lm_parity.py \
     2>&1 | tee "$OUT/pytest_mlx_lm.log" | tail -40
 }
 sanitize() {

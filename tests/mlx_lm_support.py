@@ -1,17 +1,58 @@
 """Helpers of the mlx-lm integration tests: tiny random-weight models, prompts, and greedy
 ``generate_step`` runs returning the bytes of every step's logprobs (what parity compares).
-Import after ``pytest.importorskip("mlx_lm")``."""
+Import after ``pytest.importorskip("mlx_lm")``.
+
+``==`` between two runs is :mod:`pagedkv.integrations.mlx_lm.parity`'s rule: byte equality
+where both ran the same model calls (``run`` on a paged cache against ``run`` on mlx-lm's own
+caches) and on MLX's CPU backend; a bound on GPU backends when the reference ran different
+calls (``fresh``, and the uncached forward). ``PAGEDKV_PARITY_LOG=FILE`` appends every
+bounded comparison's largest difference to FILE (one JSON line each), so a device run
+records what the bounds are measured against."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from pagedkv.integrations.mlx_lm.parity import compare, model_dtype
 from pagedkv.integrations.mlx_lm.random_models import random_model
+
+
+class Steps(tuple):
+    """``(tokens, logprob bytes)`` of a greedy run, compared by the parity rule."""
+
+    dtype: str
+    same_calls: bool
+
+    def __new__(cls, tokens, lp_bytes, *, dtype: str, same_calls: bool = True):
+        self = super().__new__(cls, (list(tokens), bytes(lp_bytes)))
+        self.dtype, self.same_calls = dtype, same_calls
+        return self
+
+    def __eq__(self, other):
+        if not isinstance(other, Steps):
+            return NotImplemented
+        parity = compare(self, other, dtype=self.dtype,
+                         same_calls=self.same_calls and other.same_calls)
+        log = os.environ.get("PAGEDKV_PARITY_LOG")
+        if log and not parity.exact:
+            with open(log, "a") as f:
+                f.write(json.dumps({"dtype": self.dtype, "same": parity.same,
+                                    "max_abs_diff": parity.max_abs_diff,
+                                    "steps": parity.steps, "why": parity.why}) + "\n")
+        return parity.same
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = tuple.__hash__
 
 
 @functools.cache
@@ -23,16 +64,17 @@ def toks(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(5, 256, n).tolist()
 
 
-def run(model, prompt, cache, n: int = 6, **kwargs) -> tuple[list[int], bytes]:
+def run(model, prompt, cache, n: int = 6, *, same_calls: bool = True, **kwargs) -> Steps:
     """Greedy ``generate_step``: the tokens and the bytes of every step's logprobs."""
     out, lps = [], []
     for token, logprobs in generate_step(mx.array(prompt), model, prompt_cache=cache,
                                          max_tokens=n, **kwargs):
         out.append(int(token))
         lps.append(np.array(logprobs.astype(mx.float32)))
-    return out, np.stack(lps).tobytes()
+    return Steps(out, np.stack(lps).tobytes(), dtype=model_dtype(model), same_calls=same_calls)
 
 
-def fresh(model, prompt, n: int = 6, **kwargs):
-    """mlx-lm's own caches (``make_prompt_cache``) over the whole prompt."""
-    return run(model, prompt, make_prompt_cache(model), n, **kwargs)
+def fresh(model, prompt, n: int = 6, **kwargs) -> Steps:
+    """mlx-lm's own caches (``make_prompt_cache``) over the whole prompt: different calls
+    from a request that resumed from a cached prefix."""
+    return run(model, prompt, make_prompt_cache(model), n, same_calls=False, **kwargs)

@@ -26,7 +26,7 @@ from mlx_lm.generate import batch_generate, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_support import fresh, model_of, run, toks
+from mlx_lm_support import Steps, fresh, model_of, run, toks
 from pagedkv.coordinator import expired_blocks
 from pagedkv.errors import InvalidArgument, UnsupportedModel
 from pagedkv.integrations.mlx_lm import (
@@ -37,6 +37,7 @@ from pagedkv.integrations.mlx_lm import (
     PagedStateLayerCache,
     layer_specs,
 )
+from pagedkv.integrations.mlx_lm.parity import model_dtype
 from pagedkv.integrations.mlx_lm.random_models import random_model, word_tokenizer
 from pagedkv.integrations.mlx_lm.sliding_cache import TRIM_MARGIN_TOKENS
 
@@ -44,7 +45,7 @@ BS = 8      # block size: short prompts span several blocks
 WINDOW = 8  # every tiny sliding config's window
 
 
-def uncached(model, prompt, out) -> tuple[list[int], bytes]:
+def uncached(model, prompt, out) -> Steps:
     """What ``run`` must return, from mlx-lm's forward of the whole sequence without a cache:
     the logprobs ``generate_step`` computes from each row that predicted a token of ``out``."""
     seq = list(prompt) + list(out)
@@ -53,7 +54,7 @@ def uncached(model, prompt, out) -> tuple[list[int], bytes]:
     for i in range(len(prompt) - 1, len(seq) - 1):
         row = logits[i:i + 1]
         lps.append(np.array((row - mx.logsumexp(row, keepdims=True)).astype(mx.float32))[0])
-    return list(out), np.stack(lps).tobytes()
+    return Steps(out, np.stack(lps).tobytes(), dtype=model_dtype(model), same_calls=False)
 
 
 def sliding_group(paged):
@@ -400,8 +401,12 @@ with PagedPromptCache(model, block_size=8, cold_dir=cold) as paged:
     # the reference: a request of another tenant, which nothing serves
     other = paged.begin(prompt, cache_salt="reference")
     ref = run(prompt, other.cache if arch.startswith(("gemma", "gpt")) else make_prompt_cache(model))
+from pagedkv.integrations.mlx_lm.parity import compare, model_dtype
+def steps(r):
+    return [t for t, _ in r], b"".join(bytes.fromhex(lp) for _, lp in r)
+same = compare(steps(got), steps(ref), dtype=model_dtype(model), same_calls=False).same
 print(json.dumps({"restored": request.restored_tokens, "hit": request.hit_tokens,
-                  "fresh_hit": other.hit_tokens, "same": got == ref,
+                  "fresh_hit": other.hit_tokens, "same": same,
                   "corruptions": stats["cold_corruptions"]}))
 """
 

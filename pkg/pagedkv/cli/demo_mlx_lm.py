@@ -128,16 +128,29 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
         print(line)
     print()
     sliding = any(g.kind.is_sliding for g in paged.groups)
-    bad = [r.seq_id for r, out in zip(requests, outputs)
-           if not _matches_mlx_lm(model, r.prompt.tolist(), out, r.max_new_tokens, sliding)]
+    parities = [_matches_mlx_lm(model, r.prompt.tolist(), out, r.max_new_tokens, sliding)
+                for r, out in zip(requests, outputs)]
+    bad = [r.seq_id for r, parity in zip(requests, parities) if not parity.same]
     reference = ("mlx-lm's forward without a cache (logprobs) and its RotatingKVCache "
                  "(tokens)" if sliding else "mlx-lm's own caches")
     if bad:
+        why = next(p.why for p in parities if not p.same)
         print(f"parity: MISMATCH in {len(bad)}/{len(requests)} requests "
-              f"({', '.join(map(str, bad[:5]))}): the paged output differs from {reference}")
+              f"({', '.join(map(str, bad[:5]))}): the paged output differs from {reference} "
+              f"({why})")
         return 1
-    print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to "
-          f"{reference}: tokens and logprobs)")
+    if all(p.exact for p in parities):
+        print(f"parity: OK ({len(requests)}/{len(requests)} outputs byte-identical to "
+              f"{reference}: tokens and logprobs)")
+    else:
+        from pagedkv.integrations.mlx_lm.parity import logprob_bound, model_dtype
+
+        worst = max(p.max_abs_diff for p in parities)
+        print(f"parity: OK ({len(requests)}/{len(requests)} outputs match {reference}: same "
+              f"greedy tokens, logprobs within {logprob_bound(model_dtype(model)):g} (largest "
+              f"difference {worst:.3g}); on a GPU backend mlx-lm's own kernels depend on how "
+              "a prompt is split into calls, so bytes differ: docs/integrations/mlx-lm.md, "
+              "'On GPUs')")
     if cold is not None:
         print(f"cold tier: {cold.hits} blocks restored from disk ({cold.bytes_restored:,} "
               f"bytes), {cold.enqueued} blocks persisted ({cold.bytes_written:,} bytes), "
@@ -148,19 +161,29 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _matches_mlx_lm(model, prompt, out, new_tokens: int, sliding: bool) -> bool:
-    """Whether ``out`` (tokens, logprob bytes) is what mlx-lm computes for ``prompt``: its own
-    caches give the same tokens, and the same logprob bytes too unless the model has sliding
-    layers, whose logprobs must be those of the uncached forward of the whole sequence."""
+def _matches_mlx_lm(model, prompt, out, new_tokens: int, sliding: bool):
+    """The parity (:mod:`pagedkv.integrations.mlx_lm.parity`) of ``out`` (tokens, logprob
+    bytes) with what mlx-lm computes for ``prompt``: its own caches over the whole prompt,
+    and, for a model with sliding layers, the uncached forward of the whole sequence for the
+    logprobs (its tokens must be those of mlx-lm's ``RotatingKVCache``)."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
+    from pagedkv.integrations.mlx_lm.parity import Parity, compare, exact_backend, model_dtype
+
+    dtype = model_dtype(model)
     own = _generate(model, prompt, make_prompt_cache(model), new_tokens)
     if not sliding:
-        return own == out
-    tokens, lp_bytes = out
+        return compare(out, own, dtype=dtype, same_calls=False)
+    tokens, _ = out
     logits = model(mx.array(list(prompt) + tokens)[None])[0]
     rows = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
-    uncached = np.array((rows - mx.logsumexp(rows, axis=-1, keepdims=True)).astype(mx.float32))
-    return own[0] == tokens and uncached.tobytes() == lp_bytes
+    lps = np.array((rows - mx.logsumexp(rows, axis=-1, keepdims=True)).astype(mx.float32))
+    parity = compare(out, (tokens, lps.tobytes()), dtype=dtype, same_calls=False)
+    if not parity.same or own[0] == tokens:
+        return parity
+    # RotatingKVCache's tokens differ: allowed only where its own run is a near-tie
+    return compare(out, own, dtype=dtype, same_calls=False) if not exact_backend() else \
+        Parity(False, True, parity.max_abs_diff, parity.steps,
+               f"greedy tokens {tokens} against RotatingKVCache's {own[0]}")
