@@ -23,6 +23,7 @@ full-vocabulary logprobs. Two comparisons occur:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -103,4 +104,5 @@ def model_dtype(model) -> str:
     """The dtype name (``"float32"``, ``"bfloat16"``, ...) of the model's first parameter."""
     from mlx.utils import tree_flatten
 
-    return str(tree_flatten(model.parameters())[0][1].dtype).rsplit(".", 1)[-1]
+    leaves: list[tuple[str, Any]] = list(tree_flatten(model.parameters()))
+    return str(leaves[0][1].dtype).rsplit(".", 1)[-1]
