@@ -104,5 +104,5 @@ def model_dtype(model) -> str:
     """The dtype name (``"float32"``, ``"bfloat16"``, ...) of the model's first parameter."""
     from mlx.utils import tree_flatten
 
-    leaves: list[tuple[str, Any]] = list(tree_flatten(model.parameters()))
+    leaves: Any = tree_flatten(model.parameters())  # a list of (path, array) pairs
     return str(leaves[0][1].dtype).rsplit(".", 1)[-1]
