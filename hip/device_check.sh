@@ -27,6 +27,8 @@
 # wheel in ${ATHERIS_WHL:-.atheris}; the call waits for it at the end ($OUT/fuzz:
 # campaign.json, table.md, the logs and any findings).
 #
+# CPU_BENCH=1 times the CPU weight kernels on two spare cores meanwhile (below).
+#
 # MLX=1 needs the mlx and mlx-cuda-13 wheels in $WORK/mlxsite, or their pieces: the script
 # stashes whatever of .mlx1/ and .mlx2/ the call carried in $MLX_STASH (/root/mlx, kept while
 # the machine stays warm), joins part.aa + part.ab there into the mlx-cuda-13 wheel and
@@ -103,6 +105,19 @@ if [ "${FUZZ:-0}" = 1 ]; then
     tar -C "$WORK/fuzz" -czf "$OUT/fuzz/logs_and_findings.tgz" logs crashes 2>/dev/null
   }
   trap fuzz_finish EXIT
+fi
+
+# CPU_BENCH=1: the CPU weight kernels (issue 18) on two otherwise idle cores of the GPU host
+# (CPU_BENCH_CORES, default the last two), in the background while the other phases run:
+# 1 against 2 threads, then the AVX2 kernels at batch 1-8. $OUT/cpu_threads.log, cpu_avx2.log.
+if [ "${CPU_BENCH:-0}" = 1 ]; then
+  cores=${CPU_BENCH_CORES:-$(( $(nproc) - 2 )),$(( $(nproc) - 1 ))}
+  ( cd asv_bench/benchmarks && export PYTHONPATH=$PKV &&
+    timeout $(( $(left) - 20 )) taskset -c "$cores" python3 cpu_gemv.py --threads-scaling 40 \
+      >"$OUT/cpu_threads.log" 2>&1;
+    timeout $(( $(left) - 15 )) taskset -c "$cores" python3 cpu_gemv.py --isa avx2 --rounds 3 \
+      --only "b1,b2,b4,b8" --json "$OUT/cpu_avx2.json" >"$OUT/cpu_avx2.log" 2>&1 ) &
+  cpu_bench_pid=$!
 fi
 
 stash_mlx() {
@@ -210,5 +225,6 @@ if [ "${SANITIZE:-0}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   phase memcheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool memcheck"
   phase racecheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool racecheck"
 fi
+[ -n "${cpu_bench_pid:-}" ] && { wait "$cpu_bench_pid"; echo "phase cpu-bench: rc $?" | tee -a "$OUT/phases.txt"; }
 echo "device_check: $(( $(date +%s) - T_START )) s of a ${BUDGET_S} s budget"
 cat "$OUT/phases.txt"
