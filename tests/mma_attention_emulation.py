@@ -161,7 +161,7 @@ def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, psca
             sel = live & ok
             p[j, sel] = scores[tok[sel] * gmax + head[sel]]
 
-        def pd_pair(k, dp):
+        def pd_pair(k, dp, p=p):
             bits = np.zeros(LANES, np.uint32)
             for e in range(2):
                 x = (p[2 * k + e] * (f16_value(dp >> (16 * e)) * np.float32(pscale))).astype(
