@@ -219,18 +219,16 @@ PKV_DEV float from_mma_bits(uint32_t h) {
 #define PKV_ATTN_MMA_QK 0
 #endif
 
-template <int KIND, int GMAX>
-PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
-                           float scale, const uint8_t* __restrict__ k_pool,
-                           const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-  const int gid = lane / 4, t = lane % 4;
-  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
-  uint32_t qa[8][4];
+// The A fragments of pass 1: k-step s holds dims 32(s/2) + 8t + 4(s%2) + 0..3 of the
+// group's queries (times scale), rows 0-7 as 16-bit values, rows 8-15 their remainders.
+template <int KIND>
+PKV_DEV void q_fragments(const float* __restrict__ q_group, int group, int head_dim,
+                         float scale, uint32_t (&qa)[8][4]) {
+  const int lane = threadIdx.x % 32, gid = lane / 4, t = lane % 4;
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
-    if (s / 2 < n_loads && gid < group) {
+    if (s / 2 < head_dim / 32 && gid < group) {
       const float* qd = q_group + (int64_t)gid * head_dim + 32 * (s / 2) + 8 * t + 4 * (s % 2);
       uint32_t hi[4], lo[4];
 #pragma unroll
@@ -245,6 +243,17 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
       qa[s][3] = lo[2] | lo[3] << 16;
     }
   }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
+                           float scale, const uint8_t* __restrict__ k_pool,
+                           const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  uint32_t qa[8][4];
+  q_fragments<KIND>(q_group, group, head_dim, scale, qa);
   const int n_groups = (n_tok + 7) / 8;
   auto load = [&](uint4 (&kr)[4], int grp) {
     const int tok = 8 * grp + gid;
@@ -407,25 +416,8 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
-  uint32_t qa[8][4];  // as qk_scores_mma: k-step s holds dims 32(s/2) + 8t + 4(s%2) + 0..3
-#pragma unroll
-  for (int s = 0; s < 8; ++s) {
-    qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
-    if (s / 2 < n_rec && gid < group) {
-      const float* qd = q_group + (int64_t)gid * head_dim + 32 * (s / 2) + 8 * t + 4 * (s % 2);
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = qd[e] * scale;
-        hi[e] = pkv_float_to_half_bits(v);
-        lo[e] = pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi[e]));
-      }
-      qa[s][0] = hi[0] | hi[1] << 16;
-      qa[s][1] = lo[0] | lo[1] << 16;
-      qa[s][2] = hi[2] | hi[3] << 16;
-      qa[s][3] = lo[2] | lo[3] << 16;
-    }
-  }
+  uint32_t qa[8][4];  // as qk_scores_mma: record i is k-steps 2i, 2i + 1
+  q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
   struct Raw {
     uint32_t code[4][2];  // record i: codes 8t .. 8t + 3, 8t + 4 .. 8t + 7
     uint32_t d[4];        // record i's f16 scale bits (0 past the end: the score is 0)
