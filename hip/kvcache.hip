@@ -219,18 +219,16 @@ PKV_DEV float from_mma_bits(uint32_t h) {
 #define PKV_ATTN_MMA_QK 0
 #endif
 
-template <int KIND, int GMAX>
-PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
-                           float scale, const uint8_t* __restrict__ k_pool,
-                           const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-  const int gid = lane / 4, t = lane % 4;
-  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
-  uint32_t qa[8][4];
+// The A fragments of pass 1: k-step s holds dims 32(s/2) + 8t + 4(s%2) + 0..3 of the
+// group's queries (times scale), rows 0-7 as 16-bit values, rows 8-15 their remainders.
+template <int KIND>
+PKV_DEV void q_fragments(const float* __restrict__ q_group, int group, int head_dim,
+                         float scale, uint32_t (&qa)[8][4]) {
+  const int lane = threadIdx.x % 32, gid = lane / 4, t = lane % 4;
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     qa[s][0] = qa[s][1] = qa[s][2] = qa[s][3] = 0u;
-    if (s / 2 < n_loads && gid < group) {
+    if (s / 2 < head_dim / 32 && gid < group) {
       const float* qd = q_group + (int64_t)gid * head_dim + 32 * (s / 2) + 8 * t + 4 * (s % 2);
       uint32_t hi[4], lo[4];
 #pragma unroll
@@ -245,6 +243,17 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
       qa[s][3] = lo[2] | lo[3] << 16;
     }
   }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
+                           float scale, const uint8_t* __restrict__ k_pool,
+                           const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  uint32_t qa[8][4];
+  q_fragments<KIND>(q_group, group, head_dim, scale, qa);
   const int n_groups = (n_tok + 7) / 8;
   auto load = [&](uint4 (&kr)[4], int grp) {
     const int tok = 8 * grp + gid;
@@ -351,6 +360,202 @@ PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
     for (int r = 0; r < 4; ++r) o[mt][r] += pkv_shfl_xor(o[mt][r], 2);
 }
 
+// q8 KV on the same tensor-core passes (sm_80+, head_dim 64 or 128, GMAX <= 4): the int8
+// codes become f16 fragments exactly (1024 + 128 + c is an f16 with mantissa c + 128;
+// subtracting 1152 leaves c), and the record's f16 scale d stays out of the f16 rounding.
+// Pass 1 (qk_scores_mma_q8): k-steps 2i and 2i + 1 cover record i only (lane t holds its
+// bytes 8t .. 8t + 7, the f16 pass's chunk i), so the two mmas of record i go to a zeroed
+// accumulator that is scaled by each token's d_i in f32 and added. Pass 2 (pv_mma_q8):
+// m-tiles 2l, 2l + 1 cover record l only (lane gid holds its bytes 4 gid .. 4 gid + 3; row
+// gid of m-tile 2l + j is dim 32l + 4gid + 2j, row gid + 8 the next dim), so d_l(token)
+// folds into B: P^T's column holds p_t * d_l(t) * pscale as f16 + f16 remainder (22 bits).
+// pscale, a power of two, lifts the partition's largest V scale into [2^14, 2^15): the
+// remainders stay f16 normals (p * d alone, with d ~ 1e-3, would leave them subnormal, a
+// 2^-25 absolute floor that is 1e-5 of a term), and the output is scaled back exactly.
+PKV_DEV uint32_t f16x2_sub(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
+  return a ^ b;
+#endif
+}
+
+// Two signed codes as f16x2, exactly: bytes SEL & 0xF (low half) and (SEL >> 8) & 0xF (high
+// half) of the 8 bytes {lo, hi} (__byte_perm's numbering).
+template <uint32_t SEL>
+PKV_DEV uint32_t q8_codes_f16x2(uint32_t lo, uint32_t hi) {
+  const uint32_t p = __byte_perm(lo, hi, SEL);
+  return f16x2_sub(((p ^ 0x00800080u) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
+}
+
+// 4 bytes as one little-endian word; ALIGNED4: the address is 4-byte aligned (else 2).
+template <bool ALIGNED4>
+PKV_DEV uint32_t load_word_a2(const uint8_t* p) {
+  if (ALIGNED4) return *(const uint32_t*)p;
+  const uint16_t* h = (const uint16_t*)p;
+  return (uint32_t)h[0] | (uint32_t)h[1] << 16;
+}
+
+PKV_DEV uint32_t shfl_word(uint32_t v, int src_lane) {
+#if defined(__HIPCC__)
+  return __shfl(v, src_lane, PKV_WARP_SIZE);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane, PKV_WARP_SIZE);
+#endif
+}
+
+// A q8 row is head_dim / 32 records of 34 bytes (a multiple of 4 bytes per row, so a row
+// starts 4-byte aligned): record r's codes start at 34r + 2, 4-byte aligned for odd r.
+template <int GMAX>
+PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int head_dim,
+                              float scale, const uint8_t* __restrict__ k_pool,
+                              const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  uint32_t qa[8][4];  // as qk_scores_mma: record i is k-steps 2i, 2i + 1
+  q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
+  struct Raw {
+    uint32_t code[4][2];  // record i: codes 8t .. 8t + 3, 8t + 4 .. 8t + 7
+    uint32_t d[4];        // record i's f16 scale bits (0 past the end: the score is 0)
+  };
+  const int n_groups = (n_tok + 7) / 8;
+  auto load = [&](Raw& kr, int grp) {
+    const int tok = 8 * grp + gid;
+    const uint8_t* row = k_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      kr.code[i][0] = kr.code[i][1] = kr.d[i] = 0u;
+      if (i < n_rec && tok < n_tok) {
+        const uint8_t* rec = row + i * PKV_KVQ8_RECORD_BYTES;
+        kr.d[i] = *(const uint16_t*)rec;
+        kr.code[i][0] = i % 2 ? load_word_a2<true>(rec + 2 + 8 * t) : load_word_a2<false>(rec + 2 + 8 * t);
+        kr.code[i][1] = i % 2 ? load_word_a2<true>(rec + 6 + 8 * t) : load_word_a2<false>(rec + 6 + 8 * t);
+      }
+    }
+  };
+  Raw cur, nxt;
+  int grp = warp;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < n_rec) {
+        float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t w = cur.code[i][h];
+          mma_f16_16x8x16(r, qa[2 * i + h], q8_codes_f16x2<0x4140>(w, 0u),
+                          q8_codes_f16x2<0x4342>(w, 0u));
+        }
+        // Column 2t / 2t + 1 is token 8 grp + 2t / + 1: its scale is on lane 8t / 8t + 4.
+        const float d0 = pkv_half_bits_to_float((uint16_t)shfl_word(cur.d[i], 8 * t));
+        const float d1 = pkv_half_bits_to_float((uint16_t)shfl_word(cur.d[i], 8 * t + 4));
+        c[0] += d0 * r[0];
+        c[1] += d1 * r[1];
+        c[2] += d0 * r[2];
+        c[3] += d1 * r[3];
+      }
+    }
+    const int tok = 8 * grp + 2 * t;
+    if (gid < GMAX) {
+      if (tok < n_tok) scores[tok * GMAX + gid] = c[0] + c[2];
+      if (tok + 1 < n_tok) scores[(tok + 1) * GMAX + gid] = c[1] + c[3];
+    }
+    cur = nxt;
+  }
+}
+
+template <int GMAX>
+PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
+                       const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                       float pscale, float (&o)[8][4]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  struct Raw {
+    uint32_t code[4][4];  // [token 4t + j][record l]: codes 4 gid .. 4 gid + 3
+    uint32_t d[2][4];     // [token pair][record l]: f16 scales of tokens 4t + 2k, + 1
+  };
+  const int n_steps = (n_tok + 15) / 16;
+  auto load = [&](Raw& vr, int st) {
+#pragma unroll
+    for (int l = 0; l < 4; ++l) vr.d[0][l] = vr.d[1][l] = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = 16 * st + 4 * t + j;
+      const uint8_t* row = v_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {
+        vr.code[j][l] = 0u;
+        if (l < n_rec && tok < n_tok) {
+          const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
+          vr.d[j / 2][l] |= (uint32_t)*(const uint16_t*)rec << (16 * (j % 2));
+          vr.code[j][l] = l % 2 ? load_word_a2<true>(rec + 2 + 4 * gid)
+                                : load_word_a2<false>(rec + 2 + 4 * gid);
+        }
+      }
+    }
+  };
+  const int head = gid % 4;
+  const bool rest = gid >= 4, live = head < GMAX;
+  // B of record l: p_t * d_l(t) of tokens tok, tok + 1 (f16, or its remainder on gid >= 4).
+  auto pd_pair = [&](const float (&p)[4], int k, uint32_t dpair) {
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x =
+          p[2 * k + e] * (pkv_half_bits_to_float((uint16_t)(dpair >> (16 * e))) * pscale);
+      const uint32_t hi = pkv_float_to_half_bits(x);
+      const uint32_t h =
+          rest ? pkv_float_to_half_bits(x - pkv_half_bits_to_float((uint16_t)hi)) : hi;
+      bits |= h << (16 * e);
+    }
+    return bits;
+  };
+  Raw cur, nxt;
+  int st = warp;
+  if (st < n_steps) load(cur, st);
+  for (; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (st + n_warps < n_steps) load(nxt, st + n_warps);
+    float p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = 16 * st + 4 * t + j;
+      p[j] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+    }
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        const uint32_t b0 = pd_pair(p, 0, cur.d[0][l]), b1 = pd_pair(p, 1, cur.d[1][l]);
+        const uint32_t c0 = cur.code[0][l], c1 = cur.code[1][l];
+        const uint32_t c2 = cur.code[2][l], c3 = cur.code[3][l];
+        // m-tile 2l + j: row gid = byte 2j of the lane's word, row gid + 8 = byte 2j + 1;
+        // k columns 2t, 2t + 1 = tokens 4t, 4t + 1 (a0, a1), 2t + 8, 2t + 9 = 4t + 2, + 3.
+        const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
+                                q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
+        const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
+                                q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
+        mma_f16_16x8x16(o[2 * l], a0, b0, b1);
+        mma_f16_16x8x16(o[2 * l + 1], a1, b0, b1);
+      }
+    }
+    cur = nxt;
+  }
+  // Columns 4-7 (remainders) live on lanes t + 2: add them to columns 0-3.
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[mt][r] += pkv_shfl_xor(o[mt][r], 2);
+}
+
 template <int KIND, int GMAX, bool MMA>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
@@ -362,6 +567,8 @@ PKV_DEV void paged_attention_partition(
   constexpr int PARTITION = PKV_ATTN_OF_KIND(PKV_ATTN_PARTITION, KIND);
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
+  constexpr bool Q8_MMA = MMA && KIND == KV_Q8;
+  __shared__ float vscale_max[Q8_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
@@ -379,11 +586,24 @@ PKV_DEV void paged_attention_partition(
   const int stride = n_warps * tokens_per_warp;
   const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
 
-  // Token -> row once per partition, so the two passes do no division per token.
+  // Token -> row once per partition, so the two passes do no division per token. q8 on
+  // tensor cores: also the largest V record scale (pv_mma_q8's pscale; the 2-byte reads
+  // bring in sectors that pass 2 reads again from L2).
+  float vmax = 0.0f;
   for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
     const int pos = start + t;
     const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
     rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
+    if constexpr (Q8_MMA) {
+      const uint8_t* rec = v_pool + rows[t] * row_bytes;
+      for (int i = 0; i < head_dim / PKV_KVQ8_BLOCK; ++i)
+        vmax = fmaxf(vmax, fabsf(pkv_half_bits_to_float(
+                               *(const uint16_t*)(rec + i * PKV_KVQ8_RECORD_BYTES))));
+    }
+  }
+  if constexpr (Q8_MMA) {
+    for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) vmax = fmaxf(vmax, pkv_shfl_xor(vmax, o));
+    if (lane == 0) vscale_max[warp] = vmax;
   }
 
   float qv[GMAX][8];  // the CUDA-core pass's queries (the mma pass builds fragments)
@@ -418,7 +638,10 @@ PKV_DEV void paged_attention_partition(
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
-  if constexpr (MMA) {
+  if constexpr (MMA && KIND == KV_Q8) {
+    qk_scores_mma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                           head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+  } else if constexpr (MMA) {
     qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
   } else {
@@ -509,13 +732,30 @@ PKV_DEV void paged_attention_partition(
   if constexpr (MMA) {
     {
       float o[8][4];
-      pv_mma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+      if constexpr (KIND == KV_Q8) {
+        float vm = vscale_max[0];
+        for (int w = 1; w < n_warps; ++w) vm = fmaxf(vm, vscale_max[w]);
+        // vm < 2^(e - 126): pscale = 2^(141 - e) puts vm * pscale in [2^14, 2^15); e >= 103
+        // (the smallest f16 subnormal) keeps both powers finite for an all-zero V.
+        const int e = max((int)((__float_as_uint(vm) >> 23) & 0xFF), 103);
+        pv_mma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
+                        __uint_as_float((uint32_t)(268 - e) << 23), o);
+        const float unscale = __uint_as_float((uint32_t)(e - 14) << 23);
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[mt][r] *= unscale;
+      } else {
+        pv_mma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+      }
       __syncthreads();  // every warp has read the scores
       const int gid = lane / 4, t = lane % 4;
       if (t < 2) {  // lane t holds heads 2t, 2t + 1; o[mt][0..1] even dim, [2..3] odd
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt) {
-          const int d = 64 * (mt / 4) + 8 * gid + 2 * (mt % 4);
+          // m-tile -> dim of row gid: pv_mma_q8's record-pure tiles, pv_mma's 16-byte chunks.
+          const int d = KIND == KV_Q8 ? 32 * (mt / 2) + 4 * gid + 2 * (mt % 2)
+                                      : 64 * (mt / 4) + 8 * gid + 2 * (mt % 4);
           if (d < head_dim) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -594,14 +834,15 @@ PKV_DEV void paged_attention_partition(
 
 // f16 and bf16 KV with up to 4 query heads per KV head and head_dim 64 or 128 run both
 // passes on tensor cores where there are some (sm_80+); everything else on CUDA cores.
-template <int KIND, int GMAX>
+// q8 KV the same (pv_mma_q8, qk_scores_mma_q8) unless CUDA_CORES: the _cc kernels keep the
+// CUDA-core q8 passes selectable (PAGEDKV_ATTN_Q8_MMA=0, pagedkv.kernels.kvcache).
+template <int KIND, int GMAX, bool CUDA_CORES = false>
 PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
     int max_partitions) {
-  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && (KIND == KV_F16 || KIND == KV_BF16) && GMAX <= 4 &&
-                          PKV_WARP_SIZE == 32;
+  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
   if (MMA_OK && (head_dim == 64 || head_dim == 128))
     paged_attention_partition<KIND, GMAX, MMA_OK>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
@@ -612,7 +853,7 @@ PKV_DEV void paged_attention_dispatch(
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
 }
 
-#define PKV_ATTN_KERNEL(NAME, KIND, GMAX)                                                     \
+#define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES)                                 \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
                                     PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
       NAME(                                                                                  \
@@ -620,10 +861,12 @@ PKV_DEV void paged_attention_dispatch(
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
       int head_dim, int block_size, int table_width, int max_partitions) {                   \
-    paged_attention_dispatch<KIND, GMAX>(q, k_pool, v_pool, block_tables, seq_lens, part_out, \
-                                         part_max, part_sum, scale, num_heads, kv_heads,      \
-                                         head_dim, block_size, table_width, max_partitions);  \
+    paged_attention_dispatch<KIND, GMAX, CUDA_CORES>(                                        \
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,      \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);             \
   }
+
+#define PKV_ATTN_KERNEL(NAME, KIND, GMAX) PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false)
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g2, KV_F16, 2)
@@ -637,6 +880,10 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g1, KV_Q8, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g2, KV_Q8, 2)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true)
 
 // ---------------------------------------------------------------------------
 // Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed

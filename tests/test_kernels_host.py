@@ -453,6 +453,54 @@ def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
     assert not [c for c in dev.calls if c[0] == "launch"]
 
 
+@pytest.mark.parametrize("q8_mma,env,kernel", [
+    (None, None, "pkv_paged_attention_q8_g4"),       # default: the tensor-core q8 kernel
+    (None, "0", "pkv_paged_attention_q8cc_g4"),      # PAGEDKV_ATTN_Q8_MMA=0: CUDA cores
+    (None, "off", "pkv_paged_attention_q8cc_g4"),
+    (None, "1", "pkv_paged_attention_q8_g4"),
+    (None, "maybe", "pkv_paged_attention_q8_g4"),    # unparseable: ignored (a warning)
+    (False, "1", "pkv_paged_attention_q8cc_g4"),     # the argument wins over the env
+    (True, "0", "pkv_paged_attention_q8_g4"),
+])
+def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
+    from pagedkv.kernels import kvcache
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_Q8_MMA", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=2, num_heads=8, kv_heads=2, head_dim=128,
+                                  block_size=16, max_seq_len=1100, kv_dtype="q8",
+                                  q8_mma=q8_mma)
+    mma = kernel.endswith("q8_g4")
+    assert repr(attn).endswith(f"kv_dtype='q8', partitions=3, q8_mma={mma})")
+    q = dev.empty((2, 8, 128), np.float32)
+    pool = dev.empty((10, 16, 2, 136), np.uint8)
+    dev.calls.clear()
+    attn.run(q, pool, pool, dev.array(np.zeros((2, 69), np.int32)),
+             dev.array(np.zeros(2, np.int32)), dev.empty((2, 8, 128), np.float32))
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    # both q8 kernels share the partition (512 tokens), grid, threads and shared memory
+    assert launches == [("launch", kernel, (3, 2, 2), (128,)),
+                        ("launch", "pkv_paged_attention_reduce", (8, 2), (128,))]
+    assert dev.shared_bytes[-2] == 4 * max(512 * 4, 4 * 4 * 128)
+
+
+def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():
+    from pagedkv.errors import InvalidArgumentType
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    with pytest.raises(InvalidArgumentType, match=r"q8_mma=1: expected True, False or None"):
+        kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=64,
+                               block_size=16, max_seq_len=16, kv_dtype="q8", q8_mma=1)
+    assert not dev.calls  # nothing allocated before the refusal
+    f16 = kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=64,
+                                 block_size=16, max_seq_len=16, kv_dtype="float16",
+                                 q8_mma=False)
+    assert f16.q8_mma is None and "q8_mma" not in repr(f16)
+    assert f16._partition.name == "pkv_paged_attention_f16_g2"
+
+
 def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     # Names are built by the launcher from kv_dtype; the .hip file defines them through
     # macros. Compare with the symbols of the objects this build produced (skip without).
@@ -462,6 +510,8 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         pytest.skip("built without a GPU compiler: no kernel objects")
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/', '_')}_g{g}"
              for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
+    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc")
+              for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256"}
     for obj in objects:
         backend, arch = ("cuda", "") if obj.endswith(".fatbin") else ("hip", obj.split(".")[1])

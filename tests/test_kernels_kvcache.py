@@ -232,6 +232,12 @@ ATTN_CASES = [
     ("bfloat16", 16, 2, 256, 32, [40, 700]),
     ("q8", 8, 1, 128, 16, [33, 1500, 2]),
     ("q8", 4, 2, 32, 8, [513, 12]),
+    # q8 on the f16 tensor-core passes (sm_80+: head_dim 64/128, 1-4 heads per KV head),
+    # ragged across 512-token partitions; the paths agree in test_gpu_q8_attention_paths
+    ("q8", 8, 2, 128, 16, [1, 17, 600, 1100, 0, 513]),
+    ("q8", 6, 2, 64, 5, [7, 1030, 31]),
+    ("q8", 2, 2, 128, 8, [700, 3]),
+    ("q8", 4, 2, 64, 16, [2049, 16]),
     # compressed KV read as stored (docs/kv-quant.md): every K width, q8 and lloyd V, all
     # group sizes (1, 2, 4, 8 heads per KV head), ragged lengths across 512-token partitions
     ("fwht4/q8", 8, 2, 128, 16, [1, 17, 600, 1100, 0]),
@@ -277,6 +283,37 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
     # float64 reference; f16 scores come from tensor cores on sm_80+ (q as f16 + f16 rest);
     # compressed K: q rotated in float32 on the device, in float64 by the reference.
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (3, 1, 64), (2, 2, 128)])
+def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
+    # The tensor-core q8 kernel (default) and the CUDA-core one (q8_mma=False, the
+    # PAGEDKV_ATTN_Q8_MMA=0 fallback) on the same pool: each within the attention tolerance
+    # of the float64 reference, and of each other. Large-magnitude V (scales near 1) and
+    # small (near 1e-3) in one pool: the tensor-core pass folds the scale into P.
+    lens = [1, 511, 1300]
+    k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=head_dim,
+                                               block_size=16, kv_dtype="q8")
+    vals = RNG.standard_normal((v_pool.shape[0], 16, kv_heads, head_dim)).astype(np.float32)
+    vals *= np.where(RNG.random((v_pool.shape[0], 1, 1, 1)) < 0.5, 100.0, 0.1)
+    v_pool = reference.kv_q8_quantize(vals)
+    q = RNG.standard_normal((3, heads, head_dim)).astype(np.float32) * 2
+    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                            scale=head_dim ** -0.5)
+    outs = []
+    for q8_mma in (True, False):
+        attn = kvcache.PagedAttention(device, num_seqs=3, num_heads=heads, kv_heads=kv_heads,
+                                      head_dim=head_dim, block_size=16, max_seq_len=1300,
+                                      kv_dtype="q8", q8_mma=q8_mma)
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(device.array(q), device.array(k_pool), device.array(v_pool),
+                 device.array(tables), device.array(lens), out)
+        outs.append(out.to_numpy())
+        assert np.isfinite(outs[-1]).all()
+        scale = np.abs(want).max(axis=-1, keepdims=True)  # per-head output magnitude
+        np.testing.assert_allclose(outs[-1], want, rtol=1e-4, atol=2e-5 * scale)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-4, atol=4e-5 * scale)
 
 
 @pytest.mark.gpu
@@ -331,3 +368,41 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
                         device.array(dst_ids), dst)
     want = reference.copy_blocks(src_host, src_ids, dst_ids, dst_host)
     np.testing.assert_array_equal(dst.to_numpy().view(np.uint8), want.view(np.uint8))
+
+
+# --- the q8 tensor-core passes, emulated lane by lane on the CPU (tests/mma_attention_emulation.py)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
+    (3, 1, 64, 5, [40, 1], 1.0),           # group 3 in a g4 kernel, a one-token sequence
+    (4, 1, 128, 16, [530, 7], 1e-3),       # two 512-token partitions; V scales ~1e-5
+    (2, 2, 64, 8, [70, 0], 300.0),         # g1, large V (scales ~7), an empty sequence
+    (4, 2, 128, 16, [33], 1.0),            # g2
+])
+def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block_size,
+                                                seq_lens, v_scale):
+    import mma_attention_emulation as emu
+    k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
+                                          block_size=block_size, kv_dtype="q8")
+    vals = RNG.standard_normal((k_pool.shape[0], block_size, kv_heads, head_dim)) * v_scale
+    v_pool = reference.kv_q8_quantize(vals.astype(np.float32))
+    q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
+    got = emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=head_dim ** -0.5,
+                                     partition=kvcache.ATTN_PARTITION_TOKENS["q8"])
+    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                            scale=head_dim ** -0.5)
+    # the documented attention tolerance, atol in units of the V magnitude
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
+
+
+def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
+    # The emulator and hip/kvcache.hip build the same fragments: the same __byte_perm
+    # selectors in the same order (pass 1's two, then pass 2's eight).
+    import re
+    from pathlib import Path
+
+    import mma_attention_emulation as emu
+    root = Path(__file__).resolve().parents[1]
+    hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
+    py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
+    assert hip == py and len(hip) == 10

@@ -19,9 +19,10 @@
 
 /* --- paged-attention decode (hip/kvcache.hip) ---------------------------------------
  * Tokens per partition (one CTA per partition, kv head and sequence; the scores of a
- * partition live in shared memory) and minimum CTAs per SM, per KV dtype: f16 and bf16
- * run the tensor-core passes on sm_80+, q8 the CUDA-core ones. A launcher sizes the
- * partition count, the reduce and the dynamic shared memory from these. */
+ * partition live in shared memory) and minimum CTAs per SM, per KV dtype: f16, bf16 and
+ * q8 run the tensor-core passes on sm_80+ (q8's codes become f16 fragments in registers;
+ * 4 CTAs/SM leave it 128 registers, 6 spilled), q8's _cc kernels the CUDA-core ones. A
+ * launcher sizes the partition count, the reduce and the dynamic shared memory from these. */
 #ifndef PKV_ATTN_PARTITION_F16
 #define PKV_ATTN_PARTITION_F16 1024
 #endif
@@ -38,7 +39,7 @@
 #define PKV_ATTN_MIN_BLOCKS_BF16 4
 #endif
 #ifndef PKV_ATTN_MIN_BLOCKS_Q8
-#define PKV_ATTN_MIN_BLOCKS_Q8 6
+#define PKV_ATTN_MIN_BLOCKS_Q8 4
 #endif
 /* Compressed K/V pairs (fwhtN or lloydN K with a q8 or lloydN V, docs/kv-quant.md): CUDA
  * cores, q8's settings. */

@@ -349,6 +349,10 @@ ATTENTION_CASE = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "heads": 32, "head_
 #: head_dim 256 (what lloyd V needs): compressed KV against f16 on the same context.
 ATTENTION_CASE_256 = {"seqs": 32, "tokens": 4096, "kv_heads": 4, "heads": 16, "head_dim": 256,
                       "block_size": 16}
+#: One long sequence (batch 1 x 32k tokens): 8 KV heads x 32 f16 / 64 q8 partitions to
+#: spread over the SMs.
+ATTENTION_CASE_LONG = {"seqs": 1, "tokens": 32768, "kv_heads": 8, "heads": 32, "head_dim": 128,
+                       "block_size": 16}
 #: KV dtypes timed per case: the unquantized and q8 baselines, then compressed pairs.
 ATTENTION_DTYPES = {128: ("float16", "bfloat16", "q8", "fwht4/q8", "fwht2/q8"),
                     256: ("float16", "q8", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4",
@@ -433,6 +437,12 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             base["vs_float16"] = t_f16 / t  # > 1: faster than f16 on the same context
         _row(rows, f"paged_attention {kv_dtype}",
              f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
+        if kv_dtype == "q8" and head_dim in (64, 128):  # the CUDA-core q8 kernel (PAGEDKV_ATTN_Q8_MMA=0) on the same pool
+            attn_cc = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=False)
+            t_cc = time_attention(device, stream, attn_cc, args)
+            _row(rows, "paged_attention q8 cuda-cores",
+                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cc, nbytes, copy_bw,
+                 {"mma_speedup": t_cc / t} | ({"vs_float16": t_f16 / t_cc} if t_f16 else {}))
         for a in args:
             a.free()
 
@@ -527,6 +537,8 @@ def main(argv=None) -> int:
     bench_fwht(device, stream, rows, copy_bw, 64 << 20)
     bench_attention(device, stream, rows, copy_bw, torch)
     bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_256)
+    bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_LONG,
+                    ("float16", "q8"))
     bench_kv_write(device, stream, rows, copy_bw)
     bench_copy_blocks(device, stream, rows, copy_bw)
     if args.json:

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
@@ -197,11 +198,18 @@ class PagedAttention:
     ``"fwht4/lloyd4"``, ...: :data:`QUANT_KV_DTYPES`) uint8 records of each side's mode, read
     as stored (no decompressed copy); ``block_tables`` ``int32[seqs, width]``; ``seq_lens``
     ``int32[seqs]``, each at most ``max_seq_len``; ``out`` ``float32[seqs, heads, head_dim]``.
+
+    ``q8_mma``: q8 KV on the f16 tensor-core passes (NVIDIA sm_80+, head_dim 64/128, at most 4
+    query heads per KV head; elsewhere the same kernel runs its CUDA-core passes) or, when
+    False, the CUDA-core ``_cc`` kernels everywhere; ``None`` reads ``PAGEDKV_ATTN_Q8_MMA``
+    (default on), the switch that turns the tensor-core q8 path off without a code change.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, q8_mma: bool | None = None) -> None:
+        if q8_mma is not None and not isinstance(q8_mma, bool):
+            raise InvalidArgumentType(f"q8_mma={q8_mma!r}: expected True, False or None")
         if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
             raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)} or "
                                   f"a compressed pair {list(QUANT_KV_DTYPES)}")
@@ -241,8 +249,11 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
+        if q8_mma is None:
+            q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
+        self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
         if kv_dtype in KV_DTYPES:
-            kind = KV_DTYPES[kv_dtype]
+            kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else "")
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{v_side}"
@@ -257,7 +268,8 @@ class PagedAttention:
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
-                f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions})")
+                f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
+                + ("" if self.q8_mma is None else f", q8_mma={self.q8_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
         s, h, d = self.num_seqs, self.num_heads, self.head_dim

@@ -1,0 +1,248 @@
+"""NumPy emulation of hip/kvcache.hip's q8 tensor-core attention passes, lane by lane.
+
+Each function mirrors one device function (``qk_scores_mma_q8``, ``pv_mma_q8`` and the
+partition kernel around them): the same loads at the same byte offsets (with the kernel's
+alignment claims asserted), the same ``__byte_perm`` selectors, the same f16 conversions
+and the m16n8k16 fragment layouts of the PTX ISA ("Matrix Fragments for mma.m16n8k16
+with floating point type"): a fragment mistake here is a test failure on this machine
+rather than a wrong answer on the GPU. Registers are ``uint32[32]`` arrays (one entry per
+lane); the 4 warps of a CTA run one after the other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LANES = 32
+LANE = np.arange(LANES)
+GID, TID = LANE // 4, LANE % 4
+Q8_RECORD_BYTES, Q8_BLOCK = 34, 32
+
+
+def f16_bits(x) -> np.ndarray:
+    """pkv_float_to_half_bits: f32 -> f16 bits, round to nearest even."""
+    return np.asarray(x, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def f16_value(bits) -> np.ndarray:
+    return (np.asarray(bits, np.uint32) & 0xFFFF).astype(np.uint16).view(np.float16).astype(
+        np.float32)
+
+
+def byte_perm(x, y, sel: int) -> np.ndarray:
+    """__byte_perm(x, y, sel): result byte k = byte (sel >> 4k) & 7 of the 8 bytes {x, y}."""
+    both = (np.asarray(y, np.uint64) << np.uint64(32)) | np.asarray(x, np.uint64)
+    out = np.zeros(np.shape(x), np.uint64)
+    for k in range(4):
+        src = (sel >> (4 * k)) & 7
+        out |= ((both >> np.uint64(8 * src)) & np.uint64(0xFF)) << np.uint64(8 * k)
+    return out.astype(np.uint32)
+
+
+def f16x2_sub(a, b) -> np.ndarray:
+    """sub.rn.f16x2 on packed halves."""
+    lo = (f16_value(a) - f16_value(b)).astype(np.float16).view(np.uint16).astype(np.uint32)
+    hi = (f16_value(np.asarray(a, np.uint32) >> 16) - f16_value(np.asarray(b, np.uint32) >> 16)
+          ).astype(np.float16).view(np.uint16).astype(np.uint32)
+    return lo | hi << 16
+
+
+def q8_codes_f16x2(sel: int, lo, hi) -> np.ndarray:
+    p = byte_perm(lo, hi, sel)
+    return f16x2_sub(((p ^ 0x00800080) & 0x00FF00FF) | 0x64006400, np.uint32(0x64806480))
+
+
+def load_word_a2(pool_bytes: np.ndarray, addr: np.ndarray, aligned4: bool) -> np.ndarray:
+    """4 little-endian bytes at byte offsets ``addr`` of the flat pool; asserts the
+    alignment the kernel's load instruction needs."""
+    addr = np.asarray(addr, np.int64)
+    assert (addr % (4 if aligned4 else 2) == 0).all(), "misaligned load"
+    b = pool_bytes[addr[..., None] + np.arange(4)].astype(np.uint32)
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+
+def load_u16(pool_bytes: np.ndarray, addr) -> np.ndarray:
+    addr = np.asarray(addr, np.int64)
+    assert (addr % 2 == 0).all(), "misaligned load"
+    return pool_bytes[addr].astype(np.uint32) | pool_bytes[addr + 1].astype(np.uint32) << 8
+
+
+def mma_16x8x16(c: np.ndarray, a: list, b0, b1) -> np.ndarray:
+    """mma.sync.m16n8k16.row.col.f32.f16.f16.f32: c ``float32[32, 4]`` += A . B, with A, B
+    assembled from the lanes' registers in the ISA's fragment layout."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for reg, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+        A[GID + row_off, 2 * TID + col_off] = f16_value(a[reg])
+        A[GID + row_off, 2 * TID + col_off + 1] = f16_value(np.asarray(a[reg]) >> 16)
+    for reg, k_off in ((b0, 0), (b1, 8)):
+        B[2 * TID + k_off, GID] = f16_value(reg)
+        B[2 * TID + k_off + 1, GID] = f16_value(np.asarray(reg) >> 16)
+    C = A @ B  # products of f16 values are exact in float64; sums in f32 or better
+    d = c.astype(np.float64)
+    d[:, 0] += C[GID, 2 * TID]
+    d[:, 1] += C[GID, 2 * TID + 1]
+    d[:, 2] += C[GID + 8, 2 * TID]
+    d[:, 3] += C[GID + 8, 2 * TID + 1]
+    return d.astype(np.float32)
+
+
+def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok, gmax,
+                 scores, n_warps=4):
+    """qk_scores_mma_q8: fills ``scores[t * gmax + g]`` (float32) for the partition."""
+    n_rec = head_dim // Q8_BLOCK
+    qa = [[np.zeros(LANES, np.uint32) for _ in range(4)] for _ in range(8)]
+    for s in range(8):
+        if s // 2 < n_rec:
+            live = GID < group
+            dims = 32 * (s // 2) + 8 * TID + 4 * (s % 2)
+            v = np.zeros((LANES, 4), np.float32)
+            for e in range(4):
+                v[live, e] = q_group[GID[live], dims[live] + e] * np.float32(scale)
+            hi = f16_bits(v)
+            lo = f16_bits(v - f16_value(hi))
+            hi[~live] = 0
+            lo[~live] = 0
+            qa[s] = [hi[:, 0] | hi[:, 1] << 16, lo[:, 0] | lo[:, 1] << 16,
+                     hi[:, 2] | hi[:, 3] << 16, lo[:, 2] | lo[:, 3] << 16]
+    for warp in range(n_warps):
+        for grp in range(warp, (n_tok + 7) // 8, n_warps):
+            tok = 8 * grp + GID
+            ok = tok < n_tok
+            row = rows[np.minimum(tok, n_tok - 1)] * row_bytes
+            c = np.zeros((LANES, 4), np.float32)
+            for i in range(n_rec):
+                rec = row + i * Q8_RECORD_BYTES
+                d = np.where(ok, load_u16(pool_bytes, rec), 0)
+                words = [np.where(ok, load_word_a2(pool_bytes, rec + 2 + 8 * TID + 4 * h,
+                                                   i % 2 == 1), 0) for h in range(2)]
+                r = np.zeros((LANES, 4), np.float32)
+                for h in range(2):
+                    w = words[h]
+                    r = mma_16x8x16(r, qa[2 * i + h], q8_codes_f16x2(0x4140, w, 0),
+                                    q8_codes_f16x2(0x4342, w, 0))
+                d0 = f16_value(d[8 * TID])
+                d1 = f16_value(d[8 * TID + 4])
+                c[:, 0] += d0 * r[:, 0]
+                c[:, 1] += d1 * r[:, 1]
+                c[:, 2] += d0 * r[:, 2]
+                c[:, 3] += d1 * r[:, 3]
+            t0 = 8 * grp + 2 * TID
+            for lane in range(LANES):
+                if GID[lane] < gmax:
+                    if t0[lane] < n_tok:
+                        scores[t0[lane] * gmax + GID[lane]] = c[lane, 0] + c[lane, 2]
+                    if t0[lane] + 1 < n_tok:
+                        scores[(t0[lane] + 1) * gmax + GID[lane]] = c[lane, 1] + c[lane, 3]
+
+
+def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, pscale,
+          n_warps=4):
+    """pv_mma_q8 for one warp: its ``o[8][4]`` per lane (``float32[32, 8, 4]``), after the
+    remainder columns are folded in."""
+    n_rec = head_dim // Q8_BLOCK
+    o = np.zeros((LANES, 8, 4), np.float32)
+    head = GID % 4
+    rest, live = GID >= 4, head < gmax
+    for st in range(warp, (n_tok + 15) // 16, n_warps):
+        code = np.zeros((4, 4, LANES), np.uint32)
+        dpair = np.zeros((2, 4, LANES), np.uint32)
+        p = np.zeros((4, LANES), np.float32)
+        for j in range(4):
+            tok = 16 * st + 4 * TID + j
+            ok = tok < n_tok
+            row = rows[np.minimum(tok, n_tok - 1)] * row_bytes
+            for lr in range(n_rec):
+                rec = row + lr * Q8_RECORD_BYTES
+                dpair[j // 2, lr] |= np.where(ok, load_u16(pool_bytes, rec), 0).astype(
+                    np.uint32) << (16 * (j % 2))
+                code[j, lr] = np.where(ok, load_word_a2(pool_bytes, rec + 2 + 4 * GID,
+                                                        lr % 2 == 1), 0)
+            sel = live & ok
+            p[j, sel] = scores[tok[sel] * gmax + head[sel]]
+
+        def pd_pair(k, dp, p=p):
+            bits = np.zeros(LANES, np.uint32)
+            for e in range(2):
+                x = (p[2 * k + e] * (f16_value(dp >> (16 * e)) * np.float32(pscale))).astype(
+                    np.float32)
+                hi = f16_bits(x)
+                h = np.where(rest, f16_bits(x - f16_value(hi)), hi)
+                bits |= h << (16 * e)
+            return bits
+
+        for lr in range(n_rec):
+            b0, b1 = pd_pair(0, dpair[0, lr]), pd_pair(1, dpair[1, lr])
+            c0, c1, c2, c3 = code[:, lr]
+            a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
+                  q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
+            a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
+                  q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
+            o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
+            o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+    return o + o[LANE ^ 2]  # pkv_shfl_xor(o, 2)
+
+
+def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, partition,
+                           n_warps=4):
+    """The q8 partition kernel on its tensor-core passes plus pkv_paged_attention_reduce:
+    ``float32[seqs, heads, head_dim]``."""
+    seqs, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, row_bytes = k_pool.shape
+    group = num_heads // kv_heads
+    gmax = 1 << (group - 1).bit_length()
+    assert gmax <= 4 and head_dim in (64, 128)
+    kb = np.ascontiguousarray(k_pool).reshape(-1)
+    vb = np.ascontiguousarray(v_pool).reshape(-1)
+    out = np.zeros(q.shape, np.float32)
+    for seq in range(seqs):
+        n = int(seq_lens[seq])
+        parts = []
+        for start in range(0, n, partition):
+            n_tok = min(partition, n - start)
+            pos = start + np.arange(n_tok)
+            blocks = block_tables[seq, pos // block_size].astype(np.int64)
+            for kvh in range(kv_heads):
+                rows = (blocks * block_size + pos % block_size) * kv_heads + kvh
+                scores = np.zeros(n_tok * gmax, np.float32)
+                qk_scores_q8(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb,
+                             rows, row_bytes, n_tok, gmax, scores, n_warps)
+                s = scores.reshape(n_tok, gmax)
+                pmax = s.max(axis=0)
+                pr = np.exp(s - pmax).astype(np.float32)
+                psum = pr.sum(axis=0, dtype=np.float32)
+                # pscale: the partition's largest V scale lifted into [2^14, 2^15)
+                vscales = load_u16(vb, rows[:, None] * row_bytes
+                                   + Q8_RECORD_BYTES * np.arange(head_dim // Q8_BLOCK))
+                vm = np.float32(np.abs(f16_value(vscales)).max())
+                e = max(int(vm.view(np.uint32) >> 23) & 0xFF, 103)
+                pscale = np.uint32((268 - e) << 23).view(np.float32)
+                unscale = np.uint32((e - 14) << 23).view(np.float32)
+                assert 2.0 ** 14 <= vm * pscale < 2.0 ** 15 or vm < 2.0 ** -24
+                wsum = np.zeros((n_warps, gmax, head_dim), np.float32)
+                for w in range(n_warps):
+                    o = pv_q8(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim, gmax, w,
+                              pscale, n_warps) * unscale
+                    for lane in range(LANES):
+                        g_, t_ = GID[lane], TID[lane]
+                        if t_ >= 2:
+                            continue
+                        for mt in range(2 * head_dim // 32):
+                            d = 32 * (mt // 2) + 4 * g_ + 2 * (mt % 2)
+                            for e in range(2):
+                                if 2 * t_ + e < gmax:
+                                    wsum[w, 2 * t_ + e, d] = o[lane, mt, e]
+                                    wsum[w, 2 * t_ + e, d + 1] = o[lane, mt, 2 + e]
+                parts.append((kvh, pmax, psum, wsum.sum(axis=0, dtype=np.float32)))
+        for kvh in range(kv_heads):
+            mine = [p for p in parts if p[0] == kvh]
+            for g in range(group):
+                h = kvh * group + g
+                if not mine:
+                    continue
+                m = max(float(p[1][g]) for p in mine)
+                wts = [np.float32(np.exp(np.float32(p[1][g] - m))) for p in mine]
+                denom = sum(w * p[2][g] for w, p in zip(wts, mine, strict=True))
+                acc = sum(w * p[3][g] for w, p in zip(wts, mine, strict=True))
+                out[seq, h] = acc / denom
+    return out
