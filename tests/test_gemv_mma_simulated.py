@@ -5,7 +5,7 @@ masks, m16n8k32 int8 mma fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32"
 epilogue and shared-memory reduction — with the index expressions copied from the kernel
 text, so a layout mistake in the tiled batch 9-32 kernel (gemv_mma_tiled) shows up here,
 without a GPU, as a wrong product. The GPU tests compare the real kernels against the
-float64 reference (tests/test_kernels_gpu.py)."""
+float64 reference (tests/test_kernels_weights.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import pytest
 from pagedkv import quant
 from pagedkv.kernels import reference as ref
 from pagedkv.kernels import weights
-
 from test_kernels_host import FakeCudaDevice
 
-ROWS = 16  # PKV_GEMV_MMA_ROWS
-X_WORDS = 16  # PKV_GEMV_X_WORDS
-CHUNK = 3  # PKV_GEMV_MMA_MAX_TILES
+ROWS = weights.GEMV_MMA_ROWS  # 16: one m16 tile per block
+X_WORDS = weights.GEMV_X_WORDS  # 16 prepared-x words per lane, group and n-tile
+CHUNK = weights.GEMV_MMA_MAX_TILES  # 3 n-tiles per chunk of the tiled kernel
 
 
 def _lanes():
@@ -37,7 +36,7 @@ def mma_s8_16x8x32(c, a0, a1, a2, a3, b0, b1):
     """One warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: per-lane registers (arrays of
     32) in, per-lane accumulators c[32, 4] updated. Every A and B element must come from
     exactly one (lane, register, byte), which is checked."""
-    lane, gid, t = _lanes()
+    _, gid, t = _lanes()
     A = np.zeros((16, 32), np.int64)
     B = np.zeros((32, 8), np.int64)
     seen_a = np.zeros((16, 32), int)
@@ -221,7 +220,6 @@ def test_the_mma_fragment_model_is_a_16x8x32_product():
     regs = [rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(6)]
     c = np.zeros((32, 4), np.int64)
     mma_s8_16x8x32(c, *regs)
-    lane, gid, t = _lanes()
     # lane 0's c0: row 0, col 0 = sum over k of A[0, k] B[k, 0]; A row 0 sits in lanes
     # 0-3 (a0: k 4t..4t+3, a2: k 16+4t..), B col 0 in the same lanes (b0, b1)
     a = np.concatenate([_bytes_s8(regs[0])[:4].reshape(-1), _bytes_s8(regs[2])[:4].reshape(-1)])
