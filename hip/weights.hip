@@ -704,4 +704,154 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)
 
+
+// ---------------------------------------------------------------------------
+// Tiled tensor-core GEMV for batch 9-32 (the decode step at batch 32): the layout and the
+// per-group math of gemv_mma above, but a warp reads each (tile, group) of weights once
+// and loops over all NT n-tiles of x in chunks of PKV_GEMV_MMA_MAX_TILES (3 n-tiles = 24
+// B columns = the 3 byte planes of 8 batch rows, so a row's planes never straddle a
+// chunk). The A fragments are unpacked from the codes again per chunk (4 integer ops per
+// mma, cheaper than holding 32 more registers); the int32 sums and the epilogue per
+// (row, column) are gemv_mma's, in the same order, so each output is bit for bit what
+// gemv_mma gives on the same 8 batch rows. Batch 9-16 runs NT = 6, 17-32 NT = 12; the
+// launcher splits larger batches into 32-row calls. The shared-memory reduction reuses
+// one chunk-sized buffer per chunk (12 KiB at 8 warps).
+template <int F, int NT>
+PKV_DEV void gemv_mma_tiled(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                            const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
+                            int batch) {
+  constexpr int CH = PKV_GEMV_MMA_MAX_TILES;
+  static_assert(NT % CH == 0 && (8 * CH) % 3 == 0, "chunks hold whole batch rows");
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
+  const int groups = K / 256;
+  const int g_begin = warp * groups / n_warps, g_end = (warp + 1) * groups / n_warps;
+  const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+
+  float acc[2][NT][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
+
+  struct Stage {
+    uint2 hdr[2];
+    uint4 code[4];
+  };
+  auto load = [&](Stage& s, int g) {
+    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
+    s.hdr[0] = *(const uint2*)(base + 8 * gid);
+    s.hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s.code[i] = ((const uint4*)(base + 128))[32 * i + lane];
+  };
+  // The next group's weights are loaded before this one is computed where the registers
+  // allow it (NT = 6: 182 registers on sm_90); at NT = 12 the accumulators take them
+  // (prefetching there spilled 40-68 bytes; without it 8-48 remain), and the 12 n-tiles'
+  // mmas give the loads time instead.
+  constexpr bool PREFETCH = NT <= PKV_GEMV_MMA_PREFETCH_TILES;
+  Stage cur, nxt;
+  if (g_begin < g_end) load(cur, g_begin);
+  for (int g = g_begin; g < g_end; ++g) {
+    if (PREFETCH && g + 1 < g_end) load(nxt, g + 1);
+#pragma unroll
+    for (int i0 = 0; i0 < NT; i0 += CH) {
+      uint4 xb[CH][4];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        const uint4* xsrc =
+            (const uint4*)(xq + (((int64_t)g * NT + i0 + i) * 32 + lane) * PKV_GEMV_X_WORDS);
+        const bool live = 8 * (i0 + i) + gid < 3 * batch;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
+      }
+      int c[HALVES][CH][4];
+#pragma unroll
+      for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+        for (int i = 0; i < CH; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
+        const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
+        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+        const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
+        const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
+        const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          const uint4 q = xb[i][m / 2];
+          mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);
+        }
+      }
+      // (scale, offset) decoded again per chunk: 2-4 conversions, fewer live registers
+      float scale[HALVES][2], offset[HALVES][2];
+#pragma unroll
+      for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
+#pragma unroll
+      for (int i = 0; i < CH; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * (i0 + i) + 2 * t + e, p = col % 3, b = col / 3;
+          const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+          const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
+            if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
+            if (p == 0)
+              v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
+                               : offset[0][r] * s.w;
+            acc[r][i0 + i][e] += v;
+          }
+        }
+    }
+    if (PREFETCH) {
+      cur = nxt;
+    } else if (g + 1 < g_end) {
+      load(cur, g + 1);
+    }
+  }
+  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * CH];
+  constexpr int ROWS_PER_CHUNK = 8 * CH / 3;
+#pragma unroll
+  for (int i0 = 0; i0 < NT; i0 += CH) {
+    if (i0) __syncthreads();  // the previous chunk's sums are read
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < CH; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) red[warp][gid + 8 * r][8 * i + 2 * t + e] = acc[r][i0 + i][e];
+    __syncthreads();
+    const int b0 = i0 / CH * ROWS_PER_CHUNK;
+    const int nb = min(ROWS_PER_CHUNK, batch - b0);
+    for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * nb; k += blockDim.x) {
+      const int r = k % PKV_GEMV_MMA_ROWS, bl = k / PKV_GEMV_MMA_ROWS;
+      float v = 0.0f;
+      for (int w = 0; w < n_warps; ++w)
+        v += red[w][r][3 * bl] + red[w][r][3 * bl + 1] + red[w][r][3 * bl + 2];
+      if (row0 + r < M) y[(int64_t)(b0 + bl) * M + row0 + r] = v;
+    }
+  }
+}
+
+#define PKV_GEMV_MMA_TILED_KERNEL(NAME, F, NT)                                              \
+  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
+      pkv_gemv_mma_tiled_##NAME##_n##NT(                                                    \
+      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
+      int batch) {                                                                          \
+    gemv_mma_tiled<F, NT>(w, xq, xs, y, M, K, batch);                                       \
+  }
+PKV_GEMV_MMA_TILED_KERNEL(hfq4g256, HFQ4G256, 6)
+PKV_GEMV_MMA_TILED_KERNEL(hfq4g256, HFQ4G256, 12)
+PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 6)
+PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 12)
+
 #endif  // __CUDACC__

@@ -138,12 +138,23 @@ def test_gpu_silu_mul(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,kv_dtype", [("hfq4g256", "float16"), ("mq4g256v2", "q8"),
-                                          ("hfq4g256", "bfloat16"), ("mq4g256", "float16")])
-def test_gpu_decode_step_matches_the_float64_step(device, fmt, kv_dtype):
+@pytest.mark.parametrize("fmt,kv_dtype,gemv_rows", [
+    ("hfq4g256", "float16", None), ("mq4g256v2", "q8", None), ("hfq4g256", "bfloat16", None),
+    ("mq4g256", "float16", None), ("mq4g256v2", "float16", 8)])
+def test_gpu_decode_step_matches_the_float64_step(device, fmt, kv_dtype, gemv_rows):
+    # 9 sequences: on tensor cores one tiled GEMV call per projection (gemv_rows None), or
+    # the 8-row path (8 + 1)
     from pagedkv.bench.decode import check_step
     result = check_step(device, fmt, kv_dtype, contexts=(1, 5, 17, 33, 64, 65, 100, 7, 300),
-                        shape=SMALL)
+                        shape=SMALL, gemv_rows=gemv_rows)
+    assert result["ok"], result
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_batch_32_on_the_tiled_gemv(device):
+    from pagedkv.bench.decode import check_step
+    contexts = tuple(int(c) for c in RNG.integers(1, 400, 32))
+    result = check_step(device, "mq4g256v2", "q8", contexts=contexts, shape=SMALL)
     assert result["ok"], result
 
 
@@ -176,6 +187,10 @@ def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
         per_layer = 7 + (kv == "q8") + 4 * chunks
         return SMALL.num_layers * per_layer + 1 + chunks
     assert stub_recorder.count - count == sum(launches(r["batch"], r["kv"]) for r in rows)
+    # the graph's node count in each row is what its capture launched (one f32-GEMV path:
+    # the stub's gfx90a has no tensor-core kernel to compare against)
+    assert [r["nodes"] for r in rows] == [launches(r["batch"], r["kv"]) for r in rows]
+    assert [r["path"] for r in rows] == ["gemv"] * 4
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "q8"])
@@ -260,6 +275,6 @@ def test_targets_name_the_issue_configurations(capsys):
     assert [target_of(r) for r in rows] == [2.5, 1.6, None, 1.5]
     print_targets(rows)
     assert capsys.readouterr().out.splitlines() == [
-        "target hfq4g256 kv float16 b1 ctx 32768: 2.60x torch bf16 (>= 2.5x) met",
-        "target hfq4g256 kv q8 b8 ctx 32768: 1.20x torch bf16 (>= 1.6x) MISSED",
-        "target hfq4g256 kv q8 b32 ctx 1024: 1.50x torch bf16 (>= 1.5x) met"]
+        "target hfq4g256 kv float16 b1 ctx 32768 (gemv): 2.60x torch bf16 (>= 2.5x) met",
+        "target hfq4g256 kv q8 b8 ctx 32768 (gemv): 1.20x torch bf16 (>= 1.6x) MISSED",
+        "target hfq4g256 kv q8 b32 ctx 1024 (gemv): 1.50x torch bf16 (>= 1.5x) met"]

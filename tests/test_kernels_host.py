@@ -186,7 +186,12 @@ class FakeCudaDevice(FakeDevice):
     ("mq4g256", 2, "pkv_gemv_mma_hfq4g256_n1", 1),  # HFQ4 bytes, x rotated in the prep
     ("mq4g256v2", 3, "pkv_gemv_mma_mq4g256v2_n2", 1),
     ("hfq4g256", 5, "pkv_gemv_mma_hfq4g256_n2", 0),
-    ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 1)])
+    ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 1),
+    # batch 9-32: the tiled kernel, n-tiles in whole chunks of 3 (6 up to 16 rows, 12 to 32)
+    ("hfq4g256", 9, "pkv_gemv_mma_tiled_hfq4g256_n6", 0),
+    ("mq4g256v2", 16, "pkv_gemv_mma_tiled_mq4g256v2_n6", 1),
+    ("mq4g256", 17, "pkv_gemv_mma_tiled_hfq4g256_n12", 1),
+    ("mq4g256v2", 32, "pkv_gemv_mma_tiled_mq4g256v2_n12", 1)])
 def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel, rotate):
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
@@ -209,11 +214,25 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel,
     assert [c[1:] for c in _launches(dev)] == [
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (256,))]
     tiles = -(-3 * batch // 8)
+    tiles = tiles if tiles <= 3 else (6 if tiles <= 6 else 12)
     assert dev.launch_args[0][3:] == (K, batch, tiles, rotate)
+    assert dev.launch_args[0][1].nbytes == 17 * tiles * 32 * 16 * 4  # the prepared-x scratch
     assert dev.launch_args[1][4:] == (M, K, batch)
     dev.calls.clear()
     g.run(w, x, y, x_rotated=True)  # an x rotated beforehand is only quantized
     assert dev.launch_args[2][-1] == 0
+
+
+def test_gemv_batch_limit_is_32_on_tensor_cores_and_8_elsewhere():
+    cuda, old = FakeCudaDevice(), FakeCudaDevice("sm_75")
+    assert weights.max_batch(cuda, "mq4g256v2") == 32 and weights.max_batch(cuda, "q8f16") == 8
+    assert weights.max_batch(old, "hfq4g256") == 8
+    for dev, fmt, batch in [(cuda, "hfq4g256", 33), (cuda, "hfq6g256", 9), (old, "mq4g256", 9)]:
+        most = weights.max_batch(dev, fmt)
+        with pytest.raises(InvalidArgument, match=rf"batch={batch}: expected 1\.\.{most} for "
+                                                  rf"{fmt} on this device; split larger"):
+            weights.Gemv(dev, fmt, 16, 256, batch)
+        assert dev.calls == []
 
 
 def test_gemv_prepared_x_serves_several_weights_and_is_required():

@@ -165,8 +165,9 @@ def test_gpu_gemv_a_nan_in_x_poisons_only_its_batch_row(device, fmt):
 def test_gpu_gemv_rejects_bad_shapes(device):
     with pytest.raises(errors.InvalidArgument, match="K=1000"):
         weights.Gemv(device, "hfq4g256", 8, 1000)
-    with pytest.raises(errors.InvalidArgument, match="batch=9"):
-        weights.Gemv(device, "hfq4g256", 8, 256, 9)
+    most = weights.max_batch(device, "hfq4g256")  # 32 on tensor cores, else 8
+    with pytest.raises(errors.InvalidArgument, match=f"batch={most + 1}: expected 1..{most}"):
+        weights.Gemv(device, "hfq4g256", 8, 256, most + 1)
     g = weights.Gemv(device, "q8f16", 8, 64)
     with pytest.raises(errors.InvalidArgument, match="raw: 64 bytes"):
         g.run(device.empty(64, np.uint8), device.empty((1, 64), np.float32),
@@ -184,3 +185,49 @@ def test_gpu_fwht256_is_bit_exact(device, rows):
     np.testing.assert_array_equal(out.to_numpy().view(np.uint32), want.view(np.uint32))
     weights.fwht256(device, xd, xd)  # in place
     np.testing.assert_array_equal(xd.to_numpy().view(np.uint32), want.view(np.uint32))
+
+
+MMA_FORMATS = ("hfq4g256", "mq4g256", "mq4g256v2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", MMA_FORMATS)
+@pytest.mark.parametrize("batch", [9, 16, 17, 32])
+def test_gpu_tiled_gemv_matches_reference(device, fmt, batch):
+    """The tiled tensor-core GEMV (batch 9-32: n6 up to 16 rows, n12 up to 32) on fresh
+    random inputs: M = 37 leaves a padded last tile, K = 17 groups an uneven warp split."""
+    M, K = 37, 4352
+    g = weights.Gemv(device, fmt, M, K, batch)
+    if not g.tensor_cores:
+        pytest.skip("the tiled GEMV is the tensor-core kernel's (NVIDIA sm_80+)")
+    _, raw = _weights(fmt, (M, K))
+    x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
+    y = poisoned(device, (batch, M), np.float32)
+    g.run(g.upload(raw), device.array(x), y)
+    want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    got = y.to_numpy()
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 2e-5 * _gemv_bound(raw, fmt, M, K, x) + 1e-7).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+def test_gpu_tiled_gemv_equals_four_8_row_calls_bit_for_bit(device, fmt):
+    """Each batch row of the tiled kernel is what the batch-8 kernel gives it: the same
+    exact int32 sums and the same float epilogue order (tests/test_gemv_mma_simulated.py
+    checks the same on the NumPy model)."""
+    M, K = 40, 2048
+    wide = weights.Gemv(device, fmt, M, K, 32)
+    if not wide.tensor_cores:
+        pytest.skip("the tiled GEMV is the tensor-core kernel's (NVIDIA sm_80+)")
+    narrow = weights.Gemv(device, fmt, M, K, 8)
+    _, raw = _weights(fmt, (M, K))
+    w = wide.upload(raw)
+    x = RNG.standard_normal((32, K)).astype(np.float32)
+    y = poisoned(device, (32, M), np.float32)
+    wide.run(w, device.array(x), y)
+    got = y.to_numpy()
+    for lo in range(0, 32, 8):
+        y8 = poisoned(device, (8, M), np.float32)
+        narrow.run(w, device.array(x[lo:lo + 8]), y8)
+        np.testing.assert_array_equal(got[lo:lo + 8], y8.to_numpy())

@@ -203,10 +203,19 @@ hipError_t hipStreamWaitEvent(void *s, void *e, unsigned f) {
 void *stub_last_wait_stream(void) { return last_wait_stream; }
 
 /* Graphs: a capture records nothing (launches inside it are recorded as usual) and
- * launching the instantiated graph does nothing. */
+ * launching the instantiated graph does nothing; its node count is the launches made
+ * during the last capture. */
 static int graph_token, graph_exec_token;
-hipError_t hipStreamBeginCapture(void *s, int mode) { (void)s; (void)mode; return OK; }
-hipError_t hipStreamEndCapture(void *s, void **g) { (void)s; *g = &graph_token; return OK; }
+static long capture_start, captured_launches;
+hipError_t hipStreamBeginCapture(void *s, int mode) {
+  (void)s; (void)mode; capture_start = launch_count; return OK;
+}
+hipError_t hipStreamEndCapture(void *s, void **g) {
+  (void)s; *g = &graph_token; captured_launches = launch_count - capture_start; return OK;
+}
+hipError_t hipGraphGetNodes(void *g, void **nodes, size_t *n) {
+  (void)g; (void)nodes; *n = (size_t)captured_launches; return OK;
+}
 hipError_t hipGraphInstantiateWithFlags(void **e, void *g, unsigned long long f) {
   (void)g; (void)f; *e = &graph_exec_token; return OK;
 }

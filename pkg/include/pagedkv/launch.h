@@ -85,6 +85,11 @@
 #ifndef PKV_GEMV_MMA_MAX_TILES
 #define PKV_GEMV_MMA_MAX_TILES 3
 #endif
+/* Tiled tensor-core GEMV (batch 9-32): most n-tiles at which the next group's weights
+ * are prefetched into registers (above it they spill). */
+#ifndef PKV_GEMV_MMA_PREFETCH_TILES
+#define PKV_GEMV_MMA_PREFETCH_TILES 6
+#endif
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif

@@ -129,7 +129,7 @@ def rounding_steps(got: np.ndarray, ref: np.ndarray, kv_dtype: str) -> float:
 
 
 def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), seed=None,
-               shape: DecoderShape | None = None) -> dict:
+               shape: DecoderShape | None = None, gemv_rows: int | None = None) -> dict:
     """One step on fresh random weights, inputs and context KV through the adapter and a
     device pool, against the float64 reference. Returns the errors and whether they are
     within tolerance: logits and the residual stream within ``2e-3`` of their largest
@@ -150,7 +150,8 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     adapter.record_decode_tokens(seqs, rng.integers(0, 32000, len(seqs), dtype=np.uint32))
     batch = adapter.prepare_decode(seqs)
     tables = DeviceDecodeBatch.upload(device, batch)
-    step = DecoderStep(device, weights, pool, len(seqs), max(contexts) + 1)
+    step = DecoderStep(device, weights, pool, len(seqs), max(contexts) + 1,
+                       gemv_rows=gemv_rows)
     x = rng.standard_normal((len(seqs), shape.d_model), dtype=np.float32)
     step.x.copy_from(x)
     step.logits.fill_bytes(0xFF)
@@ -181,8 +182,8 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     return {"check": f"{fmt} {kv_dtype}", "ok": bool(ok), **errors}
 
 
-def _time(device, stream, fn) -> float:
-    """Median seconds per ``fn(stream)`` replayed from a graph."""
+def _time(device, stream, fn) -> tuple[float, int]:
+    """Median seconds per ``fn(stream)`` replayed from a graph, and the graph's nodes."""
     graph = Graph(device, stream, fn)
     graph.launch(stream)
     stream.synchronize()
@@ -193,7 +194,7 @@ def _time(device, stream, fn) -> float:
         graph.launch(stream)
         end.record(stream)
         times.append(end.elapsed_ms(start) / 1e3)
-    return statistics.median(times)
+    return statistics.median(times), graph.num_nodes
 
 
 def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch: int,
@@ -205,8 +206,8 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
-                 context: int, rng) -> tuple[float, int]:
-    """Seconds per step and the KV row bytes of the pool."""
+                 context: int, rng, gemv_rows: int | None = None) -> tuple[float, int, int]:
+    """Seconds per step, the KV row bytes of the pool and the step graph's nodes."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
     for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
@@ -214,12 +215,12 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
             arr.fill_bytes(0x2E)
     adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
     tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
-    step = DecoderStep(device, weights, pool, batch, context + 1)
+    step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows)
     step.x.copy_from(rng.standard_normal((batch, shape.d_model), dtype=np.float32))
-    t = _time(device, stream, lambda s: step.run(tables, stream=s))
+    t, nodes = _time(device, stream, lambda s: step.run(tables, stream=s))
     row_bytes = pool.geometry.row_bytes
     pool.close()
-    return t, row_bytes
+    return t, row_bytes, nodes
 
 
 class TorchDecoder:
@@ -301,7 +302,8 @@ def print_targets(rows: list[dict]) -> None:
         if want is None or "speedup_vs_torch" not in row:
             continue
         got = row["speedup_vs_torch"]
-        print(f"target {row['weights']} kv {row['kv']} b{row['batch']} ctx {row['context']}: "
+        print(f"target {row['weights']} kv {row['kv']} b{row['batch']} ctx {row['context']} "
+              f"({row.get('path', 'gemv')}): "
               f"{got:.2f}x torch bf16 (>= {want}x) {'met' if got >= want else 'MISSED'}",
               flush=True)
 
@@ -310,9 +312,20 @@ def _print_row(row: dict) -> None:
     torch_part = (f" | torch {row['torch_us']:9.0f} us {row['torch_tok_s']:8.0f} tok/s "
                   f"-> {row['speedup_vs_torch']:.2f}x" if "torch_us" in row else "")
     print(f"{row['weights']:<10} kv {row['kv']:<8} b{row['batch']:<3} ctx {row['context']:>6} "
-          f"{row['us']:9.0f} us {row['tok_s']:8.0f} tok/s  {row['bytes'] / 2**20:8.0f} MiB "
+          f"{row['path']:<12} {row['nodes']:4d} nodes {row['us']:9.0f} us {row['tok_s']:8.0f} tok/s  {row['bytes'] / 2**20:8.0f} MiB "
           f"floor {row['floor_us']:8.0f} us ({100 * row['of_floor']:4.1f}%){torch_part}",
           flush=True)
+
+
+def gemv_paths(device, fmt: str, batch: int) -> list[tuple[str, int]]:
+    """The GEMV paths a row is timed on: ``(name, gemv_rows)``. Above 8 rows with the
+    tiled tensor-core kernel, both the tiled path (one call of up to 32 rows) and the
+    earlier 8-row calls, so the two are compared in the same run."""
+    from pagedkv.kernels.weights import GEMV_MAX_BATCH, max_batch
+    most = max_batch(device, fmt)
+    if batch <= GEMV_MAX_BATCH or most <= GEMV_MAX_BATCH:
+        return [("gemv", min(batch, most))]
+    return [(f"tiled {most}", most), (f"chunks {GEMV_MAX_BATCH}", GEMV_MAX_BATCH)]
 
 
 def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
@@ -337,21 +350,26 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
         weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
         for kv_dtype in kv_dtypes:
             for b, c in grid:
-                t, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng)
-                nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
-                row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
-                       "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
-                       "floor_us": nbytes / copy_bw * 1e6, "of_floor": nbytes / copy_bw / t}
-                if (b, c) in torch_times:
-                    tt = torch_times[(b, c)]
-                    tb = step_bytes(shape, torch_weight_bytes, 2 * shape.head_dim, b, c)
-                    row.update({"torch_us": tt * 1e6, "torch_tok_s": b / tt,
-                                "torch_bytes": tb, "torch_floor_us": tb / copy_bw * 1e6,
-                                "speedup_vs_torch": tt / t})
-                rows.append(row)
-                _print_row(row)
-                if on_row is not None:
-                    on_row(rows)
+                for path, gemv_rows in gemv_paths(device, fmt, b):
+                    t, row_bytes, nodes = time_pagedkv(device, stream, weights, kv_dtype, b, c,
+                                                       rng, gemv_rows)
+                    nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
+                    row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
+                           "path": path, "gemv_rows": gemv_rows, "nodes": nodes,
+                           "nodes_per_layer": nodes / shape.num_layers,
+                           "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
+                           "bytes_per_row": nbytes / b,
+                           "floor_us": nbytes / copy_bw * 1e6, "of_floor": nbytes / copy_bw / t}
+                    if (b, c) in torch_times:
+                        tt = torch_times[(b, c)]
+                        tb = step_bytes(shape, torch_weight_bytes, 2 * shape.head_dim, b, c)
+                        row.update({"torch_us": tt * 1e6, "torch_tok_s": b / tt,
+                                    "torch_bytes": tb, "torch_floor_us": tb / copy_bw * 1e6,
+                                    "speedup_vs_torch": tt / t})
+                    rows.append(row)
+                    _print_row(row)
+                    if on_row is not None:
+                        on_row(rows)
         weights.free()
     return rows
 

@@ -13,8 +13,11 @@ logits).
 Weights: :class:`DecoderHostWeights` holds each layer's stored bytes (``qkv`` =
 ``[Wq; Wk; Wv]`` and ``gate_up`` = ``[Wgate; Wup]`` packed by rows, the split given by the
 shape) and float32 norm weights; :class:`DecoderWeights` is the same on the device, in the
-layout the GEMV reads. Batches above 8 run the GEMV in chunks of 8 rows (the second and
-later chunks of a step find the weight in L2 when it fits).
+layout the GEMV reads. A projection runs as GEMV calls of at most ``gemv_rows`` batch rows:
+by default the most one call takes (32 on the tensor-core kernel, whose tiled variant reads
+each weight tile once for all of them; 8 on the CUDA-core kernel); ``gemv_rows=8`` (or the
+environment variable ``PAGEDKV_DECODE_GEMV_ROWS=8``) keeps the earlier path of 8-row
+calls, each re-reading the weights.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.env_knobs import env_u32
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.decode import add_rmsnorm, qkv_rope_split, silu_mul
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import PagedAttention
 from pagedkv.kernels.paged import DeviceDecodeBatch, attention, check_tables, write_kv
-from pagedkv.kernels.weights import Gemv, GemvWeights
+from pagedkv.kernels.weights import Gemv, GemvWeights, max_batch
 
 __all__ = [
     "LLAMA3_8B",
@@ -43,7 +47,8 @@ __all__ = [
 
 #: The per-layer projection matrices, in step order.
 MATRICES = ("qkv", "o", "gate_up", "down")
-GEMV_MAX_BATCH = 8
+#: Environment variable: batch rows per GEMV call of a DecoderStep (8 = the 8-row path).
+GEMV_ROWS_ENV = "PAGEDKV_DECODE_GEMV_ROWS"
 
 
 @dataclass(frozen=True)
@@ -188,11 +193,11 @@ class DecoderWeights:
 
 
 class _Projection:
-    """One weight shape's GEMVs over batch chunks of at most 8 rows."""
+    """One weight shape's GEMVs over batch chunks of at most ``rows`` rows."""
 
-    def __init__(self, device: Device, fmt: str, m: int, k: int, batch: int) -> None:
-        self.chunks = [(lo, min(batch, lo + GEMV_MAX_BATCH))
-                       for lo in range(0, batch, GEMV_MAX_BATCH)]
+    def __init__(self, device: Device, fmt: str, m: int, k: int, batch: int,
+                 rows: int) -> None:
+        self.chunks = [(lo, min(batch, lo + rows)) for lo in range(0, batch, rows)]
         self.gemvs = {n: Gemv(device, fmt, m, k, n) for n in {hi - lo for lo, hi in self.chunks}}
 
     def __call__(self, w: GemvWeights, x: DeviceArray, y: DeviceArray, stream) -> None:
@@ -205,11 +210,23 @@ class DecoderStep:
     ``LayerKVPool`` with the shape's KV geometry). Put the input hidden states in
     :attr:`x` (``float32[batch, d_model]``); :meth:`run` leaves the logits in
     :attr:`logits` (``float32[batch, vocab]``) and the residual stream in :attr:`x`.
-    Buffers are allocated once, so a step can be captured in a graph and replayed."""
+    Buffers are allocated once, so a step can be captured in a graph and replayed.
+
+    ``gemv_rows``: batch rows per GEMV call (1 up to :func:`~pagedkv.kernels.weights.max_batch`;
+    ``None``: ``PAGEDKV_DECODE_GEMV_ROWS`` when set, else that maximum). 8 selects the
+    8-row path of the batch 1-8 tensor-core kernel, the tiled kernel's fallback."""
 
     def __init__(self, device: Device, weights: DecoderWeights, pool, batch: int,
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, *, gemv_rows: int | None = None) -> None:
         s = weights.shape
+        most = max_batch(device, weights.fmt)
+        if gemv_rows is None:
+            gemv_rows = min(env_u32(GEMV_ROWS_ENV, most, fallback_source=f"max {most}"),
+                            most) or most
+        if not 1 <= gemv_rows <= most:
+            raise InvalidArgument(f"gemv_rows={gemv_rows}: expected 1..{most} for "
+                                  f"{weights.fmt} on this device")
+        self.gemv_rows = gemv_rows
         g = pool.geometry
         if (g.num_layers, g.num_kv_heads, g.head_dim) != (s.num_layers, s.kv_heads, s.head_dim):
             raise InvalidArgument(f"pool: {g!r} does not hold the KV of {s}")
@@ -229,7 +246,8 @@ class DecoderStep:
         self._act = device.empty((batch, s.ffn), f32)
         self._down = device.empty((batch, s.d_model), f32)
         self.logits = device.empty((batch, s.vocab), f32)
-        self._proj = {name: _Projection(device, weights.fmt, *s.matrix_shape(name), batch)
+        self._proj = {name: _Projection(device, weights.fmt, *s.matrix_shape(name), batch,
+                                        gemv_rows)
                       for name in (*MATRICES, "lm_head")}
         self.attn = PagedAttention(device, num_seqs=batch, num_heads=s.q_heads,
                                    kv_heads=s.kv_heads, head_dim=s.head_dim,
@@ -238,7 +256,7 @@ class DecoderStep:
 
     def __repr__(self) -> str:
         return (f"DecoderStep(batch={self.batch}, {self.shape}, fmt={self.weights.fmt!r}, "
-                f"kv={self.pool.geometry.dtype})")
+                f"kv={self.pool.geometry.dtype}, gemv_rows={self.gemv_rows})")
 
     def run(self, tables: DeviceDecodeBatch, *, stream: StreamLike = None) -> None:
         """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``

@@ -160,6 +160,13 @@ class Graph:
     def launch(self, stream: Stream) -> None:
         self.device.call("graph_launch", self._exec, stream.handle)
 
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the captured graph (kernel launches and copies)."""
+        n = c_size_t()
+        self.device.call("graph_get_nodes", self._graph, None, byref(n))
+        return n.value
+
     def __repr__(self) -> str:
         return f"Graph(exec=0x{self._exec or 0:x}, device={self.device.ordinal})"
 

@@ -79,6 +79,8 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "graph_launch": ("cuGraphLaunch", "hipGraphLaunch", [_handle, _handle]),
     "graph_exec_destroy": ("cuGraphExecDestroy", "hipGraphExecDestroy", [_handle]),
     "graph_destroy": ("cuGraphDestroy", "hipGraphDestroy", [_handle]),
+    "graph_get_nodes": ("cuGraphGetNodes", "hipGraphGetNodes",
+                        [_handle, c_void_p, POINTER(c_size_t)]),
 }
 
 # Device attribute ids (CUdevice_attribute, hipDeviceAttribute_t of ROCm >= 5).

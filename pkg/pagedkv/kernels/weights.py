@@ -22,7 +22,8 @@ from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 
-__all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256", "raw_nbytes"]
+__all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256",
+           "max_batch", "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -34,6 +35,12 @@ GEMV_MMA_ROWS = launch_constant("PKV_GEMV_MMA_ROWS")  # rows per block (one m16 
 GEMV_MMA_MAX_WARPS = launch_constant("PKV_GEMV_MMA_MAX_WARPS")
 GEMV_MMA_WARP_TARGET = 2048  # warps per launch it aims at (132 SMs x ~16), see _mma_warps
 GEMV_X_WORDS = launch_constant("PKV_GEMV_X_WORDS")  # prepared-x words per lane, group, n-tile
+GEMV_MMA_MAX_TILES = launch_constant("PKV_GEMV_MMA_MAX_TILES")  # n-tiles of the batch 1-8 kernel
+#: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 the tiled kernel
+#: (n6 up to 16 rows, n12 up to 32), which reads each weight tile once for all rows.
+GEMV_MMA_MAX_BATCH = 32
+GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
+_TILED_TILES = (6, 12)
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 
 
@@ -145,8 +152,8 @@ class GemvWeights:
 
 
 class Gemv:
-    """``y[b] = W · x[b]`` for ``W`` of shape ``[M, K]`` in ``fmt`` and ``batch`` (1–8)
-    activations: ``x`` ``float32[batch, K]``, ``y`` ``float32[batch, M]``. ``K`` must be a
+    """``y[b] = W · x[b]`` for ``W`` of shape ``[M, K]`` in ``fmt`` and ``batch``
+    activations (1–8; 1–32 on the tensor-core kernel, see :func:`max_batch`): ``x`` ``float32[batch, K]``, ``y`` ``float32[batch, M]``. ``K`` must be a
     multiple of the group size (every row starts a group).
 
     Weights go up once with :meth:`upload` (host bytes as stored; the tensor-core kernel
@@ -166,8 +173,10 @@ class Gemv:
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
                                   f"{max(f.group_size, 32)} for {f.name}")
-        if not 1 <= batch <= 8:
-            raise InvalidArgument(f"batch={batch}: expected 1..8")
+        most = max_batch(device, f.name)
+        if not 1 <= batch <= most:
+            raise InvalidArgument(f"batch={batch}: expected 1..{most} for {f.name} on this "
+                                  f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
         self.device, self.M, self.K, self.batch = device, M, K, batch
@@ -179,13 +188,17 @@ class Gemv:
         if self.tensor_cores:
             groups = K // 256
             tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
+            if tiles > GEMV_MMA_MAX_TILES:  # the tiled kernel: whole chunks of 3 n-tiles
+                tiles = next(n for n in _TILED_TILES if n >= tiles)
             self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
             self._xs = device.empty((groups * batch, 4), np.float32)
             self._prep = device.kernel(SOURCE, "pkv_gemv_prep_x", "pppiiii")
             self._tiles = tiles
             self._prep_grid = (math.ceil(groups * batch / 8),)  # a warp per (group, batch row)
             self.packed = True
-            self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{f.kernel}_n{tiles}", "ppppiii")
+            tiled = "tiled_" if tiles > GEMV_MMA_MAX_TILES else ""
+            self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
+                                         "ppppiii")
             row_tiles = math.ceil(M / GEMV_MMA_ROWS)
             self._grid = (row_tiles,)
             self._block = (32 * (warps or _mma_warps(row_tiles, groups)),)
@@ -313,6 +326,13 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
         rows = np.empty((M, groups * group_bytes // 8), np.uint64)
         rows.view(np.uint8)[:] = flat.reshape(M, -1)
     return pack_tiles_4bit(rows, groups).view(np.uint8)
+
+
+def max_batch(device: Device, fmt: str | int) -> int:
+    """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
+    tensor-core kernel (NVIDIA sm_80+, 4-bit formats), 8 on the CUDA-core one."""
+    f = _format(fmt)
+    return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
 
 
 def _mma_warps(row_tiles: int, groups: int) -> int:

@@ -1,0 +1,227 @@
+"""The tensor-core GEMV of hip/weights.hip simulated in NumPy, lane by lane: the prep of x
+(pkv_gemv_prep_x: exact 22-bit integers split into three byte planes, written in the mma
+B-fragment order), the packed weight tiles (Gemv.pack) and the kernel's loads, nibble
+masks, m16n8k32 int8 mma fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32"),
+epilogue and shared-memory reduction — with the index expressions copied from the kernel
+text, so a layout mistake in the tiled batch 9-32 kernel (gemv_mma_tiled) shows up here,
+without a GPU, as a wrong product. The GPU tests compare the real kernels against the
+float64 reference (tests/test_kernels_weights.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv import quant
+from pagedkv.kernels import reference as ref
+from pagedkv.kernels import weights
+from test_kernels_host import FakeCudaDevice
+
+ROWS = weights.GEMV_MMA_ROWS  # 16: one m16 tile per block
+X_WORDS = weights.GEMV_X_WORDS  # 16 prepared-x words per lane, group and n-tile
+CHUNK = weights.GEMV_MMA_MAX_TILES  # 3 n-tiles per chunk of the tiled kernel
+
+
+def _lanes():
+    lane = np.arange(32)
+    return lane, lane // 4, lane % 4
+
+
+def _bytes_s8(words: np.ndarray) -> np.ndarray:
+    """uint32[...] -> int8[..., 4], little-endian."""
+    return np.ascontiguousarray(words.astype(np.uint32)).view(np.int8).reshape(*words.shape, 4)
+
+
+def mma_s8_16x8x32(c, a0, a1, a2, a3, b0, b1):
+    """One warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: per-lane registers (arrays of
+    32) in, per-lane accumulators c[32, 4] updated. Every A and B element must come from
+    exactly one (lane, register, byte), which is checked."""
+    _, gid, t = _lanes()
+    A = np.zeros((16, 32), np.int64)
+    B = np.zeros((32, 8), np.int64)
+    seen_a = np.zeros((16, 32), int)
+    seen_b = np.zeros((32, 8), int)
+    for reg, (row_off, col_off) in zip((a0, a1, a2, a3), ((0, 0), (8, 0), (0, 16), (8, 16))):
+        v = _bytes_s8(reg)
+        for i in range(4):
+            A[gid + row_off, col_off + 4 * t + i] = v[:, i]
+            np.add.at(seen_a, (gid + row_off, col_off + 4 * t + i), 1)
+    for reg, k_off in zip((b0, b1), (0, 16)):
+        v = _bytes_s8(reg)
+        for i in range(4):
+            B[k_off + 4 * t + i, gid] = v[:, i]
+            np.add.at(seen_b, (k_off + 4 * t + i, gid), 1)
+    assert (seen_a == 1).all() and (seen_b == 1).all()
+    C = A @ B
+    for e in range(2):
+        c[:, e] += C[gid, 2 * t + e]
+        c[:, 2 + e] += C[gid + 8, 2 * t + e]
+    assert np.abs(c).max() < 2**31  # int32 accumulators
+
+
+def prep_x(x: np.ndarray, K: int, n_tiles: int, rotate: bool):
+    """pkv_gemv_prep_x: xq (uint32 words) and xs (float32[groups * batch, 4])."""
+    batch = x.shape[0]
+    groups = K // 256
+    xq = np.zeros(groups * n_tiles * 32 * X_WORDS, np.uint32)
+    xs = np.zeros((groups * batch, 4), np.float32)
+    xr = quant.fwht256(x.reshape(-1, 256)).reshape(x.shape) if rotate else x
+    for b in range(batch):
+        for g in range(groups):
+            v = xr[b, 256 * g:256 * g + 256].astype(np.float32).reshape(32, 8)  # lane, i
+            amax = np.abs(v).max()
+            _, e = np.frexp(amax)
+            e = max(int(e), -104)
+            inv_step = np.float32(2.0 ** (22 - e))
+            q = np.rint(v * inv_step).astype(np.int64)  # __float2int_rn: half to even
+            p0 = (q & 0xFF).astype(np.int8).astype(np.int64)
+            r1 = (q - p0) >> 8
+            p1 = (r1 & 0xFF).astype(np.int8).astype(np.int64)
+            p2 = (r1 - p1) >> 8
+            assert (p2 == p2.astype(np.int8)).all()  # three planes are enough: |q| <= 2^22
+            lane = np.arange(32)
+            t, m = (lane // 2) % 4, 2 * (lane // 8) + lane % 2
+            for p, plane in enumerate((p0, p1, p2)):
+                col = 3 * b + p
+                tile, n = col // 8, col % 8
+                words = np.zeros((32, 2), np.uint32)
+                for i in range(8):
+                    words[:, i % 2] |= (plane[:, i] & 0xFF).astype(np.uint32) << (8 * (i // 2))
+                at = (((g * n_tiles + tile) * 32 + 4 * n + t) * X_WORDS + 2 * m)
+                xq[at] = words[:, 0]
+                xq[at + 1] = words[:, 1]
+            halves = v.reshape(2, 128).sum(axis=1, dtype=np.float32)
+            xs[g * batch + b] = (np.float32(2.0 ** (e - 22)), halves[0], halves[1],
+                                 halves[0] + halves[1])
+    return xq, xs
+
+
+def _header_affine(hdr: np.ndarray, v2: bool, half: int):
+    """hdr: uint32[32, 2] (the lane's uint2) -> (scale, offset) float32[32]."""
+    if v2:
+        w = hdr[:, half]
+        return ((w & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32),
+                (w >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
+    return hdr[:, 0].view(np.float32), hdr[:, 1].view(np.float32)
+
+
+def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
+    """gemv_mma_tiled<F, NT> (and, with chunk = NT <= 3, gemv_mma<F, NT>): y[batch, M]."""
+    lane, gid, t = _lanes()
+    groups = K // 256
+    tile_bytes = ROWS * 136
+    halves = 2 if v2 else 1
+    words = packed.view(np.uint32)
+    y = np.full((batch, M), np.nan, np.float32)
+    for block in range(-(-M // ROWS)):
+        row0 = block * ROWS
+        red = np.zeros((n_warps, ROWS, 8 * NT), np.float32)
+        for warp in range(n_warps):
+            g_begin, g_end = warp * groups // n_warps, (warp + 1) * groups // n_warps
+            acc = np.zeros((2, NT, 2, 32), np.float32)
+            for g in range(g_begin, g_end):
+                base = (block * groups + g) * tile_bytes // 4  # in words
+                hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
+                                axis=1) for r in range(2)]
+                code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
+                                 axis=1) for i in range(4)]  # uint4 x, y, z, w
+                for i0 in range(0, NT, chunk):
+                    xb = np.zeros((chunk, 4, 32, 4), np.uint32)  # [i][v][lane][xyzw]
+                    for i in range(chunk):
+                        live = 8 * (i0 + i) + gid < 3 * batch
+                        for v in range(4):
+                            at = (((g * NT + i0 + i) * 32 + lane) * X_WORDS) + 4 * v
+                            vals = np.stack([xq[at + w] for w in range(4)], axis=1)
+                            xb[i, v] = np.where(live[:, None], vals, 0)
+                    c = np.zeros((halves, chunk, 32, 4), np.int64)
+                    for m in range(8):
+                        j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
+                        pa, pb = code[j // 2], code[2 + j // 2]
+                        wa = pa[:, 2 * (j % 2) + h]
+                        wb = pb[:, 2 * (j % 2) + h]
+                        a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
+                        a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
+                        for i in range(chunk):
+                            q = xb[i, m // 2]
+                            b0 = q[:, 2] if h else q[:, 0]
+                            b1 = q[:, 3] if h else q[:, 1]
+                            mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
+                    scale = [[_header_affine(hdr[r], v2, hv)[0] for r in range(2)]
+                             for hv in range(halves)]
+                    offset = [[_header_affine(hdr[r], v2, hv)[1] for r in range(2)]
+                              for hv in range(halves)]
+                    for i in range(chunk):
+                        for e in range(2):
+                            col = 8 * (i0 + i) + 2 * t + e
+                            p, b = col % 3, col // 3
+                            s = np.where((b < batch)[:, None],
+                                         xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
+                            s = s.astype(np.float32)
+                            f = s[:, 0] * np.float32([1, 256, 65536])[p]
+                            for r in range(2):
+                                v = scale[0][r] * (f * c[0, i, :, 2 * r + e].astype(np.float32))
+                                if halves == 2:
+                                    v += scale[1][r] * (f * c[1, i, :, 2 * r + e].astype(np.float32))
+                                off = (offset[0][r] * s[:, 1] + offset[1][r] * s[:, 2]
+                                       if halves == 2 else offset[0][r] * s[:, 3])
+                                v = np.where(p == 0, v + off, v)
+                                acc[r, i0 + i, e] += v
+            for r in range(2):
+                for i in range(NT):
+                    for e in range(2):
+                        red[warp, gid + 8 * r, 8 * i + 2 * t + e] = acc[r, i, e]
+        for b in range(batch):
+            cols = red[:, :, 3 * b:3 * b + 3].sum(axis=(0, 2), dtype=np.float32)
+            n = min(ROWS, M - row0)  # rows past M are not stored
+            y[b, row0:row0 + n] = cols[:n]
+    return y
+
+
+def _case(fmt, M, K, batch, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((M, K)) * 0.05).astype(np.float32)
+    raw = quant.quantize(w, fmt)
+    x = (rng.standard_normal((batch, K)) * rng.uniform(0.1, 10, (batch, 1))).astype(np.float32)
+    return raw, x
+
+
+@pytest.mark.parametrize(("fmt", "batch", "warps"), [
+    ("hfq4g256", 32, 3), ("mq4g256v2", 32, 2), ("mq4g256v2", 11, 1), ("mq4g256", 17, 4)])
+def test_tiled_tensor_core_gemv_simulated_matches_the_float64_product(fmt, batch, warps):
+    M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the warps
+    raw, x = _case(fmt, M, K, batch, seed=batch * 7 + warps)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    NT = g._tiles
+    assert NT == (6 if batch <= 16 else 12) and g._kernel.name.startswith("pkv_gemv_mma_tiled_")
+    rotated = g.fmt.rotated
+    xq, xs = prep_x(x, K, NT, rotated)
+    y = gemv_mma_tiled(g.pack(raw), xq, xs, M, K, batch, NT, fmt == "mq4g256v2", warps)
+    # the int32 sums are exact: what is left is x's 22-bit rounding and f32 epilogues
+    expect = ref.gemv(raw, fmt, M, K, x, rotated=rotated)
+    wq = np.abs(quant.dequantize(raw, fmt, (M, K), basis="rotated")).astype(np.float64)
+    xr = np.abs(ref.fwht256(x) if rotated else x).astype(np.float64)
+    np.testing.assert_array_less(np.abs(y - expect), 2e-6 * (xr @ wq.T) + 1e-30)
+
+
+def test_tiled_gemv_gives_each_batch_row_what_the_batch_8_kernel_gives_it_bit_for_bit():
+    M, K, fmt = 21, 768, "mq4g256v2"
+    raw, x = _case(fmt, M, K, 32, seed=5)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32).pack(raw)
+    xq, xs = prep_x(x, K, 12, True)
+    tiled = gemv_mma_tiled(packed, xq, xs, M, K, 32, 12, True, 2)
+    for lo in range(0, 32, 8):  # the old path: four calls of 8 rows on gemv_mma (n3)
+        xq8, xs8 = prep_x(x[lo:lo + 8], K, 3, True)
+        old = gemv_mma_tiled(packed, xq8, xs8, M, K, 8, 3, True, 2, chunk=3)
+        np.testing.assert_array_equal(tiled[lo:lo + 8], old)
+
+
+def test_the_mma_fragment_model_is_a_16x8x32_product():
+    rng = np.random.default_rng(0)
+    regs = [rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(6)]
+    c = np.zeros((32, 4), np.int64)
+    mma_s8_16x8x32(c, *regs)
+    # lane 0's c0: row 0, col 0 = sum over k of A[0, k] B[k, 0]; A row 0 sits in lanes
+    # 0-3 (a0: k 4t..4t+3, a2: k 16+4t..), B col 0 in the same lanes (b0, b1)
+    a = np.concatenate([_bytes_s8(regs[0])[:4].reshape(-1), _bytes_s8(regs[2])[:4].reshape(-1)])
+    b = np.concatenate([_bytes_s8(regs[4])[:4].reshape(-1), _bytes_s8(regs[5])[:4].reshape(-1)])
+    assert c[0, 0] == int(a.astype(np.int64) @ b.astype(np.int64))
