@@ -63,6 +63,46 @@ def test_host_time_times_building_the_calls_not_evaluating_them():
     assert t < 0.01 and built == [0, 1, 2] * bench.REPEATS and evaluated == [3] * bench.REPEATS
 
 
+def test_eval_time_times_evaluating_prebuilt_calls_not_building_them():
+    import time
+    order = []
+
+    class FakeMx:
+        @staticmethod
+        def eval(outs):
+            order.append(("eval", len(outs)))
+            time.sleep(0.03)
+
+        @staticmethod
+        def synchronize():
+            pass
+
+    def call(i):
+        order.append(("build", i))
+        time.sleep(0.03)  # a slow host: not in the eval time
+        return i
+
+    t = bench._eval_time(FakeMx, call, 2)
+    assert 0.015 <= t < 0.03  # one 30 ms eval per 2 calls
+    assert order == [("build", 0), ("build", 1), ("eval", 2)] * bench.REPEATS
+
+
+def test_rows_split_host_and_eval_time_for_ours_and_mlx():
+    rows = []
+    bench.bench_gemv(mx, K, rows, 1e9, [(16, 256)], (1,), gpu=False)
+    case = {**bench.ATTENTION_CASE, "seqs": 1, "tokens": 32, "kv_heads": 2, "heads": 4,
+            "head_dim": 32}
+    bench.bench_attention(mx, K, rows, 1e9, case)
+    for r in rows:
+        assert r["host_us"] > 0 and r["eval_us"] > 0
+    for r in rows[:2]:
+        assert r["mlx_qmm_host_us"] > 0 and r["mlx_qmm_eval_us"] > 0
+    f16 = next(r for r in rows if r["kernel"] == "paged_attention float16")
+    assert f16["mlx_sdpa_host_us"] > 0 and f16["mlx_sdpa_eval_us"] > 0
+    # one path on the array-ops backend: no [inline header] rows
+    assert not any("inline" in r["kernel"] for r in rows) and bench._header_modes(K) == [("", None)]
+
+
 def test_the_suite_is_registered():
     from pagedkv.bench.__main__ import SUITES
     assert SUITES["mlx"] == "pagedkv.bench.mlx"

@@ -6,8 +6,12 @@ run is tests/test_kernels_mlx_gpu.py (marked gpu)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,8 +57,29 @@ def _kvcache_calls(run):
 CALLS = {"weights": _weights_calls, "kvcache": _kvcache_calls, "quant": _weights_calls}
 
 
+@pytest.fixture(autouse=True)
+def _kernel_cache(tmp_path_factory, monkeypatch):
+    """Include files in a test folder, never the user's cache; every cache fresh."""
+    monkeypatch.setenv("PAGEDKV_MLX_CUDA_CACHE", str(tmp_path_factory.getbasetemp() / "mlxcu"))
+    _clear_caches()
+    yield
+    cuda.set_header_mode("include")
+    _clear_caches()
+
+
+def _clear_caches():
+    for cached in (cuda.hip_include_path, cuda._kernel_source, cuda._dequant_plan,
+                   cuda._gemv_plan, cuda._attention_plan):
+        cached.cache_clear()
+
+
+def _common(source: str) -> str:
+    """What stands for the shared hip/ text in this mode's headers."""
+    return cuda._hip_header(source, cuda.header_mode())
+
+
 def _launches(source: str) -> list:
-    common = cuda._hip_text(source)
+    common = _common(source)
     return [launch for launch in record_launches(CALLS[source])
             if launch.kernel.header.endswith(common)]
 
@@ -63,7 +88,7 @@ def _batched(source: str, launches) -> str:
     """One translation unit for every launch of a hip source: MLX's default header, each
     kernel's declaration (its header minus the shared hip/ text), the shared text once,
     then MLX's wrapper of each kernel."""
-    common = cuda._hip_text(source)
+    common = _common(source)
     decls, bodies, seen = [], [], set()
     for launch in launches:
         if launch.kernel.name in seen:
@@ -95,7 +120,7 @@ def test_mlx_wrapped_kernels_compile_with_nvcc_and_keep_their_launch_bounds(sour
     for name in {launch.kernel.name for launch in launches}:
         assert re.search(rf"\.entry \S*custom_kernel_{name}E", ptx), name
     for launch in launches:
-        if "__launch_bounds__" not in launch.kernel.header.split(cuda._hip_text(source))[0]:
+        if "__launch_bounds__" not in launch.kernel.header.split(_common(source))[0]:
             continue
         bounds = re.search(r"__launch_bounds__\(([\d, ]+)\)", launch.kernel.header).group(1)
         want = [int(b) for b in bounds.split(",")]
@@ -106,11 +131,13 @@ def test_mlx_wrapped_kernels_compile_with_nvcc_and_keep_their_launch_bounds(sour
             assert f".minnctapersm {want[1]}" in block.group(0), launch.kernel.name
 
 
+@pytest.mark.parametrize("mode", ["include", "inline"])
 @pytest.mark.parametrize("source", ["kvcache"])
-def test_nvrtc_compiles_the_exact_mlx_source(source):
+def test_nvrtc_compiles_the_exact_mlx_source(source, mode):
     lib = find_nvrtc()
     if lib is None:
         pytest.skip("no libnvrtc (pip install nvidia-cuda-nvrtc, or set PAGEDKV_NVRTC_LIBRARY)")
+    cuda.set_header_mode(mode)  # include: NVRTC reads the hip/ text from the cached file
     launches = record_launches(CALLS[source])
     by_name = {launch.kernel.name: launch for launch in launches}
     launch = next(v for k, v in by_name.items() if k.startswith("pagedkv_paged_attention_f16"))
@@ -141,3 +168,130 @@ def test_launch_geometry_is_the_hip_launchers_and_launch_h():
     params = np.array(attn.inputs[-1])
     assert params[0] == np.float32(0.1).view(np.int32) and list(params[1:]) == [8, 2, 128, 16,
                                                                                 4, 1]
+
+
+# -- per-call host work (docs/kernels.md, "MLX dispatch") ------------------------------------
+
+def test_include_headers_are_small_and_name_a_file_holding_the_hip_text():
+    launches = record_launches(_weights_calls) + record_launches(_kvcache_calls)
+    files = set()
+    for launch in launches:
+        header = launch.kernel.header
+        assert len(header) < 2048, (launch.kernel.name, len(header))
+        line = header.rstrip("\n").rsplit("\n", 1)[-1]
+        m = re.fullmatch(r'#include "(/[^"]+)"', line)
+        assert m is not None, line
+        files.add(m.group(1))
+    texts = {Path(f).read_text() for f in files}
+    assert texts == {cuda._hip_text(s) for s in ("weights", "kvcache", "quant")}
+    for f in files:  # named by the text's digest: another pagedkv never reads this file
+        source, digest = Path(f).stem.split("-")
+        assert source in ("weights", "kvcache", "quant")
+        assert hashlib.sha256(Path(f).read_bytes()).hexdigest()[:20] == digest
+        assert Path(f).parent == Path(os.environ["PAGEDKV_MLX_CUDA_CACHE"]).resolve()
+
+
+def test_a_stale_or_damaged_include_file_is_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_MLX_CUDA_CACHE", str(tmp_path))
+    path = Path(cuda.hip_include_path("kvcache"))
+    path.write_text("garbage")
+    cuda.hip_include_path.cache_clear()
+    assert cuda.hip_include_path("kvcache") == str(path)
+    assert path.read_text() == cuda._hip_text("kvcache")
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
+
+
+def test_an_unwritable_cache_falls_back_to_inline_headers(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDKV_MLX_CUDA_CACHE", str(blocker / "sub"))
+    with caplog.at_level("WARNING", logger="pagedkv"):
+        launches = record_launches(_kvcache_calls)
+    assert "PAGEDKV_MLX_CUDA_CACHE" in caplog.text
+    assert launches
+    assert all(launch.kernel.header.endswith(cuda._hip_text("kvcache")) for launch in launches)
+
+
+def test_inline_mode_is_the_earlier_path_and_both_stay_cached():
+    gemv = partial(_one_gemv, tc=True)
+    include = [launch.kernel for launch in record_launches(gemv)]
+    cuda.set_header_mode("inline")
+    inline = [launch.kernel for launch in record_launches(gemv)]
+    assert [k.name for k in include] == [k.name for k in inline]
+    for a, b in zip(include, inline, strict=True):
+        assert b.header.endswith(cuda._hip_text("weights"))
+        assert a.header.split("#include")[0] == b.header[:-len(cuda._hip_text("weights"))]
+        assert (a.source, a.input_names) == (b.source, b.input_names)
+    cuda.set_header_mode("include")
+    assert [launch.kernel for launch in record_launches(gemv)] == include
+
+
+def test_a_bad_header_mode_is_refused_and_changes_nothing():
+    from pagedkv.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="PAGEDKV_MLX_CUDA_HEADER"):
+        cuda.set_header_mode("tiny")
+    assert cuda.header_mode() == "include"
+
+
+def _one_gemv(run, *, tc: bool, batch: int = 1, x=None):
+    c = resolve("hfq4g256")
+    x = mx.zeros((batch, 512)) if x is None else x
+    return cuda.gemv(mx, mx.zeros((c.nbytes(64 * 512),), dtype=mx.uint8), c, 64, 512, x, run,
+                     tensor_cores=tc)
+
+
+class _FakeCudaKernel:
+    """``mx.fast.cuda_kernel`` stand-in: counts kernel objects built and calls made."""
+
+    def __init__(self):
+        self.built, self.calls = [], 0
+
+    def __call__(self, **kw):
+        self.built.append(kw["name"])
+
+        def launch(**call):
+            self.calls += 1
+            return [mx.zeros(s, dtype=d) for s, d in zip(call["output_shapes"],
+                                                         call["output_dtypes"], strict=True)]
+        return launch
+
+
+@pytest.mark.parametrize("tc", [True, False])
+def test_repeated_calls_reuse_kernel_objects_and_build_no_source(monkeypatch, tc):
+    from pagedkv.kernels.mlx import launch as launch_mod
+    fake = _FakeCudaKernel()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake)
+    launch_mod._cuda_kernel.cache_clear()
+    try:
+        x = mx.zeros((3, 512))
+        _one_gemv(launch_mod.run_cuda, tc=tc, x=x)
+        built, sources = list(fake.built), cuda._kernel_source.cache_info()
+        calls = fake.calls
+        for _ in range(10):
+            _one_gemv(launch_mod.run_cuda, tc=tc, x=x)
+        assert fake.built == built  # no new kernel object
+        assert cuda._kernel_source.cache_info().misses == sources.misses  # no source rebuilt
+        assert fake.calls == 11 * calls
+        # tensor cores: prep + mma; f32 kernel: one launch (HFQ4G256 is not rotated)
+        assert calls == (2 if tc else 1) and len(built) == calls
+    finally:
+        launch_mod._cuda_kernel.cache_clear()
+
+
+def test_gemv_of_at_most_8_rows_launches_on_x_itself(monkeypatch):
+    import pagedkv.kernels.mlx as K
+    launches = []
+
+    def record(launch):
+        launches.append(launch)
+        return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes,
+                                                     strict=True)]
+    monkeypatch.setattr(K, "_impl", lambda: ("cuda", cuda, record))
+    c = resolve("hfq4g256")
+    w = K.GemvWeights(mx.zeros((c.nbytes(64 * 512),), dtype=mx.uint8), c, 64, 512, "cuda", True)
+    x = mx.zeros((8, 512))
+    assert K.gemv(w, x).shape == (8, 64)
+    assert launches[0].inputs[0] is x and len(launches) == 2
+    launches.clear()
+    assert K.gemv(w, mx.zeros((11, 512))).shape == (11, 64)
+    assert [launch.inputs[0].shape for launch in launches[::2]] == [(8, 512), (3, 512)]

@@ -125,3 +125,30 @@ def test_copy_blocks():
     odd = rng.integers(0, 256, (9, 7, 3), dtype=np.uint8)
     got = K.copy_blocks(mx.array(odd), [8, 1], [0, 2], mx.array(odd))
     assert bits_equal(np.array(got), ref.copy_blocks(odd, [8, 1], [0, 2], odd))
+
+
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+def test_inline_headers_give_the_include_path_s_bits(gpu_backend, fmt):
+    """The earlier inline-header path (PAGEDKV_MLX_CUDA_HEADER=inline, the fallback if the
+    #include path breaks) computes the same bits: the same kernels, the text passed by
+    value instead of by file."""
+    if gpu_backend != "cuda":
+        pytest.skip("header modes are MLX CUDA's")
+    from pagedkv.kernels.mlx import cuda
+    rng, seed = fresh_rng()
+    raw, x, _, _ = gemv_case(rng, fmt, 333, 1280, 5)
+    q, kp, vp, tables, lens_arr, _ = attention_case(
+        rng, "float16", seqs=3, heads=8, kv_heads=2, head_dim=128, block_size=16,
+        lens=[1500, 1, 17])
+    w = K.prepare_gemv(mx.array(raw), fmt, 333, 1280)
+    pools = to_mlx_pool(mx, kp, "float16"), to_mlx_pool(mx, vp, "float16")
+    outs = {}
+    try:
+        for mode in ("include", "inline"):
+            cuda.set_header_mode(mode)
+            outs[mode] = (np.array(K.gemv(w, mx.array(x))),
+                          np.array(K.paged_attention(mx.array(q), *pools, tables, lens_arr)))
+    finally:
+        cuda.set_header_mode("include")
+    for a, b in zip(outs["include"], outs["inline"], strict=True):
+        assert np.isfinite(a).all() and bits_equal(a, b), f"seed {seed}"

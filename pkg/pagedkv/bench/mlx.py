@@ -10,8 +10,14 @@ measures memory, not cache. Times are medians of several loops of calls evaluate
 together (MLX queues them asynchronously), host work included, as a model sees them;
 ``host_us`` (GEMV, dequantize) is the host's share alone: building the same calls without
 evaluating them (Python, argument checks, MLX graph construction), for ours and for
-``mx.quantized_matmul``. A row whose ``us`` is close to its ``host_us`` is bound by the
-host, not by the kernel.
+``mx.quantized_matmul``. ``eval_us`` is the other share: the same calls built first
+(untimed), then evaluated and synchronized (device time, with MLX's own per-launch work
+in eval: encoding the launch and, for a custom kernel, hashing its source). A row whose
+``us`` is close to its ``host_us`` is bound by the host, not by the kernel. GEMV and
+attention rows carry both for ours and for MLX's baseline. On MLX's CUDA backend the
+GEMV and attention rows are measured twice in one run: with the kernels' headers as an
+``#include`` of a cached file (the default) and, in rows marked ``[inline header]``,
+with the hip/ text inline (the earlier path; pagedkv.kernels.mlx.cuda.set_header_mode).
 Targets (issue 14, on the H200 through MLX CUDA): attention within 1.1x of MLX's SDPA;
 4-bit GEMV faster than mx.quantized_matmul at batch 1 and 8.
 """
@@ -60,6 +66,41 @@ def _host_time(mx, fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def _eval_time(mx, fn, calls: int) -> float:
+    """Median seconds per call of evaluating ``fn(i)`` for i < calls, built beforehand
+    (untimed): the device's share, plus MLX's per-launch work inside ``eval``."""
+    times = []
+    for _ in range(REPEATS):
+        outs = [fn(i) for i in range(calls)]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _split(mx, fn, calls: int, prefix: str = "") -> dict:
+    """``host_us`` and ``eval_us`` of ``fn`` (keys prefixed by ``prefix``)."""
+    return {f"{prefix}host_us": _host_time(mx, fn, calls) * 1e6,
+            f"{prefix}eval_us": _eval_time(mx, fn, calls) * 1e6}
+
+
+def _header_modes(K) -> list:
+    """``(row suffix, header mode)`` pairs to measure: on MLX CUDA the default (#include)
+    and the earlier inline headers in the same run; elsewhere the one path there is."""
+    if K.backend() != "cuda":
+        return [("", None)]
+    from pagedkv.kernels.mlx.cuda import header_mode
+    current = header_mode()  # PAGEDKV_MLX_CUDA_HEADER=inline measures the old path alone
+    return [("", current)] + ([(" [inline header]", "inline")] if current == "include" else [])
+
+
+def _set_header_mode(mode) -> None:
+    if mode is not None:
+        from pagedkv.kernels.mlx.cuda import set_header_mode
+        set_header_mode(mode)
+
+
 def _cycling(fn, items: list):
     """``i -> fn(items[i % len(items)])``: each call takes the next copy."""
     return lambda i: fn(items[i % len(items)])
@@ -94,15 +135,19 @@ def bench_gemv(mx, K, rows, copy_bw, shapes, batches, gpu):
             packed = _copies(mx, partial(K.prepare_gemv, raw, fmt, M, N), raw.nbytes, gpu)
             for batch in batches:
                 x = mx.array(rng.standard_normal((batch, N)).astype(np.float32))
-                ours = _cycling(partial(_gemv, K, x=x), packed)
-                t = _time(mx, ours, 4 * len(packed))
                 qmm = _cycling(partial(_qmm, mx, x.astype(mx.float16)), refs)
                 t_ref = _time(mx, qmm, 4 * len(refs))
+                ref_split = _split(mx, qmm, 4 * len(refs), "mlx_qmm_")
                 nbytes = raw.nbytes + 4 * batch * (M + N)
-                _row(rows, f"gemv {fmt} b{batch}", f"{M}x{N}", t, nbytes, copy_bw,
-                     {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t,
-                      "host_us": _host_time(mx, ours, 4 * len(packed)) * 1e6,
-                      "mlx_qmm_host_us": _host_time(mx, qmm, 4 * len(refs)) * 1e6})
+                modes = _header_modes(K)
+                for suffix, mode in modes:
+                    _set_header_mode(mode)
+                    ours = _cycling(partial(_gemv, K, x=x), packed)
+                    t = _time(mx, ours, 4 * len(packed))
+                    _row(rows, f"gemv {fmt} b{batch}{suffix}", f"{M}x{N}", t, nbytes, copy_bw,
+                         {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t,
+                          **_split(mx, ours, 4 * len(packed)), **ref_split})
+                _set_header_mode(modes[0][1])
 
 
 def _gemv(K, weights, x):
@@ -175,7 +220,9 @@ def bench_attention(mx, K, rows, copy_bw, case):
     vc = mx.random.normal((seqs, kvh, tokens, hd)).astype(mx.float16)
     mx.eval(kc, vc)
     sdpa = partial(mx.fast.scaled_dot_product_attention, qs, kc, vc, scale=hd ** -0.5)
-    t_sdpa = _time(mx, _cycling(lambda _: sdpa(), [None]), 5)
+    sdpa_calls = _cycling(lambda _: sdpa(), [None])
+    t_sdpa = _time(mx, sdpa_calls, 5)
+    sdpa_split = _split(mx, sdpa_calls, 5, "mlx_sdpa_")
     del kc, vc
     for kv_dtype in ("float16", "bfloat16", "q8"):
         if kv_dtype == "q8":
@@ -188,13 +235,19 @@ def bench_attention(mx, K, rows, copy_bw, case):
         # as a decode step runs it per layer: tables checked once, uploaded once
         attend = partial(K.paged_attention, q, pools[0], pools[1], mx.array(tables),
                          mx.array(lens), max_seq_len=tokens, check=False)
-        t = _time(mx, _cycling(lambda _, f=attend: f(), [None]), 5)
+        calls = _cycling(lambda _, f=attend: f(), [None])
         nbytes = pools[0].nbytes * 2 + 2 * q.nbytes + tables.nbytes
-        base = {}
-        if kv_dtype == "float16":
-            base = {"mlx_sdpa_contiguous_us": t_sdpa * 1e6, "ratio_vs_mlx_sdpa": t / t_sdpa}
-        _row(rows, f"paged_attention {kv_dtype}", f"{seqs}x{tokens} kvh{kvh} d{hd}", t,
-             nbytes, copy_bw, base)
+        modes = _header_modes(K)
+        for suffix, mode in modes:
+            _set_header_mode(mode)
+            t = _time(mx, calls, 5)
+            base = _split(mx, calls, 5)
+            if kv_dtype == "float16":
+                base = {"mlx_sdpa_contiguous_us": t_sdpa * 1e6, "ratio_vs_mlx_sdpa": t / t_sdpa,
+                        **base, **sdpa_split}
+            _row(rows, f"paged_attention {kv_dtype}{suffix}", f"{seqs}x{tokens} kvh{kvh} d{hd}",
+                 t, nbytes, copy_bw, base)
+        _set_header_mode(modes[0][1])
         del pools
 
 

@@ -283,7 +283,8 @@ def gemv(weights: GemvWeights, x):
         return impl.gemv(mx, w, c, M, K, x)
     parts = []
     for b0 in range(0, x.shape[0], 8):
-        chunk = x[b0:b0 + 8]
+        # batch <= 8 launches on x itself: a slice would add an MLX op (host time) per call
+        chunk = x if x.shape[0] <= 8 else x[b0:b0 + 8]
         if name == "cuda":
             parts.append(impl.gemv(mx, w, c, M, K, chunk, run, tensor_cores=weights.tensor_cores))
         else:

@@ -16,12 +16,25 @@ same header the kernel text includes, so there is one value of each.
 Formats the hip/ kernels do not decode (every P1 affine format but HFQ4G256, MQ4G256,
 MQ4G256V2 and HFQ6G256) dequantize with a one-weight-per-thread body on quant.h's
 ``pkv_affine_params`` and ``pkv_unpack_code``.
+
+MLX copies a kernel's header into a new source string on every call and hashes that
+string on every launch (``mlx/backend/cuda/custom_kernel.cpp``: ``build_kernel`` in the
+call, ``std::hash`` of the source in ``eval_gpu``), so a 20-45 KB header costs host time
+per call. The default header mode, ``include``, writes each hip/ text once to a file
+named by its SHA-256 (:func:`hip_include_path`) and passes only ``#include "<file>"``
+(NVRTC reads it once, when the kernel compiles); ``inline`` passes the text itself (the
+earlier path, kept selectable: ``PAGEDKV_MLX_CUDA_HEADER=inline`` or
+:func:`set_header_mode`). docs/kernels.md, "MLX dispatch".
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -34,11 +47,16 @@ __all__ = [
     "fwht256",
     "gather_blocks",
     "gemv",
+    "header_mode",
+    "hip_include_path",
     "kernel_source",
     "kv_q8_quantize",
     "kv_q8_read",
     "paged_attention",
+    "set_header_mode",
 ]
+
+logger = logging.getLogger("pagedkv")
 
 # The hip/ kernel each weight format runs (hip/weights.hip; pagedkv.kernels.weights).
 HIP_WEIGHT_KERNELS = {"hfq4g256": "hfq4g256", "mq4g256": "hfq4g256",
@@ -74,18 +92,95 @@ def _hip_text(source: str) -> str:
     return strip_comments(compat + _DEVICE_KERNELS + body)
 
 
+#: How a kernel's header carries its hip/ text (module docstring).
+HEADER_MODES = ("include", "inline")
+_header_mode = [os.environ.get("PAGEDKV_MLX_CUDA_HEADER", "") or "include"]
+
+
+def set_header_mode(mode: str) -> None:
+    """``"include"`` (default) or ``"inline"``: how kernels built from now on carry the
+    hip/ text (kernels already built keep theirs; both kinds stay cached side by side)."""
+    if mode not in HEADER_MODES:
+        from pagedkv.errors import InvalidArgument
+        raise InvalidArgument(f"header mode {mode!r}: expected one of {HEADER_MODES} "
+                              f"(PAGEDKV_MLX_CUDA_HEADER)")
+    _header_mode[0] = mode
+    for plan in (_dequant_plan, _gemv_plan, _attention_plan):
+        plan.cache_clear()  # plans hold kernels of the mode they were built in
+
+
+def header_mode() -> str:
+    """The header mode of kernels built now (``PAGEDKV_MLX_CUDA_HEADER`` at import, or
+    :func:`set_header_mode`)."""
+    mode = _header_mode[0]
+    if mode not in HEADER_MODES:
+        set_header_mode(mode)  # raises, naming the variable
+    return mode
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PAGEDKV_MLX_CUDA_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedkv" / "mlx-cuda"
+
+
+@functools.cache
+def hip_include_path(source: str) -> str | None:
+    """The file holding :func:`_hip_text` of ``source``, written once (atomically) under
+    ``PAGEDKV_MLX_CUDA_CACHE`` (default ``$XDG_CACHE_HOME/pagedkv/mlx-cuda``) and named by
+    the text's SHA-256, so a changed pagedkv never meets an old file; None (callers inline
+    the text) when it cannot be written or its path cannot be quoted in an ``#include``."""
+    text = _hip_text(source)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+    path = (_cache_dir() / f"{source}-{digest}.cuh").resolve()
+    if any(c in str(path) for c in '"\\\n') or not path.is_absolute():
+        logger.warning("pagedkv.kernels.mlx: cache path %s cannot be #included; the CUDA "
+                       "kernels inline their headers", path)
+        return None
+    try:
+        if not (path.is_file() and path.read_text() == text):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            temp.write_text(text)
+            os.replace(temp, path)
+    except OSError as exc:
+        logger.warning("pagedkv.kernels.mlx: cannot write %s (%s); the CUDA kernels inline "
+                       "their headers (set PAGEDKV_MLX_CUDA_CACHE to a writable folder)",
+                       path, exc)
+        return None
+    return str(path)
+
+
+def _hip_header(source: str, mode: str) -> str:
+    """What stands for hip/<source>'s text in a header: an ``#include`` of its file, or
+    the text itself."""
+    path = hip_include_path(source) if mode == "include" else None
+    return _hip_text(source) if path is None else f'#include "{path}"\n'
+
+
 @functools.cache
 def _dtype_name(dtype) -> str:
     # str() of an mx.Dtype costs ~7 us (nanobind repr); launches name dtypes on every call
     return str(dtype).rpartition(".")[2]
 
 
-@functools.cache
 def kernel_source(source: str, name: str, inputs: tuple[tuple[str, str], ...],
                   outputs: tuple[tuple[str, str], ...], body: str,
                   bounds: tuple[int, ...] | None, shared_memory: int = 0) -> KernelSource:
     """One cuda_kernel: ``inputs``/``outputs`` are (name, dtype name) pairs in MLX's order;
-    ``bounds`` the ``__launch_bounds__`` arguments its generated kernel is declared with."""
+    ``bounds`` the ``__launch_bounds__`` arguments its generated kernel is declared with;
+    the header in the current :func:`header_mode`."""
+    return _kernel_source(source, name, inputs, outputs, body, bounds, shared_memory,
+                          header_mode())
+
+
+@functools.cache
+def _kernel_source(source: str, name: str, inputs: tuple[tuple[str, str], ...],
+                   outputs: tuple[tuple[str, str], ...], body: str,
+                   bounds: tuple[int, ...] | None, shared_memory: int,
+                   mode: str) -> KernelSource:
     kernel_name = f"pagedkv_{name}"
     decl = ""
     if bounds is not None:
@@ -96,7 +191,7 @@ def kernel_source(source: str, name: str, inputs: tuple[tuple[str, str], ...],
                 + ",\n    ".join(params) + ");\n}\n")
     return KernelSource(name=kernel_name, input_names=tuple(n for n, _ in inputs),
                         output_names=tuple(n for n, _ in outputs), source=body,
-                        header=_PRELUDE + decl + _hip_text(source), cooperative=True,
+                        header=_PRELUDE + decl + _hip_header(source, mode), cooperative=True,
                         shared_memory=shared_memory)
 
 
