@@ -49,10 +49,9 @@ def test_an_exception_in_the_block_leaves_the_target_and_no_temporary(tmp_path, 
     target = tmp_path / "out.bin"
     target.write_bytes(b"old")
     calls = _record_fsyncs(monkeypatch)
-    with pytest.raises(KeyError):
-        with AtomicFile(target) as f:
-            f.write(b"partial")
-            raise KeyError("boom")
+    with pytest.raises(KeyError), AtomicFile(target) as f:
+        f.write(b"partial")
+        raise KeyError("boom")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["out.bin"]
     assert calls == [] and f.state == "aborted"

@@ -28,6 +28,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -160,13 +161,9 @@ cdef uint64_t _block_hash_arg(object block_hash, str name) except 0:
     return h
 
 
-cdef inline bint _is_int(object v):
-    return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer))
-
-
 cdef Py_ssize_t _count_arg(object n, str name) except -1:
     """A count in [0, 2**31): block counts never exceed the int32 id range."""
-    if not _is_int(n):
+    if not is_int(n):
         raise InvalidArgumentType(f"{name} must be an int >= 0, got {type(n).__name__}")
     if not 0 <= n <= 0x7FFFFFFF:
         raise InvalidArgument(f"{name} = {n} is outside [0, 2**31)")
@@ -195,7 +192,7 @@ cdef tuple _segment_args(object parent_hash, object first_block):
     """Validated ``(parent_hash, first_block)`` of a chain segment: block 0 chains from 0,
     any later block from a real (never 0) hash."""
     cdef uint64_t parent = as_u64(parent_hash, "parent_hash")
-    if not _is_int(first_block):
+    if not is_int(first_block):
         raise InvalidArgumentType(
             f"first_block must be an int >= 0, got {type(first_block).__name__}")
     if not 0 <= first_block < (1 << 62):
@@ -236,15 +233,15 @@ cdef class BlockAllocator:
                  reserve_null_block=False, on_block_event=None, _hash_fn=None):
         cdef Py_ssize_t i, table_size
         cdef cnp.ndarray rec, tok, slots, mult
-        if not _is_int(num_blocks):
+        if not is_int(num_blocks):
             raise InvalidArgumentType(
                 f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if max_num_blocks is None:
             max_num_blocks = num_blocks
-        if not _is_int(max_num_blocks):
+        if not is_int(max_num_blocks):
             raise InvalidArgumentType(
                 f"max_num_blocks must be an int, got {type(max_num_blocks).__name__}")
-        if not _is_int(block_size):
+        if not is_int(block_size):
             raise InvalidArgumentType(
                 f"block_size must be an int, got {type(block_size).__name__}")
         min_blocks = 2 if reserve_null_block else 1
@@ -542,7 +539,7 @@ cdef class BlockAllocator:
             raise InvalidArgument(
                 "identity.extra_keys_digest must be b'' or the 16-byte digest of "
                 f"pagedkv.identity.extra_keys_digest, got {digest!r}")
-        if not _is_int(index):
+        if not is_int(index):
             raise InvalidArgumentType(
                 f"identity.block_index must be an int, got {type(index).__name__}")
         if not 0 <= index < (1 << 63):
@@ -644,7 +641,7 @@ cdef class BlockAllocator:
             v = PyLong_AsLongLongAndOverflow(block_id, &overflow)
             if overflow == 0 and 0 <= v < self._num_blocks:
                 return <int32_t>v
-        if not _is_int(block_id):
+        if not is_int(block_id):
             raise InvalidArgumentType(
                 f"{name} must be an int block id, got {type(block_id).__name__}")
         if not 0 <= block_id < self._num_blocks:
@@ -776,7 +773,7 @@ cdef class BlockAllocator:
 
     def can_allocate(self, n):
         """Whether ``n`` blocks can be handed out now (free + cache-only)."""
-        if _is_int(n) and n > 0x7FFFFFFF:
+        if is_int(n) and n > 0x7FFFFFFF:
             return False                    # more than any pool can hold
         cdef Py_ssize_t k = _count_arg(n, "n")
         return self.n_free >= k or self.n_free + self.n_evictable >= k

@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = [
@@ -167,7 +166,7 @@ def qtype(name_or_id: int | str | QuantType) -> QuantType:
                 f"(docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
                 f"valid names: {', '.join(r.key for r in _ROWS if r.registered)}")
         return row
-    if isinstance(name_or_id, (bool, np.bool_)) or not isinstance(name_or_id, (int, np.integer)):
+    if not is_int(name_or_id):
         raise InvalidArgumentType(
             f"quant type must be an int id or a str name, got {type(name_or_id).__name__} "
             f"{name_or_id!r}")

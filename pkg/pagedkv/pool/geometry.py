@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant import kv as kv_modes
 
@@ -54,7 +55,7 @@ Q8_GROUP_BYTES = 34
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise InvalidArgumentType(
             f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
     value = operator.index(value)
