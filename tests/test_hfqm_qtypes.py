@@ -12,7 +12,7 @@ from pagedkv.hfqm.qtypes import QTYPES, expected_nbytes, is_registered, qtype
 C = hfqm_index.c_constants()
 
 
-def test_python_register_matches_the_c_header_for_every_id():
+def test_python_register_is_read_from_the_c_header_for_every_id():
     table = hfqm_index.c_register()
     for qt_id in range(256):
         c_row = table[qt_id]
@@ -68,6 +68,18 @@ def test_lookup_errors_name_the_value():
     assert qtype(np.uint8(44)).key == "mq4g256v2"
     assert qtype(23).status == "reserved" and not is_registered(23)
     assert is_registered(130) and not is_registered(200)
+
+
+def test_every_raw_qt_has_a_numpy_dtype_and_only_those():
+    raw_flag = {i for i, r in QTYPES.items()
+                if hfqm_index.c_register()[i]["flags"] & C["flag_raw"]}
+    assert raw_flag == {i for i, r in QTYPES.items() if r.raw_dtype} == {1, 2, 16, 22}
+
+
+def test_unknown_id_message_lists_the_registered_ids():
+    with pytest.raises(InvalidArgument) as info:
+        qtype(99)
+    assert str(info.value).endswith("registered ids: 0-22, 24, 28-41, 44, 45, 47-51, 130")
 
 
 def test_raw_types_and_index_group_size():

@@ -16,8 +16,8 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "pkg" / "pagedkv"
 
 #: Names ``pagedkv/__init__`` exports, and the base modules everything may use.
-BASE = {"errors", "identity", "env_knobs", "argument_checks", "atomic_write", "_config",
-        "_build_config", "__version__", "get_include", "show_config"}
+BASE = {"errors", "identity", "env_knobs", "argument_checks", "atomic_write", "c_struct_dtype",
+        "_config", "_build_config", "__version__", "get_include", "show_config"}
 CORE = {"hashing", "allocator", "quant", "hfqm"}
 BELOW_TOP = BASE | CORE | {"pool", "sizing", "kernels", "kv_adaptive", "kv_mode", "adapter",
                            "coordinator", "cold"}
@@ -30,6 +30,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "identity": {"errors", "argument_checks"},
     "argument_checks": {"errors"},
     "atomic_write": {"errors"},
+    "c_struct_dtype": set(),
     "env_knobs": set(),
     "_build_config": set(),
     "_config": {"_build_config", "kernels"},  # show_config() reads the backends lazily

@@ -29,6 +29,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
 from pagedkv.argument_checks import is_int
+from pagedkv.c_struct_dtype import dtype_of_c_struct
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -53,25 +54,6 @@ __all__ = ["BLOCK_DTYPE", "PREFIX_SLOT_DTYPE", "BlockAllocator", "BlockIdentity"
 
 _log = logging.getLogger("pagedkv.allocator")
 
-#: NumPy view of ``pkv_block_record`` (records.h): 80 bytes, natural alignment.
-BLOCK_DTYPE = np.dtype({
-    "names": ["hot_hash", "parent_hash", "cache_salt", "block_index", "extra_keys_digest",
-              "refcount", "token_count", "lru_prev", "lru_next", "free_prev", "free_next",
-              "flags", "extra_keys_digest_len"],
-    "formats": ["<u8", "<u8", "<u8", "<i8", ("u1", (16,)),
-                "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<u4", "<u4"],
-    "offsets": [0, 8, 16, 24, 32, 48, 52, 56, 60, 64, 68, 72, 76],
-    "itemsize": 80,
-}, align=True)
-
-#: NumPy view of ``pkv_prefix_slot`` (records.h): 16 bytes.
-PREFIX_SLOT_DTYPE = np.dtype({
-    "names": ["key", "block", "_pad"],
-    "formats": ["<u8", "<i4", "<i4"],
-    "offsets": [0, 8, 12],
-    "itemsize": 16,
-}, align=True)
-
 #: ``pkv_block_record.flags`` bits.
 BLOCK_FREE = PKV_BLOCK_FREE
 BLOCK_CACHED = PKV_BLOCK_CACHED
@@ -83,52 +65,69 @@ STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evic
 
 cdef extern from *:
     """
-    #include <stddef.h>
     #include "pagedkv/records.h"
-    /* sizeof/offsetof as this C compiler lays the records out, field names spelled in C
-       so the layout test pairs each dtype field with the struct member of that name. */
-    typedef struct { const char *name; Py_ssize_t offset; } pkv_field_offset;
-    #define PKV_FIELD(T, F) { #F, (Py_ssize_t)offsetof(T, F) }
-    static const pkv_field_offset pkv_block_record_fields[] = {
-        PKV_FIELD(pkv_block_record, hot_hash), PKV_FIELD(pkv_block_record, parent_hash),
-        PKV_FIELD(pkv_block_record, cache_salt), PKV_FIELD(pkv_block_record, block_index),
-        PKV_FIELD(pkv_block_record, extra_keys_digest), PKV_FIELD(pkv_block_record, refcount),
-        PKV_FIELD(pkv_block_record, token_count), PKV_FIELD(pkv_block_record, lru_prev),
-        PKV_FIELD(pkv_block_record, lru_next), PKV_FIELD(pkv_block_record, free_prev),
-        PKV_FIELD(pkv_block_record, free_next), PKV_FIELD(pkv_block_record, flags),
-        PKV_FIELD(pkv_block_record, extra_keys_digest_len)};
-    static const pkv_field_offset pkv_prefix_slot_fields[] = {
-        PKV_FIELD(pkv_prefix_slot, key), PKV_FIELD(pkv_prefix_slot, block),
-        PKV_FIELD(pkv_prefix_slot, _pad)};
-    #define PKV_N_BLOCK_FIELDS (sizeof pkv_block_record_fields / sizeof pkv_block_record_fields[0])
-    #define PKV_N_SLOT_FIELDS (sizeof pkv_prefix_slot_fields / sizeof pkv_prefix_slot_fields[0])
+    #include "pagedkv/struct_fields.h"
+    /* The members the NumPy views carry, as this C compiler lays the records out. */
+    static const pkv_struct_field pkv_block_record_fields[] = {
+        PKV_STRUCT_FIELD(pkv_block_record, hot_hash),
+        PKV_STRUCT_FIELD(pkv_block_record, parent_hash),
+        PKV_STRUCT_FIELD(pkv_block_record, cache_salt),
+        PKV_STRUCT_FIELD(pkv_block_record, block_index),
+        PKV_STRUCT_FIELD(pkv_block_record, extra_keys_digest),
+        PKV_STRUCT_FIELD(pkv_block_record, refcount),
+        PKV_STRUCT_FIELD(pkv_block_record, token_count),
+        PKV_STRUCT_FIELD(pkv_block_record, lru_prev),
+        PKV_STRUCT_FIELD(pkv_block_record, lru_next),
+        PKV_STRUCT_FIELD(pkv_block_record, free_prev),
+        PKV_STRUCT_FIELD(pkv_block_record, free_next),
+        PKV_STRUCT_FIELD(pkv_block_record, flags),
+        PKV_STRUCT_FIELD(pkv_block_record, extra_keys_digest_len)};
+    static const pkv_struct_field pkv_prefix_slot_fields[] = {
+        PKV_STRUCT_FIELD(pkv_prefix_slot, key), PKV_STRUCT_FIELD(pkv_prefix_slot, block),
+        PKV_STRUCT_FIELD(pkv_prefix_slot, _pad)};
+    #define PKV_N_BLOCK_FIELDS PKV_COUNT_OF(pkv_block_record_fields)
+    #define PKV_N_SLOT_FIELDS PKV_COUNT_OF(pkv_prefix_slot_fields)
     """
-    ctypedef struct pkv_field_offset:
+    ctypedef struct pkv_struct_field:
         const char* name
-        Py_ssize_t offset
-    const pkv_field_offset pkv_block_record_fields[]
-    const pkv_field_offset pkv_prefix_slot_fields[]
+        size_t offset
+        size_t size
+        const char* numpy_code
+    const pkv_struct_field pkv_block_record_fields[]
+    const pkv_struct_field pkv_prefix_slot_fields[]
     Py_ssize_t PKV_N_BLOCK_FIELDS
     Py_ssize_t PKV_N_SLOT_FIELDS
 
 
-cdef dict _fields(const pkv_field_offset* fields, Py_ssize_t n, Py_ssize_t itemsize):
+cdef list _fields(const pkv_struct_field* fields, Py_ssize_t n):
     cdef Py_ssize_t i
-    out = {"itemsize": itemsize}
-    for i in range(n):
-        out[fields[i].name.decode("ascii")] = fields[i].offset
-    return out
+    return [(fields[i].name.decode("ascii"), fields[i].offset, fields[i].size,
+             fields[i].numpy_code.decode("ascii")) for i in range(n)]
 
 
 def _c_layout():
     """``sizeof``/``offsetof`` of the records.h structs as the C compiler laid them out:
     ``{struct: {"itemsize": n, member: offset, ...}}``."""
-    return {
-        "pkv_block_record": _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS,
-                                    sizeof(pkv_block_record)),
-        "pkv_prefix_slot": _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS,
-                                   sizeof(pkv_prefix_slot)),
-    }
+    out = {}
+    for struct, size, fields in (
+            ("pkv_block_record", sizeof(pkv_block_record),
+             _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS)),
+            ("pkv_prefix_slot", sizeof(pkv_prefix_slot),
+             _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS))):
+        out[struct] = {"itemsize": size, **{f[0]: f[1] for f in fields}}
+    return out
+
+
+#: NumPy view of ``pkv_block_record`` (records.h), built from the struct as compiled: 80
+#: bytes, natural alignment.
+BLOCK_DTYPE = dtype_of_c_struct(sizeof(pkv_block_record),
+                                _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS),
+                                align=True)
+
+#: NumPy view of ``pkv_prefix_slot`` (records.h): 16 bytes.
+PREFIX_SLOT_DTYPE = dtype_of_c_struct(sizeof(pkv_prefix_slot),
+                                      _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS),
+                                      align=True)
 
 
 cdef extern from *:

@@ -34,7 +34,7 @@ cnp.import_array()
 
 __all__ = [
     "BlockIdentity", "XXH3_SOURCE", "as_token_array", "chain_hashes", "hot_block_hash",
-    "salt_domain_id",
+    "per_block_extra_keys", "salt_domain_id",
 ]
 
 cdef extern from *:
@@ -277,6 +277,16 @@ cpdef ChainKeys make_chain_keys(object extra_keys=(), object extra_keys_per_bloc
             _UNIFORM_NONE = _uniform(())
         return _UNIFORM_NONE
     return _uniform(_keys_tuple(extra_keys, "extra_keys"))
+
+
+def per_block_extra_keys(Py_ssize_t num_full_blocks, extra_keys=(), extra_keys_per_block=None):
+    """The validated extra keys of each chained block, one tuple of ints per block, with the
+    chain's stopping rule (docs/contracts/paged-kv.md, '2.2 Chains'): ``extra_keys`` applies
+    to every one of ``num_full_blocks``; ``extra_keys_per_block[i]`` to block ``i``, and the
+    chain stops at the first block without an entry."""
+    cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
+    cdef Py_ssize_t i, n = keys.blocks_for(max(num_full_blocks, 0))
+    return [keys.tuple_of(i) for i in range(n)]
 
 
 cdef ChainKeys _uniform(tuple keys):

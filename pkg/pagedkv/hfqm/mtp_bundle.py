@@ -17,14 +17,14 @@ import struct
 
 from pagedkv.atomic_write import AtomicFile
 from pagedkv.errors import BadBundle, InvalidArgument
-from pagedkv.hfqm.index import HEADER_BYTES
+from pagedkv.hfqm.index import HEADER_BYTES, MAGIC, MTP_TRAILER_BYTES
 from pagedkv.hfqm.positional_reads import pread_exact
 
 __all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
 MTP_TRAILER_MAGIC = b"HFBNDMTP"
 MTP_ARCH_ID = 21
-TRAILER_BYTES = 16
+TRAILER_BYTES = MTP_TRAILER_BYTES
 _COPY_CHUNK_BYTES = 16 << 20
 
 
@@ -47,7 +47,7 @@ def mtp_offset(fd: int, file_bytes: int, trunk_end: int, *, path: str) -> int | 
                         f"for its {HEADER_BYTES}-byte header before the trailer (byte "
                         f"{trailer_at})", path=path, offset=trailer_at + 8)
     magic = pread_exact(fd, 4, offset, path=path)
-    if magic != b"HFQM":
+    if magic != MAGIC:
         raise BadBundle(f"MTP bundle trailer points at byte {offset}, which holds "
                         f"{bytes(magic)!r}, not an HFQM header", path=path, offset=offset)
     return offset

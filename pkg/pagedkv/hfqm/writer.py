@@ -33,7 +33,15 @@ import numpy as np
 from pagedkv.atomic_write import AtomicFile
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm.arch import arch_id_for
-from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, MAX_NUMEL, json_end
+from pagedkv.hfqm.index import (
+    DATA_ALIGN_BYTES,
+    HEADER_BYTES,
+    INCOMPLETE_MAGIC,
+    MAX_DIMS,
+    MAX_NUMEL,
+    json_end,
+    pack_header,
+)
 from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
 
@@ -126,7 +134,7 @@ class HfqmWriter:
                                     self.path)
         self._file: AtomicFile | None = AtomicFile(self.path, sync=self._fsync)
         self.temp_path = self._file.temp_path
-        _pwrite_all(self._file.fd, b"HFQ!", 0)
+        _pwrite_all(self._file.fd, INCOMPLETE_MAGIC, 0)
         self.closed = False
 
     # --- argument checks ------------------------------------------------------------
@@ -359,9 +367,7 @@ class HfqmWriter:
             _pwrite_all(fd, region + bytes(data_offset - HEADER_BYTES - len(region)),
                         HEADER_BYTES)
             os.ftruncate(fd, data_offset + self._payload_bytes)
-            header = struct.pack("<4sIIIQQ", b"HFQM", 1, self.arch_id, len(self._entries),
-                                 HEADER_BYTES, data_offset)
-            _pwrite_all(fd, header, 0)
+            _pwrite_all(fd, pack_header(self.arch_id, len(self._entries), data_offset), 0)
             assert self._file is not None, "open: _open_fd checked it"
             self._file.commit()
             self._file = None
