@@ -132,6 +132,28 @@ def test_header_and_record_layout_match_the_c_structs():
                              "data_offset")] == [0, 4, 8, 12, 16, 24]
 
 
+def test_the_numpy_twins_are_the_documented_layouts():
+    assert hfqm_index.TENSOR_RECORD_DTYPE == np.dtype({
+        "names": ["offset", "nbytes", "name_offset", "shape", "name_len", "group_size",
+                  "qt", "ndim"],
+        "formats": ["<u8", "<u8", "<u8", ("<u4", (8,)), "<u4", "<u4", "u1", "u1"],
+        "offsets": [0, 8, 16, 24, 56, 60, 64, 65], "itemsize": 72})
+    assert hfqm_index.HEADER_DTYPE == np.dtype({
+        "names": ["magic", "version", "arch_id", "n_tensors", "metadata_offset", "data_offset"],
+        "formats": [("u1", (4,)), "<u4", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 24], "itemsize": 32})
+
+
+def test_pack_header_is_what_parse_header_reads():
+    raw = hfqm_index.pack_header(7, 3, 8192)
+    assert raw == (b"HFQM" + (1).to_bytes(4, "little") + (7).to_bytes(4, "little")
+                   + (3).to_bytes(4, "little") + (32).to_bytes(8, "little")
+                   + (8192).to_bytes(8, "little"))
+    assert hfqm_index.parse_header(raw, "x.hfq") == (1, 7, 3, 32, 8192)
+    assert hfqm_index.MAGIC == b"HFQM" and hfqm_index.INCOMPLETE_MAGIC == b"HFQ!"
+    assert hfqm_index.MTP_TRAILER_BYTES == 16
+
+
 def test_every_quant_codec_qt_has_a_size_rule():
     # The converter plans exact data sizes for the pagedkv.quant codecs it writes.
     from pagedkv.quant.formats import CODECS
