@@ -9,6 +9,8 @@ accepted, NumPy booleans and floats are not. Base layer: imports nothing of page
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
@@ -16,7 +18,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 __all__ = ["int_argument", "is_int"]
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer]:
     """True for a Python ``int`` or a NumPy integer scalar; False for ``bool`` and
     ``numpy.bool_`` (and everything else: floats, strings, 0-d arrays)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -28,7 +30,7 @@ def int_argument(name: str, value: object, minimum: int = 0) -> int:
     ``minimum``."""
     if not is_int(value):
         raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
-    number = int(value)  # type: ignore[call-overload]  # is_int: an int or np.integer
+    number = int(value)
     if number < minimum:
         raise InvalidArgument(f"{name} = {number} must be >= {minimum}")
     return number

@@ -31,7 +31,7 @@ def _field(config: Mapping, name: str) -> int:
     if not is_int(value) or value <= 0:
         raise InvalidArgument(f"config.json {name} = {value!r}: a hybrid reference config "
                               "needs a positive int")
-    return value
+    return int(value)
 
 
 def reference_hybrid_sidecar(config: Mapping, geometry):

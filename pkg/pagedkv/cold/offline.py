@@ -254,7 +254,7 @@ def trace_counters(directory: str) -> tuple[str, dict[str, int]] | None:
                 for name in fields:
                     v = rec.get(f"cold_{name}")
                     if is_int(v):
-                        totals[name] += v
+                        totals[name] += int(v)
     except OSError:
         return None
     return newest, totals

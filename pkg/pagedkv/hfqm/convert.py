@@ -127,7 +127,7 @@ def _config_int(config: Any, keys: tuple[str, ...]) -> int | None:
             for key in keys:
                 v = scope.get(key)
                 if is_int(v):
-                    return v
+                    return int(v)
     return None
 
 
