@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "pkg" / "pagedkv"
 
 #: Names ``pagedkv/__init__`` exports, and the base modules everything may use.
 BASE = {"errors", "identity", "env_knobs", "argument_checks", "atomic_write", "c_struct_dtype",
-        "_config", "_build_config", "__version__", "get_include", "show_config"}
+        "struct_fields", "_config", "_build_config", "__version__", "get_include", "show_config"}
 CORE = {"hashing", "allocator", "quant", "hfqm"}
 BELOW_TOP = BASE | CORE | {"pool", "sizing", "kernels", "kv_adaptive", "kv_mode", "adapter",
                            "coordinator", "cold"}
@@ -31,6 +31,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "argument_checks": {"errors"},
     "atomic_write": {"errors"},
     "c_struct_dtype": set(),
+    "struct_fields": set(),
     "env_knobs": set(),
     "_build_config": set(),
     "_config": {"_build_config", "kernels"},  # show_config() reads the backends lazily

@@ -25,6 +25,8 @@ import numpy as np
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+from pagedkv.struct_fields cimport field_table, pkv_struct_field
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -88,21 +90,10 @@ cdef extern from *:
     #define PKV_N_BLOCK_FIELDS PKV_COUNT_OF(pkv_block_record_fields)
     #define PKV_N_SLOT_FIELDS PKV_COUNT_OF(pkv_prefix_slot_fields)
     """
-    ctypedef struct pkv_struct_field:
-        const char* name
-        size_t offset
-        size_t size
-        const char* numpy_code
     const pkv_struct_field pkv_block_record_fields[]
     const pkv_struct_field pkv_prefix_slot_fields[]
     Py_ssize_t PKV_N_BLOCK_FIELDS
     Py_ssize_t PKV_N_SLOT_FIELDS
-
-
-cdef list _fields(const pkv_struct_field* fields, Py_ssize_t n):
-    cdef Py_ssize_t i
-    return [(fields[i].name.decode("ascii"), fields[i].offset, fields[i].size,
-             fields[i].numpy_code.decode("ascii")) for i in range(n)]
 
 
 def _c_layout():
@@ -111,9 +102,9 @@ def _c_layout():
     out = {}
     for struct, size, fields in (
             ("pkv_block_record", sizeof(pkv_block_record),
-             _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS)),
+             field_table(pkv_block_record_fields, PKV_N_BLOCK_FIELDS)),
             ("pkv_prefix_slot", sizeof(pkv_prefix_slot),
-             _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS))):
+             field_table(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS))):
         out[struct] = {"itemsize": size, **{f[0]: f[1] for f in fields}}
     return out
 
@@ -121,12 +112,12 @@ def _c_layout():
 #: NumPy view of ``pkv_block_record`` (records.h), built from the struct as compiled: 80
 #: bytes, natural alignment.
 BLOCK_DTYPE = dtype_of_c_struct(sizeof(pkv_block_record),
-                                _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS),
+                                field_table(pkv_block_record_fields, PKV_N_BLOCK_FIELDS),
                                 align=True)
 
 #: NumPy view of ``pkv_prefix_slot`` (records.h): 16 bytes.
 PREFIX_SLOT_DTYPE = dtype_of_c_struct(sizeof(pkv_prefix_slot),
-                                      _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS),
+                                      field_table(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS),
                                       align=True)
 
 

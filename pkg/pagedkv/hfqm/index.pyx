@@ -14,6 +14,8 @@ import numpy as np
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
+from pagedkv.struct_fields cimport field_table, pkv_struct_field
+
 from pagedkv.c_struct_dtype import dtype_of_c_struct
 from pagedkv.errors import (
     BadMagic, BadMetadata, BadName, CountMismatch, SizeMismatch, Truncated,
@@ -51,11 +53,6 @@ cdef extern from *:
     #define PKV_N_HFQM_RECORD_FIELDS PKV_COUNT_OF(pkv_hfqm_record_fields)
     #define PKV_N_HFQM_HEADER_FIELDS PKV_COUNT_OF(pkv_hfqm_header_fields)
     """
-    ctypedef struct pkv_struct_field:
-        const char* name
-        size_t offset
-        size_t size
-        const char* numpy_code
     const pkv_struct_field pkv_hfqm_record_fields[]
     const pkv_struct_field pkv_hfqm_header_fields[]
     Py_ssize_t PKV_N_HFQM_RECORD_FIELDS
@@ -63,20 +60,15 @@ cdef extern from *:
     Py_ssize_t PKV_N_HFQM_HEADER_FIELDS
 
 
-cdef list _fields(const pkv_struct_field* fields, Py_ssize_t n):
-    cdef Py_ssize_t i
-    return [(fields[i].name.decode("ascii"), fields[i].offset, fields[i].size,
-             fields[i].numpy_code.decode("ascii")) for i in range(n)]
-
-
 #: NumPy twin of ``pkv_hfqm_tensor_record`` (pagedkv/hfqm.h), built from the struct as
 #: compiled; offsets are absolute file offsets in bytes, ``shape`` is zero past ``ndim``.
 TENSOR_RECORD_DTYPE = dtype_of_c_struct(
-    sizeof(pkv_hfqm_tensor_record), _fields(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS))
+    sizeof(pkv_hfqm_tensor_record),
+    field_table(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS))
 
 #: NumPy twin of ``pkv_hfqm_header`` (pagedkv/hfqm.h), the 32-byte on-disk header.
 HEADER_DTYPE = dtype_of_c_struct(
-    sizeof(pkv_hfqm_header), _fields(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS))
+    sizeof(pkv_hfqm_header), field_table(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS))
 
 HEADER_BYTES = PKV_HFQM_HEADER_BYTES
 #: The 4 magic bytes of a complete file, and of one still being written.
@@ -608,14 +600,14 @@ def json_end(const uint8_t[::1] buf not None, Py_ssize_t start, Py_ssize_t limit
 def record_layout():
     """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_tensor_record``."""
     return {"itemsize": sizeof(pkv_hfqm_tensor_record),
-            **{f[0]: f[1] for f in _fields(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS)}}
+            **{f[0]: f[1] for f in field_table(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS)}}
 
 
 def header_layout():
     """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_header``, plus the
     ``PKV_HFQM_HDR_*_OFF`` constants under ``"const_<field>"``."""
     layout = {"itemsize": sizeof(pkv_hfqm_header),
-              **{f[0]: f[1] for f in _fields(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS)}}
+              **{f[0]: f[1] for f in field_table(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS)}}
     layout.update(const_magic=PKV_HFQM_HDR_MAGIC_OFF, const_version=PKV_HFQM_HDR_VERSION_OFF,
                   const_arch_id=PKV_HFQM_HDR_ARCH_ID_OFF,
                   const_n_tensors=PKV_HFQM_HDR_N_TENSORS_OFF,
