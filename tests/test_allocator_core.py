@@ -85,6 +85,22 @@ def test_dtypes_match_the_c_structs(dtype, struct):
     assert list(dtype.names) == sorted(c, key=c.get)    # declared in memory order
 
 
+def test_dtypes_are_the_documented_records():
+    """The dtypes are built from records.h as compiled; this pins what that must give
+    (docs/development.md, 'Core layouts'): a header edit that moves a field fails here."""
+    assert BLOCK_DTYPE == np.dtype({
+        "names": ["hot_hash", "parent_hash", "cache_salt", "block_index", "extra_keys_digest",
+                  "refcount", "token_count", "lru_prev", "lru_next", "free_prev", "free_next",
+                  "flags", "extra_keys_digest_len"],
+        "formats": ["<u8", "<u8", "<u8", "<i8", ("u1", (16,)),
+                    "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<u4", "<u4"],
+        "offsets": [0, 8, 16, 24, 32, 48, 52, 56, 60, 64, 68, 72, 76], "itemsize": 80})
+    assert PREFIX_SLOT_DTYPE == np.dtype({"names": ["key", "block", "_pad"],
+                                          "formats": ["<u8", "<i4", "<i4"],
+                                          "offsets": [0, 8, 12], "itemsize": 16})
+    assert BLOCK_DTYPE.isalignedstruct and PREFIX_SLOT_DTYPE.isalignedstruct
+
+
 def test_record_field_types():
     f = BLOCK_DTYPE.fields
     assert f["extra_keys_digest"][0] == np.dtype(("u1", (16,)))

@@ -263,3 +263,20 @@ def test_domain_id_limits():
 def test_block_identity_is_reexported():
     from pagedkv.identity import BlockIdentity
     assert hashing.BlockIdentity is BlockIdentity
+
+
+def test_per_block_extra_keys_is_the_one_normalisation_of_chain_keys():
+    from pagedkv.hashing import per_block_extra_keys
+    assert per_block_extra_keys(3) == [(), (), ()]
+    assert per_block_extra_keys(2, [np.uint64(7), 2**64 - 1]) == [(7, 2**64 - 1)] * 2
+    assert all(type(k) is int for k in per_block_extra_keys(1, [np.uint64(7)])[0])
+    # per-block keys: the chain stops at the first block without an entry, and at the blocks
+    assert per_block_extra_keys(5, extra_keys_per_block=[(1,), [2, 3]]) == [(1,), (2, 3)]
+    assert per_block_extra_keys(1, extra_keys_per_block=[(1,), (2,)]) == [(1,)]
+    assert per_block_extra_keys(0, (4,)) == [] and per_block_extra_keys(-1, (4,)) == []
+    with pytest.raises(InvalidArgument, match="not both"):
+        per_block_extra_keys(2, (1,), [(1,)])
+    with pytest.raises(InvalidArgumentType, match=r"extra_keys_per_block\[1\]\[0\]"):
+        per_block_extra_keys(2, extra_keys_per_block=[(1,), (True,)])
+    with pytest.raises(InvalidArgument, match=r"extra_keys\[0\] = -1 is outside"):
+        per_block_extra_keys(2, (-1,))

@@ -12,7 +12,7 @@ from pagedkv.hfqm.qtypes import QTYPES, expected_nbytes, is_registered, qtype
 C = hfqm_index.c_constants()
 
 
-def test_python_register_matches_the_c_header_for_every_id():
+def test_python_register_is_read_from_the_c_header_for_every_id():
     table = hfqm_index.c_register()
     for qt_id in range(256):
         c_row = table[qt_id]
@@ -70,6 +70,18 @@ def test_lookup_errors_name_the_value():
     assert is_registered(130) and not is_registered(200)
 
 
+def test_every_raw_qt_has_a_numpy_dtype_and_only_those():
+    raw_flag = {i for i, r in QTYPES.items()
+                if hfqm_index.c_register()[i]["flags"] & C["flag_raw"]}
+    assert raw_flag == {i for i, r in QTYPES.items() if r.raw_dtype} == {1, 2, 16, 22}
+
+
+def test_unknown_id_message_lists_the_registered_ids():
+    with pytest.raises(InvalidArgument) as info:
+        qtype(99)
+    assert str(info.value).endswith("registered ids: 0-22, 24, 28-41, 44, 45, 47-51, 130")
+
+
 def test_raw_types_and_index_group_size():
     assert {i: QTYPES[i].raw_dtype for i in (1, 2, 16, 22)} == {
         1: "float16", 2: "float32", 16: "uint16", 22: "uint32"}
@@ -118,6 +130,28 @@ def test_header_and_record_layout_match_the_c_structs():
         assert hdr[field] == hdr["const_" + field], field
     assert [hdr[f] for f in ("magic", "version", "arch_id", "n_tensors", "metadata_offset",
                              "data_offset")] == [0, 4, 8, 12, 16, 24]
+
+
+def test_the_numpy_twins_are_the_documented_layouts():
+    assert hfqm_index.TENSOR_RECORD_DTYPE == np.dtype({
+        "names": ["offset", "nbytes", "name_offset", "shape", "name_len", "group_size",
+                  "qt", "ndim"],
+        "formats": ["<u8", "<u8", "<u8", ("<u4", (8,)), "<u4", "<u4", "u1", "u1"],
+        "offsets": [0, 8, 16, 24, 56, 60, 64, 65], "itemsize": 72})
+    assert hfqm_index.HEADER_DTYPE == np.dtype({
+        "names": ["magic", "version", "arch_id", "n_tensors", "metadata_offset", "data_offset"],
+        "formats": [("u1", (4,)), "<u4", "<u4", "<u4", "<u8", "<u8"],
+        "offsets": [0, 4, 8, 12, 16, 24], "itemsize": 32})
+
+
+def test_pack_header_is_what_parse_header_reads():
+    raw = hfqm_index.pack_header(7, 3, 8192)
+    assert raw == (b"HFQM" + (1).to_bytes(4, "little") + (7).to_bytes(4, "little")
+                   + (3).to_bytes(4, "little") + (32).to_bytes(8, "little")
+                   + (8192).to_bytes(8, "little"))
+    assert hfqm_index.parse_header(raw, "x.hfq") == (1, 7, 3, 32, 8192)
+    assert hfqm_index.MAGIC == b"HFQM" and hfqm_index.INCOMPLETE_MAGIC == b"HFQ!"
+    assert hfqm_index.MTP_TRAILER_BYTES == 16
 
 
 def test_every_quant_codec_qt_has_a_size_rule():

@@ -16,8 +16,8 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "pkg" / "pagedkv"
 
 #: Names ``pagedkv/__init__`` exports, and the base modules everything may use.
-BASE = {"errors", "identity", "env_knobs", "_config", "_build_config", "__version__",
-        "get_include", "show_config"}
+BASE = {"errors", "identity", "env_knobs", "argument_checks", "atomic_write", "c_struct_dtype",
+        "struct_fields", "_config", "_build_config", "__version__", "get_include", "show_config"}
 CORE = {"hashing", "allocator", "quant", "hfqm"}
 BELOW_TOP = BASE | CORE | {"pool", "sizing", "kernels", "kv_adaptive", "kv_mode", "adapter",
                            "coordinator", "cold"}
@@ -27,7 +27,11 @@ EVERYTHING = BELOW_TOP | {"reference", "integrations", "cli", "bench", "selfchec
 MAY_IMPORT: dict[str, set[str]] = {
     "__init__": BASE,
     "errors": set(),
-    "identity": {"errors"},
+    "identity": {"errors", "argument_checks"},
+    "argument_checks": {"errors"},
+    "atomic_write": {"errors"},
+    "c_struct_dtype": set(),
+    "struct_fields": set(),
     "env_knobs": set(),
     "_build_config": set(),
     "_config": {"_build_config", "kernels"},  # show_config() reads the backends lazily

@@ -66,6 +66,20 @@ def test_kv_q8_cpu_codec_equals_the_reference_bytes():
     assert kv_q8.quantize(np.zeros((0, 32), np.float32)).shape == (0, 34)
 
 
+def test_kv_q8_layout_constants_are_kvquant_h():
+    """BLOCK_VALUES / RECORD_BYTES come from PKV_KVQ8_BLOCK / PKV_KVQ8_RECORD_BYTES; the
+    documented layout (an f16 scale + 32 int8) pins them."""
+    assert (kv_q8.BLOCK_VALUES, kv_q8.RECORD_BYTES) == (32, 34)
+    assert [kv_q8.row_bytes(hd) for hd in (32, 64, 128, 256)] == [34, 68, 136, 272]
+    for bad in (0, -32, 40):
+        with pytest.raises(errors.InvalidArgument, match=f"head_dim={bad}: must be a positive "
+                                                          "multiple of 32 for q8 KV"):
+            kv_q8.row_bytes(bad)
+    from pagedkv.pool import geometry
+    assert (geometry.Q8_GROUP_DIMS, geometry.Q8_GROUP_BYTES) == (32, 34)
+    assert (reference.KVQ8_BLOCK, reference.KVQ8_RECORD_BYTES) == (32, 34)
+
+
 def test_kv_q8_cpu_codec_rejects_bad_input():
     with pytest.raises(errors.InvalidArgument, match="multiple of 32"):
         kv_q8.quantize(np.zeros((2, 40), np.float32))

@@ -25,9 +25,13 @@ import numpy as np
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+from pagedkv.struct_fields cimport field_table, pkv_struct_field
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy, memset
 
+from pagedkv.argument_checks import is_int
+from pagedkv.c_struct_dtype import dtype_of_c_struct
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -52,25 +56,6 @@ __all__ = ["BLOCK_DTYPE", "PREFIX_SLOT_DTYPE", "BlockAllocator", "BlockIdentity"
 
 _log = logging.getLogger("pagedkv.allocator")
 
-#: NumPy view of ``pkv_block_record`` (records.h): 80 bytes, natural alignment.
-BLOCK_DTYPE = np.dtype({
-    "names": ["hot_hash", "parent_hash", "cache_salt", "block_index", "extra_keys_digest",
-              "refcount", "token_count", "lru_prev", "lru_next", "free_prev", "free_next",
-              "flags", "extra_keys_digest_len"],
-    "formats": ["<u8", "<u8", "<u8", "<i8", ("u1", (16,)),
-                "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<u4", "<u4"],
-    "offsets": [0, 8, 16, 24, 32, 48, 52, 56, 60, 64, 68, 72, 76],
-    "itemsize": 80,
-}, align=True)
-
-#: NumPy view of ``pkv_prefix_slot`` (records.h): 16 bytes.
-PREFIX_SLOT_DTYPE = np.dtype({
-    "names": ["key", "block", "_pad"],
-    "formats": ["<u8", "<i4", "<i4"],
-    "offsets": [0, 8, 12],
-    "itemsize": 16,
-}, align=True)
-
 #: ``pkv_block_record.flags`` bits.
 BLOCK_FREE = PKV_BLOCK_FREE
 BLOCK_CACHED = PKV_BLOCK_CACHED
@@ -82,52 +67,58 @@ STATS_KEYS = ("query_tokens", "hit_tokens", "pressure_evictions", "capacity_evic
 
 cdef extern from *:
     """
-    #include <stddef.h>
     #include "pagedkv/records.h"
-    /* sizeof/offsetof as this C compiler lays the records out, field names spelled in C
-       so the layout test pairs each dtype field with the struct member of that name. */
-    typedef struct { const char *name; Py_ssize_t offset; } pkv_field_offset;
-    #define PKV_FIELD(T, F) { #F, (Py_ssize_t)offsetof(T, F) }
-    static const pkv_field_offset pkv_block_record_fields[] = {
-        PKV_FIELD(pkv_block_record, hot_hash), PKV_FIELD(pkv_block_record, parent_hash),
-        PKV_FIELD(pkv_block_record, cache_salt), PKV_FIELD(pkv_block_record, block_index),
-        PKV_FIELD(pkv_block_record, extra_keys_digest), PKV_FIELD(pkv_block_record, refcount),
-        PKV_FIELD(pkv_block_record, token_count), PKV_FIELD(pkv_block_record, lru_prev),
-        PKV_FIELD(pkv_block_record, lru_next), PKV_FIELD(pkv_block_record, free_prev),
-        PKV_FIELD(pkv_block_record, free_next), PKV_FIELD(pkv_block_record, flags),
-        PKV_FIELD(pkv_block_record, extra_keys_digest_len)};
-    static const pkv_field_offset pkv_prefix_slot_fields[] = {
-        PKV_FIELD(pkv_prefix_slot, key), PKV_FIELD(pkv_prefix_slot, block),
-        PKV_FIELD(pkv_prefix_slot, _pad)};
-    #define PKV_N_BLOCK_FIELDS (sizeof pkv_block_record_fields / sizeof pkv_block_record_fields[0])
-    #define PKV_N_SLOT_FIELDS (sizeof pkv_prefix_slot_fields / sizeof pkv_prefix_slot_fields[0])
+    #include "pagedkv/struct_fields.h"
+    /* The members the NumPy views carry, as this C compiler lays the records out. */
+    static const pkv_struct_field pkv_block_record_fields[] = {
+        PKV_STRUCT_FIELD(pkv_block_record, hot_hash),
+        PKV_STRUCT_FIELD(pkv_block_record, parent_hash),
+        PKV_STRUCT_FIELD(pkv_block_record, cache_salt),
+        PKV_STRUCT_FIELD(pkv_block_record, block_index),
+        PKV_STRUCT_FIELD(pkv_block_record, extra_keys_digest),
+        PKV_STRUCT_FIELD(pkv_block_record, refcount),
+        PKV_STRUCT_FIELD(pkv_block_record, token_count),
+        PKV_STRUCT_FIELD(pkv_block_record, lru_prev),
+        PKV_STRUCT_FIELD(pkv_block_record, lru_next),
+        PKV_STRUCT_FIELD(pkv_block_record, free_prev),
+        PKV_STRUCT_FIELD(pkv_block_record, free_next),
+        PKV_STRUCT_FIELD(pkv_block_record, flags),
+        PKV_STRUCT_FIELD(pkv_block_record, extra_keys_digest_len)};
+    static const pkv_struct_field pkv_prefix_slot_fields[] = {
+        PKV_STRUCT_FIELD(pkv_prefix_slot, key), PKV_STRUCT_FIELD(pkv_prefix_slot, block),
+        PKV_STRUCT_FIELD(pkv_prefix_slot, _pad)};
+    #define PKV_N_BLOCK_FIELDS PKV_COUNT_OF(pkv_block_record_fields)
+    #define PKV_N_SLOT_FIELDS PKV_COUNT_OF(pkv_prefix_slot_fields)
     """
-    ctypedef struct pkv_field_offset:
-        const char* name
-        Py_ssize_t offset
-    const pkv_field_offset pkv_block_record_fields[]
-    const pkv_field_offset pkv_prefix_slot_fields[]
+    const pkv_struct_field pkv_block_record_fields[]
+    const pkv_struct_field pkv_prefix_slot_fields[]
     Py_ssize_t PKV_N_BLOCK_FIELDS
     Py_ssize_t PKV_N_SLOT_FIELDS
-
-
-cdef dict _fields(const pkv_field_offset* fields, Py_ssize_t n, Py_ssize_t itemsize):
-    cdef Py_ssize_t i
-    out = {"itemsize": itemsize}
-    for i in range(n):
-        out[fields[i].name.decode("ascii")] = fields[i].offset
-    return out
 
 
 def _c_layout():
     """``sizeof``/``offsetof`` of the records.h structs as the C compiler laid them out:
     ``{struct: {"itemsize": n, member: offset, ...}}``."""
-    return {
-        "pkv_block_record": _fields(pkv_block_record_fields, PKV_N_BLOCK_FIELDS,
-                                    sizeof(pkv_block_record)),
-        "pkv_prefix_slot": _fields(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS,
-                                   sizeof(pkv_prefix_slot)),
-    }
+    out = {}
+    for struct, size, fields in (
+            ("pkv_block_record", sizeof(pkv_block_record),
+             field_table(pkv_block_record_fields, PKV_N_BLOCK_FIELDS)),
+            ("pkv_prefix_slot", sizeof(pkv_prefix_slot),
+             field_table(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS))):
+        out[struct] = {"itemsize": size, **{f[0]: f[1] for f in fields}}
+    return out
+
+
+#: NumPy view of ``pkv_block_record`` (records.h), built from the struct as compiled: 80
+#: bytes, natural alignment.
+BLOCK_DTYPE = dtype_of_c_struct(sizeof(pkv_block_record),
+                                field_table(pkv_block_record_fields, PKV_N_BLOCK_FIELDS),
+                                align=True)
+
+#: NumPy view of ``pkv_prefix_slot`` (records.h): 16 bytes.
+PREFIX_SLOT_DTYPE = dtype_of_c_struct(sizeof(pkv_prefix_slot),
+                                      field_table(pkv_prefix_slot_fields, PKV_N_SLOT_FIELDS),
+                                      align=True)
 
 
 cdef extern from *:
@@ -160,13 +151,9 @@ cdef uint64_t _block_hash_arg(object block_hash, str name) except 0:
     return h
 
 
-cdef inline bint _is_int(object v):
-    return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer))
-
-
 cdef Py_ssize_t _count_arg(object n, str name) except -1:
     """A count in [0, 2**31): block counts never exceed the int32 id range."""
-    if not _is_int(n):
+    if not is_int(n):
         raise InvalidArgumentType(f"{name} must be an int >= 0, got {type(n).__name__}")
     if not 0 <= n <= 0x7FFFFFFF:
         raise InvalidArgument(f"{name} = {n} is outside [0, 2**31)")
@@ -195,7 +182,7 @@ cdef tuple _segment_args(object parent_hash, object first_block):
     """Validated ``(parent_hash, first_block)`` of a chain segment: block 0 chains from 0,
     any later block from a real (never 0) hash."""
     cdef uint64_t parent = as_u64(parent_hash, "parent_hash")
-    if not _is_int(first_block):
+    if not is_int(first_block):
         raise InvalidArgumentType(
             f"first_block must be an int >= 0, got {type(first_block).__name__}")
     if not 0 <= first_block < (1 << 62):
@@ -236,15 +223,15 @@ cdef class BlockAllocator:
                  reserve_null_block=False, on_block_event=None, _hash_fn=None):
         cdef Py_ssize_t i, table_size
         cdef cnp.ndarray rec, tok, slots, mult
-        if not _is_int(num_blocks):
+        if not is_int(num_blocks):
             raise InvalidArgumentType(
                 f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if max_num_blocks is None:
             max_num_blocks = num_blocks
-        if not _is_int(max_num_blocks):
+        if not is_int(max_num_blocks):
             raise InvalidArgumentType(
                 f"max_num_blocks must be an int, got {type(max_num_blocks).__name__}")
-        if not _is_int(block_size):
+        if not is_int(block_size):
             raise InvalidArgumentType(
                 f"block_size must be an int, got {type(block_size).__name__}")
         min_blocks = 2 if reserve_null_block else 1
@@ -542,7 +529,7 @@ cdef class BlockAllocator:
             raise InvalidArgument(
                 "identity.extra_keys_digest must be b'' or the 16-byte digest of "
                 f"pagedkv.identity.extra_keys_digest, got {digest!r}")
-        if not _is_int(index):
+        if not is_int(index):
             raise InvalidArgumentType(
                 f"identity.block_index must be an int, got {type(index).__name__}")
         if not 0 <= index < (1 << 63):
@@ -644,7 +631,7 @@ cdef class BlockAllocator:
             v = PyLong_AsLongLongAndOverflow(block_id, &overflow)
             if overflow == 0 and 0 <= v < self._num_blocks:
                 return <int32_t>v
-        if not _is_int(block_id):
+        if not is_int(block_id):
             raise InvalidArgumentType(
                 f"{name} must be an int block id, got {type(block_id).__name__}")
         if not 0 <= block_id < self._num_blocks:
@@ -776,7 +763,7 @@ cdef class BlockAllocator:
 
     def can_allocate(self, n):
         """Whether ``n`` blocks can be handed out now (free + cache-only)."""
-        if _is_int(n) and n > 0x7FFFFFFF:
+        if is_int(n) and n > 0x7FFFFFFF:
             return False                    # more than any pool can hold
         cdef Py_ssize_t k = _count_arg(n, "n")
         return self.n_free >= k or self.n_free + self.n_evictable >= k

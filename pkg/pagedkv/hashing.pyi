@@ -16,6 +16,7 @@ __all__ = [
     "as_token_array",
     "chain_hashes",
     "hot_block_hash",
+    "per_block_extra_keys",
     "salt_domain_id",
 ]
 
@@ -86,6 +87,14 @@ def make_chain_keys(
     extra_keys: Sequence[int] = (),
     extra_keys_per_block: Sequence[Sequence[int]] | None = None,
 ) -> ChainKeys: ...
+
+def per_block_extra_keys(
+    num_full_blocks: int,
+    extra_keys: Sequence[int] = (),
+    extra_keys_per_block: Sequence[Sequence[int]] | None = None,
+) -> list[tuple[int, ...]]:
+    """The validated extra keys of each chained block, one tuple per block, with the chain's
+    stopping rule."""
 
 def _set_xxh3_source(source: str) -> str:
     """Test hook: route XXH3 through "libxxhash" or "xxhash-wheel"; returns the previous."""

@@ -26,6 +26,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.identity import BlockIdentity, extra_keys_digest
 
@@ -33,7 +34,7 @@ cnp.import_array()
 
 __all__ = [
     "BlockIdentity", "XXH3_SOURCE", "as_token_array", "chain_hashes", "hot_block_hash",
-    "salt_domain_id",
+    "per_block_extra_keys", "salt_domain_id",
 ]
 
 cdef extern from *:
@@ -184,7 +185,7 @@ cpdef object as_token_array(object tokens, str name="tokens"):
 
 cpdef uint64_t as_u64(object value, str name) except? 0:
     """An int in [0, 2**64) (bool and non-integers are InvalidArgumentType)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise InvalidArgumentType(
             f"{name} must be an int in [0, 2**64), got {type(value).__name__}")
     v = int(value)
@@ -276,6 +277,16 @@ cpdef ChainKeys make_chain_keys(object extra_keys=(), object extra_keys_per_bloc
             _UNIFORM_NONE = _uniform(())
         return _UNIFORM_NONE
     return _uniform(_keys_tuple(extra_keys, "extra_keys"))
+
+
+def per_block_extra_keys(Py_ssize_t num_full_blocks, extra_keys=(), extra_keys_per_block=None):
+    """The validated extra keys of each chained block, one tuple of ints per block, with the
+    chain's stopping rule (docs/contracts/paged-kv.md, '2.2 Chains'): ``extra_keys`` applies
+    to every one of ``num_full_blocks``; ``extra_keys_per_block[i]`` to block ``i``, and the
+    chain stops at the first block without an entry."""
+    cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
+    cdef Py_ssize_t i, n = keys.blocks_for(max(num_full_blocks, 0))
+    return [keys.tuple_of(i) for i in range(n)]
 
 
 cdef ChainKeys _uniform(tuple keys):
@@ -407,7 +418,7 @@ def hot_block_hash(parent, tokens, extra_keys=(), cache_salt=0, block_index=0, *
     cdef uint64_t s = as_u64(seed, "seed")
     cdef cnp.ndarray tok = as_token_array(tokens)
     cdef tuple keys = _keys_tuple(extra_keys, "extra_keys")
-    if isinstance(block_index, (bool, np.bool_)) or not isinstance(block_index, (int, np.integer)):
+    if not is_int(block_index):
         raise InvalidArgumentType(
             f"block_index must be an int >= 0, got {type(block_index).__name__}")
     if not 0 <= int(block_index) < (1 << 63):
@@ -435,7 +446,7 @@ def chain_hashes(tokens, block_size, *, extra_keys=(), extra_keys_per_block=None
     are given. Block ``i`` chains from block ``i - 1``; the salt enters block 0 only.
     """
     cdef cnp.ndarray tok = as_token_array(tokens)
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
+    if not is_int(block_size):
         raise InvalidArgumentType(
             f"block_size must be an int >= 0, got {type(block_size).__name__}")
     if block_size < 0:

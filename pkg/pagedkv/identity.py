@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["EXTRA_KEYS_DIGEST_BYTES", "BlockIdentity", "RestoredBlock", "extra_keys_digest"]
@@ -34,7 +35,7 @@ def extra_keys_digest(extra_keys: Sequence[int]) -> bytes:
         return b""
     buf = bytearray(len(keys).to_bytes(8, "little"))
     for i, k in enumerate(keys):
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+        if not is_int(k):
             raise InvalidArgumentType(
                 f"extra_keys[{i}] must be an int in [0, 2**64), got {type(k).__name__}")
         k = int(k)

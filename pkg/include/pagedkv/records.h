@@ -1,9 +1,9 @@
 /* Public records of the hot block allocator (docs/contracts/paged-kv.md, '2.3 Block identity and
  * verification' and '4. BlockAllocator'; docs/development.md, 'Core layouts').
  *
- * These structs are the embedding contract: pagedkv.allocator.BLOCK_DTYPE and
- * PREFIX_SLOT_DTYPE are NumPy structured dtypes built to match them field by field
- * (a test compares itemsize and every offset with offsetof). Native code that reads
+ * These structs are the embedding contract and the only statement of the layout:
+ * pagedkv.allocator.BLOCK_DTYPE and PREFIX_SLOT_DTYPE are NumPy structured dtypes built
+ * from them at import (PKV_STRUCT_FIELD, pagedkv/struct_fields.h). Native code that reads
  * BlockAllocator.block_records / prefix_slots includes this header.
  *
  * All fields are naturally aligned and the structs have explicit tail padding, so the

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagedkv.adapter.arguments import as_count
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class AdmissionControl:
         return tuple(out)
 
     def _per_group(self, blocks, name: str) -> tuple[int, ...]:
-        if isinstance(blocks, (int, np.integer)) and not isinstance(blocks, bool):
+        if is_int(blocks):
             return (as_count(blocks, name),) * len(self._groups)
         out = tuple(as_count(b, f"{name}[{i}]") for i, b in enumerate(blocks))
         if len(out) != len(self._groups):

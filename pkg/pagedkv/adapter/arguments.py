@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["as_count", "as_tokens"]
@@ -31,8 +32,4 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
 
 def as_count(value, name: str) -> int:
     """A non-negative Python int (bools and floats refused)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise InvalidArgument(f"{name} = {value} must be >= 0")
-    return int(value)
+    return int_argument(name, value)

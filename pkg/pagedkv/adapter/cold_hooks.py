@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from pagedkv.hashing import per_block_extra_keys
+
 __all__ = ["ColdCalls", "ColdHooks", "ColdRestore"]
 
 log = logging.getLogger("pagedkv.adapter")
@@ -54,11 +56,11 @@ class ColdHooks(Protocol):
 
 
 def per_block_keys(extra_keys: Sequence[int], extra_keys_per_block, blocks: int):
-    """The request's keys as one tuple per block, or ``None`` when it has none."""
-    if extra_keys_per_block is not None:
-        return list(extra_keys_per_block)
-    keys = tuple(extra_keys)
-    return [keys] * blocks if keys else None
+    """The request's keys as one tuple per chained block (at most ``blocks``), or ``None``
+    when it has none."""
+    if extra_keys_per_block is None and len(extra_keys) == 0:
+        return None
+    return per_block_extra_keys(blocks, extra_keys, extra_keys_per_block)
 
 
 class ColdCalls:

@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedkv.adapter.arguments import as_count
 from pagedkv.adapter.group_blocks import GroupBlocks
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument
 
 __all__ = ["check_layers_shape", "gather_layers", "gather_positions", "write_layers",
@@ -21,7 +22,7 @@ __all__ = ["check_layers_shape", "gather_layers", "gather_positions", "write_lay
 
 
 def check_layer(group: GroupBlocks, layer) -> int:
-    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) \
+    if not is_int(layer) \
             or not 0 <= layer < group.num_layers:
         raise InvalidArgument(
             f"layer = {layer!r} is outside [0, {group.num_layers}) physical layers")

@@ -34,6 +34,8 @@ from functools import partial
 
 import numpy as np
 
+from pagedkv.quant import kv_q8
+
 REPEATS = 5
 ROTATE_BYTES = 256 << 20
 
@@ -190,7 +192,7 @@ def bench_kv_q8(mx, K, rows, copy_bw, tokens, kv_heads, head_dim):
     rng = np.random.default_rng(5)
     v = mx.array(rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float16))
     t = _time(mx, lambda i: K.kv_q8_quantize(v), 4)
-    rec = tokens * kv_heads * head_dim // 32 * 34
+    rec = tokens * kv_heads * head_dim // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES
     _row(rows, "kv_q8_quantize f16", f"{tokens}x{kv_heads}x{head_dim}", t, v.nbytes + rec,
          copy_bw)
     pool = K.kv_q8_quantize(v)

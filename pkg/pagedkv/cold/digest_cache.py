@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+from pagedkv.atomic_write import AtomicFile
 from pagedkv.cold.names import WEIGHT_DIGESTS_NAME
 
 __all__ = ["WeightDigestCache"]
@@ -60,18 +61,8 @@ class WeightDigestCache:
             data = json.dumps(self._entries, sort_keys=True).encode()
             tmp = f".{WEIGHT_DIGESTS_NAME}.{os.getpid()}.{time.time_ns()}"
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
-                             dir_fd=self.root_fd)
-                try:
-                    os.write(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, WEIGHT_DIGESTS_NAME, src_dir_fd=self.root_fd,
-                          dst_dir_fd=self.root_fd)
+                with AtomicFile(WEIGHT_DIGESTS_NAME, dir_fd=self.root_fd, temp_name=tmp,
+                                mode=0o600) as file:
+                    file.write(data)
             except OSError as exc:
                 log.warning("cold tier: cannot update %s: %s", WEIGHT_DIGESTS_NAME, exc)
-                try:
-                    os.unlink(tmp, dir_fd=self.root_fd)
-                except OSError:
-                    pass

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagedkv.argument_checks import is_int
 from pagedkv.cold.recurrent_state import gdn_state_codec
 from pagedkv.cold.sidecar_bundle import SidecarBundle
 from pagedkv.cold.sliding_window import SlidingWindowCodec
@@ -27,10 +28,10 @@ LINEAR_STATE_DTYPE = "float32"
 
 def _field(config: Mapping, name: str) -> int:
     value = config.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise InvalidArgument(f"config.json {name} = {value!r}: a hybrid reference config "
                               "needs a positive int")
-    return value
+    return int(value)
 
 
 def reference_hybrid_sidecar(config: Mapping, geometry):

@@ -7,11 +7,10 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.format import ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.hashing import as_domain_id, as_token_array
+from pagedkv.hashing import as_domain_id, as_token_array, per_block_extra_keys
 
 __all__ = ["KEY_BYTES", "cold_key_chain", "sidecar_key"]
 

@@ -29,7 +29,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from pagedkv.cold.int_arguments import int_argument
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = [

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedkv.argument_checks import is_int
 from pagedkv.cold.codec import (
     checksum_of_stream,
     header_length,
@@ -252,8 +253,8 @@ def trace_counters(directory: str) -> tuple[str, dict[str, int]] | None:
                     continue
                 for name in fields:
                     v = rec.get(f"cold_{name}")
-                    if isinstance(v, int) and not isinstance(v, bool):
-                        totals[name] += v
+                    if is_int(v):
+                        totals[name] += int(v)
     except OSError:
         return None
     return newest, totals

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
-
+from pagedkv.argument_checks import int_argument, is_int
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.sidecar import ColdSidecarLayout
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
@@ -46,7 +44,7 @@ class ColdSidecarPolicy:
         if self.axis is None:
             return
         axis = self.axis
-        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        if not is_int(axis):
             raise InvalidArgumentType(f"axis must be an int, got {type(axis).__name__}")
         dims = self.template.dims
         if not 0 <= axis < len(dims):

@@ -18,8 +18,8 @@ from functools import cached_property
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar, storage_dtype
 from pagedkv.cold.stats import record_sidecar_installed

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock
-from pagedkv.cold.extra_keys import per_block_extra_keys
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.keys import cold_key_chain
 from pagedkv.cold.sidecar import RestoredSidecar
 from pagedkv.cold.sidecar_bundle import RestoredSidecars, policies_of, restored_for
-from pagedkv.hashing import as_token_array
+from pagedkv.hashing import as_token_array, per_block_extra_keys
 from pagedkv.identity import BlockIdentity, RestoredBlock, extra_keys_digest
 
 __all__ = [

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.int_arguments import int_argument
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar, storage_dtype
 from pagedkv.errors import (

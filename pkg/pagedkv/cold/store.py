@@ -13,10 +13,10 @@ import itertools
 import logging
 import os
 import stat
-import sys
 import time
 from collections.abc import Callable, Sequence
 
+from pagedkv.atomic_write import AtomicFile
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block, decode_sidecar
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
@@ -50,9 +50,6 @@ _HOISTED = itertools.count()
 _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR,
                                errno.EAGAIN})
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_TEMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-               | getattr(os, "O_CLOEXEC", 0))
-
 
 def auto_limits(root_fd: int) -> tuple[int, int]:
     """``(quota, reserve)`` in bytes from the filesystem size (docs/contracts/cold-tier.md, '10.
@@ -60,14 +57,6 @@ def auto_limits(root_fd: int) -> tuple[int, int]:
     st = os.statvfs(root_fd)
     total = st.f_blocks * st.f_frsize
     return min(total // 10, 100 * _GIB), max(total // 20, 5 * _GIB)
-
-
-def _sync_file(fd: int, durability: str) -> None:
-    if durability == "full" and sys.platform == "darwin":
-        import fcntl
-        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-    else:
-        os.fsync(fd)
 
 
 def _write_all(fd: int, chunks: Sequence) -> None:
@@ -430,19 +419,18 @@ class ColdStore:
             log.warning("cold tier: write of %s refused: %s", name, refusal)
             return False
         tmp = temp_name(key, os.getpid(), time.time_ns())
-        fd = -1
+        file = None
         try:
             self._step("open")
-            fd = os.open(tmp, _TEMP_FLAGS, 0o600, dir_fd=self.root_fd)
+            file = AtomicFile(name, dir_fd=self.root_fd, temp_name=tmp, mode=0o600,
+                              full_sync=self.durability == "full")
             self._step("write")
-            _write_all(fd, chunks)
+            _write_all(file.fd, chunks)
             self._step("sync")
-            _sync_file(fd, self.durability)
-            os.close(fd)
-            fd = -1
+            file.finish()
             with self.index.lock:
                 self._step("rename")
-                os.rename(tmp, name, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+                file.rename()
                 old = self.index.get(key)
                 if old is not None and old.file_name != name:
                     # One object per key: the entry replaced names another file, which
@@ -451,19 +439,15 @@ class ColdStore:
                 self.index.put(key, IndexEntry(group, name, size, time.time_ns()))
                 try:
                     self._step("dirsync")
-                    os.fsync(self.root_fd)
+                    file.sync_directory()
                 except OSError as exc:
                     self.counters.add("write_errors")
                     log.warning("cold tier: directory sync after writing %s failed: %s",
                                 name, exc)
                     return False
         except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp, dir_fd=self.root_fd)
-            except OSError:
-                pass
+            if file is not None:
+                file.abort()
             self.counters.add("write_errors")
             log.warning("cold tier: write of %s failed: %s", name, exc)
             return False

@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 
+from pagedkv.argument_checks import is_int
 from pagedkv.cold.knobs import metrics_dir, metrics_enabled
 from pagedkv.cold.root import open_managed_root
 from pagedkv.cold.stats import SIDECAR_COUNTERS, cold_sidecar_stats
@@ -96,7 +97,7 @@ class TurnTraceWriter:
                 sidecar = dataclasses.asdict(cold_sidecar_stats())
                 out = {k: fields[k] for k in HOST_FIELDS + _OPTIONAL_HOST_FIELDS if k in fields}
                 for name, value in cold.items():
-                    if isinstance(value, int) and not isinstance(value, bool) \
+                    if is_int(value) \
                             and name != "quota_bytes":
                         out[f"cold_{name}"] = value - self._last_cold.get(name, 0)
                 for name in SIDECAR_COUNTERS:

@@ -25,6 +25,7 @@ from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.adapter.group_blocks import GroupBlocks
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import DecodeBatch
+from pagedkv.argument_checks import is_int
 from pagedkv.coordinator.budget import PoolBudget, plan_pool_budget
 from pagedkv.coordinator.grouping import group_layer_kv_cache_specs
 from pagedkv.coordinator.sliding import SlidingGroupBlocks, expired_blocks
@@ -207,7 +208,7 @@ class GroupedKVCoordinator(RequestLifecycle):
         return self.topology.manager_for_layer(layer)
 
     def _group(self, group_id: int) -> GroupBlocks:
-        if isinstance(group_id, bool) or not isinstance(group_id, (int, np.integer)) \
+        if not is_int(group_id) \
                 or not 0 <= group_id < len(self._groups):
             raise InvalidArgument(f"group_id = {group_id!r} is outside [0, {len(self._groups)})")
         return self._groups[group_id]

@@ -22,6 +22,7 @@ import numpy as np
 from pagedkv.adapter import table_ops
 from pagedkv.adapter.group_blocks import GroupBlocks, HitProposal
 from pagedkv.adapter.sequence_rows import SequenceRows
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvariantViolation
 
 __all__ = ["SlidingGroupBlocks", "SlidingHit", "expired_blocks"]
@@ -93,7 +94,7 @@ class SlidingGroupBlocks(GroupBlocks):
             raise InvalidArgument(
                 "a sliding group's allocator must reserve the null block: build it with "
                 "BlockAllocator(..., reserve_null_block=True)")
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        if not is_int(window) or window < 1:
             raise InvalidArgument(f"window = {window!r} must be an int >= 1 (tokens)")
         self.window = int(window)
         self.null_block_id = int(allocator.null_block_id)

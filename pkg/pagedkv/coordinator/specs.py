@@ -14,8 +14,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import (
     DuplicateLayer,
     InvalidArgument,
@@ -36,7 +35,7 @@ __all__ = [
 
 
 def _int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_id_for, is_qwen35_metadata
 from pagedkv.hfqm.policy import TensorPlan, default_format, plan_tensor, resolve_format
@@ -125,8 +126,8 @@ def _config_int(config: Any, keys: tuple[str, ...]) -> int | None:
         if isinstance(scope, dict):
             for key in keys:
                 v = scope.get(key)
-                if isinstance(v, int) and not isinstance(v, bool):
-                    return v
+                if is_int(v):
+                    return int(v)
     return None
 
 

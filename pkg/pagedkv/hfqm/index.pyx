@@ -14,6 +14,9 @@ import numpy as np
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
+from pagedkv.struct_fields cimport field_table, pkv_struct_field
+
+from pagedkv.c_struct_dtype import dtype_of_c_struct
 from pagedkv.errors import (
     BadMagic, BadMetadata, BadName, CountMismatch, SizeMismatch, Truncated,
     UnknownQuantType, UnsupportedVersion,
@@ -22,44 +25,55 @@ from pagedkv.errors import (
 
 cdef extern from *:
     """
-    #include <stddef.h>
     #include "pagedkv/hfqm.h"
-    static void pkv_hfqm_record_layout(Py_ssize_t *out) {
-        out[0] = (Py_ssize_t)sizeof(pkv_hfqm_tensor_record);
-        out[1] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, offset);
-        out[2] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, nbytes);
-        out[3] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, name_offset);
-        out[4] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, shape);
-        out[5] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, name_len);
-        out[6] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, group_size);
-        out[7] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, qt);
-        out[8] = (Py_ssize_t)offsetof(pkv_hfqm_tensor_record, ndim);
+    #include "pagedkv/struct_fields.h"
+    /* The members the NumPy views carry (the record's pad_ is not one of them). */
+    static const pkv_struct_field pkv_hfqm_record_fields[] = {
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, offset),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, nbytes),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, name_offset),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, shape),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, name_len),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, group_size),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, qt),
+        PKV_STRUCT_FIELD(pkv_hfqm_tensor_record, ndim)};
+    static const pkv_struct_field pkv_hfqm_header_fields[] = {
+        PKV_STRUCT_FIELD(pkv_hfqm_header, magic),
+        PKV_STRUCT_FIELD(pkv_hfqm_header, version),
+        PKV_STRUCT_FIELD(pkv_hfqm_header, arch_id),
+        PKV_STRUCT_FIELD(pkv_hfqm_header, n_tensors),
+        PKV_STRUCT_FIELD(pkv_hfqm_header, metadata_offset),
+        PKV_STRUCT_FIELD(pkv_hfqm_header, data_offset)};
+    /* The register's spelling of each id (NULL outside it). */
+    #define PKV_QT_NAME_CASE_(id, name, g, b, rule, status, flags) case id: return #name;
+    static const char *pkv_qt_name(uint32_t qt) {
+        switch (qt) { PKV_QT_LIST(PKV_QT_NAME_CASE_) default: return NULL; }
     }
-    static void pkv_hfqm_header_layout(Py_ssize_t *out) {
-        out[0] = (Py_ssize_t)sizeof(pkv_hfqm_header);
-        out[1] = (Py_ssize_t)offsetof(pkv_hfqm_header, magic);
-        out[2] = (Py_ssize_t)offsetof(pkv_hfqm_header, version);
-        out[3] = (Py_ssize_t)offsetof(pkv_hfqm_header, arch_id);
-        out[4] = (Py_ssize_t)offsetof(pkv_hfqm_header, n_tensors);
-        out[5] = (Py_ssize_t)offsetof(pkv_hfqm_header, metadata_offset);
-        out[6] = (Py_ssize_t)offsetof(pkv_hfqm_header, data_offset);
-    }
+    #undef PKV_QT_NAME_CASE_
+    #define PKV_N_HFQM_RECORD_FIELDS PKV_COUNT_OF(pkv_hfqm_record_fields)
+    #define PKV_N_HFQM_HEADER_FIELDS PKV_COUNT_OF(pkv_hfqm_header_fields)
     """
-    void pkv_hfqm_record_layout(Py_ssize_t* out) nogil
-    void pkv_hfqm_header_layout(Py_ssize_t* out) nogil
+    const pkv_struct_field pkv_hfqm_record_fields[]
+    const pkv_struct_field pkv_hfqm_header_fields[]
+    Py_ssize_t PKV_N_HFQM_RECORD_FIELDS
+    const char* pkv_qt_name(uint32_t qt)
+    Py_ssize_t PKV_N_HFQM_HEADER_FIELDS
 
 
-#: NumPy twin of ``pkv_hfqm_tensor_record`` (pagedkv/hfqm.h); offsets are absolute
-#: file offsets in bytes, ``shape`` is zero past ``ndim``.
-TENSOR_RECORD_DTYPE = np.dtype({
-    "names": ["offset", "nbytes", "name_offset", "shape", "name_len", "group_size",
-              "qt", "ndim"],
-    "formats": ["<u8", "<u8", "<u8", ("<u4", (8,)), "<u4", "<u4", "u1", "u1"],
-    "offsets": [0, 8, 16, 24, 56, 60, 64, 65],
-    "itemsize": 72,
-})
+#: NumPy twin of ``pkv_hfqm_tensor_record`` (pagedkv/hfqm.h), built from the struct as
+#: compiled; offsets are absolute file offsets in bytes, ``shape`` is zero past ``ndim``.
+TENSOR_RECORD_DTYPE = dtype_of_c_struct(
+    sizeof(pkv_hfqm_tensor_record),
+    field_table(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS))
+
+#: NumPy twin of ``pkv_hfqm_header`` (pagedkv/hfqm.h), the 32-byte on-disk header.
+HEADER_DTYPE = dtype_of_c_struct(
+    sizeof(pkv_hfqm_header), field_table(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS))
 
 HEADER_BYTES = PKV_HFQM_HEADER_BYTES
+#: The 4 magic bytes of a complete file, and of one still being written.
+MAGIC = (<uint32_t>PKV_HFQM_MAGIC_U32).to_bytes(4, "little")
+INCOMPLETE_MAGIC = (<uint32_t>PKV_HFQM_INCOMPLETE_U32).to_bytes(4, "little")
 DATA_ALIGN_BYTES = PKV_HFQM_DATA_ALIGN_BYTES
 MAX_DIMS = PKV_HFQM_MAX_DIMS
 VERSION = PKV_HFQM_VERSION
@@ -67,6 +81,8 @@ VERSION = PKV_HFQM_VERSION
 #: Cap on the product of a shape's non-zero dims (PKV_HFQM_MAX_NUMEL): far above any
 #: real tensor, it keeps every size computation inside u64 and every shape allocatable.
 MAX_NUMEL = PKV_HFQM_MAX_NUMEL
+#: Bytes of an MTP bundle's trailer ("HFBNDMTP" ++ u64 mtp_off).
+MTP_TRAILER_BYTES = PKV_HFQM_MTP_TRAILER_BYTES
 
 cdef enum IndexFault:
     FAULT_NONE = 0
@@ -583,27 +599,35 @@ def json_end(const uint8_t[::1] buf not None, Py_ssize_t start, Py_ssize_t limit
 
 def record_layout():
     """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_tensor_record``."""
-    cdef Py_ssize_t out[9]
-    pkv_hfqm_record_layout(out)
-    keys = ("itemsize", "offset", "nbytes", "name_offset", "shape", "name_len",
-            "group_size", "qt", "ndim")
-    return {k: out[i] for i, k in enumerate(keys)}
+    return {"itemsize": sizeof(pkv_hfqm_tensor_record),
+            **{f[0]: f[1] for f in field_table(pkv_hfqm_record_fields, PKV_N_HFQM_RECORD_FIELDS)}}
 
 
 def header_layout():
     """``{"itemsize": sizeof, field: offsetof, ...}`` of ``pkv_hfqm_header``, plus the
     ``PKV_HFQM_HDR_*_OFF`` constants under ``"const_<field>"``."""
-    cdef Py_ssize_t out[7]
-    pkv_hfqm_header_layout(out)
-    keys = ("itemsize", "magic", "version", "arch_id", "n_tensors", "metadata_offset",
-            "data_offset")
-    layout = {k: out[i] for i, k in enumerate(keys)}
+    layout = {"itemsize": sizeof(pkv_hfqm_header),
+              **{f[0]: f[1] for f in field_table(pkv_hfqm_header_fields, PKV_N_HFQM_HEADER_FIELDS)}}
     layout.update(const_magic=PKV_HFQM_HDR_MAGIC_OFF, const_version=PKV_HFQM_HDR_VERSION_OFF,
                   const_arch_id=PKV_HFQM_HDR_ARCH_ID_OFF,
                   const_n_tensors=PKV_HFQM_HDR_N_TENSORS_OFF,
                   const_metadata_offset=PKV_HFQM_HDR_METADATA_OFFSET_OFF,
                   const_data_offset=PKV_HFQM_HDR_DATA_OFFSET_OFF)
     return layout
+
+
+def pack_header(arch_id, n_tensors, data_offset):
+    """The 32-byte v1 header a writer stores (docs/contracts/hfqm-and-quant.md, '2.1 Header
+    (32 bytes) and body'): ``HEADER_DTYPE`` with magic "HFQM", version 1 and the metadata
+    at ``PKV_HFQM_METADATA_OFFSET``; :func:`parse_header` reads it back."""
+    header = np.zeros((), HEADER_DTYPE)
+    header["magic"] = np.frombuffer(MAGIC, np.uint8)
+    header["version"] = PKV_HFQM_VERSION
+    header["arch_id"] = arch_id
+    header["n_tensors"] = n_tensors
+    header["metadata_offset"] = PKV_HFQM_METADATA_OFFSET
+    header["data_offset"] = data_offset
+    return header.tobytes()
 
 
 def c_register():
@@ -621,6 +645,19 @@ def c_register():
 def c_expected_nbytes(uint32_t qt, uint64_t numel, uint64_t k):
     """``pkv_qt_expected_nbytes`` (0 where the qt has no size rule)."""
     return pkv_qt_expected_nbytes(qt, numel, k)
+
+
+def c_register_names():
+    """``{qt id: name}`` of every id in the C register (``PKV_QT_LIST``), reserved ones
+    included, in id order."""
+    cdef uint32_t qt
+    cdef const char* name
+    out = {}
+    for qt in range(256):
+        name = pkv_qt_name(qt)
+        if name != NULL:
+            out[qt] = name.decode("ascii")
+    return out
 
 
 def c_constants():

@@ -13,20 +13,19 @@ particular ``mtp_off = 0`` would make the trunk its own head, recursively.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
-import uuid
 
+from pagedkv.atomic_write import AtomicFile
 from pagedkv.errors import BadBundle, InvalidArgument
-from pagedkv.hfqm.index import HEADER_BYTES
+from pagedkv.hfqm.index import HEADER_BYTES, MAGIC, MTP_TRAILER_BYTES
 from pagedkv.hfqm.positional_reads import pread_exact
-from pagedkv.hfqm.writer import fsync_parent_directory
 
 __all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
 
 MTP_TRAILER_MAGIC = b"HFBNDMTP"
 MTP_ARCH_ID = 21
-TRAILER_BYTES = 16
+TRAILER_BYTES = MTP_TRAILER_BYTES
+_COPY_CHUNK_BYTES = 16 << 20
 
 
 def mtp_offset(fd: int, file_bytes: int, trunk_end: int, *, path: str) -> int | None:
@@ -48,7 +47,7 @@ def mtp_offset(fd: int, file_bytes: int, trunk_end: int, *, path: str) -> int | 
                         f"for its {HEADER_BYTES}-byte header before the trailer (byte "
                         f"{trailer_at})", path=path, offset=trailer_at + 8)
     magic = pread_exact(fd, 4, offset, path=path)
-    if magic != b"HFQM":
+    if magic != MAGIC:
         raise BadBundle(f"MTP bundle trailer points at byte {offset}, which holds "
                         f"{bytes(magic)!r}, not an HFQM header", path=path, offset=offset)
     return offset
@@ -66,21 +65,10 @@ def write_mtp_bundle(trunk: str | os.PathLike[str], head: str | os.PathLike[str]
         if t.mtp is not None or h.mtp is not None:
             raise InvalidArgument("inputs must be plain HFQM files, not bundles")
         trunk_bytes = t.file_bytes
-    out = os.fspath(out)
-    directory, base = os.path.split(os.path.abspath(out))
-    temp = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(temp, "wb") as dst:
-            for src in (trunk, head):
-                with open(src, "rb") as f:
-                    shutil.copyfileobj(f, dst, 16 << 20)
-            dst.write(MTP_TRAILER_MAGIC + struct.pack("<Q", trunk_bytes))
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(temp, out)
-        fsync_parent_directory(out)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
+    with AtomicFile(out) as dst:
+        for src in (trunk, head):
+            with open(src, "rb") as f:
+                while chunk := f.read(_COPY_CHUNK_BYTES):
+                    dst.write(chunk)
+        dst.write(MTP_TRAILER_MAGIC + struct.pack("<Q", trunk_bytes))
     return trunk_bytes

@@ -1,9 +1,9 @@
 """The quant-type (qt) register of docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register', as
 Python data.
 
-One row per registered or reserved id. The same table exists once in C
-(``PKV_QT_LIST`` in ``pagedkv/hfqm.h``); ``tests/test_hfqm_qtypes.py`` checks
-every id of both against each other, so edit both together.
+One row per registered or reserved id, read at import from the one table, ``PKV_QT_LIST``
+in ``pagedkv/hfqm.h`` (through :func:`pagedkv.hfqm.index.c_register`): edit the header,
+never this module. Only the NumPy dtype of the raw types' elements is Python's own.
 
 Vocabulary:
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.hfqm import index as _index
 
 __all__ = [
     "QTYPES",
@@ -85,70 +85,46 @@ class QuantType:
         return f"<qt {self.id} {self.name}: {geometry}, {self.size_rule}, {self.status}>"
 
 
-def _row(qt_id: int, name: str, g: int, b: int, rule: str, status: str, *,
-         rot: bool = False, k256: bool = False, raw: str | None = None) -> QuantType:
-    return QuantType(qt_id, name, g, b, rule, status, rot, k256, raw)
+#: NumPy dtype of a raw qt's elements (PKV_QT_FLAG_RAW), by register name.
+_RAW_DTYPES = {"F16": "float16", "F32": "float32", "BF16": "uint16", "TidI32": "uint32"}
 
 
-_ROWS: tuple[QuantType, ...] = (
-    _row(0, "Q4F16G64", 64, 36, "groups", "p2"),
-    _row(1, "F16", 1, 2, "groups", "p1", raw="float16"),
-    _row(2, "F32", 1, 4, "groups", "p1", raw="float32"),
-    _row(3, "Q8F16", 32, 34, "groups", "p1"),
-    _row(4, "Q4K", 256, 144, "groups", "p2"),
-    _row(5, "Q8HFQ", 32, 34, "row_pad128", "p2"),
-    _row(6, "HFQ4G256", 256, 136, "groups", "p1"),
-    _row(7, "HFQ4G128", 128, 72, "groups", "p1"),
-    _row(8, "HFQ6G256", 256, 200, "groups", "p1"),
-    _row(9, "HFQ2G256", 256, 72, "groups", "p1"),
-    _row(10, "HFQ2G128", 128, 40, "groups", "p1"),
-    _row(11, "HFQ3G256", 256, 104, "groups", "p1"),
-    _row(12, "HFQ3G128", 128, 56, "groups", "p1"),
-    _row(13, "MQ4G256", 256, 136, "groups", "p1", rot=True),
-    _row(14, "MQ8G256", 256, 258, "groups", "p2", rot=True),
-    _row(15, "MQ6G256", 256, 200, "groups", "p1", rot=True),
-    _row(16, "BF16", 1, 2, "groups", "p1", raw="uint16"),
-    _row(17, "MQ3G256", 256, 104, "groups", "p1", rot=True),
-    _row(18, "MQ2G256", 256, 72, "groups", "p1", rot=True),
-    _row(19, "MQ2G256Lloyd", 256, 72, "groups", "p1", rot=True),
-    _row(20, "MQ3G256Lloyd", 256, 112, "groups", "p1", rot=True),
-    _row(21, "HFP4G32", 32, 17, "row_header", "p2"),
-    _row(22, "TidI32", 1, 4, "groups", "p1", raw="uint32"),
-    _row(23, "Reserved23", 0, 0, "none", "reserved"),
-    _row(24, "MFP4G32", 32, 17, "row_header", "p2", rot=True),
-    _row(25, "Reserved25", 0, 0, "none", "reserved"),
-    _row(26, "Reserved26", 0, 0, "none", "reserved"),
-    _row(27, "Reserved27", 0, 0, "none", "reserved"),
-    _row(28, "PARO4G128", 0, 0, "none", "p2"),
-    _row(29, "PARO4G128T", 0, 0, "none", "p2"),
-    _row(30, "MQ4G256Lloyd", 256, 160, "groups", "p1", rot=True),
-    _row(31, "MQ5G256", 256, 168, "groups", "p1", rot=True),
-    _row(32, "MFP4G32Lloyd", 0, 0, "none", "p2", rot=True),
-    _row(33, "MFP4G32P", 32, 17, "row_header", "p2", rot=True),
-    _row(34, "MFP4G32E8", 0, 0, "none", "refuse", rot=True),
-    _row(35, "MFP4G32E8SOA", 0, 0, "none", "refuse", rot=True),
-    _row(36, "MFP3G32E8", 0, 0, "none", "refuse", rot=True),
-    _row(37, "MFP2G32E8", 0, 0, "none", "refuse", rot=True),
-    _row(38, "MQ2G256GL", 256, 66, "groups", "p2", rot=True, k256=True),
-    _row(39, "MQ3G256GL", 256, 98, "groups", "p2", rot=True, k256=True),
-    _row(40, "TQ2G128", 128, 34, "groups", "p2"),
-    _row(41, "BQ1G128", 128, 18, "groups", "p2"),
-    _row(42, "Reserved42", 0, 0, "none", "reserved"),
-    _row(43, "Reserved43", 0, 0, "none", "reserved"),
-    _row(44, "MQ4G256V2", 256, 136, "groups", "p1", rot=True, k256=True),
-    _row(45, "MQ4CG256", 256, 136, "groups", "p1", rot=True, k256=True),
-    _row(46, "Reserved46", 0, 0, "none", "reserved"),
-    _row(47, "MQ6G256V2", 256, 200, "groups", "p1", rot=True, k256=True),
-    _row(48, "MQ5G256V2", 256, 168, "groups", "p1", rot=True, k256=True),
-    _row(49, "MQ3G256V2", 256, 104, "groups", "p1", rot=True, k256=True),
-    _row(50, "MQ2G256V2", 256, 72, "groups", "p1", rot=True, k256=True),
-    _row(51, "MQ2G256LloydU", 256, 72, "groups", "p1"),
-    _row(130, "CalibHessian", 0, 0, "hessian", "calib"),
-)
+def _rows_of_the_c_register() -> tuple[QuantType, ...]:
+    codes = _index.c_constants()
+    table = _index.c_register()
+    size_rules = {codes["size_" + rule]: rule for rule in SIZE_RULES}
+    statuses = {codes["status_" + status]: status for status in STATUSES}
+    rows = []
+    for qt_id, name in _index.c_register_names().items():
+        c = table[qt_id]
+        flags = int(c["flags"])
+        raw = _RAW_DTYPES.get(name) if flags & codes["flag_raw"] else None
+        rows.append(QuantType(qt_id, name, int(c["group_size"]), int(c["group_bytes"]),
+                              size_rules[int(c["size_rule"])], statuses[int(c["status"])],
+                              rotated=bool(flags & codes["flag_rotated"]),
+                              k_multiple_of_256=bool(flags & codes["flag_k_mult_256"]),
+                              raw_dtype=raw))
+    return tuple(rows)
+
+
+def _id_ranges(ids: Iterable[int]) -> str:
+    """``"0-22, 24, 28-41"``: sorted ids with runs collapsed."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a + 1 else (f"{a}, {b}" if b > a else f"{a}")
+                     for a, b in runs)
+
+
+_ROWS: tuple[QuantType, ...] = _rows_of_the_c_register()
 
 #: Every registered or reserved qt, by id.
 QTYPES: dict[int, QuantType] = {row.id: row for row in _ROWS}
 _BY_KEY: dict[str, QuantType] = {row.key: row for row in _ROWS}
+_REGISTERED_IDS = _id_ranges(row.id for row in _ROWS if row.registered)
 
 
 def qtype(name_or_id: int | str | QuantType) -> QuantType:
@@ -167,7 +143,7 @@ def qtype(name_or_id: int | str | QuantType) -> QuantType:
                 f"(docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
                 f"valid names: {', '.join(r.key for r in _ROWS if r.registered)}")
         return row
-    if isinstance(name_or_id, (bool, np.bool_)) or not isinstance(name_or_id, (int, np.integer)):
+    if not is_int(name_or_id):
         raise InvalidArgumentType(
             f"quant type must be an int id or a str name, got {type(name_or_id).__name__} "
             f"{name_or_id!r}")
@@ -175,7 +151,7 @@ def qtype(name_or_id: int | str | QuantType) -> QuantType:
     if row is None:
         raise InvalidArgument(
             f"quant type id {int(name_or_id)} is not in the register (docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register'); "
-            f"registered ids: 0-22, 24, 28-41, 44, 45, 47-51, 130")
+            f"registered ids: {_REGISTERED_IDS}")
     return row
 
 

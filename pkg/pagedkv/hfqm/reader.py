@@ -20,6 +20,7 @@ from typing import Literal, NamedTuple, Self
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import BadBundle, BadMetadata, InvalidArgument, TensorNotFound, Truncated
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
@@ -269,7 +270,7 @@ class HfqmFile:
             raise InvalidArgument(f"HfqmFile {self.path!r} is closed")
 
     def _resolve(self, name: str | int) -> int:
-        if isinstance(name, (int, np.integer)) and not isinstance(name, bool):
+        if is_int(name):
             i = int(name)
             if not 0 <= i < len(self.names):
                 raise InvalidArgument(f"tensor index {i} is outside 0..{len(self.names) - 1}")

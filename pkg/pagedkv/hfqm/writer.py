@@ -25,15 +25,23 @@ import json
 import math
 import os
 import struct
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Self
 
 import numpy as np
 
+from pagedkv.atomic_write import AtomicFile
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm.arch import arch_id_for
-from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, MAX_NUMEL, json_end
+from pagedkv.hfqm.index import (
+    DATA_ALIGN_BYTES,
+    HEADER_BYTES,
+    INCOMPLETE_MAGIC,
+    MAX_DIMS,
+    MAX_NUMEL,
+    json_end,
+    pack_header,
+)
 from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
 
@@ -115,7 +123,7 @@ class HfqmWriter:
                                                  p.data_size)) for p in self._plan)
             self.data_offset = _round_up(HEADER_BYTES + self._meta_len_bound + index_len,
                                          DATA_ALIGN_BYTES)
-        directory, base = os.path.split(os.path.abspath(self.path))
+        directory = os.path.dirname(os.path.abspath(self.path))
         # Checked now, not at the final rename: a conversion must not fail after the work.
         if os.path.isdir(self.path):
             raise InvalidArgument(f"path {self.path!r} is a directory; pass a file name such "
@@ -124,14 +132,9 @@ class HfqmWriter:
             raise FileNotFoundError(errno.ENOENT,
                                     f"directory {directory} does not exist; create it first",
                                     self.path)
-        self.temp_path = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            self._fd: int | None = os.open(self.temp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL
-                                           | getattr(os, "O_BINARY", 0), 0o644)
-        except OSError as e:  # name the file the caller asked for, not our temporary one
-            raise OSError(e.errno, f"{e.strerror} (creating the temporary file "
-                          f"{os.path.basename(self.temp_path)} next to it)", self.path) from e
-        _pwrite_all(self._fd, b"HFQ!", 0)
+        self._file: AtomicFile | None = AtomicFile(self.path, sync=self._fsync)
+        self.temp_path = self._file.temp_path
+        _pwrite_all(self._file.fd, INCOMPLETE_MAGIC, 0)
         self.closed = False
 
     # --- argument checks ------------------------------------------------------------
@@ -306,8 +309,8 @@ class HfqmWriter:
     @property
     def _open_fd(self) -> int:
         """The temporary file's descriptor, held from ``__init__`` until close or abort."""
-        assert self._fd is not None, "writes happen only while the writer is open"
-        return self._fd
+        assert self._file is not None, "writes happen only while the writer is open"
+        return self._file.fd
 
     def _fix_data_offset(self, data_offset: int) -> None:
         self.data_offset = data_offset
@@ -364,16 +367,10 @@ class HfqmWriter:
             _pwrite_all(fd, region + bytes(data_offset - HEADER_BYTES - len(region)),
                         HEADER_BYTES)
             os.ftruncate(fd, data_offset + self._payload_bytes)
-            header = struct.pack("<4sIIIQQ", b"HFQM", 1, self.arch_id, len(self._entries),
-                                 HEADER_BYTES, data_offset)
-            _pwrite_all(fd, header, 0)
-            if self._fsync:
-                os.fsync(fd)
-            os.close(fd)
-            self._fd = None
-            os.replace(self.temp_path, self.path)
-            if self._fsync:
-                self._fsync_directory()
+            _pwrite_all(fd, pack_header(self.arch_id, len(self._entries), data_offset), 0)
+            assert self._file is not None, "open: _open_fd checked it"
+            self._file.commit()
+            self._file = None
         except BaseException:
             self.abort()
             raise
@@ -392,18 +389,11 @@ class HfqmWriter:
             end = start
         self.data_offset = new_data_offset
 
-    def _fsync_directory(self) -> None:
-        fsync_parent_directory(self.path)
-
     def abort(self) -> None:
         """Discard the file being written (the target path is left untouched)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        try:
-            os.unlink(self.temp_path)
-        except FileNotFoundError:
-            pass
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
         self.closed = True
 
     def __enter__(self) -> Self:
@@ -416,25 +406,10 @@ class HfqmWriter:
             self.abort()
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
+        if getattr(self, "_file", None) is not None:
             self.abort()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return (f"<HfqmWriter {self.path!r} arch {self.arch_id}, {len(self._entries)} tensors, "
                 f"{self._payload_bytes} payload bytes, {state}>")
-
-
-def fsync_parent_directory(path: str | os.PathLike[str]) -> None:
-    """fsync the directory holding ``path``, so a rename into it survives a power loss.
-    Best effort: a filesystem that cannot open or sync a directory is left as it is."""
-    try:
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)

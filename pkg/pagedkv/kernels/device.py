@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
@@ -35,11 +36,11 @@ def stream_handle(stream: StreamLike) -> int | None:
     """The runtime handle of a ``stream=`` argument (``None``: the legacy default stream)."""
     if stream is None or isinstance(stream, Stream):
         return None if stream is None else stream.handle
-    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+    if is_int(stream):
         return int(stream) or None
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
         value = getattr(stream, attr, None)
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if is_int(value):
             return int(value) or None
     raise InvalidArgumentType(f"stream: expected a pagedkv Stream, an integer stream handle or "
                               f"a torch/CuPy stream, got {type(stream).__name__}")

@@ -24,6 +24,7 @@ from pagedkv.kernels.launch_constants import (
     attn_partition_tokens,
     launch_constant,
 )
+from pagedkv.quant import kv_q8
 
 __all__ = [
     "KV_DTYPES",
@@ -104,9 +105,10 @@ def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray
     _need(pool, "pool", np.uint8)
     n, kvh, hd = rows.shape
     if mode == "q8":
-        if hd % 32:
-            raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of 32")
-        row = hd // 32 * 34
+        if hd % kv_q8.BLOCK_VALUES:
+            raise InvalidArgument(f"head_dim={hd}: q8 KV needs a multiple of "
+                                  f"{kv_q8.BLOCK_VALUES}")
+        row = hd // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES
     else:
         from pagedkv.quant import kv as kv_modes
         row = kv_modes.kv_mode(mode).row_bytes(hd)
@@ -225,7 +227,8 @@ class PagedAttention:
             self.k_row, self.v_row = (kv_modes.side_row_bytes(m, head_dim)
                                       for m in kv_modes.split_kv_dtype(kv_dtype))
         else:
-            self.k_row = self.v_row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
+            self.k_row = self.v_row = (head_dim // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES
+                                       if kv_dtype == "q8" else head_dim)
         if kv_heads < 1 or num_heads % kv_heads or num_heads // kv_heads > 8:
             raise InvalidArgument(f"num_heads={num_heads}, kv_heads={kv_heads}: num_heads must "
                                   f"be 1..8 times kv_heads")

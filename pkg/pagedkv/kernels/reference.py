@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedkv.errors import InvalidArgument
+from pagedkv.quant import kv_q8
 
 __all__ = [
     "KV_ROTATED_MODES",
@@ -32,8 +33,8 @@ __all__ = [
     "paged_attention_decode",
 ]
 
-KVQ8_BLOCK = 32
-KVQ8_RECORD_BYTES = 34
+KVQ8_BLOCK = kv_q8.BLOCK_VALUES
+KVQ8_RECORD_BYTES = kv_q8.RECORD_BYTES
 
 
 def kv_q8_quantize(x: np.ndarray) -> np.ndarray:

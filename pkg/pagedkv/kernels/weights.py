@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from pagedkv.errors import InvalidArgument
+from pagedkv.hfqm.qtypes import qtype
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
@@ -47,28 +48,30 @@ _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 class _WeightFormat:
     __slots__ = ("group_bytes", "group_size", "kernel", "name", "rotated")
 
-    def __init__(self, name, kernel, group_size, group_bytes, rotated):
-        self.name, self.kernel, self.rotated = name, kernel, rotated
-        self.group_size, self.group_bytes = group_size, group_bytes
+    def __init__(self, name, kernel):
+        # group geometry and rotation: the qt register (pagedkv/hfqm.h, PKV_QT_LIST)
+        row = qtype(name)
+        self.name, self.kernel, self.rotated = name, kernel, row.rotated
+        self.group_size, self.group_bytes = row.group_size, row.group_bytes
 
     def __repr__(self) -> str:
         return f"WeightFormat({self.name!r}, G={self.group_size}, B={self.group_bytes})"
 
 
 WEIGHT_FORMATS = {f.name: f for f in (
-    _WeightFormat("hfq4g256", "hfq4g256", 256, 136, False),
-    _WeightFormat("mq4g256", "hfq4g256", 256, 136, True),
-    _WeightFormat("mq4g256v2", "mq4g256v2", 256, 136, True),
-    _WeightFormat("hfq6g256", "hfq6g256", 256, 200, False),
-    _WeightFormat("q8f16", "q8f16", 32, 34, False),
+    _WeightFormat("hfq4g256", "hfq4g256"),
+    _WeightFormat("mq4g256", "hfq4g256"),
+    _WeightFormat("mq4g256v2", "mq4g256v2"),
+    _WeightFormat("hfq6g256", "hfq6g256"),
+    _WeightFormat("q8f16", "q8f16"),
 )}
 
 #: Formats with a dequantize kernel but no GEMV (docs/formats/quant.md, "Lloyd codebooks").
 DEQUANT_ONLY_FORMATS = {f.name: f for f in (
-    _WeightFormat("mq2g256lloyd", "lloyd2", 256, 72, True),
-    _WeightFormat("mq3g256lloyd", "lloyd3", 256, 112, True),
-    _WeightFormat("mq4g256lloyd", "lloyd4", 256, 160, True),
-    _WeightFormat("mq2g256lloydu", "lloyd2", 256, 72, False),
+    _WeightFormat("mq2g256lloyd", "lloyd2"),
+    _WeightFormat("mq3g256lloyd", "lloyd3"),
+    _WeightFormat("mq4g256lloyd", "lloyd4"),
+    _WeightFormat("mq2g256lloydu", "lloyd2"),
 )}
 
 

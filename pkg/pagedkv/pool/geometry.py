@@ -30,8 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant import kv as kv_modes
+from pagedkv.quant import kv_q8
 
 __all__ = ["LAYOUTS", "POOL_DTYPES", "Q8_GROUP_BYTES", "Q8_GROUP_DIMS", "PoolGeometry"]
 
@@ -49,12 +51,12 @@ LAYOUTS = ("nhd",)
 
 #: q8 packs 32 dims into one 34-byte record (f16 scale + 32 int8), docs/contracts/hfqm-and-quant.md,
 # '6.3 q8 (K and V)'.
-Q8_GROUP_DIMS = 32
-Q8_GROUP_BYTES = 34
+Q8_GROUP_DIMS = kv_q8.BLOCK_VALUES
+Q8_GROUP_BYTES = kv_q8.RECORD_BYTES
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise InvalidArgumentType(
             f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
     value = operator.index(value)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
@@ -67,7 +68,7 @@ def _storage_class(backend: str, geometry: PoolGeometry, split: bool = False):
 
 
 def _index(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise InvalidArgumentType(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     return operator.index(value)
 

@@ -8,6 +8,7 @@ import operator
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["float_array", "raw_bytes", "reject_nonfinite", "reject_unrepresentable",
@@ -94,7 +95,7 @@ def _dim(d) -> int:
 
 def shape_tuple(shape) -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints >= 0) as a tuple."""
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+    if is_int(shape):
         shape = (shape,)
     try:
         if isinstance(shape, (str, bytes)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -124,7 +125,7 @@ def resolve(fmt: str | int | np.integer) -> Codec:
             raise UnknownQuantType(
                 f"unknown quant format {fmt!r}; implemented formats: "
                 f"{', '.join(sorted(_BY_NAME))} (or their qt ids)")
-    elif isinstance(fmt, (int, np.integer)) and not isinstance(fmt, (bool, np.bool_)):
+    elif is_int(fmt):
         codec = CODECS.get(int(fmt))
         if codec is not None:
             return codec

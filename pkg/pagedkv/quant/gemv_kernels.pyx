@@ -13,6 +13,7 @@ from libc.stdlib cimport free, malloc
 
 from pagedkv.quant.affine cimport check_affine_geometry
 from pagedkv.quant.fwht cimport rotate256
+from pagedkv.quant.quant_header cimport PKV_Q8F16_GROUP, PKV_Q8F16_GROUP_BYTES
 
 cnp.import_array()
 
@@ -112,12 +113,13 @@ def gemv_affine(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, int family, in
 
 def gemv_q8f16(const uint8_t[::1] w, Py_ssize_t m, Py_ssize_t k, const float[:, ::1] x,
                float[:, ::1] y):
-    """``y = x · Wᵀ`` for a Q8F16 W of ``[m, k]`` (k % 32 == 0)."""
+    """``y = x · Wᵀ`` for a Q8F16 W of ``[m, k]`` (k a multiple of PKV_Q8F16_GROUP, 32)."""
     cdef Py_ssize_t nb = x.shape[0], b, r
     if nb < 1 or nb > MAX_BATCH or x.shape[1] != k or y.shape[0] != nb or y.shape[1] != m:
         raise InvalidArgument("gemv_q8f16: x must be [1..8, k] and y [len(x), m]")
-    if k % 32 or w.shape[0] != m * (k // 32) * 34:
-        raise InvalidArgument("gemv_q8f16: k must be a multiple of 32 and w m*k/32*34 bytes")
+    if k % PKV_Q8F16_GROUP or w.shape[0] != m * (k // PKV_Q8F16_GROUP) * PKV_Q8F16_GROUP_BYTES:
+        raise InvalidArgument(f"gemv_q8f16: k must be a multiple of {PKV_Q8F16_GROUP} and w "
+                              f"m*k/{PKV_Q8F16_GROUP}*{PKV_Q8F16_GROUP_BYTES} bytes")
     with nogil:
         if m > 0 and k > 0:
             pkv_cpu_gemv_q8f16(&w[0], m, k, &x[0, 0], nb, &y[0, 0])

@@ -3,6 +3,9 @@
 from libc.stdint cimport int32_t, uint32_t
 
 cdef extern from "pagedkv/kvquant.h" nogil:
+    enum:
+        PKV_KVQ8_BLOCK          # values per record
+        PKV_KVQ8_RECORD_BYTES   # bytes per record: f16 scale + PKV_KVQ8_BLOCK int8
     uint32_t pkv_kvq8_row_bytes(uint32_t head_dim)
     float pkv_kvq8_inv_scale(float amax)
     uint32_t pkv_kvq8_scale_bits(float amax)

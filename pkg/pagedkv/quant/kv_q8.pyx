@@ -11,7 +11,7 @@ vectorized (float16 input widened in place, no float32 copy).
 """
 
 cimport numpy as cnp
-from libc.stdint cimport int8_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint32_t
 
 import numpy as np
 
@@ -22,9 +22,20 @@ from pagedkv.quant.quant_header cimport (
 
 cnp.import_array()
 
-cdef enum:
-    BLOCK = 32          # values per record
-    RECORD_BYTES = 34   # f16 scale + 32 int8
+#: Values per q8 record, and the record's bytes (f16 scale + BLOCK_VALUES int8): the
+#: PKV_KVQ8_BLOCK / PKV_KVQ8_RECORD_BYTES of pagedkv/kvquant.h, the one statement of the
+#: q8 layout every Python module uses.
+BLOCK_VALUES = PKV_KVQ8_BLOCK
+RECORD_BYTES = PKV_KVQ8_RECORD_BYTES
+
+
+def row_bytes(Py_ssize_t head_dim):
+    """Bytes of one q8 K or V row of ``head_dim`` values (a positive multiple of
+    BLOCK_VALUES): ``head_dim / BLOCK_VALUES * RECORD_BYTES``."""
+    if head_dim <= 0 or head_dim % PKV_KVQ8_BLOCK:
+        raise InvalidArgument(f"head_dim={head_dim}: must be a positive multiple of "
+                              f"{PKV_KVQ8_BLOCK} for q8 KV")
+    return pkv_kvq8_row_bytes(<uint32_t>head_dim)
 
 
 cdef extern from "kv_q8_loops.h" nogil:
@@ -36,10 +47,12 @@ cdef void _decode(const uint8_t *rec, Py_ssize_t n_records, float *out) noexcept
     cdef Py_ssize_t r
     cdef int i
     cdef float d
+    cdef const uint8_t *one
     for r in range(n_records):
-        d = pkv_f16_to_f32(rec[r * RECORD_BYTES] | (rec[r * RECORD_BYTES + 1] << 8))
-        for i in range(BLOCK):
-            out[r * BLOCK + i] = pkv_kvq8_value(d, <int8_t>rec[r * RECORD_BYTES + 2 + i])
+        one = rec + r * PKV_KVQ8_RECORD_BYTES
+        d = pkv_f16_to_f32(one[0] | (one[1] << 8))
+        for i in range(PKV_KVQ8_BLOCK):
+            out[r * PKV_KVQ8_BLOCK + i] = pkv_kvq8_value(d, <int8_t>one[2 + i])
 
 
 def quantize(x):
@@ -51,7 +64,7 @@ def quantize(x):
             f"x must be a float32 or float16 numpy.ndarray, got "
             f"{getattr(x, 'dtype', type(x).__name__)}")
     # (the module compiles with wraparound=False: no negative indices)
-    if x.ndim == 0 or x.shape[x.ndim - 1] % BLOCK:
+    if x.ndim == 0 or x.shape[x.ndim - 1] % PKV_KVQ8_BLOCK:
         raise InvalidArgument(f"x: shape {x.shape}: the last axis (head_dim) must be a "
                               f"positive multiple of 32 for q8 KV")
     cdef Py_ssize_t head_dim = x.shape[x.ndim - 1]
@@ -69,15 +82,16 @@ def quantize(x):
     if bad >= 0:
         raise InvalidArgument(f"x holds a non-finite value at flat index {bad}; q8 KV takes "
                               f"finite values only")
-    out = np.empty(x.shape[:x.ndim - 1] + (head_dim // BLOCK * RECORD_BYTES,), dtype=np.uint8)
+    out = np.empty(x.shape[:x.ndim - 1] + (pkv_kvq8_row_bytes(<uint32_t>head_dim),),
+                   dtype=np.uint8)
     cdef uint8_t[::1] o = out.reshape(-1)
     if n:
         if x.dtype == np.float32:
             with nogil:
-                pkv_cpu_kvq8_encode(&flat[0], NULL, n // BLOCK, &o[0])
+                pkv_cpu_kvq8_encode(&flat[0], NULL, n // PKV_KVQ8_BLOCK, &o[0])
         else:
             with nogil:
-                pkv_cpu_kvq8_encode(NULL, &flat16[0], n // BLOCK, &o[0])
+                pkv_cpu_kvq8_encode(NULL, &flat16[0], n // PKV_KVQ8_BLOCK, &o[0])
     return out
 
 
@@ -86,7 +100,7 @@ def dequantize(records, Py_ssize_t head_dim):
     if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
         raise InvalidArgumentType(f"records must be a uint8 numpy.ndarray, got "
                                   f"{getattr(records, 'dtype', type(records).__name__)}")
-    if head_dim <= 0 or head_dim % BLOCK:
+    if head_dim <= 0 or head_dim % PKV_KVQ8_BLOCK:
         raise InvalidArgument(f"head_dim={head_dim}: must be a positive multiple of 32")
     if records.ndim == 0 or records.shape[records.ndim - 1] != pkv_kvq8_row_bytes(head_dim):
         raise InvalidArgument(f"records: shape {records.shape}, the last axis must be "
@@ -94,7 +108,7 @@ def dequantize(records, Py_ssize_t head_dim):
     cdef const uint8_t[::1] flat = np.ascontiguousarray(records).reshape(-1)
     out = np.empty(records.shape[:records.ndim - 1] + (head_dim,), dtype=np.float32)
     cdef float[::1] o = out.reshape(-1)
-    cdef Py_ssize_t n_records = flat.shape[0] // RECORD_BYTES
+    cdef Py_ssize_t n_records = flat.shape[0] // PKV_KVQ8_RECORD_BYTES
     if n_records:
         with nogil:
             _decode(&flat[0], n_records, &o[0])

@@ -15,6 +15,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant.quant_header cimport pkv_first_nonfinite, pkv_first_nonfinite_f16
 
@@ -77,7 +78,7 @@ def tables(uint32_t bits, uint32_t family):
 
 
 cdef uint32_t _rotated_mode(object mode, Py_ssize_t head_dim) except 0xFFFFFFFF:
-    if not isinstance(mode, int) or isinstance(mode, bool) or mode not in _NAMES \
+    if not is_int(mode) or mode not in _NAMES \
             or mode == PKV_KV_MODE_Q8:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated mode id "
                               f"({ {k: v for k, v in MODE_IDS.items() if k != 'q8'} })")

@@ -16,6 +16,7 @@ cimport numpy as cnp
 from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
+from pagedkv.argument_checks import is_int
 from pagedkv.quant.cpu_pool cimport pool_run
 from pagedkv.quant.fwht cimport rotate256
 from pagedkv.quant.quant_header cimport pkv_first_nonfinite
@@ -100,7 +101,7 @@ cdef int _isa_index(isa) except -1:
 
 def check_threads(threads):
     """``threads`` as an int >= 1; raises InvalidArgumentType / InvalidArgument."""
-    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, (int, np.integer)):
+    if not is_int(threads):
         raise InvalidArgumentType(f"threads must be an int >= 1, got {type(threads).__name__} "
                                   f"{threads!r}")
     if threads < 1:

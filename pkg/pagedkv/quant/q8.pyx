@@ -17,9 +17,10 @@ cnp.import_array()
 
 from pagedkv.errors import InvalidArgument, SizeMismatch
 
-cdef enum:
-    BLOCK = 32          # weights per block
-    BLOCK_BYTES = 34    # f16 scale + 32 int8
+cdef extern from "pagedkv/quant.h":
+    enum:
+        BLOCK "PKV_Q8F16_GROUP"              # weights per block
+        BLOCK_BYTES "PKV_Q8F16_GROUP_BYTES"  # f16 scale + BLOCK int8
 
 
 def encode(const float[::1] x, uint8_t[::1] out):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.quant import kv_q8
 
 __all__ = [
     "BACKENDS",
@@ -300,24 +301,24 @@ def kv_q8_quantize(values):
     :func:`pagedkv.kernels.reference.kv_q8_quantize`."""
     mx = _mx()
     values = _array(mx, "values", values, (mx.float32, mx.float16), "float32 or float16")
-    if values.ndim < 1 or values.shape[-1] % 32:
+    if values.ndim < 1 or values.shape[-1] % kv_q8.BLOCK_VALUES:
         raise InvalidArgument(f"values: shape {tuple(values.shape)}: head_dim (last axis) must "
-                              f"be a multiple of 32")
+                              f"be a multiple of {kv_q8.BLOCK_VALUES}")
     if values.size == 0:
-        return mx.zeros((*values.shape[:-1], values.shape[-1] // 32 * 34), dtype=mx.uint8)
+        return mx.zeros((*values.shape[:-1], values.shape[-1] // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES), dtype=mx.uint8)
     name, impl, run = _impl()
     if run is None:
         return impl.kv_q8_quantize(mx, values)
     if name == "cuda":
         shaped = values.reshape(-1, 1, values.shape[-1])
         return impl.kv_q8_quantize(mx, shaped, run).reshape(
-            *values.shape[:-1], values.shape[-1] // 32 * 34)
+            *values.shape[:-1], values.shape[-1] // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES)
     return impl.kv_q8_quantize(mx, values, run)
 
 
 def _q8_pool(mx, pool, name: str = "pool"):
     pool = _array(mx, name, pool, (mx.uint8,), "uint8 q8 records")
-    if pool.ndim < 3 or pool.shape[-1] % 34:
+    if pool.ndim < 3 or pool.shape[-1] % kv_q8.RECORD_BYTES:
         raise InvalidArgument(f"{name}: shape {tuple(pool.shape)}, expected [..., kv_heads, "
                               f"head_dim/32*34] q8 records")
     return pool
@@ -331,9 +332,9 @@ def kv_q8_write(pool, slots, values):
     pool = _q8_pool(mx, pool)
     kvh, row = pool.shape[-2], pool.shape[-1]
     values = _array(mx, "values", values, (mx.float32, mx.float16), "float32 or float16")
-    if values.ndim != 3 or values.shape[1:] != (kvh, row // 34 * 32):
+    if values.ndim != 3 or values.shape[1:] != (kvh, row // kv_q8.RECORD_BYTES * kv_q8.BLOCK_VALUES):
         raise InvalidArgument(f"values: shape {tuple(values.shape)}, expected [n, {kvh}, "
-                              f"{row // 34 * 32}] for this pool")
+                              f"{row // kv_q8.RECORD_BYTES * kv_q8.BLOCK_VALUES}] for this pool")
     host = _host_ints("slots", slots, np.int64).reshape(-1)
     n_slots = pool.size // (kvh * row)
     if host.shape[0] != values.shape[0]:
@@ -359,7 +360,7 @@ def kv_q8_read(pool, slots, *, dtype=None):
     if dtype not in (mx.float32, mx.float16):
         raise InvalidArgument(f"dtype: {dtype}, expected mx.float32 or mx.float16")
     kvh, row = pool.shape[-2], pool.shape[-1]
-    head_dim = row // 34 * 32
+    head_dim = row // kv_q8.RECORD_BYTES * kv_q8.BLOCK_VALUES
     n_slots = pool.size // (kvh * row)
     host = _host_ints("slots", slots, np.int64).reshape(-1)
     if host.size and (host.min() < 0 or host.max() >= n_slots):
@@ -415,7 +416,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
         raise InvalidArgument(f"k_pool: shape {tuple(k_pool.shape)}, expected [num_blocks, "
                               f"block_size, kv_heads, row]")
     num_blocks, block_size, kv_heads, row = k_pool.shape
-    want_row = head_dim // 32 * 34 if kv_dtype == "q8" else head_dim
+    want_row = head_dim // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES if kv_dtype == "q8" else head_dim
     if head_dim not in HEAD_DIMS or row != want_row:
         raise InvalidArgument(f"q/k_pool: head_dim {head_dim} (one of {HEAD_DIMS}) needs pool "
                               f"rows of {want_row}, got {row}")

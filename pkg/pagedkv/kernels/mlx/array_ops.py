@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from pagedkv.quant import kv_q8
+
 __all__ = [
     "copy_blocks",
     "dequantize",
@@ -116,17 +118,17 @@ def kv_q8_quantize(mx, values):
     """q8 records of ``values`` (f32/f16 ``[..., head_dim]``), docs/contracts/hfqm-and-quant.md,
     '6.3 q8 (K and V)'."""
     shape = values.shape
-    blocks = values.astype(mx.float32).reshape(-1, 32)
+    blocks = values.astype(mx.float32).reshape(-1, kv_q8.BLOCK_VALUES)
     amax = mx.abs(blocks).max(axis=1)
     d = (amax / 127.0).astype(mx.float16)  # round to nearest even
     inv = mx.where(amax > 0, 127.0 / mx.where(amax > 0, amax, 1.0), 0.0)
     codes = mx.clip(mx.round(blocks * inv[:, None]), -127, 127).astype(mx.int8)
     records = mx.concatenate([d[:, None].view(mx.uint8), codes.view(mx.uint8)], axis=1)
-    return records.reshape(*shape[:-1], shape[-1] // 32 * 34)
+    return records.reshape(*shape[:-1], shape[-1] // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES)
 
 
 def _q8_to_float(mx, records, head_dim: int):
-    rec = records.reshape(-1, 34)
+    rec = records.reshape(-1, kv_q8.RECORD_BYTES)
     d = _f16_fields(mx, rec, 0, 1)
     return (d * rec[:, 2:].view(mx.int8).astype(mx.float32)).reshape(
         *records.shape[:-1], head_dim)
@@ -134,7 +136,7 @@ def _q8_to_float(mx, records, head_dim: int):
 
 def kv_q8_read(mx, pool, slots, kv_heads: int, head_dim: int, out_dtype):
     """The q8 rows of ``pool`` (``[num_slots, kv_heads, row]``) at ``slots``, dequantized."""
-    rows = mx.take(pool.reshape(-1, kv_heads, head_dim // 32 * 34), slots, axis=0)
+    rows = mx.take(pool.reshape(-1, kv_heads, head_dim // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES), slots, axis=0)
     return _q8_to_float(mx, rows, head_dim).astype(out_dtype)
 
 

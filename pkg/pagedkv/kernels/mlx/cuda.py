@@ -40,6 +40,7 @@ import numpy as np
 
 from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
 from pagedkv.kernels.mlx.sources import inline_includes, strip_comments
+from pagedkv.quant import kv_q8
 
 __all__ = [
     "copy_blocks",
@@ -361,7 +362,7 @@ def kv_q8_quantize(mx, values, run: Runner):
         ", slots, out, (int)params[0], (int)params[1], (int)params[2]);", None)
     slots = _iota(n, 'int64')
     total = n * kvh * hd
-    return run(Launch(src, [values, slots, _params(mx, n, kvh, hd)], [(n, kvh, hd // 32 * 34)],
+    return run(Launch(src, [values, slots, _params(mx, n, kvh, hd)], [(n, kvh, hd // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES)],
                       [mx.uint8], grid=(256 * math.ceil(total / 256), 1, 1),
                       threadgroup=(256, 1, 1)))[0]
 

@@ -19,6 +19,7 @@ import numpy as np
 from pagedkv.kernels.launch_constants import launch_constant
 from pagedkv.kernels.mlx.launch import KernelSource, Launch, Runner
 from pagedkv.kernels.mlx.sources import inline_includes, strip_comments
+from pagedkv.quant import kv_q8
 
 __all__ = [
     "ATTN_PARTITION_TOKENS",
@@ -156,11 +157,11 @@ def gemv(mx, w, codec, M: int, K: int, x, run: Runner):
 
 def kv_q8_quantize(mx, values, run: Runner):
     """q8 records (``uint8[..., head_dim/32*34]``) of ``values`` (f32/f16 ``[..., head_dim]``)."""
-    n_rec = values.size // 32
+    n_rec = values.size // kv_q8.BLOCK_VALUES
     launch = Launch(_kernels()["q8_quantize"], [values.reshape(-1), _params(mx, n_rec)],
-                    [(n_rec * 34,)], [mx.uint8], grid=(32 * n_rec, 1, 1),
+                    [(n_rec * kv_q8.RECORD_BYTES,)], [mx.uint8], grid=(kv_q8.BLOCK_VALUES * n_rec, 1, 1),
                     threadgroup=(256, 1, 1))
-    return run(launch)[0].reshape(*values.shape[:-1], values.shape[-1] // 32 * 34)
+    return run(launch)[0].reshape(*values.shape[:-1], values.shape[-1] // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES)
 
 
 def kv_q8_read(mx, pool, slots, kv_heads: int, head_dim: int, out_dtype, run: Runner):
