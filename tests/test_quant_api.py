@@ -38,7 +38,7 @@ def test_unknown_and_unsupported_formats():
     for qt in (23, 42, 43, 46, 200):
         with pytest.raises(UnknownQuantType, match=str(qt)):
             Q.resolve(qt)
-    for fmt in ("mq2g256gl", 39, "hfp4g32", 0, 14):
+    for fmt in ("paro4g128", 29, "mfp4g32lloyd", 130):
         with pytest.raises(UnsupportedQuantType, match="registered"):
             Q.dequantize(np.zeros(0, np.uint8), fmt, (0,))
     with pytest.raises(InvalidArgumentType):

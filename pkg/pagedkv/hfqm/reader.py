@@ -366,8 +366,9 @@ class HfqmFile:
         """Decode one tensor to a new float32 array of its shape
         (:func:`pagedkv.quant.dequantize`); a scalar (n_dims 0) comes back 0-d. A
         registered qt pagedkv does not decode raises
-        :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
-        from pagedkv.errors import UnsupportedQuantType
+        :class:`~pagedkv.errors.UnsupportedQuantType`, a payload whose bytes break its
+        format :class:`~pagedkv.errors.CorruptPayload`, both naming the tensor."""
+        from pagedkv.errors import CorruptPayload, UnsupportedQuantType
         from pagedkv.quant import dequantize
         i = self._resolve(name)
         info = self._info(i, self.records[i])
@@ -375,9 +376,9 @@ class HfqmFile:
             # The codecs take at least one dim; a scalar is one element either way.
             return dequantize(self.raw(i), info.qt, info.shape or (1,),
                               basis=basis).reshape(info.shape)
-        except UnsupportedQuantType as exc:
-            raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
-                                       offset=info.offset) from None
+        except (UnsupportedQuantType, CorruptPayload) as exc:
+            raise type(exc)(str(exc), path=self.path, tensor=info.name,
+                            offset=info.offset) from None
 
     # --- lifetime -------------------------------------------------------------------
 
