@@ -49,32 +49,32 @@ def q4f16g64_encode(const float[::1] x, uint8_t[::1] out):
     return bad
 
 
-def q4f16g64_decode(const uint8_t[::1] raw, float[::1] out):
-    """Decode ``len(out)`` weights from ``ceil(len(out)/64) * 36`` bytes."""
+ctypedef void (*_group_decoder)(const uint8_t *blk, float *out) noexcept nogil
+
+
+cdef int _decode_groups(const uint8_t[::1] raw, float[::1] out, Py_ssize_t G, Py_ssize_t B,
+                        _group_decoder decode_group) except -1:
+    """``len(out)`` weights from ``ceil(len(out)/G) * B`` bytes, one group at a time (the
+    short last group decoded into scratch and cut)."""
     cdef Py_ssize_t n = out.shape[0], g, count
-    cdef Py_ssize_t n_groups = (n + Q4F16G64_GROUP - 1) // Q4F16G64_GROUP
-    cdef float buf[Q4F16G64_GROUP]
-    if raw.shape[0] != n_groups * Q4F16G64_BYTES:
-        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
-                           f"{n_groups * Q4F16G64_BYTES}")
+    cdef Py_ssize_t n_groups = (n + G - 1) // G
+    cdef float buf[Q4K_GROUP]
+    if raw.shape[0] != n_groups * B:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
     with nogil:
         for g in range(n_groups):
-            count = min(Q4F16G64_GROUP, n - g * Q4F16G64_GROUP)
-            pkv_q4f16g64_decode_group(&raw[g * Q4F16G64_BYTES], buf)
-            memcpy(&out[g * Q4F16G64_GROUP], buf, count * sizeof(float))
+            count = min(G, n - g * G)
+            decode_group(&raw[g * B], buf)
+            memcpy(&out[g * G], buf, count * sizeof(float))
+    return 0
+
+
+def q4f16g64_decode(const uint8_t[::1] raw, float[::1] out):
+    """Decode ``len(out)`` weights from ``ceil(len(out)/64) * 36`` bytes."""
+    _decode_groups(raw, out, Q4F16G64_GROUP, Q4F16G64_BYTES, pkv_q4f16g64_decode_group)
 
 
 def q4k_decode(const uint8_t[::1] raw, float[::1] out):
     """Decode ``len(out)`` weights from ``ceil(len(out)/256) * 144`` bytes of GGML Q4_K
     super-blocks (bit for bit ggml's ``dequantize_row_q4_K``)."""
-    cdef Py_ssize_t n = out.shape[0], g, count
-    cdef Py_ssize_t n_groups = (n + Q4K_GROUP - 1) // Q4K_GROUP
-    cdef float buf[Q4K_GROUP]
-    if raw.shape[0] != n_groups * Q4K_BYTES:
-        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
-                           f"{n_groups * Q4K_BYTES}")
-    with nogil:
-        for g in range(n_groups):
-            count = min(Q4K_GROUP, n - g * Q4K_GROUP)
-            pkv_q4k_decode_group(&raw[g * Q4K_BYTES], buf)
-            memcpy(&out[g * Q4K_GROUP], buf, count * sizeof(float))
+    _decode_groups(raw, out, Q4K_GROUP, Q4K_BYTES, pkv_q4k_decode_group)

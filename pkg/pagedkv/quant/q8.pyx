@@ -13,10 +13,10 @@
 
 cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
 from pagedkv.quant.cpu_pool cimport pool_run
-from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, pkv_first_nonfinite, pkv_mq8_decode_group, pkv_mq8_encode_group,
     pkv_q8f16_decode_group, pkv_q8f16_encode_group, pkv_q8hfq_decode_elem, pkv_q8hfq_encode_row,
@@ -167,11 +167,7 @@ def mq8_encode(const float[::1] x, uint8_t[::1] out):
             if bad >= 0:
                 bad += start
                 break
-            memcpy(buf, &x[start], count * sizeof(float))
-            if count < 256:
-                memset(&buf[count], 0, (256 - count) * sizeof(float))
-            rotate256(buf, buf, 1)
-            if pkv_first_nonfinite(buf, 256) >= 0 or \
+            if not group256(&x[start], count, buf, True) or \
                     pkv_mq8_encode_group(buf, &out[g * MQ8_GROUP_BYTES]) != PKV_ENCODE_OK:
                 bad = -2 - g
                 break
