@@ -305,3 +305,15 @@ def test_register_sizes_of_the_p2_formats():
             39: (256, 98), 40: (128, 34), 41: (128, 18)}
     assert all(qtype(q).decodable for q in (0, 4, 5, 14, 21, 24, 33, 38, 39, 40, 41))
     assert not any(qtype(q).decodable for q in (28, 29, 32, 34, 130))
+
+
+def test_an_hfqm_tensor_whose_shape_breaks_its_row_rule_is_a_corrupt_payload(tmp_path):
+    from pagedkv.hfqm import HfqmFile, HfqmWriter
+    # an HFP4G32 tensor of K = 48 (not a multiple of 32): the register's size rule still
+    # gives 16 + 17·ceil(48/32) bytes, so the file opens, and decoding it names the tensor
+    with HfqmWriter(tmp_path / "k48.hfq", arch_id=0, metadata={}) as w:
+        w.add("w", "hfp4g32", [1, 48], np.zeros(50, np.uint8))
+    with HfqmFile(tmp_path / "k48.hfq") as f:
+        assert f.raw("w").size == 50
+        with pytest.raises(CorruptPayload, match=r"tensor 'w'.*shape does not fit .*multiple of 32"):
+            f.dequantize("w")
