@@ -1,5 +1,6 @@
 // Weight kernels: dequantize HFQ4G256 / MQ4G256 / MQ4G256V2 / HFQ6G256 / Q8F16 (and the
-// Lloyd codebook formats, qt 19/20/30/51) to
+// Lloyd codebook formats, qt 19/20/30/51, and the P2 formats: FP4, GL, MQ8, Q8HFQ,
+// Q4F16G64, Q4K, TQ2/BQ1) to
 // f32 or f16, fused dequant-GEMV y = W x for a batch of 1-8 activations, and the
 // FWHT-256 rotation of activations (MQ formats: rotate x once, then run the plain
 // affine GEMV on the stored rotated weights, docs/contracts/hfqm-and-quant.md, '3.6 FWHT
@@ -227,6 +228,71 @@ PKV_DEV void dequantize_lloyd(const uint8_t* __restrict__ raw, Out* __restrict__
 PKV_DEQUANT_LLOYD_KERNELS(2)
 PKV_DEQUANT_LLOYD_KERNELS(3)
 PKV_DEQUANT_LLOYD_KERNELS(4)
+
+// P2 formats (docs/formats/quant.md, "P2 formats"): one quant.h *_decode_elem call per
+// weight, SPAN consecutive weights per thread, stored basis, exact (the decoders round
+// every product and sum on its own: pkv_mul_rn / pkv_add_rn). Row formats (FP4, Q8HFQ)
+// take the row length K; GL finds its scales after all n/256 groups' indices. A simple
+// gather, not tuned: these formats are for reading files, the hot formats above have
+// the staged kernels.
+enum P2Format { P2_HFP4 = 0, P2_MFP4P, P2_GL2, P2_GL3, P2_MQ8, P2_Q8HFQ, P2_Q4F16G64, P2_Q4K,
+                P2_TQ2, P2_BQ1 };
+
+template <int F>
+PKV_DEV float p2_decode(const uint8_t* __restrict__ raw, int64_t i, int64_t n, int64_t K) {
+  if (F == P2_HFP4 || F == P2_MFP4P) {
+    const int64_t row = i / K;
+    return pkv_fp4_decode_elem(raw + row * (int64_t)PKV_FP4_ROW_BYTES((uint64_t)K),
+                               (uint32_t)(i - row * K), F == P2_MFP4P);
+  } else if (F == P2_GL2 || F == P2_GL3) {
+    return pkv_gl_decode_elem(raw, F == P2_GL2 ? 2u : 3u, (uint64_t)(n / 256), (uint64_t)(i / 256),
+                              (uint32_t)(i % 256));
+  } else if (F == P2_MQ8) {
+    return pkv_mq8_decode_elem(raw + (i / 256) * PKV_MQ8_GROUP_BYTES, (uint32_t)(i % 256));
+  } else if (F == P2_Q8HFQ) {
+    const int64_t row = i / K;
+    return pkv_q8hfq_decode_elem(raw + row * (int64_t)PKV_Q8HFQ_ROW_BYTES((uint64_t)K),
+                                 (uint32_t)K, (uint32_t)(i - row * K));
+  } else if (F == P2_Q4F16G64) {
+    return pkv_q4f16g64_decode_elem(raw + (i / 64) * PKV_Q4F16G64_GROUP_BYTES, (uint32_t)(i % 64));
+  } else if (F == P2_Q4K) {
+    return pkv_q4k_decode_elem(raw + (i / 256) * PKV_Q4K_GROUP_BYTES, (uint32_t)(i % 256));
+  } else if (F == P2_TQ2) {
+    return pkv_tq2_decode_elem(raw + (i / 128) * PKV_TQ2_GROUP_BYTES, (uint32_t)(i % 128));
+  } else {
+    return pkv_bq1_decode_elem(raw + (i / 128) * PKV_BQ1_GROUP_BYTES, (uint32_t)(i % 128));
+  }
+}
+
+template <int F, typename Out>
+PKV_DEV void dequantize_p2(const uint8_t* __restrict__ raw, Out* __restrict__ out, int64_t n,
+                           int64_t K) {
+  constexpr int SPAN = PKV_DEQUANT_SPAN;
+  const int64_t i = ((int64_t)blockIdx.x * PKV_DEQUANT_THREADS + threadIdx.x) * SPAN;
+  for (int k = 0; k < SPAN; ++k)
+    if (i + k < n) stage_out(out + i, k, p2_decode<F>(raw, i + k, n, K));
+}
+
+#define PKV_DEQUANT_P2_KERNELS(NAME, F)                                                       \
+  PKV_KERNEL void pkv_dequant_##NAME##_f32(const uint8_t* raw, float* out, int64_t n,          \
+                                           int64_t K) {                                       \
+    dequantize_p2<F, float>(raw, out, n, K);                                                  \
+  }                                                                                           \
+  PKV_KERNEL void pkv_dequant_##NAME##_f16(const uint8_t* raw, uint16_t* out, int64_t n,       \
+                                           int64_t K) {                                       \
+    dequantize_p2<F, uint16_t>(raw, out, n, K);                                               \
+  }
+
+PKV_DEQUANT_P2_KERNELS(hfp4, P2_HFP4)
+PKV_DEQUANT_P2_KERNELS(mfp4p, P2_MFP4P)
+PKV_DEQUANT_P2_KERNELS(gl2, P2_GL2)
+PKV_DEQUANT_P2_KERNELS(gl3, P2_GL3)
+PKV_DEQUANT_P2_KERNELS(mq8, P2_MQ8)
+PKV_DEQUANT_P2_KERNELS(q8hfq, P2_Q8HFQ)
+PKV_DEQUANT_P2_KERNELS(q4f16g64, P2_Q4F16G64)
+PKV_DEQUANT_P2_KERNELS(q4k, P2_Q4K)
+PKV_DEQUANT_P2_KERNELS(tq2, P2_TQ2)
+PKV_DEQUANT_P2_KERNELS(bq1, P2_BQ1)
 
 PKV_DEQUANT_KERNELS(hfq4g256, HFQ4G256)
 PKV_DEQUANT_KERNELS(mq4g256v2, MQ4G256V2)

@@ -12,10 +12,11 @@ from pagedkv import quant
 from pagedkv.kernels import reference as ref
 from pagedkv.quant.formats import CODECS
 
-#: Every P1 quantized format (the raw F16/F32/BF16 ones widen without a kernel).
-QUANT_FORMATS = tuple(c.name for c in CODECS.values() if c.kind != "raw")
+#: Every P1 quantized format (the raw F16/F32/BF16 ones widen without a kernel; the P2
+#: formats of docs/formats/quant.md have no MLX path and raise UnsupportedQuantType there).
+QUANT_FORMATS = tuple(c.name for c in CODECS.values() if c.kind in ("affine", "q8", "lloyd"))
 #: The ones with a Metal/MLX-CUDA kernel (the Lloyd codebooks decode through array ops).
-KERNEL_QUANT_FORMATS = tuple(c.name for c in CODECS.values() if c.kind not in ("raw", "lloyd"))
+KERNEL_QUANT_FORMATS = tuple(c.name for c in CODECS.values() if c.kind in ("affine", "q8"))
 GEMV_FORMATS = ("hfq4g256", "mq4g256", "mq4g256v2", "hfq6g256", "q8f16")
 
 

@@ -169,7 +169,12 @@ def test_format_names_and_defaults():
     with pytest.raises(InvalidArgument, match="'mq9' is not a format"):
         resolve_format("mq9")
     with pytest.raises(InvalidArgument, match="does not encode"):
-        resolve_format("hfp4g32")
+        resolve_format("paro4g128")
+    with pytest.raises(InvalidArgument, match="only decodes it"):
+        resolve_format("q4k")
+    with pytest.raises(InvalidArgument, match="not a convert target"):
+        resolve_format("mq2g256gl")
+    assert resolve_format("mfp4g32").id == 24
     assert default_format({"model_type": "qwen3_5"}) == "mq4"
     assert default_format({"architectures": ["Qwen3_5MoeForCausalLM"]}) == "mq4"
     assert default_format({"model_type": "llama"}) == "hf4"

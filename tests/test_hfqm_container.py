@@ -26,6 +26,7 @@ from pagedkv.errors import (
     BadMagic,
     BadMetadata,
     BadName,
+    CorruptPayload,
     CountMismatch,
     FormatError,
     InvalidArgument,
@@ -33,7 +34,6 @@ from pagedkv.errors import (
     TensorNotFound,
     Truncated,
     UnknownQuantType,
-    UnsupportedQuantType,
     UnsupportedVersion,
 )
 from pagedkv.hfqm import (
@@ -365,8 +365,9 @@ def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):
         name = "model.layers.0.self_attn.q_proj.weight"
         assert f.info(name).qt_name == "HFP4G32"
         assert f[name].tobytes() == arrays[name].tobytes()
-        with pytest.raises(UnsupportedQuantType, match="tensor 'model.layers.0.self_attn"
-                                                      ".q_proj.weight', offset 4442: quant type HFP4G32"):
+        # random bytes: the FP4 row header does not say 1 block with flags 0
+        with pytest.raises(CorruptPayload, match="tensor 'model.layers.0.self_attn"
+                                                 ".q_proj.weight', offset 4442: hfp4g32 row 0"):
             f.dequantize(name)
         decoded = f.dequantize("h.norm")
         assert decoded.dtype == np.float32 and decoded.tolist() == [[1, -1], [0.5, 65504]]

@@ -121,7 +121,7 @@ def test_a_kernel_refuses_a_freed_array_before_launch():
 
 # --- pagedkv.kernels.weights: the host-side checks run before any launch -----------------
 
-from pagedkv.errors import InvalidArgumentType, UnknownQuantType
+from pagedkv.errors import InvalidArgumentType, UnknownQuantType, UnsupportedQuantType
 from pagedkv.kernels import weights
 
 
@@ -323,6 +323,45 @@ def test_dequantize_and_fwht_check_before_launching():
     assert _launches(dev) == []
     weights.dequantize(dev, raw, "HFQ4G256", dev.empty((256,), np.float16))
     assert [c[1] for c in _launches(dev)] == ["pkv_dequant_hfq4g256_f16"]
+
+
+@pytest.mark.parametrize(("fmt", "kernel", "shape", "nbytes"), [
+    ("hfp4g32", "hfp4", (3, 96), 3 * (16 + 17 * 3)),
+    ("mfp4g32", "hfp4", (2, 256), 2 * (16 + 17 * 8)),
+    ("mfp4g32p", "mfp4p", (2, 256), 2 * (16 + 17 * 8)),
+    ("mq2g256gl", "gl2", (2, 256), 2 * 66), ("mq3g256gl", "gl3", (1, 512), 2 * 98),
+    ("mq8g256", "mq8", (1, 300), 2 * 258), ("q8hfq", "q8hfq", (2, 160), 2 * 256),
+    ("q4f16g64", "q4f16g64", (1, 100), 2 * 36), ("q4k", "q4k", (1, 256), 144),
+    ("tq2g128", "tq2", (3, 100), 3 * 34), ("bq1g128", "bq1", (1, 128), 18)])
+def test_dequantize_dispatches_the_p2_formats(fmt, kernel, shape, nbytes):
+    # the P2 kernels take (raw, out, n, K): K from out's last dimension, the payload size
+    # from pagedkv.quant's register rule (rows for FP4/Q8HFQ)
+    dev = FakeDevice()
+    n = shape[0] * shape[1]
+    weights.dequantize(dev, dev.empty((nbytes,), np.uint8), fmt, dev.empty(shape, np.float16))
+    per_block = weights.DEQUANT_SPAN * weights.DEQUANT_THREADS
+    assert [c[1:] for c in _launches(dev)] == [(f"pkv_dequant_{kernel}_f16", (-(-n // per_block),),
+                                                (weights.DEQUANT_THREADS,))]
+    assert dev.launch_args[-1][2:] == (n, shape[1])
+    with pytest.raises(InvalidArgument, match=f"{nbytes + 1}"):
+        weights.dequantize(dev, dev.empty((nbytes + 1,), np.uint8), fmt,
+                           dev.empty(shape, np.float32))
+    assert len(_launches(dev)) == 1
+
+
+def test_dequantize_refuses_p2_shapes_before_launching():
+    dev = FakeDevice()
+    with pytest.raises(InvalidArgument, match="multiple of 256"):      # MFP4: K % 256
+        weights.dequantize(dev, dev.empty((2 * 67,), np.uint8), "mfp4g32",
+                           dev.empty((2, 32 * 3), np.float32))
+    with pytest.raises(InvalidArgument, match="multiple of 32"):       # Q8HFQ: K % 32
+        weights.dequantize(dev, dev.empty((128,), np.uint8), "q8hfq", dev.empty((1, 40), np.float32))
+    with pytest.raises(InvalidArgument, match="multiple of 256"):      # GL: whole groups
+        weights.dequantize(dev, dev.empty((66,), np.uint8), "mq2g256gl",
+                           dev.empty((200,), np.float32))
+    with pytest.raises(UnsupportedQuantType):
+        weights.dequantize(dev, dev.empty((16,), np.uint8), 28, dev.empty((1, 128), np.float32))
+    assert _launches(dev) == []
 
 
 # --- the KV q8 launchers' host-side checks (no GPU: the fake device records the launch) ---

@@ -17,7 +17,12 @@ from mlx_kernel_cases import (
     weights_case,
 )
 from pagedkv import quant
-from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnknownQuantType
+from pagedkv.errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    UnknownQuantType,
+    UnsupportedQuantType,
+)
 from pagedkv.kernels import reference as ref
 
 mx = pytest.importorskip("mlx.core")
@@ -53,6 +58,12 @@ def test_dequantize_every_p1_format_is_bit_exact_in_both_bases(fmt):
     half = K.dequantize(raw, fmt, numel, dtype=mx.float16, basis="rotated")
     assert half.dtype == mx.float16
     assert bits_equal(np.array(half), ref.dequantize(raw, fmt, numel).astype(np.float16))
+
+
+@pytest.mark.parametrize("fmt", ["hfp4g32", "mq2g256gl", "mq8g256", "q4k", "tq2g128"])
+def test_dequantize_refuses_the_p2_formats_and_says_where_to_decode(fmt):
+    with pytest.raises(UnsupportedQuantType, match="pagedkv.quant.dequantize"):
+        K.dequantize(np.zeros(16, np.uint8), fmt, (1, 256))
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16", "f32"])

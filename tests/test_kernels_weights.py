@@ -27,13 +27,17 @@ def test_format_table_matches_the_cpu_codecs():
         assert weights.raw_nbytes(name, 1000) == codec.nbytes(1000)
     with pytest.raises(errors.InvalidArgument, match="fmt='hfq3g256'"):
         weights.raw_nbytes("hfq3g256", 256)
-    for name, f in weights.DEQUANT_ONLY_FORMATS.items():   # the Lloyd codebooks
+    for name, f in weights.DEQUANT_ONLY_FORMATS.items():   # Lloyd codebooks, P2 formats
         codec = quant.resolve(name)
         assert (f.group_size, f.group_bytes, f.rotated) == (
             codec.group_size, codec.group_bytes, codec.rotated)
-        assert weights.raw_nbytes(name, 1000) == codec.nbytes(1000)
+        assert weights.raw_nbytes(name, 1024, 512) == codec.payload_nbytes((2, 512))
         with pytest.raises(errors.InvalidArgument, match="the GPU kernels take"):
             weights.Gemv(None, name, 256, 256)  # dequantize only: no GEMV kernel
+    assert weights.raw_nbytes("hfp4g32", 1024, 512) == 2 * (16 + 17 * 16)
+    assert weights.raw_nbytes("q8hfq", 192, 96) == 2 * 128   # 6 + 96 bytes, padded to 128
+    with pytest.raises(errors.InvalidArgument, match="pass the row length"):
+        weights.raw_nbytes("q8hfq", 96)
 
 
 def test_reference_gemv_equals_the_original_basis_product():
@@ -75,8 +79,42 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
     assert (np.abs(got - want) <= tol).all()
 
 
+P2_FORMATS = [n for n, f in weights.DEQUANT_ONLY_FORMATS.items() if f.p2]
+
+
+def p2_raw(fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    """A payload of ``fmt``: quantized random weights, or for the decode-only formats random
+    codes under finite random f16 scales."""
+    codec = quant.resolve(fmt)
+    if codec.encodes:
+        return _weights(fmt, shape)[1]
+    raw = RNG.integers(0, 256, codec.payload_nbytes(shape), dtype=np.uint8)
+    groups = raw.reshape(-1, codec.group_bytes)
+    n_halves = 2 if fmt == "q4k" else 1      # Q4K: d and dmin; TQ2/BQ1: d
+    groups[:, : 2 * n_halves] = (RNG.standard_normal((len(groups), n_halves)) * 0.01).astype(
+        np.float16).view(np.uint8)
+    return raw
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(weights.DEQUANT_ONLY_FORMATS))
+@pytest.mark.parametrize("fmt", P2_FORMATS)
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_gpu_dequantize_p2_is_the_cpu_decode_exactly(device, fmt, out_dtype):
+    # whole 256-groups and rows of K = 768 (a multiple of 256 for MFP4/GL; 4 short-of-a-
+    # block 64-groups would not exist); 5 rows so a thread's 16 weights cross rows
+    shape = (5, 768)
+    raw = p2_raw(fmt, shape)
+    out = poisoned(device, shape, out_dtype)
+    weights.dequantize(device, device.array(raw), fmt, out)
+    want = quant.dequantize(raw, fmt, shape, basis="rotated")
+    # Every product and sum is rounded on its own (pkv_mul_rn/pkv_add_rn): exact in f32,
+    # and the f16 output is the f32 value rounded to nearest even.
+    np.testing.assert_array_equal(out.to_numpy(), want.astype(out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [n for n, f in weights.DEQUANT_ONLY_FORMATS.items()
+                                 if not f.p2])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
 def test_gpu_dequantize_lloyd_is_the_exact_codebook_lookup(device, fmt, out_dtype):
     rotated = weights.DEQUANT_ONLY_FORMATS[fmt].rotated

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 P1_NAMES = ["f16", "f32", "bf16", "q8f16", "hfq4g256", "hfq4g128", "hfq6g256", "hfq2g256",
             "hfq2g128", "hfq3g256", "hfq3g128", "mq4g256", "mq6g256", "mq3g256", "mq2g256",
             "mq5g256", "mq4g256v2", "mq4cg256", "mq6g256v2", "mq5g256v2", "mq3g256v2",
-            "mq2g256v2", "mq2g256lloyd", "mq3g256lloyd", "mq4g256lloyd", "mq2g256lloydu"]
+            "mq2g256v2", "mq2g256lloyd", "mq3g256lloyd", "mq4g256lloyd", "mq2g256lloydu",
+            # P2 formats (docs/formats/quant.md, "P2 formats")
+            "hfp4g32", "mfp4g32", "mfp4g32p", "mq2g256gl", "mq3g256gl", "mq8g256", "q8hfq",
+            "q4f16g64", "q4k", "tq2g128", "bq1g128"]
+ENCODABLE = [n for n in P1_NAMES if n not in ("q4k", "tq2g128", "bq1g128")]   # decode-only
 
 
 def test_every_p1_format_is_implemented_by_name_and_id():
@@ -38,7 +42,7 @@ def test_unknown_and_unsupported_formats():
     for qt in (23, 42, 43, 46, 200):
         with pytest.raises(UnknownQuantType, match=str(qt)):
             Q.resolve(qt)
-    for fmt in ("mq2g256gl", 39, "hfp4g32", 0, 14):
+    for fmt in ("paro4g128", 29, "mfp4g32lloyd", 130):
         with pytest.raises(UnsupportedQuantType, match="registered"):
             Q.dequantize(np.zeros(0, np.uint8), fmt, (0,))
     with pytest.raises(InvalidArgumentType):
@@ -47,7 +51,7 @@ def test_unknown_and_unsupported_formats():
         Q.resolve(True)
 
 
-@pytest.mark.parametrize("name", P1_NAMES)
+@pytest.mark.parametrize("name", ENCODABLE)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_input_is_rejected_with_its_index(name, bad):
     x = np.linspace(-1, 1, 512, dtype=np.float32).reshape(2, 256)
@@ -92,12 +96,15 @@ def test_size_and_dtype_errors_on_decode():
     assert np.array_equal(Q.dequantize(raw.tobytes(), "hfq4g256", 512), np.ones(512, np.float32))
 
 
-@pytest.mark.parametrize("name", P1_NAMES)
+@pytest.mark.parametrize("name", ENCODABLE)
 def test_shapes_sizes_and_empty(name):
     codec = Q.resolve(name)
     x = np.linspace(-2, 3, 3 * 512, dtype=np.float32).reshape(3, 512)
     raw = Q.quantize(x, name)
-    assert raw.size == codec.nbytes(x.size) == -(-x.size // codec.group_size) * codec.group_bytes
+    if codec.row_multiple:     # FP4 and Q8HFQ rows: their own size rule (tests/test_quant_p2.py)
+        assert raw.size == codec.payload_nbytes(x.shape)
+    else:
+        assert raw.size == codec.nbytes(x.size) == -(-x.size // codec.group_size) * codec.group_bytes
     out = Q.dequantize(raw, name, x.shape)
     assert out.shape == x.shape and out.dtype == np.float32
     empty = Q.quantize(np.zeros((0, 256), np.float32), name)

@@ -22,6 +22,7 @@ __all__ = [  # noqa: RUF022 (hierarchy order, as the classes below)
     "SizeMismatch",
     "UnknownQuantType",
     "UnsupportedQuantType",
+    "CorruptPayload",
     "BadName",
     "BadMetadata",
     "BadBundle",
@@ -126,6 +127,11 @@ class UnknownQuantType(FormatError):
 
 class UnsupportedQuantType(FormatError):
     """A registered quant type this build cannot decode."""
+
+
+class CorruptPayload(FormatError):
+    """A quantized payload of the right size whose bytes break its format (an FP4 row
+    header that disagrees with the shape, a reserved scale byte)."""
 
 
 class BadName(FormatError):

@@ -101,7 +101,7 @@ def seeds() -> Iterable[tuple[str, bytes]]:
     w = rng.standard_normal((2, 256)).astype(np.float32)
     codecs = [(f"t.{c.name}", c.name, [2, 256], Q.quantize(w, c.name))
               for c in sorted(Q.CODECS.values(), key=lambda c: c.qt.id)
-              if c.qt.id != 50]          # MQ2G256V2 warns on encode
+              if c.qt.id != 50 and c.encodes]   # MQ2G256V2 warns on encode
     write("codecs", 0, meta, codecs, add_quantization_hash=True)
     write("odd_offsets", 7, {"architecture": "qwen2", "tokenizer": '{"é": 1}'}, [
         ("model.language_model.embed_tokens.weight", "q8f16", [1, 32],

@@ -648,7 +648,10 @@ PKV_FN void pkv_affine_params(const PKV_DEVPTR uint8_t *blk, int family, uint32_
 
 /* Encode x[0..n) (n <= 32; codes n..31 are 0, the zero-padded last block).
  * UNREPRESENTABLE when the stored f16 scale saturates (amax/127 beyond 65504). */
-PKV_FN int pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+/* The Q8F16 math of one 32-weight block, shared by Q8F16 and Q8HFQ (which stores
+ * the scales and codes of a row apart): writes 32 int8 codes (codes n..31 are 0)
+ * and returns the f16_trunc scale bits. */
+PKV_FN uint32_t pkv_q8_block_codes(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *codes_out) {
     /* max |x| on the magnitude bits: for finite floats integer order is float
      * order, and an integer max reduction vectorizes (a float one may not). */
     uint32_t amax_bits = 0u;
@@ -663,9 +666,13 @@ PKV_FN int pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEV
     uint8_t codes[PKV_Q8F16_GROUP];
     for (uint32_t i = 0; i < n; ++i) codes[i] = (uint8_t)(pkv_round_q8(x[i] * inv) & 0xFF);
     for (uint32_t i = n; i < PKV_Q8F16_GROUP; ++i) codes[i] = 0u;
-    uint32_t scale16 = pkv_f16_trunc(scale);
+    for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) codes_out[i] = codes[i];
+    return pkv_f16_trunc(scale);
+}
+
+PKV_FN int pkv_q8f16_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+    uint32_t scale16 = pkv_q8_block_codes(x, n, blk + 2u);
     pkv_store_u16le(blk, scale16);
-    for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) blk[2u + i] = codes[i];
     return PKV_F16_IS_NONFINITE(scale16) ? PKV_ENCODE_UNREPRESENTABLE : PKV_ENCODE_OK;
 }
 
@@ -676,6 +683,345 @@ PKV_FN float pkv_q8f16_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
 PKV_FN void pkv_q8f16_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD float *out) {
     float d = pkv_f16_to_f32(pkv_load_u16le(blk));
     for (uint32_t i = 0; i < PKV_Q8F16_GROUP; ++i) out[i] = d * (float)(int8_t)blk[2u + i];
+}
+
+/* ===========================================================================
+ * P2 formats (docs/formats/quant.md, "P2 formats"): the decoders of every one
+ * (CPU and GPU share them) and the encoders that need no libm. The encoders that
+ * take a log2 or a square root (HFP4/MFP4, GL) are CPU-only: quant/fp4_loops.h,
+ * quant/gaussian_codebook_loops.h.
+ * ========================================================================= */
+
+/* a*b and a+b rounded on their own, never fused into an FMA: the P2 decoders that add
+ * a product (Q4F16G64, Q4K) give the CPU's bits on the GPU too, whatever the compiler's
+ * contraction setting (host C is built with -ffp-contract=off already). */
+PKV_FN float pkv_mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+PKV_FN float pkv_add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+/* ---------------------------------------------------------------------------
+ * HFP4G32 (qt 21), MFP4G32 (24, rotated per 256), MFP4G32P (33, rotated, E4M3
+ * block scales). A row of K weights (K % 32 == 0) is a 16-byte header
+ *   [0,2) f16_trunc(row scale)  [2,4) 0  [4,6) u16 K/32  [6] flags  [7,16) 0
+ * then K/32 blocks of 17 bytes: [0] block scale byte, [1,17) 32 E2M1 nibbles
+ * (low nibble = even index). w = f32(row scale) * block_scale(byte) * E2M1[n].
+ * ------------------------------------------------------------------------- */
+
+#define PKV_FP4_ROW_HEADER_BYTES 16u
+#define PKV_FP4_BLOCK            32u
+#define PKV_FP4_BLOCK_BYTES      17u
+#define PKV_FP4_FLAGS_PLAIN      0x00u      /* HFP4G32 */
+#define PKV_FP4_FLAGS_ROTATED    0x05u      /* MFP4G32, MFP4G32P: bit 0 rotation, bits 2-3 = 01 offline FWHT */
+#define PKV_FP4_UE8M0_RESERVED   255u       /* the UE8M0 NaN byte: never written */
+#define PKV_FP4_E4M3_MAX_CODE    0x7Eu      /* 448, the largest finite unsigned E4M3 */
+#define PKV_FP4_ROW_BYTES(K)     (PKV_FP4_ROW_HEADER_BYTES + PKV_FP4_BLOCK_BYTES * ((K) / PKV_FP4_BLOCK))
+
+/* E2M1 code n (0..15): 0, .5, 1, 1.5, 2, 3, 4, 6, then the same negated (-0 first). */
+PKV_FN float pkv_e2m1_value(uint32_t n) {
+    float mag;
+    switch (n & 7u) {
+    case 0: mag = 0.0f; break; case 1: mag = 0.5f; break; case 2: mag = 1.0f; break;
+    case 3: mag = 1.5f; break; case 4: mag = 2.0f; break; case 5: mag = 3.0f; break;
+    case 6: mag = 4.0f; break; default: mag = 6.0f; break;
+    }
+    return (n & 8u) ? -mag : mag;
+}
+
+/* Nearest E2M1 code to v, ties to the lowest code index (so +0 beats -0, and a
+ * value halfway between two magnitudes takes the smaller one's index). A NaN v is code 0. */
+PKV_FN uint32_t pkv_e2m1_nearest(float v) {
+    uint32_t best = 0u;
+    float d0 = v - pkv_e2m1_value(0u);
+    float best_d = d0 < 0.0f ? -d0 : d0;
+    for (uint32_t n = 1u; n < 16u; ++n) {
+        float d = pkv_e2m1_value(n) - v;
+        d = d < 0.0f ? -d : d;
+        if (d < best_d) { best_d = d; best = n; }
+    }
+    return best;
+}
+
+/* UE8M0 byte e -> 2^(e - 127), exact (e = 0 is the subnormal 2^-127; 255 gives +inf,
+ * the reserved byte, which decoders refuse before they get here). */
+PKV_FN float pkv_ue8m0_value(uint32_t e) {
+    return pkv_f32_from_bits(e == 0u ? 0x00400000u : (e & 0xFFu) << 23);
+}
+
+/* Unsigned E4M3 byte (4-bit exponent, bias 7, 3-bit mantissa) -> f32, exact.
+ * 0x7F (E4M3's NaN) decodes to 448, the largest finite value, as upstream's decoder. */
+PKV_FN float pkv_e4m3u_value(uint32_t b) {
+    uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    if (e == 0u) return (float)m * 0.001953125f;              /* 2^-6 * m/8, subnormal */
+    if (e == 15u && m == 7u) return 448.0f;
+    return pkv_f32_from_bits(((e + 120u) << 23) | (m << 20)); /* 2^(e-7) * (1 + m/8) */
+}
+
+/* Smallest unsigned E4M3 code (<= 0x7E) whose value is >= s; 0 for s <= 0 (or NaN). */
+PKV_FN uint32_t pkv_e4m3u_ceil(float s) {
+    if (!(s > 0.0f)) return 0u;
+    for (uint32_t c = 0u; c <= PKV_FP4_E4M3_MAX_CODE; ++c)
+        if (pkv_e4m3u_value(c) >= s) return c;
+    return PKV_FP4_E4M3_MAX_CODE;
+}
+
+/* Block scale of a stored byte: UE8M0 (qt 21, 24) or unsigned E4M3 (qt 33). */
+PKV_FN float pkv_fp4_block_scale(uint32_t byte, int e4m3) {
+    return e4m3 ? pkv_e4m3u_value(byte) : pkv_ue8m0_value(byte);
+}
+
+/* Weight j of a row (row points at its 16-byte header): (row scale * block scale) * E2M1. */
+PKV_FN float pkv_fp4_decode_elem(const PKV_DEVPTR uint8_t *row, uint32_t j, int e4m3) {
+    const PKV_DEVPTR uint8_t *blk = row + PKV_FP4_ROW_HEADER_BYTES + PKV_FP4_BLOCK_BYTES * (j >> 5);
+    float scale = pkv_f16_to_f32(pkv_load_u16le(row)) * pkv_fp4_block_scale(blk[0], e4m3);
+    uint32_t k = j & 31u;
+    uint32_t n = (blk[1u + (k >> 1)] >> (4u * (k & 1u))) & 0xFu;
+    return scale * pkv_e2m1_value(n);
+}
+
+/* A whole row of K weights (stored basis). */
+PKV_FN void pkv_fp4_decode_row(const PKV_DEVPTR uint8_t *row, uint32_t K, int e4m3, PKV_THREAD float *out) {
+    float ra = pkv_f16_to_f32(pkv_load_u16le(row));
+    for (uint32_t b = 0; b < K / PKV_FP4_BLOCK; ++b) {
+        const PKV_DEVPTR uint8_t *blk = row + PKV_FP4_ROW_HEADER_BYTES + PKV_FP4_BLOCK_BYTES * b;
+        float scale = ra * pkv_fp4_block_scale(blk[0], e4m3);
+        for (uint32_t i = 0; i < 16u; ++i) {
+            uint32_t byte = blk[1u + i];
+            out[32u * b + 2u * i] = scale * pkv_e2m1_value(byte & 0xFu);
+            out[32u * b + 2u * i + 1u] = scale * pkv_e2m1_value(byte >> 4);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * GL (qt 38 = 2-bit, 39 = 3-bit): 256 rotated weights per group against a fixed
+ * Gaussian Lloyd-Max codebook scaled by the group's RMS. The tensor (K % 256 == 0)
+ * is stored structure-of-arrays: the packed indices of every group in order
+ * (bits*32 bytes each), then every group's f16 (RNE) scale. w = f32(s) * CB[idx].
+ * ------------------------------------------------------------------------- */
+
+#define PKV_GL_INDEX_BYTES(bits) (32u * (bits))
+#define PKV_GL_GROUP_BYTES(bits) (PKV_GL_INDEX_BYTES(bits) + 2u)
+
+/* Codebook entry k (ascending) of the 2- or 3-bit GL codebook. */
+PKV_FN float pkv_gl_codebook(uint32_t bits, uint32_t k) {
+    if (bits == 2u) {
+        switch (k & 3u) {
+        case 0: return -1.5104f; case 1: return -0.4528f;
+        case 2: return 0.4528f; default: return 1.5104f;
+        }
+    }
+    switch (k & 7u) {
+    case 0: return -2.1520f; case 1: return -1.3439f; case 2: return -0.7560f; case 3: return -0.2451f;
+    case 4: return 0.2451f; case 5: return 0.7560f; case 6: return 1.3439f; default: return 2.1520f;
+    }
+}
+
+/* Nearest codebook index to v (strict <: the lowest index wins ties). */
+PKV_FN uint32_t pkv_gl_nearest(uint32_t bits, float v) {
+    uint32_t best = 0u, n = 1u << bits;
+    float d0 = v - pkv_gl_codebook(bits, 0u);
+    float best_d = d0 < 0.0f ? -d0 : d0;
+    for (uint32_t k = 1u; k < n; ++k) {
+        float d = v - pkv_gl_codebook(bits, k);
+        d = d < 0.0f ? -d : d;
+        if (d < best_d) { best_d = d; best = k; }
+    }
+    return best;
+}
+
+/* Weight i of group g of a GL tensor of n_groups groups (stored basis). */
+PKV_FN float pkv_gl_decode_elem(const PKV_DEVPTR uint8_t *raw, uint32_t bits, uint64_t n_groups,
+                                uint64_t g, uint32_t i) {
+    float s = pkv_f16_to_f32(pkv_load_u16le(raw + n_groups * PKV_GL_INDEX_BYTES(bits) + 2u * g));
+    uint32_t k = pkv_unpack_code(raw + g * PKV_GL_INDEX_BYTES(bits), i, bits);
+    return s * pkv_gl_codebook(bits, k);
+}
+
+/* A whole group; `q` is 256 bytes of scratch. */
+PKV_FN void pkv_gl_decode_group(const PKV_DEVPTR uint8_t *raw, uint32_t bits, uint64_t n_groups,
+                                uint64_t g, PKV_THREAD uint8_t *q, PKV_THREAD float *out) {
+    float s = pkv_f16_to_f32(pkv_load_u16le(raw + n_groups * PKV_GL_INDEX_BYTES(bits) + 2u * g));
+    pkv_unpack_codes(raw + g * PKV_GL_INDEX_BYTES(bits), 256u, bits, q);
+    for (uint32_t i = 0; i < 256u; ++i) out[i] = s * pkv_gl_codebook(bits, q[i]);
+}
+
+/* ---------------------------------------------------------------------------
+ * MQ8G256 (qt 14): 256 rotated weights, [0,2) f16_trunc(amax/127), [2,258) int8.
+ * Codes q = round_half_away(r * (127/amax)) (127/amax, not 1/scale: part of the bytes).
+ * ------------------------------------------------------------------------- */
+
+#define PKV_MQ8_GROUP_BYTES 258u
+
+PKV_FN int pkv_mq8_encode_group(const PKV_THREAD float *r, PKV_DEVPTR uint8_t *blk) {
+    float amax = 0.0f;
+    for (uint32_t i = 0; i < 256u; ++i) {
+        float a = r[i] < 0.0f ? -r[i] : r[i];
+        amax = a > amax ? a : amax;
+    }
+    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (uint32_t i = 0; i < 256u; ++i) blk[2u + i] = (uint8_t)(pkv_round_q8(r[i] * inv) & 0xFF);
+    uint32_t scale16 = pkv_f16_trunc(scale);
+    pkv_store_u16le(blk, scale16);
+    return PKV_F16_IS_NONFINITE(scale16) ? PKV_ENCODE_UNREPRESENTABLE : PKV_ENCODE_OK;
+}
+
+PKV_FN float pkv_mq8_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    return pkv_f16_to_f32(pkv_load_u16le(blk)) * (float)(int8_t)blk[2u + i];
+}
+
+PKV_FN void pkv_mq8_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD float *out) {
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk));
+    for (uint32_t i = 0; i < 256u; ++i) out[i] = d * (float)(int8_t)blk[2u + i];
+}
+
+/* ---------------------------------------------------------------------------
+ * Q8HFQ (qt 5): per row of K weights (K % 32 == 0), the K/32 f16_trunc scales,
+ * then the K int8 codes (Q8F16's math per 32), zero padding to a multiple of 128 B.
+ * ------------------------------------------------------------------------- */
+
+#define PKV_Q8HFQ_ROW_ALIGN 128u
+#define PKV_Q8HFQ_ROW_BYTES(K) \
+    ((((K) / 32u * 2u + (K)) + PKV_Q8HFQ_ROW_ALIGN - 1u) / PKV_Q8HFQ_ROW_ALIGN * PKV_Q8HFQ_ROW_ALIGN)
+
+/* Encode one row into PKV_Q8HFQ_ROW_BYTES(K) bytes; UNREPRESENTABLE when a scale saturates. */
+PKV_FN int pkv_q8hfq_encode_row(const PKV_THREAD float *x, uint32_t K, PKV_DEVPTR uint8_t *row) {
+    int status = PKV_ENCODE_OK;
+    uint32_t n_blocks = K / 32u, stride = PKV_Q8HFQ_ROW_BYTES(K);
+    for (uint32_t b = 0; b < n_blocks; ++b) {
+        uint32_t s16 = pkv_q8_block_codes(x + 32u * b, 32u, row + 2u * n_blocks + 32u * b);
+        pkv_store_u16le(row + 2u * b, s16);
+        if (PKV_F16_IS_NONFINITE(s16)) status = PKV_ENCODE_UNREPRESENTABLE;
+    }
+    for (uint32_t i = 2u * n_blocks + K; i < stride; ++i) row[i] = 0u;
+    return status;
+}
+
+PKV_FN float pkv_q8hfq_decode_elem(const PKV_DEVPTR uint8_t *row, uint32_t K, uint32_t j) {
+    return pkv_f16_to_f32(pkv_load_u16le(row + 2u * (j >> 5))) * (float)(int8_t)row[K / 16u + j];
+}
+
+/* ---------------------------------------------------------------------------
+ * Q4F16G64 (qt 0, legacy): 64 weights, [0,2) f16_trunc(scale), [2,4) f16_trunc(min),
+ * [4,36) nibbles pairing i with i + 32 (byte i = q[i] | q[i+32] << 4, the one
+ * exception to LSB-first packing). Codes use the f32 scale and minimum (v1 rule),
+ * decode the stored f16 ones: w = q * f32(scale16) + f32(min16).
+ * ------------------------------------------------------------------------- */
+
+#define PKV_Q4F16G64_GROUP_BYTES 36u
+
+/* Encode x[0..n) (n <= 64; the padding takes the minimum, code 0). */
+PKV_FN int pkv_q4f16g64_encode_group(const PKV_THREAD float *x, uint32_t n, PKV_DEVPTR uint8_t *blk) {
+    float mn = x[0], mx = x[0];
+    for (uint32_t i = 1; i < n; ++i) {
+        mn = x[i] < mn ? x[i] : mn;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    float rng = mx - mn;
+    float scale = rng > 0.0f ? rng / 15.0f : 1.0f;
+    float inv = rng > 0.0f ? 1.0f / scale : 0.0f;
+    uint8_t q[64];
+    for (uint32_t i = 0; i < 64u; ++i) q[i] = i < n ? (uint8_t)pkv_round_affine(x[i], mn, inv, 15.0f) : 0u;
+    uint32_t s16 = pkv_f16_trunc(scale), m16 = pkv_f16_trunc(mn);
+    pkv_store_u16le(blk, s16);
+    pkv_store_u16le(blk + 2, m16);
+    for (uint32_t i = 0; i < 32u; ++i) blk[4u + i] = (uint8_t)(q[i] | (q[i + 32u] << 4));
+    return PKV_F16_IS_NONFINITE(s16) || PKV_F16_IS_NONFINITE(m16) ? PKV_ENCODE_UNREPRESENTABLE
+                                                                  : PKV_ENCODE_OK;
+}
+
+PKV_FN float pkv_q4f16g64_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    uint32_t q = (blk[4u + (i & 31u)] >> (i < 32u ? 0u : 4u)) & 0xFu;
+    return pkv_add_rn(pkv_mul_rn((float)q, pkv_f16_to_f32(pkv_load_u16le(blk))),
+                      pkv_f16_to_f32(pkv_load_u16le(blk + 2)));
+}
+
+PKV_FN void pkv_q4f16g64_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD float *out) {
+    float s = pkv_f16_to_f32(pkv_load_u16le(blk)), m = pkv_f16_to_f32(pkv_load_u16le(blk + 2));
+    for (uint32_t i = 0; i < 32u; ++i) {
+        uint32_t b = blk[4u + i];
+        out[i] = (float)(b & 0xFu) * s + m;
+        out[i + 32u] = (float)(b >> 4) * s + m;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Q4K (qt 4) = GGML Q4_K, 256 weights in 144 bytes: [0,2) f16 d, [2,4) f16 dmin,
+ * [4,16) eight 6-bit (scale, min) pairs, [16,144) 4-bit codes: chunk c (64 weights)
+ * is 32 bytes, low nibbles = sub-block 2c, high nibbles = 2c + 1.
+ * w = (d * sc) * q - (dmin * m), ggml's dequantize_row_q4_K (and gguf-py's), exactly.
+ * The gguf import decodes Q4_K tensors with this too (one definition).
+ * ------------------------------------------------------------------------- */
+
+#define PKV_Q4K_GROUP_BYTES 144u
+
+/* ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..7). */
+PKV_FN void pkv_q4k_scale_min(const PKV_DEVPTR uint8_t *sc, uint32_t j, PKV_THREAD uint32_t *s,
+                              PKV_THREAD uint32_t *m) {
+    if (j < 4u) {
+        *s = sc[j] & 63u;
+        *m = sc[j + 4u] & 63u;
+    } else {
+        *s = (sc[j + 4u] & 0xFu) | ((sc[j - 4u] >> 6) << 4);
+        *m = (sc[j + 4u] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+PKV_FN float pkv_q4k_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    uint32_t sub = i >> 5, s, m;
+    pkv_q4k_scale_min(blk + 4, sub, &s, &m);
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk)) * (float)s;
+    float dm = pkv_f16_to_f32(pkv_load_u16le(blk + 2)) * (float)m;
+    uint32_t q = (blk[16u + 32u * (i >> 6) + (i & 31u)] >> (4u * (sub & 1u))) & 0xFu;
+    return pkv_add_rn(pkv_mul_rn(d, (float)q), -dm);
+}
+
+PKV_FN void pkv_q4k_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD float *out) {
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk)), dmin = pkv_f16_to_f32(pkv_load_u16le(blk + 2));
+    for (uint32_t c = 0; c < 4u; ++c) {
+        uint32_t s0, m0, s1, m1;
+        pkv_q4k_scale_min(blk + 4, 2u * c, &s0, &m0);
+        pkv_q4k_scale_min(blk + 4, 2u * c + 1u, &s1, &m1);
+        float d0 = d * (float)s0, dm0 = dmin * (float)m0, d1 = d * (float)s1, dm1 = dmin * (float)m1;
+        for (uint32_t l = 0; l < 32u; ++l) {
+            uint32_t b = blk[16u + 32u * c + l];
+            out[64u * c + l] = d0 * (float)(b & 0xFu) - dm0;
+            out[64u * c + 32u + l] = d1 * (float)(b >> 4) - dm1;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * TQ2G128 (qt 40) and BQ1G128 (qt 41), Bonsai passthrough formats, 128 weights:
+ * [0,2) f16 d, then 2-bit codes (TQ2, 32 B) or sign bits (BQ1, 16 B), LSB-first.
+ * TQ2: w = (code - 1) * d (code 3, never written by a ternary encoder, is 2d).
+ * BQ1: w = +d for a set bit, -d for a clear one.
+ * Bit order and sign sense are unverified upstream; these are pagedkv's choices.
+ * ------------------------------------------------------------------------- */
+
+#define PKV_TQ2_GROUP_BYTES 34u
+#define PKV_BQ1_GROUP_BYTES 18u
+
+PKV_FN float pkv_tq2_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk));
+    return (float)((int32_t)pkv_unpack_code(blk + 2, i, 2u) - 1) * d;
+}
+
+PKV_FN float pkv_bq1_decode_elem(const PKV_DEVPTR uint8_t *blk, uint32_t i) {
+    float d = pkv_f16_to_f32(pkv_load_u16le(blk));
+    return pkv_unpack_code(blk + 2, i, 1u) ? d : -d;
 }
 
 #endif /* PAGEDKV_QUANT_H */

@@ -24,9 +24,10 @@ import numpy as np
 _GGML_TYPES = {"q4_0": 2, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
 _GGML_BPW = {"q4_0": 4.5, "q8_0": 8.5, "q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625}
 
-PAGEDKV_FORMATS = ("mq3g256v2", "mq3g256lloyd", "hfq4g256", "hfq4g128", "mq4g256",
-                   "mq4g256v2", "mq4cg256", "mq4g256lloyd", "mq5g256v2", "hfq6g256",
-                   "mq6g256v2", "q8f16")
+PAGEDKV_FORMATS = ("mq2g256gl", "mq3g256gl", "mq3g256v2", "mq3g256lloyd", "hfq4g256",
+                   "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256", "hfp4g32", "mfp4g32",
+                   "mfp4g32p", "q4f16g64", "mq4g256lloyd", "mq5g256v2", "hfq6g256",
+                   "mq6g256v2", "mq8g256", "q8f16", "q8hfq")
 
 
 def weight_sets(rows: int, k: int, seed: int) -> dict[str, list[np.ndarray]]:
@@ -48,10 +49,13 @@ def rel_error(w: np.ndarray, w_hat: np.ndarray) -> float:
     return float(np.sqrt(np.square(diff).sum() / np.square(w.astype(np.float64)).sum()))
 
 
-def pagedkv_codec(fmt: str) -> tuple[float, Callable[[np.ndarray], np.ndarray]]:
+def pagedkv_codec(fmt: str, shape: tuple[int, int]) -> tuple[float, Callable[[np.ndarray],
+                                                                            np.ndarray]]:
+    """Bits per weight of ``fmt`` on tensors of ``shape`` (the row formats' headers and
+    padding depend on K) and its quantize -> dequantize round trip."""
     from pagedkv.quant import dequantize, quantize, resolve
     codec = resolve(fmt)
-    bpw = 8 * codec.group_bytes / codec.group_size
+    bpw = 8 * codec.payload_nbytes(shape) / (shape[0] * shape[1])
 
     def run(w: np.ndarray) -> np.ndarray:
         return dequantize(quantize(w, fmt), fmt, w.shape)
@@ -101,7 +105,7 @@ def measure(rows: int, k: int, seed: int, ggml_lib: str | None) -> list[dict]:
     """One row per (codec, weight set): bits per weight and mean relative error."""
     codecs: dict[str, tuple[str, float, Callable[[np.ndarray], np.ndarray]]] = {}
     for fmt in PAGEDKV_FORMATS:
-        bpw, run = pagedkv_codec(fmt)
+        bpw, run = pagedkv_codec(fmt, (rows, k))
         codecs[f"pagedkv {fmt}"] = ("pagedkv", bpw, run)
     for name in ("q4_0", "q8_0"):
         bpw, run = gguf_codec(name)

@@ -270,6 +270,13 @@ class GgufSource:
             return np.array(raw)  # F16 stays float16 (exact; the codecs take it)
         if tensor.ggml_type == "F64":
             return np.asarray(raw, dtype=np.float32)
+        if tensor.ggml_type == "Q4_K":
+            # One Q4_K decoder in the project: pagedkv.quant's qt 4 (docs/formats/quant.md,
+            # "Q4K"), bit for bit the gguf package's, and the one the GPU kernel shares.
+            from pagedkv.quant import dequantize as decode_qt
+            rows = np.ascontiguousarray(raw, dtype=np.uint8)
+            shape = (*rows.shape[:-1], rows.shape[-1] // 144 * 256)
+            return decode_qt(rows.reshape(-1), "q4k", shape)
         try:
             return dequantize(np.asarray(raw), GGMLQuantizationType[tensor.ggml_type])
         except NotImplementedError:

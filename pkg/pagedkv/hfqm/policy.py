@@ -93,6 +93,17 @@ def resolve_format(fmt: str) -> QuantType:
     if not row.decodable:
         raise InvalidArgument(f"--format {fmt!r}: {row.name} is registered but pagedkv does "
                               f"not encode it (status {row.status})")
+    from pagedkv.quant.formats import CODECS, GL
+    codec = CODECS[row.id]
+    if not codec.encodes:
+        raise InvalidArgument(f"--format {fmt!r}: pagedkv does not encode {row.name}, it only "
+                              "decodes it (docs/formats/quant.md, 'P2 formats')")
+    if codec.kind == GL:
+        # GL stores every group's indices before every scale, and convert writes a tensor
+        # in blocks of rows: its payload cannot be streamed that way.
+        raise InvalidArgument(f"--format {fmt!r}: {row.name} is not a convert target (its "
+                              "scales follow the whole tensor's indices, convert streams row "
+                              "blocks); quantize it with pagedkv.quant.quantize")
     return row
 
 

@@ -367,18 +367,24 @@ class HfqmFile:
         """Decode one tensor to a new float32 array of its shape
         (:func:`pagedkv.quant.dequantize`); a scalar (n_dims 0) comes back 0-d. A
         registered qt pagedkv does not decode raises
-        :class:`~pagedkv.errors.UnsupportedQuantType` naming the tensor."""
-        from pagedkv.errors import UnsupportedQuantType
+        :class:`~pagedkv.errors.UnsupportedQuantType`, a payload whose bytes break its
+        format :class:`~pagedkv.errors.CorruptPayload`, both naming the tensor."""
+        from pagedkv.errors import CorruptPayload, InvalidArgument, UnsupportedQuantType
         from pagedkv.quant import dequantize
+        from pagedkv.quant.formats import check_k, resolve
         i = self._resolve(name)
         info = self._info(i, self.records[i])
+        # The codecs take at least one dim; a scalar is one element either way.
+        shape = info.shape or (1,)
         try:
-            # The codecs take at least one dim; a scalar is one element either way.
-            return dequantize(self.raw(i), info.qt, info.shape or (1,),
-                              basis=basis).reshape(info.shape)
-        except UnsupportedQuantType as exc:
-            raise UnsupportedQuantType(str(exc), path=self.path, tensor=info.name,
-                                       offset=info.offset) from None
+            try:
+                check_k(resolve(info.qt), shape)   # a row format's K rule, from the file
+            except InvalidArgument as exc:
+                raise CorruptPayload(f"its shape does not fit its quant type: {exc}") from None
+            return dequantize(self.raw(i), info.qt, shape, basis=basis).reshape(info.shape)
+        except (UnsupportedQuantType, CorruptPayload) as exc:
+            raise type(exc)(str(exc), path=self.path, tensor=info.name,
+                            offset=info.offset) from None
 
     # --- lifetime -------------------------------------------------------------------
 

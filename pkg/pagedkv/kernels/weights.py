@@ -2,7 +2,10 @@
 
 Formats: ``hfq4g256``, ``mq4g256`` (HFQ4 bytes of rotated weights), ``mq4g256v2``,
 ``hfq6g256``, ``q8f16``; :func:`dequantize` also takes the Lloyd codebook formats
-(``mq2g256lloyd``, ``mq3g256lloyd``, ``mq4g256lloyd``, ``mq2g256lloydu``; no GEMV). Kernels
+(``mq2g256lloyd``, ``mq3g256lloyd``, ``mq4g256lloyd``, ``mq2g256lloydu``) and the P2
+formats (``hfp4g32``, ``mfp4g32``, ``mfp4g32p``, ``mq2g256gl``, ``mq3g256gl``, ``mq8g256``,
+``q8hfq``, ``q4f16g64``, ``q4k``, ``tq2g128``, ``bq1g128``; docs/formats/quant.md, "P2
+formats"), none of them with a GEMV. Kernels
 emit rotated formats in their stored (rotated)
 basis, like ``pagedkv.quant.dequantize(..., basis="rotated")``; the GEMV of a
 rotated format rotates ``x`` once (FWHT-256 per 256-segment), then runs the
@@ -46,13 +49,14 @@ _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 
 
 class _WeightFormat:
-    __slots__ = ("group_bytes", "group_size", "kernel", "name", "rotated")
+    __slots__ = ("group_bytes", "group_size", "kernel", "name", "p2", "rotated")
 
-    def __init__(self, name, kernel):
+    def __init__(self, name, kernel, p2=False):
         # group geometry and rotation: the qt register (pagedkv/hfqm.h, PKV_QT_LIST)
         row = qtype(name)
         self.name, self.kernel, self.rotated = name, kernel, row.rotated
         self.group_size, self.group_bytes = row.group_size, row.group_bytes
+        self.p2 = p2  # a P2 kernel: (raw, out, n, K); sizes from pagedkv.quant's register
 
     def __repr__(self) -> str:
         return f"WeightFormat({self.name!r}, G={self.group_size}, B={self.group_bytes})"
@@ -75,6 +79,19 @@ DEQUANT_ONLY_FORMATS = {f.name: f for f in (
 )}
 
 
+def _p2(name: str, kernel: str) -> _WeightFormat:
+    return _WeightFormat(name, kernel, p2=True)
+
+
+#: The P2 formats' kernels (docs/formats/quant.md, "P2 formats"): exact per-weight decoders.
+DEQUANT_ONLY_FORMATS.update({f.name: f for f in (
+    _p2("hfp4g32", "hfp4"), _p2("mfp4g32", "hfp4"), _p2("mfp4g32p", "mfp4p"),
+    _p2("mq2g256gl", "gl2"), _p2("mq3g256gl", "gl3"), _p2("mq8g256", "mq8"),
+    _p2("q8hfq", "q8hfq"), _p2("q4f16g64", "q4f16g64"), _p2("q4k", "q4k"),
+    _p2("tq2g128", "tq2"), _p2("bq1g128", "bq1"),
+)})
+
+
 def _format(fmt: str | int, *, dequant: bool = False) -> _WeightFormat:
     # the same spellings as pagedkv.quant: a qt name in any case, or a qt id
     from pagedkv.quant.formats import resolve
@@ -86,15 +103,26 @@ def _format(fmt: str | int, *, dequant: bool = False) -> _WeightFormat:
     return f
 
 
-def raw_nbytes(fmt: str | int, numel: int) -> int:
-    """Bytes of a tensor of ``numel`` weights in ``fmt`` (last group padded)."""
+def raw_nbytes(fmt: str | int, numel: int, k: int | None = None) -> int:
+    """Bytes of a tensor of ``numel`` weights in ``fmt`` (last group padded). The row
+    formats (``hfp4g32``, ``mfp4g32``, ``mfp4g32p``, ``q8hfq``) need the row length ``k``."""
     f = _format(fmt, dequant=True)
+    if f.p2:
+        from pagedkv.quant.formats import check_k, resolve
+        codec = resolve(f.name)
+        if codec.row_multiple and k is None:
+            raise InvalidArgument(f"{f.name} stores rows: pass the row length k")
+        shape = (numel // k, k) if codec.row_multiple and k else (numel,)
+        if codec.row_multiple and k and numel % k:
+            raise InvalidArgument(f"{numel} weights are not whole rows of k = {k}")
+        check_k(codec, shape)
+        return codec.payload_nbytes(shape)
     return math.ceil(numel / f.group_size) * f.group_bytes
 
 
-def _raw(raw, fmt: _WeightFormat, numel: int) -> None:
+def _raw(raw, fmt: _WeightFormat, numel: int, k: int | None = None) -> None:
     _need(raw, "raw", np.uint8)
-    want = raw_nbytes(fmt.name, numel)
+    want = raw_nbytes(fmt.name, numel, k)
     if raw.nbytes != want:
         raise InvalidArgument(f"raw: {raw.nbytes} bytes, {fmt.name} of {numel} weights takes "
                               f"{want}")
@@ -105,18 +133,26 @@ def _raw(raw, fmt: _WeightFormat, numel: int) -> None:
 def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArray,
                *, stream: Stream | None = None) -> None:
     """Decode ``raw`` into ``out`` (``float32`` or ``float16``, any shape: its size is the
-    weight count; groups run over the flattened tensor)."""
+    weight count; groups run over the flattened tensor; the row formats take the row
+    length K from ``out.shape[-1]``, GL needs whole 256-groups). Every kernel writes the
+    stored basis."""
     f = _format(fmt, dequant=True)
     if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise InvalidArgument(f"out: dtype {out.dtype}, expected float32 or float16")
     n = out.size
-    _raw(raw, f, n)
+    row_k = out.shape[-1] if out.shape else 1
+    _raw(raw, f, n, row_k)
     if n == 0:
         return
     suffix = "f32" if out.dtype == np.float32 else "f16"
-    k = device.kernel(SOURCE, f"pkv_dequant_{f.kernel}_{suffix}", "ppq")
     per_block = DEQUANT_SPAN * DEQUANT_THREADS
-    k((math.ceil(n / per_block),), (DEQUANT_THREADS,), raw, out, n, stream=stream)
+    grid = (math.ceil(n / per_block),)
+    if f.p2:
+        k = device.kernel(SOURCE, f"pkv_dequant_{f.kernel}_{suffix}", "ppqq")
+        k(grid, (DEQUANT_THREADS,), raw, out, n, row_k, stream=stream)
+        return
+    k = device.kernel(SOURCE, f"pkv_dequant_{f.kernel}_{suffix}", "ppq")
+    k(grid, (DEQUANT_THREADS,), raw, out, n, stream=stream)
 
 
 def fwht256(device: Device, x: DeviceArray, out: DeviceArray,

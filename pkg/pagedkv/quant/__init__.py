@@ -23,8 +23,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
-from pagedkv.quant import affine, codebook, fwht, half, q8
+from pagedkv.errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    SizeMismatch,
+    UnsupportedQuantType,
+)
+from pagedkv.quant import affine, codebook, fp4, fwht, gaussian_codebook, half, legacy, q8, ternary
 from pagedkv.quant.arguments import (
     float_array,
     raw_bytes,
@@ -32,7 +37,22 @@ from pagedkv.quant.arguments import (
     reject_unrepresentable,
     shape_tuple,
 )
-from pagedkv.quant.formats import AFFINE, CODECS, LLOYD, Q8, Codec, check_k, resolve
+from pagedkv.quant.formats import (
+    AFFINE,
+    CODECS,
+    FP4,
+    GL,
+    LLOYD,
+    MQ8,
+    Q4F16G64,
+    Q4K,
+    Q8,
+    Q8HFQ,
+    TERNARY,
+    Codec,
+    check_k,
+    resolve,
+)
 from pagedkv.quant.prepared_gemv import PreparedGemv, aligned_empty, check_threads
 
 __all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "prepare_gemv",
@@ -40,6 +60,25 @@ __all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "
 
 _BASES = ("original", "rotated")
 _MQ2G256V2 = 50
+_FP4_KIND = {21: 0, 24: 1, 33: 2}     # pagedkv.quant.fp4.KINDS
+_DECODE_ONLY_WHY = {
+    Q4K: "GGML Q4_K has no single encoder (llama.cpp's searches scales with an optional "
+         "importance matrix; hipfire's is a port that differs from it); quantize with llama.cpp "
+         "or use mq4g256v2",
+    TERNARY: "Bonsai's ternary/binary weights come from quantization-aware training and are "
+             "passed through, never encoded from float weights",
+}
+
+# Decoders of the P2 kinds: (codec, raw, out, K, rotated_basis) -> None.
+_P2_DECODERS = {
+    FP4: lambda c, raw, out, k, rb: fp4.decode(raw, out, k, _FP4_KIND[c.qt.id], rb),
+    GL: lambda c, raw, out, k, rb: gaussian_codebook.decode(raw, out, c.bits, rb),
+    MQ8: lambda c, raw, out, k, rb: q8.mq8_decode(raw, out, rb),
+    Q8HFQ: lambda c, raw, out, k, rb: q8.q8hfq_decode(raw, out, k),
+    Q4F16G64: lambda c, raw, out, k, rb: legacy.q4f16g64_decode(raw, out),
+    Q4K: lambda c, raw, out, k, rb: legacy.q4k_decode(raw, out),
+    TERNARY: lambda c, raw, out, k, rb: ternary.decode(raw, out, c.bits),
+}
 
 
 def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
@@ -54,6 +93,10 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     refuse"); F16/BF16 keep the spec's truncation (``|x| >= 65536`` becomes ±inf).
     """
     codec = resolve(fmt)
+    if not codec.encodes:
+        raise UnsupportedQuantType(
+            f"{codec.name} (qt {codec.qt.id}) is decode-only in pagedkv: "
+            f"{_DECODE_ONLY_WHY[codec.kind]} (docs/formats/quant.md, 'P2 formats')")
     array = float_array(array, "array")
     shape = tuple(int(d) for d in array.shape)
     check_k(codec, shape)
@@ -71,13 +114,24 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     # Aligned too: the Cython encoders read floats through typed pointers (a float32 view
     # at an odd byte offset would be undefined behaviour there).
     flat = np.require(array, np.float32, ["C", "A"]).reshape(-1)
-    out = np.empty(codec.nbytes(flat.size), dtype=np.uint8)
+    out = np.empty(codec.payload_nbytes(shape), dtype=np.uint8)
+    k = shape[-1]
     if codec.kind == AFFINE:
         bad = affine.encode(flat, out, codec.affine_family, codec.bits, codec.group_size)
     elif codec.kind == Q8:
         bad = q8.encode(flat, out)
     elif codec.kind == LLOYD:
         bad = codebook.encode(flat, out, codec.bits, codec.rotated)
+    elif codec.kind == FP4:
+        bad = fp4.encode(flat, out, k, _FP4_KIND[codec.qt.id]) if flat.size else -1
+    elif codec.kind == GL:
+        bad = gaussian_codebook.encode(flat, out, codec.bits)
+    elif codec.kind == MQ8:
+        bad = q8.mq8_encode(flat, out)
+    elif codec.kind == Q8HFQ:
+        bad = q8.q8hfq_encode(flat, out, k) if flat.size else -1
+    elif codec.kind == Q4F16G64:
+        bad = legacy.q4f16g64_encode(flat, out)
     else:
         finite = np.isfinite(flat)
         bad = -1 if finite.all() else int(np.flatnonzero(~finite)[0])
@@ -90,9 +144,9 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
                 half.bf16_trunc(flat, out.view(np.uint16))
     if bad <= -2:
         family = codec.family.name if codec.family is not None else \
-            (LLOYD if codec.kind == LLOYD else None)
-        reject_unrepresentable(flat, -2 - bad, codec.group_size, codec.name, family, "array",
-                               shape)
+            (codec.kind if codec.kind != Q8 else None)
+        unit = k if codec.row_multiple else codec.group_size
+        reject_unrepresentable(flat, -2 - bad, unit, codec.name, family, "array", shape)
     reject_nonfinite(flat, bad, "array", shape)
     return out
 
@@ -120,11 +174,13 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         raise InvalidArgument(f"basis must be one of {_BASES}, got {basis!r}")
     check_k(codec, dims)
     numel = math.prod(dims)
-    expected = codec.nbytes(numel)
+    expected = codec.payload_nbytes(dims)
     if data.size != expected:
+        rule = (f"{dims[-1] and numel // dims[-1]} rows of K = {dims[-1]}" if codec.row_multiple
+                else f"ceil({numel}/{codec.group_size}) groups x {codec.group_bytes} bytes")
         raise SizeMismatch(
             f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected} "
-            f"(ceil({numel}/{codec.group_size}) groups x {codec.group_bytes} bytes)")
+            f"({rule})")
     rotated_basis = basis == "rotated"
     if rotated_basis and codec.rotated and numel % 256 != 0:
         raise InvalidArgument(
@@ -154,6 +210,9 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         q8.decode(data, out, threads)
     elif codec.kind == LLOYD:
         codebook.decode(data, out, codec.bits, codec.rotated, rotated_basis and codec.rotated)
+    elif codec.kind in _P2_DECODERS:
+        if numel:
+            _P2_DECODERS[codec.kind](codec, data, out, dims[-1], rotated_basis)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
     else:

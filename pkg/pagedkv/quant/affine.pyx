@@ -14,10 +14,10 @@ import os
 
 cimport numpy as cnp
 from libc.stdint cimport uint8_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
 from pagedkv.quant.cpu_pool cimport pool_run
-from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, PKV_ENCODE_UNREPRESENTABLE, pkv_first_nonfinite, pkv_hfq_encode_group,
     pkv_mq4c_encode_group, pkv_mqv1_encode_group, pkv_mqv2_encode_group, pkv_pack_codes,
@@ -84,11 +84,7 @@ def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_
                 # rotated families: zero-pad BEFORE rotating (docs/contracts/hfqm-and-quant.md, '4.2
                 # MQ v1 — rotated HFQ (qt 13, 15, 17, 18, 31)'), then min/max over
                 # all 256; finite weights near 3.4e38 can rotate to inf
-                memcpy(buf, &x[start], count * sizeof(float))
-                if count < 256:
-                    memset(&buf[count], 0, (256 - count) * sizeof(float))
-                rotate256(buf, buf, 1)
-                if pkv_first_nonfinite(buf, 256) >= 0:
+                if not group256(&x[start], count, buf, True):
                     status = PKV_ENCODE_UNREPRESENTABLE
                 elif family == MQ_V1:
                     status = pkv_mqv1_encode_group(buf, bits, q, &out[g * B])

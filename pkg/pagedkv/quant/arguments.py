@@ -54,6 +54,14 @@ _UNREPRESENTABLE_WHY = {
     None: "its f16 scale max|x|/127 would be beyond 65504",
     "lloyd": "its f16 codebook entries would be beyond ±65504 (or the FWHT-256 rotation "
              "overflows float32)",
+    "fp4": "the row's f16 scale max|x|/6 would be beyond 65504 (or the FWHT-256 rotation "
+           "overflows float32)",
+    "gl": "its f16 RMS scale would be beyond 65504 (or the FWHT-256 rotation overflows "
+          "float32)",
+    "mq8": "its f16 scale max|r|/127 would be beyond 65504 (or the FWHT-256 rotation "
+           "overflows float32)",
+    "q8hfq": "a 32-weight block's f16 scale max|x|/127 would be beyond 65504",
+    "q4f16g64": "its f16 scale (max - min)/15 or f16 minimum would be beyond ±65504",
 }
 
 

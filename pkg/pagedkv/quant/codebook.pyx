@@ -9,9 +9,9 @@ as ``2**bits`` f16 centroids and 256 packed indices.
 
 cimport numpy as cnp
 from libc.stdint cimport uint8_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
-from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.quant_header cimport pkv_first_nonfinite
 
 cnp.import_array()
@@ -62,12 +62,7 @@ def encode(const float[::1] x, uint8_t[::1] out, int bits, bint rotated):
             if bad >= 0:
                 bad += start
                 break
-            memcpy(buf, &x[start], count * sizeof(float))
-            if count < 256:
-                memset(&buf[count], 0, (256 - count) * sizeof(float))
-            if rotated:
-                rotate256(buf, buf, 1)
-            if _beyond_f16(buf):
+            if not group256(&x[start], count, buf, rotated) or _beyond_f16(buf):
                 bad = -2 - g
                 break
             pkv_lloyd_encode_group(buf, <unsigned>bits, q, &out[g * B])

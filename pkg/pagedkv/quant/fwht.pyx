@@ -13,9 +13,10 @@ import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport uint32_t
+from libc.string cimport memcpy, memset
 
 from pagedkv.quant.quant_header cimport (
-    pkv_sign_lcg_next, pkv_signs1_word, pkv_signs2_word, pkv_signs_generate,
+    pkv_first_nonfinite, pkv_sign_lcg_next, pkv_signs1_word, pkv_signs2_word, pkv_signs_generate,
 )
 
 cnp.import_array()
@@ -46,6 +47,16 @@ cdef void rotate256(const float *x, float *y, Py_ssize_t n_rows) noexcept nogil:
 
 cdef void unrotate256(const float *x, float *y, Py_ssize_t n_rows) noexcept nogil:
     pkv_cpu_fwht256_rows(x, y, n_rows, SIGNS2, SIGNS1_SCALED)
+
+
+cdef bint group256(const float *x, Py_ssize_t count, float *y, bint rotate) noexcept nogil:
+    memcpy(y, x, count * sizeof(float))
+    if count < 256:
+        memset(&y[count], 0, (256 - count) * sizeof(float))
+    if not rotate:
+        return True
+    rotate256(y, y, 1)
+    return pkv_first_nonfinite(y, 256) < 0
 
 
 def fwht_rows(const float[:, ::1] x, float[:, ::1] out, bint inverse=False):

@@ -19,7 +19,7 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import gemv_kernels
 from pagedkv.quant.arguments import raw_bytes, shape_tuple
-from pagedkv.quant.formats import AFFINE, Q8, check_k, resolve
+from pagedkv.quant.formats import AFFINE, GL, Q8, check_k, resolve
 
 __all__ = ["MAX_BATCH", "check_activations", "check_out", "check_weights", "gemv"]
 
@@ -39,7 +39,7 @@ def check_weights(raw, fmt, shape):
         raise InvalidArgument(f"gemv needs a 2-D weight shape [M, K], got {dims}")
     check_k(codec, dims)
     m, k = dims
-    expected = codec.nbytes(m * k)
+    expected = codec.payload_nbytes((m, k))
     if data.size != expected:
         raise SizeMismatch(
             f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected}")
@@ -83,8 +83,20 @@ def _validate(raw, fmt, shape, x):
 
 
 def _gemv_by_row_blocks(data, codec, m, k, x2):
-    """Reference path: dequantize row blocks (whole groups) and multiply."""
+    """Reference path: dequantize row blocks (whole groups, or whole rows for the row
+    formats; GL's scales follow every group's indices, so it is decoded whole) and multiply."""
     from pagedkv.quant import dequantize
+    if codec.kind == GL or codec.row_multiple:
+        row_bytes = codec.payload_nbytes((1, k))
+        rows = m if codec.kind == GL else max(1, _FALLBACK_ELEMS // max(k, 1))
+        y = np.empty((x2.shape[0], m), np.float32)
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            w = dequantize(data[r0 * row_bytes:r1 * row_bytes] if codec.row_multiple else data,
+                           codec.qt.id, (r1 - r0, k))
+            for b in range(x2.shape[0]):
+                y[b, r0:r1] = w @ x2[b]
+        return y
     g = codec.group_size
     # a row block must start on a group boundary: rows per block is a multiple of
     # G / gcd(K, G) (one period of the straddling pattern)

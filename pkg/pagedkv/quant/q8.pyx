@@ -1,16 +1,25 @@
 # cython: freethreading_compatible = True
-"""Q8F16 (qt 3, docs/contracts/hfqm-and-quant.md, '4.5 Q8F16 (qt 3)'): per 32 weights,
-``f16_trunc(amax/127)`` then 32
-int8 codes rounded half away from zero with the f32 scale. GGML Q8_0 layout.
-The tensor is flattened; blocks may straddle rows and the last one is zero-padded."""
+"""The symmetric int8 weight codecs.
+
+* Q8F16 (qt 3, docs/contracts/hfqm-and-quant.md, '4.5 Q8F16 (qt 3)'): per 32 weights,
+  ``f16_trunc(amax/127)`` then 32 int8 codes rounded half away from zero with the f32
+  scale. GGML Q8_0 layout. The tensor is flattened; blocks may straddle rows and the
+  last one is zero-padded.
+* Q8HFQ (qt 5): Q8F16's math per row of K (K % 32 == 0), the row's K/32 scales first,
+  then its K codes, zero-padded to a multiple of 128 bytes (docs/formats/quant.md, "Q8HFQ").
+* MQ8G256 (qt 14): per 256 rotated weights, ``f16_trunc(amax/127)`` then 256 int8 codes
+  of ``r·(127/amax)`` (docs/formats/quant.md, "MQ8G256").
+"""
 
 cimport numpy as cnp
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
 
 from pagedkv.quant.cpu_pool cimport pool_run
+from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.quant_header cimport (
-    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_q8f16_decode_group, pkv_q8f16_encode_group,
+    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_mq8_decode_group, pkv_mq8_encode_group,
+    pkv_q8f16_decode_group, pkv_q8f16_encode_group, pkv_q8hfq_decode_elem, pkv_q8hfq_encode_row,
 )
 
 cnp.import_array()
@@ -87,3 +96,97 @@ def decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
         if n_whole < n_blocks:              # the zero-padded last block
             pkv_q8f16_decode_group(&raw[n_whole * BLOCK_BYTES], buf)
             memcpy(&out[n_whole * BLOCK], buf, (n - n_whole * BLOCK) * sizeof(float))
+
+
+# ---------------------------------------------------------------------------
+# Q8HFQ (qt 5)
+
+cdef Py_ssize_t q8hfq_row_bytes(Py_ssize_t K) except -1:
+    if K <= 0 or K % 32:
+        raise InvalidArgument(f"q8hfq needs rows of K weights with K a positive multiple of 32, "
+                              f"got K = {K}")
+    return (2 * (K // 32) + K + 127) // 128 * 128
+
+
+def q8hfq_encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K):
+    """Encode rows of ``K`` weights into ``out`` (``round_up(2*K/32 + K, 128)`` bytes per
+    row). Returns -1; the index of the first NaN/Inf; or ``-2 - r`` when a block scale of
+    row ``r`` does not fit an f16."""
+    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = x.shape[0], r, bad = -1
+    if n % K:
+        raise InvalidArgument(f"{n} weights are not whole rows of K = {K}")
+    if out.shape[0] != n // K * B:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n // K * B}")
+    with nogil:
+        for r in range(n // K):
+            bad = pkv_first_nonfinite(&x[r * K], K)
+            if bad >= 0:
+                bad += r * K
+                break
+            if pkv_q8hfq_encode_row(&x[r * K], <uint32_t>K, &out[r * B]) != PKV_ENCODE_OK:
+                bad = -2 - r
+                break
+    return bad
+
+
+def q8hfq_decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K):
+    """Decode ``len(out)`` weights (rows of ``K``)."""
+    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = out.shape[0], r, j
+    if n % K:
+        raise InvalidArgument(f"{n} weights are not whole rows of K = {K}")
+    if raw.shape[0] != n // K * B:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n // K} rows of K = {K} need "
+                           f"{n // K * B}")
+    with nogil:
+        for r in range(n // K):
+            for j in range(K):
+                out[r * K + j] = pkv_q8hfq_decode_elem(&raw[r * B], <uint32_t>K, <uint32_t>j)
+
+
+# ---------------------------------------------------------------------------
+# MQ8G256 (qt 14)
+
+cdef enum:
+    MQ8_GROUP_BYTES = 258
+
+
+def mq8_encode(const float[::1] x, uint8_t[::1] out):
+    """Encode ``x`` into ``ceil(len(x)/256) * 258`` bytes (the short last group is
+    zero-padded before the rotation). Returns -1; the index of the first NaN/Inf; or
+    ``-2 - g`` when group ``g``'s rotation overflows or its f16 scale saturates."""
+    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n_groups = (n + 255) // 256
+    cdef float buf[256]
+    if out.shape[0] != n_groups * MQ8_GROUP_BYTES:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
+                              f"{n_groups * MQ8_GROUP_BYTES}")
+    with nogil:
+        for g in range(n_groups):
+            start = g * 256
+            count = min(256, n - start)
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
+                break
+            if not group256(&x[start], count, buf, True) or \
+                    pkv_mq8_encode_group(buf, &out[g * MQ8_GROUP_BYTES]) != PKV_ENCODE_OK:
+                bad = -2 - g
+                break
+    return bad
+
+
+def mq8_decode(const uint8_t[::1] raw, float[::1] out, bint rotated_basis=False):
+    """Decode ``len(out)`` weights, un-rotated per group unless ``rotated_basis``."""
+    cdef Py_ssize_t n = out.shape[0], g, count
+    cdef Py_ssize_t n_groups = (n + 255) // 256
+    cdef float buf[256]
+    if raw.shape[0] != n_groups * MQ8_GROUP_BYTES:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
+                           f"{n_groups * MQ8_GROUP_BYTES}")
+    with nogil:
+        for g in range(n_groups):
+            count = min(256, n - g * 256)
+            pkv_mq8_decode_group(&raw[g * MQ8_GROUP_BYTES], buf)
+            if not rotated_basis:
+                unrotate256(buf, buf, 1)
+            memcpy(&out[g * 256], buf, count * sizeof(float))

@@ -1,6 +1,6 @@
 # Declarations of pagedkv/quant.h (the per-element quant math shared with the
 # GPU kernels). Declarations only: there is no quant_header module.
-from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "pagedkv/quant.h" nogil:
     const uint32_t PKV_FWHT_N
@@ -54,3 +54,28 @@ cdef extern from "pagedkv/quant.h" nogil:
 
     int pkv_q8f16_encode_group(const float *x, uint32_t n, uint8_t *blk)
     void pkv_q8f16_decode_group(const uint8_t *blk, float *out)
+    uint32_t pkv_q8_block_codes(const float *x, uint32_t n, uint8_t *codes_out)
+    void pkv_store_u16le(uint8_t *p, uint32_t v)
+    int PKV_F16_IS_NONFINITE(uint32_t h)
+
+    # P2 formats (docs/formats/quant.md, "P2 formats")
+    const uint32_t PKV_FP4_FLAGS_PLAIN
+    const uint32_t PKV_FP4_FLAGS_ROTATED
+    const uint32_t PKV_FP4_UE8M0_RESERVED
+    float pkv_e2m1_value(uint32_t n)
+    uint32_t pkv_e2m1_nearest(float v)
+    float pkv_e4m3u_value(uint32_t b)
+    uint32_t pkv_e4m3u_ceil(float s)
+    void pkv_fp4_decode_row(const uint8_t *row, uint32_t K, int e4m3, float *out)
+    float pkv_gl_codebook(uint32_t bits, uint32_t k)
+    void pkv_gl_decode_group(const uint8_t *raw, uint32_t bits, uint64_t n_groups, uint64_t g,
+                             uint8_t *q, float *out)
+    int pkv_mq8_encode_group(const float *r, uint8_t *blk)
+    void pkv_mq8_decode_group(const uint8_t *blk, float *out)
+    int pkv_q8hfq_encode_row(const float *x, uint32_t K, uint8_t *row)
+    float pkv_q8hfq_decode_elem(const uint8_t *row, uint32_t K, uint32_t j)
+    int pkv_q4f16g64_encode_group(const float *x, uint32_t n, uint8_t *blk)
+    void pkv_q4f16g64_decode_group(const uint8_t *blk, float *out)
+    void pkv_q4k_decode_group(const uint8_t *blk, float *out)
+    float pkv_tq2_decode_elem(const uint8_t *blk, uint32_t i)
+    float pkv_bq1_decode_elem(const uint8_t *blk, uint32_t i)

@@ -167,6 +167,11 @@ def dequantize(raw, fmt: str | int, shape, *, dtype=None, basis: str = "original
         raise InvalidArgument(f"dtype: {dtype}, expected mx.float32 or mx.float16")
     if basis not in ("original", "rotated"):
         raise InvalidArgument(f"basis: {basis!r}, expected 'original' or 'rotated'")
+    if codec.kind not in ("raw", "affine", "q8", "lloyd"):
+        from pagedkv.errors import UnsupportedQuantType
+        raise UnsupportedQuantType(
+            f"{codec.name}: the MLX path does not decode the P2 formats (docs/formats/quant.md, "
+            "'P2 formats'); decode with pagedkv.quant.dequantize and wrap it in mx.array")
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
     numel = math.prod(shape)
     raw = _array(mx, "raw", raw, (mx.uint8,), "uint8 stored bytes").reshape(-1)

@@ -1,0 +1,129 @@
+# cython: freethreading_compatible = True
+"""FP4 row codecs: HFP4G32 (qt 21), MFP4G32 (qt 24, rotated per 256), MFP4G32P (qt 33,
+rotated, E4M3 block scales). docs/formats/quant.md, "HFP4G32, MFP4G32, MFP4G32P".
+
+Flat in, flat out: ``len(x) / K`` rows of K weights (K % 32 == 0; K % 256 == 0 for the
+rotated kinds), each stored as a 16-byte header and K/32 blocks of 17 bytes.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint32_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.quant_header cimport (
+    PKV_ENCODE_OK, PKV_FP4_FLAGS_PLAIN, PKV_FP4_FLAGS_ROTATED, PKV_FP4_UE8M0_RESERVED,
+    pkv_first_nonfinite, pkv_fp4_decode_row,
+)
+
+cnp.import_array()
+
+from pagedkv.errors import CorruptPayload, InvalidArgument, SizeMismatch
+
+
+cdef extern from "fp4_loops.h" nogil:
+    int pkv_fp4_encode_row(const float *x, uint32_t K, uint32_t flags, int e4m3, uint8_t *row)
+
+#: kind: 0 = HFP4G32, 1 = MFP4G32, 2 = MFP4G32P
+KINDS = ("hfp4g32", "mfp4g32", "mfp4g32p")
+
+
+cdef Py_ssize_t row_bytes(Py_ssize_t K):
+    return 16 + 17 * (K // 32)
+
+
+cdef int _check(Py_ssize_t n, Py_ssize_t K, int kind) except -1:
+    if kind < 0 or kind > 2:
+        raise InvalidArgument(f"kind = {kind}: 0 (hfp4g32), 1 (mfp4g32) or 2 (mfp4g32p)")
+    cdef Py_ssize_t multiple = 32 if kind == 0 else 256
+    if K <= 0 or K % multiple or K // 32 > 65535:
+        raise InvalidArgument(
+            f"{KINDS[kind]} needs rows of K weights with K a positive multiple of {multiple} "
+            f"(and K/32 <= 65535, the header's block count), got K = {K}")
+    if n % K:
+        raise InvalidArgument(f"{n} weights are not whole rows of K = {K}")
+    return 0
+
+
+def encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K, int kind):
+    """Encode rows of ``K`` weights. Returns -1; the index of the first NaN/Inf in ``x``; or
+    ``-2 - r`` when row ``r``'s scale does not fit an f16 (max|x|/6 beyond 65504) or its
+    rotation overflows (``out`` is then unspecified)."""
+    _check(x.shape[0], K, kind)
+    cdef Py_ssize_t n_rows = x.shape[0] // K, r, bad = -1
+    cdef Py_ssize_t B = row_bytes(K)
+    cdef bint rotated = kind != 0
+    cdef uint32_t flags = PKV_FP4_FLAGS_ROTATED if rotated else PKV_FP4_FLAGS_PLAIN
+    cdef float *buf
+    if out.shape[0] != n_rows * B:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_rows * B}")
+    buf = <float *>malloc(K * sizeof(float))
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            for r in range(n_rows):
+                bad = pkv_first_nonfinite(&x[r * K], K)
+                if bad >= 0:
+                    bad += r * K
+                    break
+                if rotated:
+                    rotate256(&x[r * K], buf, K // 256)
+                    if pkv_first_nonfinite(buf, K) >= 0:
+                        bad = -2 - r
+                        break
+                else:
+                    memcpy(buf, &x[r * K], K * sizeof(float))
+                if pkv_fp4_encode_row(buf, <uint32_t>K, flags, kind == 2,
+                                      &out[r * B]) != PKV_ENCODE_OK:
+                    bad = -2 - r
+                    break
+    finally:
+        free(buf)
+    return bad
+
+
+def decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int kind,
+           bint rotated_basis=False):
+    """Decode ``len(out)`` weights (rows of ``K``); the rotated kinds are un-rotated per
+    256-segment unless ``rotated_basis``. A row whose header does not say K/32 blocks and
+    this kind's flags, or a UE8M0 block byte of 255 (reserved), raises
+    :class:`~pagedkv.errors.CorruptPayload` before anything is written."""
+    _check(out.shape[0], K, kind)
+    cdef Py_ssize_t n_rows = out.shape[0] // K, r, b, bad_row = -1
+    cdef Py_ssize_t B = row_bytes(K)
+    cdef uint32_t flags = PKV_FP4_FLAGS_PLAIN if kind == 0 else PKV_FP4_FLAGS_ROTATED
+    cdef uint32_t blocks
+    cdef int why = 0
+    if raw.shape[0] != n_rows * B:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n_rows} rows of K = {K} need "
+                           f"{n_rows * B} (16 + 17*K/32 per row)")
+    with nogil:
+        for r in range(n_rows):
+            blocks = raw[r * B + 4] | (<uint32_t>raw[r * B + 5] << 8)
+            if blocks != <uint32_t>(K // 32):
+                bad_row, why = r, 1
+                break
+            if raw[r * B + 6] != flags:
+                bad_row, why = r, 2
+                break
+            if kind != 2:
+                for b in range(K // 32):
+                    if raw[r * B + 16 + 17 * b] == PKV_FP4_UE8M0_RESERVED:
+                        bad_row, why = r, 3
+                        break
+                if bad_row >= 0:
+                    break
+    if bad_row >= 0:
+        row = bytes(raw[bad_row * B:bad_row * B + 16])
+        reason = {1: f"its header says {row[4] | row[5] << 8} blocks, K = {K} needs {K // 32}",
+                  2: f"its flags byte is 0x{row[6]:02x}, {KINDS[kind]} rows carry 0x{flags:02x}",
+                  3: "a block scale byte is 255, the reserved UE8M0 value"}[why]
+        raise CorruptPayload(f"{KINDS[kind]} row {bad_row} is corrupt: {reason} (header "
+                             f"{row.hex(' ')})")
+    with nogil:
+        for r in range(n_rows):
+            pkv_fp4_decode_row(&raw[r * B], <uint32_t>K, kind == 2, &out[r * K])
+            if kind != 0 and not rotated_basis:
+                unrotate256(&out[r * K], &out[r * K], K // 256)

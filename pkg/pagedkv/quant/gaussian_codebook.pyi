@@ -1,0 +1,6 @@
+import numpy as np
+import numpy.typing as npt
+
+def encode(x: npt.NDArray[np.float32], out: npt.NDArray[np.uint8], bits: int) -> int: ...
+def decode(raw: npt.NDArray[np.uint8], out: npt.NDArray[np.float32], bits: int,
+           rotated_basis: bool = ...) -> None: ...

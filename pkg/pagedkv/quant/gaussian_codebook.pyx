@@ -1,0 +1,77 @@
+# cython: freethreading_compatible = True
+"""GL codecs (qt 38 = MQ2G256GL, 39 = MQ3G256GL): docs/formats/quant.md,
+"GL: Gaussian codebooks (qt 38, 39)".
+
+Groups of 256 rotated weights, each index the nearest entry of a fixed Gaussian
+Lloyd-Max codebook to ``r / s`` with ``s`` the group's RMS as an f16. The tensor is
+structure-of-arrays: every group's packed indices, then every group's f16 scale.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint32_t
+
+from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.quant_header cimport (
+    PKV_F16_IS_NONFINITE, pkv_first_nonfinite, pkv_gl_decode_group, pkv_store_u16le,
+)
+
+cnp.import_array()
+
+from pagedkv.errors import InvalidArgument, SizeMismatch
+
+
+cdef extern from "gaussian_codebook_loops.h" nogil:
+    uint32_t pkv_gl_encode_group(const float *r, uint32_t bits, uint8_t *q, uint8_t *idx)
+
+
+cdef Py_ssize_t _groups(Py_ssize_t n, int bits) except -1:
+    if bits != 2 and bits != 3:
+        raise InvalidArgument(f"bits = {bits}: the GL codecs are 2 or 3 bits")
+    if n % 256:
+        raise InvalidArgument(f"GL tensors hold whole groups of 256 weights, got {n}")
+    return n // 256
+
+
+def encode(const float[::1] x, uint8_t[::1] out, int bits):
+    """Encode ``x`` (a multiple of 256 weights) into ``out`` (``len(x)/256 * (32*bits + 2)``
+    bytes). Returns -1; the index of the first NaN/Inf in ``x``; or ``-2 - g`` when group
+    ``g``'s rotation overflows or its f16 scale would be beyond 65504."""
+    cdef Py_ssize_t n_groups = _groups(x.shape[0], bits), g, bad = -1
+    cdef Py_ssize_t idx_bytes = 32 * bits
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    cdef uint32_t s16
+    if out.shape[0] != n_groups * (idx_bytes + 2):
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
+                              f"{n_groups * (idx_bytes + 2)}")
+    with nogil:
+        for g in range(n_groups):
+            bad = pkv_first_nonfinite(&x[g * 256], 256)
+            if bad >= 0:
+                bad += g * 256
+                break
+            rotate256(&x[g * 256], buf, 1)
+            if pkv_first_nonfinite(buf, 256) >= 0:
+                bad = -2 - g
+                break
+            s16 = pkv_gl_encode_group(buf, <uint32_t>bits, q, &out[g * idx_bytes])
+            pkv_store_u16le(&out[n_groups * idx_bytes + 2 * g], s16)
+            if PKV_F16_IS_NONFINITE(s16):
+                bad = -2 - g
+                break
+    return bad
+
+
+def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated_basis=False):
+    """Decode ``len(out)`` weights (a multiple of 256), un-rotated per group unless
+    ``rotated_basis``."""
+    cdef Py_ssize_t n_groups = _groups(out.shape[0], bits), g
+    cdef uint8_t q[256]
+    if raw.shape[0] != n_groups * (32 * bits + 2):
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {out.shape[0]} weights need "
+                           f"{n_groups * (32 * bits + 2)}")
+    with nogil:
+        for g in range(n_groups):
+            pkv_gl_decode_group(&raw[0], <uint32_t>bits, n_groups, g, q, &out[g * 256])
+            if not rotated_basis:
+                unrotate256(&out[g * 256], &out[g * 256], 1)

@@ -1,0 +1,80 @@
+# cython: freethreading_compatible = True
+"""The legacy weight codecs: Q4F16G64 (qt 0, encode and decode) and Q4K (qt 4 = GGML
+Q4_K, decode). docs/formats/quant.md, "Q4F16G64" and "Q4K".
+
+Flat in, flat out: groups of 64 (Q4F16G64, may straddle rows, the short last one padded)
+or 256 (Q4K) weights.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+from libc.string cimport memcpy
+
+from pagedkv.quant.quant_header cimport (
+    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_q4f16g64_decode_group, pkv_q4f16g64_encode_group,
+    pkv_q4k_decode_group,
+)
+
+cnp.import_array()
+
+from pagedkv.errors import InvalidArgument, SizeMismatch
+
+cdef enum:
+    Q4F16G64_GROUP = 64
+    Q4F16G64_BYTES = 36
+    Q4K_GROUP = 256
+    Q4K_BYTES = 144
+
+
+def q4f16g64_encode(const float[::1] x, uint8_t[::1] out):
+    """Encode ``x`` into ``ceil(len(x)/64) * 36`` bytes. Returns -1; the index of the first
+    NaN/Inf; or ``-2 - g`` when group ``g``'s f16 scale or minimum saturates."""
+    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n_groups = (n + Q4F16G64_GROUP - 1) // Q4F16G64_GROUP
+    if out.shape[0] != n_groups * Q4F16G64_BYTES:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
+                              f"{n_groups * Q4F16G64_BYTES}")
+    with nogil:
+        for g in range(n_groups):
+            start = g * Q4F16G64_GROUP
+            count = min(Q4F16G64_GROUP, n - start)
+            bad = pkv_first_nonfinite(&x[start], count)
+            if bad >= 0:
+                bad += start
+                break
+            if pkv_q4f16g64_encode_group(&x[start], <unsigned>count,
+                                         &out[g * Q4F16G64_BYTES]) != PKV_ENCODE_OK:
+                bad = -2 - g
+                break
+    return bad
+
+
+ctypedef void (*_group_decoder)(const uint8_t *blk, float *out) noexcept nogil
+
+
+cdef int _decode_groups(const uint8_t[::1] raw, float[::1] out, Py_ssize_t G, Py_ssize_t B,
+                        _group_decoder decode_group) except -1:
+    """``len(out)`` weights from ``ceil(len(out)/G) * B`` bytes, one group at a time (the
+    short last group decoded into scratch and cut)."""
+    cdef Py_ssize_t n = out.shape[0], g, count
+    cdef Py_ssize_t n_groups = (n + G - 1) // G
+    cdef float buf[Q4K_GROUP]
+    if raw.shape[0] != n_groups * B:
+        raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+    with nogil:
+        for g in range(n_groups):
+            count = min(G, n - g * G)
+            decode_group(&raw[g * B], buf)
+            memcpy(&out[g * G], buf, count * sizeof(float))
+    return 0
+
+
+def q4f16g64_decode(const uint8_t[::1] raw, float[::1] out):
+    """Decode ``len(out)`` weights from ``ceil(len(out)/64) * 36`` bytes."""
+    _decode_groups(raw, out, Q4F16G64_GROUP, Q4F16G64_BYTES, pkv_q4f16g64_decode_group)
+
+
+def q4k_decode(const uint8_t[::1] raw, float[::1] out):
+    """Decode ``len(out)`` weights from ``ceil(len(out)/256) * 144`` bytes of GGML Q4_K
+    super-blocks (bit for bit ggml's ``dequantize_row_q4_K``)."""
+    _decode_groups(raw, out, Q4K_GROUP, Q4K_BYTES, pkv_q4k_decode_group)
