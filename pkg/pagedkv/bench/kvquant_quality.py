@@ -47,7 +47,7 @@ if "numpy" not in sys.modules:
     # 2-core machine OpenBLAS's second thread made them 3x slower (spinning for a core).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 from pagedkv.bench.kv_peers import PAIRS, PEERS
 
