@@ -78,6 +78,17 @@ def test_turboquant_errors():
     assert rel["turboquant-nc 4"] < 0.011
 
 
+def test_unbiased_cnorm_variant_keeps_the_projection_and_the_codes():
+    x = RNG.standard_normal((500, 128)) + 0.5
+    sides = kq.codecs(128)
+    base, ub = sides["pagedkv fwht4"].roundtrip(x), sides["pagedkv fwht4 ub *"].roundtrip(x)
+    # same direction (same codes), other length: the projection on x is ||x||
+    cos = (base * ub).sum(1) / np.linalg.norm(base, axis=1) / np.linalg.norm(ub, axis=1)
+    np.testing.assert_allclose(cos, 1.0, atol=1e-12)
+    np.testing.assert_allclose((ub * x).sum(1), (x * x).sum(1), rtol=1e-6)
+    assert ((base * x).sum(1) < (x * x).sum(1)).all()   # what it corrects: shrinkage
+
+
 def _hand_made_layer(kv_heads=2, group=2, length=12, d=128):
     """A deterministic layer (no RNG): smooth, position-dependent q/k/v with a few large
     coordinates in K, as (q [H, L, d], k, v [KVH, L, d], scale)."""

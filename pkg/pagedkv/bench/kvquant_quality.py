@@ -110,6 +110,22 @@ def _ours(mode: str) -> Callable[[np.ndarray], np.ndarray]:
                                x.shape[-1]).astype(np.float64)
 
 
+def _unbiased(mode: str) -> Callable[[np.ndarray], np.ndarray]:
+    """``mode``'s records with another ``cnorm``: ``norm / (C[code] · r)`` instead of
+    ``norm / ||C[code]||``, so the decoded row's projection on the input is the input's
+    length (the stored length then carries no shrinkage; same bytes otherwise). Measured
+    only (``*`` rows), docs/kv-quant.md "Quality"."""
+    rt = _ours(mode)
+
+    def roundtrip(x: np.ndarray) -> np.ndarray:
+        y = rt(x)
+        dot = (y * x).sum(axis=-1, keepdims=True)
+        scale = np.where(dot > 0, (x * x).sum(axis=-1, keepdims=True) / np.where(
+            dot > 0, dot, 1.0), 1.0)
+        return y * scale.astype(np.float32).astype(np.float64)   # cnorm stays a float32
+    return roundtrip
+
+
 def _record_bits(mode: str) -> Callable[[int], float]:
     from pagedkv.quant import kv
     return lambda d: kv.side_row_bytes(mode, d) * 8 / d
@@ -130,6 +146,9 @@ def codecs(head_dim: int) -> dict[str, Codec]:
         if kv.kv_mode(name).supports(head_dim):
             out.append(Codec(f"pagedkv {name}", _record_bits(name), _ours(name),
                              "KV"))
+    for name in ("fwht4", "lloyd4", "lloyd3"):
+        if kv.kv_mode(name).supports(head_dim):
+            out.append(Codec(f"pagedkv {name} ub *", _record_bits(name), _unbiased(name)))
     out += [Codec(p.name, p.bits, p.roundtrip) for p in PEERS.values()]
     return {c.name: c for c in out}
 
@@ -149,6 +168,11 @@ def pairs(head_dim: int) -> list[Pair]:
         # 128-family tables; not a pool dtype, docs/kv-quant.md "Quality")
         out += [Pair(f"pagedkv fwht4/{v} *", "pagedkv fwht4", f"pagedkv {v}")
                 for v in ("fwht4", "fwht2")]
+        out.append(Pair("pagedkv fwht4 ub/fwht4 ub *", "pagedkv fwht4 ub *",
+                        "pagedkv fwht4 ub *"))
+    else:
+        out += [Pair(f"pagedkv {m} ub/{m} ub *", f"pagedkv {m} ub *", f"pagedkv {m} ub *")
+                for m in ("lloyd4", "lloyd3")]
     out += [Pair(n, n, n) for n in PEERS]
     out += [Pair(n, k, v) for n, (k, v) in PAIRS.items()]
     return out
