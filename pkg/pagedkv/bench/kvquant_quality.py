@@ -342,7 +342,7 @@ def greedy_agreement(model, prompt: np.ndarray, n_new: int, sides: dict[str, Cod
         return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), np.float64)
 
     base = logprobs(f16, f16)
-    out = {"mean_max_next_token_prob": float(np.exp(base.max(axis=-1)).mean())}
+    out: dict = {"mean_max_next_token_prob": float(np.exp(base.max(axis=-1)).mean())}
     for pair in kv_pairs:
         lp = base if pair.name == "float16" else logprobs(sides[pair.k], sides[pair.v])
         kl = float((np.exp(base) * (base - lp)).sum(axis=-1).mean())
