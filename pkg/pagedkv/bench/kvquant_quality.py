@@ -144,8 +144,7 @@ def codecs(head_dim: int) -> dict[str, Codec]:
                                                           _ours("q8"))]
     for name in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3", "lloyd2"):
         if kv.kv_mode(name).supports(head_dim):
-            out.append(Codec(f"pagedkv {name}", _record_bits(name), _ours(name),
-                             "KV"))
+            out.append(Codec(f"pagedkv {name}", _record_bits(name), _ours(name)))
     for name in ("fwht4", "lloyd4", "lloyd3"):
         if kv.kv_mode(name).supports(head_dim):
             out.append(Codec(f"pagedkv {name} ub *", _record_bits(name), _unbiased(name)))
