@@ -9,13 +9,19 @@ copying exists). For every model and method:
   from one forward (mlx-lm's ``scaled_dot_product_attention`` is wrapped); attention over
   the last ``--queries`` positions is recomputed in float64 from the exact K/V and from
   each method's round trip of the *same* tensors; the error is ``||O_q - O|| / ||O||`` over
-  all layers, heads and positions. K only, V only, and both.
-* **greedy agreement**: 256 tokens are generated greedily through mlx-lm with a float16 KV
-  cache; each method then runs teacher-forced over the same sequence with its own cache
-  (K/V round-tripped as stored), and the share of the 256 positions whose argmax equals
-  the float16 run's token is reported (so one early flip does not decide the rest), with
-  the mean KL divergence of the next-token distributions from the float16 run's.
+  all layers, heads and positions. K only, V only, and both. Each side codec round-trips
+  each tensor once and the softmax of each K codec is computed once, then shared by every
+  pair that uses it (:func:`attention_errors`).
+* **greedy agreement**: ``--new-tokens`` tokens are generated greedily through mlx-lm with
+  a float16 KV cache; each K+V method then runs teacher-forced over the same sequence with
+  its own cache (K/V round-tripped as stored), and the share of the generated positions
+  whose argmax equals the float16 run's token is reported (so one early flip does not
+  decide the rest), with the mean KL divergence of the next-token distributions from the
+  float16 run's.
 * **memory**: bits per stored K/V element and bytes per token and layer vs float16.
+
+``--quick`` (2 layers, 256 tokens, 32 generated) checks the pipeline in about a minute;
+the default ``--full`` setting (4 layers, 1024 tokens, 256 generated) is the published one.
 
 Random weights make attention diffuse and logits flat; two knobs bring them closer to a
 trained model and are printed with the results: the attention logits are multiplied by
@@ -29,46 +35,73 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+if "numpy" not in sys.modules:
+    # Run as the script: one BLAS thread. The matmuls here are small, and on a loaded
+    # 2-core machine OpenBLAS's second thread made them 3x slower (spinning for a core).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from pagedkv.bench.kv_peers import PEERS
+from pagedkv.bench.kv_peers import PAIRS, PEERS
 
-__all__ = ["MODELS", "main", "measure"]
+__all__ = ["MODELS", "SETTINGS", "Codec", "Pair", "attention_errors", "codecs", "main",
+           "measure", "pairs", "report"]
 
-#: Small members of each family (head_dim as the real ones: 128, 128, 256), random weights.
+#: Small members of each family with their real attention geometry (head_dim 128, 128, 256;
+#: query heads per kv-head 2, 4, 2) and narrow everything else (hidden 512, vocab 2048), so
+#: the forwards stay cheap on a CPU; random weights. The layer count comes from the setting.
 MODELS: dict[str, dict] = {
-    "qwen3": {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 4,
-              "intermediate_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 4096,
+    "qwen3": {"model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1024,
+              "num_attention_heads": 8, "num_key_value_heads": 4,
+              "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 2048,
               "max_position_embeddings": 8192, "rope_theta": 1000000.0,
-              "tie_word_embeddings": True},
-    "llama": {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4,
-              "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 2,
-              "rms_norm_eps": 1e-5, "vocab_size": 4096, "rope_theta": 500000.0,
-              "max_position_embeddings": 8192, "tie_word_embeddings": True},
+              "tie_word_embeddings": False},
+    "llama": {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+              "rms_norm_eps": 1e-5, "vocab_size": 2048, "rope_theta": 500000.0,
+              "max_position_embeddings": 8192, "tie_word_embeddings": False},
     # all layers global (sliding_window_pattern 1): the window would hide K/V from the test
-    "gemma3": {"model_type": "gemma3_text", "hidden_size": 1024, "num_hidden_layers": 4,
-               "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4,
-               "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 4096,
+    "gemma3": {"model_type": "gemma3_text", "hidden_size": 512, "intermediate_size": 1024,
+               "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 2048,
                "query_pre_attn_scalar": 256, "sliding_window": 4096,
                "sliding_window_pattern": 1, "max_position_embeddings": 8192},
 }
 _MODULES = {"qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
 
+#: ``--quick`` and ``--full`` (the default): layers, tokens per stream, queries measured,
+#: tokens generated and the prompt they follow.
+SETTINGS: dict[str, dict[str, int]] = {
+    "quick": {"layers": 2, "seq_len": 256, "n_queries": 32, "n_new": 32, "prompt_len": 64},
+    "full": {"layers": 4, "seq_len": 1024, "n_queries": 128, "n_new": 256, "prompt_len": 256},
+}
+
 
 @dataclass(frozen=True)
-class Method:
-    """A K/V storage: ``bits(head_dim)`` per element; ``k``/``v``: round trips (None: exact)."""
+class Codec:
+    """One side's storage: ``bits(head_dim)`` per element, ``roundtrip`` (float rows in,
+    what attention reads out), and the sides it may store (``"KV"``, ``"K"``, ``"V"``)."""
 
     name: str
     bits: Callable[[int], float]
-    k: Callable[[np.ndarray], np.ndarray] | None
-    v: Callable[[np.ndarray], np.ndarray] | None
+    roundtrip: Callable[[np.ndarray], np.ndarray]
+    sides: str = "KV"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A K+V storage: the names of its K and V codecs."""
+
+    name: str
+    k: str
+    v: str
 
 
 def _ours(mode: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -77,45 +110,70 @@ def _ours(mode: str) -> Callable[[np.ndarray], np.ndarray]:
                                x.shape[-1]).astype(np.float64)
 
 
-def _record_bits(*modes: str) -> Callable[[int], float]:
-    """Bits per stored element of pagedkv records of ``modes`` (averaged over the sides)."""
+def _unbiased(mode: str) -> Callable[[np.ndarray], np.ndarray]:
+    """``mode``'s records with another ``cnorm``: ``norm / (C[code] · r)`` instead of
+    ``norm / ||C[code]||``, so the decoded row's projection on the input is the input's
+    length (the stored length then carries no shrinkage; same bytes otherwise). Measured
+    only (``*`` rows), docs/kv-quant.md "Quality"."""
+    rt = _ours(mode)
+
+    def roundtrip(x: np.ndarray) -> np.ndarray:
+        y = rt(x)
+        dot = (y * x).sum(axis=-1, keepdims=True)
+        scale = np.where(dot > 0, (x * x).sum(axis=-1, keepdims=True) / np.where(
+            dot > 0, dot, 1.0), 1.0)
+        return y * scale.astype(np.float32).astype(np.float64)   # cnorm stays a float32
+    return roundtrip
+
+
+def _record_bits(mode: str) -> Callable[[int], float]:
     from pagedkv.quant import kv
-    return lambda d: sum(kv.side_row_bytes(m, d) for m in modes) * 8 / (d * len(modes))
+    return lambda d: kv.side_row_bytes(mode, d) * 8 / d
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float64)
 
 
-def side_methods(head_dim: int) -> list[Method]:
-    """Every way to store one side (applied to K alone, V alone, or both)."""
+def codecs(head_dim: int) -> dict[str, Codec]:
+    """Every side codec measured at ``head_dim``: float16, pagedkv's modes and the peers,
+    each on both sides (fwhtN on V is no pool dtype: its V column says what a V mode of
+    the 128 family would give, docs/kv-quant.md "Quality")."""
     from pagedkv.quant import kv
-    out = [Method("float16", lambda d: 16.0, _f16, _f16),
-           Method("pagedkv q8", lambda d: 8.5, _ours("q8"), _ours("q8"))]
+    out = [Codec("float16", lambda d: 16.0, _f16), Codec("pagedkv q8", _record_bits("q8"),
+                                                          _ours("q8"))]
     for name in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3", "lloyd2"):
-        mode = kv.kv_mode(name)
-        if mode.supports(head_dim):
-            rt = _ours(name)
-            out.append(Method(f"pagedkv {name}", _record_bits(name), rt,
-                              rt if mode.sides == "V" else None))
-    for peer in PEERS.values():
-        out.append(Method(peer.name, peer.bits, peer.roundtrip, peer.roundtrip))
-    return out
+        if kv.kv_mode(name).supports(head_dim):
+            out.append(Codec(f"pagedkv {name}", _record_bits(name), _ours(name)))
+    for name in ("fwht4", "lloyd4", "lloyd3"):
+        if kv.kv_mode(name).supports(head_dim):
+            out.append(Codec(f"pagedkv {name} ub *", _record_bits(name), _unbiased(name)))
+    out += [Codec(p.name, p.bits, p.roundtrip) for p in PEERS.values()]
+    return {c.name: c for c in out}
 
 
-def kv_pairs(head_dim: int) -> list[Method]:
-    """K+V storages: pagedkv's pairs at this head_dim and each peer on both sides."""
+def pairs(head_dim: int) -> list[Pair]:
+    """K+V storages at ``head_dim``: pagedkv's pool dtypes (plus, where no lloyd V exists,
+    the fwht codec on V, marked ``*``), each one-side peer on both sides, and vLLM's
+    turboquant presets."""
     from pagedkv.quant import kv
-    ks = [m for m in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd2")
+    ks = [m for m in ("fwht4", "fwht3", "fwht2", "lloyd4")
           if kv.kv_mode(m).supports(head_dim)]
     vs = ["q8"] + [m for m in ("lloyd4", "lloyd3", "lloyd2") if kv.kv_mode(m).supports(head_dim)]
-    out = [Method("float16", lambda d: 16.0, _f16, _f16),
-           Method("pagedkv q8", lambda d: 8.5, _ours("q8"), _ours("q8"))]
-    for k in ks:
-        for v in vs:
-            out.append(Method(f"pagedkv {k}/{v}", _record_bits(k, v), _ours(k), _ours(v)))
-    for peer in PEERS.values():
-        out.append(Method(peer.name, peer.bits, peer.roundtrip, peer.roundtrip))
+    out = [Pair("float16", "float16", "float16"), Pair("pagedkv q8", "pagedkv q8", "pagedkv q8")]
+    out += [Pair(f"pagedkv {k}/{v}", f"pagedkv {k}", f"pagedkv {v}") for k in ks for v in vs]
+    if not kv.kv_mode("lloyd4").supports(head_dim):
+        # no V mode below q8 at this head_dim: what the fwht codec would give on V (the
+        # 128-family tables; not a pool dtype, docs/kv-quant.md "Quality")
+        out += [Pair(f"pagedkv fwht4/{v} *", "pagedkv fwht4", f"pagedkv {v}")
+                for v in ("fwht4", "fwht2")]
+        out.append(Pair("pagedkv fwht4 ub/fwht4 ub *", "pagedkv fwht4 ub *",
+                        "pagedkv fwht4 ub *"))
+    else:
+        out += [Pair(f"pagedkv {m} ub/{m} ub *", f"pagedkv {m} ub *", f"pagedkv {m} ub *")
+                for m in ("lloyd4", "lloyd3")]
+    out += [Pair(n, n, n) for n in PEERS]
+    out += [Pair(n, k, v) for n, (k, v) in PAIRS.items()]
     return out
 
 
@@ -137,18 +195,23 @@ def token_stream(n: int, vocab: int, seed: int) -> np.ndarray:
     return np.asarray(out[:n], np.int32)
 
 
-def build_model(name: str, seed: int, attn_sharpness: float, logit_scale: float):
+def build_model(name: str, layers: int, seed: int, attn_sharpness: float,
+                logit_scale: float):
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
-    cfg = dict(MODELS[name])
+    cfg = dict(MODELS[name], num_hidden_layers=layers)
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(cfg))
     for layer in model.layers:
         attn = layer.self_attn
         attn.scale = attn.scale * attn_sharpness
-    emb = model.model.embed_tokens
-    emb.weight = emb.weight * logit_scale
+    # Untied heads (qwen3, llama): scale the output head only. A tied random embedding
+    # scaled up makes the residual stream predict its own input token whatever attention
+    # does (greedy agreement 100% for every method). gemma3 ties always; its embedding is
+    # scaled, and the forward multiplies inputs by sqrt(hidden) anyway.
+    head = getattr(model, "lm_head", None) or model.model.embed_tokens
+    head.weight = head.weight * logit_scale
     mx.eval(model.parameters())
     return model
 
@@ -173,49 +236,68 @@ class _Capture:
         self.module.scaled_dot_product_attention = self.orig
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Causal attention of queries at ``positions`` (float64): q [H, L, d], k/v [KVH, L, d].
-    Returns (outputs [H, Q, d], the max probability of each row)."""
-    heads, kvh = q.shape[0], k.shape[0]
-    group = heads // kvh
-    qs = q[:, positions]
-    kk = np.repeat(k, group, axis=0)
-    vv = np.repeat(v, group, axis=0)
-    logits = np.matmul(qs, kk.transpose(0, 2, 1)) * scale   # BLAS, not einsum's loops
-    causal = np.arange(k.shape[1])[None, :] > positions[:, None]
-    logits = np.where(causal[None], -np.inf, logits)
-    logits -= logits.max(axis=-1, keepdims=True)
-    p = np.exp(logits)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.matmul(p, vv), p.max(axis=-1)
-
-
 def capture_layers(model, name: str, tokens: np.ndarray) -> list[tuple]:
+    """One forward over ``tokens``: per layer (q [H, L, d], k, v [KVH, L, d] float64,
+    softmax scale)."""
     import mlx.core as mx
     with _Capture(_MODULES[name]) as cap:
         mx.eval(model(mx.array(tokens)[None]))
-    return [(np.array(q[0], np.float64), np.array(k[0], np.float64), np.array(v[0], np.float64),
-             s) for q, k, v, s in cap.calls]
+    return [(np.array(q[0].astype(mx.float32), np.float64),
+             np.array(k[0].astype(mx.float32), np.float64),
+             np.array(v[0].astype(mx.float32), np.float64), s) for q, k, v, s in cap.calls]
 
 
-def attention_errors(layers: list[tuple], methods: list[Method], n_queries: int,
-                     which: str) -> dict[str, float]:
-    """Relative attention-output error per method; ``which``: "k", "v" or "kv"."""
-    errs = {m.name: [0.0, 0.0] for m in methods}
+def _softmax_rows(q: np.ndarray, k: np.ndarray, scale: float,
+                  positions: np.ndarray) -> np.ndarray:
+    """Causal attention probabilities, float64. ``q``: [KVH, G*Q, d], query heads grouped
+    by the kv-head they read (row ``g*Q + j`` is query ``positions[j]``); ``k``: [KVH, L, d].
+    Returns [KVH, G*Q, L]."""
+    logits = np.matmul(q, k.transpose(0, 2, 1)) * scale   # BLAS, not einsum's loops
+    group = q.shape[1] // len(positions)
+    causal = np.arange(k.shape[1])[None, :] > np.tile(positions, group)[:, None]
+    logits[:, causal] = -np.inf
+    logits -= logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def attention_errors(layers: Sequence[tuple], sides: dict[str, Codec], kv_pairs: list[Pair],
+                     n_queries: int) -> dict:
+    """``||O_method - O|| / ||O||`` over all layers, heads and the last ``n_queries``
+    positions: ``{"k_only": {codec: err}, "v_only": {...}, "kv": {pair: err},
+    "mean_max_attention_prob": float}``. ``layers``: (q [H, L, d], k, v [KVH, L, d],
+    scale) as :func:`capture_layers` returns. Each codec round-trips each tensor once and
+    each K codec's softmax is computed once."""
+    k_names = [n for n, c in sides.items() if "K" in c.sides]
+    v_names = [n for n, c in sides.items() if "V" in c.sides]
+    by_k: dict[str, list[Pair]] = {}
+    for p in kv_pairs:
+        by_k.setdefault(p.k, []).append(p)
+    sq = {"k_only": dict.fromkeys(k_names, 0.0), "v_only": dict.fromkeys(v_names, 0.0),
+          "kv": {p.name: 0.0 for p in kv_pairs}}
+    norm2, maxp = 0.0, []
     for q, k, v, scale in layers:
-        positions = np.arange(q.shape[1] - n_queries, q.shape[1])
-        ref, _ = _attention(q, k, v, scale, positions)
-        norm2 = float((ref ** 2).sum())
-        for m in methods:
-            if (which == "k" and m.k is None) or (which == "v" and m.v is None):
-                continue
-            kq = m.k(k) if which in ("k", "kv") and m.k else k
-            vq = m.v(v) if which in ("v", "kv") and m.v else v
-            out, _ = _attention(q, kq, vq, scale, positions)
-            errs[m.name][0] += float(((out - ref) ** 2).sum())
-            errs[m.name][1] += norm2
-    return {n: np.sqrt(a / b) for n, (a, b) in errs.items() if b}
+        kvh, length, d = k.shape
+        positions = np.arange(length - n_queries, length)
+        qg = q[:, positions].reshape(kvh, -1, d)   # head h reads kv-head h // group
+        p_ref = _softmax_rows(qg, k, scale, positions)
+        ref = np.matmul(p_ref, v)
+        norm2 += float((ref ** 2).sum())
+        maxp.append(float(p_ref.max(axis=-1).mean()))
+        v_rt = {n: sides[n].roundtrip(v) for n in {p.v for p in kv_pairs} | set(v_names)}
+        for n in v_names:
+            sq["v_only"][n] += float(((np.matmul(p_ref, v_rt[n]) - ref) ** 2).sum())
+        for n in dict.fromkeys(k_names + list(by_k)):
+            p_q = _softmax_rows(qg, sides[n].roundtrip(k), scale, positions)
+            if n in sq["k_only"]:
+                sq["k_only"][n] += float(((np.matmul(p_q, v) - ref) ** 2).sum())
+            for pair in by_k.get(n, ()):
+                sq["kv"][pair.name] += float(((np.matmul(p_q, v_rt[pair.v]) - ref) ** 2).sum())
+    out: dict = {key: {n: float(np.sqrt(s / norm2)) for n, s in errs.items()}
+                 for key, errs in sq.items()}
+    out["mean_max_attention_prob"] = float(np.mean(maxp))
+    return out
 
 
 def _roundtrip_cache_class():
@@ -224,81 +306,82 @@ def _roundtrip_cache_class():
     class RoundTripCache(KVCache):
         """mlx-lm's KVCache holding what a method stores: new K/V round-tripped first."""
 
-        def __init__(self, method: Method) -> None:
+        def __init__(self, k: Codec, v: Codec) -> None:
             super().__init__()
-            self.method = method
+            self.codecs = (k, v)
 
         def update_and_fetch(self, keys, values):
             import mlx.core as mx
             out = []
-            for x, rt in ((keys, self.method.k), (values, self.method.v)):
-                if rt is not None:
-                    x = mx.array(rt(np.array(x.astype(mx.float32), np.float64))
-                                 .astype(np.float32)).astype(x.dtype)
-                out.append(x)
+            for x, codec in zip((keys, values), self.codecs, strict=True):
+                rt = codec.roundtrip(np.array(x.astype(mx.float32), np.float64))
+                out.append(mx.array(rt.astype(np.float32)).astype(x.dtype))
             return super().update_and_fetch(*out)
 
     return RoundTripCache
 
 
-def greedy_agreement(model, prompt: np.ndarray, n_new: int, methods: list[Method]):
-    """(float16 greedy tokens, {method: (share of positions whose teacher-forced argmax is
-    the float16 token, mean KL(p_float16 || p_method) in nats)})."""
+def greedy_agreement(model, prompt: np.ndarray, n_new: int, sides: dict[str, Codec],
+                     kv_pairs: list[Pair]) -> tuple[np.ndarray, dict]:
+    """(float16 greedy tokens, {pair: (share of positions whose teacher-forced argmax is
+    the float16 token, mean KL(p_float16 || p_method) in nats)}); the dict also holds
+    ``"mean_max_next_token_prob"`` of the float16 run (how peaked the logits are)."""
     import mlx.core as mx
     gen = importlib.import_module("mlx_lm.generate")
     cache_cls = _roundtrip_cache_class()
-    f16 = next(m for m in methods if m.name == "float16")
-    caches = [cache_cls(f16) for _ in model.layers]
-    tokens = []
-    for tok, _ in gen.generate_step(mx.array(prompt), model, max_tokens=n_new,
-                                    prompt_cache=caches):
-        tokens.append(int(tok))
+    f16 = sides["float16"]
+    caches = [cache_cls(f16, f16) for _ in model.layers]
+    tokens = [int(tok) for tok, _ in gen.generate_step(mx.array(prompt), model,
+                                                       max_tokens=n_new, prompt_cache=caches)]
     tokens_arr = np.asarray(tokens, np.int32)
-    seq = np.concatenate([prompt, tokens_arr[:-1]])
+    seq = mx.array(np.concatenate([prompt, tokens_arr[:-1]]))[None]
 
-    def logprobs(m: Method) -> np.ndarray:
-        caches = [cache_cls(m) for _ in model.layers]
-        logits = model(mx.array(seq)[None], cache=caches)[0, len(prompt) - 1:]
+    def logprobs(k: Codec, v: Codec) -> np.ndarray:
+        logits = model(seq, cache=[cache_cls(k, v) for _ in model.layers])[0, len(prompt) - 1:]
         return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), np.float64)
 
-    base = logprobs(f16)
-    out = {}
-    for m in methods:
-        lp = base if m is f16 else logprobs(m)
+    base = logprobs(f16, f16)
+    out: dict = {"mean_max_next_token_prob": float(np.exp(base.max(axis=-1)).mean())}
+    for pair in kv_pairs:
+        lp = base if pair.name == "float16" else logprobs(sides[pair.k], sides[pair.v])
         kl = float((np.exp(base) * (base - lp)).sum(axis=-1).mean())
-        out[m.name] = (float((lp.argmax(axis=-1) == tokens_arr).mean()), kl)
+        out[pair.name] = (float((lp.argmax(axis=-1) == tokens_arr).mean()), kl)
     return tokens_arr, out
 
 
-def measure(model_names=("qwen3", "llama", "gemma3"), *, seq_len: int = 1024,
-            n_queries: int = 128, n_new: int = 256, prompt_len: int = 256, seed: int = 0,
-            attn_sharpness: float = 4.0, logit_scale: float = 8.0,
-            greedy: bool = True) -> dict:
+def measure(model_names: Sequence[str] = ("qwen3", "llama", "gemma3"), *,
+            setting: str = "full", seed: int = 0, attn_sharpness: float = 4.0,
+            logit_scale: float = 8.0, greedy: bool = True) -> dict:
     """Every measurement of the module docstring, as a dict (what ``main`` prints)."""
-    results: dict = {"settings": {"seq_len": seq_len, "queries": n_queries, "new_tokens": n_new,
-                                  "prompt_len": prompt_len, "seed": seed,
-                                  "attn_sharpness": attn_sharpness, "logit_scale": logit_scale},
+    s = SETTINGS[setting]
+    results: dict = {"settings": {"setting": setting, **s, "seed": seed,
+                                  "attn_sharpness": attn_sharpness,
+                                  "logit_scale": logit_scale},
+                     "machine": f"{platform.machine()}, {platform.system()}",
                      "models": {}}
     for name in model_names:
         t0 = time.perf_counter()
         cfg = MODELS[name]
-        model = build_model(name, seed, attn_sharpness, logit_scale)
-        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        tokens = token_stream(seq_len, cfg["vocab_size"], seed + 1)
+        model = build_model(name, s["layers"], seed, attn_sharpness, logit_scale)
+        hd = cfg["head_dim"]
+        tokens = token_stream(s["seq_len"], cfg["vocab_size"], seed + 1)
+        sides, kv_pairs = codecs(hd), pairs(hd)
         layers = capture_layers(model, name, tokens)
-        pos = np.arange(seq_len - n_queries, seq_len)
-        maxp = np.mean([_attention(q, k, v, s, pos)[1].mean() for q, k, v, s in layers])
-        sides = side_methods(hd)
-        pairs = kv_pairs(hd)
-        r = {"head_dim": hd, "mean_max_attention_prob": float(maxp),
-             "bits": {m.name: m.bits(hd) for m in sides + pairs},
-             "k_only": attention_errors(layers, sides, n_queries, "k"),
-             "v_only": attention_errors(layers, sides, n_queries, "v"),
-             "kv": attention_errors(layers, pairs, n_queries, "kv")}
+        t1 = time.perf_counter()
+        errs = attention_errors(layers, sides, kv_pairs, s["n_queries"])
+        t2 = time.perf_counter()
+        r = {"head_dim": hd, "mean_max_attention_prob": errs.pop("mean_max_attention_prob"),
+             "side_bits": {n: c.bits(hd) for n, c in sides.items()},
+             "bits": {p.name: (sides[p.k].bits(hd) + sides[p.v].bits(hd)) / 2
+                      for p in kv_pairs}, **errs}
         if greedy:
-            _, agree = greedy_agreement(model, tokens[:prompt_len], n_new, pairs)
+            _, agree = greedy_agreement(model, tokens[:s["prompt_len"]], s["n_new"], sides,
+                                        kv_pairs)
+            r["mean_max_next_token_prob"] = agree.pop("mean_max_next_token_prob")
             r["greedy_agreement"] = agree
-        r["seconds"] = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        r["seconds"] = {"capture": round(t1 - t0, 1), "attention": round(t2 - t1, 1),
+                        "greedy": round(t3 - t2, 1)}
         results["models"][name] = r
     return results
 
@@ -309,25 +392,28 @@ def _table(rows: list[list[str]]) -> list[str]:
     return [head, sep] + ["| " + " | ".join(r) + " |" for r in rows[1:]]
 
 
+#: Columns of :func:`report`'s two tables per model.
+SIDE_COLUMNS = ["method", "bits/elem", "K only", "V only"]
+KV_COLUMNS = ["K+V", "bits/elem", "bytes/token/layer vs f16", "attention error",
+              "greedy agreement", "KL vs f16 (nats)"]
+
+
 def report(results: dict) -> list[str]:
-    """Markdown tables of ``results`` (one per model: sides, then K+V)."""
+    """Markdown tables of ``results`` (one pair per model: one side, then K+V)."""
     lines = []
     for name, r in results["models"].items():
-        hd = r["head_dim"]
-        title = (f"### {name} (head_dim {hd}, mean max attention prob "
-                 f"{r['mean_max_attention_prob']:.3f})")
-        lines += [title, ""]
-        rows = [["method", "bits/elem", "K only", "V only"]]
-        for m, bits in r["bits"].items():
-            if m in r["k_only"] or m in r["v_only"]:
-                k, v = r["k_only"].get(m), r["v_only"].get(m)
-                if "/" in m:
-                    continue
-                rows.append([m, f"{bits:.2f}", f"{k:.4f}" if k is not None else "-",
-                             f"{v:.4f}" if v is not None else "-"])
+        peak = r.get("mean_max_next_token_prob")
+        lines += [f"### {name} (head_dim {r['head_dim']}, mean max attention prob "
+                  f"{r['mean_max_attention_prob']:.3f}"
+                  + (f", mean max next-token prob {peak:.3f})" if peak is not None else ")"),
+                  ""]
+        rows = [SIDE_COLUMNS]
+        for m, bits in r["side_bits"].items():
+            k, v = r["k_only"].get(m), r["v_only"].get(m)
+            rows.append([m, f"{bits:.2f}", f"{k:.4f}" if k is not None else "-",
+                         f"{v:.4f}" if v is not None else "-"])
         lines += _table(rows) + [""]
-        rows = [["K+V", "bits/elem", "bytes/token/layer vs f16", "attention error",
-                 "greedy agreement", "KL vs f16 (nats)"]]
+        rows = [KV_COLUMNS]
         for m, err in r["kv"].items():
             bits = r["bits"][m]
             agree, kl = r.get("greedy_agreement", {}).get(m, (None, None))
@@ -342,10 +428,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedkv.bench kvquant-quality",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen3,llama,gemma3")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--queries", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=256)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="setting", action="store_const", const="quick",
+                      help=f"small run: {SETTINGS['quick']}")
+    size.add_argument("--full", dest="setting", action="store_const", const="full",
+                      help=f"the published run (default): {SETTINGS['full']}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn-sharpness", type=float, default=4.0)
     p.add_argument("--logit-scale", type=float, default=8.0)
@@ -364,10 +451,13 @@ def main(argv=None) -> int:
         print(f"python -m pagedkv.bench kvquant-quality: unknown model(s) {unknown}; known: "
               f"{list(MODELS)}", file=sys.stderr)
         return 2
-    results = measure(names, seq_len=args.seq_len, n_queries=args.queries,
-                      n_new=args.new_tokens, prompt_len=args.prompt_len, seed=args.seed,
+    t0 = time.perf_counter()
+    results = measure(names, setting=args.setting or "full", seed=args.seed,
                       attn_sharpness=args.attn_sharpness, logit_scale=args.logit_scale,
                       greedy=not args.no_greedy)
+    print(f"setting {results['settings']}, {results['machine']}, "
+          f"{time.perf_counter() - t0:.0f} s; per model: "
+          + ", ".join(f"{n} {r['seconds']}" for n, r in results["models"].items()))
     print("\n".join(report(results)))
     if args.json:
         with open(args.json, "w") as f:
