@@ -26,9 +26,9 @@ from mlx_lm.generate import batch_generate, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_support import fresh, model_of, run, toks
+from mlx_lm_support import fresh, grid, model_of, on_cpu, replayed, reused, run, toks
 from pagedkv.coordinator import expired_blocks
-from pagedkv.errors import InvalidArgument, UnsupportedModel
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnsupportedModel
 from pagedkv.integrations.mlx_lm import (
     LayerKind,
     PagedKVLayerCache,
@@ -44,16 +44,46 @@ BS = 8      # block size: short prompts span several blocks
 WINDOW = 8  # every tiny sliding config's window
 
 
-def uncached(model, prompt, out) -> tuple[list[int], bytes]:
+class Uncached:
+    """What a sliding-window run must equal: mlx-lm's forward of the whole sequence without
+    a cache. On MLX's CPU backend the comparison is *byte for byte*; on a GPU (MLX's CUDA
+    backend) the uncached forward's attention is another kernel than a decode step's (the
+    same holds for mlx-lm's own ``RotatingKVCache``), so there the tokens must be equal and
+    the logprobs within ``GPU_LOGPROB_ATOL``."""
+
+    def __init__(self, tokens: list[int], logprobs: np.ndarray, dtype: str) -> None:
+        self.tokens = tokens
+        self.logprobs = logprobs
+        self.atol = GPU_LOGPROB_ATOL[dtype]
+
+    def __eq__(self, got) -> bool:
+        tokens, lps = got
+        if on_cpu():
+            return (list(tokens), lps) == (self.tokens, self.logprobs.tobytes())
+        near = np.frombuffer(lps, np.float32).reshape(self.logprobs.shape)
+        return list(tokens) == self.tokens and bool(
+            np.allclose(near, self.logprobs, rtol=0, atol=self.atol))
+
+    def __getitem__(self, i):
+        return (self.tokens, self.logprobs.tobytes())[i]
+
+
+#: Logprob tolerance of a sliding run against the uncached forward off the CPU, by the
+#: model's dtype (its logprobs round to it before the float32 comparison).
+GPU_LOGPROB_ATOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 0.25}
+
+
+def uncached(model, prompt, out) -> Uncached:
     """What ``run`` must return, from mlx-lm's forward of the whole sequence without a cache:
-    the logprobs ``generate_step`` computes from each row that predicted a token of ``out``."""
+    the logprobs ``generate_step`` computes from each row that predicted a token of ``out``
+    (compared as :class:`Uncached` says)."""
     seq = list(prompt) + list(out)
     logits = model(mx.array(seq)[None])[0]
     lps = []
     for i in range(len(prompt) - 1, len(seq) - 1):
         row = logits[i:i + 1]
         lps.append(np.array((row - mx.logsumexp(row, keepdims=True)).astype(mx.float32))[0])
-    return list(out), np.stack(lps).tobytes()
+    return Uncached(list(out), np.stack(lps), str(logits.dtype).rsplit(".", 1)[-1])
 
 
 def sliding_group(paged):
@@ -257,45 +287,124 @@ RECURRENT_CASES = [("qwen3_next", "float32"), ("qwen3_5", "float32"), ("qwen3_5"
 
 @pytest.mark.parametrize("arch,dtype", RECURRENT_CASES)
 def test_recurrent_reuse_stops_at_a_checkpointed_boundary(arch, dtype):
+    """Every paged run equals mlx-lm's own caches (``ArraysCache`` + ``KVCache``) doing the
+    same work (the same prefill splits); on the CPU also a fresh run of the whole prompt."""
     model = model_of(arch, dtype)
-    paged = PagedPromptCache(model, block_size=BS)
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_interval=2 * BS)
     p1 = toks(70, 12)
     a = paged.begin(p1)
-    # begin ran the prompt to its last block boundary, split at the ladder's rungs
-    # (gdn_ladder_rungs(70, 0, 8) == [16, 64]) with a state checkpoint at each.
+    # begin ran the prompt to its last block boundary (64), split at the checkpoint grid
+    # (every 16 tokens: 3 grid points fit the cap of 4 with the tail), a state at each.
+    assert paged.recurrent.boundaries(70, 0) == [16, 32, 48, 64]
     assert (a.hit_tokens, a.prefilled_tokens, a.cached_tokens) == (0, 64, 64)
     assert isinstance(a.cache[0], PagedStateLayerCache)
     assert isinstance(a.cache[1], PagedKVLayerCache)
     got_a = run(model, p1[a.cached_tokens:], a.cache, n=10)
-    assert got_a == fresh(model, p1, n=10)
+    ref_a = make_prompt_cache(model)
+    splits = grid([16, 32, 48, 64])
+    for x, y in splits:
+        model(mx.array(p1[x:y])[None], cache=ref_a)
+    assert got_a == run(model, p1[64:], ref_a, n=10) == replayed(model, p1, splits, n=10)
+    if on_cpu():
+        assert got_a == fresh(model, p1, n=10)
     held = p1 + got_a[0]
     a.end(held)
-    assert sorted(paged.recurrent.store.boundaries()) == [16, 64, 80]  # 80: end, aligned
+    assert sorted(paged.recurrent.store.boundaries()) == [16, 32, 48, 64, 80]  # 80: end
 
-    # B shares 60 tokens: the full group backs 56, but a state exists at 16 only below
-    # that, so the hit stops at 16 (never K/V without its state).
+    # B shares 60 tokens: the full group backs 56, the deepest state below that is at 48,
+    # so the hit stops at 48 (never K/V without its state); B's begin runs 48..64.
     p2 = p1[:60] + toks(11, 13)
     b = paged.begin(p2)
-    assert (b.hit_tokens, b.restored_tokens) == (16, 0)
+    assert (b.hit_tokens, b.prefilled_tokens, b.restored_tokens) == (48, 16, 0)
     got_b = run(model, p2[b.cached_tokens:], b.cache)
-    assert got_b == fresh(model, p2)
+    assert got_b == replayed(model, p2, grid([16, 32, 48, 64]))
+    if on_cpu():
+        assert got_b == fresh(model, p2)
     b.release()
 
-    # C continues A's conversation from its parked tables and state.
+    # C continues A's conversation from its parked tables and state: mlx-lm continuing
+    # its own caches.
     p3 = held + toks(6, 14)
     c = paged.begin(p3)
     assert c.hit_tokens == len(held) and paged.stats()["continued_tokens"] == len(held)
     got_c = run(model, p3[c.cached_tokens:], c.cache)
-    assert got_c == fresh(model, p3)
+    assert got_c == run(model, p3[len(held):], ref_a)
+    if on_cpu():
+        assert got_c == fresh(model, p3)
     c.release()
 
-    # D shares A's first 64 tokens and more: the checkpoint at 64 serves it from memory.
+    # D shares A's first 66 tokens: the checkpoint at 64 serves it from memory.
     p4 = p1[:66] + toks(4, 15)
     d = paged.begin(p4)
-    assert d.hit_tokens == 64
-    assert run(model, p4[d.cached_tokens:], d.cache) == fresh(model, p4)
+    assert (d.hit_tokens, d.prefilled_tokens) == (64, 0)
+    got_d = run(model, p4[d.cached_tokens:], d.cache)
+    assert got_d == replayed(model, p4, splits)
+    if on_cpu():
+        assert got_d == fresh(model, p4)
     d.release()
     assert paged.stats()["checkpoint_hits"] == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_a_512_token_shared_prefix_resumes_at_512(arch):
+    """The benchmark's case at the default policy (block 16, grid 256, 4 per request): A =
+    512 shared + 32 own tokens checkpoints at 256, 512 and its tail 528; B = the same 512
+    + 32 others resumes at 512 from memory, bit-identical."""
+    model = model_of(arch)
+    paged = PagedPromptCache(model)  # block_size 16
+    shared = toks(512, 30)
+    p1, p2 = shared + toks(32, 31), shared + toks(32, 32)
+    a = paged.begin(p1)
+    assert (a.prefilled_tokens, a.cached_tokens) == (528, 528)
+    got_a = run(model, p1[528:], a.cache, n=2)
+    a.end(p1 + got_a[0])  # 546 tokens: not a block boundary, no end state
+    assert paged.recurrent.store.boundaries() == [256, 512, 528]
+    b = paged.begin(p2)
+    assert (b.hit_tokens, b.prefilled_tokens, b.cached_tokens) == (512, 16, 528)
+    got_b = run(model, p2[528:], b.cache, n=2)
+    assert got_b == replayed(model, p2, grid([256, 512, 528]), n=2)
+    if on_cpu():
+        assert got_b == fresh(model, p2, n=2)
+    b.release()
+    # B published its own tail (528 on its lineage); 256 and 512 were A's, shared.
+    assert paged.recurrent.store.boundaries() == [256, 512, 528, 528]
+    assert paged.stats()["checkpoint_hits"] == 1
+
+
+def test_checkpoint_policy_bounds_what_one_request_keeps():
+    from pagedkv.integrations.mlx_lm.recurrent import checkpoint_boundaries
+
+    assert checkpoint_boundaries(544, 0, 16) == [256, 512, 528]
+    assert checkpoint_boundaries(544, 512, 16) == [528]
+    assert checkpoint_boundaries(2000, 0, 16) == [512, 1024, 1536, 1984]  # grid doubled
+    assert checkpoint_boundaries(10_000, 0, 16) == [4096, 8192, 9984]
+    assert checkpoint_boundaries(10_000, 4096, 16) == [6144, 8192, 9984]
+    assert checkpoint_boundaries(544, 0, 16, interval=0) == [528]
+    assert checkpoint_boundaries(16, 0, 16) == []  # the last prompt token is computed
+    for n in range(1, 3000, 37):
+        for cached in (0, 16, 256, 1024):
+            got = checkpoint_boundaries(n, cached, 16, 256, 4)
+            assert len(got) <= 4 and got == sorted(set(got))
+            assert all(b % 16 == 0 and cached < b < n for b in got)
+    model = model_of("qwen3_5")
+    for kwargs, error in (({"checkpoint_interval": 20}, InvalidArgument),
+                          ({"checkpoints_per_request": 0}, InvalidArgument),
+                          ({"checkpoint_entries": True}, InvalidArgumentType),
+                          ({"checkpoint_bytes": 0}, InvalidArgument)):
+        with pytest.raises(error):
+            PagedPromptCache(model, **kwargs)
+    # The store's bounds: entries (least recently published or hit first) and bytes.
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_entries=3,
+                             checkpoint_interval=BS)
+    r = paged.begin(toks(70, 33))
+    assert paged.recurrent.boundaries(70, 0) == [16, 32, 48, 64]
+    assert paged.recurrent.store.boundaries() == [32, 48, 64]
+    r.release()
+    one = paged.recurrent.store.nbytes // 3
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_bytes=2 * one,
+                             checkpoint_interval=BS)
+    paged.begin(toks(70, 33)).release()
+    assert paged.recurrent.store.boundaries() == [48, 64]
 
 
 def test_recurrent_reuse_without_a_checkpoint_recomputes():
@@ -304,12 +413,15 @@ def test_recurrent_reuse_without_a_checkpoint_recomputes():
     p = toks(70, 16)
     r = paged.begin(p)
     r.end(p + run(model, p[r.cached_tokens:], r.cache, n=4)[0])  # 74 tokens: no end state
-    assert paged.recurrent.store.boundaries() == [64]  # the store keeps one entry
+    assert paged.recurrent.store.boundaries() == [64]  # the tail (the grid starts at 256)
     paged.release_parked()
-    q = p[:60] + toks(6, 17)  # its K/V blocks are cached, its state at 16 was evicted
+    q = p[:60] + toks(6, 17)  # its K/V blocks are cached, but no state below 56
     r2 = paged.begin(q)
-    assert r2.hit_tokens == 0
-    assert run(model, q[r2.cached_tokens:], r2.cache) == fresh(model, q)
+    assert (r2.hit_tokens, r2.prefilled_tokens) == (0, 64)
+    got = run(model, q[r2.cached_tokens:], r2.cache)
+    assert got == replayed(model, q, [(0, 64)])
+    if on_cpu():
+        assert got == fresh(model, q)
     r2.release()
 
 

@@ -47,7 +47,7 @@ OWN_TOKENS = 32
 #: Hybrid architectures ``--hybrid`` measures (sliding window, recurrent), with the window
 #: the sliding one gets at this size (gemma 3's own is 512 to 1,024 tokens).
 HYBRID_ARCHS = ("gemma3_text", "qwen3_5")
-HYBRID_CONTEXTS = (128, 1024)
+HYBRID_CONTEXTS = (128, 4096)
 _OVERRIDES = {"gemma3_text": {"sliding_window": 256}}
 
 
@@ -68,41 +68,60 @@ def _since(t: tuple[float, float]) -> tuple[float, float]:
     return time.perf_counter() - t[0], time.process_time() - t[1]
 
 
-def _decode_cpu_s(model, prompt: list[int], cache, new_tokens: int) -> float:
-    """CPU seconds per decode token: from the first yielded token to the last (prefill and
-    the first token excluded)."""
+#: Decode tokens per timed segment of :func:`decode_cost` (one variant at a time).
+SEGMENT_TOKENS = 8
+
+
+def _segment_cpu_s(steps, tokens: int) -> float:
+    """CPU seconds of ``tokens`` more decode steps of a running ``generate_step``: MLX's
+    queue is drained before and after (``mx.synchronize``), so the step ``generate_step``
+    pipelines ahead is computed inside the segment that queued it, never in another
+    variant's."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    t0 = time.process_time()
+    for _ in range(tokens):
+        next(steps)
+    mx.synchronize()
+    return time.process_time() - t0
+
+
+def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 96,
+                arch: str = "qwen3") -> tuple[float, float]:
+    """CPU s/token of ``(mlx-lm's own caches, paged)`` decoding after the same
+    ``context``-token prompt (the paged request misses, so both did the same prefill).
+
+    Both requests are prefilled once and then decoded in alternating segments of
+    :data:`SEGMENT_TOKENS` tokens (``reps`` rounds, the first variant alternating from
+    round to round, each round's segments over the same context range), so the load of a
+    shared machine falls on both alike; ``new_tokens`` rounds the run up to whole rounds.
+    Returns the medians of the per-token segment costs."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-
-    t0 = 0.0
-    for n, _ in enumerate(generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                        max_tokens=new_tokens + 1)):
-        if n == 0:
-            t0 = time.process_time()
-    return (time.process_time() - t0) / new_tokens
-
-
-def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 48,
-                arch: str = "qwen3") -> tuple[float, float]:
-    """Median CPU s/token of ``(mlx-lm's own caches, paged)`` decoding after a
-    ``context``-token prompt (the paged request misses, so both did the same prefill)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from pagedkv.integrations.mlx_lm import PagedPromptCache
 
     model = _model(arch)
     paged = PagedPromptCache(model, max_blocks=1024)
-    ref, ours = [], []
-    for rep in range(reps + 1):
-        prompt = _tokens(context, 100 + rep)
-        r = _decode_cpu_s(model, prompt, make_prompt_cache(model), new_tokens)
-        request = paged.begin(prompt)
-        p = _decode_cpu_s(model, prompt, request.cache, new_tokens)
-        request.release()
-        if rep:
-            ref.append(r)
-            ours.append(p)
-    return statistics.median(ref), statistics.median(ours)
+    prompt = _tokens(context, 100)
+    rounds = max(reps, -(-new_tokens // SEGMENT_TOKENS))
+    total = SEGMENT_TOKENS * (rounds + 1) + 1
+    request = paged.begin(prompt)
+    steps = [generate_step(mx.array(prompt), model, prompt_cache=make_prompt_cache(model),
+                           max_tokens=total),
+             generate_step(mx.array(prompt), model, prompt_cache=request.cache,
+                           max_tokens=total)]
+    for s in steps:  # prefill and first token, then one dropped warm-up segment
+        next(s)
+        _segment_cpu_s(s, SEGMENT_TOKENS)
+    costs: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            costs[i].append(_segment_cpu_s(steps[i], SEGMENT_TOKENS) / SEGMENT_TOKENS)
+    request.release()
+    return statistics.median(costs[0]), statistics.median(costs[1])
 
 
 def _first_token(model, prompt: list[int], cache) -> int:
