@@ -61,7 +61,8 @@ def replayed(model, prompt, splits, n: int = 6, **kwargs):
     return run(model, prompt[end:], cache, n, **kwargs)
 
 
-def reused(model, first, first_n: int, prefix: int, prompt, n: int = 6, **kwargs):
+def reused(model, first, first_n: int, prefix: int, prompt, n: int = 6, *,
+           first_kwargs=None, **kwargs):
     """mlx-lm reusing a prefix its own way (``LRUPromptCache``): ``KVCache``s that ran
     ``first`` and generated ``first_n`` tokens, trimmed to ``prefix`` tokens, then
     ``prompt[prefix:]``. What a paged request that got ``prefix`` tokens from ``first``'s

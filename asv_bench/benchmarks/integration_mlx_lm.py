@@ -87,7 +87,7 @@ def _segment_cpu_s(steps, tokens: int) -> float:
     return time.process_time() - t0
 
 
-def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 96,
+def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 192,
                 arch: str = "qwen3") -> tuple[float, float]:
     """CPU s/token of ``(mlx-lm's own caches, paged)`` decoding after the same
     ``context``-token prompt (the paged request misses, so both did the same prefill).

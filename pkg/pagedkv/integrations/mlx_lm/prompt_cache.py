@@ -354,6 +354,7 @@ class PagedPromptCache:
         #: The pool geometry of the first group (all K/V layers of a full-attention model).
         self.geometry = self.coordinator.groups[0].pool.geometry
         self._routes = {i: self.coordinator.route_for_layer(i) for i in self._kv}
+        self._sliding_groups = sorted({self._routes[i].group_id for i in self._sliding})
         self._pools = {i: self.coordinator.groups[r.group_id].pool
                        for i, r in self._routes.items()}
         self._windows: dict[int, int] = {s.index: int(s.window) for s in specs
@@ -706,6 +707,12 @@ class PagedPromptCache:
                     lc.prune_sliding_all(request._seq, chunk[1])
                     request._recorded = chunk[1]
                     request._chunk = None
+                    # Evaluate the chunk's scatters now, on the pool's stream, while the
+                    # prefill runs: left pending they would keep every chunk's K/V alive
+                    # until MAX_PENDING_WRITES writes, and be computed during a later
+                    # request's decode.
+                    for i in self._sliding_groups:
+                        lc.groups[i].pool.flush()
             except PagedKVError as exc:
                 # The chunk is recorded but not written in every sliding layer: take it back
                 # (no prune ran for it), so the row's cursor is what the pool holds.

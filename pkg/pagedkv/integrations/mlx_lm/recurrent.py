@@ -21,8 +21,12 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument
 
-__all__ = ["CHECKPOINT_INTERVAL_TOKENS", "CHECKPOINTS_PER_REQUEST", "RecurrentCheckpoints",
-           "checkpoint_boundaries"]
+__all__ = [
+    "CHECKPOINTS_PER_REQUEST",
+    "CHECKPOINT_INTERVAL_TOKENS",
+    "RecurrentCheckpoints",
+    "checkpoint_boundaries",
+]
 
 #: Default grid of the prefill checkpoints (tokens): a prefill splits and keeps the state at
 #: every multiple of it (a multiple of every supported block size).
