@@ -616,6 +616,27 @@ def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monke
                                                  "same": True, "corruptions": 1}
 
 
+def test_restart_resumes_a_512_token_shared_prefix_at_512(tmp_path, monkeypatch):
+    """The cold half of the 512-token case: a fresh process restores the state checkpointed
+    at 512 (A's grid point) with the K/V before it, bit-identical to mlx-lm's own caches
+    split the same way (block 8: A kept 256, 512 and its tail 536)."""
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    # end() offers the 68 blocks to the tier within a 250 ms budget by default, which a
+    # loaded test machine can exceed: the walk would stop before 512 (a counted deadline).
+    monkeypatch.setenv("PAGEDKV_COLD_CAPTURE_BUDGET_MS", "60000")
+    model = model_of("qwen3_5")
+    cold = tmp_path / "cold"
+    shared = toks(512, 34)
+    with PagedPromptCache(model, block_size=BS, cold_dir=cold) as paged:
+        p1 = shared + toks(32, 35)
+        r = paged.begin(p1)
+        assert paged.recurrent.store.boundaries() == [256, 512, 536]
+        r.end(p1 + run(model, p1[r.cached_tokens:], r.cache, n=2)[0])
+    p2 = shared + toks(32, 36)
+    assert _child("qwen3_5", cold, p2, ((0, 256), (256, 512), (512, 536))) == {
+        "restored": 512, "hit": 512, "fresh_hit": 0, "same": True, "corruptions": 0}
+
+
 # --- what the cache refuses, and the state it leaves -----------------------------------------
 
 @pytest.mark.parametrize("entry,kind", [

@@ -330,6 +330,7 @@ class PagedPromptCache:
         self.cold_tier = None
         self._closer = None
         self._snapshots = None
+        self._cold_context = None
         kv_specs, groups = plan_groups(layout, block_size, pool_dtype, context)
         cold = None
         if cold_dir is not None:
@@ -425,6 +426,7 @@ class PagedPromptCache:
             self._snapshots = None
             return None
         hooks = ClosableColdHooks(context)
+        self._cold_context = context
         self.cold_tier = context.tier
         # close() or, failing that, interpreter exit persists what is queued.
         self._closer = weakref.finalize(self, hooks.close, COLD_DRAIN_SECONDS)
@@ -889,6 +891,8 @@ class PagedPromptCache:
         self._counters["published_tokens"] += new
         if states is not None and n:
             self.recurrent.publish(toks, n, states, salt, seq)
+            if self._cold_context is not None and self.cold_tier is not None:
+                self.recurrent.persist_lineage(self._cold_context, toks, salt)
         self._park(seq, toks, salt, states)
         return new
 

@@ -137,6 +137,22 @@ class RecurrentCheckpoints:
                                     extra_keys_per_block=extra_keys_per_block)
         return {b: self.sidecar_state(state) for b, state in found.items()}
 
+    def persist_lineage(self, context, tokens: np.ndarray, salt: int) -> int:
+        """Offer the cold tier (a ``ColdTierContext``) every retained checkpoint on
+        ``tokens``' lineage but the deepest, which the tier's capture at publication already
+        took (it persists one sidecar per published turn, the deepest under its K/V reach):
+        a restart then resumes at the grid points too, where prompts sharing a prefix
+        diverge. What is already on disk or queued is skipped by the tier. Returns how many
+        were offered."""
+        found = self(tokens, cache_salt=salt)
+        offered = 0
+        for b in sorted(found)[:-1]:
+            context.capture_sidecar({b: found[b]}, tokens=tokens,
+                                    captured_blocks=b // self.block_size,
+                                    block_size=self.block_size, cache_salt=salt)
+            offered += 1
+        return offered
+
     def from_lookup(self, sidecar) -> States:
         """The state a lookup handed out: a hot :class:`~pagedkv.coordinator.Checkpoint`
         (its arrays as published) or a cold-tier ``RestoredSidecar`` (unpacked by the
