@@ -94,7 +94,8 @@ def _segment_cpu_s(steps, tokens: int) -> float:
 def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 192,
                 arch: str = "qwen3") -> tuple[float, float]:
     """CPU s/token of ``(mlx-lm's own caches, paged)`` decoding after the same
-    ``context``-token prompt (the paged request misses, so both did the same prefill).
+    ``context``-token prompt (the paged request misses; a recurrent model's ``begin`` runs
+    the prompt to its tail, and ``generate_step`` the rest).
 
     Both requests are prefilled once and then decoded in alternating segments of
     :data:`SEGMENT_TOKENS` tokens (``reps`` rounds, the first variant alternating from
@@ -112,11 +113,11 @@ def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 192,
     prompt = _tokens(context, 100)
     rounds = max(reps, -(-new_tokens // SEGMENT_TOKENS))
     total = SEGMENT_TOKENS * (rounds + 1) + 1
-    request = paged.begin(prompt)
+    request = paged.begin(prompt)  # a miss; a recurrent model's begin ran to its tail
     steps = [generate_step(mx.array(prompt), model, prompt_cache=make_prompt_cache(model),
                            max_tokens=total),
-             generate_step(mx.array(prompt), model, prompt_cache=request.cache,
-                           max_tokens=total)]
+             generate_step(mx.array(prompt[request.cached_tokens:]), model,
+                           prompt_cache=request.cache, max_tokens=total)]
     for s in steps:  # prefill and first token, then one dropped warm-up segment
         next(s)
         _segment_cpu_s(s, SEGMENT_TOKENS)
