@@ -78,3 +78,49 @@ def fresh(model, prompt, n: int = 6, **kwargs) -> Steps:
     """mlx-lm's own caches (``make_prompt_cache``) over the whole prompt: different calls
     from a request that resumed from a cached prefix."""
     return run(model, prompt, make_prompt_cache(model), n, same_calls=False, **kwargs)
+
+
+def on_cpu() -> bool:
+    """Whether MLX computes on its CPU backend. There a forward's bits do not depend on how
+    the prompt was split into chunks, so a reused prefix also equals a fresh run of the whole
+    prompt; on a GPU (MLX's CUDA backend) a matmul's kernel may depend on the chunk's
+    length, so parity is checked against mlx-lm's own caches doing the same work."""
+    return mx.default_device() == mx.cpu
+
+
+def replayed(model, prompt, splits, n: int = 6, **kwargs):
+    """mlx-lm's own caches doing a paged request's work: one model call per ``(a, b)`` of
+    ``splits`` (where the paged side split the prompt: the prefill checkpoints of a
+    recurrent model, the requests that computed a reused prefix), then ``generate_step`` on
+    the rest of ``prompt``."""
+    cache = make_prompt_cache(model)
+    end = 0
+    for a, b in splits:
+        assert a == end, (a, end)
+        model(mx.array(prompt[a:b])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        end = b
+    return run(model, prompt[end:], cache, n, **kwargs)
+
+
+def reused(model, first, first_n: int, prefix: int, prompt, n: int = 6, *,
+           first_kwargs=None, **kwargs):
+    """mlx-lm reusing a prefix its own way (``LRUPromptCache``): ``KVCache``s that ran
+    ``first`` and generated ``first_n`` tokens, trimmed to ``prefix`` tokens, then
+    ``prompt[prefix:]``. What a paged request that got ``prefix`` tokens from ``first``'s
+    published blocks computes, on any device."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    cache = make_prompt_cache(model)
+    run(model, first, cache, first_n)
+    trim_prompt_cache(cache, cache[0].offset - prefix)
+    return run(model, prompt[prefix:], cache, n, **kwargs)
+
+
+def grid(stops, start: int = 0) -> list[tuple[int, int]]:
+    """``[(start, s0), (s0, s1), ...]`` for ascending ``stops``."""
+    out, a = [], start
+    for b in stops:
+        out.append((a, b))
+        a = b
+    return out

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_support import Steps, fresh, model_of, run, toks
+from mlx_lm_support import Steps, fresh, model_of, on_cpu, reused, run, toks
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
@@ -85,7 +85,10 @@ def test_prompt_conversation_and_shared_prefix_match_kvcache(arch, dtype):
     p3 = p1[:3 * BS] + toks(10, 3)
     c = paged.begin(p3)
     assert c.cached_tokens == 3 * BS
-    assert run(model, p3[c.cached_tokens:], c.cache) == fresh(model, p3)
+    got_c = run(model, p3[c.cached_tokens:], c.cache)
+    assert got_c == reused(model, p1, 6, 3 * BS, p3)
+    if on_cpu():
+        assert got_c == fresh(model, p3)
     s = paged.stats()
     assert s["hit_tokens"] == 46 + 24 and s["continued_tokens"] == 46
     assert s["blocks_shared"] == 3  # C and the parked conversation hold A's first 3 blocks
@@ -107,7 +110,11 @@ def test_chunked_prefill_with_pool_growth(dtype):
     q = p[:64] + toks(9, 5)
     r2 = paged.begin(q)
     assert r2.cached_tokens == 64
-    assert run(model, q[64:], r2.cache, prefill_step_size=16) == fresh(model, q)
+    got = run(model, q[64:], r2.cache, prefill_step_size=16)
+    assert got == reused(model, p, 6, 64, q, first_kwargs={"prefill_step_size": 16},
+                         prefill_step_size=16)
+    if on_cpu():
+        assert got == fresh(model, q)
     r2.release()
 
 
@@ -137,8 +144,10 @@ def test_trim_then_continue_and_publish_never_writes_a_shared_block(dtype):
     trim_prompt_cache(r2.cache, r2.cache[0].offset - 20)
     x = toks(8, 9)
     out_x = run(model, x, r2.cache, n=4)
-    ref2 = make_prompt_cache(model)
-    run(model, q, ref2)
+    ref2 = make_prompt_cache(model)  # mlx-lm reusing A's first 24 tokens, as r2 did
+    run(model, p, ref2, n=8)
+    trim_prompt_cache(ref2, ref2[0].offset - 3 * BS)
+    run(model, q[3 * BS:], ref2)
     trim_prompt_cache(ref2, ref2[0].offset - 20)
     assert out_x == run(model, x, ref2, n=4)
     held2 = q[:20] + x + out_x[0]
@@ -148,12 +157,18 @@ def test_trim_then_continue_and_publish_never_writes_a_shared_block(dtype):
     s = p[:3 * BS] + toks(5, 10)  # the shared blocks are intact
     r3 = paged.begin(s)
     assert r3.cached_tokens == 3 * BS
-    assert run(model, s[r3.cached_tokens:], r3.cache) == fresh(model, s)
+    got = run(model, s[r3.cached_tokens:], r3.cache)
+    assert got == reused(model, p, 8, 3 * BS, s)
+    if on_cpu():
+        assert got == fresh(model, s)
     r3.release()
     t = held2 + toks(3, 11)  # and the trimmed conversation was published as it ended
     r4 = paged.begin(t)
     assert r4.cached_tokens == len(held2)
-    assert run(model, t[r4.cached_tokens:], r4.cache) == fresh(model, t)
+    got = run(model, t[r4.cached_tokens:], r4.cache)
+    assert got == run(model, t[len(held2):], ref2)  # mlx-lm continuing its own caches
+    if on_cpu():
+        assert got == fresh(model, t)
     r4.release()
 
 
@@ -187,7 +202,10 @@ def test_speculative_decoding_with_a_draft_model(dtype):
     q = held[:n] + toks(4, 13)
     r2 = paged.begin(q)
     assert r2.cached_tokens == n
-    assert run(model, q[n:], r2.cache) == fresh(model, q)
+    got = run(model, q[n:], r2.cache)
+    assert got == run(model, q[n:], ref_cache[:len(r.cache)])
+    if on_cpu():
+        assert got == fresh(model, q)
     r2.release()
 
 
@@ -284,11 +302,13 @@ def test_batch_generate_merges_paged_caches_and_insert_publishes():
     # mlx-lm's own batch over KVCaches that hold the same prefixes.
     ref_caches = []
     for p, r in zip(prompts, requests):
-        cache = make_prompt_cache(model)
-        model(mx.array([p[:r.cached_tokens]]), cache=cache)
+        cache = make_prompt_cache(model)  # the prefix as the first request computed it
+        run(model, prompts[0], cache, n=4)
+        trim_prompt_cache(cache, cache[0].offset - r.cached_tokens)
         ref_caches.append(cache)
     ref = batch_generate(model, tokenizer, tails, prompt_caches=ref_caches, max_tokens=6,
-                         return_token_ids=True, return_logprobs=True)
+                         return_token_ids=True, return_logprobs=True,
+                         return_prompt_caches=True)
     assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
     # The batch owns copies: the paged requests were handed over and hold no blocks.
     assert all(r.state == "handed over to a batch" for r in requests)
@@ -300,14 +320,17 @@ def test_batch_generate_merges_paged_caches_and_insert_publishes():
     with pytest.raises(InvalidArgument, match="holds"):
         paged.insert(prompts[0], bad)  # the cache also holds the generated tokens
     assert paged.stats() == before
-    for p, ids, cache in zip(prompts, got.token_ids, got.caches):
+    for p, ids, cache, own in zip(prompts, got.token_ids, got.caches, ref.caches):
         held = p + ids[:cache[0].offset - len(p)]
         written = paged.insert(held, cache)
         assert written == len(held) - (48 if p is not prompts[0] else 56)
         tail = held + toks(3, 30)
         r = paged.begin(tail)
         assert r.cached_tokens == len(held)  # continues the inserted conversation exactly
-        assert run(model, tail[len(held):], r.cache) == fresh(model, tail)
+        got_tail = run(model, tail[len(held):], r.cache)
+        assert got_tail == run(model, tail[len(held):], own)  # mlx-lm continuing its batch's
+        if on_cpu():
+            assert got_tail == fresh(model, tail)
         r.release()
 
 
@@ -316,25 +339,24 @@ import json, sys
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from pagedkv.integrations.mlx_lm import PagedPromptCache
 from pagedkv.integrations.mlx_lm.random_models import random_model
 model = random_model("qwen3", seed=0)[0]
-prompt = json.loads(sys.argv[2])
+prompt, first = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 def run(p, cache):
-    return [(int(t), lp) for t, lp in
+    return [(int(t), mx.array(lp).tolist()) for t, lp in
             generate_step(mx.array(p), model, prompt_cache=cache, max_tokens=6)]
 with PagedPromptCache(model, block_size=8, cold_dir=sys.argv[1]) as paged:
     request = paged.begin(prompt)
     got = run(prompt[request.cached_tokens:], request.cache)
     stats = paged.stats()
-from pagedkv.integrations.mlx_lm.parity import compare, model_dtype
-def steps(r):
-    return [t for t, _ in r], b"".join(np.array(lp.astype(mx.float32)).tobytes() for _, lp in r)
-same = compare(steps(got), steps(run(prompt, make_prompt_cache(model))),
-               dtype=model_dtype(model), same_calls=False).same
+# mlx-lm reusing the parent's first run (its prompt and 6 tokens) up to what was restored
+ref = make_prompt_cache(model)
+run(first, ref)
+trim_prompt_cache(ref, ref[0].offset - request.cached_tokens)
 print(json.dumps({"restored": request.restored_tokens, "cached": request.cached_tokens,
-                  "same": same,
+                  "same": got == run(prompt[request.cached_tokens:], ref),
                   "cold_hits": stats["cold_hits"], "corruptions": stats["cold_corruptions"]}))
 """
 
@@ -354,7 +376,8 @@ def test_restart_restores_a_shared_prefix_from_disk(tmp_path, monkeypatch):
     r.end(q0 + run(model, q0[r.cached_tokens:], r.cache, n=1)[0])
     assert paged.cold_tier is None and paged.coordinator.stats()["cold_capture_errors"] == 0
     q = p[:4 * BS] + toks(6, 32)
-    done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, str(cold), json.dumps(q)],
+    done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, str(cold), json.dumps(q),
+                           json.dumps(p)],
                           check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     child = json.loads(done.stdout.strip().splitlines()[-1])
@@ -375,7 +398,10 @@ def test_restart_restores_a_shared_prefix_from_disk(tmp_path, monkeypatch):
     with PagedPromptCache(model, block_size=BS, cold_dir=cold) as paged:
         r = paged.begin(q)
         assert (r.cached_tokens, r.restored_tokens) == (2 * BS, 2 * BS)
-        assert run(model, q[r.cached_tokens:], r.cache) == fresh(model, q)
+        got = run(model, q[r.cached_tokens:], r.cache)
+        assert got == reused(model, p, 6, 2 * BS, q)
+        if on_cpu():
+            assert got == fresh(model, q)
         s = paged.stats()
         assert s["cold_corruptions"] == 1 and s["cold_hits"] == 2
         r.release()
@@ -439,7 +465,8 @@ def test_tenants_with_different_salts_never_share_blocks():
         r = paged.begin(prompt, cache_salt=salt)
         assert r.cached_tokens == cached, (salt, cached)
         out = run(model, prompt[cached:], r.cache, n=1)
-        assert out == fresh(model, prompt, n=1)
+        assert out == (fresh(model, prompt, n=1) if cached == 0 else
+                       reused(model, prompt, 1, cached, prompt, n=1))
         r.end(prompt + out[0])
 
 

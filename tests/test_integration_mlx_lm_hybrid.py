@@ -26,9 +26,9 @@ from mlx_lm.generate import batch_generate, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_support import Steps, fresh, model_of, run, toks
+from mlx_lm_support import Steps, fresh, grid, model_of, on_cpu, replayed, run, toks
 from pagedkv.coordinator import expired_blocks
-from pagedkv.errors import InvalidArgument, UnsupportedModel
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnsupportedModel
 from pagedkv.integrations.mlx_lm import (
     LayerKind,
     PagedKVLayerCache,
@@ -47,7 +47,8 @@ WINDOW = 8  # every tiny sliding config's window
 
 def uncached(model, prompt, out) -> Steps:
     """What ``run`` must return, from mlx-lm's forward of the whole sequence without a cache:
-    the logprobs ``generate_step`` computes from each row that predicted a token of ``out``."""
+    the logprobs ``generate_step`` computes from each row that predicted a token of ``out``
+    (compared by the parity rule, a different-calls comparison)."""
     seq = list(prompt) + list(out)
     logits = model(mx.array(seq)[None])[0]
     lps = []
@@ -258,45 +259,124 @@ RECURRENT_CASES = [("qwen3_next", "float32"), ("qwen3_5", "float32"), ("qwen3_5"
 
 @pytest.mark.parametrize("arch,dtype", RECURRENT_CASES)
 def test_recurrent_reuse_stops_at_a_checkpointed_boundary(arch, dtype):
+    """Every paged run equals mlx-lm's own caches (``ArraysCache`` + ``KVCache``) doing the
+    same work (the same prefill splits); on the CPU also a fresh run of the whole prompt."""
     model = model_of(arch, dtype)
-    paged = PagedPromptCache(model, block_size=BS)
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_interval=2 * BS)
     p1 = toks(70, 12)
     a = paged.begin(p1)
-    # begin ran the prompt to its last block boundary, split at the ladder's rungs
-    # (gdn_ladder_rungs(70, 0, 8) == [16, 64]) with a state checkpoint at each.
+    # begin ran the prompt to its last block boundary (64), split at the checkpoint grid
+    # (every 16 tokens: 3 grid points fit the cap of 4 with the tail), a state at each.
+    assert paged.recurrent.boundaries(70, 0) == [16, 32, 48, 64]
     assert (a.hit_tokens, a.prefilled_tokens, a.cached_tokens) == (0, 64, 64)
     assert isinstance(a.cache[0], PagedStateLayerCache)
     assert isinstance(a.cache[1], PagedKVLayerCache)
     got_a = run(model, p1[a.cached_tokens:], a.cache, n=10)
-    assert got_a == fresh(model, p1, n=10)
+    ref_a = make_prompt_cache(model)
+    splits = grid([16, 32, 48, 64])
+    for x, y in splits:
+        model(mx.array(p1[x:y])[None], cache=ref_a)
+    assert got_a == run(model, p1[64:], ref_a, n=10) == replayed(model, p1, splits, n=10)
+    if on_cpu():
+        assert got_a == fresh(model, p1, n=10)
     held = p1 + got_a[0]
     a.end(held)
-    assert sorted(paged.recurrent.store.boundaries()) == [16, 64, 80]  # 80: end, aligned
+    assert sorted(paged.recurrent.store.boundaries()) == [16, 32, 48, 64, 80]  # 80: end
 
-    # B shares 60 tokens: the full group backs 56, but a state exists at 16 only below
-    # that, so the hit stops at 16 (never K/V without its state).
+    # B shares 60 tokens: the full group backs 56, the deepest state below that is at 48,
+    # so the hit stops at 48 (never K/V without its state); B's begin runs 48..64.
     p2 = p1[:60] + toks(11, 13)
     b = paged.begin(p2)
-    assert (b.hit_tokens, b.restored_tokens) == (16, 0)
+    assert (b.hit_tokens, b.prefilled_tokens, b.restored_tokens) == (48, 16, 0)
     got_b = run(model, p2[b.cached_tokens:], b.cache)
-    assert got_b == fresh(model, p2)
+    assert got_b == replayed(model, p2, grid([16, 32, 48, 64]))
+    if on_cpu():
+        assert got_b == fresh(model, p2)
     b.release()
 
-    # C continues A's conversation from its parked tables and state.
+    # C continues A's conversation from its parked tables and state: mlx-lm continuing
+    # its own caches.
     p3 = held + toks(6, 14)
     c = paged.begin(p3)
     assert c.hit_tokens == len(held) and paged.stats()["continued_tokens"] == len(held)
     got_c = run(model, p3[c.cached_tokens:], c.cache)
-    assert got_c == fresh(model, p3)
+    assert got_c == run(model, p3[len(held):], ref_a)
+    if on_cpu():
+        assert got_c == fresh(model, p3)
     c.release()
 
-    # D shares A's first 64 tokens and more: the checkpoint at 64 serves it from memory.
+    # D shares A's first 66 tokens: the checkpoint at 64 serves it from memory.
     p4 = p1[:66] + toks(4, 15)
     d = paged.begin(p4)
-    assert d.hit_tokens == 64
-    assert run(model, p4[d.cached_tokens:], d.cache) == fresh(model, p4)
+    assert (d.hit_tokens, d.prefilled_tokens) == (64, 0)
+    got_d = run(model, p4[d.cached_tokens:], d.cache)
+    assert got_d == replayed(model, p4, splits)
+    if on_cpu():
+        assert got_d == fresh(model, p4)
     d.release()
     assert paged.stats()["checkpoint_hits"] == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_a_512_token_shared_prefix_resumes_at_512(arch):
+    """The benchmark's case at the default policy (block 16, grid 256, 4 per request): A =
+    512 shared + 32 own tokens checkpoints at 256, 512 and its tail 528; B = the same 512
+    + 32 others resumes at 512 from memory, bit-identical."""
+    model = model_of(arch)
+    paged = PagedPromptCache(model)  # block_size 16
+    shared = toks(512, 30)
+    p1, p2 = shared + toks(32, 31), shared + toks(32, 32)
+    a = paged.begin(p1)
+    assert (a.prefilled_tokens, a.cached_tokens) == (528, 528)
+    got_a = run(model, p1[528:], a.cache, n=2)
+    a.end(p1 + got_a[0])  # 546 tokens: not a block boundary, no end state
+    assert paged.recurrent.store.boundaries() == [256, 512, 528]
+    b = paged.begin(p2)
+    assert (b.hit_tokens, b.prefilled_tokens, b.cached_tokens) == (512, 16, 528)
+    got_b = run(model, p2[528:], b.cache, n=2)
+    assert got_b == replayed(model, p2, grid([256, 512, 528]), n=2)
+    if on_cpu():
+        assert got_b == fresh(model, p2, n=2)
+    b.release()
+    # B published its own tail (528 on its lineage); 256 and 512 were A's, shared.
+    assert paged.recurrent.store.boundaries() == [256, 512, 528, 528]
+    assert paged.stats()["checkpoint_hits"] == 1
+
+
+def test_checkpoint_policy_bounds_what_one_request_keeps():
+    from pagedkv.integrations.mlx_lm.recurrent import checkpoint_boundaries
+
+    assert checkpoint_boundaries(544, 0, 16) == [256, 512, 528]
+    assert checkpoint_boundaries(544, 512, 16) == [528]
+    assert checkpoint_boundaries(2000, 0, 16) == [512, 1024, 1536, 1984]  # grid doubled
+    assert checkpoint_boundaries(10_000, 0, 16) == [4096, 8192, 9984]
+    assert checkpoint_boundaries(10_000, 4096, 16) == [6144, 8192, 9984]
+    assert checkpoint_boundaries(544, 0, 16, interval=0) == [528]
+    assert checkpoint_boundaries(16, 0, 16) == []  # the last prompt token is computed
+    for n in range(1, 3000, 37):
+        for cached in (0, 16, 256, 1024):
+            got = checkpoint_boundaries(n, cached, 16, 256, 4)
+            assert len(got) <= 4 and got == sorted(set(got))
+            assert all(b % 16 == 0 and cached < b < n for b in got)
+    model = model_of("qwen3_5")
+    for kwargs, error in (({"checkpoint_interval": 20}, InvalidArgument),
+                          ({"checkpoints_per_request": 0}, InvalidArgument),
+                          ({"checkpoint_entries": True}, InvalidArgumentType),
+                          ({"checkpoint_bytes": 0}, InvalidArgument)):
+        with pytest.raises(error):
+            PagedPromptCache(model, **kwargs)
+    # The store's bounds: entries (least recently published or hit first) and bytes.
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_entries=3,
+                             checkpoint_interval=BS)
+    r = paged.begin(toks(70, 33))
+    assert paged.recurrent.boundaries(70, 0) == [16, 32, 48, 64]
+    assert paged.recurrent.store.boundaries() == [32, 48, 64]
+    r.release()
+    one = paged.recurrent.store.nbytes // 3
+    paged = PagedPromptCache(model, block_size=BS, checkpoint_bytes=2 * one,
+                             checkpoint_interval=BS)
+    paged.begin(toks(70, 33)).release()
+    assert paged.recurrent.store.boundaries() == [48, 64]
 
 
 def test_recurrent_reuse_without_a_checkpoint_recomputes():
@@ -305,12 +385,15 @@ def test_recurrent_reuse_without_a_checkpoint_recomputes():
     p = toks(70, 16)
     r = paged.begin(p)
     r.end(p + run(model, p[r.cached_tokens:], r.cache, n=4)[0])  # 74 tokens: no end state
-    assert paged.recurrent.store.boundaries() == [64]  # the store keeps one entry
+    assert paged.recurrent.store.boundaries() == [64]  # the tail (the grid starts at 256)
     paged.release_parked()
-    q = p[:60] + toks(6, 17)  # its K/V blocks are cached, its state at 16 was evicted
+    q = p[:60] + toks(6, 17)  # its K/V blocks are cached, but no state below 56
     r2 = paged.begin(q)
-    assert r2.hit_tokens == 0
-    assert run(model, q[r2.cached_tokens:], r2.cache) == fresh(model, q)
+    assert (r2.hit_tokens, r2.prefilled_tokens) == (0, 64)
+    got = run(model, q[r2.cached_tokens:], r2.cache)
+    assert got == replayed(model, q, [(0, 64)])
+    if on_cpu():
+        assert got == fresh(model, q)
     r2.release()
 
 
@@ -324,13 +407,27 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
     got = batch_generate(model, tokenizer, tails, prompt_caches=[r.cache for r in requests],
                          max_tokens=5, return_prompt_caches=True, return_token_ids=True)
     assert all(r.state == "handed over to a batch" for r in requests)
-    for p, ids, cache in zip(prompts, got.token_ids, got.caches, strict=True):
+    # mlx-lm's own batch doing the same work (the paged requests missed: nothing cached).
+    assert [r.cached_tokens for r in requests] == [16, 24]  # begin ran the prompts' tails
+    own = []
+    for p, r in zip(prompts, requests, strict=True):
+        cache = make_prompt_cache(model)
+        model(mx.array(p[:r.cached_tokens])[None], cache=cache)
+        own.append(cache)
+    ref = batch_generate(model, tokenizer, tails, prompt_caches=own, max_tokens=5,
+                         return_prompt_caches=True, return_token_ids=True)
+    assert got.token_ids == ref.token_ids
+    for p, ids, cache, mine in zip(prompts, got.token_ids, got.caches, ref.caches,
+                                   strict=True):
         held = p + ids[:cache[1].offset - len(p)]
         paged.insert(held, cache)
         tail = held + toks(4, 40)
         r = paged.begin(tail)
         assert r.hit_tokens == len(held)  # the parked conversation, its state included
-        assert run(model, tail[r.cached_tokens:], r.cache) == fresh(model, tail)
+        got_tail = run(model, tail[r.cached_tokens:], r.cache)
+        assert got_tail == run(model, tail[len(held):], mine)
+        if on_cpu():
+            assert got_tail == fresh(model, tail)
         r.release()
 
 
@@ -359,6 +456,37 @@ def test_batch_generate_with_sliding_layers_and_insert_refuses_a_bare_window():
     paged.coordinator.check_invariants()
 
 
+def test_sliding_requests_that_hit_a_prefix_merge_into_a_batch():
+    """A paged sliding layer holding a cached prefix hands mlx-lm's merge a RotatingKVCache
+    of exactly min(offset, window) positions (what mlx-lm's own holds; the server's batched
+    path merges these): the batch then computes what it computes from mlx-lm's own caches
+    holding the same prefix."""
+    model = model_of("gemma3_text")
+    tokenizer = TokenizerWrapper(word_tokenizer(256))
+    paged = PagedPromptCache(model, block_size=BS)
+    shared = toks(36, 70)
+    first = paged.begin(shared + [9])
+    first.end(shared + [9] + run(model, shared + [9], first.cache, n=2)[0])
+    prompts = [shared + toks(3 + k, 71 + k) for k in (0, 4)]
+    requests = [paged.begin(p) for p in prompts]
+    assert [r.cached_tokens for r in requests] == [32, 32]
+    rotating = [r.cache[0].as_rotating() for r in requests]
+    assert [(c.offset, c.keys.shape[2], c.size()) for c in rotating] == [(32, WINDOW, WINDOW)] * 2
+    own = []
+    for p in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array(p[:32])[None], cache=cache)
+        own.append(cache)
+    tails = [p[32:] for p in prompts]
+    got = batch_generate(model, tokenizer, tails, prompt_caches=[r.cache for r in requests],
+                         max_tokens=5, return_token_ids=True)
+    ref = batch_generate(model, tokenizer, tails, prompt_caches=own, max_tokens=5,
+                         return_token_ids=True)
+    assert got.token_ids == ref.token_ids
+    assert all(r.state == "handed over to a batch" for r in requests)
+    paged.coordinator.check_invariants()
+
+
 @pytest.mark.parametrize("arch,shared", [("gemma3_text", 32), ("qwen3_next", 32)])
 def test_tenants_with_different_salts_never_share_hybrid_prefixes(arch, shared):
     """K/V blocks, sliding windows and recurrent checkpoints are all keyed by the salt."""
@@ -373,8 +501,10 @@ def test_tenants_with_different_salts_never_share_hybrid_prefixes(arch, shared):
         r = paged.begin(q, cache_salt=salt)
         assert r.hit_tokens == hit, salt
         got = run(model, q[r.cached_tokens:], r.cache)
+        # qwen3_next: A checkpointed at its tail 32 (its prefill ran 0..32 in one call);
+        # q's begin also runs 0..32 when it misses.
         assert got == (uncached(model, q, got[0]) if arch == "gemma3_text" else
-                       fresh(model, q))
+                       replayed(model, q, [(0, 32)]))
         r.release()
     paged.coordinator.check_invariants()
 
@@ -389,7 +519,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from pagedkv.integrations.mlx_lm import PagedPromptCache
 from pagedkv.integrations.mlx_lm.random_models import random_model
-arch, cold, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+arch, cold, prompt, splits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 model = random_model(arch, seed=0)[0]
 def run(p, cache):
     return [(int(t), np.array(lp).tobytes().hex()) for t, lp in
@@ -400,21 +530,33 @@ with PagedPromptCache(model, block_size=8, cold_dir=cold) as paged:
     stats = paged.stats()
     # the reference: a request of another tenant, which nothing serves
     other = paged.begin(prompt, cache_salt="reference")
-    ref = run(prompt, other.cache if arch.startswith(("gemma", "gpt")) else make_prompt_cache(model))
+    if arch.startswith(("gemma", "gpt")):  # a sliding model's fresh paged run
+        ref = run(prompt[other.cached_tokens:], other.cache)
+    else:  # mlx-lm's own caches, split where the parent's and this prefill split
+        ref = make_prompt_cache(model)
+        for a, b in splits:
+            model(mx.array(prompt[a:b])[None], cache=ref)
+        ref = run(prompt[splits[-1][1]:], ref)
 from pagedkv.integrations.mlx_lm.parity import compare, model_dtype
 def steps(r):
     return [t for t, _ in r], b"".join(bytes.fromhex(lp) for _, lp in r)
-same = compare(steps(got), steps(ref), dtype=model_dtype(model), same_calls=False).same
+# a recurrent model's reference did the same work (byte equality everywhere); a sliding
+# model's fresh paged run did not (the parity rule: bytes on MLX's CPU, a bound on GPUs)
+sliding = arch.startswith(("gemma", "gpt"))
+same = compare(steps(got), steps(ref), dtype=model_dtype(model), same_calls=not sliding).same
 print(json.dumps({"restored": request.restored_tokens, "hit": request.hit_tokens,
                   "fresh_hit": other.hit_tokens, "same": same,
                   "corruptions": stats["cold_corruptions"]}))
 """
 
 
-def _child(arch, cold, prompt):
+def _child(arch, cold, prompt, splits=((0, 64), (64, 96))):
+    """The restart in a fresh process. ``splits``: where the recurrent model's prefill
+    split, the parent's (0..64, its tail) then the child's begin (from the restored 64 to
+    the new prompt's tail, 96)."""
     done = subprocess.run([sys.executable, "-c", _RESTORE_CHILD, arch, str(cold),
-                           json.dumps(prompt)], check=False, capture_output=True, text=True,
-                          timeout=300)
+                           json.dumps(prompt), json.dumps(splits)], check=False,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -444,8 +586,29 @@ def test_restart_restores_a_hybrid_conversation_with_its_sidecar(tmp_path, monke
     data = bytearray(side.read_bytes())
     data[-40] ^= 0xFF
     side.write_bytes(bytes(data))
-    assert _child(arch, cold, q) == {"restored": 0, "hit": 0, "fresh_hit": 0, "same": True,
-                                     "corruptions": 1}
+    assert _child(arch, cold, q, ((0, 96),)) == {"restored": 0, "hit": 0, "fresh_hit": 0,
+                                                 "same": True, "corruptions": 1}
+
+
+def test_restart_resumes_a_512_token_shared_prefix_at_512(tmp_path, monkeypatch):
+    """The cold half of the 512-token case: a fresh process restores the state checkpointed
+    at 512 (A's grid point) with the K/V before it, bit-identical to mlx-lm's own caches
+    split the same way (block 8: A kept 256, 512 and its tail 536)."""
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    # end() offers the 68 blocks to the tier within a 250 ms budget by default, which a
+    # loaded test machine can exceed: the walk would stop before 512 (a counted deadline).
+    monkeypatch.setenv("PAGEDKV_COLD_CAPTURE_BUDGET_MS", "60000")
+    model = model_of("qwen3_5")
+    cold = tmp_path / "cold"
+    shared = toks(512, 34)
+    with PagedPromptCache(model, block_size=BS, cold_dir=cold) as paged:
+        p1 = shared + toks(32, 35)
+        r = paged.begin(p1)
+        assert paged.recurrent.store.boundaries() == [256, 512, 536]
+        r.end(p1 + run(model, p1[r.cached_tokens:], r.cache, n=2)[0])
+    p2 = shared + toks(32, 36)
+    assert _child("qwen3_5", cold, p2, ((0, 256), (256, 512), (512, 536))) == {
+        "restored": 512, "hit": 512, "fresh_hit": 0, "same": True, "corruptions": 0}
 
 
 # --- what the cache refuses, and the state it leaves -----------------------------------------

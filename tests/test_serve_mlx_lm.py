@@ -129,3 +129,43 @@ def test_pagedkv_serve_answers_like_mlx_lm_and_shares_prefixes(model_dir, tmp_pa
     finally:
         for s in servers:
             s.stop()
+
+
+def test_pagedkv_serve_learns_sliding_window_prompts_batched_and_conversations_unbatched(
+        tmp_path):
+    """A sliding-window model (gemma3_text, window 8). Batched (mlx-lm's default) the cache
+    learns each prompt, from the batch's cache at the end of the prompt segment, but not a
+    finished conversation: that batched cache holds the last window only, which insert
+    refuses (logged). With --unbatched-sliding mlx-lm's single-request path runs on the
+    paged request itself, so the next turn continues the whole conversation."""
+    from pagedkv.integrations.mlx_lm.random_models import save_random_model
+
+    path = str(tmp_path / "gemma")
+    save_random_model(path, "gemma3_text", seed=0)
+    argv = [sys.executable, "-m", "pagedkv", "serve", "--model", path, "--block-size", "8"]
+    servers = [Server(argv, tmp_path / "batched.log"),
+               Server([*argv, "--unbatched-sliding"], tmp_path / "single.log")]
+    try:
+        for s in servers:
+            s.wait_ready()
+        system = words(range(10, 50))  # 40 tokens: five windows
+        p1, p2 = f"{system} {words([60, 61, 62])}", f"{system} {words([70, 71])}"
+        r1 = [s.complete(p1) for s in servers]
+        assert r1[0]["cached"] == r1[1]["cached"] == 0
+        r2 = [s.complete(p2) for s in servers]
+        assert r2[0]["text"] == r2[1]["text"]
+        assert r2[0]["cached"] >= 40 and r2[1]["cached"] >= 40  # the system prompt
+        # The next turn of conversation 1: batched, the cache holds p1's prompt (block
+        # aligned) only; unbatched, p1 and its reply.
+        n1 = len(p1.split())
+        r3 = [s.complete(f"{p1} {r1[0]['text']} {words([80, 81])}") for s in servers]
+        assert r3[0]["text"] == r3[1]["text"]
+        assert r3[0]["cached"] <= n1 < r3[1]["cached"]
+        batched_log = (tmp_path / "batched.log").read_text()
+        single_log = (tmp_path / "single.log").read_text()
+        assert "pagedkv: published" in batched_log and "could not publish" in batched_log
+        assert "serving it on mlx-lm's single-request path" in single_log
+        assert "could not publish" not in single_log
+    finally:
+        for s in servers:
+            s.stop()

@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cold-dir", default=None, metavar="DIR",
                    help="persist full KV blocks in DIR/pagedkv-v1 and restore them after a "
                         "restart")
+    p.add_argument("--unbatched-sliding", action="store_true",
+                   help="serve a sliding-window model on mlx-lm's single-request path: every "
+                        "finished conversation is published, generated tokens included, so "
+                        "its next turn continues exactly (default: mlx-lm batches it, and "
+                        "the cache learns each prompt but not the generated tokens: a "
+                        "finished batched sliding cache holds the last window only)")
     p.set_defaults(func=run, accepts_extra_args=True)
 
 
@@ -44,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv serve: error: {exc}", file=sys.stderr)
         return 2
     return run_server(args.model, args.extra_args, block_size=args.block_size,
-                      max_blocks=args.max_blocks, cold_dir=args.cold_dir)
+                      max_blocks=args.max_blocks, cold_dir=args.cold_dir,
+                      unbatched_sliding=args.unbatched_sliding)

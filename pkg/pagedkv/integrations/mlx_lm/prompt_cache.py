@@ -47,7 +47,11 @@ from pagedkv.errors import (
 )
 from pagedkv.integrations.mlx_lm.layer_cache import STEP_TOKENS, PagedKVLayerCache
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, check_served, layer_specs
-from pagedkv.integrations.mlx_lm.recurrent import RecurrentCheckpoints
+from pagedkv.integrations.mlx_lm.recurrent import (
+    CHECKPOINT_INTERVAL_TOKENS,
+    CHECKPOINTS_PER_REQUEST,
+    RecurrentCheckpoints,
+)
 from pagedkv.integrations.mlx_lm.sliding_cache import PagedSlidingLayerCache
 from pagedkv.integrations.mlx_lm.state_cache import PagedStateLayerCache
 from pagedkv.integrations.mlx_lm.topology import (
@@ -69,7 +73,8 @@ _DEFAULT_CONTEXT_TOKENS = 32768
 #: Tokens recorded at once when ``end`` writes a sliding model's positions (the sliding
 #: groups prune between chunks, so a row never holds more than a window plus this).
 _END_CHUNK_TOKENS = 512
-#: Recurrent-state checkpoints kept in memory (the hot store; least recently used first).
+#: Recurrent-state checkpoints kept in memory (the hot store; the least recently published or
+#: hit goes first).
 DEFAULT_CHECKPOINT_ENTRIES = 16
 
 
@@ -98,6 +103,18 @@ def _salt(cache_salt) -> int:
     if isinstance(cache_salt, str):
         return salt_domain_id(cache_salt)
     return as_domain_id(cache_salt)
+
+
+def _check_checkpoint_policy(block_size, entries, max_bytes, interval, per_request) -> None:
+    from pagedkv.argument_checks import int_argument
+
+    int_argument("checkpoint_entries", entries, 1)
+    if max_bytes is not None:
+        int_argument("checkpoint_bytes", max_bytes, 1)
+    int_argument("checkpoints_per_request", per_request, 1)
+    if int_argument("checkpoint_interval", interval, 0) % block_size:
+        raise InvalidArgument(f"checkpoint_interval: {interval} tokens is not a multiple of "
+                              f"block_size {block_size} (checkpoints sit on block boundaries)")
 
 
 class PagedRequest:
@@ -259,13 +276,27 @@ class PagedPromptCache:
         Ended conversations whose tables stay live for an exact continuation (default 32);
         the oldest is released first, and all are released under pool pressure.
     checkpoint_entries:
-        Recurrent-state checkpoints kept in memory (models with recurrent layers).
+        Recurrent-state checkpoints kept in memory (models with recurrent layers); the least
+        recently published or hit goes first.
+    checkpoint_bytes:
+        A bound on those checkpoints' bytes (``None``: only ``checkpoint_entries``).
+    checkpoint_interval:
+        Tokens between the prefill checkpoints of a recurrent model (a multiple of
+        ``block_size``; 0: only each prompt's tail): ``begin`` keeps the state at every
+        multiple of it, doubled until at most ``checkpoints_per_request - 1`` fall in the
+        prompt (``pagedkv.integrations.mlx_lm.recurrent.checkpoint_boundaries``).
+    checkpoints_per_request:
+        The most checkpoints one ``begin`` publishes, the prompt's tail included (``end``
+        adds one more when the conversation ends on a block boundary).
     """
 
     def __init__(self, model, *, block_size: int = 16, max_blocks: int | None = None,
                  dtype=None, cold_dir=None, model_dir=None, initial_blocks: int | None = None,
                  max_parked: int = 32,
-                 checkpoint_entries: int = DEFAULT_CHECKPOINT_ENTRIES) -> None:
+                 checkpoint_entries: int = DEFAULT_CHECKPOINT_ENTRIES,
+                 checkpoint_bytes: int | None = None,
+                 checkpoint_interval: int = CHECKPOINT_INTERVAL_TOKENS,
+                 checkpoints_per_request: int = CHECKPOINTS_PER_REQUEST) -> None:
         from pagedkv.sizing import PagedCacheConfig
 
         model_type = model_type_of(model)
@@ -274,6 +305,8 @@ class PagedPromptCache:
         config = PagedCacheConfig(block_size=block_size).with_env()
         if max_parked < 0:
             raise InvalidArgument(f"max_parked: {max_parked} must be >= 0")
+        _check_checkpoint_policy(block_size, checkpoint_entries, checkpoint_bytes,
+                                 checkpoint_interval, checkpoints_per_request)
         pool_dtype = None if dtype is None else dtype_name(dtype)
         layout = model_layout(model, specs, model_type)
         context = int(getattr(getattr(model, "args", None), "max_position_embeddings", 0)
@@ -285,7 +318,9 @@ class PagedPromptCache:
         self.layout = layout
         self.block_size = block_size
         self.max_parked = int(max_parked)
-        self.recurrent = RecurrentCheckpoints(layout.states, block_size, PREFILL_CHUNK_TOKENS)
+        self.recurrent = RecurrentCheckpoints(layout.states, block_size, PREFILL_CHUNK_TOKENS,
+                                              interval=checkpoint_interval,
+                                              per_request=checkpoints_per_request)
         self._entries = tuple(s for s in specs if s.kind is not LayerKind.SHARED)
         self._sliding = tuple(s.index for s in specs if s.kind is LayerKind.SLIDING)
         self._full = tuple(s.index for s in specs if s.kind is LayerKind.FULL)
@@ -295,20 +330,19 @@ class PagedPromptCache:
         self.cold_tier = None
         self._closer = None
         self._snapshots = None
+        self._cold_context = None
         kv_specs, groups = plan_groups(layout, block_size, pool_dtype, context)
         cold = None
         if cold_dir is not None:
             cold = self._open_cold(cold_dir, model, model_dir, groups)
 
         def checkpoint_store(hasher):
-            from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
             from pagedkv.coordinator import StateCheckpointStore
 
-            # The ladder's victim orders (docs/cold.md, "Retention"): a request's own rungs
-            # are capped at the ladder's 4, the store at checkpoint_entries.
-            caps = RetentionCaps(checkpoint_entries, 4, VictimOrder.LADDER)
+            # A request's count is capped where its boundaries are chosen
+            # (checkpoint_boundaries); the store evicts the least recently published or hit.
             return StateCheckpointStore(hasher, max_entries=checkpoint_entries,
-                                        retention=LadderRetention(caps))
+                                        max_bytes=checkpoint_bytes)
 
         self.coordinator = build_coordinator(
             kv_specs, groups, block_size=block_size, context_tokens=context, config=config,
@@ -321,6 +355,7 @@ class PagedPromptCache:
         #: The pool geometry of the first group (all K/V layers of a full-attention model).
         self.geometry = self.coordinator.groups[0].pool.geometry
         self._routes = {i: self.coordinator.route_for_layer(i) for i in self._kv}
+        self._sliding_groups = sorted({self._routes[i].group_id for i in self._sliding})
         self._pools = {i: self.coordinator.groups[r.group_id].pool
                        for i, r in self._routes.items()}
         self._windows: dict[int, int] = {s.index: int(s.window) for s in specs
@@ -391,6 +426,7 @@ class PagedPromptCache:
             self._snapshots = None
             return None
         hooks = ClosableColdHooks(context)
+        self._cold_context = context
         self.cold_tier = context.tier
         # close() or, failing that, interpreter exit persists what is queued.
         self._closer = weakref.finalize(self, hooks.close, COLD_DRAIN_SECONDS)
@@ -673,6 +709,12 @@ class PagedPromptCache:
                     lc.prune_sliding_all(request._seq, chunk[1])
                     request._recorded = chunk[1]
                     request._chunk = None
+                    # Evaluate the chunk's scatters now, on the pool's stream, while the
+                    # prefill runs: left pending they would keep every chunk's K/V alive
+                    # until MAX_PENDING_WRITES writes, and be computed during a later
+                    # request's decode.
+                    for i in self._sliding_groups:
+                        lc.groups[i].pool.flush()
             except PagedKVError as exc:
                 # The chunk is recorded but not written in every sliding layer: take it back
                 # (no prune ran for it), so the row's cursor is what the pool holds.
@@ -849,6 +891,8 @@ class PagedPromptCache:
         self._counters["published_tokens"] += new
         if states is not None and n:
             self.recurrent.publish(toks, n, states, salt, seq)
+            if self._cold_context is not None and self.cold_tier is not None:
+                self.recurrent.persist_lineage(self._cold_context, toks, salt)
         self._park(seq, toks, salt, states)
         return new
 

@@ -27,7 +27,8 @@ from pagedkv.errors import InvalidArgument, PagedKVError
 if TYPE_CHECKING:
     from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache
 
-__all__ = ["PagedServerPromptCache", "run_server"]
+__all__ = ["PagedServerPromptCache", "has_sliding_layers", "run_server",
+           "serve_sliding_unbatched"]
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -126,14 +127,51 @@ class PagedServerPromptCache:
         return {"paged": {"n_sequences": s["parked"], "n_bytes": s["bytes_in_use"]}}
 
 
+def has_sliding_layers(model) -> bool:
+    """Whether mlx-lm's cache list of ``model`` has a sliding-window layer."""
+    from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, layer_specs
+
+    return any(s.kind is LayerKind.SLIDING for s in layer_specs(model))
+
+
+def serve_sliding_unbatched(provider) -> None:
+    """Make mlx-lm's ``ModelProvider`` report a model with sliding-window layers as not
+    batchable, now and after every ``load``: mlx-lm then serves its requests on the
+    single-request path, whose caches are the paged request's own, so every request is
+    published, generated tokens included. (A finished batch's ``RotatingKVCache`` keeps the
+    last window only, which rarely starts on a block boundary: ``PagedPromptCache.insert``
+    cannot publish it; the batch's prompt-segment caches, which hold the last prefill chunk,
+    it can.)"""
+    load = provider.load
+
+    def route(provider=provider) -> None:
+        if provider.is_batchable and provider.model is not None \
+                and has_sliding_layers(provider.model):
+            provider.is_batchable = False
+            log.info("pagedkv: %s has sliding-window layers: serving it on mlx-lm's "
+                     "single-request path so every request is published "
+                     "(--unbatched-sliding)", provider.model_key)
+
+    def load_then_route(*args, **kwargs):
+        out = load(*args, **kwargs)
+        route()
+        return out
+
+    provider.load = load_then_route
+    route()
+
+
 def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int = 16,
-               max_blocks: int | None = None, cold_dir=None) -> int:
+               max_blocks: int | None = None, cold_dir=None,
+               unbatched_sliding: bool = False) -> int:
     """Run mlx-lm's server on ``model`` with a :class:`PagedServerPromptCache`.
 
     ``mlx_lm_args`` are ``mlx_lm.server``'s own options (``--port``, ``--host``,
     ``--max-tokens``, ...), parsed by its own parser. Blocks until interrupted (SIGINT or
     SIGTERM), then persists the cold tier's queue. ``--draft-model`` and ``--kv-bits`` are
     refused: the draft model's cache and mlx-lm's KV quantization are not paged.
+    ``unbatched_sliding``: serve a model with sliding-window layers on mlx-lm's
+    single-request path (:func:`serve_sliding_unbatched`).
     """
     from mlx_lm import server
 
@@ -146,6 +184,8 @@ def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int =
     caches: list[PagedServerPromptCache] = []
 
     def run(host, port, model_provider, server_class=None, handler_class=None):
+        if unbatched_sliding:
+            serve_sliding_unbatched(model_provider)
         prompt_cache = PagedServerPromptCache(model_provider, block_size=block_size,
                                               max_blocks=max_blocks, cold_dir=cold_dir)
         caches.append(prompt_cache)

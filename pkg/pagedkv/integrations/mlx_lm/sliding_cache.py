@@ -170,14 +170,23 @@ class PagedSlidingLayerCache(LayerBuffers):
             "'Limits')")
 
     def as_rotating(self) -> RotatingKVCache:
-        """mlx-lm's ``RotatingKVCache`` holding the same window (temporal order): what its
-        batching merges."""
+        """mlx-lm's ``RotatingKVCache`` holding the same window (temporal order), what its
+        batching merges: exactly ``min(offset, window)`` positions, as mlx-lm's own holds.
+        The oldest of them, ``offset - window``, no query reads again (the next token
+        replaces it), and the buffer may not hold it: it is then a zero row."""
         cache = RotatingKVCache(self.window)
         if self.keys is not None:
-            keys, values = self.keys_and_values()
+            held = min(self.offset, self.window)
+            a, b = self.offset - held - self.start, self.offset - self.start
+            keys, values = self.keys[..., max(a, 0):b, :], self.values[..., max(a, 0):b, :]
+            if a < 0:
+                keys = mx.concatenate([mx.zeros(keys.shape[:2] + (-a, keys.shape[3]),
+                                                keys.dtype), keys], axis=2)
+                values = mx.concatenate([mx.zeros(values.shape[:2] + (-a, values.shape[3]),
+                                                  values.dtype), values], axis=2)
             cache.keys, cache.values = keys, values
             cache.offset = self.offset
-            cache._idx = keys.shape[2]
+            cache._idx = held
         return cache
 
     @classmethod
