@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from _reference import BlockAllocator
+from allocator_oracle import BlockAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry
 from pagedkv.sizing import (
