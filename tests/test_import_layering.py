@@ -21,7 +21,7 @@ BASE = {"errors", "identity", "env_knobs", "_config", "_build_config", "__versio
 CORE = {"hashing", "allocator", "quant", "hfqm"}
 BELOW_TOP = BASE | CORE | {"pool", "sizing", "kernels", "kv_adaptive", "kv_mode", "adapter",
                            "coordinator", "cold"}
-EVERYTHING = BELOW_TOP | {"reference", "integrations", "cli", "bench", "selfcheck"}
+EVERYTHING = BELOW_TOP | {"tiny_model", "integrations", "cli", "bench", "selfcheck"}
 
 #: Top-level package -> what it may import (the table of docs/development.md).
 MAY_IMPORT: dict[str, set[str]] = {
@@ -43,7 +43,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "adapter": BASE | CORE | {"sizing"},
     "coordinator": BASE | CORE | {"pool", "sizing", "adapter"},
     "cold": BASE | CORE | {"adapter"},
-    "reference": BELOW_TOP,
+    "tiny_model": BELOW_TOP,
     "integrations": BELOW_TOP,
     "cli": EVERYTHING,
     "bench": EVERYTHING,

@@ -18,7 +18,7 @@ from mlx_kernel_cases import (
 )
 from pagedkv import quant
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnknownQuantType
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 
 mx = pytest.importorskip("mlx.core")
 K = pytest.importorskip("pagedkv.kernels.mlx")

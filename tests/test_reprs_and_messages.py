@@ -122,6 +122,6 @@ def test_cache_full_blocks_with_a_partial_block_says_how_to_fix_it(module):
     ("rms_norm_eps", math.nan, r"ReferenceConfig.rms_norm_eps = nan: must be a finite number"),
 ])
 def test_reference_config_refuses_values_the_model_cannot_use(field, value, message):
-    from pagedkv.reference import ReferenceConfig
+    from pagedkv.tiny_model import ReferenceConfig
     with pytest.raises(InvalidArgument, match=message):
         ReferenceConfig(**{field: value})

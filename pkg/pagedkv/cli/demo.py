@@ -96,7 +96,7 @@ def build_requests(args: argparse.Namespace, vocab_size: int):
     """Prompts = shared system prompt + shared few-shot preamble + a distinct user turn."""
     import numpy as np
 
-    from pagedkv.reference.serving import Request
+    from pagedkv.tiny_model.serving import Request
 
     rng = np.random.default_rng(args.seed + 1)
     shared = rng.integers(0, vocab_size, args.system_tokens + args.fewshot_tokens, np.uint32)
@@ -196,7 +196,7 @@ def check_sizes(args: argparse.Namespace, max_position: int) -> str | None:
 def prepare_session(args: argparse.Namespace, config, kv_dtype: str = "float32"):
     """``(model, requests)`` for ``config`` on ``--backend`` with its KV cache stored as
     ``kv_dtype``, or the exit status (2) after printing why these options cannot run."""
-    from pagedkv.reference import ReferenceModel
+    from pagedkv.tiny_model import ReferenceModel
 
     try:
         model = ReferenceModel(config, backend=args.backend, kv_dtype=kv_dtype)
@@ -213,7 +213,7 @@ def prepare_session(args: argparse.Namespace, config, kv_dtype: str = "float32")
 
 def print_parity(model, requests, outputs) -> bool:
     """Recompute every request alone on a flat cache; print the verdict; whether all match."""
-    from pagedkv.reference.serving import check_parity
+    from pagedkv.tiny_model.serving import check_parity
 
     bad = check_parity(model, requests, outputs)
     if bad:
@@ -227,8 +227,8 @@ def print_parity(model, requests, outputs) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.reference import ReferenceConfig
-    from pagedkv.reference.serving import build_paged_adapter, serve
+    from pagedkv.tiny_model import ReferenceConfig
+    from pagedkv.tiny_model.serving import build_paged_adapter, serve
 
     if args.engine == "mlx-lm":
         if args.model != "reference":

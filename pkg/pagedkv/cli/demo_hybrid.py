@@ -31,7 +31,7 @@ def _cold_context(args: argparse.Namespace, model):
     ``(None, None)`` with ``--no-cold``."""
     from pagedkv.cli.demo_restart import _cold_dir, _unusable_cold_dir
     from pagedkv.errors import InvalidArgument, PagedKVError
-    from pagedkv.reference.hybrid_cold import hybrid_cold_context
+    from pagedkv.tiny_model.hybrid_cold import hybrid_cold_context
 
     if args.no_cold and args.cold_dir:
         raise ValueError("--no-cold cannot be combined with --cold-dir")
@@ -95,9 +95,9 @@ def run_hybrid(args: argparse.Namespace) -> int:
     """The demo on the hybrid model; exit status as the default demo's."""
     from pagedkv.cli.demo import prepare_session, print_parity
     from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
-    from pagedkv.reference import HybridConfig
-    from pagedkv.reference.hybrid_paged import build_hybrid_coordinator
-    from pagedkv.reference.hybrid_serving import serve_hybrid
+    from pagedkv.tiny_model import HybridConfig
+    from pagedkv.tiny_model.hybrid_paged import build_hybrid_coordinator
+    from pagedkv.tiny_model.hybrid_serving import serve_hybrid
 
     if args.restart:
         print("pagedkv demo: error: --restart is the reference model's; run `pagedkv demo "

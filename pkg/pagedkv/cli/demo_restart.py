@@ -158,8 +158,8 @@ def run_child(args) -> int:
 
     from pagedkv.cli.demo import build_requests, kv_dtype_for
     from pagedkv.errors import PagedKVError
-    from pagedkv.reference import PagedKV, ReferenceModel
-    from pagedkv.reference.serving import build_paged_adapter
+    from pagedkv.tiny_model import PagedKV, ReferenceModel
+    from pagedkv.tiny_model.serving import build_paged_adapter
     try:
         model = ReferenceModel.load(os.path.join(_tier_dir(args), "model"),
                                     backend=args.backend, kv_dtype=kv_dtype_for(args))

@@ -1,4 +1,4 @@
-"""Hybrid reference model (docs/reference-model.md): configuration, weights, the forward pass
+"""Hybrid reference model (docs/tiny-model.md): configuration, weights, the forward pass
 against a float64 oracle, chunking invariance bit for bit, the flat KV path and snapshots."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pagedkv.errors import (
     SharedKVAnchorIsAlias,
     SharedKVIncompatible,
 )
-from pagedkv.reference import (
+from pagedkv.tiny_model import (
     NUMPY_MLX_LOGITS_ATOL,
     FlatKV,
     HybridConfig,
@@ -30,7 +30,7 @@ from pagedkv.reference import (
     ReferenceConfig,
     ReferenceModel,
 )
-from pagedkv.reference.weights import weight_shapes
+from pagedkv.tiny_model.weights import weight_shapes
 
 W = 24                                     # the default sliding window
 PROMPT = (np.arange(70) * 37 + 5) % 512    # longer than the window
@@ -460,8 +460,8 @@ def test_gated_delta_net_matches_mlx_lm(model):
     qwen3_5 = pytest.importorskip("mlx_lm.models.qwen3_5")
     from mlx_lm.models.cache import ArraysCache
 
-    from pagedkv.reference.gated_delta import gated_delta_token
-    from pagedkv.reference.weights import layer_operands
+    from pagedkv.tiny_model.gated_delta import gated_delta_token
+    from pagedkv.tiny_model.weights import layer_operands
 
     c = model.config
     args = qwen3_5.TextModelArgs(

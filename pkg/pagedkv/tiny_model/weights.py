@@ -14,8 +14,8 @@ import os
 import numpy as np
 
 from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, HybridConfig
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.hybrid_config import LINEAR_ATTENTION, HybridConfig
 
 __all__ = [
     "CONFIG_FILE",

@@ -2,7 +2,7 @@
 KV-shared aliases (saved as ``config.json``, ``model_type`` still ``pagedkv_reference``).
 
 The layer kinds use Hugging Face's ``layer_types`` names (Gemma 3, gpt-oss, Qwen3.5); the
-recurrent layer's fields are Qwen3.5's ``linear_*`` names. See docs/reference-model.md,
+recurrent layer's fields are Qwen3.5's ``linear_*`` names. See docs/tiny-model.md,
 "Hybrid configuration".
 """
 
@@ -17,7 +17,7 @@ from pagedkv.errors import (
     SharedKVAnchorIsAlias,
     SharedKVIncompatible,
 )
-from pagedkv.reference.config import ReferenceConfig
+from pagedkv.tiny_model.config import ReferenceConfig
 
 __all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "SLIDING_ATTENTION",
            "HybridConfig"]

@@ -74,7 +74,7 @@ class ReferenceConfig:
             raise BadMetadata(f"model_type is {got!r}, expected {MODEL_TYPE!r}", path=path)
         if cls is ReferenceConfig and "layer_types" in d:
             # A hybrid model saves its layer kinds; the model_type stays the same.
-            from pagedkv.reference.hybrid_config import HybridConfig
+            from pagedkv.tiny_model.hybrid_config import HybridConfig
             return HybridConfig.from_json_dict(d, path=path)
         fields = {f.name for f in dataclasses.fields(cls)}
         try:
