@@ -33,8 +33,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "_config": {"_build_config", "kernels"},  # show_config() reads the backends lazily
     "hashing": BASE,
     "allocator": BASE | {"hashing"},
-    "quant": BASE | {"hfqm"},   # one package pair: the two import each other
-    "hfqm": BASE | {"quant"},
+    "quant": BASE,
+    "hfqm": BASE | {"quant"},  # the container stores quant types and decodes with the codecs
     "pool": BASE | CORE | {"kernels"},
     "kernels": BASE | CORE | {"pool"},  # the device backend and its launchers
     "sizing": BASE | CORE | {"pool"},

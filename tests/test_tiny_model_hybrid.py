@@ -29,6 +29,7 @@ from pagedkv.tiny_model import (
     HybridSnapshot,
     ReferenceConfig,
     ReferenceModel,
+    config_from_json_dict,
 )
 from pagedkv.tiny_model.weights import weight_shapes
 
@@ -90,8 +91,15 @@ def test_json_round_trip_gives_a_hybrid_config():
     d = json.loads(c.to_json())
     assert d["model_type"] == "pagedkv_reference"
     assert d["layer_types"][0] == "linear_attention" and d["kv_shared_layers"] == [[5, 2]]
-    back = ReferenceConfig.from_json_dict(d)
+    back = config_from_json_dict(d)
     assert type(back) is HybridConfig and back == c and hash(back) == hash(c)
+    assert HybridConfig.from_json_dict(d) == c
+    # Read as a plain config it would lose its layer kinds: refused, naming the reader to use.
+    with pytest.raises(BadMetadata, match="layer_types .* config_from_json_dict"):
+        ReferenceConfig.from_json_dict(d)
+    plain = ReferenceConfig(seed=5)
+    back = config_from_json_dict(json.loads(plain.to_json()))
+    assert type(back) is ReferenceConfig and back == plain
 
 
 @pytest.mark.parametrize(("kwargs", "error", "attrs"), [

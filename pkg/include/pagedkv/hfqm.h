@@ -2,8 +2,8 @@
  *
  * Source: docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' (register) and
  * docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container' (container).
- * This header is the single C-side statement of both; pagedkv.hfqm.qtypes holds
- * the same register as Python data and tests/test_hfqm_qtypes.py checks, id by
+ * This header is the single C-side statement of both; pagedkv.quant.qtypes holds
+ * the same register as Python data and tests/test_quant_qtypes.py checks, id by
  * id, that the two agree (through pagedkv.hfqm.index, which includes this file).
  *
  * Usable from C (Cython), HIP/CUDA and Metal: no libc, no host-only types in the

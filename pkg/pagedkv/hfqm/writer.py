@@ -34,8 +34,8 @@ import numpy as np
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm.arch import arch_id_for
 from pagedkv.hfqm.index import DATA_ALIGN_BYTES, HEADER_BYTES, MAX_DIMS, MAX_NUMEL, json_end
-from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
+from pagedkv.quant.qtypes import QuantType, expected_nbytes, qtype
 
 __all__ = ["HfqmWriter", "PlannedTensor", "plan_of"]
 

@@ -2,7 +2,7 @@
 Quant-type register' and '4. Weight codecs').
 
 Group geometry (weights and bytes per group, rotation, the K % 256 rule) comes
-from the register, :mod:`pagedkv.hfqm.qtypes`; this table only adds what the
+from the register, :mod:`pagedkv.quant.qtypes`; this table only adds what the
 codecs need on top of it: the codec family and the code width in bits.
 """
 
@@ -18,8 +18,8 @@ from pagedkv.errors import (
     UnknownQuantType,
     UnsupportedQuantType,
 )
-from pagedkv.hfqm.qtypes import QTYPES, QuantType
 from pagedkv.quant.affine import AffineFamily
+from pagedkv.quant.qtypes import QTYPES, QuantType
 
 __all__ = ["CODECS", "LLOYD", "Codec", "check_k", "resolve"]
 

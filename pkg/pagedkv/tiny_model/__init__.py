@@ -10,7 +10,7 @@ docs/tiny-model.md.
 """
 
 from pagedkv.tiny_model.config import MODEL_TYPE, ReferenceConfig
-from pagedkv.tiny_model.hybrid_config import HybridConfig
+from pagedkv.tiny_model.hybrid_config import HybridConfig, config_from_json_dict
 from pagedkv.tiny_model.hybrid_kv import HybridFlatKV, HybridKVPath
 from pagedkv.tiny_model.hybrid_state import HybridSnapshot
 from pagedkv.tiny_model.kv_paths import FlatKV, KVPath, PagedKV
@@ -30,4 +30,5 @@ __all__ = [
     "PagedKV",
     "ReferenceConfig",
     "ReferenceModel",
+    "config_from_json_dict",
 ]

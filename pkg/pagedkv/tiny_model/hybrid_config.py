@@ -199,3 +199,12 @@ class HybridConfig(ReferenceConfig):
         d["layer_types"] = list(self.layer_types)
         d["kv_shared_layers"] = [list(p) for p in self.kv_shared_layers]
         return d
+
+
+def config_from_json_dict(d: object, *, path: str | None = None) -> ReferenceConfig:
+    """The config a saved ``config.json`` holds: a :class:`HybridConfig` when it has
+    ``layer_types`` (hybrid and plain models share the ``model_type``), else a
+    :class:`ReferenceConfig`. Raises ``BadMetadata`` as ``from_json_dict`` does."""
+    if isinstance(d, dict) and "layer_types" in d:
+        return HybridConfig.from_json_dict(d, path=path)
+    return ReferenceConfig.from_json_dict(d, path=path)

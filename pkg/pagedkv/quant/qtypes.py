@@ -2,7 +2,7 @@
 Python data.
 
 One row per registered or reserved id. The same table exists once in C
-(``PKV_QT_LIST`` in ``pagedkv/hfqm.h``); ``tests/test_hfqm_qtypes.py`` checks
+(``PKV_QT_LIST`` in ``pagedkv/hfqm.h``); ``tests/test_quant_qtypes.py`` checks
 every id of both against each other, so edit both together.
 
 Vocabulary:

@@ -7,7 +7,7 @@ import pytest
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm import index as hfqm_index
-from pagedkv.hfqm.qtypes import QTYPES, expected_nbytes, is_registered, qtype
+from pagedkv.quant.qtypes import QTYPES, expected_nbytes, is_registered, qtype
 
 C = hfqm_index.c_constants()
 
