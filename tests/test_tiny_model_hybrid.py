@@ -95,7 +95,7 @@ def test_json_round_trip_gives_a_hybrid_config():
     assert type(back) is HybridConfig and back == c and hash(back) == hash(c)
     assert HybridConfig.from_json_dict(d) == c
     # Read as a plain config it would lose its layer kinds: refused, naming the reader to use.
-    with pytest.raises(BadMetadata, match="layer_types .* config_from_json_dict"):
+    with pytest.raises(BadMetadata, match="layer_types .*config_from_json_dict"):
         ReferenceConfig.from_json_dict(d)
     plain = ReferenceConfig(seed=5)
     back = config_from_json_dict(json.loads(plain.to_json()))
