@@ -1,6 +1,6 @@
 """The implementations the hashing and allocator acceptance tests run against.
 
-The pure-Python oracle (``tests/_reference.py``) and the Cython core (``pagedkv.hashing``,
+The pure-Python oracle (``tests/allocator_oracle.py``) and the Cython core (``pagedkv.hashing``,
 ``pagedkv.allocator``) must agree on every observable; scenario tests are parametrized over
 both, and :func:`observables` is what the differential test compares after every step.
 Both are required: a build without the Cython core fails here instead of skipping.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-import _reference
+import allocator_oracle
 from pagedkv import allocator, hashing
 
 #: Modules exposing hot_block_hash, chain_hashes and salt_domain_id.
-HASHING = [pytest.param(_reference, id="reference"), pytest.param(hashing, id="cython")]
+HASHING = [pytest.param(allocator_oracle, id="oracle"), pytest.param(hashing, id="cython")]
 
 #: BlockAllocator classes, the oracle first.
-ALLOCATORS = [pytest.param(_reference.BlockAllocator, id="reference"),
+ALLOCATORS = [pytest.param(allocator_oracle.BlockAllocator, id="oracle"),
               pytest.param(allocator.BlockAllocator, id="cython")]
 
 

@@ -168,7 +168,7 @@ def reference_session(root, model_dir, *, persist: bool, prompt, max_new: int = 
     from pagedkv.allocator import BlockAllocator
     from pagedkv.cold import DEFAULT_FORMAT, family_profile, model_fingerprint, resolve_persist
     from pagedkv.pool import LayerKVPool, PoolGeometry
-    from pagedkv.reference import PagedKV, ReferenceModel
+    from pagedkv.tiny_model import PagedKV, ReferenceModel
 
     model = ReferenceModel.load(model_dir)
     c = model.config

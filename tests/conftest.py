@@ -34,6 +34,6 @@ pytest_plugins = ["kernels_support", "redis_support"]
 def _demo_cold_dir_in_tmp(tmp_path_factory, monkeypatch):
     """`pagedkv demo` keeps a cold tier in ./.pagedkv-demo by default; a test that runs the
     demo in-process must never leave one in the working directory (the repository)."""
-    from pagedkv.cli import demo
-    monkeypatch.setattr(demo, "DEFAULT_COLD_DIR",
+    from pagedkv.cli import demo_restart
+    monkeypatch.setattr(demo_restart, "DEFAULT_COLD_DIR",
                         str(tmp_path_factory.mktemp("demo-cold") / ".pagedkv-demo"))

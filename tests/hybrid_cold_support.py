@@ -15,11 +15,11 @@ def hybrid_session(base, model_dir, *, persist: bool, prompts, max_new: int = 4,
     tokens and a digest of the logits per request, cached tokens, how many hits came with a
     cold sidecar, and the tier's and the sidecar counters (deltas)."""
     from pagedkv.cold import cold_sidecar_stats
-    from pagedkv.reference import ReferenceModel
-    from pagedkv.reference.hybrid_cold import hybrid_cold_context
-    from pagedkv.reference.hybrid_paged import build_hybrid_coordinator
-    from pagedkv.reference.hybrid_serving import serve_hybrid
-    from pagedkv.reference.serving import Request
+    from pagedkv.tiny_model import ReferenceModel
+    from pagedkv.tiny_model.hybrid_cold import hybrid_cold_context
+    from pagedkv.tiny_model.hybrid_paged import build_hybrid_coordinator
+    from pagedkv.tiny_model.hybrid_serving import serve_hybrid
+    from pagedkv.tiny_model.serving import Request
 
     model = ReferenceModel.load(model_dir)
     ctx, source = hybrid_cold_context(str(model_dir), model.config, block_size=block_size,

@@ -2,7 +2,7 @@
 
 Whole-sequence NumPy (masks instead of windows, ``np.convolve``-style padding instead of a
 rolling conv state, einsum instead of per-row products), so it shares no code with
-``pagedkv.reference`` beyond reading the weights. It is what the float32 per-row forward is
+``pagedkv.tiny_model`` beyond reading the weights. It is what the float32 per-row forward is
 checked against: same greedy tokens, logits within a float32 tolerance.
 """
 

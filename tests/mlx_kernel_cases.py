@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from pagedkv import quant
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.quant.formats import CODECS
 
 #: Every P1 quantized format (the raw F16/F32/BF16 ones widen without a kernel; the P2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import _reference
+import allocator_oracle
 from allocator_implementations import ALLOCATORS, observables
 
 CLASSES = [p.values[0] for p in ALLOCATORS]
@@ -21,7 +21,7 @@ CLASSES = [p.values[0] for p in ALLOCATORS]
 
 def folded_hash(buckets):
     def hash_fn(parent, tokens, extra_keys, cache_salt, block_index, seed):
-        return _reference.hot_block_hash(parent, np.asarray(tokens), tuple(extra_keys),
+        return allocator_oracle.hot_block_hash(parent, np.asarray(tokens), tuple(extra_keys),
                                          cache_salt, block_index, seed=seed) % buckets + 1
     return hash_fn
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import _reference
+import allocator_oracle
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.allocator import BlockAllocator as CythonAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
@@ -35,8 +35,8 @@ def test_segment_hashes_equal_the_slice_of_the_whole_chain(cls, first, keys):
                          first_block=first, **seg_keys)
     assert seg.tolist() == whole[first:].tolist()
     # Both implementations agree bit for bit.
-    other = (CythonAllocator if cls is _reference.BlockAllocator
-             else _reference.BlockAllocator)(16, None, BS, hash_seed=3)
+    other = (CythonAllocator if cls is allocator_oracle.BlockAllocator
+             else allocator_oracle.BlockAllocator)(16, None, BS, hash_seed=3)
     assert other.chain_hashes(TOKENS[first * BS:], parent_hash=int(whole[first - 1]),
                               first_block=first, **seg_keys).tolist() == seg.tolist()
 

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import _reference
+import allocator_oracle
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.identity import BlockIdentity, RestoredBlock
 
@@ -29,7 +29,7 @@ CLASSES = [p.values[0] for p in ALLOCATORS]
 VOCAB = 3
 # Prompts mostly share prefixes with these documents, so chains are found again.
 DOCUMENTS = [[0] * 20, [0, 1] * 10, [1, 0, 0, 1, 1] * 4]
-SALTS = [0, 0, 42, _reference.salt_domain_id("tenant-a")]
+SALTS = [0, 0, 42, allocator_oracle.salt_domain_id("tenant-a")]
 UNIFORM_KEYS = [(), (1,), (1, 2), (2, 1)]
 BLOCK_KEYS = [(), (1,), (2,)]
 # Keyword arguments of a request's lookup and registration: who asks, with which keys.
@@ -39,7 +39,7 @@ TENANTS = [{}, {"cache_salt": 42}, {"extra_keys": (1,)},
 
 def colliding_hash(parent, tokens, extra_keys, cache_salt, block_index, seed):
     """A real hot hash folded into 1..4: distinct blocks collide all the time."""
-    full = _reference.hot_block_hash(parent, np.asarray(tokens), tuple(extra_keys), cache_salt,
+    full = allocator_oracle.hot_block_hash(parent, np.asarray(tokens), tuple(extra_keys), cache_salt,
                                      block_index, seed=seed)
     return full % 4 + 1
 

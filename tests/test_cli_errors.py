@@ -15,7 +15,7 @@ from pagedkv.cli import error_text
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import ContextLengthExceeded, InvalidArgument, PagedKVError
 from pagedkv.hfqm import HfqmWriter
-from pagedkv.reference import ReferenceConfig, ReferenceModel
+from pagedkv.tiny_model import ReferenceConfig, ReferenceModel
 from test_hfqm_cli import make_model
 
 

@@ -45,11 +45,11 @@ def _cold_line(out: str) -> str:
 def test_default_demo_persists_then_the_next_run_restores_from_disk(tmp_path, monkeypatch, capsys):
     """The README's main job: the cold tier is on by default in ./.pagedkv-demo and kept, so a
     second run restores the shared prefix from disk; --fresh empties it; parity holds."""
-    from pagedkv.cli import demo, main
+    from pagedkv.cli import demo_restart, main
 
     monkeypatch.chdir(tmp_path)
     # conftest points the default elsewhere for every test; this one is about the default.
-    monkeypatch.setattr(demo, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
+    monkeypatch.setattr(demo_restart, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
     monkeypatch.setenv("PAGEDKV_METRICS", "0")
     assert main(SMALL_COLD) == 0
     first = capsys.readouterr().out
@@ -73,10 +73,10 @@ def test_default_demo_persists_then_the_next_run_restores_from_disk(tmp_path, mo
 
 
 def test_demo_no_cold_writes_nothing_and_rejects_contradictions(tmp_path, monkeypatch, capsys):
-    from pagedkv.cli import demo, main
+    from pagedkv.cli import demo_restart, main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(demo, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
+    monkeypatch.setattr(demo_restart, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
     assert main(SMALL_COLD + ["--no-cold"]) == 0
     out = capsys.readouterr().out
     assert "cold tier:" not in out and "parity: OK (3/3" in out

@@ -21,7 +21,7 @@ from pagedkv.errors import (
     ColdBackendTLSError,
     InvalidArgument,
 )
-from pagedkv.reference import ReferenceModel
+from pagedkv.tiny_model import ReferenceModel
 from redis_support import RedisServer, free_port, require_redis
 
 PREFIX = "pagedkv-v1:"

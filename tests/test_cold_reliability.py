@@ -492,7 +492,7 @@ def test_a_trailing_newline_object_name_is_never_indexed_or_counted(tmp_path):
 def test_the_fingerprint_binds_the_compute_identity(tmp_path):
     from pagedkv.cold import family_profile, model_fingerprint
     from pagedkv.pool import PoolGeometry
-    from pagedkv.reference import ReferenceConfig, ReferenceModel
+    from pagedkv.tiny_model import ReferenceConfig, ReferenceModel
     model = ReferenceModel(ReferenceConfig(seed=0))
     model.save(tmp_path / "model")
     c = model.config
@@ -508,7 +508,7 @@ def test_the_fingerprint_binds_the_compute_identity(tmp_path):
 
 
 def test_the_reference_compute_identity_names_backend_library_and_device():
-    from pagedkv.reference import ReferenceModel
+    from pagedkv.tiny_model import ReferenceModel
     assert ReferenceModel().compute_identity == f"numpy-{np.__version__}"
     mx = pytest.importorskip("mlx.core")
     from importlib.metadata import version
@@ -590,7 +590,7 @@ def test_backend_compute_identity_names_backend_version_and_device():
 
     from pagedkv.cold.fingerprint import backend_compute_identity
     from pagedkv.errors import InvalidArgument
-    from pagedkv.reference import ReferenceConfig, ReferenceModel
+    from pagedkv.tiny_model import ReferenceConfig, ReferenceModel
 
     assert backend_compute_identity("numpy") == f"numpy-{np.__version__}"
     assert ReferenceModel(ReferenceConfig()).compute_identity == f"numpy-{np.__version__}"

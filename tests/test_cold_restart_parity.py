@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from cold_support import reference_session  # noqa: F401  (the children import it too)
-from pagedkv.reference import ReferenceModel
+from pagedkv.tiny_model import ReferenceModel
 
 _CHILD = ("import json, sys; sys.path.insert(0, {tests!r}); "
           "from cold_support import reference_session; "

@@ -258,7 +258,7 @@ def test_checkpoints_are_keyed_verified_and_retained_like_blocks():
     # A hash collision: every block hashes to 1, so boundary 8 of a prompt that differs in
     # the boundary's block takes the same key; its identity differs: refused, never
     # overwriting, never served.
-    from _reference import BlockAllocator as Oracle
+    from allocator_oracle import BlockAllocator as Oracle
     folded = Oracle(8, None, 4, hash_seed=0, _hash_fn=lambda *a: 1)
     cstore = StateCheckpointStore(folded)
     colliding = prompt.copy()

@@ -61,7 +61,7 @@ def test_demo_growth_and_evictions_show_in_the_table(capsys):
 
 
 def test_demo_exits_1_on_a_parity_mismatch(capsys, monkeypatch):
-    from pagedkv.reference import serving
+    from pagedkv.tiny_model import serving
     monkeypatch.setattr(serving, "check_parity", lambda model, requests, outputs: ["req-002"])
     assert main(SMALL) == 1
     last = capsys.readouterr().out.rstrip().splitlines()[-1]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pagedkv.cli import demo, main
+from pagedkv.cli import demo_restart, main
 
 SMALL = ["demo", "--requests", "3", "--system-tokens", "32", "--fewshot-tokens", "16",
          "--user-tokens", "8", "--new-tokens", "4", "--block-size", "8"]
@@ -22,7 +22,7 @@ def fresh_user(tmp_path, monkeypatch):
     monkeypatch.delenv("PAGEDKV_COLD_CACHE_DIR", raising=False)
     monkeypatch.setenv("PAGEDKV_METRICS", "0")
     # conftest points the demo's default elsewhere for every test; this one is about it.
-    monkeypatch.setattr(demo, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
+    monkeypatch.setattr(demo_restart, "DEFAULT_COLD_DIR", "./.pagedkv-demo")
     return work
 
 

@@ -21,7 +21,7 @@ from kernels_support import poisoned
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
-from pagedkv.kernels import DeviceArray, kvcache, reference
+from pagedkv.kernels import DeviceArray, kvcache, numpy_kernels
 from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
     attention,
@@ -44,7 +44,7 @@ def values(g, shape, rng=RNG):
     """Random K or V of ``shape`` (``[..., head_dim]``) as the pool stores them (q8: records)."""
     x = rng.standard_normal(shape).astype(np.float32)
     if g.dtype == "q8":
-        return reference.kv_q8_quantize(x)
+        return numpy_kernels.kv_q8_quantize(x)
     if g.dtype == "bfloat16":
         return float32_to_bf16_bits(x)
     return x.astype(g.storage_dtype)
@@ -315,7 +315,7 @@ def test_gpu_kv_write_rounds_like_the_host_codecs(device, dtype):
         arr.fill_bytes(0xAB)
     write_kv(pool, 1, device.array(k), device.array(v), tables)
     for side, x in enumerate((k, v)):
-        want = (reference.kv_q8_quantize(x) if dtype == "q8" else
+        want = (numpy_kernels.kv_q8_quantize(x) if dtype == "q8" else
                 float32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(np.float16))
         got = pool.layer(1)[side].to_numpy().reshape(-1, 2, g.row_elements)
         assert np.array_equal(got[batch.slot_mapping], want)
@@ -338,7 +338,7 @@ def test_gpu_attention_over_the_adapter_tables(device, dtype):
     out = poisoned(device, (3, 4, 32), np.float32)
     attn.run_pool(device.array(q), pool, 1, tables, out)
     k_pool, v_pool = (a.to_numpy() for a in pool.layer(1))
-    want = reference.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
                                             batch.seq_lens, kv_dtype=dtype, scale=attn.scale)
     np.testing.assert_allclose(out.to_numpy(), want, rtol=1e-4, atol=2e-5)
 
@@ -354,10 +354,10 @@ def test_gpu_q8_pool_write_then_read_gives_the_codec_values(device):
     v_out = poisoned(device, (3, 2, 32), np.float16)
     read_kv_q8(pool, 0, tables.slot_mapping, k_out, v_out, generation=tables.generation)
     np.testing.assert_array_equal(k_out.to_numpy(),
-                                  reference.kv_q8_dequantize(reference.kv_q8_quantize(k), 32))
+                                  numpy_kernels.kv_q8_dequantize(numpy_kernels.kv_q8_quantize(k), 32))
     np.testing.assert_array_equal(
         v_out.to_numpy(),
-        reference.kv_q8_dequantize(reference.kv_q8_quantize(v), 32).astype(np.float16))
+        numpy_kernels.kv_q8_dequantize(numpy_kernels.kv_q8_quantize(v), 32).astype(np.float16))
 
 
 def test_create_pool_clamps_a_device_pool_to_the_free_gpu_memory(stub_device, monkeypatch,

@@ -18,7 +18,7 @@ from kernels_support import poisoned
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels import kvcache, reference
+from pagedkv.kernels import kvcache, numpy_kernels
 from pagedkv.kernels.paged import DeviceDecodeBatch, attention, copy_pool_blocks, write_kv
 from pagedkv.pool import LayerKVPool, PoolGeometry
 from pagedkv.quant import kv as kv_modes
@@ -252,7 +252,7 @@ def test_gpu_write_kv_then_attention_over_a_kv_mode_pool(device, dtype, hd):
     q = RNG.standard_normal((len(ids), 4, hd)).astype(np.float32)
     out = poisoned(device, (len(ids), 4, hd), np.float32)
     attn.run_pool(device.array(q), pool, 1, tables, out)
-    want = reference.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, batch.block_tables,
                                             batch.seq_lens, kv_dtype=dtype, scale=attn.scale)
     np.testing.assert_allclose(out.to_numpy(), want, rtol=1e-4, atol=2e-5)
 

@@ -19,7 +19,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = ("allocator.md", "hashing.md", "pool.md", "adapter.md", "coordinator.md",
-         "reference-model.md", "formats/hfqm.md")
+         "tiny-model.md", "formats/hfqm.md")
 
 _BLOCK = re.compile(r"(?:<!-- docs-test: (?:(skip)|needs ([\w.]+))[^>]*-->\n)?```python\n(.*?)```",
                     re.DOTALL)

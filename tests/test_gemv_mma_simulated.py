@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pagedkv import quant
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.kernels import weights
 from test_kernels_host import FakeCudaDevice
 

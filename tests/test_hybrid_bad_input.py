@@ -46,8 +46,8 @@ from pagedkv.errors import (
     SidecarLayoutMismatch,
     TopologyError,
 )
-from pagedkv.reference import HybridConfig, ReferenceModel
-from pagedkv.reference.hybrid_paged import (
+from pagedkv.tiny_model import HybridConfig, ReferenceModel
+from pagedkv.tiny_model.hybrid_paged import (
     HybridPagedKV,
     build_hybrid_coordinator,
     hybrid_layer_specs,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hybrid_cold_support import hybrid_session  # noqa: F401  (the children import it)
-from pagedkv.reference import HybridConfig, ReferenceModel
+from pagedkv.tiny_model import HybridConfig, ReferenceModel
 
 _CHILD = ("import json, sys; sys.path.insert(0, {tests!r}); "
           "from hybrid_cold_support import hybrid_session; "

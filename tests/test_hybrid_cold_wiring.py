@@ -279,7 +279,7 @@ def test_store_verified_lists_the_lineage_without_touching_it():
 # --- family profiles ---------------------------------------------------------------------------
 
 def _hybrid_config(**over):
-    from pagedkv.reference import HybridConfig
+    from pagedkv.tiny_model import HybridConfig
     d = HybridConfig(**over).to_json_dict()
     return json.loads(json.dumps(d))
 
@@ -314,7 +314,7 @@ def test_the_hybrid_family_builds_its_bundle_from_config_json():
 
 def test_a_hybrid_model_never_persists_under_a_family_without_its_state(tmp_path,
                                                                         monkeypatch):
-    from pagedkv.reference import HybridConfig, ReferenceModel
+    from pagedkv.tiny_model import HybridConfig, ReferenceModel
     monkeypatch.delenv("PAGEDKV_PERSIST_PAGED_CACHE", raising=False)
     model_dir = tmp_path / "model"
     ReferenceModel(HybridConfig(seed=1)).save(model_dir)
@@ -328,7 +328,7 @@ def test_a_hybrid_model_never_persists_under_a_family_without_its_state(tmp_path
     assert ctx.policy == ctx.sidecar.policy
     # The plain model under the plain family: no sidecar, another fingerprint domain.
     plain_dir = tmp_path / "plain"
-    from pagedkv.reference import ReferenceConfig
+    from pagedkv.tiny_model import ReferenceConfig
     ReferenceModel(ReferenceConfig(seed=1)).save(plain_dir)
     plain = cold_tier_for_model(str(plain_dir), REFERENCE_FAMILY, geometry,
                                 persist_paged_cache=True, base=base)
@@ -340,8 +340,8 @@ def test_a_hybrid_model_never_persists_under_a_family_without_its_state(tmp_path
 
 
 def test_the_core_never_imports_the_cold_tier():
-    code = ("import sys, pagedkv.adapter, pagedkv.coordinator, pagedkv.reference; "
-            "import pagedkv.reference.hybrid_paged, pagedkv.reference.hybrid_serving; "
+    code = ("import sys, pagedkv.adapter, pagedkv.coordinator, pagedkv.tiny_model; "
+            "import pagedkv.tiny_model.hybrid_paged, pagedkv.tiny_model.hybrid_serving; "
             "print(sorted(m for m in sys.modules if m.startswith('pagedkv.cold')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

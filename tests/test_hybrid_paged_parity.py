@@ -1,5 +1,5 @@
 """Phase 2 of the hybrid reference model: the paged KV path over a grouped coordinator gives
-the flat path's tokens and logits bit for bit (docs/reference-model.md, "The paged KV path"):
+the flat path's tokens and logits bit for bit (docs/tiny-model.md, "The paged KV path"):
 one turn, a continued conversation, 8 concurrent requests sharing a prefix with hybrid hot
 reuse (every hit length the rule allows, and never past what every group backs), a prompt
 longer than the window, preemption in the middle of a batch, growth; NumPy, and MLX where
@@ -12,14 +12,14 @@ import pytest
 
 from pagedkv.coordinator import expired_blocks
 from pagedkv.errors import InvalidArgument
-from pagedkv.reference import HybridConfig, ReferenceModel
-from pagedkv.reference.hybrid_paged import (
+from pagedkv.tiny_model import HybridConfig, ReferenceModel
+from pagedkv.tiny_model.hybrid_paged import (
     HybridPagedKV,
     build_hybrid_coordinator,
     hybrid_layer_specs,
 )
-from pagedkv.reference.hybrid_serving import serve_hybrid
-from pagedkv.reference.serving import Request, check_parity
+from pagedkv.tiny_model.hybrid_serving import serve_hybrid
+from pagedkv.tiny_model.serving import Request, check_parity
 
 BS = 8
 CONFIG = HybridConfig()          # window 24; layers linear, sliding, full, linear, sliding, alias

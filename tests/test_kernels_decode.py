@@ -1,5 +1,5 @@
 """The decode-step kernels (hip/decode.hip) and the whole step (pagedkv.kernels.decoder)
-against their float64 references (pagedkv.kernels.decoder_reference).
+against their float64 references (pagedkv.kernels.numpy_decoder).
 
 CPU tests pin the references (RoPE against a complex-number rotation, the step's shape
 arithmetic) and the launchers' argument checks on the HIP stub (nothing launched after an
@@ -17,7 +17,7 @@ import pytest
 from kernels_support import poisoned
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels import decode
-from pagedkv.kernels import decoder_reference as ref
+from pagedkv.kernels import numpy_decoder as ref
 from pagedkv.kernels.decoder import LLAMA3_8B, DecoderShape
 
 RNG = np.random.default_rng()
@@ -231,12 +231,12 @@ def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_devi
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
 def test_rounding_steps_accepts_a_rounding_and_refuses_a_wrong_one(kv_dtype):
     from pagedkv.bench.decode import rounding_steps
-    from pagedkv.kernels import reference
+    from pagedkv.kernels import numpy_kernels
     from pagedkv.pool import bf16_bits_to_float32, float32_to_bf16_bits
     ref = RNG.standard_normal((3, 8, 64)) * np.logspace(-6, 0, 64)  # subnormal f16 included
     x = ref.astype(np.float32)
     if kv_dtype == "q8":
-        got = reference.kv_q8_dequantize(reference.kv_q8_quantize(x), 64)
+        got = numpy_kernels.kv_q8_dequantize(numpy_kernels.kv_q8_quantize(x), 64)
     elif kv_dtype == "bfloat16":
         got = bf16_bits_to_float32(float32_to_bf16_bits(x))
     else:

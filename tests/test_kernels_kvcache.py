@@ -14,7 +14,7 @@ import pytest
 
 from kernels_support import poisoned
 from pagedkv import errors
-from pagedkv.kernels import kvcache, reference
+from pagedkv.kernels import kvcache, numpy_kernels
 from pagedkv.quant import kv, kv_q8
 
 RNG = np.random.default_rng()
@@ -26,28 +26,28 @@ RNG = np.random.default_rng()
 def test_kv_q8_record_bytes_known_answer():
     x = np.zeros(32, np.float32)
     x[0], x[1], x[2], x[3], x[4] = 127.0, 2.5, 3.5, -2.5, -127.0  # amax 127: id = 1
-    rec = reference.kv_q8_quantize(x)
+    rec = numpy_kernels.kv_q8_quantize(x)
     assert rec.shape == (34,)
     assert rec[:2].tobytes() == np.float16(1.0).tobytes()  # d = 127/127
     codes = rec[2:].view(np.int8)
     assert codes[:5].tolist() == [127, 2, 4, -2, -127]  # half to even
     assert not codes[5:].any()
-    zero = reference.kv_q8_quantize(np.zeros(64, np.float32))
+    zero = numpy_kernels.kv_q8_quantize(np.zeros(64, np.float32))
     assert not zero.any()  # amax 0: scale 0, codes 0
-    np.testing.assert_array_equal(reference.kv_q8_dequantize(zero, 64), np.zeros(64))
+    np.testing.assert_array_equal(numpy_kernels.kv_q8_dequantize(zero, 64), np.zeros(64))
 
 
 def test_kv_q8_round_trip_error_is_half_a_step():
     x = RNG.standard_normal((7, 3, 96)).astype(np.float32)
-    rec = reference.kv_q8_quantize(x)
+    rec = numpy_kernels.kv_q8_quantize(x)
     assert rec.shape == (7, 3, 3 * 34)
-    back = reference.kv_q8_dequantize(rec, 96)
+    back = numpy_kernels.kv_q8_dequantize(rec, 96)
     d = np.abs(x.reshape(-1, 32)).max(axis=1) / 127
     err = np.abs(back - x).reshape(-1, 32).max(axis=1)
     # half a step, plus the f16 rounding of the stored scale (<= 2^-11 relative) times 127
     assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     with pytest.raises(errors.InvalidArgument, match="head_dim=40"):
-        reference.kv_q8_quantize(np.zeros((2, 40), np.float32))
+        numpy_kernels.kv_q8_quantize(np.zeros((2, 40), np.float32))
 
 
 def test_kv_q8_cpu_codec_equals_the_reference_bytes():
@@ -58,11 +58,11 @@ def test_kv_q8_cpu_codec_equals_the_reference_bytes():
     x[0, 0, 0] = 127.0
     x[1, 1, 32:] = 0.0
     rec = kv_q8.quantize(x)
-    np.testing.assert_array_equal(rec, reference.kv_q8_quantize(x))
-    np.testing.assert_array_equal(kv_q8.dequantize(rec, 64), reference.kv_q8_dequantize(rec, 64))
+    np.testing.assert_array_equal(rec, numpy_kernels.kv_q8_quantize(x))
+    np.testing.assert_array_equal(kv_q8.dequantize(rec, 64), numpy_kernels.kv_q8_dequantize(rec, 64))
     x16 = x.astype(np.float16)
     np.testing.assert_array_equal(kv_q8.quantize(x16),
-                                  reference.kv_q8_quantize(x16.astype(np.float32)))
+                                  numpy_kernels.kv_q8_quantize(x16.astype(np.float32)))
     assert kv_q8.quantize(np.zeros((0, 32), np.float32)).shape == (0, 34)
 
 
@@ -77,7 +77,7 @@ def test_kv_q8_layout_constants_are_kvquant_h():
             kv_q8.row_bytes(bad)
     from pagedkv.pool import geometry
     assert (geometry.Q8_GROUP_DIMS, geometry.Q8_GROUP_BYTES) == (32, 34)
-    assert (reference.KVQ8_BLOCK, reference.KVQ8_RECORD_BYTES) == (32, 34)
+    assert (numpy_kernels.KVQ8_BLOCK, numpy_kernels.KVQ8_RECORD_BYTES) == (32, 34)
 
 
 def test_kv_q8_cpu_codec_rejects_bad_input():
@@ -110,9 +110,9 @@ def _paged_case(seq_lens, *, kv_heads, head_dim, block_size, kv_dtype, rng=RNG):
         elif side == "bfloat16":
             pools.append((vals.view(np.uint32) >> 16).astype(np.uint16))
         elif side == "q8":
-            pools.append(reference.kv_q8_quantize(vals))
+            pools.append(numpy_kernels.kv_q8_quantize(vals))
         else:
-            pools.append(reference.kv_rotated_quantize(vals, side))
+            pools.append(numpy_kernels.kv_rotated_quantize(vals, side))
         row = kv.side_row_bytes(side, head_dim) // pools[-1].itemsize
         assert pools[-1].shape == (num_blocks, block_size, kv_heads, row)
     for s, n in enumerate(seq_lens):
@@ -125,7 +125,7 @@ def test_paged_reference_equals_contiguous_attention():
     k_pool, v_pool, tables, lens = _paged_case([5, 33, 0], kv_heads=2, head_dim=32,
                                                block_size=8, kv_dtype="float16")
     q = RNG.standard_normal((3, 4, 32)).astype(np.float32)
-    out = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+    out = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
                                            kv_dtype="float16", scale=0.2)
     assert not out[2].any()  # empty sequence
     s = 1
@@ -148,7 +148,7 @@ def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
     k_pool, v_pool, tables, lens = _paged_case([5, 40, 0], kv_heads=2, head_dim=hd,
                                                block_size=8, kv_dtype=kv_dtype)
     q = RNG.standard_normal((3, 4, hd)).astype(np.float32)
-    out = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+    out = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
                                            kv_dtype=kv_dtype, scale=0.1)
     assert not out[2].any()
     k_side, v_side = kv.split_kv_dtype(kv_dtype)
@@ -175,7 +175,7 @@ def test_mlx_attention_reads_records_like_the_reference(kv_dtype, hd):
     k_pool, v_pool, tables, lens = _paged_case([37], kv_heads=2, head_dim=hd, block_size=8,
                                                kv_dtype=kv_dtype)
     q = RNG.standard_normal((1, 8, hd)).astype(np.float32)
-    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
                                             kv_dtype=kv_dtype, scale=0.15)
     pos = np.arange(37)
     k = k_pool[tables[0, pos // 8], pos % 8]
@@ -215,7 +215,7 @@ def test_gpu_kv_q8_write_matches_reference_bytes(device, src_dtype, kv_heads, he
     pool = poisoned(device, (num_blocks, bs, kv_heads, row), np.uint8, 0xAB)
     kvcache.kv_q8_write(device, device.array(src), device.array(slots), pool)
     got = pool.to_numpy().reshape(num_blocks * bs, kv_heads, row)
-    want = reference.kv_q8_quantize(src.astype(np.float32))
+    want = numpy_kernels.kv_q8_quantize(src.astype(np.float32))
     live = slots >= 0
     np.testing.assert_array_equal(got[slots[live]], want[live])
     untouched = np.setdiff1d(np.arange(num_blocks * bs), slots[live])
@@ -227,11 +227,11 @@ def test_gpu_kv_q8_write_matches_reference_bytes(device, src_dtype, kv_heads, he
 def test_gpu_kv_q8_read_matches_reference(device, out_dtype):
     num_blocks, bs, kvh, hd, n = 7, 8, 2, 96, 29
     vals = RNG.standard_normal((num_blocks, bs, kvh, hd)).astype(np.float32)
-    pool_host = reference.kv_q8_quantize(vals)
+    pool_host = numpy_kernels.kv_q8_quantize(vals)
     slots = RNG.integers(0, num_blocks * bs, n).astype(np.int64)
     out = poisoned(device, (n, kvh, hd), out_dtype)
     kvcache.kv_q8_read(device, device.array(pool_host), device.array(slots), out)
-    want = reference.kv_q8_dequantize(pool_host.reshape(-1, kvh, hd // 32 * 34)[slots], hd)
+    want = numpy_kernels.kv_q8_dequantize(pool_host.reshape(-1, kvh, hd // 32 * 34)[slots], hd)
     np.testing.assert_array_equal(out.to_numpy(), want.astype(out_dtype))
 
 
@@ -289,7 +289,7 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
     out = poisoned(device, q.shape, np.float32)
     attn.run(device.array(q), device.array(k_pool), device.array(v_pool), device.array(tables),
              device.array(lens), out)
-    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
                                             scale=attn.scale)
     got = out.to_numpy()
     assert np.isfinite(got).all()
@@ -311,9 +311,9 @@ def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
                                                block_size=16, kv_dtype="q8")
     vals = RNG.standard_normal((v_pool.shape[0], 16, kv_heads, head_dim)).astype(np.float32)
     vals *= np.where(RNG.random((v_pool.shape[0], 1, 1, 1)) < 0.5, 100.0, 0.1)
-    v_pool = reference.kv_q8_quantize(vals)
+    v_pool = numpy_kernels.kv_q8_quantize(vals)
     q = RNG.standard_normal((3, heads, head_dim)).astype(np.float32) * 2
-    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     outs = []
     for q8_mma in (True, False):
@@ -391,7 +391,7 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
     dst = device.array(dst_host)
     kvcache.copy_blocks(device, device.array(src_host), device.array(src_ids),
                         device.array(dst_ids), dst)
-    want = reference.copy_blocks(src_host, src_ids, dst_ids, dst_host)
+    want = numpy_kernels.copy_blocks(src_host, src_ids, dst_ids, dst_host)
     np.testing.assert_array_equal(dst.to_numpy().view(np.uint8), want.view(np.uint8))
 
 
@@ -410,11 +410,11 @@ def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block
     k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
                                           block_size=block_size, kv_dtype="q8")
     vals = RNG.standard_normal((k_pool.shape[0], block_size, kv_heads, head_dim)) * v_scale
-    v_pool = reference.kv_q8_quantize(vals.astype(np.float32))
+    v_pool = numpy_kernels.kv_q8_quantize(vals.astype(np.float32))
     q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
     got = emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=head_dim ** -0.5,
                                      partition=kvcache.ATTN_PARTITION_TOKENS["q8"])
-    want = reference.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     # the documented attention tolerance, atol in units of the V magnitude
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)

@@ -23,7 +23,7 @@ from pagedkv.errors import (
     UnknownQuantType,
     UnsupportedQuantType,
 )
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 
 mx = pytest.importorskip("mlx.core")
 K = pytest.importorskip("pagedkv.kernels.mlx")

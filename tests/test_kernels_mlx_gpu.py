@@ -19,7 +19,7 @@ from mlx_kernel_cases import (
     to_mlx_pool,
     weights_case,
 )
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 
 pytestmark = pytest.mark.gpu
 mx = pytest.importorskip("mlx.core")

@@ -8,7 +8,7 @@ import pytest
 
 from kernels_support import poisoned
 from pagedkv import errors, quant
-from pagedkv.kernels import reference, weights
+from pagedkv.kernels import numpy_kernels, weights
 
 RNG = np.random.default_rng()
 FORMATS = list(weights.WEIGHT_FORMATS)
@@ -43,7 +43,7 @@ def test_format_table_matches_the_cpu_codecs():
 def test_reference_gemv_equals_the_original_basis_product():
     _, raw = _weights("mq4g256v2", (5, 512))
     x = RNG.standard_normal((2, 512)).astype(np.float32)
-    y = reference.gemv(raw, "mq4g256v2", 5, 512, x, rotated=True)
+    y = numpy_kernels.gemv(raw, "mq4g256v2", 5, 512, x, rotated=True)
     w_orig = quant.dequantize(raw, "mq4g256v2", (5, 512)).astype(np.float64)
     np.testing.assert_allclose(y, x.astype(np.float64) @ w_orig.T, rtol=1e-4, atol=1e-5)
 
@@ -66,7 +66,7 @@ def test_gpu_dequantize_matches_cpu_codec(device, fmt, out_dtype):
     out = poisoned(device, shape, out_dtype)
     weights.dequantize(device, device.array(raw), fmt, out)
     got = out.to_numpy().astype(np.float32).reshape(-1)
-    want = reference.dequantize(raw, fmt, int(np.prod(shape)))
+    want = numpy_kernels.dequantize(raw, fmt, int(np.prod(shape)))
     assert np.isfinite(got).all()
     # GPU decoders may fuse q*s + m: 1 ulp of the group's largest magnitude (f32), then
     # the f16 rounding of the result (half an f16 ulp, one more if the FMA moved a tie).
@@ -144,7 +144,7 @@ def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
     g = weights.Gemv(device, fmt, M, K, batch)
     y = poisoned(device, (batch, M), np.float32)
     g.run(g.upload(raw), device.array(x), y)
-    want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
     scale = _gemv_bound(raw, fmt, M, K, x)
     got = y.to_numpy()
     assert np.isfinite(got).all()
@@ -156,8 +156,8 @@ def test_gpu_gemv_matches_reference(device, fmt, batch, long_rows):
 
 def _gemv_bound(raw, fmt, M, K, x):
     """sum |w||x| per output: the scale of the GEMV tolerance."""
-    wabs = np.abs(reference.dequantize(raw, fmt, M * K).reshape(M, K)).astype(np.float64)
-    xr = reference.fwht256(x) if weights.WEIGHT_FORMATS[fmt].rotated else x
+    wabs = np.abs(numpy_kernels.dequantize(raw, fmt, M * K).reshape(M, K)).astype(np.float64)
+    xr = numpy_kernels.fwht256(x) if weights.WEIGHT_FORMATS[fmt].rotated else x
     return np.abs(xr).astype(np.float64) @ wabs.T
 
 
@@ -178,7 +178,7 @@ def test_gpu_gemv_extreme_magnitudes_and_one_prepare_for_two_weights(device, fmt
         y = poisoned(device, (4, M), np.float32)
         g.run_prepared(g.upload(raw), y)
         got = y.to_numpy()
-        want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+        want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
         bound = _gemv_bound(raw, fmt, M, K, x)
         assert np.isfinite(got).all()
         assert (got[2] == 0.0).all()
@@ -219,7 +219,7 @@ def test_gpu_fwht256_is_bit_exact(device, rows):
     out = poisoned(device, x.shape, np.float32)
     xd = device.array(x)
     weights.fwht256(device, xd, out)
-    want = reference.fwht256(x)
+    want = numpy_kernels.fwht256(x)
     np.testing.assert_array_equal(out.to_numpy().view(np.uint32), want.view(np.uint32))
     weights.fwht256(device, xd, xd)  # in place
     np.testing.assert_array_equal(xd.to_numpy().view(np.uint32), want.view(np.uint32))
@@ -242,7 +242,7 @@ def test_gpu_tiled_gemv_matches_reference(device, fmt, batch):
     x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
     y = poisoned(device, (batch, M), np.float32)
     g.run(g.upload(raw), device.array(x), y)
-    want = reference.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
     got = y.to_numpy()
     assert np.isfinite(got).all()
     assert (np.abs(got - want) <= 2e-5 * _gemv_bound(raw, fmt, M, K, x) + 1e-7).all()

@@ -1,5 +1,5 @@
 """KV-cache quant codecs (docs/kv-quant.md): tables, layouts, known answers, the Cython codec
-against the independent NumPy oracle (kernels/reference.py), downshifts and bad input."""
+against the independent NumPy oracle (kernels/numpy_kernels.py), downshifts and bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import errors
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.quant import kv, kv_rotated
 
 RNG = np.random.default_rng()
@@ -89,7 +89,7 @@ def test_unit_vector_known_answer_fwht4():
 
 
 # Ramp x[i] = (i - 128)/64 (hd 256; hd 128 takes x[64:192]): derived with the NumPy oracle
-# (kernels/reference.py), which transcribes docs/kv-quant.md step by step.
+# (kernels/numpy_kernels.py), which transcribes docs/kv-quant.md step by step.
 RAMP_VECTORS = {
     ("fwht4", 128): (68, "3535cf407294df44a38593a4", "531c5b85fe058928"),
     ("fwht2", 128): (36, "a815dc40845f9888d1ce50dd", "c741b62d83e636aa"),

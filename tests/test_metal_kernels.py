@@ -24,7 +24,7 @@ from mlx_kernel_cases import (
     to_mlx_pool,
     weights_case,
 )
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 
 mx = pytest.importorskip("mlx.core")
 metal = pytest.importorskip("pagedkv.kernels.mlx.metal")

@@ -28,8 +28,8 @@ def test_the_version_is_written_once_in_meson_build():
 
 
 def test_the_allocator_oracle_is_not_shipped():
-    assert importlib.util.find_spec("pagedkv._reference") is None
-    assert not (Path(pagedkv.__file__).resolve().parent / "_reference.py").exists()
+    assert importlib.util.find_spec("pagedkv.allocator_oracle") is None
+    assert not (Path(pagedkv.__file__).resolve().parent / "allocator_oracle.py").exists()
 
 
 def test_the_mtp_bundle_syncs_its_directory_after_the_rename(tmp_path, monkeypatch):

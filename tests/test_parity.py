@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from allocator_implementations import ALLOCATORS
-from pagedkv.reference import FlatKV, PagedKV, ReferenceConfig, ReferenceModel
-from pagedkv.reference.serving import Request, build_paged_adapter, check_parity, serve
+from pagedkv.tiny_model import FlatKV, PagedKV, ReferenceConfig, ReferenceModel
+from pagedkv.tiny_model.serving import Request, build_paged_adapter, check_parity, serve
 
 BS = 16
 SYSTEM = (np.arange(3 * BS) * 7 + 3) % 512  # a 3-block system prompt

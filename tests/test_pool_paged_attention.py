@@ -11,7 +11,7 @@ from mlx_kernel_cases import fresh_rng
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument, StaleBlockTable
-from pagedkv.kernels import reference as ref
+from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.pool import LayerKVPool, PoolGeometry
 
 mx = pytest.importorskip("mlx.core")

@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv import quant as Q
 from pagedkv.errors import InvalidArgument, SizeMismatch
-from pagedkv.hfqm.qtypes import qtype
+from pagedkv.quant.qtypes import qtype
 
 FORMATS = {"mq2g256lloyd": (2, True), "mq3g256lloyd": (3, True), "mq4g256lloyd": (4, True),
            "mq2g256lloydu": (2, False)}

@@ -18,7 +18,7 @@ from pagedkv.errors import (
     SizeMismatch,
     UnsupportedQuantType,
 )
-from pagedkv.hfqm.qtypes import expected_nbytes, qtype
+from pagedkv.quant.qtypes import expected_nbytes, qtype
 
 F32 = np.float32
 

@@ -102,7 +102,7 @@ def test_block_identity_token_range_message_names_the_values():
         BlockIdentity.of([-1, 2])
 
 
-@pytest.mark.parametrize("module", ["pagedkv.allocator", "_reference"])
+@pytest.mark.parametrize("module", ["pagedkv.allocator", "allocator_oracle"])
 def test_cache_full_blocks_with_a_partial_block_says_how_to_fix_it(module):
     import importlib
     alloc = importlib.import_module(module).BlockAllocator(8, 8, 4)
@@ -122,6 +122,6 @@ def test_cache_full_blocks_with_a_partial_block_says_how_to_fix_it(module):
     ("rms_norm_eps", math.nan, r"ReferenceConfig.rms_norm_eps = nan: must be a finite number"),
 ])
 def test_reference_config_refuses_values_the_model_cannot_use(field, value, message):
-    from pagedkv.reference import ReferenceConfig
+    from pagedkv.tiny_model import ReferenceConfig
     with pytest.raises(InvalidArgument, match=message):
         ReferenceConfig(**{field: value})

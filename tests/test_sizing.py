@@ -9,11 +9,10 @@ import logging
 import numpy as np
 import pytest
 
-from _reference import BlockAllocator
+from allocator_oracle import BlockAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry
 from pagedkv.sizing import (
-    ENV_ENABLED,
     ENV_INITIAL_MB,
     ENV_MEMORY_MB,
     PagedCacheConfig,
@@ -181,17 +180,14 @@ def test_parsers():
 
 
 def test_env_wins_over_config_and_garbage_falls_back(caplog):
-    config = PagedCacheConfig(enabled=True, memory_mb=512, initial_memory_mb=64)
-    env = {ENV_ENABLED: " off ", ENV_MEMORY_MB: "1024", ENV_INITIAL_MB: "128"}
-    assert config.with_env(env) == PagedCacheConfig(enabled=False, memory_mb=1024,
-                                                    initial_memory_mb=128)
-    garbage = {ENV_ENABLED: "maybe", ENV_MEMORY_MB: "lots", ENV_INITIAL_MB: "1e3"}
+    config = PagedCacheConfig(memory_mb=512, initial_memory_mb=64)
+    env = {ENV_MEMORY_MB: "1024", ENV_INITIAL_MB: "128"}
+    assert config.with_env(env) == PagedCacheConfig(memory_mb=1024, initial_memory_mb=128)
+    garbage = {ENV_MEMORY_MB: "lots", ENV_INITIAL_MB: "1e3"}
     with caplog.at_level(logging.WARNING, logger="pagedkv"):
         assert config.with_env(garbage) == config
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
-        (f"ignoring {ENV_ENABLED}='maybe': expected one of 1/true/on/yes or 0/false/off/no "
-         "(any case); using True (config field enabled)"),
         (f"ignoring {ENV_MEMORY_MB}='lots': expected a base-10 integer 0..4294967295 (no sign, "
          "unit or underscores); using 512 (config field memory_mb)"),
         (f"ignoring {ENV_INITIAL_MB}='1e3': expected a base-10 integer 0..4294967295 (no sign, "
@@ -201,7 +197,16 @@ def test_env_wins_over_config_and_garbage_falls_back(caplog):
     with caplog.at_level(logging.WARNING, logger="pagedkv"):
         assert PagedCacheConfig().with_env({ENV_INITIAL_MB: "x"}).initial_memory_mb is None
     assert caplog.records[0].getMessage().endswith("using None (default: unset, initial = max)")
-    assert env_bool(ENV_ENABLED, True, environ={}) is True
+    assert env_bool("PAGEDKV_SOME_SWITCH", True, environ={}) is True
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        assert env_bool("PAGEDKV_SOME_SWITCH", True, environ={"PAGEDKV_SOME_SWITCH": " off "},
+                        fallback_source="config field x") is False
+        assert env_bool("PAGEDKV_SOME_SWITCH", True, environ={"PAGEDKV_SOME_SWITCH": "maybe"},
+                        fallback_source="config field x") is True
+    assert [r.getMessage() for r in caplog.records] == [
+        ("ignoring PAGEDKV_SOME_SWITCH='maybe': expected one of 1/true/on/yes or 0/false/off/no "
+         "(any case); using True (config field x)")]
 
 
 def test_the_process_environment_is_read_by_default(monkeypatch):
@@ -216,8 +221,8 @@ def test_config_validation():
         PagedCacheConfig(memory_mb=-1)
     with pytest.raises(InvalidArgumentType, match="initial_memory_mb"):
         PagedCacheConfig(initial_memory_mb=1.5)
-    with pytest.raises(InvalidArgumentType, match="enabled"):
-        PagedCacheConfig(enabled="yes")
+    with pytest.raises(TypeError, match="enabled"):  # never read, removed (issue 16)
+        PagedCacheConfig(enabled=True)
     with pytest.raises(InvalidArgument, match="max_num_seqs: 0"):
         PagedCacheConfig(max_num_seqs=0)
 

@@ -260,7 +260,7 @@ def restore_vs_recompute(tokens_n: int = 8192, recompute: bool = True):
         shutil.rmtree(root)
     if not recompute:
         return restore, None
-    from pagedkv.reference import ReferenceConfig, ReferenceModel
+    from pagedkv.tiny_model import ReferenceConfig, ReferenceModel
     cfg = ReferenceConfig(vocab_size=512, hidden_size=1024, num_layers=2, num_heads=8,
                           num_kv_heads=8, head_dim=128, intermediate_size=1024,
                           max_position=tokens_n + 16)

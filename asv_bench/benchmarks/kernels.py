@@ -4,7 +4,7 @@ GEMV weights for the tensor-core kernel, each against a baseline measured in the
 The GPU kernels are measured by ``python -m pagedkv.bench gpu`` on a GPU machine (time,
 GB/s and the fraction of the copy bandwidth measured in the same run; see
 docs/performance.md). Here: ``pagedkv.quant.kv_q8`` (kvquant.h, the same math as the
-GPU write) versus ``pagedkv.kernels.reference.kv_q8_quantize`` (vectorized NumPy),
+GPU write) versus ``pagedkv.kernels.numpy_kernels.kv_q8_quantize`` (vectorized NumPy),
 on 4096 tokens x 8 KV heads x head_dim 128 (16 MiB of float32).
 
 Run as an asv suite, or as a script for a quick table::
@@ -22,7 +22,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from pagedkv.kernels import reference, weights
+from pagedkv.kernels import numpy_kernels, weights
 from pagedkv.quant import kv_q8
 
 TOKENS, KV_HEADS, HEAD_DIM = 4096, 8, 128
@@ -38,13 +38,13 @@ class KvQ8:
         kv_q8.quantize(self.x)
 
     def time_quantize_numpy_baseline(self):
-        reference.kv_q8_quantize(self.x)
+        numpy_kernels.kv_q8_quantize(self.x)
 
     def time_dequantize(self):
         kv_q8.dequantize(self.rec, HEAD_DIM)
 
     def time_dequantize_numpy_baseline(self):
-        reference.kv_q8_dequantize(self.rec, HEAD_DIM)
+        numpy_kernels.kv_q8_dequantize(self.rec, HEAD_DIM)
 
 
 class _FakeCudaDevice:

@@ -4,7 +4,7 @@ Target: encode a 16-token block of 32 layers x 8 KV heads x 128 (524,288 values,
 float16 in) at >= 1 GB/s of float16 input per core, i.e. <= 1.05 ms per block. The hd-256
 suite encodes the same number of values as 32 layers x 4 heads x 256 (the lloyd V modes
 need head_dim 256). Baselines: widening the same float16 block to float32 with NumPy (the
-least any encoder must do) and the float32 NumPy oracle of kernels/reference.py.
+least any encoder must do) and the float32 NumPy oracle of kernels/numpy_kernels.py.
 
 Run as an asv suite, or as a script (single-threaded)::
 
@@ -19,7 +19,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
-from pagedkv.kernels import reference
+from pagedkv.kernels import numpy_kernels
 from pagedkv.quant import kv
 
 TOKENS, LAYERS = 16, 32
@@ -74,7 +74,7 @@ class OracleBlock(_Block):
     number, repeat = 1, 3
 
     def time_numpy_oracle_fwht4(self):
-        reference.kv_rotated_quantize(self.x32, "fwht4")
+        numpy_kernels.kv_rotated_quantize(self.x32, "fwht4")
 
 
 def _best(fn, number: int = 20, repeat: int = 7) -> float:

@@ -20,7 +20,7 @@ __all__ = ["__version__", "errors", "get_include", "show_config"]
 
 _LAZY_SUBMODULES = frozenset({
     "adapter", "allocator", "cold", "coordinator", "hashing", "hfqm", "kernels", "pool",
-    "quant", "reference", "sizing",
+    "quant", "sizing", "tiny_model",
 })
 
 

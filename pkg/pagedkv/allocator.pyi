@@ -1,7 +1,7 @@
 """Type stubs for pagedkv.allocator (Cython). Contracts: docs/contracts/paged-kv.md, '4.
 BlockAllocator'.
 
-Observable API shared with the pure-Python oracle ``BlockAllocator`` of tests/_reference.py
+Observable API shared with the pure-Python oracle ``BlockAllocator`` of tests/allocator_oracle.py
 (the differential test compares these after every step):
 
 * ``stats()`` → dict with exactly the keys of ``STATS_KEYS``: query_tokens, hit_tokens,

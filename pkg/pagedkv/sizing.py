@@ -26,7 +26,6 @@ from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry, growth_lock
 
 __all__ = [
     "BLOCK_SIZES",
-    "ENV_ENABLED",
     "ENV_INITIAL_MB",
     "ENV_MEMORY_MB",
     "MIB",
@@ -53,7 +52,6 @@ MIB = 1 << 20
 #: Block sizes (tokens) the config layer accepts; the pool itself takes any positive size.
 BLOCK_SIZES = (8, 16, 32)
 
-ENV_ENABLED = "PAGEDKV_USE_BLOCK_PAGED_CACHE"
 ENV_MEMORY_MB = "PAGEDKV_PAGED_CACHE_MEMORY_MB"
 ENV_INITIAL_MB = "PAGEDKV_PAGED_CACHE_INITIAL_MB"
 
@@ -218,7 +216,6 @@ class PagedCacheConfig:
     pool budget and admission width').
     """
 
-    enabled: bool = True
     block_size: int = 16
     memory_mb: int | None = None
     initial_memory_mb: int | None = None
@@ -226,8 +223,6 @@ class PagedCacheConfig:
     watermark_fraction: float = 0.01
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise InvalidArgumentType(f"enabled: expected a bool, got {self.enabled!r}")
         block_size = _count("block_size", self.block_size, minimum=1)
         if block_size not in BLOCK_SIZES:
             raise InvalidArgument(f"block_size: {block_size} tokens is not one of {BLOCK_SIZES}")
@@ -251,8 +246,6 @@ class PagedCacheConfig:
         unparseable values are logged and leave the field as it is."""
         return replace(
             self,
-            enabled=env_bool(ENV_ENABLED, self.enabled, environ=environ,
-                             fallback_source="config field enabled"),
             memory_mb=env_u32(ENV_MEMORY_MB, self.memory_mb, environ=environ,
                               fallback_source="config field memory_mb" if self.memory_mb
                               is not None else "default: one full-context sequence"),

@@ -2,9 +2,9 @@
  *
  * Source: docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register' (register) and
  * docs/contracts/hfqm-and-quant.md, '2. HFQM v1 container' (container).
- * This header is the only statement of both: pagedkv.hfqm.qtypes reads the register
- * from PKV_QT_LIST at import and the NumPy twins of the structs are built from them
- * (both through pagedkv.hfqm.index, which includes this file).
+ * This header is the only statement of both: pagedkv.quant.qtypes reads the register
+ * from PKV_QT_LIST at import (through pagedkv.quant.qt_register) and the NumPy twins
+ * of the structs are built from them (pagedkv.hfqm.index); both include this file.
  *
  * Usable from C (Cython), HIP/CUDA and Metal: no libc, no host-only types in the
  * functions, every function PKV_FN.

@@ -11,7 +11,7 @@ sequences, docs/performance.md) is outside the timed step.
 
 First a correctness check on fresh random inputs: a 2-layer model of the same widths
 (vocab 4,096) through the adapter and a device pool, against the float64 NumPy step
-(:mod:`pagedkv.kernels.decoder_reference`). Then the table: per (weights, KV dtype, batch,
+(:mod:`pagedkv.kernels.numpy_decoder`). Then the table: per (weights, KV dtype, batch,
 context) the step time, tokens/s, the bytes the step must move (weights + KV read + this
 token's KV write) and the floor they imply at the copy bandwidth measured in the run.
 """
@@ -73,11 +73,11 @@ def build_adapter(device, shape: DecoderShape, kv_dtype: str, batch: int, contex
 def _pool_values(g, rng, shape) -> np.ndarray:
     """Random K or V values of ``shape`` (``[..., head_dim]``) as rows of the pool's storage
     dtype (q8: ``[..., head_dim / 32 * 34]`` records)."""
-    from pagedkv.kernels import reference
+    from pagedkv.kernels import numpy_kernels
     from pagedkv.pool import float32_to_bf16_bits
     vals = rng.standard_normal(shape, dtype=np.float32)
     if g.dtype == "q8":
-        return reference.kv_q8_quantize(vals)
+        return numpy_kernels.kv_q8_quantize(vals)
     if g.dtype == "bfloat16":
         return float32_to_bf16_bits(vals)
     return vals.astype(np.float16)
@@ -135,8 +135,8 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     within tolerance: logits and the residual stream within ``2e-3`` of their largest
     magnitude, this token's written K/V within the pool dtype's rounding of the reference's
     plus the float32 error before it (:func:`rounding_steps`)."""
-    from pagedkv.kernels import reference
-    from pagedkv.kernels.decoder_reference import decode_step
+    from pagedkv.kernels import numpy_kernels
+    from pagedkv.kernels.numpy_decoder import decode_step
     shape = CHECK_SHAPE if shape is None else shape
     rng = np.random.default_rng(seed)
     host = DecoderHostWeights.random(shape, fmt, int(rng.integers(1 << 31)))
@@ -161,7 +161,7 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
 
     def kv_after(layer, i):
         k, v = adapter.gather_kv(seqs[i], layer)
-        return tuple(reference.kv_pool_to_float(a.to_numpy(), g.dtype, g.head_dim)
+        return tuple(numpy_kernels.kv_pool_to_float(a.to_numpy(), g.dtype, g.head_dim)
                      for a in (k, v))
 
     want = decode_step(host, x, batch.seq_lens - 1, kv_after)

@@ -207,7 +207,7 @@ ATTENTION_CASE = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "heads": 32, "head_
 
 def bench_attention(mx, K, rows, copy_bw, case):
     from pagedkv.bench.gpu import _row
-    from pagedkv.kernels import reference as ref
+    from pagedkv.kernels import numpy_kernels as ref
     rng = np.random.default_rng(3)
     seqs, tokens, kvh = case["seqs"], case["tokens"], case["kv_heads"]
     heads, hd, bs = case["heads"], case["head_dim"], case["block_size"]

@@ -70,8 +70,8 @@ def _missing_tier(base: str, child: str) -> str | None:
 
 def _demo_base(child: str) -> str | None:
     """``pagedkv demo``'s default cold dir when it holds a tier, else ``None``."""
-    from pagedkv.cli import demo
-    base = demo.DEFAULT_COLD_DIR
+    from pagedkv.cli import demo_restart
+    base = demo_restart.DEFAULT_COLD_DIR
     return base if _missing_tier(base, child) is None else None
 
 

@@ -16,6 +16,9 @@ import argparse
 import os
 import sys
 
+from pagedkv.cli.demo_restart import _cold_dir, _unusable_cold_dir
+from pagedkv.cli.demo_session import prepare_session, print_parity
+from pagedkv.cli.demo_session import report_rows as plain_rows
 from pagedkv.cli.table import format_table
 
 #: Entries of the demo's hot state checkpoint store (the ladder's victim orders pick among
@@ -29,9 +32,8 @@ PREFILL_CHUNK = 32
 def _cold_context(args: argparse.Namespace, model):
     """``(context, source)`` for the hybrid model saved in ``<cold-dir>/model-hybrid``, or
     ``(None, None)`` with ``--no-cold``."""
-    from pagedkv.cli.demo_restart import _cold_dir, _unusable_cold_dir
     from pagedkv.errors import InvalidArgument, PagedKVError
-    from pagedkv.reference.hybrid_cold import hybrid_cold_context
+    from pagedkv.tiny_model.hybrid_cold import hybrid_cold_context
 
     if args.no_cold and args.cold_dir:
         raise ValueError("--no-cold cannot be combined with --cold-dir")
@@ -71,7 +73,6 @@ def sliding_blocks(config, args: argparse.Namespace) -> int:
 
 def report_rows(report, requests, args: argparse.Namespace, sidecars) -> list[list[str]]:
     """The default demo's rows, then the hybrid model's."""
-    from pagedkv.cli.demo import report_rows as plain_rows
 
     rows = plain_rows(report, requests, args)
     grow = (f"{report.grow_events} ({args.initial_blocks} -> {report.group_pool_blocks[0]} "
@@ -93,11 +94,10 @@ def report_rows(report, requests, args: argparse.Namespace, sidecars) -> list[li
 
 def run_hybrid(args: argparse.Namespace) -> int:
     """The demo on the hybrid model; exit status as the default demo's."""
-    from pagedkv.cli.demo import prepare_session, print_parity
     from pagedkv.cold.ladder import LadderRetention, RetentionCaps, VictimOrder
-    from pagedkv.reference import HybridConfig
-    from pagedkv.reference.hybrid_paged import build_hybrid_coordinator
-    from pagedkv.reference.hybrid_serving import serve_hybrid
+    from pagedkv.tiny_model import HybridConfig
+    from pagedkv.tiny_model.hybrid_paged import build_hybrid_coordinator
+    from pagedkv.tiny_model.hybrid_serving import serve_hybrid
 
     if args.restart:
         print("pagedkv demo: error: --restart is the reference model's; run `pagedkv demo "

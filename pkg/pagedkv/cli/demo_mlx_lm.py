@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from pagedkv.cli.demo_restart import _cold_dir
+from pagedkv.cli.demo_session import build_requests, check_sizes
 from pagedkv.cli.table import format_table
 
 #: --arch values: every architecture with a tiny config.
@@ -52,8 +54,6 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"pagedkv demo: error: --engine mlx-lm: {exc}", file=sys.stderr)
         return 2
-    from pagedkv.cli.demo import build_requests, check_sizes
-    from pagedkv.cli.demo_restart import _cold_dir
     from pagedkv.errors import PagedKVError, UnsupportedModel
 
     if args.restart:

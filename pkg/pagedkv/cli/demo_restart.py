@@ -20,6 +20,10 @@ import subprocess
 import sys
 import time
 
+from pagedkv.cli.demo_session import build_requests, kv_dtype_for
+
+#: Where a persistent (cold-tier) phase of the demo keeps its files.
+DEFAULT_COLD_DIR = "./.pagedkv-demo"
 #: Arguments the restart child needs to rebuild the same model, prompts and pool.
 _FORWARDED = ("requests", "system_tokens", "fewshot_tokens", "user_tokens", "new_tokens",
               "block_size", "backend", "max_blocks", "seed", "kv_mode", "kv_v")
@@ -43,7 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cold_dir(args) -> str | None:
-    from pagedkv.cli.demo import DEFAULT_COLD_DIR
     if args.cold_dir:
         return args.cold_dir
     return None if args.no_cold else DEFAULT_COLD_DIR
@@ -156,10 +159,9 @@ def run_child(args) -> int:
     recomputing the same tokens, and check greedy parity with a fresh flat run."""
     import numpy as np
 
-    from pagedkv.cli.demo import build_requests, kv_dtype_for
     from pagedkv.errors import PagedKVError
-    from pagedkv.reference import PagedKV, ReferenceModel
-    from pagedkv.reference.serving import build_paged_adapter
+    from pagedkv.tiny_model import PagedKV, ReferenceModel
+    from pagedkv.tiny_model.serving import build_paged_adapter
     try:
         model = ReferenceModel.load(os.path.join(_tier_dir(args), "model"),
                                     backend=args.backend, kv_dtype=kv_dtype_for(args))

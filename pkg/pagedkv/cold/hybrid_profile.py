@@ -1,5 +1,5 @@
 """The sidecars of pagedkv's hybrid reference model (docs/cold.md, "Family profiles and
-sidecars"; docs/reference-model.md).
+sidecars"; docs/tiny-model.md).
 
 The hybrid reference model keeps two kinds of state outside the paged pool: the gated delta
 net's conv + recurrent state (float32, one per ``linear_attention`` layer) and the sliding

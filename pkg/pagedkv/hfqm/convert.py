@@ -24,9 +24,9 @@ from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_id_for, is_qwen35_metadata
 from pagedkv.hfqm.policy import TensorPlan, default_format, plan_tensor, resolve_format
-from pagedkv.hfqm.qtypes import expected_nbytes, qtype
 from pagedkv.hfqm.safetensors_source import SafetensorsSource
 from pagedkv.hfqm.writer import HfqmWriter, PlannedTensor
+from pagedkv.quant.qtypes import expected_nbytes, qtype
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "PROMOTE_BY_DEFAULT_ARCH_IDS", "ConversionReport",
            "convert_gguf", "convert_model", "convert_safetensors", "parameter_counts"]

@@ -1,7 +1,16 @@
 # cython: language_level=3
-"""C declarations of pagedkv/hfqm.h (HFQM header, tensor record, qt register)."""
+"""C declarations of pagedkv/hfqm.h (HFQM header, tensor record); the qt register's come from
+pagedkv.quant.qt_register."""
 
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+from pagedkv.quant.qt_register cimport (
+    PKV_QT_FLAG_K_MULT_256, PKV_QT_FLAG_RAW, PKV_QT_FLAG_ROTATED, PKV_QT_SIZE_GROUPS,
+    PKV_QT_SIZE_HESSIAN, PKV_QT_SIZE_NONE, PKV_QT_SIZE_ROW_HEADER, PKV_QT_SIZE_ROW_PAD128,
+    PKV_QT_STATUS_CALIB, PKV_QT_STATUS_P1, PKV_QT_STATUS_P2, PKV_QT_STATUS_REFUSE,
+    PKV_QT_STATUS_RESERVED, PKV_QT_STATUS_UNKNOWN, pkv_qt_expected_nbytes, pkv_qt_flags,
+    pkv_qt_group_bytes, pkv_qt_group_size, pkv_qt_size_rule, pkv_qt_status,
+)
 
 
 cdef extern from "pagedkv/hfqm.h" nogil:
@@ -22,20 +31,6 @@ cdef extern from "pagedkv/hfqm.h" nogil:
         PKV_HFQM_HDR_DATA_OFFSET_OFF
         PKV_HFQM_INDEX_COUNT_BYTES
         PKV_HFQM_INDEX_ENTRY_FIXED_BYTES
-        PKV_QT_SIZE_NONE
-        PKV_QT_SIZE_GROUPS
-        PKV_QT_SIZE_ROW_HEADER
-        PKV_QT_SIZE_ROW_PAD128
-        PKV_QT_SIZE_HESSIAN
-        PKV_QT_STATUS_UNKNOWN
-        PKV_QT_STATUS_P1
-        PKV_QT_STATUS_P2
-        PKV_QT_STATUS_REFUSE
-        PKV_QT_STATUS_RESERVED
-        PKV_QT_STATUS_CALIB
-        PKV_QT_FLAG_ROTATED
-        PKV_QT_FLAG_K_MULT_256
-        PKV_QT_FLAG_RAW
 
     const uint64_t PKV_HFQM_MAX_NUMEL
 
@@ -56,13 +51,6 @@ cdef extern from "pagedkv/hfqm.h" nogil:
         uint32_t group_size
         uint8_t qt
         uint8_t ndim
-
-    uint32_t pkv_qt_group_size(uint32_t qt)
-    uint32_t pkv_qt_group_bytes(uint32_t qt)
-    uint32_t pkv_qt_size_rule(uint32_t qt)
-    uint32_t pkv_qt_status(uint32_t qt)
-    uint32_t pkv_qt_flags(uint32_t qt)
-    uint64_t pkv_qt_expected_nbytes(uint32_t qt, uint64_t numel, uint64_t k)
 
 
 cdef Py_ssize_t scan_json_end(const uint8_t* buf, Py_ssize_t start, Py_ssize_t limit) noexcept nogil

@@ -16,48 +16,19 @@ import os
 import struct
 
 from pagedkv.atomic_write import AtomicFile
-from pagedkv.errors import BadBundle, InvalidArgument
-from pagedkv.hfqm.index import HEADER_BYTES, MAGIC, MTP_TRAILER_BYTES
-from pagedkv.hfqm.positional_reads import pread_exact
+from pagedkv.errors import InvalidArgument
+from pagedkv.hfqm.mtp_trailer import MTP_ARCH_ID, MTP_TRAILER_MAGIC
+from pagedkv.hfqm.reader import HfqmFile
 
-__all__ = ["MTP_ARCH_ID", "MTP_TRAILER_MAGIC", "mtp_offset", "write_mtp_bundle"]
+__all__ = ["write_mtp_bundle"]
 
-MTP_TRAILER_MAGIC = b"HFBNDMTP"
-MTP_ARCH_ID = 21
-TRAILER_BYTES = MTP_TRAILER_BYTES
 _COPY_CHUNK_BYTES = 16 << 20
-
-
-def mtp_offset(fd: int, file_bytes: int, trunk_end: int, *, path: str) -> int | None:
-    """``mtp_off`` of the open file ``fd`` when its last 16 bytes are a bundle trailer,
-    None when they are not. ``trunk_end`` is the byte after the trunk's last payload.
-
-    Raises :class:`~pagedkv.errors.BadBundle` when the trailer does not point at an HFQM
-    header that starts at or after ``trunk_end`` and ends before the trailer."""
-    if file_bytes < TRAILER_BYTES:
-        return None
-    trailer_at = file_bytes - TRAILER_BYTES
-    trailer = pread_exact(fd, TRAILER_BYTES, trailer_at, path=path)
-    if trailer[:8] != MTP_TRAILER_MAGIC:
-        return None
-    (offset,) = struct.unpack("<Q", trailer[8:])
-    if not trunk_end <= offset <= trailer_at - HEADER_BYTES:
-        raise BadBundle(f"MTP bundle trailer points at byte {offset}; the head must start "
-                        f"after the trunk's last payload (byte {trunk_end}) and leave room "
-                        f"for its {HEADER_BYTES}-byte header before the trailer (byte "
-                        f"{trailer_at})", path=path, offset=trailer_at + 8)
-    magic = pread_exact(fd, 4, offset, path=path)
-    if magic != MAGIC:
-        raise BadBundle(f"MTP bundle trailer points at byte {offset}, which holds "
-                        f"{bytes(magic)!r}, not an HFQM header", path=path, offset=offset)
-    return offset
 
 
 def write_mtp_bundle(trunk: str | os.PathLike[str], head: str | os.PathLike[str],
                      out: str | os.PathLike[str]) -> int:
     """Concatenate ``trunk`` and the MTP ``head`` (arch 21) and append the trailer, into
     ``out`` (temp file + rename). Both inputs are validated first. Returns ``mtp_off``."""
-    from pagedkv.hfqm.reader import HfqmFile
     with HfqmFile(trunk) as t, HfqmFile(head) as h:
         if h.arch_id != MTP_ARCH_ID:
             raise InvalidArgument(f"head {os.fspath(head)!r} has arch_id {h.arch_id}; an MTP "

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from pagedkv.errors import InvalidArgument
 from pagedkv.hfqm.arch import is_qwen35_metadata
-from pagedkv.hfqm.qtypes import QuantType, qtype
+from pagedkv.quant.qtypes import QuantType, qtype
 
 __all__ = [
     "FORMAT_ALIASES",

@@ -24,9 +24,9 @@ from pagedkv.argument_checks import is_int
 from pagedkv.errors import BadBundle, BadMetadata, InvalidArgument, TensorNotFound, Truncated
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
-from pagedkv.hfqm.mtp_bundle import MTP_ARCH_ID, TRAILER_BYTES, mtp_offset
+from pagedkv.hfqm.mtp_trailer import MTP_ARCH_ID, TRAILER_BYTES, mtp_offset
 from pagedkv.hfqm.positional_reads import pread_exact
-from pagedkv.hfqm.qtypes import QTYPES
+from pagedkv.quant.qtypes import QTYPES
 
 __all__ = ["HfqmFile", "TensorInfo", "canonical_name"]
 

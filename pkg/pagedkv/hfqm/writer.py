@@ -42,8 +42,8 @@ from pagedkv.hfqm.index import (
     json_end,
     pack_header,
 )
-from pagedkv.hfqm.qtypes import QuantType, expected_nbytes, qtype
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
+from pagedkv.quant.qtypes import QuantType, expected_nbytes, qtype
 
 __all__ = ["HfqmWriter", "PlannedTensor", "plan_of"]
 

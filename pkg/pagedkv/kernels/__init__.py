@@ -4,7 +4,7 @@
 ``libamdhip64``) and returns a :class:`Device`; without one it raises
 :class:`pagedkv.errors.NoDeviceError` with a one-line reason. Kernel launchers
 live in :mod:`pagedkv.kernels.kvcache` and :mod:`pagedkv.kernels.weights`;
-their NumPy references in :mod:`pagedkv.kernels.reference`. The same kernel set on
+their NumPy references in :mod:`pagedkv.kernels.numpy_kernels`. The same kernel set on
 ``mx.array``s (Metal, MLX's CUDA backend, MLX array ops) is :mod:`pagedkv.kernels.mlx`.
 """
 

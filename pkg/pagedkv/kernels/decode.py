@@ -3,7 +3,7 @@ with the residual add, RoPE splitting the packed QKV projection, SiLU(gate)·up)
 
 Activations are ``float32`` DeviceArrays. Each launcher checks shapes and dtypes (an
 ``InvalidArgument`` naming the argument, nothing launched) and enqueues on ``stream``.
-References: :mod:`pagedkv.kernels.decoder_reference`. The KV write of this step's tokens
+References: :mod:`pagedkv.kernels.numpy_decoder`. The KV write of this step's tokens
 into a device pool is :func:`pagedkv.kernels.paged.write_kv`.
 """
 

@@ -6,7 +6,7 @@ adapter's slot mapping (f16, bf16 or q8) → paged attention over the adapter's 
 → O projection → residual + RMSNorm → the packed gate/up projection → SiLU(gate)·up → down
 projection; then the final norm and the LM head. No PyTorch. It exists to measure what the
 kernels and the glue cost in a real step (``python -m pagedkv.bench decode``) and to prove
-them correct together against :mod:`pagedkv.kernels.decoder_reference`; it is not a model
+them correct together against :mod:`pagedkv.kernels.numpy_decoder`; it is not a model
 runtime (no embedding lookup, no sampling: the step starts from hidden states and ends at
 logits).
 

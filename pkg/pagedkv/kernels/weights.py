@@ -20,11 +20,11 @@ import math
 import numpy as np
 
 from pagedkv.errors import InvalidArgument
-from pagedkv.hfqm.qtypes import qtype
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
+from pagedkv.quant.qtypes import qtype
 
 __all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256",
            "max_batch", "raw_nbytes"]

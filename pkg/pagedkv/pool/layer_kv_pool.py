@@ -495,7 +495,7 @@ class LayerKVPool:
         MLX pools run :func:`pagedkv.kernels.mlx.paged_attention` (the Metal or CUDA kernel
         on an MLX GPU, MLX array ops on its CPU), reading K/V where they are: no gather into
         a contiguous cache. NumPy pools compute the float64 reference
-        (:func:`pagedkv.kernels.reference.paged_attention_decode`). ``check=False`` skips
+        (:func:`pagedkv.kernels.numpy_kernels.paged_attention_decode`). ``check=False`` skips
         the host check of the table entries on MLX pools: for a decode step that checked
         its batch once (``pagedkv.kernels.kvcache.check_decode_batch``) and passes the same
         ``mx.array`` tables to every layer."""

@@ -100,7 +100,7 @@ class NumpyKVStorage:
         """The float64 NumPy reference over this layer (the oracle the kernels are tested
         against; correct, not fast). The tables are always checked."""
         from pagedkv.kernels.kvcache import check_decode_batch
-        from pagedkv.kernels.reference import paged_attention_decode
+        from pagedkv.kernels.numpy_kernels import paged_attention_decode
         g = self.geometry
         q = np.asarray(q, dtype=np.float32)
         if q.ndim != 3 or q.shape[2] != g.head_dim or q.shape[1] % g.num_kv_heads:

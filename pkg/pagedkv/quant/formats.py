@@ -2,7 +2,7 @@
 Quant-type register' and '4. Weight codecs').
 
 Group geometry (weights and bytes per group, rotation, the K % 256 rule) comes
-from the register, :mod:`pagedkv.hfqm.qtypes`; this table only adds what the
+from the register, :mod:`pagedkv.quant.qtypes`; this table only adds what the
 codecs need on top of it: the codec family and the code width in bits.
 """
 
@@ -19,8 +19,8 @@ from pagedkv.errors import (
     UnknownQuantType,
     UnsupportedQuantType,
 )
-from pagedkv.hfqm.qtypes import QTYPES, QuantType
 from pagedkv.quant.affine import AffineFamily
+from pagedkv.quant.qtypes import QTYPES, QuantType
 
 __all__ = ["CODECS", "FP4", "GL", "LLOYD", "MQ8", "Q4F16G64", "Q4K", "Q8HFQ", "TERNARY",
            "Codec", "check_k", "resolve"]
@@ -105,7 +105,7 @@ class Codec:
         ``M·(16 + 17·K/32)``, Q8HFQ rows ``M·round_up(2·K/32 + K, 128)``, else
         :meth:`nbytes`)."""
         if self.row_multiple:
-            from pagedkv.hfqm.qtypes import expected_nbytes
+            from pagedkv.quant.qtypes import expected_nbytes
             nbytes = expected_nbytes(self.qt, shape)
             assert nbytes is not None
             return nbytes

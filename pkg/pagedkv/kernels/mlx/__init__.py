@@ -11,7 +11,7 @@ Every function checks its arguments first (:class:`~pagedkv.errors.InvalidArgume
 :class:`~pagedkv.errors.InvalidArgumentType` naming the argument, nothing launched) and
 returns new arrays; ``kv_q8_write`` and ``copy_blocks`` return the updated pool, which
 MLX writes in place when the caller holds no other reference to the old one. Results
-match the NumPy references of :mod:`pagedkv.kernels.reference` within the tolerances
+match the NumPy references of :mod:`pagedkv.kernels.numpy_kernels` within the tolerances
 of docs/kernels.md ("MLX dispatch").
 """
 
@@ -303,7 +303,7 @@ def gemv(weights: GemvWeights, x):
 def kv_q8_quantize(values):
     """q8 records (``uint8[..., head_dim/32*34]``) of float32/float16 ``values``
     (``[..., head_dim]``, ``head_dim % 32 == 0``): bit-exact with
-    :func:`pagedkv.kernels.reference.kv_q8_quantize`."""
+    :func:`pagedkv.kernels.numpy_kernels.kv_q8_quantize`."""
     mx = _mx()
     values = _array(mx, "values", values, (mx.float32, mx.float16), "float32 or float16")
     if values.ndim < 1 or values.shape[-1] % kv_q8.BLOCK_VALUES:

@@ -1,7 +1,7 @@
 """What a hybrid sequence keeps outside the paged pool at a token boundary: a snapshot.
 
 At boundary ``b`` (the sequence holds positions ``[0, b)``) the snapshot carries exactly what
-a sidecar carries (docs/reference-model.md, "Snapshots"):
+a sidecar carries (docs/tiny-model.md, "Snapshots"):
 
 * per gated-delta-net layer (``config.linear_attention_layers`` order): the conv state
   ``float32[K - 1, conv_dim]`` and the recurrent state ``float32[Hv, Dv, Dk]``;
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.reference.hybrid_config import HybridConfig
+from pagedkv.tiny_model.hybrid_config import HybridConfig
 
 __all__ = ["HybridSnapshot", "check_rows"]
 

@@ -1,6 +1,6 @@
 """The oracle's own checks: ``check_invariants`` catches every kind of broken state.
 
-The differential test trusts ``_reference.BlockAllocator.check_invariants`` (tests/_reference.py); each
+The differential test trusts ``allocator_oracle.BlockAllocator.check_invariants`` (tests/allocator_oracle.py); each
 case here breaks one rule of docs/contracts/paged-kv.md, '4.3 Invariants' in the oracle's logical
 state by hand and
 expects :class:`InvariantViolation` naming it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _reference import BlockAllocator
+from allocator_oracle import BlockAllocator
 from pagedkv.errors import InvariantViolation
 
 
@@ -81,5 +81,5 @@ def test_check_invariants_catches(corrupt, message):
 
 
 def test_repr_names_the_counts():
-    assert repr(_busy()) == ("<reference BlockAllocator 4/4 blocks of 2 tokens: 1 free, "
+    assert repr(_busy()) == ("<oracle BlockAllocator 4/4 blocks of 2 tokens: 1 free, "
                              "3 allocated, 2 cached (1 cache-only), capacity 4>")

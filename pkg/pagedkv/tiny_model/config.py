@@ -73,9 +73,11 @@ class ReferenceConfig:
             got = d.get("model_type") if isinstance(d, dict) else type(d).__name__
             raise BadMetadata(f"model_type is {got!r}, expected {MODEL_TYPE!r}", path=path)
         if cls is ReferenceConfig and "layer_types" in d:
-            # A hybrid model saves its layer kinds; the model_type stays the same.
-            from pagedkv.reference.hybrid_config import HybridConfig
-            return HybridConfig.from_json_dict(d, path=path)
+            # A hybrid model saves its layer kinds under the same model_type; read as a plain
+            # config it would silently lose them.
+            raise BadMetadata("the config has layer_types (a hybrid model): read it with "
+                              "pagedkv.tiny_model.config_from_json_dict or "
+                              "HybridConfig.from_json_dict", path=path)
         fields = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in d.items() if k in fields})

@@ -2,7 +2,7 @@
 Python data.
 
 One row per registered or reserved id, read at import from the one table, ``PKV_QT_LIST``
-in ``pagedkv/hfqm.h`` (through :func:`pagedkv.hfqm.index.c_register`): edit the header,
+in ``pagedkv/hfqm.h`` (through :func:`pagedkv.quant.qt_register.c_register`): edit the header,
 never this module. Only the NumPy dtype of the raw types' elements is Python's own.
 
 Vocabulary:
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.hfqm import index as _index
+from pagedkv.quant import qt_register as _index
 
 __all__ = [
     "QTYPES",

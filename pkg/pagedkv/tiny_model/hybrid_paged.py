@@ -1,12 +1,12 @@
 """The hybrid model's paged KV path: one sequence of a
 :class:`~pagedkv.coordinator.GroupedKVCoordinator` seen as a
-:class:`~pagedkv.reference.hybrid_kv.HybridKVPath` (docs/reference-model.md, "The paged KV
+:class:`~pagedkv.tiny_model.hybrid_kv.HybridKVPath` (docs/tiny-model.md, "The paged KV
 path").
 
 Full and sliding layers live in the coordinator's groups (one group per kind; the KV-shared
 alias routes to its anchor); the gated delta net's conv and recurrent states are the
 sequence's own, outside the pool, exactly as an engine keeps them. The same forward pass
-runs over this path and over :class:`~pagedkv.reference.hybrid_kv.HybridFlatKV`, so the
+runs over this path and over :class:`~pagedkv.tiny_model.hybrid_kv.HybridFlatKV`, so the
 two give bit-identical logits.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.reference.hybrid_config import FULL_ATTENTION, LINEAR_ATTENTION, HybridConfig
-from pagedkv.reference.hybrid_kv import LinearStateHolder
-from pagedkv.reference.hybrid_state import HybridSnapshot
+from pagedkv.tiny_model.hybrid_config import FULL_ATTENTION, LINEAR_ATTENTION, HybridConfig
+from pagedkv.tiny_model.hybrid_kv import LinearStateHolder
+from pagedkv.tiny_model.hybrid_state import HybridSnapshot
 
 __all__ = ["HybridPagedKV", "build_hybrid_coordinator", "hybrid_layer_specs"]
 

@@ -11,7 +11,7 @@ The math follows mlx-lm's ``models/gated_delta.py`` (``_gated_delta_step_ops``, 
 * ``S = S * g``; ``S += outer(beta * (v - S k), k)``; ``y = S q`` with ``S[Hv, Dv, Dk]``;
 * a gated RMSNorm per value head: ``rmsnorm(y) * weight * silu(z)``, then ``out_proj``.
 
-Parity (docs/reference-model.md, "Chunking invariance"): everything here runs on one token,
+Parity (docs/tiny-model.md, "Chunking invariance"): everything here runs on one token,
 with shapes fixed by the config, and the state advances one token at a time in position
 order. A prefill in one call, in any split, or token by token therefore performs the same
 floating-point operations in the same order: identical bits. (mlx-lm's chunked kernels and
@@ -79,7 +79,7 @@ def gated_delta_token(h: Any, w: dict, conv_state: Any, state: Any, shape: tuple
                       eps: float, xp: Any) -> tuple[Any, Any, Any]:
     """The gated-delta-net mixer for one normalised token row ``h[hidden]``.
 
-    ``w``: the layer's operands (:func:`pagedkv.reference.weights.layer_operands`);
+    ``w``: the layer's operands (:func:`pagedkv.tiny_model.weights.layer_operands`);
     ``shape``: ``(Hk, Hv, Dk, Dv)``. Returns ``(out[hidden], conv_state, state)``, the mixer
     output before the residual and the states after this token.
     """

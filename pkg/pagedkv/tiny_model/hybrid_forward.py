@@ -2,12 +2,12 @@
 
 One layer loop for both backends (:class:`HybridTransformer`); the row-level pieces (projections,
 one token's attention, the MLP, the logits) are those of the plain model's
-:class:`~pagedkv.reference.numpy_forward.NumpyTransformer` and
-:class:`~pagedkv.reference.mlx_forward.MlxTransformer`, so a full-attention layer of the
+:class:`~pagedkv.tiny_model.numpy_forward.NumpyTransformer` and
+:class:`~pagedkv.tiny_model.mlx_forward.MlxTransformer`, so a full-attention layer of the
 hybrid model computes exactly what a layer of the plain model does. The per-row parity rule
-of :mod:`pagedkv.reference.numpy_forward` holds for every layer kind: a sliding token attends
+of :mod:`pagedkv.tiny_model.numpy_forward` holds for every layer kind: a sliding token attends
 the ``[max(0, p - W + 1), p]`` rows of a heads-major window, whose shape depends only on
-``p``; the gated delta net advances one token at a time (:mod:`pagedkv.reference.gated_delta`).
+``p``; the gated delta net advances one token at a time (:mod:`pagedkv.tiny_model.gated_delta`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedkv.reference.gated_delta import gated_delta_token
-from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, SLIDING_ATTENTION, HybridConfig
-from pagedkv.reference.hybrid_kv import HybridKVPath
-from pagedkv.reference.numpy_forward import NumpyTransformer
+from pagedkv.tiny_model.gated_delta import gated_delta_token
+from pagedkv.tiny_model.hybrid_config import LINEAR_ATTENTION, SLIDING_ATTENTION, HybridConfig
+from pagedkv.tiny_model.hybrid_kv import HybridKVPath
+from pagedkv.tiny_model.numpy_forward import NumpyTransformer
 
 if TYPE_CHECKING:  # mlx_forward imports MLX when built: only for the checker
-    from pagedkv.reference.mlx_forward import MlxTransformer
+    from pagedkv.tiny_model.mlx_forward import MlxTransformer
 
 __all__ = ["HybridTransformer"]
 
@@ -36,7 +36,7 @@ class HybridTransformer:
         # The plain model's transformer on the chosen backend, used for its pieces only.
         self.rows: NumpyTransformer | MlxTransformer
         if backend == "mlx":
-            from pagedkv.reference.mlx_forward import MlxTransformer
+            from pagedkv.tiny_model.mlx_forward import MlxTransformer
             self.rows = MlxTransformer(config, weights)
         else:
             self.rows = NumpyTransformer(config, weights)

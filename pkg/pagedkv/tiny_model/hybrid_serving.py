@@ -1,7 +1,7 @@
 """A serving loop for the hybrid reference model over a grouped coordinator (``pagedkv demo
---model hybrid``, parity tests; docs/reference-model.md, "Serving").
+--model hybrid``, parity tests; docs/tiny-model.md, "Serving").
 
-The loop of :func:`pagedkv.reference.serving.serve` — admission and recompute preemption by
+The loop of :func:`pagedkv.tiny_model.serving.serve` — admission and recompute preemption by
 :class:`pagedkv.coordinator.RecomputeScheduler`, interleaved decode steps, registration at
 the end — plus what a hybrid model needs:
 
@@ -26,10 +26,10 @@ from functools import partial
 import numpy as np
 
 from pagedkv.errors import AuxStateUnconfirmed, InvalidArgument, InvalidArgumentType
-from pagedkv.reference.hybrid_config import HybridConfig
-from pagedkv.reference.hybrid_paged import HybridPagedKV
-from pagedkv.reference.model import ReferenceModel
-from pagedkv.reference.serving import (
+from pagedkv.tiny_model.hybrid_config import HybridConfig
+from pagedkv.tiny_model.hybrid_paged import HybridPagedKV
+from pagedkv.tiny_model.model import ReferenceModel
+from pagedkv.tiny_model.serving import (
     Request,
     RunningRequest,
     SessionReport,
@@ -41,7 +41,7 @@ __all__ = ["HybridSessionReport", "install_hit_state", "serve_hybrid"]
 
 @dataclass
 class HybridSessionReport(SessionReport):
-    """:class:`~pagedkv.reference.serving.SessionReport` plus, per group (group id order),
+    """:class:`~pagedkv.tiny_model.serving.SessionReport` plus, per group (group id order),
     its kind, pool blocks and the most blocks rows held at once (cache-only blocks
     excluded); the sliding blocks
     the prunes returned to the null sentinel; the checkpoints the prefills published; and
@@ -62,7 +62,7 @@ def install_hit_state(kv: HybridPagedKV, lookup, cold_codec=None) -> str:
     with ``cold_codec``). Returns ``"none"``, ``"hot"`` or ``"cold"``. A hit without its
     state cannot happen under the aux latch; it raises ``AuxStateUnconfirmed``."""
     from pagedkv.coordinator import Checkpoint
-    from pagedkv.reference.hybrid_state import HybridSnapshot
+    from pagedkv.tiny_model.hybrid_state import HybridSnapshot
 
     cached = lookup.cached_tokens
     if cached == 0 or not kv.config.linear_attention_layers:
@@ -73,7 +73,7 @@ def install_hit_state(kv: HybridPagedKV, lookup, cold_codec=None) -> str:
         kv.install_linear_states(cached, snap.conv_states, snap.recurrent_states)
         return "hot"
     if side is not None and cold_codec is not None:
-        from pagedkv.reference.hybrid_cold import linear_states_from_sidecar
+        from pagedkv.tiny_model.hybrid_cold import linear_states_from_sidecar
         convs, recs = linear_states_from_sidecar(kv.config, side, cold_codec)
         kv.install_linear_states(cached, convs, recs)
         return "cold"
@@ -89,13 +89,13 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
                  ) -> HybridSessionReport:
     """Run ``requests`` to completion on the hybrid ``model`` over ``cache`` (a
     :class:`~pagedkv.coordinator.GroupedKVCoordinator` for its config, e.g.
-    :func:`~pagedkv.reference.hybrid_paged.build_hybrid_coordinator`).
+    :func:`~pagedkv.tiny_model.hybrid_paged.build_hybrid_coordinator`).
 
     ``prefill_chunk_tokens``: prefill chunk (and admission reservation) size, default the
     whole prompt; ``want_ladder``: checkpoints at every ladder rung, else only below the
     prompt end; ``checkpoint_boundaries(n, cached, bs)`` replaces that rule. The rest is
-    :func:`~pagedkv.reference.serving.serve`'s. Every output is what the request gives run
-    alone on a flat cache (:func:`~pagedkv.reference.serving.check_parity`).
+    :func:`~pagedkv.tiny_model.serving.serve`'s. Every output is what the request gives run
+    alone on a flat cache (:func:`~pagedkv.tiny_model.serving.check_parity`).
     """
     from pagedkv.cold.ladder import prefill_checkpoint_boundaries, prefill_ranges
     from pagedkv.coordinator import RecomputeScheduler

@@ -1,8 +1,8 @@
-"""The hybrid reference model and the cold tier (docs/reference-model.md, "Through the cold
+"""The hybrid reference model and the cold tier (docs/tiny-model.md, "Through the cold
 tier"): snapshots as sidecar state, restored sidecars as linear states, and the
 ``ColdTierContext`` of a saved hybrid model.
 
-A :class:`~pagedkv.reference.hybrid_state.HybridSnapshot` carries exactly what the family's
+A :class:`~pagedkv.tiny_model.hybrid_state.HybridSnapshot` carries exactly what the family's
 sidecars carry (docs/cold.md, "Family profiles and sidecars"): the linear layers' conv and
 recurrent states (the GDN sidecar) and the physical sliding layers' window rows (the sliding
 sidecar, heads-major there, token-major in the codec's state form). The checkpoint store of
@@ -20,8 +20,8 @@ import numpy as np
 from pagedkv.cold import ColdGroup, RestoredSidecar, RestoredSidecars, SidecarBundle
 from pagedkv.cold.profiles import REFERENCE_HYBRID_FAMILY
 from pagedkv.errors import InvalidArgument, SidecarLayoutMismatch
-from pagedkv.reference.hybrid_config import HybridConfig
-from pagedkv.reference.hybrid_state import HybridSnapshot
+from pagedkv.tiny_model.hybrid_config import HybridConfig
+from pagedkv.tiny_model.hybrid_state import HybridSnapshot
 
 __all__ = ["HybridCheckpointSource", "full_group_geometry", "hybrid_cold_context",
            "linear_states_from_sidecar", "sidecar_state"]

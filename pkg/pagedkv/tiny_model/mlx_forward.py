@@ -1,19 +1,19 @@
 """Forward pass of the reference transformer in MLX (float32), the same math as NumPy's.
 
 Imported only when a model is built with ``backend="mlx"``: ``import pagedkv`` never imports
-MLX. The per-row rule of :mod:`pagedkv.reference.numpy_forward` holds here too, so the flat
+MLX. The per-row rule of :mod:`pagedkv.tiny_model.numpy_forward` holds here too, so the flat
 and the paged path are bit-identical on MLX; NumPy and MLX agree within
-:data:`pagedkv.reference.model.NUMPY_MLX_LOGITS_ATOL`, not bitwise (different kernels).
+:data:`pagedkv.tiny_model.model.NUMPY_MLX_LOGITS_ATOL`, not bitwise (different kernels).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.kv_paths import KVPath
-from pagedkv.reference.numpy_forward import apply_rope, rope_tables
-from pagedkv.reference.weights import layer_operands
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.kv_paths import KVPath
+from pagedkv.tiny_model.numpy_forward import apply_rope, rope_tables
+from pagedkv.tiny_model.weights import layer_operands
 
 __all__ = ["MlxTransformer"]
 

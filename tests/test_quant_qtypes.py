@@ -7,13 +7,14 @@ import pytest
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.hfqm import index as hfqm_index
-from pagedkv.hfqm.qtypes import QTYPES, expected_nbytes, is_registered, qtype
+from pagedkv.quant import qt_register
+from pagedkv.quant.qtypes import QTYPES, expected_nbytes, is_registered, qtype
 
-C = hfqm_index.c_constants()
+C = qt_register.c_constants()
 
 
 def test_python_register_is_read_from_the_c_header_for_every_id():
-    table = hfqm_index.c_register()
+    table = qt_register.c_register()
     for qt_id in range(256):
         c_row = table[qt_id]
         py_row = QTYPES.get(qt_id)
@@ -71,7 +72,7 @@ def test_lookup_errors_name_the_value():
 
 def test_every_raw_qt_has_a_numpy_dtype_and_only_those():
     raw_flag = {i for i, r in QTYPES.items()
-                if hfqm_index.c_register()[i]["flags"] & C["flag_raw"]}
+                if qt_register.c_register()[i]["flags"] & C["flag_raw"]}
     assert raw_flag == {i for i, r in QTYPES.items() if r.raw_dtype} == {1, 2, 16, 22}
 
 
@@ -108,7 +109,7 @@ def test_expected_nbytes_follows_the_size_rules(qt, shape, nbytes):
     assert expected_nbytes(qt, shape) == nbytes
     row = qtype(qt)
     numel = int(np.prod(shape))
-    assert hfqm_index.c_expected_nbytes(row.id, numel, shape[-1]) == (nbytes or 0)
+    assert qt_register.c_expected_nbytes(row.id, numel, shape[-1]) == (nbytes or 0)
 
 
 def test_v2_needs_k_multiple_of_256():

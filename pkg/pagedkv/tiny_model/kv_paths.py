@@ -24,8 +24,8 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument
 from pagedkv.quant import kv as kv_modes
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.flat_rows import LayerRows
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.flat_rows import LayerRows
 
 __all__ = ["FlatKV", "KVPath", "PagedKV"]
 

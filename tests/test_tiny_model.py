@@ -15,14 +15,14 @@ from pagedkv.errors import (
     InvalidArgumentType,
     SizeMismatch,
 )
-from pagedkv.reference import (
+from pagedkv.tiny_model import (
     MODEL_TYPE,
     NUMPY_MLX_LOGITS_ATOL,
     FlatKV,
     ReferenceConfig,
     ReferenceModel,
 )
-from pagedkv.reference.weights import weight_shapes
+from pagedkv.tiny_model.weights import weight_shapes
 
 PROMPT = (np.arange(40) * 37 + 5) % 512
 
@@ -34,8 +34,8 @@ def model() -> ReferenceModel:
 
 def test_import_pagedkv_reference_does_not_import_mlx():
     import subprocess
-    code = ("import sys, pagedkv, pagedkv.reference; "
-            "from pagedkv.reference import ReferenceModel; ReferenceModel(); "
+    code = ("import sys, pagedkv, pagedkv.tiny_model; "
+            "from pagedkv.tiny_model import ReferenceModel; ReferenceModel(); "
             "print('mlx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -151,8 +151,8 @@ def test_mlx_chunked_prefill_is_bit_identical():
 
 def test_weights_load_from_an_hfqm_file_and_keep_parity(tmp_path, model):
     from pagedkv.hfqm.convert import convert_safetensors
-    from pagedkv.reference import PagedKV
-    from pagedkv.reference.serving import build_paged_adapter
+    from pagedkv.tiny_model import PagedKV
+    from pagedkv.tiny_model.serving import build_paged_adapter
 
     model.save(tmp_path)
     out = tmp_path / "model.q8.hfq"

@@ -22,8 +22,8 @@ import numpy as np
 
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.errors import InvalidArgument
-from pagedkv.reference.kv_paths import PagedKV
-from pagedkv.reference.model import Generation, ReferenceModel
+from pagedkv.tiny_model.kv_paths import PagedKV
+from pagedkv.tiny_model.model import Generation, ReferenceModel
 
 __all__ = ["Request", "RunningRequest", "SessionReport", "build_paged_adapter", "check_parity",
            "count_admission", "run_session", "serve"]

@@ -348,7 +348,7 @@ class BlockAllocator:
         return self._refcount.get(block_id, 0)
 
     def __repr__(self) -> str:
-        return (f"<reference BlockAllocator {self._num_blocks}/{self._max_num_blocks} blocks "
+        return (f"<oracle BlockAllocator {self._num_blocks}/{self._max_num_blocks} blocks "
                 f"of {self._block_size} tokens: {len(self._free)} free, "
                 f"{len(self._refcount)} allocated, {len(self._prefix)} cached "
                 f"({self._num_evictable} cache-only), capacity {self._capacity}>")
@@ -804,7 +804,7 @@ class BlockAllocator:
         """Raise :class:`InvariantViolation` naming the first broken rule of
         docs/contracts/paged-kv.md, '4.3 Invariants'."""
         def fail(msg: str) -> None:
-            raise InvariantViolation(f"reference allocator invariant broken: {msg}")
+            raise InvariantViolation(f"oracle allocator invariant broken: {msg}")
 
         free = list(self._free)
         if len(set(free)) != len(free):

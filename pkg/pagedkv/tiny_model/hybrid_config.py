@@ -2,7 +2,7 @@
 KV-shared aliases (saved as ``config.json``, ``model_type`` still ``pagedkv_reference``).
 
 The layer kinds use Hugging Face's ``layer_types`` names (Gemma 3, gpt-oss, Qwen3.5); the
-recurrent layer's fields are Qwen3.5's ``linear_*`` names. See docs/reference-model.md,
+recurrent layer's fields are Qwen3.5's ``linear_*`` names. See docs/tiny-model.md,
 "Hybrid configuration".
 """
 
@@ -17,7 +17,7 @@ from pagedkv.errors import (
     SharedKVAnchorIsAlias,
     SharedKVIncompatible,
 )
-from pagedkv.reference.config import ReferenceConfig
+from pagedkv.tiny_model.config import ReferenceConfig
 
 __all__ = ["FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION", "SLIDING_ATTENTION",
            "HybridConfig"]
@@ -199,3 +199,12 @@ class HybridConfig(ReferenceConfig):
         d["layer_types"] = list(self.layer_types)
         d["kv_shared_layers"] = [list(p) for p in self.kv_shared_layers]
         return d
+
+
+def config_from_json_dict(d: object, *, path: str | None = None) -> ReferenceConfig:
+    """The config a saved ``config.json`` holds: a :class:`HybridConfig` when it has
+    ``layer_types`` (hybrid and plain models share the ``model_type``), else a
+    :class:`ReferenceConfig`. Raises ``BadMetadata`` as ``from_json_dict`` does."""
+    if isinstance(d, dict) and "layer_types" in d:
+        return HybridConfig.from_json_dict(d, path=path)
+    return ReferenceConfig.from_json_dict(d, path=path)

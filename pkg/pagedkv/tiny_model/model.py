@@ -1,6 +1,6 @@
 """``ReferenceModel``: the tiny transformer behind parity tests and ``pagedkv demo``.
 
-Greedy decoding over any :class:`~pagedkv.reference.kv_paths.KVPath`. Building a model never
+Greedy decoding over any :class:`~pagedkv.tiny_model.kv_paths.KVPath`. Building a model never
 touches MLX unless ``backend="mlx"`` is asked for.
 """
 
@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgumentType
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.hybrid_config import HybridConfig
-from pagedkv.reference.hybrid_kv import HybridFlatKV, HybridKVPath
-from pagedkv.reference.kv_paths import FlatKV, KVPath
-from pagedkv.reference.weights import load_hfqm, load_model, random_weights, save_model
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.hybrid_config import HybridConfig
+from pagedkv.tiny_model.hybrid_kv import HybridFlatKV, HybridKVPath
+from pagedkv.tiny_model.kv_paths import FlatKV, KVPath
+from pagedkv.tiny_model.weights import load_hfqm, load_model, random_weights, save_model
 
 if TYPE_CHECKING:  # mlx_forward imports MLX: only for the checker
-    from pagedkv.reference.hybrid_forward import HybridTransformer
-    from pagedkv.reference.mlx_forward import MlxTransformer
-    from pagedkv.reference.numpy_forward import NumpyTransformer
+    from pagedkv.tiny_model.hybrid_forward import HybridTransformer
+    from pagedkv.tiny_model.mlx_forward import MlxTransformer
+    from pagedkv.tiny_model.numpy_forward import NumpyTransformer
 
 __all__ = ["BACKENDS", "NUMPY_MLX_LOGITS_ATOL", "Generation", "ReferenceModel"]
 
@@ -48,9 +48,9 @@ class ReferenceModel:
     lloyd: 256). Paged pools built for the model take it; its flat path round-trips K/V
     through the same codec, so paged and flat stay bit-identical.
 
-    A :class:`~pagedkv.reference.hybrid_config.HybridConfig` makes it the hybrid model (full,
+    A :class:`~pagedkv.tiny_model.hybrid_config.HybridConfig` makes it the hybrid model (full,
     sliding-window and gated-delta-net layers, a KV-shared alias), which runs over a
-    :class:`~pagedkv.reference.hybrid_kv.HybridKVPath` instead of a ``KVPath`` (float32 KV
+    :class:`~pagedkv.tiny_model.hybrid_kv.HybridKVPath` instead of a ``KVPath`` (float32 KV
     only).
     """
 
@@ -76,13 +76,13 @@ class ReferenceModel:
         self.backend = backend
         self._impl: MlxTransformer | NumpyTransformer | HybridTransformer
         if isinstance(self.config, HybridConfig):
-            from pagedkv.reference.hybrid_forward import HybridTransformer
+            from pagedkv.tiny_model.hybrid_forward import HybridTransformer
             self._impl = HybridTransformer(self.config, self.weights, backend)
         elif backend == "mlx":
-            from pagedkv.reference.mlx_forward import MlxTransformer
+            from pagedkv.tiny_model.mlx_forward import MlxTransformer
             self._impl = MlxTransformer(self.config, self.weights)
         else:
-            from pagedkv.reference.numpy_forward import NumpyTransformer
+            from pagedkv.tiny_model.numpy_forward import NumpyTransformer
             self._impl = NumpyTransformer(self.config, self.weights)
 
     @property

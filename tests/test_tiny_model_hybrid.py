@@ -1,4 +1,4 @@
-"""Hybrid reference model (docs/reference-model.md): configuration, weights, the forward pass
+"""Hybrid reference model (docs/tiny-model.md): configuration, weights, the forward pass
 against a float64 oracle, chunking invariance bit for bit, the flat KV path and snapshots."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pagedkv.errors import (
     SharedKVAnchorIsAlias,
     SharedKVIncompatible,
 )
-from pagedkv.reference import (
+from pagedkv.tiny_model import (
     NUMPY_MLX_LOGITS_ATOL,
     FlatKV,
     HybridConfig,
@@ -29,8 +29,9 @@ from pagedkv.reference import (
     HybridSnapshot,
     ReferenceConfig,
     ReferenceModel,
+    config_from_json_dict,
 )
-from pagedkv.reference.weights import weight_shapes
+from pagedkv.tiny_model.weights import weight_shapes
 
 W = 24                                     # the default sliding window
 PROMPT = (np.arange(70) * 37 + 5) % 512    # longer than the window
@@ -90,8 +91,15 @@ def test_json_round_trip_gives_a_hybrid_config():
     d = json.loads(c.to_json())
     assert d["model_type"] == "pagedkv_reference"
     assert d["layer_types"][0] == "linear_attention" and d["kv_shared_layers"] == [[5, 2]]
-    back = ReferenceConfig.from_json_dict(d)
+    back = config_from_json_dict(d)
     assert type(back) is HybridConfig and back == c and hash(back) == hash(c)
+    assert HybridConfig.from_json_dict(d) == c
+    # Read as a plain config it would lose its layer kinds: refused, naming the reader to use.
+    with pytest.raises(BadMetadata, match="layer_types .*config_from_json_dict"):
+        ReferenceConfig.from_json_dict(d)
+    plain = ReferenceConfig(seed=5)
+    back = config_from_json_dict(json.loads(plain.to_json()))
+    assert type(back) is ReferenceConfig and back == plain
 
 
 @pytest.mark.parametrize(("kwargs", "error", "attrs"), [
@@ -460,8 +468,8 @@ def test_gated_delta_net_matches_mlx_lm(model):
     qwen3_5 = pytest.importorskip("mlx_lm.models.qwen3_5")
     from mlx_lm.models.cache import ArraysCache
 
-    from pagedkv.reference.gated_delta import gated_delta_token
-    from pagedkv.reference.weights import layer_operands
+    from pagedkv.tiny_model.gated_delta import gated_delta_token
+    from pagedkv.tiny_model.weights import layer_operands
 
     c = model.config
     args = qwen3_5.TextModelArgs(

@@ -13,8 +13,8 @@ from pagedkv import errors
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.cli import main
 from pagedkv.kv_adaptive import KVAdaptive
-from pagedkv.reference import PagedKV, ReferenceConfig, ReferenceModel
-from pagedkv.reference.serving import build_paged_adapter
+from pagedkv.tiny_model import PagedKV, ReferenceConfig, ReferenceModel
+from pagedkv.tiny_model.serving import build_paged_adapter
 
 HAVE_MLX = importlib.util.find_spec("mlx") is not None
 BACKENDS = ["numpy", pytest.param("mlx", marks=pytest.mark.skipif(not HAVE_MLX,

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.reference.flat_rows import LayerRows
-from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, SLIDING_ATTENTION, HybridConfig
-from pagedkv.reference.hybrid_state import HybridSnapshot, check_rows
+from pagedkv.tiny_model.flat_rows import LayerRows
+from pagedkv.tiny_model.hybrid_config import LINEAR_ATTENTION, SLIDING_ATTENTION, HybridConfig
+from pagedkv.tiny_model.hybrid_state import HybridSnapshot, check_rows
 
 __all__ = ["HybridFlatKV", "HybridKVPath", "LinearStateHolder"]
 
@@ -30,7 +30,7 @@ __all__ = ["HybridFlatKV", "HybridKVPath", "LinearStateHolder"]
 class HybridKVPath(Protocol):
     """What the hybrid forward pass needs from a KV store (layer indices are model layers).
 
-    * ``num_tokens`` / ``extend(tokens)``: as :class:`~pagedkv.reference.kv_paths.KVPath`.
+    * ``num_tokens`` / ``extend(tokens)``: as :class:`~pagedkv.tiny_model.kv_paths.KVPath`.
     * ``write(layer, k, v)``: K/V ``[n, kv_heads, head_dim]`` of the last ``n`` positions of a
       full or sliding layer that owns its K/V (never an alias, never a linear layer).
     * ``read(layer, first)``: K/V of positions ``[first, num_tokens)`` in position order,

@@ -14,8 +14,8 @@ import os
 import numpy as np
 
 from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.hybrid_config import LINEAR_ATTENTION, HybridConfig
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.hybrid_config import LINEAR_ATTENTION, HybridConfig, config_from_json_dict
 
 __all__ = [
     "CONFIG_FILE",
@@ -168,7 +168,7 @@ def load_model(directory: str | os.PathLike) -> tuple[ReferenceConfig, dict[str,
     weights_path = os.path.join(directory, WEIGHTS_FILE)
     try:
         with open(config_path, encoding="utf-8") as f:
-            config = ReferenceConfig.from_json_dict(json.load(f), path=config_path)
+            config = config_from_json_dict(json.load(f), path=config_path)
     except json.JSONDecodeError as e:
         raise BadMetadata(f"config.json is not JSON: {e}", path=config_path) from e
     try:
@@ -192,7 +192,7 @@ def load_hfqm(path: str | os.PathLike) -> tuple[ReferenceConfig, dict[str, np.nd
     from pagedkv.hfqm.reader import HfqmFile
 
     with HfqmFile(path) as f:
-        config = ReferenceConfig.from_json_dict(f.metadata.get("config"), path=str(path))
+        config = config_from_json_dict(f.metadata.get("config"), path=str(path))
         weights: dict[str, np.ndarray] = {}
         for name, shape in weight_shapes(config).items():
             if name not in f:

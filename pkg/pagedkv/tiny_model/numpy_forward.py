@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.reference.config import ReferenceConfig
-from pagedkv.reference.kv_paths import KVPath
-from pagedkv.reference.weights import layer_operands
+from pagedkv.tiny_model.config import ReferenceConfig
+from pagedkv.tiny_model.kv_paths import KVPath
+from pagedkv.tiny_model.weights import layer_operands
 
 __all__ = ["NumpyTransformer", "apply_rope", "rope_tables"]
 
