@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
     backend = _backend(arr.device)
     if stream is not None and stream != -1 and stream != _DEFAULT_STREAM[backend] \
             and not (backend == "cuda" and stream == 2):
-        if not isinstance(stream, int) or isinstance(stream, bool):
+        if not is_int(stream):
             raise InvalidArgumentType(f"stream: expected an int stream handle, got "
                                       f"{type(stream).__name__}")
         _wait_default_stream(arr.device, stream)

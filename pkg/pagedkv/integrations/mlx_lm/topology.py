@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, TopologyError, UnsupportedModel
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec
 
@@ -174,7 +175,7 @@ def _block_counts(groups, config, context_tokens: int, max_blocks: int | None,
         initial = (min(config.initial_memory_mb * MIB // per_block, top)
                    if config.initial_memory_mb is not None else None)
     if max_blocks is not None:
-        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 2:
+        if not is_int(max_blocks) or max_blocks < 2:
             raise InvalidArgument(f"max_blocks: {max_blocks!r} must be an int >= 2")
         top = max_blocks
     if initial_blocks is not None:
