@@ -152,6 +152,7 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     assert len(got) == len(rows)  # every row has its fraction of the copy
     assert list(asv.by_row(rows, "vs_float16")) == [
         f"paged_attention q8 | {rows[n_default - 1]['shape']}",
+        f"paged_attention q8 cuda-cores | {rows[n_default - 1]['shape']}",
         f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
 
