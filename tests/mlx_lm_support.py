@@ -112,7 +112,7 @@ def reused(model, first, first_n: int, prefix: int, prompt, n: int = 6, *,
     from mlx_lm.models.cache import trim_prompt_cache
 
     cache = make_prompt_cache(model)
-    run(model, first, cache, first_n)
+    run(model, first, cache, first_n, **(first_kwargs or {}))
     trim_prompt_cache(cache, cache[0].offset - prefix)
     return run(model, prompt[prefix:], cache, n, **kwargs)
 
