@@ -177,7 +177,7 @@ def _block_counts(groups, config, context_tokens: int, max_blocks: int | None,
     if max_blocks is not None:
         if not is_int(max_blocks) or max_blocks < 2:
             raise InvalidArgument(f"max_blocks: {max_blocks!r} must be an int >= 2")
-        top = max_blocks
+        top = int(max_blocks)
     if initial_blocks is not None:
         initial = int(initial_blocks)
     if initial is None:
