@@ -117,6 +117,27 @@ def reused(model, first, first_n: int, prefix: int, prompt, n: int = 6, *,
     return run(model, prompt[prefix:], cache, n, **kwargs)
 
 
+def laid_out_as_computed(cache) -> list:
+    """``cache`` (mlx-lm's per-layer list) with each ``KVCache`` layer moved into a new
+    ``KVCache`` by one ``update_and_fetch``: the buffer layout (256-token capacity steps) a
+    KVCache has when it computed its tokens itself, and the one a paged request's buffers
+    have after a prefix hit. ``BatchKVCache.extract`` instead returns exact-length buffers,
+    and on MLX's CUDA backend attention over the same K/V gave other bits for the other
+    layout (H200, 2026-12-02), so a same-calls comparison needs the same layout. Other
+    layers (recurrent state) are kept as they are."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in cache:
+        if type(layer) is KVCache and layer.keys is not None:
+            moved = KVCache()
+            moved.update_and_fetch(layer.keys[..., :layer.offset, :],
+                                   layer.values[..., :layer.offset, :])
+            layer = moved
+        out.append(layer)
+    return out
+
+
 def grid(stops, start: int = 0) -> list[tuple[int, int]]:
     """``[(start, s0), (s0, s1), ...]`` for ascending ``stops``."""
     out, a = [], start

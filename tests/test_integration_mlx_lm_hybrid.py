@@ -26,7 +26,17 @@ from mlx_lm.generate import batch_generate, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_support import Steps, fresh, grid, model_of, on_cpu, replayed, run, toks
+from mlx_lm_support import (
+    Steps,
+    fresh,
+    grid,
+    laid_out_as_computed,
+    model_of,
+    on_cpu,
+    replayed,
+    run,
+    toks,
+)
 from pagedkv.coordinator import expired_blocks
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, UnsupportedModel
 from pagedkv.integrations.mlx_lm import (
@@ -425,7 +435,7 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
         r = paged.begin(tail)
         assert r.hit_tokens == len(held)  # the parked conversation, its state included
         got_tail = run(model, tail[r.cached_tokens:], r.cache)
-        assert got_tail == run(model, tail[len(held):], mine)
+        assert got_tail == run(model, tail[len(held):], laid_out_as_computed(mine))
         if on_cpu():
             assert got_tail == fresh(model, tail)
         r.release()
@@ -694,4 +704,5 @@ def test_demo_runs_hybrid_architectures_with_parity(capsys, arch):
     out = capsys.readouterr().out
     assert f"model: mlx-lm {arch} " in out
     assert "(2 with a prefix hit)" in out
-    assert "parity: OK (3/3 outputs byte-identical to" in out
+    # on GPUs the demo's references ran other calls: within the bound (parity.py)
+    assert f"parity: OK (3/3 outputs {'byte-identical to' if on_cpu() else 'match'}" in out

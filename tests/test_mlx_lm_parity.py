@@ -1,6 +1,7 @@
 """The parity rule of the mlx-lm integration (pagedkv.integrations.mlx_lm.parity): byte
 equality for same-call runs and on MLX's CPU backend, a logprob bound with near-tie token
-flips on GPU backends. The GPU branch is exercised here by patching the backend check."""
+flips on GPU backends. Each branch is exercised here by patching the backend check, so the file runs the same on
+every backend."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ def gpu(monkeypatch):
     monkeypatch.setattr(parity, "exact_backend", lambda: False)
 
 
-def test_cpu_and_same_calls_require_bytes():
+@pytest.fixture
+def cpu(monkeypatch):
+    monkeypatch.setattr(parity, "exact_backend", lambda: True)
+
+
+def test_cpu_and_same_calls_require_bytes(cpu):
     assert compare(REF, REF, dtype="float32", same_calls=False).same
     nudged = _run([2, 0], [[-3.0, -2.0, np.nextafter(np.float32(-1), np.float32(0)), -4.0],
                            [-0.5, -2.0, -3.0, -0.6]])
