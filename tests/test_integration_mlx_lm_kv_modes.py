@@ -32,7 +32,8 @@ def run(model, prompt, cache, n: int = 4) -> list[int]:
 
 
 @pytest.mark.parametrize("mode,head_dim", [("q8", 32), ("fwht4/q8", 128),
-                                           ("fwht4/lloyd4", 256)])
+                                           ("fwht4/lloyd4", 256), ("fwht4/fwht4", 128),
+                                           ("fwht4/fwht2", 128)])
 def test_published_turns_are_stored_in_the_mode_and_reloaded_decoded(mode, head_dim):
     model = random_model("qwen3", seed=3, head_dim=head_dim)[0]
     paged = PagedPromptCache(model, block_size=BS, dtype=mode)
@@ -74,4 +75,8 @@ def test_kv_modes_are_checked_against_the_model_head_dim():
     model = random_model("qwen3", seed=0, head_dim=128)[0]
     with pytest.raises(InvalidArgument, match="lloyd4"):
         PagedPromptCache(model, dtype="fwht4/lloyd4")  # lloyd needs head_dim 256
+    with pytest.raises(InvalidArgument, match="fwht3 needs head_dim 256"):
+        PagedPromptCache(model, dtype="fwht4/fwht3")  # an fwht3 V is R256: head_dim 256
+    with pytest.raises(InvalidArgument, match="needs a rotated K"):
+        PagedPromptCache(model, dtype="q8/fwht4")
     assert make_prompt_cache(model)  # the model itself is untouched

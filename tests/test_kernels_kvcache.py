@@ -141,7 +141,10 @@ def test_paged_reference_equals_contiguous_attention():
 @pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht2/q8", 128),
                                          ("fwht4/lloyd4", 256), ("fwht3/lloyd2", 256),
                                          ("fwht2/lloyd3", 256), ("lloyd4/lloyd4", 256),
-                                         ("lloyd2/q8", 256)])
+                                         ("lloyd2/q8", 256), ("fwht4/fwht4", 128),
+                                         ("fwht4/fwht2", 128), ("fwht2/fwht4", 128),
+                                         ("fwht4/fwht4", 256), ("lloyd4/fwht2", 256),
+                                         ("fwht3/fwht3", 256)])
 def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
     # The rotated-basis computation (scores from q_rot and C[codes], V summed in R256 and
     # rotated back once) is attention over the decoded rows, up to float64 rounding.
@@ -167,7 +170,9 @@ def test_compressed_reference_equals_attention_on_the_decoded_kv(kv_dtype, hd):
 @pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX not installed")
 @pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd4", 256),
                                          ("fwht3/lloyd2", 256), ("q8", 64),
-                                         ("lloyd4/lloyd3", 256)])
+                                         ("lloyd4/lloyd3", 256), ("fwht4/fwht4", 128),
+                                         ("fwht2/fwht2", 128), ("fwht4/fwht2", 256),
+                                         ("lloyd4/fwht3", 256)])
 def test_mlx_attention_reads_records_like_the_reference(kv_dtype, hd):
     import mlx.core as mx
 
@@ -342,20 +347,22 @@ def _assert_within(got, want, rtol, atol_rel, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["fwht4/q8", "fwht4/lloyd4", "fwht2/lloyd2"])
-def test_gpu_compressed_attention_tracks_attention_on_the_decoded_kv(device, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,hd", [("fwht4/q8", 256), ("fwht4/lloyd4", 256),
+                                         ("fwht2/lloyd2", 256), ("fwht4/fwht4", 128),
+                                         ("fwht2/fwht2", 128)])
+def test_gpu_compressed_attention_tracks_attention_on_the_decoded_kv(device, kv_dtype, hd):
     # The same compressed pool read as stored (GPU) and decoded to float16 first (GPU f16
     # kernel): what the rotated-basis computation must equal up to float rounding.
-    k_pool, v_pool, tables, lens = _paged_case([700, 65], kv_heads=2, head_dim=256,
+    k_pool, v_pool, tables, lens = _paged_case([700, 65], kv_heads=2, head_dim=hd,
                                                block_size=16, kv_dtype=kv_dtype)
-    q = RNG.standard_normal((2, 8, 256)).astype(np.float32)
+    q = RNG.standard_normal((2, 8, hd)).astype(np.float32)
     outs = []
     for dt, kp, vp in ((kv_dtype, k_pool, v_pool),
-                       ("float16", *(kv.decode(p, m, 256).astype(np.float16) for p, m in
+                       ("float16", *(kv.decode(p, m, hd).astype(np.float16) for p, m in
                                      zip((k_pool, v_pool), kv.split_kv_dtype(kv_dtype),
                                          strict=True)))):
         attn = kvcache.PagedAttention(device, num_seqs=2, num_heads=8, kv_heads=2,
-                                      head_dim=256, block_size=16, max_seq_len=700,
+                                      head_dim=hd, block_size=16, max_seq_len=700,
                                       kv_dtype=dt)
         out = poisoned(device, q.shape, np.float32)
         attn.run(device.array(q), device.array(kp), device.array(vp), device.array(tables),

@@ -270,7 +270,9 @@ def test_bad_input_raises_and_names_it():
                                        ("fwht4/q8", "fwht4", "q8"),
                                        ("fwht3/lloyd2", "fwht3", "lloyd2"),
                                        ("lloyd4/lloyd4", "lloyd4", "lloyd4"),
-                                       ("lloyd2/q8", "lloyd2", "q8")])
+                                       ("lloyd2/q8", "lloyd2", "q8"),
+                                       ("lloyd4/fwht4", "lloyd4", "fwht4"),
+                                       ("fwht4/fwht2", "fwht4", "fwht2")])
 def test_kv_dtype_names(dtype, k, v):
     assert kv.split_kv_dtype(dtype) == (k, v)
     assert kv.join_kv_dtype(k, v) == dtype
@@ -278,7 +280,7 @@ def test_kv_dtype_names(dtype, k, v):
 
 @pytest.mark.parametrize("dtype,match", [
     ("fwht4", "name both sides"), ("lloyd4", "name both sides"), ("q8/lloyd4", "rotated K"),
-    ("lloyd4/fwht4", "V one of"), ("float16/q8", "K must be one of"),
+    ("lloyd4/fwht5", "V one of"), ("q8/fwht4", "rotated K"), ("float16/q8", "K must be one of"),
     ("int8", "not a pool dtype")])
 def test_kv_dtype_names_refused(dtype, match):
     with pytest.raises(errors.InvalidArgument, match=match):

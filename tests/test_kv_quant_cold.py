@@ -45,7 +45,8 @@ def _fill(adapter, geometry, seq, tokens, seed=0):
 
 
 @pytest.mark.parametrize("dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd4", 256),
-                                      ("fwht3/lloyd2", 256)])
+                                      ("fwht3/lloyd2", 256), ("fwht4/fwht4", 128),
+                                      ("fwht4/fwht2", 128)])
 def test_compressed_blocks_persist_as_they_are_and_restore_byte_for_byte(tmp_path, dtype, hd):
     g = PoolGeometry(2, 2, hd, 4, dtype)
     toks = np.arange(1, 13, dtype=np.uint32)

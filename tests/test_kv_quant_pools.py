@@ -20,7 +20,10 @@ BACKENDS = ["numpy", pytest.param("mlx", marks=pytest.mark.skipif(not HAVE_MLX,
                                                                    reason="MLX not installed"))]
 RNG = np.random.default_rng()
 CASES = [("q8", 64), ("fwht4/q8", 128), ("fwht2/q8", 128), ("fwht4/lloyd4", 256),
-         ("fwht3/lloyd2", 256), ("fwht4/lloyd3", 256), ("q8/q8", 128)]
+         ("fwht3/lloyd2", 256), ("fwht4/lloyd3", 256), ("q8/q8", 128),
+         # fwht modes on V (pagedkv's extension): head_dim 128's sub-8-bit V
+         ("fwht4/fwht4", 128), ("fwht2/fwht4", 128), ("fwht4/fwht2", 128),
+         ("lloyd4/fwht3", 256)]
 
 
 def _np(x):

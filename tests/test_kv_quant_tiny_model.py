@@ -24,7 +24,8 @@ SMALL = ["demo", "--no-cold", "--requests", "3", "--system-tokens", "32", "--few
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kv_dtype,hd", [("q8", 32), ("fwht2/q8", 128), ("fwht3/lloyd3", 256)])
+@pytest.mark.parametrize("kv_dtype,hd", [("q8", 32), ("fwht2/q8", 128), ("fwht3/lloyd3", 256),
+                                         ("fwht4/fwht4", 128), ("fwht4/fwht2", 128)])
 def test_paged_equals_flat_bit_for_bit_on_a_kv_mode(backend, kv_dtype, hd):
     model = ReferenceModel(ReferenceConfig(head_dim=hd, seed=3), backend=backend,
                            kv_dtype=kv_dtype)
@@ -59,6 +60,14 @@ def test_demo_runs_on_a_kv_mode_and_keeps_parity(capsys):
     assert "parity: OK (3/3" in out
 
 
+def test_demo_runs_an_fwht_v_at_head_dim_128(capsys):
+    assert main(SMALL + ["--kv-mode", "fwht4", "--kv-v", "fwht4"]) == 0
+    out = capsys.readouterr().out
+    # 2 layers x 2 kv heads x (68 + 68) bytes at head_dim 128
+    assert "KV cache: fwht4/fwht4 at head_dim 128, 544 bytes per token (26.6% of float16)" in out
+    assert "parity: OK (3/3" in out
+
+
 def test_demo_takes_the_mode_from_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("PAGEDKV_KV_MODE", "asym4")  # upstream's name of fwht4
     monkeypatch.setenv("PAGEDKV_KV_V", "lloyd2")
@@ -69,6 +78,8 @@ def test_demo_takes_the_mode_from_the_environment(capsys, monkeypatch):
 @pytest.mark.parametrize("argv,env,message", [
     (["--kv-mode", "fwht9"], {}, "argument k = 'fwht9': accepted values are"),
     (["--kv-v", "lloyd4"], {}, "needs a rotated K"),
+    (["--kv-v", "fwht4"], {}, "needs a rotated K"),
+    (["--kv-mode", "fwht4", "--kv-v", "turbo4"], {}, "argument v = 'turbo4': accepted values"),
     ([], {"PAGEDKV_KV_ADAPTIVE": "balanced"}, "the demo serves many sequences"),
     (["--kv-mode", "bf16"], {}, "computes in float32"),
 ])

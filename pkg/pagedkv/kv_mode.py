@@ -22,7 +22,9 @@ it came from, the value and what is accepted: a silent fallback would change out
 K values: ``q8``, ``fwht4``, ``fwht3``, ``fwht2``, ``auto``, ``bf16`` (an unquantized
 bfloat16 cache), and pagedkv's ``lloyd4``/``lloyd3``/``lloyd2`` for K (head_dim 256); the deprecated upstream names ``asym2/3/4``, ``turbo2/3/4`` and ``turbo``
 (= 3) mean ``fwhtN`` (accepted, warned once); ``legacy-asym*`` (Givens rotation) and ``fp8``
-are refused. V values: ``q8``, ``lloyd4``, ``lloyd3``, ``lloyd2``, ``auto``, ``bf16``.
+are refused. V values: ``q8``, ``lloyd4``, ``lloyd3``, ``lloyd2``, ``auto``, ``bf16``, and
+pagedkv's ``fwht4``/``fwht2`` for V (head_dim 128 or 256) and ``fwht3`` (head_dim 256,
+lloyd3's bytes); a rotated V (lloydN or fwhtN) needs a rotated K.
 Adaptive values: :mod:`pagedkv.kv_adaptive`.
 """
 
@@ -66,7 +68,7 @@ KNOBS = {
                      "off"),
 }
 _K_VALUES = ("q8", "fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3", "lloyd2", "auto", "bf16")
-_V_VALUES = ("q8", "lloyd4", "lloyd3", "lloyd2", "auto", "bf16")
+_V_VALUES = ("q8", "lloyd4", "lloyd3", "lloyd2", "fwht4", "fwht3", "fwht2", "auto", "bf16")
 # Upstream's deprecated K names (hipfire kv_mode.rs): the same records as fwhtN.
 _K_DEPRECATED = {"asym2": "fwht2", "asym3": "fwht3", "asym4": "fwht4", "turbo2": "fwht2",
                  "turbo3": "fwht3", "turbo4": "fwht4", "turbo": "fwht3"}
@@ -162,7 +164,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     ``k``/``v``/``adaptive``: explicit arguments (a CLI flag); ``model_config`` and
     ``global_config``: mappings with the keys ``kv_cache``, ``kv_v``, ``kv_adaptive``;
     ``model``: the name of a :func:`register_model_kv_defaults` entry. Checks the pairing
-    (lloyd V needs a rotated K, bf16 on one side means bf16 on both) and that adaptive
+    (a rotated V needs a rotated K, bf16 on one side means bf16 on both) and that adaptive
     runs without an explicit K or V mode."""
     env = os.environ if environ is None else environ
     explicit = {"k": k, "v": v, "adaptive": adaptive}
@@ -221,8 +223,8 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
             raise InvalidArgument(
                 f"K {out['k']!r} ({sources['k']}) with V {out['v']!r} ({sources['v']}): an "
                 f"unquantized bf16 cache is bf16 on both sides")
-    if out["v"].startswith("lloyd") and out["k"] == "q8":
+    if out["v"] not in ("q8", "bf16") and out["k"] == "q8":
         raise InvalidArgument(
-            f"V {out['v']!r} ({sources['v']}) needs a rotated K (fwht4, fwht3, fwht2 or "
-            f"lloydN); K is {out['k']!r} ({sources['k']})")
+            f"V {out['v']!r} ({sources['v']}) is a rotated V, which needs a rotated K (fwht4, "
+            f"fwht3, fwht2 or lloydN); K is {out['k']!r} ({sources['k']})")
     return KVModeChoice(out["k"], out["v"], out["adaptive"], sources)

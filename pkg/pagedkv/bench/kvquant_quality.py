@@ -137,8 +137,7 @@ def _f16(x: np.ndarray) -> np.ndarray:
 
 def codecs(head_dim: int) -> dict[str, Codec]:
     """Every side codec measured at ``head_dim``: float16, pagedkv's modes and the peers,
-    each on both sides (fwhtN on V is no pool dtype: its V column says what a V mode of
-    the 128 family would give, docs/kv-quant.md "Quality")."""
+    each on both sides (fwhtN on V is pagedkv's V extension, docs/kv-quant.md "Modes")."""
     from pagedkv.quant import kv
     out = [Codec("float16", lambda d: 16.0, _f16), Codec("pagedkv q8", _record_bits("q8"),
                                                           _ours("q8"))]
@@ -153,20 +152,18 @@ def codecs(head_dim: int) -> dict[str, Codec]:
 
 
 def pairs(head_dim: int) -> list[Pair]:
-    """K+V storages at ``head_dim``: pagedkv's pool dtypes (plus, where no lloyd V exists,
-    the fwht codec on V, marked ``*``), each one-side peer on both sides, and vLLM's
-    turboquant presets."""
+    """K+V storages at ``head_dim``: pagedkv's pool dtypes (where no lloyd V exists, the
+    fwht V modes; the unbiased-cnorm variants, not pool dtypes, marked ``*``), each one-side
+    peer on both sides, and vLLM's turboquant presets."""
     from pagedkv.quant import kv
     ks = [m for m in ("fwht4", "fwht3", "fwht2", "lloyd4")
           if kv.kv_mode(m).supports(head_dim)]
     vs = ["q8"] + [m for m in ("lloyd4", "lloyd3", "lloyd2") if kv.kv_mode(m).supports(head_dim)]
+    if len(vs) == 1:  # no lloyd V at this head_dim (128): pagedkv's fwht V modes
+        vs += ["fwht4", "fwht2"]
     out = [Pair("float16", "float16", "float16"), Pair("pagedkv q8", "pagedkv q8", "pagedkv q8")]
     out += [Pair(f"pagedkv {k}/{v}", f"pagedkv {k}", f"pagedkv {v}") for k in ks for v in vs]
     if not kv.kv_mode("lloyd4").supports(head_dim):
-        # no V mode below q8 at this head_dim: what the fwht codec would give on V (the
-        # 128-family tables; not a pool dtype, docs/kv-quant.md "Quality")
-        out += [Pair(f"pagedkv fwht4/{v} *", "pagedkv fwht4", f"pagedkv {v}")
-                for v in ("fwht4", "fwht2")]
         out.append(Pair("pagedkv fwht4 ub/fwht4 ub *", "pagedkv fwht4 ub *",
                         "pagedkv fwht4 ub *"))
     else:

@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="K mode of the KV cache: q8, fwht4, fwht3, fwht2, auto "
                         "(docs/kv-quant.md; also PAGEDKV_KV_MODE). Default: float32 KV")
     p.add_argument("--kv-v", default=None, metavar="MODE",
-                   help="V mode with --kv-mode: q8, lloyd4, lloyd3, lloyd2 (also PAGEDKV_KV_V)")
+                   help="V mode with --kv-mode: q8, lloyd4, lloyd3, lloyd2 (head_dim 256), "
+                        "fwht4, fwht2 (head_dim 128), fwht3 (also PAGEDKV_KV_V)")
     p.add_argument("--engine", choices=("reference", "mlx-lm"), default="reference",
                    help="model code: pagedkv's reference transformer, or mlx-lm's (with "
                         "pagedkv as its prompt cache; needs pagedkv[mlx-lm])")

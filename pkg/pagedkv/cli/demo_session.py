@@ -53,7 +53,8 @@ def kv_dtype_for(args: argparse.Namespace) -> str:
 
 def head_dim_for(kv_dtype: str) -> int:
     """The reference model's head_dim for a KV storage: 16 for float32 (fast), else the
-    smallest the modes store (q8: 32, fwht4/fwht2: 128, fwht3 and lloyd: 256)."""
+    smallest the modes store (q8: 32, fwht4/fwht2 on either side: 128, fwht3 and lloyd:
+    256)."""
     from pagedkv.quant import kv
     if kv_dtype == "float32":
         return 16

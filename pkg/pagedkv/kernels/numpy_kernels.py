@@ -65,7 +65,7 @@ def kv_q8_dequantize(records: np.ndarray, head_dim: int) -> np.ndarray:
     return (d * q).reshape(*records.shape[:-1], head_dim)
 
 
-# --- rotated KV modes (fwhtN K, lloydN V): an independent float32 transcription -------
+# --- rotated KV modes (fwhtN K or V, lloydN V or K): an independent float32 transcription -------
 
 #: mode -> (bits, rotation block / table family)
 KV_ROTATED_MODES = {"fwht4": (4, 128), "fwht3": (3, 256), "fwht2": (2, 128),
@@ -245,8 +245,9 @@ def paged_attention_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray
     ``q``: ``[seqs, heads, head_dim]``; pools ``[num_blocks, block_size, kv_heads, row]``;
     query head ``h`` reads KV head ``h // (heads // kv_heads)``. ``kv_dtype``: one dtype for
     both sides or ``"<K>/<V>"``. A rotated K is scored in its rotated basis
-    (``scale * cnorm_t * q_rot · C[codes_t]``), a lloyd V is accumulated in the R256 basis
-    and rotated back once per head (docs/kv-quant.md "Attention over compressed KV"). An
+    (``scale * cnorm_t * q_rot · C[codes_t]``), a rotated V (lloydN: R256; fwht4/fwht2: R128
+    per 128-half; fwht3: R256) is accumulated in its rotated basis and rotated back once per
+    head (docs/kv-quant.md "Attention over compressed KV"). An
     empty sequence gives zeros. Returns ``float32[seqs, heads, head_dim]``.
     """
     k_side, v_side = _kv_sides(kv_dtype)
@@ -276,8 +277,16 @@ def paged_attention_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray
                 p = p * v_cnorm[blocks, offs, h // group]
             out[s, h] = p @ vs[:, h // group]
     if v_cnorm is not None:
-        out = out @ _rotation_matrix(256)  # Rᵀ applied to each row: row @ R
+        out = _unrotate_rows(out, KV_ROTATED_MODES[v_side][1])
     return out.astype(np.float32)
+
+
+def _unrotate_rows(x: np.ndarray, rot: int) -> np.ndarray:
+    """Rᵀ of each ``rot``-block of the rows of float64 ``x`` [..., hd] (R256, or R128 per
+    128-half): the way back from a rotated V's basis."""
+    hd = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], hd // rot, rot)
+    return (blocks @ _rotation_matrix(rot)).reshape(x.shape)  # Rᵀ of a row: row @ R
 
 
 def copy_blocks(src: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray,

@@ -6,15 +6,16 @@ A *mode* says how one (token, kv-head) row of ``head_dim`` values is stored:
 mode      side   bits  rotation                  row bytes
 ========  =====  ====  ========================  ==========================================
 q8        K, V   8     none                      ``head_dim/32 * 34``
-fwht4     K      4     R128 per 128-half         ``4 + head_dim/2`` (hd 128 or 256)
-fwht3     K      3     R256                      ``4 + 3*head_dim/8`` (hd 256)
-fwht2     K      2     R128 per 128-half         ``4 + head_dim/4`` (hd 128 or 256)
+fwht4     K, V   4     R128 per 128-half         ``4 + head_dim/2`` (hd 128 or 256)
+fwht3     K, V   3     R256                      ``4 + 3*head_dim/8`` (hd 256)
+fwht2     K, V   2     R128 per 128-half         ``4 + head_dim/4`` (hd 128 or 256)
 lloyd4/3/2 V     4/3/2 R256                      ``4 + head_dim*b/8`` (hd 256)
 ========  =====  ====  ========================  ==========================================
 
 A pool's *KV dtype* names both sides: ``"float16"``, ``"bfloat16"``, ``"float32"`` or
-``"q8"`` for both, or ``"<K mode>/<V mode>"`` (``"fwht4/q8"``, ``"fwht4/lloyd4"``); lloyd V
-needs a rotated K; K may also be a lloyd mode (docs/kv-quant.md "Modes"). :func:`encode` and :func:`decode` take NumPy
+``"q8"`` for both, or ``"<K mode>/<V mode>"`` (``"fwht4/q8"``, ``"fwht4/lloyd4"``); a rotated
+V needs a rotated K; K may also be a lloyd mode and V an fwht mode (pagedkv's extensions,
+docs/kv-quant.md "Modes"). :func:`encode` and :func:`decode` take NumPy
 arrays (the Cython codecs) or ``mx.array`` (MLX array ops, :mod:`pagedkv.quant.kv_mlx`).
 """
 
@@ -49,13 +50,18 @@ UNQUANTIZED_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: K takes the lloyd modes too (pagedkv's extension, docs/kv-quant.md "Modes"): at head_dim
 #: 256 they are the R256 quantizer with matched tables (lloyd3 writes fwht3's bytes).
 K_MODES = ("q8", "fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3", "lloyd2")
-V_MODES = ("q8", "lloyd4", "lloyd3", "lloyd2")
+#: V takes the fwht modes too (pagedkv's extension, docs/kv-quant.md "Modes"): the fwhtN
+#: K codec's records, bytes and head_dims unchanged (fwht4/fwht2: R128 per half, hd 128 or
+#: 256; fwht3: R256, hd 256, lloyd3's bytes), so head_dim 128 has a 4- and 2-bit V.
+V_MODES = ("q8", "lloyd4", "lloyd3", "lloyd2", "fwht4", "fwht3", "fwht2")
 
 
 @dataclass(frozen=True, slots=True)
 class KVMode:
     """One KV-cache mode: ``name``, the header's ``id`` (``PKV_KV_MODE_*``), ``sides``
-    (``"KV"``, ``"K"`` or ``"V"``), code ``bits`` and ``rotation`` (0, 128 or 256)."""
+    (``"KV"``, ``"K"`` or ``"V"``: the sides its table family is named for; fwhtN is ``"KV"``
+    since V takes it too, lloydN stays ``"V"``), code ``bits`` and ``rotation`` (0, 128 or
+    256)."""
 
     name: str
     id: int
@@ -95,7 +101,7 @@ def _mode(name: str, sides: str) -> KVMode:
 #: Every KV mode by name.
 KV_MODES: dict[str, KVMode] = {
     "q8": _mode("q8", "KV"),
-    **{n: _mode(n, "K") for n in ("fwht4", "fwht3", "fwht2")},
+    **{n: _mode(n, "KV") for n in ("fwht4", "fwht3", "fwht2")},
     **{n: _mode(n, "V") for n in ("lloyd4", "lloyd3", "lloyd2")},
 }
 
@@ -126,9 +132,10 @@ def split_kv_dtype(dtype: str) -> tuple[str, str]:
     if k not in K_MODES or v not in V_MODES:
         raise InvalidArgument(f"dtype {dtype!r}: K must be one of {list(K_MODES)} and V one "
                               f"of {list(V_MODES)}")
-    if v.startswith("lloyd") and k == "q8":
-        raise InvalidArgument(f"dtype {dtype!r}: lloyd V needs a rotated K (fwht4, fwht3, "
-                              f"fwht2 or lloydN)")
+    if v != "q8" and k == "q8":
+        raise InvalidArgument(f"dtype {dtype!r}: a rotated V ({v}) needs a rotated K (fwht4, "
+                              f"fwht3, fwht2 or lloydN): the compressed attention kernels "
+                              f"score a rotated K")
     return k, v
 
 

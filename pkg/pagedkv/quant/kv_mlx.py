@@ -208,8 +208,8 @@ def attention_decode(q: Any, k: Any, v: Any, k_mode, v_mode, head_dim: int, scal
     ``q``: float32 ``[heads, head_dim]``; ``k``/``v``: ``[n, kv_heads, row]`` records of
     ``k_mode``/``v_mode`` (:class:`~pagedkv.quant.kv.KVMode`) or float values (mode
     ``None``). A rotated K is scored in its basis (``scale * cnorm_t * q_rot · C[codes_t]``,
-    ``q`` rotated once per head); a lloyd V is summed in the R256 basis and rotated back
-    once per head (docs/kv-quant.md "Attention over compressed KV"). Returns float32
+    ``q`` rotated once per head); a rotated V is summed in its basis (lloydN and fwht3:
+    R256; fwht4/fwht2: R128 per half) and rotated back once per head (docs/kv-quant.md "Attention over compressed KV"). Returns float32
     ``[heads, head_dim]``."""
     mx = _mx()
     heads = q.shape[0]
@@ -237,5 +237,5 @@ def attention_decode(q: Any, k: Any, v: Any, k_mode, v_mode, head_dim: int, scal
         p = p * mx.transpose(v_cn)[:, None, :]
     out = mx.einsum("kgn,nkd->kgd", p, vf)
     if v_cn is not None:
-        out = _rotate(out, 256, inverse=True)
+        out = _rotate(out, v_mode.rotation, inverse=True)  # R256, or R128 per half (fwht V)
     return out.reshape(heads, head_dim)

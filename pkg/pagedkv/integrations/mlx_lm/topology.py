@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 #: Unquantized pool dtypes a paged prompt cache stores; it also stores every KV mode
-#: (``"q8"``, ``"fwht4/q8"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md).
+#: (``"q8"``, ``"fwht4/q8"``, ``"fwht4/fwht4"``, ``"fwht4/lloyd4"``, ...: docs/kv-quant.md).
 POOL_DTYPES = ("float16", "bfloat16", "float32")
 #: Blocks a group's pool starts with when neither ``initial_blocks`` nor the env knob says.
 DEFAULT_INITIAL_BLOCKS = 64
@@ -52,11 +52,11 @@ def dtype_name(dtype) -> str:
         return name
     try:
         return kv_modes.join_kv_dtype(*kv_modes.split_kv_dtype(text))
-    except InvalidArgument:
+    except InvalidArgument as exc:
         raise InvalidArgument(
             f"dtype: {dtype!r} is not a paged prompt-cache dtype; use one of "
-            f"{list(POOL_DTYPES)} or a KV mode such as 'q8', 'fwht4/q8' or 'fwht4/lloyd4' "
-            f"(docs/kv-quant.md)") from None
+            f"{list(POOL_DTYPES)} or a KV mode such as 'q8', 'fwht4/q8', 'fwht4/fwht4' or "
+            f"'fwht4/lloyd4' (docs/kv-quant.md; the KV-mode check says: {exc})") from None
 
 
 @dataclass(frozen=True, slots=True)
