@@ -893,9 +893,11 @@ PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true)
 // or R256, KROT):
 // q is rotated once per CTA into the K basis, in shared memory, and a token's score is
 // scale * cnorm_t * sum_d q_rot[d] * C[code_t[d]]. V is q8 (VBITS 8, dequantized per
-// lane as in the q8 kernel) or lloyd (VBITS 4/3/2, R256): sum_t p_t * cnorm_t *
-// C[code_t[d]] accumulates in the rotated basis and pkv_paged_attention_reduce_ifwht256
-// rotates each head's combined output back once. Centroid tables sit in shared memory
+// lane as in the q8 kernel) or rotated (VBITS 4/3/2 in the VROT basis: lloyd, R256; or
+// pagedkv's fwht V, fwht4/fwht2 in R128 per half): sum_t p_t * cnorm_t * C[code_t[d]]
+// accumulates in the rotated basis and pkv_paged_attention_reduce_ifwht256 (VROT 256) or
+// pkv_paged_attention_reduce_ifwht128 (VROT 128) rotates each head's combined output back
+// once. Centroid tables sit in shared memory
 // (16 floats in 16 banks: lanes that look up different codes never conflict).
 //
 // Lanes hold 8 consecutive dims of a row, as in the kernel above: 8 codes are KBITS
@@ -1057,7 +1059,7 @@ pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* poo
   kv_rotated_write<uint16_t>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
 }
 
-template <int KBITS, int KROT, int VBITS, int GMAX>
+template <int KBITS, int KROT, int VBITS, int VROT, int GMAX>
 PKV_DEV void paged_attention_quant_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -1094,7 +1096,7 @@ PKV_DEV void paged_attention_quant_partition(
     const int t = threadIdx.x;
     ctab_k[t] = kKvCentroids[pkv_kv_centroid_offset(KBITS, KROT) + min(t, (1 << KBITS) - 1)];
     if (!V_Q8)
-      ctab_v[t] = kKvCentroids[pkv_kv_centroid_offset(VBITS, 256) + min(t, (1 << VBITS) - 1)];
+      ctab_v[t] = kKvCentroids[pkv_kv_centroid_offset(VBITS, VROT) + min(t, (1 << VBITS) - 1)];
   }
   for (int e = threadIdx.x; e < GMAX * head_dim; e += PKV_ATTN_THREADS) {
     const int g = e / head_dim;
@@ -1207,8 +1209,8 @@ PKV_DEV void paged_attention_quant_partition(
   }
   __syncthreads();
 
-  // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims (lloyd: p_t * cnorm_t * C[code]
-  // in the rotated basis).
+  // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims (rotated V: p_t * cnorm_t *
+  // C[code] in the VROT basis).
   float acc[GMAX][8];
 #pragma unroll
   for (int g = 0; g < GMAX; ++g)
@@ -1313,53 +1315,50 @@ PKV_DEV void paged_attention_quant_partition(
 }
 
 // Kernel names: pkv_paged_attention_<K mode>_<V mode>_g<GMAX>; the modes' widths and
-// rotations are those of pagedkv/kvquant.h (pkv_kv_mode_bits / pkv_kv_mode_rotation).
-#define PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, GMAX)                               \
+// rotations are those of pagedkv/kvquant.h (pkv_kv_mode_bits / pkv_kv_mode_rotation; VROT
+// 0 for a q8 V).
+#define PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, GMAX)                         \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_QKV)                   \
       pkv_paged_attention_##KNAME##_##VNAME##_g##GMAX(                                         \
           const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
           const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \
           float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,          \
           int head_dim, int block_size, int table_width, int max_partitions) {                 \
-    paged_attention_quant_partition<KBITS, KROT, VBITS, GMAX>(                                 \
+    paged_attention_quant_partition<KBITS, KROT, VBITS, VROT, GMAX>(                           \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,        \
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);               \
   }
-#define PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, VNAME, VBITS)  \
-  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 1)     \
-  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 2)     \
-  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 4)     \
-  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, 8)
+#define PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, VNAME, VBITS, VROT)  \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 1)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 2)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 4)     \
+  PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 8)
+// Every V of one K: q8, lloyd4/3/2 (R256) and pagedkv's fwht4/fwht2 V (R128 per half; an
+// fwht3 V is lloyd3's bytes and tables and runs the lloyd3 kernels).
+#define PKV_ATTN_QKERNELS_ALL_V(KNAME, KBITS, KROT)     \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, q8, 8, 0)       \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, lloyd4, 4, 256) \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, lloyd3, 3, 256) \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, lloyd2, 2, 256) \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, fwht4, 4, 128)  \
+  PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, fwht2, 2, 128)
 
-PKV_ATTN_QKERNELS(fwht4, 4, 128, q8, 8)
-PKV_ATTN_QKERNELS(fwht3, 3, 256, q8, 8)
-PKV_ATTN_QKERNELS(fwht2, 2, 128, q8, 8)
-PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd4, 4)
-PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd3, 3)
-PKV_ATTN_QKERNELS(fwht4, 4, 128, lloyd2, 2)
-PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd4, 4)
-PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd3, 3)
-PKV_ATTN_QKERNELS(fwht3, 3, 256, lloyd2, 2)
-PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd4, 4)
-PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd3, 3)
-PKV_ATTN_QKERNELS(fwht2, 2, 128, lloyd2, 2)
+PKV_ATTN_QKERNELS_ALL_V(fwht4, 4, 128)
+PKV_ATTN_QKERNELS_ALL_V(fwht3, 3, 256)
+PKV_ATTN_QKERNELS_ALL_V(fwht2, 2, 128)
 // K in a lloyd mode (pagedkv's extension: R256 with the matched 256-family tables); a lloyd3
 // K is fwht3's bytes and runs the fwht3 kernels.
-PKV_ATTN_QKERNELS(lloyd4, 4, 256, q8, 8)
-PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd4, 4)
-PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd3, 3)
-PKV_ATTN_QKERNELS(lloyd4, 4, 256, lloyd2, 2)
-PKV_ATTN_QKERNELS(lloyd2, 2, 256, q8, 8)
-PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd4, 4)
-PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd3, 3)
-PKV_ATTN_QKERNELS(lloyd2, 2, 256, lloyd2, 2)
+PKV_ATTN_QKERNELS_ALL_V(lloyd4, 4, 256)
+PKV_ATTN_QKERNELS_ALL_V(lloyd2, 2, 256)
 
-// The reduce of a lloyd V: combine the partitions in the R256 basis, then rotate each
-// (seq, head) row back (R^T) before writing it. 256 threads, one per dim.
-PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const float* part_max,
-                                                    const float* part_sum, const int32_t* seq_lens,
-                                                    float* out, int num_heads, int head_dim,
-                                                    int max_partitions, int partition_tokens) {
+// The reduce of a rotated V: combine the partitions in the V basis, then rotate each
+// (seq, head) row back (R^T per ROT-block) before writing it. head_dim threads, one per dim
+// (head_dim <= 256).
+template <int ROT>
+PKV_DEV void paged_attention_reduce_unrotate(const float* part_out, const float* part_max,
+                                             const float* part_sum, const int32_t* seq_lens,
+                                             float* out, int num_heads, int head_dim,
+                                             int max_partitions, int partition_tokens) {
   __shared__ float buf[256];
   const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int n_parts = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
@@ -1374,8 +1373,26 @@ PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const
     s += expf(part_max[hp + p] - m) * part_out[(hp + p) * head_dim + d];
   buf[d] = s * inv;
   __syncthreads();
-  rotate_shared<256>(buf, 256, true);
+  rotate_shared<ROT>(buf, head_dim, true);
   out[((int64_t)seq * num_heads + h) * head_dim + d] = buf[d];
+}
+
+// A lloyd V (or fwht3 V): R256, 256 threads.
+PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const float* part_max,
+                                                    const float* part_sum, const int32_t* seq_lens,
+                                                    float* out, int num_heads, int head_dim,
+                                                    int max_partitions, int partition_tokens) {
+  paged_attention_reduce_unrotate<256>(part_out, part_max, part_sum, seq_lens, out, num_heads,
+                                       head_dim, max_partitions, partition_tokens);
+}
+
+// pagedkv's fwht4/fwht2 V: R128 on each 128-half, head_dim (128 or 256) threads.
+PKV_KERNEL void pkv_paged_attention_reduce_ifwht128(const float* part_out, const float* part_max,
+                                                    const float* part_sum, const int32_t* seq_lens,
+                                                    float* out, int num_heads, int head_dim,
+                                                    int max_partitions, int partition_tokens) {
+  paged_attention_reduce_unrotate<128>(part_out, part_max, part_sum, seq_lens, out, num_heads,
+                                       head_dim, max_partitions, partition_tokens);
 }
 
 // Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.

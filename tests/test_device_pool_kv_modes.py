@@ -233,7 +233,9 @@ def test_gpu_kv_rotated_write_gives_the_host_codec_bytes(device, mode, hd, src_d
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,hd", [("fwht4/q8", 128), ("fwht2/q8", 128),
                                       ("fwht4/lloyd4", 256), ("fwht3/lloyd3", 256),
-                                      ("lloyd4/lloyd4", 256), ("fwht2/lloyd2", 256)])
+                                      ("lloyd4/lloyd4", 256), ("fwht2/lloyd2", 256),
+                                      ("fwht4/fwht4", 128), ("fwht4/fwht2", 128),
+                                      ("lloyd4/fwht3", 256)])
 def test_gpu_write_kv_then_attention_over_a_kv_mode_pool(device, dtype, hd):
     g, pool, adapter, ids, batch = _decode_setup(device, dtype, hd, contexts=(3, 30, 17))
     for s in ids:  # every position, encoded on the host; write_kv then rewrites the last
@@ -258,7 +260,8 @@ def test_gpu_write_kv_then_attention_over_a_kv_mode_pool(device, dtype, hd):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd3", 256)])
+@pytest.mark.parametrize("dtype,hd", [("fwht4/q8", 128), ("fwht4/lloyd3", 256),
+                                      ("fwht4/fwht4", 128)])
 def test_gpu_kv_mode_device_pool_matches_the_numpy_pool(device, dtype, hd):
     g = geometry(dtype, layers=3, head_dim=hd, block_size=16)
     pools = [LayerKVPool(g, 5, 40, backend="device", device=device), LayerKVPool(g, 5, 40)]

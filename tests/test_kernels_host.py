@@ -460,6 +460,16 @@ def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_l
      "pkv_paged_attention_reduce", 256),
     ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
+    # pagedkv's fwht V: R128 per half, rotated back by the ifwht128 reduce (head_dim
+    # threads); an fwht3 V runs lloyd3's kernels
+    ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_g4",
+     "pkv_paged_attention_reduce_ifwht128", 128),
+    ("fwht2/fwht4", 128, 2, 36, 68, "pkv_paged_attention_fwht2_fwht4_g1",
+     "pkv_paged_attention_reduce_ifwht128", 128),
+    ("lloyd4/fwht2", 256, 16, 132, 68, "pkv_paged_attention_lloyd4_fwht2_g8",
+     "pkv_paged_attention_reduce_ifwht128", 256),
+    ("lloyd3/fwht3", 256, 4, 100, 100, "pkv_paged_attention_fwht3_lloyd3_g2",
+     "pkv_paged_attention_reduce_ifwht256", 256),
 ])
 def test_compressed_attention_picks_its_kernels_and_reads_records(kv_dtype, head_dim, heads,
                                                                   k_row, v_row, partition,
@@ -566,11 +576,12 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     objects = [n for n in code_objects.list_objects() if n.startswith("kvcache.")]
     if not objects:
         pytest.skip("built without a GPU compiler: no kernel objects")
-    names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/', '_')}_g{g}"
-             for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
+    names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
+             .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
     names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc")
               for g in (1, 2, 4, 8)}
-    names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256"}
+    names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256",
+              "pkv_paged_attention_reduce_ifwht128"}
     for obj in objects:
         backend, arch = ("cuda", "") if obj.endswith(".fatbin") else ("hip", obj.split(".")[1])
         data = code_objects.read_object("kvcache", backend, arch)

@@ -277,6 +277,16 @@ ATTN_CASES = [
     ("lloyd4/q8", 4, 4, 256, 16, [513, 60]),
     ("lloyd2/lloyd3", 2, 1, 256, 8, [900, 2]),
     ("lloyd3/lloyd4", 8, 2, 256, 16, [555]),
+    # fwht modes on V (pagedkv's extension: the K codec's records, summed in R128 per half
+    # and rotated back by pkv_paged_attention_reduce_ifwht128; fwht3 V runs lloyd3's)
+    ("fwht4/fwht4", 8, 2, 128, 16, [1, 17, 600, 1100, 0]),
+    ("fwht4/fwht2", 4, 4, 128, 8, [513, 31]),
+    ("fwht2/fwht4", 16, 2, 128, 16, [40, 1030]),
+    ("fwht2/fwht2", 2, 1, 128, 16, [2049, 3]),
+    ("fwht4/fwht4", 8, 2, 256, 16, [300, 1600]),
+    ("lloyd4/fwht2", 4, 1, 256, 16, [1500, 9]),
+    ("fwht3/fwht4", 6, 2, 256, 16, [1025, 5]),
+    ("lloyd3/fwht3", 8, 2, 256, 16, [555, 64]),
 ]
 
 

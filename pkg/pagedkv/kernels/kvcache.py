@@ -47,12 +47,14 @@ ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
 ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
-#: mode on K) with a q8 or lloyd V.
+#: mode on K) with a q8, lloyd or fwht V (pagedkv's extension, docs/kv-quant.md "Modes").
 QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3",
                                              "lloyd2")
-                        for v in ("q8", "lloyd4", "lloyd3", "lloyd2"))
-# A lloyd3 K is fwht3's bytes and tables (R256, 3-bit 256 family): it runs fwht3's kernels.
+                        for v in ("q8", "lloyd4", "lloyd3", "lloyd2", "fwht4", "fwht3", "fwht2"))
+# A lloyd3 K is fwht3's bytes and tables (R256, 3-bit 256 family): it runs fwht3's kernels;
+# likewise an fwht3 V runs the lloyd3 V kernels.
 _K_KERNEL = {"lloyd3": "fwht3"}
+_V_KERNEL = {"fwht3": "lloyd3"}
 # Every compressed pair runs the CUDA-core kernels of one launch setting (PKV_*_QKV).
 ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
                                            launch_constant("PKV_ATTN_PARTITION_QKV")))
@@ -259,13 +261,19 @@ class PagedAttention:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else "")
         else:
             k_side, v_side = kv_dtype.split("/")
-            kind = f"{_K_KERNEL.get(k_side, k_side)}_{v_side}"
+            kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
-        # A lloyd V leaves each head's output in the R256 basis: its reduce rotates it back.
-        self._rotated_out = kv_dtype.split("/")[-1].startswith("lloyd")
+        # A rotated V leaves each head's output in its basis (lloyd, fwht3: R256; fwht4,
+        # fwht2: R128 per half): its reduce rotates it back.
+        v_rot = 0
+        if kv_dtype in QUANT_KV_DTYPES:
+            from pagedkv.quant import kv as kv_modes
+            v_rot = kv_modes.kv_mode(kv_dtype.split("/")[1]).rotation
+        self._rotated_out = v_rot != 0
+        self._reduce_threads = 256 if v_rot == 256 else min(head_dim, 256)
         self._reduce = device.kernel(
-            SOURCE, "pkv_paged_attention_reduce_ifwht256" if self._rotated_out
+            SOURCE, f"pkv_paged_attention_reduce_ifwht{v_rot}" if v_rot
             else "pkv_paged_attention_reduce", "pppppiiii")
 
     def __repr__(self) -> str:
@@ -303,7 +311,7 @@ class PagedAttention:
                         self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
                         self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
         self._reduce((self.num_heads, self.num_seqs),
-                     (256 if self._rotated_out else min(self.head_dim, 256),),
+                     (self._reduce_threads,),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
