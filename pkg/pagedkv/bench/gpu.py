@@ -354,10 +354,10 @@ ATTENTION_CASE_256 = {"seqs": 32, "tokens": 4096, "kv_heads": 4, "heads": 16, "h
 ATTENTION_CASE_LONG = {"seqs": 1, "tokens": 32768, "kv_heads": 8, "heads": 32, "head_dim": 128,
                        "block_size": 16}
 #: KV dtypes timed per case: the unquantized and q8 baselines, then compressed pairs.
-ATTENTION_DTYPES = {128: ("float16", "bfloat16", "q8", "fwht4/q8", "fwht2/q8", "fwht4/fwht4",
-                          "fwht4/fwht2"),
-                    256: ("float16", "q8", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4",
-                          "fwht3/lloyd3", "fwht2/lloyd2")}
+ATTENTION_DTYPES: dict[int, tuple[str, ...]] = {
+    128: ("float16", "bfloat16", "q8", "fwht4/q8", "fwht2/q8", "fwht4/fwht4", "fwht4/fwht2"),
+    256: ("float16", "q8", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4", "fwht3/lloyd3",
+          "fwht2/lloyd2")}
 
 
 def _side_pool_host(rng, side: str, shape: tuple[int, ...]) -> np.ndarray:
