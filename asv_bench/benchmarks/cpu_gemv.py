@@ -58,6 +58,24 @@ class PreparedGemv:
         self.gemv(self.x)
 
 
+class PreparedGemvAvx2Batch:
+    """The AVX2 kernel (the Zen 1-3 / Haswell path) per batch, 4096x4096 and 4096x14336:
+    rows per second at batch B against batch 1 (docs/performance.md, "Batch 2-8 on AVX2")."""
+
+    params = (GEMV_FORMATS, BATCHES, ["4096x4096", "4096x14336"])
+    param_names = ["fmt", "batch", "shape"]  # noqa: RUF012
+
+    def setup(self, fmt, batch, shape):
+        if "avx2" not in prepared_gemv.supported_isas():
+            raise NotImplementedError("no AVX2 here")       # asv skips the case
+        m, k = (int(v) for v in shape.split("x"))
+        self.gemv = Q.prepare_gemv(Q.quantize(_weights(m, k), fmt), fmt, (m, k), isa="avx2")
+        self.x = _weights(batch, k, seed=1)
+
+    def time_call(self, fmt, batch, shape):
+        self.gemv(self.x)
+
+
 class PreparedGemvThreads:
     """The same call on 1 and 2 threads, 4096x14336, batch 1."""
 
@@ -200,6 +218,20 @@ def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
                       f"{m2 * 1e3:.3f} ({n2 * 1e3:.3f}) | {m1 / m2:.2f}x ({n1 / n2:.2f}x) |")
 
 
+def _batch_scaling(results, shapes) -> list[str]:
+    """Rows per second at batch B against batch 1, ``B x t(b1) / t(bB)``, from the medians
+    of thread CPU time (the target of docs/performance.md, "Batch 2-8 on AVX2": >= 3x)."""
+    lines = []
+    for shape in shapes:
+        for fmt in GEMV_FORMATS:
+            cpu = {b: statistics.median(c for _, c in results[(shape, f"pagedkv {fmt} b{b}")])
+                   for b in BATCHES if (shape, f"pagedkv {fmt} b{b}") in results}
+            if 1 in cpu and len(cpu) > 1:
+                ratios = " ".join(f"B{b}={b * cpu[1] / t:.2f}x" for b, t in cpu.items() if b > 1)
+                lines.append(f"# rows/s against b1, {shape[0]}x{shape[1]} {fmt}: {ratios}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ggml", help="path of the ggml worker binary (asv_bench/peers)")
@@ -266,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         cpu = [c for _, c in rows]
         print(f"| {shape[0]}x{shape[1]} | {name} | {statistics.median(wall):.3f} ({min(wall):.3f}) "
               f"| {statistics.median(cpu):.3f} ({min(cpu):.3f}) |")
+    for line in _batch_scaling(results, shapes):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": [
