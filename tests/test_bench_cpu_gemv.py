@@ -44,3 +44,13 @@ def test_asv_suites_set_up_and_run():
     deq = bench.DequantizeThreads()
     deq.setup("mq4g256v2", 2)
     deq.time_dequantize("mq4g256v2", 2)
+
+
+def test_baseline_cases_run_beside_and_must_give_the_same_bits(capsys):
+    from pagedkv.quant import prepared_gemv
+    bench = _bench()
+    bench.main(["--shape", "32x512", "--rounds", "1", "--budget-ms", "1", "--isa", "scalar",
+                "--only", "b1,b2,b4,b8", "--baseline", prepared_gemv.__file__])
+    out = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("| 32x512 | baseline ") for ln in out) == 3 * 4
+    assert sum(ln.startswith("# rows/s against b1, 32x512") and "(baseline)" in ln for ln in out) == 3
