@@ -26,6 +26,17 @@
 #  error "pagedkv_compat.h is for hipcc or nvcc"
 #endif
 
+/* AMD matrix cores (MFMA, CDNA, wave64): the int8 instruction of weights.hip's gemv_mfma,
+ * named by its k (int8 products per lane and instruction x 4). gfx90a (CDNA2, MI200) has
+ * v_mfma_i32_16x16x16i8; CDNA3 (gfx940/941/942, MI300) dropped it for
+ * v_mfma_i32_16x16x32_i8. Defined only in device passes for those targets; RDNA (gfx10,
+ * gfx11, gfx12) has no MFMA. */
+#if defined(__HIPCC__) && defined(__gfx90a__)
+#  define PKV_MFMA_I8 16
+#elif defined(__HIPCC__) && (defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#  define PKV_MFMA_I8 32
+#endif
+
 #include <pagedkv/portability.h>
 
 #define PKV_KERNEL extern "C" __global__
