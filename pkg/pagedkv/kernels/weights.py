@@ -48,7 +48,7 @@ _TILED_TILES = (6, 12)
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 # AMD arches with int8 MFMA (pagedkv_compat.h, PKV_MFMA_I8): weights.hip builds the
 # gemv_mfma kernels under the gemv_mma names there.
-_MFMA_ARCHES = ("gfx90a", "gfx940", "gfx941", "gfx942")
+_MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 
 
 class _WeightFormat:
@@ -201,7 +201,7 @@ class Gemv:
     Weights go up once with :meth:`upload` (host bytes as stored; the tensor-core kernel
     reads them re-packed in 16-row tiles, see :meth:`pack`). :meth:`run` is
     :meth:`prepare` then :meth:`run_prepared`. Preparing x rotates it for
-    the rotated formats and, on NVIDIA sm_80+ and AMD gfx90a/gfx940-942 for the 4-bit
+    the rotated formats and, on NVIDIA sm_80+ and AMD gfx908/gfx90a/gfx940-942 for the 4-bit
     formats (the tensor-core kernel; MFMA on AMD, compile-checked and emulated only),
     quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
     of the group's largest ``|x|``, then exact integer dot products). Several weights
@@ -376,7 +376,7 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
 
 def max_batch(device: Device, fmt: str | int) -> int:
     """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
-    tensor-core kernel (NVIDIA sm_80+, AMD gfx90a/gfx940-942; 4-bit formats), 8 on the
+    tensor-core kernel (NVIDIA sm_80+, AMD gfx908/gfx90a/gfx940-942; 4-bit formats), 8 on the
     CUDA-core one."""
     f = _format(fmt)
     return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
@@ -392,14 +392,12 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
 
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
-    (mma.sync), AMD CDNA2/CDNA3 (MFMA: gfx90a, gfx940-942; compile-checked and emulated
+    (mma.sync), AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942; compile-checked and emulated
     only, docs/kernels.md). RDNA (gfx10-12) runs the CUDA-core kernel."""
     backend = getattr(device, "backend", None)
-    if f.kernel not in _MMA_KERNELS:
+    if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":
         return arch in _MFMA_ARCHES
-    if backend != "cuda":
-        return False
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
