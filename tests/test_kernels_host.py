@@ -252,8 +252,11 @@ def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, bat
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
 
 
-@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906"])
-def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch):
+@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off"])
+def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch, monkeypatch):
+    if arch.endswith("-off"):  # the switch that keeps never-run MFMA code off a CDNA GPU
+        monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")
+        arch = arch[:-4]
     dev = FakeHipDevice(arch)
     g = weights.Gemv(dev, "mq4g256v2", 16, 256, 8)
     assert not g.tensor_cores and not g.packed and weights.max_batch(dev, "hfq4g256") == 8

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
@@ -393,11 +394,12 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
     (mma.sync), AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942; compile-checked and emulated
-    only, docs/kernels.md). RDNA (gfx10-12) runs the CUDA-core kernel."""
+    only, docs/kernels.md; ``PAGEDKV_GEMV_MFMA=0`` turns it off). RDNA (gfx10-12) runs the
+    CUDA-core kernel."""
     backend = getattr(device, "backend", None)
     if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
-    if backend == "hip":
-        return arch in _MFMA_ARCHES
+    if backend == "hip":  # PAGEDKV_GEMV_MFMA=0: the CUDA-core kernel, never run MFMA code
+        return arch in _MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", True)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
