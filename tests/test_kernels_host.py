@@ -618,3 +618,26 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         data = code_objects.read_object("kvcache", backend, arch)
         missing = sorted(n for n in names if n.encode() not in data)
         assert not missing, f"{obj} lacks {missing}"
+
+
+@pytest.mark.parametrize(("arch", "env", "kv_dtype", "head_dim", "kernel"), [
+    ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx940", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx90a", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
+    ("gfx90a", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
+    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # RDNA: no MFMA
+def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
+        monkeypatch, arch, env, kv_dtype, head_dim, kernel):
+    # docs/kernels.md, "AMD matrix cores": pass 1 on MFMA is compile-checked and emulated only
+    from pagedkv.kernels import kvcache
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_MFMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_MFMA", env)
+    attn = kvcache.PagedAttention(FakeHipDevice(arch), num_seqs=1, num_heads=8, kv_heads=2,
+                                  head_dim=head_dim, block_size=16, max_seq_len=64,
+                                  kv_dtype=kv_dtype)
+    assert attn._partition.name == kernel
+    assert attn.qk_mfma == kernel.endswith("mfma_g4")
+    assert repr(attn).endswith(", qk_mfma=True)" if attn.qk_mfma else "partitions=1)")

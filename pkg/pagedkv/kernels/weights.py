@@ -21,7 +21,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.device import Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
@@ -47,9 +47,6 @@ GEMV_MMA_MAX_BATCH = 32
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
-# AMD arches with int8 MFMA (pagedkv_compat.h, PKV_MFMA_I8): weights.hip builds the
-# gemv_mfma kernels under the gemv_mma names there.
-_MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 
 
 class _WeightFormat:
@@ -400,6 +397,6 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
-    if backend == "hip":  # PAGEDKV_GEMV_MFMA=0: the CUDA-core kernel, never run MFMA code
-        return arch in _MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", True)
+    if backend == "hip":  # weights.hip builds gemv_mfma under the gemv_mma names there
+        return arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", True)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
