@@ -238,7 +238,8 @@ class FakeHipDevice(FakeDevice):
     ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 2),
     ("hfq4g256", 32, "pkv_gemv_mma_tiled_hfq4g256_n12", 1)])
 def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, batch, kernel,
-                                                                  warps):
+                                                                  warps, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")  # opt-in until an AMD device run
     # AMD CDNA runs gemv_mfma under the NVIDIA kernel names, on the same prepared x and
     # packed tiles; a block is `warps` wavefronts of 64 (docs/kernels.md, "AMD matrix cores")
     dev = FakeHipDevice(arch)
@@ -252,11 +253,14 @@ def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, bat
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
 
 
-@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off"])
+@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off",
+                                  "gfx942-default"])
 def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch, monkeypatch):
     if arch.endswith("-off"):  # the switch that keeps never-run MFMA code off a CDNA GPU
         monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")
-        arch = arch[:-4]
+    elif arch.endswith("-default"):  # and its default, until an AMD device run
+        monkeypatch.delenv("PAGEDKV_GEMV_MFMA", raising=False)
+    arch = arch.split("-")[0]
     dev = FakeHipDevice(arch)
     g = weights.Gemv(dev, "mq4g256v2", 16, 256, 8)
     assert not g.tensor_cores and not g.packed and weights.max_batch(dev, "hfq4g256") == 8
