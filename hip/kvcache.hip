@@ -618,7 +618,7 @@ PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, cons
                             int64_t row_bytes, int c, int n_tok) {
   const int lane = threadIdx.x % 32;
   const bool wide = row_bytes == 8 * Q8_ROW_UNITS;  // head_dim 128 (else 64: 4-byte units)
-#pragma unroll
+#pragma unroll 3  // 3 of the 9 copies at a time: fully unrolled, sm_80 spilled
   for (int i = 0; i < (Q8_STAGE_TOKENS * Q8_ROW_UNITS + 31) / 32; ++i) {
     const int u = lane + 32 * i;
     if (u < Q8_STAGE_TOKENS * Q8_ROW_UNITS) {
@@ -732,22 +732,18 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
   const bool rest = gid >= 4, live = head < GMAX;
   int e = 103;  // the running largest V scale's f32 exponent (103: the smallest f16 subnormal)
   q8_staged_chunks(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
-    uint32_t d[2][4], code[4][4];  // d: [token pair][record l], tokens 4t + 2k (+ 1) as
-                                   // low (high) halves; code: [token 4t + j][record l]
-    uint32_t dm = 0u;              // the largest |scale| bits of the lane's tokens
+    // Scales first (the chunk's pscale needs all of them); a record's codes are read from
+    // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
+    uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
+    uint32_t dm = 0u;  // the largest |scale| bits of the lane's tokens
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint8_t* row = buf + (4 * t + j) * pitch;
 #pragma unroll
       for (int l = 0; l < 4; ++l) {
         if (j % 2 == 0) d[j / 2][l] = 0u;
-        code[j][l] = 0u;
         if (l < n_rec) {
-          const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
-          const uint32_t dj = smem_u16(rec);
+          const uint32_t dj = smem_u16(buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES);
           d[j / 2][l] |= dj << (16 * (j % 2));
-          code[j][l] = l % 2 ? load_word_a2<true>(rec + 2 + 4 * gid)
-                             : load_word_a2<false>(rec + 2 + 4 * gid);
           dm = max(dm, dj & 0x7FFFu);  // f16 magnitudes order as their bits
         }
       }
@@ -787,8 +783,15 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
       if (l < n_rec) {
+        uint32_t code[4];  // tokens 4t + j: codes 4 gid .. 4 gid + 3 of record l
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* rec = buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES;
+          code[j] = l % 2 ? load_word_a2<true>(rec + 2 + 4 * gid)
+                          : load_word_a2<false>(rec + 2 + 4 * gid);
+        }
         const uint32_t b0 = pd_pair(0, l), b1 = pd_pair(1, l);
-        const uint32_t c0 = code[0][l], c1 = code[1][l], c2 = code[2][l], c3 = code[3][l];
+        const uint32_t c0 = code[0], c1 = code[1], c2 = code[2], c3 = code[3];
         // as pv_mma_q8: m-tile 2l + j, rows gid / gid + 8 = bytes 2j / 2j + 1 of the word
         const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
                                 q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
