@@ -275,17 +275,27 @@ ATTN_CASES = [
 ]
 
 
+# every case on its default kernel, and the q8 cases once more on the staged q8s kernels
+# (q8_stage=True; where the tensor-core passes do not apply they are the CUDA-core ones)
+ATTN_PATH_CASES = ([(*c, None) for c in ATTN_CASES]
+                   + [(*c, True) for c in ATTN_CASES if c[0] == "q8"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens", ATTN_CASES)
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens,q8_stage",
+                         ATTN_PATH_CASES)
 def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads, head_dim,
-                                               block_size, seq_lens):
+                                               block_size, seq_lens, q8_stage):
     k_pool, v_pool, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
                                                block_size=block_size, kv_dtype=kv_dtype)
     kvcache.check_decode_batch(tables, lens, num_blocks=k_pool.shape[0], block_size=block_size)
     q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
     attn = kvcache.PagedAttention(device, num_seqs=len(seq_lens), num_heads=heads,
                                   kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                  max_seq_len=int(lens.max()), kv_dtype=kv_dtype)
+                                  max_seq_len=int(lens.max()), kv_dtype=kv_dtype,
+                                  q8_stage=q8_stage)
+    if q8_stage:
+        assert attn._partition.name.startswith("pkv_paged_attention_q8s_")
     out = poisoned(device, q.shape, np.float32)
     attn.run(device.array(q), device.array(k_pool), device.array(v_pool), device.array(tables),
              device.array(lens), out)
