@@ -583,8 +583,8 @@ def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
     # starts off 8-byte alignment is refused before any launch (q8 and q8cc take it).
     from pagedkv.kernels import kvcache
     dev = FakeDevice()
-    kw = dict(num_seqs=1, num_heads=2, kv_heads=1, head_dim=128, block_size=16,
-              max_seq_len=32, kv_dtype="q8", q8_mma=True)
+    kw = {"num_seqs": 1, "num_heads": 2, "kv_heads": 1, "head_dim": 128, "block_size": 16,
+              "max_seq_len": 32, "kv_dtype": "q8", "q8_mma": True}
     base = dev.empty((3, 16, 1, 136), np.uint8)
     shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
     q = dev.empty((1, 2, 128), np.float32)
@@ -596,7 +596,7 @@ def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
         attn.run(q, base, shifted, tables, lens, q)
     assert not [c for c in dev.calls if c[0] == "launch"]
     kvcache.PagedAttention(dev, **kw, q8_stage=False).run(q, base, shifted, tables, lens, q)
-    assert [c[1] for c in dev.calls if c[0] == "launch"][0] == "pkv_paged_attention_q8_g2"
+    assert next(c[1] for c in dev.calls if c[0] == "launch") == "pkv_paged_attention_q8_g2"
 
 
 def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():
