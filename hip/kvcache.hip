@@ -588,9 +588,10 @@ static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds
 template <int BYTES>
 PKV_DEV void cp_async_unit(uint8_t* smem_dst, const uint8_t* src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem_dst);
+  uint64_t dst;  // the shared-window address (PTX, not __cvta_generic_to_shared: NVRTC too)
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(smem_dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
-               :: "r"(dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
+               :: "r"((uint32_t)dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
 #else
   __builtin_trap();  // callers check PKV_ATTN_MMA_QK
 #endif
