@@ -583,6 +583,10 @@ constexpr int Q8_ROW_UNITS = 17;  // 34 * head_dim / 32 bytes = 17 units of head
 constexpr int Q8_STAGE_BYTES_MAX = Q8_STAGE_TOKENS * PKV_ATTN_Q8_STAGE_PITCH_UNITS * 8;
 static_assert(PKV_ATTN_Q8_STAGES >= 2, "PKV_ATTN_Q8_STAGES: one chunk read, one in flight");
 static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds a row");
+// Static shared memory stays under 48 KB with the rows table and the reductions (4
+// stages of 144-byte rows at 128 threads: 36 KB).
+static_assert(PKV_ATTN_THREADS / 32 * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX <= 40 * 1024,
+              "PKV_ATTN_Q8_STAGES x PKV_ATTN_Q8_STAGE_PITCH_UNITS: over 40 KB of stage buffers");
 
 // One cp.async of BYTES (4 or 8) from global to shared; valid false fills zeros.
 template <int BYTES>
