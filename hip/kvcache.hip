@@ -639,13 +639,10 @@ PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, cons
   }
 }
 
-// The warp's chunks c = warp, warp + n_warps, ... through its STAGES buffers: stage the
-// first STAGES - 1, then per chunk issue the one STAGES - 1 ahead and wait for this one.
-// body(buf, c) reads the chunk from shared memory. One commit group per slot, empty
-// past the end, so the wait counts stay uniform.
-template <typename Body>
-PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
-                              const int64_t* rows, int64_t row_bytes, int n_tok, Body body) {
+// The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
+// STAGES - 2, one commit group each (empty past the end: the wait counts stay uniform).
+PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
+                               const int64_t* rows, int64_t row_bytes, int n_tok) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
 #pragma unroll
@@ -654,6 +651,18 @@ PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
     if (c < n_chunks) q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
     cp_async_commit();
   }
+}
+
+// The warp's chunks through its STAGES buffers: after the prologue (issued here, or by the
+// caller when PROLOGUE_ISSUED: pass 2's first V chunks load during the softmax), per chunk
+// issue the one STAGES - 1 ahead and wait for this one; body(buf, c) reads the chunk from
+// shared memory.
+template <bool PROLOGUE_ISSUED, typename Body>
+PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
+                              const int64_t* rows, int64_t row_bytes, int n_tok, Body body) {
+  const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
+  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, n_tok);
   int slot = 0;
   for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
     const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
@@ -684,7 +693,7 @@ PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int grou
   const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
   uint32_t qa[8][4];  // as qk_scores_mma_q8: record i is k-steps 2i, 2i + 1
   q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
-  q8_staged_chunks(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
       const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
@@ -723,6 +732,7 @@ PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int grou
 }
 
 // Pass 2 from staged rows; o leaves scaled back (times 2^(e - 141) of the warp's final e).
+// The caller has issued q8_stage_prologue over v_pool (during the softmax).
 template <int GMAX>
 PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v_pool,
                               const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
@@ -736,7 +746,7 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
   const int head = gid % 4;
   const bool rest = gid >= 4, live = head < GMAX;
   int e = 103;  // the running largest V scale's f32 exponent (103: the smallest f16 subnormal)
-  q8_staged_chunks(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
     // Scales first (the chunk's pscale needs all of them); a record's codes are read from
     // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
     uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
@@ -904,6 +914,9 @@ PKV_DEV void paged_attention_partition(
     qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                                   head_dim, scale, k_pool, rows, row_bytes, n_tok, scores,
                                   q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+    // pass 1 left this warp's buffers free: the first V chunks load during the softmax
+    q8_stage_prologue(q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_pool, rows,
+                      row_bytes, n_tok);
   } else if constexpr (MMA && KIND == KV_Q8) {
     qk_scores_mma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
