@@ -285,6 +285,84 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
   }
 }
 
+// Pass 1 on AMD matrix cores (CDNA: PKV_MFMA_I8's arches all have v_mfma_f32_16x16x16f16;
+// f16 KV, head_dim 64 or 128, GMAX <= 8), selected per kernel name
+// (pkv_paged_attention_f16mfma_g*, PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only
+// (tests/test_attention_mfma_simulated.py), never run on an AMD GPU. scores^T = Q . K^T as
+// 16x16x16 f16 MFMAs with f32 sums, 16 tokens per wavefront step. Layouts (AMD matrix
+// instruction calculator, CDNA2/CDNA3 v_mfma_f32_16x16x16[_]f16): lane l, i = l % 16,
+// q = l / 16; A element e is A[i][4q + e], B element e is B[4q + e][i], D register r is
+// D[4q + r][i]. A row i is query head i % 8 times scale, as its f16 value (i < 8) or its f16
+// remainder (i >= 8): 22 bits, as qk_scores_mma. K-step s takes dims 32(s/2) + 8q + 4(s%2) +
+// 0..3 (q_fragments' order with t = q), so B column i, token 16 grp + i, is 4 f16 of that
+// lane's 16-byte chunk s/2 of the token's row, chunk s/2 being row[4(s/2) + q]. Head g's
+// score is D[g] + D[g + 8]: lanes q < 2 hold rows 4q + r, lanes q + 2 the remainders.
+#if defined(PKV_MFMA_I8)
+#define PKV_ATTN_MFMA_QK 1
+typedef _Float16 pkv_f16x4 __attribute__((ext_vector_type(4)));
+typedef float pkv_f32x4 __attribute__((ext_vector_type(4)));
+typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
+
+template <int GMAX>
+PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, const uint8_t* __restrict__ k_pool,
+                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16, head = i % 8;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  pkv_f16x4 qa[8];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    uint32_t bits[4] = {0u, 0u, 0u, 0u};
+    if (s / 2 < n_loads && head < group) {
+      const float* qd = q_group + (int64_t)head * head_dim + 32 * (s / 2) + 8 * q + 4 * (s % 2);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = qd[e] * scale;
+        const uint32_t hi = pkv_float_to_half_bits(v);
+        bits[e] = i < 8 ? hi : pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi));
+      }
+    }
+    qa[s] = __builtin_bit_cast(pkv_f16x4, pkv_u32x2{bits[0] | bits[1] << 16, bits[2] | bits[3] << 16});
+  }
+  const int n_groups = (n_tok + 15) / 16;
+  auto load = [&](uint4 (&kr)[4], int grp) {
+    const int tok = 16 * grp + i;
+    const uint4* row = (const uint4*)(k_pool + rows[min(tok, n_tok - 1)] * row_bytes);
+#pragma unroll
+    for (int l = 0; l < 4; ++l)
+      kr[l] = l < n_loads && tok < n_tok ? row[4 * l + q] : make_uint4(0u, 0u, 0u, 0u);
+  };
+  uint4 cur[4], nxt[4];
+  int grp = wave;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+    if (grp + n_waves < n_groups) load(nxt, grp + n_waves);
+    pkv_f32x4 c = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if (s / 2 < n_loads) {
+        const uint4 k = cur[s / 2];
+        const pkv_f16x4 b = __builtin_bit_cast(
+            pkv_f16x4, s % 2 ? pkv_u32x2{k.z, k.w} : pkv_u32x2{k.x, k.y});
+        c = __builtin_amdgcn_mfma_f32_16x16x16f16(qa[s], b, c, 0, 0, 0);
+      }
+    }
+    const int tok = 16 * grp + i;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float rest = pkv_shfl_xor(c[r], 32);  // lane q + 2: row 4q + r + 8
+      const int g = 4 * q + r;
+      if (q < 2 && g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + rest;
+    }
+#pragma unroll
+    for (int l = 0; l < 4; ++l) cur[l] = nxt[l];
+  }
+}
+#else
+#define PKV_ATTN_MFMA_QK 0
+#endif
+
 // Pass 2 on NVIDIA tensor cores (sm_80+, f16 KV, GMAX <= 4, head_dim 64 or 128):
 // out^T = V^T . P^T as m16n8k16 f16 mma with f32 sums, 16 tokens per warp step. A is
 // V^T: lane (gid, t) reads 16-byte chunks at dims 64l + 8 gid of tokens 4t .. 4t + 3
@@ -824,7 +902,9 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
     for (int r = 0; r < 4; ++r) o[mt][r] = (o[mt][r] + pkv_shfl_xor(o[mt][r], 2)) * unscale;
 }
 
-template <int KIND, int GMAX, bool MMA, bool STAGE = false>
+// QK_MFMA: pass 1 on AMD matrix cores (qk_scores_mfma), pass 2 on the CUDA-core path.
+// STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged).
+template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false, bool STAGE = false>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -923,6 +1003,11 @@ PKV_DEV void paged_attention_partition(
   } else if constexpr (MMA) {
     qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+#if PKV_ATTN_MFMA_QK
+  } else if constexpr (QK_MFMA) {
+    qk_scores_mfma<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+#endif
   } else {
     if (first < n_tok) load_step(k_pool, first + sub, cur);
     // The loop bound is uniform across the warp (its first token), so every lane
@@ -1126,7 +1211,7 @@ PKV_DEV void paged_attention_dispatch(
     int max_partitions) {
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
   if (MMA_OK && (head_dim == 64 || head_dim == 128))
-    paged_attention_partition<KIND, GMAX, MMA_OK, STAGE>(
+    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
   else
@@ -1149,6 +1234,33 @@ PKV_DEV void paged_attention_dispatch(
   }
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX) PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false)
+
+#if PKV_ATTN_MFMA_QK
+// f16 KV with pass 1 on AMD matrix cores (qk_scores_mfma; head_dim 64 or 128, else the
+// CUDA-core passes): pkv_paged_attention_f16mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
+// pagedkv.kernels.kvcache) until an AMD device run vouches for it.
+#define PKV_ATTN_MFMA_KERNEL(NAME, GMAX)                                                     \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
+                                    PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KV_F16))           \
+      NAME(                                                                                  \
+      const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
+      const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
+      float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
+      int head_dim, int block_size, int table_width, int max_partitions) {                   \
+    if (head_dim == 64 || head_dim == 128)                                                   \
+      paged_attention_partition<KV_F16, GMAX, false, true>(                                  \
+          q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
+          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
+    else                                                                                     \
+      paged_attention_partition<KV_F16, GMAX, false>(                                        \
+          q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
+          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
+  }
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g4, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g8, 8)
+#endif
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g2, KV_F16, 2)

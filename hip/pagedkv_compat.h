@@ -26,6 +26,17 @@
 #  error "pagedkv_compat.h is for hipcc or nvcc"
 #endif
 
+/* AMD matrix cores (MFMA, CDNA, wave64) for weights.hip's gemv_mfma: PKV_MFMA_I8 is the k
+ * (int8 products per output) of the instruction it uses. gfx908 (CDNA1, MI100) and gfx90a
+ * (CDNA2, MI200) have v_mfma_i32_16x16x16i8; CDNA3 (gfx940-942, MI300) dropped it for
+ * v_mfma_i32_16x16x32_i8. Defined only in device passes for those targets; RDNA (gfx10-12)
+ * has no MFMA. Debian's HIP 5.2 builds gfx908, gfx90a and gfx940, not gfx941/942. */
+#if defined(__HIPCC__) && (defined(__gfx908__) || defined(__gfx90a__))
+#  define PKV_MFMA_I8 16
+#elif defined(__HIPCC__) && (defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#  define PKV_MFMA_I8 32
+#endif
+
 #include <pagedkv/portability.h>
 
 #define PKV_KERNEL extern "C" __global__

@@ -473,30 +473,37 @@ PKV_GEMV_KERNELS(q8f16, Q8F16)
 
 #define FWHT_PER_LANE (PKV_FWHT_N / PKV_WARP_SIZE)
 
-// The rotation of one 256-group held by a warp, FWHT_PER_LANE consecutive values per
-// lane (lane * FWHT_PER_LANE onwards), in place.
-PKV_DEV void fwht256_warp(float (&v)[FWHT_PER_LANE], int lane) {
-  const int e0 = lane * FWHT_PER_LANE;
+// The rotation of one 256-group held by LANES lanes of a warp (all of it, or an aligned
+// 32-lane half of a 64-wide AMD wavefront: butterflies across lanes use lane strides below
+// LANES only), 256 / LANES consecutive values per lane (lane * 256 / LANES onwards), in
+// place.
+template <int LANES>
+PKV_DEV void fwht256_lanes(float (&v)[PKV_FWHT_N / LANES], int lane) {
+  constexpr int PER_LANE = PKV_FWHT_N / LANES;
+  const int e0 = lane * PER_LANE;
   // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
   // e0 is a multiple of per_lane): look the words up once, not per element.
   const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
   const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
 #pragma unroll
-  for (int i = 0; i < FWHT_PER_LANE; ++i) v[i] = v[i] * ((s1 >> i) & 1u ? 1.0f : -1.0f);
-  pkv_fwht_butterflies(v, FWHT_PER_LANE);
+  for (int i = 0; i < PER_LANE; ++i) v[i] = v[i] * ((s1 >> i) & 1u ? 1.0f : -1.0f);
+  pkv_fwht_butterflies(v, PER_LANE);
 #pragma unroll
-  for (int lane_stride = 1; lane_stride < PKV_WARP_SIZE; lane_stride <<= 1) {
+  for (int lane_stride = 1; lane_stride < LANES; lane_stride <<= 1) {
     const bool upper = (lane & lane_stride) != 0;
 #pragma unroll
-    for (int i = 0; i < FWHT_PER_LANE; ++i) {
+    for (int i = 0; i < PER_LANE; ++i) {
       const float other = pkv_shfl_xor(v[i], lane_stride);
       v[i] = upper ? other - v[i] : v[i] + other;
     }
   }
 #pragma unroll
-  for (int i = 0; i < FWHT_PER_LANE; ++i)  // c * (+-1) is exact, as in pkv_fwht
+  for (int i = 0; i < PER_LANE; ++i)  // c * (+-1) is exact, as in pkv_fwht
     v[i] = v[i] * (PKV_FWHT_SCALE_256 * ((s2 >> i) & 1u ? 1.0f : -1.0f));
 }
+
+// The whole warp's rotation (pkv_fwht256_f32).
+PKV_DEV void fwht256_warp(float (&v)[FWHT_PER_LANE], int lane) { fwht256_lanes<PKV_WARP_SIZE>(v, lane); }
 
 PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
   const int lane = threadIdx.x % PKV_WARP_SIZE;
@@ -566,9 +573,17 @@ PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, 
 #endif
 }
 
+#endif  // __CUDACC__
+
+// The prep and the header decode serve both the NVIDIA mma kernels and the AMD MFMA ones
+// (gemv_mfma below): one prepared-x layout, one packed weight layout, one host path.
+#if defined(__CUDACC__) || defined(PKV_MFMA_I8)
+
 // One warp per (group, batch row): lane L holds x[8L, 8L + 8) of the group, which is
 // code-byte word 4L of a row: chunk j = L / 8, lane t = (L / 2) % 4, word h = L % 2, so
-// mma m = 2j + h (see the layout above). Its even k are b0's bytes, odd k b1's.
+// mma m = 2j + h (see the layout above). Its even k are b0's bytes, odd k b1's. On AMD a
+// 64-wide wavefront holds two of these 32-lane warps (lane strides stay below 32, so the
+// halves never mix); the launch is the same 256 threads per block.
 PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K, int batch,
                                 int n_tiles, int rotate) {
   const int lane = threadIdx.x % 32;
@@ -581,7 +596,7 @@ PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K,
   const float4 lo = ((const float4*)src)[0], hi = ((const float4*)src)[1];
   v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
   v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
-  if (rotate) fwht256_warp(v, lane);
+  if (rotate) fwht256_lanes<32>(v, lane);
   float amax = 0.0f, sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -640,6 +655,9 @@ PKV_DEV void header_affine(uint2 hdr, int half, float& scale, float& offset) {
   }
 }
 
+#endif  // __CUDACC__ || PKV_MFMA_I8
+
+#if defined(__CUDACC__)
 template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
@@ -921,3 +939,177 @@ PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 6)
 PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 12)
 
 #endif  // __CUDACC__
+
+// ---------------------------------------------------------------------------
+// AMD matrix-core GEMV (CDNA: gfx90a, gfx940-942; PKV_MFMA_I8 in pagedkv_compat.h): the
+// same prepared x (pkv_gemv_prep_x above), the same packed weight tiles (Gemv.pack), the
+// same kernel names and arguments as gemv_mma / gemv_mma_tiled, so the host path is one.
+// Only the fragment mapping differs: a 64-lane wavefront runs 16x16 int8 MFMAs
+// (v_mfma_i32_16x16x16i8 on gfx90a, two per k-32 step; v_mfma_i32_16x16x32_i8 on CDNA3,
+// one). Register layouts (AMD matrix instruction calculator; CDNA2/CDNA3 ISA, "Matrix
+// fused multiply-add"): lane l, i = l % 16, q = l / 16; A byte b of k-16: A[i][4q + b],
+// B byte b: B[4q + b][i]; k-32 (two registers v): A[i][8q + 4v + b], B[8q + 4v + b][i];
+// D register r: D[4q + r][i].
+//
+// Lane l takes row i of the tile and plays the NVIDIA lane t = q of that row: its A words
+// are the codes gemv_mma's lane (gid = i % 8, t = q) reads for row i (two 16-byte loads,
+// packed load 2 (i / 8) + jj of lane 4 (i % 8) + q), low nibbles as k-quad/octet-half 0
+// and high nibbles as 1; its B words are the prepared-x words of NVIDIA lane 4 n + q of
+// n-tile nt (column 16 T + i = 8 nt + n), b0 with the low nibbles and b1 with the high
+// ones, the pairing the prep wrote. So each int32 sum is gemv_mma's for the same (row,
+// column, group), and the epilogue, the order over groups and the reduction over
+// wavefronts are gemv_mma's: the outputs are the NVIDIA kernel's, bit for bit, up to the
+// compilers' fused multiply-adds. An NT of 8-column n-tiles runs ceil(NT / 2) 16-column
+// MFMA tiles, in chunks of up to 3 (48 columns = 16 batch rows; the shared-memory
+// reduction holds one chunk). A block is W wavefronts of 64 (the host launches
+// warp_size x warps threads); columns past 3 * batch read zeros.
+//
+// Compile-checked only (hipcc for gfx90a and gfx940) and emulated lane by lane in NumPy
+// (tests/test_gemv_mfma_simulated.py): no AMD GPU has run it.
+#if defined(PKV_MFMA_I8)
+
+typedef int pkv_i32x4 __attribute__((ext_vector_type(4)));
+
+// c += the k-32 product of lane l's row/column bytes: a_lo/b_lo are k-octet half 0 (or, on
+// gfx90a, the first k-16 instruction), a_hi/b_hi half 1.
+PKV_DEV void mfma_i8_16x16x32(pkv_i32x4& c, uint32_t a_lo, uint32_t a_hi, uint32_t b_lo,
+                              uint32_t b_hi) {
+#if PKV_MFMA_I8 == 32
+  const long a = (long)(((uint64_t)a_hi << 32) | a_lo), b = (long)(((uint64_t)b_hi << 32) | b_lo);
+  c = __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, c, 0, 0, 0);
+#else
+  c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_lo, (int)b_lo, c, 0, 0, 0);
+  c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_hi, (int)b_hi, c, 0, 0, 0);
+#endif
+}
+
+template <int F, int NT>
+PKV_DEV void gemv_mfma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                       const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
+                       int batch) {
+  constexpr int T16 = (NT + 1) / 2;        // 16-column MFMA tiles
+  constexpr int CH = T16 < 3 ? T16 : 3;    // tiles per chunk
+  static_assert(T16 % CH == 0, "whole chunks");
+  constexpr int ROWS_PER_CHUNK = 16 * CH / 3;  // exact when there are several chunks
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
+  const int groups = K / 256;
+  const int g_begin = wave * groups / n_waves, g_end = (wave + 1) * groups / n_waves;
+  const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+
+  float acc[T16][4];
+#pragma unroll
+  for (int T = 0; T < T16; ++T) acc[T][0] = acc[T][1] = acc[T][2] = acc[T][3] = 0.0f;
+
+  struct Stage {
+    uint2 hdr[4];   // rows 4q + r: the epilogue's (D's) rows
+    uint4 code[2];  // row i, chunks 4j + q for j = 0-3
+  };
+  auto load = [&](Stage& s, int g) {
+    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s.hdr[r] = *(const uint2*)(base + 8 * (4 * q + r));
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+      s.code[jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + 4 * (i % 8) + q];
+  };
+  Stage cur, nxt;
+  if (g_begin < g_end) load(cur, g_begin);
+  for (int g = g_begin; g < g_end; ++g) {
+    if (g + 1 < g_end) load(nxt, g + 1);
+    float scale[HALVES][4], offset[HALVES][4];
+#pragma unroll
+    for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
+#pragma unroll
+    for (int T0 = 0; T0 < T16; T0 += CH) {
+      uint4 xb[CH][4];
+#pragma unroll
+      for (int T = 0; T < CH; ++T) {
+        const int col = 16 * (T0 + T) + i, nt = col / 8, n = col % 8;
+        const uint4* xsrc =
+            (const uint4*)(xq + (((int64_t)g * NT + nt) * 32 + 4 * n + q) * PKV_GEMV_X_WORDS);
+        const bool live = col < 3 * batch;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) xb[T][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
+      }
+      pkv_i32x4 c[HALVES][CH];
+#pragma unroll
+      for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+        for (int T = 0; T < CH; ++T) c[hv][T] = pkv_i32x4{0, 0, 0, 0};
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        // gemv_mma's mma m = 2j + h: word h of chunk 4j + q of row i
+        const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
+        const uint4 pa = cur.code[j / 2];
+        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+        const uint32_t a_lo = wa & 0x0F0F0F0Fu, a_hi = (wa >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int T = 0; T < CH; ++T) {
+          const uint4 xw = xb[T][m / 2];
+          mfma_i8_16x16x32(c[hv][T], a_lo, a_hi, h ? xw.z : xw.x, h ? xw.w : xw.y);
+        }
+      }
+#pragma unroll
+      for (int T = 0; T < CH; ++T) {
+        const int col = 16 * (T0 + T) + i, p = col % 3, b = col / 3;
+        const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // gemv_mma's epilogue, row 4q + r, column col
+          float v = scale[0][r] * (f * (float)c[0][T][r]);
+          if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][T][r]);
+          if (p == 0)
+            v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
+                             : offset[0][r] * s.w;
+          acc[T0 + T][r] += v;
+        }
+      }
+    }
+    cur = nxt;
+  }
+  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][16 * CH];
+#pragma unroll
+  for (int T0 = 0; T0 < T16; T0 += CH) {
+    if (T0) __syncthreads();  // the previous chunk's sums are read
+#pragma unroll
+    for (int T = 0; T < CH; ++T)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) red[wave][4 * q + r][16 * T + i] = acc[T0 + T][r];
+    __syncthreads();
+    const int b0 = T0 / CH * ROWS_PER_CHUNK;
+    const int nb = min(ROWS_PER_CHUNK, batch - b0);
+    for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * nb; k += blockDim.x) {
+      const int r = k % PKV_GEMV_MMA_ROWS, bl = k / PKV_GEMV_MMA_ROWS;
+      float v = 0.0f;
+      for (int w = 0; w < n_waves; ++w)
+        v += red[w][r][3 * bl] + red[w][r][3 * bl + 1] + red[w][r][3 * bl + 2];
+      if (row0 + r < M) y[(int64_t)(b0 + bl) * M + row0 + r] = v;
+    }
+  }
+}
+
+// The NVIDIA kernels' names and arguments (gemv_mma: n1-n3, gemv_mma_tiled: n6, n12).
+#define PKV_GEMV_MFMA_KERNEL(PREFIX, NAME, F, NT)                                         \
+  PKV_KERNEL void __launch_bounds__(64 * PKV_GEMV_MMA_MAX_WARPS)                          \
+      pkv_gemv_mma_##PREFIX##NAME##_n##NT(                                                \
+      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,     \
+      int batch) {                                                                        \
+    gemv_mfma<F, NT>(w, xq, xs, y, M, K, batch);                                          \
+  }
+#define PKV_GEMV_MFMA_KERNELS(NAME, F)          \
+  PKV_GEMV_MFMA_KERNEL(, NAME, F, 1)            \
+  PKV_GEMV_MFMA_KERNEL(, NAME, F, 2)            \
+  PKV_GEMV_MFMA_KERNEL(, NAME, F, 3)            \
+  PKV_GEMV_MFMA_KERNEL(tiled_, NAME, F, 6)      \
+  PKV_GEMV_MFMA_KERNEL(tiled_, NAME, F, 12)
+
+PKV_GEMV_MFMA_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_MFMA_KERNELS(mq4g256v2, MQ4G256V2)
+
+#endif  // PKV_MFMA_I8

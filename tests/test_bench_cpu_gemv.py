@@ -15,10 +15,13 @@ def test_table_has_a_row_per_case(capsys, tmp_path):
     out_json = tmp_path / "r.json"
     bench.main(["--shape", "32x512", "--rounds", "2", "--budget-ms", "1", "--isa", "scalar",
                 "--json", str(out_json)])
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 32x512 |")]
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in out if ln.startswith("| 32x512 |")]
     # per format: 4 batches, threads=2, gemv(), dequantize on 1 and 2 threads
     assert len(rows) == 3 * 8
     assert any("mq4g256v2 b8" in r for r in rows)
+    scaling = [ln for ln in out if ln.startswith("# rows/s against b1, 32x512")]
+    assert len(scaling) == 3 and all(ln.count("x") >= 4 for ln in scaling)    # B2, B4, B8
     import json
     data = json.loads(out_json.read_text())
     assert data["info"]["isa"] == "scalar" and len(data["rows"]) == 24
@@ -41,3 +44,13 @@ def test_asv_suites_set_up_and_run():
     deq = bench.DequantizeThreads()
     deq.setup("mq4g256v2", 2)
     deq.time_dequantize("mq4g256v2", 2)
+
+
+def test_baseline_cases_run_beside_and_must_give_the_same_bits(capsys):
+    from pagedkv.quant import prepared_gemv
+    bench = _bench()
+    bench.main(["--shape", "32x512", "--rounds", "1", "--budget-ms", "1", "--isa", "scalar",
+                "--only", "b1,b2,b4,b8", "--baseline", prepared_gemv.__file__])
+    out = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("| 32x512 | baseline ") for ln in out) == 3 * 4
+    assert sum(ln.startswith("# rows/s against b1, 32x512") and "(baseline)" in ln for ln in out) == 3

@@ -223,6 +223,48 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel,
     assert dev.launch_args[2][-1] == 0
 
 
+class FakeHipDevice(FakeDevice):
+    backend = "hip"
+
+    def __init__(self, arch="gfx90a"):
+        super().__init__()
+        self.properties = SimpleNamespace(name="fake", warp_size=64 if arch.startswith("gfx9") else 32,
+                                          arch=arch)
+
+
+@pytest.mark.parametrize("arch", ["gfx908", "gfx90a", "gfx940", "gfx942"])
+@pytest.mark.parametrize(("fmt", "batch", "kernel", "warps"), [
+    ("mq4g256", 1, "pkv_gemv_mma_hfq4g256_n1", 8),
+    ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 2),
+    ("hfq4g256", 32, "pkv_gemv_mma_tiled_hfq4g256_n12", 1)])
+def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, batch, kernel,
+                                                                  warps):
+    # AMD CDNA runs gemv_mfma under the NVIDIA kernel names, on the same prepared x and
+    # packed tiles; a block is `warps` wavefronts of 64 (docs/kernels.md, "AMD matrix cores")
+    dev = FakeHipDevice(arch)
+    M, K = 37, 17 * 256
+    g = weights.Gemv(dev, fmt, M, K, batch, warps=warps)
+    assert g.tensor_cores and g.packed and weights.max_batch(dev, fmt) == 32
+    assert repr(g) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 matrix cores)"
+    w = g.upload(np.zeros(M * 17 * 136, np.uint8))
+    g.run(w, dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32))
+    assert [c[1:] for c in _launches(dev)] == [
+        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
+
+
+@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off"])
+def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch, monkeypatch):
+    if arch.endswith("-off"):  # the switch that keeps never-run MFMA code off a CDNA GPU
+        monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")
+        arch = arch[:-4]
+    dev = FakeHipDevice(arch)
+    g = weights.Gemv(dev, "mq4g256v2", 16, 256, 8)
+    assert not g.tensor_cores and not g.packed and weights.max_batch(dev, "hfq4g256") == 8
+    assert repr(g) == "Gemv('mq4g256v2', M=16, K=256, batch=8)"
+    with pytest.raises(InvalidArgument, match=r"batch=9: expected 1\.\.8"):
+        weights.Gemv(dev, "hfq4g256", 16, 256, 9)
+
+
 def test_gemv_batch_limit_is_32_on_tensor_cores_and_8_elsewhere():
     cuda, old = FakeCudaDevice(), FakeCudaDevice("sm_75")
     assert weights.max_batch(cuda, "mq4g256v2") == 32 and weights.max_batch(cuda, "q8f16") == 8
@@ -634,3 +676,26 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         data = code_objects.read_object("kvcache", backend, arch)
         missing = sorted(n for n in names if n.encode() not in data)
         assert not missing, f"{obj} lacks {missing}"
+
+
+@pytest.mark.parametrize(("arch", "env", "kv_dtype", "head_dim", "kernel"), [
+    ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx940", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx90a", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
+    ("gfx90a", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
+    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # RDNA: no MFMA
+def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
+        monkeypatch, arch, env, kv_dtype, head_dim, kernel):
+    # docs/kernels.md, "AMD matrix cores": pass 1 on MFMA is compile-checked and emulated only
+    from pagedkv.kernels import kvcache
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_MFMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_MFMA", env)
+    attn = kvcache.PagedAttention(FakeHipDevice(arch), num_seqs=1, num_heads=8, kv_heads=2,
+                                  head_dim=head_dim, block_size=16, max_seq_len=64,
+                                  kv_dtype=kv_dtype)
+    assert attn._partition.name == kernel
+    assert attn.qk_mfma == kernel.endswith("mfma_g4")
+    assert repr(attn).endswith(", qk_mfma=True)" if attn.qk_mfma else "partitions=1)")

@@ -8,6 +8,8 @@ rotated every round, single-threaded unless a row says otherwise::
 
     python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --rounds 7
     python asv_bench/benchmarks/cpu_gemv.py --threads-scaling 40     # 1 vs 2 threads
+    python asv_bench/benchmarks/cpu_gemv.py --isa avx2 --only b1,b2,b4,b8 \
+        --baseline /path/to/old/prepared_gemv.cpython-311-x86_64-linux-gnu.so  # before/after
 
 Each measurement is the median of its calls (2 warm-up calls, then at least 5 and up
 to ``--budget-ms``); the table shows the median and the minimum over rounds, in wall
@@ -23,6 +25,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBLAS
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -55,6 +58,24 @@ class PreparedGemv:
         self.x = _weights(batch, 4096, seed=1)
 
     def time_call(self, fmt, batch):
+        self.gemv(self.x)
+
+
+class PreparedGemvAvx2Batch:
+    """The AVX2 kernel (the Zen 1-3 / Haswell path) per batch, 4096x4096 and 4096x14336:
+    rows per second at batch B against batch 1 (docs/performance.md, "Batch 2–8 on AVX2")."""
+
+    params = (GEMV_FORMATS, BATCHES, ["4096x4096", "4096x14336"])
+    param_names = ["fmt", "batch", "shape"]  # noqa: RUF012
+
+    def setup(self, fmt, batch, shape):
+        if "avx2" not in prepared_gemv.supported_isas():
+            raise NotImplementedError("no AVX2 here")       # asv skips the case
+        m, k = (int(v) for v in shape.split("x"))
+        self.gemv = Q.prepare_gemv(Q.quantize(_weights(m, k), fmt), fmt, (m, k), isa="avx2")
+        self.x = _weights(batch, k, seed=1)
+
+    def time_call(self, fmt, batch, shape):
         self.gemv(self.x)
 
 
@@ -140,7 +161,18 @@ class _Ggml:
         self.proc.wait(timeout=60)
 
 
-def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None):
+def _load_baseline(path: str):
+    """A ``prepared_gemv`` extension built from another commit (its ``.so``), loaded beside
+    this one, so a change is timed against its predecessor in the same run."""
+    spec = importlib.util.spec_from_file_location("pagedkv_baseline.prepared_gemv", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None, baseline=None):
     """(name, op, callable or ggml command) for one shape; callables for pagedkv."""
     w = _weights(m, k)
     x8 = _weights(8, k, seed=1)
@@ -151,6 +183,12 @@ def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None):
         g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
         for b in BATCHES:
             cases.append((f"pagedkv {fmt} b{b}", "gemv", (lambda g=g, x=x8[:b]: g(x))))
+        if baseline is not None:
+            g0 = baseline.PreparedGemv(raw, fmt, (m, k), isa=isa)
+            for b in BATCHES:
+                if g0(x8[:b]).tobytes() != g(x8[:b]).tobytes():
+                    raise SystemExit(f"--baseline gives other bits: {fmt} b{b}")
+                cases.append((f"baseline {fmt} b{b}", "gemv", (lambda g=g0, x=x8[:b]: g(x))))
         cases.append((f"pagedkv {fmt} b1 threads=2", "gemv",
                       (lambda g=g, x=x8[:1]: g(x, threads=2))))
         cases.append((f"pagedkv {fmt} gemv() f32 x", "gemv",
@@ -200,6 +238,22 @@ def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
                       f"{m2 * 1e3:.3f} ({n2 * 1e3:.3f}) | {m1 / m2:.2f}x ({n1 / n2:.2f}x) |")
 
 
+def _batch_scaling(results, shapes) -> list[str]:
+    """Rows per second at batch B against batch 1, ``B x t(b1) / t(bB)``, from the medians
+    of thread CPU time (the target of docs/performance.md, "Batch 2–8 on AVX2": >= 3x)."""
+    lines = []
+    for shape in shapes:
+        for who in ("pagedkv", "baseline"):
+            for fmt in GEMV_FORMATS:
+                cpu = {b: statistics.median(c for _, c in results[(shape, f"{who} {fmt} b{b}")])
+                       for b in BATCHES if (shape, f"{who} {fmt} b{b}") in results}
+                if 1 in cpu and len(cpu) > 1:
+                    ratios = " ".join(f"B{b}={b * cpu[1] / t:.2f}x" for b, t in cpu.items() if b > 1)
+                    name = fmt if who == "pagedkv" else f"{fmt} (baseline)"
+                    lines.append(f"# rows/s against b1, {shape[0]}x{shape[1]} {name}: {ratios}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ggml", help="path of the ggml worker binary (asv_bench/peers)")
@@ -209,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--isa", help="pagedkv kernel, as PAGEDKV_CPU_ISA (default: the best here)")
     ap.add_argument("--only", help="comma-separated substrings: run the cases that match")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--baseline", metavar="SO",
+                    help="also time the prepared_gemv extension at this path (built from "
+                         "another commit), as 'baseline ...' cases, alternated with this one")
     ap.add_argument("--threads-scaling", type=int, metavar="PAIRS",
                     help="only time 1 against 2 threads, PAIRS alternated pairs of calls")
     args = ap.parse_args(argv)
@@ -231,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     print("#", json.dumps(info))
     results: dict[tuple[tuple[int, int], str], list[tuple[float, float]]] = {}
     order: list[tuple[tuple[int, int], str, str]] = []
-    all_cases = {shape: _cases(*shape, ggml, args.isa) for shape in shapes}
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    all_cases = {shape: _cases(*shape, ggml, args.isa, baseline) for shape in shapes}
     only = args.only.split(",") if args.only else None
     for r in range(args.rounds):
         for shape, cases in all_cases.items():
@@ -266,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         cpu = [c for _, c in rows]
         print(f"| {shape[0]}x{shape[1]} | {name} | {statistics.median(wall):.3f} ({min(wall):.3f}) "
               f"| {statistics.median(cpu):.3f} ({min(cpu):.3f}) |")
+    for line in _batch_scaling(results, shapes):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": [

@@ -23,6 +23,11 @@ from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 
+#: AMD arches with MFMA matrix cores that the .hip kernels use (hip/pagedkv_compat.h,
+#: PKV_MFMA_I8: int8 and f16 16x16 MFMAs, wavefronts of 64). Compile-checked and emulated
+#: only: no AMD GPU has run them (docs/kernels.md, "AMD matrix cores").
+MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
+
 __all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "StreamLike", "open_device",
            "stream_handle"]
 

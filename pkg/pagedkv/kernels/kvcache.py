@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.kernels.device import Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
@@ -210,6 +210,11 @@ class PagedAttention:
     warp's next K/V rows copied into shared memory by wide asynchronous copies first
     (docs/kernels.md, "q8 attention on tensor cores"); ``None`` reads
     ``PAGEDKV_ATTN_Q8_STAGE`` (default off). Ignored when ``q8_mma`` is off.
+
+    ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
+    (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
+    (``pkv_paged_attention_f16mfma_g*``; compile-checked and emulated only, docs/kernels.md,
+    "AMD matrix cores"); :attr:`qk_mfma` says whether this object does.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
@@ -265,9 +270,16 @@ class PagedAttention:
         if q8_stage is None:
             q8_stage = env_bool("PAGEDKV_ATTN_Q8_STAGE", False)
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
+        # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
+        # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
+        self.qk_mfma = (kv_dtype == "float16" and head_dim in (64, 128)
+                        and getattr(device, "backend", None) == "hip"
+                        and getattr(device.properties, "arch", None) in MFMA_ARCHES
+                        and env_bool("PAGEDKV_ATTN_MFMA", False))
         if kv_dtype in KV_DTYPES:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
                                           "s" if self.q8_stage else "")
+            kind += "mfma" if self.qk_mfma else ""
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{v_side}"
@@ -284,7 +296,8 @@ class PagedAttention:
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
                 f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
                 + ("" if self.q8_mma is None else
-                   f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}") + ")")
+                   f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
+                + (", qk_mfma=True" if self.qk_mfma else "") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
         s, h, d = self.num_seqs, self.num_heads, self.head_dim

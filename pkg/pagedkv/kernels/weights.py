@@ -19,8 +19,9 @@ import math
 
 import numpy as np
 
+from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.device import Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
@@ -198,16 +199,18 @@ class Gemv:
     Weights go up once with :meth:`upload` (host bytes as stored; the tensor-core kernel
     reads them re-packed in 16-row tiles, see :meth:`pack`). :meth:`run` is
     :meth:`prepare` then :meth:`run_prepared`. Preparing x rotates it for
-    the rotated formats and, on NVIDIA sm_80+ for the 4-bit formats (the tensor-core
-    kernel), quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
+    the rotated formats and, on NVIDIA sm_80+ and AMD gfx908/gfx90a/gfx940-942 for the 4-bit
+    formats (the tensor-core kernel; MFMA on AMD, compile-checked and emulated only),
+    quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
     of the group's largest ``|x|``, then exact integer dot products). Several weights
     multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
     :meth:`run_prepared` each; the prepared x lives in this object's scratch."""
 
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None) -> None:
-        """``warps``: warps per block of the tensor-core kernel (1-8; ``None``: chosen from
-        M, the fastest measured on the H200). Ignored by the f32 kernel."""
+        """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
+        1-8; ``None``: chosen from M, the fastest measured on the H200). Ignored by the
+        f32 kernel."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -240,7 +243,8 @@ class Gemv:
                                          "ppppiii")
             row_tiles = math.ceil(M / GEMV_MMA_ROWS)
             self._grid = (row_tiles,)
-            self._block = (32 * (warps or _mma_warps(row_tiles, groups)),)
+            # warps of 32 lanes on NVIDIA, wavefronts of 64 on AMD (gemv_mfma)
+            self._block = (device.properties.warp_size * (warps or _mma_warps(row_tiles, groups)),)
         else:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
@@ -250,7 +254,8 @@ class Gemv:
             self._block = (GEMV_THREADS,)
 
     def __repr__(self) -> str:
-        kernel = ", int8 tensor cores" if self.tensor_cores else ""
+        cores = "matrix" if getattr(self.device, "backend", None) == "hip" else "tensor"
+        kernel = f", int8 {cores} cores" if self.tensor_cores else ""
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
     @property
@@ -369,7 +374,8 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
 
 def max_batch(device: Device, fmt: str | int) -> int:
     """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
-    tensor-core kernel (NVIDIA sm_80+, 4-bit formats), 8 on the CUDA-core one."""
+    tensor-core kernel (NVIDIA sm_80+, AMD gfx908/gfx90a/gfx940-942; 4-bit formats), 8 on the
+    CUDA-core one."""
     f = _format(fmt)
     return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
 
@@ -383,8 +389,14 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
 
 
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
-    """The int8-mma GEMV: NVIDIA compute capability 8.0 and newer, 4-bit formats."""
-    if getattr(device, "backend", None) != "cuda" or f.kernel not in _MMA_KERNELS:
+    """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
+    (mma.sync), AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942; compile-checked and emulated
+    only, docs/kernels.md; ``PAGEDKV_GEMV_MFMA=0`` turns it off). RDNA (gfx10-12) runs the
+    CUDA-core kernel."""
+    backend = getattr(device, "backend", None)
+    if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
-    arch = device.properties.arch  # "sm_90"
+    arch = device.properties.arch  # "sm_90", "gfx90a"
+    if backend == "hip":  # weights.hip builds gemv_mfma under the gemv_mma names there
+        return arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", True)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80

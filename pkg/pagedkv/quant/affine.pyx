@@ -18,10 +18,10 @@ from libc.string cimport memcpy
 
 from pagedkv.quant.cpu_pool cimport pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
+from pagedkv.quant.group_encode_loop cimport encode_groups, group_encoder
 from pagedkv.quant.quant_header cimport (
-    PKV_ENCODE_OK, PKV_ENCODE_UNREPRESENTABLE, pkv_first_nonfinite, pkv_hfq_encode_group,
-    pkv_mq4c_encode_group, pkv_mqv1_encode_group, pkv_mqv2_encode_group, pkv_pack_codes,
-    pkv_unpack_code,
+    PKV_ENCODE_OK, pkv_hfq_encode_group, pkv_mq4c_encode_group, pkv_mqv1_encode_group,
+    pkv_mqv2_encode_group, pkv_pack_codes, pkv_unpack_code,
 )
 
 cnp.import_array()
@@ -48,6 +48,38 @@ cdef inline Py_ssize_t group_bytes(int bits, Py_ssize_t group) noexcept nogil:
     return 8 + bits * group // 8
 
 
+cdef struct _EncodeJob:
+    uint8_t *out
+    Py_ssize_t B, group
+    int family, bits
+
+
+cdef bint _encode_hfq_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                            void *ctx) noexcept nogil:
+    cdef _EncodeJob *job = <_EncodeJob *>ctx
+    cdef uint8_t q[256]
+    return pkv_hfq_encode_group(x, <unsigned>count, job.bits, <unsigned>job.group, q,
+                                &job.out[g * job.B]) == PKV_ENCODE_OK
+
+
+cdef bint _encode_rotated_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                                void *ctx) noexcept nogil:
+    cdef _EncodeJob *job = <_EncodeJob *>ctx
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    cdef uint8_t *blk = &job.out[g * job.B]
+    # zero-pad BEFORE rotating (docs/contracts/hfqm-and-quant.md, '4.2 MQ v1 — rotated HFQ
+    # (qt 13, 15, 17, 18, 31)'), then min/max over all 256; finite weights near 3.4e38 can
+    # rotate to inf
+    if not group256(x, count, buf, True):
+        return False
+    if job.family == MQ_V1:
+        return pkv_mqv1_encode_group(buf, job.bits, q, blk) == PKV_ENCODE_OK
+    if job.family == MQ_V2:
+        return pkv_mqv2_encode_group(buf, job.bits, q, blk) == PKV_ENCODE_OK
+    return pkv_mq4c_encode_group(buf, q, blk) == PKV_ENCODE_OK
+
+
 def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_t group):
     """Encode ``x`` into ``out`` (``ceil(len(x)/group)`` groups of ``8 + bits*group/8`` bytes).
 
@@ -58,10 +90,9 @@ def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_
     Raises InvalidArgument for a geometry no format uses (rotated families need
     group 256) or an ``out`` of the wrong size.
     """
-    cdef Py_ssize_t n = x.shape[0], B, g, start, count, bad = -1, n_groups
-    cdef int status = PKV_ENCODE_OK
-    cdef uint8_t q[256]
-    cdef float buf[256]
+    cdef Py_ssize_t n = x.shape[0], B, bad, n_groups
+    cdef _EncodeJob job
+    cdef group_encoder encode_group = _encode_rotated_group
     check_affine_geometry(family, bits, group)  # before dividing by group
     B = group_bytes(bits, group)
     n_groups = (n + group - 1) // group
@@ -69,32 +100,15 @@ def encode(const float[::1] x, uint8_t[::1] out, int family, int bits, Py_ssize_
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
     if n == 0:
         return -1
+    job.out = &out[0]
+    job.B = B
+    job.group = group
+    job.family = family
+    job.bits = bits
+    if family == HFQ:
+        encode_group = _encode_hfq_group
     with nogil:
-        for g in range(n_groups):
-            start = g * group
-            count = min(group, n - start)
-            bad = pkv_first_nonfinite(&x[start], count)
-            if bad >= 0:
-                bad += start
-                break
-            if family == HFQ:
-                status = pkv_hfq_encode_group(&x[start], <unsigned>count, bits,
-                                              <unsigned>group, q, &out[g * B])
-            else:
-                # rotated families: zero-pad BEFORE rotating (docs/contracts/hfqm-and-quant.md, '4.2
-                # MQ v1 — rotated HFQ (qt 13, 15, 17, 18, 31)'), then min/max over
-                # all 256; finite weights near 3.4e38 can rotate to inf
-                if not group256(&x[start], count, buf, True):
-                    status = PKV_ENCODE_UNREPRESENTABLE
-                elif family == MQ_V1:
-                    status = pkv_mqv1_encode_group(buf, bits, q, &out[g * B])
-                elif family == MQ_V2:
-                    status = pkv_mqv2_encode_group(buf, bits, q, &out[g * B])
-                else:
-                    status = pkv_mq4c_encode_group(buf, q, &out[g * B])
-            if status != PKV_ENCODE_OK:
-                bad = -2 - g
-                break
+        bad = encode_groups(&x[0], n, group, encode_group, &job)
     return bad
 
 

@@ -12,7 +12,7 @@ from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
 from pagedkv.quant.fwht cimport group256, unrotate256
-from pagedkv.quant.quant_header cimport pkv_first_nonfinite
+from pagedkv.quant.group_encode_loop cimport encode_groups
 
 cnp.import_array()
 
@@ -43,29 +43,40 @@ cdef inline bint _beyond_f16(const float *buf) noexcept nogil:
     return False
 
 
+cdef struct _LloydJob:
+    uint8_t *out
+    Py_ssize_t B
+    int bits
+    bint rotated
+
+
+cdef bint _encode_lloyd_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                              void *ctx) noexcept nogil:
+    cdef _LloydJob *job = <_LloydJob *>ctx
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    if not group256(x, count, buf, job.rotated) or _beyond_f16(buf):
+        return False
+    pkv_lloyd_encode_group(buf, <unsigned>job.bits, q, &job.out[g * job.B])
+    return True
+
+
 def encode(const float[::1] x, uint8_t[::1] out, int bits, bint rotated):
     """Encode ``x`` into ``out`` (``ceil(len(x)/256)`` groups). Returns -1; the index of
     the first NaN/Inf in ``x``; or ``-2 - g`` when group ``g`` is finite but beyond what its
     f16 codebook can store (``out`` is then unspecified)."""
     cdef Py_ssize_t B = lloyd_group_bytes(bits)
-    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n = x.shape[0], bad
     cdef Py_ssize_t n_groups = (n + 255) // 256
-    cdef uint8_t q[256]
-    cdef float buf[256]
+    cdef _LloydJob job
     if out.shape[0] != n_groups * B:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_groups * B}")
+    job.out = &out[0]
+    job.B = B
+    job.bits = bits
+    job.rotated = rotated
     with nogil:
-        for g in range(n_groups):
-            start = g * 256
-            count = min(256, n - start)
-            bad = pkv_first_nonfinite(&x[start], count)
-            if bad >= 0:
-                bad += start
-                break
-            if not group256(&x[start], count, buf, rotated) or _beyond_f16(buf):
-                bad = -2 - g
-                break
-            pkv_lloyd_encode_group(buf, <unsigned>bits, q, &out[g * B])
+        bad = encode_groups(&x[0], n, 256, _encode_lloyd_group, &job)
     return bad
 
 

@@ -12,6 +12,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.group_encode_loop cimport encode_groups
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, PKV_FP4_FLAGS_PLAIN, PKV_FP4_FLAGS_ROTATED, PKV_FP4_UE8M0_RESERVED,
     pkv_first_nonfinite, pkv_fp4_decode_row,
@@ -46,41 +47,51 @@ cdef int _check(Py_ssize_t n, Py_ssize_t K, int kind) except -1:
     return 0
 
 
+cdef struct _Fp4Job:
+    uint8_t *out
+    float *buf              # K floats: the row, rotated or copied
+    Py_ssize_t K, B
+    uint32_t flags
+    int kind
+
+
+cdef bint _encode_fp4_row(const float *x, Py_ssize_t count, Py_ssize_t r,
+                          void *ctx) noexcept nogil:
+    cdef _Fp4Job *job = <_Fp4Job *>ctx
+    cdef Py_ssize_t K = job.K
+    if job.kind != 0:
+        rotate256(x, job.buf, K // 256)
+        if pkv_first_nonfinite(job.buf, K) >= 0:
+            return False
+    else:
+        memcpy(job.buf, x, K * sizeof(float))
+    return pkv_fp4_encode_row(job.buf, <uint32_t>K, job.flags, job.kind == 2,
+                              &job.out[r * job.B]) == PKV_ENCODE_OK
+
+
 def encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K, int kind):
     """Encode rows of ``K`` weights. Returns -1; the index of the first NaN/Inf in ``x``; or
     ``-2 - r`` when row ``r``'s scale does not fit an f16 (max|x|/6 beyond 65504) or its
     rotation overflows (``out`` is then unspecified)."""
     _check(x.shape[0], K, kind)
-    cdef Py_ssize_t n_rows = x.shape[0] // K, r, bad = -1
+    cdef Py_ssize_t n_rows = x.shape[0] // K, bad
     cdef Py_ssize_t B = row_bytes(K)
-    cdef bint rotated = kind != 0
-    cdef uint32_t flags = PKV_FP4_FLAGS_ROTATED if rotated else PKV_FP4_FLAGS_PLAIN
-    cdef float *buf
+    cdef _Fp4Job job
     if out.shape[0] != n_rows * B:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n_rows * B}")
-    buf = <float *>malloc(K * sizeof(float))
-    if buf == NULL:
+    job.buf = <float *>malloc(K * sizeof(float))
+    if job.buf == NULL:
         raise MemoryError()
+    job.out = &out[0]
+    job.K = K
+    job.B = B
+    job.flags = PKV_FP4_FLAGS_ROTATED if kind != 0 else PKV_FP4_FLAGS_PLAIN
+    job.kind = kind
     try:
         with nogil:
-            for r in range(n_rows):
-                bad = pkv_first_nonfinite(&x[r * K], K)
-                if bad >= 0:
-                    bad += r * K
-                    break
-                if rotated:
-                    rotate256(&x[r * K], buf, K // 256)
-                    if pkv_first_nonfinite(buf, K) >= 0:
-                        bad = -2 - r
-                        break
-                else:
-                    memcpy(buf, &x[r * K], K * sizeof(float))
-                if pkv_fp4_encode_row(buf, <uint32_t>K, flags, kind == 2,
-                                      &out[r * B]) != PKV_ENCODE_OK:
-                    bad = -2 - r
-                    break
+            bad = encode_groups(&x[0], x.shape[0], K, _encode_fp4_row, &job)
     finally:
-        free(buf)
+        free(job.buf)
     return bad
 
 

@@ -11,6 +11,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
+from pagedkv.quant.group_encode_loop cimport encode_groups
 from pagedkv.quant.quant_header cimport (
     PKV_F16_IS_NONFINITE, pkv_first_nonfinite, pkv_gl_decode_group, pkv_store_u16le,
 )
@@ -32,33 +33,44 @@ cdef Py_ssize_t _groups(Py_ssize_t n, int bits) except -1:
     return n // 256
 
 
+cdef struct _GlJob:
+    uint8_t *out
+    Py_ssize_t n_groups, idx_bytes
+    int bits
+
+
+cdef bint _encode_gl_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                           void *ctx) noexcept nogil:
+    """Group g's indices at ``out[g * idx_bytes]``, its f16 scale after every group's
+    indices (the structure-of-arrays layout)."""
+    cdef _GlJob *job = <_GlJob *>ctx
+    cdef uint8_t q[256]
+    cdef float buf[256]
+    cdef uint32_t s16
+    rotate256(x, buf, 1)
+    if pkv_first_nonfinite(buf, 256) >= 0:
+        return False
+    s16 = pkv_gl_encode_group(buf, <uint32_t>job.bits, q, &job.out[g * job.idx_bytes])
+    pkv_store_u16le(&job.out[job.n_groups * job.idx_bytes + 2 * g], s16)
+    return not PKV_F16_IS_NONFINITE(s16)
+
+
 def encode(const float[::1] x, uint8_t[::1] out, int bits):
     """Encode ``x`` (a multiple of 256 weights) into ``out`` (``len(x)/256 * (32*bits + 2)``
     bytes). Returns -1; the index of the first NaN/Inf in ``x``; or ``-2 - g`` when group
     ``g``'s rotation overflows or its f16 scale would be beyond 65504."""
-    cdef Py_ssize_t n_groups = _groups(x.shape[0], bits), g, bad = -1
+    cdef Py_ssize_t n_groups = _groups(x.shape[0], bits), bad
     cdef Py_ssize_t idx_bytes = 32 * bits
-    cdef uint8_t q[256]
-    cdef float buf[256]
-    cdef uint32_t s16
+    cdef _GlJob job
     if out.shape[0] != n_groups * (idx_bytes + 2):
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
                               f"{n_groups * (idx_bytes + 2)}")
+    job.out = &out[0]
+    job.n_groups = n_groups
+    job.idx_bytes = idx_bytes
+    job.bits = bits
     with nogil:
-        for g in range(n_groups):
-            bad = pkv_first_nonfinite(&x[g * 256], 256)
-            if bad >= 0:
-                bad += g * 256
-                break
-            rotate256(&x[g * 256], buf, 1)
-            if pkv_first_nonfinite(buf, 256) >= 0:
-                bad = -2 - g
-                break
-            s16 = pkv_gl_encode_group(buf, <uint32_t>bits, q, &out[g * idx_bytes])
-            pkv_store_u16le(&out[n_groups * idx_bytes + 2 * g], s16)
-            if PKV_F16_IS_NONFINITE(s16):
-                bad = -2 - g
-                break
+        bad = encode_groups(&x[0], x.shape[0], 256, _encode_gl_group, &job)
     return bad
 
 

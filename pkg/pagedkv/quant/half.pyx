@@ -30,12 +30,29 @@ cdef inline int _check_aligned(const void *p, Py_ssize_t n, size_t align, str na
     return 0
 
 
-def f16_trunc(const float[::1] x, uint16_t[::1] out):
-    cdef Py_ssize_t i, n = x.shape[0]
+cdef int _check_narrowing(const float[::1] x, uint16_t[::1] out) except -1:
+    """f32 ``x`` -> 16-bit ``out``: as many elements, each aligned."""
+    cdef Py_ssize_t n = x.shape[0]
     if out.shape[0] != n:
         raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
     _check_aligned(&x[0] if n else NULL, n, 4, "x")
     _check_aligned(&out[0] if n else NULL, n, 2, "out")
+    return 0
+
+
+cdef int _check_widening(const uint16_t[::1] h, float[::1] out) except -1:
+    """16-bit ``h`` -> f32 ``out``: as many elements, each aligned."""
+    cdef Py_ssize_t n = h.shape[0]
+    if out.shape[0] != n:
+        raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
+    _check_aligned(&h[0] if n else NULL, n, 2, "h")
+    _check_aligned(&out[0] if n else NULL, n, 4, "out")
+    return 0
+
+
+def f16_trunc(const float[::1] x, uint16_t[::1] out):
+    cdef Py_ssize_t i, n = x.shape[0]
+    _check_narrowing(x, out)
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_trunc(x[i])
@@ -43,10 +60,7 @@ def f16_trunc(const float[::1] x, uint16_t[::1] out):
 
 def f16_rne(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
-    if out.shape[0] != n:
-        raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
-    _check_aligned(&x[0] if n else NULL, n, 4, "x")
-    _check_aligned(&out[0] if n else NULL, n, 2, "out")
+    _check_narrowing(x, out)
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_f16_rne(x[i])
@@ -54,10 +68,7 @@ def f16_rne(const float[::1] x, uint16_t[::1] out):
 
 def bf16_trunc(const float[::1] x, uint16_t[::1] out):
     cdef Py_ssize_t i, n = x.shape[0]
-    if out.shape[0] != n:
-        raise InvalidArgument(f"out has {out.shape[0]} elements, x has {n}")
-    _check_aligned(&x[0] if n else NULL, n, 4, "x")
-    _check_aligned(&out[0] if n else NULL, n, 2, "out")
+    _check_narrowing(x, out)
     with nogil:
         for i in range(n):
             out[i] = <uint16_t>pkv_bf16_trunc(x[i])
@@ -70,10 +81,7 @@ cdef extern from "raw_decode_loops.h" nogil:
 
 def f16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t n = h.shape[0]
-    if out.shape[0] != n:
-        raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
-    _check_aligned(&h[0] if n else NULL, n, 2, "h")
-    _check_aligned(&out[0] if n else NULL, n, 4, "out")
+    _check_widening(h, out)
     if n:
         with nogil:
             pkv_cpu_f16_to_f32(&h[0], n, &out[0])
@@ -81,10 +89,7 @@ def f16_to_f32(const uint16_t[::1] h, float[::1] out):
 
 def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
     cdef Py_ssize_t n = h.shape[0]
-    if out.shape[0] != n:
-        raise InvalidArgument(f"out has {out.shape[0]} elements, h has {n}")
-    _check_aligned(&h[0] if n else NULL, n, 2, "h")
-    _check_aligned(&out[0] if n else NULL, n, 4, "out")
+    _check_widening(h, out)
     if n:
         with nogil:
             pkv_cpu_bf16_to_f32(&h[0], n, &out[0])

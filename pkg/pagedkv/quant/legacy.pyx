@@ -10,9 +10,9 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
+from pagedkv.quant.group_encode_loop cimport encode_groups
 from pagedkv.quant.quant_header cimport (
-    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_q4f16g64_decode_group, pkv_q4f16g64_encode_group,
-    pkv_q4k_decode_group,
+    PKV_ENCODE_OK, pkv_q4f16g64_decode_group, pkv_q4f16g64_encode_group, pkv_q4k_decode_group,
 )
 
 cnp.import_array()
@@ -26,26 +26,22 @@ cdef enum:
     Q4K_BYTES = 144
 
 
+cdef bint _encode_q4f16g64_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                                 void *out) noexcept nogil:
+    return pkv_q4f16g64_encode_group(x, <unsigned>count,
+                                     &(<uint8_t *>out)[g * Q4F16G64_BYTES]) == PKV_ENCODE_OK
+
+
 def q4f16g64_encode(const float[::1] x, uint8_t[::1] out):
     """Encode ``x`` into ``ceil(len(x)/64) * 36`` bytes. Returns -1; the index of the first
     NaN/Inf; or ``-2 - g`` when group ``g``'s f16 scale or minimum saturates."""
-    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n = x.shape[0], bad
     cdef Py_ssize_t n_groups = (n + Q4F16G64_GROUP - 1) // Q4F16G64_GROUP
     if out.shape[0] != n_groups * Q4F16G64_BYTES:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
                               f"{n_groups * Q4F16G64_BYTES}")
     with nogil:
-        for g in range(n_groups):
-            start = g * Q4F16G64_GROUP
-            count = min(Q4F16G64_GROUP, n - start)
-            bad = pkv_first_nonfinite(&x[start], count)
-            if bad >= 0:
-                bad += start
-                break
-            if pkv_q4f16g64_encode_group(&x[start], <unsigned>count,
-                                         &out[g * Q4F16G64_BYTES]) != PKV_ENCODE_OK:
-                bad = -2 - g
-                break
+        bad = encode_groups(&x[0], n, Q4F16G64_GROUP, _encode_q4f16g64_group, &out[0])
     return bad
 
 

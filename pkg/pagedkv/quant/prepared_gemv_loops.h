@@ -303,9 +303,15 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_float_stage8_(const pkv_pgemv_w *w, const
     }
 }
 
-/* AVX2: vpmaddubsw into int16, vpmaddwd to int32. Nibbles with one x row sum 4 chunks in
- * int16 before widening; with two, every chunk widens (the 16 registers would not hold
- * 2 x 2 int16 accumulators more). */
+/* An empty asm that takes v in a register: GCC 12 otherwise reassociates the int16 adds
+ * of the unrolled chunks into trees and hoists every vpmaddubsw ahead of them, which
+ * needs more than 16 registers and spills most of them (measured: 1.4x slower). */
+#define PKV_PG_IN_REGISTER_(v) __asm__("" : "+x"(v))
+
+/* AVX2: vpmaddubsw into int16, vpmaddwd to int32. Nibbles (1 or 2 x rows, both halves of
+ * the tile at once) sum 4 chunks in int16 before widening: with 2 rows the 2 x 2 int16 and
+ * 2 x 2 int32 accumulators, the 4 unpacked vectors, the mask and the x broadcasts take 15
+ * of the 16 registers, which holds only with the int16 sums pinned (PKV_PG_IN_REGISTER_). */
 PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                  ptrdiff_t b0, ptrdiff_t t, float *y_tile,
                                                  const int KIND, const int NB) {
@@ -314,7 +320,7 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int WIDEN = NB == 1 ? 4 : 1;
+    const int WIDEN = 4;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i i32[2][2];
         const int8_t *xs[2];
@@ -340,9 +346,11 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
                             const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
                             __m256i xl = _mm256_set1_epi32(pkv_pg_load_i32(xu));
                             __m256i xh = _mm256_set1_epi32(pkv_pg_load_i32(xu + 64));
-                            for (int h = 0; h < 2; ++h)
-                                i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)));
+                            for (int h = 0; h < 2; ++h) {
+                                i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_maddubs_epi16(lo[h], xl));
+                                i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_maddubs_epi16(hi[h], xh));
+                                PKV_PG_IN_REGISTER_(i16[h][b]);
+                            }
                         }
                     }
                     for (int b = 0; b < NB; ++b)
@@ -379,6 +387,76 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
             }
         }
         for (int h = 0; h < 2; ++h) pkv_pg_float_stage8_(w, x, b0, t, s, (uint32_t)h, y_tile, i32[h], KIND, NB);
+    }
+}
+
+/* AVX2, nibble codes, 3-8 x rows: the unpacking of each code vector (and, shift, and) is
+ * done once for a group of up to 4 x rows, which then cost 2 vpmaddubsw + 2 int16 adds
+ * per 64 codes each. One half-tile (8 rows, one 256-bit vector per chunk line) at a time,
+ * so the int16 and int32 accumulators of 4 x rows (2 per row), the unpacked codes, the
+ * mask and the x broadcasts fit the 16 ymm registers; 5-8 x rows are two groups in the
+ * same span, whose 2 KiB of codes the second group then reads from L1. Each int16 lane
+ * sums 4 chunks (8 vpmaddubsw lanes of at most 2 x 15 x 127: 30480 <= 32767) before one
+ * vpmaddwd widens it. The sums are exact, so the split changes no bit: the float stage
+ * then runs per half exactly as the one-row kernel does. */
+
+/* i32[g] = start[g] + sum of (code) * xq over half h of one span's code block cw, for the
+ * G x rows xs[0..G-1]. */
+PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_nib_group_avx2_(const uint8_t *cw, uint32_t span, uint32_t h,
+                                                      const int8_t *const *xs,
+                                                      const int32_t *start, __m256i *i32,
+                                                      const int G) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int g = 0; g < G; ++g) i32[g] = _mm256_set1_epi32(start[g]);
+    for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
+        const uint8_t *cu = cw + (size_t)u * 16u * 64u + 32u * h;
+        for (uint32_t c0 = 0; c0 < 16u; c0 += 4u) {
+            __m256i i16[4];
+            for (int g = 0; g < G; ++g) i16[g] = _mm256_setzero_si256();
+            for (uint32_t c = c0; c < c0 + 4u; ++c) {
+                __m256i wv = PKV_PG_LOAD256_(cu + 64u * c);
+                __m256i lo = _mm256_and_si256(wv, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                for (int g = 0; g < G; ++g) {
+                    const int8_t *xu = xs[g] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
+                    i16[g] = _mm256_add_epi16(i16[g], _mm256_maddubs_epi16(
+                        lo, _mm256_set1_epi32(pkv_pg_load_i32(xu))));
+                    i16[g] = _mm256_add_epi16(i16[g], _mm256_maddubs_epi16(
+                        hi, _mm256_set1_epi32(pkv_pg_load_i32(xu + 64))));
+                    PKV_PG_IN_REGISTER_(i16[g]);
+                }
+            }
+            for (int g = 0; g < G; ++g)
+                i32[g] = _mm256_add_epi32(i32[g], _mm256_madd_epi16(i16[g], ones));
+        }
+    }
+}
+
+PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
+                                                     ptrdiff_t b0, ptrdiff_t t, float *y_tile,
+                                                     const int NB) {
+    const int G0 = NB > 4 ? 4 : NB, G1 = NB - G0;      /* x rows of the two groups */
+    const uint32_t span = w->span;
+    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(PKV_PGEMV_NIBBLE, span);
+    const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
+    for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
+        const int8_t *xs[PKV_PG_MAX_NB];
+        int32_t start[PKV_PG_MAX_NB];
+        for (int b = 0; b < NB; ++b) {
+            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
+            start[b] = -w->center * x->xqsum[(b0 + b) * ns + s];
+        }
+        for (uint32_t h = 0; h < 2u; ++h) {
+            __m256i i32[4];
+            pkv_pg_nib_group_avx2_(cw, span, h, xs, start, i32, G0);
+            pkv_pg_float_stage8_(w, x, b0, t, s, h, y_tile, i32, PKV_PGEMV_NIBBLE, G0);
+            if (G1 > 0) {
+                pkv_pg_nib_group_avx2_(cw, span, h, xs + G0, start + G0, i32, G1);
+                pkv_pg_float_stage8_(w, x, b0 + G0, t, s, h, y_tile + G0 * PKV_PG_TR, i32,
+                                     PKV_PGEMV_NIBBLE, G1);
+            }
+        }
     }
 }
 
@@ -462,8 +540,25 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     } while (0)
 
 #define PKV_PG_AVX2_(KIND, N) pkv_pg_body_avx2_(w, x, b0 + bb, t, y_tile + bb * PKV_PG_TR, KIND, N)
+#define PKV_PG_AVX2_NIB_(N) pkv_pg_body_avx2_nib_(w, x, b0, t, y_tile, N)
+/* Nibble codes: all x rows of the tile in one pass: 1-2 rows in the body that runs both
+ * halves at once, 3-8 in the half-tile body (groups of up to 4). Byte codes: 1-2 rows per
+ * pass (they have no unpacking to share). */
 PKV_TGT_AVX2 static void pkv_pgemv_tile_avx2(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                              ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t, float *y_tile) {
+    if (w->kind == PKV_PGEMV_NIBBLE) {
+        switch (nb) {
+        case 1: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(PKV_PGEMV_NIBBLE, 1); break; }
+        case 2: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(PKV_PGEMV_NIBBLE, 2); break; }
+        case 3: PKV_PG_AVX2_NIB_(3); break;
+        case 4: PKV_PG_AVX2_NIB_(4); break;
+        case 5: PKV_PG_AVX2_NIB_(5); break;
+        case 6: PKV_PG_AVX2_NIB_(6); break;
+        case 7: PKV_PG_AVX2_NIB_(7); break;
+        default: PKV_PG_AVX2_NIB_(8); break;
+        }
+        return;
+    }
     for (ptrdiff_t bb = 0; bb < nb; bb += 2) PKV_PG_NB2_SWITCH_(PKV_PG_AVX2_, nb - bb);
 }
 

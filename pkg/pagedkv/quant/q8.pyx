@@ -17,8 +17,9 @@ from libc.string cimport memcpy
 
 from pagedkv.quant.cpu_pool cimport pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
+from pagedkv.quant.group_encode_loop cimport encode_groups
 from pagedkv.quant.quant_header cimport (
-    PKV_ENCODE_OK, pkv_first_nonfinite, pkv_mq8_decode_group, pkv_mq8_encode_group,
+    PKV_ENCODE_OK, pkv_mq8_decode_group, pkv_mq8_encode_group,
     pkv_q8f16_decode_group, pkv_q8f16_encode_group, pkv_q8hfq_decode_elem, pkv_q8hfq_encode_row,
 )
 
@@ -32,27 +33,23 @@ cdef extern from "pagedkv/quant.h":
         BLOCK_BYTES "PKV_Q8F16_GROUP_BYTES"  # f16 scale + BLOCK int8
 
 
+cdef bint _encode_q8f16_block(const float *x, Py_ssize_t count, Py_ssize_t g,
+                              void *out) noexcept nogil:
+    return pkv_q8f16_encode_group(x, <unsigned>count,
+                                  &(<uint8_t *>out)[g * BLOCK_BYTES]) == PKV_ENCODE_OK
+
+
 def encode(const float[::1] x, uint8_t[::1] out):
     """Encode ``x`` into ``out`` (``ceil(len(x)/32) * 34`` bytes). Returns -1; ``i >= 0``,
     the index of the first NaN/Inf in ``x``; or ``-2 - g`` when block ``g``'s scale
     ``max|x|/127`` does not fit an f16 (beyond 65504)."""
-    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n = x.shape[0], bad
     cdef Py_ssize_t n_blocks = (n + BLOCK - 1) // BLOCK
     if out.shape[0] != n_blocks * BLOCK_BYTES:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
                               f"{n_blocks * BLOCK_BYTES}")
     with nogil:
-        for g in range(n_blocks):
-            start = g * BLOCK
-            count = min(BLOCK, n - start)
-            bad = pkv_first_nonfinite(&x[start], count)
-            if bad >= 0:
-                bad += start
-                break
-            if pkv_q8f16_encode_group(&x[start], <unsigned>count,
-                                      &out[g * BLOCK_BYTES]) != PKV_ENCODE_OK:
-                bad = -2 - g
-                break
+        bad = encode_groups(&x[0], n, BLOCK, _encode_q8f16_block, &out[0])
     return bad
 
 
@@ -108,24 +105,32 @@ cdef Py_ssize_t q8hfq_row_bytes(Py_ssize_t K) except -1:
     return (2 * (K // 32) + K + 127) // 128 * 128
 
 
+cdef struct _Q8hfqJob:
+    uint8_t *out
+    Py_ssize_t K, B
+
+
+cdef bint _encode_q8hfq_row(const float *x, Py_ssize_t count, Py_ssize_t r,
+                            void *ctx) noexcept nogil:
+    cdef _Q8hfqJob *job = <_Q8hfqJob *>ctx
+    return pkv_q8hfq_encode_row(x, <uint32_t>job.K, &job.out[r * job.B]) == PKV_ENCODE_OK
+
+
 def q8hfq_encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K):
     """Encode rows of ``K`` weights into ``out`` (``round_up(2*K/32 + K, 128)`` bytes per
     row). Returns -1; the index of the first NaN/Inf; or ``-2 - r`` when a block scale of
     row ``r`` does not fit an f16."""
-    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = x.shape[0], r, bad = -1
+    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = x.shape[0], bad
+    cdef _Q8hfqJob job
     if n % K:
         raise InvalidArgument(f"{n} weights are not whole rows of K = {K}")
     if out.shape[0] != n // K * B:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs {n // K * B}")
+    job.out = &out[0]
+    job.K = K
+    job.B = B
     with nogil:
-        for r in range(n // K):
-            bad = pkv_first_nonfinite(&x[r * K], K)
-            if bad >= 0:
-                bad += r * K
-                break
-            if pkv_q8hfq_encode_row(&x[r * K], <uint32_t>K, &out[r * B]) != PKV_ENCODE_OK:
-                bad = -2 - r
-                break
+        bad = encode_groups(&x[0], n, K, _encode_q8hfq_row, &job)
     return bad
 
 
@@ -150,28 +155,24 @@ cdef enum:
     MQ8_GROUP_BYTES = 258
 
 
+cdef bint _encode_mq8_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                            void *out) noexcept nogil:
+    cdef float buf[256]
+    return group256(x, count, buf, True) and \
+        pkv_mq8_encode_group(buf, &(<uint8_t *>out)[g * MQ8_GROUP_BYTES]) == PKV_ENCODE_OK
+
+
 def mq8_encode(const float[::1] x, uint8_t[::1] out):
     """Encode ``x`` into ``ceil(len(x)/256) * 258`` bytes (the short last group is
     zero-padded before the rotation). Returns -1; the index of the first NaN/Inf; or
     ``-2 - g`` when group ``g``'s rotation overflows or its f16 scale saturates."""
-    cdef Py_ssize_t n = x.shape[0], g, start, count, bad = -1
+    cdef Py_ssize_t n = x.shape[0], bad
     cdef Py_ssize_t n_groups = (n + 255) // 256
-    cdef float buf[256]
     if out.shape[0] != n_groups * MQ8_GROUP_BYTES:
         raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
                               f"{n_groups * MQ8_GROUP_BYTES}")
     with nogil:
-        for g in range(n_groups):
-            start = g * 256
-            count = min(256, n - start)
-            bad = pkv_first_nonfinite(&x[start], count)
-            if bad >= 0:
-                bad += start
-                break
-            if not group256(&x[start], count, buf, True) or \
-                    pkv_mq8_encode_group(buf, &out[g * MQ8_GROUP_BYTES]) != PKV_ENCODE_OK:
-                bad = -2 - g
-                break
+        bad = encode_groups(&x[0], n, 256, _encode_mq8_group, &out[0])
     return bad
 
 

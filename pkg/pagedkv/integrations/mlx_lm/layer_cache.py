@@ -42,12 +42,16 @@ SAVED_STATE_REFUSAL = (
 class LayerBuffers:
     """What the paged layer caches share of mlx-lm's cache protocol: ``keys``/``values``
     buffers (``None`` before the first write) valid up to ``offset``, a ``state`` that
-    ``generate_step`` evaluates but no saved state can rebuild, and ``trim``."""
+    ``generate_step`` evaluates but no saved state can rebuild, ``trim`` (through the owning
+    ``request``) and the refusal of mlx-lm's KV quantization."""
 
-    __slots__ = ()
+    # the slots trim and the protocol read and write; subclasses add their own
+    __slots__ = ("index", "keys", "offset", "request", "values")
+    index: int  # the layer
     keys: Any  # an mx.array, or None before the first write
     values: Any
     offset: int
+    request: Any  # the owning PagedRequest
 
     def empty(self) -> bool:
         return self.keys is None
@@ -72,6 +76,24 @@ class LayerBuffers:
     def is_trimmable(self) -> bool:
         return True
 
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);
+        returns how many were dropped. ``InvalidArgument`` (no layer changed) when a sliding
+        layer of the request cannot rewind that far: its buffer no longer holds the window
+        before the new offset (a rewind of up to ``TRIM_MARGIN_TOKENS`` tokens always
+        works)."""
+        self.request.check_trim(n)
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's ``kv_bits`` path calls this; paged KV is not quantized by mlx-lm."""
+        raise InvalidArgument(
+            f"kv_bits={bits}: mlx-lm's KV quantization would replace the paged cache with a "
+            "private QuantizedKVCache; run without kv_bits (docs/integrations/mlx-lm.md, "
+            "'Limits')")
+
 
 class PagedKVLayerCache(LayerBuffers):
     """The cache of one full-attention layer of one :class:`PagedRequest`.
@@ -81,7 +103,7 @@ class PagedKVLayerCache(LayerBuffers):
     """
 
     step = STEP_TOKENS
-    __slots__ = ("__weakref__", "index", "keys", "offset", "request", "values")
+    __slots__ = ("__weakref__",)
 
     def __init__(self, request, index: int, keys=None, values=None, offset: int = 0) -> None:
         self.request = request
@@ -133,22 +155,6 @@ class PagedKVLayerCache(LayerBuffers):
     def size(self) -> int:
         """Tokens held (mlx-lm's "sequence length")."""
         return self.offset
-
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);
-        returns how many were dropped. ``InvalidArgument`` (no layer changed) when a sliding
-        layer of the request cannot rewind that far."""
-        self.request.check_trim(n)
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """mlx-lm's ``kv_bits`` path calls this; paged KV is not quantized by mlx-lm."""
-        raise InvalidArgument(
-            f"kv_bits={bits}: mlx-lm's KV quantization would replace the paged cache with a "
-            "private QuantizedKVCache; run without kv_bits (docs/integrations/mlx-lm.md, "
-            "'Limits')")
 
     @classmethod
     def merge(cls, caches):

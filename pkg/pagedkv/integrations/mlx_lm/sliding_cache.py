@@ -47,8 +47,7 @@ class PagedSlidingLayerCache(LayerBuffers):
     """
 
     step = STEP_TOKENS
-    __slots__ = ("__weakref__", "index", "keys", "offset", "request", "start", "values",
-                 "window")
+    __slots__ = ("__weakref__", "start", "window")
 
     def __init__(self, request, index: int, window: int, keys=None, values=None,
                  offset: int = 0, start: int = 0) -> None:
@@ -153,21 +152,6 @@ class PagedSlidingLayerCache(LayerBuffers):
     def can_rewind(self, n: int) -> bool:
         """Whether the buffer still holds the window a query at ``offset - n`` attends."""
         return max(0, self.offset - min(self.offset, n) - self.window + 1) >= self.start
-
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens; ``InvalidArgument`` (nothing changed in any layer)
-        when the buffer no longer holds the window before the new offset (a rewind of up to
-        :data:`TRIM_MARGIN_TOKENS` tokens always works)."""
-        self.request.check_trim(n)
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        raise InvalidArgument(
-            f"kv_bits={bits}: mlx-lm's KV quantization would replace the paged cache with a "
-            "private QuantizedKVCache; run without kv_bits (docs/integrations/mlx-lm.md, "
-            "'Limits')")
 
     def as_rotating(self) -> RotatingKVCache:
         """mlx-lm's ``RotatingKVCache`` holding the same window (temporal order), what its
