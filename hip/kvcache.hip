@@ -634,8 +634,277 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
     for (int r = 0; r < 4; ++r) o[mt][r] += pkv_shfl_xor(o[mt][r], 2);
 }
 
+// q8 KV on tensor cores with the rows staged in shared memory (PAGEDKV_ATTN_Q8_STAGE=1,
+// PagedAttention(..., q8_stage=True); the q8s kernels): the passes above issue per lane
+// and token 2- and 4-byte loads at 2-byte-aligned record offsets, each warp-wide load
+// touching 8 rows (lines), so they are bound by load instructions, not DRAM. Here each warp
+// copies the rows of its next 16-token chunks into its own shared-memory buffers with
+// cp.async of 8-byte units (head_dim 128: a row is 17 units of 8 bytes, 8-byte aligned;
+// head_dim 64: 17 units of 4 bytes), lanes on consecutive units (a warp-wide copy covers
+// 2 rows of contiguous bytes), PKV_ATTN_Q8_STAGES chunks per warp (STAGES - 1 in flight
+// while one is read). The fragments are then built from shared memory with the lane
+// mapping of qk_scores_mma_q8 / pv_mma_q8 (same bytes, same selectors); a staged row
+// starts every PKV_ATTN_Q8_STAGE_PITCH_UNITS units (18: 144 bytes at head_dim 128, 2-way
+// bank conflicts where the packed 136 would give 4-way in pass 1). Tokens past the
+// partition are zero-filled (cp.async src-size 0): scale 0, codes 0.
+// Pass 2 keeps pscale per warp and running (the largest V scale of the chunks seen so far,
+// as the exponent e, from the staged scales: no pre-pass over V): when a chunk raises it,
+// the f32 accumulators are multiplied by the exact power of two 2^(e_old - e_new) first.
+#ifndef PKV_ATTN_Q8_STAGES
+#define PKV_ATTN_Q8_STAGES 3
+#endif
+#ifndef PKV_ATTN_Q8_STAGE_PITCH_UNITS
+#define PKV_ATTN_Q8_STAGE_PITCH_UNITS 18
+#endif
+constexpr int Q8_STAGE_TOKENS = 16;
+constexpr int Q8_ROW_UNITS = 17;  // 34 * head_dim / 32 bytes = 17 units of head_dim / 16 bytes
+constexpr int Q8_STAGE_BYTES_MAX = Q8_STAGE_TOKENS * PKV_ATTN_Q8_STAGE_PITCH_UNITS * 8;
+static_assert(PKV_ATTN_Q8_STAGES >= 2, "PKV_ATTN_Q8_STAGES: one chunk read, one in flight");
+static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds a row");
+// Static shared memory stays under 48 KB with the rows table and the reductions (4
+// stages of 144-byte rows at 128 threads: 36 KB).
+static_assert(PKV_ATTN_THREADS / 32 * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX <= 40 * 1024,
+              "PKV_ATTN_Q8_STAGES x PKV_ATTN_Q8_STAGE_PITCH_UNITS: over 40 KB of stage buffers");
+
+// One cp.async of BYTES (4 or 8) from global to shared; valid false fills zeros.
+template <int BYTES>
+PKV_DEV void cp_async_unit(uint8_t* smem_dst, const uint8_t* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint64_t dst;  // the shared-window address (PTX, not __cvta_generic_to_shared: NVRTC too)
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+               :: "r"((uint32_t)dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
+#else
+  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
+#endif
+}
+PKV_DEV void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int PENDING>
+PKV_DEV void cp_async_wait() {  // at most PENDING of this thread's groups still in flight
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+#endif
+}
+PKV_DEV void warp_sync() {
+#if defined(__CUDA_ARCH__)
+  __syncwarp();
+#endif
+}
+
+// Chunk c (tokens 16c .. 16c + 15 of the partition) of a pool into one stage buffer:
+// staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17.
+PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+                            int64_t row_bytes, int c, int n_tok) {
+  const int lane = threadIdx.x % 32;
+  const bool wide = row_bytes == 8 * Q8_ROW_UNITS;  // head_dim 128 (else 64: 4-byte units)
+#pragma unroll 3  // 3 of the 9 copies at a time: fully unrolled, sm_80 spilled
+  for (int i = 0; i < (Q8_STAGE_TOKENS * Q8_ROW_UNITS + 31) / 32; ++i) {
+    const int u = lane + 32 * i;
+    if (u < Q8_STAGE_TOKENS * Q8_ROW_UNITS) {
+      const int j = u / Q8_ROW_UNITS, k = u - j * Q8_ROW_UNITS;
+      const int tok = Q8_STAGE_TOKENS * c + j;
+      const bool ok = tok < n_tok;
+      const uint8_t* row = pool + rows[ok ? tok : n_tok - 1] * row_bytes;
+      if (wide)
+        cp_async_unit<8>(buf + 8 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 8 * k, ok);
+      else
+        cp_async_unit<4>(buf + 4 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 4 * k, ok);
+    }
+  }
+}
+
+// The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
+// STAGES - 2, one commit group each (empty past the end: the wait counts stay uniform).
+PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
+                               const int64_t* rows, int64_t row_bytes, int n_tok) {
+  const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
+#pragma unroll
+  for (int s = 0; s < PKV_ATTN_Q8_STAGES - 1; ++s) {
+    const int c = warp + s * n_warps;
+    if (c < n_chunks) q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
+    cp_async_commit();
+  }
+}
+
+// The warp's chunks through its STAGES buffers: after the prologue (issued here, or by the
+// caller when PROLOGUE_ISSUED: pass 2's first V chunks load during the softmax), per chunk
+// issue the one STAGES - 1 ahead and wait for this one; body(buf, c) reads the chunk from
+// shared memory.
+template <bool PROLOGUE_ISSUED, typename Body>
+PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
+                              const int64_t* rows, int64_t row_bytes, int n_tok, Body body) {
+  const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
+  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, n_tok);
+  int slot = 0;
+  for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
+    const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
+    const int ahead_slot = slot == 0 ? PKV_ATTN_Q8_STAGES - 1 : slot - 1;
+    warp_sync();  // every lane is done reading ahead_slot (the previous chunk's buffer)
+    if (ahead < n_chunks)
+      q8_stage_chunk(stage + ahead_slot * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, ahead, n_tok);
+    cp_async_commit();
+    cp_async_wait<PKV_ATTN_Q8_STAGES - 1>();  // this lane's copies of chunk c have landed
+    warp_sync();                              // and every lane's
+    body((const uint8_t*)(stage + slot * Q8_STAGE_BYTES_MAX), c);
+    slot = slot == PKV_ATTN_Q8_STAGES - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+  warp_sync();  // the buffers are free for the next pass
+}
+
+PKV_DEV uint32_t smem_u16(const uint8_t* p) { return *(const uint16_t*)p; }
+
+template <int GMAX>
+PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int group, int head_dim,
+                                     float scale, const uint8_t* __restrict__ k_pool,
+                                     const int64_t* rows, int64_t row_bytes, int n_tok,
+                                     float* scores, uint8_t* stage) {
+  const int lane = threadIdx.x % 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
+  uint32_t qa[8][4];  // as qk_scores_mma_q8: record i is k-steps 2i, 2i + 1
+  q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
+      const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
+      const uint8_t* row0 = buf + (8 * h + 2 * t) * pitch;  // tokens of C's columns 2t, 2t + 1
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (i < n_rec) {
+          const uint8_t* rec = row + i * PKV_KVQ8_RECORD_BYTES;
+          const uint32_t w0 = i % 2 ? load_word_a2<true>(rec + 2 + 8 * t)
+                                    : load_word_a2<false>(rec + 2 + 8 * t);
+          const uint32_t w1 = i % 2 ? load_word_a2<true>(rec + 6 + 8 * t)
+                                    : load_word_a2<false>(rec + 6 + 8 * t);
+          float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_f16_16x8x16(r, qa[2 * i], q8_codes_f16x2<0x4140>(w0, 0u),
+                          q8_codes_f16x2<0x4342>(w0, 0u));
+          mma_f16_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2<0x4140>(w1, 0u),
+                          q8_codes_f16x2<0x4342>(w1, 0u));
+          const float d0 = pkv_half_bits_to_float(
+              (uint16_t)smem_u16(row0 + i * PKV_KVQ8_RECORD_BYTES));
+          const float d1 = pkv_half_bits_to_float(
+              (uint16_t)smem_u16(row0 + pitch + i * PKV_KVQ8_RECORD_BYTES));
+          acc[0] += d0 * r[0];
+          acc[1] += d1 * r[1];
+          acc[2] += d0 * r[2];
+          acc[3] += d1 * r[3];
+        }
+      }
+      const int tok = Q8_STAGE_TOKENS * c + 8 * h + 2 * t;
+      if (gid < GMAX) {
+        if (tok < n_tok) scores[tok * GMAX + gid] = acc[0] + acc[2];
+        if (tok + 1 < n_tok) scores[(tok + 1) * GMAX + gid] = acc[1] + acc[3];
+      }
+    }
+  });
+}
+
+// Pass 2 from staged rows; o leaves scaled back (times 2^(e - 141) of the warp's final e).
+// The caller has issued q8_stage_prologue over v_pool (during the softmax).
+template <int GMAX>
+PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v_pool,
+                              const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                              uint8_t* stage, float (&o)[8][4]) {
+  const int lane = threadIdx.x % 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;
+  const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  const int head = gid % 4;
+  const bool rest = gid >= 4, live = head < GMAX;
+  int e = 103;  // the running largest V scale's f32 exponent (103: the smallest f16 subnormal)
+  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+    // Scales first (the chunk's pscale needs all of them); a record's codes are read from
+    // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
+    uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
+    uint32_t dm = 0u;  // the largest |scale| bits of the lane's tokens
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {
+        if (j % 2 == 0) d[j / 2][l] = 0u;
+        if (l < n_rec) {
+          const uint32_t dj = smem_u16(buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES);
+          d[j / 2][l] |= dj << (16 * (j % 2));
+          dm = max(dm, dj & 0x7FFFu);  // f16 magnitudes order as their bits
+        }
+      }
+    }
+    // Lanes t cover the chunk's 16 tokens (every gid holds the same scales).
+    dm = max(dm, shfl_word(dm, lane ^ 1));
+    dm = max(dm, shfl_word(dm, lane ^ 2));
+    const int ec = max((int)((__float_as_uint(pkv_half_bits_to_float((uint16_t)dm)) >> 23) & 0xFF), 103);
+    if (ec > e) {  // warp-uniform: rescale what is accumulated to the new pscale, exactly
+      const float down = __uint_as_float((uint32_t)(127 + e - ec) << 23);
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) o[mt][r] *= down;
+      e = ec;
+    }
+    // pscale = 2^(141 - e): the largest scale so far times pscale is in [2^14, 2^15).
+    const float pscale = __uint_as_float((uint32_t)(268 - e) << 23);
+    float p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = Q8_STAGE_TOKENS * c + 4 * t + j;
+      p[j] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+    }
+    auto pd_pair = [&](int k, int l) {  // B of record l: tokens 4t + 2k, + 1
+      uint32_t bits = 0u;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float v =
+            p[2 * k + x] * (pkv_half_bits_to_float((uint16_t)(d[k][l] >> (16 * x))) * pscale);
+        const uint32_t hi = pkv_float_to_half_bits(v);
+        const uint32_t h = rest ? pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi)) : hi;
+        bits |= h << (16 * x);
+      }
+      return bits;
+    };
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        uint32_t code[4];  // tokens 4t + j: codes 4 gid .. 4 gid + 3 of record l
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* rec = buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES;
+          code[j] = l % 2 ? load_word_a2<true>(rec + 2 + 4 * gid)
+                          : load_word_a2<false>(rec + 2 + 4 * gid);
+        }
+        const uint32_t b0 = pd_pair(0, l), b1 = pd_pair(1, l);
+        const uint32_t c0 = code[0], c1 = code[1], c2 = code[2], c3 = code[3];
+        // as pv_mma_q8: m-tile 2l + j, rows gid / gid + 8 = bytes 2j / 2j + 1 of the word
+        const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
+                                q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
+        const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
+                                q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
+        mma_f16_16x8x16(o[2 * l], a0, b0, b1);
+        mma_f16_16x8x16(o[2 * l + 1], a1, b0, b1);
+      }
+    }
+  });
+  const float unscale = __uint_as_float((uint32_t)(e - 14) << 23);  // 2^(e - 141)
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[mt][r] = (o[mt][r] + pkv_shfl_xor(o[mt][r], 2)) * unscale;
+}
+
 // QK_MFMA: pass 1 on AMD matrix cores (qk_scores_mfma), pass 2 on the CUDA-core path.
-template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false>
+// STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged).
+template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false, bool STAGE = false>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -646,8 +915,12 @@ PKV_DEV void paged_attention_partition(
   constexpr int PARTITION = PKV_ATTN_OF_KIND(PKV_ATTN_PARTITION, KIND);
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
-  constexpr bool Q8_MMA = MMA && KIND == KV_Q8;
+  constexpr bool Q8_STAGED = MMA && KIND == KV_Q8 && STAGE;  // pv_mma_q8_staged: no pre-pass
+  constexpr bool Q8_MMA = MMA && KIND == KV_Q8 && !STAGE;
   __shared__ float vscale_max[Q8_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
+  // q8s: each warp's PKV_ATTN_Q8_STAGES chunk buffers (both passes, one after the other)
+  __shared__ __align__(16) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
+                                                        PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX : 16];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
@@ -717,7 +990,14 @@ PKV_DEV void paged_attention_partition(
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
-  if constexpr (MMA && KIND == KV_Q8) {
+  if constexpr (Q8_STAGED) {
+    qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                                  head_dim, scale, k_pool, rows, row_bytes, n_tok, scores,
+                                  q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+    // pass 1 left this warp's buffers free: the first V chunks load during the softmax
+    q8_stage_prologue(q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_pool, rows,
+                      row_bytes, n_tok);
+  } else if constexpr (MMA && KIND == KV_Q8) {
     qk_scores_mma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
   } else if constexpr (MMA) {
@@ -816,7 +1096,10 @@ PKV_DEV void paged_attention_partition(
   if constexpr (MMA) {
     {
       float o[8][4];
-      if constexpr (KIND == KV_Q8) {
+      if constexpr (Q8_STAGED) {
+        pv_mma_q8_staged<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
+                               q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, o);
+      } else if constexpr (KIND == KV_Q8) {
         float vm = vscale_max[0];
         for (int w = 1; w < n_warps; ++w) vm = fmaxf(vm, vscale_max[w]);
         // vm < 2^(e - 126): pscale = 2^(141 - e) puts vm * pscale in [2^14, 2^15); e >= 103
@@ -920,7 +1203,7 @@ PKV_DEV void paged_attention_partition(
 // passes on tensor cores where there are some (sm_80+); everything else on CUDA cores.
 // q8 KV the same (pv_mma_q8, qk_scores_mma_q8) unless CUDA_CORES: the _cc kernels keep the
 // CUDA-core q8 passes selectable (PAGEDKV_ATTN_Q8_MMA=0, pagedkv.kernels.kvcache).
-template <int KIND, int GMAX, bool CUDA_CORES = false>
+template <int KIND, int GMAX, bool CUDA_CORES = false, bool STAGE = false>
 PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
@@ -928,7 +1211,7 @@ PKV_DEV void paged_attention_dispatch(
     int max_partitions) {
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
   if (MMA_OK && (head_dim == 64 || head_dim == 128))
-    paged_attention_partition<KIND, GMAX, MMA_OK>(
+    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
   else
@@ -937,7 +1220,7 @@ PKV_DEV void paged_attention_dispatch(
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
 }
 
-#define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES)                                 \
+#define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES, STAGE)                          \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
                                     PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
       NAME(                                                                                  \
@@ -945,12 +1228,12 @@ PKV_DEV void paged_attention_dispatch(
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
       int head_dim, int block_size, int table_width, int max_partitions) {                   \
-    paged_attention_dispatch<KIND, GMAX, CUDA_CORES>(                                        \
+    paged_attention_dispatch<KIND, GMAX, CUDA_CORES, STAGE>(                                 \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,      \
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);             \
   }
 
-#define PKV_ATTN_KERNEL(NAME, KIND, GMAX) PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false)
+#define PKV_ATTN_KERNEL(NAME, KIND, GMAX) PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false)
 
 #if PKV_ATTN_MFMA_QK
 // f16 KV with pass 1 on AMD matrix cores (qk_scores_mfma; head_dim 64 or 128, else the
@@ -991,10 +1274,17 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g1, KV_Q8, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g2, KV_Q8, 2)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true, false)
+// q8 with the rows staged in shared memory (pv_mma_q8_staged): PAGEDKV_ATTN_Q8_STAGE=1.
+// Where the tensor-core passes do not apply (AMD, GMAX 8, head_dim 256) these are the q8
+// kernels' CUDA-core passes.
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g1, KV_Q8, 1, false, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g2, KV_Q8, 2, false, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g4, KV_Q8, 4, false, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g8, KV_Q8, 8, false, true)
 
 // ---------------------------------------------------------------------------
 // Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed

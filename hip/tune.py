@@ -5,6 +5,7 @@ values, load it in place of the installed object (``Device.load_module``), time 
 Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
+    python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3,4 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
 
@@ -64,21 +65,29 @@ def _pct(nbytes: int, seconds: float, copy_bw: float) -> str:
             f"{100 * nbytes / seconds / copy_bw:5.1f}%")
 
 
-def sweep_attn(dev, stream, copy_bw, B, images, case=None) -> None:
+#: ``--kv`` of the attn sweep: (kv_dtype, PagedAttention switches); q8s = the staged q8 kernel.
+ATTN_KINDS = {"float16": ("float16", {}), "q8": ("q8", {"q8_stage": False}),
+              "q8s": ("q8", {"q8_stage": True}), "q8cc": ("q8", {"q8_mma": False})}
+
+
+def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> None:
     from pagedkv.kernels import kvcache
     from pagedkv.kernels.launch_constants import launch_constant
-    args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), "float16",
+    kv_dtype, switches = ATTN_KINDS[kind]
+    suffix = kvcache.KV_SUFFIX[kv_dtype]
+    args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), kv_dtype,
                                                    **(case or B.ATTENTION_CASE))
     out = args[-1]
     first = None
     for defines, image in images:
         dev.load_module("kvcache", image)
-        kvcache.ATTN_PARTITION_TOKENS["float16"] = int(defines.get(
-            "PKV_ATTN_PARTITION_F16", launch_constant("PKV_ATTN_PARTITION_F16")))
-        t = B.time_attention(dev, stream, kvcache.PagedAttention(dev, **attn_kwargs), args)
+        kvcache.ATTN_PARTITION_TOKENS[kv_dtype] = int(defines.get(
+            f"PKV_ATTN_PARTITION_{suffix}", launch_constant(f"PKV_ATTN_PARTITION_{suffix}")))
+        t = B.time_attention(dev, stream, kvcache.PagedAttention(dev, **attn_kwargs, **switches),
+                             args)
         got = out.to_numpy()
         first = got if first is None else first
-        print(f"attn f16 {defines}: {_pct(nbytes, t, copy_bw)} "
+        print(f"attn {kind} {defines}: {_pct(nbytes, t, copy_bw)} "
               f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
 
 
@@ -140,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
                    help="a -D macro and the values to try (repeatable)")
     p.add_argument("--warps", default="2,4,8", help="gemv: warps per block to try")
+    p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
+                   help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
     args = p.parse_args(argv)
     from pagedkv.bench import gpu as B
     from pagedkv.kernels import Stream
@@ -159,7 +170,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         images = [(d, build(source, d, dev.properties.arch, Path(tmp)))
                   for d in variants(parse_sets(args.set))]
-    (sweep_attn if args.what == "attn" else sweep_dequant)(dev, stream, copy_bw, B, images)
+    if args.what == "attn":
+        sweep_attn(dev, stream, copy_bw, B, images, kind=args.kv)
+    else:
+        sweep_dequant(dev, stream, copy_bw, B, images)
     return 0
 
 

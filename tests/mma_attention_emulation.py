@@ -87,9 +87,9 @@ def mma_16x8x16(c: np.ndarray, a: list, b0, b1) -> np.ndarray:
     return d.astype(np.float32)
 
 
-def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok, gmax,
-                 scores, n_warps=4):
-    """qk_scores_mma_q8: fills ``scores[t * gmax + g]`` (float32) for the partition."""
+def q_fragments(q_group, group, head_dim, scale) -> list:
+    """q_fragments<KV_F16>: qa[s][reg] per lane, k-step s = dims 32(s/2) + 8t + 4(s%2) + 0..3,
+    rows 0-7 the f16 queries (times scale), rows 8-15 their f16 remainders."""
     n_rec = head_dim // Q8_BLOCK
     qa = [[np.zeros(LANES, np.uint32) for _ in range(4)] for _ in range(8)]
     for s in range(8):
@@ -105,6 +105,14 @@ def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n
             lo[~live] = 0
             qa[s] = [hi[:, 0] | hi[:, 1] << 16, lo[:, 0] | lo[:, 1] << 16,
                      hi[:, 2] | hi[:, 3] << 16, lo[:, 2] | lo[:, 3] << 16]
+    return qa
+
+
+def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok, gmax,
+                 scores, n_warps=4):
+    """qk_scores_mma_q8: fills ``scores[t * gmax + g]`` (float32) for the partition."""
+    n_rec = head_dim // Q8_BLOCK
+    qa = q_fragments(q_group, group, head_dim, scale)
     for warp in range(n_warps):
         for grp in range(warp, (n_tok + 7) // 8, n_warps):
             tok = 8 * grp + GID
@@ -183,10 +191,142 @@ def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, psca
     return o + o[LANE ^ 2]  # pkv_shfl_xor(o, 2)
 
 
+# --- the staged variant (q8s kernels: q8_stage_chunk, qk_scores_mma_q8_staged,
+# pv_mma_q8_staged): rows copied into per-warp shared-memory buffers, fragments read there.
+STAGE_TOKENS, ROW_UNITS, PITCH_UNITS = 16, 17, 18  # PKV_ATTN_Q8_STAGE_PITCH_UNITS default
+
+
+def stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units=PITCH_UNITS):
+    """q8_stage_chunk: tokens 16c .. 16c + 15 into a buffer of 16 staged rows (zeros past
+    n_tok), copied in units of row_bytes / 17 bytes, each unit's source and destination
+    aligned to its size (cp.async's requirement, asserted)."""
+    unit = row_bytes // ROW_UNITS
+    assert unit * ROW_UNITS == row_bytes and unit in (4, 8)
+    buf = np.zeros(STAGE_TOKENS * pitch_units * unit, np.uint8)
+    for lane in range(LANES):
+        for i in range((STAGE_TOKENS * ROW_UNITS + 31) // 32):
+            u = lane + 32 * i
+            if u >= STAGE_TOKENS * ROW_UNITS:
+                continue
+            j, k = divmod(u, ROW_UNITS)
+            tok = STAGE_TOKENS * c + j
+            src = int(rows[min(tok, n_tok - 1)]) * row_bytes + unit * k
+            dst = unit * (j * pitch_units + k)
+            assert src % unit == 0 and dst % unit == 0, "misaligned cp.async"
+            if tok < n_tok:
+                buf[dst:dst + unit] = pool_bytes[src:src + unit]
+    return buf
+
+
+def warp_chunks(warp, n_tok, n_warps):
+    return range(warp, (n_tok + STAGE_TOKENS - 1) // STAGE_TOKENS, n_warps)
+
+
+def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
+                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+    """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
+    n_rec = head_dim // Q8_BLOCK
+    pitch = pitch_units * (row_bytes // ROW_UNITS)
+    qa = q_fragments(q_group, group, head_dim, scale)
+    for warp in range(n_warps):
+        for c in warp_chunks(warp, n_tok, n_warps):
+            buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
+            for h in range(2):
+                row = (8 * h + GID) * pitch
+                row0 = (8 * h + 2 * TID) * pitch
+                acc = np.zeros((LANES, 4), np.float32)
+                for i in range(n_rec):
+                    rec = row + i * Q8_RECORD_BYTES
+                    w0 = load_word_a2(buf, rec + 2 + 8 * TID, i % 2 == 1)
+                    w1 = load_word_a2(buf, rec + 6 + 8 * TID, i % 2 == 1)
+                    r = np.zeros((LANES, 4), np.float32)
+                    r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
+                                    q8_codes_f16x2(0x4342, w0, 0))
+                    r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
+                                    q8_codes_f16x2(0x4342, w1, 0))
+                    d0 = f16_value(load_u16(buf, row0 + i * Q8_RECORD_BYTES))
+                    d1 = f16_value(load_u16(buf, row0 + pitch + i * Q8_RECORD_BYTES))
+                    acc[:, 0] += d0 * r[:, 0]
+                    acc[:, 1] += d1 * r[:, 1]
+                    acc[:, 2] += d0 * r[:, 2]
+                    acc[:, 3] += d1 * r[:, 3]
+                t0 = STAGE_TOKENS * c + 8 * h + 2 * TID
+                for lane in range(LANES):
+                    if GID[lane] < gmax:
+                        if t0[lane] < n_tok:
+                            scores[t0[lane] * gmax + GID[lane]] = acc[lane, 0] + acc[lane, 2]
+                        if t0[lane] + 1 < n_tok:
+                            scores[(t0[lane] + 1) * gmax + GID[lane]] = (acc[lane, 1]
+                                                                        + acc[lane, 3])
+
+
+def f32_exponent(x) -> int:
+    return int(np.float32(x).view(np.uint32) >> 23) & 0xFF
+
+
+def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp,
+                 n_warps=4, pitch_units=PITCH_UNITS):
+    """pv_mma_q8_staged for one warp: its ``o[8][4]`` per lane, remainder columns folded in
+    and scaled back; pscale per warp and running (``e``, the largest V scale's exponent of
+    the chunks so far), the accumulators rescaled by 2^(e_old - e_new) when it grows."""
+    n_rec = head_dim // Q8_BLOCK
+    pitch = pitch_units * (row_bytes // ROW_UNITS)
+    o = np.zeros((LANES, 8, 4), np.float32)
+    head = GID % 4
+    rest, live = GID >= 4, head < gmax
+    e = 103
+    for c in warp_chunks(warp, n_tok, n_warps):
+        buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
+        d = np.zeros((4, 4, LANES), np.uint32)
+        code = np.zeros((4, 4, LANES), np.uint32)
+        dm = np.zeros(LANES, np.uint32)
+        for j in range(4):
+            row = (4 * TID + j) * pitch
+            for lr in range(n_rec):
+                rec = row + lr * Q8_RECORD_BYTES
+                d[j, lr] = load_u16(buf, rec)
+                code[j, lr] = load_word_a2(buf, rec + 2 + 4 * GID, lr % 2 == 1)
+                dm = np.maximum(dm, d[j, lr] & 0x7FFF)
+        dm = np.maximum(dm, dm[LANE ^ 1])
+        dm = np.maximum(dm, dm[LANE ^ 2])
+        assert (dm == dm[0]).all()  # warp-uniform: the rescale branch is taken by all
+        ec = max(f32_exponent(f16_value(dm[0])), 103)
+        if ec > e:
+            o *= np.uint32((127 + e - ec) << 23).view(np.float32)
+            e = ec
+        pscale = np.uint32((268 - e) << 23).view(np.float32)
+        p = np.zeros((4, LANES), np.float32)
+        for j in range(4):
+            tok = STAGE_TOKENS * c + 4 * TID + j
+            sel = live & (tok < n_tok)
+            p[j, sel] = scores[tok[sel] * gmax + head[sel]]
+
+        def pd_pair(k, lr, p=p, d=d, pscale=pscale):
+            bits = np.zeros(LANES, np.uint32)
+            for x in range(2):
+                v = (p[2 * k + x] * (f16_value(d[2 * k + x, lr]) * pscale)).astype(np.float32)
+                hi = f16_bits(v)
+                h = np.where(rest, f16_bits(v - f16_value(hi)), hi)
+                bits |= h << (16 * x)
+            return bits
+
+        for lr in range(n_rec):
+            b0, b1 = pd_pair(0, lr), pd_pair(1, lr)
+            c0, c1, c2, c3 = code[:, lr]
+            a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
+                  q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
+            a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
+                  q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
+            o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
+            o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+    return (o + o[LANE ^ 2]) * np.uint32((e - 14) << 23).view(np.float32)
+
+
 def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, partition,
-                           n_warps=4):
+                           n_warps=4, staged=False):
     """The q8 partition kernel on its tensor-core passes plus pkv_paged_attention_reduce:
-    ``float32[seqs, heads, head_dim]``."""
+    ``float32[seqs, heads, head_dim]``; ``staged``: the q8s kernel's passes (no V-scale
+    pre-pass: each warp's pscale is its own and running)."""
     seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, row_bytes = k_pool.shape
     group = num_heads // kv_heads
@@ -205,8 +345,9 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
             for kvh in range(kv_heads):
                 rows = (blocks * block_size + pos % block_size) * kv_heads + kvh
                 scores = np.zeros(n_tok * gmax, np.float32)
-                qk_scores_q8(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb,
-                             rows, row_bytes, n_tok, gmax, scores, n_warps)
+                qk = qk_scores_q8_staged if staged else qk_scores_q8
+                qk(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb, rows,
+                   row_bytes, n_tok, gmax, scores, n_warps)
                 s = scores.reshape(n_tok, gmax)
                 pmax = s.max(axis=0)
                 pr = np.exp(s - pmax).astype(np.float32)
@@ -221,8 +362,12 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
                 assert 2.0 ** 14 <= vm * pscale < 2.0 ** 15 or vm < 2.0 ** -24
                 wsum = np.zeros((n_warps, gmax, head_dim), np.float32)
                 for w in range(n_warps):
-                    o = pv_q8(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim, gmax, w,
-                              pscale, n_warps) * unscale
+                    if staged:
+                        o = pv_q8_staged(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim,
+                                         gmax, w, n_warps)
+                    else:
+                        o = pv_q8(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim, gmax, w,
+                                  pscale, n_warps) * unscale
                     for lane in range(LANES):
                         g_, t_ = GID[lane], TID[lane]
                         if t_ >= 2:

@@ -238,7 +238,8 @@ class FakeHipDevice(FakeDevice):
     ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 2),
     ("hfq4g256", 32, "pkv_gemv_mma_tiled_hfq4g256_n12", 1)])
 def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, batch, kernel,
-                                                                  warps):
+                                                                  warps, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")  # opt-in until an AMD device run
     # AMD CDNA runs gemv_mfma under the NVIDIA kernel names, on the same prepared x and
     # packed tiles; a block is `warps` wavefronts of 64 (docs/kernels.md, "AMD matrix cores")
     dev = FakeHipDevice(arch)
@@ -252,11 +253,14 @@ def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, bat
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
 
 
-@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off"])
+@pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off",
+                                  "gfx942-default"])
 def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch, monkeypatch):
     if arch.endswith("-off"):  # the switch that keeps never-run MFMA code off a CDNA GPU
         monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")
-        arch = arch[:-4]
+    elif arch.endswith("-default"):  # and its default, until an AMD device run
+        monkeypatch.delenv("PAGEDKV_GEMV_MFMA", raising=False)
+    arch = arch.split("-")[0]
     dev = FakeHipDevice(arch)
     g = weights.Gemv(dev, "mq4g256v2", 16, 256, 8)
     assert not g.tensor_cores and not g.packed and weights.max_batch(dev, "hfq4g256") == 8
@@ -574,6 +578,7 @@ def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
 ])
 def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
     from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
     if env is None:
         monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
     else:
@@ -583,7 +588,7 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
                                   block_size=16, max_seq_len=1100, kv_dtype="q8",
                                   q8_mma=q8_mma)
     mma = kernel.endswith("q8_g4")
-    assert repr(attn).endswith(f"kv_dtype='q8', partitions=3, q8_mma={mma})")
+    assert repr(attn).endswith(f"kv_dtype='q8', partitions=3, q8_mma={mma}, q8_stage=False)")
     q = dev.empty((2, 8, 128), np.float32)
     pool = dev.empty((10, 16, 2, 136), np.uint8)
     dev.calls.clear()
@@ -596,6 +601,60 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
     assert dev.shared_bytes[-2] == 4 * max(512 * 4, 4 * 4 * 128)
 
 
+@pytest.mark.parametrize("q8_mma,q8_stage,env,kernel", [
+    (None, None, None, "pkv_paged_attention_q8_g2"),     # default: staging off
+    (None, None, "1", "pkv_paged_attention_q8s_g2"),     # PAGEDKV_ATTN_Q8_STAGE=1
+    (None, None, "0", "pkv_paged_attention_q8_g2"),
+    (None, True, None, "pkv_paged_attention_q8s_g2"),
+    (None, False, "1", "pkv_paged_attention_q8_g2"),     # the argument wins over the env
+    (False, True, "1", "pkv_paged_attention_q8cc_g2"),   # staging is of the mma path only
+])
+def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, env, kernel):
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=64,
+                                  block_size=16, max_seq_len=600, kv_dtype="q8",
+                                  q8_mma=q8_mma, q8_stage=q8_stage)
+    staged = kernel.startswith("pkv_paged_attention_q8s")
+    assert attn._partition.name == kernel and attn.q8_stage is staged
+    assert repr(attn).endswith(f"q8_mma={q8_mma is not False}, q8_stage={staged})")
+    q = dev.empty((1, 4, 64), np.float32)
+    pool = dev.empty((40, 16, 2, 68), np.uint8)
+    dev.calls.clear()
+    attn.run(q, pool, pool, dev.array(np.zeros((1, 38), np.int32)),
+             dev.array(np.zeros(1, np.int32)), dev.empty((1, 4, 64), np.float32))
+    # the same partition (512 tokens), grid, threads and dynamic shared memory as q8
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches == [("launch", kernel, (2, 2, 1), (128,)),
+                        ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
+
+
+def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
+    # The q8s kernels copy rows in 8-byte units from pool + row * 136: a pool view that
+    # starts off 8-byte alignment is refused before any launch (q8 and q8cc take it).
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    kw = {"num_seqs": 1, "num_heads": 2, "kv_heads": 1, "head_dim": 128, "block_size": 16,
+              "max_seq_len": 32, "kv_dtype": "q8", "q8_mma": True}
+    base = dev.empty((3, 16, 1, 136), np.uint8)
+    shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    q = dev.empty((1, 2, 128), np.float32)
+    tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
+    attn = kvcache.PagedAttention(dev, **kw, q8_stage=True)
+    dev.calls.clear()
+    with pytest.raises(InvalidArgument, match=r"v_pool: the q8_stage kernels need an 8-byte "
+                                              rf"aligned pool, this one starts at {base.ptr + 4:#x}"):
+        attn.run(q, base, shifted, tables, lens, q)
+    assert not [c for c in dev.calls if c[0] == "launch"]
+    kvcache.PagedAttention(dev, **kw, q8_stage=False).run(q, base, shifted, tables, lens, q)
+    assert next(c[1] for c in dev.calls if c[0] == "launch") == "pkv_paged_attention_q8_g2"
+
+
 def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():
     from pagedkv.errors import InvalidArgumentType
     from pagedkv.kernels import kvcache
@@ -603,11 +662,14 @@ def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():
     with pytest.raises(InvalidArgumentType, match=r"q8_mma=1: expected True, False or None"):
         kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=64,
                                block_size=16, max_seq_len=16, kv_dtype="q8", q8_mma=1)
+    with pytest.raises(InvalidArgumentType, match=r"q8_stage='yes': expected True, False or"):
+        kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=64,
+                               block_size=16, max_seq_len=16, kv_dtype="q8", q8_stage="yes")
     assert not dev.calls  # nothing allocated before the refusal
     f16 = kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=64,
                                  block_size=16, max_seq_len=16, kv_dtype="float16",
-                                 q8_mma=False)
-    assert f16.q8_mma is None and "q8_mma" not in repr(f16)
+                                 q8_mma=False, q8_stage=True)
+    assert f16.q8_mma is None and f16.q8_stage is None and "q8_" not in repr(f16)
     assert f16._partition.name == "pkv_paged_attention_f16_g2"
 
 
@@ -620,7 +682,7 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         pytest.skip("built without a GPU compiler: no kernel objects")
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
              .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
-    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc")
+    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s")
               for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256",
               "pkv_paged_attention_reduce_ifwht128"}

@@ -290,17 +290,27 @@ ATTN_CASES = [
 ]
 
 
+# every case on its default kernel, and the q8 cases once more on the staged q8s kernels
+# (q8_stage=True; where the tensor-core passes do not apply they are the CUDA-core ones)
+ATTN_PATH_CASES = ([(*c, None) for c in ATTN_CASES]
+                   + [(*c, True) for c in ATTN_CASES if c[0] == "q8"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens", ATTN_CASES)
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens,q8_stage",
+                         ATTN_PATH_CASES)
 def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads, head_dim,
-                                               block_size, seq_lens):
+                                               block_size, seq_lens, q8_stage):
     k_pool, v_pool, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
                                                block_size=block_size, kv_dtype=kv_dtype)
     kvcache.check_decode_batch(tables, lens, num_blocks=k_pool.shape[0], block_size=block_size)
     q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
     attn = kvcache.PagedAttention(device, num_seqs=len(seq_lens), num_heads=heads,
                                   kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                                  max_seq_len=int(lens.max()), kv_dtype=kv_dtype)
+                                  max_seq_len=int(lens.max()), kv_dtype=kv_dtype,
+                                  q8_stage=q8_stage)
+    if q8_stage:
+        assert attn._partition.name.startswith("pkv_paged_attention_q8s_")
     out = poisoned(device, q.shape, np.float32)
     attn.run(device.array(q), device.array(k_pool), device.array(v_pool), device.array(tables),
              device.array(lens), out)
@@ -317,10 +327,11 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (3, 1, 64), (2, 2, 128)])
 def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
-    # The tensor-core q8 kernel (default) and the CUDA-core one (q8_mma=False, the
-    # PAGEDKV_ATTN_Q8_MMA=0 fallback) on the same pool: each within the attention tolerance
-    # of the float64 reference, and of each other. Large-magnitude V (scales near 1) and
-    # small (near 1e-3) in one pool: the tensor-core pass folds the scale into P.
+    # The tensor-core q8 kernel (default), the CUDA-core one (q8_mma=False, the
+    # PAGEDKV_ATTN_Q8_MMA=0 fallback) and the staged tensor-core one (q8_stage=True,
+    # PAGEDKV_ATTN_Q8_STAGE=1) on the same pool: each within the attention tolerance of the
+    # float64 reference, and of the CUDA-core one. Large-magnitude V (scales near 1) and
+    # small (near 1e-3) in one pool: the tensor-core passes fold the scale into P.
     lens = [1, 511, 1300]
     k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=head_dim,
                                                block_size=16, kv_dtype="q8")
@@ -331,17 +342,20 @@ def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     outs = []
-    for q8_mma in (True, False):
+    for q8_mma, q8_stage in ((True, False), (False, False), (True, True)):
         attn = kvcache.PagedAttention(device, num_seqs=3, num_heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, block_size=16, max_seq_len=1300,
-                                      kv_dtype="q8", q8_mma=q8_mma)
+                                      kv_dtype="q8", q8_mma=q8_mma, q8_stage=q8_stage)
+        assert attn._partition.name.startswith(
+            "pkv_paged_attention_" + ("q8s" if q8_stage else "q8_" if q8_mma else "q8cc"))
         out = poisoned(device, q.shape, np.float32)
         attn.run(device.array(q), device.array(k_pool), device.array(v_pool),
                  device.array(tables), device.array(lens), out)
         outs.append(out.to_numpy())
         assert np.isfinite(outs[-1]).all()
-        _assert_within(outs[-1], want, 1e-4, 2e-5, f"q8_mma={q8_mma}")
-    _assert_within(outs[0], outs[1], 2e-4, 4e-5, "the two q8 paths")
+        _assert_within(outs[-1], want, 1e-4, 2e-5, f"q8_mma={q8_mma}, q8_stage={q8_stage}")
+    _assert_within(outs[0], outs[1], 2e-4, 4e-5, "the tensor-core and CUDA-core q8 paths")
+    _assert_within(outs[2], outs[1], 2e-4, 4e-5, "the staged and CUDA-core q8 paths")
 
 
 def _assert_within(got, want, rtol, atol_rel, what):
@@ -415,6 +429,7 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
 # --- the q8 tensor-core passes, emulated lane by lane on the CPU (tests/mma_attention_emulation.py)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["q8", "q8s"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
     (3, 1, 64, 5, [40, 1], 1.0),           # group 3 in a g4 kernel, a one-token sequence
     (4, 1, 128, 16, [530, 7], 1e-3),       # two 512-token partitions; V scales ~1e-5
@@ -422,7 +437,7 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
     (4, 2, 128, 16, [33], 1.0),            # g2
 ])
 def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block_size,
-                                                seq_lens, v_scale):
+                                                seq_lens, v_scale, staged):
     import mma_attention_emulation as emu
     k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
                                           block_size=block_size, kv_dtype="q8")
@@ -430,16 +445,42 @@ def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block
     v_pool = numpy_kernels.kv_q8_quantize(vals.astype(np.float32))
     q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
     got = emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=head_dim ** -0.5,
-                                     partition=kvcache.ATTN_PARTITION_TOKENS["q8"])
+                                     partition=kvcache.ATTN_PARTITION_TOKENS["q8"],
+                                     staged=staged)
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     # the documented attention tolerance, atol in units of the V magnitude
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_q8_staged_emulation_rescales_when_a_later_chunk_has_larger_v(head_dim):
+    # The staged pass 2 has no pre-pass over V: each warp's pscale follows the largest V
+    # scale of its chunks so far. V magnitudes x0.05, x1, x8 by thirds of the sequence make
+    # every warp raise it twice; a missing or wrong rescale of the sums accumulated so far
+    # (each third carries >= 0.5% of the output) is off by powers of two. Scores flat
+    # (q = 0): every token weighs the same.
+    import mma_attention_emulation as emu
+    n, bs = 300, 16
+    k_pool, _, tables, lens = _paged_case([n], kv_heads=1, head_dim=head_dim, block_size=bs,
+                                          kv_dtype="q8")
+    pos = np.zeros(k_pool.shape[0] * bs)
+    pos[(tables[0][:, None] * bs + np.arange(bs)).reshape(-1)[:n]] = np.arange(n)
+    growth = np.array([0.05, 1.0, 8.0])[(3 * pos.astype(int)) // n]  # by position, whichever block holds it
+    vals = RNG.standard_normal((k_pool.shape[0], bs, 1, head_dim)) * growth.reshape(-1, bs, 1, 1)
+    v_pool = numpy_kernels.kv_q8_quantize(vals.astype(np.float32))
+    q = np.zeros((1, 2, head_dim), np.float32)
+    got = emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=head_dim ** -0.5,
+                                     partition=kvcache.ATTN_PARTITION_TOKENS["q8"], staged=True)
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                            scale=head_dim ** -0.5)
+    _assert_within(got, want, 1e-4, 2e-5, "staged emulation, growing V")
+
+
 def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     # The emulator and hip/kvcache.hip build the same fragments: the same __byte_perm
-    # selectors in the same order (pass 1's two, then pass 2's eight).
+    # selectors in the same order (pass 1's two, pass 2's eight, then the staged passes'
+    # four and eight).
     import re
     from pathlib import Path
 
@@ -447,4 +488,4 @@ def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     root = Path(__file__).resolve().parents[1]
     hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
     py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
-    assert hip == py and len(hip) == 10
+    assert hip == py and len(hip) == 22

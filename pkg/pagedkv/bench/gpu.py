@@ -416,6 +416,8 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
     t_f16 = None
     for kv_dtype in dtypes or ATTENTION_DTYPES.get(head_dim, ("float16", "bfloat16", "q8")):
         args, nbytes, attn_kwargs = attention_inputs(device, rng, kv_dtype, **case)
+        # q8: the default kernel (PAGEDKV_ATTN_Q8_MMA / _STAGE as set); its two other
+        # paths follow as their own rows on the same pool
         t = time_attention(device, stream, kvcache.PagedAttention(device, **attn_kwargs), args)
         base = {}
         if torch is not None and kv_dtype in ("float16", "bfloat16"):
@@ -444,6 +446,13 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             _row(rows, "paged_attention q8 cuda-cores",
                  f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cc, nbytes, copy_bw,
                  {"mma_speedup": t_cc / t} | ({"vs_float16": t_f16 / t_cc} if t_f16 else {}))
+            # the staged tensor-core kernel (PAGEDKV_ATTN_Q8_STAGE=1, the q8s kernels)
+            attn_st = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True, q8_stage=True)
+            t_st = time_attention(device, stream, attn_st, args)
+            _row(rows, "paged_attention q8 staged",
+                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_st, nbytes, copy_bw,
+                 {"speedup_vs_q8_row": t / t_st, "speedup_vs_cuda_cores": t_cc / t_st}
+                 | ({"vs_float16": t_f16 / t_st} if t_f16 else {}))
         for a in args:
             a.free()
 

@@ -208,6 +208,11 @@ class PagedAttention:
     False, the CUDA-core ``_cc`` kernels everywhere; ``None`` reads ``PAGEDKV_ATTN_Q8_MMA``
     (default on), the switch that turns the tensor-core q8 path off without a code change.
 
+    ``q8_stage``: with ``q8_mma``, the ``q8s`` kernels: the same tensor-core passes with each
+    warp's next K/V rows copied into shared memory by wide asynchronous copies first
+    (docs/kernels.md, "q8 attention on tensor cores"); ``None`` reads
+    ``PAGEDKV_ATTN_Q8_STAGE`` (default off). Ignored when ``q8_mma`` is off.
+
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
     (``pkv_paged_attention_f16mfma_g*``; compile-checked and emulated only, docs/kernels.md,
@@ -216,9 +221,11 @@ class PagedAttention:
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
-                 scale: float | None = None, q8_mma: bool | None = None) -> None:
-        if q8_mma is not None and not isinstance(q8_mma, bool):
-            raise InvalidArgumentType(f"q8_mma={q8_mma!r}: expected True, False or None")
+                 scale: float | None = None, q8_mma: bool | None = None,
+                 q8_stage: bool | None = None) -> None:
+        for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage)):
+            if flag is not None and not isinstance(flag, bool):
+                raise InvalidArgumentType(f"{name}={flag!r}: expected True, False or None")
         if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
             raise InvalidArgument(f"kv_dtype={kv_dtype!r}: expected one of {list(KV_DTYPES)} or "
                                   f"a compressed pair {list(QUANT_KV_DTYPES)}")
@@ -262,6 +269,9 @@ class PagedAttention:
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
+        if q8_stage is None:
+            q8_stage = env_bool("PAGEDKV_ATTN_Q8_STAGE", False)
+        self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
         # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
         # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
         self.qk_mfma = (kv_dtype == "float16" and head_dim in (64, 128)
@@ -269,7 +279,8 @@ class PagedAttention:
                         and getattr(device.properties, "arch", None) in MFMA_ARCHES
                         and env_bool("PAGEDKV_ATTN_MFMA", False))
         if kv_dtype in KV_DTYPES:
-            kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else "")
+            kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
+                                          "s" if self.q8_stage else "")
             kind += "mfma" if self.qk_mfma else ""
         else:
             k_side, v_side = kv_dtype.split("/")
@@ -292,7 +303,8 @@ class PagedAttention:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
                 f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
-                + ("" if self.q8_mma is None else f", q8_mma={self.q8_mma}")
+                + ("" if self.q8_mma is None else
+                   f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", qk_mfma=True" if self.qk_mfma else "") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
@@ -308,6 +320,9 @@ class PagedAttention:
             if pool.ndim != 4 or pool.shape[1:] != (self.block_size, self.kv_heads, row):
                 raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
                                       f"{self.block_size}, {self.kv_heads}, {row}]")
+            if self.q8_stage and pool.ptr % 8:  # the q8s kernels copy rows in 8-byte units
+                raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte aligned "
+                                      f"pool, this one starts at {pool.ptr:#x}")
         _need(block_tables, "block_tables", np.int32, 2)
         _need(seq_lens, "seq_lens", np.int32, 1)
         if block_tables.shape[0] != s or seq_lens.shape[0] != s:

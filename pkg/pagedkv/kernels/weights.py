@@ -391,12 +391,12 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
     (mma.sync), AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942; compile-checked and emulated
-    only, docs/kernels.md; ``PAGEDKV_GEMV_MFMA=0`` turns it off). RDNA (gfx10-12) runs the
-    CUDA-core kernel."""
+    only, docs/kernels.md: opt-in with ``PAGEDKV_GEMV_MFMA=1`` until an AMD device run vouches
+    for it). RDNA (gfx10-12) runs the CUDA-core kernel."""
     backend = getattr(device, "backend", None)
     if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_mfma under the gemv_mma names there
-        return arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", True)
+        return arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", False)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
