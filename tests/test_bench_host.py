@@ -48,7 +48,8 @@ def test_attention_inputs_and_rows(dev):
     gpu.bench_attention(dev, Stream(dev), rows, 1e12, None, case=SMALL_CASE)
     assert [r["kernel"] for r in rows] == ["paged_attention float16", "paged_attention bfloat16",
                                            "paged_attention q8",
-                                           "paged_attention q8 cuda-cores"]
+                                           "paged_attention q8 cuda-cores",
+                                           "paged_attention q8 staged"]
     assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
 
 
