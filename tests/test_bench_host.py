@@ -122,7 +122,8 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
     tune.sweep_gemv(dev, stream, 1e12, gpu, [2, 4], shapes=((32, 512),))
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("}")[0] + "}" for line in lines[:2]] == [
-        "attn f16 {'PKV_ATTN_PARTITION_F16': '512'}", "attn f16 {'PKV_ATTN_PARTITION_F16': '1024'}"]
+        "attn float16 {'PKV_ATTN_PARTITION_F16': '512'}",
+        "attn float16 {'PKV_ATTN_PARTITION_F16': '1024'}"]
     assert kvcache.ATTN_PARTITION_TOKENS["float16"] == 1024  # the last variant's partition
     assert sum(line.startswith("dequant ") for line in lines) == 8  # 4 formats x f16/f32
     assert sum(line.startswith("gemv ") for line in lines) == 4  # 2 formats x 2 warp counts
@@ -154,6 +155,7 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     assert list(asv.by_row(rows, "vs_float16")) == [
         f"paged_attention q8 | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 cuda-cores | {rows[n_default - 1]['shape']}",
+        f"paged_attention q8 staged | {rows[n_default - 1]['shape']}",
         f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
 
