@@ -427,6 +427,7 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
     ref = batch_generate(model, tokenizer, tails, prompt_caches=own, max_tokens=5,
                          return_prompt_caches=True, return_token_ids=True)
     assert got.token_ids == ref.token_ids
+    splits = []
     for p, ids, cache, mine in zip(prompts, got.token_ids, got.caches, ref.caches,
                                    strict=True):
         held = p + ids[:cache[1].offset - len(p)]
@@ -438,6 +439,7 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
         # mlx-lm doing the same calls: begin prefills to the next block boundary in a call of
         # its own (a state checkpoint there: held 30 -> 32), and on GPUs a split is other bits
         mine = laid_out_as_computed(mine)
+        splits.append(r.cached_tokens - len(held))
         if r.cached_tokens > len(held):
             model(mx.array(tail[len(held):r.cached_tokens])[None], cache=mine)
             mx.eval([c.state for c in mine])
@@ -445,6 +447,7 @@ def test_batch_generate_with_recurrent_layers_and_insert_publishes_the_state():
         if on_cpu():
             assert got_tail == fresh(model, tail)
         r.release()
+    assert splits == [0, 2]  # the second conversation's tail crossed a block boundary
 
 
 def test_batch_generate_with_sliding_layers_and_insert_refuses_a_bare_window():
