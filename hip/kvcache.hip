@@ -634,12 +634,12 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
     for (int r = 0; r < 4; ++r) o[mt][r] += pkv_shfl_xor(o[mt][r], 2);
 }
 
-// q8 KV on tensor cores with the rows staged in shared memory (PAGEDKV_ATTN_Q8_STAGE=1,
-// PagedAttention(..., q8_stage=True); the q8s kernels): the passes above issue per lane
-// and token 2- and 4-byte loads at 2-byte-aligned record offsets, each warp-wide load
-// touching 8 rows (lines), so they are bound by load instructions, not DRAM. Here each warp
-// copies the rows of its next 16-token chunks into its own shared-memory buffers with
-// cp.async of 8-byte units (head_dim 128: a row is 17 units of 8 bytes, 8-byte aligned;
+// q8 KV on tensor cores with the rows staged in shared memory (the q8s kernels, the
+// default q8 path; PAGEDKV_ATTN_Q8_STAGE=0 / q8_stage=False turns it off): the passes
+// above issue per lane and token 2- and 4-byte loads at 2-byte-aligned record offsets,
+// each warp-wide load touching 8 rows (lines), so they are bound by load instructions,
+// not DRAM. Here each warp copies the rows of its next 16-token chunks into its own
+// shared-memory buffers with cp.async of 8-byte units (head_dim 128: a row is 17 units of 8 bytes, 8-byte aligned;
 // head_dim 64: 17 units of 4 bytes), lanes on consecutive units (a warp-wide copy covers
 // 2 rows of contiguous bytes), PKV_ATTN_Q8_STAGES chunks per warp (STAGES - 1 in flight
 // while one is read). The fragments are then built from shared memory with the lane
@@ -1278,7 +1278,7 @@ PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true, false)
 PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true, false)
 PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true, false)
 PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true, false)
-// q8 with the rows staged in shared memory (pv_mma_q8_staged): PAGEDKV_ATTN_Q8_STAGE=1.
+// q8 with the rows staged in shared memory (pv_mma_q8_staged): the default q8 path.
 // Where the tensor-core passes do not apply (AMD, GMAX 8, head_dim 256) these are the q8
 // kernels' CUDA-core passes.
 PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g1, KV_Q8, 1, false, true)

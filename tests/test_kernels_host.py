@@ -578,7 +578,7 @@ def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
 ])
 def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
     from pagedkv.kernels import kvcache
-    monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+    monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", "0")  # the staged variant: the test below
     if env is None:
         monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
     else:
@@ -602,7 +602,7 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
 
 
 @pytest.mark.parametrize("q8_mma,q8_stage,env,kernel", [
-    (None, None, None, "pkv_paged_attention_q8_g2"),     # default: staging off
+    (None, None, None, "pkv_paged_attention_q8s_g2"),    # default: staged (1.18x on the H200)
     (None, None, "1", "pkv_paged_attention_q8s_g2"),     # PAGEDKV_ATTN_Q8_STAGE=1
     (None, None, "0", "pkv_paged_attention_q8_g2"),
     (None, True, None, "pkv_paged_attention_q8s_g2"),
@@ -653,6 +653,32 @@ def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
     assert not [c for c in dev.calls if c[0] == "launch"]
     kvcache.PagedAttention(dev, **kw, q8_stage=False).run(q, base, shifted, tables, lens, q)
     assert next(c[1] for c in dev.calls if c[0] == "launch") == "pkv_paged_attention_q8_g2"
+
+
+def test_q8_default_stages_aligned_pools_and_falls_back_for_others(monkeypatch):
+    # Staging is the default (q8_stage=None): an aligned pool runs q8s, a pool off 8-byte
+    # alignment runs the unstaged tensor-core kernel (same partition, grid and shared
+    # memory) instead of being refused; asked for explicitly, staging refuses it (above).
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=1, head_dim=128,
+                                  block_size=16, max_seq_len=32, kv_dtype="q8")
+    assert attn.q8_stage is True and attn._partition.name == "pkv_paged_attention_q8s_g2"
+    base = dev.empty((3, 16, 1, 136), np.uint8)
+    shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    q = dev.empty((1, 2, 128), np.float32)
+    tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
+    for k_pool, v_pool, kernel in ((base, base, "pkv_paged_attention_q8s_g2"),
+                                   (base, shifted, "pkv_paged_attention_q8_g2"),
+                                   (shifted, base, "pkv_paged_attention_q8_g2"),
+                                   (base, base, "pkv_paged_attention_q8s_g2")):
+        dev.calls.clear()
+        attn.run(q, k_pool, v_pool, tables, lens, q)
+        launches = [c for c in dev.calls if c[0] == "launch"]
+        assert [c[1:3] for c in launches] == [(kernel, (1, 1, 1)),
+                                              ("pkv_paged_attention_reduce", (2, 1))]
 
 
 def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():

@@ -210,8 +210,11 @@ class PagedAttention:
 
     ``q8_stage``: with ``q8_mma``, the ``q8s`` kernels: the same tensor-core passes with each
     warp's next K/V rows copied into shared memory by wide asynchronous copies first
-    (docs/kernels.md, "q8 attention on tensor cores"); ``None`` reads
-    ``PAGEDKV_ATTN_Q8_STAGE`` (default off). Ignored when ``q8_mma`` is off.
+    (docs/kernels.md, "q8 attention on tensor cores"; 1.18x the unstaged kernel on the
+    H200). They read pools in 8-byte units: ``True`` refuses a pool that starts off 8-byte
+    alignment (``InvalidArgument``), ``None`` (the default; ``PAGEDKV_ATTN_Q8_STAGE``, default
+    on, where set) runs the unstaged tensor-core kernel for such a pool instead. Ignored when
+    ``q8_mma`` is off.
 
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
@@ -269,8 +272,9 @@ class PagedAttention:
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
+        stage_asked = q8_stage is True
         if q8_stage is None:
-            q8_stage = env_bool("PAGEDKV_ATTN_Q8_STAGE", False)
+            q8_stage = env_bool("PAGEDKV_ATTN_Q8_STAGE", True)
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
         # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
         # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
@@ -287,6 +291,11 @@ class PagedAttention:
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
+        # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
+        # runs the unstaged tensor-core kernel instead, same partition and shared memory.
+        self._unstaged = (device.kernel(SOURCE, f"pkv_paged_attention_q8_g{self.gmax}",
+                                        "ppppppppfiiiiii")
+                          if self.q8_stage and not stage_asked else None)
         # A rotated V leaves each head's output in its basis (lloyd, fwht3: R256; fwht4,
         # fwht2: R128 per half): its reduce rotates it back.
         v_rot = 0
@@ -307,7 +316,9 @@ class PagedAttention:
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", qk_mfma=True" if self.qk_mfma else "") + ")")
 
-    def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
+    def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
+        """Validate a launch's arguments; returns the partition kernel to run."""
+        partition = self._partition
         s, h, d = self.num_seqs, self.num_heads, self.head_dim
         for name, arr in (("q", q), ("out", out)):
             _need(arr, name, np.float32, 3)
@@ -321,19 +332,22 @@ class PagedAttention:
                 raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
                                       f"{self.block_size}, {self.kv_heads}, {row}]")
             if self.q8_stage and pool.ptr % 8:  # the q8s kernels copy rows in 8-byte units
-                raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte aligned "
-                                      f"pool, this one starts at {pool.ptr:#x}")
+                if self._unstaged is None:
+                    raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte "
+                                          f"aligned pool, this one starts at {pool.ptr:#x}")
+                partition = self._unstaged
         _need(block_tables, "block_tables", np.int32, 2)
         _need(seq_lens, "seq_lens", np.int32, 1)
         if block_tables.shape[0] != s or seq_lens.shape[0] != s:
             raise InvalidArgument(f"block_tables/seq_lens: {block_tables.shape[0]}/"
                                   f"{seq_lens.shape[0]} rows, expected {s}")
+        return partition
 
     def run(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
             block_tables: DeviceArray, seq_lens: DeviceArray, out: DeviceArray,
             *, stream: Stream | None = None) -> None:
-        self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
-        self._partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
+        partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
+        partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
                         q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
                         self.part_max, self.part_sum, self.scale, self.num_heads,
                         self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
