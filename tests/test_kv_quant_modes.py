@@ -140,8 +140,8 @@ def test_plan_capacities_and_thresholds_follow_the_budget():
     assert plan.tier_before_append(2, 100, 1) == 2  # never back up
     aggressive = KVAdaptivePlan("aggressive", head_dim=256, num_kv_heads=1, max_seq=1000)
     assert aggressive.bytes_per_head == [404, 340, 200, 168, 136]
-    with pytest.raises(errors.InvalidArgument, match="head_dim 256"):
-        KVAdaptivePlan("balanced", head_dim=128, num_kv_heads=4, max_seq=100)
+    with pytest.raises(errors.InvalidArgument, match=r"head_dim 256 \(lloyd V\) or 128"):
+        KVAdaptivePlan("balanced", head_dim=64, num_kv_heads=4, max_seq=100)
     with pytest.raises(errors.InvalidArgument, match="off"):
         KVAdaptivePlan("off", head_dim=256, num_kv_heads=4, max_seq=100)
 
@@ -181,3 +181,65 @@ def test_adaptive_pool_downshifts_in_place_and_keeps_every_token():
     with pytest.raises(errors.CapacityExceeded, match="513 tokens do not fit fwht2/lloyd2"):
         ad.before_append(512, 1)
     assert repr(ad).startswith("KVAdaptive(tier=4 'fwht2/lloyd2'")
+
+
+def test_plan_at_head_dim_128_takes_the_fwht_v_ladder():
+    # docs/kv-quant.md, "kv_adaptive": at hd 128 lloyd4 -> fwht4, lloyd2 -> fwht2 and lloyd3
+    # is skipped. Bytes per head at hd 128: fwht4 K 68, fwht2 K 36, q8 136, fwht4 V 68,
+    # fwht2 V 36.
+    balanced = KVAdaptivePlan("balanced", head_dim=128, num_kv_heads=2, max_seq=1000)
+    assert balanced.tiers == [("fwht4", "q8"), ("fwht4", "fwht4"), ("fwht2", "fwht4"),
+                              ("fwht2", "fwht2")]
+    assert balanced.bytes_per_head == [204, 136, 104, 72]
+    assert balanced.budget_bytes == 1000 * 2 * 72
+    assert balanced.caps == [1000 * 72 // b for b in (204, 136, 104, 72)]
+    aggressive = KVAdaptivePlan("aggressive", head_dim=128, num_kv_heads=1, max_seq=1000)
+    assert aggressive.tiers == [("fwht4", "q8"), ("fwht2", "q8"), ("fwht2", "fwht4"),
+                                ("fwht2", "fwht2")]
+    conservative = KVAdaptivePlan("conservative", head_dim=128, num_kv_heads=1, max_seq=64)
+    assert conservative.tiers == [("fwht4", "q8"), ("fwht4", "fwht4")]
+    cut = KVAdaptivePlan("advanced:k=fwht4,v=lloyd2", head_dim=128, num_kv_heads=1,
+                         max_seq=64)
+    assert [cut.kv_dtype(i) for i in range(len(cut.tiers))] == [
+        "fwht4/q8", "fwht4/fwht4", "fwht4/fwht2"]
+    with pytest.raises(errors.InvalidArgument, match="3-bit V floor has no head_dim 128"):
+        KVAdaptivePlan("advanced:k=fwht4,v=lloyd3", head_dim=128, num_kv_heads=1, max_seq=64)
+    with pytest.raises(errors.InvalidArgument, match="3-bit V floor has no head_dim 128"):
+        KVAdaptivePlan("advanced:k=fwht2,v=lloyd3", head_dim=128, num_kv_heads=1, max_seq=64)
+    # the same presets at hd 256 are unchanged
+    assert KVAdaptivePlan("balanced", head_dim=256, num_kv_heads=1, max_seq=64).tiers[-1] == (
+        "fwht2", "lloyd2")
+
+
+def test_adaptive_pool_at_head_dim_128_downshifts_in_place():
+    ad = KVAdaptive.create("balanced", num_layers=2, num_kv_heads=2, head_dim=128,
+                           block_size=16, max_seq=512, hash_seed=0)
+    pool, alloc = ad.pool, ad.allocator
+    region = pool._storage.region
+    assert pool.geometry.dtype == "fwht4/q8"
+    assert pool.num_blocks == ad.plan.budget_bytes // (16 * 2 * 204)
+    rng = np.random.default_rng(1)
+    vals = rng.standard_normal((2, 2, 100, 2, 128)).astype(np.float32)
+    ids = alloc.allocate_many(7)
+    slots = (ids[:, None] * 16 + np.arange(16)).reshape(-1)[:100]
+    for layer in range(2):
+        pool.write_tokens(layer, slots, vals[layer, 0], vals[layer, 1])
+    cap0 = ad.plan.caps[0]
+    assert ad.before_append(100, cap0 - 64 - 99) == ["fwht4/fwht4"]
+    assert pool._storage.region is region and pool.geometry.dtype == "fwht4/fwht4"
+    for layer in range(2):
+        k, v = pool.decode_tokens(*pool.gather(layer, ids, 100))
+        want_k = kv.decode(kv.encode(vals[layer, 0], "fwht4"), "fwht4", 128)
+        want_v = kv.decode(kv.transcode(kv.encode(vals[layer, 1], "q8"), "q8", "fwht4", 128),
+                           "fwht4", 128)
+        np.testing.assert_array_equal(k, want_k)
+        np.testing.assert_array_equal(v, want_v)
+    assert ad.before_append(200, 300) == ["fwht2/fwht4", "fwht2/fwht2"]
+    assert pool.num_blocks == alloc.num_blocks == 512 // 16
+    for layer in range(2):  # every token still there, at the floor's width
+        k, v = pool.decode_tokens(*pool.gather(layer, ids, 100))
+        assert np.isfinite(k).all() and np.isfinite(v).all()
+        rel = np.linalg.norm(v - vals[layer, 1]) / np.linalg.norm(vals[layer, 1])
+        assert 0.05 < rel < 0.6  # 2-bit V: coarse, but the row, not noise or zeros
+    with pytest.raises(errors.CapacityExceeded, match="513 tokens do not fit fwht2/fwht2"):
+        ad.before_append(512, 1)

@@ -18,6 +18,10 @@ advanced:...   ``advanced:k=<fwht4|fwht2>,v=<q8|lloyd4|lloyd3|      as given
                lloyd2>``: balanced's order cut at the given floors
 =============  ==================================================  ==============
 
+At head_dim 128 (pagedkv's extension: lloyd V needs head_dim 256) each V step takes the fwht
+V mode of its width instead: lloyd4 -> fwht4, lloyd2 -> fwht2, and lloyd3 is skipped (fwht3
+is R256 only), so balanced is V->fwht4, K->fwht2, V->fwht2 (floor fwht2/fwht2).
+
 A step transcodes every block of the pool in place (:meth:`LayerKVPool.transcode`: q8 ->
 lloyd4 decodes and re-encodes, the other steps narrow codes within a table family) inside
 layer regions sized for the floor, so memory never grows; the pool then holds more blocks,
@@ -55,6 +59,8 @@ PRESETS: dict[str, tuple[tuple[str, str], ...]] = {
     "aggressive": (("k", "fwht2"), ("v", "lloyd4"), ("v", "lloyd3"), ("v", "lloyd2")),
 }
 _V_ORDER = ("q8", "lloyd4", "lloyd3", "lloyd2")
+#: The V step a lloyd step becomes at head_dim 128 (None: skipped; fwht3 is R256 only).
+V_STEP_AT_HEAD_DIM_128 = {"lloyd4": "fwht4", "lloyd3": None, "lloyd2": "fwht2"}
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,30 @@ class AdaptivePreset:
     spec: str
     steps: tuple[tuple[str, str], ...]
 
-    @property
-    def tiers(self) -> list[tuple[str, str]]:
-        """(K, V) of the start tier and after each step."""
-        out = [START_TIER]
+    def steps_at(self, head_dim: int) -> tuple[tuple[str, str], ...]:
+        """The steps for a model of ``head_dim``: as given at 256; at 128 each V step takes
+        the fwht V mode of its width (:data:`V_STEP_AT_HEAD_DIM_128`)."""
+        if head_dim != 128:
+            return self.steps
+        out = []
         for side, mode in self.steps:
+            step = V_STEP_AT_HEAD_DIM_128[mode] if side == "v" else mode
+            if step is not None:
+                out.append((side, step))
+        return tuple(out)
+
+    def tiers_at(self, head_dim: int) -> list[tuple[str, str]]:
+        """(K, V) of the start tier and after each step, for a model of ``head_dim``."""
+        out = [START_TIER]
+        for side, mode in self.steps_at(head_dim):
             k, v = out[-1]
             out.append((mode, v) if side == "k" else (k, mode))
         return out
+
+    @property
+    def tiers(self) -> list[tuple[str, str]]:
+        """(K, V) of the start tier and after each step (head_dim 256)."""
+        return self.tiers_at(256)
 
     @property
     def floor(self) -> tuple[str, str]:
@@ -118,20 +140,27 @@ class KVAdaptivePlan:
     """The tiers of a preset for one model shape: capacities and thresholds in tokens.
 
     ``max_seq``: the context guaranteed at the floor (tokens); ``num_kv_heads``, ``head_dim``
-    (must be 256) as the model's."""
+    (256, or 128 with the fwht V ladder) as the model's."""
 
     def __init__(self, preset: AdaptivePreset | str, *, head_dim: int, num_kv_heads: int,
                  max_seq: int) -> None:
         self.preset = parse_adaptive(preset) if isinstance(preset, str) else preset
         if not self.preset.steps:
             raise InvalidArgument("kv_adaptive is off: there is nothing to plan")
-        if head_dim != 256:
-            raise InvalidArgument(f"kv_adaptive needs head_dim 256 (lloyd V); this model has "
-                                  f"{head_dim}")
+        if head_dim not in (128, 256):
+            raise InvalidArgument(f"kv_adaptive needs head_dim 256 (lloyd V) or 128 (fwht V); "
+                                  f"this model has {head_dim}")
         if num_kv_heads < 1 or max_seq < 1:
             raise InvalidArgument(f"num_kv_heads={num_kv_heads}, max_seq={max_seq}: each >= 1")
         self.head_dim, self.num_kv_heads, self.max_seq = head_dim, num_kv_heads, max_seq
-        self.tiers = self.preset.tiers
+        if head_dim == 128 and self.preset.floor[1] == "lloyd3":
+            raise InvalidArgument(f"kv_adaptive {self.preset.spec!r}: a 3-bit V floor has no "
+                                  f"head_dim 128 mode (fwht3 is head_dim 256 only); use v=lloyd4 "
+                                  f"or v=lloyd2 (fwht4 / fwht2 V at head_dim 128)")
+        self.tiers = self.preset.tiers_at(head_dim)
+        if len(self.tiers) < 2:
+            raise InvalidArgument(f"kv_adaptive {self.preset.spec!r} at head_dim {head_dim}: "
+                                  f"no step is left (lloyd3 has no head_dim 128 V mode)")
         self.bytes_per_head = [side_row_bytes(k, head_dim) + side_row_bytes(v, head_dim)
                                for k, v in self.tiers]
         #: bytes per layer and sequence: max_seq tokens at the floor
