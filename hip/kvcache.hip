@@ -549,6 +549,20 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
   }
 }
 
+// One V record's two m-tiles (2l, 2l + 1) of pv_mma_q8 and pv_mma_q8_staged. c0..c3: the
+// words of tokens 4t .. 4t + 3 (codes 4 gid .. 4 gid + 3 of the record); m-tile 2l + j: row
+// gid = byte 2j of the lane's word, row gid + 8 = byte 2j + 1; k columns 2t, 2t + 1 = tokens
+// 4t, 4t + 1 (c0, c1), 2t + 8, 2t + 9 = 4t + 2, + 3 (c2, c3). b0, b1: p * d of those tokens.
+PKV_DEV void pv_record_mma_q8(float (&o0)[4], float (&o1)[4], uint32_t c0, uint32_t c1,
+                              uint32_t c2, uint32_t c3, uint32_t b0, uint32_t b1) {
+  const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
+                          q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
+  const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
+                          q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
+  mma_f16_16x8x16(o0, a0, b0, b1);
+  mma_f16_16x8x16(o1, a1, b0, b1);
+}
+
 template <int GMAX>
 PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
                        const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
@@ -613,16 +627,8 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
     for (int l = 0; l < 4; ++l) {
       if (l < n_rec) {
         const uint32_t b0 = pd_pair(p, 0, cur.d[0][l]), b1 = pd_pair(p, 1, cur.d[1][l]);
-        const uint32_t c0 = cur.code[0][l], c1 = cur.code[1][l];
-        const uint32_t c2 = cur.code[2][l], c3 = cur.code[3][l];
-        // m-tile 2l + j: row gid = byte 2j of the lane's word, row gid + 8 = byte 2j + 1;
-        // k columns 2t, 2t + 1 = tokens 4t, 4t + 1 (a0, a1), 2t + 8, 2t + 9 = 4t + 2, + 3.
-        const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
-                                q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
-        const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
-                                q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
-        mma_f16_16x8x16(o[2 * l], a0, b0, b1);
-        mma_f16_16x8x16(o[2 * l + 1], a1, b0, b1);
+        pv_record_mma_q8(o[2 * l], o[2 * l + 1], cur.code[0][l], cur.code[1][l],
+                         cur.code[2][l], cur.code[3][l], b0, b1);
       }
     }
     cur = nxt;
@@ -884,14 +890,7 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
                           : load_word_a2<false>(rec + 2 + 4 * gid);
         }
         const uint32_t b0 = pd_pair(0, l), b1 = pd_pair(1, l);
-        const uint32_t c0 = code[0], c1 = code[1], c2 = code[2], c3 = code[3];
-        // as pv_mma_q8: m-tile 2l + j, rows gid / gid + 8 = bytes 2j / 2j + 1 of the word
-        const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
-                                q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
-        const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
-                                q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
-        mma_f16_16x8x16(o[2 * l], a0, b0, b1);
-        mma_f16_16x8x16(o[2 * l + 1], a1, b0, b1);
+        pv_record_mma_q8(o[2 * l], o[2 * l + 1], code[0], code[1], code[2], code[3], b0, b1);
       }
     }
   });

@@ -87,6 +87,7 @@ def mma_16x8x16(c: np.ndarray, a: list, b0, b1) -> np.ndarray:
     return d.astype(np.float32)
 
 
+
 def q_fragments(q_group, group, head_dim, scale) -> list:
     """q_fragments<KV_F16>: qa[s][reg] per lane, k-step s = dims 32(s/2) + 8t + 4(s%2) + 0..3,
     rows 0-7 the f16 queries (times scale), rows 8-15 their f16 remainders."""
@@ -144,6 +145,17 @@ def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n
                         scores[(t0[lane] + 1) * gmax + GID[lane]] = c[lane, 1] + c[lane, 3]
 
 
+def pv_record_mma_q8(o: np.ndarray, lr: int, words, b0, b1) -> None:
+    """pv_record_mma_q8: record ``lr``'s two m-tiles (2 lr, 2 lr + 1) of ``o``, in place;
+    ``words`` the lanes' code words of tokens 4t .. 4t + 3, ``b0``/``b1`` the p·d pairs."""
+    c0, c1, c2, c3 = words
+    a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
+          q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
+    a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
+          q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
+    o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
+    o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+
 def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, pscale,
           n_warps=4):
     """pv_mma_q8 for one warp: its ``o[8][4]`` per lane (``float32[32, 8, 4]``), after the
@@ -181,13 +193,7 @@ def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, psca
 
         for lr in range(n_rec):
             b0, b1 = pd_pair(0, dpair[0, lr]), pd_pair(1, dpair[1, lr])
-            c0, c1, c2, c3 = code[:, lr]
-            a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
-                  q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
-            a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
-                  q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
-            o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
-            o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+            pv_record_mma_q8(o, lr, code[:, lr], b0, b1)
     return o + o[LANE ^ 2]  # pkv_shfl_xor(o, 2)
 
 
@@ -312,13 +318,7 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
 
         for lr in range(n_rec):
             b0, b1 = pd_pair(0, lr), pd_pair(1, lr)
-            c0, c1, c2, c3 = code[:, lr]
-            a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
-                  q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
-            a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
-                  q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
-            o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
-            o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+            pv_record_mma_q8(o, lr, code[:, lr], b0, b1)
     return (o + o[LANE ^ 2]) * np.uint32((e - 14) << 23).view(np.float32)
 
 
