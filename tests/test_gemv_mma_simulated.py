@@ -106,6 +106,30 @@ def _header_affine(hdr: np.ndarray, v2: bool, half: int):
     return hdr[:, 0].view(np.float32), hdr[:, 1].view(np.float32)
 
 
+def add_group(acc, c, hdr, i0, xs, g, batch, v2):
+    """weights.hip's add_group: acc[2, NT, 2, 32] += the f32 epilogue of the int32 sums
+    c[halves, chunk, 32, 4] of n-tiles i0 .. i0 + chunk."""
+    _, _, t = _lanes()
+    halves = 2 if v2 else 1
+    scale = [[_header_affine(hdr[r], v2, hv)[0] for r in range(2)] for hv in range(halves)]
+    offset = [[_header_affine(hdr[r], v2, hv)[1] for r in range(2)] for hv in range(halves)]
+    for i in range(c.shape[1]):
+        for e in range(2):
+            col = 8 * (i0 + i) + 2 * t + e
+            p, b = col % 3, col // 3
+            s = np.where((b < batch)[:, None], xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
+            s = s.astype(np.float32)
+            f = s[:, 0] * np.float32([1, 256, 65536])[p]
+            for r in range(2):
+                v = scale[0][r] * (f * c[0, i, :, 2 * r + e].astype(np.float32))
+                if halves == 2:
+                    v += scale[1][r] * (f * c[1, i, :, 2 * r + e].astype(np.float32))
+                off = (offset[0][r] * s[:, 1] + offset[1][r] * s[:, 2]
+                       if halves == 2 else offset[0][r] * s[:, 3])
+                v = np.where(p == 0, v + off, v)
+                acc[r, i0 + i, e] += v
+
+
 def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
     """gemv_mma<F, NT> with chunk = NT <= 3 (the batch 1-8 kernel; NT / chunk chunks per
     group is the loop of the AMD tiled kernel's NVIDIA ancestor): y[batch, M]."""
@@ -148,26 +172,7 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
                             b0 = q[:, 2] if h else q[:, 0]
                             b1 = q[:, 3] if h else q[:, 1]
                             mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-                    scale = [[_header_affine(hdr[r], v2, hv)[0] for r in range(2)]
-                             for hv in range(halves)]
-                    offset = [[_header_affine(hdr[r], v2, hv)[1] for r in range(2)]
-                              for hv in range(halves)]
-                    for i in range(chunk):
-                        for e in range(2):
-                            col = 8 * (i0 + i) + 2 * t + e
-                            p, b = col % 3, col // 3
-                            s = np.where((b < batch)[:, None],
-                                         xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
-                            s = s.astype(np.float32)
-                            f = s[:, 0] * np.float32([1, 256, 65536])[p]
-                            for r in range(2):
-                                v = scale[0][r] * (f * c[0, i, :, 2 * r + e].astype(np.float32))
-                                if halves == 2:
-                                    v += scale[1][r] * (f * c[1, i, :, 2 * r + e].astype(np.float32))
-                                off = (offset[0][r] * s[:, 1] + offset[1][r] * s[:, 2]
-                                       if halves == 2 else offset[0][r] * s[:, 3])
-                                v = np.where(p == 0, v + off, v)
-                                acc[r, i0 + i, e] += v
+                    add_group(acc, c, hdr, i0, xs, g, batch, v2)
             for r in range(2):
                 for i in range(NT):
                     for e in range(2):
@@ -234,25 +239,7 @@ def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
                                 b0 = q[:, 2] if h else q[:, 0]
                                 b1 = q[:, 3] if h else q[:, 1]
                                 mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-                        for i in range(CHUNK):
-                            for e in range(2):
-                                col = 8 * (i0 + i) + 2 * t + e
-                                p, b = col % 3, col // 3
-                                s = np.where((b < batch)[:, None],
-                                             xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
-                                s = s.astype(np.float32)
-                                f = s[:, 0] * np.float32([1, 256, 65536])[p]
-                                for r in range(2):
-                                    sc0, of0 = _header_affine(hdr[r], v2, 0)
-                                    v = sc0 * (f * c[0, i, :, 2 * r + e].astype(np.float32))
-                                    if halves == 2:
-                                        sc1, of1 = _header_affine(hdr[r], v2, 1)
-                                        v += sc1 * (f * c[1, i, :, 2 * r + e].astype(np.float32))
-                                        off = of0 * s[:, 1] + of1 * s[:, 2]
-                                    else:
-                                        off = of0 * s[:, 3]
-                                    v = np.where(p == 0, v + off, v)
-                                    accs[warp, r, i0 + i, e] += v
+                        add_group(accs[warp], c, hdr, i0, xs, g, batch, v2)
             for warp in range(n_warps):
                 for r in range(2):
                     for i in range(NT):
