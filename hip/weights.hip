@@ -658,6 +658,87 @@ PKV_DEV void header_affine(uint2 hdr, int half, float& scale, float& offset) {
 #endif  // __CUDACC__ || PKV_MFMA_I8
 
 #if defined(__CUDACC__)
+// One lane's share of one (16-row tile, group) of packed weights: the headers of rows gid
+// and gid + 8, and its four 16-byte code loads (the layout above).
+struct MmaWeights {
+  uint2 hdr[2];
+  uint4 code[4];
+
+  __device__ __forceinline__ void load(const uint8_t* base, int lane) {
+    const int gid = lane / 4;
+    hdr[0] = *(const uint2*)(base + 8 * gid);
+    hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) code[i] = ((const uint4*)(base + 128))[32 * i + lane];
+  }
+};
+
+template <int F>
+struct MmaHalves {  // affine maps per group
+  static constexpr int value = F == MQ4G256V2 ? 2 : 1;
+};
+
+// The exact int32 sums of one group for CH n-tiles: c[hv][i] = the tile's 16 rows times
+// n-tile i's 8 columns over affine half hv (V2: one (scale, zero) per 128 weights).
+// x_words(i, v) gives the lane's prepared-x 16-byte word v (= mma pair m / 2) of n-tile i.
+template <int F, int CH, typename XWords>
+PKV_DEV void mma_group(int (&c)[MmaHalves<F>::value][CH][4], const MmaWeights& w, XWords x_words) {
+  constexpr int HALVES = MmaHalves<F>::value;
+#pragma unroll
+  for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+    for (int i = 0; i < CH; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
+    const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
+    const uint4 pa = w.code[j / 2], pb = w.code[2 + j / 2];
+    const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+    const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
+    const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
+    const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const uint4 q = x_words(i, m / 2);
+      const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
+      mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, b0, b1);
+    }
+  }
+}
+
+// acc[r][i0 + i][e] += one group's f32 epilogue of the sums c of n-tiles i0 .. i0 + CH:
+// lane (gid, t) holds rows gid + 8r, columns 8 (i0 + i) + 2t + e. x_sums(i, e) gives the
+// column's batch-row (step, sum of the first 128, of the second, of all 256), zeros for
+// batch rows past `batch`.
+template <int F, int CH, int NT, typename XSums>
+PKV_DEV void add_group(float (&acc)[2][NT][2], const int (&c)[MmaHalves<F>::value][CH][4],
+                       const uint2 (&hdr)[2], int i0, int t, XSums x_sums) {
+  constexpr int HALVES = MmaHalves<F>::value;
+  float scale[HALVES][2], offset[HALVES][2];
+#pragma unroll
+  for (int hv = 0; hv < HALVES; ++hv)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) header_affine<F>(hdr[r], hv, scale[hv][r], offset[hv][r]);
+#pragma unroll
+  for (int i = 0; i < CH; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int p = (8 * (i0 + i) + 2 * t + e) % 3;
+      const float4 s = x_sums(i, e);
+      // step * 2^(8p) * c is exact (c < 2^24); the sums of x join plane 0's column.
+      const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
+        if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
+        if (p == 0)
+          v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
+                           : offset[0][r] * s.w;
+        acc[r][i0 + i][e] += v;
+      }
+    }
+}
+
 template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
@@ -676,21 +757,10 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 #pragma unroll
     for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
 
-  struct Stage {
-    uint2 hdr[2];
-    uint4 code[4];
-  };
-  auto load = [&](Stage& s, int g) {
-    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
-    s.hdr[0] = *(const uint2*)(base + 8 * gid);
-    s.hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.code[i] = ((const uint4*)(base + 128))[32 * i + lane];
-  };
-  Stage cur, nxt;
-  if (g_begin < g_end) load(cur, g_begin);
+  MmaWeights cur, nxt;
+  if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
   for (int g = g_begin; g < g_end; ++g) {
-    if (g + 1 < g_end) load(nxt, g + 1);
+    if (g + 1 < g_end) nxt.load(tile + (int64_t)(g + 1) * TILE_BYTES, lane);
     uint4 xb[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -708,53 +778,9 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
         const int b = (8 * i + 2 * t + e) / 3;
         xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    // Exact int32 sums per affine half (V2: one (scale, zero) per 128 weights), then one
-    // epilogue per group.
-    constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
-    int c[HALVES][NT][4];
-#pragma unroll
-    for (int hv = 0; hv < HALVES; ++hv)
-#pragma unroll
-      for (int i = 0; i < NT; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
-      const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
-      const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
-      const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-      const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
-      const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
-      const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        const uint4 q = xb[i][m / 2];
-        const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
-        mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, b0, b1);
-      }
-    }
-    float scale[HALVES][2], offset[HALVES][2];
-#pragma unroll
-    for (int hv = 0; hv < HALVES; ++hv)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int p = (8 * i + 2 * t + e) % 3;
-        const float4 s = xsv[i][e];  // zeros for batch rows past `batch`
-        // step * 2^(8p) * c is exact (c < 2^24); the sums of x join plane 0's column.
-        const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
-          if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
-          if (p == 0)
-            v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
-                             : offset[0][r] * s.w;
-          acc[r][i][e] += v;
-        }
-      }
+    int c[MmaHalves<F>::value][NT][4];
+    mma_group<F, NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
+    add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
     cur = nxt;
   }
   __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
@@ -790,30 +816,88 @@ PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)
 
 
 // ---------------------------------------------------------------------------
-// Tiled tensor-core GEMV for batch 9-32 (the decode step at batch 32): the layout and the
-// per-group math of gemv_mma above, but a warp reads each (tile, group) of weights once
-// and loops over all NT n-tiles of x in chunks of PKV_GEMV_MMA_MAX_TILES (3 n-tiles = 24
-// B columns = the 3 byte planes of 8 batch rows, so a row's planes never straddle a
-// chunk). The A fragments are unpacked from the codes again per chunk (4 integer ops per
-// mma, cheaper than holding 32 more registers); the int32 sums and the epilogue per
-// (row, column) are gemv_mma's, in the same order, so each output is bit for bit what
-// gemv_mma gives on the same 8 batch rows. Batch 9-16 runs NT = 6, 17-32 NT = 12; the
-// launcher splits larger batches into 32-row calls. The shared-memory reduction reuses
-// one chunk-sized buffer per chunk (12 KiB at 8 warps).
+// Staged tensor-core GEMV for batch 9-32 (the decode step at batch 32; docs/kernels.md,
+// "Staged tensor-core GEMV"). gemv_mma's weight layout, prepared x and per-group math
+// (mma_group, add_group), arranged so that x crosses from L2 once per block, not once per
+// 16-row tile: at batch 32 a group's prepared x is 24 KiB against 2,176 bytes of a tile's
+// weights, so re-reading it per tile (the earlier tiled kernel) made x, not the weights,
+// the traffic.
+//
+// A block of W warps owns W consecutive 16-row tiles (warp w: tile W * blockIdx.x + w)
+// and one contiguous split of the groups (blockIdx.y of gridDim.y; the launcher picks the
+// split count that keeps the SMs busy). Per group, the block's threads copy the group's
+// prepared x (NT n-tiles x 32 lanes x 64 bytes) into shared memory with cp.async, the
+// next group's copy in flight while this one is computed (two buffers); each warp reads
+// its n-tiles' B fragments from there, its tile's weights from global (the next group's
+// loaded before this one is computed), and runs NT / 3 chunks of 3 n-tiles (24 columns
+// = the 3 planes of 8 batch rows) into f32 accumulators acc[2][NT][2]. Traffic per
+// group and block: W x 2,176 bytes of weights from DRAM, NT x 2 KiB of x from L2 (1.4x
+// the weights at W = 8 and batch 32, against 11x before).
+//
+// Shared layout of the staged x: 16-byte unit v of lane L of n-tile i sits at unit
+// 4 (32 i + L) + (v ^ ((L / 2) % 4)): a 128-bit shared load is served 8 lanes at a time,
+// and those 8 lanes then hit 8 different 16-byte bank groups (without the swizzle, lanes
+// 64 bytes apart would share 2 of them: 4-way conflicts).
+//
+// The end: the warps' sums meet in shared memory (the x buffers, free by then), a row's 3
+// plane columns are added (gemv_mma's order), and with one split the block writes y.
+// With S splits each block writes its sums to partial[S][batch][M]; the last of a row
+// block's S blocks to arrive (a counter per row block, reset by that block for the next
+// launch) adds the S partials in split order and writes y: the result does not depend on
+// which block finishes first.
+PKV_DEV int x_stage_unit(int tile, int lane, int v) {
+  return 4 * (32 * tile + lane) + (v ^ ((lane >> 1) & 3));
+}
+
+// One 16-byte cp.async from global to shared (sm_80+; the launcher checks the arch).
+PKV_DEV void cp_async16(void* smem_dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint64_t dst;  // the shared-window address (PTX, not __cvta_generic_to_shared: NVRTC too)
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)dst), "l"(src)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+template <int PENDING>
+PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until PENDING remain
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
 template <int F, int NT>
-PKV_DEV void gemv_mma_tiled(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
-                            const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
-                            int batch) {
+PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                             const float4* __restrict__ xs, float* __restrict__ y,
+                             float* __restrict__ partial, unsigned* __restrict__ counters, int M,
+                             int K, int batch) {
   constexpr int CH = PKV_GEMV_MMA_MAX_TILES;
   static_assert(NT % CH == 0 && (8 * CH) % 3 == 0, "chunks hold whole batch rows");
+  static_assert(PKV_GEMV_X_WORDS == 16, "a lane's x of one n-tile is four 16-byte units");
+  constexpr int UNITS = NT * 32 * 4;  // 16-byte units of one group's prepared x
   constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
-  constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
+  // 2 x NT x 2 KiB: 48 KiB at NT = 12, the static limit. The end's reduction reuses it:
+  // W x 16 rows x 8 NT f32 fits for W <= 8 (PKV_GEMV_MMA_MAX_WARPS).
+  __shared__ __align__(16) uint4 stage[2][UNITS];
+  static_assert(PKV_GEMV_MMA_MAX_WARPS * PKV_GEMV_MMA_ROWS * 8 * NT * 4 <= sizeof(stage),
+                "the reduction fits in the x buffers");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
-  const int groups = K / 256;
-  const int g_begin = warp * groups / n_warps, g_end = (warp + 1) * groups / n_warps;
-  const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+  const int row_tiles = (M + PKV_GEMV_MMA_ROWS - 1) / PKV_GEMV_MMA_ROWS;
+  const int tile = blockIdx.x * n_warps + warp;
+  const bool active = tile < row_tiles;  // warps past the last tile only copy x
+  const int groups = K / 256, splits = gridDim.y, split = blockIdx.y;
+  const int g_begin = split * groups / splits, g_end = (split + 1) * groups / splits;
+  const uint8_t* wtile = packed + (int64_t)min(tile, row_tiles - 1) * groups * TILE_BYTES;
+
+  auto stage_x = [&](int buf, int g) {
+    const uint4* src = (const uint4*)xq + (int64_t)g * UNITS;  // (n-tile, lane, v) order
+    for (int u = threadIdx.x; u < UNITS; u += blockDim.x)
+      cp_async16(&stage[buf][x_stage_unit(u / 128, (u / 4) % 32, u % 4)], src + u);
+  };
 
   float acc[2][NT][2];
 #pragma unroll
@@ -821,129 +905,102 @@ PKV_DEV void gemv_mma_tiled(const uint8_t* __restrict__ packed, const uint32_t* 
 #pragma unroll
     for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
 
-  struct Stage {
-    uint2 hdr[2];
-    uint4 code[4];
-  };
-  auto load = [&](Stage& s, int g) {
-    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
-    s.hdr[0] = *(const uint2*)(base + 8 * gid);
-    s.hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.code[i] = ((const uint4*)(base + 128))[32 * i + lane];
-  };
   // The next group's weights are loaded before this one is computed where the registers
-  // allow it (NT = 6: 182 registers on sm_90); at NT = 12 the accumulators take them
-  // (prefetching there spilled 40-68 bytes; without it 8-48 remain), and the 12 n-tiles'
-  // mmas give the loads time instead.
+  // allow it (NT = 6); at NT = 12 the accumulators take them (prefetching spilled 36-80
+  // bytes on sm_90) and the load waits with the next group's x copy in flight.
   constexpr bool PREFETCH = NT <= PKV_GEMV_MMA_PREFETCH_TILES;
-  Stage cur, nxt;
-  if (g_begin < g_end) load(cur, g_begin);
+  MmaWeights cur, nxt;
+  if (g_begin < g_end) stage_x(0, g_begin);
+  if (active && g_begin < g_end) cur.load(wtile + (int64_t)g_begin * TILE_BYTES, lane);
   for (int g = g_begin; g < g_end; ++g) {
-    if (PREFETCH && g + 1 < g_end) load(nxt, g + 1);
-#pragma unroll
-    for (int i0 = 0; i0 < NT; i0 += CH) {
-      uint4 xb[CH][4];
-#pragma unroll
-      for (int i = 0; i < CH; ++i) {
-        const uint4* xsrc =
-            (const uint4*)(xq + (((int64_t)g * NT + i0 + i) * 32 + lane) * PKV_GEMV_X_WORDS);
-        const bool live = 8 * (i0 + i) + gid < 3 * batch;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
-      }
-      int c[HALVES][CH][4];
-#pragma unroll
-      for (int hv = 0; hv < HALVES; ++hv)
-#pragma unroll
-        for (int i = 0; i < CH; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
-        const uint4 pa = cur.code[j / 2], pb = cur.code[2 + j / 2];
-        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-        const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
-        const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
-        const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          const uint4 q = xb[i][m / 2];
-          mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);
-        }
-      }
-      // (scale, offset) decoded again per chunk: 2-4 conversions, fewer live registers
-      float scale[HALVES][2], offset[HALVES][2];
-#pragma unroll
-      for (int hv = 0; hv < HALVES; ++hv)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
-#pragma unroll
-      for (int i = 0; i < CH; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * (i0 + i) + 2 * t + e, p = col % 3, b = col / 3;
-          const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
-          const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
-            if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
-            if (p == 0)
-              v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
-                               : offset[0][r] * s.w;
-            acc[r][i0 + i][e] += v;
-          }
-        }
+    const int buf = (g - g_begin) & 1;
+    if (g + 1 < g_end) {
+      stage_x(buf ^ 1, g + 1);
+      if (PREFETCH && active) nxt.load(wtile + (int64_t)(g + 1) * TILE_BYTES, lane);
     }
-    if (PREFETCH) {
+    cp_async_commit_wait<1>();  // this group's x has landed (the next one's may be in flight)
+    __syncthreads();            // ... for every thread's copies
+    if (active) {
+#pragma unroll
+      for (int i0 = 0; i0 < NT; i0 += CH) {
+        int c[MmaHalves<F>::value][CH][4];
+        mma_group<F, CH>(c, cur, [&](int i, int v) {
+          const bool live = 8 * (i0 + i) + gid < 3 * batch;  // past the batch: not written
+          return live ? stage[buf][x_stage_unit(i0 + i, lane, v)] : make_uint4(0u, 0u, 0u, 0u);
+        });
+        add_group<F, CH, NT>(acc, c, cur.hdr, i0, t, [&](int i, int e) {
+          const int b = (8 * (i0 + i) + 2 * t + e) / 3;
+          return b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+        });
+      }
+    }
+    __syncthreads();  // buffer `buf` is read before the next iteration copies into it
+    if (PREFETCH)
       cur = nxt;
-    } else if (g + 1 < g_end) {
-      load(cur, g + 1);
+    else if (active && g + 1 < g_end)
+      cur.load(wtile + (int64_t)(g + 1) * TILE_BYTES, lane);
+  }
+  cp_async_commit_wait<0>();  // nothing in flight into the buffers the reduction reuses
+  __syncthreads();
+
+  float* red = (float*)&stage[0][0];  // [warp][16 rows][8 NT columns]
+  constexpr int COLS = 8 * NT;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        red[(warp * PKV_GEMV_MMA_ROWS + gid + 8 * r) * COLS + 8 * i + 2 * t + e] = acc[r][i][e];
+  __syncthreads();
+  const int rows = n_warps * PKV_GEMV_MMA_ROWS, row0 = blockIdx.x * rows;
+  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
+    const int r = k % rows, b = k / rows;
+    const float* cols = red + r * COLS + 3 * b;  // row r: warp r / 16, its row r % 16
+    const float v = 0.0f + (cols[0] + cols[1] + cols[2]);
+    if (row0 + r < M) {
+      if (splits == 1)
+        y[(int64_t)b * M + row0 + r] = v;
+      else
+        partial[((int64_t)split * batch + b) * M + row0 + r] = v;
     }
   }
-  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * CH];
-  constexpr int ROWS_PER_CHUNK = 8 * CH / 3;
-#pragma unroll
-  for (int i0 = 0; i0 < NT; i0 += CH) {
-    if (i0) __syncthreads();  // the previous chunk's sums are read
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int i = 0; i < CH; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) red[warp][gid + 8 * r][8 * i + 2 * t + e] = acc[r][i0 + i][e];
-    __syncthreads();
-    const int b0 = i0 / CH * ROWS_PER_CHUNK;
-    const int nb = min(ROWS_PER_CHUNK, batch - b0);
-    for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * nb; k += blockDim.x) {
-      const int r = k % PKV_GEMV_MMA_ROWS, bl = k / PKV_GEMV_MMA_ROWS;
-      float v = 0.0f;
-      for (int w = 0; w < n_warps; ++w)
-        v += red[w][r][3 * bl] + red[w][r][3 * bl + 1] + red[w][r][3 * bl + 2];
-      if (row0 + r < M) y[(int64_t)(b0 + bl) * M + row0 + r] = v;
-    }
+  if (splits == 1) return;
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  const bool last =
+      __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u);
+  if (!last) return;
+  __threadfence();
+  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
+    const int r = k % rows, b = k / rows;
+    if (row0 + r >= M) continue;
+    float v = 0.0f;
+    for (int s = 0; s < splits; ++s)  // split order: independent of the arrival order
+      v += __ldcg(&partial[((int64_t)s * batch + b) * M + row0 + r]);
+    y[(int64_t)b * M + row0 + r] = v;
   }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;  // ready for the next launch
 }
 
-#define PKV_GEMV_MMA_TILED_KERNEL(NAME, F, NT)                                              \
+#define PKV_GEMV_MMA_STAGED_KERNEL(NAME, F, NT)                                             \
   PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
-      pkv_gemv_mma_tiled_##NAME##_n##NT(                                                    \
-      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
-      int batch) {                                                                          \
-    gemv_mma_tiled<F, NT>(w, xq, xs, y, M, K, batch);                                       \
+      pkv_gemv_mma_staged_##NAME##_n##NT(                                                   \
+      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, float* partial,     \
+      unsigned* counters, int M, int K, int batch) {                                        \
+    gemv_mma_staged<F, NT>(w, xq, xs, y, partial, counters, M, K, batch);                   \
   }
-PKV_GEMV_MMA_TILED_KERNEL(hfq4g256, HFQ4G256, 6)
-PKV_GEMV_MMA_TILED_KERNEL(hfq4g256, HFQ4G256, 12)
-PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 6)
-PKV_GEMV_MMA_TILED_KERNEL(mq4g256v2, MQ4G256V2, 12)
+PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 6)
+PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 12)
+PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 6)
+PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 12)
 
 #endif  // __CUDACC__
 
 // ---------------------------------------------------------------------------
 // AMD matrix-core GEMV (CDNA: gfx90a, gfx940-942; PKV_MFMA_I8 in pagedkv_compat.h): the
 // same prepared x (pkv_gemv_prep_x above), the same packed weight tiles (Gemv.pack), the
-// same kernel names and arguments as gemv_mma / gemv_mma_tiled, so the host path is one.
+// same kernel names and arguments as gemv_mma and the batch 9-32 pkv_gemv_mma_tiled_* (the
+// NVIDIA batch 9-32 kernel is gemv_mma_staged, with its own launch), one host path.
 // Only the fragment mapping differs: a 64-lane wavefront runs 16x16 int8 MFMAs
 // (v_mfma_i32_16x16x16i8 on gfx90a, two per k-32 step; v_mfma_i32_16x16x32_i8 on CDNA3,
 // one). Register layouts (AMD matrix instruction calculator; CDNA2/CDNA3 ISA, "Matrix
@@ -1094,7 +1151,7 @@ PKV_DEV void gemv_mfma(const uint8_t* __restrict__ packed, const uint32_t* __res
   }
 }
 
-// The NVIDIA kernels' names and arguments (gemv_mma: n1-n3, gemv_mma_tiled: n6, n12).
+// The NVIDIA kernels' names and arguments (gemv_mma: n1-n3; tiled: n6, n12).
 #define PKV_GEMV_MFMA_KERNEL(PREFIX, NAME, F, NT)                                         \
   PKV_KERNEL void __launch_bounds__(64 * PKV_GEMV_MMA_MAX_WARPS)                          \
       pkv_gemv_mma_##PREFIX##NAME##_n##NT(                                                \

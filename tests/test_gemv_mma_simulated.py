@@ -3,8 +3,9 @@
 B-fragment order), the packed weight tiles (Gemv.pack) and the kernel's loads, nibble
 masks, m16n8k32 int8 mma fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32"),
 epilogue and shared-memory reduction — with the index expressions copied from the kernel
-text, so a layout mistake in the tiled batch 9-32 kernel (gemv_mma_tiled) shows up here,
-without a GPU, as a wrong product. The GPU tests compare the real kernels against the
+text, so a layout mistake in the staged batch 9-32 kernel (gemv_mma_staged: x copied to a
+swizzled shared buffer, one tile per warp, groups split over blocks) shows up here, without
+a GPU, as a wrong product. The GPU tests compare the real kernels against the
 float64 reference (tests/test_kernels_weights.py)."""
 
 from __future__ import annotations
@@ -105,8 +106,33 @@ def _header_affine(hdr: np.ndarray, v2: bool, half: int):
     return hdr[:, 0].view(np.float32), hdr[:, 1].view(np.float32)
 
 
+def add_group(acc, c, hdr, i0, xs, g, batch, v2):
+    """weights.hip's add_group: acc[2, NT, 2, 32] += the f32 epilogue of the int32 sums
+    c[halves, chunk, 32, 4] of n-tiles i0 .. i0 + chunk."""
+    _, _, t = _lanes()
+    halves = 2 if v2 else 1
+    scale = [[_header_affine(hdr[r], v2, hv)[0] for r in range(2)] for hv in range(halves)]
+    offset = [[_header_affine(hdr[r], v2, hv)[1] for r in range(2)] for hv in range(halves)]
+    for i in range(c.shape[1]):
+        for e in range(2):
+            col = 8 * (i0 + i) + 2 * t + e
+            p, b = col % 3, col // 3
+            s = np.where((b < batch)[:, None], xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
+            s = s.astype(np.float32)
+            f = s[:, 0] * np.float32([1, 256, 65536])[p]
+            for r in range(2):
+                v = scale[0][r] * (f * c[0, i, :, 2 * r + e].astype(np.float32))
+                if halves == 2:
+                    v += scale[1][r] * (f * c[1, i, :, 2 * r + e].astype(np.float32))
+                off = (offset[0][r] * s[:, 1] + offset[1][r] * s[:, 2]
+                       if halves == 2 else offset[0][r] * s[:, 3])
+                v = np.where(p == 0, v + off, v)
+                acc[r, i0 + i, e] += v
+
+
 def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
-    """gemv_mma_tiled<F, NT> (and, with chunk = NT <= 3, gemv_mma<F, NT>): y[batch, M]."""
+    """gemv_mma<F, NT> with chunk = NT <= 3 (the batch 1-8 kernel; NT / chunk chunks per
+    group is the loop of the AMD tiled kernel's NVIDIA ancestor): y[batch, M]."""
     lane, gid, t = _lanes()
     groups = K // 256
     tile_bytes = ROWS * 136
@@ -146,26 +172,7 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
                             b0 = q[:, 2] if h else q[:, 0]
                             b1 = q[:, 3] if h else q[:, 1]
                             mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-                    scale = [[_header_affine(hdr[r], v2, hv)[0] for r in range(2)]
-                             for hv in range(halves)]
-                    offset = [[_header_affine(hdr[r], v2, hv)[1] for r in range(2)]
-                              for hv in range(halves)]
-                    for i in range(chunk):
-                        for e in range(2):
-                            col = 8 * (i0 + i) + 2 * t + e
-                            p, b = col % 3, col // 3
-                            s = np.where((b < batch)[:, None],
-                                         xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
-                            s = s.astype(np.float32)
-                            f = s[:, 0] * np.float32([1, 256, 65536])[p]
-                            for r in range(2):
-                                v = scale[0][r] * (f * c[0, i, :, 2 * r + e].astype(np.float32))
-                                if halves == 2:
-                                    v += scale[1][r] * (f * c[1, i, :, 2 * r + e].astype(np.float32))
-                                off = (offset[0][r] * s[:, 1] + offset[1][r] * s[:, 2]
-                                       if halves == 2 else offset[0][r] * s[:, 3])
-                                v = np.where(p == 0, v + off, v)
-                                acc[r, i0 + i, e] += v
+                    add_group(acc, c, hdr, i0, xs, g, batch, v2)
             for r in range(2):
                 for i in range(NT):
                     for e in range(2):
@@ -177,6 +184,114 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
     return y
 
 
+def x_stage_unit(tile, lane, v):
+    """weights.hip's x_stage_unit: the shared 16-byte unit of lane's word v of n-tile tile."""
+    return 4 * (32 * tile + lane) + (v ^ ((lane >> 1) & 3))
+
+
+def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
+    """gemv_mma_staged<F, NT> on a grid (row blocks, splits) of n_warps-warp blocks."""
+    lane, gid, t = _lanes()
+    groups = K // 256
+    tile_bytes = ROWS * 136
+    units = NT * 32 * 4
+    halves = 2 if v2 else 1
+    words = packed.view(np.uint32)
+    row_tiles = -(-M // ROWS)
+    rows = n_warps * ROWS
+    y = np.full((batch, M), np.nan, np.float32)
+    partial = np.full((splits, batch, M), np.nan, np.float32)
+    xq_units = xq.reshape(-1, 4)
+    for bx in range(-(-row_tiles // n_warps)):
+        for split in range(splits):
+            g_begin, g_end = split * groups // splits, (split + 1) * groups // splits
+            red = np.zeros((n_warps * ROWS, 8 * NT), np.float32)
+            accs = np.zeros((n_warps, 2, NT, 2, 32), np.float32)
+            for g in range(g_begin, g_end):
+                stage = np.full((units, 4), 0xDEADBEEF, np.uint32)
+                written = np.zeros(units, int)
+                for u in range(units):  # the block's cp.async copies, any thread order
+                    at = x_stage_unit(u // 128, (u // 4) % 32, u % 4)
+                    stage[at] = xq_units[g * units + u]
+                    written[at] += 1
+                assert (written == 1).all()
+                for warp in range(n_warps):
+                    tile = bx * n_warps + warp
+                    if tile >= row_tiles:
+                        continue
+                    base = (tile * groups + g) * tile_bytes // 4
+                    hdr = [np.stack([words[base + 2 * (gid + 8 * r)],
+                                     words[base + 2 * (gid + 8 * r) + 1]], axis=1) for r in range(2)]
+                    code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
+                                     axis=1) for i in range(4)]
+                    for i0 in range(0, NT, CHUNK):
+                        c = np.zeros((halves, CHUNK, 32, 4), np.int64)
+                        for m in range(8):
+                            j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
+                            pa, pb = code[j // 2], code[2 + j // 2]
+                            wa, wb = pa[:, 2 * (j % 2) + h], pb[:, 2 * (j % 2) + h]
+                            a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
+                            a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
+                            for i in range(CHUNK):
+                                live = 8 * (i0 + i) + gid < 3 * batch
+                                q = np.where(live[:, None],
+                                             stage[x_stage_unit(i0 + i, lane, m // 2)], 0)
+                                b0 = q[:, 2] if h else q[:, 0]
+                                b1 = q[:, 3] if h else q[:, 1]
+                                mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
+                        add_group(accs[warp], c, hdr, i0, xs, g, batch, v2)
+            for warp in range(n_warps):
+                for r in range(2):
+                    for i in range(NT):
+                        for e in range(2):
+                            red[warp * ROWS + gid + 8 * r, 8 * i + 2 * t + e] = accs[warp, r, i, e]
+            row0 = bx * rows
+            n = min(rows, M - row0)
+            for b in range(batch):
+                v = np.float32(0) + (red[:, 3 * b] + red[:, 3 * b + 1] + red[:, 3 * b + 2])
+                dst = y if splits == 1 else partial[split]
+                dst[b, row0:row0 + n] = v[:n]
+        if splits > 1:  # the last block to arrive adds the splits in split order
+            total = np.zeros((batch, min(rows, M - bx * rows)), np.float32)
+            for split in range(splits):
+                total += partial[split][:, bx * rows:bx * rows + total.shape[1]]
+            y[:, bx * rows:bx * rows + total.shape[1]] = total
+    return y
+
+
+@pytest.mark.parametrize(("fmt", "batch", "warps", "splits"), [
+    ("hfq4g256", 32, 8, 4), ("mq4g256v2", 32, 2, 3), ("mq4g256v2", 11, 8, 1),
+    ("mq4g256", 17, 4, 2)])
+def test_staged_tensor_core_gemv_simulated_matches_the_float64_product(fmt, batch, warps, splits):
+    M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the blocks
+    raw, x = _case(fmt, M, K, batch, seed=batch * 7 + warps)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    NT = g._tiles
+    assert NT == (6 if batch <= 16 else 12)
+    assert g._kernel.name.startswith("pkv_gemv_mma_staged_")
+    rotated = g.fmt.rotated
+    xq, xs = prep_x(x, K, NT, rotated)
+    y = gemv_mma_staged(g.pack(raw), xq, xs, M, K, batch, NT, fmt == "mq4g256v2", warps, splits)
+    expect = ref.gemv(raw, fmt, M, K, x, rotated=rotated)
+    wq = np.abs(quant.dequantize(raw, fmt, (M, K), basis="rotated")).astype(np.float64)
+    xr = np.abs(ref.fwht256(x) if rotated else x).astype(np.float64)
+    np.testing.assert_array_less(np.abs(y - expect), 2e-6 * (xr @ wq.T) + 1e-30)
+
+
+def test_the_staged_x_swizzle_is_free_of_shared_bank_conflicts():
+    # a 128-bit shared load is served 8 lanes at a time: those 8 lanes must touch 8
+    # different 16-byte bank groups (32 banks x 4 bytes = 8 groups of 16 bytes)
+    for tile in range(12):
+        for v in range(4):
+            for phase in range(4):
+                lanes = range(8 * phase, 8 * phase + 8)
+                groups = {x_stage_unit(tile, lane, v) % 8 for lane in lanes}
+                assert len(groups) == 8
+    # every unit of a group's 12 n-tiles is written once: a permutation
+    units = [x_stage_unit(u // 128, (u // 4) % 32, u % 4) for u in range(12 * 128)]
+    assert sorted(units) == list(range(12 * 128))
+
+
 def _case(fmt, M, K, batch, seed):
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((M, K)) * 0.05).astype(np.float32)
@@ -185,34 +300,20 @@ def _case(fmt, M, K, batch, seed):
     return raw, x
 
 
-@pytest.mark.parametrize(("fmt", "batch", "warps"), [
-    ("hfq4g256", 32, 3), ("mq4g256v2", 32, 2), ("mq4g256v2", 11, 1), ("mq4g256", 17, 4)])
-def test_tiled_tensor_core_gemv_simulated_matches_the_float64_product(fmt, batch, warps):
-    M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the warps
-    raw, x = _case(fmt, M, K, batch, seed=batch * 7 + warps)
-    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
-    NT = g._tiles
-    assert NT == (6 if batch <= 16 else 12) and g._kernel.name.startswith("pkv_gemv_mma_tiled_")
-    rotated = g.fmt.rotated
-    xq, xs = prep_x(x, K, NT, rotated)
-    y = gemv_mma_tiled(g.pack(raw), xq, xs, M, K, batch, NT, fmt == "mq4g256v2", warps)
-    # the int32 sums are exact: what is left is x's 22-bit rounding and f32 epilogues
-    expect = ref.gemv(raw, fmt, M, K, x, rotated=rotated)
-    wq = np.abs(quant.dequantize(raw, fmt, (M, K), basis="rotated")).astype(np.float64)
-    xr = np.abs(ref.fwht256(x) if rotated else x).astype(np.float64)
-    np.testing.assert_array_less(np.abs(y - expect), 2e-6 * (xr @ wq.T) + 1e-30)
-
-
-def test_tiled_gemv_gives_each_batch_row_what_the_batch_8_kernel_gives_it_bit_for_bit():
+def test_one_split_of_the_staged_gemv_gives_each_batch_row_what_the_batch_8_kernel_gives_it():
+    # With one split, a staged warp adds its tile's groups in order and the block adds a
+    # row's 3 plane columns from 0: gemv_mma's float operations with one warp per block,
+    # so the rows are bit for bit those of four 8-row calls (more splits or warps only
+    # regroup the same f32 sums)
     M, K, fmt = 21, 768, "mq4g256v2"
     raw, x = _case(fmt, M, K, 32, seed=5)
     packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32).pack(raw)
     xq, xs = prep_x(x, K, 12, True)
-    tiled = gemv_mma_tiled(packed, xq, xs, M, K, 32, 12, True, 2)
-    for lo in range(0, 32, 8):  # the old path: four calls of 8 rows on gemv_mma (n3)
+    staged = gemv_mma_staged(packed, xq, xs, M, K, 32, 12, True, 8, 1)
+    for lo in range(0, 32, 8):
         xq8, xs8 = prep_x(x[lo:lo + 8], K, 3, True)
-        old = gemv_mma_tiled(packed, xq8, xs8, M, K, 8, 3, True, 2, chunk=3)
-        np.testing.assert_array_equal(tiled[lo:lo + 8], old)
+        old = gemv_mma_tiled(packed, xq8, xs8, M, K, 8, 3, True, 1, chunk=3)
+        np.testing.assert_array_equal(staged[lo:lo + 8], old)
 
 
 def test_the_mma_fragment_model_is_a_16x8x32_product():

@@ -178,7 +178,8 @@ class FakeCudaDevice(FakeDevice):
 
     def __init__(self, arch="sm_90"):
         super().__init__()
-        self.properties = SimpleNamespace(name="fake", warp_size=32, arch=arch)
+        self.properties = SimpleNamespace(name="fake", warp_size=32, arch=arch,
+                                          multiprocessor_count=132)
 
 
 @pytest.mark.parametrize(("fmt", "batch", "kernel", "rotate"), [
@@ -187,11 +188,11 @@ class FakeCudaDevice(FakeDevice):
     ("mq4g256v2", 3, "pkv_gemv_mma_mq4g256v2_n2", 1),
     ("hfq4g256", 5, "pkv_gemv_mma_hfq4g256_n2", 0),
     ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 1),
-    # batch 9-32: the tiled kernel, n-tiles in whole chunks of 3 (6 up to 16 rows, 12 to 32)
-    ("hfq4g256", 9, "pkv_gemv_mma_tiled_hfq4g256_n6", 0),
-    ("mq4g256v2", 16, "pkv_gemv_mma_tiled_mq4g256v2_n6", 1),
-    ("mq4g256", 17, "pkv_gemv_mma_tiled_hfq4g256_n12", 1),
-    ("mq4g256v2", 32, "pkv_gemv_mma_tiled_mq4g256v2_n12", 1)])
+    # batch 9-32: the staged kernel, n-tiles in whole chunks of 3 (6 up to 16 rows, 12 to 32)
+    ("hfq4g256", 9, "pkv_gemv_mma_staged_hfq4g256_n6", 0),
+    ("mq4g256v2", 16, "pkv_gemv_mma_staged_mq4g256v2_n6", 1),
+    ("mq4g256", 17, "pkv_gemv_mma_staged_hfq4g256_n12", 1),
+    ("mq4g256v2", 32, "pkv_gemv_mma_staged_mq4g256v2_n12", 1)])
 def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel, rotate):
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
@@ -209,15 +210,25 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel,
                        f"{48 * 17 * 136} bytes)")
     x, y = dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32)
     g.run(w, x, y)
-    # the prep: a warp per (group, batch row), 8 per block; then 16 rows per block and 8
-    # warps splitting the 17 groups
+    # the prep: a warp per (group, batch row), 8 per block; then batch 1-8: 16 rows per
+    # block and 8 warps splitting the 17 groups; batch 9-32 (staged): 8 tiles of 16 rows
+    # per block (one row block here) and the 17 groups in 4 splits over blockIdx.y (5
+    # groups per block in one wave of 132 SMs, against 17 unsplit)
+    staged = batch > 8
+    grid = (1, 4) if staged else (3,)
     assert [c[1:] for c in _launches(dev)] == [
-        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (256,))]
+        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, grid, (256,))]
     tiles = -(-3 * batch // 8)
     tiles = tiles if tiles <= 3 else (6 if tiles <= 6 else 12)
     assert dev.launch_args[0][3:] == (K, batch, tiles, rotate)
     assert dev.launch_args[0][1].nbytes == 17 * tiles * 32 * 16 * 4  # the prepared-x scratch
-    assert dev.launch_args[1][4:] == (M, K, batch)
+    assert dev.launch_args[1][-3:] == (M, K, batch)
+    if staged:  # partial[4 splits][batch][M] f32 and one zeroed counter per row block
+        partial, counters = dev.launch_args[1][4:6]
+        assert partial.nbytes == 4 * batch * M * 4 and counters.shape == (1,)
+        assert counters.dtype == np.uint32 and not counters.to_numpy().any()
+    else:
+        assert len(dev.launch_args[1]) == 7
     dev.calls.clear()
     g.run(w, x, y, x_rotated=True)  # an x rotated beforehand is only quantized
     assert dev.launch_args[2][-1] == 0

@@ -85,7 +85,7 @@
 #ifndef PKV_GEMV_MMA_MAX_TILES
 #define PKV_GEMV_MMA_MAX_TILES 3
 #endif
-/* Tiled tensor-core GEMV (batch 9-32): most n-tiles at which the next group's weights
+/* Staged tensor-core GEMV (batch 9-32, gemv_mma_staged): most n-tiles at which the next group's weights
  * are prefetched into registers (above it they spill). */
 #ifndef PKV_GEMV_MMA_PREFETCH_TILES
 #define PKV_GEMV_MMA_PREFETCH_TILES 6

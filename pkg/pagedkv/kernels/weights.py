@@ -41,9 +41,13 @@ GEMV_MMA_MAX_WARPS = launch_constant("PKV_GEMV_MMA_MAX_WARPS")
 GEMV_MMA_WARP_TARGET = 2048  # warps per launch it aims at (132 SMs x ~16), see _mma_warps
 GEMV_X_WORDS = launch_constant("PKV_GEMV_X_WORDS")  # prepared-x words per lane, group, n-tile
 GEMV_MMA_MAX_TILES = launch_constant("PKV_GEMV_MMA_MAX_TILES")  # n-tiles of the batch 1-8 kernel
-#: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 the tiled kernel
-#: (n6 up to 16 rows, n12 up to 32), which reads each weight tile once for all rows.
+#: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 the staged kernel
+#: on NVIDIA (gemv_mma_staged, n6 up to 16 rows, n12 up to 32: each weight tile read once for
+#: all rows, x copied into shared memory once per block of 8 tiles), the tiled MFMA kernel on AMD.
 GEMV_MMA_MAX_BATCH = 32
+#: Most group splits of the staged kernel: each split writes batch x M f32 partials (at
+#: batch 32 and 4 splits, 512 bytes per row against 2176 per row of a 4096-long 4-bit row).
+GEMV_STAGED_MAX_SPLITS = 4
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
@@ -209,8 +213,8 @@ class Gemv:
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
-        1-8; ``None``: chosen from M, the fastest measured on the H200). Ignored by the
-        f32 kernel."""
+        1-8; ``None``: chosen from M, the fastest measured on the H200; the staged batch
+        9-32 kernel on NVIDIA: 8, one 16-row tile each). Ignored by the f32 kernel."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -238,13 +242,33 @@ class Gemv:
             self._tiles = tiles
             self._prep_grid = (math.ceil(groups * batch / 8),)  # a warp per (group, batch row)
             self.packed = True
-            tiled = "tiled_" if tiles > GEMV_MMA_MAX_TILES else ""
-            self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
-                                         "ppppiii")
             row_tiles = math.ceil(M / GEMV_MMA_ROWS)
-            self._grid = (row_tiles,)
-            # warps of 32 lanes on NVIDIA, wavefronts of 64 on AMD (gemv_mfma)
-            self._block = (device.properties.warp_size * (warps or _mma_warps(row_tiles, groups)),)
+            # the staged kernel's split-K scratch (none elsewhere), see _staged_splits
+            self._split_args: tuple[DeviceArray, ...] = ()
+            if tiles > GEMV_MMA_MAX_TILES and device.backend == "cuda":
+                # gemv_mma_staged: a block's warps take one 16-row tile each and share the
+                # x it copies to shared memory; blockIdx.y splits the groups
+                n_warps = warps or GEMV_MMA_MAX_WARPS
+                row_blocks = math.ceil(row_tiles / n_warps)
+                splits = _staged_splits(row_blocks, groups,
+                                        device.properties.multiprocessor_count)
+                self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_staged_{f.kernel}_n{tiles}",
+                                             "ppppppiii")
+                self._grid = (row_blocks, splits)
+                # partial[split][batch][M] and a zeroed arrival counter per row block (the
+                # last block of a row block resets it for the next launch)
+                self._split_args = (
+                    device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
+                    device.array(np.zeros(row_blocks, np.uint32)))
+                self._block = (32 * n_warps,)
+            else:
+                tiled = "tiled_" if tiles > GEMV_MMA_MAX_TILES else ""
+                self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
+                                             "ppppiii")
+                self._grid = (row_tiles,)
+                # warps of 32 lanes on NVIDIA, wavefronts of 64 on AMD (gemv_mfma)
+                self._block = (device.properties.warp_size
+                               * (warps or _mma_warps(row_tiles, groups)),)
         else:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
@@ -342,8 +366,8 @@ class Gemv:
         if self._x is None:
             raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
         if self.tensor_cores:
-            self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, self.M, self.K,
-                         self.batch, stream=stream)
+            self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, *self._split_args,
+                         self.M, self.K, self.batch, stream=stream)
         else:
             self._kernel(self._grid, self._block, arr, self._x, y, self.M, self.K, self.batch,
                          stream=stream)
@@ -386,6 +410,17 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
     group. On the H200 that picks the fastest of 4/8/16 for M = 4096 (8) and 14336 (4)."""
     want = max(1, math.ceil(GEMV_MMA_WARP_TARGET / row_tiles))
     return min(8, groups, 1 << (want - 1).bit_length())
+
+
+def _staged_splits(row_blocks: int, groups: int, sms: int) -> int:
+    """Group splits of the staged kernel (gridDim.y): the fewest, up to
+    GEMV_STAGED_MAX_SPLITS, that minimise waves x groups per block, at one block per SM
+    (255 registers x 256 threads fill an SM's register file). On 132 SMs: 4096x4096 (32
+    row blocks, 16 groups) 4; 6144x4096 (48) 2; 14336x4096 (112) 1; 28672x4096 (224) 4;
+    4096x14336 (56 groups) 4."""
+    def cost(s: int) -> int:
+        return math.ceil(row_blocks * s / sms) * math.ceil(groups / s)
+    return min(range(1, min(groups, GEMV_STAGED_MAX_SPLITS) + 1), key=lambda s: (cost(s), s))
 
 
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
