@@ -51,15 +51,22 @@ def close(got: Steps, want: Steps, dtype: str) -> None:
         assert got[0] == want[0]
 
 
+class Calls(list):
+    tables: list
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the decode kernel's calls (the paged layers call it by module attribute)."""
-    calls = []
+    calls = Calls()
     real = mlx_kernels.paged_attention
 
     def counting(*args, **kwargs):
         calls.append(int(kwargs["max_seq_len"]))
+        calls.tables.append(args[3])
         return real(*args, **kwargs)
+
+    calls.tables = []
 
     monkeypatch.setattr(mlx_kernels, "paged_attention", counting)
     return calls
@@ -87,6 +94,10 @@ def test_decode_reads_the_pool_and_stays_within_the_bound_of_kvcache(arch, dtype
     # every decode forward (the last prompt token on) ran the kernel in every layer, over
     # 21, 22, ... positions; no layer kept a buffer
     assert kernel_calls == [n for n in range(len(prompt), held + 1) for _ in range(layers)]
+    # one table per block count (21..29 positions: 3, then 4 blocks of 8), -1 padded to 64
+    tables = {id(t): t for t in kernel_calls.tables}
+    assert sorted(int((np.array(t) >= 0).sum()) for t in tables.values()) == [3, 4]
+    assert {t.shape for t in tables.values()} == {(1, 64)}
     assert all(isinstance(c, PagedAttentionLayerCache) and c.keys is None and c.nbytes == 0
                for c in request.cache)
     request.end(prompt + got[0])

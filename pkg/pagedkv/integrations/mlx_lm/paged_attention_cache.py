@@ -46,6 +46,10 @@ ATTENTION_MODES = ("buffer", "paged")
 PLACEHOLDER_TOKEN = 0
 #: Query heads per KV head the decode kernels take (pagedkv.kernels.mlx.paged_attention).
 MAX_QUERY_HEADS_PER_KV_HEAD = 8
+#: A decode step's block table is -1 padded to a multiple of this many entries, so it is
+#: rebuilt (and the CUDA kernel's launch plan, keyed by the width, changes) every this many
+#: blocks instead of every block; the kernels read only the entries a length uses.
+TABLE_WIDTH_STEP = 64
 
 
 def kv_buffers(k, v, count: int, capacity: int, dtype):
@@ -258,9 +262,6 @@ class PoolAttention:
     def attend(self, request, index: int, queries, scale: float, seq_len: int):
         """Decode attention of layer ``index`` over the request's blocks; the first layer of
         the step builds and checks the step's table once, the others reuse it."""
-        import mlx.core as mx
-
-        from pagedkv.kernels.kvcache import check_decode_batch
         from pagedkv.kernels.mlx import paged_attention
 
         owner = self.owner
@@ -268,16 +269,38 @@ class PoolAttention:
         pool = owner._pools[index]
         with owner._lock:
             if index == self.first or request._decode_batch is None:
-                table = owner.coordinator.block_table(request._seq, route.group_id)[None, :]
-                lens = np.array([seq_len], np.int32)
-                check_decode_batch(table, lens, num_blocks=pool.num_blocks,
-                                   block_size=pool.block_size)
-                request._decode_batch = (mx.array(table), mx.array(lens))
-            tables, lens = request._decode_batch
+                request._decode_batch = self._step_batch(request, route.group_id, pool,
+                                                         seq_len)
+            _, _, tables, lens = request._decode_batch
             k_pool, v_pool = pool.layer(route.physical_layer_ordinal)
         out = paged_attention(queries[:, :, 0, :], k_pool, v_pool, tables, lens, scale=scale,
                               max_seq_len=seq_len, check=False)
         return out.astype(queries.dtype)[:, :, None, :]
+
+    def _step_batch(self, request, group_id: int, pool, seq_len: int):
+        """``(key, host table, table, lens)`` of this decode step: the table (``int32[1,
+        width]``) rebuilt only when the row's blocks, their revision or the pool generation
+        changed since the last step; checked on the host every step."""
+        import mlx.core as mx
+
+        from pagedkv.kernels.kvcache import check_decode_batch
+
+        lc = self.owner.coordinator
+        seq = request._seq
+        key = (lc.num_table_blocks(seq, group_id), lc.physical_revision(seq, group_id),
+               pool.generation)
+        last = request._decode_batch
+        if last is not None and last[0] == key:
+            host, tables = last[1], last[2]
+        else:
+            ids = lc.block_table(seq, group_id)
+            host = np.full((1, -(-len(ids) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP), -1,
+                           np.int32)
+            host[0, :len(ids)] = ids
+            tables = mx.array(host)
+        lens = np.array([seq_len], np.int32)
+        check_decode_batch(host, lens, num_blocks=pool.num_blocks, block_size=pool.block_size)
+        return key, host, tables, mx.array(lens)
 
     # --- end ------------------------------------------------------------------------------
 
