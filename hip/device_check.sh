@@ -181,7 +181,7 @@ mlx_lm_tests() {
     python3 -m pytest -q -p no:cacheprovider ${MLX_LM_PYTEST_ARGS:-} \
     test_integration_mlx_lm.py test_integration_mlx_lm_hybrid.py \
     test_integration_mlx_lm_kv_modes.py test_serve_mlx_lm.py test_docs_examples_mlx_lm.py \
-    test_mlx_lm_parity.py \
+    test_mlx_lm_parity.py test_integration_mlx_lm_paged_attention.py \
     2>&1 | tee "$OUT/pytest_mlx_lm.log" | tail -40
 }
 sanitize() {

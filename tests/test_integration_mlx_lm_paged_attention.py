@@ -216,6 +216,14 @@ def test_bad_arguments_are_refused():
         PagedPromptCache(model_of(), dtype="float16", attention="paged")
 
 
+def test_mlx_lm_kv_quantization_is_refused():
+    model = model_of()
+    paged = PagedPromptCache(model, block_size=BS, attention="paged")
+    request = paged.begin(toks(12, 8))
+    with pytest.raises(InvalidArgument, match="kv_bits=4"):
+        run(model, toks(12, 8), request.cache, 2, kv_bits=4, quantized_kv_start=0)
+
+
 def test_refused_calls_change_nothing():
     model = model_of()
     paged = PagedPromptCache(model, block_size=BS, attention="paged")
