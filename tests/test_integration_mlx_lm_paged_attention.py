@@ -183,6 +183,12 @@ def test_trim_then_continue_matches_kvcache_trimmed_alike():
     trim_prompt_cache(request.cache, 4)
     trim_prompt_cache(ref, 4)
     assert offsets(request) == [22, 22]
+    # keys_and_values (KV-sharing models' call) reads what the trimmed layer holds
+    for layer, own in zip(request.cache, ref, strict=True):
+        keys, values = layer.keys_and_values()
+        assert keys.shape == values.shape == (1, 2, 22, HEAD_DIM)
+        np.testing.assert_allclose(np.array(keys), np.array(own.keys[..., :22, :]),
+                                   rtol=1e-4, atol=1e-5)  # decoded positions: the kernel's
     more = [40, 41]
     got = run(model, more, request.cache, 5)
     close(got, run(model, more, ref, 5), "float32")

@@ -255,8 +255,9 @@ class PoolAttention:
         owner = self.owner
         dtype = dtype or getattr(mx, owner.layout.kv[index].dtype)
         with owner._lock, owner._stream():
+            # the row's cursor runs ahead of ``count`` after a trim until the next forward
             k, v = owner.coordinator.gather_kv(request._seq, index)
-            keys, values = kv_buffers(k, v, count, count, dtype)
+            keys, values = kv_buffers(k[:count], v[:count], count, count, dtype)
         return keys[..., :count, :], values[..., :count, :]
 
     def attend(self, request, index: int, queries, scale: float, seq_len: int):
