@@ -136,10 +136,9 @@ class PagedRequest:
     """
 
     __slots__ = ("__weakref__", "_chunk", "_decode_batch", "_finalizer", "_full_from", "_owner",
-                 "_pool_tokens",
-                 "_recorded", "_seq", "_write_through", "cache", "cache_salt", "cached_tokens",
-                 "hit_tokens", "prefilled_tokens", "prompt_tokens", "request_id",
-                 "restored_tokens", "state")
+                 "_pool_tokens", "_recorded", "_seq", "_write_through", "cache", "cache_salt",
+                 "cached_tokens", "hit_tokens", "prefilled_tokens", "prompt_tokens",
+                 "request_id", "restored_tokens", "state")
 
     def __init__(self, owner: PagedPromptCache, seq: int, prompt: np.ndarray, salt: int,
                  cached: int, restored: int) -> None:
@@ -163,7 +162,7 @@ class PagedRequest:
         self._recorded = cached
         self._write_through = bool(owner._sliding)
         self._chunk: tuple[int, int] | None = None
-        self._decode_batch = None  # attention="paged": this decode step's (tables, lens)
+        self._decode_batch = None  # attention="paged": the last decode step's block table
         # A request dropped without end() gives its blocks back at the owner's next call.
         self._finalizer = weakref.finalize(self, owner._dropped.append, seq)
 
@@ -328,7 +327,6 @@ class PagedPromptCache:
 
         if attention not in ATTENTION_MODES:
             raise InvalidArgument(f"attention: {attention!r} is not one of {ATTENTION_MODES}")
-
         model_type = model_type_of(model)
         specs = layer_specs(model)
         check_served(specs, model_type)
