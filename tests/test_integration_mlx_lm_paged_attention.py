@@ -294,3 +294,25 @@ def test_the_hook_leaves_other_callers_bit_identical():
     request = paged.begin(prompt)
     assert run(model, prompt, request.cache, 6) == run(model, prompt, make_prompt_cache(model), 6)
     request.release()
+
+
+def test_a_prefix_restored_from_the_cold_tier_is_read_in_place(tmp_path, monkeypatch):
+    """Blocks a paged-attention request published reach the cold tier with their real token
+    ids; another cache (empty hot tier) restores them and decodes over them in the pool."""
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    model = model_of()
+    cold = tmp_path / "cold"
+    prompt = toks(30, 9)
+    with PagedPromptCache(model, block_size=BS, cold_dir=cold, attention="paged") as paged:
+        request = paged.begin(prompt)
+        out = run(model, prompt, request.cache, 6)[0]
+        request.end(prompt + out)
+        assert paged.stats()["cold_enqueued"] == 4  # 36 tokens: 4 full blocks
+    # the 4th block holds generated positions 30, 31: found only under their real ids
+    other = prompt + out[:2] + toks(4, 10)
+    with PagedPromptCache(model, block_size=BS, cold_dir=cold, attention="paged") as paged:
+        request = paged.begin(other)
+        assert request.restored_tokens == request.cached_tokens == 4 * BS
+        close(run(model, other[4 * BS:], request.cache, 5),
+              run(model, other, make_prompt_cache(model), 5), "float32")
+        request.release()
