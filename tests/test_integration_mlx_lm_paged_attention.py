@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 import pagedkv.kernels.mlx as mlx_kernels
 from mlx_lm_support import Steps, run, toks
-from pagedkv.errors import InvalidArgument, UnsupportedModel
+from pagedkv.errors import InvalidArgument, RequestClosed, UnsupportedModel
 from pagedkv.integrations.mlx_lm import PagedPromptCache
 from pagedkv.integrations.mlx_lm.attention_hook import (
     PoolDecode,
@@ -266,6 +266,8 @@ def test_refused_calls_change_nothing():
         copy.deepcopy(request.cache)
     with pytest.raises(InvalidArgument, match="BatchKVCache"):
         PagedAttentionLayerCache.merge(request.cache)
+    with pytest.raises(RequestClosed, match="cold_dir"):
+        layer.state = (k, k, 1)  # mlx-lm's load_prompt_cache
     with pytest.raises(InvalidArgument, match="batch of 2"):
         layer.update_and_fetch(mx.zeros((2, 2, 3, HEAD_DIM)), mx.zeros((2, 2, 3, HEAD_DIM)))
     with pytest.raises(InvalidArgument, match="cached prefix"):

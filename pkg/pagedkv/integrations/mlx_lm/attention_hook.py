@@ -92,7 +92,9 @@ def install(model, model_type: str) -> tuple[str, ...]:
     targets = []
     for name in names:
         module = sys.modules.get(name)
-        current = getattr(module, SDPA_NAME, None) if module is not None else None
+        if module is None:
+            continue
+        current = getattr(module, SDPA_NAME, None)
         if current is original or getattr(current, "pagedkv_pool_attention", False):
             targets.append(module)
     if not targets:

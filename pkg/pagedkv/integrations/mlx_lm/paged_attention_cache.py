@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgument, UnsupportedModel
+from pagedkv.errors import InvalidArgument, RequestClosed, UnsupportedModel
 from pagedkv.integrations.mlx_lm.attention_hook import USE_BUFFERS, PoolDecode
-from pagedkv.integrations.mlx_lm.layer_cache import STEP_TOKENS, LayerBuffers
+from pagedkv.integrations.mlx_lm.layer_cache import SAVED_STATE_REFUSAL, STEP_TOKENS, LayerBuffers
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind
 
 __all__ = ["ATTENTION_MODES", "PLACEHOLDER_TOKEN", "PagedAttentionLayerCache", "PoolAttention"]
@@ -132,13 +132,17 @@ class PagedAttentionLayerCache(LayerBuffers):
     def size(self) -> int:
         return self.offset
 
-    def _state(self):
+    @property
+    def state(self):
         """The pool's arrays of this layer (what ``generate_step`` evaluates after each
-        prefill chunk: the chunk's pending writes) and the offset."""
+        prefill chunk: the chunk's pending writes) and the offset. No saved state rebuilds
+        one (the setter refuses, as the other paged layers')."""
         k, v = self._attention.pool_arrays(self.index)
         return k, v, self.offset
 
-    state = property(_state, LayerBuffers.state.fset)
+    @state.setter
+    def state(self, value) -> None:
+        raise RequestClosed(SAVED_STATE_REFUSAL)
 
     @classmethod
     def merge(cls, caches):
