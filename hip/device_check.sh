@@ -17,7 +17,9 @@
 # over the GPU tests, SANITIZE_TIMEOUT each, 120). BENCH=0 skips all three benches;
 # MLX_ONLY=1 runs build + MLX phases only; MLX_LM=1 adds the mlx-lm integration tests
 # (MLX_LM_TIMEOUT, 300; the mlx-lm and sentencepiece wheels travel in .mlx2; MLX_TESTS=0 skips
-# the kernel tests). Measured on the H200 (2026-12-02): build 30 s,
+# the kernel tests); MLX_LM_BENCH=1 adds the decode bench of mlx-lm's attention="paged"
+# (bfloat16, MLX_LM_BENCH_TIMEOUT, 240; docs/performance.md, "Paged attention"). Measured on
+# the H200 (2026-12-02): build 30 s,
 # ctypes tests ~25 s, MLX tests ~75 s (NVRTC compiles each kernel once a process),
 # decode bench --quick ~150 s, kernel bench ~120 s.
 #
@@ -181,7 +183,7 @@ mlx_lm_tests() {
     python3 -m pytest -q -p no:cacheprovider ${MLX_LM_PYTEST_ARGS:-} \
     test_integration_mlx_lm.py test_integration_mlx_lm_hybrid.py \
     test_integration_mlx_lm_kv_modes.py test_serve_mlx_lm.py test_docs_examples_mlx_lm.py \
-    test_mlx_lm_parity.py \
+    test_mlx_lm_parity.py test_integration_mlx_lm_paged_attention.py \
     2>&1 | tee "$OUT/pytest_mlx_lm.log" | tail -40
 }
 sanitize() {
@@ -220,6 +222,8 @@ if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
 fi
 [ "$MLX_OK" = 1 ] && [ "${BENCH:-1}" = 1 ] && phase mlx-bench "${MLX_BENCH_TIMEOUT:-150}" bash -c \
   "set -o pipefail; PYTHONPATH=$MLXPATH python3 -m pagedkv.bench mlx --json $OUT/bench_mlx.json 2>&1 | tee $OUT/bench_mlx.log"
+[ "$MLX_OK" = 1 ] && [ "${MLX_LM_BENCH:-0}" = 1 ] && phase mlx-lm-bench "${MLX_LM_BENCH_TIMEOUT:-240}" bash -c \
+  "set -o pipefail; PYTHONPATH=$MLXPATH python3 asv_bench/benchmarks/integration_mlx_lm.py --paged-attention --quick --dtype bfloat16 2>&1 | tee $OUT/bench_mlx_lm_paged.log"
 if [ "${SANITIZE:-0}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   phase sanitizer-probe 60 bash -c sanitize
   phase memcheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool memcheck"

@@ -295,3 +295,25 @@ def test_gemv_of_at_most_8_rows_launches_on_x_itself(monkeypatch):
     launches.clear()
     assert K.gemv(w, mx.zeros((11, 512))).shape == (11, 64)
     assert [launch.inputs[0].shape for launch in launches[::2]] == [(8, 512), (3, 512)]
+
+
+def test_consecutive_decode_lengths_share_one_attention_plan():
+    """A decode step is one token longer than the last: the plan is keyed by the partition
+    count, so steps inside one partition build nothing (mlx-lm's attention="paged" calls
+    this once per layer per step); the next partition gets its own."""
+    launches = []
+
+    def record(launch):
+        launches.append(launch)
+        return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes,
+                                                     strict=True)]
+    q = mx.zeros((1, 4, 64))
+    pool = mx.zeros((80, 16, 2, 64), dtype=mx.float16)
+    tables = mx.zeros((1, 80), dtype=mx.int32)
+    for n in range(1000, 1030):
+        cuda.paged_attention(mx, q, pool, pool, tables, mx.array([n], dtype=mx.int32),
+                             kv_dtype="float16", scale=0.125, max_seq_len=n, run=record)
+    info = cuda._attention_plan.cache_info()
+    assert info.misses == 2 and info.hits == 28  # 1000..1024: one partition; 1025..: two
+    grids = [launch.grid for launch in launches[::2]]
+    assert grids[0] != grids[-1] and len(set(grids)) == 2

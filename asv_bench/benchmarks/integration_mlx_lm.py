@@ -18,11 +18,18 @@ asv suites, or as a script for the table of docs/performance.md::
     python asv_bench/benchmarks/integration_mlx_lm.py            # everything (~3 minutes)
     python asv_bench/benchmarks/integration_mlx_lm.py --quick    # 3 repetitions
     python asv_bench/benchmarks/integration_mlx_lm.py --hybrid   # gemma3_text, qwen3_5
+    python asv_bench/benchmarks/integration_mlx_lm.py --paged-attention [--dtype bfloat16]
 
 ``--hybrid`` measures the decode cost (against mlx-lm's own ``RotatingKVCache`` /
 ``ArraysCache`` lists, at 128 and 4,096 tokens) and the hot TTFT of a sliding-window model
 (gemma3_text, window 256) and a recurrent one (qwen3_5) at the same size, and qwen3_5's TTFT
 from the cold tier.
+
+``--paged-attention`` measures decode tokens/s of ``PagedPromptCache(attention="paged")``
+(decode attention over the pool, ``pagedkv.kernels.mlx.paged_attention``) against the default
+``attention="buffer"`` and mlx-lm's ``KVCache``, at 128 and 4,096 tokens of context, wall and
+CPU time, the three interleaved. On MLX's CPU backend the kernel is MLX array ops; float32
+pools run them on a GPU too, so measure the kernels with ``--dtype bfloat16`` there.
 """
 
 from __future__ import annotations
@@ -55,9 +62,9 @@ COLD_HYBRID_ARCHS = ("qwen3_5",)
 _OVERRIDES = {"gemma3_text": {"sliding_window": 256}}
 
 
-def _model(arch: str = "qwen3"):
+def _model(arch: str = "qwen3", dtype: str = "float32"):
     from pagedkv.integrations.mlx_lm.random_models import random_model
-    return random_model(arch, seed=SEED, **MODEL, **_OVERRIDES.get(arch, {}))[0]
+    return random_model(arch, dtype=dtype, seed=SEED, **MODEL, **_OVERRIDES.get(arch, {}))[0]
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -76,19 +83,36 @@ def _since(t: tuple[float, float]) -> tuple[float, float]:
 SEGMENT_TOKENS = 8
 
 
-def _segment_cpu_s(steps, tokens: int) -> float:
-    """CPU seconds of ``tokens`` more decode steps of a running ``generate_step``: MLX's
-    queue is drained before and after (``mx.synchronize``), so the step ``generate_step``
-    pipelines ahead is computed inside the segment that queued it, never in another
-    variant's."""
+def _segment_s(steps, tokens: int) -> tuple[float, float]:
+    """Wall and CPU seconds of ``tokens`` more decode steps of a running ``generate_step``:
+    MLX's queue is drained before and after (``mx.synchronize``), so the step
+    ``generate_step`` pipelines ahead is computed inside the segment that queued it, never
+    in another variant's."""
     import mlx.core as mx
 
     mx.synchronize()
-    t0 = time.process_time()
+    t = _clock()
     for _ in range(tokens):
         next(steps)
     mx.synchronize()
-    return time.process_time() - t0
+    return _since(t)
+
+
+def _interleaved(steps, rounds: int) -> list[list[tuple[float, float]]]:
+    """Per variant, the (wall, CPU) seconds per token of ``rounds`` segments of
+    :data:`SEGMENT_TOKENS` tokens of each running ``generate_step`` of ``steps`` (already
+    holding their prompts), the variants alternating order from round to round; each
+    first computes its first token and one dropped warm-up segment."""
+    for s in steps:
+        next(s)
+        _segment_s(s, SEGMENT_TOKENS)
+    costs: list[list[tuple[float, float]]] = [[] for _ in steps]
+    for r in range(rounds):
+        order = range(len(steps)) if r % 2 == 0 else reversed(range(len(steps)))
+        for i in order:
+            wall, cpu = _segment_s(steps[i], SEGMENT_TOKENS)
+            costs[i].append((wall / SEGMENT_TOKENS, cpu / SEGMENT_TOKENS))
+    return costs
 
 
 def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 192,
@@ -118,15 +142,44 @@ def decode_cost(context: int, *, reps: int = 7, new_tokens: int = 192,
                            max_tokens=total),
              generate_step(mx.array(prompt[request.cached_tokens:]), model,
                            prompt_cache=request.cache, max_tokens=total)]
-    for s in steps:  # prefill and first token, then one dropped warm-up segment
-        next(s)
-        _segment_cpu_s(s, SEGMENT_TOKENS)
-    costs: list[list[float]] = [[], []]
-    for r in range(rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            costs[i].append(_segment_cpu_s(steps[i], SEGMENT_TOKENS) / SEGMENT_TOKENS)
+    costs = _interleaved(steps, rounds)
     request.release()
-    return statistics.median(costs[0]), statistics.median(costs[1])
+    return (statistics.median(c for _, c in costs[0]),
+            statistics.median(c for _, c in costs[1]))
+
+
+#: The variants of :func:`decode_rate`: mlx-lm's own cache, then PagedPromptCache's modes.
+DECODE_RATE_VARIANTS = ("kvcache", "buffer", "paged")
+
+
+def decode_rate(context: int, *, reps: int = 7, new_tokens: int = 192,
+                dtype: str = "float32") -> dict[str, dict[str, float]]:
+    """Decode tokens/s (median wall) and CPU ms/token after the same ``context``-token
+    prompt, per variant of :data:`DECODE_RATE_VARIANTS`: ``KVCache``,
+    ``PagedPromptCache(attention="buffer")`` (the default: SDPA over a private buffer) and
+    ``attention="paged"`` (decode attention over the pool), interleaved as in
+    :func:`decode_cost`."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.integrations.mlx_lm import PagedPromptCache
+
+    model = _model(dtype=dtype)
+    prompt = _tokens(context, 100)
+    rounds = max(reps, -(-new_tokens // SEGMENT_TOKENS))
+    total = SEGMENT_TOKENS * (rounds + 1) + 1
+    requests = [PagedPromptCache(model, max_blocks=1024, attention=mode).begin(prompt)
+                for mode in DECODE_RATE_VARIANTS[1:]]
+    caches = [make_prompt_cache(model)] + [r.cache for r in requests]
+    steps = [generate_step(mx.array(prompt), model, prompt_cache=c, max_tokens=total)
+             for c in caches]
+    costs = _interleaved(steps, rounds)
+    for r in requests:
+        r.release()
+    return {name: {"tokens_per_s": 1.0 / statistics.median(w for w, _ in cost),
+                   "cpu_ms_per_token": 1e3 * statistics.median(c for _, c in cost)}
+            for name, cost in zip(DECODE_RATE_VARIANTS, costs, strict=True)}
 
 
 def _first_token(model, prompt: list[int], cache) -> int:
@@ -297,6 +350,20 @@ class DecodeCost:
     track_paged_over_kvcache.unit = "ratio"
 
 
+class PagedAttentionDecode:
+    """Decode tokens/s of attention="paged" over the default attention="buffer" (above 1:
+    the pool kernel is faster)."""
+
+    timeout = 900
+    params = CONTEXTS
+    param_names = ["context"]  # noqa: RUF012
+
+    def track_paged_over_buffer_tokens_per_s(self, context):
+        r = decode_rate(context, reps=5)
+        return r["paged"]["tokens_per_s"] / r["buffer"]["tokens_per_s"]
+    track_paged_over_buffer_tokens_per_s.unit = "ratio"
+
+
 class TimeToFirstToken:
     """TTFT speedup from reusing a 512-token prefix (targets: >= 10x hot, >= 5x cold)."""
 
@@ -381,10 +448,27 @@ def hybrid_main(reps: int) -> int:
     return 0
 
 
+def paged_attention_main(reps: int, dtype: str) -> int:
+    """``--paged-attention``: decode tokens/s of the two attention modes and KVCache."""
+    import mlx.core as mx
+
+    for context in CONTEXTS:
+        r = decode_rate(context, reps=reps, dtype=dtype)
+        rows = ", ".join(f"{name} {v['tokens_per_s']:.1f} tokens/s "
+                         f"({v['cpu_ms_per_token']:.2f} CPU ms/token)" for name, v in r.items())
+        ratio = r["paged"]["tokens_per_s"] / r["buffer"]["tokens_per_s"]
+        print(f"decode at {context} tokens of context, {dtype}, MLX {mx.default_device()}: "
+              f"{rows}; paged / buffer {ratio:.3f}x tokens/s", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     reps = 3 if "--quick" in argv else 7
     if "--hybrid" in argv:
         return hybrid_main(reps)
+    if "--paged-attention" in argv:
+        dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else "float32"
+        return paged_attention_main(reps, dtype)
     for context in CONTEXTS:
         ref, ours = decode_cost(context, reps=reps)
         print(f"decode at {context} tokens of context: KVCache {ref * 1e3:.2f} CPU ms/token, "

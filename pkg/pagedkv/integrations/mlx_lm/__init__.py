@@ -38,6 +38,7 @@ if _version_tuple(MLX_LM_VERSION) < MIN_MLX_LM:
 
 from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, LayerSpec, layer_specs
+from pagedkv.integrations.mlx_lm.paged_attention_cache import PagedAttentionLayerCache
 from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache, PagedRequest
 from pagedkv.integrations.mlx_lm.sliding_cache import PagedSlidingLayerCache
 from pagedkv.integrations.mlx_lm.state_cache import PagedStateLayerCache
@@ -46,6 +47,7 @@ __all__ = [
     "MLX_LM_VERSION",
     "LayerKind",
     "LayerSpec",
+    "PagedAttentionLayerCache",
     "PagedKVLayerCache",
     "PagedPromptCache",
     "PagedRequest",

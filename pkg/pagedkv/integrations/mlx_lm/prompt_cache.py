@@ -45,8 +45,15 @@ from pagedkv.errors import (
     RequestClosed,
     UnsupportedModel,
 )
-from pagedkv.integrations.mlx_lm.layer_cache import STEP_TOKENS, PagedKVLayerCache
+from pagedkv.integrations.mlx_lm.attention_hook import install as install_attention_hook
+from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, check_served, layer_specs
+from pagedkv.integrations.mlx_lm.paged_attention_cache import (
+    ATTENTION_MODES,
+    PagedAttentionLayerCache,
+    PoolAttention,
+    kv_buffers,
+)
 from pagedkv.integrations.mlx_lm.recurrent import (
     CHECKPOINT_INTERVAL_TOKENS,
     CHECKPOINTS_PER_REQUEST,
@@ -128,10 +135,10 @@ class PagedRequest:
     :meth:`release` (discard) or let it be collected (discarded).
     """
 
-    __slots__ = ("__weakref__", "_chunk", "_finalizer", "_full_from", "_owner", "_pool_tokens",
-                 "_recorded", "_seq", "_write_through", "cache", "cache_salt", "cached_tokens",
-                 "hit_tokens", "prefilled_tokens", "prompt_tokens", "request_id",
-                 "restored_tokens", "state")
+    __slots__ = ("__weakref__", "_chunk", "_decode_batch", "_finalizer", "_full_from", "_owner",
+                 "_pool_tokens", "_recorded", "_seq", "_write_through", "cache", "cache_salt",
+                 "cached_tokens", "hit_tokens", "prefilled_tokens", "prompt_tokens",
+                 "request_id", "restored_tokens", "state")
 
     def __init__(self, owner: PagedPromptCache, seq: int, prompt: np.ndarray, salt: int,
                  cached: int, restored: int) -> None:
@@ -155,6 +162,7 @@ class PagedRequest:
         self._recorded = cached
         self._write_through = bool(owner._sliding)
         self._chunk: tuple[int, int] | None = None
+        self._decode_batch = None  # attention="paged": the last decode step's block table
         # A request dropped without end() gives its blocks back at the owner's next call.
         self._finalizer = weakref.finalize(self, owner._dropped.append, seq)
 
@@ -201,8 +209,15 @@ class PagedRequest:
     def fork(self) -> PagedRequest:
         """An independent copy (what ``copy.deepcopy`` calls): same tokens, K/V and state,
         its own buffers and pool references; either may continue or end without the
-        other."""
+        other. Not with ``attention="paged"`` (``InvalidArgument``): its unpublished
+        positions live in its own pool blocks."""
         self._check_live("fork")
+        if self._owner._paged is not None:
+            raise InvalidArgument(
+                f"fork: request {self.request_id} attends over the pool (attention='paged'); "
+                "its unpublished positions live in its own blocks, which a fork would have to "
+                "copy. end() it and begin() the copy from the published prefix, or use "
+                "attention='buffer'")
         return self._owner._fork(self)
 
     def hand_over(self) -> None:
@@ -225,6 +240,8 @@ class PagedRequest:
                     f"{max(0, layer.offset - n - layer.window + 1)}. A paged sliding layer "
                     "keeps about one window: rewind at most "
                     "pagedkv.integrations.mlx_lm.sliding_cache.TRIM_MARGIN_TOKENS tokens")
+        if self._owner._paged is not None:
+            self._owner._paged.check_trim(self, n)
         self._write_through = False
 
     def sliding_written(self, index: int, prev: int, keys, values) -> None:
@@ -288,6 +305,14 @@ class PagedPromptCache:
     checkpoints_per_request:
         The most checkpoints one ``begin`` publishes, the prompt's tail included (``end``
         adds one more when the conversation ends on a block boundary).
+    attention:
+        ``"buffer"`` (default): each request attends over private contiguous buffers through
+        mlx-lm's own SDPA, bit-identical to ``KVCache``; the pool is the store between
+        requests. ``"paged"``: every position's K/V goes into the pool as it is computed
+        and decode steps attend straight over the pool with
+        ``pagedkv.kernels.mlx.paged_attention`` (logits within the kernel's tolerance, not
+        bit-identical; full-attention models only:
+        :mod:`~pagedkv.integrations.mlx_lm.paged_attention_cache`).
     """
 
     def __init__(self, model, *, block_size: int = 16, max_blocks: int | None = None,
@@ -296,9 +321,12 @@ class PagedPromptCache:
                  checkpoint_entries: int = DEFAULT_CHECKPOINT_ENTRIES,
                  checkpoint_bytes: int | None = None,
                  checkpoint_interval: int = CHECKPOINT_INTERVAL_TOKENS,
-                 checkpoints_per_request: int = CHECKPOINTS_PER_REQUEST) -> None:
+                 checkpoints_per_request: int = CHECKPOINTS_PER_REQUEST,
+                 attention: str = "buffer") -> None:
         from pagedkv.sizing import PagedCacheConfig
 
+        if attention not in ATTENTION_MODES:
+            raise InvalidArgument(f"attention: {attention!r} is not one of {ATTENTION_MODES}")
         model_type = model_type_of(model)
         specs = layer_specs(model)
         check_served(specs, model_type)
@@ -309,11 +337,14 @@ class PagedPromptCache:
                                  checkpoint_interval, checkpoints_per_request)
         pool_dtype = None if dtype is None else dtype_name(dtype)
         layout = model_layout(model, specs, model_type)
+        if attention == "paged":
+            PoolAttention.check_model(specs, layout, pool_dtype, model_type)
         context = int(getattr(getattr(model, "args", None), "max_position_embeddings", 0)
                       or _DEFAULT_CONTEXT_TOKENS)
 
         self.model = model
         self.model_type = model_type
+        self.attention = attention
         self.layers = specs
         self.layout = layout
         self.block_size = block_size
@@ -372,6 +403,10 @@ class PagedPromptCache:
             "requests", "prompt_tokens", "hit_tokens", "restored_tokens", "continued_tokens",
             "prefilled_tokens", "published_tokens", "forks", "handed_over", "released",
             "parked_released", "write_through_stops"), 0)
+        self._paged: PoolAttention | None = None
+        if attention == "paged":
+            install_attention_hook(model, model_type)
+            self._paged = PoolAttention(self)
 
     def _open_cold(self, cold_dir, model, model_dir, groups):
         """The cold tier's hooks for this model, with its sidecar codec: none (full attention
@@ -618,7 +653,9 @@ class PagedPromptCache:
         recurrent = dict(zip(self.recurrent.indices, states or (), strict=False))
         for spec in self._entries:
             i = spec.index
-            if spec.kind is LayerKind.FULL:
+            if spec.kind is LayerKind.FULL and self._paged is not None:
+                layers.append(PagedAttentionLayerCache(request, i))
+            elif spec.kind is LayerKind.FULL:
                 layers.append(PagedKVLayerCache(request, i))
             elif spec.kind is LayerKind.SLIDING:
                 layers.append(PagedSlidingLayerCache(request, i, self._windows[i]))
@@ -634,6 +671,10 @@ class PagedPromptCache:
         the pool into buffers with room for the prompt (a full layer's for all of it, a
         sliding layer's for its window and the first prefill chunk)."""
         layers = self._new_layers(request, states)
+        if self._paged is not None:  # the prefix stays in the pool, where decode reads it
+            for layer in layers:
+                layer.offset = cached
+            return layers
         if not cached:
             return layers
         import mlx.core as mx
@@ -653,12 +694,7 @@ class PagedPromptCache:
                     need = prompt_len
                 if self._pools[i].geometry.quantized:  # a KV mode's records: decoded
                     k, v = self._pools[i].decode_tokens(k, v)
-                capacity = -(-need // STEP_TOKENS) * STEP_TOKENS
-                shape = (1, k.shape[1], capacity, k.shape[2])
-                keys = mx.zeros(shape, dtype)
-                values = mx.zeros(shape, dtype)
-                keys[..., :cached - first, :] = k.transpose(1, 0, 2)[None].astype(dtype)
-                values[..., :cached - first, :] = v.transpose(1, 0, 2)[None].astype(dtype)
+                keys, values = kv_buffers(k, v, cached - first, need, dtype)
                 layer.keys, layer.values, layer.offset = keys, values, cached
                 if isinstance(layer, PagedSlidingLayerCache):
                     layer.start = first
@@ -757,6 +793,8 @@ class PagedPromptCache:
         states = self.recurrent.states_of(layers) if self.recurrent else None
         with self._lock:
             self._reap()
+            if self._paged is not None:  # every position is in the pool: record the real ids
+                self._paged.finish(request, toks)
             if self._snapshots is not None:  # the window the cold tier persists
                 self._snapshots.publish(toks, self._snapshots.deepest_ready(layers, n), layers,
                                         request.cache_salt, request._seq)
@@ -937,6 +975,8 @@ class PagedPromptCache:
         lc = self.coordinator
         with self._stream():
             for i, (keys, values, start) in layers:
+                if keys is None:  # attention="paged": the pool has them already
+                    continue
                 dtype = self._mx_pool_dtype(i)
                 k = keys[0, :, a - start:b - start, :].transpose(1, 0, 2).astype(dtype)
                 v = values[0, :, a - start:b - start, :].transpose(1, 0, 2).astype(dtype)

@@ -399,13 +399,13 @@ def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) 
 
 @functools.lru_cache(maxsize=1024)
 def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_heads: int,
-                    head_dim: int, block_size: int, table_width: int, max_seq_len: int,
+                    head_dim: int, block_size: int, table_width: int, parts: int,
                     scale_bits: int):
     """The partition and reduce launches of one attention configuration, built once (a
-    decode step launches the same configuration for every layer)."""
+    decode step launches the same configuration for every layer). Keyed by the partition
+    count, not the length: consecutive decode steps share a plan."""
     import mlx.core as mx
     geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
-    parts = max(1, math.ceil(max_seq_len / geo["partition"]))
     pool_t = getattr(mx, pool_dtype)
     name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
     src = kernel_source(
@@ -437,10 +437,12 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
 def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
                     scale: float, max_seq_len: int, run: Runner):
     """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
+    from pagedkv.kernels import kvcache
     seqs, heads, head_dim = q.shape
+    parts = max(1, math.ceil(max_seq_len / kvcache.ATTN_PARTITION_TOKENS[kv_dtype]))
     partition, reduce = _attention_plan(
         kv_dtype, _dtype_name(k_pool.dtype), seqs, heads, k_pool.shape[2], head_dim,
-        k_pool.shape[1], block_tables.shape[1], max_seq_len,
+        k_pool.shape[1], block_tables.shape[1], parts,
         int(np.float32(scale).view(np.int32)))
     src, params, part_shapes, grid, threads = partition
     part_out, part_max, part_sum = run(Launch(
