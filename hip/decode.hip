@@ -25,8 +25,24 @@ PKV_DEV float block_sum(float v, float* red) {
   return s;
 }
 
-// x / rms * weight per element, one expression for the plain and the fused RMSNorm so
-// that both round alike.
+// A row's x += residual (when rr is not null; written back), then 1 / sqrt(mean(x^2) + eps)
+// over the block; one body for the plain and the fused RMSNorm so that both round alike.
+PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, int dim, float eps,
+                                   float* red) {
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
+    float4 v = xr[i];
+    if (rr) {
+      const float4 r = rr[i];
+      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+      xr[i] = v;
+    }
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  return rsqrtf(block_sum(ss, red) / (float)dim + eps);
+}
+
+// x / rms * weight per element, likewise one expression for both.
 PKV_DEV float4 normalized(float4 v, float inv, float4 w) {
   return make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
 }
@@ -41,17 +57,7 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
   __shared__ float red[PKV_NORM_THREADS / PKV_WARP_SIZE];
   float4* xr = (float4*)(x + (int64_t)blockIdx.x * dim);
   const float4* rr = residual ? (const float4*)(residual + (int64_t)blockIdx.x * dim) : nullptr;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
-    float4 v = xr[i];
-    if (rr) {
-      const float4 r = rr[i];
-      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
-      xr[i] = v;
-    }
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-  }
-  const float inv = rsqrtf(block_sum(ss, red) / (float)dim + eps);
+  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
   const float4* wr = (const float4*)weight;
   float4* yr = (float4*)(y + (int64_t)blockIdx.x * dim);
   for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
@@ -74,18 +80,8 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
   const int b = blockIdx.x;
   float4* xr = (float4*)(x + (int64_t)b * dim);
   const float4* rr = residual ? (const float4*)(residual + (int64_t)b * dim) : nullptr;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
-    float4 v = xr[i];
-    if (rr) {
-      const float4 r = rr[i];
-      v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
-      xr[i] = v;
-    }
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-  }
   // block_sum's barriers also make every thread's x += residual visible to the block
-  const float inv = rsqrtf(block_sum(ss, red) / (float)dim + eps);
+  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
   const int lane = threadIdx.x % 32;
   for (int g = threadIdx.x / 32; g < dim / 256; g += PKV_NORM_THREADS / 32) {
     const int at = g * 64 + 2 * lane;  // float4 index of x[g * 256 + 8 * lane]
@@ -108,7 +104,10 @@ PKV_DEV void rope_rotate(float& a, float& b, int32_t pos, int pair, int head_dim
   double s, c;
   sincos((double)pos * inv_freq, &s, &c);
   const float cf = (float)c, sf = (float)s;
-  const float ra = a * cf - b * sf, rb = b * cf + a * sf;
+  // each product and sum rounded on its own: no FMA contraction that could differ between
+  // the split and the fused KV write
+  const float ra = pkv_add_rn(pkv_mul_rn(a, cf), -pkv_mul_rn(b, sf));
+  const float rb = pkv_add_rn(pkv_mul_rn(b, cf), pkv_mul_rn(a, sf));
   a = ra;
   b = rb;
 }
@@ -145,7 +144,9 @@ PKV_KERNEL void pkv_qkv_rope_split_f32(const float* qkv, const int32_t* position
   dst[pair + half] = b;
 }
 
-PKV_DEV float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// silu(g) * u for the plain and the fused kernel alike (the sum rounded on its own: no
+// contraction with expf's last product that could differ between the two).
+PKV_DEV float silu_times(float g, float u) { return g / pkv_add_rn(1.0f, expf(-g)) * u; }
 
 // out[row, j] = silu(gu[row, j]) * gu[row, ffn + j] for the packed [gate | up] rows.
 PKV_KERNEL void pkv_silu_mul_f32(const float* gu, float* out, int rows, int ffn) {
