@@ -207,9 +207,9 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
-                 context: int, rng, gemv_rows: int | None = None,
-                 fuse: bool = True) -> tuple[float, int, int]:
-    """Seconds per step, the KV row bytes of the pool and the step graph's nodes."""
+                 context: int, rng, variants) -> tuple[list[tuple[float, int]], int]:
+    """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step and the step
+    graph's nodes, all over one pool; and the KV row bytes of the pool."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
     for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
@@ -217,13 +217,16 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
             arr.fill_bytes(0x2E)
     adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
     tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
-    step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
-                       fuse=fuse)
-    step.x.copy_from(rng.standard_normal((batch, shape.d_model), dtype=np.float32))
-    t, nodes = _time(device, stream, lambda s: step.run(tables, stream=s))
+    x = rng.standard_normal((batch, shape.d_model), dtype=np.float32)
+    timed = []
+    for gemv_rows, fuse in variants:
+        step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
+                           fuse=fuse)
+        step.x.copy_from(x)
+        timed.append(_time(device, stream, lambda s, step=step: step.run(tables, stream=s)))
     row_bytes = pool.geometry.row_bytes
     pool.close()
-    return t, row_bytes, nodes
+    return timed, row_bytes
 
 
 class TorchDecoder:
@@ -363,9 +366,10 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
         weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
         for kv_dtype in kv_dtypes:
             for b, c in grid:
-                for path, gemv_rows, fuse in step_paths(device, fmt, b):
-                    t, row_bytes, nodes = time_pagedkv(device, stream, weights, kv_dtype, b, c,
-                                                       rng, gemv_rows, fuse)
+                paths = step_paths(device, fmt, b)
+                timed, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng,
+                                                [(rows, fuse) for _, rows, fuse in paths])
+                for (path, gemv_rows, fuse), (t, nodes) in zip(paths, timed, strict=True):
                     nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
                     row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
                            "path": path, "gemv_rows": gemv_rows, "fused": fuse,
