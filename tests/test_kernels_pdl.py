@@ -15,8 +15,12 @@ import numpy as np
 import pytest
 
 from pagedkv.kernels import decode
+from pagedkv.kernels.decoder import LLAMA3_8B
 from pagedkv.kernels.device import PDL_ENV, Device, dependent_launch_supported
 from pagedkv.kernels.runtime import _PROGRAMMATIC_SERIALIZATION, _LaunchAttribute, _LaunchConfig
+
+SMALL_SHAPE = replace(LLAMA3_8B, num_layers=2, d_model=256, q_heads=4, kv_heads=2, head_dim=64,
+                      ffn=512, vocab=300, rope_theta=10000.0)
 
 
 def test_launch_structs_have_cuda_h_layout():
@@ -79,7 +83,7 @@ def test_the_env_knob_turns_pdl_off(stub_runtime, monkeypatch):
 def test_gpu_step_bytes_equal_with_and_without_pdl(device, kv_dtype, monkeypatch):
     from pagedkv.bench.decode import build_adapter
     from pagedkv.kernels import Graph, Stream
-    from pagedkv.kernels.decoder import LLAMA3_8B, DecoderHostWeights, DecoderStep, DecoderWeights
+    from pagedkv.kernels.decoder import DecoderHostWeights, DecoderStep, DecoderWeights
     from pagedkv.kernels.paged import DeviceDecodeBatch
     if not device.dependent_launch:
         pytest.skip(f"{device!r}: no Programmatic Dependent Launch (sm_90+, CUDA 12.3+)")
@@ -114,3 +118,53 @@ def test_gpu_step_bytes_equal_with_and_without_pdl(device, kv_dtype, monkeypatch
         assert outputs(lambda: graph.launch(stream)) == plain
     weights.free()
     pool.close()
+
+
+def _ptx_entries(source: str, tmp_path) -> dict[str, str]:
+    """The sm_90 PTX of hip/<source>.hip, per kernel (entry name -> its text)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc: the sm_90 code cannot be inspected")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / f"{source}.ptx"
+    subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-O3", "-std=c++17",
+                    f"-I{root / 'pkg' / 'include'}", "-x", "cu", str(root / "hip" / f"{source}.hip"),
+                    "-o", str(out)], check=True, capture_output=True)
+    text = out.read_text()
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry (\w+)\(", text)]
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    return {name: text[s:e] for (s, name), e in zip(starts, ends, strict=True)}
+
+
+def test_every_kernel_launched_early_waits_in_its_sm90_code(stub_device, monkeypatch, tmp_path):
+    """The kernels a decode step (fused and not) and a batch 1-8 GEMV look up with
+    dependent_launch=True must hold griddepcontrol.wait in their sm_90 code: one that did
+    not would read the previous kernel's outputs before they are written."""
+    from pagedkv.bench.decode import build_adapter
+    from pagedkv.kernels.decoder import DecoderHostWeights, DecoderStep, DecoderWeights
+    from pagedkv.kernels.paged import DeviceDecodeBatch
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")  # the GEMVs' own names on the stub's gfx90a
+    shape = replace(SMALL_SHAPE, num_layers=1)
+    weights = DecoderWeights(stub_device, DecoderHostWeights.tiled(shape, "mq4g256v2", 0))
+    rng = np.random.default_rng(0)
+    for kv_dtype in ("float16", "bfloat16", "q8"):
+        pool, adapter, seqs = build_adapter(stub_device, shape, kv_dtype, 2, [5, 9], rng)
+        adapter.record_decode_tokens(seqs, np.zeros(2, np.uint32))
+        tables = DeviceDecodeBatch.upload(stub_device, adapter.prepare_decode(seqs))
+        for fuse in (True, False):
+            DecoderStep(stub_device, weights, pool, 2, 16, fuse=fuse).run(tables)
+        pool.close()
+    early = {(source, name) for source, name, dependent in stub_device._kernels if dependent}
+    plain = {(source, name) for source, name, dependent in stub_device._kernels if not dependent}
+    assert ("weights", "pkv_gemv_mma_mq4g256v2_n1") in early and \
+        ("decode", "pkv_qkv_rope_kv_write_q8") in early and ("decode", "pkv_kv_write_bf16") in early
+    assert any(source == "kvcache" for source, _ in plain)  # attention: launched plainly
+    for source in {s for s, _ in early}:
+        entries = _ptx_entries(source, tmp_path)
+        missing = [name for s, name in early if s == source
+                   and "griddepcontrol.wait" not in entries[name]]
+        assert missing == [], f"{source}.hip: {missing} are launched early but never wait"
