@@ -6,7 +6,10 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
+#include <pagedkv/kvquant.h>
 #include <pagedkv/launch.h>
+#include <pagedkv/quant.h>
+#include "gemv_prep_x.h"
 
 // Sum over the block (PKV_NORM_THREADS threads); every thread gets the total.
 PKV_DEV float block_sum(float v, float* red) {
@@ -22,14 +25,10 @@ PKV_DEV float block_sum(float v, float* red) {
   return s;
 }
 
-// One block per row: if `residual` is not null, x += residual first (written back);
-// then y = x / sqrt(mean(x^2) + eps) * weight. dim % 4 == 0, rows 16-byte aligned.
-PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
-    pkv_add_rmsnorm_f32(float* x, const float* residual, const float* weight, float* y,
-                        int dim, float eps) {
-  __shared__ float red[PKV_NORM_THREADS / PKV_WARP_SIZE];
-  float4* xr = (float4*)(x + (int64_t)blockIdx.x * dim);
-  const float4* rr = residual ? (const float4*)(residual + (int64_t)blockIdx.x * dim) : nullptr;
+// A row's x += residual (when rr is not null; written back), then 1 / sqrt(mean(x^2) + eps)
+// over the block; one body for the plain and the fused RMSNorm so that both round alike.
+PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, int dim, float eps,
+                                   float* red) {
   float ss = 0.0f;
   for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
     float4 v = xr[i];
@@ -40,13 +39,77 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
     }
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
-  const float inv = rsqrtf(block_sum(ss, red) / (float)dim + eps);
+  return rsqrtf(block_sum(ss, red) / (float)dim + eps);
+}
+
+// x / rms * weight per element, likewise one expression for both.
+PKV_DEV float4 normalized(float4 v, float inv, float4 w) {
+  return make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+}
+
+// One block per row: if `residual` is not null, x += residual first (written back);
+// then y = x / sqrt(mean(x^2) + eps) * weight. dim % 4 == 0, rows 16-byte aligned.
+PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
+    pkv_add_rmsnorm_f32(float* x, const float* residual, const float* weight, float* y,
+                        int dim, float eps) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
+  __shared__ float red[PKV_NORM_THREADS / PKV_WARP_SIZE];
+  float4* xr = (float4*)(x + (int64_t)blockIdx.x * dim);
+  const float4* rr = residual ? (const float4*)(residual + (int64_t)blockIdx.x * dim) : nullptr;
+  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
   const float4* wr = (const float4*)weight;
   float4* yr = (float4*)(y + (int64_t)blockIdx.x * dim);
   for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
     const float4 v = xr[i], w = wr[i];  // this thread wrote xr[i] itself
-    yr[i] = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+    yr[i] = normalized(v, inv, w);
   }
+}
+
+// RMSNorm as above, then the normalized row's prepared x for the tensor-core GEMV that
+// reads it (xq, xs: the Gemv's scratch, `n_tiles` its n-tiles, `rotate` for the MQ
+// formats); y is written too unless null. One block per row (= batch row), its 32-lane
+// warps one 256-group at a time; dim % 256 == 0.
+PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
+    pkv_add_rmsnorm_prep_f32(float* x, const float* residual, const float* weight, float* y,
+                             uint32_t* xq, float4* xs, int dim, float eps, int batch,
+                             int n_tiles, int rotate) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
+  __shared__ float red[PKV_NORM_THREADS / PKV_WARP_SIZE];
+  const int b = blockIdx.x;
+  float4* xr = (float4*)(x + (int64_t)b * dim);
+  const float4* rr = residual ? (const float4*)(residual + (int64_t)b * dim) : nullptr;
+  // block_sum's barriers also make every thread's x += residual visible to the block
+  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
+  const int lane = threadIdx.x % 32;
+  for (int g = threadIdx.x / 32; g < dim / 256; g += PKV_NORM_THREADS / 32) {
+    const int at = g * 64 + 2 * lane;  // float4 index of x[g * 256 + 8 * lane]
+    const float4 lo = normalized(xr[at], inv, ((const float4*)weight)[at]);
+    const float4 hi = normalized(xr[at + 1], inv, ((const float4*)weight)[at + 1]);
+    if (y) {
+      float4* yr = (float4*)(y + (int64_t)b * dim);
+      yr[at] = lo;
+      yr[at + 1] = hi;
+    }
+    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    gemv_prep_x_warp(v, lane, g, b, xq, xs, batch, n_tiles, rotate != 0);
+  }
+}
+
+// Rotate the pair (a, b) = (dim pair, dim pair + head_dim/2) of a head by RoPE at `pos`,
+// the angle computed in double (see below).
+PKV_DEV void rope_rotate(float& a, float& b, int32_t pos, int pair, int head_dim, float theta) {
+  const double inv_freq = pow((double)theta, -2.0 * pair / head_dim);
+  double s, c;
+  sincos((double)pos * inv_freq, &s, &c);
+  const float cf = (float)c, sf = (float)s;
+  // each product and sum rounded on its own: no FMA contraction that could differ between
+  // the split and the fused KV write
+  const float ra = pkv_add_rn(pkv_mul_rn(a, cf), -pkv_mul_rn(b, sf));
+  const float rb = pkv_add_rn(pkv_mul_rn(b, cf), pkv_mul_rn(a, sf));
+  a = ra;
+  b = rb;
 }
 
 // RoPE (rotate-half pairing: dim i with i + head_dim/2, angle pos * theta^(-2i/head_dim),
@@ -57,6 +120,8 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
 PKV_KERNEL void pkv_qkv_rope_split_f32(const float* qkv, const int32_t* positions, float* q,
                                        float* k, float* v, int rows, int q_heads,
                                        int kv_heads, int head_dim, float theta) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
   const int half = head_dim / 2;
   const int heads = q_heads + 2 * kv_heads;
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -74,26 +139,54 @@ PKV_KERNEL void pkv_qkv_rope_split_f32(const float* qkv, const int32_t* position
   } else {
     dst = v + ((int64_t)row * kv_heads + head - q_heads - kv_heads) * head_dim;
   }
-  if (head < q_heads + kv_heads) {
-    const double inv_freq = pow((double)theta, -2.0 * pair / head_dim);
-    double s, c;
-    sincos((double)positions[row] * inv_freq, &s, &c);
-    const float cf = (float)c, sf = (float)s;
-    const float ra = a * cf - b * sf, rb = b * cf + a * sf;
-    a = ra;
-    b = rb;
-  }
+  if (head < q_heads + kv_heads) rope_rotate(a, b, positions[row], pair, head_dim, theta);
   dst[pair] = a;
   dst[pair + half] = b;
 }
 
+// silu(g) * u for the plain and the fused kernel alike (the sum rounded on its own: no
+// contraction with expf's last product that could differ between the two).
+PKV_DEV float silu_times(float g, float u) { return g / pkv_add_rn(1.0f, expf(-g)) * u; }
+
 // out[row, j] = silu(gu[row, j]) * gu[row, ffn + j] for the packed [gate | up] rows.
 PKV_KERNEL void pkv_silu_mul_f32(const float* gu, float* out, int rows, int ffn) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)rows * ffn) return;
   const int64_t row = i / ffn, j = i - row * ffn;
-  const float g = gu[row * 2 * ffn + j], u = gu[row * 2 * ffn + ffn + j];
-  out[i] = g / (1.0f + expf(-g)) * u;
+  out[i] = silu_times(gu[row * 2 * ffn + j], gu[row * 2 * ffn + ffn + j]);
+}
+
+// SiLU(gate) * up as above, written as the prepared x of the down projection's
+// tensor-core GEMV (xq, xs, n_tiles, rotate as in pkv_add_rmsnorm_prep_f32); `out` too
+// unless null. One 32-lane warp per (256-group, row), like pkv_gemv_prep_x; ffn % 256 == 0.
+PKV_KERNEL void pkv_silu_mul_prep_f32(const float* gu, float* out, uint32_t* xq, float4* xs,
+                                      int rows, int ffn, int n_tiles, int rotate) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
+  const int lane = threadIdx.x % 32;
+  const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int groups = ffn / 256;
+  if (wid >= (int64_t)groups * rows) return;  // whole warps leave together
+  const int g = (int)(wid % groups), row = (int)(wid / groups);
+  const int64_t j0 = (int64_t)g * 256 + 8 * lane;
+  const float* gate = gu + (int64_t)row * 2 * ffn + j0;
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; i += 4) {
+    const float4 a = *(const float4*)(gate + i), u = *(const float4*)(gate + ffn + i);
+    v[i] = silu_times(a.x, u.x);
+    v[i + 1] = silu_times(a.y, u.y);
+    v[i + 2] = silu_times(a.z, u.z);
+    v[i + 3] = silu_times(a.w, u.w);
+  }
+  if (out) {
+    float4* dst = (float4*)(out + (int64_t)row * ffn + j0);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  gemv_prep_x_warp(v, lane, g, row, xq, xs, rows, n_tiles, rotate != 0);
 }
 
 // This step's K and V rows ([n_tokens, kv_heads, head_dim] f32) into f16 (BF16 = 0) or
@@ -109,6 +202,8 @@ PKV_DEV uint16_t to_bf16_bits(float f) {
 template <bool BF16>
 PKV_DEV void kv_write(const float* k, const float* v, const int64_t* slots, uint16_t* k_pool,
                       uint16_t* v_pool, int n_tokens, int row_values) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)n_tokens * row_values) return;
   const int64_t t = i / row_values, e = i - t * row_values;
@@ -129,3 +224,76 @@ PKV_KERNEL void pkv_kv_write_bf16(const float* k, const float* v, const int64_t*
                                   int row_values) {
   kv_write<true>(k, v, slots, k_pool, v_pool, n_tokens, row_values);
 }
+
+// The step's RoPE, split and KV write in one kernel: q as pkv_qkv_rope_split_f32 writes
+// it, this token's k (rotated) and v straight into the pool at slots[row] (-1: q only),
+// the same bytes as the split followed by pkv_kv_write_{f16,bf16} / pkv_kv_q8_write_f32.
+// One thread per (row, head, pair) as above. q8 (KIND 2): the 32 lanes of pairs
+// [32c, 32c + 32) of one head hold two whole 32-value records, their first halves (dims
+// 32c..) and their second (dims half + 32c..): each record's scale is a 32-lane max, so
+// head_dim % 64 == 0 and every lane takes part (rows * heads * half is then a multiple
+// of 32, whole warps leave together).
+template <int KIND>  // 0: f16 pool, 1: bf16, 2: q8
+PKV_DEV void qkv_rope_kv_write(const float* qkv, const int32_t* positions, const int64_t* slots,
+                               float* q, void* k_pool, void* v_pool, int rows, int q_heads,
+                               int kv_heads, int head_dim, float theta) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
+  const int half = head_dim / 2;
+  const int heads = q_heads + 2 * kv_heads;
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (int64_t)rows * heads * half) return;
+  const int pair = (int)(i % half);
+  const int head = (int)((i / half) % heads);
+  const int row = (int)(i / ((int64_t)half * heads));
+  const float* src = qkv + ((int64_t)row * heads + head) * head_dim;
+  float a = src[pair], b = src[pair + half];
+  if (head < q_heads + kv_heads) rope_rotate(a, b, positions[row], pair, head_dim, theta);
+  if (head < q_heads) {
+    float* dst = q + ((int64_t)row * q_heads + head) * head_dim;
+    dst[pair] = a;
+    dst[pair + half] = b;
+    return;  // a whole head's pairs are whole warps: the q8 shuffles below stay uniform
+  }
+  const bool is_k = head < q_heads + kv_heads;
+  const int kv_head = is_k ? head - q_heads : head - q_heads - kv_heads;
+  const int64_t slot = slots[row];
+  if (KIND == 2) {
+    float amax_a = fabsf(a), amax_b = fabsf(b);
+    for (int m = 16; m > 0; m >>= 1) {
+      amax_a = fmaxf(amax_a, pkv_shfl_xor(amax_a, m));
+      amax_b = fmaxf(amax_b, pkv_shfl_xor(amax_b, m));
+    }
+    if (slot < 0) return;
+    const int recs_per_row = head_dim / PKV_KVQ8_BLOCK;
+    uint8_t* row_out = (uint8_t*)(is_k ? k_pool : v_pool) +
+                       (slot * kv_heads + kv_head) * recs_per_row * PKV_KVQ8_RECORD_BYTES;
+    const int j = pair % PKV_KVQ8_BLOCK;
+    uint8_t* out_a = row_out + (pair / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES;
+    uint8_t* out_b = row_out + ((pair + half) / PKV_KVQ8_BLOCK) * PKV_KVQ8_RECORD_BYTES;
+    out_a[2 + j] = (uint8_t)(int8_t)pkv_kvq8_code(a, pkv_kvq8_inv_scale(amax_a));
+    out_b[2 + j] = (uint8_t)(int8_t)pkv_kvq8_code(b, pkv_kvq8_inv_scale(amax_b));
+    if (j == 0) {
+      pkv_store_u16le(out_a, pkv_kvq8_scale_bits(amax_a));
+      pkv_store_u16le(out_b, pkv_kvq8_scale_bits(amax_b));
+    }
+    return;
+  }
+  if (slot < 0) return;
+  uint16_t* dst = (uint16_t*)(is_k ? k_pool : v_pool) +
+                  (slot * kv_heads + kv_head) * head_dim;
+  dst[pair] = KIND == 1 ? to_bf16_bits(a) : pkv_float_to_half_bits(a);
+  dst[pair + half] = KIND == 1 ? to_bf16_bits(b) : pkv_float_to_half_bits(b);
+}
+
+#define PKV_QKV_ROPE_KV_WRITE(NAME, KIND)                                                   \
+  PKV_KERNEL void pkv_qkv_rope_kv_write_##NAME(                                             \
+      const float* qkv, const int32_t* positions, const int64_t* slots, float* q,           \
+      void* k_pool, void* v_pool, int rows, int q_heads, int kv_heads, int head_dim,        \
+      float theta) {                                                                        \
+    qkv_rope_kv_write<KIND>(qkv, positions, slots, q, k_pool, v_pool, rows, q_heads,        \
+                            kv_heads, head_dim, theta);                                     \
+  }
+PKV_QKV_ROPE_KV_WRITE(f16, 0)
+PKV_QKV_ROPE_KV_WRITE(bf16, 1)
+PKV_QKV_ROPE_KV_WRITE(q8, 2)

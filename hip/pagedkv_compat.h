@@ -87,4 +87,25 @@ PKV_DEV float pkv_signed_byte_to_float(uint32_t q) {
   return __uint_as_float(0x4B000000u | ((q & 0xFFu) ^ 0x80u)) - 8388736.0f;
 }
 
+/* Programmatic Dependent Launch (NVIDIA sm_90+). A kernel that the host may launch with
+ * CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (pagedkv.kernels.device: those
+ * looked up with dependent_launch=True) can start while the previous kernel of the stream
+ * still runs: it calls pkv_grid_dependency_wait() before it reads or writes anything an
+ * earlier launch reads or writes (what comes before may only touch read-only data, such
+ * as weights), then pkv_launch_dependents() lets the next such kernel start (its own wait
+ * still waits for this whole grid to finish and flush; called after the wait, at most one
+ * grid waits ahead of the running one). Both are no-ops when the
+ * kernel was launched plainly, and on AMD and pre-sm_90 targets, where the host never
+ * sets the attribute (docs/kernels.md, "Programmatic Dependent Launch"). */
+PKV_DEV void pkv_grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+PKV_DEV void pkv_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #endif /* PAGEDKV_COMPAT_H */

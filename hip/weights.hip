@@ -15,6 +15,7 @@
 #include "pagedkv_compat.h"
 #include <pagedkv/quant.h>
 #include <pagedkv/launch.h>
+#include "gemv_prep_x.h"
 
 // ---------------------------------------------------------------------------
 // Formats. A thread decodes "chunks" of 8 consecutive weights of one group: the
@@ -473,34 +474,7 @@ PKV_GEMV_KERNELS(q8f16, Q8F16)
 
 #define FWHT_PER_LANE (PKV_FWHT_N / PKV_WARP_SIZE)
 
-// The rotation of one 256-group held by LANES lanes of a warp (all of it, or an aligned
-// 32-lane half of a 64-wide AMD wavefront: butterflies across lanes use lane strides below
-// LANES only), 256 / LANES consecutive values per lane (lane * 256 / LANES onwards), in
-// place.
-template <int LANES>
-PKV_DEV void fwht256_lanes(float (&v)[PKV_FWHT_N / LANES], int lane) {
-  constexpr int PER_LANE = PKV_FWHT_N / LANES;
-  const int e0 = lane * PER_LANE;
-  // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
-  // e0 is a multiple of per_lane): look the words up once, not per element.
-  const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
-  const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) v[i] = v[i] * ((s1 >> i) & 1u ? 1.0f : -1.0f);
-  pkv_fwht_butterflies(v, PER_LANE);
-#pragma unroll
-  for (int lane_stride = 1; lane_stride < LANES; lane_stride <<= 1) {
-    const bool upper = (lane & lane_stride) != 0;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      const float other = pkv_shfl_xor(v[i], lane_stride);
-      v[i] = upper ? other - v[i] : v[i] + other;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i)  // c * (+-1) is exact, as in pkv_fwht
-    v[i] = v[i] * (PKV_FWHT_SCALE_256 * ((s2 >> i) & 1u ? 1.0f : -1.0f));
-}
+// fwht256_lanes: hip/gemv_prep_x.h (shared with the decode-step kernels).
 
 // The whole warp's rotation (pkv_fwht256_f32).
 PKV_DEV void fwht256_warp(float (&v)[FWHT_PER_LANE], int lane) { fwht256_lanes<PKV_WARP_SIZE>(v, lane); }
@@ -558,7 +532,6 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
 // 8 columns: 1 for batch 1-2, 2 for 3-5, 3 for 6-8.
 
 // Rows per block, most warps, most n-tiles and prepared-x words: pagedkv/launch.h.
-#define GEMV_X_RANGE 22
 #if defined(__CUDACC__)
 
 PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -579,13 +552,13 @@ PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, 
 // (gemv_mfma below): one prepared-x layout, one packed weight layout, one host path.
 #if defined(__CUDACC__) || defined(PKV_MFMA_I8)
 
-// One warp per (group, batch row): lane L holds x[8L, 8L + 8) of the group, which is
-// code-byte word 4L of a row: chunk j = L / 8, lane t = (L / 2) % 4, word h = L % 2, so
-// mma m = 2j + h (see the layout above). Its even k are b0's bytes, odd k b1's. On AMD a
-// 64-wide wavefront holds two of these 32-lane warps (lane strides stay below 32, so the
-// halves never mix); the launch is the same 256 threads per block.
+// One warp per (group, batch row), 256 threads per block; the planes and sums are
+// gemv_prep_x_warp's (hip/gemv_prep_x.h), which the decode-step kernels that produce x
+// call too.
 PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K, int batch,
                                 int n_tiles, int rotate) {
+  pkv_grid_dependency_wait();  // PDL: x is the previous kernel's output
+  pkv_launch_dependents();
   const int lane = threadIdx.x % 32;
   const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int groups = K / 256;
@@ -596,50 +569,7 @@ PKV_KERNEL void pkv_gemv_prep_x(const float* x, uint32_t* xq, float4* xs, int K,
   const float4 lo = ((const float4*)src)[0], hi = ((const float4*)src)[1];
   v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
   v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
-  if (rotate) fwht256_lanes<32>(v, lane);
-  float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    amax = fmaxf(amax, fabsf(v[i]));
-    sum += v[i];
-  }
-  if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
-  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
-  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
-  const float other_half = pkv_shfl_xor(half_sum, 16);
-  // step = 2^(e - 22) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
-  int e = 0;
-  frexpf(amax, &e);
-  e = max(e, -104);
-  const bool finite = amax <= 3.4e38f;
-  const float inv_step = finite ? ldexpf(1.0f, GEMV_X_RANGE - e) : 0.0f;
-  const float step = finite ? ldexpf(1.0f, e - GEMV_X_RANGE) : __int_as_float(0x7FC00000);
-  uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int q = __float2int_rn(v[i] * inv_step);  // exact scaling, one rounding
-    const int p0 = (int)(int8_t)(q & 0xFF);
-    const int r1 = (q - p0) >> 8;
-    const int p1 = (int)(int8_t)(r1 & 0xFF);
-    const int p2 = (r1 - p1) >> 8;
-    const int shift = 8 * (i / 2);
-    planes[0][i % 2] |= (uint32_t)(p0 & 0xFF) << shift;
-    planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
-    planes[2][i % 2] |= (uint32_t)(p2 & 0xFF) << shift;
-  }
-  const int t = (lane / 2) % 4, m = 2 * (lane / 8) + lane % 2;
-#pragma unroll
-  for (int p = 0; p < 3; ++p) {
-    const int col = 3 * b + p, tile = col / 8, n = col % 8;
-    uint32_t* dst =
-        xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m;
-    *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
-  }
-  if (lane == 0) {
-    const float s_lo = half_sum, s_hi = other_half;
-    xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
-  }
+  gemv_prep_x_warp(v, lane, g, b, xq, xs, batch, n_tiles, rotate != 0);
 }
 
 // (scale, offset) of a row's group (HFQ4: f32 pair) or of one of its halves (V2: f16 pairs).
@@ -758,7 +688,10 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
     for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
 
   MmaWeights cur, nxt;
+  // weights only: issued before the PDL wait (no kernel before this one writes them)
   if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
+  pkv_grid_dependency_wait();  // PDL: the prepared x and y's readers are done from here
+  pkv_launch_dependents();
   for (int g = g_begin; g < g_end; ++g) {
     if (g + 1 < g_end) nxt.load(tile + (int64_t)(g + 1) * TILE_BYTES, lane);
     uint4 xb[NT][4];

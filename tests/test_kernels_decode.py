@@ -167,8 +167,9 @@ def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
     count = stub_recorder.count
     rows = bench.run_table(stub_device, Stream(stub_device), 1e12, None, [(1, 20), (9, 40)],
                            ("hfq4g256",), ("float16", "q8"), SMALL)
-    assert [(r["kv"], r["batch"], r["context"]) for r in rows] == [
-        ("float16", 1, 20), ("float16", 9, 40), ("q8", 1, 20), ("q8", 9, 40)]
+    assert [(r["kv"], r["batch"], r["context"], r["path"]) for r in rows] == [
+        (kv, b, c, path) for kv in ("float16", "q8") for b, c in ((1, 20), (9, 40))
+        for path in ("gemv", "gemv unfused")]
     weight_bytes = sum(4 * 136 * np.prod(SMALL.matrix_shape(m)) // 1024
                        for m in ("qkv", "o", "gate_up", "down")) * 2 + \
         136 * np.prod(SMALL.matrix_shape("lm_head")) // 256
@@ -178,19 +179,21 @@ def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
         assert r["bytes"] == bench.step_bytes(SMALL, weight_bytes, row_bytes, r["batch"],
                                               r["context"])
         assert r["floor_us"] == pytest.approx(r["bytes"] / 1e6)
-    # One captured step per row (the stub's graph replays run nothing). Per layer: norm,
-    # RoPE, KV write (q8: K and V apart), attention (partitions + reduce), norm, SiLU, and
-    # the four projections' GEMVs, one launch per chunk of 8 rows (the stub is gfx90a: the
-    # f32 GEMV, no x preparation); then the final norm and the LM head.
-    def launches(batch, kv):
+    # One captured step per row (the stub's graph replays run nothing). Per layer unfused:
+    # norm, RoPE, KV write (q8: K and V apart), attention (partitions + reduce), norm, SiLU,
+    # and the four projections' GEMVs, one launch per chunk of 8 rows (the stub is gfx90a:
+    # the f32 GEMV, no x preparation); then the final norm and the LM head. Fused: RoPE and
+    # the KV write are one launch (no prepared x to fuse on the f32 GEMV).
+    def launches(batch, kv, fused):
         chunks = -(-batch // 8)
-        per_layer = 7 + (kv == "q8") + 4 * chunks
+        per_layer = (6 if fused else 7 + (kv == "q8")) + 4 * chunks
         return SMALL.num_layers * per_layer + 1 + chunks
-    assert stub_recorder.count - count == sum(launches(r["batch"], r["kv"]) for r in rows)
-    # the graph's node count in each row is what its capture launched (one f32-GEMV path:
-    # the stub's gfx90a has no tensor-core kernel to compare against)
-    assert [r["nodes"] for r in rows] == [launches(r["batch"], r["kv"]) for r in rows]
-    assert [r["path"] for r in rows] == ["gemv"] * 4
+    assert stub_recorder.count - count == sum(launches(r["batch"], r["kv"], r["fused"])
+                                              for r in rows)
+    # the graph's node count in each row is what its capture launched
+    assert [r["nodes"] for r in rows] == [launches(r["batch"], r["kv"], r["fused"])
+                                          for r in rows]
+    assert [r["fused"] for r in rows] == [True, False] * 4
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "q8"])
@@ -221,7 +224,7 @@ def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_devi
     got = json.loads(out.read_text())
     assert [(c["check"], c["ok"]) for c in got["checks"]] == [("hfq4g256 float16", False),
                                                              ("mq4g256v2 q8", False)]
-    assert len(got["rows"]) == 2 * 2 * 2 and got["copy_GBps"] == 2000.0
+    assert len(got["rows"]) == 2 * 2 * 2 * 2 and got["copy_GBps"] == 2000.0  # fused, unfused
     assert {(r["weights"], r["kv"], r["batch"]) for r in got["rows"]} == {
         (f, kv, b) for f in bench.FORMATS for kv in bench.KV_DTYPES for b in (1, 3)}
     text = capsys.readouterr().out

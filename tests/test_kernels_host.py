@@ -27,7 +27,7 @@ class FakeDevice:
     ordinal = 0
     properties = SimpleNamespace(name="fake", warp_size=32)
 
-    def kernel(self, source, name, signature):
+    def kernel(self, source, name, signature, dependent_launch=False):
         return FakeKernel(self, name)
 
     def empty(self, shape, dtype):

@@ -26,7 +26,7 @@ from pagedkv.kernels.launch_constants import (
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "pkg" / "include" / "pagedkv" / "launch.h"
-KERNEL_TEXTS = (sorted((ROOT / "hip").glob("*.hip")) + [ROOT / "hip" / "pagedkv_compat.h"]
+KERNEL_TEXTS = (sorted((ROOT / "hip").glob("*.hip")) + sorted((ROOT / "hip").glob("*.h"))
                 + sorted((ROOT / "metal").glob("*.metal")) + [ROOT / "metal" / "pagedkv_metal.h"])
 
 

@@ -140,8 +140,10 @@ class GpuDecode:
                                 decode.FORMATS, decode.KV_DTYPES)
         return {f"{r['weights']} {r['kv']} b{r['batch']} ctx{r['context']}":
                 r["speedup_vs_torch"] for r in rows
-                # the default GEMV path; the 8-row comparison rows are the CLI's
-                if "speedup_vs_torch" in r and not r["path"].startswith("chunks")}
+                # the default GEMV path, fused; the 8-row and unfused comparison rows are the
+                # CLI's
+                if "speedup_vs_torch" in r and not r["path"].startswith("chunks")
+                and r["fused"]}
 
     def track_tokens_per_s_vs_torch(self, cache, row):
         return cache[row]

@@ -53,7 +53,7 @@ class _FakeCudaDevice:
     backend = "cuda"
     properties = SimpleNamespace(name="host", arch="sm_90", warp_size=32)
 
-    def kernel(self, *args):
+    def kernel(self, *args, **kwargs):
         return None
 
     def empty(self, shape, dtype):

@@ -129,7 +129,8 @@ def rounding_steps(got: np.ndarray, ref: np.ndarray, kv_dtype: str) -> float:
 
 
 def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), seed=None,
-               shape: DecoderShape | None = None, gemv_rows: int | None = None) -> dict:
+               shape: DecoderShape | None = None, gemv_rows: int | None = None,
+               fuse: bool | None = None) -> dict:
     """One step on fresh random weights, inputs and context KV through the adapter and a
     device pool, against the float64 reference. Returns the errors and whether they are
     within tolerance: logits and the residual stream within ``2e-3`` of their largest
@@ -151,7 +152,7 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     batch = adapter.prepare_decode(seqs)
     tables = DeviceDecodeBatch.upload(device, batch)
     step = DecoderStep(device, weights, pool, len(seqs), max(contexts) + 1,
-                       gemv_rows=gemv_rows)
+                       gemv_rows=gemv_rows, fuse=fuse)
     x = rng.standard_normal((len(seqs), shape.d_model), dtype=np.float32)
     step.x.copy_from(x)
     step.logits.fill_bytes(0xFF)
@@ -179,7 +180,7 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     ok = errors["logits"] <= 2e-3 and errors["x"] <= 2e-3 and errors["kv_write_steps"] <= 1.0
     weights.free()
     pool.close()
-    return {"check": f"{fmt} {kv_dtype}", "ok": bool(ok), **errors}
+    return {"check": f"{fmt} {kv_dtype}", "ok": bool(ok), "fused": list(step.fused), **errors}
 
 
 def _time(device, stream, fn) -> tuple[float, int]:
@@ -206,8 +207,9 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
-                 context: int, rng, gemv_rows: int | None = None) -> tuple[float, int, int]:
-    """Seconds per step, the KV row bytes of the pool and the step graph's nodes."""
+                 context: int, rng, variants) -> tuple[list[tuple[float, int]], int]:
+    """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step and the step
+    graph's nodes, all over one pool; and the KV row bytes of the pool."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
     for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
@@ -215,12 +217,16 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
             arr.fill_bytes(0x2E)
     adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
     tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
-    step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows)
-    step.x.copy_from(rng.standard_normal((batch, shape.d_model), dtype=np.float32))
-    t, nodes = _time(device, stream, lambda s: step.run(tables, stream=s))
+    x = rng.standard_normal((batch, shape.d_model), dtype=np.float32)
+    timed = []
+    for gemv_rows, fuse in variants:
+        step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
+                           fuse=fuse)
+        step.x.copy_from(x)
+        timed.append(_time(device, stream, lambda s, step=step: step.run(tables, stream=s)))
     row_bytes = pool.geometry.row_bytes
     pool.close()
-    return t, row_bytes, nodes
+    return timed, row_bytes
 
 
 class TorchDecoder:
@@ -328,6 +334,16 @@ def gemv_paths(device, fmt: str, batch: int) -> list[tuple[str, int]]:
     return [(f"tiled {most}", most), (f"chunks {GEMV_MAX_BATCH}", GEMV_MAX_BATCH)]
 
 
+def step_paths(device, fmt: str, batch: int) -> list[tuple[str, int, bool]]:
+    """The step variants a row is timed on: ``(name, gemv_rows, fuse)``: each GEMV path
+    (:func:`gemv_paths`) with the fused launches, and the default one unfused too
+    (``<path> unfused``), so a run compares node counts and times of both."""
+    paths = gemv_paths(device, fmt, batch)
+    name, rows = paths[0]
+    return [(name, rows, True), (f"{name} unfused", rows, False)] + \
+        [(n, r, True) for n, r in paths[1:]]
+
+
 def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
               shape: DecoderShape = LLAMA3_8B, seed: int = 0, on_row=None) -> list[dict]:
     """The rows of the table (see the module docstring); ``on_row(rows)`` after each one
@@ -350,12 +366,15 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
         weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
         for kv_dtype in kv_dtypes:
             for b, c in grid:
-                for path, gemv_rows in gemv_paths(device, fmt, b):
-                    t, row_bytes, nodes = time_pagedkv(device, stream, weights, kv_dtype, b, c,
-                                                       rng, gemv_rows)
+                paths = step_paths(device, fmt, b)
+                timed, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng,
+                                                [(rows, fuse) for _, rows, fuse in paths])
+                for (path, gemv_rows, fuse), (t, nodes) in zip(paths, timed, strict=True):
                     nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
                     row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
-                           "path": path, "gemv_rows": gemv_rows, "nodes": nodes,
+                           "path": path, "gemv_rows": gemv_rows, "fused": fuse,
+                           "pdl": bool(getattr(device, "dependent_launch", False)),
+                           "nodes": nodes,
                            "nodes_per_layer": nodes / shape.num_layers,
                            "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
                            "bytes_per_row": nbytes / b,
@@ -393,7 +412,8 @@ def main(argv=None) -> int:
     props = device.properties
     shape = replace(LLAMA3_8B, num_layers=args.layers)
     print(f"{props.name} ({props.arch}), {when}; torch: "
-          f"{torch.__version__ if torch else 'not used'}; model {shape}", flush=True)
+          f"{torch.__version__ if torch else 'not used'}; model {shape}; programmatic "
+          f"dependent launch {'on' if device.dependent_launch else 'off'}", flush=True)
     checks: list[dict] = []
     rows: list[dict] = []
     copy_bw = None

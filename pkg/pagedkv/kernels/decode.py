@@ -1,5 +1,8 @@
 """Launchers for ``hip/decode.hip``: the small kernels of a decoder step (RMSNorm fused
-with the residual add, RoPE splitting the packed QKV projection, SiLU(gate)·up).
+with the residual add, RoPE splitting the packed QKV projection, SiLU(gate)·up), and
+their variants that also write the next tensor-core GEMV's prepared x
+(:func:`add_rmsnorm_prep`, :func:`silu_mul_prep`: one launch instead of two; the bytes of
+``Gemv.prepare`` on their output).
 
 Activations are ``float32`` DeviceArrays. Each launcher checks shapes and dtypes (an
 ``InvalidArgument`` naming the argument, nothing launched) and enqueues on ``stream``.
@@ -18,10 +21,11 @@ from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import launch_constant
+from pagedkv.kernels.weights import PreparedX
 
-__all__ = ["add_rmsnorm", "qkv_rope_split", "silu_mul"]
+__all__ = ["add_rmsnorm", "add_rmsnorm_prep", "qkv_rope_split", "silu_mul", "silu_mul_prep"]
 
-SOURCE = "decode"
+SOURCE = "decode"  # every kernel of it waits for the previous grid first (PDL-safe)
 NORM_THREADS = launch_constant("PKV_NORM_THREADS")
 ELEMENTWISE_THREADS = 256  # any block size: the elementwise kernels index by global thread
 
@@ -32,25 +36,58 @@ def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...]) -> None:
         raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
 
 
+def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArray,
+                y: DeviceArray | None, multiple: int) -> tuple[int, int]:
+    _need(x, "x", np.float32, 2)
+    rows, dim = x.shape
+    if dim % multiple or dim == 0:
+        raise InvalidArgument(f"x: dim {dim} must be a positive multiple of {multiple}")
+    if residual is not None:
+        _shape(residual, "residual", x.shape)
+    _shape(weight, "weight", (dim,))
+    if y is not None:
+        _shape(y, "y", x.shape)
+    return rows, dim
+
+
+def _check_prepared(prepared: PreparedX, rows: int, k: int) -> None:
+    if not isinstance(prepared, PreparedX):
+        raise InvalidArgument(f"prepared: expected Gemv.prepared_x()'s PreparedX, got "
+                              f"{type(prepared).__name__}")
+    if (prepared.batch, prepared.K) != (rows, k):
+        raise InvalidArgument(f"prepared: a Gemv of batch {prepared.batch} and K {prepared.K}; "
+                              f"x has {rows} rows of {k}")
+
+
 def add_rmsnorm(device: Device, x: DeviceArray, residual: DeviceArray | None,
                 weight: DeviceArray, y: DeviceArray, *, eps: float,
                 stream: StreamLike = None) -> None:
     """``x += residual`` (when given; ``x`` is updated), then ``y = x / sqrt(mean(x²) + eps)
     · weight`` per row. ``x``, ``residual``, ``y``: ``float32[rows, dim]``; ``weight``:
     ``float32[dim]``; ``dim % 4 == 0``."""
-    _need(x, "x", np.float32, 2)
-    rows, dim = x.shape
-    if dim % 4 or dim == 0:
-        raise InvalidArgument(f"x: dim {dim} must be a positive multiple of 4")
-    if residual is not None:
-        _shape(residual, "residual", x.shape)
-    _shape(weight, "weight", (dim,))
-    _shape(y, "y", x.shape)
+    rows, dim = _check_norm(x, residual, weight, y, 4)
     if rows == 0:
         return
-    k = device.kernel(SOURCE, "pkv_add_rmsnorm_f32", "ppppif")
+    k = device.kernel(SOURCE, "pkv_add_rmsnorm_f32", "ppppif", dependent_launch=True)
     k((rows,), (NORM_THREADS,), x, 0 if residual is None else residual, weight, y, dim,
       float(eps), stream=stream)
+
+
+def add_rmsnorm_prep(device: Device, x: DeviceArray, residual: DeviceArray | None,
+                     weight: DeviceArray, y: DeviceArray | None, prepared: PreparedX, *,
+                     eps: float, stream: StreamLike = None) -> None:
+    """:func:`add_rmsnorm` that also writes the normalized rows as the prepared x of the
+    tensor-core GEMV that reads them (``prepared = gemv.prepared_x()``; then
+    ``gemv.run_prepared(w, out)``): the bytes ``gemv.prepare(y)`` writes, one launch
+    instead of two. ``y`` may be ``None`` (not written); ``dim % 256 == 0``."""
+    rows, dim = _check_norm(x, residual, weight, y, 256)
+    _check_prepared(prepared, rows, dim)
+    if rows == 0:
+        return
+    k = device.kernel(SOURCE, "pkv_add_rmsnorm_prep_f32", "ppppppifiii", dependent_launch=True)
+    k((rows,), (NORM_THREADS,), x, 0 if residual is None else residual, weight,
+      0 if y is None else y, prepared.xq, prepared.xs, dim, float(eps), rows, prepared.tiles,
+      int(prepared.rotate), stream=stream)
 
 
 def qkv_rope_split(device: Device, qkv: DeviceArray, positions: DeviceArray, q: DeviceArray,
@@ -75,7 +112,7 @@ def qkv_rope_split(device: Device, qkv: DeviceArray, positions: DeviceArray, q: 
     n = rows * heads * head_dim // 2
     if n == 0:
         return
-    kern = device.kernel(SOURCE, "pkv_qkv_rope_split_f32", "pppppiiiif")
+    kern = device.kernel(SOURCE, "pkv_qkv_rope_split_f32", "pppppiiiif", dependent_launch=True)
     kern((math.ceil(n / ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), qkv, positions, q, k, v,
          rows, q_heads, kv_heads, head_dim, float(theta), stream=stream)
 
@@ -84,14 +121,40 @@ def silu_mul(device: Device, gate_up: DeviceArray, out: DeviceArray, *,
              stream: StreamLike = None) -> None:
     """``out = silu(gate) · up`` for ``gate_up`` ``float32[rows, 2·ffn]`` packed ``[gate |
     up]``; ``out`` ``float32[rows, ffn]``."""
-    _need(gate_up, "gate_up", np.float32, 2)
-    rows, two_ffn = gate_up.shape
-    if two_ffn % 2:
-        raise InvalidArgument(f"gate_up: {two_ffn} columns, expected an even 2 x ffn")
-    _shape(out, "out", (rows, two_ffn // 2))
-    n = rows * two_ffn // 2
+    rows, ffn = _check_gate_up(gate_up, out, 1)
+    n = rows * ffn
     if n == 0:
         return
-    kern = device.kernel(SOURCE, "pkv_silu_mul_f32", "ppii")
+    kern = device.kernel(SOURCE, "pkv_silu_mul_f32", "ppii", dependent_launch=True)
     kern((math.ceil(n / ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), gate_up, out, rows,
-         two_ffn // 2, stream=stream)
+         ffn, stream=stream)
+
+
+def _check_gate_up(gate_up: DeviceArray, out: DeviceArray | None,
+                   multiple: int) -> tuple[int, int]:
+    _need(gate_up, "gate_up", np.float32, 2)
+    rows, two_ffn = gate_up.shape
+    if two_ffn % (2 * multiple):
+        raise InvalidArgument(f"gate_up: {two_ffn} columns, expected an even 2 x ffn"
+                              + (f" with ffn a multiple of {multiple}" if multiple > 1 else ""))
+    if out is not None:
+        _shape(out, "out", (rows, two_ffn // 2))
+    return rows, two_ffn // 2
+
+
+def silu_mul_prep(device: Device, gate_up: DeviceArray, out: DeviceArray | None,
+                  prepared: PreparedX, *, stream: StreamLike = None) -> None:
+    """:func:`silu_mul` that also writes its result as the prepared x of the down
+    projection's tensor-core GEMV (``prepared = gemv.prepared_x()``): the bytes
+    ``gemv.prepare(out)`` writes, one launch instead of two. ``out`` may be ``None``
+    (not written); ``ffn % 256 == 0``."""
+    rows, ffn = _check_gate_up(gate_up, out, 256)
+    _check_prepared(prepared, rows, ffn)
+    warps = rows * ffn // 256
+    if warps == 0:
+        return
+    kern = device.kernel(SOURCE, "pkv_silu_mul_prep_f32", "ppppiiii", dependent_launch=True)
+    per_block = ELEMENTWISE_THREADS // 32  # a 32-lane warp per (256-group, row)
+    kern((math.ceil(warps / per_block),), (ELEMENTWISE_THREADS,), gate_up,
+         0 if out is None else out, prepared.xq, prepared.xs, rows, ffn, prepared.tiles,
+         int(prepared.rotate), stream=stream)

@@ -18,6 +18,15 @@ by default the most one call takes (32 on the tensor-core kernel, whose tiled va
 each weight tile once for all of them; 8 on the CUDA-core kernel); ``gemv_rows=8`` (or the
 environment variable ``PAGEDKV_DECODE_GEMV_ROWS=8``) keeps the earlier path of 8-row
 calls, each re-reading the weights.
+
+Fused nodes (``fuse=True``, the default; ``fuse=False`` or ``PAGEDKV_DECODE_FUSE=0`` runs
+the unfused launches, for comparison): where a projection is one tensor-core GEMV call,
+the RMSNorm before QKV, gate/up and the LM head and the SiLU·up before down write that
+GEMV's prepared x themselves (``decode.add_rmsnorm_prep``, ``decode.silu_mul_prep``), and
+RoPE writes this token's K and V straight into f16, bf16 and q8 pools
+(``paged.qkv_rope_write_kv``): per layer 4 launches fewer (q8: 5), the same bytes. The O
+projection keeps its prep launch (attention's output is written by the attention
+kernels). In the fused step :attr:`DecoderStep.k` and ``v`` are not written.
 """
 
 from __future__ import annotations
@@ -27,14 +36,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.env_knobs import env_u32
+from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.decode import add_rmsnorm, qkv_rope_split, silu_mul
+from pagedkv.kernels.decode import (
+    add_rmsnorm,
+    add_rmsnorm_prep,
+    qkv_rope_split,
+    silu_mul,
+    silu_mul_prep,
+)
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import PagedAttention
-from pagedkv.kernels.paged import DeviceDecodeBatch, attention, check_tables, write_kv
-from pagedkv.kernels.weights import Gemv, GemvWeights, max_batch
+from pagedkv.kernels.paged import (
+    DeviceDecodeBatch,
+    attention,
+    check_tables,
+    qkv_rope_write_kv,
+    rope_write_fusable,
+    write_kv,
+)
+from pagedkv.kernels.weights import Gemv, GemvWeights, PreparedX, max_batch
 
 __all__ = [
     "LLAMA3_8B",
@@ -49,6 +71,8 @@ __all__ = [
 MATRICES = ("qkv", "o", "gate_up", "down")
 #: Environment variable: batch rows per GEMV call of a DecoderStep (8 = the 8-row path).
 GEMV_ROWS_ENV = "PAGEDKV_DECODE_GEMV_ROWS"
+#: Environment variable: 0 runs a DecoderStep's unfused launches (the default fuses).
+FUSE_ENV = "PAGEDKV_DECODE_FUSE"
 
 
 @dataclass(frozen=True)
@@ -204,6 +228,17 @@ class _Projection:
         for lo, hi in self.chunks:
             self.gemvs[hi - lo].run(w, x.rows(lo, hi), y.rows(lo, hi), stream=stream)
 
+    def prepared_x(self) -> PreparedX | None:
+        """Where a fused kernel writes this projection's prepared x: one call on the
+        tensor-core kernel only (``None`` otherwise: run it with :meth:`__call__`)."""
+        gemv = next(iter(self.gemvs.values()))
+        if len(self.chunks) != 1 or not gemv.tensor_cores:
+            return None
+        return gemv.prepared_x()
+
+    def run_prepared(self, w: GemvWeights, y: DeviceArray, stream) -> None:
+        next(iter(self.gemvs.values())).run_prepared(w, y, stream=stream)
+
 
 class DecoderStep:
     """The launches of one decode step for ``batch`` sequences over ``pool`` (a device
@@ -214,10 +249,13 @@ class DecoderStep:
 
     ``gemv_rows``: batch rows per GEMV call (1 up to :func:`~pagedkv.kernels.weights.max_batch`;
     ``None``: ``PAGEDKV_DECODE_GEMV_ROWS`` when set, else that maximum). 8 selects the
-    8-row path of the batch 1-8 tensor-core kernel, the tiled kernel's fallback."""
+    8-row path of the batch 1-8 tensor-core kernel, the tiled kernel's fallback.
+    ``fuse``: the fused launches (module docstring; ``None``: ``PAGEDKV_DECODE_FUSE``,
+    default on); :attr:`fused` lists the fusions this step runs."""
 
     def __init__(self, device: Device, weights: DecoderWeights, pool, batch: int,
-                 max_seq_len: int, *, gemv_rows: int | None = None) -> None:
+                 max_seq_len: int, *, gemv_rows: int | None = None,
+                 fuse: bool | None = None) -> None:
         s = weights.shape
         most = max_batch(device, weights.fmt)
         if gemv_rows is None:
@@ -253,10 +291,24 @@ class DecoderStep:
                                    kv_heads=s.kv_heads, head_dim=s.head_dim,
                                    block_size=g.block_size, max_seq_len=max_seq_len,
                                    kv_dtype=g.dtype)
+        if fuse is None:
+            fuse = bool(env_bool(FUSE_ENV, True))
+        # Prepared-x targets of the fused producers (None: that projection runs unfused).
+        self._prepared: dict[str, PreparedX | None] = {
+            name: self._proj[name].prepared_x() if fuse else None
+            for name in ("qkv", "gate_up", "down", "lm_head")}
+        self._rope_write = fuse and rope_write_fusable(pool)
+        #: The fusions this step runs: ``norm+prep:<projection>``, ``silu+prep:down``,
+        #: ``rope+kv_write``.
+        self.fused = tuple([f"norm+prep:{n}" for n in ("qkv", "gate_up", "lm_head")
+                            if self._prepared[n] is not None]
+                           + (["silu+prep:down"] if self._prepared["down"] is not None else [])
+                           + (["rope+kv_write"] if self._rope_write else []))
 
     def __repr__(self) -> str:
         return (f"DecoderStep(batch={self.batch}, {self.shape}, fmt={self.weights.fmt!r}, "
-                f"kv={self.pool.geometry.dtype}, gemv_rows={self.gemv_rows})")
+                f"kv={self.pool.geometry.dtype}, gemv_rows={self.gemv_rows}, "
+                f"fused={list(self.fused)})")
 
     def run(self, tables: DeviceDecodeBatch, *, stream: StreamLike = None) -> None:
         """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``
@@ -265,22 +317,43 @@ class DecoderStep:
         if tables.num_seqs != self.batch:
             raise InvalidArgument(f"tables: {tables.num_seqs} sequences, the step was built "
                                   f"for {self.batch}")
-        s, dev, w, proj = self.shape, self.device, self.weights, self._proj
+        s, w = self.shape, self.weights
         for layer in range(s.num_layers):
             lw = w.layers[layer]
-            add_rmsnorm(dev, self.x, None if layer == 0 else self._down, w.attn_norm[layer],
-                        self._h, eps=s.eps, stream=stream)
-            proj["qkv"](lw["qkv"], self._h, self._qkv, stream)
-            qkv_rope_split(dev, self._qkv, tables.positions, self.q, self.k, self.v,
-                           q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                           theta=s.rope_theta, stream=stream)
-            write_kv(self.pool, layer, self.k, self.v, tables, stream=stream)
+            self._norm_project("qkv", lw["qkv"], None if layer == 0 else self._down,
+                               w.attn_norm[layer], self._qkv, stream)
+            if self._rope_write:
+                qkv_rope_write_kv(self.pool, layer, self._qkv, self.q, tables,
+                                  q_heads=s.q_heads, theta=s.rope_theta, stream=stream)
+            else:
+                qkv_rope_split(self.device, self._qkv, tables.positions, self.q, self.k, self.v,
+                               q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                               theta=s.rope_theta, stream=stream)
+                write_kv(self.pool, layer, self.k, self.v, tables, stream=stream)
             attention(self.attn, self.q, self.pool, layer, tables, self._attn, stream=stream)
-            proj["o"](lw["o"], self._attn_rows, self._o, stream)
-            add_rmsnorm(dev, self.x, self._o, w.ffn_norm[layer], self._h, eps=s.eps,
+            self._proj["o"](lw["o"], self._attn_rows, self._o, stream)
+            self._norm_project("gate_up", lw["gate_up"], self._o, w.ffn_norm[layer], self._gu,
+                               stream)
+            down = self._prepared["down"]
+            if down is not None:
+                silu_mul_prep(self.device, self._gu, None, down, stream=stream)
+                self._proj["down"].run_prepared(lw["down"], self._down, stream)
+            else:
+                silu_mul(self.device, self._gu, self._act, stream=stream)
+                self._proj["down"](lw["down"], self._act, self._down, stream)
+        self._norm_project("lm_head", w.lm_head, self._down, w.final_norm, self.logits, stream)
+
+    def _norm_project(self, name: str, weight: GemvWeights, residual: DeviceArray | None,
+                      norm: DeviceArray, out: DeviceArray, stream: StreamLike) -> None:
+        """``x += residual``, RMSNorm, then projection ``name`` of the normalized rows into
+        ``out``: two launches when fused (the norm writes the GEMV's prepared x), else the
+        norm, the GEMV's prep and the GEMV."""
+        prepared = self._prepared[name]
+        if prepared is not None:
+            add_rmsnorm_prep(self.device, self.x, residual, norm, None, prepared,
+                             eps=self.shape.eps, stream=stream)
+            self._proj[name].run_prepared(weight, out, stream)
+        else:
+            add_rmsnorm(self.device, self.x, residual, norm, self._h, eps=self.shape.eps,
                         stream=stream)
-            proj["gate_up"](lw["gate_up"], self._h, self._gu, stream)
-            silu_mul(dev, self._gu, self._act, stream=stream)
-            proj["down"](lw["down"], self._act, self._down, stream)
-        add_rmsnorm(dev, self.x, self._down, w.final_norm, self._h, eps=s.eps, stream=stream)
-        proj["lm_head"](w.lm_head, self._h, self.logits, stream)
+            self._proj[name](weight, self._h, out, stream)

@@ -5,6 +5,13 @@ current and reads its properties. ``device.kernel(source, name, signature)`` loa
 ``source``'s code object once and returns a :class:`Kernel` whose calls pack the
 arguments by ``signature``: one letter per parameter, ``p`` a device pointer (a
 :class:`DeviceArray` or an int), ``i`` int32, ``q`` int64, ``f`` float32.
+
+Programmatic Dependent Launch: a kernel looked up with ``dependent_launch=True`` (one that
+calls ``pkv_grid_dependency_wait`` before touching what earlier launches wrote,
+hip/pagedkv_compat.h) is launched with programmatic stream serialization where
+:attr:`Device.dependent_launch` is on: NVIDIA sm_90 and newer with kernels built for sm_90+,
+a CUDA 12.3+ driver (the attribute under graph capture), and ``PAGEDKV_PDL`` not ``0``.
+Decided once when the device is opened.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from pagedkv.argument_checks import is_int
+from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
@@ -28,8 +36,27 @@ from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 #: only: no AMD GPU has run them (docs/kernels.md, "AMD matrix cores").
 MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 
-__all__ = ["Device", "Event", "Graph", "Kernel", "Stream", "StreamLike", "open_device",
-           "stream_handle"]
+__all__ = ["PDL_ENV", "Device", "Event", "Graph", "Kernel", "Stream", "StreamLike",
+           "dependent_launch_supported", "open_device", "stream_handle"]
+
+#: Environment variable: ``0`` launches every kernel plainly (no Programmatic Dependent
+#: Launch), e.g. to measure what it gains.
+PDL_ENV = "PAGEDKV_PDL"
+#: Oldest CUDA driver whose stream capture keeps the programmatic launch attribute.
+PDL_MIN_DRIVER = 12030
+
+
+def dependent_launch_supported(backend: str, arch: str, driver_version: int,
+                               cuda_targets) -> bool:
+    """Whether kernels may be launched with programmatic stream serialization: CUDA, a
+    device of compute capability 9.0 or newer, a driver of CUDA 12.3 or newer, and kernels
+    built for an arch from sm_90 up to the device's (their code then holds the
+    ``griddepcontrol.wait`` that makes the early start safe; sm_80 code has none)."""
+    def number(a: str) -> int:
+        return int(a[3:]) if a.startswith("sm_") and a[3:].isdigit() else 0
+    device = number(arch)
+    return (backend == "cuda" and device >= 90 and driver_version >= PDL_MIN_DRIVER
+            and any(90 <= number(t) <= device for t in cuda_targets))
 
 #: What a ``stream=`` argument takes: a :class:`Stream`, a raw runtime handle (an ``int``:
 #: ``torch.cuda.Stream().cuda_stream``, CuPy's ``stream.ptr``), an object with a
@@ -57,7 +84,8 @@ _PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "
 class Kernel:
     """One ``extern "C"`` kernel of a loaded module, with its parameter types."""
 
-    def __init__(self, device: Device, name: str, handle: int, signature: str) -> None:
+    def __init__(self, device: Device, name: str, handle: int, signature: str,
+                 dependent_launch: bool = False) -> None:
         bad = set(signature) - set(_PACKERS)
         if bad:
             raise InvalidArgument(f"signature={signature!r}: unknown type codes {sorted(bad)}; "
@@ -66,6 +94,8 @@ class Kernel:
         self.name = name
         self.handle = handle
         self.signature = signature
+        # the kernel waits for the previous grid itself: it may be launched early (PDL)
+        self.dependent_launch = dependent_launch
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, signature={self.signature!r})"
@@ -96,6 +126,11 @@ class Kernel:
         if min(grid) < 1 or min(block) < 1:
             raise InvalidArgument(f"{self.name}: grid {grid} and block {block} must be >= 1")
         _values, params = self.pack(args)
+        if self.dependent_launch and self.device.dependent_launch:
+            self.device.make_current()
+            self.device.runtime.launch_dependent(self.handle, grid, block, shared_bytes, handle,
+                                                 params)
+            return
         self.device.call("launch_kernel", self.handle, *grid, *block, shared_bytes,
                                  handle, params, None)
 
@@ -199,7 +234,13 @@ class Device:
         self._thread.active = True
         self.properties: DeviceProperties = runtime.properties(ordinal, self._dev)
         self._modules: dict[str, int] = {}
-        self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._kernels: dict[tuple[str, str, bool], Kernel] = {}
+        from pagedkv._build_config import CUDA_TARGETS
+        #: Whether kernels looked up with ``dependent_launch=True`` launch with
+        #: Programmatic Dependent Launch (module docstring).
+        self.dependent_launch = bool(env_bool(PDL_ENV, True)) and dependent_launch_supported(
+            runtime.backend, self.properties.arch,
+            runtime.driver_version() if runtime.backend == "cuda" else 0, CUDA_TARGETS)
 
     def __repr__(self) -> str:
         p = self.properties
@@ -212,10 +253,14 @@ class Device:
 
     def call(self, name: str, *args) -> None:
         """``runtime.call`` with this device current on the calling thread."""
+        self.make_current()
+        self.runtime.call(name, *args)
+
+    def make_current(self) -> None:
+        """Make this device current on the calling thread (once per thread)."""
         if not getattr(self._thread, "active", False):
             self.runtime.activate(self.ordinal)
             self._thread.active = True
-        self.runtime.call(name, *args)
 
     # --- memory -----------------------------------------------------------------------
 
@@ -295,15 +340,18 @@ class Device:
         for key in [k for k in self._kernels if k[0] == source]:
             del self._kernels[key]
 
-    def kernel(self, source: str, name: str, signature: str) -> Kernel:
-        key = (source, name)
+    def kernel(self, source: str, name: str, signature: str, *,
+               dependent_launch: bool = False) -> Kernel:
+        """``dependent_launch``: the kernel calls ``pkv_grid_dependency_wait`` before it
+        touches anything earlier launches touch, so it may start early (module docstring)."""
+        key = (source, name, dependent_launch)
         k = self._kernels.get(key)
         if k is None:
             fn = c_void_p()
             self.call("module_get_function", byref(fn), self.module(source),
                               name.encode())
             assert fn.value is not None, "a found function has a non-NULL handle"
-            k = self._kernels[key] = Kernel(self, name, fn.value, signature)
+            k = self._kernels[key] = Kernel(self, name, fn.value, signature, dependent_launch)
         return k
 
 

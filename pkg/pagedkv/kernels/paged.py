@@ -28,8 +28,8 @@ from pagedkv.kernels.kvcache import (
     kv_rotated_write,
 )
 
-__all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks", "read_kv_q8",
-           "write_kv"]
+__all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks",
+           "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable", "write_kv"]
 
 KV_WRITE_THREADS = 256
 
@@ -146,10 +146,51 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
     _need(k, "k", np.float32)
     _need(v, "v", np.float32)
     suffix = "f16" if g.dtype == "float16" else "bf16"
-    kernel = pool.device.kernel("decode", f"pkv_kv_write_{suffix}", "pppppii")
+    kernel = pool.device.kernel("decode", f"pkv_kv_write_{suffix}", "pppppii",
+                                dependent_launch=True)
     n = tables.num_seqs * g.num_kv_heads * g.head_dim
     kernel((math.ceil(n / KV_WRITE_THREADS),), (KV_WRITE_THREADS,), k, v, tables.slot_mapping,
            k_pool, v_pool, tables.num_seqs, g.num_kv_heads * g.head_dim, stream=stream)
+
+
+#: Pool dtype -> the kernel of :func:`qkv_rope_write_kv` (hip/decode.hip).
+_ROPE_WRITE_KERNELS = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+
+
+def rope_write_fusable(pool) -> bool:
+    """Whether :func:`qkv_rope_write_kv` takes ``pool``: float16, bfloat16 and q8 pools
+    (q8: head_dim a multiple of 64, two q8 records per warp); not the KV-mode pairs."""
+    g = pool.geometry
+    return g.dtype in _ROPE_WRITE_KERNELS and (g.dtype != "q8" or g.head_dim % 64 == 0)
+
+
+def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
+                      tables: DeviceDecodeBatch, *, q_heads: int, theta: float,
+                      generation: int | None = None, stream: StreamLike = None) -> None:
+    """RoPE, the split and :func:`write_kv` in one launch: ``q`` (``float32[seqs, q_heads,
+    head_dim]``) as ``decode.qkv_rope_split`` writes it, and this step's rotated K and V
+    from ``qkv`` (``float32[seqs, (q_heads + 2 kv_heads) * head_dim]``) straight into
+    ``layer`` of the pool at ``tables.slot_mapping`` (positions ``tables.positions``): the
+    bytes the split followed by :func:`write_kv` leave. Pools: :func:`rope_write_fusable`."""
+    check_tables(pool, tables, generation)
+    g = pool.geometry
+    if not rope_write_fusable(pool):
+        raise InvalidArgument(f"pool: {g.dtype} (head_dim {g.head_dim}) has no fused RoPE + KV "
+                              f"write; use decode.qkv_rope_split then write_kv")
+    rows, heads = tables.num_seqs, q_heads + 2 * g.num_kv_heads
+    _need(qkv, "qkv", np.float32)
+    if qkv.shape != (rows, heads * g.head_dim):
+        raise InvalidArgument(f"qkv: shape {qkv.shape}, expected {(rows, heads * g.head_dim)}")
+    _need(q, "q", np.float32)
+    if q.shape != (rows, q_heads, g.head_dim):
+        raise InvalidArgument(f"q: shape {q.shape}, expected {(rows, q_heads, g.head_dim)}")
+    k_pool, v_pool = pool.layer(layer)
+    kernel = pool.device.kernel("decode", f"pkv_qkv_rope_kv_write_{_ROPE_WRITE_KERNELS[g.dtype]}",
+                                "ppppppiiiif", dependent_launch=True)
+    n = rows * heads * g.head_dim // 2  # a thread per (row, head, pair)
+    kernel((math.ceil(n / KV_WRITE_THREADS),), (KV_WRITE_THREADS,), qkv, tables.positions,
+           tables.slot_mapping, q, k_pool, v_pool, rows, q_heads, g.num_kv_heads, g.head_dim,
+           float(theta), stream=stream)
 
 
 def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,

@@ -7,6 +7,11 @@ from a table of symbol names. Every failing call raises
 message; a missing library, a failed initialisation or zero devices raise
 :class:`pagedkv.errors.NoDeviceError` with one line saying which.
 
+Programmatic Dependent Launch (CUDA, sm_90+): :meth:`Runtime.launch_dependent` launches
+through ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute, so the
+kernel may start before the previous one of its stream ends (it must wait for it itself:
+``pkv_grid_dependency_wait`` in hip/pagedkv_compat.h).
+
 Library lookup: ``PAGEDKV_CUDA_LIBRARY`` / ``PAGEDKV_HIP_LIBRARY`` (a path) first,
 then the usual sonames. ``PAGEDKV_GPU_BACKEND`` (``cuda`` or ``hip``) picks one
 vendor; by default CUDA is tried, then HIP.
@@ -29,8 +34,23 @@ BACKENDS = ("cuda", "hip")
 _ptr = c_uint64  # CUdeviceptr / hipDeviceptr_t: 64-bit on every supported platform
 _handle = c_void_p  # modules, functions, streams, events, contexts
 
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an enum id padded to 8 bytes, then a 64-byte value union."""
+    _fields_ = [("id", c_int), ("pad", c_int), ("value", c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h, CUDA 12+): 56 bytes, checked in tests/test_kernels_pdl.py."""
+    _fields_ = [("grid", c_uint * 3), ("block", c_uint * 3), ("shared_bytes", c_uint),
+                ("stream", _handle), ("attrs", POINTER(_LaunchAttribute)), ("num_attrs", c_uint)]
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION with the value 1 (allowed).
+_PROGRAMMATIC_SERIALIZATION = _LaunchAttribute(6, 0, (c_int * 16)(1))
+
 # logical name -> (CUDA symbol, HIP symbol, argtypes); None where a vendor has no such call.
-# name -> (cuda symbol, hip symbol, argtypes); None where that runtime has no such call.
 _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "init": ("cuInit", "hipInit", [c_uint]),
     "driver_version": ("cuDriverGetVersion", "hipDriverGetVersion", [POINTER(c_int)]),
@@ -60,6 +80,8 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "launch_kernel": ("cuLaunchKernel", "hipModuleLaunchKernel",
                       [_handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, _handle,
                        POINTER(c_void_p), POINTER(c_void_p)]),
+    "launch_kernel_ex": ("cuLaunchKernelEx", None,
+                         [POINTER(_LaunchConfig), _handle, POINTER(c_void_p), POINTER(c_void_p)]),
     "stream_create": ("cuStreamCreate", "hipStreamCreateWithFlags", [POINTER(_handle), c_uint]),
     "stream_synchronize": ("cuStreamSynchronize", "hipStreamSynchronize", [_handle]),
     "stream_destroy": ("cuStreamDestroy_v2", "hipStreamDestroy", [_handle]),
@@ -190,6 +212,21 @@ class Runtime:
         if code != 0:
             err, msg = self.error_text(code)
             raise DeviceError(self._symbol(name) or name, code, err, msg)
+
+    def launch_dependent(self, function: int, grid, block, shared_bytes: int,
+                         stream: int | None, params) -> None:
+        """``cuLaunchKernelEx`` of ``function`` (grid and block: 3 ints each) with
+        programmatic stream serialization: it may start before the stream's previous
+        kernel ends. CUDA only; the caller makes the device current."""
+        config = _LaunchConfig((c_uint * 3)(*grid), (c_uint * 3)(*block), shared_bytes, stream,
+                               ctypes.pointer(_PROGRAMMATIC_SERIALIZATION), 1)
+        self.call("launch_kernel_ex", byref(config), function, params, None)
+
+    def driver_version(self) -> int:
+        """The driver's version number (CUDA: 1000 x major + 10 x minor, 12030 = 12.3)."""
+        out = c_int(0)
+        self.call("driver_version", byref(out))
+        return out.value
 
     # --- devices -------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ plain affine GEMV, which equals ``W·x`` in the original basis (docs/contracts/h
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,8 +28,8 @@ from pagedkv.kernels.kvcache import _need
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
 
-__all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "dequantize", "fwht256",
-           "max_batch", "raw_nbytes"]
+__all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "PreparedX",
+           "dequantize", "fwht256", "max_batch", "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -177,6 +178,21 @@ def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
     k((math.ceil(groups / warps_per_block),), (256,), x, out, groups, stream=stream)
 
 
+class PreparedX(NamedTuple):
+    """Where a :class:`Gemv` on the tensor-core kernel reads its prepared x, for a kernel that
+    writes it while producing x (hip/gemv_prep_x.h, ``gemv_prep_x_warp``): ``xq`` the int8
+    byte planes (``uint32``), ``xs`` per (group, batch row) the step and the sums of x
+    (``float32[groups * batch, 4]``), ``tiles`` the n-tiles per group, ``rotate`` whether
+    x is rotated (FWHT-256) first, for ``batch`` rows of ``K`` values."""
+
+    xq: DeviceArray
+    xs: DeviceArray
+    tiles: int
+    rotate: bool
+    batch: int
+    K: int
+
+
 class GemvWeights:
     """A weight matrix on the device in the layout one :class:`Gemv` configuration reads
     (made by :meth:`Gemv.upload`): ``array`` holds :meth:`Gemv.pack`'s bytes."""
@@ -231,6 +247,7 @@ class Gemv:
         # The x run_prepared reads (the f32 kernel), or the one last quantized into the
         # scratch (tensor cores); None before the first prepare().
         self._x: DeviceArray | None = None
+        self._prepared_elsewhere = False  # prepared_x() handed the scratch to a writer
         if self.tensor_cores:
             groups = K // 256
             tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
@@ -238,7 +255,10 @@ class Gemv:
                 tiles = next(n for n in _TILED_TILES if n >= tiles)
             self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
             self._xs = device.empty((groups * batch, 4), np.float32)
-            self._prep = device.kernel(SOURCE, "pkv_gemv_prep_x", "pppiiii")
+            # the prep and the batch 1-8 kernel wait for the previous grid themselves (PDL);
+            # the staged and tiled kernels do not, so they launch after it completes
+            self._prep = device.kernel(SOURCE, "pkv_gemv_prep_x", "pppiiii",
+                                       dependent_launch=True)
             self._tiles = tiles
             self._prep_grid = (math.ceil(groups * batch / 8),)  # a warp per (group, batch row)
             self.packed = True
@@ -264,7 +284,7 @@ class Gemv:
             else:
                 tiled = "tiled_" if tiles > GEMV_MMA_MAX_TILES else ""
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
-                                             "ppppiii")
+                                             "ppppiii", dependent_launch=not tiled)
                 self._grid = (row_tiles,)
                 # warps of 32 lanes on NVIDIA, wavefronts of 64 on AMD (gemv_mfma)
                 self._block = (device.properties.warp_size
@@ -358,12 +378,23 @@ class Gemv:
         else:
             self._x = x
 
+    def prepared_x(self) -> PreparedX:
+        """The scratch :meth:`prepare` writes, for a kernel that writes the prepared x itself
+        while producing x (the decode step's RMSNorm and SiLU·up, ``pagedkv.kernels.decode``),
+        saving the prep launch: launch it, then :meth:`run_prepared` on the same stream.
+        Tensor-core GEMV only (``InvalidArgument`` otherwise: the f32 kernel reads x as is)."""
+        if not self.tensor_cores:
+            raise InvalidArgument(f"{self!r}: no prepared x off the tensor-core kernel; call "
+                                  f"run(w, x, y) or prepare(x)")
+        self._prepared_elsewhere = True
+        return PreparedX(self._xq, self._xs, self._tiles, self.fmt.rotated, self.batch, self.K)
+
     def run_prepared(self, w: GemvWeights | DeviceArray, y: DeviceArray, *,
                      stream: Stream | None = None) -> None:
         """``y = W·x`` for the x of the last :meth:`prepare`. ``w``: :meth:`upload`'s
         result (or, off the tensor-core kernel, a DeviceArray of the stored bytes)."""
         arr = self._check_wy(w, y)
-        if self._x is None:
+        if self._x is None and not self._prepared_elsewhere:
             raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
         if self.tensor_cores:
             self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, *self._split_args,

@@ -1,0 +1,104 @@
+// The prepared x of the tensor-core GEMV (hip/weights.hip, "Tensor-core GEMV"): int8
+// byte planes of x per 256-group in the mma's B-fragment order, and per (group, batch
+// row) the step and the sums of x over each 128-half. One device function, called by
+// the GEMV's own prep kernel (pkv_gemv_prep_x) and by the decode-step kernels that
+// produce x and write its planes directly (hip/decode.hip: RMSNorm, SiLU*up), so the
+// planes they write are byte for byte the prep kernel's. Needs pagedkv_compat.h and
+// pagedkv/quant.h (the FWHT sign tables and butterflies) included first.
+#ifndef PAGEDKV_GEMV_PREP_X_H
+#define PAGEDKV_GEMV_PREP_X_H
+
+#include <pagedkv/launch.h>
+
+// The rotation of one 256-group held by LANES lanes of a warp (all of it, or an aligned
+// 32-lane half of a 64-wide AMD wavefront: butterflies across lanes use lane strides below
+// LANES only), 256 / LANES consecutive values per lane (lane * 256 / LANES onwards), in
+// place. Strides below 256 / LANES are quant.h's butterflies in registers; larger strides
+// pair lanes lane ^ (h / per_lane). The lower element of a pair computes a + b and the
+// upper a - b, as in the CPU loop, so the result is bit for bit pkv_fwht's.
+template <int LANES>
+PKV_DEV void fwht256_lanes(float (&v)[PKV_FWHT_N / LANES], int lane) {
+  constexpr int PER_LANE = PKV_FWHT_N / LANES;
+  const int e0 = lane * PER_LANE;
+  // A lane's signs sit in one 32-bit word of each packed table (per_lane <= 32 and
+  // e0 is a multiple of per_lane): look the words up once, not per element.
+  const uint32_t s1 = pkv_signs1_word((uint32_t)e0 >> 5) >> (e0 & 31);
+  const uint32_t s2 = pkv_signs2_word((uint32_t)e0 >> 5) >> (e0 & 31);
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) v[i] = v[i] * ((s1 >> i) & 1u ? 1.0f : -1.0f);
+  pkv_fwht_butterflies(v, PER_LANE);
+#pragma unroll
+  for (int lane_stride = 1; lane_stride < LANES; lane_stride <<= 1) {
+    const bool upper = (lane & lane_stride) != 0;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const float other = pkv_shfl_xor(v[i], lane_stride);
+      v[i] = upper ? other - v[i] : v[i] + other;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i)  // c * (+-1) is exact, as in pkv_fwht
+    v[i] = v[i] * (PKV_FWHT_SCALE_256 * ((s2 >> i) & 1u ? 1.0f : -1.0f));
+}
+
+// x is quantized per 256-group to 22-bit integers (error at most 2^-23 of the group's
+// largest |x|).
+#define GEMV_X_RANGE 22
+
+// One 32-lane warp per (group g, batch row b): lane L holds v = x[8L, 8L + 8) of the group
+// (rotated here first when `rotate`), which is code-byte word 4L of a row: chunk j = L / 8,
+// lane t = (L / 2) % 4, word h = L % 2, so mma m = 2j + h (weights.hip, the tensor-core
+// GEMV's layout). Its even k are b0's bytes, odd k b1's. Writes the three byte planes to
+// xq (n_tiles n-tiles of 8 B columns per group; column 3b + plane) and
+// (step, sum of the first 128, sum of the second 128, sum) to xs[g * batch + b]. Every
+// lane of the 32 takes part (shuffles); on AMD a 64-wide wavefront holds two such warps
+// (lane strides stay below 32, so the halves never mix).
+PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* xq, float4* xs,
+                              int batch, int n_tiles, bool rotate) {
+  if (rotate) fwht256_lanes<32>(v, lane);
+  float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    sum += v[i];
+  }
+  if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
+  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
+  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
+  const float other_half = pkv_shfl_xor(half_sum, 16);
+  // step = 2^(e - 22) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
+  int e = 0;
+  frexpf(amax, &e);
+  e = max(e, -104);
+  const bool finite = amax <= 3.4e38f;
+  const float inv_step = finite ? ldexpf(1.0f, GEMV_X_RANGE - e) : 0.0f;
+  const float step = finite ? ldexpf(1.0f, e - GEMV_X_RANGE) : __int_as_float(0x7FC00000);
+  uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int q = __float2int_rn(v[i] * inv_step);  // exact scaling, one rounding
+    const int p0 = (int)(int8_t)(q & 0xFF);
+    const int r1 = (q - p0) >> 8;
+    const int p1 = (int)(int8_t)(r1 & 0xFF);
+    const int p2 = (r1 - p1) >> 8;
+    const int shift = 8 * (i / 2);
+    planes[0][i % 2] |= (uint32_t)(p0 & 0xFF) << shift;
+    planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
+    planes[2][i % 2] |= (uint32_t)(p2 & 0xFF) << shift;
+  }
+  const int t = (lane / 2) % 4, m = 2 * (lane / 8) + lane % 2;
+#pragma unroll
+  for (int p = 0; p < 3; ++p) {
+    const int col = 3 * b + p, tile = col / 8, n = col % 8;
+    uint32_t* dst =
+        xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m;
+    *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
+  }
+  if (lane == 0) {
+    const float s_lo = half_sum, s_hi = other_half;
+    xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+  }
+}
+
+#endif  // PAGEDKV_GEMV_PREP_X_H

@@ -1,0 +1,247 @@
+"""The decode step's fused launches (hip/decode.hip): RMSNorm and SiLU·up writing the next
+tensor-core GEMV's prepared x, RoPE writing this token's K/V straight into the pool.
+
+Each fused kernel must leave exactly the bytes of the launches it replaces: GPU tests run
+both on the same inputs and compare byte for byte (the prepared-x planes and sums, q, and
+every byte of the pool's layer), then whole steps fused and unfused against the float64
+step. CPU tests (HIP stub) pin the launchers' checks (nothing launched after an error) and
+the launches a step saves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kernels_support import poisoned
+from pagedkv.errors import InvalidArgument
+from pagedkv.kernels import decode
+from pagedkv.kernels.decoder import LLAMA3_8B, DecoderHostWeights, DecoderStep, DecoderWeights
+from pagedkv.kernels.paged import DeviceDecodeBatch, qkv_rope_write_kv, rope_write_fusable
+from pagedkv.kernels.weights import Gemv, PreparedX
+
+RNG = np.random.default_rng()
+SMALL = replace(LLAMA3_8B, num_layers=2, d_model=256, q_heads=4, kv_heads=2, head_dim=64,
+                ffn=512, vocab=300, rope_theta=10000.0)
+
+
+def _prepared_bytes(p: PreparedX) -> tuple[bytes, bytes]:
+    return p.xq.to_numpy().tobytes(), p.xs.to_numpy().tobytes()
+
+
+def _step_parts(device, kv_dtype: str, batch: int, shape=SMALL):
+    from pagedkv.bench.decode import build_adapter
+    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch,
+                                        [5 + 7 * i for i in range(batch)], RNG)
+    adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
+    tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
+    return pool, tables
+
+
+# --- CPU (HIP stub) -------------------------------------------------------------------------
+
+
+def test_fused_launchers_check_before_launching(stub_device, stub_recorder, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")  # the stub's gfx90a then takes the MFMA GEMV
+    dev, f32 = stub_device, np.float32
+    prepared = Gemv(dev, "hfq4g256", 64, 512, 2).prepared_x()
+    x, w = dev.empty((2, 512), f32), dev.empty((512,), f32)
+    gu = dev.empty((2, 1024), f32)
+    pool, tables = _step_parts(dev, "float16", 2)
+    qkv, q = dev.empty((2, 8 * 64), f32), dev.empty((2, 4, 64), f32)
+    count = stub_recorder.count
+    cases = [
+        (lambda: decode.add_rmsnorm_prep(dev, dev.empty((2, 260), f32), None,
+                                         dev.empty((260,), f32), None, prepared, eps=1e-5),
+         "x: dim 260 must be a positive multiple of 256"),
+        (lambda: decode.add_rmsnorm_prep(dev, dev.empty((3, 512), f32), None, w, None, prepared,
+                                         eps=1e-5),
+         "prepared: a Gemv of batch 2 and K 512; x has 3 rows of 512"),
+        (lambda: decode.add_rmsnorm_prep(dev, x, None, w, None, (1, 2), eps=1e-5),
+         "prepared: expected Gemv.prepared_x"),
+        (lambda: decode.silu_mul_prep(dev, dev.empty((2, 1000), f32), None, prepared),
+         "gate_up: 1000 columns, expected an even 2 x ffn with ffn a multiple of 256"),
+        (lambda: decode.silu_mul_prep(dev, dev.empty((2, 1536), f32), None, prepared),
+         "prepared: a Gemv of batch 2 and K 512; x has 2 rows of 768"),
+        (lambda: decode.silu_mul_prep(dev, gu, dev.empty((2, 256), f32), prepared),
+         r"out: shape \(2, 256\), expected \(2, 512\)"),
+        (lambda: qkv_rope_write_kv(pool, 0, dev.empty((2, 7 * 64), f32), q, tables, q_heads=4,
+                                   theta=1e4),
+         r"qkv: shape \(2, 448\), expected \(2, 512\)"),
+        (lambda: qkv_rope_write_kv(pool, 0, qkv, dev.empty((2, 4, 32), f32), tables, q_heads=4,
+                                   theta=1e4),
+         r"q: shape \(2, 4, 32\), expected \(2, 4, 64\)"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            call()
+    assert stub_recorder.count == count
+    decode.add_rmsnorm_prep(dev, x, None, w, None, prepared, eps=1e-5)
+    assert stub_recorder.last().name == b"pkv_add_rmsnorm_prep_f32"
+    assert list(stub_recorder.last().grid) == [2, 1, 1]  # a block per row
+    decode.silu_mul_prep(dev, gu, None, prepared)
+    assert stub_recorder.last().name == b"pkv_silu_mul_prep_f32"
+    assert list(stub_recorder.last().grid) == [1, 1, 1]  # 2 rows x 2 groups: 4 warps of 8
+    qkv_rope_write_kv(pool, 0, qkv, q, tables, q_heads=4, theta=1e4)
+    assert stub_recorder.last().name == b"pkv_qkv_rope_kv_write_f16"
+    assert list(stub_recorder.last().grid) == [2, 1, 1]  # 2 rows x 8 heads x 32 pairs / 256
+    assert stub_recorder.count == count + 3
+    pool.close()
+
+
+def test_prepared_x_needs_the_tensor_core_gemv(stub_device, monkeypatch):
+    monkeypatch.delenv("PAGEDKV_GEMV_MFMA", raising=False)  # the stub's gfx90a: f32 GEMV
+    gemv = Gemv(stub_device, "hfq4g256", 64, 512, 1)
+    with pytest.raises(InvalidArgument, match="no prepared x off the tensor-core kernel"):
+        gemv.prepared_x()
+
+
+def test_rope_write_fusable_pools(stub_device):
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    pools = {dtype: LayerKVPool(PoolGeometry(1, 2, hd, 16, dtype), 4, backend="device",
+                                device=stub_device)
+             for dtype, hd in (("float16", 64), ("bfloat16", 64), ("q8", 64))}
+    pools["q8 d32"] = LayerKVPool(PoolGeometry(1, 2, 32, 16, "q8"), 4, backend="device",
+                                  device=stub_device)
+    assert {k: rope_write_fusable(p) for k, p in pools.items()} == {
+        "float16": True, "bfloat16": True, "q8": True, "q8 d32": False}
+    for p in pools.values():
+        p.close()
+
+
+@pytest.mark.parametrize("kv_dtype,saved_per_layer", [("float16", 4), ("q8", 5)])
+def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_dtype,
+                                   saved_per_layer):
+    """Per layer the fused step drops the QKV, gate/up and down preps and the KV write(s)
+    (q8: K and V apart); the final norm's prep goes too."""
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    dev = stub_device
+    weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
+    pool, tables = _step_parts(dev, kv_dtype, 3)
+    launches = {}
+    for fuse in (False, True):
+        step = DecoderStep(dev, weights, pool, 3, 64, fuse=fuse)
+        count = stub_recorder.count
+        step.run(tables)
+        launches[fuse] = stub_recorder.count - count
+        assert step.fused == (("norm+prep:qkv", "norm+prep:gate_up", "norm+prep:lm_head",
+                               "silu+prep:down", "rope+kv_write") if fuse else ())
+    assert launches[False] - launches[True] == SMALL.num_layers * saved_per_layer + 1
+    monkeypatch.setenv("PAGEDKV_DECODE_FUSE", "0")
+    assert DecoderStep(dev, weights, pool, 3, 64).fused == ()
+    # chunked GEMVs (8-row calls for 9 rows): no prepared-x fusion, RoPE + KV write still
+    pool9, _ = _step_parts(dev, kv_dtype, 9)
+    monkeypatch.delenv("PAGEDKV_DECODE_FUSE")
+    assert DecoderStep(dev, weights, pool9, 9, 128, gemv_rows=8).fused == ("rope+kv_write",)
+    pool.close()
+    pool9.close()
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+def _tensor_core_gemv(device, fmt, k, batch):
+    gemv = Gemv(device, fmt, 64, k, batch)
+    if not gemv.tensor_cores:
+        pytest.skip(f"{device!r}: no tensor-core GEMV for {fmt}")
+    return gemv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch,dim,residual", [(1, 4096, False), (3, 4096, True),
+                                                (9, 1280, True), (32, 4096, True)])
+def test_gpu_rmsnorm_prep_writes_the_prep_kernels_bytes(device, fmt, batch, dim, residual):
+    x = (RNG.standard_normal((batch, dim)) * 3).astype(np.float32)
+    x[0, :256] *= 1e-30  # a tiny group: the step's exponent clamp
+    r = RNG.standard_normal((batch, dim)).astype(np.float32)
+    w = device.array((1 + 0.1 * RNG.standard_normal(dim)).astype(np.float32))
+    res = device.array(r) if residual else None
+    plain, fused = (_tensor_core_gemv(device, fmt, dim, batch) for _ in range(2))
+    for g in (plain, fused):  # poison the scratch: every byte must be written
+        g._xq.fill_bytes(0xA5)
+        g._xs.fill_bytes(0xFF)
+    x_plain, x_fused = device.array(x), device.array(x)
+    y = poisoned(device, (batch, dim), np.float32)
+    decode.add_rmsnorm(device, x_plain, res, w, y, eps=1e-5)
+    plain.prepare(y)
+    y_fused = poisoned(device, (batch, dim), np.float32)
+    decode.add_rmsnorm_prep(device, x_fused, res, w, y_fused, fused.prepared_x(), eps=1e-5)
+    device.synchronize()
+    assert _prepared_bytes(fused.prepared_x()) == _prepared_bytes(plain.prepared_x())
+    np.testing.assert_array_equal(y_fused.to_numpy(), y.to_numpy())
+    np.testing.assert_array_equal(x_fused.to_numpy(), x_plain.to_numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch,ffn", [(1, 14336), (5, 1024), (32, 14336)])
+def test_gpu_silu_mul_prep_writes_the_prep_kernels_bytes(device, fmt, batch, ffn):
+    gu = device.array((RNG.standard_normal((batch, 2 * ffn)) * 4).astype(np.float32))
+    plain, fused = (_tensor_core_gemv(device, fmt, ffn, batch) for _ in range(2))
+    for g in (plain, fused):
+        g._xq.fill_bytes(0xA5)
+        g._xs.fill_bytes(0xFF)
+    out = poisoned(device, (batch, ffn), np.float32)
+    decode.silu_mul(device, gu, out)
+    plain.prepare(out)
+    out_fused = poisoned(device, (batch, ffn), np.float32)
+    decode.silu_mul_prep(device, gu, out_fused, fused.prepared_x())
+    device.synchronize()
+    assert _prepared_bytes(fused.prepared_x()) == _prepared_bytes(plain.prepared_x())
+    np.testing.assert_array_equal(out_fused.to_numpy(), out.to_numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+def test_gpu_rope_kv_write_writes_the_split_and_write_bytes(device, kv_dtype):
+    """Layer 0 through the split and write_kv, layer 1 through the fused kernel, both
+    layers' K and V filled alike first: every pool byte and q must agree (a padded token,
+    slot -1, writes nothing)."""
+    from pagedkv.kernels.paged import write_kv
+    shape = replace(LLAMA3_8B, num_layers=2)  # 32 / 8 heads of 128
+    batch = 5
+    pool, tables = _step_parts(device, kv_dtype, batch, shape)
+    slots = tables.slot_mapping.to_numpy()
+    slots[3] = -1
+    tables.slot_mapping.copy_from(slots)
+    tables.positions.copy_from(np.array([0, 1, 1000, 8191, 32767], np.int32))
+    for layer in range(2):
+        for arr in pool.layer(layer):
+            arr.fill_bytes(0x3C)
+    heads = shape.q_heads + 2 * shape.kv_heads
+    qkv = device.array(RNG.standard_normal((batch, heads * shape.head_dim)).astype(np.float32))
+    q_plain = poisoned(device, (batch, shape.q_heads, shape.head_dim), np.float32)
+    k, v = (poisoned(device, (batch, shape.kv_heads, shape.head_dim), np.float32)
+            for _ in range(2))
+    decode.qkv_rope_split(device, qkv, tables.positions, q_plain, k, v, q_heads=shape.q_heads,
+                          kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                          theta=shape.rope_theta)
+    write_kv(pool, 0, k, v, tables)
+    q_fused = poisoned(device, (batch, shape.q_heads, shape.head_dim), np.float32)
+    qkv_rope_write_kv(pool, 1, qkv, q_fused, tables, q_heads=shape.q_heads,
+                      theta=shape.rope_theta)
+    device.synchronize()
+    np.testing.assert_array_equal(q_fused.to_numpy().view(np.uint32),
+                                  q_plain.to_numpy().view(np.uint32))
+    for plain_arr, fused_arr in zip(pool.layer(0), pool.layer(1), strict=True):
+        got, want = fused_arr.to_numpy().view(np.uint8), plain_arr.to_numpy().view(np.uint8)
+        assert (want != 0x3C).any()  # the write did land
+        np.testing.assert_array_equal(got, want)
+    pool.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fmt,kv_dtype,batch", [
+    ("hfq4g256", "float16", 1), ("mq4g256v2", "q8", 8), ("mq4g256", "bfloat16", 9),
+    ("hfq4g256", "q8", 32)])
+def test_gpu_decode_step_fused_and_unfused_match_the_float64_step(device, fmt, kv_dtype,
+                                                                  batch, fuse):
+    from pagedkv.bench.decode import check_step
+    contexts = tuple(int(c) for c in RNG.integers(1, 400, batch))
+    result = check_step(device, fmt, kv_dtype, contexts=contexts, shape=SMALL, fuse=fuse)
+    assert result["ok"], result
+    if fuse and device.backend == "cuda":  # sm_80+: the tensor-core GEMV, every fusion
+        assert len(result["fused"]) == 5, result
