@@ -489,3 +489,46 @@ def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
     py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
     assert hip == py and len(hip) == 14
+
+
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
+    ("fwht4/lloyd4", 4, 1, 256, 16, [530, 3], 1.0),   # two partitions; head_dim 256: 2 halves
+    ("fwht4/fwht4", 3, 1, 128, 5, [40, 1], 1.0),      # group 3 in a g4 kernel, one token
+    ("fwht2/fwht2", 2, 2, 128, 8, [70, 0], 300.0),    # g1, large V norms, an empty sequence
+    ("fwht4/fwht2", 4, 2, 128, 16, [33], 1e-3),       # g2, small V norms
+    ("fwht2/lloyd2", 4, 2, 256, 4, [45], 1.0),        # 2-bit K and V at head_dim 256
+    ("lloyd4/fwht4", 2, 1, 256, 8, [20], 1.0),        # R256 K with an R128 V
+])
+def test_compressed_mma_emulation_matches_the_reference(kv_dtype, heads, kv_heads, head_dim,
+                                                        block_size, seq_lens, v_scale):
+    # The lane-by-lane emulation of the _mma kernels (code-byte tables, fragments, byte
+    # permutes, hi + lo splits) against the float64 reference over the same records.
+    import mma_codes_emulation as emu
+    k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
+                                          block_size=block_size, kv_dtype=kv_dtype)
+    vals = RNG.standard_normal((k_pool.shape[0], block_size, kv_heads, head_dim)) * v_scale
+    v_pool = numpy_kernels.kv_rotated_quantize(vals.astype(np.float32), kv_dtype.split("/")[1])
+    q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
+    got = emu.paged_attention_codes_mma(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
+                                        scale=head_dim ** -0.5,
+                                        partition=kvcache.ATTN_PARTITION_TOKENS[kv_dtype])
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                                kv_dtype=kv_dtype, scale=head_dim ** -0.5)
+    # the documented attention tolerance, atol in units of the V magnitude
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
+
+
+def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
+    # pv_mma_codes and its emulation build A from the looked-up pairs with the same
+    # __byte_perm selectors in the same order (two per hi / lo register set).
+    import re
+    from pathlib import Path
+
+    import mma_codes_emulation as emu
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "hip/kvcache.hip").read_text()
+    body = src[src.index("PKV_DEV void pv_mma_codes("):src.index("// MMA: pass 1 on tensor")]
+    hip = re.findall(r"__byte_perm\((?:hi|lo)\[\d\], (?:hi|lo)\[\d\], (0x[0-9A-Fa-f]+)\)", body)
+    py = re.findall(r"byte_perm\(regs\[\d\], regs\[\d\], (0x[0-9A-Fa-f]+)\)",
+                    Path(emu.__file__).read_text())
+    assert hip == py * 2 and len(hip) == 8
