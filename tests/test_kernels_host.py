@@ -634,6 +634,45 @@ def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, e
                         ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
 
 
+@pytest.mark.parametrize("kv_dtype,qkv_mma,env,kernel", [
+    ("fwht4/lloyd4", None, None, "pkv_paged_attention_fwht4_lloyd4_mma_g2"),  # default: mma
+    ("fwht4/q8", None, "1", "pkv_paged_attention_fwht4_q8_mma_g2"),
+    ("fwht2/fwht4", None, "0", "pkv_paged_attention_fwht2_fwht4_g2"),  # PAGEDKV_ATTN_QKV_MMA=0
+    ("fwht4/fwht2", True, "0", "pkv_paged_attention_fwht4_fwht2_mma_g2"),  # argument wins
+    ("lloyd2/q8", False, None, "pkv_paged_attention_lloyd2_q8_g2"),
+    ("fwht3/lloyd4", None, None, "pkv_paged_attention_fwht3_lloyd4_g2"),  # 3-bit: no _mma
+    ("fwht4/lloyd3", True, None, "pkv_paged_attention_fwht4_lloyd3_g2"),
+    ("fwht4/fwht3", None, None, "pkv_paged_attention_fwht4_lloyd3_g2"),  # fwht3 V: lloyd3's
+])
+def test_compressed_attention_tensor_core_path_is_selectable(monkeypatch, kv_dtype, qkv_mma,
+                                                              env, kernel):
+    from pagedkv.kernels import kvcache
+    from pagedkv.quant import kv as kv_modes
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_QKV_MMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_QKV_MMA", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=256,
+                                  block_size=16, max_seq_len=600, kv_dtype=kv_dtype,
+                                  qkv_mma=qkv_mma)
+    mma = kernel.split("_g")[0].endswith("_mma")
+    has_mma = kvcache.qkv_mma_applies(kv_dtype)
+    assert attn._partition.name == kernel and attn.qkv_mma == (mma if has_mma else None)
+    assert repr(attn).endswith(f", qkv_mma={mma})" if has_mma else "partitions=2)")
+    q = dev.empty((1, 4, 256), np.float32)
+    k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
+    k_pool = dev.empty((40, 16, 2, kv_modes.side_row_bytes(k_side, 256)), np.uint8)
+    v_pool = dev.empty((40, 16, 2, kv_modes.side_row_bytes(v_side, 256)), np.uint8)
+    dev.calls.clear()
+    attn.run(q, k_pool, v_pool, dev.array(np.zeros((1, 38), np.int32)),
+             dev.array(np.zeros(1, np.int32)), dev.empty((1, 4, 256), np.float32))
+    # either kernel: the same partition (512 tokens), grid, threads and shared memory
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches[0] == ("launch", kernel, (2, 2, 1), (128,))
+    assert dev.shared_bytes[-2] == 4 * max(512 * 2, 4 * 2 * 256)
+
+
 def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
     # The q8s kernels copy rows in 8-byte units from pool + row * 136: a pool view that
     # starts off 8-byte alignment is refused before any launch (q8 and q8cc take it).
