@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 from mma_attention_emulation import GID, LANE, LANES, TID, byte_perm, f16_bits, f16_value
-from mma_attention_emulation import mma_16x8x16, q_fragments
+from mma_attention_emulation import load_u16, load_word_a2, mma_16x8x16, q_fragments
 
 from pagedkv.kernels import numpy_kernels
 from pagedkv.quant import kv as kv_modes
@@ -45,16 +45,7 @@ def code_byte_pairs(tab: np.ndarray, byte) -> tuple[list, list]:
 
 
 def load_u32(pool: np.ndarray, addr) -> np.ndarray:
-    addr = np.asarray(addr, np.int64)
-    assert (addr % 4 == 0).all(), "misaligned 32-bit load"
-    b = pool[addr[..., None] + np.arange(4)].astype(np.uint32)
-    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
-
-
-def load_u16(pool: np.ndarray, addr) -> np.ndarray:
-    addr = np.asarray(addr, np.int64)
-    assert (addr % 2 == 0).all(), "misaligned 16-bit load"
-    return pool[addr].astype(np.uint32) | pool[addr + 1].astype(np.uint32) << 8
+    return load_word_a2(pool, addr, True)  # asserts 4-byte alignment
 
 
 def load_f32(pool: np.ndarray, addr) -> np.ndarray:
