@@ -2019,7 +2019,7 @@ PKV_DEV void paged_attention_quant_dispatch(
 }
 
 #define PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, GMAX)                     \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_QKV)                   \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_QKV_MMA)               \
       pkv_paged_attention_##KNAME##_##VNAME##_mma_g##GMAX(                                     \
           const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
           const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \

@@ -72,6 +72,8 @@ def qkv_mma_applies(kv_dtype: str) -> bool:
 ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
                                            launch_constant("PKV_ATTN_PARTITION_QKV")))
 ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")))
+#: The compressed pairs' tensor-core (_mma) kernels: the same partition, their own bound.
+ATTN_MIN_BLOCKS_QKV_MMA = launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
 
 
 def attention_group_slots(num_heads: int, kv_heads: int) -> int:
