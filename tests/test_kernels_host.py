@@ -494,25 +494,26 @@ def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_l
 
 
 @pytest.mark.parametrize("kv_dtype,head_dim,heads,k_row,v_row,partition,reduce,threads", [
-    ("fwht4/lloyd4", 256, 8, 132, 132, "pkv_paged_attention_fwht4_lloyd4_g4",
+    ("fwht4/lloyd4", 256, 8, 132, 132, "pkv_paged_attention_fwht4_lloyd4_mma_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
     ("fwht3/lloyd2", 256, 2, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g1",
      "pkv_paged_attention_reduce_ifwht256", 256),
-    ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_g8",
+    ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_mma_g8",
      "pkv_paged_attention_reduce", 128),
-    ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_g4",
+    ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_mma_g4",
      "pkv_paged_attention_reduce", 128),
-    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_g2",
+    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_mma_g2",
      "pkv_paged_attention_reduce", 256),
     ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
     # pagedkv's fwht V: R128 per half, rotated back by the ifwht128 reduce (head_dim
-    # threads); an fwht3 V runs lloyd3's kernels
-    ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_g4",
+    # threads); an fwht3 V runs lloyd3's kernels. 4/2-bit K with a q8/4/2-bit V: the _mma
+    # kernels by default (PAGEDKV_ATTN_QKV_MMA unset), 3-bit codes the CUDA-core ones
+    ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_mma_g4",
      "pkv_paged_attention_reduce_ifwht128", 128),
-    ("fwht2/fwht4", 128, 2, 36, 68, "pkv_paged_attention_fwht2_fwht4_g1",
+    ("fwht2/fwht4", 128, 2, 36, 68, "pkv_paged_attention_fwht2_fwht4_mma_g1",
      "pkv_paged_attention_reduce_ifwht128", 128),
-    ("lloyd4/fwht2", 256, 16, 132, 68, "pkv_paged_attention_lloyd4_fwht2_g8",
+    ("lloyd4/fwht2", 256, 16, 132, 68, "pkv_paged_attention_lloyd4_fwht2_mma_g8",
      "pkv_paged_attention_reduce_ifwht128", 256),
     ("lloyd3/fwht3", 256, 4, 100, 100, "pkv_paged_attention_fwht3_lloyd3_g2",
      "pkv_paged_attention_reduce_ifwht256", 256),
@@ -748,6 +749,9 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
              .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
     names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s")
+              for g in (1, 2, 4, 8)}
+    names |= {f"pkv_paged_attention_{d.replace('/', '_')}_mma_g{g}"
+              for d in kvcache.QUANT_KV_DTYPES if kvcache.qkv_mma_applies(d)
               for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256",
               "pkv_paged_attention_reduce_ifwht128"}
