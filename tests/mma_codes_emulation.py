@@ -12,9 +12,20 @@ Kept in its own module so the q8 emulator stays the q8 kernels' mirror.
 from __future__ import annotations
 
 import numpy as np
-from mma_attention_emulation import GID, LANE, LANES, TID, byte_perm, f16_bits, f16_value
-from mma_attention_emulation import load_u16, load_word_a2, mma_16x8x16, q_fragments
 
+from mma_attention_emulation import (
+    GID,
+    LANE,
+    LANES,
+    TID,
+    byte_perm,
+    f16_bits,
+    f16_value,
+    load_u16,
+    load_word_a2,
+    mma_16x8x16,
+    q_fragments,
+)
 from pagedkv.kernels import numpy_kernels
 from pagedkv.quant import kv as kv_modes
 from pagedkv.quant import kv_rotated
