@@ -674,6 +674,27 @@ def test_compressed_attention_tensor_core_path_is_selectable(monkeypatch, kv_dty
     assert dev.shared_bytes[-2] == 4 * max(512 * 2, 4 * 2 * 256)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads,kernel", [
+    (128, 8, 2, "pkv_paged_attention_q8s_g4"),   # the staged tensor-core passes apply
+    (256, 16, 4, "pkv_paged_attention_q8_g4"),   # CUDA-core passes: no idle stage buffers
+    (128, 16, 2, "pkv_paged_attention_q8_g8"),   # 8 query heads per KV head: likewise
+    (32, 2, 1, "pkv_paged_attention_q8_g2"),
+])
+def test_q8_default_stages_only_where_the_staged_passes_run(monkeypatch, head_dim, heads,
+                                                           kv_heads, kernel):
+    # At head_dim 256 the q8s kernel's 36 KB of stage buffers plus the scores' scratch went
+    # over the 48 KB of a launch on the H200 (CUDA_ERROR_INVALID_VALUE): the default keeps
+    # the unstaged kernel wherever the staged tensor-core passes would not run anyway.
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
+    attn = kvcache.PagedAttention(FakeDevice(), num_seqs=1, num_heads=heads,
+                                  kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                                  max_seq_len=64, kv_dtype="q8")
+    assert attn._partition.name == kernel
+    assert attn.q8_stage is kernel.startswith("pkv_paged_attention_q8s")
+
+
 def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
     # The q8s kernels copy rows in 8-byte units from pool + row * 136: a pool view that
     # starts off 8-byte alignment is refused before any launch (q8 and q8cc take it).

@@ -296,7 +296,14 @@ class PagedAttention:
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
         stage_asked = q8_stage is True
         if q8_stage is None:
-            q8_stage = env_bool("PAGEDKV_ATTN_Q8_STAGE", True)
+            # Staged by default only where its tensor-core passes run (NVIDIA, head_dim
+            # 64/128, at most 4 query heads per KV head): elsewhere the q8s kernels run the
+            # CUDA-core passes under 36 KB of idle stage buffers, which cost occupancy and,
+            # with head_dim 256's scratch, exceed the 48 KB a launch gets (H200,
+            # 2026-12-02: CUDA_ERROR_INVALID_VALUE at kvh4 d256).
+            q8_stage = (env_bool("PAGEDKV_ATTN_Q8_STAGE", True) and head_dim in (64, 128)
+                        and self.gmax <= 4 and getattr(device, "backend", None) != "hip"
+                        and device.properties.warp_size == 32)
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
         # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
         # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
