@@ -1459,7 +1459,221 @@ pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* poo
   kv_rotated_write<uint16_t>(src, slots, pool, n_tokens, kv_heads, head_dim, (uint32_t)mode);
 }
 
-template <int KBITS, int KROT, int VBITS, int VROT, int GMAX>
+// ---------------------------------------------------------------------------
+// Compressed KV on the f16 tensor-core passes (the _mma kernels below; NVIDIA sm_80+, 4- and
+// 2-bit codes, head_dim 128 or 256, GMAX <= 4; docs/kernels.md "Compressed KV on tensor
+// cores"). A code byte (two 4-bit codes, or four 2-bit codes) indexes a 256-entry shared
+// table of the centroids it names, already as f16x2 words in the mma's order: for each pair
+// of codes the f16 of CODE_TABLE_SCALE * C (hi) and the f16 of what that rounding left
+// (lo), so hi + lo carry 22 bits of the f32 centroid and each fragment runs two mmas (hi,
+// lo) into the same f32 sums. CODE_TABLE_SCALE (2^6) keeps every lo an f16 normal (the
+// smallest centroid, 0.0079, times 64 is 0.51); the sums are scaled back by 2^-6 exactly.
+// Each pass covers 128 dims at a time (head_dim 256: two halves, the second adding to the
+// first's scores / writing the other half of the output), so a lane's registers are those
+// of the head_dim-128 f16 pass.
+// Pass 1 (qk_scores_mma_codes): A is q_fragments of the rotated queries (f16 + remainder),
+// B is K's centroids: lane (gid, t) reads the 8 codes of dims 32i + 8t .. + 7 of token gid
+// (a 32-bit word at 4 bits, 16 bits at 2), the dims of k-steps 2i, 2i + 1 in q_fragments'
+// order; a score is (c0 + c2) * cnorm_t / 64.
+// Pass 2 (pv_mma_codes): out^T = V^T . P^T as pv_mma: lane (gid, t) takes tokens 4t .. 4t + 3
+// and B's column gid holds p_t * cnorm_t (f16, or its remainder on gid >= 4); a code byte's
+// pair (dims 2x, 2x + 1) of two tokens becomes two A registers with one byte permute each.
+// 4-bit: the lane reads code bytes 4 gid .. + 3 and 32 + 4 gid .. + 3 of its 128 dims (m-tile
+// 4w + j, row gid = dim 64w + 8 gid + 2j: pv_mma's mapping); 2-bit: bytes 4 gid .. + 3
+// (m-tile 2j + k, row gid = dim 16 gid + 4j + 2k).
+constexpr float CODE_TABLE_SCALE = 64.0f;
+constexpr int CODE_TABLE_ENTRIES = 256;
+
+// u32 words per table entry: 4-bit {hi pair, lo pair}; 2-bit {hi 0-1, hi 2-3, lo 0-1, lo 2-3}.
+template <int BITS>
+constexpr int CODE_TABLE_WORDS = BITS == 4 ? 2 : 4;
+
+// The table of a BITS-bit family's centroids (C: 1 << BITS floats), by the CTA's threads.
+template <int BITS>
+PKV_DEV void build_code_table(uint32_t* tab, const float* C) {
+  constexpr int PER = 8 / BITS;  // codes per byte
+  for (int b = threadIdx.x; b < CODE_TABLE_ENTRIES; b += blockDim.x) {
+    uint32_t hi[PER], lo[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const float v = C[(b >> (BITS * k)) & ((1 << BITS) - 1)] * CODE_TABLE_SCALE;
+      hi[k] = pkv_float_to_half_bits(v);
+      lo[k] = pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi[k]));
+    }
+#pragma unroll
+    for (int k = 0; k < PER / 2; ++k) {
+      tab[b * CODE_TABLE_WORDS<BITS> + k] = hi[2 * k] | hi[2 * k + 1] << 16;
+      tab[b * CODE_TABLE_WORDS<BITS> + PER / 2 + k] = lo[2 * k] | lo[2 * k + 1] << 16;
+    }
+  }
+}
+
+// The pairs of one code byte: hi[k] / lo[k] = dims 2k, 2k + 1 of the byte (k < 2 at 2 bits,
+// k = 0 at 4 bits).
+template <int BITS>
+PKV_DEV void code_byte_pairs(const uint32_t* tab, uint32_t byte, uint32_t (&hi)[2],
+                             uint32_t (&lo)[2]) {
+  if (BITS == 4) {
+    const uint2 e = ((const uint2*)tab)[byte];
+    hi[0] = e.x, lo[0] = e.y, hi[1] = lo[1] = 0u;
+  } else {
+    const uint4 e = ((const uint4*)tab)[byte];
+    hi[0] = e.x, hi[1] = e.y, lo[0] = e.z, lo[1] = e.w;
+  }
+}
+
+// Pass 1: scores[t][g] of n_tok tokens; qs: the group's rotated queries times scale
+// ([GMAX][head_dim] f32, shared). Half 0 stores the scores, half 1 adds to them (the same
+// lane both times).
+template <int BITS, int GMAX>
+PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
+                                 const uint8_t* __restrict__ k_pool, const int64_t* rows,
+                                 int64_t row_bytes, int n_tok, const uint32_t* tab,
+                                 float* scores) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_groups = (n_tok + 7) / 8;
+  for (int half = 0; half < head_dim / 128; ++half) {
+    uint32_t qa[8][4];
+    q_fragments<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+    const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+    struct Raw {
+      uint32_t w[4];  // dims 32i + 8t .. + 7 of token gid (BITS 2: the low 16 bits)
+      float cnorm;    // token gid's
+    };
+    auto load = [&](Raw& kr, int grp) {  // past n_tok: the last token again (never stored)
+      const uint8_t* row = k_pool + rows[min(8 * grp + gid, n_tok - 1)] * row_bytes;
+      kr.cnorm = *(const float*)row;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        kr.w[i] = BITS == 4 ? *(const uint32_t*)(row + code0 + 16 * i + 4 * t)
+                            : (uint32_t)*(const uint16_t*)(row + code0 + 8 * i + 2 * t);
+    };
+    Raw cur, nxt;
+    int grp = warp;
+    if (grp < n_groups) load(cur, grp);
+    for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
+      if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t hi0[2], lo0[2];
+        if (BITS == 4) {  // k-step s: bytes 2(s%2), 2(s%2) + 1 of word s/2 are b0, b1
+          uint32_t hi1[2], lo1[2];
+          code_byte_pairs<4>(tab, (cur.w[s / 2] >> (16 * (s % 2))) & 0xFFu, hi0, lo0);
+          code_byte_pairs<4>(tab, (cur.w[s / 2] >> (16 * (s % 2) + 8)) & 0xFFu, hi1, lo1);
+          hi0[1] = hi1[0], lo0[1] = lo1[0];
+        } else {  // k-step s: byte s%2 of word s/2, its pairs b0, b1
+          code_byte_pairs<2>(tab, (cur.w[s / 2] >> (8 * (s % 2))) & 0xFFu, hi0, lo0);
+        }
+        mma_f16_16x8x16(c, qa[s], hi0[0], hi0[1]);
+        mma_f16_16x8x16(c, qa[s], lo0[0], lo0[1]);
+      }
+      // Column 2t / 2t + 1 is token 8 grp + 2t / + 1: its cnorm is on lane 8t / 8t + 4.
+      const float cn0 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t));
+      const float cn1 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t + 4));
+      const float s0 = (c[0] + c[2]) * (cn0 * (1.0f / CODE_TABLE_SCALE));
+      const float s1 = (c[1] + c[3]) * (cn1 * (1.0f / CODE_TABLE_SCALE));
+      const int tok = 8 * grp + 2 * t;
+      if (gid < GMAX) {
+        if (tok < n_tok) scores[tok * GMAX + gid] = half ? scores[tok * GMAX + gid] + s0 : s0;
+        if (tok + 1 < n_tok)
+          scores[(tok + 1) * GMAX + gid] = half ? scores[(tok + 1) * GMAX + gid] + s1 : s1;
+      }
+      cur = nxt;
+    }
+  }
+}
+
+// The output dim of m-tile mt's row gid in pass 2 (row gid + 8: the next dim), in the half.
+template <int BITS>
+PKV_DEV int pv_codes_dim(int mt, int gid) {
+  return BITS == 4 ? 64 * (mt / 4) + 8 * gid + 2 * (mt % 4) : 16 * gid + 4 * (mt / 2) + 2 * (mt % 2);
+}
+
+// Pass 2 over dims 128 half .. + 127 of a rotated V: o as pv_mma's (columns 0-3 after the
+// remainder fold), scaled back from the table scale; the sums stay in the V basis.
+template <int BITS, int GMAX>
+PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_pool,
+                          const int64_t* rows, int64_t row_bytes, int n_tok, int half,
+                          const uint32_t* tab, float (&o)[8][4]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  struct Raw {
+    uint32_t w[4][2];  // [token 4t + j]: code bytes 4 gid .. + 3 (and 32 + 4 gid .. at 4 bits)
+    float cnorm[4];
+  };
+  const int n_steps = (n_tok + 15) / 16;
+  auto load = [&](Raw& vr, int st) {  // past n_tok: the last token again (its p is 0)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* row = v_pool + rows[min(16 * st + 4 * t + j, n_tok - 1)] * row_bytes;
+      vr.cnorm[j] = *(const float*)row;
+      vr.w[j][0] = *(const uint32_t*)(row + code0 + 4 * gid);
+      vr.w[j][1] = BITS == 4 ? *(const uint32_t*)(row + code0 + 32 + 4 * gid) : 0u;
+    }
+  };
+  const int head = gid % 4;
+  const bool rest = gid >= 4, live = head < GMAX;
+  auto x_pair = [&](const float (&x)[4], int k) {  // B: tokens 4t + 2k, + 1
+    uint32_t bits = 0u;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint32_t hi = pkv_float_to_half_bits(x[2 * k + e]);
+      const uint32_t h =
+          rest ? pkv_float_to_half_bits(x[2 * k + e] - pkv_half_bits_to_float((uint16_t)hi)) : hi;
+      bits |= h << (16 * e);
+    }
+    return bits;
+  };
+  Raw cur, nxt;
+  int st = warp;
+  if (st < n_steps) load(cur, st);
+  for (; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (st + n_warps < n_steps) load(nxt, st + n_warps);
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = 16 * st + 4 * t + j;
+      x[j] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] * cur.cnorm[j] : 0.0f;
+    }
+    const uint32_t b0 = x_pair(x, 0), b1 = x_pair(x, 1);
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt) {
+      // The code byte of each token that holds m-tile mt's dims, and the pair within it.
+      const int word = BITS == 4 ? mt / 4 : 0, byte = BITS == 4 ? mt % 4 : mt / 2;
+      const int pair = BITS == 4 ? 0 : mt % 2;
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t h[2], l[2];
+        code_byte_pairs<BITS>(tab, (cur.w[j][word] >> (8 * byte)) & 0xFFu, h, l);
+        hi[j] = h[pair], lo[j] = l[pair];
+      }
+      // Row gid (even dim): low halves of tokens (4t, 4t + 1) / (4t + 2, 4t + 3); gid + 8: high.
+      const uint32_t ah[4] = {__byte_perm(hi[0], hi[1], 0x5410), __byte_perm(hi[0], hi[1], 0x7632),
+                              __byte_perm(hi[2], hi[3], 0x5410), __byte_perm(hi[2], hi[3], 0x7632)};
+      const uint32_t al[4] = {__byte_perm(lo[0], lo[1], 0x5410), __byte_perm(lo[0], lo[1], 0x7632),
+                              __byte_perm(lo[2], lo[3], 0x5410), __byte_perm(lo[2], lo[3], 0x7632)};
+      mma_f16_16x8x16(o[mt], ah, b0, b1);
+      mma_f16_16x8x16(o[mt], al, b0, b1);
+    }
+    cur = nxt;
+  }
+  // Columns 4-7 (remainders) live on lanes t + 2: add them to columns 0-3; undo the scale.
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      o[mt][r] = (o[mt][r] + pkv_shfl_xor(o[mt][r], 2)) * (1.0f / CODE_TABLE_SCALE);
+}
+
+// MMA: pass 1 on tensor cores (qk_scores_mma_codes) and, for a rotated V, pass 2 too
+// (pv_mma_codes; a q8 V keeps the CUDA-core pass 2). The caller checks the conditions.
+template <int KBITS, int KROT, int VBITS, int VROT, int GMAX, bool MMA = false>
 PKV_DEV void paged_attention_quant_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -1471,8 +1685,14 @@ PKV_DEV void paged_attention_quant_partition(
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
   __shared__ int64_t rows[PARTITION];
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
-  __shared__ float qs[GMAX * 256];  // the group's queries, rotated into the K basis
-  __shared__ float ctab_k[16], ctab_v[16];
+  constexpr bool V_MMA = MMA && !V_Q8;  // pass 2 on tensor cores
+  // The group's queries, rotated into the K basis; with V_MMA later the warps' partial
+  // outputs ([n_warps][GMAX][head_dim]: the scores they would overwrite in smem are read
+  // by both halves of pass 2).
+  __shared__ float qs[V_MMA ? PKV_ATTN_THREADS / 32 * GMAX * 256 : GMAX * 256];
+  __shared__ float ctab_k[MMA ? 1 : 16], ctab_v[MMA || V_Q8 ? 1 : 16];
+  __shared__ __align__(16) uint32_t tab_k[MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<KBITS> : 1];
+  __shared__ __align__(16) uint32_t tab_v[V_MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<VBITS> : 1];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
@@ -1492,7 +1712,11 @@ PKV_DEV void paged_attention_quant_partition(
   const int64_t v_row_bytes = V_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim)
                                    : PKV_KV_CNORM_BYTES + head_dim * VBITS / 8;
 
-  if (threadIdx.x < 16) {
+  if constexpr (MMA) {
+    build_code_table<KBITS>(tab_k, kKvCentroids + pkv_kv_centroid_offset(KBITS, KROT));
+    if constexpr (V_MMA)
+      build_code_table<VBITS>(tab_v, kKvCentroids + pkv_kv_centroid_offset(VBITS, VROT));
+  } else if (threadIdx.x < 16) {
     const int t = threadIdx.x;
     ctab_k[t] = kKvCentroids[pkv_kv_centroid_offset(KBITS, KROT) + min(t, (1 << KBITS) - 1)];
     if (!V_Q8)
@@ -1510,18 +1734,20 @@ PKV_DEV void paged_attention_quant_partition(
   }
   __syncthreads();
   rotate_shared<KROT>(qs, GMAX * head_dim, false);
-  float qv[GMAX][8];
-#pragma unroll
-  for (int g = 0; g < GMAX; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qv[g][i] = qs[g * head_dim + d0 + i];
-
   // Pass 1: scores (the reduce-scatter of the kernel above: each lane ends with one
   // head's dot product), times the row's cnorm.
   float* scores = smem;
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
-  {
+  if constexpr (MMA) {
+    qk_scores_mma_codes<KBITS, GMAX>(qs, group, head_dim, k_pool, rows, k_row_bytes, n_tok,
+                                     tab_k, scores);
+  } else {
+    float qv[GMAX][8];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qv[g][i] = qs[g * head_dim + d0 + i];
     RawCodes8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
     auto load_k = [&](int t0, RawCodes8 (&raw)[PKV_ATTN_UNROLL]) {
 #pragma unroll
@@ -1609,6 +1835,30 @@ PKV_DEV void paged_attention_quant_partition(
   }
   __syncthreads();
 
+  float* wsum = smem;  // [n_warps][GMAX][head_dim]
+  if constexpr (V_MMA) {
+    // Pass 2 on tensor cores, 128 dims at a time, into qs (scores stay readable).
+    wsum = qs;
+    const int gid = lane / 4, t = lane % 4;
+    for (int half = 0; half < head_dim / 128; ++half) {
+      float o[8][4];
+      pv_mma_codes<VBITS, GMAX>(scores, v_pool, rows, v_row_bytes, n_tok, half, tab_v, o);
+      if (t < 2) {  // lane t holds heads 2t, 2t + 1; o[mt][0..1] row gid, [2..3] row gid + 8
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+          const int d = 128 * half + pv_codes_dim<VBITS>(mt, gid);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int g = 2 * t + e;
+            if (g < GMAX) {
+              wsum[(warp * GMAX + g) * head_dim + d] = o[mt][e];
+              wsum[(warp * GMAX + g) * head_dim + d + 1] = o[mt][2 + e];
+            }
+          }
+        }
+      }
+    }
+  } else {
   // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims (rotated V: p_t * cnorm_t *
   // C[code] in the VROT basis).
   float acc[GMAX][8];
@@ -1687,12 +1937,12 @@ PKV_DEV void paged_attention_quant_partition(
       for (int o = PKV_WARP_SIZE / 2; o >= lanes_per_token; o >>= 1)
         acc[g][i] += pkv_shfl_xor(acc[g][i], o);
   __syncthreads();  // scores are no longer read: smem now holds per-warp sums
-  float* wsum = smem;  // [n_warps][GMAX][head_dim]
   if (sub == 0) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g)
 #pragma unroll
       for (int i = 0; i < 8; ++i) wsum[(warp * GMAX + g) * head_dim + d0 + i] = acc[g][i];
+  }
   }
   __syncthreads();
   for (int e = threadIdx.x; e < group * head_dim; e += PKV_ATTN_THREADS) {
@@ -1750,6 +2000,52 @@ PKV_ATTN_QKERNELS_ALL_V(fwht2, 2, 128)
 // K is fwht3's bytes and runs the fwht3 kernels.
 PKV_ATTN_QKERNELS_ALL_V(lloyd4, 4, 256)
 PKV_ATTN_QKERNELS_ALL_V(lloyd2, 2, 256)
+
+// The _mma kernels (pkv_paged_attention_<K>_<V>_mma_g<GMAX>): 4- or 2-bit K with a q8, 4- or
+// 2-bit V on the tensor-core passes above where they apply (NVIDIA sm_80+, 32-lane warps, GMAX
+// <= 4; every head_dim these modes store, 128 and 256), elsewhere the CUDA-core passes of the
+// kernels above. PAGEDKV_ATTN_QKV_MMA=0 (pagedkv.kernels.kvcache) selects those instead.
+template <int KBITS, int KROT, int VBITS, int VROT, int GMAX>
+PKV_DEV void paged_attention_quant_dispatch(
+    const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
+    const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
+    int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
+    int max_partitions) {
+  static_assert(KBITS != 3 && VBITS != 3, "3-bit codes have no code-byte table");
+  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && GMAX <= 4 && PKV_WARP_SIZE == 32;
+  paged_attention_quant_partition<KBITS, KROT, VBITS, VROT, GMAX, MMA_OK>(
+      q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+      num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+}
+
+#define PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, GMAX)                     \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_QKV_MMA)               \
+      pkv_paged_attention_##KNAME##_##VNAME##_mma_g##GMAX(                                     \
+          const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
+          const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \
+          float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,          \
+          int head_dim, int block_size, int table_width, int max_partitions) {                 \
+    paged_attention_quant_dispatch<KBITS, KROT, VBITS, VROT, GMAX>(                            \
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,        \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);               \
+  }
+#define PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT)  \
+  PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 1)     \
+  PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 2)     \
+  PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 4)     \
+  PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 8)
+// Every V of one K that has a code-byte table or is q8 (no 3-bit V).
+#define PKV_ATTN_QKERNELS_MMA_ALL_V(KNAME, KBITS, KROT)     \
+  PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, q8, 8, 0)       \
+  PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, lloyd4, 4, 256) \
+  PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, lloyd2, 2, 256) \
+  PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, fwht4, 4, 128)  \
+  PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, fwht2, 2, 128)
+
+PKV_ATTN_QKERNELS_MMA_ALL_V(fwht4, 4, 128)
+PKV_ATTN_QKERNELS_MMA_ALL_V(fwht2, 2, 128)
+PKV_ATTN_QKERNELS_MMA_ALL_V(lloyd4, 4, 256)
+PKV_ATTN_QKERNELS_MMA_ALL_V(lloyd2, 2, 256)
 
 // The reduce of a rotated V: combine the partitions in the V basis, then rotate each
 // (seq, head) row back (R^T per ROT-block) before writing it. head_dim threads, one per dim

@@ -64,11 +64,16 @@ def test_compressed_attention_rows_charge_stored_bytes_and_compare_with_f16(dev)
     rows: list[dict] = []
     gpu.bench_attention(dev, Stream(dev), rows, 1e12, None, case=case,
                         dtypes=("float16", "fwht4/q8", "fwht4/lloyd4", "lloyd4/lloyd4"))
+    # each 4/2-bit pair: its _mma kernel (default), then its CUDA-core kernel on the same pool
     assert [r["kernel"] for r in rows] == ["paged_attention float16", "paged_attention fwht4/q8",
+                                           "paged_attention fwht4/q8 cuda-cores",
                                            "paged_attention fwht4/lloyd4",
-                                           "paged_attention lloyd4/lloyd4"]
+                                           "paged_attention fwht4/lloyd4 cuda-cores",
+                                           "paged_attention lloyd4/lloyd4",
+                                           "paged_attention lloyd4/lloyd4 cuda-cores"]
     assert "vs_float16" not in rows[0]
     assert all(r["vs_float16"] == pytest.approx(1.0) for r in rows[1:])  # the stub: 0.5 ms each
+    assert all(r["mma_speedup"] == pytest.approx(1.0) for r in rows[2::2])
     assert rows[1]["GB/s"] * rows[1]["us"] * 1e3 == pytest.approx(
         8 * 16 * 2 * (132 + 272) + 2 * 2 * 4 * 256 * 4 + 2 * 4 * 4)
 
@@ -156,7 +161,8 @@ def test_asv_tracks_rows_the_bench_emits(dev):
         f"paged_attention q8 | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 cuda-cores | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 unstaged | {rows[n_default - 1]['shape']}",
-        f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}"]
+        f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}",
+        f"paged_attention fwht4/lloyd4 cuda-cores | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
 
 

@@ -505,25 +505,26 @@ def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_l
 
 
 @pytest.mark.parametrize("kv_dtype,head_dim,heads,k_row,v_row,partition,reduce,threads", [
-    ("fwht4/lloyd4", 256, 8, 132, 132, "pkv_paged_attention_fwht4_lloyd4_g4",
+    ("fwht4/lloyd4", 256, 8, 132, 132, "pkv_paged_attention_fwht4_lloyd4_mma_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
     ("fwht3/lloyd2", 256, 2, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g1",
      "pkv_paged_attention_reduce_ifwht256", 256),
-    ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_g8",
+    ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_mma_g8",
      "pkv_paged_attention_reduce", 128),
-    ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_g4",
+    ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_mma_g4",
      "pkv_paged_attention_reduce", 128),
-    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_g2",
+    ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_mma_g2",
      "pkv_paged_attention_reduce", 256),
     ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
     # pagedkv's fwht V: R128 per half, rotated back by the ifwht128 reduce (head_dim
-    # threads); an fwht3 V runs lloyd3's kernels
-    ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_g4",
+    # threads); an fwht3 V runs lloyd3's kernels. 4/2-bit K with a q8/4/2-bit V: the _mma
+    # kernels by default (PAGEDKV_ATTN_QKV_MMA unset), 3-bit codes the CUDA-core ones
+    ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_mma_g4",
      "pkv_paged_attention_reduce_ifwht128", 128),
-    ("fwht2/fwht4", 128, 2, 36, 68, "pkv_paged_attention_fwht2_fwht4_g1",
+    ("fwht2/fwht4", 128, 2, 36, 68, "pkv_paged_attention_fwht2_fwht4_mma_g1",
      "pkv_paged_attention_reduce_ifwht128", 128),
-    ("lloyd4/fwht2", 256, 16, 132, 68, "pkv_paged_attention_lloyd4_fwht2_g8",
+    ("lloyd4/fwht2", 256, 16, 132, 68, "pkv_paged_attention_lloyd4_fwht2_mma_g8",
      "pkv_paged_attention_reduce_ifwht128", 256),
     ("lloyd3/fwht3", 256, 4, 100, 100, "pkv_paged_attention_fwht3_lloyd3_g2",
      "pkv_paged_attention_reduce_ifwht256", 256),
@@ -645,6 +646,45 @@ def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, e
                         ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
 
 
+@pytest.mark.parametrize("kv_dtype,qkv_mma,env,kernel", [
+    ("fwht4/lloyd4", None, None, "pkv_paged_attention_fwht4_lloyd4_mma_g2"),  # default: mma
+    ("fwht4/q8", None, "1", "pkv_paged_attention_fwht4_q8_mma_g2"),
+    ("fwht2/fwht4", None, "0", "pkv_paged_attention_fwht2_fwht4_g2"),  # PAGEDKV_ATTN_QKV_MMA=0
+    ("fwht4/fwht2", True, "0", "pkv_paged_attention_fwht4_fwht2_mma_g2"),  # argument wins
+    ("lloyd2/q8", False, None, "pkv_paged_attention_lloyd2_q8_g2"),
+    ("fwht3/lloyd4", None, None, "pkv_paged_attention_fwht3_lloyd4_g2"),  # 3-bit: no _mma
+    ("fwht4/lloyd3", True, None, "pkv_paged_attention_fwht4_lloyd3_g2"),
+    ("fwht4/fwht3", None, None, "pkv_paged_attention_fwht4_lloyd3_g2"),  # fwht3 V: lloyd3's
+])
+def test_compressed_attention_tensor_core_path_is_selectable(monkeypatch, kv_dtype, qkv_mma,
+                                                              env, kernel):
+    from pagedkv.kernels import kvcache
+    from pagedkv.quant import kv as kv_modes
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_QKV_MMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_QKV_MMA", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=256,
+                                  block_size=16, max_seq_len=600, kv_dtype=kv_dtype,
+                                  qkv_mma=qkv_mma)
+    mma = kernel.split("_g")[0].endswith("_mma")
+    has_mma = kvcache.qkv_mma_applies(kv_dtype)
+    assert attn._partition.name == kernel and attn.qkv_mma == (mma if has_mma else None)
+    assert repr(attn).endswith(f", qkv_mma={mma})" if has_mma else "partitions=2)")
+    q = dev.empty((1, 4, 256), np.float32)
+    k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
+    k_pool = dev.empty((40, 16, 2, kv_modes.side_row_bytes(k_side, 256)), np.uint8)
+    v_pool = dev.empty((40, 16, 2, kv_modes.side_row_bytes(v_side, 256)), np.uint8)
+    dev.calls.clear()
+    attn.run(q, k_pool, v_pool, dev.array(np.zeros((1, 38), np.int32)),
+             dev.array(np.zeros(1, np.int32)), dev.empty((1, 4, 256), np.float32))
+    # either kernel: the same partition (512 tokens), grid, threads and shared memory
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches[0] == ("launch", kernel, (2, 2, 1), (128,))
+    assert dev.shared_bytes[-2] == 4 * max(512 * 2, 4 * 2 * 256)
+
+
 @pytest.mark.parametrize("head_dim,heads,kv_heads,kernel", [
     (128, 8, 2, "pkv_paged_attention_q8s_g4"),   # the staged tensor-core passes apply
     (256, 16, 4, "pkv_paged_attention_q8_g4"),   # CUDA-core passes: no idle stage buffers
@@ -741,6 +781,9 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
              .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
     names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s")
+              for g in (1, 2, 4, 8)}
+    names |= {f"pkv_paged_attention_{d.replace('/', '_')}_mma_g{g}"
+              for d in kvcache.QUANT_KV_DTYPES if kvcache.qkv_mma_applies(d)
               for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256",
               "pkv_paged_attention_reduce_ifwht128"}

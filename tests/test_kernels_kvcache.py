@@ -489,3 +489,87 @@ def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
     py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
     assert hip == py and len(hip) == 14
+
+
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
+    ("fwht4/lloyd4", 4, 1, 256, 16, [530, 3], 1.0),   # two partitions; head_dim 256: 2 halves
+    ("fwht4/fwht4", 3, 1, 128, 5, [40, 1], 1.0),      # group 3 in a g4 kernel, one token
+    ("fwht2/fwht2", 2, 2, 128, 8, [70, 0], 300.0),    # g1, large V norms, an empty sequence
+    ("fwht4/fwht2", 4, 2, 128, 16, [33], 1e-3),       # g2, small V norms
+    ("fwht2/lloyd2", 4, 2, 256, 4, [45], 1.0),        # 2-bit K and V at head_dim 256
+    ("lloyd4/fwht4", 2, 1, 256, 8, [20], 1.0),        # R256 K with an R128 V
+])
+def test_compressed_mma_emulation_matches_the_reference(kv_dtype, heads, kv_heads, head_dim,
+                                                        block_size, seq_lens, v_scale):
+    # The lane-by-lane emulation of the _mma kernels (code-byte tables, fragments, byte
+    # permutes, hi + lo splits) against the float64 reference over the same records.
+    import mma_codes_emulation as emu
+    k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
+                                          block_size=block_size, kv_dtype=kv_dtype)
+    vals = RNG.standard_normal((k_pool.shape[0], block_size, kv_heads, head_dim)) * v_scale
+    v_pool = numpy_kernels.kv_rotated_quantize(vals.astype(np.float32), kv_dtype.split("/")[1])
+    q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
+    got = emu.paged_attention_codes_mma(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
+                                        scale=head_dim ** -0.5,
+                                        partition=kvcache.ATTN_PARTITION_TOKENS[kv_dtype])
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                                kv_dtype=kv_dtype, scale=head_dim ** -0.5)
+    # the documented attention tolerance, atol in units of the V magnitude
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
+
+
+def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
+    # pv_mma_codes and its emulation build A from the looked-up pairs with the same
+    # __byte_perm selectors in the same order (two per hi / lo register set).
+    import re
+    from pathlib import Path
+
+    import mma_codes_emulation as emu
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "hip/kvcache.hip").read_text()
+    body = src[src.index("PKV_DEV void pv_mma_codes("):src.index("// MMA: pass 1 on tensor")]
+    hip = re.findall(r"__byte_perm\((?:hi|lo)\[\d\], (?:hi|lo)\[\d\], (0x[0-9A-Fa-f]+)\)", body)
+    py = re.findall(r"byte_perm\(regs\[\d\], regs\[\d\], (0x[0-9A-Fa-f]+)\)",
+                    Path(emu.__file__).read_text())
+    assert hip == py * 2 and len(hip) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim", [
+    ("fwht4/lloyd4", 16, 4, 256), ("fwht4/lloyd2", 2, 2, 256), ("lloyd4/lloyd4", 4, 2, 256),
+    ("fwht2/lloyd2", 3, 1, 256), ("lloyd2/fwht4", 4, 1, 256), ("fwht4/q8", 16, 4, 256),
+    ("fwht4/fwht4", 32, 8, 128), ("fwht4/fwht2", 2, 1, 128), ("fwht4/q8", 8, 2, 128),
+    ("fwht2/q8", 4, 4, 128), ("fwht2/fwht2", 4, 2, 128), ("fwht2/fwht4", 8, 2, 128),
+])
+def test_gpu_compressed_attention_tensor_core_path(device, kv_dtype, heads, kv_heads, head_dim):
+    # The _mma kernel (default; qkv_mma=True) and the CUDA-core one (qkv_mma=False,
+    # PAGEDKV_ATTN_QKV_MMA=0) on the same pool: each within the attention tolerance of the
+    # float64 reference, and of each other. V norms from 0.1 to 100 in one pool (the
+    # tensor-core pass 2 folds cnorm into P's f16 + remainder), ragged lengths across
+    # 512-token partitions, 1-4 heads per KV head.
+    lens = [1, 511, 1300, 0]
+    k_pool, _, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=head_dim,
+                                          block_size=16, kv_dtype=kv_dtype)
+    v_side = kv_dtype.split("/")[1]
+    vals = RNG.standard_normal((k_pool.shape[0], 16, kv_heads, head_dim)).astype(np.float32)
+    vals *= np.where(RNG.random((k_pool.shape[0], 1, 1, 1)) < 0.5, 10.0, 0.01)
+    v_pool = (numpy_kernels.kv_q8_quantize(vals) if v_side == "q8"
+              else numpy_kernels.kv_rotated_quantize(vals, v_side))
+    q = RNG.standard_normal((4, heads, head_dim)).astype(np.float32) * 2
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                                kv_dtype=kv_dtype, scale=head_dim ** -0.5)
+    outs = []
+    for qkv_mma in (True, False):
+        attn = kvcache.PagedAttention(device, num_seqs=4, num_heads=heads, kv_heads=kv_heads,
+                                      head_dim=head_dim, block_size=16, max_seq_len=1300,
+                                      kv_dtype=kv_dtype, qkv_mma=qkv_mma)
+        assert attn._partition.name.endswith(("_mma_g" if qkv_mma else "_g")
+                                             + str(attn.gmax))
+        assert attn.qkv_mma is qkv_mma
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(device.array(q), device.array(k_pool), device.array(v_pool),
+                 device.array(tables), device.array(lens), out)
+        outs.append(out.to_numpy())
+        assert np.isfinite(outs[-1]).all()
+        _assert_within(outs[-1], want, 1e-4, 2e-5, f"{kv_dtype} qkv_mma={qkv_mma}")
+    _assert_within(outs[0], outs[1], 2e-4, 4e-5, f"{kv_dtype}: the _mma and CUDA-core paths")

@@ -49,6 +49,12 @@
 #ifndef PKV_ATTN_MIN_BLOCKS_QKV
 #define PKV_ATTN_MIN_BLOCKS_QKV 6
 #endif
+/* Their tensor-core (_mma) kernels: the f16 kernel's 4 (at 6, i.e. 80 registers, the mma
+ * passes spilled 40-120 bytes on sm_90; static shared memory caps them at 5 CTAs per SM at
+ * head_dim 256 anyway). Same partition. */
+#ifndef PKV_ATTN_MIN_BLOCKS_QKV_MMA
+#define PKV_ATTN_MIN_BLOCKS_QKV_MMA 4
+#endif
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif

@@ -457,6 +457,14 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
                  f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_un, nbytes, copy_bw,
                  {"staged_speedup": t_un / t, "speedup_vs_cuda_cores": t_cc / t_un}
                  | ({"vs_float16": t_f16 / t_un} if t_f16 else {}))
+        if kv_dtype in kvcache.QUANT_KV_DTYPES and kvcache.qkv_mma_applies(kv_dtype):
+            # the CUDA-core kernel of the pair (PAGEDKV_ATTN_QKV_MMA=0) on the same pool;
+            # the row above ran the _mma kernel (unless the env turned it off)
+            attn_cc = kvcache.PagedAttention(device, **attn_kwargs, qkv_mma=False)
+            t_cc = time_attention(device, stream, attn_cc, args)
+            _row(rows, f"paged_attention {kv_dtype} cuda-cores",
+                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cc, nbytes, copy_bw,
+                 {"mma_speedup": t_cc / t} | ({"vs_float16": t_f16 / t_cc} if t_f16 else {}))
         for a in args:
             a.free()
 

@@ -55,10 +55,25 @@ QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2", "lloyd4"
 # likewise an fwht3 V runs the lloyd3 V kernels.
 _K_KERNEL = {"lloyd3": "fwht3"}
 _V_KERNEL = {"fwht3": "lloyd3"}
-# Every compressed pair runs the CUDA-core kernels of one launch setting (PKV_*_QKV).
+#: Code widths with a tensor-core (``_mma``) kernel: K 4 or 2 bits, V q8, 4 or 2 bits
+#: (docs/kernels.md, "Compressed KV on tensor cores"); 3-bit codes keep the CUDA-core kernels.
+QKV_MMA_K_BITS = (4, 2)
+QKV_MMA_V_BITS = (8, 4, 2)
+
+
+def qkv_mma_applies(kv_dtype: str) -> bool:
+    """Whether a compressed pair has ``_mma`` kernels (both sides' code widths do)."""
+    from pagedkv.quant import kv as kv_modes
+    k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
+    return (kv_modes.kv_mode(k_side).bits in QKV_MMA_K_BITS
+            and kv_modes.kv_mode(v_side).bits in QKV_MMA_V_BITS)
+# Every compressed pair runs the kernels of one launch setting (PKV_*_QKV), the CUDA-core
+# ones and the tensor-core _mma ones alike.
 ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
                                            launch_constant("PKV_ATTN_PARTITION_QKV")))
 ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")))
+#: The compressed pairs' tensor-core (_mma) kernels: the same partition, their own bound.
+ATTN_MIN_BLOCKS_QKV_MMA = launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
 
 
 def attention_group_slots(num_heads: int, kv_heads: int) -> int:
@@ -216,6 +231,13 @@ class PagedAttention:
     on, where set) runs the unstaged tensor-core kernel for such a pool instead. Ignored when
     ``q8_mma`` is off.
 
+    ``qkv_mma``: a compressed pair with 4- or 2-bit K and a q8, 4- or 2-bit V runs its
+    ``_mma`` kernels (q.K and, for a rotated V, P.V as f16 tensor-core mma over centroid
+    tables, NVIDIA sm_80+ with at most 4 query heads per KV head; elsewhere the same kernels
+    run the CUDA-core passes) or, when False, the CUDA-core kernels; ``None`` reads
+    ``PAGEDKV_ATTN_QKV_MMA`` (default on). :attr:`qkv_mma` says which (``None`` for a pair
+    without ``_mma`` kernels and for the other KV dtypes).
+
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
     (``pkv_paged_attention_f16mfma_g*``; compile-checked and emulated only, docs/kernels.md,
@@ -225,8 +247,8 @@ class PagedAttention:
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None, q8_mma: bool | None = None,
-                 q8_stage: bool | None = None) -> None:
-        for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage)):
+                 q8_stage: bool | None = None, qkv_mma: bool | None = None) -> None:
+        for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage), ("qkv_mma", qkv_mma)):
             if flag is not None and not isinstance(flag, bool):
                 raise InvalidArgumentType(f"{name}={flag!r}: expected True, False or None")
         if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
@@ -296,6 +318,11 @@ class PagedAttention:
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
+        self.qkv_mma = None
+        if kv_dtype in QUANT_KV_DTYPES and qkv_mma_applies(kv_dtype):
+            self.qkv_mma = bool(env_bool("PAGEDKV_ATTN_QKV_MMA", True) if qkv_mma is None
+                                else qkv_mma)
+            kind += "_mma" if self.qkv_mma else ""
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
@@ -321,7 +348,8 @@ class PagedAttention:
                 f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
                 + ("" if self.q8_mma is None else
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
-                + (", qk_mfma=True" if self.qk_mfma else "") + ")")
+                + (", qk_mfma=True" if self.qk_mfma else "")
+                + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
         """Validate a launch's arguments; returns the partition kernel to run."""
