@@ -634,6 +634,63 @@ def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, e
                         ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
 
 
+@pytest.mark.parametrize("q8_int,env,kernel", [
+    (None, None, "pkv_paged_attention_q8s_g2"),    # opt-in until a device run vouches for it
+    (None, "1", "pkv_paged_attention_q8i_g2"),     # PAGEDKV_ATTN_Q8_INT=1
+    (True, "0", "pkv_paged_attention_q8i_g2"),     # the argument wins over the env
+    (False, "1", "pkv_paged_attention_q8s_g2"),
+])
+def test_q8_int_attention_path_is_selectable(monkeypatch, q8_int, env, kernel):
+    from pagedkv.kernels import kvcache
+    for name in ("PAGEDKV_ATTN_Q8_MMA", "PAGEDKV_ATTN_Q8_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_Q8_INT", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_Q8_INT", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=128,
+                                  block_size=16, max_seq_len=600, kv_dtype="q8", q8_int=q8_int)
+    is_int = kernel.startswith("pkv_paged_attention_q8i")
+    assert attn._partition.name == kernel and attn.q8_int is is_int and attn.q8_stage is True
+    assert repr(attn).endswith("q8_stage=True, q8_int=True)" if is_int else "q8_stage=True)")
+    q = dev.empty((1, 4, 128), np.float32)
+    pool = dev.empty((40, 16, 2, 136), np.uint8)
+    dev.calls.clear()
+    attn.run(q, pool, pool, dev.array(np.zeros((1, 38), np.int32)),
+             dev.array(np.zeros(1, np.int32)), dev.empty((1, 4, 128), np.float32))
+    # the q8s partition (512 tokens), grid, threads and dynamic shared memory
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches == [("launch", kernel, (2, 2, 1), (128,)),
+                        ("launch", "pkv_paged_attention_reduce", (4, 1), (128,))]
+
+
+def test_q8_int_needs_the_staged_tensor_core_path():
+    from pagedkv.errors import InvalidArgumentType
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    kw = {"num_seqs": 1, "num_heads": 2, "kv_heads": 1, "head_dim": 128, "block_size": 16,
+          "max_seq_len": 32, "kv_dtype": "q8"}
+    for off in ({"q8_stage": False}, {"q8_mma": False}):
+        with pytest.raises(InvalidArgument, match=r"q8_int=True: the q8i kernels are the staged "
+                                                  r"tensor-core ones; leave q8_mma and q8_stage"):
+            kvcache.PagedAttention(dev, **kw, q8_int=True, **off)
+    with pytest.raises(InvalidArgumentType, match=r"q8_int='yes': expected True, False or None"):
+        kvcache.PagedAttention(dev, **kw, q8_int="yes")
+    assert not dev.calls  # nothing allocated before a refusal
+    # a pool off 8-byte alignment runs the unstaged tensor-core kernel, as for q8s
+    attn = kvcache.PagedAttention(dev, **kw, q8_int=True)
+    base = dev.empty((3, 16, 1, 136), np.uint8)
+    shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    q = dev.empty((1, 2, 128), np.float32)
+    tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
+    for v_pool, kernel in ((base, "pkv_paged_attention_q8i_g2"),
+                           (shifted, "pkv_paged_attention_q8_g2")):
+        dev.calls.clear()
+        attn.run(q, base, v_pool, tables, lens, q)
+        assert next(c[1] for c in dev.calls if c[0] == "launch") == kernel
+
+
 def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
     # The q8s kernels copy rows in 8-byte units from pool + row * 136: a pool view that
     # starts off 8-byte alignment is refused before any launch (q8 and q8cc take it).
@@ -708,7 +765,7 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         pytest.skip("built without a GPU compiler: no kernel objects")
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
              .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
-    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s")
+    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s", "q8i")
               for g in (1, 2, 4, 8)}
     names |= {"pkv_paged_attention_reduce", "pkv_paged_attention_reduce_ifwht256",
               "pkv_paged_attention_reduce_ifwht128"}
