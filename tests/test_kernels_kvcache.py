@@ -500,3 +500,25 @@ def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
     py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
     assert hip == py and len(hip) == 14
+
+
+def test_q8_int_emulation_mirrors_the_kernels_plane_layout():
+    # The q8i pass 1 in hip/kvcache.hip and its emulation agree on what the emulation tests
+    # can only check in NumPy: which plane each A row holds, which k half each A register
+    # fills, where plane 1 comes from and how the planes join.
+    from pathlib import Path
+
+    import mma_attention_emulation as emu
+    root = Path(__file__).resolve().parents[1]
+    hip = (root / "hip/kvcache.hip").read_text()
+    py = Path(emu.__file__).read_text()
+    pairs = [("(gid < 4 ? p0 : p1)", "np.where(GID < 4, p0, p1)"),
+             ("(gid < 4 ? p2 : 0)", "np.where(GID < 4, p2, 0)"),
+             ("const int reg = e < 4 ? 0 : 2, shift = 8 * (e % 4);",
+              "reg, shift = (0 if e < 4 else 2), 8 * (e % 4)"),
+             ("pkv_shfl_xor(acc[0], 16)", "acc[LANE ^ 16]"),
+             ("acc[0] + (256.0f * up0 + 65536.0f * acc[2])",
+              "acc[:, 0] + (np.float32(256) * up[:, 0] + np.float32(65536) * acc[:, 2])"),
+             ("ldexpf(1.0f, 22 - ex)", "np.ldexp(np.float32(1), 22 - ex)")]
+    for in_hip, in_py in pairs:
+        assert in_hip in hip and in_py in py, (in_hip, in_py)
