@@ -229,12 +229,14 @@ def warp_chunks(warp, n_tok, n_warps):
     return range(warp, (n_tok + STAGE_TOKENS - 1) // STAGE_TOKENS, n_warps)
 
 
-def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
-                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
-    """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
+def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, join):
+    """The chunk walk both staged pass-1 variants share: per warp, chunk and 8-token group,
+    ``record_sum(acc, i, w0, w1, d0, d1)`` adds record i (the lane's code words at codes 8t
+    and 8t + 4 of token gid, the f32 scales of C's tokens 2t, 2t + 1) into ``acc``
+    (``float32[32, 4]``), and ``join(acc)`` gives the scores of tokens 2t, 2t + 1."""
     n_rec = head_dim // Q8_BLOCK
     pitch = pitch_units * (row_bytes // ROW_UNITS)
-    qa = q_fragments(q_group, group, head_dim, scale)
     for warp in range(n_warps):
         for c in warp_chunks(warp, n_tok, n_warps):
             buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
@@ -246,25 +248,38 @@ def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_b
                     rec = row + i * Q8_RECORD_BYTES
                     w0 = load_word_a2(buf, rec + 2 + 8 * TID, i % 2 == 1)
                     w1 = load_word_a2(buf, rec + 6 + 8 * TID, i % 2 == 1)
-                    r = np.zeros((LANES, 4), np.float32)
-                    r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
-                                    q8_codes_f16x2(0x4342, w0, 0))
-                    r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
-                                    q8_codes_f16x2(0x4342, w1, 0))
                     d0 = f16_value(load_u16(buf, row0 + i * Q8_RECORD_BYTES))
                     d1 = f16_value(load_u16(buf, row0 + pitch + i * Q8_RECORD_BYTES))
-                    acc[:, 0] += d0 * r[:, 0]
-                    acc[:, 1] += d1 * r[:, 1]
-                    acc[:, 2] += d0 * r[:, 2]
-                    acc[:, 3] += d1 * r[:, 3]
+                    record_sum(acc, i, w0, w1, d0, d1)
+                s0, s1 = join(acc)
                 t0 = STAGE_TOKENS * c + 8 * h + 2 * TID
                 for lane in range(LANES):
                     if GID[lane] < gmax:
                         if t0[lane] < n_tok:
-                            scores[t0[lane] * gmax + GID[lane]] = acc[lane, 0] + acc[lane, 2]
+                            scores[t0[lane] * gmax + GID[lane]] = s0[lane]
                         if t0[lane] + 1 < n_tok:
-                            scores[(t0[lane] + 1) * gmax + GID[lane]] = (acc[lane, 1]
-                                                                        + acc[lane, 3])
+                            scores[(t0[lane] + 1) * gmax + GID[lane]] = s1[lane]
+
+
+def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
+                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+    """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
+    qa = q_fragments(q_group, group, head_dim, scale)
+
+    def record_sum(acc, i, w0, w1, d0, d1):
+        r = np.zeros((LANES, 4), np.float32)
+        r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
+                        q8_codes_f16x2(0x4342, w0, 0))
+        r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
+                        q8_codes_f16x2(0x4342, w1, 0))
+        acc[:, 0] += d0 * r[:, 0]
+        acc[:, 1] += d1 * r[:, 1]
+        acc[:, 2] += d0 * r[:, 2]
+        acc[:, 3] += d1 * r[:, 3]
+
+    staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, lambda acc: (acc[:, 0] + acc[:, 2],
+                                                        acc[:, 1] + acc[:, 3]))
 
 
 # --- the q8i kernels: pass 1 on integer tensor cores (q_fragments_s8,
@@ -318,39 +333,25 @@ def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, r
                             n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
     """qk_scores_imma_q8_staged: one s8 mma per record and 8 tokens on the staged codes as
     they are; per-plane f32 sums times d * step, planes joined with plane 1 from lane + 16."""
-    n_rec = head_dim // Q8_BLOCK
-    pitch = pitch_units * (row_bytes // ROW_UNITS)
     qa, qstep = q_fragments_s8(q_group, group, head_dim, scale)
-    for warp in range(n_warps):
-        for c in warp_chunks(warp, n_tok, n_warps):
-            buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
-            for h in range(2):
-                row = (8 * h + GID) * pitch
-                row0 = (8 * h + 2 * TID) * pitch
-                acc = np.zeros((LANES, 4), np.float32)
-                for i in range(n_rec):
-                    rec = row + i * Q8_RECORD_BYTES
-                    w0 = load_word_a2(buf, rec + 2 + 8 * TID, i % 2 == 1)
-                    w1 = load_word_a2(buf, rec + 6 + 8 * TID, i % 2 == 1)
-                    r = np.zeros((LANES, 4), np.int64)
-                    mma_s8_16x8x32(r, *qa[i], w0, w1)
-                    d0 = qstep[i] * f16_value(load_u16(buf, row0 + i * Q8_RECORD_BYTES))
-                    d1 = qstep[i] * f16_value(load_u16(buf, row0 + pitch + i * Q8_RECORD_BYTES))
-                    rf = r.astype(np.float32)
-                    acc[:, 0] += d0 * rf[:, 0]
-                    acc[:, 1] += d1 * rf[:, 1]
-                    acc[:, 2] += d0 * rf[:, 2]
-                    acc[:, 3] += d1 * rf[:, 3]
-                up = acc[LANE ^ 16]  # pkv_shfl_xor(acc, 16): plane 1 of head gid
-                s0 = acc[:, 0] + (np.float32(256) * up[:, 0] + np.float32(65536) * acc[:, 2])
-                s1 = acc[:, 1] + (np.float32(256) * up[:, 1] + np.float32(65536) * acc[:, 3])
-                t0 = STAGE_TOKENS * c + 8 * h + 2 * TID
-                for lane in range(LANES):
-                    if GID[lane] < gmax:
-                        if t0[lane] < n_tok:
-                            scores[t0[lane] * gmax + GID[lane]] = s0[lane]
-                        if t0[lane] + 1 < n_tok:
-                            scores[(t0[lane] + 1) * gmax + GID[lane]] = s1[lane]
+
+    def record_sum(acc, i, w0, w1, d0, d1):
+        r = np.zeros((LANES, 4), np.int64)
+        mma_s8_16x8x32(r, *qa[i], w0, w1)
+        ds0, ds1 = qstep[i] * d0, qstep[i] * d1
+        rf = r.astype(np.float32)
+        acc[:, 0] += ds0 * rf[:, 0]
+        acc[:, 1] += ds1 * rf[:, 1]
+        acc[:, 2] += ds0 * rf[:, 2]
+        acc[:, 3] += ds1 * rf[:, 3]
+
+    def join(acc):
+        up = acc[LANE ^ 16]  # pkv_shfl_xor(acc, 16): plane 1 of head gid
+        return (acc[:, 0] + (np.float32(256) * up[:, 0] + np.float32(65536) * acc[:, 2]),
+                acc[:, 1] + (np.float32(256) * up[:, 1] + np.float32(65536) * acc[:, 3]))
+
+    staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, join)
 
 
 def f32_exponent(x) -> int:
