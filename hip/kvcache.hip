@@ -715,26 +715,36 @@ PKV_DEV void warp_sync() {
 }
 
 // Chunk c (tokens 16c .. 16c + 15 of the partition) of a pool into one stage buffer:
-// staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17.
-PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+// staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17. Lane copies
+// units u = lane + 32 i of the chunk (row j = u / 17, unit k = u % 17: one warp-wide copy
+// spans ~2 rows of contiguous bytes).
+template <int UNIT>
+PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, const int64_t* rows,
                             int64_t row_bytes, int c, int n_tok) {
   const int lane = threadIdx.x % 32;
-  const bool wide = row_bytes == 8 * Q8_ROW_UNITS;  // head_dim 128 (else 64: 4-byte units)
-  const uint32_t dst = smem_window(buf);  // one conversion per chunk, 32-bit offsets below
-#pragma unroll 3  // 3 of the 9 copies at a time: fully unrolled, sm_80 spilled
+  const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;  // rows past it: zero-filled
+  const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
+#pragma unroll  // all 9 copies: no loop, nothing carried between them
   for (int i = 0; i < (Q8_STAGE_TOKENS * Q8_ROW_UNITS + 31) / 32; ++i) {
     const int u = lane + 32 * i;
     if (u < Q8_STAGE_TOKENS * Q8_ROW_UNITS) {
       const int j = u / Q8_ROW_UNITS, k = u - j * Q8_ROW_UNITS;
-      const int tok = Q8_STAGE_TOKENS * c + j;
-      const bool ok = tok < n_tok;
-      const uint8_t* row = pool + rows[ok ? tok : n_tok - 1] * row_bytes;
-      if (wide)
-        cp_async_unit<8>(dst + 8 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 8 * k, ok);
-      else
-        cp_async_unit<4>(dst + 4 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 4 * k, ok);
+      const bool ok = j <= last;
+      const uint8_t* row = pool + chunk_rows[ok ? j : last] * row_bytes;
+      // j * PITCH + k = u + j * (PITCH - 17)
+      cp_async_unit<UNIT>(dst + UNIT * (u + j * (PKV_ATTN_Q8_STAGE_PITCH_UNITS - Q8_ROW_UNITS)),
+                          row + UNIT * k, ok);
     }
   }
+}
+
+PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+                            int64_t row_bytes, int c, int n_tok) {
+  const uint32_t dst = smem_window(buf);  // one conversion per chunk, 32-bit offsets below
+  if (row_bytes == 8 * Q8_ROW_UNITS)  // head_dim 128: 8-byte units (64: 4-byte units)
+    q8_stage_units<8>(dst, pool, rows, row_bytes, c, n_tok);
+  else
+    q8_stage_units<4>(dst, pool, rows, row_bytes, c, n_tok);
 }
 
 // The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
