@@ -724,7 +724,7 @@ PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, cons
   const int lane = threadIdx.x % 32;
   const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;  // rows past it: zero-filled
   const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
-#pragma unroll  // all 9 copies: no loop, nothing carried between them
+#pragma unroll  // all 9 copies, no loop (g4: no spills; g1 on sm_90, g1/g2 on sm_80: 4 bytes)
   for (int i = 0; i < (Q8_STAGE_TOKENS * Q8_ROW_UNITS + 31) / 32; ++i) {
     const int u = lane + 32 * i;
     if (u < Q8_STAGE_TOKENS * Q8_ROW_UNITS) {

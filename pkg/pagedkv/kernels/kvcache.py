@@ -271,10 +271,6 @@ class PagedAttention:
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
                                                    warp_size=device.properties.warp_size)
-        parts = (num_seqs, num_heads, self.max_partitions)
-        self.part_out = device.empty(parts + (head_dim,), np.float32)
-        self.part_max = device.empty(parts, np.float32)
-        self.part_sum = device.empty(parts, np.float32)
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
@@ -288,6 +284,10 @@ class PagedAttention:
         if q8_int is None:
             q8_int = env_bool("PAGEDKV_ATTN_Q8_INT", False)
         self.q8_int = bool(q8_int and self.q8_stage) if kv_dtype == "q8" else None
+        parts = (num_seqs, num_heads, self.max_partitions)
+        self.part_out = device.empty(parts + (head_dim,), np.float32)
+        self.part_max = device.empty(parts, np.float32)
+        self.part_sum = device.empty(parts, np.float32)
         # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
         # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
         self.qk_mfma = (kv_dtype == "float16" and head_dim in (64, 128)
