@@ -12,6 +12,7 @@ lane); the 4 warps of a CTA run one after the other.
 from __future__ import annotations
 
 import numpy as np
+
 from test_gemv_mma_simulated import mma_s8_16x8x32
 
 LANES = 32

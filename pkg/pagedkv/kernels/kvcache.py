@@ -218,7 +218,7 @@ class PagedAttention:
 
     ``q8_int``: with ``q8_stage``, the ``q8i`` kernels: the staged kernels with pass 1 (q·Kᵀ) on
     integer tensor cores, q quantized once per CTA to exact 22-bit integers per 32-dim record
-    and the K codes multiplied as they are stored (docs/kernels.md, "Integer pass 1"). ``None``
+    and the K codes multiplied as they are stored (docs/kernels.md, "q8 attention on tensor cores"). ``None``
     reads ``PAGEDKV_ATTN_Q8_INT`` (default off until a device run vouches for it); ``True``
     with ``q8_stage`` or ``q8_mma`` off is refused. Same alignment rule as ``q8_stage``.
 
