@@ -10,6 +10,7 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
+#include "mma_s8.h"
 #include <pagedkv/kvquant.h>
 #include <pagedkv/launch.h>
 
@@ -672,14 +673,26 @@ static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds
 static_assert(PKV_ATTN_THREADS / 32 * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX <= 40 * 1024,
               "PKV_ATTN_Q8_STAGES x PKV_ATTN_Q8_STAGE_PITCH_UNITS: over 40 KB of stage buffers");
 
-// One cp.async of BYTES (4 or 8) from global to shared; valid false fills zeros.
-template <int BYTES>
-PKV_DEV void cp_async_unit(uint8_t* smem_dst, const uint8_t* src, bool valid) {
+// The shared-window (32-bit) address of a shared-memory pointer (PTX, not
+// __cvta_generic_to_shared: NVRTC too).
+PKV_DEV uint32_t smem_window(const uint8_t* smem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint64_t dst;  // the shared-window address (PTX, not __cvta_generic_to_shared: NVRTC too)
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(smem_dst));
+  uint64_t dst;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(dst) : "l"(smem));
+  return (uint32_t)dst;
+#else
+  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
+  return 0u;
+#endif
+}
+
+// One cp.async of BYTES (4 or 8) from global to the shared-window address smem_dst; valid
+// false fills zeros.
+template <int BYTES>
+PKV_DEV void cp_async_unit(uint32_t smem_dst, const uint8_t* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
-               :: "r"((uint32_t)dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
+               :: "r"(smem_dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
 #else
   __builtin_trap();  // callers check PKV_ATTN_MMA_QK
 #endif
@@ -702,25 +715,36 @@ PKV_DEV void warp_sync() {
 }
 
 // Chunk c (tokens 16c .. 16c + 15 of the partition) of a pool into one stage buffer:
-// staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17.
-PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+// staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17. Lane copies
+// units u = lane + 32 i of the chunk (row j = u / 17, unit k = u % 17: one warp-wide copy
+// spans ~2 rows of contiguous bytes).
+template <int UNIT>
+PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, const int64_t* rows,
                             int64_t row_bytes, int c, int n_tok) {
   const int lane = threadIdx.x % 32;
-  const bool wide = row_bytes == 8 * Q8_ROW_UNITS;  // head_dim 128 (else 64: 4-byte units)
-#pragma unroll 3  // 3 of the 9 copies at a time: fully unrolled, sm_80 spilled
+  const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;  // rows past it: zero-filled
+  const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
+#pragma unroll  // all 9 copies, no loop (g4: no spills; g1 on sm_90, g1/g2 on sm_80: 4 bytes)
   for (int i = 0; i < (Q8_STAGE_TOKENS * Q8_ROW_UNITS + 31) / 32; ++i) {
     const int u = lane + 32 * i;
     if (u < Q8_STAGE_TOKENS * Q8_ROW_UNITS) {
       const int j = u / Q8_ROW_UNITS, k = u - j * Q8_ROW_UNITS;
-      const int tok = Q8_STAGE_TOKENS * c + j;
-      const bool ok = tok < n_tok;
-      const uint8_t* row = pool + rows[ok ? tok : n_tok - 1] * row_bytes;
-      if (wide)
-        cp_async_unit<8>(buf + 8 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 8 * k, ok);
-      else
-        cp_async_unit<4>(buf + 4 * (j * PKV_ATTN_Q8_STAGE_PITCH_UNITS + k), row + 4 * k, ok);
+      const bool ok = j <= last;
+      const uint8_t* row = pool + chunk_rows[ok ? j : last] * row_bytes;
+      // j * PITCH + k = u + j * (PITCH - 17)
+      cp_async_unit<UNIT>(dst + UNIT * (u + j * (PKV_ATTN_Q8_STAGE_PITCH_UNITS - Q8_ROW_UNITS)),
+                          row + UNIT * k, ok);
     }
   }
+}
+
+PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+                            int64_t row_bytes, int c, int n_tok) {
+  const uint32_t dst = smem_window(buf);  // one conversion per chunk, 32-bit offsets below
+  if (row_bytes == 8 * Q8_ROW_UNITS)  // head_dim 128: 8-byte units (64: 4-byte units)
+    q8_stage_units<8>(dst, pool, rows, row_bytes, c, n_tok);
+  else
+    q8_stage_units<4>(dst, pool, rows, row_bytes, c, n_tok);
 }
 
 // The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
@@ -901,9 +925,112 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
     for (int r = 0; r < 4; ++r) o[mt][r] = (o[mt][r] + pkv_shfl_xor(o[mt][r], 2)) * unscale;
 }
 
+// Pass 1 of the q8i kernels on integer tensor cores (mma m16n8k32 s8, mma_s8.h): the K codes
+// meet q as exact integers, so no code is converted. Per CTA, each record i (dims 32i ..
+// 32i + 31) of each query head g (times scale) is quantized once to 22-bit integers with the
+// power-of-two step 2^(e - 22) of its largest |q| (< 2^e) and split into three signed byte
+// planes (s8_planes22); A row gid is plane gid / 4 of head gid % 4, row gid + 8 plane 2 of
+// head gid (gid < 4; rows 12-15 zero). k 4t + j is dim 8t + j of the record, k 16 + 4t + j
+// dim 8t + 4 + j: B's b0 / b1 are then the staged words at codes 8t and 8t + 4 of token
+// gid's record i, read as they are (the f16 pass's bytes). One mma per record and 8 tokens
+// gives exact int32 plane sums (|sum| < 2^19); each is converted once and accumulated in f32
+// times d_i(token) * step_i(g); a head's score is plane 0 + 256 plane 1 + 65536 plane 2,
+// plane 1 coming from lane + 16 (gid + 4).
+PKV_DEV void q_fragments_s8(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, uint32_t (&qa)[4][4], float (&qstep)[4]) {
+  const int lane = threadIdx.x % 32, gid = lane / 4, t = lane % 4;
+  const int head = gid % 4;
+  const bool live = head < group;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    qa[i][0] = qa[i][1] = qa[i][2] = qa[i][3] = 0u;
+    qstep[i] = 0.0f;
+    if (i < head_dim / PKV_KVQ8_BLOCK) {  // uniform: every lane reaches the shuffles
+      float v[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        v[e] = live ? q_group[(int64_t)head * head_dim + 32 * i + 8 * t + e] * scale : 0.0f;
+        amax = fmaxf(amax, fabsf(v[e]));
+      }
+      if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
+      amax = fmaxf(amax, pkv_shfl_xor(amax, 1));  // lanes t hold the record's 32 dims
+      amax = fmaxf(amax, pkv_shfl_xor(amax, 2));
+      int ex = 0;
+      frexpf(amax, &ex);  // amax < 2^ex
+      ex = max(ex, -104);  // step and 1 / step stay normal floats
+      const bool finite = amax <= 3.4e38f;
+      const float inv_step = finite ? ldexpf(1.0f, 22 - ex) : 0.0f;
+      qstep[i] = finite ? ldexpf(1.0f, ex - 22) : __int_as_float(0x7FC00000);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        int p0, p1, p2;
+        s8_planes22(v[e], inv_step, p0, p1, p2);
+        const int reg = e < 4 ? 0 : 2, shift = 8 * (e % 4);
+        qa[i][reg] |= (uint32_t)((gid < 4 ? p0 : p1) & 0xFF) << shift;  // row gid
+        qa[i][reg + 1] |= (uint32_t)((gid < 4 ? p2 : 0) & 0xFF) << shift;  // row gid + 8
+      }
+    }
+  }
+}
+
+template <int GMAX>
+PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int group,
+                                      int head_dim, float scale,
+                                      const uint8_t* __restrict__ k_pool, const int64_t* rows,
+                                      int64_t row_bytes, int n_tok, float* scores,
+                                      uint8_t* stage) {
+  const int lane = threadIdx.x % 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
+  uint32_t qa[4][4];
+  float qstep[4];
+  q_fragments_s8(q_group, group, head_dim, scale, qa, qstep);
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
+      const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
+      const uint8_t* row0 = buf + (8 * h + 2 * t) * pitch;  // tokens of C's columns 2t, 2t + 1
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows gid, gid + 8 (planes) x tokens 2t, 2t + 1
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (i < n_rec) {
+          const uint8_t* rec = row + i * PKV_KVQ8_RECORD_BYTES;
+          const uint32_t w0 = i % 2 ? load_word_a2<true>(rec + 2 + 8 * t)
+                                    : load_word_a2<false>(rec + 2 + 8 * t);
+          const uint32_t w1 = i % 2 ? load_word_a2<true>(rec + 6 + 8 * t)
+                                    : load_word_a2<false>(rec + 6 + 8 * t);
+          int r[4] = {0, 0, 0, 0};
+          mma_s8_16x8x32(r, qa[i][0], qa[i][1], qa[i][2], qa[i][3], w0, w1);
+          const float d0 = qstep[i] * pkv_half_bits_to_float(
+              (uint16_t)smem_u16(row0 + i * PKV_KVQ8_RECORD_BYTES));
+          const float d1 = qstep[i] * pkv_half_bits_to_float(
+              (uint16_t)smem_u16(row0 + pitch + i * PKV_KVQ8_RECORD_BYTES));
+          acc[0] += d0 * (float)r[0];
+          acc[1] += d1 * (float)r[1];
+          acc[2] += d0 * (float)r[2];
+          acc[3] += d1 * (float)r[3];
+        }
+      }
+      // Lane gid < 4: planes 0 (acc 0, 1) and 2 (acc 2, 3) of head gid; plane 1 is row
+      // gid + 4's, on lane + 16.
+      const float up0 = pkv_shfl_xor(acc[0], 16), up1 = pkv_shfl_xor(acc[1], 16);
+      const int tok = Q8_STAGE_TOKENS * c + 8 * h + 2 * t;
+      if (gid < GMAX) {
+        if (tok < n_tok) scores[tok * GMAX + gid] = acc[0] + (256.0f * up0 + 65536.0f * acc[2]);
+        if (tok + 1 < n_tok)
+          scores[(tok + 1) * GMAX + gid] = acc[1] + (256.0f * up1 + 65536.0f * acc[3]);
+      }
+    }
+  });
+}
+
 // QK_MFMA: pass 1 on AMD matrix cores (qk_scores_mfma), pass 2 on the CUDA-core path.
-// STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged).
-template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false, bool STAGE = false>
+// STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
+// with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
+template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false, bool STAGE = false,
+          bool QK_S8 = false>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
@@ -990,9 +1117,16 @@ PKV_DEV void paged_attention_partition(
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
   if constexpr (Q8_STAGED) {
-    qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
-                                  head_dim, scale, k_pool, rows, row_bytes, n_tok, scores,
-                                  q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+    if constexpr (QK_S8)
+      qk_scores_imma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
+                                     group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
+                                     scores,
+                                     q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+    else
+      qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
+                                    group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
+                                    scores,
+                                    q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
     // pass 1 left this warp's buffers free: the first V chunks load during the softmax
     q8_stage_prologue(q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_pool, rows,
                       row_bytes, n_tok);
@@ -1202,15 +1336,26 @@ PKV_DEV void paged_attention_partition(
 // passes on tensor cores where there are some (sm_80+); everything else on CUDA cores.
 // q8 KV the same (pv_mma_q8, qk_scores_mma_q8) unless CUDA_CORES: the _cc kernels keep the
 // CUDA-core q8 passes selectable (PAGEDKV_ATTN_Q8_MMA=0, pagedkv.kernels.kvcache).
-template <int KIND, int GMAX, bool CUDA_CORES = false, bool STAGE = false>
+template <int KIND, int GMAX, bool CUDA_CORES = false, bool STAGE = false, bool QK_S8 = false>
 PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
     int max_partitions) {
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
-  if (MMA_OK && (head_dim == 64 || head_dim == 128))
-    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE>(
+  // The staged q8 passes get head_dim as a constant (each size its own inlined copy): the
+  // record loops, row bytes, stage pitch and copy unit fold, with no per-record branches.
+  constexpr bool CONST_HEAD_DIM = MMA_OK && KIND == KV_Q8 && STAGE;
+  if (CONST_HEAD_DIM && head_dim == 128)
+    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+        num_heads, kv_heads, 128, block_size, table_width, max_partitions);
+  else if (CONST_HEAD_DIM && head_dim == 64)
+    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+        num_heads, kv_heads, 64, block_size, table_width, max_partitions);
+  else if (!CONST_HEAD_DIM && MMA_OK && (head_dim == 64 || head_dim == 128))
+    paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
   else
@@ -1219,7 +1364,7 @@ PKV_DEV void paged_attention_dispatch(
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
 }
 
-#define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES, STAGE)                          \
+#define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES, STAGE, QK_S8)                  \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
                                     PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
       NAME(                                                                                  \
@@ -1227,12 +1372,13 @@ PKV_DEV void paged_attention_dispatch(
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
       int head_dim, int block_size, int table_width, int max_partitions) {                   \
-    paged_attention_dispatch<KIND, GMAX, CUDA_CORES, STAGE>(                                 \
+    paged_attention_dispatch<KIND, GMAX, CUDA_CORES, STAGE, QK_S8>(                          \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,      \
         num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);             \
   }
 
-#define PKV_ATTN_KERNEL(NAME, KIND, GMAX) PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false)
+#define PKV_ATTN_KERNEL(NAME, KIND, GMAX) \
+  PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
 
 #if PKV_ATTN_MFMA_QK
 // f16 KV with pass 1 on AMD matrix cores (qk_scores_mfma; head_dim 64 or 128, else the
@@ -1273,17 +1419,24 @@ PKV_ATTN_KERNEL(pkv_paged_attention_q8_g1, KV_Q8, 1)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g2, KV_Q8, 2)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g4, KV_Q8, 4)
 PKV_ATTN_KERNEL(pkv_paged_attention_q8_g8, KV_Q8, 8)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g1, KV_Q8, 1, true, false, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g2, KV_Q8, 2, true, false, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g4, KV_Q8, 4, true, false, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true, false, false)
 // q8 with the rows staged in shared memory (pv_mma_q8_staged): the default q8 path.
 // Where the tensor-core passes do not apply (AMD, GMAX 8, head_dim 256) these are the q8
 // kernels' CUDA-core passes.
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g1, KV_Q8, 1, false, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g2, KV_Q8, 2, false, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g4, KV_Q8, 4, false, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g8, KV_Q8, 8, false, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g1, KV_Q8, 1, false, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g2, KV_Q8, 2, false, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g4, KV_Q8, 4, false, true, false)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g8, KV_Q8, 8, false, true, false)
+// The q8s kernels with pass 1 on integer tensor cores (qk_scores_imma_q8_staged): opt-in
+// (q8_int=True, PAGEDKV_ATTN_Q8_INT=1) until a device run vouches for them; elsewhere the same
+// fallbacks as q8s.
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g1, KV_Q8, 1, false, true, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g2, KV_Q8, 2, false, true, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g4, KV_Q8, 4, false, true, true)
+PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g8, KV_Q8, 8, false, true, true)
 
 // ---------------------------------------------------------------------------
 // Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed

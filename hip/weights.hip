@@ -13,6 +13,7 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
+#include "mma_s8.h"
 #include <pagedkv/quant.h>
 #include <pagedkv/launch.h>
 #include "gemv_prep_x.h"
@@ -532,21 +533,7 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
 // 8 columns: 1 for batch 1-2, 2 for 3-5, 3 for 6-8.
 
 // Rows per block, most warps, most n-tiles and prepared-x words: pagedkv/launch.h.
-#if defined(__CUDACC__)
 
-PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                            uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the launcher picks this kernel only on sm_80 and newer
-#endif
-}
-
-#endif  // __CUDACC__
 
 // The prep and the header decode serve both the NVIDIA mma kernels and the AMD MFMA ones
 // (gemv_mfma below): one prepared-x layout, one packed weight layout, one host path.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from test_gemv_mma_simulated import mma_s8_16x8x32
+
 LANES = 32
 LANE = np.arange(LANES)
 GID, TID = LANE // 4, LANE % 4
@@ -228,12 +230,14 @@ def warp_chunks(warp, n_tok, n_warps):
     return range(warp, (n_tok + STAGE_TOKENS - 1) // STAGE_TOKENS, n_warps)
 
 
-def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
-                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
-    """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
+def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, join):
+    """The chunk walk both staged pass-1 variants share: per warp, chunk and 8-token group,
+    ``record_sum(acc, i, w0, w1, d0, d1)`` adds record i (the lane's code words at codes 8t
+    and 8t + 4 of token gid, the f32 scales of C's tokens 2t, 2t + 1) into ``acc``
+    (``float32[32, 4]``), and ``join(acc)`` gives the scores of tokens 2t, 2t + 1."""
     n_rec = head_dim // Q8_BLOCK
     pitch = pitch_units * (row_bytes // ROW_UNITS)
-    qa = q_fragments(q_group, group, head_dim, scale)
     for warp in range(n_warps):
         for c in warp_chunks(warp, n_tok, n_warps):
             buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
@@ -245,25 +249,110 @@ def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_b
                     rec = row + i * Q8_RECORD_BYTES
                     w0 = load_word_a2(buf, rec + 2 + 8 * TID, i % 2 == 1)
                     w1 = load_word_a2(buf, rec + 6 + 8 * TID, i % 2 == 1)
-                    r = np.zeros((LANES, 4), np.float32)
-                    r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
-                                    q8_codes_f16x2(0x4342, w0, 0))
-                    r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
-                                    q8_codes_f16x2(0x4342, w1, 0))
                     d0 = f16_value(load_u16(buf, row0 + i * Q8_RECORD_BYTES))
                     d1 = f16_value(load_u16(buf, row0 + pitch + i * Q8_RECORD_BYTES))
-                    acc[:, 0] += d0 * r[:, 0]
-                    acc[:, 1] += d1 * r[:, 1]
-                    acc[:, 2] += d0 * r[:, 2]
-                    acc[:, 3] += d1 * r[:, 3]
+                    record_sum(acc, i, w0, w1, d0, d1)
+                s0, s1 = join(acc)
                 t0 = STAGE_TOKENS * c + 8 * h + 2 * TID
                 for lane in range(LANES):
                     if GID[lane] < gmax:
                         if t0[lane] < n_tok:
-                            scores[t0[lane] * gmax + GID[lane]] = acc[lane, 0] + acc[lane, 2]
+                            scores[t0[lane] * gmax + GID[lane]] = s0[lane]
                         if t0[lane] + 1 < n_tok:
-                            scores[(t0[lane] + 1) * gmax + GID[lane]] = (acc[lane, 1]
-                                                                        + acc[lane, 3])
+                            scores[(t0[lane] + 1) * gmax + GID[lane]] = s1[lane]
+
+
+def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
+                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+    """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
+    qa = q_fragments(q_group, group, head_dim, scale)
+
+    def record_sum(acc, i, w0, w1, d0, d1):
+        r = np.zeros((LANES, 4), np.float32)
+        r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
+                        q8_codes_f16x2(0x4342, w0, 0))
+        r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
+                        q8_codes_f16x2(0x4342, w1, 0))
+        acc[:, 0] += d0 * r[:, 0]
+        acc[:, 1] += d1 * r[:, 1]
+        acc[:, 2] += d0 * r[:, 2]
+        acc[:, 3] += d1 * r[:, 3]
+
+    staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, lambda acc: (acc[:, 0] + acc[:, 2],
+                                                        acc[:, 1] + acc[:, 3]))
+
+
+# --- the q8i kernels: pass 1 on integer tensor cores (q_fragments_s8,
+# qk_scores_imma_q8_staged), pass 2 as q8s.
+
+
+def s8_planes22(v, inv_step):
+    """s8_planes22 (hip/mma_s8.h): round(v / step) (f32 product, round half to even) as three
+    signed bytes p0 + 2^8 p1 + 2^16 p2."""
+    x = np.rint((np.asarray(v, np.float32) * np.float32(inv_step)).astype(np.float32)).astype(
+        np.int64)
+    p0 = ((x & 0xFF) ^ 0x80) - 0x80
+    r1 = (x - p0) >> 8
+    p1 = ((r1 & 0xFF) ^ 0x80) - 0x80
+    p2 = (r1 - p1) >> 8
+    assert (np.abs(p2) <= 64).all()
+    return p0, p1, p2
+
+
+def q_fragments_s8(q_group, group, head_dim, scale):
+    """q_fragments_s8: qa[i][reg] (uint32[32]) and qstep[i] (float32[32]) per record i; A row
+    gid = plane gid // 4 of head gid % 4, row gid + 8 = plane 2 of head gid (gid < 4); k 4t + j
+    is dim 8t + j of the record, k 16 + 4t + j dim 8t + 4 + j."""
+    n_rec = head_dim // Q8_BLOCK
+    head = GID % 4
+    live = head < group
+    qa = [[np.zeros(LANES, np.uint32) for _ in range(4)] for _ in range(4)]
+    qstep = [np.zeros(LANES, np.float32) for _ in range(4)]
+    for i in range(n_rec):
+        v = np.zeros((LANES, 8), np.float32)
+        for e in range(8):
+            v[live, e] = (q_group[head[live], 32 * i + 8 * TID[live] + e].astype(np.float32)
+                          * np.float32(scale))
+        amax = np.abs(v).max(axis=1)
+        amax = np.maximum(amax, amax[LANE ^ 1])
+        amax = np.maximum(amax, amax[LANE ^ 2])
+        ex = np.maximum(np.frexp(amax)[1], -104)
+        inv_step = np.ldexp(np.float32(1), 22 - ex).astype(np.float32)
+        qstep[i] = np.ldexp(np.float32(1), ex - 22).astype(np.float32)
+        for e in range(8):
+            p0, p1, p2 = s8_planes22(v[:, e], inv_step)
+            reg, shift = (0 if e < 4 else 2), 8 * (e % 4)
+            lo = np.where(GID < 4, p0, p1)
+            hi = np.where(GID < 4, p2, 0)
+            qa[i][reg] = qa[i][reg] | ((lo & 0xFF).astype(np.uint32) << shift)
+            qa[i][reg + 1] = qa[i][reg + 1] | ((hi & 0xFF).astype(np.uint32) << shift)
+    return qa, qstep
+
+
+def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes,
+                            n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+    """qk_scores_imma_q8_staged: one s8 mma per record and 8 tokens on the staged codes as
+    they are; per-plane f32 sums times d * step, planes joined with plane 1 from lane + 16."""
+    qa, qstep = q_fragments_s8(q_group, group, head_dim, scale)
+
+    def record_sum(acc, i, w0, w1, d0, d1):
+        r = np.zeros((LANES, 4), np.int64)
+        mma_s8_16x8x32(r, *qa[i], w0, w1)
+        ds0, ds1 = qstep[i] * d0, qstep[i] * d1
+        rf = r.astype(np.float32)
+        acc[:, 0] += ds0 * rf[:, 0]
+        acc[:, 1] += ds1 * rf[:, 1]
+        acc[:, 2] += ds0 * rf[:, 2]
+        acc[:, 3] += ds1 * rf[:, 3]
+
+    def join(acc):
+        up = acc[LANE ^ 16]  # pkv_shfl_xor(acc, 16): plane 1 of head gid
+        return (acc[:, 0] + (np.float32(256) * up[:, 0] + np.float32(65536) * acc[:, 2]),
+                acc[:, 1] + (np.float32(256) * up[:, 1] + np.float32(65536) * acc[:, 3]))
+
+    staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
+                  pitch_units, record_sum, join)
 
 
 def f32_exponent(x) -> int:
@@ -323,10 +412,12 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
 
 
 def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, partition,
-                           n_warps=4, staged=False):
+                           n_warps=4, staged=False, qk_int=False):
     """The q8 partition kernel on its tensor-core passes plus pkv_paged_attention_reduce:
     ``float32[seqs, heads, head_dim]``; ``staged``: the q8s kernel's passes (no V-scale
-    pre-pass: each warp's pscale is its own and running)."""
+    pre-pass: each warp's pscale is its own and running); ``qk_int`` (with ``staged``): the
+    q8i kernel, pass 1 on integer tensor cores."""
+    assert staged or not qk_int
     seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, row_bytes = k_pool.shape
     group = num_heads // kv_heads
@@ -345,7 +436,8 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
             for kvh in range(kv_heads):
                 rows = (blocks * block_size + pos % block_size) * kv_heads + kvh
                 scores = np.zeros(n_tok * gmax, np.float32)
-                qk = qk_scores_q8_staged if staged else qk_scores_q8
+                qk = (qk_scores_q8_int_staged if qk_int else
+                      qk_scores_q8_staged if staged else qk_scores_q8)
                 qk(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb, rows,
                    row_bytes, n_tok, gmax, scores, n_warps)
                 s = scores.reshape(n_tok, gmax)

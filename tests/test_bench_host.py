@@ -49,7 +49,8 @@ def test_attention_inputs_and_rows(dev):
     assert [r["kernel"] for r in rows] == ["paged_attention float16", "paged_attention bfloat16",
                                            "paged_attention q8",
                                            "paged_attention q8 cuda-cores",
-                                           "paged_attention q8 unstaged"]
+                                           "paged_attention q8 unstaged",
+                                           "paged_attention q8 int pass 1"]
     assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
 
 
@@ -161,6 +162,7 @@ def test_asv_tracks_rows_the_bench_emits(dev):
         f"paged_attention q8 | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 cuda-cores | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 unstaged | {rows[n_default - 1]['shape']}",
+        f"paged_attention q8 int pass 1 | {rows[n_default - 1]['shape']}",
         f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}",
         f"paged_attention fwht4/lloyd4 cuda-cores | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows

@@ -579,6 +579,25 @@ def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
     assert not [c for c in dev.calls if c[0] == "launch"]
 
 
+def _set_env(monkeypatch, name, value):
+    """``name`` set to ``value``, or unset for None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
+def _q8_attention_launches(dev, attn, seqs, heads, head_dim, num_blocks, width):
+    """Run ``attn`` once on empty q8 pools (all sequences of length 0) and return its
+    launches (name, grid, block)."""
+    q = dev.empty((seqs, heads, head_dim), np.float32)
+    pool = dev.empty((num_blocks, 16, 2, head_dim // 32 * 34), np.uint8)
+    dev.calls.clear()
+    attn.run(q, pool, pool, dev.array(np.zeros((seqs, width), np.int32)),
+             dev.array(np.zeros(seqs, np.int32)), dev.empty((seqs, heads, head_dim), np.float32))
+    return [c for c in dev.calls if c[0] == "launch"]
+
+
 @pytest.mark.parametrize("q8_mma,env,kernel", [
     (None, None, "pkv_paged_attention_q8_g4"),       # default: the tensor-core q8 kernel
     (None, "0", "pkv_paged_attention_q8cc_g4"),      # PAGEDKV_ATTN_Q8_MMA=0: CUDA cores
@@ -591,22 +610,14 @@ def test_compressed_attention_refuses_what_it_cannot_read_before_launching():
 def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
     from pagedkv.kernels import kvcache
     monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", "0")  # the staged variant: the test below
-    if env is None:
-        monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDKV_ATTN_Q8_MMA", env)
+    _set_env(monkeypatch, "PAGEDKV_ATTN_Q8_MMA", env)
     dev = FakeDevice()
     attn = kvcache.PagedAttention(dev, num_seqs=2, num_heads=8, kv_heads=2, head_dim=128,
                                   block_size=16, max_seq_len=1100, kv_dtype="q8",
                                   q8_mma=q8_mma)
     mma = kernel.endswith("q8_g4")
     assert repr(attn).endswith(f"kv_dtype='q8', partitions=3, q8_mma={mma}, q8_stage=False)")
-    q = dev.empty((2, 8, 128), np.float32)
-    pool = dev.empty((10, 16, 2, 136), np.uint8)
-    dev.calls.clear()
-    attn.run(q, pool, pool, dev.array(np.zeros((2, 69), np.int32)),
-             dev.array(np.zeros(2, np.int32)), dev.empty((2, 8, 128), np.float32))
-    launches = [c for c in dev.calls if c[0] == "launch"]
+    launches = _q8_attention_launches(dev, attn, 2, 8, 128, 10, 69)
     # both q8 kernels share the partition (512 tokens), grid, threads and shared memory
     assert launches == [("launch", kernel, (3, 2, 2), (128,)),
                         ("launch", "pkv_paged_attention_reduce", (8, 2), (128,))]
@@ -624,10 +635,7 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
 def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, env, kernel):
     from pagedkv.kernels import kvcache
     monkeypatch.delenv("PAGEDKV_ATTN_Q8_MMA", raising=False)
-    if env is None:
-        monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", env)
+    _set_env(monkeypatch, "PAGEDKV_ATTN_Q8_STAGE", env)
     dev = FakeDevice()
     attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=64,
                                   block_size=16, max_seq_len=600, kv_dtype="q8",
@@ -635,13 +643,8 @@ def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, e
     staged = kernel.startswith("pkv_paged_attention_q8s")
     assert attn._partition.name == kernel and attn.q8_stage is staged
     assert repr(attn).endswith(f"q8_mma={q8_mma is not False}, q8_stage={staged})")
-    q = dev.empty((1, 4, 64), np.float32)
-    pool = dev.empty((40, 16, 2, 68), np.uint8)
-    dev.calls.clear()
-    attn.run(q, pool, pool, dev.array(np.zeros((1, 38), np.int32)),
-             dev.array(np.zeros(1, np.int32)), dev.empty((1, 4, 64), np.float32))
+    launches = _q8_attention_launches(dev, attn, 1, 4, 64, 40, 38)
     # the same partition (512 tokens), grid, threads and dynamic shared memory as q8
-    launches = [c for c in dev.calls if c[0] == "launch"]
     assert launches == [("launch", kernel, (2, 2, 1), (128,)),
                         ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
 
@@ -704,6 +707,53 @@ def test_q8_default_stages_only_where_the_staged_passes_run(monkeypatch, head_di
                                   max_seq_len=64, kv_dtype="q8")
     assert attn._partition.name == kernel
     assert attn.q8_stage is kernel.startswith("pkv_paged_attention_q8s")
+@pytest.mark.parametrize("q8_int,env,kernel", [
+    (None, None, "pkv_paged_attention_q8s_g2"),    # opt-in until a device run vouches for it
+    (None, "1", "pkv_paged_attention_q8i_g2"),     # PAGEDKV_ATTN_Q8_INT=1
+    (True, "0", "pkv_paged_attention_q8i_g2"),     # the argument wins over the env
+    (False, "1", "pkv_paged_attention_q8s_g2"),
+])
+def test_q8_int_attention_path_is_selectable(monkeypatch, q8_int, env, kernel):
+    from pagedkv.kernels import kvcache
+    for name in ("PAGEDKV_ATTN_Q8_MMA", "PAGEDKV_ATTN_Q8_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    _set_env(monkeypatch, "PAGEDKV_ATTN_Q8_INT", env)
+    dev = FakeDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=128,
+                                  block_size=16, max_seq_len=600, kv_dtype="q8", q8_int=q8_int)
+    is_int = kernel.startswith("pkv_paged_attention_q8i")
+    assert attn._partition.name == kernel and attn.q8_int is is_int and attn.q8_stage is True
+    assert repr(attn).endswith("q8_stage=True, q8_int=True)" if is_int else "q8_stage=True)")
+    launches = _q8_attention_launches(dev, attn, 1, 4, 128, 40, 38)
+    # the q8s partition (512 tokens), grid, threads and dynamic shared memory
+    assert launches == [("launch", kernel, (2, 2, 1), (128,)),
+                        ("launch", "pkv_paged_attention_reduce", (4, 1), (128,))]
+
+
+def test_q8_int_needs_the_staged_tensor_core_path():
+    from pagedkv.errors import InvalidArgumentType
+    from pagedkv.kernels import kvcache
+    dev = FakeDevice()
+    kw = {"num_seqs": 1, "num_heads": 2, "kv_heads": 1, "head_dim": 128, "block_size": 16,
+          "max_seq_len": 32, "kv_dtype": "q8"}
+    for off in ({"q8_stage": False}, {"q8_mma": False}):
+        with pytest.raises(InvalidArgument, match=r"q8_int=True: the q8i kernels are the staged "
+                                                  r"tensor-core ones; leave q8_mma and q8_stage"):
+            kvcache.PagedAttention(dev, **kw, q8_int=True, **off)
+    with pytest.raises(InvalidArgumentType, match=r"q8_int='yes': expected True, False or None"):
+        kvcache.PagedAttention(dev, **kw, q8_int="yes")
+    assert not dev.calls  # nothing allocated before a refusal
+    # a pool off 8-byte alignment runs the unstaged tensor-core kernel, as for q8s
+    attn = kvcache.PagedAttention(dev, **kw, q8_int=True)
+    base = dev.empty((3, 16, 1, 136), np.uint8)
+    shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    q = dev.empty((1, 2, 128), np.float32)
+    tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
+    for v_pool, kernel in ((base, "pkv_paged_attention_q8i_g2"),
+                           (shifted, "pkv_paged_attention_q8_g2")):
+        dev.calls.clear()
+        attn.run(q, base, v_pool, tables, lens, q)
+        assert next(c[1] for c in dev.calls if c[0] == "launch") == kernel
 
 
 def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
@@ -780,7 +830,7 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         pytest.skip("built without a GPU compiler: no kernel objects")
     names = {f"pkv_paged_attention_{d.replace('lloyd3/', 'fwht3/').replace('/fwht3', '/lloyd3')}"
              .replace("/", "_") + f"_g{g}" for d in kvcache.QUANT_KV_DTYPES for g in (1, 2, 4, 8)}
-    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s")
+    names |= {f"pkv_paged_attention_{k}_g{g}" for k in ("f16", "bf16", "q8", "q8cc", "q8s", "q8i")
               for g in (1, 2, 4, 8)}
     names |= {f"pkv_paged_attention_{d.replace('/', '_')}_mma_g{g}"
               for d in kvcache.QUANT_KV_DTYPES if kvcache.qkv_mma_applies(d)

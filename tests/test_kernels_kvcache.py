@@ -292,8 +292,10 @@ ATTN_CASES = [
 
 # every case on its default kernel, and the q8 cases once more on the staged q8s kernels
 # (q8_stage=True; where the tensor-core passes do not apply they are the CUDA-core ones)
+# and on the q8i kernels (q8_int=True: pass 1 on integer tensor cores)
 ATTN_PATH_CASES = ([(*c, None) for c in ATTN_CASES]
-                   + [(*c, True) for c in ATTN_CASES if c[0] == "q8"])
+                   + [(*c, True) for c in ATTN_CASES if c[0] == "q8"]
+                   + [(*c, "int") for c in ATTN_CASES if c[0] == "q8"])
 
 
 @pytest.mark.gpu
@@ -308,9 +310,11 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
     attn = kvcache.PagedAttention(device, num_seqs=len(seq_lens), num_heads=heads,
                                   kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                                   max_seq_len=int(lens.max()), kv_dtype=kv_dtype,
-                                  q8_stage=q8_stage)
+                                  q8_stage=None if q8_stage is None else True,
+                                  q8_int=True if q8_stage == "int" else None)
     if q8_stage:
-        assert attn._partition.name.startswith("pkv_paged_attention_q8s_")
+        assert attn._partition.name.startswith(
+            "pkv_paged_attention_q8" + ("i_" if q8_stage == "int" else "s_"))
     out = poisoned(device, q.shape, np.float32)
     attn.run(device.array(q), device.array(k_pool), device.array(v_pool), device.array(tables),
              device.array(lens), out)
@@ -328,8 +332,9 @@ def test_gpu_paged_attention_matches_reference(device, kv_dtype, heads, kv_heads
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (3, 1, 64), (2, 2, 128)])
 def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
     # The tensor-core q8 kernel (default), the CUDA-core one (q8_mma=False, the
-    # PAGEDKV_ATTN_Q8_MMA=0 fallback) and the staged tensor-core one (q8_stage=True,
-    # PAGEDKV_ATTN_Q8_STAGE=1) on the same pool: each within the attention tolerance of the
+    # PAGEDKV_ATTN_Q8_MMA=0 fallback), the staged tensor-core one (q8_stage=True,
+    # PAGEDKV_ATTN_Q8_STAGE=1) and the staged one with the integer pass 1 (q8_int=True,
+    # PAGEDKV_ATTN_Q8_INT=1) on the same pool: each within the attention tolerance of the
     # float64 reference, and of the CUDA-core one. Large-magnitude V (scales near 1) and
     # small (near 1e-3) in one pool: the tensor-core passes fold the scale into P.
     lens = [1, 511, 1300]
@@ -342,20 +347,25 @@ def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     outs = []
-    for q8_mma, q8_stage in ((True, False), (False, False), (True, True)):
+    for q8_mma, q8_stage, q8_int in ((True, False, False), (False, False, False),
+                                     (True, True, False), (True, True, True)):
         attn = kvcache.PagedAttention(device, num_seqs=3, num_heads=heads, kv_heads=kv_heads,
                                       head_dim=head_dim, block_size=16, max_seq_len=1300,
-                                      kv_dtype="q8", q8_mma=q8_mma, q8_stage=q8_stage)
+                                      kv_dtype="q8", q8_mma=q8_mma, q8_stage=q8_stage,
+                                      q8_int=q8_int)
         assert attn._partition.name.startswith(
-            "pkv_paged_attention_" + ("q8s" if q8_stage else "q8_" if q8_mma else "q8cc"))
+            "pkv_paged_attention_" + ("q8i" if q8_int else "q8s" if q8_stage else
+                                      "q8_" if q8_mma else "q8cc"))
         out = poisoned(device, q.shape, np.float32)
         attn.run(device.array(q), device.array(k_pool), device.array(v_pool),
                  device.array(tables), device.array(lens), out)
         outs.append(out.to_numpy())
         assert np.isfinite(outs[-1]).all()
-        _assert_within(outs[-1], want, 1e-4, 2e-5, f"q8_mma={q8_mma}, q8_stage={q8_stage}")
+        _assert_within(outs[-1], want, 1e-4, 2e-5,
+                       f"q8_mma={q8_mma}, q8_stage={q8_stage}, q8_int={q8_int}")
     _assert_within(outs[0], outs[1], 2e-4, 4e-5, "the tensor-core and CUDA-core q8 paths")
     _assert_within(outs[2], outs[1], 2e-4, 4e-5, "the staged and CUDA-core q8 paths")
+    _assert_within(outs[3], outs[1], 2e-4, 4e-5, "the integer pass 1 and CUDA-core q8 paths")
 
 
 def _assert_within(got, want, rtol, atol_rel, what):
@@ -429,7 +439,8 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
 # --- the q8 tensor-core passes, emulated lane by lane on the CPU (tests/mma_attention_emulation.py)
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["q8", "q8s"])
+@pytest.mark.parametrize("staged,qk_int", [(False, False), (True, False), (True, True)],
+                         ids=["q8", "q8s", "q8i"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
     (3, 1, 64, 5, [40, 1], 1.0),           # group 3 in a g4 kernel, a one-token sequence
     (4, 1, 128, 16, [530, 7], 1e-3),       # two 512-token partitions; V scales ~1e-5
@@ -437,7 +448,7 @@ def test_gpu_copy_blocks(device, block_shape, dtype):
     (4, 2, 128, 16, [33], 1.0),            # g2
 ])
 def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block_size,
-                                                seq_lens, v_scale, staged):
+                                                seq_lens, v_scale, staged, qk_int):
     import mma_attention_emulation as emu
     k_pool, _, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=head_dim,
                                           block_size=block_size, kv_dtype="q8")
@@ -446,7 +457,7 @@ def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block
     q = RNG.standard_normal((len(seq_lens), heads, head_dim)).astype(np.float32)
     got = emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=head_dim ** -0.5,
                                      partition=kvcache.ATTN_PARTITION_TOKENS["q8"],
-                                     staged=staged)
+                                     staged=staged, qk_int=qk_int)
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     # the documented attention tolerance, atol in units of the V magnitude
@@ -573,3 +584,23 @@ def test_gpu_compressed_attention_tensor_core_path(device, kv_dtype, heads, kv_h
         assert np.isfinite(outs[-1]).all()
         _assert_within(outs[-1], want, 1e-4, 2e-5, f"{kv_dtype} qkv_mma={qkv_mma}")
     _assert_within(outs[0], outs[1], 2e-4, 4e-5, f"{kv_dtype}: the _mma and CUDA-core paths")
+def test_q8_int_emulation_mirrors_the_kernels_plane_layout():
+    # The q8i pass 1 in hip/kvcache.hip and its emulation agree on what the emulation tests
+    # can only check in NumPy: which plane each A row holds, which k half each A register
+    # fills, where plane 1 comes from and how the planes join.
+    from pathlib import Path
+
+    import mma_attention_emulation as emu
+    root = Path(__file__).resolve().parents[1]
+    hip = (root / "hip/kvcache.hip").read_text()
+    py = Path(emu.__file__).read_text()
+    pairs = [("(gid < 4 ? p0 : p1)", "np.where(GID < 4, p0, p1)"),
+             ("(gid < 4 ? p2 : 0)", "np.where(GID < 4, p2, 0)"),
+             ("const int reg = e < 4 ? 0 : 2, shift = 8 * (e % 4);",
+              "reg, shift = (0 if e < 4 else 2), 8 * (e % 4)"),
+             ("pkv_shfl_xor(acc[0], 16)", "acc[LANE ^ 16]"),
+             ("acc[0] + (256.0f * up0 + 65536.0f * acc[2])",
+              "acc[:, 0] + (np.float32(256) * up[:, 0] + np.float32(65536) * acc[:, 2])"),
+             ("ldexpf(1.0f, 22 - ex)", "np.ldexp(np.float32(1), 22 - ex)")]
+    for in_hip, in_py in pairs:
+        assert in_hip in hip and in_py in py, (in_hip, in_py)

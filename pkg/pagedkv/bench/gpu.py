@@ -457,6 +457,15 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
                  f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_un, nbytes, copy_bw,
                  {"staged_speedup": t_un / t, "speedup_vs_cuda_cores": t_cc / t_un}
                  | ({"vs_float16": t_f16 / t_un} if t_f16 else {}))
+            # the q8i kernel: the staged one with pass 1 on integer tensor cores (q8_int=True,
+            # PAGEDKV_ATTN_Q8_INT=1); int_speedup > 1: faster than the row above it's measured
+            # against (the default kernel, `paged_attention q8`)
+            attn_int = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True,
+                                              q8_stage=True, q8_int=True)
+            t_int = time_attention(device, stream, attn_int, args)
+            _row(rows, "paged_attention q8 int pass 1",
+                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_int, nbytes, copy_bw,
+                 {"int_speedup": t / t_int} | ({"vs_float16": t_f16 / t_int} if t_f16 else {}))
         if kv_dtype in kvcache.QUANT_KV_DTYPES and kvcache.qkv_mma_applies(kv_dtype):
             # the CUDA-core kernel of the pair (PAGEDKV_ATTN_QKV_MMA=0) on the same pool;
             # the row above ran the _mma kernel (unless the env turned it off)

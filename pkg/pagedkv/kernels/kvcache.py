@@ -237,6 +237,11 @@ class PagedAttention:
     run the CUDA-core passes) or, when False, the CUDA-core kernels; ``None`` reads
     ``PAGEDKV_ATTN_QKV_MMA`` (default on). :attr:`qkv_mma` says which (``None`` for a pair
     without ``_mma`` kernels and for the other KV dtypes).
+    ``q8_int``: with ``q8_stage``, the ``q8i`` kernels: the staged kernels with pass 1 (q·Kᵀ) on
+    integer tensor cores, q quantized once per CTA to exact 22-bit integers per 32-dim record
+    and the K codes multiplied as they are stored (docs/kernels.md, "q8 attention on tensor cores"). ``None``
+    reads ``PAGEDKV_ATTN_Q8_INT`` (default off until a device run vouches for it); ``True``
+    with ``q8_stage`` or ``q8_mma`` off is refused. Same alignment rule as ``q8_stage``.
 
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
@@ -247,8 +252,10 @@ class PagedAttention:
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None, q8_mma: bool | None = None,
-                 q8_stage: bool | None = None, qkv_mma: bool | None = None) -> None:
-        for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage), ("qkv_mma", qkv_mma)):
+                 q8_stage: bool | None = None, q8_int: bool | None = None,
+                 qkv_mma: bool | None = None) -> None:
+        for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage), ("q8_int", q8_int),
+                           ("qkv_mma", qkv_mma)):
             if flag is not None and not isinstance(flag, bool):
                 raise InvalidArgumentType(f"{name}={flag!r}: expected True, False or None")
         if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
@@ -287,10 +294,6 @@ class PagedAttention:
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
                                                    warp_size=device.properties.warp_size)
-        parts = (num_seqs, num_heads, self.max_partitions)
-        self.part_out = device.empty(parts + (head_dim,), np.float32)
-        self.part_max = device.empty(parts, np.float32)
-        self.part_sum = device.empty(parts, np.float32)
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
@@ -305,6 +308,16 @@ class PagedAttention:
                         and self.gmax <= 4 and getattr(device, "backend", None) != "hip"
                         and device.properties.warp_size == 32)
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
+        if q8_int is True and kv_dtype == "q8" and not self.q8_stage:
+            raise InvalidArgument("q8_int=True: the q8i kernels are the staged tensor-core ones; "
+                                  "leave q8_mma and q8_stage on (True or None)")
+        if q8_int is None:
+            q8_int = env_bool("PAGEDKV_ATTN_Q8_INT", False)
+        self.q8_int = bool(q8_int and self.q8_stage) if kv_dtype == "q8" else None
+        parts = (num_seqs, num_heads, self.max_partitions)
+        self.part_out = device.empty(parts + (head_dim,), np.float32)
+        self.part_max = device.empty(parts, np.float32)
+        self.part_sum = device.empty(parts, np.float32)
         # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
         # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
         self.qk_mfma = (kv_dtype == "float16" and head_dim in (64, 128)
@@ -313,6 +326,7 @@ class PagedAttention:
                         and env_bool("PAGEDKV_ATTN_MFMA", False))
         if kv_dtype in KV_DTYPES:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
+                                          "i" if self.q8_int else
                                           "s" if self.q8_stage else "")
             kind += "mfma" if self.qk_mfma else ""
         else:
@@ -348,6 +362,7 @@ class PagedAttention:
                 f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
                 + ("" if self.q8_mma is None else
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
+                + (", q8_int=True" if self.q8_int else "")
                 + (", qk_mfma=True" if self.qk_mfma else "")
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
