@@ -9,6 +9,7 @@
 #define PAGEDKV_GEMV_PREP_X_H
 
 #include <pagedkv/launch.h>
+#include "mma_s8.h"
 
 // The rotation of one 256-group held by LANES lanes of a warp (all of it, or an aligned
 // 32-lane half of a 64-wide AMD wavefront: butterflies across lanes use lane strides below
@@ -77,11 +78,8 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
   uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int q = __float2int_rn(v[i] * inv_step);  // exact scaling, one rounding
-    const int p0 = (int)(int8_t)(q & 0xFF);
-    const int r1 = (q - p0) >> 8;
-    const int p1 = (int)(int8_t)(r1 & 0xFF);
-    const int p2 = (r1 - p1) >> 8;
+    int p0, p1, p2;
+    s8_planes22(v[i], inv_step, p0, p1, p2);  // exact scaling, one rounding (mma_s8.h)
     const int shift = 8 * (i / 2);
     planes[0][i % 2] |= (uint32_t)(p0 & 0xFF) << shift;
     planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
