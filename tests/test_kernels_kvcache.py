@@ -372,7 +372,10 @@ def _assert_within(got, want, rtol, atol_rel, what):
     """|got - want| <= rtol |want| + atol_rel * (the head's largest |want|), elementwise;
     the message names the path, the worst element and how far over it is."""
     scale = np.abs(want).max(axis=-1, keepdims=True)  # per-head output magnitude
-    excess = np.abs(got - want) / (rtol * np.abs(want) + atol_rel * scale)
+    diff = np.abs(got - want)
+    # an empty sequence's head is exactly 0 (want and scale 0): no difference, no excess
+    excess = np.divide(diff, rtol * np.abs(want) + atol_rel * scale,
+                       out=np.where(diff > 0, np.inf, 0.0), where=diff > 0)
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     assert excess.max() <= 1.0, (
         f"{what}: {int((excess > 1).sum())} of {excess.size} outside the tolerance, worst "
