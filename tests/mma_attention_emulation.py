@@ -477,9 +477,15 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
                 h = kvh * group + g
                 if not mine:
                     continue
-                m = max(float(p[1][g]) for p in mine)
-                wts = [np.float32(np.exp(np.float32(p[1][g] - m))) for p in mine]
-                denom = sum(w * p[2][g] for w, p in zip(wts, mine, strict=True))
-                acc = sum(w * p[3][g] for w, p in zip(wts, mine, strict=True))
-                out[seq, h] = acc / denom
+                out[seq, h] = combine_partitions([p[1:] for p in mine], g)
     return out
+
+
+def combine_partitions(parts, g):
+    """The reduce kernel's combination of partitions for query head slot ``g``: each part is
+    ``(pmax, psum, wsum)`` of one partition (float32), weighted by ``exp(pmax - max)``."""
+    m = max(float(p[0][g]) for p in parts)
+    wts = [np.float32(np.exp(np.float32(p[0][g] - m))) for p in parts]
+    denom = sum(w * p[1][g] for w, p in zip(wts, parts, strict=True))
+    acc = sum(w * p[2][g] for w, p in zip(wts, parts, strict=True))
+    return acc / denom

@@ -19,6 +19,7 @@ from mma_attention_emulation import (
     LANES,
     TID,
     byte_perm,
+    combine_partitions,
     f16_bits,
     f16_value,
     load_u16,
@@ -204,11 +205,7 @@ def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_d
             for g in range(group):
                 if not parts:
                     continue
-                m = max(float(p[0][g]) for p in parts)
-                wts = [np.float32(np.exp(np.float32(p[0][g] - m))) for p in parts]
-                denom = sum(w * p[1][g] for w, p in zip(wts, parts, strict=True))
-                acc = sum(w * p[2][g] for w, p in zip(wts, parts, strict=True))
-                out[seq, kvh * group + g] = acc / denom
+                out[seq, kvh * group + g] = combine_partitions(parts, g)
     # the reduce's rotate_shared<VROT>(inverse): R^T per VROT-block
     return numpy_kernels._rotate_rows(out.reshape(-1, head_dim), vm.rotation, True).reshape(
         out.shape)
