@@ -274,7 +274,7 @@ class Gemv:
                                         device.properties.multiprocessor_count)
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_staged_{f.kernel}_n{tiles}",
                                              "ppppppiii")
-                self._grid = (row_blocks, splits)
+                self._grid: tuple[int, ...] = (row_blocks, splits)
                 # partial[split][batch][M] and a zeroed arrival counter per row block (the
                 # last block of a row block resets it for the next launch)
                 self._split_args = (
