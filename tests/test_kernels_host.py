@@ -876,13 +876,23 @@ def test_gpu_every_attention_kernel_the_launcher_names_loads(device):
 @pytest.mark.parametrize(("arch", "env", "kv_dtype", "head_dim", "kernel"), [
     ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16mfma_g4"),
     ("gfx940", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx908", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
     ("gfx90a", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
+    ("gfx90a", "0", "float16", 128, "pkv_paged_attention_f16_g4"),
     ("gfx90a", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
-    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
-    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # RDNA: no MFMA
-def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
+    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16mfma_g4"),
+    ("gfx942", "1", "bfloat16", 64, "pkv_paged_attention_bf16mfma_g4"),
+    ("gfx90a", None, "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx90a", "1", "bfloat16", 256, "pkv_paged_attention_bf16_g4"),
+    # gfx908 has no k-16 bf16 MFMA: its code object has no bf16mfma kernels
+    ("gfx908", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx90a", "1", "q8", 128, "pkv_paged_attention_q8_g4"),  # q8: CUDA-core passes on AMD
+    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA: no MFMA
+    ("gfx1030", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4")])
+def test_attention_takes_the_mfma_kernels_only_when_asked_on_cdna(
         monkeypatch, arch, env, kv_dtype, head_dim, kernel):
-    # docs/kernels.md, "AMD matrix cores": pass 1 on MFMA is compile-checked and emulated only
+    # docs/kernels.md, "AMD matrix cores": both passes on MFMA are compile-checked and
+    # emulated only
     from pagedkv.kernels import kvcache
     if env is None:
         monkeypatch.delenv("PAGEDKV_ATTN_MFMA", raising=False)
@@ -892,5 +902,6 @@ def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
                                   head_dim=head_dim, block_size=16, max_seq_len=64,
                                   kv_dtype=kv_dtype)
     assert attn._partition.name == kernel
-    assert attn.qk_mfma == kernel.endswith("mfma_g4")
-    assert repr(attn).endswith(", qk_mfma=True)" if attn.qk_mfma else "partitions=1)")
+    assert attn.mfma == kernel.endswith("mfma_g4")
+    assert repr(attn).endswith(", mfma=True)" if attn.mfma else ")")
+    assert (", mfma=True" in repr(attn)) == attn.mfma
