@@ -335,14 +335,14 @@ PKV_DEV pkv_f32x4 mfma_16x16x16(pkv_u32x2 a, pkv_u32x2 b, pkv_f32x4 c) {
   }
 }
 
-template <int KIND, int GMAX>
-PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int head_dim,
-                            float scale, const uint8_t* __restrict__ k_pool,
-                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
-  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+// Pass 1's A operands: k-step s holds dims 32(s/2) + 8q + 4(s%2) + 0..3 of query head i % 8
+// (times scale), rows i < 8 as 16-bit values, rows i >= 8 their remainders.
+template <int KIND>
+PKV_DEV void q_fragments_mfma(const float* __restrict__ q_group, int group, int head_dim,
+                              float scale, pkv_u32x2 (&qa)[8]) {
+  const int lane = threadIdx.x % 64;
   const int i = lane % 16, q = lane / 16, head = i % 8;
-  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
-  pkv_u32x2 qa[8];
+  const int n_loads = head_dim / 32;
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     uint32_t bits[4] = {0u, 0u, 0u, 0u};
@@ -357,6 +357,17 @@ PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int he
     }
     qa[s] = pkv_u32x2{bits[0] | bits[1] << 16, bits[2] | bits[3] << 16};
   }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, const uint8_t* __restrict__ k_pool,
+                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  pkv_u32x2 qa[8];
+  q_fragments_mfma<KIND>(q_group, group, head_dim, scale, qa);
   const int n_groups = (n_tok + 15) / 16;
   auto load = [&](uint4 (&kr)[4], int grp) {
     const int tok = 16 * grp + i;
@@ -649,6 +660,82 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
     cur = nxt;
   }
 }
+
+// q8 pass 1 on AMD matrix cores (qk_scores_mfma_q8, pkv_paged_attention_q8mfma_g*; pass 2
+// stays on the CUDA-core path): qk_scores_mfma's layout, whose k-steps 2l and 2l + 1 cover
+// record l alone (dims 32l + 8q + 0..7: lane q's codes 8q .. 8q + 7 of the record, bytes
+// 34l + 2 + 8q on, as qk_scores_mma_q8's lane t), so the two MFMAs of record l go to a
+// zeroed accumulator that is multiplied by the record's f16 scale d_l in f32 and added, as
+// on NVIDIA. D column i is token 16 grp + i, the lane's own token: it reads d_l itself. The
+// codes become f16 exactly: c ^ 0x80 under the exponent of 1024 is 1152 + c; subtracting 1152
+// (packed f16, exact) leaves c.
+#if PKV_ATTN_MFMA
+typedef _Float16 pkv_f16x2 __attribute__((ext_vector_type(2)));
+
+PKV_DEV pkv_u32x2 q8_codes_f16x4(uint32_t w) {  // bytes 0..3 of w -> elements 0..3
+  const uint32_t x = w ^ 0x80808080u;
+  const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;
+  const uint32_t b23 = (x >> 16 & 0xFFu) | (x >> 8 & 0xFF0000u) | 0x64006400u;
+  const pkv_f16x2 bias = {(_Float16)1152.0f, (_Float16)1152.0f};
+  return pkv_u32x2{__builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b01) - bias),
+                   __builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b23) - bias)};
+}
+
+template <int GMAX>
+PKV_DEV void qk_scores_mfma_q8(const float* __restrict__ q_group, int group, int head_dim,
+                               float scale, const uint8_t* __restrict__ k_pool,
+                               const int64_t* rows, int64_t row_bytes, int n_tok,
+                               float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  pkv_u32x2 qa[8];  // record l is k-steps 2l, 2l + 1
+  q_fragments_mfma<KV_F16>(q_group, group, head_dim, scale, qa);
+  struct Raw {
+    uint32_t code[4][2];  // record l: codes 8q .. 8q + 3, 8q + 4 .. 8q + 7
+    uint32_t d[4];        // record l's f16 scale bits (0 past the end: the score is 0)
+  };
+  const int n_groups = (n_tok + 15) / 16;
+  auto load = [&](Raw& kr, int grp) {
+    const int tok = 16 * grp + i;
+    const uint8_t* row = k_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      kr.code[l][0] = kr.code[l][1] = kr.d[l] = 0u;
+      if (l < n_rec && tok < n_tok) {
+        const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
+        kr.d[l] = *(const uint16_t*)rec;
+        kr.code[l][0] = l % 2 ? load_word_a2<true>(rec + 2 + 8 * q) : load_word_a2<false>(rec + 2 + 8 * q);
+        kr.code[l][1] = l % 2 ? load_word_a2<true>(rec + 6 + 8 * q) : load_word_a2<false>(rec + 6 + 8 * q);
+      }
+    }
+  };
+  Raw cur, nxt;
+  int grp = wave;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+    if (grp + n_waves < n_groups) load(nxt, grp + n_waves);
+    pkv_f32x4 c = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        pkv_f32x4 r = {0.0f, 0.0f, 0.0f, 0.0f};
+        r = mfma_16x16x16<KV_F16>(qa[2 * l], q8_codes_f16x4(cur.code[l][0]), r);
+        r = mfma_16x16x16<KV_F16>(qa[2 * l + 1], q8_codes_f16x4(cur.code[l][1]), r);
+        c += pkv_half_bits_to_float((uint16_t)cur.d[l]) * r;
+      }
+    }
+    const int tok = 16 * grp + i;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float rest = pkv_shfl_xor(c[r], 32);  // lane q + 2: row 4q + r + 8
+      const int g = 4 * q + r;
+      if (q < 2 && g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + rest;
+    }
+    cur = nxt;
+  }
+}
+#endif
 
 // One V record's two m-tiles (2l, 2l + 1) of pv_mma_q8 and pv_mma_q8_staged. c0..c3: the
 // words of tokens 4t .. 4t + 3 (codes 4 gid .. 4 gid + 3 of the record); m-tile 2l + j: row
@@ -1126,7 +1213,8 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
   });
 }
 
-// MFMA: both passes on AMD matrix cores (qk_scores_mfma, pv_mfma).
+// MFMA: both passes on AMD matrix cores (qk_scores_mfma, pv_mfma); q8: pass 1 only
+// (qk_scores_mfma_q8), pass 2 on the CUDA-core path.
 // STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
 // with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
 template <int KIND, int GMAX, bool MMA, bool MFMA = false, bool STAGE = false,
@@ -1143,6 +1231,7 @@ PKV_DEV void paged_attention_partition(
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
   constexpr bool Q8_STAGED = MMA && KIND == KV_Q8 && STAGE;  // pv_mma_q8_staged: no pre-pass
   constexpr bool Q8_MMA = MMA && KIND == KV_Q8 && !STAGE;
+  constexpr bool MFMA_PV = MFMA && KIND != KV_Q8;  // pv_mfma: f16 and bf16
   __shared__ float vscale_max[Q8_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
   // q8s: each warp's PKV_ATTN_Q8_STAGES chunk buffers (both passes, one after the other)
   __shared__ __align__(16) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
@@ -1237,6 +1326,9 @@ PKV_DEV void paged_attention_partition(
     qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
 #if PKV_ATTN_MFMA
+  } else if constexpr (MFMA && KIND == KV_Q8) {
+    qk_scores_mfma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
   } else if constexpr (MFMA) {
     qk_scores_mfma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                          head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
@@ -1282,7 +1374,7 @@ PKV_DEV void paged_attention_partition(
     }
   }
   // The first V rows load while the softmax of the scores is computed.
-  if (!MMA && !MFMA && first < n_tok) load_step(v_pool, first + sub, cur);
+  if (!MMA && !MFMA_PV && first < n_tok) load_step(v_pool, first + sub, cur);
   __syncthreads();
   // Partition max per head, from the stored scores.
   float tmax[GMAX];
@@ -1371,7 +1463,7 @@ PKV_DEV void paged_attention_partition(
     }
   }
 #if PKV_ATTN_MFMA
-  if constexpr (MFMA) {
+  if constexpr (MFMA_PV) {
     pkv_f32x4 o[8];
     pv_mfma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
     __syncthreads();  // every wavefront has read the scores
@@ -1386,7 +1478,7 @@ PKV_DEV void paged_attention_partition(
     }
   }
 #endif
-  if constexpr (!MMA && !MFMA) {
+  if constexpr (!MMA && !MFMA_PV) {
     // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
     float acc[GMAX][8];
 #pragma unroll
@@ -1497,10 +1589,11 @@ PKV_DEV void paged_attention_dispatch(
   PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
 
 #if PKV_ATTN_MFMA
-// f16 and bf16 KV with both passes on AMD matrix cores (qk_scores_mfma, pv_mfma; head_dim
-// 64 or 128, else the CUDA-core passes): pkv_paged_attention_{f16,bf16}mfma_g*, opt-in
-// (PAGEDKV_ATTN_MFMA=1, pagedkv.kernels.kvcache) until an AMD device run vouches for it;
-// bf16 only where PKV_MFMA_BF16_1K is defined (not gfx908).
+// f16 and bf16 KV with both passes on AMD matrix cores (qk_scores_mfma, pv_mfma), q8 with
+// pass 1 there (qk_scores_mfma_q8); head_dim 64 or 128, else the CUDA-core passes:
+// pkv_paged_attention_{f16,bf16,q8}mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
+// pagedkv.kernels.kvcache) until an AMD device run vouches for it; bf16 only where
+// PKV_MFMA_BF16_1K is defined (not gfx908).
 #define PKV_ATTN_MFMA_KERNEL(NAME, KIND, GMAX)                                               \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
                                     PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
@@ -1522,6 +1615,10 @@ PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, KV_F16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, KV_F16, 2)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g4, KV_F16, 4)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g8, KV_F16, 8)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g1, KV_Q8, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g2, KV_Q8, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g4, KV_Q8, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g8, KV_Q8, 8)
 #if defined(PKV_MFMA_BF16_1K)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g1, KV_BF16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g2, KV_BF16, 2)

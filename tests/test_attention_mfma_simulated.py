@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mma_attention_emulation import combine_partitions
+from mma_attention_emulation import combine_partitions, load_u16, load_word_a2
+from pagedkv.quant import kv_q8
 
 WAVE = 64
 KVCACHE_HIP = Path(__file__).resolve().parents[1] / "hip" / "kvcache.hip"
@@ -79,11 +80,9 @@ def _pack(lo, hi):
     return (np.asarray(lo, np.uint32) & 0xFFFF) | (np.asarray(hi, np.uint32) << 16)
 
 
-def qk_scores_mfma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n_waves,
-                   kind="f16"):
-    """qk_scores_mfma<KIND, GMAX>: scores float32[n_tok * GMAX] (NaN where nothing is stored).
-    ``k_bits``: uint16[rows, head_dim], the pool's rows; ``rows``: token -> row."""
-    lane, i, q = _wave()
+def q_fragments_mfma(q_group, group, head_dim, scale, kind):
+    """q_fragments_mfma<KIND>: uint32[8 k-steps, 64 lanes, 2 words]."""
+    _, i, q = _wave()
     head = i % 8
     n_loads = head_dim // 32
     scale = np.float32(scale)
@@ -99,6 +98,26 @@ def qk_scores_mfma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n
             lo = to_bits(v - from_bits(hi, kind), kind)
             bits.append(np.where(live, np.where(i < 8, hi, lo), 0))
         qa[s] = np.stack([_pack(bits[0], bits[1]), _pack(bits[2], bits[3])], axis=1)
+    return qa
+
+
+def _store_scores(scores, c, tok, n_tok, gmax):
+    """The score store of both pass-1 variants: head g = 4q + r is D[g] + D[g + 8]."""
+    lane, _, q = _wave()
+    for r in range(4):
+        rest = c[lane ^ 32, r]  # pkv_shfl_xor(c[r], 32)
+        g = 4 * q + r
+        ok = (q < 2) & (g < gmax) & (tok < n_tok)
+        scores[(tok * gmax + g)[ok]] = (c[:, r] + rest)[ok]
+
+
+def qk_scores_mfma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n_waves,
+                   kind="f16"):
+    """qk_scores_mfma<KIND, GMAX>: scores float32[n_tok * GMAX] (NaN where nothing is stored).
+    ``k_bits``: uint16[rows, head_dim], the pool's rows; ``rows``: token -> row."""
+    _, i, q = _wave()
+    n_loads = head_dim // 32
+    qa = q_fragments_mfma(q_group, group, head_dim, scale, kind)
     scores = np.full(n_tok * gmax, np.nan, np.float32)
     chunks = np.ascontiguousarray(k_bits).view(np.uint32).reshape(len(k_bits), head_dim // 8, 4)
     for wave in range(n_waves):
@@ -112,11 +131,48 @@ def qk_scores_mfma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n
                     k = np.where((tok < n_tok)[:, None], k, 0).astype(np.uint32)
                     b = k[:, 2:] if s % 2 else k[:, :2]  # {k.z, k.w} or {k.x, k.y}
                     mfma_f32_16x16x16(c, qa[s], b, kind)
-            for r in range(4):
-                rest = c[lane ^ 32, r]  # pkv_shfl_xor(c[r], 32)
-                g = 4 * q + r
-                ok = (q < 2) & (g < gmax) & (tok < n_tok)
-                scores[(tok * gmax + g)[ok]] = (c[:, r] + rest)[ok]
+            _store_scores(scores, c, tok, n_tok, gmax)
+    return scores
+
+
+def q8_codes_f16x4(w):
+    """q8_codes_f16x4: the 4 signed bytes of w as f16 bits, uint32[64, 2] (elements 0..3)."""
+    x = np.asarray(w, np.uint32) ^ 0x80808080
+    b01 = (x & 0xFF) | (x & 0xFF00) << 8 | 0x64006400
+    b23 = (x >> 16 & 0xFF) | (x >> 8 & 0xFF0000) | 0x64006400
+    out = []
+    for word in (b01, b23):
+        halves = [from_bits(word >> (16 * h), "f16").astype(np.float16) - np.float16(1152)
+                  for h in range(2)]
+        out.append(_pack(*(v.view(np.uint16) for v in halves)))
+    return np.stack(out, axis=1).astype(np.uint32)
+
+
+def qk_scores_mfma_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok, gmax,
+                      n_waves, scale_record=lambda l: l):
+    """qk_scores_mfma_q8<GMAX> over a flat q8 pool (``pool_bytes``: uint8, rows of
+    ``row_bytes``): scores float32[n_tok * GMAX]. ``scale_record`` is the kernel's record ->
+    scale mapping (the mutation test changes it)."""
+    _, i, q = _wave()
+    n_rec = head_dim // 32
+    qa = q_fragments_mfma(q_group, group, head_dim, scale, "f16")
+    scores = np.full(n_tok * gmax, np.nan, np.float32)
+    for wave in range(n_waves):
+        for grp in range(wave, -(-n_tok // 16), n_waves):
+            tok = 16 * grp + i
+            live = tok < n_tok
+            row = rows[np.minimum(tok, n_tok - 1)].astype(np.int64) * row_bytes
+            c = np.zeros((WAVE, 4), np.float32)
+            for ll in range(n_rec):
+                rec = row + 34 * ll
+                code = [np.where(live, load_word_a2(pool_bytes, rec + 2 + 4 * h + 8 * q, ll % 2 == 1),
+                                 0) for h in range(2)]
+                d = np.where(live, load_u16(pool_bytes, row + 34 * scale_record(ll)), 0)
+                r = np.zeros((WAVE, 4), np.float32)
+                for h in range(2):
+                    mfma_f32_16x16x16(r, qa[2 * ll + h], q8_codes_f16x4(code[h]), "f16")
+                c += from_bits(d, "f16")[:, None] * r
+            _store_scores(scores, c, tok, n_tok, gmax)
     return scores
 
 
@@ -288,6 +344,51 @@ def test_a_wrong_pass_2_lane_mapping_fails_the_tolerance(mutation):
     assert not np.allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
 
 
+def _q8_case(seed, group, head_dim, n_tok):
+    rng = np.random.default_rng(seed)
+    q_group = (rng.standard_normal((group, head_dim)) * 3).astype(np.float32)
+    k = rng.standard_normal((n_tok + 7, head_dim)).astype(np.float32)
+    k *= np.float32(10.0) ** rng.integers(-3, 2, (n_tok + 7, 1))  # scales far apart
+    records = kv_q8.quantize(k)
+    rows = rng.permutation(n_tok + 7)[:n_tok]
+    kt = kv_q8.dequantize(records, head_dim)[rows].astype(np.float64)  # d * c, exact
+    return q_group, records, rows, kt
+
+
+@pytest.mark.parametrize(("head_dim", "group", "gmax", "n_tok", "waves"), [
+    (128, 1, 1, 37, 2), (64, 2, 2, 16, 2), (128, 3, 4, 100, 2), (64, 4, 4, 5, 1),
+    (128, 8, 8, 77, 2), (64, 5, 8, 33, 1)])
+def test_q8_mfma_scores_simulated_are_q_dot_k_for_every_token_and_head(head_dim, group, gmax,
+                                                                         n_tok, waves):
+    q_group, records, rows, kt = _q8_case(head_dim + group + n_tok, group, head_dim, n_tok)
+    scale = head_dim ** -0.5
+    got = qk_scores_mfma_q8(q_group, group, head_dim, scale, records.reshape(-1), rows,
+                            records.shape[1], n_tok, gmax, waves).reshape(n_tok, gmax)
+    qs = q_group.astype(np.float64) * np.float32(scale)
+    bound = 2.0**-20 * (np.abs(kt) @ np.abs(qs).T)  # 22-bit q, exact codes, f32 sums
+    np.testing.assert_array_less(np.abs(got[:, :group] - kt @ qs.T), bound)
+    assert (got[:, group:] == 0).all()
+
+
+def test_q8_codes_become_f16_exactly():
+    w = np.arange(256, dtype=np.uint32)
+    words = w | (w ^ 0x55) << 8 | (255 - w) << 16 | (w ^ 0xAA) << 24
+    for start in range(0, 256, WAVE):
+        ws = words[start:start + WAVE]
+        got = _elements(q8_codes_f16x4(ws), "f16")
+        want = ws.view(np.uint8).reshape(-1, 4).view(np.int8).astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_wrong_q8_record_scale_fails_the_bound():
+    q_group, records, rows, kt = _q8_case(9, 4, 128, 60)
+    got = qk_scores_mfma_q8(q_group, 4, 128, 0.125, records.reshape(-1), rows, records.shape[1],
+                            60, 4, 2, scale_record=lambda l: l ^ 1).reshape(60, 4)
+    qs = q_group.astype(np.float64) * np.float32(0.125)
+    bound = 2.0**-20 * (np.abs(kt) @ np.abs(qs).T)
+    assert (np.abs(got - kt @ qs.T) > bound).any()
+
+
 def test_a_dropped_remainder_row_or_a_wrong_chunk_fails_the_bound():
     # the bound is tight enough to see the f16 rounding of q (2^-11) and any misplaced dim
     rng = np.random.default_rng(3)
@@ -343,11 +444,13 @@ def test_the_mfma_model_matches_the_documented_layout(kind):
 #: The kernel text each emulated index expression copies (hip/kvcache.hip): a change on
 #: either side breaks this list, so the emulation and the kernel cannot drift apart.
 KERNEL_TEXT = {
-    "qk_scores_mfma": [
+    "q_fragments_mfma": [
         "const int i = lane % 16, q = lane / 16, head = i % 8;",
         "32 * (s / 2) + 8 * q + 4 * (s % 2);",
         "bits[e] = i < 8 ? hi : to_mfma_bits<KIND>(v - from_mma_bits<KIND>(hi));",
         "qa[s] = pkv_u32x2{bits[0] | bits[1] << 16, bits[2] | bits[3] << 16};",
+    ],
+    "qk_scores_mfma": [
         "const int tok = 16 * grp + i;",
         "row[4 * l + q]",
         "s % 2 ? pkv_u32x2{k.z, k.w} : pkv_u32x2{k.x, k.y}",
@@ -370,6 +473,24 @@ KERNEL_TEXT = {
         ": pkv_u32x2{(w0 & 0xFFFFu) | w1 << 16,",
         "(w2 & 0xFFFFu) | w3 << 16};",
         "for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);",
+    ],
+    "qk_scores_mfma_q8": [
+        "const int tok = 16 * grp + i;",
+        "const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;",
+        "kr.d[l] = *(const uint16_t*)rec;",
+        "l % 2 ? load_word_a2<true>(rec + 2 + 8 * q) : load_word_a2<false>(rec + 2 + 8 * q);",
+        "l % 2 ? load_word_a2<true>(rec + 6 + 8 * q) : load_word_a2<false>(rec + 6 + 8 * q);",
+        "r = mfma_16x16x16<KV_F16>(qa[2 * l], q8_codes_f16x4(cur.code[l][0]), r);",
+        "r = mfma_16x16x16<KV_F16>(qa[2 * l + 1], q8_codes_f16x4(cur.code[l][1]), r);",
+        "c += pkv_half_bits_to_float((uint16_t)cur.d[l]) * r;",
+        "const float rest = pkv_shfl_xor(c[r], 32);",
+        "if (q < 2 && g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + rest;",
+    ],
+    "q8_codes_f16x4": [
+        "const uint32_t x = w ^ 0x80808080u;",
+        "const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;",
+        "const uint32_t b23 = (x >> 16 & 0xFFu) | (x >> 8 & 0xFF0000u) | 0x64006400u;",
+        "const pkv_f16x2 bias = {(_Float16)1152.0f, (_Float16)1152.0f};",
     ],
     "to_mfma_bits": ["return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;"],
     "mfma_16x16x16": ["__builtin_amdgcn_mfma_f32_16x16x16bf16_1k(",
@@ -398,10 +519,11 @@ def test_the_emulated_expressions_are_the_kernel_text(function):
     assert not missing, f"{function} in hip/kvcache.hip no longer has {missing}: update the emulation"
 
 
-def test_the_mfma_kernels_are_defined_for_both_kinds_and_bf16_only_with_k16_bf16_mfma():
+def test_the_mfma_kernels_are_defined_for_each_kind_and_bf16_only_with_k16_bf16_mfma():
     text = KVCACHE_HIP.read_text(encoding="utf-8")
     for g in (1, 2, 4, 8):
         assert f"PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g{g}, KV_F16, {g})" in text
+        assert f"PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g{g}, KV_Q8, {g})" in text
         assert f"PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g{g}, KV_BF16, {g})" in text
     bf16 = text.index("PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g1")
     assert text.rindex("#if defined(PKV_MFMA_BF16_1K)", 0, bf16) > text.rindex("#endif", 0, bf16)
