@@ -506,7 +506,7 @@ KERNEL_TEXT = {
 def _function_text(text, name):
     """The body of device function ``name`` in kvcache.hip: from its definition to the next
     top-level closing brace."""
-    m = re.search(r"^PKV_DEV [^\n]*\b" + name + r"\(", text, re.M)
+    m = re.search(r"^PKV_DEV [^\n]*\b" + name + r"\(", text, re.MULTILINE)
     assert m, name
     end = text.index("\n}\n", m.start())
     return " ".join(text[m.start():end].split())
