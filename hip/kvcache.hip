@@ -286,32 +286,63 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
   }
 }
 
-// Pass 1 on AMD matrix cores (CDNA: PKV_MFMA_I8's arches all have v_mfma_f32_16x16x16f16;
-// f16 KV, head_dim 64 or 128, GMAX <= 8), selected per kernel name
-// (pkv_paged_attention_f16mfma_g*, PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only
-// (tests/test_attention_mfma_simulated.py), never run on an AMD GPU. scores^T = Q . K^T as
-// 16x16x16 f16 MFMAs with f32 sums, 16 tokens per wavefront step. Layouts (AMD matrix
-// instruction calculator, CDNA2/CDNA3 v_mfma_f32_16x16x16[_]f16): lane l, i = l % 16,
-// q = l / 16; A element e is A[i][4q + e], B element e is B[4q + e][i], D register r is
-// D[4q + r][i]. A row i is query head i % 8 times scale, as its f16 value (i < 8) or its f16
-// remainder (i >= 8): 22 bits, as qk_scores_mma. K-step s takes dims 32(s/2) + 8q + 4(s%2) +
-// 0..3 (q_fragments' order with t = q), so B column i, token 16 grp + i, is 4 f16 of that
-// lane's 16-byte chunk s/2 of the token's row, chunk s/2 being row[4(s/2) + q]. Head g's
-// score is D[g] + D[g + 8]: lanes q < 2 hold rows 4q + r, lanes q + 2 the remainders.
+// Both passes on AMD matrix cores (CDNA: PKV_MFMA_I8's arches all have
+// v_mfma_f32_16x16x16f16; bf16 needs v_mfma_f32_16x16x16bf16_1k, PKV_MFMA_BF16_1K: gfx90a,
+// gfx940-942), f16 or bf16 KV, head_dim 64 or 128, GMAX <= 8, selected per kernel name
+// (pkv_paged_attention_{f16,bf16}mfma_g*, PAGEDKV_ATTN_MFMA=1): compile-checked and emulated
+// only (tests/test_attention_mfma_simulated.py), never run on an AMD GPU. 16x16x16 MFMAs
+// with f32 sums, 16 tokens per wavefront step. Layouts (AMD matrix instruction calculator,
+// CDNA2/CDNA3 v_mfma_f32_16x16x16[_]f16 and v_mfma_f32_16x16x16bf16_1k, the same for both):
+// lane l, i = l % 16, q = l / 16; A element e is A[i][4q + e], B element e is B[4q + e][i],
+// D register r is D[4q + r][i]; element e of a 4 x 16-bit operand is half e % 2 of word e / 2.
+//
+// Pass 1 (qk_scores_mfma): scores^T = Q . K^T. A row i is query head i % 8 times scale, as
+// its 16-bit value (i < 8) or its remainder (i >= 8): f16 22 bits, bf16 16, as qk_scores_mma.
+// K-step s takes dims 32(s/2) + 8q + 4(s%2) + 0..3 (q_fragments' order with t = q), so B
+// column i, token 16 grp + i, is 4 values of that lane's 16-byte chunk s/2 of the token's
+// row, chunk s/2 being row[4(s/2) + q]. Head g's score is D[g] + D[g + 8]: lanes q < 2 hold
+// rows 4q + r, lanes q + 2 the remainders.
 #if defined(PKV_MFMA_I8)
-#define PKV_ATTN_MFMA_QK 1
+#define PKV_ATTN_MFMA 1
 typedef _Float16 pkv_f16x4 __attribute__((ext_vector_type(4)));
+typedef short pkv_i16x4 __attribute__((ext_vector_type(4)));
 typedef float pkv_f32x4 __attribute__((ext_vector_type(4)));
 typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
 
-template <int GMAX>
-PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int head_dim,
-                            float scale, const uint8_t* __restrict__ k_pool,
-                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
-  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+// f32 -> the MFMA's 16-bit element, round to nearest even: f16 in hardware; bf16 by adding
+// 0x7FFF plus the kept lowest bit (finite values; the attention's q and P are finite).
+template <int KIND>
+PKV_DEV uint32_t to_mfma_bits(float v) {
+  if (KIND != KV_BF16) return pkv_float_to_half_bits(v);
+  const uint32_t u = __float_as_uint(v);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// D += A . B on 16x16x16 16-bit operands (4 elements per lane, as two words).
+template <int KIND>
+PKV_DEV pkv_f32x4 mfma_16x16x16(pkv_u32x2 a, pkv_u32x2 b, pkv_f32x4 c) {
+  if constexpr (KIND == KV_BF16) {
+#if defined(PKV_MFMA_BF16_1K)
+    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(pkv_i16x4, a),
+                                                      __builtin_bit_cast(pkv_i16x4, b), c, 0, 0, 0);
+#else
+    __builtin_trap();  // no bf16 MFMA kernels are built without PKV_MFMA_BF16_1K
+    return c;
+#endif
+  } else {
+    return __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(pkv_f16x4, a),
+                                                 __builtin_bit_cast(pkv_f16x4, b), c, 0, 0, 0);
+  }
+}
+
+// Pass 1's A operands: k-step s holds dims 32(s/2) + 8q + 4(s%2) + 0..3 of query head i % 8
+// (times scale), rows i < 8 as 16-bit values, rows i >= 8 their remainders.
+template <int KIND>
+PKV_DEV void q_fragments_mfma(const float* __restrict__ q_group, int group, int head_dim,
+                              float scale, pkv_u32x2 (&qa)[8]) {
+  const int lane = threadIdx.x % 64;
   const int i = lane % 16, q = lane / 16, head = i % 8;
-  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
-  pkv_f16x4 qa[8];
+  const int n_loads = head_dim / 32;
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     uint32_t bits[4] = {0u, 0u, 0u, 0u};
@@ -320,12 +351,23 @@ PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int he
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float v = qd[e] * scale;
-        const uint32_t hi = pkv_float_to_half_bits(v);
-        bits[e] = i < 8 ? hi : pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi));
+        const uint32_t hi = to_mfma_bits<KIND>(v);
+        bits[e] = i < 8 ? hi : to_mfma_bits<KIND>(v - from_mma_bits<KIND>(hi));
       }
     }
-    qa[s] = __builtin_bit_cast(pkv_f16x4, pkv_u32x2{bits[0] | bits[1] << 16, bits[2] | bits[3] << 16});
+    qa[s] = pkv_u32x2{bits[0] | bits[1] << 16, bits[2] | bits[3] << 16};
   }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, const uint8_t* __restrict__ k_pool,
+                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_loads = head_dim / 32;  // 16-byte chunks per lane and token, <= 4
+  pkv_u32x2 qa[8];
+  q_fragments_mfma<KIND>(q_group, group, head_dim, scale, qa);
   const int n_groups = (n_tok + 15) / 16;
   auto load = [&](uint4 (&kr)[4], int grp) {
     const int tok = 16 * grp + i;
@@ -344,9 +386,7 @@ PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int he
     for (int s = 0; s < 8; ++s) {
       if (s / 2 < n_loads) {
         const uint4 k = cur[s / 2];
-        const pkv_f16x4 b = __builtin_bit_cast(
-            pkv_f16x4, s % 2 ? pkv_u32x2{k.z, k.w} : pkv_u32x2{k.x, k.y});
-        c = __builtin_amdgcn_mfma_f32_16x16x16f16(qa[s], b, c, 0, 0, 0);
+        c = mfma_16x16x16<KIND>(qa[s], s % 2 ? pkv_u32x2{k.z, k.w} : pkv_u32x2{k.x, k.y}, c);
       }
     }
     const int tok = 16 * grp + i;
@@ -360,8 +400,79 @@ PKV_DEV void qk_scores_mfma(const float* __restrict__ q_group, int group, int he
     for (int l = 0; l < 4; ++l) cur[l] = nxt[l];
   }
 }
+
+// Pass 2 (pv_mfma): out^T = V^T . P^T. A is V^T: lane l reads the DPL = head_dim / 16
+// consecutive dims DPL i .. DPL i + DPL - 1 (16 bytes at head_dim 128, 8 at 64: 16 lanes
+// read a whole row) of tokens 16 st + 4q + e, e = 0..3, and m-tile j's row i is dim DPL i + j:
+// A element e (token 4q + e) is half j % 2 of word j / 2 of token e's load, paired by masks
+// as pv_mma's byte permutes. B is P^T: column i < 8 is head i's probability as its 16-bit
+// value, column i + 8 its remainder (f16: 22 bits together, bf16 16, as pv_mma); zero past
+// GMAX. o[j] register r is D row 4q + r, so dim DPL (4q + r) + j, column i: after the last
+// step lane l adds the remainder column from lane l ^ 8, and lanes i < GMAX hold head i.
+template <int KIND, int GMAX>
+PKV_DEV void pv_mfma(const float* scores, const uint8_t* __restrict__ v_pool,
+                     const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                     pkv_f32x4 (&o)[8]) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_words = head_dim / 32;  // 32-bit words (2 dims) per lane and token: 2 or 4
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  const int n_steps = (n_tok + 15) / 16;
+  auto load = [&](uint32_t (&vr)[4][4], int st) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 16 * st + 4 * q + e;
+      const uint8_t* at = v_pool + rows[min(tok, n_tok - 1)] * row_bytes + 4 * n_words * i;
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (tok < n_tok && n_words == 4) {
+        w = *(const uint4*)at;
+      } else if (tok < n_tok) {
+        const uint2 h = *(const uint2*)at;
+        w.x = h.x, w.y = h.y;
+      }
+      vr[e][0] = w.x, vr[e][1] = w.y, vr[e][2] = w.z, vr[e][3] = w.w;
+    }
+  };
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  auto p_bits = [&](int tok) {  // B element for token tok: column i of P^T
+    const float p = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+    const uint32_t hi = to_mfma_bits<KIND>(p);
+    return rest ? to_mfma_bits<KIND>(p - from_mma_bits<KIND>(hi)) : hi;
+  };
+  uint32_t cur[4][4], nxt[4][4];
+  int st = wave;
+  if (st < n_steps) load(cur, st);
+  for (; st < n_steps; st += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+    if (st + n_waves < n_steps) load(nxt, st + n_waves);
+    const int tok = 16 * st + 4 * q;
+    const pkv_u32x2 b = {p_bits(tok) | p_bits(tok + 1) << 16,
+                         p_bits(tok + 2) | p_bits(tok + 3) << 16};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < 2 * n_words) {
+        const uint32_t w0 = cur[0][j / 2], w1 = cur[1][j / 2];
+        const uint32_t w2 = cur[2][j / 2], w3 = cur[3][j / 2];
+        const pkv_u32x2 a = j % 2 ? pkv_u32x2{w0 >> 16 | (w1 & 0xFFFF0000u),
+                                              w2 >> 16 | (w3 & 0xFFFF0000u)}
+                                  : pkv_u32x2{(w0 & 0xFFFFu) | w1 << 16,
+                                              (w2 & 0xFFFFu) | w3 << 16};
+        o[j] = mfma_16x16x16<KIND>(a, b, o[j]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) cur[e][w] = nxt[e][w];
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);
+}
 #else
-#define PKV_ATTN_MFMA_QK 0
+#define PKV_ATTN_MFMA 0
 #endif
 
 // Pass 2 on NVIDIA tensor cores (sm_80+, f16 KV, GMAX <= 4, head_dim 64 or 128):
@@ -549,6 +660,82 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
     cur = nxt;
   }
 }
+
+// q8 pass 1 on AMD matrix cores (qk_scores_mfma_q8, pkv_paged_attention_q8mfma_g*; pass 2
+// stays on the CUDA-core path): qk_scores_mfma's layout, whose k-steps 2l and 2l + 1 cover
+// record l alone (dims 32l + 8q + 0..7: lane q's codes 8q .. 8q + 7 of the record, bytes
+// 34l + 2 + 8q on, as qk_scores_mma_q8's lane t), so the two MFMAs of record l go to a
+// zeroed accumulator that is multiplied by the record's f16 scale d_l in f32 and added, as
+// on NVIDIA. D column i is token 16 grp + i, the lane's own token: it reads d_l itself. The
+// codes become f16 exactly: c ^ 0x80 under the exponent of 1024 is 1152 + c; subtracting 1152
+// (packed f16, exact) leaves c.
+#if PKV_ATTN_MFMA
+typedef _Float16 pkv_f16x2 __attribute__((ext_vector_type(2)));
+
+PKV_DEV pkv_u32x2 q8_codes_f16x4(uint32_t w) {  // bytes 0..3 of w -> elements 0..3
+  const uint32_t x = w ^ 0x80808080u;
+  const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;
+  const uint32_t b23 = (x >> 16 & 0xFFu) | (x >> 8 & 0xFF0000u) | 0x64006400u;
+  const pkv_f16x2 bias = {(_Float16)1152.0f, (_Float16)1152.0f};
+  return pkv_u32x2{__builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b01) - bias),
+                   __builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b23) - bias)};
+}
+
+template <int GMAX>
+PKV_DEV void qk_scores_mfma_q8(const float* __restrict__ q_group, int group, int head_dim,
+                               float scale, const uint8_t* __restrict__ k_pool,
+                               const int64_t* rows, int64_t row_bytes, int n_tok,
+                               float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  pkv_u32x2 qa[8];  // record l is k-steps 2l, 2l + 1
+  q_fragments_mfma<KV_F16>(q_group, group, head_dim, scale, qa);
+  struct Raw {
+    uint32_t code[4][2];  // record l: codes 8q .. 8q + 3, 8q + 4 .. 8q + 7
+    uint32_t d[4];        // record l's f16 scale bits (0 past the end: the score is 0)
+  };
+  const int n_groups = (n_tok + 15) / 16;
+  auto load = [&](Raw& kr, int grp) {
+    const int tok = 16 * grp + i;
+    const uint8_t* row = k_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      kr.code[l][0] = kr.code[l][1] = kr.d[l] = 0u;
+      if (l < n_rec && tok < n_tok) {
+        const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
+        kr.d[l] = *(const uint16_t*)rec;
+        kr.code[l][0] = l % 2 ? load_word_a2<true>(rec + 2 + 8 * q) : load_word_a2<false>(rec + 2 + 8 * q);
+        kr.code[l][1] = l % 2 ? load_word_a2<true>(rec + 6 + 8 * q) : load_word_a2<false>(rec + 6 + 8 * q);
+      }
+    }
+  };
+  Raw cur, nxt;
+  int grp = wave;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+    if (grp + n_waves < n_groups) load(nxt, grp + n_waves);
+    pkv_f32x4 c = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        pkv_f32x4 r = {0.0f, 0.0f, 0.0f, 0.0f};
+        r = mfma_16x16x16<KV_F16>(qa[2 * l], q8_codes_f16x4(cur.code[l][0]), r);
+        r = mfma_16x16x16<KV_F16>(qa[2 * l + 1], q8_codes_f16x4(cur.code[l][1]), r);
+        c += pkv_half_bits_to_float((uint16_t)cur.d[l]) * r;
+      }
+    }
+    const int tok = 16 * grp + i;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float rest = pkv_shfl_xor(c[r], 32);  // lane q + 2: row 4q + r + 8
+      const int g = 4 * q + r;
+      if (q < 2 && g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + rest;
+    }
+    cur = nxt;
+  }
+}
+#endif
 
 // One V record's two m-tiles (2l, 2l + 1) of pv_mma_q8 and pv_mma_q8_staged. c0..c3: the
 // words of tokens 4t .. 4t + 3 (codes 4 gid .. 4 gid + 3 of the record); m-tile 2l + j: row
@@ -1026,10 +1213,11 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
   });
 }
 
-// QK_MFMA: pass 1 on AMD matrix cores (qk_scores_mfma), pass 2 on the CUDA-core path.
+// MFMA: both passes on AMD matrix cores (qk_scores_mfma, pv_mfma); q8: pass 1 only
+// (qk_scores_mfma_q8), pass 2 on the CUDA-core path.
 // STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
 // with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
-template <int KIND, int GMAX, bool MMA, bool QK_MFMA = false, bool STAGE = false,
+template <int KIND, int GMAX, bool MMA, bool MFMA = false, bool STAGE = false,
           bool QK_S8 = false>
 PKV_DEV void paged_attention_partition(
     const float* __restrict__ q, const uint8_t* __restrict__ k_pool,
@@ -1043,6 +1231,7 @@ PKV_DEV void paged_attention_partition(
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
   constexpr bool Q8_STAGED = MMA && KIND == KV_Q8 && STAGE;  // pv_mma_q8_staged: no pre-pass
   constexpr bool Q8_MMA = MMA && KIND == KV_Q8 && !STAGE;
+  constexpr bool MFMA_PV = MFMA && KIND != KV_Q8;  // pv_mfma: f16 and bf16
   __shared__ float vscale_max[Q8_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
   // q8s: each warp's PKV_ATTN_Q8_STAGES chunk buffers (both passes, one after the other)
   __shared__ __align__(16) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
@@ -1136,9 +1325,12 @@ PKV_DEV void paged_attention_partition(
   } else if constexpr (MMA) {
     qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
-#if PKV_ATTN_MFMA_QK
-  } else if constexpr (QK_MFMA) {
-    qk_scores_mfma<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+#if PKV_ATTN_MFMA
+  } else if constexpr (MFMA && KIND == KV_Q8) {
+    qk_scores_mfma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+  } else if constexpr (MFMA) {
+    qk_scores_mfma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                          head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
 #endif
   } else {
@@ -1182,7 +1374,7 @@ PKV_DEV void paged_attention_partition(
     }
   }
   // The first V rows load while the softmax of the scores is computed.
-  if (!MMA && first < n_tok) load_step(v_pool, first + sub, cur);
+  if (!MMA && !MFMA_PV && first < n_tok) load_step(v_pool, first + sub, cur);
   __syncthreads();
   // Partition max per head, from the stored scores.
   float tmax[GMAX];
@@ -1270,7 +1462,23 @@ PKV_DEV void paged_attention_partition(
       }
     }
   }
-  if constexpr (!MMA) {
+#if PKV_ATTN_MFMA
+  if constexpr (MFMA_PV) {
+    pkv_f32x4 o[8];
+    pv_mfma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    __syncthreads();  // every wavefront has read the scores
+    const int i = lane % 16, q = lane / 16, dpl = head_dim / 16;
+    if (i < GMAX) {  // lane i holds head i: dim dpl (4q + r) + j of o[j][r]
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < dpl)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            wsum[(warp * GMAX + i) * head_dim + dpl * (4 * q + r) + j] = o[j][r];
+    }
+  }
+#endif
+  if constexpr (!MMA && !MFMA_PV) {
     // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
     float acc[GMAX][8];
 #pragma unroll
@@ -1380,31 +1588,43 @@ PKV_DEV void paged_attention_dispatch(
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX) \
   PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
 
-#if PKV_ATTN_MFMA_QK
-// f16 KV with pass 1 on AMD matrix cores (qk_scores_mfma; head_dim 64 or 128, else the
-// CUDA-core passes): pkv_paged_attention_f16mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
-// pagedkv.kernels.kvcache) until an AMD device run vouches for it.
-#define PKV_ATTN_MFMA_KERNEL(NAME, GMAX)                                                     \
+#if PKV_ATTN_MFMA
+// f16 and bf16 KV with both passes on AMD matrix cores (qk_scores_mfma, pv_mfma), q8 with
+// pass 1 there (qk_scores_mfma_q8); head_dim 64 or 128, else the CUDA-core passes:
+// pkv_paged_attention_{f16,bf16,q8}mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
+// pagedkv.kernels.kvcache) until an AMD device run vouches for it; bf16 only where
+// PKV_MFMA_BF16_1K is defined (not gfx908).
+#define PKV_ATTN_MFMA_KERNEL(NAME, KIND, GMAX)                                               \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
-                                    PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KV_F16))           \
+                                    PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
       NAME(                                                                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
       int head_dim, int block_size, int table_width, int max_partitions) {                   \
     if (head_dim == 64 || head_dim == 128)                                                   \
-      paged_attention_partition<KV_F16, GMAX, false, true>(                                  \
+      paged_attention_partition<KIND, GMAX, false, true>(                                    \
           q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
           num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
     else                                                                                     \
-      paged_attention_partition<KV_F16, GMAX, false>(                                        \
+      paged_attention_partition<KIND, GMAX, false>(                                          \
           q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
           num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
   }
-PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, 1)
-PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, 2)
-PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g4, 4)
-PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g8, 8)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, KV_F16, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, KV_F16, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g4, KV_F16, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g8, KV_F16, 8)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g1, KV_Q8, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g2, KV_Q8, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g4, KV_Q8, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8mfma_g8, KV_Q8, 8)
+#if defined(PKV_MFMA_BF16_1K)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g1, KV_BF16, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g2, KV_BF16, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g4, KV_BF16, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g8, KV_BF16, 8)
+#endif
 #endif
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)

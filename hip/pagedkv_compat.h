@@ -36,6 +36,12 @@
 #elif defined(__HIPCC__) && (defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
 #  define PKV_MFMA_I8 32
 #endif
+/* bf16 MFMA with k 16 (v_mfma_f32_16x16x16bf16_1k, kvcache.hip's bf16 attention): gfx90a
+ * and CDNA3; gfx908 has only the k-8 v_mfma_f32_16x16x8bf16, so no bf16 MFMA kernels there. */
+#if defined(__HIPCC__) && (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+                           defined(__gfx942__))
+#  define PKV_MFMA_BF16_1K 1
+#endif
 
 #include <pagedkv/portability.h>
 

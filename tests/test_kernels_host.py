@@ -836,6 +836,16 @@ def attention_kernel_names() -> set[str]:
                     "pkv_paged_attention_reduce_ifwht128"}
 
 
+def mfma_attention_kernel_names(arch: str) -> set[str]:
+    """The AMD-only MFMA attention kernels an arch's kvcache code object must define
+    (PagedAttention with PAGEDKV_ATTN_MFMA=1 names them there): f16 and q8 on every MFMA
+    arch, bf16 only on those with the k-16 bf16 MFMA."""
+    from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES
+    kinds = (("f16", "q8") if arch in MFMA_ARCHES else ()) + (
+        ("bf16",) if arch in MFMA_BF16_ARCHES else ())
+    return {f"pkv_paged_attention_{k}mfma_g{g}" for k in kinds for g in (1, 2, 4, 8)}
+
+
 def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
     # Compare with the symbols of the objects this build produced (skip without). nvcc
     # compresses a large fatbin (kvcache's, 5 MB since the _mma kernels), which hides its
@@ -851,7 +861,8 @@ def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
         data = code_objects.read_object("kvcache", backend, arch)
         if backend == "cuda" and b"pkv_paged_attention_reduce" not in data:
             continue  # compressed device code: no readable names
-        missing = sorted(n for n in names if n.encode() not in data)
+        missing = sorted(n for n in names | mfma_attention_kernel_names(arch)
+                         if n.encode() not in data)
         assert not missing, f"{obj} lacks {missing}"
         checked.append(obj)
     if not checked:
@@ -876,13 +887,26 @@ def test_gpu_every_attention_kernel_the_launcher_names_loads(device):
 @pytest.mark.parametrize(("arch", "env", "kv_dtype", "head_dim", "kernel"), [
     ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16mfma_g4"),
     ("gfx940", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
+    ("gfx908", "1", "float16", 64, "pkv_paged_attention_f16mfma_g4"),
     ("gfx90a", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
+    ("gfx90a", "0", "float16", 128, "pkv_paged_attention_f16_g4"),
     ("gfx90a", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
-    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
-    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # RDNA: no MFMA
-def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
+    ("gfx90a", "1", "bfloat16", 128, "pkv_paged_attention_bf16mfma_g4"),
+    ("gfx942", "1", "bfloat16", 64, "pkv_paged_attention_bf16mfma_g4"),
+    ("gfx90a", None, "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx90a", "1", "bfloat16", 256, "pkv_paged_attention_bf16_g4"),
+    # gfx908 has no k-16 bf16 MFMA: its code object has no bf16mfma kernels
+    ("gfx908", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx90a", "1", "q8", 128, "pkv_paged_attention_q8mfma_g4"),  # q8: pass 1 on MFMA
+    ("gfx908", "1", "q8", 64, "pkv_paged_attention_q8mfma_g4"),
+    ("gfx90a", None, "q8", 128, "pkv_paged_attention_q8_g4"),
+    ("gfx90a", "1", "q8", 256, "pkv_paged_attention_q8_g4"),
+    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA: no MFMA
+    ("gfx1030", "1", "bfloat16", 128, "pkv_paged_attention_bf16_g4")])
+def test_attention_takes_the_mfma_kernels_only_when_asked_on_cdna(
         monkeypatch, arch, env, kv_dtype, head_dim, kernel):
-    # docs/kernels.md, "AMD matrix cores": pass 1 on MFMA is compile-checked and emulated only
+    # docs/kernels.md, "AMD matrix cores": both passes on MFMA are compile-checked and
+    # emulated only
     from pagedkv.kernels import kvcache
     if env is None:
         monkeypatch.delenv("PAGEDKV_ATTN_MFMA", raising=False)
@@ -892,5 +916,22 @@ def test_f16_attention_takes_the_mfma_score_pass_only_when_asked_on_cdna(
                                   head_dim=head_dim, block_size=16, max_seq_len=64,
                                   kv_dtype=kv_dtype)
     assert attn._partition.name == kernel
-    assert attn.qk_mfma == kernel.endswith("mfma_g4")
-    assert repr(attn).endswith(", qk_mfma=True)" if attn.qk_mfma else "partitions=1)")
+    assert attn.mfma == kernel.endswith("mfma_g4")
+    assert repr(attn).endswith(", mfma=True)" if attn.mfma else ")")
+    assert (", mfma=True" in repr(attn)) == attn.mfma
+
+
+@pytest.mark.parametrize("flags", [{"q8_mma": False}, {"q8_stage": True},
+                                   {"q8_stage": True, "q8_int": True}])
+def test_q8_attention_keeps_the_kernel_asked_for_over_mfma(monkeypatch, flags):
+    # q8mfma replaces the plain q8 kernel only: the CUDA-core (q8cc) and staged (q8s, q8i)
+    # kernels asked for by name keep their names, MFMA or not
+    from pagedkv.kernels import kvcache
+    monkeypatch.setenv("PAGEDKV_ATTN_MFMA", "1")
+    attn = kvcache.PagedAttention(FakeHipDevice("gfx90a"), num_seqs=1, num_heads=8, kv_heads=2,
+                                  head_dim=128, block_size=16, max_seq_len=64, kv_dtype="q8",
+                                  **flags)
+    assert not attn.mfma
+    assert attn._partition.name == {"q8_mma": "pkv_paged_attention_q8cc_g4",
+                                    "q8_stage": "pkv_paged_attention_q8s_g4",
+                                    "q8_int": "pkv_paged_attention_q8i_g4"}[list(flags)[-1]]

@@ -35,6 +35,9 @@ from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
 #: PKV_MFMA_I8: int8 and f16 16x16 MFMAs, wavefronts of 64). Compile-checked and emulated
 #: only: no AMD GPU has run them (docs/kernels.md, "AMD matrix cores").
 MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
+#: Those of them with the k-16 bf16 MFMA (v_mfma_f32_16x16x16bf16_1k, PKV_MFMA_BF16_1K): the
+#: bf16 attention kernels on matrix cores exist only there (gfx908 has the k-8 one only).
+MFMA_BF16_ARCHES = ("gfx90a", "gfx940", "gfx941", "gfx942")
 
 __all__ = ["PDL_ENV", "Device", "Event", "Graph", "Kernel", "Stream", "StreamLike",
            "dependent_launch_supported", "open_device", "stream_handle"]

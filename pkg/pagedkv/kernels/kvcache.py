@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
@@ -244,9 +244,11 @@ class PagedAttention:
     with ``q8_stage`` or ``q8_mma`` off is refused. Same alignment rule as ``q8_stage``.
 
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
-    (gfx908/gfx90a/gfx940-942) runs pass 1 on MFMA matrix cores
-    (``pkv_paged_attention_f16mfma_g*``; compile-checked and emulated only, docs/kernels.md,
-    "AMD matrix cores"); :attr:`qk_mfma` says whether this object does.
+    (gfx908/gfx90a/gfx940-942), and bfloat16 KV on gfx90a/gfx940-942, run both passes on MFMA
+    matrix cores (``pkv_paged_attention_{f16,bf16}mfma_g*``), q8 KV (with ``q8_mma`` on and
+    unstaged, the AMD default) pass 1 (``pkv_paged_attention_q8mfma_g*``); compile-checked and
+    emulated only, docs/kernels.md, "AMD matrix cores". :attr:`mfma` says whether this
+    object does.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
@@ -318,17 +320,20 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
-        # f16 KV on AMD CDNA, head_dim 64/128: pass 1 (q.K^T) on MFMA matrix cores, opt-in
-        # (PAGEDKV_ATTN_MFMA=1): compile-checked and emulated only, never run on AMD.
-        self.qk_mfma = (kv_dtype == "float16" and head_dim in (64, 128)
-                        and getattr(device, "backend", None) == "hip"
-                        and getattr(device.properties, "arch", None) in MFMA_ARCHES
-                        and env_bool("PAGEDKV_ATTN_MFMA", False))
+        # f16 / bf16 KV on AMD CDNA, head_dim 64/128: both passes on MFMA matrix cores (q8:
+        # pass 1, in place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_MFMA=1):
+        # compile-checked and emulated only, never run on AMD.
+        mfma_arches = {"float16": MFMA_ARCHES, "bfloat16": MFMA_BF16_ARCHES,
+                       "q8": MFMA_ARCHES if self.q8_mma and not self.q8_stage else ()
+                       }.get(kv_dtype, ())
+        self.mfma = (head_dim in (64, 128) and getattr(device, "backend", None) == "hip"
+                     and getattr(device.properties, "arch", None) in mfma_arches
+                     and env_bool("PAGEDKV_ATTN_MFMA", False))
         if kv_dtype in KV_DTYPES:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
                                           "i" if self.q8_int else
                                           "s" if self.q8_stage else "")
-            kind += "mfma" if self.qk_mfma else ""
+            kind += "mfma" if self.mfma else ""
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
@@ -363,7 +368,7 @@ class PagedAttention:
                 + ("" if self.q8_mma is None else
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", q8_int=True" if self.q8_int else "")
-                + (", qk_mfma=True" if self.qk_mfma else "")
+                + (", mfma=True" if self.mfma else "")
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
