@@ -10,7 +10,8 @@ and machines cancels.
   ``GpuBandwidth`` rows, targets 70 and 75).
 - ``GpuVsTorch.track_speedup``: cuBLAS bf16 GEMV time / ours (target 3) and SDPA's time /
   ours for attention (target 1 / 1.3).
-
+- ``GpuVsTinygemm.track_speedup``: PyTorch's tinygemm int4 GEMV time / ours, batch 1
+  (target >= 1.3x at every shape).
 - ``GpuDecode.track_tokens_per_s_vs_torch``: pagedkv's full decode step of a
   Llama-3-8B-shaped decoder (``python -m pagedkv.bench decode``) against the PyTorch bf16
   step, tokens/s ratio (targets: 2.5 at batch 1, 1.5 at batch 32 with 1k contexts, 1.6 at
@@ -93,6 +94,25 @@ class GpuVsTorch:
         out.update({k: 1 / v for k, v in by_row(rows, "ratio_vs_torch").items()})
         if not out:
             raise NotImplementedError("PyTorch with CUDA is not installed: no baseline")
+        return out
+
+    def track_speedup(self, cache, row):
+        return cache[row]
+
+
+class GpuVsTinygemm:
+    """The 4-bit GEMVs against PyTorch's tinygemm int4 kernel (``_weight_int4pack_mm``,
+    group 128) in the same run: issue 13's target is >= 1.3x at every shape."""
+
+    params = [r for r in TORCH_ROWS if r.startswith("gemv ")]  # noqa: RUF012
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (tinygemm time / ours)"
+
+    def setup_cache(self):
+        out = by_row(_run_bench(True), "speedup_vs_tinygemm")
+        if not out:
+            raise NotImplementedError("PyTorch with CUDA (tinygemm int4) is not installed")
         return out
 
     def track_speedup(self, cache, row):
