@@ -1224,7 +1224,7 @@ PKV_DEV void paged_attention_partition(
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ seq_lens, float* __restrict__ part_out,
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
-    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
+    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
   constexpr int PARTITION = PKV_ATTN_OF_KIND(PKV_ATTN_PARTITION, KIND);
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
@@ -1240,9 +1240,12 @@ PKV_DEV void paged_attention_partition(
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
   const int seq_len = seq_lens[seq];
-  const int start = part * PARTITION;
+  // The launch's tokens per partition (PagedAttention splits short contexts finer so a
+  // small batch still fills the GPU); PARTITION, the most, sizes the shared arrays.
+  const int part_len = part_tokens > 0 && part_tokens < PARTITION ? part_tokens : PARTITION;
+  const int start = part * part_len;
   if (start >= seq_len) return;  // the reduce reads only partitions below seq_len
-  const int n_tok = min(PARTITION, seq_len - start);
+  const int n_tok = min(part_len, seq_len - start);
 
   const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
   const int n_warps = PKV_ATTN_THREADS / PKV_WARP_SIZE;
@@ -1549,7 +1552,7 @@ PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
-    int max_partitions) {
+    int max_partitions, int part_tokens) {
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
   // The staged q8 passes get head_dim as a constant (each size its own inlined copy): the
   // record loops, row bytes, stage pitch and copy unit fold, with no per-record branches.
@@ -1557,19 +1560,19 @@ PKV_DEV void paged_attention_dispatch(
   if (CONST_HEAD_DIM && head_dim == 128)
     paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-        num_heads, kv_heads, 128, block_size, table_width, max_partitions);
+        num_heads, kv_heads, 128, block_size, table_width, max_partitions, part_tokens);
   else if (CONST_HEAD_DIM && head_dim == 64)
     paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-        num_heads, kv_heads, 64, block_size, table_width, max_partitions);
+        num_heads, kv_heads, 64, block_size, table_width, max_partitions, part_tokens);
   else if (!CONST_HEAD_DIM && MMA_OK && (head_dim == 64 || head_dim == 128))
     paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);
   else
     paged_attention_partition<KIND, GMAX, false>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);
 }
 
 #define PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, CUDA_CORES, STAGE, QK_S8)                  \
@@ -1579,10 +1582,10 @@ PKV_DEV void paged_attention_dispatch(
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
-      int head_dim, int block_size, int table_width, int max_partitions) {                   \
+      int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {                   \
     paged_attention_dispatch<KIND, GMAX, CUDA_CORES, STAGE, QK_S8>(                          \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,      \
-        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);             \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);             \
   }
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX) \
@@ -1601,15 +1604,15 @@ PKV_DEV void paged_attention_dispatch(
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
       float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
-      int head_dim, int block_size, int table_width, int max_partitions) {                   \
+      int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {                   \
     if (head_dim == 64 || head_dim == 128)                                                   \
       paged_attention_partition<KIND, GMAX, false, true>(                                    \
           q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
-          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
+          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);           \
     else                                                                                     \
       paged_attention_partition<KIND, GMAX, false>(                                          \
           q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
-          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);           \
+          num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);           \
   }
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, KV_F16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, KV_F16, 2)
@@ -2052,7 +2055,7 @@ PKV_DEV void paged_attention_quant_partition(
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ seq_lens, float* __restrict__ part_out,
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
-    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions) {
+    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {
   constexpr bool V_Q8 = VBITS == 8;
   constexpr int PARTITION = PKV_ATTN_PARTITION_QKV;
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
@@ -2070,9 +2073,12 @@ PKV_DEV void paged_attention_quant_partition(
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
   const int seq_len = seq_lens[seq];
-  const int start = part * PARTITION;
+  // The launch's tokens per partition (PagedAttention splits short contexts finer so a
+  // small batch still fills the GPU); PARTITION, the most, sizes the shared arrays.
+  const int part_len = part_tokens > 0 && part_tokens < PARTITION ? part_tokens : PARTITION;
+  const int start = part * part_len;
   if (start >= seq_len) return;  // the reduce reads only partitions below seq_len
-  const int n_tok = min(PARTITION, seq_len - start);
+  const int n_tok = min(part_len, seq_len - start);
 
   const int lane = threadIdx.x % PKV_WARP_SIZE, warp = threadIdx.x / PKV_WARP_SIZE;
   const int n_warps = PKV_ATTN_THREADS / PKV_WARP_SIZE;
@@ -2346,10 +2352,10 @@ PKV_DEV void paged_attention_quant_partition(
           const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
           const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \
           float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,          \
-          int head_dim, int block_size, int table_width, int max_partitions) {                 \
+          int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {                 \
     paged_attention_quant_partition<KBITS, KROT, VBITS, VROT, GMAX>(                           \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,        \
-        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);               \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);               \
   }
 #define PKV_ATTN_QKERNELS(KNAME, KBITS, KROT, VNAME, VBITS, VROT)  \
   PKV_ATTN_QKERNEL(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 1)     \
@@ -2383,12 +2389,12 @@ PKV_DEV void paged_attention_quant_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
-    int max_partitions) {
+    int max_partitions, int part_tokens) {
   static_assert(KBITS != 3 && VBITS != 3, "3-bit codes have no code-byte table");
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && GMAX <= 4 && PKV_WARP_SIZE == 32;
   paged_attention_quant_partition<KBITS, KROT, VBITS, VROT, GMAX, MMA_OK>(
       q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-      num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);
+      num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);
 }
 
 #define PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, GMAX)                     \
@@ -2397,10 +2403,10 @@ PKV_DEV void paged_attention_quant_dispatch(
           const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                        \
           const int32_t* block_tables, const int32_t* seq_lens, float* part_out,               \
           float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,          \
-          int head_dim, int block_size, int table_width, int max_partitions) {                 \
+          int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {                 \
     paged_attention_quant_dispatch<KBITS, KROT, VBITS, VROT, GMAX>(                            \
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,        \
-        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions);               \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);               \
   }
 #define PKV_ATTN_QKERNELS_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT)  \
   PKV_ATTN_QKERNEL_MMA(KNAME, KBITS, KROT, VNAME, VBITS, VROT, 1)     \

@@ -546,8 +546,9 @@ def test_compressed_attention_picks_its_kernels_and_reads_records(kv_dtype, head
     launches = [c for c in dev.calls if c[0] == "launch"]
     assert launches == [("launch", partition, (3, 2, 3), (128,)),
                         ("launch", reduce, (heads, 3), (threads,))]
-    # the scalar argument block: scale, heads, kv_heads, head_dim, block_size, width, parts
-    assert dev.launch_args[-2][8:] == (head_dim ** -0.5, heads, 2, head_dim, 16, 69, 3)
+    # the scalar argument block: scale, heads, kv_heads, head_dim, block_size, width, parts,
+    # tokens per partition (the fake device has no SM count: never split)
+    assert dev.launch_args[-2][8:] == (head_dim ** -0.5, heads, 2, head_dim, 16, 69, 3, 512)
     # dynamic shared memory: the scores of a partition, or the per-warp sums if larger
     gmax = 1 << (heads // 2 - 1).bit_length()
     assert dev.shared_bytes[-2] == 4 * max(512 * gmax, 4 * gmax * head_dim)
@@ -616,7 +617,7 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
                                   block_size=16, max_seq_len=1100, kv_dtype="q8",
                                   q8_mma=q8_mma)
     mma = kernel.endswith("q8_g4")
-    assert repr(attn).endswith(f"kv_dtype='q8', partitions=3, q8_mma={mma}, q8_stage=False)")
+    assert repr(attn).endswith(f"kv_dtype='q8', partitions=3x512, q8_mma={mma}, q8_stage=False)")
     launches = _q8_attention_launches(dev, attn, 2, 8, 128, 10, 69)
     # both q8 kernels share the partition (512 tokens), grid, threads and shared memory
     assert launches == [("launch", kernel, (3, 2, 2), (128,)),
@@ -674,7 +675,7 @@ def test_compressed_attention_tensor_core_path_is_selectable(monkeypatch, kv_dty
     mma = kernel.split("_g")[0].endswith("_mma")
     has_mma = kvcache.qkv_mma_applies(kv_dtype)
     assert attn._partition.name == kernel and attn.qkv_mma == (mma if has_mma else None)
-    assert repr(attn).endswith(f", qkv_mma={mma})" if has_mma else "partitions=2)")
+    assert repr(attn).endswith(f", qkv_mma={mma})" if has_mma else "partitions=2x512)")
     q = dev.empty((1, 4, 256), np.float32)
     k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
     k_pool = dev.empty((40, 16, 2, kv_modes.side_row_bytes(k_side, 256)), np.uint8)
@@ -935,3 +936,65 @@ def test_q8_attention_keeps_the_kernel_asked_for_over_mfma(monkeypatch, flags):
     assert attn._partition.name == {"q8_mma": "pkv_paged_attention_q8cc_g4",
                                     "q8_stage": "pkv_paged_attention_q8s_g4",
                                     "q8_int": "pkv_paged_attention_q8i_g4"}[list(flags)[-1]]
+
+
+# --- paged attention: tokens per partition (the split of short contexts) ---
+
+@pytest.mark.parametrize("kv_dtype,seqs,kv_heads,max_seq_len,sms,tokens", [
+    ("float16", 1, 8, 1025, 132, 64),      # 8 CTAs of 1024 -> 17 of 64 (the floor)
+    ("float16", 1, 8, 32769, 132, 1024),   # 33 x 8 = 264 CTAs, 2 per SM: the most
+    ("float16", 1, 4, 32769, 132, 512),    # 132 CTAs -> 65 x 4 = 260 (497 -> 512 tokens)
+    ("float16", 32, 8, 1025, 132, 1024),   # 512 CTAs already: the kernel's most
+    ("float16", 8, 8, 32769, 132, 1024),
+    ("q8", 1, 8, 1025, 132, 64),
+    ("q8", 4, 8, 4000, 132, 448),          # 9 partitions x 32 = 288 CTAs
+    ("bfloat16", 2, 2, 100, 132, 64),      # shorter than the floor: one partition of 64
+    ("fwht4/q8", 1, 4, 20000, 132, 304),   # 66 x 4 = 264
+    ("float16", 1, 8, 1025, 0, 1024),      # unknown SM count: no split
+])
+def test_attention_partition_tokens_fill_the_gpu(kv_dtype, seqs, kv_heads, max_seq_len, sms,
+                                                 tokens):
+    from pagedkv.kernels import kvcache
+    got = kvcache.attention_partition_tokens(kv_dtype, seqs, kv_heads, max_seq_len, sms)
+    assert got == tokens
+    assert got % 16 == 0 and 64 <= got <= kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+
+
+def test_paged_attention_launches_its_partition_tokens(monkeypatch):
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_PARTITION_TOKENS", raising=False)
+    dev = FakeCudaDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=32, kv_heads=8, head_dim=128,
+                                  block_size=16, max_seq_len=1025, kv_dtype="float16")
+    assert (attn.partition_tokens, attn.max_partitions) == (64, 17)
+    assert "partitions=17x64" in repr(attn)
+    q = dev.empty((1, 32, 128), np.float32)
+    pool = dev.empty((70, 16, 8, 128), np.float16)
+    tables = dev.array(np.zeros((1, 65), np.int32))
+    lens = dev.array(np.zeros(1, np.int32))
+    dev.calls.clear()
+    attn.run(q, pool, pool, tables, lens, dev.empty((1, 32, 128), np.float32))
+    launches = [c for c in dev.calls if c[0] == "launch"]
+    assert launches[0][2] == (17, 8, 1)
+    assert dev.launch_args[-2][-2:] == (17, 64)   # partition kernel: parts, tokens
+    assert dev.launch_args[-1][-2:] == (17, 64)   # reduce: the same split
+    # an explicit size, and the environment's, win over the choice
+    assert kvcache.PagedAttention(dev, num_seqs=1, num_heads=32, kv_heads=8, head_dim=128,
+                                  block_size=16, max_seq_len=1025, kv_dtype="float16",
+                                  partition_tokens=1024).max_partitions == 2
+    monkeypatch.setenv("PAGEDKV_ATTN_PARTITION_TOKENS", "256")
+    assert kvcache.PagedAttention(dev, num_seqs=1, num_heads=32, kv_heads=8, head_dim=128,
+                                  block_size=16, max_seq_len=1025,
+                                  kv_dtype="float16").partition_tokens == 256
+
+
+@pytest.mark.parametrize("tokens", [0, 8, 100, 2048, True, 64.0])
+def test_paged_attention_refuses_bad_partition_tokens(tokens, monkeypatch):
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_PARTITION_TOKENS", raising=False)
+    dev = FakeCudaDevice()
+    with pytest.raises(InvalidArgument, match="partition_tokens=.*multiple of 16 in 16..1024"):
+        kvcache.PagedAttention(dev, num_seqs=1, num_heads=32, kv_heads=8, head_dim=128,
+                               block_size=16, max_seq_len=1025, kv_dtype="float16",
+                               partition_tokens=tokens)
+    assert dev.calls == []  # nothing allocated

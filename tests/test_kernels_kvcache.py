@@ -368,6 +368,43 @@ def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
     _assert_within(outs[3], outs[1], 2e-4, 4e-5, "the integer pass 1 and CUDA-core q8 paths")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim", [
+    ("float16", 32, 8, 128), ("bfloat16", 8, 2, 64), ("q8", 8, 2, 128),
+    ("fwht4/lloyd4", 8, 2, 256), ("fwht3/q8", 4, 2, 256)])
+def test_gpu_attention_partition_sizes_agree(device, kv_dtype, heads, kv_heads, head_dim):
+    # The same pool split into partitions of every size a launch may choose (the kernel's
+    # most, the split of a short context down to its floor of 64, and 16 and 48 tokens,
+    # which cut blocks and staged chunks in the middle): each within the attention tolerance
+    # of the float64 reference, and of the unsplit launch. Lengths at and around the sizes.
+    lens = [1, 47, 64, 65, 700, 1100]
+    k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=head_dim,
+                                               block_size=16, kv_dtype=kv_dtype)
+    q = RNG.standard_normal((len(lens), heads, head_dim)).astype(np.float32)
+    args = [device.array(a) for a in (q, k_pool, v_pool, tables, lens)]
+    most = kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+    auto = kvcache.PagedAttention(device, num_seqs=len(lens), num_heads=heads,
+                                  kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                                  max_seq_len=1100, kv_dtype=kv_dtype)
+    assert auto.partition_tokens == kvcache.attention_partition_tokens(
+        kv_dtype, len(lens), kv_heads, 1100, device.properties.multiprocessor_count)
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
+                                                kv_dtype=kv_dtype, scale=auto.scale)
+    outs = {}
+    for tokens in (most, auto.partition_tokens, 64, 48, 16):
+        attn = kvcache.PagedAttention(device, num_seqs=len(lens), num_heads=heads,
+                                      kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                                      max_seq_len=1100, kv_dtype=kv_dtype,
+                                      partition_tokens=tokens)
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(*args, out)
+        outs[tokens] = out.to_numpy()
+        assert np.isfinite(outs[tokens]).all()
+        _assert_within(outs[tokens], want, 1e-4, 2e-5, f"{tokens} tokens per partition")
+        _assert_within(outs[tokens], outs[most], 2e-4, 4e-5,
+                       f"{tokens} tokens per partition against {most}")
+
+
 def _assert_within(got, want, rtol, atol_rel, what):
     """|got - want| <= rtol |want| + atol_rel * (the head's largest |want|), elementwise;
     the message names the path, the worst element and how far over it is."""

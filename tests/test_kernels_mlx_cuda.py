@@ -166,8 +166,9 @@ def test_launch_geometry_is_the_hip_launchers_and_launch_h():
     reduce = next(launch for launch in launches if launch.kernel.name.endswith("reduce"))
     assert reduce.grid == (8 * 128, 2, 1) and reduce.threadgroup == (128, 1, 1)
     params = np.array(attn.inputs[-1])
+    # scale bits, heads, kv heads, head_dim, block size, table width, partitions, tokens each
     assert params[0] == np.float32(0.1).view(np.int32) and list(params[1:]) == [8, 2, 128, 16,
-                                                                                4, 1]
+                                                                                4, 1, 1024]
 
 
 # -- per-call host work (docs/kernels.md, "MLX dispatch") ------------------------------------

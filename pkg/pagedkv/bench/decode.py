@@ -293,6 +293,50 @@ class TorchDecoder:
 TARGETS = {(1, None, None): 2.5, (32, 1024, None): 1.5, (8, 32768, "q8"): 1.6}
 
 
+def profile_step(device, stream, torch, weights: DecoderWeights, kv_dtype: str, batch: int,
+                 context: int, rng, gemv_rows: int, fuse: bool = True,
+                 replays: int = 20) -> tuple[float, list[dict]]:
+    """Where one step's time goes: the step's time (µs, events around the replays under
+    the profiler) and the step's graph replayed ``replays`` times under
+    ``torch.profiler`` (CUPTI records every kernel of a graph launch, ctypes launches
+    included), summed per kernel name. Rows ``{"kernel", "calls", "us"}`` per step, the
+    largest first; kernel times only (the gaps between nodes are the step time minus
+    their sum)."""
+    shape = weights.shape
+    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
+    for layer in range(shape.num_layers):
+        for arr in pool.layer(layer):
+            arr.fill_bytes(0x2E)
+    adapter.record_decode_tokens(seqs, np.zeros(batch, np.uint32))
+    tables = DeviceDecodeBatch.upload(device, adapter.prepare_decode(seqs))
+    step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
+                       fuse=fuse)
+    step.x.copy_from(rng.standard_normal((batch, shape.d_model), dtype=np.float32))
+    graph = Graph(device, stream, lambda s: step.run(tables, stream=s))
+    graph.launch(stream)
+    stream.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    start, end = Event(device), Event(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record(stream)
+        for _ in range(replays):
+            graph.launch(stream)
+        end.record(stream)
+        stream.synchronize()
+    step_us = end.elapsed_ms(start) * 1e3 / replays
+    per_name: dict[str, tuple[int, float]] = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is None or "CUDA" not in str(ev.device_type):
+            continue
+        calls, us = per_name.get(ev.name, (0, 0.0))
+        per_name[ev.name] = (calls + 1, us + (ev.device_time if hasattr(ev, "device_time")
+                                              else ev.cuda_time))
+    pool.close()
+    rows = [{"kernel": n, "calls": c / replays, "us": t / replays}
+            for n, (c, t) in sorted(per_name.items(), key=lambda item: -item[1][1])]
+    return step_us, rows
+
+
 def target_of(row: dict) -> float | None:
     """The speedup target a row is held to, or None."""
     for (b, c, kv), want in TARGETS.items():
@@ -403,8 +447,12 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers,
                    help="decoder layers of the timed model (default 32)")
     p.add_argument("--check-only", action="store_true", help="only the correctness check")
+    p.add_argument("--profile", metavar="B,C", default=None,
+                   help="per-kernel time of one step at batch B, context C (needs PyTorch's "
+                   "profiler), for each format and KV dtype, instead of the table")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     args = p.parse_args(argv)
+    args.no_check = args.no_check or bool(args.profile)
     session = open_session("pagedkv.bench decode", no_torch=args.no_torch)
     if session is None:
         return 1
@@ -435,6 +483,29 @@ def main(argv=None) -> int:
                   f"{result['logits']:.2e}, x {result['x']:.2e} of their max; KV write "
                   f"{result['kv_write_steps']:.2f} of its bound; "
                   f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.profile:
+        if torch is None:
+            print("--profile needs PyTorch (its profiler reads the kernel times)")
+            return 1
+        b, c = (int(v) for v in args.profile.split(","))
+        rng = np.random.default_rng(0)
+        for fmt in FORMATS:
+            weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, 0))
+            for kv_dtype in KV_DTYPES:
+                for path, gemv_rows, fuse in step_paths(device, fmt, b)[:1]:
+                    step_us, prof = profile_step(device, stream, torch, weights, kv_dtype, b, c, rng,
+                                        gemv_rows, fuse)
+                    total = sum(r["us"] for r in prof)
+                    print(f"profile {fmt} {kv_dtype} batch {b} context {c} ({path}): "
+                          f"step {step_us:.1f} us, kernels {total:.1f} us", flush=True)
+                    for r in prof:
+                        print(f"  {r['us']:9.1f} us {100 * r['us'] / total:5.1f}% "
+                              f"{r['calls']:6.1f} calls  {r['kernel'][:90]}")
+                    rows.append({"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
+                                 "path": path, "step_us": step_us, "profile": prof})
+            weights.free()
+        save()
+        return 0
     if not args.check_only:
         copy_bw, _ = copy_bandwidth(device, stream)
         print(f"device-to-device copy: {copy_bw / 1e9:.1f} GB/s (floors use it)", flush=True)

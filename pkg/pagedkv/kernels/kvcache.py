@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from pagedkv.env_knobs import env_bool
+from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray
@@ -74,6 +74,32 @@ ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
 ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")))
 #: The compressed pairs' tensor-core (_mma) kernels: the same partition, their own bound.
 ATTN_MIN_BLOCKS_QKV_MMA = launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
+
+
+#: A split partition's fewest tokens (a tensor-core pass takes 16 tokens per warp and mma, 8
+#: warps per CTA: below 64 most warps would idle) and its granularity (the staged q8 chunk).
+ATTN_SPLIT_MIN_TOKENS = 64
+ATTN_SPLIT_STEP_TOKENS = 16
+#: CTAs per SM a split aims for: at least two, so one CTA's epilogue overlaps another's loads.
+ATTN_SPLIT_CTAS_PER_SM = 2
+
+
+def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_seq_len: int,
+                               sm_count: int) -> int:
+    """Tokens per partition of one launch geometry: the kernel's most
+    (:data:`ATTN_PARTITION_TOKENS`) unless its grid, ``num_seqs × kv_heads × partitions``,
+    would leave SMs idle; then the fewest tokens (a multiple of 16, at least 64) that give
+    every SM :data:`ATTN_SPLIT_CTAS_PER_SM` CTAs. A batch-1 decode over 1,024 tokens with 8
+    KV heads ran 8 CTAs of 1,024 tokens on the H200's 132 SMs: 40 µs a layer, 100 GB/s
+    (docs/performance.md, "Decode step"); split into 64-token partitions it runs 136."""
+    most = ATTN_PARTITION_TOKENS[kv_dtype]
+    target = ATTN_SPLIT_CTAS_PER_SM * sm_count
+    if num_seqs * kv_heads * math.ceil(max_seq_len / most) >= target:
+        return most
+    parts = math.ceil(target / (num_seqs * kv_heads))
+    step = ATTN_SPLIT_STEP_TOKENS
+    tokens = step * math.ceil(math.ceil(max_seq_len / parts) / step)
+    return min(most, max(ATTN_SPLIT_MIN_TOKENS, tokens))
 
 
 def attention_group_slots(num_heads: int, kv_heads: int) -> int:
@@ -243,6 +269,11 @@ class PagedAttention:
     reads ``PAGEDKV_ATTN_Q8_INT`` (default off until a device run vouches for it); ``True``
     with ``q8_stage`` or ``q8_mma`` off is refused. Same alignment rule as ``q8_stage``.
 
+    ``partition_tokens``: tokens per partition (a multiple of 16, at most the kernel's
+    :data:`ATTN_PARTITION_TOKENS`); ``None`` reads ``PAGEDKV_ATTN_PARTITION_TOKENS`` where set,
+    else :func:`attention_partition_tokens` picks it from the geometry (fewer tokens when a
+    small batch would leave SMs idle).
+
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942), and bfloat16 KV on gfx90a/gfx940-942, run both passes on MFMA
     matrix cores (``pkv_paged_attention_{f16,bf16}mfma_g*``), q8 KV (with ``q8_mma`` on and
@@ -255,7 +286,7 @@ class PagedAttention:
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None, q8_mma: bool | None = None,
                  q8_stage: bool | None = None, q8_int: bool | None = None,
-                 qkv_mma: bool | None = None) -> None:
+                 qkv_mma: bool | None = None, partition_tokens: int | None = None) -> None:
         for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage), ("q8_int", q8_int),
                            ("qkv_mma", qkv_mma)):
             if flag is not None and not isinstance(flag, bool):
@@ -292,7 +323,20 @@ class PagedAttention:
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
-        self.partition_tokens = ATTN_PARTITION_TOKENS[kv_dtype]
+        most = ATTN_PARTITION_TOKENS[kv_dtype]
+        source = "partition_tokens"
+        if partition_tokens is None:
+            partition_tokens = env_u32("PAGEDKV_ATTN_PARTITION_TOKENS", None)
+            source = "PAGEDKV_ATTN_PARTITION_TOKENS"
+        if partition_tokens is None:
+            partition_tokens = attention_partition_tokens(
+                kv_dtype, num_seqs, kv_heads, max_seq_len,
+                getattr(device.properties, "multiprocessor_count", 0))
+        elif (isinstance(partition_tokens, bool) or not isinstance(partition_tokens, int)
+              or not 16 <= partition_tokens <= most or partition_tokens % 16):
+            raise InvalidArgument(f"{source}={partition_tokens!r}: expected a multiple "
+                                  f"of 16 in 16..{most} (kv_dtype {kv_dtype!r})")
+        self.partition_tokens = partition_tokens
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
                                                    warp_size=device.properties.warp_size)
@@ -343,11 +387,11 @@ class PagedAttention:
                                 else qkv_mma)
             kind += "_mma" if self.qkv_mma else ""
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiii")
+            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiiii")
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
         # runs the unstaged tensor-core kernel instead, same partition and shared memory.
         self._unstaged = (device.kernel(SOURCE, f"pkv_paged_attention_q8_g{self.gmax}",
-                                        "ppppppppfiiiiii")
+                                        "ppppppppfiiiiiii")
                           if self.q8_stage and not stage_asked else None)
         # A rotated V leaves each head's output in its basis (lloyd, fwht3: R256; fwht4,
         # fwht2: R128 per half): its reduce rotates it back.
@@ -365,6 +409,7 @@ class PagedAttention:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
                 f"kv_dtype={self.kv_dtype!r}, partitions={self.max_partitions}"
+                f"x{self.partition_tokens}"
                 + ("" if self.q8_mma is None else
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", q8_int=True" if self.q8_int else "")
@@ -406,7 +451,8 @@ class PagedAttention:
                         q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
                         self.part_max, self.part_sum, self.scale, self.num_heads,
                         self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
-                        self.max_partitions, shared_bytes=self.shared_bytes, stream=stream)
+                        self.max_partitions, self.partition_tokens,
+                        shared_bytes=self.shared_bytes, stream=stream)
         self._reduce((self.num_heads, self.num_seqs),
                      (self._reduce_threads,),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,

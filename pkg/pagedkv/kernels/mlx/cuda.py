@@ -415,12 +415,12 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
         _io(("part_out", mx.float32), ("part_max", mx.float32), ("part_sum", mx.float32)),
         f"{name}<>(q, (const uint8_t*)k_pool, (const uint8_t*)v_pool, block_tables, seq_lens, "
         "part_out, part_max, part_sum, __int_as_float((int)params[0]), (int)params[1], "
-        "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6]);",
-        geo["bounds"], geo["shared"])
+        "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6], "
+        "(int)params[7]);", geo["bounds"], geo["shared"])
     part_shape = (seqs, heads, parts)
     threads = geo["threads"]
     partition = (src, _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
-                              table_width, parts),
+                              table_width, parts, geo["partition"]),
                  [part_shape + (head_dim,), part_shape, part_shape],
                  (parts * threads, kv_heads, seqs), threads)
     reduce = kernel_source(
