@@ -25,17 +25,59 @@ PKV_DEV float block_sum(float v, float* red) {
   return s;
 }
 
+// A thread's share of a row: its k-th float4 (k = 0, 1, ...) is at norm_vec_index(k, dim), -1
+// past the end. When dim % 256 == 0 a 32-lane warp owns whole 256-groups (groups w, w + warps,
+// ...; lane L float4s 2L and 2L + 1 of each: the values gemv_prep_x_warp wants in a lane), so
+// the fused kernel preps from registers; otherwise float4 t + threads * k. The plain and the
+// fused RMSNorm share it, so both sum x^2 in one order and round alike.
+PKV_DEV int norm_vec_index(int k, int dim) {
+  if (dim % 256 == 0) {
+    const int g = (int)threadIdx.x / 32 + (PKV_NORM_THREADS / 32) * (k / 2);
+    return g < dim / 256 ? g * 64 + 2 * ((int)threadIdx.x % 32) + (k & 1) : -1;
+  }
+  const int i = (int)threadIdx.x + PKV_NORM_THREADS * k;
+  return i < dim / 4 ? i : -1;
+}
+
 // A row's x += residual (when rr is not null; written back), then 1 / sqrt(mean(x^2) + eps)
-// over the block; one body for the plain and the fused RMSNorm so that both round alike.
-PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, int dim, float eps,
-                                   float* red) {
+// over the block. The thread's first PKV_NORM_CACHED_VECS float4s of x (after the add) and
+// of the weight stay in xv / wv: all their loads are issued before the first store (x's
+// store-back could alias them otherwise), one memory round trip instead of one per float4
+// (the kernel is latency-bound: one block per row, a few KiB), and the output pass reads
+// no x again. Later float4s (rows above PKV_NORM_THREADS * 4 * PKV_NORM_CACHED_VECS
+// values) are re-read by the thread that wrote them.
+PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, const float4* wr, int dim,
+                                   float eps, float* red, float4 (&xv)[PKV_NORM_CACHED_VECS],
+                                   float4 (&wv)[PKV_NORM_CACHED_VECS]) {
+  float4 rv[PKV_NORM_CACHED_VECS];
+#pragma unroll
+  for (int k = 0; k < PKV_NORM_CACHED_VECS; ++k) {
+    const int j = norm_vec_index(k, dim);
+    if (j >= 0) {
+      xv[k] = xr[j];
+      wv[k] = wr[j];
+      if (rr) rv[k] = rr[j];
+    }
+  }
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
-    float4 v = xr[i];
+#pragma unroll
+  for (int k = 0; k < PKV_NORM_CACHED_VECS; ++k) {
+    const int j = norm_vec_index(k, dim);
+    if (j >= 0) {
+      float4& v = xv[k];
+      if (rr) {
+        v.x += rv[k].x; v.y += rv[k].y; v.z += rv[k].z; v.w += rv[k].w;
+        xr[j] = v;
+      }
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  }
+  for (int k = PKV_NORM_CACHED_VECS, j; (j = norm_vec_index(k, dim)) >= 0; ++k) {
+    float4 v = xr[j];
     if (rr) {
-      const float4 r = rr[i];
+      const float4 r = rr[j];
       v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
-      xr[i] = v;
+      xr[j] = v;
     }
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
@@ -57,19 +99,36 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
   __shared__ float red[PKV_NORM_THREADS / PKV_WARP_SIZE];
   float4* xr = (float4*)(x + (int64_t)blockIdx.x * dim);
   const float4* rr = residual ? (const float4*)(residual + (int64_t)blockIdx.x * dim) : nullptr;
-  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
   const float4* wr = (const float4*)weight;
+  float4 xv[PKV_NORM_CACHED_VECS], wv[PKV_NORM_CACHED_VECS];
+  const float inv = add_residual_rms_inv(xr, rr, wr, dim, eps, red, xv, wv);
   float4* yr = (float4*)(y + (int64_t)blockIdx.x * dim);
-  for (int i = threadIdx.x; i < dim / 4; i += PKV_NORM_THREADS) {
-    const float4 v = xr[i], w = wr[i];  // this thread wrote xr[i] itself
-    yr[i] = normalized(v, inv, w);
+#pragma unroll
+  for (int k = 0; k < PKV_NORM_CACHED_VECS; ++k) {
+    const int j = norm_vec_index(k, dim);
+    if (j >= 0) yr[j] = normalized(xv[k], inv, wv[k]);
   }
+  for (int k = PKV_NORM_CACHED_VECS, j; (j = norm_vec_index(k, dim)) >= 0; ++k)
+    yr[j] = normalized(xr[j], inv, wr[j]);  // this thread wrote xr[j] itself
+}
+
+// The fused kernel's work on one 256-group of a row (norm_vec_index's group layout: the
+// lane's float4s j and j + 1, already normalized): y when not null, then the prepared x.
+PKV_DEV void rmsnorm_prep_group(float4 lo, float4 hi, int j, int b, float* y, uint32_t* xq,
+                                float4* xs, int dim, int batch, int n_tiles, int rotate) {
+  if (y) {
+    float4* yr = (float4*)(y + (int64_t)b * dim);
+    yr[j] = lo;
+    yr[j + 1] = hi;
+  }
+  float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  gemv_prep_x_warp(v, (int)threadIdx.x % 32, j / 64, b, xq, xs, batch, n_tiles, rotate != 0);
 }
 
 // RMSNorm as above, then the normalized row's prepared x for the tensor-core GEMV that
 // reads it (xq, xs: the Gemv's scratch, `n_tiles` its n-tiles, `rotate` for the MQ
 // formats); y is written too unless null. One block per row (= batch row), its 32-lane
-// warps one 256-group at a time; dim % 256 == 0.
+// warps one 256-group at a time (norm_vec_index's group layout); dim % 256 == 0.
 PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
     pkv_add_rmsnorm_prep_f32(float* x, const float* residual, const float* weight, float* y,
                              uint32_t* xq, float4* xs, int dim, float eps, int batch,
@@ -80,21 +139,22 @@ PKV_KERNEL void __launch_bounds__(PKV_NORM_THREADS)
   const int b = blockIdx.x;
   float4* xr = (float4*)(x + (int64_t)b * dim);
   const float4* rr = residual ? (const float4*)(residual + (int64_t)b * dim) : nullptr;
-  // block_sum's barriers also make every thread's x += residual visible to the block
-  const float inv = add_residual_rms_inv(xr, rr, dim, eps, red);
-  const int lane = threadIdx.x % 32;
-  for (int g = threadIdx.x / 32; g < dim / 256; g += PKV_NORM_THREADS / 32) {
-    const int at = g * 64 + 2 * lane;  // float4 index of x[g * 256 + 8 * lane]
-    const float4 lo = normalized(xr[at], inv, ((const float4*)weight)[at]);
-    const float4 hi = normalized(xr[at + 1], inv, ((const float4*)weight)[at + 1]);
-    if (y) {
-      float4* yr = (float4*)(y + (int64_t)b * dim);
-      yr[at] = lo;
-      yr[at + 1] = hi;
-    }
-    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    gemv_prep_x_warp(v, lane, g, b, xq, xs, batch, n_tiles, rotate != 0);
+  const float4* wr = (const float4*)weight;
+  float4 xv[PKV_NORM_CACHED_VECS], wv[PKV_NORM_CACHED_VECS];
+  const float inv = add_residual_rms_inv(xr, rr, wr, dim, eps, red, xv, wv);
+  // k = 2m and 2m + 1 are the lane's two float4s of the warp's m-th group; whole warps
+  // take the same branches (gemv_prep_x_warp shuffles)
+  static_assert(PKV_NORM_CACHED_VECS % 2 == 0, "a group's two float4s are cached together");
+#pragma unroll
+  for (int k = 0; k < PKV_NORM_CACHED_VECS; k += 2) {
+    const int j = norm_vec_index(k, dim);
+    if (j >= 0)
+      rmsnorm_prep_group(normalized(xv[k], inv, wv[k]), normalized(xv[k + 1], inv, wv[k + 1]),
+                         j, b, y, xq, xs, dim, batch, n_tiles, rotate);
   }
+  for (int k = PKV_NORM_CACHED_VECS, j; (j = norm_vec_index(k, dim)) >= 0; k += 2)
+    rmsnorm_prep_group(normalized(xr[j], inv, wr[j]), normalized(xr[j + 1], inv, wr[j + 1]), j,
+                       b, y, xq, xs, dim, batch, n_tiles, rotate);
 }
 
 // Rotate the pair (a, b) = (dim pair, dim pair + head_dim/2) of a head by RoPE at `pos`,

@@ -100,7 +100,11 @@ def test_launchers_check_before_launching(stub_device, stub_recorder):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,dim,residual", [(1, 4096, False), (5, 4096, True),
-                                               (3, 1028, True)])
+                                               (3, 1028, True),
+                                               # rows longer than the registers hold
+                                               # (PKV_NORM_CACHED_VECS): group and plain
+                                               # layouts re-read the tail
+                                               (2, 10240, True), (1, 9004, False)])
 def test_gpu_add_rmsnorm(device, rows, dim, residual):
     x = (RNG.standard_normal((rows, dim)) * 3).astype(np.float32)
     r = RNG.standard_normal((rows, dim)).astype(np.float32)

@@ -151,7 +151,8 @@ def _tensor_core_gemv(device, fmt, k, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
 @pytest.mark.parametrize("batch,dim,residual", [(1, 4096, False), (3, 4096, True),
-                                                (9, 1280, True), (32, 4096, True)])
+                                                (9, 1280, True), (32, 4096, True),
+                                                (2, 10240, True)])  # past the cached vecs
 def test_gpu_rmsnorm_prep_writes_the_prep_kernels_bytes(device, fmt, batch, dim, residual):
     x = (RNG.standard_normal((batch, dim)) * 3).astype(np.float32)
     x[0, :256] *= 1e-30  # a tiny group: the step's exponent clamp

@@ -101,9 +101,15 @@
 #endif
 
 /* --- decode-step glue (hip/decode.hip) ---------------------------------------------- */
-/* RMSNorm: threads per block (one block per row). */
+/* RMSNorm: threads per block (one block per row; a multiple of 32: 32-lane warps own whole
+ * 256-groups when dim % 256 == 0) and float4s of the row each thread keeps in registers
+ * between the sum of squares and the output (512 x 4 x 4: rows up to 8192 values are read
+ * once). */
 #ifndef PKV_NORM_THREADS
-#define PKV_NORM_THREADS 256
+#define PKV_NORM_THREADS 512
+#endif
+#ifndef PKV_NORM_CACHED_VECS
+#define PKV_NORM_CACHED_VECS 4
 #endif
 
 /* --- Metal (the metal/ sources through MLX, pagedkv.kernels.mlx.metal) ----------------------
