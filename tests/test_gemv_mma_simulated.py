@@ -265,7 +265,7 @@ def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
 def test_staged_tensor_core_gemv_simulated_matches_the_float64_product(fmt, batch, warps, splits):
     M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the blocks
     raw, x = _case(fmt, M, K, batch, seed=batch * 7 + warps)
-    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, pipe=False)
     NT = g._tiles
     assert NT == (6 if batch <= 16 else 12)
     assert g._kernel.name.startswith("pkv_gemv_mma_staged_")
@@ -307,7 +307,7 @@ def test_one_split_of_the_staged_gemv_gives_each_batch_row_what_the_batch_8_kern
     # regroup the same f32 sums)
     M, K, fmt = 21, 768, "mq4g256v2"
     raw, x = _case(fmt, M, K, 32, seed=5)
-    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32).pack(raw)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32, pipe=False).pack(raw)
     xq, xs = prep_x(x, K, 12, True)
     staged = gemv_mma_staged(packed, xq, xs, M, K, 32, 12, True, 8, 1)
     for lo in range(0, 32, 8):
