@@ -92,20 +92,26 @@ def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> No
               f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
 
 
+def _load_weights_variant(dev, defines: dict[str, str], image: bytes, names) -> None:
+    """Serve weights.hip from ``image`` and set the launcher's mirrors ``weights.<NAME>`` of
+    its swept ``PKV_<NAME>`` values (the header's default where the variant leaves one)."""
+    from pagedkv.kernels import weights
+    from pagedkv.kernels.launch_constants import launch_constant
+    dev.load_module("weights", image)
+    for name in names:
+        setattr(weights, name, int(defines.get(f"PKV_{name}", launch_constant(f"PKV_{name}"))))
+
+
 def sweep_dequant(dev, stream, copy_bw, B, images, shape=(14336, 4096)) -> None:
     from pagedkv import quant
     from pagedkv.kernels import weights
-    from pagedkv.kernels.launch_constants import launch_constant
     rng = np.random.default_rng(1)
     M, K = shape
     raws = {fmt: quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
             for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16")}
     first: dict = {}
     for defines, image in images:
-        dev.load_module("weights", image)
-        for name in ("DEQUANT_SPAN", "DEQUANT_THREADS"):
-            setattr(weights, name, int(defines.get(f"PKV_{name}",
-                                                   launch_constant(f"PKV_{name}"))))
+        _load_weights_variant(dev, defines, image, ("DEQUANT_SPAN", "DEQUANT_THREADS"))
         for fmt, raw in raws.items():
             dr = dev.array(raw)
             for dt in (np.float16, np.float32):
@@ -151,7 +157,6 @@ def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
     from pagedkv import quant
     from pagedkv.errors import InvalidArgument
     from pagedkv.kernels import weights
-    from pagedkv.kernels.launch_constants import launch_constant
     rng = np.random.default_rng(3)
     cases = []
     for M, K in shapes:
@@ -161,10 +166,7 @@ def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
             cases.append((fmt, M, K, raw, x))
     first: dict = {}
     for defines, image in images:
-        dev.load_module("weights", image)
-        for name in ("GEMV_PIPE_STAGES", "GEMV_PIPE_TILES_PER_WARP"):
-            setattr(weights, name, int(defines.get(f"PKV_{name}",
-                                                   launch_constant(f"PKV_{name}"))))
+        _load_weights_variant(dev, defines, image, ("GEMV_PIPE_STAGES", "GEMV_PIPE_TILES_PER_WARP"))
         for fmt, M, K, raw, x in cases:
             try:
                 g = weights.Gemv(dev, fmt, M, K, batch, pipe=True)
