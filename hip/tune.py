@@ -8,6 +8,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3,4 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
+    python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
 
 Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
@@ -91,20 +92,26 @@ def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> No
               f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
 
 
+def _load_weights_variant(dev, defines: dict[str, str], image: bytes, names) -> None:
+    """Serve weights.hip from ``image`` and set the launcher's mirrors ``weights.<NAME>`` of
+    its swept ``PKV_<NAME>`` values (the header's default where the variant leaves one)."""
+    from pagedkv.kernels import weights
+    from pagedkv.kernels.launch_constants import launch_constant
+    dev.load_module("weights", image)
+    for name in names:
+        setattr(weights, name, int(defines.get(f"PKV_{name}", launch_constant(f"PKV_{name}"))))
+
+
 def sweep_dequant(dev, stream, copy_bw, B, images, shape=(14336, 4096)) -> None:
     from pagedkv import quant
     from pagedkv.kernels import weights
-    from pagedkv.kernels.launch_constants import launch_constant
     rng = np.random.default_rng(1)
     M, K = shape
     raws = {fmt: quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
             for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16")}
     first: dict = {}
     for defines, image in images:
-        dev.load_module("weights", image)
-        for name in ("DEQUANT_SPAN", "DEQUANT_THREADS"):
-            setattr(weights, name, int(defines.get(f"PKV_{name}",
-                                                   launch_constant(f"PKV_{name}"))))
+        _load_weights_variant(dev, defines, image, ("DEQUANT_SPAN", "DEQUANT_THREADS"))
         for fmt, raw in raws.items():
             dr = dev.array(raw)
             for dt in (np.float16, np.float32):
@@ -142,10 +149,47 @@ def sweep_gemv(dev, stream, copy_bw, B, warps: list[int],
                 d.free()
 
 
+def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
+                 shapes=((4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096))) -> None:
+    """The pipelined batch 9-32 GEMV (gemv_mma_pipe) per variant of its launch.h knobs, x
+    prepared once; the outputs of every variant must be the first's, byte for byte (the
+    stages and tiles per warp change no f32 operation, only who computes it when)."""
+    from pagedkv import quant
+    from pagedkv.errors import InvalidArgument
+    from pagedkv.kernels import weights
+    rng = np.random.default_rng(3)
+    cases = []
+    for M, K in shapes:
+        for fmt in ("mq4g256v2", "hfq4g256"):
+            raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+            x = dev.array(rng.standard_normal((batch, K)).astype(np.float32))
+            cases.append((fmt, M, K, raw, x))
+    first: dict = {}
+    for defines, image in images:
+        _load_weights_variant(dev, defines, image, ("GEMV_PIPE_STAGES", "GEMV_PIPE_TILES_PER_WARP"))
+        for fmt, M, K, raw, x in cases:
+            try:
+                g = weights.Gemv(dev, fmt, M, K, batch, pipe=True)
+            except InvalidArgument as e:  # a variant whose ring does not fit: say so, go on
+                print(f"gemv32 {fmt} {M}x{K} {defines}: {e}", flush=True)
+                continue
+            dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
+            y = dev.empty((batch, M), np.float32)
+            g.prepare(x, stream=stream)
+            t = B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w, (y,),
+                                                   calls), calls)
+            got = y.to_numpy().tobytes()
+            same = first.setdefault((fmt, M, K), got) == got
+            print(f"gemv32 {fmt} b{batch} {M}x{K} {defines} grid {g._grid}: "
+                  f"{_pct(raw.nbytes, t, copy_bw)} same bytes as first: {same}", flush=True)
+            for d in dev_w:
+                d.free()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python hip/tune.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("attn", "dequant", "gemv"))
+    p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32"))
     p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
                    help="a -D macro and the values to try (repeatable)")
     p.add_argument("--warps", default="2,4,8", help="gemv: warps per block to try")
@@ -166,12 +210,14 @@ def main(argv=None) -> int:
     if args.what == "gemv":
         sweep_gemv(dev, stream, copy_bw, B, [int(w) for w in args.warps.split(",")])
         return 0
-    source = "kvcache" if args.what == "attn" else "weights"
+    source = "kvcache" if args.what == "attn" else "weights"  # dequant, gemv32
     with tempfile.TemporaryDirectory() as tmp:
         images = [(d, build(source, d, dev.properties.arch, Path(tmp)))
                   for d in variants(parse_sets(args.set))]
     if args.what == "attn":
         sweep_attn(dev, stream, copy_bw, B, images, kind=args.kv)
+    elif args.what == "gemv32":
+        sweep_gemv32(dev, stream, copy_bw, B, images)
     else:
         sweep_dequant(dev, stream, copy_bw, B, images)
     return 0

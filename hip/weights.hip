@@ -595,32 +595,68 @@ struct MmaHalves {  // affine maps per group
   static constexpr int value = F == MQ4G256V2 ? 2 : 1;
 };
 
-// The exact int32 sums of one group for CH n-tiles: c[hv][i] = the tile's 16 rows times
-// n-tile i's 8 columns over affine half hv (V2: one (scale, zero) per 128 weights).
-// x_words(i, v) gives the lane's prepared-x 16-byte word v (= mma pair m / 2) of n-tile i.
-template <int F, int CH, typename XWords>
-PKV_DEV void mma_group(int (&c)[MmaHalves<F>::value][CH][4], const MmaWeights& w, XWords x_words) {
+// The exact int32 sums of one group for CH n-tiles and TPW 16-row tiles: c[u][hv][i] = tile
+// u's 16 rows times n-tile i's 8 columns over affine half hv (V2: one (scale, zero) per 128
+// weights). w_code(u, k) gives tile u's 16-byte code load k (MmaWeights::code), x_words(i,
+// j) the lane's prepared-x 16-byte word j (mmas 2j and 2j + 1) of n-tile i; each is asked
+// for once, where it is first needed (a tile's loads jj and 2 + jj serve mmas 4 jj .. 4 jj
+// + 3), and each x word feeds the mmas of all TPW tiles (the pipelined kernel's 2 tiles per
+// warp halve its x reads per mma).
+template <int F, int CH, int TPW, typename WCode, typename XWords>
+PKV_DEV void mma_group_tiles(int (&c)[TPW][MmaHalves<F>::value][CH][4], WCode w_code,
+                             XWords x_words) {
   constexpr int HALVES = MmaHalves<F>::value;
 #pragma unroll
-  for (int hv = 0; hv < HALVES; ++hv)
+  for (int u = 0; u < TPW; ++u)
 #pragma unroll
-    for (int i = 0; i < CH; ++i) c[hv][i][0] = c[hv][i][1] = c[hv][i][2] = c[hv][i][3] = 0;
+    for (int hv = 0; hv < HALVES; ++hv)
 #pragma unroll
-  for (int m = 0; m < 8; ++m) {
-    // mma m = 2j + h: chunk j of rows gid (load j / 2) and gid + 8 (load 2 + j / 2)
-    const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
-    const uint4 pa = w.code[j / 2], pb = w.code[2 + j / 2];
-    const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-    const uint32_t wb = j % 2 ? (h ? pb.w : pb.z) : (h ? pb.y : pb.x);
-    const uint32_t a0 = wa & 0x0F0F0F0Fu, a1 = wb & 0x0F0F0F0Fu;
-    const uint32_t a2 = (wa >> 4) & 0x0F0F0F0Fu, a3 = (wb >> 4) & 0x0F0F0F0Fu;
+      for (int i = 0; i < CH; ++i) c[u][hv][i][0] = c[u][hv][i][1] = c[u][hv][i][2] = c[u][hv][i][3] = 0;
 #pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const uint4 q = x_words(i, m / 2);
-      const uint32_t b0 = h ? q.z : q.x, b1 = h ? q.w : q.y;
-      mma_s8_16x8x32(c[hv][i], a0, a1, a2, a3, b0, b1);
+  for (int jj = 0; jj < 2; ++jj) {
+    uint4 pa[TPW], pb[TPW];  // chunks 2 jj and 2 jj + 1 of rows gid (pa) and gid + 8 (pb)
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      pa[u] = w_code(u, jj);
+      pb[u] = w_code(u, 2 + jj);
+    }
+#pragma unroll
+    for (int j = 2 * jj; j < 2 * jj + 2; ++j) {
+      uint4 q[CH];
+#pragma unroll
+      for (int i = 0; i < CH; ++i) q[i] = x_words(i, j);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // mma m = 2j + h: word h of chunk j of rows gid and gid + 8
+        const int m = 2 * j + h, hv = HALVES == 2 ? m / 4 : 0;
+        uint32_t a[TPW][4];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+          const uint32_t wa = j % 2 ? (h ? pa[u].w : pa[u].z) : (h ? pa[u].y : pa[u].x);
+          const uint32_t wb = j % 2 ? (h ? pb[u].w : pb[u].z) : (h ? pb[u].y : pb[u].x);
+          a[u][0] = wa & 0x0F0F0F0Fu;
+          a[u][1] = wb & 0x0F0F0F0Fu;
+          a[u][2] = (wa >> 4) & 0x0F0F0F0Fu;
+          a[u][3] = (wb >> 4) & 0x0F0F0F0Fu;
+        }
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          const uint32_t b0 = h ? q[i].z : q[i].x, b1 = h ? q[i].w : q[i].y;
+#pragma unroll
+          for (int u = 0; u < TPW; ++u)
+            mma_s8_16x8x32(c[u][hv][i], a[u][0], a[u][1], a[u][2], a[u][3], b0, b1);
+        }
+      }
     }
   }
+}
+
+// One tile's sums from its fragments in registers (gemv_mma, gemv_mma_staged).
+template <int F, int CH, typename XWords>
+PKV_DEV void mma_group(int (&c)[MmaHalves<F>::value][CH][4], const MmaWeights& w, XWords x_words) {
+  using C1 = int[1][MmaHalves<F>::value][CH][4];
+  mma_group_tiles<F, CH, 1>(reinterpret_cast<C1&>(c), [&](int, int k) { return w.code[k]; },
+                            x_words);
 }
 
 // acc[r][i0 + i][e] += one group's f32 epilogue of the sums c of n-tiles i0 .. i0 + CH:
@@ -781,12 +817,62 @@ PKV_DEV void cp_async16(void* smem_dst, const void* src) {
 #endif
 }
 
-template <int PENDING>
-PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until PENDING remain
+PKV_DEV void cp_async_commit() {  // close this thread's group of copies
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>
+PKV_DEV void cp_async_wait() {  // wait until at most PENDING of this thread's groups are open
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 #endif
+}
+
+template <int PENDING>
+PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until PENDING remain
+  cp_async_commit();
+  cp_async_wait<PENDING>();
+}
+
+// The end of the staged and pipelined kernels: red holds the block's f32 sums, row r (of
+// `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
+// plane p. A row's 3 plane columns are added from 0 (gemv_mma's order); with one split the
+// block writes y, otherwise its sums go to partial[split][batch][M] and the last of the row
+// block's `splits` blocks to arrive (counters[blockIdx.x], reset by that block for the next
+// launch) adds the splits in split order: the result does not depend on which block
+// finishes first, nor on how many rows a block holds.
+PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int batch,
+                               float* __restrict__ y, float* __restrict__ partial,
+                               unsigned* __restrict__ counters, int split, int splits) {
+  const int row0 = blockIdx.x * rows;
+  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
+    const int r = k % rows, b = k / rows;
+    const float* c = red + r * cols + 3 * b;
+    const float v = 0.0f + (c[0] + c[1] + c[2]);
+    if (row0 + r < M) {
+      if (splits == 1)
+        y[(int64_t)b * M + row0 + r] = v;
+      else
+        partial[((int64_t)split * batch + b) * M + row0 + r] = v;
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();  // this block's partials are visible before its arrival is counted
+  const bool last =
+      __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u);
+  if (!last) return;
+  __threadfence();
+  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
+    const int r = k % rows, b = k / rows;
+    if (row0 + r >= M) continue;
+    float v = 0.0f;
+    for (int s = 0; s < splits; ++s)  // split order: independent of the arrival order
+      v += __ldcg(&partial[((int64_t)s * batch + b) * M + row0 + r]);
+    y[(int64_t)b * M + row0 + r] = v;
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;  // ready for the next launch
 }
 
 template <int F, int NT>
@@ -873,33 +959,8 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
       for (int e = 0; e < 2; ++e)
         red[(warp * PKV_GEMV_MMA_ROWS + gid + 8 * r) * COLS + 8 * i + 2 * t + e] = acc[r][i][e];
   __syncthreads();
-  const int rows = n_warps * PKV_GEMV_MMA_ROWS, row0 = blockIdx.x * rows;
-  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
-    const int r = k % rows, b = k / rows;
-    const float* cols = red + r * COLS + 3 * b;  // row r: warp r / 16, its row r % 16
-    const float v = 0.0f + (cols[0] + cols[1] + cols[2]);
-    if (row0 + r < M) {
-      if (splits == 1)
-        y[(int64_t)b * M + row0 + r] = v;
-      else
-        partial[((int64_t)split * batch + b) * M + row0 + r] = v;
-    }
-  }
-  if (splits == 1) return;
-  __threadfence();  // this block's partials are visible before its arrival is counted
-  const bool last =
-      __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u);
-  if (!last) return;
-  __threadfence();
-  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
-    const int r = k % rows, b = k / rows;
-    if (row0 + r >= M) continue;
-    float v = 0.0f;
-    for (int s = 0; s < splits; ++s)  // split order: independent of the arrival order
-      v += __ldcg(&partial[((int64_t)s * batch + b) * M + row0 + r]);
-    y[(int64_t)b * M + row0 + r] = v;
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;  // ready for the next launch
+  gemv_split_finish(red, COLS, n_warps * PKV_GEMV_MMA_ROWS, M, batch, y, partial, counters,
+                    split, splits);
 }
 
 #define PKV_GEMV_MMA_STAGED_KERNEL(NAME, F, NT)                                             \
@@ -913,6 +974,201 @@ PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 6)
 PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 12)
 PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 6)
 PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 12)
+
+// ---------------------------------------------------------------------------
+// Pipelined tensor-core GEMV for batch 9-32 (docs/kernels.md, "Pipelined tensor-core GEMV"):
+// the staged kernel's math (mma_group_tiles, add_group, gemv_split_finish: per output the
+// same exact int32 sums and the same f32 operations in the same order, so with the same
+// group splits the outputs are the staged kernel's, bit for bit), with what limited that
+// kernel removed: one block of 8 warps per SM spent its time waiting on each group's
+// weight loads (issued one group ahead into registers at n6, not at all at n12) and ran 3
+// dependent mma chains per warp.
+//
+// - A ring of PKV_GEMV_PIPE_STAGES stages in dynamic shared memory, one group per stage:
+//   the group's prepared x (NT n-tiles, x_stage_unit's swizzle), its batch rows' (step,
+//   sums) and the weights of all the block's tiles, all copied with cp.async
+//   STAGES - 1 groups ahead of the one computed. The weights no longer pass through
+//   registers before they are needed, so the n12 kernel prefetches them too.
+// - PKV_GEMV_PIPE_TILES_PER_WARP (TPW) consecutive 16-row tiles per warp: each x fragment
+//   read from shared memory feeds TPW mmas, and a warp has TPW x 3 (x2 affine halves for
+//   V2) independent accumulator chains per mma step instead of 3.
+// - A block of W warps owns W x TPW tiles (256 rows at 8 x 2) and one contiguous split of
+//   the groups (blockIdx.y of up to 8, the launcher's _pipe_splits).
+//
+// Stage layout (16-byte units): [NT x 128 units of x][8 NT / 3 units of (step, sums)]
+// [W x TPW tiles x 136 units of weights, the packed tile-group as in global memory].
+// The ring is also the end's reduction buffer ([W x TPW x 16 rows][8 NT] f32).
+// n6 / n9 / n12 at W = 8, TPW = 2, 3 stages: 142,080 / 160,896 / 179,712 bytes, above the
+// 48 KiB a block gets without opting in (Kernel.reserve_shared).
+template <int NT>
+struct PipeStage {
+  static constexpr int X_UNITS = NT * 32 * 4;
+  static constexpr int XS_UNITS = 8 * NT / 3;  // batch rows the n-tiles hold
+  static constexpr int TILE_UNITS = PKV_GEMV_MMA_ROWS * 136 / 16;  // both 4-bit formats
+  __device__ static int units(int block_tiles) {
+    return X_UNITS + XS_UNITS + block_tiles * TILE_UNITS;
+  }
+};
+
+PKV_DEV int opaque_int(int v) {  // v, as a value the compiler cannot move out of a loop
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+PKV_DEV uint32_t dynamic_smem_bytes() {
+  uint32_t n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
+template <int F, int NT>
+PKV_DEV void gemv_mma_pipe(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                           const float4* __restrict__ xs, float* __restrict__ y,
+                           float* __restrict__ partial, unsigned* __restrict__ counters, int M,
+                           int K, int batch) {
+  constexpr int CH = PKV_GEMV_MMA_MAX_TILES, TPW = PKV_GEMV_PIPE_TILES_PER_WARP;
+  constexpr int STAGES = PKV_GEMV_PIPE_STAGES, HALVES = MmaHalves<F>::value;
+  static_assert(NT % CH == 0 && STAGES >= 2 && TPW >= 1, "whole chunks, a ring of 2+ stages");
+  static_assert(Format<F>::B == 136, "the stage layout's tile size");
+  using St = PipeStage<NT>;
+  extern __shared__ __align__(16) uint4 ring[];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int block_tiles = n_warps * TPW, stage_units = St::units(block_tiles);
+  constexpr int COLS = 8 * NT;
+  // the launcher's shared bytes must hold the ring and the end's reduction: a wrong launch
+  // traps instead of writing past the block's shared memory
+  if (dynamic_smem_bytes() < 16u * max(STAGES * stage_units, block_tiles * 4 * COLS))
+    __trap();
+  const int row_tiles = (M + PKV_GEMV_MMA_ROWS - 1) / PKV_GEMV_MMA_ROWS;
+  const int first_tile = blockIdx.x * block_tiles;
+  const bool active = first_tile + warp * TPW < row_tiles;  // warps past the last tile copy only
+  const int groups = K / 256, splits = gridDim.y, split = blockIdx.y;
+  const int g_begin = split * groups / splits, g_end = (split + 1) * groups / splits;
+  const uint4* wsrc = (const uint4*)packed;
+
+  // Weights: the packed tile-groups of the block's tiles (past the last tile, the last
+  // one again: computed, never stored). Read-only, so copied before the PDL wait.
+  auto stage_w = [&](int slot, int g) {
+    uint4* dst = ring + slot * stage_units + St::X_UNITS + St::XS_UNITS;
+    for (int u = threadIdx.x; u < block_tiles * St::TILE_UNITS; u += blockDim.x) {
+      const int tile = min(first_tile + u / St::TILE_UNITS, row_tiles - 1);
+      cp_async16(dst + u, wsrc + ((int64_t)tile * groups + g) * St::TILE_UNITS + u % St::TILE_UNITS);
+    }
+  };
+  auto stage_x = [&](int slot, int g) {
+    uint4* dst = ring + slot * stage_units;
+    const uint4* src = (const uint4*)xq + (int64_t)g * St::X_UNITS;  // (n-tile, lane, v) order
+    for (int u = threadIdx.x; u < St::X_UNITS; u += blockDim.x)
+      cp_async16(dst + x_stage_unit(u / 128, (u / 4) % 32, u % 4), src + u);
+    for (int b = threadIdx.x; b < batch; b += blockDim.x)
+      cp_async16(dst + St::X_UNITS + b, xs + (int64_t)g * batch + b);
+  };
+
+  float acc[TPW][2][NT][2];
+#pragma unroll
+  for (int u = 0; u < TPW; ++u)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) acc[u][r][i][0] = acc[u][r][i][1] = 0.0f;
+
+  // (step, sums) of batch rows past `batch` are zeros in every slot (the copies never write
+  // there): a dead column's epilogue reads them unconditionally, without a per-column test.
+  for (int k = threadIdx.x; k < STAGES * (St::XS_UNITS - batch); k += blockDim.x)
+    ring[(k / (St::XS_UNITS - batch)) * stage_units + St::X_UNITS + batch +
+         k % (St::XS_UNITS - batch)] = make_uint4(0u, 0u, 0u, 0u);
+
+  // Prologue: groups g_begin .. g_begin + STAGES - 2 in flight, one commit group each (the
+  // weights of all of them join the first).
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (g_begin + s < g_end) stage_w(s, g_begin + s);
+  pkv_grid_dependency_wait();  // PDL: the prepared x, y, partial and counters from here
+  pkv_launch_dependents();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (g_begin + s < g_end) stage_x(s, g_begin + s);
+    cp_async_commit();
+  }
+  for (int g = g_begin; g < g_end; ++g) {
+    const int k = g - g_begin;
+    cp_async_wait<STAGES - 2>();  // this thread's copies of group g have landed ...
+    __syncthreads();  // ... and every thread's; every warp is done with group g - 1's slot
+    if (g + STAGES - 1 < g_end) {  // refill that slot, STAGES - 1 groups ahead
+      stage_w((k + STAGES - 1) % STAGES, g + STAGES - 1);
+      stage_x((k + STAGES - 1) % STAGES, g + STAGES - 1);
+    }
+    cp_async_commit();  // (empty at the end: the wait count above stays uniform)
+    const uint4* st = ring + (k % STAGES) * stage_units;
+    if (active) {
+      const float4* sums = (const float4*)(st + St::X_UNITS);
+#pragma unroll
+      for (int i0 = 0; i0 < NT; i0 += CH) {
+        // A compiler barrier per chunk: the chunk's weight fragments are read from shared
+        // memory again, where they are used, rather than kept live across the chunks from
+        // the first chunk's read (40 registers; the n9/n12 kernels spilled).
+        asm volatile("" ::: "memory");
+        const uint4* wt = st + St::X_UNITS + St::XS_UNITS + warp * TPW * St::TILE_UNITS;
+        int c[TPW][HALVES][CH][4];
+        // Columns past the batch are read as they are (whatever the prepared x's unused
+        // columns hold, not zeros as in the staged kernel): an mma's output column depends
+        // on its own B column only, add_group gives such a column zero sums and the end
+        // reads live columns only, so no output changes, and the loads stay unpredicated
+        // 128-bit ones without a zero select (the select's registers spilled n9/n12).
+        mma_group_tiles<F, CH, TPW>(
+            c, [&](int u, int k) { return wt[u * St::TILE_UNITS + 8 + 32 * k + lane]; },
+            [&](int i, int v) { return st[x_stage_unit(i0 + i, lane, v)]; });
+        // t through a volatile move: the column planes and batch rows derived from it are
+        // recomputed per chunk (a few integer ops) instead of hoisted out of the group loop
+        // as 12 more live registers, which spilled n12
+        const int tc = opaque_int(t);
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+          // batch row (8 (i0 + i) + 2t + e) / 3 = 8 ((i0 + i) / 3) + (8 ((i0 + i) % 3) + 2t +
+          // e) / 3; rows past the batch read the zeros put there at the start
+          const uint2* hdrs = (const uint2*)(wt + u * St::TILE_UNITS);  // rows gid, gid + 8
+          const uint2 hdr[2] = {hdrs[gid], hdrs[gid + 8]};
+          add_group<F, CH, NT>(acc[u], c[u], hdr, i0, tc, [&](int i, int e) {
+            return (sums + 8 * ((i0 + i) / 3))[(8 * ((i0 + i) % 3) + 2 * tc + e) / 3];
+          });
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // nothing in flight into the ring the reduction reuses
+  __syncthreads();
+
+  float* red = (float*)ring;  // [block tile][16 rows][8 NT columns]
+#pragma unroll
+  for (int u = 0; u < TPW; ++u)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          red[((warp * TPW + u) * PKV_GEMV_MMA_ROWS + gid + 8 * r) * COLS + 8 * i + 2 * t + e] =
+              acc[u][r][i][e];
+  __syncthreads();
+  gemv_split_finish(red, COLS, block_tiles * PKV_GEMV_MMA_ROWS, M, batch, y, partial, counters,
+                    split, splits);
+}
+
+#define PKV_GEMV_MMA_PIPE_KERNEL(NAME, F, NT)                                               \
+  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS, 1)                         \
+      pkv_gemv_mma_pipe_##NAME##_n##NT(                                                     \
+      const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, float* partial,     \
+      unsigned* counters, int M, int K, int batch) {                                        \
+    gemv_mma_pipe<F, NT>(w, xq, xs, y, partial, counters, M, K, batch);                     \
+  }
+#define PKV_GEMV_MMA_PIPE_KERNELS(NAME, F) \
+  PKV_GEMV_MMA_PIPE_KERNEL(NAME, F, 6)     \
+  PKV_GEMV_MMA_PIPE_KERNEL(NAME, F, 9)     \
+  PKV_GEMV_MMA_PIPE_KERNEL(NAME, F, 12)
+PKV_GEMV_MMA_PIPE_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_MMA_PIPE_KERNELS(mq4g256v2, MQ4G256V2)
 
 #endif  // __CUDACC__
 

@@ -126,7 +126,18 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
                        [({"PKV_DEQUANT_THREADS": "64"}, read_object("weights", "hip", arch))],
                        shape=(16, 256))
     tune.sweep_gemv(dev, stream, 1e12, gpu, [2, 4], shapes=((32, 512),))
+    monkeypatch.setattr(weights, "GEMV_PIPE_STAGES", weights.GEMV_PIPE_STAGES)
+    monkeypatch.setattr(weights, "GEMV_PIPE_TILES_PER_WARP", weights.GEMV_PIPE_TILES_PER_WARP)
+    tune.sweep_gemv32(dev, stream, 1e12, gpu,
+                      [({"PKV_GEMV_PIPE_STAGES": "4"}, read_object("weights", "hip", arch))],
+                      shapes=((32, 512),))
     lines = capsys.readouterr().out.splitlines()
+    # the stub's gfx90a runs no pipelined GEMV (nor batch 32 off the opt-in MFMA kernel):
+    # each case says why and the sweep goes on; the launcher mirrors took the variant's values
+    pipe = [line for line in lines if line.startswith("gemv32 ")]
+    assert len(pipe) == 2 and all("32x512 {'PKV_GEMV_PIPE_STAGES': '4'}: batch=32: expected "
+                                  "1..8" in line for line in pipe)
+    assert weights.GEMV_PIPE_STAGES == 4 and weights.GEMV_PIPE_TILES_PER_WARP == 2
     assert [line.split("}")[0] + "}" for line in lines[:2]] == [
         "attn float16 {'PKV_ATTN_PARTITION_F16': '512'}",
         "attn float16 {'PKV_ATTN_PARTITION_F16': '1024'}"]

@@ -210,7 +210,8 @@ def test_mfma_gemv_simulated_gives_the_exact_sums_and_the_nvidia_kernels_outputs
         fmt, batch, waves, k_per_instruction):
     M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the waves
     raw, x = _case(fmt, M, K, batch, seed=batch * 13 + waves)
-    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    # the n-tiles AMD launches (n1-n3, tiled n6/n12): the staged kernel's, not the pipelined n9
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, pipe=False)
     NT, v2, rotated = g._tiles, fmt == "mq4g256v2", g.fmt.rotated
     packed = g.pack(raw)
     xq, xs = prep_x(x, K, NT, rotated)

@@ -265,7 +265,7 @@ def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
 def test_staged_tensor_core_gemv_simulated_matches_the_float64_product(fmt, batch, warps, splits):
     M, K = 37, 1024  # three 16-row tiles (the last padded), 4 groups split over the blocks
     raw, x = _case(fmt, M, K, batch, seed=batch * 7 + warps)
-    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, pipe=False)
     NT = g._tiles
     assert NT == (6 if batch <= 16 else 12)
     assert g._kernel.name.startswith("pkv_gemv_mma_staged_")
@@ -307,7 +307,7 @@ def test_one_split_of_the_staged_gemv_gives_each_batch_row_what_the_batch_8_kern
     # regroup the same f32 sums)
     M, K, fmt = 21, 768, "mq4g256v2"
     raw, x = _case(fmt, M, K, 32, seed=5)
-    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32).pack(raw)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32, pipe=False).pack(raw)
     xq, xs = prep_x(x, K, 12, True)
     staged = gemv_mma_staged(packed, xq, xs, M, K, 32, 12, True, 8, 1)
     for lo in range(0, 32, 8):
@@ -326,3 +326,179 @@ def test_the_mma_fragment_model_is_a_16x8x32_product():
     a = np.concatenate([_bytes_s8(regs[0])[:4].reshape(-1), _bytes_s8(regs[2])[:4].reshape(-1)])
     b = np.concatenate([_bytes_s8(regs[4])[:4].reshape(-1), _bytes_s8(regs[5])[:4].reshape(-1)])
     assert c[0, 0] == int(a.astype(np.int64) @ b.astype(np.int64))
+
+
+# --- the pipelined batch 9-32 kernel (gemv_mma_pipe) ---------------------------------------
+
+POISON = 0x7FC0DEAD  # a NaN as f32: a stage slot read before its copies landed poisons y
+
+
+def gemv_mma_pipe(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits, tpw=2, stages=3,
+                  in_flight=None):
+    """gemv_mma_pipe<F, NT> on a grid (row blocks, splits) of n_warps-warp blocks, TPW tiles
+    per warp and a ring of `stages` slots. cp.async is modelled as the kernel orders it: a
+    thread's copies land when a cp.async.wait_group lets their commit group complete, so a
+    slot read too early holds POISON (or an older group) and the product goes wrong.
+    ``in_flight``: the loop's wait_group count (the kernel's STAGES - 2)."""
+    in_flight = stages - 2 if in_flight is None else in_flight
+    lane, gid, t = _lanes()
+    groups = K // 256
+    XU, XSU, TU = NT * 128, 8 * NT // 3, ROWS * 136 // 16
+    block_tiles = n_warps * tpw
+    su = XU + XSU + block_tiles * TU  # PipeStage::units
+    row_tiles = -(-M // ROWS)
+    rows = block_tiles * ROWS
+    cols = 8 * NT
+    halves = 2 if v2 else 1
+    w_units = packed.view(np.uint32).reshape(-1, 4)
+    xq_units = xq.reshape(-1, 4)
+    xs_units = xs.view(np.uint32).reshape(-1, 4)
+    y = np.full((batch, M), np.nan, np.float32)
+    partial = np.full((splits, batch, M), np.nan, np.float32)
+    for bx in range(-(-row_tiles // block_tiles)):
+        first_tile = bx * block_tiles
+        for split in range(splits):
+            g_begin, g_end = split * groups // splits, (split + 1) * groups // splits
+            ring = np.full((stages * su, 4), POISON, np.uint32)
+            for s in range(stages):  # zero (step, sums) past the batch in every slot
+                ring[s * su + XU + batch:s * su + XU + XSU] = 0
+            pending: list[list] = []  # open commit groups of (unit, value)
+
+            def stage_w(slot, g, into, first_tile=first_tile):
+                for u in range(block_tiles * TU):
+                    tile = min(first_tile + u // TU, row_tiles - 1)
+                    into.append((slot * su + XU + XSU + u, w_units[(tile * groups + g) * TU + u % TU]))
+
+            def stage_x(slot, g, into):
+                for u in range(XU):
+                    into.append((slot * su + x_stage_unit(u // 128, (u // 4) % 32, u % 4),
+                                 xq_units[g * XU + u]))
+                for b in range(batch):
+                    into.append((slot * su + XU + b, xs_units[g * batch + b]))
+
+            def wait(keep, pending=pending, ring=ring):  # cp.async.wait_group keep
+                while len(pending) > keep:
+                    for at, v in pending.pop(0):
+                        ring[at] = v
+
+            first: list = []  # the prologue's weights join the first commit group
+            for s in range(stages - 1):
+                if g_begin + s < g_end:
+                    stage_w(s, g_begin + s, first)
+            for s in range(stages - 1):
+                grp = first if s == 0 else []
+                if g_begin + s < g_end:
+                    stage_x(s, g_begin + s, grp)
+                pending.append(grp)
+            acc = np.zeros((n_warps, tpw, 2, NT, 2, 32), np.float32)
+            for g in range(g_begin, g_end):
+                k = g - g_begin
+                wait(in_flight)
+                grp = []
+                if g + stages - 1 < g_end:
+                    slot = (k + stages - 1) % stages
+                    stage_w(slot, g + stages - 1, grp)
+                    stage_x(slot, g + stages - 1, grp)
+                pending.append(grp)
+                st = (k % stages) * su
+                sums = ring[st + XU:st + XU + XSU].copy().view(np.float32)  # [XSU, 4]
+                for warp in range(n_warps):
+                    if first_tile + warp * tpw >= row_tiles:
+                        continue  # inactive: copies only
+                    wt = [st + XU + XSU + (warp * tpw + u) * TU for u in range(tpw)]
+                    hdr = [[np.stack([ring[w0 + (gid + 8 * r) // 2, 2 * ((gid + 8 * r) % 2) + h]
+                                      for h in range(2)], axis=1) for r in range(2)] for w0 in wt]
+                    code = [[ring[w0 + 8 + 32 * i + lane] for i in range(4)] for w0 in wt]
+                    for i0 in range(0, NT, CHUNK):
+                        c = np.zeros((tpw, halves, CHUNK, 32, 4), np.int64)
+                        for m in range(8):
+                            j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
+                            a = []
+                            for u in range(tpw):
+                                wa = code[u][j // 2][:, 2 * (j % 2) + h]
+                                wb = code[u][2 + j // 2][:, 2 * (j % 2) + h]
+                                a.append((wa & 0x0F0F0F0F, wb & 0x0F0F0F0F,
+                                          (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F))
+                            for i in range(CHUNK):
+                                q = ring[st + x_stage_unit(i0 + i, lane, m // 2)]  # no live mask
+                                b0 = q[:, 2] if h else q[:, 0]
+                                b1 = q[:, 3] if h else q[:, 1]
+                                for u in range(tpw):
+                                    mma_s8_16x8x32(c[u, hv, i], *a[u], b0, b1)
+                        for u in range(tpw):  # sums[b] for every b < 8 NT / 3: zeros past batch
+                            add_group(acc[warp, u], c[u], hdr[u], i0, sums, 0, XSU, v2)
+            wait(0)
+            red = np.zeros((rows, cols), np.float32)  # [block tile * 16 + row][column]
+            for warp in range(n_warps):
+                for u in range(tpw):
+                    for r in range(2):
+                        for i in range(NT):
+                            for e in range(2):
+                                red[(warp * tpw + u) * ROWS + gid + 8 * r, 8 * i + 2 * t + e] = \
+                                    acc[warp, u, r, i, e]
+            row0 = bx * rows  # gemv_split_finish
+            n = min(rows, M - row0)
+            for b in range(batch):
+                v = np.float32(0) + (red[:, 3 * b] + red[:, 3 * b + 1] + red[:, 3 * b + 2])
+                (y if splits == 1 else partial[split])[b, row0:row0 + n] = v[:n]
+        if splits > 1:  # the last block to arrive adds the splits in split order
+            n = min(rows, M - bx * rows)
+            total = np.zeros((batch, n), np.float32)
+            for split in range(splits):
+                total += partial[split][:, bx * rows:bx * rows + n]
+            y[:, bx * rows:bx * rows + n] = total
+    return y
+
+
+def _garbage_past_the_batch(xq, K, NT, batch, seed):
+    """The prepared x with its unused columns (8 n-tile + lane / 4 >= 3 batch) random: the
+    prep never writes them and the pipelined kernel reads them unmasked."""
+    out = xq.reshape(K // 256, NT, 32, X_WORDS).copy()
+    col = 8 * np.arange(NT)[:, None] + np.arange(32)[None, :] // 4
+    dead = np.broadcast_to((col >= 3 * batch)[None, :, :, None], out.shape)
+    rng = np.random.default_rng(seed)
+    out[dead] = rng.integers(0, 2**32, int(dead.sum()), dtype=np.uint64).astype(np.uint32)
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize(("fmt", "batch", "M", "warps", "splits", "stages"), [
+    ("hfq4g256", 32, 37, 2, 3, 3),   # one block of 4 tiles, the 4th clamped onto the 3rd
+    ("mq4g256v2", 24, 100, 2, 2, 3),  # n9; 2 blocks, block 1's warp 1: tile 6 live, 7 clamped
+    ("mq4g256", 9, 37, 1, 1, 2),      # n6, a 2-slot ring, one split
+    ("mq4g256v2", 17, 21, 2, 4, 4)])  # a 4-slot ring deeper than a split's 1-2 groups
+def test_pipelined_gemv_simulated_is_the_staged_kernel_bit_for_bit(fmt, batch, M, warps, splits,
+                                                                  stages):
+    K = 1536  # 6 groups
+    raw, x = _case(fmt, M, K, batch, seed=batch + M)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, pipe=True)
+    NT = g._tiles
+    assert NT == {9: 6, 17: 9, 24: 9, 32: 12}[batch]
+    assert g._kernel.name == f"pkv_gemv_mma_pipe_{g.fmt.kernel}_n{NT}"
+    rotated, v2 = g.fmt.rotated, fmt == "mq4g256v2"
+    packed = g.pack(raw)
+    xq, xs = prep_x(x, K, NT, rotated)
+    y = gemv_mma_pipe(packed, _garbage_past_the_batch(xq, K, NT, batch, 1), xs, M, K, batch, NT,
+                      v2, warps, splits, stages=stages)
+    # the staged kernel runs n6/n12 only: its n12 layout for the n9 cases (the same columns,
+    # each column's sums independent of the others)
+    NT_s = 6 if NT == 6 else 12
+    xq_s, xs_s = prep_x(x, K, NT_s, rotated)
+    staged = gemv_mma_staged(packed, xq_s, xs_s, M, K, batch, NT_s, v2, 8, splits)
+    np.testing.assert_array_equal(y.view(np.uint32), staged.view(np.uint32))
+    expect = ref.gemv(raw, fmt, M, K, x, rotated=rotated)
+    wq = np.abs(quant.dequantize(raw, fmt, (M, K), basis="rotated")).astype(np.float64)
+    xr = np.abs(ref.fwht256(x) if rotated else x).astype(np.float64)
+    np.testing.assert_array_less(np.abs(y - expect), 2e-6 * (xr @ wq.T) + 1e-30)
+
+
+def test_a_pipelined_ring_read_before_its_copies_land_is_caught():
+    # the model's cp.async is what lets the test above fail: waiting for one group fewer
+    # (wait_group STAGES - 1) computes each group while its copies are still in flight
+    M, K, batch, fmt = 37, 1024, 32, "hfq4g256"
+    raw, x = _case(fmt, M, K, batch, seed=3)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, pipe=True).pack(raw)
+    xq, xs = prep_x(x, K, 12, False)
+    assert np.isfinite(gemv_mma_pipe(packed, xq, xs, M, K, batch, 12, False, 2, 1)).all()
+    with np.errstate(invalid="ignore"):
+        early = gemv_mma_pipe(packed, xq, xs, M, K, batch, 12, False, 2, 1, in_flight=2)
+    assert np.isnan(early).all()

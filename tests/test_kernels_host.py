@@ -22,6 +22,9 @@ class FakeKernel:
         self.device.shared_bytes.append(shared_bytes)
         self.device.launch_args.append(args)
 
+    def reserve_shared(self, nbytes):
+        self.device.calls.append(("reserve_shared", self.name, nbytes))
+
 
 class FakeDevice:
     ordinal = 0
@@ -173,13 +176,19 @@ def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
     assert _launches(dev) == []
 
 
+#: Shared bytes per block a kernel may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+OPTIN_SHARED = {"sm_90": 232448, "sm_80": 166912, "sm_86": 101376, "sm_75": 65536}
+
+
 class FakeCudaDevice(FakeDevice):
     backend = "cuda"
 
     def __init__(self, arch="sm_90"):
         super().__init__()
-        self.properties = SimpleNamespace(name="fake", warp_size=32, arch=arch,
-                                          multiprocessor_count=132)
+        self.properties = SimpleNamespace(
+            name="fake", warp_size=32, arch=arch, multiprocessor_count=132,
+            max_shared_memory_per_block_bytes=49152,
+            max_shared_memory_per_block_optin_bytes=OPTIN_SHARED[arch])
 
 
 @pytest.mark.parametrize(("fmt", "batch", "kernel", "rotate"), [
@@ -193,12 +202,15 @@ class FakeCudaDevice(FakeDevice):
     ("mq4g256v2", 16, "pkv_gemv_mma_staged_mq4g256v2_n6", 1),
     ("mq4g256", 17, "pkv_gemv_mma_staged_hfq4g256_n12", 1),
     ("mq4g256v2", 32, "pkv_gemv_mma_staged_mq4g256v2_n12", 1)])
-def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel, rotate):
+def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(monkeypatch, fmt, batch, kernel,
+                                                             rotate):
+    monkeypatch.setenv("PAGEDKV_GEMV_PIPE", "0")  # batch 9-32: the staged kernel (A/B switch)
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
     g = weights.Gemv(dev, fmt, M, K, batch)
-    assert g.tensor_cores
-    assert repr(g) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 tensor cores)"
+    assert g.tensor_cores and not g.pipe
+    path = ", staged" if batch > 8 else ""
+    assert repr(g) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 tensor cores{path})"
     assert g.packed and g.weight_bytes == 48 * 17 * 136  # three 16-row tiles
     with pytest.raises(InvalidArgument, match=r"raw rows; the tensor-core GEMV reads "
                                               r"Gemv.upload\(raw\)"):
@@ -232,6 +244,107 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(fmt, batch, kernel,
     dev.calls.clear()
     g.run(w, x, y, x_rotated=True)  # an x rotated beforehand is only quantized
     assert dev.launch_args[2][-1] == 0
+
+
+@pytest.mark.parametrize(("fmt", "batch", "tiles", "shared"), [
+    ("hfq4g256", 9, 6, 142080), ("mq4g256v2", 16, 6, 142080), ("mq4g256", 17, 9, 160896),
+    ("hfq4g256", 24, 9, 160896), ("mq4g256v2", 25, 12, 179712), ("mq4g256v2", 32, 12, 179712)])
+def test_gemv_batch_9_32_defaults_to_the_pipelined_kernel(monkeypatch, fmt, batch, tiles, shared):
+    monkeypatch.delenv("PAGEDKV_GEMV_PIPE", raising=False)
+    dev = FakeCudaDevice()
+    M, K = 37, 17 * 256
+    g = weights.Gemv(dev, fmt, M, K, batch)
+    assert g.pipe and repr(g).endswith(", int8 tensor cores, pipelined)")
+    name = f"pkv_gemv_mma_pipe_{weights.WEIGHT_FORMATS[fmt].kernel}_n{tiles}"
+    # the ring (3 stages of x, sums and 16 tiles' weights) is reserved once, at construction:
+    # 16 * 3 * (128 NT + 8 NT / 3 + 16 * 136) bytes
+    assert shared == 16 * 3 * (128 * tiles + 8 * tiles // 3 + 16 * 136)
+    assert weights.pipe_shared_bytes(tiles, 8) == shared
+    assert [c for c in dev.calls if c[0] == "reserve_shared"] == [("reserve_shared", name, shared)]
+    w = g.upload(np.zeros(M * 17 * 136, np.uint8))
+    x, y = dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32)
+    g.run(w, x, y)
+    # one block of 8 warps x 2 tiles (256 rows) holds the 3 tiles; the 17 groups in 6 splits
+    # (3 groups per block in one wave, the fewest splits that reach it; 8 at most)
+    assert [c[1:] for c in _launches(dev)] == [
+        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (name, (1, 6), (256,))]
+    assert dev.shared_bytes == [0, shared]
+    assert dev.launch_args[0][3:] == (K, batch, tiles, int(g.fmt.rotated))  # n9: the prep's too
+    assert dev.launch_args[0][1].nbytes == 17 * tiles * 32 * 16 * 4
+    partial, counters = dev.launch_args[1][4:6]
+    assert partial.nbytes == 6 * batch * M * 4 and counters.shape == (1,)
+    assert not counters.to_numpy().any() and dev.launch_args[1][-3:] == (M, K, batch)
+
+
+@pytest.mark.parametrize(("M", "K", "grid"), [
+    (4096, 4096, (16, 8)), (14336, 4096, (56, 2)), (4096, 14336, (16, 8)), (6144, 4096, (24, 4))])
+def test_pipelined_gemv_grid_fills_one_wave_of_132_sms(monkeypatch, M, K, grid):
+    monkeypatch.delenv("PAGEDKV_GEMV_PIPE", raising=False)
+    g = weights.Gemv(FakeCudaDevice(), "mq4g256v2", M, K, 32)
+    assert g.pipe and g._grid == grid and g._block == (256,)
+    assert grid[0] * grid[1] <= 132
+
+
+def test_gemv_pipe_switches_and_limits(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_GEMV_PIPE", raising=False)
+    M, K = 300, 2048
+    staged = weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K, 32, pipe=False)
+    assert not staged.pipe and staged._kernel.name == "pkv_gemv_mma_staged_hfq4g256_n12"
+    monkeypatch.setenv("PAGEDKV_GEMV_PIPE", "0")
+    assert not weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K, 32).pipe
+    assert weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K, 32, pipe=True).pipe  # beats the env
+    monkeypatch.delenv("PAGEDKV_GEMV_PIPE")
+    # the same splits on both kernels (the GPU tests compare them byte for byte)
+    for pipe in (False, True):
+        g = weights.Gemv(FakeCudaDevice(), "hfq4g256", M, K, 32, pipe=pipe, splits=3)
+        assert g._grid == ((2 if pipe else 3), 3)  # 19 tiles: 2 blocks of 16 or 3 of 8
+    # sm_80 opts in to 163 KiB: n12's 175.5 KiB ring does not fit, n9's does; sm_86: none
+    a100, ada = FakeCudaDevice("sm_80"), FakeCudaDevice("sm_86")
+    assert not weights.Gemv(a100, "hfq4g256", M, K, 32).pipe
+    assert weights.Gemv(a100, "hfq4g256", M, K, 24).pipe
+    assert weights.Gemv(a100, "hfq4g256", M, K, 32, warps=4).pipe  # 8 tiles per block fit
+    assert not weights.Gemv(ada, "hfq4g256", M, K, 9).pipe
+    too_big = (r"pipe=True: the pipelined GEMV needs 179712 bytes of shared memory per block, "
+               r"fake \(sm_80\) allows 166912; use fewer warps")
+    h200 = FakeCudaDevice()
+    for dev, kwargs, message in [
+        (a100, {"batch": 32, "pipe": True}, too_big),
+        (h200, {"batch": 8, "pipe": True}, r"pipe=True: the pipelined GEMV runs .* batch=8"),
+        (h200, {"batch": 32, "splits": 9}, r"splits=9: expected 1\.\.8 \(the pipelined"),
+        (h200, {"batch": 32, "pipe": False, "splits": 5}, r"splits=5: expected 1\.\.4 \(the st"),
+        (h200, {"batch": 8, "splits": 2}, r"splits=2: expected"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            weights.Gemv(dev, "hfq4g256", M, K, **kwargs)
+        assert _launches(dev) == []
+
+
+class _OptInDevice(FakeCudaDevice):
+    def __init__(self, arch):
+        super().__init__(arch)
+        self.properties.name = "NVIDIA H200" if arch == "sm_90" else "NVIDIA A100"
+
+    def make_current(self):
+        self.calls.append(("make_current",))
+
+    def call(self, name, *args):
+        self.calls.append((name, *args))
+
+
+def test_reserve_shared_opts_in_above_48_kib_and_names_the_device_limit():
+    from pagedkv.kernels.device import Kernel
+    h200 = _OptInDevice("sm_90")
+    k = Kernel(h200, "pkv_gemv_mma_pipe_hfq4g256_n12", 0x77, "p")
+    k.reserve_shared(40000)  # within the default 48 KiB: nothing to set
+    assert h200.calls == []
+    k.reserve_shared(179712)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+    assert h200.calls == [("make_current",), ("func_set_attribute", 0x77, 8, 179712)]
+    a100 = _OptInDevice("sm_80")
+    with pytest.raises(InvalidArgument, match=r"pkv_gemv_mma_pipe_hfq4g256_n12: 179712 bytes of "
+                                              r"shared memory per block, NVIDIA A100 \(sm_80\) "
+                                              r"allows at most 166912"):
+        Kernel(a100, "pkv_gemv_mma_pipe_hfq4g256_n12", 0x77, "p").reserve_shared(179712)
+    assert a100.calls == []
 
 
 class FakeHipDevice(FakeDevice):

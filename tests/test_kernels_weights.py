@@ -240,6 +240,13 @@ def test_gpu_tiled_gemv_matches_reference(device, fmt, batch):
     if not g.tensor_cores:
         pytest.skip("the tiled GEMV is the tensor-core kernel's (NVIDIA sm_80+)")
     _, raw = _weights(fmt, (M, K))
+    _check_wide_gemv(device, g, raw)
+
+
+def _check_wide_gemv(device, g, raw):
+    """``g`` (batch 9-32) on fresh x of mixed magnitudes against the float64 reference,
+    within 2e-5 sum |w||x| (x quantized to 2^-23 of its group's max |x|, exact int sums)."""
+    fmt, M, K, batch = g.fmt.name, g.M, g.K, g.batch
     x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
     y = poisoned(device, (batch, M), np.float32)
     g.run(g.upload(raw), device.array(x), y)
@@ -276,3 +283,71 @@ def test_gpu_staged_gemv_rows_agree_with_batch_1_calls(device, fmt, M):
             y1 = poisoned(device, (1, M), np.float32)
             one.run(w, device.array(x[b:b + 1]), y1)
             assert (np.abs(got[b] - y1.to_numpy()[0]) <= bound[b]).all(), (run, b)
+
+
+PIPE_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+
+
+def _pipe_or_skip(device, fmt, M, K, batch, splits):
+    try:
+        return weights.Gemv(device, fmt, M, K, batch, pipe=True, splits=splits)
+    except errors.InvalidArgument as e:  # not NVIDIA sm_80+, or the ring does not fit
+        pytest.skip(f"no pipelined GEMV here: {e}")
+
+
+def _wide_pair(device, fmt, M, K, batch, splits):
+    """The pipelined and the staged batch 9-32 GEMV at the same group splits, or a skip."""
+    return (_pipe_or_skip(device, fmt, M, K, batch, splits),
+            weights.Gemv(device, fmt, M, K, batch, pipe=False, splits=splits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch", [9, 16, 24, 32])
+@pytest.mark.parametrize(("M", "K"), PIPE_SHAPES)
+def test_gpu_pipelined_gemv_is_the_staged_kernel_bit_for_bit(device, fmt, batch, M, K):
+    """gemv_mma_pipe against gemv_mma_staged at the same splits (1 and 3: one block per row
+    block, and an uneven split of the groups): the same exact int32 sums and the same f32
+    operations in the same order per output (docs/kernels.md, "Pipelined tensor-core GEMV"),
+    so the same bytes; the pipelined kernel's own splits (up to 8) against the float64
+    reference. Fresh random inputs; each configuration runs twice (the arrival counters the
+    first launch resets serve the second)."""
+    _, raw = _weights(fmt, (M, K))
+    for splits in (1, 3):
+        pipe, staged = _wide_pair(device, fmt, M, K, batch, splits)
+        w_pipe, w_staged = pipe.upload(raw), staged.upload(raw)
+        for run in range(2):
+            x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1)))
+            xd = device.array(x.astype(np.float32))
+            y_pipe, y_staged = (poisoned(device, (batch, M), np.float32) for _ in range(2))
+            pipe.run(w_pipe, xd, y_pipe)
+            staged.run(w_staged, xd, y_staged)
+            got = y_pipe.to_numpy()
+            assert np.isfinite(got).all(), (splits, run)
+            assert got.tobytes() == y_staged.to_numpy().tobytes(), (splits, run)
+    g = weights.Gemv(device, fmt, M, K, batch)
+    assert g.pipe, repr(g)  # the default on this device
+    _check_wide_gemv(device, g, raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch", [17, 32])
+def test_gpu_pipelined_gemv_edges_and_a_nan_row(device, fmt, batch):
+    """M = 300 (19 tiles: the second block's last warp holds tile 18 and a clamped copy of it,
+    later warps idle), K = 17 groups over 8 splits (2-3 each, fewer than the ring's depth);
+    a NaN in one batch row's x poisons that row only, as in the staged kernel."""
+    M, K = 300, 4352
+    pipe = _pipe_or_skip(device, fmt, M, K, batch, 8)
+    _, raw = _weights(fmt, (M, K))
+    x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
+    x[5, 1000] = np.nan
+    y = poisoned(device, (batch, M), np.float32)
+    pipe.run(pipe.upload(raw), device.array(x), y)
+    got = y.to_numpy()
+    assert np.isnan(got[5]).all()
+    rest = np.delete(np.arange(batch), 5)
+    assert np.isfinite(got[rest]).all()
+    want = numpy_kernels.gemv(raw, fmt, M, K, x[rest], rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    bound = 2e-5 * _gemv_bound(raw, fmt, M, K, x[rest]) + 1e-7
+    assert (np.abs(got[rest] - want) <= bound).all()

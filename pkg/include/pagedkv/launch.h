@@ -96,6 +96,16 @@
 #ifndef PKV_GEMV_MMA_PREFETCH_TILES
 #define PKV_GEMV_MMA_PREFETCH_TILES 6
 #endif
+/* Pipelined tensor-core GEMV (batch 9-32, gemv_mma_pipe): groups in flight in its shared-
+ * memory ring (x, sums and weights copied STAGES - 1 groups ahead) and 16-row tiles per
+ * warp (each x fragment feeds that many mmas). Shared bytes per block grow with both
+ * (weights.pipe_shared_bytes: 175.5 KiB at n12, 8 warps, 3 stages, 2 tiles). */
+#ifndef PKV_GEMV_PIPE_STAGES
+#define PKV_GEMV_PIPE_STAGES 3
+#endif
+#ifndef PKV_GEMV_PIPE_TILES_PER_WARP
+#define PKV_GEMV_PIPE_TILES_PER_WARP 2
+#endif
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif

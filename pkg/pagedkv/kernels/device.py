@@ -103,6 +103,25 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, signature={self.signature!r})"
 
+    def reserve_shared(self, nbytes: int) -> None:
+        """Let launches of this kernel take ``nbytes`` of dynamic shared memory (CUDA:
+        ``cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)``, needed above 48 KiB). Raises
+        :class:`InvalidArgument` naming the device's opt-in limit when ``nbytes`` exceeds it;
+        HIP has no opt-in: there ``nbytes`` must fit the per-block limit as it is."""
+        props = self.device.properties
+        limit = max(props.max_shared_memory_per_block_optin_bytes,
+                    props.max_shared_memory_per_block_bytes)
+        if not 0 <= nbytes <= limit:
+            raise InvalidArgument(
+                f"{self.name}: {nbytes} bytes of shared memory per block, {props.name} "
+                f"({props.arch}) allows at most {limit}; pick a configuration that needs less "
+                f"(fewer pipeline stages or warps)")
+        if self.device.backend == "cuda" and nbytes > props.max_shared_memory_per_block_bytes:
+            from pagedkv.kernels.runtime import FUNC_MAX_DYNAMIC_SHARED_BYTES
+            self.device.make_current()
+            self.device.call("func_set_attribute", self.handle, FUNC_MAX_DYNAMIC_SHARED_BYTES,
+                             nbytes)
+
     def pack(self, args) -> tuple[list[ctypes._SimpleCData], ctypes.Array]:
         """ctypes values for ``args`` and the ``void*[]`` the launch takes (keep both alive)."""
         if len(args) != len(self.signature):

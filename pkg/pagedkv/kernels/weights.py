@@ -29,7 +29,7 @@ from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constan
 from pagedkv.quant.qtypes import qtype
 
 __all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "PreparedX",
-           "dequantize", "fwht256", "max_batch", "raw_nbytes"]
+           "dequantize", "fwht256", "max_batch", "pipe_shared_bytes", "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -42,15 +42,26 @@ GEMV_MMA_MAX_WARPS = launch_constant("PKV_GEMV_MMA_MAX_WARPS")
 GEMV_MMA_WARP_TARGET = 2048  # warps per launch it aims at (132 SMs x ~16), see _mma_warps
 GEMV_X_WORDS = launch_constant("PKV_GEMV_X_WORDS")  # prepared-x words per lane, group, n-tile
 GEMV_MMA_MAX_TILES = launch_constant("PKV_GEMV_MMA_MAX_TILES")  # n-tiles of the batch 1-8 kernel
-#: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 the staged kernel
-#: on NVIDIA (gemv_mma_staged, n6 up to 16 rows, n12 up to 32: each weight tile read once for
-#: all rows, x copied into shared memory once per block of 8 tiles), the tiled MFMA kernel on AMD.
+#: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 on NVIDIA the
+#: pipelined kernel (gemv_mma_pipe, n6/n9/n12) or the staged one (gemv_mma_staged, n6 up to 16
+#: rows, n12 up to 32: each weight tile read once for all rows, x copied into shared memory
+#: once per block of 8 tiles), the tiled MFMA kernel on AMD.
 GEMV_MMA_MAX_BATCH = 32
 #: Most group splits of the staged kernel: each split writes batch x M f32 partials (at
 #: batch 32 and 4 splits, 512 bytes per row against 2176 per row of a 4096-long 4-bit row).
 GEMV_STAGED_MAX_SPLITS = 4
+#: The pipelined batch 9-32 kernel (gemv_mma_pipe, NVIDIA; the default where its shared
+#: memory fits): groups in flight in its shared-memory ring and 16-row tiles per warp
+#: (pagedkv/launch.h), most group splits, its n-tiles (n9 for batch 17-24) and the switch
+#: that keeps the staged kernel instead (``PAGEDKV_GEMV_PIPE=0``, or ``Gemv(pipe=False)``).
+GEMV_PIPE_STAGES = launch_constant("PKV_GEMV_PIPE_STAGES")
+GEMV_PIPE_TILES_PER_WARP = launch_constant("PKV_GEMV_PIPE_TILES_PER_WARP")
+GEMV_PIPE_MAX_SPLITS = 8
+PIPE_ENV = "PAGEDKV_GEMV_PIPE"
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
+_PIPE_TILES = (6, 9, 12)
+_TILE_UNITS = GEMV_MMA_ROWS * 136 // 16  # a packed 4-bit tile-group in 16-byte units
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 
 
@@ -227,10 +238,18 @@ class Gemv:
     :meth:`run_prepared` each; the prepared x lives in this object's scratch."""
 
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
-                 warps: int | None = None) -> None:
+                 warps: int | None = None, pipe: bool | None = None,
+                 splits: int | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
-        1-8; ``None``: chosen from M, the fastest measured on the H200; the staged batch
-        9-32 kernel on NVIDIA: 8, one 16-row tile each). Ignored by the f32 kernel."""
+        1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
+        kernels on NVIDIA: 8). Ignored by the f32 kernel.
+
+        ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the pipelined kernel where its shared
+        memory fits the device (``PAGEDKV_GEMV_PIPE=0`` keeps the staged one), ``True``
+        requires it, ``False`` runs the staged kernel. ``splits``: group splits of those
+        kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
+        kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
+        "Pipelined tensor-core GEMV")."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -241,8 +260,32 @@ class Gemv:
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
+        tensor_cores = _uses_tensor_cores(device, f)
+        # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
+        wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
+                and device.backend == "cuda")
+        use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, True))
+        if pipe and not wide:
+            raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
+                                  f"{list(_MMA_KERNELS)} on NVIDIA sm_80+; this is batch={batch} "
+                                  f"of {f.name} on {getattr(device.properties, 'arch', '?')}")
+        if use_pipe:  # where the ring does not fit (sm_80 at n12, sm_86/89), the staged kernel
+            need = pipe_shared_bytes(_pipe_tiles(batch), warps or GEMV_MMA_MAX_WARPS)
+            limit = _optin_shared_bytes(device)
+            if pipe and need > limit:
+                raise InvalidArgument(
+                    f"pipe=True: the pipelined GEMV needs {need} bytes of shared memory per "
+                    f"block, {device.properties.name} ({device.properties.arch}) allows "
+                    f"{limit}; use fewer warps, or pipe=None")
+            use_pipe = need <= limit
+        most_splits = GEMV_PIPE_MAX_SPLITS if use_pipe else GEMV_STAGED_MAX_SPLITS
+        if splits is not None and (not wide or not 1 <= splits <= most_splits):
+            kind = "pipelined" if use_pipe else "staged"
+            raise InvalidArgument(f"splits={splits}: expected 1..{most_splits} (the {kind} "
+                                  f"batch 9-32 kernel on NVIDIA only)")
         self.device, self.M, self.K, self.batch = device, M, K, batch
-        self.tensor_cores = _uses_tensor_cores(device, f)
+        self.tensor_cores = tensor_cores
+        self.pipe = use_pipe
         self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
         # The x run_prepared reads (the f32 kernel), or the one last quantized into the
         # scratch (tensor cores); None before the first prepare().
@@ -251,7 +294,9 @@ class Gemv:
         if self.tensor_cores:
             groups = K // 256
             tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
-            if tiles > GEMV_MMA_MAX_TILES:  # the tiled kernel: whole chunks of 3 n-tiles
+            if use_pipe:
+                tiles = _pipe_tiles(batch)
+            elif tiles > GEMV_MMA_MAX_TILES:  # the tiled kernel: whole chunks of 3 n-tiles
                 tiles = next(n for n in _TILED_TILES if n >= tiles)
             self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
             self._xs = device.empty((groups * batch, 4), np.float32)
@@ -265,15 +310,23 @@ class Gemv:
             row_tiles = math.ceil(M / GEMV_MMA_ROWS)
             # the staged kernel's split-K scratch (none elsewhere), see _staged_splits
             self._split_args: tuple[DeviceArray, ...] = ()
-            if tiles > GEMV_MMA_MAX_TILES and device.backend == "cuda":
+            self._shared = 0  # dynamic shared bytes of the launch (the pipelined kernel's ring)
+            if wide:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
-                # x it copies to shared memory; blockIdx.y splits the groups
+                # x it copies to shared memory; gemv_mma_pipe: TILES_PER_WARP tiles each, x
+                # and weights copied STAGES - 1 groups ahead; blockIdx.y splits the groups
                 n_warps = warps or GEMV_MMA_MAX_WARPS
-                row_blocks = math.ceil(row_tiles / n_warps)
-                splits = _staged_splits(row_blocks, groups,
-                                        device.properties.multiprocessor_count)
-                self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_staged_{f.kernel}_n{tiles}",
-                                             "ppppppiii")
+                per_block = n_warps * (GEMV_PIPE_TILES_PER_WARP if use_pipe else 1)
+                row_blocks = math.ceil(row_tiles / per_block)
+                if splits is None:
+                    splits = _staged_splits(row_blocks, groups,
+                                            device.properties.multiprocessor_count, most_splits)
+                name = "pipe" if use_pipe else "staged"
+                self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{name}_{f.kernel}_n{tiles}",
+                                             "ppppppiii", dependent_launch=use_pipe)
+                if use_pipe:
+                    self._shared = pipe_shared_bytes(tiles, n_warps)
+                    self._kernel.reserve_shared(self._shared)
                 self._grid: tuple[int, ...] = (row_blocks, splits)
                 # partial[split][batch][M] and a zeroed arrival counter per row block (the
                 # last block of a row block resets it for the next launch)
@@ -300,6 +353,8 @@ class Gemv:
     def __repr__(self) -> str:
         cores = "matrix" if getattr(self.device, "backend", None) == "hip" else "tensor"
         kernel = f", int8 {cores} cores" if self.tensor_cores else ""
+        if self.tensor_cores and len(self._grid) == 2:  # the batch 9-32 kernels on NVIDIA
+            kernel += ", pipelined" if self.pipe else ", staged"
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
     @property
@@ -398,7 +453,7 @@ class Gemv:
             raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
         if self.tensor_cores:
             self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, *self._split_args,
-                         self.M, self.K, self.batch, stream=stream)
+                         self.M, self.K, self.batch, shared_bytes=self._shared, stream=stream)
         else:
             self._kernel(self._grid, self._block, arr, self._x, y, self.M, self.K, self.batch,
                          stream=stream)
@@ -443,15 +498,41 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
     return min(8, groups, 1 << (want - 1).bit_length())
 
 
-def _staged_splits(row_blocks: int, groups: int, sms: int) -> int:
-    """Group splits of the staged kernel (gridDim.y): the fewest, up to
-    GEMV_STAGED_MAX_SPLITS, that minimise waves x groups per block, at one block per SM
-    (255 registers x 256 threads fill an SM's register file). On 132 SMs: 4096x4096 (32
-    row blocks, 16 groups) 4; 6144x4096 (48) 2; 14336x4096 (112) 1; 28672x4096 (224) 4;
-    4096x14336 (56 groups) 4."""
+def _staged_splits(row_blocks: int, groups: int, sms: int,
+                   most: int = GEMV_STAGED_MAX_SPLITS) -> int:
+    """Group splits of the batch 9-32 kernels (gridDim.y): the fewest, up to ``most``
+    (GEMV_STAGED_MAX_SPLITS, GEMV_PIPE_MAX_SPLITS), that minimise waves x groups per block,
+    at one block per SM (255 registers x 256 threads fill an SM's register file). Staged (128
+    rows per block) on 132 SMs: 4096x4096 (32 row blocks, 16 groups) 4; 6144x4096 (48) 2;
+    14336x4096 (112) 1; 28672x4096 (224) 4; 4096x14336 (56 groups) 4. Pipelined (256 rows):
+    4096x4096 (16) 8; 6144x4096 (24) 4; 14336x4096 (56) 2; 4096x14336 (16) 8."""
     def cost(s: int) -> int:
         return math.ceil(row_blocks * s / sms) * math.ceil(groups / s)
-    return min(range(1, min(groups, GEMV_STAGED_MAX_SPLITS) + 1), key=lambda s: (cost(s), s))
+    return min(range(1, min(groups, most) + 1), key=lambda s: (cost(s), s))
+
+
+def _pipe_tiles(batch: int) -> int:
+    """n-tiles of the pipelined kernel: 3 byte-plane columns per batch row in whole chunks of
+    3 n-tiles (n6 up to 16 rows, n9 up to 24, n12 up to 32)."""
+    return next(n for n in _PIPE_TILES if 8 * n >= 3 * batch)
+
+
+def pipe_shared_bytes(tiles: int, warps: int) -> int:
+    """Dynamic shared bytes per block of the pipelined kernel (gemv_mma_pipe's PipeStage):
+    GEMV_PIPE_STAGES stages of [tiles x 128 units of x][8 tiles / 3 units of (step, sums)]
+    [warps x GEMV_PIPE_TILES_PER_WARP tile-groups of 136 units], 16 bytes a unit, or the
+    end's reduction ([block rows][8 tiles] f32) where that is more. 142,080 / 160,896 /
+    179,712 bytes at n6 / n9 / n12, 8 warps, 3 stages, 2 tiles per warp."""
+    block_tiles = warps * GEMV_PIPE_TILES_PER_WARP
+    stage = tiles * 128 + 8 * tiles // 3 + block_tiles * _TILE_UNITS
+    return max(16 * GEMV_PIPE_STAGES * stage, 4 * block_tiles * GEMV_MMA_ROWS * 8 * tiles)
+
+
+def _optin_shared_bytes(device: Device) -> int:
+    """Shared bytes per block a kernel may opt in to on ``device`` (0 where unknown)."""
+    props = device.properties
+    return max(getattr(props, "max_shared_memory_per_block_optin_bytes", 0),
+               getattr(props, "max_shared_memory_per_block_bytes", 0))
 
 
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
