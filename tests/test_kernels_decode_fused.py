@@ -110,10 +110,10 @@ def test_rope_write_fusable_pools(stub_device):
         p.close()
 
 
-@pytest.mark.parametrize("kv_dtype,saved_per_layer", [("float16", 4), ("q8", 5)])
+@pytest.mark.parametrize("kv_dtype,saved_per_layer", [("float16", 5), ("q8", 6)])
 def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_dtype,
                                    saved_per_layer):
-    """Per layer the fused step drops the QKV, gate/up and down preps and the KV write(s)
+    """Per layer the fused step drops the QKV, O, gate/up and down preps and the KV write(s)
     (q8: K and V apart); the final norm's prep goes too."""
     monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
     dev = stub_device
@@ -126,7 +126,8 @@ def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_d
         step.run(tables)
         launches[fuse] = stub_recorder.count - count
         assert step.fused == (("norm+prep:qkv", "norm+prep:gate_up", "norm+prep:lm_head",
-                               "silu+prep:down", "rope+kv_write") if fuse else ())
+                               "attn+prep:o", "silu+prep:down", "rope+kv_write")
+                              if fuse else ())
     assert launches[False] - launches[True] == SMALL.num_layers * saved_per_layer + 1
     monkeypatch.setenv("PAGEDKV_DECODE_FUSE", "0")
     assert DecoderStep(dev, weights, pool, 3, 64).fused == ()

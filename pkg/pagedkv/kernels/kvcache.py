@@ -11,6 +11,7 @@ the device: :func:`check_decode_batch` checks host tables before upload.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from pagedkv.kernels.launch_constants import (
     launch_constant,
 )
 from pagedkv.quant import kv_q8
+
+if TYPE_CHECKING:
+    from pagedkv.kernels.weights import PreparedX
 
 __all__ = [
     "KV_DTYPES",
@@ -45,6 +49,8 @@ SOURCE = "kvcache"
 ATTN_PARTITION_TOKENS = {dt: attn_partition_tokens(dt) for dt in KV_SUFFIX}
 ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
 ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
+#: Threads per block of the fused reduce + prep (any multiple of 64: it indexes 32-lane warps).
+REDUCE_PREP_THREADS = 256
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
 #: mode on K) with a q8, lloyd or fwht V (pagedkv's extension, docs/kv-quant.md "Modes").
@@ -404,6 +410,10 @@ class PagedAttention:
         self._reduce = device.kernel(
             SOURCE, f"pkv_paged_attention_reduce_ifwht{v_rot}" if v_rot
             else "pkv_paged_attention_reduce", "pppppiiii")
+        #: Whether :meth:`run_prep` takes this geometry: the plain reduce's combine (a rotated
+        #: V's reduce rotates each head back through shared memory first: not fused) over
+        #: rows of whole 256-groups (``num_heads * head_dim % 256 == 0``).
+        self.prep_fusable = not self._rotated_out and num_heads * head_dim % 256 == 0
 
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
@@ -417,10 +427,13 @@ class PagedAttention:
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
-        """Validate a launch's arguments; returns the partition kernel to run."""
+        """Validate a launch's arguments (``out`` may be None: :meth:`run_prep`); returns the
+        partition kernel to run."""
         partition = self._partition
         s, h, d = self.num_seqs, self.num_heads, self.head_dim
         for name, arr in (("q", q), ("out", out)):
+            if arr is None and name == "out":
+                continue
             _need(arr, name, np.float32, 3)
             if arr.shape != (s, h, d):
                 raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
@@ -447,17 +460,51 @@ class PagedAttention:
             block_tables: DeviceArray, seq_lens: DeviceArray, out: DeviceArray,
             *, stream: Stream | None = None) -> None:
         partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
-        partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
-                        q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
-                        self.part_max, self.part_sum, self.scale, self.num_heads,
-                        self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
-                        self.max_partitions, self.partition_tokens,
-                        shared_bytes=self.shared_bytes, stream=stream)
+        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
         self._reduce((self.num_heads, self.num_seqs),
                      (self._reduce_threads,),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
+
+    def run_prep(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
+                 block_tables: DeviceArray, seq_lens: DeviceArray, prepared: PreparedX,
+                 out: DeviceArray | None = None, *, stream: Stream | None = None) -> None:
+        """:meth:`run` whose reduce also writes its output, as ``float32[seqs, heads *
+        head_dim]`` rows, into ``prepared`` (``Gemv.prepared_x()`` of a tensor-core GEMV of
+        batch ``num_seqs`` and ``K = num_heads * head_dim``: the O projection's), one launch
+        instead of the reduce and ``Gemv.prepare``: the bytes ``gemv.prepare(out)`` writes
+        after :meth:`run` (``pkv_attention_reduce_prep_f32``, hip/decode.hip; the reduce's
+        arithmetic is hip/attention_reduce.h, shared). Then ``gemv.run_prepared(w, y)`` on
+        the same stream. ``out`` may be ``None`` (not written). Geometries:
+        :attr:`prep_fusable` (``InvalidArgument`` otherwise, nothing launched)."""
+        from pagedkv.kernels.decode import _check_prepared
+        if not self.prep_fusable:
+            raise InvalidArgument(
+                f"{self!r}: no fused reduce + prep here (a rotated V's reduce, or num_heads * "
+                f"head_dim {self.num_heads * self.head_dim} not a multiple of 256); call "
+                f"run(...) then Gemv.prepare(out)")
+        partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
+        _check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
+        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
+        kernel = self.device.kernel("decode", "pkv_attention_reduce_prep_f32", "pppppppiiiiiii",
+                                    dependent_launch=True)
+        # a 32-lane warp per (256-group, seq), 8 per block (AMD: two per wavefront)
+        warps = self.num_heads * self.head_dim // 256 * self.num_seqs
+        kernel((math.ceil(warps / (REDUCE_PREP_THREADS // 32)),), (REDUCE_PREP_THREADS,),
+               self.part_out, self.part_max, self.part_sum, seq_lens,
+               0 if out is None else out, prepared.xq, prepared.xs, self.num_seqs,
+               self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
+               prepared.tiles, int(prepared.rotate), stream=stream)
+
+    def _partitions(self, partition, q, k_pool, v_pool, block_tables, seq_lens, stream) -> None:
+        """Launch the partition kernel (``_check``'s choice) into the partition workspace."""
+        partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
+                  q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
+                  self.part_max, self.part_sum, self.scale, self.num_heads,
+                  self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
+                  self.max_partitions, self.partition_tokens,
+                  shared_bytes=self.shared_bytes, stream=stream)
 
     def run_pool(self, q: DeviceArray, pool, layer: int, tables, out: DeviceArray, *,
                  generation: int | None = None, stream=None) -> None:

@@ -13,6 +13,7 @@ decode batches"): block ids survive growth, the arrays the kernels would read do
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,8 +29,12 @@ from pagedkv.kernels.kvcache import (
     kv_rotated_write,
 )
 
-__all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks",
-           "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable", "write_kv"]
+if TYPE_CHECKING:
+    from pagedkv.kernels.weights import PreparedX
+
+__all__ = ["DeviceDecodeBatch", "attention", "attention_prep", "check_tables",
+           "copy_pool_blocks", "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable",
+           "write_kv"]
 
 KV_WRITE_THREADS = 256
 
@@ -193,17 +198,35 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
            float(theta), stream=stream)
 
 
-def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
-              tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
-              stream: StreamLike = None) -> None:
-    """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
+def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecodeBatch,
+                     generation: int | None):
+    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool."""
     check_tables(pool, tables, generation)
     g = pool.geometry
     if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
             g.dtype, g.num_kv_heads, g.head_dim, g.block_size):
         raise InvalidArgument(f"attn: {attn!r} was built for another pool geometry than {g!r}")
-    k_pool, v_pool = pool.layer(layer)
+    return pool.layer(layer)
+
+
+def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
+              tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
+              stream: StreamLike = None) -> None:
+    """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
     attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, out, stream=stream)
+
+
+def attention_prep(attn: PagedAttention, q: DeviceArray, pool, layer: int,
+                   tables: DeviceDecodeBatch, prepared: PreparedX,
+                   out: DeviceArray | None = None, *, generation: int | None = None,
+                   stream: StreamLike = None) -> None:
+    """:func:`attention` whose reduce writes the next GEMV's prepared x
+    (``attn.run_prep``: ``prepared = gemv.prepared_x()`` of the O projection, then
+    ``gemv.run_prepared``); ``out`` may be ``None``. Geometries: ``attn.prep_fusable``."""
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
+    attn.run_prep(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, prepared, out,
+                  stream=stream)
 
 
 def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: DeviceArray,
