@@ -11,24 +11,21 @@ the device: :func:`check_decode_batch` checks host tables before upload.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, Device, Stream
-from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
     attn_min_blocks,
     attn_partition_tokens,
     launch_constant,
 )
+from pagedkv.kernels.weights import PreparedX, check_prepared
 from pagedkv.quant import kv_q8
-
-if TYPE_CHECKING:
-    from pagedkv.kernels.weights import PreparedX
 
 __all__ = [
     "KV_DTYPES",
@@ -121,15 +118,6 @@ def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size
     return 4 * max(ATTN_PARTITION_TOKENS[kv_dtype] * gmax, n_warps * gmax * head_dim)
 
 
-def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
-    if not isinstance(arr, DeviceArray):
-        raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
-    if arr.dtype != np.dtype(dtype):
-        raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
-    if ndim is not None and arr.ndim != ndim:
-        raise InvalidArgument(f"{name}: shape {arr.shape} has {arr.ndim} dims, expected {ndim}")
-
-
 def kv_dtype_of(pool: DeviceArray) -> str:
     """The pool dtype name from its array dtype: float16, bfloat16 (uint16 bits), q8 (uint8)."""
     names = {np.dtype(np.float16): "float16", np.dtype(np.uint16): "bfloat16",
@@ -150,8 +138,8 @@ def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
-    _need(slots, "slots", np.int64, 1)
-    _need(pool, "pool", np.uint8)
+    need_array(slots, "slots", np.int64, 1)
+    need_array(pool, "pool", np.uint8)
     n, kvh, hd = rows.shape
     if mode == "q8":
         if hd % kv_q8.BLOCK_VALUES:
@@ -434,7 +422,7 @@ class PagedAttention:
         for name, arr in (("q", q), ("out", out)):
             if arr is None and name == "out":
                 continue
-            _need(arr, name, np.float32, 3)
+            need_array(arr, name, np.float32, 3)
             if arr.shape != (s, h, d):
                 raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
         storage = "q8" if self.kv_dtype in QUANT_KV_DTYPES else self.kv_dtype  # uint8 records
@@ -449,8 +437,8 @@ class PagedAttention:
                     raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte "
                                           f"aligned pool, this one starts at {pool.ptr:#x}")
                 partition = self._unstaged
-        _need(block_tables, "block_tables", np.int32, 2)
-        _need(seq_lens, "seq_lens", np.int32, 1)
+        need_array(block_tables, "block_tables", np.int32, 2)
+        need_array(seq_lens, "seq_lens", np.int32, 1)
         if block_tables.shape[0] != s or seq_lens.shape[0] != s:
             raise InvalidArgument(f"block_tables/seq_lens: {block_tables.shape[0]}/"
                                   f"{seq_lens.shape[0]} rows, expected {s}")
@@ -478,14 +466,13 @@ class PagedAttention:
         arithmetic is hip/attention_reduce.h, shared). Then ``gemv.run_prepared(w, y)`` on
         the same stream. ``out`` may be ``None`` (not written). Geometries:
         :attr:`prep_fusable` (``InvalidArgument`` otherwise, nothing launched)."""
-        from pagedkv.kernels.decode import _check_prepared
         if not self.prep_fusable:
             raise InvalidArgument(
                 f"{self!r}: no fused reduce + prep here (a rotated V's reduce, or num_heads * "
                 f"head_dim {self.num_heads * self.head_dim} not a multiple of 256); call "
                 f"run(...) then Gemv.prepare(out)")
         partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
-        _check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
+        check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
         self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
         kernel = self.device.kernel("decode", "pkv_attention_reduce_prep_f32", "pppppppiiiiiii",
                                     dependent_launch=True)
@@ -520,8 +507,8 @@ def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids:
     """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` (axis 0 is the
     block; both arrays have the same bytes per block): pool growth, cold capture (pool →
     staging) and restore (staging → pool)."""
-    _need(src_ids, "src_ids", np.int32, 1)
-    _need(dst_ids, "dst_ids", np.int32, 1)
+    need_array(src_ids, "src_ids", np.int32, 1)
+    need_array(dst_ids, "dst_ids", np.int32, 1)
     if src_ids.shape != dst_ids.shape:
         raise InvalidArgument(f"src_ids/dst_ids: lengths {src_ids.shape[0]} and "
                               f"{dst_ids.shape[0]} differ")

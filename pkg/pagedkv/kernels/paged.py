@@ -13,24 +13,20 @@ decode batches"): block ids survive growth, the arrays the kernels would read do
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
 from pagedkv.kernels.device import Device, StreamLike
-from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.kvcache import (
     PagedAttention,
-    _need,
     copy_blocks,
     kv_q8_read,
     kv_q8_write,
     kv_rotated_write,
 )
-
-if TYPE_CHECKING:
-    from pagedkv.kernels.weights import PreparedX
+from pagedkv.kernels.weights import PreparedX
 
 __all__ = ["DeviceDecodeBatch", "attention", "attention_prep", "check_tables",
            "copy_pool_blocks", "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable",
@@ -148,8 +144,8 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
     if g.dtype not in ("float16", "bfloat16"):
         raise InvalidArgument(f"pool dtype {g.dtype}: the KV write kernels take float16, "
                               f"bfloat16 and q8 pools")
-    _need(k, "k", np.float32)
-    _need(v, "v", np.float32)
+    need_array(k, "k", np.float32)
+    need_array(v, "v", np.float32)
     suffix = "f16" if g.dtype == "float16" else "bf16"
     kernel = pool.device.kernel("decode", f"pkv_kv_write_{suffix}", "pppppii",
                                 dependent_launch=True)
@@ -183,10 +179,10 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
         raise InvalidArgument(f"pool: {g.dtype} (head_dim {g.head_dim}) has no fused RoPE + KV "
                               f"write; use decode.qkv_rope_split then write_kv")
     rows, heads = tables.num_seqs, q_heads + 2 * g.num_kv_heads
-    _need(qkv, "qkv", np.float32)
+    need_array(qkv, "qkv", np.float32)
     if qkv.shape != (rows, heads * g.head_dim):
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected {(rows, heads * g.head_dim)}")
-    _need(q, "q", np.float32)
+    need_array(q, "q", np.float32)
     if q.shape != (rows, q_heads, g.head_dim):
         raise InvalidArgument(f"q: shape {q.shape}, expected {(rows, q_heads, g.head_dim)}")
     k_pool, v_pool = pool.layer(layer)
