@@ -9,6 +9,7 @@
 #include <pagedkv/kvquant.h>
 #include <pagedkv/launch.h>
 #include <pagedkv/quant.h>
+#include "attention_reduce.h"
 #include "gemv_prep_x.h"
 
 // Sum over the block (PKV_NORM_THREADS threads); every thread gets the total.
@@ -247,6 +248,44 @@ PKV_KERNEL void pkv_silu_mul_prep_f32(const float* gu, float* out, uint32_t* xq,
     dst[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
   gemv_prep_x_warp(v, lane, g, row, xq, xs, rows, n_tiles, rotate != 0);
+}
+
+// Paged attention's partition reduce (pkv_paged_attention_reduce, hip/kvcache.hip) written
+// as the prepared x of the O projection's tensor-core GEMV (xq, xs, n_tiles, rotate as in
+// pkv_add_rmsnorm_prep_f32); `out` ([num_seqs, num_heads, head_dim], the reduce's output)
+// too unless null. x row seq is out[seq] flattened: K = num_heads * head_dim, a multiple of
+// 256, so a 256-group spans 256 / head_dim heads (head_dim <= 256 divides 256). One 32-lane
+// warp per (256-group, seq), like pkv_gemv_prep_x: lane L combines x[8L, 8L + 8) of the
+// group, 8 dims of one head (head_dim % 8 == 0), with hip/attention_reduce.h's arithmetic
+// (each lane reads its head's partition maxima and sums itself), so its values are the
+// reduce's bit for bit, then writes them through gemv_prep_x_warp. The partition geometry
+// (max_partitions, partition_tokens) is the partition launch's.
+PKV_KERNEL void pkv_attention_reduce_prep_f32(const float* part_out, const float* part_max,
+                                              const float* part_sum, const int32_t* seq_lens,
+                                              float* out, uint32_t* xq, float4* xs,
+                                              int num_seqs, int num_heads, int head_dim,
+                                              int max_partitions, int partition_tokens,
+                                              int n_tiles, int rotate) {
+  pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
+  pkv_launch_dependents();
+  const int lane = threadIdx.x % 32;
+  const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int groups = num_heads * head_dim / 256;
+  if (wid >= (int64_t)groups * num_seqs) return;  // whole warps leave together
+  const int g = (int)(wid % groups), seq = (int)(wid / groups);
+  const int e0 = g * 256 + 8 * lane;  // this lane's first value of x[seq]
+  const int h = e0 / head_dim, d0 = e0 - h * head_dim;
+  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
+  const AttnCombine c =
+      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
+  float v[8];
+  attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d0, head_dim, v);
+  if (out) {
+    float4* dst = (float4*)(out + (int64_t)seq * num_heads * head_dim + e0);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  gemv_prep_x_warp(v, lane, g, seq, xq, xs, num_seqs, n_tiles, rotate != 0);
 }
 
 // This step's K and V rows ([n_tokens, kv_heads, head_dim] f32) into f16 (BF16 = 0) or

@@ -10,6 +10,7 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
+#include "attention_reduce.h"
 #include "mma_s8.h"
 #include <pagedkv/kvquant.h>
 #include <pagedkv/launch.h>
@@ -2436,17 +2437,12 @@ PKV_DEV void paged_attention_reduce_unrotate(const float* part_out, const float*
                                              int max_partitions, int partition_tokens) {
   __shared__ float buf[256];
   const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const int n_parts = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
   const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
-  float m = -INFINITY;
-  for (int p = 0; p < n_parts; ++p) m = fmaxf(m, part_max[hp + p]);
-  float denom = 0.0f;
-  for (int p = 0; p < n_parts; ++p) denom += expf(part_max[hp + p] - m) * part_sum[hp + p];
-  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-  float s = 0.0f;
-  for (int p = 0; p < n_parts; ++p)
-    s += expf(part_max[hp + p] - m) * part_out[(hp + p) * head_dim + d];
-  buf[d] = s * inv;
+  const AttnCombine c =
+      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
+  float v[1];
+  attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d, head_dim, v);
+  buf[d] = v[0];
   __syncthreads();
   rotate_shared<ROT>(buf, head_dim, true);
   out[((int64_t)seq * num_heads + h) * head_dim + d] = buf[d];
@@ -2470,25 +2466,21 @@ PKV_KERNEL void pkv_paged_attention_reduce_ifwht128(const float* part_out, const
                                        head_dim, max_partitions, partition_tokens);
 }
 
-// Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
-// An empty sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.
+// Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p
+// (hip/attention_reduce.h, the arithmetic the decode step's fused reduce shares). An empty
+// sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.
 PKV_KERNEL void pkv_paged_attention_reduce(const float* part_out, const float* part_max,
                                            const float* part_sum, const int32_t* seq_lens,
                                            float* out, int num_heads, int head_dim,
                                            int max_partitions, int partition_tokens) {
   const int h = blockIdx.x, seq = blockIdx.y;
-  const int n_parts = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
   const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
-  float m = -INFINITY;
-  for (int p = 0; p < n_parts; ++p) m = fmaxf(m, part_max[hp + p]);
-  float denom = 0.0f;
-  for (int p = 0; p < n_parts; ++p) denom += expf(part_max[hp + p] - m) * part_sum[hp + p];
-  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  const AttnCombine c =
+      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float s = 0.0f;
-    for (int p = 0; p < n_parts; ++p)
-      s += expf(part_max[hp + p] - m) * part_out[(hp + p) * head_dim + d];
-    out[((int64_t)seq * num_heads + h) * head_dim + d] = s * inv;
+    float v[1];
+    attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d, head_dim, v);
+    out[((int64_t)seq * num_heads + h) * head_dim + d] = v[0];
   }
 }
 

@@ -483,9 +483,93 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
 
 def combine_partitions(parts, g):
     """The reduce kernel's combination of partitions for query head slot ``g``: each part is
-    ``(pmax, psum, wsum)`` of one partition (float32), weighted by ``exp(pmax - max)``."""
-    m = max(float(p[0][g]) for p in parts)
-    wts = [np.float32(np.exp(np.float32(p[0][g] - m))) for p in parts]
-    denom = sum(w * p[1][g] for w, p in zip(wts, parts, strict=True))
-    acc = sum(w * p[2][g] for w, p in zip(wts, parts, strict=True))
-    return acc / denom
+    ``(pmax, psum, wsum)`` of one partition (float32), weighted by ``exp(pmax - max)``
+    (:func:`combine_head`)."""
+    return combine_head(np.array([p[0][g] for p in parts], np.float32),
+                        np.array([p[1][g] for p in parts], np.float32),
+                        np.stack([np.asarray(p[2][g], np.float32) for p in parts]))
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    """fmaf: a * b + c rounded once to float32. The float32 product is exact in float64;
+    the sum is rounded to odd there (TwoSum's error picks the odd neighbour), which then
+    rounds to float32 as the exact value would (53 >= 24 + 2 bits)."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    prod = a * b
+    s = prod + c
+    bb = s - prod
+    err = (prod - (s - bb)) + (c - bb)
+    even = (s.view(np.uint64) & np.uint64(1)) == 0
+    s = np.where((err != 0) & even & np.isfinite(s),
+                 np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def combine_head(pmax: np.ndarray, psum: np.ndarray, pout: np.ndarray) -> np.ndarray:
+    """hip/attention_reduce.h for one (seq, head), in its order: ``M = max_p m_p``, the
+    denominator an fmaf chain over the partitions, ``inv = 1 / denom`` (0 when not > 0),
+    each output an fmaf chain times inv. ``pmax``, ``psum`` float32[n_parts], ``pout``
+    float32[n_parts, dims] -> float32[dims] (zeros for no partition). ``expf`` is NumPy's
+    float32 exp (the device's may differ from it in the last bit)."""
+    m = np.float32(-np.inf)
+    for pm in pmax:
+        m = np.fmax(m, pm)  # fmaxf
+    w = [np.exp(np.float32(pm - m)) for pm in pmax]
+    denom = np.float32(0.0)
+    for wp, ps in zip(w, psum, strict=True):
+        denom = fma_f32(wp, ps, denom)
+    inv = np.float32(1.0) / denom if denom > 0 else np.float32(0.0)
+    acc = np.zeros(pout.shape[1:], np.float32)
+    for wp, po in zip(w, pout, strict=True):
+        acc = fma_f32(wp, po, acc)
+    return (acc * inv).astype(np.float32)
+
+
+def attention_reduce(part_out, part_max, part_sum, seq_lens, partition_tokens):
+    """pkv_paged_attention_reduce on the partition workspace (``part_max``, ``part_sum``
+    float32[seqs, heads, max_partitions], ``part_out`` [..., head_dim]): float32[seqs,
+    heads, head_dim]. Partitions past a sequence's ``ceil(seq_len / partition_tokens)``
+    are never read."""
+    seqs, heads, _, head_dim = part_out.shape
+    out = np.zeros((seqs, heads, head_dim), np.float32)
+    for seq in range(seqs):
+        n = -(-int(seq_lens[seq]) // partition_tokens)
+        for h in range(heads):
+            out[seq, h] = combine_head(part_max[seq, h, :n], part_sum[seq, h, :n],
+                                       part_out[seq, h, :n])
+    return out
+
+
+def attention_reduce_prep(part_out, part_max, part_sum, seq_lens, partition_tokens, n_tiles,
+                          rotate, threads=256):
+    """pkv_attention_reduce_prep_f32 (hip/decode.hip) lane by lane, its index expressions
+    copied from the kernel text: per 32-lane warp of the grid (``threads`` per block) the
+    lanes' 8 combined values, then gemv_prep_x_warp. Returns ``(out, xq, xs)``: the
+    float32[seqs, heads, head_dim] it writes and the prepared x."""
+    from test_gemv_mma_simulated import X_WORDS, prep_x_warp
+    num_seqs, num_heads, max_partitions, head_dim = part_out.shape
+    pmax_flat, psum_flat = part_max.reshape(-1), part_sum.reshape(-1)
+    pout_flat = part_out.reshape(-1)
+    groups = num_heads * head_dim // 256
+    xq = np.zeros(groups * n_tiles * 32 * X_WORDS, np.uint32)
+    xs = np.zeros((groups * num_seqs, 4), np.float32)
+    out = np.full(num_seqs * num_heads * head_dim, np.nan, np.float32)
+    warps = groups * num_seqs
+    for wid in range(-(-warps // (threads // 32)) * (threads // 32)):  # the launch's grid
+        if wid >= groups * num_seqs:
+            continue  # whole warps leave together
+        g, seq = wid % groups, wid // groups
+        v = np.zeros((32, 8), np.float32)
+        for lane in range(32):
+            e0 = g * 256 + 8 * lane
+            h = e0 // head_dim
+            d0 = e0 - h * head_dim
+            hp = (seq * num_heads + h) * max_partitions
+            n = -(-int(seq_lens[seq]) // partition_tokens)
+            pout = np.stack([pout_flat[hp * head_dim + d0 + p * head_dim:][:8]
+                             for p in range(n)]) if n else np.zeros((0, 8), np.float32)
+            v[lane] = combine_head(pmax_flat[hp:hp + n], psum_flat[hp:hp + n], pout)
+            at = seq * num_heads * head_dim + e0
+            out[at:at + 8] = v[lane]
+        prep_x_warp(v, g, seq, xq, xs, num_seqs, n_tiles, rotate)
+    return out.reshape(num_seqs, num_heads, head_dim), xq, xs

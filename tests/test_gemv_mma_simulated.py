@@ -66,35 +66,43 @@ def prep_x(x: np.ndarray, K: int, n_tiles: int, rotate: bool):
     groups = K // 256
     xq = np.zeros(groups * n_tiles * 32 * X_WORDS, np.uint32)
     xs = np.zeros((groups * batch, 4), np.float32)
-    xr = quant.fwht256(x.reshape(-1, 256)).reshape(x.shape) if rotate else x
     for b in range(batch):
         for g in range(groups):
-            v = xr[b, 256 * g:256 * g + 256].astype(np.float32).reshape(32, 8)  # lane, i
-            amax = np.abs(v).max()
-            _, e = np.frexp(amax)
-            e = max(int(e), -104)
-            inv_step = np.float32(2.0 ** (22 - e))
-            q = np.rint(v * inv_step).astype(np.int64)  # __float2int_rn: half to even
-            p0 = (q & 0xFF).astype(np.int8).astype(np.int64)
-            r1 = (q - p0) >> 8
-            p1 = (r1 & 0xFF).astype(np.int8).astype(np.int64)
-            p2 = (r1 - p1) >> 8
-            assert (p2 == p2.astype(np.int8)).all()  # three planes are enough: |q| <= 2^22
-            lane = np.arange(32)
-            t, m = (lane // 2) % 4, 2 * (lane // 8) + lane % 2
-            for p, plane in enumerate((p0, p1, p2)):
-                col = 3 * b + p
-                tile, n = col // 8, col % 8
-                words = np.zeros((32, 2), np.uint32)
-                for i in range(8):
-                    words[:, i % 2] |= (plane[:, i] & 0xFF).astype(np.uint32) << (8 * (i // 2))
-                at = (((g * n_tiles + tile) * 32 + 4 * n + t) * X_WORDS + 2 * m)
-                xq[at] = words[:, 0]
-                xq[at + 1] = words[:, 1]
-            halves = v.reshape(2, 128).sum(axis=1, dtype=np.float32)
-            xs[g * batch + b] = (np.float32(2.0 ** (e - 22)), halves[0], halves[1],
-                                 halves[0] + halves[1])
+            v = x[b, 256 * g:256 * g + 256].astype(np.float32).reshape(32, 8)  # lane, i
+            prep_x_warp(v, g, b, xq, xs, batch, n_tiles, rotate)
     return xq, xs
+
+
+def prep_x_warp(v: np.ndarray, g: int, b: int, xq: np.ndarray, xs: np.ndarray, batch: int,
+                n_tiles: int, rotate: bool) -> None:
+    """gemv_prep_x_warp (hip/gemv_prep_x.h) of one warp: lane L's 8 values ``v[L]``
+    (float32[32, 8], x[8L, 8L + 8) of group g of row b) into xq and xs."""
+    if rotate:
+        v = quant.fwht256(v.reshape(1, 256)).reshape(32, 8).astype(np.float32)
+    amax = np.abs(v).max()
+    _, e = np.frexp(amax)
+    e = max(int(e), -104)
+    inv_step = np.float32(2.0 ** (22 - e))
+    q = np.rint(v * inv_step).astype(np.int64)  # __float2int_rn: half to even
+    p0 = (q & 0xFF).astype(np.int8).astype(np.int64)
+    r1 = (q - p0) >> 8
+    p1 = (r1 & 0xFF).astype(np.int8).astype(np.int64)
+    p2 = (r1 - p1) >> 8
+    assert (p2 == p2.astype(np.int8)).all()  # three planes are enough: |q| <= 2^22
+    lane = np.arange(32)
+    t, m = (lane // 2) % 4, 2 * (lane // 8) + lane % 2
+    for p, plane in enumerate((p0, p1, p2)):
+        col = 3 * b + p
+        tile, n = col // 8, col % 8
+        words = np.zeros((32, 2), np.uint32)
+        for i in range(8):
+            words[:, i % 2] |= (plane[:, i] & 0xFF).astype(np.uint32) << (8 * (i // 2))
+        at = (((g * n_tiles + tile) * 32 + 4 * n + t) * X_WORDS + 2 * m)
+        xq[at] = words[:, 0]
+        xq[at + 1] = words[:, 1]
+    halves = v.reshape(2, 128).sum(axis=1, dtype=np.float32)
+    xs[g * batch + b] = (np.float32(2.0 ** (e - 22)), halves[0], halves[1],
+                         halves[0] + halves[1])
 
 
 def _header_affine(hdr: np.ndarray, v2: bool, half: int):

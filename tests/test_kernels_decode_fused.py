@@ -1,14 +1,16 @@
-"""The decode step's fused launches (hip/decode.hip): RMSNorm and SiLU·up writing the next
-tensor-core GEMV's prepared x, RoPE writing this token's K/V straight into the pool.
+"""The decode step's fused launches (hip/decode.hip): RMSNorm, SiLU·up and attention's
+partition reduce writing the next tensor-core GEMV's prepared x, RoPE writing this token's
+K/V straight into the pool.
 
 Each fused kernel must leave exactly the bytes of the launches it replaces: GPU tests run
-both on the same inputs and compare byte for byte (the prepared-x planes and sums, q, and
-every byte of the pool's layer), then whole steps fused and unfused against the float64
-step. CPU tests (HIP stub) pin the launchers' checks (nothing launched after an error) and
+both on the same inputs and compare byte for byte (the prepared-x planes and sums, q, the
+attention output, and every byte of the pool's layer), then whole steps fused and unfused
+against each other (byte for byte) and against the float64 step. CPU tests (HIP stub) pin the launchers' checks (nothing launched after an error) and
 the launches a step saves."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 
 from kernels_support import poisoned
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels import decode
+from pagedkv.kernels import decode, kvcache
 from pagedkv.kernels.decoder import LLAMA3_8B, DecoderHostWeights, DecoderStep, DecoderWeights
 from pagedkv.kernels.paged import DeviceDecodeBatch, qkv_rope_write_kv, rope_write_fusable
 from pagedkv.kernels.weights import Gemv, PreparedX
@@ -110,10 +112,10 @@ def test_rope_write_fusable_pools(stub_device):
         p.close()
 
 
-@pytest.mark.parametrize("kv_dtype,saved_per_layer", [("float16", 4), ("q8", 5)])
+@pytest.mark.parametrize("kv_dtype,saved_per_layer", [("float16", 5), ("q8", 6)])
 def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_dtype,
                                    saved_per_layer):
-    """Per layer the fused step drops the QKV, gate/up and down preps and the KV write(s)
+    """Per layer the fused step drops the QKV, O, gate/up and down preps and the KV write(s)
     (q8: K and V apart); the final norm's prep goes too."""
     monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
     dev = stub_device
@@ -126,7 +128,8 @@ def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_d
         step.run(tables)
         launches[fuse] = stub_recorder.count - count
         assert step.fused == (("norm+prep:qkv", "norm+prep:gate_up", "norm+prep:lm_head",
-                               "silu+prep:down", "rope+kv_write") if fuse else ())
+                               "attn+prep:o", "silu+prep:down", "rope+kv_write")
+                              if fuse else ())
     assert launches[False] - launches[True] == SMALL.num_layers * saved_per_layer + 1
     monkeypatch.setenv("PAGEDKV_DECODE_FUSE", "0")
     assert DecoderStep(dev, weights, pool, 3, 64).fused == ()
@@ -233,6 +236,104 @@ def test_gpu_rope_kv_write_writes_the_split_and_write_bytes(device, kv_dtype):
     pool.close()
 
 
+# (fmt, kv_dtype, batch, (heads, kv_heads, head_dim)): every weight format x KV dtype x
+# batch at Llama's heads (a 256-group spans 2 heads), then a group of 4 heads (head_dim
+# 64) and one head per group (head_dim 256).
+_REDUCE_PREP_CASES = [
+    *((fmt, kv, b, (32, 8, 128)) for fmt, kv, b in itertools.product(
+        ("hfq4g256", "mq4g256v2"), ("float16", "bfloat16", "q8", "fwht4/q8"), (1, 3, 8))),
+    ("mq4g256v2", "float16", 3, (8, 2, 64)), ("hfq4g256", "q8", 8, (8, 2, 64)),
+    ("mq4g256v2", "bfloat16", 3, (8, 2, 256)), ("hfq4g256", "fwht4/q8", 8, (4, 2, 256))]
+# Lengths per batch: one partition and many, a partition's edges (16, 64 tokens), an empty
+# sequence (zeros), 1100 of the launch's most.
+_REDUCE_PREP_LENS = {1: [1025], 3: [65, 1, 700], 8: [0, 1, 63, 64, 65, 300, 1025, 1100]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,kv_dtype,batch,heads", _REDUCE_PREP_CASES)
+def test_gpu_attention_reduce_prep_writes_the_reduce_and_prep_bytes(device, fmt, kv_dtype,
+                                                                    batch, heads):
+    """PagedAttention.run_prep (partitions, then pkv_attention_reduce_prep_f32) against run
+    (partitions, then pkv_paged_attention_reduce) followed by Gemv.prepare of its output:
+    the same attention output and the same prepared-x bytes, at the partition size the
+    launch picks and at 16 tokens (up to 69 partitions)."""
+    from test_kernels_kvcache import _paged_case
+    num_heads, kv_heads, head_dim = heads
+    k_pool, v_pool, tables, lens = _paged_case(_REDUCE_PREP_LENS[batch], kv_heads=kv_heads,
+                                               head_dim=head_dim, block_size=16,
+                                               kv_dtype=kv_dtype)
+    q = (RNG.standard_normal((batch, num_heads, head_dim)) * 2).astype(np.float32)
+    args = [device.array(a) for a in (q, k_pool, v_pool, tables, lens)]
+    k = num_heads * head_dim
+    for tokens in (None, 16):
+        attn = kvcache.PagedAttention(device, num_seqs=batch, num_heads=num_heads,
+                                      kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                                      max_seq_len=1100, kv_dtype=kv_dtype,
+                                      partition_tokens=tokens)
+        assert attn.prep_fusable and attn.max_partitions > 1, attn
+        plain, fused = (_tensor_core_gemv(device, fmt, k, batch) for _ in range(2))
+        for g in (plain, fused):  # poison the scratch: every byte must be written
+            g._xq.fill_bytes(0xA5)
+            g._xs.fill_bytes(0xFF)
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(*args, out)
+        plain.prepare(out.view((batch, k)))
+        out_fused = poisoned(device, q.shape, np.float32)
+        attn.run_prep(*args, fused.prepared_x(), out_fused)
+        device.synchronize()
+        want = out.to_numpy()
+        assert np.isfinite(want).all(), attn
+        np.testing.assert_array_equal(out_fused.to_numpy().view(np.uint32), want.view(np.uint32),
+                                      err_msg=repr(attn))
+        assert _prepared_bytes(fused.prepared_x()) == _prepared_bytes(plain.prepared_x()), attn
+        assert np.isfinite(fused.prepared_x().xs.to_numpy()).all()  # every (group, row) step
+        if batch == 8:  # the empty sequence's row is zeros
+            assert not want[0].any()
+
+
+def _step_case(device, shape, fmt, kv_dtype, contexts, seed):
+    """Random weights (tiled), context KV, inputs and uploaded tables for one step."""
+    from pagedkv.bench.decode import random_context
+    rng = np.random.default_rng(seed)
+    weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
+    pool, _, seqs, batch = random_context(device, shape, kv_dtype, contexts, rng)
+    tables = DeviceDecodeBatch.upload(device, batch)
+    x = rng.standard_normal((len(seqs), shape.d_model), dtype=np.float32)
+    return weights, pool, tables, x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [SMALL, replace(LLAMA3_8B, num_layers=2, ffn=1024, vocab=512)],
+                         ids=["d256-hd64", "d4096-hd128"])
+@pytest.mark.parametrize("fmt,kv_dtype,batch", [
+    ("hfq4g256", "float16", 1), ("mq4g256v2", "bfloat16", 1), ("mq4g256v2", "q8", 3),
+    ("hfq4g256", "q8", 8), ("hfq4g256", "float16", 8)])
+def test_gpu_decode_step_fused_equals_unfused_bytes(device, shape, fmt, kv_dtype, batch):
+    """The whole step fused (every fusion, attn+prep:o included) and unfused on the same
+    weights, pool, tables and inputs: the same logits, residual stream and pool bytes.
+    Contexts cross several partitions (the launch splits short contexts into 64+ tokens)."""
+    contexts = [1025, 300, 64, 65, 1, 700, 129, 999][:batch]
+    weights, pool, tables, x = _step_case(device, shape, fmt, kv_dtype, contexts, 7)
+    results = {}
+    for fuse in (False, True):  # the fused step rewrites this token's K/V: the same bytes
+        step = DecoderStep(device, weights, pool, batch, max(contexts) + 1, fuse=fuse)
+        if fuse and device.backend == "cuda":
+            assert "attn+prep:o" in step.fused, step
+        step.x.copy_from(x)
+        step.logits.fill_bytes(0xFF)
+        step.run(tables)
+        device.synchronize()
+        assert np.isfinite(step.logits.to_numpy()).all()
+        results[fuse] = (step.logits.to_numpy().tobytes(), step.x.to_numpy().tobytes(),
+                         [a.to_numpy().tobytes() for layer in range(shape.num_layers)
+                          for a in pool.layer(layer)])
+    assert results[True][0] == results[False][0], "logits"
+    assert results[True][1] == results[False][1], "residual stream"
+    assert results[True][2] == results[False][2], "pool"
+    weights.free()
+    pool.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("fmt,kv_dtype,batch", [
@@ -245,4 +346,4 @@ def test_gpu_decode_step_fused_and_unfused_match_the_float64_step(device, fmt, k
     result = check_step(device, fmt, kv_dtype, contexts=contexts, shape=SMALL, fuse=fuse)
     assert result["ok"], result
     if fuse and device.backend == "cuda":  # sm_80+: the tensor-core GEMV, every fusion
-        assert len(result["fused"]) == 5, result
+        assert len(result["fused"]) == 6, result

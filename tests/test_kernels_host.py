@@ -1101,6 +1101,107 @@ def test_paged_attention_launches_its_partition_tokens(monkeypatch):
                                   kv_dtype="float16").partition_tokens == 256
 
 
+# --- paged attention: the reduce fused with the O projection's x prep ---
+
+@pytest.mark.parametrize("fmt,batch,heads,kv_heads,head_dim,tiles,rotate", [
+    ("hfq4g256", 1, 32, 8, 128, 1, 0),   # 16 groups of 2 heads: 2 blocks of 8 warps
+    ("mq4g256v2", 3, 8, 2, 64, 2, 1),    # 2 groups of 4 heads x 3 rows, x rotated
+    ("hfq4g256", 8, 4, 2, 256, 3, 0),    # a head per group, 8 rows
+])
+def test_paged_attention_run_prep_launches_the_fused_reduce(monkeypatch, fmt, batch, heads,
+                                                            kv_heads, head_dim, tiles, rotate):
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_PARTITION_TOKENS", raising=False)
+    dev = FakeCudaDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=batch, num_heads=heads, kv_heads=kv_heads,
+                                  head_dim=head_dim, block_size=16, max_seq_len=1025,
+                                  kv_dtype="float16")
+    assert attn.prep_fusable
+    prepared = weights.Gemv(dev, fmt, 64, heads * head_dim, batch).prepared_x()
+    q = dev.empty((batch, heads, head_dim), np.float32)
+    pool = dev.empty((70 * batch, 16, kv_heads, head_dim), np.float16)
+    tables = dev.array(np.zeros((batch, 65), np.int32))
+    lens = dev.array(np.zeros(batch, np.int32))
+    out = dev.empty((batch, heads, head_dim), np.float32)
+    for written in (None, out):
+        dev.calls.clear()
+        dev.launch_args.clear()
+        attn.run_prep(q, pool, pool, tables, lens, prepared, written)
+        warps = heads * head_dim // 256 * batch  # a 32-lane warp per (256-group, row)
+        assert _launches(dev) == [
+            ("launch", attn._partition.name, (attn.max_partitions, kv_heads, batch), (128,)),
+            ("launch", "pkv_attention_reduce_prep_f32", (-(-warps // 8),), (256,))]
+        part, fused = dev.launch_args
+        # the reduce reads the partition launch's workspace and geometry
+        assert part[5:8] == fused[:3] == (attn.part_out, attn.part_max, attn.part_sum)
+        assert part[-2:] == (attn.max_partitions, attn.partition_tokens)
+        assert fused[3] is lens and fused[4] == (0 if written is None else out)
+        assert fused[5:7] == (prepared.xq, prepared.xs)
+        assert fused[7:] == (batch, heads, head_dim, attn.max_partitions,
+                             attn.partition_tokens, tiles, rotate)
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,fusable", [
+    ("float16", 128, True), ("bfloat16", 64, True), ("q8", 128, True),
+    ("fwht4/q8", 256, True),        # a q8 V: the plain reduce
+    ("fwht4/lloyd4", 256, False),   # a rotated V: its reduce rotates each head back
+    ("fwht4/fwht4", 128, False),
+])
+def test_paged_attention_prep_fusable_geometries(kv_dtype, head_dim, fusable):
+    from pagedkv.kernels import kvcache
+    dev = FakeCudaDevice()
+    attn = kvcache.PagedAttention(dev, num_seqs=2, num_heads=8, kv_heads=2, head_dim=head_dim,
+                                  block_size=16, max_seq_len=300, kv_dtype=kv_dtype)
+    assert attn.prep_fusable is fusable
+    # 2 heads of 64: a 128-value row, no whole 256-group
+    assert not kvcache.PagedAttention(dev, num_seqs=1, num_heads=2, kv_heads=2, head_dim=64,
+                                      block_size=16, max_seq_len=300,
+                                      kv_dtype="float16").prep_fusable
+
+
+def test_paged_attention_run_prep_checks_before_launching():
+    from pagedkv.kernels import kvcache
+    dev = FakeCudaDevice()
+    f32 = np.float32
+
+    def attn_of(kv_dtype, head_dim=128):
+        return kvcache.PagedAttention(dev, num_seqs=2, num_heads=8, kv_heads=2,
+                                      head_dim=head_dim, block_size=16, max_seq_len=300,
+                                      kv_dtype=kv_dtype)
+
+    attn = attn_of("float16")
+    q, out = dev.empty((2, 8, 128), f32), dev.empty((2, 8, 128), f32)
+    pool = dev.empty((40, 16, 2, 128), np.float16)
+    tables, lens = dev.array(np.zeros((2, 19), np.int32)), dev.array(np.zeros(2, np.int32))
+    prepared = weights.Gemv(dev, "hfq4g256", 64, 1024, 2).prepared_x()
+    rotated = attn_of("fwht4/lloyd4", 256)
+    rpool = dev.empty((40, 16, 2, rotated.k_row), np.uint8)
+    cases = [
+        (lambda: attn.run_prep(q, pool, pool, tables, lens, (1, 2)),
+         "prepared: expected Gemv.prepared_x"),
+        (lambda: attn.run_prep(q, pool, pool, tables, lens,
+                               weights.Gemv(dev, "hfq4g256", 64, 1024, 3).prepared_x()),
+         "prepared: a Gemv of batch 3 and K 1024; x has 2 rows of 1024"),
+        (lambda: attn.run_prep(q, pool, pool, tables, lens,
+                               weights.Gemv(dev, "hfq4g256", 64, 2048, 2).prepared_x()),
+         "prepared: a Gemv of batch 2 and K 2048; x has 2 rows of 1024"),
+        (lambda: attn.run_prep(q, pool, pool, tables, lens, prepared, dev.empty((2, 8, 64), f32)),
+         r"out: shape \(2, 8, 64\), expected \(2, 8, 128\)"),
+        (lambda: attn.run_prep(dev.empty((2, 8, 64), f32), pool, pool, tables, lens, prepared),
+         r"q: shape \(2, 8, 64\), expected \(2, 8, 128\)"),
+        (lambda: rotated.run_prep(dev.empty((2, 8, 256), f32), rpool, rpool, tables, lens,
+                                  weights.Gemv(dev, "hfq4g256", 64, 2048, 2).prepared_x()),
+         r"no fused reduce \+ prep here .*call run\(...\) then Gemv.prepare\(out\)"),
+    ]
+    dev.calls.clear()
+    for call, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            call()
+    assert _launches(dev) == []
+    attn.run_prep(q, pool, pool, tables, lens, prepared, out)
+    assert len(_launches(dev)) == 2
+
+
 @pytest.mark.parametrize("tokens", [0, 8, 100, 2048, True, 64.0])
 def test_paged_attention_refuses_bad_partition_tokens(tokens, monkeypatch):
     from pagedkv.kernels import kvcache

@@ -70,6 +70,20 @@ def build_adapter(device, shape: DecoderShape, kv_dtype: str, batch: int, contex
     return pool, adapter, seqs
 
 
+def random_context(device, shape: DecoderShape, kv_dtype: str, contexts, rng) -> tuple:
+    """:func:`build_adapter` for ``len(contexts)`` sequences with random K/V in every
+    layer of their contexts and a random next token recorded. Returns ``(pool, adapter,
+    seq_ids, decode_batch)`` (``adapter.prepare_decode``'s batch for that token)."""
+    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, len(contexts), contexts, rng)
+    g = pool.geometry
+    for s, n in zip(seqs, contexts, strict=True):
+        kv = (_pool_values(g, rng, (shape.num_layers, n, g.num_kv_heads, g.head_dim))
+              for _ in range(2))
+        adapter.write_kv_layers(s, *kv)
+    adapter.record_decode_tokens(seqs, rng.integers(0, 32000, len(seqs), dtype=np.uint32))
+    return pool, adapter, seqs, adapter.prepare_decode(seqs)
+
+
 def _pool_values(g, rng, shape) -> np.ndarray:
     """Random K or V values of ``shape`` (``[..., head_dim]``) as rows of the pool's storage
     dtype (q8: ``[..., head_dim / 32 * 34]`` records)."""
@@ -142,14 +156,8 @@ def check_step(device, fmt: str, kv_dtype: str, *, contexts=(37, 300, 1100), see
     rng = np.random.default_rng(seed)
     host = DecoderHostWeights.random(shape, fmt, int(rng.integers(1 << 31)))
     weights = DecoderWeights(device, host)
-    pool, adapter, seqs = build_adapter(device, shape, kv_dtype, len(contexts), contexts, rng)
+    pool, adapter, seqs, batch = random_context(device, shape, kv_dtype, contexts, rng)
     g = pool.geometry
-    for s, n in zip(seqs, contexts, strict=True):
-        kv = (_pool_values(g, rng, (shape.num_layers, n, g.num_kv_heads, g.head_dim))
-              for _ in range(2))
-        adapter.write_kv_layers(s, *kv)
-    adapter.record_decode_tokens(seqs, rng.integers(0, 32000, len(seqs), dtype=np.uint32))
-    batch = adapter.prepare_decode(seqs)
     tables = DeviceDecodeBatch.upload(device, batch)
     step = DecoderStep(device, weights, pool, len(seqs), max(contexts) + 1,
                        gemv_rows=gemv_rows, fuse=fuse)

@@ -18,10 +18,9 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Device, StreamLike
-from pagedkv.kernels.device_array import DeviceArray
-from pagedkv.kernels.kvcache import _need
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import launch_constant
-from pagedkv.kernels.weights import PreparedX
+from pagedkv.kernels.weights import PreparedX, check_prepared
 
 __all__ = ["add_rmsnorm", "add_rmsnorm_prep", "qkv_rope_split", "silu_mul", "silu_mul_prep"]
 
@@ -31,14 +30,14 @@ ELEMENTWISE_THREADS = 256  # any block size: the elementwise kernels index by gl
 
 
 def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...]) -> None:
-    _need(arr, name, np.float32)
+    need_array(arr, name, np.float32)
     if arr.shape != shape:
         raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
 
 
 def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArray,
                 y: DeviceArray | None, multiple: int) -> tuple[int, int]:
-    _need(x, "x", np.float32, 2)
+    need_array(x, "x", np.float32, 2)
     rows, dim = x.shape
     if dim % multiple or dim == 0:
         raise InvalidArgument(f"x: dim {dim} must be a positive multiple of {multiple}")
@@ -48,15 +47,6 @@ def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArra
     if y is not None:
         _shape(y, "y", x.shape)
     return rows, dim
-
-
-def _check_prepared(prepared: PreparedX, rows: int, k: int) -> None:
-    if not isinstance(prepared, PreparedX):
-        raise InvalidArgument(f"prepared: expected Gemv.prepared_x()'s PreparedX, got "
-                              f"{type(prepared).__name__}")
-    if (prepared.batch, prepared.K) != (rows, k):
-        raise InvalidArgument(f"prepared: a Gemv of batch {prepared.batch} and K {prepared.K}; "
-                              f"x has {rows} rows of {k}")
 
 
 def add_rmsnorm(device: Device, x: DeviceArray, residual: DeviceArray | None,
@@ -81,7 +71,7 @@ def add_rmsnorm_prep(device: Device, x: DeviceArray, residual: DeviceArray | Non
     ``gemv.run_prepared(w, out)``): the bytes ``gemv.prepare(y)`` writes, one launch
     instead of two. ``y`` may be ``None`` (not written); ``dim % 256 == 0``."""
     rows, dim = _check_norm(x, residual, weight, y, 256)
-    _check_prepared(prepared, rows, dim)
+    check_prepared(prepared, rows, dim)
     if rows == 0:
         return
     k = device.kernel(SOURCE, "pkv_add_rmsnorm_prep_f32", "ppppppifiii", dependent_launch=True)
@@ -98,12 +88,12 @@ def qkv_rope_split(device: Device, qkv: DeviceArray, positions: DeviceArray, q: 
     head_dim]``, rotating q and k by RoPE at ``positions`` (``int32[rows]``): dims ``i`` and
     ``i + head_dim/2`` by ``pos · theta^(-2i/head_dim)`` (Llama's rotate-half)."""
     heads = q_heads + 2 * kv_heads
-    _need(qkv, "qkv", np.float32, 2)
+    need_array(qkv, "qkv", np.float32, 2)
     rows = qkv.shape[0]
     if head_dim % 2 or qkv.shape[1] != heads * head_dim:
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected (rows, {heads * head_dim}) for "
                               f"{q_heads} + 2 x {kv_heads} heads of an even head_dim {head_dim}")
-    _need(positions, "positions", np.int32, 1)
+    need_array(positions, "positions", np.int32, 1)
     if positions.shape != (rows,):
         raise InvalidArgument(f"positions: shape {positions.shape}, expected ({rows},)")
     _shape(q, "q", (rows, q_heads, head_dim))
@@ -132,7 +122,7 @@ def silu_mul(device: Device, gate_up: DeviceArray, out: DeviceArray, *,
 
 def _check_gate_up(gate_up: DeviceArray, out: DeviceArray | None,
                    multiple: int) -> tuple[int, int]:
-    _need(gate_up, "gate_up", np.float32, 2)
+    need_array(gate_up, "gate_up", np.float32, 2)
     rows, two_ffn = gate_up.shape
     if two_ffn % (2 * multiple):
         raise InvalidArgument(f"gate_up: {two_ffn} columns, expected an even 2 x ffn"
@@ -149,7 +139,7 @@ def silu_mul_prep(device: Device, gate_up: DeviceArray, out: DeviceArray | None,
     ``gemv.prepare(out)`` writes, one launch instead of two. ``out`` may be ``None``
     (not written); ``ffn % 256 == 0``."""
     rows, ffn = _check_gate_up(gate_up, out, 256)
-    _check_prepared(prepared, rows, ffn)
+    check_prepared(prepared, rows, ffn)
     warps = rows * ffn // 256
     if warps == 0:
         return

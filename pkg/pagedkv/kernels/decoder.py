@@ -24,9 +24,10 @@ the unfused launches, for comparison): where a projection is one tensor-core GEM
 the RMSNorm before QKV, gate/up and the LM head and the SiLU·up before down write that
 GEMV's prepared x themselves (``decode.add_rmsnorm_prep``, ``decode.silu_mul_prep``), and
 RoPE writes this token's K and V straight into f16, bf16 and q8 pools
-(``paged.qkv_rope_write_kv``): per layer 4 launches fewer (q8: 5), the same bytes. The O
-projection keeps its prep launch (attention's output is written by the attention
-kernels). In the fused step :attr:`DecoderStep.k` and ``v`` are not written.
+(``paged.qkv_rope_write_kv``), and attention's partition reduce writes the O projection's
+prepared x (``paged.attention_prep``; f16, bf16 and q8 pools, not the KV-mode pairs whose
+reduce rotates V back): per layer 5 launches fewer (q8: 6), the same bytes. In the fused
+step :attr:`DecoderStep.k`, ``v`` and the attention output are not written.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pagedkv.kernels.kvcache import PagedAttention
 from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
     attention,
+    attention_prep,
     check_tables,
     qkv_rope_write_kv,
     rope_write_fusable,
@@ -293,15 +295,19 @@ class DecoderStep:
                                    kv_dtype=g.dtype)
         if fuse is None:
             fuse = bool(env_bool(FUSE_ENV, True))
-        # Prepared-x targets of the fused producers (None: that projection runs unfused).
+        # Prepared-x targets of the fused producers (None: that projection runs unfused); the
+        # O projection's producer is attention's reduce, where it fuses (attn.prep_fusable).
+        producers = {"qkv": fuse, "gate_up": fuse, "down": fuse, "lm_head": fuse,
+                     "o": fuse and self.attn.prep_fusable}
         self._prepared: dict[str, PreparedX | None] = {
-            name: self._proj[name].prepared_x() if fuse else None
-            for name in ("qkv", "gate_up", "down", "lm_head")}
+            name: self._proj[name].prepared_x() if on else None
+            for name, on in producers.items()}
         self._rope_write = fuse and rope_write_fusable(pool)
-        #: The fusions this step runs: ``norm+prep:<projection>``, ``silu+prep:down``,
-        #: ``rope+kv_write``.
+        #: The fusions this step runs: ``norm+prep:<projection>``, ``attn+prep:o``,
+        #: ``silu+prep:down``, ``rope+kv_write``.
         self.fused = tuple([f"norm+prep:{n}" for n in ("qkv", "gate_up", "lm_head")
                             if self._prepared[n] is not None]
+                           + (["attn+prep:o"] if self._prepared["o"] is not None else [])
                            + (["silu+prep:down"] if self._prepared["down"] is not None else [])
                            + (["rope+kv_write"] if self._rope_write else []))
 
@@ -330,8 +336,14 @@ class DecoderStep:
                                q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
                                theta=s.rope_theta, stream=stream)
                 write_kv(self.pool, layer, self.k, self.v, tables, stream=stream)
-            attention(self.attn, self.q, self.pool, layer, tables, self._attn, stream=stream)
-            self._proj["o"](lw["o"], self._attn_rows, self._o, stream)
+            o = self._prepared["o"]
+            if o is not None:
+                attention_prep(self.attn, self.q, self.pool, layer, tables, o, stream=stream)
+                self._proj["o"].run_prepared(lw["o"], self._o, stream)
+            else:
+                attention(self.attn, self.q, self.pool, layer, tables, self._attn,
+                          stream=stream)
+                self._proj["o"](lw["o"], self._attn_rows, self._o, stream)
             self._norm_project("gate_up", lw["gate_up"], self._o, w.ffn_norm[layer], self._gu,
                                stream)
             down = self._prepared["down"]

@@ -13,7 +13,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 if TYPE_CHECKING:
     from pagedkv.kernels.device import Device
 
-__all__ = ["DeviceArray"]
+__all__ = ["DeviceArray", "need_array"]
 
 
 class DeviceArray:
@@ -172,3 +172,14 @@ class DeviceArray:
         view = "" if self._owned else ", view"
         return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where}{view}, "
                 f"device={self.device.properties.name!r})")
+
+
+def need_array(arr, name: str, dtype, ndim: int | None = None) -> None:
+    """A launcher's check of argument ``name``: a DeviceArray of ``dtype`` (and ``ndim``
+    dimensions when given); ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
+    if not isinstance(arr, DeviceArray):
+        raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+    if arr.dtype != np.dtype(dtype):
+        raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if ndim is not None and arr.ndim != ndim:
+        raise InvalidArgument(f"{name}: shape {arr.shape} has {arr.ndim} dims, expected {ndim}")

@@ -17,13 +17,14 @@ import numpy as np
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, Device, Stream
-from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
     attn_min_blocks,
     attn_partition_tokens,
     launch_constant,
 )
+from pagedkv.kernels.weights import PreparedX, check_prepared
 from pagedkv.quant import kv_q8
 
 __all__ = [
@@ -45,6 +46,8 @@ SOURCE = "kvcache"
 ATTN_PARTITION_TOKENS = {dt: attn_partition_tokens(dt) for dt in KV_SUFFIX}
 ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
 ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
+#: Threads per block of the fused reduce + prep (any multiple of 64: it indexes 32-lane warps).
+REDUCE_PREP_THREADS = 256
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
 #: mode on K) with a q8, lloyd or fwht V (pagedkv's extension, docs/kv-quant.md "Modes").
@@ -115,15 +118,6 @@ def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size
     return 4 * max(ATTN_PARTITION_TOKENS[kv_dtype] * gmax, n_warps * gmax * head_dim)
 
 
-def _need(arr, name: str, dtype, ndim: int | None = None) -> None:
-    if not isinstance(arr, DeviceArray):
-        raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
-    if arr.dtype != np.dtype(dtype):
-        raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
-    if ndim is not None and arr.ndim != ndim:
-        raise InvalidArgument(f"{name}: shape {arr.shape} has {arr.ndim} dims, expected {ndim}")
-
-
 def kv_dtype_of(pool: DeviceArray) -> str:
     """The pool dtype name from its array dtype: float16, bfloat16 (uint16 bits), q8 (uint8)."""
     names = {np.dtype(np.float16): "float16", np.dtype(np.uint16): "bfloat16",
@@ -144,8 +138,8 @@ def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
-    _need(slots, "slots", np.int64, 1)
-    _need(pool, "pool", np.uint8)
+    need_array(slots, "slots", np.int64, 1)
+    need_array(pool, "pool", np.uint8)
     n, kvh, hd = rows.shape
     if mode == "q8":
         if hd % kv_q8.BLOCK_VALUES:
@@ -404,6 +398,10 @@ class PagedAttention:
         self._reduce = device.kernel(
             SOURCE, f"pkv_paged_attention_reduce_ifwht{v_rot}" if v_rot
             else "pkv_paged_attention_reduce", "pppppiiii")
+        #: Whether :meth:`run_prep` takes this geometry: the plain reduce's combine (a rotated
+        #: V's reduce rotates each head back through shared memory first: not fused) over
+        #: rows of whole 256-groups (``num_heads * head_dim % 256 == 0``).
+        self.prep_fusable = not self._rotated_out and num_heads * head_dim % 256 == 0
 
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
@@ -417,11 +415,14 @@ class PagedAttention:
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
-        """Validate a launch's arguments; returns the partition kernel to run."""
+        """Validate a launch's arguments (``out`` may be None: :meth:`run_prep`); returns the
+        partition kernel to run."""
         partition = self._partition
         s, h, d = self.num_seqs, self.num_heads, self.head_dim
         for name, arr in (("q", q), ("out", out)):
-            _need(arr, name, np.float32, 3)
+            if arr is None and name == "out":
+                continue
+            need_array(arr, name, np.float32, 3)
             if arr.shape != (s, h, d):
                 raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
         storage = "q8" if self.kv_dtype in QUANT_KV_DTYPES else self.kv_dtype  # uint8 records
@@ -436,8 +437,8 @@ class PagedAttention:
                     raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte "
                                           f"aligned pool, this one starts at {pool.ptr:#x}")
                 partition = self._unstaged
-        _need(block_tables, "block_tables", np.int32, 2)
-        _need(seq_lens, "seq_lens", np.int32, 1)
+        need_array(block_tables, "block_tables", np.int32, 2)
+        need_array(seq_lens, "seq_lens", np.int32, 1)
         if block_tables.shape[0] != s or seq_lens.shape[0] != s:
             raise InvalidArgument(f"block_tables/seq_lens: {block_tables.shape[0]}/"
                                   f"{seq_lens.shape[0]} rows, expected {s}")
@@ -447,17 +448,50 @@ class PagedAttention:
             block_tables: DeviceArray, seq_lens: DeviceArray, out: DeviceArray,
             *, stream: Stream | None = None) -> None:
         partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
-        partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
-                        q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
-                        self.part_max, self.part_sum, self.scale, self.num_heads,
-                        self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
-                        self.max_partitions, self.partition_tokens,
-                        shared_bytes=self.shared_bytes, stream=stream)
+        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
         self._reduce((self.num_heads, self.num_seqs),
                      (self._reduce_threads,),
                      self.part_out, self.part_max, self.part_sum, seq_lens, out,
                      self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                      stream=stream)
+
+    def run_prep(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
+                 block_tables: DeviceArray, seq_lens: DeviceArray, prepared: PreparedX,
+                 out: DeviceArray | None = None, *, stream: Stream | None = None) -> None:
+        """:meth:`run` whose reduce also writes its output, as ``float32[seqs, heads *
+        head_dim]`` rows, into ``prepared`` (``Gemv.prepared_x()`` of a tensor-core GEMV of
+        batch ``num_seqs`` and ``K = num_heads * head_dim``: the O projection's), one launch
+        instead of the reduce and ``Gemv.prepare``: the bytes ``gemv.prepare(out)`` writes
+        after :meth:`run` (``pkv_attention_reduce_prep_f32``, hip/decode.hip; the reduce's
+        arithmetic is hip/attention_reduce.h, shared). Then ``gemv.run_prepared(w, y)`` on
+        the same stream. ``out`` may be ``None`` (not written). Geometries:
+        :attr:`prep_fusable` (``InvalidArgument`` otherwise, nothing launched)."""
+        if not self.prep_fusable:
+            raise InvalidArgument(
+                f"{self!r}: no fused reduce + prep here (a rotated V's reduce, or num_heads * "
+                f"head_dim {self.num_heads * self.head_dim} not a multiple of 256); call "
+                f"run(...) then Gemv.prepare(out)")
+        partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
+        check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
+        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
+        kernel = self.device.kernel("decode", "pkv_attention_reduce_prep_f32", "pppppppiiiiiii",
+                                    dependent_launch=True)
+        # a 32-lane warp per (256-group, seq), 8 per block (AMD: two per wavefront)
+        warps = self.num_heads * self.head_dim // 256 * self.num_seqs
+        kernel((math.ceil(warps / (REDUCE_PREP_THREADS // 32)),), (REDUCE_PREP_THREADS,),
+               self.part_out, self.part_max, self.part_sum, seq_lens,
+               0 if out is None else out, prepared.xq, prepared.xs, self.num_seqs,
+               self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
+               prepared.tiles, int(prepared.rotate), stream=stream)
+
+    def _partitions(self, partition, q, k_pool, v_pool, block_tables, seq_lens, stream) -> None:
+        """Launch the partition kernel (``_check``'s choice) into the partition workspace."""
+        partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
+                  q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
+                  self.part_max, self.part_sum, self.scale, self.num_heads,
+                  self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
+                  self.max_partitions, self.partition_tokens,
+                  shared_bytes=self.shared_bytes, stream=stream)
 
     def run_pool(self, q: DeviceArray, pool, layer: int, tables, out: DeviceArray, *,
                  generation: int | None = None, stream=None) -> None:
@@ -473,8 +507,8 @@ def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids:
     """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` (axis 0 is the
     block; both arrays have the same bytes per block): pool growth, cold capture (pool →
     staging) and restore (staging → pool)."""
-    _need(src_ids, "src_ids", np.int32, 1)
-    _need(dst_ids, "dst_ids", np.int32, 1)
+    need_array(src_ids, "src_ids", np.int32, 1)
+    need_array(dst_ids, "dst_ids", np.int32, 1)
     if src_ids.shape != dst_ids.shape:
         raise InvalidArgument(f"src_ids/dst_ids: lengths {src_ids.shape[0]} and "
                               f"{dst_ids.shape[0]} differ")

@@ -18,18 +18,19 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
 from pagedkv.kernels.device import Device, StreamLike
-from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.kvcache import (
     PagedAttention,
-    _need,
     copy_blocks,
     kv_q8_read,
     kv_q8_write,
     kv_rotated_write,
 )
+from pagedkv.kernels.weights import PreparedX
 
-__all__ = ["DeviceDecodeBatch", "attention", "check_tables", "copy_pool_blocks",
-           "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable", "write_kv"]
+__all__ = ["DeviceDecodeBatch", "attention", "attention_prep", "check_tables",
+           "copy_pool_blocks", "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable",
+           "write_kv"]
 
 KV_WRITE_THREADS = 256
 
@@ -143,8 +144,8 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
     if g.dtype not in ("float16", "bfloat16"):
         raise InvalidArgument(f"pool dtype {g.dtype}: the KV write kernels take float16, "
                               f"bfloat16 and q8 pools")
-    _need(k, "k", np.float32)
-    _need(v, "v", np.float32)
+    need_array(k, "k", np.float32)
+    need_array(v, "v", np.float32)
     suffix = "f16" if g.dtype == "float16" else "bf16"
     kernel = pool.device.kernel("decode", f"pkv_kv_write_{suffix}", "pppppii",
                                 dependent_launch=True)
@@ -178,10 +179,10 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
         raise InvalidArgument(f"pool: {g.dtype} (head_dim {g.head_dim}) has no fused RoPE + KV "
                               f"write; use decode.qkv_rope_split then write_kv")
     rows, heads = tables.num_seqs, q_heads + 2 * g.num_kv_heads
-    _need(qkv, "qkv", np.float32)
+    need_array(qkv, "qkv", np.float32)
     if qkv.shape != (rows, heads * g.head_dim):
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected {(rows, heads * g.head_dim)}")
-    _need(q, "q", np.float32)
+    need_array(q, "q", np.float32)
     if q.shape != (rows, q_heads, g.head_dim):
         raise InvalidArgument(f"q: shape {q.shape}, expected {(rows, q_heads, g.head_dim)}")
     k_pool, v_pool = pool.layer(layer)
@@ -193,17 +194,35 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
            float(theta), stream=stream)
 
 
-def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
-              tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
-              stream: StreamLike = None) -> None:
-    """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
+def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecodeBatch,
+                     generation: int | None):
+    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool."""
     check_tables(pool, tables, generation)
     g = pool.geometry
     if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
             g.dtype, g.num_kv_heads, g.head_dim, g.block_size):
         raise InvalidArgument(f"attn: {attn!r} was built for another pool geometry than {g!r}")
-    k_pool, v_pool = pool.layer(layer)
+    return pool.layer(layer)
+
+
+def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
+              tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
+              stream: StreamLike = None) -> None:
+    """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
     attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, out, stream=stream)
+
+
+def attention_prep(attn: PagedAttention, q: DeviceArray, pool, layer: int,
+                   tables: DeviceDecodeBatch, prepared: PreparedX,
+                   out: DeviceArray | None = None, *, generation: int | None = None,
+                   stream: StreamLike = None) -> None:
+    """:func:`attention` whose reduce writes the next GEMV's prepared x
+    (``attn.run_prep``: ``prepared = gemv.prepared_x()`` of the O projection, then
+    ``gemv.run_prepared``); ``out`` may be ``None``. Geometries: ``attn.prep_fusable``."""
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
+    attn.run_prep(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, prepared, out,
+                  stream=stream)
 
 
 def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: DeviceArray,

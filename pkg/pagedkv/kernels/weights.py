@@ -23,8 +23,7 @@ import numpy as np
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
-from pagedkv.kernels.device_array import DeviceArray
-from pagedkv.kernels.kvcache import _need
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
 
@@ -138,7 +137,7 @@ def raw_nbytes(fmt: str | int, numel: int, k: int | None = None) -> int:
 
 
 def _raw(raw, fmt: _WeightFormat, numel: int, k: int | None = None) -> None:
-    _need(raw, "raw", np.uint8)
+    need_array(raw, "raw", np.uint8)
     want = raw_nbytes(fmt.name, numel, k)
     if raw.nbytes != want:
         raise InvalidArgument(f"raw: {raw.nbytes} bytes, {fmt.name} of {numel} weights takes "
@@ -176,8 +175,8 @@ def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
             *, stream: Stream | None = None) -> None:
     """``out`` = FWHT-256 of each 256-segment of ``x`` (``float32``, size a multiple of 256;
     ``out`` may be ``x``). Bit-exact with ``pagedkv.quant.fwht256``."""
-    _need(x, "x", np.float32)
-    _need(out, "out", np.float32)
+    need_array(x, "x", np.float32)
+    need_array(out, "out", np.float32)
     if x.size % 256 or out.size != x.size:
         raise InvalidArgument(f"x/out: sizes {x.size}/{out.size}, expected equal multiples "
                               f"of 256")
@@ -202,6 +201,17 @@ class PreparedX(NamedTuple):
     rotate: bool
     batch: int
     K: int
+
+
+def check_prepared(prepared: PreparedX, rows: int, k: int) -> None:
+    """A fused producer's check that ``prepared`` is a :class:`PreparedX` for its ``rows``
+    rows of ``k`` values (``InvalidArgument`` otherwise)."""
+    if not isinstance(prepared, PreparedX):
+        raise InvalidArgument(f"prepared: expected Gemv.prepared_x()'s PreparedX, got "
+                              f"{type(prepared).__name__}")
+    if (prepared.batch, prepared.K) != (rows, k):
+        raise InvalidArgument(f"prepared: a Gemv of batch {prepared.batch} and K {prepared.K}; "
+                              f"x has {rows} rows of {k}")
 
 
 class GemvWeights:
@@ -386,7 +396,7 @@ class Gemv:
                            self.packed)
 
     def _check_x(self, x: DeviceArray) -> None:
-        _need(x, "x", np.float32)
+        need_array(x, "x", np.float32)
         if x.shape != (self.batch, self.K):
             raise InvalidArgument(f"x: shape {x.shape}, expected {(self.batch, self.K)}")
 
@@ -397,19 +407,19 @@ class Gemv:
                 raise InvalidArgument(f"w: {w!r} was uploaded for another GEMV; this one is "
                                       f"{self!r}")
             arr = w.array
-            _need(arr, "w", np.uint8)
+            need_array(arr, "w", np.uint8)
             if arr.nbytes != self.weight_bytes:
                 raise InvalidArgument(f"w: {arr.nbytes} bytes, expected {self.weight_bytes}")
             if arr.ptr % 16:
                 raise InvalidArgument(f"w: device address 0x{arr.ptr:x} is not 16-byte aligned")
         elif self.packed:
-            _need(w, "w", np.uint8)  # a DeviceArray of any other type says so first
+            need_array(w, "w", np.uint8)  # a DeviceArray of any other type says so first
             raise InvalidArgument("w: a DeviceArray of raw rows; the tensor-core GEMV reads "
                                   "Gemv.upload(raw) (the rows packed in 16-row tiles once)")
         else:
             arr = w
             _raw(arr, self.fmt, self.M * self.K)
-        _need(y, "y", np.float32)
+        need_array(y, "y", np.float32)
         if y.shape != (self.batch, self.M):
             raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
         return arr
