@@ -121,6 +121,9 @@ def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_d
     dev = stub_device
     weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
     pool, tables = _step_parts(dev, kv_dtype, 3)
+    # attn+prep:o is opt-in until its GPU tests have run on a device
+    assert "attn+prep:o" not in DecoderStep(dev, weights, pool, 3, 64, fuse=True).fused
+    monkeypatch.setenv("PAGEDKV_DECODE_FUSE_ATTN_PREP", "1")
     launches = {}
     for fuse in (False, True):
         step = DecoderStep(dev, weights, pool, 3, 64, fuse=fuse)
@@ -308,10 +311,12 @@ def _step_case(device, shape, fmt, kv_dtype, contexts, seed):
 @pytest.mark.parametrize("fmt,kv_dtype,batch", [
     ("hfq4g256", "float16", 1), ("mq4g256v2", "bfloat16", 1), ("mq4g256v2", "q8", 3),
     ("hfq4g256", "q8", 8), ("hfq4g256", "float16", 8)])
-def test_gpu_decode_step_fused_equals_unfused_bytes(device, shape, fmt, kv_dtype, batch):
+def test_gpu_decode_step_fused_equals_unfused_bytes(device, monkeypatch, shape, fmt, kv_dtype,
+                                                    batch):
     """The whole step fused (every fusion, attn+prep:o included) and unfused on the same
     weights, pool, tables and inputs: the same logits, residual stream and pool bytes.
     Contexts cross several partitions (the launch splits short contexts into 64+ tokens)."""
+    monkeypatch.setenv("PAGEDKV_DECODE_FUSE_ATTN_PREP", "1")
     contexts = [1025, 300, 64, 65, 1, 700, 129, 999][:batch]
     weights, pool, tables, x = _step_case(device, shape, fmt, kv_dtype, contexts, 7)
     results = {}

@@ -75,6 +75,9 @@ MATRICES = ("qkv", "o", "gate_up", "down")
 GEMV_ROWS_ENV = "PAGEDKV_DECODE_GEMV_ROWS"
 #: Environment variable: 0 runs a DecoderStep's unfused launches (the default fuses).
 FUSE_ENV = "PAGEDKV_DECODE_FUSE"
+#: Environment variable: 1 also fuses attention's reduce with the O projection's x prep
+#: (``attn+prep:o``); opt-in until its GPU tests have run on a device (docs/kernels.md).
+FUSE_ATTN_PREP_ENV = "PAGEDKV_DECODE_FUSE_ATTN_PREP"
 
 
 @dataclass(frozen=True)
@@ -298,7 +301,8 @@ class DecoderStep:
         # Prepared-x targets of the fused producers (None: that projection runs unfused); the
         # O projection's producer is attention's reduce, where it fuses (attn.prep_fusable).
         producers = {"qkv": fuse, "gate_up": fuse, "down": fuse, "lm_head": fuse,
-                     "o": fuse and self.attn.prep_fusable}
+                     "o": (fuse and self.attn.prep_fusable
+                           and bool(env_bool(FUSE_ATTN_PREP_ENV, False)))}
         self._prepared: dict[str, PreparedX | None] = {
             name: self._proj[name].prepared_x() if on else None
             for name, on in producers.items()}

@@ -49,10 +49,10 @@ GEMV_MMA_MAX_BATCH = 32
 #: Most group splits of the staged kernel: each split writes batch x M f32 partials (at
 #: batch 32 and 4 splits, 512 bytes per row against 2176 per row of a 4096-long 4-bit row).
 GEMV_STAGED_MAX_SPLITS = 4
-#: The pipelined batch 9-32 kernel (gemv_mma_pipe, NVIDIA; the default where its shared
-#: memory fits): groups in flight in its shared-memory ring and 16-row tiles per warp
+#: The pipelined batch 9-32 kernel (gemv_mma_pipe, NVIDIA; opt-in until it has run on a GPU:
+#: ``PAGEDKV_GEMV_PIPE=1`` or ``Gemv(pipe=True)``; docs/kernels.md says why): groups in flight in its shared-memory ring and 16-row tiles per warp
 #: (pagedkv/launch.h), most group splits, its n-tiles (n9 for batch 17-24) and the switch
-#: that keeps the staged kernel instead (``PAGEDKV_GEMV_PIPE=0``, or ``Gemv(pipe=False)``).
+#: that selects it.
 GEMV_PIPE_STAGES = launch_constant("PKV_GEMV_PIPE_STAGES")
 GEMV_PIPE_TILES_PER_WARP = launch_constant("PKV_GEMV_PIPE_TILES_PER_WARP")
 GEMV_PIPE_MAX_SPLITS = 8
@@ -254,9 +254,10 @@ class Gemv:
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
         kernels on NVIDIA: 8). Ignored by the f32 kernel.
 
-        ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the pipelined kernel where its shared
-        memory fits the device (``PAGEDKV_GEMV_PIPE=0`` keeps the staged one), ``True``
-        requires it, ``False`` runs the staged kernel. ``splits``: group splits of those
+        ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
+        ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
+        device; opt-in until it has run on a GPU), ``True`` requires the pipelined kernel,
+        ``False`` runs the staged kernel. ``splits``: group splits of those
         kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
         kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
         "Pipelined tensor-core GEMV")."""
@@ -274,7 +275,7 @@ class Gemv:
         # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
         wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
                 and device.backend == "cuda")
-        use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, True))
+        use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, False))
         if pipe and not wide:
             raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
                                   f"{list(_MMA_KERNELS)} on NVIDIA sm_80+; this is batch={batch} "
