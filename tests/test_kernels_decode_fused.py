@@ -121,7 +121,7 @@ def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_d
     dev = stub_device
     weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
     pool, tables = _step_parts(dev, kv_dtype, 3)
-    # attn+prep:o is opt-in until its GPU tests have run on a device
+    # attn+prep:o is opt-in: no faster on the H200 (docs/performance.md)
     assert "attn+prep:o" not in DecoderStep(dev, weights, pool, 3, 64, fuse=True).fused
     monkeypatch.setenv("PAGEDKV_DECODE_FUSE_ATTN_PREP", "1")
     launches = {}

@@ -76,7 +76,7 @@ GEMV_ROWS_ENV = "PAGEDKV_DECODE_GEMV_ROWS"
 #: Environment variable: 0 runs a DecoderStep's unfused launches (the default fuses).
 FUSE_ENV = "PAGEDKV_DECODE_FUSE"
 #: Environment variable: 1 also fuses attention's reduce with the O projection's x prep
-#: (``attn+prep:o``); opt-in until its GPU tests have run on a device (docs/kernels.md).
+#: (``attn+prep:o``); opt-in: correct on the H200 but no faster there (docs/performance.md).
 FUSE_ATTN_PREP_ENV = "PAGEDKV_DECODE_FUSE_ATTN_PREP"
 
 

@@ -49,8 +49,8 @@ GEMV_MMA_MAX_BATCH = 32
 #: Most group splits of the staged kernel: each split writes batch x M f32 partials (at
 #: batch 32 and 4 splits, 512 bytes per row against 2176 per row of a 4096-long 4-bit row).
 GEMV_STAGED_MAX_SPLITS = 4
-#: The pipelined batch 9-32 kernel (gemv_mma_pipe, NVIDIA; opt-in until it has run on a GPU:
-#: ``PAGEDKV_GEMV_PIPE=1`` or ``Gemv(pipe=True)``; docs/kernels.md says why): groups in flight in its shared-memory ring and 16-row tiles per warp
+#: The pipelined batch 9-32 kernel (gemv_mma_pipe, NVIDIA; opt-in, slower than the staged one on
+#: the H200: ``PAGEDKV_GEMV_PIPE=1`` or ``Gemv(pipe=True)``; docs/kernels.md says why): groups in flight in its shared-memory ring and 16-row tiles per warp
 #: (pagedkv/launch.h), most group splits, its n-tiles (n9 for batch 17-24) and the switch
 #: that selects it.
 GEMV_PIPE_STAGES = launch_constant("PKV_GEMV_PIPE_STAGES")
@@ -256,7 +256,7 @@ class Gemv:
 
         ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
         ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
-        device; opt-in until it has run on a GPU), ``True`` requires the pipelined kernel,
+        device; opt-in: correct on the H200 but slower there than the staged one), ``True`` requires the pipelined kernel,
         ``False`` runs the staged kernel. ``splits``: group splits of those
         kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
         kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
