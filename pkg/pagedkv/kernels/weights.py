@@ -256,7 +256,8 @@ class Gemv:
 
         ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
         ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
-        device; opt-in: correct on the H200 but slower there than the staged one), ``True`` requires the pipelined kernel,
+        device; opt-in: slower than the staged one on the H200, and suspected of a race:
+        docs/kernels.md), ``True`` requires the pipelined kernel,
         ``False`` runs the staged kernel. ``splits``: group splits of those
         kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
         kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
