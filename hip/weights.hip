@@ -859,7 +859,11 @@ PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int 
     }
   }
   if (splits == 1) return;
-  __threadfence();  // this block's partials are visible before its arrival is counted
+  __threadfence();  // this thread's partials are visible device-wide ...
+  __syncthreads();  // ... and every thread's, before thread 0 counts the block's arrival
+  // (the predicate below runs before its barrier: without the one above, thread 0 could
+  // count the block while other warps were still writing, and the last block would add
+  // partials not yet written; compute-sanitizer racecheck made it happen on the H200)
   const bool last =
       __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u);
   if (!last) return;
@@ -917,6 +921,7 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
   constexpr bool PREFETCH = NT <= PKV_GEMV_MMA_PREFETCH_TILES;
   MmaWeights cur, nxt;
   if (g_begin < g_end) stage_x(0, g_begin);
+  cp_async_commit();  // group 0's x is its own group: the first wait<1> below waits for it
   if (active && g_begin < g_end) cur.load(wtile + (int64_t)g_begin * TILE_BYTES, lane);
   for (int g = g_begin; g < g_end; ++g) {
     const int buf = (g - g_begin) & 1;
