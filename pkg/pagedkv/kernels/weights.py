@@ -256,7 +256,7 @@ class Gemv:
 
         ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
         ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
-        device; opt-in: slower than the staged one on the H200, and suspected of a race:
+        device; opt-in: slower than the staged one on the H200,
         docs/kernels.md), ``True`` requires the pipelined kernel,
         ``False`` runs the staged kernel. ``splits``: group splits of those
         kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
