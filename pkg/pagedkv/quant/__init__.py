@@ -83,7 +83,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
 
     ``array`` is float32 (float16 is widened exactly). The bytes are hipfire's:
     F16 by truncation (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation'), BF16 by
-    truncation, the group codecs per docs/contracts/hfqm-and-quant.md, '4. Weight codecs'.
+    truncation, the group codecs per docs/contracts/hfqm-and-quant.md, '4. Weight codecs';
+    Q4K's are ggml's (``quantize_row_q4_K_ref``; K a multiple of 256).
     NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`, and so does a group
     of finite weights the format cannot store with finite values (near ±3.4e38, or
     an f16 scale/zero beyond ±65504: docs/formats/quant.md, "Groups the codecs
