@@ -27,7 +27,7 @@ from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
 from pagedkv.hfqm.convert import convert_gguf, parameter_counts
 from pagedkv.hfqm.gguf_source import GgufSource, hf_name, unpermute_rows
 from pagedkv.hfqm.policy import plan_tensor, promoted, resolve_format
-from pagedkv.quant import dequantize, quantize
+from pagedkv.quant import dequantize, fwht256, quantize
 
 H, I, V = 256, 512, 64           # hidden, intermediate, vocab
 N_HEAD, N_KV = 4, 2              # head_dim 64
@@ -467,6 +467,10 @@ def test_quality_bench_measures_each_codec_on_the_same_tensors():
         want = np.mean([rel_error(x, dequantize(quantize(x, fmt), fmt, x.shape))
                         for x in sets["llm-like"]])
         assert rows[f"pagedkv {fmt}"]["llm-like"] == want
+    fwht_q4k = np.mean([rel_error(x, fwht256(dequantize(quantize(fwht256(x), "q4k"), "q4k",
+                                                            x.shape), inverse=True))
+                        for x in sets["gaussian"]])
+    assert rows["experiment: FWHT-256 + q4k"]["gaussian"] == fwht_q4k
     q4_0 = rows["ggml q4_0"]
     assert q4_0["bpw"] == 4.5 and q4_0["library"] == "ggml"
     assert rows["pagedkv mq4g256v2"]["bpw"] == 4.25

@@ -171,7 +171,8 @@ def test_format_names_and_defaults():
     with pytest.raises(InvalidArgument, match="does not encode"):
         resolve_format("paro4g128")
     with pytest.raises(InvalidArgument, match="only decodes it"):
-        resolve_format("q4k")
+        resolve_format("tq2g128")
+    assert resolve_format("q4k").id == 4
     with pytest.raises(InvalidArgument, match="not a convert target"):
         resolve_format("mq2g256gl")
     assert resolve_format("mfp4g32").id == 24
@@ -266,7 +267,8 @@ def test_safetensors_source_errors(tmp_path):
 
 @needs_codecs
 @pytest.mark.parametrize("fmt,weight_qt,k384_qt", [("hf4", 6, 6), ("mq4", 44, 7),
-                                                   ("q8", 3, 3), ("mq6", 15, 8), ("hf6", 8, 8)])
+                                                   ("q8", 3, 3), ("mq6", 15, 8), ("hf6", 8, 8),
+                                                   ("q4k", 4, 7)])
 def test_convert_applies_the_policy_and_writes_exact_payloads(tmp_path, capsys, fmt, weight_qt,
                                                               k384_qt):
     values = make_model(tmp_path / "m")

@@ -24,7 +24,7 @@ P1_NAMES = ["f16", "f32", "bf16", "q8f16", "hfq4g256", "hfq4g128", "hfq6g256", "
             # P2 formats (docs/formats/quant.md, "P2 formats")
             "hfp4g32", "mfp4g32", "mfp4g32p", "mq2g256gl", "mq3g256gl", "mq8g256", "q8hfq",
             "q4f16g64", "q4k", "tq2g128", "bq1g128"]
-ENCODABLE = [n for n in P1_NAMES if n not in ("q4k", "tq2g128", "bq1g128")]   # decode-only
+ENCODABLE = [n for n in P1_NAMES if n not in ("tq2g128", "bq1g128")]   # decode-only
 
 
 def test_every_p1_format_is_implemented_by_name_and_id():

@@ -252,7 +252,7 @@ def test_unsupported_formats_say_why(qt, words):
         Q.dequantize(np.zeros(16, np.uint8), qt, (1, 256))
 
 
-@pytest.mark.parametrize("fmt", ("q4k", "tq2g128", "bq1g128"))
+@pytest.mark.parametrize("fmt", ("tq2g128", "bq1g128"))
 def test_decode_only_formats_refuse_to_encode(fmt):
     with pytest.raises(UnsupportedQuantType, match="decode-only"):
         Q.quantize(np.ones((1, 256), F32), fmt)

@@ -965,6 +965,7 @@ PKV_FN void pkv_q4f16g64_decode_group(const PKV_DEVPTR uint8_t *blk, PKV_THREAD 
  * The gguf import decodes Q4_K tensors with this too (one definition).
  * ------------------------------------------------------------------------- */
 
+#define PKV_Q4K_GROUP       256u
 #define PKV_Q4K_GROUP_BYTES 144u
 
 /* ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..7). */

@@ -7,7 +7,9 @@ from the ``gguf`` package's reference quantizers (llama.cpp's ``quantize_row_*_r
 q4_K/q5_K/q6_K need ggml itself: pass ``--ggml-lib DIR`` holding ``libggml-base.so``
 (``ggml_quantize_chunk``, no importance matrix, as ``llama-quantize`` without
 ``--imatrix``). MLX is ``mx.quantize`` (affine, f16 scale and bias) from float16
-weights. docs/formats/quant.md, "Quality".
+weights. Experiment rows (no format id of their own) encode the FWHT-256 rotation of the
+weights (the MQ formats' ``fwht256``: sign patterns and all) in a pagedkv format and
+rotate back after decoding. docs/formats/quant.md, "Quality".
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ _GGML_BPW = {"q4_0": 4.5, "q8_0": 8.5, "q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625}
 
 PAGEDKV_FORMATS = ("mq2g256gl", "mq3g256gl", "mq3g256v2", "mq3g256lloyd", "hfq4g256",
                    "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256", "hfp4g32", "mfp4g32",
-                   "mfp4g32p", "q4f16g64", "mq4g256lloyd", "mq5g256v2", "hfq6g256",
+                   "mfp4g32p", "q4f16g64", "q4k", "mq4g256lloyd", "mq5g256v2", "hfq6g256",
                    "mq6g256v2", "mq8g256", "q8f16", "q8hfq")
+
+#: Unrotated formats measured on FWHT-256-rotated weights too (experiment rows).
+ROTATED_EXPERIMENTS = ("q4k",)
 
 
 def weight_sets(rows: int, k: int, seed: int) -> dict[str, list[np.ndarray]]:
@@ -60,6 +65,19 @@ def pagedkv_codec(fmt: str, shape: tuple[int, int]) -> tuple[float, Callable[[np
     def run(w: np.ndarray) -> np.ndarray:
         return dequantize(quantize(w, fmt), fmt, w.shape)
     return bpw, run
+
+
+def rotated_codec(fmt: str, shape: tuple[int, int]) -> tuple[float, Callable[[np.ndarray],
+                                                                            np.ndarray]]:
+    """``fmt`` applied to the FWHT-256 rotation of every 256 weights of a row (as the MQ
+    formats store them), rotated back after decoding; the bits per weight are ``fmt``'s."""
+    from pagedkv.quant import fwht256
+    bpw, run = pagedkv_codec(fmt, shape)
+
+    def rotated(w: np.ndarray) -> np.ndarray:
+        r = fwht256(w.reshape(-1, 256)).reshape(w.shape)
+        return fwht256(run(r).reshape(-1, 256), inverse=True).reshape(w.shape)
+    return bpw, rotated
 
 
 def gguf_codec(name: str) -> tuple[float, Callable[[np.ndarray], np.ndarray]]:
@@ -107,6 +125,9 @@ def measure(rows: int, k: int, seed: int, ggml_lib: str | None) -> list[dict]:
     for fmt in PAGEDKV_FORMATS:
         bpw, run = pagedkv_codec(fmt, (rows, k))
         codecs[f"pagedkv {fmt}"] = ("pagedkv", bpw, run)
+    for fmt in ROTATED_EXPERIMENTS:
+        bpw, run = rotated_codec(fmt, (rows, k))
+        codecs[f"experiment: FWHT-256 + {fmt}"] = ("pagedkv", bpw, run)
     for name in ("q4_0", "q8_0"):
         bpw, run = gguf_codec(name)
         codecs[f"ggml {name}"] = ("ggml", bpw, run)

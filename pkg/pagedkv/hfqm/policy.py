@@ -48,11 +48,12 @@ K_FALLBACK: dict[int, int] = {
     14: 3,                        # MQ8 -> Q8F16
     17: 12, 49: 12,               # MQ3 / MQ3V2 -> HFQ3G128
     18: 10, 50: 10,               # MQ2 / MQ2V2 -> HFQ2G128
+    4: 7,                         # Q4K (GGML Q4_K: whole super-blocks per row) -> HFQ4G128
 }
 
 #: 6-bit qt a promoted weight gets, per base qt (hipfire's ``default_promote_target``:
 #: MQ v1/MQ4V2/MQ4C/Lloyd -> MQ6G256, the other V2 -> MQ6G256V2, HFQ -> HFQ6G256). Bases not
-#: listed (Q8F16, raw types) are not promoted.
+#: listed (Q8F16, Q4K, raw types) are not promoted.
 PROMOTE_6BIT: dict[int, int] = {
     13: 15, 15: 15, 17: 15, 18: 15, 31: 15, 44: 15, 45: 15, 19: 15, 20: 15, 30: 15,
     47: 47, 48: 47, 49: 47, 50: 47,

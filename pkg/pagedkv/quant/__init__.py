@@ -62,9 +62,6 @@ _BASES = ("original", "rotated")
 _MQ2G256V2 = 50
 _FP4_KIND = {21: 0, 24: 1, 33: 2}     # pagedkv.quant.fp4.KINDS
 _DECODE_ONLY_WHY = {
-    Q4K: "GGML Q4_K has no single encoder (llama.cpp's searches scales with an optional "
-         "importance matrix; hipfire's is a port that differs from it); quantize with llama.cpp "
-         "or use mq4g256v2",
     TERNARY: "Bonsai's ternary/binary weights come from quantization-aware training and are "
              "passed through, never encoded from float weights",
 }
@@ -86,7 +83,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
 
     ``array`` is float32 (float16 is widened exactly). The bytes are hipfire's:
     F16 by truncation (docs/contracts/hfqm-and-quant.md, '3.2 f32 to f16 by truncation'), BF16 by
-    truncation, the group codecs per docs/contracts/hfqm-and-quant.md, '4. Weight codecs'.
+    truncation, the group codecs per docs/contracts/hfqm-and-quant.md, '4. Weight codecs';
+    Q4K's are ggml's (``quantize_row_q4_K_ref``; K a multiple of 256).
     NaN or Inf raises :class:`~pagedkv.errors.InvalidArgument`, and so does a group
     of finite weights the format cannot store with finite values (near ±3.4e38, or
     an f16 scale/zero beyond ±65504: docs/formats/quant.md, "Groups the codecs
@@ -100,6 +98,12 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
     array = float_array(array, "array")
     shape = tuple(int(d) for d in array.shape)
     check_k(codec, shape)
+    if codec.kind == Q4K and shape[-1] % 256:
+        # ggml's rows are whole super-blocks; the decoder alone accepts groups that
+        # straddle rows (a payload written elsewhere)
+        raise InvalidArgument(
+            f"q4k (GGML Q4_K) encodes rows of whole 256-weight super-blocks: the last "
+            f"dimension K must be a multiple of 256, got shape {shape}; pad K or use hfq4g128")
     if codec.qt.id == _MQ2G256V2:
         # docs/contracts/hfqm-and-quant.md, '1.1 Quant-type register': wire-complete, but upstream
         # rejects it on quality; encode only when asked, warn
@@ -132,6 +136,8 @@ def quantize(array: np.ndarray, fmt: str | int) -> np.ndarray:
         bad = q8.q8hfq_encode(flat, out, k) if flat.size else -1
     elif codec.kind == Q4F16G64:
         bad = legacy.q4f16g64_encode(flat, out)
+    elif codec.kind == Q4K:
+        bad = legacy.q4k_encode(flat, out)
     else:
         finite = np.isfinite(flat)
         bad = -1 if finite.all() else int(np.flatnonzero(~finite)[0])

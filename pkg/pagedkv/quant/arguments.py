@@ -62,6 +62,9 @@ _UNREPRESENTABLE_WHY = {
            "overflows float32)",
     "q8hfq": "a 32-weight block's f16 scale max|x|/127 would be beyond 65504",
     "q4f16g64": "its f16 scale (max - min)/15 or f16 minimum would be beyond ±65504",
+    "q4k": "its f16 d (the largest sub-block scale / 63) or dmin (the largest sub-block "
+           "minimum / 63) would be beyond 65504: weights spanning more than about 6e7, or "
+           "below about -4e6",
 }
 
 

@@ -35,7 +35,7 @@ GL = "gl"              # MQ2G256GL, MQ3G256GL: structure-of-arrays groups
 MQ8 = "mq8"            # MQ8G256
 Q8HFQ = "q8hfq"        # rows of scales, codes, padding
 Q4F16G64 = "q4f16g64"
-Q4K = "q4k"            # GGML Q4_K, decode only
+Q4K = "q4k"            # GGML Q4_K (ggml's reference encoder, no importance matrix)
 TERNARY = "ternary"    # TQ2G128, BQ1G128, decode only
 
 #: Quant types pagedkv does not decode, and what is missing (the UnsupportedQuantType text).
@@ -64,7 +64,7 @@ class Codec:
     kind: str                     # "raw", "affine", "q8", "lloyd" or a P2 kind above
     bits: int = 0                 # code width (affine) or element bits (raw)
     family: AffineFamily | None = None
-    encodes: bool = True          # False: decode only (Q4K, TQ2G128, BQ1G128)
+    encodes: bool = True          # False: decode only (TQ2G128, BQ1G128)
     row_multiple: int = 0         # row formats (FP4, Q8HFQ): K must be a multiple of this
 
     @property
@@ -151,7 +151,7 @@ CODECS: dict[int, Codec] = {c.qt.id: c for c in (
     Codec(QTYPES[14], MQ8, 8),
     Codec(QTYPES[5], Q8HFQ, 8, row_multiple=32),
     Codec(QTYPES[0], Q4F16G64, 4),
-    Codec(QTYPES[4], Q4K, 4, encodes=False),
+    Codec(QTYPES[4], Q4K, 4),
     Codec(QTYPES[40], TERNARY, 2, encodes=False), Codec(QTYPES[41], TERNARY, 1, encodes=False),
 )}
 

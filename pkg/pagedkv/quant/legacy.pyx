@@ -1,9 +1,9 @@
 # cython: freethreading_compatible = True
-"""The legacy weight codecs: Q4F16G64 (qt 0, encode and decode) and Q4K (qt 4 = GGML
-Q4_K, decode). docs/formats/quant.md, "Q4F16G64" and "Q4K".
+"""The legacy weight codecs: Q4F16G64 (qt 0) and Q4K (qt 4 = GGML Q4_K), encode and
+decode. docs/formats/quant.md, "Q4F16G64" and "Q4K".
 
 Flat in, flat out: groups of 64 (Q4F16G64, may straddle rows, the short last one padded)
-or 256 (Q4K) weights.
+or 256 (Q4K) weights. The Q4K encoder takes whole super-blocks only (ggml's rows are).
 """
 
 cimport numpy as cnp
@@ -18,6 +18,10 @@ from pagedkv.quant.quant_header cimport (
 cnp.import_array()
 
 from pagedkv.errors import InvalidArgument, SizeMismatch
+
+
+cdef extern from "q4k_loops.h" nogil:
+    int pkv_q4k_encode_group(const float *x, uint8_t *blk)
 
 cdef enum:
     Q4F16G64_GROUP = 64
@@ -42,6 +46,29 @@ def q4f16g64_encode(const float[::1] x, uint8_t[::1] out):
                               f"{n_groups * Q4F16G64_BYTES}")
     with nogil:
         bad = encode_groups(&x[0], n, Q4F16G64_GROUP, _encode_q4f16g64_group, &out[0])
+    return bad
+
+
+cdef bint _encode_q4k_group(const float *x, Py_ssize_t count, Py_ssize_t g,
+                            void *out) noexcept nogil:
+    return pkv_q4k_encode_group(x, &(<uint8_t *>out)[g * Q4K_BYTES]) == PKV_ENCODE_OK
+
+
+def q4k_encode(const float[::1] x, uint8_t[::1] out):
+    """Encode ``x`` (a multiple of 256 weights) into ``len(x)/256 * 144`` bytes of GGML
+    Q4_K super-blocks, byte for byte ggml's ``quantize_row_q4_K_ref``. Returns -1; the
+    index of the first NaN/Inf; or ``-2 - g`` when super-block ``g``'s f16 d or dmin
+    saturates."""
+    cdef Py_ssize_t n = x.shape[0], bad
+    if n % Q4K_GROUP:
+        raise InvalidArgument(f"q4k encodes whole super-blocks of {Q4K_GROUP} weights, got {n}")
+    if out.shape[0] != n // Q4K_GROUP * Q4K_BYTES:
+        raise InvalidArgument(f"out has {out.shape[0]} bytes, the encoding needs "
+                              f"{n // Q4K_GROUP * Q4K_BYTES}")
+    if n == 0:
+        return -1
+    with nogil:
+        bad = encode_groups(&x[0], n, Q4K_GROUP, _encode_q4k_group, &out[0])
     return bad
 
 
