@@ -55,6 +55,16 @@ def _fill(attn, lens, *, flat_max=False):
     return part_out, part_max, part_sum
 
 
+def _reduce(device, attn, lens, *, flat_max=False):
+    """Fill attn's workspace (:func:`_fill`), run ``attn.reduce`` into a poisoned output;
+    returns ``(output, workspace)`` (host arrays)."""
+    ws = _fill(attn, lens, flat_max=flat_max)
+    out = poisoned(device, (len(lens), attn.num_heads, attn.head_dim), np.float32)
+    attn.reduce(device.array(np.asarray(lens, np.int32)), out)
+    device.synchronize()
+    return out.to_numpy(), ws
+
+
 def _float64_combine(part_out, part_max, part_sum, lens):
     """The combine in float64, ``sum_p w_p |o_p| / sum_p w_p l_p`` (the magnitude the
     float32 errors scale with) and each sequence's partition count."""
@@ -92,12 +102,7 @@ def test_gpu_reduce_is_the_float64_combine_within_its_bound(device, head_dim, le
     heads = 4
     attn = _attn(device, heads, head_dim, lens)
     assert attn._reduce_threads == 32 * min(reduce_slices(), attn.max_partitions)
-    ws = _fill(attn, lens)
-    seq_lens = device.array(np.asarray(lens, np.int32))
-    out = poisoned(device, (len(lens), heads, head_dim), np.float32)
-    attn.reduce(seq_lens, out)
-    device.synchronize()
-    got = out.to_numpy()
+    got, ws = _reduce(device, attn, lens)
     want, bound = _float64_and_bound(*ws, lens)
     assert np.isfinite(got).all()  # no NaN past a sequence's partitions was read
     assert not got[0].any()  # the empty sequence: zeros
@@ -113,14 +118,9 @@ def test_gpu_reduce_sums_in_the_emulated_order(device, head_dim, lens):
     # so the summation order alone decides the bits (header butterfly, slices in order).
     heads = 3
     attn = _attn(device, heads, head_dim, lens)
-    ws = _fill(attn, lens, flat_max=True)
-    seq_lens = np.asarray(lens, np.int32)
-    out = poisoned(device, (len(lens), heads, head_dim), np.float32)
-    attn.reduce(device.array(seq_lens), out)
-    device.synchronize()
-    want = attention_reduce(*ws, seq_lens, TOKENS)
-    np.testing.assert_array_equal(out.to_numpy().view(np.uint32), want.view(np.uint32),
-                                  err_msg=repr(attn))
+    got, ws = _reduce(device, attn, lens, flat_max=True)
+    want = attention_reduce(*ws, np.asarray(lens, np.int32), TOKENS)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=repr(attn))
 
 
 @pytest.mark.gpu
@@ -171,12 +171,7 @@ def test_gpu_unrotating_reduce_is_the_rotated_float64_combine(device, kv_dtype, 
     attn = _attn(device, heads, head_dim, lens, kv_dtype)
     assert attn._reduce.name == f"pkv_paged_attention_reduce_ifwht{rot}"
     assert attn._reduce_threads >= head_dim
-    ws = _fill(attn, lens)
-    seq_lens = device.array(np.asarray(lens, np.int32))
-    out = poisoned(device, (len(lens), heads, head_dim), np.float32)
-    attn.reduce(seq_lens, out)
-    device.synchronize()
-    got = out.to_numpy()
+    got, ws = _reduce(device, attn, lens)
     combined, bound = _float64_and_bound(*ws, lens)
     want = _unrotate_rows(combined, rot)
     blocks = (len(lens), heads, head_dim // rot, rot)
