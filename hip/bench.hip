@@ -23,3 +23,30 @@ PKV_KERNEL void pkv_read_probe(const uint4* src, uint32_t* block_sums, int64_t n
   __syncthreads();
   if (threadIdx.x == 0) block_sums[blockIdx.x] = block_sum;
 }
+
+// The partition reduce as it was before hip/attention_reduce.h split the partitions into
+// slices (kept for `python -m pagedkv.bench gpu` only, to time the new one against it):
+// one block of head_dim threads per (head, seq) = (blockIdx.x, blockIdx.y), every thread
+// walking all partitions itself (the max, the denominator, then its dim's weighted sum).
+PKV_KERNEL void pkv_bench_attention_reduce_serial(const float* part_out, const float* part_max,
+                                                  const float* part_sum,
+                                                  const int32_t* seq_lens, float* out,
+                                                  int num_heads, int head_dim,
+                                                  int max_partitions, int partition_tokens) {
+  const int h = blockIdx.x, seq = blockIdx.y;
+  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
+  const float* pmax = part_max + hp;
+  const float* psum = part_sum + hp;
+  const int n = (seq_lens[seq] + partition_tokens - 1) / partition_tokens;
+  float m = -INFINITY;
+  for (int p = 0; p < n; ++p) m = fmaxf(m, pmax[p]);
+  float denom = 0.0f;
+  for (int p = 0; p < n; ++p) denom = fmaf(expf(pmax[p] - m), psum[p], denom);
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int p = 0; p < n; ++p)
+      acc = fmaf(expf(pmax[p] - m), part_out[(hp + p) * head_dim + d], acc);
+    out[((int64_t)seq * num_heads + h) * head_dim + d] = acc * inv;
+  }
+}

@@ -254,12 +254,14 @@ PKV_KERNEL void pkv_silu_mul_prep_f32(const float* gu, float* out, uint32_t* xq,
 // as the prepared x of the O projection's tensor-core GEMV (xq, xs, n_tiles, rotate as in
 // pkv_add_rmsnorm_prep_f32); `out` ([num_seqs, num_heads, head_dim], the reduce's output)
 // too unless null. x row seq is out[seq] flattened: K = num_heads * head_dim, a multiple of
-// 256, so a 256-group spans 256 / head_dim heads (head_dim <= 256 divides 256). One 32-lane
-// warp per (256-group, seq), like pkv_gemv_prep_x: lane L combines x[8L, 8L + 8) of the
-// group, 8 dims of one head (head_dim % 8 == 0), with hip/attention_reduce.h's arithmetic
-// (each lane reads its head's partition maxima and sums itself), so its values are the
-// reduce's bit for bit, then writes them through gemv_prep_x_warp. The partition geometry
-// (max_partitions, partition_tokens) is the partition launch's.
+// 256, so a 256-group spans 256 / head_dim heads (head_dim <= 256 divides 256). One block
+// per (256-group, seq) = (blockIdx.x, blockIdx.y) of PKV_ATTN_REDUCE_SLICES 32-lane warps:
+// hip/attention_reduce.h's attn_block_slices with lane L of every warp on x[8L, 8L + 8) of
+// the group (8 dims of one head, head_dim % 8 == 0), the group's heads' headers computed
+// one per warp; the slices' sums and their total are the reduce's, so its values are the
+// reduce's bit for bit. Warp 0 then adds the slices and writes them through
+// gemv_prep_x_warp. The partition geometry (max_partitions, partition_tokens) is the
+// partition launch's.
 PKV_KERNEL void pkv_attention_reduce_prep_f32(const float* part_out, const float* part_max,
                                               const float* part_sum, const int32_t* seq_lens,
                                               float* out, uint32_t* xq, float4* xs,
@@ -268,20 +270,24 @@ PKV_KERNEL void pkv_attention_reduce_prep_f32(const float* part_out, const float
                                               int n_tiles, int rotate) {
   pkv_grid_dependency_wait();  // PDL: the previous kernel's outputs are ready from here
   pkv_launch_dependents();
-  const int lane = threadIdx.x % 32;
-  const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int groups = num_heads * head_dim / 256;
-  if (wid >= (int64_t)groups * num_seqs) return;  // whole warps leave together
-  const int g = (int)(wid % groups), seq = (int)(wid / groups);
-  const int e0 = g * 256 + 8 * lane;  // this lane's first value of x[seq]
-  const int h = e0 / head_dim, d0 = e0 - h * head_dim;
-  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
-  const AttnCombine c =
-      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
+  __shared__ float sums[PKV_ATTN_REDUCE_SLICES * ATTN_SUMS_STRIDE];
+  __shared__ AttnCombine header[8];  // the group's heads: 256 / head_dim <= 8
+  const int lane = threadIdx.x % 32, g = blockIdx.x, seq = blockIdx.y;
+  const int heads = 256 / head_dim, h0 = g * heads;  // the group's heads
+  const int mine = 8 * lane / head_dim, d0 = 8 * lane - mine * head_dim;
+  const int64_t hp0 = ((int64_t)seq * num_heads + h0) * max_partitions;
+  const int n = attn_partition_count(seq_lens[seq], partition_tokens);
+  const AttnCombine c = attn_block_slices<8>(
+      part_max + hp0, part_sum + hp0, max_partitions, heads, mine,
+      part_out + (hp0 + (int64_t)mine * max_partitions) * head_dim + d0, head_dim, n, header,
+      sums);
+  if (threadIdx.x >= 32) return;  // warp 0 (AMD: the wavefront's first half) writes
   float v[8];
-  attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d0, head_dim, v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    v[j] = attn_slices_total(sums, 8 * lane + j, attn_slice_count(n), c.inv);
   if (out) {
-    float4* dst = (float4*)(out + (int64_t)seq * num_heads * head_dim + e0);
+    float4* dst = (float4*)(out + ((int64_t)seq * num_heads + h0) * head_dim + 8 * lane);
     dst[0] = make_float4(v[0], v[1], v[2], v[3]);
     dst[1] = make_float4(v[4], v[5], v[6], v[7]);
   }

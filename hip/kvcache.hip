@@ -2427,28 +2427,62 @@ PKV_ATTN_QKERNELS_MMA_ALL_V(fwht2, 2, 128)
 PKV_ATTN_QKERNELS_MMA_ALL_V(lloyd4, 4, 256)
 PKV_ATTN_QKERNELS_MMA_ALL_V(lloyd2, 2, 256)
 
+// The partition reduce of one (seq, head), block (blockIdx.x, blockIdx.y) = (head, seq), of
+// 32-lane warps (a warp per slice: hip/attention_reduce.h; the launcher gives at most
+// PKV_ATTN_REDUCE_SLICES, fewer for fewer partitions). Each lane carries head_dim / 32 dims
+// (head_dim 32, 64, 128 or 256). Leaves the slices' sums in `sums`, the block synced, and
+// returns the head's header and its slice count.
+PKV_DEV AttnCombine paged_attention_reduce_block(const float* part_out, const float* part_max,
+                                                 const float* part_sum, const int32_t* seq_lens,
+                                                 int num_heads, int head_dim,
+                                                 int max_partitions, int partition_tokens,
+                                                 AttnCombine* header, float* sums,
+                                                 int& n_slices) {
+  const int h = blockIdx.x, seq = blockIdx.y, lane = threadIdx.x % 32;
+  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
+  const int n = attn_partition_count(seq_lens[seq], partition_tokens);
+  n_slices = attn_slice_count(n);
+  const float* pout = part_out + hp * head_dim;
+  switch (head_dim) {
+    case 32:
+      return attn_block_slices<1>(part_max + hp, part_sum + hp, max_partitions, 1, 0,
+                                  pout + lane, head_dim, n, header, sums);
+    case 64:
+      return attn_block_slices<2>(part_max + hp, part_sum + hp, max_partitions, 1, 0,
+                                  pout + 2 * lane, head_dim, n, header, sums);
+    case 128:
+      return attn_block_slices<4>(part_max + hp, part_sum + hp, max_partitions, 1, 0,
+                                  pout + 4 * lane, head_dim, n, header, sums);
+    default:  // 256
+      return attn_block_slices<8>(part_max + hp, part_sum + hp, max_partitions, 1, 0,
+                                  pout + 8 * lane, head_dim, n, header, sums);
+  }
+}
+
 // The reduce of a rotated V: combine the partitions in the V basis, then rotate each
-// (seq, head) row back (R^T per ROT-block) before writing it. head_dim threads, one per dim
-// (head_dim <= 256).
+// (seq, head) row back (R^T per ROT-block) before writing it. rotate_shared strides over
+// the block's threads, whatever their number.
 template <int ROT>
 PKV_DEV void paged_attention_reduce_unrotate(const float* part_out, const float* part_max,
                                              const float* part_sum, const int32_t* seq_lens,
                                              float* out, int num_heads, int head_dim,
                                              int max_partitions, int partition_tokens) {
+  __shared__ float sums[PKV_ATTN_REDUCE_SLICES * ATTN_SUMS_STRIDE];
   __shared__ float buf[256];
-  const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
-  const AttnCombine c =
-      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
-  float v[1];
-  attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d, head_dim, v);
-  buf[d] = v[0];
+  __shared__ AttnCombine header[1];
+  int n_slices;
+  const AttnCombine c = paged_attention_reduce_block(part_out, part_max, part_sum, seq_lens,
+                                                     num_heads, head_dim, max_partitions,
+                                                     partition_tokens, header, sums, n_slices);
+  for (int e = threadIdx.x; e < head_dim; e += blockDim.x)
+    buf[e] = attn_slices_total(sums, e, n_slices, c.inv);
   __syncthreads();
   rotate_shared<ROT>(buf, head_dim, true);
-  out[((int64_t)seq * num_heads + h) * head_dim + d] = buf[d];
+  const int64_t row = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * head_dim;
+  for (int e = threadIdx.x; e < head_dim; e += blockDim.x) out[row + e] = buf[e];
 }
 
-// A lloyd V (or fwht3 V): R256, 256 threads.
+// A lloyd V (or fwht3 V): R256.
 PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const float* part_max,
                                                     const float* part_sum, const int32_t* seq_lens,
                                                     float* out, int num_heads, int head_dim,
@@ -2457,7 +2491,7 @@ PKV_KERNEL void pkv_paged_attention_reduce_ifwht256(const float* part_out, const
                                        head_dim, max_partitions, partition_tokens);
 }
 
-// pagedkv's fwht4/fwht2 V: R128 on each 128-half, head_dim (128 or 256) threads.
+// pagedkv's fwht4/fwht2 V: R128 on each 128-half (head_dim 128 or 256).
 PKV_KERNEL void pkv_paged_attention_reduce_ifwht128(const float* part_out, const float* part_max,
                                                     const float* part_sum, const int32_t* seq_lens,
                                                     float* out, int num_heads, int head_dim,
@@ -2467,21 +2501,21 @@ PKV_KERNEL void pkv_paged_attention_reduce_ifwht128(const float* part_out, const
 }
 
 // Combine the partitions of one (seq, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p
-// (hip/attention_reduce.h, the arithmetic the decode step's fused reduce shares). An empty
-// sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.
+// (hip/attention_reduce.h, the arithmetic and order the decode step's fused reduce shares). An
+// empty sequence (seq_len 0) gives zeros. partition_tokens: the partition kernel's.
 PKV_KERNEL void pkv_paged_attention_reduce(const float* part_out, const float* part_max,
                                            const float* part_sum, const int32_t* seq_lens,
                                            float* out, int num_heads, int head_dim,
                                            int max_partitions, int partition_tokens) {
-  const int h = blockIdx.x, seq = blockIdx.y;
-  const int64_t hp = ((int64_t)seq * num_heads + h) * max_partitions;
-  const AttnCombine c =
-      attn_combine_begin(part_max + hp, part_sum + hp, seq_lens[seq], partition_tokens);
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float v[1];
-    attn_combine_values(c, part_max + hp, part_out + hp * head_dim + d, head_dim, v);
-    out[((int64_t)seq * num_heads + h) * head_dim + d] = v[0];
-  }
+  __shared__ float sums[PKV_ATTN_REDUCE_SLICES * ATTN_SUMS_STRIDE];
+  __shared__ AttnCombine header[1];
+  int n_slices;
+  const AttnCombine c = paged_attention_reduce_block(part_out, part_max, part_sum, seq_lens,
+                                                     num_heads, head_dim, max_partitions,
+                                                     partition_tokens, header, sums, n_slices);
+  const int64_t row = ((int64_t)blockIdx.y * num_heads + blockIdx.x) * head_dim;
+  for (int e = threadIdx.x; e < head_dim; e += blockDim.x)
+    out[row + e] = attn_slices_total(sums, e, n_slices, c.inv);
 }
 
 // ---------------------------------------------------------------------------

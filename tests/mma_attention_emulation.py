@@ -505,24 +505,73 @@ def fma_f32(a, b, c) -> np.ndarray:
     return s.astype(np.float32)
 
 
+def reduce_slices() -> int:
+    """PKV_ATTN_REDUCE_SLICES (pagedkv/launch.h): partition p is summed in slice p % slices."""
+    from pagedkv.kernels.launch_constants import launch_constant
+    return launch_constant("PKV_ATTN_REDUCE_SLICES")
+
+
+def partition_weights(pmax: np.ndarray, m) -> np.ndarray:
+    """attn_partition_weight: ``expf(m_p - M)`` (NumPy's float32 exp: the device's may differ
+    from it in the last bit, except where m_p == M: exactly 1 on both)."""
+    return np.exp((np.asarray(pmax, np.float32) - np.float32(m)).astype(np.float32))
+
+
+def combine_header(pmax: np.ndarray, psum: np.ndarray) -> tuple[np.float32, np.float32]:
+    """attn_combine_header for one (seq, head), lane by lane: lane j takes partitions j, j +
+    32, ... (an fmaxf chain, then an fmaf chain from 0 of weight x sum), the 32 lanes' values
+    meet in the xor butterfly 16, 8, 4, 2, 1. Returns ``(M, inv)``, inv = 1 / denominator
+    (0 when it is not > 0)."""
+    n = len(pmax)
+    m_lane = np.full(LANES, -np.inf, np.float32)
+    for p in range(n):
+        m_lane[p % LANES] = np.fmax(m_lane[p % LANES], np.float32(pmax[p]))  # fmaxf
+    for o in (16, 8, 4, 2, 1):
+        m_lane = np.fmax(m_lane, m_lane[LANE ^ o])
+    m = m_lane[0]
+    d_lane = np.zeros(LANES, np.float32)
+    w = partition_weights(pmax, m)
+    for p in range(n):
+        d_lane[p % LANES] = fma_f32(w[p], psum[p], d_lane[p % LANES])
+    for o in (16, 8, 4, 2, 1):
+        d_lane = (d_lane + d_lane[LANE ^ o]).astype(np.float32)
+    assert (d_lane.view(np.uint32) == d_lane[0].view(np.uint32)).all()  # every lane's alike
+    d = d_lane[0]
+    return m, (np.float32(1.0) / d if d > 0 else np.float32(0.0))
+
+
+def slice_sums(pmax: np.ndarray, pout: np.ndarray, m) -> list[np.ndarray]:
+    """attn_slice_sum for every slice holding a partition: slice s's fmaf chain from 0 over
+    partitions s, s + slices, ... in ascending order (whatever chunks the kernel loads
+    them in). ``pout`` float32[n_parts, dims] -> one float32[dims] per slice."""
+    slices = reduce_slices()
+    w = partition_weights(pmax, m)
+    sums = []
+    for s in range(min(slices, len(pmax))):
+        acc = np.zeros(pout.shape[1:], np.float32)
+        for p in range(s, len(pmax), slices):
+            acc = fma_f32(w[p], pout[p], acc)
+        sums.append(acc)
+    return sums
+
+
+def slices_total(sums: list[np.ndarray], inv, dims) -> np.ndarray:
+    """attn_slices_total: slice 0 + slice 1 + ... in order, times inv (zeros for none)."""
+    t = np.zeros(dims, np.float32)
+    if sums:
+        t = sums[0].copy()
+    for acc in sums[1:]:
+        t = (t + acc).astype(np.float32)
+    return (t * np.float32(inv)).astype(np.float32)
+
+
 def combine_head(pmax: np.ndarray, psum: np.ndarray, pout: np.ndarray) -> np.ndarray:
-    """hip/attention_reduce.h for one (seq, head), in its order: ``M = max_p m_p``, the
-    denominator an fmaf chain over the partitions, ``inv = 1 / denom`` (0 when not > 0),
-    each output an fmaf chain times inv. ``pmax``, ``psum`` float32[n_parts], ``pout``
-    float32[n_parts, dims] -> float32[dims] (zeros for no partition). ``expf`` is NumPy's
-    float32 exp (the device's may differ from it in the last bit)."""
-    m = np.float32(-np.inf)
-    for pm in pmax:
-        m = np.fmax(m, pm)  # fmaxf
-    w = [np.exp(np.float32(pm - m)) for pm in pmax]
-    denom = np.float32(0.0)
-    for wp, ps in zip(w, psum, strict=True):
-        denom = fma_f32(wp, ps, denom)
-    inv = np.float32(1.0) / denom if denom > 0 else np.float32(0.0)
-    acc = np.zeros(pout.shape[1:], np.float32)
-    for wp, po in zip(w, pout, strict=True):
-        acc = fma_f32(wp, po, acc)
-    return (acc * inv).astype(np.float32)
+    """hip/attention_reduce.h for one (seq, head), in its order: the header
+    (:func:`combine_header`), the slices' sums (:func:`slice_sums`), their total times inv
+    (:func:`slices_total`). ``pmax``, ``psum`` float32[n_parts], ``pout`` float32[n_parts,
+    dims] -> float32[dims] (zeros for no partition)."""
+    m, inv = combine_header(pmax, psum)
+    return slices_total(slice_sums(pmax, pout, m), inv, pout.shape[1:])
 
 
 def attention_reduce(part_out, part_max, part_sum, seq_lens, partition_tokens):
@@ -541,11 +590,12 @@ def attention_reduce(part_out, part_max, part_sum, seq_lens, partition_tokens):
 
 
 def attention_reduce_prep(part_out, part_max, part_sum, seq_lens, partition_tokens, n_tiles,
-                          rotate, threads=256):
-    """pkv_attention_reduce_prep_f32 (hip/decode.hip) lane by lane, its index expressions
-    copied from the kernel text: per 32-lane warp of the grid (``threads`` per block) the
-    lanes' 8 combined values, then gemv_prep_x_warp. Returns ``(out, xq, xs)``: the
-    float32[seqs, heads, head_dim] it writes and the prepared x."""
+                          rotate):
+    """pkv_attention_reduce_prep_f32 (hip/decode.hip) block by block, its index expressions
+    copied from the kernel text: per (256-group g, seq) block, the group's heads' headers,
+    every lane's 8 dims (lane L: x[8L, 8L + 8) of the group, head ``mine``) summed per slice,
+    warp 0's totals, then gemv_prep_x_warp. Returns ``(out, xq, xs)``: the float32[seqs,
+    heads, head_dim] it writes and the prepared x."""
     from test_gemv_mma_simulated import X_WORDS, prep_x_warp
     num_seqs, num_heads, max_partitions, head_dim = part_out.shape
     pmax_flat, psum_flat = part_max.reshape(-1), part_sum.reshape(-1)
@@ -554,22 +604,25 @@ def attention_reduce_prep(part_out, part_max, part_sum, seq_lens, partition_toke
     xq = np.zeros(groups * n_tiles * 32 * X_WORDS, np.uint32)
     xs = np.zeros((groups * num_seqs, 4), np.float32)
     out = np.full(num_seqs * num_heads * head_dim, np.nan, np.float32)
-    warps = groups * num_seqs
-    for wid in range(-(-warps // (threads // 32)) * (threads // 32)):  # the launch's grid
-        if wid >= groups * num_seqs:
-            continue  # whole warps leave together
-        g, seq = wid % groups, wid // groups
+    for g, seq in np.ndindex(groups, num_seqs):  # the grid (groups, num_seqs)
+        heads = 256 // head_dim
+        h0 = g * heads
+        hp0 = (seq * num_heads + h0) * max_partitions
+        n = -(-int(seq_lens[seq]) // partition_tokens)
+        header = [combine_header(pmax_flat[hp0 + k * max_partitions:][:n],
+                                 psum_flat[hp0 + k * max_partitions:][:n])
+                  for k in range(heads)]
         v = np.zeros((32, 8), np.float32)
         for lane in range(32):
-            e0 = g * 256 + 8 * lane
-            h = e0 // head_dim
-            d0 = e0 - h * head_dim
-            hp = (seq * num_heads + h) * max_partitions
-            n = -(-int(seq_lens[seq]) // partition_tokens)
-            pout = np.stack([pout_flat[hp * head_dim + d0 + p * head_dim:][:8]
+            mine = 8 * lane // head_dim
+            d0 = 8 * lane - mine * head_dim
+            base = (hp0 + mine * max_partitions) * head_dim + d0
+            pout = np.stack([pout_flat[base + p * head_dim:][:8]
                              for p in range(n)]) if n else np.zeros((0, 8), np.float32)
-            v[lane] = combine_head(pmax_flat[hp:hp + n], psum_flat[hp:hp + n], pout)
-            at = seq * num_heads * head_dim + e0
+            hp = hp0 + mine * max_partitions
+            m, inv = header[mine]
+            v[lane] = slices_total(slice_sums(pmax_flat[hp:hp + n], pout, m), inv, 8)
+            at = (seq * num_heads + h0) * head_dim + 8 * lane
             out[at:at + 8] = v[lane]
         prep_x_warp(v, g, seq, xq, xs, num_seqs, n_tiles, rotate)
     return out.reshape(num_seqs, num_heads, head_dim), xq, xs

@@ -1,7 +1,9 @@
-"""The decode step's fused attention reduce (pkv_attention_reduce_prep_f32, hip/decode.hip)
-emulated lane by lane in NumPy (tests/mma_attention_emulation.py): each lane's head,
-dims and partition offsets as the kernel computes them, the combine of
-hip/attention_reduce.h, then gemv_prep_x_warp's planes and sums. Its prepared x must be
+"""The partition reduce's summation order (hip/attention_reduce.h: a 32-lane butterfly for
+the header, PKV_ATTN_REDUCE_SLICES slices of partitions added in slice order) and the decode
+step's fused attention reduce (pkv_attention_reduce_prep_f32, hip/decode.hip) emulated lane
+by lane in NumPy (tests/mma_attention_emulation.py): each lane's head, dims and partition
+offsets as the kernel computes them, the combine of hip/attention_reduce.h, then
+gemv_prep_x_warp's planes and sums. Its prepared x must be
 byte for byte the GEMV's prep of pkv_paged_attention_reduce's output (the GPU test of
 tests/test_kernels_decode_fused.py checks the same on the device), and the combine must
 be the float64 formula within float32 rounding. An index mistake (a lane reading another
@@ -15,7 +17,14 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mma_attention_emulation import attention_reduce, attention_reduce_prep, fma_f32
+from mma_attention_emulation import (
+    attention_reduce,
+    attention_reduce_prep,
+    combine_head,
+    combine_header,
+    fma_f32,
+    reduce_slices,
+)
 from test_gemv_mma_simulated import prep_x
 
 
@@ -61,12 +70,76 @@ def test_fused_reduce_prep_writes_the_reduce_and_prep_bytes(num_heads, head_dim,
         assert not want[0].any()  # an empty sequence's row: zeros
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 8, 9, 64, 65, 257])
+def test_fused_reduce_prep_matches_the_reduce_at_every_partition_count(head_dim, parts):
+    # one partition (one slice), fewer partitions than slices, a non-power-of-two count, a
+    # count past the header's two cached partitions per lane (65) and past a chunk (257)
+    rng = np.random.default_rng(parts * 1000 + head_dim)
+    tokens = 16
+    lens = [parts * tokens - 3, 0, parts * tokens]
+    part_out, part_max, part_sum = _workspace(rng, lens, 2048 // head_dim, head_dim, tokens)
+    seq_lens = np.asarray(lens, np.int32)
+    out, xq, xs = attention_reduce_prep(part_out, part_max, part_sum, seq_lens, tokens, 2,
+                                        False)
+    want = attention_reduce(part_out, part_max, part_sum, seq_lens, tokens)
+    assert np.isfinite(want).all() and not want[1].any()
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    want_xq, want_xs = prep_x(want.reshape(3, -1), 2048, 2, False)
+    np.testing.assert_array_equal(xq, want_xq)
+    np.testing.assert_array_equal(xs.view(np.uint32), want_xs.view(np.uint32))
+
+
+def _butterfly(x: np.ndarray) -> np.float32:
+    """The xor butterfly 16, 8, 4, 2, 1 as lane 0 sees it, written as pairwise sums over
+    the lane index's bits from the highest (an independent spelling of the kernel's)."""
+    x = np.asarray(x, np.float32)
+    while x.size > 1:
+        half = x.size // 2
+        x = (x[:half] + x[half:]).astype(np.float32)
+    return x[0]
+
+
+@pytest.mark.parametrize("parts", [1, 5, 31, 32, 33, 64, 100, 257])
+def test_combine_order_is_the_documented_one(parts):
+    # Every partition's max equal: weights are exactly 1 on the device and here, so the
+    # order alone decides the bits (the GPU test of tests/test_kernels_attention_reduce.py
+    # asserts the kernel's output equal to combine_head's on such a workspace). Spelled
+    # independently: lane j's chain over partitions j, j + 32, ... then the butterfly;
+    # slice s's chain over s, s + slices, ... then the slices in order.
+    rng = np.random.default_rng(parts)
+    psum = rng.uniform(1, 300, parts).astype(np.float32)
+    pout = (rng.uniform(-1, 1, (parts, 16)) * psum[:, None]).astype(np.float32)
+    pmax = np.full(parts, 1.5, np.float32)
+    lanes = np.zeros(32, np.float32)
+    for p in range(parts):
+        lanes[p % 32] = np.float32(lanes[p % 32] + psum[p])
+    denom = _butterfly(lanes)
+    m, inv = combine_header(pmax, psum)
+    assert m == np.float32(1.5) and inv == np.float32(1) / denom
+    slices = reduce_slices()
+    acc = [np.zeros(16, np.float32) for _ in range(min(slices, parts))]
+    for p in range(parts):
+        acc[p % slices] = (acc[p % slices] + pout[p]).astype(np.float32)
+    total = acc[0]
+    for a in acc[1:]:
+        total = (total + a).astype(np.float32)
+    want = (total * inv).astype(np.float32)
+    np.testing.assert_array_equal(combine_head(pmax, psum, pout).view(np.uint32),
+                                  want.view(np.uint32))
+    if parts > slices:  # the serial order (the old kernel's) rounds differently here
+        serial = np.zeros(16, np.float32)
+        for p in range(parts):
+            serial = (serial + pout[p]).astype(np.float32)
+        assert (serial * inv != want).any()
+
+
 @pytest.mark.parametrize("tokens", [16, 64, 1024])
 def test_reduce_combine_is_the_softmax_merge(tokens):
     """The kernel's float32 combine against sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p in
     float64: within a few float32 roundings of each head's largest output."""
     rng = np.random.default_rng(tokens)
-    lens = [1, 17, 1100, 4000]
+    lens = [1, 17, 1100, 4000, 16 * 257]
     part_out, part_max, part_sum = _workspace(rng, lens, 4, 64, tokens)
     got = attention_reduce(part_out, part_max, part_sum, np.asarray(lens, np.int32), tokens)
     for s, n in enumerate(lens):

@@ -626,15 +626,15 @@ def _attn(dev, kv_dtype, *, heads=8, kv_heads=2, head_dim=256, seqs=3, max_seq_l
     ("fwht3/lloyd2", 256, 2, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g1",
      "pkv_paged_attention_reduce_ifwht256", 256),
     ("fwht4/q8", 128, 16, 68, 136, "pkv_paged_attention_fwht4_q8_mma_g8",
-     "pkv_paged_attention_reduce", 128),
+     "pkv_paged_attention_reduce", 96),
     ("fwht2/q8", 128, 6, 36, 136, "pkv_paged_attention_fwht2_q8_mma_g4",
-     "pkv_paged_attention_reduce", 128),
+     "pkv_paged_attention_reduce", 96),
     ("lloyd4/q8", 256, 4, 132, 272, "pkv_paged_attention_lloyd4_q8_mma_g2",
-     "pkv_paged_attention_reduce", 256),
+     "pkv_paged_attention_reduce", 96),
     ("lloyd3/lloyd2", 256, 8, 100, 68, "pkv_paged_attention_fwht3_lloyd2_g4",
      "pkv_paged_attention_reduce_ifwht256", 256),
-    # pagedkv's fwht V: R128 per half, rotated back by the ifwht128 reduce (head_dim
-    # threads); an fwht3 V runs lloyd3's kernels. 4/2-bit K with a q8/4/2-bit V: the _mma
+    # pagedkv's fwht V: R128 per half, rotated back by the ifwht128 reduce (a warp per
+    # partition slice, at least head_dim threads); an fwht3 V runs lloyd3's kernels. 4/2-bit K with a q8/4/2-bit V: the _mma
     # kernels by default (PAGEDKV_ATTN_QKV_MMA unset), 3-bit codes the CUDA-core ones
     ("fwht4/fwht4", 128, 8, 68, 68, "pkv_paged_attention_fwht4_fwht4_mma_g4",
      "pkv_paged_attention_reduce_ifwht128", 128),
@@ -737,7 +737,7 @@ def test_q8_attention_path_is_selectable(monkeypatch, q8_mma, env, kernel):
     launches = _q8_attention_launches(dev, attn, 2, 8, 128, 10, 69)
     # both q8 kernels share the partition (512 tokens), grid, threads and shared memory
     assert launches == [("launch", kernel, (3, 2, 2), (128,)),
-                        ("launch", "pkv_paged_attention_reduce", (8, 2), (128,))]
+                        ("launch", "pkv_paged_attention_reduce", (8, 2), (96,))]
     assert dev.shared_bytes[-2] == 4 * max(512 * 4, 4 * 4 * 128)
 
 
@@ -763,7 +763,7 @@ def test_q8_staged_attention_path_is_selectable(monkeypatch, q8_mma, q8_stage, e
     launches = _q8_attention_launches(dev, attn, 1, 4, 64, 40, 38)
     # the same partition (512 tokens), grid, threads and dynamic shared memory as q8
     assert launches == [("launch", kernel, (2, 2, 1), (128,)),
-                        ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]
+                        ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]  # 2 warps
 
 
 @pytest.mark.parametrize("kv_dtype,qkv_mma,env,kernel", [
@@ -844,7 +844,7 @@ def test_q8_int_attention_path_is_selectable(monkeypatch, q8_int, env, kernel):
     launches = _q8_attention_launches(dev, attn, 1, 4, 128, 40, 38)
     # the q8s partition (512 tokens), grid, threads and dynamic shared memory
     assert launches == [("launch", kernel, (2, 2, 1), (128,)),
-                        ("launch", "pkv_paged_attention_reduce", (4, 1), (128,))]
+                        ("launch", "pkv_paged_attention_reduce", (4, 1), (64,))]  # 2 warps
 
 
 def test_q8_int_needs_the_staged_tensor_core_path():
@@ -1130,10 +1130,10 @@ def test_paged_attention_run_prep_launches_the_fused_reduce(monkeypatch, fmt, ba
         dev.calls.clear()
         dev.launch_args.clear()
         attn.run_prep(q, pool, pool, tables, lens, prepared, written)
-        warps = heads * head_dim // 256 * batch  # a 32-lane warp per (256-group, row)
+        groups = heads * head_dim // 256  # a block of 8 warps (slices) per (256-group, row)
         assert _launches(dev) == [
             ("launch", attn._partition.name, (attn.max_partitions, kv_heads, batch), (128,)),
-            ("launch", "pkv_attention_reduce_prep_f32", (-(-warps // 8),), (256,))]
+            ("launch", "pkv_attention_reduce_prep_f32", (groups, batch), (256,))]
         part, fused = dev.launch_args
         # the reduce reads the partition launch's workspace and geometry
         assert part[5:8] == fused[:3] == (attn.part_out, attn.part_max, attn.part_sum)

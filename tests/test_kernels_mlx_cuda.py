@@ -164,7 +164,8 @@ def test_launch_geometry_is_the_hip_launchers_and_launch_h():
     assert attn.grid == (128, 2, 2) and attn.threadgroup == (128, 1, 1)
     assert attn.kernel.shared_memory == 4 * max(1024 * 4, 4 * 4 * 128)
     reduce = next(launch for launch in launches if launch.kernel.name.endswith("reduce"))
-    assert reduce.grid == (8 * 128, 2, 1) and reduce.threadgroup == (128, 1, 1)
+    # one partition: one 32-lane warp per (head, seq) (kvcache.reduce_threads)
+    assert reduce.grid == (8 * 32, 2, 1) and reduce.threadgroup == (32, 1, 1)
     params = np.array(attn.inputs[-1])
     # scale bits, heads, kv heads, head_dim, block size, table width, partitions, tokens each
     assert params[0] == np.float32(0.1).view(np.int32) and list(params[1:]) == [8, 2, 128, 16,

@@ -58,6 +58,14 @@
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif
+/* The partition reduce (hip/attention_reduce.h): partition p is summed in slice
+ * p % PKV_ATTN_REDUCE_SLICES, a 32-lane warp per slice (the reduce's block: at most this
+ * many warps, fewer for fewer partitions; the fused reduce + prep's: this many). The value
+ * fixes the summation order, so it fixes the last bits of every attention output: the
+ * reduce and the fused reduce + prep agree bit for bit because both read it here. */
+#ifndef PKV_ATTN_REDUCE_SLICES
+#define PKV_ATTN_REDUCE_SLICES 8
+#endif
 
 /* --- weights (hip/weights.hip) ------------------------------------------------------ */
 /* Dequantize: weights decoded per thread, threads per block (64 was the fastest of

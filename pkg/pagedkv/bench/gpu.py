@@ -346,6 +346,65 @@ def bench_fwht(device, stream, rows, copy_bw, n: int):
     _row(rows, "fwht256 f32", f"{n // 256}x256", t, 8 * n, copy_bw)
 
 
+#: (batch, tokens) of the partition-reduce rows: 32 query / 8 KV heads of 128, q8 KV (the
+#: launch picks the partitions: 64 at 32k, 32 at batch 1 x 4k, 8 at batch 8 x 4k).
+REDUCE_CASES = ((1, 32768), (8, 32768), (1, 4096), (8, 4096))
+
+
+def _reduce_launch(attn, seq_lens, out, *, stream) -> None:
+    attn.reduce(seq_lens, out, stream=stream)
+
+
+def _serial_reduce_launch(kernel, attn, seq_lens, out, *, stream) -> None:
+    """hip/bench.hip's pre-slice reduce on ``attn``'s workspace (a block of head_dim threads
+    per (head, seq), as it was launched)."""
+    kernel((attn.num_heads, attn.num_seqs), (attn.head_dim,), attn.part_out, attn.part_max,
+           attn.part_sum, seq_lens, out, attn.num_heads, attn.head_dim, attn.max_partitions,
+           attn.partition_tokens, stream=stream)
+
+
+def bench_attention_reduce(device, stream, rows, copy_bw, cases=REDUCE_CASES):
+    """The partition reduce alone (``PagedAttention.reduce``) on workspaces filled with
+    finite values, rotating through copies totalling >= 4x the L2 (``_rotation``); bytes =
+    the used partitions' outputs, maxima and sums read plus the output written. Each row
+    carries ``serial_us`` (hip/bench.hip's ``pkv_bench_attention_reduce_serial``, the reduce
+    before partitions were split into slices, on the same copies; ``speedup`` = serial /
+    this) and ``hot_us`` (one workspace again and again: L2-resident, as in a decode step
+    right after the partition kernel)."""
+    heads, kv_heads, head_dim = 32, 8, 128
+    rng = np.random.default_rng(6)
+    serial = device.kernel("bench", "pkv_bench_attention_reduce_serial", "pppppiiii")
+    for batch, tokens in cases:
+        kw = {"num_seqs": batch, "num_heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+              "block_size": 16, "max_seq_len": tokens, "kv_dtype": "q8"}
+        first = kvcache.PagedAttention(device, **kw)
+        parts = first.max_partitions
+        nbytes = (batch * heads * parts * (head_dim + 2) + batch * heads * head_dim) * 4
+        copies, calls = _rotation(device, nbytes)
+        attns = [first] + [kvcache.PagedAttention(device, **kw) for _ in range(copies - 1)]
+        for a in attns:
+            a.part_out.copy_from(rng.standard_normal(a.part_out.shape).astype(np.float32))
+            a.part_max.copy_from(rng.standard_normal(a.part_max.shape).astype(np.float32))
+            a.part_sum.copy_from(rng.uniform(1, 64, a.part_sum.shape).astype(np.float32))
+        seq_lens = device.array(np.full(batch, tokens, np.int32))
+        out = device.empty((batch, heads, head_dim), np.float32)
+
+        t = _time_graph(device, stream, partial(_rotating, _reduce_launch, attns,
+                                                (seq_lens, out), calls), calls)
+        t_serial = _time_graph(device, stream, partial(
+            _rotating, partial(_serial_reduce_launch, serial), attns, (seq_lens, out), calls),
+            calls)
+        t_hot = _time_graph(device, stream,
+                            partial(_repeat, first.reduce, (seq_lens, out), calls), calls)
+        _row(rows, "attention_reduce", f"b{batch} h{heads} {tokens // 1024}k {parts}x"
+             f"{first.partition_tokens}", t, nbytes, copy_bw,
+             {"serial_us": t_serial * 1e6, "speedup": t_serial / t, "hot_us": t_hot * 1e6,
+              "threads": first._reduce_threads})
+        for a in [out, seq_lens] + [arr for at in attns
+                                    for arr in (at.part_out, at.part_max, at.part_sum)]:
+            a.free()
+
+
 ATTENTION_CASE = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "heads": 32, "head_dim": 128,
                   "block_size": 16}
 #: head_dim 256 (what lloyd V needs): compressed KV against f16 on the same context.
@@ -572,6 +631,7 @@ def main(argv=None) -> int:
     bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_256)
     bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_LONG,
                     ("float16", "q8"))
+    bench_attention_reduce(device, stream, rows, copy_bw)
     bench_kv_write(device, stream, rows, copy_bw)
     bench_copy_blocks(device, stream, rows, copy_bw)
     if args.json:

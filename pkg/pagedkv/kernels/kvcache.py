@@ -46,8 +46,10 @@ SOURCE = "kvcache"
 ATTN_PARTITION_TOKENS = {dt: attn_partition_tokens(dt) for dt in KV_SUFFIX}
 ATTN_MIN_BLOCKS = {dt: attn_min_blocks(dt) for dt in KV_SUFFIX}
 ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
-#: Threads per block of the fused reduce + prep (any multiple of 64: it indexes 32-lane warps).
-REDUCE_PREP_THREADS = 256
+#: Slices of the partition reduce (hip/attention_reduce.h: partition p in slice p % slices, a
+#: 32-lane warp per slice); the fused reduce + prep runs a block of this many warps.
+ATTN_REDUCE_SLICES = launch_constant("PKV_ATTN_REDUCE_SLICES")
+REDUCE_PREP_THREADS = 32 * ATTN_REDUCE_SLICES
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
 #: mode on K) with a q8, lloyd or fwht V (pagedkv's extension, docs/kv-quant.md "Modes").
@@ -103,6 +105,14 @@ def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_
     step = ATTN_SPLIT_STEP_TOKENS
     tokens = step * math.ceil(math.ceil(max_seq_len / parts) / step)
     return min(most, max(ATTN_SPLIT_MIN_TOKENS, tokens))
+
+
+def reduce_threads(max_partitions: int, head_dim: int, rotated: bool) -> int:
+    """Threads per block of the partition reduce: a 32-lane warp per slice that can hold a
+    partition (fewer warps for fewer partitions: one partition, one warp), and for a rotated
+    V at least ``head_dim`` (its back-rotation in shared memory strides over the block)."""
+    threads = 32 * max(1, min(ATTN_REDUCE_SLICES, max_partitions))
+    return max(threads, head_dim) if rotated else threads
 
 
 def attention_group_slots(num_heads: int, kv_heads: int) -> int:
@@ -394,7 +404,7 @@ class PagedAttention:
             from pagedkv.quant import kv as kv_modes
             v_rot = kv_modes.kv_mode(kv_dtype.split("/")[1]).rotation
         self._rotated_out = v_rot != 0
-        self._reduce_threads = 256 if v_rot == 256 else min(head_dim, 256)
+        self._reduce_threads = reduce_threads(self.max_partitions, head_dim, v_rot != 0)
         self._reduce = device.kernel(
             SOURCE, f"pkv_paged_attention_reduce_ifwht{v_rot}" if v_rot
             else "pkv_paged_attention_reduce", "pppppiiii")
@@ -449,11 +459,18 @@ class PagedAttention:
             *, stream: Stream | None = None) -> None:
         partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
         self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
-        self._reduce((self.num_heads, self.num_seqs),
-                     (self._reduce_threads,),
-                     self.part_out, self.part_max, self.part_sum, seq_lens, out,
-                     self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
-                     stream=stream)
+        self._launch_reduce(seq_lens, out, stream)
+
+    def reduce(self, seq_lens: DeviceArray, out: DeviceArray, *,
+               stream: Stream | None = None) -> None:
+        """The partition reduce alone (the second launch of :meth:`run`): combine the
+        partition workspace (:attr:`part_out`, :attr:`part_max`, :attr:`part_sum`, as the
+        last partition launch left them, or as a caller filled them: a sequence of
+        ``seq_lens[s]`` tokens reads its first ``ceil(seq_lens[s] / partition_tokens)``
+        partitions, none past them) into ``out`` ``float32[seqs, heads, head_dim]`` (an
+        empty sequence: zeros). The summation order is fixed (hip/attention_reduce.h)."""
+        self._check_reduce(seq_lens, out)
+        self._launch_reduce(seq_lens, out, stream)
 
     def run_prep(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
                  block_tables: DeviceArray, seq_lens: DeviceArray, prepared: PreparedX,
@@ -463,22 +480,54 @@ class PagedAttention:
         batch ``num_seqs`` and ``K = num_heads * head_dim``: the O projection's), one launch
         instead of the reduce and ``Gemv.prepare``: the bytes ``gemv.prepare(out)`` writes
         after :meth:`run` (``pkv_attention_reduce_prep_f32``, hip/decode.hip; the reduce's
-        arithmetic is hip/attention_reduce.h, shared). Then ``gemv.run_prepared(w, y)`` on
-        the same stream. ``out`` may be ``None`` (not written). Geometries:
-        :attr:`prep_fusable` (``InvalidArgument`` otherwise, nothing launched)."""
+        arithmetic and summation order are hip/attention_reduce.h, shared). Then
+        ``gemv.run_prepared(w, y)`` on the same stream. ``out`` may be ``None`` (not
+        written). Geometries: :attr:`prep_fusable` (``InvalidArgument`` otherwise, nothing
+        launched)."""
+        self._check_prep(prepared)
+        partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
+        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
+        self._launch_reduce_prep(seq_lens, prepared, out, stream)
+
+    def reduce_prep(self, seq_lens: DeviceArray, prepared: PreparedX,
+                    out: DeviceArray | None = None, *, stream: Stream | None = None) -> None:
+        """The fused reduce + prep alone (the second launch of :meth:`run_prep`) over the
+        partition workspace, as :meth:`reduce` reads it."""
+        self._check_prep(prepared)
+        self._check_reduce(seq_lens, out)
+        self._launch_reduce_prep(seq_lens, prepared, out, stream)
+
+    def _check_prep(self, prepared: PreparedX) -> None:
         if not self.prep_fusable:
             raise InvalidArgument(
                 f"{self!r}: no fused reduce + prep here (a rotated V's reduce, or num_heads * "
                 f"head_dim {self.num_heads * self.head_dim} not a multiple of 256); call "
                 f"run(...) then Gemv.prepare(out)")
-        partition = self._check(q, k_pool, v_pool, block_tables, seq_lens, out)
         check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
-        self._partitions(partition, q, k_pool, v_pool, block_tables, seq_lens, stream)
+
+    def _check_reduce(self, seq_lens: DeviceArray, out: DeviceArray | None) -> None:
+        """The reduce's own arguments (``out`` None: :meth:`reduce_prep` without one)."""
+        need_array(seq_lens, "seq_lens", np.int32, 1)
+        if seq_lens.shape[0] != self.num_seqs:
+            raise InvalidArgument(f"seq_lens: {seq_lens.shape[0]} rows, expected "
+                                  f"{self.num_seqs}")
+        if out is not None:
+            need_array(out, "out", np.float32, 3)
+            want = (self.num_seqs, self.num_heads, self.head_dim)
+            if out.shape != want:
+                raise InvalidArgument(f"out: shape {out.shape}, expected {want}")
+
+    def _launch_reduce(self, seq_lens, out, stream) -> None:
+        self._reduce((self.num_heads, self.num_seqs), (self._reduce_threads,),
+                     self.part_out, self.part_max, self.part_sum, seq_lens, out,
+                     self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
+                     stream=stream)
+
+    def _launch_reduce_prep(self, seq_lens, prepared, out, stream) -> None:
         kernel = self.device.kernel("decode", "pkv_attention_reduce_prep_f32", "pppppppiiiiiii",
                                     dependent_launch=True)
-        # a 32-lane warp per (256-group, seq), 8 per block (AMD: two per wavefront)
-        warps = self.num_heads * self.head_dim // 256 * self.num_seqs
-        kernel((math.ceil(warps / (REDUCE_PREP_THREADS // 32)),), (REDUCE_PREP_THREADS,),
+        # a block of ATTN_REDUCE_SLICES 32-lane warps per (256-group, seq)
+        kernel((self.num_heads * self.head_dim // 256, self.num_seqs), (REDUCE_PREP_THREADS,),
                self.part_out, self.part_max, self.part_sum, seq_lens,
                0 if out is None else out, prepared.xq, prepared.xs, self.num_seqs,
                self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,

@@ -405,6 +405,8 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
     decode step launches the same configuration for every layer). Keyed by the partition
     count, not the length: consecutive decode steps share a plan."""
     import mlx.core as mx
+
+    from pagedkv.kernels import kvcache
     geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
     pool_t = getattr(mx, pool_dtype)
     name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
@@ -429,7 +431,7 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
             ("seq_lens", mx.int32), ("params", mx.int64)), _io(("out", mx.float32)),
         "pkv_paged_attention_reduce<>(part_out, part_max, part_sum, seq_lens, out, "
         "(int)params[0], (int)params[1], (int)params[2], (int)params[3]);", None)
-    t = min(head_dim, 256)
+    t = kvcache.reduce_threads(parts, head_dim, rotated=False)
     return partition, (reduce, _params(mx, heads, head_dim, parts, geo["partition"]),
                        (heads * t, seqs, 1), t)
 
