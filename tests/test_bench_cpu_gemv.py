@@ -17,14 +17,15 @@ def test_table_has_a_row_per_case(capsys, tmp_path):
                 "--json", str(out_json)])
     out = capsys.readouterr().out.splitlines()
     rows = [ln for ln in out if ln.startswith("| 32x512 |")]
+    n = len(bench.GEMV_FORMATS)
     # per format: 4 batches, threads=2, gemv(), dequantize on 1 and 2 threads
-    assert len(rows) == 3 * 8
+    assert len(rows) == n * 8
     assert any("mq4g256v2 b8" in r for r in rows)
     scaling = [ln for ln in out if ln.startswith("# rows/s against b1, 32x512")]
-    assert len(scaling) == 3 and all(ln.count("x") >= 4 for ln in scaling)    # B2, B4, B8
+    assert len(scaling) == n and all(ln.count("x") >= 4 for ln in scaling)    # B2, B4, B8
     import json
     data = json.loads(out_json.read_text())
-    assert data["info"]["isa"] == "scalar" and len(data["rows"]) == 24
+    assert data["info"]["isa"] == "scalar" and len(data["rows"]) == n * 8
     assert all(len(r["rounds"]) == 2 for r in data["rows"])
 
 
@@ -32,7 +33,7 @@ def test_threads_scaling_rows(capsys):
     bench = _bench()
     bench.main(["--shape", "32x512", "--threads-scaling", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert sum(ln.startswith("| 32x512 |") for ln in lines) == 6
+    assert sum(ln.startswith("| 32x512 |") for ln in lines) == 2 * len(bench.GEMV_FORMATS)
     assert lines[-1].startswith("# load average")
 
 
@@ -52,5 +53,6 @@ def test_baseline_cases_run_beside_and_must_give_the_same_bits(capsys):
     bench.main(["--shape", "32x512", "--rounds", "1", "--budget-ms", "1", "--isa", "scalar",
                 "--only", "b1,b2,b4,b8", "--baseline", prepared_gemv.__file__])
     out = capsys.readouterr().out.splitlines()
-    assert sum(ln.startswith("| 32x512 | baseline ") for ln in out) == 3 * 4
-    assert sum(ln.startswith("# rows/s against b1, 32x512") and "(baseline)" in ln for ln in out) == 3
+    n = len(bench.GEMV_FORMATS)
+    assert sum(ln.startswith("| 32x512 | baseline ") for ln in out) == n * 4
+    assert sum(ln.startswith("# rows/s against b1, 32x512") and "(baseline)" in ln for ln in out) == n

@@ -39,15 +39,18 @@ static uint64_t fold(const void *p, size_t n) {
 }
 
 #if !DECODERS_ONLY
-/* prepared GEMV: every format geometry, every supported kernel, batches 1..11 */
+/* prepared GEMV: every format geometry, every supported kernel, batches 1..11
+ * (family -1: Q8F16, -2: Q4K as arbitrary bytes with finite d and dmin) */
 static void gemv_formats(void) {
     static const int fmts[][3] = {{0,4,256},{0,4,128},{1,4,256},{2,4,256},{3,4,256},{0,2,256},
-                                  {0,3,128},{2,3,256},{0,6,256},{2,5,256},{2,6,256},{-1,8,32}};
+                                  {0,3,128},{2,3,256},{0,6,256},{2,5,256},{2,6,256},{-1,8,32},
+                                  {-2,4,256}};
     const ptrdiff_t M = 37, K = 512, NB = 11;
     for (size_t f = 0; f < sizeof fmts / sizeof fmts[0]; ++f) {
         int family = fmts[f][0]; uint32_t bits = (uint32_t)fmts[f][1], G = (uint32_t)fmts[f][2];
-        int q8 = family < 0;
-        size_t B = q8 ? PKV_Q8F16_GROUP_BYTES : PKV_AFFINE_GROUP_BYTES(bits, G);
+        int q8 = family == -1, q4k = family == -2;
+        size_t B = q8 ? PKV_Q8F16_GROUP_BYTES : q4k ? PKV_Q4K_GROUP_BYTES
+                                                   : PKV_AFFINE_GROUP_BYTES(bits, G);
         ptrdiff_t groups = M * K / G;
         uint8_t *raw = malloc(groups * B), q[256];
         float wbuf[256];
@@ -55,19 +58,25 @@ static void gemv_formats(void) {
             float amp = 0.01f + (float)(g % 7);
             for (uint32_t i = 0; i < G; ++i) wbuf[i] = rnd() * amp;
             uint8_t *blk = raw + g * B;
-            if (q8) pkv_q8f16_encode_group(wbuf, 32, blk);
+            if (q4k) {
+                for (size_t i = 0; i < B; ++i) blk[i] = (uint8_t)next_u32();
+                pkv_store_u16le(blk, pkv_f16_trunc(0.001f * amp));
+                pkv_store_u16le(blk + 2, pkv_f16_trunc(0.002f * amp));
+            } else if (q8) pkv_q8f16_encode_group(wbuf, 32, blk);
             else if (family == PKV_FAMILY_MQ_V2) pkv_mqv2_encode_group(wbuf, bits, q, blk);
             else if (family == PKV_FAMILY_MQ4C) pkv_mq4c_encode_group(wbuf, q, blk);
             else pkv_hfq_encode_group(wbuf, G, bits, G, q, blk);
         }
-        int kind = q8 ? PKV_PGEMV_SBYTE : bits <= 4 ? PKV_PGEMV_NIBBLE : PKV_PGEMV_UBYTE;
-        uint32_t span = q8 ? 32u : family == PKV_FAMILY_MQ_V2 ? 128u : G;
+        int kind = q8 ? PKV_PGEMV_SBYTE : q4k ? PKV_PGEMV_NIBBLE32
+                 : bits <= 4 ? PKV_PGEMV_NIBBLE : PKV_PGEMV_UBYTE;
+        uint32_t span = q8 || q4k ? 32u : family == PKV_FAMILY_MQ_V2 ? 128u : G;
         int f16 = q8 || family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C;
         ptrdiff_t tiles = (M + 15) / 16, ns = K / span;
         uint8_t *codes = calloc((size_t)tiles * ns * 16 * pkv_pgemv_span_row_bytes(kind, span), 1);
         size_t np = (size_t)tiles * ns * 16, psz = f16 ? 2 : 4;
         void *scales = calloc(np, psz), *mins = calloc(np, psz);
         if (q8) pkv_pgemv_pack_q8f16(raw, 0, M, K, codes, scales);
+        else if (q4k) pkv_pgemv_pack_q4k(raw, 0, M, K, codes, scales, mins);
         else pkv_pgemv_pack_affine(raw, 0, M, K, family, bits, G, codes, scales, mins);
         pkv_pgemv_w w = {codes, scales, q8 ? NULL : mins, M, K, tiles, ns, span, kind, f16,
                          q8 ? 0 : (int32_t)(1u << (bits - 1))};
@@ -219,7 +228,7 @@ def x86_lines(tmp_path_factory) -> list[str]:
 def test_every_kernel_and_x86_level_gives_the_same_bits(x86_lines, tmp_path):
     base = x86_lines
     hashes = _gemv_hashes(base)
-    assert len(hashes) == 12 * 11
+    assert len(hashes) == 13 * 11
     assert all(len(v) == 1 for v in hashes.values()), "kernels disagree"
     kernels = {line.split()[-1] for line in base if line.startswith("gemv ")}
     assert "scalar" in kernels

@@ -14,21 +14,39 @@ from hypothesis import strategies as st
 import pagedkv.quant as Q
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, SizeMismatch
 from pagedkv.quant import prepared_gemv
-from pagedkv.quant.formats import AFFINE, CODECS, Q8
+from pagedkv.quant.formats import AFFINE, CODECS, Q4K, Q8
 
 pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
 F32 = np.float32
-FORMATS = sorted(c.name for c in CODECS.values() if c.kind in (AFFINE, Q8))
+FORMATS = sorted(c.name for c in CODECS.values() if c.kind in (AFFINE, Q8, Q4K))
 ISAS = prepared_gemv.supported_isas()
 
 
 # ----------------------------------------------------------------------------- model
 
+def _q4k_codes_and_params(groups, m):
+    """Q4K super-blocks [M, n, 144] as spans of 32: codes, d * sc and -(dmin * m) (f32)."""
+    d = np.ascontiguousarray(groups[..., 0:2]).view(np.float16).astype(F32)
+    dmin = np.ascontiguousarray(groups[..., 2:4]).view(np.float16).astype(F32)
+    b = groups[..., 4:16].astype(np.int64)
+    # ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7,
+    # 4-7 in the nibbles of bytes 8-11 with their top 2 bits in bytes 0-3 / 4-7
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
+    nib = groups[..., 16:].reshape(m, -1, 4, 1, 32).astype(np.int64)
+    q = np.concatenate([nib & 15, nib >> 4], -2).reshape(m, -1, 32)    # sub-block 2c, 2c + 1
+    scale = (d * sc.astype(F32)).astype(F32).reshape(m, -1)
+    mins = (-(dmin * mn.astype(F32))).astype(F32).reshape(m, -1)
+    return q, scale, mins, 32
+
+
 def _codes_and_params(raw, codec, m, k):
     """Codes [M, spans, span] (int64) and per-span scale/min [M, spans] (f32, exact)."""
     g, nbytes = codec.group_size, codec.group_bytes
     groups = np.frombuffer(raw, np.uint8).reshape(m, k // g, nbytes)
+    if codec.kind == Q4K:
+        return _q4k_codes_and_params(groups, m)
     if codec.kind == Q8:
         q = groups[:, :, 2:].view(np.int8).astype(np.int64)
         d = np.ascontiguousarray(groups[:, :, :2]).view(np.float16).astype(F32)
@@ -152,7 +170,8 @@ def test_every_kernel_matches_the_model_bit_for_bit(fmt):
             assert got.tobytes() == want.tobytes(), (isa, batch)
 
 
-@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2", "q8f16", "mq6g256v2", "hfq3g128"])
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2", "q8f16", "mq6g256v2", "hfq3g128",
+                                 "q4k"])
 def test_threads_and_batch_never_change_a_bit(fmt):
     rng = np.random.default_rng(7)
     m, k = 100, 1024
@@ -169,7 +188,8 @@ def test_threads_and_batch_never_change_a_bit(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["hfq4g256", "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256",
-                                 "q8f16", "hfq2g256", "mq3g256v2", "mq5g256v2", "hfq6g256"])
+                                 "q8f16", "hfq2g256", "mq3g256v2", "mq5g256v2", "hfq6g256",
+                                 "q4k"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_fresh_random_inputs_stay_within_the_documented_bound(fmt, seed):
     rng = np.random.default_rng(1000 * seed + len(fmt))
@@ -190,7 +210,7 @@ def test_fresh_random_inputs_stay_within_the_documented_bound(fmt, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(fmt=st.sampled_from(["hfq4g256", "mq4g256v2", "q8f16", "mq4cg256", "hfq6g256"]),
+@given(fmt=st.sampled_from(["hfq4g256", "mq4g256v2", "q8f16", "mq4cg256", "hfq6g256", "q4k"]),
        seed=st.integers(0, 2**32 - 1), tiles=st.integers(1, 3), groups=st.integers(1, 4),
        batch=st.integers(1, 9), log_scale=st.floats(-20, 20))
 def test_hypothesis_inputs_stay_within_the_documented_bound(fmt, seed, tiles, groups, batch,
@@ -215,7 +235,7 @@ def test_tiny_zero_and_huge_spans():
     """Spans of x whose largest magnitude is 0, subnormal or near FLT_MAX."""
     rng = np.random.default_rng(9)
     m, k = 20, 1024
-    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16", "q4k"):
         raw = Q.quantize(rng.standard_normal((m, k)).astype(F32), fmt)
         x = rng.standard_normal((3, k)).astype(F32)
         x[0, :256] = 0.0
@@ -238,7 +258,7 @@ def test_matches_x_dot_dequantized_w_closely_on_gaussian_data():
     m, k = 256, 4096
     w = rng.standard_normal((m, k)).astype(F32)
     x = rng.standard_normal((2, k)).astype(F32)
-    for fmt in ("hfq4g256", "mq4g256v2", "q8f16"):
+    for fmt in ("hfq4g256", "mq4g256v2", "q8f16", "q4k"):
         raw = Q.quantize(w, fmt)
         y = Q.prepare_gemv(raw, fmt, (m, k))(x)
         ref = x.astype(np.float64) @ Q.dequantize(raw, fmt, (m, k)).astype(np.float64).T

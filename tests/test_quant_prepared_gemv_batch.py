@@ -11,12 +11,12 @@ import pytest
 
 import pagedkv.quant as Q
 from pagedkv.quant import prepared_gemv
-from pagedkv.quant.formats import AFFINE, CODECS, Q8
+from pagedkv.quant.formats import AFFINE, CODECS, Q4K, Q8
 
 pytestmark = pytest.mark.filterwarnings("ignore:MQ2G256V2:UserWarning")
 
 F32 = np.float32
-FORMATS = sorted(c.name for c in CODECS.values() if c.kind in (AFFINE, Q8))
+FORMATS = sorted(c.name for c in CODECS.values() if c.kind in (AFFINE, Q8, Q4K))
 ISAS = prepared_gemv.supported_isas()
 CODECS_BY_NAME = {c.name: c for c in CODECS.values()}
 

@@ -39,7 +39,7 @@ import pagedkv.quant as Q
 from pagedkv.quant import prepared_gemv
 
 SHAPES = [(4096, 4096), (4096, 14336)]        # (M, K)
-GEMV_FORMATS = ["hfq4g256", "mq4g256v2", "q8f16"]
+GEMV_FORMATS = ["hfq4g256", "mq4g256v2", "q8f16", "q4k"]   # q4k: GGML Q4_K, as ggml q4_K
 BATCHES = [1, 2, 4, 8]
 
 

@@ -258,9 +258,10 @@ def prepare_gemv(raw, fmt: str | int, shape: Sequence[int], *, threads: int = 1,
     and returns ``[M]`` or ``[B, M]``. x is quantized to int8 per span of K (rotated
     first for MQ formats) and multiplied with integer dot products: within a documented
     bound of ``x · dequantize(W)ᵀ`` (docs/formats/cpu-gemv.md), several times faster
-    than :func:`gemv`. Every HFQ/MQ format and Q8F16 with ``K % G == 0``. The copy
+    than :func:`gemv`. Every HFQ/MQ format, Q8F16 and Q4K with ``K % G == 0``. The copy
     takes ``nbytes`` bytes (the stored size for 4-bit formats and Q8F16; 2- and 3-bit
-    codes widened to 4 bits, 5- and 6-bit codes to 8). ``threads``: the default thread
+    codes widened to 4 bits, 5- and 6-bit codes to 8; Q4K 6 bits per weight, its scales
+    and minimums per 32 as f32). ``threads``: the default thread
     count of its calls, also used for the repacking. ``isa``: a kernel name
     (``prepared_gemv.supported_isas()``; default: the best this CPU runs, or the
     ``PAGEDKV_CPU_ISA`` environment variable); every kernel gives the same bits.

@@ -30,6 +30,7 @@ cdef extern from "pagedkv/cpu_gemv.h" nogil:
     const int PKV_PGEMV_NIBBLE
     const int PKV_PGEMV_UBYTE
     const int PKV_PGEMV_SBYTE
+    const int PKV_PGEMV_NIBBLE32
     unsigned pkv_pgemv_span_row_bytes(int kind, unsigned span)
 
 cdef extern from "prepared_gemv_loops.h" nogil:
@@ -64,6 +65,8 @@ cdef extern from "prepared_gemv_pack.h" nogil:
                                uint8_t *codes, void *scales, void *mins)
     void pkv_pgemv_pack_q8f16(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
                               Py_ssize_t k, uint8_t *codes, uint16_t *scales)
+    void pkv_pgemv_pack_q4k(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
+                            Py_ssize_t k, uint8_t *codes, float *scales, float *mins)
 
 cdef enum:
     FAMILY_HFQ = 0
@@ -146,6 +149,9 @@ cdef void _pack_part(void *ctx, int part, int n_parts) noexcept nogil:
     cdef Py_ssize_t r0 = job.m * part // n_parts, r1 = job.m * (part + 1) // n_parts
     if job.kind == PKV_PGEMV_SBYTE:
         pkv_pgemv_pack_q8f16(job.raw, r0, r1, job.k, job.codes, <uint16_t *>job.scales)
+    elif job.kind == PKV_PGEMV_NIBBLE32:
+        pkv_pgemv_pack_q4k(job.raw, r0, r1, job.k, job.codes, <float *>job.scales,
+                           <float *>job.mins)
     else:
         pkv_pgemv_pack_affine(job.raw, r0, r1, job.k, job.family, job.bits, job.G, job.codes,
                               job.scales, job.mins)
@@ -172,7 +178,7 @@ cdef class PreparedGemv:
     Build it with :func:`pagedkv.quant.prepare_gemv`. Calling it with float32 ``x`` of
     shape ``[K]`` or ``[B, K]`` (any ``B >= 1``) returns float32 ``[M]`` or ``[B, M]``.
     x is quantized to int8 per span of K (the weights' scale span: 128 for MQ V2, the
-    group size G for the v1 formats and MQ4C, 32 for Q8F16) after the FWHT rotation
+    group size G for the v1 formats and MQ4C, 32 for Q8F16 and Q4K) after the FWHT rotation
     for MQ formats; the result differs from ``x · dequantize(W)ᵀ`` by at most the bound
     of docs/formats/cpu-gemv.md (about 0.5-1% of ``|y|`` on Gaussian data) and is the
     same, bit for bit, on every kernel (``isa``) and thread count.
@@ -195,13 +201,13 @@ cdef class PreparedGemv:
 
     def __init__(self, raw, fmt, shape, *, threads=1, isa=None):
         """See :func:`pagedkv.quant.prepare_gemv`."""
-        from pagedkv.quant.formats import AFFINE, Q8
+        from pagedkv.quant.formats import AFFINE, Q4K, Q8
         from pagedkv.quant.matvec import check_weights
         codec, data, m, k = check_weights(raw, fmt, shape)
         self.threads = check_threads(threads)
         self._isa = _isa_index(default_isa() if isa is None else isa)
         self.isa = ISA_NAMES[self._isa]
-        if codec.kind not in (AFFINE, Q8):
+        if codec.kind not in (AFFINE, Q8, Q4K):
             raise InvalidArgument(
                 f"prepare_gemv takes the quantized formats, not {codec.name}; multiply "
                 f"{codec.name} weights with numpy (dequantize(raw, fmt, shape) @ x)")
@@ -222,6 +228,12 @@ cdef class PreparedGemv:
             self.span = 128 if family == FAMILY_MQ_V2 else g
             kind = PKV_PGEMV_NIBBLE if bits <= 4 else PKV_PGEMV_UBYTE
             f16 = family == FAMILY_MQ_V2 or family == FAMILY_MQ4C
+        elif codec.kind == Q4K:
+            # each 32-weight sub-block is a span, with its f32 d*sc and -(dmin*m)
+            bits = 4
+            self.span = 32
+            kind = PKV_PGEMV_NIBBLE32
+            f16 = False
         else:
             self.span = 32
             kind = PKV_PGEMV_SBYTE

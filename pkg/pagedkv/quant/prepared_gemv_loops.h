@@ -50,7 +50,7 @@ typedef struct {
     const void *mins;           /* same type; NULL for Q8F16 */
     ptrdiff_t m, k, n_tiles, n_spans;
     uint32_t span;
-    int kind;                   /* PKV_PGEMV_NIBBLE / UBYTE / SBYTE */
+    int kind;                   /* PKV_PGEMV_NIBBLE / NIBBLE32 / UBYTE / SBYTE */
     int f16;                    /* scales and mins are f16 bits */
     int32_t center;             /* 2^(bits-1) for unsigned codes, 0 for Q8F16 */
 } pkv_pgemv_w;
@@ -143,13 +143,14 @@ static inline int32_t pkv_pgemv_isum_scalar(const uint8_t *blk, int kind, uint32
                                             uint32_t r, const int8_t *xs) {
     int32_t acc = 0;
     const uint32_t row_bytes = pkv_pgemv_span_row_bytes(kind, span);
+    const uint32_t half = pkv_pgemv_unit_codes(kind) / 2u;     /* nibbles: bytes per unit */
     for (uint32_t byte_in_row = 0; byte_in_row < row_bytes; ++byte_in_row) {
         uint32_t chunk = byte_in_row / PKV_PGEMV_CHUNK_BYTES, b = byte_in_row % PKV_PGEMV_CHUNK_BYTES;
         uint8_t v = blk[(chunk * PKV_PG_TR + r) * PKV_PGEMV_CHUNK_BYTES + b];
-        if (kind == PKV_PGEMV_NIBBLE) {
-            uint32_t unit = byte_in_row / 64u, j = byte_in_row % 64u;
-            const int8_t *xu = xs + unit * PKV_PGEMV_UNIT_CODES;
-            acc += (int32_t)(v & 15u) * xu[j] + (int32_t)(v >> 4) * xu[64u + j];
+        if (pkv_pgemv_is_nibble(kind)) {
+            uint32_t unit = byte_in_row / half, j = byte_in_row % half;
+            const int8_t *xu = xs + unit * 2u * half;
+            acc += (int32_t)(v & 15u) * xu[j] + (int32_t)(v >> 4) * xu[half + j];
         } else if (kind == PKV_PGEMV_UBYTE) {
             acc += (int32_t)v * xs[byte_in_row];
         } else {
@@ -228,11 +229,11 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
             for (int j = 1; j < CH; ++j) ia[v][j][b] = ZERO();                              \
         }                                                                                   \
     }                                                                                       \
-    if (KIND == PKV_PGEMV_NIBBLE) {                                                         \
-        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {                        \
-            const uint8_t *cu = cw + (size_t)u * 16u * 64u;                                 \
+    if (pkv_pgemv_is_nibble(KIND)) {                                                        \
+        for (uint32_t u = 0; u < span / U; ++u) {                                           \
+            const uint8_t *cu = cw + (size_t)u * 16u * (U / 2u);                            \
             PKV_PG_UNROLL                                                                   \
-            for (uint32_t c = 0; c < 16u; c += (uint32_t)CH / 2u) {                         \
+            for (uint32_t c = 0; c < U / 8u; c += (uint32_t)CH / 2u) {                      \
                 for (int j = 0; j < CH / 2; ++j) {                                          \
                     V lo[VPL], hi[VPL];                                                     \
                     for (int v = 0; v < VPL; ++v) {                                         \
@@ -241,8 +242,8 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
                         hi[v] = AND(SRL4(wv), m4);                                          \
                     }                                                                       \
                     for (int b = 0; b < NB; ++b) {                                          \
-                        const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * (c + j); \
-                        V xl = BCAST(pkv_pg_load_i32(xu)), xh = BCAST(pkv_pg_load_i32(xu + 64)); \
+                        const int8_t *xu = xs[b] + u * U + 4u * (c + j);                    \
+                        V xl = BCAST(pkv_pg_load_i32(xu)), xh = BCAST(pkv_pg_load_i32(xu + U / 2u)); \
                         for (int v = 0; v < VPL; ++v) {                                     \
                             ia[v][2 * j][b] = DP(ia[v][2 * j][b], lo[v], xl);               \
                             ia[v][2 * j + 1][b] = DP(ia[v][2 * j + 1][b], hi[v], xh);       \
@@ -321,6 +322,7 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const int WIDEN = 4;
+    const uint32_t U = pkv_pgemv_unit_codes(KIND);
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i i32[2][2];
         const int8_t *xs[2];
@@ -329,10 +331,10 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
             i32[0][b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
             i32[1][b] = i32[0][b];
         }
-        if (KIND == PKV_PGEMV_NIBBLE) {
-            for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-                const uint8_t *cu = cw + (size_t)u * 16u * 64u;
-                for (uint32_t c0 = 0; c0 < 16u; c0 += (uint32_t)WIDEN) {
+        if (pkv_pgemv_is_nibble(KIND)) {
+            for (uint32_t u = 0; u < span / U; ++u) {
+                const uint8_t *cu = cw + (size_t)u * 16u * (U / 2u);
+                for (uint32_t c0 = 0; c0 < U / 8u; c0 += (uint32_t)WIDEN) {
                     __m256i i16[2][2];
                     for (int b = 0; b < NB; ++b) i16[0][b] = i16[1][b] = _mm256_setzero_si256();
                     for (uint32_t c = c0; c < c0 + (uint32_t)WIDEN; ++c) {
@@ -343,9 +345,9 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
                             hi[h] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
                         }
                         for (int b = 0; b < NB; ++b) {
-                            const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
+                            const int8_t *xu = xs[b] + u * U + 4u * c;
                             __m256i xl = _mm256_set1_epi32(pkv_pg_load_i32(xu));
-                            __m256i xh = _mm256_set1_epi32(pkv_pg_load_i32(xu + 64));
+                            __m256i xh = _mm256_set1_epi32(pkv_pg_load_i32(xu + U / 2u));
                             for (int h = 0; h < 2; ++h) {
                                 i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_maddubs_epi16(lo[h], xl));
                                 i16[h][b] = _mm256_add_epi16(i16[h][b], _mm256_maddubs_epi16(hi[h], xh));
@@ -405,12 +407,13 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
 PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_nib_group_avx2_(const uint8_t *cw, uint32_t span, uint32_t h,
                                                       const int8_t *const *xs,
                                                       const int32_t *start, __m256i *i32,
-                                                      const int G) {
+                                                      const int KIND, const int G) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint32_t U = pkv_pgemv_unit_codes(KIND);
     for (int g = 0; g < G; ++g) i32[g] = _mm256_set1_epi32(start[g]);
-    for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-        const uint8_t *cu = cw + (size_t)u * 16u * 64u + 32u * h;
-        for (uint32_t c0 = 0; c0 < 16u; c0 += 4u) {
+    for (uint32_t u = 0; u < span / U; ++u) {
+        const uint8_t *cu = cw + (size_t)u * 16u * (U / 2u) + 32u * h;
+        for (uint32_t c0 = 0; c0 < U / 8u; c0 += 4u) {
             __m256i i16[4];
             for (int g = 0; g < G; ++g) i16[g] = _mm256_setzero_si256();
             for (uint32_t c = c0; c < c0 + 4u; ++c) {
@@ -418,11 +421,11 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_nib_group_avx2_(const uint8_t *cw, uint32
                 __m256i lo = _mm256_and_si256(wv, m4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
                 for (int g = 0; g < G; ++g) {
-                    const int8_t *xu = xs[g] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
+                    const int8_t *xu = xs[g] + u * U + 4u * c;
                     i16[g] = _mm256_add_epi16(i16[g], _mm256_maddubs_epi16(
                         lo, _mm256_set1_epi32(pkv_pg_load_i32(xu))));
                     i16[g] = _mm256_add_epi16(i16[g], _mm256_maddubs_epi16(
-                        hi, _mm256_set1_epi32(pkv_pg_load_i32(xu + 64))));
+                        hi, _mm256_set1_epi32(pkv_pg_load_i32(xu + U / 2u))));
                     PKV_PG_IN_REGISTER_(i16[g]);
                 }
             }
@@ -434,11 +437,11 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_nib_group_avx2_(const uint8_t *cw, uint32
 
 PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                                      ptrdiff_t b0, ptrdiff_t t, float *y_tile,
-                                                     const int NB) {
+                                                     const int KIND, const int NB) {
     const int G0 = NB > 4 ? 4 : NB, G1 = NB - G0;      /* x rows of the two groups */
     const uint32_t span = w->span;
     const ptrdiff_t ns = w->n_spans, k = w->k;
-    const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(PKV_PGEMV_NIBBLE, span);
+    const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         const int8_t *xs[PKV_PG_MAX_NB];
@@ -449,12 +452,12 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, cons
         }
         for (uint32_t h = 0; h < 2u; ++h) {
             __m256i i32[4];
-            pkv_pg_nib_group_avx2_(cw, span, h, xs, start, i32, G0);
-            pkv_pg_float_stage8_(w, x, b0, t, s, h, y_tile, i32, PKV_PGEMV_NIBBLE, G0);
+            pkv_pg_nib_group_avx2_(cw, span, h, xs, start, i32, KIND, G0);
+            pkv_pg_float_stage8_(w, x, b0, t, s, h, y_tile, i32, KIND, G0);
             if (G1 > 0) {
-                pkv_pg_nib_group_avx2_(cw, span, h, xs + G0, start + G0, i32, G1);
+                pkv_pg_nib_group_avx2_(cw, span, h, xs + G0, start + G0, i32, KIND, G1);
                 pkv_pg_float_stage8_(w, x, b0 + G0, t, s, h, y_tile + G0 * PKV_PG_TR, i32,
-                                     PKV_PGEMV_NIBBLE, G1);
+                                     KIND, G1);
             }
         }
     }
@@ -472,6 +475,7 @@ PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, co
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80);
     const int32_t c0 = KIND == PKV_PGEMV_SBYTE ? 128 : w->center;
+    const uint32_t U = pkv_pgemv_unit_codes(KIND);
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i ia[2][2][2];
         PKV_PG_VNNI_SPAN_(__m256i, 2, PKV_PG_LOAD256_, _mm256_and_si256, PKV_PG_SRL4_256_,
@@ -502,6 +506,7 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m512i m4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8((char)0x80);
     const int32_t c0 = KIND == PKV_PGEMV_SBYTE ? 128 : w->center;
+    const uint32_t U = pkv_pgemv_unit_codes(KIND);
     __m512 acc[PKV_PG_MAX_NB];
     for (int b = 0; b < NB; ++b) acc[b] = _mm512_setzero_ps();
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
@@ -529,6 +534,7 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
 /* Dispatch on (kind, x rows) so each body is compiled with both as constants. */
 #define PKV_PG_KIND_SWITCH_(BODY, N) do { \
         if (w->kind == PKV_PGEMV_NIBBLE) BODY(PKV_PGEMV_NIBBLE, N); \
+        else if (w->kind == PKV_PGEMV_NIBBLE32) BODY(PKV_PGEMV_NIBBLE32, N); \
         else if (w->kind == PKV_PGEMV_UBYTE) BODY(PKV_PGEMV_UBYTE, N); \
         else BODY(PKV_PGEMV_SBYTE, N); \
     } while (0)
@@ -540,23 +546,31 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     } while (0)
 
 #define PKV_PG_AVX2_(KIND, N) pkv_pg_body_avx2_(w, x, b0 + bb, t, y_tile + bb * PKV_PG_TR, KIND, N)
-#define PKV_PG_AVX2_NIB_(N) pkv_pg_body_avx2_nib_(w, x, b0, t, y_tile, N)
+#define PKV_PG_AVX2_NIB_(N) pkv_pg_body_avx2_nib_(w, x, b0, t, y_tile, KIND, N)
 /* Nibble codes: all x rows of the tile in one pass: 1-2 rows in the body that runs both
  * halves at once, 3-8 in the half-tile body (groups of up to 4). Byte codes: 1-2 rows per
  * pass (they have no unpacking to share). */
+#define PKV_PG_AVX2_NIB_SWITCH_(KIND_) do { \
+        const int KIND = (KIND_); \
+        switch (nb) { \
+        case 1: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(KIND, 1); break; } \
+        case 2: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(KIND, 2); break; } \
+        case 3: PKV_PG_AVX2_NIB_(3); break; \
+        case 4: PKV_PG_AVX2_NIB_(4); break; \
+        case 5: PKV_PG_AVX2_NIB_(5); break; \
+        case 6: PKV_PG_AVX2_NIB_(6); break; \
+        case 7: PKV_PG_AVX2_NIB_(7); break; \
+        default: PKV_PG_AVX2_NIB_(8); break; \
+        } \
+    } while (0)
 PKV_TGT_AVX2 static void pkv_pgemv_tile_avx2(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
                                              ptrdiff_t b0, ptrdiff_t nb, ptrdiff_t t, float *y_tile) {
     if (w->kind == PKV_PGEMV_NIBBLE) {
-        switch (nb) {
-        case 1: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(PKV_PGEMV_NIBBLE, 1); break; }
-        case 2: { const ptrdiff_t bb = 0; PKV_PG_AVX2_(PKV_PGEMV_NIBBLE, 2); break; }
-        case 3: PKV_PG_AVX2_NIB_(3); break;
-        case 4: PKV_PG_AVX2_NIB_(4); break;
-        case 5: PKV_PG_AVX2_NIB_(5); break;
-        case 6: PKV_PG_AVX2_NIB_(6); break;
-        case 7: PKV_PG_AVX2_NIB_(7); break;
-        default: PKV_PG_AVX2_NIB_(8); break;
-        }
+        PKV_PG_AVX2_NIB_SWITCH_(PKV_PGEMV_NIBBLE);
+        return;
+    }
+    if (w->kind == PKV_PGEMV_NIBBLE32) {
+        PKV_PG_AVX2_NIB_SWITCH_(PKV_PGEMV_NIBBLE32);
         return;
     }
     for (ptrdiff_t bb = 0; bb < nb; bb += 2) PKV_PG_NB2_SWITCH_(PKV_PG_AVX2_, nb - bb);
@@ -644,17 +658,18 @@ PKV_TGT_DOTPROD PKV_PG_INLINE_ARM void pkv_pg_body_neon_(const pkv_pgemv_w *w, c
             i0[b] = vdupq_n_s32(-w->center * x->xqsum[(b0 + b) * ns + s]);
             i1[b] = vdupq_n_s32(0);
         }
-        if (KIND == PKV_PGEMV_NIBBLE) {
-            for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-                const uint8_t *cu = cw + (size_t)u * 16u * 64u;
-                for (uint32_t c = 0; c < 16u; ++c) {
+        if (pkv_pgemv_is_nibble(KIND)) {
+            const uint32_t U = pkv_pgemv_unit_codes(KIND);
+            for (uint32_t u = 0; u < span / U; ++u) {
+                const uint8_t *cu = cw + (size_t)u * 16u * (U / 2u);
+                for (uint32_t c = 0; c < U / 8u; ++c) {
                     uint8x16_t wv = vld1q_u8(cu + 64u * c);
                     int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(wv, m4));
                     int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(wv, 4));
                     for (int b = 0; b < NB; ++b) {
-                        const int8_t *xu = xs[b] + u * PKV_PGEMV_UNIT_CODES + 4u * c;
+                        const int8_t *xu = xs[b] + u * U + 4u * c;
                         i0[b] = pkv_pg_sdot(i0[b], lo, pkv_pg_bcast4_neon(xu));
-                        i1[b] = pkv_pg_sdot(i1[b], hi, pkv_pg_bcast4_neon(xu + 64));
+                        i1[b] = pkv_pg_sdot(i1[b], hi, pkv_pg_bcast4_neon(xu + U / 2u));
                     }
                 }
             }
@@ -691,6 +706,7 @@ PKV_TGT_DOTPROD PKV_PG_INLINE_ARM void pkv_pg_body_neon_(const pkv_pgemv_w *w, c
     case 7: CALL(7); break; default: CALL(8); break; \
     }
 #define PKV_PG_NEON_NIB(N) for (uint32_t q = 0; q < 4u; ++q) pkv_pg_body_neon_(w, x, b0, t, q, y_tile, PKV_PGEMV_NIBBLE, N)
+#define PKV_PG_NEON_NIB32(N) for (uint32_t q = 0; q < 4u; ++q) pkv_pg_body_neon_(w, x, b0, t, q, y_tile, PKV_PGEMV_NIBBLE32, N)
 #define PKV_PG_NEON_UB(N) for (uint32_t q = 0; q < 4u; ++q) pkv_pg_body_neon_(w, x, b0, t, q, y_tile, PKV_PGEMV_UBYTE, N)
 #define PKV_PG_NEON_SB(N) for (uint32_t q = 0; q < 4u; ++q) pkv_pg_body_neon_(w, x, b0, t, q, y_tile, PKV_PGEMV_SBYTE, N)
 
@@ -698,6 +714,8 @@ PKV_TGT_DOTPROD static void pkv_pgemv_tile_neon(const pkv_pgemv_w *w, const pkv_
                                                 ptrdiff_t nb, ptrdiff_t t, float *y_tile) {
     if (w->kind == PKV_PGEMV_NIBBLE) {
         PKV_PG_NB_SWITCH_(PKV_PG_NEON_NIB)
+    } else if (w->kind == PKV_PGEMV_NIBBLE32) {
+        PKV_PG_NB_SWITCH_(PKV_PG_NEON_NIB32)
     } else if (w->kind == PKV_PGEMV_UBYTE) {
         PKV_PG_NB_SWITCH_(PKV_PG_NEON_UB)
     } else {

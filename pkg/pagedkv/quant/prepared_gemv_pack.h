@@ -11,16 +11,23 @@
 #include "pagedkv/quant.h"
 #include "affine_loops.h"   /* PKV_FAMILY_* */
 
+/* The tile of a weight row, and (*r) its row within the tile. */
+static inline ptrdiff_t pkv_pgemv_tile_of(ptrdiff_t row, uint32_t *r) {
+    *r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
+    return row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
+}
+
 /* The codes of one (row, span) into the code block of its (tile, span). */
 static inline void pkv_pgemv_put_span(const uint8_t *q, uint32_t span, int kind, uint32_t r,
                                       uint8_t *blk) {
-    if (kind == PKV_PGEMV_NIBBLE) {
-        for (uint32_t u = 0; u < span / PKV_PGEMV_UNIT_CODES; ++u) {
-            const uint8_t *qu = q + u * PKV_PGEMV_UNIT_CODES;
-            uint8_t *bu = blk + (size_t)u * 16u * 64u;
-            for (uint32_t j = 0; j < 64u; ++j)
+    if (pkv_pgemv_is_nibble(kind)) {
+        const uint32_t U = pkv_pgemv_unit_codes(kind), half = U / 2u;
+        for (uint32_t u = 0; u < span / U; ++u) {
+            const uint8_t *qu = q + u * U;
+            uint8_t *bu = blk + (size_t)u * 16u * half;
+            for (uint32_t j = 0; j < half; ++j)
                 bu[((j / 4u) * PKV_PGEMV_TILE_ROWS + r) * 4u + j % 4u] =
-                    (uint8_t)(qu[j] | (qu[j + 64u] << 4));
+                    (uint8_t)(qu[j] | (qu[j + half] << 4));
         }
     } else {
         for (uint32_t j = 0; j < span; ++j)
@@ -44,8 +51,8 @@ static void pkv_pgemv_pack_affine(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t 
     const int f16 = family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C;
     uint8_t q[256];
     for (ptrdiff_t row = row0; row < row1; ++row) {
-        const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
-        const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
+        uint32_t r;
+        const ptrdiff_t t = pkv_pgemv_tile_of(row, &r);
         for (ptrdiff_t g = 0; g < groups_per_row; ++g) {
             const uint8_t *grp = raw + (size_t)(row * groups_per_row + g) * B;
             pkv_unpack_codes(grp + PKV_AFFINE_HEADER_BYTES, G, bits, q);
@@ -72,13 +79,46 @@ static void pkv_pgemv_pack_q8f16(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t r
     const ptrdiff_t ns = k / (ptrdiff_t)PKV_Q8F16_GROUP;
     const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * PKV_Q8F16_GROUP;
     for (ptrdiff_t row = row0; row < row1; ++row) {
-        const ptrdiff_t t = row / (ptrdiff_t)PKV_PGEMV_TILE_ROWS;
-        const uint32_t r = (uint32_t)(row % (ptrdiff_t)PKV_PGEMV_TILE_ROWS);
+        uint32_t r;
+        const ptrdiff_t t = pkv_pgemv_tile_of(row, &r);
         for (ptrdiff_t s = 0; s < ns; ++s) {
             const uint8_t *blk = raw + (size_t)(row * ns + s) * PKV_Q8F16_GROUP_BYTES;
             const size_t sb = (size_t)(t * ns + s);
             pkv_pgemv_put_span(blk + 2, PKV_Q8F16_GROUP, PKV_PGEMV_SBYTE, r, codes + sb * blk_bytes);
             scales[sb * PKV_PGEMV_TILE_ROWS + r] = (uint16_t)pkv_load_u16le(blk);
+        }
+    }
+}
+
+/* Rows [row0, row1) of Q4K super-blocks (K % 256 == 0) into spans of 32 (kind NIBBLE32):
+ * sub-block j of a super-block is span 8g + j, with scale = f32(d) * sc and min =
+ * -(f32(dmin) * m), the products of ggml's dequantize_row_q4_K (pkv_q4k_decode_group;
+ * exact in f32: 11 x 6 significant bits), so scale * q + min is the decoded weight.
+ * Q4K stores sub-blocks 2c and 2c + 1 in the low and high nibbles of the same 32 bytes;
+ * each becomes its own span (its codes re-paired low/high within the span). */
+static void pkv_pgemv_pack_q4k(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
+                               uint8_t *codes, float *scales, float *mins) {
+    const uint32_t sub = PKV_PGEMV_UNIT32_CODES, subs = PKV_Q4K_GROUP / sub;
+    const ptrdiff_t groups_per_row = k / (ptrdiff_t)PKV_Q4K_GROUP, ns = k / (ptrdiff_t)sub;
+    const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * pkv_pgemv_span_row_bytes(PKV_PGEMV_NIBBLE32, sub);
+    uint8_t q[32];
+    /* super-blocks are row-major and a row holds whole ones: walk them in storage order */
+    for (ptrdiff_t i = row0 * groups_per_row; i < row1 * groups_per_row; ++i) {
+        const uint8_t *grp = raw + (size_t)i * PKV_Q4K_GROUP_BYTES;
+        uint32_t r;
+        const ptrdiff_t t = pkv_pgemv_tile_of(i / groups_per_row, &r);
+        const ptrdiff_t s0 = (i % groups_per_row) * (ptrdiff_t)subs;   /* its first span */
+        const float d = pkv_f16_to_f32(pkv_load_u16le(grp));
+        const float dmin = pkv_f16_to_f32(pkv_load_u16le(grp + 2));
+        for (uint32_t j = 0; j < subs; ++j) {
+            uint32_t sc, m;
+            pkv_q4k_scale_min(grp + 4, j, &sc, &m);
+            const uint8_t *qs = grp + 16u + 32u * (j / 2u);
+            for (uint32_t l = 0; l < sub; ++l) q[l] = (uint8_t)((qs[l] >> (4u * (j & 1u))) & 0xFu);
+            const size_t sb = (size_t)(t * ns + s0 + (ptrdiff_t)j);
+            pkv_pgemv_put_span(q, sub, PKV_PGEMV_NIBBLE32, r, codes + sb * blk_bytes);
+            scales[sb * PKV_PGEMV_TILE_ROWS + r] = d * (float)sc;
+            mins[sb * PKV_PGEMV_TILE_ROWS + r] = -(dmin * (float)m);
         }
     }
 }
