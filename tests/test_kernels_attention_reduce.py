@@ -95,9 +95,14 @@ def _float64_and_bound(part_out, part_max, part_sum, lens):
     return want, EPS32 * terms[:, None, None] * mag
 
 
+# the head dims and length sets every reduce-against-float64 test runs over
+EVERY_HEAD_DIM = pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+BOTH_LENGTH_SETS = pytest.mark.parametrize("lens", [LENS, LENS_FEW], ids=["many", "few"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize("lens", [LENS, LENS_FEW], ids=["many", "few"])
+@EVERY_HEAD_DIM
+@BOTH_LENGTH_SETS
 def test_gpu_reduce_is_the_float64_combine_within_its_bound(device, head_dim, lens):
     heads = 4
     attn = _attn(device, heads, head_dim, lens)
@@ -111,8 +116,8 @@ def test_gpu_reduce_is_the_float64_combine_within_its_bound(device, head_dim, le
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize("lens", [LENS, LENS_FEW], ids=["many", "few"])
+@EVERY_HEAD_DIM
+@BOTH_LENGTH_SETS
 def test_gpu_reduce_sums_in_the_emulated_order(device, head_dim, lens):
     # Every partition of a head at the same max: expf(0) is 1 on the device and in NumPy,
     # so the summation order alone decides the bits (header butterfly, slices in order).
