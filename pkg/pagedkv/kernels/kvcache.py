@@ -429,12 +429,10 @@ class PagedAttention:
         partition kernel to run."""
         partition = self._partition
         s, h, d = self.num_seqs, self.num_heads, self.head_dim
-        for name, arr in (("q", q), ("out", out)):
-            if arr is None and name == "out":
-                continue
-            need_array(arr, name, np.float32, 3)
-            if arr.shape != (s, h, d):
-                raise InvalidArgument(f"{name}: shape {arr.shape}, expected {(s, h, d)}")
+        need_array(q, "q", np.float32, 3)
+        if q.shape != (s, h, d):
+            raise InvalidArgument(f"q: shape {q.shape}, expected {(s, h, d)}")
+        self._check_reduce(seq_lens, out)
         storage = "q8" if self.kv_dtype in QUANT_KV_DTYPES else self.kv_dtype  # uint8 records
         for name, pool, row in (("k_pool", k_pool, self.k_row), ("v_pool", v_pool, self.v_row)):
             if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != storage:
@@ -448,10 +446,8 @@ class PagedAttention:
                                           f"aligned pool, this one starts at {pool.ptr:#x}")
                 partition = self._unstaged
         need_array(block_tables, "block_tables", np.int32, 2)
-        need_array(seq_lens, "seq_lens", np.int32, 1)
-        if block_tables.shape[0] != s or seq_lens.shape[0] != s:
-            raise InvalidArgument(f"block_tables/seq_lens: {block_tables.shape[0]}/"
-                                  f"{seq_lens.shape[0]} rows, expected {s}")
+        if block_tables.shape[0] != s:
+            raise InvalidArgument(f"block_tables: {block_tables.shape[0]} rows, expected {s}")
         return partition
 
     def run(self, q: DeviceArray, k_pool: DeviceArray, v_pool: DeviceArray,
