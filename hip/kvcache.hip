@@ -11,6 +11,7 @@
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
 #include "attention_reduce.h"
+#include "mma_f16.h"
 #include "mma_s8.h"
 #include <pagedkv/kvquant.h>
 #include <pagedkv/launch.h>
@@ -166,31 +167,6 @@ PKV_DEV void convert_row8(const RawRow8& r, float out[8]) {
 // k-step 2i + h, and the q fragments take the same dims (the k order inside an mma is
 // free as long as A and B agree). Saves the f16 -> f32 conversion and GMAX FMAs per K
 // element that the CUDA-core pass spends.
-PKV_DEV void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
-#endif
-}
-
-// The same for bf16 KV: the fragment layouts are the f16 ones (16-bit elements), so the
-// loads, the byte permutes and the hi + remainder split below serve both; bf16 hi + lo
-// carry 16 bits of q and of P (f16: 22).
-PKV_DEV void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
-#endif
-}
-
 template <int KIND>
 PKV_DEV void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if (KIND == KV_BF16) mma_bf16_16x8x16(c, a, b0, b1);
