@@ -54,27 +54,59 @@ PKV_DEV void fwht256_lanes(float (&v)[PKV_FWHT_N / LANES], int lane) {
 // (step, sum of the first 128, sum of the second 128, sum) to xs[g * batch + b]. Every
 // lane of the 32 takes part (shuffles); on AMD a 64-wide wavefront holds two such warps
 // (lane strides stay below 32, so the halves never mix).
+//
+// n_tiles == 0 selects the f16 layout of the f16-activation GEMV (weights.hip, gemv_f16)
+// instead: x scaled per (group, batch row) by inv_step = 2^(GEMV_X_F16_RANGE - e), so that
+// its largest |x| is below 2^15, and rounded once to f16 (error at most 2^-11 of |x|, or
+// 2^-25 step below f16's normal range); lane L's 8 values are one 16-byte unit, stored in
+// the order x0 x4 x1 x5 x2 x6 x3 x7 (the B-fragment pairs of gemv_f16's nibble pairs) at
+// unit 32 (g batch + b) + 8 (L / 8) + 4 (L % 2) + (L / 2) % 4 of xq (the (mma m, t) order:
+// lane (gid, t) of mma m = 2j + h reads unit 4m + t); xs gets the step and the sums of the
+// rounded values times the step, so that the GEMV's f32 epilogue uses the x it multiplied.
+#define GEMV_X_F16_RANGE 15
+
 PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* xq, float4* xs,
                               int batch, int n_tiles, bool rotate) {
   if (rotate) fwht256_lanes<32>(v, lane);
-  float amax = 0.0f, sum = 0.0f;
+  float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    amax = fmaxf(amax, fabsf(v[i]));
-    sum += v[i];
-  }
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
   if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
-  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
-  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
-  const float other_half = pkv_shfl_xor(half_sum, 16);
-  // step = 2^(e - 22) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
+  // step = 2^(e - range) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
+  const int range = n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE;
   int e = 0;
   frexpf(amax, &e);
   e = max(e, -104);
   const bool finite = amax <= 3.4e38f;
-  const float inv_step = finite ? ldexpf(1.0f, GEMV_X_RANGE - e) : 0.0f;
-  const float step = finite ? ldexpf(1.0f, e - GEMV_X_RANGE) : __int_as_float(0x7FC00000);
+  const float inv_step = finite ? ldexpf(1.0f, range - e) : 0.0f;
+  const float step = finite ? ldexpf(1.0f, e - range) : __int_as_float(0x7FC00000);
+  float sum = 0.0f;
+  uint32_t h16[8];
+  if (n_tiles == 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      h16[i] = pkv_float_to_half_bits(v[i] * inv_step);  // exact scaling, one rounding
+      sum += pkv_half_bits_to_float((uint16_t)h16[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += v[i];
+  }
+  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
+  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
+  const float other_half = pkv_shfl_xor(half_sum, 16);
+  if (n_tiles == 0) {
+    const int unit = 8 * (lane / 8) + 4 * (lane % 2) + (lane / 2) % 4;
+    ((uint4*)xq)[((int64_t)g * batch + b) * 32 + unit] =
+        make_uint4(h16[0] | h16[4] << 16, h16[1] | h16[5] << 16, h16[2] | h16[6] << 16,
+                   h16[3] | h16[7] << 16);
+    if (lane == 0) {  // sums of the rounded values, times the step (a power of two)
+      const float s_lo = half_sum * step, s_hi = other_half * step;
+      xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+    }
+    return;
+  }
   uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {

@@ -9,6 +9,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
+    python hip/tune.py gemvf16 --set PKV_GEMV_F16_PREFETCH=4,6,8 --warps 4,8 --batches 8,16,32
 
 Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
@@ -186,13 +187,57 @@ def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
                 d.free()
 
 
+def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: list[int],
+                  shapes=((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))) -> None:
+    """The f16-activation GEMV (gemv_f16) per variant of its launch.h knobs, per 16-row tiles
+    per warp (1, 2) and warps per block, x prepared once, against the exact int8 kernel of
+    the same batch in the same run. The ring depth changes no f32 operation: each (tiles,
+    warps) configuration must give the first variant's bytes."""
+    from pagedkv import quant
+    from pagedkv.kernels import weights
+    rng = np.random.default_rng(3)
+    first: dict = {}
+    default_tpw = weights.GEMV_F16_TILES_PER_WARP
+    for M, K in shapes:
+        for fmt in ("mq4g256v2", "hfq4g256"):
+            raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+            dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
+            for batch in batches:
+                x = dev.array(rng.standard_normal((batch, K)).astype(np.float32))
+                y = dev.empty((batch, M), np.float32)
+
+                def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
+                    g.prepare(x, stream=stream)
+                    return B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w,
+                                                              (y,), calls), calls)
+                dev.load_module("weights", images[0][1])
+                t_int8 = timed(weights.Gemv(dev, fmt, M, K, batch, f16_x=False))
+                for defines, image in images:
+                    dev.load_module("weights", image)
+                    for tpw in (1, 2):
+                        weights.GEMV_F16_TILES_PER_WARP = tpw
+                        for w in warps:
+                            g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w)
+                            t = timed(g)
+                            got = y.to_numpy().tobytes()
+                            same = first.setdefault((fmt, M, K, batch, tpw, w), got) == got
+                            print(f"gemvf16 {fmt} b{batch} {M}x{K} {defines} tiles/warp {tpw} "
+                                  f"warps {w} grid {g._grid}: {_pct(raw.nbytes, t, copy_bw)}, "
+                                  f"{t_int8 / t:.2f}x the int8 kernel; same bytes as first: "
+                                  f"{same}", flush=True)
+                weights.GEMV_F16_TILES_PER_WARP = default_tpw
+            for d in dev_w:
+                d.free()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python hip/tune.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32"))
+    p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32", "gemvf16"))
     p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
                    help="a -D macro and the values to try (repeatable)")
-    p.add_argument("--warps", default="2,4,8", help="gemv: warps per block to try")
+    p.add_argument("--warps", default="2,4,8", help="gemv, gemvf16: warps per block to try")
+    p.add_argument("--batches", default="8,16,32", help="gemvf16: batch rows to try")
     p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
                    help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
     args = p.parse_args(argv)
@@ -218,6 +263,9 @@ def main(argv=None) -> int:
         sweep_attn(dev, stream, copy_bw, B, images, kind=args.kv)
     elif args.what == "gemv32":
         sweep_gemv32(dev, stream, copy_bw, B, images)
+    elif args.what == "gemvf16":
+        sweep_gemvf16(dev, stream, copy_bw, B, images, [int(w) for w in args.warps.split(",")],
+                      [int(b) for b in args.batches.split(",")])
     else:
         sweep_dequant(dev, stream, copy_bw, B, images)
     return 0

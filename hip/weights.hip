@@ -13,6 +13,7 @@
 //
 // Parameters: inputs, outputs, then scalars.
 #include "pagedkv_compat.h"
+#include "mma_f16.h"
 #include "mma_s8.h"
 #include <pagedkv/quant.h>
 #include <pagedkv/launch.h>
@@ -836,21 +837,22 @@ PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until 
   cp_async_wait<PENDING>();
 }
 
-// The end of the staged and pipelined kernels: red holds the block's f32 sums, row r (of
-// `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
-// plane p. A row's 3 plane columns are added from 0 (gemv_mma's order); with one split the
+// The end of the staged, pipelined and f16 kernels: red holds the block's f32 sums, row r
+// (of `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
+// plane p (gemv_f16, planes = 1: column b). A row's 3 plane columns are added from 0 (gemv_mma's order); with one split the
 // block writes y, otherwise its sums go to partial[split][batch][M] and the last of the row
 // block's `splits` blocks to arrive (counters[blockIdx.x], reset by that block for the next
 // launch) adds the splits in split order: the result does not depend on which block
 // finishes first, nor on how many rows a block holds.
 PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int batch,
                                float* __restrict__ y, float* __restrict__ partial,
-                               unsigned* __restrict__ counters, int split, int splits) {
+                               unsigned* __restrict__ counters, int split, int splits,
+                               int planes = 3) {
   const int row0 = blockIdx.x * rows;
   for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
     const int r = k % rows, b = k / rows;
-    const float* c = red + r * cols + 3 * b;
-    const float v = 0.0f + (c[0] + c[1] + c[2]);
+    const float* c = red + r * cols + planes * b;  // planes 1: gemv_f16's one column per row
+    const float v = planes == 1 ? c[0] : 0.0f + (c[0] + c[1] + c[2]);
     if (row0 + r < M) {
       if (splits == 1)
         y[(int64_t)b * M + row0 + r] = v;
@@ -1174,6 +1176,231 @@ PKV_DEV void gemv_mma_pipe(const uint8_t* __restrict__ packed, const uint32_t* _
   PKV_GEMV_MMA_PIPE_KERNEL(NAME, F, 12)
 PKV_GEMV_MMA_PIPE_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_MMA_PIPE_KERNELS(mq4g256v2, MQ4G256V2)
+
+// ---------------------------------------------------------------------------
+// f16-activation tensor-core GEMV for batch 1-32 (docs/kernels.md, "f16-activation GEMV";
+// NVIDIA sm_80+, opt-in per Gemv). Where the int8 kernels above carry x exactly as three
+// byte planes (3 B columns per batch row, 12 n-tiles at batch 32), this one carries x
+// rounded once to f16 (gemv_prep_x.h, n_tiles == 0: scaled per (group, batch row) by a
+// power of two, error at most 2^-11 of |x|) and turns the 4-bit codes into exact f16
+// integers 0..15: one B column per batch row, NT = ceil(batch / 8) n-tiles, m16n8k16 f16
+// mma with f32 sums, a third of the tensor work and of the accumulators at batch 32.
+//
+// Weights: gemv_mma's packed 16-row tiles unchanged (Gemv.pack). Lane (gid, t)'s 32-bit
+// code word of mma m (= 2j + h: code load j / 2 (rows gid) or 2 + j / 2 (rows gid + 8),
+// component 2 (j % 2) + h) is the raw bytes of weights e0 .. e0 + 7 of its row, e0 = 64 j
+// + 8 h + 16 t. Its nibble pairs (bits 4s and 16 + 4s, s = 0..3) are weights (e0 + s,
+// e0 + 4 + s): OR-ed into f16 1024 and less 1024, exact. Two k16 mmas per word: k-step 0
+// takes pairs s = 0 (A's k 2t, 2t + 1) and 1 (k 8 + 2t, 9 + 2t), k-step 1 pairs 2 and 3;
+// the k order inside an mma is free as long as B agrees, and the prepared x unit of (m, t)
+// holds x[e0 ..] as (x0 x4)(x1 x5)(x2 x6)(x3 x7): b0, b1 of k-step 0, then of k-step 1.
+//
+// A block of W warps owns W x TPW consecutive 16-row tiles (TPW per warp: each x fragment
+// read from shared memory feeds TPW tiles' mmas) and one contiguous split of the groups
+// (blockIdx.y). Per group its threads copy the batch rows' prepared x (batch x 512 bytes)
+// into shared memory with cp.async, the next group's in flight (two buffers); the weights
+// go to registers half a group (128 weights) ahead. Per half group the mma sums start at
+// zero and the f32 epilogue adds scale x step x sum + offset x (sum of that half's x):
+// the affine map per half (MQ4G256V2's two, HFQ4's one twice). Shared layout: unit k of
+// batch row n at 32 n + (k ^ 4 (n % 2)), so the 8 lanes (two rows, t = 0..3) of a 128-bit
+// load's phase hit 8 different 16-byte bank groups. Rows from `batch` to 8 NT are zeros
+// (written once; the copies never reach them). The end is gemv_split_finish's, one column
+// per batch row.
+PKV_DEV int xh_stage_unit(int row, int unit) { return 32 * row + (unit ^ (4 * (row & 1))); }
+
+// Nibbles s and 4 + s of a code word as an f16 pair of exact integers 0..15.
+PKV_DEV uint32_t nibble_pair_f16(uint32_t w, int s) {
+  const uint32_t biased = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;  // 1024 + q
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(biased), "r"(0x64006400u));
+  return r;
+}
+
+template <int F, int NT, int TPW>
+PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restrict__ xh,
+                      const float4* __restrict__ xs, float* __restrict__ y,
+                      float* __restrict__ partial, unsigned* __restrict__ counters, int M, int K,
+                      int batch) {
+  constexpr int ROWS = 8 * NT, UNITS = ROWS * 32;  // staged batch rows, their 16-byte units
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  constexpr int HALVES = MmaHalves<F>::value;
+  // 2 x NT x 4 KiB; the end's reduction ([W x TPW x 16 rows][8 NT] f32) reuses it
+  __shared__ __align__(16) uint4 stage[2][UNITS];
+  static_assert(PKV_GEMV_MMA_MAX_WARPS * TPW * PKV_GEMV_MMA_ROWS * ROWS * 4 <= sizeof(stage),
+                "the reduction fits in the x buffers");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int gid = lane / 4, t = lane % 4;
+  const int row_tiles = (M + PKV_GEMV_MMA_ROWS - 1) / PKV_GEMV_MMA_ROWS;
+  const int tile0 = (blockIdx.x * n_warps + warp) * TPW;
+  const bool active = tile0 < row_tiles;  // warps past the last tile only copy x
+  const int groups = K / 256, splits = gridDim.y, split = blockIdx.y;
+  const int g_begin = split * groups / splits, g_end = (split + 1) * groups / splits;
+  const uint8_t* wt[TPW];  // past the last tile, the last one again: computed, never stored
+#pragma unroll
+  for (int u = 0; u < TPW; ++u)
+    wt[u] = packed + (int64_t)min(tile0 + u, row_tiles - 1) * groups * TILE_BYTES;
+
+  for (int k = threadIdx.x; k < 2 * (ROWS - batch) * 32; k += blockDim.x)
+    stage[k / ((ROWS - batch) * 32)][batch * 32 + k % ((ROWS - batch) * 32)] =
+        make_uint4(0u, 0u, 0u, 0u);
+  auto stage_x = [&](int buf, int g) {
+    const uint4* src = xh + (int64_t)g * batch * 32;  // (batch row, unit) order
+    for (int u = threadIdx.x; u < batch * 32; u += blockDim.x)
+      cp_async16(&stage[buf][xh_stage_unit(u / 32, u % 32)], src + u);
+  };
+  // half hv of group g: code loads hv (rows gid) and 2 + hv (rows gid + 8)
+  auto load_half = [&](uint4 (&w)[TPW][2], int g, int hv) {
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const uint4* code = (const uint4*)(wt[u] + (int64_t)g * TILE_BYTES + 128);
+      w[u][0] = code[32 * hv + lane];
+      w[u][1] = code[32 * (2 + hv) + lane];
+    }
+  };
+  auto load_hdr = [&](uint2 (&h)[TPW][2], int g) {
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const uint2* hdr = (const uint2*)(wt[u] + (int64_t)g * TILE_BYTES);
+      h[u][0] = hdr[gid];
+      h[u][1] = hdr[gid + 8];
+    }
+  };
+
+  float acc[TPW][2][NT][2];
+#pragma unroll
+  for (int u = 0; u < TPW; ++u)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) acc[u][r][i][0] = acc[u][r][i][1] = 0.0f;
+
+  // The weights stream through a ring of D half-groups in registers, D - 1 of them in
+  // flight ahead of the one computed (a half group is 1 KiB per tile: with one half ahead
+  // the warps waited out a DRAM latency per half). Step s = 2 (g - g_begin) + hv; the loop
+  // runs D steps per round, unrolled, so every ring index is a constant. A group's headers
+  // load with its first half and are copied out when that half is computed (its ring slot
+  // is refilled while the second half still needs them).
+  constexpr int D = PKV_GEMV_F16_PREFETCH;
+  static_assert(D >= 2 && D % 2 == 0, "whole groups in the ring");
+  uint4 ring[D][TPW][2];
+  uint2 ring_hdr[D][TPW][2], hdr[TPW][2];
+  const int steps = 2 * (g_end - g_begin);
+  auto load_step = [&](int s, uint4 (&w)[TPW][2], uint2 (&h)[TPW][2]) {
+    load_half(w, g_begin + s / 2, s % 2);
+    if (s % 2 == 0) load_hdr(h, g_begin + s / 2);
+  };
+  if (active) {  // read-only weights: before the PDL wait
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d)
+      if (d < steps) load_step(d, ring[d], ring_hdr[d]);
+  }
+  pkv_grid_dependency_wait();  // PDL: the prepared x, y, partial and counters from here
+  pkv_launch_dependents();
+  if (g_begin < g_end) stage_x(0, g_begin);
+  cp_async_commit();  // group 0's x is its own group: the first wait<1> below waits for it
+  for (int s0 = 0; s0 < steps; s0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int s = s0 + d, hv = d % 2;  // s0 is even: the half is a constant
+      if (s >= steps) break;  // uniform over the block
+      const int g = g_begin + s / 2, buf = (s / 2) & 1;
+      if (active && s + D - 1 < steps)  // into the slot step s - 1 left
+        load_step(s + D - 1, ring[(d + D - 1) % D], ring_hdr[(d + D - 1) % D]);
+      if (hv == 0) {
+        if (g + 1 < g_end) stage_x(buf ^ 1, g + 1);
+        cp_async_commit_wait<1>();  // this group's x has landed (the next one's may not)
+        __syncthreads();            // ... for every thread's copies
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) hdr[u][0] = ring_hdr[d][u][0], hdr[u][1] = ring_hdr[d][u][1];
+      }
+      if (active) {
+        float c[TPW][NT][4];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u)
+#pragma unroll
+          for (int i = 0; i < NT; ++i) c[u][i][0] = c[u][i][1] = c[u][i][2] = c[u][i][3] = 0.0f;
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) {  // mma m = 4 hv + mm: component mm of the loads
+          uint4 xv[NT];
+#pragma unroll
+          for (int i = 0; i < NT; ++i)
+            xv[i] = stage[buf][xh_stage_unit(8 * i + gid, 4 * (4 * hv + mm) + t)];
+#pragma unroll
+          for (int u = 0; u < TPW; ++u) {
+            const uint4& w0 = ring[d][u][0];
+            const uint4& w1 = ring[d][u][1];
+            const uint32_t wa = mm == 0 ? w0.x : mm == 1 ? w0.y : mm == 2 ? w0.z : w0.w;
+            const uint32_t wb = mm == 0 ? w1.x : mm == 1 ? w1.y : mm == 2 ? w1.z : w1.w;
+            const uint32_t a0[4] = {nibble_pair_f16(wa, 0), nibble_pair_f16(wb, 0),
+                                    nibble_pair_f16(wa, 1), nibble_pair_f16(wb, 1)};
+            const uint32_t a1[4] = {nibble_pair_f16(wa, 2), nibble_pair_f16(wb, 2),
+                                    nibble_pair_f16(wa, 3), nibble_pair_f16(wb, 3)};
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
+              mma_f16_16x8x16(c[u][i], a0, xv[i].x, xv[i].y);
+              mma_f16_16x8x16(c[u][i], a1, xv[i].z, xv[i].w);
+            }
+          }
+        }
+        // epilogue of half hv: lane (gid, t) holds rows gid + 8r, batch rows 8i + 2t + e
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int b = 8 * i + 2 * t + e;
+            const float4 sx =
+                b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float xsum = hv ? sx.z : sx.y;
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                float scale, offset;
+                header_affine<F>(hdr[u][r], HALVES == 2 ? hv : 0, scale, offset);
+                acc[u][r][i][e] += scale * (sx.x * c[u][i][2 * r + e]) + offset * xsum;
+              }
+          }
+      }
+      if (hv == 1) __syncthreads();  // buffer `buf` is read before a later group copies into it
+    }
+  }
+  cp_async_commit_wait<0>();  // nothing in flight into the buffers the reduction reuses
+  __syncthreads();
+
+  float* red = (float*)&stage[0][0];  // [warp tile][16 rows][8 NT columns]
+#pragma unroll
+  for (int u = 0; u < TPW; ++u)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          red[((warp * TPW + u) * PKV_GEMV_MMA_ROWS + gid + 8 * r) * ROWS + 8 * i + 2 * t + e] =
+              acc[u][r][i][e];
+  __syncthreads();
+  gemv_split_finish(red, ROWS, n_warps * TPW * PKV_GEMV_MMA_ROWS, M, batch, y, partial,
+                    counters, split, splits, 1);
+}
+
+#define PKV_GEMV_F16_KERNEL(NAME, F, NT, TPW)                                               \
+  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
+      pkv_gemv_f16_##NAME##_n##NT##_t##TPW(                                                 \
+      const uint8_t* w, const uint4* xh, const float4* xs, float* y, float* partial,        \
+      unsigned* counters, int M, int K, int batch) {                                        \
+    gemv_f16<F, NT, TPW>(w, xh, xs, y, partial, counters, M, K, batch);                     \
+  }
+#define PKV_GEMV_F16_KERNELS(NAME, F) \
+  PKV_GEMV_F16_KERNEL(NAME, F, 1, 1)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 1, 2)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 2, 1)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 2, 2)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 3, 1)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 3, 2)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 4, 1)  \
+  PKV_GEMV_F16_KERNEL(NAME, F, 4, 2)
+PKV_GEMV_F16_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_F16_KERNELS(mq4g256v2, MQ4G256V2)
 
 #endif  // __CUDACC__
 

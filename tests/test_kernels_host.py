@@ -205,6 +205,7 @@ class FakeCudaDevice(FakeDevice):
 def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(monkeypatch, fmt, batch, kernel,
                                                              rotate):
     monkeypatch.setenv("PAGEDKV_GEMV_PIPE", "0")  # batch 9-32: the staged kernel (A/B switch)
+    monkeypatch.setenv("PAGEDKV_GEMV_F16X", "0")  # ... the exact int8 one
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
     g = weights.Gemv(dev, fmt, M, K, batch)
@@ -320,6 +321,53 @@ def test_gemv_pipe_switches_and_limits(monkeypatch):
         with pytest.raises(InvalidArgument, match=message):
             weights.Gemv(dev, "hfq4g256", M, K, **kwargs)
         assert _launches(dev) == []
+
+
+@pytest.mark.parametrize("batch", [1, 8, 9, 32])
+def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
+    """f16_x=True: gemv_f16 with ceil(batch / 8) n-tiles, the prep's f16 layout (tiles 0:
+    batch x 32 units of 16 bytes per group), blocks of 8 warps (4 above 4096 rows) x
+    GEMV_F16_TILES_PER_WARP tiles, group splits up to 8; the env variable where f16_x is None; refused, before any launch, where
+    there is no such kernel or with the pipelined one."""
+    monkeypatch.delenv("PAGEDKV_GEMV_F16X", raising=False)
+    M, K = 300, 2048
+    dev = FakeCudaDevice()
+    g = weights.Gemv(dev, "mq4g256v2", M, K, batch, f16_x=True)
+    nt = -(-batch // 8)
+    assert g.f16_x and not g.pipe and g.tensor_cores and g.packed
+    tpw = weights.GEMV_F16_TILES_PER_WARP
+    assert g._kernel.name == f"pkv_gemv_f16_mq4g256v2_n{nt}_t{tpw}"
+    blocks = -(-19 // (8 * tpw))  # 19 tiles of 16 rows, 8 warps (M <= 4096)
+    assert g._grid == (blocks, weights._staged_splits(blocks, 8, 132, 8)) and g._block == (256,)
+    wide = weights.Gemv(dev, "mq4g256v2", 4352, K, batch, f16_x=True)  # M > 4096: 4 warps
+    assert wide._block == (128,) and wide._grid[0] == -(-272 // (4 * tpw))
+    assert g._xq.shape == (8 * batch * 128,) and g.prepared_x().tiles == 0
+    assert repr(g) == f"Gemv('mq4g256v2', M=300, K=2048, batch={batch}, f16 x, tensor cores)"
+    # the default above 8 batch rows, unless an int8 batch 9-32 kernel is asked for
+    assert weights.Gemv(dev, "mq4g256v2", M, K, batch).f16_x == (batch > 8)
+    assert not weights.Gemv(dev, "mq4g256v2", M, K, max(batch, 9), pipe=False).f16_x
+    monkeypatch.setenv("PAGEDKV_GEMV_PIPE", "1")
+    assert not weights.Gemv(dev, "mq4g256v2", M, K, max(batch, 9)).f16_x
+    monkeypatch.delenv("PAGEDKV_GEMV_PIPE")
+    monkeypatch.setenv("PAGEDKV_GEMV_F16X", "0")
+    assert not weights.Gemv(dev, "hfq4g256", M, K, batch).f16_x
+    monkeypatch.setenv("PAGEDKV_GEMV_F16X", "1")
+    assert weights.Gemv(dev, "hfq4g256", M, K, batch).f16_x
+    assert not weights.Gemv(dev, "hfq4g256", M, K, batch, f16_x=False).f16_x  # beats the env
+    # where no f16 kernel exists the variable leaves the exact kernels in place
+    assert not weights.Gemv(FakeCudaDevice("sm_75"), "hfq4g256", M, K, min(batch, 8)).f16_x
+    assert not weights.Gemv(dev, "q8f16", M, K, min(batch, 8)).f16_x
+    for dev2, fmt, kwargs, message in [
+        (FakeCudaDevice("sm_75"), "hfq4g256", {}, (r"f16_x=True: the f16-activation GEMV runs "
+         r"\['hfq4g256', 'mq4g256v2'\] on NVIDIA sm_80\+; this is hfq4g256 on sm_75")),
+        (dev, "hfq6g256", {}, r"this is hfq6g256 on sm_90"),
+        (dev, "hfq4g256", {"pipe": True}, r"pipe=True and f16_x=True"),
+        (dev, "hfq4g256", {"splits": 9}, r"splits=9: expected 1\.\.8 \(the f16"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            weights.Gemv(dev2, fmt, M, K, min(batch, 8) if fmt != "hfq4g256" or
+                         dev2 is not dev else batch, f16_x=True, **kwargs)
+        assert _launches(dev2) == []
 
 
 class _OptInDevice(FakeCudaDevice):

@@ -237,7 +237,7 @@ def test_gpu_tiled_gemv_matches_reference(device, fmt, batch):
     up to 32) on fresh random inputs: M = 37 leaves a padded last tile and idle warps, K =
     17 groups an uneven split over blocks."""
     M, K = 37, 4352
-    g = weights.Gemv(device, fmt, M, K, batch)
+    g = weights.Gemv(device, fmt, M, K, batch, f16_x=False)  # the exact int8 kernel
     if not g.tensor_cores:
         pytest.skip("the tiled GEMV is the tensor-core kernel's (NVIDIA sm_80+)")
     _, raw = _weights(fmt, (M, K))
@@ -267,7 +267,7 @@ def test_gpu_staged_gemv_rows_agree_with_batch_1_calls(device, fmt, M):
     bound. M = 300: three row blocks of 128, the last partial; run twice, so the arrival
     counters reset by the first launch serve the second."""
     K = 2048
-    wide = weights.Gemv(device, fmt, M, K, 32)
+    wide = weights.Gemv(device, fmt, M, K, 32, f16_x=False)
     if not wide.tensor_cores:
         pytest.skip("the staged GEMV is the tensor-core kernel's (NVIDIA sm_80+)")
     one = weights.Gemv(device, fmt, M, K, 1)
@@ -284,6 +284,69 @@ def test_gpu_staged_gemv_rows_agree_with_batch_1_calls(device, fmt, M):
             y1 = poisoned(device, (1, M), np.float32)
             one.run(w, device.array(x[b:b + 1]), y1)
             assert (np.abs(got[b] - y1.to_numpy()[0]) <= bound[b]).all(), (run, b)
+
+
+def _f16_gemv_or_skip(device, fmt, M, K, batch, **kw):
+    try:
+        return weights.Gemv(device, fmt, M, K, batch, f16_x=True, **kw)
+    except errors.InvalidArgument as e:  # not NVIDIA sm_80+
+        pytest.skip(f"no f16-activation GEMV here: {e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", MMA_FORMATS)
+@pytest.mark.parametrize("batch", [1, 5, 8, 9, 17, 32])
+def test_gpu_f16x_gemv_matches_reference(device, fmt, batch):
+    """gemv_f16 (x rounded once to f16 per group) on fresh x of mixed magnitudes against the
+    float64 reference, within GEMV_F16_ERROR of sum |w||x|: M = 37 leaves a padded last tile
+    and idle warps, K = 17 groups an uneven split over blocks, batches 1-32 every n-tile
+    count and padded batch rows."""
+    M, K = 37, 4352
+    g = _f16_gemv_or_skip(device, fmt, M, K, batch)
+    assert g.f16_x and "f16 x" in repr(g)
+    _, raw = _weights(fmt, (M, K))
+    x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
+    y = poisoned(device, (batch, M), np.float32)
+    g.run(g.upload(raw), device.array(x), y)
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    got = y.to_numpy()
+    assert np.isfinite(got).all()
+    bound = _gemv_bound(raw, fmt, M, K, x)
+    assert (np.abs(got - want) <= weights.GEMV_F16_ERROR * bound + 1e-7).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+def test_gpu_f16x_gemv_edges_splits_and_a_nan_row(device, fmt):
+    """Batch rows of |x| ~ 1e30, ~ 1e-30, all zeros, a NaN, and ordinary ones at M = 300
+    (row blocks of 128 or 256 rows, the last partial) with 3 group splits, run twice (the
+    arrival counters reset by the first launch serve the second) and with one split: the
+    power-of-two step follows every scale, zeros give zeros, the NaN poisons its row only."""
+    M, K, batch = 300, 2048, 12
+    _, raw = _weights(fmt, (M, K))
+    for splits in (3, 1):
+        g = _f16_gemv_or_skip(device, fmt, M, K, batch, splits=splits)
+        assert g._grid[1] == splits
+        w = g.upload(raw)
+        for run in range(2):
+            x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))
+                 ).astype(np.float32)
+            x[0] *= np.float32(1e30)
+            x[1] *= np.float32(1e-30)
+            x[2] = 0.0
+            x[3, 700] = np.nan
+            y = poisoned(device, (batch, M), np.float32)
+            g.run(w, device.array(x), y)
+            got = y.to_numpy()
+            assert np.isnan(got[3]).all() and (got[2] == 0.0).all(), (splits, run)
+            live = np.r_[0:3, 4:batch]
+            x[3] = 0.0
+            want = numpy_kernels.gemv(raw, fmt, M, K, x,
+                                      rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+            bound = _gemv_bound(raw, fmt, M, K, x)
+            assert np.isfinite(got[live]).all()
+            assert (np.abs(got[live] - want[live])
+                    <= weights.GEMV_F16_ERROR * bound[live] + 1e-37).all(), (splits, run)
 
 
 PIPE_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
@@ -326,8 +389,8 @@ def test_gpu_pipelined_gemv_is_the_staged_kernel_bit_for_bit(device, fmt, batch,
             got = y_pipe.to_numpy()
             assert np.isfinite(got).all(), (splits, run)
             assert got.tobytes() == y_staged.to_numpy().tobytes(), (splits, run)
-    g = weights.Gemv(device, fmt, M, K, batch)
-    # opt-in: the default runs the staged kernel unless PAGEDKV_GEMV_PIPE=1
+    # the int8 kernels without pipe=: the staged one unless PAGEDKV_GEMV_PIPE=1 (opt-in)
+    g = weights.Gemv(device, fmt, M, K, batch, f16_x=False)
     assert g.pipe == bool(env_bool(weights.PIPE_ENV, False)), repr(g)
     _check_wide_gemv(device, g, raw)
 

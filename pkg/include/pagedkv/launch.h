@@ -114,6 +114,11 @@
 #ifndef PKV_GEMV_PIPE_TILES_PER_WARP
 #define PKV_GEMV_PIPE_TILES_PER_WARP 2
 #endif
+/* Half-groups of weights (1 KiB per 16-row tile) the f16-activation GEMV keeps in its
+ * register ring, D - 1 in flight ahead of the one computed (weights.hip, gemv_f16). */
+#ifndef PKV_GEMV_F16_PREFETCH
+#define PKV_GEMV_F16_PREFETCH 4
+#endif
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif

@@ -314,11 +314,14 @@ class DecoderStep:
                            + (["attn+prep:o"] if self._prepared["o"] is not None else [])
                            + (["silu+prep:down"] if self._prepared["down"] is not None else [])
                            + (["rope+kv_write"] if self._rope_write else []))
+        #: Whether any of its GEMVs rounds x to f16 (``Gemv.f16_x``: the default above 8 rows
+        #: per call on NVIDIA), which makes its outputs' error that kernel's, not 2e-5's.
+        self.f16_x = any(g.f16_x for p in self._proj.values() for g in p.gemvs.values())
 
     def __repr__(self) -> str:
         return (f"DecoderStep(batch={self.batch}, {self.shape}, fmt={self.weights.fmt!r}, "
                 f"kv={self.pool.geometry.dtype}, gemv_rows={self.gemv_rows}, "
-                f"fused={list(self.fused)})")
+                f"{'f16 x, ' if self.f16_x else ''}fused={list(self.fused)})")
 
     def run(self, tables: DeviceDecodeBatch, *, stream: StreamLike = None) -> None:
         """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``

@@ -57,6 +57,17 @@ GEMV_PIPE_STAGES = launch_constant("PKV_GEMV_PIPE_STAGES")
 GEMV_PIPE_TILES_PER_WARP = launch_constant("PKV_GEMV_PIPE_TILES_PER_WARP")
 GEMV_PIPE_MAX_SPLITS = 8
 PIPE_ENV = "PAGEDKV_GEMV_PIPE"
+#: The f16-activation GEMV (gemv_f16, NVIDIA sm_80+, batch 1-32; docs/kernels.md,
+#: "f16-activation GEMV"): x rounded once to f16 (error at most 2^-11 of each |x|) instead of
+#: the exact int8 planes, one B column per batch row. The default above 8 batch rows (1.1-2.3x
+#: the int8 kernels' speed there on the H200); ``Gemv(f16_x=...)`` or ``PAGEDKV_GEMV_F16X``
+#: choose. 16-row tiles per warp (its kernels exist for 1 and 2) and most group splits.
+F16X_ENV = "PAGEDKV_GEMV_F16X"
+GEMV_F16_TILES_PER_WARP = 1
+GEMV_F16_MAX_SPLITS = 8
+#: The f16 GEMV's bound on |y - W x| relative to sum |w||x| (the f16 rounding of x, 2^-11,
+#: and the f32 sums' error below 2^-15); the int8 kernels' is 2e-5.
+GEMV_F16_ERROR = 5.5e-4
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
 _PIPE_TILES = (6, 9, 12)
@@ -249,7 +260,7 @@ class Gemv:
 
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None, pipe: bool | None = None,
-                 splits: int | None = None) -> None:
+                 splits: int | None = None, f16_x: bool | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
         kernels on NVIDIA: 8). Ignored by the f32 kernel.
@@ -259,9 +270,16 @@ class Gemv:
         device; opt-in: slower than the staged one on the H200,
         docs/kernels.md), ``True`` requires the pipelined kernel,
         ``False`` runs the staged kernel. ``splits``: group splits of those
-        kernels (1 to 4 staged, 1 to 8 pipelined; ``None``: chosen from the grid). The two
-        kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
-        "Pipelined tensor-core GEMV")."""
+        kernels (1 to 4 staged, 1 to 8 pipelined or f16; ``None``: chosen from the grid). The
+        two int8 kernels give the same outputs bit for bit at the same splits (docs/kernels.md,
+        "Pipelined tensor-core GEMV").
+
+        ``f16_x`` (NVIDIA sm_80+, 4-bit formats, any batch 1-32): ``True`` runs the
+        f16-activation kernel (x rounded once to f16 per group, scaled by a power of two:
+        error at most :data:`GEMV_F16_ERROR` of sum |w||x| instead of 2e-5), ``False`` the
+        exact int8 kernels. ``None``: ``False`` when ``pipe`` is given (it picks an int8
+        kernel), else ``PAGEDKV_GEMV_F16X`` when set, else ``True`` above 8 batch rows
+        (unless ``PAGEDKV_GEMV_PIPE=1`` asks for the pipelined int8 kernel), where it exists."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -276,6 +294,21 @@ class Gemv:
         # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
         wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
                 and device.backend == "cuda")
+        if f16_x is not None:
+            use_f16 = f16_x
+        else:
+            use_f16 = pipe is None and bool(env_bool(
+                F16X_ENV, batch > GEMV_MAX_BATCH and not env_bool(PIPE_ENV, False)))
+        if use_f16 and not (tensor_cores and device.backend == "cuda"):
+            if f16_x:
+                raise InvalidArgument(
+                    f"f16_x=True: the f16-activation GEMV runs {list(_MMA_KERNELS)} on NVIDIA "
+                    f"sm_80+; this is {f.name} on {getattr(device.properties, 'arch', '?')}")
+            use_f16 = False  # the variable asks for it where it exists
+        if use_f16 and pipe:
+            raise InvalidArgument("pipe=True and f16_x=True: the pipelined kernel is an int8 "
+                                  "one; choose one of them")
+        wide = wide and not use_f16
         use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, False))
         if pipe and not wide:
             raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
@@ -290,14 +323,16 @@ class Gemv:
                     f"block, {device.properties.name} ({device.properties.arch}) allows "
                     f"{limit}; use fewer warps, or pipe=None")
             use_pipe = need <= limit
-        most_splits = GEMV_PIPE_MAX_SPLITS if use_pipe else GEMV_STAGED_MAX_SPLITS
-        if splits is not None and (not wide or not 1 <= splits <= most_splits):
-            kind = "pipelined" if use_pipe else "staged"
+        most_splits = (GEMV_F16_MAX_SPLITS if use_f16 else
+                       GEMV_PIPE_MAX_SPLITS if use_pipe else GEMV_STAGED_MAX_SPLITS)
+        if splits is not None and (not (wide or use_f16) or not 1 <= splits <= most_splits):
+            kind = "f16" if use_f16 else "pipelined" if use_pipe else "staged"
             raise InvalidArgument(f"splits={splits}: expected 1..{most_splits} (the {kind} "
                                   f"batch 9-32 kernel on NVIDIA only)")
         self.device, self.M, self.K, self.batch = device, M, K, batch
         self.tensor_cores = tensor_cores
         self.pipe = use_pipe
+        self.f16_x = use_f16
         self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
         # The x run_prepared reads (the f32 kernel), or the one last quantized into the
         # scratch (tensor cores); None before the first prepare().
@@ -306,11 +341,14 @@ class Gemv:
         if self.tensor_cores:
             groups = K // 256
             tiles = math.ceil(3 * batch / 8)  # B columns: 3 byte planes per batch row
-            if use_pipe:
+            if use_f16:  # one B column per batch row; the prep's f16 layout is tiles == 0
+                tiles = 0
+            elif use_pipe:
                 tiles = _pipe_tiles(batch)
             elif tiles > GEMV_MMA_MAX_TILES:  # the tiled kernel: whole chunks of 3 n-tiles
                 tiles = next(n for n in _TILED_TILES if n >= tiles)
-            self._xq = device.empty((groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
+            self._xq = device.empty((groups * batch * 128,) if use_f16 else
+                                    (groups * tiles * 32 * GEMV_X_WORDS,), np.uint32)
             self._xs = device.empty((groups * batch, 4), np.float32)
             # the prep and the batch 1-8 kernel wait for the previous grid themselves (PDL);
             # the staged and tiled kernels do not, so they launch after it completes
@@ -323,7 +361,26 @@ class Gemv:
             # the staged kernel's split-K scratch (none elsewhere), see _staged_splits
             self._split_args: tuple[DeviceArray, ...] = ()
             self._shared = 0  # dynamic shared bytes of the launch (the pipelined kernel's ring)
-            if wide:
+            if use_f16:
+                # gemv_f16: a block's warps take TPW 16-row tiles each and share the f16 x it
+                # copies to shared memory; blockIdx.y splits the groups
+                # 8 warps up to 4096 rows, else 4 (more, smaller blocks): the faster of the
+                # two on every Llama-3-8B shape on the H200 (docs/kernels.md)
+                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 else 4)
+                tpw = GEMV_F16_TILES_PER_WARP
+                row_blocks = math.ceil(row_tiles / (n_warps * tpw))
+                if splits is None:
+                    splits = _staged_splits(row_blocks, groups,
+                                            device.properties.multiprocessor_count, most_splits)
+                self._kernel = device.kernel(
+                    SOURCE, f"pkv_gemv_f16_{f.kernel}_n{math.ceil(batch / 8)}_t{tpw}",
+                    "ppppppiii", dependent_launch=True)
+                self._grid = (row_blocks, splits)
+                self._split_args = (
+                    device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
+                    device.array(np.zeros(row_blocks, np.uint32)))
+                self._block = (32 * n_warps,)
+            elif wide:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
                 # x it copies to shared memory; gemv_mma_pipe: TILES_PER_WARP tiles each, x
                 # and weights copied STAGES - 1 groups ahead; blockIdx.y splits the groups
@@ -365,7 +422,9 @@ class Gemv:
     def __repr__(self) -> str:
         cores = "matrix" if getattr(self.device, "backend", None) == "hip" else "tensor"
         kernel = f", int8 {cores} cores" if self.tensor_cores else ""
-        if self.tensor_cores and len(self._grid) == 2:  # the batch 9-32 kernels on NVIDIA
+        if self.f16_x:
+            kernel = f", f16 x, {cores} cores"
+        elif self.tensor_cores and len(self._grid) == 2:  # the batch 9-32 kernels on NVIDIA
             kernel += ", pipelined" if self.pipe else ", staged"
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
