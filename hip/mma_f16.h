@@ -9,27 +9,24 @@
 #ifndef PAGEDKV_MMA_F16_H
 #define PAGEDKV_MMA_F16_H
 
-PKV_DEV void mma_f16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// mma_f16_16x8x16 and mma_bf16_16x8x16 (T: the PTX operand type); bf16 uses the f16
+// fragment layouts (16-bit elements).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __builtin_trap();  // callers run it only on sm_80 and newer (never on AMD)
+#define PKV_MMA_M16N8K16(NAME, T)                                                             \
+  PKV_DEV void NAME(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {        \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, "               \
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                              \
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                      \
+  }
+#else  // callers run it only on sm_80 and newer (never on AMD)
+#define PKV_MMA_M16N8K16(NAME, T)                                                             \
+  PKV_DEV void NAME(float (&)[4], const uint32_t (&)[4], uint32_t, uint32_t) {                \
+    __builtin_trap();                                                                         \
+  }
 #endif
-}
-
-// The same with bf16 operands: the fragment layouts are the f16 ones (16-bit elements).
-PKV_DEV void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __builtin_trap();  // callers run it only on sm_80 and newer (never on AMD)
-#endif
-}
+PKV_MMA_M16N8K16(mma_f16_16x8x16, "f16")
+PKV_MMA_M16N8K16(mma_bf16_16x8x16, "bf16")
+#undef PKV_MMA_M16N8K16
 
 #endif  // PAGEDKV_MMA_F16_H

@@ -9,7 +9,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
-    python hip/tune.py gemvf16 --set PKV_GEMV_F16_PREFETCH=4,6,8 --warps 4,8 --batches 8,16,32
+    python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
 Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
@@ -187,8 +187,11 @@ def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
                 d.free()
 
 
+F16_KNOBS = ("GEMV_F16_X_STAGES",)  # launcher mirrors of gemv_f16's launch.h values
+
+
 def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: list[int],
-                  shapes=((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))) -> None:
+                  tiles: tuple[int, ...] = (1, 2), shapes=((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))) -> None:
     """The f16-activation GEMV (gemv_f16) per variant of its launch.h knobs, per 16-row tiles
     per warp (1, 2) and warps per block, x prepared once, against the exact int8 kernel of
     the same batch in the same run. The ring depth changes no f32 operation: each (tiles,
@@ -210,11 +213,11 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
                     g.prepare(x, stream=stream)
                     return B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w,
                                                               (y,), calls), calls)
-                dev.load_module("weights", images[0][1])
+                _load_weights_variant(dev, images[0][0], images[0][1], F16_KNOBS)
                 t_int8 = timed(weights.Gemv(dev, fmt, M, K, batch, f16_x=False))
                 for defines, image in images:
-                    dev.load_module("weights", image)
-                    for tpw in (1, 2):
+                    _load_weights_variant(dev, defines, image, F16_KNOBS)
+                    for tpw in tiles:
                         weights.GEMV_F16_TILES_PER_WARP = tpw
                         for w in warps:
                             g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w)
@@ -238,6 +241,7 @@ def main(argv=None) -> int:
                    help="a -D macro and the values to try (repeatable)")
     p.add_argument("--warps", default="2,4,8", help="gemv, gemvf16: warps per block to try")
     p.add_argument("--batches", default="8,16,32", help="gemvf16: batch rows to try")
+    p.add_argument("--tiles", default="1,2", help="gemvf16: 16-row tiles per warp to try")
     p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
                    help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
     args = p.parse_args(argv)
@@ -265,7 +269,8 @@ def main(argv=None) -> int:
         sweep_gemv32(dev, stream, copy_bw, B, images)
     elif args.what == "gemvf16":
         sweep_gemvf16(dev, stream, copy_bw, B, images, [int(w) for w in args.warps.split(",")],
-                      [int(b) for b in args.batches.split(",")])
+                      [int(b) for b in args.batches.split(",")],
+                      tuple(int(t) for t in args.tiles.split(",")))
     else:
         sweep_dequant(dev, stream, copy_bw, B, images)
     return 0

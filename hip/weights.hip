@@ -1198,8 +1198,9 @@ PKV_GEMV_MMA_PIPE_KERNELS(mq4g256v2, MQ4G256V2)
 // A block of W warps owns W x TPW consecutive 16-row tiles (TPW per warp: each x fragment
 // read from shared memory feeds TPW tiles' mmas) and one contiguous split of the groups
 // (blockIdx.y). Per group its threads copy the batch rows' prepared x (batch x 512 bytes)
-// into shared memory with cp.async, the next group's in flight (two buffers); the weights
-// go to registers half a group (128 weights) ahead. Per half group the mma sums start at
+// and (step, sums) into a ring of PKV_GEMV_F16_X_STAGES slots of shared memory with
+// cp.async, XS - 1 groups ahead, one barrier per group; the weights go to a register ring
+// PKV_GEMV_F16_PREFETCH half groups (128 weights each) deep. Per half group the mma sums start at
 // zero and the f32 epilogue adds scale x step x sum + offset x (sum of that half's x):
 // the affine map per half (MQ4G256V2's two, HFQ4's one twice). Shared layout: unit k of
 // batch row n at 32 n + (k ^ 4 (n % 2)), so the 8 lanes (two rows, t = 0..3) of a 128-bit
@@ -1224,11 +1225,17 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
   constexpr int ROWS = 8 * NT, UNITS = ROWS * 32;  // staged batch rows, their 16-byte units
   constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
   constexpr int HALVES = MmaHalves<F>::value;
-  // 2 x NT x 4 KiB; the end's reduction ([W x TPW x 16 rows][8 NT] f32) reuses it
-  __shared__ __align__(16) uint4 stage[2][UNITS];
-  static_assert(PKV_GEMV_MMA_MAX_WARPS * TPW * PKV_GEMV_MMA_ROWS * ROWS * 4 <= sizeof(stage),
-                "the reduction fits in the x buffers");
+  // A ring of XS slots, one group each: its batch rows' f16 x, then their (step, sums); in
+  // dynamic shared memory (gemv_f16_shared_bytes: XS x 8 NT x 528 bytes, 33 KiB at XS = 2,
+  // NT = 4). The end's reduction ([W x TPW x 16 rows][8 NT] f32) reuses it.
+  constexpr int XS = PKV_GEMV_F16_X_STAGES, SLOT = UNITS + ROWS;
+  static_assert(XS >= 2, "a ring of 2+ slots");
+  extern __shared__ __align__(16) uint4 x_ring[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  // a launch with less shared memory than the ring and the reduction traps rather than
+  // writing past the block's shared memory
+  if (dynamic_smem_bytes() < 16u * max(XS * SLOT, n_warps * TPW * PKV_GEMV_MMA_ROWS * ROWS / 4))
+    __trap();
   const int gid = lane / 4, t = lane % 4;
   const int row_tiles = (M + PKV_GEMV_MMA_ROWS - 1) / PKV_GEMV_MMA_ROWS;
   const int tile0 = (blockIdx.x * n_warps + warp) * TPW;
@@ -1240,13 +1247,21 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
   for (int u = 0; u < TPW; ++u)
     wt[u] = packed + (int64_t)min(tile0 + u, row_tiles - 1) * groups * TILE_BYTES;
 
-  for (int k = threadIdx.x; k < 2 * (ROWS - batch) * 32; k += blockDim.x)
-    stage[k / ((ROWS - batch) * 32)][batch * 32 + k % ((ROWS - batch) * 32)] =
+  // rows past the batch: zero x and zero (step, sums) in every slot (never copied to)
+  const int dead = (ROWS - batch) * 33;
+  for (int k = threadIdx.x; k < XS * dead; k += blockDim.x) {
+    uint4* slot = x_ring + (k / dead) * SLOT;
+    const int j = k % dead;
+    slot[j < (ROWS - batch) * 32 ? batch * 32 + j : UNITS + batch + j - (ROWS - batch) * 32] =
         make_uint4(0u, 0u, 0u, 0u);
-  auto stage_x = [&](int buf, int g) {
+  }
+  auto stage_x = [&](int slot, int g) {
+    uint4* dst = x_ring + slot * SLOT;
     const uint4* src = xh + (int64_t)g * batch * 32;  // (batch row, unit) order
     for (int u = threadIdx.x; u < batch * 32; u += blockDim.x)
-      cp_async16(&stage[buf][xh_stage_unit(u / 32, u % 32)], src + u);
+      cp_async16(dst + xh_stage_unit(u / 32, u % 32), src + u);
+    for (int b = threadIdx.x; b < batch; b += blockDim.x)
+      cp_async16(dst + UNITS + b, xs + (int64_t)g * batch + b);
   };
   // half hv of group g: code loads hv (rows gid) and 2 + hv (rows gid + 8)
   auto load_half = [&](uint4 (&w)[TPW][2], int g, int hv) {
@@ -1296,20 +1311,25 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
   }
   pkv_grid_dependency_wait();  // PDL: the prepared x, y, partial and counters from here
   pkv_launch_dependents();
-  if (g_begin < g_end) stage_x(0, g_begin);
-  cp_async_commit();  // group 0's x is its own group: the first wait<1> below waits for it
+#pragma unroll
+  for (int k = 0; k < XS - 1; ++k) {  // groups g_begin .. + XS - 2 in flight, a commit each
+    if (g_begin + k < g_end) stage_x(k, g_begin + k);
+    cp_async_commit();
+  }
   for (int s0 = 0; s0 < steps; s0 += D) {
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       const int s = s0 + d, hv = d % 2;  // s0 is even: the half is a constant
       if (s >= steps) break;  // uniform over the block
-      const int g = g_begin + s / 2, buf = (s / 2) & 1;
+      const int g = g_begin + s / 2, slot = (s / 2) % XS;
+      const uint4* st = x_ring + slot * SLOT;
       if (active && s + D - 1 < steps)  // into the slot step s - 1 left
         load_step(s + D - 1, ring[(d + D - 1) % D], ring_hdr[(d + D - 1) % D]);
       if (hv == 0) {
-        if (g + 1 < g_end) stage_x(buf ^ 1, g + 1);
-        cp_async_commit_wait<1>();  // this group's x has landed (the next one's may not)
-        __syncthreads();            // ... for every thread's copies
+        cp_async_wait<XS - 2>();  // this thread's copies of group g have landed ...
+        __syncthreads();  // ... and every thread's; every warp is done with group g - 1's slot
+        if (g + XS - 1 < g_end) stage_x((slot + XS - 1) % XS, g + XS - 1);  // into that slot
+        cp_async_commit();  // (empty at the end: the wait count above stays uniform)
 #pragma unroll
         for (int u = 0; u < TPW; ++u) hdr[u][0] = ring_hdr[d][u][0], hdr[u][1] = ring_hdr[d][u][1];
       }
@@ -1324,7 +1344,7 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
           uint4 xv[NT];
 #pragma unroll
           for (int i = 0; i < NT; ++i)
-            xv[i] = stage[buf][xh_stage_unit(8 * i + gid, 4 * (4 * hv + mm) + t)];
+            xv[i] = st[xh_stage_unit(8 * i + gid, 4 * (4 * hv + mm) + t)];
 #pragma unroll
           for (int u = 0; u < TPW; ++u) {
             const uint4& w0 = ring[d][u][0];
@@ -1347,9 +1367,7 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
         for (int i = 0; i < NT; ++i)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int b = 8 * i + 2 * t + e;
-            const float4 sx =
-                b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4 sx = ((const float4*)(st + UNITS))[8 * i + 2 * t + e];  // 0 past batch
             const float xsum = hv ? sx.z : sx.y;
 #pragma unroll
             for (int u = 0; u < TPW; ++u)
@@ -1361,13 +1379,12 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
               }
           }
       }
-      if (hv == 1) __syncthreads();  // buffer `buf` is read before a later group copies into it
     }
   }
-  cp_async_commit_wait<0>();  // nothing in flight into the buffers the reduction reuses
+  cp_async_wait<0>();  // nothing in flight into the ring the reduction reuses
   __syncthreads();
 
-  float* red = (float*)&stage[0][0];  // [warp tile][16 rows][8 NT columns]
+  float* red = (float*)x_ring;  // [warp tile][16 rows][8 NT columns]
 #pragma unroll
   for (int u = 0; u < TPW; ++u)
 #pragma unroll

@@ -15,7 +15,7 @@ import pytest
 from pagedkv import quant
 from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.kernels import weights
-from test_gemv_mma_simulated import _case, _header_affine, _lanes
+from test_gemv_mma_simulated import _case, _header_affine, _lanes, add_splits, warp_sums_to_rows
 from test_kernels_host import FakeCudaDevice
 
 ROWS = weights.GEMV_MMA_ROWS  # 16 rows per tile
@@ -155,24 +155,13 @@ def gemv_f16(packed, xh, xs, M, K, batch, v2, n_warps, tpw, splits):
                                         scale, offset = _header_affine(hdr[r], v2, hv if v2 else 0)
                                         acc[warp, u, r, i, e] += (
                                             scale * (s[:, 0] * c[i, :, 2 * r + e]) + offset * xsum)
-            red = np.zeros((rows, 8 * NT), np.float32)
-            for warp in range(n_warps):
-                for u in range(tpw):
-                    for r in range(2):
-                        for i in range(NT):
-                            for e in range(2):
-                                red[(warp * tpw + u) * ROWS + gid + 8 * r, 8 * i + 2 * t + e] = \
-                                    acc[warp, u, r, i, e]
+            red = warp_sums_to_rows(acc, rows, 8 * NT)
             row0 = bx * rows
             n = min(rows, M - row0)
             dst = y if splits == 1 else partial[split]
             dst[:, row0:row0 + n] = red[:n, :batch].T
         if splits > 1:  # the last block to arrive adds the splits in split order
-            n = min(rows, M - bx * rows)
-            total = np.zeros((batch, n), np.float32)
-            for split in range(splits):
-                total += partial[split][:, bx * rows:bx * rows + n]
-            y[:, bx * rows:bx * rows + n] = total
+            add_splits(y, partial, bx * rows, min(rows, M - bx * rows))
     return y
 
 

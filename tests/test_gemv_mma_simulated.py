@@ -192,6 +192,31 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
     return y
 
 
+def warp_sums_to_rows(acc, rows, cols):
+    """The end's shared reduction buffer: acc[warp, tile, r, n-tile, e, lane] (lane (gid, t)
+    holds row gid + 8r, column 8 n-tile + 2t + e of its warp's tile) into [rows][cols] f32."""
+    _, gid, t = _lanes()
+    n_warps, tpw, _, NT = acc.shape[:4]
+    red = np.zeros((rows, cols), np.float32)
+    for warp in range(n_warps):
+        for u in range(tpw):
+            for r in range(2):
+                for i in range(NT):
+                    for e in range(2):
+                        red[(warp * tpw + u) * ROWS + gid + 8 * r, 8 * i + 2 * t + e] = \
+                            acc[warp, u, r, i, e]
+    return red
+
+
+def add_splits(y, partial, row0, n):
+    """gemv_split_finish's last block: rows row0 .. row0 + n of y = the splits' partials
+    added in split order (independent of the arrival order)."""
+    total = np.zeros((y.shape[0], n), np.float32)
+    for split in range(partial.shape[0]):
+        total += partial[split][:, row0:row0 + n]
+    y[:, row0:row0 + n] = total
+
+
 def x_stage_unit(tile, lane, v):
     """weights.hip's x_stage_unit: the shared 16-byte unit of lane's word v of n-tile tile."""
     return 4 * (32 * tile + lane) + (v ^ ((lane >> 1) & 3))
@@ -260,10 +285,7 @@ def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
                 dst = y if splits == 1 else partial[split]
                 dst[b, row0:row0 + n] = v[:n]
         if splits > 1:  # the last block to arrive adds the splits in split order
-            total = np.zeros((batch, min(rows, M - bx * rows)), np.float32)
-            for split in range(splits):
-                total += partial[split][:, bx * rows:bx * rows + total.shape[1]]
-            y[:, bx * rows:bx * rows + total.shape[1]] = total
+            add_splits(y, partial, bx * rows, min(rows, M - bx * rows))
     return y
 
 
@@ -349,7 +371,7 @@ def gemv_mma_pipe(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits, tpw=2, s
     slot read too early holds POISON (or an older group) and the product goes wrong.
     ``in_flight``: the loop's wait_group count (the kernel's STAGES - 2)."""
     in_flight = stages - 2 if in_flight is None else in_flight
-    lane, gid, t = _lanes()
+    lane, gid, _ = _lanes()
     groups = K // 256
     XU, XSU, TU = NT * 128, 8 * NT // 3, ROWS * 136 // 16
     block_tiles = n_warps * tpw
@@ -436,25 +458,14 @@ def gemv_mma_pipe(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits, tpw=2, s
                         for u in range(tpw):  # sums[b] for every b < 8 NT / 3: zeros past batch
                             add_group(acc[warp, u], c[u], hdr[u], i0, sums, 0, XSU, v2)
             wait(0)
-            red = np.zeros((rows, cols), np.float32)  # [block tile * 16 + row][column]
-            for warp in range(n_warps):
-                for u in range(tpw):
-                    for r in range(2):
-                        for i in range(NT):
-                            for e in range(2):
-                                red[(warp * tpw + u) * ROWS + gid + 8 * r, 8 * i + 2 * t + e] = \
-                                    acc[warp, u, r, i, e]
+            red = warp_sums_to_rows(acc, rows, cols)  # [block tile * 16 + row][column]
             row0 = bx * rows  # gemv_split_finish
             n = min(rows, M - row0)
             for b in range(batch):
                 v = np.float32(0) + (red[:, 3 * b] + red[:, 3 * b + 1] + red[:, 3 * b + 2])
                 (y if splits == 1 else partial[split])[b, row0:row0 + n] = v[:n]
-        if splits > 1:  # the last block to arrive adds the splits in split order
-            n = min(rows, M - bx * rows)
-            total = np.zeros((batch, n), np.float32)
-            for split in range(splits):
-                total += partial[split][:, bx * rows:bx * rows + n]
-            y[:, bx * rows:bx * rows + n] = total
+        if splits > 1:
+            add_splits(y, partial, bx * rows, min(rows, M - bx * rows))
     return y
 
 

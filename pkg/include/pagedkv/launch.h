@@ -119,6 +119,11 @@
 #ifndef PKV_GEMV_F16_PREFETCH
 #define PKV_GEMV_F16_PREFETCH 4
 #endif
+/* Groups of f16 x in the f16-activation GEMV's shared ring: XS - 1 copies in flight ahead of
+ * the group computed (its dynamic shared memory: weights.gemv_f16_shared_bytes). */
+#ifndef PKV_GEMV_F16_X_STAGES
+#define PKV_GEMV_F16_X_STAGES 2
+#endif
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif

@@ -28,7 +28,8 @@ from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constan
 from pagedkv.quant.qtypes import qtype
 
 __all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "PreparedX",
-           "dequantize", "fwht256", "max_batch", "pipe_shared_bytes", "raw_nbytes"]
+           "dequantize", "fwht256", "gemv_f16_shared_bytes", "max_batch", "pipe_shared_bytes",
+           "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -64,6 +65,7 @@ PIPE_ENV = "PAGEDKV_GEMV_PIPE"
 #: choose. 16-row tiles per warp (its kernels exist for 1 and 2) and most group splits.
 F16X_ENV = "PAGEDKV_GEMV_F16X"
 GEMV_F16_TILES_PER_WARP = 1
+GEMV_F16_X_STAGES = launch_constant("PKV_GEMV_F16_X_STAGES")
 GEMV_F16_MAX_SPLITS = 8
 #: The f16 GEMV's bound on |y - W x| relative to sum |w||x| (the f16 rounding of x, 2^-11,
 #: and the f32 sums' error below 2^-15); the int8 kernels' is 2e-5.
@@ -375,6 +377,8 @@ class Gemv:
                 self._kernel = device.kernel(
                     SOURCE, f"pkv_gemv_f16_{f.kernel}_n{math.ceil(batch / 8)}_t{tpw}",
                     "ppppppiii", dependent_launch=True)
+                self._shared = gemv_f16_shared_bytes(math.ceil(batch / 8), n_warps, tpw)
+                self._kernel.reserve_shared(self._shared)
                 self._grid = (row_blocks, splits)
                 self._split_args = (
                     device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
@@ -597,6 +601,17 @@ def pipe_shared_bytes(tiles: int, warps: int) -> int:
     block_tiles = warps * GEMV_PIPE_TILES_PER_WARP
     stage = tiles * 128 + 8 * tiles // 3 + block_tiles * _TILE_UNITS
     return max(16 * GEMV_PIPE_STAGES * stage, 4 * block_tiles * GEMV_MMA_ROWS * 8 * tiles)
+
+
+def gemv_f16_shared_bytes(n_tiles: int, warps: int, tiles_per_warp: int = 1) -> int:
+    """Dynamic shared bytes per block of the f16-activation GEMV (gemv_f16's ring):
+    GEMV_F16_X_STAGES slots of [8 n_tiles batch rows x 32 units of f16 x][8 n_tiles units of
+    (step, sums)], 16 bytes a unit, or the end's reduction ([warps x tiles_per_warp x 16
+    rows][8 n_tiles] f32) where that is more: 33,792 bytes at 2 slots and 4 n-tiles (above
+    48 KiB the launcher opts in)."""
+    rows = 8 * n_tiles
+    return max(16 * GEMV_F16_X_STAGES * rows * 33,
+               4 * warps * tiles_per_warp * GEMV_MMA_ROWS * rows)
 
 
 def _optin_shared_bytes(device: Device) -> int:
