@@ -379,7 +379,7 @@ class Gemv:
                     "ppppppiii", dependent_launch=True)
                 self._shared = gemv_f16_shared_bytes(math.ceil(batch / 8), n_warps, tpw)
                 self._kernel.reserve_shared(self._shared)
-                self._grid = (row_blocks, splits)
+                self._grid: tuple[int, ...] = (row_blocks, splits)
                 self._split_args = (
                     device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
                     device.array(np.zeros(row_blocks, np.uint32)))
@@ -400,7 +400,7 @@ class Gemv:
                 if use_pipe:
                     self._shared = pipe_shared_bytes(tiles, n_warps)
                     self._kernel.reserve_shared(self._shared)
-                self._grid: tuple[int, ...] = (row_blocks, splits)
+                self._grid = (row_blocks, splits)
                 # partial[split][batch][M] and a zeroed arrival counter per row block (the
                 # last block of a row block resets it for the next launch)
                 self._split_args = (
