@@ -24,6 +24,7 @@ import itertools
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -191,18 +192,22 @@ F16_KNOBS = ("GEMV_F16_X_STAGES",)  # launcher mirrors of gemv_f16's launch.h va
 
 
 def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: list[int],
-                  tiles: tuple[int, ...] = (1, 2), shapes=((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))) -> None:
+                  tiles: tuple[int, ...] = (1, 2), splits: tuple[int | None, ...] = (None,),
+                  formats: tuple[str, ...] = ("mq4g256v2", "hfq4g256"),
+                  shapes=((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336))) -> None:
     """The f16-activation GEMV (gemv_f16) per variant of its launch.h knobs, per 16-row tiles
-    per warp (1, 2) and warps per block, x prepared once, against the exact int8 kernel of
-    the same batch in the same run. The ring depth changes no f32 operation: each (tiles,
-    warps) configuration must give the first variant's bytes."""
+    per warp (1, 2), warps per block and group splits (None: the launcher's choice), x
+    prepared once, against the exact int8 kernel of the same batch in the same run. The
+    ring depth and the registers change no f32 operation: each (tiles, warps, splits)
+    configuration must give the first variant's bytes."""
     from pagedkv import quant
     from pagedkv.kernels import weights
     rng = np.random.default_rng(3)
     first: dict = {}
-    default_tpw = weights.GEMV_F16_TILES_PER_WARP
+    default_tpw, default_splits = weights.GEMV_F16_TILES_PER_WARP, weights.GEMV_F16_MAX_SPLITS
+    weights.GEMV_F16_MAX_SPLITS = max([default_splits, *(s for s in splits if s)])
     for M, K in shapes:
-        for fmt in ("mq4g256v2", "hfq4g256"):
+        for fmt in formats:
             raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
             dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
             for batch in batches:
@@ -219,11 +224,15 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
                     _load_weights_variant(dev, defines, image, F16_KNOBS)
                     for tpw in tiles:
                         weights.GEMV_F16_TILES_PER_WARP = tpw
-                        for w in warps:
-                            g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w)
+                        for w, split in itertools.product(warps, splits):
+                            if split and split > K // 256:
+                                continue
+                            g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w,
+                                             splits=split)
                             t = timed(g)
                             got = y.to_numpy().tobytes()
-                            same = first.setdefault((fmt, M, K, batch, tpw, w), got) == got
+                            key = (fmt, M, K, batch, tpw, w, g._grid[1])
+                            same = first.setdefault(key, got) == got
                             print(f"gemvf16 {fmt} b{batch} {M}x{K} {defines} tiles/warp {tpw} "
                                   f"warps {w} grid {g._grid}: {_pct(raw.nbytes, t, copy_bw)}, "
                                   f"{t_int8 / t:.2f}x the int8 kernel; same bytes as first: "
@@ -231,6 +240,7 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
                 weights.GEMV_F16_TILES_PER_WARP = default_tpw
             for d in dev_w:
                 d.free()
+    weights.GEMV_F16_MAX_SPLITS = default_splits
 
 
 def main(argv=None) -> int:
@@ -242,6 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="2,4,8", help="gemv, gemvf16: warps per block to try")
     p.add_argument("--batches", default="8,16,32", help="gemvf16: batch rows to try")
     p.add_argument("--tiles", default="1,2", help="gemvf16: 16-row tiles per warp to try")
+    p.add_argument("--splits", default="auto",
+                   help="gemvf16: group splits to try (auto: the launcher's choice)")
+    p.add_argument("--formats", default="mq4g256v2,hfq4g256", help="gemvf16: weight formats")
     p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
                    help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
     args = p.parse_args(argv)
@@ -260,9 +273,11 @@ def main(argv=None) -> int:
         sweep_gemv(dev, stream, copy_bw, B, [int(w) for w in args.warps.split(",")])
         return 0
     source = "kvcache" if args.what == "attn" else "weights"  # dequant, gemv32
-    with tempfile.TemporaryDirectory() as tmp:
-        images = [(d, build(source, d, dev.properties.arch, Path(tmp)))
-                  for d in variants(parse_sets(args.set))]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor() as pool:
+        # one nvcc per variant at once: a variant's build is single-threaded
+        todo = variants(parse_sets(args.set))
+        images = list(zip(todo, pool.map(
+            lambda d: build(source, d, dev.properties.arch, Path(tmp)), todo)))
     if args.what == "attn":
         sweep_attn(dev, stream, copy_bw, B, images, kind=args.kv)
     elif args.what == "gemv32":
@@ -270,7 +285,9 @@ def main(argv=None) -> int:
     elif args.what == "gemvf16":
         sweep_gemvf16(dev, stream, copy_bw, B, images, [int(w) for w in args.warps.split(",")],
                       [int(b) for b in args.batches.split(",")],
-                      tuple(int(t) for t in args.tiles.split(",")))
+                      tuple(int(t) for t in args.tiles.split(",")),
+                      tuple(None if v == "auto" else int(v) for v in args.splits.split(",")),
+                      tuple(args.formats.split(",")))
     else:
         sweep_dequant(dev, stream, copy_bw, B, images)
     return 0

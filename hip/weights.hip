@@ -1400,8 +1400,13 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
                     counters, split, splits, 1);
 }
 
+#if PKV_GEMV_F16_MIN_BLOCKS > 0
+#define PKV_GEMV_F16_BOUNDS __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS, PKV_GEMV_F16_MIN_BLOCKS)
+#else  // no minimum: not the same as a minimum of 1 to nvcc (launch.h)
+#define PKV_GEMV_F16_BOUNDS __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)
+#endif
 #define PKV_GEMV_F16_KERNEL(NAME, F, NT, TPW)                                               \
-  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
+  PKV_KERNEL void PKV_GEMV_F16_BOUNDS                                                       \
       pkv_gemv_f16_##NAME##_n##NT##_t##TPW(                                                 \
       const uint8_t* w, const uint4* xh, const float4* xs, float* y, float* partial,        \
       unsigned* counters, int M, int K, int batch) {                                        \

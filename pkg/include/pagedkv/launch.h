@@ -124,6 +124,13 @@
 #ifndef PKV_GEMV_F16_X_STAGES
 #define PKV_GEMV_F16_X_STAGES 2
 #endif
+/* __launch_bounds__ minimum 256-thread blocks per SM of the f16-activation GEMV (a tuning
+ * knob: 2 holds it to 128 registers, 3 to 80). 0: none, the default: nvcc 13 gives the NT = 4
+ * kernel 124 registers then, but 134 with an explicit minimum of 1, and that build ran the
+ * gate/up shape 25% slower on the H200 (docs/performance.md, "Batch 32: where the time goes"). */
+#ifndef PKV_GEMV_F16_MIN_BLOCKS
+#define PKV_GEMV_F16_MIN_BLOCKS 0
+#endif
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif
