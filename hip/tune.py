@@ -205,7 +205,6 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
     rng = np.random.default_rng(3)
     first: dict = {}
     default_tpw, default_splits = weights.GEMV_F16_TILES_PER_WARP, weights.GEMV_F16_MAX_SPLITS
-    weights.GEMV_F16_MAX_SPLITS = max([default_splits, *(s for s in splits if s)])
     for M, K in shapes:
         for fmt in formats:
             raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
@@ -227,6 +226,8 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
                         for w, split in itertools.product(warps, splits):
                             if split and split > K // 256:
                                 continue
+                            # an explicit split may exceed the launcher's most; "auto" keeps it
+                            weights.GEMV_F16_MAX_SPLITS = max(default_splits, split or 0)
                             g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w,
                                              splits=split)
                             t = timed(g)
