@@ -260,6 +260,8 @@ class Gemv:
     multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
     :meth:`run_prepared` each; the prepared x lives in this object's scratch."""
 
+    _grid: tuple[int, ...]  # the kernel's launch grid
+
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None, pipe: bool | None = None,
                  splits: int | None = None, f16_x: bool | None = None) -> None:
@@ -292,45 +294,9 @@ class Gemv:
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
-        tensor_cores = _uses_tensor_cores(device, f)
-        # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
-        wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
-                and device.backend == "cuda")
-        if f16_x is not None:
-            use_f16 = f16_x
-        else:
-            use_f16 = pipe is None and bool(env_bool(
-                F16X_ENV, batch > GEMV_MAX_BATCH and not env_bool(PIPE_ENV, False)))
-        if use_f16 and not (tensor_cores and device.backend == "cuda"):
-            if f16_x:
-                raise InvalidArgument(
-                    f"f16_x=True: the f16-activation GEMV runs {list(_MMA_KERNELS)} on NVIDIA "
-                    f"sm_80+; this is {f.name} on {getattr(device.properties, 'arch', '?')}")
-            use_f16 = False  # the variable asks for it where it exists
-        if use_f16 and pipe:
-            raise InvalidArgument("pipe=True and f16_x=True: the pipelined kernel is an int8 "
-                                  "one; choose one of them")
-        wide = wide and not use_f16
-        use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, False))
-        if pipe and not wide:
-            raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
-                                  f"{list(_MMA_KERNELS)} on NVIDIA sm_80+; this is batch={batch} "
-                                  f"of {f.name} on {getattr(device.properties, 'arch', '?')}")
-        if use_pipe:  # where the ring does not fit (sm_80 at n12, sm_86/89), the staged kernel
-            need = pipe_shared_bytes(_pipe_tiles(batch), warps or GEMV_MMA_MAX_WARPS)
-            limit = _optin_shared_bytes(device)
-            if pipe and need > limit:
-                raise InvalidArgument(
-                    f"pipe=True: the pipelined GEMV needs {need} bytes of shared memory per "
-                    f"block, {device.properties.name} ({device.properties.arch}) allows "
-                    f"{limit}; use fewer warps, or pipe=None")
-            use_pipe = need <= limit
-        most_splits = (GEMV_F16_MAX_SPLITS if use_f16 else
-                       GEMV_PIPE_MAX_SPLITS if use_pipe else GEMV_STAGED_MAX_SPLITS)
-        if splits is not None and (not (wide or use_f16) or not 1 <= splits <= most_splits):
-            kind = "f16" if use_f16 else "pipelined" if use_pipe else "staged"
-            raise InvalidArgument(f"splits={splits}: expected 1..{most_splits} (the {kind} "
-                                  f"batch 9-32 kernel on NVIDIA only)")
+        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x)
+        tensor_cores, use_f16, use_pipe, wide = (choice.tensor_cores, choice.f16, choice.pipe,
+                                                  choice.wide)
         self.device, self.M, self.K, self.batch = device, M, K, batch
         self.tensor_cores = tensor_cores
         self.pipe = use_pipe
@@ -370,43 +336,26 @@ class Gemv:
                 # two on every Llama-3-8B shape on the H200 (docs/kernels.md)
                 n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 else 4)
                 tpw = GEMV_F16_TILES_PER_WARP
-                row_blocks = math.ceil(row_tiles / (n_warps * tpw))
-                if splits is None:
-                    splits = _staged_splits(row_blocks, groups,
-                                            device.properties.multiprocessor_count, most_splits)
+                self._split_launch(row_tiles, groups, n_warps, tpw, splits, choice.most_splits)
                 self._kernel = device.kernel(
                     SOURCE, f"pkv_gemv_f16_{f.kernel}_n{math.ceil(batch / 8)}_t{tpw}",
                     "ppppppiii", dependent_launch=True)
                 self._shared = gemv_f16_shared_bytes(math.ceil(batch / 8), n_warps, tpw)
                 self._kernel.reserve_shared(self._shared)
-                self._grid: tuple[int, ...] = (row_blocks, splits)
-                self._split_args = (
-                    device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
-                    device.array(np.zeros(row_blocks, np.uint32)))
-                self._block = (32 * n_warps,)
             elif wide:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
                 # x it copies to shared memory; gemv_mma_pipe: TILES_PER_WARP tiles each, x
                 # and weights copied STAGES - 1 groups ahead; blockIdx.y splits the groups
                 n_warps = warps or GEMV_MMA_MAX_WARPS
-                per_block = n_warps * (GEMV_PIPE_TILES_PER_WARP if use_pipe else 1)
-                row_blocks = math.ceil(row_tiles / per_block)
-                if splits is None:
-                    splits = _staged_splits(row_blocks, groups,
-                                            device.properties.multiprocessor_count, most_splits)
+                self._split_launch(row_tiles, groups, n_warps,
+                                   GEMV_PIPE_TILES_PER_WARP if use_pipe else 1, splits,
+                                   choice.most_splits)
                 name = "pipe" if use_pipe else "staged"
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{name}_{f.kernel}_n{tiles}",
                                              "ppppppiii", dependent_launch=use_pipe)
                 if use_pipe:
                     self._shared = pipe_shared_bytes(tiles, n_warps)
                     self._kernel.reserve_shared(self._shared)
-                self._grid = (row_blocks, splits)
-                # partial[split][batch][M] and a zeroed arrival counter per row block (the
-                # last block of a row block resets it for the next launch)
-                self._split_args = (
-                    device.empty((splits * batch * M if splits > 1 else 1,), np.float32),
-                    device.array(np.zeros(row_blocks, np.uint32)))
-                self._block = (32 * n_warps,)
             else:
                 tiled = "tiled_" if tiles > GEMV_MMA_MAX_TILES else ""
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
@@ -422,6 +371,22 @@ class Gemv:
             rows = gemv_rows_per_block(bmax)
             self._grid = (math.ceil(M / rows),)  # a block per `rows` rows; its threads split K
             self._block = (GEMV_THREADS,)
+
+    def _split_launch(self, row_tiles: int, groups: int, n_warps: int, tiles_per_warp: int,
+                      splits: int | None, most_splits: int) -> None:
+        """Grid ``(row blocks, group splits)`` and block of a batch 9-32 kernel on NVIDIA
+        (``splits`` None: :func:`_staged_splits`'s choice), with its split-K scratch:
+        ``partial[split][batch][M]`` and a zeroed arrival counter per row block (the last
+        block of a row block resets it for the next launch)."""
+        row_blocks = math.ceil(row_tiles / (n_warps * tiles_per_warp))
+        if splits is None:
+            splits = _staged_splits(row_blocks, groups,
+                                    self.device.properties.multiprocessor_count, most_splits)
+        self._grid = (row_blocks, splits)
+        self._split_args = (
+            self.device.empty((splits * self.batch * self.M if splits > 1 else 1,), np.float32),
+            self.device.array(np.zeros(row_blocks, np.uint32)))
+        self._block = (32 * n_warps,)
 
     def __repr__(self) -> str:
         cores = "matrix" if getattr(self.device, "backend", None) == "hip" else "tensor"
@@ -612,6 +577,63 @@ def gemv_f16_shared_bytes(n_tiles: int, warps: int, tiles_per_warp: int = 1) -> 
     rows = 8 * n_tiles
     return max(16 * GEMV_F16_X_STAGES * rows * 33,
                4 * warps * tiles_per_warp * GEMV_MMA_ROWS * rows)
+
+
+class _KernelChoice(NamedTuple):
+    """Which kernel a :class:`Gemv` runs: ``Gemv.__init__``'s switches, checked."""
+
+    tensor_cores: bool  # the int8 / f16 matrix-unit path, else the f32 kernel
+    f16: bool  # gemv_f16
+    wide: bool  # the batch 9-32 int8 kernels on NVIDIA (staged or pipelined)
+    pipe: bool  # ... the pipelined one
+    most_splits: int  # the most group splits of the batch 9-32 kernel chosen
+
+
+def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | None,
+                   pipe: bool | None, splits: int | None,
+                   f16_x: bool | None) -> _KernelChoice:
+    """The kernel for ``Gemv(device, f, ..., batch, warps=, pipe=, splits=, f16_x=)`` (see
+    there), or :class:`InvalidArgument` naming a switch this device or batch cannot honour."""
+    tensor_cores = _uses_tensor_cores(device, f)
+    # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
+    wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
+            and device.backend == "cuda")
+    if f16_x is not None:
+        use_f16 = f16_x
+    else:
+        use_f16 = pipe is None and bool(env_bool(
+            F16X_ENV, batch > GEMV_MAX_BATCH and not env_bool(PIPE_ENV, False)))
+    if use_f16 and not (tensor_cores and device.backend == "cuda"):
+        if f16_x:
+            raise InvalidArgument(
+                f"f16_x=True: the f16-activation GEMV runs {list(_MMA_KERNELS)} on NVIDIA "
+                f"sm_80+; this is {f.name} on {getattr(device.properties, 'arch', '?')}")
+        use_f16 = False  # the variable asks for it where it exists
+    if use_f16 and pipe:
+        raise InvalidArgument("pipe=True and f16_x=True: the pipelined kernel is an int8 "
+                              "one; choose one of them")
+    wide = wide and not use_f16
+    use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, False))
+    if pipe and not wide:
+        raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
+                              f"{list(_MMA_KERNELS)} on NVIDIA sm_80+; this is batch={batch} "
+                              f"of {f.name} on {getattr(device.properties, 'arch', '?')}")
+    if use_pipe:  # where the ring does not fit (sm_80 at n12, sm_86/89), the staged kernel
+        need = pipe_shared_bytes(_pipe_tiles(batch), warps or GEMV_MMA_MAX_WARPS)
+        limit = _optin_shared_bytes(device)
+        if pipe and need > limit:
+            raise InvalidArgument(
+                f"pipe=True: the pipelined GEMV needs {need} bytes of shared memory per "
+                f"block, {device.properties.name} ({device.properties.arch}) allows "
+                f"{limit}; use fewer warps, or pipe=None")
+        use_pipe = need <= limit
+    most_splits = (GEMV_F16_MAX_SPLITS if use_f16 else
+                   GEMV_PIPE_MAX_SPLITS if use_pipe else GEMV_STAGED_MAX_SPLITS)
+    if splits is not None and (not (wide or use_f16) or not 1 <= splits <= most_splits):
+        kind = "f16" if use_f16 else "pipelined" if use_pipe else "staged"
+        raise InvalidArgument(f"splits={splits}: expected 1..{most_splits} (the {kind} "
+                              f"batch 9-32 kernel on NVIDIA only)")
+    return _KernelChoice(tensor_cores, use_f16, wide, bool(use_pipe), most_splits)
 
 
 def _optin_shared_bytes(device: Device) -> int:
