@@ -839,17 +839,28 @@ PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until 
 
 // The end of the staged, pipelined and f16 kernels: red holds the block's f32 sums, row r
 // (of `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
-// plane p (gemv_f16, planes = 1: column b). A row's 3 plane columns are added from 0 (gemv_mma's order); with one split the
-// block writes y, otherwise its sums go to partial[split][batch][M] and the last of the row
-// block's `splits` blocks to arrive (counters[blockIdx.x], reset by that block for the next
-// launch) adds the splits in split order: the result does not depend on which block
-// finishes first, nor on how many rows a block holds.
+// plane p (gemv_f16, planes = 1: column b). A row's 3 plane columns are added from 0
+// (gemv_mma's order); with one split the block writes y, otherwise its sums go to
+// partial[split][batch][M] and the last of the row block's `splits` blocks to arrive
+// (counters[blockIdx.x], reset by that block for the next launch) adds the splits in split
+// order: the result does not depend on which block finishes first, nor on how many rows a
+// block holds.
+//
+// One fence per block, not per thread: the barrier orders every thread's partial stores
+// before thread 0's gpu-scope fence, which is cumulative, and thread 0's atomic counts the
+// block after it (the release pattern of CUTLASS's split-K semaphore); the last block's
+// thread 0 fences again after its atomic (acquire) before the barrier that lets its threads
+// read. A fence by each of 256 threads, then one element per thread per round of dependent
+// L2 loads in the last block, cost 11 of the f16 kernel's 20 µs at 4096², batch 32
+// (docs/performance.md, "Batch 32: where the time goes"); the last block now issues
+// FINISH_LOADS loads per thread per split together. Each element is still summed from 0 in
+// split order: the same bits as before.
 PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int batch,
                                float* __restrict__ y, float* __restrict__ partial,
                                unsigned* __restrict__ counters, int split, int splits,
                                int planes = 3) {
-  const int row0 = blockIdx.x * rows;
-  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
+  const int row0 = blockIdx.x * rows, n = rows * batch;
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
     const int r = k % rows, b = k / rows;
     const float* c = red + r * cols + planes * b;  // planes 1: gemv_f16's one column per row
     const float v = planes == 1 ? c[0] : 0.0f + (c[0] + c[1] + c[2]);
@@ -861,22 +872,36 @@ PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int 
     }
   }
   if (splits == 1) return;
-  __threadfence();  // this thread's partials are visible device-wide ...
-  __syncthreads();  // ... and every thread's, before thread 0 counts the block's arrival
-  // (the predicate below runs before its barrier: without the one above, thread 0 could
-  // count the block while other warps were still writing, and the last block would add
-  // partials not yet written; compute-sanitizer racecheck made it happen on the H200)
-  const bool last =
-      __syncthreads_or(threadIdx.x == 0 && atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u);
-  if (!last) return;
-  __threadfence();
-  for (int k = threadIdx.x; k < rows * batch; k += blockDim.x) {
-    const int r = k % rows, b = k / rows;
-    if (row0 + r >= M) continue;
-    float v = 0.0f;
-    for (int s = 0; s < splits; ++s)  // split order: independent of the arrival order
-      v += __ldcg(&partial[((int64_t)s * batch + b) * M + row0 + r]);
-    y[(int64_t)b * M + row0 + r] = v;
+  __syncthreads();  // every thread's partials are issued before thread 0 releases them
+  bool arrived_last = false;
+  if (threadIdx.x == 0) {
+    __threadfence();  // release, cumulative over the barrier above
+    arrived_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u;
+    if (arrived_last) __threadfence();  // acquire: the other blocks' released partials
+  }
+  if (!__syncthreads_or(arrived_last)) return;
+  constexpr int FINISH_LOADS = 16;  // per thread per split: one round trip for all of them
+  for (int k0 = threadIdx.x; k0 < n; k0 += FINISH_LOADS * (int)blockDim.x) {
+    float v[FINISH_LOADS];
+#pragma unroll
+    for (int j = 0; j < FINISH_LOADS; ++j) v[j] = 0.0f;
+    for (int s = 0; s < splits; ++s) {  // split order: independent of the arrival order
+      float p[FINISH_LOADS];
+#pragma unroll
+      for (int j = 0; j < FINISH_LOADS; ++j) {
+        const int k = k0 + j * (int)blockDim.x, r = k % rows, b = k / rows;
+        p[j] = k < n && row0 + r < M
+                   ? __ldcg(&partial[((int64_t)s * batch + b) * M + row0 + r])
+                   : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < FINISH_LOADS; ++j) v[j] += p[j];
+    }
+#pragma unroll
+    for (int j = 0; j < FINISH_LOADS; ++j) {
+      const int k = k0 + j * (int)blockDim.x, r = k % rows, b = k / rows;
+      if (k < n && row0 + r < M) y[(int64_t)b * M + row0 + r] = v[j];
+    }
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;  // ready for the next launch
 }
