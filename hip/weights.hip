@@ -837,41 +837,17 @@ PKV_DEV void cp_async_commit_wait() {  // close this thread's group; wait until 
   cp_async_wait<PENDING>();
 }
 
-// The end of the staged, pipelined and f16 kernels: red holds the block's f32 sums, row r
-// (of `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
-// plane p (gemv_f16, planes = 1: column b). A row's 3 plane columns are added from 0
-// (gemv_mma's order); with one split the block writes y, otherwise its sums go to
-// partial[split][batch][M] and the last of the row block's `splits` blocks to arrive
-// (counters[blockIdx.x], reset by that block for the next launch) adds the splits in split
-// order: the result does not depend on which block finishes first, nor on how many rows a
-// block holds.
-//
-// One fence per block, not per thread: the barrier orders every thread's partial stores
-// before thread 0's gpu-scope fence, which is cumulative, and thread 0's atomic counts the
-// block after it (the release pattern of CUTLASS's split-K semaphore); the last block's
-// thread 0 fences again after its atomic (acquire) before the barrier that lets its threads
-// read. A fence by each of 256 threads, then one element per thread per round of dependent
-// L2 loads in the last block, cost 11 of the f16 kernel's 20 µs at 4096², batch 32
-// (docs/performance.md, "Batch 32: where the time goes"); the last block now issues
-// FINISH_LOADS loads per thread per split together. Each element is still summed from 0 in
-// split order: the same bits as before.
-PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int batch,
-                               float* __restrict__ y, float* __restrict__ partial,
-                               unsigned* __restrict__ counters, int split, int splits,
-                               int planes = 3) {
-  const int row0 = blockIdx.x * rows, n = rows * batch;
-  for (int k = threadIdx.x; k < n; k += blockDim.x) {
-    const int r = k % rows, b = k / rows;
-    const float* c = red + r * cols + planes * b;  // planes 1: gemv_f16's one column per row
-    const float v = planes == 1 ? c[0] : 0.0f + (c[0] + c[1] + c[2]);
-    if (row0 + r < M) {
-      if (splits == 1)
-        y[(int64_t)b * M + row0 + r] = v;
-      else
-        partial[((int64_t)split * batch + b) * M + row0 + r] = v;
-    }
-  }
-  if (splits == 1) return;
+// Split-K arrival (the staged, pipelined and f16 kernels' ends): after the block's threads
+// stored their partial sums, true in every thread of the last of the row block's `splits`
+// blocks to arrive (counters[blockIdx.x]; that block resets it for the next launch). One
+// fence per block, not per thread: the barrier orders every thread's partial stores before
+// thread 0's gpu-scope fence, which is cumulative, and thread 0's atomic counts the block
+// after it (the release pattern of CUTLASS's split-K semaphore); the last block's thread 0
+// fences again after its atomic (acquire) before the barrier that lets its threads read the
+// other blocks' partials (with __ldcg: L2, never a stale L1 line). A fence by each of 256
+// threads and the last block's element-at-a-time loads cost 7 of the f16 kernel's 67 µs at
+// 28672×4096, batch 32 (H200, 2026-12-03).
+PKV_DEV bool split_arrived_last(unsigned* __restrict__ counters, int splits) {
   __syncthreads();  // every thread's partials are issued before thread 0 releases them
   bool arrived_last = false;
   if (threadIdx.x == 0) {
@@ -879,7 +855,33 @@ PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int 
     arrived_last = atomicAdd(&counters[blockIdx.x], 1u) == splits - 1u;
     if (arrived_last) __threadfence();  // acquire: the other blocks' released partials
   }
-  if (!__syncthreads_or(arrived_last)) return;
+  return __syncthreads_or(arrived_last);
+}
+
+// The end of the staged and pipelined kernels: red holds the block's f32 sums, row r (of
+// `rows`, the block's tiles in order) at red + r * cols, its column 3b + p batch row b's
+// plane p. A row's 3 plane columns are added from 0 (gemv_mma's order); with one split the
+// block writes y, otherwise its sums go to partial[split][batch][M] and the last block to
+// arrive (split_arrived_last) adds the splits in split order: the result does not depend
+// on which block finishes first, nor on how many rows a block holds. The last block issues
+// FINISH_LOADS loads per thread per split together (one L2 round trip for all of them, not
+// one per element).
+PKV_DEV void gemv_split_finish(const float* red, int cols, int rows, int M, int batch,
+                               float* __restrict__ y, float* __restrict__ partial,
+                               unsigned* __restrict__ counters, int split, int splits) {
+  const int row0 = blockIdx.x * rows, n = rows * batch;
+  for (int k = threadIdx.x; k < n; k += blockDim.x) {
+    const int r = k % rows, b = k / rows;
+    const float* c = red + r * cols + 3 * b;
+    const float v = 0.0f + (c[0] + c[1] + c[2]);
+    if (row0 + r < M) {
+      if (splits == 1)
+        y[(int64_t)b * M + row0 + r] = v;
+      else
+        partial[((int64_t)split * batch + b) * M + row0 + r] = v;
+    }
+  }
+  if (splits == 1 || !split_arrived_last(counters, splits)) return;
   constexpr int FINISH_LOADS = 16;  // per thread per split: one round trip for all of them
   for (int k0 = threadIdx.x; k0 < n; k0 += FINISH_LOADS * (int)blockDim.x) {
     float v[FINISH_LOADS];
@@ -1230,8 +1232,7 @@ PKV_GEMV_MMA_PIPE_KERNELS(mq4g256v2, MQ4G256V2)
 // the affine map per half (MQ4G256V2's two, HFQ4's one twice). Shared layout: unit k of
 // batch row n at 32 n + (k ^ 4 (n % 2)), so the 8 lanes (two rows, t = 0..3) of a 128-bit
 // load's phase hit 8 different 16-byte bank groups. Rows from `batch` to 8 NT are zeros
-// (written once; the copies never reach them). The end is gemv_split_finish's, one column
-// per batch row.
+// (written once; the copies never reach them). The end stores from the registers (below).
 PKV_DEV int xh_stage_unit(int row, int unit) { return 32 * row + (unit ^ (4 * (row & 1))); }
 
 // Nibbles s and 4 + s of a code word as an f16 pair of exact integers 0..15.
@@ -1252,14 +1253,14 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
   constexpr int HALVES = MmaHalves<F>::value;
   // A ring of XS slots, one group each: its batch rows' f16 x, then their (step, sums); in
   // dynamic shared memory (gemv_f16_shared_bytes: XS x 8 NT x 528 bytes, 33 KiB at XS = 2,
-  // NT = 4). The end's reduction ([W x TPW x 16 rows][8 NT] f32) reuses it.
+  // NT = 4). The end needs none (it stores from the registers).
   constexpr int XS = PKV_GEMV_F16_X_STAGES, SLOT = UNITS + ROWS;
   static_assert(XS >= 2, "a ring of 2+ slots");
   extern __shared__ __align__(16) uint4 x_ring[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-  // a launch with less shared memory than the ring and the reduction traps rather than
-  // writing past the block's shared memory
-  if (dynamic_smem_bytes() < 16u * max(XS * SLOT, n_warps * TPW * PKV_GEMV_MMA_ROWS * ROWS / 4))
+  // a launch with less shared memory than the ring traps rather than writing past the
+  // block's shared memory
+  if (dynamic_smem_bytes() < 16u * XS * SLOT)
     __trap();
   const int gid = lane / 4, t = lane % 4;
   const int row_tiles = (M + PKV_GEMV_MMA_ROWS - 1) / PKV_GEMV_MMA_ROWS;
@@ -1406,23 +1407,57 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
       }
     }
   }
-  cp_async_wait<0>();  // nothing in flight into the ring the reduction reuses
-  __syncthreads();
+  cp_async_wait<0>();  // no copy outlives the block (the last commits are empty)
 
-  float* red = (float*)x_ring;  // [warp tile][16 rows][8 NT columns]
+  // The end, from the registers: lane (gid, t) holds rows 16 (tile0 + u) + gid + 8 r and
+  // batch rows 8 i + 2 t + e, so one store instruction of the warp covers 8 consecutive
+  // rows (a 32-byte sector) of 4 batch rows: y and the partials are written in whole
+  // sectors without a transpose through shared memory. (gemv_split_finish's transpose read
+  // its [rows][8 NT] buffer down a column, a 32-way bank conflict per load, and split each
+  // index by a runtime divide: 30% of the kernel's issue slots at 4096², batch 32, Nsight
+  // Compute; docs/performance.md, "Batch 32: where the time goes".) With splits, the last
+  // of the row block's blocks to arrive (split_arrived_last) adds each element from 0 in
+  // split order: the result does not depend on which block finishes first. It re-reads its
+  // own split from L2 as well (its own stores, program order): taking those from the
+  // registers made each load conditional, and the kernel waited out one L2 round trip per
+  // element instead of one per split: 1.6x the whole kernel's time at 4096², batch 32.
+  auto each_output = [&](auto&& f) {  // f(u, r, i, e, index in [batch][M]) for rows < M
+#pragma unroll
+    for (int u = 0; u < TPW; ++u)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = (tile0 + u) * PKV_GEMV_MMA_ROWS + gid + 8 * r;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int b = 8 * i + 2 * t + e;
+            if (row < M && b < batch) f(u, r, i, e, (int64_t)b * M + row);
+          }
+      }
+  };
+  if (splits == 1) {
+    each_output([&](int u, int r, int i, int e, int64_t at) { y[at] = acc[u][r][i][e]; });
+    return;
+  }
+  float* mine = partial + (int64_t)split * batch * M;
+  each_output([&](int u, int r, int i, int e, int64_t at) { mine[at] = acc[u][r][i][e]; });
+  if (!split_arrived_last(counters, splits)) return;
+  float sum[TPW][2][NT][2];
 #pragma unroll
   for (int u = 0; u < TPW; ++u)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          red[((warp * TPW + u) * PKV_GEMV_MMA_ROWS + gid + 8 * r) * ROWS + 8 * i + 2 * t + e] =
-              acc[u][r][i][e];
-  __syncthreads();
-  gemv_split_finish(red, ROWS, n_warps * TPW * PKV_GEMV_MMA_ROWS, M, batch, y, partial,
-                    counters, split, splits, 1);
+      for (int i = 0; i < NT; ++i) sum[u][r][i][0] = sum[u][r][i][1] = 0.0f;
+  for (int s = 0; s < splits; ++s) {  // split order; a split's loads are issued together
+    const float* p = partial + (int64_t)s * batch * M;
+    each_output([&](int u, int r, int i, int e, int64_t at) {
+      sum[u][r][i][e] += __ldcg(p + at);  // its own split too: see above
+    });
+  }
+  each_output([&](int u, int r, int i, int e, int64_t at) { y[at] = sum[u][r][i][e]; });
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;  // ready for the next launch
 }
 
 #if PKV_GEMV_F16_MIN_BLOCKS > 0

@@ -15,7 +15,7 @@ import pytest
 from pagedkv import quant
 from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.kernels import weights
-from test_gemv_mma_simulated import _case, _header_affine, _lanes, add_splits, warp_sums_to_rows
+from test_gemv_mma_simulated import _case, _header_affine, _lanes, add_splits
 from test_kernels_host import FakeCudaDevice
 
 ROWS = weights.GEMV_MMA_ROWS  # 16 rows per tile
@@ -155,11 +155,22 @@ def gemv_f16(packed, xh, xs, M, K, batch, v2, n_warps, tpw, splits):
                                         scale, offset = _header_affine(hdr[r], v2, hv if v2 else 0)
                                         acc[warp, u, r, i, e] += (
                                             scale * (s[:, 0] * c[i, :, 2 * r + e]) + offset * xsum)
-            red = warp_sums_to_rows(acc, rows, 8 * NT)
-            row0 = bx * rows
-            n = min(rows, M - row0)
+            # the end, from the registers: lane (gid, t) stores rows 16 tile + gid + 8r,
+            # batch rows 8i + 2t + e where both exist (the kernel's each_output)
             dst = y if splits == 1 else partial[split]
-            dst[:, row0:row0 + n] = red[:n, :batch].T
+            written = np.zeros(dst.shape, int)
+            for warp in range(n_warps):
+                for u in range(tpw):
+                    for r in range(2):
+                        row = ((bx * n_warps + warp) * tpw + u) * ROWS + gid + 8 * r
+                        for i in range(NT):
+                            for e in range(2):
+                                b = 8 * i + 2 * t + e
+                                ok = (row < M) & (b < batch)
+                                dst[b[ok], row[ok]] = acc[warp, u, r, i, e][ok]
+                                written[b[ok], row[ok]] += 1
+            row0 = bx * rows
+            assert (written[:, row0:row0 + min(rows, M - row0)] == 1).all()  # each output once
         if splits > 1:  # the last block to arrive adds the splits in split order
             add_splits(y, partial, bx * rows, min(rows, M - bx * rows))
     return y

@@ -343,7 +343,7 @@ def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
     assert wide._block == (128,) and wide._grid[0] == -(-272 // (4 * tpw))
     assert g._xq.shape == (8 * batch * 128,) and g.prepared_x().tiles == 0
     # its x ring in dynamic shared memory (the launch passes it): slots of 8 nt rows
-    assert g._shared == weights.gemv_f16_shared_bytes(nt, 8) == (
+    assert g._shared == weights.gemv_f16_shared_bytes(nt) == (
         weights.GEMV_F16_X_STAGES * 8 * nt * 33 * 16)
     assert repr(g) == f"Gemv('mq4g256v2', M=300, K=2048, batch={batch}, f16 x, tensor cores)"
     # the default above 8 batch rows, unless an int8 batch 9-32 kernel is asked for

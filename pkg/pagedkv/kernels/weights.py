@@ -340,7 +340,7 @@ class Gemv:
                 self._kernel = device.kernel(
                     SOURCE, f"pkv_gemv_f16_{f.kernel}_n{math.ceil(batch / 8)}_t{tpw}",
                     "ppppppiii", dependent_launch=True)
-                self._shared = gemv_f16_shared_bytes(math.ceil(batch / 8), n_warps, tpw)
+                self._shared = gemv_f16_shared_bytes(math.ceil(batch / 8))
                 self._kernel.reserve_shared(self._shared)
             elif wide:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
@@ -568,15 +568,13 @@ def pipe_shared_bytes(tiles: int, warps: int) -> int:
     return max(16 * GEMV_PIPE_STAGES * stage, 4 * block_tiles * GEMV_MMA_ROWS * 8 * tiles)
 
 
-def gemv_f16_shared_bytes(n_tiles: int, warps: int, tiles_per_warp: int = 1) -> int:
+def gemv_f16_shared_bytes(n_tiles: int) -> int:
     """Dynamic shared bytes per block of the f16-activation GEMV (gemv_f16's ring):
     GEMV_F16_X_STAGES slots of [8 n_tiles batch rows x 32 units of f16 x][8 n_tiles units of
-    (step, sums)], 16 bytes a unit, or the end's reduction ([warps x tiles_per_warp x 16
-    rows][8 n_tiles] f32) where that is more: 33,792 bytes at 2 slots and 4 n-tiles (above
-    48 KiB the launcher opts in)."""
-    rows = 8 * n_tiles
-    return max(16 * GEMV_F16_X_STAGES * rows * 33,
-               4 * warps * tiles_per_warp * GEMV_MMA_ROWS * rows)
+    (step, sums)], 16 bytes a unit: 33,792 bytes at 2 slots and 4 n-tiles (above 48 KiB the
+    launcher opts in). Any warps and tiles per warp: the kernel's end stores its sums from
+    the registers, not through shared memory."""
+    return 16 * GEMV_F16_X_STAGES * 8 * n_tiles * 33
 
 
 class _KernelChoice(NamedTuple):
