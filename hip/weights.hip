@@ -1414,8 +1414,9 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
   // rows (a 32-byte sector) of 4 batch rows: y and the partials are written in whole
   // sectors without a transpose through shared memory. (gemv_split_finish's transpose read
   // its [rows][8 NT] buffer down a column, a 32-way bank conflict per load, and split each
-  // index by a runtime divide: 30% of the kernel's issue slots at 4096², batch 32, Nsight
-  // Compute; docs/performance.md, "Batch 32: where the time goes".) With splits, the last
+  // index by two runtime divides: with the last block's loads, 29% of the warp-stall
+  // samples at 4096², batch 32, Nsight Compute; docs/performance.md, "The split-K end,
+  // rewritten".) With splits, the last
   // of the row block's blocks to arrive (split_arrived_last) adds each element from 0 in
   // split order: the result does not depend on which block finishes first. It re-reads its
   // own split from L2 as well (its own stores, program order): taking those from the
