@@ -638,8 +638,8 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
   }
 }
 
-// q8 pass 1 on AMD matrix cores (qk_scores_mfma_q8, pkv_paged_attention_q8mfma_g*; pass 2
-// stays on the CUDA-core path): qk_scores_mfma's layout, whose k-steps 2l and 2l + 1 cover
+// q8 pass 1 on AMD matrix cores (qk_scores_mfma_q8, pkv_paged_attention_q8mfma_g*; pass 2:
+// pv_mfma_q8 below): qk_scores_mfma's layout, whose k-steps 2l and 2l + 1 cover
 // record l alone (dims 32l + 8q + 0..7: lane q's codes 8q .. 8q + 7 of the record, bytes
 // 34l + 2 + 8q on, as qk_scores_mma_q8's lane t), so the two MFMAs of record l go to a
 // zeroed accumulator that is multiplied by the record's f16 scale d_l in f32 and added, as
@@ -711,6 +711,86 @@ PKV_DEV void qk_scores_mfma_q8(const float* __restrict__ q_group, int group, int
     }
     cur = nxt;
   }
+}
+
+// q8 pass 2 on AMD matrix cores (pv_mfma_q8): out^T = V^T . P^T, as pv_mfma, but with
+// record-pure m-tiles: a V element's scale d_l(t) depends on its record and its token, the
+// k index, so it goes into B, which every row of an m-tile shares (as pv_mma_q8 on NVIDIA).
+// m-tile 2l + h, row i is dim 32l + 2i + h: lane (i, q) reads codes 2i, 2i + 1 of record l
+// (2 bytes at 34l + 2 + 2i, 2-byte aligned) and d_l of tokens 16 st + 4q + e, e = 0..3, and
+// A's word is byte h of the four tokens' pairs (q8_codes_f16x4: exact f16). B's column i < 8
+// is head i's p_t d_l(t) pscale as f16, column i + 8 its f16 remainder (22 bits together:
+// pv_mma_q8's pd_pair; q8_pv_pscale keeps the largest below 2^15). o[2l + h]
+// register r is D row 4q + r, so dim 32l + 2(4q + r) + h, column i: after the last step lane
+// l adds the remainder column from lane l ^ 8, and lanes i < GMAX hold head i. The caller
+// multiplies o by q8_pv_unscale.
+template <int GMAX>
+PKV_DEV void pv_mfma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
+                        const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                        float pscale, pkv_f32x4 (&o)[8]) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  struct Raw {
+    uint32_t code[4][4];  // [token 4q + e][record l]: codes 2i (low byte), 2i + 1
+    uint32_t d[4][4];     // [token 4q + e][record l]: f16 scale bits (0 past the end)
+  };
+  const int n_steps = (n_tok + 15) / 16;
+  auto load = [&](Raw& vr, int st) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 16 * st + 4 * q + e;
+      const uint8_t* row = v_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {
+        vr.code[e][l] = vr.d[e][l] = 0u;
+        if (l < n_rec && tok < n_tok) {
+          const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
+          vr.d[e][l] = *(const uint16_t*)rec;
+          vr.code[e][l] = *(const uint16_t*)(rec + 2 + 2 * i);
+        }
+      }
+    }
+  };
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  auto pd_bits = [&](float p, uint32_t d) {  // B element: p d pscale as f16, or its remainder
+    const float x = p * (pkv_half_bits_to_float((uint16_t)d) * pscale);
+    const uint32_t hi = to_mfma_bits<KV_F16>(x);
+    return rest ? to_mfma_bits<KV_F16>(x - from_mma_bits<KV_F16>(hi)) : hi;
+  };
+  Raw cur, nxt;
+  int st = wave;
+  if (st < n_steps) load(cur, st);
+  for (; st < n_steps; st += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+    if (st + n_waves < n_steps) load(nxt, st + n_waves);
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 16 * st + 4 * q + e;
+      p[e] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+    }
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        const pkv_u32x2 b = {pd_bits(p[0], cur.d[0][l]) | pd_bits(p[1], cur.d[1][l]) << 16,
+                             pd_bits(p[2], cur.d[2][l]) | pd_bits(p[3], cur.d[3][l]) << 16};
+        const uint32_t c0 = cur.code[0][l], c1 = cur.code[1][l];
+        const uint32_t c2 = cur.code[2][l], c3 = cur.code[3][l];
+        const uint32_t lo = (c0 & 0xFFu) | (c1 & 0xFFu) << 8 | (c2 & 0xFFu) << 16 | c3 << 24;
+        const uint32_t hi = c0 >> 8 | (c1 & 0xFF00u) | (c2 >> 8) << 16 | (c3 & 0xFF00u) << 16;
+        o[2 * l] = mfma_16x16x16<KV_F16>(q8_codes_f16x4(lo), b, o[2 * l]);
+        o[2 * l + 1] = mfma_16x16x16<KV_F16>(q8_codes_f16x4(hi), b, o[2 * l + 1]);
+      }
+    }
+    cur = nxt;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);
 }
 #endif
 
@@ -1190,8 +1270,21 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
   });
 }
 
-// MFMA: both passes on AMD matrix cores (qk_scores_mfma, pv_mfma); q8: pass 1 only
-// (qk_scores_mfma_q8), pass 2 on the CUDA-core path.
+// The scale of p d in the q8 matrix-unit passes 2 (pv_mma_q8, pv_mfma_q8), from the largest
+// V record scale of the partition (each warp's in vscale_max): vm < 2^(e - 126), so
+// pscale = 2^(141 - e) puts vm * pscale in [2^14, 2^15), where p d pscale (p <= 1) keeps
+// f16's 11 bits; e >= 103 (the smallest f16 subnormal) keeps both powers finite for an
+// all-zero V. The pass's sums times q8_pv_unscale(e) = 1 / pscale are the output.
+PKV_DEV int q8_pv_exponent(const float* vscale_max, int n_warps) {
+  float vm = vscale_max[0];
+  for (int w = 1; w < n_warps; ++w) vm = fmaxf(vm, vscale_max[w]);
+  return max((int)((__float_as_uint(vm) >> 23) & 0xFF), 103);
+}
+PKV_DEV float q8_pv_pscale(int e) { return __uint_as_float((uint32_t)(268 - e) << 23); }
+PKV_DEV float q8_pv_unscale(int e) { return __uint_as_float((uint32_t)(e - 14) << 23); }
+
+// MFMA: both passes on AMD matrix cores (qk_scores_mfma and pv_mfma; q8: qk_scores_mfma_q8
+// and pv_mfma_q8).
 // STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
 // with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
 template <int KIND, int GMAX, bool MMA, bool MFMA = false, bool STAGE = false,
@@ -1208,8 +1301,9 @@ PKV_DEV void paged_attention_partition(
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];
   constexpr bool Q8_STAGED = MMA && KIND == KV_Q8 && STAGE;  // pv_mma_q8_staged: no pre-pass
   constexpr bool Q8_MMA = MMA && KIND == KV_Q8 && !STAGE;
-  constexpr bool MFMA_PV = MFMA && KIND != KV_Q8;  // pv_mfma: f16 and bf16
-  __shared__ float vscale_max[Q8_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
+  constexpr bool MFMA_PV = MFMA;  // pv_mfma (f16, bf16), pv_mfma_q8
+  constexpr bool Q8_VMAX = Q8_MMA || (MFMA && KIND == KV_Q8);  // q8_pv_exponent's input
+  __shared__ float vscale_max[Q8_VMAX ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
   // q8s: each warp's PKV_ATTN_Q8_STAGES chunk buffers (both passes, one after the other)
   __shared__ __align__(16) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
                                                         PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX : 16];
@@ -1234,21 +1328,21 @@ PKV_DEV void paged_attention_partition(
   const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
 
   // Token -> row once per partition, so the two passes do no division per token. q8 on
-  // tensor cores: also the largest V record scale (pv_mma_q8's pscale; the 2-byte reads
-  // bring in sectors that pass 2 reads again from L2).
+  // matrix units: also the largest V record scale (q8_pv_exponent; the 2-byte reads bring in
+  // sectors that pass 2 reads again from L2).
   float vmax = 0.0f;
   for (int t = threadIdx.x; t < n_tok; t += PKV_ATTN_THREADS) {
     const int pos = start + t;
     const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
     rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
-    if constexpr (Q8_MMA) {
+    if constexpr (Q8_VMAX) {
       const uint8_t* rec = v_pool + rows[t] * row_bytes;
       for (int i = 0; i < head_dim / PKV_KVQ8_BLOCK; ++i)
         vmax = fmaxf(vmax, fabsf(pkv_half_bits_to_float(
                                *(const uint16_t*)(rec + i * PKV_KVQ8_RECORD_BYTES))));
     }
   }
-  if constexpr (Q8_MMA) {
+  if constexpr (Q8_VMAX) {
     for (int o = PKV_WARP_SIZE / 2; o > 0; o >>= 1) vmax = fmaxf(vmax, pkv_shfl_xor(vmax, o));
     if (lane == 0) vscale_max[warp] = vmax;
   }
@@ -1405,14 +1499,9 @@ PKV_DEV void paged_attention_partition(
         pv_mma_q8_staged<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
                                q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, o);
       } else if constexpr (KIND == KV_Q8) {
-        float vm = vscale_max[0];
-        for (int w = 1; w < n_warps; ++w) vm = fmaxf(vm, vscale_max[w]);
-        // vm < 2^(e - 126): pscale = 2^(141 - e) puts vm * pscale in [2^14, 2^15); e >= 103
-        // (the smallest f16 subnormal) keeps both powers finite for an all-zero V.
-        const int e = max((int)((__float_as_uint(vm) >> 23) & 0xFF), 103);
-        pv_mma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
-                        __uint_as_float((uint32_t)(268 - e) << 23), o);
-        const float unscale = __uint_as_float((uint32_t)(e - 14) << 23);
+        const int e = q8_pv_exponent(vscale_max, n_warps);
+        pv_mma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, q8_pv_pscale(e), o);
+        const float unscale = q8_pv_unscale(e);
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
@@ -1445,16 +1534,28 @@ PKV_DEV void paged_attention_partition(
 #if PKV_ATTN_MFMA
   if constexpr (MFMA_PV) {
     pkv_f32x4 o[8];
-    pv_mfma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    if constexpr (KIND == KV_Q8) {
+      const int e = q8_pv_exponent(vscale_max, n_warps);
+      pv_mfma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, q8_pv_pscale(e), o);
+      const float unscale = q8_pv_unscale(e);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] *= unscale;
+    } else {
+      pv_mfma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    }
     __syncthreads();  // every wavefront has read the scores
     const int i = lane % 16, q = lane / 16, dpl = head_dim / 16;
-    if (i < GMAX) {  // lane i holds head i: dim dpl (4q + r) + j of o[j][r]
+    if (i < GMAX) {  // lane i holds head i; o[j][r]: D row 4q + r of m-tile j
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        if (j < dpl)
+        if (j < dpl)  // q8: 2 m-tiles per record of 32 dims, also head_dim / 16
 #pragma unroll
-          for (int r = 0; r < 4; ++r)
-            wsum[(warp * GMAX + i) * head_dim + dpl * (4 * q + r) + j] = o[j][r];
+          for (int r = 0; r < 4; ++r) {
+            // pv_mfma_q8's record-pure m-tiles, pv_mfma's DPL consecutive dims per row
+            const int d = KIND == KV_Q8 ? 32 * (j / 2) + 2 * (4 * q + r) + j % 2
+                                        : dpl * (4 * q + r) + j;
+            wsum[(warp * GMAX + i) * head_dim + d] = o[j][r];
+          }
     }
   }
 #endif
@@ -1569,8 +1670,8 @@ PKV_DEV void paged_attention_dispatch(
   PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
 
 #if PKV_ATTN_MFMA
-// f16 and bf16 KV with both passes on AMD matrix cores (qk_scores_mfma, pv_mfma), q8 with
-// pass 1 there (qk_scores_mfma_q8); head_dim 64 or 128, else the CUDA-core passes:
+// f16, bf16 and q8 KV with both passes on AMD matrix cores (qk_scores_mfma and pv_mfma; q8:
+// qk_scores_mfma_q8 and pv_mfma_q8); head_dim 64 or 128, else the CUDA-core passes:
 // pkv_paged_attention_{f16,bf16,q8}mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
 // pagedkv.kernels.kvcache) until an AMD device run vouches for it; bf16 only where
 // PKV_MFMA_BF16_1K is defined (not gfx908).

@@ -260,6 +260,93 @@ def attention_mfma(q_group, k_bits, v_bits, rows, scale, partition, kind="f16", 
     return np.stack([combine_partitions(parts, g) for g in range(group)])
 
 
+def q8_pv_scale(pool_bytes, rows, row_bytes, head_dim):
+    """q8_pv_pscale and q8_pv_unscale of q8_pv_exponent over the partition's V rows: powers
+    of two from the largest |d| (its f32 exponent e, at least 103), 2^(141 - e) and
+    2^(e - 141)."""
+    d = np.stack([load_u16(pool_bytes, rows.astype(np.int64) * row_bytes + 34 * ll)
+                  for ll in range(head_dim // 32)])
+    vm = np.abs(from_bits(d, "f16")).max(initial=np.float32(0))
+    e = max(int(np.float32(vm).view(np.uint32) >> 23) & 0xFF, 103)
+    return (np.uint32((268 - e) << 23).view(np.float32),
+            np.uint32((e - 14) << 23).view(np.float32))
+
+
+def pv_mfma_q8(probs, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, wave, n_waves,
+               pscale, unscale, rest_lane=8, scale_record=lambda ll: ll,
+               dim_of=lambda q, r, j: 32 * (j // 2) + 2 * (4 * q + r) + j % 2):
+    """pv_mfma_q8<GMAX> of one wavefront, times unscale, and the partition's store of its o:
+    this wave's wsum float32[gmax, head_dim]. ``rest_lane``, ``scale_record`` and ``dim_of``
+    are the kernel's (the mutation test changes them)."""
+    lane, i, q = _wave()
+    n_rec = head_dim // 32
+    o = np.zeros((8, WAVE, 4), np.float32)
+    head = i % 8
+    rest, live = i >= 8, head < gmax
+
+    def pd_bits(p, d):  # p d pscale as f16, or its remainder on lanes i >= 8
+        x = (p * (from_bits(d, "f16") * np.float32(pscale))).astype(np.float32)
+        hi = to_bits(x, "f16")
+        return np.where(rest, to_bits(x - from_bits(hi, "f16"), "f16"), hi)
+
+    for st in range(wave, -(-n_tok // 16), n_waves):
+        code, d, p = [], [], []
+        for e in range(4):
+            tok = 16 * st + 4 * q + e
+            ok = tok < n_tok
+            row = rows[np.minimum(tok, n_tok - 1)].astype(np.int64) * row_bytes
+            code.append([np.where(ok, load_u16(pool_bytes, row + 34 * ll + 2 + 2 * i), 0)
+                         for ll in range(n_rec)])
+            d.append([np.where(ok, load_u16(pool_bytes, row + 34 * scale_record(ll)), 0)
+                      for ll in range(n_rec)])
+            p.append(np.where(live & ok, probs[np.minimum(tok, n_tok - 1),
+                                               np.minimum(head, gmax - 1)], 0).astype(np.float32))
+        for ll in range(n_rec):
+            b = np.stack([_pack(pd_bits(p[0], d[0][ll]), pd_bits(p[1], d[1][ll])),
+                          _pack(pd_bits(p[2], d[2][ll]), pd_bits(p[3], d[3][ll]))], axis=1)
+            c0, c1, c2, c3 = (code[e][ll].astype(np.uint32) for e in range(4))
+            lo = (c0 & 0xFF) | (c1 & 0xFF) << 8 | (c2 & 0xFF) << 16 | (c3 << 24 & 0xFFFFFFFF)
+            hi = c0 >> 8 | (c1 & 0xFF00) | (c2 >> 8) << 16 | (c3 & 0xFF00) << 16
+            mfma_f32_16x16x16(o[2 * ll], q8_codes_f16x4(lo.astype(np.uint32)), b, "f16")
+            mfma_f32_16x16x16(o[2 * ll + 1], q8_codes_f16x4(hi.astype(np.uint32)), b, "f16")
+    o = (o + o[:, lane ^ rest_lane]) * np.float32(unscale)  # the shuffle, then the caller's scale
+    wsum = np.full((gmax, head_dim), np.nan, np.float32)
+    seen = np.zeros((gmax, head_dim), int)
+    for ln in range(WAVE):
+        if i[ln] < gmax:
+            for j in range(head_dim // 16):
+                for r in range(4):
+                    dim = dim_of(q[ln], r, j)
+                    wsum[i[ln], dim] = o[j, ln, r]
+                    seen[i[ln], dim] += 1
+    assert (seen == 1).all()  # every (head slot, dim) stored once
+    return wsum
+
+
+def attention_mfma_q8(q_group, k_records, v_records, rows, scale, partition, n_waves=2,
+                      **mutation):
+    """attention_mfma over q8 K and V pools (records [rows, row_bytes]): both passes on
+    MFMA, pkv_paged_attention_q8mfma_g*. float32[group, head_dim]."""
+    group, head_dim = q_group.shape
+    gmax = 1 << (group - 1).bit_length()
+    row_bytes = v_records.shape[1]
+    k_pool, v_pool = k_records.reshape(-1), v_records.reshape(-1)
+    parts = []
+    for start in range(0, len(rows), partition):
+        prow = rows[start:start + partition]
+        n_tok = len(prow)
+        s = qk_scores_mfma_q8(q_group, group, head_dim, scale, k_pool, prow, row_bytes, n_tok,
+                              gmax, n_waves).reshape(n_tok, gmax)
+        pmax = s.max(axis=0)
+        p = np.exp(s - pmax).astype(np.float32)
+        pscale, unscale = q8_pv_scale(v_pool, prow, row_bytes, head_dim)
+        waves = [pv_mfma_q8(p, v_pool, prow, row_bytes, n_tok, head_dim, gmax, w, n_waves,
+                            pscale, unscale, **mutation) for w in range(n_waves)]
+        parts.append((pmax, p.sum(axis=0, dtype=np.float32),
+                      np.sum(waves, axis=0, dtype=np.float32)))
+    return np.stack([combine_partitions(parts, g) for g in range(group)])
+
+
 def _bits_of(x, kind):
     return to_bits(np.asarray(x, np.float32), kind).astype(np.uint16)
 
@@ -368,6 +455,66 @@ def test_q8_mfma_scores_simulated_are_q_dot_k_for_every_token_and_head(head_dim,
     bound = 2.0**-20 * (np.abs(kt) @ np.abs(qs).T)  # 22-bit q, exact codes, f32 sums
     np.testing.assert_array_less(np.abs(got[:, :group] - kt @ qs.T), bound)
     assert (got[:, group:] == 0).all()
+
+
+def _q8_v_case(seed, head_dim, n_tok):
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((n_tok + 5, head_dim)).astype(np.float32)
+    v *= np.float32(10.0) ** rng.integers(-4, 2, (n_tok + 5, 1))  # scales far apart
+    records = kv_q8.quantize(v)
+    rows = rng.permutation(n_tok + 5)[:n_tok]
+    return records, rows, kv_q8.dequantize(records, head_dim)[rows].astype(np.float64)
+
+
+@pytest.mark.parametrize(("head_dim", "gmax", "n_tok", "waves"), [
+    (128, 1, 37, 2), (64, 2, 16, 2), (128, 4, 100, 2), (64, 4, 5, 1), (128, 8, 77, 2),
+    (64, 8, 33, 1)])
+def test_q8_mfma_pv_simulated_is_p_times_v_for_every_dim_and_head(head_dim, gmax, n_tok, waves):
+    records, rows, v = _q8_v_case(head_dim + gmax + n_tok, head_dim, n_tok)
+    probs = np.random.default_rng(n_tok).random((n_tok, gmax)).astype(np.float32)
+    pool, row_bytes = records.reshape(-1), records.shape[1]
+    pscale, unscale = q8_pv_scale(pool, rows, row_bytes, head_dim)
+    got = sum(pv_mfma_q8(probs, pool, rows, row_bytes, n_tok, head_dim, gmax, w, waves,
+                         pscale, unscale) for w in range(waves))
+    expect = probs.T.astype(np.float64) @ v  # V = d c exactly
+    # p d as 22 bits (f16 value + remainder; the remainder may be subnormal: 2^-25 of the
+    # scaled unit absolute), exact codes, f32 sums
+    bound = 2.0**-20 * (probs.T.astype(np.float64) @ np.abs(v)) + 2.0**-24 * unscale * 128 * n_tok
+    np.testing.assert_array_less(np.abs(got - expect), bound)
+
+
+@pytest.mark.parametrize(("head_dim", "group", "n_tok", "partition"), [
+    (128, 4, 300, 128), (64, 8, 70, 1024), (128, 1, 40, 16), (64, 3, 200, 64)])
+def test_q8_mfma_attention_simulated_is_within_the_documented_tolerance(head_dim, group, n_tok,
+                                                                          partition):
+    # both q8 passes on MFMA against float64 attention over the dequantized K and V
+    q_group, k_records, rows, kt = _q8_case(head_dim * group + n_tok, group, head_dim, n_tok)
+    v_records, _, _ = _q8_v_case(n_tok, head_dim, len(k_records) - 5)
+    v_records = v_records[:len(k_records)]
+    vt = kv_q8.dequantize(v_records, head_dim)[rows].astype(np.float64)
+    scale = head_dim ** -0.5
+    got = attention_mfma_q8(q_group, k_records, v_records, rows, scale, partition)
+    s = q_group.astype(np.float64) @ kt.T * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (p / p.sum(axis=1, keepdims=True)) @ vt
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(vt).max())
+
+
+@pytest.mark.parametrize("mutation", [
+    {"rest_lane": 16},  # the remainder column from the wrong lane
+    {"scale_record": lambda ll: ll ^ 1},  # another record's scale
+    {"dim_of": lambda q, r, j: 32 * (j // 2) + 2 * (4 * q + r) + (j % 2 ^ 1)},  # bytes swapped
+    {"dim_of": lambda q, r, j: 16 * (j % 2) + 32 * (j // 2) + 4 * q + r}])  # pv_mma-like rows
+def test_a_wrong_q8_pass_2_mapping_fails_the_tolerance(mutation):
+    q_group, k_records, rows, kt = _q8_case(21, 4, 128, 150)
+    v_records, _, _ = _q8_v_case(22, 128, len(k_records) - 5)
+    v_records = v_records[:len(k_records)]
+    vt = kv_q8.dequantize(v_records, 128)[rows].astype(np.float64)
+    s = q_group.astype(np.float64) @ kt.T * 128 ** -0.5
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (p / p.sum(axis=1, keepdims=True)) @ vt
+    got = attention_mfma_q8(q_group, k_records, v_records, rows, 128 ** -0.5, 1024, **mutation)
+    assert not np.allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(vt).max())
 
 
 def test_q8_codes_become_f16_exactly():
@@ -486,6 +633,28 @@ KERNEL_TEXT = {
         "const float rest = pkv_shfl_xor(c[r], 32);",
         "if (q < 2 && g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + rest;",
     ],
+    "pv_mfma_q8": [
+        "const int i = lane % 16, q = lane / 16;",
+        "const int tok = 16 * st + 4 * q + e;",
+        "const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;",
+        "vr.d[e][l] = *(const uint16_t*)rec;",
+        "vr.code[e][l] = *(const uint16_t*)(rec + 2 + 2 * i);",
+        "const int head = i % 8;",
+        "const bool rest = i >= 8, live = head < GMAX;",
+        "const float x = p * (pkv_half_bits_to_float((uint16_t)d) * pscale);",
+        "return rest ? to_mfma_bits<KV_F16>(x - from_mma_bits<KV_F16>(hi)) : hi;",
+        "p[e] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;",
+        "const pkv_u32x2 b = {pd_bits(p[0], cur.d[0][l]) | pd_bits(p[1], cur.d[1][l]) << 16,",
+        "pd_bits(p[2], cur.d[2][l]) | pd_bits(p[3], cur.d[3][l]) << 16};",
+        "const uint32_t lo = (c0 & 0xFFu) | (c1 & 0xFFu) << 8 | (c2 & 0xFFu) << 16 | c3 << 24;",
+        "const uint32_t hi = c0 >> 8 | (c1 & 0xFF00u) | (c2 >> 8) << 16 | (c3 & 0xFF00u) << 16;",
+        "o[2 * l] = mfma_16x16x16<KV_F16>(q8_codes_f16x4(lo), b, o[2 * l]);",
+        "o[2 * l + 1] = mfma_16x16x16<KV_F16>(q8_codes_f16x4(hi), b, o[2 * l + 1]);",
+        "for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);",
+    ],
+    "q8_pv_exponent": ["return max((int)((__float_as_uint(vm) >> 23) & 0xFF), 103);"],
+    "q8_pv_pscale": ["return __uint_as_float((uint32_t)(268 - e) << 23);"],
+    "q8_pv_unscale": ["return __uint_as_float((uint32_t)(e - 14) << 23);"],
     "q8_codes_f16x4": [
         "const uint32_t x = w ^ 0x80808080u;",
         "const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;",
@@ -498,7 +667,10 @@ KERNEL_TEXT = {
     "paged_attention_partition": [
         "const int i = lane % 16, q = lane / 16, dpl = head_dim / 16;",
         "if (i < GMAX) {",
-        "wsum[(warp * GMAX + i) * head_dim + dpl * (4 * q + r) + j] = o[j][r];",
+        "const int d = KIND == KV_Q8 ? 32 * (j / 2) + 2 * (4 * q + r) + j % 2",
+        ": dpl * (4 * q + r) + j;",
+        "wsum[(warp * GMAX + i) * head_dim + d] = o[j][r];",
+        "for (int j = 0; j < 8; ++j) o[j] *= unscale;",
     ],
 }
 

@@ -280,10 +280,10 @@ class PagedAttention:
 
     ``PAGEDKV_ATTN_MFMA=1`` (default off): float16 KV with head_dim 64/128 on AMD CDNA
     (gfx908/gfx90a/gfx940-942), and bfloat16 KV on gfx90a/gfx940-942, run both passes on MFMA
-    matrix cores (``pkv_paged_attention_{f16,bf16}mfma_g*``), q8 KV (with ``q8_mma`` on and
-    unstaged, the AMD default) pass 1 (``pkv_paged_attention_q8mfma_g*``); compile-checked and
-    emulated only, docs/kernels.md, "AMD matrix cores". :attr:`mfma` says whether this
-    object does.
+    matrix cores (``pkv_paged_attention_{f16,bf16}mfma_g*``), and so does q8 KV with
+    ``q8_mma`` on and unstaged, the AMD default (``pkv_paged_attention_q8mfma_g*``);
+    compile-checked and emulated only, docs/kernels.md, "AMD matrix cores". :attr:`mfma` says
+    whether this object does.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
@@ -368,8 +368,8 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
-        # f16 / bf16 KV on AMD CDNA, head_dim 64/128: both passes on MFMA matrix cores (q8:
-        # pass 1, in place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_MFMA=1):
+        # f16 / bf16 / q8 KV on AMD CDNA, head_dim 64/128: both passes on MFMA matrix cores
+        # (q8 in place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_MFMA=1):
         # compile-checked and emulated only, never run on AMD.
         mfma_arches = {"float16": MFMA_ARCHES, "bfloat16": MFMA_BF16_ARCHES,
                        "q8": MFMA_ARCHES if self.q8_mma and not self.q8_stage else ()
