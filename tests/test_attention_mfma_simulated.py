@@ -489,8 +489,7 @@ def test_q8_mfma_attention_simulated_is_within_the_documented_tolerance(head_dim
                                                                           partition):
     # both q8 passes on MFMA against float64 attention over the dequantized K and V
     q_group, k_records, rows, kt = _q8_case(head_dim * group + n_tok, group, head_dim, n_tok)
-    v_records, _, _ = _q8_v_case(n_tok, head_dim, len(k_records) - 5)
-    v_records = v_records[:len(k_records)]
+    v_records, _, _ = _q8_v_case(n_tok, head_dim, len(k_records) - 5)  # as many pool rows
     vt = kv_q8.dequantize(v_records, head_dim)[rows].astype(np.float64)
     scale = head_dim ** -0.5
     got = attention_mfma_q8(q_group, k_records, v_records, rows, scale, partition)
@@ -507,8 +506,7 @@ def test_q8_mfma_attention_simulated_is_within_the_documented_tolerance(head_dim
     {"dim_of": lambda q, r, j: 16 * (j % 2) + 32 * (j // 2) + 4 * q + r}])  # pv_mma-like rows
 def test_a_wrong_q8_pass_2_mapping_fails_the_tolerance(mutation):
     q_group, k_records, rows, kt = _q8_case(21, 4, 128, 150)
-    v_records, _, _ = _q8_v_case(22, 128, len(k_records) - 5)
-    v_records = v_records[:len(k_records)]
+    v_records, _, _ = _q8_v_case(22, 128, len(k_records) - 5)  # as many pool rows as K's
     vt = kv_q8.dequantize(v_records, 128)[rows].astype(np.float64)
     s = q_group.astype(np.float64) @ kt.T * 128 ** -0.5
     p = np.exp(s - s.max(axis=1, keepdims=True))
