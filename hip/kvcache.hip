@@ -901,9 +901,7 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
 // Pass 2 keeps pscale per warp and running (the largest V scale of the chunks seen so far,
 // as the exponent e, from the staged scales: no pre-pass over V): when a chunk raises it,
 // the f32 accumulators are multiplied by the exact power of two 2^(e_old - e_new) first.
-#ifndef PKV_ATTN_Q8_STAGES
-#define PKV_ATTN_Q8_STAGES 3
-#endif
+// PKV_ATTN_Q8_STAGES (pagedkv/launch.h): the launcher stages only partitions that fill them.
 #ifndef PKV_ATTN_Q8_STAGE_PITCH_UNITS
 #define PKV_ATTN_Q8_STAGE_PITCH_UNITS 18
 #endif

@@ -875,6 +875,38 @@ def test_q8_default_stages_only_where_the_staged_passes_run(monkeypatch, head_di
                                   max_seq_len=64, kv_dtype="q8")
     assert attn._partition.name == kernel
     assert attn.q8_stage is kernel.startswith("pkv_paged_attention_q8s")
+@pytest.mark.parametrize("max_seq_len,flags,kernel,tokens", [
+    (1024, {}, "pkv_paged_attention_q8_g4", 64),       # 1 chunk per warp, 128 CTAs: unstaged
+    (1025, {}, "pkv_paged_attention_q8_g4", 64),       # 136 CTAs < 2 per SM
+    (4097, {}, "pkv_paged_attention_q8s_g4", 64),      # 520 CTAs: they share instruction fetch
+    (32769, {}, "pkv_paged_attention_q8s_g4", 512),    # 8 chunks per warp: staged
+    (1024, {"partition_tokens": 192}, "pkv_paged_attention_q8s_g4", 192),  # 3 chunks per warp
+    (1024, {"partition_tokens": 176}, "pkv_paged_attention_q8_g4", 176),
+    (1025, {"q8_stage": True}, "pkv_paged_attention_q8s_g4", 64),   # the argument wins
+    (1025, {"q8_int": True}, "pkv_paged_attention_q8i_g4", 64),     # and so does q8_int
+    (32769, {"q8_stage": False}, "pkv_paged_attention_q8_g4", 512),
+])
+def test_q8_default_stages_where_staging_pays(monkeypatch, max_seq_len, flags, kernel, tokens):
+    # The q8s kernels' prologue copies a warp's first PKV_ATTN_Q8_STAGES - 1 chunks: with no
+    # more chunks than that nothing overlaps, and on a grid of fewer than 2 CTAs per SM the
+    # unstaged kernel ran faster on the H200 (batch 1 over 1k tokens: 11.0 against 13.2 µs;
+    # over 4k, 4 CTAs per SM, staged 14.8 against 15.5; docs/performance.md, "Decode step").
+    from pagedkv.kernels import kvcache
+    for name in ("PAGEDKV_ATTN_Q8_STAGE", "PAGEDKV_ATTN_Q8_MMA", "PAGEDKV_ATTN_Q8_INT",
+                 "PAGEDKV_ATTN_PARTITION_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    assert kvcache.ATTN_Q8_STAGE_MIN_TOKENS == 3 * 16 * 4 == 192
+    assert kvcache.q8_stage_pays(64, 264, 132) and not kvcache.q8_stage_pays(64, 263, 132)
+    assert kvcache.q8_stage_pays(64, 1, 0)  # unknown SM count: staged
+    attn = kvcache.PagedAttention(FakeCudaDevice(), num_seqs=1, num_heads=32, kv_heads=8,
+                                  head_dim=128, block_size=16, max_seq_len=max_seq_len,
+                                  kv_dtype="q8", **flags)
+    assert (attn._partition.name, attn.partition_tokens) == (kernel, tokens)
+    assert attn.q8_stage is not kernel.startswith("pkv_paged_attention_q8_")
+    assert repr(attn).endswith(f"x{tokens}, q8_mma=True, q8_stage={attn.q8_stage}"
+                               + (", q8_int=True)" if "q8i" in kernel else ")"))
+
+
 @pytest.mark.parametrize("q8_int,env,kernel", [
     (None, None, "pkv_paged_attention_q8s_g2"),    # opt-in until a device run vouches for it
     (None, "1", "pkv_paged_attention_q8i_g2"),     # PAGEDKV_ATTN_Q8_INT=1
@@ -1108,15 +1140,21 @@ def test_q8_attention_keeps_the_kernel_asked_for_over_mfma(monkeypatch, flags):
 # --- paged attention: tokens per partition (the split of short contexts) ---
 
 @pytest.mark.parametrize("kv_dtype,seqs,kv_heads,max_seq_len,sms,tokens", [
+    # a wave is 4 CTAs per SM, 528 on 132 SMs
     ("float16", 1, 8, 1025, 132, 64),      # 8 CTAs of 1024 -> 17 of 64 (the floor)
-    ("float16", 1, 8, 32769, 132, 1024),   # 33 x 8 = 264 CTAs, 2 per SM: the most
-    ("float16", 1, 4, 32769, 132, 512),    # 132 CTAs -> 65 x 4 = 260 (497 -> 512 tokens)
-    ("float16", 32, 8, 1025, 132, 1024),   # 512 CTAs already: the kernel's most
-    ("float16", 8, 8, 32769, 132, 1024),
+    ("float16", 1, 8, 32768, 132, 512),    # 32 x 8 = 256 CTAs -> 66 parts: 497 -> 512 tokens
+    ("float16", 1, 8, 32769, 132, 512),    # 65 x 8 = 520 CTAs
+    ("float16", 1, 4, 32769, 132, 256),    # 33 x 4 -> 132 parts: 249 -> 256 (129 x 4 = 516)
+    ("float16", 32, 8, 1024, 132, 512),    # 256 CTAs -> 2 parts: 512 CTAs
+    ("float16", 32, 8, 1025, 132, 528),    # 2 x 256 = 512 CTAs, under a wave -> 2 parts of 528
+    ("float16", 8, 8, 32769, 132, 1008),   # 33 x 64 = 2112 CTAs: 33 even shares, not 32 + 1
+    ("float16", 66, 8, 1024, 132, 1024),   # 528 CTAs: exactly a wave, the most
+    ("q8", 32, 8, 1025, 132, 352),         # 3 x 256 = 768 CTAs: 352 + 352 + 321, not 512 + 512 + 1
     ("q8", 1, 8, 1025, 132, 64),
-    ("q8", 4, 8, 4000, 132, 448),          # 9 partitions x 32 = 288 CTAs
+    ("q8", 1, 8, 32768, 132, 512),         # 64 x 8 = 512 CTAs at the most already
+    ("q8", 4, 8, 4000, 132, 256),          # 8 x 32 = 256 CTAs -> 16 parts: 250 -> 256 tokens
     ("bfloat16", 2, 2, 100, 132, 64),      # shorter than the floor: one partition of 64
-    ("fwht4/q8", 1, 4, 20000, 132, 304),   # 66 x 4 = 264
+    ("fwht4/q8", 1, 4, 20000, 132, 160),   # 132 parts: 152 -> 160 tokens (125 x 4 = 500)
     ("float16", 1, 8, 1025, 0, 1024),      # unknown SM count: no split
 ])
 def test_attention_partition_tokens_fill_the_gpu(kv_dtype, seqs, kv_heads, max_seq_len, sms,

@@ -58,6 +58,12 @@
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif
+/* The staged q8 kernels' (q8s) chunk buffers per warp, 16 tokens each: STAGES - 1 chunks in
+ * flight while one is read. PagedAttention stages a partition by default only when it
+ * gives every warp more chunks than the first STAGES - 1 copies (hip/kvcache.hip). */
+#ifndef PKV_ATTN_Q8_STAGES
+#define PKV_ATTN_Q8_STAGES 3
+#endif
 /* The partition reduce (hip/attention_reduce.h): partition p is summed in slice
  * p % PKV_ATTN_REDUCE_SLICES, a 32-lane warp per slice (the reduce's block: at most this
  * many warps, fewer for fewer partitions; the fused reduce + prep's: this many). The value

@@ -81,27 +81,53 @@ ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_
 ATTN_MIN_BLOCKS_QKV_MMA = launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
 
 
-#: A split partition's fewest tokens (a tensor-core pass takes 16 tokens per warp and mma, 8
-#: warps per CTA: below 64 most warps would idle) and its granularity (the staged q8 chunk).
+#: A split partition's fewest tokens (a tensor-core pass takes 16 tokens per warp and mma, 4
+#: warps per CTA) and its granularity (the staged q8 chunk).
 ATTN_SPLIT_MIN_TOKENS = 64
 ATTN_SPLIT_STEP_TOKENS = 16
-#: CTAs per SM a split aims for: at least two, so one CTA's epilogue overlaps another's loads.
-ATTN_SPLIT_CTAS_PER_SM = 2
+#: CTAs per SM of one wave, what a split fills: the f16 / bf16 / q8 kernels' occupancy (128
+#: threads of 128 registers, ``PKV_ATTN_MIN_BLOCKS``: 4 per SM). A split to 2 per SM left
+#: half of each SM's slots idle: batch 1 over 32k tokens ran 33 partitions of 1,008 tokens
+#: in 54.0 µs, 64 of 512 in 44.9 (reduce included; H200, docs/performance.md "Decode step").
+ATTN_SPLIT_CTAS_PER_SM = 4
+
+
+#: Partitions of fewer tokens run q8 KV unstaged by default where the grid gives SMs fewer
+#: than two CTAs each: 16-token chunks per warp no more than the PKV_ATTN_Q8_STAGES - 1 the
+#: staged (q8s) kernel's prologue copies leave no copy to overlap with a read, and with one
+#: CTA on an SM nothing shares its instruction fetches: the staged kernel's longer code (155
+#: KB of sm_90 SASS against the unstaged kernel's 86) then costs more than its copies save.
+#: H200, 64-token partitions: batch 1 over 1k tokens (128 CTAs) 13.2 µs staged against 11.0
+#: unstaged (Nsight Compute: 57% of the staged kernel's stalls wait on instruction fetch);
+#: over 4k (512 CTAs) 14.8 against 15.5; 512-token partitions over 32k: 49.3 against 56.8
+#: (docs/performance.md, "Decode step").
+ATTN_Q8_STAGE_MIN_TOKENS = launch_constant("PKV_ATTN_Q8_STAGES") * 16 * (ATTN_THREADS // 32)
+
+
+def q8_stage_pays(partition_tokens: int, grid_ctas: int, sm_count: int) -> bool:
+    """Whether the staged q8 kernels are the default for a launch of ``grid_ctas`` CTAs of
+    ``partition_tokens`` tokens on ``sm_count`` SMs (0: unknown, staged):
+    :data:`ATTN_Q8_STAGE_MIN_TOKENS` tokens or more, or two CTAs or more per SM."""
+    return partition_tokens >= ATTN_Q8_STAGE_MIN_TOKENS or grid_ctas >= 2 * sm_count
 
 
 def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_seq_len: int,
                                sm_count: int) -> int:
-    """Tokens per partition of one launch geometry: the kernel's most
-    (:data:`ATTN_PARTITION_TOKENS`) unless its grid, ``num_seqs × kv_heads × partitions``,
-    would leave SMs idle; then the fewest tokens (a multiple of 16, at least 64) that give
-    every SM :data:`ATTN_SPLIT_CTAS_PER_SM` CTAs. A batch-1 decode over 1,024 tokens with 8
-    KV heads ran 8 CTAs of 1,024 tokens on the H200's 132 SMs: 40 µs a layer, 100 GB/s
-    (docs/performance.md, "Decode step"); split into 64-token partitions it runs 136."""
+    """Tokens per partition of one launch geometry, a multiple of 16 between 64 and the
+    kernel's most (:data:`ATTN_PARTITION_TOKENS`): as many partitions as the most needs or,
+    where that grid (``num_seqs × kv_heads × partitions``) is less than one wave
+    (:data:`ATTN_SPLIT_CTAS_PER_SM` CTAs on every SM), as many as one wave holds; then the
+    tokens that share ``max_seq_len`` evenly among them. ``sm_count`` 0 (unknown): the most,
+    as the MLX CUDA launcher passes it. A
+    batch-1 decode over 1,024 tokens with 8 KV heads ran 8 CTAs of 1,024 tokens on the
+    H200's 132 SMs: 40 µs a layer, 100 GB/s (docs/performance.md, "Decode step"); split
+    into 64-token partitions it runs 136. Even shares: a decode step over 1,024 cached
+    tokens attends over 1,025, which the most (512 for q8) would cut into 512 + 512 + 1."""
     most = ATTN_PARTITION_TOKENS[kv_dtype]
-    target = ATTN_SPLIT_CTAS_PER_SM * sm_count
-    if num_seqs * kv_heads * math.ceil(max_seq_len / most) >= target:
+    if sm_count <= 0:
         return most
-    parts = math.ceil(target / (num_seqs * kv_heads))
+    slots = ATTN_SPLIT_CTAS_PER_SM * sm_count
+    parts = max(math.ceil(max_seq_len / most), slots // (num_seqs * kv_heads))
     step = ATTN_SPLIT_STEP_TOKENS
     tokens = step * math.ceil(math.ceil(max_seq_len / parts) / step)
     return min(most, max(ATTN_SPLIT_MIN_TOKENS, tokens))
@@ -258,8 +284,8 @@ class PagedAttention:
     (docs/kernels.md, "q8 attention on tensor cores"; 1.18x the unstaged kernel on the
     H200). They read pools in 8-byte units: ``True`` refuses a pool that starts off 8-byte
     alignment (``InvalidArgument``), ``None`` (the default; ``PAGEDKV_ATTN_Q8_STAGE``, default
-    on, where set) runs the unstaged tensor-core kernel for such a pool instead. Ignored when
-    ``q8_mma`` is off.
+    on, where set) runs the unstaged tensor-core kernel for such a pool instead, and for
+    short partitions on a sparse grid (:func:`q8_stage_pays`). Ignored when ``q8_mma`` is off.
 
     ``qkv_mma``: a compressed pair with 4- or 2-bit K and a q8, 4- or 2-bit V runs its
     ``_mma`` kernels (q.K and, for a rotated V, P.V as f16 tensor-core mma over centroid
@@ -354,9 +380,14 @@ class PagedAttention:
             # CUDA-core passes under 36 KB of idle stage buffers, which cost occupancy and,
             # with head_dim 256's scratch, exceed the 48 KB a launch gets (H200,
             # 2026-12-02: CUDA_ERROR_INVALID_VALUE at kvh4 d256).
+            # And only where staging pays for its longer code (q8_stage_pays), unless
+            # q8_int=True asks for the q8i kernels.
             q8_stage = (env_bool("PAGEDKV_ATTN_Q8_STAGE", True) and head_dim in (64, 128)
                         and self.gmax <= 4 and getattr(device, "backend", None) != "hip"
-                        and device.properties.warp_size == 32)
+                        and device.properties.warp_size == 32
+                        and (q8_int is True or q8_stage_pays(
+                            self.partition_tokens, num_seqs * kv_heads * self.max_partitions,
+                            getattr(device.properties, "multiprocessor_count", 0))))
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
         if q8_int is True and kv_dtype == "q8" and not self.q8_stage:
             raise InvalidArgument("q8_int=True: the q8i kernels are the staged tensor-core ones; "
