@@ -96,7 +96,7 @@ ATTN_SPLIT_CTAS_PER_SM = 4
 #: than two CTAs each: 16-token chunks per warp no more than the PKV_ATTN_Q8_STAGES - 1 the
 #: staged (q8s) kernel's prologue copies leave no copy to overlap with a read, and with one
 #: CTA on an SM nothing shares its instruction fetches: the staged kernel's longer code (155
-#: KB of sm_90 SASS against the unstaged kernel's 86) then costs more than its copies save.
+#: KiB of sm_90 SASS against the unstaged kernel's 86) then costs more than its copies save.
 #: H200, 64-token partitions: batch 1 over 1k tokens (128 CTAs) 13.2 µs staged against 11.0
 #: unstaged (Nsight Compute: 57% of the staged kernel's stalls wait on instruction fetch);
 #: over 4k (512 CTAs) 14.8 against 15.5; 512-token partitions over 32k: 49.3 against 56.8
