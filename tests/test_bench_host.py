@@ -54,6 +54,37 @@ def test_attention_inputs_and_rows(dev):
     assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
 
 
+def test_attention_inputs_of_a_partial_last_block(dev):
+    # A decode step over 64 cached tokens attends over 65: whole blocks (5 of 16), the
+    # lengths say 65, and the row is charged the 65 rows of each side it reads.
+    case = dict(SMALL_CASE, tokens=65)
+    args, nbytes, kw = gpu.attention_inputs(dev, np.random.default_rng(0), "float16", **case)
+    q, k_pool, v_pool, tables, lens, out = args
+    assert k_pool.shape == v_pool.shape == (10, 16, 2, 64) and tables.shape == (2, 5)
+    assert sorted(tables.to_numpy().ravel()) == list(range(10))
+    assert (lens.to_numpy() == 65).all() and kw["max_seq_len"] == 65 and out.shape == q.shape
+    assert nbytes == 2 * (2 * 65 * 2 * 64 * 2) + 2 * q.nbytes + tables.nbytes
+
+
+def test_attention_launch_rows_compare_the_choice_with_the_fixed_ones(dev):
+    rows: list[dict] = []
+    cases = ((1, 65, "float16"), (2, 100, "q8"))
+    gpu.bench_attention_launch(dev, Stream(dev), rows, 1e12, cases, kv_heads=2, heads=4,
+                               head_dim=64)
+    assert [(r["kernel"], r["shape"]) for r in rows] == [
+        ("paged_attention float16 launch", "1x65 kvh2 d64"),
+        ("paged_attention q8 launch", "2x100 kvh2 d64")]
+    assert all(r["vs_most"] == pytest.approx(1.0) for r in rows)  # every launch reads 0.5 ms
+    assert "staged" not in rows[0] and rows[1]["vs_other_staging"] == pytest.approx(1.0)
+    assert rows[1]["staged"] is False  # HIP: the q8s kernels are NVIDIA's
+    asv = _asv_gpu()
+    assert {n.rsplit(" | ", 1)[1] for n in asv.LAUNCH_ROWS} == {"vs_most", "vs_other_staging"}
+    assert {n.split(" | ")[0] for n in asv.LAUNCH_ROWS} == {
+        f"paged_attention {kv} launch" for kv in ("float16", "q8")}
+    assert [f"{s}x{t}" for s, t, _ in gpu.LAUNCH_CASES] == [
+        n.split(" | ")[1].split()[0] for n in asv.LAUNCH_ROWS[:6]]
+
+
 def test_compressed_attention_rows_charge_stored_bytes_and_compare_with_f16(dev):
     case = dict(SMALL_CASE, head_dim=256)
     args, nbytes, kw = gpu.attention_inputs(dev, np.random.default_rng(0), "fwht4/lloyd4",

@@ -12,6 +12,10 @@ and machines cancels.
   ours for attention (target 1 / 1.3).
 - ``GpuVsTinygemm.track_speedup``: PyTorch's tinygemm int4 GEMV time / ours, batch 1
   (target >= 1.3x at every shape).
+- ``GpuAttentionLaunch.track_speedup_vs_fixed``: the attention launch ``PagedAttention``
+  picks at the decode step's geometries against the kernel's fixed most tokens per
+  partition (``vs_most``) and, for q8, against the other staging choice
+  (``vs_other_staging``); >= 1 where the choice is no slower.
 - ``GpuDecode.track_tokens_per_s_vs_torch``: pagedkv's full decode step of a
   Llama-3-8B-shaped decoder (``python -m pagedkv.bench decode``) against the PyTorch bf16
   step, tokens/s ratio (targets: 2.5 at batch 1, 1.5 at batch 32 with 1k contexts, 1.6 at
@@ -61,6 +65,7 @@ def _run_bench(with_torch: bool) -> list[dict]:
     if not with_torch:
         gpu.bench_attention(device, stream, rows, copy_bw, None, gpu.ATTENTION_CASE_256,
                             dtypes=("float16", "fwht4/lloyd4"))
+        gpu.bench_attention_launch(device, stream, rows, copy_bw)
     return rows
 
 
@@ -132,6 +137,32 @@ class GpuKVModeVsF16:
         return by_row(_run_bench(False), "vs_float16")
 
     def track_speedup_vs_f16(self, cache, row):
+        return cache[row]
+
+
+#: ``<row> | <field>`` of the launch-choice rows (pagedkv.bench.gpu.LAUNCH_CASES).
+LAUNCH_ROWS = ([f"paged_attention {kv} launch | {seqs}x{tokens} kvh8 d128 | vs_most"
+                for seqs, tokens in ((1, 1025), (1, 32769), (32, 1025))
+                for kv in ("float16", "q8")]
+               + [f"paged_attention q8 launch | {seqs}x{tokens} kvh8 d128 | vs_other_staging"
+                  for seqs, tokens in ((1, 1025), (1, 32769), (32, 1025))])
+
+
+class GpuAttentionLaunch:
+    """The attention launch PagedAttention picks (partitions filling a wave in even shares,
+    q8 staged where it pays) against the fixed alternatives on the same pool, same run."""
+
+    params = LAUNCH_ROWS
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (fixed choice's time / the chosen launch's)"
+
+    def setup_cache(self):
+        rows = _run_bench(False)
+        return {f"{name} | {field}": v for field in ("vs_most", "vs_other_staging")
+                for name, v in by_row(rows, field).items()}
+
+    def track_speedup_vs_fixed(self, cache, row):
         return cache[row]
 
 

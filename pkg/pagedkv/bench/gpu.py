@@ -435,13 +435,14 @@ def _side_pool_host(rng, side: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def attention_inputs(device, rng, kv_dtype: str, *, seqs, tokens, kv_heads, heads, head_dim,
                      block_size):
-    """Device inputs of one decode batch (``seqs`` sequences of ``tokens`` tokens, blocks in
-    random order, random K/V in [-2, 2) stored as ``kv_dtype``: a dtype for both sides or a
-    ``<K>/<V>`` pair of KV modes): ``(args, nbytes, attn_kwargs)`` where
-    ``PagedAttention(device, **attn_kwargs).run(*args)`` runs it and ``nbytes`` is what it
-    must move (K + V as stored, i.e. compressed bytes, + q + out + tables)."""
+    """Device inputs of one decode batch (``seqs`` sequences of ``tokens`` tokens in whole
+    blocks, the last one partly filled, blocks in random order, random K/V in [-2, 2) stored
+    as ``kv_dtype``: a dtype for both sides or a ``<K>/<V>`` pair of KV modes): ``(args,
+    nbytes, attn_kwargs)`` where ``PagedAttention(device, **attn_kwargs).run(*args)`` runs it
+    and ``nbytes`` is what it must move (the ``tokens`` rows of K + V as stored, i.e.
+    compressed bytes, + q + out + tables)."""
     from pagedkv.quant import kv
-    blocks_per_seq = tokens // block_size
+    blocks_per_seq = -(-tokens // block_size)
     num_blocks = seqs * blocks_per_seq
     tables = rng.permutation(num_blocks).astype(np.int32).reshape(seqs, blocks_per_seq)
     q = rng.standard_normal((seqs, heads, head_dim)).astype(np.float32)
@@ -454,7 +455,9 @@ def attention_inputs(device, rng, kv_dtype: str, *, seqs, tokens, kv_heads, head
     k_pool, v_pool = pools
     args = (device.array(q), k_pool, v_pool, device.array(tables),
             device.array(np.full(seqs, tokens, np.int32)), device.empty(q.shape, np.float32))
-    nbytes = k_pool.nbytes + v_pool.nbytes + 2 * q.nbytes + tables.nbytes
+    # the rows of each side the launch reads (none past `tokens`), as stored
+    row_bytes = sum(p.nbytes // (num_blocks * block_size * kv_heads) for p in pools)
+    nbytes = seqs * tokens * kv_heads * row_bytes + 2 * q.nbytes + tables.nbytes
     attn_kwargs = {"num_seqs": seqs, "num_heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                        "block_size": block_size, "max_seq_len": tokens, "kv_dtype": kv_dtype}
     return args, nbytes, attn_kwargs
@@ -533,6 +536,40 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             _row(rows, f"paged_attention {kv_dtype} cuda-cores",
                  f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cc, nbytes, copy_bw,
                  {"mma_speedup": t_cc / t} | ({"vs_float16": t_f16 / t_cc} if t_f16 else {}))
+        for a in args:
+            a.free()
+
+
+#: The decode step's attention geometries (``python -m pagedkv.bench decode``: a step over
+#: C cached tokens attends over C + 1): batch 1 at 1k and 32k, batch 32 at 1k, f16 and q8.
+LAUNCH_CASES = tuple((seqs, tokens, kv_dtype) for seqs, tokens in ((1, 1025), (1, 32769),
+                                                                   (32, 1025))
+                     for kv_dtype in ("float16", "q8"))
+
+
+def bench_attention_launch(device, stream, rows, copy_bw, cases=LAUNCH_CASES, *, kv_heads=8,
+                           heads=32, head_dim=128):
+    """The launch ``PagedAttention`` chooses (partitions, and for q8 whether to stage) against
+    the kernel's fixed most tokens per partition on the same pool: one row per case with
+    ``vs_most`` (the most's time / the choice's: >= 1 when the choice is no slower) and, for
+    q8, ``vs_other_staging`` (the time with the other ``q8_stage`` / the choice's)."""
+    rng = np.random.default_rng(5)
+    for seqs, tokens, kv_dtype in cases:
+        args, nbytes, kw = attention_inputs(device, rng, kv_dtype, seqs=seqs, tokens=tokens,
+                                            kv_heads=kv_heads, heads=heads, head_dim=head_dim,
+                                            block_size=16)
+        chosen = kvcache.PagedAttention(device, **kw)
+        t = time_attention(device, stream, chosen, args)
+        most = kvcache.PagedAttention(device, **kw,
+                                      partition_tokens=kvcache.ATTN_PARTITION_TOKENS[kv_dtype])
+        extra = {"partitions": chosen.max_partitions, "partition_tokens": chosen.partition_tokens,
+                 "vs_most": time_attention(device, stream, most, args) / t}
+        if kv_dtype == "q8":
+            extra["staged"] = chosen.q8_stage
+            other = kvcache.PagedAttention(device, **kw, q8_stage=not chosen.q8_stage)
+            extra["vs_other_staging"] = time_attention(device, stream, other, args) / t
+        _row(rows, f"paged_attention {kv_dtype} launch",
+             f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, extra)
         for a in args:
             a.free()
 
@@ -632,6 +669,7 @@ def main(argv=None) -> int:
     bench_attention(device, stream, rows, copy_bw, torch, ATTENTION_CASE_LONG,
                     ("float16", "q8"))
     bench_attention_reduce(device, stream, rows, copy_bw)
+    bench_attention_launch(device, stream, rows, copy_bw)
     bench_kv_write(device, stream, rows, copy_bw)
     bench_copy_blocks(device, stream, rows, copy_bw)
     if args.json:
