@@ -38,13 +38,22 @@ exit 0
 """
 
 
-def _run(tmp_path: Path, **env: str) -> tuple[list[str], list[str], str]:
+# nvidia-smi stub of an H200: compute capability 9.0.
+NVIDIA_SMI_H200 = """#!/bin/bash
+echo "$(basename "$0") $*" >>"$CALLS"
+case "$*" in *compute_cap*) echo "9.0" ;; esac
+exit 0
+"""
+
+
+def _run(tmp_path: Path, nvidia_smi: str = LOGGING_STUB,
+         **env: str) -> tuple[list[str], list[str], str]:
     """(phases.txt lines, logged stub calls, stdout) of one run of the script."""
     bin_dir, tree, out, work = (tmp_path / n for n in ("bin", "tree", "out", "work"))
     for d in (bin_dir, tree / "tests", tree / ".whl", out, work):
         d.mkdir(parents=True, exist_ok=True)
     (tree / ".whl" / "meson_python-0-py3-none-any.whl").touch()
-    for name, text in (("python3", PYTHON3), ("nvidia-smi", LOGGING_STUB),
+    for name, text in (("python3", PYTHON3), ("nvidia-smi", nvidia_smi),
                        ("compute-sanitizer", LOGGING_STUB)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -123,3 +132,19 @@ def test_the_mlx_wheel_pieces_of_two_calls_are_joined_and_installed(tmp_path):
     assert joined.read_bytes() == b"first half second half"
     install = [c for c in calls if "mlxsite" in c and "pip install" in c]
     assert len(install) == 1 and str(joined) in install[0]
+
+
+@pytest.mark.parametrize("smi,env,want", [
+    (NVIDIA_SMI_H200, {}, "-Csetup-args=-Dnvidia_arches=sm_90"),  # the device's own arch
+    (NVIDIA_SMI_H200, {"NVIDIA_ARCHES": "sm_80,sm_90"}, "-Csetup-args=-Dnvidia_arches=sm_80,sm_90"),
+    (NVIDIA_SMI_H200, {"NVIDIA_ARCHES": "all"}, None),            # the project's list
+    (LOGGING_STUB, {}, None),                                     # no capability reported
+])
+def test_the_build_compiles_the_devices_own_nvidia_arch(tmp_path, smi, env, want):
+    _, calls, out = _run(tmp_path, nvidia_smi=smi, TESTS="0", BENCH="0", **env)
+    wheel = [c for c in calls if "pip wheel" in c]
+    assert len(wheel) == 1
+    if want is None:
+        assert "nvidia_arches" not in wheel[0] and "nvidia arches: meson default" in out
+    else:
+        assert want in wheel[0].split() and f"nvidia arches: {want}" in out
