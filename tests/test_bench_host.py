@@ -77,6 +77,8 @@ def test_attention_launch_rows_compare_the_choice_with_the_fixed_ones(dev):
     assert all(r["vs_most"] == pytest.approx(1.0) for r in rows)  # every launch reads 0.5 ms
     assert "staged" not in rows[0] and rows[1]["vs_other_staging"] == pytest.approx(1.0)
     assert rows[1]["staged"] is False  # HIP: the q8s kernels are NVIDIA's
+    assert [r["attention_kernel"] for r in rows] == ["pkv_paged_attention_f16_g2",
+                                                     "pkv_paged_attention_q8_g2"]
     asv = _asv_gpu()
     assert {n.rsplit(" | ", 1)[1] for n in asv.LAUNCH_ROWS} == {"vs_most", "vs_other_staging"}
     assert {n.split(" | ")[0] for n in asv.LAUNCH_ROWS} == {

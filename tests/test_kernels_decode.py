@@ -198,6 +198,17 @@ def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
     assert [r["nodes"] for r in rows] == [launches(r["batch"], r["kv"], r["fused"])
                                           for r in rows]
     assert [r["fused"] for r in rows] == [True, False] * 4
+    # each row names its attention launch: the step's PagedAttention over context + 1 tokens
+    from pagedkv.kernels import kvcache
+    for r in rows:
+        attn = kvcache.PagedAttention(stub_device, num_seqs=r["batch"], num_heads=SMALL.q_heads,
+                                      kv_heads=SMALL.kv_heads, head_dim=SMALL.head_dim,
+                                      block_size=16, max_seq_len=r["context"] + 1,
+                                      kv_dtype=r["kv"])
+        assert r["attention"] == (f"{attn.kernel_name} "
+                                  f"{attn.max_partitions}x{attn.partition_tokens}")
+        assert attn.kernel_name.startswith("pkv_paged_attention_" +
+                                           ("f16" if r["kv"] == "float16" else "q8"))
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "q8"])

@@ -226,8 +226,9 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
                  context: int, rng, variants) -> tuple[list[tuple[float, int]], int]:
-    """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step and the step
-    graph's nodes, all over one pool; and the KV row bytes of the pool."""
+    """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step, the step
+    graph's nodes and its attention launch (``"<partition kernel> <partitions>x<tokens>"``),
+    all over one pool; and the KV row bytes of the pool."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
     for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
@@ -241,7 +242,9 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
         step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
                            fuse=fuse)
         step.x.copy_from(x)
-        timed.append(_time(device, stream, lambda s, step=step: step.run(tables, stream=s)))
+        attn = step.attn
+        timed.append((*_time(device, stream, lambda s, step=step: step.run(tables, stream=s)),
+                      f"{attn.kernel_name} {attn.max_partitions}x{attn.partition_tokens}"))
     row_bytes = pool.geometry.row_bytes
     pool.close()
     return timed, row_bytes
@@ -431,12 +434,13 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
                 paths = step_paths(device, fmt, b)
                 timed, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng,
                                                 [(rows, fuse) for _, rows, fuse in paths])
-                for (path, gemv_rows, fuse), (t, nodes) in zip(paths, timed, strict=True):
+                for (path, gemv_rows, fuse), (t, nodes, attention) in zip(paths, timed,
+                                                                          strict=True):
                     nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
                     row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
                            "path": path, "gemv_rows": gemv_rows, "fused": fuse,
                            "pdl": bool(getattr(device, "dependent_launch", False)),
-                           "nodes": nodes,
+                           "nodes": nodes, "attention": attention,
                            "nodes_per_layer": nodes / shape.num_layers,
                            "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
                            "bytes_per_row": nbytes / b,

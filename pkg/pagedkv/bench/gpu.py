@@ -562,7 +562,8 @@ def bench_attention_launch(device, stream, rows, copy_bw, cases=LAUNCH_CASES, *,
         t = time_attention(device, stream, chosen, args)
         most = kvcache.PagedAttention(device, **kw,
                                       partition_tokens=kvcache.ATTN_PARTITION_TOKENS[kv_dtype])
-        extra = {"partitions": chosen.max_partitions, "partition_tokens": chosen.partition_tokens,
+        extra = {"attention_kernel": chosen.kernel_name, "partitions": chosen.max_partitions,
+                 "partition_tokens": chosen.partition_tokens,
                  "vs_most": time_attention(device, stream, most, args) / t}
         if kv_dtype == "q8":
             extra["staged"] = chosen.q8_stage

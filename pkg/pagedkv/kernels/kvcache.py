@@ -444,6 +444,12 @@ class PagedAttention:
         #: rows of whole 256-groups (``num_heads * head_dim % 256 == 0``).
         self.prep_fusable = not self._rotated_out and num_heads * head_dim % 256 == 0
 
+    @property
+    def kernel_name(self) -> str:
+        """The partition kernel a launch runs (a q8 pool off 8-byte alignment runs the
+        unstaged tensor-core one instead, :meth:`run` decides per call)."""
+        return self._partition.name
+
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
