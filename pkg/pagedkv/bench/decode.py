@@ -225,7 +225,7 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
-                 context: int, rng, variants) -> tuple[list[tuple[float, int]], int]:
+                 context: int, rng, variants) -> tuple[list[tuple[float, int, str]], int]:
     """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step, the step
     graph's nodes and its attention launch (``"<partition kernel> <partitions>x<tokens>"``),
     all over one pool; and the KV row bytes of the pool."""
