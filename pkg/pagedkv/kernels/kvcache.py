@@ -89,7 +89,7 @@ ATTN_SPLIT_STEP_TOKENS = 16
 #: threads of 128 registers, ``PKV_ATTN_MIN_BLOCKS``: 4 per SM). A split to 2 per SM left
 #: half of each SM's slots idle: batch 1 over 32k tokens ran 33 partitions of 1,008 tokens
 #: in 54.0 µs, 64 of 512 in 44.9 (reduce included; H200, docs/performance.md "Decode step").
-ATTN_SPLIT_CTAS_PER_SM = 4
+ATTN_SPLIT_CTAS_PER_SM = min(ATTN_MIN_BLOCKS[dt] for dt in KV_DTYPES)
 
 
 #: Partitions of fewer tokens run q8 KV unstaged by default where the grid gives SMs fewer
@@ -101,7 +101,8 @@ ATTN_SPLIT_CTAS_PER_SM = 4
 #: unstaged (Nsight Compute: 57% of the staged kernel's stalls wait on instruction fetch);
 #: over 4k (512 CTAs) 14.8 against 15.5; 512-token partitions over 32k: 49.3 against 56.8
 #: (docs/performance.md, "Decode step").
-ATTN_Q8_STAGE_MIN_TOKENS = launch_constant("PKV_ATTN_Q8_STAGES") * 16 * (ATTN_THREADS // 32)
+ATTN_Q8_STAGE_MIN_TOKENS = (launch_constant("PKV_ATTN_Q8_STAGES") * ATTN_SPLIT_STEP_TOKENS
+                            * (ATTN_THREADS // 32))
 
 
 def q8_stage_pays(partition_tokens: int, grid_ctas: int, sm_count: int) -> bool:
@@ -118,11 +119,11 @@ def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_
     where that grid (``num_seqs × kv_heads × partitions``) is less than one wave
     (:data:`ATTN_SPLIT_CTAS_PER_SM` CTAs on every SM), as many as one wave holds; then the
     tokens that share ``max_seq_len`` evenly among them. ``sm_count`` 0 (unknown): the most,
-    as the MLX CUDA launcher passes it. A
-    batch-1 decode over 1,024 tokens with 8 KV heads ran 8 CTAs of 1,024 tokens on the
-    H200's 132 SMs: 40 µs a layer, 100 GB/s (docs/performance.md, "Decode step"); split
-    into 64-token partitions it runs 136. Even shares: a decode step over 1,024 cached
-    tokens attends over 1,025, which the most (512 for q8) would cut into 512 + 512 + 1."""
+    as the MLX CUDA launcher passes it. A batch-1 decode over 1,024 tokens with 8 KV heads
+    ran 8 CTAs of 1,024 tokens on the H200's 132 SMs: 40 µs a layer, 100 GB/s
+    (docs/performance.md, "Decode step"); split into 64-token partitions it runs 136. Even
+    shares: a decode step over 1,024 cached tokens attends over 1,025, which the most (512
+    for q8) would cut into 512 + 512 + 1."""
     most = ATTN_PARTITION_TOKENS[kv_dtype]
     if sm_count <= 0:
         return most
