@@ -2,8 +2,8 @@
 the f16 prep of x (gemv_prep_x_warp with n_tiles == 0: a power-of-two scale per (group, batch
 row), one rounding to f16, each lane's 8 values permuted into one 16-byte unit), the packed
 4-bit tiles (Gemv.pack, unchanged), the nibble pairs turned into exact f16 integers, the
-m16n8k16 f16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), the per-half
-epilogue, the swizzled shared x and the split-K end, with the index expressions copied from
+m16n8k16 f16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), the epilogue per
+affine span (a half group for MQ4G256V2, the whole group for HFQ4G256), the swizzled shared x and the split-K end, with the index expressions copied from
 the kernel text. A layout mistake shows up here, without a GPU, as a wrong product; the GPU
 tests compare the real kernel with the float64 reference (tests/test_kernels_weights.py)."""
 
@@ -97,6 +97,24 @@ def nibble_pair_f16(w, s):
                      ((w >> (16 + 4 * s)) & 0xF).astype(np.float64))
 
 
+def _lop3_pair_f16(w, s):
+    """nibble_pair_f16 as the kernel computes it: one (mask, OR 0x6400) into f16 lanes, then
+    f16 arithmetic, each step rounded once to f16 (sub.f16x2, fma.rn.f16x2)."""
+    v = (w >> 8 if s >= 2 else w).astype(np.uint32)
+    mask = 0x000F000F if s % 2 == 0 else 0x00F000F0
+    lanes = ((v & mask) | 0x64006400).astype(np.uint32).view(np.float16).astype(np.float64)
+    got = lanes - 1024 if s % 2 == 0 else lanes / 16 - 64  # exact products, one rounding
+    return got.astype(np.float16).view(np.uint32)
+
+
+def test_the_kernels_nibble_pair_arithmetic_gives_the_exact_codes():
+    w = np.arange(1 << 16, dtype=np.uint32)
+    words = (w * 0x9E3779B1 & 0xFFFFFFFF).astype(np.uint32)  # every nibble at every place
+    words = np.concatenate([words, w | w << 16])
+    for s in range(4):
+        np.testing.assert_array_equal(_lop3_pair_f16(words, s), nibble_pair_f16(words, s))
+
+
 def gemv_f16(packed, xh, xs, M, K, batch, v2, n_warps, tpw, splits):
     """gemv_f16<F, NT, TPW> on a grid (row blocks, splits) of n_warps-warp blocks."""
     lane, gid, t = _lanes()
@@ -132,7 +150,10 @@ def gemv_f16(packed, xh, xs, M, K, batch, v2, n_warps, tpw, splits):
                         for hv in range(2):
                             code = [np.stack([words[base + 32 + 4 * (32 * k + lane) + w]
                                               for w in range(4)], axis=1) for k in (hv, 2 + hv)]
-                            c = np.zeros((NT, 32, 4), np.float32)
+                            # the mma sums of one affine span: a half group (V2) or the
+                            # whole group (HFQ4: its epilogue runs once, after half 1)
+                            if v2 or hv == 0:
+                                c = np.zeros((NT, 32, 4), np.float32)
                             for mm in range(4):
                                 m = 4 * hv + mm
                                 wa, wb = code[0][:, mm], code[1][:, mm]
@@ -144,13 +165,13 @@ def gemv_f16(packed, xh, xs, M, K, batch, v2, n_warps, tpw, splits):
                                     xv = stage[xh_stage_unit(8 * i + gid, 4 * m + t)]
                                     mma_f16_16x8x16(c[i], a0, xv[:, 0], xv[:, 1])
                                     mma_f16_16x8x16(c[i], a1, xv[:, 2], xv[:, 3])
-                            for i in range(NT):
+                            for i in range(NT if v2 or hv == 1 else 0):
                                 for e in range(2):
                                     b = 8 * i + 2 * t + e
                                     s = np.where((b < batch)[:, None],
                                                  xs[np.minimum(g * batch + b, len(xs) - 1)], 0)
                                     s = s.astype(np.float32)
-                                    xsum = s[:, 2] if hv else s[:, 1]
+                                    xsum = (s[:, 2] if hv else s[:, 1]) if v2 else s[:, 3]
                                     for r in range(2):
                                         scale, offset = _header_affine(hdr[r], v2, hv if v2 else 0)
                                         acc[warp, u, r, i, e] += (
