@@ -28,8 +28,8 @@ from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constan
 from pagedkv.quant.qtypes import qtype
 
 __all__ = ["DEQUANT_ONLY_FORMATS", "WEIGHT_FORMATS", "Gemv", "GemvWeights", "PreparedX",
-           "dequantize", "fwht256", "gemv_f16_shared_bytes", "max_batch", "pipe_shared_bytes",
-           "raw_nbytes"]
+           "dequantize", "fwht256", "gemv_f16_fills_sms", "gemv_f16_shared_bytes", "max_batch",
+           "pipe_shared_bytes", "raw_nbytes"]
 
 SOURCE = "weights"
 # pagedkv/launch.h; module attributes so that hip/tune.py can set a swept variant's values.
@@ -333,8 +333,14 @@ class Gemv:
                 # gemv_f16: a block's warps take TPW 16-row tiles each and share the f16 x it
                 # copies to shared memory; blockIdx.y splits the groups
                 # 8 warps up to 4096 rows, else 4 (more, smaller blocks): the faster of the
-                # two on every Llama-3-8B shape on the H200 (docs/kernels.md)
-                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 else 4)
+                # two on every Llama-3-8B shape on the H200 (docs/kernels.md); except where
+                # 8-warp row blocks alone cover every SM (gemv_f16_fills_sms: the gate/up
+                # projection's 28672 rows): 8 warps and no group split, 1.09-1.17x there
+                fills = warps is None and gemv_f16_fills_sms(
+                    row_tiles, self.device.properties.multiprocessor_count)
+                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 or fills else 4)
+                if fills and splits is None:
+                    splits = 1
                 tpw = GEMV_F16_TILES_PER_WARP
                 self._split_launch(row_tiles, groups, n_warps, tpw, splits, choice.most_splits)
                 self._kernel = device.kernel(
@@ -566,6 +572,17 @@ def pipe_shared_bytes(tiles: int, warps: int) -> int:
     block_tiles = warps * GEMV_PIPE_TILES_PER_WARP
     stage = tiles * 128 + 8 * tiles // 3 + block_tiles * _TILE_UNITS
     return max(16 * GEMV_PIPE_STAGES * stage, 4 * block_tiles * GEMV_MMA_ROWS * 8 * tiles)
+
+
+def gemv_f16_fills_sms(row_tiles: int, sms: int) -> bool:
+    """Whether gemv_f16's 8-warp row blocks (128 rows, one 16-row tile per warp) number at
+    least one per SM: then the launch takes 8 warps and no group split, since the split's
+    partial sums and the last block's re-read only cost there. H200 (132 SMs), 28672 x 4096,
+    kernel alone, µs, HFQ4 / MQ4 V2: batch 32 45.5 / 47.7 (4 warps, 2 splits) -> 41.4 /
+    43.8; batch 16 35.3 / 37.4 -> 30.8 / 32.1 (docs/kernels.md, "f16-activation GEMV").
+    Unsplit, each output adds its groups in order, as every unsplit launch of the kernel
+    does. Below that (6144 rows: 48 blocks) the split pays."""
+    return row_tiles >= GEMV_MMA_MAX_WARPS * sms
 
 
 def gemv_f16_shared_bytes(n_tiles: int) -> int:
