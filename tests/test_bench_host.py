@@ -212,6 +212,22 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows
 
 
+def test_asv_batch32_rows_are_rows_the_bench_emits(dev, monkeypatch):
+    """GpuGemvBatch32's rows: the bench's batch-32 GEMV rows (the matrix-unit kernels take
+    32 rows; on the stub's gfx90a that is the opt-in MFMA path), one per format and step
+    shape."""
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    asv = _asv_gpu()
+    rows: list[dict] = []
+    gpu.bench_gemv(dev, Stream(dev), rows, 1e12, None, [(32, 512)], (32,))
+    tracked = {n.split(" | ")[0] for n in asv.BATCH32_ROWS}
+    assert tracked == {"gemv mq4g256v2 b32", "gemv hfq4g256 b32"}
+    assert tracked <= {r["kernel"] for r in rows}
+    assert len(asv.BATCH32_ROWS) == 2 * len(asv.STEP_SHAPES) == 8
+    assert {n.split(" | ")[1] for n in asv.BATCH32_ROWS} == {
+        f"{m}x{k}" for m, k in asv.STEP_SHAPES}
+
+
 def test_asv_gpu_suites_skip_without_a_gpu():
     from pagedkv.errors import NoDeviceError
     from pagedkv.kernels import open_device
@@ -221,7 +237,7 @@ def test_asv_gpu_suites_skip_without_a_gpu():
     except NoDeviceError:
         pass
     asv = _asv_gpu()
-    for suite in (asv.GpuBandwidth(), asv.GpuVsTorch()):
+    for suite in (asv.GpuBandwidth(), asv.GpuVsTorch(), asv.GpuGemvBatch32()):
         with pytest.raises(NotImplementedError, match="no GPU"):
             suite.setup_cache()
     assert asv.GpuBandwidth().track_percent_of_copy({"x | y": 83.0}, "x | y") == 83.0
