@@ -581,7 +581,9 @@ def gemv_f16_fills_sms(row_tiles: int, sms: int) -> bool:
     kernel alone, µs, HFQ4 / MQ4 V2: batch 32 45.5 / 47.7 (4 warps, 2 splits) -> 41.4 /
     43.8; batch 16 35.3 / 37.4 -> 30.8 / 32.1 (docs/kernels.md, "f16-activation GEMV").
     Unsplit, each output adds its groups in order, as every unsplit launch of the kernel
-    does. Below that (6144 rows: 48 blocks) the split pays."""
+    does. Below that (6144 rows: 48 blocks) the split pays. Measured at 1.7 blocks per SM
+    (224 on 132); the threshold of one per SM, where every SM has a block without a split,
+    is the rule's choice, not a measured optimum."""
     return row_tiles >= GEMV_MMA_MAX_WARPS * sms
 
 
