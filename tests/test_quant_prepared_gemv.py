@@ -187,6 +187,32 @@ def test_threads_and_batch_never_change_a_bit(fmt):
     assert g4.threads == 4 and g4(x).tobytes() == want.tobytes()
 
 
+def test_the_first_bad_x_is_reported_on_any_thread_count():
+    """Which bad x a call reports: the first row with an error; in a row, a non-finite
+    input before an overflow after rotation (the row's inputs are all checked before it is
+    rotated); then the lowest index. Nothing is written."""
+    k, batch = 4096, 4
+    g = Q.prepare_gemv(Q.quantize(np.ones((4, k), F32), "mq4g256v2"), "mq4g256v2", (4, k))
+    cases = []
+    x = np.ones((batch, k), F32)
+    x[3, 10], x[2, 3000] = np.inf, np.nan
+    cases.append((x, r"x\[2, 3000\] is nan"))
+    x = np.ones((batch, k), F32)
+    x[1, :256] = 3e38                   # overflows once rotated, in the row's first part...
+    x[1, 3500] = np.nan                 # ... but the row has a NaN: that is reported
+    cases.append((x, r"x\[1, 3500\] is nan"))
+    x = np.ones((batch, k), F32)
+    x[1, 3840:] = 3e38                  # overflow in row 1's last group, NaN in row 2
+    x[2, 0] = np.nan
+    cases.append((x, "x row 1 overflows float32 when rotated"))
+    for x, message in cases:
+        for threads in (1, 2, 3, 4):
+            out = np.full((batch, 4), 7.0, F32)
+            with pytest.raises(InvalidArgument, match=message):
+                g(x, out=out, threads=threads)
+            assert np.all(out == 7.0)
+
+
 @pytest.mark.parametrize("fmt", ["hfq4g256", "hfq4g128", "mq4g256", "mq4g256v2", "mq4cg256",
                                  "q8f16", "hfq2g256", "mq3g256v2", "mq5g256v2", "hfq6g256",
                                  "q4k"])
