@@ -209,6 +209,15 @@ def test_decode_bench_plumbing_on_the_stub(stub_device, stub_recorder):
                                   f"{attn.max_partitions}x{attn.partition_tokens}")
         assert attn.kernel_name.startswith("pkv_paged_attention_" +
                                            ("f16" if r["kv"] == "float16" else "q8"))
+    # ... and its GEMV launches, per projection and 8-row chunk (the stub's f32 GEMV)
+    from pagedkv.kernels.weights import Gemv
+    for r in rows:
+        assert sorted(r["gemv"]) == ["down", "gate_up", "lm_head", "o", "qkv"]
+        m, k = SMALL.matrix_shape("qkv")
+        chunks = [min(8, r["batch"] - lo) for lo in range(0, r["batch"], 8)]
+        assert r["gemv"]["qkv"] == [Gemv(stub_device, "hfq4g256", m, k, n).launch
+                                    for n in chunks]
+        assert all(launch.startswith("pkv_gemv_hfq4g256_b") for launch in r["gemv"]["o"])
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "q8"])

@@ -350,6 +350,7 @@ def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
         -(-1055 // (4 * tpw)), weights._staged_splits(-(-1055 // (4 * tpw)), 8, 132, 8))
     gate_up = weights.Gemv(dev, "mq4g256v2", 28672, 4096, batch, f16_x=True)  # 1792 tiles
     assert gate_up._block == (256,) and gate_up._grid == (-(-1792 // (8 * tpw)), 1)
+    assert gate_up.launch == f"pkv_gemv_f16_mq4g256v2_n{nt}_t{tpw} {-(-1792 // (8 * tpw))}x1 x 256"
     assert gate_up._split_args[0].shape == (1,)  # no partials to keep
     blocks4 = -(-1792 // (4 * tpw))
     assert weights._staged_splits(blocks4, 16, 132, 8) > 1  # what 4 warps would have split

@@ -225,10 +225,12 @@ def step_bytes(shape: DecoderShape, weight_bytes: int, kv_row_bytes: int, batch:
 
 
 def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: int,
-                 context: int, rng, variants) -> tuple[list[tuple[float, int, str]], int]:
+                 context: int, rng, variants
+                 ) -> tuple[list[tuple[float, int, str, dict[str, list[str]]]], int]:
     """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step, the step
-    graph's nodes and its attention launch (``"<partition kernel> <partitions>x<tokens>"``),
-    all over one pool; and the KV row bytes of the pool."""
+    graph's nodes, its attention launch (``"<partition kernel> <partitions>x<tokens>"``) and
+    its GEMV launches (``DecoderStep.gemv_launches``), all over one pool; and the KV row
+    bytes of the pool."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
     for layer in range(shape.num_layers):  # finite KV everywhere (f16 0.096, q8 4.4)
@@ -244,7 +246,8 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
         step.x.copy_from(x)
         attn = step.attn
         timed.append((*_time(device, stream, lambda s, step=step: step.run(tables, stream=s)),
-                      f"{attn.kernel_name} {attn.max_partitions}x{attn.partition_tokens}"))
+                      f"{attn.kernel_name} {attn.max_partitions}x{attn.partition_tokens}",
+                      step.gemv_launches))
     row_bytes = pool.geometry.row_bytes
     pool.close()
     return timed, row_bytes
@@ -434,13 +437,13 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
                 paths = step_paths(device, fmt, b)
                 timed, row_bytes = time_pagedkv(device, stream, weights, kv_dtype, b, c, rng,
                                                 [(rows, fuse) for _, rows, fuse in paths])
-                for (path, gemv_rows, fuse), (t, nodes, attention) in zip(paths, timed,
-                                                                          strict=True):
+                for (path, gemv_rows, fuse), (t, nodes, attention, gemvs) in zip(
+                        paths, timed, strict=True):
                     nbytes = step_bytes(shape, weights.nbytes, row_bytes, b, c)
                     row = {"weights": fmt, "kv": kv_dtype, "batch": b, "context": c,
                            "path": path, "gemv_rows": gemv_rows, "fused": fuse,
                            "pdl": bool(getattr(device, "dependent_launch", False)),
-                           "nodes": nodes, "attention": attention,
+                           "nodes": nodes, "attention": attention, "gemv": gemvs,
                            "nodes_per_layer": nodes / shape.num_layers,
                            "us": t * 1e6, "tok_s": b / t, "bytes": nbytes,
                            "bytes_per_row": nbytes / b,

@@ -318,6 +318,13 @@ class DecoderStep:
         #: per call on NVIDIA), which makes its outputs' error that kernel's, not 2e-5's.
         self.f16_x = any(g.f16_x for p in self._proj.values() for g in p.gemvs.values())
 
+    @property
+    def gemv_launches(self) -> dict[str, list[str]]:
+        """Per projection (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``), the launch of
+        each of its batch chunks' GEMVs (:attr:`Gemv.launch`), in chunk order."""
+        return {name: [p.gemvs[hi - lo].launch for lo, hi in p.chunks]
+                for name, p in self._proj.items()}
+
     def __repr__(self) -> str:
         return (f"DecoderStep(batch={self.batch}, {self.shape}, fmt={self.weights.fmt!r}, "
                 f"kv={self.pool.geometry.dtype}, gemv_rows={self.gemv_rows}, "

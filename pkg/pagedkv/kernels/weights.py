@@ -404,6 +404,14 @@ class Gemv:
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
     @property
+    def launch(self) -> str:
+        """The launch :meth:`run_prepared` makes: ``"<kernel> <grid> x <threads>"``, e.g.
+        ``"pkv_gemv_f16_hfq4g256_n4_t1 224x1 x 256"`` (row blocks x group splits for the
+        batch 9-32 kernels), so a figure can say which launch made it."""
+        grid = "x".join(str(n) for n in self._grid)
+        return f"{self._kernel.name} {grid} x {self._block[0]}"
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the weights :meth:`run` reads (the packed layout when :attr:`packed`)."""
         if self.packed:
