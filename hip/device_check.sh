@@ -14,7 +14,10 @@
 # 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
 # Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 150); sanitizer (SANITIZE=1:
 # the probe proving compute-sanitizer sees ctypes launches, then memcheck and racecheck
-# over the GPU tests, SANITIZE_TIMEOUT each, 120). BENCH=0 skips all three benches;
+# over the GPU tests: SANITIZE_TIMEOUT for memcheck, 150, and RACECHECK_TIMEOUT for
+# racecheck, 240, or SANITIZE_TIMEOUT when only that is set; over the 412 GPU tests on the
+# H200, 2026-12-04, memcheck took 111 s and racecheck about 195, so SANITIZE=1 TESTS=0
+# BENCH=0 fits one call after the build). BENCH=0 skips all three benches;
 # MLX_ONLY=1 runs build + MLX phases only; MLX_LM=1 adds the mlx-lm integration tests
 # (MLX_LM_TIMEOUT, 300; the mlx-lm and sentencepiece wheels travel in .mlx2; MLX_TESTS=0 skips
 # the kernel tests); MLX_LM_BENCH=1 adds the decode bench of mlx-lm's attention="paged"
@@ -238,8 +241,8 @@ fi
   "set -o pipefail; PYTHONPATH=$MLXPATH python3 asv_bench/benchmarks/integration_mlx_lm.py --paged-attention --quick --dtype bfloat16 2>&1 | tee $OUT/bench_mlx_lm_paged.log"
 if [ "${SANITIZE:-0}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   phase sanitizer-probe 60 bash -c sanitize
-  phase memcheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool memcheck"
-  phase racecheck "${SANITIZE_TIMEOUT:-120}" bash -c "sanitize_tool racecheck"
+  phase memcheck "${SANITIZE_TIMEOUT:-150}" bash -c "sanitize_tool memcheck"
+  phase racecheck "${RACECHECK_TIMEOUT:-${SANITIZE_TIMEOUT:-240}}" bash -c "sanitize_tool racecheck"
 fi
 [ -n "${cpu_bench_pid:-}" ] && { wait "$cpu_bench_pid"; echo "phase cpu-bench: rc $?" | tee -a "$OUT/phases.txt"; }
 echo "device_check: $(( $(date +%s) - T_START )) s of a ${BUDGET_S} s budget"

@@ -85,6 +85,16 @@ def test_every_phase_runs_in_order_and_a_phase_over_its_limit_is_cut(tmp_path):
     assert sum("--tool memcheck" in c for c in calls) == 3  # probe --plant, --clean, the tests
 
 
+@pytest.mark.parametrize(("env", "memcheck_s", "racecheck_s"), [
+    ({}, 150, 240),                                   # what each took on the H200, and more
+    ({"SANITIZE_TIMEOUT": "30"}, 30, 30),
+    ({"SANITIZE_TIMEOUT": "30", "RACECHECK_TIMEOUT": "50"}, 30, 50)])
+def test_the_sanitizer_phases_limits(tmp_path, env, memcheck_s, racecheck_s):
+    phases, _, _ = _run(tmp_path, SANITIZE="1", TESTS="0", BENCH="0", BUDGET_S="2000", **env)
+    assert _names(phases) == ["build", "sanitizer-probe", "memcheck", "racecheck"]
+    assert f"(limit {memcheck_s} s)" in phases[2] and f"(limit {racecheck_s} s)" in phases[3]
+
+
 def test_phases_the_budget_no_longer_fits_are_skipped(tmp_path):
     phases, calls, out = _run(tmp_path, SANITIZE="1", TESTS="0", DECODE_TIMEOUT="100",
                               DECODE_SLEEP="60", BUDGET_S="12", MIN_PHASE_S="5")
