@@ -193,6 +193,39 @@ def test_gpu_rmsnorm_prep_writes_the_prep_kernels_bytes(device, fmt, batch, dim,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("f16_x", [False, True], ids=["planes", "f16x"])
+def test_gpu_rmsnorm_prep_bytes_repeat_over_launches(device, f16_x):
+    """The geometry whose fused-prep bytes once differed from the plain prep's under
+    compute-sanitizer memcheck only (docs/reliability.md), five times over: each repeat
+    poisons the scratch, launches the plain norm, its prep and the fused kernel back to
+    back on the default stream (with Programmatic Dependent Launch where the device has it)
+    on fresh copies of x, then synchronizes. Every repeat must give the plain prep's bytes
+    and the same bytes as the others: a race in a kernel or in the launches' ordering would
+    show as a difference."""
+    fmt, batch, dim = "mq4g256v2", 2, 10240
+    x = (RNG.standard_normal((batch, dim)) * 3).astype(np.float32)
+    x[0, :256] *= 1e-30
+    res = device.array(RNG.standard_normal((batch, dim)).astype(np.float32))
+    w = device.array((1 + 0.1 * RNG.standard_normal(dim)).astype(np.float32))
+    plain, fused = (_tensor_core_gemv(device, fmt, dim, batch, f16_x) for _ in range(2))
+    seen = set()
+    for _ in range(5):
+        for g in (plain, fused):
+            g._xq.fill_bytes(0xA5)
+            g._xs.fill_bytes(0xFF)
+        y = poisoned(device, (batch, dim), np.float32)
+        x_plain, x_fused = device.array(x), device.array(x)  # held until the sync below
+        decode.add_rmsnorm(device, x_plain, res, w, y, eps=1e-5)
+        plain.prepare(y)
+        decode.add_rmsnorm_prep(device, x_fused, res, w, None, fused.prepared_x(), eps=1e-5)
+        device.synchronize()
+        got = _prepared_bytes(fused.prepared_x())
+        assert got == _prepared_bytes(plain.prepared_x())
+        seen.add(got)
+    assert len(seen) == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
 @pytest.mark.parametrize("batch,ffn", [(1, 14336), (5, 1024), (32, 14336)])
 @pytest.mark.parametrize("f16_x", [False, True], ids=["planes", "f16x"])
