@@ -228,8 +228,8 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
                  context: int, rng, variants
                  ) -> tuple[list[tuple[float, int, str, dict[str, list[str]]]], int]:
     """Per step variant ``(gemv_rows, fuse)`` of ``variants``: seconds per step, the step
-    graph's nodes, its attention launch (``"<partition kernel> <partitions>x<tokens>"``) and
-    its GEMV launches (``DecoderStep.gemv_launches``), all over one pool; and the KV row
+    graph's nodes, its attention launch (``PagedAttention.launch``) and its GEMV launches
+    (``DecoderStep.gemv_launches``), all over one pool; and the KV row
     bytes of the pool."""
     shape = weights.shape
     pool, adapter, seqs = build_adapter(device, shape, kv_dtype, batch, [context] * batch, rng)
@@ -244,10 +244,8 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
         step = DecoderStep(device, weights, pool, batch, context + 1, gemv_rows=gemv_rows,
                            fuse=fuse)
         step.x.copy_from(x)
-        attn = step.attn
         timed.append((*_time(device, stream, lambda s, step=step: step.run(tables, stream=s)),
-                      f"{attn.kernel_name} {attn.max_partitions}x{attn.partition_tokens}",
-                      step.gemv_launches))
+                      step.attn.launch, step.gemv_launches))
     row_bytes = pool.geometry.row_bytes
     pool.close()
     return timed, row_bytes

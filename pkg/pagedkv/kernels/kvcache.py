@@ -451,6 +451,13 @@ class PagedAttention:
         unstaged tensor-core one instead, :meth:`run` decides per call)."""
         return self._partition.name
 
+    @property
+    def launch(self) -> str:
+        """The launch :meth:`run` makes: ``"<partition kernel> <partitions>x<tokens>"``, e.g.
+        ``"pkv_paged_attention_q8_g4 17x64"`` (as :attr:`Gemv.launch` says a GEMV's), so a
+        figure can say which launch made it."""
+        return f"{self.kernel_name} {self.max_partitions}x{self.partition_tokens}"
+
     def __repr__(self) -> str:
         return (f"PagedAttention(seqs={self.num_seqs}, heads={self.num_heads}/{self.kv_heads}, "
                 f"head_dim={self.head_dim}, block_size={self.block_size}, "
