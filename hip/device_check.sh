@@ -126,12 +126,15 @@ fi
 
 # CPU_BENCH=1: the CPU weight kernels (issue 18) on two otherwise idle cores of the GPU host
 # (CPU_BENCH_CORES, default the last two), in the background while the other phases run:
-# 1 against 2 threads, then the AVX2 kernels at batch 1-8. $OUT/cpu_threads.log, cpu_avx2.log.
+# 1 against 2 threads (alternated pairs, then runs with the pool's workers spinning or asleep),
+# then the AVX2 kernels at batch 1-8. $OUT/cpu_threads.log, cpu_spin.log, cpu_avx2.log.
 if [ "${CPU_BENCH:-0}" = 1 ]; then
   cores=${CPU_BENCH_CORES:-$(( $(nproc) - 2 )),$(( $(nproc) - 1 ))}
   ( cd asv_bench/benchmarks && export PYTHONPATH=$PKV &&
     timeout $(( $(left) - 20 )) taskset -c "$cores" python3 cpu_gemv.py --threads-scaling 40 \
       >"$OUT/cpu_threads.log" 2>&1;
+    timeout $(( $(left) - 20 )) taskset -c "$cores" python3 cpu_gemv.py --spin-ab 20 \
+      >"$OUT/cpu_spin.log" 2>&1;
     timeout $(( $(left) - 15 )) taskset -c "$cores" python3 cpu_gemv.py --isa avx2 --rounds 3 \
       --only "b1,b2,b4,b8" --json "$OUT/cpu_avx2.json" >"$OUT/cpu_avx2.log" 2>&1 ) &
   cpu_bench_pid=$!

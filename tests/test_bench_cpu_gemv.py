@@ -1,5 +1,5 @@
-"""asv_bench/benchmarks/cpu_gemv.py runs: its table script (without the ggml worker) and
-the threads-scaling mode print one row per case, on a small shape."""
+"""asv_bench/benchmarks/cpu_gemv.py runs: its table script (without the ggml worker), the
+threads-scaling and the spin A/B modes print one row per case, on a small shape."""
 
 from __future__ import annotations
 
@@ -34,6 +34,23 @@ def test_threads_scaling_rows(capsys):
     bench.main(["--shape", "32x512", "--threads-scaling", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert sum(ln.startswith("| 32x512 |") for ln in lines) == 2 * len(bench.GEMV_FORMATS)
+    assert lines[-1].startswith("# load average")
+
+
+def test_spin_ab_rows_and_the_spin_is_restored(capsys):
+    from pagedkv.quant import cpu_pool
+    bench = _bench()
+    before = cpu_pool.spin_us()
+    cpu_pool.set_spin_us(37)
+    try:
+        bench.main(["--shape", "32x512", "--spin-ab", "4"])
+        assert cpu_pool.spin_us() == 37
+    finally:
+        cpu_pool.set_spin_us(before)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in lines if ln.startswith("| 32x512 |")]
+    assert len(rows) == len(bench.GEMV_FORMATS)
+    assert all(r.count("x |") == 2 for r in rows)           # a speed-up per spin setting
     assert lines[-1].startswith("# load average")
 
 

@@ -1,10 +1,14 @@
 """threads= of dequantize and the worker pool behind it (pagedkv.quant.cpu_pool): the bits
 never depend on the thread count, MQ 4-bit groups decoded in one pass equal decode + Rᵀ,
-and the pool survives concurrent callers and fork()."""
+every part of a job runs once whether its workers spin or sleep, and the pool survives
+concurrent callers and fork()."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -110,13 +114,51 @@ def test_dequantize_threads_argument_errors_leave_out_untouched():
 
 
 def test_pool_runs_every_part_once_with_its_count():
-    for n in (1, 2, 3, 7, cpu_pool.MAX_THREADS):
-        assert cpu_pool.run_parts(n) == [(1, n)] * n
-    for _ in range(500):                      # wake-ups are never lost
-        assert cpu_pool.run_parts(2) == [(1, 2)] * 2
-    for bad in (0, cpu_pool.MAX_THREADS + 1):
-        with pytest.raises(InvalidArgument, match="n_parts"):
-            cpu_pool.run_parts(bad)
+    for n_parts, threads in ((1, 1), (2, 2), (3, 3), (7, 7), (cpu_pool.MAX_THREADS, None),
+                             (300, 2), (1000, cpu_pool.MAX_THREADS), (5, 64), (16, 1)):
+        assert cpu_pool.run_parts(n_parts, threads) == [(1, n_parts)] * n_parts
+    for n_parts in (1, 7, 64, 65, 4096):                  # threads=None: one per part, capped
+        assert cpu_pool.run_parts(n_parts) == [(1, n_parts)] * n_parts
+    for bad_parts, bad_threads in ((0, None), (0, 1), (4, 0), (4, cpu_pool.MAX_THREADS + 1)):
+        with pytest.raises(InvalidArgument, match="n_parts" if bad_parts == 0 else "threads"):
+            cpu_pool.run_parts(bad_parts, bad_threads)
+
+
+@pytest.mark.parametrize("spin_us", [0, 1, cpu_pool.SPIN_US_DEFAULT, 100_000])
+def test_pool_never_loses_a_job_whether_workers_spin_or_sleep(spin_us):
+    # 0: every job wakes sleeping workers; 1: jobs race the spin's end; 100 ms: workers
+    # are always spinning
+    before = cpu_pool.spin_us()
+    cpu_pool.set_spin_us(spin_us)
+    try:
+        assert cpu_pool.spin_us() == spin_us
+        for i in range(400):
+            n = 2 + i % 30
+            assert cpu_pool.run_parts(n, 2 + i % 3) == [(1, n)] * n
+    finally:
+        cpu_pool.set_spin_us(before)
+
+
+def test_set_spin_us_refuses_what_is_not_microseconds_and_keeps_the_value():
+    before = cpu_pool.spin_us()
+    for bad in (-1, 2**32, 1.5, True, "5", None):
+        with pytest.raises(InvalidArgument, match="spin_us"):
+            cpu_pool.set_spin_us(bad)
+        assert cpu_pool.spin_us() == before
+
+
+@pytest.mark.parametrize("value, expected", [("7", 7), (" 0 ", 0), ("soon", None),
+                                             ("-3", None)])
+def test_spin_env_knob_is_read_at_import(value, expected):
+    # a fresh interpreter: the knob is read once, when cpu_pool is imported
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stdout); "
+            "from pagedkv.quant import cpu_pool; print(cpu_pool.spin_us(), cpu_pool.SPIN_US_DEFAULT)")
+    env = dict(os.environ, PAGEDKV_CPU_SPIN_US=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    got, default = map(int, out.split()[-2:])
+    assert got == (default if expected is None else expected)
+    assert ("ignoring PAGEDKV_CPU_SPIN_US" in out) == (expected is None)
 
 
 def test_pool_with_concurrent_callers():

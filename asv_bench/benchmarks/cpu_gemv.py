@@ -8,6 +8,7 @@ rotated every round, single-threaded unless a row says otherwise::
 
     python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --rounds 7
     python asv_bench/benchmarks/cpu_gemv.py --threads-scaling 40     # 1 vs 2 threads
+    python asv_bench/benchmarks/cpu_gemv.py --spin-ab 40     # 1 vs 2, workers spin or sleep
     python asv_bench/benchmarks/cpu_gemv.py --isa avx2 --only b1,b2,b4,b8 \
         --baseline /path/to/old/prepared_gemv.cpython-311-x86_64-linux-gnu.so  # before/after
 
@@ -36,7 +37,7 @@ import time
 import numpy as np
 
 import pagedkv.quant as Q
-from pagedkv.quant import prepared_gemv
+from pagedkv.quant import cpu_pool, prepared_gemv
 
 SHAPES = [(4096, 4096), (4096, 14336)]        # (M, K)
 GEMV_FORMATS = ["hfq4g256", "mq4g256v2", "q8f16", "q4k"]   # q4k: GGML Q4_K, as ggml q4_K
@@ -254,6 +255,38 @@ def _batch_scaling(results, shapes) -> list[str]:
     return lines
 
 
+def spin_ab(shapes, blocks: int, isa: str | None, run: int = 25) -> None:
+    """threads=2 over threads=1 for the GEMV, the pool's workers spinning 200 us between
+    jobs against sleeping at once, in one process: blocks alternate the spin, each block
+    times ``run`` consecutive calls on 1 thread and ``run`` on 2 (as a model's GEMVs
+    follow each other), so both settings see the same neighbours."""
+    print("| shape | case | spin 0: 1 / 2 threads ms, speed-up | spin 200 us | ")
+    print("|---|---|---|---|")
+    before = cpu_pool.spin_us()
+    for m, k in shapes:
+        w = _weights(m, k)
+        x = _weights(1, k, seed=1)
+        for fmt in GEMV_FORMATS:
+            g = Q.prepare_gemv(Q.quantize(w, fmt), fmt, (m, k), isa=isa)
+            times: dict[tuple[int, int], list[float]] = {
+                (s, t): [] for s in (0, 200) for t in (1, 2)}
+            for b in range(blocks):
+                spin = (0, 200)[b % 2]
+                cpu_pool.set_spin_us(spin)
+                time.sleep(0.001)                   # spin 0: the workers are asleep
+                for t in ((1, 2) if b % 4 < 2 else (2, 1)):
+                    g(x, threads=t)
+                    for _ in range(run):
+                        t0 = time.perf_counter()
+                        g(x, threads=t)
+                        times[(spin, t)].append(time.perf_counter() - t0)
+            med = {key: statistics.median(v) for key, v in times.items()}
+            print(f"| {m}x{k} | {fmt} gemv b1 | " + " | ".join(
+                f"{med[(s, 1)] * 1e3:.3f} / {med[(s, 2)] * 1e3:.3f}, "
+                f"{med[(s, 1)] / med[(s, 2)]:.2f}x" for s in (0, 200)) + " |", flush=True)
+    cpu_pool.set_spin_us(before)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ggml", help="path of the ggml worker binary (asv_bench/peers)")
@@ -268,13 +301,19 @@ def main(argv: list[str] | None = None) -> None:
                          "another commit), as 'baseline ...' cases, alternated with this one")
     ap.add_argument("--threads-scaling", type=int, metavar="PAIRS",
                     help="only time 1 against 2 threads, PAIRS alternated pairs of calls")
+    ap.add_argument("--spin-ab", type=int, metavar="BLOCKS",
+                    help="only time 1 against 2 threads with the pool's workers spinning "
+                         "and sleeping, BLOCKS alternated blocks of 25 + 25 calls")
     args = ap.parse_args(argv)
     if args.isa:                         # the one-pass MQ dequantize follows it too
         os.environ["PAGEDKV_CPU_ISA"] = args.isa
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shape] if args.shape else SHAPES
-    if args.threads_scaling:
+    if args.threads_scaling or args.spin_ab:
         load0 = os.getloadavg()
-        threads_scaling(shapes, args.threads_scaling, args.isa)
+        if args.spin_ab:
+            spin_ab(shapes, args.spin_ab, args.isa)
+        else:
+            threads_scaling(shapes, args.threads_scaling, args.isa)
         load1 = os.getloadavg()
         print(f"# load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
               f"at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}; {os.cpu_count()} CPUs")

@@ -16,7 +16,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
-from pagedkv.quant.cpu_pool cimport pool_run
+from pagedkv.quant.cpu_pool cimport job_parts, pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups, group_encoder
 from pagedkv.quant.quant_header cimport (
@@ -193,8 +193,9 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
     job.mq_level = _mq_level()
     with nogil:
         if n_whole > 0:
-            # at least 64 groups (64 KiB of floats) per thread: less is not worth a wake-up
-            pool_run(_decode_part, &job, max(1, min(threads, n_whole // DECODE_BATCH_GROUPS)))
+            # at least 64 groups (64 KiB of floats) per part: less is not worth a wake-up
+            pool_run(_decode_part, &job, job_parts(n_whole // DECODE_BATCH_GROUPS, threads),
+                     threads)
         if n_whole < n_groups:              # the short last group
             pkv_cpu_affine_decode_groups(&raw[n_whole * B], 1, family, bits, <unsigned>group, buf)
             if unrotate:

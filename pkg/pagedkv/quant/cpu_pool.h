@@ -1,12 +1,21 @@
 /* A process-wide pool of worker threads for the CPU loops (GEMV, dequantize).
  *
- * pkv_pool_run(fn, ctx, n) calls fn(ctx, p, n) for every part p in [0, n): part 0
- * on the calling thread, parts 1.. on pool workers, and returns when all have
- * finished. Workers start on first use and then sleep on a condition variable
- * between jobs (a few microseconds to wake). One job runs at a time: a caller
- * that finds the pool busy (another thread's job) runs all its parts itself, so
- * concurrent callers never wait on each other and results never depend on who
- * ran a part. After fork() the child starts with an empty pool.
+ * pkv_pool_run(fn, ctx, n_parts, n_threads) calls fn(ctx, p, n_parts) once for every
+ * part p in [0, n_parts), on the calling thread and up to n_threads - 1 pool workers,
+ * and returns when all have finished. Parts are claimed one at a time from a shared
+ * counter, so a thread that starts late (a worker still waking, a vCPU the hypervisor
+ * descheduled) takes fewer parts instead of holding up the job: callers cut a job into
+ * a few parts per thread. Results never depend on which thread ran a part.
+ *
+ * Between jobs a worker spins for spin_us microseconds (pkv_pool_set_spin_us; the
+ * pause instruction, no syscalls), then sleeps on a condition variable. A back-to-back
+ * job (a model's GEMVs one after another) finds its workers spinning and starts them
+ * in well under a microsecond; waking a sleeping one is a futex call, tens of
+ * microseconds on a VM, which is what a 0.3 ms GEMV on two threads could not afford.
+ *
+ * One job runs at a time: a caller that finds the pool busy (another thread's job)
+ * runs all its parts itself, so concurrent callers never wait on each other. After
+ * fork() the child starts with an empty pool.
  *
  * Only cpu_pool.pyx includes this file; other modules call it through
  * pagedkv.quant.cpu_pool (a cimport), so the process has one pool.
@@ -15,29 +24,60 @@
 #define PAGEDKV_QUANT_CPU_POOL_H
 
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <time.h>
 
 #define PKV_POOL_MAX_THREADS 64
+#define PKV_POOL_SPIN_US_DEFAULT 200u
+#define PKV_POOL_PARTS_PER_THREAD 8   /* what callers cut a job into (cpu_pool.pyx's job_parts) */
 
 typedef void (*pkv_pool_fn)(void *ctx, int part, int n_parts);
 
 static struct {
     pthread_mutex_t job_lock;       /* held by the caller for the whole job */
-    pthread_mutex_t lock;           /* guards the fields below */
-    pthread_cond_t wake;            /* a new generation */
-    pthread_cond_t done;            /* remaining reached 0 */
-    int n_workers;
-    unsigned long generation;
-    int remaining;
+    pthread_mutex_t lock;           /* with wake: workers going to sleep */
+    pthread_cond_t wake;
+    /* the job's ticket: generation << 32 | next unclaimed part. The fields below it
+     * are written before a new generation is published (release) and read after it
+     * is seen (acquire); a part claimed by compare-and-swap on the ticket proves they
+     * were still that generation's (the job cannot end while a part is unclaimed). */
+    uint64_t ticket;
     pkv_pool_fn fn;
     void *ctx;
     int n_parts;
+    int n_threads;
+    int parts_done;
+    unsigned spin_us;
+    int n_workers;
     int atfork_registered;
-    unsigned long start_generation[PKV_POOL_MAX_THREADS];  /* as each worker was created */
+    uint32_t start_generation[PKV_POOL_MAX_THREADS];  /* as each worker was created */
 } pkv_pool = {
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-    PTHREAD_COND_INITIALIZER, 0, 0ul, 0, NULL, NULL, 0, 0, {0ul},
+    0u, NULL, NULL, 0, 0, 0, PKV_POOL_SPIN_US_DEFAULT, 0, 0, {0u},
 };
+
+#define PKV_LOAD(p, order) __atomic_load_n((p), __ATOMIC_##order)
+#define PKV_STORE(p, v, order) __atomic_store_n((p), (v), __ATOMIC_##order)
+
+static inline void pkv_pool_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline uint64_t pkv_pool_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint32_t pkv_pool_generation(void) {
+    return (uint32_t)(PKV_LOAD(&pkv_pool.ticket, ACQUIRE) >> 32);
+}
 
 static void pkv_pool_after_fork_child(void) {
     /* the child has no workers, whatever the parent had, and no lock is held */
@@ -46,77 +86,119 @@ static void pkv_pool_after_fork_child(void) {
     pkv_pool.job_lock = m;
     pkv_pool.lock = m;
     pkv_pool.wake = c;
-    pkv_pool.done = c;
     pkv_pool.n_workers = 0;
-    pkv_pool.remaining = 0;
+}
+
+/* Claim and run parts of generation g until none is left (thread = 0 is the caller,
+ * worker i is thread i; a worker beyond the job's thread count takes none). */
+static void pkv_pool_claim_parts(uint32_t g, int thread) {
+    for (;;) {
+        uint64_t t = PKV_LOAD(&pkv_pool.ticket, ACQUIRE);
+        if ((uint32_t)(t >> 32) != g) return;
+        pkv_pool_fn fn = PKV_LOAD(&pkv_pool.fn, RELAXED);
+        void *ctx = PKV_LOAD(&pkv_pool.ctx, RELAXED);
+        int n_parts = PKV_LOAD(&pkv_pool.n_parts, RELAXED);
+        if (thread >= PKV_LOAD(&pkv_pool.n_threads, RELAXED)) return;
+        uint32_t part = (uint32_t)t;
+        if (part >= (uint32_t)n_parts) return;
+        if (__atomic_compare_exchange_n(&pkv_pool.ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            fn(ctx, (int)part, n_parts);
+            __atomic_fetch_add(&pkv_pool.parts_done, 1, __ATOMIC_RELEASE);
+        }
+    }
 }
 
 static void *pkv_pool_worker(void *arg) {
-    const int part = (int)(ptrdiff_t)arg;       /* worker i runs part i + 1 */
-    pthread_mutex_lock(&pkv_pool.lock);
+    const int thread = (int)(ptrdiff_t)arg;     /* worker i is thread i */
     /* the generation when it was created, not now: the job that created it may
      * already have been posted by the time this thread runs */
-    unsigned long seen = pkv_pool.start_generation[part];
+    uint32_t seen = PKV_LOAD(&pkv_pool.start_generation[thread], ACQUIRE);
     for (;;) {
-        while (pkv_pool.generation == seen) pthread_cond_wait(&pkv_pool.wake, &pkv_pool.lock);
-        seen = pkv_pool.generation;
-        if (part < pkv_pool.n_parts) {
-            pkv_pool_fn fn = pkv_pool.fn;
-            void *ctx = pkv_pool.ctx;
-            int n = pkv_pool.n_parts;
-            pthread_mutex_unlock(&pkv_pool.lock);
-            fn(ctx, part, n);
+        uint64_t deadline = 0;
+        for (unsigned spins = 0; pkv_pool_generation() == seen; ++spins) {
+            if ((spins & 63u) != 0) {
+                pkv_pool_pause();
+                continue;
+            }
+            uint64_t now = pkv_pool_now_ns();
+            if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
+            if (now < deadline) continue;
+            /* a job posted after this check finds the lock held until cond_wait
+             * releases it, and its broadcast then wakes this thread */
             pthread_mutex_lock(&pkv_pool.lock);
-            if (--pkv_pool.remaining == 0) pthread_cond_signal(&pkv_pool.done);
+            while (pkv_pool_generation() == seen) pthread_cond_wait(&pkv_pool.wake, &pkv_pool.lock);
+            pthread_mutex_unlock(&pkv_pool.lock);
         }
+        seen = pkv_pool_generation();
+        pkv_pool_claim_parts(seen, thread);
     }
     return NULL;
 }
 
-/* Start workers until n_parts - 1 exist (under job_lock). Returns how many parts the
- * pool can run now (fewer if a thread could not be created). */
-static int pkv_pool_grow(int n_parts) {
+/* Start workers until n_threads - 1 exist (under job_lock). */
+static void pkv_pool_grow(int n_threads) {
     if (!pkv_pool.atfork_registered) {
         pthread_atfork(NULL, NULL, pkv_pool_after_fork_child);
         pkv_pool.atfork_registered = 1;
     }
-    while (pkv_pool.n_workers < n_parts - 1) {
+    while (pkv_pool.n_workers < n_threads - 1) {
         pthread_t th;
         pthread_attr_t attr;
-        pkv_pool.start_generation[pkv_pool.n_workers + 1] = pkv_pool.generation;
+        int thread = pkv_pool.n_workers + 1;
+        PKV_STORE(&pkv_pool.start_generation[thread], pkv_pool_generation(), RELEASE);
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&th, &attr, pkv_pool_worker, (void *)(ptrdiff_t)(pkv_pool.n_workers + 1));
+        int rc = pthread_create(&th, &attr, pkv_pool_worker, (void *)(ptrdiff_t)thread);
         pthread_attr_destroy(&attr);
-        if (rc != 0) break;
+        if (rc != 0) break;         /* fewer threads: the caller claims what is left */
         pkv_pool.n_workers++;
     }
-    return pkv_pool.n_workers + 1 < n_parts ? pkv_pool.n_workers + 1 : n_parts;
 }
 
-/* Run fn(ctx, p, n_parts) for p in [0, n_parts) (n_parts is capped at
- * PKV_POOL_MAX_THREADS); see the file comment. */
-static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts) {
-    if (n_parts > PKV_POOL_MAX_THREADS) n_parts = PKV_POOL_MAX_THREADS;
-    if (n_parts <= 1 || pthread_mutex_trylock(&pkv_pool.job_lock) != 0) {
-        for (int p = 0; p < (n_parts < 1 ? 1 : n_parts); ++p) fn(ctx, p, n_parts < 1 ? 1 : n_parts);
+/* Run fn(ctx, p, n_parts) for p in [0, n_parts) on up to n_threads threads (capped
+ * at PKV_POOL_MAX_THREADS); see the file comment. */
+static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts, int n_threads) {
+    if (n_parts < 1) n_parts = 1;
+    if (n_threads > PKV_POOL_MAX_THREADS) n_threads = PKV_POOL_MAX_THREADS;
+    if (n_threads > n_parts) n_threads = n_parts;
+    if (n_threads <= 1 || pthread_mutex_trylock(&pkv_pool.job_lock) != 0) {
+        for (int p = 0; p < n_parts; ++p) fn(ctx, p, n_parts);
         return;
     }
-    int pooled = pkv_pool_grow(n_parts);
-    pthread_mutex_lock(&pkv_pool.lock);
-    pkv_pool.fn = fn;
-    pkv_pool.ctx = ctx;
-    pkv_pool.n_parts = n_parts;
-    pkv_pool.remaining = pooled - 1;
-    pkv_pool.generation++;
+    pkv_pool_grow(n_threads);
+    PKV_STORE(&pkv_pool.fn, fn, RELAXED);
+    PKV_STORE(&pkv_pool.ctx, ctx, RELAXED);
+    PKV_STORE(&pkv_pool.n_parts, n_parts, RELAXED);
+    PKV_STORE(&pkv_pool.n_threads, n_threads, RELAXED);
+    PKV_STORE(&pkv_pool.parts_done, 0, RELAXED);
+    uint32_t g = pkv_pool_generation() + 1u;
+    PKV_STORE(&pkv_pool.ticket, (uint64_t)g << 32, RELEASE);
+    pthread_mutex_lock(&pkv_pool.lock);         /* sleepers: see pkv_pool_worker */
     pthread_cond_broadcast(&pkv_pool.wake);
     pthread_mutex_unlock(&pkv_pool.lock);
-    fn(ctx, 0, n_parts);
-    for (int p = pooled; p < n_parts; ++p) fn(ctx, p, n_parts);   /* parts no worker took */
-    pthread_mutex_lock(&pkv_pool.lock);
-    while (pkv_pool.remaining > 0) pthread_cond_wait(&pkv_pool.done, &pkv_pool.lock);
-    pthread_mutex_unlock(&pkv_pool.lock);
+    pkv_pool_claim_parts(g, 0);
+    /* the parts still running are at most one per worker: spin, then yield the CPU */
+    uint64_t deadline = 0;
+    for (unsigned spins = 0; PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) < n_parts; ++spins) {
+        if ((spins & 63u) != 0) {
+            pkv_pool_pause();
+            continue;
+        }
+        uint64_t now = pkv_pool_now_ns();
+        if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
+        if (now >= deadline) sched_yield();
+    }
     pthread_mutex_unlock(&pkv_pool.job_lock);
+}
+
+/* How long a worker spins for the next job before it sleeps (microseconds). */
+static void pkv_pool_set_spin_us(unsigned spin_us) {
+    PKV_STORE(&pkv_pool.spin_us, spin_us, RELAXED);
+}
+
+static unsigned pkv_pool_get_spin_us(void) {
+    return PKV_LOAD(&pkv_pool.spin_us, RELAXED);
 }
 
 #endif /* PAGEDKV_QUANT_CPU_POOL_H */

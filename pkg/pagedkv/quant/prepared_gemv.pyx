@@ -17,7 +17,7 @@ from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from pagedkv.argument_checks import is_int
-from pagedkv.quant.cpu_pool cimport pool_run
+from pagedkv.quant.cpu_pool cimport job_parts, pool_run
 from pagedkv.quant.fwht cimport rotate256
 from pagedkv.quant.quant_header cimport pkv_first_nonfinite
 
@@ -274,7 +274,7 @@ cdef class PreparedGemv:
         pack.mins = <void *>self._w.mins
         # the repacking runs on the object's threads too (whole rows per part)
         with nogil:
-            pool_run(_pack_part, &pack, self.threads)
+            pool_run(_pack_part, &pack, job_parts(pack.m, self.threads), self.threads)
 
     @property
     def shape(self):
@@ -356,7 +356,7 @@ cdef class PreparedGemv:
                     job.y = &yv[0, 0]
                     job.ldy = self.m
                     job.isa = self._isa
-                    pool_run(_run_part, &job, n_threads)
+                    pool_run(_run_part, &job, job_parts(self._w.n_tiles, n_threads), n_threads)
         finally:
             free(scratch)
         if bad >= 0:

@@ -15,7 +15,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
 
-from pagedkv.quant.cpu_pool cimport pool_run
+from pagedkv.quant.cpu_pool cimport job_parts, pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups
 from pagedkv.quant.quant_header cimport (
@@ -88,8 +88,8 @@ def decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
     job.n_whole = n_whole
     with nogil:
         if n_whole > 0:
-            # at least 2048 blocks (256 KiB of floats) per thread
-            pool_run(_decode_part, &job, max(1, min(threads, n_whole // 2048)))
+            # at least 2048 blocks (256 KiB of floats) per part
+            pool_run(_decode_part, &job, job_parts(n_whole // 2048, threads), threads)
         if n_whole < n_blocks:              # the zero-padded last block
             pkv_q8f16_decode_group(&raw[n_whole * BLOCK_BYTES], buf)
             memcpy(&out[n_whole * BLOCK], buf, (n - n_whole * BLOCK) * sizeof(float))
