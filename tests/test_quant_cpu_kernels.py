@@ -82,12 +82,13 @@ static void gemv_formats(void) {
                          q8 ? 0 : (int32_t)(1u << (bits - 1))};
         float *x = malloc(NB * K * 4), *dx = malloc(NB * ns * 4), *xs = malloc(NB * ns * 4);
         float *y = malloc(NB * M * 4);
-        int8_t *xq = malloc(NB * K);
+        const ptrdiff_t ldx = pkv_pgemv_x_stride(K);
+        int8_t *xq = malloc(NB * ldx);
         int32_t *xqs = malloc(NB * ns * 4);
         for (ptrdiff_t i = 0; i < NB * K; ++i) x[i] = rnd() * (float)(1 + i % 5);
         for (ptrdiff_t b = 0; b < NB; ++b)
-            pkv_pgemv_quantize_x(x + b * K, K, span, xq + b * K, dx + b * ns, xs + b * ns, xqs + b * ns);
-        pkv_pgemv_x xx = {xq, dx, xs, xqs, NB};
+            pkv_pgemv_quantize_x(x + b * K, K, span, xq + b * ldx, dx + b * ns, xs + b * ns, xqs + b * ns);
+        pkv_pgemv_x xx = {xq, dx, xs, xqs, NB, ldx};
         for (int isa = 0; isa < PKV_ISA_COUNT; ++isa) {
             if (!pkv_pgemv_isa_supported(isa)) continue;
             for (ptrdiff_t nb = 1; nb <= NB; ++nb) {

@@ -159,15 +159,17 @@ def _weights(rng, m, k):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_kernel_matches_the_model_bit_for_bit(fmt):
     rng = np.random.default_rng(abs(hash(fmt)) % 2**32)
-    m, k = 37, 512                                  # 3 tiles, the last with 5 rows
-    raw = Q.quantize(_weights(rng, m, k), fmt)
-    for batch in (1, 3, 8, 11):                     # 11: one pass of 8, then 3
-        x = rng.standard_normal((batch, k)).astype(F32) * F32(rng.uniform(0.1, 10))
-        want = model(raw, fmt, (m, k), x)
-        for isa in ISAS:
-            got = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
-            assert got.dtype == F32 and got.shape == (batch, m)
-            assert got.tobytes() == want.tobytes(), (isa, batch)
+    # 37 rows: 3 tiles, the last with 5 rows; K = 1024: x rows padded apart (a multiple
+    # of 1 KiB would share L1 sets; pkv_pgemv_x_stride)
+    for m, k in ((37, 512), (21, 1024)):
+        raw = Q.quantize(_weights(rng, m, k), fmt)
+        for batch in (1, 3, 8, 11):                 # 11: one pass of 8, then 3
+            x = rng.standard_normal((batch, k)).astype(F32) * F32(rng.uniform(0.1, 10))
+            want = model(raw, fmt, (m, k), x)
+            for isa in ISAS:
+                got = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+                assert got.dtype == F32 and got.shape == (batch, m)
+                assert got.tobytes() == want.tobytes(), (isa, k, batch)
 
 
 @pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2", "q8f16", "mq6g256v2", "hfq3g128",

@@ -52,6 +52,8 @@ cdef extern from "prepared_gemv_loops.h" nogil:
         const float *xsum
         const int32_t *xqsum
         Py_ssize_t nb
+        Py_ssize_t ldx
+    Py_ssize_t pkv_pgemv_x_stride(Py_ssize_t k)
     Py_ssize_t pkv_pgemv_quantize_x(const float *x, Py_ssize_t k, unsigned span, int8_t *xq,
                                     float *dx, float *xsum, int32_t *xqsum)
     int pkv_pgemv_isa_supported(int isa)
@@ -319,7 +321,8 @@ cdef class PreparedGemv:
         cdef Py_ssize_t bad = -1, bad_row = 0
         cdef bint overflow = False
         cdef size_t xf_bytes = nb * k * sizeof(float) if self.rotated else 0
-        cdef char *scratch = <char *>malloc(xf_bytes + nb * k + nb * ns * 12 + 64)
+        cdef Py_ssize_t ldx = pkv_pgemv_x_stride(k)
+        cdef char *scratch = <char *>malloc(xf_bytes + nb * ldx + nb * ns * 12 + 64)
         cdef float *xf
         cdef const float *src
         cdef pkv_pgemv_x xs
@@ -333,6 +336,7 @@ cdef class PreparedGemv:
             xs.xqsum = <int32_t *>(xs.xsum + nb * ns)
             xs.xq = <int8_t *>(xs.xqsum + nb * ns)
             xs.nb = nb
+            xs.ldx = ldx
             with nogil:
                 for b in range(nb):
                     src = &xv[b, 0]
@@ -343,7 +347,7 @@ cdef class PreparedGemv:
                             break
                         rotate256(src, xf + b * k, k // 256)
                         src = xf + b * k
-                    bad = pkv_pgemv_quantize_x(src, k, self.span, <int8_t *>xs.xq + b * k,
+                    bad = pkv_pgemv_quantize_x(src, k, self.span, <int8_t *>xs.xq + b * ldx,
                                                <float *>xs.dx + b * ns, <float *>xs.xsum + b * ns,
                                                <int32_t *>xs.xqsum + b * ns)
                     if bad >= 0:

@@ -57,12 +57,22 @@ typedef struct {
 
 /* x quantized per span (pkv_pgemv_quantize_x), nb rows. */
 typedef struct {
-    const int8_t *xq;           /* [nb][k] */
+    const int8_t *xq;           /* [nb][ldx]: row b at xq + b * ldx, k bytes used */
     const float *dx;            /* [nb][n_spans] */
     const float *xsum;          /* [nb][n_spans] */
     const int32_t *xqsum;       /* [nb][n_spans] */
     ptrdiff_t nb;
+    ptrdiff_t ldx;              /* bytes from one xq row to the next: pkv_pgemv_x_stride(k) */
 } pkv_pgemv_x;
+
+/* The xq row stride for K = k: k rounded up to 64 bytes, plus 64 when that is a multiple
+ * of 1 KiB. The kernels read up to 8 x rows at the same offset in step: rows a multiple
+ * of 4 KiB apart (K = 4096) share one L1 set (2 KiB: two sets, K = 14336), which an
+ * 8-way L1 (Zen 4's 32 KiB) cannot hold beside the code stream. */
+static inline ptrdiff_t pkv_pgemv_x_stride(ptrdiff_t k) {
+    ptrdiff_t s = (k + 63) & ~(ptrdiff_t)63;
+    return (s & 1023) == 0 ? s + 64 : s;
+}
 
 /* ---------------------------------------------------------------------------
  * x: int8 per span
@@ -171,7 +181,7 @@ static void pkv_pgemv_tile_scalar(const pkv_pgemv_w *w, const pkv_pgemv_x *x, pt
             for (ptrdiff_t s = 0; s < w->n_spans; ++s) {
                 const size_t sb = (size_t)(t * w->n_spans + s);
                 int32_t isum = pkv_pgemv_isum_scalar(w->codes + sb * blk_bytes, w->kind, w->span, r,
-                                                     x->xq + xb * w->k + s * (ptrdiff_t)w->span) -
+                                                     x->xq + xb * x->ldx + s * (ptrdiff_t)w->span) -
                                w->center * x->xqsum[xb * w->n_spans + s];
                 float sc = pkv_pgemv_param(w->scales, w->f16, sb, r);
                 float sd = sc * x->dx[xb * w->n_spans + s];
@@ -223,7 +233,7 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
 #define PKV_PG_VNNI_SPAN_(V, VPL, LOAD, AND, SRL4, XOR, BCAST, DP, ZERO)                   \
     const int8_t *xs[PKV_PG_MAX_NB];                                                        \
     for (int b = 0; b < NB; ++b) {                                                          \
-        xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;                                 \
+        xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;                            \
         for (int v = 0; v < VPL; ++v) {                                                     \
             ia[v][0][b] = BCAST(-c0 * x->xqsum[(b0 + b) * ns + s]);  /* every row's lane */ \
             for (int j = 1; j < CH; ++j) ia[v][j][b] = ZERO();                              \
@@ -317,7 +327,7 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
                                                  ptrdiff_t b0, ptrdiff_t t, float *y_tile,
                                                  const int KIND, const int NB) {
     const uint32_t span = w->span;
-    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const ptrdiff_t ns = w->n_spans;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -327,7 +337,7 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
         __m256i i32[2][2];
         const int8_t *xs[2];
         for (int b = 0; b < NB; ++b) {
-            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
+            xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             i32[0][b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
             i32[1][b] = i32[0][b];
         }
@@ -440,14 +450,21 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, cons
                                                      const int KIND, const int NB) {
     const int G0 = NB > 4 ? 4 : NB, G1 = NB - G0;      /* x rows of the two groups */
     const uint32_t span = w->span;
-    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const ptrdiff_t ns = w->n_spans;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         const int8_t *xs[PKV_PG_MAX_NB];
         int32_t start[PKV_PG_MAX_NB];
+        /* two groups walk each block four times, twice backwards, which the hardware
+         * prefetcher does not follow: fetch the next span's block now (5-8 x rows,
+         * 4096x14336 from DRAM on Zen 4: 12-19% faster; 2-6% slower where the weights
+         * sit in L3) */
+        if (G1 > 0 && s + 1 < ns)
+            for (size_t line = 0; line < blk; line += 64u)
+                _mm_prefetch((const char *)(cw + blk + line), _MM_HINT_T0);
         for (int b = 0; b < NB; ++b) {
-            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
+            xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             start[b] = -w->center * x->xqsum[(b0 + b) * ns + s];
         }
         for (uint32_t h = 0; h < 2u; ++h) {
@@ -470,7 +487,7 @@ PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, co
                                                        const int KIND, const int NB) {
     const int CH = 2;
     const uint32_t span = w->span;
-    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const ptrdiff_t ns = w->n_spans;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m256i m4 = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8((char)0x80);
@@ -501,7 +518,7 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
                                                      const int KIND, const int NB) {
     const int CH = NB <= 2 ? 4 : 2;         /* vpdpbusd chains per x row */
     const uint32_t span = w->span;
-    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const ptrdiff_t ns = w->n_spans;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk;
     const __m512i m4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8((char)0x80);
@@ -644,7 +661,7 @@ PKV_TGT_DOTPROD PKV_PG_INLINE_ARM void pkv_pg_body_neon_(const pkv_pgemv_w *w, c
                                                         ptrdiff_t b0, ptrdiff_t t, uint32_t q,
                                                         float *y_tile, const int KIND, const int NB) {
     const uint32_t span = w->span;
-    const ptrdiff_t ns = w->n_spans, k = w->k;
+    const ptrdiff_t ns = w->n_spans;
     const size_t blk = (size_t)PKV_PG_TR * pkv_pgemv_span_row_bytes(KIND, span);
     const uint8_t *cw = w->codes + (size_t)t * (size_t)ns * blk + 16u * q;
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
@@ -654,7 +671,7 @@ PKV_TGT_DOTPROD PKV_PG_INLINE_ARM void pkv_pg_body_neon_(const pkv_pgemv_w *w, c
         int32x4_t i0[PKV_PG_MAX_NB], i1[PKV_PG_MAX_NB];
         const int8_t *xs[PKV_PG_MAX_NB];
         for (int b = 0; b < NB; ++b) {
-            xs[b] = x->xq + (b0 + b) * k + s * (ptrdiff_t)span;
+            xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             i0[b] = vdupq_n_s32(-w->center * x->xqsum[(b0 + b) * ns + s]);
             i1[b] = vdupq_n_s32(0);
         }
