@@ -129,6 +129,15 @@ def load_tree_script(relative: str, name: str):
     return mod
 
 
+def quant_header_dir() -> Path | None:
+    """Where the private C headers of pagedkv.quant are (installed beside the modules or
+    in the source tree), or None."""
+    import pagedkv
+    candidates = [Path(pagedkv.__file__).resolve().parent / "quant",
+                  Path(__file__).resolve().parents[1] / "pkg" / "pagedkv" / "quant"]
+    return next((d for d in candidates if (d / "prepared_gemv_loops.h").exists()), None)
+
+
 @pytest.fixture(scope="session")
 def tune():
     """hip/tune.py as a module."""

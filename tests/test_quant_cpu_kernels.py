@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import pagedkv
+from kernels_support import quant_header_dir
 
 HARNESS = r"""
 #include <stdio.h>
@@ -176,14 +177,8 @@ int main(void) {
 """
 
 
-def _quant_dir() -> Path | None:
-    candidates = [Path(pagedkv.__file__).resolve().parent / "quant",
-                  Path(__file__).resolve().parents[1] / "pkg" / "pagedkv" / "quant"]
-    return next((d for d in candidates if (d / "prepared_gemv_loops.h").exists()), None)
-
-
 def _build(tmp_path: Path, name: str, cc: list[str], decoders_only: bool = False) -> Path:
-    quant_dir = _quant_dir()
+    quant_dir = quant_header_dir()
     if quant_dir is None:
         pytest.skip("private loop headers are neither installed nor in a source tree here")
     src = tmp_path / "harness.c"

@@ -30,6 +30,7 @@
 #include <time.h>
 
 #define PKV_POOL_MAX_THREADS 64
+#define PKV_POOL_MAX_PARTS 65535    /* the ticket's 16-bit part count */
 #define PKV_POOL_SPIN_US_DEFAULT 200u
 #define PKV_POOL_PARTS_PER_THREAD 8   /* what callers cut a job into (cpu_pool.pyx's job_parts) */
 
@@ -39,14 +40,16 @@ static struct {
     pthread_mutex_t job_lock;       /* held by the caller for the whole job */
     pthread_mutex_t lock;           /* with wake: workers going to sleep */
     pthread_cond_t wake;
-    /* the job's ticket: generation << 32 | next unclaimed part. The fields below it
-     * are written before a new generation is published (release) and read after it
-     * is seen (acquire); a part claimed by compare-and-swap on the ticket proves they
-     * were still that generation's (the job cannot end while a part is unclaimed). */
+    /* the job's ticket: generation << 32 | part count << 16 | next unclaimed part. The
+     * fields below it are written before a new generation is published (release) and
+     * read after it is seen (acquire). A part claimed by compare-and-swap on a ticket
+     * whose next part is below its own count proves they were that generation's: the
+     * job cannot end, nor the next caller write them, while a part is unclaimed. (The
+     * count lives in the ticket, not in a field, for that reason: a field could already
+     * hold the next job's count while the ticket still shows the finished job.) */
     uint64_t ticket;
     pkv_pool_fn fn;
     void *ctx;
-    int n_parts;
     int n_threads;
     int parts_done;
     unsigned spin_us;
@@ -55,7 +58,7 @@ static struct {
     uint32_t start_generation[PKV_POOL_MAX_THREADS];  /* as each worker was created */
 } pkv_pool = {
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-    0u, NULL, NULL, 0, 0, 0, PKV_POOL_SPIN_US_DEFAULT, 0, 0, {0u},
+    0u, NULL, NULL, 0, 0, PKV_POOL_SPIN_US_DEFAULT, 0, 0, {0u},
 };
 
 #define PKV_LOAD(p, order) __atomic_load_n((p), __ATOMIC_##order)
@@ -94,16 +97,14 @@ static void pkv_pool_after_fork_child(void) {
 static void pkv_pool_claim_parts(uint32_t g, int thread) {
     for (;;) {
         uint64_t t = PKV_LOAD(&pkv_pool.ticket, ACQUIRE);
-        if ((uint32_t)(t >> 32) != g) return;
+        const uint32_t n_parts = (uint32_t)(t >> 16) & 0xFFFFu, part = (uint32_t)t & 0xFFFFu;
+        if ((uint32_t)(t >> 32) != g || part >= n_parts) return;
         pkv_pool_fn fn = PKV_LOAD(&pkv_pool.fn, RELAXED);
         void *ctx = PKV_LOAD(&pkv_pool.ctx, RELAXED);
-        int n_parts = PKV_LOAD(&pkv_pool.n_parts, RELAXED);
         if (thread >= PKV_LOAD(&pkv_pool.n_threads, RELAXED)) return;
-        uint32_t part = (uint32_t)t;
-        if (part >= (uint32_t)n_parts) return;
         if (__atomic_compare_exchange_n(&pkv_pool.ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
-            fn(ctx, (int)part, n_parts);
+            fn(ctx, (int)part, (int)n_parts);
             __atomic_fetch_add(&pkv_pool.parts_done, 1, __ATOMIC_RELEASE);
         }
     }
@@ -157,23 +158,26 @@ static void pkv_pool_grow(int n_threads) {
 }
 
 /* Run fn(ctx, p, n_parts) for p in [0, n_parts) on up to n_threads threads (capped
- * at PKV_POOL_MAX_THREADS); see the file comment. */
+ * at PKV_POOL_MAX_THREADS; up to PKV_POOL_MAX_PARTS parts share them); see the file
+ * comment. */
 static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts, int n_threads) {
     if (n_parts < 1) n_parts = 1;
     if (n_threads > PKV_POOL_MAX_THREADS) n_threads = PKV_POOL_MAX_THREADS;
     if (n_threads > n_parts) n_threads = n_parts;
-    if (n_threads <= 1 || pthread_mutex_trylock(&pkv_pool.job_lock) != 0) {
+    /* more parts than a ticket counts: the caller alone (callers cut jobs into at most
+     * PKV_POOL_PARTS_PER_THREAD x PKV_POOL_MAX_THREADS parts) */
+    if (n_threads <= 1 || n_parts > PKV_POOL_MAX_PARTS ||
+        pthread_mutex_trylock(&pkv_pool.job_lock) != 0) {
         for (int p = 0; p < n_parts; ++p) fn(ctx, p, n_parts);
         return;
     }
     pkv_pool_grow(n_threads);
     PKV_STORE(&pkv_pool.fn, fn, RELAXED);
     PKV_STORE(&pkv_pool.ctx, ctx, RELAXED);
-    PKV_STORE(&pkv_pool.n_parts, n_parts, RELAXED);
     PKV_STORE(&pkv_pool.n_threads, n_threads, RELAXED);
     PKV_STORE(&pkv_pool.parts_done, 0, RELAXED);
     uint32_t g = pkv_pool_generation() + 1u;
-    PKV_STORE(&pkv_pool.ticket, (uint64_t)g << 32, RELEASE);
+    PKV_STORE(&pkv_pool.ticket, (uint64_t)g << 32 | (uint64_t)n_parts << 16, RELEASE);
     pthread_mutex_lock(&pkv_pool.lock);         /* sleepers: see pkv_pool_worker */
     pthread_cond_broadcast(&pkv_pool.wake);
     pthread_mutex_unlock(&pkv_pool.lock);
