@@ -167,6 +167,11 @@ static void raw_decoders(void) {
 }
 
 int main(void) {
+#if defined(__x86_64__)
+    /* read once and kept: the cached bits are CPUID's */
+    const unsigned f0 = pkv_cpu_features(), f1 = pkv_cpu_features();
+    printf("features %d\n", f0 == f1 && f0 == pkv_cpu_features_read());
+#endif
 #if !DECODERS_ONLY
     gemv_formats();
 #endif
@@ -229,6 +234,7 @@ def test_every_kernel_and_x86_level_gives_the_same_bits(x86_lines, tmp_path):
     kernels = {line.split()[-1] for line in base if line.startswith("gemv ")}
     assert "scalar" in kernels
     # the one-pass MQ decoders reproduce decode + inverse FWHT bit for bit
+    assert "features 1" in base
     mq = [line for line in base if line.startswith("mq ")]
     assert mq and all(line.endswith(" 1") for line in mq), mq
     if "avx2" in kernels:       # plain and streaming stores
