@@ -7,6 +7,7 @@ run is tests/test_kernels_mlx_gpu.py (marked gpu)."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from pagedkv.quant.formats import resolve
 
 mx = pytest.importorskip("mlx.core")
 cuda = pytest.importorskip("pagedkv.kernels.mlx.cuda")
+SM_COUNT = cuda.sm_count        # the autouse fixture replaces it
 
 
 def _weights_calls(run):
@@ -59,8 +61,10 @@ CALLS = {"weights": _weights_calls, "kvcache": _kvcache_calls, "quant": _weights
 
 @pytest.fixture(autouse=True)
 def _kernel_cache(tmp_path_factory, monkeypatch):
-    """Include files in a test folder, never the user's cache; every cache fresh."""
+    """Include files in a test folder, never the user's cache; every cache fresh; no SM
+    count (the launches do not depend on the GPU of the machine the tests run on)."""
     monkeypatch.setenv("PAGEDKV_MLX_CUDA_CACHE", str(tmp_path_factory.getbasetemp() / "mlxcu"))
+    monkeypatch.setattr(cuda, "sm_count", lambda ordinal=0: 0)
     _clear_caches()
     yield
     cuda.set_header_mode("include")
@@ -297,6 +301,58 @@ def test_gemv_of_at_most_8_rows_launches_on_x_itself(monkeypatch):
     launches.clear()
     assert K.gemv(w, mx.zeros((11, 512))).shape == (11, 64)
     assert [launch.inputs[0].shape for launch in launches[::2]] == [(8, 512), (3, 512)]
+
+
+def _record_launches(launches):
+    def record(launch):
+        launches.append(launch)
+        return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes,
+                                                     strict=True)]
+    return record
+
+
+@pytest.mark.parametrize("kv_dtype, pool_dtype, row", [("float16", "float16", 64),
+                                                       ("q8", "uint8", 68)])
+def test_attention_splits_the_context_over_the_gpus_sms(monkeypatch, kv_dtype, pool_dtype, row):
+    """With an SM count the MLX launches split the context as PagedAttention does
+    (attention_partition_tokens): batch 1 over 1,025 tokens with 2 KV heads on 132 SMs is
+    one wave of 64-token partitions, where the most tokens per partition gave 2-5 CTAs."""
+    from pagedkv.kernels import kvcache
+    monkeypatch.setattr(cuda, "sm_count", lambda ordinal=0: 132)
+    launches = []
+    q = mx.zeros((1, 4, 64))
+    pool = mx.zeros((80, 16, 2, row), dtype=getattr(mx, pool_dtype))
+    tables = mx.zeros((1, 80), dtype=mx.int32)
+    cuda.paged_attention(mx, q, pool, pool, tables, mx.array([1025], dtype=mx.int32),
+                         kv_dtype=kv_dtype, scale=0.125, max_seq_len=1025,
+                         run=_record_launches(launches))
+    tokens = kvcache.attention_partition_tokens(kv_dtype, 1, 2, 1025, 132)
+    parts = math.ceil(1025 / tokens)
+    assert tokens == 64 and parts == 17
+    threads = kvcache.ATTN_THREADS
+    assert launches[0].grid == (parts * threads, 2, 1)
+    assert launches[0].output_shapes[1] == (1, 4, parts)
+    params = np.array(launches[0].inputs[-1], copy=False)
+    assert params[-2:].tolist() == [parts, tokens]           # the kernel's partition scalars
+    assert np.array(launches[1].inputs[-1], copy=False)[-2:].tolist() == [parts, tokens]
+    # without an SM count: the most tokens per partition
+    monkeypatch.setattr(cuda, "sm_count", lambda ordinal=0: 0)
+    launches.clear()
+    cuda.paged_attention(mx, q, pool, pool, tables, mx.array([1025], dtype=mx.int32),
+                         kv_dtype=kv_dtype, scale=0.125, max_seq_len=1025,
+                         run=_record_launches(launches))
+    most = kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
+    assert launches[0].grid == (math.ceil(1025 / most) * threads, 2, 1)
+
+
+def test_sm_count_is_zero_without_a_driver(monkeypatch):
+    monkeypatch.setattr(cuda, "sm_count", SM_COUNT)     # the module's own, uncached
+    cuda.sm_count.cache_clear()
+    monkeypatch.setenv("PAGEDKV_CUDA_LIBRARY", "/nonexistent/libcuda.so")
+    try:
+        assert cuda.sm_count() == 0
+    finally:
+        cuda.sm_count.cache_clear()
 
 
 def test_consecutive_decode_lengths_share_one_attention_plan():

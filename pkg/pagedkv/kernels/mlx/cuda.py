@@ -397,13 +397,33 @@ def attention_geometry(kv_dtype: str, heads: int, kv_heads: int, head_dim: int) 
             "gmax": gmax, "shared": shared}
 
 
+@functools.lru_cache(maxsize=8)
+def sm_count(ordinal: int = 0) -> int:
+    """SMs of CUDA device ``ordinal`` (MLX's GPU is device 0), read from the driver through
+    pagedkv's runtime loader (cuInit, cuDeviceGet, cuDeviceGetAttribute: no context is
+    created beside MLX's); 0 when the driver cannot say, and the attention launches then
+    take the most tokens per partition. Read once per process."""
+    import ctypes
+
+    from pagedkv.errors import DeviceError, NoDeviceError
+    from pagedkv.kernels.runtime import load_runtime
+    try:
+        rt = load_runtime("cuda")
+        dev = ctypes.c_int(0)
+        rt.call("device_get", ctypes.byref(dev), ordinal)
+        return rt.attribute("multiprocessor_count", dev.value)
+    except (NoDeviceError, DeviceError) as exc:
+        logger.info("MLX CUDA attention: no SM count (%s); partitions of the most tokens", exc)
+        return 0
+
+
 @functools.lru_cache(maxsize=1024)
 def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_heads: int,
                     head_dim: int, block_size: int, table_width: int, parts: int,
-                    scale_bits: int):
+                    partition_tokens: int, scale_bits: int):
     """The partition and reduce launches of one attention configuration, built once (a
     decode step launches the same configuration for every layer). Keyed by the partition
-    count, not the length: consecutive decode steps share a plan."""
+    count and size, not the length: consecutive decode steps share a plan."""
     import mlx.core as mx
 
     from pagedkv.kernels import kvcache
@@ -422,7 +442,7 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
     part_shape = (seqs, heads, parts)
     threads = geo["threads"]
     partition = (src, _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
-                              table_width, parts, geo["partition"]),
+                              table_width, parts, partition_tokens),
                  [part_shape + (head_dim,), part_shape, part_shape],
                  (parts * threads, kv_heads, seqs), threads)
     reduce = kernel_source(
@@ -432,19 +452,24 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
         "pkv_paged_attention_reduce<>(part_out, part_max, part_sum, seq_lens, out, "
         "(int)params[0], (int)params[1], (int)params[2], (int)params[3]);", None)
     t = kvcache.reduce_threads(parts, head_dim, rotated=False)
-    return partition, (reduce, _params(mx, heads, head_dim, parts, geo["partition"]),
+    return partition, (reduce, _params(mx, heads, head_dim, parts, partition_tokens),
                        (heads * t, seqs, 1), t)
 
 
 def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: str,
                     scale: float, max_seq_len: int, run: Runner):
-    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``)."""
+    """hip/ paged attention (partitions, then ``pkv_paged_attention_reduce``), split over
+    the context as ``PagedAttention`` splits it (``kvcache.attention_partition_tokens`` on
+    this GPU's SM count)."""
     from pagedkv.kernels import kvcache
     seqs, heads, head_dim = q.shape
-    parts = max(1, math.ceil(max_seq_len / kvcache.ATTN_PARTITION_TOKENS[kv_dtype]))
+    kv_heads = k_pool.shape[2]
+    tokens = kvcache.attention_partition_tokens(kv_dtype, seqs, kv_heads, max_seq_len,
+                                                sm_count())
+    parts = max(1, math.ceil(max_seq_len / tokens))
     partition, reduce = _attention_plan(
-        kv_dtype, _dtype_name(k_pool.dtype), seqs, heads, k_pool.shape[2], head_dim,
-        k_pool.shape[1], block_tables.shape[1], parts,
+        kv_dtype, _dtype_name(k_pool.dtype), seqs, heads, kv_heads, head_dim,
+        k_pool.shape[1], block_tables.shape[1], parts, tokens,
         int(np.float32(scale).view(np.int32)))
     src, params, part_shapes, grid, threads = partition
     part_out, part_max, part_sum = run(Launch(
