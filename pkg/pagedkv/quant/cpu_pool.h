@@ -8,7 +8,8 @@
  * a few parts per thread. Results never depend on which thread ran a part.
  *
  * Between jobs a worker spins for spin_us microseconds (pkv_pool_set_spin_us; the
- * pause instruction, no syscalls), then sleeps on a condition variable. A back-to-back
+ * pause instruction, no syscalls), then sleeps on a condition variable; a caller that
+ * has run out of parts waits for the others' the same way. A back-to-back
  * job (a model's GEMVs one after another) finds its workers spinning and starts them
  * in well under a microsecond; waking a sleeping one is a futex call, tens of
  * microseconds on a VM, which is what a 0.3 ms GEMV on two threads could not afford.
@@ -24,7 +25,6 @@
 #define PAGEDKV_QUANT_CPU_POOL_H
 
 #include <pthread.h>
-#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <time.h>
@@ -38,8 +38,9 @@ typedef void (*pkv_pool_fn)(void *ctx, int part, int n_parts);
 
 static struct {
     pthread_mutex_t job_lock;       /* held by the caller for the whole job */
-    pthread_mutex_t lock;           /* with wake: workers going to sleep */
-    pthread_cond_t wake;
+    pthread_mutex_t lock;           /* with wake and done: threads going to sleep */
+    pthread_cond_t wake;            /* a new generation */
+    pthread_cond_t done;            /* the last part of a job finished */
     /* the job's ticket: generation << 32 | part count << 16 | next unclaimed part. The
      * fields below it are written before a new generation is published (release) and
      * read after it is seen (acquire). A part claimed by compare-and-swap on a ticket
@@ -58,7 +59,7 @@ static struct {
     uint32_t start_generation[PKV_POOL_MAX_THREADS];  /* as each worker was created */
 } pkv_pool = {
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-    0u, NULL, NULL, 0, 0, PKV_POOL_SPIN_US_DEFAULT, 0, 0, {0u},
+    PTHREAD_COND_INITIALIZER, 0u, NULL, NULL, 0, 0, PKV_POOL_SPIN_US_DEFAULT, 0, 0, {0u},
 };
 
 #define PKV_LOAD(p, order) __atomic_load_n((p), __ATOMIC_##order)
@@ -89,6 +90,7 @@ static void pkv_pool_after_fork_child(void) {
     pkv_pool.job_lock = m;
     pkv_pool.lock = m;
     pkv_pool.wake = c;
+    pkv_pool.done = c;
     pkv_pool.n_workers = 0;
 }
 
@@ -105,7 +107,12 @@ static void pkv_pool_claim_parts(uint32_t g, int thread) {
         if (__atomic_compare_exchange_n(&pkv_pool.ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE)) {
             fn(ctx, (int)part, (int)n_parts);
-            __atomic_fetch_add(&pkv_pool.parts_done, 1, __ATOMIC_RELEASE);
+            if (__atomic_add_fetch(&pkv_pool.parts_done, 1, __ATOMIC_ACQ_REL) == (int)n_parts) {
+                /* the caller may be asleep on done (see pkv_pool_run) */
+                pthread_mutex_lock(&pkv_pool.lock);
+                pthread_cond_broadcast(&pkv_pool.done);
+                pthread_mutex_unlock(&pkv_pool.lock);
+            }
         }
     }
 }
@@ -182,7 +189,9 @@ static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts, int n_threads) 
     pthread_cond_broadcast(&pkv_pool.wake);
     pthread_mutex_unlock(&pkv_pool.lock);
     pkv_pool_claim_parts(g, 0);
-    /* the parts still running are at most one per worker: spin, then yield the CPU */
+    /* the parts still running are at most one per worker: spin, then sleep on done
+     * (the worker that finishes the last part broadcasts it under the lock, so a
+     * check made under the lock cannot miss it) */
     uint64_t deadline = 0;
     for (unsigned spins = 0; PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) < n_parts; ++spins) {
         if ((spins & 63u) != 0) {
@@ -191,7 +200,11 @@ static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts, int n_threads) 
         }
         uint64_t now = pkv_pool_now_ns();
         if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
-        if (now >= deadline) sched_yield();
+        if (now < deadline) continue;
+        pthread_mutex_lock(&pkv_pool.lock);
+        while (PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) < n_parts)
+            pthread_cond_wait(&pkv_pool.done, &pkv_pool.lock);
+        pthread_mutex_unlock(&pkv_pool.lock);
     }
     pthread_mutex_unlock(&pkv_pool.job_lock);
 }
