@@ -29,6 +29,7 @@ HARNESS = r"""
 #include "affine_loops.h"
 #include "fwht_loops.h"
 #include "mq_decode_loops.h"
+#include "kv_rotated_loops.h"
 
 static uint32_t st = 12345u;
 static uint32_t next_u32(void) { st = st * 1103515245u + 12345u; return st; }
@@ -166,6 +167,30 @@ static void raw_decoders(void) {
     printf("bf16 %016llx\n", (unsigned long long)fold(out, sizeof out));
 }
 
+/* the rotated KV modes' encoders (this build's -march level) against the scalar
+ * reference: a zero row, a row of f16 subnormals, then random rows */
+static void kv_encode(void) {
+    static const uint32_t modes[][2] = {
+        {PKV_KV_MODE_FWHT4, 128u}, {PKV_KV_MODE_FWHT2, 128u}, {PKV_KV_MODE_FWHT4, 256u},
+        {PKV_KV_MODE_FWHT3, 256u}, {PKV_KV_MODE_FWHT2, 256u}, {PKV_KV_MODE_LLOYD4, 256u},
+        {PKV_KV_MODE_LLOYD3, 256u}, {PKV_KV_MODE_LLOYD2, 256u}};
+    static uint16_t x[24 * 256];
+    static uint8_t vec[24 * 256], ref[24 * 256];
+    st = 99u;
+    for (size_t i = 0; i < 24 * 256; ++i)
+        x[i] = (uint16_t)((0x2800u + (next_u32() >> 20)) | (next_u32() & 0x8000u));
+    for (size_t i = 0; i < 256; ++i) { x[i] = 0; x[256 + i] = (uint16_t)(1u + (next_u32() & 0x3FFu)); }
+    for (size_t m = 0; m < sizeof modes / sizeof modes[0]; ++m) {
+        const uint32_t mode = modes[m][0], hd = modes[m][1], rows = 24u * 256u / hd;
+        const size_t n = (size_t)rows * pkv_kv_row_bytes(mode, hd);
+        memset(vec, 0xAB, sizeof vec);
+        pkv_cpu_kv_encode_rows(NULL, x, rows, hd, mode, vec);
+        pkv_cpu_kv_encode_rows_reference(NULL, x, rows, hd, mode, ref);
+        printf("kv %u %u %016llx %d\n", mode, hd, (unsigned long long)fold(vec, n),
+               memcmp(vec, ref, n) == 0);
+    }
+}
+
 int main(void) {
 #if defined(__x86_64__)
     /* read once and kept: the cached bits are CPUID's */
@@ -177,6 +202,7 @@ int main(void) {
 #endif
     mq_decode();
     raw_decoders();
+    kv_encode();
     return 0;
 }
 """
@@ -194,7 +220,7 @@ def _build(tmp_path: Path, name: str, cc: list[str], decoders_only: bool = False
     build = subprocess.run(
         [*cc, "-std=gnu11", "-O1", "-ffp-contract=off", "-fno-trapping-math",
          f"-DDECODERS_ONLY={int(decoders_only)}", f"-I{pagedkv.get_include()}",
-         f"-I{quant_dir}", str(src), "-o", str(exe)],
+         f"-I{quant_dir}", str(src), "-o", str(exe), "-lm"],
         capture_output=True, text=True, check=False, timeout=600)
     assert build.returncode == 0, build.stderr
     return exe
@@ -235,6 +261,8 @@ def test_every_kernel_and_x86_level_gives_the_same_bits(x86_lines, tmp_path):
     assert "scalar" in kernels
     # the one-pass MQ decoders reproduce decode + inverse FWHT bit for bit
     assert "features 1" in base
+    kv = [line for line in base if line.startswith("kv ")]
+    assert len(kv) == 8 and all(line.endswith(" 1") for line in kv), kv    # = the reference
     mq = [line for line in base if line.startswith("mq ")]
     assert mq and all(line.endswith(" 1") for line in mq), mq
     if "avx2" in kernels:       # plain and streaming stores
@@ -253,7 +281,7 @@ def test_arm64_with_and_without_sdot_matches_x86(x86_lines, tmp_path):
     if cross is None or qemu is None:
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
     exe = _build(tmp_path, "h_arm64", [cross, "-static"])
-    shared = ("mqref", "q8 ", "f16 ", "bf16 ")
+    shared = ("mqref", "q8 ", "f16 ", "bf16 ", "kv ")
     for cpu, kernels in (("max", {"scalar", "neon-dotprod"}), ("cortex-a53", {"scalar"})):
         lines = _run(exe, [qemu, "-cpu", cpu])
         assert {line.split()[-1] for line in lines if line.startswith("gemv ")} == kernels
