@@ -83,6 +83,34 @@ static inline uint32_t pkv_pool_generation(void) {
     return (uint32_t)(PKV_LOAD(&pkv_pool.ticket, ACQUIRE) >> 32);
 }
 
+/* Spin (pause, no syscalls) until ready(arg) or spin_us have passed, then sleep on cv
+ * until it holds. Whoever makes it hold broadcasts cv under pkv_pool.lock, so a check
+ * made under the lock cannot miss the wake-up: the broadcast waits for cond_wait to
+ * release the lock. Workers wait for a job this way, callers for their job's last part. */
+static inline void pkv_pool_wait_(int (*ready)(const void *), const void *arg, pthread_cond_t *cv) {
+    uint64_t deadline = 0;
+    for (unsigned spins = 0; !ready(arg); ++spins) {
+        if ((spins & 63u) != 0) {
+            pkv_pool_pause();
+            continue;
+        }
+        uint64_t now = pkv_pool_now_ns();
+        if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
+        if (now < deadline) continue;
+        pthread_mutex_lock(&pkv_pool.lock);
+        while (!ready(arg)) pthread_cond_wait(cv, &pkv_pool.lock);
+        pthread_mutex_unlock(&pkv_pool.lock);
+    }
+}
+
+static int pkv_pool_new_generation_(const void *seen) {
+    return pkv_pool_generation() != *(const uint32_t *)seen;
+}
+
+static int pkv_pool_all_done_(const void *n_parts) {
+    return PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) >= *(const int *)n_parts;
+}
+
 static void pkv_pool_after_fork_child(void) {
     /* the child has no workers, whatever the parent had, and no lock is held */
     pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
@@ -123,21 +151,7 @@ static void *pkv_pool_worker(void *arg) {
      * already have been posted by the time this thread runs */
     uint32_t seen = PKV_LOAD(&pkv_pool.start_generation[thread], ACQUIRE);
     for (;;) {
-        uint64_t deadline = 0;
-        for (unsigned spins = 0; pkv_pool_generation() == seen; ++spins) {
-            if ((spins & 63u) != 0) {
-                pkv_pool_pause();
-                continue;
-            }
-            uint64_t now = pkv_pool_now_ns();
-            if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
-            if (now < deadline) continue;
-            /* a job posted after this check finds the lock held until cond_wait
-             * releases it, and its broadcast then wakes this thread */
-            pthread_mutex_lock(&pkv_pool.lock);
-            while (pkv_pool_generation() == seen) pthread_cond_wait(&pkv_pool.wake, &pkv_pool.lock);
-            pthread_mutex_unlock(&pkv_pool.lock);
-        }
+        pkv_pool_wait_(pkv_pool_new_generation_, &seen, &pkv_pool.wake);
         seen = pkv_pool_generation();
         pkv_pool_claim_parts(seen, thread);
     }
@@ -189,23 +203,9 @@ static void pkv_pool_run(pkv_pool_fn fn, void *ctx, int n_parts, int n_threads) 
     pthread_cond_broadcast(&pkv_pool.wake);
     pthread_mutex_unlock(&pkv_pool.lock);
     pkv_pool_claim_parts(g, 0);
-    /* the parts still running are at most one per worker: spin, then sleep on done
-     * (the worker that finishes the last part broadcasts it under the lock, so a
-     * check made under the lock cannot miss it) */
-    uint64_t deadline = 0;
-    for (unsigned spins = 0; PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) < n_parts; ++spins) {
-        if ((spins & 63u) != 0) {
-            pkv_pool_pause();
-            continue;
-        }
-        uint64_t now = pkv_pool_now_ns();
-        if (deadline == 0) deadline = now + 1000u * (uint64_t)PKV_LOAD(&pkv_pool.spin_us, RELAXED);
-        if (now < deadline) continue;
-        pthread_mutex_lock(&pkv_pool.lock);
-        while (PKV_LOAD(&pkv_pool.parts_done, ACQUIRE) < n_parts)
-            pthread_cond_wait(&pkv_pool.done, &pkv_pool.lock);
-        pthread_mutex_unlock(&pkv_pool.lock);
-    }
+    /* the parts still running are at most one per worker; the thread that finishes the
+     * last one broadcasts done */
+    pkv_pool_wait_(pkv_pool_all_done_, &n_parts, &pkv_pool.done);
     pthread_mutex_unlock(&pkv_pool.job_lock);
 }
 
