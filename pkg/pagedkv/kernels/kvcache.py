@@ -119,9 +119,10 @@ def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_
     where that grid (``num_seqs × kv_heads × partitions``) is less than one wave
     (:data:`ATTN_SPLIT_CTAS_PER_SM` CTAs on every SM), as many as one wave holds; then the
     tokens that share ``max_seq_len`` evenly among them. ``sm_count`` 0 (unknown): the most
-    (the MLX CUDA launcher's case where the driver cannot give its SM count). A batch-1 decode over 1,024 tokens with 8 KV heads
-    ran 8 CTAs of 1,024 tokens on the H200's 132 SMs: 40 µs a layer, 100 GB/s
-    (docs/performance.md, "Decode step"); split into 64-token partitions it runs 136. Even
+    (the MLX CUDA launcher's case where the driver cannot give its SM count). A batch-1
+    decode over 1,024 tokens with 8 KV heads ran 8 CTAs of 1,024 tokens on the H200's 132
+    SMs: 40 µs a layer, 100 GB/s (docs/performance.md, "Decode step"); split into 64-token
+    partitions it runs 136. Even
     shares: a decode step over 1,024 cached tokens attends over 1,025, which the most (512
     for q8) would cut into 512 + 512 + 1."""
     most = ATTN_PARTITION_TOKENS[kv_dtype]

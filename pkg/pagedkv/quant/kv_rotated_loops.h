@@ -115,8 +115,8 @@ static inline __attribute__((always_inline)) void pkv_kv_codes_v_(pkv_fwht_v16f 
     for (int k = 0; k < bits; ++k) {
         const int step = 1 << (bits - 1 - k);
         for (int j = 0; j < 16; ++j) {
-            /* past the table: never exceeded */
             const int t = narrow_tables ? 2 * step * j + step - 1 : j + step - 1;
+            /* past the table (or past the 2^k entries step k reaches): never exceeded */
             const float val = t < NT && (!narrow_tables || j < (1 << k)) ? T[t] : 3.0e38f;
             if (j < 8) tlo[k][j] = val; else thi[k][j - 8] = val;
         }
