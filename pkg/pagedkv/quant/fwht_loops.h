@@ -49,8 +49,13 @@ static inline __attribute__((always_inline)) void pkv_fwht_vecs_(pkv_fwht_v16f *
         PKV_FWHT_LANE_STAGE_(v[i], 4);
         PKV_FWHT_LANE_STAGE_(v[i], 8);
     }
+    /* unrolled, so that v stays in registers (nvec is a constant at every call; as
+     * loops, GCC 12 kept v in memory and spent 60% of an AVX2 row on indexing) */
+    _Pragma("GCC unroll 4")
     for (int h = 1; h < nvec; h <<= 1) {        /* strides 16, 32, ... floats */
+        _Pragma("GCC unroll 16")
         for (int i = 0; i < nvec; i += 2 * h) {
+            _Pragma("GCC unroll 8")
             for (int j = i; j < i + h; ++j) {
                 pkv_fwht_v16f a = v[j], b = v[j + h];
                 v[j] = a + b;

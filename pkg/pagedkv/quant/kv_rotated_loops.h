@@ -17,9 +17,6 @@
 #include "cpu_simd.h"
 #include "fwht_loops.h"
 #include "half_vectors.h"
-#if defined(__x86_64__)
-#include "cpu_features.h"   /* pkv_cpu_kv_encode_rows: which search */
-#endif
 
 #if defined(__GNUC__)
 #  define PKV_KV_LOOP_ static __attribute__((unused))
@@ -102,23 +99,22 @@ static inline __attribute__((always_inline)) void pkv_kv_pack8_(const pkv_kv_v8i
 
 /* Codes of nvec 16-lane vectors against NT = 2^bits - 1 ascending thresholds, packed
  * into out; v is replaced by C[code]. A code is a branch-free binary search, 8 lanes
- * at a time: at step s (2^(bits-1), ..., 1) a lane at code c compares with T[c + s - 1]
- * and moves up by s when it is greater; that counts the thresholds strictly exceeded.
- * T[c + s - 1] is a lane permute: of a 16-entry table shifted by s - 1, indexed by c
- * (two tables: one vpermt2ps on AVX-512), or, with narrow_tables, of the 2^k entries
- * step k can reach, indexed by c / 2s (one table of at most 8: one vpermps on AVX2,
- * where two tables are two permutes and a blend). C[code] is a lane permute too: a
- * selection, so exact. Both searches give the same codes. */
+ * at a time, one bit per step from the top: at step k a lane whose top k bits are c
+ * compares with T[(2c + 1) * 2^(bits-1-k) - 1], the middle of the thresholds its code
+ * can still reach, and appends 1 when it is greater; that counts the thresholds
+ * strictly exceeded. The threshold is a lane permute of the 2^k (at most 8) entries
+ * step k can reach, indexed by c: one vpermps on AVX2 (a 16-entry table is two and a
+ * blend), and no shift of the code on the way. C[code] is a lane permute too: a
+ * selection, so exact. */
 static inline __attribute__((always_inline)) void pkv_kv_codes_v_(pkv_fwht_v16f *v, int nvec,
-        const float *C, const float *T, int NT, int bits, int narrow_tables, uint8_t *out) {
-    pkv_kv_v8f_ tlo[4], thi[4], clo, chi;
+        const float *C, const float *T, int NT, int bits, uint8_t *out) {
+    pkv_kv_v8f_ tab[4], clo, chi;
     for (int k = 0; k < bits; ++k) {
         const int step = 1 << (bits - 1 - k);
-        for (int j = 0; j < 16; ++j) {
-            const int t = narrow_tables ? 2 * step * j + step - 1 : j + step - 1;
-            /* past the table (or past the 2^k entries step k reaches): never exceeded */
-            const float val = t < NT && (!narrow_tables || j < (1 << k)) ? T[t] : 3.0e38f;
-            if (j < 8) tlo[k][j] = val; else thi[k][j - 8] = val;
+        for (int c = 0; c < 8; ++c) {
+            const int t = (2 * c + 1) * step - 1;
+            /* past the 2^k entries step k reaches, or past the table: never exceeded */
+            tab[k][c] = c < (1 << k) && t < NT ? T[t] : 3.0e38f;
         }
     }
     for (int j = 0; j < 8; ++j) {
@@ -130,17 +126,8 @@ static inline __attribute__((always_inline)) void pkv_kv_codes_v_(pkv_fwht_v16f 
         memcpy(half, v + i, sizeof half);
         for (int h = 0; h < 2; ++h) {
             pkv_kv_v8i_ idx = { 0 };
-            if (narrow_tables) {
-                for (int k = 0; k < bits; ++k) {
-                    const pkv_kv_v8f_ t = __builtin_shuffle(tlo[k], idx >> (bits - k));
-                    idx += PKV_KV_GT_(half[h], t) & (1 << (bits - 1 - k));
-                }
-            } else {
-                for (int k = 0; k < bits; ++k) {
-                    const pkv_kv_v8f_ t = __builtin_shuffle(tlo[k], thi[k], idx);
-                    idx += PKV_KV_GT_(half[h], t) & (1 << (bits - 1 - k));
-                }
-            }
+            for (int k = 0; k < bits; ++k)
+                idx = idx + idx - PKV_KV_GT_(half[h], __builtin_shuffle(tab[k], idx));
             half[h] = __builtin_shuffle(clo, chi, idx);
             pkv_kv_pack8_(&idx, bits, out + bits * (2 * i + h));
         }
@@ -151,7 +138,7 @@ static inline __attribute__((always_inline)) void pkv_kv_codes_v_(pkv_fwht_v16f 
 /* One mode and head_dim, all constants: the compiler unrolls the threshold chain. */
 static inline __attribute__((always_inline)) void pkv_kv_encode_rows_(
         const float *x32, const uint16_t *x16, ptrdiff_t n_rows, uint32_t hd, uint32_t mode,
-        const pkv_kv_signs_ *sg, int narrow_tables, uint8_t *out) {
+        const pkv_kv_signs_ *sg, uint8_t *out) {
     const int bits = (int)pkv_kv_mode_bits(mode), rot = (int)pkv_kv_mode_rotation(mode);
     const int nvec = (int)hd / 16, NT = (1 << bits) - 1;
     const float *C = pkv_kv_centroids + pkv_kv_centroid_offset((uint32_t)bits, (uint32_t)rot);
@@ -169,23 +156,20 @@ static inline __attribute__((always_inline)) void pkv_kv_encode_rows_(
         } else {
             for (int h = 0; h < nvec; h += 8) pkv_fwht_vecs_(v + h, 8, sg->pre, sg->post128);
         }
-        pkv_kv_codes_v_(v, nvec, C, T, NT, bits, narrow_tables, o + PKV_KV_CNORM_BYTES);
+        pkv_kv_codes_v_(v, nvec, C, T, NT, bits, o + PKV_KV_CNORM_BYTES);
         pkv_store_f32le(o, pkv_kv_cnorm(norm, pkv_kv_sumsq_v_(v, nvec)));
     }
 }
 
 #define PKV_KV_ENCODE_CASE_(MODE, HD) \
     if (mode == (MODE) && hd == (HD)) { \
-        pkv_kv_encode_rows_(x32, x16, n_rows, HD, MODE, &sg, narrow_tables, out); return; }
+        pkv_kv_encode_rows_(x32, x16, n_rows, HD, MODE, &sg, out); return; }
 
 /* Encode n_rows rows of hd values (x32, or f16 bits x16 when x32 is NULL) in a
- * rotated mode into row_bytes records each, the codes' search with one table per step
- * or two (narrow_tables: see pkv_kv_codes_v_; the same bytes). Finite input only
- * (checked by the caller). */
+ * rotated mode into row_bytes records each. Finite input only (checked by the caller). */
 PKV_CPU_CLONES
-static void pkv_cpu_kv_encode_rows_with(const float *x32, const uint16_t *x16, ptrdiff_t n_rows,
-                                        uint32_t hd, uint32_t mode, int narrow_tables,
-                                        uint8_t *out) {
+static void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, ptrdiff_t n_rows,
+                                   uint32_t hd, uint32_t mode, uint8_t *out) {
     pkv_kv_signs_ sg;
     pkv_kv_signs_init_(&sg);
     PKV_KV_ENCODE_CASE_(PKV_KV_MODE_FWHT4, 128u)
@@ -200,31 +184,11 @@ static void pkv_cpu_kv_encode_rows_with(const float *x32, const uint16_t *x16, p
 
 #undef PKV_KV_ENCODE_CASE_
 
-/* The same, with the search this CPU runs faster: one table per step where the widest
- * permute takes one table of 8 (x86 without AVX-512; 5-7% faster encodes on the AVX2
- * clone, 5% slower on AVX-512's, Zen 4), two elsewhere. */
-PKV_KV_LOOP_ void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, ptrdiff_t n_rows,
-                                         uint32_t hd, uint32_t mode, uint8_t *out) {
-#if defined(__x86_64__)
-    const int narrow_tables = !(pkv_cpu_features() & PKV_CPU_AVX512);
-#else
-    const int narrow_tables = 0;
-#endif
-    pkv_cpu_kv_encode_rows_with(x32, x16, n_rows, hd, mode, narrow_tables, out);
-}
-
 #else  /* other compilers: the scalar reference per row (below) */
 
 static void pkv_cpu_kv_encode_rows_reference(const float *x32, const uint16_t *x16,
                                              ptrdiff_t n_rows, uint32_t hd, uint32_t mode,
                                              uint8_t *out);
-
-PKV_KV_LOOP_ void pkv_cpu_kv_encode_rows_with(const float *x32, const uint16_t *x16,
-                                              ptrdiff_t n_rows, uint32_t hd, uint32_t mode,
-                                              int narrow_tables, uint8_t *out) {
-    (void)narrow_tables;
-    pkv_cpu_kv_encode_rows_reference(x32, x16, n_rows, hd, mode, out);
-}
 
 PKV_KV_LOOP_ void pkv_cpu_kv_encode_rows(const float *x32, const uint16_t *x16, ptrdiff_t n_rows,
                                          uint32_t hd, uint32_t mode, uint8_t *out) {
