@@ -73,3 +73,54 @@ def test_baseline_cases_run_beside_and_must_give_the_same_bits(capsys):
     n = len(bench.GEMV_FORMATS)
     assert sum(ln.startswith("| 32x512 | baseline ") for ln in out) == n * 4
     assert sum(ln.startswith("# rows/s against b1, 32x512") and "(baseline)" in ln for ln in out) == n
+
+
+def test_cold_cases_cycle_through_copies_of_the_same_weights(capsys, monkeypatch):
+    bench = _bench()
+    made = []
+
+    class Fake:
+        nbytes = 1000
+
+        def __init__(self):
+            made.append(self)
+            self.calls = 0
+
+        def __call__(self, x):
+            self.calls += 1
+            return x
+
+    monkeypatch.setattr(bench, "COLD_BYTES", 3500)
+    gs = bench._copies(Fake, True)
+    assert len(gs) == 4 and made == gs                  # ceil(3500 / 1000) copies
+    assert len(bench._copies(Fake, False)) == 1         # hot: one
+    call = bench._cycling(gs, "x")
+    for _ in range(9):
+        assert call() == "x"
+    assert [g.calls for g in gs] == [3, 2, 2, 2]        # round-robin
+    # the table script with --cold: a row per case, the same bits from every copy
+    monkeypatch.setattr(bench, "COLD_BYTES", 64 << 10)
+    bench.main(["--shape", "32x512", "--rounds", "1", "--budget-ms", "1", "--isa", "scalar",
+                "--only", "b1", "--cold"])
+    out = capsys.readouterr().out
+    assert '"weights": "cold"' in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| 32x512 |")]
+    assert len(rows) == 2 * len(bench.GEMV_FORMATS)    # b1 and b1 threads=2
+    import numpy as np
+
+    import pagedkv.quant as Q
+    w = bench._weights(32, 512)
+    raw = Q.quantize(w, "mq4g256v2")
+    gs = bench._copies(lambda: Q.prepare_gemv(raw, "mq4g256v2", (32, 512)), True)
+    assert len(gs) > 1
+    x = bench._weights(2, 512, seed=1)
+    assert len({g(x).tobytes() for g in gs}) == 1
+    assert np.array_equal(gs[0](x), gs[-1](x))
+
+
+def test_asv_cold_suite_sets_up_and_runs(monkeypatch):
+    bench = _bench()
+    monkeypatch.setattr(bench, "COLD_BYTES", 20 << 20)  # 3 copies of 8.5 MiB, not 29
+    suite = bench.PreparedGemvCold()
+    suite.setup("hfq4g256")
+    suite.time_call("hfq4g256")

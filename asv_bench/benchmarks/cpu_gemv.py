@@ -7,6 +7,7 @@ docs/performance.md, "CPU GEMV against ggml"), one measurement at a time, the or
 rotated every round, single-threaded unless a row says otherwise::
 
     python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --rounds 7
+    python asv_bench/benchmarks/cpu_gemv.py --ggml /path/to/ggml_worker --cold  # from DRAM
     python asv_bench/benchmarks/cpu_gemv.py --threads-scaling 40     # 1 vs 2 threads
     python asv_bench/benchmarks/cpu_gemv.py --spin-ab 40     # 1 vs 2, workers spin or sleep
     python asv_bench/benchmarks/cpu_gemv.py --isa avx2 --only b1,b2,b4,b8 \
@@ -27,6 +28,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBL
 
 import argparse
 import importlib.util
+import itertools
 import json
 import platform
 import statistics
@@ -48,6 +50,26 @@ def _weights(m: int, k: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
 
 
+# --cold: every GEMV call reads another copy of the weights, cycling through at least this
+# many bytes (the ggml worker's cold mode uses the same figure), so the weights come from
+# DRAM as in a model's decode step, where no layer's matrices stay in the caches.
+COLD_BYTES = 256 << 20
+
+
+def _copies(make, cold: bool) -> list:
+    """``[make()]``, or (cold) as many prepared GEMVs from ``make`` as cycle through
+    COLD_BYTES."""
+    first = make()
+    n = -(-COLD_BYTES // first.nbytes) if cold else 1
+    return [first, *(make() for _ in range(n - 1))]
+
+
+def _cycling(gs: list, x: np.ndarray, **kw):
+    """A call of the next copy in ``gs`` (all of them the same weights) on ``x``."""
+    nxt = itertools.cycle(gs).__next__
+    return lambda: nxt()(x, **kw)
+
+
 class PreparedGemv:
     """``PreparedGemv.__call__`` per format and batch at 4096x4096 (one thread)."""
 
@@ -60,6 +82,23 @@ class PreparedGemv:
 
     def time_call(self, fmt, batch):
         self.gemv(self.x)
+
+
+class PreparedGemvCold:
+    """Batch-1 GEMV at 4096x4096 with the weights from DRAM, as in a model's decode step:
+    every call reads the next of enough copies to cycle through COLD_BYTES
+    (docs/performance.md, "Weights from DRAM")."""
+
+    params = ["hfq4g256", "mq4g256v2", "q8f16"]  # noqa: RUF012
+    param_names = ["fmt"]  # noqa: RUF012
+
+    def setup(self, fmt):
+        raw = Q.quantize(_weights(4096, 4096), fmt)
+        gs = _copies(lambda: Q.prepare_gemv(raw, fmt, (4096, 4096)), True)
+        self.call = _cycling(gs, _weights(1, 4096, seed=1))
+
+    def time_call(self, fmt):
+        self.call()
 
 
 class PreparedGemvAvx2Batch:
@@ -173,25 +212,29 @@ def _load_baseline(path: str):
     return module
 
 
-def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None, baseline=None):
-    """(name, op, callable or ggml command) for one shape; callables for pagedkv."""
+def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None, baseline=None,
+           cold: bool = False):
+    """(name, op, callable or ggml command) for one shape; callables for pagedkv. ``cold``:
+    the GEMVs (pagedkv's and ggml's) cycle through copies of their weights (COLD_BYTES);
+    dequantize and the float-x ``gemv()`` stay on one copy."""
     w = _weights(m, k)
     x8 = _weights(8, k, seed=1)
     out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
     cases = []
     for fmt in GEMV_FORMATS:
         raw = Q.quantize(w, fmt)
-        g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
+        gs = _copies(lambda raw=raw, fmt=fmt: Q.prepare_gemv(raw, fmt, (m, k), isa=isa), cold)
+        g = gs[0]
         for b in BATCHES:
-            cases.append((f"pagedkv {fmt} b{b}", "gemv", (lambda g=g, x=x8[:b]: g(x))))
+            cases.append((f"pagedkv {fmt} b{b}", "gemv", _cycling(gs, x8[:b])))
         if baseline is not None:
-            g0 = baseline.PreparedGemv(raw, fmt, (m, k), isa=isa)
+            g0s = _copies(lambda raw=raw, fmt=fmt: baseline.PreparedGemv(raw, fmt, (m, k), isa=isa),
+                          cold)
             for b in BATCHES:
-                if g0(x8[:b]).tobytes() != g(x8[:b]).tobytes():
+                if g0s[0](x8[:b]).tobytes() != g(x8[:b]).tobytes():
                     raise SystemExit(f"--baseline gives other bits: {fmt} b{b}")
-                cases.append((f"baseline {fmt} b{b}", "gemv", (lambda g=g0, x=x8[:b]: g(x))))
-        cases.append((f"pagedkv {fmt} b1 threads=2", "gemv",
-                      (lambda g=g, x=x8[:1]: g(x, threads=2))))
+                cases.append((f"baseline {fmt} b{b}", "gemv", _cycling(g0s, x8[:b])))
+        cases.append((f"pagedkv {fmt} b1 threads=2", "gemv", _cycling(gs, x8[:1], threads=2)))
         cases.append((f"pagedkv {fmt} gemv() f32 x", "gemv",
                       (lambda raw=raw, fmt=fmt, x=x8[0]: Q.gemv(raw, fmt, (m, k), x))))
         cases.append((f"pagedkv {fmt} dequantize", "dequant",
@@ -202,7 +245,8 @@ def _cases(m: int, k: int, ggml: _Ggml | None, isa: str | None, baseline=None):
     if ggml is not None:
         for t, mode in (("q4_0", "repack"), ("q4_K", "repack"), ("q8_0", "graph")):
             for b in (1, 4, 8) if t == "q4_0" else (1,):
-                cases.append((f"ggml {t} {mode} b{b}", "gemv", f"gemv {t} {mode} {m} {k} hot", b))
+                cases.append((f"ggml {t} {mode} b{b}", "gemv",
+                              f"gemv {t} {mode} {m} {k} {'cold' if cold else 'hot'}", b))
         for t in ("q4_0", "q4_K", "q8_0"):
             cases.append((f"ggml {t} to_float", "dequant", f"dequant {t} x {m} {k}", 0))
     return cases
@@ -296,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--isa", help="pagedkv kernel, as PAGEDKV_CPU_ISA (default: the best here)")
     ap.add_argument("--only", help="comma-separated substrings: run the cases that match")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--cold", action="store_true",
+                    help="GEMVs cycle through >= 256 MiB of weight copies (pagedkv's and "
+                         "ggml's): weights from DRAM, as in a model's decode step")
     ap.add_argument("--baseline", metavar="SO",
                     help="also time the prepared_gemv extension at this path (built from "
                          "another commit), as 'baseline ...' cases, alternated with this one")
@@ -323,12 +370,13 @@ def main(argv: list[str] | None = None) -> None:
     info = {"cpu": platform.processor() or platform.machine(), "isa": args.isa or
             prepared_gemv.default_isa(), "supported": prepared_gemv.supported_isas(),
             "ggml": ggml.ask("info").get("features") if ggml else None,
-            "start": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": load0}
+            "start": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_start": load0,
+            "weights": "cold" if args.cold else "hot"}
     print("#", json.dumps(info))
     results: dict[tuple[tuple[int, int], str], list[tuple[float, float]]] = {}
     order: list[tuple[tuple[int, int], str, str]] = []
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    all_cases = {shape: _cases(*shape, ggml, args.isa, baseline) for shape in shapes}
+    all_cases = {shape: _cases(*shape, ggml, args.isa, baseline, args.cold) for shape in shapes}
     only = args.only.split(",") if args.only else None
     for r in range(args.rounds):
         for shape, cases in all_cases.items():
