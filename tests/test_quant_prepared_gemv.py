@@ -426,3 +426,21 @@ def test_isa_names_and_the_environment_override(monkeypatch):
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "bogus")
     with pytest.raises(InvalidArgument, match="'bogus' is not a kernel name"):
         Q.prepare_gemv(np.zeros(0, np.uint8), "q8f16", (0, 32))
+
+
+def test_aligned_buffers_start_on_a_line_or_a_huge_page():
+    """A cache line for small buffers; from 4 MiB on a 2 MiB boundary, so the transparent
+    huge pages NumPy advises cover all of it (docs/performance.md, "Weights from DRAM")."""
+    small = prepared_gemv.aligned_empty((3, 1000), np.float32)
+    assert small.ctypes.data % 64 == 0 and small.shape == (3, 1000) and small.flags.c_contiguous
+    big = prepared_gemv.aligned_empty((1024, 1024), np.float32)            # exactly 4 MiB
+    assert big.ctypes.data % (2 << 20) == 0 and big.nbytes == 4 << 20
+    just_under = prepared_gemv.aligned_empty(((4 << 20) - 64,), np.uint8)
+    assert just_under.ctypes.data % 64 == 0
+    # a prepared copy's arrays are allocated the same way: its results do not depend on it
+    w = np.random.default_rng(3).standard_normal((1024, 4096)).astype(np.float32)
+    raw = Q.quantize(w, "hfq4g256")
+    g = Q.prepare_gemv(raw, "hfq4g256", (1024, 4096))
+    assert g.nbytes == 1024 * 4096 // 2 + 2 * 4 * 1024 * 16
+    x = np.random.default_rng(4).standard_normal((2, 4096)).astype(np.float32)
+    assert np.array_equal(g(x), Q.prepare_gemv(raw, "hfq4g256", (1024, 4096))(x))
