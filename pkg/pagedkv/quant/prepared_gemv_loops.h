@@ -284,6 +284,25 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
 #define PKV_PG_LOAD512_(p) _mm512_loadu_si512((const void *)(p))
 #define PKV_PG_SRL4_512_(v) _mm512_srli_epi16((v), 4)
 
+/* The code stream PKV_PG_AHEAD_BYTES ahead of the block at byte `at` (of `blk`, in a
+ * stream of `end` bytes), one line per `stride` bytes, into L2. With the weights from
+ * DRAM (a model's decode step) the kernels ran ahead of the hardware prefetcher. At
+ * 4096x4096 from DRAM (C harness, Zen 4, 256-code spans): AVX-512 batch 1, a line per
+ * 512 bytes, 0.39 -> 0.35 ms (128-code spans 0.42 -> 0.32), batches 2 / 4 / 8, every
+ * line, 0.49 / 0.64 / 1.17 -> 0.38 / 0.43 / 0.71; AVX2, every line, batch 1 0.39 ->
+ * 0.34, 2 0.50 -> 0.39, 4 0.81 -> 0.62. The price, with the weights in L3: 6-13%
+ * (AVX-512), 5-20% (AVX2). Every line for AVX-512 batch 1, one per 512 bytes for the
+ * others, or 2-8 KiB ahead were no faster from DRAM. always_inline: a function of
+ * prefetches alone has no effect GCC must keep, and its out-of-line calls are deleted. */
+#define PKV_PG_AHEAD_BYTES ((size_t)16 << 10)
+
+PKV_PG_INLINE void pkv_pg_prefetch_ahead_(const uint8_t *base, size_t end, size_t at,
+                                          size_t blk, size_t stride) {
+    for (size_t p = (at + stride - 1) & ~(stride - 1);
+         p < at + blk && p + PKV_PG_AHEAD_BYTES < end; p += stride)
+        _mm_prefetch((const char *)(base + p + PKV_PG_AHEAD_BYTES), _MM_HINT_T1);
+}
+
 /* ---- 256-bit kernels (AVX2, AVX-VNNI): rows 0-7 and 8-15 of a chunk line are two
  * vectors, loaded together; 1-2 x rows per pass. The float sums live in y_tile (zeroed
  * by the caller): the 16 ymm registers hold the integer accumulators. ---- */
@@ -333,9 +352,11 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const int WIDEN = 4;
     const uint32_t U = pkv_pgemv_unit_codes(KIND);
+    const size_t stream_bytes = (size_t)w->n_tiles * (size_t)ns * blk;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i i32[2][2];
         const int8_t *xs[2];
+        pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk, 64u);
         for (int b = 0; b < NB; ++b) {
             xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             i32[0][b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
@@ -465,6 +486,9 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, cons
         if (G1 > 0 && t * ns + s + 2 < w->n_tiles * ns)
             for (size_t line = 0; line < blk; line += 64u)
                 _mm_prefetch((const char *)(cw + 2 * blk + line), _MM_HINT_T1);
+        else if (G1 == 0)       /* one group walks each block twice, forwards */
+            pkv_pg_prefetch_ahead_(w->codes, (size_t)w->n_tiles * (size_t)ns * blk,
+                                   (size_t)(cw - w->codes), blk, 64u);
         for (int b = 0; b < NB; ++b) {
             xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             start[b] = -w->center * x->xqsum[(b0 + b) * ns + s];
@@ -510,25 +534,6 @@ PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, co
 
 /* ---- 512-bit kernel (AVX-512 VNNI): a whole tile per vector, up to 8 x rows ---- */
 
-/* The code stream PKV_PG_AHEAD_BYTES ahead of the block at byte `at` (of `blk`), one line
- * per PKV_PG_AHEAD_STRIDE bytes, into L2: with weights from DRAM (a model's decode) the
- * 512-bit kernel outran the hardware prefetcher, and a sparse lead far ahead lets it
- * keep up (4096x4096 batch 1 from DRAM, spans of 256 / 128 codes: 0.39 / 0.42 -> 0.35 /
- * 0.32 ms; 6-9% slower with the weights in L3; C harness, Zen 4). Every line, or into
- * L1, 2-4 blocks ahead was no faster from DRAM and 20% slower from L3; fetching the
- * scales' lines instead did as well as this; the 256-bit kernels, slower per byte,
- * gained nothing. always_inline: a function of prefetches alone has no effect GCC must
- * keep, and an out-of-line call to it is deleted. */
-#define PKV_PG_AHEAD_BYTES ((size_t)16 << 10)
-#define PKV_PG_AHEAD_STRIDE ((size_t)512)
-
-PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_prefetch_ahead_(const uint8_t *base, size_t stream_bytes,
-                                                        size_t at, size_t blk) {
-    size_t p = (at + PKV_PG_AHEAD_STRIDE - 1) & ~(PKV_PG_AHEAD_STRIDE - 1);
-    for (; p < at + blk && p + PKV_PG_AHEAD_BYTES < stream_bytes; p += PKV_PG_AHEAD_STRIDE)
-        _mm_prefetch((const char *)(base + p + PKV_PG_AHEAD_BYTES), _MM_HINT_T1);
-}
-
 PKV_TGT_AVX512 PKV_PG_INLINE __m512 pkv_pg_load16_avx512(const void *p, int f16, size_t idx) {
     return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + idx)))
                : _mm512_loadu_ps((const float *)p + idx);
@@ -550,7 +555,8 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     const size_t stream_bytes = (size_t)w->n_tiles * (size_t)ns * blk;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m512i ia[1][4][PKV_PG_MAX_NB];
-        pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk);
+        pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk,
+                               NB == 1 ? 512u : 64u);
         PKV_PG_VNNI_SPAN_(__m512i, 1, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
                           _mm512_xor_si512, _mm512_set1_epi32, _mm512_dpbusd_epi32,
                           _mm512_setzero_si512)
