@@ -170,7 +170,8 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     one from ``pagedkv.quant.prepared_gemv.aligned_empty`` (64-byte aligned, as the
     array allocated without ``out``) lets large MQ 4-bit decodes bypass the caches.
     ``threads``: decode the groups of HFQ/MQ/Q8 formats on that many threads (the
-    bits do not depend on it; raw F16/BF16/F32 run on one).
+    bits do not depend on it; raw F16/BF16/F32, the Lloyd formats and the P2 decoders,
+    Q4K among them, run on one).
     """
     codec = resolve(fmt)
     data = raw_bytes(raw)
