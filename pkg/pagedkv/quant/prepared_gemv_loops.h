@@ -284,8 +284,9 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
 #define PKV_PG_LOAD512_(p) _mm512_loadu_si512((const void *)(p))
 #define PKV_PG_SRL4_512_(v) _mm512_srli_epi16((v), 4)
 
-/* The code stream PKV_PG_AHEAD_BYTES ahead of the block at byte `at` (of `blk`, in a
- * stream of `end` bytes), one line per `stride` bytes, into L2. With the weights from
+/* The code stream `ahead` bytes (PKV_PG_AHEAD_BYTES, or two blocks for the AVX2 kernel's
+ * 5-8 rows) past the block at byte `at` (of `blk`, in a stream of `end` bytes), one line
+ * per `stride` bytes, into L2. With the weights from
  * DRAM (a model's decode step) the kernels ran ahead of the hardware prefetcher. At
  * 4096x4096 from DRAM (C harness, Zen 4, 256-code spans): AVX-512 batch 1, a line per
  * 512 bytes, 0.39 -> 0.35 ms (128-code spans 0.42 -> 0.32), batches 2 / 4 / 8, every
@@ -297,10 +298,10 @@ static inline int32_t pkv_pg_load_i32(const int8_t *p) {
 #define PKV_PG_AHEAD_BYTES ((size_t)16 << 10)
 
 PKV_PG_INLINE void pkv_pg_prefetch_ahead_(const uint8_t *base, size_t end, size_t at,
-                                          size_t blk, size_t stride) {
-    for (size_t p = (at + stride - 1) & ~(stride - 1);
-         p < at + blk && p + PKV_PG_AHEAD_BYTES < end; p += stride)
-        _mm_prefetch((const char *)(base + p + PKV_PG_AHEAD_BYTES), _MM_HINT_T1);
+                                          size_t blk, size_t ahead, size_t stride) {
+    for (size_t p = (at + stride - 1) & ~(stride - 1); p < at + blk && p + ahead < end;
+         p += stride)
+        _mm_prefetch((const char *)(base + p + ahead), _MM_HINT_T1);
 }
 
 /* ---- 256-bit kernels (AVX2, AVX-VNNI): rows 0-7 and 8-15 of a chunk line are two
@@ -356,7 +357,8 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_(const pkv_pgemv_w *w, const pk
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m256i i32[2][2];
         const int8_t *xs[2];
-        pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk, 64u);
+        pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk,
+                               PKV_PG_AHEAD_BYTES, 64u);
         for (int b = 0; b < NB; ++b) {
             xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             i32[0][b] = _mm256_set1_epi32(-w->center * x->xqsum[(b0 + b) * ns + s]);
@@ -482,13 +484,11 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_body_avx2_nib_(const pkv_pgemv_w *w, cons
          * tiles) into L2. Into L1 and one ahead, as first written, the 32 lines of a
          * 256-code span overran the L1's misses in flight: from DRAM batch 8 at 4096^2
          * took 1.84 ms against 1.20 now (HFQ4G256; MQ V2's 1 KiB blocks 1.40 -> 1.31; in
-         * L3 1.20 -> 1.15 and 1.29 -> 1.27; C harness, Zen 4) */
-        if (G1 > 0 && t * ns + s + 2 < w->n_tiles * ns)
-            for (size_t line = 0; line < blk; line += 64u)
-                _mm_prefetch((const char *)(cw + 2 * blk + line), _MM_HINT_T1);
-        else if (G1 == 0)       /* one group walks each block twice, forwards */
-            pkv_pg_prefetch_ahead_(w->codes, (size_t)w->n_tiles * (size_t)ns * blk,
-                                   (size_t)(cw - w->codes), blk, 64u);
+         * L3 1.20 -> 1.15 and 1.29 -> 1.27; C harness, Zen 4). One group (3-4 rows)
+         * walks each block twice, forwards: it takes the usual lead. */
+        pkv_pg_prefetch_ahead_(w->codes, (size_t)w->n_tiles * (size_t)ns * blk,
+                               (size_t)(cw - w->codes), blk,
+                               G1 > 0 ? 2 * blk : PKV_PG_AHEAD_BYTES, 64u);
         for (int b = 0; b < NB; ++b) {
             xs[b] = x->xq + (b0 + b) * x->ldx + s * (ptrdiff_t)span;
             start[b] = -w->center * x->xqsum[(b0 + b) * ns + s];
@@ -556,7 +556,7 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m512i ia[1][4][PKV_PG_MAX_NB];
         pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk,
-                               NB == 1 ? 512u : 64u);
+                               PKV_PG_AHEAD_BYTES, NB == 1 ? 512u : 64u);
         PKV_PG_VNNI_SPAN_(__m512i, 1, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
                           _mm512_xor_si512, _mm512_set1_epi32, _mm512_dpbusd_epi32,
                           _mm512_setzero_si512)
