@@ -1,5 +1,5 @@
 """threads= of dequantize and the worker pool behind it (pagedkv.quant.cpu_pool): the bits
-never depend on the thread count, MQ 4-bit groups decoded in one pass equal decode + Rᵀ,
+never depend on the thread count (every format's decoder, span_decode_loop.pxd), MQ 4-bit groups decoded in one pass equal decode + Rᵀ,
 every part of a job runs once whether its workers spin or sleep, and the pool survives
 concurrent callers and fork()."""
 
@@ -96,13 +96,58 @@ def test_the_isa_cap_picks_another_mq_decoder_with_the_same_bits(isa, monkeypatc
     assert Q.dequantize(raw, "mq4g256v2", (64, 512), threads=2).tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256", "q8f16", "hfq3g128"])
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256", "q8f16", "hfq3g128", "q4f16g64",
+                                 "mq4g256lloyd", "mq8g256", "f16", "bf16"])
 def test_a_short_last_group_with_threads(fmt):
     rng = np.random.default_rng(3)
     n = 256 * 300 + 77
     raw = Q.quantize(rng.standard_normal(n).astype(np.float32), fmt)
     want = Q.dequantize(raw, fmt, n)
     assert Q.dequantize(raw, fmt, n, threads=4).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["tq2g128", "bq1g128"])
+def test_decode_only_formats_bits_do_not_depend_on_threads(fmt):
+    """The passthrough formats pagedkv cannot encode: any bytes decode, on any thread count
+    to the same bits, including a short last group."""
+    codec = Q.resolve(fmt)
+    rng = np.random.default_rng(11)
+    for n in (67 * 4096, 128 * 300 + 5):
+        groups = -(-n // 128)
+        raw = rng.integers(0, 256, groups * codec.group_bytes, dtype=np.uint8)
+        raw.reshape(groups, -1)[:, 1] &= 0x3B          # finite f16 d (exponent below 31)
+        want = Q.dequantize(raw, fmt, n)
+        assert np.isfinite(want).all()
+        for threads in (2, 3, 8):
+            assert Q.dequantize(raw, fmt, n, threads=threads).tobytes() == want.tobytes()
+
+
+def test_decoder_modules_refuse_zero_threads_before_writing():
+    from pagedkv.quant import codebook, fp4, gaussian_codebook, half, legacy, q8, ternary
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(4096).astype(np.float32)
+    out = np.full(4096, 7.0, np.float32)
+    calls = [
+        lambda raw: legacy.q4k_decode(raw, out, 0), lambda raw: legacy.q4f16g64_decode(raw, out, 0),
+        lambda raw: q8.mq8_decode(raw, out, False, 0), lambda raw: q8.q8hfq_decode(raw, out, 512, 0),
+        lambda raw: codebook.decode(raw, out, 4, True, False, 0),
+        lambda raw: gaussian_codebook.decode(raw, out, 2, False, 0),
+        lambda raw: fp4.decode(raw, out, 512, 0, False, 0),
+        lambda raw: ternary.decode(raw, out, 2, 0),
+        lambda raw: half.f16_to_f32(raw.view(np.uint16), out, 0),
+    ]
+    fmts = ["q4k", "q4f16g64", "mq8g256", "q8hfq", "mq4g256lloyd", "mq2g256gl", "hfp4g32",
+            None, "f16"]
+    for call, fmt in zip(calls, fmts):
+        if fmt is None:
+            raw = np.zeros(32 * 34, np.uint8)           # tq2g128: 32 groups of 34 bytes
+        elif fmt == "q8hfq" or fmt == "hfp4g32":
+            raw = Q.quantize(x.reshape(8, 512), fmt)
+        else:
+            raw = Q.quantize(x, fmt)
+        with pytest.raises(InvalidArgument, match="threads"):
+            call(raw)
+        assert np.all(out == 7.0), fmt
 
 
 def test_dequantize_threads_argument_errors_leave_out_untouched():

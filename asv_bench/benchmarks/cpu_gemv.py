@@ -43,6 +43,8 @@ from pagedkv.quant import cpu_pool, prepared_gemv
 
 SHAPES = [(4096, 4096), (4096, 14336)]        # (M, K)
 GEMV_FORMATS = ["hfq4g256", "mq4g256v2", "q8f16", "q4k"]   # q4k: GGML Q4_K, as ggml q4_K
+#: formats timed for dequantize only (threads=): a Lloyd codebook, a GL codebook, raw f16
+DEQUANT_ONLY_FORMATS = ["mq4g256lloyd", "mq3g256gl", "f16"]
 BATCHES = [1, 2, 4, 8]
 
 
@@ -122,7 +124,7 @@ class PreparedGemvAvx2Batch:
 class PreparedGemvThreads:
     """The same call on 1 and 2 threads, 4096x14336, batch 1."""
 
-    params = (["hfq4g256", "mq4g256v2", "q8f16"], [1, 2])
+    params = (["hfq4g256", "mq4g256v2", "q8f16", *DEQUANT_ONLY_FORMATS], [1, 2])
     param_names = ["fmt", "threads"]  # noqa: RUF012
 
     def setup(self, fmt, threads):
@@ -149,7 +151,7 @@ class Prepare:
 class DequantizeThreads:
     """``dequantize`` into a reused buffer, 4096x4096, on 1 and 2 threads."""
 
-    params = (["hfq4g256", "mq4g256v2", "q8f16"], [1, 2])
+    params = (["hfq4g256", "mq4g256v2", "q8f16", *DEQUANT_ONLY_FORMATS], [1, 2])
     param_names = ["fmt", "threads"]  # noqa: RUF012
 
     def setup(self, fmt, threads):
@@ -261,14 +263,16 @@ def threads_scaling(shapes, pairs: int, isa: str | None) -> None:
         w = _weights(m, k)
         x = _weights(1, k, seed=1)
         out = prepared_gemv.aligned_empty((m, k), np.float32)   # as dequantize allocates it
-        for fmt in GEMV_FORMATS:
+        for fmt in (*GEMV_FORMATS, *DEQUANT_ONLY_FORMATS):
             raw = Q.quantize(w, fmt)
-            g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
             shape = (m, k)
-            for name, call in ((f"{fmt} gemv b1", lambda t, g=g, x=x: g(x, threads=t)),
-                               (f"{fmt} dequantize",
-                                lambda t, raw=raw, fmt=fmt, shape=shape, out=out: Q.dequantize(
-                                    raw, fmt, shape, out=out, threads=t))):
+            cases = [(f"{fmt} dequantize",
+                      lambda t, raw=raw, fmt=fmt, shape=shape, out=out: Q.dequantize(
+                          raw, fmt, shape, out=out, threads=t))]
+            if fmt in GEMV_FORMATS:
+                g = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)
+                cases.insert(0, (f"{fmt} gemv b1", lambda t, g=g, x=x: g(x, threads=t)))
+            for name, call in cases:
                 call(1)
                 call(2)
                 times: dict[int, list[float]] = {1: [], 2: []}

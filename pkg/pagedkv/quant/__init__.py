@@ -67,14 +67,15 @@ _DECODE_ONLY_WHY = {
 }
 
 # Decoders of the P2 kinds: (codec, raw, out, K, rotated_basis) -> None.
+# (codec, raw, out, K, rotated_basis, threads)
 _P2_DECODERS = {
-    FP4: lambda c, raw, out, k, rb: fp4.decode(raw, out, k, _FP4_KIND[c.qt.id], rb),
-    GL: lambda c, raw, out, k, rb: gaussian_codebook.decode(raw, out, c.bits, rb),
-    MQ8: lambda c, raw, out, k, rb: q8.mq8_decode(raw, out, rb),
-    Q8HFQ: lambda c, raw, out, k, rb: q8.q8hfq_decode(raw, out, k),
-    Q4F16G64: lambda c, raw, out, k, rb: legacy.q4f16g64_decode(raw, out),
-    Q4K: lambda c, raw, out, k, rb: legacy.q4k_decode(raw, out),
-    TERNARY: lambda c, raw, out, k, rb: ternary.decode(raw, out, c.bits),
+    FP4: lambda c, raw, out, k, rb, t: fp4.decode(raw, out, k, _FP4_KIND[c.qt.id], rb, t),
+    GL: lambda c, raw, out, k, rb, t: gaussian_codebook.decode(raw, out, c.bits, rb, t),
+    MQ8: lambda c, raw, out, k, rb, t: q8.mq8_decode(raw, out, rb, t),
+    Q8HFQ: lambda c, raw, out, k, rb, t: q8.q8hfq_decode(raw, out, k, t),
+    Q4F16G64: lambda c, raw, out, k, rb, t: legacy.q4f16g64_decode(raw, out, t),
+    Q4K: lambda c, raw, out, k, rb, t: legacy.q4k_decode(raw, out, t),
+    TERNARY: lambda c, raw, out, k, rb, t: ternary.decode(raw, out, c.bits, t),
 }
 
 
@@ -169,9 +170,9 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer;
     one from ``pagedkv.quant.prepared_gemv.aligned_empty`` (64-byte aligned, as the
     array allocated without ``out``) lets large MQ 4-bit decodes bypass the caches.
-    ``threads``: decode the groups of HFQ/MQ/Q8 formats on that many threads (the
-    bits do not depend on it; raw F16/BF16/F32, the Lloyd formats and the P2 decoders,
-    Q4K among them, run on one).
+    ``threads``: decode on that many threads (the process's worker pool; the bits do
+    not depend on it). Every format's decoder splits its groups or rows; F32 is a copy
+    and runs on one. Below ~64 KiB of floats per thread a call stays on fewer threads.
     """
     codec = resolve(fmt)
     data = raw_bytes(raw)
@@ -216,16 +217,17 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     elif codec.kind == Q8:
         q8.decode(data, out, threads)
     elif codec.kind == LLOYD:
-        codebook.decode(data, out, codec.bits, codec.rotated, rotated_basis and codec.rotated)
+        codebook.decode(data, out, codec.bits, codec.rotated, rotated_basis and codec.rotated,
+                        threads)
     elif codec.kind in _P2_DECODERS:
         if numel:
-            _P2_DECODERS[codec.kind](codec, data, out, dims[-1], rotated_basis)
+            _P2_DECODERS[codec.kind](codec, data, out, dims[-1], rotated_basis, threads)
     elif codec.name == "f32":
         out[:] = data.view(np.float32)
     else:
         # HFQM payloads sit at any byte offset of the file: widen from an aligned copy.
         halves = np.require(data.view(np.uint16), requirements=["C", "A"])
-        (half.f16_to_f32 if codec.name == "f16" else half.bf16_to_f32)(halves, out)
+        (half.f16_to_f32 if codec.name == "f16" else half.bf16_to_f32)(halves, out, threads)
     return result
 
 

@@ -16,9 +16,10 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
-from pagedkv.quant.cpu_pool cimport job_parts, pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups, group_encoder
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, pkv_hfq_encode_group, pkv_mq4c_encode_group, pkv_mqv1_encode_group,
     pkv_mqv2_encode_group, pkv_pack_codes, pkv_unpack_code,
@@ -144,10 +145,9 @@ cdef int _mq_level():
     return _MQ_LEVELS.get(os.environ.get("PAGEDKV_CPU_ISA", ""), 2)
 
 
-cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
-    """Whole groups [n * part / n_parts, n * (part + 1) / n_parts) of a decode job."""
+cdef void _decode_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
+    """Whole groups [g0, g1) of a decode job."""
     cdef _DecodeJob *job = <_DecodeJob *>ctx
-    cdef Py_ssize_t g0 = job.n_whole * part // n_parts, g1 = job.n_whole * (part + 1) // n_parts
     cdef Py_ssize_t g, count, B = job.B, group = job.group
     if job.unrotate and job.bits == 4 and group == 256 and pkv_cpu_mq4_decode_original(
             &job.raw[g0 * B], g1 - g0, job.family, &job.out[g0 * group], job.mq_level,
@@ -173,8 +173,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
     cdef _DecodeJob job
     cdef bint unrotate = family != HFQ and not rotated_basis
     check_affine_geometry(family, bits, group)  # before dividing by group
-    if threads < 1:
-        raise InvalidArgument(f"threads = {threads}: pass 1 or more")
+    check_thread_count(threads)
     B = group_bytes(bits, group)
     n_groups = (n + group - 1) // group
     n_whole = n // group
@@ -192,10 +191,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
     job.unrotate = unrotate
     job.mq_level = _mq_level()
     with nogil:
-        if n_whole > 0:
-            # at least 64 groups (64 KiB of floats) per part: less is not worth a wake-up
-            pool_run(_decode_part, &job, job_parts(n_whole // DECODE_BATCH_GROUPS, threads),
-                     threads)
+        decode_spans(_decode_span, &job, n_whole, DECODE_BATCH_GROUPS, threads)
         if n_whole < n_groups:              # the short last group
             pkv_cpu_affine_decode_groups(&raw[n_whole * B], 1, family, bits, <unsigned>group, buf)
             if unrotate:

@@ -13,6 +13,8 @@ from libc.string cimport memcpy
 
 from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 
 cnp.import_array()
 
@@ -80,22 +82,51 @@ def encode(const float[::1] x, uint8_t[::1] out, int bits, bint rotated):
     return bad
 
 
+cdef struct _DecodeJob:
+    const uint8_t *raw
+    float *out
+    Py_ssize_t B
+    unsigned bits
+    bint unrotate
+
+
+cdef void _decode_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
+    """Whole groups [g0, g1), straight into the output."""
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef uint8_t q[256]
+    cdef Py_ssize_t g
+    for g in range(g0, g1):
+        pkv_lloyd_decode_group(&job.raw[g * job.B], job.bits, q, &job.out[g * 256])
+        if job.unrotate:
+            unrotate256(&job.out[g * 256], &job.out[g * 256], 1)
+
+
 def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated,
-           bint rotated_basis=False):
+           bint rotated_basis=False, int threads=1):
     """Decode ``len(out)`` weights; a rotated format is un-rotated per group unless
-    ``rotated_basis`` (the stored basis)."""
+    ``rotated_basis`` (the stored basis). The whole groups split over ``threads`` threads
+    (same bits for any count)."""
     cdef Py_ssize_t B = lloyd_group_bytes(bits)
-    cdef Py_ssize_t n = out.shape[0], g, count
+    cdef Py_ssize_t n = out.shape[0], n_whole = n // 256
     cdef Py_ssize_t n_groups = (n + 255) // 256
     cdef uint8_t q[256]
     cdef float buf[256]
     cdef bint unrotate = rotated and not rotated_basis
+    cdef _DecodeJob job
     if raw.shape[0] != n_groups * B:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+    check_thread_count(threads)
+    if n == 0:
+        return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.B = B
+    job.bits = <unsigned>bits
+    job.unrotate = unrotate
     with nogil:
-        for g in range(n_groups):
-            count = min(256, n - g * 256)
-            pkv_lloyd_decode_group(&raw[g * B], <unsigned>bits, q, buf)
+        decode_spans(_decode_span, &job, n_whole, 64, threads)
+        if n_whole < n_groups:              # the short last group
+            pkv_lloyd_decode_group(&raw[n_whole * B], <unsigned>bits, q, buf)
             if unrotate:
                 unrotate256(buf, buf, 1)
-            memcpy(&out[g * 256], buf, count * sizeof(float))
+            memcpy(&out[n_whole * 256], buf, (n - n_whole * 256) * sizeof(float))

@@ -12,3 +12,7 @@ cdef void pool_run(pool_fn fn, void *ctx, int n_parts, int n_threads) noexcept n
 # threads: a few per thread, so a thread that starts late takes fewer, never more
 # parts than units.
 cdef int job_parts(Py_ssize_t units, int threads) noexcept nogil
+
+# Raise InvalidArgument unless threads >= 1 (the decoders' check, before anything is
+# written).
+cdef int check_thread_count(int threads) except -1

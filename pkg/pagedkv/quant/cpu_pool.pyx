@@ -41,6 +41,12 @@ cdef int job_parts(Py_ssize_t units, int threads) noexcept nogil:
     return <int>parts if parts > 1 else 1
 
 
+cdef int check_thread_count(int threads) except -1:
+    if threads < 1:
+        raise InvalidArgument(f"threads = {threads}: pass 1 or more")
+    return 0
+
+
 def spin_us():
     """Microseconds a worker spins for the next job before it sleeps (``int``)."""
     return pkv_pool_get_spin_us()

@@ -13,6 +13,8 @@ from libc.string cimport memcpy
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, PKV_FP4_FLAGS_PLAIN, PKV_FP4_FLAGS_ROTATED, PKV_FP4_UE8M0_RESERVED,
     pkv_first_nonfinite, pkv_fp4_decode_row,
@@ -95,10 +97,28 @@ def encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K, int kind):
     return bad
 
 
+cdef struct _DecodeJob:
+    const uint8_t *raw
+    float *out
+    Py_ssize_t K, B
+    bint e4m3, unrotate
+
+
+cdef void _decode_span(void *ctx, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    """Rows [r0, r1), already validated."""
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef Py_ssize_t r, K = job.K
+    for r in range(r0, r1):
+        pkv_fp4_decode_row(&job.raw[r * job.B], <uint32_t>K, job.e4m3, &job.out[r * K])
+        if job.unrotate:
+            unrotate256(&job.out[r * K], &job.out[r * K], K // 256)
+
+
 def decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int kind,
-           bint rotated_basis=False):
+           bint rotated_basis=False, int threads=1):
     """Decode ``len(out)`` weights (rows of ``K``); the rotated kinds are un-rotated per
-    256-segment unless ``rotated_basis``. A row whose header does not say K/32 blocks and
+    256-segment unless ``rotated_basis``; the rows split over ``threads`` threads (same
+    bits for any count). A row whose header does not say K/32 blocks and
     this kind's flags, or a UE8M0 block byte of 255 (reserved), raises
     :class:`~pagedkv.errors.CorruptPayload` before anything is written."""
     _check(out.shape[0], K, kind)
@@ -107,6 +127,8 @@ def decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int kind,
     cdef uint32_t flags = PKV_FP4_FLAGS_PLAIN if kind == 0 else PKV_FP4_FLAGS_ROTATED
     cdef uint32_t blocks
     cdef int why = 0
+    cdef _DecodeJob job
+    check_thread_count(threads)
     if raw.shape[0] != n_rows * B:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n_rows} rows of K = {K} need "
                            f"{n_rows * B} (16 + 17*K/32 per row)")
@@ -133,8 +155,13 @@ def decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int kind,
                   3: "a block scale byte is 255, the reserved UE8M0 value"}[why]
         raise CorruptPayload(f"{KINDS[kind]} row {bad_row} is corrupt: {reason} (header "
                              f"{row.hex(' ')})")
+    if n_rows == 0:
+        return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.K = K
+    job.B = B
+    job.e4m3 = kind == 2
+    job.unrotate = kind != 0 and not rotated_basis
     with nogil:
-        for r in range(n_rows):
-            pkv_fp4_decode_row(&raw[r * B], <uint32_t>K, kind == 2, &out[r * K])
-            if kind != 0 and not rotated_basis:
-                unrotate256(&out[r * K], &out[r * K], K // 256)
+        decode_spans(_decode_span, &job, n_rows, 16384 // K, threads)

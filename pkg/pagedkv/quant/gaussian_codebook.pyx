@@ -12,6 +12,8 @@ from libc.stdint cimport uint8_t, uint32_t
 
 from pagedkv.quant.fwht cimport rotate256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 from pagedkv.quant.quant_header cimport (
     PKV_F16_IS_NONFINITE, pkv_first_nonfinite, pkv_gl_decode_group, pkv_store_u16le,
 )
@@ -74,16 +76,41 @@ def encode(const float[::1] x, uint8_t[::1] out, int bits):
     return bad
 
 
-def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated_basis=False):
-    """Decode ``len(out)`` weights (a multiple of 256), un-rotated per group unless
-    ``rotated_basis``."""
-    cdef Py_ssize_t n_groups = _groups(out.shape[0], bits), g
+cdef struct _DecodeJob:
+    const uint8_t *raw
+    float *out
+    Py_ssize_t n_groups
+    uint32_t bits
+    bint unrotate
+
+
+cdef void _decode_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
     cdef uint8_t q[256]
+    cdef Py_ssize_t g
+    for g in range(g0, g1):
+        pkv_gl_decode_group(job.raw, job.bits, job.n_groups, g, q, &job.out[g * 256])
+        if job.unrotate:
+            unrotate256(&job.out[g * 256], &job.out[g * 256], 1)
+
+
+def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated_basis=False,
+           int threads=1):
+    """Decode ``len(out)`` weights (a multiple of 256), un-rotated per group unless
+    ``rotated_basis``; the groups split over ``threads`` threads (same bits for any
+    count)."""
+    cdef Py_ssize_t n_groups = _groups(out.shape[0], bits)
+    cdef _DecodeJob job
     if raw.shape[0] != n_groups * (32 * bits + 2):
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {out.shape[0]} weights need "
                            f"{n_groups * (32 * bits + 2)}")
+    check_thread_count(threads)
+    if n_groups == 0:
+        return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.n_groups = n_groups
+    job.bits = <uint32_t>bits
+    job.unrotate = not rotated_basis
     with nogil:
-        for g in range(n_groups):
-            pkv_gl_decode_group(&raw[0], <uint32_t>bits, n_groups, g, q, &out[g * 256])
-            if not rotated_basis:
-                unrotate256(&out[g * 256], &out[g * 256], 1)
+        decode_spans(_decode_span, &job, n_groups, 64, threads)

@@ -13,6 +13,8 @@ cimport numpy as cnp
 from libc.stdint cimport uint16_t
 
 from pagedkv.quant.quant_header cimport pkv_bf16_trunc, pkv_f16_rne, pkv_f16_trunc
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 
 cnp.import_array()
 
@@ -79,17 +81,40 @@ cdef extern from "raw_decode_loops.h" nogil:
     void pkv_cpu_bf16_to_f32(const uint16_t *h, Py_ssize_t n, float *out)
 
 
-def f16_to_f32(const uint16_t[::1] h, float[::1] out):
-    cdef Py_ssize_t n = h.shape[0]
-    _check_widening(h, out)
-    if n:
-        with nogil:
-            pkv_cpu_f16_to_f32(&h[0], n, &out[0])
+cdef struct _WidenJob:
+    const uint16_t *h
+    float *out
+    bint bf16
 
 
-def bf16_to_f32(const uint16_t[::1] h, float[::1] out):
+cdef void _widen_span(void *ctx, Py_ssize_t i0, Py_ssize_t i1) noexcept nogil:
+    cdef _WidenJob *job = <_WidenJob *>ctx
+    if job.bf16:
+        pkv_cpu_bf16_to_f32(&job.h[i0], i1 - i0, &job.out[i0])
+    else:
+        pkv_cpu_f16_to_f32(&job.h[i0], i1 - i0, &job.out[i0])
+
+
+cdef int _widen(const uint16_t[::1] h, float[::1] out, bint bf16, int threads) except -1:
     cdef Py_ssize_t n = h.shape[0]
+    cdef _WidenJob job
     _check_widening(h, out)
+    check_thread_count(threads)
     if n:
+        job.h = &h[0]
+        job.out = &out[0]
+        job.bf16 = bf16
         with nogil:
-            pkv_cpu_bf16_to_f32(&h[0], n, &out[0])
+            # at least 16,384 values (64 KiB of floats) per part
+            decode_spans(_widen_span, &job, n, 16384, threads)
+    return 0
+
+
+def f16_to_f32(const uint16_t[::1] h, float[::1] out, int threads=1):
+    """Widen f16 bit patterns to f32 (exact), split over ``threads`` threads."""
+    _widen(h, out, False, threads)
+
+
+def bf16_to_f32(const uint16_t[::1] h, float[::1] out, int threads=1):
+    """Widen bf16 bit patterns to f32 (exact), split over ``threads`` threads."""
+    _widen(h, out, True, threads)

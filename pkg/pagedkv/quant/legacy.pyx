@@ -11,6 +11,8 @@ from libc.stdint cimport uint8_t
 from libc.string cimport memcpy
 
 from pagedkv.quant.group_encode_loop cimport encode_groups
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, pkv_q4f16g64_decode_group, pkv_q4f16g64_encode_group, pkv_q4k_decode_group,
 )
@@ -75,29 +77,55 @@ def q4k_encode(const float[::1] x, uint8_t[::1] out):
 ctypedef void (*_group_decoder)(const uint8_t *blk, float *out) noexcept nogil
 
 
+cdef struct _DecodeJob:
+    const uint8_t *raw
+    float *out
+    Py_ssize_t G, B
+    _group_decoder decode_group
+
+
+cdef void _decode_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
+    """Whole groups [g0, g1), straight into the output."""
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef Py_ssize_t g
+    for g in range(g0, g1):
+        job.decode_group(&job.raw[g * job.B], &job.out[g * job.G])
+
+
 cdef int _decode_groups(const uint8_t[::1] raw, float[::1] out, Py_ssize_t G, Py_ssize_t B,
-                        _group_decoder decode_group) except -1:
-    """``len(out)`` weights from ``ceil(len(out)/G) * B`` bytes, one group at a time (the
-    short last group decoded into scratch and cut)."""
-    cdef Py_ssize_t n = out.shape[0], g, count
+                        _group_decoder decode_group, int threads) except -1:
+    """``len(out)`` weights from ``ceil(len(out)/G) * B`` bytes, the whole groups split over
+    ``threads`` threads (the short last group decoded into scratch and cut)."""
+    cdef Py_ssize_t n = out.shape[0], n_whole = n // G
     cdef Py_ssize_t n_groups = (n + G - 1) // G
     cdef float buf[Q4K_GROUP]
+    cdef _DecodeJob job
     if raw.shape[0] != n_groups * B:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need {n_groups * B}")
+    check_thread_count(threads)
+    if n == 0:
+        return 0
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.G = G
+    job.B = B
+    job.decode_group = decode_group
     with nogil:
-        for g in range(n_groups):
-            count = min(G, n - g * G)
-            decode_group(&raw[g * B], buf)
-            memcpy(&out[g * G], buf, count * sizeof(float))
+        # at least 16,384 weights (64 KiB of floats) per part
+        decode_spans(_decode_span, &job, n_whole, 16384 // G, threads)
+        if n_whole < n_groups:
+            decode_group(&raw[n_whole * B], buf)
+            memcpy(&out[n_whole * G], buf, (n - n_whole * G) * sizeof(float))
     return 0
 
 
-def q4f16g64_decode(const uint8_t[::1] raw, float[::1] out):
-    """Decode ``len(out)`` weights from ``ceil(len(out)/64) * 36`` bytes."""
-    _decode_groups(raw, out, Q4F16G64_GROUP, Q4F16G64_BYTES, pkv_q4f16g64_decode_group)
+def q4f16g64_decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
+    """Decode ``len(out)`` weights from ``ceil(len(out)/64) * 36`` bytes on ``threads``
+    threads (same bits for any count)."""
+    _decode_groups(raw, out, Q4F16G64_GROUP, Q4F16G64_BYTES, pkv_q4f16g64_decode_group, threads)
 
 
-def q4k_decode(const uint8_t[::1] raw, float[::1] out):
+def q4k_decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
     """Decode ``len(out)`` weights from ``ceil(len(out)/256) * 144`` bytes of GGML Q4_K
-    super-blocks (bit for bit ggml's ``dequantize_row_q4_K``)."""
-    _decode_groups(raw, out, Q4K_GROUP, Q4K_BYTES, pkv_q4k_decode_group)
+    super-blocks (bit for bit ggml's ``dequantize_row_q4_K``) on ``threads`` threads."""
+    _decode_groups(raw, out, Q4K_GROUP, Q4K_BYTES, pkv_q4k_decode_group, threads)

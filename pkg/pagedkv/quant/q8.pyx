@@ -15,9 +15,10 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
 
-from pagedkv.quant.cpu_pool cimport job_parts, pool_run
 from pagedkv.quant.fwht cimport group256, unrotate256
 from pagedkv.quant.group_encode_loop cimport encode_groups
+from pagedkv.quant.cpu_pool cimport check_thread_count
+from pagedkv.quant.span_decode_loop cimport decode_spans
 from pagedkv.quant.quant_header cimport (
     PKV_ENCODE_OK, pkv_mq8_decode_group, pkv_mq8_encode_group,
     pkv_q8f16_decode_group, pkv_q8f16_encode_group, pkv_q8hfq_decode_elem, pkv_q8hfq_encode_row,
@@ -60,12 +61,12 @@ cdef extern from "raw_decode_loops.h" nogil:
 cdef struct _DecodeJob:
     const uint8_t *raw
     float *out
-    Py_ssize_t n_whole
+    Py_ssize_t K, B              # Q8HFQ: weights and bytes per row
+    bint unrotate               # MQ8G256: to the original basis
 
 
-cdef void _decode_part(void *ctx, int part, int n_parts) noexcept nogil:
+cdef void _decode_q8f16_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
     cdef _DecodeJob *job = <_DecodeJob *>ctx
-    cdef Py_ssize_t g0 = job.n_whole * part // n_parts, g1 = job.n_whole * (part + 1) // n_parts
     pkv_cpu_q8f16_decode_blocks(&job.raw[g0 * BLOCK_BYTES], g1 - g0, &job.out[g0 * BLOCK])
 
 
@@ -79,17 +80,14 @@ def decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
     if raw.shape[0] != n_blocks * BLOCK_BYTES:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
                            f"{n_blocks * BLOCK_BYTES}")
-    if threads < 1:
-        raise InvalidArgument(f"threads = {threads}: pass 1 or more")
+    check_thread_count(threads)
     if n == 0:
         return
     job.raw = &raw[0]
     job.out = &out[0]
-    job.n_whole = n_whole
     with nogil:
-        if n_whole > 0:
-            # at least 2048 blocks (256 KiB of floats) per part
-            pool_run(_decode_part, &job, job_parts(n_whole // 2048, threads), threads)
+        # at least 2048 blocks (256 KiB of floats) per part
+        decode_spans(_decode_q8f16_span, &job, n_whole, 2048, threads)
         if n_whole < n_blocks:              # the zero-padded last block
             pkv_q8f16_decode_group(&raw[n_whole * BLOCK_BYTES], buf)
             memcpy(&out[n_whole * BLOCK], buf, (n - n_whole * BLOCK) * sizeof(float))
@@ -134,18 +132,34 @@ def q8hfq_encode(const float[::1] x, uint8_t[::1] out, Py_ssize_t K):
     return bad
 
 
-def q8hfq_decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K):
-    """Decode ``len(out)`` weights (rows of ``K``)."""
-    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = out.shape[0], r, j
+cdef void _decode_q8hfq_span(void *ctx, Py_ssize_t r0, Py_ssize_t r1) noexcept nogil:
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef Py_ssize_t r, j, K = job.K
+    for r in range(r0, r1):
+        for j in range(K):
+            job.out[r * K + j] = pkv_q8hfq_decode_elem(&job.raw[r * job.B], <uint32_t>K,
+                                                       <uint32_t>j)
+
+
+def q8hfq_decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int threads=1):
+    """Decode ``len(out)`` weights (rows of ``K``), the rows split over ``threads``
+    threads (same bits for any count)."""
+    cdef Py_ssize_t B = q8hfq_row_bytes(K), n = out.shape[0]
+    cdef _DecodeJob job
     if n % K:
         raise InvalidArgument(f"{n} weights are not whole rows of K = {K}")
     if raw.shape[0] != n // K * B:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n // K} rows of K = {K} need "
                            f"{n // K * B}")
+    check_thread_count(threads)
+    if n == 0:
+        return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.K = K
+    job.B = B
     with nogil:
-        for r in range(n // K):
-            for j in range(K):
-                out[r * K + j] = pkv_q8hfq_decode_elem(&raw[r * B], <uint32_t>K, <uint32_t>j)
+        decode_spans(_decode_q8hfq_span, &job, n // K, 16384 // K, threads)
 
 
 # ---------------------------------------------------------------------------
@@ -176,18 +190,36 @@ def mq8_encode(const float[::1] x, uint8_t[::1] out):
     return bad
 
 
-def mq8_decode(const uint8_t[::1] raw, float[::1] out, bint rotated_basis=False):
-    """Decode ``len(out)`` weights, un-rotated per group unless ``rotated_basis``."""
-    cdef Py_ssize_t n = out.shape[0], g, count
-    cdef Py_ssize_t n_groups = (n + 255) // 256
+cdef void _decode_mq8_span(void *ctx, Py_ssize_t g0, Py_ssize_t g1) noexcept nogil:
+    cdef _DecodeJob *job = <_DecodeJob *>ctx
+    cdef Py_ssize_t g
+    for g in range(g0, g1):
+        pkv_mq8_decode_group(&job.raw[g * MQ8_GROUP_BYTES], &job.out[g * 256])
+        if job.unrotate:
+            unrotate256(&job.out[g * 256], &job.out[g * 256], 1)
+
+
+def mq8_decode(const uint8_t[::1] raw, float[::1] out, bint rotated_basis=False,
+               int threads=1):
+    """Decode ``len(out)`` weights, un-rotated per group unless ``rotated_basis``; the
+    whole groups split over ``threads`` threads (same bits for any count)."""
+    cdef Py_ssize_t n = out.shape[0]
+    cdef Py_ssize_t n_groups = (n + 255) // 256, n_whole = n // 256
     cdef float buf[256]
+    cdef _DecodeJob job
     if raw.shape[0] != n_groups * MQ8_GROUP_BYTES:
         raise SizeMismatch(f"raw has {raw.shape[0]} bytes, {n} weights need "
                            f"{n_groups * MQ8_GROUP_BYTES}")
+    check_thread_count(threads)
+    if n == 0:
+        return
+    job.raw = &raw[0]
+    job.out = &out[0]
+    job.unrotate = not rotated_basis
     with nogil:
-        for g in range(n_groups):
-            count = min(256, n - g * 256)
-            pkv_mq8_decode_group(&raw[g * MQ8_GROUP_BYTES], buf)
+        decode_spans(_decode_mq8_span, &job, n_whole, 64, threads)
+        if n_whole < n_groups:              # the short last group
+            pkv_mq8_decode_group(&raw[n_whole * MQ8_GROUP_BYTES], buf)
             if not rotated_basis:
                 unrotate256(buf, buf, 1)
-            memcpy(&out[g * 256], buf, count * sizeof(float))
+            memcpy(&out[n_whole * 256], buf, (n - n_whole * 256) * sizeof(float))
