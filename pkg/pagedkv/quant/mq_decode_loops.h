@@ -54,17 +54,19 @@ static inline void pkv_mqd_params(const uint8_t *blk, int family, float *s, floa
 /* Butterflies between the N vectors v[0..N-1], v[j] and v[j + H] for H = 1, 2, .., N/2
  * (strides of 16 H floats on 512-bit vectors, 8 H on 256-bit ones), in ascending
  * order. */
+/* (Pair p of a stage is v[j], v[j + H] with j = p's bits above log2 H shifted up one, the
+ * rest kept: one loop of N/2 pairs per stage, whose trip count does not depend on H. Nested
+ * loops over i and j had trip counts in H, and GCC 12 unrolled them before H was known,
+ * leaving guarded copies past v[N - 1] that -Warray-bounds reported.) */
 #define PKV_MQD_CROSS_STAGES_(V, v, N, ADD, SUB) do {                                   \
         _Pragma("GCC unroll 4")                                                         \
         for (int H = 1; H < (N); H <<= 1) {                                             \
-            _Pragma("GCC unroll 16")                                                    \
-            for (int i = 0; i < (N); i += 2 * H) {                                      \
-                _Pragma("GCC unroll 8")                                                 \
-                for (int j = i; j < i + H; ++j) {                                       \
-                    V a_ = (v)[j], c_ = (v)[j + H];                                     \
-                    (v)[j] = ADD(a_, c_);                                               \
-                    (v)[j + H] = SUB(a_, c_);                                           \
-                }                                                                       \
+            _Pragma("GCC unroll 8")                                                     \
+            for (int p = 0; p < (N) / 2; ++p) {                                         \
+                const int j = ((p & ~(H - 1)) << 1) | (p & (H - 1));                    \
+                V a_ = (v)[j], c_ = (v)[j + H];                                         \
+                (v)[j] = ADD(a_, c_);                                                   \
+                (v)[j + H] = SUB(a_, c_);                                               \
             }                                                                           \
         }                                                                               \
     } while (0)
