@@ -121,9 +121,12 @@
 #define PKV_GEMV_PIPE_TILES_PER_WARP 2
 #endif
 /* Half-groups of weights (1 KiB per 16-row tile) the f16-activation GEMV keeps in its
- * register ring, D - 1 in flight ahead of the one computed (weights.hip, gemv_f16). */
+ * register ring, D - 1 in flight ahead of the one computed (weights.hip, gemv_f16). 6: H200,
+ * batch 32, kernel alone, µs, HFQ4 at 4 -> 6 -> 8: 6144x4096 16.5 -> 14.5 -> 21.4 (8 costs a
+ * resident block of the 384), 4096x14336 30.2 -> 28.7 -> 28.3, 4096² 12.8 -> 12.6 -> 12.7,
+ * 28672x4096 (4 warps of 2 tiles) 40.1 -> 40.3 -> 51.4 (docs/kernels.md). */
 #ifndef PKV_GEMV_F16_PREFETCH
-#define PKV_GEMV_F16_PREFETCH 4
+#define PKV_GEMV_F16_PREFETCH 6
 #endif
 /* Groups of f16 x in the f16-activation GEMV's shared ring: XS - 1 copies in flight ahead of
  * the group computed (its dynamic shared memory: weights.gemv_f16_shared_bytes). */

@@ -334,14 +334,16 @@ class Gemv:
                 # copies to shared memory; blockIdx.y splits the groups
                 # 8 warps up to 4096 rows, else 4 (more, smaller blocks): the faster of the
                 # two on every Llama-3-8B shape on the H200 (docs/kernels.md); except where
-                # 8-warp row blocks alone cover every SM (gemv_f16_fills_sms: the gate/up
-                # projection's 28672 rows): 8 warps and no group split, 1.09-1.17x there
-                fills = warps is None and gemv_f16_fills_sms(
-                    row_tiles, self.device.properties.multiprocessor_count)
-                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 or fills else 4)
-                if fills and splits is None:
-                    splits = 1
+                # 128-row blocks alone cover every SM (gemv_f16_fills_sms: the gate/up
+                # projection's 28672 rows): 4 warps of 2 tiles and no group split
+                sms = self.device.properties.multiprocessor_count
+                fills = warps is None and gemv_f16_fills_sms(row_tiles, sms)
+                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 else 4)
                 tpw = GEMV_F16_TILES_PER_WARP
+                if fills:
+                    n_warps, tpw = GEMV_MMA_MAX_WARPS // 2, 2
+                    if splits is None:
+                        splits = 1
                 self._split_launch(row_tiles, groups, n_warps, tpw, splits, choice.most_splits)
                 self._kernel = device.kernel(
                     SOURCE, f"pkv_gemv_f16_{f.kernel}_n{math.ceil(batch / 8)}_t{tpw}",
@@ -406,7 +408,7 @@ class Gemv:
     @property
     def launch(self) -> str:
         """The launch :meth:`run_prepared` makes: ``"<kernel> <grid> x <threads>"``, e.g.
-        ``"pkv_gemv_f16_hfq4g256_n4_t1 224x1 x 256"`` (row blocks x group splits for the
+        ``"pkv_gemv_f16_hfq4g256_n4_t2 224x1 x 128"`` (row blocks x group splits for the
         batch 9-32 kernels), so a figure can say which launch made it."""
         grid = "x".join(str(n) for n in self._grid)
         return f"{self._kernel.name} {grid} x {self._block[0]}"
@@ -583,16 +585,19 @@ def pipe_shared_bytes(tiles: int, warps: int) -> int:
 
 
 def gemv_f16_fills_sms(row_tiles: int, sms: int) -> bool:
-    """Whether gemv_f16's 8-warp row blocks (128 rows, one 16-row tile per warp) number at
-    least one per SM: then the launch takes 8 warps and no group split, since the split's
-    partial sums and the last block's re-read only cost there. H200 (132 SMs), 28672 x 4096,
-    kernel alone, µs, HFQ4 / MQ4 V2: batch 32 45.5 / 47.7 (4 warps, 2 splits) -> 41.4 /
-    43.8; batch 16 35.3 / 37.4 -> 30.8 / 32.1 (docs/kernels.md, "f16-activation GEMV").
+    """Whether gemv_f16's 128-row blocks (8 tiles of 16 rows) number at least one per SM:
+    then the launch takes 4 warps of 2 tiles and no group split, since the split's partial
+    sums and the last block's re-read only cost there. H200 (132 SMs), 28672 x 4096, kernel
+    alone, µs, HFQ4 / MQ4 V2: batch 32 45.5 / 47.7 (4 warps of 1 tile, 2 splits) -> 41.4 /
+    43.8 (8 warps of 1 tile, unsplit); batch 16 35.3 / 37.4 -> 30.8 / 32.1 (docs/kernels.md,
+    "f16-activation GEMV"); then 4 warps of 2 tiles (each x fragment feeds two tiles' mmas),
+    batch 32: 41.9 / 44.3 -> 40.1 / 42.4 (2026-12-05, `python hip/tune.py gemvf16`).
     Unsplit, each output adds its groups in order, as every unsplit launch of the kernel
     does. Below that (6144 rows: 48 blocks) the split pays. Measured at 1.7 blocks per SM
     (224 on 132); the threshold of one per SM, where every SM has a block without a split,
     is the rule's choice, not a measured optimum."""
     return row_tiles >= GEMV_MMA_MAX_WARPS * sms
+
 
 
 def gemv_f16_shared_bytes(n_tiles: int) -> int:
