@@ -33,7 +33,11 @@ def test_threads_scaling_rows(capsys):
     bench = _bench()
     bench.main(["--shape", "32x512", "--threads-scaling", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert sum(ln.startswith("| 32x512 |") for ln in lines) == 2 * len(bench.GEMV_FORMATS)
+    rows = [ln for ln in lines if ln.startswith("| 32x512 |")]
+    # a GEMV and a dequantize row per GEMV format, a dequantize row per dequantize-only one
+    assert len(rows) == 2 * len(bench.GEMV_FORMATS) + len(bench.DEQUANT_ONLY_FORMATS)
+    assert [r.split(" | ")[1] for r in rows[-len(bench.DEQUANT_ONLY_FORMATS):]] == [
+        f"{fmt} dequantize" for fmt in bench.DEQUANT_ONLY_FORMATS]
     assert lines[-1].startswith("# load average")
 
 

@@ -327,7 +327,7 @@ def test_gemv_pipe_switches_and_limits(monkeypatch):
 def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
     """f16_x=True: gemv_f16 with ceil(batch / 8) n-tiles, the prep's f16 layout (tiles 0:
     batch x 32 units of 16 bytes per group), blocks of 8 warps (4 above 4096 rows, 8 again
-    and unsplit where 128-row blocks cover the SMs, as 4 warps of 2 tiles above 24 rows) x
+    and unsplit where 128-row blocks cover the SMs, as 4 warps of 2 tiles) x
     GEMV_F16_TILES_PER_WARP tiles, group
     splits up to 8; the env variable where f16_x is None; refused, before any launch, where
     there is no such kernel or with the pipelined one."""
@@ -350,10 +350,9 @@ def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
     assert below._block == (128,) and below._grid == (
         -(-1055 // (4 * tpw)), weights._staged_splits(-(-1055 // (4 * tpw)), 8, 132, 8))
     gate_up = weights.Gemv(dev, "mq4g256v2", 28672, 4096, batch, f16_x=True)  # 1792 tiles
-    # 128-row blocks: 4 warps x 2 tiles above 24 batch rows, else 8 warps x 1 tile
-    wt, threads = (2, 128) if batch > 24 else (1, 256)
-    assert gate_up._block == (threads,) and gate_up._grid == (1792 // 8, 1)
-    assert gate_up.launch == f"pkv_gemv_f16_mq4g256v2_n{nt}_t{wt} 224x1 x {threads}"
+    # 128-row blocks: 4 warps x 2 tiles
+    assert gate_up._block == (128,) and gate_up._grid == (1792 // 8, 1)
+    assert gate_up.launch == f"pkv_gemv_f16_mq4g256v2_n{nt}_t2 224x1 x 128"
     assert gate_up._split_args[0].shape == (1,)  # no partials to keep
     blocks4 = -(-1792 // (4 * tpw))
     assert weights._staged_splits(blocks4, 16, 132, 8) > 1  # what 4 warps would have split
@@ -361,7 +360,7 @@ def test_gemv_f16_x_switch_kernel_grid_and_refusals(monkeypatch, batch):
     assert asked._block == (128,) and asked._grid == (
         blocks4, weights._staged_splits(blocks4, 16, 132, 8))
     split = weights.Gemv(dev, "mq4g256v2", 28672, 4096, batch, f16_x=True, splits=2)
-    assert split._block == (threads,) and split._grid == (224, 2)
+    assert split._block == (128,) and split._grid == (224, 2)
     assert g._xq.shape == (8 * batch * 128,) and g.prepared_x().tiles == 0
     # its x ring in dynamic shared memory (the launch passes it): slots of 8 nt rows
     assert g._shared == weights.gemv_f16_shared_bytes(nt) == (

@@ -335,16 +335,14 @@ class Gemv:
                 # 8 warps up to 4096 rows, else 4 (more, smaller blocks): the faster of the
                 # two on every Llama-3-8B shape on the H200 (docs/kernels.md); except where
                 # 128-row blocks alone cover every SM (gemv_f16_fills_sms: the gate/up
-                # projection's 28672 rows): no group split, and 8 warps of 1 tile, or at
-                # 25-32 batch rows 4 warps of 2 (each x fragment feeds two tiles' mmas:
-                # 4% faster there, 21% slower for MQ4G256V2 at batch 16)
+                # projection's 28672 rows): no group split, and 4 warps of 2 tiles (each x
+                # fragment feeds two tiles' mmas)
                 fills = warps is None and gemv_f16_fills_sms(
                     row_tiles, self.device.properties.multiprocessor_count)
-                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 or fills else 4)
+                n_warps = warps or (GEMV_MMA_MAX_WARPS if M <= 4096 else 4)
                 tpw = GEMV_F16_TILES_PER_WARP
                 if fills:
-                    if batch > 24:
-                        n_warps, tpw = GEMV_MMA_MAX_WARPS // 2, 2
+                    n_warps, tpw = GEMV_MMA_MAX_WARPS // 2, 2
                     if splits is None:
                         splits = 1
                 self._split_launch(row_tiles, groups, n_warps, tpw, splits, choice.most_splits)
@@ -590,12 +588,13 @@ def pipe_shared_bytes(tiles: int, warps: int) -> int:
 def gemv_f16_fills_sms(row_tiles: int, sms: int) -> bool:
     """Whether gemv_f16's 128-row blocks (8 tiles of 16 rows) number at least one per SM:
     then the launch takes no group split, since the split's partial sums and the last
-    block's re-read only cost there, and 8 warps of 1 tile (4 of 2 at 25-32 batch rows). H200 (132 SMs), 28672 x 4096, kernel
+    block's re-read only cost there, and 4 warps of 2 tiles. H200 (132 SMs), 28672 x 4096, kernel
     alone, µs, HFQ4 / MQ4 V2: batch 32 45.5 / 47.7 (4 warps of 1 tile, 2 splits) -> 41.4 /
     43.8 (8 warps of 1 tile, unsplit); batch 16 35.3 / 37.4 -> 30.8 / 32.1 (docs/kernels.md,
     "f16-activation GEMV"); then 4 warps of 2 tiles (each x fragment feeds two tiles' mmas),
-    batch 32: 41.9 / 44.3 -> 40.1 / 42.4 (2026-12-05, `python hip/tune.py gemvf16`), but
-    batch 16: 30.8 / 32.1 -> 30.8 / 38.8 (2026-12-04), so only above 24 rows.
+    with the ring of 6 half groups (PKV_GEMV_F16_PREFETCH), batch 32: 55.2 / 57.8 -> 40.3 /
+    41.2, batch 16: 30.9 / 31.7 -> 30.0 / 30.4 (2026-12-05, `python hip/tune.py gemvf16`;
+    with the ring of 4, batch 16 MQ4 V2 had been 38.9 that way).
     Unsplit, each output adds its groups in order, as every unsplit launch of the kernel
     does. Below that (6144 rows: 48 blocks) the split pays. Measured at 1.7 blocks per SM
     (224 on 132); the threshold of one per SM, where every SM has a block without a split,
