@@ -77,11 +77,17 @@ def test_every_phase_runs_in_order_and_a_phase_over_its_limit_is_cut(tmp_path):
     phases, calls, _ = _run(tmp_path, SANITIZE="1", DECODE_TIMEOUT="2", DECODE_SLEEP="30",
                             BUDGET_S="100")
     assert _names(phases) == ["build", "ctypes-tests", "decode-bench", "kernel-bench",
-                              "sanitizer-probe", "memcheck", "racecheck"]
+                              "cpu-kernel-tests", "sanitizer-probe", "memcheck", "racecheck"]
     decode = phases[2]
     assert "rc 124" in decode and "CUT by its time limit" in decode and "(limit 2 s)" in decode
     assert all("rc 0" in line for i, line in enumerate(phases) if i not in (0, 2)), phases
     assert any("pagedkv.bench gpu --json" in c for c in calls)
+    # the GPU tests, then (after the benches) the CPU kernel tests apart from them
+    # (the sanitizer's runs of the GPU tests go through compute-sanitizer)
+    plain = [c for c in calls if c.startswith("python3 -m pytest")]
+    gpu_tests = [i for i, c in enumerate(plain) if "-m gpu" in c]
+    cpu_tests = [i for i, c in enumerate(plain) if "-k kernels" in c]
+    assert gpu_tests == [0] and cpu_tests == [1] and "not gpu" in plain[1]
     assert sum("--tool memcheck" in c for c in calls) == 3  # probe --plant, --clean, the tests
 
 
@@ -111,7 +117,7 @@ def test_the_fuzz_campaign_runs_beside_the_phases_and_ends_inside_the_budget(tmp
     (tmp_path / "tree" / ".atheris" / "atheris-0-cp312-cp312-linux_x86_64.whl").touch()
     phases, calls, _ = _run(tmp_path, FUZZ="1", FUZZ_WORKERS="3", FUZZ_TARGETS="cold_index",
                             BENCH="0", BUDGET_S="100")
-    assert _names(phases) == ["build", "ctypes-tests", "fuzz"]
+    assert _names(phases) == ["build", "ctypes-tests", "cpu-kernel-tests", "fuzz"]
     assert "rc 0" in phases[-1]
     campaign = [c for c in calls if "tests/fuzz/campaign.py" in c]
     assert len(campaign) == 1 and "--workers 3" in campaign[0] and "cold_index" in campaign[0]
@@ -127,7 +133,7 @@ def test_the_mlx_wheel_pieces_of_two_calls_are_joined_and_installed(tmp_path):
     (tree / ".mlx1" / "part.aa").write_bytes(b"first half ")
     # call 1 carries .mlx1 and runs no MLX phase: the pieces wait in the stash
     phases, calls, _ = _run(tmp_path, MLX="1", BENCH="0")
-    assert _names(phases) == ["build", "ctypes-tests"]
+    assert _names(phases) == ["build", "ctypes-tests", "cpu-kernel-tests"]
     assert not any("mlxsite" in c for c in calls)
     stash = tmp_path / "stash"
     assert sorted(p.name for p in stash.iterdir()) == [
