@@ -72,15 +72,20 @@ static void gemv_formats(void) {
         int kind = q8 ? PKV_PGEMV_SBYTE : q4k ? PKV_PGEMV_NIBBLE32
                  : bits <= 4 ? PKV_PGEMV_NIBBLE : PKV_PGEMV_UBYTE;
         uint32_t span = q8 || q4k ? 32u : family == PKV_FAMILY_MQ_V2 ? 128u : G;
-        int f16 = q8 || family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C;
+        int param = q4k ? PKV_PG_PARAM_U8X8
+                  : q8 || family == PKV_FAMILY_MQ_V2 || family == PKV_FAMILY_MQ4C
+                  ? PKV_PG_PARAM_F16 : PKV_PG_PARAM_F32;
         ptrdiff_t tiles = (M + 15) / 16, ns = K / span;
         uint8_t *codes = calloc((size_t)tiles * ns * 16 * pkv_pgemv_span_row_bytes(kind, span), 1);
-        size_t np = (size_t)tiles * ns * 16, psz = f16 ? 2 : 4;
+        size_t np = (size_t)tiles * ns * 16;
+        size_t psz = param == PKV_PG_PARAM_F16 ? 2 : param == PKV_PG_PARAM_U8X8 ? 1 : 4;
         void *scales = calloc(np, psz), *mins = calloc(np, psz);
+        float *factors = calloc(np / 8 * 2, 4);      /* Q4K: d, then -dmin, per 8 spans */
         if (q8) pkv_pgemv_pack_q8f16(raw, 0, M, K, codes, scales);
-        else if (q4k) pkv_pgemv_pack_q4k(raw, 0, M, K, codes, scales, mins);
+        else if (q4k) pkv_pgemv_pack_q4k(raw, 0, M, K, codes, scales, mins, factors, factors + np / 8);
         else pkv_pgemv_pack_affine(raw, 0, M, K, family, bits, G, codes, scales, mins);
-        pkv_pgemv_w w = {codes, scales, q8 ? NULL : mins, M, K, tiles, ns, span, kind, f16,
+        pkv_pgemv_w w = {codes, scales, q8 ? NULL : mins, q4k ? factors : NULL,
+                         q4k ? factors + np / 8 : NULL, M, K, tiles, ns, span, kind, param,
                          q8 ? 0 : (int32_t)(1u << (bits - 1))};
         float *x = malloc(NB * K * 4), *dx = malloc(NB * ns * 4), *xs = malloc(NB * ns * 4);
         float *y = malloc(NB * M * 4);
@@ -101,7 +106,8 @@ static void gemv_formats(void) {
                        (unsigned long long)fold(y, nb * M * 4), pkv_pgemv_isa_names[isa]);
             }
         }
-        free(raw); free(codes); free(scales); free(mins); free(x); free(dx); free(xs); free(y);
+        free(raw); free(codes); free(scales); free(mins); free(factors); free(x); free(dx); free(xs);
+        free(y);
         free(xq); free(xqs);
     }
 }

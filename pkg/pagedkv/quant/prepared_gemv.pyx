@@ -37,14 +37,19 @@ cdef extern from "prepared_gemv_loops.h" nogil:
     const int PKV_ISA_SCALAR
     const int PKV_ISA_COUNT
     const char *const pkv_pgemv_isa_names[]
+    const int PKV_PG_PARAM_F32
+    const int PKV_PG_PARAM_F16
+    const int PKV_PG_PARAM_U8X8
     ctypedef struct pkv_pgemv_w:
         const uint8_t *codes
         const void *scales
         const void *mins
+        const float *scale_factors
+        const float *min_factors
         Py_ssize_t m, k, n_tiles, n_spans
         unsigned span
         int kind
-        int f16
+        int param
         int32_t center
     ctypedef struct pkv_pgemv_x:
         const int8_t *xq
@@ -68,7 +73,8 @@ cdef extern from "prepared_gemv_pack.h" nogil:
     void pkv_pgemv_pack_q8f16(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
                               Py_ssize_t k, uint8_t *codes, uint16_t *scales)
     void pkv_pgemv_pack_q4k(const uint8_t *raw, Py_ssize_t row0, Py_ssize_t row1,
-                            Py_ssize_t k, uint8_t *codes, float *scales, float *mins)
+                            Py_ssize_t k, uint8_t *codes, uint8_t *scales, uint8_t *mins,
+                            float *scale_factors, float *min_factors)
 
 cdef enum:
     FAMILY_HFQ = 0
@@ -153,6 +159,8 @@ cdef struct _PackJob:
     uint8_t *codes
     void *scales
     void *mins
+    float *scale_factors
+    float *min_factors
 
 
 cdef void _pack_part(void *ctx, int part, int n_parts) noexcept nogil:
@@ -161,8 +169,8 @@ cdef void _pack_part(void *ctx, int part, int n_parts) noexcept nogil:
     if job.kind == PKV_PGEMV_SBYTE:
         pkv_pgemv_pack_q8f16(job.raw, r0, r1, job.k, job.codes, <uint16_t *>job.scales)
     elif job.kind == PKV_PGEMV_NIBBLE32:
-        pkv_pgemv_pack_q4k(job.raw, r0, r1, job.k, job.codes, <float *>job.scales,
-                           <float *>job.mins)
+        pkv_pgemv_pack_q4k(job.raw, r0, r1, job.k, job.codes, <uint8_t *>job.scales,
+                           <uint8_t *>job.mins, job.scale_factors, job.min_factors)
     else:
         pkv_pgemv_pack_affine(job.raw, r0, r1, job.k, job.family, job.bits, job.G, job.codes,
                               job.scales, job.mins)
@@ -208,7 +216,7 @@ cdef class PreparedGemv:
     cdef readonly bint rotated
     cdef int _isa
     cdef pkv_pgemv_w _w
-    cdef object _codes, _scales, _mins
+    cdef object _codes, _scales, _mins, _factors
 
     def __init__(self, raw, fmt, shape, *, threads=1, isa=None):
         """See :func:`pagedkv.quant.prepare_gemv`."""
@@ -238,37 +246,48 @@ cdef class PreparedGemv:
             bits = codec.bits
             self.span = 128 if family == FAMILY_MQ_V2 else g
             kind = PKV_PGEMV_NIBBLE if bits <= 4 else PKV_PGEMV_UBYTE
-            f16 = family == FAMILY_MQ_V2 or family == FAMILY_MQ4C
+            param = (PKV_PG_PARAM_F16 if family == FAMILY_MQ_V2 or family == FAMILY_MQ4C
+                     else PKV_PG_PARAM_F32)
         elif codec.kind == Q4K:
-            # each 32-weight sub-block is a span, with its f32 d*sc and -(dmin*m)
+            # each 32-weight sub-block is a span: its 6-bit sc and m as bytes, times the
+            # super-block's f32 d and -dmin (factors per 8 spans)
             bits = 4
             self.span = 32
             kind = PKV_PGEMV_NIBBLE32
-            f16 = False
+            param = PKV_PG_PARAM_U8X8
         else:
             self.span = 32
             kind = PKV_PGEMV_SBYTE
-            f16 = True
+            param = PKV_PG_PARAM_F16
         cdef Py_ssize_t tiles = (m + PKV_PGEMV_TILE_ROWS - 1) // PKV_PGEMV_TILE_ROWS
         cdef Py_ssize_t n_spans = k // self.span
         cdef Py_ssize_t params = tiles * n_spans * PKV_PGEMV_TILE_ROWS
         self._codes = _aligned_zeros(
             tiles * n_spans * PKV_PGEMV_TILE_ROWS * pkv_pgemv_span_row_bytes(kind, self.span),
             np.uint8)
-        self._scales = _aligned_zeros(params, np.uint16 if f16 else np.float32)
-        self._mins = None if kind == PKV_PGEMV_SBYTE else _aligned_zeros(
-            params, np.uint16 if f16 else np.float32)
+        param_type = {PKV_PG_PARAM_F32: np.float32, PKV_PG_PARAM_F16: np.uint16,
+                      PKV_PG_PARAM_U8X8: np.uint8}[param]
+        self._scales = _aligned_zeros(params, param_type)
+        self._mins = None if kind == PKV_PGEMV_SBYTE else _aligned_zeros(params, param_type)
+        # PKV_PG_PARAM_U8X8: an f32 factor per 8 spans (n_spans is a multiple of 8: K % 256)
+        self._factors = (_aligned_zeros(2 * (params // 8), np.float32)
+                         if param == PKV_PG_PARAM_U8X8 else None)
         self._w.m = m
         self._w.k = k
         self._w.n_tiles = tiles
         self._w.n_spans = n_spans
         self._w.span = self.span
         self._w.kind = kind
-        self._w.f16 = f16
+        self._w.param = param
         self._w.center = 0 if kind == PKV_PGEMV_SBYTE else 1 << (bits - 1)
         self._w.codes = <const uint8_t *>cnp.PyArray_DATA(self._codes)
         self._w.scales = cnp.PyArray_DATA(self._scales)
         self._w.mins = NULL if self._mins is None else cnp.PyArray_DATA(self._mins)
+        self._w.scale_factors = NULL
+        self._w.min_factors = NULL
+        if self._factors is not None:
+            self._w.scale_factors = <const float *>cnp.PyArray_DATA(self._factors)
+            self._w.min_factors = self._w.scale_factors + params // 8
         if m == 0 or k == 0:
             return
         cdef const uint8_t[::1] src = data
@@ -283,6 +302,8 @@ cdef class PreparedGemv:
         pack.codes = <uint8_t *>cnp.PyArray_DATA(self._codes)
         pack.scales = cnp.PyArray_DATA(self._scales)
         pack.mins = <void *>self._w.mins
+        pack.scale_factors = <float *>self._w.scale_factors
+        pack.min_factors = <float *>self._w.min_factors
         # the repacking runs on the object's threads too (whole rows per part)
         with nogil:
             pool_run(_pack_part, &pack, job_parts(pack.m, self.threads), self.threads)
@@ -294,9 +315,11 @@ cdef class PreparedGemv:
 
     @property
     def nbytes(self):
-        """Bytes of the prepared copy (codes, scales, minimums; padding rows included)."""
+        """Bytes of the prepared copy (codes, scales, minimums and Q4K's per-super-block
+        factors; padding rows included)."""
         return self._codes.nbytes + self._scales.nbytes + (
-            0 if self._mins is None else self._mins.nbytes)
+            0 if self._mins is None else self._mins.nbytes) + (
+            0 if self._factors is None else self._factors.nbytes)
 
     def __repr__(self):
         return (f"<PreparedGemv {self.fmt} [{self.m}, {self.k}]: "

@@ -43,17 +43,30 @@ static const char *const pkv_pgemv_isa_names[PKV_ISA_COUNT] = {
     "scalar", "avx2", "avx-vnni", "avx512-vnni", "neon-dotprod",
 };
 
+/* How the scales and minimums of a prepared GEMV are stored, [tiles][spans][16] each:
+ * f32; f16 bits; or (Q4K) a uint8 per span times an f32 factor per 8 spans,
+ * [tiles][spans / 8][16] (a super-block's d or -dmin: the product is the one ggml's
+ * decode makes, exact in f32, so each parameter is the same float as stored whole). */
+enum { PKV_PG_PARAM_F32 = 0, PKV_PG_PARAM_F16 = 1, PKV_PG_PARAM_U8X8 = 2 };
+
 /* The weights of one prepared GEMV (arrays as cpu_gemv.h lays them out). */
 typedef struct {
     const uint8_t *codes;
-    const void *scales;         /* float or uint16_t (f16 bits), [tiles][spans][16] */
+    const void *scales;         /* as `param` says, [tiles][spans][16] */
     const void *mins;           /* same type; NULL for Q8F16 */
+    const float *scale_factors; /* PKV_PG_PARAM_U8X8: [tiles][spans / 8][16]; else NULL */
+    const float *min_factors;
     ptrdiff_t m, k, n_tiles, n_spans;
     uint32_t span;
     int kind;                   /* PKV_PGEMV_NIBBLE / NIBBLE32 / UBYTE / SBYTE */
-    int f16;                    /* scales and mins are f16 bits */
+    int param;                  /* PKV_PG_PARAM_* */
     int32_t center;             /* 2^(bits-1) for unsigned codes, 0 for Q8F16 */
 } pkv_pgemv_w;
+
+/* The factor of parameter element idx (= span block x 16 + row) in PKV_PG_PARAM_U8X8. */
+static inline size_t pkv_pg_factor_index(size_t idx) {
+    return idx / (8u * PKV_PGEMV_TILE_ROWS) * PKV_PGEMV_TILE_ROWS + idx % PKV_PGEMV_TILE_ROWS;
+}
 
 /* x quantized per span (pkv_pgemv_quantize_x), nb rows. */
 typedef struct {
@@ -143,9 +156,13 @@ static ptrdiff_t pkv_pgemv_quantize_x(const float *x, ptrdiff_t k, uint32_t span
  * ------------------------------------------------------------------------- */
 
 /* Scale (or minimum) of tile row r at span block index sb = tile * n_spans + s. */
-static inline float pkv_pgemv_param(const void *p, int f16, size_t sb, uint32_t r) {
-    return f16 ? pkv_f16_to_f32(((const uint16_t *)p)[sb * PKV_PG_TR + r])
-               : ((const float *)p)[sb * PKV_PG_TR + r];
+static inline float pkv_pgemv_param(const void *p, const float *factors, int param, size_t sb,
+                                    uint32_t r) {
+    const size_t i = sb * PKV_PG_TR + r;
+    if (param == PKV_PG_PARAM_U8X8)
+        return factors[pkv_pg_factor_index(i)] * (float)((const uint8_t *)p)[i];
+    return param == PKV_PG_PARAM_F16 ? pkv_f16_to_f32(((const uint16_t *)p)[i])
+                                     : ((const float *)p)[i];
 }
 
 /* Exact integer dot product of tile row r of one (tile, span) code block with xs. */
@@ -183,11 +200,12 @@ static void pkv_pgemv_tile_scalar(const pkv_pgemv_w *w, const pkv_pgemv_x *x, pt
                 int32_t isum = pkv_pgemv_isum_scalar(w->codes + sb * blk_bytes, w->kind, w->span, r,
                                                      x->xq + xb * x->ldx + s * (ptrdiff_t)w->span) -
                                w->center * x->xqsum[xb * w->n_spans + s];
-                float sc = pkv_pgemv_param(w->scales, w->f16, sb, r);
+                float sc = pkv_pgemv_param(w->scales, w->scale_factors, w->param, sb, r);
                 float sd = sc * x->dx[xb * w->n_spans + s];
                 acc = acc + (float)isum * sd;
                 if (w->kind != PKV_PGEMV_SBYTE) {
-                    float mc = pkv_pgemv_param(w->mins, w->f16, sb, r) + sc * (float)w->center;
+                    float mc = pkv_pgemv_param(w->mins, w->min_factors, w->param, sb, r) +
+                               sc * (float)w->center;
                     acc = acc + mc * x->xsum[xb * w->n_spans + s];
                 }
             }
@@ -308,9 +326,15 @@ PKV_PG_INLINE void pkv_pg_prefetch_ahead_(const uint8_t *base, size_t end, size_
  * vectors, loaded together; 1-2 x rows per pass. The float sums live in y_tile (zeroed
  * by the caller): the 16 ymm registers hold the integer accumulators. ---- */
 
-PKV_TGT_AVX2 PKV_PG_INLINE __m256 pkv_pg_load8_avx2(const void *p, int f16, size_t idx) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + idx)))
-               : _mm256_loadu_ps((const float *)p + idx);
+PKV_TGT_AVX2 PKV_PG_INLINE __m256 pkv_pg_load8_avx2(const void *p, const float *factors,
+                                                    int param, size_t idx) {
+    if (param == PKV_PG_PARAM_U8X8)
+        return _mm256_mul_ps(_mm256_loadu_ps(factors + pkv_pg_factor_index(idx)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64((const __m128i *)((const uint8_t *)p + idx)))));
+    return param == PKV_PG_PARAM_F16
+        ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + idx)))
+        : _mm256_loadu_ps((const float *)p + idx);
 }
 
 /* y_tile[b][8h..8h+7] += (float)isum * (scale * dx) + min' * xsum, in that order. */
@@ -320,9 +344,9 @@ PKV_TGT_AVX2 PKV_PG_INLINE void pkv_pg_float_stage8_(const pkv_pgemv_w *w, const
                                                     const int KIND, const int NB) {
     const ptrdiff_t ns = w->n_spans;
     const size_t sb = (size_t)(t * ns + s) * PKV_PG_TR + 8u * h;
-    __m256 sc = pkv_pg_load8_avx2(w->scales, w->f16, sb);
+    __m256 sc = pkv_pg_load8_avx2(w->scales, w->scale_factors, w->param, sb);
     __m256 mn = KIND != PKV_PGEMV_SBYTE
-        ? _mm256_add_ps(pkv_pg_load8_avx2(w->mins, w->f16, sb),
+        ? _mm256_add_ps(pkv_pg_load8_avx2(w->mins, w->min_factors, w->param, sb),
                         _mm256_mul_ps(sc, _mm256_set1_ps((float)w->center))) : sc;
     for (int b = 0; b < NB; ++b) {
         float *yb = y_tile + b * PKV_PG_TR + 8u * h;
@@ -534,9 +558,15 @@ PKV_TGT_AVXVNNI PKV_PG_INLINE void pkv_pg_body_avxvnni_(const pkv_pgemv_w *w, co
 
 /* ---- 512-bit kernel (AVX-512 VNNI): a whole tile per vector, up to 8 x rows ---- */
 
-PKV_TGT_AVX512 PKV_PG_INLINE __m512 pkv_pg_load16_avx512(const void *p, int f16, size_t idx) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + idx)))
-               : _mm512_loadu_ps((const float *)p + idx);
+PKV_TGT_AVX512 PKV_PG_INLINE __m512 pkv_pg_load16_avx512(const void *p, const float *factors,
+                                                        int param, size_t idx) {
+    if (param == PKV_PG_PARAM_U8X8)
+        return _mm512_mul_ps(_mm512_loadu_ps(factors + pkv_pg_factor_index(idx)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128((const __m128i *)((const uint8_t *)p + idx)))));
+    return param == PKV_PG_PARAM_F16
+        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + idx)))
+        : _mm512_loadu_ps((const float *)p + idx);
 }
 
 PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, const pkv_pgemv_x *x,
@@ -555,15 +585,19 @@ PKV_TGT_AVX512 PKV_PG_INLINE void pkv_pg_body_avx512_(const pkv_pgemv_w *w, cons
     const size_t stream_bytes = (size_t)w->n_tiles * (size_t)ns * blk;
     for (ptrdiff_t s = 0; s < ns; ++s, cw += blk) {
         __m512i ia[1][4][PKV_PG_MAX_NB];
+        /* a line per 512 bytes at batch 1 (the hardware fetches the rest), except for
+         * Q4K's 256-byte span blocks, whose float epilogue per 32 codes leaves the stream
+         * behind: every line there (from DRAM, 4096²: 0.58 -> 0.48 ms) */
         pkv_pg_prefetch_ahead_(w->codes, stream_bytes, (size_t)(cw - w->codes), blk,
-                               PKV_PG_AHEAD_BYTES, NB == 1 ? 512u : 64u);
+                               PKV_PG_AHEAD_BYTES,
+                               NB == 1 && KIND != PKV_PGEMV_NIBBLE32 ? 512u : 64u);
         PKV_PG_VNNI_SPAN_(__m512i, 1, PKV_PG_LOAD512_, _mm512_and_si512, PKV_PG_SRL4_512_,
                           _mm512_xor_si512, _mm512_set1_epi32, _mm512_dpbusd_epi32,
                           _mm512_setzero_si512)
         const size_t sb = (size_t)(t * ns + s) * PKV_PG_TR;
-        __m512 sc = pkv_pg_load16_avx512(w->scales, w->f16, sb);
+        __m512 sc = pkv_pg_load16_avx512(w->scales, w->scale_factors, w->param, sb);
         __m512 mn = KIND != PKV_PGEMV_SBYTE
-            ? _mm512_add_ps(pkv_pg_load16_avx512(w->mins, w->f16, sb),
+            ? _mm512_add_ps(pkv_pg_load16_avx512(w->mins, w->min_factors, w->param, sb),
                             _mm512_mul_ps(sc, _mm512_set1_ps((float)w->center))) : sc;
         for (int b = 0; b < NB; ++b) {
             __m512i isum = ia[0][0][b];
@@ -661,9 +695,18 @@ PKV_TGT_AVX512 static void pkv_pgemv_tile_avx512(const pkv_pgemv_w *w, const pkv
 #endif
 #define PKV_PG_INLINE_ARM static inline __attribute__((always_inline))
 
-PKV_TGT_DOTPROD PKV_PG_INLINE_ARM float32x4_t pkv_pg_load4_neon(const void *p, int f16, size_t idx) {
-    return f16 ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p + idx)))
-               : vld1q_f32((const float *)p + idx);
+PKV_TGT_DOTPROD PKV_PG_INLINE_ARM float32x4_t pkv_pg_load4_neon(const void *p, const float *factors,
+                                                              int param, size_t idx) {
+    if (param == PKV_PG_PARAM_U8X8) {
+        uint32_t four;                          /* 4 bytes: the last block ends there */
+        memcpy(&four, (const uint8_t *)p + idx, sizeof four);
+        const uint16x8_t wide = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)));
+        return vmulq_f32(vld1q_f32(factors + pkv_pg_factor_index(idx)),
+                         vcvtq_f32_u32(vmovl_u16(vget_low_u16(wide))));
+    }
+    return param == PKV_PG_PARAM_F16
+        ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p + idx)))
+        : vld1q_f32((const float *)p + idx);
 }
 
 /* acc += sdot(a, b). GCC's arm_neon.h enables vdotq_s32 per function; clang's (up to
@@ -730,9 +773,9 @@ PKV_TGT_DOTPROD PKV_PG_INLINE_ARM void pkv_pg_body_neon_(const pkv_pgemv_w *w, c
             }
         }
         const size_t sb = (size_t)(t * ns + s) * PKV_PG_TR + 4u * q;
-        float32x4_t sc = pkv_pg_load4_neon(w->scales, w->f16, sb);
+        float32x4_t sc = pkv_pg_load4_neon(w->scales, w->scale_factors, w->param, sb);
         float32x4_t mn = KIND != PKV_PGEMV_SBYTE
-            ? vaddq_f32(pkv_pg_load4_neon(w->mins, w->f16, sb),
+            ? vaddq_f32(pkv_pg_load4_neon(w->mins, w->min_factors, w->param, sb),
                         vmulq_f32(sc, vdupq_n_f32((float)w->center))) : sc;
         for (int b = 0; b < NB; ++b) {
             float32x4_t sd = vmulq_f32(sc, vdupq_n_f32(x->dx[(b0 + b) * ns + s]));

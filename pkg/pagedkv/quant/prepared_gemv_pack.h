@@ -91,13 +91,17 @@ static void pkv_pgemv_pack_q8f16(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t r
 }
 
 /* Rows [row0, row1) of Q4K super-blocks (K % 256 == 0) into spans of 32 (kind NIBBLE32):
- * sub-block j of a super-block is span 8g + j, with scale = f32(d) * sc and min =
- * -(f32(dmin) * m), the products of ggml's dequantize_row_q4_K (pkv_q4k_decode_group;
- * exact in f32: 11 x 6 significant bits), so scale * q + min is the decoded weight.
- * Q4K stores sub-blocks 2c and 2c + 1 in the low and high nibbles of the same 32 bytes;
- * each becomes its own span (its codes re-paired low/high within the span). */
+ * sub-block j of a super-block is span 8g + j. Its 6-bit scale sc and minimum m are kept
+ * as bytes, the super-block's f32(d) and -f32(dmin) as the factors of its 8 spans
+ * (PKV_PG_PARAM_U8X8): the kernels form scale = f32(d) * sc and min = -(f32(dmin) * m),
+ * the products of ggml's dequantize_row_q4_K (pkv_q4k_decode_group; exact in f32: 11 x 6
+ * significant bits), so scale * q + min is the decoded weight. 4.75 bits per weight to
+ * read instead of 6 with an f32 scale and minimum per span. Q4K stores sub-blocks 2c and
+ * 2c + 1 in the low and high nibbles of the same 32 bytes; each becomes its own span (its
+ * codes re-paired low/high within the span). */
 static void pkv_pgemv_pack_q4k(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row1, ptrdiff_t k,
-                               uint8_t *codes, float *scales, float *mins) {
+                               uint8_t *codes, uint8_t *scales, uint8_t *mins,
+                               float *scale_factors, float *min_factors) {
     const uint32_t sub = PKV_PGEMV_UNIT32_CODES, subs = PKV_Q4K_GROUP / sub;
     const ptrdiff_t groups_per_row = k / (ptrdiff_t)PKV_Q4K_GROUP, ns = k / (ptrdiff_t)sub;
     const size_t blk_bytes = (size_t)PKV_PGEMV_TILE_ROWS * pkv_pgemv_span_row_bytes(PKV_PGEMV_NIBBLE32, sub);
@@ -107,9 +111,10 @@ static void pkv_pgemv_pack_q4k(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row
         const uint8_t *grp = raw + (size_t)i * PKV_Q4K_GROUP_BYTES;
         uint32_t r;
         const ptrdiff_t t = pkv_pgemv_tile_of(i / groups_per_row, &r);
-        const ptrdiff_t s0 = (i % groups_per_row) * (ptrdiff_t)subs;   /* its first span */
-        const float d = pkv_f16_to_f32(pkv_load_u16le(grp));
-        const float dmin = pkv_f16_to_f32(pkv_load_u16le(grp + 2));
+        const ptrdiff_t g = i % groups_per_row, s0 = g * (ptrdiff_t)subs;   /* its first span */
+        const size_t f = (size_t)(t * groups_per_row + g) * PKV_PGEMV_TILE_ROWS + r;
+        scale_factors[f] = pkv_f16_to_f32(pkv_load_u16le(grp));
+        min_factors[f] = -pkv_f16_to_f32(pkv_load_u16le(grp + 2));
         for (uint32_t j = 0; j < subs; ++j) {
             uint32_t sc, m;
             pkv_q4k_scale_min(grp + 4, j, &sc, &m);
@@ -117,8 +122,8 @@ static void pkv_pgemv_pack_q4k(const uint8_t *raw, ptrdiff_t row0, ptrdiff_t row
             for (uint32_t l = 0; l < sub; ++l) q[l] = (uint8_t)((qs[l] >> (4u * (j & 1u))) & 0xFu);
             const size_t sb = (size_t)(t * ns + s0 + (ptrdiff_t)j);
             pkv_pgemv_put_span(q, sub, PKV_PGEMV_NIBBLE32, r, codes + sb * blk_bytes);
-            scales[sb * PKV_PGEMV_TILE_ROWS + r] = d * (float)sc;
-            mins[sb * PKV_PGEMV_TILE_ROWS + r] = -(dmin * (float)m);
+            scales[sb * PKV_PGEMV_TILE_ROWS + r] = (uint8_t)sc;
+            mins[sb * PKV_PGEMV_TILE_ROWS + r] = (uint8_t)m;
         }
     }
 }
