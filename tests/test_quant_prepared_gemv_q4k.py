@@ -49,8 +49,9 @@ def test_encoded_weights_stay_close_to_the_float_product():
     x = rng.standard_normal((3, k)).astype(F32)
     g = Q.prepare_gemv(raw, "q4k", (m, k))
     assert (g.span, g.fmt, g.qt_id) == (32, "q4k", 4)
-    # 16 rows x 16 code bytes per (tile, span), and an f32 scale and minimum per row
-    assert g.nbytes == (m // 16) * (k // 32) * 16 * (16 + 8)
+    # 16 rows x 16 code bytes per (tile, span) and a byte each of scale and minimum per
+    # row; per 8 spans (a super-block) an f32 d and -dmin per row
+    assert g.nbytes == (m // 16) * (k // 32) * 16 * (16 + 2) + (m // 16) * (k // 256) * 16 * 8
     ref = x.astype(np.float64) @ Q.dequantize(raw, "q4k", (m, k)).astype(np.float64).T
     assert np.linalg.norm(g(x) - ref) / np.linalg.norm(ref) < 0.01
 
