@@ -311,6 +311,33 @@ def test_gpu_f16x_gemv_matches_reference(device, fmt, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch", [12, 32])
+def test_gpu_f16x_gemv_fills_launch_is_the_one_tile_launch_bit_for_bit(device, fmt, batch):
+    """Where 128-row blocks cover the SMs (gemv_f16_fills_sms, the gate/up shape) the launch
+    is 4 warps of 2 tiles, unsplit: the same f32 operations per output as 8 warps of 1 tile
+    at one split, so the same bytes, and within GEMV_F16_ERROR of the float64 reference.
+    M = 128 x SMs + 40 rows (a partial last block), on fresh x."""
+    sms = device.properties.multiprocessor_count
+    M, K = 128 * sms + 40, 512
+    g = _f16_gemv_or_skip(device, fmt, M, K, batch)
+    one_tile = weights.Gemv(device, fmt, M, K, batch, f16_x=True, warps=8, splits=1)
+    assert g._kernel.name.endswith("_t2") and g._grid[1] == 1 and g._block == (128,)
+    assert one_tile._kernel.name.endswith("_t1") and one_tile._grid[1] == 1
+    _, raw = _weights(fmt, (M, K))
+    x = (RNG.standard_normal((batch, K)) * RNG.uniform(0.01, 100, (batch, 1))).astype(np.float32)
+    ys = []
+    for gemv in (g, one_tile):
+        y = poisoned(device, (batch, M), np.float32)
+        gemv.run(gemv.upload(raw), device.array(x), y)
+        ys.append(y.to_numpy())
+    assert ys[0].tobytes() == ys[1].tobytes()
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    assert (np.abs(ys[0] - want) <= weights.GEMV_F16_ERROR * _gemv_bound(raw, fmt, M, K, x)
+            + 1e-7).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
 def test_gpu_f16x_gemv_edges_splits_and_a_nan_row(device, fmt):
     """Batch rows of |x| ~ 1e30, ~ 1e-30, all zeros, a NaN, and ordinary ones at M = 300
     (row blocks of 128 or 256 rows, the last partial) with 3 group splits, run twice (the

@@ -91,7 +91,7 @@ class PreparedGemvCold:
     every call reads the next of enough copies to cycle through COLD_BYTES
     (docs/performance.md, "Weights from DRAM")."""
 
-    params = ["hfq4g256", "mq4g256v2", "q8f16"]  # noqa: RUF012
+    params = ["hfq4g256", "mq4g256v2", "q8f16", "q4k"]  # noqa: RUF012
     param_names = ["fmt"]  # noqa: RUF012
 
     def setup(self, fmt):
