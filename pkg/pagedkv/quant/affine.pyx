@@ -191,7 +191,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int family, int bits,
     job.unrotate = unrotate
     job.mq_level = _mq_level()
     with nogil:
-        decode_spans(_decode_span, &job, n_whole, DECODE_BATCH_GROUPS, threads)
+        decode_spans(_decode_span, &job, n_whole, group, threads)
         if n_whole < n_groups:              # the short last group
             pkv_cpu_affine_decode_groups(&raw[n_whole * B], 1, family, bits, <unsigned>group, buf)
             if unrotate:

@@ -124,7 +124,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated,
     job.bits = <unsigned>bits
     job.unrotate = unrotate
     with nogil:
-        decode_spans(_decode_span, &job, n_whole, 64, threads)
+        decode_spans(_decode_span, &job, n_whole, 256, threads)
         if n_whole < n_groups:              # the short last group
             pkv_lloyd_decode_group(&raw[n_whole * B], <unsigned>bits, q, buf)
             if unrotate:

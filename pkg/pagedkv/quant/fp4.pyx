@@ -164,4 +164,4 @@ def decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int kind,
     job.e4m3 = kind == 2
     job.unrotate = kind != 0 and not rotated_basis
     with nogil:
-        decode_spans(_decode_span, &job, n_rows, 16384 // K, threads)
+        decode_spans(_decode_span, &job, n_rows, K, threads)

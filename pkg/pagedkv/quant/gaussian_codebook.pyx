@@ -113,4 +113,4 @@ def decode(const uint8_t[::1] raw, float[::1] out, int bits, bint rotated_basis=
     job.bits = <uint32_t>bits
     job.unrotate = not rotated_basis
     with nogil:
-        decode_spans(_decode_span, &job, n_groups, 64, threads)
+        decode_spans(_decode_span, &job, n_groups, 256, threads)

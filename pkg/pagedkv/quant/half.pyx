@@ -105,8 +105,7 @@ cdef int _widen(const uint16_t[::1] h, float[::1] out, bint bf16, int threads) e
         job.out = &out[0]
         job.bf16 = bf16
         with nogil:
-            # at least 16,384 values (64 KiB of floats) per part
-            decode_spans(_widen_span, &job, n, 16384, threads)
+            decode_spans(_widen_span, &job, n, 1, threads)
     return 0
 
 

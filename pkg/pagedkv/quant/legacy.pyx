@@ -111,8 +111,7 @@ cdef int _decode_groups(const uint8_t[::1] raw, float[::1] out, Py_ssize_t G, Py
     job.B = B
     job.decode_group = decode_group
     with nogil:
-        # at least 16,384 weights (64 KiB of floats) per part
-        decode_spans(_decode_span, &job, n_whole, 16384 // G, threads)
+        decode_spans(_decode_span, &job, n_whole, G, threads)
         if n_whole < n_groups:
             decode_group(&raw[n_whole * B], buf)
             memcpy(&out[n_whole * G], buf, (n - n_whole * G) * sizeof(float))

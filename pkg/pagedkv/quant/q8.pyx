@@ -86,8 +86,7 @@ def decode(const uint8_t[::1] raw, float[::1] out, int threads=1):
     job.raw = &raw[0]
     job.out = &out[0]
     with nogil:
-        # at least 2048 blocks (256 KiB of floats) per part
-        decode_spans(_decode_q8f16_span, &job, n_whole, 2048, threads)
+        decode_spans(_decode_q8f16_span, &job, n_whole, BLOCK, threads)
         if n_whole < n_blocks:              # the zero-padded last block
             pkv_q8f16_decode_group(&raw[n_whole * BLOCK_BYTES], buf)
             memcpy(&out[n_whole * BLOCK], buf, (n - n_whole * BLOCK) * sizeof(float))
@@ -159,7 +158,7 @@ def q8hfq_decode(const uint8_t[::1] raw, float[::1] out, Py_ssize_t K, int threa
     job.K = K
     job.B = B
     with nogil:
-        decode_spans(_decode_q8hfq_span, &job, n // K, 16384 // K, threads)
+        decode_spans(_decode_q8hfq_span, &job, n // K, K, threads)
 
 
 # ---------------------------------------------------------------------------
@@ -217,7 +216,7 @@ def mq8_decode(const uint8_t[::1] raw, float[::1] out, bint rotated_basis=False,
     job.out = &out[0]
     job.unrotate = not rotated_basis
     with nogil:
-        decode_spans(_decode_mq8_span, &job, n_whole, 64, threads)
+        decode_spans(_decode_mq8_span, &job, n_whole, 256, threads)
         if n_whole < n_groups:              # the short last group
             pkv_mq8_decode_group(&raw[n_whole * MQ8_GROUP_BYTES], buf)
             if not rotated_basis:

@@ -21,16 +21,22 @@ cdef inline void _decode_span_part(void *job, int part, int n_parts) noexcept no
     j.decode(j.ctx, j.units * part // n_parts, j.units * (part + 1) // n_parts)
 
 
-# Decode units [0, units) on up to `threads` threads, in parts of at least
-# `units_per_part` units (less work than ~64 KiB of floats per part costs more in the
-# wake-up than it saves); returns when every unit is decoded.
+cdef enum:
+    # Fewest floats a part writes: less work (64 KiB of output) costs more in a worker's
+    # wake-up than it saves, so a small tensor runs on fewer threads than asked.
+    SPAN_PART_MIN_VALUES = 16384
+
+
+# Decode units [0, units) of `values_per_unit` floats each on up to `threads` threads, in
+# parts of at least SPAN_PART_MIN_VALUES floats (or one unit); returns when every unit is
+# decoded.
 cdef inline void decode_spans(span_decoder decode, void *ctx, Py_ssize_t units,
-                              Py_ssize_t units_per_part, int threads) noexcept nogil:
+                              Py_ssize_t values_per_unit, int threads) noexcept nogil:
     cdef SpanJob job
+    cdef Py_ssize_t units_per_part = max(SPAN_PART_MIN_VALUES // max(values_per_unit, 1), 1)
     if units <= 0:
         return
     job.decode = decode
     job.ctx = ctx
     job.units = units
-    pool_run(_decode_span_part, &job, job_parts(units // max(units_per_part, 1), threads),
-             threads)
+    pool_run(_decode_span_part, &job, job_parts(units // units_per_part, threads), threads)
