@@ -26,15 +26,23 @@
 #  error "pagedkv_compat.h is for hipcc or nvcc"
 #endif
 
-/* AMD matrix cores (MFMA, CDNA, wave64) for weights.hip's gemv_mfma: PKV_MFMA_I8 is the k
+/* AMD matrix cores (MFMA, CDNA, wave64) for weights.hip's gemv_amd_mc: PKV_MFMA_I8 is the k
  * (int8 products per output) of the instruction it uses. gfx908 (CDNA1, MI100) and gfx90a
  * (CDNA2, MI200) have v_mfma_i32_16x16x16i8; CDNA3 (gfx940-942, MI300) dropped it for
  * v_mfma_i32_16x16x32_i8. Defined only in device passes for those targets; RDNA (gfx10-12)
- * has no MFMA. Debian's HIP 5.2 builds gfx908, gfx90a and gfx940, not gfx941/942. */
+ * has no MFMA (gfx11's WMMA is PKV_WMMA_I8 below). Debian's HIP 5.2 builds gfx908, gfx90a
+ * and gfx940, not gfx941/942. */
 #if defined(__HIPCC__) && (defined(__gfx908__) || defined(__gfx90a__))
 #  define PKV_MFMA_I8 16
 #elif defined(__HIPCC__) && (defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
 #  define PKV_MFMA_I8 32
+#endif
+/* RDNA3 / RDNA3.5 matrix cores (WMMA, wave32) for weights.hip's int8 GEMV: PKV_WMMA_I8 is the
+ * int8 k of one v_wmma_i32_16x16x16_iu8. gfx12 (RDNA4) has WMMA with other register layouts
+ * (no half-wave replication): not written. Debian's HIP 5.2 emits gfx11 LLVM IR but its LLVM 15
+ * cannot generate the code; hip/gfx11_codegen.py finishes the compile with a newer LLVM. */
+#if defined(__HIPCC__) && defined(__GFX11__)
+#  define PKV_WMMA_I8 16
 #endif
 /* bf16 MFMA with k 16 (v_mfma_f32_16x16x16bf16_1k, kvcache.hip's bf16 attention): gfx90a
  * and CDNA3; gfx908 has only the k-8 v_mfma_f32_16x16x8bf16, so no bf16 MFMA kernels there. */

@@ -536,9 +536,9 @@ PKV_KERNEL void pkv_fwht256_f32(const float* x, float* y, int64_t n_groups) {
 // Rows per block, most warps, most n-tiles and prepared-x words: pagedkv/launch.h.
 
 
-// The prep and the header decode serve both the NVIDIA mma kernels and the AMD MFMA ones
-// (gemv_mfma below): one prepared-x layout, one packed weight layout, one host path.
-#if defined(__CUDACC__) || defined(PKV_MFMA_I8)
+// The prep and the header decode serve both the NVIDIA mma kernels and the AMD matrix-core
+// ones (gemv_amd_mc below): one prepared-x layout, one packed weight layout, one host path.
+#if defined(__CUDACC__) || defined(PKV_MFMA_I8) || defined(PKV_WMMA_I8)
 
 // One warp per (group, batch row), 256 threads per block; the planes and sums are
 // gemv_prep_x_warp's (hip/gemv_prep_x.h), which the decode-step kernels that produce x
@@ -573,7 +573,7 @@ PKV_DEV void header_affine(uint2 hdr, int half, float& scale, float& offset) {
   }
 }
 
-#endif  // __CUDACC__ || PKV_MFMA_I8
+#endif  // __CUDACC__ || PKV_MFMA_I8 || PKV_WMMA_I8
 
 #if defined(__CUDACC__)
 // One lane's share of one (16-row tile, group) of packed weights: the headers of rows gid
@@ -1510,176 +1510,213 @@ PKV_GEMV_F16_KERNELS(mq4g256v2, MQ4G256V2)
 #endif  // __CUDACC__
 
 // ---------------------------------------------------------------------------
-// AMD matrix-core GEMV (CDNA: gfx90a, gfx940-942; PKV_MFMA_I8 in pagedkv_compat.h): the
-// same prepared x (pkv_gemv_prep_x above), the same packed weight tiles (Gemv.pack), the
-// same kernel names and arguments as gemv_mma and the batch 9-32 pkv_gemv_mma_tiled_* (the
-// NVIDIA batch 9-32 kernel is gemv_mma_staged, with its own launch), one host path.
-// Only the fragment mapping differs: a 64-lane wavefront runs 16x16 int8 MFMAs
-// (v_mfma_i32_16x16x16i8 on gfx90a, two per k-32 step; v_mfma_i32_16x16x32_i8 on CDNA3,
-// one). Register layouts (AMD matrix instruction calculator; CDNA2/CDNA3 ISA, "Matrix
-// fused multiply-add"): lane l, i = l % 16, q = l / 16; A byte b of k-16: A[i][4q + b],
-// B byte b: B[4q + b][i]; k-32 (two registers v): A[i][8q + 4v + b], B[8q + 4v + b][i];
-// D register r: D[4q + r][i].
+// AMD matrix-core GEMV (CDNA MFMA: gfx908, gfx90a, gfx940-942, PKV_MFMA_I8; RDNA3 WMMA:
+// gfx11, PKV_WMMA_I8; pagedkv_compat.h): the same prepared x (pkv_gemv_prep_x above), the
+// same packed weight tiles (Gemv.pack), the same kernel names and arguments as gemv_mma and
+// the batch 9-32 pkv_gemv_mma_tiled_* (the NVIDIA batch 9-32 kernel is gemv_mma_staged, with
+// its own launch), one host path. Only the fragment mapping differs, and it lives in the
+// two fragment types below; the kernel body is one.
 //
-// Lane l takes row i of the tile and plays the NVIDIA lane t = q of that row: its A words
-// are the codes gemv_mma's lane (gid = i % 8, t = q) reads for row i (two 16-byte loads,
-// packed load 2 (i / 8) + jj of lane 4 (i % 8) + q), low nibbles as k-quad/octet-half 0
-// and high nibbles as 1; its B words are the prepared-x words of NVIDIA lane 4 n + q of
-// n-tile nt (column 16 T + i = 8 nt + n), b0 with the low nibbles and b1 with the high
-// ones, the pairing the prep wrote. So each int32 sum is gemv_mma's for the same (row,
-// column, group), and the epilogue, the order over groups and the reduction over
+// A 16x16 int8 tile product per k-32 step of gemv_mma (its mma m = 2j + h): A row i is
+// tile row i, B column i is prepared-x column 16 T + i. gemv_mma's lane (gid, t) holds
+// "k-quad" t of a row: the low nibbles of word h of chunk 4j + t (a_lo, 4 codes) and the
+// high ones (a_hi), against prepared-x words b_lo / b_hi of NVIDIA lane 4 n + t, the
+// pairing the prep wrote. The k order inside one product is free as long as A and B agree,
+// so any grouping of the 4 quads x 2 halves x 4 bytes into instructions gives the same
+// exact int32 sums, and the epilogue, the order over groups and the reduction over
 // wavefronts are gemv_mma's: the outputs are the NVIDIA kernel's, bit for bit, up to the
-// compilers' fused multiply-adds. An NT of 8-column n-tiles runs ceil(NT / 2) 16-column
-// MFMA tiles, in chunks of up to 3 (48 columns = 16 batch rows; the shared-memory
-// reduction holds one chunk). A block is W wavefronts of 64 (the host launches
-// warp_size x warps threads); columns past 3 * batch read zeros.
+// compilers' fused multiply-adds.
 //
-// Compile-checked only (hipcc for gfx90a and gfx940) and emulated lane by lane in NumPy
-// (tests/test_gemv_mfma_simulated.py): no AMD GPU has run it.
-#if defined(PKV_MFMA_I8)
+// MfmaI8 (wavefront of 64): lane l, i = l % 16, q = l / 16 holds quad q of row / column i
+// (AMD matrix instruction calculator; CDNA2/CDNA3 ISA, "Matrix fused multiply-add": A byte
+// b of k-16 is A[i][4q + b], B byte b is B[4q + b][i]; k-32 (registers v): A[i][8q + 4v +
+// b]); D register r is D[4q + r][i]. v_mfma_i32_16x16x16i8 on gfx90a (two per step: lo,
+// then hi), v_mfma_i32_16x16x32_i8 on CDNA3 (one).
+// WmmaI8 (wave32, v_wmma_i32_16x16x16_iu8): lane l, i = l % 16 holds all 16 k-bytes of row
+// / column i, register w byte b = A[i][4w + b] (RDNA3 ISA, "Wave Matrix Multiply
+// Accumulate", A/B VGPR view for wave32; GPUOpen "WMMA on RDNA 3"), and lanes 16-31 must
+// hold what lanes 0-15 do; D register r is D[2r + l / 16][l % 16]. So a lane loads the 4
+// quads of its row and column (the half-waves load the same bytes) and runs two
+// instructions per step: quads 0-3 of the low nibbles, then of the high ones.
+//
+// An NT of 8-column n-tiles runs ceil(NT / 2) 16-column tiles, in chunks of up to 3 (48
+// columns = 16 batch rows; the shared-memory reduction holds one chunk). A block is W
+// wavefronts (the host launches warp_size x warps threads); columns past 3 * batch read
+// zeros.
+//
+// Compile-checked only (hipcc for gfx90a and gfx940; gfx1100 through hip/gfx11_codegen.py,
+// LLVM 22 from llvmlite, since Debian's HIP 5.2 cannot generate gfx11 code) and emulated
+// lane by lane in NumPy (tests/test_gemv_amd_simulated.py): no AMD GPU has run it.
+#if defined(PKV_MFMA_I8) || defined(PKV_WMMA_I8)
 
 typedef int pkv_i32x4 __attribute__((ext_vector_type(4)));
+typedef int pkv_i32x8 __attribute__((ext_vector_type(8)));
 
-// c += the k-32 product of lane l's row/column bytes: a_lo/b_lo are k-octet half 0 (or, on
-// gfx90a, the first k-16 instruction), a_hi/b_hi half 1.
-PKV_DEV void mfma_i8_16x16x32(pkv_i32x4& c, uint32_t a_lo, uint32_t a_hi, uint32_t b_lo,
-                              uint32_t b_hi) {
+#if defined(PKV_MFMA_I8)
+struct MfmaI8 {
+  static constexpr int WAVE = 64, QUADS = 1, D_ROWS = 4;
+  typedef pkv_i32x4 Acc;
+  PKV_DEV int quad(int lane, int) { return lane / 16; }
+  PKV_DEV int d_row(int lane, int r) { return 4 * (lane / 16) + r; }
+  // c += the k-32 product: a_lo / b_lo are the lane's low-nibble quad (k-octet half 0, or
+  // gfx90a's first k-16 instruction), a_hi / b_hi the high one.
+  PKV_DEV void product(Acc& c, const uint32_t (&a_lo)[QUADS], const uint32_t (&a_hi)[QUADS],
+                       const uint32_t (&b_lo)[QUADS], const uint32_t (&b_hi)[QUADS]) {
 #if PKV_MFMA_I8 == 32
-  const long a = (long)(((uint64_t)a_hi << 32) | a_lo), b = (long)(((uint64_t)b_hi << 32) | b_lo);
-  c = __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, c, 0, 0, 0);
+    const long a = (long)(((uint64_t)a_hi[0] << 32) | a_lo[0]);
+    const long b = (long)(((uint64_t)b_hi[0] << 32) | b_lo[0]);
+    c = __builtin_amdgcn_mfma_i32_16x16x32_i8(a, b, c, 0, 0, 0);
 #else
-  c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_lo, (int)b_lo, c, 0, 0, 0);
-  c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_hi, (int)b_hi, c, 0, 0, 0);
+    c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_lo[0], (int)b_lo[0], c, 0, 0, 0);
+    c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_hi[0], (int)b_hi[0], c, 0, 0, 0);
 #endif
-}
+  }
+};
+typedef MfmaI8 AmdI8Frag;
+#else
+struct WmmaI8 {
+  static constexpr int WAVE = 32, QUADS = 4, D_ROWS = 8;
+  typedef pkv_i32x8 Acc;
+  PKV_DEV int quad(int, int qq) { return qq; }
+  PKV_DEV int d_row(int lane, int r) { return 2 * r + lane / 16; }
+  // c += the k-32 product: register w of the first instruction is quad w's low nibbles
+  // (codes unsigned, x planes signed; both flags say signed: codes are below 128).
+  PKV_DEV void product(Acc& c, const uint32_t (&a_lo)[QUADS], const uint32_t (&a_hi)[QUADS],
+                       const uint32_t (&b_lo)[QUADS], const uint32_t (&b_hi)[QUADS]) {
+    const pkv_i32x4 al = {(int)a_lo[0], (int)a_lo[1], (int)a_lo[2], (int)a_lo[3]};
+    const pkv_i32x4 bl = {(int)b_lo[0], (int)b_lo[1], (int)b_lo[2], (int)b_lo[3]};
+    const pkv_i32x4 ah = {(int)a_hi[0], (int)a_hi[1], (int)a_hi[2], (int)a_hi[3]};
+    const pkv_i32x4 bh = {(int)b_hi[0], (int)b_hi[1], (int)b_hi[2], (int)b_hi[3]};
+    c = __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, al, true, bl, c, false);
+    c = __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, ah, true, bh, c, false);
+  }
+};
+typedef WmmaI8 AmdI8Frag;
+#endif
 
-template <int F, int NT>
-PKV_DEV void gemv_mfma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
-                       const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
-                       int batch) {
-  constexpr int T16 = (NT + 1) / 2;        // 16-column MFMA tiles
-  constexpr int CH = T16 < 3 ? T16 : 3;    // tiles per chunk
+template <int F, int NT, typename MC>
+PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                         const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
+                         int batch) {
+  constexpr int T16 = (NT + 1) / 2;        // 16-column tiles
+  constexpr int CH = T16 < 3 ? T16 : 3;    // tiles per chunk of the reduction
   static_assert(T16 % CH == 0, "whole chunks");
   constexpr int ROWS_PER_CHUNK = 16 * CH / 3;  // exact when there are several chunks
   constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
   constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
-  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
-  const int i = lane % 16, q = lane / 16;
+  constexpr int QUADS = MC::QUADS, D_ROWS = MC::D_ROWS;
+  const int lane = threadIdx.x % MC::WAVE, wave = threadIdx.x / MC::WAVE;
+  const int n_waves = blockDim.x / MC::WAVE;
+  const int i = lane % 16;
   const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
   const int groups = K / 256;
   const int g_begin = wave * groups / n_waves, g_end = (wave + 1) * groups / n_waves;
   const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][16 * CH];
 
-  float acc[T16][4];
+  // One 16-column tile at a time over the wave's groups (the tile's sums in D_ROWS
+  // registers; the codes re-read per tile, from cache after the first): with every tile in
+  // flight at once, WMMA's replicated operands (64 registers of x and 64 of cut codes per
+  // tile and group) spilled in the batch 6-32 kernels. Each (row, column) still adds its
+  // groups in ascending order.
+#pragma unroll 1
+  for (int T = 0; T < T16; ++T) {
+    const int col = 16 * T + i, n = col % 8, p = col % 3, b = col / 3;
+    // columns past 3 * batch take zeros; their loads stay inside the prepared x (n-tile
+    // NT - 1 at most) and always run (a guarded load is a branch the loads cannot be
+    // scheduled across)
+    const bool live = col < 3 * batch;
+    const int nt = min(col / 8, NT - 1);
+    float acc[D_ROWS];
 #pragma unroll
-  for (int T = 0; T < T16; ++T) acc[T][0] = acc[T][1] = acc[T][2] = acc[T][3] = 0.0f;
-
-  struct Stage {
-    uint2 hdr[4];   // rows 4q + r: the epilogue's (D's) rows
-    uint4 code[2];  // row i, chunks 4j + q for j = 0-3
-  };
-  auto load = [&](Stage& s, int g) {
-    const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
+    for (int r = 0; r < D_ROWS; ++r) acc[r] = 0.0f;
+    for (int g = g_begin; g < g_end; ++g) {
+      const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
+      uint4 code[QUADS][2];  // row i, chunks 4j + quad for j = 0-3
 #pragma unroll
-    for (int r = 0; r < 4; ++r) s.hdr[r] = *(const uint2*)(base + 8 * (4 * q + r));
+      for (int qq = 0; qq < QUADS; ++qq)
 #pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-      s.code[jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + 4 * (i % 8) + q];
-  };
-  Stage cur, nxt;
-  if (g_begin < g_end) load(cur, g_begin);
-  for (int g = g_begin; g < g_end; ++g) {
-    if (g + 1 < g_end) load(nxt, g + 1);
-    float scale[HALVES][4], offset[HALVES][4];
+        for (int jj = 0; jj < 2; ++jj)
+          code[qq][jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + 4 * (i % 8) +
+                                                      MC::quad(lane, qq)];
+      typename MC::Acc c[HALVES];
 #pragma unroll
-    for (int hv = 0; hv < HALVES; ++hv)
+      for (int hv = 0; hv < HALVES; ++hv) c[hv] = typename MC::Acc{};
 #pragma unroll
-      for (int r = 0; r < 4; ++r) header_affine<F>(cur.hdr[r], hv, scale[hv][r], offset[hv][r]);
+      for (int j = 0; j < 4; ++j) {  // prepared-x word j serves mmas 2j and 2j + 1
+        uint4 xw[QUADS];
 #pragma unroll
-    for (int T0 = 0; T0 < T16; T0 += CH) {
-      uint4 xb[CH][4];
+        for (int qq = 0; qq < QUADS; ++qq) {
+          const uint4 w = ((const uint4*)(xq + (((int64_t)g * NT + nt) * 32 + 4 * n +
+                                                MC::quad(lane, qq)) * PKV_GEMV_X_WORDS))[j];
+          xw[qq] = make_uint4(live ? w.x : 0u, live ? w.y : 0u, live ? w.z : 0u, live ? w.w : 0u);
+        }
 #pragma unroll
-      for (int T = 0; T < CH; ++T) {
-        const int col = 16 * (T0 + T) + i, nt = col / 8, n = col % 8;
-        const uint4* xsrc =
-            (const uint4*)(xq + (((int64_t)g * NT + nt) * 32 + 4 * n + q) * PKV_GEMV_X_WORDS);
-        const bool live = col < 3 * batch;
+        for (int h = 0; h < 2; ++h) {
+          // gemv_mma's mma m = 2j + h: word h of chunk 4j + quad of row i
+          const int m = 2 * j + h, hv = HALVES == 2 ? m / 4 : 0;
+          uint32_t a_lo[QUADS], a_hi[QUADS], b_lo[QUADS], b_hi[QUADS];
 #pragma unroll
-        for (int v = 0; v < 4; ++v) xb[T][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
-      }
-      pkv_i32x4 c[HALVES][CH];
-#pragma unroll
-      for (int hv = 0; hv < HALVES; ++hv)
-#pragma unroll
-        for (int T = 0; T < CH; ++T) c[hv][T] = pkv_i32x4{0, 0, 0, 0};
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        // gemv_mma's mma m = 2j + h: word h of chunk 4j + q of row i
-        const int j = m / 2, h = m % 2, hv = HALVES == 2 ? m / 4 : 0;
-        const uint4 pa = cur.code[j / 2];
-        const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-        const uint32_t a_lo = wa & 0x0F0F0F0Fu, a_hi = (wa >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int T = 0; T < CH; ++T) {
-          const uint4 xw = xb[T][m / 2];
-          mfma_i8_16x16x32(c[hv][T], a_lo, a_hi, h ? xw.z : xw.x, h ? xw.w : xw.y);
+          for (int qq = 0; qq < QUADS; ++qq) {
+            const uint4 pa = code[qq][j / 2];
+            const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
+            a_lo[qq] = wa & 0x0F0F0F0Fu;
+            a_hi[qq] = (wa >> 4) & 0x0F0F0F0Fu;
+            b_lo[qq] = h ? xw[qq].z : xw[qq].x;
+            b_hi[qq] = h ? xw[qq].w : xw[qq].y;
+          }
+          MC::product(c[hv], a_lo, a_hi, b_lo, b_hi);
         }
       }
+      const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
 #pragma unroll
-      for (int T = 0; T < CH; ++T) {
-        const int col = 16 * (T0 + T) + i, p = col % 3, b = col / 3;
-        const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+      for (int r = 0; r < D_ROWS; ++r) {  // gemv_mma's epilogue, row d_row(r), column col
+        float scale[HALVES], offset[HALVES];
+        const uint2 hdr = *(const uint2*)(base + 8 * MC::d_row(lane, r));
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {  // gemv_mma's epilogue, row 4q + r, column col
-          float v = scale[0][r] * (f * (float)c[0][T][r]);
-          if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][T][r]);
-          if (p == 0)
-            v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
-                             : offset[0][r] * s.w;
-          acc[T0 + T][r] += v;
-        }
+        for (int hv = 0; hv < HALVES; ++hv) header_affine<F>(hdr, hv, scale[hv], offset[hv]);
+        float v = scale[0] * (f * (float)c[0][r]);
+        if (HALVES == 2) v += scale[HALVES - 1] * (f * (float)c[HALVES - 1][r]);
+        if (p == 0) v += HALVES == 2 ? offset[0] * s.y + offset[HALVES - 1] * s.z : offset[0] * s.w;
+        acc[r] += v;
       }
     }
-    cur = nxt;
-  }
-  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][16 * CH];
+    // the waves' sums meet in shared memory, a chunk of CH tiles at a time
+    if (T % CH == 0 && T) __syncthreads();  // the previous chunk's sums are read
 #pragma unroll
-  for (int T0 = 0; T0 < T16; T0 += CH) {
-    if (T0) __syncthreads();  // the previous chunk's sums are read
-#pragma unroll
-    for (int T = 0; T < CH; ++T)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) red[wave][4 * q + r][16 * T + i] = acc[T0 + T][r];
-    __syncthreads();
-    const int b0 = T0 / CH * ROWS_PER_CHUNK;
-    const int nb = min(ROWS_PER_CHUNK, batch - b0);
-    for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * nb; k += blockDim.x) {
-      const int r = k % PKV_GEMV_MMA_ROWS, bl = k / PKV_GEMV_MMA_ROWS;
-      float v = 0.0f;
-      for (int w = 0; w < n_waves; ++w)
-        v += red[w][r][3 * bl] + red[w][r][3 * bl + 1] + red[w][r][3 * bl + 2];
-      if (row0 + r < M) y[(int64_t)(b0 + bl) * M + row0 + r] = v;
+    for (int r = 0; r < D_ROWS; ++r) red[wave][MC::d_row(lane, r)][16 * (T % CH) + i] = acc[r];
+    if (T % CH == CH - 1) {
+      __syncthreads();
+      const int b0 = T / CH * ROWS_PER_CHUNK;
+      const int nb = min(ROWS_PER_CHUNK, batch - b0);
+      for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * nb; k += blockDim.x) {
+        const int r = k % PKV_GEMV_MMA_ROWS, bl = k / PKV_GEMV_MMA_ROWS;
+        float v = 0.0f;
+        for (int w = 0; w < n_waves; ++w)
+          v += red[w][r][3 * bl] + red[w][r][3 * bl + 1] + red[w][r][3 * bl + 2];
+        if (row0 + r < M) y[(int64_t)(b0 + bl) * M + row0 + r] = v;
+      }
     }
   }
 }
 
 // The NVIDIA kernels' names and arguments (gemv_mma: n1-n3; tiled: n6, n12).
-#define PKV_GEMV_MFMA_KERNEL(PREFIX, NAME, F, NT)                                         \
-  PKV_KERNEL void __launch_bounds__(64 * PKV_GEMV_MMA_MAX_WARPS)                          \
+#define PKV_GEMV_AMD_MC_KERNEL(PREFIX, NAME, F, NT)                                       \
+  PKV_KERNEL void __launch_bounds__(AmdI8Frag::WAVE * PKV_GEMV_MMA_MAX_WARPS)             \
       pkv_gemv_mma_##PREFIX##NAME##_n##NT(                                                \
       const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,     \
       int batch) {                                                                        \
-    gemv_mfma<F, NT>(w, xq, xs, y, M, K, batch);                                          \
+    gemv_amd_mc<F, NT, AmdI8Frag>(w, xq, xs, y, M, K, batch);                             \
   }
-#define PKV_GEMV_MFMA_KERNELS(NAME, F)          \
-  PKV_GEMV_MFMA_KERNEL(, NAME, F, 1)            \
-  PKV_GEMV_MFMA_KERNEL(, NAME, F, 2)            \
-  PKV_GEMV_MFMA_KERNEL(, NAME, F, 3)            \
-  PKV_GEMV_MFMA_KERNEL(tiled_, NAME, F, 6)      \
-  PKV_GEMV_MFMA_KERNEL(tiled_, NAME, F, 12)
+#define PKV_GEMV_AMD_MC_KERNELS(NAME, F)          \
+  PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 1)            \
+  PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 2)            \
+  PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 3)            \
+  PKV_GEMV_AMD_MC_KERNEL(tiled_, NAME, F, 6)      \
+  PKV_GEMV_AMD_MC_KERNEL(tiled_, NAME, F, 12)
 
-PKV_GEMV_MFMA_KERNELS(hfq4g256, HFQ4G256)
-PKV_GEMV_MFMA_KERNELS(mq4g256v2, MQ4G256V2)
+PKV_GEMV_AMD_MC_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_AMD_MC_KERNELS(mq4g256v2, MQ4G256V2)
 
-#endif  // PKV_MFMA_I8
+#endif  // PKV_MFMA_I8 || PKV_WMMA_I8

@@ -438,7 +438,7 @@ class FakeHipDevice(FakeDevice):
 def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, batch, kernel,
                                                                   warps, monkeypatch):
     monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")  # opt-in until an AMD device run
-    # AMD CDNA runs gemv_mfma under the NVIDIA kernel names, on the same prepared x and
+    # AMD CDNA runs gemv_amd_mc (MfmaI8) under the NVIDIA kernel names, on the same prepared x and
     # packed tiles; a block is `warps` wavefronts of 64 (docs/kernels.md, "AMD matrix cores")
     dev = FakeHipDevice(arch)
     M, K = 37, 17 * 256
@@ -451,13 +451,39 @@ def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, bat
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
 
 
+@pytest.mark.parametrize("arch", ["gfx1100", "gfx1151"])
+@pytest.mark.parametrize(("fmt", "batch", "kernel", "warps"), [
+    ("hfq4g256", 1, "pkv_gemv_mma_hfq4g256_n1", 8),
+    ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 2),
+    ("mq4g256", 32, "pkv_gemv_mma_tiled_hfq4g256_n12", 4)])
+def test_gemv_takes_the_wmma_kernel_on_rdna3_with_wave32(arch, fmt, batch, kernel, warps,
+                                                         monkeypatch):
+    monkeypatch.setenv("PAGEDKV_GEMV_WMMA", "1")  # opt-in until an AMD device run
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")  # the CDNA switch does not gate RDNA3
+    # gfx11 runs gemv_amd_mc's WMMA build under the NVIDIA kernel names, on the same
+    # prepared x and packed tiles; a block is `warps` waves of 32
+    dev = FakeHipDevice(arch)
+    M, K = 37, 17 * 256
+    g = weights.Gemv(dev, fmt, M, K, batch, warps=warps)
+    assert g.tensor_cores and g.packed and weights.max_batch(dev, fmt) == 32
+    w = g.upload(np.zeros(M * 17 * 136, np.uint8))
+    g.run(w, dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32))
+    assert [c[1:] for c in _launches(dev)] == [
+        ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (32 * warps,))]
+
+
 @pytest.mark.parametrize("arch", ["gfx1030", "gfx1100", "gfx1201", "gfx906", "gfx90a-off",
-                                  "gfx942-default"])
-def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_mfma(arch, monkeypatch):
+                                  "gfx942-default", "gfx1100-mfma", "gfx1201-wmma"])
+def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_matrix_cores(arch, monkeypatch):
+    monkeypatch.delenv("PAGEDKV_GEMV_WMMA", raising=False)
     if arch.endswith("-off"):  # the switch that keeps never-run MFMA code off a CDNA GPU
         monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "0")
     elif arch.endswith("-default"):  # and its default, until an AMD device run
         monkeypatch.delenv("PAGEDKV_GEMV_MFMA", raising=False)
+    elif arch.endswith("-mfma"):  # the CDNA switch does not turn on WMMA
+        monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    elif arch.endswith("-wmma"):  # RDNA4's WMMA has other layouts: no kernel for it
+        monkeypatch.setenv("PAGEDKV_GEMV_WMMA", "1")
     arch = arch.split("-")[0]
     dev = FakeHipDevice(arch)
     g = weights.Gemv(dev, "mq4g256v2", 16, 256, 8)

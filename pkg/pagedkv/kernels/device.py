@@ -38,6 +38,10 @@ MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 #: Those of them with the k-16 bf16 MFMA (v_mfma_f32_16x16x16bf16_1k, PKV_MFMA_BF16_1K): the
 #: bf16 attention kernels on matrix cores exist only there (gfx908 has the k-8 one only).
 MFMA_BF16_ARCHES = ("gfx90a", "gfx940", "gfx941", "gfx942")
+#: RDNA3 / RDNA3.5 arches whose WMMA (v_wmma_i32_16x16x16_iu8, wave32) the int8 GEMV uses
+#: (PKV_WMMA_I8). Compiled for gfx1100 with hip/gfx11_codegen.py and emulated only: no AMD GPU
+#: has run them; a device needs a code object built for its own arch name.
+WMMA_ARCHES = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")
 
 __all__ = ["PDL_ENV", "Device", "Event", "Graph", "Kernel", "Stream", "StreamLike",
            "dependent_launch_supported", "open_device", "stream_handle"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.device import MFMA_ARCHES, Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, WMMA_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
@@ -45,7 +45,7 @@ GEMV_MMA_MAX_TILES = launch_constant("PKV_GEMV_MMA_MAX_TILES")  # n-tiles of the
 #: Batch rows of one tensor-core GEMV call: 1-8 run gemv_mma (n1-n3), 9-32 on NVIDIA the
 #: pipelined kernel (gemv_mma_pipe, n6/n9/n12) or the staged one (gemv_mma_staged, n6 up to 16
 #: rows, n12 up to 32: each weight tile read once for all rows, x copied into shared memory
-#: once per block of 8 tiles), the tiled MFMA kernel on AMD.
+#: once per block of 8 tiles), the tiled MFMA / WMMA kernel on AMD.
 GEMV_MMA_MAX_BATCH = 32
 #: Most group splits of the staged kernel: each split writes batch x M f32 partials (at
 #: batch 32 and 4 splits, 512 bytes per row against 2176 per row of a 4096-long 4-bit row).
@@ -253,8 +253,9 @@ class Gemv:
     Weights go up once with :meth:`upload` (host bytes as stored; the tensor-core kernel
     reads them re-packed in 16-row tiles, see :meth:`pack`). :meth:`run` is
     :meth:`prepare` then :meth:`run_prepared`. Preparing x rotates it for
-    the rotated formats and, on NVIDIA sm_80+ and AMD gfx908/gfx90a/gfx940-942 for the 4-bit
-    formats (the tensor-core kernel; MFMA on AMD, compile-checked and emulated only),
+    the rotated formats and, on NVIDIA sm_80+ and AMD gfx908/gfx90a/gfx940-942/gfx11 for the
+    4-bit formats (the tensor-core kernel; MFMA or WMMA on AMD, compile-checked and emulated
+    only, opt-in),
     quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
     of the group's largest ``|x|``, then exact integer dot products). Several weights
     multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
@@ -370,7 +371,7 @@ class Gemv:
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{tiled}{f.kernel}_n{tiles}",
                                              "ppppiii", dependent_launch=not tiled)
                 self._grid = (row_tiles,)
-                # warps of 32 lanes on NVIDIA, wavefronts of 64 on AMD (gemv_mfma)
+                # warps of 32 lanes on NVIDIA, wavefronts of 64 (MFMA) or 32 (WMMA) on AMD
                 self._block = (device.properties.warp_size
                                * (warps or _mma_warps(row_tiles, groups)),)
         else:
@@ -541,8 +542,8 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
 
 def max_batch(device: Device, fmt: str | int) -> int:
     """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
-    tensor-core kernel (NVIDIA sm_80+, AMD gfx908/gfx90a/gfx940-942; 4-bit formats), 8 on the
-    CUDA-core one."""
+    tensor-core kernel (NVIDIA sm_80+; AMD gfx908/gfx90a/gfx940-942 and gfx11, opt-in; 4-bit
+    formats), 8 on the CUDA-core one."""
     f = _format(fmt)
     return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
 
@@ -678,13 +679,15 @@ def _optin_shared_bytes(device: Device) -> int:
 
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
-    (mma.sync), AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942; compile-checked and emulated
-    only, docs/kernels.md: opt-in with ``PAGEDKV_GEMV_MFMA=1`` until an AMD device run vouches
-    for it). RDNA (gfx10-12) runs the CUDA-core kernel."""
+    (mma.sync); AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942) and RDNA3 (WMMA: gfx11), both
+    compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
+    ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
+    them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel."""
     backend = getattr(device, "backend", None)
     if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
-    if backend == "hip":  # weights.hip builds gemv_mfma under the gemv_mma names there
-        return arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", False)
+    if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
+        return ((arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", False))
+                or (arch in WMMA_ARCHES and env_bool("PAGEDKV_GEMV_WMMA", False)))
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
