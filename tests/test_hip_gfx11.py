@@ -1,0 +1,77 @@
+"""The hip/ kernels compiled for gfx1100 (RDNA3), which this machine's HIP cannot finish alone:
+hipcc's optimized device IR, machine code from llvmlite's newer LLVM (hip/gfx11_codegen.py).
+What it proves: the sources type-check for gfx11, the WMMA GEMV (weights.hip's gemv_amd_mc
+with WmmaI8) turns into v_wmma instructions, and no kernel spills to scratch. What it
+cannot: run them (no AMD GPU; tests/test_gemv_amd_simulated.py emulates the WMMA kernels
+lane by lane instead).
+
+Skipped where hipcc or llvmlite is missing, except under CI's PAGEDKV_EXPECT_BACKENDS=hip
+(the README's test command installs llvmlite), where a missing tool fails."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernels_support import load_tree_script
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPECT_HIP = "hip" in os.environ.get("PAGEDKV_EXPECT_BACKENDS", "").split(",")
+
+
+@pytest.fixture(scope="module")
+def codegen():
+    mod = load_tree_script("hip/gfx11_codegen.py", "pagedkv_gfx11_codegen")
+    missing = []
+    if mod.find_hipcc() is None:
+        missing.append("hipcc")
+    try:
+        import llvmlite.binding as llvm
+        if llvm.llvm_version_info < (17,):  # gfx11 WMMA code generation matured in LLVM 17
+            missing.append(f"llvmlite with LLVM >= 17 (has {llvm.llvm_version_info})")
+    except ImportError:
+        missing.append("llvmlite")
+    if missing:
+        if EXPECT_HIP:
+            pytest.fail(f"PAGEDKV_EXPECT_BACKENDS has hip but {', '.join(missing)} is missing")
+        pytest.skip(f"needs {', '.join(missing)}")
+    return mod
+
+
+@pytest.fixture(scope="module")
+def weights_gfx1100(codegen):
+    return codegen.compile_kernels(ROOT / "hip" / "weights.hip", "gfx1100")
+
+
+def test_isa_versions_of_arch_names(codegen):
+    assert [codegen.isa_version(a) for a in ("gfx1100", "gfx1151", "gfx90a", "gfx942")] == [
+        11000, 11501, 9010, 9402]
+    with pytest.raises(ValueError, match="not an AMD arch name"):
+        codegen.isa_version("sm_90")
+
+
+def test_the_int8_gemv_is_wmma_on_gfx1100_without_scratch(weights_gfx1100):
+    mma = {n: k for n, k in weights_gfx1100.items() if n.startswith("pkv_gemv_mma_")}
+    # n1-n3 and the tiled n6 / n12 of both 4-bit kernels (mq4g256 runs hfq4g256's on rotated x)
+    assert sorted(mma) == sorted(f"pkv_gemv_mma_{t}{f}_n{n}" for f in ("hfq4g256", "mq4g256v2")
+                                 for t, n in [("", 1), ("", 2), ("", 3), ("tiled_", 6),
+                                              ("tiled_", 12)])
+    for name, k in mma.items():
+        # one 16-column tile per pass: 8 k-32 steps of 2 WMMAs each in the group loop
+        assert k.count("v_wmma_i32_16x16x16_iu8") == 16, name
+        assert k.count("v_mfma") == 0, name
+        assert k.scratch_bytes == 0 and k.vgprs <= 256, (name, k.scratch_bytes, k.vgprs)
+    # the CUDA-core kernels have no matrix instructions, and nothing spills
+    assert weights_gfx1100["pkv_gemv_hfq4g256_b8"].count("v_wmma") == 0
+    assert {n: k.scratch_bytes for n, k in weights_gfx1100.items() if k.scratch_bytes} == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["kvcache.hip", "decode.hip", "pool.hip", "bench.hip"])
+def test_every_other_source_compiles_for_gfx1100(codegen, source):
+    # the attention and decode kernels run their CUDA-core paths on RDNA (docs/kernels.md)
+    found = codegen.compile_kernels(ROOT / "hip" / source, "gfx1100")
+    assert found and all(k.count("v_mfma") == 0 for k in found.values())
+    assert all(k.vgprs <= 256 for k in found.values())
