@@ -279,21 +279,24 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
 // column i, token 16 grp + i, is 4 values of that lane's 16-byte chunk s/2 of the token's
 // row, chunk s/2 being row[4(s/2) + q]. Head g's score is D[g] + D[g + 8]: lanes q < 2 hold
 // rows 4q + r, lanes q + 2 the remainders.
-#if defined(PKV_MFMA_I8)
-#define PKV_ATTN_MFMA 1
-typedef _Float16 pkv_f16x4 __attribute__((ext_vector_type(4)));
-typedef short pkv_i16x4 __attribute__((ext_vector_type(4)));
-typedef float pkv_f32x4 __attribute__((ext_vector_type(4)));
-typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
-
-// f32 -> the MFMA's 16-bit element, round to nearest even: f16 in hardware; bf16 by adding
-// 0x7FFF plus the kept lowest bit (finite values; the attention's q and P are finite).
+#if defined(PKV_MFMA_I8) || defined(PKV_WMMA_I8)
+// f32 -> an AMD matrix instruction's 16-bit element, round to nearest even: f16 in hardware;
+// bf16 by adding 0x7FFF plus the kept lowest bit (finite values; the attention's q and P are
+// finite).
 template <int KIND>
 PKV_DEV uint32_t to_mfma_bits(float v) {
   if (KIND != KV_BF16) return pkv_float_to_half_bits(v);
   const uint32_t u = __float_as_uint(v);
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
+#endif
+
+#if defined(PKV_MFMA_I8)
+#define PKV_ATTN_MFMA 1
+typedef _Float16 pkv_f16x4 __attribute__((ext_vector_type(4)));
+typedef short pkv_i16x4 __attribute__((ext_vector_type(4)));
+typedef float pkv_f32x4 __attribute__((ext_vector_type(4)));
+typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
 
 // D += A . B on 16x16x16 16-bit operands (4 elements per lane, as two words).
 template <int KIND>
@@ -450,6 +453,144 @@ PKV_DEV void pv_mfma(const float* scores, const uint8_t* __restrict__ v_pool,
 }
 #else
 #define PKV_ATTN_MFMA 0
+#endif
+
+// Both passes on RDNA3 matrix cores (gfx11 WMMA, wave32: PKV_WMMA_I8's arches), f16 or bf16
+// KV, head_dim 64 or 128, GMAX <= 8: pkv_paged_attention_{f16,bf16}wmma_g*, opt-in
+// (PAGEDKV_ATTN_WMMA=1); compiled for gfx1100 through hip/gfx11_codegen.py and emulated only
+// (tests/test_attention_wmma_simulated.py), never run on an AMD GPU. q8 KV keeps the
+// CUDA-core passes there. v_wmma_f32_16x16x16_{f16,bf16}: lane l, i = l % 16, hw = l / 16
+// holds all 16 k-elements of A row i and of B column i (element e is half e % 2 of word
+// e / 2), lanes 16-31 the same operands as lanes 0-15; D register r is D[2r + hw][i] (the
+// RDNA3 ISA's wave32 VGPR views). The 16-bit split of q and P is the MFMA passes': A or B
+// rows / columns i < 8 hold head i % 8's 16-bit value, i >= 8 its remainder.
+//
+// Pass 1 (qk_scores_wmma): scores^T = Q . K^T, 16 tokens per wave step; k-step s is dims
+// 16s .. 16s + 15, so B column i is 32 contiguous bytes of token 16 grp + i's row. Head g's
+// score is D[g] + D[g + 8]: both in lane hw = g % 2, registers g / 2 and g / 2 + 4.
+// Pass 2 (pv_wmma): out^T = V^T . P^T, 16 tokens per step. m-tile j's row i is dim
+// DPL i + j (DPL = head_dim / 16): lane i reads DPL consecutive dims of each of the 16
+// tokens (16 bytes at head_dim 128, 8 at 64), and m-tile j's A element k is half j % 2 of
+// word j / 2 of token k's load. B column i is head i % 8's probability (or remainder) for
+// the 16 tokens. o[j] register r is D row 2r + hw, dim DPL (2r + hw) + j; after the last
+// step lane i adds the remainder column from lane i ^ 8, and lanes i < GMAX hold head i.
+#if defined(PKV_WMMA_I8)
+#define PKV_ATTN_WMMA 1
+typedef _Float16 pkv_f16x16 __attribute__((ext_vector_type(16)));
+typedef short pkv_i16x16 __attribute__((ext_vector_type(16)));
+typedef float pkv_f32x8 __attribute__((ext_vector_type(8)));
+typedef uint32_t pkv_u32x8 __attribute__((ext_vector_type(8)));
+
+// D += A . B on 16x16x16 16-bit operands (16 elements per lane, as eight words).
+template <int KIND>
+PKV_DEV pkv_f32x8 wmma_16x16x16(pkv_u32x8 a, pkv_u32x8 b, pkv_f32x8 c) {
+  if constexpr (KIND == KV_BF16)
+    return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(__builtin_bit_cast(pkv_i16x16, a),
+                                                       __builtin_bit_cast(pkv_i16x16, b), c);
+  else
+    return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(__builtin_bit_cast(pkv_f16x16, a),
+                                                      __builtin_bit_cast(pkv_f16x16, b), c);
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_wmma(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, const uint8_t* __restrict__ k_pool,
+                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16, hw = lane / 16, head = i % 8;
+  const int n_steps = head_dim / 16;  // 4 or 8
+  pkv_u32x8 qa[8];  // k-step s: dims 16s + 0..15 of head i % 8 (times scale), value or rest
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      uint32_t bits[2] = {0u, 0u};
+      if (s < n_steps && head < group) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = q_group[(int64_t)head * head_dim + 16 * s + 2 * w + e] * scale;
+          const uint32_t hi = to_mfma_bits<KIND>(v);
+          bits[e] = i < 8 ? hi : to_mfma_bits<KIND>(v - from_mma_bits<KIND>(hi));
+        }
+      }
+      qa[s][w] = bits[0] | bits[1] << 16;
+    }
+  }
+  const int n_groups = (n_tok + 15) / 16;
+  for (int grp = wave; grp < n_groups; grp += n_waves) {  // uniform per wave
+    const int tok = 16 * grp + i;
+    const uint4* row = (const uint4*)(k_pool + rows[min(tok, n_tok - 1)] * row_bytes);
+    pkv_f32x8 c = {};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if (s < n_steps) {
+        const uint4 lo = tok < n_tok ? row[2 * s] : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 up = tok < n_tok ? row[2 * s + 1] : make_uint4(0u, 0u, 0u, 0u);
+        const pkv_u32x8 b = {lo.x, lo.y, lo.z, lo.w, up.x, up.y, up.z, up.w};
+        c = wmma_16x16x16<KIND>(qa[s], b, c);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // head g = 2r + hw: rows g (value) and g + 8 (remainder)
+      const int g = 2 * r + hw;
+      if (g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + c[r + 4];
+    }
+  }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void pv_wmma(const float* scores, const uint8_t* __restrict__ v_pool,
+                     const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                     pkv_f32x8 (&o)[8]) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16;
+  const int n_words = head_dim / 32;  // 32-bit words (2 dims) per lane and token: 2 or 4
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x8{};
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  const int n_steps = (n_tok + 15) / 16;
+  for (int st = wave; st < n_steps; st += n_waves) {  // uniform per wave
+    uint32_t vr[16][4];  // token 16 st + k: dims DPL i .. DPL i + DPL - 1
+    pkv_u32x8 b;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int tok = 16 * st + k;
+      const uint8_t* at = v_pool + rows[min(tok, n_tok - 1)] * row_bytes + 4 * n_words * i;
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (tok < n_tok && n_words == 4) {
+        w = *(const uint4*)at;
+      } else if (tok < n_tok) {
+        const uint2 h = *(const uint2*)at;
+        w.x = h.x, w.y = h.y;
+      }
+      vr[k][0] = w.x, vr[k][1] = w.y, vr[k][2] = w.z, vr[k][3] = w.w;
+      const float p = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+      const uint32_t hi = to_mfma_bits<KIND>(p);
+      const uint32_t bits = rest ? to_mfma_bits<KIND>(p - from_mma_bits<KIND>(hi)) : hi;
+      if (k % 2 == 0) b[k / 2] = bits;
+      else b[k / 2] |= bits << 16;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < 2 * n_words) {
+        pkv_u32x8 a;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {  // tokens 2w, 2w + 1: half j % 2 of word j / 2
+          const uint32_t t0 = vr[2 * w][j / 2], t1 = vr[2 * w + 1][j / 2];
+          a[w] = j % 2 ? (t0 >> 16 | (t1 & 0xFFFF0000u)) : ((t0 & 0xFFFFu) | t1 << 16);
+        }
+        o[j] = wmma_16x16x16<KIND>(a, b, o[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);
+}
+#else
+#define PKV_ATTN_WMMA 0
 #endif
 
 // Pass 2 on NVIDIA tensor cores (sm_80+, f16 KV, GMAX <= 4, head_dim 64 or 128):
@@ -1281,8 +1422,9 @@ PKV_DEV int q8_pv_exponent(const float* vscale_max, int n_warps) {
 PKV_DEV float q8_pv_pscale(int e) { return __uint_as_float((uint32_t)(268 - e) << 23); }
 PKV_DEV float q8_pv_unscale(int e) { return __uint_as_float((uint32_t)(e - 14) << 23); }
 
-// MFMA: both passes on AMD matrix cores (qk_scores_mfma and pv_mfma; q8: qk_scores_mfma_q8
-// and pv_mfma_q8).
+// MFMA: both passes on AMD matrix cores: CDNA MFMA (qk_scores_mfma and pv_mfma; q8:
+// qk_scores_mfma_q8 and pv_mfma_q8) or, on gfx11, WMMA (qk_scores_wmma and pv_wmma; f16 and
+// bf16 only).
 // STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
 // with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
 template <int KIND, int GMAX, bool MMA, bool MFMA = false, bool STAGE = false,
@@ -1404,6 +1546,11 @@ PKV_DEV void paged_attention_partition(
   } else if constexpr (MFMA) {
     qk_scores_mfma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                          head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+#endif
+#if PKV_ATTN_WMMA
+  } else if constexpr (MFMA) {  // gfx11: WMMA (f16 and bf16 only)
+    qk_scores_wmma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                               head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
 #endif
   } else {
     if (first < n_tok) load_step(k_pool, first + sub, cur);
@@ -1557,6 +1704,22 @@ PKV_DEV void paged_attention_partition(
     }
   }
 #endif
+#if PKV_ATTN_WMMA
+  if constexpr (MFMA_PV) {
+    pkv_f32x8 o[8];
+    pv_wmma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    __syncthreads();  // every wave has read the scores
+    const int i = lane % 16, hw = lane / 16, dpl = head_dim / 16;
+    if (i < GMAX) {  // lane i holds head i; o[j][r]: D row 2r + hw of m-tile j
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < dpl)
+#pragma unroll
+          for (int r = 0; r < 8; ++r)
+            wsum[(warp * GMAX + i) * head_dim + dpl * (2 * r + hw) + j] = o[j][r];
+    }
+  }
+#endif
   if constexpr (!MMA && !MFMA_PV) {
     // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims.
     float acc[GMAX][8];
@@ -1667,12 +1830,9 @@ PKV_DEV void paged_attention_dispatch(
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX) \
   PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
 
-#if PKV_ATTN_MFMA
-// f16, bf16 and q8 KV with both passes on AMD matrix cores (qk_scores_mfma and pv_mfma; q8:
-// qk_scores_mfma_q8 and pv_mfma_q8); head_dim 64 or 128, else the CUDA-core passes:
-// pkv_paged_attention_{f16,bf16,q8}mfma_g*, opt-in (PAGEDKV_ATTN_MFMA=1,
-// pagedkv.kernels.kvcache) until an AMD device run vouches for it; bf16 only where
-// PKV_MFMA_BF16_1K is defined (not gfx908).
+#if PKV_ATTN_MFMA || PKV_ATTN_WMMA
+// Both passes on AMD matrix cores (the partition's MFMA flag: MFMA on CDNA, WMMA on gfx11)
+// for head_dim 64 or 128, else the CUDA-core passes.
 #define PKV_ATTN_MFMA_KERNEL(NAME, KIND, GMAX)                                               \
   PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
                                     PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KIND))             \
@@ -1690,6 +1850,13 @@ PKV_DEV void paged_attention_dispatch(
           q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,    \
           num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);           \
   }
+#endif
+
+#if PKV_ATTN_MFMA
+// f16, bf16 and q8 KV with both passes on CDNA MFMA (qk_scores_mfma and pv_mfma; q8:
+// qk_scores_mfma_q8 and pv_mfma_q8): pkv_paged_attention_{f16,bf16,q8}mfma_g*, opt-in
+// (PAGEDKV_ATTN_MFMA=1, pagedkv.kernels.kvcache) until an AMD device run vouches for it;
+// bf16 only where PKV_MFMA_BF16_1K is defined (not gfx908).
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g1, KV_F16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g2, KV_F16, 2)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16mfma_g4, KV_F16, 4)
@@ -1704,6 +1871,20 @@ PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g2, KV_BF16, 2)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g4, KV_BF16, 4)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g8, KV_BF16, 8)
 #endif
+#endif
+
+#if PKV_ATTN_WMMA
+// f16 and bf16 KV with both passes on RDNA3 WMMA (qk_scores_wmma, pv_wmma); head_dim 64 or
+// 128, else the CUDA-core passes: pkv_paged_attention_{f16,bf16}wmma_g*, opt-in
+// (PAGEDKV_ATTN_WMMA=1, pagedkv.kernels.kvcache) until an AMD device run vouches for it.
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g1, KV_F16, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g2, KV_F16, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g4, KV_F16, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g8, KV_F16, 8)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g1, KV_BF16, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g2, KV_BF16, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g4, KV_BF16, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g8, KV_BF16, 8)
 #endif
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)

@@ -218,14 +218,22 @@ def pv_mfma(probs, v_bits, rows, n_tok, head_dim, gmax, wave, n_waves, kind="f16
                 a = np.stack([(w0 & 0xFFFF) | (w1 << 16), (w2 & 0xFFFF) | (w3 << 16)], axis=1)
             mfma_f32_16x16x16(o[j], a.astype(np.uint32), b, kind)
     o = o + o[:, lane ^ rest_lane]  # pkv_shfl_xor(o[j][r], 8)
+    return store_wsum(o, i, q, gmax, head_dim, dim_of)
+
+
+def store_wsum(o, i, half, gmax, head_dim, dim_of):
+    """The partition's store of a pass 2's o[m-tile, lane, register] (after the remainder
+    lanes were added): lane with i < gmax holds head i, register r of m-tile j is dim
+    ``dim_of(dpl, half, r, j)`` (half: the lane's q on MFMA, hw on WMMA). float32[gmax,
+    head_dim], NaN where nothing is stored; every slot must be stored exactly once."""
     wsum = np.full((gmax, head_dim), np.nan, np.float32)
     seen = np.zeros((gmax, head_dim), int)
     dpl = head_dim // 16
-    for ln in range(WAVE):
+    for ln in range(o.shape[1]):
         if i[ln] < gmax:
             for j in range(dpl):
-                for r in range(4):
-                    d = dim_of(dpl, q[ln], r, j)
+                for r in range(o.shape[2]):
+                    d = dim_of(dpl, half[ln], r, j)
                     wsum[i[ln], d] = o[j, ln, r]
                     seen[i[ln], d] += 1
     assert (seen == 1).all()  # every (head slot, dim) stored once
@@ -371,16 +379,13 @@ def _reference(q_group, k_bits, v_bits, rows, scale, kind):
 KINDS = ["f16", "bf16"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("head_dim", "group", "gmax", "n_tok", "waves"), [
-    (128, 1, 1, 37, 2), (64, 2, 2, 16, 2), (128, 3, 4, 100, 2), (64, 4, 4, 5, 1),
-    (128, 8, 8, 77, 2), (64, 5, 8, 33, 1)])
-def test_mfma_scores_simulated_are_q_dot_k_for_every_token_and_head(kind, head_dim, group, gmax,
-                                                                      n_tok, waves):
+def check_scores(qk_scores, kind, head_dim, group, gmax, n_tok, waves):
+    """A pass 1 emulation (``qk_scores(q_group, group, head_dim, scale, k_bits, rows, n_tok,
+    gmax, waves, kind)``, MFMA or WMMA) gives q.k for every token and head."""
     q_group, k_bits, _, rows = _case(head_dim + 7 * group + n_tok, group, head_dim, n_tok, kind)
     scale = head_dim ** -0.5
-    got = qk_scores_mfma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, waves,
-                         kind).reshape(n_tok, gmax)
+    got = qk_scores(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, waves,
+                    kind).reshape(n_tok, gmax)
     qs = q_group.astype(np.float64) * np.float32(scale)
     kt = from_bits(k_bits[rows], kind).astype(np.float64)
     expect = kt @ qs.T  # [n_tok, group]
@@ -390,16 +395,13 @@ def test_mfma_scores_simulated_are_q_dot_k_for_every_token_and_head(kind, head_d
     assert (got[:, group:] == 0).all()  # group slots past the group hold zeros, as on NVIDIA
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("head_dim", "gmax", "n_tok", "waves"), [
-    (128, 1, 37, 2), (64, 2, 16, 2), (128, 4, 100, 2), (64, 4, 5, 1), (128, 8, 77, 2),
-    (64, 8, 33, 1)])
-def test_mfma_pv_simulated_is_p_times_v_for_every_dim_and_head(kind, head_dim, gmax, n_tok,
-                                                                 waves):
+def check_pv(pv, kind, head_dim, gmax, n_tok, waves):
+    """A pass 2 emulation (``pv(probs, v_bits, rows, n_tok, head_dim, gmax, wave, waves,
+    kind)`` of one wave, MFMA or WMMA) gives p.V for every dim and head."""
     rng = np.random.default_rng(head_dim + gmax + n_tok)
     _, _, v_bits, rows = _case(n_tok + gmax, 1, head_dim, n_tok, kind)
     probs = rng.random((n_tok, gmax)).astype(np.float32)  # a softmax's unnormalized p <= 1
-    got = sum(pv_mfma(probs, v_bits, rows, n_tok, head_dim, gmax, w, waves, kind)
+    got = sum(pv(probs, v_bits, rows, n_tok, head_dim, gmax, w, waves, kind)
               for w in range(waves))
     v = from_bits(v_bits[rows], kind).astype(np.float64)
     expect = probs.T.astype(np.float64) @ v  # [gmax, head_dim]
@@ -407,17 +409,44 @@ def test_mfma_pv_simulated_is_p_times_v_for_every_dim_and_head(kind, head_dim, g
     np.testing.assert_array_less(np.abs(got - expect), bound + 1e-30)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("head_dim", "group", "n_tok", "partition"), [
-    (128, 4, 300, 128), (64, 8, 70, 1024), (128, 1, 40, 16), (64, 3, 200, 64)])
-def test_mfma_attention_simulated_is_within_the_documented_tolerance(kind, head_dim, group,
-                                                                       n_tok, partition):
-    # docs/kernels.md, "Tolerances": rtol 1e-4, atol 2e-5 in units of the V magnitude
+def check_attention(attention, kind, head_dim, group, n_tok, partition):
+    """A whole emulated attention (``attention(q_group, k_bits, v_bits, rows, scale,
+    partition, kind)``) is within docs/kernels.md's "Tolerances": rtol 1e-4, atol 2e-5 in
+    units of the V magnitude."""
     q_group, k_bits, v_bits, rows = _case(head_dim * group + n_tok, group, head_dim, n_tok, kind)
     scale = head_dim ** -0.5
-    got = attention_mfma(q_group, k_bits, v_bits, rows, scale, partition, kind)
+    got = attention(q_group, k_bits, v_bits, rows, scale, partition, kind)
     want, v_scale = _reference(q_group, k_bits, v_bits, rows, scale, kind)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
+
+
+#: Geometries of the three checks, shared by the MFMA and WMMA emulations.
+SCORE_CASES = [(128, 1, 1, 37, 2), (64, 2, 2, 16, 2), (128, 3, 4, 100, 2), (64, 4, 4, 5, 1),
+               (128, 8, 8, 77, 2), (64, 5, 8, 33, 1)]
+PV_CASES = [(128, 1, 37, 2), (64, 2, 16, 2), (128, 4, 100, 2), (64, 4, 5, 1), (128, 8, 77, 2),
+            (64, 8, 33, 1)]
+ATTENTION_CASES = [(128, 4, 300, 128), (64, 8, 70, 1024), (128, 1, 40, 16), (64, 3, 200, 64)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("head_dim", "group", "gmax", "n_tok", "waves"), SCORE_CASES)
+def test_mfma_scores_simulated_are_q_dot_k_for_every_token_and_head(kind, head_dim, group, gmax,
+                                                                      n_tok, waves):
+    check_scores(qk_scores_mfma, kind, head_dim, group, gmax, n_tok, waves)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("head_dim", "gmax", "n_tok", "waves"), PV_CASES)
+def test_mfma_pv_simulated_is_p_times_v_for_every_dim_and_head(kind, head_dim, gmax, n_tok,
+                                                                 waves):
+    check_pv(pv_mfma, kind, head_dim, gmax, n_tok, waves)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("head_dim", "group", "n_tok", "partition"), ATTENTION_CASES)
+def test_mfma_attention_simulated_is_within_the_documented_tolerance(kind, head_dim, group,
+                                                                       n_tok, partition):
+    check_attention(attention_mfma, kind, head_dim, group, n_tok, partition)
 
 
 @pytest.mark.parametrize("mutation", [
@@ -682,11 +711,16 @@ def _function_text(text, name):
     return " ".join(text[m.start():end].split())
 
 
+def assert_kernel_text(table, function):
+    """Every expression ``table[function]`` lists is in that function of hip/kvcache.hip."""
+    body = _function_text(KVCACHE_HIP.read_text(encoding="utf-8"), function)
+    missing = [e for e in table[function] if " ".join(e.split()) not in body]
+    assert not missing, f"{function} in hip/kvcache.hip no longer has {missing}: update the emulation"
+
+
 @pytest.mark.parametrize("function", sorted(KERNEL_TEXT))
 def test_the_emulated_expressions_are_the_kernel_text(function):
-    body = _function_text(KVCACHE_HIP.read_text(encoding="utf-8"), function)
-    missing = [e for e in KERNEL_TEXT[function] if " ".join(e.split()) not in body]
-    assert not missing, f"{function} in hip/kvcache.hip no longer has {missing}: update the emulation"
+    assert_kernel_text(KERNEL_TEXT, function)
 
 
 def test_the_mfma_kernels_are_defined_for_each_kind_and_bf16_only_with_k16_bf16_mfma():

@@ -1083,13 +1083,15 @@ def attention_kernel_names() -> set[str]:
 
 
 def mfma_attention_kernel_names(arch: str) -> set[str]:
-    """The AMD-only MFMA attention kernels an arch's kvcache code object must define
-    (PagedAttention with PAGEDKV_ATTN_MFMA=1 names them there): f16 and q8 on every MFMA
-    arch, bf16 only on those with the k-16 bf16 MFMA."""
-    from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES
-    kinds = (("f16", "q8") if arch in MFMA_ARCHES else ()) + (
-        ("bf16",) if arch in MFMA_BF16_ARCHES else ())
-    return {f"pkv_paged_attention_{k}mfma_g{g}" for k in kinds for g in (1, 2, 4, 8)}
+    """The AMD-only matrix-core attention kernels an arch's kvcache code object must define
+    (PagedAttention with PAGEDKV_ATTN_MFMA=1 / PAGEDKV_ATTN_WMMA=1 names them there): MFMA
+    f16 and q8 on every MFMA arch, bf16 only on those with the k-16 bf16 MFMA; WMMA f16 and
+    bf16 on gfx11."""
+    from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, WMMA_ARCHES
+    kinds = (("f16mfma", "q8mfma") if arch in MFMA_ARCHES else ()) + (
+        ("bf16mfma",) if arch in MFMA_BF16_ARCHES else ()) + (
+        ("f16wmma", "bf16wmma") if arch in WMMA_ARCHES else ())
+    return {f"pkv_paged_attention_{k}_g{g}" for k in kinds for g in (1, 2, 4, 8)}
 
 
 def test_every_attention_kernel_the_launcher_names_is_in_the_built_objects():
@@ -1165,6 +1167,32 @@ def test_attention_takes_the_mfma_kernels_only_when_asked_on_cdna(
     assert attn.mfma == kernel.endswith("mfma_g4")
     assert repr(attn).endswith(", mfma=True)" if attn.mfma else ")")
     assert (", mfma=True" in repr(attn)) == attn.mfma
+
+
+@pytest.mark.parametrize(("arch", "env", "kv_dtype", "head_dim", "kernel"), [
+    ("gfx1100", "1", "float16", 128, "pkv_paged_attention_f16wmma_g4"),
+    ("gfx1151", "1", "bfloat16", 64, "pkv_paged_attention_bf16wmma_g4"),
+    ("gfx1100", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
+    ("gfx1100", "0", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
+    ("gfx1100", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
+    ("gfx1100", "1", "q8", 128, "pkv_paged_attention_q8_g4"),  # q8: CUDA-core passes on gfx11
+    ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA2: no WMMA
+    ("gfx1201", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA4: other layouts
+    ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # the CDNA switch is MFMA's
+def test_attention_takes_the_wmma_kernels_only_when_asked_on_rdna3(
+        monkeypatch, arch, env, kv_dtype, head_dim, kernel):
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_MFMA", raising=False)
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_WMMA", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_WMMA", env)
+    attn = kvcache.PagedAttention(FakeHipDevice(arch), num_seqs=1, num_heads=8, kv_heads=2,
+                                  head_dim=head_dim, block_size=16, max_seq_len=64,
+                                  kv_dtype=kv_dtype)
+    assert attn._partition.name == kernel
+    assert attn.wmma == kernel.endswith("wmma_g4") and not attn.mfma
+    assert (", wmma=True" in repr(attn)) == attn.wmma
 
 
 @pytest.mark.parametrize("flags", [{"q8_mma": False}, {"q8_stage": True},

@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, Device, Stream
+from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, WMMA_ARCHES, Device, Stream
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
@@ -311,7 +311,9 @@ class PagedAttention:
     matrix cores (``pkv_paged_attention_{f16,bf16}mfma_g*``), and so does q8 KV with
     ``q8_mma`` on and unstaged, the AMD default (``pkv_paged_attention_q8mfma_g*``);
     compile-checked and emulated only, docs/kernels.md, "AMD matrix cores". :attr:`mfma` says
-    whether this object does.
+    whether this object does. ``PAGEDKV_ATTN_WMMA=1`` (default off) does the same with RDNA3
+    WMMA on gfx11 for float16 and bfloat16 KV (``pkv_paged_attention_{f16,bf16}wmma_g*``; q8
+    keeps its CUDA-core passes there); :attr:`wmma` says whether this object does.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
@@ -410,11 +412,17 @@ class PagedAttention:
         self.mfma = (head_dim in (64, 128) and getattr(device, "backend", None) == "hip"
                      and getattr(device.properties, "arch", None) in mfma_arches
                      and env_bool("PAGEDKV_ATTN_MFMA", False))
+        # f16 / bf16 KV on RDNA3 (gfx11), head_dim 64/128: both passes on WMMA, opt-in
+        # (PAGEDKV_ATTN_WMMA=1): compiled for gfx1100 and emulated only, never run on AMD.
+        self.wmma = (head_dim in (64, 128) and kv_dtype in ("float16", "bfloat16")
+                     and getattr(device, "backend", None) == "hip"
+                     and getattr(device.properties, "arch", None) in WMMA_ARCHES
+                     and env_bool("PAGEDKV_ATTN_WMMA", False))
         if kv_dtype in KV_DTYPES:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
                                           "i" if self.q8_int else
                                           "s" if self.q8_stage else "")
-            kind += "mfma" if self.mfma else ""
+            kind += "mfma" if self.mfma else "wmma" if self.wmma else ""
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
@@ -468,6 +476,7 @@ class PagedAttention:
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", q8_int=True" if self.q8_int else "")
                 + (", mfma=True" if self.mfma else "")
+                + (", wmma=True" if self.wmma else "")
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
 
     def _check(self, q, k_pool, v_pool, block_tables, seq_lens, out):
