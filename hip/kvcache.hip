@@ -280,6 +280,9 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
 // row, chunk s/2 being row[4(s/2) + q]. Head g's score is D[g] + D[g + 8]: lanes q < 2 hold
 // rows 4q + r, lanes q + 2 the remainders.
 #if defined(PKV_MFMA_I8) || defined(PKV_WMMA_I8)
+typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
+typedef _Float16 pkv_f16x2 __attribute__((ext_vector_type(2)));
+
 // f32 -> an AMD matrix instruction's 16-bit element, round to nearest even: f16 in hardware;
 // bf16 by adding 0x7FFF plus the kept lowest bit (finite values; the attention's q and P are
 // finite).
@@ -289,6 +292,17 @@ PKV_DEV uint32_t to_mfma_bits(float v) {
   const uint32_t u = __float_as_uint(v);
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
+
+// The q8 passes on AMD matrix cores take codes as f16, exactly: c ^ 0x80 under the exponent
+// of 1024 is 1152 + c; subtracting 1152 (packed f16, exact) leaves c.
+PKV_DEV pkv_u32x2 q8_codes_f16x4(uint32_t w) {  // bytes 0..3 of w -> elements 0..3
+  const uint32_t x = w ^ 0x80808080u;
+  const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;
+  const uint32_t b23 = (x >> 16 & 0xFFu) | (x >> 8 & 0xFF0000u) | 0x64006400u;
+  const pkv_f16x2 bias = {(_Float16)1152.0f, (_Float16)1152.0f};
+  return pkv_u32x2{__builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b01) - bias),
+                   __builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b23) - bias)};
+}
 #endif
 
 #if defined(PKV_MFMA_I8)
@@ -296,7 +310,6 @@ PKV_DEV uint32_t to_mfma_bits(float v) {
 typedef _Float16 pkv_f16x4 __attribute__((ext_vector_type(4)));
 typedef short pkv_i16x4 __attribute__((ext_vector_type(4)));
 typedef float pkv_f32x4 __attribute__((ext_vector_type(4)));
-typedef uint32_t pkv_u32x2 __attribute__((ext_vector_type(2)));
 
 // D += A . B on 16x16x16 16-bit operands (4 elements per lane, as two words).
 template <int KIND>
@@ -458,8 +471,8 @@ PKV_DEV void pv_mfma(const float* scores, const uint8_t* __restrict__ v_pool,
 // Both passes on RDNA3 matrix cores (gfx11 WMMA, wave32: PKV_WMMA_I8's arches), f16 or bf16
 // KV, head_dim 64 or 128, GMAX <= 8: pkv_paged_attention_{f16,bf16}wmma_g*, opt-in
 // (PAGEDKV_ATTN_WMMA=1); compiled for gfx1100 through hip/gfx11_codegen.py and emulated only
-// (tests/test_attention_wmma_simulated.py), never run on an AMD GPU. q8 KV keeps the
-// CUDA-core passes there. v_wmma_f32_16x16x16_{f16,bf16}: lane l, i = l % 16, hw = l / 16
+// (tests/test_attention_wmma_simulated.py), never run on an AMD GPU (q8 KV: below, after
+// the MFMA q8 passes). v_wmma_f32_16x16x16_{f16,bf16}: lane l, i = l % 16, hw = l / 16
 // holds all 16 k-elements of A row i and of B column i (element e is half e % 2 of word
 // e / 2), lanes 16-31 the same operands as lanes 0-15; D register r is D[2r + hw][i] (the
 // RDNA3 ISA's wave32 VGPR views). The 16-bit split of q and P is the MFMA passes': A or B
@@ -492,14 +505,13 @@ PKV_DEV pkv_f32x8 wmma_16x16x16(pkv_u32x8 a, pkv_u32x8 b, pkv_f32x8 c) {
                                                       __builtin_bit_cast(pkv_f16x16, b), c);
 }
 
-template <int KIND, int GMAX>
-PKV_DEV void qk_scores_wmma(const float* __restrict__ q_group, int group, int head_dim,
-                            float scale, const uint8_t* __restrict__ k_pool,
-                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
-  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
-  const int i = lane % 16, hw = lane / 16, head = i % 8;
+// Pass 1's A operands: k-step s holds dims 16s + 0..15 of query head i % 8 (times scale),
+// rows i < 8 as 16-bit values, rows i >= 8 their remainders.
+template <int KIND>
+PKV_DEV void q_fragments_wmma(const float* __restrict__ q_group, int group, int head_dim,
+                              float scale, pkv_u32x8 (&qa)[8]) {
+  const int i = threadIdx.x % 16, head = i % 8;
   const int n_steps = head_dim / 16;  // 4 or 8
-  pkv_u32x8 qa[8];  // k-step s: dims 16s + 0..15 of head i % 8 (times scale), value or rest
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
 #pragma unroll
@@ -516,6 +528,17 @@ PKV_DEV void qk_scores_wmma(const float* __restrict__ q_group, int group, int he
       qa[s][w] = bits[0] | bits[1] << 16;
     }
   }
+}
+
+template <int KIND, int GMAX>
+PKV_DEV void qk_scores_wmma(const float* __restrict__ q_group, int group, int head_dim,
+                            float scale, const uint8_t* __restrict__ k_pool,
+                            const int64_t* rows, int64_t row_bytes, int n_tok, float* scores) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16, hw = lane / 16;
+  const int n_steps = head_dim / 16;  // 4 or 8
+  pkv_u32x8 qa[8];
+  q_fragments_wmma<KIND>(q_group, group, head_dim, scale, qa);
   const int n_groups = (n_tok + 15) / 16;
   for (int grp = wave; grp < n_groups; grp += n_waves) {  // uniform per wave
     const int tok = 16 * grp + i;
@@ -785,20 +808,8 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
 // 34l + 2 + 8q on, as qk_scores_mma_q8's lane t), so the two MFMAs of record l go to a
 // zeroed accumulator that is multiplied by the record's f16 scale d_l in f32 and added, as
 // on NVIDIA. D column i is token 16 grp + i, the lane's own token: it reads d_l itself. The
-// codes become f16 exactly: c ^ 0x80 under the exponent of 1024 is 1152 + c; subtracting 1152
-// (packed f16, exact) leaves c.
+// codes become f16 exactly (q8_codes_f16x4).
 #if PKV_ATTN_MFMA
-typedef _Float16 pkv_f16x2 __attribute__((ext_vector_type(2)));
-
-PKV_DEV pkv_u32x2 q8_codes_f16x4(uint32_t w) {  // bytes 0..3 of w -> elements 0..3
-  const uint32_t x = w ^ 0x80808080u;
-  const uint32_t b01 = (x & 0xFFu) | (x & 0xFF00u) << 8 | 0x64006400u;
-  const uint32_t b23 = (x >> 16 & 0xFFu) | (x >> 8 & 0xFF0000u) | 0x64006400u;
-  const pkv_f16x2 bias = {(_Float16)1152.0f, (_Float16)1152.0f};
-  return pkv_u32x2{__builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b01) - bias),
-                   __builtin_bit_cast(uint32_t, __builtin_bit_cast(pkv_f16x2, b23) - bias)};
-}
-
 template <int GMAX>
 PKV_DEV void qk_scores_mfma_q8(const float* __restrict__ q_group, int group, int head_dim,
                                float scale, const uint8_t* __restrict__ k_pool,
@@ -932,6 +943,119 @@ PKV_DEV void pv_mfma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);
+}
+#endif
+
+// q8 KV on RDNA3 WMMA (pkv_paged_attention_q8wmma_g*, gfx11): the f16 WMMA passes' layouts
+// with the MFMA q8 passes' arithmetic. Pass 1 (qk_scores_wmma_q8): record l is k-steps 2l
+// and 2l + 1 (dims 32l + 16h + 0..15: codes 16h .. 16h + 15 of the record, bytes
+// 34l + 2 + 16h on, 4-byte aligned for odd l, 2 for even), made f16 exactly
+// (q8_codes_f16x4); the record's two WMMAs go to a zeroed accumulator multiplied by the
+// token's d_l in f32 (column i is the lane's own token) and added. Pass 2 (pv_wmma_q8):
+// record-pure m-tiles, m-tile 2l + h, row i is dim 32l + 2i + h; lane i reads codes 2i,
+// 2i + 1 of record l (2 bytes at 34l + 2 + 2i) and d_l of the step's 16 tokens, one
+// record at a time; A's element k is byte h of token k's pair, B's column i < 8 head i's
+// p d_l pscale as f16, i + 8 its f16 remainder (pv_mfma_q8's pd_bits). o[2l + h] register
+// r is D row 2r + hw, dim 32l + 2(2r + hw) + h; the caller multiplies by q8_pv_unscale.
+#if PKV_ATTN_WMMA
+template <int GMAX>
+PKV_DEV void qk_scores_wmma_q8(const float* __restrict__ q_group, int group, int head_dim,
+                               float scale, const uint8_t* __restrict__ k_pool,
+                               const int64_t* rows, int64_t row_bytes, int n_tok,
+                               float* scores) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16, hw = lane / 16;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+  pkv_u32x8 qa[8];  // record l is k-steps 2l, 2l + 1
+  q_fragments_wmma<KV_F16>(q_group, group, head_dim, scale, qa);
+  const int n_groups = (n_tok + 15) / 16;
+  for (int grp = wave; grp < n_groups; grp += n_waves) {  // uniform per wave
+    const int tok = 16 * grp + i;
+    const uint8_t* row = k_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+    pkv_f32x8 c = {};
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec && tok < n_tok) {
+        const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;
+        pkv_f32x8 r = {};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          pkv_u32x8 b;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const uint8_t* at = rec + 2 + 16 * h + 4 * u;
+            const pkv_u32x2 f = q8_codes_f16x4(l % 2 ? load_word_a2<true>(at) : load_word_a2<false>(at));
+            b[2 * u] = f.x, b[2 * u + 1] = f.y;
+          }
+          r = wmma_16x16x16<KV_F16>(qa[2 * l + h], b, r);
+        }
+        c += pkv_half_bits_to_float(*(const uint16_t*)rec) * r;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // head g = 2r + hw: rows g (value) and g + 8 (remainder)
+      const int g = 2 * r + hw;
+      if (g < GMAX && tok < n_tok) scores[tok * GMAX + g] = c[r] + c[r + 4];
+    }
+  }
+}
+
+template <int GMAX>
+PKV_DEV void pv_wmma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
+                        const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                        float pscale, pkv_f32x8 (&o)[8]) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16;
+  const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x8{};
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  const int n_steps = (n_tok + 15) / 16;
+  for (int st = wave; st < n_steps; st += n_waves) {  // uniform per wave
+    float p[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int tok = 16 * st + k;
+      p[k] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+    }
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      if (l < n_rec) {
+        uint32_t code[16];  // token 16 st + k: codes 2i (low byte), 2i + 1
+        pkv_u32x8 b;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const int tok = 16 * st + k;
+          const uint8_t* rec = v_pool + rows[min(tok, n_tok - 1)] * row_bytes +
+                               l * PKV_KVQ8_RECORD_BYTES;
+          const uint32_t d = tok < n_tok ? *(const uint16_t*)rec : 0u;
+          code[k] = tok < n_tok ? *(const uint16_t*)(rec + 2 + 2 * i) : 0u;
+          const float x = p[k] * (pkv_half_bits_to_float((uint16_t)d) * pscale);
+          const uint32_t hi = to_mfma_bits<KV_F16>(x);
+          const uint32_t bits = rest ? to_mfma_bits<KV_F16>(x - from_mma_bits<KV_F16>(hi)) : hi;
+          if (k % 2 == 0) b[k / 2] = bits;
+          else b[k / 2] |= bits << 16;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          pkv_u32x8 a;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {  // tokens 4u .. 4u + 3: byte h of each pair
+            const uint32_t c0 = code[4 * u] >> 8 * h & 0xFFu, c1 = code[4 * u + 1] >> 8 * h & 0xFFu;
+            const uint32_t c2 = code[4 * u + 2] >> 8 * h & 0xFFu, c3 = code[4 * u + 3] >> 8 * h & 0xFFu;
+            const pkv_u32x2 f = q8_codes_f16x4(c0 | c1 << 8 | c2 << 16 | c3 << 24);
+            a[2 * u] = f.x, a[2 * u + 1] = f.y;
+          }
+          o[2 * l + h] = wmma_16x16x16<KV_F16>(a, b, o[2 * l + h]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);
 }
 #endif
 
@@ -1423,8 +1547,8 @@ PKV_DEV float q8_pv_pscale(int e) { return __uint_as_float((uint32_t)(268 - e) <
 PKV_DEV float q8_pv_unscale(int e) { return __uint_as_float((uint32_t)(e - 14) << 23); }
 
 // MFMA: both passes on AMD matrix cores: CDNA MFMA (qk_scores_mfma and pv_mfma; q8:
-// qk_scores_mfma_q8 and pv_mfma_q8) or, on gfx11, WMMA (qk_scores_wmma and pv_wmma; f16 and
-// bf16 only).
+// qk_scores_mfma_q8 and pv_mfma_q8) or, on gfx11, WMMA (qk_scores_wmma and pv_wmma; q8:
+// qk_scores_wmma_q8 and pv_wmma_q8).
 // STAGE: q8 on tensor cores from staged rows (qk_scores_mma_q8_staged, pv_mma_q8_staged);
 // with QK_S8 pass 1 on integer tensor cores (qk_scores_imma_q8_staged, the q8i kernels).
 template <int KIND, int GMAX, bool MMA, bool MFMA = false, bool STAGE = false,
@@ -1548,7 +1672,10 @@ PKV_DEV void paged_attention_partition(
                          head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
 #endif
 #if PKV_ATTN_WMMA
-  } else if constexpr (MFMA) {  // gfx11: WMMA (f16 and bf16 only)
+  } else if constexpr (MFMA && KIND == KV_Q8) {  // gfx11: WMMA
+    qk_scores_wmma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
+                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
+  } else if constexpr (MFMA) {
     qk_scores_wmma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                                head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
 #endif
@@ -1707,16 +1834,28 @@ PKV_DEV void paged_attention_partition(
 #if PKV_ATTN_WMMA
   if constexpr (MFMA_PV) {
     pkv_f32x8 o[8];
-    pv_wmma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    if constexpr (KIND == KV_Q8) {
+      const int e = q8_pv_exponent(vscale_max, n_warps);
+      pv_wmma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, q8_pv_pscale(e), o);
+      const float unscale = q8_pv_unscale(e);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] *= unscale;
+    } else {
+      pv_wmma<KIND, GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, o);
+    }
     __syncthreads();  // every wave has read the scores
     const int i = lane % 16, hw = lane / 16, dpl = head_dim / 16;
     if (i < GMAX) {  // lane i holds head i; o[j][r]: D row 2r + hw of m-tile j
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        if (j < dpl)
+        if (j < dpl)  // q8: 2 m-tiles per record of 32 dims, also head_dim / 16
 #pragma unroll
-          for (int r = 0; r < 8; ++r)
-            wsum[(warp * GMAX + i) * head_dim + dpl * (2 * r + hw) + j] = o[j][r];
+          for (int r = 0; r < 8; ++r) {
+            // pv_wmma_q8's record-pure m-tiles, pv_wmma's DPL consecutive dims per row
+            const int d = KIND == KV_Q8 ? 32 * (j / 2) + 2 * (2 * r + hw) + j % 2
+                                        : dpl * (2 * r + hw) + j;
+            wsum[(warp * GMAX + i) * head_dim + d] = o[j][r];
+          }
     }
   }
 #endif
@@ -1874,8 +2013,9 @@ PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16mfma_g8, KV_BF16, 8)
 #endif
 
 #if PKV_ATTN_WMMA
-// f16 and bf16 KV with both passes on RDNA3 WMMA (qk_scores_wmma, pv_wmma); head_dim 64 or
-// 128, else the CUDA-core passes: pkv_paged_attention_{f16,bf16}wmma_g*, opt-in
+// f16, bf16 and q8 KV with both passes on RDNA3 WMMA (qk_scores_wmma, pv_wmma; q8:
+// qk_scores_wmma_q8, pv_wmma_q8); head_dim 64 or 128, else the CUDA-core passes:
+// pkv_paged_attention_{f16,bf16,q8}wmma_g*, opt-in
 // (PAGEDKV_ATTN_WMMA=1, pagedkv.kernels.kvcache) until an AMD device run vouches for it.
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g1, KV_F16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_f16wmma_g2, KV_F16, 2)
@@ -1885,6 +2025,10 @@ PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g1, KV_BF16, 1)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g2, KV_BF16, 2)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g4, KV_BF16, 4)
 PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_bf16wmma_g8, KV_BF16, 8)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8wmma_g1, KV_Q8, 1)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8wmma_g2, KV_Q8, 2)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8wmma_g4, KV_Q8, 4)
+PKV_ATTN_MFMA_KERNEL(pkv_paged_attention_q8wmma_g8, KV_Q8, 8)
 #endif
 
 PKV_ATTN_KERNEL(pkv_paged_attention_f16_g1, KV_F16, 1)

@@ -332,9 +332,12 @@ def pv_mfma_q8(probs, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, wave, 
 
 
 def attention_mfma_q8(q_group, k_records, v_records, rows, scale, partition, n_waves=2,
-                      **mutation):
+                      qk_scores=None, pv=None, **mutation):
     """attention_mfma over q8 K and V pools (records [rows, row_bytes]): both passes on
-    MFMA, pkv_paged_attention_q8mfma_g*. float32[group, head_dim]."""
+    MFMA, pkv_paged_attention_q8mfma_g*, or on the passes given (``qk_scores``, ``pv``: the
+    WMMA emulation's). float32[group, head_dim]."""
+    qk_scores = qk_scores or qk_scores_mfma_q8
+    pv = pv or pv_mfma_q8
     group, head_dim = q_group.shape
     gmax = 1 << (group - 1).bit_length()
     row_bytes = v_records.shape[1]
@@ -343,13 +346,13 @@ def attention_mfma_q8(q_group, k_records, v_records, rows, scale, partition, n_w
     for start in range(0, len(rows), partition):
         prow = rows[start:start + partition]
         n_tok = len(prow)
-        s = qk_scores_mfma_q8(q_group, group, head_dim, scale, k_pool, prow, row_bytes, n_tok,
-                              gmax, n_waves).reshape(n_tok, gmax)
+        s = qk_scores(q_group, group, head_dim, scale, k_pool, prow, row_bytes, n_tok,
+                      gmax, n_waves).reshape(n_tok, gmax)
         pmax = s.max(axis=0)
         p = np.exp(s - pmax).astype(np.float32)
         pscale, unscale = q8_pv_scale(v_pool, prow, row_bytes, head_dim)
-        waves = [pv_mfma_q8(p, v_pool, prow, row_bytes, n_tok, head_dim, gmax, w, n_waves,
-                            pscale, unscale, **mutation) for w in range(n_waves)]
+        waves = [pv(p, v_pool, prow, row_bytes, n_tok, head_dim, gmax, w, n_waves,
+                    pscale, unscale, **mutation) for w in range(n_waves)]
         parts.append((pmax, p.sum(axis=0, dtype=np.float32),
                       np.sum(waves, axis=0, dtype=np.float32)))
     return np.stack([combine_partitions(parts, g) for g in range(group)])

@@ -1,8 +1,8 @@
 """The hip/ kernels compiled for gfx1100 (RDNA3), which this machine's HIP cannot finish alone:
 hipcc's optimized device IR, machine code from llvmlite's newer LLVM (hip/gfx11_codegen.py).
 What it proves: the sources type-check for gfx11, the WMMA GEMV (weights.hip's gemv_amd_mc
-with WmmaI8) and the WMMA attention (kvcache.hip's qk_scores_wmma / pv_wmma) turn into
-v_wmma instructions, and those kernels do not spill to scratch. What it
+with WmmaI8) and the WMMA attention (kvcache.hip's qk_scores_wmma / pv_wmma and their q8
+versions) turn into v_wmma instructions, and those kernels do not spill to scratch. What it
 cannot: run them (no AMD GPU; tests/test_gemv_amd_simulated.py and
 tests/test_attention_wmma_simulated.py emulate the WMMA kernels lane by lane instead).
 
@@ -74,13 +74,14 @@ def test_the_wmma_attention_kernels_are_wmma_on_gfx1100_without_scratch(codegen)
     found = codegen.compile_kernels(ROOT / "hip" / "kvcache.hip", "gfx1100")
     wmma = {n: k for n, k in found.items() if "wmma_g" in n}
     assert sorted(wmma) == sorted(f"pkv_paged_attention_{kind}wmma_g{g}"
-                                  for kind in ("f16", "bf16") for g in (1, 2, 4, 8))
+                                  for kind in ("f16", "bf16", "q8") for g in (1, 2, 4, 8))
     for name, k in wmma.items():
-        # pass 1: 8 k-steps of 16 dims; pass 2: 8 m-tiles of 16 dims (head_dim 128)
+        # pass 1: 8 k-steps of 16 dims; pass 2: 8 m-tiles of 16 dims (head_dim 128); q8: 2
+        # per record in each pass, its codes made f16
         instr = "v_wmma_f32_16x16x16_" + ("bf16" if "bf16" in name else "f16")
         assert k.count(instr) == 16, (name, k.count(instr))
         assert k.scratch_bytes == 0 and k.vgprs <= 256, (name, k.scratch_bytes, k.vgprs)
-    # every other kernel (CUDA-core passes on RDNA, q8 included) has no matrix instructions
+    # every other kernel (the CUDA-core passes, the staged q8 kernels) has no matrix instruction
     others = [k for n, k in found.items() if n not in wmma]
     assert others and all(k.count("v_wmma") == 0 and k.count("v_mfma") == 0 for k in others)
     assert all(k.vgprs <= 256 for k in found.values())

@@ -1090,7 +1090,7 @@ def mfma_attention_kernel_names(arch: str) -> set[str]:
     from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, WMMA_ARCHES
     kinds = (("f16mfma", "q8mfma") if arch in MFMA_ARCHES else ()) + (
         ("bf16mfma",) if arch in MFMA_BF16_ARCHES else ()) + (
-        ("f16wmma", "bf16wmma") if arch in WMMA_ARCHES else ())
+        ("f16wmma", "bf16wmma", "q8wmma") if arch in WMMA_ARCHES else ())
     return {f"pkv_paged_attention_{k}_g{g}" for k in kinds for g in (1, 2, 4, 8)}
 
 
@@ -1175,7 +1175,8 @@ def test_attention_takes_the_mfma_kernels_only_when_asked_on_cdna(
     ("gfx1100", None, "float16", 128, "pkv_paged_attention_f16_g4"),  # opt-in: off by default
     ("gfx1100", "0", "bfloat16", 128, "pkv_paged_attention_bf16_g4"),
     ("gfx1100", "1", "float16", 256, "pkv_paged_attention_f16_g4"),  # head_dim 64/128 only
-    ("gfx1100", "1", "q8", 128, "pkv_paged_attention_q8_g4"),  # q8: CUDA-core passes on gfx11
+    ("gfx1100", "1", "q8", 128, "pkv_paged_attention_q8wmma_g4"),  # q8 as for MFMA
+    ("gfx1100", None, "q8", 64, "pkv_paged_attention_q8_g4"),
     ("gfx1030", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA2: no WMMA
     ("gfx1201", "1", "float16", 128, "pkv_paged_attention_f16_g4"),  # RDNA4: other layouts
     ("gfx90a", "1", "float16", 128, "pkv_paged_attention_f16_g4")])  # the CDNA switch is MFMA's

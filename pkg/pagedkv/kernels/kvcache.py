@@ -312,8 +312,8 @@ class PagedAttention:
     ``q8_mma`` on and unstaged, the AMD default (``pkv_paged_attention_q8mfma_g*``);
     compile-checked and emulated only, docs/kernels.md, "AMD matrix cores". :attr:`mfma` says
     whether this object does. ``PAGEDKV_ATTN_WMMA=1`` (default off) does the same with RDNA3
-    WMMA on gfx11 for float16 and bfloat16 KV (``pkv_paged_attention_{f16,bf16}wmma_g*``; q8
-    keeps its CUDA-core passes there); :attr:`wmma` says whether this object does.
+    WMMA on gfx11 (``pkv_paged_attention_{f16,bf16,q8}wmma_g*``, q8 as for MFMA);
+    :attr:`wmma` says whether this object does.
     """
 
     def __init__(self, device: Device, *, num_seqs: int, num_heads: int, kv_heads: int,
@@ -412,9 +412,12 @@ class PagedAttention:
         self.mfma = (head_dim in (64, 128) and getattr(device, "backend", None) == "hip"
                      and getattr(device.properties, "arch", None) in mfma_arches
                      and env_bool("PAGEDKV_ATTN_MFMA", False))
-        # f16 / bf16 KV on RDNA3 (gfx11), head_dim 64/128: both passes on WMMA, opt-in
-        # (PAGEDKV_ATTN_WMMA=1): compiled for gfx1100 and emulated only, never run on AMD.
-        self.wmma = (head_dim in (64, 128) and kv_dtype in ("float16", "bfloat16")
+        # f16 / bf16 / q8 KV on RDNA3 (gfx11), head_dim 64/128: both passes on WMMA (q8 in
+        # place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_WMMA=1): compiled for
+        # gfx1100 and emulated only, never run on AMD.
+        wmma_dtypes = ("float16", "bfloat16") + (
+            ("q8",) if self.q8_mma and not self.q8_stage else ())
+        self.wmma = (head_dim in (64, 128) and kv_dtype in wmma_dtypes
                      and getattr(device, "backend", None) == "hip"
                      and getattr(device.properties, "arch", None) in WMMA_ARCHES
                      and env_bool("PAGEDKV_ATTN_WMMA", False))
