@@ -145,7 +145,9 @@ def kernels(asm: str) -> dict[str, KernelCode]:
         block = meta[0]
 
         def field(key: str, text: str = block) -> str:
-            return re.search(rf"\.{key}:\s+(\S+)", text)[1]
+            # the kernel's own keys sit 4 spaces in; its arguments' (which may have a .name
+            # too) 8
+            return re.search(rf"^    \.{key}:\s+(\S+)", text, re.MULTILINE)[1]
         name = field("name")
         ops = Counter(line.split()[0] for line in bodies.get(name, "").splitlines()
                       if line.strip() and not line.lstrip().startswith((".", ";"))

@@ -46,6 +46,36 @@ def weights_gfx1100(codegen):
     return codegen.compile_kernels(ROOT / "hip" / "weights.hip", "gfx1100")
 
 
+LISTING = """
+	.text
+pkv_k:                                  ; @pkv_k
+; %bb.0:
+	v_wmma_i32_16x16x16_iu8 v[0:7], v[8:11], v[12:15], v[0:7] neg_lo:[1,1,0]
+	v_wmma_i32_16x16x16_iu8 v[0:7], v[8:11], v[12:15], v[0:7] neg_lo:[1,1,0]
+.LBB0_1:
+	s_endpgm
+.Lfunc_end0:
+	.size	pkv_k, .Lfunc_end0-pkv_k
+amdhsa.kernels:
+  - .args:
+      - .address_space:  global
+        .name:           w
+        .offset:         0
+    .name:           pkv_k
+    .private_segment_fixed_size: 12
+    .sgpr_count:     20
+    .vgpr_count:     40
+amdhsa.target:   amdgcn-amd-amdhsa--gfx1100
+"""
+
+
+def test_the_listing_parser_reads_the_kernels_keys_not_its_arguments():
+    mod = load_tree_script("hip/gfx11_codegen.py", "pagedkv_gfx11_codegen")
+    (k,) = mod.kernels(LISTING).values()
+    assert (k.name, k.vgprs, k.sgprs, k.scratch_bytes) == ("pkv_k", 40, 20, 12)
+    assert k.count("v_wmma_i32") == 2 and k.count("s_endpgm") == 1 and k.count("v_mfma") == 0
+
+
 def test_isa_versions_of_arch_names(codegen):
     assert [codegen.isa_version(a) for a in ("gfx1100", "gfx1151", "gfx90a", "gfx942")] == [
         11000, 11501, 9010, 9402]
