@@ -93,11 +93,21 @@ def q_fragments_wmma(q_group, group, head_dim, scale, kind):
     return qa
 
 
+def _store_scores(scores, c, tok, n_tok, gmax):
+    """The score store of both WMMA pass-1 variants: head g = 2r + hw is D[g] + D[g + 8],
+    registers r and r + 4 of the lane's own token."""
+    _, _, hw = _wave()
+    for r in range(4):
+        g = 2 * r + hw
+        ok = (g < gmax) & (tok < n_tok)
+        scores[(tok * gmax + g)[ok]] = (c[:, r] + c[:, r + 4])[ok]
+
+
 def qk_scores_wmma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n_waves,
                    kind="f16"):
     """qk_scores_wmma<KIND, GMAX>: scores float32[n_tok * GMAX] (NaN where nothing is
     stored). ``k_bits``: uint16[rows, head_dim], the pool's rows; ``rows``: token -> row."""
-    _, i, hw = _wave()
+    _, i, _ = _wave()
     n_steps = head_dim // 16
     qa = q_fragments_wmma(q_group, group, head_dim, scale, kind)
     scores = np.full(n_tok * gmax, np.nan, np.float32)
@@ -111,10 +121,7 @@ def qk_scores_wmma(q_group, group, head_dim, scale, k_bits, rows, n_tok, gmax, n
                 b = words[row, 8 * s:8 * s + 8]  # row[2 s], row[2 s + 1]: 32 bytes
                 b = np.where((tok < n_tok)[:, None], b, 0).astype(np.uint32)
                 wmma_f32_16x16x16(c, qa[s], b, kind)
-            for r in range(4):  # head g = 2r + hw: D[g] + D[g + 8]
-                g = 2 * r + hw
-                ok = (g < gmax) & (tok < n_tok)
-                scores[(tok * gmax + g)[ok]] = (c[:, r] + c[:, r + 4])[ok]
+            _store_scores(scores, c, tok, n_tok, gmax)
     return scores
 
 
@@ -178,7 +185,7 @@ def qk_scores_wmma_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_byt
     """qk_scores_wmma_q8<GMAX> over a flat q8 pool (``pool_bytes``: uint8, rows of
     ``row_bytes``): scores float32[n_tok * GMAX]. ``scale_record`` is the kernel's record ->
     scale mapping (the mutation test changes it)."""
-    _, i, hw = _wave()
+    _, i, _ = _wave()
     n_rec = head_dim // 32
     qa = q_fragments_wmma(q_group, group, head_dim, scale, "f16")
     scores = np.full(n_tok * gmax, np.nan, np.float32)
@@ -199,10 +206,7 @@ def qk_scores_wmma_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_byt
                     wmma_f32_16x16x16(r, qa[2 * ll + h], b, "f16")
                 d = load_u16(pool_bytes, row + 34 * scale_record(ll))
                 c += np.where(live, from_bits(d, "f16"), 0)[:, None] * r
-            for r_ in range(4):  # head g = 2r + hw: D[g] + D[g + 8]
-                g = 2 * r_ + hw
-                ok = (g < gmax) & live
-                scores[(tok * gmax + g)[ok]] = (c[:, r_] + c[:, r_ + 4])[ok]
+            _store_scores(scores, c, tok, n_tok, gmax)
     return scores
 
 

@@ -43,6 +43,17 @@ MFMA_BF16_ARCHES = ("gfx90a", "gfx940", "gfx941", "gfx942")
 #: has run them; a device needs a code object built for its own arch name.
 WMMA_ARCHES = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")
 
+
+def amd_matrix_unit(device: object) -> str | None:
+    """``"mfma"`` (CDNA) or ``"wmma"`` (RDNA3): the AMD matrix cores the .hip kernels use on
+    ``device``; None on NVIDIA, on AMD arches without them (or without kernels for them:
+    RDNA2, RDNA4) and on host stand-ins. The kernels' opt-in variables are per unit
+    (``PAGEDKV_GEMV_MFMA``, ``PAGEDKV_ATTN_WMMA``, ...)."""
+    if getattr(device, "backend", None) != "hip":
+        return None
+    arch = getattr(device.properties, "arch", None)  # type: ignore[attr-defined]
+    return "mfma" if arch in MFMA_ARCHES else "wmma" if arch in WMMA_ARCHES else None
+
 __all__ = ["PDL_ENV", "Device", "Event", "Graph", "Kernel", "Stream", "StreamLike",
            "dependent_launch_supported", "open_device", "stream_handle"]
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.kernels.device import MFMA_ARCHES, MFMA_BF16_ARCHES, WMMA_ARCHES, Device, Stream
+from pagedkv.kernels.device import MFMA_BF16_ARCHES, Device, Stream, amd_matrix_unit
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
@@ -51,6 +51,9 @@ ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
 ATTN_REDUCE_SLICES = launch_constant("PKV_ATTN_REDUCE_SLICES")
 REDUCE_PREP_THREADS = 32 * ATTN_REDUCE_SLICES
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
+#: The opt-in variable of the never-run AMD matrix-core attention, per unit
+#: (device.amd_matrix_unit); the unit is also the kernel name's suffix (f16mfma, q8wmma).
+_ATTN_AMD_OPT_IN = {"mfma": "PAGEDKV_ATTN_MFMA", "wmma": "PAGEDKV_ATTN_WMMA"}
 #: The compressed K/V pairs hip/kvcache.hip has kernels for: a rotated K (fwhtN, or a lloyd
 #: mode on K) with a q8, lloyd or fwht V (pagedkv's extension, docs/kv-quant.md "Modes").
 QUANT_KV_DTYPES = tuple(f"{k}/{v}" for k in ("fwht4", "fwht3", "fwht2", "lloyd4", "lloyd3",
@@ -403,29 +406,24 @@ class PagedAttention:
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
         self.part_sum = device.empty(parts, np.float32)
-        # f16 / bf16 / q8 KV on AMD CDNA, head_dim 64/128: both passes on MFMA matrix cores
-        # (q8 in place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_MFMA=1):
-        # compile-checked and emulated only, never run on AMD.
-        mfma_arches = {"float16": MFMA_ARCHES, "bfloat16": MFMA_BF16_ARCHES,
-                       "q8": MFMA_ARCHES if self.q8_mma and not self.q8_stage else ()
-                       }.get(kv_dtype, ())
-        self.mfma = (head_dim in (64, 128) and getattr(device, "backend", None) == "hip"
-                     and getattr(device.properties, "arch", None) in mfma_arches
-                     and env_bool("PAGEDKV_ATTN_MFMA", False))
-        # f16 / bf16 / q8 KV on RDNA3 (gfx11), head_dim 64/128: both passes on WMMA (q8 in
-        # place of the plain q8 kernel only), opt-in (PAGEDKV_ATTN_WMMA=1): compiled for
-        # gfx1100 and emulated only, never run on AMD.
-        wmma_dtypes = ("float16", "bfloat16") + (
-            ("q8",) if self.q8_mma and not self.q8_stage else ())
-        self.wmma = (head_dim in (64, 128) and kv_dtype in wmma_dtypes
-                     and getattr(device, "backend", None) == "hip"
-                     and getattr(device.properties, "arch", None) in WMMA_ARCHES
-                     and env_bool("PAGEDKV_ATTN_WMMA", False))
+        # f16 / bf16 / q8 KV, head_dim 64/128, on AMD matrix cores (MFMA on CDNA, WMMA on
+        # gfx11): both passes there (q8 in place of the plain q8 kernel only; bf16 on CDNA
+        # only with the k-16 bf16 MFMA), opt-in per unit (PAGEDKV_ATTN_MFMA=1 /
+        # PAGEDKV_ATTN_WMMA=1): compile-checked and emulated only, never run on AMD.
+        unit = amd_matrix_unit(device) if head_dim in (64, 128) else None
+        matrix = ""  # the partition kernel's suffix: "", "mfma" or "wmma"
+        if unit is not None and env_bool(_ATTN_AMD_OPT_IN[unit], False):
+            dtypes = {"float16", "q8" if self.q8_mma and not self.q8_stage else "",
+                      "bfloat16" if unit == "wmma" or device.properties.arch in MFMA_BF16_ARCHES
+                      else ""}
+            matrix = unit if kv_dtype in dtypes else ""
+        self.mfma = matrix == "mfma"
+        self.wmma = matrix == "wmma"
         if kv_dtype in KV_DTYPES:
             kind = KV_DTYPES[kv_dtype] + ("cc" if self.q8_mma is False else
                                           "i" if self.q8_int else
                                           "s" if self.q8_stage else "")
-            kind += "mfma" if self.mfma else "wmma" if self.wmma else ""
+            kind += matrix
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"

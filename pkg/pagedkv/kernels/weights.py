@@ -22,7 +22,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.device import MFMA_ARCHES, WMMA_ARCHES, Device, Stream
+from pagedkv.kernels.device import Device, Stream, amd_matrix_unit
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
@@ -677,6 +677,10 @@ def _optin_shared_bytes(device: Device) -> int:
                getattr(props, "max_shared_memory_per_block_bytes", 0))
 
 
+#: The opt-in variable of the never-run AMD matrix-core GEMV, per unit (amd_matrix_unit).
+_GEMV_AMD_OPT_IN = {"mfma": "PAGEDKV_GEMV_MFMA", "wmma": "PAGEDKV_GEMV_WMMA"}
+
+
 def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
     (mma.sync); AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942) and RDNA3 (WMMA: gfx11), both
@@ -688,6 +692,6 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
-        return ((arch in MFMA_ARCHES and env_bool("PAGEDKV_GEMV_MFMA", False))
-                or (arch in WMMA_ARCHES and env_bool("PAGEDKV_GEMV_WMMA", False)))
+        unit = amd_matrix_unit(device)
+        return unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
