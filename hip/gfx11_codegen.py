@@ -55,10 +55,9 @@ def find_hipcc() -> str | None:
     return os.environ.get("HIPCC") or shutil.which("hipcc")
 
 
-def installed_device_libs(hipcc: str) -> Path:
-    """The folder of ocml.bc / ockl.bc / oclc_*.bc: ROCm's own layout, or Debian's multiarch
-    one under the compiler's prefix (the same search as hip/meson.build)."""
-    prefix = Path(hipcc).resolve().parent.parent
+def installed_device_libs(prefix: Path) -> Path:
+    """The folder of ocml.bc / ockl.bc / oclc_*.bc under the HIP installation's ``prefix``:
+    ROCm's own layout, or Debian's multiarch one (the same search as hip/meson.build)."""
     for folder in (prefix / "amdgcn" / "bitcode",
                    prefix / "lib" / "x86_64-linux-gnu" / "amdgcn" / "bitcode",
                    prefix / "lib" / "aarch64-linux-gnu" / "amdgcn" / "bitcode"):
@@ -87,8 +86,8 @@ def _hipcc(hipcc: str, args: list[str], cwd: Path) -> None:
 def device_libs_for(hipcc: str, arch: str, work: Path) -> tuple[Path, Path]:
     """(the HIP installation's prefix, for --rocm-path; a folder with its device libraries
     plus this arch's ISA-version bitcode, written when the installation lacks it)."""
-    prefix = Path(hipcc).resolve().parent.parent
-    installed = installed_device_libs(hipcc)
+    prefix = Path(hipcc).resolve().parent.parent  # .../bin/hipcc
+    installed = installed_device_libs(prefix)
     folder = work / "device-libs"
     folder.mkdir()
     for bc in installed.glob("*.bc"):
