@@ -293,6 +293,13 @@ PKV_DEV uint32_t to_mfma_bits(float v) {
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
+// Two tokens' 16-bit elements of one dim, from their words of two adjacent dims (V rows or
+// code-table pairs): the low halves (upper false) or the high halves, token t0's in the low
+// half of the result: an A word of the AMD pass 2s (k runs over tokens).
+PKV_DEV uint32_t pair_halves(uint32_t t0, uint32_t t1, bool upper) {
+  return upper ? (t0 >> 16 | (t1 & 0xFFFF0000u)) : ((t0 & 0xFFFFu) | t1 << 16);
+}
+
 // The q8 passes on AMD matrix cores take codes as f16, exactly: c ^ 0x80 under the exponent
 // of 1024 is 1152 + c; subtracting 1152 (packed f16, exact) leaves c.
 PKV_DEV pkv_u32x2 q8_codes_f16x4(uint32_t w) {  // bytes 0..3 of w -> elements 0..3
@@ -447,10 +454,7 @@ PKV_DEV void pv_mfma(const float* scores, const uint8_t* __restrict__ v_pool,
       if (j < 2 * n_words) {
         const uint32_t w0 = cur[0][j / 2], w1 = cur[1][j / 2];
         const uint32_t w2 = cur[2][j / 2], w3 = cur[3][j / 2];
-        const pkv_u32x2 a = j % 2 ? pkv_u32x2{w0 >> 16 | (w1 & 0xFFFF0000u),
-                                              w2 >> 16 | (w3 & 0xFFFF0000u)}
-                                  : pkv_u32x2{(w0 & 0xFFFFu) | w1 << 16,
-                                              (w2 & 0xFFFFu) | w3 << 16};
+        const pkv_u32x2 a = {pair_halves(w0, w1, j % 2), pair_halves(w2, w3, j % 2)};
         o[j] = mfma_16x16x16<KIND>(a, b, o[j]);
       }
     }
@@ -601,7 +605,7 @@ PKV_DEV void pv_wmma(const float* scores, const uint8_t* __restrict__ v_pool,
 #pragma unroll
         for (int w = 0; w < 8; ++w) {  // tokens 2w, 2w + 1: half j % 2 of word j / 2
           const uint32_t t0 = vr[2 * w][j / 2], t1 = vr[2 * w + 1][j / 2];
-          a[w] = j % 2 ? (t0 >> 16 | (t1 & 0xFFFF0000u)) : ((t0 & 0xFFFFu) | t1 << 16);
+          a[w] = pair_halves(t0, t1, j % 2);
         }
         o[j] = wmma_16x16x16<KIND>(a, b, o[j]);
       }
@@ -2299,6 +2303,31 @@ PKV_DEV void code_byte_pairs(const uint32_t* tab, uint32_t byte, uint32_t (&hi)[
   }
 }
 
+// Pass 1's code word of lane quad t (NVIDIA: t = lane % 4; MFMA: q = lane / 16) for k-steps
+// 2l, 2l + 1: the codes of dims 32l + 8t .. + 7 of the half whose codes start at byte code0 of
+// the row; at 2 bits the low 16 bits.
+template <int BITS>
+PKV_DEV uint32_t code_quad_word(const uint8_t* row, int code0, int l, int t) {
+  return BITS == 4 ? *(const uint32_t*)(row + code0 + 16 * l + 4 * t)
+                   : (uint32_t)*(const uint16_t*)(row + code0 + 8 * l + 2 * t);
+}
+
+// B of pass-1 k-step s (dims 32(s/2) + 8t + 4(s%2) + 0..3) from its code word w: the hi and
+// lo pairs of the 4 dims. 4 bits: bytes 2(s%2), 2(s%2) + 1 of w, one pair each; 2 bits:
+// byte s%2, both of its pairs.
+template <int BITS>
+PKV_DEV void code_step_pairs(const uint32_t* tab, uint32_t w, int s, uint32_t (&hi)[2],
+                             uint32_t (&lo)[2]) {
+  if (BITS == 4) {
+    uint32_t hi1[2], lo1[2];
+    code_byte_pairs<4>(tab, (w >> (16 * (s % 2))) & 0xFFu, hi, lo);
+    code_byte_pairs<4>(tab, (w >> (16 * (s % 2) + 8)) & 0xFFu, hi1, lo1);
+    hi[1] = hi1[0], lo[1] = lo1[0];
+  } else {
+    code_byte_pairs<2>(tab, (w >> (8 * (s % 2))) & 0xFFu, hi, lo);
+  }
+}
+
 // Pass 1: scores[t][g] of n_tok tokens; qs: the group's rotated queries times scale
 // ([GMAX][head_dim] f32, shared). Half 0 stores the scores, half 1 adds to them (the same
 // lane both times).
@@ -2322,9 +2351,7 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
       const uint8_t* row = k_pool + rows[min(8 * grp + gid, n_tok - 1)] * row_bytes;
       kr.cnorm = *(const float*)row;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        kr.w[i] = BITS == 4 ? *(const uint32_t*)(row + code0 + 16 * i + 4 * t)
-                            : (uint32_t)*(const uint16_t*)(row + code0 + 8 * i + 2 * t);
+      for (int i = 0; i < 4; ++i) kr.w[i] = code_quad_word<BITS>(row, code0, i, t);
     };
     Raw cur, nxt;
     int grp = warp;
@@ -2335,14 +2362,7 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         uint32_t hi0[2], lo0[2];
-        if (BITS == 4) {  // k-step s: bytes 2(s%2), 2(s%2) + 1 of word s/2 are b0, b1
-          uint32_t hi1[2], lo1[2];
-          code_byte_pairs<4>(tab, (cur.w[s / 2] >> (16 * (s % 2))) & 0xFFu, hi0, lo0);
-          code_byte_pairs<4>(tab, (cur.w[s / 2] >> (16 * (s % 2) + 8)) & 0xFFu, hi1, lo1);
-          hi0[1] = hi1[0], lo0[1] = lo1[0];
-        } else {  // k-step s: byte s%2 of word s/2, its pairs b0, b1
-          code_byte_pairs<2>(tab, (cur.w[s / 2] >> (8 * (s % 2))) & 0xFFu, hi0, lo0);
-        }
+        code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi0, lo0);
         mma_f16_16x8x16(c, qa[s], hi0[0], hi0[1]);
         mma_f16_16x8x16(c, qa[s], lo0[0], lo0[1]);
       }
@@ -2360,6 +2380,13 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
       cur = nxt;
     }
   }
+}
+
+// B element of the code passes' pass 2 (f16 bits): x = p_t * cnorm_t, or its remainder on
+// the remainder columns (NVIDIA gid >= 4, AMD i >= 8).
+PKV_DEV uint32_t codes_p_bits(float x, bool rest) {
+  const uint32_t hi = pkv_float_to_half_bits(x);
+  return rest ? pkv_float_to_half_bits(x - pkv_half_bits_to_float((uint16_t)hi)) : hi;
 }
 
 // The output dim of m-tile mt's row gid in pass 2 (row gid + 8: the next dim), in the half.
@@ -2396,15 +2423,7 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
   const int head = gid % 4;
   const bool rest = gid >= 4, live = head < GMAX;
   auto x_pair = [&](const float (&x)[4], int k) {  // B: tokens 4t + 2k, + 1
-    uint32_t bits = 0u;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const uint32_t hi = pkv_float_to_half_bits(x[2 * k + e]);
-      const uint32_t h =
-          rest ? pkv_float_to_half_bits(x[2 * k + e] - pkv_half_bits_to_float((uint16_t)hi)) : hi;
-      bits |= h << (16 * e);
-    }
-    return bits;
+    return codes_p_bits(x[2 * k], rest) | codes_p_bits(x[2 * k + 1], rest) << 16;
   };
   Raw cur, nxt;
   int st = warp;
@@ -2448,6 +2467,240 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
       o[mt][r] = (o[mt][r] + pkv_shfl_xor(o[mt][r], 2)) * (1.0f / CODE_TABLE_SCALE);
 }
 
+// Compressed KV on AMD matrix cores: the same code-byte tables (hi + lo f16 pairs, scaled by
+// CODE_TABLE_SCALE) and the same hi + remainder split of q and of P, in the f16 passes'
+// layouts, 128 dims at a time; GMAX <= 8 (16 A rows / B columns: 8 heads and their
+// remainders). Compile-checked and emulated only (tests/test_attention_codes_amd_simulated.py),
+// never run on an AMD GPU; the _mma kernels run them on CDNA / gfx11 (docs/kernels.md, "AMD
+// matrix cores").
+// MFMA (wave64; layouts of qk_scores_mfma / pv_mfma). Pass 1: A is q_fragments_mfma of the
+// rotated queries; k-step s takes dims 32(s/2) + 8q + 4(s%2) + 0..3, qk_scores_mma_codes'
+// order with t = q, so lane (i, q) reads token 16 grp + i's code words as lane t does there
+// and B is code_step_pairs' hi (then lo) pairs. Head g's score is (D[g] + D[g + 8]) * cnorm
+// / 64: lanes q < 2 hold rows 4q + r, lanes q + 2 the remainders; every lane has its
+// token's cnorm. Pass 2: m-tile j's row i is dim 8i + j of the half, pv_mfma's mapping at
+// DPL 8: lane i reads the code bytes of dims 8i .. 8i + 7 (a word at 4 bits, 16 bits at 2) of
+// tokens 16 st + 4q + e, and pair p of them (dims 8i + 2p, + 1) gives m-tiles 2p (low
+// halves) and 2p + 1 (high halves), the four tokens' halves packed as pv_mfma packs them.
+// B column i is head i % 8's p_t * cnorm_t as f16 (i < 8) or its remainder (i >= 8).
+// WMMA (wave32; layouts of qk_scores_wmma / pv_wmma). Pass 1: k-step s is dims 16s .. 16s +
+// 15, code bytes 2 BITS s .. of token 16 grp + i, word w of B the pair of dims 16s + 2w, + 1;
+// head g = 2r + hw is registers r and r + 4 of the lane's token. Pass 2: m-tile j's row i is
+// dim 8i + j as on MFMA, over the 16 tokens of the step (the half-waves hold the same
+// operands); o[j] register r is dim 8 (2r + hw) + j.
+
+#if PKV_ATTN_MFMA || PKV_ATTN_WMMA
+// A lane's code bytes of dims 8i .. 8i + 7 of a half (`codes`: its first code byte): a word at
+// 4 bits, the low 16 bits at 2; pair p of them is byte p (4 bits) or half p % 2 of byte p / 2.
+template <int BITS>
+PKV_DEV uint32_t code_lane_word(const uint8_t* codes, int i) {
+  return BITS == 4 ? *(const uint32_t*)(codes + 4 * i) : (uint32_t)*(const uint16_t*)(codes + 2 * i);
+}
+
+#endif
+
+#if PKV_ATTN_MFMA
+template <int BITS, int GMAX>
+PKV_DEV void qk_scores_mfma_codes(const float* qs, int group, int head_dim,
+                                  const uint8_t* __restrict__ k_pool, const int64_t* rows,
+                                  int64_t row_bytes, int n_tok, const uint32_t* tab,
+                                  float* scores) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int n_groups = (n_tok + 15) / 16;
+  for (int half = 0; half < head_dim / 128; ++half) {
+    pkv_u32x2 qa[8];
+    q_fragments_mfma<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+    const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+    struct Raw {
+      uint32_t w[4];  // code_quad_word l of token 16 grp + i
+      float cnorm;
+    };
+    auto load = [&](Raw& kr, int grp) {  // past n_tok: the last token again (never stored)
+      const uint8_t* row = k_pool + rows[min(16 * grp + i, n_tok - 1)] * row_bytes;
+      kr.cnorm = *(const float*)row;
+#pragma unroll
+      for (int l = 0; l < 4; ++l) kr.w[l] = code_quad_word<BITS>(row, code0, l, q);
+    };
+    Raw cur, nxt;
+    int grp = wave;
+    if (grp < n_groups) load(cur, grp);
+    for (; grp < n_groups; grp += n_waves) {  // uniform per wavefront: the MFMA sees all of it
+      if (grp + n_waves < n_groups) load(nxt, grp + n_waves);
+      pkv_f32x4 c = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t hi[2], lo[2];
+        code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi, lo);
+        c = mfma_16x16x16<KV_F16>(qa[s], pkv_u32x2{hi[0], hi[1]}, c);
+        c = mfma_16x16x16<KV_F16>(qa[s], pkv_u32x2{lo[0], lo[1]}, c);
+      }
+      const int tok = 16 * grp + i;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float rest = pkv_shfl_xor(c[r], 32);  // lane q + 2: row 4q + r + 8
+        const int g = 4 * q + r;
+        const float sc = (c[r] + rest) * (cur.cnorm * (1.0f / CODE_TABLE_SCALE));
+        if (q < 2 && g < GMAX && tok < n_tok)
+          scores[tok * GMAX + g] = half ? scores[tok * GMAX + g] + sc : sc;
+      }
+      cur = nxt;
+    }
+  }
+}
+
+template <int BITS, int GMAX>
+PKV_DEV void pv_mfma_codes(const float* scores, const uint8_t* __restrict__ v_pool,
+                           const int64_t* rows, int64_t row_bytes, int n_tok, int half,
+                           const uint32_t* tab, pkv_f32x4 (&o)[8]) {
+  const int lane = threadIdx.x % 64, wave = threadIdx.x / 64, n_waves = blockDim.x / 64;
+  const int i = lane % 16, q = lane / 16;
+  const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  const int n_steps = (n_tok + 15) / 16;
+  for (int st = wave; st < n_steps; st += n_waves) {  // uniform per wavefront
+    uint32_t w[4], pb[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // past n_tok: the last token's codes, p 0
+      const int tok = 16 * st + 4 * q + e;
+      const uint8_t* row = v_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+      w[e] = code_lane_word<BITS>(row + code0, i);
+      const float x =
+          live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] * *(const float*)row : 0.0f;
+      pb[e] = codes_p_bits(x, rest);
+    }
+    const pkv_u32x2 b = {pb[0] | pb[1] << 16, pb[2] | pb[3] << 16};
+#pragma unroll
+    for (int by = 0; by < BITS; ++by) {  // the lane's code bytes: BITS of them
+      uint32_t hi[4][2], lo[4][2];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) code_byte_pairs<BITS>(tab, (w[e] >> (8 * by)) & 0xFFu, hi[e], lo[e]);
+#pragma unroll
+      for (int k = 0; k < 4 / BITS; ++k) {  // pair p = by * 4 / BITS + k: m-tiles 2p, 2p + 1
+        const int p = by * (4 / BITS) + k;
+#pragma unroll
+        for (int up = 0; up < 2; ++up) {
+          const pkv_u32x2 ah = {pair_halves(hi[0][k], hi[1][k], up), pair_halves(hi[2][k], hi[3][k], up)};
+          const pkv_u32x2 al = {pair_halves(lo[0][k], lo[1][k], up), pair_halves(lo[2][k], lo[3][k], up)};
+          o[2 * p + up] = mfma_16x16x16<KV_F16>(ah, b, o[2 * p + up]);
+          o[2 * p + up] = mfma_16x16x16<KV_F16>(al, b, o[2 * p + up]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      o[j][r] = (o[j][r] + pkv_shfl_xor(o[j][r], 8)) * (1.0f / CODE_TABLE_SCALE);
+}
+#endif
+
+#if PKV_ATTN_WMMA
+template <int BITS, int GMAX>
+PKV_DEV void qk_scores_wmma_codes(const float* qs, int group, int head_dim,
+                                  const uint8_t* __restrict__ k_pool, const int64_t* rows,
+                                  int64_t row_bytes, int n_tok, const uint32_t* tab,
+                                  float* scores) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16, hw = lane / 16;
+  const int n_groups = (n_tok + 15) / 16;
+  constexpr int WORDS = 4 * BITS;  // code words of a half's 128 dims
+  for (int half = 0; half < head_dim / 128; ++half) {
+    pkv_u32x8 qa[8];
+    q_fragments_wmma<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+    const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+    for (int grp = wave; grp < n_groups; grp += n_waves) {  // uniform per wave
+      const int tok = 16 * grp + i;  // past n_tok: the last token again (never stored)
+      const uint8_t* row = k_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+      const float cnorm = *(const float*)row;
+      uint32_t w[WORDS];
+#pragma unroll
+      for (int x = 0; x < WORDS; ++x) w[x] = *(const uint32_t*)(row + code0 + 4 * x);
+      pkv_f32x8 c = {};
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        pkv_u32x8 bh, bl;
+#pragma unroll
+        for (int by = 0; by < 2 * BITS; ++by) {  // code byte x of the half: dims 8x / BITS ..
+          const int x = 2 * BITS * s + by;
+          uint32_t h[2], l[2];
+          code_byte_pairs<BITS>(tab, (w[x / 4] >> (8 * (x % 4))) & 0xFFu, h, l);
+#pragma unroll
+          for (int k = 0; k < 4 / BITS; ++k) bh[by * (4 / BITS) + k] = h[k], bl[by * (4 / BITS) + k] = l[k];
+        }
+        c = wmma_16x16x16<KV_F16>(qa[s], bh, c);
+        c = wmma_16x16x16<KV_F16>(qa[s], bl, c);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // head g = 2r + hw: rows g (value) and g + 8 (remainder)
+        const int g = 2 * r + hw;
+        const float sc = (c[r] + c[r + 4]) * (cnorm * (1.0f / CODE_TABLE_SCALE));
+        if (g < GMAX && tok < n_tok) scores[tok * GMAX + g] = half ? scores[tok * GMAX + g] + sc : sc;
+      }
+    }
+  }
+}
+
+template <int BITS, int GMAX>
+PKV_DEV void pv_wmma_codes(const float* scores, const uint8_t* __restrict__ v_pool,
+                           const int64_t* rows, int64_t row_bytes, int n_tok, int half,
+                           const uint32_t* tab, pkv_f32x8 (&o)[8]) {
+  const int lane = threadIdx.x % 32, wave = threadIdx.x / 32, n_waves = blockDim.x / 32;
+  const int i = lane % 16;
+  const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = pkv_f32x8{};
+  const int head = i % 8;
+  const bool rest = i >= 8, live = head < GMAX;
+  const int n_steps = (n_tok + 15) / 16;
+  for (int st = wave; st < n_steps; st += n_waves) {  // uniform per wave
+    uint32_t w[16];  // token 16 st + k: code_lane_word
+    pkv_u32x8 b;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {  // past n_tok: the last token's codes, p 0
+      const int tok = 16 * st + k;
+      const uint8_t* row = v_pool + rows[min(tok, n_tok - 1)] * row_bytes;
+      w[k] = code_lane_word<BITS>(row + code0, i);
+      const float x =
+          live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] * *(const float*)row : 0.0f;
+      const uint32_t bits = codes_p_bits(x, rest);
+      if (k % 2 == 0) b[k / 2] = bits;
+      else b[k / 2] |= bits << 16;
+    }
+#pragma unroll
+    for (int by = 0; by < BITS; ++by) {  // the lane's code bytes: BITS of them
+      uint32_t hi[16][2], lo[16][2];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) code_byte_pairs<BITS>(tab, (w[k] >> (8 * by)) & 0xFFu, hi[k], lo[k]);
+#pragma unroll
+      for (int k = 0; k < 4 / BITS; ++k) {  // pair p = by * 4 / BITS + k: m-tiles 2p, 2p + 1
+        const int p = by * (4 / BITS) + k;
+#pragma unroll
+        for (int up = 0; up < 2; ++up) {
+          pkv_u32x8 ah, al;
+#pragma unroll
+          for (int x = 0; x < 8; ++x) {  // tokens 2x, 2x + 1
+            ah[x] = pair_halves(hi[2 * x][k], hi[2 * x + 1][k], up);
+            al[x] = pair_halves(lo[2 * x][k], lo[2 * x + 1][k], up);
+          }
+          o[2 * p + up] = wmma_16x16x16<KV_F16>(ah, b, o[2 * p + up]);
+          o[2 * p + up] = wmma_16x16x16<KV_F16>(al, b, o[2 * p + up]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+      o[j][r] = (o[j][r] + pkv_shfl_xor(o[j][r], 8)) * (1.0f / CODE_TABLE_SCALE);
+}
+#endif
+
 // MMA: pass 1 on tensor cores (qk_scores_mma_codes) and, for a rotated V, pass 2 too
 // (pv_mma_codes; a q8 V keeps the CUDA-core pass 2). The caller checks the conditions.
 template <int KBITS, int KROT, int VBITS, int VROT, int GMAX, bool MMA = false>
@@ -2466,7 +2719,7 @@ PKV_DEV void paged_attention_quant_partition(
   // The group's queries, rotated into the K basis; with V_MMA later the warps' partial
   // outputs ([n_warps][GMAX][head_dim]: the scores they would overwrite in smem are read
   // by both halves of pass 2).
-  __shared__ float qs[V_MMA ? PKV_ATTN_THREADS / 32 * GMAX * 256 : GMAX * 256];
+  __shared__ float qs[V_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256 : GMAX * 256];
   __shared__ float ctab_k[MMA ? 1 : 16], ctab_v[MMA || V_Q8 ? 1 : 16];
   __shared__ __align__(16) uint32_t tab_k[MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<KBITS> : 1];
   __shared__ __align__(16) uint32_t tab_v[V_MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<VBITS> : 1];
@@ -2520,8 +2773,16 @@ PKV_DEV void paged_attention_quant_partition(
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
   if constexpr (MMA) {
+#if PKV_ATTN_MFMA
+    qk_scores_mfma_codes<KBITS, GMAX>(qs, group, head_dim, k_pool, rows, k_row_bytes, n_tok,
+                                      tab_k, scores);
+#elif PKV_ATTN_WMMA
+    qk_scores_wmma_codes<KBITS, GMAX>(qs, group, head_dim, k_pool, rows, k_row_bytes, n_tok,
+                                      tab_k, scores);
+#else
     qk_scores_mma_codes<KBITS, GMAX>(qs, group, head_dim, k_pool, rows, k_row_bytes, n_tok,
                                      tab_k, scores);
+#endif
   } else {
     float qv[GMAX][8];
 #pragma unroll
@@ -2619,8 +2880,31 @@ PKV_DEV void paged_attention_quant_partition(
   if constexpr (V_MMA) {
     // Pass 2 on tensor cores, 128 dims at a time, into qs (scores stay readable).
     wsum = qs;
-    const int gid = lane / 4, t = lane % 4;
     for (int half = 0; half < head_dim / 128; ++half) {
+#if PKV_ATTN_MFMA
+      pkv_f32x4 o[8];
+      pv_mfma_codes<VBITS, GMAX>(scores, v_pool, rows, v_row_bytes, n_tok, half, tab_v, o);
+      const int i = lane % 16, q = lane / 16;
+      if (i < GMAX) {  // lane i holds head i; o[j][r]: D row 4q + r, dim 8 (4q + r) + j
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            wsum[(warp * GMAX + i) * head_dim + 128 * half + 8 * (4 * q + r) + j] = o[j][r];
+      }
+#elif PKV_ATTN_WMMA
+      pkv_f32x8 o[8];
+      pv_wmma_codes<VBITS, GMAX>(scores, v_pool, rows, v_row_bytes, n_tok, half, tab_v, o);
+      const int i = lane % 16, hw = lane / 16;
+      if (i < GMAX) {  // lane i holds head i; o[j][r]: D row 2r + hw, dim 8 (2r + hw) + j
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int r = 0; r < 8; ++r)
+            wsum[(warp * GMAX + i) * head_dim + 128 * half + 8 * (2 * r + hw) + j] = o[j][r];
+      }
+#else
+      const int gid = lane / 4, t = lane % 4;
       float o[8][4];
       pv_mma_codes<VBITS, GMAX>(scores, v_pool, rows, v_row_bytes, n_tok, half, tab_v, o);
       if (t < 2) {  // lane t holds heads 2t, 2t + 1; o[mt][0..1] row gid, [2..3] row gid + 8
@@ -2637,6 +2921,7 @@ PKV_DEV void paged_attention_quant_partition(
           }
         }
       }
+#endif
     }
   } else {
   // Pass 2: acc = sum_t p_t * V_t over this lane's 8 dims (rotated V: p_t * cnorm_t *
@@ -2782,9 +3067,11 @@ PKV_ATTN_QKERNELS_ALL_V(lloyd4, 4, 256)
 PKV_ATTN_QKERNELS_ALL_V(lloyd2, 2, 256)
 
 // The _mma kernels (pkv_paged_attention_<K>_<V>_mma_g<GMAX>): 4- or 2-bit K with a q8, 4- or
-// 2-bit V on the tensor-core passes above where they apply (NVIDIA sm_80+, 32-lane warps, GMAX
-// <= 4; every head_dim these modes store, 128 and 256), elsewhere the CUDA-core passes of the
-// kernels above. PAGEDKV_ATTN_QKV_MMA=0 (pagedkv.kernels.kvcache) selects those instead.
+// 2-bit V on the matrix-core passes above where they apply (NVIDIA sm_80+, 32-lane warps, GMAX
+// <= 4; AMD CDNA MFMA and gfx11 WMMA, GMAX <= 8; every head_dim these modes store, 128 and
+// 256), elsewhere the CUDA-core passes of the kernels above. PAGEDKV_ATTN_QKV_MMA=0
+// (pagedkv.kernels.kvcache) selects those instead on NVIDIA; on AMD the host takes the _mma
+// kernels only when asked (PAGEDKV_ATTN_MFMA=1 / PAGEDKV_ATTN_WMMA=1).
 template <int KBITS, int KROT, int VBITS, int VROT, int GMAX>
 PKV_DEV void paged_attention_quant_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
@@ -2792,7 +3079,9 @@ PKV_DEV void paged_attention_quant_dispatch(
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
     int max_partitions, int part_tokens) {
   static_assert(KBITS != 3 && VBITS != 3, "3-bit codes have no code-byte table");
-  constexpr bool MMA_OK = PKV_ATTN_MMA_QK && GMAX <= 4 && PKV_WARP_SIZE == 32;
+  constexpr bool MMA_OK = PKV_ATTN_MFMA || PKV_ATTN_WMMA  // AMD: 8 heads + 8 remainders
+                             ? GMAX <= 8
+                             : PKV_ATTN_MMA_QK && GMAX <= 4 && PKV_WARP_SIZE == 32;
   paged_attention_quant_partition<KBITS, KROT, VBITS, VROT, GMAX, MMA_OK>(
       q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
       num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens);

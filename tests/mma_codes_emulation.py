@@ -151,10 +151,32 @@ def pv_codes(probs, pool, rows, row_bytes, n_tok, half, bits, gmax, warp, tab, n
     return (o + o[LANE ^ 2]) * (np.float32(1.0) / CODE_TABLE_SCALE)
 
 
+def pv_codes_half(probs, pool, rows, row_bytes, n_tok, half, bits, gmax, warp, tab, n_warps):
+    """pv_mma_codes of one warp and the partition's store of its o: ``float32[gmax, 128]``,
+    the warp's sums over the half's 128 dims."""
+    o = pv_codes(probs, pool, rows, row_bytes, n_tok, half, bits, gmax, warp, tab, n_warps)
+    out = np.zeros((gmax, 128), np.float32)
+    for lane in np.flatnonzero(TID < 2):
+        for mt in range(8):
+            d = pv_codes_dim(bits, mt, GID[lane])
+            for e in range(2):
+                if 2 * TID[lane] + e < gmax:
+                    out[2 * TID[lane] + e, d] = o[lane, mt, e]
+                    out[2 * TID[lane] + e, d + 1] = o[lane, mt, 2 + e]
+    return out
+
+
+#: The NVIDIA passes: (pass 1, pass 2 with its store, the most heads per KV head, warps).
+NVIDIA_PASSES = (qk_scores_codes, pv_codes_half, 4, 4)
+
+
 def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype, scale,
-                              partition, n_warps=4):
-    """The ``_mma`` partition kernel of a rotated-K / rotated-V pair on its tensor-core
-    passes plus the unrotating reduce: ``float32[seqs, heads, head_dim]``."""
+                              partition, passes=NVIDIA_PASSES):
+    """The ``_mma`` partition kernel of a rotated-K / rotated-V pair on its matrix-core
+    passes plus the unrotating reduce: ``float32[seqs, heads, head_dim]``. ``passes``: the
+    NVIDIA ones by default, or an AMD unit's (tests/test_attention_codes_amd_simulated.py)
+    with the same signatures."""
+    qk_scores, pv_half, most_gmax, n_warps = passes
     k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
     km, vm = kv_modes.kv_mode(k_side), kv_modes.kv_mode(v_side)
     assert km.bits in (4, 2) and vm.bits in (4, 2) and vm.rotated
@@ -163,7 +185,7 @@ def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_d
     v_row = v_pool.shape[-1]
     group = num_heads // kv_heads
     gmax = 1 << (group - 1).bit_length()
-    assert gmax <= 4
+    assert gmax <= most_gmax
     tab_k = code_table(kv_rotated.tables(km.bits, km.rotation)[0], km.bits)
     tab_v = code_table(kv_rotated.tables(vm.bits, vm.rotation)[0], vm.bits)
     kb = np.ascontiguousarray(k_pool).reshape(-1)
@@ -183,8 +205,8 @@ def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_d
                 blocks = block_tables[seq, pos // block_size].astype(np.int64)
                 rows = (blocks * block_size + pos % block_size) * kv_heads + kvh
                 scores = np.zeros(n_tok * gmax, np.float32)
-                qk_scores_codes(qs, group, head_dim, km.bits, kb, rows, k_row, n_tok, gmax,
-                                tab_k, scores, n_warps)
+                qk_scores(qs, group, head_dim, km.bits, kb, rows, k_row, n_tok, gmax, tab_k,
+                          scores, n_warps)
                 s = scores.reshape(n_tok, gmax)
                 pmax = s.max(axis=0)
                 pr = np.exp(s - pmax).astype(np.float32)
@@ -192,15 +214,9 @@ def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_d
                 wsum = np.zeros((n_warps, gmax, head_dim), np.float32)
                 for half in range(head_dim // 128):
                     for w in range(n_warps):
-                        o = pv_codes(pr.reshape(-1), vb, rows, v_row, n_tok, half, vm.bits,
-                                     gmax, w, tab_v, n_warps)
-                        for lane in np.flatnonzero(TID < 2):
-                            for mt in range(8):
-                                d = 128 * half + pv_codes_dim(vm.bits, mt, GID[lane])
-                                for e in range(2):
-                                    if 2 * TID[lane] + e < gmax:
-                                        wsum[w, 2 * TID[lane] + e, d] = o[lane, mt, e]
-                                        wsum[w, 2 * TID[lane] + e, d + 1] = o[lane, mt, 2 + e]
+                        wsum[w, :, 128 * half:128 * half + 128] = pv_half(
+                            pr.reshape(-1), vb, rows, v_row, n_tok, half, vm.bits, gmax, w,
+                            tab_v, n_warps)
                 parts.append((pmax, psum, wsum.sum(axis=0, dtype=np.float32)))
             for g in range(group):
                 if not parts:

@@ -80,6 +80,13 @@ def _pack(lo, hi):
     return (np.asarray(lo, np.uint32) & 0xFFFF) | (np.asarray(hi, np.uint32) << 16)
 
 
+def pair_halves(t0, t1, upper):
+    """pair_halves: two tokens' 16-bit elements of one dim from their words of two adjacent
+    dims, the low halves (upper false) or the high ones, t0's in the low half."""
+    t0, t1 = np.asarray(t0, np.uint32), np.asarray(t1, np.uint32)
+    return (t0 >> 16 | (t1 & 0xFFFF0000)) if upper else ((t0 & 0xFFFF) | (t1 << 16))
+
+
 def q_fragments_mfma(q_group, group, head_dim, scale, kind):
     """q_fragments_mfma<KIND>: uint32[8 k-steps, 64 lanes, 2 words]."""
     _, i, q = _wave()
@@ -211,11 +218,7 @@ def pv_mfma(probs, v_bits, rows, n_tok, head_dim, gmax, wave, n_waves, kind="f16
                       _pack(p_bits(tok + 2), p_bits(tok + 3))], axis=1)
         for j in range(2 * n_words):
             w0, w1, w2, w3 = (cur[e][:, j // 2] for e in range(4))
-            if j % 2:
-                a = np.stack([(w0 >> 16) | (w1 & 0xFFFF0000), (w2 >> 16) | (w3 & 0xFFFF0000)],
-                             axis=1)
-            else:
-                a = np.stack([(w0 & 0xFFFF) | (w1 << 16), (w2 & 0xFFFF) | (w3 << 16)], axis=1)
+            a = np.stack([pair_halves(w0, w1, j % 2), pair_halves(w2, w3, j % 2)], axis=1)
             mfma_f32_16x16x16(o[j], a.astype(np.uint32), b, kind)
     o = o + o[:, lane ^ rest_lane]  # pkv_shfl_xor(o[j][r], 8)
     return store_wsum(o, i, q, gmax, head_dim, dim_of)
@@ -645,12 +648,11 @@ KERNEL_TEXT = {
         "const pkv_u32x2 b = {p_bits(tok) | p_bits(tok + 1) << 16,",
         "p_bits(tok + 2) | p_bits(tok + 3) << 16};",
         "const uint32_t w0 = cur[0][j / 2], w1 = cur[1][j / 2];",
-        "const pkv_u32x2 a = j % 2 ? pkv_u32x2{w0 >> 16 | (w1 & 0xFFFF0000u),",
-        "w2 >> 16 | (w3 & 0xFFFF0000u)}",
-        ": pkv_u32x2{(w0 & 0xFFFFu) | w1 << 16,",
-        "(w2 & 0xFFFFu) | w3 << 16};",
+        "const pkv_u32x2 a = {pair_halves(w0, w1, j % 2), pair_halves(w2, w3, j % 2)};",
         "for (int r = 0; r < 4; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);",
     ],
+    "pair_halves": [
+        "return upper ? (t0 >> 16 | (t1 & 0xFFFF0000u)) : ((t0 & 0xFFFFu) | t1 << 16);"],
     "qk_scores_mfma_q8": [
         "const int tok = 16 * grp + i;",
         "const uint8_t* rec = row + l * PKV_KVQ8_RECORD_BYTES;",

@@ -35,6 +35,7 @@ from test_attention_mfma_simulated import (
     check_pv,
     check_scores,
     from_bits,
+    pair_halves,
     q8_codes_f16x4,
     q8_pv_scale,
     store_wsum,
@@ -151,7 +152,7 @@ def pv_wmma(probs, v_bits, rows, n_tok, head_dim, gmax, wave, n_waves, kind="f16
             b[:, k // 2] |= (bits << (16 * (k % 2))).astype(np.uint32)
         for j in range(2 * n_words):
             t0, t1 = vr[0::2, :, j // 2].T, vr[1::2, :, j // 2].T  # [lane, w]
-            a = ((t0 >> 16) | (t1 & 0xFFFF0000)) if j % 2 else ((t0 & 0xFFFF) | (t1 << 16))
+            a = pair_halves(t0, t1, j % 2)
             wmma_f32_16x16x16(o[j], a.astype(np.uint32), b, kind)
     o = o + o[:, lane ^ rest_lane]  # pkv_shfl_xor(o[j][r], 8)
     return store_wsum(o, i, hw, gmax, head_dim, dim_of)
@@ -409,7 +410,7 @@ KERNEL_TEXT = {
         "if (k % 2 == 0) b[k / 2] = bits;",
         "else b[k / 2] |= bits << 16;",
         "const uint32_t t0 = vr[2 * w][j / 2], t1 = vr[2 * w + 1][j / 2];",
-        "a[w] = j % 2 ? (t0 >> 16 | (t1 & 0xFFFF0000u)) : ((t0 & 0xFFFFu) | t1 << 16);",
+        "a[w] = pair_halves(t0, t1, j % 2);",
         "for (int r = 0; r < 8; ++r) o[j][r] += pkv_shfl_xor(o[j][r], 8);",
     ],
     "qk_scores_wmma_q8": [

@@ -111,8 +111,19 @@ def test_the_wmma_attention_kernels_are_wmma_on_gfx1100_without_scratch(codegen)
         instr = "v_wmma_f32_16x16x16_" + ("bf16" if "bf16" in name else "f16")
         assert k.count(instr) == 16, (name, k.count(instr))
         assert k.scratch_bytes == 0 and k.vgprs <= 256, (name, k.scratch_bytes, k.vgprs)
+    # the compressed pairs' _mma kernels: pass 1's 8 k-steps and, for a rotated V, pass 2's 8
+    # m-tiles, each a hi and a lo WMMA (a q8 V keeps the CUDA-core pass 2)
+    from pagedkv.kernels import kvcache
+    codes = {n: k for n, k in found.items() if "_mma_g" in n}
+    assert sorted(codes) == sorted(f"pkv_paged_attention_{d.replace('/', '_')}_mma_g{g}"
+                                   for d in kvcache.QUANT_KV_DTYPES if kvcache.qkv_mma_applies(d)
+                                   for g in (1, 2, 4, 8))
+    for name, k in codes.items():
+        want = 16 if name.rsplit("_mma_", 1)[0].endswith("_q8") else 32
+        assert k.count("v_wmma_f32_16x16x16_f16") == want, (name, k.count("v_wmma"))
+        assert k.scratch_bytes == 0 and k.vgprs <= 256, (name, k.scratch_bytes, k.vgprs)
     # every other kernel (the CUDA-core passes, the staged q8 kernels) has no matrix instruction
-    others = [k for n, k in found.items() if n not in wmma]
+    others = [k for n, k in found.items() if n not in wmma and n not in codes]
     assert others and all(k.count("v_wmma") == 0 and k.count("v_mfma") == 0 for k in others)
     assert all(k.vgprs <= 256 for k in found.values())
 

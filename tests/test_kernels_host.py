@@ -1196,6 +1196,37 @@ def test_attention_takes_the_wmma_kernels_only_when_asked_on_rdna3(
     assert (", wmma=True" in repr(attn)) == attn.wmma
 
 
+@pytest.mark.parametrize(("arch", "env", "qkv_mma", "kernel", "unit"), [
+    ("gfx90a", {}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),  # opt-in: off by default
+    ("gfx90a", {"PAGEDKV_ATTN_MFMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", "mfma"),
+    ("gfx942", {"PAGEDKV_ATTN_MFMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", "mfma"),
+    ("gfx90a", {"PAGEDKV_ATTN_MFMA": "1", "PAGEDKV_ATTN_QKV_MMA": "0"}, None,
+     "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    ("gfx90a", {"PAGEDKV_ATTN_MFMA": "1"}, False, "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    ("gfx90a", {}, True, "pkv_paged_attention_fwht4_lloyd4_mma_g8", "mfma"),  # asked by name
+    ("gfx90a", {"PAGEDKV_ATTN_WMMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    ("gfx1100", {"PAGEDKV_ATTN_WMMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", "wmma"),
+    ("gfx1100", {}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    # no matrix cores: the _mma kernels run the CUDA-core passes there, as before
+    ("gfx1030", {}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", None)])
+def test_compressed_attention_takes_amd_matrix_cores_only_when_asked(
+        monkeypatch, arch, env, qkv_mma, kernel, unit):
+    # On CDNA / gfx11 the compressed pairs' _mma kernels are the MFMA / WMMA code passes,
+    # compile-checked and emulated only (tests/test_attention_codes_amd_simulated.py)
+    from pagedkv.kernels import kvcache
+    for name in ("PAGEDKV_ATTN_MFMA", "PAGEDKV_ATTN_WMMA", "PAGEDKV_ATTN_QKV_MMA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    attn = kvcache.PagedAttention(FakeHipDevice(arch), num_seqs=1, num_heads=16, kv_heads=2,
+                                  head_dim=256, block_size=16, max_seq_len=64,
+                                  kv_dtype="fwht4/lloyd4", qkv_mma=qkv_mma)
+    assert attn._partition.name == kernel
+    assert attn.qkv_mma == kernel.endswith("_mma_g8")
+    assert (attn.mfma, attn.wmma) == (unit == "mfma", unit == "wmma")
+    assert (", mfma=True" in repr(attn), ", wmma=True" in repr(attn)) == (attn.mfma, attn.wmma)
+
+
 @pytest.mark.parametrize("flags", [{"q8_mma": False}, {"q8_stage": True},
                                    {"q8_stage": True, "q8_int": True}])
 def test_q8_attention_keeps_the_kernel_asked_for_over_mfma(monkeypatch, flags):

@@ -294,10 +294,13 @@ class PagedAttention:
 
     ``qkv_mma``: a compressed pair with 4- or 2-bit K and a q8, 4- or 2-bit V runs its
     ``_mma`` kernels (q.K and, for a rotated V, P.V as f16 tensor-core mma over centroid
-    tables, NVIDIA sm_80+ with at most 4 query heads per KV head; elsewhere the same kernels
-    run the CUDA-core passes) or, when False, the CUDA-core kernels; ``None`` reads
-    ``PAGEDKV_ATTN_QKV_MMA`` (default on). :attr:`qkv_mma` says which (``None`` for a pair
-    without ``_mma`` kernels and for the other KV dtypes).
+    tables, NVIDIA sm_80+ with at most 4 query heads per KV head; on AMD CDNA and gfx11 as
+    MFMA / WMMA with up to 8; elsewhere the same kernels run the CUDA-core passes) or, when
+    False, the CUDA-core kernels; ``None`` reads ``PAGEDKV_ATTN_QKV_MMA`` (default on), and on
+    an AMD arch with matrix cores also the unit's opt-in (``PAGEDKV_ATTN_MFMA=1`` /
+    ``PAGEDKV_ATTN_WMMA=1``, default off: compile-checked and emulated only, docs/kernels.md,
+    "AMD matrix cores"); :attr:`mfma` / :attr:`wmma` then say so too. :attr:`qkv_mma` says
+    which (``None`` for a pair without ``_mma`` kernels and for the other KV dtypes).
     ``q8_int``: with ``q8_stage``, the ``q8i`` kernels: the staged kernels with pass 1 (q·Kᵀ) on
     integer tensor cores, q quantized once per CTA to exact 22-bit integers per 32-dim record
     and the K codes multiplied as they are stored (docs/kernels.md, "q8 attention on tensor cores"). ``None``
@@ -429,9 +432,16 @@ class PagedAttention:
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
         self.qkv_mma = None
         if kv_dtype in QUANT_KV_DTYPES and qkv_mma_applies(kv_dtype):
-            self.qkv_mma = bool(env_bool("PAGEDKV_ATTN_QKV_MMA", True) if qkv_mma is None
-                                else qkv_mma)
+            # On CDNA / gfx11 the _mma kernels run the code passes on MFMA / WMMA, which no
+            # AMD device has run yet: taken only when asked (the unit's opt-in or
+            # qkv_mma=True), like the other AMD matrix-core kernels.
+            unit = amd_matrix_unit(device)
+            default = env_bool("PAGEDKV_ATTN_QKV_MMA", True) and (
+                unit is None or env_bool(_ATTN_AMD_OPT_IN[unit], False))
+            self.qkv_mma = bool(default if qkv_mma is None else qkv_mma)
             kind += "_mma" if self.qkv_mma else ""
+            self.mfma = self.qkv_mma and unit == "mfma"
+            self.wmma = self.qkv_mma and unit == "wmma"
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiiii")
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
