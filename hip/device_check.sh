@@ -15,7 +15,8 @@
 # Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 150); the CPU kernel tests
 # (CPU_TESTS_TIMEOUT, 150); sanitizer (SANITIZE=1:
 # the probe proving compute-sanitizer sees ctypes launches, then memcheck and racecheck
-# over the GPU tests: SANITIZE_TIMEOUT for memcheck, 150, and RACECHECK_TIMEOUT for
+# over the GPU tests (racecheck without the tests RACECHECK_DESELECT names: sanitize_tool
+# says why): SANITIZE_TIMEOUT for memcheck, 150, and RACECHECK_TIMEOUT for
 # racecheck, 240, or SANITIZE_TIMEOUT when only that is set; over the 412 GPU tests on the
 # H200, 2026-12-04, memcheck took 111 s and racecheck about 195, so SANITIZE=1 TESTS=0
 # BENCH=0 fits one call after the build). BENCH=0 skips all three benches;
@@ -222,8 +223,16 @@ sanitize() {
 }
 sanitize_tool() {
   cd tests || return 1
+  local select=(-m gpu)
+  # racecheck tracks every shared-memory access: on the H200 (2026-12-05) two racecheck runs
+  # stalled for over 170 s in the full-size pipelined-GEMV comparisons (32 GEMV pairs at
+  # 4096-14336 rows) and were cut before the last 30 tests. It leaves them to
+  # test_gpu_pipelined_gemv_edges_and_a_nan_row (the same kernel at M = 300);
+  # RACECHECK_DESELECT= (empty) keeps them, another value deselects other tests (pytest -k).
+  local deselect=${RACECHECK_DESELECT-test_gpu_pipelined_gemv_is_the_staged_kernel_bit_for_bit}
+  [[ $1 == racecheck && -n $deselect ]] && select+=(-k "not ($deselect)")
   PYTHONPATH=$PKV compute-sanitizer --error-exitcode 86 --print-limit 20 --tool "$1" \
-    python3 -m pytest -q -m gpu -p no:cacheprovider >"$OUT/sanitize_$1.log" 2>&1
+    python3 -m pytest -q "${select[@]}" -p no:cacheprovider >"$OUT/sanitize_$1.log" 2>&1
   local rc=$?
   echo "compute-sanitizer $1 over the GPU tests: rc $rc (0 = no error, no hazard);" \
     "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$1.log" | tail -2 | tr '\n' ' ')"

@@ -89,6 +89,20 @@ def test_every_phase_runs_in_order_and_a_phase_over_its_limit_is_cut(tmp_path):
     cpu_tests = [i for i, c in enumerate(plain) if "-k kernels" in c]
     assert gpu_tests == [0] and cpu_tests == [1] and "not gpu" in plain[1]
     assert sum("--tool memcheck" in c for c in calls) == 3  # probe --plant, --clean, the tests
+    # racecheck leaves out the full-size pipelined-GEMV comparisons (too slow under it)
+    memcheck, racecheck = (next(c for c in calls if f"--tool {t} python3 -m pytest" in c)
+                           for t in ("memcheck", "racecheck"))
+    assert " -k " not in memcheck
+    assert "-m gpu -k not (test_gpu_pipelined_gemv_is_the_staged_kernel_bit_for_bit)" in racecheck
+
+
+@pytest.mark.parametrize(("deselect", "want"), [
+    ("", "-m gpu -p no:cacheprovider"), ("slow_one or other", "-m gpu -k not (slow_one or other)")])
+def test_racecheck_deselects_what_it_is_told(tmp_path, deselect, want):
+    _, calls, _ = _run(tmp_path, SANITIZE="1", TESTS="0", BENCH="0", BUDGET_S="100",
+                       RACECHECK_DESELECT=deselect)
+    racecheck = next(c for c in calls if "--tool racecheck python3 -m pytest" in c)
+    assert want in racecheck
 
 
 @pytest.mark.parametrize(("env", "memcheck_s", "racecheck_s"), [
