@@ -693,11 +693,147 @@ PKV_DEV void add_group(float (&acc)[2][NT][2], const int (&c)[MmaHalves<F>::valu
     }
 }
 
+// Q8F16 on the same int8 tensor cores (batch 1-8, opt-in; docs/kernels.md, "HFQ6 and Q8F16 on
+// tensor cores"): the prepared x of the 4-bit kernels, and codes that are int8 already. The
+// prep puts dims 8L .. 8L + 7 of prep lane L = 8(m/2) + 2t + m%2 in B quad t of mma m (even
+// dims in b0, odd in b1), so within mma m lanes t < 2 carry dims of 32-weight block 2(m/2)
+// and lanes t >= 2 of block 2(m/2) + 1: each mma runs twice, once with the other lanes'
+// A zeroed per block, so every block's int32 sum stays apart for its own f16 scale (blocks
+// 2p and 2p + 1 are mmas 2p and 2p + 1 together). Packed per 16-row tile and group: the 16
+// rows' 8 block scales (256 bytes, row order), then per mma m and lane the 16 bytes of its A
+// registers {a0, a1, a2, a3} (rows gid / gid + 8, even / odd dims of L): 4352 bytes.
+struct MmaWeightsQ8 {
+  uint4 d[2];     // rows gid, gid + 8: the group's 8 block scales (f16)
+  uint4 code[8];  // mma m: a0, a1, a2, a3
+
+  __device__ __forceinline__ void load(const uint8_t* base, int lane) {
+    const int gid = lane / 4;
+    d[0] = ((const uint4*)base)[gid];
+    d[1] = ((const uint4*)base)[gid + 8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) code[m] = ((const uint4*)(base + 256))[32 * m + lane];
+  }
+};
+
+// acc[r][i][e] += the group's sum for rows gid + 8r, columns 8i + 2t + e: block by block,
+// its int32 sums times the row's block scale and the column's step * 2^(8 plane) (x_sums'
+// .x, as add_group).
+template <int NT, typename XWords, typename XSums>
+PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int t,
+                          XWords x_words, XSums x_sums) {
+  const bool upper = t >= 2;
+  float f[NT][2];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int p = (8 * i + 2 * t + e) % 3;
+      f[i][e] = x_sums(i, e).x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+    }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // x word j: mmas 2j, 2j + 1, blocks 2j, 2j + 1
+    int c[2][NT][4];
+#pragma unroll
+    for (int bk = 0; bk < 2; ++bk)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) c[bk][i][0] = c[bk][i][1] = c[bk][i][2] = c[bk][i][3] = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 a = w.code[2 * j + h];
+#pragma unroll
+      for (int bk = 0; bk < 2; ++bk) {
+        const bool mine = (bk == 1) == upper;  // this lane's k slots are block 2j + bk's
+        const uint32_t a0 = mine ? a.x : 0u, a1 = mine ? a.y : 0u;
+        const uint32_t a2 = mine ? a.z : 0u, a3 = mine ? a.w : 0u;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+          const uint4 q = x_words(i, j);
+          mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);
+        }
+      }
+    }
+#pragma unroll
+    for (int bk = 0; bk < 2; ++bk) {
+      const int b = 2 * j + bk;  // block b's scale: half b % 2 of word b / 2
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4 dw = w.d[r];
+        const uint32_t word = b / 2 == 0 ? dw.x : b / 2 == 1 ? dw.y : b / 2 == 2 ? dw.z : dw.w;
+        const float d = pkv_half_bits_to_float((uint16_t)(b % 2 ? word >> 16 : word & 0xFFFFu));
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) acc[r][i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);
+      }
+    }
+  }
+}
+
+// HFQ6G256 on the same tensor cores (batch 1-8, opt-in with Q8F16's switch): one affine
+// map per 256-group as HFQ4 (add_group), 6-bit codes packed so a lane rebuilds its four A
+// registers of mma m from three words: n0 holds the low nibbles of a0's (bits 0-3 of each
+// byte) and a2's (bits 4-7) four codes, n1 those of a1 and a3, hb the high two bits of all
+// sixteen (byte k: a0 bits 0-1, a2 bits 2-3, a1 bits 4-5, a3 bits 6-7). Packed per 16-row
+// tile and group: the 16 headers (128 bytes, row order), then per lane 24 words (mma m:
+// words 3m .. 3m + 2), word 4k + v of a lane in 16-byte load k at 128 + 16 (32k + lane):
+// 3200 bytes, the stored size.
+struct MmaWeights6 {
+  uint2 hdr[2];
+  uint4 code[6];
+
+  __device__ __forceinline__ void load(const uint8_t* base, int lane) {
+    const int gid = lane / 4;
+    hdr[0] = *(const uint2*)(base + 8 * gid);
+    hdr[1] = *(const uint2*)(base + 8 * (gid + 8));
+#pragma unroll
+    for (int k = 0; k < 6; ++k) code[k] = ((const uint4*)(base + 128))[32 * k + lane];
+  }
+
+  __device__ __forceinline__ uint32_t word(int x) const {  // x is a constant after unrolling
+    const uint4 v = code[x / 4];
+    return x % 4 == 0 ? v.x : x % 4 == 1 ? v.y : x % 4 == 2 ? v.z : v.w;
+  }
+};
+
+// The exact int32 sums of one HFQ6 group for NT n-tiles (mma_group's, from 6-bit codes).
+template <int NT, typename XWords>
+PKV_DEV void mma_group6(int (&c)[1][NT][4], const MmaWeights6& w, XWords x_words) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) c[0][i][0] = c[0][i][1] = c[0][i][2] = c[0][i][3] = 0;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    const uint32_t n0 = w.word(3 * m), n1 = w.word(3 * m + 1), hb = w.word(3 * m + 2);
+    const uint32_t a0 = (n0 & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;
+    const uint32_t a2 = (n0 >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;
+    const uint32_t a1 = (n1 & 0x0F0F0F0Fu) | (hb & 0x30303030u);
+    const uint32_t a3 = (n1 >> 4 & 0x0F0F0F0Fu) | (hb >> 2 & 0x30303030u);
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const uint4 q = x_words(i, m / 2);
+      mma_s8_16x8x32(c[0][i], a0, a1, a2, a3, m % 2 ? q.z : q.x, m % 2 ? q.w : q.y);
+    }
+  }
+}
+
+template <int F>
+struct MmaWeightsOf {  // one lane's share of one (16-row tile, group) of packed weights
+  using type = MmaWeights;
+};
+template <>
+struct MmaWeightsOf<Q8F16> {
+  using type = MmaWeightsQ8;
+};
+template <>
+struct MmaWeightsOf<HFQ6G256> {
+  using type = MmaWeights6;
+};
+
 template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
                              int K, int batch) {
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16: 8 blocks of 34 bytes per row)
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
@@ -711,7 +847,7 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 #pragma unroll
     for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
 
-  MmaWeights cur, nxt;
+  typename MmaWeightsOf<F>::type cur, nxt;
   // weights only: issued before the PDL wait (no kernel before this one writes them)
   if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
   pkv_grid_dependency_wait();  // PDL: the prepared x and y's readers are done from here
@@ -735,9 +871,18 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
         const int b = (8 * i + 2 * t + e) / 3;
         xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    int c[MmaHalves<F>::value][NT][4];
-    mma_group<F, NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
-    add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
+    if constexpr (F == Q8F16) {
+      mma_group_q8<NT>(acc, cur, t, [&](int i, int v) { return xb[i][v]; },
+                       [&](int i, int e) { return xsv[i][e]; });
+    } else if constexpr (F == HFQ6G256) {
+      int c[1][NT][4];
+      mma_group6<NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
+      add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
+    } else {
+      int c[MmaHalves<F>::value][NT][4];
+      mma_group<F, NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
+      add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
+    }
     cur = nxt;
   }
   __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
@@ -770,6 +915,8 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
 
 PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)
+PKV_GEMV_MMA_KERNELS(hfq6g256, HFQ6G256)
+PKV_GEMV_MMA_KERNELS(q8f16, Q8F16)
 
 
 // ---------------------------------------------------------------------------

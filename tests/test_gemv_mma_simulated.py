@@ -138,13 +138,13 @@ def add_group(acc, c, hdr, i0, xs, g, batch, v2):
                 acc[r, i0 + i, e] += v
 
 
-def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
-    """gemv_mma<F, NT> with chunk = NT <= 3 (the batch 1-8 kernel; NT / chunk chunks per
-    group is the loop of the AMD tiled kernel's NVIDIA ancestor): y[batch, M]."""
-    lane, gid, t = _lanes()
+def gemv_mma_blocks(M, K, batch, NT, n_warps, tile_bytes, packed, group):
+    """gemv_mma's walk, shared by the formats: per 16-row block, each warp's contiguous
+    groups (``group(acc, words, base, g)`` adds one (tile, group) into acc[2, NT, 2, 32],
+    base in words), the warps' sums through shared memory, 3 plane columns per batch row
+    (rows past M not stored): y float32[batch, M]."""
+    _, gid, t = _lanes()
     groups = K // 256
-    tile_bytes = ROWS * 136
-    halves = 2 if v2 else 1
     words = packed.view(np.uint32)
     y = np.full((batch, M), np.nan, np.float32)
     for block in range(-(-M // ROWS)):
@@ -154,33 +154,7 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
             g_begin, g_end = warp * groups // n_warps, (warp + 1) * groups // n_warps
             acc = np.zeros((2, NT, 2, 32), np.float32)
             for g in range(g_begin, g_end):
-                base = (block * groups + g) * tile_bytes // 4  # in words
-                hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
-                                axis=1) for r in range(2)]
-                code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
-                                 axis=1) for i in range(4)]  # uint4 x, y, z, w
-                for i0 in range(0, NT, chunk):
-                    xb = np.zeros((chunk, 4, 32, 4), np.uint32)  # [i][v][lane][xyzw]
-                    for i in range(chunk):
-                        live = 8 * (i0 + i) + gid < 3 * batch
-                        for v in range(4):
-                            at = (((g * NT + i0 + i) * 32 + lane) * X_WORDS) + 4 * v
-                            vals = np.stack([xq[at + w] for w in range(4)], axis=1)
-                            xb[i, v] = np.where(live[:, None], vals, 0)
-                    c = np.zeros((halves, chunk, 32, 4), np.int64)
-                    for m in range(8):
-                        j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
-                        pa, pb = code[j // 2], code[2 + j // 2]
-                        wa = pa[:, 2 * (j % 2) + h]
-                        wb = pb[:, 2 * (j % 2) + h]
-                        a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
-                        a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
-                        for i in range(chunk):
-                            q = xb[i, m // 2]
-                            b0 = q[:, 2] if h else q[:, 0]
-                            b1 = q[:, 3] if h else q[:, 1]
-                            mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-                    add_group(acc, c, hdr, i0, xs, g, batch, v2)
+                group(acc, words, (block * groups + g) * tile_bytes // 4, g)
             for r in range(2):
                 for i in range(NT):
                     for e in range(2):
@@ -190,6 +164,50 @@ def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
             n = min(ROWS, M - row0)  # rows past M are not stored
             y[b, row0:row0 + n] = cols[:n]
     return y
+
+
+def x_words(xq, g, NT, i, batch):
+    """The lane's 4 prepared-x uint4 words of n-tile i of group g (zero for columns past
+    the batch's planes): uint32[4 (v), 32, 4 (xyzw)]."""
+    lane, gid, _ = _lanes()
+    live = 8 * i + gid < 3 * batch
+    out = np.zeros((4, 32, 4), np.uint32)
+    for v in range(4):
+        at = (((g * NT + i) * 32 + lane) * X_WORDS) + 4 * v
+        vals = np.stack([xq[at + w] for w in range(4)], axis=1)
+        out[v] = np.where(live[:, None], vals, 0)
+    return out
+
+
+def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
+    """gemv_mma<F, NT> with chunk = NT <= 3 (the batch 1-8 kernel; NT / chunk chunks per
+    group is the loop of the AMD tiled kernel's NVIDIA ancestor): y[batch, M]."""
+    lane, gid, _ = _lanes()
+    halves = 2 if v2 else 1
+
+    def group(acc, words, base, g):
+        hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
+                        axis=1) for r in range(2)]
+        code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
+                         axis=1) for i in range(4)]  # uint4 x, y, z, w
+        for i0 in range(0, NT, chunk):
+            xb = np.stack([x_words(xq, g, NT, i0 + i, batch) for i in range(chunk)])
+            c = np.zeros((halves, chunk, 32, 4), np.int64)
+            for m in range(8):
+                j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
+                pa, pb = code[j // 2], code[2 + j // 2]
+                wa = pa[:, 2 * (j % 2) + h]
+                wb = pb[:, 2 * (j % 2) + h]
+                a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
+                a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
+                for i in range(chunk):
+                    q = xb[i, m // 2]
+                    b0 = q[:, 2] if h else q[:, 0]
+                    b1 = q[:, 3] if h else q[:, 1]
+                    mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
+            add_group(acc, c, hdr, i0, xs, g, batch, v2)
+
+    return gemv_mma_blocks(M, K, batch, NT, n_warps, ROWS * 136, packed, group)
 
 
 def warp_sums_to_rows(acc, rows, cols):

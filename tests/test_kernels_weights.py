@@ -3,6 +3,8 @@ the CPU codecs of pagedkv.quant, on fresh random inputs with poisoned outputs.""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -198,6 +200,46 @@ def test_gpu_gemv_a_nan_in_x_poisons_only_its_batch_row(device, fmt):
     g.run(g.upload(raw), device.array(x), y)
     got = y.to_numpy()
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq6g256", "q8f16"])
+@pytest.mark.parametrize("batch,M,K", [(1, 37, 1280), (3, 16, 256), (8, 300, 4096),
+                                       (5, 4096, 4096)])
+def test_gpu_hfq6_and_q8f16_on_tensor_cores(device, monkeypatch, fmt, batch, M, K):
+    # PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1 (opt-in until this passes on a device): gemv_mma<HFQ6G256>
+    # / <Q8F16> against the float64 reference and the CUDA-core kernel on the same x, with
+    # rows of |x| ~ 1e30, ~ 1e-30 and zero, and a NaN that poisons only its batch row.
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+    g = weights.Gemv(device, fmt, M, K, batch)
+    if not g.tensor_cores:
+        pytest.skip(f"no int8 tensor cores on {device.properties.arch}")
+    assert g._kernel.name == f"pkv_gemv_mma_{fmt}_n{math.ceil(3 * batch / 8)}", g.launch
+    _, raw = _weights(fmt, (M, K))
+    x = RNG.standard_normal((batch, K)).astype(np.float32)
+    if batch >= 5:
+        x[1] *= np.float32(1e30)
+        x[2] *= np.float32(1e-30)
+        x[3] = 0.0
+        x[4, 77] = np.nan
+    y = poisoned(device, (batch, M), np.float32)
+    g.run(g.upload(raw), device.array(x), y)
+    got = y.to_numpy()
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=False)
+    bound = _gemv_bound(raw, fmt, M, K, x)
+    live = np.isfinite(want).all(axis=1)
+    assert np.isnan(got[~live]).all()
+    assert np.isfinite(got[live]).all()
+    assert (np.abs(got[live] - want[live]) <= 2e-5 * bound[live] + 1e-37).all()
+    if batch >= 5:
+        assert (got[3] == 0.0).all()
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "0")
+    cc = weights.Gemv(device, fmt, M, K, batch)
+    assert not cc.tensor_cores
+    y_cc = poisoned(device, (batch, M), np.float32)
+    cc.run(cc.upload(raw), device.array(x), y_cc)
+    other = y_cc.to_numpy()
+    assert (np.abs(got[live] - other[live]) <= 4e-5 * bound[live] + 1e-37).all()
 
 
 @pytest.mark.gpu

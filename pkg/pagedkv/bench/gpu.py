@@ -315,6 +315,43 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                 _row(rows, f"gemv {fmt} b{batch} (x prepared)", f"{M}x{K}", t, nbytes, copy_bw)
             for d in dev_w:
                 d.free()
+            if fmt in ("hfq6g256", "q8f16"):
+                bench_wide_tensor_cores(device, stream, rows, copy_bw, fmt, raw, M, K, batches,
+                                        rng)
+
+
+def bench_wide_tensor_cores(device, stream, rows, copy_bw, fmt, raw, M, K, batches, rng):
+    """Rows ``gemv <fmt> b<B> (tensor cores)``: HFQ6G256 / Q8F16 on the int8 tensor cores
+    (``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` for these rows only; docs/kernels.md, "HFQ6 and Q8F16
+    on tensor cores"), ``vs_cuda_cores`` = the CUDA-core row's time of the same run over
+    this one."""
+    import os
+    before = os.environ.get(weights.WIDE_MMA_ENV)
+    os.environ[weights.WIDE_MMA_ENV] = "1"
+    try:
+        if not weights.Gemv(device, fmt, M, K).tensor_cores:
+            return
+        dev_w, calls = rotating_weights(device, fmt, M, K, raw)
+        for batch in (b for b in batches if b <= weights.max_batch(device, fmt)):
+            g = weights.Gemv(device, fmt, M, K, batch)
+            x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
+            y = device.empty((batch, M), np.float32)
+            t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls),
+                            calls)
+            base = {}
+            cc = next((r for r in rows if r["kernel"] == f"gemv {fmt} b{batch}"
+                       and r["shape"] == f"{M}x{K}"), None)
+            if cc is not None:
+                base = {"vs_cuda_cores": cc["us"] * 1e-6 / t}
+            _row(rows, f"gemv {fmt} b{batch} (tensor cores)", f"{M}x{K}", t,
+                 raw.nbytes + 4 * batch * (K + M), copy_bw, base)
+        for d in dev_w:
+            d.free()
+    finally:
+        if before is None:
+            os.environ.pop(weights.WIDE_MMA_ENV, None)
+        else:
+            os.environ[weights.WIDE_MMA_ENV] = before
 
 
 def bench_dequant(device, stream, rows, copy_bw, shape):

@@ -75,6 +75,11 @@ _TILED_TILES = (6, 12)
 _PIPE_TILES = (6, 9, 12)
 _TILE_UNITS = GEMV_MMA_ROWS * 136 // 16  # a packed 4-bit tile-group in 16-byte units
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
+#: HFQ6G256 and Q8F16 on the int8 tensor cores (gemv_mma's n1-n3 kernels, batch 1-8,
+#: NVIDIA sm_80+; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores"): opt-in until a device
+#: run vouches for them.
+WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
+_WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
 
 
 class _WeightFormat:
@@ -295,7 +300,7 @@ class Gemv:
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
-        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x)
+        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K)
         tensor_cores, use_f16, use_pipe, wide = (choice.tensor_cores, choice.f16, choice.pipe,
                                                   choice.wide)
         self.device, self.M, self.K, self.batch = device, M, K, batch
@@ -419,7 +424,7 @@ class Gemv:
     def weight_bytes(self) -> int:
         """Bytes of the weights :meth:`run` reads (the packed layout when :attr:`packed`)."""
         if self.packed:
-            return math.ceil(self.M / 16) * 16 * self.K // 256 * self.fmt.group_bytes
+            return raw_nbytes(self.fmt.name, math.ceil(self.M / 16) * 16 * self.K)
         return raw_nbytes(self.fmt.name, self.M * self.K)
 
     def pack(self, raw: np.ndarray) -> np.ndarray:
@@ -436,6 +441,11 @@ class Gemv:
                                   f"({self.fmt.name} of {self.M}x{self.K})")
         if not self.packed:
             return raw.reshape(-1)
+        if self.fmt.kernel in _WIDE_MMA_KERNELS:
+            from pagedkv.kernels import gemv_pack
+            pack = (gemv_pack.pack_tiles_q8f16 if self.fmt.kernel == "q8f16"
+                    else gemv_pack.pack_tiles_hfq6)
+            return pack(np.ascontiguousarray(raw.reshape(self.M, -1)), self.K // 256)
         return _pack_tiles(raw, self.M, self.K, self.fmt.group_bytes)
 
     def upload(self, raw: np.ndarray) -> GemvWeights:
@@ -545,6 +555,8 @@ def max_batch(device: Device, fmt: str | int) -> int:
     tensor-core kernel (NVIDIA sm_80+; AMD gfx908/gfx90a/gfx940-942 and gfx11, opt-in; 4-bit
     formats), 8 on the CUDA-core one."""
     f = _format(fmt)
+    if f.kernel not in _MMA_KERNELS:  # HFQ6 / Q8F16 on tensor cores: gemv_mma's n1-n3 only
+        return GEMV_MAX_BATCH
     return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
 
 
@@ -625,10 +637,11 @@ class _KernelChoice(NamedTuple):
 
 def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | None,
                    pipe: bool | None, splits: int | None,
-                   f16_x: bool | None) -> _KernelChoice:
-    """The kernel for ``Gemv(device, f, ..., batch, warps=, pipe=, splits=, f16_x=)`` (see
+                   f16_x: bool | None, K: int = 256) -> _KernelChoice:
+    """The kernel for ``Gemv(device, f, M, K, batch, warps=, pipe=, splits=, f16_x=)`` (see
     there), or :class:`InvalidArgument` naming a switch this device or batch cannot honour."""
-    tensor_cores = _uses_tensor_cores(device, f)
+    # the tensor-core kernels take whole 256-groups of K (Q8F16's K may be any multiple of 32)
+    tensor_cores = _uses_tensor_cores(device, f) and K % 256 == 0
     # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
     wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
             and device.backend == "cuda")
@@ -637,7 +650,7 @@ def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | No
     else:
         use_f16 = pipe is None and bool(env_bool(
             F16X_ENV, batch > GEMV_MAX_BATCH and not env_bool(PIPE_ENV, False)))
-    if use_f16 and not (tensor_cores and device.backend == "cuda"):
+    if use_f16 and not (tensor_cores and device.backend == "cuda" and f.kernel in _MMA_KERNELS):
         if f16_x:
             raise InvalidArgument(
                 f"f16_x=True: the f16-activation GEMV runs {list(_MMA_KERNELS)} on NVIDIA "
@@ -686,8 +699,13 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
     (mma.sync); AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942) and RDNA3 (WMMA: gfx11), both
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
-    them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel."""
+    them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16: NVIDIA
+    sm_80+ with ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (batch 1-8; opt-in until a device run
+    vouches for them)."""
     backend = getattr(device, "backend", None)
+    if f.kernel in _WIDE_MMA_KERNELS and backend == "cuda" and env_bool(WIDE_MMA_ENV, False):
+        arch = device.properties.arch
+        return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
     if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"

@@ -1,0 +1,290 @@
+"""HFQ6G256 and Q8F16 on the int8 tensor cores (hip/weights.hip, ``gemv_mma<HFQ6G256, NT>``
+with ``mma_group6``, ``gemv_mma<Q8F16, NT>`` with ``mma_group_q8``; opt-in
+``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``) simulated in NumPy, lane by lane: the 4-bit kernels'
+prepared x (tests/test_gemv_mma_simulated.py's model of pkv_gemv_prep_x), the packed tiles
+(``gemv_pack.pack_tiles_hfq6`` / ``pack_tiles_q8f16``, run for real), the kernel's loads,
+HFQ6's rebuild of the A registers from nibble and high-bit words and its affine epilogue
+(the 4-bit kernels' add_group), Q8F16's mmas run twice with the other block's lanes zeroed
+and its per-block f16 scales, and the shared-memory reduction, with the index expressions
+copied from the kernel text (``KERNEL_TEXT`` pins them). The GPU test
+(tests/test_kernels_weights.py) runs the kernels."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedkv import quant
+from pagedkv.kernels import numpy_kernels as ref
+from pagedkv.kernels import weights
+from test_gemv_mma_simulated import (
+    _lanes,
+    add_group,
+    gemv_mma_blocks,
+    mma_s8_16x8x32,
+    prep_x,
+    x_words,
+)
+from test_kernels_host import FakeCudaDevice
+
+TILE_BYTES = 4352
+H6_TILE_BYTES = 3200
+WEIGHTS_HIP = Path(__file__).resolve().parents[1] / "hip" / "weights.hip"
+
+
+def _f16(bits):
+    return (np.asarray(bits, np.uint32) & 0xFFFF).astype(np.uint16).view(np.float16).astype(
+        np.float32)
+
+
+def gemv_mma_q8(packed, xq, xs, M, K, batch, NT, n_warps, upper_of=lambda t: t >= 2):
+    """gemv_mma<Q8F16, NT>: y float32[batch, M]. ``upper_of``: which lanes carry block
+    2j + 1's dims (the kernel's ``t >= 2``; a mutation test changes it)."""
+    lane, gid, t = _lanes()
+    upper = upper_of(t)
+
+    def group(acc, words, base, g):
+        # MmaWeightsQ8::load: d[r] = row gid + 8r's 16 bytes, code[m] = 16 bytes
+        d = [np.stack([words[base + 4 * (gid + 8 * r) + w] for w in range(4)], axis=1)
+             for r in range(2)]
+        code = [np.stack([words[base + 64 + 4 * (32 * m + lane) + w] for w in range(4)], axis=1)
+                for m in range(8)]
+        xb = np.stack([x_words(xq, g, NT, i, batch) for i in range(NT)])
+        f = np.zeros((NT, 2, 32), np.float32)
+        for i in range(NT):
+            for e in range(2):
+                col = 8 * i + 2 * t + e
+                b, p = col // 3, col % 3
+                step = np.where(b < batch, xs[np.minimum(g * batch + b, len(xs) - 1), 0], 0)
+                f[i, e] = step.astype(np.float32) * np.float32([1, 256, 65536])[p]
+        for j in range(4):
+            c = np.zeros((2, NT, 32, 4), np.int64)
+            for h in range(2):
+                a = code[2 * j + h]
+                for bk in range(2):
+                    mine = (bk == 1) == upper
+                    regs = [np.where(mine, a[:, k], 0).astype(np.uint32) for k in range(4)]
+                    for i in range(NT):
+                        q = xb[i, j]
+                        mma_s8_16x8x32(c[bk, i], *regs, q[:, 2] if h else q[:, 0],
+                                       q[:, 3] if h else q[:, 1])
+            for bk in range(2):
+                b = 2 * j + bk  # block b's scale: half b % 2 of word b / 2
+                for r in range(2):
+                    word = d[r][:, b // 2]
+                    dv = _f16(word >> 16 if b % 2 else word & 0xFFFF)
+                    for i in range(NT):
+                        for e in range(2):
+                            acc[r, i, e] += dv * (f[i, e] * c[bk, i, :, 2 * r + e]
+                                                  .astype(np.float32))
+
+    return gemv_mma_blocks(M, K, batch, NT, n_warps, TILE_BYTES, packed, group)
+
+
+def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, hb_shift=(4, 2, 0, 2)):
+    """gemv_mma<HFQ6G256, NT>: y float32[batch, M]. ``hb_shift``: how far a0, a2, a1, a3's
+    high bits move (left, left, none, right: the kernel's; a mutation test changes it)."""
+    lane, gid, _ = _lanes()
+
+    def group(acc, words, base, g):
+        hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
+                        axis=1) for r in range(2)]
+
+        def word(x):  # MmaWeights6::word: load x / 4 at 128 + 16 (32 (x / 4) + lane)
+            return words[base + 32 + 4 * (32 * (x // 4) + lane) + x % 4].astype(np.uint32)
+
+        xb = np.stack([x_words(xq, g, NT, i, batch) for i in range(NT)])
+        c = np.zeros((1, NT, 32, 4), np.int64)
+        s0, s2, s1, s3 = hb_shift
+        for m in range(8):
+            n0, n1, hb = word(3 * m), word(3 * m + 1), word(3 * m + 2)
+            a0 = (n0 & 0x0F0F0F0F) | (hb & 0x03030303) << s0
+            a2 = (n0 >> 4 & 0x0F0F0F0F) | (hb & 0x0C0C0C0C) << s2
+            a1 = (n1 & 0x0F0F0F0F) | (hb & 0x30303030) << s1
+            a3 = (n1 >> 4 & 0x0F0F0F0F) | (hb >> s3 & 0x30303030)
+            for i in range(NT):
+                q = xb[i, m // 2]
+                mma_s8_16x8x32(c[0, i], a0, a1, a2, a3, q[:, 2] if m % 2 else q[:, 0],
+                               q[:, 3] if m % 2 else q[:, 1])
+        add_group(acc, c, hdr, 0, xs, g, batch, False)
+
+    return gemv_mma_blocks(M, K, batch, NT, n_warps, H6_TILE_BYTES, packed, group)
+
+
+def _case(M, K, batch, seed, fmt="q8f16"):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((M, K)) * rng.uniform(0.01, 1, (M, 1))).astype(np.float32)
+    raw = quant.quantize(w, fmt)
+    x = (rng.standard_normal((batch, K)) * rng.uniform(0.1, 10, (batch, 1))).astype(np.float32)
+    return raw, x
+
+
+def _check(y, raw, x, M, K, fmt="q8f16"):
+    expect = ref.gemv(raw, fmt, M, K, x, rotated=False)
+    wq = np.abs(quant.dequantize(raw, fmt, (M, K))).astype(np.float64)
+    # the int8 kernels' bound (docs/kernels.md): x's 22-bit rounding and the f32 sums
+    np.testing.assert_array_less(np.abs(y - expect), 2e-6 * (np.abs(x) @ wq.T) + 1e-30)
+
+
+@pytest.fixture
+def q8_mma(monkeypatch):
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+
+
+@pytest.mark.parametrize(("M", "K", "batch", "warps"), [
+    (37, 1024, 1, 4), (16, 256, 2, 1), (40, 512, 5, 2), (20, 768, 8, 3), (33, 2048, 3, 8)])
+def test_q8f16_tensor_core_gemv_simulated_matches_the_float64_product(q8_mma, M, K, batch,
+                                                                      warps):
+    raw, x = _case(M, K, batch, seed=M * K + batch)
+    g = weights.Gemv(FakeCudaDevice(), "q8f16", M, K, batch)
+    assert g.tensor_cores and g._kernel.name == f"pkv_gemv_mma_q8f16_n{g._tiles}"
+    assert g.weight_bytes == g.pack(raw).nbytes == -(-M // 16) * 16 * K // 32 * 34
+    xq, xs = prep_x(x, K, g._tiles, False)
+    _check(gemv_mma_q8(g.pack(raw), xq, xs, M, K, batch, g._tiles, warps), raw, x, M, K)
+
+
+@pytest.mark.parametrize(("M", "K", "batch", "warps"), [
+    (37, 1024, 1, 4), (16, 256, 2, 1), (40, 512, 5, 2), (20, 768, 8, 3)])
+def test_hfq6_tensor_core_gemv_simulated_matches_the_float64_product(q8_mma, M, K, batch,
+                                                                     warps):
+    raw, x = _case(M, K, batch, seed=M * K + batch, fmt="hfq6g256")
+    g = weights.Gemv(FakeCudaDevice(), "hfq6g256", M, K, batch)
+    assert g.tensor_cores and g._kernel.name == f"pkv_gemv_mma_hfq6g256_n{g._tiles}"
+    assert g.weight_bytes == g.pack(raw).nbytes == -(-M // 16) * 16 * K // 256 * 200
+    xq, xs = prep_x(x, K, g._tiles, False)
+    y = gemv_mma_6(g.pack(raw), xq, xs, M, K, batch, g._tiles, warps)
+    _check(y, raw, x, M, K, "hfq6g256")
+
+
+def _mutant_error(fmt, model, **mutation):
+    """The largest error of a mutated kernel model, relative to the product's largest |y|."""
+    M, K, batch = 16, 512, 2
+    raw, x = _case(M, K, batch, seed=9, fmt=fmt)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch)
+    xq, xs = prep_x(x, K, g._tiles, False)
+    y = model(g.pack(raw), xq, xs, M, K, batch, g._tiles, 1, **mutation)
+    expect = ref.gemv(raw, fmt, M, K, x, rotated=False)
+    return np.abs(y - expect).max() / np.abs(expect).max()
+
+
+def _random_packed(pack, M, groups, group_bytes, tile_bytes):
+    """Random stored rows (any bytes: the packing only moves them) and ``gemv_pack.<pack>``
+    of them, two 16-row tiles long."""
+    from pagedkv.kernels import gemv_pack
+    rows = np.random.default_rng(M).integers(0, 256, (M, groups * group_bytes), dtype=np.uint8)
+    out = getattr(gemv_pack, pack)(rows, groups)
+    assert out.shape == (2 * groups * tile_bytes,)
+    return rows, out
+
+
+def test_a_wrong_high_bit_shift_fails_the_hfq6_product(q8_mma):
+    assert _mutant_error("hfq6g256", gemv_mma_6, hb_shift=(4, 2, 0, 0)) > 1e-3
+
+
+def test_the_hfq6_pack_puts_each_code_where_its_lane_reads_it():
+    # an independent reading of pack_tiles_hfq6 (the docstring's layout): every 6-bit code
+    # of a 2-tile, 2-group tensor, rebuilt from its nibble and high-bit words, is the code
+    M, groups = 19, 2
+    rows, out = _random_packed("pack_tiles_hfq6", M, groups, 200, H6_TILE_BYTES)
+    for row in range(M):
+        tile, r = divmod(row, 16)
+        for g in range(groups):
+            base = (tile * groups + g) * H6_TILE_BYTES
+            src = rows[row, 200 * g:200 * g + 200]
+            assert (out[base + 8 * r:base + 8 * r + 8] == src[:8]).all()
+            # 4 codes per 3 bytes, LSB first (quant.h, pkv_unpack_codes)
+            codes = [(int.from_bytes(src[8 + 3 * (d // 4):11 + 3 * (d // 4)].tobytes(), "little")
+                      >> (6 * (d % 4))) & 63 for d in range(256)]
+            for dim in range(256):
+                L = dim // 8
+                m, t = 2 * (L // 8) + L % 2, (L % 8) // 2
+                lane, half, odd, jb = 4 * (r % 8) + t, r // 8, dim % 2, (dim % 8) // 2
+
+                def byte(x, lane=lane, jb=jb, base=base):
+                    return int(out[base + 128 + 16 * (32 * (x // 4) + lane) + 4 * (x % 4) + jb])
+                low = byte(3 * m + half) >> (4 * odd) & 15
+                high = byte(3 * m + 2) >> (2 * (2 * half + odd)) & 3
+                assert low | high << 4 == codes[dim], (row, g, dim)
+    # rows past M (the second tile's last 13) are zero
+    pad = out[groups * H6_TILE_BYTES:].reshape(groups, H6_TILE_BYTES)
+    assert (pad[:, 8 * 3:128] == 0).all()
+
+
+def test_the_block_lanes_are_where_the_prep_puts_the_blocks(q8_mma):
+    # lanes t < 2 carry block 2j's dims of mmas 2j, 2j + 1, t >= 2 block 2j + 1's: scoring
+    # with the halves swapped (t < 2 as block 2j + 1) mixes blocks with different scales
+    assert _mutant_error("q8f16", gemv_mma_q8, upper_of=lambda t: t < 2) > 1e-3
+
+
+def test_the_pack_puts_each_code_where_its_lane_reads_it():
+    # an independent reading of pack_tiles_q8f16 (the docstring's layout): every code and
+    # scale of a 2-tile, 2-group tensor lands once, padding rows are zero
+    M, groups = 21, 2
+    rows, out = _random_packed("pack_tiles_q8f16", M, groups, 272, TILE_BYTES)
+    want = np.zeros_like(out)
+    for row in range(M):
+        tile, r = divmod(row, 16)
+        for g in range(groups):
+            base = (tile * groups + g) * TILE_BYTES
+            src = rows[row, 272 * g:272 * g + 272].reshape(8, 34)
+            want[base + 16 * r:base + 16 * r + 16] = src[:, :2].reshape(-1)
+            for dim in range(256):
+                L = dim // 8
+                m, t = 2 * (L // 8) + L % 2, (L % 8) // 2
+                reg = r // 8 + 2 * (dim % 2)
+                want[base + 256 + 16 * (32 * m + 4 * (r % 8) + t) + 4 * reg + (dim % 8) // 2] = \
+                    src[dim // 32, 2 + dim % 32]
+    np.testing.assert_array_equal(out, want)
+
+
+def test_the_wide_formats_keep_the_cuda_core_kernel_unless_asked(monkeypatch):
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
+    for fmt in ("hfq6g256", "q8f16"):
+        g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
+        assert not g.tensor_cores and g._kernel.name == f"pkv_gemv_{fmt}_b4"
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+    for fmt in ("hfq6g256", "q8f16"):
+        g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
+        assert g.tensor_cores and g._kernel.name == f"pkv_gemv_mma_{fmt}_n2"
+        assert repr(g) == f"Gemv('{fmt}', M=64, K=512, batch=4, int8 tensor cores)"
+        assert weights.max_batch(FakeCudaDevice(), fmt) == 8
+    # K = 288: 9 blocks of 32, not whole 256-groups: the CUDA-core kernel
+    g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 4)
+    assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
+    # batch 1-8 only (gemv_mma's n1-n3), and never the f16-activation kernel
+    assert weights.max_batch(FakeCudaDevice(), "q8f16") == 8
+    monkeypatch.setenv(weights.F16X_ENV, "1")
+    g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 8)
+    assert g.tensor_cores and not g.f16_x and g._kernel.name == "pkv_gemv_mma_q8f16_n3"
+
+
+#: Expressions of the emulation copied from the kernel text.
+KERNEL_TEXT = [
+    "for (int k = 0; k < 6; ++k) code[k] = ((const uint4*)(base + 128))[32 * k + lane];",
+    "const uint32_t n0 = w.word(3 * m), n1 = w.word(3 * m + 1), hb = w.word(3 * m + 2);",
+    "const uint32_t a0 = (n0 & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;",
+    "const uint32_t a2 = (n0 >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;",
+    "const uint32_t a1 = (n1 & 0x0F0F0F0Fu) | (hb & 0x30303030u);",
+    "const uint32_t a3 = (n1 >> 4 & 0x0F0F0F0Fu) | (hb >> 2 & 0x30303030u);",
+    "mma_s8_16x8x32(c[0][i], a0, a1, a2, a3, m % 2 ? q.z : q.x, m % 2 ? q.w : q.y);",
+    "d[0] = ((const uint4*)base)[gid];",
+    "d[1] = ((const uint4*)base)[gid + 8];",
+    "for (int m = 0; m < 8; ++m) code[m] = ((const uint4*)(base + 256))[32 * m + lane];",
+    "const bool upper = t >= 2;",
+    "const bool mine = (bk == 1) == upper;",
+    "mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);",
+    "const int b = 2 * j + bk;",
+    "const float d = pkv_half_bits_to_float((uint16_t)(b % 2 ? word >> 16 : word & 0xFFFFu));",
+    "for (int e = 0; e < 2; ++e) acc[r][i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);",
+]
+
+
+def test_the_emulated_expressions_are_the_kernel_text():
+    text = " ".join(WEIGHTS_HIP.read_text(encoding="utf-8").split())
+    missing = [e for e in KERNEL_TEXT if " ".join(e.split()) not in text]
+    assert not missing, f"hip/weights.hip no longer has {missing}: update the emulation"
+    assert re.search(r"PKV_GEMV_MMA_KERNELS\(q8f16, Q8F16\)", text)
+    assert re.search(r"PKV_GEMV_MMA_KERNELS\(hfq6g256, HFQ6G256\)", text)
