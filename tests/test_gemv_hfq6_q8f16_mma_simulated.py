@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv import quant
+from pagedkv import errors, quant
 from pagedkv.kernels import numpy_kernels as ref
 from pagedkv.kernels import weights
 from test_gemv_mma_simulated import (
@@ -288,3 +288,16 @@ def test_the_emulated_expressions_are_the_kernel_text():
     assert not missing, f"hip/weights.hip no longer has {missing}: update the emulation"
     assert re.search(r"PKV_GEMV_MMA_KERNELS\(q8f16, Q8F16\)", text)
     assert re.search(r"PKV_GEMV_MMA_KERNELS\(hfq6g256, HFQ6G256\)", text)
+
+
+def test_wide_mma_chooses_over_the_variable_and_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+    assert not weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 4, wide_mma=False).tensor_cores
+    monkeypatch.delenv(weights.WIDE_MMA_ENV)
+    g = weights.Gemv(FakeCudaDevice(), "hfq6g256", 64, 512, 4, wide_mma=True)
+    assert g.tensor_cores and g._kernel.name == "pkv_gemv_mma_hfq6g256_n2"
+    for fmt, K, device in [("q8f16", 288, FakeCudaDevice()),      # K not whole 256-groups
+                           ("hfq4g256", 512, FakeCudaDevice()),   # a 4-bit format
+                           ("q8f16", 512, FakeCudaDevice("sm_75"))]:  # no int8 mma.sync
+        with pytest.raises(errors.InvalidArgument, match="wide_mma=True"):
+            weights.Gemv(device, fmt, 64, K, 4, wide_mma=True)

@@ -268,9 +268,10 @@ def vllm_triton_attention_time(torch, case) -> float | None:
         return None
 
 
-def rotating_weights(device, fmt: str, M: int, K: int, raw: np.ndarray):
-    """``(uploaded copies of one weight, GEMV calls per timing graph)``, see _rotation."""
-    loader = weights.Gemv(device, fmt, M, K)  # upload() packs for the kernel
+def rotating_weights(device, fmt: str, M: int, K: int, raw: np.ndarray, **gemv_kw):
+    """``(uploaded copies of one weight, GEMV calls per timing graph)``, see _rotation;
+    ``gemv_kw``: the Gemv switches that pick the layout (``wide_mma``)."""
+    loader = weights.Gemv(device, fmt, M, K, **gemv_kw)  # upload() packs for the kernel
     copies, calls = _rotation(device, loader.weight_bytes)
     return [loader.upload(raw) for _ in range(copies)], calls
 
@@ -322,36 +323,26 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
 
 def bench_wide_tensor_cores(device, stream, rows, copy_bw, fmt, raw, M, K, batches, rng):
     """Rows ``gemv <fmt> b<B> (tensor cores)``: HFQ6G256 / Q8F16 on the int8 tensor cores
-    (``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` for these rows only; docs/kernels.md, "HFQ6 and Q8F16
-    on tensor cores"), ``vs_cuda_cores`` = the CUDA-core row's time of the same run over
-    this one."""
-    import os
-    before = os.environ.get(weights.WIDE_MMA_ENV)
-    os.environ[weights.WIDE_MMA_ENV] = "1"
+    (``Gemv(..., wide_mma=True)``; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores"),
+    ``vs_cuda_cores`` = the CUDA-core row's time of the same run over this one."""
     try:
-        if not weights.Gemv(device, fmt, M, K).tensor_cores:
-            return
-        dev_w, calls = rotating_weights(device, fmt, M, K, raw)
-        for batch in (b for b in batches if b <= weights.max_batch(device, fmt)):
-            g = weights.Gemv(device, fmt, M, K, batch)
-            x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
-            y = device.empty((batch, M), np.float32)
-            t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls),
-                            calls)
-            base = {}
-            cc = next((r for r in rows if r["kernel"] == f"gemv {fmt} b{batch}"
-                       and r["shape"] == f"{M}x{K}"), None)
-            if cc is not None:
-                base = {"vs_cuda_cores": cc["us"] * 1e-6 / t}
-            _row(rows, f"gemv {fmt} b{batch} (tensor cores)", f"{M}x{K}", t,
-                 raw.nbytes + 4 * batch * (K + M), copy_bw, base)
-        for d in dev_w:
-            d.free()
-    finally:
-        if before is None:
-            os.environ.pop(weights.WIDE_MMA_ENV, None)
-        else:
-            os.environ[weights.WIDE_MMA_ENV] = before
+        dev_w, calls = rotating_weights(device, fmt, M, K, raw, wide_mma=True)
+    except InvalidArgument:  # no int8 tensor cores for it on this device
+        return
+    for batch in (b for b in batches if b <= weights.max_batch(device, fmt)):
+        g = weights.Gemv(device, fmt, M, K, batch, wide_mma=True)
+        x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
+        y = device.empty((batch, M), np.float32)
+        t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls), calls)
+        base = {}
+        cc = next((r for r in rows if r["kernel"] == f"gemv {fmt} b{batch}"
+                   and r["shape"] == f"{M}x{K}"), None)
+        if cc is not None:
+            base = {"vs_cuda_cores": cc["us"] * 1e-6 / t}
+        _row(rows, f"gemv {fmt} b{batch} (tensor cores)", f"{M}x{K}", t,
+             raw.nbytes + 4 * batch * (K + M), copy_bw, base)
+    for d in dev_w:
+        d.free()
 
 
 def bench_dequant(device, stream, rows, copy_bw, shape):

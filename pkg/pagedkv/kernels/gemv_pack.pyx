@@ -76,78 +76,83 @@ def pack_tiles_4bit(const uint64_t[:, ::1] rows, int64_t groups):
     return out
 
 
-def pack_tiles_q8f16(const uint8_t[:, ::1] rows, int64_t groups):
-    """``rows``: the stored Q8F16 weights as ``uint8[M, groups * 272]``. Returns the packed
-    ``uint8[ceil(M / 16) * groups * 4352]``."""
+cdef inline int64_t _lane_word_byte(int64_t d, int64_t r, int64_t* m) noexcept nogil:
+    """Where the prepared x puts dim d of a group (prep lane L = d / 8 in B quad t of mma m):
+    sets m, returns the lane (4 (r % 8) + t) of tile row r whose A registers take it."""
+    cdef int64_t L = d >> 3
+    m[0] = 2 * (L >> 3) + (L & 1)
+    return 4 * (r & 7) + ((L & 7) >> 1)
+
+
+cdef void _pack_row_q8f16(const uint8_t[:, ::1] rows, uint8_t[::1] o, int64_t row, int64_t r,
+                          int64_t src, int64_t base) noexcept nogil:
+    cdef int64_t blk, d, m, lane
+    for blk in range(8):
+        o[base + 16 * r + 2 * blk] = rows[row, src + 34 * blk]
+        o[base + 16 * r + 2 * blk + 1] = rows[row, src + 34 * blk + 1]
+    for d in range(256):
+        lane = _lane_word_byte(d, r, &m)
+        # mma m, the lane's register (r / 8) + 2 (d % 2) (a0 / a1: even dims, a2 / a3: odd),
+        # byte (d % 8) / 2
+        o[base + 256 + 16 * (32 * m + lane) + 4 * ((r >> 3) + 2 * (d & 1))
+          + ((d & 7) >> 1)] = rows[row, src + 34 * (d >> 5) + 2 + (d & 31)]
+
+
+cdef void _pack_row_hfq6(const uint8_t[:, ::1] rows, uint8_t[::1] o, int64_t row, int64_t r,
+                         int64_t src, int64_t base) noexcept nogil:
+    cdef int64_t d, m, lane, x, jb, half = r >> 3, odd
+    cdef unsigned int w = 0, code
+    for d in range(8):
+        o[base + 8 * r + d] = rows[row, src + d]
+    for d in range(256):
+        if d & 3 == 0:  # 4 codes in 3 bytes, LSB first
+            x = src + 8 + 3 * (d >> 2)
+            w = rows[row, x] | (<unsigned int>rows[row, x + 1] << 8) | (
+                <unsigned int>rows[row, x + 2] << 16)
+        code = (w >> (6 * (d & 3))) & 63
+        lane = _lane_word_byte(d, r, &m)
+        odd = d & 1
+        jb = (d & 7) >> 1
+        x = 3 * m + half  # the low-nibble word
+        o[base + 128 + 16 * (32 * (x >> 2) + lane) + 4 * (x & 3) + jb] |= (code & 15) << (4 * odd)
+        x = 3 * m + 2  # the high-bits word
+        o[base + 128 + 16 * (32 * (x >> 2) + lane) + 4 * (x & 3) + jb] |= \
+            (code >> 4) << (2 * (2 * half + odd))
+
+
+def _pack_byte_tiles(const uint8_t[:, ::1] rows, int64_t groups, int64_t group_bytes,
+                     int64_t tile_group_bytes, bint hfq6):
+    """The tile / group / row walk of the byte-layout packings (zeroed output: HFQ6 ORs its
+    bits in, and the last tile's padding rows stay zero)."""
     cdef int64_t M = rows.shape[0]
     cdef int64_t tiles = (M + TILE_ROWS - 1) // TILE_ROWS
-    out = _packed_out(rows.shape[0], rows.shape[1], groups, Q8_GROUP_BYTES, "bytes",
-                      "272 bytes", Q8_TILE_GROUP_BYTES, np.uint8)
+    _packed_out(M, rows.shape[1], groups, group_bytes, "bytes", f"{group_bytes} bytes",
+                tile_group_bytes, np.uint8)
+    out = np.zeros(tiles * groups * tile_group_bytes, np.uint8)
     cdef uint8_t[::1] o = out
-    cdef int64_t tile, g, r, row, blk, d, src, base, L, m, t, reg
+    cdef int64_t tile, g, r, row, base
     with nogil:
         for tile in range(tiles):
             for g in range(groups):
-                base = (tile * groups + g) * Q8_TILE_GROUP_BYTES
+                base = (tile * groups + g) * tile_group_bytes
                 for r in range(TILE_ROWS):
                     row = tile * TILE_ROWS + r
                     if row >= M:
                         break
-                    src = g * Q8_GROUP_BYTES
-                    for blk in range(8):
-                        o[base + 16 * r + 2 * blk] = rows[row, src + 34 * blk]
-                        o[base + 16 * r + 2 * blk + 1] = rows[row, src + 34 * blk + 1]
-                    for d in range(256):
-                        L = d >> 3
-                        m = 2 * (L >> 3) + (L & 1)
-                        t = (L & 7) >> 1
-                        reg = (r >> 3) + 2 * (d & 1)  # a0 / a1: even dims, a2 / a3: odd
-                        # mma m, lane 4 (r % 8) + t, register reg, byte (d % 8) / 2
-                        o[base + 256 + 16 * (32 * m + 4 * (r & 7) + t) + 4 * reg
-                          + ((d & 7) >> 1)] = rows[row, src + 34 * (d >> 5) + 2 + (d & 31)]
+                    if hfq6:
+                        _pack_row_hfq6(rows, o, row, r, g * group_bytes, base)
+                    else:
+                        _pack_row_q8f16(rows, o, row, r, g * group_bytes, base)
     return out
+
+
+def pack_tiles_q8f16(const uint8_t[:, ::1] rows, int64_t groups):
+    """``rows``: the stored Q8F16 weights as ``uint8[M, groups * 272]``. Returns the packed
+    ``uint8[ceil(M / 16) * groups * 4352]``."""
+    return _pack_byte_tiles(rows, groups, Q8_GROUP_BYTES, Q8_TILE_GROUP_BYTES, False)
 
 
 def pack_tiles_hfq6(const uint8_t[:, ::1] rows, int64_t groups):
     """``rows``: the stored HFQ6G256 weights as ``uint8[M, groups * 200]``. Returns the
     packed ``uint8[ceil(M / 16) * groups * 3200]``."""
-    cdef int64_t M = rows.shape[0]
-    cdef int64_t tiles = (M + TILE_ROWS - 1) // TILE_ROWS
-    # OR-ed together below: every byte starts at zero
-    _packed_out(M, rows.shape[1], groups, H6_GROUP_BYTES, "bytes", "200 bytes",
-                H6_TILE_GROUP_BYTES, np.uint8)
-    out = np.zeros(tiles * groups * H6_TILE_GROUP_BYTES, np.uint8)
-    cdef uint8_t[::1] o = out
-    cdef int64_t tile, g, r, row, d, src, base, L, m, t, lane, half, odd, jb, x
-    cdef unsigned int w = 0, code
-    with nogil:
-        for tile in range(tiles):
-            for g in range(groups):
-                base = (tile * groups + g) * H6_TILE_GROUP_BYTES
-                for r in range(TILE_ROWS):
-                    row = tile * TILE_ROWS + r
-                    if row >= M:
-                        break
-                    src = g * H6_GROUP_BYTES
-                    for d in range(8):
-                        o[base + 8 * r + d] = rows[row, src + d]
-                    half = r >> 3
-                    for d in range(256):
-                        if d & 3 == 0:  # 4 codes in 3 bytes, LSB first
-                            x = src + 8 + 3 * (d >> 2)
-                            w = rows[row, x] | (<unsigned int>rows[row, x + 1] << 8) | (
-                                <unsigned int>rows[row, x + 2] << 16)
-                        code = (w >> (6 * (d & 3))) & 63
-                        L = d >> 3
-                        m = 2 * (L >> 3) + (L & 1)
-                        t = (L & 7) >> 1
-                        lane = 4 * (r & 7) + t
-                        odd = d & 1
-                        jb = (d & 7) >> 1
-                        x = 3 * m + half  # the low-nibble word
-                        o[base + 128 + 16 * (32 * (x >> 2) + lane) + 4 * (x & 3) + jb] |= \
-                            (code & 15) << (4 * odd)
-                        x = 3 * m + 2  # the high-bits word
-                        o[base + 128 + 16 * (32 * (x >> 2) + lane) + 4 * (x & 3) + jb] |= \
-                            (code >> 4) << (2 * (2 * half + odd))
-    return out
+    return _pack_byte_tiles(rows, groups, H6_GROUP_BYTES, H6_TILE_GROUP_BYTES, True)

@@ -270,7 +270,8 @@ class Gemv:
 
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None, pipe: bool | None = None,
-                 splits: int | None = None, f16_x: bool | None = None) -> None:
+                 splits: int | None = None, f16_x: bool | None = None,
+                 wide_mma: bool | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
         kernels on NVIDIA: 8). Ignored by the f32 kernel.
@@ -289,7 +290,13 @@ class Gemv:
         error at most :data:`GEMV_F16_ERROR` of sum |w||x| instead of 2e-5), ``False`` the
         exact int8 kernels. ``None``: ``False`` when ``pipe`` is given (it picks an int8
         kernel), else ``PAGEDKV_GEMV_F16X`` when set, else ``True`` above 8 batch rows
-        (unless ``PAGEDKV_GEMV_PIPE=1`` asks for the pipelined int8 kernel), where it exists."""
+        (unless ``PAGEDKV_GEMV_PIPE=1`` asks for the pipelined int8 kernel), where it exists.
+
+        ``wide_mma`` (NVIDIA sm_80+, HFQ6G256 and Q8F16, batch 1-8, K a multiple of 256):
+        ``True`` runs them on the int8 tensor cores (docs/kernels.md, "HFQ6 and Q8F16 on
+        tensor cores"; refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None``
+        reads ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (default off until a device run vouches for
+        them)."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -300,7 +307,7 @@ class Gemv:
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
-        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K)
+        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K, wide_mma)
         tensor_cores, use_f16, use_pipe, wide = (choice.tensor_cores, choice.f16, choice.pipe,
                                                   choice.wide)
         self.device, self.M, self.K, self.batch = device, M, K, batch
@@ -637,11 +644,17 @@ class _KernelChoice(NamedTuple):
 
 def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | None,
                    pipe: bool | None, splits: int | None,
-                   f16_x: bool | None, K: int = 256) -> _KernelChoice:
+                   f16_x: bool | None, K: int = 256,
+                   wide_mma: bool | None = None) -> _KernelChoice:
     """The kernel for ``Gemv(device, f, M, K, batch, warps=, pipe=, splits=, f16_x=)`` (see
     there), or :class:`InvalidArgument` naming a switch this device or batch cannot honour."""
     # the tensor-core kernels take whole 256-groups of K (Q8F16's K may be any multiple of 32)
-    tensor_cores = _uses_tensor_cores(device, f) and K % 256 == 0
+    tensor_cores = _uses_tensor_cores(device, f, wide_mma) and K % 256 == 0
+    if wide_mma and (f.kernel not in _WIDE_MMA_KERNELS or not tensor_cores):
+        arch = getattr(device.properties, "arch", "?")
+        raise InvalidArgument(
+            f"wide_mma=True: the int8 tensor-core GEMV runs {list(_WIDE_MMA_KERNELS)} on NVIDIA "
+            f"sm_80+ with K a multiple of 256; this is {f.name}, K={K} on {arch}")
     # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
     wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
             and device.backend == "cuda")
@@ -694,22 +707,22 @@ def _optin_shared_bytes(device: Device) -> int:
 _GEMV_AMD_OPT_IN = {"mfma": "PAGEDKV_GEMV_MFMA", "wmma": "PAGEDKV_GEMV_WMMA"}
 
 
-def _uses_tensor_cores(device: Device, f: _WeightFormat) -> bool:
+def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None = None) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
     (mma.sync); AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942) and RDNA3 (WMMA: gfx11), both
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
     them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16: NVIDIA
-    sm_80+ with ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (batch 1-8; opt-in until a device run
-    vouches for them)."""
+    sm_80+ when ``wide_mma`` is True, or None and ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (batch
+    1-8; opt-in until a device run vouches for them)."""
     backend = getattr(device, "backend", None)
-    if f.kernel in _WIDE_MMA_KERNELS and backend == "cuda" and env_bool(WIDE_MMA_ENV, False):
-        arch = device.properties.arch
-        return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
-    if backend not in ("cuda", "hip") or f.kernel not in _MMA_KERNELS:
+    wide = f.kernel in _WIDE_MMA_KERNELS
+    if backend not in ("cuda", "hip") or not (wide or f.kernel in _MMA_KERNELS):
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
         unit = amd_matrix_unit(device)
-        return unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
+        return not wide and unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
+    if wide and not (env_bool(WIDE_MMA_ENV, False) if wide_mma is None else wide_mma):
+        return False
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
