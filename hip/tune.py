@@ -6,12 +6,17 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3,4 --set PKV_ATTN_PARTITION_Q8=256,512
+    python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=4 \
+        --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
     python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
-Each ``--set NAME=v1,v2`` multiplies the variants; the knobs are the ``#ifndef`` macros of
+Each ``--set NAME=v1,v2`` multiplies the variants, each ``--variant NAME=v,NAME2=v2`` adds
+one (for combinations a product would take past a limit: 4 q8 stages fit a 512-token
+partition's static shared memory, not a 1,024-token one's); ``attn --cases`` times each
+variant on several ``SEQSxTOKENS`` contexts. The knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
 launchers' values of the swept partition size and dequant shape are set to each variant's
 values. The figures of 2026-11-30 came from these sweeps on an H200.
@@ -45,6 +50,17 @@ def parse_sets(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def parse_variant(item: str) -> dict[str, str]:
+    """``"A=1,B=2"`` → ``{"A": "1", "B": "2"}``: one variant, every name with one value."""
+    out: dict[str, str] = {}
+    for pair in item.split(","):
+        name, sep, value = pair.partition("=")
+        if not sep or not name.isidentifier() or not value or name in out:
+            raise SystemExit(f"--variant {item!r}: expected NAME=v,NAME2=v2,...")
+        out[name] = value
+    return out
+
+
 def variants(sets: dict[str, list[str]]) -> list[dict[str, str]]:
     """Every combination of the ``--set`` values, in the order given."""
     names = list(sets)
@@ -73,13 +89,25 @@ ATTN_KINDS = {"float16": ("float16", {}), "q8": ("q8", {"q8_stage": False}),
               "q8s": ("q8", {"q8_stage": True}), "q8cc": ("q8", {"q8_mma": False})}
 
 
+def attn_cases(spec: str, base: dict) -> list[dict]:
+    """``"32x4096,1x32768"`` → the bench's attention case with those seqs and tokens."""
+    cases = []
+    for item in spec.split(","):
+        seqs, sep, tokens = item.partition("x")
+        if not (sep and seqs.isdigit() and tokens.isdigit()) or int(seqs) < 1 or int(tokens) < 1:
+            raise SystemExit(f"--cases {item!r}: expected SEQSxTOKENS, e.g. 8x32768")
+        cases.append({**base, "seqs": int(seqs), "tokens": int(tokens)})
+    return cases
+
+
 def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> None:
     from pagedkv.kernels import kvcache
     from pagedkv.kernels.launch_constants import launch_constant
+    case = case or B.ATTENTION_CASE
     kv_dtype, switches = ATTN_KINDS[kind]
     suffix = kvcache.KV_SUFFIX[kv_dtype]
     args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), kv_dtype,
-                                                   **(case or B.ATTENTION_CASE))
+                                                   **case)
     out = args[-1]
     first = None
     for defines, image in images:
@@ -90,7 +118,8 @@ def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> No
                              args)
         got = out.to_numpy()
         first = got if first is None else first
-        print(f"attn {kind} {defines}: {_pct(nbytes, t, copy_bw)} "
+        context = f"{case['seqs']}x{case['tokens']}"
+        print(f"attn {kind} {context} {defines}: {_pct(nbytes, t, copy_bw)} "
               f"max|diff| vs first {np.max(np.abs(got - first)):.2e}", flush=True)
 
 
@@ -250,6 +279,9 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32", "gemvf16"))
     p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
                    help="a -D macro and the values to try (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=v,NAME2=v2",
+                   help="one more variant with exactly these -D values (repeatable; after "
+                        "the --set product), for combinations a product cannot express")
     p.add_argument("--warps", default="2,4,8", help="gemv, gemvf16: warps per block to try")
     p.add_argument("--batches", default="8,16,32", help="gemvf16: batch rows to try")
     p.add_argument("--tiles", default="1,2", help="gemvf16: 16-row tiles per warp to try")
@@ -258,6 +290,9 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="mq4g256v2,hfq4g256", help="gemvf16: weight formats")
     p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
                    help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
+    p.add_argument("--cases", default="32x4096",
+                   help="attn: SEQSxTOKENS contexts to time, comma-separated (the bench's "
+                        "32 q / 8 KV heads of 128; e.g. 32x4096,1x32768,8x32768)")
     args = p.parse_args(argv)
     from pagedkv.bench import gpu as B
     from pagedkv.kernels import Stream
@@ -276,11 +311,13 @@ def main(argv=None) -> int:
     source = "kvcache" if args.what == "attn" else "weights"  # dequant, gemv32
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor() as pool:
         # one nvcc per variant at once: a variant's build is single-threaded
-        todo = variants(parse_sets(args.set))
+        todo = variants(parse_sets(args.set)) if args.set or not args.variant else []
+        todo += [parse_variant(v) for v in args.variant]
         images = list(zip(todo, pool.map(
             lambda d: build(source, d, dev.properties.arch, Path(tmp)), todo)))
     if args.what == "attn":
-        sweep_attn(dev, stream, copy_bw, B, images, kind=args.kv)
+        for case in attn_cases(args.cases, B.ATTENTION_CASE):
+            sweep_attn(dev, stream, copy_bw, B, images, case, kind=args.kv)
     elif args.what == "gemv32":
         sweep_gemv32(dev, stream, copy_bw, B, images)
     elif args.what == "gemvf16":

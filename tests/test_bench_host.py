@@ -172,8 +172,8 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
                                   "1..8" in line for line in pipe)
     assert weights.GEMV_PIPE_STAGES == 4 and weights.GEMV_PIPE_TILES_PER_WARP == 2
     assert [line.split("}")[0] + "}" for line in lines[:2]] == [
-        "attn float16 {'PKV_ATTN_PARTITION_F16': '512'}",
-        "attn float16 {'PKV_ATTN_PARTITION_F16': '1024'}"]
+        "attn float16 2x64 {'PKV_ATTN_PARTITION_F16': '512'}",
+        "attn float16 2x64 {'PKV_ATTN_PARTITION_F16': '1024'}"]
     assert kvcache.ATTN_PARTITION_TOKENS["float16"] == 1024  # the last variant's partition
     assert sum(line.startswith("dequant ") for line in lines) == 8  # 4 formats x f16/f32
     assert sum(line.startswith("gemv ") for line in lines) == 4  # 2 formats x 2 warp counts

@@ -19,6 +19,24 @@ def test_sets_multiply_into_variants_in_order(tune):
             tune.parse_sets([bad])
 
 
+def test_a_variant_names_each_value_once(tune):
+    assert tune.parse_variant("A=3,B=1024") == {"A": "3", "B": "1024"}
+    for bad in ("A", "A=", "A=1,A=2", "A=1,", "1A=2"):
+        with pytest.raises(SystemExit, match="expected NAME=v,NAME2=v2"):
+            tune.parse_variant(bad)
+
+
+def test_attn_cases_set_seqs_and_tokens_on_the_bench_case(tune):
+    base = {"seqs": 32, "tokens": 4096, "kv_heads": 8, "head_dim": 128}
+    got = tune.attn_cases("32x4096,1x32768,8x32768", base)
+    assert [(c["seqs"], c["tokens"]) for c in got] == [(32, 4096), (1, 32768), (8, 32768)]
+    assert all(c["kv_heads"] == 8 and c["head_dim"] == 128 for c in got)
+    assert base["seqs"] == 32  # the bench's case is not modified
+    for bad in ("32", "x4096", "32x", "0x16", "8x32k", "8x-1"):
+        with pytest.raises(SystemExit, match="expected SEQSxTOKENS"):
+            tune.attn_cases(bad, base)
+
+
 def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
     cmd = tune.nvcc_command("kvcache", {"PKV_ATTN_PARTITION_F16": "512"}, "sm_90",
                             tmp_path / "k.cubin")
