@@ -1691,6 +1691,14 @@ PKV_GEMV_F16_KERNELS(mq4g256v2, MQ4G256V2)
 // wavefronts (the host launches warp_size x warps threads); columns past 3 * batch read
 // zeros.
 //
+// HFQ6G256 and Q8F16 (n1-n3, as on NVIDIA): the same body, their A words rebuilt from their
+// own packings (AmdCodes: mma_group6's nibble and high-bit words, mma_group_q8's registers).
+// HFQ6 keeps HFQ4's affine epilogue. Q8F16's quads 0-1 of an mma carry one 32-weight block
+// and quads 2-3 the next (gemv_mma's t < 2 / t >= 2), each block with its own f16 scale:
+// the fragment type's product_blocks keeps the two blocks' sums apart (MFMA: twice, the
+// other block's lanes zeroed; WMMA: one instruction per block of its two quads), and each
+// pair of blocks is scaled as mma_group_q8 does, in its order.
+//
 // Compile-checked only (hipcc for gfx90a and gfx940; gfx1100 through hip/gfx11_codegen.py,
 // LLVM 22 from llvmlite, since Debian's HIP 5.2 cannot generate gfx11 code) and emulated
 // lane by lane in NumPy (tests/test_gemv_amd_simulated.py): no AMD GPU has run it.
@@ -1718,6 +1726,19 @@ struct MfmaI8 {
     c = __builtin_amdgcn_mfma_i32_16x16x16i8((int)a_hi[0], (int)b_hi[0], c, 0, 0, 0);
 #endif
   }
+  // Q8F16: c[bk] += block 2j + bk's part of the product, whose dims quads 2bk, 2bk + 1 hold
+  // (gemv_mma's t < 2 / t >= 2). A lane holds one quad, so the product runs once per block
+  // with the other block's lanes zeroed, as mma_group_q8 does: 2x the MFMAs.
+  PKV_DEV void product_blocks(Acc (&c)[2], int lane, const uint32_t (&a_lo)[QUADS],
+                              const uint32_t (&a_hi)[QUADS], const uint32_t (&b_lo)[QUADS],
+                              const uint32_t (&b_hi)[QUADS]) {
+#pragma unroll
+    for (int bk = 0; bk < 2; ++bk) {
+      const bool mine = lane / 32 == bk;
+      const uint32_t lo[QUADS] = {mine ? a_lo[0] : 0u}, hi[QUADS] = {mine ? a_hi[0] : 0u};
+      product(c[bk], lo, hi, b_lo, b_hi);
+    }
+  }
 };
 typedef MfmaI8 AmdI8Frag;
 #else
@@ -1737,9 +1758,87 @@ struct WmmaI8 {
     c = __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, al, true, bl, c, false);
     c = __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, ah, true, bh, c, false);
   }
+  // Q8F16: c[bk] += block 2j + bk's part of the product (quads 2bk, 2bk + 1, MfmaI8's). A
+  // lane holds every quad, so one instruction per block takes its two quads' low and high
+  // halves (the k order inside a product is free as long as A and B agree): no zeroed
+  // operands, as many WMMAs as the 4-bit formats.
+  PKV_DEV void product_blocks(Acc (&c)[2], int, const uint32_t (&a_lo)[QUADS],
+                              const uint32_t (&a_hi)[QUADS], const uint32_t (&b_lo)[QUADS],
+                              const uint32_t (&b_hi)[QUADS]) {
+#pragma unroll
+    for (int bk = 0; bk < 2; ++bk) {
+      const int q0 = 2 * bk, q1 = 2 * bk + 1;
+      const pkv_i32x4 a = {(int)a_lo[q0], (int)a_lo[q1], (int)a_hi[q0], (int)a_hi[q1]};
+      const pkv_i32x4 b = {(int)b_lo[q0], (int)b_lo[q1], (int)b_hi[q0], (int)b_hi[q1]};
+      c[bk] = __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, a, true, b, c[bk], false);
+    }
+  }
 };
 typedef WmmaI8 AmdI8Frag;
 #endif
+
+// One lane's A words of one (16-row tile, group): a(qq, m, lo, hi) gives k-quad qq's words
+// of gemv_mma's mma m for row i, lo the low k-octet half (a0 / a1 there; gfx90a's first k-16
+// instruction) and hi the high one (a2 / a3). They are what NVIDIA lane L = 4 (i % 8) + quad
+// holds for its row gid (i < 8: a0, a2) or gid + 8 (a1, a3), read from the format's own
+// packing (MmaWeights, MmaWeights6, MmaWeightsQ8). The HFQ6 and Q8F16 words are loaded one
+// by one (16 a quad), not as the NVIDIA lane's 16-byte loads, a third (HFQ6) or half (Q8F16)
+// of which is the other row half's: WMMA holds four quads.
+template <int F, int QUADS>
+struct AmdCodes {  // 4-bit: word m % 4 of load 2 (i / 8) + m / 4 (gemv_mma's chunk 4j + t)
+  uint4 code[QUADS][2];
+
+  __device__ __forceinline__ void load(const uint8_t* base, int i, const int (&L)[QUADS]) {
+#pragma unroll
+    for (int qq = 0; qq < QUADS; ++qq)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+        code[qq][jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + L[qq]];
+  }
+  __device__ __forceinline__ void a(int qq, int m, uint32_t& lo, uint32_t& hi) const {
+    const uint4 pa = code[qq][m / 4];
+    const uint32_t wa = m % 4 == 0 ? pa.x : m % 4 == 1 ? pa.y : m % 4 == 2 ? pa.z : pa.w;
+    lo = wa & 0x0F0F0F0Fu;
+    hi = (wa >> 4) & 0x0F0F0F0Fu;
+  }
+};
+
+template <int QUADS>
+struct AmdCodes<HFQ6G256, QUADS> {  // mma_group6's words 3m + i / 8 (n0 / n1) and 3m + 2 (hb)
+  const uint32_t* w[QUADS];  // MmaWeights6's words of lane L: word x at 4 (32 (x / 4)) + x % 4
+  int half;                  // i / 8
+
+  __device__ __forceinline__ void load(const uint8_t* base, int i, const int (&L)[QUADS]) {
+#pragma unroll
+    for (int qq = 0; qq < QUADS; ++qq) w[qq] = (const uint32_t*)(base + 128) + 4 * L[qq];
+    half = i / 8;
+  }
+  __device__ __forceinline__ uint32_t word(int qq, int x) const {
+    return w[qq][4 * 32 * (x / 4) + x % 4];
+  }
+  __device__ __forceinline__ void a(int qq, int m, uint32_t& lo, uint32_t& hi) const {
+    const uint32_t n = half ? word(qq, 3 * m + 1) : word(qq, 3 * m);
+    // rows 8-15 (a1, a3) keep their high bits in bits 4-7 of each byte, rows 0-7 (a0, a2) in
+    // bits 0-3: shifted to the same place, one rebuild serves both
+    const uint32_t hb = word(qq, 3 * m + 2) >> 4 * half;
+    lo = (n & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;
+    hi = (n >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;
+  }
+};
+
+template <int QUADS>
+struct AmdCodes<Q8F16, QUADS> {  // MmaWeightsQ8::code[m]'s a0 / a1 (lo) and a2 / a3 (hi)
+  const uint32_t* w[QUADS];      // lane L's word i / 8 of mma 0
+
+  __device__ __forceinline__ void load(const uint8_t* base, int i, const int (&L)[QUADS]) {
+#pragma unroll
+    for (int qq = 0; qq < QUADS; ++qq) w[qq] = (const uint32_t*)(base + 256) + 4 * L[qq] + i / 8;
+  }
+  __device__ __forceinline__ void a(int qq, int m, uint32_t& lo, uint32_t& hi) const {
+    lo = w[qq][4 * 32 * m];
+    hi = w[qq][4 * 32 * m + 2];
+  }
+};
 
 template <int F, int NT, typename MC>
 PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
@@ -1749,13 +1848,20 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
   constexpr int CH = T16 < 3 ? T16 : 3;    // tiles per chunk of the reduction
   static_assert(T16 % CH == 0, "whole chunks");
   constexpr int ROWS_PER_CHUNK = 16 * CH / 3;  // exact when there are several chunks
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16): gemv_mma's
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
   constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
+  // int32 sums per tile and group: one per affine map (V2: two halves), Q8F16 one per block
+  // of the current pair (mma_group_q8's c[bk])
+  constexpr int SUMS = F == Q8F16 ? 2 : HALVES;
   constexpr int QUADS = MC::QUADS, D_ROWS = MC::D_ROWS;
   const int lane = threadIdx.x % MC::WAVE, wave = threadIdx.x / MC::WAVE;
   const int n_waves = blockDim.x / MC::WAVE;
   const int i = lane % 16;
   const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
+  int L[QUADS];  // per quad of row i, the NVIDIA lane that holds its A words
+#pragma unroll
+  for (int qq = 0; qq < QUADS; ++qq) L[qq] = 4 * (i % 8) + MC::quad(lane, qq);
   const int groups = K / 256;
   const int g_begin = wave * groups / n_waves, g_end = (wave + 1) * groups / n_waves;
   const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
@@ -1779,16 +1885,21 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
     for (int r = 0; r < D_ROWS; ++r) acc[r] = 0.0f;
     for (int g = g_begin; g < g_end; ++g) {
       const uint8_t* base = tile + (int64_t)g * TILE_BYTES;
-      uint4 code[QUADS][2];  // row i, chunks 4j + quad for j = 0-3
+      AmdCodes<F, QUADS> codes;
+      codes.load(base, i, L);
+      // the column's batch-row (step, sums); read where the epilogue needs it
+      const auto x_sums = [&] {
+        return b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+      };
+      const auto plane_step = [&](float4 s) {  // step * 2^(8p): gemv_mma's f
+        return s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+      };
+      // Q8F16's blocks are scaled as each pair's sums are done; the affine formats read the
+      // sums after their group's products (the load, up front for them, took 10 more VGPRs)
+      const float f_blocks = F == Q8F16 ? plane_step(x_sums()) : 0.0f;
+      typename MC::Acc c[SUMS];
 #pragma unroll
-      for (int qq = 0; qq < QUADS; ++qq)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-          code[qq][jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + 4 * (i % 8) +
-                                                      MC::quad(lane, qq)];
-      typename MC::Acc c[HALVES];
-#pragma unroll
-      for (int hv = 0; hv < HALVES; ++hv) c[hv] = typename MC::Acc{};
+      for (int k = 0; k < SUMS; ++k) c[k] = typename MC::Acc{};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // prepared-x word j serves mmas 2j and 2j + 1
         uint4 xw[QUADS];
@@ -1800,33 +1911,52 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // gemv_mma's mma m = 2j + h: word h of chunk 4j + quad of row i
-          const int m = 2 * j + h, hv = HALVES == 2 ? m / 4 : 0;
+          const int m = 2 * j + h;  // gemv_mma's mma m
           uint32_t a_lo[QUADS], a_hi[QUADS], b_lo[QUADS], b_hi[QUADS];
 #pragma unroll
           for (int qq = 0; qq < QUADS; ++qq) {
-            const uint4 pa = code[qq][j / 2];
-            const uint32_t wa = j % 2 ? (h ? pa.w : pa.z) : (h ? pa.y : pa.x);
-            a_lo[qq] = wa & 0x0F0F0F0Fu;
-            a_hi[qq] = (wa >> 4) & 0x0F0F0F0Fu;
+            codes.a(qq, m, a_lo[qq], a_hi[qq]);
             b_lo[qq] = h ? xw[qq].z : xw[qq].x;
             b_hi[qq] = h ? xw[qq].w : xw[qq].y;
           }
-          MC::product(c[hv], a_lo, a_hi, b_lo, b_hi);
+          if constexpr (F == Q8F16) {
+            MC::product_blocks(c, lane, a_lo, a_hi, b_lo, b_hi);
+          } else {
+            MC::product(c[HALVES == 2 ? m / 4 : 0], a_lo, a_hi, b_lo, b_hi);
+          }
+        }
+        if constexpr (F == Q8F16) {
+#pragma unroll
+          for (int bk = 0; bk < 2; ++bk)
+#pragma unroll
+            for (int r = 0; r < D_ROWS; ++r) {  // mma_group_q8's epilogue, block 2j + bk
+              // the row's block scales: half bk of word j of its 16 bytes
+              const uint32_t word = ((const uint32_t*)(base + 16 * MC::d_row(lane, r)))[j];
+              const float d = pkv_half_bits_to_float((uint16_t)(bk ? word >> 16 : word & 0xFFFFu));
+              acc[r] += d * (f_blocks * (float)c[bk][r]);
+            }
+#pragma unroll
+          for (int k = 0; k < SUMS; ++k) c[k] = typename MC::Acc{};
+          // WMMA: the scheduler hoisted all the group's loads (64 code, 64 x, 32 scale
+          // words) above the first product and the n3 kernel spilled (40 scratch bytes);
+          // blocks 4-7's loads wait for blocks 0-3's products (164-193 VGPRs, gfx1100)
+          if (QUADS == 4 && j == 1) __builtin_amdgcn_sched_barrier(0);
         }
       }
-      const float4 s = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+      if constexpr (F != Q8F16) {
+        const float4 s = x_sums();
+        const float f = plane_step(s);
 #pragma unroll
-      for (int r = 0; r < D_ROWS; ++r) {  // gemv_mma's epilogue, row d_row(r), column col
-        float scale[HALVES], offset[HALVES];
-        const uint2 hdr = *(const uint2*)(base + 8 * MC::d_row(lane, r));
+        for (int r = 0; r < D_ROWS; ++r) {  // gemv_mma's epilogue, row d_row(r), column col
+          float scale[HALVES], offset[HALVES];
+          const uint2 hdr = *(const uint2*)(base + 8 * MC::d_row(lane, r));
 #pragma unroll
-        for (int hv = 0; hv < HALVES; ++hv) header_affine<F>(hdr, hv, scale[hv], offset[hv]);
-        float v = scale[0] * (f * (float)c[0][r]);
-        if (HALVES == 2) v += scale[HALVES - 1] * (f * (float)c[HALVES - 1][r]);
-        if (p == 0) v += HALVES == 2 ? offset[0] * s.y + offset[HALVES - 1] * s.z : offset[0] * s.w;
-        acc[r] += v;
+          for (int hv = 0; hv < HALVES; ++hv) header_affine<F>(hdr, hv, scale[hv], offset[hv]);
+          float v = scale[0] * (f * (float)c[0][r]);
+          if (HALVES == 2) v += scale[HALVES - 1] * (f * (float)c[HALVES - 1][r]);
+          if (p == 0) v += HALVES == 2 ? offset[0] * s.y + offset[HALVES - 1] * s.z : offset[0] * s.w;
+          acc[r] += v;
+        }
       }
     }
     // the waves' sums meet in shared memory, a chunk of CH tiles at a time
@@ -1859,11 +1989,18 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
 #define PKV_GEMV_AMD_MC_KERNELS(NAME, F)          \
   PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 1)            \
   PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 2)            \
-  PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 3)            \
+  PKV_GEMV_AMD_MC_KERNEL(, NAME, F, 3)
+#define PKV_GEMV_AMD_MC_TILED_KERNELS(NAME, F)    \
   PKV_GEMV_AMD_MC_KERNEL(tiled_, NAME, F, 6)      \
   PKV_GEMV_AMD_MC_KERNEL(tiled_, NAME, F, 12)
 
 PKV_GEMV_AMD_MC_KERNELS(hfq4g256, HFQ4G256)
+PKV_GEMV_AMD_MC_TILED_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_AMD_MC_KERNELS(mq4g256v2, MQ4G256V2)
+PKV_GEMV_AMD_MC_TILED_KERNELS(mq4g256v2, MQ4G256V2)
+// HFQ6G256 and Q8F16: batch 1-8 only, as on NVIDIA (gemv_mma's n1-n3; docs/kernels.md, "HFQ6
+// and Q8F16 on tensor cores")
+PKV_GEMV_AMD_MC_KERNELS(hfq6g256, HFQ6G256)
+PKV_GEMV_AMD_MC_KERNELS(q8f16, Q8F16)
 
 #endif  // PKV_MFMA_I8 || PKV_WMMA_I8

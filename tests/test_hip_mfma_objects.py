@@ -82,8 +82,15 @@ def test_the_attention_kernels_are_mfma_where_the_emulations_say(kvcache_gfx90a)
 def test_the_int8_gemv_kernels_are_mfma(tmp_path):
     counts = mfma_counts("weights", "gfx90a", tmp_path)
     mma = {n: c for n, c in counts.items() if n.startswith("pkv_gemv_mma_")}
-    assert len(mma) == 10
-    for name, c in mma.items():
-        # gfx90a: v_mfma_i32_16x16x16i8, two k-16 steps per k-32 group step, 8 of those
-        assert dict(c) == {"v_mfma_i32_16x16x16i8": 16}, (name, dict(c))
+    want = {}
+    for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16"):
+        names = [f"pkv_gemv_mma_{fmt}_n{n}" for n in (1, 2, 3)]
+        if fmt in ("hfq4g256", "mq4g256v2"):  # batch 9-32: the 4-bit formats only
+            names += [f"pkv_gemv_mma_tiled_{fmt}_n{n}" for n in (6, 12)]
+        # gfx90a: v_mfma_i32_16x16x16i8, two k-16 steps per k-32 group step, 8 of those.
+        # Q8F16 twice: a lane holds one k-quad, so each step runs once per 32-weight block
+        # with the other block's lanes zeroed (MfmaI8::product_blocks)
+        n = 32 if fmt == "q8f16" else 16
+        want.update({name: {"v_mfma_i32_16x16x16i8": n} for name in names})
+    assert {n: dict(c) for n, c in mma.items()} == want
     assert all(not c for n, c in counts.items() if n not in mma)

@@ -493,6 +493,73 @@ def test_gemv_runs_the_cuda_core_kernel_on_amd_without_int8_matrix_cores(arch, m
         weights.Gemv(dev, "hfq4g256", 16, 256, 9)
 
 
+@pytest.mark.parametrize(("arch", "unit_env", "other_env"), [
+    ("gfx90a", "PAGEDKV_GEMV_MFMA", "PAGEDKV_GEMV_WMMA"),
+    ("gfx942", "PAGEDKV_GEMV_MFMA", "PAGEDKV_GEMV_WMMA"),
+    ("gfx1100", "PAGEDKV_GEMV_WMMA", "PAGEDKV_GEMV_MFMA")])
+@pytest.mark.parametrize(("fmt", "batch", "kernel", "warps"), [
+    ("hfq6g256", 1, "pkv_gemv_mma_hfq6g256_n1", 4),
+    ("q8f16", 5, "pkv_gemv_mma_q8f16_n2", 2),
+    ("q8f16", 8, "pkv_gemv_mma_q8f16_n3", 1)])
+def test_gemv_takes_the_amd_hfq6_q8f16_kernels_only_with_both_switches(
+        arch, unit_env, other_env, fmt, batch, kernel, warps, monkeypatch):
+    # gemv_amd_mc's HFQ6G256 / Q8F16 kernels (never run on an AMD GPU): the unit's opt-in and
+    # the wide switch (wide_mma, or the variable when it is None) must both ask for them
+    dev = FakeHipDevice(arch)
+    M, K = 37, 4 * 256
+    cases = [  # (unit opt-in, PAGEDKV_GEMV_MMA_HFQ6_Q8F16, wide_mma) -> matrix cores
+        (("1", "1", None), True), (("1", None, True), True), (("1", "1", False), False),
+        (("1", None, None), False), (("0", "1", None), False), ((None, "1", None), False)]
+    for (unit_on, wide_on, wide_mma), want in cases:
+        for name, value in ((unit_env, unit_on), (weights.WIDE_MMA_ENV, wide_on)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        monkeypatch.setenv(other_env, "1")  # the other unit's switch never gates this one
+        g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=wide_mma)
+        assert (g.tensor_cores, g.packed) == (want, want), (unit_on, wide_on, wide_mma)
+        assert weights.max_batch(dev, fmt) == 8  # n1-n3 only, as on NVIDIA
+    monkeypatch.setenv(unit_env, "1")
+    g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=True)
+    assert repr(g) == f"Gemv('{fmt}', M=37, K=1024, batch={batch}, int8 matrix cores)"
+    raw = np.zeros(weights.raw_nbytes(fmt, M * K), np.uint8)
+    # the NVIDIA kernels' packing (48 rows: 3 tiles), prepared x and launch: warps of the
+    # device's wavefront size
+    assert g.pack(raw).nbytes == g.weight_bytes == 48 * K // 256 * (200 if fmt == "hfq6g256"
+                                                                    else 272)
+    w = g.upload(raw)
+    dev.calls.clear()
+    g.run(w, dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32))
+    assert [c[1:] for c in _launches(dev)] == [
+        ("pkv_gemv_prep_x", (-(-4 * batch // 8),), (256,)),
+        (kernel, (3,), (dev.properties.warp_size * warps,))]
+
+
+def test_wide_mma_true_on_amd_is_refused_naming_what_is_missing(monkeypatch):
+    monkeypatch.delenv("PAGEDKV_GEMV_MFMA", raising=False)
+    monkeypatch.delenv("PAGEDKV_GEMV_WMMA", raising=False)
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
+    # a matrix unit without its opt-in: the variable to set
+    for arch, env in [("gfx90a", "PAGEDKV_GEMV_MFMA"), ("gfx1151", "PAGEDKV_GEMV_WMMA")]:
+        with pytest.raises(InvalidArgument, match=rf"wide_mma=True: the (MFMA|WMMA) GEMV on "
+                                                  rf"{arch} is opt-in until an AMD device run "
+                                                  rf".*; set {env}=1$"):
+            weights.Gemv(FakeHipDevice(arch), "q8f16", 64, 512, 4, wide_mma=True)
+    # no kernel for the arch, a 4-bit format, K not whole 256-groups: where it runs
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    monkeypatch.setenv("PAGEDKV_GEMV_WMMA", "1")
+    for arch, fmt, K in [("gfx1030", "hfq6g256", 512), ("gfx1201", "q8f16", 512),
+                         ("gfx90a", "hfq4g256", 512), ("gfx90a", "q8f16", 288)]:
+        with pytest.raises(InvalidArgument, match=rf"wide_mma=True: the int8 tensor-core GEMV "
+                                                  rf"runs \['hfq6g256', 'q8f16'\] with K a "
+                                                  rf"multiple of 256 on NVIDIA sm_80\+, AMD "
+                                                  rf"gfx908/gfx90a/gfx940-942 \(PAGEDKV_GEMV_MFMA"
+                                                  rf"=1\) or gfx11 \(PAGEDKV_GEMV_WMMA=1\); "
+                                                  rf"this is {fmt}, K={K} on {arch}$"):
+            weights.Gemv(FakeHipDevice(arch), fmt, 64, K, 4, wide_mma=True)
+
+
 def test_gemv_batch_limit_is_32_on_tensor_cores_and_8_elsewhere():
     cuda, old = FakeCudaDevice(), FakeCudaDevice("sm_75")
     assert weights.max_batch(cuda, "mq4g256v2") == 32 and weights.max_batch(cuda, "q8f16") == 8

@@ -76,8 +76,8 @@ _PIPE_TILES = (6, 9, 12)
 _TILE_UNITS = GEMV_MMA_ROWS * 136 // 16  # a packed 4-bit tile-group in 16-byte units
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 #: HFQ6G256 and Q8F16 on the int8 tensor cores (gemv_mma's n1-n3 kernels, batch 1-8,
-#: NVIDIA sm_80+; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores"): opt-in until a device
-#: run vouches for them.
+#: NVIDIA sm_80+; on AMD gemv_amd_mc's, where the unit's opt-in is on too; docs/kernels.md,
+#: "HFQ6 and Q8F16 on tensor cores"): opt-in until a device run vouches for them.
 WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
 _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
 
@@ -260,7 +260,7 @@ class Gemv:
     :meth:`prepare` then :meth:`run_prepared`. Preparing x rotates it for
     the rotated formats and, on NVIDIA sm_80+ and AMD gfx908/gfx90a/gfx940-942/gfx11 for the
     4-bit formats (the tensor-core kernel; MFMA or WMMA on AMD, compile-checked and emulated
-    only, opt-in),
+    only, opt-in) and for HFQ6G256 / Q8F16 with ``wide_mma``,
     quantizes it per 256-group into exact 22-bit integers (error at most 2^-23
     of the group's largest ``|x|``, then exact integer dot products). Several weights
     multiplied by the same x (Q/K/V, gate/up) need one :meth:`prepare` and one
@@ -292,11 +292,12 @@ class Gemv:
         kernel), else ``PAGEDKV_GEMV_F16X`` when set, else ``True`` above 8 batch rows
         (unless ``PAGEDKV_GEMV_PIPE=1`` asks for the pipelined int8 kernel), where it exists.
 
-        ``wide_mma`` (NVIDIA sm_80+, HFQ6G256 and Q8F16, batch 1-8, K a multiple of 256):
-        ``True`` runs them on the int8 tensor cores (docs/kernels.md, "HFQ6 and Q8F16 on
-        tensor cores"; refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None``
-        reads ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (default off until a device run vouches for
-        them)."""
+        ``wide_mma`` (HFQ6G256 and Q8F16, batch 1-8, K a multiple of 256; NVIDIA sm_80+, or
+        AMD gfx908/gfx90a/gfx940-942 / gfx11 with ``PAGEDKV_GEMV_MFMA=1`` /
+        ``PAGEDKV_GEMV_WMMA=1``, whose kernels no AMD GPU has run): ``True`` runs them on the
+        int8 tensor / matrix cores (docs/kernels.md, "HFQ6 and Q8F16 on tensor cores";
+        refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None`` reads
+        ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (default off until a device run vouches for them)."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -651,10 +652,7 @@ def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | No
     # the tensor-core kernels take whole 256-groups of K (Q8F16's K may be any multiple of 32)
     tensor_cores = _uses_tensor_cores(device, f, wide_mma) and K % 256 == 0
     if wide_mma and (f.kernel not in _WIDE_MMA_KERNELS or not tensor_cores):
-        arch = getattr(device.properties, "arch", "?")
-        raise InvalidArgument(
-            f"wide_mma=True: the int8 tensor-core GEMV runs {list(_WIDE_MMA_KERNELS)} on NVIDIA "
-            f"sm_80+ with K a multiple of 256; this is {f.name}, K={K} on {arch}")
+        raise InvalidArgument(_wide_mma_refusal(device, f, K))
     # batch 9-32 on NVIDIA (more n-tiles than gemv_mma's): the staged or pipelined kernel
     wide = (tensor_cores and math.ceil(3 * batch / 8) > GEMV_MMA_MAX_TILES
             and device.backend == "cuda")
@@ -707,22 +705,38 @@ def _optin_shared_bytes(device: Device) -> int:
 _GEMV_AMD_OPT_IN = {"mfma": "PAGEDKV_GEMV_MFMA", "wmma": "PAGEDKV_GEMV_WMMA"}
 
 
+def _wide_mma_refusal(device: Device, f: _WeightFormat, K: int) -> str:
+    """Why ``wide_mma=True`` cannot run on ``device``: the first missing piece, and how to
+    supply it where a switch can."""
+    arch = getattr(device.properties, "arch", "?")
+    where = (f"{list(_WIDE_MMA_KERNELS)} with K a multiple of 256 on NVIDIA sm_80+, AMD "
+             f"gfx908/gfx90a/gfx940-942 (PAGEDKV_GEMV_MFMA=1) or gfx11 (PAGEDKV_GEMV_WMMA=1)")
+    unit = amd_matrix_unit(device)
+    if f.kernel in _WIDE_MMA_KERNELS and K % 256 == 0 and unit is not None:
+        return (f"wide_mma=True: the {unit.upper()} GEMV on {arch} is opt-in until an AMD "
+                f"device run vouches for it (docs/kernels.md, \"AMD matrix cores\"); set "
+                f"{_GEMV_AMD_OPT_IN[unit]}=1")
+    return (f"wide_mma=True: the int8 tensor-core GEMV runs {where}; this is {f.name}, K={K} "
+            f"on {arch}")
+
+
 def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None = None) -> bool:
     """The int8 matrix-unit GEMV, 4-bit formats: NVIDIA compute capability 8.0 and newer
     (mma.sync); AMD CDNA (MFMA: gfx908, gfx90a, gfx940-942) and RDNA3 (WMMA: gfx11), both
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
-    them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16: NVIDIA
-    sm_80+ when ``wide_mma`` is True, or None and ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (batch
-    1-8; opt-in until a device run vouches for them)."""
+    them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16 (batch
+    1-8; opt-in until a device run vouches for them): where the 4-bit formats take it (AMD:
+    its unit's opt-in on) and ``wide_mma`` is True, or None and
+    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``: on AMD both switches."""
     backend = getattr(device, "backend", None)
     wide = f.kernel in _WIDE_MMA_KERNELS
     if backend not in ("cuda", "hip") or not (wide or f.kernel in _MMA_KERNELS):
         return False
+    if wide and not (env_bool(WIDE_MMA_ENV, False) if wide_mma is None else wide_mma):
+        return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
         unit = amd_matrix_unit(device)
-        return not wide and unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
-    if wide and not (env_bool(WIDE_MMA_ENV, False) if wide_mma is None else wide_mma):
-        return False
+        return unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
     return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
