@@ -1329,22 +1329,23 @@ PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
 // caller when PROLOGUE_ISSUED: pass 2's first V chunks load during the softmax), per chunk
 // issue the one STAGES - 1 ahead and wait for this one; body(buf, c) reads the chunk from
 // shared memory.
-template <bool PROLOGUE_ISSUED, typename Body>
-PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
-                              const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
-                              Body body) {
+// The chunk loop of one copy path (CG16: the 16-byte units; else the 8- / 4-byte ones), so
+// that each loop carries only its own copy code (both in one loop spilled).
+template <bool CG16, typename Body>
+PKV_DEV void q8_staged_loop(uint8_t* stage, const uint8_t* __restrict__ pool,
+                            const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
+                            Body body) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
-  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, off16, n_tok);
-  const int row_off = PKV_ATTN_Q8_STAGE_CG16 && off16 > 0 ? off16 : 0;
+  const int row_off = CG16 ? off16 : 0;
   int slot = 0;
   for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
     const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
     const int ahead_slot = slot == 0 ? PKV_ATTN_Q8_STAGES - 1 : slot - 1;
     warp_sync();  // every lane is done reading ahead_slot (the previous chunk's buffer)
     if (ahead < n_chunks)
-      q8_stage_chunk(stage + ahead_slot * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, off16, ahead,
-                     n_tok);
+      q8_stage_chunk(stage + ahead_slot * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes,
+                     CG16 ? off16 : -1, ahead, n_tok);
     cp_async_commit();
     cp_async_wait<PKV_ATTN_Q8_STAGES - 1>();  // this lane's copies of chunk c have landed
     warp_sync();                              // and every lane's
@@ -1353,6 +1354,20 @@ PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
   }
   cp_async_wait<0>();
   warp_sync();  // the buffers are free for the next pass
+}
+
+template <bool PROLOGUE_ISSUED, typename Body>
+PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
+                              const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
+                              Body body) {
+  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, off16, n_tok);
+  if constexpr (PKV_ATTN_Q8_STAGE_CG16) {
+    if (off16 >= 0) {
+      q8_staged_loop<true>(stage, pool, rows, row_bytes, off16, n_tok, body);
+      return;
+    }
+  }
+  q8_staged_loop<false>(stage, pool, rows, row_bytes, off16, n_tok, body);
 }
 
 PKV_DEV uint32_t smem_u16(const uint8_t* p) { return *(const uint16_t*)p; }
