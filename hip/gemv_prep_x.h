@@ -70,8 +70,8 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
   if (rotate) fwht256_lanes<32>(v, lane);
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
+  for (int i = 0; i < 8; ++i) amax = absmax_keep_nan(amax, v[i]);
+  if (amax != amax) amax = INFINITY;  // the shuffles' fmaxf would drop NaN: keep it as inf
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
   // step = 2^(e - range) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
   const int range = n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE;

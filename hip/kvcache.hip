@@ -1535,9 +1535,9 @@ PKV_DEV void q_fragments_s8(const float* __restrict__ q_group, int group, int he
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         v[e] = live ? q_group[(int64_t)head * head_dim + 32 * i + 8 * t + e] * scale : 0.0f;
-        amax = fmaxf(amax, fabsf(v[e]));
+        amax = absmax_keep_nan(amax, v[e]);
       }
-      if (amax != amax) amax = INFINITY;  // fmaxf drops NaN: keep it, as a non-finite step
+      if (amax != amax) amax = INFINITY;  // the shuffles' fmaxf would drop NaN: keep it as inf
       amax = fmaxf(amax, pkv_shfl_xor(amax, 1));  // lanes t hold the record's 32 dims
       amax = fmaxf(amax, pkv_shfl_xor(amax, 2));
       int ex = 0;

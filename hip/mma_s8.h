@@ -21,6 +21,16 @@ PKV_DEV void mma_s8_16x8x32(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, 
 #endif
 }
 
+// max(m, |x|) that keeps a NaN, from either side: fmaxf returns the other operand when one is
+// NaN, so a NaN in x would leave the power-of-two step finite and be rounded into the planes
+// as if it were a number (the Q8F16 tensor-core GEMV, which has no offset term carrying the
+// sum of x, then gave finite outputs for a NaN batch row; H100, 2026-12-05). With it, amax is
+// NaN, the caller's non-finite check makes the step NaN, and every output of the row is NaN.
+PKV_DEV float absmax_keep_nan(float m, float x) {
+  const float a = fabsf(x);
+  return a > m || a != a ? a : m;
+}
+
 // v / step as an exact integer of at most 22 bits (|v| < 2^e, step = 2^(e - 22), one
 // rounding) split into three signed bytes x = p2 * 2^16 + p1 * 2^8 + p0 (p0, p1 in [-128,
 // 127], |p2| <= 64): the planes int8 mma multiplies exactly. inv_step = 1 / step, exact.
