@@ -240,8 +240,15 @@ def test_the_pack_puts_each_code_where_its_lane_reads_it():
     np.testing.assert_array_equal(out, want)
 
 
-def test_the_wide_formats_keep_the_cuda_core_kernel_unless_asked(monkeypatch):
+def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_both(
+        monkeypatch):
+    # unset: HFQ6G256 on the tensor cores (its GPU tests passed), Q8F16 on CUDA cores
     monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
+    g = weights.Gemv(FakeCudaDevice(), "hfq6g256", 64, 512, 4)
+    assert g.tensor_cores and g._kernel.name == "pkv_gemv_mma_hfq6g256_n2"
+    g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 4)
+    assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "0")
     for fmt in ("hfq6g256", "q8f16"):
         g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
         assert not g.tensor_cores and g._kernel.name == f"pkv_gemv_{fmt}_b4"

@@ -509,7 +509,9 @@ def test_gemv_takes_the_amd_hfq6_q8f16_kernels_only_with_both_switches(
     M, K = 37, 4 * 256
     cases = [  # (unit opt-in, PAGEDKV_GEMV_MMA_HFQ6_Q8F16, wide_mma) -> matrix cores
         (("1", "1", None), True), (("1", None, True), True), (("1", "1", False), False),
-        (("1", None, None), False), (("0", "1", None), False), ((None, "1", None), False)]
+        (("1", "0", None), False), (("0", "1", None), False), ((None, "1", None), False),
+        # the variable unset: the NVIDIA default (HFQ6G256 on, Q8F16 off), behind the opt-in
+        (("1", None, None), fmt == "hfq6g256"), ((None, None, None), False)]
     for (unit_on, wide_on, wide_mma), want in cases:
         for name, value in ((unit_env, unit_on), (weights.WIDE_MMA_ENV, wide_on)):
             if value is None:
@@ -637,11 +639,13 @@ def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it(M):
     np.testing.assert_array_equal(f32.pack(raw), raw)
 
 
-@pytest.mark.parametrize(("arch", "fmt"), [("sm_75", "hfq4g256"), ("sm_90", "hfq6g256"),
-                                           ("sm_90", "q8f16")])
-def test_gemv_keeps_the_f32_kernel_below_sm80_and_for_other_formats(arch, fmt):
+@pytest.mark.parametrize(("arch", "fmt", "kw"), [
+    ("sm_75", "hfq4g256", {}), ("sm_75", "hfq6g256", {}),  # below sm_80: HFQ6's default too
+    ("sm_90", "hfq6g256", {"wide_mma": False}), ("sm_90", "q8f16", {})])  # Q8F16: opt-in
+def test_gemv_keeps_the_f32_kernel_below_sm80_and_for_other_formats(arch, fmt, kw, monkeypatch):
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
     dev = FakeCudaDevice(arch)
-    g = weights.Gemv(dev, fmt, 4, 256)
+    g = weights.Gemv(dev, fmt, 4, 256, **kw)
     assert not g.tensor_cores
     g.run(dev.empty((weights.raw_nbytes(fmt, 1024),), np.uint8), dev.empty((1, 256), np.float32),
           dev.empty((1, 4), np.float32))

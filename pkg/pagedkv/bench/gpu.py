@@ -283,7 +283,10 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
         for (M, K) in shapes:
             w = (rng.standard_normal((M, K)) * 0.02).astype(np.float32)
             raw = quant.quantize(w, fmt)
-            dev_w, calls = rotating_weights(device, fmt, M, K, raw)
+            # HFQ6G256 / Q8F16: these rows are the CUDA-core kernel, whatever the default;
+            # their tensor-core rows follow (bench_wide_tensor_cores, vs_cuda_cores)
+            kw = {"wide_mma": False} if fmt in ("hfq6g256", "q8f16") else {}
+            dev_w, calls = rotating_weights(device, fmt, M, K, raw, **kw)
             if fmt == "mq4g256v2":  # one ceiling per weight size
                 t = read_ceiling(device, stream, raw.nbytes)
                 _row(rows, "read probe (ceiling)", f"{raw.nbytes / 2**20:.1f} MiB", t,
@@ -291,7 +294,7 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
             for batch in batches:
                 if batch > weights.max_batch(device, fmt):  # b16/b32: tensor-core formats
                     continue
-                g = weights.Gemv(device, fmt, M, K, batch)
+                g = weights.Gemv(device, fmt, M, K, batch, **kw)
                 x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
                 y = device.empty((batch, M), np.float32)
                 t = _time_graph(device, stream, partial(_rotating, g.run, dev_w, (x, y), calls),

@@ -77,9 +77,14 @@ _TILE_UNITS = GEMV_MMA_ROWS * 136 // 16  # a packed 4-bit tile-group in 16-byte 
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 #: HFQ6G256 and Q8F16 on the int8 tensor cores (gemv_mma's n1-n3 kernels, batch 1-8,
 #: NVIDIA sm_80+; on AMD gemv_amd_mc's, where the unit's opt-in is on too; docs/kernels.md,
-#: "HFQ6 and Q8F16 on tensor cores"): opt-in until a device run vouches for them.
+#: "HFQ6 and Q8F16 on tensor cores"). The variable, when set, switches both.
 WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
 _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
+#: Where neither ``wide_mma`` nor the variable says: HFQ6G256 on the tensor cores (its GPU
+#: tests passed on an H100 and it took 0.36-0.94x the CUDA-core kernel's time at every bench
+#: shape, 2026-12-05); Q8F16 not yet (a NaN in x gave finite outputs there; fixed in the x
+#: prep since, not yet rerun on a GPU).
+_WIDE_MMA_DEFAULT = {"hfq6g256": True, "q8f16": False}
 
 
 class _WeightFormat:
@@ -297,7 +302,9 @@ class Gemv:
         ``PAGEDKV_GEMV_WMMA=1``, whose kernels no AMD GPU has run): ``True`` runs them on the
         int8 tensor / matrix cores (docs/kernels.md, "HFQ6 and Q8F16 on tensor cores";
         refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None`` reads
-        ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (default off until a device run vouches for them)."""
+        ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` when set (both formats), else HFQ6G256 on the tensor
+        cores (its GPU tests passed on an H100) and Q8F16 not (opt-in until a GPU run
+        vouches for its NaN fix)."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -726,14 +733,16 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None =
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
     them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16 (batch
-    1-8; opt-in until a device run vouches for them): where the 4-bit formats take it (AMD:
+    1-8): where the 4-bit formats take it (AMD:
     its unit's opt-in on) and ``wide_mma`` is True, or None and
-    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``: on AMD both switches."""
+    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (unset: HFQ6G256 yes, Q8F16 no): on AMD both
+    switches."""
     backend = getattr(device, "backend", None)
     wide = f.kernel in _WIDE_MMA_KERNELS
     if backend not in ("cuda", "hip") or not (wide or f.kernel in _MMA_KERNELS):
         return False
-    if wide and not (env_bool(WIDE_MMA_ENV, False) if wide_mma is None else wide_mma):
+    if wide and not (env_bool(WIDE_MMA_ENV, _WIDE_MMA_DEFAULT[f.kernel]) if wide_mma is None
+                     else wide_mma):
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
