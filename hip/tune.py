@@ -5,17 +5,17 @@ values, load it in place of the installed object (``Device.load_module``), time 
 Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
-    python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3,4 --set PKV_ATTN_PARTITION_Q8=256,512
-    python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=4 \
-        --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
+    python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
+    python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=3 \
+        --variant PKV_ATTN_Q8_STAGE_CG16=1 --cases 32x4096,1x32768,8x32768
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
     python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
 Each ``--set NAME=v1,v2`` multiplies the variants, each ``--variant NAME=v,NAME2=v2`` adds
-one (for combinations a product would take past a limit: 4 q8 stages fit a 512-token
-partition's static shared memory, not a 1,024-token one's); ``attn --cases`` times each
+one (for combinations a product would take past a limit: a 1,024-token q8 partition's
+static shared memory fits 3 stages, not 4); ``attn --cases`` times each
 variant on several ``SEQSxTOKENS`` contexts. The knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
 launchers' values of the swept partition size and dequant shape are set to each variant's
