@@ -1174,19 +1174,10 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
 #ifndef PKV_ATTN_Q8_STAGE_PITCH_UNITS
 #define PKV_ATTN_Q8_STAGE_PITCH_UNITS 18
 #endif
-// PKV_ATTN_Q8_STAGE_CG16 (experiment, hip/tune.py): at head_dim 128, where every row of the
-// CTA's KV head has the same address mod 16 (kv_heads even, pool 16-byte aligned), stage a
-// chunk with 16-byte cp.async.cg (L2 only) of the aligned 144 bytes around each row: 5
-// copies per lane instead of 9, the same staged pitch, rows at offset 0 or 8 of it.
-#ifndef PKV_ATTN_Q8_STAGE_CG16
-#define PKV_ATTN_Q8_STAGE_CG16 0
-#endif
 constexpr int Q8_STAGE_TOKENS = 16;
 constexpr int Q8_ROW_UNITS = 17;  // 34 * head_dim / 32 bytes = 17 units of head_dim / 16 bytes
 constexpr int Q8_STAGE_BYTES_MAX = Q8_STAGE_TOKENS * PKV_ATTN_Q8_STAGE_PITCH_UNITS * 8;
 static_assert(PKV_ATTN_Q8_STAGES >= 2, "PKV_ATTN_Q8_STAGES: one chunk read, one in flight");
-static_assert(!PKV_ATTN_Q8_STAGE_CG16 || PKV_ATTN_Q8_STAGE_PITCH_UNITS == 18,
-              "PKV_ATTN_Q8_STAGE_CG16 stages 9 16-byte units per row: a 144-byte pitch");
 static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds a row");
 // Static shared memory stays under 48 KB with the rows table and the reductions (4
 // stages of 144-byte rows at 128 threads: 36 KB).
@@ -1213,15 +1204,6 @@ PKV_DEV void cp_async_unit(uint32_t smem_dst, const uint8_t* src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
                :: "r"(smem_dst), "l"(src), "n"(BYTES), "r"(valid ? BYTES : 0) : "memory");
-#else
-  __builtin_trap();  // callers check PKV_ATTN_MMA_QK
-#endif
-}
-// The same with 16 bytes that bypass L1 (cp.async.cg takes 16 only).
-PKV_DEV void cp_async_cg16(uint32_t smem_dst, const uint8_t* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(smem_dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 #else
   __builtin_trap();  // callers check PKV_ATTN_MMA_QK
 #endif
@@ -1267,44 +1249,10 @@ PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, cons
   }
 }
 
-// PKV_ATTN_Q8_STAGE_CG16: chunk c as 16 x 9 units of 16 bytes, unit k of staged row j
-// (at 144 j) from row address - off16 + 16 k; the row lands at 144 j + off16. The 8 bytes
-// before / after a row belong to the slot's previous / next KV head (q8_stage_offset16).
-PKV_DEV void q8_stage_units16(uint32_t dst, const uint8_t* __restrict__ pool, const int64_t* rows,
-                              int off16, int c, int n_tok) {
-  constexpr int UNITS = 9, ROW_BYTES = 8 * Q8_ROW_UNITS;  // 144 bytes around a 136-byte row
-  const int lane = threadIdx.x % 32;
-  const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;
-  const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
-#pragma unroll
-  for (int i = 0; i < (Q8_STAGE_TOKENS * UNITS + 31) / 32; ++i) {
-    const int u = lane + 32 * i;
-    if (u < Q8_STAGE_TOKENS * UNITS) {
-      const int j = u / UNITS, k = u - j * UNITS;
-      const bool ok = j <= last;
-      cp_async_cg16(dst + 16 * u, pool + chunk_rows[ok ? j : last] * ROW_BYTES - off16 + 16 * k,
-                    ok);
-    }
-  }
-}
-
-// The offset mod 16 that every row of KV head kvh has in pool, when the 16-byte staging can
-// take it (PKV_ATTN_Q8_STAGE_CG16, head_dim 128, a slot a multiple of 16 bytes: kv_heads
-// even, pool 16-byte aligned, so the 144 aligned bytes around a row stay inside its slot);
-// -1 otherwise (8-byte units).
-PKV_DEV int q8_stage_offset16(const uint8_t* pool, int kv_heads, int kvh, int64_t row_bytes) {
-  if (!PKV_ATTN_Q8_STAGE_CG16 || row_bytes != 8 * Q8_ROW_UNITS) return -1;
-  if ((kv_heads * row_bytes) % 16 != 0 || (uintptr_t)pool % 16 != 0) return -1;
-  return (int)((kvh * row_bytes) % 16);
-}
-
-// off16 >= 0: the 16-byte staging (q8_stage_offset16); readers add max(off16, 0).
 PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
-                            int64_t row_bytes, int off16, int c, int n_tok) {
+                            int64_t row_bytes, int c, int n_tok) {
   const uint32_t dst = smem_window(buf);  // one conversion per chunk, 32-bit offsets below
-  if (PKV_ATTN_Q8_STAGE_CG16 && off16 >= 0)
-    q8_stage_units16(dst, pool, rows, off16, c, n_tok);
-  else if (row_bytes == 8 * Q8_ROW_UNITS)  // head_dim 128: 8-byte units (64: 4-byte units)
+  if (row_bytes == 8 * Q8_ROW_UNITS)  // head_dim 128: 8-byte units (64: 4-byte units)
     q8_stage_units<8>(dst, pool, rows, row_bytes, c, n_tok);
   else
     q8_stage_units<4>(dst, pool, rows, row_bytes, c, n_tok);
@@ -1313,14 +1261,13 @@ PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, cons
 // The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
 // STAGES - 2, one commit group each (empty past the end: the wait counts stay uniform).
 PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
-                               const int64_t* rows, int64_t row_bytes, int off16, int n_tok) {
+                               const int64_t* rows, int64_t row_bytes, int n_tok) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
 #pragma unroll
   for (int s = 0; s < PKV_ATTN_Q8_STAGES - 1; ++s) {
     const int c = warp + s * n_warps;
-    if (c < n_chunks)
-      q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, off16, c, n_tok);
+    if (c < n_chunks) q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
     cp_async_commit();
   }
 }
@@ -1329,45 +1276,27 @@ PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
 // caller when PROLOGUE_ISSUED: pass 2's first V chunks load during the softmax), per chunk
 // issue the one STAGES - 1 ahead and wait for this one; body(buf, c) reads the chunk from
 // shared memory.
-// The chunk loop of one copy path (CG16: the 16-byte units; else the 8- / 4-byte ones), so
-// that each loop carries only its own copy code (both in one loop spilled).
-template <bool CG16, typename Body>
-PKV_DEV void q8_staged_loop(uint8_t* stage, const uint8_t* __restrict__ pool,
-                            const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
-                            Body body) {
+template <bool PROLOGUE_ISSUED, typename Body>
+PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
+                              const int64_t* rows, int64_t row_bytes, int n_tok, Body body) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
-  const int row_off = CG16 ? off16 : 0;
+  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, n_tok);
   int slot = 0;
   for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
     const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
     const int ahead_slot = slot == 0 ? PKV_ATTN_Q8_STAGES - 1 : slot - 1;
     warp_sync();  // every lane is done reading ahead_slot (the previous chunk's buffer)
     if (ahead < n_chunks)
-      q8_stage_chunk(stage + ahead_slot * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes,
-                     CG16 ? off16 : -1, ahead, n_tok);
+      q8_stage_chunk(stage + ahead_slot * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, ahead, n_tok);
     cp_async_commit();
     cp_async_wait<PKV_ATTN_Q8_STAGES - 1>();  // this lane's copies of chunk c have landed
     warp_sync();                              // and every lane's
-    body((const uint8_t*)(stage + slot * Q8_STAGE_BYTES_MAX + row_off), c);
+    body((const uint8_t*)(stage + slot * Q8_STAGE_BYTES_MAX), c);
     slot = slot == PKV_ATTN_Q8_STAGES - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
   warp_sync();  // the buffers are free for the next pass
-}
-
-template <bool PROLOGUE_ISSUED, typename Body>
-PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
-                              const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
-                              Body body) {
-  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, off16, n_tok);
-  if constexpr (PKV_ATTN_Q8_STAGE_CG16) {
-    if (off16 >= 0) {
-      q8_staged_loop<true>(stage, pool, rows, row_bytes, off16, n_tok, body);
-      return;
-    }
-  }
-  q8_staged_loop<false>(stage, pool, rows, row_bytes, off16, n_tok, body);
 }
 
 PKV_DEV uint32_t smem_u16(const uint8_t* p) { return *(const uint16_t*)p; }
@@ -1375,16 +1304,15 @@ PKV_DEV uint32_t smem_u16(const uint8_t* p) { return *(const uint16_t*)p; }
 template <int GMAX>
 PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int group, int head_dim,
                                      float scale, const uint8_t* __restrict__ k_pool,
-                                     const int64_t* rows, int64_t row_bytes, int off16,
-                                     int n_tok, float* scores, uint8_t* stage) {
+                                     const int64_t* rows, int64_t row_bytes, int n_tok,
+                                     float* scores, uint8_t* stage) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
   const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
   uint32_t qa[8][4];  // as qk_scores_mma_q8: record i is k-steps 2i, 2i + 1
   q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
-  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, off16, n_tok,
-                          [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
       const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
@@ -1426,8 +1354,8 @@ PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int grou
 // The caller has issued q8_stage_prologue over v_pool (during the softmax).
 template <int GMAX>
 PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v_pool,
-                              const int64_t* rows, int64_t row_bytes, int off16, int n_tok,
-                              int head_dim, uint8_t* stage, float (&o)[8][4]) {
+                              const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
+                              uint8_t* stage, float (&o)[8][4]) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;
@@ -1437,8 +1365,7 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
   const int head = gid % 4;
   const bool rest = gid >= 4, live = head < GMAX;
   int e = 103;  // the running largest V scale's f32 exponent (103: the smallest f16 subnormal)
-  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, off16, n_tok,
-                         [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
     // Scales first (the chunk's pscale needs all of them); a record's codes are read from
     // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
     uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
@@ -1562,8 +1489,8 @@ template <int GMAX>
 PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int group,
                                       int head_dim, float scale,
                                       const uint8_t* __restrict__ k_pool, const int64_t* rows,
-                                      int64_t row_bytes, int off16, int n_tok,
-                                      float* scores, uint8_t* stage) {
+                                      int64_t row_bytes, int n_tok, float* scores,
+                                      uint8_t* stage) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
@@ -1571,8 +1498,7 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
   uint32_t qa[4][4];
   float qstep[4];
   q_fragments_s8(q_group, group, head_dim, scale, qa, qstep);
-  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, off16, n_tok,
-                          [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
       const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
@@ -1724,19 +1650,17 @@ PKV_DEV void paged_attention_partition(
   if constexpr (Q8_STAGED) {
     if constexpr (QK_S8)
       qk_scores_imma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
-                                     group, head_dim, scale, k_pool, rows, row_bytes,
-                                     q8_stage_offset16(k_pool, kv_heads, kvh, row_bytes), n_tok,
+                                     group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
                                      scores,
                                      q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
     else
       qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
-                                    group, head_dim, scale, k_pool, rows, row_bytes,
-                                    q8_stage_offset16(k_pool, kv_heads, kvh, row_bytes), n_tok,
+                                    group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
                                     scores,
                                     q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
     // pass 1 left this warp's buffers free: the first V chunks load during the softmax
     q8_stage_prologue(q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_pool, rows,
-                      row_bytes, q8_stage_offset16(v_pool, kv_heads, kvh, row_bytes), n_tok);
+                      row_bytes, n_tok);
   } else if constexpr (MMA && KIND == KV_Q8) {
     qk_scores_mma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
@@ -1848,8 +1772,7 @@ PKV_DEV void paged_attention_partition(
     {
       float o[8][4];
       if constexpr (Q8_STAGED) {
-        pv_mma_q8_staged<GMAX>(scores, v_pool, rows, row_bytes,
-                               q8_stage_offset16(v_pool, kv_heads, kvh, row_bytes), n_tok, head_dim,
+        pv_mma_q8_staged<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
                                q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, o);
       } else if constexpr (KIND == KV_Q8) {
         const int e = q8_pv_exponent(vscale_max, n_warps);

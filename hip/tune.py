@@ -6,8 +6,8 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
-    python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=3 \
-        --variant PKV_ATTN_Q8_STAGE_CG16=1 --cases 32x4096,1x32768,8x32768
+    python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
+        --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2

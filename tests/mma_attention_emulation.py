@@ -204,32 +204,10 @@ def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, psca
 STAGE_TOKENS, ROW_UNITS, PITCH_UNITS = 16, 17, 18  # PKV_ATTN_Q8_STAGE_PITCH_UNITS default
 
 
-def stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units=PITCH_UNITS, off16=-1,
-                slot_bytes=0):
+def stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units=PITCH_UNITS):
     """q8_stage_chunk: tokens 16c .. 16c + 15 into a buffer of 16 staged rows (zeros past
     n_tok), copied in units of row_bytes / 17 bytes, each unit's source and destination
-    aligned to its size (cp.async's requirement, asserted). ``off16 >= 0``
-    (PKV_ATTN_Q8_STAGE_CG16, q8_stage_units16): 9 units of 16 bytes per row from its
-    address - off16, so row j lands at 144 j + off16; every unit inside the row's slot of
-    ``slot_bytes`` (asserted)."""
-    if off16 >= 0:
-        assert row_bytes == 136 and pitch_units == 18 and slot_bytes % 16 == 0
-        buf = np.zeros(STAGE_TOKENS * 144, np.uint8)
-        for lane in range(LANES):
-            for i in range((STAGE_TOKENS * 9 + 31) // 32):
-                u = lane + 32 * i
-                if u >= STAGE_TOKENS * 9:
-                    continue
-                j, k = divmod(u, 9)
-                tok = STAGE_TOKENS * c + j
-                row = int(rows[min(tok, n_tok - 1)])
-                src = row * row_bytes - off16 + 16 * k
-                slot = row * row_bytes // slot_bytes * slot_bytes
-                assert src % 16 == 0 and (16 * u) % 16 == 0, "misaligned cp.async.cg"
-                assert slot <= src and src + 16 <= slot + slot_bytes, "a unit outside the slot"
-                if tok < n_tok:
-                    buf[16 * u:16 * u + 16] = pool_bytes[src:src + 16]
-        return buf
+    aligned to its size (cp.async's requirement, asserted)."""
     unit = row_bytes // ROW_UNITS
     assert unit * ROW_UNITS == row_bytes and unit in (4, 8)
     buf = np.zeros(STAGE_TOKENS * pitch_units * unit, np.uint8)
@@ -253,7 +231,7 @@ def warp_chunks(warp, n_tok, n_warps):
 
 
 def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
-                  pitch_units, record_sum, join, off16=-1, slot_bytes=0):
+                  pitch_units, record_sum, join):
     """The chunk walk both staged pass-1 variants share: per warp, chunk and 8-token group,
     ``record_sum(acc, i, w0, w1, d0, d1)`` adds record i (the lane's code words at codes 8t
     and 8t + 4 of token gid, the f32 scales of C's tokens 2t, 2t + 1) into ``acc``
@@ -262,12 +240,10 @@ def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_
     pitch = pitch_units * (row_bytes // ROW_UNITS)
     for warp in range(n_warps):
         for c in warp_chunks(warp, n_tok, n_warps):
-            buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, off16,
-                              slot_bytes)
-            base = max(off16, 0)  # q8_staged_chunks' row_off
+            buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
             for h in range(2):
-                row = base + (8 * h + GID) * pitch
-                row0 = base + (8 * h + 2 * TID) * pitch
+                row = (8 * h + GID) * pitch
+                row0 = (8 * h + 2 * TID) * pitch
                 acc = np.zeros((LANES, 4), np.float32)
                 for i in range(n_rec):
                     rec = row + i * Q8_RECORD_BYTES
@@ -287,8 +263,7 @@ def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_
 
 
 def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
-                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS, off16=-1,
-                        slot_bytes=0):
+                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
     """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
     qa = q_fragments(q_group, group, head_dim, scale)
 
@@ -305,8 +280,7 @@ def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_b
 
     staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
                   pitch_units, record_sum, lambda acc: (acc[:, 0] + acc[:, 2],
-                                                        acc[:, 1] + acc[:, 3]),
-                  off16, slot_bytes)
+                                                        acc[:, 1] + acc[:, 3]))
 
 
 # --- the q8i kernels: pass 1 on integer tensor cores (q_fragments_s8,
@@ -357,8 +331,7 @@ def q_fragments_s8(q_group, group, head_dim, scale):
 
 
 def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes,
-                            n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS, off16=-1,
-                            slot_bytes=0):
+                            n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
     """qk_scores_imma_q8_staged: one s8 mma per record and 8 tokens on the staged codes as
     they are; per-plane f32 sums times d * step, planes joined with plane 1 from lane + 16."""
     qa, qstep = q_fragments_s8(q_group, group, head_dim, scale)
@@ -379,7 +352,7 @@ def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, r
                 acc[:, 1] + (np.float32(256) * up[:, 1] + np.float32(65536) * acc[:, 3]))
 
     staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
-                  pitch_units, record_sum, join, off16, slot_bytes)
+                  pitch_units, record_sum, join)
 
 
 def f32_exponent(x) -> int:
@@ -387,7 +360,7 @@ def f32_exponent(x) -> int:
 
 
 def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp,
-                 n_warps=4, pitch_units=PITCH_UNITS, off16=-1, slot_bytes=0):
+                 n_warps=4, pitch_units=PITCH_UNITS):
     """pv_mma_q8_staged for one warp: its ``o[8][4]`` per lane, remainder columns folded in
     and scaled back; pscale per warp and running (``e``, the largest V scale's exponent of
     the chunks so far), the accumulators rescaled by 2^(e_old - e_new) when it grows."""
@@ -398,12 +371,12 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
     rest, live = GID >= 4, head < gmax
     e = 103
     for c in warp_chunks(warp, n_tok, n_warps):
-        buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, off16, slot_bytes)
+        buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
         d = np.zeros((4, 4, LANES), np.uint32)
         code = np.zeros((4, 4, LANES), np.uint32)
         dm = np.zeros(LANES, np.uint32)
         for j in range(4):
-            row = max(off16, 0) + (4 * TID + j) * pitch
+            row = (4 * TID + j) * pitch
             for lr in range(n_rec):
                 rec = row + lr * Q8_RECORD_BYTES
                 d[j, lr] = load_u16(buf, rec)
@@ -439,13 +412,12 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
 
 
 def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, partition,
-                           n_warps=4, staged=False, qk_int=False, cg16=False):
+                           n_warps=4, staged=False, qk_int=False):
     """The q8 partition kernel on its tensor-core passes plus pkv_paged_attention_reduce:
     ``float32[seqs, heads, head_dim]``; ``staged``: the q8s kernel's passes (no V-scale
     pre-pass: each warp's pscale is its own and running); ``qk_int`` (with ``staged``): the
-    q8i kernel, pass 1 on integer tensor cores; ``cg16`` (with ``staged``):
-    PKV_ATTN_Q8_STAGE_CG16's 16-byte staging where q8_stage_offset16 allows it."""
-    assert staged or not (qk_int or cg16)
+    q8i kernel, pass 1 on integer tensor cores."""
+    assert staged or not qk_int
     seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, row_bytes = k_pool.shape
     group = num_heads // kv_heads
@@ -464,14 +436,10 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
             for kvh in range(kv_heads):
                 rows = (blocks * block_size + pos % block_size) * kv_heads + kvh
                 scores = np.zeros(n_tok * gmax, np.float32)
-                slot_bytes = kv_heads * row_bytes  # the pools' bases: 16-byte aligned
-                off16 = (kvh * row_bytes % 16 if cg16 and row_bytes == 136
-                         and slot_bytes % 16 == 0 else -1)  # q8_stage_offset16
-                cg = {"off16": off16, "slot_bytes": slot_bytes} if staged else {}
                 qk = (qk_scores_q8_int_staged if qk_int else
                       qk_scores_q8_staged if staged else qk_scores_q8)
                 qk(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb, rows,
-                   row_bytes, n_tok, gmax, scores, n_warps, **cg)
+                   row_bytes, n_tok, gmax, scores, n_warps)
                 s = scores.reshape(n_tok, gmax)
                 pmax = s.max(axis=0)
                 pr = np.exp(s - pmax).astype(np.float32)
@@ -488,7 +456,7 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
                 for w in range(n_warps):
                     if staged:
                         o = pv_q8_staged(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim,
-                                         gmax, w, n_warps, **cg)
+                                         gmax, w, n_warps)
                     else:
                         o = pv_q8(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim, gmax, w,
                                   pscale, n_warps) * unscale

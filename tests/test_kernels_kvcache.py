@@ -8,7 +8,6 @@ kernel on fresh random inputs with poisoned outputs and ragged sizes."""
 from __future__ import annotations
 
 import importlib.util
-from functools import partial
 
 import numpy as np
 import pytest
@@ -527,26 +526,6 @@ def test_q8_staged_emulation_rescales_when_a_later_chunk_has_larger_v(head_dim):
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
                                             scale=head_dim ** -0.5)
     _assert_within(got, want, 1e-4, 2e-5, "staged emulation, growing V")
-
-
-@pytest.mark.parametrize("kv_heads,qk_int", [(2, False), (4, True), (3, False)])
-def test_q8_staged_16_byte_copies_stage_the_same_rows(kv_heads, qk_int):
-    # PKV_ATTN_Q8_STAGE_CG16 (q8_stage_units16): 16-byte copies of the aligned 144 bytes
-    # around each 136-byte row, rows at offset 8 for odd KV heads; stage_chunk asserts every
-    # unit is aligned and inside its slot. The fragments read the same bytes, so the output
-    # is q8s's bit for bit; an odd kv_heads (slots not 16-byte multiples) keeps 8-byte units.
-    import mma_attention_emulation as emu
-    k_pool, v_pool, tables, lens = _paged_case([70, 33], kv_heads=kv_heads, head_dim=128,
-                                               block_size=16, kv_dtype="q8")
-    q = RNG.standard_normal((2, 2 * kv_heads, 128)).astype(np.float32)
-    run = partial(emu.paged_attention_q8_mma, q, k_pool, v_pool, tables, lens, scale=128 ** -0.5,
-                  partition=64, staged=True, qk_int=qk_int)
-    want = run()
-    assert np.array_equal(run(cg16=True).view(np.uint32), want.view(np.uint32))
-    if kv_heads % 2 == 0:  # an odd head's rows copied from the wrong offset are refused
-        with pytest.raises(AssertionError, match="misaligned"):
-            emu.stage_chunk(k_pool.reshape(-1), np.arange(16) * kv_heads + 1, 136, 16, 0,
-                            off16=0, slot_bytes=kv_heads * 136)
 
 
 def test_q8_mma_emulation_uses_the_kernels_byte_selectors():

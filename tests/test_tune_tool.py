@@ -49,7 +49,7 @@ def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
 @pytest.mark.parametrize(("source", "defines"), [
     ("kvcache", {"PKV_ATTN_PARTITION_F16": "512", "PKV_ATTN_MIN_BLOCKS_F16": "3",
                  "PKV_ATTN_PARTITION_Q8": "1024", "PKV_ATTN_MIN_BLOCKS_Q8": "4",
-                 "PKV_ATTN_UNROLL": "2", "PKV_ATTN_Q8_STAGE_CG16": "1"}),
+                 "PKV_ATTN_UNROLL": "2"}),
     ("weights", {"PKV_DEQUANT_THREADS": "128", "PKV_DEQUANT_SPAN": "32"}),
 ])
 def test_every_documented_knob_builds(tune, tmp_path, source, defines):
