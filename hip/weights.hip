@@ -573,6 +573,17 @@ PKV_DEV void header_affine(uint2 hdr, int half, float& scale, float& offset) {
   }
 }
 
+// The weight of prepared-x plane p (column 3b + p) in a batch row's value: 2^(8p). Times the
+// step, step * 2^(8p) * c is exact (c < 2^24).
+PKV_DEV float x_plane_weight(int p) { return p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f; }
+
+// Two A words of 6-bit codes: the low / high nibbles of n joined with the high-bit pairs in
+// bits 0-1 / 2-3 of each byte of hb (a0 / a2 from n0 and hb; a1 / a3 from n1 and hb >> 4).
+PKV_DEV void hfq6_join(uint32_t n, uint32_t hb, uint32_t& lo, uint32_t& hi) {
+  lo = (n & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;
+  hi = (n >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;
+}
+
 #endif  // __CUDACC__ || PKV_MFMA_I8 || PKV_WMMA_I8
 
 #if defined(__CUDACC__)
@@ -680,7 +691,7 @@ PKV_DEV void add_group(float (&acc)[2][NT][2], const int (&c)[MmaHalves<F>::valu
       const int p = (8 * (i0 + i) + 2 * t + e) % 3;
       const float4 s = x_sums(i, e);
       // step * 2^(8p) * c is exact (c < 2^24); the sums of x join plane 0's column.
-      const float f = s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+      const float f = s.x * x_plane_weight(p);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
@@ -728,7 +739,7 @@ PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int t,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int p = (8 * i + 2 * t + e) % 3;
-      f[i][e] = x_sums(i, e).x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+      f[i][e] = x_sums(i, e).x * x_plane_weight(p);
     }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // x word j: mmas 2j, 2j + 1, blocks 2j, 2j + 1
@@ -803,10 +814,9 @@ PKV_DEV void mma_group6(int (&c)[1][NT][4], const MmaWeights6& w, XWords x_words
 #pragma unroll
   for (int m = 0; m < 8; ++m) {
     const uint32_t n0 = w.word(3 * m), n1 = w.word(3 * m + 1), hb = w.word(3 * m + 2);
-    const uint32_t a0 = (n0 & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;
-    const uint32_t a2 = (n0 >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;
-    const uint32_t a1 = (n1 & 0x0F0F0F0Fu) | (hb & 0x30303030u);
-    const uint32_t a3 = (n1 >> 4 & 0x0F0F0F0Fu) | (hb >> 2 & 0x30303030u);
+    uint32_t a0, a1, a2, a3;
+    hfq6_join(n0, hb, a0, a2);
+    hfq6_join(n1, hb >> 4, a1, a3);
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
       const uint4 q = x_words(i, m / 2);
@@ -1820,9 +1830,7 @@ struct AmdCodes<HFQ6G256, QUADS> {  // mma_group6's words 3m + i / 8 (n0 / n1) a
     const uint32_t n = half ? word(qq, 3 * m + 1) : word(qq, 3 * m);
     // rows 8-15 (a1, a3) keep their high bits in bits 4-7 of each byte, rows 0-7 (a0, a2) in
     // bits 0-3: shifted to the same place, one rebuild serves both
-    const uint32_t hb = word(qq, 3 * m + 2) >> 4 * half;
-    lo = (n & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;
-    hi = (n >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;
+    hfq6_join(n, word(qq, 3 * m + 2) >> 4 * half, lo, hi);
   }
 };
 
@@ -1892,7 +1900,7 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
         return b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
       };
       const auto plane_step = [&](float4 s) {  // step * 2^(8p): gemv_mma's f
-        return s.x * (p == 0 ? 1.0f : p == 1 ? 256.0f : 65536.0f);
+        return s.x * x_plane_weight(p);
       };
       // Q8F16's blocks are scaled as each pair's sums are done; the affine formats read the
       // sums after their group's products (the load, up front for them, took 10 more VGPRs)

@@ -37,6 +37,7 @@ from test_gemv_hfq6_q8f16_mma_simulated import (
     _mutant_error,
     gemv_mma_6,
     gemv_mma_q8,
+    hfq6_join,
     missing_kernel_text,
 )
 from test_gemv_mma_simulated import (
@@ -195,9 +196,7 @@ class AmdCodes:
             def word(x):
                 return words[self.w[qq] + 4 * 32 * (x // 4) + x % 4].astype(np.uint32)
             n = np.where(half == 1, word(3 * m + 1), word(3 * m)).astype(np.uint32)
-            hb = (word(3 * m + 2) >> (self.hb_shift * half)).astype(np.uint32)
-            lo = (n & 0x0F0F0F0F) | (hb & 0x03030303) << 4
-            hi = (n >> 4 & 0x0F0F0F0F) | (hb & 0x0C0C0C0C) << 2
+            lo, hi = hfq6_join(n, (word(3 * m + 2) >> (self.hb_shift * half)).astype(np.uint32))
             return lo.astype(np.uint32), hi.astype(np.uint32)
         return words[self.w[qq] + 4 * 32 * m], words[self.w[qq] + 4 * 32 * m + 2]
 
@@ -446,9 +445,7 @@ KERNEL_TEXT = [
     "for (int qq = 0; qq < QUADS; ++qq) w[qq] = (const uint32_t*)(base + 128) + 4 * L[qq];",
     "return w[qq][4 * 32 * (x / 4) + x % 4];",
     "const uint32_t n = half ? word(qq, 3 * m + 1) : word(qq, 3 * m);",
-    "const uint32_t hb = word(qq, 3 * m + 2) >> 4 * half;",
-    "lo = (n & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;",
-    "hi = (n >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;",
+    "hfq6_join(n, word(qq, 3 * m + 2) >> 4 * half, lo, hi);",
     "w[qq] = (const uint32_t*)(base + 256) + 4 * L[qq] + i / 8;",
     "lo = w[qq][4 * 32 * m];",
     "hi = w[qq][4 * 32 * m + 2];",

@@ -84,9 +84,16 @@ def gemv_mma_q8(packed, xq, xs, M, K, batch, NT, n_warps, upper_of=lambda t: t >
     return gemv_mma_blocks(M, K, batch, NT, n_warps, TILE_BYTES, packed, group)
 
 
-def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, hb_shift=(4, 2, 0, 2)):
-    """gemv_mma<HFQ6G256, NT>: y float32[batch, M]. ``hb_shift``: how far a0, a2, a1, a3's
-    high bits move (left, left, none, right: the kernel's; a mutation test changes it)."""
+def hfq6_join(n, hb):
+    """hfq6_join (hip/weights.hip): two A words of 6-bit codes, (lo, hi), from the nibble
+    word n and the high-bit word hb (bits 0-1 / 2-3 of each byte)."""
+    return ((n & 0x0F0F0F0F) | (hb & 0x03030303) << 4,
+            (n >> 4 & 0x0F0F0F0F) | (hb & 0x0C0C0C0C) << 2)
+
+
+def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, hb_shift=4):
+    """gemv_mma<HFQ6G256, NT>: y float32[batch, M]. ``hb_shift``: how far a1 / a3's high
+    bits move down to a0 / a2's place (the kernel's 4; a mutation test changes it)."""
     lane, gid, _ = _lanes()
 
     def group(acc, words, base, g):
@@ -98,13 +105,10 @@ def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, hb_shift=(4, 2, 0, 2)):
 
         xb = np.stack([x_words(xq, g, NT, i, batch) for i in range(NT)])
         c = np.zeros((1, NT, 32, 4), np.int64)
-        s0, s2, s1, s3 = hb_shift
         for m in range(8):
             n0, n1, hb = word(3 * m), word(3 * m + 1), word(3 * m + 2)
-            a0 = (n0 & 0x0F0F0F0F) | (hb & 0x03030303) << s0
-            a2 = (n0 >> 4 & 0x0F0F0F0F) | (hb & 0x0C0C0C0C) << s2
-            a1 = (n1 & 0x0F0F0F0F) | (hb & 0x30303030) << s1
-            a3 = (n1 >> 4 & 0x0F0F0F0F) | (hb >> s3 & 0x30303030)
+            a0, a2 = hfq6_join(n0, hb)
+            a1, a3 = hfq6_join(n1, hb >> hb_shift)
             for i in range(NT):
                 q = xb[i, m // 2]
                 mma_s8_16x8x32(c[0, i], a0, a1, a2, a3, q[:, 2] if m % 2 else q[:, 0],
@@ -181,7 +185,7 @@ def _random_packed(pack, M, groups, group_bytes, tile_bytes):
 
 
 def test_a_wrong_high_bit_shift_fails_the_hfq6_product(q8_mma):
-    assert _mutant_error("hfq6g256", gemv_mma_6, hb_shift=(4, 2, 0, 0)) > 1e-3
+    assert _mutant_error("hfq6g256", gemv_mma_6, hb_shift=2) > 1e-3
 
 
 def test_the_hfq6_pack_puts_each_code_where_its_lane_reads_it():
@@ -272,10 +276,10 @@ def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_bo
 KERNEL_TEXT = [
     "for (int k = 0; k < 6; ++k) code[k] = ((const uint4*)(base + 128))[32 * k + lane];",
     "const uint32_t n0 = w.word(3 * m), n1 = w.word(3 * m + 1), hb = w.word(3 * m + 2);",
-    "const uint32_t a0 = (n0 & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;",
-    "const uint32_t a2 = (n0 >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;",
-    "const uint32_t a1 = (n1 & 0x0F0F0F0Fu) | (hb & 0x30303030u);",
-    "const uint32_t a3 = (n1 >> 4 & 0x0F0F0F0Fu) | (hb >> 2 & 0x30303030u);",
+    "lo = (n & 0x0F0F0F0Fu) | (hb & 0x03030303u) << 4;",
+    "hi = (n >> 4 & 0x0F0F0F0Fu) | (hb & 0x0C0C0C0Cu) << 2;",
+    "hfq6_join(n0, hb, a0, a2);",
+    "hfq6_join(n1, hb >> 4, a1, a3);",
     "mma_s8_16x8x32(c[0][i], a0, a1, a2, a3, m % 2 ? q.z : q.x, m % 2 ? q.w : q.y);",
     "d[0] = ((const uint4*)base)[gid];",
     "d[1] = ((const uint4*)base)[gid + 8];",
