@@ -223,10 +223,12 @@ def test_the_block_lanes_are_where_the_prep_puts_the_blocks(q8_mma):
     assert _mutant_error("q8f16", gemv_mma_q8, upper_of=lambda t: t < 2) > 1e-3
 
 
-def test_the_pack_puts_each_code_where_its_lane_reads_it():
+@pytest.mark.parametrize("M", [21, 32])
+def test_the_pack_puts_each_code_where_its_lane_reads_it(M):
     # an independent reading of pack_tiles_q8f16 (the docstring's layout): every code and
-    # scale of a 2-tile, 2-group tensor lands once, padding rows are zero
-    M, groups = 21, 2
+    # scale of a 2-tile, 2-group tensor lands once, padding rows are zero; M = 32 has no
+    # padding, so the output is not zeroed first and every byte must be written
+    groups = 2
     rows, out = _random_packed("pack_tiles_q8f16", M, groups, 272, TILE_BYTES)
     want = np.zeros_like(out)
     for row in range(M):

@@ -37,15 +37,16 @@ cdef enum:
     H6_TILE_GROUP_BYTES = 3200  # 128 bytes of headers + 32 lanes x 96 bytes
 
 
-def _packed_out(M, width, groups, per_group, unit, group_words, tile_group, dtype):
+def _packed_out(M, width, groups, per_group, unit, group_words, tile_group, dtype,
+                zeroed=False):
     """The packed array of M rows of ``width`` units (``groups`` groups of ``per_group``),
     or InvalidArgument. Every unit of a real row is written; only the last tile's padding
-    rows need zeros."""
+    rows need zeros (``zeroed``: all of it, for packings that OR their bits in)."""
     if width != groups * per_group:
         raise InvalidArgument(f"rows: {width} {unit} per row, expected {groups * per_group} "
                               f"for {groups} groups of {group_words}")
     tiles = (M + TILE_ROWS - 1) // TILE_ROWS
-    return (np.empty if M % TILE_ROWS == 0 else np.zeros)(tiles * groups * tile_group, dtype)
+    return (np.zeros if zeroed or M % TILE_ROWS else np.empty)(tiles * groups * tile_group, dtype)
 
 
 def pack_tiles_4bit(const uint64_t[:, ::1] rows, int64_t groups):
@@ -122,13 +123,12 @@ cdef void _pack_row_hfq6(const uint8_t[:, ::1] rows, uint8_t[::1] o, int64_t row
 
 def _pack_byte_tiles(const uint8_t[:, ::1] rows, int64_t groups, int64_t group_bytes,
                      int64_t tile_group_bytes, bint hfq6):
-    """The tile / group / row walk of the byte-layout packings (zeroed output: HFQ6 ORs its
-    bits in, and the last tile's padding rows stay zero)."""
+    """The tile / group / row walk of the byte-layout packings (HFQ6 ORs its bits into a
+    zeroed output; Q8F16 writes every byte of a real row, so only padding needs zeros)."""
     cdef int64_t M = rows.shape[0]
     cdef int64_t tiles = (M + TILE_ROWS - 1) // TILE_ROWS
-    _packed_out(M, rows.shape[1], groups, group_bytes, "bytes", f"{group_bytes} bytes",
-                tile_group_bytes, np.uint8)
-    out = np.zeros(tiles * groups * tile_group_bytes, np.uint8)
+    out = _packed_out(M, rows.shape[1], groups, group_bytes, "bytes", f"{group_bytes} bytes",
+                      tile_group_bytes, np.uint8, zeroed=hfq6)
     cdef uint8_t[::1] o = out
     cdef int64_t tile, g, r, row, base
     with nogil:
