@@ -733,10 +733,9 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None =
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
     them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16 (batch
-    1-8): where the 4-bit formats take it (AMD:
-    its unit's opt-in on) and ``wide_mma`` is True, or None and
-    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (unset: HFQ6G256 yes, Q8F16 no): on AMD both
-    switches."""
+    1-8): where the 4-bit formats take it (on AMD: its unit's opt-in on) and the wide switch
+    asks: ``wide_mma`` True, or None and ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (unset:
+    HFQ6G256 yes, Q8F16 no)."""
     backend = getattr(device, "backend", None)
     wide = f.kernel in _WIDE_MMA_KERNELS
     if backend not in ("cuda", "hip") or not (wide or f.kernel in _MMA_KERNELS):
