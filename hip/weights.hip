@@ -726,28 +726,32 @@ struct MmaWeightsQ8 {
   }
 };
 
-// acc[r][i][e] += the group's sum for rows gid + 8r, columns 8i + 2t + e: block by block,
-// its int32 sums times the row's block scale and the column's step * 2^(8 plane) (x_sums'
-// .x, as add_group).
-template <int NT, typename XWords, typename XSums>
-PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int t,
+// acc[r][i0 + i][e] += the group's sum for rows gid + 8r, columns 8 (i0 + i) + 2t + e of
+// n-tiles i0 .. i0 + CH: block by block, its int32 sums times the row's block scale and the
+// column's step * 2^(8 plane) (x_sums' .x, as add_group). x_words(i, j) and x_sums(i, e)
+// take the chunk's n-tile i, as mma_group's and add_group's do.
+template <int CH, int NT, typename XWords, typename XSums>
+PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int i0, int t,
                           XWords x_words, XSums x_sums) {
   const bool upper = t >= 2;
-  float f[NT][2];
+  float f[CH][2];
 #pragma unroll
-  for (int i = 0; i < NT; ++i)
+  for (int i = 0; i < CH; ++i)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int p = (8 * i + 2 * t + e) % 3;
+      const int p = (8 * (i0 + i) + 2 * t + e) % 3;
       f[i][e] = x_sums(i, e).x * x_plane_weight(p);
     }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {  // x word j: mmas 2j, 2j + 1, blocks 2j, 2j + 1
-    int c[2][NT][4];
+    int c[2][CH][4];
 #pragma unroll
     for (int bk = 0; bk < 2; ++bk)
 #pragma unroll
-      for (int i = 0; i < NT; ++i) c[bk][i][0] = c[bk][i][1] = c[bk][i][2] = c[bk][i][3] = 0;
+      for (int i = 0; i < CH; ++i) c[bk][i][0] = c[bk][i][1] = c[bk][i][2] = c[bk][i][3] = 0;
+    uint4 q[CH];  // asked for once (a shared-memory load in the staged kernel)
+#pragma unroll
+    for (int i = 0; i < CH; ++i) q[i] = x_words(i, j);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4 a = w.code[2 * j + h];
@@ -757,10 +761,8 @@ PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int t,
         const uint32_t a0 = mine ? a.x : 0u, a1 = mine ? a.y : 0u;
         const uint32_t a2 = mine ? a.z : 0u, a3 = mine ? a.w : 0u;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          const uint4 q = x_words(i, j);
-          mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);
-        }
+        for (int i = 0; i < CH; ++i)
+          mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q[i].z : q[i].x, h ? q[i].w : q[i].y);
       }
     }
 #pragma unroll
@@ -772,9 +774,10 @@ PKV_DEV void mma_group_q8(float (&acc)[2][NT][2], const MmaWeightsQ8& w, int t,
         const uint32_t word = b / 2 == 0 ? dw.x : b / 2 == 1 ? dw.y : b / 2 == 2 ? dw.z : dw.w;
         const float d = pkv_half_bits_to_float((uint16_t)(b % 2 ? word >> 16 : word & 0xFFFFu));
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
+        for (int i = 0; i < CH; ++i)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) acc[r][i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);
+          for (int e = 0; e < 2; ++e)
+            acc[r][i0 + i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);
       }
     }
   }
@@ -838,6 +841,25 @@ struct MmaWeightsOf<HFQ6G256> {
   using type = MmaWeights6;
 };
 
+// acc += one (tile, group)'s products with n-tiles i0 .. i0 + CH, any format: its int32 sums
+// and f32 epilogue (gemv_mma: one chunk of all NT; gemv_mma_staged: chunks of 3). x_words(i,
+// v) and x_sums(i, e) take the chunk's n-tile i.
+template <int F, int CH, int NT, typename XWords, typename XSums>
+PKV_DEV void mma_group_add(float (&acc)[2][NT][2], const typename MmaWeightsOf<F>::type& w,
+                           int i0, int t, XWords x_words, XSums x_sums) {
+  if constexpr (F == Q8F16) {
+    mma_group_q8<CH, NT>(acc, w, i0, t, x_words, x_sums);
+  } else if constexpr (F == HFQ6G256) {
+    int c[1][CH][4];
+    mma_group6<CH>(c, w, x_words);
+    add_group<F, CH, NT>(acc, c, w.hdr, i0, t, x_sums);
+  } else {
+    int c[MmaHalves<F>::value][CH][4];
+    mma_group<F, CH>(c, w, x_words);
+    add_group<F, CH, NT>(acc, c, w.hdr, i0, t, x_sums);
+  }
+}
+
 template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
@@ -881,18 +903,8 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
         const int b = (8 * i + 2 * t + e) / 3;
         xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    if constexpr (F == Q8F16) {
-      mma_group_q8<NT>(acc, cur, t, [&](int i, int v) { return xb[i][v]; },
-                       [&](int i, int e) { return xsv[i][e]; });
-    } else if constexpr (F == HFQ6G256) {
-      int c[1][NT][4];
-      mma_group6<NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
-      add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
-    } else {
-      int c[MmaHalves<F>::value][NT][4];
-      mma_group<F, NT>(c, cur, [&](int i, int v) { return xb[i][v]; });
-      add_group<F, NT, NT>(acc, c, cur.hdr, 0, t, [&](int i, int e) { return xsv[i][e]; });
-    }
+    mma_group_add<F, NT, NT>(acc, cur, 0, t, [&](int i, int v) { return xb[i][v]; },
+                             [&](int i, int e) { return xsv[i][e]; });
     cur = nxt;
   }
   __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
@@ -1074,7 +1086,8 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
   static_assert(NT % CH == 0 && (8 * CH) % 3 == 0, "chunks hold whole batch rows");
   static_assert(PKV_GEMV_X_WORDS == 16, "a lane's x of one n-tile is four 16-byte units");
   constexpr int UNITS = NT * 32 * 4;  // 16-byte units of one group's prepared x
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16): gemv_mma's
+  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
   // 2 x NT x 2 KiB: 48 KiB at NT = 12, the static limit. The end's reduction reuses it:
   // W x 16 rows x 8 NT f32 fits for W <= 8 (PKV_GEMV_MMA_MAX_WARPS).
   __shared__ __align__(16) uint4 stage[2][UNITS];
@@ -1103,9 +1116,11 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
 
   // The next group's weights are loaded before this one is computed where the registers
   // allow it (NT = 6); at NT = 12 the accumulators take them (prefetching spilled 36-80
-  // bytes on sm_90) and the load waits with the next group's x copy in flight.
-  constexpr bool PREFETCH = NT <= PKV_GEMV_MMA_PREFETCH_TILES;
-  MmaWeights cur, nxt;
+  // bytes on sm_90) and the load waits with the next group's x copy in flight. Q8F16's 40
+  // registers of weights a group never prefetch (at NT = 6 that spilled 36 bytes, without
+  // it 4; its NT = 12 spills 32 bytes either way, as MQ4G256V2's NT = 12 spills 20-44).
+  constexpr bool PREFETCH = NT <= PKV_GEMV_MMA_PREFETCH_TILES && F != Q8F16;
+  typename MmaWeightsOf<F>::type cur, nxt;
   if (g_begin < g_end) stage_x(0, g_begin);
   cp_async_commit();  // group 0's x is its own group: the first wait<1> below waits for it
   if (active && g_begin < g_end) cur.load(wtile + (int64_t)g_begin * TILE_BYTES, lane);
@@ -1119,17 +1134,18 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
     __syncthreads();            // ... for every thread's copies
     if (active) {
 #pragma unroll
-      for (int i0 = 0; i0 < NT; i0 += CH) {
-        int c[MmaHalves<F>::value][CH][4];
-        mma_group<F, CH>(c, cur, [&](int i, int v) {
-          const bool live = 8 * (i0 + i) + gid < 3 * batch;  // past the batch: not written
-          return live ? stage[buf][x_stage_unit(i0 + i, lane, v)] : make_uint4(0u, 0u, 0u, 0u);
-        });
-        add_group<F, CH, NT>(acc, c, cur.hdr, i0, t, [&](int i, int e) {
-          const int b = (8 * (i0 + i) + 2 * t + e) / 3;
-          return b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
-        });
-      }
+      for (int i0 = 0; i0 < NT; i0 += CH)
+        mma_group_add<F, CH, NT>(
+            acc, cur, i0, t,
+            [&](int i, int v) {
+              const bool live = 8 * (i0 + i) + gid < 3 * batch;  // past the batch: not written
+              return live ? stage[buf][x_stage_unit(i0 + i, lane, v)]
+                          : make_uint4(0u, 0u, 0u, 0u);
+            },
+            [&](int i, int e) {
+              const int b = (8 * (i0 + i) + 2 * t + e) / 3;
+              return b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+            });
     }
     __syncthreads();  // buffer `buf` is read before the next iteration copies into it
     if (PREFETCH)
@@ -1165,6 +1181,10 @@ PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 6)
 PKV_GEMV_MMA_STAGED_KERNEL(hfq4g256, HFQ4G256, 12)
 PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 6)
 PKV_GEMV_MMA_STAGED_KERNEL(mq4g256v2, MQ4G256V2, 12)
+PKV_GEMV_MMA_STAGED_KERNEL(hfq6g256, HFQ6G256, 6)
+PKV_GEMV_MMA_STAGED_KERNEL(hfq6g256, HFQ6G256, 12)
+PKV_GEMV_MMA_STAGED_KERNEL(q8f16, Q8F16, 6)
+PKV_GEMV_MMA_STAGED_KERNEL(q8f16, Q8F16, 12)
 
 // ---------------------------------------------------------------------------
 // Pipelined tensor-core GEMV for batch 9-32 (docs/kernels.md, "Pipelined tensor-core GEMV"):
@@ -1863,7 +1883,10 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
   // of the current pair (mma_group_q8's c[bk])
   constexpr int SUMS = F == Q8F16 ? 2 : HALVES;
   constexpr int QUADS = MC::QUADS, D_ROWS = MC::D_ROWS;
-  const int lane = threadIdx.x % MC::WAVE, wave = threadIdx.x / MC::WAVE;
+  // the wave's index is uniform across it: said so, its group range and loop live in
+  // scalar registers and the loop branches on SCC instead of the exec mask
+  const int lane = threadIdx.x % MC::WAVE;
+  const int wave = __builtin_amdgcn_readfirstlane(threadIdx.x / MC::WAVE);
   const int n_waves = blockDim.x / MC::WAVE;
   const int i = lane % 16;
   const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
@@ -2006,9 +2029,11 @@ PKV_GEMV_AMD_MC_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_AMD_MC_TILED_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_AMD_MC_KERNELS(mq4g256v2, MQ4G256V2)
 PKV_GEMV_AMD_MC_TILED_KERNELS(mq4g256v2, MQ4G256V2)
-// HFQ6G256 and Q8F16: batch 1-8 only, as on NVIDIA (gemv_mma's n1-n3; docs/kernels.md, "HFQ6
-// and Q8F16 on tensor cores")
+// HFQ6G256 and Q8F16, batch 1-32 as the 4-bit formats (docs/kernels.md, "HFQ6 and Q8F16 on
+// tensor cores")
 PKV_GEMV_AMD_MC_KERNELS(hfq6g256, HFQ6G256)
+PKV_GEMV_AMD_MC_TILED_KERNELS(hfq6g256, HFQ6G256)
 PKV_GEMV_AMD_MC_KERNELS(q8f16, Q8F16)
+PKV_GEMV_AMD_MC_TILED_KERNELS(q8f16, Q8F16)
 
 #endif  // PKV_MFMA_I8 || PKV_WMMA_I8

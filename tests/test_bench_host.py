@@ -199,7 +199,8 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     tracked = {name.split(" | ")[0] for name in asv.BANDWIDTH_ROWS + asv.TORCH_ROWS}
     # HFQ6 / Q8F16 on tensor cores: NVIDIA sm_80+ only (the stub is a HIP device)
     nvidia_only = {n for n in tracked if n.endswith("(tensor cores)")}
-    assert nvidia_only == {"gemv hfq6g256 b1 (tensor cores)", "gemv q8f16 b1 (tensor cores)"}
+    assert nvidia_only == {f"gemv {fmt} b{b} (tensor cores)" for fmt in ("hfq6g256", "q8f16")
+                           for b in (1, 32)}
     assert tracked - nvidia_only <= emitted, tracked - nvidia_only - emitted
     got = asv.by_row(rows, "of_copy")
     assert (rows[3]["kernel"], rows[3]["shape"]) == ("gemv hfq4g256 b1", "32x512")

@@ -386,7 +386,10 @@ def test_amd_matrix_core_gemv_simulated_gives_the_exact_sums_and_the_nvidia_kern
 @pytest.mark.parametrize(("fmt", "M", "K", "batch", "waves"), [
     ("hfq6g256", 37, 1024, 1, 2), ("hfq6g256", 20, 256, 4, 1), ("hfq6g256", 33, 768, 8, 3),
     ("q8f16", 37, 1024, 1, 4), ("q8f16", 21, 512, 5, 2), ("q8f16", 45, 768, 8, 3),
-    ("q8f16", 16, 256, 3, 1)])
+    ("q8f16", 16, 256, 3, 1),
+    # batch 9-32: the tiled n6 / n12 (the NVIDIA staged kernel's n-tiles)
+    ("hfq6g256", 37, 1024, 13, 2), ("hfq6g256", 20, 512, 32, 1), ("q8f16", 37, 768, 32, 3),
+    ("q8f16", 21, 512, 17, 2)])
 def test_amd_hfq6_and_q8f16_gemv_simulated_gives_the_exact_sums_and_the_nvidia_kernels_outputs(
         fmt, M, K, batch, waves, frag):
     raw, x = _wide_case(M, K, batch, seed=M * K + batch, fmt=fmt)

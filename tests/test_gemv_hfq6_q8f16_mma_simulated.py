@@ -24,9 +24,10 @@ from test_gemv_mma_simulated import (
     _lanes,
     add_group,
     gemv_mma_blocks,
+    gemv_mma_staged,
     mma_s8_16x8x32,
     prep_x,
-    x_words,
+    x_chunk_words,
 )
 from test_kernels_host import FakeCudaDevice
 
@@ -40,46 +41,52 @@ def _f16(bits):
         np.float32)
 
 
-def gemv_mma_q8(packed, xq, xs, M, K, batch, NT, n_warps, upper_of=lambda t: t >= 2):
-    """gemv_mma<Q8F16, NT>: y float32[batch, M]. ``upper_of``: which lanes carry block
-    2j + 1's dims (the kernel's ``t >= 2``; a mutation test changes it)."""
+def q8_chunk(acc, words, base, g, i0, chunk, xword, xs, batch, upper_of=lambda t: t >= 2):
+    """mma_group_q8<CH, NT>: acc[2, NT, 2, 32] += tile-group ``base``'s products with n-tiles
+    i0 .. i0 + chunk (``xword(i, v)``: test_gemv_mma_simulated.nibble_chunk's). ``upper_of``:
+    which lanes carry block 2j + 1's dims (the kernel's ``t >= 2``; a mutation changes it)."""
     lane, gid, t = _lanes()
     upper = upper_of(t)
+    # MmaWeightsQ8::load: d[r] = row gid + 8r's 16 bytes, code[m] = 16 bytes
+    d = [np.stack([words[base + 4 * (gid + 8 * r) + w] for w in range(4)], axis=1)
+         for r in range(2)]
+    code = [np.stack([words[base + 64 + 4 * (32 * m + lane) + w] for w in range(4)], axis=1)
+            for m in range(8)]
+    f = np.zeros((chunk, 2, 32), np.float32)
+    for i in range(chunk):
+        for e in range(2):
+            col = 8 * (i0 + i) + 2 * t + e
+            b, p = col // 3, col % 3
+            step = np.where(b < batch, xs[np.minimum(g * batch + b, len(xs) - 1), 0], 0)
+            f[i, e] = step.astype(np.float32) * np.float32([1, 256, 65536])[p]
+    for j in range(4):
+        c = np.zeros((2, chunk, 32, 4), np.int64)
+        q = [xword(i, j) for i in range(chunk)]
+        for h in range(2):
+            a = code[2 * j + h]
+            for bk in range(2):
+                mine = (bk == 1) == upper
+                regs = [np.where(mine, a[:, k], 0).astype(np.uint32) for k in range(4)]
+                for i in range(chunk):
+                    mma_s8_16x8x32(c[bk, i], *regs, q[i][:, 2] if h else q[i][:, 0],
+                                   q[i][:, 3] if h else q[i][:, 1])
+        for bk in range(2):
+            b = 2 * j + bk  # block b's scale: half b % 2 of word b / 2
+            for r in range(2):
+                word = d[r][:, b // 2]
+                dv = _f16(word >> 16 if b % 2 else word & 0xFFFF)
+                for i in range(chunk):
+                    for e in range(2):
+                        acc[r, i0 + i, e] += dv * (f[i, e] * c[bk, i, :, 2 * r + e]
+                                                   .astype(np.float32))
+
+
+def gemv_mma_q8(packed, xq, xs, M, K, batch, NT, n_warps, **mutation):
+    """gemv_mma<Q8F16, NT>: y float32[batch, M]; ``mutation``: q8_chunk's."""
 
     def group(acc, words, base, g):
-        # MmaWeightsQ8::load: d[r] = row gid + 8r's 16 bytes, code[m] = 16 bytes
-        d = [np.stack([words[base + 4 * (gid + 8 * r) + w] for w in range(4)], axis=1)
-             for r in range(2)]
-        code = [np.stack([words[base + 64 + 4 * (32 * m + lane) + w] for w in range(4)], axis=1)
-                for m in range(8)]
-        xb = np.stack([x_words(xq, g, NT, i, batch) for i in range(NT)])
-        f = np.zeros((NT, 2, 32), np.float32)
-        for i in range(NT):
-            for e in range(2):
-                col = 8 * i + 2 * t + e
-                b, p = col // 3, col % 3
-                step = np.where(b < batch, xs[np.minimum(g * batch + b, len(xs) - 1), 0], 0)
-                f[i, e] = step.astype(np.float32) * np.float32([1, 256, 65536])[p]
-        for j in range(4):
-            c = np.zeros((2, NT, 32, 4), np.int64)
-            for h in range(2):
-                a = code[2 * j + h]
-                for bk in range(2):
-                    mine = (bk == 1) == upper
-                    regs = [np.where(mine, a[:, k], 0).astype(np.uint32) for k in range(4)]
-                    for i in range(NT):
-                        q = xb[i, j]
-                        mma_s8_16x8x32(c[bk, i], *regs, q[:, 2] if h else q[:, 0],
-                                       q[:, 3] if h else q[:, 1])
-            for bk in range(2):
-                b = 2 * j + bk  # block b's scale: half b % 2 of word b / 2
-                for r in range(2):
-                    word = d[r][:, b // 2]
-                    dv = _f16(word >> 16 if b % 2 else word & 0xFFFF)
-                    for i in range(NT):
-                        for e in range(2):
-                            acc[r, i, e] += dv * (f[i, e] * c[bk, i, :, 2 * r + e]
-                                                  .astype(np.float32))
+        q8_chunk(acc, words, base, g, 0, NT, x_chunk_words(xq, g, NT, 0, NT, batch), xs,
+                 batch, **mutation)
 
     return gemv_mma_blocks(M, K, batch, NT, n_warps, TILE_BYTES, packed, group)
 
@@ -91,31 +98,54 @@ def hfq6_join(n, hb):
             (n >> 4 & 0x0F0F0F0F) | (hb & 0x0C0C0C0C) << 2)
 
 
-def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, hb_shift=4):
-    """gemv_mma<HFQ6G256, NT>: y float32[batch, M]. ``hb_shift``: how far a1 / a3's high
-    bits move down to a0 / a2's place (the kernel's 4; a mutation test changes it)."""
+def hfq6_chunk(acc, words, base, g, i0, chunk, xword, xs, batch, hb_shift=4):
+    """mma_group6<CH> + add_group: acc[2, NT, 2, 32] += tile-group ``base``'s products with
+    n-tiles i0 .. i0 + chunk (``xword(i, v)``: nibble_chunk's). ``hb_shift``: how far a1 /
+    a3's high bits move down to a0 / a2's place (the kernel's 4; a mutation changes it)."""
     lane, gid, _ = _lanes()
+    hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
+                    axis=1) for r in range(2)]
+
+    def word(x):  # MmaWeights6::word: load x / 4 at 128 + 16 (32 (x / 4) + lane)
+        return words[base + 32 + 4 * (32 * (x // 4) + lane) + x % 4].astype(np.uint32)
+
+    c = np.zeros((1, chunk, 32, 4), np.int64)
+    for m in range(8):
+        n0, n1, hb = word(3 * m), word(3 * m + 1), word(3 * m + 2)
+        a0, a2 = hfq6_join(n0, hb)
+        a1, a3 = hfq6_join(n1, hb >> hb_shift)
+        for i in range(chunk):
+            q = xword(i, m // 2)
+            mma_s8_16x8x32(c[0, i], a0, a1, a2, a3, q[:, 2] if m % 2 else q[:, 0],
+                           q[:, 3] if m % 2 else q[:, 1])
+    add_group(acc, c, hdr, i0, xs, g, batch, False)
+
+
+def gemv_mma_6(packed, xq, xs, M, K, batch, NT, n_warps, **mutation):
+    """gemv_mma<HFQ6G256, NT>: y float32[batch, M]; ``mutation``: hfq6_chunk's."""
 
     def group(acc, words, base, g):
-        hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
-                        axis=1) for r in range(2)]
-
-        def word(x):  # MmaWeights6::word: load x / 4 at 128 + 16 (32 (x / 4) + lane)
-            return words[base + 32 + 4 * (32 * (x // 4) + lane) + x % 4].astype(np.uint32)
-
-        xb = np.stack([x_words(xq, g, NT, i, batch) for i in range(NT)])
-        c = np.zeros((1, NT, 32, 4), np.int64)
-        for m in range(8):
-            n0, n1, hb = word(3 * m), word(3 * m + 1), word(3 * m + 2)
-            a0, a2 = hfq6_join(n0, hb)
-            a1, a3 = hfq6_join(n1, hb >> hb_shift)
-            for i in range(NT):
-                q = xb[i, m // 2]
-                mma_s8_16x8x32(c[0, i], a0, a1, a2, a3, q[:, 2] if m % 2 else q[:, 0],
-                               q[:, 3] if m % 2 else q[:, 1])
-        add_group(acc, c, hdr, 0, xs, g, batch, False)
+        hfq6_chunk(acc, words, base, g, 0, NT, x_chunk_words(xq, g, NT, 0, NT, batch), xs,
+                   batch, **mutation)
 
     return gemv_mma_blocks(M, K, batch, NT, n_warps, H6_TILE_BYTES, packed, group)
+
+
+#: Per format: its chunk model (mma_group_add's branch) and packed tile-group bytes.
+CHUNK_MODELS = {"q8f16": (q8_chunk, TILE_BYTES), "hfq6g256": (hfq6_chunk, H6_TILE_BYTES)}
+
+
+def gemv_mma_staged_wide(fmt, packed, xq, xs, M, K, batch, NT, n_warps, splits, **mutation):
+    """gemv_mma_staged<HFQ6G256 / Q8F16, NT>: test_gemv_mma_simulated's staged model (x
+    through the swizzled shared buffer, chunks of 3 n-tiles, split-K) with this format's
+    chunk model."""
+    chunk, tile_bytes = CHUNK_MODELS[fmt]
+
+    def chunk_fn(acc, words, base, g, i0, n, xword):
+        chunk(acc, words, base, g, i0, n, xword, xs, batch, **mutation)
+
+    return gemv_mma_staged(packed, xq, xs, M, K, batch, NT, False, n_warps, splits,
+                           chunk_fn=chunk_fn, tile_bytes=tile_bytes)
 
 
 def _case(M, K, batch, seed, fmt="q8f16"):
@@ -182,6 +212,64 @@ def _random_packed(pack, M, groups, group_bytes, tile_bytes):
     out = getattr(gemv_pack, pack)(rows, groups)
     assert out.shape == (2 * groups * tile_bytes,)
     return rows, out
+
+
+@pytest.mark.parametrize(("fmt", "M", "K", "batch", "warps", "splits"), [
+    ("q8f16", 37, 1024, 32, 8, 4), ("q8f16", 20, 768, 11, 2, 3), ("q8f16", 16, 512, 24, 1, 1),
+    ("hfq6g256", 37, 1024, 17, 4, 2), ("hfq6g256", 33, 512, 32, 8, 1),
+    ("hfq6g256", 40, 768, 9, 3, 3)])
+def test_staged_hfq6_and_q8f16_gemv_simulated_matches_the_float64_product(fmt, M, K, batch,
+                                                                        warps, splits):
+    # batch 9-32: gemv_mma_staged<HFQ6G256 / Q8F16, NT> (x through the swizzled shared
+    # buffer, the format's products in chunks of 3 n-tiles, the groups split over blocks)
+    raw, x = _case(M, K, batch, seed=M * K + batch, fmt=fmt)
+    g = weights.Gemv(FakeCudaDevice(), fmt, M, K, batch, wide_mma=True)
+    NT = g._tiles
+    assert NT == (6 if batch <= 16 else 12)
+    assert g._kernel.name == f"pkv_gemv_mma_staged_{fmt}_n{NT}" and len(g._grid) == 2
+    assert repr(g) == f"Gemv('{fmt}', M={M}, K={K}, batch={batch}, int8 tensor cores, staged)"
+    xq, xs = prep_x(x, K, NT, False)
+    y = gemv_mma_staged_wide(fmt, g.pack(raw), xq, xs, M, K, batch, NT, warps, splits)
+    _check(y, raw, x, M, K, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["q8f16", "hfq6g256"])
+def test_one_split_of_the_staged_wide_gemv_gives_each_batch_row_what_the_batch_8_kernel_does(
+        fmt):
+    # one warp per block and one split: each output adds its groups in order, as the batch
+    # 1-8 kernel's one warp does, and a column's plane and batch row are where the chunked
+    # n-tiles put them; so every 8 batch rows of a batch-32 call are that kernel's, bit for bit
+    M, K = 37, 768
+    raw, x = _case(M, K, 32, seed=5, fmt=fmt)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32, wide_mma=True).pack(raw)
+    xq, xs = prep_x(x, K, 12, False)
+    staged = gemv_mma_staged_wide(fmt, packed, xq, xs, M, K, 32, 12, 1, 1)
+    one = gemv_mma_q8 if fmt == "q8f16" else gemv_mma_6
+    for lo in range(0, 32, 8):
+        xq8, xs8 = prep_x(x[lo:lo + 8], K, 3, False)
+        old = one(packed, xq8, xs8, M, K, 8, 3, 1)
+        np.testing.assert_array_equal(staged[lo:lo + 8].view(np.uint32), old.view(np.uint32))
+
+
+def test_a_chunk_that_forgets_its_first_n_tile_fails_the_staged_product():
+    # mma_group_q8 in chunks: n-tile i of chunk i0 is column 8 (i0 + i) + 2t + e, its plane
+    # (col % 3) and accumulator acc[r][i0 + i]; a chunk that scaled by plane (8i + 2t + e)
+    # % 3 gives the later chunks' columns the wrong 2^(8p)
+    M, K, batch = 16, 512, 32
+    raw, x = _case(M, K, batch, seed=3)
+    packed = weights.Gemv(FakeCudaDevice(), "q8f16", M, K, batch, wide_mma=True).pack(raw)
+    xq, xs = prep_x(x, K, 12, False)
+
+    def forgetful(acc, words, base, g, i0, n, xword):
+        # the chunk's accumulators and scales placed as if it were chunk 0, then moved
+        part = np.zeros_like(acc)
+        q8_chunk(part, words, base, g, 0, n, xword, xs, batch)
+        acc[:, i0:i0 + n] += part[:, :n]
+
+    y = gemv_mma_staged(packed, xq, xs, M, K, batch, 12, False, 1, 1, chunk_fn=forgetful,
+                        tile_bytes=TILE_BYTES)
+    expect = ref.gemv(raw, "q8f16", M, K, x, rotated=False)
+    assert np.abs(y - expect).max() / np.abs(expect).max() > 1e-3
 
 
 def test_a_wrong_high_bit_shift_fails_the_hfq6_product(q8_mma):
@@ -263,15 +351,39 @@ def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_bo
         g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
         assert g.tensor_cores and g._kernel.name == f"pkv_gemv_mma_{fmt}_n2"
         assert repr(g) == f"Gemv('{fmt}', M=64, K=512, batch=4, int8 tensor cores)"
-        assert weights.max_batch(FakeCudaDevice(), fmt) == 8
-    # K = 288: 9 blocks of 32, not whole 256-groups: the CUDA-core kernel
+        # the variable set asks for batch 9-32 too (the staged kernel)
+        assert weights.max_batch(FakeCudaDevice(), fmt) == 32
+    # K = 288: 9 blocks of 32, not whole 256-groups: the CUDA-core kernel, 8 rows a call
     g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 4)
     assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
-    # batch 1-8 only (gemv_mma's n1-n3), and never the f16-activation kernel
-    assert weights.max_batch(FakeCudaDevice(), "q8f16") == 8
+    with pytest.raises(errors.InvalidArgument, match=r"batch=9: q8f16 with K=288 runs the "
+                                                     r"CUDA-core kernel .* 1\.\.8 rows a call"):
+        weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 9)
+    # never the f16-activation kernel, nor the pipelined one (4-bit only)
     monkeypatch.setenv(weights.F16X_ENV, "1")
+    monkeypatch.setenv(weights.PIPE_ENV, "1")
     g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 8)
     assert g.tensor_cores and not g.f16_x and g._kernel.name == "pkv_gemv_mma_q8f16_n3"
+    g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 32)
+    assert not g.f16_x and not g.pipe and g._kernel.name == "pkv_gemv_mma_staged_q8f16_n12"
+    with pytest.raises(errors.InvalidArgument, match="pipe=True: the pipelined GEMV runs"):
+        weights.Gemv(FakeCudaDevice(), "hfq6g256", 64, 512, 32, pipe=True)
+
+
+def test_batch_9_to_32_of_the_wide_formats_waits_for_an_explicit_ask(monkeypatch):
+    # HFQ6G256's default tensor-core kernel stops at batch 8: batch 9-32 (never run on a GPU
+    # yet) needs wide_mma=True or the variable set to 1, and is refused unchanged otherwise
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
+    dev = FakeCudaDevice()
+    assert weights.max_batch(dev, "hfq6g256") == 8
+    assert weights.max_batch(dev, "hfq6g256", wide_mma=True) == 32
+    assert weights.max_batch(dev, "q8f16", wide_mma=False) == 8
+    with pytest.raises(errors.InvalidArgument, match=r"batch=9: expected 1\.\.8 for hfq6g256"):
+        weights.Gemv(dev, "hfq6g256", 64, 512, 9)
+    assert dev.calls == []
+    g = weights.Gemv(dev, "hfq6g256", 64, 512, 9, wide_mma=True)
+    assert g._kernel.name == "pkv_gemv_mma_staged_hfq6g256_n6"
+    assert weights.max_batch(FakeCudaDevice("sm_75"), "hfq6g256", wide_mma=None) == 8
 
 
 #: Expressions of the emulation copied from the kernel text.
@@ -288,10 +400,15 @@ KERNEL_TEXT = [
     "for (int m = 0; m < 8; ++m) code[m] = ((const uint4*)(base + 256))[32 * m + lane];",
     "const bool upper = t >= 2;",
     "const bool mine = (bk == 1) == upper;",
-    "mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q.z : q.x, h ? q.w : q.y);",
+    "mma_s8_16x8x32(c[bk][i], a0, a1, a2, a3, h ? q[i].z : q[i].x, h ? q[i].w : q[i].y);",
     "const int b = 2 * j + bk;",
     "const float d = pkv_half_bits_to_float((uint16_t)(b % 2 ? word >> 16 : word & 0xFFFFu));",
-    "for (int e = 0; e < 2; ++e) acc[r][i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);",
+    "acc[r][i0 + i][e] += d * (f[i][e] * (float)c[bk][i][2 * r + e]);",
+    "const int p = (8 * (i0 + i) + 2 * t + e) % 3;",
+    "mma_group_q8<CH, NT>(acc, w, i0, t, x_words, x_sums);",
+    "add_group<F, CH, NT>(acc, c, w.hdr, i0, t, x_sums);",
+    "typename MmaWeightsOf<F>::type cur, nxt;",
+    "constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);",
 ]
 
 
@@ -313,6 +430,9 @@ def test_the_emulated_expressions_are_the_kernel_text():
     text = weights_hip_text()
     assert re.search(r"PKV_GEMV_MMA_KERNELS\(q8f16, Q8F16\)", text)
     assert re.search(r"PKV_GEMV_MMA_KERNELS\(hfq6g256, HFQ6G256\)", text)
+    for fmt, F in (("hfq6g256", "HFQ6G256"), ("q8f16", "Q8F16")):
+        for nt in (6, 12):
+            assert f"PKV_GEMV_MMA_STAGED_KERNEL({fmt}, {F}, {nt})" in text
 
 
 def test_wide_mma_chooses_over_the_variable_and_is_refused_where_it_cannot_run(monkeypatch):

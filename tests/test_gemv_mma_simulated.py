@@ -179,33 +179,46 @@ def x_words(xq, g, NT, i, batch):
     return out
 
 
+def nibble_chunk(acc, words, base, g, i0, chunk, xword, xs, batch, v2):
+    """weights.hip's mma_group_add for the 4-bit formats (mma_group, add_group): acc[2, NT,
+    2, 32] += tile-group ``base``'s products with n-tiles i0 .. i0 + chunk; ``xword(i, v)``
+    is the lane's prepared-x uint4 word v of the chunk's n-tile i (uint32[32, 4])."""
+    lane, gid, _ = _lanes()
+    halves = 2 if v2 else 1
+    hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
+                    axis=1) for r in range(2)]
+    code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
+                     axis=1) for i in range(4)]  # uint4 x, y, z, w
+    c = np.zeros((halves, chunk, 32, 4), np.int64)
+    for m in range(8):
+        j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
+        pa, pb = code[j // 2], code[2 + j // 2]
+        wa = pa[:, 2 * (j % 2) + h]
+        wb = pb[:, 2 * (j % 2) + h]
+        a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
+        a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
+        for i in range(chunk):
+            q = xword(i, m // 2)
+            b0 = q[:, 2] if h else q[:, 0]
+            b1 = q[:, 3] if h else q[:, 1]
+            mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
+    add_group(acc, c, hdr, i0, xs, g, batch, v2)
+
+
+def x_chunk_words(xq, g, NT, i0, chunk, batch):
+    """``xword`` of a chunk read from the prepared x in global memory (gemv_mma's xb)."""
+    xb = [x_words(xq, g, NT, i0 + i, batch) for i in range(chunk)]
+    return lambda i, v: xb[i][v]
+
+
 def gemv_mma_tiled(packed, xq, xs, M, K, batch, NT, v2, n_warps, chunk=CHUNK):
     """gemv_mma<F, NT> with chunk = NT <= 3 (the batch 1-8 kernel; NT / chunk chunks per
     group is the loop of the AMD tiled kernel's NVIDIA ancestor): y[batch, M]."""
-    lane, gid, _ = _lanes()
-    halves = 2 if v2 else 1
 
     def group(acc, words, base, g):
-        hdr = [np.stack([words[base + 2 * (gid + 8 * r)], words[base + 2 * (gid + 8 * r) + 1]],
-                        axis=1) for r in range(2)]
-        code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
-                         axis=1) for i in range(4)]  # uint4 x, y, z, w
         for i0 in range(0, NT, chunk):
-            xb = np.stack([x_words(xq, g, NT, i0 + i, batch) for i in range(chunk)])
-            c = np.zeros((halves, chunk, 32, 4), np.int64)
-            for m in range(8):
-                j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
-                pa, pb = code[j // 2], code[2 + j // 2]
-                wa = pa[:, 2 * (j % 2) + h]
-                wb = pb[:, 2 * (j % 2) + h]
-                a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
-                a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
-                for i in range(chunk):
-                    q = xb[i, m // 2]
-                    b0 = q[:, 2] if h else q[:, 0]
-                    b1 = q[:, 3] if h else q[:, 1]
-                    mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-            add_group(acc, c, hdr, i0, xs, g, batch, v2)
+            nibble_chunk(acc, words, base, g, i0, chunk,
+                         x_chunk_words(xq, g, NT, i0, chunk, batch), xs, batch, v2)
 
     return gemv_mma_blocks(M, K, batch, NT, n_warps, ROWS * 136, packed, group)
 
@@ -240,13 +253,17 @@ def x_stage_unit(tile, lane, v):
     return 4 * (32 * tile + lane) + (v ^ ((lane >> 1) & 3))
 
 
-def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
-    """gemv_mma_staged<F, NT> on a grid (row blocks, splits) of n_warps-warp blocks."""
+def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits, chunk_fn=None,
+                    tile_bytes=ROWS * 136):
+    """gemv_mma_staged<F, NT> on a grid (row blocks, splits) of n_warps-warp blocks.
+    ``chunk_fn(acc, words, base, g, i0, chunk, xword)``: the format's mma_group_add (the
+    4-bit formats' nibble_chunk when None), ``tile_bytes`` its packed tile-group."""
     lane, gid, t = _lanes()
     groups = K // 256
-    tile_bytes = ROWS * 136
     units = NT * 32 * 4
-    halves = 2 if v2 else 1
+    if chunk_fn is None:
+        def chunk_fn(acc, words, base, g, i0, chunk, xword):
+            nibble_chunk(acc, words, base, g, i0, chunk, xword, xs, batch, v2)
     words = packed.view(np.uint32)
     row_tiles = -(-M // ROWS)
     rows = n_warps * ROWS
@@ -271,26 +288,11 @@ def gemv_mma_staged(packed, xq, xs, M, K, batch, NT, v2, n_warps, splits):
                     if tile >= row_tiles:
                         continue
                     base = (tile * groups + g) * tile_bytes // 4
-                    hdr = [np.stack([words[base + 2 * (gid + 8 * r)],
-                                     words[base + 2 * (gid + 8 * r) + 1]], axis=1) for r in range(2)]
-                    code = [np.stack([words[base + 32 + 4 * (32 * i + lane) + w] for w in range(4)],
-                                     axis=1) for i in range(4)]
                     for i0 in range(0, NT, CHUNK):
-                        c = np.zeros((halves, CHUNK, 32, 4), np.int64)
-                        for m in range(8):
-                            j, h, hv = m // 2, m % 2, (m // 4 if halves == 2 else 0)
-                            pa, pb = code[j // 2], code[2 + j // 2]
-                            wa, wb = pa[:, 2 * (j % 2) + h], pb[:, 2 * (j % 2) + h]
-                            a0, a1 = wa & 0x0F0F0F0F, wb & 0x0F0F0F0F
-                            a2, a3 = (wa >> 4) & 0x0F0F0F0F, (wb >> 4) & 0x0F0F0F0F
-                            for i in range(CHUNK):
-                                live = 8 * (i0 + i) + gid < 3 * batch
-                                q = np.where(live[:, None],
-                                             stage[x_stage_unit(i0 + i, lane, m // 2)], 0)
-                                b0 = q[:, 2] if h else q[:, 0]
-                                b1 = q[:, 3] if h else q[:, 1]
-                                mma_s8_16x8x32(c[hv, i], a0, a1, a2, a3, b0, b1)
-                        add_group(accs[warp], c, hdr, i0, xs, g, batch, v2)
+                        def xword(i, v, i0=i0, stage=stage):
+                            live = 8 * (i0 + i) + gid < 3 * batch  # past the batch: zeros
+                            return np.where(live[:, None], stage[x_stage_unit(i0 + i, lane, v)], 0)
+                        chunk_fn(accs[warp], words, base, g, i0, CHUNK, xword)
             for warp in range(n_warps):
                 for r in range(2):
                     for i in range(NT):

@@ -85,12 +85,11 @@ def test_isa_versions_of_arch_names(codegen):
 
 def test_the_int8_gemv_is_wmma_on_gfx1100_without_scratch(weights_gfx1100):
     mma = {n: k for n, k in weights_gfx1100.items() if n.startswith("pkv_gemv_mma_")}
-    # n1-n3 and the tiled n6 / n12 of both 4-bit kernels (mq4g256 runs hfq4g256's on rotated
-    # x), n1-n3 of HFQ6G256 and Q8F16
+    # n1-n3 and the tiled n6 / n12 of every format with a tensor-core GEMV (mq4g256 runs
+    # hfq4g256's on rotated x)
     assert sorted(mma) == sorted(
-        [f"pkv_gemv_mma_{t}{f}_n{n}" for f in ("hfq4g256", "mq4g256v2")
-         for t, n in [("", 1), ("", 2), ("", 3), ("tiled_", 6), ("tiled_", 12)]]
-        + [f"pkv_gemv_mma_{f}_n{n}" for f in ("hfq6g256", "q8f16") for n in (1, 2, 3)])
+        f"pkv_gemv_mma_{t}{f}_n{n}" for f in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16")
+        for t, n in [("", 1), ("", 2), ("", 3), ("tiled_", 6), ("tiled_", 12)])
     for name, k in mma.items():
         # one 16-column tile per pass: 8 k-32 steps of 2 WMMAs each in the group loop (Q8F16
         # too: one WMMA per 32-weight block takes its two quads, WmmaI8::product_blocks)

@@ -85,8 +85,7 @@ def test_the_int8_gemv_kernels_are_mfma(tmp_path):
     want = {}
     for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16"):
         names = [f"pkv_gemv_mma_{fmt}_n{n}" for n in (1, 2, 3)]
-        if fmt in ("hfq4g256", "mq4g256v2"):  # batch 9-32: the 4-bit formats only
-            names += [f"pkv_gemv_mma_tiled_{fmt}_n{n}" for n in (6, 12)]
+        names += [f"pkv_gemv_mma_tiled_{fmt}_n{n}" for n in (6, 12)]  # batch 9-32
         # gfx90a: v_mfma_i32_16x16x16i8, two k-16 steps per k-32 group step, 8 of those.
         # Q8F16 twice: a lane holds one k-quad, so each step runs once per 32-weight block
         # with the other block's lanes zeroed (MfmaI8::product_blocks)

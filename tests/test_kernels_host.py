@@ -521,7 +521,9 @@ def test_gemv_takes_the_amd_hfq6_q8f16_kernels_only_with_both_switches(
         monkeypatch.setenv(other_env, "1")  # the other unit's switch never gates this one
         g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=wide_mma)
         assert (g.tensor_cores, g.packed) == (want, want), (unit_on, wide_on, wide_mma)
-        assert weights.max_batch(dev, fmt) == 8  # n1-n3 only, as on NVIDIA
+        # batch 9-32 (the tiled n6 / n12) only where asked for explicitly, as on NVIDIA
+        explicit = wide_mma if wide_mma is not None else wide_on == "1"
+        assert weights.max_batch(dev, fmt, wide_mma) == (32 if want and explicit else 8)
     monkeypatch.setenv(unit_env, "1")
     g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=True)
     assert repr(g) == f"Gemv('{fmt}', M=37, K=1024, batch={batch}, int8 matrix cores)"

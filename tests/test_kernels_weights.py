@@ -243,6 +243,52 @@ def test_gpu_hfq6_and_q8f16_on_tensor_cores(device, monkeypatch, fmt, batch, M, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq6g256", "q8f16"])
+@pytest.mark.parametrize("batch,M,K", [(13, 37, 1280), (32, 300, 4096), (17, 4096, 4096),
+                                       (32, 4096, 14336)])
+def test_gpu_hfq6_and_q8f16_batch_9_to_32_on_tensor_cores(device, fmt, batch, M, K):
+    # wide_mma=True (batch 9-32 is opt-in until this passes on a device): gemv_mma_staged<
+    # HFQ6G256> / <Q8F16> (NVIDIA; gemv_amd_mc's tiled n6 / n12 on AMD) against the float64
+    # reference and the batch 1-8 tensor-core kernel on each 8 rows of the same x, with rows
+    # of |x| ~ 1e30, ~ 1e-30 and zero and a NaN that poisons only its batch row; a second
+    # launch (the split-K arrival counters reset by the first) gives the same bits.
+    try:
+        g = weights.Gemv(device, fmt, M, K, batch, wide_mma=True)
+    except errors.InvalidArgument:
+        pytest.skip(f"no int8 tensor cores for {fmt} on {device.properties.arch}")
+    n_tiles = 6 if batch <= 16 else 12
+    kind = "staged_" if device.backend == "cuda" else "tiled_"
+    assert g._kernel.name == f"pkv_gemv_mma_{kind}{fmt}_n{n_tiles}", g.launch
+    _, raw = _weights(fmt, (M, K))
+    x = RNG.standard_normal((batch, K)).astype(np.float32)
+    x[1] *= np.float32(1e30)
+    x[2] *= np.float32(1e-30)
+    x[3] = 0.0
+    x[9, 77] = np.nan
+    w = g.upload(raw)
+    y = poisoned(device, (batch, M), np.float32)
+    g.run(w, device.array(x), y)
+    got = y.to_numpy()
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=False)
+    bound = _gemv_bound(raw, fmt, M, K, x)
+    live = np.isfinite(want).all(axis=1)
+    assert np.isnan(got[~live]).all() and np.isfinite(got[live]).all()
+    assert (np.abs(got[live] - want[live]) <= 2e-5 * bound[live] + 1e-37).all()
+    assert (got[3] == 0.0).all()
+    y2 = poisoned(device, (batch, M), np.float32)
+    g.run(w, device.array(x), y2)
+    np.testing.assert_array_equal(y2.to_numpy().view(np.uint32), got.view(np.uint32))
+    for lo in range(0, batch, 8):
+        n = min(8, batch - lo)
+        small = weights.Gemv(device, fmt, M, K, n, wide_mma=True)
+        y8 = poisoned(device, (n, M), np.float32)
+        small.run(small.upload(raw), device.array(x[lo:lo + n]), y8)
+        rows = live[lo:lo + n]
+        diff = np.abs(got[lo:lo + n][rows] - y8.to_numpy()[rows])
+        assert (diff <= 4e-5 * bound[lo:lo + n][rows] + 1e-37).all()
+
+
+@pytest.mark.gpu
 def test_gpu_gemv_rejects_bad_shapes(device):
     with pytest.raises(errors.InvalidArgument, match="K=1000"):
         weights.Gemv(device, "hfq4g256", 8, 1000)

@@ -43,8 +43,8 @@ BANDWIDTH_ROWS = (
        for m, k in GEMV_SHAPES]
     # HFQ6 / Q8F16 on the int8 tensor cores (opt-in, docs/kernels.md): issue 13's "on the
     # same tensor-core path as the 4-bit ones"
-    + [f"gemv {fmt} b1 (tensor cores) | {m}x{k}" for fmt in ("hfq6g256", "q8f16")
-       for m, k in GEMV_SHAPES]
+    + [f"gemv {fmt} b{b} (tensor cores) | {m}x{k}" for fmt in ("hfq6g256", "q8f16")
+       for b in (1, 32) for m, k in GEMV_SHAPES]
     + [f"dequant {fmt}->{dt} | 14336x4096"
        for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16") for dt in ("float16", "float32")]
     + ["fwht256 f32 | 262144x256", "paged_attention float16 | 32x4096 kvh8 d128"]

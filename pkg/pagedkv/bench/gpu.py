@@ -327,12 +327,13 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
 def bench_wide_tensor_cores(device, stream, rows, copy_bw, fmt, raw, M, K, batches, rng):
     """Rows ``gemv <fmt> b<B> (tensor cores)``: HFQ6G256 / Q8F16 on the int8 tensor cores
     (``Gemv(..., wide_mma=True)``; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores"),
-    ``vs_cuda_cores`` = the CUDA-core row's time of the same run over this one."""
+    ``vs_cuda_cores`` = the CUDA-core row's time of the same run over this one (batch 1-8;
+    batch 16 and 32 run the staged kernel, which has no CUDA-core row to compare with)."""
     try:
         dev_w, calls = rotating_weights(device, fmt, M, K, raw, wide_mma=True)
     except InvalidArgument:  # no int8 tensor cores for it on this device
         return
-    for batch in (b for b in batches if b <= weights.max_batch(device, fmt)):
+    for batch in (b for b in batches if b <= weights.max_batch(device, fmt, wide_mma=True)):
         g = weights.Gemv(device, fmt, M, K, batch, wide_mma=True)
         x = device.array(rng.standard_normal((batch, K)).astype(np.float32))
         y = device.empty((batch, M), np.float32)

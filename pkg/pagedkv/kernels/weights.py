@@ -85,6 +85,11 @@ _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
 #: shape, 2026-12-05); Q8F16 not yet (a NaN in x gave finite outputs there; fixed in the x
 #: prep since, not yet rerun on a GPU).
 _WIDE_MMA_DEFAULT = {"hfq6g256": True, "q8f16": False}
+#: Batch 9-32 of HFQ6G256 and Q8F16 (gemv_mma_staged on NVIDIA, gemv_amd_mc's tiled n6 / n12
+#: on AMD): only where asked (``wide_mma=True``, or the variable set to 1), whatever the
+#: batch 1-8 default, until a GPU run vouches for them (emulated lane by lane and
+#: compile-checked only; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores").
+_WIDE_MMA_BATCH32_DEFAULT = False
 
 
 class _WeightFormat:
@@ -297,25 +302,31 @@ class Gemv:
         kernel), else ``PAGEDKV_GEMV_F16X`` when set, else ``True`` above 8 batch rows
         (unless ``PAGEDKV_GEMV_PIPE=1`` asks for the pipelined int8 kernel), where it exists.
 
-        ``wide_mma`` (HFQ6G256 and Q8F16, batch 1-8, K a multiple of 256; NVIDIA sm_80+, or
+        ``wide_mma`` (HFQ6G256 and Q8F16, batch 1-32, K a multiple of 256; NVIDIA sm_80+, or
         AMD gfx908/gfx90a/gfx940-942 / gfx11 with ``PAGEDKV_GEMV_MFMA=1`` /
         ``PAGEDKV_GEMV_WMMA=1``, whose kernels no AMD GPU has run): ``True`` runs them on the
         int8 tensor / matrix cores (docs/kernels.md, "HFQ6 and Q8F16 on tensor cores";
         refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None`` reads
         ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` when set (both formats), else HFQ6G256 on the tensor
         cores (its GPU tests passed on an H100) and Q8F16 not (opt-in until a GPU run
-        vouches for its NaN fix)."""
+        vouches for its NaN fix). Batch 9-32 of these formats (the staged kernel; never run
+        on a GPU yet) only where asked explicitly: ``wide_mma=True``, or ``None`` with the
+        variable set to 1 (:func:`max_batch` says 8 otherwise)."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
                                   f"{max(f.group_size, 32)} for {f.name}")
-        most = max_batch(device, f.name)
+        most = max_batch(device, f.name, wide_mma)
         if not 1 <= batch <= most:
             raise InvalidArgument(f"batch={batch}: expected 1..{most} for {f.name} on this "
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
         choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K, wide_mma)
+        if batch > GEMV_MAX_BATCH and not choice.tensor_cores:  # Q8F16, K not whole groups
+            raise InvalidArgument(f"batch={batch}: {f.name} with K={K} runs the CUDA-core "
+                                  f"kernel (the tensor-core one takes K a multiple of 256), "
+                                  f"1..{GEMV_MAX_BATCH} rows a call; split the batch")
         tensor_cores, use_f16, use_pipe, wide = (choice.tensor_cores, choice.f16, choice.pipe,
                                                   choice.wide)
         self.device, self.M, self.K, self.batch = device, M, K, batch
@@ -565,14 +576,19 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
     return pack_tiles_4bit(rows, groups).view(np.uint8)
 
 
-def max_batch(device: Device, fmt: str | int) -> int:
+def max_batch(device: Device, fmt: str | int, wide_mma: bool | None = None) -> int:
     """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
     tensor-core kernel (NVIDIA sm_80+; AMD gfx908/gfx90a/gfx940-942 and gfx11, opt-in; 4-bit
-    formats), 8 on the CUDA-core one."""
+    formats, and HFQ6G256 / Q8F16 where ``wide_mma`` (``Gemv``'s) is True or, None,
+    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``), 8 on the CUDA-core one and on HFQ6G256's default
+    tensor-core kernel."""
     f = _format(fmt)
-    if f.kernel not in _MMA_KERNELS:  # HFQ6 / Q8F16 on tensor cores: gemv_mma's n1-n3 only
-        return GEMV_MAX_BATCH
-    return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f) else GEMV_MAX_BATCH
+    if f.kernel in _WIDE_MMA_KERNELS:
+        asked = (env_bool(WIDE_MMA_ENV, _WIDE_MMA_BATCH32_DEFAULT) if wide_mma is None
+                 else wide_mma)
+        if not (asked and _uses_tensor_cores(device, f, wide_mma)):
+            return GEMV_MAX_BATCH
+    return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f, wide_mma) else GEMV_MAX_BATCH
 
 
 def _mma_warps(row_tiles: int, groups: int) -> int:
@@ -678,8 +694,10 @@ def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | No
         raise InvalidArgument("pipe=True and f16_x=True: the pipelined kernel is an int8 "
                               "one; choose one of them")
     wide = wide and not use_f16
-    use_pipe = wide and (pipe if pipe is not None else env_bool(PIPE_ENV, False))
-    if pipe and not wide:
+    # the pipelined kernel exists for the 4-bit formats; HFQ6G256 / Q8F16 run the staged one
+    use_pipe = wide and f.kernel in _MMA_KERNELS and (
+        pipe if pipe is not None else env_bool(PIPE_ENV, False))
+    if pipe and not use_pipe:
         raise InvalidArgument(f"pipe=True: the pipelined GEMV runs batch 9-32 of "
                               f"{list(_MMA_KERNELS)} on NVIDIA sm_80+; this is batch={batch} "
                               f"of {f.name} on {getattr(device.properties, 'arch', '?')}")
