@@ -46,6 +46,13 @@ struct Format<Q8F16> {
   static constexpr int G = PKV_Q8F16_GROUP, B = PKV_Q8F16_GROUP_BYTES, BITS = 8, HEADER = 2;
 };
 
+// Bytes of one packed (16-row tile, 256-weight group) of the tensor-core GEMVs (Gemv.pack):
+// 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16: 8 blocks of 34 bytes per row).
+template <int F>
+struct MmaTile {
+  static constexpr int BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
+};
+
 // Raw bytes travel in 32-bit words (registers); quant.h's byte-wise readers run on
 // small byte copies of them made with constant indices, which the compiler turns
 // into shifts. load_words reads N little-endian bytes at p (N % 4 == 0) with the
@@ -864,8 +871,7 @@ template <int F, int NT>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                              const float4* __restrict__ xs, float* __restrict__ y, int M,
                              int K, int batch) {
-  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16: 8 blocks of 34 bytes per row)
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
+  constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
@@ -1086,8 +1092,7 @@ PKV_DEV void gemv_mma_staged(const uint8_t* __restrict__ packed, const uint32_t*
   static_assert(NT % CH == 0 && (8 * CH) % 3 == 0, "chunks hold whole batch rows");
   static_assert(PKV_GEMV_X_WORDS == 16, "a lane's x of one n-tile is four 16-byte units");
   constexpr int UNITS = NT * 32 * 4;  // 16-byte units of one group's prepared x
-  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16): gemv_mma's
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
+  constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   // 2 x NT x 2 KiB: 48 KiB at NT = 12, the static limit. The end's reduction reuses it:
   // W x 16 rows x 8 NT f32 fits for W <= 8 (PKV_GEMV_MMA_MAX_WARPS).
   __shared__ __align__(16) uint4 stage[2][UNITS];
@@ -1442,7 +1447,7 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
                       float* __restrict__ partial, unsigned* __restrict__ counters, int M, int K,
                       int batch) {
   constexpr int ROWS = 8 * NT, UNITS = ROWS * 32;  // staged batch rows, their 16-byte units
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B;  // 2176
+  constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   constexpr int HALVES = MmaHalves<F>::value;
   // A ring of XS slots, one group each: its batch rows' f16 x, then their (step, sums); in
   // dynamic shared memory (gemv_f16_shared_bytes: XS x 8 NT x 528 bytes, 33 KiB at XS = 2,
@@ -1876,8 +1881,7 @@ PKV_DEV void gemv_amd_mc(const uint8_t* __restrict__ packed, const uint32_t* __r
   constexpr int CH = T16 < 3 ? T16 : 3;    // tiles per chunk of the reduction
   static_assert(T16 % CH == 0, "whole chunks");
   constexpr int ROWS_PER_CHUNK = 16 * CH / 3;  // exact when there are several chunks
-  // 2176 (4-bit), 3200 (HFQ6), 4352 (Q8F16): gemv_mma's
-  constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);
+  constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   constexpr int HALVES = F == MQ4G256V2 ? 2 : 1;
   // int32 sums per tile and group: one per affine map (V2: two halves), Q8F16 one per block
   // of the current pair (mma_group_q8's c[bk])

@@ -441,7 +441,8 @@ def test_a_wrong_high_bit_shift_fails_the_amd_hfq6_product(frag, monkeypatch):
 #: fragment types' product_blocks).
 KERNEL_TEXT = [
     "for (int qq = 0; qq < QUADS; ++qq) L[qq] = 4 * (i % 8) + MC::quad(lane, qq);",
-    "constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);",
+    "static constexpr int BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);",
+    "constexpr int TILE_BYTES = MmaTile<F>::BYTES;",
     "code[qq][jj] = ((const uint4*)(base + 128))[32 * (2 * (i / 8) + jj) + L[qq]];",
     "const uint4 pa = code[qq][m / 4];",
     "const uint32_t wa = m % 4 == 0 ? pa.x : m % 4 == 1 ? pa.y : m % 4 == 2 ? pa.z : pa.w;",

@@ -356,9 +356,11 @@ def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_bo
     # K = 288: 9 blocks of 32, not whole 256-groups: the CUDA-core kernel, 8 rows a call
     g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 4)
     assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
+    dev = FakeCudaDevice()
     with pytest.raises(errors.InvalidArgument, match=r"batch=9: q8f16 with K=288 runs the "
                                                      r"CUDA-core kernel .* 1\.\.8 rows a call"):
-        weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 9)
+        weights.Gemv(dev, "q8f16", 64, 288, 9)
+    assert dev.calls == []  # refused before anything was allocated or loaded
     # never the f16-activation kernel, nor the pipelined one (4-bit only)
     monkeypatch.setenv(weights.F16X_ENV, "1")
     monkeypatch.setenv(weights.PIPE_ENV, "1")
@@ -408,7 +410,8 @@ KERNEL_TEXT = [
     "mma_group_q8<CH, NT>(acc, w, i0, t, x_words, x_sums);",
     "add_group<F, CH, NT>(acc, c, w.hdr, i0, t, x_sums);",
     "typename MmaWeightsOf<F>::type cur, nxt;",
-    "constexpr int TILE_BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);",
+    "static constexpr int BYTES = PKV_GEMV_MMA_ROWS * Format<F>::B * (256 / Format<F>::G);",
+    "constexpr int TILE_BYTES = MmaTile<F>::BYTES;",
 ]
 
 

@@ -583,12 +583,12 @@ def max_batch(device: Device, fmt: str | int, wide_mma: bool | None = None) -> i
     ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``), 8 on the CUDA-core one and on HFQ6G256's default
     tensor-core kernel."""
     f = _format(fmt)
-    if f.kernel in _WIDE_MMA_KERNELS:
-        asked = (env_bool(WIDE_MMA_ENV, _WIDE_MMA_BATCH32_DEFAULT) if wide_mma is None
-                 else wide_mma)
-        if not (asked and _uses_tensor_cores(device, f, wide_mma)):
-            return GEMV_MAX_BATCH
-    return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f, wide_mma) else GEMV_MAX_BATCH
+    if not _uses_tensor_cores(device, f, wide_mma):
+        return GEMV_MAX_BATCH
+    if f.kernel in _WIDE_MMA_KERNELS and not (
+            env_bool(WIDE_MMA_ENV, _WIDE_MMA_BATCH32_DEFAULT) if wide_mma is None else wide_mma):
+        return GEMV_MAX_BATCH  # batch 9-32 of HFQ6G256 / Q8F16: asked for explicitly only
+    return GEMV_MMA_MAX_BATCH
 
 
 def _mma_warps(row_tiles: int, groups: int) -> int:
