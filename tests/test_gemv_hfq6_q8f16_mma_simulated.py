@@ -1,6 +1,6 @@
 """HFQ6G256 and Q8F16 on the int8 tensor cores (hip/weights.hip, ``gemv_mma<HFQ6G256, NT>``
-with ``mma_group6``, ``gemv_mma<Q8F16, NT>`` with ``mma_group_q8``; opt-in
-``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``) simulated in NumPy, lane by lane: the 4-bit kernels'
+with ``mma_group6``, ``gemv_mma<Q8F16, NT>`` with ``mma_group_q8``; the default on sm_80+,
+``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=0`` turns it off) simulated in NumPy, lane by lane: the 4-bit kernels'
 prepared x (tests/test_gemv_mma_simulated.py's model of pkv_gemv_prep_x), the packed tiles
 (``gemv_pack.pack_tiles_hfq6`` / ``pack_tiles_q8f16``, run for real), the kernel's loads,
 HFQ6's rebuild of the A registers from nibble and high-bit words and its affine epilogue
@@ -334,25 +334,31 @@ def test_the_pack_puts_each_code_where_its_lane_reads_it(M):
     np.testing.assert_array_equal(out, want)
 
 
-def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_both(
-        monkeypatch):
-    # unset: HFQ6G256 on the tensor cores (its GPU tests passed), Q8F16 on CUDA cores
-    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
-    g = weights.Gemv(FakeCudaDevice(), "hfq6g256", 64, 512, 4)
-    assert g.tensor_cores and g._kernel.name == "pkv_gemv_mma_hfq6g256_n2"
-    g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 512, 4)
-    assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
-    monkeypatch.setenv(weights.WIDE_MMA_ENV, "0")
-    for fmt in ("hfq6g256", "q8f16"):
-        g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
-        assert not g.tensor_cores and g._kernel.name == f"pkv_gemv_{fmt}_b4"
-    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+@pytest.mark.parametrize("env", [None, "1"])
+def test_the_wide_formats_run_on_tensor_cores_unless_the_variable_is_0(monkeypatch, env):
+    # unset or 1: both formats on the tensor cores (their GPU tests passed on an H100), batch
+    # 1-8 on gemv_mma, 9-32 on the staged kernel; 0: the CUDA-core kernel, 8 rows a call
+    if env is None:
+        monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(weights.WIDE_MMA_ENV, env)
     for fmt in ("hfq6g256", "q8f16"):
         g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
         assert g.tensor_cores and g._kernel.name == f"pkv_gemv_mma_{fmt}_n2"
         assert repr(g) == f"Gemv('{fmt}', M=64, K=512, batch=4, int8 tensor cores)"
-        # the variable set asks for batch 9-32 too (the staged kernel)
         assert weights.max_batch(FakeCudaDevice(), fmt) == 32
+        g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 9)
+        assert g._kernel.name == f"pkv_gemv_mma_staged_{fmt}_n6"
+    monkeypatch.setenv(weights.WIDE_MMA_ENV, "0")
+    for fmt in ("hfq6g256", "q8f16"):
+        g = weights.Gemv(FakeCudaDevice(), fmt, 64, 512, 4)
+        assert not g.tensor_cores and g._kernel.name == f"pkv_gemv_{fmt}_b4"
+        assert weights.max_batch(FakeCudaDevice(), fmt) == 8
+        dev = FakeCudaDevice()
+        with pytest.raises(errors.InvalidArgument, match=rf"batch=9: expected 1\.\.8 for {fmt}"):
+            weights.Gemv(dev, fmt, 64, 512, 9)
+        assert dev.calls == []  # refused before anything was allocated or loaded
+    monkeypatch.delenv(weights.WIDE_MMA_ENV)  # the default again, for the cases below
     # K = 288: 9 blocks of 32, not whole 256-groups: the CUDA-core kernel, 8 rows a call
     g = weights.Gemv(FakeCudaDevice(), "q8f16", 64, 288, 4)
     assert not g.tensor_cores and g._kernel.name == "pkv_gemv_q8f16_b4"
@@ -370,22 +376,6 @@ def test_the_wide_formats_default_hfq6_on_q8f16_off_and_the_variable_switches_bo
     assert not g.f16_x and not g.pipe and g._kernel.name == "pkv_gemv_mma_staged_q8f16_n12"
     with pytest.raises(errors.InvalidArgument, match="pipe=True: the pipelined GEMV runs"):
         weights.Gemv(FakeCudaDevice(), "hfq6g256", 64, 512, 32, pipe=True)
-
-
-def test_batch_9_to_32_of_the_wide_formats_waits_for_an_explicit_ask(monkeypatch):
-    # HFQ6G256's default tensor-core kernel stops at batch 8: batch 9-32 (never run on a GPU
-    # yet) needs wide_mma=True or the variable set to 1, and is refused unchanged otherwise
-    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
-    dev = FakeCudaDevice()
-    assert weights.max_batch(dev, "hfq6g256") == 8
-    assert weights.max_batch(dev, "hfq6g256", wide_mma=True) == 32
-    assert weights.max_batch(dev, "q8f16", wide_mma=False) == 8
-    with pytest.raises(errors.InvalidArgument, match=r"batch=9: expected 1\.\.8 for hfq6g256"):
-        weights.Gemv(dev, "hfq6g256", 64, 512, 9)
-    assert dev.calls == []
-    g = weights.Gemv(dev, "hfq6g256", 64, 512, 9, wide_mma=True)
-    assert g._kernel.name == "pkv_gemv_mma_staged_hfq6g256_n6"
-    assert weights.max_batch(FakeCudaDevice("sm_75"), "hfq6g256", wide_mma=None) == 8
 
 
 #: Expressions of the emulation copied from the kernel text.

@@ -510,8 +510,8 @@ def test_gemv_takes_the_amd_hfq6_q8f16_kernels_only_with_both_switches(
     cases = [  # (unit opt-in, PAGEDKV_GEMV_MMA_HFQ6_Q8F16, wide_mma) -> matrix cores
         (("1", "1", None), True), (("1", None, True), True), (("1", "1", False), False),
         (("1", "0", None), False), (("0", "1", None), False), ((None, "1", None), False),
-        # the variable unset: the NVIDIA default (HFQ6G256 on, Q8F16 off), behind the opt-in
-        (("1", None, None), fmt == "hfq6g256"), ((None, None, None), False)]
+        # the variable unset: the NVIDIA default (both formats on), behind the unit's opt-in
+        (("1", None, None), True), ((None, None, None), False)]
     for (unit_on, wide_on, wide_mma), want in cases:
         for name, value in ((unit_env, unit_on), (weights.WIDE_MMA_ENV, wide_on)):
             if value is None:
@@ -521,9 +521,8 @@ def test_gemv_takes_the_amd_hfq6_q8f16_kernels_only_with_both_switches(
         monkeypatch.setenv(other_env, "1")  # the other unit's switch never gates this one
         g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=wide_mma)
         assert (g.tensor_cores, g.packed) == (want, want), (unit_on, wide_on, wide_mma)
-        # batch 9-32 (the tiled n6 / n12) only where asked for explicitly, as on NVIDIA
-        explicit = wide_mma if wide_mma is not None else wide_on == "1"
-        assert weights.max_batch(dev, fmt, wide_mma) == (32 if want and explicit else 8)
+        # batch 9-32: the tiled n6 / n12 wherever batch 1-8 is on the matrix cores
+        assert weights.max_batch(dev, fmt, wide_mma) == (32 if want else 8)
     monkeypatch.setenv(unit_env, "1")
     g = weights.Gemv(dev, fmt, M, K, batch, warps=warps, wide_mma=True)
     assert repr(g) == f"Gemv('{fmt}', M=37, K=1024, batch={batch}, int8 matrix cores)"
@@ -566,9 +565,11 @@ def test_wide_mma_true_on_amd_is_refused_naming_what_is_missing(monkeypatch):
 
 def test_gemv_batch_limit_is_32_on_tensor_cores_and_8_elsewhere():
     cuda, old = FakeCudaDevice(), FakeCudaDevice("sm_75")
-    assert weights.max_batch(cuda, "mq4g256v2") == 32 and weights.max_batch(cuda, "q8f16") == 8
-    assert weights.max_batch(old, "hfq4g256") == 8
-    for dev, fmt, batch in [(cuda, "hfq4g256", 33), (cuda, "hfq6g256", 9), (old, "mq4g256", 9)]:
+    assert [weights.max_batch(cuda, f) for f in ("mq4g256v2", "hfq6g256", "q8f16")] == [32] * 3
+    assert weights.max_batch(cuda, "q8f16", wide_mma=False) == 8
+    assert weights.max_batch(old, "hfq4g256") == 8 and weights.max_batch(old, "q8f16") == 8
+    for dev, fmt, batch in [(cuda, "hfq4g256", 33), (cuda, "q8f16", 33), (old, "mq4g256", 9),
+                            (old, "hfq6g256", 9)]:
         most = weights.max_batch(dev, fmt)
         with pytest.raises(InvalidArgument, match=rf"batch={batch}: expected 1\.\.{most} for "
                                                   rf"{fmt} on this device; split larger"):
@@ -643,7 +644,7 @@ def test_gemv_pack_puts_every_byte_where_the_packed_kernel_loads_it(M):
 
 @pytest.mark.parametrize(("arch", "fmt", "kw"), [
     ("sm_75", "hfq4g256", {}), ("sm_75", "hfq6g256", {}),  # below sm_80: HFQ6's default too
-    ("sm_90", "hfq6g256", {"wide_mma": False}), ("sm_90", "q8f16", {})])  # Q8F16: opt-in
+    ("sm_90", "hfq6g256", {"wide_mma": False}), ("sm_90", "q8f16", {"wide_mma": False})])
 def test_gemv_keeps_the_f32_kernel_below_sm80_and_for_other_formats(arch, fmt, kw, monkeypatch):
     monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
     dev = FakeCudaDevice(arch)

@@ -207,10 +207,11 @@ def test_gpu_gemv_a_nan_in_x_poisons_only_its_batch_row(device, fmt):
 @pytest.mark.parametrize("batch,M,K", [(1, 37, 1280), (3, 16, 256), (8, 300, 4096),
                                        (5, 4096, 4096)])
 def test_gpu_hfq6_and_q8f16_on_tensor_cores(device, monkeypatch, fmt, batch, M, K):
-    # PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1 (opt-in until this passes on a device): gemv_mma<HFQ6G256>
-    # / <Q8F16> against the float64 reference and the CUDA-core kernel on the same x, with
-    # rows of |x| ~ 1e30, ~ 1e-30 and zero, and a NaN that poisons only its batch row.
-    monkeypatch.setenv(weights.WIDE_MMA_ENV, "1")
+    # gemv_mma<HFQ6G256> / <Q8F16>, the default where int8 tensor cores exist (since this
+    # passed on an H100, 2026-12-06), against the float64 reference and the CUDA-core kernel
+    # on the same x, with rows of |x| ~ 1e30, ~ 1e-30 and zero, and a NaN that poisons only
+    # its batch row.
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
     g = weights.Gemv(device, fmt, M, K, batch)
     if not g.tensor_cores:
         pytest.skip(f"no int8 tensor cores on {device.properties.arch}")
@@ -246,14 +247,16 @@ def test_gpu_hfq6_and_q8f16_on_tensor_cores(device, monkeypatch, fmt, batch, M, 
 @pytest.mark.parametrize("fmt", ["hfq6g256", "q8f16"])
 @pytest.mark.parametrize("batch,M,K", [(13, 37, 1280), (32, 300, 4096), (17, 4096, 4096),
                                        (32, 4096, 14336)])
-def test_gpu_hfq6_and_q8f16_batch_9_to_32_on_tensor_cores(device, fmt, batch, M, K):
-    # wide_mma=True (batch 9-32 is opt-in until this passes on a device): gemv_mma_staged<
-    # HFQ6G256> / <Q8F16> (NVIDIA; gemv_amd_mc's tiled n6 / n12 on AMD) against the float64
+def test_gpu_hfq6_and_q8f16_batch_9_to_32_on_tensor_cores(device, monkeypatch, fmt, batch, M,
+                                                          K):
+    # gemv_mma_staged<HFQ6G256> / <Q8F16> (NVIDIA; gemv_amd_mc's tiled n6 / n12 on AMD), the
+    # default at batch 9-32 (since this passed on an H100, 2026-12-06), against the float64
     # reference and the batch 1-8 tensor-core kernel on each 8 rows of the same x, with rows
     # of |x| ~ 1e30, ~ 1e-30 and zero and a NaN that poisons only its batch row; a second
     # launch (the split-K arrival counters reset by the first) gives the same bits.
+    monkeypatch.delenv(weights.WIDE_MMA_ENV, raising=False)
     try:
-        g = weights.Gemv(device, fmt, M, K, batch, wide_mma=True)
+        g = weights.Gemv(device, fmt, M, K, batch)
     except errors.InvalidArgument:
         pytest.skip(f"no int8 tensor cores for {fmt} on {device.properties.arch}")
     n_tiles = 6 if batch <= 16 else 12

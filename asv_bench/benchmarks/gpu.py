@@ -41,7 +41,7 @@ BANDWIDTH_ROWS = (
     [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
     + [f"gemv {fmt} b1 (x prepared) | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256")
        for m, k in GEMV_SHAPES]
-    # HFQ6 / Q8F16 on the int8 tensor cores (opt-in, docs/kernels.md): issue 13's "on the
+    # HFQ6 / Q8F16 on the int8 tensor cores (the default, docs/kernels.md): issue 13's "on the
     # same tensor-core path as the 4-bit ones"
     + [f"gemv {fmt} b{b} (tensor cores) | {m}x{k}" for fmt in ("hfq6g256", "q8f16")
        for b in (1, 32) for m, k in GEMV_SHAPES]

@@ -292,7 +292,7 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                 _row(rows, "read probe (ceiling)", f"{raw.nbytes / 2**20:.1f} MiB", t,
                      raw.nbytes, copy_bw)
             for batch in batches:
-                if batch > weights.max_batch(device, fmt):  # b16/b32: tensor-core formats
+                if batch > weights.max_batch(device, fmt, **kw):  # b16/b32: tensor cores
                     continue
                 g = weights.Gemv(device, fmt, M, K, batch, **kw)
                 x = device.array(rng.standard_normal((batch, K)).astype(np.float32))

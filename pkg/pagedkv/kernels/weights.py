@@ -75,21 +75,14 @@ _TILED_TILES = (6, 12)
 _PIPE_TILES = (6, 9, 12)
 _TILE_UNITS = GEMV_MMA_ROWS * 136 // 16  # a packed 4-bit tile-group in 16-byte units
 _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
-#: HFQ6G256 and Q8F16 on the int8 tensor cores (gemv_mma's n1-n3 kernels, batch 1-8,
-#: NVIDIA sm_80+; on AMD gemv_amd_mc's, where the unit's opt-in is on too; docs/kernels.md,
-#: "HFQ6 and Q8F16 on tensor cores"). The variable, when set, switches both.
+#: HFQ6G256 and Q8F16 on the int8 tensor cores (gemv_mma's n1-n3 kernels at batch 1-8,
+#: gemv_mma_staged's n6 / n12 at 9-32, NVIDIA sm_80+; on AMD gemv_amd_mc's, where the unit's
+#: opt-in is on too; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores"): the default since
+#: their GPU tests and compute-sanitizer memcheck passed on an H100 (2026-12-06), where they
+#: took 0.36-0.94x the CUDA-core kernel's time at batch 1-8. The variable, set to 0, turns
+#: both formats back to the CUDA-core kernel (batch 1-8).
 WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
 _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
-#: Where neither ``wide_mma`` nor the variable says: HFQ6G256 on the tensor cores (its GPU
-#: tests passed on an H100 and it took 0.36-0.94x the CUDA-core kernel's time at every bench
-#: shape, 2026-12-05); Q8F16 not yet (a NaN in x gave finite outputs there; fixed in the x
-#: prep since, not yet rerun on a GPU).
-_WIDE_MMA_DEFAULT = {"hfq6g256": True, "q8f16": False}
-#: Batch 9-32 of HFQ6G256 and Q8F16 (gemv_mma_staged on NVIDIA, gemv_amd_mc's tiled n6 / n12
-#: on AMD): only where asked (``wide_mma=True``, or the variable set to 1), whatever the
-#: batch 1-8 default, until a GPU run vouches for them (emulated lane by lane and
-#: compile-checked only; docs/kernels.md, "HFQ6 and Q8F16 on tensor cores").
-_WIDE_MMA_BATCH32_DEFAULT = False
 
 
 class _WeightFormat:
@@ -306,12 +299,9 @@ class Gemv:
         AMD gfx908/gfx90a/gfx940-942 / gfx11 with ``PAGEDKV_GEMV_MFMA=1`` /
         ``PAGEDKV_GEMV_WMMA=1``, whose kernels no AMD GPU has run): ``True`` runs them on the
         int8 tensor / matrix cores (docs/kernels.md, "HFQ6 and Q8F16 on tensor cores";
-        refused elsewhere), ``False`` on the f32 CUDA-core kernel, ``None`` reads
-        ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` when set (both formats), else HFQ6G256 on the tensor
-        cores (its GPU tests passed on an H100) and Q8F16 not (opt-in until a GPU run
-        vouches for its NaN fix). Batch 9-32 of these formats (the staged kernel; never run
-        on a GPU yet) only where asked explicitly: ``wide_mma=True``, or ``None`` with the
-        variable set to 1 (:func:`max_batch` says 8 otherwise)."""
+        refused elsewhere), ``False`` on the f32 CUDA-core kernel (batch 1-8), ``None``
+        reads ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (unset: on the tensor cores where they
+        exist)."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -579,16 +569,10 @@ def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray
 def max_batch(device: Device, fmt: str | int, wide_mma: bool | None = None) -> int:
     """Most batch rows one :class:`Gemv` takes for ``fmt`` on ``device``: 32 on the
     tensor-core kernel (NVIDIA sm_80+; AMD gfx908/gfx90a/gfx940-942 and gfx11, opt-in; 4-bit
-    formats, and HFQ6G256 / Q8F16 where ``wide_mma`` (``Gemv``'s) is True or, None,
-    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1``), 8 on the CUDA-core one and on HFQ6G256's default
-    tensor-core kernel."""
+    formats, and HFQ6G256 / Q8F16 unless ``wide_mma`` (``Gemv``'s) is False or, None,
+    ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=0``), 8 on the CUDA-core one."""
     f = _format(fmt)
-    if not _uses_tensor_cores(device, f, wide_mma):
-        return GEMV_MAX_BATCH
-    if f.kernel in _WIDE_MMA_KERNELS and not (
-            env_bool(WIDE_MMA_ENV, _WIDE_MMA_BATCH32_DEFAULT) if wide_mma is None else wide_mma):
-        return GEMV_MAX_BATCH  # batch 9-32 of HFQ6G256 / Q8F16: asked for explicitly only
-    return GEMV_MMA_MAX_BATCH
+    return GEMV_MMA_MAX_BATCH if _uses_tensor_cores(device, f, wide_mma) else GEMV_MAX_BATCH
 
 
 def _mma_warps(row_tiles: int, groups: int) -> int:
@@ -751,15 +735,13 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None =
     compile-checked and emulated only (docs/kernels.md, "AMD matrix cores"): opt-in with
     ``PAGEDKV_GEMV_MFMA=1`` / ``PAGEDKV_GEMV_WMMA=1`` until an AMD device run vouches for
     them. RDNA2 and RDNA4 (gfx10, gfx12) run the CUDA-core kernel. HFQ6G256 and Q8F16 (batch
-    1-8): where the 4-bit formats take it (on AMD: its unit's opt-in on) and the wide switch
-    asks: ``wide_mma`` True, or None and ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=1`` (unset:
-    HFQ6G256 yes, Q8F16 no)."""
+    1-32): where the 4-bit formats take it (on AMD: its unit's opt-in on), unless the wide
+    switch says no: ``wide_mma`` False, or None and ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16=0``."""
     backend = getattr(device, "backend", None)
     wide = f.kernel in _WIDE_MMA_KERNELS
     if backend not in ("cuda", "hip") or not (wide or f.kernel in _MMA_KERNELS):
         return False
-    if wide and not (env_bool(WIDE_MMA_ENV, _WIDE_MMA_DEFAULT[f.kernel]) if wide_mma is None
-                     else wide_mma):
+    if wide and not (env_bool(WIDE_MMA_ENV, True) if wide_mma is None else wide_mma):
         return False
     arch = device.properties.arch  # "sm_90", "gfx90a"
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
