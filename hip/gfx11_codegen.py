@@ -19,11 +19,13 @@ code object for the arch would hold, short of linking it (llvmlite has no linker
 ROCm builds gfx1100 code objects directly (meson's ``hip_arches`` probe then finds it).
 
     python hip/gfx11_codegen.py hip/weights.hip --arch gfx1100 --kernels 'pkv_gemv_mma'
+    python hip/gfx11_codegen.py hip/kvcache.hip --json kvcache.gfx1100.json  # for tests
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -166,20 +168,38 @@ def compile_kernels(source: Path, arch: str = "gfx1100", hipcc: str | None = Non
         return kernels(generate(device_ir(source, arch, hipcc, Path(tmp), defines), arch))
 
 
+def write_json(found: dict[str, dict[str, KernelCode]], path: Path) -> None:
+    """``{source file name: {kernel: its fields}}`` as JSON (``load_json`` reads it back)."""
+    path.write_text(json.dumps({src: {name: k._asdict() for name, k in codes.items()}
+                                for src, codes in found.items()}))
+
+
+def load_json(path: Path) -> dict[str, dict[str, KernelCode]]:
+    """What ``--json`` wrote: per source file name, its kernels."""
+    return {src: {name: KernelCode(**{**fields, "mnemonics": Counter(fields["mnemonics"])})
+                  for name, fields in codes.items()}
+            for src, codes in json.loads(path.read_text()).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="+", type=Path)
     ap.add_argument("--arch", default="gfx1100")
     ap.add_argument("--kernels", default="", help="regular expression on kernel names")
     ap.add_argument("--count", default="v_wmma", help="mnemonic prefix to count per kernel")
+    ap.add_argument("--json", type=Path, help="also write every kernel's code to this file "
+                    "(per source: VGPRs, SGPRs, scratch bytes, mnemonic counts)")
     args = ap.parse_args(argv)
+    every: dict[str, dict[str, KernelCode]] = {}
     for source in args.sources:
-        found = compile_kernels(source, args.arch)
+        found = every[source.name] = compile_kernels(source, args.arch)
         print(f"{source} ({args.arch}): {len(found)} kernels")
         for name, k in sorted(found.items()):
             if re.search(args.kernels, name):
                 print(f"  {name}: {k.count(args.count)} {args.count}*, {k.vgprs} VGPRs, "
                       f"{k.sgprs} SGPRs, {k.scratch_bytes} scratch bytes")
+    if args.json is not None:
+        write_json(every, args.json)
     return 0
 
 

@@ -25,9 +25,10 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 import pytest
 
-# The GPU `device` fixture (skipped without a GPU), and the cold tier's `redis_server` (a
-# real redis-server per test, tests/redis_support.py), for every test module.
-pytest_plugins = ["kernels_support", "redis_support"]
+# The GPU `device` fixture (skipped without a GPU), the cold tier's `redis_server` (a real
+# redis-server per test, tests/redis_support.py), and the kernel compiles started ahead on
+# the spare core (`compiled_ahead`, tests/compile_ahead.py), for every test module.
+pytest_plugins = ["kernels_support", "redis_support", "compile_ahead"]
 
 
 @pytest.fixture(autouse=True)

@@ -42,8 +42,8 @@ def codegen():
 
 
 @pytest.fixture(scope="module")
-def weights_gfx1100(codegen):
-    return codegen.compile_kernels(ROOT / "hip" / "weights.hip", "gfx1100")
+def weights_gfx1100(codegen, compiled_ahead):
+    return codegen.load_json(compiled_ahead.output("gfx1100:weights"))["weights.hip"]
 
 
 LISTING = """
@@ -83,6 +83,7 @@ def test_isa_versions_of_arch_names(codegen):
         codegen.isa_version("sm_90")
 
 
+@pytest.mark.compile_ahead("gfx1100:weights")
 def test_the_int8_gemv_is_wmma_on_gfx1100_without_scratch(weights_gfx1100):
     mma = {n: k for n, k in weights_gfx1100.items() if n.startswith("pkv_gemv_mma_")}
     # n1-n3 and the tiled n6 / n12 of every format with a tensor-core GEMV (mq4g256 runs
@@ -102,8 +103,9 @@ def test_the_int8_gemv_is_wmma_on_gfx1100_without_scratch(weights_gfx1100):
 
 
 @pytest.mark.slow
-def test_the_wmma_attention_kernels_are_wmma_on_gfx1100_without_scratch(codegen):
-    found = codegen.compile_kernels(ROOT / "hip" / "kvcache.hip", "gfx1100")
+@pytest.mark.compile_ahead("gfx1100:kvcache")
+def test_the_wmma_attention_kernels_are_wmma_on_gfx1100_without_scratch(codegen, compiled_ahead):
+    found = codegen.load_json(compiled_ahead.output("gfx1100:kvcache"))["kvcache.hip"]
     wmma = {n: k for n, k in found.items() if "wmma_g" in n}
     assert sorted(wmma) == sorted(f"pkv_paged_attention_{kind}wmma_g{g}"
                                   for kind in ("f16", "bf16", "q8") for g in (1, 2, 4, 8))

@@ -120,27 +120,21 @@ def test_gpu_step_bytes_equal_with_and_without_pdl(device, kv_dtype, monkeypatch
     pool.close()
 
 
-def _ptx_entries(source: str, tmp_path) -> dict[str, str]:
+def _ptx_entries(compiled_ahead, source: str) -> dict[str, str]:
     """The sm_90 PTX of hip/<source>.hip, per kernel (entry name -> its text)."""
     import re
     import shutil
-    import subprocess
-    from pathlib import Path
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+    if shutil.which("nvcc") is None:
         pytest.skip("no nvcc: the sm_90 code cannot be inspected")
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / f"{source}.ptx"
-    subprocess.run([nvcc, "-ptx", "-arch=sm_90", "-O3", "-std=c++17",
-                    f"-I{root / 'pkg' / 'include'}", "-x", "cu", str(root / "hip" / f"{source}.hip"),
-                    "-o", str(out)], check=True, capture_output=True)
-    text = out.read_text()
+    text = compiled_ahead.output(f"ptx:{source}").read_text()
     starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry (\w+)\(", text)]
     ends = [s for s, _ in starts[1:]] + [len(text)]
     return {name: text[s:e] for (s, name), e in zip(starts, ends, strict=True)}
 
 
-def test_every_kernel_launched_early_waits_in_its_sm90_code(stub_device, monkeypatch, tmp_path):
+@pytest.mark.compile_ahead("ptx:weights", "ptx:decode")
+def test_every_kernel_launched_early_waits_in_its_sm90_code(stub_device, monkeypatch,
+                                                            compiled_ahead):
     """The kernels a decode step (fused and not) and a batch 1-8 GEMV look up with
     dependent_launch=True must hold griddepcontrol.wait in their sm_90 code: one that did
     not would read the previous kernel's outputs before they are written."""
@@ -164,7 +158,7 @@ def test_every_kernel_launched_early_waits_in_its_sm90_code(stub_device, monkeyp
         ("decode", "pkv_qkv_rope_kv_write_q8") in early and ("decode", "pkv_kv_write_bf16") in early
     assert any(source == "kvcache" for source, _ in plain)  # attention: launched plainly
     for source in {s for s, _ in early}:
-        entries = _ptx_entries(source, tmp_path)
+        entries = _ptx_entries(compiled_ahead, source)
         missing = [name for s, name in early if s == source
                    and "griddepcontrol.wait" not in entries[name]]
         assert missing == [], f"{source}.hip: {missing} are launched early but never wait"

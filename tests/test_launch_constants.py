@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -105,13 +104,11 @@ def test_attention_shared_memory_holds_a_partition_of_scores(kv_dtype):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-def test_the_compiled_attention_kernels_match_the_launch_tables(tmp_path):
+@pytest.mark.compile_ahead("ptx:kvcache")
+def test_the_compiled_attention_kernels_match_the_launch_tables(compiled_ahead):
     """Per kind, the PTX of hip/kvcache.hip has ``.minnctapersm`` = the launchers' minimum
     blocks and a ``rows[PARTITION]`` table of int64 = the launchers' partition tokens."""
-    ptx = tmp_path / "kvcache.ptx"
-    subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-std=c++17", f"-I{ROOT / 'pkg' / 'include'}",
-                    "-x", "cu", str(ROOT / "hip" / "kvcache.hip"), "-o", str(ptx)], check=True)
-    text = ptx.read_text()
+    text = compiled_ahead.output("ptx:kvcache").read_text()
     kinds = {"f16": 0, "bf16": 1, "q8": 2}  # KvKind in kvcache.hip
     for kv_dtype, short in kvcache.KV_DTYPES.items():
         for gmax in (1, 2, 4, 8):

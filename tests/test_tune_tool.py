@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from compile_ahead import TUNE_KNOBS
+
 
 def test_sets_multiply_into_variants_in_order(tune):
     sets = tune.parse_sets(["A=1,2", "B=x,y,z"])
@@ -46,14 +48,12 @@ def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
-@pytest.mark.parametrize(("source", "defines"), [
-    ("kvcache", {"PKV_ATTN_PARTITION_F16": "512", "PKV_ATTN_MIN_BLOCKS_F16": "3",
-                 "PKV_ATTN_PARTITION_Q8": "1024", "PKV_ATTN_MIN_BLOCKS_Q8": "4",
-                 "PKV_ATTN_UNROLL": "2"}),
-    ("weights", {"PKV_DEQUANT_THREADS": "128", "PKV_DEQUANT_SPAN": "32"}),
-])
-def test_every_documented_knob_builds(tune, tmp_path, source, defines):
-    image = tune.build(source, defines, "sm_90", tmp_path)
+@pytest.mark.parametrize("source", [
+    pytest.param(source, marks=pytest.mark.compile_ahead(f"tune:{source}"))
+    for source in TUNE_KNOBS])
+def test_every_documented_knob_builds(compiled_ahead, source):
+    """tune.build's nvcc command (tune.nvcc_command) with TUNE_KNOBS[source], run ahead."""
+    image = compiled_ahead.output(f"tune:{source}").read_bytes()
     assert image[:4] == b"\x7fELF"  # a cubin
 
 
