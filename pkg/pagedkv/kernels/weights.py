@@ -83,6 +83,11 @@ _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 #: both formats back to the CUDA-core kernel (batch 1-8).
 WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
 _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
+#: Warps per block of the staged batch 9-32 kernel for HFQ6G256 / Q8F16 (the 4-bit formats:
+#: GEMV_MMA_MAX_WARPS). On an H100 (2026-12-06, 4096^2, 4096x14336, 14336x4096 at batch 16
+#: and 32) 4 warps were the fastest or tied at every shape, 2 slower; with the splits
+#: counted for two blocks an SM the launch took 0.87-1.00x the time of the 8-warp one.
+_WIDE_STAGED_WARPS = 4
 
 
 class _WeightFormat:
@@ -277,7 +282,7 @@ class Gemv:
                  wide_mma: bool | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
-        kernels on NVIDIA: 8). Ignored by the f32 kernel.
+        kernels on NVIDIA: 8, HFQ6G256 / Q8F16's staged one 4). Ignored by the f32 kernel.
 
         ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
         ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
@@ -377,10 +382,14 @@ class Gemv:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
                 # x it copies to shared memory; gemv_mma_pipe: TILES_PER_WARP tiles each, x
                 # and weights copied STAGES - 1 groups ahead; blockIdx.y splits the groups
-                n_warps = warps or GEMV_MMA_MAX_WARPS
+                n_warps = warps or (_WIDE_STAGED_WARPS if f.kernel in _WIDE_MMA_KERNELS
+                                    else GEMV_MMA_MAX_WARPS)
+                # the staged kernel is built for 255 registers at 8 warps: 8 // warps blocks
+                # share an SM; the pipelined one's shared ring keeps it to one
                 self._split_launch(row_tiles, groups, n_warps,
                                    GEMV_PIPE_TILES_PER_WARP if use_pipe else 1, splits,
-                                   choice.most_splits)
+                                   choice.most_splits,
+                                   1 if use_pipe else GEMV_MMA_MAX_WARPS // n_warps)
                 name = "pipe" if use_pipe else "staged"
                 self._kernel = device.kernel(SOURCE, f"pkv_gemv_mma_{name}_{f.kernel}_n{tiles}",
                                              "ppppppiii", dependent_launch=use_pipe)
@@ -404,15 +413,17 @@ class Gemv:
             self._block = (GEMV_THREADS,)
 
     def _split_launch(self, row_tiles: int, groups: int, n_warps: int, tiles_per_warp: int,
-                      splits: int | None, most_splits: int) -> None:
+                      splits: int | None, most_splits: int, blocks_per_sm: int = 1) -> None:
         """Grid ``(row blocks, group splits)`` and block of a batch 9-32 kernel on NVIDIA
-        (``splits`` None: :func:`_staged_splits`'s choice), with its split-K scratch:
-        ``partial[split][batch][M]`` and a zeroed arrival counter per row block (the last
-        block of a row block resets it for the next launch)."""
+        (``splits`` None: :func:`_staged_splits`'s choice for ``blocks_per_sm`` resident
+        blocks per SM), with its split-K scratch: ``partial[split][batch][M]`` and a zeroed
+        arrival counter per row block (the last block of a row block resets it for the next
+        launch)."""
         row_blocks = math.ceil(row_tiles / (n_warps * tiles_per_warp))
         if splits is None:
-            splits = _staged_splits(row_blocks, groups,
-                                    self.device.properties.multiprocessor_count, most_splits)
+            splits = _staged_splits(
+                row_blocks, groups,
+                blocks_per_sm * self.device.properties.multiprocessor_count, most_splits)
         self._grid = (row_blocks, splits)
         self._split_args = (
             self.device.empty((splits * self.batch * self.M if splits > 1 else 1,), np.float32),
@@ -587,8 +598,9 @@ def _staged_splits(row_blocks: int, groups: int, sms: int,
                    most: int = GEMV_STAGED_MAX_SPLITS) -> int:
     """Group splits of the batch 9-32 kernels (gridDim.y): the fewest, up to ``most``
     (GEMV_STAGED_MAX_SPLITS, GEMV_PIPE_MAX_SPLITS), that minimise waves x groups per block,
-    at one block per SM (255 registers x 256 threads fill an SM's register file). Staged (128
-    rows per block) on 132 SMs: 4096x4096 (32 row blocks, 16 groups) 4; 6144x4096 (48) 2;
+    ``sms`` the blocks resident at once (one per SM at 8 warps: 255 registers x 256 threads
+    fill an SM's register file; two at 4 warps). Staged (8 warps, 128 rows per block) on 132
+    SMs: 4096x4096 (32 row blocks, 16 groups) 4; 6144x4096 (48) 2;
     14336x4096 (112) 1; 28672x4096 (224) 4; 4096x14336 (56 groups) 4. Pipelined (256 rows):
     4096x4096 (16) 8; 6144x4096 (24) 4; 14336x4096 (56) 2; 4096x14336 (16) 8."""
     def cost(s: int) -> int:
