@@ -350,6 +350,21 @@ def _case(fmt, M, K, batch, seed):
     return raw, x
 
 
+def test_the_staged_gemv_gives_the_same_bits_at_any_warps_a_block():
+    # a warp owns its 16-row tile over every group of its split, so the warps a block (2, 4,
+    # 8; HFQ6G256 / Q8F16 launch 4, the 4-bit formats 8) regroup no f32 sum: the GPU test
+    # test_gpu_staged_gemv_is_the_same_bits_at_any_warps_a_block asserts the same
+    M, K, fmt = 40, 768, "mq4g256v2"  # 3 row tiles: partial blocks at 2, 4 and 8 warps
+    raw, x = _case(fmt, M, K, 32, seed=3)
+    packed = weights.Gemv(FakeCudaDevice(), fmt, M, K, 32, pipe=False, f16_x=False).pack(raw)
+    xq, xs = prep_x(x, K, 12, True)
+    for splits in (1, 2):
+        outs = [gemv_mma_staged(packed, xq, xs, M, K, 32, 12, True, w, splits).view(np.uint32)
+                for w in (2, 4, 8)]
+        for other in outs[1:]:
+            np.testing.assert_array_equal(other, outs[0])
+
+
 def test_one_split_of_the_staged_gemv_gives_each_batch_row_what_the_batch_8_kernel_gives_it():
     # With one split, a staged warp adds its tile's groups in order and the block adds a
     # row's 3 plane columns from 0: gemv_mma's float operations with one warp per block,

@@ -292,6 +292,41 @@ def test_gpu_hfq6_and_q8f16_batch_9_to_32_on_tensor_cores(device, monkeypatch, f
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2", "hfq6g256", "q8f16"])
+def test_gpu_staged_gemv_is_the_same_bits_at_any_warps_a_block(device, fmt):
+    # The staged batch 9-32 kernel at 2, 4 and 8 warps a block (HFQ6G256 / Q8F16 default to
+    # 4 since 2026-12-06, measured faster on an H100; the 4-bit formats to 8): a warp owns
+    # its 16-row tile over all the groups of its split, so at the same splits every warp
+    # count gives the same bits; the default launch is within the int8 kernels' bound.
+    M, K, batch = 300, 4096, 32  # 19 row tiles: the last block of each warp count is partial
+    kw = {"f16_x": False} if fmt in ("hfq4g256", "mq4g256v2") else {}
+    try:
+        default = weights.Gemv(device, fmt, M, K, batch, **kw)
+    except errors.InvalidArgument:
+        pytest.skip(f"no staged kernel for {fmt} on {device.properties.arch}")
+    if device.backend != "cuda":
+        pytest.skip("the staged kernel is NVIDIA's (AMD runs the tiled one)")
+    assert default._block == ((128,) if fmt in ("hfq6g256", "q8f16") else (256,))
+    _, raw = _weights(fmt, (M, K))
+    x = RNG.standard_normal((batch, K)).astype(np.float32)
+    xd = device.array(x)
+    for splits in (1, 2):
+        outs = []
+        for warps in (2, 4, 8):
+            g = weights.Gemv(device, fmt, M, K, batch, warps=warps, splits=splits, **kw)
+            y = poisoned(device, (batch, M), np.float32)
+            g.run(g.upload(raw), xd, y)
+            outs.append(y.to_numpy().view(np.uint32))
+        for other in outs[1:]:
+            np.testing.assert_array_equal(other, outs[0])
+    y = poisoned(device, (batch, M), np.float32)
+    default.run(default.upload(raw), xd, y)
+    want = numpy_kernels.gemv(raw, fmt, M, K, x, rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+    bound = _gemv_bound(raw, fmt, M, K, x)
+    assert (np.abs(y.to_numpy() - want) <= 2e-5 * bound + 1e-37).all()
+
+
+@pytest.mark.gpu
 def test_gpu_gemv_rejects_bad_shapes(device):
     with pytest.raises(errors.InvalidArgument, match="K=1000"):
         weights.Gemv(device, "hfq4g256", 8, 1000)
