@@ -2339,46 +2339,57 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_groups = (n_tok + 7) / 8;
-  for (int half = 0; half < head_dim / 128; ++half) {
-    uint32_t qa[8][4];
-    q_fragments<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+  // The warp's groups are warp, warp + n_warps, ...: `mine` of them per half. Both halves of
+  // head_dim 256 run as one sequence of 2 * mine steps, so the loads in flight carry on
+  // across the half boundary instead of draining and starting again.
+  const int mine = warp < n_groups ? (n_groups - warp + n_warps - 1) / n_warps : 0;
+  const int n_steps = mine * (head_dim / 128);
+  struct Raw {
+    uint32_t w[4];  // dims 32i + 8t .. + 7 of token gid (BITS 2: the low 16 bits)
+    float cnorm;    // token gid's
+  };
+  auto load = [&](Raw& kr, int it) {  // past n_tok: the last token again (never stored)
+    const int half = it / mine, grp = warp + (it - half * mine) * n_warps;
+    const uint8_t* row = k_pool + rows[min(8 * grp + gid, n_tok - 1)] * row_bytes;
     const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
-    struct Raw {
-      uint32_t w[4];  // dims 32i + 8t .. + 7 of token gid (BITS 2: the low 16 bits)
-      float cnorm;    // token gid's
-    };
-    auto load = [&](Raw& kr, int grp) {  // past n_tok: the last token again (never stored)
-      const uint8_t* row = k_pool + rows[min(8 * grp + gid, n_tok - 1)] * row_bytes;
-      kr.cnorm = *(const float*)row;
+    kr.cnorm = *(const float*)row;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) kr.w[i] = code_quad_word<BITS>(row, code0, i, t);
-    };
-    Raw cur, nxt;
-    int grp = warp;
-    if (grp < n_groups) load(cur, grp);
-    for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
-      if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < 4; ++i) kr.w[i] = code_quad_word<BITS>(row, code0, i, t);
+  };
+  // PKV_ATTN_CODES_PREFETCH steps' loads in flight while one step computes (a ring in
+  // registers, shifted by one each step: plain moves).
+  constexpr int AHEAD = PKV_ATTN_CODES_PREFETCH;
+  Raw ring[AHEAD + 1];
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        uint32_t hi0[2], lo0[2];
-        code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi0, lo0);
-        mma_f16_16x8x16(c, qa[s], hi0[0], hi0[1]);
-        mma_f16_16x8x16(c, qa[s], lo0[0], lo0[1]);
-      }
-      // Column 2t / 2t + 1 is token 8 grp + 2t / + 1: its cnorm is on lane 8t / 8t + 4.
-      const float cn0 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t));
-      const float cn1 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t + 4));
-      const float s0 = (c[0] + c[2]) * (cn0 * (1.0f / CODE_TABLE_SCALE));
-      const float s1 = (c[1] + c[3]) * (cn1 * (1.0f / CODE_TABLE_SCALE));
-      const int tok = 8 * grp + 2 * t;
-      if (gid < GMAX) {
-        if (tok < n_tok) scores[tok * GMAX + gid] = half ? scores[tok * GMAX + gid] + s0 : s0;
-        if (tok + 1 < n_tok)
-          scores[(tok + 1) * GMAX + gid] = half ? scores[(tok + 1) * GMAX + gid] + s1 : s1;
-      }
-      cur = nxt;
+  for (int a = 0; a < AHEAD; ++a)
+    if (a < n_steps) load(ring[a], a);
+  uint32_t qa[8][4];
+  for (int it = 0; it < n_steps; ++it) {  // uniform per warp: the mma sees a whole warp
+    const int half = it / mine, grp = warp + (it - half * mine) * n_warps;
+    if (it == half * mine) q_fragments<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+    if (it + AHEAD < n_steps) load(ring[AHEAD], it + AHEAD);
+    const Raw& cur = ring[0];
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      uint32_t hi0[2], lo0[2];
+      code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi0, lo0);
+      mma_f16_16x8x16(c, qa[s], hi0[0], hi0[1]);
+      mma_f16_16x8x16(c, qa[s], lo0[0], lo0[1]);
     }
+    // Column 2t / 2t + 1 is token 8 grp + 2t / + 1: its cnorm is on lane 8t / 8t + 4.
+    const float cn0 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t));
+    const float cn1 = __uint_as_float(shfl_word(__float_as_uint(cur.cnorm), 8 * t + 4));
+    const float s0 = (c[0] + c[2]) * (cn0 * (1.0f / CODE_TABLE_SCALE));
+    const float s1 = (c[1] + c[3]) * (cn1 * (1.0f / CODE_TABLE_SCALE));
+    const int tok = 8 * grp + 2 * t;
+    if (gid < GMAX) {
+      if (tok < n_tok) scores[tok * GMAX + gid] = half ? scores[tok * GMAX + gid] + s0 : s0;
+      if (tok + 1 < n_tok)
+        scores[(tok + 1) * GMAX + gid] = half ? scores[(tok + 1) * GMAX + gid] + s1 : s1;
+    }
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a) ring[a] = ring[a + 1];
   }
 }
 
@@ -2425,11 +2436,15 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
   auto x_pair = [&](const float (&x)[4], int k) {  // B: tokens 4t + 2k, + 1
     return codes_p_bits(x[2 * k], rest) | codes_p_bits(x[2 * k + 1], rest) << 16;
   };
-  Raw cur, nxt;
-  int st = warp;
-  if (st < n_steps) load(cur, st);
-  for (; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
-    if (st + n_warps < n_steps) load(nxt, st + n_warps);
+  // PKV_ATTN_CODES_PREFETCH steps' loads in flight while one computes, as pass 1.
+  constexpr int AHEAD = PKV_ATTN_CODES_PREFETCH;
+  Raw ring[AHEAD + 1];
+#pragma unroll
+  for (int a = 0; a < AHEAD; ++a)
+    if (warp + a * n_warps < n_steps) load(ring[a], warp + a * n_warps);
+  for (int st = warp; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (st + AHEAD * n_warps < n_steps) load(ring[AHEAD], st + AHEAD * n_warps);
+    const Raw& cur = ring[0];
     float x[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -2457,7 +2472,8 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
       mma_f16_16x8x16(o[mt], ah, b0, b1);
       mma_f16_16x8x16(o[mt], al, b0, b1);
     }
-    cur = nxt;
+#pragma unroll
+    for (int a = 0; a < AHEAD; ++a) ring[a] = ring[a + 1];
   }
   // Columns 4-7 (remainders) live on lanes t + 2: add them to columns 0-3; undo the scale.
 #pragma unroll

@@ -8,6 +8,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
         --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
+    python hip/tune.py attn --kv fwht4/lloyd4 --set PKV_ATTN_CODES_PREFETCH=1,2,3
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
@@ -100,12 +101,32 @@ def attn_cases(spec: str, base: dict) -> list[dict]:
     return cases
 
 
+def attn_kind(kind: str) -> tuple[str, dict]:
+    """``--kv`` → (kv_dtype, PagedAttention switches): one of :data:`ATTN_KINDS` or a
+    compressed ``<K>/<V>`` pair (its default kernels: ``_mma`` where the pair has them)."""
+    from pagedkv.kernels import kvcache
+    if kind in ATTN_KINDS:
+        return ATTN_KINDS[kind]
+    if kind in kvcache.QUANT_KV_DTYPES:
+        return kind, {}
+    raise SystemExit(f"--kv {kind!r}: expected one of {sorted(ATTN_KINDS)} or a compressed "
+                     f"pair such as fwht4/lloyd4")
+
+
+def attn_base_case(B, kind: str, head_dim: int | None) -> dict:
+    """The bench's attention case for ``--kv``: head_dim 256 (4 KV heads) where asked or where
+    a side is a lloyd or 3-bit mode (their codebooks are the R256 family's), else 128."""
+    if head_dim is None:
+        head_dim = 256 if ("lloyd" in kind or "fwht3" in kind) else 128
+    return B.ATTENTION_CASE_256 if head_dim == 256 else B.ATTENTION_CASE
+
+
 def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> None:
     from pagedkv.kernels import kvcache
     from pagedkv.kernels.launch_constants import launch_constant
     case = case or B.ATTENTION_CASE
-    kv_dtype, switches = ATTN_KINDS[kind]
-    suffix = kvcache.KV_SUFFIX[kv_dtype]
+    kv_dtype, switches = attn_kind(kind)
+    suffix = "QKV" if kv_dtype in kvcache.QUANT_KV_DTYPES else kvcache.KV_SUFFIX[kv_dtype]
     args, nbytes, attn_kwargs = B.attention_inputs(dev, np.random.default_rng(0), kv_dtype,
                                                    **case)
     out = args[-1]
@@ -288,8 +309,12 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="auto",
                    help="gemvf16: group splits to try (auto: the launcher's choice)")
     p.add_argument("--formats", default="mq4g256v2,hfq4g256", help="gemvf16: weight formats")
-    p.add_argument("--kv", default="float16", choices=sorted(ATTN_KINDS),
-                   help="attn: the KV kind and kernel timed (q8s: the staged q8 kernel)")
+    p.add_argument("--kv", default="float16",
+                   help=f"attn: the KV kind and kernel timed, one of {sorted(ATTN_KINDS)} (q8s: "
+                        "the staged q8 kernel) or a compressed pair such as fwht4/lloyd4")
+    p.add_argument("--head-dim", type=int, choices=(128, 256), default=None,
+                   help="attn: the case's head_dim (256: 4 KV heads of 16 q heads); by default "
+                        "256 for lloyd and 3-bit pairs, else 128")
     p.add_argument("--cases", default="32x4096",
                    help="attn: SEQSxTOKENS contexts to time, comma-separated (the bench's "
                         "32 q / 8 KV heads of 128; e.g. 32x4096,1x32768,8x32768)")
@@ -316,7 +341,7 @@ def main(argv=None) -> int:
         images = list(zip(todo, pool.map(
             lambda d: build(source, d, dev.properties.arch, Path(tmp)), todo)))
     if args.what == "attn":
-        for case in attn_cases(args.cases, B.ATTENTION_CASE):
+        for case in attn_cases(args.cases, attn_base_case(B, args.kv, args.head_dim)):
             sweep_attn(dev, stream, copy_bw, B, images, case, kind=args.kv)
     elif args.what == "gemv32":
         sweep_gemv32(dev, stream, copy_bw, B, images)

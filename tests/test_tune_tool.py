@@ -39,6 +39,21 @@ def test_attn_cases_set_seqs_and_tokens_on_the_bench_case(tune):
             tune.attn_cases(bad, base)
 
 
+def test_attn_kv_takes_the_kernel_kinds_and_the_compressed_pairs(tune):
+    from pagedkv.bench import gpu as B
+    assert tune.attn_kind("q8s") == ("q8", {"q8_stage": True})
+    assert tune.attn_kind("fwht4/lloyd4") == ("fwht4/lloyd4", {})
+    for bad in ("q9", "fwht4", "fwht4/float16"):
+        with pytest.raises(SystemExit, match="compressed pair such as fwht4/lloyd4"):
+            tune.attn_kind(bad)
+    # lloyd and 3-bit codebooks are the R256 family's: their case is head_dim 256
+    assert tune.attn_base_case(B, "fwht4/lloyd4", None) is B.ATTENTION_CASE_256
+    assert tune.attn_base_case(B, "fwht3/q8", None) is B.ATTENTION_CASE_256
+    assert tune.attn_base_case(B, "fwht4/q8", None) is B.ATTENTION_CASE
+    assert tune.attn_base_case(B, "fwht4/q8", 256) is B.ATTENTION_CASE_256
+    assert tune.attn_base_case(B, "q8s", None) is B.ATTENTION_CASE
+
+
 def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):
     cmd = tune.nvcc_command("kvcache", {"PKV_ATTN_PARTITION_F16": "512"}, "sm_90",
                             tmp_path / "k.cubin")

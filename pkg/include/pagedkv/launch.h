@@ -55,6 +55,13 @@
 #ifndef PKV_ATTN_MIN_BLOCKS_QKV_MMA
 #define PKV_ATTN_MIN_BLOCKS_QKV_MMA 4
 #endif
+/* Steps of code loads each warp keeps in flight while it computes one, in the _mma kernels'
+ * passes (pass 1: 8 tokens, pass 2: 16 tokens a step; a ring in registers). The loads are
+ * direct, not staged: bytes in flight per SM set how much of DRAM's bandwidth a pass can
+ * reach. hip/tune.py attn --kv fwht4/lloyd4 sweeps it. */
+#ifndef PKV_ATTN_CODES_PREFETCH
+#define PKV_ATTN_CODES_PREFETCH 1
+#endif
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif
