@@ -2243,11 +2243,14 @@ pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* poo
 // ---------------------------------------------------------------------------
 // Compressed KV on the f16 tensor-core passes (the _mma kernels below; NVIDIA sm_80+, 4- and
 // 2-bit codes, head_dim 128 or 256, GMAX <= 4; docs/kernels.md "Compressed KV on tensor
-// cores"). A code byte (two 4-bit codes, or four 2-bit codes) indexes a 256-entry shared
-// table of the centroids it names, already as f16x2 words in the mma's order: for each pair
-// of codes the f16 of CODE_TABLE_SCALE * C (hi) and the f16 of what that rounding left
-// (lo), so hi + lo carry 22 bits of the f32 centroid and each fragment runs two mmas (hi,
-// lo) into the same f32 sums. CODE_TABLE_SCALE (2^6) keeps every lo an f16 normal (the
+// cores"). Each nibble of a code byte (one 4-bit code, or two 2-bit codes) indexes a
+// 16-entry shared table of the centroids it names, already f16 in the mma's order: for each
+// code the f16 of CODE_TABLE_SCALE * C (hi) and the f16 of what that rounding left (lo), so
+// hi + lo carry 22 bits of the f32 centroid and each fragment runs two mmas (hi, lo) into
+// the same f32 sums. 16 entries, each in banks of its own, make every lookup free of bank
+// conflicts (lanes on one entry read it by broadcast): the 256-entry byte tables before
+// took ~5.4 shared wavefronts a lookup on random codes and kept the L1 pipe 92% busy
+// (Nsight Compute, H100, fwht4/lloyd4 d256, 2026-12-06). CODE_TABLE_SCALE (2^6) keeps every lo an f16 normal (the
 // smallest centroid, 0.0079, times 64 is 0.51); the sums are scaled back by 2^-6 exactly.
 // Each pass covers 128 dims at a time (head_dim 256: two halves, the second adding to the
 // first's scores / writing the other half of the output), so a lane's registers are those
@@ -2257,49 +2260,81 @@ pkv_kv_rotated_write_f16(const uint16_t* src, const int64_t* slots, uint8_t* poo
 // (a 32-bit word at 4 bits, 16 bits at 2), the dims of k-steps 2i, 2i + 1 in q_fragments'
 // order; a score is (c0 + c2) * cnorm_t / 64.
 // Pass 2 (pv_mma_codes): out^T = V^T . P^T as pv_mma: lane (gid, t) takes tokens 4t .. 4t + 3
-// and B's column gid holds p_t * cnorm_t (f16, or its remainder on gid >= 4); a code byte's
-// pair (dims 2x, 2x + 1) of two tokens becomes two A registers with one byte permute each.
+// and B's column gid holds p_t * cnorm_t (f16, or its remainder on gid >= 4); one dim of two
+// tokens becomes the hi and the lo A register with one byte permute each (4-bit: of the two
+// codes' {hi, lo} entries; 2-bit: of the two tokens' hi pairs, then lo pairs).
 // 4-bit: the lane reads code bytes 4 gid .. + 3 and 32 + 4 gid .. + 3 of its 128 dims (m-tile
 // 4w + j, row gid = dim 64w + 8 gid + 2j: pv_mma's mapping); 2-bit: bytes 4 gid .. + 3
 // (m-tile 2j + k, row gid = dim 16 gid + 4j + 2k).
 constexpr float CODE_TABLE_SCALE = 64.0f;
-constexpr int CODE_TABLE_ENTRIES = 256;
+// Which table (PKV_ATTN_CODE_TABLE_NIBBLES, pkg/include/pagedkv/launch.h): 16 entries a
+// nibble, or 256 a byte (the layout before, kept for sweeps). gfx11's WMMA passes keep the
+// byte tables: with the nibble ones their 4-bit K pass 1 spilled 40-112 bytes at 256 VGPRs
+// (gfx1100, hip/gfx11_codegen.py, 2026-12-06).
+#if PKV_ATTN_WMMA
+constexpr bool CODE_NIBBLES = false;
+#else
+constexpr bool CODE_NIBBLES = PKV_ATTN_CODE_TABLE_NIBBLES != 0;
+#endif
+constexpr int CODE_TABLE_ENTRIES = CODE_NIBBLES ? 16 : 256;
 
-// u32 words per table entry: 4-bit {hi pair, lo pair}; 2-bit {hi 0-1, hi 2-3, lo 0-1, lo 2-3}.
+// u32 words per table entry. Nibble tables: 4-bit {hi | lo << 16} of one code, 2-bit {hi
+// pair, lo pair} of the nibble's two codes (the low two bits: the even dim). Byte tables:
+// 4-bit {hi pair, lo pair}, 2-bit {hi 0-1, hi 2-3, lo 0-1, lo 2-3}.
 template <int BITS>
-constexpr int CODE_TABLE_WORDS = BITS == 4 ? 2 : 4;
+constexpr int CODE_TABLE_WORDS = (BITS == 4 ? 1 : 2) * (CODE_NIBBLES ? 1 : 2);
 
 // The table of a BITS-bit family's centroids (C: 1 << BITS floats), by the CTA's threads.
 template <int BITS>
 PKV_DEV void build_code_table(uint32_t* tab, const float* C) {
-  constexpr int PER = 8 / BITS;  // codes per byte
-  for (int b = threadIdx.x; b < CODE_TABLE_ENTRIES; b += blockDim.x) {
+  constexpr int PER = (CODE_NIBBLES ? 4 : 8) / BITS;  // codes per entry
+  for (int n = threadIdx.x; n < CODE_TABLE_ENTRIES; n += blockDim.x) {
     uint32_t hi[PER], lo[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const float v = C[(b >> (BITS * k)) & ((1 << BITS) - 1)] * CODE_TABLE_SCALE;
+      const float v = C[(n >> (BITS * k)) & ((1 << BITS) - 1)] * CODE_TABLE_SCALE;
       hi[k] = pkv_float_to_half_bits(v);
       lo[k] = pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi[k]));
     }
+    if (PER == 1) {
+      tab[n] = hi[0] | lo[0] << 16;
+    } else {
 #pragma unroll
-    for (int k = 0; k < PER / 2; ++k) {
-      tab[b * CODE_TABLE_WORDS<BITS> + k] = hi[2 * k] | hi[2 * k + 1] << 16;
-      tab[b * CODE_TABLE_WORDS<BITS> + PER / 2 + k] = lo[2 * k] | lo[2 * k + 1] << 16;
+      for (int k = 0; k < PER / 2; ++k) {
+        tab[n * CODE_TABLE_WORDS<BITS> + k] = hi[2 * k] | hi[(2 * k + 1) % PER] << 16;
+        tab[n * CODE_TABLE_WORDS<BITS> + PER / 2 + k] = lo[2 * k] | lo[(2 * k + 1) % PER] << 16;
+      }
     }
   }
 }
 
+// 2 bits: the hi and lo pairs (dims 2 pair, + 1) of byte's nibble `pair` (0 or 1).
+PKV_DEV void code_pair2(const uint32_t* tab, uint32_t byte, int pair, uint32_t& hi,
+                        uint32_t& lo) {
+  if (CODE_NIBBLES) {
+    const uint2 e = ((const uint2*)tab)[(byte >> (4 * pair)) & 15u];
+    hi = e.x, lo = e.y;
+  } else {
+    const uint4 e = ((const uint4*)tab)[byte & 0xFFu];
+    hi = pair ? e.y : e.x, lo = pair ? e.w : e.z;
+  }
+}
+
 // The pairs of one code byte: hi[k] / lo[k] = dims 2k, 2k + 1 of the byte (k < 2 at 2 bits,
-// k = 0 at 4 bits).
+// k = 0 at 4 bits, where a nibble table's two entries are joined by two byte permutes).
 template <int BITS>
 PKV_DEV void code_byte_pairs(const uint32_t* tab, uint32_t byte, uint32_t (&hi)[2],
                              uint32_t (&lo)[2]) {
-  if (BITS == 4) {
-    const uint2 e = ((const uint2*)tab)[byte];
+  if (BITS == 4 && CODE_NIBBLES) {
+    const uint32_t e0 = tab[byte & 15u], e1 = tab[(byte >> 4) & 15u];
+    hi[0] = __byte_perm(e0, e1, 0x5410), lo[0] = __byte_perm(e0, e1, 0x7632);
+    hi[1] = lo[1] = 0u;
+  } else if (BITS == 4) {
+    const uint2 e = ((const uint2*)tab)[byte & 0xFFu];
     hi[0] = e.x, lo[0] = e.y, hi[1] = lo[1] = 0u;
   } else {
-    const uint4 e = ((const uint4*)tab)[byte];
-    hi[0] = e.x, hi[1] = e.y, lo[0] = e.z, lo[1] = e.w;
+    code_pair2(tab, byte, 0, hi[0], lo[0]);
+    code_pair2(tab, byte, 1, hi[1], lo[1]);
   }
 }
 
@@ -2457,18 +2492,39 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
       // The code byte of each token that holds m-tile mt's dims, and the pair within it.
       const int word = BITS == 4 ? mt / 4 : 0, byte = BITS == 4 ? mt % 4 : mt / 2;
       const int pair = BITS == 4 ? 0 : mt % 2;
-      uint32_t hi[4], lo[4];
+      uint32_t ah[4], al[4];  // rows gid (even dim) / gid + 8 (odd) of tokens 4t .. 4t + 3
+      if (BITS == 4 && CODE_NIBBLES) {
+        // A token's byte holds the even dim's code (low nibble) and the odd one's; each
+        // entry is {hi, lo} of one code, so a permute of two tokens' entries is a register.
+        uint32_t ev[4], od[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t h[2], l[2];
-        code_byte_pairs<BITS>(tab, (cur.w[j][word] >> (8 * byte)) & 0xFFu, h, l);
-        hi[j] = h[pair], lo[j] = l[pair];
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t b = cur.w[j][word] >> (8 * byte);
+          ev[j] = tab[b & 15u], od[j] = tab[(b >> 4) & 15u];
+        }
+        ah[0] = __byte_perm(ev[0], ev[1], 0x5410), ah[1] = __byte_perm(od[0], od[1], 0x5410);
+        ah[2] = __byte_perm(ev[2], ev[3], 0x5410), ah[3] = __byte_perm(od[2], od[3], 0x5410);
+        al[0] = __byte_perm(ev[0], ev[1], 0x7632), al[1] = __byte_perm(od[0], od[1], 0x7632);
+        al[2] = __byte_perm(ev[2], ev[3], 0x7632), al[3] = __byte_perm(od[2], od[3], 0x7632);
+      } else {
+        uint32_t hi[4], lo[4];  // the pair (dims 2 pair, + 1) of each token's byte
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t b = cur.w[j][word] >> (8 * byte);
+          if (BITS == 4) {
+            uint32_t h[2], l[2];
+            code_byte_pairs<4>(tab, b, h, l);
+            hi[j] = h[0], lo[j] = l[0];
+          } else {
+            code_pair2(tab, b, pair, hi[j], lo[j]);
+          }
+        }
+        // Row gid (even dim): low halves of tokens (4t, 4t + 1) / (4t + 2, 4t + 3); gid + 8: high.
+        ah[0] = __byte_perm(hi[0], hi[1], 0x5410), ah[1] = __byte_perm(hi[0], hi[1], 0x7632);
+        ah[2] = __byte_perm(hi[2], hi[3], 0x5410), ah[3] = __byte_perm(hi[2], hi[3], 0x7632);
+        al[0] = __byte_perm(lo[0], lo[1], 0x5410), al[1] = __byte_perm(lo[0], lo[1], 0x7632);
+        al[2] = __byte_perm(lo[2], lo[3], 0x5410), al[3] = __byte_perm(lo[2], lo[3], 0x7632);
       }
-      // Row gid (even dim): low halves of tokens (4t, 4t + 1) / (4t + 2, 4t + 3); gid + 8: high.
-      const uint32_t ah[4] = {__byte_perm(hi[0], hi[1], 0x5410), __byte_perm(hi[0], hi[1], 0x7632),
-                              __byte_perm(hi[2], hi[3], 0x5410), __byte_perm(hi[2], hi[3], 0x7632)};
-      const uint32_t al[4] = {__byte_perm(lo[0], lo[1], 0x5410), __byte_perm(lo[0], lo[1], 0x7632),
-                              __byte_perm(lo[2], lo[3], 0x5410), __byte_perm(lo[2], lo[3], 0x7632)};
       mma_f16_16x8x16(o[mt], ah, b0, b1);
       mma_f16_16x8x16(o[mt], al, b0, b1);
     }

@@ -8,7 +8,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
         --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
-    python hip/tune.py attn --kv fwht4/lloyd4 --set PKV_ATTN_CODES_PREFETCH=1,2,3
+    python hip/tune.py attn --kv fwht4/lloyd4,fwht4/fwht4 --set PKV_ATTN_CODE_TABLE_NIBBLES=0,1
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
@@ -310,8 +310,8 @@ def main(argv=None) -> int:
                    help="gemvf16: group splits to try (auto: the launcher's choice)")
     p.add_argument("--formats", default="mq4g256v2,hfq4g256", help="gemvf16: weight formats")
     p.add_argument("--kv", default="float16",
-                   help=f"attn: the KV kind and kernel timed, one of {sorted(ATTN_KINDS)} (q8s: "
-                        "the staged q8 kernel) or a compressed pair such as fwht4/lloyd4")
+                   help=f"attn: the KV kinds timed, comma-separated: {sorted(ATTN_KINDS)} (q8s: "
+                        "the staged q8 kernel) or compressed pairs such as fwht4/lloyd4")
     p.add_argument("--head-dim", type=int, choices=(128, 256), default=None,
                    help="attn: the case's head_dim (256: 4 KV heads of 16 q heads); by default "
                         "256 for lloyd and 3-bit pairs, else 128")
@@ -319,6 +319,9 @@ def main(argv=None) -> int:
                    help="attn: SEQSxTOKENS contexts to time, comma-separated (the bench's "
                         "32 q / 8 KV heads of 128; e.g. 32x4096,1x32768,8x32768)")
     args = p.parse_args(argv)
+    if args.what == "attn":  # a wrong --kv fails now, not after minutes of nvcc
+        for kind in args.kv.split(","):
+            attn_kind(kind)
     from pagedkv.bench import gpu as B
     from pagedkv.kernels import Stream
     dev = B.open_device_or_explain("hip/tune.py")
@@ -341,8 +344,9 @@ def main(argv=None) -> int:
         images = list(zip(todo, pool.map(
             lambda d: build(source, d, dev.properties.arch, Path(tmp)), todo)))
     if args.what == "attn":
-        for case in attn_cases(args.cases, attn_base_case(B, args.kv, args.head_dim)):
-            sweep_attn(dev, stream, copy_bw, B, images, case, kind=args.kv)
+        for kind in args.kv.split(","):  # every variant built once, timed on each kind
+            for case in attn_cases(args.cases, attn_base_case(B, kind, args.head_dim)):
+                sweep_attn(dev, stream, copy_bw, B, images, case, kind=kind)
     elif args.what == "gemv32":
         sweep_gemv32(dev, stream, copy_bw, B, images)
     elif args.what == "gemvf16":

@@ -35,25 +35,51 @@ CNORM_BYTES = 4
 CODE_TABLE_SCALE = np.float32(64.0)
 
 
-def code_table(centroids: np.ndarray, bits: int) -> np.ndarray:
-    """build_code_table: ``uint32[256, words]``; 4 bits {hi pair, lo pair}, 2 bits {hi 0-1,
-    hi 2-3, lo 0-1, lo 2-3}; hi = f16(64 C), lo = f16(64 C - hi)."""
-    per = 8 // bits
-    b = np.arange(256)
-    codes = [(b >> (bits * k)) & ((1 << bits) - 1) for k in range(per)]
+def code_table(centroids: np.ndarray, bits: int, nibbles: bool = True) -> np.ndarray:
+    """build_code_table: ``uint32[entries, words]``; hi = f16(64 C), lo = f16(64 C - hi).
+    Nibble tables (``PKV_ATTN_CODE_TABLE_NIBBLES`` 1, the default; 16 entries): 4 bits
+    {hi | lo << 16} of one code, 2 bits {hi pair, lo pair} of the nibble's two codes (low two
+    bits: the even dim). Byte tables (0, and gfx11's WMMA passes; 256 entries): 4 bits {hi
+    pair, lo pair}, 2 bits {hi 0-1, hi 2-3, lo 0-1, lo 2-3}."""
+    per = (4 if nibbles else 8) // bits
+    n = np.arange(16 if nibbles else 256)
+    codes = [(n >> (bits * k)) & ((1 << bits) - 1) for k in range(per)]
     v = [np.float32(centroids[c]) * CODE_TABLE_SCALE for c in codes]
     hi = [f16_bits(x) for x in v]
     lo = [f16_bits(x - f16_value(h)) for x, h in zip(v, hi, strict=True)]
-    words = [hi[2 * k] | hi[2 * k + 1] << 16 for k in range(per // 2)]
-    words += [lo[2 * k] | lo[2 * k + 1] << 16 for k in range(per // 2)]
+    if per == 1:
+        words = [hi[0] | lo[0] << 16]
+    else:
+        words = [hi[2 * k] | hi[2 * k + 1] << 16 for k in range(per // 2)]
+        words += [lo[2 * k] | lo[2 * k + 1] << 16 for k in range(per // 2)]
     return np.stack(words, axis=1).astype(np.uint32)
+
+
+def nibble_table(tab: np.ndarray) -> bool:
+    return tab.shape[0] == 16
+
+
+def code_pair2(tab: np.ndarray, byte, pair: int) -> tuple[np.ndarray, np.ndarray]:
+    """code_pair2: (hi pair, lo pair) of dims 2 pair, + 1 of each 2-bit code byte."""
+    byte = np.asarray(byte, np.int64)
+    if nibble_table(tab):
+        e = tab[(byte >> (4 * pair)) & 15]
+        return e[:, 0], e[:, 1]
+    e = tab[byte & 0xFF]
+    return e[:, pair], e[:, 2 + pair]
 
 
 def code_byte_pairs(tab: np.ndarray, byte) -> tuple[list, list]:
     """code_byte_pairs: (hi[k], lo[k]) of each lane's byte, pairs k of dims 2k, 2k + 1."""
-    e = tab[np.asarray(byte, np.int64)]
-    n = tab.shape[1] // 2
-    return [e[:, k] for k in range(n)], [e[:, n + k] for k in range(n)]
+    byte = np.asarray(byte, np.int64)
+    if tab.shape[1] == 1:  # 4 bits, nibbles: the two codes' {hi, lo} joined by two permutes
+        e0, e1 = tab[byte & 15, 0], tab[(byte >> 4) & 15, 0]
+        return [byte_perm(e0, e1, 0x5410)], [byte_perm(e0, e1, 0x7632)]
+    if tab.shape[1] == 2 and not nibble_table(tab):  # 4 bits, byte table
+        e = tab[byte & 0xFF]
+        return [e[:, 0]], [e[:, 1]]
+    (h0, l0), (h1, l1) = code_pair2(tab, byte, 0), code_pair2(tab, byte, 1)
+    return [h0, h1], [l0, l1]
 
 
 def load_u32(pool: np.ndarray, addr) -> np.ndarray:
@@ -138,15 +164,23 @@ def pv_codes(probs, pool, rows, row_bytes, n_tok, half, bits, gmax, warp, tab, n
         for mt in range(8):
             word, byte = (mt // 4, mt % 4) if bits == 4 else (0, mt // 2)
             pair = 0 if bits == 4 else mt % 2
-            hi, lo = [], []
-            for j in range(4):
-                h, l_ = code_byte_pairs(tab, (np.asarray(words[j][word], np.uint32)
-                                              >> (8 * byte)) & 0xFF)
-                hi.append(h[pair])
-                lo.append(l_[pair])
-            for regs in (hi, lo):
-                a = [byte_perm(regs[0], regs[1], 0x5410), byte_perm(regs[0], regs[1], 0x7632),
-                     byte_perm(regs[2], regs[3], 0x5410), byte_perm(regs[2], regs[3], 0x7632)]
+            tok_bytes = [np.asarray(words[j][word], np.int64) >> (8 * byte) for j in range(4)]
+            if bits == 4 and nibble_table(tab):  # {hi, lo} of each token's even / odd dim
+                ev = [tab[b_ & 15, 0] for b_ in tok_bytes]
+                od = [tab[(b_ >> 4) & 15, 0] for b_ in tok_bytes]
+                ah = [byte_perm(ev[0], ev[1], 0x5410), byte_perm(od[0], od[1], 0x5410),
+                      byte_perm(ev[2], ev[3], 0x5410), byte_perm(od[2], od[3], 0x5410)]
+                al = [byte_perm(ev[0], ev[1], 0x7632), byte_perm(od[0], od[1], 0x7632),
+                      byte_perm(ev[2], ev[3], 0x7632), byte_perm(od[2], od[3], 0x7632)]
+            else:  # the pair of each token's byte
+                if bits == 4:
+                    hi, lo = ([code_byte_pairs(tab, b_)[i][0] for b_ in tok_bytes] for i in (0, 1))
+                else:
+                    hi, lo = zip(*(code_pair2(tab, b_, pair) for b_ in tok_bytes), strict=True)
+                ah, al = ([byte_perm(regs[0], regs[1], 0x5410), byte_perm(regs[0], regs[1], 0x7632),
+                           byte_perm(regs[2], regs[3], 0x5410), byte_perm(regs[2], regs[3], 0x7632)]
+                          for regs in (hi, lo))
+            for a in (ah, al):
                 o[:, mt] = mma_16x8x16(o[:, mt], a, b[0], b[1])
     return (o + o[LANE ^ 2]) * (np.float32(1.0) / CODE_TABLE_SCALE)
 
@@ -171,11 +205,11 @@ NVIDIA_PASSES = (qk_scores_codes, pv_codes_half, 4, 4)
 
 
 def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype, scale,
-                              partition, passes=NVIDIA_PASSES):
+                              partition, passes=NVIDIA_PASSES, nibbles=True):
     """The ``_mma`` partition kernel of a rotated-K / rotated-V pair on its matrix-core
     passes plus the unrotating reduce: ``float32[seqs, heads, head_dim]``. ``passes``: the
     NVIDIA ones by default, or an AMD unit's (tests/test_attention_codes_amd_simulated.py)
-    with the same signatures."""
+    with the same signatures; ``nibbles``: the code tables' layout (:func:`code_table`)."""
     qk_scores, pv_half, most_gmax, n_warps = passes
     k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
     km, vm = kv_modes.kv_mode(k_side), kv_modes.kv_mode(v_side)
@@ -186,8 +220,8 @@ def paged_attention_codes_mma(q, k_pool, v_pool, block_tables, seq_lens, *, kv_d
     group = num_heads // kv_heads
     gmax = 1 << (group - 1).bit_length()
     assert gmax <= most_gmax
-    tab_k = code_table(kv_rotated.tables(km.bits, km.rotation)[0], km.bits)
-    tab_v = code_table(kv_rotated.tables(vm.bits, vm.rotation)[0], vm.bits)
+    tab_k = code_table(kv_rotated.tables(km.bits, km.rotation)[0], km.bits, nibbles)
+    tab_v = code_table(kv_rotated.tables(vm.bits, vm.rotation)[0], vm.bits, nibbles)
     kb = np.ascontiguousarray(k_pool).reshape(-1)
     vb = np.ascontiguousarray(v_pool).reshape(-1)
     out = np.zeros(q.shape, np.float32)

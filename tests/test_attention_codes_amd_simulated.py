@@ -247,7 +247,7 @@ def test_amd_code_passes_simulated_are_within_the_attention_tolerance(
     got = codes.paged_attention_codes_mma(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
                                           scale=head_dim ** -0.5,
                                           partition=kvcache.ATTN_PARTITION_TOKENS[kv_dtype],
-                                          passes=UNITS[unit])
+                                          passes=UNITS[unit], nibbles=unit != "wmma")
     want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens,
                                                 kv_dtype=kv_dtype, scale=head_dim ** -0.5)
     # docs/kernels.md, "Tolerances": rtol 1e-4, atol 2e-5 in units of the V magnitude
@@ -287,7 +287,9 @@ def test_amd_pass_1_simulated_is_q_dot_k_for_every_token_and_head(unit, k_side, 
     # every K the _mma kernels take, a q8 V's included (its pass 2 is the CUDA-core one)
     qs, flat, rows, row_bytes, gmax, mode, want = _scores_case(k_side, head_dim, group, n_tok,
                                                                n_tok + group)
-    tab = codes.code_table(kv_rotated.tables(mode.bits, mode.rotation)[0], mode.bits)
+    # gfx11's WMMA passes keep the byte tables (hip/kvcache.hip, CODE_NIBBLES)
+    tab = codes.code_table(kv_rotated.tables(mode.bits, mode.rotation)[0], mode.bits,
+                           nibbles=unit != "wmma")
     scores = np.full(n_tok * gmax, np.nan, np.float32)
     UNITS[unit][0](qs, group, head_dim, mode.bits, flat, rows, row_bytes, n_tok, gmax, tab,
                    scores, UNITS[unit][3])

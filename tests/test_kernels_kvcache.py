@@ -569,9 +569,27 @@ def test_compressed_mma_emulation_matches_the_reference(kv_dtype, heads, kv_head
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
 
 
+@pytest.mark.parametrize("kv_dtype,head_dim", [("fwht4/lloyd4", 256), ("fwht2/fwht4", 128),
+                                              ("lloyd2/lloyd2", 256)])
+def test_the_nibble_and_byte_code_tables_give_the_same_bits(kv_dtype, head_dim):
+    # PKV_ATTN_CODE_TABLE_NIBBLES only changes how the centroids' f16 words are looked up:
+    # the mmas see the same registers, so the outputs are bit-identical (the GPU sweep
+    # `hip/tune.py attn --set PKV_ATTN_CODE_TABLE_NIBBLES=0,1` compares them too).
+    import mma_codes_emulation as emu
+    k_pool, v_pool, tables, lens = _paged_case([300, 17], kv_heads=1, head_dim=head_dim,
+                                               block_size=16, kv_dtype=kv_dtype)
+    q = RNG.standard_normal((2, 4, head_dim)).astype(np.float32)
+    got = [emu.paged_attention_codes_mma(q, k_pool, v_pool, tables, lens, kv_dtype=kv_dtype,
+                                         scale=head_dim ** -0.5, partition=128, nibbles=nibbles)
+           for nibbles in (True, False)]
+    assert np.isfinite(got[0]).all() and np.array_equal(got[0], got[1])
+
+
 def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
-    # pv_mma_codes and its emulation build A from the looked-up pairs with the same
-    # __byte_perm selectors in the same order (two per hi / lo register set).
+    # pv_mma_codes and its emulation build A with the same __byte_perm operands and
+    # selectors in the same order: 4 bits from the even / odd dims' {hi, lo} entries (ev,
+    # od), 2 bits from the hi pairs, then the lo pairs (the emulation's regs, once each);
+    # the table lookups (code_byte_pairs) join a 4-bit byte's entries with the same two.
     import re
     from pathlib import Path
 
@@ -579,10 +597,19 @@ def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
     root = Path(__file__).resolve().parents[1]
     src = (root / "hip/kvcache.hip").read_text()
     body = src[src.index("PKV_DEV void pv_mma_codes("):src.index("// MMA: pass 1 on tensor")]
-    hip = re.findall(r"__byte_perm\((?:hi|lo)\[\d\], (?:hi|lo)\[\d\], (0x[0-9A-Fa-f]+)\)", body)
-    py = re.findall(r"byte_perm\(regs\[\d\], regs\[\d\], (0x[0-9A-Fa-f]+)\)",
-                    Path(emu.__file__).read_text())
-    assert hip == py * 2 and len(hip) == 8
+    py_src = Path(emu.__file__).read_text()
+    py_body = py_src[py_src.index("def pv_codes("):py_src.index("def pv_codes_half(")]
+    perm = r"byte_perm\((\w+)\[(\d)\], (\w+)\[(\d)\], (0x[0-9A-Fa-f]+)\)"
+    hip, py = re.findall("__" + perm, body), re.findall(perm, py_body)
+    four = [h for h in hip if h[0] in ("ev", "od")]
+    assert four == [p for p in py if p[0] in ("ev", "od")] and len(four) == 8
+    two = [h for h in hip if h[0] in ("hi", "lo")]
+    regs = [p for p in py if p[0] == "regs"]
+    assert two == [(n, a, n, b, sel) for n in ("hi", "lo") for _, a, _, b, sel in regs]
+    assert len(two) == 8
+    pairs = src[src.index("PKV_DEV void code_byte_pairs("):src.index("// Pass 1's code word")]
+    assert re.findall(r"__byte_perm\(e0, e1, (0x[0-9A-Fa-f]+)\)", pairs) == \
+        re.findall(r"byte_perm\(e0, e1, (0x[0-9A-Fa-f]+)\)", py_src) == ["0x5410", "0x7632"]
 
 
 @pytest.mark.gpu

@@ -52,6 +52,8 @@ def test_attn_kv_takes_the_kernel_kinds_and_the_compressed_pairs(tune):
     assert tune.attn_base_case(B, "fwht4/q8", None) is B.ATTENTION_CASE
     assert tune.attn_base_case(B, "fwht4/q8", 256) is B.ATTENTION_CASE_256
     assert tune.attn_base_case(B, "q8s", None) is B.ATTENTION_CASE
+    with pytest.raises(SystemExit, match="--kv 'q9'"):  # checked before any build
+        tune.main(["attn", "--kv", "fwht4/lloyd4,q9"])
 
 
 def test_nvcc_command_names_the_source_defines_and_arch(tune, tmp_path):

@@ -62,6 +62,13 @@
 #ifndef PKV_ATTN_CODES_PREFETCH
 #define PKV_ATTN_CODES_PREFETCH 1
 #endif
+/* The _mma kernels' centroid tables: 1 = an entry per nibble (16; lookups free of bank
+ * conflicts), 0 = an entry per code byte (256; ~5 lanes a bank pair on random codes). The
+ * same f16 values reach the mmas either way: outputs are bit-identical. gfx11 (WMMA) always
+ * uses the byte tables (hip/kvcache.hip says why). */
+#ifndef PKV_ATTN_CODE_TABLE_NIBBLES
+#define PKV_ATTN_CODE_TABLE_NIBBLES 1
+#endif
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif
