@@ -352,7 +352,7 @@ def _case(fmt, M, K, batch, seed):
 
 def test_the_staged_gemv_gives_the_same_bits_at_any_warps_a_block():
     # a warp owns its 16-row tile over every group of its split, so the warps a block (2, 4,
-    # 8) regroup no f32 sum: the GPU test
+    # 8; HFQ6G256 / Q8F16 launch 4, the 4-bit formats 8) regroup no f32 sum: the GPU test
     # test_gpu_staged_gemv_is_the_same_bits_at_any_warps_a_block asserts the same
     M, K, fmt = 40, 768, "mq4g256v2"  # 3 row tiles: partial blocks at 2, 4 and 8 warps
     raw, x = _case(fmt, M, K, 32, seed=3)

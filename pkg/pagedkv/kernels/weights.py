@@ -83,6 +83,12 @@ _MMA_KERNELS = ("hfq4g256", "mq4g256v2")
 #: both formats back to the CUDA-core kernel (batch 1-8).
 WIDE_MMA_ENV = "PAGEDKV_GEMV_MMA_HFQ6_Q8F16"
 _WIDE_MMA_KERNELS = ("hfq6g256", "q8f16")
+#: Warps per block of the staged batch 9-32 kernel for HFQ6G256 / Q8F16 (the 4-bit formats:
+#: GEMV_MMA_MAX_WARPS). On an H100 (2026-12-06, 4096^2, 4096x14336, 14336x4096 at batch 16
+#: and 32) 4 warps were the fastest or tied at every shape, 2 slower; with the splits
+#: counted for two blocks an SM the launch took 0.87-1.00x the time of the 8-warp one;
+#: the default since the GPU test of any warps a block (the same bits) passed there.
+_WIDE_STAGED_WARPS = 4
 
 
 class _WeightFormat:
@@ -277,7 +283,7 @@ class Gemv:
                  wide_mma: bool | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
-        kernels on NVIDIA: 8). Ignored by the f32 kernel.
+        kernels on NVIDIA: 8, HFQ6G256 / Q8F16's staged one 4). Ignored by the f32 kernel.
 
         ``pipe`` (NVIDIA, batch 9-32): ``None`` runs the staged kernel unless
         ``PAGEDKV_GEMV_PIPE=1`` (then the pipelined one where its shared memory fits the
@@ -377,7 +383,8 @@ class Gemv:
                 # gemv_mma_staged: a block's warps take one 16-row tile each and share the
                 # x it copies to shared memory; gemv_mma_pipe: TILES_PER_WARP tiles each, x
                 # and weights copied STAGES - 1 groups ahead; blockIdx.y splits the groups
-                n_warps = warps or GEMV_MMA_MAX_WARPS
+                n_warps = warps or (_WIDE_STAGED_WARPS if f.kernel in _WIDE_MMA_KERNELS
+                                    else GEMV_MMA_MAX_WARPS)
                 # the staged kernel is built for 255 registers at 8 warps: 8 // warps blocks
                 # share an SM; the pipelined one's shared ring keeps it to one
                 self._split_launch(row_tiles, groups, n_warps,
