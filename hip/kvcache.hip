@@ -2783,7 +2783,9 @@ PKV_DEV void paged_attention_quant_partition(
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
     int kv_heads, int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {
   constexpr bool V_Q8 = VBITS == 8;
-  constexpr int PARTITION = PKV_ATTN_PARTITION_QKV;
+  // the NVIDIA _mma kernels' own partition (pkg/include/pagedkv/launch.h says why)
+  constexpr int PARTITION = MMA && !PKV_ATTN_MFMA && !PKV_ATTN_WMMA ? PKV_ATTN_PARTITION_QKV_MMA
+                                                                 : PKV_ATTN_PARTITION_QKV;
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
   __shared__ int64_t rows[PARTITION];
   __shared__ float red[PKV_ATTN_THREADS / PKV_WARP_SIZE][GMAX];

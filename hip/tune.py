@@ -135,6 +135,8 @@ def sweep_attn(dev, stream, copy_bw, B, images, case=None, kind="float16") -> No
         dev.load_module("kvcache", image)
         kvcache.ATTN_PARTITION_TOKENS[kv_dtype] = int(defines.get(
             f"PKV_ATTN_PARTITION_{suffix}", launch_constant(f"PKV_ATTN_PARTITION_{suffix}")))
+        kvcache.ATTN_PARTITION_TOKENS_QKV_MMA = int(defines.get(  # the NVIDIA _mma kernels'
+            "PKV_ATTN_PARTITION_QKV_MMA", launch_constant("PKV_ATTN_PARTITION_QKV_MMA")))
         t = B.time_attention(dev, stream, kvcache.PagedAttention(dev, **attn_kwargs, **switches),
                              args)
         got = out.to_numpy()

@@ -976,6 +976,36 @@ def test_compressed_attention_tensor_core_path_is_selectable(monkeypatch, kv_dty
     assert dev.shared_bytes[-2] == 4 * max(512 * 2, 4 * 2 * 256)
 
 
+@pytest.mark.parametrize("kv_dtype,heads,qkv_mma,most", [
+    ("fwht4/lloyd4", 16, None, 1024),   # NVIDIA _mma tensor-core passes: their own partition
+    ("fwht2/fwht4", 8, True, 1024),
+    ("fwht4/lloyd4", 16, False, 512),   # the CUDA-core kernel of the same pair
+    ("fwht3/lloyd3", 16, None, 512),    # 3-bit: CUDA cores only
+    ("fwht4/lloyd4", 32, None, 512),    # 8 heads a group: the _mma kernel's CUDA-core passes
+])
+def test_the_nvidia_mma_kernels_get_their_own_partition(monkeypatch, kv_dtype, heads, qkv_mma,
+                                                        most):
+    # PKV_ATTN_PARTITION_QKV_MMA (1,024) where hip/kvcache.hip compiles the _mma passes with
+    # it (MMA_OK: NVIDIA, at most 4 heads a group), PKV_ATTN_PARTITION_QKV (512) elsewhere;
+    # the launch's partition, its split and its shared memory all follow that most.
+    from pagedkv.kernels import kvcache
+    from pagedkv.kernels.launch_constants import launch_constant
+    monkeypatch.delenv("PAGEDKV_ATTN_QKV_MMA", raising=False)
+    monkeypatch.delenv("PAGEDKV_ATTN_PARTITION_TOKENS", raising=False)
+    assert kvcache.ATTN_PARTITION_TOKENS_QKV_MMA == launch_constant("PKV_ATTN_PARTITION_QKV_MMA")
+    assert most in (kvcache.ATTN_PARTITION_TOKENS_QKV_MMA, kvcache.ATTN_PARTITION_TOKENS[kv_dtype])
+    attn = kvcache.PagedAttention(FakeCudaDevice(), num_seqs=32, num_heads=heads, kv_heads=4,
+                                  head_dim=256, block_size=16, max_seq_len=4096,
+                                  kv_dtype=kv_dtype, qkv_mma=qkv_mma)
+    assert attn.partition_tokens == most  # 32 x 4 CTAs of each partition fill a wave
+    assert attn.max_partitions == 4096 // most
+    assert attn.shared_bytes == 4 * max(most * attn.gmax, 4 * attn.gmax * 256)
+    with pytest.raises(InvalidArgument, match=f"16..{most}"):
+        kvcache.PagedAttention(FakeCudaDevice(), num_seqs=1, num_heads=heads, kv_heads=4,
+                               head_dim=256, block_size=16, max_seq_len=4096,
+                               kv_dtype=kv_dtype, qkv_mma=qkv_mma, partition_tokens=most + 16)
+
+
 @pytest.mark.parametrize("head_dim,heads,kv_heads,kernel", [
     (128, 8, 2, "pkv_paged_attention_q8s_g4"),   # the staged tensor-core passes apply
     (256, 16, 4, "pkv_paged_attention_q8_g4"),   # CUDA-core passes: no idle stage buffers

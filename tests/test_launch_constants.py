@@ -71,6 +71,9 @@ def test_every_ctypes_launcher_uses_the_header_values():
     for pair in kvcache.QUANT_KV_DTYPES:  # compressed K/V pairs: one setting (PKV_*_QKV)
         assert kvcache.ATTN_PARTITION_TOKENS[pair] == launch_constant("PKV_ATTN_PARTITION_QKV")
         assert kvcache.ATTN_MIN_BLOCKS[pair] == launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")
+    # and their NVIDIA _mma kernels' own
+    assert kvcache.ATTN_PARTITION_TOKENS_QKV_MMA == launch_constant("PKV_ATTN_PARTITION_QKV_MMA")
+    assert kvcache.ATTN_MIN_BLOCKS_QKV_MMA == launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
     assert set(kvcache.KV_DTYPES) == set(KV_SUFFIX)
     assert set(kvcache.ATTN_PARTITION_TOKENS) == set(KV_SUFFIX) | set(kvcache.QUANT_KV_DTYPES)
     assert kvcache.ATTN_THREADS == launch_constant("PKV_ATTN_THREADS")
@@ -127,3 +130,15 @@ def test_the_compiled_attention_kernels_match_the_launch_tables(compiled_ahead):
                     for r in re.findall(rf"{inst}E4rows\[(\d+)\]", text)]
             assert rows and {int(r) for r in rows} == \
                 {8 * kvcache.ATTN_PARTITION_TOKENS[kv_dtype]}, (kv_dtype, gmax, rows)
+    # the compressed pairs' partitions: MMA_OK instantiations (template argument true) hold
+    # the _mma partition's rows, the CUDA-core ones the pairs' (sm_80+ PTX: MMA_OK needs GMAX <= 4)
+    quant = re.findall(r"paged_attention_quant_partitionILi\d+ELi\d+ELi\d+ELi\d+ELi(\d)ELb([01])E"
+                       r"\w*?E4rows\[(\d+)\]", text)
+    assert len(quant) > 100, len(quant)  # every pair, both kernels, 4 group sizes
+    by_mma = {}
+    for gmax, mma, n in quant:
+        by_mma.setdefault(mma, set()).add(int(n))
+        assert mma == "0" or int(gmax) <= 4, (gmax, mma)
+    pair = kvcache.QUANT_KV_DTYPES[0]
+    assert by_mma == {"1": {8 * kvcache.ATTN_PARTITION_TOKENS_QKV_MMA},
+                      "0": {8 * kvcache.ATTN_PARTITION_TOKENS[pair]}}

@@ -55,6 +55,13 @@
 #ifndef PKV_ATTN_MIN_BLOCKS_QKV_MMA
 #define PKV_ATTN_MIN_BLOCKS_QKV_MMA 4
 #endif
+/* Their partition on NVIDIA (AMD's matrix-core ones keep PKV_ATTN_PARTITION_QKV: at 1,024
+ * tokens and 8 heads a group their LDS would pass 64 KB). On an H100 (2026-12-06, 32 x 4096
+ * and 8 x 32768) 1,024-token partitions took 0.89-0.95x the time of 512 for every _mma pair;
+ * the CUDA-core kernels took up to 1.08x longer, so they keep 512. */
+#ifndef PKV_ATTN_PARTITION_QKV_MMA
+#define PKV_ATTN_PARTITION_QKV_MMA 1024
+#endif
 /* Steps of code loads each warp keeps in flight while it computes one, in the _mma kernels'
  * passes (pass 1: 8 tokens, pass 2: 16 tokens a step; a ring in registers). The loads are
  * direct, not staged: bytes in flight per SM set how much of DRAM's bandwidth a pass can

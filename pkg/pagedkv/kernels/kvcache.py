@@ -75,13 +75,14 @@ def qkv_mma_applies(kv_dtype: str) -> bool:
     k_side, v_side = kv_modes.split_kv_dtype(kv_dtype)
     return (kv_modes.kv_mode(k_side).bits in QKV_MMA_K_BITS
             and kv_modes.kv_mode(v_side).bits in QKV_MMA_V_BITS)
-# Every compressed pair runs the kernels of one launch setting (PKV_*_QKV), the CUDA-core
-# ones and the tensor-core _mma ones alike.
+# Every compressed pair's CUDA-core kernels run one launch setting (PKV_*_QKV).
 ATTN_PARTITION_TOKENS.update(dict.fromkeys(QUANT_KV_DTYPES,
                                            launch_constant("PKV_ATTN_PARTITION_QKV")))
 ATTN_MIN_BLOCKS.update(dict.fromkeys(QUANT_KV_DTYPES, launch_constant("PKV_ATTN_MIN_BLOCKS_QKV")))
-#: The compressed pairs' tensor-core (_mma) kernels: the same partition, their own bound.
+#: The compressed pairs' tensor-core (_mma) kernels: their own bound, and on NVIDIA their
+#: own partition (AMD's matrix-core ones keep :data:`ATTN_PARTITION_TOKENS`'s).
 ATTN_MIN_BLOCKS_QKV_MMA = launch_constant("PKV_ATTN_MIN_BLOCKS_QKV_MMA")
+ATTN_PARTITION_TOKENS_QKV_MMA = launch_constant("PKV_ATTN_PARTITION_QKV_MMA")
 
 
 #: A split partition's fewest tokens (a tensor-core pass takes 16 tokens per warp and mma, 4
@@ -116,7 +117,7 @@ def q8_stage_pays(partition_tokens: int, grid_ctas: int, sm_count: int) -> bool:
 
 
 def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_seq_len: int,
-                               sm_count: int) -> int:
+                               sm_count: int, *, most: int | None = None) -> int:
     """Tokens per partition of one launch geometry, a multiple of 16 between 64 and the
     kernel's most (:data:`ATTN_PARTITION_TOKENS`): as many partitions as the most needs or,
     where that grid (``num_seqs × kv_heads × partitions``) is less than one wave
@@ -127,8 +128,9 @@ def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_
     SMs: 40 µs a layer, 100 GB/s (docs/performance.md, "Decode step"); split into 64-token
     partitions it runs 136. Even
     shares: a decode step over 1,024 cached tokens attends over 1,025, which the most (512
-    for q8) would cut into 512 + 512 + 1."""
-    most = ATTN_PARTITION_TOKENS[kv_dtype]
+    for q8) would cut into 512 + 512 + 1. ``most``: the kernel's most where it is not the
+    KV dtype's (the NVIDIA ``_mma`` kernels': :data:`ATTN_PARTITION_TOKENS_QKV_MMA`)."""
+    most = ATTN_PARTITION_TOKENS[kv_dtype] if most is None else most
     if sm_count <= 0:
         return most
     slots = ATTN_SPLIT_CTAS_PER_SM * sm_count
@@ -152,11 +154,14 @@ def attention_group_slots(num_heads: int, kv_heads: int) -> int:
     return 1 << (num_heads // kv_heads - 1).bit_length()
 
 
-def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size: int) -> int:
+def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size: int,
+                           most: int | None = None) -> int:
     """Dynamic shared memory of one attention CTA, bytes: a partition's f32 scores for the
-    group (``scores[PARTITION][GMAX]``), reused later for the warps' partial outputs."""
+    group (``scores[PARTITION][GMAX]``), reused later for the warps' partial outputs.
+    ``most``: the kernel's PARTITION where it is not the KV dtype's."""
     n_warps = ATTN_THREADS // warp_size
-    return 4 * max(ATTN_PARTITION_TOKENS[kv_dtype] * gmax, n_warps * gmax * head_dim)
+    most = ATTN_PARTITION_TOKENS[kv_dtype] if most is None else most
+    return 4 * max(most * gmax, n_warps * gmax * head_dim)
 
 
 def kv_dtype_of(pool: DeviceArray) -> str:
@@ -363,7 +368,22 @@ class PagedAttention:
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
-        most = ATTN_PARTITION_TOKENS[kv_dtype]
+        self.qkv_mma = None
+        if kv_dtype in QUANT_KV_DTYPES and qkv_mma_applies(kv_dtype):
+            # On CDNA / gfx11 the _mma kernels run the code passes on MFMA / WMMA, which no
+            # AMD device has run yet: taken only when asked (the unit's opt-in or
+            # qkv_mma=True), like the other AMD matrix-core kernels.
+            unit = amd_matrix_unit(device)
+            default = env_bool("PAGEDKV_ATTN_QKV_MMA", True) and (
+                unit is None or env_bool(_ATTN_AMD_OPT_IN[unit], False))
+            self.qkv_mma = bool(default if qkv_mma is None else qkv_mma)
+        # The _mma kernels' tensor-core passes on NVIDIA (at most 4 heads a group: MMA_OK in
+        # hip/kvcache.hip) have a partition of their own; AMD's and the CUDA-core fallback
+        # inside an _mma kernel keep the pair's.
+        most = (ATTN_PARTITION_TOKENS_QKV_MMA
+                if self.qkv_mma and getattr(device, "backend", None) == "cuda"
+                and self.gmax <= 4 and device.properties.warp_size == 32
+                else ATTN_PARTITION_TOKENS[kv_dtype])
         source = "partition_tokens"
         if partition_tokens is None:
             partition_tokens = env_u32("PAGEDKV_ATTN_PARTITION_TOKENS", None)
@@ -371,7 +391,7 @@ class PagedAttention:
         if partition_tokens is None:
             partition_tokens = attention_partition_tokens(
                 kv_dtype, num_seqs, kv_heads, max_seq_len,
-                getattr(device.properties, "multiprocessor_count", 0))
+                getattr(device.properties, "multiprocessor_count", 0), most=most)
         elif (isinstance(partition_tokens, bool) or not isinstance(partition_tokens, int)
               or not 16 <= partition_tokens <= most or partition_tokens % 16):
             raise InvalidArgument(f"{source}={partition_tokens!r}: expected a multiple "
@@ -379,7 +399,8 @@ class PagedAttention:
         self.partition_tokens = partition_tokens
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
         self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
-                                                   warp_size=device.properties.warp_size)
+                                                   warp_size=device.properties.warp_size,
+                                                   most=most)
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
@@ -430,15 +451,8 @@ class PagedAttention:
         else:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
-        self.qkv_mma = None
-        if kv_dtype in QUANT_KV_DTYPES and qkv_mma_applies(kv_dtype):
-            # On CDNA / gfx11 the _mma kernels run the code passes on MFMA / WMMA, which no
-            # AMD device has run yet: taken only when asked (the unit's opt-in or
-            # qkv_mma=True), like the other AMD matrix-core kernels.
+        if self.qkv_mma is not None:
             unit = amd_matrix_unit(device)
-            default = env_bool("PAGEDKV_ATTN_QKV_MMA", True) and (
-                unit is None or env_bool(_ATTN_AMD_OPT_IN[unit], False))
-            self.qkv_mma = bool(default if qkv_mma is None else qkv_mma)
             kind += "_mma" if self.qkv_mma else ""
             self.mfma = self.qkv_mma and unit == "mfma"
             self.wmma = self.qkv_mma and unit == "wmma"
