@@ -2374,19 +2374,24 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_groups = (n_tok + 7) / 8;
-  // The warp's groups are warp, warp + n_warps, ...: `mine` of them per half. Both halves of
-  // head_dim 256 run as one sequence of 2 * mine steps, so the loads in flight carry on
-  // across the half boundary instead of draining and starting again.
-  const int mine = warp < n_groups ? (n_groups - warp + n_warps - 1) / n_warps : 0;
-  const int n_steps = mine * (head_dim / 128);
+  // The warp's groups are warp, warp + n_warps, ... < n_groups, in each half. Both halves
+  // of head_dim 256 run as one sequence of steps (a cursor: group, then half), so the loads
+  // in flight carry on across the half boundary instead of draining and starting again.
+  const int n_halves = warp < n_groups ? head_dim / 128 : 0;
+  struct Step {
+    int grp, half;
+  };
+  auto next = [&](Step& at) {  // no division on the way
+    at.grp += n_warps;
+    if (at.grp >= n_groups) at.grp = warp, ++at.half;
+  };
   struct Raw {
     uint32_t w[4];  // dims 32i + 8t .. + 7 of token gid (BITS 2: the low 16 bits)
     float cnorm;    // token gid's
   };
-  auto load = [&](Raw& kr, int it) {  // past n_tok: the last token again (never stored)
-    const int half = it / mine, grp = warp + (it - half * mine) * n_warps;
-    const uint8_t* row = k_pool + rows[min(8 * grp + gid, n_tok - 1)] * row_bytes;
-    const int code0 = PKV_KV_CNORM_BYTES + 128 * half * BITS / 8;
+  auto load = [&](Raw& kr, const Step& at) {  // past n_tok: the last token again (never stored)
+    const uint8_t* row = k_pool + rows[min(8 * at.grp + gid, n_tok - 1)] * row_bytes;
+    const int code0 = PKV_KV_CNORM_BYTES + 128 * at.half * BITS / 8;
     kr.cnorm = *(const float*)row;
 #pragma unroll
     for (int i = 0; i < 4; ++i) kr.w[i] = code_quad_word<BITS>(row, code0, i, t);
@@ -2395,14 +2400,16 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
   // registers, shifted by one each step: plain moves).
   constexpr int AHEAD = PKV_ATTN_CODES_PREFETCH;
   Raw ring[AHEAD + 1];
+  Step ahead = {warp, 0};  // the next step to load
 #pragma unroll
   for (int a = 0; a < AHEAD; ++a)
-    if (a < n_steps) load(ring[a], a);
+    if (ahead.half < n_halves) load(ring[a], ahead), next(ahead);
   uint32_t qa[8][4];
-  for (int it = 0; it < n_steps; ++it) {  // uniform per warp: the mma sees a whole warp
-    const int half = it / mine, grp = warp + (it - half * mine) * n_warps;
-    if (it == half * mine) q_fragments<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
-    if (it + AHEAD < n_steps) load(ring[AHEAD], it + AHEAD);
+  for (Step at = {warp, 0}; at.half < n_halves; next(at)) {
+    // uniform per warp: the mma sees a whole warp
+    const int grp = at.grp, half = at.half;
+    if (grp == warp) q_fragments<KV_F16>(qs + 128 * half, group, head_dim, 1.0f, qa);
+    if (ahead.half < n_halves) load(ring[AHEAD], ahead), next(ahead);
     const Raw& cur = ring[0];
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
