@@ -2308,6 +2308,12 @@ PKV_DEV void build_code_table(uint32_t* tab, const float* C) {
   }
 }
 
+// A 4-bit byte's two nibble-table entries ({hi | lo << 16}; e0: the low nibble's, the even
+// dim) as its hi pair and its lo pair.
+PKV_DEV void join_code_entries(uint32_t e0, uint32_t e1, uint32_t& hi, uint32_t& lo) {
+  hi = __byte_perm(e0, e1, 0x5410), lo = __byte_perm(e0, e1, 0x7632);
+}
+
 // 2 bits: the hi and lo pairs (dims 2 pair, + 1) of byte's nibble `pair` (0 or 1).
 PKV_DEV void code_pair2(const uint32_t* tab, uint32_t byte, int pair, uint32_t& hi,
                         uint32_t& lo) {
@@ -2326,8 +2332,7 @@ template <int BITS>
 PKV_DEV void code_byte_pairs(const uint32_t* tab, uint32_t byte, uint32_t (&hi)[2],
                              uint32_t (&lo)[2]) {
   if (BITS == 4 && CODE_NIBBLES) {
-    const uint32_t e0 = tab[byte & 15u], e1 = tab[(byte >> 4) & 15u];
-    hi[0] = __byte_perm(e0, e1, 0x5410), lo[0] = __byte_perm(e0, e1, 0x7632);
+    join_code_entries(tab[byte & 15u], tab[(byte >> 4) & 15u], hi[0], lo[0]);
     hi[1] = lo[1] = 0u;
   } else if (BITS == 4) {
     const uint2 e = ((const uint2*)tab)[byte & 0xFFu];
@@ -2335,6 +2340,63 @@ PKV_DEV void code_byte_pairs(const uint32_t* tab, uint32_t byte, uint32_t (&hi)[
   } else {
     code_pair2(tab, byte, 0, hi[0], lo[0]);
     code_pair2(tab, byte, 1, hi[1], lo[1]);
+  }
+}
+
+// Nibble-table lookups addressed by one byte permute (the NVIDIA _mma passes). Indexing a
+// table by `(w >> s) & 15` costs a shift, a mask and the table's base added: 3 instructions
+// a lookup, ~40% of pass 2's SASS (sm_90, 2026-12-06). Here one word's 8 nibbles become byte
+// offsets at once (NibbleOffsets: 2 shifts and 2 masks), and since the table sits at a
+// 256-byte-aligned shared-window address, an entry's address is that base with its low
+// byte replaced by the offset: one PRMT a lookup.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool CODE_NIBBLE_PRMT = CODE_NIBBLES && PKV_ATTN_CODE_TABLE_PRMT != 0;
+#else
+constexpr bool CODE_NIBBLE_PRMT = false;  // AMD: indexes as above
+#endif
+constexpr int CODE_TABLE_ALIGN = 256;  // the bytes a nibble table may span
+static_assert(!CODE_NIBBLES || 16 * CODE_TABLE_WORDS<2> * 4 <= CODE_TABLE_ALIGN,
+              "a nibble table fits in the low byte of its address");
+
+// Byte k of lo / hi: the offset of the entry of byte k's low / high nibble (4-bit codes:
+// 4-byte entries; 2-bit: 8-byte entries).
+struct NibbleOffsets {
+  uint32_t lo, hi;
+};
+template <int BITS>
+PKV_DEV NibbleOffsets nibble_offsets(uint32_t w) {
+  constexpr int SHIFT = BITS == 4 ? 2 : 3;  // log2 of an entry's bytes
+  constexpr uint32_t MASK = 0x0F0F0F0Fu << SHIFT;
+  return {(w << SHIFT) & MASK, (w >> (4 - SHIFT)) & MASK};
+}
+
+// The entry of byte k's low (high = false) or high nibble; `base`: the table's
+// shared-window address. 4 bits: .x = {hi | lo << 16} of the code; 2 bits: {hi pair, lo pair}.
+template <int BITS>
+PKV_DEV uint2 nibble_entry(uint32_t base, const NibbleOffsets& o, int k, bool high) {
+  const uint32_t at = __byte_perm(high ? o.hi : o.lo, base, 0x7650u | (uint32_t)k);
+  uint2 e = {0u, 0u};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // volatile: never moved above the barrier after the table is built
+  if (BITS == 4) asm volatile("ld.shared.b32 %0, [%1];" : "=r"(e.x) : "r"(at));
+  else asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(e.x), "=r"(e.y) : "r"(at));
+#else
+  __builtin_trap();  // callers check CODE_NIBBLE_PRMT
+#endif
+  return e;
+}
+
+// The hi and lo pairs of byte k of a 4-bit code word (its two codes' entries joined), or of
+// nibble `pair` of byte k at 2 bits.
+template <int BITS>
+PKV_DEV void nibble_pair(uint32_t base, const NibbleOffsets& o, int k, int pair,
+                         uint32_t& hi, uint32_t& lo) {
+  if (BITS == 4) {
+    join_code_entries(nibble_entry<4>(base, o, k, false).x, nibble_entry<4>(base, o, k, true).x,
+                      hi, lo);
+  } else {
+    const uint2 e = nibble_entry<2>(base, o, k, pair != 0);
+    hi = e.x, lo = e.y;
   }
 }
 
@@ -2378,6 +2440,8 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
   // of head_dim 256 run as one sequence of steps (a cursor: group, then half), so the loads
   // in flight carry on across the half boundary instead of draining and starting again.
   const int n_halves = warp < n_groups ? head_dim / 128 : 0;
+  uint32_t tab_base = 0u;
+  if constexpr (CODE_NIBBLE_PRMT) tab_base = smem_window((const uint8_t*)tab);
   struct Step {
     int grp, half;
   };
@@ -2415,7 +2479,14 @@ PKV_DEV void qk_scores_mma_codes(const float* qs, int group, int head_dim,
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       uint32_t hi0[2], lo0[2];
-      code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi0, lo0);
+      if constexpr (CODE_NIBBLE_PRMT) {  // code_step_pairs' bytes, by nibble_pair
+        const NibbleOffsets o = nibble_offsets<BITS>(cur.w[s / 2]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          nibble_pair<BITS>(tab_base, o, BITS == 4 ? 2 * (s % 2) + i : s % 2, i, hi0[i], lo0[i]);
+      } else {
+        code_step_pairs<BITS>(tab, cur.w[s / 2], s, hi0, lo0);
+      }
       mma_f16_16x8x16(c, qa[s], hi0[0], hi0[1]);
       mma_f16_16x8x16(c, qa[s], lo0[0], lo0[1]);
     }
@@ -2475,6 +2546,8 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
   };
   const int head = gid % 4;
   const bool rest = gid >= 4, live = head < GMAX;
+  uint32_t tab_base = 0u;
+  if constexpr (CODE_NIBBLE_PRMT) tab_base = smem_window((const uint8_t*)tab);
   auto x_pair = [&](const float (&x)[4], int k) {  // B: tokens 4t + 2k, + 1
     return codes_p_bits(x[2 * k], rest) | codes_p_bits(x[2 * k + 1], rest) << 16;
   };
@@ -2506,8 +2579,14 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
         uint32_t ev[4], od[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t b = cur.w[j][word] >> (8 * byte);
-          ev[j] = tab[b & 15u], od[j] = tab[(b >> 4) & 15u];
+          if constexpr (CODE_NIBBLE_PRMT) {
+            const NibbleOffsets o = nibble_offsets<BITS>(cur.w[j][word]);
+            ev[j] = nibble_entry<BITS>(tab_base, o, byte, false).x;
+            od[j] = nibble_entry<BITS>(tab_base, o, byte, true).x;
+          } else {
+            const uint32_t b = cur.w[j][word] >> (8 * byte);
+            ev[j] = tab[b & 15u], od[j] = tab[(b >> 4) & 15u];
+          }
         }
         ah[0] = __byte_perm(ev[0], ev[1], 0x5410), ah[1] = __byte_perm(od[0], od[1], 0x5410);
         ah[2] = __byte_perm(ev[2], ev[3], 0x5410), ah[3] = __byte_perm(od[2], od[3], 0x5410);
@@ -2518,7 +2597,10 @@ PKV_DEV void pv_mma_codes(const float* scores, const uint8_t* __restrict__ v_poo
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t b = cur.w[j][word] >> (8 * byte);
-          if (BITS == 4) {
+          if constexpr (BITS == 2 && CODE_NIBBLE_PRMT) {
+            nibble_pair<BITS>(tab_base, nibble_offsets<BITS>(cur.w[j][word]), byte, pair, hi[j],
+                              lo[j]);
+          } else if (BITS == 4) {
             uint32_t h[2], l[2];
             code_byte_pairs<4>(tab, b, h, l);
             hi[j] = h[0], lo[j] = l[0];
@@ -2802,8 +2884,23 @@ PKV_DEV void paged_attention_quant_partition(
   // by both halves of pass 2).
   __shared__ float qs[V_MMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256 : GMAX * 256];
   __shared__ float ctab_k[MMA ? 1 : 16], ctab_v[MMA || V_Q8 ? 1 : 16];
-  __shared__ __align__(16) uint32_t tab_k[MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<KBITS> : 1];
-  __shared__ __align__(16) uint32_t tab_v[V_MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<VBITS> : 1];
+  __shared__ __align__(CODE_TABLE_ALIGN) uint32_t
+      tab_k[MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<KBITS> : 1];
+  __shared__ __align__(CODE_TABLE_ALIGN) uint32_t
+      tab_v[V_MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<VBITS> : 1];
+#if defined(__CUDACC__)
+  // A launch gets 48 KB of shared memory without an opt-in (the launcher asks for none):
+  // these arrays, the tables' alignment and the largest dynamic part must fit. (gfx11's
+  // WMMA g8 kernels at head_dim 256 need ~73-78 KB, over RDNA3's 64 KB: docs/kernels.md,
+  // "AMD matrix cores".)
+  static_assert(sizeof(rows) + sizeof(red) + sizeof(qs) + sizeof(ctab_k) + sizeof(ctab_v) +
+                        sizeof(tab_k) + sizeof(tab_v) + 2 * CODE_TABLE_ALIGN +
+                        4 * (PARTITION * GMAX > PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256
+                                 ? PARTITION * GMAX
+                                 : PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256) <=
+                    48 * 1024,
+                "compressed-KV attention: over the 48 KB of shared memory a launch gets");
+#endif
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;

@@ -9,6 +9,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
         --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
     python hip/tune.py attn --kv fwht4/lloyd4,fwht4/fwht4 --set PKV_ATTN_CODE_TABLE_NIBBLES=0,1
+    python hip/tune.py attn --kv fwht4/fwht4,fwht2/lloyd2 --set PKV_ATTN_CODE_TABLE_PRMT=0,1
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2

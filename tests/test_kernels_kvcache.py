@@ -585,6 +585,38 @@ def test_the_nibble_and_byte_code_tables_give_the_same_bits(kv_dtype, head_dim):
     assert np.isfinite(got[0]).all() and np.array_equal(got[0], got[1])
 
 
+def test_the_byte_permute_lookups_address_each_nibbles_entry():
+    # nibble_entry (hip/kvcache.hip, the NVIDIA _mma passes): an entry's shared address is
+    # the table's 256-byte-aligned base with its low byte replaced, by one __byte_perm, with
+    # byte k of nibble_offsets(w): the entry of byte k's low or high nibble, for every byte
+    # value of every position. A wrong mask, shift or selector names another entry.
+    import re
+    from pathlib import Path
+
+    from mma_attention_emulation import byte_perm
+    src = (Path(__file__).resolve().parents[1] / "hip/kvcache.hip").read_text()
+    body = src[src.index("PKV_DEV NibbleOffsets nibble_offsets("):
+               src.index("// The hi and lo pairs of byte k")]
+    shift = re.search(r"SHIFT = BITS == 4 \? (\d) : (\d);", body)
+    mask = re.search(r"MASK = (0x[0-9A-Fa-f]+)u << SHIFT;", body)
+    sel = re.search(r"__byte_perm\(high \? o\.hi : o\.lo, base, (0x[0-9A-Fa-f]+)u \| \(uint32_t\)k\)",
+                    body)
+    assert "return {(w << SHIFT) & MASK, (w >> (4 - SHIFT)) & MASK};" in body
+    assert re.search(r"CODE_TABLE_ALIGN = 256;", src) and shift and mask and sel
+    # every byte value at every position, and random words
+    words = np.concatenate([np.arange(256, dtype=np.uint32) * np.uint32(0x01010101),
+                            RNG.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    base = np.uint32(0x00A3C100)  # a shared-window address, 256-byte aligned
+    for bits, entry_bytes, sh in ((4, 4, int(shift[1])), (2, 8, int(shift[2]))):
+        m = np.uint32(int(mask[1], 16) << sh)
+        offsets = {False: (words << np.uint32(sh)) & m, True: (words >> np.uint32(4 - sh)) & m}
+        for k in range(4):
+            for high in (False, True):
+                at = byte_perm(offsets[high], base, int(sel[1], 16) | k)
+                nibble = (words >> np.uint32(8 * k + 4 * high)) & np.uint32(15)
+                assert np.array_equal(at, base + np.uint32(entry_bytes) * nibble), (bits, k, high)
+
+
 def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
     # pv_mma_codes and its emulation build A with the same __byte_perm operands and
     # selectors in the same order: 4 bits from the even / odd dims' {hi, lo} entries (ev,
@@ -607,7 +639,7 @@ def test_compressed_mma_emulation_uses_the_kernels_byte_selectors():
     regs = [p for p in py if p[0] == "regs"]
     assert two == [(n, a, n, b, sel) for n in ("hi", "lo") for _, a, _, b, sel in regs]
     assert len(two) == 8
-    pairs = src[src.index("PKV_DEV void code_byte_pairs("):src.index("// Pass 1's code word")]
+    pairs = src[src.index("PKV_DEV void join_code_entries("):src.index("// 2 bits: the hi and lo")]
     assert re.findall(r"__byte_perm\(e0, e1, (0x[0-9A-Fa-f]+)\)", pairs) == \
         re.findall(r"byte_perm\(e0, e1, (0x[0-9A-Fa-f]+)\)", py_src) == ["0x5410", "0x7632"]
 

@@ -76,6 +76,13 @@
 #ifndef PKV_ATTN_CODE_TABLE_NIBBLES
 #define PKV_ATTN_CODE_TABLE_NIBBLES 1
 #endif
+/* How the NVIDIA _mma kernels address a nibble table's entries: 1 = one byte permute of the
+ * table's 256-byte-aligned base and the nibble's offset (a word's 8 offsets from 2 shifts
+ * and 2 masks), 0 = shift, mask and add per lookup (3 instructions). Same loads, same bits;
+ * kept for sweeps (hip/tune.py attn --set PKV_ATTN_CODE_TABLE_PRMT=0,1). */
+#ifndef PKV_ATTN_CODE_TABLE_PRMT
+#define PKV_ATTN_CODE_TABLE_PRMT 1
+#endif
 #ifndef PKV_ATTN_THREADS
 #define PKV_ATTN_THREADS 128
 #endif
