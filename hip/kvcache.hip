@@ -2888,19 +2888,24 @@ PKV_DEV void paged_attention_quant_partition(
       tab_k[MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<KBITS> : 1];
   __shared__ __align__(CODE_TABLE_ALIGN) uint32_t
       tab_v[V_MMA ? CODE_TABLE_ENTRIES * CODE_TABLE_WORDS<VBITS> : 1];
-#if defined(__CUDACC__)
-  // A launch gets 48 KB of shared memory without an opt-in (the launcher asks for none):
-  // these arrays, the tables' alignment and the largest dynamic part must fit. (gfx11's
-  // WMMA g8 kernels at head_dim 256 need ~73-78 KB, over RDNA3's 64 KB: docs/kernels.md,
-  // "AMD matrix cores".)
+  // What a launch gets without an opt-in (the launcher asks for none): 48 KB on NVIDIA, the
+  // 64 KB of LDS a workgroup has on AMD. These arrays, the tables' alignment and the dynamic
+  // part the launcher reserves (attention_shared_bytes: the scores, and room for the warps'
+  // partial outputs unless a rotated V's AMD matrix-core pass 2 keeps them in qs) must fit.
+#if defined(__HIPCC__)
+  constexpr int SHARED_LIMIT = 64 * 1024;
+  constexpr bool PARTIALS_IN_QS = V_MMA;
+#else
+  constexpr int SHARED_LIMIT = 48 * 1024;
+  constexpr bool PARTIALS_IN_QS = false;  // reserved anyway (the same size at 4 warps)
+#endif
+  constexpr int PARTIAL_FLOATS = PARTIALS_IN_QS ? 0 : PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256;
   static_assert(sizeof(rows) + sizeof(red) + sizeof(qs) + sizeof(ctab_k) + sizeof(ctab_v) +
                         sizeof(tab_k) + sizeof(tab_v) + 2 * CODE_TABLE_ALIGN +
-                        4 * (PARTITION * GMAX > PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256
-                                 ? PARTITION * GMAX
-                                 : PKV_ATTN_THREADS / PKV_WARP_SIZE * GMAX * 256) <=
-                    48 * 1024,
-                "compressed-KV attention: over the 48 KB of shared memory a launch gets");
-#endif
+                        4 * (PARTITION * GMAX > PARTIAL_FLOATS ? PARTITION * GMAX
+                                                               : PARTIAL_FLOATS) <=
+                    SHARED_LIMIT,
+                "compressed-KV attention: over the shared memory a launch gets");
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;

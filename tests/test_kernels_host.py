@@ -1331,6 +1331,32 @@ def test_compressed_attention_takes_amd_matrix_cores_only_when_asked(
     assert (", mfma=True" in repr(attn), ", wmma=True" in repr(attn)) == (attn.mfma, attn.wmma)
 
 
+@pytest.mark.parametrize(("arch", "kv_dtype", "shared"), [
+    # 8 heads a KV head at head_dim 256, PKV_ATTN_PARTITION_QKV (512) tokens: the scores are
+    # 16 KB; the warps' partial outputs (4 waves x 8 heads x 256 f32 = 32 KB) stay in static
+    # shared memory with a rotated V on matrix cores, so the launch reserves the scores alone
+    ("gfx1100", "fwht2/lloyd2", 16384), ("gfx1100", "fwht4/lloyd4", 16384),
+    ("gfx1100", "fwht4/q8", 32768),   # a q8 V: CUDA-core pass 2, partials in dynamic memory
+    ("gfx90a", "lloyd4/lloyd4", 16384),  # wave64: 2 waves, 16 KB of partials either way
+    ("gfx1030", "fwht2/lloyd2", 32768)])  # no matrix cores: CUDA-core passes
+def test_amd_matrix_core_code_passes_reserve_the_scores_alone(monkeypatch, arch, kv_dtype,
+                                                                shared):
+    # Reserving room for partials the kernel keeps in qs put gfx11's g8 head_dim-256 kernels
+    # at ~77 KB, over the 64 KB of LDS a workgroup gets (hip/kvcache.hip asserts the sum)
+    from pagedkv.kernels import kvcache
+    for name in ("PAGEDKV_ATTN_MFMA", "PAGEDKV_ATTN_WMMA", "PAGEDKV_ATTN_QKV_MMA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PAGEDKV_ATTN_WMMA" if arch == "gfx1100" else "PAGEDKV_ATTN_MFMA", "1")
+    attn = kvcache.PagedAttention(FakeHipDevice(arch), num_seqs=1, num_heads=8, kv_heads=1,
+                                  head_dim=256, block_size=16, max_seq_len=64,
+                                  kv_dtype=kv_dtype)
+    assert attn._partition.name.endswith("_mma_g8") and attn.shared_bytes == shared
+    # NVIDIA's _mma kernels reserve both terms, equal at 1,024 tokens and 4 warps
+    assert kvcache.attention_shared_bytes(kv_dtype, 4, 256, warp_size=32, most=1024) == \
+        kvcache.attention_shared_bytes(kv_dtype, 4, 256, warp_size=32, most=1024,
+                                       partials=False) == 16384
+
+
 @pytest.mark.parametrize("flags", [{"q8_mma": False}, {"q8_stage": True},
                                    {"q8_stage": True, "q8_int": True}])
 def test_q8_attention_keeps_the_kernel_asked_for_over_mfma(monkeypatch, flags):

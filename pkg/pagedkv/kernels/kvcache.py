@@ -155,13 +155,15 @@ def attention_group_slots(num_heads: int, kv_heads: int) -> int:
 
 
 def attention_shared_bytes(kv_dtype: str, gmax: int, head_dim: int, *, warp_size: int,
-                           most: int | None = None) -> int:
+                           most: int | None = None, partials: bool = True) -> int:
     """Dynamic shared memory of one attention CTA, bytes: a partition's f32 scores for the
     group (``scores[PARTITION][GMAX]``), reused later for the warps' partial outputs.
-    ``most``: the kernel's PARTITION where it is not the KV dtype's."""
+    ``most``: the kernel's PARTITION where it is not the KV dtype's; ``partials=False``: the
+    kernel keeps its partial outputs in static shared memory (the rotated-V ``_mma`` kernels
+    on AMD matrix cores), so the scores alone."""
     n_warps = ATTN_THREADS // warp_size
     most = ATTN_PARTITION_TOKENS[kv_dtype] if most is None else most
-    return 4 * max(most * gmax, n_warps * gmax * head_dim)
+    return 4 * max(most * gmax, n_warps * gmax * head_dim if partials else 0)
 
 
 def kv_dtype_of(pool: DeviceArray) -> str:
@@ -456,6 +458,13 @@ class PagedAttention:
             kind += "_mma" if self.qkv_mma else ""
             self.mfma = self.qkv_mma and unit == "mfma"
             self.wmma = self.qkv_mma and unit == "wmma"
+            if (self.mfma or self.wmma) and v_side != "q8":
+                # Their pass 2 leaves the waves' partial outputs in static shared memory:
+                # without this, gfx11's g8 kernels at head_dim 256 would ask for ~77 KB,
+                # over the 64 KB of LDS a workgroup gets (hip/kvcache.hip checks the sum).
+                self.shared_bytes = attention_shared_bytes(
+                    kv_dtype, self.gmax, head_dim, warp_size=device.properties.warp_size,
+                    most=most, partials=False)
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiiii")
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
