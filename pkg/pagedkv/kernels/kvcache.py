@@ -371,6 +371,7 @@ class PagedAttention:
             raise InvalidArgument(f"head_dim={head_dim} with {group} query heads per KV head: "
                                   f"at most {head_dim // 8} heads per KV head at this head_dim")
         self.qkv_mma = None
+        qkv_unit = None  # the AMD matrix unit the _mma kernels' code passes run on
         if kv_dtype in QUANT_KV_DTYPES and qkv_mma_applies(kv_dtype):
             # On CDNA / gfx11 the _mma kernels run the code passes on MFMA / WMMA, which no
             # AMD device has run yet: taken only when asked (the unit's opt-in or
@@ -379,6 +380,7 @@ class PagedAttention:
             default = env_bool("PAGEDKV_ATTN_QKV_MMA", True) and (
                 unit is None or env_bool(_ATTN_AMD_OPT_IN[unit], False))
             self.qkv_mma = bool(default if qkv_mma is None else qkv_mma)
+            qkv_unit = unit if self.qkv_mma else None
         # The _mma kernels' tensor-core passes on NVIDIA (at most 4 heads a group: MMA_OK in
         # hip/kvcache.hip) have a partition of their own; AMD's and the CUDA-core fallback
         # inside an _mma kernel keep the pair's.
@@ -400,9 +402,12 @@ class PagedAttention:
                                   f"of 16 in 16..{most} (kv_dtype {kv_dtype!r})")
         self.partition_tokens = partition_tokens
         self.max_partitions = math.ceil(max_seq_len / self.partition_tokens)
-        self.shared_bytes = attention_shared_bytes(kv_dtype, self.gmax, head_dim,
-                                                   warp_size=device.properties.warp_size,
-                                                   most=most)
+        # A rotated V's pass 2 on AMD matrix cores leaves the waves' partial outputs in
+        # static shared memory: reserving room for them too put gfx11's g8 kernels at
+        # head_dim 256 at ~77 KB, over a workgroup's 64 KB (hip/kvcache.hip checks the sum).
+        self.shared_bytes = attention_shared_bytes(
+            kv_dtype, self.gmax, head_dim, warp_size=device.properties.warp_size, most=most,
+            partials=qkv_unit is None or kv_dtype.endswith("/q8"))
         if q8_mma is None:
             q8_mma = env_bool("PAGEDKV_ATTN_Q8_MMA", True)
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
@@ -454,17 +459,8 @@ class PagedAttention:
             k_side, v_side = kv_dtype.split("/")
             kind = f"{_K_KERNEL.get(k_side, k_side)}_{_V_KERNEL.get(v_side, v_side)}"
         if self.qkv_mma is not None:
-            unit = amd_matrix_unit(device)
             kind += "_mma" if self.qkv_mma else ""
-            self.mfma = self.qkv_mma and unit == "mfma"
-            self.wmma = self.qkv_mma and unit == "wmma"
-            if (self.mfma or self.wmma) and v_side != "q8":
-                # Their pass 2 leaves the waves' partial outputs in static shared memory:
-                # without this, gfx11's g8 kernels at head_dim 256 would ask for ~77 KB,
-                # over the 64 KB of LDS a workgroup gets (hip/kvcache.hip checks the sum).
-                self.shared_bytes = attention_shared_bytes(
-                    kv_dtype, self.gmax, head_dim, warp_size=device.properties.warp_size,
-                    most=most, partials=False)
+            self.mfma, self.wmma = qkv_unit == "mfma", qkv_unit == "wmma"
         self._partition = device.kernel(
             SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiiii")
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
