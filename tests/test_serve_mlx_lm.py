@@ -169,3 +169,32 @@ def test_pagedkv_serve_learns_sliding_window_prompts_batched_and_conversations_u
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+def test_await_thread_teardown_waits_for_the_joined_os_thread_and_not_for_a_live_one():
+    """The SIGTERM abort this guards against (a joined generation thread's MLX teardown
+    racing the interpreter's exit: docs/integrations/mlx-lm.md, "Stopping the server") needs
+    load to show; here the helper's contract: True only once the OS thread is gone, False
+    at once for a thread still running."""
+    import threading
+
+    from pagedkv.integrations.mlx_lm.server import await_thread_teardown
+
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    assert await_thread_teardown(done, timeout_s=10.0) is True
+    assert not os.path.exists(f"/proc/self/task/{done.native_id}")
+
+    release = threading.Event()
+    live = threading.Thread(target=release.wait)
+    live.start()
+    try:
+        t0 = time.monotonic()
+        assert await_thread_teardown(live, timeout_s=10.0) is False
+        assert time.monotonic() - t0 < 1.0
+        assert os.path.exists(f"/proc/self/task/{live.native_id}")
+    finally:
+        release.set()
+        live.join()

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,8 +28,8 @@ from pagedkv.errors import InvalidArgument, PagedKVError
 if TYPE_CHECKING:
     from pagedkv.integrations.mlx_lm.prompt_cache import PagedPromptCache
 
-__all__ = ["PagedServerPromptCache", "has_sliding_layers", "run_server",
-           "serve_sliding_unbatched"]
+__all__ = ["PagedServerPromptCache", "await_thread_teardown", "has_sliding_layers",
+           "run_server", "serve_sliding_unbatched"]
 
 log = logging.getLogger("pagedkv.serve")
 
@@ -161,6 +162,34 @@ def serve_sliding_unbatched(provider) -> None:
     route()
 
 
+def await_thread_teardown(thread: threading.Thread, timeout_s: float = 10.0) -> bool:
+    """Wait until the OS thread behind ``thread``, already joined, has exited.
+
+    ``Thread.join`` returns when the Python side of a thread is done, before its OS thread
+    runs its C++ thread-local destructors. MLX keeps a per-thread compile cache whose
+    entries hold Python functions (mlx-lm's compiled sampler and activations), so the
+    generation thread's teardown takes the GIL to release them; if the interpreter is
+    finalizing by then, Python ends that thread with a forced unwind through a ``noexcept``
+    destructor and the process aborts ("terminate called without an active exception",
+    exit -6 on SIGTERM; seen under CPU load). Waiting here, before returning to the
+    interpreter's exit, lets the teardown finish while Python still runs. Linux only
+    (``/proc/self/task``); elsewhere returns at once. Returns whether the thread is known
+    gone within ``timeout_s`` seconds.
+    """
+    tid = thread.native_id
+    tasks = "/proc/self/task"
+    if thread.is_alive() or tid is None or not os.path.isdir(tasks):
+        return False
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(f"{tasks}/{tid}"):
+        if time.monotonic() >= deadline:
+            log.warning("pagedkv serve: generation thread %d still tearing down after "
+                        "%.0f s", tid, timeout_s)
+            return False
+        time.sleep(0.005)  # releases the GIL the teardown needs
+    return True
+
+
 def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int = 16,
                max_blocks: int | None = None, cold_dir=None,
                unbatched_sliding: bool = False) -> int:
@@ -197,6 +226,10 @@ def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int =
         except BaseException:
             generator.stop_and_join()  # e.g. the port is taken: stop its generation thread
             raise
+        finally:  # mlx-lm joined it (on SIGINT / SIGTERM) or the line above did
+            thread = getattr(generator, "_generation_thread", None)
+            if isinstance(thread, threading.Thread):
+                await_thread_teardown(thread)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
