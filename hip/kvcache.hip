@@ -1174,9 +1174,47 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
 #ifndef PKV_ATTN_Q8_STAGE_PITCH_UNITS
 #define PKV_ATTN_Q8_STAGE_PITCH_UNITS 18
 #endif
+// PKV_ATTN_Q8_STAGE_TMA (sm_90; 0 ignores the launcher's maps): a chunk is staged by one
+// tensor copy (cp.async.bulk.tensor.2d, the tensor-memory-access engine) of a 16-row x
+// 144-byte box of the pool seen as a 2-D byte array of token slots (kv_heads x 136 bytes
+// a row, 16-byte aligned when kv_heads is even): the aligned 144 bytes around each of the
+// chunk's rows, the row at offset 0 or 8 of its staged 144, completing on the slot's
+// mbarrier (a transaction count of the box's bytes). The launcher builds the two tensor
+// maps (K, V) and passes them by value where head_dim is 128, kv_heads even, blocks a
+// multiple of 16 tokens and the pools 16-byte aligned (pagedkv.kernels.kvcache); a chunk
+// is then 16 consecutive slots of one block. Rows past the partition are whatever the
+// block holds there: pass 1 stores no score for them and pass 2 zeroes their scales.
+#ifndef PKV_ATTN_Q8_STAGE_TMA
+#define PKV_ATTN_Q8_STAGE_TMA 1
+#endif
+// Tensor copies exist from sm_90 on: other code ignores the maps (the launcher may pass
+// them to an sm_80 build running on an sm_90 device).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && PKV_ATTN_Q8_STAGE_TMA
+#define PKV_Q8_TMA 1
+#else
+#define PKV_Q8_TMA 0
+#endif
 constexpr int Q8_STAGE_TOKENS = 16;
 constexpr int Q8_ROW_UNITS = 17;  // 34 * head_dim / 32 bytes = 17 units of head_dim / 16 bytes
 constexpr int Q8_STAGE_BYTES_MAX = Q8_STAGE_TOKENS * PKV_ATTN_Q8_STAGE_PITCH_UNITS * 8;
+constexpr int Q8_TMA_BOX_BYTES = 8 * (Q8_ROW_UNITS + 1);  // 144: a row's aligned window
+static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS == 18 || !PKV_ATTN_Q8_STAGE_TMA,
+              "PKV_ATTN_Q8_STAGE_TMA stages 144-byte boxes: a 144-byte pitch");
+
+// A CUtensorMap (cuda.h), passed by value (PKV_GRID_CONSTANT) to the q8s kernels.
+struct alignas(64) PkvTensorMap {
+  unsigned long long words[16];
+};
+
+// One pass's tensor-copy staging (map == nullptr: cp.async): the pass's map, the box's
+// byte column x (the KV head's aligned window), the row's offset in it (0 or 8) and the
+// first token slot of each chunk of the partition.
+struct Q8Tma {
+  const PkvTensorMap* map;
+  int x, off;
+  const int32_t* chunk_slot;
+  uint32_t bars;  // the shared-window address of the pass's first buffer's mbarrier
+};
 static_assert(PKV_ATTN_Q8_STAGES >= 2, "PKV_ATTN_Q8_STAGES: one chunk read, one in flight");
 static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS >= Q8_ROW_UNITS, "a staged row holds a row");
 // Static shared memory stays under 48 KB with the rows table and the reductions (4
@@ -1225,6 +1263,39 @@ PKV_DEV void warp_sync() {
 #endif
 }
 
+// The tensor copies' mbarriers (shared-window addresses) and the copy itself (sm_90).
+PKV_DEV void mbar_init(uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+#endif
+}
+PKV_DEV void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+PKV_DEV void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                 " selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+#endif
+}
+// One lane: arrive on bar expecting the box's bytes, then copy the box at (x, y) of map.
+PKV_DEV void tma_box_copy(uint32_t dst, const PkvTensorMap* map, int x, int y, uint32_t bar,
+                          uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3}], [%4];"
+               :: "r"(dst), "l"((uint64_t)map), "r"(x), "r"(y), "r"(bar) : "memory");
+#endif
+}
+
 // Chunk c (tokens 16c .. 16c + 15 of the partition) of a pool into one stage buffer:
 // staged row j at buf + j * PITCH_UNITS * unit bytes, unit = row_bytes / 17. Lane copies
 // units u = lane + 32 i of the chunk (row j = u / 17, unit k = u % 17: one warp-wide copy
@@ -1258,18 +1329,53 @@ PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, cons
     q8_stage_units<4>(dst, pool, rows, row_bytes, c, n_tok);
 }
 
+// Chunk c by one tensor copy into buffer slot (lane 0; Q8Tma).
+PKV_DEV void q8_stage_chunk_tma(uint8_t* stage, int slot, const Q8Tma& tma, int c) {
+  if (threadIdx.x % 32 == 0)
+    tma_box_copy(smem_window(stage + slot * Q8_STAGE_BYTES_MAX), tma.map, tma.x,
+                 tma.chunk_slot[c], tma.bars + 8u * slot, Q8_STAGE_TOKENS * Q8_TMA_BOX_BYTES);
+}
+
 // The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..
 // STAGES - 2, one commit group each (empty past the end: the wait counts stay uniform).
 PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
-                               const int64_t* rows, int64_t row_bytes, int n_tok) {
+                               const int64_t* rows, int64_t row_bytes, int n_tok,
+                               const Q8Tma& tma) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
 #pragma unroll
   for (int s = 0; s < PKV_ATTN_Q8_STAGES - 1; ++s) {
     const int c = warp + s * n_warps;
-    if (c < n_chunks) q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
+    if (c >= n_chunks) {
+    } else if (PKV_Q8_TMA && tma.map != nullptr) {
+      q8_stage_chunk_tma(stage, s, tma, c);
+    } else {
+      q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
+    }
     cp_async_commit();
   }
+}
+
+// q8_staged_chunks over tensor copies: a chunk has landed when its slot's mbarrier
+// completes the phase of that use (a loop of its own, so the cp.async loop carries none of
+// it); buffers hold each row at tma.off.
+template <typename Body>
+PKV_DEV void q8_staged_chunks_tma(uint8_t* stage, const Q8Tma& tma, int n_tok, Body body) {
+  const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
+  int slot = 0;
+  uint32_t parity = 0u;  // bit s: the phase slot s completes next
+  for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
+    const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
+    const int ahead_slot = slot == 0 ? PKV_ATTN_Q8_STAGES - 1 : slot - 1;
+    warp_sync();  // every lane is done reading ahead_slot (the previous chunk's buffer)
+    if (ahead < n_chunks) q8_stage_chunk_tma(stage, ahead_slot, tma, ahead);
+    mbar_wait(tma.bars + 8u * slot, (parity >> slot) & 1u);
+    parity ^= 1u << slot;
+    body((const uint8_t*)(stage + slot * Q8_STAGE_BYTES_MAX + tma.off), c);
+    slot = slot == PKV_ATTN_Q8_STAGES - 1 ? 0 : slot + 1;
+  }
+  warp_sync();  // the buffers are free for the next pass
 }
 
 // The warp's chunks through its STAGES buffers: after the prologue (issued here, or by the
@@ -1278,10 +1384,15 @@ PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
 // shared memory.
 template <bool PROLOGUE_ISSUED, typename Body>
 PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
-                              const int64_t* rows, int64_t row_bytes, int n_tok, Body body) {
+                              const int64_t* rows, int64_t row_bytes, int n_tok,
+                              const Q8Tma& tma, Body body) {
   const int warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int n_chunks = (n_tok + Q8_STAGE_TOKENS - 1) / Q8_STAGE_TOKENS;
-  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, n_tok);
+  if (!PROLOGUE_ISSUED) q8_stage_prologue(stage, pool, rows, row_bytes, n_tok, tma);
+  if (PKV_Q8_TMA && tma.map != nullptr) {
+    q8_staged_chunks_tma(stage, tma, n_tok, body);
+    return;
+  }
   int slot = 0;
   for (int c = warp; c < n_chunks; c += n_warps) {  // uniform per warp
     const int ahead = c + (PKV_ATTN_Q8_STAGES - 1) * n_warps;
@@ -1305,14 +1416,14 @@ template <int GMAX>
 PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int group, int head_dim,
                                      float scale, const uint8_t* __restrict__ k_pool,
                                      const int64_t* rows, int64_t row_bytes, int n_tok,
-                                     float* scores, uint8_t* stage) {
+                                     float* scores, uint8_t* stage, const Q8Tma& tma) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
   const int pitch = PKV_ATTN_Q8_STAGE_PITCH_UNITS * (int)(row_bytes / Q8_ROW_UNITS);
   uint32_t qa[8][4];  // as qk_scores_mma_q8: record i is k-steps 2i, 2i + 1
   q_fragments<KV_F16>(q_group, group, head_dim, scale, qa);
-  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, tma, [&](const uint8_t* buf, int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
       const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
@@ -1355,7 +1466,7 @@ PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int grou
 template <int GMAX>
 PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v_pool,
                               const int64_t* rows, int64_t row_bytes, int n_tok, int head_dim,
-                              uint8_t* stage, float (&o)[8][4]) {
+                              uint8_t* stage, const Q8Tma& tma, float (&o)[8][4]) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;
@@ -1365,7 +1476,7 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
   const int head = gid % 4;
   const bool rest = gid >= 4, live = head < GMAX;
   int e = 103;  // the running largest V scale's f32 exponent (103: the smallest f16 subnormal)
-  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<true>(stage, v_pool, rows, row_bytes, n_tok, tma, [&](const uint8_t* buf, int c) {
     // Scales first (the chunk's pscale needs all of them); a record's codes are read from
     // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
     uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
@@ -1376,7 +1487,10 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
       for (int l = 0; l < 4; ++l) {
         if (j % 2 == 0) d[j / 2][l] = 0u;
         if (l < n_rec) {
-          const uint32_t dj = smem_u16(buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES);
+          uint32_t dj = smem_u16(buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES);
+          // a tensor copy stages rows past the partition as the block holds them
+          if (PKV_Q8_TMA && tma.map != nullptr && Q8_STAGE_TOKENS * c + 4 * t + j >= n_tok)
+            dj = 0u;
           d[j / 2][l] |= dj << (16 * (j % 2));
           dm = max(dm, dj & 0x7FFFu);  // f16 magnitudes order as their bits
         }
@@ -1490,7 +1604,7 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
                                       int head_dim, float scale,
                                       const uint8_t* __restrict__ k_pool, const int64_t* rows,
                                       int64_t row_bytes, int n_tok, float* scores,
-                                      uint8_t* stage) {
+                                      uint8_t* stage, const Q8Tma& tma) {
   const int lane = threadIdx.x % 32;
   const int gid = lane / 4, t = lane % 4;
   const int n_rec = head_dim / PKV_KVQ8_BLOCK;  // 2 or 4
@@ -1498,7 +1612,7 @@ PKV_DEV void qk_scores_imma_q8_staged(const float* __restrict__ q_group, int gro
   uint32_t qa[4][4];
   float qstep[4];
   q_fragments_s8(q_group, group, head_dim, scale, qa, qstep);
-  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, [&](const uint8_t* buf, int c) {
+  q8_staged_chunks<false>(stage, k_pool, rows, row_bytes, n_tok, tma, [&](const uint8_t* buf, int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the chunk's two 8-token mma groups
       const uint8_t* row = buf + (8 * h + gid) * pitch;  // token 8h + gid: B's column gid
@@ -1562,7 +1676,8 @@ PKV_DEV void paged_attention_partition(
     const uint8_t* __restrict__ v_pool, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ seq_lens, float* __restrict__ part_out,
     float* __restrict__ part_max, float* __restrict__ part_sum, float scale, int num_heads,
-    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions, int part_tokens) {
+    int kv_heads, int head_dim, int block_size, int table_width, int max_partitions, int part_tokens,
+    const PkvTensorMap* k_map = nullptr, const PkvTensorMap* v_map = nullptr) {
   extern __shared__ float smem[];  // scores[PARTITION][GMAX], later the cross-warp sums
   constexpr int PARTITION = PKV_ATTN_OF_KIND(PKV_ATTN_PARTITION, KIND);
   __shared__ int64_t rows[PARTITION];  // row index (slot * kv_heads + kvh) per token
@@ -1573,8 +1688,14 @@ PKV_DEV void paged_attention_partition(
   constexpr bool Q8_VMAX = Q8_MMA || (MFMA && KIND == KV_Q8);  // q8_pv_exponent's input
   __shared__ float vscale_max[Q8_VMAX ? PKV_ATTN_THREADS / PKV_WARP_SIZE : 1];
   // q8s: each warp's PKV_ATTN_Q8_STAGES chunk buffers (both passes, one after the other)
-  __shared__ __align__(16) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
-                                                        PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX : 16];
+  // (128-byte aligned: a tensor copy's destination)
+  __shared__ __align__(128) uint8_t q8_stage[Q8_STAGED ? PKV_ATTN_THREADS / PKV_WARP_SIZE *
+                                                         PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX : 16];
+  // q8s with tensor copies: each warp's mbarriers (K's buffers, then V's) and each chunk's
+  // first token slot
+  constexpr bool Q8_TMA = Q8_STAGED && PKV_Q8_TMA;
+  __shared__ uint64_t q8_bars[Q8_TMA ? PKV_ATTN_THREADS / PKV_WARP_SIZE * 2 * PKV_ATTN_Q8_STAGES : 1];
+  __shared__ int32_t chunk_slot[Q8_TMA ? PARTITION / Q8_STAGE_TOKENS : 1];
 
   const int part = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int group = num_heads / kv_heads;
@@ -1594,6 +1715,9 @@ PKV_DEV void paged_attention_partition(
   const int sub = lane / lanes_per_token;
   const int stride = n_warps * tokens_per_warp;
   const int64_t row_bytes = KIND == KV_Q8 ? (int64_t)pkv_kvq8_row_bytes(head_dim) : 2 * head_dim;
+  // Tensor copies where the launcher gave maps and each chunk is 16 slots of one block.
+  const bool q8_tma = Q8_TMA && k_map != nullptr && v_map != nullptr && head_dim == 128 &&
+                      block_size % Q8_STAGE_TOKENS == 0 && part_len % Q8_STAGE_TOKENS == 0;
 
   // Token -> row once per partition, so the two passes do no division per token. q8 on
   // matrix units: also the largest V record scale (q8_pv_exponent; the 2-byte reads bring in
@@ -1603,6 +1727,9 @@ PKV_DEV void paged_attention_partition(
     const int pos = start + t;
     const int64_t block = block_tables[(int64_t)seq * table_width + pos / block_size];
     rows[t] = (block * block_size + pos % block_size) * kv_heads + kvh;
+    if constexpr (Q8_TMA)
+      if (t % Q8_STAGE_TOKENS == 0)
+        chunk_slot[t / Q8_STAGE_TOKENS] = (int32_t)(block * block_size + pos % block_size);
     if constexpr (Q8_VMAX) {
       const uint8_t* rec = v_pool + rows[t] * row_bytes;
       for (int i = 0; i < head_dim / PKV_KVQ8_BLOCK; ++i)
@@ -1647,20 +1774,38 @@ PKV_DEV void paged_attention_partition(
   const int step = stride * PKV_ATTN_UNROLL;
   const int first = warp * tokens_per_warp;
   RawRow8 cur[PKV_ATTN_UNROLL], nxt[PKV_ATTN_UNROLL];
+  // The passes' tensor-copy staging (map nullptr: cp.async): the KV head's 144-byte window
+  // starts at its row's offset rounded down to 16 bytes.
+  Q8Tma k_tma{nullptr, 0, 0, nullptr, 0u}, v_tma{nullptr, 0, 0, nullptr, 0u};
+  if constexpr (Q8_TMA) {
+    if (q8_tma) {
+      const int at = kvh * (int)row_bytes;
+      const uint32_t bars = smem_window((const uint8_t*)&q8_bars[warp * 2 * PKV_ATTN_Q8_STAGES]);
+      k_tma = Q8Tma{k_map, at & ~15, at & 15, chunk_slot, bars};
+      v_tma = Q8Tma{v_map, at & ~15, at & 15, chunk_slot, bars + 8u * PKV_ATTN_Q8_STAGES};
+      if (lane == 0) {
+        for (int b = 0; b < 2 * PKV_ATTN_Q8_STAGES; ++b) mbar_init(bars + 8u * b);
+        mbar_init_fence();
+      }
+      warp_sync();
+    }
+  }
   if constexpr (Q8_STAGED) {
     if constexpr (QK_S8)
       qk_scores_imma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
                                      group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
                                      scores,
-                                     q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+                                     q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX,
+                                     k_tma);
     else
       qk_scores_mma_q8_staged<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim,
                                     group, head_dim, scale, k_pool, rows, row_bytes, n_tok,
                                     scores,
-                                    q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX);
+                                    q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX,
+                                    k_tma);
     // pass 1 left this warp's buffers free: the first V chunks load during the softmax
     q8_stage_prologue(q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_pool, rows,
-                      row_bytes, n_tok);
+                      row_bytes, n_tok, v_tma);
   } else if constexpr (MMA && KIND == KV_Q8) {
     qk_scores_mma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                            head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
@@ -1773,7 +1918,8 @@ PKV_DEV void paged_attention_partition(
       float o[8][4];
       if constexpr (Q8_STAGED) {
         pv_mma_q8_staged<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim,
-                               q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, o);
+                               q8_stage + warp * PKV_ATTN_Q8_STAGES * Q8_STAGE_BYTES_MAX, v_tma,
+                               o);
       } else if constexpr (KIND == KV_Q8) {
         const int e = q8_pv_exponent(vscale_max, n_warps);
         pv_mma_q8<GMAX>(scores, v_pool, rows, row_bytes, n_tok, head_dim, q8_pv_pscale(e), o);
@@ -1934,7 +2080,8 @@ PKV_DEV void paged_attention_dispatch(
     const float* q, const uint8_t* k_pool, const uint8_t* v_pool, const int32_t* block_tables,
     const int32_t* seq_lens, float* part_out, float* part_max, float* part_sum, float scale,
     int num_heads, int kv_heads, int head_dim, int block_size, int table_width,
-    int max_partitions, int part_tokens) {
+    int max_partitions, int part_tokens, const PkvTensorMap* k_map = nullptr,
+    const PkvTensorMap* v_map = nullptr) {
   constexpr bool MMA_OK = PKV_ATTN_MMA_QK && !CUDA_CORES && GMAX <= 4 && PKV_WARP_SIZE == 32;
   // The staged q8 passes get head_dim as a constant (each size its own inlined copy): the
   // record loops, row bytes, stage pitch and copy unit fold, with no per-record branches.
@@ -1942,7 +2089,8 @@ PKV_DEV void paged_attention_dispatch(
   if (CONST_HEAD_DIM && head_dim == 128)
     paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
-        num_heads, kv_heads, 128, block_size, table_width, max_partitions, part_tokens);
+        num_heads, kv_heads, 128, block_size, table_width, max_partitions, part_tokens, k_map,
+        v_map);
   else if (CONST_HEAD_DIM && head_dim == 64)
     paged_attention_partition<KIND, GMAX, MMA_OK, false, STAGE, QK_S8>(
         q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,
@@ -1972,6 +2120,23 @@ PKV_DEV void paged_attention_dispatch(
 
 #define PKV_ATTN_KERNEL(NAME, KIND, GMAX) \
   PKV_ATTN_KERNEL_AS(NAME, KIND, GMAX, false, false, false)
+
+// The staged q8 kernels (q8s, q8i): the launcher's two tensor maps (K, V) by value and
+// whether it built them (pagedkv.kernels.kvcache; PKV_ATTN_Q8_STAGE_TMA).
+#define PKV_ATTN_STAGED_KERNEL(NAME, GMAX, QK_S8)                                            \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_Q8)               \
+      NAME(                                                                                  \
+      const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
+      const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
+      float* part_max, float* part_sum, float scale, int num_heads, int kv_heads,            \
+      int head_dim, int block_size, int table_width, int max_partitions, int part_tokens,    \
+      const PKV_GRID_CONSTANT PkvTensorMap k_map, const PKV_GRID_CONSTANT PkvTensorMap v_map, \
+      int use_maps) {                                                                        \
+    paged_attention_dispatch<KV_Q8, GMAX, false, true, QK_S8>(                               \
+        q, k_pool, v_pool, block_tables, seq_lens, part_out, part_max, part_sum, scale,      \
+        num_heads, kv_heads, head_dim, block_size, table_width, max_partitions, part_tokens, \
+        use_maps ? &k_map : nullptr, use_maps ? &v_map : nullptr);                           \
+  }
 
 #if PKV_ATTN_MFMA || PKV_ATTN_WMMA
 // Both passes on AMD matrix cores (the partition's MFMA flag: MFMA on CDNA, WMMA on gfx11)
@@ -2054,17 +2219,17 @@ PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8cc_g8, KV_Q8, 8, true, false, false)
 // q8 with the rows staged in shared memory (pv_mma_q8_staged): the default q8 path.
 // Where the tensor-core passes do not apply (AMD, GMAX 8, head_dim 256) these are the q8
 // kernels' CUDA-core passes.
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g1, KV_Q8, 1, false, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g2, KV_Q8, 2, false, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g4, KV_Q8, 4, false, true, false)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8s_g8, KV_Q8, 8, false, true, false)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8s_g1, 1, false)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8s_g2, 2, false)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8s_g4, 4, false)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8s_g8, 8, false)
 // The q8s kernels with pass 1 on integer tensor cores (qk_scores_imma_q8_staged): opt-in
 // (q8_int=True, PAGEDKV_ATTN_Q8_INT=1) until a device run vouches for them; elsewhere the same
 // fallbacks as q8s.
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g1, KV_Q8, 1, false, true, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g2, KV_Q8, 2, false, true, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g4, KV_Q8, 4, false, true, true)
-PKV_ATTN_KERNEL_AS(pkv_paged_attention_q8i_g8, KV_Q8, 8, false, true, true)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8i_g1, 1, true)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8i_g2, 2, true)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8i_g4, 4, true)
+PKV_ATTN_STAGED_KERNEL(pkv_paged_attention_q8i_g8, 8, true)
 
 // ---------------------------------------------------------------------------
 // Paged-attention decode over compressed KV (docs/kv-quant.md "Attention over compressed

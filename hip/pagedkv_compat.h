@@ -55,6 +55,13 @@
 
 #define PKV_KERNEL extern "C" __global__
 #define PKV_DEV __device__ static __forceinline__
+/* A by-value kernel parameter whose address a kernel takes (a TMA tensor map): NVIDIA's
+ * __grid_constant__ (sm_70+, CUDA 11.7+), nothing on HIP. */
+#if defined(__CUDACC__) && !defined(__HIP_PLATFORM_AMD__)
+#define PKV_GRID_CONSTANT __grid_constant__
+#else
+#define PKV_GRID_CONSTANT
+#endif
 
 /* Whole-warp butterfly exchange; every lane of the warp takes part. */
 PKV_DEV float pkv_shfl_xor(float v, int lane_mask) {

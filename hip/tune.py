@@ -88,7 +88,8 @@ def _pct(nbytes: int, seconds: float, copy_bw: float) -> str:
 
 #: ``--kv`` of the attn sweep: (kv_dtype, PagedAttention switches); q8s = the staged q8 kernel.
 ATTN_KINDS = {"float16": ("float16", {}), "q8": ("q8", {"q8_stage": False}),
-              "q8s": ("q8", {"q8_stage": True}), "q8cc": ("q8", {"q8_mma": False})}
+              "q8s": ("q8", {"q8_stage": True}), "q8i": ("q8", {"q8_stage": True, "q8_int": True}),
+              "q8cc": ("q8", {"q8_mma": False})}
 
 
 def attn_cases(spec: str, base: dict) -> list[dict]:

@@ -122,6 +122,22 @@ def test_a_kernel_refuses_a_freed_array_before_launch():
         k.pack((a, b, 8))
 
 
+def test_a_kernel_takes_a_tensor_map_by_value_and_refuses_anything_else():
+    import ctypes
+
+    from pagedkv.kernels.device import Kernel
+    dev = FakeDevice()
+    k = Kernel(dev, "tma", 0x1, "pmi")
+    a = DeviceArray.empty(dev, (8,), np.float32)
+    tmap = bytes(range(128))
+    values, params = k.pack((a, tmap, 1))
+    assert bytes(values[1]) == tmap and ctypes.sizeof(values[1]) == 128
+    assert params[1] == ctypes.addressof(values[1])  # the launch reads the 128 bytes there
+    for bad in (tmap[:64], list(tmap), 0):
+        with pytest.raises(InvalidArgumentType, match=r"argument 1 must be a 128-byte tensor map"):
+            k.pack((a, bad, 1))
+
+
 # --- pagedkv.kernels.weights: the host-side checks run before any launch -----------------
 
 from pagedkv.errors import InvalidArgumentType, UnknownQuantType, UnsupportedQuantType
@@ -1151,6 +1167,47 @@ def test_q8_default_stages_aligned_pools_and_falls_back_for_others(monkeypatch):
         launches = [c for c in dev.calls if c[0] == "launch"]
         assert [c[1:3] for c in launches] == [(kernel, (1, 1, 1)),
                                               ("pkv_paged_attention_reduce", (2, 1))]
+
+
+@pytest.mark.parametrize(("arch", "kv_heads", "block_size", "env", "offset", "use"), [
+    ("sm_90", 2, 16, None, 0, 1),   # sm_90, even heads, 16-token blocks, aligned pools
+    ("sm_90", 8, 32, "1", 0, 1),
+    ("sm_80", 2, 16, None, 0, 0),   # no tensor copies before sm_90
+    ("sm_90", 1, 16, None, 0, 0),   # a 136-byte slot: windows would leave it
+    ("sm_90", 2, 8, None, 0, 0),    # a 16-token chunk spans two blocks
+    ("sm_90", 2, 16, "0", 0, 0),    # PAGEDKV_ATTN_Q8_TMA=0
+    ("sm_90", 2, 16, None, 8, 0)])  # a pool 8 bytes off 16-byte alignment (still staged)
+def test_q8_staged_launch_passes_tensor_maps_where_they_apply(monkeypatch, arch, kv_heads,
+                                                              block_size, env, offset, use):
+    from pagedkv.kernels import kvcache
+    _set_env(monkeypatch, "PAGEDKV_ATTN_Q8_TMA", env)
+    dev = FakeCudaDevice(arch)
+    encoded = []
+
+    def tensor_map_2d(*args):
+        encoded.append(args)
+        return bytes([len(encoded)]) * 128
+
+    dev.tensor_map_2d = tensor_map_2d
+    attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=2 * kv_heads, kv_heads=kv_heads,
+                                  head_dim=128, block_size=block_size, max_seq_len=64,
+                                  kv_dtype="q8", q8_stage=True)
+    base = dev.empty((5, block_size, kv_heads, 136), np.uint8)
+    k_pool = DeviceArray(dev, base.ptr + offset, (4, block_size, kv_heads, 136), np.uint8,
+                         owned=False, base=base)
+    v_pool = dev.empty((4, block_size, kv_heads, 136), np.uint8)
+    q = dev.empty((1, 2 * kv_heads, 128), np.float32)
+    tables = dev.array(np.zeros((1, -(-64 // block_size)), np.int32))
+    lens = dev.array(np.full(1, 64, np.int32))
+    for _ in range(2):  # the maps are encoded once per pair of pools
+        attn.run(q, k_pool, v_pool, tables, lens, q)
+    slot = kv_heads * 136
+    assert encoded == ([(k_pool.ptr, slot, 4 * block_size, slot, 144, 16),
+                        (v_pool.ptr, slot, 4 * block_size, slot, 144, 16)] if use else [])
+    partition_args = dev.launch_args[-2]
+    assert len(partition_args) == 19 and partition_args[-1] == use
+    assert partition_args[-3:-1] == ((bytes([1]) * 128, bytes([2]) * 128) if use
+                                     else (bytes(128), bytes(128)))
 
 
 def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():

@@ -369,6 +369,49 @@ def test_gpu_q8_attention_paths(device, heads, kv_heads, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,block_size,q8_int", [
+    (32, 8, 16, False), (8, 2, 32, False), (16, 4, 16, True), (4, 2, 8, False)])
+def test_gpu_q8_tensor_copies_match_cp_async(device, monkeypatch, heads, kv_heads, block_size,
+                                             q8_int):
+    # The staged q8 kernels' TMA tensor copies (sm_90, PAGEDKV_ATTN_Q8_TMA, on by default)
+    # against their cp.async copies (PAGEDKV_ATTN_Q8_TMA=0) on the same pool: the same bytes
+    # out. The slots past each sequence in its last block hold 0xFF bytes (NaN scales), which
+    # a box copies with the chunk and the kernel must ignore; 1,301 and 17 tokens end
+    # mid-chunk. block_size 8 puts a chunk across blocks: no maps, cp.async either way.
+    from pagedkv.kernels.device import Device
+    if not isinstance(device, Device) or device.backend != "cuda":
+        pytest.skip("tensor copies: CUDA only")
+    lens = [1, 17, 600, 1301]
+    k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=128,
+                                               block_size=block_size, kv_dtype="q8")
+    for s, n in enumerate(lens):
+        if n % block_size:
+            last = tables[s, (n - 1) // block_size]
+            k_pool[last, n % block_size:] = 0xFF
+            v_pool[last, n % block_size:] = 0xFF
+    q = RNG.standard_normal((len(lens), heads, 128)).astype(np.float32)
+    args = [device.array(a) for a in (q, k_pool, v_pool, tables, lens)]
+    outs = []
+    for tma in ("1", "0"):
+        monkeypatch.setenv("PAGEDKV_ATTN_Q8_TMA", tma)
+        attn = kvcache.PagedAttention(device, num_seqs=len(lens), num_heads=heads,
+                                      kv_heads=kv_heads, head_dim=128, block_size=block_size,
+                                      max_seq_len=1301, kv_dtype="q8", q8_stage=True,
+                                      q8_int=q8_int or None)
+        used = attn._tensor_maps(args[1], args[2])[2]
+        arch = int(device.properties.arch[3:])
+        assert used == int(tma == "1" and arch >= 90 and block_size % 16 == 0)
+        out = poisoned(device, q.shape, np.float32)
+        attn.run(*args, out)
+        outs.append(out.to_numpy())
+    assert np.isfinite(outs[0]).all()
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                                scale=128 ** -0.5)
+    _assert_within(outs[0], want, 1e-4, 2e-5, "tensor copies")
+    assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim", [
     ("float16", 32, 8, 128), ("bfloat16", 8, 2, 64), ("q8", 8, 2, 128),
     ("fwht4/lloyd4", 8, 2, 256), ("fwht3/q8", 4, 2, 256)])

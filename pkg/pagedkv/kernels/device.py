@@ -95,8 +95,8 @@ def stream_handle(stream: StreamLike) -> int | None:
     raise InvalidArgumentType(f"stream: expected a pagedkv Stream, an integer stream handle or "
                               f"a torch/CuPy stream, got {type(stream).__name__}")
 
-_PACKERS: dict[str, type[ctypes._SimpleCData]] = {"p": c_uint64, "i": c_int32, "q": c_int64,
-                                                  "f": c_float}
+_PACKERS: dict[str, Any] = {"p": c_uint64, "i": c_int32, "q": c_int64, "f": c_float,
+                            "m": ctypes.c_uint8 * 128}
 
 
 class Kernel:
@@ -107,7 +107,8 @@ class Kernel:
         bad = set(signature) - set(_PACKERS)
         if bad:
             raise InvalidArgument(f"signature={signature!r}: unknown type codes {sorted(bad)}; "
-                                  f"use p (pointer), i (int32), q (int64), f (float32)")
+                                  f"use p (pointer), i (int32), q (int64), f (float32), "
+                                  f"m (a 128-byte tensor map by value)")
         self.device = device
         self.name = name
         self.handle = handle
@@ -152,6 +153,12 @@ class Kernel:
             elif code in "iq" and not isinstance(arg, (int, np.integer)):
                 raise InvalidArgumentType(f"{self.name}: argument {i} must be an integer, "
                                           f"got {type(arg).__name__}")
+            elif code == "m":
+                if not isinstance(arg, (bytes, bytearray)) or len(arg) != 128:
+                    raise InvalidArgumentType(f"{self.name}: argument {i} must be a 128-byte "
+                                              f"tensor map (Device.tensor_map_2d)")
+                values.append(_PACKERS[code].from_buffer_copy(arg))
+                continue
             values.append(_PACKERS[code](arg))
         params = (c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         return values, params
@@ -298,6 +305,27 @@ class Device:
         if not getattr(self._thread, "active", False):
             self.runtime.activate(self.ordinal)
             self._thread.active = True
+
+    def tensor_map_2d(self, ptr: int, row_bytes: int, rows: int, row_stride_bytes: int,
+                      box_bytes: int, box_rows: int) -> bytes:
+        """A TMA tensor map (CUDA, sm_90) of the bytes at ``ptr`` seen as ``rows`` rows of
+        ``row_bytes`` bytes, ``row_stride_bytes`` apart, copied in boxes of ``box_rows`` x
+        ``box_bytes`` (reads past the array fill zeros): the 128 bytes a kernel takes by
+        value (signature code ``m``). ``cuTensorMapEncodeTiled`` with uint8 elements, no
+        interleave or swizzle, L2 promotion of 256 bytes. Raises :class:`DeviceError` where the
+        driver refuses it (alignment: ``ptr`` and ``row_stride_bytes`` multiples of 16,
+        ``box_bytes`` a multiple of 16, each box side at most 256)."""
+        from pagedkv.kernels.runtime import TENSOR_MAP_BYTES
+        out = (ctypes.c_uint8 * TENSOR_MAP_BYTES)()
+        dims = (c_uint64 * 2)(row_bytes, rows)
+        strides = (c_uint64 * 1)(row_stride_bytes)
+        box = (ctypes.c_uint * 2)(box_bytes, box_rows)
+        elem = (ctypes.c_uint * 2)(1, 1)
+        # CU_TENSOR_MAP_DATA_TYPE_UINT8, INTERLEAVE_NONE, SWIZZLE_NONE, L2_PROMOTION_L2_256B,
+        # FLOAT_OOB_FILL_NONE (zeros)
+        self.runtime.call("tensor_map_encode_tiled", ctypes.addressof(out), 0, 2, ptr, dims,
+                          strides, box, elem, 0, 0, 3, 0)
+        return bytes(out)
 
     # --- memory -----------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ from pagedkv.kernels.launch_constants import (
 from pagedkv.kernels.weights import PreparedX, check_prepared
 from pagedkv.quant import kv_q8
 
+#: The staged q8 kernels' tensor-copy box width: a head_dim-128 row's 136 bytes in their
+#: 16-byte aligned window (hip/kvcache.hip, Q8_TMA_BOX_BYTES).
+_Q8_TMA_BOX_BYTES = 144
+
 __all__ = [
     "KV_DTYPES",
     "QUANT_KV_DTYPES",
@@ -461,8 +465,12 @@ class PagedAttention:
         if self.qkv_mma is not None:
             kind += "_mma" if self.qkv_mma else ""
             self.mfma, self.wmma = qkv_unit == "mfma", qkv_unit == "wmma"
+        # The staged q8 kernels (q8s, q8i) also take the pools' tensor maps (_tensor_maps).
         self._partition = device.kernel(
-            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}", "ppppppppfiiiiiii")
+            SOURCE, f"pkv_paged_attention_{kind}_g{self.gmax}",
+            "ppppppppfiiiiiii" + ("mmi" if self.q8_stage else ""))
+        self._maps_key: tuple | None = None
+        self._maps: tuple[bytes, bytes, int] = (bytes(128), bytes(128), 0)
         # Staged by default: a pool off 8-byte alignment (a DLPack import at an odd offset)
         # runs the unstaged tensor-core kernel instead, same partition and shared memory.
         self._unstaged = (device.kernel(SOURCE, f"pkv_paged_attention_q8_g{self.gmax}",
@@ -614,13 +622,39 @@ class PagedAttention:
                self.num_heads, self.head_dim, self.max_partitions, self.partition_tokens,
                prepared.tiles, int(prepared.rotate), stream=stream)
 
+    def _tensor_maps(self, k_pool: DeviceArray, v_pool: DeviceArray) -> tuple[bytes, bytes, int]:
+        """The staged q8 kernels' TMA tensor maps of the two pools and whether to use them
+        (hip/kvcache.hip, PKV_ATTN_Q8_STAGE_TMA): each pool as [blocks x block_size] token
+        slots of ``kv_heads x row`` bytes, boxes of 16 slots x 144 bytes (a KV head's row in
+        its 16-byte aligned window). Only on CUDA sm_90+, head_dim 128, ``kv_heads`` even,
+        ``block_size`` a multiple of 16 and pools 16-byte aligned (``PAGEDKV_ATTN_Q8_TMA=0``
+        turns them off); else zeros and 0 (cp.async). Built once per pair of pool
+        allocations: a host-side encoding, so a launch inside a graph capture may build them."""
+        key = (k_pool.ptr, v_pool.ptr, k_pool.shape[0], v_pool.shape[0])
+        if key != self._maps_key:
+            dev, row = self.device, self.k_row
+            slot_bytes = self.kv_heads * row
+            arch = getattr(dev.properties, "arch", "")  # "sm_90"; sm_80 code ignores maps
+            use = (getattr(dev, "backend", None) == "cuda" and arch.startswith("sm_")
+                   and arch[3:].isdigit() and int(arch[3:]) >= 90
+                   and env_bool("PAGEDKV_ATTN_Q8_TMA", True) and self.head_dim == 128
+                   and self.kv_heads % 2 == 0 and self.block_size % 16 == 0
+                   and k_pool.ptr % 16 == 0 and v_pool.ptr % 16 == 0)
+            maps = tuple(dev.tensor_map_2d(pool.ptr, slot_bytes, pool.shape[0] * self.block_size,
+                                           slot_bytes, _Q8_TMA_BOX_BYTES, 16)
+                         if use else bytes(128) for pool in (k_pool, v_pool))
+            self._maps, self._maps_key = (maps[0], maps[1], int(use)), key
+        return self._maps
+
     def _partitions(self, partition, q, k_pool, v_pool, block_tables, seq_lens, stream) -> None:
         """Launch the partition kernel (``_check``'s choice) into the partition workspace."""
+        maps = (self._tensor_maps(k_pool, v_pool) if partition is self._partition
+                and self.q8_stage else ())
         partition((self.max_partitions, self.kv_heads, self.num_seqs), (ATTN_THREADS,),
                   q, k_pool, v_pool, block_tables, seq_lens, self.part_out,
                   self.part_max, self.part_sum, self.scale, self.num_heads,
                   self.kv_heads, self.head_dim, self.block_size, block_tables.shape[1],
-                  self.max_partitions, self.partition_tokens,
+                  self.max_partitions, self.partition_tokens, *maps,
                   shared_bytes=self.shared_bytes, stream=stream)
 
     def run_pool(self, q: DeviceArray, pool, layer: int, tables, out: DeviceArray, *,

@@ -107,7 +107,15 @@ _API: dict[str, tuple[str | None, str | None, list[Any]]] = {
     "graph_destroy": ("cuGraphDestroy", "hipGraphDestroy", [_handle]),
     "graph_get_nodes": ("cuGraphGetNodes", "hipGraphGetNodes",
                         [_handle, c_void_p, POINTER(c_size_t)]),
+    # A TMA tensor map (CUDA 12+, sm_90): a host-side encoding, no device call.
+    "tensor_map_encode_tiled": ("cuTensorMapEncodeTiled", None,
+                                [c_void_p, c_int, c_uint, c_void_p, POINTER(c_uint64),
+                                 POINTER(c_uint64), POINTER(c_uint), POINTER(c_uint), c_int,
+                                 c_int, c_int, c_int]),
 }
+
+#: A CUtensorMap's size in bytes (cuda.h: 64-byte aligned, 128 bytes).
+TENSOR_MAP_BYTES = 128
 
 # Device attribute ids (CUdevice_attribute, hipDeviceAttribute_t of ROCm >= 5).
 _ATTRIBUTES = {

@@ -78,6 +78,8 @@ _DEVICE_KERNELS = """#undef PKV_KERNEL
 #define PKV_KERNEL template <int PKV_JIT_ = 0> __device__ __forceinline__
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+#undef PKV_GRID_CONSTANT
+#define PKV_GRID_CONSTANT
 """
 
 
