@@ -226,12 +226,47 @@ def stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units=PITCH_UNITS):
     return buf
 
 
+TMA_BOX_BYTES = 144  # Q8_TMA_BOX_BYTES: a head_dim-128 row's aligned 16-byte window
+
+
+def stage_chunk_tma(pool_bytes, rows, row_bytes, n_tok, c, kv_heads):
+    """q8_stage_chunk_tma: one 2-D tensor copy of 16 token slots x the 144 bytes at the
+    KV head's row offset rounded down to 16 (the slot a multiple of 16 bytes: kv_heads
+    even), whatever the slots hold past n_tok. Returns the buffer as the readers see it:
+    from the row's offset in its window (0 or 8), so staged row j starts at 144 j."""
+    assert row_bytes == 136 and kv_heads % 2 == 0
+    slot_bytes = kv_heads * row_bytes
+    first = int(rows[STAGE_TOKENS * c])
+    kvh, y = first % kv_heads, first // kv_heads
+    # the chunk is 16 consecutive slots of one block (block_size a multiple of 16)
+    live = rows[STAGE_TOKENS * c:min(n_tok, STAGE_TOKENS * (c + 1))]
+    assert (live == (y + np.arange(len(live))) * kv_heads + kvh).all()
+    at = kvh * row_bytes
+    x, off = at & ~15, at & 15
+    assert x % 16 == 0 and x + TMA_BOX_BYTES <= slot_bytes and off in (0, 8)
+    buf = np.zeros(STAGE_TOKENS * TMA_BOX_BYTES, np.uint8)
+    for j in range(STAGE_TOKENS):
+        src = (y + j) * slot_bytes + x
+        if src + TMA_BOX_BYTES <= pool_bytes.size:  # past the pool: the copy fills zeros
+            buf[TMA_BOX_BYTES * j:TMA_BOX_BYTES * (j + 1)] = pool_bytes[src:src + TMA_BOX_BYTES]
+    return buf[off:]
+
+
+def staged_buffer(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, tma_heads):
+    """The chunk's staged rows: tensor copies where ``tma_heads`` (kv_heads) is given, else
+    cp.async units."""
+    if tma_heads:
+        assert pitch_units == PITCH_UNITS
+        return stage_chunk_tma(pool_bytes, rows, row_bytes, n_tok, c, tma_heads)
+    return stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
+
+
 def warp_chunks(warp, n_tok, n_warps):
     return range(warp, (n_tok + STAGE_TOKENS - 1) // STAGE_TOKENS, n_warps)
 
 
 def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
-                  pitch_units, record_sum, join):
+                  pitch_units, record_sum, join, tma_heads=0):
     """The chunk walk both staged pass-1 variants share: per warp, chunk and 8-token group,
     ``record_sum(acc, i, w0, w1, d0, d1)`` adds record i (the lane's code words at codes 8t
     and 8t + 4 of token gid, the f32 scales of C's tokens 2t, 2t + 1) into ``acc``
@@ -240,7 +275,7 @@ def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_
     pitch = pitch_units * (row_bytes // ROW_UNITS)
     for warp in range(n_warps):
         for c in warp_chunks(warp, n_tok, n_warps):
-            buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
+            buf = staged_buffer(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, tma_heads)
             for h in range(2):
                 row = (8 * h + GID) * pitch
                 row0 = (8 * h + 2 * TID) * pitch
@@ -263,7 +298,7 @@ def staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_
 
 
 def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n_tok,
-                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+                        gmax, scores, n_warps=4, pitch_units=PITCH_UNITS, tma_heads=0):
     """qk_scores_mma_q8_staged: the fragments of qk_scores_q8, read from staged rows."""
     qa = q_fragments(q_group, group, head_dim, scale)
 
@@ -280,7 +315,7 @@ def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_b
 
     staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
                   pitch_units, record_sum, lambda acc: (acc[:, 0] + acc[:, 2],
-                                                        acc[:, 1] + acc[:, 3]))
+                                                        acc[:, 1] + acc[:, 3]), tma_heads)
 
 
 # --- the q8i kernels: pass 1 on integer tensor cores (q_fragments_s8,
@@ -331,7 +366,8 @@ def q_fragments_s8(q_group, group, head_dim, scale):
 
 
 def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes,
-                            n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS):
+                            n_tok, gmax, scores, n_warps=4, pitch_units=PITCH_UNITS,
+                            tma_heads=0):
     """qk_scores_imma_q8_staged: one s8 mma per record and 8 tokens on the staged codes as
     they are; per-plane f32 sums times d * step, planes joined with plane 1 from lane + 16."""
     qa, qstep = q_fragments_s8(q_group, group, head_dim, scale)
@@ -352,7 +388,7 @@ def qk_scores_q8_int_staged(q_group, group, head_dim, scale, pool_bytes, rows, r
                 acc[:, 1] + (np.float32(256) * up[:, 1] + np.float32(65536) * acc[:, 3]))
 
     staged_scores(pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, scores, n_warps,
-                  pitch_units, record_sum, join)
+                  pitch_units, record_sum, join, tma_heads)
 
 
 def f32_exponent(x) -> int:
@@ -360,7 +396,7 @@ def f32_exponent(x) -> int:
 
 
 def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp,
-                 n_warps=4, pitch_units=PITCH_UNITS):
+                 n_warps=4, pitch_units=PITCH_UNITS, tma_heads=0):
     """pv_mma_q8_staged for one warp: its ``o[8][4]`` per lane, remainder columns folded in
     and scaled back; pscale per warp and running (``e``, the largest V scale's exponent of
     the chunks so far), the accumulators rescaled by 2^(e_old - e_new) when it grows."""
@@ -371,7 +407,7 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
     rest, live = GID >= 4, head < gmax
     e = 103
     for c in warp_chunks(warp, n_tok, n_warps):
-        buf = stage_chunk(pool_bytes, rows, row_bytes, n_tok, c, pitch_units)
+        buf = staged_buffer(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, tma_heads)
         d = np.zeros((4, 4, LANES), np.uint32)
         code = np.zeros((4, 4, LANES), np.uint32)
         dm = np.zeros(LANES, np.uint32)
@@ -380,6 +416,8 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
             for lr in range(n_rec):
                 rec = row + lr * Q8_RECORD_BYTES
                 d[j, lr] = load_u16(buf, rec)
+                if tma_heads:  # a tensor copy stages rows past the partition as they are
+                    d[j, lr] = np.where(STAGE_TOKENS * c + 4 * TID + j >= n_tok, 0, d[j, lr])
                 code[j, lr] = load_word_a2(buf, rec + 2 + 4 * GID, lr % 2 == 1)
                 dm = np.maximum(dm, d[j, lr] & 0x7FFF)
         dm = np.maximum(dm, dm[LANE ^ 1])
@@ -412,12 +450,14 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
 
 
 def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, partition,
-                           n_warps=4, staged=False, qk_int=False):
+                           n_warps=4, staged=False, qk_int=False, tma=False):
     """The q8 partition kernel on its tensor-core passes plus pkv_paged_attention_reduce:
     ``float32[seqs, heads, head_dim]``; ``staged``: the q8s kernel's passes (no V-scale
     pre-pass: each warp's pscale is its own and running); ``qk_int`` (with ``staged``): the
-    q8i kernel, pass 1 on integer tensor cores."""
-    assert staged or not qk_int
+    q8i kernel, pass 1 on integer tensor cores; ``tma`` (with ``staged``): each chunk by one
+    tensor copy (PKV_ATTN_Q8_STAGE_TMA: head_dim 128, kv_heads even, block_size a multiple
+    of 16)."""
+    assert staged or not (qk_int or tma)
     seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, row_bytes = k_pool.shape
     group = num_heads // kv_heads
@@ -438,8 +478,9 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
                 scores = np.zeros(n_tok * gmax, np.float32)
                 qk = (qk_scores_q8_int_staged if qk_int else
                       qk_scores_q8_staged if staged else qk_scores_q8)
+                extra = {"tma_heads": kv_heads} if tma else {}
                 qk(q[seq, kvh * group:(kvh + 1) * group], group, head_dim, scale, kb, rows,
-                   row_bytes, n_tok, gmax, scores, n_warps)
+                   row_bytes, n_tok, gmax, scores, n_warps, **extra)
                 s = scores.reshape(n_tok, gmax)
                 pmax = s.max(axis=0)
                 pr = np.exp(s - pmax).astype(np.float32)
@@ -456,7 +497,7 @@ def paged_attention_q8_mma(q, k_pool, v_pool, block_tables, seq_lens, *, scale, 
                 for w in range(n_warps):
                     if staged:
                         o = pv_q8_staged(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim,
-                                         gmax, w, n_warps)
+                                         gmax, w, n_warps, **extra)
                     else:
                         o = pv_q8(pr.reshape(-1), vb, rows, row_bytes, n_tok, head_dim, gmax, w,
                                   pscale, n_warps) * unscale

@@ -547,6 +547,37 @@ def test_q8_mma_emulation_matches_the_reference(heads, kv_heads, head_dim, block
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * v_scale)
 
 
+@pytest.mark.parametrize("qk_int", [False, True], ids=["q8s", "q8i"])
+@pytest.mark.parametrize("heads,kv_heads,block_size,seq_lens", [
+    (4, 2, 16, [530, 17]),   # two 512-token partitions; a sequence ending mid-chunk
+    (8, 8, 32, [45, 1]),     # the last KV head's window ends its slot; a one-token sequence
+])
+def test_q8_tensor_copy_emulation_reads_what_cp_async_reads(heads, kv_heads, block_size,
+                                                            seq_lens, qk_int):
+    # The q8s / q8i passes on chunks staged by tensor copies (16 slots x 144 bytes, rows
+    # at offset 0 or 8, the slots past each sequence copied as they are) give the bits of
+    # the cp.async staging, with those slots full of 0xFF bytes (NaN scales): pass 1 stores
+    # no score for them and pass 2 zeroes their scales.
+    import mma_attention_emulation as emu
+    k_pool, v_pool, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=128,
+                                               block_size=block_size, kv_dtype="q8")
+    for s, n in enumerate(lens):
+        if n % block_size:
+            last = tables[s, (n - 1) // block_size]
+            k_pool[last, n % block_size:] = 0xFF
+            v_pool[last, n % block_size:] = 0xFF
+    q = RNG.standard_normal((len(seq_lens), heads, 128)).astype(np.float32)
+    outs = [emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=128 ** -0.5,
+                                       partition=kvcache.ATTN_PARTITION_TOKENS["q8"],
+                                       staged=True, qk_int=qk_int, tma=tma)
+            for tma in (True, False)]
+    assert np.isfinite(outs[0]).all()
+    assert np.array_equal(outs[0], outs[1])
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                                scale=128 ** -0.5)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_q8_staged_emulation_rescales_when_a_later_chunk_has_larger_v(head_dim):
     # The staged pass 2 has no pre-pass over V: each warp's pscale follows the largest V
