@@ -121,6 +121,16 @@ def _paged_case(seq_lens, *, kv_heads, head_dim, block_size, kv_dtype, rng=RNG):
     return pools[0], pools[1], tables, np.asarray(seq_lens, np.int32)
 
 
+def _poison_tails(k_pool, v_pool, tables, lens, block_size):
+    """0xFF bytes (NaN scales) in the slots past each sequence in its last block: what a
+    q8 tensor copy stages with a sequence's last chunk, which the kernels must ignore."""
+    for s, n in enumerate(lens):
+        if n % block_size:
+            last = tables[s, (n - 1) // block_size]
+            k_pool[last, n % block_size:] = 0xFF
+            v_pool[last, n % block_size:] = 0xFF
+
+
 def test_paged_reference_equals_contiguous_attention():
     k_pool, v_pool, tables, lens = _paged_case([5, 33, 0], kv_heads=2, head_dim=32,
                                                block_size=8, kv_dtype="float16")
@@ -384,11 +394,7 @@ def test_gpu_q8_tensor_copies_match_cp_async(device, monkeypatch, heads, kv_head
     lens = [1, 17, 600, 1301]
     k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=kv_heads, head_dim=128,
                                                block_size=block_size, kv_dtype="q8")
-    for s, n in enumerate(lens):
-        if n % block_size:
-            last = tables[s, (n - 1) // block_size]
-            k_pool[last, n % block_size:] = 0xFF
-            v_pool[last, n % block_size:] = 0xFF
+    _poison_tails(k_pool, v_pool, tables, lens, block_size)
     q = RNG.standard_normal((len(lens), heads, 128)).astype(np.float32)
     args = [device.array(a) for a in (q, k_pool, v_pool, tables, lens)]
     outs = []
@@ -561,11 +567,7 @@ def test_q8_tensor_copy_emulation_reads_what_cp_async_reads(heads, kv_heads, blo
     import mma_attention_emulation as emu
     k_pool, v_pool, tables, lens = _paged_case(seq_lens, kv_heads=kv_heads, head_dim=128,
                                                block_size=block_size, kv_dtype="q8")
-    for s, n in enumerate(lens):
-        if n % block_size:
-            last = tables[s, (n - 1) // block_size]
-            k_pool[last, n % block_size:] = 0xFF
-            v_pool[last, n % block_size:] = 0xFF
+    _poison_tails(k_pool, v_pool, tables, lens, block_size)
     q = RNG.standard_normal((len(seq_lens), heads, 128)).astype(np.float32)
     outs = [emu.paged_attention_q8_mma(q, k_pool, v_pool, tables, lens, scale=128 ** -0.5,
                                        partition=kvcache.ATTN_PARTITION_TOKENS["q8"],
