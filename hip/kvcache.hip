@@ -2124,7 +2124,8 @@ PKV_DEV void paged_attention_dispatch(
 // The staged q8 kernels (q8s, q8i): the launcher's two tensor maps (K, V) by value and
 // whether it built them (pagedkv.kernels.kvcache; PKV_ATTN_Q8_STAGE_TMA).
 #define PKV_ATTN_STAGED_KERNEL(NAME, GMAX, QK_S8)                                            \
-  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS, PKV_ATTN_MIN_BLOCKS_Q8)               \
+  PKV_KERNEL void __launch_bounds__(PKV_ATTN_THREADS,                                       \
+                                    PKV_ATTN_OF_KIND(PKV_ATTN_MIN_BLOCKS, KV_Q8))            \
       NAME(                                                                                  \
       const float* q, const uint8_t* k_pool, const uint8_t* v_pool,                          \
       const int32_t* block_tables, const int32_t* seq_lens, float* part_out,                 \
