@@ -64,17 +64,21 @@ PDL_ENV = "PAGEDKV_PDL"
 PDL_MIN_DRIVER = 12030
 
 
+def sm_version(arch: str) -> int:
+    """The compute capability of an NVIDIA arch name as a number ("sm_90" -> 90); 0 for
+    anything else (an AMD "gfx90a", an empty name)."""
+    return int(arch[3:]) if arch.startswith("sm_") and arch[3:].isdigit() else 0
+
+
 def dependent_launch_supported(backend: str, arch: str, driver_version: int,
                                cuda_targets) -> bool:
     """Whether kernels may be launched with programmatic stream serialization: CUDA, a
     device of compute capability 9.0 or newer, a driver of CUDA 12.3 or newer, and kernels
     built for an arch from sm_90 up to the device's (their code then holds the
     ``griddepcontrol.wait`` that makes the early start safe; sm_80 code has none)."""
-    def number(a: str) -> int:
-        return int(a[3:]) if a.startswith("sm_") and a[3:].isdigit() else 0
-    device = number(arch)
+    device = sm_version(arch)
     return (backend == "cuda" and device >= 90 and driver_version >= PDL_MIN_DRIVER
-            and any(90 <= number(t) <= device for t in cuda_targets))
+            and any(90 <= sm_version(t) <= device for t in cuda_targets))
 
 #: What a ``stream=`` argument takes: a :class:`Stream`, a raw runtime handle (an ``int``:
 #: ``torch.cuda.Stream().cuda_stream``, CuPy's ``stream.ptr``), an object with a

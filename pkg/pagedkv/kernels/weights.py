@@ -22,7 +22,7 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
-from pagedkv.kernels.device import Device, Stream, amd_matrix_unit
+from pagedkv.kernels.device import Device, Stream, amd_matrix_unit, sm_version
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
@@ -760,4 +760,4 @@ def _uses_tensor_cores(device: Device, f: _WeightFormat, wide_mma: bool | None =
     if backend == "hip":  # weights.hip builds gemv_amd_mc under the gemv_mma names there
         unit = amd_matrix_unit(device)
         return unit is not None and env_bool(_GEMV_AMD_OPT_IN[unit], False)
-    return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
+    return sm_version(arch) >= 80

@@ -241,8 +241,8 @@ def _tensor_cores(mx, name: str, codec) -> bool:
     from pagedkv.kernels.mlx.cuda import HIP_WEIGHT_KERNELS, MMA_KERNELS
     if name != "cuda" or HIP_WEIGHT_KERNELS[codec.name] not in MMA_KERNELS:
         return False
-    arch = str(mx.device_info().get("architecture", ""))  # "sm_90"
-    return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
+    from pagedkv.kernels.device import sm_version
+    return sm_version(str(mx.device_info().get("architecture", ""))) >= 80  # "sm_90"
 
 
 def prepare_gemv(raw, fmt: str | int, M: int, K: int) -> GemvWeights:
