@@ -1346,11 +1346,11 @@ PKV_DEV void q8_stage_prologue(uint8_t* stage, const uint8_t* __restrict__ pool,
 #pragma unroll
   for (int s = 0; s < PKV_ATTN_Q8_STAGES - 1; ++s) {
     const int c = warp + s * n_warps;
-    if (c >= n_chunks) {
-    } else if (PKV_Q8_TMA && tma.map != nullptr) {
-      q8_stage_chunk_tma(stage, s, tma, c);
-    } else {
-      q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
+    if (c < n_chunks) {
+      if (PKV_Q8_TMA && tma.map != nullptr)
+        q8_stage_chunk_tma(stage, s, tma, c);
+      else
+        q8_stage_chunk(stage + s * Q8_STAGE_BYTES_MAX, pool, rows, row_bytes, c, n_tok);
     }
     cp_async_commit();
   }
