@@ -50,7 +50,8 @@ def test_attention_inputs_and_rows(dev):
                                            "paged_attention q8",
                                            "paged_attention q8 cuda-cores",
                                            "paged_attention q8 unstaged",
-                                           "paged_attention q8 int pass 1"]
+                                           "paged_attention q8 int pass 1",
+                                           "paged_attention q8 cp.async"]
     assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
 
 
@@ -211,6 +212,7 @@ def test_asv_tracks_rows_the_bench_emits(dev):
         f"paged_attention q8 cuda-cores | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 unstaged | {rows[n_default - 1]['shape']}",
         f"paged_attention q8 int pass 1 | {rows[n_default - 1]['shape']}",
+        f"paged_attention q8 cp.async | {rows[n_default - 1]['shape']}",
         f"paged_attention fwht4/lloyd4 | {rows[-1]['shape']}",
         f"paged_attention fwht4/lloyd4 cuda-cores | {rows[-1]['shape']}"]
     assert asv.by_row(rows, "speedup_vs_torch") == {}  # no torch: no baseline rows

@@ -1210,6 +1210,27 @@ def test_q8_staged_launch_passes_tensor_maps_where_they_apply(monkeypatch, arch,
                                      else (bytes(128), bytes(128)))
 
 
+def test_q8_tma_false_keeps_cp_async_and_says_so(monkeypatch):
+    from pagedkv.errors import InvalidArgumentType
+    from pagedkv.kernels import kvcache
+    monkeypatch.delenv("PAGEDKV_ATTN_Q8_TMA", raising=False)
+    dev = FakeCudaDevice()
+    dev.tensor_map_2d = lambda *a: pytest.fail("q8_tma=False encodes no tensor map")
+    kw = {"num_seqs": 1, "num_heads": 4, "kv_heads": 2, "head_dim": 128, "block_size": 16,
+          "max_seq_len": 32, "kv_dtype": "q8", "q8_stage": True}
+    with pytest.raises(InvalidArgumentType, match=r"q8_tma=1: expected True, False or None"):
+        kvcache.PagedAttention(dev, **kw, q8_tma=1)
+    attn = kvcache.PagedAttention(dev, **kw, q8_tma=False)
+    assert attn.q8_tma is False and repr(attn).endswith(", q8_stage=True, q8_tma=False)")
+    pool = dev.empty((2, 16, 2, 136), np.uint8)
+    attn.run(dev.empty((1, 4, 128), np.float32), pool, pool,
+             dev.array(np.zeros((1, 2), np.int32)), dev.array(np.full(1, 32, np.int32)),
+             dev.empty((1, 4, 128), np.float32))
+    assert dev.launch_args[-2][-3:] == (bytes(128), bytes(128), 0)
+    assert kvcache.PagedAttention(dev, **kw).q8_tma is True  # the default
+    assert kvcache.PagedAttention(dev, **dict(kw, kv_dtype="float16", q8_stage=None)).q8_tma is None
+
+
 def test_q8_mma_switch_is_refused_for_a_non_bool_and_ignored_for_other_dtypes():
     from pagedkv.errors import InvalidArgumentType
     from pagedkv.kernels import kvcache

@@ -33,10 +33,12 @@ from __future__ import annotations
 GEMV_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 #: Attention over quantized KV (docs/kv-quant.md): q8 (target 75% of copy) and the 4-bit
 #: compressed pair (target 70%, and faster than f16 on the same context); the q8 row is
-#: the default kernel (staged rows, the q8s kernels), "unstaged" the one before it.
+#: the default kernel (staged rows, the q8s kernels; on sm_90 each chunk one TMA tensor
+#: copy), "unstaged" the one before it, "cp.async" the staged one without tensor copies.
 KV_MODE_ROWS = ["paged_attention q8 | 32x4096 kvh8 d128",
                 "paged_attention fwht4/lloyd4 | 32x4096 kvh4 d256",
-                "paged_attention q8 unstaged | 32x4096 kvh8 d128"]
+                "paged_attention q8 unstaged | 32x4096 kvh8 d128",
+                "paged_attention q8 cp.async | 32x4096 kvh8 d128"]
 BANDWIDTH_ROWS = (
     [f"gemv {fmt} b1 | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256") for m, k in GEMV_SHAPES]
     + [f"gemv {fmt} b1 (x prepared) | {m}x{k}" for fmt in ("mq4g256v2", "hfq4g256")

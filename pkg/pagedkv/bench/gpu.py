@@ -560,6 +560,15 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             _row(rows, "paged_attention q8 int pass 1",
                  f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_int, nbytes, copy_bw,
                  {"int_speedup": t / t_int} | ({"vs_float16": t_f16 / t_int} if t_f16 else {}))
+            # the staged kernel with cp.async copies only (q8_tma=False,
+            # PAGEDKV_ATTN_Q8_TMA=0); tma_speedup > 1: the default's tensor copies (sm_90,
+            # where they apply) are faster
+            attn_cp = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True,
+                                             q8_stage=True, q8_tma=False)
+            t_cp = time_attention(device, stream, attn_cp, args)
+            _row(rows, "paged_attention q8 cp.async",
+                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cp, nbytes, copy_bw,
+                 {"tma_speedup": t_cp / t} | ({"vs_float16": t_f16 / t_cp} if t_f16 else {}))
         if kv_dtype in kvcache.QUANT_KV_DTYPES and kvcache.qkv_mma_applies(kv_dtype):
             # the CUDA-core kernel of the pair (PAGEDKV_ATTN_QKV_MMA=0) on the same pool;
             # the row above ran the _mma kernel (unless the env turned it off)

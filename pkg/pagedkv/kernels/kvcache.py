@@ -16,7 +16,13 @@ import numpy as np
 
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.kernels.device import MFMA_BF16_ARCHES, Device, Stream, amd_matrix_unit
+from pagedkv.kernels.device import (
+    MFMA_BF16_ARCHES,
+    Device,
+    Stream,
+    amd_matrix_unit,
+    sm_version,
+)
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
@@ -317,6 +323,10 @@ class PagedAttention:
     and the K codes multiplied as they are stored (docs/kernels.md, "q8 attention on tensor cores"). ``None``
     reads ``PAGEDKV_ATTN_Q8_INT`` (default off until a device run vouches for it); ``True``
     with ``q8_stage`` or ``q8_mma`` off is refused. Same alignment rule as ``q8_stage``.
+    ``q8_tma``: the staged kernels copy each chunk with one TMA tensor copy where it applies
+    (CUDA sm_90+, head_dim 128, ``kv_heads`` even, ``block_size`` a multiple of 16, pools
+    16-byte aligned; docs/kernels.md, "q8 attention on tensor cores"), else with ``cp.async``;
+    ``False`` always ``cp.async``; ``None`` reads ``PAGEDKV_ATTN_Q8_TMA`` (default on).
 
     ``partition_tokens``: tokens per partition (a multiple of 16, at most the kernel's
     :data:`ATTN_PARTITION_TOKENS`); ``None`` reads ``PAGEDKV_ATTN_PARTITION_TOKENS`` where set,
@@ -337,9 +347,10 @@ class PagedAttention:
                  head_dim: int, block_size: int, max_seq_len: int, kv_dtype: str,
                  scale: float | None = None, q8_mma: bool | None = None,
                  q8_stage: bool | None = None, q8_int: bool | None = None,
-                 qkv_mma: bool | None = None, partition_tokens: int | None = None) -> None:
+                 q8_tma: bool | None = None, qkv_mma: bool | None = None,
+                 partition_tokens: int | None = None) -> None:
         for name, flag in (("q8_mma", q8_mma), ("q8_stage", q8_stage), ("q8_int", q8_int),
-                           ("qkv_mma", qkv_mma)):
+                           ("q8_tma", q8_tma), ("qkv_mma", qkv_mma)):
             if flag is not None and not isinstance(flag, bool):
                 raise InvalidArgumentType(f"{name}={flag!r}: expected True, False or None")
         if kv_dtype not in KV_DTYPES and kv_dtype not in QUANT_KV_DTYPES:
@@ -437,6 +448,10 @@ class PagedAttention:
         if q8_int is None:
             q8_int = env_bool("PAGEDKV_ATTN_Q8_INT", False)
         self.q8_int = bool(q8_int and self.q8_stage) if kv_dtype == "q8" else None
+        if q8_tma is None:
+            q8_tma = env_bool("PAGEDKV_ATTN_Q8_TMA", True)
+        # whether staged launches may take tensor copies (_tensor_maps: where they apply)
+        self.q8_tma = bool(q8_tma and self.q8_stage) if kv_dtype == "q8" else None
         parts = (num_seqs, num_heads, self.max_partitions)
         self.part_out = device.empty(parts + (head_dim,), np.float32)
         self.part_max = device.empty(parts, np.float32)
@@ -513,6 +528,7 @@ class PagedAttention:
                 + ("" if self.q8_mma is None else
                    f", q8_mma={self.q8_mma}, q8_stage={self.q8_stage}")
                 + (", q8_int=True" if self.q8_int else "")
+                + (", q8_tma=False" if self.q8_tma is False and self.q8_stage else "")
                 + (", mfma=True" if self.mfma else "")
                 + (", wmma=True" if self.wmma else "")
                 + ("" if self.qkv_mma is None else f", qkv_mma={self.qkv_mma}") + ")")
@@ -626,18 +642,18 @@ class PagedAttention:
         """The staged q8 kernels' TMA tensor maps of the two pools and whether to use them
         (hip/kvcache.hip, PKV_ATTN_Q8_STAGE_TMA): each pool as [blocks x block_size] token
         slots of ``kv_heads x row`` bytes, boxes of 16 slots x 144 bytes (a KV head's row in
-        its 16-byte aligned window). Only on CUDA sm_90+, head_dim 128, ``kv_heads`` even,
-        ``block_size`` a multiple of 16 and pools 16-byte aligned (``PAGEDKV_ATTN_Q8_TMA=0``
-        turns them off); else zeros and 0 (cp.async). Built once per pair of pool
+        its 16-byte aligned window). Only with :attr:`q8_tma`, on CUDA sm_90+, head_dim 128,
+        ``kv_heads`` even, ``block_size`` a multiple of 16 and pools 16-byte aligned; else
+        zeros and 0 (cp.async). Built once per pair of pool
         allocations: a host-side encoding, so a launch inside a graph capture may build them."""
         key = (k_pool.ptr, v_pool.ptr, k_pool.shape[0], v_pool.shape[0])
         if key != self._maps_key:
             dev, row = self.device, self.k_row
             slot_bytes = self.kv_heads * row
-            arch = getattr(dev.properties, "arch", "")  # "sm_90"; sm_80 code ignores maps
-            use = (getattr(dev, "backend", None) == "cuda" and arch.startswith("sm_")
-                   and arch[3:].isdigit() and int(arch[3:]) >= 90
-                   and env_bool("PAGEDKV_ATTN_Q8_TMA", True) and self.head_dim == 128
+            # sm_90 and newer (an sm_80 build's code ignores the maps)
+            use = (getattr(dev, "backend", None) == "cuda"
+                   and sm_version(getattr(dev.properties, "arch", "")) >= 90
+                   and self.q8_tma and self.head_dim == 128
                    and self.kv_heads % 2 == 0 and self.block_size % 16 == 0
                    and k_pool.ptr % 16 == 0 and v_pool.ptr % 16 == 0)
             maps = tuple(dev.tensor_map_2d(pool.ptr, slot_bytes, pool.shape[0] * self.block_size,
