@@ -536,39 +536,31 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             base["vs_float16"] = t_f16 / t  # > 1: faster than f16 on the same context
         _row(rows, f"paged_attention {kv_dtype}",
              f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t, nbytes, copy_bw, base)
-        if kv_dtype == "q8" and head_dim in (64, 128):  # the CUDA-core q8 kernel (PAGEDKV_ATTN_Q8_MMA=0) on the same pool
-            attn_cc = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=False)
-            t_cc = time_attention(device, stream, attn_cc, args)
-            _row(rows, "paged_attention q8 cuda-cores",
-                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cc, nbytes, copy_bw,
-                 {"mma_speedup": t_cc / t} | ({"vs_float16": t_f16 / t_cc} if t_f16 else {}))
-            # the unstaged tensor-core kernel (q8_stage=False; the default stages rows in
-            # shared memory first, the q8s kernels)
-            attn_un = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True,
-                                             q8_stage=False)
-            t_un = time_attention(device, stream, attn_un, args)
-            _row(rows, "paged_attention q8 unstaged",
-                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_un, nbytes, copy_bw,
-                 {"staged_speedup": t_un / t, "speedup_vs_cuda_cores": t_cc / t_un}
-                 | ({"vs_float16": t_f16 / t_un} if t_f16 else {}))
-            # the q8i kernel: the staged one with pass 1 on integer tensor cores (q8_int=True,
-            # PAGEDKV_ATTN_Q8_INT=1); int_speedup > 1: faster than the row above it's measured
-            # against (the default kernel, `paged_attention q8`)
-            attn_int = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True,
-                                              q8_stage=True, q8_int=True)
-            t_int = time_attention(device, stream, attn_int, args)
-            _row(rows, "paged_attention q8 int pass 1",
-                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_int, nbytes, copy_bw,
-                 {"int_speedup": t / t_int} | ({"vs_float16": t_f16 / t_int} if t_f16 else {}))
-            # the staged kernel with cp.async copies only (q8_tma=False,
-            # PAGEDKV_ATTN_Q8_TMA=0); tma_speedup > 1: the default's tensor copies (sm_90,
-            # where they apply) are faster
-            attn_cp = kvcache.PagedAttention(device, **attn_kwargs, q8_mma=True,
-                                             q8_stage=True, q8_tma=False)
-            t_cp = time_attention(device, stream, attn_cp, args)
-            _row(rows, "paged_attention q8 cp.async",
-                 f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", t_cp, nbytes, copy_bw,
-                 {"tma_speedup": t_cp / t} | ({"vs_float16": t_f16 / t_cp} if t_f16 else {}))
+        if kv_dtype == "q8" and head_dim in (64, 128):
+            # The other q8 kernels on the same pool: the CUDA-core one (PAGEDKV_ATTN_Q8_MMA=0);
+            # the unstaged tensor-core one (q8_stage=False; the default stages rows in shared
+            # memory first, the q8s kernels); q8i, the staged one with pass 1 on integer
+            # tensor cores (q8_int=True, PAGEDKV_ATTN_Q8_INT=1: int_speedup > 1 when faster
+            # than the default row above); the staged one with cp.async copies only
+            # (q8_tma=False, PAGEDKV_ATTN_Q8_TMA=0: tma_speedup > 1 when the default's tensor
+            # copies, sm_90 where they apply, are faster).
+            variants = {"cuda-cores": {"q8_mma": False},
+                        "unstaged": {"q8_mma": True, "q8_stage": False},
+                        "int pass 1": {"q8_mma": True, "q8_stage": True, "q8_int": True},
+                        "cp.async": {"q8_mma": True, "q8_stage": True, "q8_tma": False}}
+            times = {label: time_attention(device, stream,
+                                           kvcache.PagedAttention(device, **attn_kwargs, **sw),
+                                           args)
+                     for label, sw in variants.items()}
+            t_cc, t_un = times["cuda-cores"], times["unstaged"]
+            extras = {"cuda-cores": {"mma_speedup": t_cc / t},
+                      "unstaged": {"staged_speedup": t_un / t, "speedup_vs_cuda_cores": t_cc / t_un},
+                      "int pass 1": {"int_speedup": t / times["int pass 1"]},
+                      "cp.async": {"tma_speedup": times["cp.async"] / t}}
+            for label, tv in times.items():
+                _row(rows, f"paged_attention q8 {label}",
+                     f"{seqs}x{tokens} kvh{kv_heads} d{head_dim}", tv, nbytes, copy_bw,
+                     extras[label] | ({"vs_float16": t_f16 / tv} if t_f16 else {}))
         if kv_dtype in kvcache.QUANT_KV_DTYPES and kvcache.qkv_mma_applies(kv_dtype):
             # the CUDA-core kernel of the pair (PAGEDKV_ATTN_QKV_MMA=0) on the same pool;
             # the row above ran the _mma kernel (unless the env turned it off)
