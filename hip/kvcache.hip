@@ -1197,7 +1197,9 @@ PKV_DEV void pv_mma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
 constexpr int Q8_STAGE_TOKENS = 16;
 constexpr int Q8_ROW_UNITS = 17;  // 34 * head_dim / 32 bytes = 17 units of head_dim / 16 bytes
 constexpr int Q8_STAGE_BYTES_MAX = Q8_STAGE_TOKENS * PKV_ATTN_Q8_STAGE_PITCH_UNITS * 8;
-constexpr int Q8_TMA_BOX_BYTES = 8 * (Q8_ROW_UNITS + 1);  // 144: a row's aligned window
+static_assert(PKV_ATTN_Q8_TMA_BOX_BYTES == 8 * (Q8_ROW_UNITS + 1) &&
+                  PKV_ATTN_Q8_TMA_BOX_ROWS == Q8_STAGE_TOKENS,
+              "a tensor-copy box is a chunk's rows in their aligned 144-byte windows");
 static_assert(PKV_ATTN_Q8_STAGE_PITCH_UNITS == 18 || !PKV_ATTN_Q8_STAGE_TMA,
               "PKV_ATTN_Q8_STAGE_TMA stages 144-byte boxes: a 144-byte pitch");
 
@@ -1333,7 +1335,8 @@ PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, cons
 PKV_DEV void q8_stage_chunk_tma(uint8_t* stage, int slot, const Q8Tma& tma, int c) {
   if (threadIdx.x % 32 == 0)
     tma_box_copy(smem_window(stage + slot * Q8_STAGE_BYTES_MAX), tma.map, tma.x,
-                 tma.chunk_slot[c], tma.bars + 8u * slot, Q8_STAGE_TOKENS * Q8_TMA_BOX_BYTES);
+                 tma.chunk_slot[c], tma.bars + 8u * slot,
+                 PKV_ATTN_Q8_TMA_BOX_ROWS * PKV_ATTN_Q8_TMA_BOX_BYTES);
 }
 
 // The warp's first STAGES - 1 chunks c = warp, warp + n_warps, ... into its buffers 0 ..

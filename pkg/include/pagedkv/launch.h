@@ -92,6 +92,11 @@
 #ifndef PKV_ATTN_Q8_STAGES
 #define PKV_ATTN_Q8_STAGES 3
 #endif
+/* Their tensor copies on sm_90 (hip/kvcache.hip, PKV_ATTN_Q8_STAGE_TMA): the box the
+ * launcher's tensor maps describe and the kernel expects per chunk, a 16-token chunk's
+ * slots x a head_dim-128 row's 136 bytes in its 16-byte aligned window. */
+#define PKV_ATTN_Q8_TMA_BOX_BYTES 144
+#define PKV_ATTN_Q8_TMA_BOX_ROWS 16
 /* The partition reduce (hip/attention_reduce.h): partition p is summed in slice
  * p % PKV_ATTN_REDUCE_SLICES, a 32-lane warp per slice (the reduce's block: at most this
  * many warps, fewer for fewer partitions; the fused reduce + prep's: this many). The value

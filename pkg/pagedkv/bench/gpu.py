@@ -25,6 +25,7 @@ import sys
 import time
 import types
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -544,10 +545,11 @@ def bench_attention(device, stream, rows, copy_bw, torch, case=ATTENTION_CASE,
             # than the default row above); the staged one with cp.async copies only
             # (q8_tma=False, PAGEDKV_ATTN_Q8_TMA=0: tma_speedup > 1 when the default's tensor
             # copies, sm_90 where they apply, are faster).
-            variants = {"cuda-cores": {"q8_mma": False},
-                        "unstaged": {"q8_mma": True, "q8_stage": False},
-                        "int pass 1": {"q8_mma": True, "q8_stage": True, "q8_int": True},
-                        "cp.async": {"q8_mma": True, "q8_stage": True, "q8_tma": False}}
+            variants: dict[str, dict[str, Any]] = {
+                "cuda-cores": {"q8_mma": False},
+                "unstaged": {"q8_mma": True, "q8_stage": False},
+                "int pass 1": {"q8_mma": True, "q8_stage": True, "q8_int": True},
+                "cp.async": {"q8_mma": True, "q8_stage": True, "q8_tma": False}}
             times = {label: time_attention(device, stream,
                                            kvcache.PagedAttention(device, **attn_kwargs, **sw),
                                            args)

@@ -33,10 +33,6 @@ from pagedkv.kernels.launch_constants import (
 from pagedkv.kernels.weights import PreparedX, check_prepared
 from pagedkv.quant import kv_q8
 
-#: The staged q8 kernels' tensor-copy box width: a head_dim-128 row's 136 bytes in their
-#: 16-byte aligned window (hip/kvcache.hip, Q8_TMA_BOX_BYTES).
-_Q8_TMA_BOX_BYTES = 144
-
 __all__ = [
     "KV_DTYPES",
     "QUANT_KV_DTYPES",
@@ -59,6 +55,10 @@ ATTN_THREADS = launch_constant("PKV_ATTN_THREADS")
 #: Slices of the partition reduce (hip/attention_reduce.h: partition p in slice p % slices, a
 #: 32-lane warp per slice); the fused reduce + prep runs a block of this many warps.
 ATTN_REDUCE_SLICES = launch_constant("PKV_ATTN_REDUCE_SLICES")
+#: The staged q8 kernels' tensor-copy box (bytes, rows): a chunk's 16 token slots x a
+#: head_dim-128 row's 136 bytes in its 16-byte aligned window (_tensor_maps).
+ATTN_Q8_TMA_BOX = (launch_constant("PKV_ATTN_Q8_TMA_BOX_BYTES"),
+                   launch_constant("PKV_ATTN_Q8_TMA_BOX_ROWS"))
 REDUCE_PREP_THREADS = 32 * ATTN_REDUCE_SLICES
 KV_DTYPES = {"float16": "f16", "bfloat16": "bf16", "q8": "q8"}
 #: The opt-in variable of the never-run AMD matrix-core attention, per unit
@@ -653,11 +653,11 @@ class PagedAttention:
             # sm_90 and newer (an sm_80 build's code ignores the maps)
             use = (getattr(dev, "backend", None) == "cuda"
                    and sm_version(getattr(dev.properties, "arch", "")) >= 90
-                   and self.q8_tma and self.head_dim == 128
-                   and self.kv_heads % 2 == 0 and self.block_size % 16 == 0
+                   and self.q8_tma is True and self.head_dim == 128
+                   and self.kv_heads % 2 == 0 and self.block_size % ATTN_Q8_TMA_BOX[1] == 0
                    and k_pool.ptr % 16 == 0 and v_pool.ptr % 16 == 0)
             maps = tuple(dev.tensor_map_2d(pool.ptr, slot_bytes, pool.shape[0] * self.block_size,
-                                           slot_bytes, _Q8_TMA_BOX_BYTES, 16)
+                                           slot_bytes, *ATTN_Q8_TMA_BOX)
                          if use else bytes(128) for pool in (k_pool, v_pool))
             self._maps, self._maps_key = (maps[0], maps[1], int(use)), key
         return self._maps
