@@ -1322,10 +1322,29 @@ PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, cons
   }
 }
 
+// q8_stage_units' layout by byte loads and shared stores, for a pool that starts off its
+// unit's alignment (cp.async would fault): MLX's launcher cannot see an array's address (a
+// uint8 view at an odd byte offset reaches the kernel as it is); the ctypes launcher can,
+// and runs the unstaged kernel there instead. Slow, the same bytes; not inlined (one copy
+// of this cold code, not one per staging site in a kernel whose size already costs fetches).
+__device__ static __noinline__ void q8_stage_bytes(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
+                            int row_bytes, int c, int n_tok) {
+  const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;
+  const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
+  const int pitch = row_bytes / Q8_ROW_UNITS * PKV_ATTN_Q8_STAGE_PITCH_UNITS;
+  for (int i = threadIdx.x % 32; i < Q8_STAGE_TOKENS * row_bytes; i += 32) {
+    const int j = i / row_bytes, b = i - j * row_bytes;
+    buf[j * pitch + b] = j <= last ? pool[chunk_rows[j] * row_bytes + b] : (uint8_t)0;
+  }
+}
+
 PKV_DEV void q8_stage_chunk(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
                             int64_t row_bytes, int c, int n_tok) {
   const uint32_t dst = smem_window(buf);  // one conversion per chunk, 32-bit offsets below
-  if (row_bytes == 8 * Q8_ROW_UNITS)  // head_dim 128: 8-byte units (64: 4-byte units)
+  const bool unit8 = row_bytes == 8 * Q8_ROW_UNITS;  // head_dim 128: 8-byte units (64: 4)
+  if (((uint64_t)pool & (unit8 ? 7u : 3u)) != 0)
+    q8_stage_bytes(buf, pool, rows, (int)row_bytes, c, n_tok);
+  else if (unit8)
     q8_stage_units<8>(dst, pool, rows, row_bytes, c, n_tok);
   else
     q8_stage_units<4>(dst, pool, rows, row_bytes, c, n_tok);

@@ -418,6 +418,47 @@ def test_gpu_q8_tensor_copies_match_cp_async(device, monkeypatch, heads, kv_head
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,offset", [(128, 4), (128, 1), (64, 2)])
+def test_gpu_q8_staged_kernel_copies_a_pool_off_alignment_by_bytes(device, head_dim, offset):
+    # The staged q8 kernels (q8s) launched directly on pools that start off their cp.async
+    # unit (8 bytes at head_dim 128, 4 at 64), as MLX's launcher may pass them (it cannot
+    # see an array's address; PagedAttention sees it and runs the unstaged kernel): the
+    # kernel copies those chunks by byte loads into the same staged layout, so the bits of
+    # the same pool at an aligned address.
+    from pagedkv.kernels.device import Device
+    from pagedkv.kernels.device_array import DeviceArray
+    if not isinstance(device, Device) or device.backend != "cuda":
+        pytest.skip("the staged q8 kernels run on CUDA")
+    lens = [1, 17, 600, 1301]
+    k_pool, v_pool, tables, lens = _paged_case(lens, kv_heads=2, head_dim=head_dim,
+                                               block_size=16, kv_dtype="q8")
+    q = RNG.standard_normal((len(lens), 8, head_dim)).astype(np.float32)
+    attn = kvcache.PagedAttention(device, num_seqs=len(lens), num_heads=8, kv_heads=2,
+                                  head_dim=head_dim, block_size=16, max_seq_len=1301,
+                                  kv_dtype="q8", q8_stage=True, q8_tma=False)
+    args = [device.array(a) for a in (q, tables, lens)]
+
+    def launch(k, v):
+        out = poisoned(device, q.shape, np.float32)
+        attn._partitions(attn._partition, args[0], k, v, args[1], args[2], None)
+        attn._launch_reduce(args[2], out, None)
+        return out.to_numpy()
+
+    def at_offset(pool):
+        held = device.array(np.concatenate([np.zeros(offset, np.uint8), pool.reshape(-1)]))
+        return DeviceArray(device, held.ptr + offset, pool.shape, np.uint8, owned=False,
+                           base=held)
+    shifted = at_offset(k_pool), at_offset(v_pool)
+    assert shifted[0].ptr % (8 if head_dim == 128 else 4) != 0
+    aligned = launch(device.array(k_pool), device.array(v_pool))
+    got = launch(*shifted)
+    assert np.isfinite(got).all() and np.array_equal(got, aligned)
+    want = numpy_kernels.paged_attention_decode(q, k_pool, v_pool, tables, lens, kv_dtype="q8",
+                                                scale=head_dim ** -0.5)
+    _assert_within(got, want, 1e-4, 2e-5, "byte-staged pool")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim", [
     ("float16", 32, 8, 128), ("bfloat16", 8, 2, 64), ("q8", 8, 2, 128),
     ("fwht4/lloyd4", 8, 2, 256), ("fwht3/q8", 4, 2, 256)])

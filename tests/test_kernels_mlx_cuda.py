@@ -46,6 +46,10 @@ def _kvcache_calls(run):
         pool = mx.zeros((8, 16, 2, row), dtype=pool_dtype)
         cuda.paged_attention(mx, q, pool, pool, tables, lens, kv_dtype=kv_dtype, scale=0.1,
                              max_seq_len=64, run=run)
+    # q8 at 8 query heads per KV head: the unstaged kernel (the one above is staged, q8s)
+    pool = mx.zeros((8, 16, 2, 68), dtype=mx.uint8)
+    cuda.paged_attention(mx, mx.zeros((2, 16, 64)), pool, pool, tables, lens, kv_dtype="q8",
+                         scale=0.1, max_seq_len=64, run=run)
     cuda.kv_q8_quantize(mx, mx.zeros((3, 2, 64), dtype=mx.float16), run)
     cuda.kv_q8_read(mx, mx.zeros((8, 2, 68), dtype=mx.uint8), mx.zeros((3,), dtype=mx.int64),
                     2, 64, mx.float32, run)
@@ -343,6 +347,44 @@ def test_attention_splits_the_context_over_the_gpus_sms(monkeypatch, kv_dtype, p
                          run=_record_launches(launches))
     most = kvcache.ATTN_PARTITION_TOKENS[kv_dtype]
     assert launches[0].grid == (math.ceil(1025 / most) * threads, 2, 1)
+
+
+@pytest.mark.parametrize("sms, seqs, heads, head_dim, env, staged", [
+    (0, 2, 8, 128, None, True),       # no SM count: staged (q8_stage_pays)
+    (132, 32, 8, 128, None, True),    # 32 x 2 KV heads x 3 partitions of 352: two waves
+    (132, 1, 8, 128, None, False),    # batch 1 over 1,025: 17 x 64 tokens on 132 SMs
+    (0, 2, 16, 128, None, False),     # 8 query heads per KV head: no staged kernel
+    (0, 2, 4, 256, None, False),      # head_dim 256: none either
+    (0, 2, 8, 64, None, True),
+    (0, 2, 8, 128, "0", False),       # PAGEDKV_ATTN_Q8_STAGE=0
+])
+def test_q8_attention_is_staged_where_the_ctypes_launcher_stages_it(monkeypatch, sms, seqs,
+                                                                     heads, head_dim, env,
+                                                                     staged):
+    """The MLX q8 attention runs the staged kernels (q8s) by PagedAttention's default rule
+    (kvcache.q8_staged_by_default), with cp.async copies: zero tensor maps and use_maps 0."""
+    from pagedkv.kernels import kvcache
+    monkeypatch.setattr(cuda, "sm_count", lambda ordinal=0: sms)
+    if env is None:
+        monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", env)
+    launches = []
+    row = head_dim // 32 * 34
+    pool = mx.zeros((80, 16, 2, row), dtype=mx.uint8)
+    n = 1025
+    cuda.paged_attention(mx, mx.zeros((seqs, heads, head_dim)), pool, pool,
+                         mx.zeros((seqs, 80), dtype=mx.int32),
+                         mx.array([n] * seqs, dtype=mx.int32), kv_dtype="q8", scale=0.125,
+                         max_seq_len=n, run=_record_launches(launches))
+    gmax = kvcache.attention_group_slots(heads, 2)
+    tokens = kvcache.attention_partition_tokens("q8", seqs, 2, n, sms)
+    assert staged == kvcache.q8_staged_by_default(head_dim, gmax, tokens,
+                                                  seqs * 2 * math.ceil(n / tokens), sms)
+    kernel = launches[0].kernel
+    assert kernel.name.startswith(f"pagedkv_paged_attention_q8{'s' if staged else ''}_g{gmax}_")
+    assert kernel.source.endswith("(int)params[7], PkvTensorMap{}, PkvTensorMap{}, 0);"
+                                  if staged else "(int)params[7]);")
 
 
 def test_sm_count_is_zero_without_a_driver(monkeypatch):

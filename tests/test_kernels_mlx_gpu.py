@@ -115,6 +115,35 @@ def test_paged_attention(kv_dtype, heads, kv_heads, head_dim):
                                err_msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("offset", [1, 4])
+def test_q8_attention_over_a_pool_view_off_alignment_gives_the_aligned_bits(gpu_backend,
+                                                                            offset):
+    """A q8 pool that starts ``offset`` bytes into its MLX buffer (a uint8 view: MLX gives
+    the launcher no address to check) runs the staged kernel as an aligned pool does, its
+    chunks copied by byte loads instead of cp.async (hip/kvcache.hip, q8_stage_bytes): the
+    same staged bytes, so the same bits."""
+    if gpu_backend != "cuda":
+        pytest.skip("the staged q8 kernels are MLX CUDA's")
+    from pagedkv.kernels import kvcache
+    from pagedkv.kernels.mlx import cuda
+    rng, seed = fresh_rng()
+    lens = [int(n) for n in rng.integers(1500, 2100, 8)]
+    q, kp, vp, tables, lens_arr, expect = attention_case(
+        rng, "q8", seqs=8, heads=8, kv_heads=2, head_dim=128, block_size=16, lens=lens)
+    sms = cuda.sm_count()
+    tokens = kvcache.attention_partition_tokens("q8", 8, 2, max(lens), sms)
+    assert kvcache.q8_staged_by_default(128, 4, tokens, 16 * -(-max(lens) // tokens), sms)
+
+    def shifted(pool):
+        flat = mx.array(np.concatenate([np.zeros(offset, np.uint8), pool.reshape(-1)]))
+        return flat[offset:].reshape(pool.shape)
+    aligned = np.array(K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), tables,
+                                         lens_arr))
+    got = np.array(K.paged_attention(mx.array(q), shifted(kp), shifted(vp), tables, lens_arr))
+    assert np.isfinite(got).all() and bits_equal(got, aligned), f"seed {seed}"
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=2e-5, err_msg=f"seed {seed}")
+
+
 def test_copy_blocks():
     rng, seed = fresh_rng()
     src = rng.standard_normal((40, 16, 8, 128)).astype(np.float16)

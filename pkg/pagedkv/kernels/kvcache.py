@@ -126,6 +126,19 @@ def q8_stage_pays(partition_tokens: int, grid_ctas: int, sm_count: int) -> bool:
     return partition_tokens >= ATTN_Q8_STAGE_MIN_TOKENS or grid_ctas >= 2 * sm_count
 
 
+def q8_staged_by_default(head_dim: int, gmax: int, partition_tokens: int, grid_ctas: int,
+                         sm_count: int, *, pays: bool = False) -> bool:
+    """Whether a q8 launch on NVIDIA runs the staged (q8s) kernels when its caller does not
+    say: ``PAGEDKV_ATTN_Q8_STAGE`` (default on), where their tensor-core passes run (head_dim
+    64 or 128, at most 4 query heads per KV head: elsewhere the q8s kernels would run the
+    CUDA-core passes under 36 KB of idle stage buffers, which cost occupancy and, with head_dim
+    256's scratch, exceed the 48 KB a launch gets: CUDA_ERROR_INVALID_VALUE on the H200 at kvh4
+    d256, 2026-12-02), and where staging pays for its longer code (:func:`q8_stage_pays`;
+    ``pays=True`` skips that test). The ctypes and MLX CUDA launchers both ask this."""
+    return (env_bool("PAGEDKV_ATTN_Q8_STAGE", True) and head_dim in (64, 128) and gmax <= 4
+            and (pays or q8_stage_pays(partition_tokens, grid_ctas, sm_count)))
+
+
 def attention_partition_tokens(kv_dtype: str, num_seqs: int, kv_heads: int, max_seq_len: int,
                                sm_count: int, *, most: int | None = None) -> int:
     """Tokens per partition of one launch geometry, a multiple of 16 between 64 and the
@@ -428,19 +441,14 @@ class PagedAttention:
         self.q8_mma = bool(q8_mma) if kv_dtype == "q8" else None
         stage_asked = q8_stage is True
         if q8_stage is None:
-            # Staged by default only where its tensor-core passes run (NVIDIA, head_dim
-            # 64/128, at most 4 query heads per KV head): elsewhere the q8s kernels run the
-            # CUDA-core passes under 36 KB of idle stage buffers, which cost occupancy and,
-            # with head_dim 256's scratch, exceed the 48 KB a launch gets (H200,
-            # 2026-12-02: CUDA_ERROR_INVALID_VALUE at kvh4 d256).
-            # And only where staging pays for its longer code (q8_stage_pays), unless
-            # q8_int=True asks for the q8i kernels.
-            q8_stage = (env_bool("PAGEDKV_ATTN_Q8_STAGE", True) and head_dim in (64, 128)
-                        and self.gmax <= 4 and getattr(device, "backend", None) != "hip"
+            # NVIDIA only; q8_int=True asks for the q8i kernels, staged whether it pays or not
+            q8_stage = (getattr(device, "backend", None) != "hip"
                         and device.properties.warp_size == 32
-                        and (q8_int is True or q8_stage_pays(
-                            self.partition_tokens, num_seqs * kv_heads * self.max_partitions,
-                            getattr(device.properties, "multiprocessor_count", 0))))
+                        and q8_staged_by_default(
+                            head_dim, self.gmax, self.partition_tokens,
+                            num_seqs * kv_heads * self.max_partitions,
+                            getattr(device.properties, "multiprocessor_count", 0),
+                            pays=q8_int is True))
         self.q8_stage = bool(q8_stage and self.q8_mma) if kv_dtype == "q8" else None
         if q8_int is True and kv_dtype == "q8" and not self.q8_stage:
             raise InvalidArgument("q8_int=True: the q8i kernels are the staged tensor-core ones; "

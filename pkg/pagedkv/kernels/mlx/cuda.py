@@ -431,7 +431,13 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
     from pagedkv.kernels import kvcache
     geo = attention_geometry(kv_dtype, heads, kv_heads, head_dim)
     pool_t = getattr(mx, pool_dtype)
-    name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}_g{geo['gmax']}"
+    # q8: the staged kernels where ctypes' PagedAttention would stage by default, with
+    # cp.async copies (a tensor map encodes the pool's address, which MLX does not give this
+    # launcher; nor can it see a pool view off 8-byte alignment: the kernel stages those by
+    # byte loads, hip/kvcache.hip q8_stage_bytes).
+    staged = kv_dtype == "q8" and kvcache.q8_staged_by_default(
+        head_dim, geo["gmax"], partition_tokens, seqs * kv_heads * parts, sm_count())
+    name = f"pkv_paged_attention_{KV_NAMES[kv_dtype]}{'s' if staged else ''}_g{geo['gmax']}"
     src = kernel_source(
         "kvcache", name[4:] + f"_s{geo['shared']}",
         _io(("q", mx.float32), ("k_pool", pool_t), ("v_pool", pool_t),
@@ -440,7 +446,8 @@ def _attention_plan(kv_dtype: str, pool_dtype: str, seqs: int, heads: int, kv_he
         f"{name}<>(q, (const uint8_t*)k_pool, (const uint8_t*)v_pool, block_tables, seq_lens, "
         "part_out, part_max, part_sum, __int_as_float((int)params[0]), (int)params[1], "
         "(int)params[2], (int)params[3], (int)params[4], (int)params[5], (int)params[6], "
-        "(int)params[7]);", geo["bounds"], geo["shared"])
+        f"(int)params[7]{', PkvTensorMap{}, PkvTensorMap{}, 0' if staged else ''});",
+        geo["bounds"], geo["shared"])
     part_shape = (seqs, heads, parts)
     threads = geo["threads"]
     partition = (src, _params(mx, scale_bits, heads, kv_heads, head_dim, block_size,
