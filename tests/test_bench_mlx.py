@@ -116,10 +116,37 @@ def test_asv_tracks_rows_the_bench_emits_and_skips_on_the_array_ops_path(monkeyp
     bench.bench_attention(mx, K, rows, 1e9, {**bench.ATTENTION_CASE, "seqs": 1, "tokens": 32,
                                              "kv_heads": 2, "heads": 4, "head_dim": 32})
     names = {r["kernel"] for r in rows}
-    assert {row.split(" | ")[0] for row in asv.RATIO_ROWS + asv.BANDWIDTH_ROWS} <= names
+    cuda_only = {"paged_attention q8 unstaged"}  # the staged kernels exist on MLX CUDA only
+    tracked = {row.split(" | ")[0] for row in asv.RATIO_ROWS + asv.BANDWIDTH_ROWS}
+    assert cuda_only <= tracked and tracked - cuda_only <= names
+    assert asv.Q8_STAGED_ROW.split(" | ")[0] in names
     assert set(asv.by_row(rows, "speedup_vs_mlx")) == {
         f"gemv {f} b{b} | 16x256" for f in ("hfq4g256", "mq4g256v2") for b in (1, 8)}
     monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "ops")
-    for suite in (asv.MlxVsMlx(), asv.MlxBandwidth()):
+    for suite in (asv.MlxVsMlx(), asv.MlxBandwidth(), asv.MlxQ8Staging()):
         with pytest.raises(NotImplementedError, match="array ops"):
             suite.setup_cache()
+
+
+def test_q8_unstaged_row_times_the_calls_with_staging_off_then_restores_it(monkeypatch):
+    """On MLX CUDA the q8 attention row is the staged kernels'; the next row times the same
+    calls with PAGEDKV_ATTN_Q8_STAGE=0 (launch plans rebuilt before and after) and the staged
+    row gets stage_speedup = unstaged / staged time."""
+    import os
+
+    from pagedkv.kernels.mlx import cuda
+    seen, cleared = [], []
+    monkeypatch.setattr(bench, "_time", lambda mx, calls, n: (seen.append(
+        os.environ.get("PAGEDKV_ATTN_Q8_STAGE")), 3e-6)[1])
+    monkeypatch.setattr(cuda._attention_plan, "cache_clear", lambda: cleared.append(1))
+    for before in (None, "1"):
+        if before is None:
+            monkeypatch.delenv("PAGEDKV_ATTN_Q8_STAGE", raising=False)
+        else:
+            monkeypatch.setenv("PAGEDKV_ATTN_Q8_STAGE", before)
+        rows = [{"kernel": "paged_attention q8", "us": 2.0}, {"kernel": "[inline header]"}]
+        bench._q8_unstaged_row(mx, rows, rows[0], None, "1x64 kvh2 d32", 3000, 1e9)
+        assert seen[-1] == "0" and os.environ.get("PAGEDKV_ATTN_Q8_STAGE") == before
+        assert rows[-1]["kernel"] == "paged_attention q8 unstaged" and rows[-1]["us"] == 3.0
+        assert rows[0]["stage_speedup"] == 1.5
+    assert len(cleared) == 4

@@ -6,6 +6,8 @@
   ``scaled_dot_product_attention`` on a contiguous cache over paged attention (target
   >= 1 / 1.1).
 - ``MlxBandwidth.track_percent_of_copy``: each kernel's share of MLX's copy bandwidth.
+- ``MlxQ8Staging.track_stage_speedup``: the unstaged q8 attention's time over the staged
+  kernels' (the default on MLX CUDA since 2026-12-06), same calls, same run.
 
 Skipped unless MLX runs pagedkv's kernels on a GPU (``setup_cache`` raises
 NotImplementedError on the array-ops path). Figures: docs/performance.md, "MLX kernels".
@@ -19,7 +21,8 @@ RATIO_ROWS = (
      for m, k in GEMV_SHAPES]
     + ["paged_attention float16 | 32x4096 kvh8 d128"])
 BANDWIDTH_ROWS = RATIO_ROWS + [f"paged_attention {dt} | 32x4096 kvh8 d128"
-                               for dt in ("bfloat16", "q8")]
+                               for dt in ("bfloat16", "q8", "q8 unstaged")]
+Q8_STAGED_ROW = "paged_attention q8 | 32x4096 kvh8 d128"
 
 
 def _run_bench() -> list[dict]:
@@ -71,3 +74,14 @@ class MlxBandwidth:
 
     def track_percent_of_copy(self, cache, row):
         return cache[row]
+
+
+class MlxQ8Staging:
+    timeout = 900
+    unit = "x (unstaged q8 attention time / staged)"
+
+    def setup_cache(self):
+        return by_row(_run_bench(), "stage_speedup")
+
+    def track_stage_speedup(self, cache):
+        return cache[Q8_STAGED_ROW]

@@ -240,6 +240,7 @@ def bench_attention(mx, K, rows, copy_bw, case):
         calls = _cycling(lambda _, f=attend: f(), [None])
         nbytes = pools[0].nbytes * 2 + 2 * q.nbytes + tables.nbytes
         modes = _header_modes(K)
+        first = len(rows)  # this dtype's row in the default header mode
         for suffix, mode in modes:
             _set_header_mode(mode)
             t = _time(mx, calls, 5)
@@ -250,7 +251,34 @@ def bench_attention(mx, K, rows, copy_bw, case):
             _row(rows, f"paged_attention {kv_dtype}{suffix}", f"{seqs}x{tokens} kvh{kvh} d{hd}",
                  t, nbytes, copy_bw, base)
         _set_header_mode(modes[0][1])
+        if kv_dtype == "q8" and K.backend() == "cuda":
+            _q8_unstaged_row(mx, rows, rows[first], calls, f"{seqs}x{tokens} kvh{kvh} d{hd}",
+                             nbytes, copy_bw)
         del pools
+
+
+def _q8_unstaged_row(mx, rows, staged: dict, calls, shape: str, nbytes: int,
+                     copy_bw: float) -> None:
+    """MLX CUDA's q8 attention runs the staged kernels (q8s) by default; the same calls on
+    the unstaged tensor-core kernel (PAGEDKV_ATTN_Q8_STAGE=0, read when a configuration's
+    launch plan is built), and the staged row's ``stage_speedup`` (unstaged time / staged)."""
+    import os
+
+    from pagedkv.bench.gpu import _row
+    from pagedkv.kernels.mlx import cuda
+    before = os.environ.get("PAGEDKV_ATTN_Q8_STAGE")
+    os.environ["PAGEDKV_ATTN_Q8_STAGE"] = "0"
+    cuda._attention_plan.cache_clear()
+    try:
+        t = _time(mx, calls, 5)
+    finally:
+        if before is None:
+            del os.environ["PAGEDKV_ATTN_Q8_STAGE"]
+        else:
+            os.environ["PAGEDKV_ATTN_Q8_STAGE"] = before
+        cuda._attention_plan.cache_clear()
+    _row(rows, "paged_attention q8 unstaged", shape, t, nbytes, copy_bw)
+    staged["stage_speedup"] = round(t * 1e6 / staged["us"], 3)
 
 
 def bench_copy_blocks(mx, K, rows, copy_bw, n_blocks, block_bytes):
