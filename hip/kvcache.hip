@@ -1327,8 +1327,9 @@ PKV_DEV void q8_stage_units(uint32_t dst, const uint8_t* __restrict__ pool, cons
 // uint8 view at an odd byte offset reaches the kernel as it is); the ctypes launcher can,
 // and runs the unstaged kernel there instead. Slow, the same bytes; not inlined (one copy
 // of this cold code, not one per staging site in a kernel whose size already costs fetches).
-__device__ static __noinline__ void q8_stage_bytes(uint8_t* buf, const uint8_t* __restrict__ pool, const int64_t* rows,
-                            int row_bytes, int c, int n_tok) {
+__device__ static __noinline__ void q8_stage_bytes(uint8_t* buf, const uint8_t* __restrict__ pool,
+                                                   const int64_t* rows, int row_bytes, int c,
+                                                   int n_tok) {
   const int last = n_tok - 1 - Q8_STAGE_TOKENS * c;
   const int64_t* chunk_rows = rows + Q8_STAGE_TOKENS * c;
   const int pitch = row_bytes / Q8_ROW_UNITS * PKV_ATTN_Q8_STAGE_PITCH_UNITS;
