@@ -388,7 +388,7 @@ def test_gpu_q8_tensor_copies_match_cp_async(device, monkeypatch, heads, kv_head
     # out. The slots past each sequence in its last block hold 0xFF bytes (NaN scales), which
     # a box copies with the chunk and the kernel must ignore; 1,301 and 17 tokens end
     # mid-chunk. block_size 8 puts a chunk across blocks: no maps, cp.async either way.
-    from pagedkv.kernels.device import Device
+    from pagedkv.kernels.device import Device, sm_version
     if not isinstance(device, Device) or device.backend != "cuda":
         pytest.skip("tensor copies: CUDA only")
     lens = [1, 17, 600, 1301]
@@ -405,7 +405,7 @@ def test_gpu_q8_tensor_copies_match_cp_async(device, monkeypatch, heads, kv_head
                                       max_seq_len=1301, kv_dtype="q8", q8_stage=True,
                                       q8_int=q8_int or None)
         used = attn._tensor_maps(args[1], args[2])[2]
-        arch = int(device.properties.arch[3:])
+        arch = sm_version(device.properties.arch)
         assert used == int(tma == "1" and arch >= 90 and block_size % 16 == 0)
         out = poisoned(device, q.shape, np.float32)
         attn.run(*args, out)

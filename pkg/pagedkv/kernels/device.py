@@ -29,7 +29,7 @@ from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.code_objects import read_object
 from pagedkv.kernels.device_array import DeviceArray
-from pagedkv.kernels.runtime import DeviceProperties, Runtime, load_runtime
+from pagedkv.kernels.runtime import TENSOR_MAP_BYTES, DeviceProperties, Runtime, load_runtime
 
 #: AMD arches with MFMA matrix cores that the .hip kernels use (hip/pagedkv_compat.h,
 #: PKV_MFMA_I8: int8 and f16 16x16 MFMAs, wavefronts of 64). Compile-checked and emulated
@@ -100,7 +100,7 @@ def stream_handle(stream: StreamLike) -> int | None:
                               f"a torch/CuPy stream, got {type(stream).__name__}")
 
 _PACKERS: dict[str, Any] = {"p": c_uint64, "i": c_int32, "q": c_int64, "f": c_float,
-                            "m": ctypes.c_uint8 * 128}
+                            "m": ctypes.c_uint8 * TENSOR_MAP_BYTES}
 
 
 class Kernel:
@@ -112,7 +112,7 @@ class Kernel:
         if bad:
             raise InvalidArgument(f"signature={signature!r}: unknown type codes {sorted(bad)}; "
                                   f"use p (pointer), i (int32), q (int64), f (float32), "
-                                  f"m (a 128-byte tensor map by value)")
+                                  f"m (a {TENSOR_MAP_BYTES}-byte tensor map by value)")
         self.device = device
         self.name = name
         self.handle = handle
@@ -158,9 +158,10 @@ class Kernel:
                 raise InvalidArgumentType(f"{self.name}: argument {i} must be an integer, "
                                           f"got {type(arg).__name__}")
             elif code == "m":
-                if not isinstance(arg, (bytes, bytearray)) or len(arg) != 128:
-                    raise InvalidArgumentType(f"{self.name}: argument {i} must be a 128-byte "
-                                              f"tensor map (Device.tensor_map_2d)")
+                if not isinstance(arg, (bytes, bytearray)) or len(arg) != TENSOR_MAP_BYTES:
+                    raise InvalidArgumentType(f"{self.name}: argument {i} must be a "
+                                              f"{TENSOR_MAP_BYTES}-byte tensor map "
+                                              f"(Device.tensor_map_2d)")
                 values.append(_PACKERS[code].from_buffer_copy(arg))
                 continue
             values.append(_PACKERS[code](arg))
@@ -319,7 +320,6 @@ class Device:
         interleave or swizzle, L2 promotion of 256 bytes. Raises :class:`DeviceError` where the
         driver refuses it (alignment: ``ptr`` and ``row_stride_bytes`` multiples of 16,
         ``box_bytes`` a multiple of 16, each box side at most 256)."""
-        from pagedkv.kernels.runtime import TENSOR_MAP_BYTES
         out = (ctypes.c_uint8 * TENSOR_MAP_BYTES)()
         dims = (c_uint64 * 2)(row_bytes, rows)
         strides = (c_uint64 * 1)(row_stride_bytes)
