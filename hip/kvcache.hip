@@ -240,16 +240,22 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
     for (int i = 0; i < 4; ++i)
       kr[i] = i < n_loads && tok < n_tok ? row[4 * i + t] : make_uint4(0u, 0u, 0u, 0u);
   };
-  uint4 cur[4], nxt[4];
-  int grp = warp;
-  if (grp < n_groups) load(cur, grp);
-  for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
-    if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
+  // PKV_ATTN_QK_PREFETCH steps' loads in flight while one step computes (a ring in
+  // registers, shifted by one each step: plain moves). A step is 8 tokens, 2 KiB at
+  // head_dim 128: at depth 1 and 16 warps an SM that is 32 KiB in flight per SM.
+  constexpr int AHEAD = PKV_ATTN_QK_PREFETCH;
+  uint4 ring[AHEAD + 1][4];
+  int ahead = warp;  // the next step to load
+#pragma unroll
+  for (int a = 0; a < AHEAD; ++a)
+    if (ahead < n_groups) load(ring[a], ahead), ahead += n_warps;
+  for (int grp = warp; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (ahead < n_groups) load(ring[AHEAD], ahead), ahead += n_warps;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       if (s / 2 < n_loads) {
-        const uint4 k = cur[s / 2];
+        const uint4 k = ring[0][s / 2];
         mma_16x8x16<KIND>(c, qa[s], s % 2 ? k.z : k.x, s % 2 ? k.w : k.y);
       }
     }
@@ -259,7 +265,9 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
       if (tok + 1 < n_tok) scores[(tok + 1) * GMAX + gid] = c[1] + c[3];
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+    for (int a = 0; a < AHEAD; ++a)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ring[a][i] = ring[a + 1][i];
   }
 }
 

@@ -5,6 +5,7 @@ values, load it in place of the installed object (``Device.load_module``), time 
 Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
+    python hip/tune.py attn --set PKV_ATTN_QK_PREFETCH=1,2,3 --cases 32x4096,8x32768,32x1024
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
         --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
