@@ -223,19 +223,6 @@ PKV_DEV void q_fragments(const float* __restrict__ q_group, int group, int head_
   }
 }
 
-// Tokens [t0, t0 + n) of a partition (those below n_tok) into the L2, the warp's lanes on
-// the rows' 64-byte pieces (a row of f16 / bf16 KV is 128 or 256 bytes): the f16 / bf16
-// tensor-core passes ask PKV_ATTN_L2_PREFETCH steps past their register ring's, and pass 2's
-// first steps before the softmax, so DRAM has work while the CTA computes scores or syncs.
-PKV_DEV void l2_prefetch_rows(const uint8_t* __restrict__ pool, const int64_t* rows,
-                              int64_t row_bytes, int t0, int n, int n_tok) {
-  const int pieces = (int)(row_bytes / 64);
-  for (int i = threadIdx.x % 32; i < n * pieces; i += 32) {
-    const int tok = t0 + i / pieces;
-    if (tok < n_tok) pkv_prefetch_l2(pool + rows[tok] * row_bytes + 64 * (i % pieces));
-  }
-}
-
 template <int KIND, int GMAX>
 PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int head_dim,
                            float scale, const uint8_t* __restrict__ k_pool,
@@ -253,28 +240,16 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
     for (int i = 0; i < 4; ++i)
       kr[i] = i < n_loads && tok < n_tok ? row[4 * i + t] : make_uint4(0u, 0u, 0u, 0u);
   };
-  // PKV_ATTN_QK_PREFETCH steps' loads in flight while one step computes (a ring in
-  // registers, shifted by one each step: plain moves). A step is 8 tokens, 2 KiB at
-  // head_dim 128: at depth 1 and 16 warps an SM that is 32 KiB in flight per SM.
-  constexpr int AHEAD = PKV_ATTN_QK_PREFETCH, L2_AHEAD = PKV_ATTN_L2_PREFETCH;
-  uint4 ring[AHEAD + 1][4];
-  int ahead = warp;  // the next step to load
-#pragma unroll
-  for (int a = 0; a < AHEAD; ++a)
-    if (ahead < n_groups) load(ring[a], ahead), ahead += n_warps;
-#pragma unroll
-  for (int a = 1; a < L2_AHEAD; ++a)  // the loop's first steps ask for step AHEAD + L2_AHEAD on
-    l2_prefetch_rows(k_pool, rows, row_bytes, 8 * (warp + (AHEAD + a) * n_warps), 8, n_tok);
-  for (int grp = warp; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
-    if (ahead < n_groups) load(ring[AHEAD], ahead), ahead += n_warps;
-    if constexpr (L2_AHEAD > 0)
-      l2_prefetch_rows(k_pool, rows, row_bytes, 8 * (grp + (AHEAD + L2_AHEAD) * n_warps), 8,
-                       n_tok);
+  uint4 cur[4], nxt[4];
+  int grp = warp;
+  if (grp < n_groups) load(cur, grp);
+  for (; grp < n_groups; grp += n_warps) {  // uniform per warp: the mma sees a whole warp
+    if (grp + n_warps < n_groups) load(nxt, grp + n_warps);
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       if (s / 2 < n_loads) {
-        const uint4 k = ring[0][s / 2];
+        const uint4 k = cur[s / 2];
         mma_16x8x16<KIND>(c, qa[s], s % 2 ? k.z : k.x, s % 2 ? k.w : k.y);
       }
     }
@@ -284,9 +259,7 @@ PKV_DEV void qk_scores_mma(const float* __restrict__ q_group, int group, int hea
       if (tok + 1 < n_tok) scores[(tok + 1) * GMAX + gid] = c[1] + c[3];
     }
 #pragma unroll
-    for (int a = 0; a < AHEAD; ++a)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) ring[a][i] = ring[a + 1][i];
+    for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
   }
 }
 
@@ -698,9 +671,6 @@ PKV_DEV void pv_mma(const float* scores, const uint8_t* __restrict__ v_pool,
   if (st < n_steps) load(cur, st);
   for (; st < n_steps; st += n_warps) {  // uniform per warp: the mma sees a whole warp
     if (st + n_warps < n_steps) load(nxt, st + n_warps);
-    if constexpr (PKV_ATTN_L2_PREFETCH > 0)  // before the softmax: steps 0 .. L2 (the caller)
-      l2_prefetch_rows(v_pool, rows, row_bytes, 16 * (st + (1 + PKV_ATTN_L2_PREFETCH) * n_warps),
-                       16, n_tok);
     const uint32_t b0 = p_pair(16 * st + 4 * t), b1 = p_pair(16 * st + 4 * t + 2);
 #pragma unroll
     for (int l = 0; l < 2; ++l) {
@@ -1865,10 +1835,6 @@ PKV_DEV void paged_attention_partition(
   } else if constexpr (MMA) {
     qk_scores_mma<KIND, GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,
                         head_dim, scale, k_pool, rows, row_bytes, n_tok, scores);
-    // pv_mma's first steps load from the L2 after the softmax (its loop asks for the rest)
-#pragma unroll
-    for (int a = 0; a <= PKV_ATTN_L2_PREFETCH && PKV_ATTN_L2_PREFETCH > 0; ++a)
-      l2_prefetch_rows(v_pool, rows, row_bytes, 16 * (warp + a * n_warps), 16, n_tok);
 #if PKV_ATTN_MFMA
   } else if constexpr (MFMA && KIND == KV_Q8) {
     qk_scores_mfma_q8<GMAX>(q + ((int64_t)seq * num_heads + kvh * group) * head_dim, group,

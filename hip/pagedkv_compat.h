@@ -108,16 +108,6 @@ PKV_DEV float pkv_signed_byte_to_float(uint32_t q) {
   return __uint_as_float(0x4B000000u | ((q & 0xFFu) ^ 0x80u)) - 8388736.0f;
 }
 
-/* Ask the L2 for the cache line at p without waiting for it or holding a register (NVIDIA;
- * nothing elsewhere): more bytes in flight per SM than a kernel's register ring carries. */
-PKV_DEV void pkv_prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#else
-  (void)p;
-#endif
-}
-
 /* Programmatic Dependent Launch (NVIDIA sm_90+). A kernel that the host may launch with
  * CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (pagedkv.kernels.device: those
  * looked up with dependent_launch=True) can start while the previous kernel of the stream

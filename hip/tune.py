@@ -5,10 +5,9 @@ values, load it in place of the installed object (``Device.load_module``), time 
 Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
 
     python hip/tune.py attn --set PKV_ATTN_PARTITION_F16=512,1024 --set PKV_ATTN_MIN_BLOCKS_F16=3,4,5
-    python hip/tune.py attn --set PKV_ATTN_QK_PREFETCH=1,2,3 --cases 32x4096,8x32768,32x1024
     python hip/tune.py attn --kv q8s --set PKV_ATTN_Q8_STAGES=2,3 --set PKV_ATTN_PARTITION_Q8=256,512
     python hip/tune.py attn --kv q8s --variant PKV_ATTN_Q8_STAGES=2 \
-        --variant PKV_ATTN_PARTITION_Q8=1024 --cases 32x4096,1x32768,8x32768
+        --variant PKV_ATTN_Q8_STAGE_TMA=0 --cases 32x4096,1x32768,8x32768
     python hip/tune.py attn --kv fwht4/lloyd4,fwht4/fwht4 --set PKV_ATTN_CODE_TABLE_NIBBLES=0,1
     python hip/tune.py attn --kv fwht4/fwht4,fwht2/lloyd2 --set PKV_ATTN_CODE_TABLE_PRMT=0,1
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
@@ -17,9 +16,11 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
 Each ``--set NAME=v1,v2`` multiplies the variants, each ``--variant NAME=v,NAME2=v2`` adds
-one (for combinations a product would take past a limit: a 1,024-token q8 partition's
-static shared memory fits 3 stages, not 4); ``attn --cases`` times each
-variant on several ``SEQSxTOKENS`` contexts. The knobs are the ``#ifndef`` macros of
+one (for combinations a product cannot express); ``attn --cases`` times each variant on
+several ``SEQSxTOKENS`` contexts. A variant must launch: a 1,024-token q8 partition does not
+(sm_90: the staged kernel's 44.7 KB of static shared memory at 3 stages plus the 16 KB of
+scores pass the 48 KB a launch gets without the opt-in attribute, which the attention
+launcher does not set; H100, 2026-12-06). The knobs are the ``#ifndef`` macros of
 ``pkg/include/pagedkv/launch.h`` (their defaults are the figures in docs/performance.md). The
 launchers' values of the swept partition size and dequant shape are set to each variant's
 values. The figures of 2026-11-30 came from these sweeps on an H200.

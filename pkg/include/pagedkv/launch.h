@@ -69,18 +69,6 @@
 #ifndef PKV_ATTN_CODES_PREFETCH
 #define PKV_ATTN_CODES_PREFETCH 1
 #endif
-/* Steps of K loads each warp keeps in flight while it computes one, in the f16 / bf16
- * tensor-core pass 1 (qk_scores_mma: 8 tokens a step, a ring in registers; NVIDIA sm_80+).
- * hip/tune.py attn --set PKV_ATTN_QK_PREFETCH=1,2 sweeps it. */
-#ifndef PKV_ATTN_QK_PREFETCH
-#define PKV_ATTN_QK_PREFETCH 1
-#endif
-/* Steps past the register ring whose K / V rows the f16 / bf16 tensor-core passes ask the
- * L2 for (prefetch.global.L2, no register held; pass 2's first steps before the softmax);
- * 0 = none. hip/tune.py attn --set PKV_ATTN_L2_PREFETCH=0,1,2,4 sweeps it. */
-#ifndef PKV_ATTN_L2_PREFETCH
-#define PKV_ATTN_L2_PREFETCH 0
-#endif
 /* The _mma kernels' centroid tables: 1 = an entry per nibble (16; lookups free of bank
  * conflicts), 0 = an entry per code byte (256; ~5 lanes a bank pair on random codes). The
  * same f16 values reach the mmas either way: outputs are bit-identical. gfx11 (WMMA) always
