@@ -65,8 +65,10 @@ PKV_DEV void fwht256_lanes(float (&v)[PKV_FWHT_N / LANES], int lane) {
 // rounded values times the step, so that the GEMV's f32 epilogue uses the x it multiplied.
 #define GEMV_X_F16_RANGE 15
 
-PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* xq, float4* xs,
-                              int batch, int n_tiles, bool rotate) {
+// The step of one (group, batch row) held by a warp as gemv_prep_x_warp takes it (v
+// rotated in place first when `rotate`): 2^(e - range) with the group's largest |x| below
+// 2^e (NaN for a group that holds a NaN or an infinity), and inv_step its inverse (0 there).
+PKV_DEV float gemv_x_step(float (&v)[8], int lane, bool rotate, int range, float& inv_step) {
   if (rotate) fwht256_lanes<32>(v, lane);
   float amax = 0.0f;
 #pragma unroll
@@ -74,40 +76,30 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
   if (amax != amax) amax = INFINITY;  // the shuffles' fmaxf would drop NaN: keep it as inf
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, o));
   // step = 2^(e - range) with amax < 2^e; e >= -104 keeps step and 1/step normal floats.
-  const int range = n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE;
   int e = 0;
   frexpf(amax, &e);
   e = max(e, -104);
   const bool finite = amax <= 3.4e38f;
-  const float inv_step = finite ? ldexpf(1.0f, range - e) : 0.0f;
-  const float step = finite ? ldexpf(1.0f, e - range) : __int_as_float(0x7FC00000);
-  float sum = 0.0f;
-  uint32_t h16[8];
-  if (n_tiles == 0) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      h16[i] = pkv_float_to_half_bits(v[i] * inv_step);  // exact scaling, one rounding
-      sum += pkv_half_bits_to_float((uint16_t)h16[i]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum += v[i];
-  }
-  float half_sum = sum;  // lanes 0-15 hold the first 128 values, 16-31 the second
+  inv_step = finite ? ldexpf(1.0f, range - e) : 0.0f;
+  return finite ? ldexpf(1.0f, e - range) : __int_as_float(0x7FC00000);
+}
+
+// The sums of the group's two 128-halves over a warp whose lane L holds `sum` of its 8
+// values (lanes 0-15 the first half): every lane gets both, bit for bit the same (xor
+// butterflies add the same pairs in every lane).
+PKV_DEV void gemv_x_half_sums(float sum, int lane, float& s_lo, float& s_hi) {
+  float half_sum = sum;
   for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
   const float other_half = pkv_shfl_xor(half_sum, 16);
-  if (n_tiles == 0) {
-    const int unit = 8 * (lane / 8) + 4 * (lane % 2) + (lane / 2) % 4;
-    ((uint4*)xq)[((int64_t)g * batch + b) * 32 + unit] =
-        make_uint4(h16[0] | h16[4] << 16, h16[1] | h16[5] << 16, h16[2] | h16[6] << 16,
-                   h16[3] | h16[7] << 16);
-    if (lane == 0) {  // sums of the rounded values, times the step (a power of two)
-      const float s_lo = half_sum * step, s_hi = other_half * step;
-      xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
-    }
-    return;
-  }
-  uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
+  s_lo = lane < 16 ? half_sum : other_half;
+  s_hi = lane < 16 ? other_half : half_sum;
+}
+
+// The three int8 byte planes of the lane's 8 values (GEMV_X_RANGE bits, mma_s8.h's split),
+// two words a plane: word h holds values h, h + 2, h + 4, h + 6.
+PKV_DEV void gemv_x_planes22(const float (&v)[8], float inv_step, uint32_t (&planes)[3][2]) {
+#pragma unroll
+  for (int p = 0; p < 3; ++p) planes[p][0] = planes[p][1] = 0u;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     int p0, p1, p2;
@@ -117,18 +109,54 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
     planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
     planes[2][i % 2] |= (uint32_t)(p2 & 0xFF) << shift;
   }
+}
+
+// Stores lane `lane`'s planes of batch row b where the mma lanes read them: `group` is one
+// group's n_tiles x 32 lanes x PKV_GEMV_X_WORDS words (xq + g n_tiles 32 PKV_GEMV_X_WORDS,
+// or a warp's stage in shared memory), column 3b + plane in n-tile col / 8, B row n = col % 8.
+PKV_DEV void gemv_x_store_planes(uint32_t* group, const uint32_t (&planes)[3][2], int lane,
+                                 int b) {
   const int t = (lane / 2) % 4, m = 2 * (lane / 8) + lane % 2;
 #pragma unroll
   for (int p = 0; p < 3; ++p) {
     const int col = 3 * b + p, tile = col / 8, n = col % 8;
-    uint32_t* dst =
-        xq + (((int64_t)g * n_tiles + tile) * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m;
-    *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
+    *(uint2*)(group + (tile * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m) =
+        make_uint2(planes[p][0], planes[p][1]);
   }
-  if (lane == 0) {
-    const float s_lo = half_sum, s_hi = other_half;
-    xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+}
+
+PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* xq, float4* xs,
+                              int batch, int n_tiles, bool rotate) {
+  float inv_step;
+  const float step =
+      gemv_x_step(v, lane, rotate, n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE, inv_step);
+  float sum = 0.0f;
+  if (n_tiles == 0) {
+    uint32_t h16[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      h16[i] = pkv_float_to_half_bits(v[i] * inv_step);  // exact scaling, one rounding
+      sum += pkv_half_bits_to_float((uint16_t)h16[i]);
+    }
+    float s_lo, s_hi;
+    gemv_x_half_sums(sum, lane, s_lo, s_hi);
+    const int unit = 8 * (lane / 8) + 4 * (lane % 2) + (lane / 2) % 4;
+    ((uint4*)xq)[((int64_t)g * batch + b) * 32 + unit] =
+        make_uint4(h16[0] | h16[4] << 16, h16[1] | h16[5] << 16, h16[2] | h16[6] << 16,
+                   h16[3] | h16[7] << 16);
+    if (lane == 0)  // sums of the rounded values, times the step (a power of two)
+      xs[(int64_t)g * batch + b] =
+          make_float4(step, s_lo * step, s_hi * step, s_lo * step + s_hi * step);
+    return;
   }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum += v[i];
+  float s_lo, s_hi;
+  gemv_x_half_sums(sum, lane, s_lo, s_hi);
+  uint32_t planes[3][2];
+  gemv_x_planes22(v, inv_step, planes);
+  gemv_x_store_planes(xq + (int64_t)g * n_tiles * 32 * PKV_GEMV_X_WORDS, planes, lane, b);
+  if (lane == 0) xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
 }
 
 #endif  // PAGEDKV_GEMV_PREP_X_H

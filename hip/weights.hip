@@ -867,10 +867,97 @@ PKV_DEV void mma_group_add(float (&acc)[2][NT][2], const typename MmaWeightsOf<F
   }
 }
 
-template <int F, int NT>
-PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
-                             const float4* __restrict__ xs, float* __restrict__ y, int M,
-                             int K, int batch) {
+// Where gemv_mma takes each group's B operand from: `load(g)` issues what group g needs
+// ahead of its mmas, `get(g, xb, xsv)` gives the lane's x words of every n-tile and the
+// (step, sums) of the batch rows of its C columns 2t, 2t + 1 (zero where no batch row).
+// PreparedX reads what pkv_gemv_prep_x (or a decode-step kernel) wrote.
+template <int NT>
+struct PreparedXSource {
+  const uint32_t* __restrict__ xq;
+  const float4* __restrict__ xs;
+  int batch, lane;
+
+  __device__ __forceinline__ void load(int) {}
+  __device__ __forceinline__ void get(int g, uint4 (&xb)[NT][4], float4 (&xsv)[NT][2]) const {
+    const int gid = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const uint4* xsrc =
+          (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * PKV_GEMV_X_WORDS);
+      const bool live = 8 * i + gid < 3 * batch;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) xb[i][v] = live ? __ldg(xsrc + v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int b = (8 * i + 2 * t + e) / 3;
+        xsv[i][e] = b < batch ? __ldg(xs + (int64_t)g * batch + b) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+  }
+};
+
+// The fused-x GEMV's source (pkv_gemv_mma_x_*, batch 1-2: one n-tile): the warp prepares
+// each of its groups' x itself, from the float32 x, with pkv_gemv_prep_x's own functions,
+// through a stage of one group in shared memory (the 2 KiB pkv_gemv_prep_x would write at
+// xq[g]), so the mmas get the same words and y is bit for bit the two-launch GEMV's. Every
+// block prepares the x of its warps' groups again (1 KiB of x from L2 per group and row,
+// ~100 instructions, ~200 with the rotation): that replaces a launch and the prepared x's
+// round trip through memory, which is what pays at batch 1-2 (docs/kernels.md, "Fused x").
+struct FusedXSource {
+  static constexpr int ROWS = 2;  // batch rows one n-tile holds (3 byte planes each)
+  const float* __restrict__ x;
+  uint32_t* stage;  // this warp's PKV_GEMV_X_WORDS x 32 words
+  int K, batch, lane;
+  bool rotate;
+  float v[ROWS][8];  // the next group's x, loaded ahead of its mmas
+
+  __device__ __forceinline__ void load(int g) {
+#pragma unroll
+    for (int b = 0; b < ROWS; ++b) {
+      if (b >= batch) break;
+      const float4* src = (const float4*)(x + (int64_t)b * K + (int64_t)g * 256 + 8 * lane);
+      const float4 lo = __ldg(src), hi = __ldg(src + 1);
+      v[b][0] = lo.x; v[b][1] = lo.y; v[b][2] = lo.z; v[b][3] = lo.w;
+      v[b][4] = hi.x; v[b][5] = hi.y; v[b][6] = hi.z; v[b][7] = hi.w;
+    }
+  }
+  __device__ __forceinline__ void get(int, uint4 (&xb)[1][4], float4 (&xsv)[1][2]) {
+    float4 sums[ROWS];
+    __syncwarp();  // every lane has read the previous group's stage
+#pragma unroll
+    for (int b = 0; b < ROWS; ++b) {
+      sums[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (b >= batch) continue;
+      float inv_step;
+      const float step = gemv_x_step(v[b], lane, rotate, GEMV_X_RANGE, inv_step);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += v[b][i];
+      float s_lo, s_hi;
+      gemv_x_half_sums(sum, lane, s_lo, s_hi);
+      uint32_t planes[3][2];
+      gemv_x_planes22(v[b], inv_step, planes);
+      gemv_x_store_planes(stage, planes, lane, b);
+      sums[b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+    }
+    __syncwarp();
+    const int gid = lane / 4, t = lane % 4;
+    const uint4* src = (const uint4*)(stage + lane * PKV_GEMV_X_WORDS);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) xb[0][w] = gid < 3 * batch ? src[w] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // columns 2t + e: batch row (2t + e) / 3 of 0, 1, 2
+      const int b = (2 * t + e) / 3;
+      xsv[0][e] = b == 0 ? sums[0] : b == 1 ? sums[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+};
+
+template <int F, int NT, typename XSource>
+PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, XSource xsrc, float* __restrict__ y,
+                      int M, int K, int batch) {
   constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
@@ -888,27 +975,15 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
   typename MmaWeightsOf<F>::type cur, nxt;
   // weights only: issued before the PDL wait (no kernel before this one writes them)
   if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
-  pkv_grid_dependency_wait();  // PDL: the prepared x and y's readers are done from here
+  pkv_grid_dependency_wait();  // PDL: x (prepared or not) and y's readers are done from here
   pkv_launch_dependents();
+  if (g_begin < g_end) xsrc.load(g_begin);
   for (int g = g_begin; g < g_end; ++g) {
     if (g + 1 < g_end) nxt.load(tile + (int64_t)(g + 1) * TILE_BYTES, lane);
     uint4 xb[NT][4];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const uint4* xsrc =
-          (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * PKV_GEMV_X_WORDS);
-      const bool live = 8 * i + gid < 3 * batch;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
-    }
     float4 xsv[NT][2];
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = (8 * i + 2 * t + e) / 3;
-        xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+    xsrc.get(g, xb, xsv);
+    if (g + 1 < g_end) xsrc.load(g + 1);
     mma_group_add<F, NT, NT>(acc, cur, 0, t, [&](int i, int v) { return xb[i][v]; },
                              [&](int i, int e) { return xsv[i][e]; });
     cur = nxt;
@@ -934,12 +1009,25 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
       pkv_gemv_mma_##NAME##_n##NT(                                                          \
       const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
       int batch) {                                                                          \
-    gemv_mma<F, NT>(w, xq, xs, y, M, K, batch);                                             \
+    gemv_mma<F, NT>(w, PreparedXSource<NT>{xq, xs, batch, (int)(threadIdx.x % 32)}, y, M, K,\
+                    batch);                                                                 \
+  }
+// The fused-x kernel of batch 1-2 (FusedXSource): x float32 [batch, K], rotated first
+// where `rotate` (the MQ formats), as pkv_gemv_prep_x would.
+#define PKV_GEMV_MMA_X_KERNEL(NAME, F)                                                      \
+  PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
+      pkv_gemv_mma_x_##NAME##_n1(const uint8_t* w, const float* x, float* y, int M, int K,  \
+                                 int batch, int rotate) {                                   \
+    __shared__ uint4 stage[PKV_GEMV_MMA_MAX_WARPS][32 * PKV_GEMV_X_WORDS / 4];              \
+    gemv_mma<F, 1>(w, FusedXSource{x, (uint32_t*)stage[threadIdx.x / 32], K, batch,         \
+                                   (int)(threadIdx.x % 32), rotate != 0},                   \
+                   y, M, K, batch);                                                         \
   }
 #define PKV_GEMV_MMA_KERNELS(NAME, F) \
   PKV_GEMV_MMA_KERNEL(NAME, F, 1)     \
   PKV_GEMV_MMA_KERNEL(NAME, F, 2)     \
-  PKV_GEMV_MMA_KERNEL(NAME, F, 3)
+  PKV_GEMV_MMA_KERNEL(NAME, F, 3)     \
+  PKV_GEMV_MMA_X_KERNEL(NAME, F)
 
 PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256)
 PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)

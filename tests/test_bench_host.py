@@ -11,7 +11,7 @@ import pytest
 from kernels_support import load_tree_script
 from pagedkv._build_config import HIP_TARGETS
 from pagedkv.bench import gpu
-from pagedkv.kernels import Device, Stream
+from pagedkv.kernels import Device, Stream, weights
 from pagedkv.kernels.code_objects import read_object
 
 pytestmark = pytest.mark.skipif(not HIP_TARGETS, reason="built without hipcc: no AMD objects "
@@ -203,6 +203,13 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     assert nvidia_only == {f"gemv {fmt} b{b} (tensor cores)" for fmt in ("hfq6g256", "q8f16")
                            for b in (1, 32)}
     assert tracked - nvidia_only <= emitted, tracked - nvidia_only - emitted
+    # the other x path's rows (NVIDIA only): labelled by what the default is not
+    labels = {fmt: "prep + gemv" if weights.fused_x_by_default(kernel, rotated, 1) else "fused x"
+              for fmt, kernel, rotated in (("hfq4g256", "hfq4g256", False),
+                                           ("mq4g256v2", "mq4g256v2", True))}
+    assert {n.split(" | ")[0] for n in asv.X_PATH_ROWS} == {
+        f"gemv {fmt} b1 ({label})" for fmt, label in labels.items()}
+    assert labels == {"hfq4g256": "prep + gemv", "mq4g256v2": "fused x"}
     got = asv.by_row(rows, "of_copy")
     assert (rows[3]["kernel"], rows[3]["shape"]) == ("gemv hfq4g256 b1", "32x512")
     assert got["gemv hfq4g256 b1 | 32x512"] == rows[3]["of_copy"]

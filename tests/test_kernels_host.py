@@ -222,6 +222,7 @@ def test_gemv_takes_the_tensor_core_kernel_on_sm80_and_newer(monkeypatch, fmt, b
                                                              rotate):
     monkeypatch.setenv("PAGEDKV_GEMV_PIPE", "0")  # batch 9-32: the staged kernel (A/B switch)
     monkeypatch.setenv("PAGEDKV_GEMV_F16X", "0")  # ... the exact int8 one
+    monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "0")  # batch 1: prep + GEMV (fused: its own test)
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
     g = weights.Gemv(dev, fmt, M, K, batch)
@@ -618,6 +619,69 @@ def test_gemv_prepared_x_serves_several_weights_and_is_required():
         with pytest.raises(InvalidArgument, match=message):
             g.run_prepared(w, y)
     assert _launches(dev) == []
+
+
+@pytest.mark.parametrize(("fmt", "batch", "kernel", "rotate"), [
+    ("hfq4g256", 1, "pkv_gemv_mma_x_hfq4g256_n1", 0),
+    ("mq4g256", 2, "pkv_gemv_mma_x_hfq4g256_n1", 1),  # HFQ4 bytes, x rotated in the warps
+    ("mq4g256v2", 1, "pkv_gemv_mma_x_mq4g256v2_n1", 1),
+    ("hfq6g256", 2, "pkv_gemv_mma_x_hfq6g256_n1", 0),
+    ("q8f16", 1, "pkv_gemv_mma_x_q8f16_n1", 0)])
+def test_gemv_fused_x_is_one_launch_on_the_gemv_grid(monkeypatch, fmt, batch, kernel, rotate):
+    monkeypatch.delenv("PAGEDKV_GEMV_FUSED_X", raising=False)
+    monkeypatch.delenv("PAGEDKV_GEMV_F16X", raising=False)
+    dev = FakeCudaDevice()
+    M, K = 37, 17 * 256
+    two = weights.Gemv(dev, fmt, M, K, batch, fused_x=False)
+    g = weights.Gemv(dev, fmt, M, K, batch, fused_x=True)
+    assert g.fused_x and not two.fused_x
+    assert repr(g) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 tensor cores, fused x)"
+    assert repr(two) == f"Gemv('{fmt}', M=37, K=4352, batch={batch}, int8 tensor cores)"
+    raw = np.zeros(weights.raw_nbytes(fmt, M * K), np.uint8)
+    w = g.upload(raw)
+    x, y = dev.empty((batch, K), np.float32), dev.empty((batch, M), np.float32)
+    two.run(two.upload(raw), x, y)
+    dev.calls.clear()
+    dev.launch_args.clear()
+    g.run(w, x, y)
+    # the two-launch GEMV's grid and block, x and the rotation switch in place of the scratch
+    assert _launches(dev) == [("launch", kernel, two._grid, two._block)]
+    assert dev.launch_args[0][1:] == (x, y, M, K, batch, rotate)
+    assert dev.launch_args[0][0] is w.array
+    g.run(w, x, y, x_rotated=True)
+    assert dev.launch_args[1][-1] == 0
+    # run() left no prepared x behind: run_prepared asks for prepare() again
+    with pytest.raises(InvalidArgument, match=r"no prepared x; call prepare\(x\) first"):
+        g.run_prepared(w, y)
+    g.prepare(x)
+    g.run_prepared(w, y)
+    assert [c[1] for c in _launches(dev)[2:]] == ["pkv_gemv_prep_x", kernel.replace("_x_", "_")]
+
+
+def test_gemv_fused_x_switch_env_and_refusals(monkeypatch):
+    dev = FakeCudaDevice()
+    monkeypatch.delenv("PAGEDKV_GEMV_F16X", raising=False)
+    monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "1")
+    assert weights.Gemv(dev, "hfq4g256", 16, 256, 2).fused_x
+    assert not weights.Gemv(dev, "hfq4g256", 16, 256, 3).fused_x  # two n-tiles: none fused
+    assert not weights.Gemv(dev, "hfq4g256", 16, 256, 1, f16_x=True).fused_x
+    assert not weights.Gemv(dev, "hfq4g256", 16, 256, 1, fused_x=False).fused_x
+    monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "0")
+    assert not weights.Gemv(dev, "hfq4g256", 16, 256, 1).fused_x
+    monkeypatch.delenv("PAGEDKV_GEMV_FUSED_X")
+    # unset: batch 1 of HFQ4G256 / HFQ6G256 (x not rotated), measured faster in one launch
+    assert [weights.Gemv(dev, fmt, 16, 256, batch).fused_x for fmt, batch in [
+        ("hfq4g256", 1), ("hfq6g256", 1), ("hfq4g256", 2), ("q8f16", 1), ("mq4g256", 1),
+        ("mq4g256v2", 1)]] == [True, True, False, False, False, False]
+    dev.calls.clear()
+    for kw, where in [({"batch": 3}, r"this is batch=3 of hfq4g256 on sm_90"),
+                      ({"batch": 1, "f16_x": True}, r"on sm_90, f16_x")]:
+        with pytest.raises(InvalidArgument, match=r"fused_x=True: the fused-x GEMV runs the "
+                                                  r"int8 tensor-core kernel at batch 1-2 .*" + where):
+            weights.Gemv(dev, "hfq4g256", 16, 256, fused_x=True, **kw)
+    with pytest.raises(InvalidArgument, match=r"fused_x=True: .* on sm_75"):
+        weights.Gemv(FakeCudaDevice("sm_75"), "hfq4g256", 16, 256, fused_x=True)
+    assert dev.calls == []
 
 
 def _expected_pack(raw, M, groups, B=136):

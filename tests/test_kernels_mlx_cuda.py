@@ -13,6 +13,7 @@ import re
 import shutil
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -36,6 +37,10 @@ def _weights_calls(run):
         c = resolve(fmt)
         cuda.gemv(mx, mx.zeros((c.nbytes(64 * 512),), dtype=mx.uint8), c, 64, 512,
                   mx.zeros((batch, 512)), run, tensor_cores=tc)
+    with mock.patch.dict(os.environ, {"PAGEDKV_GEMV_FUSED_X": "1"}):  # the fused-x kernel
+        c = resolve("mq4g256v2")
+        cuda.gemv(mx, mx.zeros((c.nbytes(64 * 512),), dtype=mx.uint8), c, 64, 512,
+                  mx.zeros((2, 512)), run, tensor_cores=True)
 
 
 def _kvcache_calls(run):
@@ -305,6 +310,29 @@ def test_gemv_of_at_most_8_rows_launches_on_x_itself(monkeypatch):
     launches.clear()
     assert K.gemv(w, mx.zeros((11, 512))).shape == (11, 64)
     assert [launch.inputs[0].shape for launch in launches[::2]] == [(8, 512), (3, 512)]
+
+
+@pytest.mark.parametrize("fmt,rotate", [("hfq4g256", 0), ("mq4g256v2", 1)])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_gemv_fused_x_is_one_launch_on_the_mma_grid(monkeypatch, fmt, rotate, batch):
+    c = resolve(fmt)
+    w, x = mx.zeros((c.nbytes(64 * 512),), dtype=mx.uint8), mx.zeros((batch, 512))
+    monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "0")
+    two = record_launches(lambda run: cuda.gemv(mx, w, c, 64, 512, x, run, tensor_cores=True))
+    monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "1")
+    one = record_launches(lambda run: cuda.gemv(mx, w, c, 64, 512, x, run, tensor_cores=True))
+    if batch > 2:  # two n-tiles: no fused kernel, the prep and the mma as before
+        assert [launch.kernel.name for launch in one] == [launch.kernel.name for launch in two]
+        return
+    (fused,) = one
+    prep, mma = two
+    assert prep.kernel.name == "pagedkv_gemv_prep_x"
+    assert fused.kernel.name == f"pagedkv_gemv_mma_x_{fmt}_n1"
+    assert fused.kernel.source.startswith(f"pkv_gemv_mma_x_{fmt}_n1<>(w, x, y, ")
+    assert fused.inputs[0] is w and fused.inputs[1] is x
+    assert np.array(fused.inputs[2]).tolist() == [64, 512, batch, rotate]
+    assert (fused.grid, fused.threadgroup) == (mma.grid, mma.threadgroup)
+    assert (fused.output_shapes, fused.output_dtypes) == (mma.output_shapes, mma.output_dtypes)
 
 
 def _record_launches(launches):

@@ -85,6 +85,23 @@ def test_gemv(fmt, batch):
     assert (err <= tol).all(), f"{w!r}, seed {seed}: max error {err.max()}"
 
 
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gemv_fused_x_is_the_two_launch_gemv_bit_for_bit(monkeypatch, gpu_backend, fmt, batch):
+    if gpu_backend != "cuda":
+        pytest.skip("the fused-x kernel is MLX CUDA's (hip/ on NVIDIA)")
+    rng, seed = fresh_rng()
+    M, K_ = 333, 4352  # 17 groups over 8 warps: some take 3, the next group loaded ahead
+    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
+    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    outs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", fused)
+        outs[fused] = np.array(K.gemv(w, mx.array(x)))
+    assert bits_equal(outs["1"], outs["0"]), f"seed {seed}"
+    assert (np.abs(outs["1"] - expect) <= tol).all(), f"seed {seed}"
+
+
 def test_kv_q8_write_and_read():
     rng, seed = fresh_rng()
     v = (rng.standard_normal((37, 4, 128)) * 3).astype(np.float32)

@@ -327,6 +327,49 @@ def test_gpu_staged_gemv_is_the_same_bits_at_any_warps_a_block(device, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256", "mq4g256v2", "hfq6g256", "q8f16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("M,K", [(37, 1280), (300, 4352)])
+def test_gpu_fused_x_gemv_is_the_two_launch_gemv_bit_for_bit(device, fmt, batch, M, K):
+    # The fused-x kernel prepares each group's x in the warp that multiplies it, with the
+    # prep kernel's own functions, and hands the mmas the words the prep would have written:
+    # y must be the prep + GEMV pair's bit for bit. K = 1280: 5 groups over 8 warps (some
+    # warps have none); 4352: 17, up to 3 a warp (the next group's x loaded ahead). Rows of
+    # 1e30, 1e-30, zeros and a NaN follow every scale (batch 2: the NaN row is row 1 alone).
+    try:
+        fused = weights.Gemv(device, fmt, M, K, batch, fused_x=True)
+    except errors.InvalidArgument:
+        pytest.skip(f"no fused-x kernel for {fmt} on {device.properties.arch}")
+    two = weights.Gemv(device, fmt, M, K, batch, fused_x=False)
+    _, raw = _weights(fmt, (M, K))
+    w = fused.upload(raw)
+    for case in ("normal", "extremes", "nan"):
+        x = RNG.standard_normal((batch, K)).astype(np.float32)
+        if case == "extremes":
+            x[0, : K // 2] *= np.float32(1e30)
+            x[0, K // 2:] *= np.float32(1e-30)
+            x[-1, 256:512] = 0.0
+        elif case == "nan":
+            x[-1, K - 3] = np.nan
+        xd = device.array(x)
+        for x_rotated in (False, True):
+            got, want = (poisoned(device, (batch, M), np.float32) for _ in range(2))
+            fused.run(w, xd, got, x_rotated=x_rotated)
+            two.run(w, xd, want, x_rotated=x_rotated)
+            np.testing.assert_array_equal(got.to_numpy().view(np.uint32),
+                                          want.to_numpy().view(np.uint32))
+        if case == "normal":  # and within the int8 kernels' bound of the reference
+            ref = numpy_kernels.gemv(raw, fmt, M, K, x,
+                                     rotated=weights.WEIGHT_FORMATS[fmt].rotated)
+            got = poisoned(device, (batch, M), np.float32)
+            fused.run(w, xd, got)
+            bound = _gemv_bound(raw, fmt, M, K, x)
+            assert (np.abs(got.to_numpy() - ref) <= 2e-5 * bound + 1e-37).all()
+        if case == "nan" and batch == 2:
+            assert np.isfinite(got.to_numpy()[0]).all()
+
+
+@pytest.mark.gpu
 def test_gpu_gemv_rejects_bad_shapes(device):
     with pytest.raises(errors.InvalidArgument, match="K=1000"):
         weights.Gemv(device, "hfq4g256", 8, 1000)

@@ -186,6 +186,28 @@ class GpuKVModeVsF16:
         return cache[row]
 
 
+#: The batch-1 GEMV's other x path (one launch with x prepared in the GEMV, or the prep and
+#: GEMV pair), against the default of the same run (weights.fused_x_by_default).
+X_PATH_ROWS = ([f"gemv hfq4g256 b1 (prep + gemv) | {m}x{k}" for m, k in GEMV_SHAPES]
+               + [f"gemv mq4g256v2 b1 (fused x) | {m}x{k}" for m, k in GEMV_SHAPES])
+
+
+class GpuGemvXPath:
+    """``vs_default``: the default batch-1 GEMV's time over the other x path's (> 1 would
+    say the default is the slower one)."""
+
+    params = X_PATH_ROWS
+    param_names = ["row"]  # noqa: RUF012
+    timeout = 900
+    unit = "x (default time / this path's)"
+
+    def setup_cache(self):
+        return by_row(_run_bench(False), "vs_default")
+
+    def track_vs_default(self, cache, row):
+        return cache[row]
+
+
 #: ``<row> | <field>`` of the launch-choice rows (pagedkv.bench.gpu.LAUNCH_CASES).
 LAUNCH_ROWS = ([f"paged_attention {kv} launch | {seqs}x{tokens} kvh8 d128 | vs_most"
                 for seqs, tokens in ((1, 1025), (1, 32769), (32, 1025))

@@ -313,6 +313,8 @@ def bench_gemv(device, stream, rows, copy_bw, torch, shapes, batches):
                     if tg is not None:
                         base.update({"tinygemm_us": tg * 1e6, "speedup_vs_tinygemm": tg / t})
                 _row(rows, f"gemv {fmt} b{batch}", f"{M}x{K}", t, nbytes, copy_bw, base)
+                other_x_path_row(device, stream, rows, copy_bw, g, dev_w, x, calls, t, nbytes,
+                                 **kw)
                 # The GEMV kernel alone, on an x prepared once (several weights share it)
                 g.prepare(x, stream=stream)
                 t = _time_graph(device, stream,
@@ -344,10 +346,32 @@ def bench_wide_tensor_cores(device, stream, rows, copy_bw, fmt, raw, M, K, batch
                    and r["shape"] == f"{M}x{K}"), None)
         if cc is not None:
             base = {"vs_cuda_cores": cc["us"] * 1e-6 / t}
-        _row(rows, f"gemv {fmt} b{batch} (tensor cores)", f"{M}x{K}", t,
-             raw.nbytes + 4 * batch * (K + M), copy_bw, base)
+        nbytes = raw.nbytes + 4 * batch * (K + M)
+        _row(rows, f"gemv {fmt} b{batch} (tensor cores)", f"{M}x{K}", t, nbytes, copy_bw, base)
+        other_x_path_row(device, stream, rows, copy_bw, g, dev_w, x, calls, t, nbytes,
+                         wide_mma=True)
     for d in dev_w:
         d.free()
+
+
+def other_x_path_row(device, stream, rows, copy_bw, g, dev_w, x, calls, t, nbytes, **kw):
+    """Where a batch 1-2 tensor-core GEMV can run either way, the row of the way ``g`` does
+    not take: ``gemv <fmt> b<B> (fused x)`` (one launch, x prepared in the GEMV) or ``(prep
+    + gemv)`` (two launches), with ``vs_default`` = the default row's time ``t`` over this
+    one (> 1: faster than the default; weights.fused_x_by_default)."""
+    if not g.tensor_cores or g.batch > 2:
+        return
+    try:
+        other = weights.Gemv(device, g.fmt.name, g.M, g.K, g.batch, fused_x=not g.fused_x,
+                             **kw)
+    except InvalidArgument:  # no fused-x kernel for this launch
+        return
+    y = device.empty((g.batch, g.M), np.float32)
+    t_other = _time_graph(device, stream, partial(_rotating, other.run, dev_w, (x, y), calls),
+                          calls)
+    label = "fused x" if other.fused_x else "prep + gemv"
+    _row(rows, f"gemv {g.fmt.name} b{g.batch} ({label})", f"{g.M}x{g.K}", t_other, nbytes,
+         copy_bw, {"vs_default": t / t_other})
 
 
 def bench_dequant(device, stream, rows, copy_bw, shape):

@@ -70,6 +70,16 @@ GEMV_F16_MAX_SPLITS = 8
 #: The f16 GEMV's bound on |y - W x| relative to sum |w||x| (the f16 rounding of x, 2^-11,
 #: and the f32 sums' error below 2^-15); the int8 kernels' is 2e-5.
 GEMV_F16_ERROR = 5.5e-4
+#: The fused-x kernels (pkv_gemv_mma_x_*_n1, NVIDIA sm_80+, batch 1-2, every tensor-core
+#: format; docs/kernels.md, "Fused x"): :meth:`Gemv.run` in one launch, each warp preparing
+#: its groups' x itself, bit for bit the prep + GEMV pair. ``Gemv(fused_x=...)`` or
+#: ``PAGEDKV_GEMV_FUSED_X`` choose; unset, :func:`fused_x_by_default`: batch 1 of the
+#: kernels in :data:`GEMV_FUSED_X_KERNELS` with x not rotated, where an H100 measured the
+#: one launch faster (HFQ4G256 0.84-0.94x, HFQ6G256 0.80-0.93x the two launches' time;
+#: Q8F16 0.97-1.02x, the MQ formats, whose every block rotates x again, 1.00-1.31x, and
+#: batch 2 up to 1.2x for HFQ4 and 2x for MQ4 V2: two launches there).
+FUSED_X_ENV = "PAGEDKV_GEMV_FUSED_X"
+GEMV_FUSED_X_KERNELS = ("hfq4g256", "hfq6g256")
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
 _PIPE_TILES = (6, 9, 12)
@@ -280,7 +290,7 @@ class Gemv:
     def __init__(self, device: Device, fmt: str | int, M: int, K: int, batch: int = 1, *,
                  warps: int | None = None, pipe: bool | None = None,
                  splits: int | None = None, f16_x: bool | None = None,
-                 wide_mma: bool | None = None) -> None:
+                 wide_mma: bool | None = None, fused_x: bool | None = None) -> None:
         """``warps``: warps per block of the tensor-core kernel (wavefronts of 64 on AMD;
         1-8; ``None``: chosen from M, the fastest measured on the H200; the batch 9-32
         kernels on NVIDIA: 8, HFQ6G256 / Q8F16's staged one 4). Ignored by the f32 kernel.
@@ -307,7 +317,13 @@ class Gemv:
         int8 tensor / matrix cores (docs/kernels.md, "HFQ6 and Q8F16 on tensor cores";
         refused elsewhere), ``False`` on the f32 CUDA-core kernel (batch 1-8), ``None``
         reads ``PAGEDKV_GEMV_MMA_HFQ6_Q8F16`` (unset: on the tensor cores where they
-        exist)."""
+        exist).
+
+        ``fused_x`` (NVIDIA sm_80+, the int8 tensor-core kernels at batch 1-2): ``True`` makes
+        :meth:`run` one launch that prepares x inside the GEMV (the same bits as the prep and
+        GEMV launches; :meth:`prepare` / :meth:`run_prepared` are unchanged), ``False`` two
+        launches; ``None`` reads ``PAGEDKV_GEMV_FUSED_X`` (unset:
+        :func:`fused_x_by_default`) where the kernel exists."""
         self.fmt = f = _format(fmt)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
@@ -318,7 +334,8 @@ class Gemv:
                                   f"device; split larger batches into calls of {most} rows")
         if warps is not None and not 1 <= warps <= 8:
             raise InvalidArgument(f"warps={warps}: expected 1..8 (GEMV_MMA_MAX_WARPS)")
-        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K, wide_mma)
+        choice = _choose_kernel(device, f, batch, warps, pipe, splits, f16_x, K, wide_mma,
+                                fused_x)
         if batch > GEMV_MAX_BATCH and not choice.tensor_cores:  # Q8F16, K not whole groups
             raise InvalidArgument(f"batch={batch}: {f.name} with K={K} runs the CUDA-core "
                                   f"kernel (the tensor-core one takes K a multiple of 256), "
@@ -329,6 +346,7 @@ class Gemv:
         self.tensor_cores = tensor_cores
         self.pipe = use_pipe
         self.f16_x = use_f16
+        self.fused_x = choice.fused
         self.packed = False  # whether run() reads pack()'s layout instead of the raw rows
         # The x run_prepared reads (the f32 kernel), or the one last quantized into the
         # scratch (tensor cores); None before the first prepare().
@@ -405,6 +423,9 @@ class Gemv:
                 # warps of 32 lanes on NVIDIA, wavefronts of 64 (MFMA) or 32 (WMMA) on AMD
                 self._block = (device.properties.warp_size
                                * (warps or _mma_warps(row_tiles, groups)),)
+                if choice.fused:  # run(): the same grid, x prepared by each warp
+                    self._fused = device.kernel(SOURCE, f"pkv_gemv_mma_x_{f.kernel}_n1",
+                                                "pppiiii", dependent_launch=True)
         else:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
@@ -438,6 +459,8 @@ class Gemv:
             kernel = f", f16 x, {cores} cores"
         elif self.tensor_cores and len(self._grid) == 2:  # the batch 9-32 kernels on NVIDIA
             kernel += ", pipelined" if self.pipe else ", staged"
+        elif self.fused_x:
+            kernel += ", fused x"
         return f"Gemv({self.fmt.name!r}, M={self.M}, K={self.K}, batch={self.batch}{kernel})"
 
     @property
@@ -557,9 +580,16 @@ class Gemv:
     def run(self, w: GemvWeights | DeviceArray, x: DeviceArray, y: DeviceArray,
             *, stream: Stream | None = None, x_rotated: bool = False) -> None:
         """``y = W·x``: :meth:`prepare` then :meth:`run_prepared`, every argument checked
-        before anything is launched."""
-        self._check_wy(w, y)
+        before anything is launched; with :attr:`fused_x` one launch that prepares x in the
+        GEMV (the same bits), after which :meth:`run_prepared` needs a :meth:`prepare` again
+        (the scratch holds no x of this call)."""
+        arr = self._check_wy(w, y)
         self._check_x(x)
+        if self.fused_x:
+            self._fused(self._grid, self._block, arr, x, y, self.M, self.K, self.batch,
+                        int(self.fmt.rotated and not x_rotated), stream=stream)
+            self._x = None
+            return
         self.prepare(x, stream=stream, x_rotated=x_rotated)
         self.run_prepared(w, y, stream=stream)
 
@@ -653,6 +683,15 @@ def gemv_f16_shared_bytes(n_tiles: int) -> int:
     return 16 * GEMV_F16_X_STAGES * 8 * n_tiles * 33
 
 
+def fused_x_by_default(kernel: str, rotated: bool, batch: int) -> bool:
+    """Whether a batch 1-2 tensor-core GEMV of ``kernel`` (``hfq4g256`` for MQ4G256's bytes
+    too) prepares x in the GEMV launch unless told: ``PAGEDKV_GEMV_FUSED_X`` where set,
+    else batch 1 of :data:`GEMV_FUSED_X_KERNELS` with x not rotated (see there). The ctypes
+    :class:`Gemv` and the MLX CUDA launcher ask the same question."""
+    default = batch == 1 and not rotated and kernel in GEMV_FUSED_X_KERNELS
+    return bool(env_bool(FUSED_X_ENV, default))
+
+
 class _KernelChoice(NamedTuple):
     """Which kernel a :class:`Gemv` runs: ``Gemv.__init__``'s switches, checked."""
 
@@ -661,12 +700,13 @@ class _KernelChoice(NamedTuple):
     wide: bool  # the batch 9-32 int8 kernels on NVIDIA (staged or pipelined)
     pipe: bool  # ... the pipelined one
     most_splits: int  # the most group splits of the batch 9-32 kernel chosen
+    fused: bool = False  # run() is the fused-x kernel (batch 1-2 on NVIDIA)
 
 
 def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | None,
                    pipe: bool | None, splits: int | None,
                    f16_x: bool | None, K: int = 256,
-                   wide_mma: bool | None = None) -> _KernelChoice:
+                   wide_mma: bool | None = None, fused_x: bool | None = None) -> _KernelChoice:
     """The kernel for ``Gemv(device, f, M, K, batch, warps=, pipe=, splits=, f16_x=)`` (see
     there), or :class:`InvalidArgument` naming a switch this device or batch cannot honour."""
     # the tensor-core kernels take whole 256-groups of K (Q8F16's K may be any multiple of 32)
@@ -713,7 +753,17 @@ def _choose_kernel(device: Device, f: _WeightFormat, batch: int, warps: int | No
         kind = "f16" if use_f16 else "pipelined" if use_pipe else "staged"
         raise InvalidArgument(f"splits={splits}: expected 1..{most_splits} (the {kind} "
                               f"batch 9-32 kernel on NVIDIA only)")
-    return _KernelChoice(tensor_cores, use_f16, wide, bool(use_pipe), most_splits)
+    # the fused-x kernel: gemv_mma's one n-tile (batch 1-2) on NVIDIA
+    fusable = (tensor_cores and device.backend == "cuda" and not (use_f16 or wide)
+               and math.ceil(3 * batch / 8) == 1)
+    if fused_x and not fusable:
+        raise InvalidArgument(
+            f"fused_x=True: the fused-x GEMV runs the int8 tensor-core kernel at batch 1-2 on "
+            f"NVIDIA sm_80+ (not the f16-activation one); this is batch={batch} of {f.name} on "
+            f"{getattr(device.properties, 'arch', '?')}{', f16_x' if use_f16 else ''}")
+    fused = fusable and (fused_x if fused_x is not None
+                         else fused_x_by_default(f.kernel, f.rotated, batch))
+    return _KernelChoice(tensor_cores, use_f16, wide, bool(use_pipe), most_splits, fused)
 
 
 def _optin_shared_bytes(device: Device) -> int:

@@ -289,10 +289,12 @@ def fwht256(mx, x, run: Runner):
 
 
 @functools.lru_cache(maxsize=1024)
-def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_cores: bool):
+def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_cores: bool,
+               fused: bool = False):
     """What every GEMV call of one configuration launches, built once: a decode loop then
     spends per call only the ``Launch`` objects (sources, dtype names, grids and the
-    ``params`` arrays of a configuration do not change from call to call)."""
+    ``params`` arrays of a configuration do not change from call to call). ``fused``:
+    the fused-x kernel (batch 1-2), one launch on the float32 x."""
     import mlx.core as mx
 
     from pagedkv.kernels.launch_constants import gemv_rows_per_block
@@ -313,6 +315,15 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
             "(int)params[2], (int)params[3]);", None)
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
+        if fused:
+            mma_x = kernel_source(
+                "weights", f"gemv_mma_x_{kernel}_n1",
+                _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)),
+                _io(("y", mx.float32)),
+                f"pkv_gemv_mma_x_{kernel}_n1<>(w, x, y, (int)params[0], (int)params[1], "
+                "(int)params[2], (int)params[3]);", (32 * GEMV_MMA_MAX_WARPS,))
+            return (mma_x, _params(mx, M, K, batch, int(rotated)), (threads * row_tiles, 1, 1),
+                    threads)
         mma = kernel_source(
             "weights", f"gemv_mma_{kernel}_n{tiles}",
             _io(("w", mx.uint8), ("xq", mx.uint32), ("xs", mx.float32), ("params", mx.int64)),
@@ -336,9 +347,16 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
 def gemv(mx, w, codec, M: int, K: int, x, run: Runner, *, tensor_cores: bool):
     """``y = W x`` with hip/'s GEMV: the int8 tensor-core kernel (4-bit formats, sm_80+,
     weights packed by :func:`pagedkv.kernels.weights._pack_tiles`) or the f32 one."""
+    from pagedkv.kernels.weights import fused_x_by_default
     batch = x.shape[0]
     rotated = codec.rotated
-    plan = _gemv_plan(HIP_WEIGHT_KERNELS[codec.name], rotated, M, K, batch, tensor_cores)
+    kernel = HIP_WEIGHT_KERNELS[codec.name]
+    fused = tensor_cores and batch <= 2 and fused_x_by_default(kernel, rotated, batch)
+    plan = _gemv_plan(kernel, rotated, M, K, batch, tensor_cores, fused)
+    if fused:  # one launch: each warp prepares its groups' x (weights.Gemv's fused_x)
+        src, params, grid, threads = plan
+        return run(Launch(src, [w, x, params], [(batch, M)], [mx.float32], grid=grid,
+                          threadgroup=(threads, 1, 1)))[0]
     if tensor_cores:
         prep, prep_params, prep_shapes, prep_grid, mma, params, grid, threads = plan
         xq, xs = run(Launch(prep, [x, prep_params], prep_shapes, [mx.uint32, mx.float32],
