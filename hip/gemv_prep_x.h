@@ -84,15 +84,14 @@ PKV_DEV float gemv_x_step(float (&v)[8], int lane, bool rotate, int range, float
   return finite ? ldexpf(1.0f, e - range) : __int_as_float(0x7FC00000);
 }
 
-// The sums of the group's two 128-halves over a warp whose lane L holds `sum` of its 8
-// values (lanes 0-15 the first half): every lane gets both, bit for bit the same (xor
-// butterflies add the same pairs in every lane).
-PKV_DEV void gemv_x_half_sums(float sum, int lane, float& s_lo, float& s_hi) {
-  float half_sum = sum;
-  for (int o = 8; o > 0; o >>= 1) half_sum += pkv_shfl_xor(half_sum, o);
-  const float other_half = pkv_shfl_xor(half_sum, 16);
-  s_lo = lane < 16 ? half_sum : other_half;
-  s_hi = lane < 16 ? other_half : half_sum;
+// The sum over the lane's half of the group (lanes 0-15 the first 128 values, 16-31 the
+// second) and over the other half, from `sum`, a lane's sum of its 8 values. Every lane of
+// a half gets the same bits (xor butterflies add the same pairs in every lane), so lane L
+// holds the first half's sum in `half` (L < 16) or in `other` (L >= 16).
+PKV_DEV void gemv_x_half_sums(float sum, float& half, float& other) {
+  half = sum;
+  for (int o = 8; o > 0; o >>= 1) half += pkv_shfl_xor(half, o);
+  other = pkv_shfl_xor(half, 16);
 }
 
 // The three int8 byte planes of the lane's 8 values (GEMV_X_RANGE bits, mma_s8.h's split),
@@ -131,32 +130,37 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
   const float step =
       gemv_x_step(v, lane, rotate, n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE, inv_step);
   float sum = 0.0f;
+  uint32_t h16[8];
   if (n_tiles == 0) {
-    uint32_t h16[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       h16[i] = pkv_float_to_half_bits(v[i] * inv_step);  // exact scaling, one rounding
       sum += pkv_half_bits_to_float((uint16_t)h16[i]);
     }
-    float s_lo, s_hi;
-    gemv_x_half_sums(sum, lane, s_lo, s_hi);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += v[i];
+  }
+  float half_sum, other_half;  // lane 0: the first 128 values' sum, then the second's
+  gemv_x_half_sums(sum, half_sum, other_half);
+  if (n_tiles == 0) {
     const int unit = 8 * (lane / 8) + 4 * (lane % 2) + (lane / 2) % 4;
     ((uint4*)xq)[((int64_t)g * batch + b) * 32 + unit] =
         make_uint4(h16[0] | h16[4] << 16, h16[1] | h16[5] << 16, h16[2] | h16[6] << 16,
                    h16[3] | h16[7] << 16);
-    if (lane == 0)  // sums of the rounded values, times the step (a power of two)
-      xs[(int64_t)g * batch + b] =
-          make_float4(step, s_lo * step, s_hi * step, s_lo * step + s_hi * step);
+    if (lane == 0) {  // sums of the rounded values, times the step (a power of two)
+      const float s_lo = half_sum * step, s_hi = other_half * step;
+      xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+    }
     return;
   }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sum += v[i];
-  float s_lo, s_hi;
-  gemv_x_half_sums(sum, lane, s_lo, s_hi);
   uint32_t planes[3][2];
   gemv_x_planes22(v, inv_step, planes);
   gemv_x_store_planes(xq + (int64_t)g * n_tiles * 32 * PKV_GEMV_X_WORDS, planes, lane, b);
-  if (lane == 0) xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+  if (lane == 0) {
+    const float s_lo = half_sum, s_hi = other_half;
+    xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+  }
 }
 
 #endif  // PAGEDKV_GEMV_PREP_X_H

@@ -867,37 +867,6 @@ PKV_DEV void mma_group_add(float (&acc)[2][NT][2], const typename MmaWeightsOf<F
   }
 }
 
-// Where gemv_mma takes each group's B operand from: `load(g)` issues what group g needs
-// ahead of its mmas, `get(g, xb, xsv)` gives the lane's x words of every n-tile and the
-// (step, sums) of the batch rows of its C columns 2t, 2t + 1 (zero where no batch row).
-// PreparedX reads what pkv_gemv_prep_x (or a decode-step kernel) wrote.
-template <int NT>
-struct PreparedXSource {
-  const uint32_t* __restrict__ xq;
-  const float4* __restrict__ xs;
-  int batch, lane;
-
-  __device__ __forceinline__ void load(int) {}
-  __device__ __forceinline__ void get(int g, uint4 (&xb)[NT][4], float4 (&xsv)[NT][2]) const {
-    const int gid = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const uint4* xsrc =
-          (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * PKV_GEMV_X_WORDS);
-      const bool live = 8 * i + gid < 3 * batch;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) xb[i][v] = live ? __ldg(xsrc + v) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = (8 * i + 2 * t + e) / 3;
-        xsv[i][e] = b < batch ? __ldg(xs + (int64_t)g * batch + b) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-  }
-};
-
 // The fused-x GEMV's source (pkv_gemv_mma_x_*, batch 1-2: one n-tile): the warp prepares
 // each of its groups' x itself, from the float32 x, with pkv_gemv_prep_x's own functions,
 // through a stage of one group in shared memory (the 2 KiB pkv_gemv_prep_x would write at
@@ -923,7 +892,9 @@ struct FusedXSource {
       v[b][4] = hi.x; v[b][5] = hi.y; v[b][6] = hi.z; v[b][7] = hi.w;
     }
   }
-  __device__ __forceinline__ void get(int, uint4 (&xb)[1][4], float4 (&xsv)[1][2]) {
+  template <int NT>
+  __device__ __forceinline__ void get(uint4 (&xb)[NT][4], float4 (&xsv)[NT][2]) {
+    static_assert(NT == 1, "the fused-x kernels take one n-tile (batch 1-2)");
     float4 sums[ROWS];
     __syncwarp();  // every lane has read the previous group's stage
 #pragma unroll
@@ -935,8 +906,9 @@ struct FusedXSource {
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += v[b][i];
-      float s_lo, s_hi;
-      gemv_x_half_sums(sum, lane, s_lo, s_hi);
+      float half, other;
+      gemv_x_half_sums(sum, half, other);
+      const float s_lo = lane < 16 ? half : other, s_hi = lane < 16 ? other : half;
       uint32_t planes[3][2];
       gemv_x_planes22(v[b], inv_step, planes);
       gemv_x_store_planes(stage, planes, lane, b);
@@ -955,9 +927,12 @@ struct FusedXSource {
   }
 };
 
-template <int F, int NT, typename XSource>
-PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, XSource xsrc, float* __restrict__ y,
-                      int M, int K, int batch) {
+// FUSED: x from the warp's FusedXSource `fused` (xq / xs unused), else the prepared x in
+// xq / xs (written by pkv_gemv_prep_x or a decode-step kernel; `fused` unused).
+template <int F, int NT, bool FUSED = false>
+PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
+                      const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
+                      int batch, FusedXSource* fused = nullptr) {
   constexpr int TILE_BYTES = MmaTile<F>::BYTES;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
@@ -977,13 +952,33 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, XSource xsrc, float* _
   if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
   pkv_grid_dependency_wait();  // PDL: x (prepared or not) and y's readers are done from here
   pkv_launch_dependents();
-  if (g_begin < g_end) xsrc.load(g_begin);
+  if constexpr (FUSED) {
+    if (g_begin < g_end) fused->load(g_begin);
+  }
   for (int g = g_begin; g < g_end; ++g) {
     if (g + 1 < g_end) nxt.load(tile + (int64_t)(g + 1) * TILE_BYTES, lane);
     uint4 xb[NT][4];
     float4 xsv[NT][2];
-    xsrc.get(g, xb, xsv);
-    if (g + 1 < g_end) xsrc.load(g + 1);
+    if constexpr (FUSED) {
+      fused->get(xb, xsv);
+      if (g + 1 < g_end) fused->load(g + 1);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const uint4* xsrc =
+            (const uint4*)(xq + (((int64_t)g * NT + i) * 32 + lane) * PKV_GEMV_X_WORDS);
+        const bool live = 8 * i + gid < 3 * batch;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) xb[i][v] = live ? xsrc[v] : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int b = (8 * i + 2 * t + e) / 3;
+          xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
     mma_group_add<F, NT, NT>(acc, cur, 0, t, [&](int i, int v) { return xb[i][v]; },
                              [&](int i, int e) { return xsv[i][e]; });
     cur = nxt;
@@ -1009,8 +1004,7 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, XSource xsrc, float* _
       pkv_gemv_mma_##NAME##_n##NT(                                                          \
       const uint8_t* w, const uint32_t* xq, const float4* xs, float* y, int M, int K,       \
       int batch) {                                                                          \
-    gemv_mma<F, NT>(w, PreparedXSource<NT>{xq, xs, batch, (int)(threadIdx.x % 32)}, y, M, K,\
-                    batch);                                                                 \
+    gemv_mma<F, NT>(w, xq, xs, y, M, K, batch);                                             \
   }
 // The fused-x kernel of batch 1-2 (FusedXSource): x float32 [batch, K], rotated first
 // where `rotate` (the MQ formats), as pkv_gemv_prep_x would.
@@ -1019,9 +1013,9 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, XSource xsrc, float* _
       pkv_gemv_mma_x_##NAME##_n1(const uint8_t* w, const float* x, float* y, int M, int K,  \
                                  int batch, int rotate) {                                   \
     __shared__ uint4 stage[PKV_GEMV_MMA_MAX_WARPS][32 * PKV_GEMV_X_WORDS / 4];              \
-    gemv_mma<F, 1>(w, FusedXSource{x, (uint32_t*)stage[threadIdx.x / 32], K, batch,         \
-                                   (int)(threadIdx.x % 32), rotate != 0},                   \
-                   y, M, K, batch);                                                         \
+    FusedXSource fused{x, (uint32_t*)stage[threadIdx.x / 32], K, batch,                     \
+                       (int)(threadIdx.x % 32), rotate != 0};                               \
+    gemv_mma<F, 1, true>(w, nullptr, nullptr, y, M, K, batch, &fused);                      \
   }
 #define PKV_GEMV_MMA_KERNELS(NAME, F) \
   PKV_GEMV_MMA_KERNEL(NAME, F, 1)     \
