@@ -94,11 +94,14 @@ PKV_DEV void gemv_x_half_sums(float sum, float& half, float& other) {
   other = pkv_shfl_xor(half, 16);
 }
 
-// The three int8 byte planes of the lane's 8 values (GEMV_X_RANGE bits, mma_s8.h's split),
-// two words a plane: word h holds values h, h + 2, h + 4, h + 6.
-PKV_DEV void gemv_x_planes22(const float (&v)[8], float inv_step, uint32_t (&planes)[3][2]) {
-#pragma unroll
-  for (int p = 0; p < 3; ++p) planes[p][0] = planes[p][1] = 0u;
+// The lane's three int8 byte planes of its 8 values (GEMV_X_RANGE bits, mma_s8.h's split;
+// word h of a plane holds values h, h + 2, h + 4, h + 6), stored for batch row b of group g
+// where the mma lanes read them: xq holds n_tiles n-tiles of 32 lanes x PKV_GEMV_X_WORDS
+// words per group (column 3b + plane in n-tile col / 8, B row n = col % 8). The fused-x
+// GEMV passes its warp's one-group stage as xq, g 0 and one n-tile.
+PKV_DEV void gemv_x_store_planes22(const float (&v)[8], float inv_step, int lane, uint32_t* xq,
+                                   int64_t g, int n_tiles, int b) {
+  uint32_t planes[3][2] = {{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     int p0, p1, p2;
@@ -108,19 +111,12 @@ PKV_DEV void gemv_x_planes22(const float (&v)[8], float inv_step, uint32_t (&pla
     planes[1][i % 2] |= (uint32_t)(p1 & 0xFF) << shift;
     planes[2][i % 2] |= (uint32_t)(p2 & 0xFF) << shift;
   }
-}
-
-// Stores lane `lane`'s planes of batch row b where the mma lanes read them: `group` is one
-// group's n_tiles x 32 lanes x PKV_GEMV_X_WORDS words (xq + g n_tiles 32 PKV_GEMV_X_WORDS,
-// or a warp's stage in shared memory), column 3b + plane in n-tile col / 8, B row n = col % 8.
-PKV_DEV void gemv_x_store_planes(uint32_t* group, const uint32_t (&planes)[3][2], int lane,
-                                 int b) {
   const int t = (lane / 2) % 4, m = 2 * (lane / 8) + lane % 2;
 #pragma unroll
   for (int p = 0; p < 3; ++p) {
     const int col = 3 * b + p, tile = col / 8, n = col % 8;
-    *(uint2*)(group + (tile * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m) =
-        make_uint2(planes[p][0], planes[p][1]);
+    uint32_t* dst = xq + ((g * n_tiles + tile) * 32 + 4 * n + t) * PKV_GEMV_X_WORDS + 2 * m;
+    *(uint2*)dst = make_uint2(planes[p][0], planes[p][1]);
   }
 }
 
@@ -154,9 +150,7 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
     }
     return;
   }
-  uint32_t planes[3][2];
-  gemv_x_planes22(v, inv_step, planes);
-  gemv_x_store_planes(xq + (int64_t)g * n_tiles * 32 * PKV_GEMV_X_WORDS, planes, lane, b);
+  gemv_x_store_planes22(v, inv_step, lane, xq, g, n_tiles, b);
   if (lane == 0) {
     const float s_lo = half_sum, s_hi = other_half;
     xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);

@@ -906,13 +906,11 @@ struct FusedXSource {
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += v[b][i];
-      float half, other;
+      float half, other;  // lanes 16-31: the second half's sum, then the first's
       gemv_x_half_sums(sum, half, other);
-      const float s_lo = lane < 16 ? half : other, s_hi = lane < 16 ? other : half;
-      uint32_t planes[3][2];
-      gemv_x_planes22(v[b], inv_step, planes);
-      gemv_x_store_planes(stage, planes, lane, b);
-      sums[b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+      gemv_x_store_planes22(v[b], inv_step, lane, stage, 0, 1, b);
+      sums[b] = lane < 16 ? make_float4(step, half, other, half + other)
+                          : make_float4(step, other, half, other + half);
     }
     __syncwarp();
     const int gid = lane / 4, t = lane % 4;

@@ -308,11 +308,6 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
     if tensor_cores:
         groups = K // 256
         tiles = math.ceil(3 * batch / 8)
-        prep = kernel_source(
-            "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
-            _io(("xq", mx.uint32), ("xs", mx.float32)),
-            "pkv_gemv_prep_x<>(x, xq, (float4*)xs, (int)params[0], (int)params[1], "
-            "(int)params[2], (int)params[3]);", None)
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
         if fused:
@@ -324,6 +319,11 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
                 "(int)params[2], (int)params[3]);", (32 * GEMV_MMA_MAX_WARPS,))
             return (mma_x, _params(mx, M, K, batch, int(rotated)), (threads * row_tiles, 1, 1),
                     threads)
+        prep = kernel_source(
+            "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
+            _io(("xq", mx.uint32), ("xs", mx.float32)),
+            "pkv_gemv_prep_x<>(x, xq, (float4*)xs, (int)params[0], (int)params[1], "
+            "(int)params[2], (int)params[3]);", None)
         mma = kernel_source(
             "weights", f"gemv_mma_{kernel}_n{tiles}",
             _io(("w", mx.uint8), ("xq", mx.uint32), ("xs", mx.float32), ("params", mx.int64)),
