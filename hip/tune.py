@@ -12,6 +12,7 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv fwht4/fwht4,fwht2/lloyd2 --set PKV_ATTN_CODE_TABLE_PRMT=0,1
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
+    python hip/tune.py gemvx --set PKV_GEMV_X_ROW_TILES=1,2 --warps auto,4,8 --batches 1,2
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
     python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
@@ -244,6 +245,61 @@ def sweep_gemv32(dev, stream, copy_bw, B, images, batch=32,
                 d.free()
 
 
+def gemv_cases(dev, B, shapes, formats, batches, seed: int):
+    """``(fmt, M, K, raw, dev_w, calls, batch, x, y)`` per shape, format and batch of a GEMV
+    sweep: Gaussian weights uploaded as the bench rotates them (``dev_w``, ``calls`` per
+    graph), a random x and a y; the weights are freed after their shape's last batch."""
+    from pagedkv import quant
+    rng = np.random.default_rng(seed)
+    for M, K in shapes:
+        for fmt in formats:
+            raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
+            dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
+            for batch in batches:
+                x = dev.array(rng.standard_normal((batch, K)).astype(np.float32))
+                y = dev.empty((batch, M), np.float32)
+                yield fmt, M, K, raw, dev_w, calls, batch, x, y
+            for d in dev_w:
+                d.free()
+
+
+X_KNOBS = ("GEMV_X_ROW_TILES", "GEMV_X_ROW_TILES_WIDE")  # the fused-x kernel's mirrors
+
+
+def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batches: list[int],
+                formats: tuple[str, ...],
+                shapes=((4096, 4096), (4096, 14336), (14336, 4096), (272, 512))) -> None:
+    """The fused-x GEMV (pkv_gemv_mma_x_*, batch 1-2) per variant of its launch.h knobs
+    (16-row tiles per block) and warps per block (None: the launcher's choice), against the
+    two launches (prep + GEMV, which no knob here changes) and PyTorch's tinygemm int4 in the
+    same run. Every launch must give the two launches' bytes (272 rows: 17 tiles, so a
+    block of two tiles per block holds one in the last)."""
+    from pagedkv.kernels import weights
+    torch = B._torch()
+    for fmt, M, K, _, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats, batches, 4):
+        def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
+            t = B._time_graph(dev, stream, partial(B._rotating, g.run, dev_w, (x, y), calls),
+                              calls)
+            g.run(dev_w[0], x, y, stream=stream)
+            stream.synchronize()
+            return t, y.to_numpy().tobytes()
+        _load_weights_variant(dev, images[0][0], images[0][1], X_KNOBS)
+        t_two, want = timed(weights.Gemv(dev, fmt, M, K, batch, fused_x=False))
+        t_tg = B.tinygemm_time(torch, M, K, batch) if torch is not None else None
+        peer = f"; tinygemm {t_tg * 1e6:.2f} us" if t_tg else ""
+        print(f"gemvx {fmt} b{batch} {M}x{K} two launches: {t_two * 1e6:.2f} us{peer}",
+              flush=True)
+        for defines, image in images:
+            _load_weights_variant(dev, defines, image, X_KNOBS)
+            for w in warps:
+                g = weights.Gemv(dev, fmt, M, K, batch, fused_x=True, warps=w)
+                t, got = timed(g)
+                vs = f", {t_tg / t:.2f}x tinygemm" if t_tg else ""
+                print(f"gemvx {fmt} b{batch} {M}x{K} {defines} {g.fused_launch}: "
+                      f"{t * 1e6:.2f} us, {t / t_two:.3f}x the two launches' time{vs}; "
+                      f"same bytes: {got == want}", flush=True)
+
+
 F16_KNOBS = ("GEMV_F16_X_STAGES",)  # launcher mirrors of gemv_f16's launch.h values
 
 
@@ -256,65 +312,59 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
     prepared once, against the exact int8 kernel of the same batch in the same run. The
     ring depth and the registers change no f32 operation: each (tiles, warps, splits)
     configuration must give the first variant's bytes."""
-    from pagedkv import quant
     from pagedkv.kernels import weights
-    rng = np.random.default_rng(3)
     first: dict = {}
     default_tpw, default_splits = weights.GEMV_F16_TILES_PER_WARP, weights.GEMV_F16_MAX_SPLITS
-    for M, K in shapes:
-        for fmt in formats:
-            raw = quant.quantize((rng.standard_normal((M, K)) * 0.02).astype(np.float32), fmt)
-            dev_w, calls = B.rotating_weights(dev, fmt, M, K, raw)
-            for batch in batches:
-                x = dev.array(rng.standard_normal((batch, K)).astype(np.float32))
-                y = dev.empty((batch, M), np.float32)
-
-                def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
-                    g.prepare(x, stream=stream)
-                    return B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w,
-                                                              (y,), calls), calls)
-                _load_weights_variant(dev, images[0][0], images[0][1], F16_KNOBS)
-                t_int8 = timed(weights.Gemv(dev, fmt, M, K, batch, f16_x=False))
-                for defines, image in images:
-                    _load_weights_variant(dev, defines, image, F16_KNOBS)
-                    for tpw in tiles:
-                        weights.GEMV_F16_TILES_PER_WARP = tpw
-                        for w, split in itertools.product(warps, splits):
-                            if split and split > K // 256:
-                                continue
-                            # an explicit split may exceed the launcher's most; "auto" keeps it
-                            weights.GEMV_F16_MAX_SPLITS = max(default_splits, split or 0)
-                            g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w,
-                                             splits=split)
-                            t = timed(g)
-                            got = y.to_numpy().tobytes()
-                            key = (fmt, M, K, batch, tpw, w, g._grid[1])
-                            same = first.setdefault(key, got) == got
-                            print(f"gemvf16 {fmt} b{batch} {M}x{K} {defines} tiles/warp {tpw} "
-                                  f"warps {w} grid {g._grid}: {_pct(raw.nbytes, t, copy_bw)}, "
-                                  f"{t_int8 / t:.2f}x the int8 kernel; same bytes as first: "
-                                  f"{same}", flush=True)
-                weights.GEMV_F16_TILES_PER_WARP = default_tpw
-            for d in dev_w:
-                d.free()
+    for fmt, M, K, raw, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats,
+                                                                batches, 3):
+        def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
+            g.prepare(x, stream=stream)
+            return B._time_graph(dev, stream, partial(B._rotating, g.run_prepared, dev_w,
+                                                      (y,), calls), calls)
+        _load_weights_variant(dev, images[0][0], images[0][1], F16_KNOBS)
+        t_int8 = timed(weights.Gemv(dev, fmt, M, K, batch, f16_x=False))
+        for defines, image in images:
+            _load_weights_variant(dev, defines, image, F16_KNOBS)
+            for tpw in tiles:
+                weights.GEMV_F16_TILES_PER_WARP = tpw
+                for w, split in itertools.product(warps, splits):
+                    if split and split > K // 256:
+                        continue
+                    # an explicit split may exceed the launcher's most; "auto" keeps it
+                    weights.GEMV_F16_MAX_SPLITS = max(default_splits, split or 0)
+                    g = weights.Gemv(dev, fmt, M, K, batch, f16_x=True, warps=w,
+                                     splits=split)
+                    t = timed(g)
+                    got = y.to_numpy().tobytes()
+                    key = (fmt, M, K, batch, tpw, w, g._grid[1])
+                    same = first.setdefault(key, got) == got
+                    print(f"gemvf16 {fmt} b{batch} {M}x{K} {defines} tiles/warp {tpw} "
+                          f"warps {w} grid {g._grid}: {_pct(raw.nbytes, t, copy_bw)}, "
+                          f"{t_int8 / t:.2f}x the int8 kernel; same bytes as first: "
+                          f"{same}", flush=True)
+        weights.GEMV_F16_TILES_PER_WARP = default_tpw
     weights.GEMV_F16_MAX_SPLITS = default_splits
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python hip/tune.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32", "gemvf16"))
+    p.add_argument("what", choices=("attn", "dequant", "gemv", "gemv32", "gemvf16", "gemvx"))
     p.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
                    help="a -D macro and the values to try (repeatable)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=v,NAME2=v2",
                    help="one more variant with exactly these -D values (repeatable; after "
                         "the --set product), for combinations a product cannot express")
-    p.add_argument("--warps", default="2,4,8", help="gemv, gemvf16: warps per block to try")
-    p.add_argument("--batches", default="8,16,32", help="gemvf16: batch rows to try")
+    p.add_argument("--warps", default=None,
+                   help="gemv, gemvf16 (default 2,4,8), gemvx (default auto: the launcher's "
+                        "choice): warps per block to try")
+    p.add_argument("--batches", default=None,
+                   help="gemvf16 (default 8,16,32), gemvx (default 1,2): batch rows to try")
     p.add_argument("--tiles", default="1,2", help="gemvf16: 16-row tiles per warp to try")
     p.add_argument("--splits", default="auto",
                    help="gemvf16: group splits to try (auto: the launcher's choice)")
-    p.add_argument("--formats", default="mq4g256v2,hfq4g256", help="gemvf16: weight formats")
+    p.add_argument("--formats", default="mq4g256v2,hfq4g256",
+                   help="gemvf16, gemvx: weight formats")
     p.add_argument("--kv", default="float16",
                    help=f"attn: the KV kinds timed, comma-separated: {sorted(ATTN_KINDS)} (q8s: "
                         "the staged q8 kernel) or compressed pairs such as fwht4/lloyd4")
@@ -339,10 +389,14 @@ def main(argv=None) -> int:
     stream = Stream(dev)
     copy_bw, _ = B.copy_bandwidth(dev, stream)
     print(f"{dev!r}; copy bandwidth {copy_bw / 1e9:.1f} GB/s", flush=True)
+    warps = args.warps or ("auto" if args.what == "gemvx" else "2,4,8")
+    warps_list = [None if w == "auto" else int(w) for w in warps.split(",")]
+    batches = [int(b) for b in (args.batches or ("1,2" if args.what == "gemvx"
+                                                 else "8,16,32")).split(",")]
     if args.what == "gemv":
-        sweep_gemv(dev, stream, copy_bw, B, [int(w) for w in args.warps.split(",")])
+        sweep_gemv(dev, stream, copy_bw, B, warps_list)
         return 0
-    source = "kvcache" if args.what == "attn" else "weights"  # dequant, gemv32
+    source = "kvcache" if args.what == "attn" else "weights"  # the GEMV sweeps, dequant
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor() as pool:
         # one nvcc per variant at once: a variant's build is single-threaded
         todo = variants(parse_sets(args.set)) if args.set or not args.variant else []
@@ -355,9 +409,11 @@ def main(argv=None) -> int:
                 sweep_attn(dev, stream, copy_bw, B, images, case, kind=kind)
     elif args.what == "gemv32":
         sweep_gemv32(dev, stream, copy_bw, B, images)
+    elif args.what == "gemvx":
+        sweep_gemvx(dev, stream, copy_bw, B, images, warps_list, batches,
+                    tuple(args.formats.split(",")))
     elif args.what == "gemvf16":
-        sweep_gemvf16(dev, stream, copy_bw, B, images, [int(w) for w in args.warps.split(",")],
-                      [int(b) for b in args.batches.split(",")],
+        sweep_gemvf16(dev, stream, copy_bw, B, images, warps_list, batches,
                       tuple(int(t) for t in args.tiles.split(",")),
                       tuple(None if v == "auto" else int(v) for v in args.splits.split(",")),
                       tuple(args.formats.split(",")))

@@ -927,34 +927,50 @@ struct FusedXSource {
 
 // FUSED: x from the warp's FusedXSource `fused` (xq / xs unused), else the prepared x in
 // xq / xs (written by pkv_gemv_prep_x or a decode-step kernel; `fused` unused).
-template <int F, int NT, bool FUSED = false>
+// RT: 16-row tiles per block, 1 or 2 (the fused-x kernels: PKV_GEMV_X_ROW_TILES), each
+// warp running every tile of the block on the x it prepared once for them. Where M leaves
+// the last block one tile, its second reads the first again (tile_step 0) and its rows
+// are never written.
+template <int F, int NT, bool FUSED = false, int RT = 1>
 PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __restrict__ xq,
                       const float4* __restrict__ xs, float* __restrict__ y, int M, int K,
                       int batch, FusedXSource* fused = nullptr) {
   constexpr int TILE_BYTES = MmaTile<F>::BYTES;
+  constexpr int ROWS = PKV_GEMV_MMA_ROWS * RT;  // the block's rows
+  static_assert(RT == 1 || RT == 2, "tile_step covers blocks of one or two tiles");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const int gid = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * PKV_GEMV_MMA_ROWS;
+  const int row0 = blockIdx.x * ROWS;
   const int groups = K / 256;
   const int g_begin = warp * groups / n_warps, g_end = (warp + 1) * groups / n_warps;
-  const uint8_t* tile = packed + (int64_t)blockIdx.x * groups * TILE_BYTES;
+  const uint8_t* tile = packed + (int64_t)(blockIdx.x * RT) * groups * TILE_BYTES;
+  // bytes from one of the block's tiles to the next (0 where the block has one tile)
+  const int64_t tile_step = row0 + PKV_GEMV_MMA_ROWS < M ? (int64_t)groups * TILE_BYTES : 0;
 
-  float acc[2][NT][2];
+  float acc[RT][2][NT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int u = 0; u < RT; ++u)
 #pragma unroll
-    for (int i = 0; i < NT; ++i) acc[r][i][0] = acc[r][i][1] = 0.0f;
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < NT; ++i) acc[u][r][i][0] = acc[u][r][i][1] = 0.0f;
 
-  typename MmaWeightsOf<F>::type cur, nxt;
+  typename MmaWeightsOf<F>::type cur[RT], nxt[RT];
   // weights only: issued before the PDL wait (no kernel before this one writes them)
-  if (g_begin < g_end) cur.load(tile + (int64_t)g_begin * TILE_BYTES, lane);
+  if (g_begin < g_end) {
+#pragma unroll
+    for (int u = 0; u < RT; ++u) cur[u].load(tile + u * tile_step + (int64_t)g_begin * TILE_BYTES, lane);
+  }
   pkv_grid_dependency_wait();  // PDL: x (prepared or not) and y's readers are done from here
   pkv_launch_dependents();
   if constexpr (FUSED) {
     if (g_begin < g_end) fused->load(g_begin);
   }
   for (int g = g_begin; g < g_end; ++g) {
-    if (g + 1 < g_end) nxt.load(tile + (int64_t)(g + 1) * TILE_BYTES, lane);
+    if (g + 1 < g_end) {
+#pragma unroll
+      for (int u = 0; u < RT; ++u) nxt[u].load(tile + u * tile_step + (int64_t)(g + 1) * TILE_BYTES, lane);
+    }
     uint4 xb[NT][4];
     float4 xsv[NT][2];
     if constexpr (FUSED) {
@@ -977,20 +993,26 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
           xsv[i][e] = b < batch ? xs[(int64_t)g * batch + b] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-    mma_group_add<F, NT, NT>(acc, cur, 0, t, [&](int i, int v) { return xb[i][v]; },
-                             [&](int i, int e) { return xsv[i][e]; });
-    cur = nxt;
+#pragma unroll
+    for (int u = 0; u < RT; ++u) {
+      mma_group_add<F, NT, NT>(acc[u], cur[u], 0, t, [&](int i, int v) { return xb[i][v]; },
+                               [&](int i, int e) { return xsv[i][e]; });
+      cur[u] = nxt[u];
+    }
   }
-  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][PKV_GEMV_MMA_ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
+  __shared__ float red[PKV_GEMV_MMA_MAX_WARPS][ROWS][8 * PKV_GEMV_MMA_MAX_TILES];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int u = 0; u < RT; ++u)
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
+    for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) red[warp][gid + 8 * r][8 * i + 2 * t + e] = acc[r][i][e];
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          red[warp][PKV_GEMV_MMA_ROWS * u + gid + 8 * r][8 * i + 2 * t + e] = acc[u][r][i][e];
   __syncthreads();
-  for (int k = threadIdx.x; k < PKV_GEMV_MMA_ROWS * batch; k += blockDim.x) {
-    const int r = k % PKV_GEMV_MMA_ROWS, b = k / PKV_GEMV_MMA_ROWS;
+  for (int k = threadIdx.x; k < ROWS * batch; k += blockDim.x) {
+    const int r = k % ROWS, b = k / ROWS;
     float v = 0.0f;
     for (int w = 0; w < n_warps; ++w) v += red[w][r][3 * b] + red[w][r][3 * b + 1] + red[w][r][3 * b + 2];
     if (row0 + r < M) y[(int64_t)b * M + row0 + r] = v;
@@ -1004,27 +1026,28 @@ PKV_DEV void gemv_mma(const uint8_t* __restrict__ packed, const uint32_t* __rest
       int batch) {                                                                          \
     gemv_mma<F, NT>(w, xq, xs, y, M, K, batch);                                             \
   }
-// The fused-x kernel of batch 1-2 (FusedXSource): x float32 [batch, K], rotated first
-// where `rotate` (the MQ formats), as pkv_gemv_prep_x would.
-#define PKV_GEMV_MMA_X_KERNEL(NAME, F)                                                      \
+// The fused-x kernel of batch 1-2 (FusedXSource): x float32 [batch, K], rotated first where
+// `rotate` (the MQ formats), as pkv_gemv_prep_x would; RT 16-row tiles per block
+// (PKV_GEMV_X_ROW_TILES, _WIDE for HFQ6G256 / Q8F16).
+#define PKV_GEMV_MMA_X_KERNEL(NAME, F, RT)                                                  \
   PKV_KERNEL void __launch_bounds__(32 * PKV_GEMV_MMA_MAX_WARPS)                            \
       pkv_gemv_mma_x_##NAME##_n1(const uint8_t* w, const float* x, float* y, int M, int K,  \
                                  int batch, int rotate) {                                   \
     __shared__ uint4 stage[PKV_GEMV_MMA_MAX_WARPS][32 * PKV_GEMV_X_WORDS / 4];              \
     FusedXSource fused{x, (uint32_t*)stage[threadIdx.x / 32], K, batch,                     \
                        (int)(threadIdx.x % 32), rotate != 0};                               \
-    gemv_mma<F, 1, true>(w, nullptr, nullptr, y, M, K, batch, &fused);                      \
+    gemv_mma<F, 1, true, RT>(w, nullptr, nullptr, y, M, K, batch, &fused);                  \
   }
-#define PKV_GEMV_MMA_KERNELS(NAME, F) \
-  PKV_GEMV_MMA_KERNEL(NAME, F, 1)     \
-  PKV_GEMV_MMA_KERNEL(NAME, F, 2)     \
-  PKV_GEMV_MMA_KERNEL(NAME, F, 3)     \
-  PKV_GEMV_MMA_X_KERNEL(NAME, F)
+#define PKV_GEMV_MMA_KERNELS(NAME, F, RT) \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 1)         \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 2)         \
+  PKV_GEMV_MMA_KERNEL(NAME, F, 3)         \
+  PKV_GEMV_MMA_X_KERNEL(NAME, F, RT)
 
-PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256)
-PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2)
-PKV_GEMV_MMA_KERNELS(hfq6g256, HFQ6G256)
-PKV_GEMV_MMA_KERNELS(q8f16, Q8F16)
+PKV_GEMV_MMA_KERNELS(hfq4g256, HFQ4G256, PKV_GEMV_X_ROW_TILES)
+PKV_GEMV_MMA_KERNELS(mq4g256v2, MQ4G256V2, PKV_GEMV_X_ROW_TILES)
+PKV_GEMV_MMA_KERNELS(hfq6g256, HFQ6G256, PKV_GEMV_X_ROW_TILES_WIDE)
+PKV_GEMV_MMA_KERNELS(q8f16, Q8F16, PKV_GEMV_X_ROW_TILES_WIDE)
 
 
 // ---------------------------------------------------------------------------

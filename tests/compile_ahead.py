@@ -41,7 +41,8 @@ TUNE_KNOBS = {
     "kvcache": {"PKV_ATTN_PARTITION_F16": "512", "PKV_ATTN_MIN_BLOCKS_F16": "3",
                 "PKV_ATTN_PARTITION_Q8": "1024", "PKV_ATTN_MIN_BLOCKS_Q8": "4",
                 "PKV_ATTN_UNROLL": "2", "PKV_ATTN_CODES_PREFETCH": "2"},
-    "weights": {"PKV_DEQUANT_THREADS": "128", "PKV_DEQUANT_SPAN": "32"},
+    "weights": {"PKV_DEQUANT_THREADS": "128", "PKV_DEQUANT_SPAN": "32",
+                "PKV_GEMV_X_ROW_TILES": "2", "PKV_GEMV_X_ROW_TILES_WIDE": "2"},
 }
 
 

@@ -644,8 +644,10 @@ def test_gemv_fused_x_is_one_launch_on_the_gemv_grid(monkeypatch, fmt, batch, ke
     dev.calls.clear()
     dev.launch_args.clear()
     g.run(w, x, y)
-    # the two-launch GEMV's grid and block, x and the rotation switch in place of the scratch
+    # at a tile per block (the default), the two-launch GEMV's grid and block; x and the
+    # rotation switch in place of the scratch
     assert _launches(dev) == [("launch", kernel, two._grid, two._block)]
+    assert g.fused_launch == f"{kernel} 3 x {two._block[0]}" and two.fused_launch is None
     assert dev.launch_args[0][1:] == (x, y, M, K, batch, rotate)
     assert dev.launch_args[0][0] is w.array
     g.run(w, x, y, x_rotated=True)
@@ -656,6 +658,32 @@ def test_gemv_fused_x_is_one_launch_on_the_gemv_grid(monkeypatch, fmt, batch, ke
     g.prepare(x)
     g.run_prepared(w, y)
     assert [c[1] for c in _launches(dev)[2:]] == ["pkv_gemv_prep_x", kernel.replace("_x_", "_")]
+
+
+@pytest.mark.parametrize(("fmt", "knob"), [("hfq4g256", "GEMV_X_ROW_TILES"),
+                                           ("mq4g256v2", "GEMV_X_ROW_TILES"),
+                                           ("hfq6g256", "GEMV_X_ROW_TILES_WIDE"),
+                                           ("q8f16", "GEMV_X_ROW_TILES_WIDE")])
+def test_gemv_fused_x_grid_takes_the_row_tiles_of_its_format(monkeypatch, fmt, knob):
+    # launch.h's PKV_GEMV_X_ROW_TILES(_WIDE): 16-row tiles per fused-x block
+    monkeypatch.setattr(weights, knob, 2)
+    dev = FakeCudaDevice()
+    M, K = 37, 17 * 256  # 3 tiles: 2 blocks, the last of one tile
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, M, K) == (2, 8)
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096) == (448, 8)
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096, 4) == (448, 4)
+    g = weights.Gemv(dev, fmt, M, K, 1, fused_x=True)
+    raw = np.zeros(weights.raw_nbytes(fmt, M * K), np.uint8)
+    w = g.upload(raw)
+    dev.calls.clear()
+    g.run(w, dev.empty((1, K), np.float32), dev.empty((1, M), np.float32))
+    assert _launches(dev) == [("launch", f"pkv_gemv_mma_x_{weights.WEIGHT_FORMATS[fmt].kernel}_n1",
+                               (2,), (256,))]
+    assert g._grid == (3,)  # run_prepared's unfused kernel keeps a tile per block
+    other = "GEMV_X_ROW_TILES_WIDE" if knob == "GEMV_X_ROW_TILES" else "GEMV_X_ROW_TILES"
+    monkeypatch.setattr(weights, knob, 1)
+    monkeypatch.setattr(weights, other, 2)  # the other family's knob leaves this one alone
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, M, K) == (3, 8)
 
 
 def test_gemv_fused_x_switch_env_and_refusals(monkeypatch):

@@ -176,6 +176,16 @@
 #ifndef PKV_GEMV_X_WORDS
 #define PKV_GEMV_X_WORDS 16
 #endif
+/* The fused-x GEMV (batch 1-2, pkv_gemv_mma_x_*): 16-row tiles per block, each warp
+ * running all of them on the x it prepares once per group (the MQ formats rotate it there):
+ * PKV_GEMV_X_ROW_TILES for HFQ4G256 / MQ4G256V2, _WIDE for HFQ6G256 / Q8F16, whose tiles
+ * hold 1.5x / 2x the registers. */
+#ifndef PKV_GEMV_X_ROW_TILES
+#define PKV_GEMV_X_ROW_TILES 1
+#endif
+#ifndef PKV_GEMV_X_ROW_TILES_WIDE
+#define PKV_GEMV_X_ROW_TILES_WIDE 1
+#endif
 
 /* --- decode-step glue (hip/decode.hip) ---------------------------------------------- */
 /* RMSNorm: threads per block (one block per row; a multiple of 32: 32-lane warps own whole

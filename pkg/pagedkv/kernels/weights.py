@@ -80,6 +80,10 @@ GEMV_F16_ERROR = 5.5e-4
 #: batch 2 up to 1.2x for HFQ4 and 2x for MQ4 V2: two launches there).
 FUSED_X_ENV = "PAGEDKV_GEMV_FUSED_X"
 GEMV_FUSED_X_KERNELS = ("hfq4g256", "hfq6g256")
+#: 16-row tiles per block of the fused-x kernels (``PKV_GEMV_X_ROW_TILES``, ``_WIDE`` for
+#: HFQ6G256 / Q8F16; launch.h): each warp prepares a group's x once for all of them.
+GEMV_X_ROW_TILES = launch_constant("PKV_GEMV_X_ROW_TILES")
+GEMV_X_ROW_TILES_WIDE = launch_constant("PKV_GEMV_X_ROW_TILES_WIDE")
 GEMV_MAX_BATCH = 8  # the CUDA-core kernel (AMD, sm < 80, HFQ6/Q8F16)
 _TILED_TILES = (6, 12)
 _PIPE_TILES = (6, 9, 12)
@@ -423,9 +427,12 @@ class Gemv:
                 # warps of 32 lanes on NVIDIA, wavefronts of 64 (MFMA) or 32 (WMMA) on AMD
                 self._block = (device.properties.warp_size
                                * (warps or _mma_warps(row_tiles, groups)),)
-                if choice.fused:  # run(): the same grid, x prepared by each warp
+                if choice.fused:  # run(): x prepared by each warp, once for its block's tiles
                     self._fused = device.kernel(SOURCE, f"pkv_gemv_mma_x_{f.kernel}_n1",
                                                 "pppiiii", dependent_launch=True)
+                    blocks, fused_warps = fused_x_grid(f.kernel, M, K, warps)
+                    self._fused_grid = (blocks,)
+                    self._fused_block = (device.properties.warp_size * fused_warps,)
         else:
             bmax = next(b for b in GEMV_BATCHES if b >= batch)
             self._kernel = device.kernel(SOURCE, f"pkv_gemv_{f.kernel}_b{bmax}", "pppiii")
@@ -470,6 +477,14 @@ class Gemv:
         batch 9-32 kernels), so a figure can say which launch made it."""
         grid = "x".join(str(n) for n in self._grid)
         return f"{self._kernel.name} {grid} x {self._block[0]}"
+
+    @property
+    def fused_launch(self) -> str | None:
+        """The launch :meth:`run` makes where :attr:`fused_x` (as :attr:`launch`, e.g.
+        ``"pkv_gemv_mma_x_hfq4g256_n1 256x1 x 256"``), else ``None``."""
+        if not self.fused_x:
+            return None
+        return f"{self._fused.name} {self._fused_grid[0]} x {self._fused_block[0]}"
 
     @property
     def weight_bytes(self) -> int:
@@ -586,7 +601,7 @@ class Gemv:
         arr = self._check_wy(w, y)
         self._check_x(x)
         if self.fused_x:
-            self._fused(self._grid, self._block, arr, x, y, self.M, self.K, self.batch,
+            self._fused(self._fused_grid, self._fused_block, arr, x, y, self.M, self.K, self.batch,
                         int(self.fmt.rotated and not x_rotated), stream=stream)
             self._x = None
             return
@@ -681,6 +696,16 @@ def gemv_f16_shared_bytes(n_tiles: int) -> int:
     launcher opts in). Any warps and tiles per warp: the kernel's end stores its sums from
     the registers, not through shared memory."""
     return 16 * GEMV_F16_X_STAGES * 8 * n_tiles * 33
+
+
+def fused_x_grid(kernel: str, M: int, K: int, warps: int | None = None) -> tuple[int, int]:
+    """(blocks, warps per block) of ``kernel``'s fused-x GEMV: a block per
+    :data:`GEMV_X_ROW_TILES` (HFQ4G256, MQ4G256V2) or :data:`GEMV_X_ROW_TILES_WIDE`
+    (HFQ6G256, Q8F16) 16-row tiles, its warps splitting the groups (:func:`_mma_warps` on the
+    blocks unless ``warps``). The ctypes :class:`Gemv` and the MLX CUDA launcher share it."""
+    tiles = GEMV_X_ROW_TILES_WIDE if kernel in _WIDE_MMA_KERNELS else GEMV_X_ROW_TILES
+    blocks = math.ceil(math.ceil(M / GEMV_MMA_ROWS) / tiles)
+    return blocks, warps or _mma_warps(blocks, K // 256)
 
 
 def fused_x_by_default(kernel: str, rotated: bool, batch: int) -> bool:

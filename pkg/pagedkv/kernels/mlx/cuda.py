@@ -304,6 +304,7 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
         GEMV_THREADS,
         GEMV_X_WORDS,
         _mma_warps,
+        fused_x_grid,
     )
     if tensor_cores:
         groups = K // 256
@@ -311,14 +312,15 @@ def _gemv_plan(kernel: str, rotated: bool, M: int, K: int, batch: int, tensor_co
         row_tiles = math.ceil(M / GEMV_MMA_ROWS)
         threads = 32 * _mma_warps(row_tiles, groups)
         if fused:
+            blocks, fused_warps = fused_x_grid(kernel, M, K)
             mma_x = kernel_source(
                 "weights", f"gemv_mma_x_{kernel}_n1",
                 _io(("w", mx.uint8), ("x", mx.float32), ("params", mx.int64)),
                 _io(("y", mx.float32)),
                 f"pkv_gemv_mma_x_{kernel}_n1<>(w, x, y, (int)params[0], (int)params[1], "
                 "(int)params[2], (int)params[3]);", (32 * GEMV_MMA_MAX_WARPS,))
-            return (mma_x, _params(mx, M, K, batch, int(rotated)), (threads * row_tiles, 1, 1),
-                    threads)
+            return (mma_x, _params(mx, M, K, batch, int(rotated)),
+                    (32 * fused_warps * blocks, 1, 1), 32 * fused_warps)
         prep = kernel_source(
             "weights", "gemv_prep_x", _io(("x", mx.float32), ("params", mx.int64)),
             _io(("xq", mx.uint32), ("xs", mx.float32)),
