@@ -440,8 +440,8 @@ def test_the_emulated_expressions_are_the_kernel_text():
     missing = missing_kernel_text(KERNEL_TEXT)
     assert not missing, f"hip/weights.hip no longer has {missing}: update the emulation"
     text = weights_hip_text()
-    assert re.search(r"PKV_GEMV_MMA_KERNELS\(q8f16, Q8F16\)", text)
-    assert re.search(r"PKV_GEMV_MMA_KERNELS\(hfq6g256, HFQ6G256\)", text)
+    assert re.search(r"PKV_GEMV_MMA_KERNELS\(q8f16, Q8F16, PKV_GEMV_X_ROW_TILES_WIDE\)", text)
+    assert re.search(r"PKV_GEMV_MMA_KERNELS\(hfq6g256, HFQ6G256, PKV_GEMV_X_ROW_TILES_WIDE\)", text)
     for fmt, F in (("hfq6g256", "HFQ6G256"), ("q8f16", "Q8F16")):
         for nt in (6, 12):
             assert f"PKV_GEMV_MMA_STAGED_KERNEL({fmt}, {F}, {nt})" in text
