@@ -475,16 +475,15 @@ class Gemv:
         """The launch :meth:`run_prepared` makes: ``"<kernel> <grid> x <threads>"``, e.g.
         ``"pkv_gemv_f16_hfq4g256_n4_t2 224x1 x 128"`` (row blocks x group splits for the
         batch 9-32 kernels), so a figure can say which launch made it."""
-        grid = "x".join(str(n) for n in self._grid)
-        return f"{self._kernel.name} {grid} x {self._block[0]}"
+        return _launch_text(self._kernel, self._grid, self._block)
 
     @property
     def fused_launch(self) -> str | None:
         """The launch :meth:`run` makes where :attr:`fused_x` (as :attr:`launch`, e.g.
-        ``"pkv_gemv_mma_x_hfq4g256_n1 256x1 x 256"``), else ``None``."""
+        ``"pkv_gemv_mma_x_hfq4g256_n1 256 x 256"``), else ``None``."""
         if not self.fused_x:
             return None
-        return f"{self._fused.name} {self._fused_grid[0]} x {self._fused_block[0]}"
+        return _launch_text(self._fused, self._fused_grid, self._fused_block)
 
     @property
     def weight_bytes(self) -> int:
@@ -696,6 +695,11 @@ def gemv_f16_shared_bytes(n_tiles: int) -> int:
     launcher opts in). Any warps and tiles per warp: the kernel's end stores its sums from
     the registers, not through shared memory."""
     return 16 * GEMV_F16_X_STAGES * 8 * n_tiles * 33
+
+
+def _launch_text(kernel, grid: tuple[int, ...], block: tuple[int, ...]) -> str:
+    """``"<kernel> <grid> x <threads>"`` (grid dimensions joined by ``x``)."""
+    return f"{kernel.name} {'x'.join(str(n) for n in grid)} x {block[0]}"
 
 
 def fused_x_grid(kernel: str, M: int, K: int, warps: int | None = None) -> tuple[int, int]:
