@@ -272,19 +272,24 @@ def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batche
     """The fused-x GEMV (pkv_gemv_mma_x_*, batch 1-2) per variant of its launch.h knobs
     (16-row tiles per block) and warps per block (None: the launcher's choice), against the
     two launches (prep + GEMV, which no knob here changes) and PyTorch's tinygemm int4 in the
-    same run. Every launch must give the two launches' bytes (272 rows: 17 tiles, so a
-    block of two tiles per block holds one in the last)."""
+    same run. Every launch must give the bytes of the two launches with as many warps (the
+    warps' partial sums meet in a fixed order, so another warp count rounds differently; 272
+    rows: 17 tiles, so a block of two tiles per block holds one in the last)."""
     from pagedkv.kernels import weights
     torch = B._torch()
     for fmt, M, K, _, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats, batches, 4):
+        def output(g, x=x, y=y, dev_w=dev_w):
+            g.run(dev_w[0], x, y, stream=stream)
+            stream.synchronize()
+            return y.to_numpy().tobytes()
+
         def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
             t = B._time_graph(dev, stream, partial(B._rotating, g.run, dev_w, (x, y), calls),
                               calls)
-            g.run(dev_w[0], x, y, stream=stream)
-            stream.synchronize()
-            return t, y.to_numpy().tobytes()
+            return t, output(g)
         _load_weights_variant(dev, images[0][0], images[0][1], X_KNOBS)
-        t_two, want = timed(weights.Gemv(dev, fmt, M, K, batch, fused_x=False))
+        t_two, _ = timed(weights.Gemv(dev, fmt, M, K, batch, fused_x=False))
+        want: dict[int, bytes] = {}  # the two launches' output per warps per block
         t_tg = B.tinygemm_time(torch, M, K, batch) if torch is not None else None
         peer = f"; tinygemm {t_tg * 1e6:.2f} us" if t_tg else ""
         print(f"gemvx {fmt} b{batch} {M}x{K} two launches: {t_two * 1e6:.2f} us{peer}",
@@ -294,10 +299,15 @@ def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batche
             for w in warps:
                 g = weights.Gemv(dev, fmt, M, K, batch, fused_x=True, warps=w)
                 t, got = timed(g)
+                n_warps = g._fused_block[0] // dev.properties.warp_size
+                if n_warps not in want:
+                    want[n_warps] = output(weights.Gemv(dev, fmt, M, K, batch, fused_x=False,
+                                                        warps=n_warps))
                 vs = f", {t_tg / t:.2f}x tinygemm" if t_tg else ""
                 print(f"gemvx {fmt} b{batch} {M}x{K} {defines} {g.fused_launch}: "
                       f"{t * 1e6:.2f} us, {t / t_two:.3f}x the two launches' time{vs}; "
-                      f"same bytes: {got == want}", flush=True)
+                      f"same bytes as the two launches at {n_warps} warps: "
+                      f"{got == want[n_warps]}", flush=True)
 
 
 F16_KNOBS = ("GEMV_F16_X_STAGES",)  # launcher mirrors of gemv_f16's launch.h values
