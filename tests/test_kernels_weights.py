@@ -370,6 +370,47 @@ def test_gpu_fused_x_gemv_is_the_two_launch_gemv_bit_for_bit(device, fmt, batch,
 
 
 @pytest.mark.gpu
+@pytest.mark.compile_ahead("tune:weights")
+def test_gpu_fused_x_gemv_at_two_row_tiles_is_the_two_launch_gemv_bit_for_bit(
+        device, compiled_ahead, monkeypatch):
+    # weights.hip rebuilt with both row-tile knobs at 2 (tests/compile_ahead.py TUNE_KNOBS,
+    # an sm_90 cubin), served in place of the installed object: blocks of two 16-row tiles,
+    # each warp preparing its groups' x once for both. Compared with the two launches at
+    # the fused launch's own warps (another warp count adds the warps' partial sums in
+    # another order). M = 37 and 8208 leave the last block one tile (its second reads the
+    # first again and writes no row); 8208 x 1280 also gets 5 warps a block where the
+    # default grid of 513 one-tile blocks gets 4.
+    if device.backend != "cuda" or device.properties.arch != "sm_90":
+        pytest.skip("the rebuilt object is an sm_90 cubin")
+    from pagedkv.kernels.code_objects import read_object
+    image = compiled_ahead.output("tune:weights").read_bytes()
+    installed = read_object("weights", device.backend, device.properties.arch)
+    device.load_module("weights", image)
+    monkeypatch.setattr(weights, "GEMV_X_ROW_TILES", 2)
+    monkeypatch.setattr(weights, "GEMV_X_ROW_TILES_WIDE", 2)
+    try:
+        for fmt in ("hfq4g256", "mq4g256v2", "hfq6g256", "q8f16"):
+            for M, K in ((37, 1280), (8208, 1280), (300, 4352)):
+                _, raw = _weights(fmt, (M, K))
+                for batch in (1, 2):
+                    fused = weights.Gemv(device, fmt, M, K, batch, fused_x=True)
+                    assert fused._fused_grid == (math.ceil(math.ceil(M / 16) / 2),)
+                    warps = fused._fused_block[0] // device.properties.warp_size
+                    two = weights.Gemv(device, fmt, M, K, batch, fused_x=False, warps=warps)
+                    w = fused.upload(raw)
+                    x = RNG.standard_normal((batch, K)).astype(np.float32)
+                    xd = device.array(x)
+                    got, want = (poisoned(device, (batch, M), np.float32) for _ in range(2))
+                    fused.run(w, xd, got)
+                    two.run(w, xd, want)
+                    np.testing.assert_array_equal(got.to_numpy().view(np.uint32),
+                                                  want.to_numpy().view(np.uint32),
+                                                  err_msg=f"{fmt} {M}x{K} b{batch}")
+    finally:
+        device.load_module("weights", installed)
+
+
+@pytest.mark.gpu
 def test_gpu_gemv_rejects_bad_shapes(device):
     with pytest.raises(errors.InvalidArgument, match="K=1000"):
         weights.Gemv(device, "hfq4g256", 8, 1000)
