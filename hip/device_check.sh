@@ -36,6 +36,13 @@
 #
 # CPU_BENCH=1 times the CPU weight kernels on two spare cores meanwhile (below).
 #
+# OBJECTS=0 builds the package without kernel objects (Cython and Python only) for calls
+# that run only hip/tune.py sweeps with -D variants (every one but `gemv`, which times the
+# installed kernels): tune.py compiles and loads its own variants of the source it sweeps,
+# and its copy bandwidth (pagedkv.bench.gpu.copy_bandwidth) is then the runtime's memcpy
+# alone. That build took 94 s on a 2-core VM; the full sm_90 one takes ~150 s on the H200's
+# 16 cores, where the variants' nvcc runs (one core each) come after it either way.
+#
 # NVIDIA_ARCHES: the arches nvcc builds (meson's nvidia_arches, comma-separated), by default
 # the device's own (nvidia-smi's compute capability: sm_90 on the H200). The project's list
 # (sm_80 and sm_90) took 256 s to build there against 165 s for sm_90 alone (2026-12-04),
@@ -92,6 +99,9 @@ arches=${NVIDIA_ARCHES:-$(nvidia-smi --query-gpu=compute_cap --format=csv,nohead
 arches=${arches:+sm_${arches#sm_}}
 build_args=()
 [[ "$arches" =~ ^sm_[0-9]+(,sm_[0-9]+)*$ ]] && build_args=("-Csetup-args=-Dnvidia_arches=$arches")
+# OBJECTS=0: Python and Cython only, no kernel objects (for a hip/tune.py call, which
+# launches only the variants it compiles: the build takes a fraction of the full one's time)
+[ "${OBJECTS:-1}" = 0 ] && build_args=("-Csetup-args=-Dcuda=disabled" "-Csetup-args=-Dhip=disabled")
 echo "nvidia arches: ${build_args[*]:-meson default}" | tee -a "$OUT/device.txt"
 t0=$(date +%s)
 python3 -m pip wheel -q --no-build-isolation --no-deps "${build_args[@]}" -w "$WORK/w" . \

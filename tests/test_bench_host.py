@@ -254,3 +254,24 @@ def test_asv_gpu_suites_skip_without_a_gpu():
         with pytest.raises(NotImplementedError, match="no GPU"):
             suite.setup_cache()
     assert asv.GpuBandwidth().track_percent_of_copy({"x | y": 83.0}, "x | y") == 83.0
+
+
+def test_copy_bandwidth_without_kernel_objects_is_the_memcpy_alone(dev, monkeypatch):
+    # A Cython-only build (-Dcuda=disabled -Dhip=disabled, what a hip/tune.py call needs:
+    # it launches only the variants it compiles) has no block-copy kernel: the runtime's
+    # memcpy is the reference. The stub's events time every span at 0.5 ms (10 calls).
+    nbytes = 1 << 20
+    bw, both = gpu.copy_bandwidth(dev, Stream(dev), nbytes)  # the stub runs both copies
+    assert bw == pytest.approx(2 * nbytes / 0.5e-4)
+    assert both["copy_kernel_GBps"] == pytest.approx(both["memcpy_GBps"])
+    from pagedkv.errors import NoDeviceError
+    from pagedkv.kernels import device as device_module
+
+    def no_object(source, backend, arch):
+        raise NoDeviceError(f"no kernel object {source}.{arch}.hsaco")
+    monkeypatch.setattr(device_module, "read_object", no_object)
+    dev2 = Device(dev.runtime, 0)  # nothing loaded yet
+    bw, both = gpu.copy_bandwidth(dev2, Stream(dev2), nbytes)
+    assert bw == pytest.approx(2 * nbytes / 0.5e-4)
+    assert both == {"memcpy_GBps": pytest.approx(2 * nbytes / 0.5e-4 / 1e9),
+                    "copy_kernel_GBps": None}

@@ -99,7 +99,10 @@ def _time_events(device, stream, launch, calls: int) -> float:
 
 def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
     """Device-to-device copy of ``nbytes`` (read + write bytes per second): the runtime's
-    memcpy and pagedkv's 16-byte block-copy kernel; the larger is the reference."""
+    memcpy and pagedkv's 16-byte block-copy kernel; the larger is the reference. A build
+    without kernel objects (``-Dcuda=disabled -Dhip=disabled``: hip/tune.py launches only
+    the variants it compiles) has no block-copy kernel: the memcpy alone is the reference
+    and ``copy_kernel_GBps`` is None."""
     src, dst = device.empty(nbytes, np.uint8), device.empty(nbytes, np.uint8)
     src.fill_bytes(0x5A)
     t_memcpy = _time_events(device, stream,
@@ -108,12 +111,15 @@ def copy_bandwidth(device, stream, nbytes: int = 1 << 30) -> tuple[float, dict]:
     view_src = DeviceArray(device, src.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
     view_dst = DeviceArray(device, dst.ptr, (n_blocks, nbytes // n_blocks), np.uint8, owned=False)
     ids = device.array(np.arange(n_blocks, dtype=np.int32))
-    t_kernel = _time_events(device, stream, lambda s: kvcache.copy_blocks(
-        device, view_src, ids, ids, view_dst, stream=s), 10)
+    try:
+        t_kernel = _time_events(device, stream, lambda s: kvcache.copy_blocks(
+            device, view_src, ids, ids, view_dst, stream=s), 10)
+    except NoDeviceError:  # no kvcache object in this build (raised before any launch)
+        t_kernel = math.inf
     src.free()
     dst.free()
     both = {"memcpy_GBps": 2 * nbytes / t_memcpy / 1e9,
-            "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9}
+            "copy_kernel_GBps": 2 * nbytes / t_kernel / 1e9 if t_kernel < math.inf else None}
     return 2 * nbytes / min(t_memcpy, t_kernel), both
 
 
