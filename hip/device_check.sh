@@ -36,6 +36,10 @@
 #
 # CPU_BENCH=1 times the CPU weight kernels on two spare cores meanwhile (below).
 #
+# TUNE="<args>;<args>" runs hip/tune.py once per argument list after the GPU tests, each a
+# phase (TUNE_TIMEOUT, 240 s), e.g. OBJECTS=0 TUNE="gemvx --warps auto,4" bash
+# hip/device_check.sh.
+#
 # OBJECTS=0 builds the package without kernel objects (Cython and Python only) for calls
 # that run only hip/tune.py sweeps with -D variants (every one but `gemv`, which times the
 # installed kernels): tune.py compiles and loads its own variants of the source it sweeps,
@@ -252,7 +256,21 @@ export -f ctypes_tests cpu_kernel_tests mlx_tests mlx_lm_tests sanitize sanitize
 export OUT PKV MLXPATH
 
 ONLY_MLX=${MLX_ONLY:-0}
+if [ "${OBJECTS:-1}" = 0 ]; then  # nothing but tune.py can run without the kernel objects
+  echo "OBJECTS=0: no kernel objects, so only the TUNE phases run" | tee -a "$OUT/phases.txt"
+  TESTS=0 BENCH=0 SANITIZE=0 MLX_OK=0
+fi
 [ "${TESTS:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ] && phase ctypes-tests 200 bash -c ctypes_tests
+# TUNE: hip/tune.py runs, ';'-separated argument lists (TUNE="gemvx --set
+# PKV_GEMV_X_ROW_TILES=1,2;attn --kv q8s"), each a phase of its own (TUNE_TIMEOUT, 240),
+# its output in $OUT/tune_<n>.txt
+if [ -n "${TUNE:-}" ]; then
+  IFS=';' read -r -a tune_runs <<<"$TUNE"
+  for n in "${!tune_runs[@]}"; do
+    phase "tune-$n" "${TUNE_TIMEOUT:-240}" bash -c \
+      "set -o pipefail; PYTHONPATH=$PKV python3 hip/tune.py ${tune_runs[$n]} 2>&1 | tee $OUT/tune_$n.txt"
+  done
+fi
 [ "$MLX_OK" = 1 ] && [ "${MLX_TESTS:-1}" = 1 ] && phase mlx-tests 200 bash -c mlx_tests
 [ "$MLX_OK" = 1 ] && [ "${MLX_LM:-0}" = 1 ] && phase mlx-lm-tests "${MLX_LM_TIMEOUT:-300}" bash -c mlx_lm_tests
 if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then

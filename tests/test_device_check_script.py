@@ -178,3 +178,27 @@ def test_the_build_compiles_the_devices_own_nvidia_arch(tmp_path, smi, env, want
         assert "nvidia_arches" not in wheel[0] and "nvidia arches: meson default" in out
     else:
         assert want in wheel[0].split() and f"nvidia arches: {want}" in out
+
+
+def test_a_tune_call_without_kernel_objects_builds_cython_only_and_runs_each_sweep(tmp_path):
+    phases, calls, _ = _run(tmp_path, nvidia_smi=NVIDIA_SMI_H200, OBJECTS="0", SANITIZE="1",
+                            TUNE="gemvx --set PKV_GEMV_X_ROW_TILES=1,2 --warps auto,4;"
+                                 "attn --kv q8s", BUDGET_S="100")
+    # the tests, benches and sanitizer need the objects: only the sweeps run
+    assert _names(phases) == ["build", "OBJECTS=0", "tune-0", "tune-1"]
+    wheel = next(c for c in calls if "pip wheel" in c).split()
+    assert "-Csetup-args=-Dcuda=disabled" in wheel and "-Csetup-args=-Dhip=disabled" in wheel
+    assert not any("nvidia_arches" in w for w in wheel)
+    tune = [c for c in calls if "hip/tune.py" in c]
+    assert tune == ["python3 hip/tune.py gemvx --set PKV_GEMV_X_ROW_TILES=1,2 --warps auto,4",
+                    "python3 hip/tune.py attn --kv q8s"]
+    assert not any("-m pytest" in c or "pagedkv.bench" in c or "compute-sanitizer" in c
+                   for c in calls)
+
+
+def test_tune_runs_after_the_gpu_tests_of_a_full_build(tmp_path):
+    phases, calls, _ = _run(tmp_path, TUNE="gemvx", BENCH="0", BUDGET_S="100")
+    assert _names(phases) == ["build", "ctypes-tests", "tune-0", "cpu-kernel-tests"]
+    assert "rc 0" in phases[2] and any(c == "python3 hip/tune.py gemvx" for c in calls)
+    # TUNE_TIMEOUT (240 s) is more than this budget leaves: the phase gets what is left
+    assert "(limit 240 s)" not in phases[2]
