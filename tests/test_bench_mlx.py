@@ -33,12 +33,16 @@ def test_attention_row_has_mlx_sdpa_next_to_it():
 def test_gemv_rows_have_mlx_quantized_matmul_next_to_them():
     rows = []
     bench.bench_gemv(mx, K, rows, 1e9, [(16, 256)], (1, 8), gpu=False)
-    assert [r["kernel"] for r in rows] == ["gemv hfq4g256 b1", "gemv hfq4g256 b8",
-                                           "gemv mq4g256v2 b1", "gemv mq4g256v2 b8"]
+    # each configuration twice: calls built one by one, and inside mx.compile (ours and
+    # mx.quantized_matmul both compiled)
+    assert [r["kernel"] for r in rows] == [
+        f"gemv {f} b{b}{c}" for f in ("hfq4g256", "mq4g256v2") for b in (1, 8)
+        for c in ("", " [mx.compile]")]
     for r in rows:
         assert r["speedup_vs_mlx"] == pytest.approx(r["mlx_qmm_4bit_us"] / r["us"])
         assert r["of_copy"] == pytest.approx(r["GB/s"] * 1e9 / 1e9)
         assert 0 < r["host_us"] and 0 < r["mlx_qmm_host_us"]
+        assert r["eval_us"] > 0 and r["mlx_qmm_eval_us"] > 0
 
 
 def test_host_time_times_building_the_calls_not_evaluating_them():
@@ -121,7 +125,8 @@ def test_asv_tracks_rows_the_bench_emits_and_skips_on_the_array_ops_path(monkeyp
     assert cuda_only <= tracked and tracked - cuda_only <= names
     assert asv.Q8_STAGED_ROW.split(" | ")[0] in names
     assert set(asv.by_row(rows, "speedup_vs_mlx")) == {
-        f"gemv {f} b{b} | 16x256" for f in ("hfq4g256", "mq4g256v2") for b in (1, 8)}
+        f"gemv {f} b{b}{c} | 16x256" for f in ("hfq4g256", "mq4g256v2") for b in (1, 8)
+        for c in ("", " [mx.compile]")}
     monkeypatch.setenv("PAGEDKV_MLX_KERNELS", "ops")
     for suite in (asv.MlxVsMlx(), asv.MlxBandwidth(), asv.MlxQ8Staging()):
         with pytest.raises(NotImplementedError, match="array ops"):

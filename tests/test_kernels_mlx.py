@@ -99,6 +99,21 @@ def test_gemv_matches_the_reference(fmt, batch):
     assert (np.abs(got - expect) <= tol).all(), f"seed {seed}: {np.abs(got - expect).max()}"
 
 
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+def test_gemv_runs_inside_mx_compile(fmt):
+    # A model that compiles its step calls gemv while MLX traces it (x a tracer, the
+    # weights a constant of the compiled function); the replays must stay within the
+    # reference's bound (11 rows: two launches' chunks joined inside the trace).
+    rng, seed = fresh_rng()
+    M, K_ = 45, 512
+    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, 11)
+    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    step = mx.compile(lambda xs: K.gemv(w, xs))
+    for _ in range(2):  # the trace, then a replay
+        got = np.array(step(mx.array(x)))
+        assert (np.abs(got - expect) <= tol).all(), f"seed {seed}"
+
+
 def test_gemv_refuses_bad_arguments():
     raw = quant.quantize(np.zeros((4, 256), np.float32), "hfq4g256")
     with pytest.raises(InvalidArgument, match="the GEMV takes"):

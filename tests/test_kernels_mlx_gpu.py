@@ -73,13 +73,17 @@ def test_fwht256_bit_exact():
     assert bits_equal(np.array(K.fwht256(mx.array(x))), ref.fwht256(x)), f"seed {seed}"
 
 
+def _gemv_inputs(fmt, M, K_, batch):
+    """``(weights prepared, x, expected y, tolerance, seed)`` on fresh random inputs."""
+    rng, seed = fresh_rng()
+    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
+    return K.prepare_gemv(mx.array(raw), fmt, M, K_), x, expect, tol, seed
+
+
 @pytest.mark.parametrize("fmt", GEMV_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_gemv(fmt, batch):
-    rng, seed = fresh_rng()
-    M, K_ = 333, 1280
-    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
-    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    w, x, expect, tol, seed = _gemv_inputs(fmt, 333, 1280, batch)
     got = np.array(K.gemv(w, mx.array(x)))
     err = np.abs(got - expect)
     assert (err <= tol).all(), f"{w!r}, seed {seed}: max error {err.max()}"
@@ -90,16 +94,29 @@ def test_gemv(fmt, batch):
 def test_gemv_fused_x_is_the_two_launch_gemv_bit_for_bit(monkeypatch, gpu_backend, fmt, batch):
     if gpu_backend != "cuda":
         pytest.skip("the fused-x kernel is MLX CUDA's (hip/ on NVIDIA)")
-    rng, seed = fresh_rng()
-    M, K_ = 333, 4352  # 17 groups over 8 warps: some take 3, the next group loaded ahead
-    raw, x, expect, tol = gemv_case(rng, fmt, M, K_, batch)
-    w = K.prepare_gemv(mx.array(raw), fmt, M, K_)
+    # K = 4352: 17 groups over 8 warps: some take 3, the next group loaded ahead
+    w, x, expect, tol, seed = _gemv_inputs(fmt, 333, 4352, batch)
     outs = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", fused)
         outs[fused] = np.array(K.gemv(w, mx.array(x)))
     assert bits_equal(outs["1"], outs["0"]), f"seed {seed}"
     assert (np.abs(outs["1"] - expect) <= tol).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", ["hfq4g256", "mq4g256v2"])
+@pytest.mark.parametrize("batch", [1, 8, 11])
+def test_gemv_inside_mx_compile_is_the_uncompiled_gemv_bit_for_bit(fmt, batch):
+    # Under mx.compile MLX traces the custom-kernel launches once and replays them (no
+    # kernel built per call: python -m pagedkv.bench mlx's "[mx.compile]" rows); the
+    # replays must launch the same kernels on the same inputs. 11 rows: two chunks, joined
+    # inside the trace.
+    w, x, expect, tol, seed = _gemv_inputs(fmt, 333, 1280, batch)
+    want = np.array(K.gemv(w, mx.array(x)))
+    step = mx.compile(lambda xs: K.gemv(w, xs))
+    for _ in range(2):  # the trace, then a replay
+        assert bits_equal(np.array(step(mx.array(x))), want), f"seed {seed}"
+    assert (np.abs(want - expect) <= tol).all(), f"seed {seed}"
 
 
 def test_kv_q8_write_and_read():

@@ -2,7 +2,8 @@
 ``python -m pagedkv.bench mlx``, each a ratio of two figures measured in one run.
 
 - ``MlxVsMlx.track_ratio``: MLX's own op time / ours: ``mx.quantized_matmul`` (4 bits,
-  group 64) over the 4-bit GEMV at batch 1 and 8 (target > 1), and MLX's
+  group 64) over the 4-bit GEMV at batch 1 and 8 (target > 1; the ``[mx.compile]`` rows
+  with both sides inside ``mx.compile``), and MLX's
   ``scaled_dot_product_attention`` on a contiguous cache over paged attention (target
   >= 1 / 1.1).
 - ``MlxBandwidth.track_percent_of_copy``: each kernel's share of MLX's copy bandwidth.
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 GEMV_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 RATIO_ROWS = (
-    [f"gemv {fmt} b{b} | {m}x{k}" for fmt in ("hfq4g256", "mq4g256v2") for b in (1, 8)
-     for m, k in GEMV_SHAPES]
+    [f"gemv {fmt} b{b}{c} | {m}x{k}" for fmt in ("hfq4g256", "mq4g256v2") for b in (1, 8)
+     for c in ("", " [mx.compile]") for m, k in GEMV_SHAPES]
     + ["paged_attention float16 | 32x4096 kvh8 d128"])
 BANDWIDTH_ROWS = RATIO_ROWS + [f"paged_attention {dt} | 32x4096 kvh8 d128"
                                for dt in ("bfloat16", "q8", "q8 unstaged")]

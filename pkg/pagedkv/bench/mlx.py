@@ -150,10 +150,35 @@ def bench_gemv(mx, K, rows, copy_bw, shapes, batches, gpu):
                          {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t,
                           **_split(mx, ours, 4 * len(packed)), **ref_split})
                 _set_header_mode(modes[0][1])
+                t, extra = _compiled_gemv_times(mx, K, x, packed, refs)
+                _row(rows, f"gemv {fmt} b{batch} [mx.compile]", f"{M}x{N}", t, nbytes,
+                     copy_bw, extra)
+
+
+def _compiled_gemv_times(mx, K, x, packed, refs):
+    """``(seconds, extra)`` of a row: the same GEMV calls, and mx.quantized_matmul's, each
+    inside ``mx.compile`` (one compiled function per weight copy, the copy a constant of
+    it), as a model whose step is compiled runs them: MLX traces the launches once and
+    replays them, so a call builds no kernel (``host_us``)."""
+    xh = x.astype(mx.float16)
+    ours = [mx.compile(partial(_gemv, K, p)) for p in packed]
+    theirs = [mx.compile(partial(_qmm_of, mx, r)) for r in refs]
+    mx.eval([f(x) for f in ours] + [f(xh) for f in theirs])  # every trace before timing
+    run_ours = _cycling(lambda f: f(x), ours)
+    run_theirs = _cycling(lambda f: f(xh), theirs)
+    t_ref = _time(mx, run_theirs, 4 * len(theirs))
+    t = _time(mx, run_ours, 4 * len(ours))
+    return t, {"mlx_qmm_4bit_us": t_ref * 1e6, "speedup_vs_mlx": t_ref / t,
+               **_split(mx, run_ours, 4 * len(ours)),
+               **_split(mx, run_theirs, 4 * len(theirs), "mlx_qmm_")}
 
 
 def _gemv(K, weights, x):
     return K.gemv(weights, x)
+
+
+def _qmm_of(mx, ref, xh):
+    return _qmm(mx, xh, ref)
 
 
 def _qmm(mx, xh, ref):
