@@ -12,7 +12,8 @@
 # the CPU kernel tests); MLX tests (MLX=1); decode bench (DECODE_TIMEOUT, 150; DECODE_BENCH=0
 # skips; DECODE_ARGS= runs the full grid instead of --quick); kernel bench (BENCH_TIMEOUT,
 # 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
-# Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 150); the CPU kernel tests
+# Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 240: its GEMV rows run
+# twice, as built and inside mx.compile); the CPU kernel tests
 # (CPU_TESTS_TIMEOUT, 150); sanitizer (SANITIZE=1:
 # the probe proving compute-sanitizer sees ctypes launches, then memcheck and racecheck
 # over the GPU tests (racecheck without the tests RACECHECK_DESELECT names: sanitize_tool
@@ -282,7 +283,7 @@ if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   [ "${KERNEL_BENCH:-1}" = 1 ] && phase kernel-bench "${BENCH_TIMEOUT:-150}" bash -c \
     "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench gpu --json $OUT/bench.json ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log"
 fi
-[ "$MLX_OK" = 1 ] && [ "${BENCH:-1}" = 1 ] && phase mlx-bench "${MLX_BENCH_TIMEOUT:-150}" bash -c \
+[ "$MLX_OK" = 1 ] && [ "${BENCH:-1}" = 1 ] && phase mlx-bench "${MLX_BENCH_TIMEOUT:-240}" bash -c \
   "set -o pipefail; PYTHONPATH=$MLXPATH python3 -m pagedkv.bench mlx --json $OUT/bench_mlx.json 2>&1 | tee $OUT/bench_mlx.log"
 [ "$MLX_OK" = 1 ] && [ "${MLX_LM_BENCH:-0}" = 1 ] && phase mlx-lm-bench "${MLX_LM_BENCH_TIMEOUT:-240}" bash -c \
   "set -o pipefail; PYTHONPATH=$MLXPATH python3 asv_bench/benchmarks/integration_mlx_lm.py --paged-attention --quick --dtype bfloat16 2>&1 | tee $OUT/bench_mlx_lm_paged.log"
