@@ -12,7 +12,8 @@ Run from the source tree, with pagedkv installed and ``nvcc`` on the PATH::
     python hip/tune.py attn --kv fwht4/fwht4,fwht2/lloyd2 --set PKV_ATTN_CODE_TABLE_PRMT=0,1
     python hip/tune.py dequant --set PKV_DEQUANT_THREADS=64,128,256
     python hip/tune.py gemv --warps 2,4,8
-    python hip/tune.py gemvx --set PKV_GEMV_X_ROW_TILES=1,2 --warps auto,4,8 --batches 1,2
+    python hip/tune.py gemvx --set PKV_GEMV_X_ROW_TILES=1,2 --warps auto,2,4 --batches 1,2 \
+        --shapes 14336x4096,6144x4096
     python hip/tune.py gemv32 --set PKV_GEMV_PIPE_STAGES=2,3,4 --set PKV_GEMV_PIPE_TILES_PER_WARP=1,2
     python hip/tune.py gemvf16 --set PKV_GEMV_F16_X_STAGES=2,4,6 --warps 4,8 --batches 8,16,32
 
@@ -95,15 +96,31 @@ ATTN_KINDS = {"float16": ("float16", {}), "q8": ("q8", {"q8_stage": False}),
               "q8cc": ("q8", {"q8_mma": False})}
 
 
+def parse_pairs(spec: str, option: str, form: str, example: str) -> list[tuple[int, int]]:
+    """``"AxB,CxD"`` → ``[(A, B), (C, D)]``, positive integers, or SystemExit naming
+    ``option`` and the ``form`` it takes."""
+    pairs = []
+    for item in spec.split(","):
+        a, sep, b = item.partition("x")
+        if not (sep and a.isdigit() and b.isdigit()) or int(a) < 1 or int(b) < 1:
+            raise SystemExit(f"{option} {item!r}: expected {form}, e.g. {example}")
+        pairs.append((int(a), int(b)))
+    return pairs
+
+
 def attn_cases(spec: str, base: dict) -> list[dict]:
     """``"32x4096,1x32768"`` → the bench's attention case with those seqs and tokens."""
-    cases = []
-    for item in spec.split(","):
-        seqs, sep, tokens = item.partition("x")
-        if not (sep and seqs.isdigit() and tokens.isdigit()) or int(seqs) < 1 or int(tokens) < 1:
-            raise SystemExit(f"--cases {item!r}: expected SEQSxTOKENS, e.g. 8x32768")
-        cases.append({**base, "seqs": int(seqs), "tokens": int(tokens)})
-    return cases
+    return [{**base, "seqs": seqs, "tokens": tokens}
+            for seqs, tokens in parse_pairs(spec, "--cases", "SEQSxTOKENS", "8x32768")]
+
+
+def gemv_shapes(spec: str) -> tuple[tuple[int, int], ...]:
+    """``"14336x4096,272x512"`` → GEMV ``(M, K)`` shapes (K a multiple of 256: a group)."""
+    shapes = parse_pairs(spec, "--shapes", "MxK", "14336x4096")
+    for M, K in shapes:
+        if K % 256:
+            raise SystemExit(f"--shapes {M}x{K}: K must be a multiple of 256 (one group)")
+    return tuple(shapes)
 
 
 def attn_kind(kind: str) -> tuple[str, dict]:
@@ -266,17 +283,22 @@ def gemv_cases(dev, B, shapes, formats, batches, seed: int):
 X_KNOBS = ("GEMV_X_ROW_TILES", "GEMV_X_ROW_TILES_WIDE")  # the fused-x kernel's mirrors
 
 
+GEMVX_SHAPES = "4096x4096,4096x14336,14336x4096,272x512"
+
+
 def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batches: list[int],
-                formats: tuple[str, ...],
-                shapes=((4096, 4096), (4096, 14336), (14336, 4096), (272, 512))) -> None:
+                formats: tuple[str, ...], shapes: tuple[tuple[int, int], ...] | None = None
+                ) -> None:
     """The fused-x GEMV (pkv_gemv_mma_x_*, batch 1-2) per variant of its launch.h knobs
     (16-row tiles per block) and warps per block (None: the launcher's choice), against the
-    two launches (prep + GEMV, which no knob here changes) and PyTorch's tinygemm int4 in the
-    same run. Every launch must give the bytes of the two launches with as many warps (the
+    two launches (prep + GEMV, which no knob here changes), the GEMV alone on x prepared
+    beforehand (what the fused launch could at best reach) and PyTorch's tinygemm int4 in
+    the same run. Every launch must give the bytes of the two launches with as many warps (the
     warps' partial sums meet in a fixed order, so another warp count rounds differently; 272
     rows: 17 tiles, so a block of two tiles per block holds one in the last)."""
     from pagedkv.kernels import weights
     torch = B._torch()
+    shapes = shapes or gemv_shapes(GEMVX_SHAPES)
     for fmt, M, K, _, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats, batches, 4):
         def output(g, x=x, y=y, dev_w=dev_w):
             g.run(dev_w[0], x, y, stream=stream)
@@ -288,12 +310,16 @@ def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batche
                               calls)
             return t, output(g)
         _load_weights_variant(dev, images[0][0], images[0][1], X_KNOBS)
-        t_two, _ = timed(weights.Gemv(dev, fmt, M, K, batch, fused_x=False))
+        two = weights.Gemv(dev, fmt, M, K, batch, fused_x=False)
+        t_two, _ = timed(two)
+        two.prepare(x, stream=stream)  # the GEMV alone on x prepared once: the floor
+        t_alone = B._time_graph(dev, stream, partial(B._rotating, two.run_prepared, dev_w,
+                                                     (y,), calls), calls)
         want: dict[int, bytes] = {}  # the two launches' output per warps per block
         t_tg = B.tinygemm_time(torch, M, K, batch) if torch is not None else None
         peer = f"; tinygemm {t_tg * 1e6:.2f} us" if t_tg else ""
-        print(f"gemvx {fmt} b{batch} {M}x{K} two launches: {t_two * 1e6:.2f} us{peer}",
-              flush=True)
+        print(f"gemvx {fmt} b{batch} {M}x{K} two launches: {t_two * 1e6:.2f} us; the GEMV "
+              f"alone on x prepared: {t_alone * 1e6:.2f} us{peer}", flush=True)
         for defines, image in images:
             _load_weights_variant(dev, defines, image, X_KNOBS)
             for w in warps:
@@ -375,6 +401,8 @@ def main(argv=None) -> int:
                    help="gemvf16: group splits to try (auto: the launcher's choice)")
     p.add_argument("--formats", default="mq4g256v2,hfq4g256",
                    help="gemvf16, gemvx: weight formats")
+    p.add_argument("--shapes", default=GEMVX_SHAPES,
+                   help="gemvx: MxK weight shapes, comma-separated (K a multiple of 256)")
     p.add_argument("--kv", default="float16",
                    help=f"attn: the KV kinds timed, comma-separated: {sorted(ATTN_KINDS)} (q8s: "
                         "the staged q8 kernel) or compressed pairs such as fwht4/lloyd4")
@@ -388,6 +416,7 @@ def main(argv=None) -> int:
     if args.what == "attn":  # a wrong --kv fails now, not after minutes of nvcc
         for kind in args.kv.split(","):
             attn_kind(kind)
+    shapes = gemv_shapes(args.shapes)  # likewise a wrong --shapes
     from pagedkv.bench import gpu as B
     from pagedkv.kernels import Stream
     dev = B.open_device_or_explain("hip/tune.py")
@@ -421,7 +450,7 @@ def main(argv=None) -> int:
         sweep_gemv32(dev, stream, copy_bw, B, images)
     elif args.what == "gemvx":
         sweep_gemvx(dev, stream, copy_bw, B, images, warps_list, batches,
-                    tuple(args.formats.split(",")))
+                    tuple(args.formats.split(",")), shapes)
     elif args.what == "gemvf16":
         sweep_gemvf16(dev, stream, copy_bw, B, images, warps_list, batches,
                       tuple(int(t) for t in args.tiles.split(",")),

@@ -39,6 +39,18 @@ def test_attn_cases_set_seqs_and_tokens_on_the_bench_case(tune):
             tune.attn_cases(bad, base)
 
 
+def test_gemvx_shapes_are_m_by_k_with_whole_groups(tune):
+    assert tune.gemv_shapes("14336x4096,272x512") == ((14336, 4096), (272, 512))
+    assert tune.gemv_shapes(tune.GEMVX_SHAPES)[-1] == (272, 512)  # 17 tiles: a partial block
+    for bad in ("4096", "x4096", "0x256", "16x-256"):
+        with pytest.raises(SystemExit, match="--shapes .*expected MxK"):
+            tune.gemv_shapes(bad)
+    with pytest.raises(SystemExit, match="K must be a multiple of 256"):
+        tune.gemv_shapes("16x1000")
+    with pytest.raises(SystemExit, match="--shapes '12'"):  # checked before any device or build
+        tune.main(["gemvx", "--shapes", "12"])
+
+
 def test_attn_kv_takes_the_kernel_kinds_and_the_compressed_pairs(tune):
     from pagedkv.bench import gpu as B
     assert tune.attn_kind("q8s") == ("q8", {"q8_stage": True})
