@@ -283,12 +283,12 @@ def gemv_cases(dev, B, shapes, formats, batches, seed: int):
 X_KNOBS = ("GEMV_X_ROW_TILES", "GEMV_X_ROW_TILES_WIDE")  # the fused-x kernel's mirrors
 
 
+#: gemvx's --shapes default (272 rows: 17 tiles, a last block of one at 2 tiles a block)
 GEMVX_SHAPES = "4096x4096,4096x14336,14336x4096,272x512"
 
 
 def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batches: list[int],
-                formats: tuple[str, ...], shapes: tuple[tuple[int, int], ...] | None = None
-                ) -> None:
+                formats: tuple[str, ...], shapes: tuple[tuple[int, int], ...]) -> None:
     """The fused-x GEMV (pkv_gemv_mma_x_*, batch 1-2) per variant of its launch.h knobs
     (16-row tiles per block) and warps per block (None: the launcher's choice), against the
     two launches (prep + GEMV, which no knob here changes), the GEMV alone on x prepared
@@ -298,7 +298,6 @@ def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batche
     rows: 17 tiles, so a block of two tiles per block holds one in the last)."""
     from pagedkv.kernels import weights
     torch = B._torch()
-    shapes = shapes or gemv_shapes(GEMVX_SHAPES)
     for fmt, M, K, _, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats, batches, 4):
         def output(g, x=x, y=y, dev_w=dev_w):
             g.run(dev_w[0], x, y, stream=stream)

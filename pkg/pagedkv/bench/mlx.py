@@ -162,7 +162,7 @@ def _compiled_gemv_times(mx, K, x, packed, refs):
     replays them, so a call builds no kernel (``host_us``)."""
     xh = x.astype(mx.float16)
     ours = [mx.compile(partial(_gemv, K, p)) for p in packed]
-    theirs = [mx.compile(partial(_qmm_of, mx, r)) for r in refs]
+    theirs = [mx.compile(lambda xh, r=r: _qmm(mx, xh, r)) for r in refs]
     mx.eval([f(x) for f in ours] + [f(xh) for f in theirs])  # every trace before timing
     run_ours = _cycling(lambda f: f(x), ours)
     run_theirs = _cycling(lambda f: f(xh), theirs)
@@ -175,10 +175,6 @@ def _compiled_gemv_times(mx, K, x, packed, refs):
 
 def _gemv(K, weights, x):
     return K.gemv(weights, x)
-
-
-def _qmm_of(mx, ref, xh):
-    return _qmm(mx, xh, ref)
 
 
 def _qmm(mx, xh, ref):
