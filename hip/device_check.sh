@@ -90,8 +90,15 @@ phase() {
 }
 
 # a warm machine keeps the last call's files; REUSE_BUILD=1 keeps its build of pagedkv too
-# (a second call on the same tree, e.g. the MLX half of a two-call run)
-if [ "${REUSE_BUILD:-0}" = 1 ] && [ -d "$WORK/pkv/pagedkv" ]; then
+# (a second call on the same tree, e.g. the MLX half of a two-call run), unless that build
+# has no kernel objects (OBJECTS=0, marked below) and this call needs them
+NO_OBJECTS_MARK=$WORK/pkv/.no_kernel_objects
+if [ "${REUSE_BUILD:-0}" = 1 ] && [ -f "$NO_OBJECTS_MARK" ] && [ "${OBJECTS:-1}" != 0 ]; then
+  echo "REUSE_BUILD=1: the warm build was OBJECTS=0 (no kernel objects): building again" \
+    | tee -a "$OUT/phases.txt"
+fi
+if [ "${REUSE_BUILD:-0}" = 1 ] && [ -d "$WORK/pkv/pagedkv" ] \
+   && { [ "${OBJECTS:-1}" = 0 ] || [ ! -f "$NO_OBJECTS_MARK" ]; }; then
   echo "phase build: reused the warm machine's build" | tee -a "$OUT/phases.txt"
   export PYTHONPATH=$WORK/site
 else
@@ -113,6 +120,7 @@ python3 -m pip wheel -q --no-build-isolation --no-deps "${build_args[@]}" -w "$W
   >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "phase build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 python3 -m pip install -q --no-deps --target "$WORK/pkv" "$WORK"/w/*.whl || exit 1
+[ "${OBJECTS:-1}" = 0 ] && mkdir -p "$WORK/pkv" && touch "$NO_OBJECTS_MARK"
 fi
 export PAGEDKV_REQUIRE_GPU=1  # a lost device fails the GPU tests instead of skipping them
 PKV=$WORK/pkv:$WORK/site

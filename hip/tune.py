@@ -298,6 +298,9 @@ def sweep_gemvx(dev, stream, copy_bw, B, images, warps: list[int | None], batche
     rows: 17 tiles, so a block of two tiles per block holds one in the last)."""
     from pagedkv.kernels import weights
     torch = B._torch()
+    # gemv_cases builds a Gemv (rotating_weights) before the loop body: a build without
+    # kernel objects (device_check.sh OBJECTS=0) has no weights module until one is loaded
+    _load_weights_variant(dev, images[0][0], images[0][1], X_KNOBS)
     for fmt, M, K, _, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats, batches, 4):
         def output(g, x=x, y=y, dev_w=dev_w):
             g.run(dev_w[0], x, y, stream=stream)
@@ -350,6 +353,7 @@ def sweep_gemvf16(dev, stream, copy_bw, B, images, warps: list[int], batches: li
     from pagedkv.kernels import weights
     first: dict = {}
     default_tpw, default_splits = weights.GEMV_F16_TILES_PER_WARP, weights.GEMV_F16_MAX_SPLITS
+    _load_weights_variant(dev, images[0][0], images[0][1], F16_KNOBS)  # as sweep_gemvx
     for fmt, M, K, raw, dev_w, calls, batch, x, y in gemv_cases(dev, B, shapes, formats,
                                                                 batches, 3):
         def timed(g, x=x, y=y, dev_w=dev_w, calls=calls):
@@ -400,8 +404,9 @@ def main(argv=None) -> int:
                    help="gemvf16: group splits to try (auto: the launcher's choice)")
     p.add_argument("--formats", default="mq4g256v2,hfq4g256",
                    help="gemvf16, gemvx: weight formats")
-    p.add_argument("--shapes", default=GEMVX_SHAPES,
-                   help="gemvx: MxK weight shapes, comma-separated (K a multiple of 256)")
+    p.add_argument("--shapes", default=None,
+                   help="gemvx, gemvf16: MxK weight shapes, comma-separated (K a multiple of "
+                        f"256; gemvx's default {GEMVX_SHAPES}, gemvf16's its own four)")
     p.add_argument("--kv", default="float16",
                    help=f"attn: the KV kinds timed, comma-separated: {sorted(ATTN_KINDS)} (q8s: "
                         "the staged q8 kernel) or compressed pairs such as fwht4/lloyd4")
@@ -415,7 +420,11 @@ def main(argv=None) -> int:
     if args.what == "attn":  # a wrong --kv fails now, not after minutes of nvcc
         for kind in args.kv.split(","):
             attn_kind(kind)
-    shapes = gemv_shapes(args.shapes)  # likewise a wrong --shapes
+    if args.shapes is not None and args.what not in ("gemvx", "gemvf16"):
+        raise SystemExit(f"--shapes: only gemvx and gemvf16 take weight shapes, not {args.what}")
+    # likewise a wrong --shapes
+    shapes = gemv_shapes(args.shapes or GEMVX_SHAPES) if args.what == "gemvx" else None
+    f16_shapes = {} if args.shapes is None else {"shapes": gemv_shapes(args.shapes)}
     from pagedkv.bench import gpu as B
     from pagedkv.kernels import Stream
     dev = B.open_device_or_explain("hip/tune.py")
@@ -454,7 +463,7 @@ def main(argv=None) -> int:
         sweep_gemvf16(dev, stream, copy_bw, B, images, warps_list, batches,
                       tuple(int(t) for t in args.tiles.split(",")),
                       tuple(None if v == "auto" else int(v) for v in args.splits.split(",")),
-                      tuple(args.formats.split(",")))
+                      tuple(args.formats.split(",")), **f16_shapes)
     else:
         sweep_dequant(dev, stream, copy_bw, B, images)
     return 0

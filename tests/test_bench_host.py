@@ -181,6 +181,33 @@ def test_tune_sweeps_load_each_variant_and_report(dev, tune, capsys, monkeypatch
     assert weights.DEQUANT_THREADS == 64
 
 
+def test_gemv_sweeps_load_their_first_variant_before_any_gemv_of_an_objectless_build(
+        stub_runtime, tune, capsys, monkeypatch):
+    # device_check.sh OBJECTS=0 installs no kernel object: the sweep's first Gemv (the
+    # bench's rotating weights) must find the variant it compiled already served. On the
+    # stub's gfx90a the fused launch itself is then refused (NVIDIA only), after the two
+    # launches were timed on the variant.
+    from pagedkv.errors import InvalidArgument, NoDeviceError
+    from pagedkv.kernels import device as device_module
+    image = read_object("weights", "hip", Device(stub_runtime, 0).properties.arch)
+
+    def no_object(source, backend, arch):
+        raise NoDeviceError(f"no kernel object {source}.{arch}.hsaco")
+    monkeypatch.setattr(device_module, "read_object", no_object)
+    for name in tune.X_KNOBS + tune.F16_KNOBS:
+        monkeypatch.setattr(weights, name, getattr(weights, name))
+    dev = Device(stub_runtime, 0)  # nothing loaded
+    with pytest.raises(InvalidArgument, match="fused_x=True: .* on gfx90a"):
+        tune.sweep_gemvx(dev, Stream(dev), 1e12, gpu, [({"PKV_GEMV_X_ROW_TILES": "2"}, image)],
+                         [None], [1], ("hfq4g256",), ((32, 512),))
+    assert capsys.readouterr().out.startswith("gemvx hfq4g256 b1 32x512 two launches: ")
+    assert weights.GEMV_X_ROW_TILES == 2
+    dev = Device(stub_runtime, 0)
+    with pytest.raises(InvalidArgument, match="f16_x=True"):  # NVIDIA only, likewise
+        tune.sweep_gemvf16(dev, Stream(dev), 1e12, gpu, [({}, image)], [4], [8],
+                           formats=("hfq4g256",), shapes=((32, 512),))
+
+
 def _asv_gpu():
     return load_tree_script("asv_bench/benchmarks/gpu.py", "pagedkv_asv_gpu")
 

@@ -196,6 +196,21 @@ def test_a_tune_call_without_kernel_objects_builds_cython_only_and_runs_each_swe
                    for c in calls)
 
 
+def test_a_build_without_kernel_objects_is_reused_only_by_calls_that_need_none(tmp_path):
+    _run(tmp_path, OBJECTS="0", TUNE="gemvx", BUDGET_S="100")
+    (tmp_path / "work" / "pkv" / "pagedkv").mkdir(parents=True)  # what pip installed there
+    phases, _, _ = _run(tmp_path, OBJECTS="0", REUSE_BUILD="1", TUNE="gemvx", BUDGET_S="100")
+    assert _names(phases) == ["build", "OBJECTS=0", "tune-0"]
+    assert phases[0] == "phase build: reused the warm machine's build"
+    # the tests would find no kernel: this call builds again (with them) instead
+    phases, _, _ = _run(tmp_path, REUSE_BUILD="1", BENCH="0", BUDGET_S="100")
+    assert phases[0] == "REUSE_BUILD=1: the warm build was OBJECTS=0 (no kernel objects): " \
+                        "building again"
+    assert _names(phases)[1:] == ["build", "ctypes-tests", "cpu-kernel-tests"]
+    assert "reused" not in phases[1]
+    assert not (tmp_path / "work" / "pkv" / ".no_kernel_objects").exists()
+
+
 def test_tune_runs_after_the_gpu_tests_of_a_full_build(tmp_path):
     phases, calls, _ = _run(tmp_path, TUNE="gemvx", BENCH="0", BUDGET_S="100")
     assert _names(phases) == ["build", "ctypes-tests", "tune-0", "cpu-kernel-tests"]

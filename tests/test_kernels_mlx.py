@@ -103,7 +103,9 @@ def test_gemv_matches_the_reference(fmt, batch):
 def test_gemv_runs_inside_mx_compile(fmt):
     # A model that compiles its step calls gemv while MLX traces it (x a tracer, the
     # weights a constant of the compiled function); the replays must stay within the
-    # reference's bound (11 rows: two launches' chunks joined inside the trace).
+    # reference's bound. On MLX's CPU backend gemv is one array-op call; the chunked
+    # launches (11 rows: 8 + 3) inside a trace are the GPU test's
+    # (tests/test_kernels_mlx_gpu.py, test_gemv_inside_mx_compile_is_the_uncompiled_gemv_...).
     rng, seed = fresh_rng()
     M, K_ = 45, 512
     raw, x, expect, tol = gemv_case(rng, fmt, M, K_, 11)

@@ -49,6 +49,10 @@ def test_gemvx_shapes_are_m_by_k_with_whole_groups(tune):
         tune.gemv_shapes("16x1000")
     with pytest.raises(SystemExit, match="--shapes '12'"):  # checked before any device or build
         tune.main(["gemvx", "--shapes", "12"])
+    with pytest.raises(SystemExit, match="--shapes '12'"):  # gemvf16 takes them too
+        tune.main(["gemvf16", "--shapes", "12"])
+    with pytest.raises(SystemExit, match="only gemvx and gemvf16 take weight shapes, not attn"):
+        tune.main(["attn", "--shapes", "4096x4096"])
 
 
 def test_attn_kv_takes_the_kernel_kinds_and_the_compressed_pairs(tune):

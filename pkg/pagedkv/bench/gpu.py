@@ -720,8 +720,10 @@ def main(argv=None) -> int:
           f"{torch.__version__ if torch else 'not used'}", flush=True)
     copy_bw, copies = copy_bandwidth(device, stream)
     read_gbps = (1 << 30) / read_ceiling(device, stream, 1 << 30) / 1e9
+    kernel_gbps = copies["copy_kernel_GBps"]  # None: a build without kernel objects
     print(f"device-to-device copy (1 GiB, read+write): {copy_bw / 1e9:.1f} GB/s "
-          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel {copies['copy_kernel_GBps']:.1f}); "
+          f"(memcpy {copies['memcpy_GBps']:.1f}, copy kernel "
+          f"{'n/a' if kernel_gbps is None else f'{kernel_gbps:.1f}'}); "
           f"streaming read of 1 GiB: {read_gbps:.1f} GB/s", flush=True)
     rows: list[dict] = []
     shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (4096, 14336), (14336, 4096)]
