@@ -444,6 +444,10 @@ class BlockAllocator:
             _log.exception("on_block_event hook raised for %r; ignored", kind)
 
     def _emit_changes(self, removed: list[int], stored: list[int]) -> None:
+        """The operation's net change: removed hashes no longer in the table, stored ones
+        still in it (a hash stored and evicted by one operation is only removed)."""
+        removed = [h for h in dict.fromkeys(removed) if h not in self._prefix]
+        stored = [h for h in dict.fromkeys(stored) if h in self._prefix]
         if removed:
             self._emit("removed", removed)
         if stored:
@@ -720,6 +724,10 @@ class BlockAllocator:
         stored: list[int] = []
         accepted: list[int] = []
         new_entries = 0
+        # pinned for the walk: an insert's capacity eviction must not free a later block of
+        # the chain that only the cache holds (it would then be registered while free)
+        for block_id in ids:
+            self._incref(block_id)
         for block_id, block_hash, identity in zip(ids, hashes, identities, strict=True):
             holder = self._prefix.get(block_hash)
             if holder is not None:
@@ -734,6 +742,8 @@ class BlockAllocator:
                 if holder is None:
                     new_entries += 1
         self._touch_deepest_first(accepted)
+        for block_id in ids:
+            self._decref(block_id)
         self._emit_changes(removed, stored)
         return new_entries
 

@@ -668,3 +668,55 @@ def test_event_hook_errors_never_undo_the_operation(make, caplog):
     assert alloc.prefix_cache_len == 1 and hit(alloc, range(4)) == ([b], 4)
     assert "router down" in caplog.text
     alloc.check_invariants()
+
+
+def test_a_chain_whose_insert_evicts_a_later_cache_only_block_of_it(make):
+    # Capacity 1 holds c (cache-only). Registering [x, c]: x's insert evicts c; c was pinned
+    # for the walk, so it is not freed, and its own insert then takes the one entry. Before
+    # the pin c reached refcount 0, joined the free queue and was registered there: the
+    # next allocate handed it out while the table still mapped a hash to it.
+    alloc = make(4, block_size=2)
+    c = int(alloc.allocate())
+    alloc.cache_full_blocks([1, 2], [c])
+    alloc.free(c)
+    alloc.set_prefix_cache_capacity(1)
+    x = int(alloc.allocate())
+    assert alloc.cache_full_blocks([7, 8, 9, 10], [x, c]) == 2
+    alloc.check_invariants()
+    assert alloc.ref_count(c) == 1 and alloc.ref_count(x) == 1  # c cache-only, x the caller's
+    assert alloc.prefix_cache_len == 1 and alloc.num_evictable_blocks == 1
+    assert hit(alloc, [7, 8, 9, 10]) == ([], 0)  # x's entry went to c's insert
+    assert alloc.free_list() == [2, 3]
+    assert [int(alloc.allocate()) for _ in range(3)] == [2, 3, c]  # c by eviction, once
+    assert alloc.prefix_cache_len == 0
+    alloc.check_invariants()
+
+
+def test_events_are_the_net_change_of_an_operation(make):
+    # A 2-block chain at capacity 1 stores h0, evicts it, stores h1: a mirror applying
+    # "removed" then "stored" must end with the table's {h1} (it used to get removed [h0],
+    # then stored [h0, h1]).
+    mirror: set[int] = set()
+    events = []
+
+    def hook(kind, hashes):
+        events.append((kind, hashes.tolist()))
+        if kind == "removed":
+            mirror.difference_update(hashes.tolist())
+        elif kind == "stored":
+            mirror.update(hashes.tolist())
+
+    alloc = make(8, block_size=2, on_block_event=hook)
+    alloc.set_prefix_cache_capacity(1)
+    ids = alloc.allocate_many(2)
+    h0, h1 = (int(h) for h in alloc.chain_hashes([1, 2, 3, 4]))
+    assert alloc.cache_full_blocks([1, 2, 3, 4], ids) == 2
+    assert events == [("removed", [h0]), ("stored", [h1])]
+    assert mirror == {int(h) for h in alloc.lru_hashes()} == {h1}
+    # an alias move: the old hash removed, the new one stored
+    events.clear()
+    alloc.set_prefix_cache_capacity(4)
+    h5 = int(alloc.chain_hashes([5, 6])[0])
+    assert alloc.cache_full_blocks([5, 6], [ids[1]]) == 1
+    assert events == [("removed", [h1]), ("stored", [h5])]
+    assert mirror == {int(h) for h in alloc.lru_hashes()} == {h5}

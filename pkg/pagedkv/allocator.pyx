@@ -643,10 +643,16 @@ cdef class BlockAllocator:
         hook = self._on_block_event
         if hook is None:
             return None
-        for kind, hashes in (("removed", self.ev_removed), ("stored", self.ev_stored)):
+        # The net change of the operation, so that applying "removed" then "stored"
+        # reproduces the table: one operation may store a hash and evict it again (a chain
+        # longer than the capacity), which in that order would leave it in a mirror.
+        removed = [h for h in dict.fromkeys(self.ev_removed) if self.pt_find(h) < 0]
+        stored = [h for h in dict.fromkeys(self.ev_stored) if self.pt_find(h) >= 0]
+        self.ev_removed.clear()
+        self.ev_stored.clear()
+        for kind, hashes in (("removed", removed), ("stored", stored)):
             if hashes:
                 arr = np.array(hashes, dtype=np.uint64)
-                hashes.clear()
                 try:
                     hook(kind, arr)
                 except Exception:
@@ -1119,34 +1125,44 @@ cdef class BlockAllocator:
         cdef const uint8_t* dptr
         cdef uint32_t dlen
         self.hash_chain(t, n, keys, salt, parent, first, chain)
+        # Every block of the chain is pinned for the walk: an insert's capacity eviction may
+        # take a later block of this chain that only the cache holds; unpinned it would reach
+        # refcount 0, join the free queue and then be registered there (free and cached at
+        # once, handed to the next allocate while the table maps a hash to it).
         for i in range(n):
-            b = ids[i]
-            h = chain[i]
-            dptr = keys.digest_of(i)
-            dlen = keys.digest_len(i)
-            slot = self.pt_find(h)
-            if slot >= 0:
-                if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
-                                             salt, first + i, dptr, dlen):
-                    self.st_collisions_rejected += 1
-                    break                   # nothing past a collision is registered
-                if self.slots[slot].block == b:
-                    self.lru_touch(b)       # refresh of the same (block, hash)
-                # else: a replay of an already-cached block, skipped (touched below)
-            else:
-                self.record_identity(b, t + i * bs, parent, salt, first + i, dptr, dlen)
-                self.insert_entry(b, h)
-                added += 1
-            accepted += 1
-            parent = h
-        # Deepest first, so block 0 ends most recent and eviction takes tails first. The
-        # touch follows the hash: an entry a later step capacity-evicted is skipped.
-        i = accepted - 1
-        while i >= 0:
-            slot = self.pt_find(chain[i])
-            if slot >= 0:
-                self.lru_touch(self.slots[slot].block)
-            i -= 1
+            self.incref_block(ids[i])
+        try:
+            for i in range(n):
+                b = ids[i]
+                h = chain[i]
+                dptr = keys.digest_of(i)
+                dlen = keys.digest_len(i)
+                slot = self.pt_find(h)
+                if slot >= 0:
+                    if not self.identity_matches(self.slots[slot].block, t + i * bs, parent,
+                                                 salt, first + i, dptr, dlen):
+                        self.st_collisions_rejected += 1
+                        break                   # nothing past a collision is registered
+                    if self.slots[slot].block == b:
+                        self.lru_touch(b)       # refresh of the same (block, hash)
+                    # else: a replay of an already-cached block, skipped (touched below)
+                else:
+                    self.record_identity(b, t + i * bs, parent, salt, first + i, dptr, dlen)
+                    self.insert_entry(b, h)
+                    added += 1
+                accepted += 1
+                parent = h
+            # Deepest first, so block 0 ends most recent and eviction takes tails first. The
+            # touch follows the hash: an entry a later step capacity-evicted is skipped.
+            i = accepted - 1
+            while i >= 0:
+                slot = self.pt_find(chain[i])
+                if slot >= 0:
+                    self.lru_touch(self.slots[slot].block)
+                i -= 1
+        finally:
+            for i in range(n):
+                self.decref_block(ids[i])
         return added
 
     def publish_restored_batch(self, entries):
