@@ -154,6 +154,32 @@ def test_d6_rollback(make):
     assert a.num_tokens("s") == 3
 
 
+def test_rollback_never_reaches_into_a_shared_or_published_block(make):
+    # B's prefix hit shares A's two blocks (A kept them live and published them): rolling B
+    # back into them would let its next write change what A reads and what the table serves
+    # under the old tokens' hash. Refused, nothing changes; past them it is fine.
+    a = make(16)
+    start(a, "A", range(8))
+    a.write_kv("A", 0, np.ones((8, HEADS, DIM), np.float32), np.ones((8, HEADS, DIM), np.float32))
+    a.finalize_turn_keep_live("A")
+    assert start(a, "B", list(range(8)) + [9]) == 8
+    before = state(a)
+    for n in (2, 5, 9):  # resume at 7, 4, 0: inside block 1, at its start, block 0
+        with pytest.raises(InvalidArgument, match="other requests or the prefix cache also "
+                                                  r"hold \(refcount 3\)"):
+            a.rollback_last_tokens("B", n)
+        assert state(a) == before
+    a.rollback_last_tokens("B", 1)  # resume at 8: B's own block 2 only
+    assert a.num_tokens("B") == 8
+    # A's own published blocks: a rollback into them is refused as well
+    with pytest.raises(InvalidArgument, match="inside block"):
+        a.rollback_last_tokens("A", 4)
+    assert a.num_tokens("A") == 8
+    start(a, "C", [20, 21, 22, 23, 24, 25])
+    a.rollback_last_tokens("C", 2)  # C's blocks are its own: as before
+    assert a.num_tokens("C") == 4
+
+
 def test_d7_register_once_release_cleanly(make):
     a = make(16)
     start(a, "s", range(8))
@@ -631,6 +657,53 @@ def test_purge_arms_the_cold_suppressor(make):
     a.reset_for_new_request("u")
     a.find_cached_prefix("u", range(8))
     assert calls == [[]]
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"max_tokens": -1}, InvalidArgument), ({"max_tokens": 2.5}, InvalidArgumentType),
+    ({"extra_keys": (-5,)}, InvalidArgument), ({"extra_keys": 5}, InvalidArgumentType),
+    ({"extra_keys_per_block": 5}, InvalidArgumentType),
+    ({"extra_keys_per_block": [(1,), (-2,)]}, InvalidArgument)])
+def test_a_refused_lookup_changes_nothing(make, bad, error):
+    # Checked before the row or the purge's one-shot cold suppression change: a bad call
+    # used to spend the suppression (the next lookup then restored from disk what the
+    # purge dropped) and leave its salt and keys on the row.
+    restores = []
+
+    class Cold:
+        def restore(self, **kw):
+            restores.append(1)
+            return np.empty(0, np.int32)
+
+        def capture(self, **kw):
+            pass
+
+    a = make(16, cold=Cold())
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request_and_purge_prefix_cache("s")
+    restores.clear()
+    a.reset_for_new_request("t")
+    before = state(a)
+    with pytest.raises(error):
+        a.find_cached_prefix("t", range(8), **bad)
+    assert state(a) == before
+    assert a.find_cached_prefix("t", range(8)).cached_tokens == 0
+    assert restores == []  # the suppression still applied to the first valid lookup
+
+
+def test_wrong_types_of_counts_and_generations_are_refused_as_types(make):
+    a = make(16)
+    start(a, "s", range(8))
+    with pytest.raises(InvalidArgumentType, match="max_cached_tokens must be an int"):
+        a.prepare_turn("s", list(range(9)), total_tokens=9, max_cached_tokens="3")
+    with pytest.raises(InvalidArgumentType, match="generation must be an int"):
+        a.pool.check_generation("0")
+    with pytest.raises(InvalidArgumentType, match="generation must be an int"):
+        a.write_kv("s", 0, np.zeros((1, HEADS, DIM), np.float32),
+                   np.zeros((1, HEADS, DIM), np.float32), generation="0")
+    with pytest.raises(InvalidArgumentType, match="n must be an int"):
+        a.confirm_aux_prefix_primed("s", 1.5)
 
 
 # --- cold-tier hooks --------------------------------------------------------------------

@@ -191,7 +191,23 @@ class GroupBlocks:
         return int(self.num_blocks[row]) * self.block_size >= tokens
 
     def check_rollback(self, row: int, new_total: int, seq_id) -> None:
-        """Full attention keeps every block: any rollback is fine."""
+        """``InvalidArgument`` when resuming at ``new_total`` tokens would rewrite a block
+        the row does not own alone: one of a prefix hit other requests hold too, or one it
+        published to the prefix cache (either way refcount > 1). The next write there would
+        change K/V that other requests read, or that the table serves under the old
+        tokens' hash."""
+        table = self.table[row]
+        for i in range(new_total // self.block_size, int(self.num_blocks[row])):
+            b = int(table[i])
+            refs = self.allocator.ref_count(b)
+            if refs > 1:
+                raise InvalidArgument(
+                    f"rollback_last_tokens: seq_id {seq_id!r} would resume at {new_total} "
+                    f"tokens, inside block {b} (table index {i}), which other requests or the "
+                    f"prefix cache also hold (refcount {refs}): the next write would change "
+                    f"their K/V. Roll back only tokens past the last shared or registered "
+                    f"block ({i * self.block_size + self.block_size} tokens here at least), or "
+                    f"start a fresh request")
 
     def publishes(self, hot_reuse: bool) -> bool:
         """Whether registration publishes this group's blocks (full groups always do)."""

@@ -42,7 +42,7 @@ from pagedkv.errors import (
     LookupAlreadyDone,
     PagedKVError,
 )
-from pagedkv.hashing import as_domain_id
+from pagedkv.hashing import as_domain_id, make_chain_keys
 
 __all__ = ["RequestLifecycle"]
 
@@ -164,6 +164,11 @@ class RequestLifecycle(AdmissionControl):
             raise InvalidArgumentType(
                 "cache_salt must be a u64 domain id, got a str: pass salt_domain_id(salt)")
         salt = as_domain_id(cache_salt)
+        # Every argument is checked before anything changes: a refused call leaves the row,
+        # and the one-shot cold-restore suppression of a purge, as they were.
+        make_chain_keys(extra_keys, extra_keys_per_block)
+        if max_tokens is not None:
+            tokens = tokens[:as_count(max_tokens, "max_tokens")]
         suppress_cold = self._suppress_cold_restore_once
         self._suppress_cold_restore_once = False
         if skip_lookup:
@@ -177,8 +182,6 @@ class RequestLifecycle(AdmissionControl):
                           None if extra_keys_per_block is None else list(extra_keys_per_block))
         rows.publish[row] = (PUBLISH_PLAIN if not uniform and extra_keys_per_block is None
                              else PUBLISH_KEYED)
-        if max_tokens is not None:
-            tokens = tokens[:as_count(max_tokens, "max_tokens")]
         entries, cached, checkpoint, full_ceiling = self._hot_hit(
             tokens, extra_keys, extra_keys_per_block, salt)
         first = self._groups[0]
@@ -512,6 +515,7 @@ class RequestLifecycle(AdmissionControl):
 
     def confirm_aux_prefix_primed(self, seq_id: Hashable, n: int) -> None:
         """The family installed its out-of-pool state at ``n == cached_token_count``."""
+        n = as_count(n, "n")
         rows = self._rows
         row = rows.row(seq_id)
         if not rows.aux_unbacked[row]:

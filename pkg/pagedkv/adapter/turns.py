@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from pagedkv.adapter.arguments import as_tokens
+from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import TurnPlan, TurnPlanReason
 from pagedkv.errors import ContextLengthExceeded
@@ -36,7 +36,8 @@ def prepare_turn(cache: RequestLifecycle, seq_id: Hashable, prompt, *, total_tok
     leaks.
     """
     toks = as_tokens(prompt, "prompt")
-    limit = len(toks) - 1 if max_cached_tokens is None else max_cached_tokens
+    limit = (len(toks) - 1 if max_cached_tokens is None
+             else as_count(max_cached_tokens, "max_cached_tokens"))
     reason = TurnPlanReason.FRESH_RESET
     if reuse_live and cache.is_live_for_continue(seq_id):
         live = cache.request_tokens(seq_id)

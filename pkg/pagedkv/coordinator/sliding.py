@@ -158,6 +158,7 @@ class SlidingGroupBlocks(GroupBlocks):
                 f"but its sliding group (window {self.window}) already dropped positions "
                 f"before {self.first_live_position(row)}: a rollback cannot pass the "
                 "committed frontier it was pruned at")
+        super().check_rollback(row, new_total, seq_id)
 
     def publishes(self, hot_reuse: bool) -> bool:
         return hot_reuse

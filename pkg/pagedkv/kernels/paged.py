@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray, need_array
@@ -111,6 +112,9 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
     if not isinstance(tables, DeviceDecodeBatch):
         raise InvalidArgumentType(f"tables: expected a DeviceDecodeBatch, got "
                                   f"{type(tables).__name__}")
+    if generation is not None and not is_int(generation):
+        raise InvalidArgumentType(f"generation must be an int or None, got "
+                                  f"{type(generation).__name__}")
     if generation is not None and tables.generation != generation:
         raise StaleBlockTable(f"generation: the tables were uploaded for pool generation "
                               f"{tables.generation}, the caller says {generation}")

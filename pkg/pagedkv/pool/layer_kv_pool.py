@@ -275,7 +275,12 @@ class LayerKVPool:
     # -- validation ------------------------------------------------------------------------
 
     def check_generation(self, generation: int | None) -> None:
-        """Raise :class:`StaleBlockTable` unless ``generation`` is None or the current one."""
+        """Raise :class:`StaleBlockTable` unless ``generation`` is None or the current one
+        (:class:`InvalidArgumentType` unless it is None or an int)."""
+        if generation is not None and not is_int(generation):
+            raise InvalidArgumentType(
+                f"generation must be an int (the pool's generation the table was built for) "
+                f"or None, got {type(generation).__name__}")
         if generation is not None and generation != self._generation:
             raise StaleBlockTable(
                 f"generation: the block table was built for pool generation {generation}, "
