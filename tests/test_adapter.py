@@ -633,18 +633,24 @@ def test_release_is_transactional_on_invariant_violation(make):
     assert a.block_table("s").tolist() == [0, 1]
 
 
+class RestoreLog:
+    """A cold tier that restores nothing and logs each restore's hot blocks."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def restore(self, **kw):
+        self.calls.append(kw["hot_blocks"].tolist())
+        return np.empty(0, np.int32)
+
+    def capture(self, **kw):
+        pass
+
+
 def test_purge_arms_the_cold_suppressor(make):
-    calls = []
-
-    class Cold:
-        def restore(self, **kw):
-            calls.append(kw["hot_blocks"].tolist())
-            return np.empty(0, np.int32)
-
-        def capture(self, **kw):
-            pass
-
-    a = make(16, cold=Cold())
+    cold = RestoreLog()
+    calls = cold.calls
+    a = make(16, cold=cold)
     start(a, "s", range(8))
     a.register_full_blocks_for_reuse("s")
     assert calls == [[]]
@@ -668,17 +674,9 @@ def test_a_refused_lookup_changes_nothing(make, bad, error):
     # Checked before the row or the purge's one-shot cold suppression change: a bad call
     # used to spend the suppression (the next lookup then restored from disk what the
     # purge dropped) and leave its salt and keys on the row.
-    restores = []
-
-    class Cold:
-        def restore(self, **kw):
-            restores.append(1)
-            return np.empty(0, np.int32)
-
-        def capture(self, **kw):
-            pass
-
-    a = make(16, cold=Cold())
+    cold = RestoreLog()
+    restores = cold.calls
+    a = make(16, cold=cold)
     start(a, "s", range(8))
     a.register_full_blocks_for_reuse("s")
     a.release_request_and_purge_prefix_cache("s")
