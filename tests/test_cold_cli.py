@@ -69,6 +69,22 @@ def test_verify_is_read_only_and_prune_quarantines(tmp_path, capsys):
     assert len(names) == 2
 
 
+def test_verify_reports_a_fingerprint_no_loader_can_match(tmp_path, capsys):
+    # The checksum covers the payload, not the metadata; a fingerprint that is not 64
+    # lowercase hex digits is refused (and pruned) by every load, so verify says BAD (it
+    # said ok: offline there is no expected fingerprint; the key is the file's name).
+    field = b"fingerprint"
+    root = _populate(tmp_path, 1)
+    victim = min(os.listdir(root))
+    data = bytearray((root / victim).read_bytes())
+    at = data.index(b'"' + field + b'":"') + len(field) + 4
+    data[at:at + 4] = b"zzzz"
+    (root / victim).write_bytes(bytes(data))
+    assert main(["cold", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {victim}" in out and "1 bad" in out and "64 lowercase hex" in out
+
+
 def test_evict_to_zero_empties_the_tier(tmp_path, capsys):
     root = _populate(tmp_path, 1)
     assert main(["cold", "evict", "--to", "0", str(tmp_path)]) == 0

@@ -161,6 +161,18 @@ def test_per_block_extra_keys_stop_the_chain_and_bad_input_raises():
         cold_key_chain(PKV, ColdGroup.KV, fp[:31], range(4), 4)
     with pytest.raises(InvalidArgument):
         ColdFormat("bad\0ns")
+    # counts are ints: a float block size was truncated, a zero one divided by zero
+    for kwargs, error in (({"block_size": 0}, InvalidArgument),
+                          ({"block_size": 4.9}, InvalidArgumentType),
+                          ({"block_size": None}, InvalidArgumentType),
+                          ({"block_size": 4, "max_blocks": "x"}, InvalidArgumentType),
+                          ({"block_size": 4, "max_blocks": -1}, InvalidArgument)):
+        with pytest.raises(error, match="block_size|max_blocks"):
+            cold_key_chain(PKV, ColdGroup.KV, fp, range(16), **kwargs)
+    with pytest.raises(InvalidArgument, match="block_size = 0 must be >= 1"):
+        sidecar_key(PKV, ColdGroup.GDN_STATE, fp, range(16), 0, 8)
+    with pytest.raises(InvalidArgumentType, match="boundary_tokens must be an int"):
+        sidecar_key(PKV, ColdGroup.GDN_STATE, fp, range(16), 4, 8.0)
 
 
 # K3 --------------------------------------------------------------------------------------

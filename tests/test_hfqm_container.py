@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -46,6 +47,7 @@ from pagedkv.hfqm import (
     write_mtp_bundle,
 )
 from pagedkv.hfqm import index as hfqm_index
+from pagedkv.quant import qtypes
 
 
 def sha256(path) -> str:
@@ -357,6 +359,26 @@ def test_qt_130_is_accepted_only_in_calib_files(tmp_path):
     os.rename(tmp_path / "w.calib.hfq", tmp_path / "w.hfq")
     with pytest.raises(UnknownQuantType, match="calibration"):
         HfqmFile(tmp_path / "w.hfq")
+
+
+@pytest.mark.parametrize("shape", [[0xFFFFFFFF], [4, 3], [2, 2, 2]])
+def test_a_calibration_hessian_must_be_square(tmp_path, shape):
+    # qt 130's size rule 4K + K(K-1) wrapped u64 at K = 2**32 - 1, so a one-dim "Hessian"
+    # with data_size 2**32 - 2 opened (found by a review); [K, K] keeps K <= 2**24.
+    with pytest.raises(InvalidArgument, match=r"square \[K, K\]"):
+        qtypes.expected_nbytes(130, shape)
+    k = shape[-1]
+    size = (4 * k + k * (k - 1)) % (1 << 64)
+    meta = json.dumps({"architecture": "llama", "config": {"model_type": "llama"}}).encode()
+    entry = (struct.pack("<H", 1) + b"h" + struct.pack("<BB", 130, len(shape))
+             + struct.pack(f"<{len(shape)}I", *shape) + struct.pack("<IQ", 0, size))
+    path = tmp_path / "x.calib.hfq"
+    head = (b"HFQM" + struct.pack("<IIIQQ", 1, 0, 1, 32, 4096) + meta
+            + struct.pack("<I", 1) + entry)
+    path.write_bytes(head.ljust(4096, b"\0"))  # the data section starts; no payload
+    with pytest.raises(SizeMismatch, match=r"needs a square \[K, K\] shape, got "
+                                           + re.escape(str(tuple(shape)))):
+        HfqmFile(path)
 
 
 def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):

@@ -417,6 +417,11 @@ cdef tuple _parse_header(const uint8_t[::1] raw, Py_ssize_t payload_start, str p
             raise BadMetadata(f"metadata {field} missing", path=path)
         if want is not None and got != want:
             raise BadMetadata(f"metadata {field} = {got!r}, expected {want!r}", path=path)
+        # Without an expected value (offline verify) the form still counts: an object no
+        # loader can match is as bad as a corrupt one.
+        if want is None and field in ("key", "fingerprint") and not _HEX64.fullmatch(got):
+            raise BadMetadata(f"metadata {field} = {got!r} is not 64 lowercase hex digits",
+                              path=path)
     return header, meta
 
 

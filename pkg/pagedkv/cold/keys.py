@@ -7,6 +7,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.cold.format import ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
@@ -44,13 +45,11 @@ def cold_key_chain(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens
         raise InvalidArgumentType(f"group must be a ColdGroup, got {type(group).__name__}")
     fp = _check_fingerprint(fingerprint)
     toks = as_token_array(tokens)
-    bs = int(block_size)
-    if bs <= 0:
-        raise InvalidArgument(f"block_size = {block_size} must be > 0")
+    bs = int_argument("block_size", block_size, 1)
     salt = as_domain_id(cache_salt)
     full = len(toks) // bs
     if max_blocks is not None:
-        full = min(full, max(0, int(max_blocks)))
+        full = min(full, int_argument("max_blocks", max_blocks))
     keys_per_block = per_block_extra_keys(full, extra_keys, extra_keys_per_block)
     tag = fmt.tag(group.tag_name)
     tok_count = _u64(bs)
@@ -83,8 +82,8 @@ def sidecar_key(fmt: ColdFormat, group: ColdGroup, fingerprint: bytes, tokens,
     (docs/contracts/cold-tier.md, '3.3 Sidecar keys')."""
     if group is ColdGroup.KV:
         raise InvalidArgument("sidecar_key: group must be a sidecar group, got ColdGroup.KV")
-    b = int(boundary_tokens)
-    if b <= 0 or b % int(block_size):
+    b = int_argument("boundary_tokens", boundary_tokens, 1)
+    if b % int_argument("block_size", block_size, 1):
         raise InvalidArgument(f"boundary_tokens = {b} must be a positive multiple of "
                               f"block_size {block_size}")
     chain = cold_key_chain(fmt, group, fingerprint, tokens, block_size,

@@ -85,6 +85,7 @@ cdef enum IndexFault:
     FAULT_UNKNOWN_QT
     FAULT_CALIB_QT
     FAULT_K_MULTIPLE
+    FAULT_NOT_SQUARE
     FAULT_SIZE
     FAULT_PAYLOAD_TRUNCATED
 
@@ -277,6 +278,12 @@ cdef uint64_t parse_entries(const uint8_t* reg, uint64_t reg_start, uint64_t pos
         if (flags & PKV_QT_FLAG_K_MULT_256) and k % 256 != 0:
             err.value = k
             err.fault = FAULT_K_MULTIPLE
+            return 0
+        # A Hessian is [K, K] (docs/contracts/hfqm-and-quant.md, '4.7'): K <= 2**24 then,
+        # where any K < 2**32 of another shape overflowed its u64 size (4K + K(K-1)).
+        if pkv_qt_size_rule(qt) == PKV_QT_SIZE_HESSIAN and (ndim != 2
+                                                           or rec.shape[0] != rec.shape[1]):
+            err.fault = FAULT_NOT_SQUARE
             return 0
         if pkv_qt_size_rule(qt) != PKV_QT_SIZE_NONE:
             expected = pkv_qt_expected_nbytes(qt, numel, k)
@@ -566,6 +573,11 @@ cdef _raise_index_fault(IndexError_* err, object records, const uint8_t[::1] reg
         raise SizeMismatch(f"quant type {records[err.tensor]['qt']} needs the last dim K "
                            f"to be a multiple of 256, got K={err.value}", path=path,
                            tensor=name, offset=offset)
+    if fault == FAULT_NOT_SQUARE:
+        rec = records[err.tensor]
+        shape = tuple(int(d) for d in rec['shape'][:rec['ndim']])
+        raise SizeMismatch(f"quant type {rec['qt']} (a calibration Hessian) needs a square "
+                           f"[K, K] shape, got {shape}", path=path, tensor=name, offset=offset)
     if fault == FAULT_SIZE:
         rec = records[err.tensor]
         shape = tuple(int(d) for d in rec['shape'][:rec['ndim']])

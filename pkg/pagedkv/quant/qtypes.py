@@ -189,5 +189,8 @@ def expected_nbytes(qt: int | str | QuantType, shape: Iterable[int]) -> int | No
     if row.size_rule == "row_pad128":
         return 0 if k == 0 else (numel // k) * (-(-(b * -(-k // g)) // 128) * 128)
     if row.size_rule == "hessian":
+        if len(dims) != 2 or dims[0] != dims[1]:
+            raise InvalidArgument(f"{row.name} (a calibration Hessian) needs a square [K, K] "
+                                  f"shape, got {tuple(dims)}")
         return 4 * k + k * max(k - 1, 0)
     return None
