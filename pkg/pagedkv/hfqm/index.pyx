@@ -281,8 +281,8 @@ cdef uint64_t parse_entries(const uint8_t* reg, uint64_t reg_start, uint64_t pos
             return 0
         # A Hessian is [K, K] (docs/contracts/hfqm-and-quant.md, '4.7 P2 formats'): K <= 2**24 then,
         # where any K < 2**32 of another shape overflowed its u64 size (4K + K(K-1)).
-        if pkv_qt_size_rule(qt) == PKV_QT_SIZE_HESSIAN and (ndim != 2
-                                                           or rec.shape[0] != rec.shape[1]):
+        if (pkv_qt_size_rule(qt) == PKV_QT_SIZE_HESSIAN
+                and (ndim != 2 or rec.shape[0] != rec.shape[1])):
             err.fault = FAULT_NOT_SQUARE
             return 0
         if pkv_qt_size_rule(qt) != PKV_QT_SIZE_NONE:
