@@ -206,6 +206,48 @@ def test_stale_tables_are_refused_before_any_launch(stub_device, stub_recorder):
     assert stub_recorder.last().name == b"pkv_paged_attention_reduce"
 
 
+def test_tables_the_pool_cannot_back_are_refused_before_any_launch(stub_device, stub_recorder):
+    # The kernels index the pool with the uploaded ids, lengths and slots unchecked: an
+    # entry past the pool, a slot past its last row, a length past the table or past the
+    # attention's workspace, tables never uploaded, or pools of two sizes would read or
+    # write out of bounds on a GPU. Found by a review: all of these launched.
+    from pagedkv.adapter.results import DecodeBatch
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)
+    attn, q, out = _attention_for(stub_device)
+    k = stub_device.empty((2, 2, 32), np.float32)
+    bad = {
+        "a used entry is outside 0..7": batch._replace(
+            block_tables=np.where(batch.block_tables == batch.block_tables[1, 2], 999,
+                                  batch.block_tables).astype(np.int32)),
+        r"slot_mapping\[1\] = 1000000000 is outside -1..31": batch._replace(
+            slot_mapping=np.array([batch.slot_mapping[0], 10**9], np.int64)),
+        "seq_lens: values must be in": batch._replace(
+            seq_lens=np.array([6, 100], np.int32)),
+    }
+    count = stub_recorder.count
+    for message, b in bad.items():
+        tables = DeviceDecodeBatch.upload(stub_device, b)
+        with pytest.raises(InvalidArgument, match=message):
+            write_kv(pool, 0, k, k, tables)
+        with pytest.raises(InvalidArgument, match=message):
+            attention(attn, q, pool, 0, tables, out)
+    empty = DeviceDecodeBatch(stub_device, 2, 4)
+    with pytest.raises(InvalidArgument, match="nothing uploaded yet"):
+        attention(attn, q, pool, 0, empty, out)
+    long = DeviceDecodeBatch.upload(stub_device, DecodeBatch(
+        np.zeros((2, 32), np.int32), np.array([6, 128], np.int32), batch.slot_mapping, 0))
+    with pytest.raises(InvalidArgument, match="workspace holds 1 partitions of 64"):
+        attention(attn, q, pool, 0, long, out)
+    k_pool, v_pool = pool.layer(0)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    with pytest.raises(InvalidArgument, match="v_pool: 1 blocks, k_pool 8"):
+        attn.run(q, k_pool, stub_device.empty((1, *v_pool.shape[1:]), np.float16),
+                 tables.block_tables, tables.seq_lens, out)
+    assert stub_recorder.count == count  # nothing launched
+    attention(attn, q, pool, 0, tables, out)  # the adapter's own batch: launches
+    assert stub_recorder.count == count + 2
+
+
 def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
         stub_device, stub_recorder, monkeypatch):
     _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)

@@ -562,6 +562,9 @@ class PagedAttention:
                     raise InvalidArgument(f"{name}: the q8_stage kernels need an 8-byte "
                                           f"aligned pool, this one starts at {pool.ptr:#x}")
                 partition = self._unstaged
+        if k_pool.shape[0] != v_pool.shape[0]:  # a table's ids index both
+            raise InvalidArgument(f"v_pool: {v_pool.shape[0]} blocks, k_pool {k_pool.shape[0]}: "
+                                  "the two pools of a layer hold the same blocks")
         need_array(block_tables, "block_tables", np.int32, 2)
         if block_tables.shape[0] != s:
             raise InvalidArgument(f"block_tables: {block_tables.shape[0]} rows, expected {s}")

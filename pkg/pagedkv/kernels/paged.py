@@ -22,6 +22,7 @@ from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.kvcache import (
     PagedAttention,
+    check_decode_batch,
     copy_blocks,
     kv_q8_read,
     kv_q8_write,
@@ -43,8 +44,8 @@ class DeviceDecodeBatch:
     pool ``generation`` they belong to. ``width`` may exceed the batch's (rows padded with
     -1) so that later steps fit the same buffers."""
 
-    __slots__ = ("block_tables", "device", "generation", "positions", "seq_lens",
-                 "slot_mapping")
+    __slots__ = ("_checked_for", "_host", "block_tables", "device", "generation",
+                 "max_seq_len", "positions", "seq_lens", "slot_mapping")
 
     def __init__(self, device: Device, num_seqs: int, width: int) -> None:
         if num_seqs < 1 or width < 1:
@@ -54,7 +55,12 @@ class DeviceDecodeBatch:
         self.seq_lens = device.empty((num_seqs,), np.int32)
         self.slot_mapping = device.empty((num_seqs,), np.int64)
         self.positions = device.empty((num_seqs,), np.int32)
-        self.generation: int | None = None
+        self.generation: int | None = None  # None: nothing uploaded yet
+        self.max_seq_len = 0  # the longest sequence uploaded, tokens
+        # Host copies of what was uploaded (tables, seq_lens, slots: small), checked against
+        # a pool's (num_blocks, block_size) once, at the first launch on that pool.
+        self._host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._checked_for: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         s, w = self.block_tables.shape
@@ -86,7 +92,7 @@ class DeviceDecodeBatch:
         if slots.dtype != np.int64 or slots.shape != (s,):
             raise InvalidArgument(f"slot_mapping: {slots.dtype}{list(slots.shape)}, expected "
                                   f"int64[{s}]")
-        if not isinstance(batch.generation, (int, np.integer)):
+        if not is_int(batch.generation):
             raise InvalidArgumentType("generation: expected an int")
         padded = np.full((s, w), -1, np.int32)
         padded[:, :tables.shape[1]] = tables
@@ -95,6 +101,28 @@ class DeviceDecodeBatch:
         self.slot_mapping.copy_from(slots)
         self.positions.copy_from(np.maximum(seq_lens - 1, 0).astype(np.int32))
         self.generation = int(batch.generation)
+        self.max_seq_len = int(seq_lens.max()) if s else 0
+        self._host = (tables.copy(), seq_lens.copy(), slots.copy())
+        self._checked_for = None
+
+    def check_against(self, num_blocks: int, block_size: int) -> None:
+        """``InvalidArgument`` unless every table entry the sequences use is a block id
+        below ``num_blocks``, every length fits its row, and every slot is -1 (no write) or
+        below ``num_blocks * block_size``: the kernels index the pool with them unchecked.
+        Done once per upload and pool geometry (:func:`check_tables` calls it)."""
+        if self._checked_for == (num_blocks, block_size):
+            return
+        if self._host is None:
+            raise InvalidArgument("tables: nothing uploaded yet (DeviceDecodeBatch.upload, or "
+                                  ".update with a DecodeBatch)")
+        tables, seq_lens, slots = self._host
+        check_decode_batch(tables, seq_lens, num_blocks=num_blocks, block_size=block_size)
+        bad = (slots < -1) | (slots >= num_blocks * block_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgument(f"slot_mapping[{i}] = {int(slots[i])} is outside "
+                                  f"-1..{num_blocks * block_size - 1} (-1: no write)")
+        self._checked_for = (num_blocks, block_size)
 
     @property
     def num_seqs(self) -> int:
@@ -115,10 +143,14 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
     if generation is not None and not is_int(generation):
         raise InvalidArgumentType(f"generation must be an int or None, got "
                                   f"{type(generation).__name__}")
+    if tables.generation is None:  # allocated, never filled: the buffers hold garbage
+        raise InvalidArgument("tables: nothing uploaded yet (DeviceDecodeBatch.upload, or "
+                              ".update with a DecodeBatch)")
     if generation is not None and tables.generation != generation:
         raise StaleBlockTable(f"generation: the tables were uploaded for pool generation "
                               f"{tables.generation}, the caller says {generation}")
     pool.check_generation(tables.generation if generation is None else generation)
+    tables.check_against(pool.num_blocks, pool.block_size)
 
 
 def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDecodeBatch, *,
@@ -206,6 +238,12 @@ def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecod
     if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
             g.dtype, g.num_kv_heads, g.head_dim, g.block_size):
         raise InvalidArgument(f"attn: {attn!r} was built for another pool geometry than {g!r}")
+    most = attn.max_partitions * attn.partition_tokens  # its partition workspace
+    if tables.max_seq_len > most:
+        raise InvalidArgument(f"tables: a sequence of {tables.max_seq_len} tokens, but attn's "
+                              f"workspace holds {attn.max_partitions} partitions of "
+                              f"{attn.partition_tokens} ({most} tokens); build it with a larger "
+                              "max_seq_len")
     return pool.layer(layer)
 
 
