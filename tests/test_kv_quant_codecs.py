@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagedkv import errors
 from pagedkv.kernels import numpy_kernels as ref
-from pagedkv.quant import kv, kv_rotated
+from pagedkv.quant import kv, kv_q8, kv_rotated
 
 RNG = np.random.default_rng()
 ROTATED = list(ref.KV_ROTATED_MODES)
@@ -285,3 +285,24 @@ def test_kv_dtype_names(dtype, k, v):
 def test_kv_dtype_names_refused(dtype, match):
     with pytest.raises(errors.InvalidArgument, match=match):
         kv.split_kv_dtype(dtype)
+
+
+def test_q8_refuses_a_block_past_its_float16_scale_and_bad_head_dims():
+    # amax / 127 above float16's range stored an Inf scale (decoded Inf and NaN); q8f16
+    # weights and the fwht/lloyd norms refuse theirs. Found by a review.
+    x = np.zeros((2, 64), np.float32)
+    x[1, 33] = 8.4e6
+    with pytest.raises(errors.InvalidArgument, match="block 3 .* above ~8.3e6"):
+        kv.encode(x, "q8")
+    x[1, 33] = 8.3e6
+    assert np.isfinite(kv.decode(kv.encode(x, "q8"), "q8", 64)).all()
+    records = np.zeros((1, 34), np.uint8)
+    for head_dim in (128.0, "256", None, np.float32(32)):
+        with pytest.raises(errors.InvalidArgumentType, match="head_dim must be an int"):
+            kv.decode(records, "q8", head_dim)
+        with pytest.raises(errors.InvalidArgumentType, match="head_dim must be an int"):
+            kv.side_row_bytes("q8", head_dim)
+    with pytest.raises(errors.InvalidArgument, match="up to 2\\*\\*20"):
+        kv_q8.row_bytes(2**32 + 32)  # was 34: the C side took 32 bits of it
+    with pytest.raises(errors.InvalidArgument, match="up to 2\\*\\*20"):
+        kv_q8.dequantize(records, 2**32 + 32)

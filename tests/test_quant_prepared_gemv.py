@@ -444,3 +444,24 @@ def test_aligned_buffers_start_on_a_line_or_a_huge_page():
     assert g.nbytes == 1024 * 4096 // 2 + 2 * 4 * 1024 * 16
     x = np.random.default_rng(4).standard_normal((2, 4096)).astype(np.float32)
     assert np.array_equal(g(x), Q.prepare_gemv(raw, "hfq4g256", (1024, 4096))(x))
+
+
+def test_a_built_prepared_gemv_refuses_a_second_init_and_huge_thread_counts():
+    # A second __init__ freed the codes a call on another thread was reading (a segfault
+    # under a concurrent caller, found by a review); threads=2**31 leaked OverflowError.
+    raw = Q.quantize(np.ones((8, 256), F32), "hfq4g256")
+    g = Q.prepare_gemv(raw, "hfq4g256", (8, 256))
+    x = np.ones(256, F32)
+    want = g(x).tobytes()
+    with pytest.raises(InvalidArgument, match="read-only once built"):
+        g.__init__(Q.quantize(np.ones((16, 256), F32), "hfq4g256"), "hfq4g256", (16, 256))
+    assert g.shape == (8, 256) and g(x).tobytes() == want
+    blank = prepared_gemv.PreparedGemv.__new__(prepared_gemv.PreparedGemv)
+    with pytest.raises(InvalidArgument, match="never built"):
+        blank(x)
+    for call in (lambda: Q.prepare_gemv(raw, "hfq4g256", (8, 256), threads=2**31),
+                 lambda: g(x, threads=2**63),
+                 lambda: Q.dequantize(raw, "hfq4g256", (8, 256), threads=2**31)):
+        with pytest.raises(InvalidArgument, match="at most 65536"):
+            call()
+    assert g(x, threads=prepared_gemv.MAX_THREADS).tobytes() == want

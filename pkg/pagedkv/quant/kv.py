@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant import kv_q8, kv_rotated
 
@@ -149,6 +150,7 @@ def join_kv_dtype(k: str, v: str) -> str:
 def side_row_bytes(side_dtype: str, head_dim: int) -> int:
     """Bytes of one (token, kv-head) row of one side stored as ``side_dtype`` (an
     unquantized dtype or a mode name)."""
+    head_dim = int_argument("head_dim", head_dim, 1)
     if side_dtype in UNQUANTIZED_DTYPES:
         return head_dim * UNQUANTIZED_DTYPES[side_dtype]
     return kv_mode(side_dtype).row_bytes(head_dim)
@@ -174,6 +176,7 @@ def decode(records: Any, mode: str, head_dim: int, *, rotated: bool = False) -> 
     """``uint8[..., row_bytes]`` records of ``mode`` -> ``float32[..., head_dim]``.
     ``rotated=True`` keeps a rotated mode in its rotated basis (``cnorm * C[codes]``)."""
     m = kv_mode(mode)
+    head_dim = int_argument("head_dim", head_dim, 1)
     m.row_bytes(head_dim)
     if _is_mlx(records):
         from pagedkv.quant import kv_mlx

@@ -32,9 +32,9 @@ RECORD_BYTES = PKV_KVQ8_RECORD_BYTES
 def row_bytes(Py_ssize_t head_dim):
     """Bytes of one q8 K or V row of ``head_dim`` values (a positive multiple of
     BLOCK_VALUES): ``head_dim / BLOCK_VALUES * RECORD_BYTES``."""
-    if head_dim <= 0 or head_dim % PKV_KVQ8_BLOCK:
+    if head_dim <= 0 or head_dim > 1 << 20 or head_dim % PKV_KVQ8_BLOCK:
         raise InvalidArgument(f"head_dim={head_dim}: must be a positive multiple of "
-                              f"{PKV_KVQ8_BLOCK} for q8 KV")
+                              f"{PKV_KVQ8_BLOCK} up to 2**20 for q8 KV")
     return pkv_kvq8_row_bytes(<uint32_t>head_dim)
 
 
@@ -92,6 +92,15 @@ def quantize(x):
         else:
             with nogil:
                 pkv_cpu_kvq8_encode(NULL, &flat16[0], n // PKV_KVQ8_BLOCK, &o[0])
+        # A block whose largest |value| exceeds about 127 * 65504 (8.3e6) has no float16
+        # scale: it would decode to Inf and NaN. Refused, as q8f16 weights refuse it.
+        scales = out.reshape(-1, PKV_KVQ8_RECORD_BYTES)[:, :2].copy().view("<u2").ravel()
+        over = np.flatnonzero((scales & 0x7FFF) == 0x7C00)
+        if over.size:
+            raise InvalidArgument(
+                f"x: block {int(over[0])} (values {int(over[0]) * PKV_KVQ8_BLOCK}.."
+                f"{int(over[0]) * PKV_KVQ8_BLOCK + PKV_KVQ8_BLOCK - 1} of the flat input) "
+                f"has a largest |value| above ~8.3e6, past q8 KV's float16 scale")
     return out
 
 
@@ -100,8 +109,7 @@ def dequantize(records, Py_ssize_t head_dim):
     if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
         raise InvalidArgumentType(f"records must be a uint8 numpy.ndarray, got "
                                   f"{getattr(records, 'dtype', type(records).__name__)}")
-    if head_dim <= 0 or head_dim % PKV_KVQ8_BLOCK:
-        raise InvalidArgument(f"head_dim={head_dim}: must be a positive multiple of 32")
+    row_bytes(head_dim)  # a positive multiple of 32 up to 2**20
     if records.ndim == 0 or records.shape[records.ndim - 1] != pkv_kvq8_row_bytes(head_dim):
         raise InvalidArgument(f"records: shape {records.shape}, the last axis must be "
                               f"{pkv_kvq8_row_bytes(head_dim)} bytes for head_dim {head_dim}")

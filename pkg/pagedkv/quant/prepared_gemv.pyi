@@ -6,6 +6,7 @@ import numpy.typing as npt
 from typing_extensions import disjoint_base
 
 ISA_NAMES: tuple[str, ...]
+MAX_THREADS: int
 
 def supported_isas() -> tuple[str, ...]: ...
 def default_isa() -> str: ...

@@ -117,13 +117,21 @@ cdef int _isa_index(isa) except -1:
     return i
 
 
+#: The most ``threads=`` a call takes (the kernels keep it in a C int; more threads than
+#: any CPU has are refused rather than wrapped).
+MAX_THREADS = 1 << 16
+
+
 def check_threads(threads):
-    """``threads`` as an int >= 1; raises InvalidArgumentType / InvalidArgument."""
+    """``threads`` as an int in 1..:data:`MAX_THREADS`; raises InvalidArgumentType /
+    InvalidArgument."""
     if not is_int(threads):
         raise InvalidArgumentType(f"threads must be an int >= 1, got {type(threads).__name__} "
                                   f"{threads!r}")
     if threads < 1:
         raise InvalidArgument(f"threads = {threads}: pass 1 (the calling thread only) or more")
+    if threads > MAX_THREADS:
+        raise InvalidArgument(f"threads = {threads}: at most {MAX_THREADS}")
     return int(threads)
 
 
@@ -215,11 +223,17 @@ cdef class PreparedGemv:
     cdef readonly int threads
     cdef readonly bint rotated
     cdef int _isa
+    cdef bint _built
     cdef pkv_pgemv_w _w
     cdef object _codes, _scales, _mins, _factors
 
     def __init__(self, raw, fmt, shape, *, threads=1, isa=None):
         """See :func:`pagedkv.quant.prepare_gemv`."""
+        # Read-only once built: a second __init__ would free the codes a call on another
+        # thread is reading (a segfault, found by a review).
+        if self._built:
+            raise InvalidArgument("a PreparedGemv is read-only once built; call "
+                                  "prepare_gemv for another one")
         from pagedkv.quant.formats import AFFINE, Q4K, Q8
         from pagedkv.quant.matvec import check_weights
         codec, data, m, k = check_weights(raw, fmt, shape)
@@ -289,6 +303,7 @@ cdef class PreparedGemv:
             self._w.scale_factors = <const float *>cnp.PyArray_DATA(self._factors)
             self._w.min_factors = self._w.scale_factors + params // 8
         if m == 0 or k == 0:
+            self._built = True
             return
         cdef const uint8_t[::1] src = data
         cdef _PackJob pack
@@ -307,6 +322,7 @@ cdef class PreparedGemv:
         # the repacking runs on the object's threads too (whole rows per part)
         with nogil:
             pool_run(_pack_part, &pack, job_parts(pack.m, self.threads), self.threads)
+        self._built = True
 
     @property
     def shape(self):
@@ -336,6 +352,9 @@ cdef class PreparedGemv:
         before anything is written.
         """
         from pagedkv.quant.matvec import check_activations, check_out
+        if not self._built:
+            raise InvalidArgument("this PreparedGemv was never built (its __init__ failed or "
+                                  "was not called); use prepare_gemv")
         x2, batch = check_activations(x, self.k)
         cdef int n_threads = self.threads if threads is None else check_threads(threads)
         shape = (self.m,) if x.ndim == 1 else (batch, self.m)
