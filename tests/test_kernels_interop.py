@@ -198,6 +198,29 @@ def test_cuda_array_interface_export_and_import(host_dlpack):
         interop.from_cuda_array_interface(Producer(mask=object()), host_dlpack)
     with pytest.raises(InvalidArgument, match="malformed"):
         interop.from_cuda_array_interface(Producer(typestr="not a dtype"), host_dlpack)
+    # found by a review: these leaked ValueError, or reached a launch misaligned
+    for extra, message in (({"strides": (4,)}, "1 strides for the 2 dims"),
+                           ({"stream": "x"}, "stream 'x' is not an int"),
+                           ({"shape": (-3, 2)}, "negative dimension"),
+                           ({"data": (arr.ptr + 1, False)}, "not a multiple of its float16")):
+        with pytest.raises(InvalidArgument, match=message):
+            interop.from_cuda_array_interface(Producer(**extra), host_dlpack)
+
+
+def test_from_dlpack_refuses_misaligned_memory_and_a_malformed_device(host_dlpack):
+    host = np.zeros(9, np.float32)
+    odd = np.frombuffer(host.view(np.uint8)[1:33].data, np.float32)  # 1 byte past alignment
+    with pytest.raises(InvalidArgument, match="not a multiple of its float32 element size"):
+        DeviceArray.from_dlpack(odd, host_dlpack)
+
+    class Odd:
+        def __dlpack__(self, **kw):
+            return host.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return "cpu"
+    with pytest.raises(InvalidArgument, match="returned 'cpu', not"):
+        DeviceArray.from_dlpack(Odd(), host_dlpack)
 
 
 def test_stream_handles_of_pagedkv_torch_and_cupy_streams(stub_device):

@@ -83,14 +83,28 @@ def _np_dtype(triple: tuple[int, int, int]) -> np.dtype:
 
 def _check_c_contiguous(shape: tuple[int, ...], strides, itemsize: int, *, in_bytes: bool,
                         what: str) -> None:
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{what}: shape {shape} has a negative dimension")
     if strides is None:
         return
+    if len(strides) != len(shape):
+        raise InvalidArgument(f"{what}: {len(strides)} strides for the {len(shape)} dims of "
+                              f"shape {shape}")
     expected = 1 if not in_bytes else itemsize
     for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
         if dim != 1 and stride != expected:
             raise InvalidArgument(f"{what}: shape {shape} with strides {tuple(strides)} is not "
                                   f"C-contiguous; make it contiguous first (.contiguous())")
         expected *= dim
+
+
+def _check_aligned(ptr: int, dtype: np.dtype, what: str) -> None:
+    """The kernels load whole elements (and wider): a buffer off its element alignment
+    faults on a GPU."""
+    if ptr % dtype.itemsize:
+        raise InvalidArgument(f"{what}: the buffer starts at {ptr:#x}, not a multiple of its "
+                              f"{dtype} element size ({dtype.itemsize} bytes); copy it to an "
+                              "aligned buffer first")
 
 
 def _backend(device: Device) -> str:
@@ -187,7 +201,12 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     accepted = DLPACK_DEVICE_TYPES[backend]["import"]
     dev_type = None
     if hasattr(obj, "__dlpack_device__"):
-        dev_type, dev_id = (int(v) for v in obj.__dlpack_device__())
+        where = obj.__dlpack_device__()
+        try:
+            dev_type, dev_id = (int(v) for v in where)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"from_dlpack: {type(obj).__name__}.__dlpack_device__() "
+                                  f"returned {where!r}, not (device_type, device_id)") from None
         if dev_type not in accepted or dev_id != device.ordinal:
             raise InvalidArgument(f"from_dlpack: the {type(obj).__name__} lives on DLPack "
                                   f"device ({dev_type}, {dev_id}); this {backend} device takes "
@@ -206,6 +225,7 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     dtype = _np_dtype(tensor.dtype)
     _check_c_contiguous(tensor.shape, tensor.strides, dtype.itemsize, in_bytes=False,
                         what="from_dlpack")
+    _check_aligned(tensor.data, dtype, "from_dlpack")
     return DeviceArray(device, tensor.data, tensor.shape, dtype, owned=False, base=tensor)
 
 
@@ -218,6 +238,7 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
     device = open_device() if device is None else device
     try:
         ptr, _read_only = cai["data"]
+        ptr = int(ptr or 0)
         shape = tuple(int(s) for s in cai["shape"])
         dtype = np.dtype(cai["typestr"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -227,10 +248,14 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
         raise InvalidArgument("__cuda_array_interface__: masked arrays are not taken")
     _check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, in_bytes=True,
                         what="__cuda_array_interface__")
+    _check_aligned(ptr, dtype, "__cuda_array_interface__")
     stream = cai.get("stream")
+    if stream is not None and not is_int(stream):
+        raise InvalidArgument(f"__cuda_array_interface__: stream {stream!r} is not an int "
+                              "handle")
     if stream not in (None, 1, 2):
         device.call("stream_synchronize", int(stream))
-    return DeviceArray(device, int(ptr or 0), shape, dtype, owned=False, base=obj)
+    return DeviceArray(device, ptr, shape, dtype, owned=False, base=obj)
 
 
 def as_device_array(obj, device: Device | None = None, *, name: str = "array") -> DeviceArray:
