@@ -1210,7 +1210,7 @@ def test_q8_int_needs_the_staged_tensor_core_path():
     for v_pool, kernel in ((base, "pkv_paged_attention_q8i_g2"),
                            (shifted, "pkv_paged_attention_q8_g2")):
         dev.calls.clear()
-        attn.run(q, base, v_pool, tables, lens, q)
+        attn.run(q, v_pool, v_pool, tables, lens, q)  # K and V of one block count
         assert next(c[1] for c in dev.calls if c[0] == "launch") == kernel
 
 
@@ -1223,15 +1223,16 @@ def test_q8_staged_attention_refuses_a_pool_off_8_byte_alignment():
               "max_seq_len": 32, "kv_dtype": "q8", "q8_mma": True}
     base = dev.empty((3, 16, 1, 136), np.uint8)
     shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    head = DeviceArray(dev, base.ptr, (2, 16, 1, 136), np.uint8, owned=False, base=base)
     q = dev.empty((1, 2, 128), np.float32)
     tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
     attn = kvcache.PagedAttention(dev, **kw, q8_stage=True)
     dev.calls.clear()
     with pytest.raises(InvalidArgument, match=r"v_pool: the q8_stage kernels need an 8-byte "
                                               rf"aligned pool, this one starts at {base.ptr + 4:#x}"):
-        attn.run(q, base, shifted, tables, lens, q)
+        attn.run(q, head, shifted, tables, lens, q)
     assert not [c for c in dev.calls if c[0] == "launch"]
-    kvcache.PagedAttention(dev, **kw, q8_stage=False).run(q, base, shifted, tables, lens, q)
+    kvcache.PagedAttention(dev, **kw, q8_stage=False).run(q, head, shifted, tables, lens, q)
     assert next(c[1] for c in dev.calls if c[0] == "launch") == "pkv_paged_attention_q8_g2"
 
 
@@ -1248,12 +1249,13 @@ def test_q8_default_stages_aligned_pools_and_falls_back_for_others(monkeypatch):
     assert attn.q8_stage is True and attn._partition.name == "pkv_paged_attention_q8s_g2"
     base = dev.empty((3, 16, 1, 136), np.uint8)
     shifted = DeviceArray(dev, base.ptr + 4, (2, 16, 1, 136), np.uint8, owned=False, base=base)
+    head = DeviceArray(dev, base.ptr, (2, 16, 1, 136), np.uint8, owned=False, base=base)
     q = dev.empty((1, 2, 128), np.float32)
     tables, lens = dev.array(np.zeros((1, 2), np.int32)), dev.array(np.zeros(1, np.int32))
-    for k_pool, v_pool, kernel in ((base, base, "pkv_paged_attention_q8s_g2"),
-                                   (base, shifted, "pkv_paged_attention_q8_g2"),
-                                   (shifted, base, "pkv_paged_attention_q8_g2"),
-                                   (base, base, "pkv_paged_attention_q8s_g2")):
+    for k_pool, v_pool, kernel in ((head, head, "pkv_paged_attention_q8s_g2"),
+                                   (head, shifted, "pkv_paged_attention_q8_g2"),
+                                   (shifted, head, "pkv_paged_attention_q8_g2"),
+                                   (head, head, "pkv_paged_attention_q8s_g2")):
         dev.calls.clear()
         attn.run(q, k_pool, v_pool, tables, lens, q)
         launches = [c for c in dev.calls if c[0] == "launch"]

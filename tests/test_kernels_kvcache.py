@@ -73,7 +73,7 @@ def test_kv_q8_layout_constants_are_kvquant_h():
     assert [kv_q8.row_bytes(hd) for hd in (32, 64, 128, 256)] == [34, 68, 136, 272]
     for bad in (0, -32, 40):
         with pytest.raises(errors.InvalidArgument, match=f"head_dim={bad}: must be a positive "
-                                                          "multiple of 32 for q8 KV"):
+                                                          "multiple of 32 up to 2"):
             kv_q8.row_bytes(bad)
     from pagedkv.pool import geometry
     assert (geometry.Q8_GROUP_DIMS, geometry.Q8_GROUP_BYTES) == (32, 34)

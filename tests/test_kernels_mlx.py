@@ -198,6 +198,22 @@ def test_paged_attention_checks_tables_and_shapes_before_running():
         K.paged_attention(mx.array(q), k, v, tables, np.array([20, 10_000], np.int32))
     with pytest.raises(InvalidArgument, match="max_seq_len=8 is below the longest"):
         K.paged_attention(mx.array(q), k, v, tables, lens, max_seq_len=8)
+    # found by a review: ids past int32 wrapped (2**32 became block 0) instead of raising,
+    # and tables of width 0 (sequences with no token yet) crashed the array-ops path
+    wide = tables.astype(np.int64)
+    wide[0, 0] = 2**32
+    with pytest.raises(InvalidArgument, match="block_tables: values .* do not fit int32"):
+        K.paged_attention(mx.array(q), k, v, wide, lens)
+    for none in (np.zeros((2, 0), np.int32), mx.zeros((2, 0), dtype=mx.int32)):
+        got = K.paged_attention(mx.array(q), k, v, none, np.zeros(2, np.int32))
+        assert got.shape == (2, 4, 64) and not np.array(got).any()
+    pool = mx.zeros((4, 16, 2, 68), dtype=mx.uint8)
+    with pytest.raises(InvalidArgument, match="slots: values .* do not fit int64"):
+        K.kv_q8_write(pool, np.array([2**64 - 1], np.uint64), mx.zeros((1, 2, 64)))
+    with pytest.raises(InvalidArgument, match="block_size = 0"):
+        K.paged_attention(mx.array(q), mx.zeros((4, 0, 2, 64), dtype=mx.float16),
+                          mx.zeros((4, 0, 2, 64), dtype=mx.float16), tables[:, :1],
+                          np.zeros(2, np.int32))
     with pytest.raises(InvalidArgument, match="heads must be 1..8 times kv_heads"):
         K.paged_attention(mx.zeros((2, 3, 64)), k, v, tables, lens)
     with pytest.raises(InvalidArgument, match="needs pool rows of 48"):

@@ -283,6 +283,9 @@ def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_bl
     uses is a valid block id and every length fits its table row."""
     block_tables = np.asarray(block_tables)
     seq_lens = np.asarray(seq_lens)
+    if block_size < 1:
+        raise InvalidArgument(f"block_size = {block_size}: a pool holds at least one token "
+                              "per block")
     if block_tables.dtype != np.int32 or block_tables.ndim != 2:
         raise InvalidArgument(f"block_tables: {block_tables.dtype}{list(block_tables.shape)}, "
                               f"expected int32[seqs, width]")

@@ -144,6 +144,10 @@ def _host_ints(name: str, x, dtype) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected integers")
+    info = np.iinfo(dtype)
+    if arr.size and (arr.min() < info.min or arr.max() > info.max):  # never wrapped
+        raise InvalidArgument(f"{name}: values {int(arr.min())}..{int(arr.max())} do not fit "
+                              f"{np.dtype(dtype).name} (ids and slots are {np.dtype(dtype).name})")
     return arr.astype(dtype, copy=False)
 
 

@@ -152,6 +152,8 @@ def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: 
     seqs, heads, head_dim = q.shape
     block_size, kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = heads // kv_heads
+    if block_tables.shape[1] == 0 or k_pool.shape[0] == 0:  # no token anywhere: zeros
+        return mx.zeros((seqs, heads, head_dim), mx.float32)
     width = max(1, min(block_tables.shape[1], math.ceil(max_seq_len / block_size)))
     tables = mx.maximum(block_tables[:, :width], 0)  # -1 padding: masked below
     tokens = width * block_size
