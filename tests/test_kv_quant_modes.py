@@ -101,6 +101,22 @@ def test_adaptive_forces_the_start_tier_and_refuses_an_explicit_mode():
                          model_config={"kv_v": "lloyd4"})
     c = resolve_kv_modes(adaptive="advanced: v=lloyd3 ,k=fwht2", environ={})
     assert c.adaptive == "advanced:k=fwht2,v=lloyd3"
+    c = resolve_kv_modes(adaptive="advanced:k =fwht2, v =lloyd3", environ={})  # was refused
+    assert c.adaptive == "advanced:k=fwht2,v=lloyd3"
+
+
+def test_a_registry_default_yields_to_an_explicit_setting_of_the_other_side():
+    # Found by a review: a registry mode blocked kv_adaptive (and the other way round)
+    # with "unset one of them", which a user cannot do to a registry entry.
+    register_model_kv_defaults("reg", kv_cache="fwht4")
+    c = resolve_kv_modes(model="reg", environ={"PAGEDKV_KV_ADAPTIVE": "balanced"})
+    assert (c.adaptive, c.kv_dtype) == ("balanced", "fwht4/q8")
+    register_model_kv_defaults("reg2", kv_adaptive="balanced")
+    c = resolve_kv_modes(model="reg2", environ={"PAGEDKV_KV_MODE": "fwht2"})
+    assert (c.adaptive, c.k) == ("off", "fwht2")
+    assert "overridden by an explicit K/V mode" in c.sources["adaptive"]
+    with pytest.raises(errors.InvalidArgument, match="unset one of them"):  # both explicit
+        resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "balanced", "PAGEDKV_KV_MODE": "fwht2"})
 
 
 @pytest.mark.parametrize("spec,tiers", [

@@ -117,7 +117,8 @@ def parse_adaptive(value: str) -> AdaptivePreset:
         raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
     fields = {}
     for part in text[len("advanced:"):].split(","):
-        key, eq, val = part.strip().partition("=")
+        key, eq, val = part.partition("=")
+        key = key.strip()
         if not eq or key not in ("k", "v") or key in fields:
             raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
         fields[key] = val.strip()

@@ -207,9 +207,17 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         elif value == "auto":
             value, source = spec.default, f"{source} (auto)"
         out[knob], sources[knob] = value, source
+    # A per-model registry entry is a default: an explicit setting (variable or config) of
+    # the other side wins over it instead of conflicting with it.
+    from_registry = {knob: sources[knob].startswith("registry ") for knob in out}
+    if out["adaptive"] != "off" and from_registry["adaptive"] and any(
+            sources[knob] != "default" and not from_registry[knob] for knob in ("k", "v")):
+        out["adaptive"] = "off"
+        sources["adaptive"] += ", overridden by an explicit K/V mode"
     if out["adaptive"] != "off":
         for knob in ("k", "v"):
-            if sources[knob] != "default":
+            if sources[knob] != "default" and not (from_registry[knob]
+                                                   and not from_registry["adaptive"]):
                 raise InvalidArgument(
                     f"kv_adaptive={out['adaptive']!r} ({sources['adaptive']}) picks the K and "
                     f"V modes itself (it starts at fwht4/q8); {KNOBS[knob].name} "
