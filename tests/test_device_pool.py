@@ -304,6 +304,8 @@ def test_copy_pool_blocks_copies_every_layer_and_refuses_overlap(stub_device):
         copy_pool_blocks(pool, [1, 2], [2, 3], generation=0)
     with pytest.raises(InvalidArgument, match=r"dst_ids: an id is outside 0..5"):
         copy_pool_blocks(pool, [1], [6], generation=0)
+    with pytest.raises(InvalidArgument, match="a destination twice"):  # a race on a GPU
+        copy_pool_blocks(pool, [1, 4], [3, 3], generation=0)
     assert np.array_equal(snapshot(pool), after)
 
 

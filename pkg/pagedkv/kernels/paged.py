@@ -287,21 +287,25 @@ def copy_pool_blocks(pool, src_ids, dst_ids, *, generation: int,
     host when they are NumPy arrays; ``generation`` is the one they were chosen in."""
     pool.check_generation(generation)
     device = pool.device
-    ids = []
+    hosts = {}
     for name, arr in (("src_ids", src_ids), ("dst_ids", dst_ids)):
         if isinstance(arr, DeviceArray):
-            ids.append(arr)
             continue
         host = np.asarray(arr)
         if host.dtype.kind not in "iu" or host.ndim != 1:
             raise InvalidArgument(f"{name}: {host.dtype}{list(host.shape)}, expected int32[n]")
         if host.size and (host.min() < 0 or host.max() >= pool.num_blocks):
             raise InvalidArgument(f"{name}: an id is outside 0..{pool.num_blocks - 1}")
-        ids.append(device.array(host.astype(np.int32)))
-    if not any(isinstance(a, DeviceArray) for a in (src_ids, dst_ids)) and \
-            np.intersect1d(np.asarray(src_ids), np.asarray(dst_ids)).size:
+        hosts[name] = host
+    # the copies run in parallel: a block written twice, or read while written, races
+    if len(hosts) == 2 and np.intersect1d(hosts["src_ids"], hosts["dst_ids"]).size:
         raise InvalidArgument("src_ids/dst_ids: a block is both a source and a destination; "
                               "the copies run in parallel, so use disjoint sets")
+    if "dst_ids" in hosts and np.unique(hosts["dst_ids"]).size != hosts["dst_ids"].size:
+        raise InvalidArgument("dst_ids: a block is a destination twice; the copies run in "
+                              "parallel, so give each destination once")
+    ids = [device.array(hosts[name].astype(np.int32)) if name in hosts else arr
+           for name, arr in (("src_ids", src_ids), ("dst_ids", dst_ids))]
     g = pool.geometry
     for layer in range(pool.num_layers):
         for arr, slab in zip(pool.layer(layer), (g.k_slab_bytes, g.v_slab_bytes), strict=True):
