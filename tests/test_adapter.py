@@ -690,6 +690,24 @@ def test_a_refused_lookup_changes_nothing(make, bad, error):
     assert restores == []  # the suppression still applied to the first valid lookup
 
 
+def test_a_lookup_after_the_row_holds_blocks_is_refused_and_leaks_nothing(make):
+    # Found by a review: allocate (or record) before the first lookup, then a lookup with a
+    # hit wrote the hit over the row's table, and the blocks it held stayed allocated with
+    # no table pointing at them (two per group for every such request).
+    a = make(16)
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s")
+    a.release_request("s")
+    a.reset_for_new_request("t")
+    a.allocate_suffix_blocks("t", 8)
+    before = state(a)
+    with pytest.raises(LookupAlreadyDone, match="already holds 0 tokens and \\[2\\] blocks"):
+        a.find_cached_prefix("t", range(8))
+    assert state(a) == before
+    a.release_request("t")
+    assert a.allocator.num_free_blocks + a.allocator.num_evictable_blocks == 16
+
+
 def test_wrong_types_of_counts_and_generations_are_refused_as_types(make):
     a = make(16)
     start(a, "s", range(8))

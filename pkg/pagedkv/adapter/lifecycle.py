@@ -159,6 +159,13 @@ class RequestLifecycle(AdmissionControl):
             raise LookupAlreadyDone(
                 f"find_cached_prefix was already called for seq_id {seq_id!r} in this request; "
                 "call reset_for_new_request to start another")
+        held = [int(g.num_blocks[row]) for g in self._groups]
+        if rows.num_tokens[row] or any(held):
+            # install() writes the hit over the row: blocks it held would leak
+            raise LookupAlreadyDone(
+                f"find_cached_prefix: seq_id {seq_id!r} already holds {int(rows.num_tokens[row])} "
+                f"tokens and {held} blocks per group; the lookup comes first after "
+                "reset_for_new_request (reset, lookup, allocate, record)")
         tokens = as_tokens(prompt, "prompt")
         if isinstance(cache_salt, str):
             raise InvalidArgumentType(
