@@ -143,14 +143,12 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
     if generation is not None and not is_int(generation):
         raise InvalidArgumentType(f"generation must be an int or None, got "
                                   f"{type(generation).__name__}")
-    if tables.generation is None:  # allocated, never filled: the buffers hold garbage
-        raise InvalidArgument("tables: nothing uploaded yet (DeviceDecodeBatch.upload, or "
-                              ".update with a DecodeBatch)")
+    # ids, lengths and slots against the pool; tables never uploaded (buffers of garbage)
+    tables.check_against(pool.num_blocks, pool.block_size)
     if generation is not None and tables.generation != generation:
         raise StaleBlockTable(f"generation: the tables were uploaded for pool generation "
                               f"{tables.generation}, the caller says {generation}")
     pool.check_generation(tables.generation if generation is None else generation)
-    tables.check_against(pool.num_blocks, pool.block_size)
 
 
 def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDecodeBatch, *,

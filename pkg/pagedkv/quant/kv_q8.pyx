@@ -39,8 +39,8 @@ def row_bytes(Py_ssize_t head_dim):
 
 
 cdef extern from "kv_q8_loops.h" nogil:
-    void pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, Py_ssize_t n_records,
-                             uint8_t *out)
+    Py_ssize_t pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, Py_ssize_t n_records,
+                                   uint8_t *out)
 
 
 cdef void _decode(const uint8_t *rec, Py_ssize_t n_records, float *out) noexcept nogil:
@@ -85,22 +85,21 @@ def quantize(x):
     out = np.empty(x.shape[:x.ndim - 1] + (pkv_kvq8_row_bytes(<uint32_t>head_dim),),
                    dtype=np.uint8)
     cdef uint8_t[::1] o = out.reshape(-1)
+    cdef Py_ssize_t over = -1
     if n:
         if x.dtype == np.float32:
             with nogil:
-                pkv_cpu_kvq8_encode(&flat[0], NULL, n // PKV_KVQ8_BLOCK, &o[0])
+                over = pkv_cpu_kvq8_encode(&flat[0], NULL, n // PKV_KVQ8_BLOCK, &o[0])
         else:
             with nogil:
-                pkv_cpu_kvq8_encode(NULL, &flat16[0], n // PKV_KVQ8_BLOCK, &o[0])
-        # A block whose largest |value| exceeds about 127 * 65504 (8.3e6) has no float16
-        # scale: it would decode to Inf and NaN. Refused, as q8f16 weights refuse it.
-        scales = out.reshape(-1, PKV_KVQ8_RECORD_BYTES)[:, :2].copy().view("<u2").ravel()
-        over = np.flatnonzero((scales & 0x7FFF) == 0x7C00)
-        if over.size:
-            raise InvalidArgument(
-                f"x: block {int(over[0])} (values {int(over[0]) * PKV_KVQ8_BLOCK}.."
-                f"{int(over[0]) * PKV_KVQ8_BLOCK + PKV_KVQ8_BLOCK - 1} of the flat input) "
-                f"has a largest |value| above ~8.3e6, past q8 KV's float16 scale")
+                over = pkv_cpu_kvq8_encode(NULL, &flat16[0], n // PKV_KVQ8_BLOCK, &o[0])
+    # A block whose largest |value| exceeds about 127 * 65504 (8.3e6) has no float16 scale:
+    # it would decode to Inf and NaN. Refused, as q8f16 weights refuse it.
+    if over >= 0:
+        raise InvalidArgument(
+            f"x: block {over} (values {over * PKV_KVQ8_BLOCK}.."
+            f"{over * PKV_KVQ8_BLOCK + PKV_KVQ8_BLOCK - 1} of the flat input) has a largest "
+            f"|value| above ~8.3e6, past q8 KV's float16 scale")
     return out
 
 

@@ -17,9 +17,12 @@
 #include "cpu_simd.h"
 #include "half_vectors.h"
 
+/* Returns the first record whose scale is past float16 (|value| above ~127 * 65504: it would
+ * decode to Inf and NaN), or -1; the caller refuses such input. */
 PKV_CPU_CLONES
-static void pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, ptrdiff_t n_records,
-                                uint8_t *out) {
+static ptrdiff_t pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, ptrdiff_t n_records,
+                                     uint8_t *out) {
+    ptrdiff_t over = -1;
     for (ptrdiff_t r = 0; r < n_records; ++r) {
         float v[PKV_KVQ8_BLOCK];
 #if defined(__GNUC__) && !defined(__clang__)
@@ -51,9 +54,12 @@ static void pkv_cpu_kvq8_encode(const float *x32, const uint16_t *x16, ptrdiff_t
             codes[i] = (int8_t)(int32_t)t;
         }
         uint8_t *o = out + r * PKV_KVQ8_RECORD_BYTES;
-        pkv_store_u16le(o, pkv_kvq8_scale_bits(amax));
+        const uint16_t scale = pkv_kvq8_scale_bits(amax);
+        if (over < 0 && (scale & 0x7FFFu) == 0x7C00u) over = r;
+        pkv_store_u16le(o, scale);
         memcpy(o + 2, codes, sizeof codes);
     }
+    return over;
 }
 
 #endif /* PAGEDKV_QUANT_KV_Q8_LOOPS_H */
