@@ -223,6 +223,77 @@ def test_from_dlpack_refuses_misaligned_memory_and_a_malformed_device(host_dlpac
         DeviceArray.from_dlpack(Odd(), host_dlpack)
 
 
+class _Interface:
+    """A producer of nothing but a CUDA array interface (``data: (ptr, read_only)``)."""
+
+    def __init__(self, arr, read_only):
+        self.__cuda_array_interface__ = {**arr.__cuda_array_interface__,
+                                         "data": (arr.ptr, read_only)}
+
+
+def test_read_only_imports_are_read_but_never_written(host_dlpack, stub_recorder):
+    """Found by a review: a buffer its producer flagged read-only (a NumPy array with
+    writeable=False through a versioned capsule, ``data: (ptr, True)``) was taken as
+    writable, as a kernel's output or a pool. Every launcher refuses it where it writes,
+    before any launch, and its bytes stay as they were."""
+    from pagedkv.kernels import kvcache, weights
+    dev = host_dlpack
+    host = np.arange(256, dtype=np.float32)
+    host.flags.writeable = False
+    by_dlpack = DeviceArray.from_dlpack(host, dev)
+    backing = dev.array(np.arange(256, dtype=np.float32))
+    by_interface = DeviceArray.from_dlpack(_Interface(backing, True), dev)
+    assert not DeviceArray.from_dlpack(_Interface(backing, False), dev).readonly
+    x = dev.array(np.ones(256, np.float32))
+    for ro in (by_dlpack, by_interface):
+        assert ro.readonly and ro.view((16, 16)).readonly and "read-only" in repr(ro)
+        before, launches = ro.to_numpy(), stub_recorder.count
+        for write, args in ((weights.fwht256, (dev, x, ro)),
+                            (weights.fwht256, (dev, x, ro.view((16, 16)))),
+                            (ro.copy_from, (np.zeros(256, np.float32),)),
+                            (ro.fill_bytes, (0xFF,))):
+            with pytest.raises(InvalidArgument, match="imported read-only"):
+                write(*args)
+        assert stub_recorder.count == launches
+        np.testing.assert_array_equal(ro.to_numpy(), before)
+        weights.fwht256(dev, ro, x)  # read: taken
+        assert stub_recorder.count == launches + 1
+        # exported again, it says so
+        assert import_capsule(ro.__dlpack__(max_version=(1, 0))).read_only
+        assert ro.__cuda_array_interface__["data"] == (ro.ptr, True)
+    # a q8 pool and a block copy's destination
+    pool = dev.empty((2, 4, 2, 68), np.uint8)
+    pool.fill_bytes(7)
+    ro_pool = DeviceArray.from_dlpack(_Interface(pool, True), dev)
+    src, slots = dev.array(np.ones((3, 2, 64), np.float32)), dev.array(np.arange(3))
+    ids, launches = dev.array(np.array([0], np.int32)), stub_recorder.count
+    with pytest.raises(InvalidArgument, match="pool: .* imported read-only"):
+        kvcache.kv_q8_write(dev, src, slots, ro_pool)
+    with pytest.raises(InvalidArgument, match="dst: .* imported read-only"):
+        kvcache.copy_blocks(dev, pool, ids, dev.array(np.array([1], np.int32)), ro_pool)
+    assert stub_recorder.count == launches and (pool.to_numpy() == 7).all()
+
+
+def test_from_dlpack_checks_the_capsules_own_device_id(host_dlpack):
+    """Found by a review: without ``__dlpack_device__`` only the capsule's device type was
+    checked, so a tensor of another GPU (its id) was imported onto this one."""
+    from pagedkv.kernels.dlpack import export_capsule
+    host = np.zeros(4, np.float32)
+
+    class OnDevice:
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def __dlpack__(self, **kw):
+            return export_capsule(host, host.ctypes.data, (4,), (2, 32, 1), interop.KDL_CPU,
+                                  self.device_id, True)
+
+    assert DeviceArray.from_dlpack(OnDevice(0), host_dlpack).shape == (4,)
+    with pytest.raises(InvalidArgument, match=r"capsule's DLPack device \(1, 1\) is not this "
+                                              r"hip device \(types \(1,\), ordinal 0\)"):
+        DeviceArray.from_dlpack(OnDevice(1), host_dlpack)
+
+
 def test_stream_handles_of_pagedkv_torch_and_cupy_streams(stub_device):
     class TorchLike:
         cuda_stream = 0x77

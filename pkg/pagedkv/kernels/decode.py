@@ -29,15 +29,16 @@ NORM_THREADS = launch_constant("PKV_NORM_THREADS")
 ELEMENTWISE_THREADS = 256  # any block size: the elementwise kernels index by global thread
 
 
-def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...]) -> None:
-    need_array(arr, name, np.float32)
+def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...], *,
+           writable: bool = False) -> None:
+    need_array(arr, name, np.float32, writable=writable)
     if arr.shape != shape:
         raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
 
 
 def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArray,
                 y: DeviceArray | None, multiple: int) -> tuple[int, int]:
-    need_array(x, "x", np.float32, 2)
+    need_array(x, "x", np.float32, 2, writable=residual is not None)  # x += residual
     rows, dim = x.shape
     if dim % multiple or dim == 0:
         raise InvalidArgument(f"x: dim {dim} must be a positive multiple of {multiple}")
@@ -45,7 +46,7 @@ def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArra
         _shape(residual, "residual", x.shape)
     _shape(weight, "weight", (dim,))
     if y is not None:
-        _shape(y, "y", x.shape)
+        _shape(y, "y", x.shape, writable=True)
     return rows, dim
 
 
@@ -96,9 +97,9 @@ def qkv_rope_split(device: Device, qkv: DeviceArray, positions: DeviceArray, q: 
     need_array(positions, "positions", np.int32, 1)
     if positions.shape != (rows,):
         raise InvalidArgument(f"positions: shape {positions.shape}, expected ({rows},)")
-    _shape(q, "q", (rows, q_heads, head_dim))
-    _shape(k, "k", (rows, kv_heads, head_dim))
-    _shape(v, "v", (rows, kv_heads, head_dim))
+    _shape(q, "q", (rows, q_heads, head_dim), writable=True)
+    _shape(k, "k", (rows, kv_heads, head_dim), writable=True)
+    _shape(v, "v", (rows, kv_heads, head_dim), writable=True)
     n = rows * heads * head_dim // 2
     if n == 0:
         return
@@ -128,7 +129,7 @@ def _check_gate_up(gate_up: DeviceArray, out: DeviceArray | None,
         raise InvalidArgument(f"gate_up: {two_ffn} columns, expected an even 2 x ffn"
                               + (f" with ffn a multiple of {multiple}" if multiple > 1 else ""))
     if out is not None:
-        _shape(out, "out", (rows, two_ffn // 2))
+        _shape(out, "out", (rows, two_ffn // 2), writable=True)
     return rows, two_ffn // 2
 
 

@@ -13,7 +13,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 if TYPE_CHECKING:
     from pagedkv.kernels.device import Device
 
-__all__ = ["DeviceArray", "need_array"]
+__all__ = ["DeviceArray", "need_array", "need_writable"]
 
 
 class DeviceArray:
@@ -28,12 +28,18 @@ class DeviceArray:
     an owning array. Interop (``__dlpack__``, ``from_dlpack``,
     ``__cuda_array_interface__``): :mod:`pagedkv.kernels.interop`, docs/kernels.md
     "Interop".
+
+    ``readonly``: the producer of an imported buffer flagged it read-only (DLPack 1.0's
+    ``DLPACK_FLAG_BITMASK_READ_ONLY``, the CUDA array interface's ``data[1]``); views
+    inherit it, exports pass it on, and every call that writes it (a kernel's output or
+    pool, :meth:`copy_from`, :meth:`fill_bytes`) refuses it (:func:`need_writable`).
     """
 
-    __slots__ = ("__weakref__", "_owned", "base", "device", "dtype", "nbytes", "ptr", "shape")
+    __slots__ = ("__weakref__", "_owned", "base", "device", "dtype", "nbytes", "ptr",
+                 "readonly", "shape")
 
     def __init__(self, device: Device, ptr: int, shape: tuple[int, ...], dtype,
-                 *, owned: bool = True, base: object = None) -> None:
+                 *, owned: bool = True, base: object = None, readonly: bool = False) -> None:
         self.device = device
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
@@ -41,6 +47,7 @@ class DeviceArray:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._owned = owned
         self.base = base
+        self.readonly = bool(readonly)
 
     # --- construction ---------------------------------------------------------------
 
@@ -80,7 +87,7 @@ class DeviceArray:
             raise InvalidArgument(f"view: shape {shape} of {dtype} at byte {offset_bytes} does "
                                   f"not fit in {self!r} ({self.nbytes} bytes)")
         return DeviceArray(self.device, self.live_ptr() + offset_bytes if nbytes else 0, shape,
-                           dtype, owned=False, base=self)
+                           dtype, owned=False, base=self, readonly=self.readonly)
 
     def rows(self, start: int, stop: int) -> DeviceArray:
         """A view of rows ``[start, stop)`` along axis 0."""
@@ -134,6 +141,7 @@ class DeviceArray:
 
     def copy_from(self, array: np.ndarray) -> None:
         """Overwrite with a host array of the same shape and dtype."""
+        need_writable(self, "copy_from")
         host = np.ascontiguousarray(array)
         if host.shape != self.shape or host.dtype != self.dtype:
             raise InvalidArgument(
@@ -143,6 +151,7 @@ class DeviceArray:
 
     def fill_bytes(self, value: int) -> None:
         """Set every byte to ``value`` (tests poison outputs with 0xFF: NaN in f16/f32)."""
+        need_writable(self, "fill_bytes")
         self.device.memset(self.live_ptr(), value, self.nbytes)
 
     @property
@@ -169,16 +178,34 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         where = f"ptr=0x{self.ptr:x}" if self.ptr else "freed"
-        view = "" if self._owned else ", view"
+        view = ("" if self._owned else ", view") + (", read-only" if self.readonly else "")
         return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where}{view}, "
                 f"device={self.device.properties.name!r})")
 
 
-def need_array(arr, name: str, dtype, ndim: int | None = None) -> None:
-    """A launcher's check of argument ``name``: a DeviceArray of ``dtype`` (and ``ndim``
-    dimensions when given); ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
+def _need_device_array(arr, name: str) -> None:
     if not isinstance(arr, DeviceArray):
         raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+
+
+def need_writable(arr, name: str) -> None:
+    """A launcher's check of an array it writes (an output, a pool): a DeviceArray that is
+    not :attr:`DeviceArray.readonly` (``InvalidArgument`` naming it; ``InvalidArgumentType``
+    for anything but a DeviceArray). A read-only import is the producer's promise to its
+    other readers (a torch inference tensor, a JAX array) that nobody writes it."""
+    _need_device_array(arr, name)
+    if arr.readonly:
+        raise InvalidArgument(f"{name}: {arr!r} was imported read-only (its producer's DLPack "
+                              "read-only flag or __cuda_array_interface__ data[1]); pass a "
+                              "writable buffer (a clone of it, or DeviceArray.empty)")
+
+
+def need_array(arr, name: str, dtype, ndim: int | None = None, *,
+               writable: bool = False) -> None:
+    """A launcher's check of argument ``name``: a DeviceArray of ``dtype`` (and ``ndim``
+    dimensions when given; not read-only when ``writable``: :func:`need_writable`);
+    ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
+    (need_writable if writable else _need_device_array)(arr, name)
     if arr.dtype != np.dtype(dtype):
         raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
     if ndim is not None and arr.ndim != ndim:

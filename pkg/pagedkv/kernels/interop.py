@@ -13,6 +13,11 @@ Ownership (docs/kernels.md, "Interop"):
   ``used_dltensor``) and returns a non-owning DeviceArray whose ``base`` holds it; the
   producer's deleter runs when that DeviceArray (and every view of it) is gone.
   ``from_cuda_array_interface(obj)`` keeps ``obj`` itself as the base.
+- **Read-only.** A buffer its producer flags read-only (a versioned capsule's
+  ``DLPACK_FLAG_BITMASK_READ_ONLY``, the interface's ``data: (ptr, True)``) is imported as a
+  :attr:`~pagedkv.kernels.DeviceArray.readonly` array: it can be read (a query, a weight,
+  K/V to write into a pool) but every launcher refuses it where it writes; exported again,
+  it keeps the flag.
 - **Layout.** Only C-contiguous buffers (strides ``None`` or row-major; size-1 axes may
   carry any stride) are taken; anything else raises :class:`InvalidArgument`. bfloat16
   comes in as ``uint16`` bits and goes out as ``uint16`` (``tensor.view(torch.bfloat16)``).
@@ -151,12 +156,12 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
         _wait_default_stream(arr.device, stream)
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
     return export_capsule(arr, ptr, arr.shape, _dl_dtype(arr.dtype), here[0], here[1],
-                          versioned)
+                          versioned, arr.readonly)
 
 
 def cuda_array_interface(arr: DeviceArray) -> dict:
     """``arr.__cuda_array_interface__`` (version 3): the consumer must keep ``arr`` alive."""
-    return {"shape": arr.shape, "typestr": arr.dtype.str, "data": (arr.live_ptr(), False),
+    return {"shape": arr.shape, "typestr": arr.dtype.str, "data": (arr.live_ptr(), arr.readonly),
             "version": 3, "strides": None, "stream": 1}
 
 
@@ -219,14 +224,18 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     except TypeError:  # a producer from before DLPack 1.0 (no max_version)
         capsule = obj.__dlpack__(stream=consumer)
     tensor = import_capsule(capsule)
-    if tensor.device[0] not in accepted:
-        raise InvalidArgument(f"from_dlpack: DLPack device {tensor.device} is not one this "
-                              f"{backend} device takes {accepted}")
+    # The capsule's own device, also when __dlpack_device__ agreed (or was absent): an id
+    # of another GPU would be read through this device's address space.
+    if tensor.device[0] not in accepted or tensor.device[1] != device.ordinal:
+        raise InvalidArgument(f"from_dlpack: the capsule's DLPack device {tensor.device} is "
+                              f"not this {backend} device (types {accepted}, ordinal "
+                              f"{device.ordinal}): move the tensor to it first")
     dtype = _np_dtype(tensor.dtype)
     _check_c_contiguous(tensor.shape, tensor.strides, dtype.itemsize, in_bytes=False,
                         what="from_dlpack")
     _check_aligned(tensor.data, dtype, "from_dlpack")
-    return DeviceArray(device, tensor.data, tensor.shape, dtype, owned=False, base=tensor)
+    return DeviceArray(device, tensor.data, tensor.shape, dtype, owned=False, base=tensor,
+                       readonly=tensor.read_only)
 
 
 def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
@@ -237,7 +246,7 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
     cai = obj.__cuda_array_interface__
     device = open_device() if device is None else device
     try:
-        ptr, _read_only = cai["data"]
+        ptr, read_only = cai["data"]
         ptr = int(ptr or 0)
         shape = tuple(int(s) for s in cai["shape"])
         dtype = np.dtype(cai["typestr"])
@@ -255,7 +264,8 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
                               "handle")
     if stream not in (None, 1, 2):
         device.call("stream_synchronize", int(stream))
-    return DeviceArray(device, ptr, shape, dtype, owned=False, base=obj)
+    return DeviceArray(device, ptr, shape, dtype, owned=False, base=obj,
+                       readonly=bool(read_only))
 
 
 def as_device_array(obj, device: Device | None = None, *, name: str = "array") -> DeviceArray:

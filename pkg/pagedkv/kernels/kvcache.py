@@ -23,7 +23,7 @@ from pagedkv.kernels.device import (
     amd_matrix_unit,
     sm_version,
 )
-from pagedkv.kernels.device_array import DeviceArray, need_array
+from pagedkv.kernels.device_array import DeviceArray, need_array, need_writable
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
     attn_min_blocks,
@@ -201,11 +201,12 @@ def kv_dtype_of(pool: DeviceArray) -> str:
 
 
 def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
-             mode: str = "q8") -> tuple[int, int, int]:
+             mode: str = "q8", *, into_pool: bool) -> tuple[int, int, int]:
     """Check the arguments shared by the KV writes and the q8 read: ``rows`` (``src`` or
     ``out``, ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token,
-    and a ``uint8`` pool of ``mode``'s records at that geometry. Returns ``(n, kv_heads,
-    head_dim)``."""
+    and a ``uint8`` pool of ``mode``'s records at that geometry; the side written (the
+    pool ``into_pool``, else ``rows``) not read-only. Returns ``(n, kv_heads, head_dim)``."""
+    need_writable(*((pool, "pool") if into_pool else (rows, name)))
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
@@ -232,7 +233,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = _kv_rows(src, "src", slots, pool)
+    n, kvh, hd = _kv_rows(src, "src", slots, pool, into_pool=True)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -245,7 +246,7 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = _kv_rows(out, "out", slots, pool)
+    n, kvh, hd = _kv_rows(out, "out", slots, pool, into_pool=False)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
@@ -269,7 +270,7 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     if not m.rotated:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
                               f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
-    n, kvh, hd = _kv_rows(src, "src", slots, pool, mode)
+    n, kvh, hd = _kv_rows(src, "src", slots, pool, mode, into_pool=True)
     if n == 0:
         return
     name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
@@ -631,7 +632,7 @@ class PagedAttention:
             raise InvalidArgument(f"seq_lens: {seq_lens.shape[0]} rows, expected "
                                   f"{self.num_seqs}")
         if out is not None:
-            need_array(out, "out", np.float32, 3)
+            need_array(out, "out", np.float32, 3, writable=True)
             want = (self.num_seqs, self.num_heads, self.head_dim)
             if out.shape != want:
                 raise InvalidArgument(f"out: shape {out.shape}, expected {want}")
@@ -708,6 +709,7 @@ def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids:
                               f"{dst_ids.shape[0]} differ")
     if not isinstance(src, DeviceArray) or not isinstance(dst, DeviceArray):
         raise InvalidArgumentType("src, dst: expected DeviceArrays")
+    need_writable(dst, "dst")
     if src.ndim < 1 or dst.ndim < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
         raise InvalidArgument(f"src/dst: shapes {src.shape}/{dst.shape} need blocks on axis 0")
     block_bytes = src.nbytes // src.shape[0]

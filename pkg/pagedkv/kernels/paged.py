@@ -216,7 +216,7 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
     need_array(qkv, "qkv", np.float32)
     if qkv.shape != (rows, heads * g.head_dim):
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected {(rows, heads * g.head_dim)}")
-    need_array(q, "q", np.float32)
+    need_array(q, "q", np.float32, writable=True)
     if q.shape != (rows, q_heads, g.head_dim):
         raise InvalidArgument(f"q: shape {q.shape}, expected {(rows, q_heads, g.head_dim)}")
     k_pool, v_pool = pool.layer(layer)

@@ -23,7 +23,7 @@ import numpy as np
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument
 from pagedkv.kernels.device import Device, Stream, amd_matrix_unit, sm_version
-from pagedkv.kernels.device_array import DeviceArray, need_array
+from pagedkv.kernels.device_array import DeviceArray, need_array, need_writable
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
 
@@ -194,6 +194,7 @@ def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArra
     length K from ``out.shape[-1]``, GL needs whole 256-groups). Every kernel writes the
     stored basis."""
     f = _format(fmt, dequant=True)
+    need_writable(out, "out")
     if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise InvalidArgument(f"out: dtype {out.dtype}, expected float32 or float16")
     n = out.size
@@ -217,7 +218,7 @@ def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
     """``out`` = FWHT-256 of each 256-segment of ``x`` (``float32``, size a multiple of 256;
     ``out`` may be ``x``). Bit-exact with ``pagedkv.quant.fwht256``."""
     need_array(x, "x", np.float32)
-    need_array(out, "out", np.float32)
+    need_array(out, "out", np.float32, writable=True)
     if x.size % 256 or out.size != x.size:
         raise InvalidArgument(f"x/out: sizes {x.size}/{out.size}, expected equal multiples "
                               f"of 256")
@@ -542,7 +543,7 @@ class Gemv:
         else:
             arr = w
             _raw(arr, self.fmt, self.M * self.K)
-        need_array(y, "y", np.float32)
+        need_array(y, "y", np.float32, writable=True)
         if y.shape != (self.batch, self.M):
             raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
         return arr
