@@ -1712,3 +1712,26 @@ def test_paged_attention_refuses_bad_partition_tokens(tokens, monkeypatch):
                                block_size=16, max_seq_len=1025, kv_dtype="float16",
                                partition_tokens=tokens)
     assert dev.calls == []  # nothing allocated
+
+
+@pytest.mark.parametrize(("scale", "error", "message"), [
+    ("x", InvalidArgumentType, "scale='x': expected a float"),
+    (True, InvalidArgumentType, "scale=True: expected a float"),
+    (np.array([0.1]), InvalidArgumentType, "expected a float .* got ndarray"),
+    (float("nan"), InvalidArgument, "scale=nan: must be finite"),
+    (-float("inf"), InvalidArgument, "scale=-inf: must be finite"),
+    (10**400, InvalidArgument, "must be finite")])
+def test_paged_attention_refuses_a_scale_that_is_not_a_finite_number(scale, error, message):
+    """Found by a review: ``scale="x"`` raised a builtin ValueError (``float("x")``) and NaN
+    was taken (every output NaN). The MLX path shares the check (test_kernels_mlx.py)."""
+    from pagedkv.kernels import kvcache
+    dev = FakeCudaDevice()
+    with pytest.raises(error, match=message):
+        kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=64,
+                               block_size=16, max_seq_len=64, kv_dtype="float16", scale=scale)
+    assert dev.calls == []  # nothing allocated
+    for ok in (0.125, np.float32(0.125), 1, None):
+        attn = kvcache.PagedAttention(dev, num_seqs=1, num_heads=4, kv_heads=2, head_dim=64,
+                                      block_size=16, max_seq_len=64, kv_dtype="float16",
+                                      scale=ok)
+        assert attn.scale == (0.125 if ok is None else float(ok))

@@ -224,6 +224,41 @@ def test_paged_attention_checks_tables_and_shapes_before_running():
         K.paged_attention(mx.array(q), kp, v, tables, lens)
 
 
+def test_float64_numpy_input_and_a_non_number_scale_are_refused():
+    """Found by a review: ``mx.array`` narrows a float64 NumPy array to float32, so float64
+    ``x`` was computed on silently (other dtypes are refused), and ``scale="x"`` raised a
+    builtin ValueError. Both raise pagedkv errors before anything runs; a pool stays as it
+    was."""
+    wide = np.ones((1, 256), np.float64)
+    with pytest.raises(InvalidArgument, match="x: dtype float64, expected float32; MLX would "
+                                              "cast it to mlx.core.float32"):
+        K.fwht256(wide)
+    w = K.prepare_gemv(quant.quantize(np.zeros((4, 256), np.float32), "hfq4g256"), "hfq4g256",
+                       4, 256)
+    with pytest.raises(InvalidArgument, match="x: dtype float64"):
+        K.gemv(w, wide)
+    with pytest.raises(InvalidArgument, match="values: dtype float64"):
+        K.kv_q8_quantize(np.zeros((1, 64)))
+    pool = mx.array(np.arange(8 * 68, dtype=np.uint8).reshape(8, 1, 68))
+    before = np.array(pool)
+    with pytest.raises(InvalidArgument, match="values: dtype float64"):
+        K.kv_q8_write(pool, [1], np.zeros((1, 1, 64)))
+    assert bits_equal(np.array(pool), before)
+    rng, _ = fresh_rng()
+    q, kp, vp, tables, lens, _ = attention_case(rng, "float16", seqs=2, heads=4, kv_heads=2,
+                                                head_dim=64, block_size=16, lens=[20, 3])
+    k, v = mx.array(kp), mx.array(vp)
+    with pytest.raises(InvalidArgument, match="q: dtype float64"):
+        K.paged_attention(q.astype(np.float64), k, v, tables, lens)
+    for scale, error in (("x", InvalidArgumentType), (True, InvalidArgumentType),
+                         (float("nan"), InvalidArgument), (float("inf"), InvalidArgument)):
+        with pytest.raises(error, match=f"scale={scale!r}"):
+            K.paged_attention(mx.array(q), k, v, tables, lens, scale=scale)
+    assert np.allclose(np.array(K.paged_attention(mx.array(q), k, v, tables, lens,
+                                                  scale=np.float32(0.125))),
+                       np.array(K.paged_attention(mx.array(q), k, v, tables, lens)))
+
+
 def test_copy_blocks_copies_bytes_and_refuses_bad_ids():
     rng, _ = fresh_rng()
     src = rng.standard_normal((9, 16, 2, 32)).astype(np.float16)

@@ -278,6 +278,26 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     k((n * kvh,), (KV_WRITE_THREADS,), src, slots, pool, n, kvh, hd, m.id, stream=stream)
 
 
+def attention_scale(scale, head_dim: int) -> float:
+    """The softmax scale of a decode attention: ``head_dim ** -0.5`` for ``None``, else
+    ``scale`` as a float. A real number (``InvalidArgumentType`` for a str, a bool, an
+    array) and finite (``InvalidArgument``: NaN or Inf turns every score, and so the
+    output, into NaN)."""
+    if scale is None:
+        return float(head_dim ** -0.5)
+    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(
+            scale, (bool, np.bool_)):
+        raise InvalidArgumentType(f"scale={scale!r}: expected a float (or None for "
+                                  f"head_dim ** -0.5), got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except OverflowError:  # an int past float's range
+        value = math.inf
+    if not math.isfinite(value):
+        raise InvalidArgument(f"scale={scale!r}: must be finite (or None for head_dim ** -0.5)")
+    return value
+
+
 def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_blocks: int,
                        block_size: int) -> None:
     """Host-side check of a decode batch before upload: every table entry a sequence
@@ -396,7 +416,7 @@ class PagedAttention:
         self.device = device
         self.num_seqs, self.num_heads, self.kv_heads = num_seqs, num_heads, kv_heads
         self.head_dim, self.block_size, self.kv_dtype = head_dim, block_size, kv_dtype
-        self.scale = float(head_dim ** -0.5 if scale is None else scale)
+        self.scale = attention_scale(scale, head_dim)
         group = num_heads // kv_heads
         self.gmax = attention_group_slots(num_heads, kv_heads)
         if self.gmax > head_dim // 8:  # a token's head_dim/8 lanes carry the group's scores

@@ -130,7 +130,13 @@ def _impl_of(name: str):
 def _array(mx, name: str, x, dtypes: tuple, what: str):
     """``x`` as an ``mx.array`` of one of ``dtypes`` (NumPy arrays are converted, never cast)."""
     if isinstance(x, np.ndarray):
-        x = mx.array(x)
+        converted = mx.array(x)
+        # mx.array narrows float64 to float32 (MLX's default float) without a word: refuse
+        # it like any other dtype, not compute on values the caller did not pass
+        if converted.dtype.size != x.dtype.itemsize:
+            raise InvalidArgument(f"{name}: dtype {x.dtype}, expected {what}; MLX would cast "
+                                  f"it to {converted.dtype}: convert it first (astype)")
+        x = converted
     elif not isinstance(x, mx.array):
         raise InvalidArgumentType(f"{name}: expected an mx.array or numpy array ({what}), got "
                                   f"{type(x).__name__}")
@@ -454,7 +460,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
         longest = int(s.max().item()) if max_seq_len is None and seqs else 0
     if max_seq_len is None:
         max_seq_len = max(longest, 1)
-    scale = float(head_dim ** -0.5 if scale is None else scale)
+    from pagedkv.kernels.kvcache import attention_scale
+    scale = attention_scale(scale, head_dim)
     q = q.astype(mx.float32)
     name, impl, run = _impl()
     if kv_dtype == "float32":  # CPU-test pools (pagedkv.pool.geometry): no kernel reads them
