@@ -346,3 +346,58 @@ def test_the_core_never_imports_the_cold_tier():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
+    """Window 6, blocks of 4, sidecar at 16: the restore writes rows [10, 16), so sliding
+    block 2 (tokens 8-11) has rows 8 and 9 unwritten. Publishing it (at registration)
+    handed those rows as a hot hit to a request sharing 12 tokens (found by a review:
+    they held whatever the recycled block held). The block is not published; a request
+    sharing 12 tokens gets 8 and computes the rest, and every row it attends is right."""
+    window = 6
+    sliding = SlidingWindowCodec(window=window, num_layers=1, kv_heads=1, head_dim=2,
+                                 dtype="float32")
+    tokens = TOKENS[:24]
+    with open_tier(tmp_path) as tier:
+        assert tier.install_capture_budget(128, 60_000)
+        box = []
+        ctx = ColdTierContext(tier, FP, sliding, lambda toks, **kw: box[0].verified(
+            toks, cache_salt=kw.get("cache_salt", 0)))
+        cache = full_sliding_alias(window=window, block_size=BS, cold=ctx, checkpoints=True)
+        box.append(cache.checkpoints)
+        cache.reset_for_new_request("a")
+        cache.find_cached_prefix("a", tokens, max_tokens=0)
+        prefill(cache, "a", tokens[:16], chunk=4)
+        g = cache.groups[1]
+        cache.checkpoints.publish(tokens, 16, sliding.snapshot([SlidingGroupRows(
+            g.pool, cache.block_table("a", 1), g.null_block_id, 16)], 16), owner="a")
+        prefill(cache, "a", tokens, chunk=4, start=16)
+        cache.register_full_blocks_for_reuse("a")
+        assert tier.drain(5.0)
+        cache.release_request("a")
+    with open_tier(tmp_path) as tier:
+        cache = full_sliding_alias(window=window, block_size=BS,
+                                   cold=ColdTierContext(tier, FP, sliding))
+        pool = cache.groups[1].pool
+        for b in range(pool.num_blocks):  # what a recycled block may hold
+            pool.write_block(b, np.full_like(pool.read_block(b), 0x7F))
+        cache.reset_for_new_request("b")
+        hit = cache.find_cached_prefix("b", tokens, max_tokens=len(tokens) - 1)
+        assert (hit.cached_tokens, cache.block_table("b", 1)[:2].tolist()) == (16, [0, 0])
+        prefill(cache, "b", tokens, chunk=4, start=16)
+        cache.register_full_blocks_for_reuse("b")
+        cache.release_request("b")
+        cache.reset_for_new_request("x")  # publishes sliding blocks 0 and 1 (tokens 0-7)
+        hx = cache.find_cached_prefix("x", tokens[:9], max_tokens=8)
+        prefill(cache, "x", tokens[:9], chunk=4, start=hx.cached_tokens)
+        cache.register_full_blocks_for_reuse("x")
+        cache.release_request("x")
+        prompt = np.concatenate([tokens[:12], np.arange(4001, 4006, dtype=np.uint32)])
+        cache.reset_for_new_request("c")
+        hit = cache.find_cached_prefix("c", prompt, max_tokens=len(prompt) - 1)
+        assert hit.cached_tokens == 8
+        first = cache.first_live_position("c", 1)
+        k, _ = cache.gather_kv("c", 1, start=first)
+        attended = np.arange(max(0, hit.cached_tokens - window + 1), hit.cached_tokens)
+        # prefill writes K = position + 1 in this group's one layer
+        np.testing.assert_array_equal(k[attended - first, 0, 0], attended + 1.0)

@@ -193,6 +193,7 @@ class RequestLifecycle(AdmissionControl):
             tokens, extra_keys, extra_keys_per_block, salt)
         first = self._groups[0]
         restored, sidecar = _EMPTY_IDS, checkpoint
+        sliding_restored = False
         calls = self._cold_calls
         if (calls is not None and not suppress_cold and len(self._groups) == 1
                 and cached + first.block_size <= len(tokens)):
@@ -215,10 +216,14 @@ class RequestLifecycle(AdmissionControl):
                 for i, (g, table) in enumerate(zip(self._groups[1:], tables, strict=True), 1):
                     g.drop_entries(entries[i])
                     entries[i] = table
+                sliding_restored = True
         if len(self._groups) == 1:
             cached = min(len(entries[0]) * first.block_size, len(tokens))
-        for g, e in zip(self._groups, entries, strict=True):
-            g.install(row, e)
+        for i, (g, e) in enumerate(zip(self._groups, entries, strict=True)):
+            if sliding_restored and i:
+                g.install_restored(row, e, cached)
+            else:
+                g.install(row, e)
         rows.ensure_tokens(cached)
         rows.tokens[row, :cached] = tokens[:cached]
         rows.num_tokens[row] = cached

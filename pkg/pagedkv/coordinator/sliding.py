@@ -84,7 +84,8 @@ class SlidingGroupBlocks(GroupBlocks):
 
     kind_name = "sliding"
     limits_tokens = False
-    _row_arrays = (*GroupBlocks._row_arrays, "null_upto", "parent_hash", "parent_known")
+    _row_arrays = (*GroupBlocks._row_arrays, "null_upto", "parent_hash", "parent_known",
+                   "publish_from")
 
     def __init__(self, allocator, pool, window: int, *, growth: bool = False, rows: int = 8,
                  counters: dict[str, int] | None = None,
@@ -103,6 +104,9 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto = np.zeros(rows, np.int32)      # leading null entries
         self.parent_hash = np.zeros(rows, np.uint64)   # hash of block null_upto - 1 ...
         self.parent_known = np.zeros(rows, np.bool_)   # ... once computed (publication)
+        # Entries below this are never published: a cold restore rebuilt them from the
+        # sidecar's window rows, so the first of them may hold rows nobody wrote.
+        self.publish_from = np.zeros(rows, np.int32)
         self._zeros = np.zeros(0, np.uint8)
 
     def __repr__(self) -> str:
@@ -118,6 +122,7 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto[row] = 0
         self.parent_hash[row] = 0
         self.parent_known[row] = False
+        self.publish_from[row] = 0
 
     # --- sizes ----------------------------------------------------------------------------
 
@@ -176,6 +181,17 @@ class SlidingGroupBlocks(GroupBlocks):
         super().install(row, entries)
         self.null_upto[row] = int(np.count_nonzero(entries == self.null_block_id))
         self.parent_known[row] = False
+        self.publish_from[row] = 0
+
+    def install_restored(self, row: int, entries: np.ndarray, tokens: int) -> None:
+        """:meth:`install` for a table a cold restore rebuilt at ``tokens`` from the window
+        rows ``[tokens - min(tokens, window), tokens)`` (docs/cold.md, "Grouped restore"):
+        when the window is not a multiple of the block size, the first live block also
+        covers earlier rows that nobody wrote. No entry that starts before the written rows
+        is ever published, so no other request gets those rows as a hot hit."""
+        self.install(row, entries)
+        written = tokens - min(tokens, self.window)
+        self.publish_from[row] = -(-written // self.block_size)
 
     def _chain_keys(self, per_block, uniform, first: int, stop: int):
         """Key arguments for chain blocks ``[first, stop)`` (segment-relative per-block keys),
@@ -220,7 +236,7 @@ class SlidingGroupBlocks(GroupBlocks):
     def register(self, row: int, tokens: np.ndarray, num_tokens: int, extra_keys,
                  extra_keys_per_block, cache_salt: int) -> int:
         """Publish the blocks the row still holds (its last window) under the given keys."""
-        first = int(self.null_upto[row])
+        first = max(int(self.null_upto[row]), int(self.publish_from[row]))
         stop = num_tokens // self.block_size
         per_block = None if extra_keys_per_block is None else list(extra_keys_per_block)
         new, _ = self._publish(row, tokens, first, stop, tuple(extra_keys), per_block,
@@ -241,10 +257,12 @@ class SlidingGroupBlocks(GroupBlocks):
         if cut <= first:
             return 0
         ids = self.table[row, first:cut].copy()
-        if publish and rows is not None and rows.publish[row]:
+        start = max(first, int(self.publish_from[row]))
+        if publish and rows is not None and rows.publish[row] and start < cut:
             uniform, per_block = rows.keys[row]
-            parent = int(self.parent_hash[row]) if self.parent_known[row] else None
-            _, last = self._publish(row, rows.tokens[row], first, cut, uniform, per_block,
+            parent = (int(self.parent_hash[row]) if self.parent_known[row] and start == first
+                      else None)
+            _, last = self._publish(row, rows.tokens[row], start, cut, uniform, per_block,
                                     int(rows.salt[row]), parent)
             if last is None:
                 rows.publish[row] = False  # keys ran out: nothing later verifies either
@@ -261,6 +279,14 @@ class SlidingGroupBlocks(GroupBlocks):
                    publish: bool) -> int:
         """:meth:`prune` for a batch of rows (``committed``: int32 per row), in C; rows whose
         request has extra keys publish through :meth:`prune`. Returns the blocks freed."""
+        if publish:
+            # Rows holding restored entries that must not be published (install_restored)
+            # take the Python path; the C one publishes from null_upto.
+            held = self.publish_from[rows] > self.null_upto[rows]
+            if held.any():
+                freed = sum(self.prune(int(r), int(c), seq_rows, True)
+                            for r, c in zip(rows[held], committed[held], strict=True))
+                return freed + self.prune_many(rows[~held], committed[~held], seq_rows, True)
         modes = seq_rows.publish if publish else self._no_publish(len(seq_rows.publish))
         freed, keyed = table_ops.prune_rows(
             self.allocator, self.table, self.num_blocks, self.null_upto, self.revision,
