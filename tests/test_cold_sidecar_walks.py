@@ -276,6 +276,40 @@ def test_a_salted_sidecar_restores_only_in_its_own_domain(tmp_path):
             assert (hit.sidecar.boundary_tokens if want else hit.sidecar) == (want or None)
 
 
+
+def test_context_capture_asks_the_checkpoint_source_with_the_uniform_keys(tmp_path):
+    """ColdTierContext.capture(extra_keys=(7,)) asked its checkpoint source without the
+    keys, so a keyless request's checkpoint was persisted under the keyed sidecar chain and
+    restored for it (found by a review). The source sees the keys per block, finds no
+    checkpoint on the (7,) lineage and nothing is captured."""
+    from pagedkv.coordinator import StateCheckpointStore
+    codec = gdn_state_codec(1, conv_kernel=2, conv_dim=2, num_v_heads=1, v_head_dim=1,
+                            k_head_dim=1, dtype="float32")
+    toks = np.arange(100, 116, dtype=np.uint32)  # 4 blocks of 4
+    store = StateCheckpointStore(BlockAllocator(64, block_size=4, hash_seed=0))
+    keyless = (np.full((1, 1, 2), 111.0, np.float32), np.full((1, 1, 1, 1), 111.0, np.float32))
+    assert store.publish(toks, 16, keyless, owner="P")
+    seen = []
+
+    def source(tokens, **kw):
+        seen.append(kw["extra_keys_per_block"])
+        return store.verified(tokens, **kw)
+
+    with open_tier(tmp_path) as tier:
+        ctx = ColdTierContext(tier, FP, codec, source)
+        pool, alloc = FakePool(), FakeAllocator()
+        pool.block_size = 4
+        ids = np.array([alloc.allocate() for _ in range(4)], np.int32)
+        out = ctx.capture(tokens=toks, block_ids=ids, extra_keys=(7,), pool=pool,
+                          allocator=alloc)
+        assert [list(k) for k in seen[0]] == [[7]] * 4
+        assert out.sidecar.stop is SidecarCaptureStop.BOUNDARY_SKIP
+        assert tier.drain(5.0)
+        r = ctx.restore(tokens=toks, hot_blocks=0, extra_keys=(7,), pool=FakePool(),
+                        allocator=BlockAllocator(64, block_size=4, hash_seed=0))
+        assert (len(r.block_ids), r.sidecar) == (0, None)
+
+
 # --- R10: sidecar capture accounting -------------------------------------------------------------
 
 def test_sidecar_capture_anchors_under_a_partially_captured_chain(tmp_path):

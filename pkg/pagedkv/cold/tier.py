@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from pagedkv.adapter.cold_hooks import ColdRestore
+from pagedkv.adapter.cold_hooks import ColdRestore, per_block_keys
 from pagedkv.cold.backend import ColdBackend
 from pagedkv.cold.capture import (
     CaptureOutcome,
@@ -407,10 +407,15 @@ class ColdTierContext:
         per_block = kwargs.get("extra_keys_per_block")
         extra = kwargs.get("extra_keys", ())
         try:
-            found = self.checkpoints(tokens, cache_salt=salt, extra_keys_per_block=per_block) \
+            # The checkpoint source keys by per-block keys only: a request's uniform keys
+            # must reach it too, or a keyless lineage's state answers for a keyed one.
+            bs = int(kwargs["pool"].block_size)
+            found = self.checkpoints(
+                tokens, cache_salt=salt,
+                extra_keys_per_block=per_block_keys(extra, per_block, len(tokens) // bs)) \
                 if outcome.blocks else {}
             side = self.capture_sidecar(found, tokens=tokens, captured_blocks=outcome.blocks,
-                                        block_size=int(kwargs["pool"].block_size),
+                                        block_size=bs,
                                         cache_salt=salt, extra_keys=extra,
                                         extra_keys_per_block=per_block)
         except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
