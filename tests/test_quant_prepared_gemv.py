@@ -281,6 +281,52 @@ def test_tiny_zero_and_huge_spans():
         assert np.all(np.isfinite(y)) and np.any(y[1] != 0)
 
 
+@pytest.mark.parametrize("fmt", ["hfq4g256", "hfq6g256", "q8f16", "q4k", "mq4g256v2"])
+def test_a_span_whose_sum_could_overflow_is_refused(fmt):
+    """Found by a review: x of ±2e38 (finite) gave Inf/NaN outputs of a finite product, the
+    float32 sum of x over a span (step 1 of docs/formats/cpu-gemv.md) having overflowed.
+    A span (of x', after the rotation for MQ) whose largest |value| is 2**127 / span or more
+    is refused and nothing is written; just below it the result is the model's, finite
+    and within the bound."""
+    rng = np.random.default_rng(11)
+    m, k = 20, 512
+    raw = Q.quantize(rng.standard_normal((m, k)).astype(F32) * F32(0.01), fmt)
+    g = Q.prepare_gemv(raw, fmt, (m, k))
+    span = g.span
+    limit = F32(2.0**127 / span)
+    x = np.zeros((2, k), F32)
+    x[1, 300:302] = (2e38, -2e38)
+    out = np.full((2, m), 3.0, F32)
+    message = ("overflows float32 when rotated" if g.rotated else
+               rf"x\[1, 300\] is 2e\+38: the int8 GEMV takes \|x\| below 2\*\*127 / {span}")
+    with pytest.raises(InvalidArgument, match=message):
+        g(x, out=out, threads=2)
+    assert np.all(out == 3.0)
+    if not g.rotated:
+        x = np.zeros((1, k), F32)
+        x[0, 7] = limit
+        with pytest.raises(InvalidArgument, match=r"x\[7\] is .*the int8 GEMV takes"):
+            g(x[0], out=out[0])
+        assert np.all(out == 3.0)
+    # the largest magnitude taken: a whole span of it, alternating and constant
+    edge = np.nextafter(limit, F32(0))
+    x = np.zeros((2, k), F32)
+    x[0, :span] = edge
+    x[1, span:2 * span] = np.where(np.arange(span) % 2, edge, -edge)
+    if g.rotated:  # x' = R x: a constant x over 256 becomes one value 16x as large
+        x[0, :span] = edge / F32(16)
+        x[1] = 0
+        x[1, 0] = edge
+        assert np.abs(_rotated(Q.resolve(fmt), x)).max() < limit
+    want = model(raw, fmt, (m, k), x)
+    for isa in ISAS:
+        got = Q.prepare_gemv(raw, fmt, (m, k), isa=isa)(x)
+        assert got.tobytes() == want.tobytes(), isa
+    assert np.all(np.isfinite(got))
+    exact = exact_product(raw, fmt, (m, k), x)
+    assert np.all(np.abs(got.astype(np.float64) - exact) <= error_bound(raw, fmt, (m, k), x))
+
+
 def test_matches_x_dot_dequantized_w_closely_on_gaussian_data():
     rng = np.random.default_rng(3)
     m, k = 256, 4096

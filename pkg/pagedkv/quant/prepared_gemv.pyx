@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 cimport numpy as cnp
+from libc.math cimport isfinite
 from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
@@ -371,6 +372,7 @@ cdef class PreparedGemv:
         cdef Py_ssize_t nb = xv.shape[0], k = self.k, ns = self._w.n_spans, b
         cdef Py_ssize_t bad = -1, bad_row = 0
         cdef bint overflow = False
+        cdef float bad_value = 0.0
         cdef size_t xf_bytes = nb * k * sizeof(float) if self.rotated else 0
         cdef Py_ssize_t ldx = pkv_pgemv_x_stride(k)
         cdef char *scratch = <char *>malloc(xf_bytes + nb * ldx + nb * ns * 12 + 64)
@@ -395,6 +397,7 @@ cdef class PreparedGemv:
                         bad = pkv_first_nonfinite(src, k)
                         if bad >= 0:
                             bad_row = b
+                            bad_value = src[bad]
                             break
                         rotate256(src, xf + b * k, k // 256)
                         src = xf + b * k
@@ -403,7 +406,8 @@ cdef class PreparedGemv:
                                                <int32_t *>xs.xqsum + b * ns)
                     if bad >= 0:
                         bad_row = b
-                        overflow = self.rotated
+                        bad_value = src[bad]  # x', in the scratch freed below, when rotated
+                        overflow = self.rotated and not isfinite(bad_value)
                         break
                 if bad < 0:
                     job.w = &self._w
@@ -419,5 +423,14 @@ cdef class PreparedGemv:
             if overflow:
                 raise InvalidArgument(
                     f"x row {bad_row} overflows float32 when rotated (FWHT-256); scale it down")
+            if isfinite(bad_value):
+                # docs/formats/cpu-gemv.md, 'What it accepts': the span's float32 sum of x
+                # could overflow
+                what = (f"x row {bad_row}, rotated (FWHT-256), holds {bad_value:.7g} at {bad}"
+                        if self.rotated else f"{where} is {bad_value:.7g}")
+                raise InvalidArgument(
+                    f"{what}: the int8 GEMV takes |x| below 2**127 / {self.span} = "
+                    f"{2.0 ** 127 / self.span:.3g} (a span's float32 sum of {self.span} values "
+                    "must not overflow); scale x down")
             raise InvalidArgument(f"{where} is {xv[bad_row, bad]!r}; the GEMV takes finite "
                                   "activations only")

@@ -99,7 +99,9 @@ typedef float pkv_pg_v16f __attribute__((vector_size(64)));
  *   xsum = the f32 sum of x over the span: 16 lanes (lane l adds x[16t + l] in
  *          order of t), then halved 16 -> 8 -> 4 -> 2 -> 1 (lane l + lane l + h),
  *   xqsum = the int sum of xq.
- * Returns -1, or the index of the first NaN/Inf (nothing else is then defined). */
+ * Returns -1, or the index of the first bad value (nothing else is then defined): a NaN/Inf,
+ * or, in a span whose amax is 2^127 / span or more, the first value of that magnitude
+ * (that span's f32 sum could overflow, and with it every output: refused, not computed). */
 PKV_CPU_CLONES
 static ptrdiff_t pkv_pgemv_quantize_x(const float *x, ptrdiff_t k, uint32_t span, int8_t *xq,
                                       float *dx, float *xsum, int32_t *xqsum) {
@@ -115,6 +117,17 @@ static ptrdiff_t pkv_pgemv_quantize_x(const float *x, ptrdiff_t k, uint32_t span
         if (amax_bits >= 0x7F800000u) {
             for (uint32_t i = 0; i < span; ++i)
                 if (pkv_f32_is_nonfinite(xs[i])) return s0 + (ptrdiff_t)i;
+        }
+        /* |xsum| <= span * amax * (1 + 2^-24)^span < FLT_MAX below this limit */
+        const float limit = 0x1p127f / (float)span;
+        uint32_t limit_bits;
+        memcpy(&limit_bits, &limit, 4);
+        if (amax_bits >= limit_bits) {
+            for (uint32_t i = 0; i < span; ++i) {
+                uint32_t a;
+                memcpy(&a, xs + i, 4);
+                if ((a & 0x7FFFFFFFu) >= limit_bits) return s0 + (ptrdiff_t)i;
+            }
         }
         /* below 2^-118, 127 / amax would overflow: such a span is scaled by 2^64 first
          * (exact) and its dx by 2^-64 after */
