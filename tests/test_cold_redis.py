@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -460,6 +461,41 @@ def test_sidecar_on_redis_round_trips_and_a_truncated_one_is_corrupt(redis_serve
     assert (s.misses, s.corruptions) == (2, 1) and client.exists(rkey) == 0
     tier.close()
 
+
+def test_a_sidecar_family_restores_on_every_replica_of_the_fleet(redis_server, tmp_path):
+    """Replica A persists K/V and a GDN sidecar; a fresh Redis-only replica and a fresh
+    two-level one restore both (they declined with NO_BACKED_BOUNDARY: the sidecar was in
+    no local index and only K/V keys were probed; found by a review). A second capture on a
+    fresh replica sees the sidecar as already persisted instead of writing it again."""
+    from pagedkv.cold import DEFAULT_FORMAT, ColdSidecarLayout, ColdSidecarPolicy, sidecar_key
+    from pagedkv.cold.sidecar_capture import SidecarCaptureStop, capture_sidecar
+    from pagedkv.cold.writer import SidecarJob
+    toks = np.arange(1, 17, dtype=np.uint32)  # 4 blocks of 4
+    lay = ColdSidecarLayout(group=ColdGroup.GDN_STATE, boundary_tokens=16, num_layers=1,
+                            tensors_per_layer=1, dtype="bfloat16", dims=(2, 4),
+                            bytes_per_tensor=16)
+    policy = ColdSidecarPolicy.unscaled(lay)
+    payload = np.arange(16, dtype=np.uint8).reshape(1, 16)
+    a = ColdTier.open_remote(redis_server.url, fingerprint=FP)
+    persist_prompt(a, toks)
+    key = sidecar_key(DEFAULT_FORMAT, ColdGroup.GDN_STATE, FP, toks, 4, 16)
+    assert a.enqueue(SidecarJob(key, FP.hex(), lay, payload)) and a.drain(5.0)
+    a.close()
+    for b in (ColdTier.open_remote(redis_server.url, fingerprint=FP),
+              ColdTier.open_at(tmp_path / "b", quota_bytes=1 << 30, reserve_bytes=0,
+                               fingerprint=FP, remote=redis_server.url)):
+        r = b.restore_backed(tokens=toks, hot_blocks=0, pool=FakePool(),
+                             allocator=FakeAllocator(), policy=policy)
+        assert len(r.block_ids) == 4 and r.sidecar.boundary_tokens == 16
+        assert np.array_equal(r.sidecar.payload, payload)
+        assert b.stats().restore_declines == 0
+        b.close()
+    c = ColdTier.open_remote(redis_server.url, fingerprint=FP)
+    codec = types.SimpleNamespace(group=ColdGroup.GDN_STATE)  # found before packing
+    out = capture_sidecar(c, FP, codec, {16: payload}, tokens=toks, captured_blocks=4,
+                          block_size=4, deadline=time.monotonic() + 5.0)
+    assert out.stop is SidecarCaptureStop.ALREADY_PERSISTED
+    c.close()
 
 def test_missing_redis_server_skips_here_and_fails_under_ci(monkeypatch):
     import redis_support

@@ -18,17 +18,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from pagedkv.cold.groups import ColdGroup
+
 if TYPE_CHECKING:
     from pagedkv.cold.codec import BlockGeometry, DecodedBlock
     from pagedkv.cold.format import ColdFormat
-    from pagedkv.cold.groups import ColdGroup
     from pagedkv.cold.index import ColdIndex
     from pagedkv.cold.stats import ColdCounters
 
 __all__ = ["BlockSource", "ColdBackend", "CommitItem"]
 
 #: ``(key, group, chunks, size)``: one encoded object for :meth:`ColdBackend.commit_many`.
-CommitItem = tuple[bytes, "ColdGroup", Sequence, int]
+CommitItem = tuple[bytes, ColdGroup, Sequence, int]
 
 
 class BlockSource(Protocol):
@@ -65,9 +66,10 @@ class ColdBackend(Protocol):
         remote backend asks the server in one round trip; the directory probes its index."""
         ...
 
-    def learn_presence(self, keys: Sequence[bytes]) -> None:
-        """Before a capture walk probes ``keys`` one by one: a remote backend learns in one
-        round trip which of them the fleet already stored (the directory: nothing to do)."""
+    def learn_presence(self, keys: Sequence[bytes], group: ColdGroup = ColdGroup.KV) -> None:
+        """Before a walk probes ``keys`` (objects of ``group``) one by one: a remote backend
+        learns in one round trip which of them the fleet already stored (the directory:
+        nothing to do)."""
         ...
 
     def chain_source(self, keys: Sequence[bytes], start: int, stop: int,

@@ -239,9 +239,9 @@ class RedisColdStore:
             run += 1
         return run
 
-    def learn_presence(self, keys: Sequence[bytes]) -> None:
+    def learn_presence(self, keys: Sequence[bytes], group: ColdGroup = ColdGroup.KV) -> None:
         if keys:
-            self._probe(keys, ColdGroup.KV)
+            self._probe(keys, group)
 
     # --- loads ---------------------------------------------------------------------------
 

@@ -152,6 +152,10 @@ def deepest_backed_boundary(tier, policy, sidecar_keys, floor: int, ceiling: int
     result is a :class:`~pagedkv.cold.sidecar_bundle.RestoredSidecars`."""
     policies = policies_of(policy)
     chains = [sidecar_keys] if len(policies) == 1 else list(sidecar_keys)
+    # Another replica's sidecars are in no local index yet: a remote backend asks for the
+    # whole range in one round trip per part.
+    for chain, p in zip(chains, policies, strict=True):
+        tier.store.learn_presence(list(chain[int(floor):int(ceiling)]), p.group)
     for count in range(int(ceiling), int(floor), -1):
         keys = [chain[count - 1] for chain in chains]
         if not all(tier.contains_in(k, p.group) for k, p in zip(keys, policies, strict=True)):

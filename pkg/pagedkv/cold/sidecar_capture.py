@@ -96,6 +96,7 @@ def capture_sidecar(tier, fingerprint: bytes, codec, checkpoints: Mapping[int, A
     key = sidecar_key(tier.fmt, codec.group, fingerprint, tokens, block_size, anchor,
                       extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                       cache_salt=cache_salt)
+    tier.store.learn_presence([key], codec.group)  # another replica may have written it
     if tier.contains_in(key, codec.group) or tier.writer.is_queued(key):
         counters.add("already_persisted")
         return done(SidecarCaptureStop.ALREADY_PERSISTED, anchor)

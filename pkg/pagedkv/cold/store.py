@@ -177,7 +177,7 @@ class ColdStore:
             idx += 1
         return idx
 
-    def learn_presence(self, keys: Sequence[bytes]) -> None:
+    def learn_presence(self, keys: Sequence[bytes], group: ColdGroup = ColdGroup.KV) -> None:
         """Nothing to learn: the index is this root's truth."""
 
     def chain_source(self, keys: Sequence[bytes], start: int, stop: int, bound: int):

@@ -72,8 +72,9 @@ class TieredColdStore:
             run = further
         return run
 
-    def learn_presence(self, keys: Sequence[bytes]) -> None:
-        self.remote.learn_presence([k for k in keys if not self.local.contains(k)])
+    def learn_presence(self, keys: Sequence[bytes], group: ColdGroup = ColdGroup.KV) -> None:
+        self.remote.learn_presence([k for k in keys if not self.local.contains_in(k, group)],
+                                   group)
 
     # --- loads ---------------------------------------------------------------------------
 
