@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
@@ -288,6 +289,33 @@ def test_digest_cache_avoids_rereading(tmp_path, monkeypatch):
         assert model_fingerprint(PKV, str(d), Profile, GEOM,
                                  digest_cache=WeightDigestCache(fd)) == a
         assert (tmp_path / "root" / "weight-digests.json").is_file()
+    finally:
+        os.close(fd)
+
+
+def test_digest_cache_misses_weights_rewritten_in_place_with_mtime_put_back(tmp_path):
+    """Same inode, same size, mtime restored (`cp -p`, `rsync --inplace -t`): the cache
+    keyed on (dev, inode, size, mtime) gave the old weights' fingerprint, and with it every
+    cold object of the old weights (found by a review)."""
+    from pagedkv.cold import WeightDigestCache
+    from pagedkv.cold.root import open_managed_root
+    d = _model(tmp_path)
+    w = next(d.glob("*.safetensors"))
+    fd = open_managed_root(str(tmp_path / "root"), None)
+    try:
+        old = model_fingerprint(PKV, str(d), Profile, GEOM, digest_cache=WeightDigestCache(fd))
+        st = os.stat(w)
+        data = bytearray(w.read_bytes())
+        data[-1] ^= 0xFF
+        time.sleep(0.01)  # a coarse ctime clock still moves
+        with open(w, "r+b") as f:
+            f.write(data)
+        os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+        st2 = os.stat(w)
+        assert (st2.st_ino, st2.st_size, st2.st_mtime_ns) == (st.st_ino, st.st_size,
+                                                              st.st_mtime_ns)
+        new = model_fingerprint(PKV, str(d), Profile, GEOM, digest_cache=WeightDigestCache(fd))
+        assert new == model_fingerprint(PKV, str(d), Profile, GEOM) != old
     finally:
         os.close(fd)
 

@@ -20,12 +20,14 @@ _MAX_CACHE_BYTES = 1 << 22
 
 
 def _stat_key(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    # ctime too: weights rewritten in place at the same size with mtime put back (`cp -p`,
+    # `rsync --inplace -t`) keep the other four, and no call can set ctime back.
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 class WeightDigestCache:
-    """Shard digests keyed by the file's (device, inode, size, mtime_ns); an entry is used
-    only when all four match. Stored as ``weight-digests.json`` in the root, replaced
+    """Shard digests keyed by the file's (device, inode, size, mtime_ns, ctime_ns); an entry
+    is used only when all five match. Stored as ``weight-digests.json`` in the root, replaced
     atomically; never indexed, counted against the quota or evicted."""
 
     def __init__(self, root_fd: int) -> None:
