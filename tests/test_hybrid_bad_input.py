@@ -36,6 +36,7 @@ from pagedkv.errors import (
     GroupManagerMismatch,
     IncompatibleGroupLayer,
     InvalidArgument,
+    InvalidArgumentType,
     InvalidLayout,
     ManagerCountMismatch,
     MissingLayerAssignment,
@@ -297,3 +298,37 @@ def test_a_sliding_codec_of_another_window_than_the_groups_restores_nothing(tmp_
         assert after["groups"] == before["groups"]
         assert cache.block_table("a", 0).tolist() == cache.block_table("a", 1).tolist() == []
         cache.check_invariants()
+
+
+_LAYOUT = {"group": ColdGroup.GDN_STATE, "boundary_tokens": 16, "num_layers": 1,
+           "tensors_per_layer": 1, "dtype": "bfloat16", "dims": (2, 4), "bytes_per_tensor": 16}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("boundary_tokens", 16.0), ("boundary_tokens", "16"), ("num_layers", True),
+    ("bytes_per_tensor", 16.0), ("dims", ("a",)), ("dims", None), ("dims", (2.0, 4)),
+    ("dtype", ["bfloat16"])])
+def test_a_sidecar_layout_refuses_what_it_cannot_write(field, value):
+    """A float count was accepted and written into the object's metadata as "16.0", which no
+    load accepts (every load a counted corruption, the object pruned); strings and None
+    raised builtin errors (found by a review)."""
+    from pagedkv.cold import ColdSidecarLayout
+    with pytest.raises(InvalidArgumentType, match=field):
+        ColdSidecarLayout(**{**_LAYOUT, field: value})
+    layout = ColdSidecarLayout(**{**_LAYOUT, "boundary_tokens": np.int64(16)})
+    assert type(layout.boundary_tokens) is int
+
+
+def test_collection_arguments_refuse_what_is_not_a_collection():
+    from pagedkv.cold import RecurrentStateCodec
+    from pagedkv.cold.sidecar_bundle import policies_of
+    from pagedkv.coordinator import plan_pool_budget, validate_layer_kv_cache_specs
+    for call in (lambda: validate_layer_kv_cache_specs(None),
+                 lambda: validate_layer_kv_cache_specs(3),
+                 lambda: plan_pool_budget(None, max_num_seqs=1),
+                 lambda: policies_of(None),
+                 lambda: RecurrentStateCodec(ColdGroup.GDN_STATE, 1, (3,), "bfloat16"),
+                 lambda: SidecarBundle((SlidingWindowCodec(4, 1, 1, 1),)).split(
+                     [1, 2], ColdGroup.SLIDING_WINDOW)):
+        with pytest.raises(InvalidArgumentType):
+            call()

@@ -9,13 +9,14 @@ accepted, NumPy booleans and floats are not. Base layer: imports nothing of page
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TypeGuard
 
 import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["int_argument", "is_int"]
+__all__ = ["int_argument", "is_int", "items_argument"]
 
 
 def is_int(value: object) -> TypeGuard[int | np.integer]:
@@ -34,3 +35,11 @@ def int_argument(name: str, value: object, minimum: int = 0) -> int:
     if number < minimum:
         raise InvalidArgument(f"{name} = {number} must be >= {minimum}")
     return number
+
+
+def items_argument(name: str, value: object) -> list:
+    """``value``'s items as a list: :class:`~pagedkv.errors.InvalidArgumentType` when it is
+    not a collection of items (``None``, a number, a ``str`` or ``bytes``, a mapping)."""
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, Mapping)):
+        raise InvalidArgumentType(f"{name} must be a sequence, got {type(value).__name__}")
+    return list(value)

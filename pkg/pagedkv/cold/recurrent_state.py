@@ -18,7 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
-from pagedkv.argument_checks import int_argument
+from pagedkv.argument_checks import int_argument, items_argument
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import ColdSidecarLayout, RestoredSidecar, storage_dtype
@@ -49,7 +49,8 @@ class RecurrentStateCodec:
             raise InvalidArgument(f"group = {self.group!r}: a recurrent state codec is for "
                                   "GDN_STATE or CONV_STATE")
         int_argument("num_layers", self.num_layers, 1)
-        parts = tuple(tuple(int_argument("part dim", d, 1) for d in p) for p in self.parts)
+        parts = tuple(tuple(int_argument("part dim", d, 1) for d in items_argument("part", p))
+                      for p in items_argument("parts", self.parts))
         if not parts:
             raise InvalidArgument("parts must name at least one state tensor shape")
         object.__setattr__(self, "parts", parts)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.cold.codec import DTYPE_CODES, header_overhead
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
@@ -52,6 +53,10 @@ class ColdSidecarLayout:
             raise InvalidArgumentType(f"group must be a ColdGroup, got {self.group!r}")
         if self.group is ColdGroup.KV:
             raise InvalidArgument("group = ColdGroup.KV: a sidecar needs a sidecar group")
+        # Counts are written into the object's metadata as they are: a float 16.0 would be
+        # stored as "16.0", which no later load accepts.
+        if not isinstance(self.dims, (tuple, list)) or not all(is_int(d) for d in self.dims):
+            raise InvalidArgumentType(f"dims must be a tuple of ints, got {self.dims!r}")
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
         checks = (("boundary_tokens", self.boundary_tokens, 1, None),
                   ("num_layers", self.num_layers, 1, None),
@@ -59,11 +64,17 @@ class ColdSidecarLayout:
                   ("len(dims)", len(self.dims), 1, MAX_DIMS),
                   ("bytes_per_tensor", self.bytes_per_tensor, 1, None))
         for name, v, lo, hi in checks:
+            if not is_int(v):
+                raise InvalidArgumentType(f"{name} must be an int, got {v!r}")
             if int(v) < lo or (hi is not None and int(v) > hi):
                 rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise InvalidArgument(f"{name} = {v} is outside {rng}")
+        for name in ("boundary_tokens", "num_layers", "tensors_per_layer", "bytes_per_tensor"):
+            object.__setattr__(self, name, int(getattr(self, name)))
         if min(self.dims) <= 0:
             raise InvalidArgument(f"dims = {self.dims}: every dim must be > 0")
+        if not isinstance(self.dtype, str):
+            raise InvalidArgumentType(f"dtype must be a str, got {self.dtype!r}")
         if self.dtype not in DTYPE_CODES:
             raise InvalidArgument(f"dtype = {self.dtype!r}; valid: {sorted(DTYPE_CODES)}")
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from pagedkv.argument_checks import items_argument
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.policy import ColdSidecarPolicy
 from pagedkv.cold.sidecar import RestoredSidecar
@@ -32,7 +33,7 @@ def policies_of(policy) -> tuple[ColdSidecarPolicy, ...]:
     """A restore's policy argument as a tuple: one ``ColdSidecarPolicy``, or a bundle's."""
     if isinstance(policy, ColdSidecarPolicy):
         return (policy,)
-    parts = tuple(policy)
+    parts = tuple(items_argument("policy", policy))
     if not parts or not all(isinstance(p, ColdSidecarPolicy) for p in parts):
         raise InvalidArgumentType("policy must be a ColdSidecarPolicy or a non-empty tuple of "
                                   "them (SidecarBundle.policy)")
@@ -83,6 +84,9 @@ class SidecarBundle:
               ) -> dict[int, Any]:
         """``{boundary: state}`` of one part from ``{boundary: {group: state}}``; a boundary
         whose mapping lacks the part is left out (that part cannot anchor there)."""
+        if not isinstance(checkpoints, Mapping):
+            raise InvalidArgumentType("checkpoints must map each boundary (tokens) to "
+                                      f"{{ColdGroup: state}}, got {type(checkpoints).__name__}")
         out = {}
         for b, state in checkpoints.items():
             if not isinstance(state, Mapping):

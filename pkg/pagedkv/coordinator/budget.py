@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedkv.argument_checks import items_argument
 from pagedkv.coordinator.grouping import KVCacheGroupSpec
 from pagedkv.coordinator.specs import _int
 from pagedkv.errors import InvalidArgument
@@ -64,7 +65,7 @@ def plan_pool_budget(groups: Sequence[KVCacheGroupSpec], *, max_num_seqs: int,
     ``max(ceil(minimum / MiB), 256, 2048)`` MiB. A budget below the minimum, or one that
     cannot give width 1, raises ``InvalidArgument`` naming both figures.
     """
-    groups = list(groups)
+    groups = items_argument("groups", groups)
     if not groups:
         raise InvalidArgument("plan_pool_budget needs at least one group")
     max_num_seqs = _int("max_num_seqs", max_num_seqs)

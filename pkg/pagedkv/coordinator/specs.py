@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedkv.argument_checks import is_int
+from pagedkv.argument_checks import is_int, items_argument
 from pagedkv.errors import (
     DuplicateLayer,
     InvalidArgument,
@@ -202,7 +202,7 @@ def validate_layer_kv_cache_specs(specs: Iterable[LayerKVCacheSpec]
       layer naming itself is one: ``(layer, layer, layer)``);
     * ``SharedKVIncompatible(layer, anchor)``: the anchor's kind or layout differs.
     """
-    items = list(specs)
+    items = items_argument("specs", specs)
     for i, s in enumerate(items):
         if not isinstance(s, LayerKVCacheSpec):
             raise InvalidArgumentType(
