@@ -86,6 +86,21 @@ def test_fwht256_is_bit_exact_and_its_errors_name_the_problem():
         K.fwht256(mx.zeros((256,), dtype=mx.float16))
 
 
+def test_dequantize_takes_the_basis_and_shape_checks_of_pagedkv_quant():
+    """Found by a review: ``basis=np.array([...])`` raised a builtin ValueError, and a float
+    or bool dim was truncated (``int(2.5)``) where pagedkv.quant refuses it: both now go
+    through pagedkv.quant's own checks."""
+    raw = quant.quantize(np.ones((2, 256), np.float32), "mq4g256v2")
+    with pytest.raises(InvalidArgumentType, match="basis must be a str"):
+        K.dequantize(raw, "mq4g256v2", (2, 256), basis=np.array(["rotated", "original"]))
+    with pytest.raises(InvalidArgument, match="basis must be one of"):
+        K.dequantize(raw, "mq4g256v2", (2, 256), basis="stored")
+    for shape in ((2.0, 256), (2, "256"), True):
+        with pytest.raises(InvalidArgumentType, match="shape must be an int or a sequence"):
+            K.dequantize(raw, "mq4g256v2", shape)
+    assert K.dequantize(raw, "mq4g256v2", (np.int64(2), 256), basis="rotated").shape == (2, 256)
+
+
 @pytest.mark.parametrize("fmt", GEMV_FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8, 11])
 def test_gemv_matches_the_reference(fmt, batch):

@@ -53,6 +53,40 @@ def test_a_read_only_out_is_refused():
     assert (out == 7).all()
 
 
+@pytest.mark.parametrize("basis", [np.array(["rotated", "original"]), np.array("rotated"),
+                                   ["rotated"], None, b"rotated"])
+def test_a_basis_that_is_not_a_str_is_a_type_error(basis):
+    """Found by a review: an array of names raised a builtin ValueError (``in`` over a
+    tuple compares elementwise), a 0-d array passed as if it were the str."""
+    raw = quant.quantize(X, "mq4g256v2")
+    out = np.full((4, 256), 7, np.float32)
+    with pytest.raises(InvalidArgumentType, match="basis must be a str, one of"):
+        quant.dequantize(raw, "mq4g256v2", (4, 256), basis=basis, out=out)
+    assert (out == 7).all()
+    with pytest.raises(InvalidArgument, match="basis must be one of"):
+        quant.dequantize(raw, "mq4g256v2", (4, 256), basis="stored")
+    assert quant.dequantize(raw, "mq4g256v2", (4, 256), basis=np.str_("rotated")).tobytes() \
+        == quant.dequantize(raw, "mq4g256v2", (4, 256), basis="rotated").tobytes()
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_an_out_that_is_a_memoryview_or_a_matrix_is_a_type_error():
+    """Found by a review: ``numpy.matrix`` (2-D under reshape) raised a builtin ValueError
+    from the decoder, a memoryview is not an ndarray. Both are InvalidArgumentType, from
+    dequantize and from a PreparedGemv call (one check), and left unchanged."""
+    g = quant.prepare_gemv(RAW, "hfq4g256", (4, 256))
+    for out, call in (
+            (np.matrix(np.full((4, 256), 7, np.float32)),
+             lambda o: quant.dequantize(RAW, "hfq4g256", (4, 256), out=o)),
+            (memoryview(np.full((4, 256), 7, np.float32)),
+             lambda o: quant.dequantize(RAW, "hfq4g256", (4, 256), out=o)),
+            (np.matrix(np.full((2, 4), 7, np.float32)), lambda o: g(X[:2], out=o)),
+            (memoryview(np.full(4, 7, np.float32)), lambda o: g(X[0], out=o))):
+        with pytest.raises(InvalidArgumentType, match="out must be a float32 numpy.ndarray"):
+            call(out)
+        assert (np.asarray(out) == 7).all()
+
+
 @pytest.mark.parametrize("array", [np.float32(1.0), np.zeros((), np.float32)])
 def test_scalars_and_0d_arrays_say_how_to_fix_them(array):
     with pytest.raises((InvalidArgument, InvalidArgumentType),

@@ -31,6 +31,8 @@ from pagedkv.errors import (
 )
 from pagedkv.quant import affine, codebook, fp4, fwht, gaussian_codebook, half, legacy, q8, ternary
 from pagedkv.quant.arguments import (
+    basis_argument,
+    float32_out,
     float_array,
     raw_bytes,
     reject_nonfinite,
@@ -58,7 +60,6 @@ from pagedkv.quant.prepared_gemv import PreparedGemv, aligned_empty, check_threa
 __all__ = ["CODECS", "Codec", "PreparedGemv", "dequantize", "fwht256", "gemv", "prepare_gemv",
            "quantize", "resolve"]
 
-_BASES = ("original", "rotated")
 _MQ2G256V2 = 50
 _FP4_KIND = {21: 0, 24: 1, 33: 2}     # pagedkv.quant.fp4.KINDS
 _DECODE_ONLY_WHY = {
@@ -178,8 +179,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     data = raw_bytes(raw)
     dims = shape_tuple(shape)
     threads = check_threads(threads)
-    if basis not in _BASES:
-        raise InvalidArgument(f"basis must be one of {_BASES}, got {basis!r}")
+    rotated_basis = basis_argument(basis)
     check_k(codec, dims)
     numel = math.prod(dims)
     expected = codec.payload_nbytes(dims)
@@ -189,7 +189,6 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         raise SizeMismatch(
             f"raw has {data.size} bytes, but {codec.name} of shape {dims} needs {expected} "
             f"({rule})")
-    rotated_basis = basis == "rotated"
     if rotated_basis and codec.rotated and numel % 256 != 0:
         raise InvalidArgument(
             f"basis='rotated' needs a multiple of 256 weights (whole rotated groups), got "
@@ -197,19 +196,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     if out is None:             # 64-byte aligned: the MQ decoders' streaming stores need it
         result = aligned_empty(dims, np.float32)
     else:
-        if not isinstance(out, np.ndarray) or out.dtype != np.float32:
-            got = getattr(out, "dtype", type(out).__name__)
-            raise InvalidArgumentType(f"out must be a float32 numpy array, got {got}; pass "
-                                      "np.empty(shape, np.float32)")
-        if out.shape != dims:
-            raise InvalidArgument(f"out must have shape {dims}, got shape {out.shape}")
-        if not out.flags.c_contiguous:
-            raise InvalidArgument(
-                f"out (shape {dims}) must be C-contiguous, got strides {out.strides}; pass "
-                "np.empty(shape, np.float32) or np.ascontiguousarray")
-        if not out.flags.writeable:
-            raise InvalidArgument(f"out (shape {dims}) is read-only; pass a writeable array")
-        result = out
+        result = float32_out(out, dims)
     out = result.reshape(-1)
     if codec.kind == AFFINE:
         affine.decode(data, out, codec.affine_family, codec.bits, codec.group_size,

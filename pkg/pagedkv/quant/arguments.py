@@ -11,8 +11,46 @@ import numpy as np
 from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
-__all__ = ["float_array", "raw_bytes", "reject_nonfinite", "reject_unrepresentable",
-           "shape_tuple"]
+__all__ = ["BASES", "basis_argument", "float32_out", "float_array", "raw_bytes",
+           "reject_nonfinite", "reject_unrepresentable", "shape_tuple"]
+
+#: The ``basis`` a decode of a rotated (MQ) format returns its weights in.
+BASES = ("original", "rotated")
+
+
+def basis_argument(basis) -> bool:
+    """Whether ``basis`` asks for the stored (rotated) basis: ``"rotated"`` True,
+    ``"original"`` False. ``InvalidArgumentType`` for anything but a ``str`` (an array of
+    names compared with ``in`` raised a builtin ValueError), ``InvalidArgument`` for
+    another name."""
+    if not isinstance(basis, str):
+        raise InvalidArgumentType(f"basis must be a str, one of {BASES}, got "
+                                  f"{type(basis).__name__} {basis!r}")
+    if basis not in BASES:
+        raise InvalidArgument(f"basis must be one of {BASES}, got {basis!r}")
+    return basis == "rotated"
+
+
+def float32_out(out, shape: tuple[int, ...]) -> np.ndarray:
+    """``out`` if it is a writeable, C-contiguous float32 ``numpy.ndarray`` of ``shape``
+    (an output buffer a call fills and returns). ``InvalidArgumentType`` for another type
+    or dtype, and for ``numpy.matrix``, which stays 2-D under ``reshape`` (the decoders
+    write through a flat view of ``out``); ``InvalidArgument`` for the shape or layout."""
+    if not isinstance(out, np.ndarray) or isinstance(out, np.matrix) \
+            or out.dtype != np.float32:
+        got = (type(out).__name__ if not isinstance(out, np.ndarray)
+               else "numpy.matrix" if isinstance(out, np.matrix) else out.dtype)
+        raise InvalidArgumentType(f"out must be a float32 numpy.ndarray, got {got}; pass "
+                                  f"np.empty({shape}, np.float32)")
+    if out.shape != shape:
+        raise InvalidArgument(f"out must have shape {shape}, got shape {out.shape}")
+    if not out.flags.c_contiguous:
+        raise InvalidArgument(
+            f"out (shape {shape}) must be C-contiguous, got strides {out.strides}; pass "
+            "np.empty(shape, np.float32) or np.ascontiguousarray")
+    if not out.flags.writeable:
+        raise InvalidArgument(f"out (shape {shape}) is read-only; pass a writeable array")
+    return out
 
 
 def float_array(array, what: str) -> np.ndarray:

@@ -21,7 +21,7 @@ from pagedkv.quant import gemv_kernels
 from pagedkv.quant.arguments import raw_bytes, shape_tuple
 from pagedkv.quant.formats import AFFINE, GL, Q8, check_k, resolve
 
-__all__ = ["MAX_BATCH", "check_activations", "check_out", "check_weights", "gemv"]
+__all__ = ["MAX_BATCH", "check_activations", "check_weights", "gemv"]
 
 #: Most rows of x one call takes (decode batches).
 MAX_BATCH = 8
@@ -61,19 +61,6 @@ def check_activations(x, k: int, max_batch: int | None = None):
         limit = f"1 to {max_batch}" if max_batch is not None else "at least 1"
         raise InvalidArgument(f"x holds {batch} rows; gemv takes {limit}")
     return np.ascontiguousarray(x.reshape(batch, k)), batch
-
-
-def check_out(out, shape: tuple[int, ...]) -> np.ndarray:
-    """``out`` if it is a writeable, C-contiguous float32 array of ``shape``."""
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32:
-        got = getattr(out, "dtype", type(out).__name__)
-        raise InvalidArgumentType(f"out must be a float32 numpy array, got {got}; pass "
-                                  f"np.empty({shape}, np.float32)")
-    if out.shape != shape:
-        raise InvalidArgument(f"out must have shape {shape}, got shape {out.shape}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgument(f"out (shape {shape}) must be C-contiguous and writeable")
-    return out
 
 
 def _validate(raw, fmt, shape, x):

@@ -352,14 +352,15 @@ cdef class PreparedGemv:
         result is the same for any count. NaN/Inf in x raises ``InvalidArgument``
         before anything is written.
         """
-        from pagedkv.quant.matvec import check_activations, check_out
+        from pagedkv.quant.arguments import float32_out
+        from pagedkv.quant.matvec import check_activations
         if not self._built:
             raise InvalidArgument("this PreparedGemv was never built (its __init__ failed or "
                                   "was not called); use prepare_gemv")
         x2, batch = check_activations(x, self.k)
         cdef int n_threads = self.threads if threads is None else check_threads(threads)
         shape = (self.m,) if x.ndim == 1 else (batch, self.m)
-        y = np.empty(shape, np.float32) if out is None else check_out(out, shape)
+        y = np.empty(shape, np.float32) if out is None else float32_out(out, shape)
         if self.m == 0 or self.k == 0:
             y.fill(0.0)
             return y

@@ -27,6 +27,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant import kv_q8
+from pagedkv.quant.arguments import basis_argument, shape_tuple
 
 __all__ = [
     "BACKENDS",
@@ -175,20 +176,19 @@ def dequantize(raw, fmt: str | int, shape, *, dtype=None, basis: str = "original
     dtype = mx.float32 if dtype is None else dtype
     if dtype not in (mx.float32, mx.float16):
         raise InvalidArgument(f"dtype: {dtype}, expected mx.float32 or mx.float16")
-    if basis not in ("original", "rotated"):
-        raise InvalidArgument(f"basis: {basis!r}, expected 'original' or 'rotated'")
+    rotated_basis = basis_argument(basis)
     if codec.kind not in ("raw", "affine", "q8", "lloyd"):
         from pagedkv.errors import UnsupportedQuantType
         raise UnsupportedQuantType(
             f"{codec.name}: the MLX path does not decode the P2 formats (docs/formats/quant.md, "
             "'P2 formats'); decode with pagedkv.quant.dequantize and wrap it in mx.array")
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    shape = shape_tuple(shape)
     numel = math.prod(shape)
     raw = _array(mx, "raw", raw, (mx.uint8,), "uint8 stored bytes").reshape(-1)
     if raw.size != codec.nbytes(numel):
         raise InvalidArgument(f"raw: {raw.size} bytes, {codec.name} of {numel} weights takes "
                               f"{codec.nbytes(numel)}")
-    undo = codec.rotated and basis == "original"
+    undo = codec.rotated and not rotated_basis
     if undo and numel % 256:
         raise InvalidArgument(f"shape {shape}: basis='original' of {codec.name} needs a "
                               f"multiple of 256 weights (the rotation works per 256)")
