@@ -162,6 +162,45 @@ def test_plan_capacities_and_thresholds_follow_the_budget():
         KVAdaptivePlan("off", head_dim=256, num_kv_heads=4, max_seq=100)
 
 
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"head_dim": "256"}, "head_dim"), ({"head_dim": 256.0}, "head_dim"),
+    ({"num_kv_heads": "4"}, "num_kv_heads"), ({"num_kv_heads": True}, "num_kv_heads"),
+    ({"max_seq": 1000.5}, "max_seq"), ({"max_seq": True}, "max_seq")])
+def test_plan_arguments_of_the_wrong_type_are_type_errors(kwargs, name):
+    """Found by a review: a str where an int is expected leaked a builtin TypeError, a bool
+    or float max_seq gave a plan of 1-token or float capacities."""
+    args = {"head_dim": 256, "num_kv_heads": 4, "max_seq": 1000, **kwargs}
+    with pytest.raises(errors.InvalidArgumentType, match=f"{name} must be an int, got"):
+        KVAdaptivePlan("balanced", **args)
+    with pytest.raises(errors.InvalidArgument, match="num_kv_heads = 0 must be >= 1"):
+        KVAdaptivePlan("balanced", head_dim=256, num_kv_heads=0, max_seq=100)
+    for preset in (3, None, b"balanced"):
+        with pytest.raises(errors.InvalidArgumentType, match="kv_adaptive .*: expected a string"):
+            KVAdaptivePlan(preset, head_dim=256, num_kv_heads=4, max_seq=100)
+    assert KVAdaptivePlan("balanced", head_dim=np.int64(256), num_kv_heads=np.int32(4),
+                          max_seq=40000).caps[0] == 13465
+
+
+def test_before_append_of_the_wrong_type_changes_nothing():
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=2, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    before = (ad.tier, ad.kv_dtype, ad.pool.num_blocks, ad.allocator.num_blocks)
+    for seq_pos, n, error in (("0", 3, errors.InvalidArgumentType),
+                              (0, True, errors.InvalidArgumentType),
+                              (400.5, 3, errors.InvalidArgumentType),
+                              (-1, 3, errors.InvalidArgument)):
+        with pytest.raises(error, match="seq_pos|n "):
+            ad.before_append(seq_pos, n)
+        with pytest.raises(error):
+            ad.plan.tier_before_append(0, seq_pos, n)
+    assert (ad.tier, ad.kv_dtype, ad.pool.num_blocks, ad.allocator.num_blocks) == before
+    with pytest.raises(errors.InvalidArgumentType, match="num_seqs must be an int"):
+        KVAdaptive.create("balanced", num_layers=1, num_kv_heads=2, head_dim=256,
+                          block_size=16, max_seq=512, num_seqs="2")
+    with pytest.raises(errors.InvalidArgumentType, match="plan: expected a KVAdaptivePlan"):
+        KVAdaptive("balanced", ad.pool, ad.allocator)
+
+
 def test_adaptive_pool_downshifts_in_place_and_keeps_every_token():
     ad = KVAdaptive.create("balanced", num_layers=2, num_kv_heads=2, head_dim=256,
                            block_size=16, max_seq=512, hash_seed=0)

@@ -35,7 +35,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedkv.errors import CapacityExceeded, InvalidArgument
+from pagedkv.argument_checks import int_argument
+from pagedkv.errors import CapacityExceeded, InvalidArgument, InvalidArgumentType
 from pagedkv.quant.kv import join_kv_dtype, side_row_bytes
 
 __all__ = [
@@ -105,7 +106,8 @@ def parse_adaptive(value: str) -> AdaptivePreset:
     """``off``, a preset name or ``advanced:k=<fwht4|fwht2>,v=<q8|lloyd4|lloyd3|lloyd2>``;
     ``InvalidArgument`` naming the accepted values otherwise."""
     if not isinstance(value, str):
-        raise InvalidArgument(f"kv_adaptive {value!r}: expected a string")
+        raise InvalidArgumentType(f"kv_adaptive {value!r}: expected a string (a preset name "
+                                  f"or advanced:k=...,v=...), got {type(value).__name__}")
     text = value.strip().lower()
     if text == "off":
         return AdaptivePreset("off", ())
@@ -141,18 +143,25 @@ class KVAdaptivePlan:
     """The tiers of a preset for one model shape: capacities and thresholds in tokens.
 
     ``max_seq``: the context guaranteed at the floor (tokens); ``num_kv_heads``, ``head_dim``
-    (256, or 128 with the fwht V ladder) as the model's."""
+    (256, or 128 with the fwht V ladder) as the model's. Ints, not bools
+    (:func:`~pagedkv.argument_checks.int_argument`: ``InvalidArgumentType`` otherwise; a
+    str or float compared or multiplied into the capacities leaked builtin errors or
+    float capacities)."""
 
     def __init__(self, preset: AdaptivePreset | str, *, head_dim: int, num_kv_heads: int,
                  max_seq: int) -> None:
-        self.preset = parse_adaptive(preset) if isinstance(preset, str) else preset
+        if isinstance(preset, AdaptivePreset):
+            self.preset = preset
+        else:
+            self.preset = parse_adaptive(preset)  # InvalidArgumentType for a non-str
+        head_dim = int_argument("head_dim", head_dim)
+        num_kv_heads = int_argument("num_kv_heads", num_kv_heads, 1)
+        max_seq = int_argument("max_seq", max_seq, 1)
         if not self.preset.steps:
             raise InvalidArgument("kv_adaptive is off: there is nothing to plan")
         if head_dim not in (128, 256):
             raise InvalidArgument(f"kv_adaptive needs head_dim 256 (lloyd V) or 128 (fwht V); "
                                   f"this model has {head_dim}")
-        if num_kv_heads < 1 or max_seq < 1:
-            raise InvalidArgument(f"num_kv_heads={num_kv_heads}, max_seq={max_seq}: each >= 1")
         self.head_dim, self.num_kv_heads, self.max_seq = head_dim, num_kv_heads, max_seq
         if head_dim == 128 and self.preset.floor[1] == "lloyd3":
             raise InvalidArgument(f"kv_adaptive {self.preset.spec!r}: a 3-bit V floor has no "
@@ -180,7 +189,9 @@ class KVAdaptivePlan:
 
     def tier_before_append(self, tier: int, seq_pos: int, n: int) -> int:
         """The tier to be at before appending ``n`` tokens at ``seq_pos``: steps apply while
-        ``seq_pos + n`` is past the next threshold."""
+        ``seq_pos + n`` is past the next threshold. ``seq_pos`` and ``n``: ints >= 0."""
+        seq_pos = int_argument("seq_pos", seq_pos)
+        n = int_argument("n", n)
         while tier < len(self.thresholds) and seq_pos + n > self.thresholds[tier]:
             tier += 1
         return tier
@@ -192,10 +203,13 @@ class KVAdaptive:
     """
 
     def __init__(self, plan: KVAdaptivePlan, pool, allocator, *, num_seqs: int = 1) -> None:
+        if not isinstance(plan, KVAdaptivePlan):
+            raise InvalidArgumentType(f"plan: expected a KVAdaptivePlan, got "
+                                      f"{type(plan).__name__}")
+        self.num_seqs = int_argument("num_seqs", num_seqs, 1)
         self.plan = plan
         self.pool = pool
         self.allocator = allocator
-        self.num_seqs = num_seqs
         tiers = [i for i in range(len(plan.tiers)) if plan.kv_dtype(i) == pool.geometry.dtype]
         if not tiers:
             raise InvalidArgument(f"pool dtype {pool.geometry.dtype!r} is no tier of "
@@ -213,6 +227,7 @@ class KVAdaptive:
         from pagedkv.pool import LayerKVPool, PoolGeometry
         plan = KVAdaptivePlan(preset, head_dim=head_dim, num_kv_heads=num_kv_heads,
                               max_seq=max_seq)
+        num_seqs = int_argument("num_seqs", num_seqs, 1)  # sizes the regions below
         geometry = PoolGeometry(num_layers, num_kv_heads, head_dim, block_size, plan.kv_dtype(0))
         region = num_seqs * plan.budget_bytes
         per_block = geometry.k_slab_bytes + geometry.v_slab_bytes
@@ -245,7 +260,7 @@ class KVAdaptive:
         """Apply the steps ``n`` more tokens at ``seq_pos`` need; returns the KV dtypes
         stepped to (in order). ``CapacityExceeded`` when even the floor cannot hold them."""
         from pagedkv.pool import growth_lock
-        target = self.plan.tier_before_append(self.tier, seq_pos, n)
+        target = self.plan.tier_before_append(self.tier, seq_pos, n)  # checks seq_pos, n
         applied = []
         while self.tier < target:
             old = self.kv_dtype
