@@ -10,7 +10,11 @@ import pytest
 
 from pagedkv import errors, kv_mode
 from pagedkv.kv_adaptive import KVAdaptive, KVAdaptivePlan, parse_adaptive
-from pagedkv.kv_mode import register_model_kv_defaults, resolve_kv_modes
+from pagedkv.kv_mode import (
+    register_model_kv_defaults,
+    registered_model_kv_defaults,
+    resolve_kv_modes,
+)
 from pagedkv.quant import kv
 
 
@@ -117,6 +121,34 @@ def test_a_registry_default_yields_to_an_explicit_setting_of_the_other_side():
     assert "overridden by an explicit K/V mode" in c.sources["adaptive"]
     with pytest.raises(errors.InvalidArgument, match="unset one of them"):  # both explicit
         resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "balanced", "PAGEDKV_KV_MODE": "fwht2"})
+
+
+def test_a_registry_mode_that_cannot_pair_with_an_explicit_one_yields_to_its_default():
+    """Found by a review: an explicit K with a registry entry whose V is rotated raised
+    "needs a rotated K", which no user can fix by unsetting a registry entry; the registry
+    side yields to its knob's default, as it does to an explicit kv_adaptive. Explicit
+    settings of both sides still conflict."""
+    register_model_kv_defaults("rot", kv_cache="fwht4", kv_v="lloyd4")
+    for k in ({"k": "q8"}, {"environ": {"PAGEDKV_KV_MODE": "q8"}},
+              {"model_config": {"kv_cache": "q8"}}):
+        args = {"environ": {}, **k}
+        c = resolve_kv_modes(model="rot", **args)
+        assert (c.k, c.v, c.kv_dtype) == ("q8", "q8", "q8")
+        assert c.sources["v"].startswith("default, registry 'rot' V mode 'lloyd4' overridden")
+    c = resolve_kv_modes(k="bf16", model="rot", environ={})  # V follows K bf16 as a default
+    assert (c.kv_dtype, c.v) == ("bfloat16", "bf16")
+    register_model_kv_defaults("q8v", kv_v="q8")
+    assert resolve_kv_modes(k="bf16", model="q8v", environ={}).kv_dtype == "bfloat16"
+    # a registry side that pairs stays, and the registry alone is used as registered
+    assert resolve_kv_modes(k="fwht2", model="rot", environ={}).kv_dtype == "fwht2/lloyd4"
+    assert resolve_kv_modes(v="lloyd3", model="rot", environ={}).kv_dtype == "fwht4/lloyd3"
+    assert resolve_kv_modes(model="rot", environ={}).kv_dtype == "fwht4/lloyd4"
+    assert registered_model_kv_defaults("rot") == {"k": "fwht4", "v": "lloyd4"}  # unchanged
+    # an explicit rotated V over a K that is q8 (explicit, default or a yielding registry K)
+    register_model_kv_defaults("bf", kv_cache="bf16", kv_v="bf16")
+    for args in ({"k": "q8", "v": "lloyd4"}, {"v": "lloyd4", "model": "bf"}):
+        with pytest.raises(errors.InvalidArgument, match="V 'lloyd4' .*needs a rotated K"):
+            resolve_kv_modes(environ={}, **args)
 
 
 @pytest.mark.parametrize("spec,tiers", [

@@ -24,7 +24,9 @@ bfloat16 cache), and pagedkv's ``lloyd4``/``lloyd3``/``lloyd2`` for K (head_dim 
 (= 3) mean ``fwhtN`` (accepted, warned once); ``legacy-asym*`` (Givens rotation) and ``fp8``
 are refused. V values: ``q8``, ``lloyd4``, ``lloyd3``, ``lloyd2``, ``auto``, ``bf16``, and
 pagedkv's ``fwht4``/``fwht2`` for V (head_dim 128 or 256) and ``fwht3`` (head_dim 256,
-lloyd3's bytes); a rotated V (lloydN or fwhtN) needs a rotated K.
+lloyd3's bytes); a rotated V (lloydN or fwhtN) needs a rotated K. A registry default that
+conflicts with an explicit setting of another knob (a pairing rule, kv_adaptive) yields:
+K/V to the knob's default, kv_adaptive to ``off``.
 Adaptive values: :mod:`pagedkv.kv_adaptive`.
 """
 
@@ -153,6 +155,12 @@ class KVModeChoice:
         return "KV mode: " + ", ".join(parts)
 
 
+def _pairing_conflict(k: str, v: str) -> bool:
+    """Whether K and V modes cannot make one cache: bf16 on one side only, or a rotated V
+    (lloydN, fwhtN) over a K that is not rotated (q8)."""
+    return (k == "bf16") != (v == "bf16") or (v not in ("q8", "bf16") and k == "q8")
+
+
 def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
                      adaptive: str | None = None,
                      model_config: Mapping[str, object] | None = None,
@@ -207,31 +215,44 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         elif value == "auto":
             value, source = spec.default, f"{source} (auto)"
         out[knob], sources[knob] = value, source
-    # A per-model registry entry is a default: an explicit setting (variable or config) of
-    # the other side wins over it instead of conflicting with it.
-    from_registry = {knob: sources[knob].startswith("registry ") for knob in out}
-    if out["adaptive"] != "off" and from_registry["adaptive"] and any(
-            sources[knob] != "default" and not from_registry[knob] for knob in ("k", "v")):
+    # A per-model registry entry is a default: an explicit setting (argument, variable or
+    # config) of the other side wins over it instead of conflicting with it (the user cannot
+    # unset a registry entry; only explicit settings of both sides are the user's conflict).
+    def from_registry(knob: str) -> bool:
+        return sources[knob].startswith("registry ")
+
+    def explicit(knob: str) -> bool:
+        return sources[knob] != "default" and not from_registry(knob)
+
+    if out["adaptive"] != "off" and from_registry("adaptive") and any(
+            explicit(knob) for knob in ("k", "v")):
         out["adaptive"] = "off"
         sources["adaptive"] += ", overridden by an explicit K/V mode"
     if out["adaptive"] != "off":
         for knob in ("k", "v"):
-            if sources[knob] != "default" and not (from_registry[knob]
-                                                   and not from_registry["adaptive"]):
+            if sources[knob] != "default" and not (from_registry(knob)
+                                                   and not from_registry("adaptive")):
                 raise InvalidArgument(
                     f"kv_adaptive={out['adaptive']!r} ({sources['adaptive']}) picks the K and "
                     f"V modes itself (it starts at fwht4/q8); {KNOBS[knob].name} "
                     f"{out[knob]!r} is set by {sources[knob]}: unset one of them")
         out["k"], out["v"] = "fwht4", "q8"
         sources["k"] = sources["v"] = f"kv_adaptive start tier ({sources['adaptive']})"
+    # The same for the K/V pairing rules below: a registry mode that cannot pair with an
+    # explicit mode of the other side yields to its knob's default.
+    for knob, other in (("k", "v"), ("v", "k")):
+        if from_registry(knob) and explicit(other) and _pairing_conflict(out["k"], out["v"]):
+            sources[knob] = (f"default, registry {model!r} {KNOBS[knob].name} "
+                             f"{out[knob]!r} overridden by {sources[other]}")
+            out[knob] = KNOBS[knob].default
     if (out["k"] == "bf16") != (out["v"] == "bf16"):
-        if out["v"] == "q8" and sources["v"] == "default":
+        if out["v"] == "q8" and sources["v"].startswith("default"):
             out["v"], sources["v"] = "bf16", f"follows K bf16 ({sources['k']})"
         else:
             raise InvalidArgument(
                 f"K {out['k']!r} ({sources['k']}) with V {out['v']!r} ({sources['v']}): an "
                 f"unquantized bf16 cache is bf16 on both sides")
-    if out["v"] not in ("q8", "bf16") and out["k"] == "q8":
+    if _pairing_conflict(out["k"], out["v"]):  # a rotated V over a q8 K
         raise InvalidArgument(
             f"V {out['v']!r} ({sources['v']}) is a rotated V, which needs a rotated K (fwht4, "
             f"fwht3, fwht2 or lloydN); K is {out['k']!r} ({sources['k']})")
