@@ -812,7 +812,9 @@ class BlockAllocator:
 
     def check_invariants(self) -> None:
         """Raise :class:`InvariantViolation` naming the first broken rule of
-        docs/contracts/paged-kv.md, '4.3 Invariants'."""
+        docs/contracts/paged-kv.md, '4.3 Invariants'. An orphaned block (a reference no
+        owner will free) is not detectable here: references other than the cache's are
+        anonymous counts, as in the Cython allocator (its check_invariants says why)."""
         def fail(msg: str) -> None:
             raise InvariantViolation(f"oracle allocator invariant broken: {msg}")
 

@@ -1286,7 +1286,13 @@ cdef class BlockAllocator:
 
     def check_invariants(self):
         """Verify docs/contracts/paged-kv.md, '4.3 Invariants' and the physical structures; raise
-        InvariantViolation naming the break."""
+        InvariantViolation naming the break.
+
+        Not checked: an orphaned block (refcount > 0 that no owner will ever free). Besides
+        the prefix cache's one reference, references are anonymous counts: the allocator
+        does not know which request, table or transient holder (a cold capture or restore)
+        holds them, so it cannot tell a leaked reference from a held one. Whoever keeps the
+        owners can (the adapter's group check compares table entries with refcounts)."""
         cdef Py_ssize_t i, count, free_seen = 0, alloc_seen = 0, cached_seen = 0, evict_seen = 0
         cdef int32_t b, prev
         cdef pkv_block_record* r
