@@ -630,6 +630,8 @@ def test_gemv_prepared_x_serves_several_weights_and_is_required():
 def test_gemv_fused_x_is_one_launch_on_the_gemv_grid(monkeypatch, fmt, batch, kernel, rotate):
     monkeypatch.delenv("PAGEDKV_GEMV_FUSED_X", raising=False)
     monkeypatch.delenv("PAGEDKV_GEMV_F16X", raising=False)
+    for knob in ("GEMV_X_ROW_TILES", "GEMV_X_ROW_TILES_WIDE"):  # a tile per block
+        monkeypatch.setattr(weights, knob, 1)
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256
     two = weights.Gemv(dev, fmt, M, K, batch, fused_x=False)
@@ -644,7 +646,7 @@ def test_gemv_fused_x_is_one_launch_on_the_gemv_grid(monkeypatch, fmt, batch, ke
     dev.calls.clear()
     dev.launch_args.clear()
     g.run(w, x, y)
-    # at a tile per block (the default), the two-launch GEMV's grid and block; x and the
+    # at a tile per block, the two-launch GEMV's grid and block; x and the
     # rotation switch in place of the scratch
     assert _launches(dev) == [("launch", kernel, two._grid, two._block)]
     assert g.fused_launch == f"{kernel} 3 x {two._block[0]}" and two.fused_launch is None
@@ -670,7 +672,10 @@ def test_gemv_fused_x_grid_takes_the_row_tiles_of_its_format(monkeypatch, fmt, k
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256  # 3 tiles: 2 blocks, the last of one tile
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, M, K) == (2, 8)
-    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096) == (448, 8)
+    # about GEMV_X_WARP_TARGET (1,024) warps: 2 each for 448 blocks, 8 for 128
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096) == (448, 2)
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 4096, 4096) == (128, 8)
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 4096, 256) == (128, 1)
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096, 4) == (448, 4)
     g = weights.Gemv(dev, fmt, M, K, 1, fused_x=True)
     raw = np.zeros(weights.raw_nbytes(fmt, M * K), np.uint8)
@@ -697,10 +702,11 @@ def test_gemv_fused_x_switch_env_and_refusals(monkeypatch):
     monkeypatch.setenv("PAGEDKV_GEMV_FUSED_X", "0")
     assert not weights.Gemv(dev, "hfq4g256", 16, 256, 1).fused_x
     monkeypatch.delenv("PAGEDKV_GEMV_FUSED_X")
-    # unset: batch 1 of HFQ4G256 / HFQ6G256 (x not rotated), measured faster in one launch
+    # unset: batch 1 of HFQ4G256 / HFQ6G256 / Q8F16 (x not rotated), measured faster in one
+    # launch
     assert [weights.Gemv(dev, fmt, 16, 256, batch).fused_x for fmt, batch in [
         ("hfq4g256", 1), ("hfq6g256", 1), ("hfq4g256", 2), ("q8f16", 1), ("mq4g256", 1),
-        ("mq4g256v2", 1)]] == [True, True, False, False, False, False]
+        ("mq4g256v2", 1), ("q8f16", 2)]] == [True, True, False, True, False, False, False]
     dev.calls.clear()
     for kw, where in [({"batch": 3}, r"this is batch=3 of hfq4g256 on sm_90"),
                       ({"batch": 1, "f16_x": True}, r"on sm_90, f16_x")]:

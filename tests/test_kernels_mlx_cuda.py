@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cuda_jit import DEFAULT_HEADER, find_nvrtc, mlx_cuda_source, nvrtc_compile, record_launches
+from pagedkv.kernels import weights
 from pagedkv.quant.formats import resolve
 
 mx = pytest.importorskip("mlx.core")
@@ -331,7 +332,10 @@ def test_gemv_fused_x_is_one_launch_on_the_mma_grid(monkeypatch, fmt, rotate, ba
     assert fused.kernel.source.startswith(f"pkv_gemv_mma_x_{fmt}_n1<>(w, x, y, ")
     assert fused.inputs[0] is w and fused.inputs[1] is x
     assert np.array(fused.inputs[2]).tolist() == [64, 512, batch, rotate]
-    assert (fused.grid, fused.threadgroup) == (mma.grid, mma.threadgroup)
+    # weights.fused_x_grid: 2 row tiles a block (launch.h), the groups' warps as the mma's
+    blocks, warps = weights.fused_x_grid(fmt, 64, 512)
+    assert blocks == -(-4 // weights.GEMV_X_ROW_TILES)
+    assert (fused.grid, fused.threadgroup) == ((blocks * warps * 32, 1, 1), mma.threadgroup)
     assert (fused.output_shapes, fused.output_dtypes) == (mma.output_shapes, mma.output_dtypes)
 
 
