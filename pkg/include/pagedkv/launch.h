@@ -179,10 +179,10 @@
 /* The fused-x GEMV (batch 1-2, pkv_gemv_mma_x_*): 16-row tiles per block, each warp
  * running all of them on the x it prepares once per group (the MQ formats rotate it there):
  * PKV_GEMV_X_ROW_TILES for HFQ4G256 / MQ4G256V2, _WIDE for HFQ6G256 / Q8F16, whose tiles
- * hold 1.5x / 2x the registers. 2 for both: half the blocks prepare x, and with the warps
- * of the launcher's rule (weights.GEMV_X_WARP_TARGET) the fastest of 1 and 2 tiles at 2, 4
- * and 8 warps at each M x K of the sweep but two within 2% (H100, docs/performance.md,
- * "Fused x: row tiles and warps"). */
+ * hold 1.5x / 2x the registers. 2 for both: half the blocks prepare x; with the warps of
+ * the launcher's rule (weights.GEMV_X_WARP_TARGET) the fastest fused launch of 1 and 2
+ * tiles at 2, 4 and 8 warps at 8 of the sweep's 12 format x shape cases, within 3.5% at the
+ * others (H100; docs/kernels.md, 'Fused x (batch 1–2)'). */
 #ifndef PKV_GEMV_X_ROW_TILES
 #define PKV_GEMV_X_ROW_TILES 2
 #endif
