@@ -506,13 +506,29 @@ def test_writer_plan_is_enforced(tmp_path):
     with pytest.raises(InvalidArgument, match="differs from the plan"):
         w.add("a.norm", "f16", [4], np.zeros(4, np.float16))
     w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())
-    with pytest.raises(InvalidArgument, match="1 of the plan's 2 tensors"):
-        w.close()
     w.add("a.norm", "f16", [4], np.array([1, 2, 3, 4], dtype=np.float16))
     w.close()
     assert sha256(tmp_path / "p.hfq") == MINIMAL_SHA256
     with pytest.raises(InvalidArgument, match="data_size 9 != 8"):
         HfqmWriter(tmp_path / "q.hfq", arch_id=0, metadata={}, plan=[("n", 1, (4,), 0, 9)])
+
+
+def test_close_with_an_incomplete_plan_deletes_the_temporary_file(tmp_path):
+    """Found by a review: close() refused an incomplete plan before its abort path, so the
+    temporary file (and descriptor) outlived a `with` block until garbage collection."""
+    plan = [("a.weight", 6, (1, 256), 256, 136), ("a.norm", 1, (4,), 0, 8)]
+    (tmp_path / "p.hfq").write_bytes(b"previous")
+    w = HfqmWriter(tmp_path / "p.hfq", arch_id=0, metadata=MINIMAL_METADATA, plan=plan)
+    message = (r"^1 of the plan's 2 tensors were added; next expected: 'a.norm'; nothing "
+               r"was written to .*p\.hfq$")
+    with pytest.raises(InvalidArgument, match=message), w:
+        w.add("a.weight", "hfq4g256", [1, 256], hfq4g256_ramp_group())
+    assert w.closed and w._file is None
+    assert os.listdir(tmp_path) == ["p.hfq"]
+    assert (tmp_path / "p.hfq").read_bytes() == b"previous"
+    with pytest.raises(InvalidArgument, match="is closed"):
+        w.add("a.norm", "f16", [4], np.ones(4, np.float16))
+    w.close()  # closed: a no-op
 
 
 def test_interrupted_write_leaves_no_file(tmp_path):

@@ -345,13 +345,19 @@ class HfqmWriter:
 
     def close(self) -> None:
         """Write metadata, index and header, then rename into place. A writer with a
-        plan must have received every planned tensor."""
+        plan must have received every planned tensor; if it has not, the temporary file
+        is deleted (as for every other failure of ``close``) and ``InvalidArgument``
+        raised: the writer is closed either way."""
         if self.closed:
             return
         if self._plan is not None and len(self._entries) != len(self._plan):
+            expected = self._plan[len(self._entries)].name
+            # A `with` block ends in close(): raising without aborting would keep the
+            # temporary file (and its descriptor) until the writer is garbage-collected.
+            self.abort()
             raise InvalidArgument(f"{len(self._entries)} of the plan's {len(self._plan)} "
-                                  f"tensors were added; next expected: "
-                                  f"{self._plan[len(self._entries)].name!r}")
+                                  f"tensors were added; next expected: {expected!r}; "
+                                  f"nothing was written to {self.path}")
         try:
             meta = self._metadata_json(self._hasher)
             index = struct.pack("<I", len(self._entries)) + b"".join(self._entries)
