@@ -123,6 +123,18 @@ def test_a_registry_default_yields_to_an_explicit_setting_of_the_other_side():
         resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "balanced", "PAGEDKV_KV_MODE": "fwht2"})
 
 
+def test_auto_is_unset_next_to_kv_adaptive():
+    """``auto`` leaves the mode to pagedkv ("only while the value is unset or auto"): with
+    kv_adaptive set it raised "unset one of them" as if the user had chosen a mode (found by
+    a review)."""
+    c = resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "balanced", "PAGEDKV_KV_MODE": "auto",
+                                  "PAGEDKV_KV_V": "auto"})
+    assert (c.adaptive, c.kv_dtype) == ("balanced", "fwht4/q8")
+    register_model_kv_defaults("reg3", kv_adaptive="conservative")
+    c = resolve_kv_modes(model="reg3", environ={"PAGEDKV_KV_MODE": "auto"})
+    assert (c.adaptive, c.kv_dtype) == ("conservative", "fwht4/q8")
+
+
 def test_a_registry_mode_that_cannot_pair_with_an_explicit_one_yields_to_its_default():
     """Found by a review: an explicit K with a registry entry whose V is rotated raised
     "needs a rotated K", which no user can fix by unsetting a registry entry; the registry

@@ -179,6 +179,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     registry = _REGISTRY.get(model, {}) if model is not None else {}
     out: dict[str, str] = {}
     sources: dict[str, str] = {}
+    user_set: dict[str, bool] = {}  # set by the user to a mode; "auto" leaves it to us
     for knob, spec in KNOBS.items():
         value: str | None = None
         source = ""
@@ -208,6 +209,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
                            "%s first)", where, raw, spec.env)
             value, source = norm, where
             break
+        user_set[knob] = value is not None and value != "auto"
         if (value is None or value == "auto") and knob in registry:
             value, source = registry[knob], f"registry {model!r}"
         if value is None:
@@ -222,7 +224,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         return sources[knob].startswith("registry ")
 
     def explicit(knob: str) -> bool:
-        return sources[knob] != "default" and not from_registry(knob)
+        return user_set[knob]
 
     if out["adaptive"] != "off" and from_registry("adaptive") and any(
             explicit(knob) for knob in ("k", "v")):
@@ -230,8 +232,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         sources["adaptive"] += ", overridden by an explicit K/V mode"
     if out["adaptive"] != "off":
         for knob in ("k", "v"):
-            if sources[knob] != "default" and not (from_registry(knob)
-                                                   and not from_registry("adaptive")):
+            if explicit(knob) or (from_registry(knob) and from_registry("adaptive")):
                 raise InvalidArgument(
                     f"kv_adaptive={out['adaptive']!r} ({sources['adaptive']}) picks the K and "
                     f"V modes itself (it starts at fwht4/q8); {KNOBS[knob].name} "
