@@ -19,6 +19,7 @@ from gguf.quants import quantize as gguf_quantize
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import (
     BadMagic,
+    BadMetadata,
     InvalidArgument,
     Truncated,
     UnknownQuantType,
@@ -426,6 +427,25 @@ def test_broken_gguf_files_raise_specific_errors_and_write_nothing(tmp_path, cap
     with pytest.raises(InvalidArgument, match="--format 'zz'"):
         convert_gguf(tmp_path / "m.gguf", out, fmt="zz")
     assert out.read_bytes() == b"previous"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1.0, float("-inf")]])
+def test_non_finite_float_keys_are_refused_naming_the_key(tmp_path, capsys, value):
+    """Found by a review: a NaN float key/value failed at the writer with a message naming
+    the output file, not the GGUF key."""
+    write_gguf(tmp_path / "m.gguf", "qwen3", [("blk.0.attn_norm.weight", np.ones(H, np.float32),
+                                                None)],
+               {"qwen3.block_count": 1, "qwen3.rope.freq_base": value})
+    with pytest.raises(BadMetadata) as info:
+        GgufSource(tmp_path / "m.gguf")
+    assert info.value.path == str(tmp_path / "m.gguf")
+    assert "key 'qwen3.rope.freq_base' holds a NaN or infinite float" in str(info.value)
+    out = tmp_path / "o.hfq"
+    assert cli_main(["convert", str(tmp_path / "m.gguf"), "-o", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"pagedkv convert: error: {tmp_path / 'm.gguf'}: key 'qwen3.rope.freq_base' "
+                   "holds a NaN or infinite float, which HFQM metadata (JSON) cannot store\n")
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
 
 
 def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(tmp_path):

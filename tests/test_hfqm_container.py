@@ -565,6 +565,25 @@ def test_writer_metadata_arguments(tmp_path):
         assert f.arch_id == 6 and f.metadata == {"k": "é"} and len(f) == 0
 
 
+@pytest.mark.parametrize("text,constant", [
+    ('{"config":{"rope_theta":NaN}}', "NaN"),
+    ('{"a":[1,Infinity]}', "Infinity"),
+    ('{"a":-Infinity}', "-Infinity"),
+    ('{"a":1e999}', "1e999 does not fit a float64"),
+])
+def test_writer_refuses_metadata_text_that_is_not_strict_json(tmp_path, text, constant):
+    """Found by a review: JSON text with NaN/Infinity (which json.loads takes) was written
+    verbatim, making metadata hipfire's serde_json cannot parse; a dict with the same
+    value was already refused."""
+    for metadata in (text, text.encode()):
+        with pytest.raises(InvalidArgument) as info:
+            HfqmWriter(tmp_path / "a.hfq", arch_id=0, metadata=metadata)
+        assert str(info.value).startswith(f"{tmp_path / 'a.hfq'}: metadata JSON text does "
+                                          "not parse as strict JSON: ")
+        assert constant in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
 # --- property: random corruption of a richer file ---------------------------------------
 
 

@@ -17,6 +17,7 @@ back in HF order. The HF ``config`` is synthesized from the ``<arch>.*`` keys.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, NamedTuple
@@ -212,6 +213,13 @@ class GgufSource:
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             raise BadMetadata(f"GGUF key/value section is corrupt ({exc})",
                               path=self.path) from None
+        for key, value in self.metadata.items():
+            # The tree is stored as the gguf_meta JSON, which has no NaN or Infinity:
+            # refuse here, naming the key, not when the writer serializes it.
+            if any(isinstance(v, float) and not math.isfinite(v)
+                   for v in (value if isinstance(value, list) else [value])):
+                raise BadMetadata(f"key {key!r} holds a NaN or infinite float, which HFQM "
+                                  "metadata (JSON) cannot store", path=self.path)
         arch = self.metadata.get("general.architecture")
         self.architecture: str = arch if isinstance(arch, str) and arch else "unknown"
         shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))

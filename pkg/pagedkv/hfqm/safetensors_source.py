@@ -12,7 +12,6 @@ cannot return bf16) and widened exactly to float32 by ``<< 16`` (docs/contracts/
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -22,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pagedkv.errors import BadMetadata, InvalidArgument, Truncated
+from pagedkv.hfqm import strict_json
 
 __all__ = ["FLOAT_DTYPES", "SafetensorsSource", "SourceTensor"]
 
@@ -56,17 +56,6 @@ def _usize(value: object) -> bool:
     return type(value) is int and 0 <= value <= _USIZE_MAX
 
 
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} does not fit a float64")
-    return value
-
-
 def load_json_text(data: bytes, path: str, what: str):
     """Parse ``data`` (the bytes of ``what`` in ``path``) as UTF-8 JSON (a leading BOM is
     allowed). Raises :class:`~pagedkv.errors.BadMetadata` naming the file for bytes
@@ -79,7 +68,7 @@ def load_json_text(data: bytes, path: str, what: str):
         raise BadMetadata(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})",
                           path=path, offset=exc.start) from None
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return strict_json.loads(text)
     except ValueError as exc:
         raise BadMetadata(f"{what} is not valid JSON ({exc})", path=path) from None
     except RecursionError:

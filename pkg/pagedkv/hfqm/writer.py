@@ -32,6 +32,7 @@ import numpy as np
 
 from pagedkv.atomic_write import AtomicFile
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.hfqm import strict_json
 from pagedkv.hfqm.arch import arch_id_for
 from pagedkv.hfqm.index import (
     DATA_ALIGN_BYTES,
@@ -89,7 +90,8 @@ class HfqmWriter:
 
     ``HfqmWriter(path, *, arch_id, metadata, plan=None, add_quantization_hash=False)``;
     ``metadata`` is a dict (serialized compactly, non-ASCII kept as UTF-8) or the
-    JSON text itself (``str``/``bytes``, written verbatim). ``add(name, qt, shape,
+    JSON text itself (``str``/``bytes``, strict JSON: no ``NaN``/``Infinity``; written
+    verbatim). ``add(name, qt, shape,
     data)`` streams one tensor; ``close()`` finishes and renames; ``abort()`` (or
     leaving a ``with`` block by an exception) deletes the temporary file.
     """
@@ -153,9 +155,12 @@ class HfqmWriter:
             raise InvalidArgument(f"{path}: metadata JSON text must be exactly one JSON "
                                   "object (nothing after its closing '}')")
         try:
-            value = json.loads(raw)
+            # Strict: the text is written verbatim, and NaN/Infinity (which json.loads
+            # takes) would make metadata that hipfire's JSON parser refuses.
+            value = strict_json.loads(raw)
         except ValueError as exc:
-            raise InvalidArgument(f"{path}: metadata JSON text does not parse: {exc}") from None
+            raise InvalidArgument(f"{path}: metadata JSON text does not parse as strict "
+                                  f"JSON: {exc}") from None
         except RecursionError:
             raise InvalidArgument(f"{path}: metadata JSON text nests arrays/objects deeper "
                                   "than the JSON parser allows") from None
