@@ -181,6 +181,23 @@ def test_format_names_and_defaults():
     assert default_format({"model_type": "llama"}) == "hf4"
 
 
+def test_format_without_a_codec_is_one_line_error(tmp_path, capsys):
+    """Found by a review: --format tidi32 (a lower-case qt name of the register, read raw,
+    no codec) raised a bare KeyError out of resolve_format: a traceback on the CLI."""
+    message = ("--format 'tidi32': TidI32 is not a weight format (pagedkv reads it raw and "
+               "has no codec that writes it)")
+    with pytest.raises(InvalidArgument) as info:
+        resolve_format("tidi32")
+    assert str(info.value) == message
+    write_safetensors(tmp_path / "m.safetensors",
+                      {"a.weight": ("F32", (2, 256), np.ones((2, 256), "<f4").tobytes())})
+    out = tmp_path / "o.hfq"
+    assert cli_main(["convert", str(tmp_path / "m.safetensors"), "-o", str(out), "--arch", "0",
+                     "--format", "tidi32", "--no-progress"]) == 1
+    assert capsys.readouterr().err == f"pagedkv convert: error: {message}\n"
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
 # --- safetensors source ------------------------------------------------------------------
 
 

@@ -95,7 +95,12 @@ def resolve_format(fmt: str) -> QuantType:
         raise InvalidArgument(f"--format {fmt!r}: {row.name} is registered but pagedkv does "
                               f"not encode it (status {row.status})")
     from pagedkv.quant.formats import CODECS, GL
-    codec = CODECS[row.id]
+    codec = CODECS.get(row.id)
+    if codec is None:
+        # TidI32 (qt 22) is decodable (read raw as u32) but is a routing table, not a
+        # weight format: no codec quantizes into it.
+        raise InvalidArgument(f"--format {fmt!r}: {row.name} is not a weight format (pagedkv "
+                              "reads it raw and has no codec that writes it)")
     if not codec.encodes:
         raise InvalidArgument(f"--format {fmt!r}: pagedkv does not encode {row.name}, it only "
                               "decodes it (docs/formats/quant.md, 'P2 formats')")
