@@ -675,6 +675,38 @@ def test_server_prompt_cache_answers_mlx_lm_servers_calls(caplog):
     assert cache.paged is None
 
 
+def test_server_prompt_cache_leaves_what_the_pool_cannot_serve_to_mlx_lm(caplog):
+    """A prompt longer than the pool (CapacityExceeded) and one that the requests in flight
+    leave too few blocks for (PoolExhausted) are answered ``(None, tokens)``, as
+    ``LRUPromptCache`` answers a miss: mlx-lm then computes them with its own cache. Raised,
+    the error ended mlx-lm's generation thread and every later request got 404. Logged and
+    counted; the paged cache is unchanged."""
+    from types import SimpleNamespace
+
+    from pagedkv.integrations.mlx_lm.server import PagedServerPromptCache
+
+    model = model_of()
+    cache = PagedServerPromptCache(SimpleNamespace(model=model), block_size=BS, max_blocks=4)
+    key = ("/no/such/dir", None, None)
+    in_flight = toks(20, 80)
+    layers, rest = cache.fetch_nearest_cache(key, in_flight)  # 3 of the 4 blocks, held
+    assert rest == in_flight
+    before = cache.paged.stats()
+    too_long, too_many = toks(40, 81), toks(16, 82)  # 5 blocks; 2 blocks with 1 free
+    assert cache.fetch_nearest_cache(key, too_long) == (None, too_long)
+    assert cache.fetch_nearest_cache(key, too_many) == (None, too_many)
+    assert cache.fetch_errors == 2 and cache.paged.stats() == before
+    assert "cannot serve a 40-token prompt from the paged cache (context_length_exceeded: " \
+        "paged cache could not reserve: requested 40 tokens, paged cache capacity is 32 " \
+        "tokens (4 blocks of 8))" in caplog.text
+    assert "cannot serve a 16-token prompt" in caplog.text
+    # The request in flight is untouched: it ends and publishes as usual.
+    out = run(model, in_flight, layers)[0]
+    cache.insert_cache(key, in_flight + out, layers)
+    assert cache.publish_errors == 0 and len(cache) == 1
+    cache.close()
+
+
 def test_serve_refuses_what_it_cannot_page_and_other_commands_refuse_extra_options(capsys):
     from pagedkv.cli import main
 

@@ -171,6 +171,27 @@ def test_pagedkv_serve_learns_sliding_window_prompts_batched_and_conversations_u
             s.stop()
 
 
+def test_pagedkv_serve_answers_a_prompt_longer_than_the_pool(model_dir, tmp_path):
+    """--max-blocks 4 (64 tokens): a 100-token prompt cannot be served from the pool, so
+    mlx-lm computes it with its own cache, and the server goes on answering (the paged
+    cache's CapacityExceeded used to end mlx-lm's generation thread: 404 from then on)."""
+    server = Server([sys.executable, "-m", "pagedkv", "serve", "--model", model_dir,
+                     "--max-blocks", "4"], tmp_path / "paged.log")
+    try:
+        server.wait_ready()
+        assert server.complete(words(i % 200 for i in range(100)))["cached"] == 0
+        short = words([1, 2, 3, 4])
+        first = server.complete(short)
+        assert first["cached"] == 0 and server.complete(short) == {"text": first["text"],
+                                                                     "cached": 3}
+        assert server.stop() == 0
+        log = server.log_path.read_text()
+        assert "cannot serve a 100-token prompt from the paged cache" in log
+        assert "generation thread died" not in log
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
 def test_await_thread_teardown_waits_for_the_joined_os_thread_and_not_for_a_live_one():
     """The SIGTERM abort this guards against (a joined generation thread's MLX teardown

@@ -47,6 +47,9 @@ class PagedServerPromptCache:
         self.cold_dir = cold_dir
         self._key = None
         self.paged: PagedPromptCache | None = None
+        #: Requests the paged cache could not serve (``fetch_nearest_cache``), publications it
+        #: refused (``insert_cache``): logged and counted, never raised into mlx-lm's loop.
+        self.fetch_errors = 0
         self.publish_errors = 0
         self._lock = threading.Lock()
 
@@ -80,9 +83,20 @@ class PagedServerPromptCache:
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]):
         """A paged request for ``tokens``: its per-layer caches (holding the longest cached
-        prefix) and the tokens still to compute."""
+        prefix) and the tokens still to compute. When the paged cache cannot serve it (a
+        prompt longer than the pool: ``CapacityExceeded``; blocks held by requests in flight:
+        ``PoolExhausted``) the failure is logged and counted and ``(None, tokens)`` returned,
+        as ``LRUPromptCache`` answers a miss: mlx-lm then builds its own cache for the
+        request. Raised, the error would end mlx-lm's generation thread, and every later
+        request with it."""
         with self._lock:
-            request = self._paged_for(model_key).begin(list(tokens))
+            try:
+                request = self._paged_for(model_key).begin(list(tokens))
+            except PagedKVError as exc:
+                self.fetch_errors += 1
+                log.warning("pagedkv: cannot serve a %d-token prompt from the paged cache "
+                            "(%s); mlx-lm computes it with its own cache", len(tokens), exc)
+                return None, list(tokens)
         return request.cache, list(tokens[request.cached_tokens:])
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache,
