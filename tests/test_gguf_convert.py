@@ -448,6 +448,17 @@ def test_non_finite_float_keys_are_refused_naming_the_key(tmp_path, capsys, valu
     assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
 
 
+def test_output_that_is_the_gguf_source_is_refused(tmp_path):
+    """Found by a review: `-o x.gguf` for the source x.gguf replaced it with the output."""
+    make_llama(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    with pytest.raises(InvalidArgument, match=r"^output '.*m\.gguf' is the source file "
+                                              r"'.*m\.gguf': the conversion would replace it"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "m.gguf")
+    assert (tmp_path / "m.gguf").read_bytes() == data
+    assert os.listdir(tmp_path) == ["m.gguf"]
+
+
 def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(tmp_path):
     from pagedkv.hfqm.convert import convert_safetensors
     from test_hfqm_cli import make_model

@@ -419,3 +419,24 @@ def test_convert_single_file_without_config_needs_arch(tmp_path, capsys):
         assert f["scale"].tolist() == 0.5
         assert f.info("w.weight").qt_name == "HFQ4G128"
         assert f.raw("w.weight").tobytes() == quantize(weight, "hfq4g128").tobytes()
+
+
+def test_output_that_is_a_source_file_is_refused(tmp_path, capsys):
+    """Found by a review: `-o` naming the source file (or a shard of the source directory)
+    made the final rename replace the source with the HFQM output, exit 0."""
+    data = safetensors_bytes({"a.weight": ("F32", (2, 256), np.ones((2, 256), "<f4").tobytes())})
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(data)
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama"}')
+    os.symlink(tmp_path / "m" / "model.safetensors", tmp_path / "link.hfq")
+    for source, out in [(tmp_path / "m" / "model.safetensors",) * 2,
+                        (tmp_path / "m", tmp_path / "m" / "model.safetensors"),
+                        (tmp_path / "m", tmp_path / "link.hfq")]:
+        assert cli_main(["convert", str(source), "-o", str(out), "--no-progress"]) == 1
+        shard = tmp_path / "m" / "model.safetensors"
+        assert capsys.readouterr().err == (
+            f"pagedkv convert: error: output {str(out)!r} is the source file {str(shard)!r}: "
+            "the conversion would replace it; write to another path\n")
+        assert shard.read_bytes() == data
+        assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["link.hfq", "m"]

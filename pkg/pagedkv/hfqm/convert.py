@@ -283,6 +283,13 @@ def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, 
     from pagedkv.quant import dequantize, quantize
 
     target = resolve_format(fmt_name)
+    for shard in source.shards:
+        # The writer renames its temporary file over out_path at the end: were it a file
+        # the conversion reads, the source would be replaced by the output.
+        if os.path.exists(out_path) and os.path.samefile(out_path, shard):
+            raise InvalidArgument(f"output {os.fspath(out_path)!r} is the source file "
+                                  f"{shard!r}: the conversion would replace it; write to "
+                                  "another path")
     if is_qwen35_metadata({"config": source.config}) and arch_id not in QWEN35_ARCH_IDS:
         raise InvalidArgument(f"config names Qwen3.5/3.6 but arch_id is {arch_id}; "
                               "Qwen3.5/3.6 files need --arch 5 (dense) or 6 (MoE)")
