@@ -707,6 +707,52 @@ def test_server_prompt_cache_leaves_what_the_pool_cannot_serve_to_mlx_lm(caplog)
     cache.close()
 
 
+def test_server_prompt_cache_never_restores_base_model_kv_into_a_lora_adapter(tmp_path,
+                                                                              monkeypatch):
+    """mlx-lm's server keys a model by (model path, adapter path, draft path). The cold tier's
+    file fingerprint reads the model directory only, so with an adapter the fingerprint
+    hashes the loaded parameters (LoRA weights included): K/V the base model published are
+    not restored into the adapted model (they were: 32 tokens of another model's K/V), and
+    the base model, keyed by its files, still restores them."""
+    from types import SimpleNamespace
+
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from pagedkv.integrations.mlx_lm.random_models import save_random_model
+    from pagedkv.integrations.mlx_lm.server import PagedServerPromptCache
+
+    monkeypatch.setenv("PAGEDKV_PERSIST_PAGED_CACHE", "1")
+    model_dir, adapter_dir = str(tmp_path / "model"), tmp_path / "adapter"
+    save_random_model(model_dir, "qwen3")
+    lora = {"rank": 4, "scale": 10.0, "dropout": 0.0}
+    with_lora = load(model_dir)[0]
+    linear_to_lora_layers(with_lora, 2, lora)
+    adapter_dir.mkdir()
+    mx.save_safetensors(str(adapter_dir / "adapters.safetensors"), {
+        k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5
+        for i, (k, v) in enumerate(tree_flatten(with_lora.parameters()))
+        if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")})
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    base, adapted = load(model_dir)[0], load(model_dir, adapter_path=str(adapter_dir))[0]
+
+    provider = SimpleNamespace(model=base, model_key=(model_dir, None, None))
+    cache = PagedServerPromptCache(provider, block_size=BS, cold_dir=tmp_path / "cold")
+    prompt = toks(40, 90)
+    layers, rest = cache.fetch_nearest_cache(provider.model_key, prompt)
+    cache.insert_cache(provider.model_key, prompt + run(base, rest, layers)[0], layers)
+    question = prompt + [7, 8]
+    for model, adapter, restored in ((adapted, str(adapter_dir), 0), (base, None, 40)):
+        provider.model, provider.model_key = model, (model_dir, adapter, None)
+        layers, rest = cache.fetch_nearest_cache(provider.model_key, question)  # a new pool
+        assert len(question) - len(rest) == layers[0].request.restored_tokens == restored
+        assert cache.paged.stats()["cold_hits"] == restored // BS
+        layers[0].request.release()
+    cache.close()
+
+
 def test_serve_refuses_what_it_cannot_page_and_other_commands_refuse_extra_options(capsys):
     from pagedkv.cli import main
 

@@ -62,14 +62,21 @@ class PagedServerPromptCache:
         if self.paged is not None and model_key == self._key:
             return self.paged
         self.close()
-        model_path = model_key[0] if isinstance(model_key, tuple) else None
-        model_dir = model_path if isinstance(model_path, str) and os.path.isdir(model_path) \
-            else None
+        # mlx-lm's key: (model path, LoRA adapter path, draft model path).
+        key = model_key if isinstance(model_key, tuple) else ()
+        model_path = key[0] if len(key) > 0 else None
+        adapter_path = key[1] if len(key) > 1 else None
+        # The cold tier's file fingerprint reads the model directory only, which an adapter
+        # does not change: with one, the fingerprint hashes the loaded parameters (the LoRA
+        # weights among them), so K/V of the base model never restore into the adapted one.
+        model_dir = model_path if adapter_path is None and isinstance(model_path, str) \
+            and os.path.isdir(model_path) else None
         self.paged = PagedPromptCache(self.model_provider.model, block_size=self.block_size,
                                       max_blocks=self.max_blocks, cold_dir=self.cold_dir,
                                       model_dir=model_dir)
         self._key = model_key
-        log.info("pagedkv prompt cache for %s: %r", model_path, self.paged)
+        log.info("pagedkv prompt cache for %s%s: %r", model_path,
+                 "" if adapter_path is None else f" with adapter {adapter_path}", self.paged)
         return self.paged
 
     def close(self) -> None:
