@@ -15,7 +15,7 @@ import pytest
 
 from hfqm_samples import safetensors_bytes, write_minimal, write_mixed
 from pagedkv.cli import main as cli_main
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import BadMetadata, InvalidArgument
 from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
 from pagedkv.hfqm.policy import default_format, plan_tensor, resolve_format
 from pagedkv.hfqm.safetensors_source import SafetensorsSource
@@ -277,6 +277,57 @@ def test_safetensors_source_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidArgument, match="no \\*.safetensors"):
         SafetensorsSource(tmp_path / "empty")
+
+
+def _f32(shape, start=0.0) -> tuple[str, tuple[int, ...], bytes]:
+    values = start + np.arange(np.prod(shape), dtype="<f4").reshape(shape) / 1024
+    return "F32", shape, values.tobytes()
+
+
+def test_a_directory_with_an_index_reads_only_the_shards_it_names(tmp_path, capsys):
+    """Found by a review: a directory with model.safetensors.index.json (a Mistral repo:
+    HF shards plus consolidated.safetensors) globbed every *.safetensors, so the model was
+    converted twice under two sets of names."""
+    root = tmp_path / "m"
+    root.mkdir()
+    q, norm = _f32((256, 256)), _f32((256,), 1.0)
+    write_safetensors(root / "model-00001-of-00002.safetensors", {"q.weight": q})
+    write_safetensors(root / "model-00002-of-00002.safetensors", {"norm.weight": norm})
+    write_safetensors(root / "consolidated.safetensors",
+                      {"layers.0.attention.wq.weight": q, "norm.weight": norm})
+    index = {"metadata": {}, "weight_map": {"q.weight": "model-00001-of-00002.safetensors",
+                                            "norm.weight": "model-00002-of-00002.safetensors"}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "config.json").write_text('{"model_type": "mistral"}')
+    src = SafetensorsSource(root)
+    assert [os.path.basename(s) for s in src.shards] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [t.name for t in src.tensors] == ["q.weight", "norm.weight"]
+    out = tmp_path / "o.hfq"
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress", "--no-error"]) == 0
+    with HfqmFile(out) as f:
+        assert f.names == ["q.weight", "norm.weight"]
+        assert f.metadata["pagedkv"]["source_files"] == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    # An index that names a missing shard, or a tensor its shard does not hold, is refused.
+    index["weight_map"]["k.weight"] = "model-00003-of-00003.safetensors"
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidArgument, match="names the shard 'model-00003-of-00003"
+                                              ".safetensors', which is not a file"):
+        SafetensorsSource(root)
+    index["weight_map"]["k.weight"] = "model-00002-of-00002.safetensors"
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(BadMetadata, match="puts the tensor in model-00002-of-00002"
+                                          ".safetensors, which does not hold it") as info:
+        SafetensorsSource(root)
+    assert info.value.tensor == "k.weight"
+    (root / "model.safetensors.index.json").write_text('{"weight_map": [1]}')
+    with pytest.raises(BadMetadata, match="has no weight_map object"):
+        SafetensorsSource(root)
+    capsys.readouterr()
+    assert cli_main(["convert", str(root), "-o", str(tmp_path / "p.hfq"), "--no-progress"]) == 1
+    assert "has no weight_map object" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["m", "o.hfq"]
 
 
 # --- convert -----------------------------------------------------------------------------

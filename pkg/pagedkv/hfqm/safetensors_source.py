@@ -38,6 +38,8 @@ _DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
 _HEADER_LIMIT_BYTES = 100_000_000
 _USIZE_MAX = 2**64 - 1
 _HEADER_MAX_DEPTH = 127
+# Hugging Face's index of a sharded checkpoint.
+_INDEX_NAME = "model.safetensors.index.json"
 
 
 class SourceTensor(NamedTuple):
@@ -178,6 +180,21 @@ def _json_object(data: bytes, path: Path):
     return value
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """``weight_map`` of a ``model.safetensors.index.json``: tensor name -> shard file
+    name; every shard it names must be a file beside the index."""
+    weight_map = (_read_json(index) or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v for v in weight_map.values()):
+        raise BadMetadata(f"{index.name} has no weight_map object of tensor -> shard file "
+                          "names", path=str(index))
+    for shard in sorted(set(weight_map.values())):
+        if not (index.parent / shard).is_file():
+            raise InvalidArgument(f"{str(index)!r} names the shard {shard!r}, which is not a "
+                                  "file in that directory")
+    return weight_map
+
+
 def _read_json(path: Path):
     """A JSON side file as a dict (None for ``null`` or when there is no such file)."""
     return _json_object(path.read_bytes(), path) if path.is_file() else None
@@ -185,15 +202,25 @@ def _read_json(path: Path):
 
 class SafetensorsSource:
     """A safetensors model: ``SafetensorsSource(path)`` with ``path`` a ``.safetensors``
-    file or a directory holding ``*.safetensors`` shards. ``config``, ``tokenizer``
+    file or a directory holding ``*.safetensors`` shards (exactly the shards its
+    ``model.safetensors.index.json`` names, when there is one). ``config``, ``tokenizer``
     (the ``tokenizer.json`` text, ``"{}"`` if absent), ``tokenizer_config`` and
     ``generation_config`` come from the same directory."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
+        weight_map: dict[str, str] = {}
         if root.is_dir():
-            shards = sorted(str(p) for p in root.glob("*.safetensors"))
             directory = root
+            index = root / _INDEX_NAME
+            if index.is_file():
+                # The index names the model's shards: other *.safetensors in the directory
+                # (Mistral's consolidated.safetensors beside the HF shards, adapters) are
+                # not part of the model and would be converted a second time.
+                weight_map = _weight_map(index)
+                shards = sorted({str(root / name) for name in weight_map.values()})
+            else:
+                shards = sorted(str(p) for p in root.glob("*.safetensors"))
             if not shards:
                 raise InvalidArgument(f"{str(root)!r} holds no *.safetensors shard")
         elif root.is_file():
@@ -212,6 +239,11 @@ class SafetensorsSource:
             dup = next(n for n in names if names.count(n) > 1)
             raise BadMetadata("tensor appears in more than one shard", path=self.path,
                               tensor=dup, offset=0)
+        shard_of = {t.name: t.shard for t in self.tensors}
+        for name, shard in weight_map.items():
+            if shard_of.get(name) != str(root / shard):
+                raise BadMetadata(f"{_INDEX_NAME} puts the tensor in {shard}, which does not "
+                                  "hold it", path=str(root / _INDEX_NAME), tensor=name)
         self.config = _read_json(directory / "config.json") or {}
         model_type = self.config.get("model_type")
         if model_type is not None and not isinstance(model_type, str):
