@@ -262,6 +262,37 @@ def test_fork_trim_and_speculative_decoding_on_a_sliding_model():
     paged.coordinator.check_invariants()
 
 
+def test_a_trim_within_the_margin_rewinds_every_layer_after_the_buffers_dropped_positions():
+    """mlx-lm's ``trim_prompt_cache`` trims layer by layer, and every layer's trim checks
+    the whole request first. The rewind is measured from the request's untrimmed offset, so
+    a trim within TRIM_MARGIN_TOKENS works on sliding buffers that dropped positions: it was
+    refused after the first layer had been trimmed (that layer checked as if it still had
+    the whole rewind ahead), leaving the layers at different offsets. A trim the buffers
+    cannot serve still changes no layer."""
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=BS)
+    p = toks(264, 12)
+    r = paged.begin(p)
+    for a, b in ((0, 248), (248, 264)):  # the second chunk compacts the sliding buffers
+        model(mx.array(p[a:b])[None], cache=r.cache)
+        mx.eval([c.state for c in r.cache])
+    assert [(c.offset, getattr(c, "start", None)) for c in r.cache] == \
+        [(264, 176), (264, None)] * 2
+    n = 50
+    assert n <= TRIM_MARGIN_TOKENS
+    assert trim_prompt_cache(r.cache, n) == n
+    assert [c.offset for c in r.cache] == [214] * 4
+    got = run(model, [7], r.cache, n=3)
+    assert got == uncached(model, p[:214] + [7], got[0])
+    with pytest.raises(InvalidArgument, match=r"trim\(100\): sliding layer 0 \(window 8\) "
+                       r"holds positions from 176; after the rewind a query at 118 needs them "
+                       r"from 111"):
+        trim_prompt_cache(r.cache, 100)
+    assert [c.offset for c in r.cache] == [218] * 4
+    assert r.end(p[:214] + [7] + got[0]) == 218
+    paged.coordinator.check_invariants()
+
+
 # --- recurrent hybrids -------------------------------------------------------------------
 
 RECURRENT_CASES = [("qwen3_next", "float32"), ("qwen3_5", "float32"), ("qwen3_5", "bfloat16")]

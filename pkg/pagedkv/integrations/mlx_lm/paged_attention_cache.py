@@ -324,11 +324,10 @@ class PoolAttention:
         lc.rollback_last_tokens(seq, lc.num_tokens(seq) - cached)
         lc.record_tokens(seq, toks[cached:])
 
-    def check_trim(self, request, n: int) -> None:
-        """``InvalidArgument`` when a rewind of ``n`` reaches into the cached prefix: its
-        blocks may be shared, and the next forward would write K/V into them in place."""
-        # every layer's trim asks before it changes: the untrimmed layers hold the offset
-        offset = max(layer.offset for layer in request.cache)
+    def check_trim(self, request, n: int, offset: int) -> None:
+        """``InvalidArgument`` when a rewind of ``n`` from the request's untrimmed ``offset``
+        (``PagedRequest.check_trim``) reaches into the cached prefix: its blocks may be
+        shared, and the next forward would write K/V into them in place."""
         if offset - min(offset, n) < request.cached_tokens:
             raise InvalidArgument(
                 f"trim({n}): request {request.request_id} holds {offset} tokens, "

@@ -46,7 +46,7 @@ from pagedkv.errors import (
     UnsupportedModel,
 )
 from pagedkv.integrations.mlx_lm.attention_hook import install as install_attention_hook
-from pagedkv.integrations.mlx_lm.layer_cache import PagedKVLayerCache
+from pagedkv.integrations.mlx_lm.layer_cache import LayerBuffers, PagedKVLayerCache
 from pagedkv.integrations.mlx_lm.layer_kinds import LayerKind, check_served, layer_specs
 from pagedkv.integrations.mlx_lm.paged_attention_cache import (
     ATTENTION_MODES,
@@ -230,18 +230,24 @@ class PagedRequest:
     def check_trim(self, n: int) -> None:
         """Called by every layer's ``trim`` before it changes anything: ``InvalidArgument``
         when a sliding layer cannot rewind ``n`` tokens. A rewind also stops the
-        write-through (the tokens after it are no longer the prompt's)."""
+        write-through (the tokens after it are no longer the prompt's).
+
+        The rewind is measured from the request's untrimmed offset, the largest of its
+        layers': mlx-lm's ``trim_prompt_cache`` trims layer by layer, so the layers trimmed
+        before this call already hold the new offset (checked as if they had ``n`` more
+        tokens to rewind, a trim the first layer allowed was refused half-way)."""
+        offset = max(layer.offset for layer in self.cache if isinstance(layer, LayerBuffers))
+        target = offset - min(offset, n)
         for layer in self.cache:
-            if isinstance(layer, PagedSlidingLayerCache) and not layer.can_rewind(n):
+            if isinstance(layer, PagedSlidingLayerCache) and not layer.holds_window_at(target):
                 raise InvalidArgument(
                     f"trim({n}): sliding layer {layer.index} (window {layer.window}) holds "
-                    f"positions from {layer.start}; after the rewind a query at "
-                    f"{layer.offset - n} needs them from "
-                    f"{max(0, layer.offset - n - layer.window + 1)}. A paged sliding layer "
-                    "keeps about one window: rewind at most "
+                    f"positions from {layer.start}; after the rewind a query at {target} "
+                    f"needs them from {max(0, target - layer.window + 1)}. A paged sliding "
+                    "layer keeps about one window: rewind at most "
                     "pagedkv.integrations.mlx_lm.sliding_cache.TRIM_MARGIN_TOKENS tokens")
         if self._owner._paged is not None:
-            self._owner._paged.check_trim(self, n)
+            self._owner._paged.check_trim(self, n, offset)
         self._write_through = False
 
     def sliding_written(self, index: int, prev: int, keys, values) -> None:

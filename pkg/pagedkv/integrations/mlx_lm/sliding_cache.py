@@ -149,9 +149,10 @@ class PagedSlidingLayerCache(LayerBuffers):
         """Tokens a query attends at most (mlx-lm's ``RotatingKVCache.size``)."""
         return min(self.offset, self.window)
 
-    def can_rewind(self, n: int) -> bool:
-        """Whether the buffer still holds the window a query at ``offset - n`` attends."""
-        return max(0, self.offset - min(self.offset, n) - self.window + 1) >= self.start
+    def holds_window_at(self, offset: int) -> bool:
+        """Whether the buffer still holds the window a query at ``offset`` attends (what a
+        rewind to ``offset`` needs)."""
+        return max(0, offset - self.window + 1) >= self.start
 
     def as_rotating(self) -> RotatingKVCache:
         """mlx-lm's ``RotatingKVCache`` holding the same window (temporal order), what its
