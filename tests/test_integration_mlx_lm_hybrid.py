@@ -262,6 +262,31 @@ def test_fork_trim_and_speculative_decoding_on_a_sliding_model():
     paged.coordinator.check_invariants()
 
 
+def test_speculative_decoding_keeps_trimming_after_the_sliding_buffers_drop_positions():
+    """A paged sliding layer stays trimmable (``is_trimmable()``) after its buffer dropped
+    positions: mlx-lm's ``trim_prompt_cache``, which speculative decoding rewinds rejected
+    drafts with, silently trims nothing when a layer says otherwise. Answering False there,
+    as ``RotatingKVCache`` does past its window, made this run diverge from greedy decoding
+    at token 55, the step after the buffers' first compaction. (So ``LRUPromptCache``, which
+    trims a longer entry by any amount, gets ``InvalidArgument`` instead of a fallback:
+    docs/integrations/mlx-lm.md, 'Speculative decoding, LRUPromptCache, trimming'.)"""
+    from mlx.utils import tree_map
+
+    model = model_of("gemma3_text")
+    draft = random_model("gemma3_text", seed=0)[0]
+    draft.update(tree_map(lambda w: w + 0.02 * mx.random.normal(w.shape, key=mx.random.key(1)),
+                          draft.parameters()))
+    paged = PagedPromptCache(model, block_size=BS)
+    q = toks(200, 13)
+    s = paged.begin(q)
+    spec = [int(t) for t, _, _ in speculative_generate_step(
+        mx.array(q), model, draft, prompt_cache=s.cache + make_prompt_cache(draft),
+        max_tokens=100, num_draft_tokens=3)]
+    assert spec == uncached(model, q, spec)[0]
+    assert s.cache[0].start > 0 and all(c.is_trimmable() for c in s.cache)
+    s.end((q + spec)[:s.cache[0].offset])
+
+
 def test_a_trim_within_the_margin_rewinds_every_layer_after_the_buffers_dropped_positions():
     """mlx-lm's ``trim_prompt_cache`` trims layer by layer, and every layer's trim checks
     the whole request first. The rewind is measured from the request's untrimmed offset, so

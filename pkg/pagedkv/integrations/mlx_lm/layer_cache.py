@@ -74,6 +74,12 @@ class LayerBuffers:
         raise RequestClosed(SAVED_STATE_REFUSAL)
 
     def is_trimmable(self) -> bool:
+        """True, for a sliding layer too once its buffer dropped positions (unlike mlx-lm's
+        ``RotatingKVCache`` past its window): ``trim_prompt_cache``, which speculative
+        decoding rewinds its rejected drafts with, trims nothing at all, silently, when a
+        layer answers False. What a sliding layer cannot rewind, :meth:`trim` refuses
+        (``InvalidArgument``, no layer changed); ``LRUPromptCache``, which trims a longer
+        entry by any amount, gets that refusal rather than a fallback."""
         return True
 
     def trim(self, n: int) -> int:
