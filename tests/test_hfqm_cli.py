@@ -330,6 +330,64 @@ def test_a_directory_with_an_index_reads_only_the_shards_it_names(tmp_path, caps
     assert sorted(os.listdir(tmp_path)) == ["m", "o.hfq"]
 
 
+@needs_codecs
+def test_f64_weights_are_converted_and_integer_buffers_left_out(tmp_path, capsys):
+    """Found by a review: F64 weights were left out as 'buffers' (exit 0, a file without
+    them); the contract leaves out only integer (and bool) buffers."""
+    rng = np.random.default_rng(3)
+    down = rng.standard_normal((256, 256))
+    norm = 1 + np.arange(256) / 256
+    root = tmp_path / "m"
+    root.mkdir()
+    write_safetensors(root / "model.safetensors", {
+        "model.layers.0.mlp.down_proj.weight": ("F64", (256, 256), down.astype("<f8").tobytes()),
+        "model.norm.weight": ("F64", (256,), norm.astype("<f8").tobytes()),
+        "model.mask": ("BOOL", (4,), bytes([1, 0, 1, 1])),
+        "model.ids": ("U8", (4,), bytes(4))})
+    (root / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 1}')
+    out = tmp_path / "o.hfq"
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress", "--no-error"]) == 0
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "left out (2):", "  model.mask: BOOL buffer, not a floating-point weight",
+        "  model.ids: U8 buffer, not a floating-point weight"]
+    with HfqmFile(out) as f:
+        assert {t.name: (t.qt, t.shape) for t in f.tensors} == {
+            "model.layers.0.mlp.down_proj.weight": (6, (256, 256)),
+            "model.norm.weight": (1, (256,))}
+        assert f.raw("model.layers.0.mlp.down_proj.weight").tobytes() == quantize(
+            down.astype(np.float32), "hfq4g256").tobytes()
+        assert f.raw("model.norm.weight").tobytes() == quantize(
+            norm.astype(np.float32), "f16").tobytes()
+
+
+@pytest.mark.parametrize("dtype,nbytes", [("F8_E4M3", 1), ("F8_E5M2", 1), ("F8_E8M0", 1),
+                                          ("F8_E4M3FNUZ", 1), ("F6_E2M3", 0.75), ("F4", 0.5),
+                                          ("C64", 8)])
+def test_fp8_and_other_float_formats_are_refused_naming_the_tensor(tmp_path, capsys, dtype,
+                                                                   nbytes):
+    """Found by a review: FP8 (and other non-standard float) weights were silently left out
+    as buffers, exit 0, while their F32 *.weight_scale_inv tensors were quantized as
+    weights. They are refused (UnsupportedQuantType) before anything is written."""
+    from pagedkv.errors import UnsupportedQuantType
+    root = tmp_path / "m"
+    root.mkdir()
+    write_safetensors(root / "model.safetensors", {
+        "model.layers.0.mlp.up_proj.weight": (dtype, (256, 256), bytes(int(256 * 256 * nbytes))),
+        "model.layers.0.mlp.up_proj.weight_scale_inv": ("F32", (2, 2), bytes(16))})
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    message = (f"{root / 'model.safetensors'}, tensor 'model.layers.0.mlp.up_proj.weight': "
+               f"dtype {dtype} is not converted (floating-point weights must be F32, F16, BF16 "
+               "or F64; integer and bool buffers are left out); dequantize the checkpoint to "
+               "BF16 first")
+    with pytest.raises(UnsupportedQuantType) as info:
+        SafetensorsSource(root)
+    assert str(info.value) == message
+    out = tmp_path / "o.hfq"
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr() == ("", f"pagedkv convert: error: {message}\n")
+    assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
 # --- convert -----------------------------------------------------------------------------
 
 

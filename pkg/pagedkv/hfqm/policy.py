@@ -1,8 +1,9 @@
 """Quantizer tensor policy (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor policy'): which
 qt each source tensor gets.
 
-* ``mtp.*`` and (unless asked) ``model.visual.*`` are skipped; integer buffers are
-  left out; both are listed in the conversion summary.
+* ``mtp.*`` and (unless asked) ``model.visual.*`` are skipped; integer and bool
+  buffers are left out; both are listed in the conversion summary. F64 tensors are
+  floating-point tensors like F32/F16/BF16 (read as float32).
 * Norms and biases (case-insensitive), every 1-D tensor and names without
   ``weight`` stay F16.
 * Embeddings, ``lm_head`` and MoE routers are Q8F16 under every MQ/HFQ recipe.
@@ -25,6 +26,8 @@ from pagedkv.hfqm.arch import is_qwen35_metadata
 from pagedkv.quant.qtypes import QuantType, qtype
 
 __all__ = [
+    "BUFFER_DTYPES",
+    "FLOAT_DTYPES",
     "FORMAT_ALIASES",
     "K_FALLBACK",
     "PROMOTE_6BIT",
@@ -59,6 +62,13 @@ PROMOTE_6BIT: dict[int, int] = {
     47: 47, 48: 47, 49: 47, 50: 47,
     6: 8, 7: 8, 8: 8, 9: 8, 10: 8, 11: 8, 12: 8,
 }
+
+#: Source dtypes (safetensors names; a GGUF source reports F32/F16/BF16) quantized as
+#: floating-point tensors; F64 is read as float32, as the GGUF path reads GGUF F64.
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+#: Integer and bool buffers (e.g. BERT's position_ids): left out and listed, as the
+# tensor policy says. A source refuses any dtype in neither set.
+BUFFER_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
 
 _F16, _Q8F16 = 1, 3
 _LAYER = re.compile(r"(?:layers|blk)\.(\d+)\.")
@@ -176,7 +186,7 @@ def plan_tensor(name: str, dtype: str, shape: tuple[int, ...], target: QuantType
     if name.startswith("mtp.") or (name.startswith("model.visual.") and not include_visual):
         return [TensorPlan(name, name, shape, None, "skipped",
                            "MTP head" if name.startswith("mtp.") else "vision tower")]
-    if dtype not in ("F32", "F16", "BF16"):
+    if dtype not in FLOAT_DTYPES:
         return [TensorPlan(name, name, shape, None, "skipped",
                            f"{dtype} buffer, not a floating-point weight")]
     experts = _EXPERTS.match(name)

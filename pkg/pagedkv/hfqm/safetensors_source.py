@@ -20,13 +20,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pagedkv.errors import BadMetadata, InvalidArgument, Truncated
+from pagedkv.errors import BadMetadata, InvalidArgument, Truncated, UnsupportedQuantType
 from pagedkv.hfqm import strict_json
+from pagedkv.hfqm.policy import BUFFER_DTYPES, FLOAT_DTYPES
 
-__all__ = ["FLOAT_DTYPES", "SafetensorsSource", "SourceTensor"]
+__all__ = ["SafetensorsSource", "SourceTensor"]
 
-#: safetensors dtypes the converter quantizes; every other dtype is left out.
-FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
 # Bits per element of every dtype the safetensors loader (0.8) knows; any other name
 # is refused, as the loader refuses it.
 _DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
@@ -239,6 +238,16 @@ class SafetensorsSource:
             dup = next(n for n in names if names.count(n) > 1)
             raise BadMetadata("tensor appears in more than one shard", path=self.path,
                               tensor=dup, offset=0)
+        for t in self.tensors:
+            # FP8/FP6/FP4 checkpoints store weights with block scales in separate tensors
+            # (`*.weight_scale_inv`) that the converter does not apply, and a complex
+            # tensor has no real value: leaving them out would write a file without its
+            # weights (and quantize the scales as weights), so refuse before any work.
+            if t.dtype not in FLOAT_DTYPES and t.dtype not in BUFFER_DTYPES:
+                raise UnsupportedQuantType(
+                    f"dtype {t.dtype} is not converted (floating-point weights must be F32, "
+                    "F16, BF16 or F64; integer and bool buffers are left out); dequantize "
+                    "the checkpoint to BF16 first", path=t.shard, tensor=t.name)
         shard_of = {t.name: t.shard for t in self.tensors}
         for name, shard in weight_map.items():
             if shard_of.get(name) != str(root / shard):
@@ -272,7 +281,8 @@ class SafetensorsSource:
 
     def read(self, tensor: SourceTensor,
              index: tuple[slice | int, ...] | None = None) -> np.ndarray:
-        """Rows of a floating tensor as float32 (F16 stays float16): ``index`` selects
+        """Rows of a floating tensor as float32 (F16 stays float16, F64 is rounded to
+        float32): ``index`` selects
         along the leading dims (e.g. ``(slice(r0, r1),)``, or ``(e, slice(r0, r1))`` for
         one expert); ``None`` reads it whole."""
         if tensor.dtype == "BF16":
