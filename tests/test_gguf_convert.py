@@ -294,11 +294,11 @@ def test_moe_experts_split_and_promote_with_exact_parameter_counts(tmp_path):
         convert_gguf(tmp_path / "moe.gguf", tmp_path / "o.hfq")
     assert not (tmp_path / "o.hfq").exists()
     src = GgufSource(tmp_path / "moe.gguf")
-    report = convert_gguf(tmp_path / "moe.gguf", tmp_path / "o.hfq", arch=6,
+    report = convert_gguf(tmp_path / "moe.gguf", tmp_path / "o.hfq", arch=6, promote=True,
                           measure_error=False)
     with HfqmFile(tmp_path / "o.hfq") as f:
         qts = {t.name: t.qt for t in f.tensors}
-        # MoE: promotion on by default; every expert 6-bit, edge layers' attention too.
+        # MoE, promoted: every expert 6-bit, edge layers' attention too.
         assert qts["model.layers.0.mlp.experts.3.gate_proj.weight"] == 8
         assert qts["model.layers.2.mlp.experts.0.down_proj.weight"] == 8
         assert qts["model.layers.0.self_attn.q_proj.weight"] == 8
@@ -329,6 +329,27 @@ def test_moe_experts_split_and_promote_with_exact_parameter_counts(tmp_path):
                  measure_error=False)
     with HfqmFile(tmp_path / "u.hfq") as f:
         assert {t.qt for t in f.tensors} == {3, 6}
+
+
+@pytest.mark.parametrize("arch", [6, 13])
+def test_promotion_is_off_by_default_for_every_arch(tmp_path, capsys, arch):
+    """Found by a review: the MoE (6) and Gemma4 (13) arch ids were promoted by default,
+    so a default 'mq4'/'hf4' file was mostly 6-bit, while the contract's defaults are the
+    format alone (promotion P2, on request)."""
+    make_moe(tmp_path / "moe.gguf")
+    out = tmp_path / "d.hfq"
+    assert cli_main(["convert", str(tmp_path / "moe.gguf"), "-o", str(out), "--arch",
+                     str(arch), "--no-progress", "--no-error"]) == 0
+    with HfqmFile(out) as f:
+        qts = {t.name: t.qt for t in f.tensors}
+        assert f.metadata["pagedkv"]["promote_6bit"] is False
+    assert set(qts.values()) == {3, 6}
+    assert qts["model.layers.0.mlp.experts.3.gate_proj.weight"] == 6
+    assert "HFQ6G256" not in capsys.readouterr().out
+    report = convert_gguf(tmp_path / "moe.gguf", tmp_path / "e.hfq", arch=arch,
+                          measure_error=False)
+    assert set(report.per_qt) == {"HFQ4G256", "Q8F16"}
+    assert (tmp_path / "e.hfq").read_bytes() == out.read_bytes()
 
 
 # --- promotion decisions --------------------------------------------------------------
@@ -457,6 +478,31 @@ def test_output_that_is_the_gguf_source_is_refused(tmp_path):
         convert_gguf(tmp_path / "m.gguf", tmp_path / "m.gguf")
     assert (tmp_path / "m.gguf").read_bytes() == data
     assert os.listdir(tmp_path) == ["m.gguf"]
+
+
+def test_qwen35_moe_safetensors_default_is_uniform_mq4(tmp_path):
+    """The review's case: a Qwen3.5-MoE model converted without flags was 98.7 % MQ6G256
+    (every routed expert and the edge layers promoted); the default is MQ4G256V2 alone."""
+    from safetensors.numpy import save_file
+
+    from pagedkv.hfqm.convert import convert_safetensors
+    rng = np.random.default_rng(0)
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32)}
+    for li in range(4):
+        p = f"model.layers.{li}."
+        tensors[p + "self_attn.q_proj.weight"] = rng.standard_normal((H, H)).astype(np.float32)
+        tensors[p + "mlp.gate.weight"] = rng.standard_normal((4, H)).astype(np.float32)
+        tensors[p + "mlp.experts.gate_up_proj"] = rng.standard_normal((4, 512, H)).astype(
+            np.float32)
+    (tmp_path / "m").mkdir()
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    (tmp_path / "m" / "config.json").write_text(
+        '{"model_type": "qwen3_5_moe", "num_hidden_layers": 4, "num_experts": 4, '
+        '"num_experts_per_tok": 2}')
+    report = convert_safetensors(tmp_path / "m", tmp_path / "o.hfq", measure_error=False)
+    assert (report.format, report.arch_id) == ("mq4", 6)
+    assert {k: v["tensors"] for k, v in report.per_qt.items()} == {
+        "Q8F16": 1 + 4, "MQ4G256V2": 4 + 4 * 4}
 
 
 def test_safetensors_conversion_writes_parameter_counts_and_promotes_on_request(tmp_path):

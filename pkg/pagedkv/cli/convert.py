@@ -31,11 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="architecture name (llama, qwen3, qwen3_5, ...) or integer arch_id; "
                         "default: config.json model_type, or GGUF general.architecture")
     promote = p.add_mutually_exclusive_group()
-    promote.add_argument("--promote-6bit", dest="promote", action="store_true", default=None,
+    promote.add_argument("--promote-6bit", dest="promote", action="store_true", default=False,
                          help="store the first/last two layers' FFN weights (all weights on "
-                              "MoE) and routed experts at 6 bits (default: MoE/Gemma4 only)")
+                              "MoE) and routed experts at 6 bits (hipfire's K-map, full mode; "
+                              "default: off)")
     promote.add_argument("--no-promote-6bit", dest="promote", action="store_false",
-                         help="never promote (uniform format)")
+                         help="never promote (uniform format; the default)")
     p.add_argument("--include-visual", action="store_true",
                    help="also convert model.visual.* (skipped by default)")
     p.add_argument("--no-error", dest="measure_error", action="store_false",

@@ -28,12 +28,9 @@ from pagedkv.hfqm.safetensors_source import SafetensorsSource
 from pagedkv.hfqm.writer import HfqmWriter, PlannedTensor
 from pagedkv.quant.qtypes import expected_nbytes, qtype
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PROMOTE_BY_DEFAULT_ARCH_IDS", "ConversionReport",
-           "convert_gguf", "convert_model", "convert_safetensors", "parameter_counts"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ConversionReport", "convert_gguf", "convert_model",
+           "convert_safetensors", "parameter_counts"]
 
-#: arch ids whose files get the edge-layer/expert 6-bit promotion unless told otherwise
-#: (hipfire: MoE and Gemma4; dense models only on request).
-PROMOTE_BY_DEFAULT_ARCH_IDS = frozenset({6, 13})
 _RAW_QTS = frozenset({1, 2, 16})
 
 
@@ -200,13 +197,14 @@ def _metadata(source: _Source, fmt_name: str, target_id: int, arch: str | int,
 
 def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                         *, fmt: str | None = None, arch: str | int | None = None,
-                        include_visual: bool = False, promote: bool | None = None,
+                        include_visual: bool = False, promote: bool = False,
                         measure_error: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                         progress: ProgressFn | None = None) -> ConversionReport:
     """Convert a safetensors model to an HFQM file at ``out_path`` (written to a
     temporary name and renamed at the end; an interruption leaves no output).
-    ``promote``: the edge-layer/expert 6-bit promotion; None = on for the arch ids of
-    :data:`PROMOTE_BY_DEFAULT_ARCH_IDS` (MoE, Gemma4), off otherwise."""
+    ``promote``: the edge-layer/expert 6-bit promotion (hipfire's K-map, full mode),
+    off unless asked for (docs/contracts/hfqm-and-quant.md, '2.9 Quantizer tensor
+    policy': the default is the format alone)."""
     source = SafetensorsSource(source_path)
     fmt_name = fmt or default_format(source.config)
     target_id = resolve_format(fmt_name).id
@@ -225,7 +223,7 @@ def convert_safetensors(source_path: str | os.PathLike[str], out_path: str | os.
 
 def convert_gguf(source_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                  *, fmt: str | None = None, arch: str | int | None = None,
-                 include_visual: bool = False, promote: bool | None = None,
+                 include_visual: bool = False, promote: bool = False,
                  measure_error: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  progress: ProgressFn | None = None) -> ConversionReport:
     """Convert a GGUF model (docs/formats/gguf.md) to an HFQM file, like
@@ -277,7 +275,7 @@ def convert_model(source_path: str | os.PathLike[str], out_path: str | os.PathLi
 
 
 def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, *,
-             fmt_name: str, arch_id: int, include_visual: bool, promote: bool | None,
+             fmt_name: str, arch_id: int, include_visual: bool, promote: bool,
              measure_error: bool, chunk_bytes: int,
              progress: ProgressFn | None) -> ConversionReport:
     from pagedkv.quant import dequantize, quantize
@@ -293,8 +291,6 @@ def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, 
     if is_qwen35_metadata({"config": source.config}) and arch_id not in QWEN35_ARCH_IDS:
         raise InvalidArgument(f"config names Qwen3.5/3.6 but arch_id is {arch_id}; "
                               "Qwen3.5/3.6 files need --arch 5 (dense) or 6 (MoE)")
-    if promote is None:
-        promote = arch_id in PROMOTE_BY_DEFAULT_ARCH_IDS
     is_moe = arch_id == 6 or _num_experts(source.config) is not None
     n_layers = _n_layers(source.config)
 

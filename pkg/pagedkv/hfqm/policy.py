@@ -10,7 +10,7 @@ qt each source tensor gets.
 * Stacked experts ``…mlp.experts.gate_up_proj`` [E, 2I, H] / ``…down_proj`` [E, H, I]
   become E 2-D tensors ``…mlp.experts.{e}.gate_up_proj.weight``.
 * A K (last dim) not divisible by 256 takes the G128/G256 fallback of the table below.
-* With ``promote`` (hipfire's K-map, full mode; on by default for MoE files), the
+* With ``promote`` (hipfire's K-map, full mode; off unless asked for), the
   first and last two layers' FFN weights (every weight of those layers on MoE
   models) and every routed expert are stored at 6 bits: :data:`PROMOTE_6BIT`.
   docs/formats/hfqm.md, "Edge-layer 6-bit promotion".
