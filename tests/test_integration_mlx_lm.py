@@ -44,6 +44,7 @@ from mlx_lm_support import (
 from pagedkv.errors import (
     InvalidArgument,
     InvalidArgumentType,
+    PoolExhausted,
     RequestClosed,
 )
 from pagedkv.integrations.mlx_lm import (
@@ -531,6 +532,38 @@ def test_dropped_requests_give_their_blocks_back():
     gc.collect()
     s = paged.stats()
     assert s["live_requests"] == 0 and s["released"] == 1 and s["blocks_in_use"] == held
+
+
+def test_a_pool_short_of_blocks_collects_requests_dropped_in_a_reference_cycle():
+    """A request and its layers reference each other, so a request dropped without end() or
+    release() is freed by Python's cyclic garbage collector only, and holds its blocks until
+    a full collection runs. Before refusing a reservation with PoolExhausted the cache runs
+    one and releases what it collected: the prompt is served (it was refused while the
+    dropped request's 5 blocks stayed held). With nothing to collect the refusal stands and
+    changes nothing."""
+    model = model_of()
+    paged = PagedPromptCache(model, block_size=BS, max_blocks=8, initial_blocks=8)
+    automatic = gc.isenabled()
+    gc.disable()  # no collection but the cache's own
+    try:
+        dropped = paged.begin(toks(40, 46))  # 5 of the 8 blocks
+        run(model, toks(40, 46), dropped.cache, n=2)
+        del dropped
+        assert paged.stats()["live_requests"] == 1
+        assert paged.stats()["blocks_in_use"] == 5
+        big = toks(60, 47)  # 8 blocks
+        r = paged.begin(big)
+        s = paged.stats()
+        assert (r.cached_tokens, s["released"], s["live_requests"]) == (0, 1, 1)
+        before = s
+        with pytest.raises(PoolExhausted, match="1 more blocks needed for 8 tokens, "
+                                                "0 free or evictable of 8"):
+            paged.begin(toks(8, 48))
+        assert paged.stats() == before
+        r.release()
+    finally:
+        if automatic:
+            gc.enable()
 
 
 def test_parked_conversations_are_bounded_and_yield_to_pool_pressure():

@@ -531,14 +531,34 @@ class PagedPromptCache:
 
     def _with_room(self, call):
         """``call()``, releasing parked conversations oldest first while it runs out of
-        blocks (a parked table pins its blocks)."""
+        blocks (a parked table pins its blocks), then, once, the requests dropped without
+        ``end`` that only the cyclic garbage collector frees (:meth:`_collect_dropped`)."""
+        collected = False
         while True:
             try:
                 return call()
             except PoolExhausted:
-                if not self._parked:
+                if self._parked:
+                    self._release_parked(next(iter(self._parked)))
+                    continue
+                if collected or not self._collect_dropped():
                     raise
-                self._release_parked(next(iter(self._parked)))
+                collected = True
+
+    def _collect_dropped(self) -> bool:
+        """Run Python's cyclic garbage collector, release the requests it collected, and say
+        whether there were any. A request references its layers and each layer its request
+        (mlx-lm code may hold either: ``pagedkv serve`` hands out the layers alone), so a
+        request dropped without ``end`` or ``release`` (an exception mid-generation) is
+        collected only when a full collection happens to run, its blocks held until then.
+        Run before a ``PoolExhausted`` is raised: a full collection costs milliseconds, a
+        refused request more."""
+        import gc
+
+        released = self._counters["released"]
+        gc.collect()
+        self._reap()
+        return self._counters["released"] > released
 
     def release_parked(self, keep: int = 0) -> int:
         """Release parked conversations, oldest first, until ``keep`` remain; their published
