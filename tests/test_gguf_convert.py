@@ -26,7 +26,13 @@ from pagedkv.errors import (
 )
 from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
 from pagedkv.hfqm.convert import convert_gguf, parameter_counts
-from pagedkv.hfqm.gguf_source import GgufSource, hf_name, unpermute_rows
+from pagedkv.hfqm.gguf_source import (
+    GGUF_ARCH_IDS,
+    PERMUTED_QK_ARCHS,
+    GgufSource,
+    hf_name,
+    unpermute_rows,
+)
 from pagedkv.hfqm.policy import plan_tensor, promoted, resolve_format
 from pagedkv.quant import dequantize, fwht256, quantize
 
@@ -202,6 +208,89 @@ def test_llama_qk_rows_are_unpermuted_on_any_row_range(tmp_path):
     write_gguf(tmp_path / "q.gguf", "qwen3", [("blk.0.attn_q.weight", hf_q, None)])
     (t,) = GgufSource(tmp_path / "q.gguf").tensors
     assert t.permute_heads == 0
+
+
+@pytest.mark.parametrize("arch", sorted(PERMUTED_QK_ARCHS) + ["qwen3", "llama4", "gemma3"])
+def test_qk_rows_of_every_llama_family_arch_are_unpermuted(tmp_path, arch):
+    """Found by a review: only llama (and 'mistral', which is no llama.cpp arch) were
+    un-permuted, but llama.cpp's converter permutes Q/K for granite, granitemoe, deci,
+    mistral3 (LlamaModel subclasses) and the others of PERMUTED_QK_ARCHS too: their rows
+    were stored in llama.cpp's rope order under HF names. Other archs pass through."""
+    rng = np.random.default_rng(11)
+    hf_q = rng.standard_normal((H, H)).astype(np.float32)
+    hf_k = rng.standard_normal((128, H)).astype(np.float32)
+    permuted = arch in PERMUTED_QK_ARCHS
+    stored_q = llama_permute(hf_q, N_HEAD) if permuted else hf_q
+    stored_k = llama_permute(hf_k, N_KV) if permuted else hf_k
+    kv = {f"{arch}.attention.head_count": N_HEAD, f"{arch}.attention.head_count_kv": N_KV}
+    write_gguf(tmp_path / "m.gguf", arch, [("blk.0.attn_q.weight", stored_q, None),
+                                           ("blk.0.attn_k.weight", stored_k, None)], kv)
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "o.hfq", fmt="f32", arch=0,
+                 measure_error=False)
+    with HfqmFile(tmp_path / "o.hfq") as f:
+        np.testing.assert_array_equal(f["model.layers.0.self_attn.q_proj.weight"], hf_q)
+        np.testing.assert_array_equal(f["model.layers.0.self_attn.k_proj.weight"], hf_k)
+    assert "mistral" not in PERMUTED_QK_ARCHS and "mistral" not in GGUF_ARCH_IDS
+
+
+def test_deci_per_layer_head_counts_unpermute_each_layer(tmp_path):
+    """deci (and granitehybrid) store head counts per layer; K of each layer is
+    permuted with that layer's KV heads, and a layer without heads cannot be split."""
+    rng = np.random.default_rng(12)
+    hf = {li: (rng.standard_normal((H, H)).astype(np.float32),
+               rng.standard_normal((128, H)).astype(np.float32)) for li in range(2)}
+    kv_heads = [2, 1]
+    tensors = []
+    for li, (q, k) in hf.items():
+        tensors += [(f"blk.{li}.attn_q.weight", llama_permute(q, N_HEAD), None),
+                    (f"blk.{li}.attn_k.weight", llama_permute(k, kv_heads[li]), None)]
+    write_gguf(tmp_path / "d.gguf", "deci", tensors,
+               {"deci.attention.head_count": [N_HEAD, N_HEAD],
+                "deci.attention.head_count_kv": kv_heads})
+    src = GgufSource(tmp_path / "d.gguf")
+    by = {t.name: t for t in src.tensors}
+    for li, (q, k) in hf.items():
+        kt = by[f"model.layers.{li}.self_attn.k_proj.weight"]
+        assert kt.permute_heads == kv_heads[li]
+        np.testing.assert_array_equal(src.read(by[f"model.layers.{li}.self_attn.q_proj.weight"]),
+                                      q)
+        np.testing.assert_array_equal(src.read(kt), k)
+        np.testing.assert_array_equal(src.read(kt, (slice(60, 70),)), k[60:70])
+    write_gguf(tmp_path / "z.gguf", "deci", tensors,
+               {"deci.attention.head_count": [N_HEAD, N_HEAD],
+                "deci.attention.head_count_kv": [2, 0]})
+    with pytest.raises(BadMetadata, match=r"blk\.1\.attn_k\.weight.*128 rows do not split "
+                                          r"into 0 heads of an even size "
+                                          r"\(deci\.attention\.head_count_kv\)"):
+        GgufSource(tmp_path / "z.gguf")
+
+
+def test_llama_qk_biases_are_unpermuted_like_the_weights(tmp_path):
+    """Found by a review: llama.cpp permutes q_proj.bias/k_proj.bias as it permutes the
+    weights (LlamaModel.modify_tensors), but only 2-D tensors were un-permuted."""
+    hf_bq = np.arange(H, dtype=np.float32) / 64          # exact in f16
+    hf_bk = np.arange(128, dtype=np.float32) / 32 - 2
+    hf_q = np.arange(H * H, dtype=np.float32).reshape(H, H) / 1e4
+    write_gguf(tmp_path / "b.gguf", "llama", [
+        ("blk.0.attn_q.weight", llama_permute(hf_q, N_HEAD), None),
+        ("blk.0.attn_q.bias", llama_permute(hf_bq, N_HEAD), None),
+        ("blk.0.attn_k.bias", llama_permute(hf_bk, N_KV), None),
+        ("blk.0.attn_v.bias", hf_bk, None)], llama_kv(1))
+    src = GgufSource(tmp_path / "b.gguf")
+    by = {t.name: t for t in src.tensors}
+    assert by["model.layers.0.self_attn.q_proj.bias"].permute_heads == N_HEAD
+    assert by["model.layers.0.self_attn.k_proj.bias"].permute_heads == N_KV
+    assert by["model.layers.0.self_attn.v_proj.bias"].permute_heads == 0
+    convert_gguf(tmp_path / "b.gguf", tmp_path / "b.hfq", fmt="q8", measure_error=False)
+    with HfqmFile(tmp_path / "b.hfq") as f:
+        assert f["model.layers.0.self_attn.q_proj.bias"].tobytes() == hf_bq.astype(
+            np.float16).tobytes()
+        assert f["model.layers.0.self_attn.k_proj.bias"].tobytes() == hf_bk.astype(
+            np.float16).tobytes()
+        assert f["model.layers.0.self_attn.v_proj.bias"].tobytes() == hf_bk.astype(
+            np.float16).tobytes()
+        assert f.raw("model.layers.0.self_attn.q_proj.weight").tobytes() == quantize(
+            hf_q, "q8f16").tobytes()
 
 
 # --- conversion -----------------------------------------------------------------------

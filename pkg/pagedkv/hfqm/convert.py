@@ -228,7 +228,7 @@ def convert_gguf(source_path: str | os.PathLike[str], out_path: str | os.PathLik
                  progress: ProgressFn | None = None) -> ConversionReport:
     """Convert a GGUF model (docs/formats/gguf.md) to an HFQM file, like
     :func:`convert_safetensors`. The default format is ``hf4``; ``arch`` defaults to
-    the mapping of ``general.architecture`` (llama, mistral, qwen2, qwen3)."""
+    the mapping of ``general.architecture`` (llama, qwen2, qwen3)."""
     from pagedkv import __version__
     from pagedkv.hfqm.gguf_source import GGUF_ARCH_IDS, GgufSource
 

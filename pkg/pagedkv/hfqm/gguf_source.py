@@ -11,8 +11,8 @@ GGUF names (``blk.N.attn_q.weight``) are mapped to the Hugging Face names the
 tensor policy of docs/formats/hfqm.md expects (``model.layers.N.self_attn.q_proj.weight``);
 GGUF dims (``ne0`` fastest) are reversed into row-major HF shapes; stacked MoE
 experts (``ffn_gate_exps`` [E, I, H]) become one 2-D tensor per expert; the Q/K
-rows that llama.cpp's converter interleaves for the ``llama`` architecture are put
-back in HF order. The HF ``config`` is synthesized from the ``<arch>.*`` keys.
+rows (and biases) that llama.cpp's converter interleaves for ``llama`` and its
+relatives (:data:`PERMUTED_QK_ARCHS`) are put back in HF order. The HF ``config`` is synthesized from the ``<arch>.*`` keys.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
@@ -34,13 +35,21 @@ from pagedkv.errors import (
     UnsupportedVersion,
 )
 
-__all__ = ["GGUF_ARCH_IDS", "GgufSource", "GgufTensor", "hf_name", "unpermute_rows"]
+__all__ = ["GGUF_ARCH_IDS", "PERMUTED_QK_ARCHS", "GgufSource", "GgufTensor", "hf_name",
+           "unpermute_rows"]
 
 #: GGUF ``general.architecture`` -> HFQM arch_id (docs/formats/gguf.md); others need --arch.
-GGUF_ARCH_IDS: dict[str, int] = {"llama": 0, "mistral": 0, "qwen3": 1, "qwen2": 7}
+#: (llama.cpp has no "mistral" architecture: Mistral models are "llama" or "mistral3".)
+GGUF_ARCH_IDS: dict[str, int] = {"llama": 0, "qwen3": 1, "qwen2": 7}
 
-#: Architectures whose llama.cpp converter permutes attn_q/attn_k rows for its rope.
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+#: Architectures whose llama.cpp converter permutes the attn_q/attn_k rows (weights and
+#: biases) for its rope: LlamaModel and the subclasses that keep undo_permute (arcee,
+#: smollm3, llama-embed, granite, granitemoe, granitehybrid, mistral3's Ministral3Model),
+#: and DeciModel and LLaDAModel, which permute the same way (llama.cpp's conversion/*.py).
+#: llama4 and apertus turn it off. Mistral's own consolidated format (arch "llama" or
+#: "mistral3", undo_permute off) already stores the permuted row order.
+PERMUTED_QK_ARCHS = frozenset({"llama", "llama-embed", "arcee", "smollm3", "granite",
+                               "granitemoe", "granitehybrid", "deci", "mistral3", "llada"})
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -251,21 +260,30 @@ class GgufSource:
             return [GgufTensor(f"{name}.{e}.{expert_proj}.weight", dtype, shape[1:], t.name,
                                type_name, index, per, e) for e in range(shape[0])]
         heads = 0
-        if self.architecture in _PERMUTED_QK_ARCHS and len(shape) == 2:
-            slot = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        block = _BLOCK.match(t.name)
+        # Weights [rows, K] and biases [rows] alike: llama.cpp permutes both.
+        if self.architecture in PERMUTED_QK_ARCHS and block and len(shape) in (1, 2):
             key = {"attn_q": "attention.head_count",
-                   "attn_k": "attention.head_count_kv"}.get(slot)
+                   "attn_k": "attention.head_count_kv"}.get(block["slot"])
             if key is not None:
-                n = self.metadata.get(f"{self.architecture}.{key}")
-                if key.endswith("_kv") and n is None:
-                    n = self.metadata.get(f"{self.architecture}.attention.head_count")
-                if not isinstance(n, int) or n <= 0 or shape[0] % n or (shape[0] // n) % 2:
+                n = self._layer_heads(key, int(block["layer"]))
+                if not is_int(n) or n <= 0 or shape[0] % n or (shape[0] // n) % 2:
                     raise BadMetadata(f"{shape[0]} rows do not split into {n} heads of an even "
                                       f"size ({self.architecture}.{key})", path=self.path,
                                       tensor=t.name)
                 heads = n
         return [GgufTensor(name, dtype, shape, t.name, type_name, index, int(t.n_bytes),
                            None, heads)]
+
+    def _layer_heads(self, key: str, layer: int) -> Any:
+        """Head count ``<arch>.<key>`` of ``layer`` (K falls back to Q's): a number, or a
+        per-layer array (deci, granitehybrid)."""
+        n = self.metadata.get(f"{self.architecture}.{key}")
+        if n is None and key.endswith("_kv"):
+            n = self.metadata.get(f"{self.architecture}.attention.head_count")
+        if isinstance(n, list):
+            n = n[layer] if layer < len(n) else None
+        return n
 
     @property
     def total_bytes(self) -> int:
@@ -310,7 +328,8 @@ class GgufSource:
         n = tensor.shape[0] if tensor.shape else 1
         lo, hi, _ = rows.indices(n)
         if len(tensor.shape) < 2:
-            return self._dequantize(tensor, data).reshape(tensor.shape)
+            whole = self._dequantize(tensor, data).reshape(tensor.shape)
+            return unpermute_rows(whole, tensor.permute_heads) if tensor.permute_heads else whole
         if tensor.permute_heads:
             # The permutation stays inside a head: read whole heads, then cut.
             d = n // tensor.permute_heads
