@@ -318,6 +318,34 @@ def test_a_trim_within_the_margin_rewinds_every_layer_after_the_buffers_dropped_
     paged.coordinator.check_invariants()
 
 
+def test_a_rewind_after_a_prefix_hit_reaches_the_window_before_the_cached_prefix_only():
+    """TRIM_MARGIN_TOKENS counts positions the request computed: a sliding layer gets the
+    window before ``cached_tokens`` from the pool, from its block boundary, and no more. A
+    rewind back to ``cached_tokens`` always works, one a little further while that window
+    holds, and a refusal (20 tokens were refused with 'rewind at most TRIM_MARGIN_TOKENS')
+    names the cached prefix and changes no layer."""
+    model = model_of("gemma3_text")
+    paged = PagedPromptCache(model, block_size=16)
+    base = toks(200, 14)
+    r = paged.begin(base)
+    r.end(base + run(model, base, r.cache, n=1)[0])
+    p = base[:180] + [7, 8, 9]
+    r = paged.begin(p)
+    model(mx.array(p[r.cached_tokens:])[None], cache=r.cache)
+    assert [(c.offset, getattr(c, "start", None)) for c in r.cache] == \
+        [(183, 160), (183, None)] * 2 and r.cached_tokens == 176
+    assert trim_prompt_cache(r.cache, 7) == 7  # to cached_tokens
+    assert trim_prompt_cache(r.cache, 9) == 9  # to 167: its window [160, 167) came along
+    with pytest.raises(InvalidArgument, match=r"trim\(4\): .* a query at 163 needs them from "
+                       r"156\. .*TRIM_MARGIN_TOKENS tokens, and not before the 176 tokens "
+                       r"begin\(\) loaded"):
+        trim_prompt_cache(r.cache, 4)
+    assert [c.offset for c in r.cache] == [167] * 4
+    got = run(model, [5], r.cache, n=2)
+    assert got == uncached(model, p[:167] + [5], got[0])
+    r.release()
+
+
 # --- recurrent hybrids -------------------------------------------------------------------
 
 RECURRENT_CASES = [("qwen3_next", "float32"), ("qwen3_5", "float32"), ("qwen3_5", "bfloat16")]

@@ -86,8 +86,8 @@ class LayerBuffers:
         """Forget the last ``n`` tokens (speculative decoding, ``trim_prompt_cache``);
         returns how many were dropped. ``InvalidArgument`` (no layer changed) when a sliding
         layer of the request cannot rewind that far: its buffer no longer holds the window
-        before the new offset (a rewind of up to ``TRIM_MARGIN_TOKENS`` tokens always
-        works)."""
+        before the new offset (a rewind of up to ``TRIM_MARGIN_TOKENS`` tokens that ends at
+        or after the request's ``cached_tokens`` always works)."""
         self.request.check_trim(n)
         n = min(self.offset, n)
         self.offset -= n

@@ -245,7 +245,9 @@ class PagedRequest:
                     f"positions from {layer.start}; after the rewind a query at {target} "
                     f"needs them from {max(0, target - layer.window + 1)}. A paged sliding "
                     "layer keeps about one window: rewind at most "
-                    "pagedkv.integrations.mlx_lm.sliding_cache.TRIM_MARGIN_TOKENS tokens")
+                    "pagedkv.integrations.mlx_lm.sliding_cache.TRIM_MARGIN_TOKENS tokens, "
+                    f"and not before the {self.cached_tokens} tokens begin() loaded (it "
+                    "loads the window before them only)")
         if self._owner._paged is not None:
             self._owner._paged.check_trim(self, n, offset)
         self._write_through = False

@@ -34,7 +34,9 @@ __all__ = ["TRIM_MARGIN_TOKENS", "PagedSlidingLayerCache"]
 
 #: Positions a sliding buffer keeps beyond the window (before block alignment), so that a
 #: rewind of up to this many tokens (speculative decoding's rejected drafts, a short
-#: ``trim_prompt_cache``) still finds the window it needs.
+#: ``trim_prompt_cache``) still finds the window it needs. It counts positions the request
+#: computed: a prefix ``begin`` loaded from the pool comes with the window before its end
+#: only (block-aligned), so a rewind that ends inside that prefix may be refused.
 TRIM_MARGIN_TOKENS = 64
 
 
