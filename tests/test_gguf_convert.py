@@ -181,7 +181,8 @@ def test_names_map_to_the_hf_names_of_the_policy():
     assert hf_name("blk.0.ffn_norm.weight") == (
         "model.layers.0.post_attention_layernorm.weight", None)
     assert hf_name("blk.1.ffn_gate_inp.weight") == ("model.layers.1.mlp.gate.weight", None)
-    assert hf_name("blk.1.ffn_down_exps.weight") == ("model.layers.1.mlp.experts", "down_proj")
+    assert hf_name("blk.1.ffn_down_exps.weight") == ("model.layers.1.mlp.experts",
+                                                     "down_proj.weight")
     assert hf_name("blk.2.ffn_up_shexp.weight") == (
         "model.layers.2.mlp.shared_expert.up_proj.weight", None)
     assert hf_name("blk.2.ssm_a") == ("blk.2.ssm_a", None)  # unknown: kept as is
@@ -439,6 +440,43 @@ def test_promotion_is_off_by_default_for_every_arch(tmp_path, capsys, arch):
                           measure_error=False)
     assert set(report.per_qt) == {"HFQ4G256", "Q8F16"}
     assert (tmp_path / "e.hfq").read_bytes() == out.read_bytes()
+
+
+def test_stacked_expert_biases_split_per_expert(tmp_path):
+    """Found by a review: blk.N.ffn_{gate,up,down}_exps.bias [E, M] (gpt-oss) all mapped
+    to 'model.layers.N.mlp.experts' and the conversion failed on the repeated name."""
+    rng = np.random.default_rng(13)
+    experts = 3
+    tensors, biases = [], {}
+    for proj in ("gate", "up", "down"):
+        tensors.append((f"blk.0.ffn_{proj}_exps.weight",
+                        rng.standard_normal((experts, 256, H)).astype(np.float32), None))
+        biases[proj] = (np.arange(experts * 256, dtype=np.float32).reshape(experts, 256) / 8
+                        - 40 * (proj == "up"))
+        tensors.append((f"blk.0.ffn_{proj}_exps.bias", biases[proj], None))
+    write_gguf(tmp_path / "m.gguf", "qwen3", tensors)
+    src = GgufSource(tmp_path / "m.gguf")
+    by = {t.name: t for t in src.tensors}
+    assert len(by) == len(src.tensors) == 2 * 3 * experts
+    for proj, b in biases.items():
+        for e in range(experts):
+            t = by[f"model.layers.0.mlp.experts.{e}.{proj}_proj.bias"]
+            assert (t.gguf_name, t.expert, t.shape, t.nbytes) == (
+                f"blk.0.ffn_{proj}_exps.bias", e, (256,), 256 * 4)
+            np.testing.assert_array_equal(src.read(t), b[e])
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "o.hfq", measure_error=False)
+    with HfqmFile(tmp_path / "o.hfq") as f:
+        assert sorted(f.names) == sorted(by)
+        for proj, b in biases.items():
+            for e in range(experts):
+                name = f"model.layers.0.mlp.experts.{e}.{proj}_proj.bias"
+                assert f.info(name)[1:4] == (1, "F16", (256,))
+                assert f[name].tobytes() == b[e].astype(np.float16).tobytes()
+    write_gguf(tmp_path / "bad.gguf", "qwen3",
+               [("blk.0.ffn_up_exps.bias", np.ones((2, 3, 4), np.float32), None)])
+    with pytest.raises(BadMetadata, match=r"blk\.0\.ffn_up_exps\.bias.*stacked expert tensor "
+                                          r"has shape \(2, 3, 4\), not \[E, M\] with E > 0"):
+        GgufSource(tmp_path / "bad.gguf")
 
 
 # --- promotion decisions --------------------------------------------------------------

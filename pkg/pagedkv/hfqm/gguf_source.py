@@ -101,8 +101,10 @@ class GgufTensor(NamedTuple):
 
 
 def hf_name(gguf_name: str) -> tuple[str, str | None]:
-    """HF name of a GGUF tensor name and, for stacked experts, the per-expert
-    projection (``gate_proj``/``up_proj``/``down_proj``); unknown names pass through."""
+    """HF name of a GGUF tensor name and, for stacked experts, the per-expert suffix:
+    ``("model.layers.N.mlp.experts", "gate_proj.weight")`` names expert e
+    ``model.layers.N.mlp.experts.{e}.gate_proj.weight`` (biases likewise); unknown
+    names pass through."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
     m = _BLOCK.match(gguf_name)
@@ -110,7 +112,7 @@ def hf_name(gguf_name: str) -> tuple[str, str | None]:
         return gguf_name, None
     layer, slot, kind = m["layer"], m["slot"], m["kind"]
     if slot in _EXPERT_SLOTS:
-        return f"model.layers.{layer}.mlp.experts", _EXPERT_SLOTS[slot]
+        return f"model.layers.{layer}.mlp.experts", f"{_EXPERT_SLOTS[slot]}.{kind}"
     return f"model.layers.{layer}.{_SLOTS.get(slot, slot)}.{kind}", None
 
 
@@ -254,10 +256,16 @@ class GgufSource:
             dtype = type_name
         else:
             dtype = _FLOAT_TYPES.get(type_name, "F32")
-        name, expert_proj = hf_name(t.name)
-        if expert_proj is not None and len(shape) == 3:
+        name, expert_suffix = hf_name(t.name)
+        if expert_suffix is not None:
+            # Stacked experts: weights [E, M, K], biases [E, M] (gpt-oss); one output each.
+            rank = 3 if expert_suffix.endswith(".weight") else 2
+            if len(shape) != rank or not shape[0]:
+                raise BadMetadata(f"stacked expert tensor has shape {shape}, not "
+                                  f"{'[E, M, K]' if rank == 3 else '[E, M]'} with E > 0",
+                                  path=self.path, tensor=t.name)
             per = t.n_bytes // shape[0]
-            return [GgufTensor(f"{name}.{e}.{expert_proj}.weight", dtype, shape[1:], t.name,
+            return [GgufTensor(f"{name}.{e}.{expert_suffix}", dtype, shape[1:], t.name,
                                type_name, index, per, e) for e in range(shape[0])]
         heads = 0
         block = _BLOCK.match(t.name)
