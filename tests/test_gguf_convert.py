@@ -442,6 +442,79 @@ def test_promotion_is_off_by_default_for_every_arch(tmp_path, capsys, arch):
     assert (tmp_path / "e.hfq").read_bytes() == out.read_bytes()
 
 
+GEMMA_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+@pytest.mark.parametrize("arch,plus_one", [("gemma2", True), ("gemma3", True),
+                                           ("gemma-embedding", True), ("gemma3n", False),
+                                           ("gemma4", False)])
+def test_gemma_norms_map_to_their_own_names_and_lose_llama_cpps_plus_one(tmp_path, arch,
+                                                                         plus_one):
+    """Found by a review: in gemma2+ GGUF files ffn_norm (HF pre_feedforward_layernorm) and
+    post_attention_norm both became post_attention_layernorm and post_ffw_norm kept its
+    GGUF name. llama.cpp also stores gemma/gemma2/gemma3 norms as w + 1 (its
+    conversion/gemma.py; not gemma3n/gemma4): the HF weight is the stored value - 1."""
+    hf = {slot: np.arange(H, dtype=np.float32) / 256 - 0.5 + i / 8
+          for i, slot in enumerate(GEMMA_NORMS)}
+    shift = np.float32(plus_one)
+    tensors = [(f"blk.0.{slot}.weight", (v + shift).astype(np.float32), None)
+               for slot, v in hf.items()]
+    tensors.append(("output_norm.weight", (hf["attn_norm"] + shift).astype(np.float16), None))
+    tensors.append(("blk.0.attn_q.weight", np.ones((H, H), np.float32), None))
+    write_gguf(tmp_path / "g.gguf", arch, tensors)
+    src = GgufSource(tmp_path / "g.gguf")
+    assert [t.name for t in src.tensors] == [
+        *(f"model.layers.0.{name}.weight" for name in GEMMA_NORMS.values()),
+        "model.norm.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert [t.norm_plus_one for t in src.tensors] == [plus_one] * 7 + [False]
+    convert_gguf(tmp_path / "g.gguf", tmp_path / "g.hfq", arch=255, measure_error=False)
+    with HfqmFile(tmp_path / "g.hfq") as f:
+        for slot, name in GEMMA_NORMS.items():
+            assert f[f"model.layers.0.{name}.weight"].tobytes() == hf[slot].astype(
+                np.float16).tobytes(), slot
+        assert f["model.norm.weight"].tobytes() == hf["attn_norm"].astype(np.float16).tobytes()
+        assert f.dequantize("model.layers.0.self_attn.q_proj.weight").min() == 1.0
+
+
+def test_gemma1_ffn_norm_is_the_post_attention_norm_plus_one_removed(tmp_path):
+    """Gemma 1 has two norms a block: ffn_norm is HF's post_attention_layernorm."""
+    w = np.arange(H, dtype=np.float32) / 256
+    write_gguf(tmp_path / "g.gguf", "gemma", [("blk.0.ffn_norm.weight", w + 1, None)])
+    (t,) = GgufSource(tmp_path / "g.gguf").tensors
+    assert (t.name, t.norm_plus_one) == ("model.layers.0.post_attention_layernorm.weight", True)
+    np.testing.assert_array_equal(GgufSource(tmp_path / "g.gguf").read(t), w)
+    # llama norms are stored as they are
+    write_gguf(tmp_path / "l.gguf", "llama", [("blk.0.ffn_norm.weight", w + 1, None)])
+    (t,) = GgufSource(tmp_path / "l.gguf").tensors
+    assert not t.norm_plus_one
+    np.testing.assert_array_equal(GgufSource(tmp_path / "l.gguf").read(t), w + 1)
+
+
+def test_two_tensors_mapped_to_one_name_are_refused_before_encoding(tmp_path, monkeypatch):
+    """Found by a review (the gemma norm collision): a repeated output name failed in the
+    writer after earlier tensors were encoded; it is refused at planning, naming both."""
+    calls = []
+    monkeypatch.setattr("pagedkv.quant.quantize", lambda *a: calls.append(a))
+    rng = np.random.default_rng(14)
+    write_gguf(tmp_path / "m.gguf", "llama", [
+        ("token_embd.weight", rng.standard_normal((V, H)).astype(np.float32), None),
+        ("blk.0.ffn_norm.weight", np.ones(H, np.float32), None),
+        ("blk.0.post_attention_norm.weight", np.ones(H, np.float32), None)], llama_kv(1))
+    (tmp_path / "o.hfq").write_bytes(b"previous")
+    with pytest.raises(BadMetadata) as info:
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "o.hfq")
+    assert str(info.value) == (
+        f"{tmp_path / 'm.gguf'}, tensor 'model.layers.0.post_attention_layernorm.weight': "
+        "source tensors 'blk.0.ffn_norm.weight' and 'blk.0.post_attention_norm.weight' both "
+        "map to the output name 'model.layers.0.post_attention_layernorm.weight'")
+    assert calls == []
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "o.hfq"]
+    assert (tmp_path / "o.hfq").read_bytes() == b"previous"
+
+
 def test_stacked_expert_biases_split_per_expert(tmp_path):
     """Found by a review: blk.N.ffn_{gate,up,down}_exps.bias [E, M] (gpt-oss) all mapped
     to 'model.layers.N.mlp.experts' and the conversion failed on the repeated name."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pagedkv.argument_checks import is_int
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import BadMetadata, InvalidArgument
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_id_for, is_qwen35_metadata
 from pagedkv.hfqm.policy import TensorPlan, default_format, plan_tensor, resolve_format
 from pagedkv.hfqm.safetensors_source import SafetensorsSource
@@ -308,6 +308,16 @@ def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, 
                 # Source bytes behind this output (one expert of a stacked tensor).
                 nbytes = src.nbytes // (src.shape[0] if p.expert is not None else 1)
                 plans.append((src, p, _planned(p, p.qt), nbytes))
+    first_source: dict[str, str] = {}
+    for src, p, _, _ in plans:
+        # Two source tensors mapped to one output name (a GGUF name table that does not
+        # fit the architecture): refuse before anything is encoded, naming both.
+        source_name = getattr(src, "gguf_name", src.name)
+        if p.name in first_source:
+            raise BadMetadata(f"source tensors {first_source[p.name]!r} and {source_name!r} "
+                              f"both map to the output name {p.name!r}", path=source.path,
+                              tensor=p.name)
+        first_source[p.name] = source_name
     writer_plan = [planned for _, _, planned, _ in plans]
     total = sum(nbytes for *_, nbytes in plans)
     report.source_bytes = total

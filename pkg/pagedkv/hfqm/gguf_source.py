@@ -60,6 +60,7 @@ _SLOTS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -75,6 +76,15 @@ _SLOTS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+#: Gemma 2 on: four norms a block, so ffn_norm is HF's pre_feedforward_layernorm
+#: (post_attention_layernorm is post_attention_norm); the gguf package's tensor_mapping.py
+#: and constants.py (FFN_PRE_NORM beside ATTN_POST_NORM) say so.
+_PRE_FFN_NORM_ARCHS = frozenset({"gemma2", "gemma3", "gemma3n", "gemma4", "gemma-embedding"})
+_PRE_FFN_NORM_SLOTS = {"ffn_norm": "pre_feedforward_layernorm"}
+#: llama.cpp stores these archs' RMSNorm weights as w + 1 (their HF RMSNorm computes
+#: x * (1 + w); conversion/gemma.py adds 1 to every '*norm.weight'; gemma3n and gemma4
+#: do not): the reader subtracts it again so the stored weights are the HF ones.
+_NORM_PLUS_ONE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma-embedding"})
 _EXPERT_SLOTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<slot>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
@@ -98,13 +108,15 @@ class GgufTensor(NamedTuple):
     nbytes: int
     expert: int | None = None
     permute_heads: int = 0
+    norm_plus_one: bool = False
 
 
-def hf_name(gguf_name: str) -> tuple[str, str | None]:
+def hf_name(gguf_name: str, arch: str = "") -> tuple[str, str | None]:
     """HF name of a GGUF tensor name and, for stacked experts, the per-expert suffix:
     ``("model.layers.N.mlp.experts", "gate_proj.weight")`` names expert e
     ``model.layers.N.mlp.experts.{e}.gate_proj.weight`` (biases likewise); unknown
-    names pass through."""
+    names pass through. ``arch`` (``general.architecture``) picks the HF name of the
+    slots whose meaning depends on it (gemma2+'s ``ffn_norm``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name], None
     m = _BLOCK.match(gguf_name)
@@ -113,7 +125,8 @@ def hf_name(gguf_name: str) -> tuple[str, str | None]:
     layer, slot, kind = m["layer"], m["slot"], m["kind"]
     if slot in _EXPERT_SLOTS:
         return f"model.layers.{layer}.mlp.experts", f"{_EXPERT_SLOTS[slot]}.{kind}"
-    return f"model.layers.{layer}.{_SLOTS.get(slot, slot)}.{kind}", None
+    slots = {**_SLOTS, **_PRE_FFN_NORM_SLOTS} if arch in _PRE_FFN_NORM_ARCHS else _SLOTS
+    return f"model.layers.{layer}.{slots.get(slot, slot)}.{kind}", None
 
 
 def unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -256,7 +269,7 @@ class GgufSource:
             dtype = type_name
         else:
             dtype = _FLOAT_TYPES.get(type_name, "F32")
-        name, expert_suffix = hf_name(t.name)
+        name, expert_suffix = hf_name(t.name, self.architecture)
         if expert_suffix is not None:
             # Stacked experts: weights [E, M, K], biases [E, M] (gpt-oss); one output each.
             rank = 3 if expert_suffix.endswith(".weight") else 2
@@ -280,8 +293,10 @@ class GgufSource:
                                       f"size ({self.architecture}.{key})", path=self.path,
                                       tensor=t.name)
                 heads = n
+        plus_one = (self.architecture in _NORM_PLUS_ONE_ARCHS
+                    and t.name.endswith("norm.weight") and dtype in ("F32", "F16", "BF16"))
         return [GgufTensor(name, dtype, shape, t.name, type_name, index, int(t.n_bytes),
-                           None, heads)]
+                           None, heads, plus_one)]
 
     def _layer_heads(self, key: str, layer: int) -> Any:
         """Head count ``<arch>.<key>`` of ``layer`` (K falls back to Q's): a number, or a
@@ -324,7 +339,15 @@ class GgufSource:
         """Rows of ``tensor`` as float32 (F16 stays float16), in HF order: ``index``
         selects along the leading dim (``(slice(r0, r1),)``); ``None`` reads it whole.
         For a stacked expert the leading int of ``index`` is ignored (the tensor
-        already names its expert)."""
+        already names its expert). A Gemma norm stored as ``w + 1`` comes back as
+        ``w`` (float32)."""
+        out = self._read_rows(tensor, index)
+        if tensor.norm_plus_one:
+            return np.subtract(out, np.float32(1), dtype=np.float32)
+        return out
+
+    def _read_rows(self, tensor: GgufTensor,
+                   index: tuple[slice | int, ...] | None) -> np.ndarray:
         data = self._reader.tensors[tensor.file_index].data
         if tensor.expert is not None:
             data = data[tensor.expert]
