@@ -42,6 +42,7 @@ from mlx_lm_support import (
     toks,
 )
 from pagedkv.errors import (
+    CapacityExceeded,
     InvalidArgument,
     InvalidArgumentType,
     PoolExhausted,
@@ -587,6 +588,41 @@ def test_parked_conversations_are_bounded_and_yield_to_pool_pressure():
     assert r.cached_tokens == 0 and s["parked"] == 0
     assert s["grow_events"] == 0 and s["pool_blocks"] == 8
     assert run(model, big, r.cache, n=1) == fresh(model, big, n=1)
+    r.release()
+
+
+def test_a_refused_begin_leaves_the_conversation_it_would_continue_parked():
+    """begin() of a prompt that extends a parked conversation takes it out of the park to
+    continue it. Refused, the conversation goes back where it was, table intact, and its
+    next turn still continues it: it was released by the failed reservation, and a prompt
+    longer than the pool (CapacityExceeded) released every other parked one too."""
+    model = model_of()
+    paged = PagedPromptCache(model, block_size=BS, max_blocks=16, initial_blocks=16)
+    ends = []
+    for seed in (63, 64):  # 24 tokens each: 3 full blocks, parked
+        p = toks(20, seed)
+        r = paged.begin(p)
+        ends.append(p + run(model, p, r.cache, n=4)[0])
+        r.end(ends[-1])
+    before = paged.stats()
+    assert (before["parked"], before["blocks_in_use"]) == (2, 6)
+    with pytest.raises(CapacityExceeded, match="requested 144 tokens, paged cache capacity "
+                                               "is 128 tokens"):
+        paged.begin(ends[0] + toks(120, 65))
+    assert paged.stats() == before
+    # Blocks held by a live request: the oldest parked conversation is released for room
+    # (the pressure rule), the one being continued is not.
+    live = paged.begin(toks(72, 66))  # 9 blocks: 1 free
+    with pytest.raises(PoolExhausted, match="5 more blocks needed for 64 tokens, 4 free or "
+                                            "evictable"):
+        paged.begin(ends[1] + toks(40, 67))  # 8 blocks: 5 more
+    s = paged.stats()
+    assert (s["parked"], s["parked_released"], s["released"]) == (1, 1, 0)
+    live.release()
+    r = paged.begin(ends[1] + [5])
+    assert r.cached_tokens == paged.stats()["continued_tokens"] == 24
+    assert run(model, [5], r.cache, n=2) == reused(model, ends[1][:20], 4, 24,
+                                                   ends[1] + [5], n=2)
     r.release()
 
 

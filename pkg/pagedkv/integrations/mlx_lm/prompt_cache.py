@@ -37,7 +37,6 @@ from typing import Any, Self
 import numpy as np
 
 from pagedkv.adapter import turns
-from pagedkv.adapter.results import TurnPlanReason
 from pagedkv.errors import (
     InvalidArgument,
     PagedKVError,
@@ -527,6 +526,8 @@ class PagedPromptCache:
         grow. (Sliding groups need a window's blocks at most; :meth:`_with_room` covers
         them.)"""
         full = [g for g in self.coordinator.groups if g.kind_name == "full"]
+        if any(blocks * self.block_size > g.capacity_tokens for g in full):
+            return  # never fits: the reservation refuses it, released tables would be lost
         while self._parked and any(g.allocator.free_or_evictable_blocks < blocks
                                    for g in full):
             self._release_parked(next(iter(self._parked)))
@@ -587,8 +588,9 @@ class PagedPromptCache:
 
     def _take_parked(self, tokens: np.ndarray, salt: int):
         """The parked conversation with the longest token list that ``tokens`` extends by at
-        least one token (the last prompt token is always computed), removed from the park:
-        ``(seq, recurrent states)`` or ``None``."""
+        least one token (the last prompt token is always computed), removed from the park
+        (so that making room never releases it): ``(seq, its park entry, the conversations
+        parked after it)`` or ``None``."""
         best, best_len = None, 0
         for seq, (s, held, _) in self._parked.items():
             n = len(held)
@@ -596,7 +598,26 @@ class PagedPromptCache:
                 best, best_len = seq, n
         if best is None:
             return None
-        return best, self._parked.pop(best)[2]
+        order = list(self._parked)
+        later = tuple(order[order.index(best) + 1:])
+        return best, self._parked.pop(best), later
+
+    def _continue_parked(self, tokens: np.ndarray, total: int, parked) -> int:
+        """Continue the conversation :meth:`_take_parked` took: its table backs ``total``
+        tokens from here. Returns the tokens it holds. A refusal (``CapacityExceeded``,
+        ``PoolExhausted``) changes nothing of it: the continuation reserves all or nothing,
+        and the conversation goes back to its place in the park."""
+        seq, entry, later = parked
+        try:
+            prior, _ = self._with_room(
+                lambda: self.coordinator.continue_turn(seq, tokens, total))
+        except BaseException:
+            self._parked[seq] = entry
+            for other in later:  # back before the ones parked after it
+                if other in self._parked:
+                    self._parked.move_to_end(other)
+            raise
+        return prior
 
     @staticmethod
     def _offset_of(cache) -> int:
@@ -632,17 +653,19 @@ class PagedPromptCache:
             restored0 = lc.stats()["restored_blocks"]
             # Sliding groups reserve chunk by chunk (pruning between), never a whole prompt.
             total = 0 if self._sliding else len(tokens)
-            plan = self._with_room(lambda: turns.prepare_turn(
-                lc, seq, tokens, total_tokens=total, cache_salt=salt))
+            continued = parked is not None
+            if continued:
+                cached = self._continue_parked(tokens, total, parked)
+            else:
+                cached = self._with_room(lambda: turns.prepare_turn(
+                    lc, seq, tokens, total_tokens=total, cache_salt=salt)).cached_tokens
             restored = (lc.stats()["restored_blocks"] - restored0) * self.block_size
-            cached = plan.cached_tokens
-            continued = plan.reason is TurnPlanReason.CONTINUED_LIVE_PREFIX
             request = PagedRequest(self, seq, tokens.copy(), salt, cached, restored)
             try:
                 states = None
                 if self.recurrent and cached:
                     if continued:
-                        states = parked[1]
+                        states = parked[1][2]  # the recurrent states it ended with
                     else:
                         states = self.recurrent.from_lookup(lc.take_restored_sidecar(seq))
                         lc.confirm_aux_prefix_primed(seq, cached)
