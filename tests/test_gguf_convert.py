@@ -23,6 +23,7 @@ from pagedkv.errors import (
     InvalidArgument,
     Truncated,
     UnknownQuantType,
+    UnsupportedQuantType,
 )
 from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
 from pagedkv.hfqm.convert import convert_gguf, parameter_counts
@@ -75,8 +76,8 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, tensors: list[tuple[str, np.ndarray, T | None]],
-               kv: dict | None = None) -> None:
-    w = gguf.GGUFWriter(str(path), arch)
+               kv: dict | None = None, endianess=gguf.GGUFEndian.LITTLE) -> None:
+    w = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     for key, value in (kv or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
@@ -513,6 +514,47 @@ def test_two_tensors_mapped_to_one_name_are_refused_before_encoding(tmp_path, mo
     assert calls == []
     assert sorted(os.listdir(tmp_path)) == ["m.gguf", "o.hfq"]
     assert (tmp_path / "o.hfq").read_bytes() == b"previous"
+
+
+def test_big_endian_files_convert_like_little_endian_ones(tmp_path):
+    """Found by a review: a big-endian GGUF (the package maps it as '>f4' views) failed
+    mid-conversion with a codec error naming neither file nor tensor. Whole-element
+    types are swapped to native order; quantized blocks are refused up front."""
+    rng = np.random.default_rng(15)
+    tensors = [("blk.0.attn_norm.weight", rng.standard_normal(H).astype(np.float32), None),
+               ("blk.0.attn_q.weight", llama_permute(
+                   rng.standard_normal((H, H)).astype(np.float32), N_HEAD), None),
+               ("blk.0.ffn_up.weight", rng.standard_normal((64, H)).astype(np.float16), None),
+               ("blk.0.ffn_down.weight", rng.standard_normal((H, 64)), None),
+               ("blk.0.ids", np.arange(8, dtype=np.int32), None)]
+    for order in ("le", "be"):
+        (tmp_path / order).mkdir()
+        # The writer swaps the arrays it is given into the file's byte order.
+        write_gguf(tmp_path / order / "m.gguf", "llama", [(n, v.copy(), q) for n, v, q in tensors],
+                   llama_kv(1), gguf.GGUFEndian.BIG if order == "be" else gguf.GGUFEndian.LITTLE)
+    be = GgufSource(tmp_path / "be" / "m.gguf")
+    assert gguf.GGUFReader(tmp_path / "be" / "m.gguf").tensors[0].data.dtype.str == ">f4"
+    le = GgufSource(tmp_path / "le" / "m.gguf")
+    for a, b in zip(le.tensors, be.tensors, strict=True):
+        x, y = le.read(a), be.read(b)
+        assert y.dtype.isnative and y.dtype == x.dtype
+        np.testing.assert_array_equal(x, y)
+    for order in ("le", "be"):
+        convert_gguf(tmp_path / order / "m.gguf", tmp_path / order / "o.hfq", fmt="q8",
+                     measure_error=False)
+    assert (tmp_path / "be" / "o.hfq").read_bytes() == (tmp_path / "le" / "o.hfq").read_bytes()
+    write_gguf(tmp_path / "q.gguf", "llama",
+               [("blk.0.attn_norm.weight", np.ones(H, np.float32), None),
+                ("blk.0.ffn_up.weight", gguf_quantize(np.ones((2, H), np.float32), T.Q8_0),
+                 T.Q8_0)], llama_kv(1), gguf.GGUFEndian.BIG)
+    with pytest.raises(UnsupportedQuantType) as info:
+        convert_gguf(tmp_path / "q.gguf", tmp_path / "q.hfq")
+    assert str(info.value) == (
+        f"{tmp_path / 'q.gguf'}, tensor 'blk.0.ffn_up.weight': big-endian GGUF with a Q8_0 "
+        "tensor: its blocks would be decoded as little-endian; convert the file to "
+        "little-endian first (gguf-py's gguf_convert_endian.py)")
+    assert not (tmp_path / "q.hfq").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
 def test_stacked_expert_biases_split_per_expert(tmp_path):

@@ -90,6 +90,10 @@ _EXPERT_SLOTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<slot>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
 _FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F32"}
 _INT_TYPES = frozenset({"I8", "I16", "I32", "I64"})
+#: Types a big-endian file can hold for pagedkv: whole-element arrays, which the gguf
+#: package maps in the file's byte order and pagedkv swaps to native. Quantized blocks
+#: (and BF16, read as raw bytes) are decoded as little-endian by the package.
+_BIG_ENDIAN_TYPES = frozenset({"F32", "F16", "F64", *_INT_TYPES})
 
 
 class GgufTensor(NamedTuple):
@@ -259,6 +263,12 @@ class GgufSource:
                 raise Truncated(f"tensor data [{t.data_offset}, {end}) runs past the end of "
                                 f"the file ({size} bytes)", path=self.path, tensor=t.name,
                                 offset=t.data_offset)
+            if reader.endianess == gguf.GGUFEndian.BIG and (
+                    t.tensor_type.name not in _BIG_ENDIAN_TYPES):
+                raise UnsupportedQuantType(
+                    f"big-endian GGUF with a {t.tensor_type.name} tensor: its blocks would be "
+                    "decoded as little-endian; convert the file to little-endian first "
+                    "(gguf-py's gguf_convert_endian.py)", path=self.path, tensor=t.name)
             self.tensors.extend(self._outputs(i, t, shapes[t.name]))
         self.tensors.sort(key=lambda x: (reader.tensors[x.file_index].data_offset,
                                          x.expert if x.expert is not None else -1))
@@ -316,7 +326,9 @@ class GgufSource:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
         if tensor.ggml_type in ("F32", "F16") or tensor.ggml_type in _INT_TYPES:
-            return np.array(raw)  # F16 stays float16 (exact; the codecs take it)
+            # F16 stays float16 (exact; the codecs take it). A big-endian file maps as
+            # '>f4' etc.: the copy is in native order, the one the codecs take.
+            return np.array(raw, dtype=raw.dtype.newbyteorder("="))
         if tensor.ggml_type == "F64":
             return np.asarray(raw, dtype=np.float32)
         if tensor.ggml_type == "Q4_K":
