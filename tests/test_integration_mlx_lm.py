@@ -26,7 +26,9 @@ from mlx_lm.generate import (
 )
 from mlx_lm.models.cache import (
     LRUPromptCache,
+    load_prompt_cache,
     make_prompt_cache,
+    save_prompt_cache,
     trim_prompt_cache,
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -467,7 +469,31 @@ def test_bad_arguments_are_refused_before_anything_changes():
         paged.begin([1, 2], cache_salt=1.5)
     with pytest.raises(InvalidArgument, match="layers"):
         paged.insert([1, 2], make_prompt_cache(model)[:1])
+    # These raised builtin TypeError / IndexError, or (max_parked=1.5) were taken.
+    with pytest.raises(InvalidArgumentType, match="cache must be a sequence, got NoneType"):
+        paged.insert([1, 2], None)
+    flat = make_prompt_cache(model)
+    for c in flat:
+        c.keys, c.values, c.offset = mx.zeros((2, 40, 16)), mx.zeros((2, 40, 16)), 40
+    with pytest.raises(InvalidArgument, match=r"insert: layer 0 K/V have shapes \(2, 40, 16\) "
+                                              r"and \(2, 40, 16\), expected arrays "
+                                              r"\[1, 2, >= 40, 16\]"):
+        paged.insert(toks(40, 1), flat)
     assert paged.stats() == before
+    for bad, error, match in (("3", InvalidArgumentType, "max_parked must be an int, got str"),
+                              (1.5, InvalidArgumentType, "max_parked must be an int, got float"),
+                              (-1, InvalidArgument, "max_parked = -1 must be >= 0")):
+        with pytest.raises(error, match=match):
+            PagedPromptCache(model, max_parked=bad)
+    # A negative trim grew the offset of the layer it was called on (KVCache.trim does too).
+    r = paged.begin(toks(20, 2))
+    run(model, toks(20, 2), r.cache, n=1)
+    with pytest.raises(InvalidArgument, match="trim: n = -5 must be >= 0"):
+        r.cache[0].trim(-5)
+    with pytest.raises(InvalidArgumentType, match="trim: n must be an int, got bool"):
+        r.cache[0].trim(True)
+    assert [c.offset for c in r.cache] == [21, 21]
+    r.release()
     assert "PagedPromptCache(model_type='qwen3', layers=2, kv_heads=2, head_dim=16" in repr(paged)
 
 
@@ -486,7 +512,7 @@ def test_tenants_with_different_salts_never_share_blocks():
         r.end(prompt + out[0])
 
 
-def test_the_layer_cache_speaks_mlx_lm_protocol():
+def test_the_layer_cache_speaks_mlx_lm_protocol(tmp_path):
     model = model_of()
     paged = PagedPromptCache(model, block_size=BS)
     p = toks(20, 42)
@@ -513,6 +539,11 @@ def test_the_layer_cache_speaks_mlx_lm_protocol():
     assert offset == 22 and k.shape == ref[0].state[0].shape
     with pytest.raises(RequestClosed, match="cold_dir"):
         layer.state = ref[0].state
+    # mlx-lm's save_prompt_cache reads only ``state`` (evaluated after every prefill chunk,
+    # so it cannot refuse): the file is written, and load_prompt_cache cannot rebuild it.
+    save_prompt_cache(str(tmp_path / "saved.safetensors"), r.cache)
+    with pytest.raises(KeyError, match="PagedKVLayerCache"):
+        load_prompt_cache(str(tmp_path / "saved.safetensors"))
     # mlx-lm's kv_bits path would swap in a private QuantizedKVCache: refused, by name.
     with pytest.raises(InvalidArgument, match="kv_bits=4"):
         run(model, [3], r.cache, n=1, kv_bits=4, quantized_kv_start=0)

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, create_attention_mask
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import InvalidArgument, RequestClosed
 
 __all__ = ["SAVED_STATE_REFUSAL", "LayerBuffers", "PagedKVLayerCache", "fork_layer"]
@@ -88,6 +89,7 @@ class LayerBuffers:
         layer of the request cannot rewind that far: its buffer no longer holds the window
         before the new offset (a rewind of up to ``TRIM_MARGIN_TOKENS`` tokens that ends at
         or after the request's ``cached_tokens`` always works)."""
+        n = int_argument("trim: n", n, 0)  # a negative n would grow the offset
         self.request.check_trim(n)
         n = min(self.offset, n)
         self.offset -= n

@@ -37,6 +37,7 @@ from typing import Any, Self
 import numpy as np
 
 from pagedkv.adapter import turns
+from pagedkv.argument_checks import int_argument, items_argument
 from pagedkv.errors import (
     InvalidArgument,
     PagedKVError,
@@ -112,8 +113,6 @@ def _salt(cache_salt) -> int:
 
 
 def _check_checkpoint_policy(block_size, entries, max_bytes, interval, per_request) -> None:
-    from pagedkv.argument_checks import int_argument
-
     int_argument("checkpoint_entries", entries, 1)
     if max_bytes is not None:
         int_argument("checkpoint_bytes", max_bytes, 1)
@@ -338,8 +337,7 @@ class PagedPromptCache:
         specs = layer_specs(model)
         check_served(specs, model_type)
         config = PagedCacheConfig(block_size=block_size).with_env()
-        if max_parked < 0:
-            raise InvalidArgument(f"max_parked: {max_parked} must be >= 0")
+        max_parked = int_argument("max_parked", max_parked, 0)
         _check_checkpoint_policy(block_size, checkpoint_entries, checkpoint_bytes,
                                  checkpoint_interval, checkpoints_per_request)
         pool_dtype = None if dtype is None else dtype_name(dtype)
@@ -877,6 +875,7 @@ class PagedPromptCache:
         ``InvalidArgument`` then, nothing published). Returns the tokens written."""
         toks = _as_tokens(tokens)
         salt = _salt(cache_salt)
+        cache = items_argument("cache", cache)
         owner = getattr(cache[0], "request", None) if cache else None
         if isinstance(owner, PagedRequest) and owner._owner is self and owner.state == "live" \
                 and all(getattr(c, "request", None) is owner for c in cache):
@@ -924,7 +923,12 @@ class PagedPromptCache:
             raise InvalidArgument(
                 f"insert: layer {i} holds {offset!r} tokens, tokens has {n}; pass a "
                 "KVCache-style list (keys, values, offset) holding exactly tokens")
-        values, start = c.values, 0
+        values, start = getattr(c, "values", None), 0
+        if getattr(keys, "ndim", None) != 4 or getattr(values, "ndim", None) != 4:
+            raise InvalidArgument(
+                f"insert: layer {i} K/V have shapes {getattr(keys, 'shape', None)} and "
+                f"{getattr(values, 'shape', None)}, expected arrays [1, {g.num_kv_heads}, "
+                f">= {n}, {g.head_dim}]")
         if isinstance(c, PagedSlidingLayerCache):
             start = c.start
         elif hasattr(c, "_temporal_order"):  # RotatingKVCache: the window, oldest first
