@@ -257,19 +257,20 @@ def test_adaptive_pool_downshifts_in_place_and_keeps_every_token():
     rng = np.random.default_rng(0)
     vals = rng.standard_normal((2, 2, 480, 2, 256)).astype(np.float32)  # layer, k/v, tokens
     ids = alloc.allocate_many(min(alloc.num_free_blocks, 30))
-    assert ad.before_append(0, 100) == []
-    slots = (ids[:7, None] * 16 + np.arange(16)).reshape(-1)[:100]
+    assert ad.before_append(0, 90) == []
+    slots = (ids[:6, None] * 16 + np.arange(16)).reshape(-1)[:90]
     for layer in range(2):
-        pool.write_tokens(layer, slots, vals[layer, 0, :100], vals[layer, 1, :100])
-    cap0 = ad.plan.caps[0]
-    assert ad.before_append(100, cap0 - 64 - 100) == []  # up to the threshold: no step
-    assert ad.before_append(100, cap0 - 64 - 99) == ["fwht4/lloyd4"]
+        pool.write_tokens(layer, slots, vals[layer, 0, :90], vals[layer, 1, :90])
+    cap0 = ad.plan.caps[0]  # 10 blocks of 16 at fwht4/q8
+    assert cap0 == 160
+    assert ad.before_append(90, cap0 - 64 - 90) == []  # up to the threshold: no step
+    assert ad.before_append(90, cap0 - 64 - 89) == ["fwht4/lloyd4"]
     assert pool._storage.region is region and pool.geometry.dtype == "fwht4/lloyd4"
     assert alloc.num_blocks == pool.num_blocks > 10
     for layer in range(2):
-        k, v = pool.decode_tokens(*pool.gather(layer, ids[:7], 100))
-        want_k = kv.decode(kv.encode(vals[layer, 0, :100], "fwht4"), "fwht4", 256)
-        want_v = kv.decode(kv.transcode(kv.encode(vals[layer, 1, :100], "q8"), "q8", "lloyd4",
+        k, v = pool.decode_tokens(*pool.gather(layer, ids[:6], 90))
+        want_k = kv.decode(kv.encode(vals[layer, 0, :90], "fwht4"), "fwht4", 256)
+        want_v = kv.decode(kv.transcode(kv.encode(vals[layer, 1, :90], "q8"), "q8", "lloyd4",
                                         256), "lloyd4", 256)
         np.testing.assert_array_equal(k, want_k)
         np.testing.assert_array_equal(v, want_v)
@@ -342,3 +343,63 @@ def test_adaptive_pool_at_head_dim_128_downshifts_in_place():
         assert 0.05 < rel < 0.6  # 2-bit V: coarse, but the row, not noise or zeros
     with pytest.raises(errors.CapacityExceeded, match="513 tokens do not fit fwht2/fwht2"):
         ad.before_append(512, 1)
+
+
+@pytest.mark.parametrize("max_seq, block_size", [(100, 16), (250, 16), (1000, 128)])
+def test_adaptive_holds_max_seq_at_the_floor_in_whole_blocks(max_seq, block_size):
+    """A token-granular cap passed steps the pool could not hold: 100 tokens of blocks of 16
+    failed at token 97, and with blocks of 128 tier 0's threshold (272) lay past its 2
+    blocks, so no step ran and the sequence died at token 257 (found by a review). Caps are
+    whole blocks now, the budget ceil(max_seq / bs) blocks."""
+    from pagedkv.adapter import PagedKVCacheAdapter
+    from pagedkv.tiny_model.kv_paths import PagedKV
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=1, head_dim=256,
+                           block_size=block_size, max_seq=max_seq, hash_seed=0)
+    assert all(c % block_size == 0 for c in ad.plan.caps)
+    assert ad.plan.caps[-1] == -(-max_seq // block_size) * block_size
+    assert ad.pool.num_blocks * block_size >= ad.plan.caps[0]
+    adapter = PagedKVCacheAdapter(ad.allocator, ad.pool, growth=False)
+    adapter.reset_for_new_request(0)
+    kvp = PagedKV(adapter, 0, adaptive=ad)
+    for _ in range(max_seq):
+        kvp.extend(np.array([1], np.int64))
+    assert adapter.num_tokens(0) == max_seq and ad.tier == len(ad.plan.tiers) - 1
+
+
+def test_an_adaptive_pool_never_grows_past_its_regions():
+    """The fixed regions are the memory kv_adaptive promises; growth allocated a new,
+    larger region (found by a review: 69,632 -> 187,456 bytes a layer for a 300-token
+    prompt reserved through a growing adapter). Refused: nothing changes."""
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=1, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    pool = ad.pool
+    region, blocks, gen = pool._storage.region, pool.num_blocks, pool.generation
+    assert pool.grow_to(blocks + 1) is False
+    assert (pool._storage.region is region, pool.num_blocks, pool.generation) == (
+        True, blocks, gen)
+    ad.before_append(0, 500)  # narrower modes: the same regions hold more blocks
+    assert pool._storage.region is region and pool.num_blocks == 32 > blocks
+
+
+def test_a_refused_in_place_transcode_changes_nothing():
+    """A q8 record with an Inf scale (written raw) made the q8 -> lloyd4 step raise after
+    earlier blocks were rewritten in the new layout under the old geometry (found by a
+    review: block 0 then decoded to NaN). Every record is checked before any is written."""
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=1, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    pool = ad.pool
+    vals = np.random.default_rng(0).standard_normal((48, 1, 256)).astype(np.float32)
+    pool.write_tokens(0, np.arange(48), vals, vals)
+    k_rec, v_rec = pool.gather(0, np.array([0, 1, 2]), 48)
+    bad = v_rec[40:41].copy()
+    bad[0, 0, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    pool.write_tokens(0, np.array([40]), k_rec[40:41], bad)
+    before = [pool.read_block(b).copy() for b in range(pool.num_blocks)]
+    state = (pool.geometry.dtype, pool.generation, pool.num_blocks, ad.tier)
+    with pytest.raises(errors.InvalidArgument, match="non-finite float16 scale"):
+        pool.transcode("fwht4/lloyd4")
+    with pytest.raises(errors.InvalidArgument, match="non-finite float16 scale"):
+        ad.before_append(0, 500)
+    assert (pool.geometry.dtype, pool.generation, pool.num_blocks, ad.tier) == state
+    for b, data in enumerate(before):
+        np.testing.assert_array_equal(pool.read_block(b), data)

@@ -143,13 +143,16 @@ class KVAdaptivePlan:
     """The tiers of a preset for one model shape: capacities and thresholds in tokens.
 
     ``max_seq``: the context guaranteed at the floor (tokens); ``num_kv_heads``, ``head_dim``
-    (256, or 128 with the fwht V ladder) as the model's. Ints, not bools
+    (256, or 128 with the fwht V ladder) as the model's; ``block_size``: tokens per pool
+    block (1: the contract's token-granular figures). A paged pool holds whole blocks, so
+    the budget is ``ceil(max_seq / block_size)`` blocks a sequence at the floor and every
+    tier's capacity is rounded down to whole blocks. Ints, not bools
     (:func:`~pagedkv.argument_checks.int_argument`: ``InvalidArgumentType`` otherwise; a
     str or float compared or multiplied into the capacities leaked builtin errors or
     float capacities)."""
 
     def __init__(self, preset: AdaptivePreset | str, *, head_dim: int, num_kv_heads: int,
-                 max_seq: int) -> None:
+                 max_seq: int, block_size: int = 1) -> None:
         if isinstance(preset, AdaptivePreset):
             self.preset = preset
         else:
@@ -157,6 +160,7 @@ class KVAdaptivePlan:
         head_dim = int_argument("head_dim", head_dim)
         num_kv_heads = int_argument("num_kv_heads", num_kv_heads, 1)
         max_seq = int_argument("max_seq", max_seq, 1)
+        bs = self.block_size = int_argument("block_size", block_size, 1)
         if not self.preset.steps:
             raise InvalidArgument("kv_adaptive is off: there is nothing to plan")
         if head_dim not in (128, 256):
@@ -173,9 +177,12 @@ class KVAdaptivePlan:
                                   f"no step is left (lloyd3 has no head_dim 128 V mode)")
         self.bytes_per_head = [side_row_bytes(k, head_dim) + side_row_bytes(v, head_dim)
                                for k, v in self.tiers]
-        #: bytes per layer and sequence: max_seq tokens at the floor
-        self.budget_bytes = max_seq * num_kv_heads * self.bytes_per_head[-1]
-        self.caps = [self.budget_bytes // (num_kv_heads * b) for b in self.bytes_per_head]
+        #: bytes per layer and sequence: max_seq tokens at the floor, in whole blocks
+        self.budget_bytes = -(-max_seq // bs) * bs * num_kv_heads * self.bytes_per_head[-1]
+        #: tokens a sequence holds at each tier: the budget's whole blocks of that tier (a
+        #: token count the pool cannot hold would pass the step and fail the append)
+        self.caps = [self.budget_bytes // (bs * num_kv_heads * b) * bs
+                     for b in self.bytes_per_head]
         #: threshold[i]: the step from tier i to i + 1 applies past this many tokens
         self.thresholds = [c - THRESHOLD_MARGIN_TOKENS for c in self.caps[:-1]]
 
@@ -226,7 +233,7 @@ class KVAdaptive:
         from pagedkv.allocator import BlockAllocator
         from pagedkv.pool import LayerKVPool, PoolGeometry
         plan = KVAdaptivePlan(preset, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                              max_seq=max_seq)
+                              max_seq=max_seq, block_size=block_size)
         num_seqs = int_argument("num_seqs", num_seqs, 1)  # sizes the regions below
         geometry = PoolGeometry(num_layers, num_kv_heads, head_dim, block_size, plan.kv_dtype(0))
         region = num_seqs * plan.budget_bytes

@@ -30,6 +30,7 @@ from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
 from pagedkv.pool.numpy_storage import NumpyKVStorage, NumpySplitKVStorage
 from pagedkv.quant import kv as kv_modes
+from pagedkv.quant import kv_q8
 
 __all__ = ["BACKENDS", "LayerKVPool", "growth_lock"]
 
@@ -561,6 +562,13 @@ class LayerKVPool:
             src, dst = sides[side]
             return records if src == dst else kv_modes.transcode(records, src, dst, hd)
 
+        def check(side: int, records):
+            # Only decode + encode can refuse (a downshift re-codes any bytes): a q8 record
+            # with a non-finite scale, which the encoder of the new mode cannot take.
+            src, dst = sides[side]
+            if src == "q8" and dst != src:
+                kv_q8.check_scales(records)
+
         with _GROWTH_LOCK, self._lock:
             if isinstance(self._storage, _ClosedStorage):
                 raise PagedKVError("the pool is closed; build a new LayerKVPool")
@@ -574,7 +582,7 @@ class LayerKVPool:
                 if not old_blocks <= target <= room:
                     raise InvalidArgument(f"num_blocks: {target} is outside [{old_blocks}, "
                                           f"{room}] (the blocks the regions hold at {dtype!r})")
-                new_storage = storage.transcoded(new, target, convert)
+                new_storage = storage.transcoded(new, target, convert, check)
             else:
                 target = old_blocks if num_blocks is None else _index("num_blocks", num_blocks)
                 if target != old_blocks:
@@ -684,8 +692,9 @@ class LayerKVPool:
     def grow_to(self, new_num_blocks: int, *, needed: int | None = None) -> bool:
         """Grow to ``new_num_blocks`` blocks, keeping every block's contents.
 
-        ``False`` (nothing changes) when ``new_num_blocks <= num_blocks`` or the memory
-        budget refuses the transient ``old + new`` bytes; ``InvalidArgument`` beyond
+        ``False`` (nothing changes) when ``new_num_blocks <= num_blocks``, the memory
+        budget refuses the transient ``old + new`` bytes, or the pool's fixed layer regions
+        (``layer_region_bytes``: kv_adaptive) do not hold them; ``InvalidArgument`` beyond
         ``max_num_blocks``. On success the generation increments, the budget is debited
         with the new total, the growth is logged (``needed``: the blocks the triggering
         reservation needed, for the log) and the grow callbacks run.
@@ -701,6 +710,14 @@ class LayerKVPool:
                 raise InvalidArgument(
                     f"new_num_blocks: {new_num_blocks} exceeds max_num_blocks="
                     f"{self._max_num_blocks}; grow to at most {self._max_num_blocks}")
+            if self._fixed_regions and new_num_blocks > self._storage.region_bytes // (
+                    self._geometry.k_slab_bytes + self._geometry.v_slab_bytes):
+                # Regions sized once (kv_adaptive) never grow: transcoding to a narrower
+                # mode is what makes room in them.
+                logger.info("paged pool growth refused: from=%d to=%d does not fit the fixed "
+                            "layer regions of %d bytes at %s", old, new_num_blocks,
+                            self._storage.region_bytes, self._geometry.dtype)
+                return False
             old_bytes = self.total_bytes
             new_bytes = self._geometry.pool_bytes(new_num_blocks)
             budget = self._budget

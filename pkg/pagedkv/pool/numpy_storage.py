@@ -211,16 +211,24 @@ class NumpySplitKVStorage:
                   self.region[:, :self.num_blocks * block])
         return new
 
-    def transcoded(self, geometry: PoolGeometry, num_blocks: int, convert) -> NumpySplitKVStorage:
+    def transcoded(self, geometry: PoolGeometry, num_blocks: int, convert,
+                   check=None) -> NumpySplitKVStorage:
         """This storage's blocks re-encoded to ``geometry`` (narrower records) by ``convert(
         side, records)`` (``side`` 0 = K, 1 = V; records ``[n, kv_heads, row]``), inside the
-        same regions, then viewed as ``num_blocks`` blocks of the new geometry."""
+        same regions, then viewed as ``num_blocks`` blocks of the new geometry. The
+        rewrite is in place, so ``check(side, records)`` first sees every block's records
+        of each side and raises for any that ``convert`` would refuse: a refusal halfway
+        would leave earlier blocks in the new layout under the old geometry."""
         old, g = self.geometry, geometry
         ob, nb = old.k_slab_bytes + old.v_slab_bytes, g.k_slab_bytes + g.v_slab_bytes
         if nb > ob or num_blocks * nb > self.region_bytes:
             raise InvalidArgument(f"transcode to {g.dtype!r}: {num_blocks} blocks of {nb} "
                                   f"bytes do not fit regions of {self.region_bytes} bytes "
                                   f"holding blocks of {ob}")
+        live = self.region[:, :self.num_blocks * ob].reshape(old.num_layers, self.num_blocks, ob)
+        if check is not None:
+            check(0, live[:, :, :old.k_slab_bytes])
+            check(1, live[:, :, old.k_slab_bytes:])
         bs_tokens = old.block_size
         for layer in range(old.num_layers):
             row = self.region[layer]

@@ -103,6 +103,21 @@ def quantize(x):
     return out
 
 
+def check_scales(records):
+    """``InvalidArgument`` naming the first q8 record (of ``uint8[..., k * 34]`` records)
+    whose float16 scale is Inf or NaN: such a record decodes to Inf/NaN, and no encoder
+    writes one (records written raw, or damaged, can hold one)."""
+    if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
+        raise InvalidArgumentType(f"records must be a uint8 numpy.ndarray, got "
+                                  f"{getattr(records, 'dtype', type(records).__name__)}")
+    flat = records.reshape(-1, PKV_KVQ8_RECORD_BYTES)
+    bits = flat[:, 0].astype(np.uint16) | (flat[:, 1].astype(np.uint16) << 8)
+    bad = np.flatnonzero((bits & 0x7C00) == 0x7C00)
+    if len(bad):
+        raise InvalidArgument(f"records: q8 record {int(bad[0])} has a non-finite float16 "
+                              f"scale (0x{int(bits[bad[0]]):04x}); it decodes to Inf/NaN")
+
+
 def dequantize(records, Py_ssize_t head_dim):
     """``uint8[..., head_dim/32*34]`` records → ``float32[..., head_dim]``."""
     if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
