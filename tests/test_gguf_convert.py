@@ -20,6 +20,7 @@ from pagedkv.cli import main as cli_main
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
+    CountMismatch,
     InvalidArgument,
     Truncated,
     UnknownQuantType,
@@ -555,6 +556,102 @@ def test_big_endian_files_convert_like_little_endian_ones(tmp_path):
         "little-endian first (gguf-py's gguf_convert_endian.py)")
     assert not (tmp_path / "q.hfq").exists()
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def _split_model(directory, n_layers=3, **writer_args) -> dict[str, np.ndarray]:
+    """A llama model written by the gguf package's own splitter (GGUFWriter's
+    split_max_tensors, llama.cpp's gguf-split layout), two tensors a shard."""
+    rng = np.random.default_rng(16)
+    tensors = {}
+    w = gguf.GGUFWriter(str(directory / "model.gguf"), "llama", split_max_tensors=2,
+                        **writer_args)
+    for key, value in llama_kv(n_layers).items():
+        if key not in ("tokenizer.ggml.tokens", "llama.rope.freq_base",
+                       "llama.attention.layer_norm_rms_epsilon"):
+            w.add_uint32(key, value)
+    for li in range(n_layers):
+        tensors[f"blk.{li}.ffn_up.weight"] = rng.standard_normal((64, H)).astype(np.float32)
+        tensors[f"blk.{li}.attn_norm.weight"] = rng.standard_normal(H).astype(np.float32)
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def test_split_gguf_reads_every_shard(tmp_path, capsys):
+    """Found by a review: a gguf-split model converted only its first shard, exit 0."""
+    (tmp_path / "s").mkdir()
+    tensors = _split_model(tmp_path / "s")
+    shards = [f"model-0000{k}-of-00003.gguf" for k in (1, 2, 3)]
+    assert sorted(os.listdir(tmp_path / "s")) == shards
+    write_gguf(tmp_path / "whole.gguf", "llama", [(n, v, None) for n, v in tensors.items()],
+               {k: v for k, v in llama_kv(3).items() if isinstance(v, int)})
+    convert_gguf(tmp_path / "whole.gguf", tmp_path / "whole.hfq", measure_error=False)
+    for k, shard in enumerate(shards):
+        src = GgufSource(tmp_path / "s" / shard)
+        assert src.shards == [str(tmp_path / "s" / name) for name in shards]
+        assert [t.gguf_name for t in src.tensors] == list(tensors)
+        assert [os.path.basename(t.shard) for t in src.tensors] == [
+            shards[i // 2] for i in range(6)]
+        out = tmp_path / f"o{k}.hfq"
+        assert cli_main(["convert", str(tmp_path / "s" / shard), "-o", str(out),
+                         "--no-progress", "--no-error"]) == 0
+        with HfqmFile(out) as f, HfqmFile(tmp_path / "whole.hfq") as whole:
+            assert f.names == whole.names and len(f.names) == 6
+            for name in f.names:
+                assert f.raw(name).tobytes() == whole.raw(name).tobytes(), name
+            assert f.metadata["pagedkv"]["source_files"] == shards
+            assert f.metadata["gguf_meta"] == whole.metadata["gguf_meta"]
+            assert not [key for key in f.metadata["gguf_meta"] if key.startswith("split.")]
+            assert f.metadata["config"] == whole.metadata["config"]
+    capsys.readouterr()
+
+
+def _shard(path, no: int, count: int, total: int, names: list[str]) -> None:
+    write_gguf(path, "llama", [(n, np.ones(H, np.float32), None) for n in names],
+               {"split.no": no, "split.count": count, "split.tensors.count": total})
+
+
+def test_broken_split_ggufs_are_refused_and_write_nothing(tmp_path, capsys):
+    d = tmp_path / "s"
+    d.mkdir()
+    out = tmp_path / "o.hfq"
+    first, second = d / "m-00001-of-00002.gguf", d / "m-00002-of-00002.gguf"
+
+    def refused(exc, given) -> str:
+        with pytest.raises(exc) as info:
+            convert_gguf(given, out)
+        assert sorted(os.listdir(tmp_path)) == ["s"]
+        return str(info.value)
+
+    _shard(first, 0, 2, 2, ["blk.0.attn_norm.weight"])
+    assert refused(InvalidArgument, first) == (
+        f"shard 2 of 2 of the split GGUF {str(first)!r} is missing: {str(second)!r}")
+    _shard(second, 0, 2, 2, ["blk.1.attn_norm.weight"])  # its keys say shard 1
+    assert refused(BadMetadata, first) == (
+        f"{second}: split keys (split.no, split.count, split.tensors.count) are (0, 2, 2), "
+        "expected (1, 2, 2) for shard 2 of 2")
+    assert "is shard 1 of a 2-file split GGUF, but its name" in refused(InvalidArgument,
+                                                                        second)
+    _shard(first, 0, 2, 3, ["blk.0.attn_norm.weight"])
+    _shard(second, 1, 2, 3, ["blk.1.attn_norm.weight"])
+    assert refused(CountMismatch, second) == (
+        f"{first}: the 2 shards hold 2 tensors, split.tensors.count says 3")
+    _shard(second, 1, 2, 3, ["blk.0.attn_norm.weight"])
+    assert refused(BadMetadata, first) == (
+        f"{second}, tensor 'blk.0.attn_norm.weight': tensor appears in more than one shard")
+    # a shard renamed so that its siblings cannot be found
+    os.rename(first, d / "renamed.gguf")
+    assert cli_main(["convert", str(d / "renamed.gguf"), "-o", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err == (
+        f"pagedkv convert: error: {str(d / 'renamed.gguf')!r} is shard 1 of a 2-file split "
+        "GGUF, but its name does not follow llama.cpp's NAME-00001-of-00002.gguf, so its "
+        "siblings cannot be found; rename the shards or merge them with llama-gguf-split "
+        "--merge\n")
+    assert sorted(os.listdir(tmp_path)) == ["s"]
 
 
 def test_stacked_expert_biases_split_per_expert(tmp_path):

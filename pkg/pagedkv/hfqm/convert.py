@@ -257,7 +257,7 @@ def convert_gguf(source_path: str | os.PathLike[str], out_path: str | os.PathLik
             "version": __version__,
             "format": fmt_name,
             "qt": target_id,
-            "source_files": [os.path.basename(source.path)],
+            "source_files": [os.path.basename(s) for s in source.shards],
             "skipped": [],
         },
     }
@@ -344,7 +344,7 @@ def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, 
                     try:
                         raw = quantize(block, row.key)
                     except InvalidArgument as exc:   # NaN/Inf, a group no format can store
-                        where = getattr(src, "shard", source.path)  # a GGUF has one file
+                        where = src.shard  # the file (shard) that holds the tensor
                         raise InvalidArgument(f"{where}: tensor {p.name!r}: "
                                               f"{exc}") from None
                     if measure_error:

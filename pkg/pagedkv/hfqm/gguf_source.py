@@ -28,6 +28,7 @@ from pagedkv.argument_checks import is_int
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
+    CountMismatch,
     InvalidArgument,
     Truncated,
     UnknownQuantType,
@@ -87,6 +88,8 @@ _PRE_FFN_NORM_SLOTS = {"ffn_norm": "pre_feedforward_layernorm"}
 _NORM_PLUS_ONE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma-embedding"})
 _EXPERT_SLOTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
+# llama.cpp's shard names (llama_split_path: "%s-%05d-of-%05d.gguf").
+_SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 _BLOCK = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<slot>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
 _FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F32"}
 _INT_TYPES = frozenset({"I8", "I16", "I32", "I64"})
@@ -101,7 +104,8 @@ class GgufTensor(NamedTuple):
 
     ``dtype`` is what the converter's policy sees (``F32``/``F16``/``BF16`` for
     anything that dequantizes, the GGUF name for integer buffers); ``ggml_type`` is
-    the stored type; ``file_index`` its position in the GGUF index; ``nbytes`` the stored bytes of this (expert's) slice."""
+    the stored type; ``file_index`` its position in the index of ``shard`` (the GGUF
+    file that holds it); ``nbytes`` the stored bytes of this (expert's) slice."""
 
     name: str
     dtype: str
@@ -113,6 +117,7 @@ class GgufTensor(NamedTuple):
     expert: int | None = None
     permute_heads: int = 0
     norm_plus_one: bool = False
+    shard: str = ""
 
 
 def hf_name(gguf_name: str, arch: str = "") -> tuple[str, str | None]:
@@ -210,12 +215,88 @@ def _synthesize_config(arch: str, meta: dict[str, Any], tensors: dict[str, tuple
     return config
 
 
+def _open_reader(path: str) -> Any:
+    """``gguf.GGUFReader`` of ``path``, its failures as pagedkv errors naming the file."""
+    import gguf
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as exc:
+        raise _classify(exc, path, os.path.getsize(path)) from None
+
+
+def _split_field(reader: Any, key: str, path: str) -> int | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        value = _value(field)
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise BadMetadata(f"GGUF key/value section is corrupt ({exc})", path=path) from None
+    if not is_int(value) or value < 0:
+        raise BadMetadata(f"{key} is {value!r}, not a count", path=path)
+    return int(value)
+
+
+def _split_fields(reader: Any, path: str) -> tuple[int, int, int] | None:
+    """(split.no, split.count, split.tensors.count) of a gguf-split shard, None for a
+    file that is not split (no split.count, or a count of 1)."""
+    count = _split_field(reader, "split.count", path)
+    if count is None or count == 1:
+        return None
+    if count == 0:
+        raise BadMetadata("split.count is 0", path=path)
+    no = _split_field(reader, "split.no", path)
+    total = _split_field(reader, "split.tensors.count", path)
+    if no is None or total is None:
+        raise BadMetadata(f"split.count is {count} but split.no or split.tensors.count is "
+                          "missing", path=path)
+    return no, count, total
+
+
+def _shard_paths(path: str, split: tuple[int, int, int] | None) -> list[str]:
+    """Every shard of the split model ``path`` belongs to, by llama.cpp's naming rule
+    (``NAME-00001-of-00003.gguf``: llama_split_path), in split order."""
+    if split is None:
+        return [path]
+    count = split[1]
+    m = _SPLIT_NAME.fullmatch(os.path.basename(path))
+    if m is None or int(m["count"]) != count or int(m["no"]) != split[0] + 1:
+        raise InvalidArgument(
+            f"{path!r} is shard {split[0] + 1} of a {count}-file split GGUF, but its name "
+            f"does not follow llama.cpp's NAME-{split[0] + 1:05d}-of-{count:05d}.gguf, so "
+            "its siblings cannot be found; rename the shards or merge them with "
+            "llama-gguf-split --merge")
+    prefix = os.path.join(os.path.dirname(path), m["prefix"])
+    paths = [f"{prefix}-{k:05d}-of-{count:05d}.gguf" for k in range(1, count + 1)]
+    for k, shard in enumerate(paths, 1):
+        if not os.path.isfile(shard):
+            raise InvalidArgument(f"shard {k} of {count} of the split GGUF {path!r} is "
+                                  f"missing: {shard!r}")
+    return paths
+
+
+def _check_split(reader: Any, path: str, no: int, split: tuple[int, int, int]) -> None:
+    """A shard's own split.no/count/tensors.count agree with its place in the split."""
+    mine = _split_fields(reader, path)
+    if mine != (no, split[1], split[2]):
+        raise BadMetadata(f"split keys (split.no, split.count, split.tensors.count) are "
+                          f"{mine}, expected {(no, split[1], split[2])} for shard {no + 1} "
+                          f"of {split[1]}", path=path)
+
+
 class GgufSource:
     """A GGUF model: ``GgufSource(path)``. ``tensors`` (HF names, file order),
-    ``config`` (synthesized), ``metadata`` (the raw key/value tree), ``architecture``.
+    ``config`` (synthesized), ``metadata`` (the raw key/value tree, of the first shard),
+    ``architecture``, ``shards`` (the files read).
+
+    ``path`` may be any shard of a split model (llama.cpp's gguf-split: ``split.count``
+    keys, files ``NAME-0000k-of-0000n.gguf``): every shard is opened by that naming
+    rule, each one's ``split.no``/``split.count`` checked and the tensors counted
+    against ``split.tensors.count``.
 
     Raises :class:`~pagedkv.errors.BadMagic`, ``UnsupportedVersion``, ``Truncated``,
-    ``BadMetadata`` or ``UnknownQuantType`` on a broken file, before anything is read.
+    ``BadMetadata``, ``CountMismatch`` or ``UnknownQuantType`` on a broken file, and
+    ``InvalidArgument`` for a missing shard, before anything is read.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -227,53 +308,74 @@ class GgufSource:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise InvalidArgument(f"{self.path!r} does not exist or is not a file")
-        self.shards = [self.path]
-        size = os.path.getsize(self.path)
+        given = _open_reader(self.path)
+        split = _split_fields(given, self.path)
+        #: every file of the model, in split order (one for an unsplit file)
+        self.shards: list[str] = _shard_paths(self.path, split)
+        # shard path -> its gguf.GGUFReader (the package ships no type stubs)
+        self._readers: dict[str, Any] = {}
+        for no, shard in enumerate(self.shards):
+            reader = given if shard == self.path else _open_reader(shard)
+            if split is not None:
+                _check_split(reader, shard, no, split)
+            self._readers[shard] = reader
+        first = self._readers[self.shards[0]]
         try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as exc:
-            raise _classify(exc, self.path, size) from None
-        self._reader = reader
-        try:
+            # GGUF.* (header fields) and split.* (the source's file layout) describe the
+            # files, not the model: a split source makes one HFQM file.
             self.metadata: dict[str, Any] = {
-                name: _value(field) for name, field in reader.fields.items()
-                if not name.startswith("GGUF.")}
+                name: _value(field) for name, field in first.fields.items()
+                if not name.startswith(("GGUF.", "split."))}
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             raise BadMetadata(f"GGUF key/value section is corrupt ({exc})",
-                              path=self.path) from None
+                              path=self.shards[0]) from None
         for key, value in self.metadata.items():
             # The tree is stored as the gguf_meta JSON, which has no NaN or Infinity:
             # refuse here, naming the key, not when the writer serializes it.
             if any(isinstance(v, float) and not math.isfinite(v)
                    for v in (value if isinstance(value, list) else [value])):
                 raise BadMetadata(f"key {key!r} holds a NaN or infinite float, which HFQM "
-                                  "metadata (JSON) cannot store", path=self.path)
+                                  "metadata (JSON) cannot store", path=self.shards[0])
         arch = self.metadata.get("general.architecture")
         self.architecture: str = arch if isinstance(arch, str) and arch else "unknown"
-        shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))
-                  for t in reader.tensors}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for shard, reader in self._readers.items():
+            for t in reader.tensors:
+                if t.name in shapes:
+                    raise BadMetadata("tensor appears in more than one shard", path=shard,
+                                      tensor=t.name)
+                shapes[t.name] = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if split is not None and len(shapes) != split[2]:
+            raise CountMismatch(f"the {split[1]} shards hold {len(shapes)} tensors, "
+                                f"split.tensors.count says {split[2]}", path=self.shards[0])
         self.config = _synthesize_config(self.architecture, self.metadata, shapes)
         self.tokenizer = "{}"
         self.tokenizer_config = None
         self.generation_config = None
         self.tensors: list[GgufTensor] = []
-        for i, t in enumerate(reader.tensors):
-            end = t.data_offset + t.n_bytes
-            if end > size:
-                raise Truncated(f"tensor data [{t.data_offset}, {end}) runs past the end of "
-                                f"the file ({size} bytes)", path=self.path, tensor=t.name,
-                                offset=t.data_offset)
-            if reader.endianess == gguf.GGUFEndian.BIG and (
-                    t.tensor_type.name not in _BIG_ENDIAN_TYPES):
-                raise UnsupportedQuantType(
-                    f"big-endian GGUF with a {t.tensor_type.name} tensor: its blocks would be "
-                    "decoded as little-endian; convert the file to little-endian first "
-                    "(gguf-py's gguf_convert_endian.py)", path=self.path, tensor=t.name)
-            self.tensors.extend(self._outputs(i, t, shapes[t.name]))
-        self.tensors.sort(key=lambda x: (reader.tensors[x.file_index].data_offset,
-                                         x.expert if x.expert is not None else -1))
+        for shard, reader in self._readers.items():
+            size = os.path.getsize(shard)
+            outputs: list[GgufTensor] = []
+            for i, t in enumerate(reader.tensors):
+                end = t.data_offset + t.n_bytes
+                if end > size:
+                    raise Truncated(f"tensor data [{t.data_offset}, {end}) runs past the end "
+                                    f"of the file ({size} bytes)", path=shard, tensor=t.name,
+                                    offset=t.data_offset)
+                if reader.endianess == gguf.GGUFEndian.BIG and (
+                        t.tensor_type.name not in _BIG_ENDIAN_TYPES):
+                    raise UnsupportedQuantType(
+                        f"big-endian GGUF with a {t.tensor_type.name} tensor: its blocks would "
+                        "be decoded as little-endian; convert the file to little-endian first "
+                        "(gguf-py's gguf_convert_endian.py)", path=shard, tensor=t.name)
+                outputs.extend(self._outputs(shard, i, t, shapes[t.name]))
+            # File order within a shard, shards in split order.
+            offsets = [int(t.data_offset) for t in reader.tensors]
+            outputs.sort(key=lambda x: (offsets[x.file_index],
+                                        x.expert if x.expert is not None else -1))
+            self.tensors.extend(outputs)
 
-    def _outputs(self, index: int, t, shape: tuple[int, ...]) -> list[GgufTensor]:
+    def _outputs(self, shard: str, index: int, t, shape: tuple[int, ...]) -> list[GgufTensor]:
         type_name = t.tensor_type.name
         if type_name in _INT_TYPES:
             dtype = type_name
@@ -286,10 +388,11 @@ class GgufSource:
             if len(shape) != rank or not shape[0]:
                 raise BadMetadata(f"stacked expert tensor has shape {shape}, not "
                                   f"{'[E, M, K]' if rank == 3 else '[E, M]'} with E > 0",
-                                  path=self.path, tensor=t.name)
+                                  path=shard, tensor=t.name)
             per = t.n_bytes // shape[0]
             return [GgufTensor(f"{name}.{e}.{expert_suffix}", dtype, shape[1:], t.name,
-                               type_name, index, per, e) for e in range(shape[0])]
+                               type_name, index, per, e, shard=shard)
+                    for e in range(shape[0])]
         heads = 0
         block = _BLOCK.match(t.name)
         # Weights [rows, K] and biases [rows] alike: llama.cpp permutes both.
@@ -300,13 +403,13 @@ class GgufSource:
                 n = self._layer_heads(key, int(block["layer"]))
                 if not is_int(n) or n <= 0 or shape[0] % n or (shape[0] // n) % 2:
                     raise BadMetadata(f"{shape[0]} rows do not split into {n} heads of an even "
-                                      f"size ({self.architecture}.{key})", path=self.path,
+                                      f"size ({self.architecture}.{key})", path=shard,
                                       tensor=t.name)
-                heads = n
+                heads = int(n)
         plus_one = (self.architecture in _NORM_PLUS_ONE_ARCHS
                     and t.name.endswith("norm.weight") and dtype in ("F32", "F16", "BF16"))
         return [GgufTensor(name, dtype, shape, t.name, type_name, index, int(t.n_bytes),
-                           None, heads, plus_one)]
+                           None, heads, plus_one, shard)]
 
     def _layer_heads(self, key: str, layer: int) -> Any:
         """Head count ``<arch>.<key>`` of ``layer`` (K falls back to Q's): a number, or a
@@ -343,7 +446,7 @@ class GgufSource:
         except NotImplementedError:
             raise UnsupportedQuantType(
                 f"GGUF type {tensor.ggml_type} has no dequantizer in the gguf package; "
-                "re-export the model as F16/BF16/Q8_0 or upgrade gguf", path=self.path,
+                "re-export the model as F16/BF16/Q8_0 or upgrade gguf", path=tensor.shard,
                 tensor=tensor.gguf_name) from None
 
     def read(self, tensor: GgufTensor,
@@ -360,7 +463,7 @@ class GgufSource:
 
     def _read_rows(self, tensor: GgufTensor,
                    index: tuple[slice | int, ...] | None) -> np.ndarray:
-        data = self._reader.tensors[tensor.file_index].data
+        data = self._readers[tensor.shard].tensors[tensor.file_index].data
         if tensor.expert is not None:
             data = data[tensor.expert]
             if index is not None and index and isinstance(index[0], (int, np.integer)):
@@ -385,5 +488,5 @@ class GgufSource:
         return out.reshape((hi - lo, *tensor.shape[1:]))
 
     def __repr__(self) -> str:
-        return (f"<GgufSource {self.path!r}: {self.architecture}, {len(self.tensors)} tensors, "
-                f"{self.total_bytes} bytes>")
+        return (f"<GgufSource {self.path!r}: {self.architecture}, {len(self.shards)} shards, "
+                f"{len(self.tensors)} tensors, {self.total_bytes} bytes>")
