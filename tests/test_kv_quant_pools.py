@@ -118,6 +118,42 @@ def test_mlx_values_encode_in_mlx_to_the_same_records(dtype, hd):
     np.testing.assert_array_equal(np.array(rv)[slots], kv.encode(bf, g.v_dtype))
 
 
+def test_q8_blocks_whose_127_over_amax_overflows_code_to_zeros_everywhere():
+    """A block with 0 < amax < ~3.7e-37: 127 / amax is +inf in float32, a zero value's code
+    0 * inf = NaN, written as 0 by the CPU loop and the NumPy reference and as 127 by the
+    GPU header's rounding (found by a review). Its codes are 0 in every implementation now
+    (its float16 scale is 0: it decodes to 0 either way)."""
+    from pagedkv.kernels import numpy_kernels
+    x = np.zeros((1, 64), np.float32)
+    x[0, 1], x[0, 33], x[0, 40] = 1e-38, -2e-40, 3e-37  # both blocks' 127 / amax overflow
+    want = np.zeros((1, 68), np.uint8)
+    np.testing.assert_array_equal(kv.encode(x, "q8"), want)
+    np.testing.assert_array_equal(numpy_kernels.kv_q8_quantize(x), want)
+    if HAVE_MLX:
+        import mlx.core as mx
+        np.testing.assert_array_equal(np.array(kv.encode(mx.array(x), "q8")), want)
+    x[0, 1] = 4e-37  # 127 / amax fits float32: the contract's codes
+    assert kv.encode(x, "q8")[0, 3] == 127
+
+
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+def test_mlx_q8_refuses_a_block_past_its_float16_scale_as_the_c_codec_does():
+    """MLX stored an Inf scale (0x7c00; decoded NaN/Inf) where the C codec refuses (found by
+    a review); an MLX pool's write then changes nothing."""
+    import mlx.core as mx
+    x = np.zeros((2, 64), np.float32)
+    x[1, 33] = 9e6
+    with pytest.raises(errors.InvalidArgument, match="block 3 .* above ~8.3e6"):
+        kv.encode(x, "q8")
+    with pytest.raises(errors.InvalidArgument, match="block 3 .* above ~8.3e6"):
+        kv.encode(mx.array(x), "q8")
+    pool = LayerKVPool(PoolGeometry(1, 1, 64, 4, "q8"), num_blocks=2, backend="mlx")
+    before = pool.read_block(0).copy()
+    with pytest.raises(errors.InvalidArgument, match="above ~8.3e6"):
+        pool.write_tokens(0, np.array([0, 1]), mx.array(x[:, None]), mx.array(x[:, None]))
+    np.testing.assert_array_equal(pool.read_block(0), before)
+
+
 @pytest.mark.parametrize("dtype,hd", CASES)
 def test_block_io_is_the_same_bytes_on_both_backends_and_survives_growth(dtype, hd):
     g = PoolGeometry(3, 2, hd, 4, dtype)
@@ -221,3 +257,23 @@ def test_transcode_in_fixed_regions_gains_blocks_and_keeps_them_in_place():
     assert (pool.num_blocks, pool.generation, pool.geometry.dtype) == (20, 2, "fwht2/lloyd2")
     with pytest.raises(errors.InvalidArgument, match="fewer than num_blocks=11"):
         LayerKVPool(g, num_blocks=11, layer_region_bytes=per_layer)
+
+
+def test_bad_arguments_of_transcode_attention_and_pool_id_are_pagedkv_errors():
+    """Each raised a builtin TypeError/ValueError/UFuncTypeError (found by a review)."""
+    from pagedkv.pool import MemoryBudget
+    for head_dim in ("128", 128.0):
+        with pytest.raises(errors.InvalidArgumentType, match="head_dim must be an int"):
+            kv.transcode(np.zeros((1, 68), np.uint8), "fwht4", "fwht2", head_dim)
+    pool = LayerKVPool(PoolGeometry(1, 2, 128, 4, "fwht4/q8"), 2)
+    q, tables, lens = np.zeros((1, 2, 128), np.float32), np.zeros((1, 1), np.int32), np.ones(
+        1, np.int32)
+    with pytest.raises(errors.InvalidArgumentType, match="scale"):
+        pool.paged_attention(0, q, tables, lens, scale="x")
+    with pytest.raises(errors.InvalidArgumentType, match="q: expected a floating-point"):
+        pool.paged_attention(0, "x", tables, lens)
+    budget = MemoryBudget(10**9)
+    with pytest.raises(errors.InvalidArgumentType, match="pool_id must be hashable"):
+        LayerKVPool(PoolGeometry(1, 2, 128, 4, "fwht4/q8"), 1, memory_budget=budget,
+                    pool_id=["x"])
+    assert budget.pools() == {} or not budget.pools()

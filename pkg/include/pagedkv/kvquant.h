@@ -34,9 +34,13 @@ PKV_FN uint32_t pkv_kvq8_row_bytes(uint32_t head_dim) {
 /* The scale stored (before its f16 rounding): d = amax / 127. */
 PKV_FN float pkv_kvq8_scale(float amax) { return amax / 127.0f; }
 
-/* The factor the codes use: 127 / amax, 0 for an all-zero block. */
+/* The factor the codes use: 127 / amax, 0 for an all-zero block and for one whose
+ * 127 / amax overflows float32 (amax below ~3.7e-37): an infinite factor made a zero
+ * value's code 0 * inf = NaN, which each implementation turned into another byte. Such a
+ * block's float16 scale is 0, so its values decode to 0 whatever the codes. */
 PKV_FN float pkv_kvq8_inv_scale(float amax) {
-  return amax > 0.0f ? 127.0f / amax : 0.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  return inv <= 3.40282347e38f ? inv : 0.0f;
 }
 
 /* One code: v * (127/amax), half to even, clamped to [-127, 127]. */

@@ -47,8 +47,9 @@ def kv_q8_quantize(x: np.ndarray) -> np.ndarray:
     blocks = x.reshape(-1, KVQ8_BLOCK)
     amax = np.max(np.abs(blocks), axis=1)
     d = (amax / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    inv[~np.isfinite(inv)] = 0  # 127 / amax past float32: codes 0 (kvquant.h)
     q = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int8)
     rec = np.empty((blocks.shape[0], KVQ8_RECORD_BYTES), dtype=np.uint8)
     rec[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)  # f16 round-to-nearest-even

@@ -158,6 +158,11 @@ class LayerKVPool:
                                   f"(backend={backend!r})")
         if pool_id is None:
             pool_id = f"pool-{next(_pool_numbers)}"
+        try:
+            hash(pool_id)  # the memory budget keys its debits by it
+        except TypeError:
+            raise InvalidArgumentType(f"pool_id must be hashable, got "
+                                      f"{type(pool_id).__name__}") from None
 
         total_bytes = geometry.pool_bytes(num_blocks)
         if memory_budget is not None:

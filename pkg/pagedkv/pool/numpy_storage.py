@@ -99,9 +99,13 @@ class NumpyKVStorage:
                         check: bool = True) -> np.ndarray:
         """The float64 NumPy reference over this layer (the oracle the kernels are tested
         against; correct, not fast). The tables are always checked."""
-        from pagedkv.kernels.kvcache import check_decode_batch
+        from pagedkv.kernels.kvcache import attention_scale, check_decode_batch
         from pagedkv.kernels.numpy_kernels import paged_attention_decode
         g = self.geometry
+        scale = attention_scale(scale, g.head_dim)
+        if not isinstance(q, np.ndarray) or q.dtype.kind != "f":
+            raise InvalidArgumentType(f"q: expected a floating-point numpy.ndarray, got "
+                                      f"{getattr(q, 'dtype', type(q).__name__)}")
         q = np.asarray(q, dtype=np.float32)
         if q.ndim != 3 or q.shape[2] != g.head_dim or q.shape[1] % g.num_kv_heads:
             raise InvalidArgument(f"q: shape {q.shape}, expected [seqs, heads (a multiple of "
@@ -113,8 +117,7 @@ class NumpyKVStorage:
             raise InvalidArgument(f"block_tables: {tables.shape[0]} rows, q has {q.shape[0]} "
                                   f"sequences")
         k, v = self.layer(layer)
-        return paged_attention_decode(q, k, v, tables, lens, kv_dtype=g.dtype,
-                                      scale=g.head_dim ** -0.5 if scale is None else scale)
+        return paged_attention_decode(q, k, v, tables, lens, kv_dtype=g.dtype, scale=scale)
 
     # -- block I/O -------------------------------------------------------------------------
 

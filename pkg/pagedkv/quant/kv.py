@@ -195,6 +195,7 @@ def downshift(records: np.ndarray, src: str, dst: str, head_dim: int) -> np.ndar
 def transcode(records: Any, src: str, dst: str, head_dim: int) -> Any:
     """Records of ``src`` as records of ``dst``: a downshift within a table family, or
     decode + fresh encode (q8 -> lloyd4, the first V step of kv_adaptive)."""
+    head_dim = int_argument("head_dim", head_dim, 1)  # every branch, not only decode's
     s, d = kv_mode(src), kv_mode(dst)
     if s.name == d.name:
         return records

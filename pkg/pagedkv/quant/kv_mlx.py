@@ -115,8 +115,19 @@ def _encode_q8(rows):
     amax = mx.max(mx.abs(blocks), axis=1)
     d = amax / 127.0
     inv = mx.where(amax > 0, 127.0 / mx.where(amax > 0, amax, 1.0), 0.0)
+    inv = mx.where(mx.isinf(inv), 0.0, inv)  # 127 / amax past float32: codes 0 (kvquant.h)
     q = mx.clip(mx.round(blocks * inv[:, None]), -127, 127).astype(mx.int8)
-    rec = mx.concatenate([d.astype(mx.float16)[:, None].view(mx.uint8), q.view(mx.uint8)], axis=1)
+    scale = d.astype(mx.float16)
+    # A block past about 127 * 65504 has no float16 scale (it would decode to Inf/NaN):
+    # refused, as the C codec refuses it.
+    over = mx.isinf(scale)
+    if over.any().item():
+        first = int(mx.argmax(over.astype(mx.int32)).item())
+        raise InvalidArgument(
+            f"x: block {first} (values {first * _Q8_BLOCK}..{first * _Q8_BLOCK + _Q8_BLOCK - 1} "
+            f"of the flat input) has a largest |value| above ~8.3e6, past q8 KV's float16 "
+            f"scale")
+    rec = mx.concatenate([scale[:, None].view(mx.uint8), q.view(mx.uint8)], axis=1)
     return rec.reshape(rows.shape[0], -1)
 
 
