@@ -223,16 +223,16 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     def from_registry(knob: str) -> bool:
         return sources[knob].startswith("registry ")
 
-    def explicit(knob: str) -> bool:
+    def user_chose(knob: str) -> bool:
         return user_set[knob]
 
     if out["adaptive"] != "off" and from_registry("adaptive") and any(
-            explicit(knob) for knob in ("k", "v")):
+            user_chose(knob) for knob in ("k", "v")):
         out["adaptive"] = "off"
         sources["adaptive"] += ", overridden by an explicit K/V mode"
     if out["adaptive"] != "off":
         for knob in ("k", "v"):
-            if explicit(knob) or (from_registry(knob) and from_registry("adaptive")):
+            if user_chose(knob) or (from_registry(knob) and from_registry("adaptive")):
                 raise InvalidArgument(
                     f"kv_adaptive={out['adaptive']!r} ({sources['adaptive']}) picks the K and "
                     f"V modes itself (it starts at fwht4/q8); {KNOBS[knob].name} "
@@ -242,7 +242,7 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     # The same for the K/V pairing rules below: a registry mode that cannot pair with an
     # explicit mode of the other side yields to its knob's default.
     for knob, other in (("k", "v"), ("v", "k")):
-        if from_registry(knob) and explicit(other) and _pairing_conflict(out["k"], out["v"]):
+        if from_registry(knob) and user_chose(other) and _pairing_conflict(out["k"], out["v"]):
             sources[knob] = (f"default, registry {model!r} {KNOBS[knob].name} "
                              f"{out[knob]!r} overridden by {sources[other]}")
             out[knob] = KNOBS[knob].default

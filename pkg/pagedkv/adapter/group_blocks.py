@@ -372,6 +372,11 @@ class GroupBlocks:
             self.num_blocks[row] = len(entries)
             self.revision[row] += 1
 
+    def install_restored(self, row: int, entries: np.ndarray, tokens: int) -> None:
+        """:meth:`install` for entries a cold restore rebuilt at ``tokens``: the same here,
+        every restored block is whole (a sliding group's first one may not be)."""
+        self.install(row, entries)
+
     def register(self, row: int, tokens: np.ndarray, num_tokens: int, extra_keys,
                  extra_keys_per_block, cache_salt: int) -> int:
         """Publish the row's full blocks in the prefix cache; returns new entries."""

@@ -929,6 +929,7 @@ class PagedPromptCache:
                 f"insert: layer {i} K/V have shapes {getattr(keys, 'shape', None)} and "
                 f"{getattr(values, 'shape', None)}, expected arrays [1, {g.num_kv_heads}, "
                 f">= {n}, {g.head_dim}]")
+        assert values is not None  # its ndim is 4
         if isinstance(c, PagedSlidingLayerCache):
             start = c.start
         elif hasattr(c, "_temporal_order"):  # RotatingKVCache: the window, oldest first
