@@ -672,10 +672,14 @@ def test_gemv_fused_x_grid_takes_the_row_tiles_of_its_format(monkeypatch, fmt, k
     dev = FakeCudaDevice()
     M, K = 37, 17 * 256  # 3 tiles: 2 blocks, the last of one tile
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, M, K) == (2, 8)
-    # about GEMV_X_WARP_TARGET (1,024) warps: 2 each for 448 blocks, 8 for 128
-    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096) == (448, 2)
+    # the two-launch kernel's warps (_mma_warps on the 16-row tiles: y keeps its bits), 4
+    # for 896 tiles, 8 for 256, one per group at most
+    assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096) == (448, 4)
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 4096, 4096) == (128, 8)
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 4096, 256) == (128, 1)
+    for rows, cols in ((14336, 4096), (4096, 14336), (37, 17 * 256), (28672, 4096)):
+        assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, rows, cols)[1] == \
+            weights._mma_warps(-(-rows // 16), cols // 256)
     assert weights.fused_x_grid(weights.WEIGHT_FORMATS[fmt].kernel, 14336, 4096, 4) == (448, 4)
     g = weights.Gemv(dev, fmt, M, K, 1, fused_x=True)
     raw = np.zeros(weights.raw_nbytes(fmt, M * K), np.uint8)

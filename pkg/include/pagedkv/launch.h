@@ -179,12 +179,12 @@
 /* The fused-x GEMV (batch 1-2, pkv_gemv_mma_x_*): 16-row tiles per block, each warp
  * running all of them on the x it prepares once per group (the MQ formats rotate it there):
  * PKV_GEMV_X_ROW_TILES for HFQ4G256 / MQ4G256V2, _WIDE for HFQ6G256 / Q8F16, whose tiles
- * hold 1.5x / 2x the registers. 2 for both: half the blocks prepare x; with the warps of
- * the launcher's rule (weights.GEMV_X_WARP_TARGET) the fastest fused launch of 1 and 2
- * tiles at 2, 4 and 8 warps at 8 of the sweep's 12 format x shape cases, within 3.5% at the
- * others (H100; docs/kernels.md, 'Fused x (batch 1–2)'). */
+ * hold 1.5x / 2x the registers. At the two-launch kernel's warps (which keep y its bits)
+ * an H100 measured 2 faster for Q8F16 by 5-14%, within 2% for HFQ6G256, and mixed for
+ * HFQ4G256 (2 4% faster at 4096x4096, 3% slower at 14336x4096): 1 for the 4-bit formats,
+ * 2 for the wide ones (docs/kernels.md, 'Fused x (batch 1–2)'). */
 #ifndef PKV_GEMV_X_ROW_TILES
-#define PKV_GEMV_X_ROW_TILES 2
+#define PKV_GEMV_X_ROW_TILES 1
 #endif
 #ifndef PKV_GEMV_X_ROW_TILES_WIDE
 #define PKV_GEMV_X_ROW_TILES_WIDE 2

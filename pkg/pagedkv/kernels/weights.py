@@ -75,17 +75,12 @@ GEMV_F16_ERROR = 5.5e-4
 #: its groups' x itself, bit for bit the prep + GEMV pair. ``Gemv(fused_x=...)`` or
 #: ``PAGEDKV_GEMV_FUSED_X`` choose; unset, :func:`fused_x_by_default`: batch 1 of the
 #: kernels in :data:`GEMV_FUSED_X_KERNELS` with x not rotated, where an H100 measured the
-#: one launch faster (2 row tiles a block, 2026-12-07: HFQ4G256 0.88-0.93x, HFQ6G256
-#: 0.87-0.91x, Q8F16 0.85-0.94x the two launches' time at 4096x4096, 4096x14336 and
-#: 14336x4096; MQ4G256V2, whose every block rotates x again, 0.96-1.11x, and batch 2 up to
-#: 1.04x for HFQ4 and 1.6x for MQ4 V2: two launches there).
+#: one launch faster (2026-12-07, at the default row tiles: HFQ4G256 0.91-0.97x, HFQ6G256
+#: 0.87-0.92x, Q8F16 0.85-0.94x the two launches' time at 4096x4096, 4096x14336 and
+#: 14336x4096; MQ4G256V2, whose every block rotates x again, 1.05-1.26x; at batch 2 the
+#: 4-bit formats are slower fused and HFQ6G256 / Q8F16 0.87-1.02x: two launches there).
 FUSED_X_ENV = "PAGEDKV_GEMV_FUSED_X"
 GEMV_FUSED_X_KERNELS = ("hfq4g256", "hfq6g256", "q8f16")
-#: Warps per launch the fused-x grid aims at (:func:`_fused_x_warps`): 2 row tiles a block,
-#: the H100's fastest warps per block were 8 at M = 4096 (128 blocks) and 2 at M = 14336
-#: (448 blocks) for every format, about 1,024 warps either way; the 2,048 of the unfused
-#: kernels gave the 448 blocks 8 warps, 1.25x slower.
-GEMV_X_WARP_TARGET = 1024
 #: 16-row tiles per block of the fused-x kernels (``PKV_GEMV_X_ROW_TILES``, ``_WIDE`` for
 #: HFQ6G256 / Q8F16; launch.h): each warp prepares a group's x once for all of them.
 GEMV_X_ROW_TILES = launch_constant("PKV_GEMV_X_ROW_TILES")
@@ -646,13 +641,6 @@ def _mma_warps(row_tiles: int, groups: int) -> int:
     return min(8, groups, 1 << (want - 1).bit_length())
 
 
-def _fused_x_warps(blocks: int, groups: int) -> int:
-    """Warps per block of a fused-x launch of ``blocks`` blocks: the power of two at or
-    below GEMV_X_WARP_TARGET / blocks, from 2 to 8, at most one per group."""
-    want = max(2, GEMV_X_WARP_TARGET // blocks)
-    return min(8, groups, 1 << (want.bit_length() - 1))
-
-
 def _staged_splits(row_blocks: int, groups: int, sms: int,
                    most: int = GEMV_STAGED_MAX_SPLITS) -> int:
     """Group splits of the batch 9-32 kernels (gridDim.y): the fewest, up to ``most``
@@ -719,11 +707,14 @@ def _launch_text(kernel, grid: tuple[int, ...], block: tuple[int, ...]) -> str:
 def fused_x_grid(kernel: str, M: int, K: int, warps: int | None = None) -> tuple[int, int]:
     """(blocks, warps per block) of ``kernel``'s fused-x GEMV: a block per
     :data:`GEMV_X_ROW_TILES` (HFQ4G256, MQ4G256V2) or :data:`GEMV_X_ROW_TILES_WIDE`
-    (HFQ6G256, Q8F16) 16-row tiles, its warps splitting the groups (:func:`_fused_x_warps`
-    unless ``warps``). The ctypes :class:`Gemv` and the MLX CUDA launcher share it."""
+    (HFQ6G256, Q8F16) 16-row tiles, its warps splitting the groups unless ``warps``: the
+    warps the two-launch kernel takes for the same M x K (:func:`_mma_warps` on the 16-row
+    tiles), since the warps' partial sums meet in an order set by how many there are, and
+    y is the two launches' bit for bit only at equal warps (a decode step fused or not must
+    give the same logits). The ctypes :class:`Gemv` and the MLX CUDA launcher share it."""
     tiles = GEMV_X_ROW_TILES_WIDE if kernel in _WIDE_MMA_KERNELS else GEMV_X_ROW_TILES
-    blocks = math.ceil(math.ceil(M / GEMV_MMA_ROWS) / tiles)
-    return blocks, warps or _fused_x_warps(blocks, K // 256)
+    row_tiles = math.ceil(M / GEMV_MMA_ROWS)
+    return math.ceil(row_tiles / tiles), warps or _mma_warps(row_tiles, K // 256)
 
 
 def fused_x_by_default(kernel: str, rotated: bool, batch: int) -> bool:
