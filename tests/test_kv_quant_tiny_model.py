@@ -92,28 +92,30 @@ def test_demo_refuses_bad_kv_modes_with_one_line(capsys, monkeypatch, argv, env,
 
 
 def test_a_sequence_steps_through_kv_adaptive_while_it_generates():
-    # head_dim 256, 2 kv heads: balanced over max_seq 256 tokens starts with room for
-    # 256 * 136 // 404 = 86 tokens and steps down as generation passes each threshold.
+    # head_dim 256, 2 kv heads, blocks of 16: balanced over max_seq 256 tokens starts with
+    # room for 256 * 136 // 404 = 86 tokens, 80 in whole blocks, and steps down as
+    # generation passes each threshold (cap - 64).
     model = ReferenceModel(ReferenceConfig(head_dim=256, seed=5), kv_dtype="fwht4/q8")
     ad = KVAdaptive.create("balanced", num_layers=2, num_kv_heads=2, head_dim=256,
                            block_size=16, max_seq=256, hash_seed=0)
-    assert ad.plan.caps == [86, 131, 150, 207, 256]
+    assert ad.plan.caps == [80, 128, 144, 192, 256]
     adapter = PagedKVCacheAdapter(ad.allocator, ad.pool, growth=False)
     steps = []
     ad.add_listener(lambda old, new: steps.append((adapter.num_tokens(0), new)))
-    prompt = np.random.default_rng(2).integers(0, 512, 20)
+    prompt = np.random.default_rng(2).integers(0, 512, 10)
     adapter.reset_for_new_request(0)
-    adapter.allocate_suffix_blocks(0, 20)
+    adapter.allocate_suffix_blocks(0, 10)
     kvp = PagedKV(adapter, 0, adaptive=ad)
     gen = model.generate(prompt, 200, kvp)
-    assert len(gen.tokens) == 200 and adapter.num_tokens(0) == 219
-    # each step ran before the append that crossed cap - 64 (86-64=22, 67, 86, 143)
-    assert steps == [(22, "fwht4/lloyd4"), (67, "fwht4/lloyd3"), (86, "fwht2/lloyd3"),
-                     (143, "fwht2/lloyd2")]
+    assert len(gen.tokens) == 200 and adapter.num_tokens(0) == 209
+    # each step ran before the append that crossed cap - 64 (80-64=16, 64, 80, 128)
+    assert steps == [(16, "fwht4/lloyd4"), (64, "fwht4/lloyd3"), (80, "fwht2/lloyd3"),
+                     (128, "fwht2/lloyd2")]
     assert ad.pool.geometry.dtype == "fwht2/lloyd2" and ad.pool.num_blocks == 16
-    # up to the first step the run is the fixed fwht4/q8 cache's, bit for bit; then not
+    # up to the first step (positions 0-15: the logits of 7 steps) the run is the fixed
+    # fwht4/q8 cache's, bit for bit; then not
     fixed = model.generate(prompt, 200, model.new_flat_kv())
-    assert gen.logits[:3].tobytes() == fixed.logits[:3].tobytes()
-    assert gen.logits[3:].tobytes() != fixed.logits[3:].tobytes()
+    assert gen.logits[:7].tobytes() == fixed.logits[:7].tobytes()
+    assert gen.logits[7:].tobytes() != fixed.logits[7:].tobytes()
     with pytest.raises(errors.CapacityExceeded):
-        model.forward(np.zeros(40, np.int64), kvp)
+        model.forward(np.zeros(50, np.int64), kvp)
