@@ -110,42 +110,50 @@ def _unpack(packed, hd: int, bits: int):
 
 
 def _encode_q8(rows):
+    """``(records, scales)`` of the rows, not evaluated: the caller checks the float16
+    scales with the input in one evaluation."""
     mx = _mx()
     blocks = rows.reshape(-1, _Q8_BLOCK)
     amax = mx.max(mx.abs(blocks), axis=1)
-    d = amax / 127.0
     inv = mx.where(amax > 0, 127.0 / mx.where(amax > 0, amax, 1.0), 0.0)
     inv = mx.where(mx.isinf(inv), 0.0, inv)  # 127 / amax past float32: codes 0 (kvquant.h)
     q = mx.clip(mx.round(blocks * inv[:, None]), -127, 127).astype(mx.int8)
-    scale = d.astype(mx.float16)
-    # A block past about 127 * 65504 has no float16 scale (it would decode to Inf/NaN):
-    # refused, as the C codec refuses it.
-    over = mx.isinf(scale)
-    if over.any().item():
-        first = int(mx.argmax(over.astype(mx.int32)).item())
-        raise InvalidArgument(
-            f"x: block {first} (values {first * _Q8_BLOCK}..{first * _Q8_BLOCK + _Q8_BLOCK - 1} "
-            f"of the flat input) has a largest |value| above ~8.3e6, past q8 KV's float16 "
-            f"scale")
+    scale = (amax / 127.0).astype(mx.float16)
     rec = mx.concatenate([scale[:, None].view(mx.uint8), q.view(mx.uint8)], axis=1)
-    return rec.reshape(rows.shape[0], -1)
+    return rec.reshape(rows.shape[0], -1), scale
 
 
 def encode(x: Any, mode) -> Any:
     """``x`` (``mx.array`` float32/float16/bfloat16 ``[..., head_dim]``) -> ``uint8`` records
     ``[..., row_bytes]`` of ``mode`` (a :class:`pagedkv.quant.kv.KVMode`). NaN/Inf raises
-    :class:`InvalidArgument` (one evaluation of ``isfinite``)."""
+    :class:`InvalidArgument` (one evaluation of ``isfinite``; for q8 together with the check
+    of its float16 scales)."""
     mx = _mx()
     xf = _as_f32(x, "x")
     hd = xf.shape[-1]
     row_bytes = mode.row_bytes(hd)
-    if not bool(mx.all(mx.isfinite(xf))):
-        raise InvalidArgument(f"x holds a non-finite value; {mode.name} KV takes finite values "
-                              f"only")
     lead = xf.shape[:-1]
     rows = xf.reshape(-1, hd)
+    finite = mx.all(mx.isfinite(xf))
     if mode.name == "q8":
-        return _encode_q8(rows).reshape(*lead, row_bytes)
+        rec, scale = _encode_q8(rows)
+        over = mx.isinf(scale)
+        ok, past = mx.stack([finite, mx.any(over)]).tolist()
+    else:
+        ok, past = bool(finite), False
+    if not ok:
+        raise InvalidArgument(f"x holds a non-finite value; {mode.name} KV takes finite values "
+                              f"only")
+    if past:
+        # A block past about 127 * 65504 has no float16 scale (it would decode to Inf/NaN):
+        # refused, as the C codec refuses it.
+        first = int(mx.argmax(over.astype(mx.int32)).item())
+        raise InvalidArgument(
+            f"x: block {first} (values {first * _Q8_BLOCK}..{first * _Q8_BLOCK + _Q8_BLOCK - 1} "
+            f"of the flat input) has a largest |value| above ~8.3e6, past q8 KV's float16 "
+            f"scale")
+    if mode.name == "q8":
+        return rec.reshape(*lead, row_bytes)
     c_tab, t_tab = _tables(mode.bits, mode.rotation)
     norm = mx.sqrt(_sumsq16(rows))
     inv = mx.where(norm > 1e-10, 1.0 / mx.where(norm > 1e-10, norm, 1.0), 0.0)
