@@ -233,10 +233,13 @@ def test_asv_tracks_rows_the_bench_emits(dev):
     # the other x path's rows (NVIDIA only): labelled by what the default is not
     labels = {fmt: "prep + gemv" if weights.fused_x_by_default(kernel, rotated, 1) else "fused x"
               for fmt, kernel, rotated in (("hfq4g256", "hfq4g256", False),
+                                           ("hfq6g256", "hfq6g256", False),
+                                           ("q8f16", "q8f16", False),
                                            ("mq4g256v2", "mq4g256v2", True))}
     assert {n.split(" | ")[0] for n in asv.X_PATH_ROWS} == {
         f"gemv {fmt} b1 ({label})" for fmt, label in labels.items()}
-    assert labels == {"hfq4g256": "prep + gemv", "mq4g256v2": "fused x"}
+    assert labels == {"hfq4g256": "prep + gemv", "hfq6g256": "prep + gemv",
+                      "q8f16": "prep + gemv", "mq4g256v2": "fused x"}
     got = asv.by_row(rows, "of_copy")
     assert (rows[3]["kernel"], rows[3]["shape"]) == ("gemv hfq4g256 b1", "32x512")
     assert got["gemv hfq4g256 b1 | 32x512"] == rows[3]["of_copy"]

@@ -188,7 +188,9 @@ class GpuKVModeVsF16:
 
 #: The batch-1 GEMV's other x path (one launch with x prepared in the GEMV, or the prep and
 #: GEMV pair), against the default of the same run (weights.fused_x_by_default).
-X_PATH_ROWS = ([f"gemv hfq4g256 b1 (prep + gemv) | {m}x{k}" for m, k in GEMV_SHAPES]
+X_PATH_ROWS = ([f"gemv {fmt} b1 (prep + gemv) | {m}x{k}" for fmt in ("hfq4g256", "hfq6g256",
+                                                                       "q8f16")
+                for m, k in GEMV_SHAPES]
                + [f"gemv mq4g256v2 b1 (fused x) | {m}x{k}" for m, k in GEMV_SHAPES])
 
 
