@@ -20,7 +20,8 @@
 # says why): SANITIZE_TIMEOUT for memcheck, 150, and RACECHECK_TIMEOUT for
 # racecheck, 240, or SANITIZE_TIMEOUT when only that is set; over the 412 GPU tests on the
 # H200, 2026-12-04, memcheck took 111 s and racecheck about 195, so SANITIZE=1 TESTS=0
-# BENCH=0 fits one call after the build). BENCH=0 skips all three benches;
+# BENCH=0 fits one call after the build); MLX_SANITIZE=1 runs memcheck over MLX's own
+# launches (mlx_sanitize below). BENCH=0 skips all three benches;
 # MLX_ONLY=1 runs build + MLX phases only; MLX_LM=1 adds the mlx-lm integration tests
 # (MLX_LM_TIMEOUT, 300; the mlx-lm and sentencepiece wheels travel in .mlx2; MLX_TESTS=0 skips
 # the kernel tests); MLX_LM_BENCH=1 adds the decode bench of mlx-lm's attention="paged"
@@ -224,6 +225,19 @@ mlx_tests() {
   PYTHONPATH=$MLXPATH python3 -m pytest -q -p no:cacheprovider test_kernels_mlx_gpu.py \
     test_kernels_mlx.py test_pool_paged_attention.py 2>&1 | tee "$OUT/pytest_mlx.log" | tail -25
 }
+# memcheck over MLX's own launches (MLX_SANITIZE=1): the kernels mx.fast.cuda_kernel compiles
+# from our header text, q8 and the staged attention among them, which the ctypes GPU tests
+# never launch (MLX_SANITIZE_K, a pytest -k, picks the tests; MLX_SANITIZE_TIMEOUT, 200)
+mlx_sanitize() {
+  cd tests || return 1
+  PYTHONPATH=$MLXPATH compute-sanitizer --error-exitcode 86 --print-limit 20 --tool memcheck \
+    python3 -m pytest -q -p no:cacheprovider -k "${MLX_SANITIZE_K:-q8}" test_kernels_mlx_gpu.py \
+    >"$OUT/sanitize_mlx_memcheck.log" 2>&1
+  local rc=$?
+  echo "compute-sanitizer memcheck over the MLX kernel tests (-k ${MLX_SANITIZE_K:-q8}): rc $rc;" \
+    "$(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize_mlx_memcheck.log" | tail -2 | tr '\n' ' ')"
+  return $rc
+}
 # The mlx-lm integration's tests (issue 12) on MLX's CUDA backend: the same files as on CPU.
 mlx_lm_tests() {
   set -o pipefail
@@ -261,7 +275,7 @@ sanitize_tool() {
     "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitize_$1.log" | tail -2 | tr '\n' ' ')"
   return $rc
 }
-export -f ctypes_tests cpu_kernel_tests mlx_tests mlx_lm_tests sanitize sanitize_tool
+export -f ctypes_tests cpu_kernel_tests mlx_tests mlx_lm_tests mlx_sanitize sanitize sanitize_tool
 export OUT PKV MLXPATH
 
 ONLY_MLX=${MLX_ONLY:-0}
@@ -281,6 +295,8 @@ if [ -n "${TUNE:-}" ]; then
   done
 fi
 [ "$MLX_OK" = 1 ] && [ "${MLX_TESTS:-1}" = 1 ] && phase mlx-tests 200 bash -c mlx_tests
+[ "$MLX_OK" = 1 ] && [ "${MLX_SANITIZE:-0}" = 1 ] && phase mlx-memcheck \
+  "${MLX_SANITIZE_TIMEOUT:-200}" bash -c mlx_sanitize
 [ "$MLX_OK" = 1 ] && [ "${MLX_LM:-0}" = 1 ] && phase mlx-lm-tests "${MLX_LM_TIMEOUT:-300}" bash -c mlx_lm_tests
 if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   # The decode step: correctness check against float64, then the targeted configurations
