@@ -40,6 +40,18 @@ PKV_DEV int norm_vec_index(int k, int dim) {
   return i < dim / 4 ? i : -1;
 }
 
+// ss + the squares of v's four values, as explicit FMAs in one order. The plain and the
+// fused RMSNorm inline add_residual_rms_inv into different code, and `a*a + b*b + ...` left
+// to the compiler was contracted into FMAs differently in the two: about one row in 25 of
+// dim 10240 got another 1/rms, every y and prepared-x byte of the row (2026-12-07;
+// tests/test_kernels_decode_fused.py, docs/reliability.md).
+PKV_DEV float add_squares(float ss, float4 v) {
+  ss = fmaf(v.x, v.x, ss);
+  ss = fmaf(v.y, v.y, ss);
+  ss = fmaf(v.z, v.z, ss);
+  return fmaf(v.w, v.w, ss);
+}
+
 // A row's x += residual (when rr is not null; written back), then 1 / sqrt(mean(x^2) + eps)
 // over the block. The thread's first PKV_NORM_CACHED_VECS float4s of x (after the add) and
 // of the weight stay in xv / wv: all their loads are issued before the first store (x's
@@ -70,7 +82,7 @@ PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, const float4* w
         v.x += rv[k].x; v.y += rv[k].y; v.z += rv[k].z; v.w += rv[k].w;
         xr[j] = v;
       }
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+      ss = add_squares(ss, v);
     }
   }
   for (int k = PKV_NORM_CACHED_VECS, j; (j = norm_vec_index(k, dim)) >= 0; ++k) {
@@ -80,7 +92,7 @@ PKV_DEV float add_residual_rms_inv(float4* xr, const float4* rr, const float4* w
       v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
       xr[j] = v;
     }
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    ss = add_squares(ss, v);
   }
   return rsqrtf(block_sum(ss, red) / (float)dim + eps);
 }
