@@ -125,17 +125,21 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
   float inv_step;
   const float step =
       gemv_x_step(v, lane, rotate, n_tiles == 0 ? GEMV_X_F16_RANGE : GEMV_X_RANGE, inv_step);
+  // The sums add with pkv_add_rn: the callers' v is a product in the fused kernels (the
+  // RMSNorm's x * inv * w, silu * up, the reduce's t * inv, the FWHT's last scaling) and a
+  // load in pkv_gemv_prep_x, and `sum += a * b` may be contracted into an FMA in one kernel
+  // and not in the other (today none is: v reaches the sum through the rotate branch).
   float sum = 0.0f;
   uint32_t h16[8];
   if (n_tiles == 0) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       h16[i] = pkv_float_to_half_bits(v[i] * inv_step);  // exact scaling, one rounding
-      sum += pkv_half_bits_to_float((uint16_t)h16[i]);
+      sum = pkv_add_rn(sum, pkv_half_bits_to_float((uint16_t)h16[i]));
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum += v[i];
+    for (int i = 0; i < 8; ++i) sum = pkv_add_rn(sum, v[i]);
   }
   float half_sum, other_half;  // lane 0: the first 128 values' sum, then the second's
   gemv_x_half_sums(sum, half_sum, other_half);
@@ -145,8 +149,8 @@ PKV_DEV void gemv_prep_x_warp(float (&v)[8], int lane, int g, int b, uint32_t* x
         make_uint4(h16[0] | h16[4] << 16, h16[1] | h16[5] << 16, h16[2] | h16[6] << 16,
                    h16[3] | h16[7] << 16);
     if (lane == 0) {  // sums of the rounded values, times the step (a power of two)
-      const float s_lo = half_sum * step, s_hi = other_half * step;
-      xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, s_lo + s_hi);
+      const float s_lo = pkv_mul_rn(half_sum, step), s_hi = pkv_mul_rn(other_half, step);
+      xs[(int64_t)g * batch + b] = make_float4(step, s_lo, s_hi, pkv_add_rn(s_lo, s_hi));
     }
     return;
   }

@@ -701,12 +701,23 @@ PKV_DEV void add_group(float (&acc)[2][NT][2], const int (&c)[MmaHalves<F>::valu
       const float f = s.x * x_plane_weight(p);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float v = scale[0][r] * (f * (float)c[0][i][2 * r + e]);
-        if (HALVES == 2) v += scale[HALVES - 1][r] * (f * (float)c[HALVES - 1][i][2 * r + e]);
+        // Every rounding explicit: the fused-x, two-launch, staged and pipelined kernels
+        // inline this epilogue into different code, and a*b + c*d left to the compiler may
+        // be contracted into an FMA on either product (RMSNorm's sum of squares was,
+        // differently per kernel: add_squares, hip/decode.hip). The order is the one nvcc
+        // 13 chose for every kernel on sm_90, so the outputs keep their bits.
+        const float fc0 = f * (float)c[0][i][2 * r + e];
+        float v;
+        if (HALVES == 2)
+          v = fmaf(scale[0][r], fc0,
+                   pkv_mul_rn(scale[HALVES - 1][r], f * (float)c[HALVES - 1][i][2 * r + e]));
+        else
+          v = pkv_mul_rn(scale[0][r], fc0);
         if (p == 0)
-          v += HALVES == 2 ? offset[0][r] * s.y + offset[HALVES - 1][r] * s.z
-                           : offset[0][r] * s.w;
-        acc[r][i0 + i][e] += v;
+          v = HALVES == 2
+                  ? pkv_add_rn(v, fmaf(offset[0][r], s.y, pkv_mul_rn(offset[HALVES - 1][r], s.z)))
+                  : fmaf(offset[0][r], s.w, v);
+        acc[r][i0 + i][e] = pkv_add_rn(acc[r][i0 + i][e], v);
       }
     }
 }
@@ -903,9 +914,9 @@ struct FusedXSource {
       if (b >= batch) continue;
       float inv_step;
       const float step = gemv_x_step(v[b], lane, rotate, GEMV_X_RANGE, inv_step);
-      float sum = 0.0f;
+      float sum = 0.0f;  // pkv_add_rn: as gemv_prep_x_warp's sum (gemv_prep_x.h)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += v[b][i];
+      for (int i = 0; i < 8; ++i) sum = pkv_add_rn(sum, v[b][i]);
       float half, other;  // lanes 16-31: the second half's sum, then the first's
       gemv_x_half_sums(sum, half, other);
       gemv_x_store_planes22(v[b], inv_step, lane, stage, 0, 1, b);
@@ -1708,7 +1719,12 @@ PKV_DEV void gemv_f16(const uint8_t* __restrict__ packed, const uint4* __restric
               for (int r = 0; r < 2; ++r) {
                 float scale, offset;
                 header_affine<F>(hdr[u][r], HALVES == 2 ? hv : 0, scale, offset);
-                acc[u][r][i][e] += scale * (sx.x * c[u][i][2 * r + e]) + offset * xsum;
+                // explicit roundings (add_group's reason), in the order nvcc 13 chose on
+                // sm_90: the t1 and t2 kernels must give the same bits
+                const float sc = pkv_mul_rn(sx.x, c[u][i][2 * r + e]);
+                const float v = HALVES == 1 ? fmaf(scale, sc, pkv_mul_rn(offset, xsum))
+                                            : fmaf(offset, xsum, pkv_mul_rn(scale, sc));
+                acc[u][r][i][e] = pkv_add_rn(acc[u][r][i][e], v);
               }
           }
       }
