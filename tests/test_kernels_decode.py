@@ -230,6 +230,30 @@ def test_the_step_check_fails_when_no_kernel_computed(stub_device, kv_dtype):
     assert np.isnan(result["logits"])  # poisoned with 0xFF, never written
 
 
+def test_the_step_check_sees_a_write_to_another_slot(stub_device, monkeypatch):
+    """The reference reads the pool after the step, so a kernel that also wrote a slot it
+    does not own would pass the logits and KV-write checks; the check compares every other
+    slot with a copy taken before the step. On the stub a 'step' that poisons one slot's
+    bytes in layer 1's V array (a slot no sequence writes this step) must be reported, with
+    the seed it ran with."""
+    from pagedkv.bench import decode as bench
+    from pagedkv.kernels.decoder import DecoderStep
+    seen = {}
+
+    def run_and_stray(self, tables):
+        seen["slots"] = tables.slot_mapping.to_numpy().copy()
+        v = self.pool.layer(1)[1]
+        stray = next(i for i in range(v.shape[0] * v.shape[1]) if i not in seen["slots"])
+        row_bytes = v.nbytes // (v.shape[0] * v.shape[1])
+        self.device.memset(v.live_ptr() + stray * row_bytes, 0x5A, row_bytes)
+
+    monkeypatch.setattr(DecoderStep, "run", run_and_stray)
+    result = bench.check_step(stub_device, "mq4g256v2", "float16", contexts=(3, 17),
+                              shape=SMALL, seed=1234)
+    assert result["other_slots_changed"] == 1 and result["ok"] is False
+    assert result["seed"] == 1234 and result["tolerance"] == bench.CHECK_ERROR
+
+
 def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_device, tmp_path,
                                                                        monkeypatch, capsys):
     """``python -m pagedkv.bench decode`` end to end on the stub, shrunk to SMALL: the JSON
