@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kernels_support import load_tree_script
+from pagedkv import errors
 from pagedkv._build_config import HIP_TARGETS
 from pagedkv.bench import gpu
 from pagedkv.kernels import Device, Stream, weights
@@ -52,7 +53,42 @@ def test_attention_inputs_and_rows(dev):
                                            "paged_attention q8 unstaged",
                                            "paged_attention q8 int pass 1",
                                            "paged_attention q8 cp.async"]
-    assert all(r["us"] == pytest.approx(100.0) for r in rows)  # 0.5 ms / 5 launches
+    # 0.5 ms per graph over its launches, which cycle over pool copies of 4 x the 8 MiB L2
+    f16_calls, q8_calls = (gpu.attention_rotation(dev, 2 * k_pool.nbytes * w)[1] for w in (
+        128 / 68, 1))
+    assert (f16_calls, q8_calls) == (512, 964)  # 65,536 and 34,816 bytes of K + V
+    assert [r["us"] for r in rows] == pytest.approx([500 / f16_calls] * 2 + [500 / q8_calls] * 5)
+
+
+def test_attention_rotation_covers_four_l2s_and_times_at_least_five_launches(dev):
+    assert gpu.attention_rotation(dev, 64 << 20) == (1, 5)  # one pool passes 4 x 8 MiB
+    assert gpu.attention_rotation(dev, 12 << 20) == (3, 6)
+    assert gpu.attention_rotation(dev, 1 << 20) == (32, 32)
+    assert gpu.attention_rotation(dev, 32 << 20) == (1, 5)
+
+
+def test_time_attention_cycles_over_byte_equal_pool_copies(dev):
+    """Each launch of the timing graph gets the next copy of the K and V pools (the first
+    is the caller's), every copy the caller's bytes, and the copies are freed after."""
+    args, _, _ = gpu.attention_inputs(dev, np.random.default_rng(1), "q8", **SMALL_CASE)
+    launched, seen_bytes = [], []
+
+    class Recorder:
+        def run(self, q, k_pool, v_pool, tables, lens, out, *, stream=None):
+            launched.append((k_pool, v_pool))
+            if len(seen_bytes) < 3:  # the copies live while the graph is captured
+                seen_bytes.append((k_pool.to_numpy().tobytes(), v_pool.to_numpy().tobytes()))
+
+    gpu.time_attention(dev, Stream(dev), Recorder(), args)
+    copies, calls = gpu.attention_rotation(dev, args[1].nbytes + args[2].nbytes)
+    assert len(launched) == calls and copies == 964
+    assert launched[0] == (args[1], args[2])
+    assert len({id(k) for k, _ in launched}) == len({id(v) for _, v in launched}) == copies
+    want = (args[1].to_numpy().tobytes(), args[2].to_numpy().tobytes())
+    assert seen_bytes == [want] * 3
+    with pytest.raises(errors.InvalidArgument, match="was freed"):
+        launched[1][0].live_ptr()
+    args[1].live_ptr()  # the caller's pools stay
 
 
 def test_attention_inputs_of_a_partial_last_block(dev):
@@ -107,7 +143,13 @@ def test_compressed_attention_rows_charge_stored_bytes_and_compare_with_f16(dev)
                                            "paged_attention lloyd4/lloyd4",
                                            "paged_attention lloyd4/lloyd4 cuda-cores"]
     assert "vs_float16" not in rows[0]
-    assert all(r["vs_float16"] == pytest.approx(1.0) for r in rows[1:])  # the stub: 0.5 ms each
+    # the stub: 0.5 ms per graph, whose launches number by the pools' bytes (rotation)
+    # (8 blocks x 16 tokens x 2 heads, each a K and a V row: 512 + 512, 132 + 272, 132 + 132)
+    calls = {n: gpu.attention_rotation(dev, 8 * 16 * 2 * row)[1]
+             for n, row in (("float16", 1024), ("fwht4/q8", 132 + 272), ("4/4", 264))}
+    assert calls == {"float16": 128, "fwht4/q8": 325, "4/4": 497}
+    want = [calls["fwht4/q8"] / calls["float16"]] * 2 + [calls["4/4"] / calls["float16"]] * 4
+    assert [r["vs_float16"] for r in rows[1:]] == pytest.approx(want)
     assert all(r["mma_speedup"] == pytest.approx(1.0) for r in rows[2::2])
     assert rows[1]["GB/s"] * rows[1]["us"] * 1e3 == pytest.approx(
         8 * 16 * 2 * (132 + 272) + 2 * 2 * 4 * 256 * 4 + 2 * 4 * 4)
