@@ -257,7 +257,7 @@ def test_the_step_check_sees_a_write_to_another_slot(stub_device, monkeypatch):
 def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_device, tmp_path,
                                                                        monkeypatch, capsys):
     """``python -m pagedkv.bench decode`` end to end on the stub, shrunk to SMALL: the JSON
-    holds both checks (failed: the stub computes nothing) and every row, and the exit
+    holds the three checks (failed: the stub computes nothing) and every row, and the exit
     status says a check failed."""
     import json
 
@@ -270,13 +270,13 @@ def test_decode_cli_writes_checks_and_rows_and_fails_on_a_failed_check(stub_devi
     out = tmp_path / "decode.json"
     assert main(["decode", "--quick", "--no-torch", "--layers", "2", "--json", str(out)]) == 1
     got = json.loads(out.read_text())
-    assert [(c["check"], c["ok"]) for c in got["checks"]] == [("hfq4g256 float16", False),
-                                                             ("mq4g256v2 q8", False)]
+    assert [(c["check"], c["ok"]) for c in got["checks"]] == [
+        ("hfq4g256 float16", False), ("mq4g256v2 q8", False), ("hfq4g256 q8 b1 ctx 32768", False)]
     assert len(got["rows"]) == 2 * 2 * 2 * 2 and got["copy_GBps"] == 2000.0  # fused, unfused
     assert {(r["weights"], r["kv"], r["batch"]) for r in got["rows"]} == {
         (f, kv, b) for f in bench.FORMATS for kv in bench.KV_DTYPES for b in (1, 3)}
     text = capsys.readouterr().out
-    assert text.count("check ") == 2 and "FAILED" in text
+    assert text.count("check ") == 3 and "FAILED" in text
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
