@@ -52,6 +52,17 @@ def test_p2_one_full_context():
     assert memory_mb_for_one_sequence(1, G10) == 1
     with pytest.raises(InvalidArgument, match="max_model_len: 0"):
         memory_mb_for_one_sequence(0, G10)
+
+
+@pytest.mark.parametrize("max_model_len", [17, 4001, 4095, 32_769])
+def test_one_full_context_holds_the_sequence_when_a_block_does_not_divide_a_mib(max_model_len):
+    # 1.75 MiB blocks: MiB rounded from the token bytes (4,001 tokens -> 438 MiB) floored back
+    # to 250 blocks = 4,000 tokens, so the default pool refused a max_model_len request.
+    g = PoolGeometry(28, 8, 128, 16, "float16")
+    mb = memory_mb_for_one_sequence(max_model_len, g)
+    assert blocks_for_memory_mb(mb, g) * g.block_size >= max_model_len
+    sizing = resolve_pool_sizing(g, PagedCacheConfig(), max_model_len=max_model_len, environ={})
+    assert sizing.effective_window_tokens >= max_model_len
     with pytest.raises(InvalidArgumentType, match="mb"):
         blocks_for_memory_mb(1.5, G10)
 

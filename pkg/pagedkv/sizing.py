@@ -75,9 +75,15 @@ def blocks_for_memory_mb(mb: int, geometry: PoolGeometry) -> int:
 
 
 def memory_mb_for_one_sequence(max_model_len: int, geometry: PoolGeometry) -> int:
-    """MiB for the K/V of one ``max_model_len``-token sequence, rounded up: the auto max."""
+    """MiB for the K/V of one ``max_model_len``-token sequence in whole blocks, rounded up:
+    the auto max."""
     tokens = _count("max_model_len", max_model_len, minimum=1)
-    return -(-tokens * geometry.bytes_per_token // MIB)
+    # Whole blocks, not tokens: a pool holds blocks, and ``blocks_for_memory_mb`` floors, so
+    # MiB rounded from the token bytes alone can come back one block short of the sequence
+    # when a block is not a divisor of a MiB (28 layers x 8 heads x 128 f16: 1.75 MiB blocks,
+    # 4,001 tokens -> 438 MiB -> 250 blocks = 4,000 tokens).
+    blocks = -(-tokens // geometry.block_size)
+    return -(-blocks * geometry.bytes_per_block // MIB)
 
 
 def max_pool_blocks(max_mb: int, geometry: PoolGeometry, *,
