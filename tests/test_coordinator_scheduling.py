@@ -41,6 +41,32 @@ def test_reservation_rule_vectors():
     assert reservation_blocks(100, 1000, 16) == 8
     with pytest.raises(InvalidArgument):
         reservation_blocks(-1, 0, 16)
+    with pytest.raises(InvalidArgument, match="block_size = 0"):   # was ZeroDivisionError
+        reservation_blocks(16, 1, 0)
+
+
+def test_note_admitted_refuses_before_writing_anything():
+    c = full_sliding_alias(window=64, blocks=(20, 11))    # 20 and 10 usable blocks
+    c.reset_for_new_request("a")
+    c.record_tokens("a", np.arange(8))
+    c.note_admitted("a", (6, 6), state_bytes=5)
+    before = (c.unallocated_reserved_blocks(), c._rows.state_bytes.tolist())
+    # A reservation no max pool can meet used to store the state bytes, then either write
+    # group 0 and overflow the int32 table in group 1 (OverflowError, half recorded) or
+    # stay recorded and block every later admission.
+    for bad in ((6, 2**31), (2**31, 6), (21, 6), (6, 11)):
+        with pytest.raises(CapacityExceeded, match="max pool holds"):
+            c.note_admitted("a", bad, state_bytes=99)
+        assert (c.unallocated_reserved_blocks(), c._rows.state_bytes.tolist()) == before
+    with pytest.raises(InvalidArgument, match="state_bytes"):
+        c.note_admitted("a", (1, 1), state_bytes=2**63)
+    assert (c.unallocated_reserved_blocks(), c._rows.state_bytes.tolist()) == before
+    # A float where blocks go is a type error, not "'float' object is not iterable".
+    with pytest.raises(InvalidArgumentType, match="blocks"):
+        c.can_admit(1.0)
+    with pytest.raises(InvalidArgumentType, match="blocks"):
+        c.note_admitted("a", 1.5)
+    assert (c.unallocated_reserved_blocks(), c._rows.state_bytes.tolist()) == before
 
 
 def test_watermark_fraction_is_clamped_and_non_finite_is_the_default():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagedkv.adapter.arguments import as_count
-from pagedkv.argument_checks import is_int
+from pagedkv.argument_checks import int_argument, is_int, items_argument
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvalidArgumentType
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def reservation_blocks(prompt_tokens: int, max_new_tokens: int, block_size: int)
     can use."""
     prompt = as_count(prompt_tokens, "prompt_tokens")
     new = as_count(max_new_tokens, "max_new_tokens")
-    bs = as_count(block_size, "block_size")
+    bs = int_argument("block_size", block_size, minimum=1)  # a block of 0 tokens divides by 0
     blocks = -(-prompt // bs) + (1 if new > 0 else 0)
     return min(blocks, -(-(prompt + new) // bs))
 
@@ -109,7 +109,9 @@ class AdmissionControl:
     def _per_group(self, blocks, name: str) -> tuple[int, ...]:
         if is_int(blocks):
             return (as_count(blocks, name),) * len(self._groups)
-        out = tuple(as_count(b, f"{name}[{i}]") for i, b in enumerate(blocks))
+        # items_argument: a float or None is an InvalidArgumentType, not "not iterable".
+        out = tuple(as_count(b, f"{name}[{i}]")
+                    for i, b in enumerate(items_argument(name, blocks)))
         if len(out) != len(self._groups):
             raise InvalidArgument(f"{name} has {len(out)} entries for {len(self._groups)} "
                                   "groups: one per group (or one int for all)")
@@ -166,7 +168,21 @@ class AdmissionControl:
         per-row state (counted against :attr:`state_budget_bytes` while it is live)."""
         row = self._row(seq_id)
         per_group = self._per_group(blocks, "blocks")
-        self._rows.state_bytes[row] = as_count(state_bytes, "state_bytes")
+        state = as_count(state_bytes, "state_bytes")
+        # Everything is checked before anything is written: a reservation above the max pool
+        # could never be met (can_admit would refuse every later request while the row
+        # lives) and overflowed the int32 table halfway through the groups, after the
+        # state bytes were already stored.
+        for i, (g, b) in enumerate(zip(self._groups, per_group, strict=True)):
+            usable = g.usable_max_blocks()
+            if b > usable:
+                raise CapacityExceeded(
+                    f"note_admitted: a reservation of {b} paged blocks but the max pool holds "
+                    f"{usable}" + (f" (group {i})" if len(self._groups) > 1 else "")
+                    + "; record what reservation_for returned")
+        if state > np.iinfo(self._rows.state_bytes.dtype).max:
+            raise InvalidArgument(f"state_bytes = {state} does not fit a signed 64-bit count")
+        self._rows.state_bytes[row] = state
         for g, b in zip(self._groups, per_group, strict=True):
             g.reserved[row] = b
 
