@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
-from pagedkv.errors import PagedKVError
+from pagedkv.errors import InvalidArgumentType, PagedKVError
 from pagedkv.pool import LayerKVPool, PoolGeometry
 from pagedkv.pool.slot_copy import SlotCopier
 
@@ -195,6 +195,28 @@ def test_declined_gathers_behave_as_the_validating_path():
         generic.gather, 2, table, 3, generation=1)
     assert fast.try_gather(2, table, 3, generation=1) is None
     assert fast.try_gather(2, table, 9) is None  # 9 tokens need a third block: -1
+    assert contents(fast) == contents(generic)
+
+
+def test_a_generation_of_another_type_is_refused_on_both_paths():
+    # False and 0.0 equal generation 0: the fast path's gate compared with ==, so it wrote
+    # and gathered where check_generation raises InvalidArgumentType.
+    fast, generic = pools("float16")
+    rng = np.random.default_rng(4)
+    k = tokens(fast, 2, rng)
+    table = np.array([1, 0], np.int32)
+    for gen in (False, 0.0, np.float64(0)):
+        got = outcome(fast.write_tokens, 0, np.array([1, 2]), k, k, generation=gen)
+        assert got[0] is InvalidArgumentType, gen
+        assert got == outcome(generic.write_tokens, 0, np.array([1, 2]), k, k, generation=gen)
+        assert outcome(fast.gather, 0, table, 3, generation=gen) == outcome(
+            generic.gather, 0, table, 3, generation=gen)
+        assert fast.try_write_positions(0, table, 0, k, k, generation=gen) is False
+        assert fast.try_gather(0, table, 3, generation=gen) is None
+        assert contents(fast) == contents(generic), gen
+    # A NumPy integer generation is valid: declined by the fast path, written by the other.
+    fast.write_tokens(0, np.array([1, 2]), k, k, generation=np.int64(0))
+    generic.write_tokens(0, np.array([1, 2]), k, k, generation=np.int64(0))
     assert contents(fast) == contents(generic)
 
 

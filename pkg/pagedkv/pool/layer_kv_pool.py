@@ -292,6 +292,14 @@ class LayerKVPool:
                 f"generation: the block table was built for pool generation {generation}, "
                 f"the pool is at generation {self._generation} (it grew); rebuild the table")
 
+    def _fast_generation(self, generation) -> bool:
+        """Whether the C fast path may run for ``generation``: None or the current
+        generation as an exact ``int``. ``==`` alone let ``False`` or ``0.0`` through (equal
+        to generation 0), which :meth:`check_generation` refuses; anything else declines,
+        and the validating path decides."""
+        return generation is None or (type(generation) is int
+                                      and generation == self._generation)
+
     def _layer_index(self, layer) -> int:
         layer = _index("layer", layer)
         if not 0 <= layer < self._geometry.num_layers:
@@ -414,7 +422,7 @@ class LayerKVPool:
         encodes each side in its mode first. Duplicate slots: the last write wins."""
         with self._lock:
             copier = self._slot_copier
-            if copier is not None and (generation is None or generation == self._generation) \
+            if copier is not None and self._fast_generation(generation) \
                     and copier.write_slots(layer, slots, k, v):
                 return
             self.check_generation(generation)
@@ -434,7 +442,7 @@ class LayerKVPool:
         then take a validating path (:meth:`slots_for_positions` + :meth:`write_tokens`)."""
         with self._lock:
             copier = self._slot_copier
-            return copier is not None and (generation is None or generation == self._generation) \
+            return copier is not None and self._fast_generation(generation) \
                 and copier.write_positions(layer, block_ids, start, k, v)
 
     def write_tokens_layers(self, slots, k_layers, v_layers, *,
@@ -454,7 +462,7 @@ class LayerKVPool:
         ``block_ids``: new contiguous ``[num_tokens, kv_heads, head_dim]`` arrays."""
         with self._lock:
             copier = self._slot_copier
-            if copier is not None and (generation is None or generation == self._generation):
+            if copier is not None and self._fast_generation(generation):
                 out = copier.gather(layer, block_ids, num_tokens)
                 if out is not None:
                     return out
@@ -470,7 +478,7 @@ class LayerKVPool:
         or the backend has none. Callers then validate and call :meth:`gather`."""
         with self._lock:
             copier = self._slot_copier
-            if copier is not None and (generation is None or generation == self._generation):
+            if copier is not None and self._fast_generation(generation):
                 return copier.gather(layer, block_ids, num_tokens)
             return None
 
