@@ -24,6 +24,7 @@ from pagedkv.errors import (
     CapacityExceeded,
     GroupManagerMismatch,
     InvalidArgument,
+    InvalidArgumentType,
     InvariantViolation,
     PagedKVError,
     PoolExhausted,
@@ -233,6 +234,11 @@ def test_routed_writes_reads_and_the_alias_reading_its_anchor():
     assert k1[:, 0, 0].tolist() == [p + 1.0 for p in range(12, 20)]
     k1, _ = c.gather_kv("a", 1, start=15)
     assert k1[:, 0, 0].tolist() == [p + 1.0 for p in range(15, 20)]
+    # start=False / 0.0 equal 0: they took the pool's fast gather, which the validating
+    # path (as_count) refuses; refused on both paths now.
+    for bad in (False, 0.0):
+        with pytest.raises(InvalidArgumentType, match="start must be an int"):
+            c.gather_kv("a", 0, start=bad)
     before = state(c)
     with pytest.raises(InvalidArgument, match="left the sliding window"):
         c.gather_kv("a", 1)

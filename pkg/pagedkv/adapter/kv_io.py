@@ -102,7 +102,8 @@ def gather_positions(group: GroupBlocks, row: int, seq_id: Hashable, have: int, 
     ``[have - start, kv_heads, head_dim]``. A ``start`` inside expired (null) blocks →
     ``InvalidArgument``."""
     live = group.first_live_position(row)
-    if start == 0 and live == 0:
+    # An exact int: False and 0.0 equal 0 but as_count refuses them.
+    if type(start) is int and start == 0 and live == 0:
         out = group.pool.try_gather(layer, group.table[row], have, generation=generation)
         if out is not None:
             return out
