@@ -100,6 +100,9 @@ def test_values_are_encoded_on_write_and_decoded_on_read(backend, dtype, hd):
     lk, lv = pool.gather_layers(table, 24)
     np.testing.assert_array_equal(_np(lk)[:, slots], kv.encode(kl, g.k_dtype))
     np.testing.assert_array_equal(_np(lv)[:, slots], kv.encode(vl, g.v_dtype))
+    if isinstance(lk, np.ndarray):  # pool.gather_layers: every layer's slice C-contiguous
+        # (split K/V storage returned token-major arrays before)
+        assert all(x[i].flags.c_contiguous for x in (lk, lv) for i in range(g.num_layers))
 
 
 @pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")

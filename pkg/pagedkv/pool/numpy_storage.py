@@ -277,5 +277,9 @@ class NumpySplitKVStorage:
         return self._k[layer, blocks, offs], self._v[layer, blocks, offs]
 
     def gather_layers(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # The layer axis is indexed too: with a slice there NumPy lays the result out
+        # token-major, so no layer's [n, kv_heads, row] slice was C-contiguous (the contract
+        # of LayerKVPool.gather_layers). All-advanced indices give a C-ordered result.
         blocks, offs = self._split(slots)
-        return self._k[:, blocks, offs], self._v[:, blocks, offs]
+        layers = np.arange(self.geometry.num_layers)[:, None]
+        return self._k[layers, blocks, offs], self._v[layers, blocks, offs]
