@@ -812,3 +812,24 @@ def test_an_overlong_cold_restore_is_refused_and_its_blocks_returned(make):
     assert a.stats()["cold_restore_errors"] == 1
     assert a.allocator.num_free_blocks == 16
     a.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("prompt, total, error", [
+    ([1, 2, 3], 2.5, InvalidArgumentType), ([1, 2, 3], True, InvalidArgumentType),
+    ([1, 2, 3], -1, InvalidArgument), ([[1, 2, 3]], 3, InvalidArgument),
+    ([1.0, 2.0], 2, InvalidArgumentType)])
+def test_restart_prepared_turn_cold_refuses_bad_arguments_before_releasing(make, prompt, total,
+                                                                          error):
+    # It released the live request (and dropped its hit) before allocate_suffix_blocks or the
+    # forced-miss lookup refused the argument: a typo ended the request.
+    a = make(8)
+    start(a, "x", range(8))
+    a.register_full_blocks_for_reuse("x")
+    a.release_request("x")
+    a.reset_for_new_request("s")
+    a.find_cached_prefix("s", list(range(8)) + [9], max_tokens=8)
+    a.allocate_suffix_blocks("s", 9)
+    before = state(a)
+    with pytest.raises(error):
+        a.restart_prepared_turn_cold("s", prompt, total)
+    assert state(a) == before

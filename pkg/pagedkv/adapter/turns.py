@@ -64,14 +64,18 @@ def restart_prepared_turn_cold(cache: RequestLifecycle, seq_id: Hashable, prompt
                                total_tokens: int) -> int:
     """Discard a prepared hit: release, reset, forced miss, allocate. Returns new blocks.
     Throwing away blocks the cold tier restored tells the tier (its ``restore_discarded``
-    hook counts ``restore_suppressed``)."""
+    hook counts ``restore_suppressed``). A bad ``prompt`` or ``total_tokens`` is refused
+    before anything changes: the live request, its blocks and the tier's counters stay."""
+    # Checked first: the release below is not undone when a later step refuses the call.
+    toks = as_tokens(prompt, "prompt")
+    total = as_count(total_tokens, "total_tokens")
     restored = cache.restored_block_count(seq_id)
     if restored > 0 and cache._cold_calls is not None:
         cache._cold_calls.restore_discarded(restored)
     cache.reset_for_new_request(seq_id)
     try:
-        cache.find_cached_prefix(seq_id, prompt, skip_lookup=True)
-        return cache.allocate_suffix_blocks(seq_id, total_tokens)
+        cache.find_cached_prefix(seq_id, toks, skip_lookup=True)
+        return cache.allocate_suffix_blocks(seq_id, total)
     except BaseException:
         cache.release_request(seq_id)
         raise
