@@ -833,3 +833,21 @@ def test_restart_prepared_turn_cold_refuses_bad_arguments_before_releasing(make,
     with pytest.raises(error):
         a.restart_prepared_turn_cold("s", prompt, total)
     assert state(a) == before
+
+
+@pytest.mark.parametrize("call", ["register_full_blocks_for_reuse", "finalize_turn_keep_live"])
+@pytest.mark.parametrize("salt, error", [(1.5, InvalidArgumentType), (True, InvalidArgumentType),
+                                         ("tenant", InvalidArgumentType),
+                                         (-1, InvalidArgument)])
+def test_repeated_registration_still_checks_the_salt(make, call, salt, error):
+    # Registration runs once per request; the repeat returned 0 before looking at its
+    # arguments, so a float/bool/str salt was accepted on the second call only.
+    a = make(8)
+    start(a, "s", range(9))
+    getattr(a, call)("s")
+    before = state(a)
+    with pytest.raises(error):
+        getattr(a, call)("s", cache_salt=salt)
+    with pytest.raises(InvalidArgumentType):
+        getattr(a, call)("s", extra_keys=[1.5])
+    assert state(a) == before

@@ -410,6 +410,10 @@ class RequestLifecycle(AdmissionControl):
     def _register(self, row: int, call: str, extra_keys, extra_keys_per_block,
                   cache_salt) -> int:
         self._check_latch(row, call)
+        # Checked before the once-per-request early return: a second call with a float or
+        # bool salt, or bad extra keys, is refused like the first, not silently taken.
+        cache_salt = as_domain_id(cache_salt)
+        make_chain_keys(extra_keys, extra_keys_per_block)
         rows = self._rows
         if rows.registered[row]:
             return 0
