@@ -180,6 +180,40 @@ def test_rollback_never_reaches_into_a_shared_or_published_block(make):
     assert a.num_tokens("C") == 4
 
 
+def test_write_kv_never_reaches_into_a_shared_or_published_block(make):
+    # The write-side twin of the rollback refusal above: B's prefix hit shares A's two
+    # published blocks, so B writing positions 0-7 (an engine recomputing the whole prompt
+    # after a hit) would change what A reads and what the prefix cache serves under those
+    # tokens' hash; A rewriting its own published block likewise. Refused on the fast path's
+    # calls and the validating path's alike, nothing written; past the shared blocks it is fine.
+    a = make(16)
+    ones = np.ones((8, HEADS, DIM), np.float32)
+    start(a, "A", range(8))
+    a.write_kv("A", 0, ones, ones)
+    a.finalize_turn_keep_live("A")
+    assert start(a, "B", list(range(8)) + [9]) == 8
+    before = state(a)
+    pool_before = [x.copy() for layer in range(LAYERS) for x in a.pool.layer(layer)]
+    twos = np.full((9, HEADS, DIM), 2, np.float32)
+    for call in (lambda: a.write_kv("B", 0, twos[:1], twos[:1], start=7),
+                 lambda: a.write_kv("B", 1, twos, twos, start=0),
+                 lambda: a.write_kv("B", 0, twos[:2], twos[:2], start=7),  # blocks 1 and 2
+                 lambda: a.write_kv("B", 0, twos[:1].astype(np.float64), twos[:1], start=0),
+                 lambda: a.write_kv("A", 0, twos[:1], twos[:1], start=3),
+                 lambda: a.write_kv_layers("B", twos[None].repeat(LAYERS, 0),
+                                           twos[None].repeat(LAYERS, 0))):
+        with pytest.raises(InvalidArgument, match=r"other requests or the prefix cache also "
+                                                  r"hold \(refcount [23]\)"):
+            call()
+        assert state(a) == before
+        assert all(np.array_equal(x, y) for x, y in zip(
+            pool_before, (x for layer in range(LAYERS) for x in a.pool.layer(layer)),
+            strict=True))
+    a.write_kv("B", 0, twos[:1], twos[:1], start=8)  # B's own block 2
+    k, _ = a.gather_kv("B", 0)
+    assert (k[:8] == 1).all() and (k[8] == 2).all()
+
+
 def test_d7_register_once_release_cleanly(make):
     a = make(16)
     start(a, "s", range(8))

@@ -209,6 +209,33 @@ class GroupBlocks:
                     f"block ({i * self.block_size + self.block_size} tokens here at least), or "
                     f"start a fresh request")
 
+    def owns_alone(self, row: int, first: int, n: int) -> bool:
+        """Whether every block holding positions ``[first, first + n)`` (n >= 1, within the
+        row's blocks) has refcount 1: no prefix hit shares it and the prefix cache does not
+        hold it. Shared blocks are always a leading run, so a decode write checks one."""
+        bs, ref_count = self.block_size, self.allocator.ref_count
+        i, last = first // bs, (first + n - 1) // bs
+        if i == last:  # a decode step's one token: one lookup, no loop (the hot path)
+            return ref_count(self.table.item(row, i)) == 1
+        table = self.table[row]
+        return all(ref_count(int(table[j])) == 1 for j in range(i, last + 1))
+
+    def check_owned_alone(self, row: int, first: int, n: int, seq_id, what: str) -> None:
+        """``InvalidArgument`` when a write of positions ``[first, first + n)`` would land in
+        a block other requests or the prefix cache hold too (:meth:`check_rollback`'s
+        reason: their K/V, or a cached block's content under its hash, would change)."""
+        if n and not self.owns_alone(row, first, n):
+            table, bs = self.table[row], self.block_size
+            i = next(i for i in range(first // bs, (first + n - 1) // bs + 1)
+                     if self.allocator.ref_count(int(table[i])) != 1)
+            raise InvalidArgument(
+                f"{what} positions [{first}, {first + n}) of seq_id {seq_id!r} reach block "
+                f"{int(table[i])} (table index {i}, positions [{i * bs}, {i * bs + bs})), which "
+                f"other requests or the prefix cache also hold (refcount "
+                f"{self.allocator.ref_count(int(table[i]))}): the write would change their K/V. "
+                f"Write only the positions past the prefix hit and the registered blocks "
+                f"({i * bs + bs} and on here)")
+
     def publishes(self, hot_reuse: bool) -> bool:
         """Whether registration publishes this group's blocks (full groups always do)."""
         return True
