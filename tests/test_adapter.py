@@ -214,6 +214,22 @@ def test_write_kv_never_reaches_into_a_shared_or_published_block(make):
     assert (k[:8] == 1).all() and (k[8] == 2).all()
 
 
+@pytest.mark.parametrize("bad", [[1, 2], {"a": 1}, np.arange(3), {1}])
+def test_an_unhashable_seq_id_is_refused_by_every_lifecycle_call(make, bad):
+    # These looked the id up with dict.get / `in` and let Python's bare TypeError out (a
+    # list from a JSON request body, say); now InvalidArgumentType, nothing changes.
+    a = make(16)
+    start(a, "A", range(6))
+    before = state(a)
+    for call in (lambda: a.reset_for_new_request(bad), lambda: a.release_request(bad),
+                 lambda: a.is_live_for_continue(bad),
+                 lambda: a.prepare_turn(bad, np.arange(4), total_tokens=8)):
+        with pytest.raises(InvalidArgumentType, match="unhashable"):
+            call()
+        assert state(a) == before
+    assert a.release_request("A") == 2  # the live request is untouched
+
+
 def test_d7_register_once_release_cleanly(make):
     a = make(16)
     start(a, "s", range(8))

@@ -139,7 +139,7 @@ class RequestLifecycle(AdmissionControl):
 
     def reset_for_new_request(self, seq_id: Hashable) -> None:
         """Release any live request of ``seq_id`` in every group and give it empty tables."""
-        if seq_id in self._rows.row_of:
+        if self._rows.find(seq_id) is not None:
             self.release_request(seq_id)
         self._rows.acquire(seq_id)
 
@@ -463,7 +463,7 @@ class RequestLifecycle(AdmissionControl):
         failed groups' tables as they were (``free_many`` changes nothing on error), so a
         retry releases only what is left. Returns the blocks released."""
         rows = self._rows
-        row = rows.row_of.get(seq_id)
+        row = rows.find(seq_id)
         if row is None:
             return 0
         released = 0
@@ -489,7 +489,7 @@ class RequestLifecycle(AdmissionControl):
         return n
 
     def is_live_for_continue(self, seq_id: Hashable) -> bool:
-        row = self._rows.row_of.get(seq_id)
+        row = self._rows.find(seq_id)
         return row is not None and bool(self._rows.finalized[row])
 
     def _check_groups_back(self, row: int, tokens: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.errors import InvalidArgument, PagedKVError
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError
 
 __all__ = ["SequenceRows"]
 
@@ -82,6 +82,17 @@ class SequenceRows:
 
     # --- seq_id <-> row -----------------------------------------------------------------
 
+    def find(self, seq_id: Hashable) -> int | None:
+        """The row of ``seq_id``, or ``None`` when it has none; ``InvalidArgumentType`` for an
+        id that cannot be a dict key (a list, a dict, an ndarray), which the lifecycle calls
+        that look ids up with ``get`` / ``in`` let through as a bare ``TypeError``."""
+        try:
+            return self.row_of.get(seq_id)
+        except TypeError:
+            raise InvalidArgumentType(
+                f"seq_id {seq_id!r} is unhashable ({type(seq_id).__name__}): sequence ids are "
+                "dict keys; use an int, a str or a tuple of them") from None
+
     def row(self, seq_id: Hashable) -> int:
         try:
             return self.row_of[seq_id]
@@ -111,6 +122,7 @@ class SequenceRows:
         return rows
 
     def acquire(self, seq_id: Hashable) -> int:
+        self.find(seq_id)  # an unhashable id is refused before a row is taken
         if not self._free:
             self._grow(2 * self.capacity)
         row = self._free.pop()
