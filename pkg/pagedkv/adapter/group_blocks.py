@@ -190,51 +190,45 @@ class GroupBlocks:
         """Whether the row's table holds the K/V a continuation at ``tokens`` reads."""
         return int(self.num_blocks[row]) * self.block_size >= tokens
 
+    def shared_block(self, row: int, first: int, n: int) -> int:
+        """The table index of the first block holding positions ``[first, first + n)`` (within
+        the row's blocks) that the row does not own alone, or -1: one of a prefix hit other
+        requests hold too, or one it published to the prefix cache (either way refcount > 1).
+        A write there would change K/V that other requests read, or that the table serves
+        under the old tokens' hash. A decode write spans one block: one lookup."""
+        ref_count, item, bs = self.allocator.ref_count, self.table.item, self.block_size
+        i, last = first // bs, (first + n - 1) // bs
+        if i == last:  # the decode hot path: no loop
+            return i if ref_count(item(row, i)) > 1 else -1
+        return next((j for j in range(i, last + 1) if ref_count(item(row, j)) > 1), -1)
+
     def check_rollback(self, row: int, new_total: int, seq_id) -> None:
         """``InvalidArgument`` when resuming at ``new_total`` tokens would rewrite a block
-        the row does not own alone: one of a prefix hit other requests hold too, or one it
-        published to the prefix cache (either way refcount > 1). The next write there would
-        change K/V that other requests read, or that the table serves under the old
-        tokens' hash."""
-        table = self.table[row]
-        for i in range(new_total // self.block_size, int(self.num_blocks[row])):
-            b = int(table[i])
-            refs = self.allocator.ref_count(b)
-            if refs > 1:
-                raise InvalidArgument(
-                    f"rollback_last_tokens: seq_id {seq_id!r} would resume at {new_total} "
-                    f"tokens, inside block {b} (table index {i}), which other requests or the "
-                    f"prefix cache also hold (refcount {refs}): the next write would change "
-                    f"their K/V. Roll back only tokens past the last shared or registered "
-                    f"block ({i * self.block_size + self.block_size} tokens here at least), or "
-                    f"start a fresh request")
-
-    def owns_alone(self, row: int, first: int, n: int) -> bool:
-        """Whether every block holding positions ``[first, first + n)`` (n >= 1, within the
-        row's blocks) has refcount 1: no prefix hit shares it and the prefix cache does not
-        hold it. Shared blocks are always a leading run, so a decode write checks one."""
-        bs, ref_count = self.block_size, self.allocator.ref_count
-        i, last = first // bs, (first + n - 1) // bs
-        if i == last:  # a decode step's one token: one lookup, no loop (the hot path)
-            return ref_count(self.table.item(row, i)) == 1
-        table = self.table[row]
-        return all(ref_count(int(table[j])) == 1 for j in range(i, last + 1))
-
-    def check_owned_alone(self, row: int, first: int, n: int, seq_id, what: str) -> None:
-        """``InvalidArgument`` when a write of positions ``[first, first + n)`` would land in
-        a block other requests or the prefix cache hold too (:meth:`check_rollback`'s
-        reason: their K/V, or a cached block's content under its hash, would change)."""
-        if n and not self.owns_alone(row, first, n):
-            table, bs = self.table[row], self.block_size
-            i = next(i for i in range(first // bs, (first + n - 1) // bs + 1)
-                     if self.allocator.ref_count(int(table[i])) != 1)
+        the row does not own alone (:meth:`shared_block`)."""
+        bs = self.block_size
+        i = self.shared_block(row, new_total, int(self.num_blocks[row]) * bs - new_total)
+        if i >= 0:
+            b = self.table.item(row, i)
             raise InvalidArgument(
-                f"{what} positions [{first}, {first + n}) of seq_id {seq_id!r} reach block "
-                f"{int(table[i])} (table index {i}, positions [{i * bs}, {i * bs + bs})), which "
-                f"other requests or the prefix cache also hold (refcount "
-                f"{self.allocator.ref_count(int(table[i]))}): the write would change their K/V. "
-                f"Write only the positions past the prefix hit and the registered blocks "
-                f"({i * bs + bs} and on here)")
+                f"rollback_last_tokens: seq_id {seq_id!r} would resume at {new_total} "
+                f"tokens, inside block {b} (table index {i}), which other requests or the "
+                f"prefix cache also hold (refcount {self.allocator.ref_count(b)}): the next "
+                f"write would change their K/V. Roll back only tokens past the last shared or "
+                f"registered block ({i * bs + bs} tokens here at least), or start a fresh "
+                f"request")
+
+    def check_write(self, row: int, first: int, n: int, seq_id, what: str) -> None:
+        """``InvalidArgument`` when a write of positions ``[first, first + n)`` would land in
+        a block the row does not own alone (:meth:`shared_block`; rollback's reason)."""
+        i = self.shared_block(row, first, n) if n else -1
+        if i >= 0:
+            b, bs = self.table.item(row, i), self.block_size
+            raise InvalidArgument(
+                f"{what} positions [{first}, {first + n}) of seq_id {seq_id!r} reach block {b} "
+                f"(table index {i}, positions [{i * bs}, {i * bs + bs})), which other requests "
+                f"or the prefix cache also hold (refcount {self.allocator.ref_count(b)}): the "
+                f"write would change their K/V. Write only the positions past the prefix hit "
+                f"and the registered blocks ({i * bs + bs} and on here)")
 
     def publishes(self, hot_reuse: bool) -> bool:
         """Whether registration publishes this group's blocks (full groups always do)."""

@@ -49,7 +49,7 @@ def write_positions(group: GroupBlocks, row: int, seq_id: Hashable, have: int, l
         n = k.shape[0]
         first = have - n if start is None else start
         if type(first) is int and live <= first and first + n <= have and n and \
-                group.owns_alone(row, first, n) and \
+                group.shared_block(row, first, n) < 0 and \
                 group.pool.try_write_positions(layer, group.table[row], first, k, v,
                                                generation=generation):
             return
@@ -65,7 +65,7 @@ def write_positions(group: GroupBlocks, row: int, seq_id: Hashable, have: int, l
         raise InvalidArgument(
             f"write_kv positions [{first}, {first + n}) of seq_id {seq_id!r} start before "
             f"{live}: those blocks left the sliding window (null entries)")
-    group.check_owned_alone(row, first, n, seq_id, "write_kv")
+    group.check_write(row, first, n, seq_id, "write_kv")
     if n:
         group.pool.write_tokens(layer, group.slots(row, first, first + n), k, v,
                                 generation=generation)
@@ -94,7 +94,7 @@ def write_layers(group: GroupBlocks, row: int, seq_id: Hashable, have: int, k_la
         raise InvalidArgument(
             f"write_kv_layers positions [{have - n}, {have}) of seq_id {seq_id!r} start "
             f"before {live}: those blocks left the sliding window (null entries)")
-    group.check_owned_alone(row, have - n, n, seq_id, "write_kv_layers")
+    group.check_write(row, have - n, n, seq_id, "write_kv_layers")
     if n:
         group.pool.write_tokens_layers(group.slots(row, have - n, have), k_layers, v_layers)
 
