@@ -318,6 +318,28 @@ def test_d12_keep_live_turns(make):
         a.continue_turn("n", turn1 + [7], 8)
 
 
+def test_d12_recording_after_keep_live_needs_continue_turn(make):
+    # A finalized turn was published once: tokens recorded after it were never published
+    # (the next finalize or register returned 0), so recording is refused until continue_turn.
+    a = make(16)
+    turn1 = list(range(5))
+    start(a, "s", turn1)
+    start(a, "o", [9, 9])
+    assert a.finalize_turn_keep_live("s") == 1
+    before = state(a)
+    with pytest.raises(PagedKVError, match=r"record_tokens: seq_id 's' was finalized .*"
+                                           r"call continue_turn"):
+        a.record_tokens("s", [5, 6, 7, 8])
+    with pytest.raises(PagedKVError, match=r"record_decode_tokens: seq_id 's' was finalized"):
+        a.record_decode_tokens(["o", "s"], [1, 5])
+    assert state(a) == before and a.is_live_for_continue("s")
+    assert a.continue_turn("s", turn1 + [5, 6, 7, 8], 9) == (5, 1)
+    a.record_tokens("s", [5, 6, 7, 8])
+    assert a.finalize_turn_keep_live("s") == 1  # the second full block, now published
+    a.release_request("s")
+    a.reset_for_new_request("t")
+    assert a.find_cached_prefix("t", list(range(10))).cached_tokens == 8
+
 def test_d13_prepare_turn(make):
     a = make(16)
     turn1 = list(range(7))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from allocator_implementations import ALLOCATORS, observables
 from pagedkv.adapter import PagedKVCacheAdapter
-from pagedkv.errors import ContextLengthExceeded
+from pagedkv.errors import ContextLengthExceeded, PagedKVError
 from pagedkv.pool import LayerKVPool, PoolGeometry
 
 BS = 4
@@ -72,6 +72,7 @@ def test_random_lifecycles_stay_consistent(cls, steps):
     pool = LayerKVPool(PoolGeometry(1, 1, 2, BS, "float32"), 6, 24)
     a = PagedKVCacheAdapter(alloc, pool, initial_rows=2)
     floor: dict = {}  # seq -> tokens that must never be rolled back (shared or registered)
+    finalized: set = set()  # ended turns: recording refused until continue_turn
     for op, s, n, salt in steps:
         before = snapshot(a)
         live = s in floor
@@ -80,16 +81,27 @@ def test_random_lifecycles_stay_consistent(cls, steps):
             if op == "start":
                 a.reset_for_new_request(s)
                 floor.pop(s, None)
+                finalized.discard(s)
                 hit = a.find_cached_prefix(s, toks, cache_salt=salt % 2, max_tokens=n - 1)
                 a.allocate_suffix_blocks(s, n)
                 a.record_tokens(s, toks[hit.cached_tokens:])
                 write(a, s, n - hit.cached_tokens)
                 floor[s] = hit.cached_tokens
             elif op == "decode" and live:
+                if s in finalized:
+                    with pytest.raises(PagedKVError, match="continue_turn"):
+                        a.record_tokens(s, toks[:1])
+                    assert snapshot(a) == before
+                    continue
                 a.record_tokens(s, toks[:1])
                 write(a, s, 1)
             elif op == "decode_batch" and floor:
                 seqs = sorted(floor)
+                if finalized:
+                    with pytest.raises(PagedKVError, match="continue_turn"):
+                        a.record_decode_tokens(seqs, np.full(len(seqs), salt))
+                    assert snapshot(a) == before
+                    seqs = sorted(set(floor) - finalized)
                 a.record_decode_tokens(seqs, np.full(len(seqs), salt))
                 for q in seqs:
                     write(a, q, 1)
@@ -98,16 +110,19 @@ def test_random_lifecycles_stay_consistent(cls, steps):
                     a.register_full_blocks_for_reuse(s, cache_salt=salt % 2)
                 else:
                     a.finalize_turn_keep_live(s, cache_salt=salt % 2)
+                    finalized.add(s)
                 floor[s] = a.num_tokens(s)
             elif op == "continue" and live and a.is_live_for_continue(s):
                 prior = a.num_tokens(s)
                 prompt = np.concatenate([a.request_tokens(s), toks])
                 assert a.continue_turn(s, prompt, len(prompt))[0] == prior
+                finalized.discard(s)
                 a.record_tokens(s, toks)
                 write(a, s, len(toks))
             elif op == "release":
                 a.release_request(s)
                 floor.pop(s, None)
+                finalized.discard(s)
             elif op == "rollback" and live:
                 back = min(n, a.num_tokens(s) - floor[s])
                 a.rollback_last_tokens(s, back)

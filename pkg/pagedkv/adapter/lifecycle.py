@@ -327,13 +327,24 @@ class RequestLifecycle(AdmissionControl):
                 "tokens but its out-of-pool state is unconfirmed; install it and call "
                 f"confirm_aux_prefix_primed(seq_id, {cached})")
 
+    def _check_not_finalized(self, row: int, call: str) -> None:
+        # A finalized turn is published once; tokens recorded after it would never be (the
+        # next finalize or register returns 0), so the next turn must reopen it first.
+        if self._rows.finalized[row]:
+            raise PagedKVError(
+                f"{call}: seq_id {self._rows.seq_of[row]!r} was finalized by "
+                "finalize_turn_keep_live; call continue_turn(seq_id, prompt, total_tokens) "
+                "before recording more tokens")
+
     def record_tokens(self, seq_id: Hashable, tokens) -> None:
         """Append ``tokens`` to the sequence; every group gets the blocks the new count
         needs first (cursor rule). Errors (``CapacityExceeded``, ``PoolExhausted``, "paged
         decode could not reserve") change nothing. Call it before ``write_kv`` for those
-        positions."""
+        positions. A finalized turn (``finalize_turn_keep_live``) → ``PagedKVError``:
+        ``continue_turn`` first."""
         rows = self._rows
         row = rows.row(seq_id)
+        self._check_not_finalized(row, "record_tokens")
         self._check_latch(row, "record_tokens")
         toks = as_tokens(tokens)
         start = int(rows.num_tokens[row])
@@ -355,6 +366,9 @@ class RequestLifecycle(AdmissionControl):
         if len(toks) != len(rows):
             raise InvalidArgument(
                 f"tokens has {len(toks)} entries for {len(rows)} seq_ids: one token each")
+        if rows_state.finalized[rows].any():
+            self._check_not_finalized(int(rows[rows_state.finalized[rows].argmax()]),
+                                      "record_decode_tokens")
         if self.requires_aux_confirmation and rows_state.aux_unbacked[rows].any():
             self._check_latch(int(rows[rows_state.aux_unbacked[rows].argmax()]),
                               "record_decode_tokens")
@@ -449,7 +463,9 @@ class RequestLifecycle(AdmissionControl):
     def finalize_turn_keep_live(self, seq_id: Hashable, *, extra_keys: Sequence[int] = (),
                                 extra_keys_per_block=None, cache_salt: int = 0) -> int:
         """Register like :meth:`register_full_blocks_for_reuse` but keep the tables, tokens
-        and partial last block live for :meth:`continue_turn`. Idempotent."""
+        and partial last block live for :meth:`continue_turn`. Idempotent. Until
+        ``continue_turn`` reopens the turn, ``record_tokens`` and ``record_decode_tokens``
+        refuse the sequence (``PagedKVError``): what they added would never be published."""
         row = self._row(seq_id)
         new = self._register(row, "finalize_turn_keep_live", extra_keys, extra_keys_per_block,
                              cache_salt)
