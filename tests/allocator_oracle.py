@@ -94,6 +94,12 @@ def _check_u64(value, name: str) -> int:
     return _check_int(value, name, 0, _U64_MAX)
 
 
+def _check_domain_id(value, name: str = "cache_salt") -> int:
+    """A ``cache_salt`` u64 domain id; ``None`` is the shared domain 0, as for
+    ``salt_domain_id(None)`` (pagedkv.hashing.as_domain_id)."""
+    return 0 if value is None else _check_u64(value, name)
+
+
 def _tokens_u32(tokens, name: str = "tokens") -> np.ndarray:
     """Any 1-D integer array-like as a C-contiguous ``uint32`` array (docs/contracts/paged-kv.md,
     '2.1 Hot block hash' rules)."""
@@ -174,7 +180,7 @@ def hot_block_hash(parent: int, tokens, extra_keys: Sequence[int] = (), cache_sa
     parent = _check_u64(parent, "parent")
     toks = _tokens_u32(tokens)
     keys = _keys_tuple(extra_keys, "extra_keys")
-    cache_salt = _check_u64(cache_salt, "cache_salt")
+    cache_salt = _check_domain_id(cache_salt)
     block_index = _check_int(block_index, "block_index", 0, _U64_MAX)
     seed = _check_u64(seed, "seed")
     h = xxhash.xxh3_64_intdigest(_hot_hash_buffer(parent, toks, keys, cache_salt, block_index),
@@ -215,7 +221,7 @@ def chain_hashes(tokens, block_size: int, *, extra_keys: Sequence[int] = (),
     block_size = _check_int(block_size, "block_size", 0, _U32_MAX)
     uniform = _keys_tuple(extra_keys, "extra_keys")
     per_block = _per_block_keys(uniform, extra_keys_per_block)
-    cache_salt = _check_u64(cache_salt, "cache_salt")
+    cache_salt = _check_domain_id(cache_salt)
     seed = _check_u64(seed, "seed")
     return np.array(_chain(toks, block_size, uniform, per_block, cache_salt, seed, None),
                     dtype=np.uint64)
@@ -384,7 +390,7 @@ class BlockAllocator:
                 f"{name}.extra_keys_digest must be b'' or 16 bytes "
                 "(pagedkv.identity.extra_keys_digest)")
         return BlockIdentity(toks.copy(), _check_u64(identity.parent_hash, f"{name}.parent_hash"),
-                             digest, _check_u64(identity.cache_salt, f"{name}.cache_salt"),
+                             digest, _check_domain_id(identity.cache_salt, f"{name}.cache_salt"),
                              _check_int(identity.block_index, f"{name}.block_index", 0,
                                         _U64_MAX))
 
@@ -499,7 +505,7 @@ class BlockAllocator:
         toks = _tokens_u32(tokens)
         uniform = _keys_tuple(extra_keys, "extra_keys")
         per_block = _per_block_keys(uniform, extra_keys_per_block)
-        cache_salt = _check_u64(cache_salt, "cache_salt")
+        cache_salt = _check_domain_id(cache_salt)
         return toks, uniform, per_block, cache_salt
 
     @staticmethod

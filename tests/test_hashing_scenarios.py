@@ -12,6 +12,7 @@ import pytest
 
 from allocator_implementations import ALLOCATORS, HASHING
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.identity import BlockIdentity
 
 # docs/contracts/paged-kv.md, '2.4 Reference vectors (hash_seed = 0)', hash_seed = 0.
 H_BLOCK0 = 0x321DB453EB3BE929
@@ -142,6 +143,29 @@ def test_h3_salt_must_be_a_domain_id_not_a_string(allocator_cls):
         alloc.find_longest_cache_hit(np.arange(8), cache_salt="tenant-a")
     assert alloc.stats()["query_tokens"] == 0
 
+
+def test_h3_none_salt_is_the_shared_domain(hashing, allocator_cls):
+    # salt_domain_id(None) == 0; a cache_salt of None is that domain in both implementations
+    # (the oracle refused it with InvalidArgumentType while the Cython core took it as 0).
+    assert hashing.hot_block_hash(0, [1, 2, 3, 4], cache_salt=None) == H_BLOCK0
+    assert hashing.chain_hashes(range(8), 4, cache_salt=None).tolist() == \
+        hashing.chain_hashes(range(8), 4).tolist()
+    alloc = allocator_cls(4, block_size=4, hash_seed=0)
+    tokens = np.arange(8)
+    assert alloc.chain_hashes(tokens, cache_salt=None).tolist() == \
+        alloc.chain_hashes(tokens).tolist()
+    ids = alloc.allocate_many(2)
+    assert alloc.cache_full_blocks(tokens, ids, cache_salt=None) == 2
+    assert alloc.cached_block_ids(tokens, cache_salt=None).tolist() == ids.tolist()
+    blocks, n = alloc.find_longest_cache_hit(tokens, cache_salt=None)
+    assert (blocks.tolist(), n) == (ids.tolist(), 8)
+    blocks, n = alloc.find_longest_cache_hit(tokens)  # published under None: domain 0
+    assert (blocks.tolist(), n) == (ids.tolist(), 8)
+    x = alloc.allocate()
+    identity = BlockIdentity.of([1, 2, 3, 4], 0, (), 0, 0)
+    assert alloc.register_prefix(x, 7, identity._replace(cache_salt=None)) is True
+    assert alloc.lookup_prefix(7, identity) == x
+    alloc.check_invariants()
 
 # --- H4 a collision is a miss ---------------------------------------------------------------
 

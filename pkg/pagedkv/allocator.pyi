@@ -144,7 +144,7 @@ class BlockAllocator:
         *,
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-        cache_salt: int = 0,
+        cache_salt: int | None = 0,
         parent_hash: int = 0,
         first_block: int = 0,
     ) -> npt.NDArray[np.uint64]: ...
@@ -154,7 +154,7 @@ class BlockAllocator:
         *,
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-        cache_salt: int = 0,
+        cache_salt: int | None = 0,
         parent_hash: int = 0,
         first_block: int = 0,
     ) -> npt.NDArray[np.int32]: ...
@@ -167,7 +167,7 @@ class BlockAllocator:
         *,
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-        cache_salt: int = 0,
+        cache_salt: int | None = 0,
     ) -> tuple[npt.NDArray[np.int32], int]: ...
     def cache_full_blocks(
         self,
@@ -176,7 +176,7 @@ class BlockAllocator:
         *,
         extra_keys: Sequence[int] = (),
         extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-        cache_salt: int = 0,
+        cache_salt: int | None = 0,
         parent_hash: int = 0,
         first_block: int = 0,
     ) -> int: ...

@@ -27,7 +27,7 @@ def hot_block_hash(
     parent: int,
     tokens: npt.ArrayLike,
     extra_keys: Sequence[int] = (),
-    cache_salt: int = 0,
+    cache_salt: int | None = 0,
     block_index: int = 0,
     *,
     seed: int = 0,
@@ -41,7 +41,7 @@ def chain_hashes(
     *,
     extra_keys: Sequence[int] = (),
     extra_keys_per_block: Sequence[Sequence[int]] | None = None,
-    cache_salt: int = 0,
+    cache_salt: int | None = 0,
     seed: int = 0,
 ) -> npt.NDArray[np.uint64]:
     """``uint64[min(len(tokens) // block_size, len(extra_keys_per_block))]`` chained hashes;
