@@ -10,7 +10,9 @@
 # what is left of the budget; a phase that would get less than MIN_PHASE_S (20) is skipped
 # and says so. Order (most needed first): build; ctypes GPU tests (TESTS=0 skips them and
 # the CPU kernel tests); MLX tests (MLX=1); decode bench (DECODE_TIMEOUT, 150; DECODE_BENCH=0
-# skips; DECODE_ARGS= runs the full grid instead of --quick); kernel bench (BENCH_TIMEOUT,
+# skips; DECODE_ARGS= runs the full grid instead of --quick; DECODE_TORCH_COMPILE=1 adds
+# --torch-compile, the torch.compile'd bf16 peer, whose compiles need a longer
+# DECODE_TIMEOUT); kernel bench (BENCH_TIMEOUT,
 # 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
 # Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 240: its GEMV rows run
 # twice, as built and inside mx.compile); the CPU kernel tests
@@ -302,8 +304,10 @@ if [ "${BENCH:-1}" = 1 ] && [ "$ONLY_MLX" != 1 ]; then
   # The decode step: correctness check against float64, then the targeted configurations
   # (batch 1 at 1k and 32k, batch 8 at 32k, batch 32 at 1k; f16 and q8 KV; HFQ4 and MQ4).
   # The bench rewrites its JSON after every row, so a cut run keeps its figures.
+  DECODE_COMPILE_FLAG=""
+  [ "${DECODE_TORCH_COMPILE:-0}" = 1 ] && DECODE_COMPILE_FLAG=" --torch-compile"
   [ "${DECODE_BENCH:-1}" = 1 ] && phase decode-bench "${DECODE_TIMEOUT:-150}" bash -c \
-    "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench decode --json $OUT/decode.json ${DECODE_ARGS---quick} 2>&1 | tee $OUT/decode.log"
+    "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench decode --json $OUT/decode.json ${DECODE_ARGS---quick}$DECODE_COMPILE_FLAG 2>&1 | tee $OUT/decode.log"
   [ "${KERNEL_BENCH:-1}" = 1 ] && phase kernel-bench "${BENCH_TIMEOUT:-150}" bash -c \
     "set -o pipefail; PYTHONPATH=$PKV python3 -m pagedkv.bench gpu --json $OUT/bench.json ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log"
 fi

@@ -217,3 +217,14 @@ def test_tune_runs_after_the_gpu_tests_of_a_full_build(tmp_path):
     assert "rc 0" in phases[2] and any(c == "python3 hip/tune.py gemvx" for c in calls)
     # TUNE_TIMEOUT (240 s) is more than this budget leaves: the phase gets what is left
     assert "(limit 240 s)" not in phases[2]
+
+
+@pytest.mark.parametrize(("compile_env", "flags"), [
+    ({}, "--quick"), ({"DECODE_TORCH_COMPILE": "1"}, "--quick --torch-compile"),
+    ({"DECODE_TORCH_COMPILE": "1", "DECODE_ARGS": ""}, "--torch-compile")])
+def test_decode_torch_compile_adds_the_flag(tmp_path, compile_env, flags):
+    """DECODE_TORCH_COMPILE=1 adds --torch-compile after DECODE_ARGS (default --quick)."""
+    _, calls, _ = _run(tmp_path, SANITIZE="0", TESTS="0", KERNEL_BENCH="0", **compile_env)
+    decode = [c for c in calls if "pagedkv.bench decode" in c]
+    assert len(decode) == 1
+    assert decode[0].endswith(f"--json {tmp_path / 'out'}/decode.json {flags}")

@@ -5,8 +5,15 @@ pagedkv's path (:class:`pagedkv.kernels.decoder.DecoderStep`, no PyTorch): 4-bit
 into a device ``LayerKVPool`` (f16 or q8) at the adapter's slot mapping, paged attention
 over the adapter's block tables. Baseline in the same run (with PyTorch + CUDA): bf16
 weights through cuBLAS (``F.linear``), ``F.rms_norm``, RoPE and SiLU in torch, and SDPA
-on a contiguous bf16 KV cache. Both are captured in graphs and timed with events (median
-of several replays); host bookkeeping (the adapter's ``prepare_decode``, ~13 µs for 64
+on a contiguous bf16 KV cache, eager (every elementwise op its own kernel). With
+``--torch-compile`` also the fused bf16 peer as vLLM runs it: each layer's body (norms,
+QKV, RoPE, cache write, SDPA, o-proj + residual, gate/up, SiLU·up, down + residual) through
+``torch.compile`` (inductor; one graph shared by the 32 layers, compiled once per
+configuration outside the timing), rows then carry ``torch_compiled_us``,
+``torch_compiled_tok_s`` and ``speedup_vs_torch_compiled``; the targets stay held to the
+eager peer, the compiled ratio printed next to them. The SDPA backends torch has enabled
+and the one it runs for each decode shape are printed and saved (``sdpa_backend``). All
+are captured in graphs and timed with events (median of several replays); host bookkeeping (the adapter's ``prepare_decode``, ~13 µs for 64
 sequences, docs/performance.md) is outside the timed step.
 
 First a correctness check on fresh random inputs: a 2-layer model of the same widths
@@ -291,61 +298,130 @@ def time_pagedkv(device, stream, weights: DecoderWeights, kv_dtype: str, batch: 
 
 class TorchDecoder:
     """The bf16 PyTorch baseline: cuBLAS projections, torch RMSNorm/RoPE/SiLU, SDPA over a
-    contiguous ``[batch, kv_heads, context + 1, head_dim]`` cache per layer."""
+    contiguous ``[batch, kv_heads, context + 1, head_dim]`` cache per layer. Eager (every
+    elementwise op its own kernel) or, with ``compiled``, each layer's body through
+    ``torch.compile`` (inductor fuses the norms, RoPE, SiLU·up and the residual adds; the
+    projections stay cuBLAS, attention SDPA): the fused bf16 peer."""
 
-    def __init__(self, torch, shape: DecoderShape) -> None:
-        self.torch, self.shape = torch, shape
+    def __init__(self, torch, shape: DecoderShape, device: str = "cuda") -> None:
+        self.torch, self.shape, self.device = torch, shape, device
         bf = torch.bfloat16
+        gen = torch.Generator(device).manual_seed(0)
 
         def w(name):
             m, k = shape.matrix_shape(name)
-            return torch.randn(m, k, device="cuda", dtype=bf) * k ** -0.5
+            return torch.randn(m, k, device=device, dtype=bf, generator=gen) * k ** -0.5
 
         self.layers = [{m: w(m) for m in MATRICES} for _ in range(shape.num_layers)]
         self.lm_head = w("lm_head")
-        self.norm = torch.ones(shape.d_model, device="cuda", dtype=bf)
+        self.norm = torch.ones(shape.d_model, device=device, dtype=bf)
+        #: the last :meth:`step_fn` with ``compiled``: graphs dynamo compiled, seconds
+        self.compile_stats: dict[str, float] = {}
 
     def weight_bytes(self) -> int:
         return 2 * self.shape.weight_count()
 
-    def time(self, batch: int, context: int) -> float:
-        torch, s = self.torch, self.shape
+    def step_fn(self, batch: int, context: int, compiled: bool = False):
+        """A callable running one step (every layer, final norm, LM head) and returning
+        the logits, over a fresh zero cache of ``context + 1`` tokens per sequence (this
+        step's K/V written at ``context``) and a fixed random hidden state. ``compiled``:
+        the layer body is one ``torch.compile(fullgraph=True, dynamic=False)`` function
+        taking the layer's weights and cache as arguments, so the 32 layers share one
+        graph; it is compiled (once, after ``torch._dynamo.reset()``) before this
+        returns, which raises where inductor cannot run (no triton, no C compiler)."""
+        torch, s, dev = self.torch, self.shape, self.device
         F = torch.nn.functional
         bf = torch.bfloat16
-        cache = [(torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device="cuda",
+        cache = [(torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device=dev,
                               dtype=bf),
-                  torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device="cuda",
+                  torch.zeros(batch, s.kv_heads, context + 1, s.head_dim, device=dev,
                               dtype=bf)) for _ in range(s.num_layers)]
         half = s.head_dim // 2
         inv = s.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / s.head_dim)
         ang = context * inv
-        cos = torch.cat([ang.cos(), ang.cos()]).to("cuda", bf)
-        sin = torch.cat([ang.sin(), ang.sin()]).to("cuda", bf)
-        x0 = torch.randn(batch, s.d_model, device="cuda", dtype=bf)
+        cos = torch.cat([ang.cos(), ang.cos()]).to(dev, bf)
+        sin = torch.cat([ang.sin(), ang.sin()]).to(dev, bf)
+        x0 = torch.randn(batch, s.d_model, device=dev, dtype=bf,
+                         generator=torch.Generator(dev).manual_seed(1))
+        nq, nkv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
 
-        def rope(t):
+        def rope(t, cos, sin):
             a, b = t[..., :half], t[..., half:]
             return t * cos + torch.cat([-b, a], dim=-1) * sin
 
+        def layer_body(x, norm, qkv, o, gate_up, down, kc, vc, cos, sin):
+            h = F.rms_norm(x, (s.d_model,), norm, s.eps)
+            q, k, v = F.linear(h, qkv).split([nq, nkv, nkv], dim=-1)
+            q = rope(q.reshape(batch, s.q_heads, 1, s.head_dim), cos, sin)
+            k = rope(k.reshape(batch, s.kv_heads, 1, s.head_dim), cos, sin)
+            kc[:, :, context:] = k
+            vc[:, :, context:] = v.reshape(batch, s.kv_heads, 1, s.head_dim)
+            a = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+            x = x + F.linear(a.reshape(batch, s.d_model), o)
+            h = F.rms_norm(x, (s.d_model,), norm, s.eps)
+            g, u = F.linear(h, gate_up).chunk(2, dim=-1)
+            return x + F.linear(F.silu(g) * u, down)
+
+        body = layer_body
+        if compiled:
+            # a fresh cache: graphs of earlier (batch, context) would count against dynamo's
+            # recompile limit (8) and fall back to eager past it
+            torch._dynamo.reset()
+            body = torch.compile(layer_body, fullgraph=True, dynamic=False)
+
         def step():
             x = x0
-            nq, nkv = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
             for layer, (kc, vc) in zip(self.layers, cache, strict=True):
-                h = F.rms_norm(x, (s.d_model,), self.norm, s.eps)
-                q, k, v = F.linear(h, layer["qkv"]).split([nq, nkv, nkv], dim=-1)
-                q = rope(q.reshape(batch, s.q_heads, 1, s.head_dim))
-                k = rope(k.reshape(batch, s.kv_heads, 1, s.head_dim))
-                kc[:, :, context:] = k
-                vc[:, :, context:] = v.reshape(batch, s.kv_heads, 1, s.head_dim)
-                a = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
-                x = x + F.linear(a.reshape(batch, s.d_model), layer["o"])
-                h = F.rms_norm(x, (s.d_model,), self.norm, s.eps)
-                g, u = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(g) * u, layer["down"])
+                x = body(x, self.norm, layer["qkv"], layer["o"], layer["gate_up"],
+                         layer["down"], kc, vc, cos, sin)
             return F.linear(F.rms_norm(x, (s.d_model,), self.norm, s.eps), self.lm_head)
 
+        if compiled:
+            from torch._dynamo.utils import counters
+            graphs = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            step()  # compiles on layer 0; layers 1.. must hit the same graph
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.compile_stats = {"graphs": counters["stats"]["unique_graphs"] - graphs,
+                                  "seconds": time.perf_counter() - t0}
+        return step
+
+    def time(self, batch: int, context: int, compiled: bool = False) -> float:
+        """Seconds per step (:meth:`step_fn`) captured in a CUDA graph (``_torch_time``)."""
         from pagedkv.bench.gpu import _torch_time
-        return _torch_time(torch, step, 1)
+        return _torch_time(self.torch, self.step_fn(batch, context, compiled), 1)
+
+
+def sdpa_backend(torch, batch: int, context: int, shape: DecoderShape,
+                 device: str = "cuda") -> str:
+    """The SDPA implementation PyTorch picks for the decode shape (one query token per
+    sequence, ``context + 1`` keys, GQA), read from the ATen op one eager call runs under
+    the profiler (CPU events only): ``flash``, ``efficient``, ``cudnn``, ``math`` (or the
+    op's name, or ``unknown``)."""
+    from torch.profiler import ProfilerActivity, profile
+    bf = torch.bfloat16
+    q = torch.zeros(batch, shape.q_heads, 1, shape.head_dim, device=device, dtype=bf)
+    k = torch.zeros(batch, shape.kv_heads, context + 1, shape.head_dim, device=device,
+                    dtype=bf)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    names = [ev.name for ev in prof.events()
+             if ev.name.startswith("aten::_scaled_dot_product_")]
+    for key in ("flash", "efficient", "cudnn", "math"):
+        if any(key in n for n in names):
+            return key
+    return names[0] if names else "unknown"
+
+
+def sdpa_flags(torch) -> dict[str, bool]:
+    """Which SDPA backends ``torch.backends.cuda`` has enabled."""
+    b = torch.backends.cuda
+    flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+             "math": b.math_sdp_enabled()}
+    if hasattr(b, "cudnn_sdp_enabled"):
+        flags["cudnn"] = b.cudnn_sdp_enabled()
+    return flags
 
 
 #: The issue's targets: (batch, context or None for any, KV dtype or None) -> the least
@@ -412,15 +488,21 @@ def print_targets(rows: list[dict]) -> None:
         if want is None or "speedup_vs_torch" not in row:
             continue
         got = row["speedup_vs_torch"]
+        compiled = (f"; {row['speedup_vs_torch_compiled']:.2f}x torch.compile bf16"
+                    if "speedup_vs_torch_compiled" in row else "")
         print(f"target {row['weights']} kv {row['kv']} b{row['batch']} ctx {row['context']} "
               f"({row.get('path', 'gemv')}): "
-              f"{got:.2f}x torch bf16 (>= {want}x) {'met' if got >= want else 'MISSED'}",
-              flush=True)
+              f"{got:.2f}x torch bf16 (>= {want}x) {'met' if got >= want else 'MISSED'}"
+              f"{compiled}", flush=True)
 
 
 def _print_row(row: dict) -> None:
     torch_part = (f" | torch {row['torch_us']:9.0f} us {row['torch_tok_s']:8.0f} tok/s "
                   f"-> {row['speedup_vs_torch']:.2f}x" if "torch_us" in row else "")
+    if "torch_compiled_us" in row:
+        torch_part += (f" | compiled {row['torch_compiled_us']:9.0f} us "
+                       f"{row['torch_compiled_tok_s']:8.0f} tok/s "
+                       f"-> {row['speedup_vs_torch_compiled']:.2f}x")
     print(f"{row['weights']:<10} kv {row['kv']:<8} b{row['batch']:<3} ctx {row['context']:>6} "
           f"{row['path']:<12} {row['nodes']:4d} nodes {row['us']:9.0f} us {row['tok_s']:8.0f} tok/s  {row['bytes'] / 2**20:8.0f} MiB "
           f"floor {row['floor_us']:8.0f} us ({100 * row['of_floor']:4.1f}%){torch_part}",
@@ -448,23 +530,61 @@ def step_paths(device, fmt: str, batch: int) -> list[tuple[str, int, bool]]:
         [(n, r, True) for n, r in paths[1:]]
 
 
+def torch_baselines(torch, shape: DecoderShape, grid, compiled: bool = False,
+                    sdpa: dict | None = None) -> tuple[dict, dict, int]:
+    """The bf16 torch step's seconds per ``(batch, context)`` of ``grid``, eager and (with
+    ``compiled``) through ``torch.compile``, and the baseline's weight bytes. A compile
+    that fails is reported in one line and the compiled peer skipped from there on.
+    ``sdpa`` (when given) gets the SDPA backend flags and, per configuration, the backend
+    the eager call ran (:func:`sdpa_backend`)."""
+    eager: dict[tuple[int, int], float] = {}
+    fused: dict[tuple[int, int], float] = {}
+    baseline = TorchDecoder(torch, shape)
+    if sdpa is not None:
+        sdpa["enabled"] = sdpa_flags(torch)
+        sdpa["chosen"] = {}
+        print(f"torch SDPA backends enabled: {sdpa['enabled']}", flush=True)
+    for b, c in grid:
+        if sdpa is not None:
+            try:
+                sdpa["chosen"][f"b{b} ctx {c}"] = chosen = sdpa_backend(torch, b, c, shape)
+            except Exception as e:  # noqa: BLE001 - a probe, never the bench's end
+                chosen = f"probe failed ({type(e).__name__})"
+            print(f"torch SDPA b{b} ctx {c}: {chosen}", flush=True)
+        eager[(b, c)] = baseline.time(b, c)
+        torch.cuda.empty_cache()  # the last configuration's contiguous cache
+        if compiled:
+            try:
+                fused[(b, c)] = baseline.time(b, c, compiled=True)
+                st = baseline.compile_stats
+                print(f"torch.compile b{b} ctx {c}: {st['graphs']} graph(s) compiled in "
+                      f"{st['seconds']:.1f} s", flush=True)
+            except Exception as e:  # noqa: BLE001 - no triton, no C compiler, ...
+                why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                print(f"torch.compile peer skipped: {type(e).__name__}: {why}", flush=True)
+                compiled = False
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    return eager, fused, baseline.weight_bytes()
+
+
 def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
-              shape: DecoderShape = LLAMA3_8B, seed: int = 0, on_row=None) -> list[dict]:
+              shape: DecoderShape = LLAMA3_8B, seed: int = 0, on_row=None,
+              torch_compile: bool = False, sdpa: dict | None = None) -> list[dict]:
     """The rows of the table (see the module docstring); ``on_row(rows)`` after each one
-    (the CLI rewrites its JSON, so a run cut short keeps what it measured)."""
+    (the CLI rewrites its JSON, so a run cut short keeps what it measured).
+    ``torch_compile``: the ``torch.compile``d bf16 peer as well; ``sdpa``: see
+    :func:`torch_baselines`."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     torch_times: dict[tuple[int, int], float] = {}
+    compiled_times: dict[tuple[int, int], float] = {}
     grid = [(b, c) for b, c in grid
             if 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 2 * b * (c + 1)
             <= KV_LIMIT_BYTES]
     if torch is not None:
-        baseline = TorchDecoder(torch, shape)
-        for b, c in grid:
-            torch_times[(b, c)] = baseline.time(b, c)
-            torch.cuda.empty_cache()  # the last configuration's contiguous cache
-        torch_weight_bytes = baseline.weight_bytes()
-        del baseline
+        torch_times, compiled_times, torch_weight_bytes = torch_baselines(
+            torch, shape, grid, torch_compile, sdpa)
         torch.cuda.empty_cache()
     for fmt in formats:
         weights = DecoderWeights(device, DecoderHostWeights.tiled(shape, fmt, seed))
@@ -490,6 +610,10 @@ def run_table(device, stream, copy_bw: float, torch, grid, formats, kv_dtypes,
                         row.update({"torch_us": tt * 1e6, "torch_tok_s": b / tt,
                                     "torch_bytes": tb, "torch_floor_us": tb / copy_bw * 1e6,
                                     "speedup_vs_torch": tt / t})
+                    if (b, c) in compiled_times:
+                        tc = compiled_times[(b, c)]
+                        row.update({"torch_compiled_us": tc * 1e6, "torch_compiled_tok_s": b / tc,
+                                    "speedup_vs_torch_compiled": tc / t})
                     rows.append(row)
                     _print_row(row)
                     if on_row is not None:
@@ -505,6 +629,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"only the targeted configurations {QUICK_GRID}")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="also the fused bf16 peer: each layer through torch.compile "
+                   "(inductor), captured in a CUDA graph (compiles once per configuration)")
     p.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers,
                    help="decoder layers of the timed model (default 32)")
     p.add_argument("--check-only", action="store_true", help="only the correctness check")
@@ -533,13 +660,15 @@ def main(argv=None) -> int:
     checks: list[dict] = []
     rows: list[dict] = []
     copy_bw = None
+    sdpa: dict = {}
 
     def save() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": props.name, "arch": props.arch, "date": when,
                            "model": str(shape), "copy_GBps": copy_bw and copy_bw / 1e9,
-                           "checks": checks, "rows": rows}, f, indent=1)
+                           "checks": checks, "rows": rows, "sdpa_backend": sdpa or None},
+                          f, indent=1)
 
     if not args.no_check:
         for fmt, kv, contexts in CHECKS:
@@ -584,7 +713,8 @@ def main(argv=None) -> int:
             save()
 
         run_table(device, stream, copy_bw, torch, QUICK_GRID if args.quick else FULL_GRID,
-                  FORMATS, KV_DTYPES, shape, on_row=save_rows)
+                  FORMATS, KV_DTYPES, shape, on_row=save_rows,
+                  torch_compile=args.torch_compile, sdpa=sdpa)
         print_targets(rows)
     save()
     return 0 if all(c["ok"] for c in checks) else 1
