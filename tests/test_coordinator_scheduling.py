@@ -81,6 +81,34 @@ def test_watermark_fraction_is_clamped_and_non_finite_is_the_default():
     assert watermark_blocks(10, 0.01, live_rows=3) == 1
 
 
+@pytest.mark.parametrize("args, error, message", [
+    ((-5, 0.1, 1), InvalidArgument, "capacity_blocks = -5 must be >= 0"),
+    ((10.0, 0.1, 1), InvalidArgumentType, "capacity_blocks must be an int, got float"),
+    ((True, 0.1, 1), InvalidArgumentType, "capacity_blocks must be an int, got bool"),
+    (("10", 0.1, 1), InvalidArgumentType, "capacity_blocks must be an int, got str"),
+    ((10, 0.1, -1), InvalidArgument, "live_rows = -1 must be >= 0"),
+    ((10, 0.1, 1.0), InvalidArgumentType, "live_rows must be an int, got float"),
+    ((10, 0.1, False), InvalidArgumentType, "live_rows must be an int, got bool"),
+    ((10, None, 1), InvalidArgumentType, "fraction must be a number in \\[0, 1\\], got NoneType"),
+    ((10, "0.1", 1), InvalidArgumentType, "fraction must be a number in \\[0, 1\\], got str"),
+    ((10, True, 1), InvalidArgumentType, "fraction must be a number in \\[0, 1\\], got bool"),
+    ((10, -0.5, 1), InvalidArgument, "fraction = -0.5 is outside \\[0, 1\\]"),
+    ((10, 2.0, 1), InvalidArgument, "fraction = 2.0 is outside \\[0, 1\\]"),
+    ((10, math.nan, 1), InvalidArgument, "fraction = nan is outside \\[0, 1\\]"),
+])
+def test_watermark_blocks_refuses_bad_arguments(args, error, message):
+    # -5 blocks gave 0, -0.5 gave -5 and 2.0 gave 20 (more than the pool); None, a str or
+    # NaN let a bare TypeError / ValueError out.
+    with pytest.raises(error, match=message):
+        watermark_blocks(*args)
+
+
+def test_watermark_blocks_bounds():
+    assert watermark_blocks(10, 1.0, live_rows=2) == 10     # never more than the capacity
+    assert watermark_blocks(10, 0, live_rows=2) == 0
+    assert watermark_blocks(0, 0.5, live_rows=2) == 0
+    assert watermark_blocks(np.int64(100), np.float64(0.07), live_rows=np.int32(1)) == 7
+
 def test_can_admit_counts_unallocated_reservations_and_the_watermark_per_group():
     c = full_sliding_alias(window=64, blocks=(20, 11))    # 20 and 10 usable blocks
     assert c.can_admit(10) and c.can_admit((20, 10)) and not c.can_admit((21, 1))

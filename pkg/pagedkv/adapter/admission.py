@@ -73,9 +73,22 @@ _clamp_fraction = watermark_fraction
 
 def watermark_blocks(capacity_blocks: int, fraction: float, live_rows: int) -> int:
     """``ceil(capacity * fraction)`` while rows are live, else 0 (an idle pool admits into
-    its last block)."""
+    its last block), so never more than ``capacity_blocks``. ``capacity_blocks`` and
+    ``live_rows`` are non-negative ints, ``fraction`` a number in ``[0, 1]`` (clamp a
+    configured one with :func:`watermark_fraction`): else ``InvalidArgumentType`` (bool,
+    float count, str, None) or ``InvalidArgument`` (negative, NaN, outside ``[0, 1]``)."""
+    capacity = as_count(capacity_blocks, "capacity_blocks")
+    rows = as_count(live_rows, "live_rows")
+    if isinstance(fraction, (bool, np.bool_)) or not isinstance(
+            fraction, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentType(
+            f"fraction must be a number in [0, 1], got {type(fraction).__name__}")
+    share = float(fraction)
+    if not 0.0 <= share <= 1.0:  # NaN too
+        raise InvalidArgument(f"fraction = {share!r} is outside [0, 1]; clamp a configured "
+                              "fraction with watermark_fraction")
     # Rounded first, so 100 * 0.07 (7.000000000000001 in binary) is 7 blocks, not 8.
-    return math.ceil(round(capacity_blocks * fraction, 9)) if live_rows else 0
+    return math.ceil(round(capacity * share, 9)) if rows else 0
 
 
 class AdmissionControl:
