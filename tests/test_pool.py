@@ -352,16 +352,22 @@ class SpyBudget(MemoryBudget):
         super().update_pool(pool_id, total_bytes)
 
 
+def growing_pool(backend, budget, pool_id, blocks=range(4), seed=10):
+    """A 4-of-8-block pool (256 bytes a block) with ``blocks`` written: ``(pool, its
+    snapshot, the list its grow callback appends (old, new, generation) to)``."""
+    g = geometry()
+    pool = LayerKVPool(g, 4, 8, backend=backend, memory_budget=budget, pool_id=pool_id)
+    for b in blocks:
+        pool.write_block(b, random_block_buffer(g, seed + b))
+    grows: list = []
+    pool.add_grow_callback(lambda *args: grows.append(args))
+    return pool, snapshot(pool), grows
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_p5_grow_to(backend, caplog):
-    g = geometry()  # 256 bytes per block
     budget = SpyBudget(1 << 20)
-    pool = LayerKVPool(g, 4, 8, backend=backend, memory_budget=budget, pool_id="p5")
-    for b in range(4):
-        pool.write_block(b, random_block_buffer(g, 10 + b))
-    before = snapshot(pool)
-    grows = []
-    pool.add_grow_callback(lambda old, new, gen: grows.append((old, new, gen)))
+    pool, before, grows = growing_pool(backend, budget, "p5")
     budget.calls.clear()
     with caplog.at_level(logging.INFO, logger="pagedkv"):
         assert pool.grow_to(8, needed=3) is True
@@ -381,6 +387,44 @@ def test_p5_grow_to(backend, caplog):
         pool.grow_to(9)
     assert pool.generation == 1 and budget.calls == [] and grows == [(4, 8, 1)]
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_p5_failing_old_storage_release_keeps_the_grow_committed(backend, caplog, monkeypatch):
+    # The release raised after the swap: grow_to raised and put the budget debit back to the
+    # old 4 blocks while the pool held the new 8-block generation, and no callback ran.
+    g = geometry()
+    budget = MemoryBudget(1 << 20)
+    pool, before, grows = growing_pool(backend, budget, "r", seed=20)
+
+    def failing_release(self):
+        raise RuntimeError("release failed")
+
+    monkeypatch.setattr(type(pool._storage), "release", failing_release, raising=False)
+    with caplog.at_level(logging.INFO, logger="pagedkv"):
+        assert pool.grow_to(8) is True
+    assert pool.generation == 1 and pool.num_blocks == 8 and grows == [(4, 8, 1)]
+    assert budget.debit("r") == 8 * 256
+    assert np.array_equal(snapshot(pool)[:4], before) and not snapshot(pool)[4:].any()
+    pool.write_block(7, random_block_buffer(g, 7))  # the new generation is in use
+    assert np.array_equal(pool.read_block(7), random_block_buffer(g, 7))
+    assert [r.getMessage() for r in caplog.records] == [
+        ("paged pool grow: releasing the old storage failed; the grow stays committed "
+         "(generation=1)"), "paged pool grew from=4 to=8 generation=1 needed=4"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_p5_failing_copy_changes_nothing(backend, monkeypatch):
+    budget = MemoryBudget(1 << 20)
+    pool, before, grows = growing_pool(backend, budget, "c", blocks=[2], seed=0)
+
+    def failing_grown(self, new_num_blocks):
+        raise MemoryError("no room for the new generation")
+
+    monkeypatch.setattr(type(pool._storage), "grown", failing_grown)
+    with pytest.raises(MemoryError, match="no room"):
+        pool.grow_to(8)
+    assert pool.generation == 0 and pool.num_blocks == 4 and grows == []
+    assert budget.debit("c") == 4 * 256 and np.array_equal(snapshot(pool), before)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_p5_budget_refusal_changes_nothing(backend, caplog):

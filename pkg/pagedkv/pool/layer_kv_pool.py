@@ -710,7 +710,9 @@ class LayerKVPool:
         (``layer_region_bytes``: kv_adaptive) do not hold them; ``InvalidArgument`` beyond
         ``max_num_blocks``. On success the generation increments, the budget is debited
         with the new total, the growth is logged (``needed``: the blocks the triggering
-        reservation needed, for the log) and the grow callbacks run.
+        reservation needed, for the log) and the grow callbacks run. A failing copy
+        (``grown``) changes nothing and propagates; once the new storage is swapped in, a
+        failing release of the old one is logged and the grow stays committed.
         """
         new_num_blocks = _index("new_num_blocks", new_num_blocks)
         with _GROWTH_LOCK:
@@ -739,26 +741,34 @@ class LayerKVPool:
                             "transient_bytes=%d available_bytes=%d", old, new_num_blocks,
                             old_bytes + new_bytes, budget.available_bytes)
                 return False
-            try:
-                # The pool lock is held through the copy so no concurrent write is lost.
-                with self._lock:
-                    old_storage = self._storage
-                    self._storage = old_storage.grown(new_num_blocks)
-                    self._slot_copier = self._storage.slot_copier
-                    self._num_blocks = new_num_blocks
-                    self._generation += 1
-                    generation = self._generation
-                    # The old generation's memory goes only after the bump (device pools:
-                    # the last holder of an exported view frees it).
-                    release = getattr(old_storage, "release", None)
-                    if release is not None:
-                        release()
-            except BaseException:
+            # The pool lock is held through the copy so no concurrent write is lost.
+            with self._lock:
+                old_storage = self._storage
+                try:
+                    new_storage = old_storage.grown(new_num_blocks)
+                    copier = new_storage.slot_copier
+                except BaseException:  # nothing changed: the old storage stays in use
+                    if budget is not None:
+                        budget.update_pool(self._pool_id, old_bytes)
+                    raise
+                # Committed: plain assignments, nothing between them can fail.
+                self._storage, self._slot_copier = new_storage, copier
+                self._num_blocks = new_num_blocks
+                self._generation += 1
+                generation = self._generation
                 if budget is not None:
-                    budget.update_pool(self._pool_id, old_bytes)
-                raise
-            if budget is not None:
-                budget.update_pool(self._pool_id, new_bytes)
+                    budget.update_pool(self._pool_id, new_bytes)
+                # The old generation's memory goes only after the bump (device pools: the
+                # last holder of an exported view frees it). A failing release cannot undo
+                # the commit: the pool is new and usable, so it is logged, not raised.
+                release = getattr(old_storage, "release", None)
+                if release is not None:
+                    try:
+                        release()
+                    except Exception:
+                        logger.exception("paged pool grow: releasing the old storage failed; "
+                                         "the grow stays committed (generation=%d)",
+                                         generation)
             logger.info("paged pool grew from=%d to=%d generation=%d needed=%d", old,
                         new_num_blocks, generation,
                         new_num_blocks - old if needed is None else needed)
