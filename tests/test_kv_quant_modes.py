@@ -403,3 +403,32 @@ def test_a_refused_in_place_transcode_changes_nothing():
     assert (pool.geometry.dtype, pool.generation, pool.num_blocks, ad.tier) == state
     for b, data in enumerate(before):
         np.testing.assert_array_equal(pool.read_block(b), data)
+
+
+def test_an_append_past_the_floor_is_refused_before_any_step():
+    """An append that could not fit even at the floor transcoded every block down to the
+    floor first and only then raised CapacityExceeded (found by the KV-modes review: from
+    fwht4/q8, before_append(0, 600) with max_seq=512 left the pool at fwht2/lloyd2): a
+    refused request irreversibly coarsened every other sequence's KV. Refused first now."""
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=1, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    pool = ad.pool
+    vals = np.random.default_rng(3).standard_normal((48, 1, 256)).astype(np.float32)
+    pool.write_tokens(0, np.arange(48), vals, vals)
+    before = [pool.read_block(b).copy() for b in range(pool.num_blocks)]
+    state = (pool.geometry.dtype, pool.generation, pool.num_blocks, ad.allocator.num_blocks,
+             ad.tier)
+    seen = []
+    ad.add_listener(lambda old, new: seen.append((old, new)))
+    with pytest.raises(errors.CapacityExceeded,
+                       match="600 tokens do not fit fwht2/lloyd2 .512 tokens at the floor"):
+        ad.before_append(0, 600)
+    with pytest.raises(errors.CapacityExceeded, match="513 tokens do not fit fwht2/lloyd2"):
+        ad.before_append(500, 13)
+    assert (pool.geometry.dtype, pool.generation, pool.num_blocks, ad.allocator.num_blocks,
+            ad.tier) == state == ("fwht4/q8", state[1], 10, 10, 0)
+    assert seen == []
+    for b, data in enumerate(before):
+        np.testing.assert_array_equal(pool.read_block(b), data)
+    assert ad.before_append(0, 512) == ["fwht4/lloyd4", "fwht4/lloyd3", "fwht2/lloyd3",
+                                        "fwht2/lloyd2"]  # exactly the floor still fits

@@ -5,8 +5,8 @@ memory is fixed by the *floor* tier: per layer and sequence ``budget = max_seq *
 (k_bph(floor K) + v_bph(floor V))`` bytes, so ``max_seq`` is the context guaranteed at the
 floor and a tier holds ``cap = budget // (kv_heads * (k_bph + v_bph))`` tokens. Before ``n``
 tokens are appended at position ``seq_pos``, steps apply while ``seq_pos + n`` passes the
-next threshold (``cap(current tier) - 64``); if they still do not fit, the usual
-:class:`~pagedkv.errors.CapacityExceeded` is raised.
+next threshold (``cap(current tier) - 64``); if they would not fit even after them, the
+usual :class:`~pagedkv.errors.CapacityExceeded` is raised before any step runs.
 
 =============  ==================================================  ==============
 preset         steps (one side, one tier each)                      floor K/V
@@ -265,9 +265,20 @@ class KVAdaptive:
 
     def before_append(self, seq_pos: int, n: int) -> list[str]:
         """Apply the steps ``n`` more tokens at ``seq_pos`` need; returns the KV dtypes
-        stepped to (in order). ``CapacityExceeded`` when even the floor cannot hold them."""
+        stepped to (in order). ``CapacityExceeded`` when even the floor cannot hold them,
+        raised before any step (the pool stays at its tier)."""
         from pagedkv.pool import growth_lock
         target = self.plan.tier_before_append(self.tier, seq_pos, n)  # checks seq_pos, n
+        if seq_pos + n > self.plan.caps[target]:
+            # Refused before any step: a step is a lossy, irreversible transcode of every
+            # block, so an append that cannot fit even at the tier it would reach must not
+            # leave the pool (and every other sequence in it) at that tier.
+            raise CapacityExceeded(
+                f"context_length_exceeded: {seq_pos + n} tokens do not fit "
+                f"{self.plan.kv_dtype(target)} ({self.plan.caps[target]} tokens at the "
+                f"{'floor' if target == len(self.plan.tiers) - 1 else 'current tier'}) of "
+                f"kv_adaptive {self.plan.preset.spec} with max_seq={self.plan.max_seq}; "
+                f"nothing was transcoded")
         applied = []
         while self.tier < target:
             old = self.kv_dtype
@@ -283,10 +294,4 @@ class KVAdaptive:
                         self.plan.preset.spec, old, new, seq_pos, n, self.pool.num_blocks)
             for fn in tuple(self._listeners):
                 fn(old, new)
-        if seq_pos + n > self.plan.caps[self.tier]:
-            raise CapacityExceeded(
-                f"context_length_exceeded: {seq_pos + n} tokens do not fit {self.kv_dtype} "
-                f"({self.plan.caps[self.tier]} tokens at the "
-                f"{'floor' if self.tier == len(self.plan.tiers) - 1 else 'current tier'}) of "
-                f"kv_adaptive {self.plan.preset.spec} with max_seq={self.plan.max_seq}")
         return applied
