@@ -396,3 +396,27 @@ def test_host_tensors_are_host_data_for_a_device_pool(stub_device):
     pool.write_tokens(0, [5, 1], k, k)
     got = pool.layer(0)[0].to_numpy().reshape(8, 1, 8)
     assert got[[5, 1]].tolist() == k.numpy().tolist()
+
+
+def test_zero_size_buffers_are_contiguous_whatever_their_strides(host_dlpack):
+    """Found by a review: a buffer of zero elements was refused as "not C-contiguous; make it
+    contiguous first" for the strides its producer gives it (NumPy's all-zero strides, torch's
+    (1, 1) for shape (3, 0)), which .contiguous() does not change: an empty batch could not
+    be imported. With no element to address, any strides are contiguous."""
+    for shape in ((0,), (3, 0), (0, 3), (2, 0, 3)):
+        host = np.empty(shape, np.float32)
+        arr = DeviceArray.from_dlpack(host, host_dlpack)
+        assert (arr.shape, arr.dtype, arr.nbytes) == (shape, np.float32, 0)
+        assert np.from_dlpack(arr).shape == shape
+    backing = host_dlpack.empty((1,), np.float16)
+
+    class Producer:
+        def __init__(self, shape, strides):
+            self.__cuda_array_interface__ = {"shape": shape, "strides": strides, "version": 3,
+                                             "typestr": "<f2", "data": (backing.ptr, False)}
+
+    for shape, strides in (((3, 0), (2, 2)), ((0, 4), (0, 0)), ((0,), (6,))):
+        arr = interop.from_cuda_array_interface(Producer(shape, strides), host_dlpack)
+        assert (arr.shape, arr.nbytes) == (shape, 0)
+    with pytest.raises(InvalidArgument, match="1 strides for the 2 dims"):
+        interop.from_cuda_array_interface(Producer((3, 0), (2,)), host_dlpack)

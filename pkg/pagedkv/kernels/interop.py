@@ -19,7 +19,7 @@ Ownership (docs/kernels.md, "Interop"):
   K/V to write into a pool) but every launcher refuses it where it writes; exported again,
   it keeps the flag.
 - **Layout.** Only C-contiguous buffers (strides ``None`` or row-major; size-1 axes may
-  carry any stride) are taken; anything else raises :class:`InvalidArgument`. bfloat16
+  carry any stride, and so may every axis of a buffer of zero elements) are taken; anything else raises :class:`InvalidArgument`. bfloat16
   comes in as ``uint16`` bits and goes out as ``uint16`` (``tensor.view(torch.bfloat16)``).
 - **Streams.** pagedkv's host-side pool calls work on the legacy default stream. An
   export asked for on another consumer stream (``__dlpack__(stream=s)``) makes ``s`` wait
@@ -95,6 +95,8 @@ def _check_c_contiguous(shape: tuple[int, ...], strides, itemsize: int, *, in_by
     if len(strides) != len(shape):
         raise InvalidArgument(f"{what}: {len(strides)} strides for the {len(shape)} dims of "
                               f"shape {shape}")
+    if 0 in shape:  # no element to address: any strides (NumPy's 0s, torch's) are contiguous
+        return
     expected = 1 if not in_bytes else itemsize
     for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
         if dim != 1 and stride != expected:
