@@ -432,3 +432,17 @@ def test_an_append_past_the_floor_is_refused_before_any_step():
         np.testing.assert_array_equal(pool.read_block(b), data)
     assert ad.before_append(0, 512) == ["fwht4/lloyd4", "fwht4/lloyd3", "fwht2/lloyd3",
                                         "fwht2/lloyd2"]  # exactly the floor still fits
+
+
+def test_an_advanced_floor_at_the_start_tier_is_refused_when_parsed():
+    """advanced:k=fwht4,v=q8 (a floor equal to the start tier: no step) was accepted by the
+    resolution, which then forced fwht4/q8 and refused any explicit K/V mode as a conflict
+    with a kv_adaptive that never steps, while KVAdaptivePlan refused it as "kv_adaptive is
+    off" (found by the KV-modes review). Refused where it is parsed, naming the fix."""
+    with pytest.raises(errors.InvalidArgument, match="floor of k=fwht4,v=q8 is the start tier"):
+        parse_adaptive("advanced:k=fwht4,v=q8")
+    with pytest.raises(errors.InvalidArgument,
+                       match="PAGEDKV_KV_ADAPTIVE = 'advanced: k=FWHT4, v=q8'.*start tier"):
+        resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "advanced: k=FWHT4, v=q8"})
+    assert parse_adaptive("advanced:k=fwht4,v=lloyd4").steps == (("v", "lloyd4"),)
+    assert parse_adaptive("advanced:k=fwht2,v=q8").steps == (("k", "fwht2"),)

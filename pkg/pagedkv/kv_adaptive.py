@@ -132,6 +132,11 @@ def parse_adaptive(value: str) -> AdaptivePreset:
                               f"re-rotating transcode; use k=fwht4 or k=fwht2")
     if k not in ("fwht4", "fwht2") or v not in _V_ORDER:
         raise InvalidArgument(f"kv_adaptive {value!r}: expected {accepted}")
+    if (k, v) == START_TIER:
+        raise InvalidArgument(f"kv_adaptive {value!r}: a floor of k=fwht4,v=q8 is the start "
+                              f"tier, so no step would ever run; for a fixed fwht4/q8 cache "
+                              f"set kv_adaptive=off with K mode fwht4 (V q8), else lower "
+                              f"k= or v=")
     floor_v = _V_ORDER.index(v)
     steps = tuple((side, mode) for side, mode in PRESETS["balanced"]
                   if (side == "k" and k == "fwht2")
