@@ -20,8 +20,10 @@ from pagedkv.cli import main as cli_main
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
+    BadName,
     CountMismatch,
     InvalidArgument,
+    SizeMismatch,
     Truncated,
     UnknownQuantType,
     UnsupportedQuantType,
@@ -891,3 +893,44 @@ def test_quality_bench_measures_each_codec_on_the_same_tensors():
     assert q4_0["bpw"] == 4.5 and q4_0["library"] == "ggml"
     assert rows["pagedkv mq4g256v2"]["bpw"] == 4.25
     assert rows["pagedkv q8f16"]["gaussian"] < 0.01 < rows["pagedkv hfq4g256"]["gaussian"]
+
+
+def test_duplicate_names_and_partial_blocks_are_named_not_called_truncation(tmp_path, capsys):
+    """Found by a review: the gguf package's refusal of a duplicated tensor name, a
+    duplicated key and a row that does not split into whole quant blocks all came out
+    as Truncated, 'GGUF header or tensor data run past the end of the file'."""
+    make_llama(tmp_path / "m.gguf", n_layers=1)
+    good = (tmp_path / "m.gguf").read_bytes()
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    by_name = {t.name: t for t in reader.tensors}
+    # blk.0.attn_k.weight renamed blk.0.attn_q.weight (same length).
+    dup = bytearray(good)
+    field = by_name["blk.0.attn_k.weight"].field
+    name_at = field.offset + field.parts[0].nbytes
+    dup[name_at:name_at + 19] = b"blk.0.attn_q.weight"
+    # blk.0.attn_v.weight (Q8_0, ne0 256) given ne0 48: not a multiple of 32.
+    part = bytearray(good)
+    field = by_name["blk.0.attn_v.weight"].field
+    ne0_at = field.offset + sum(p.nbytes for p in field.parts[:3])
+    part[ne0_at:ne0_at + 8] = (48).to_bytes(8, "little")
+    # One key renamed to another of the same length.
+    keys = [f for f in reader.fields.values() if not f.name.startswith("GGUF.")]
+    a, b = next((a, b) for a, b in itertools.combinations(keys, 2)
+                if len(a.name) == len(b.name))
+    dkey = bytearray(good)
+    dkey[b.offset + 8:b.offset + 8 + len(b.name)] = a.name.encode()
+    dup_detail = "Found duplicated tensor with name blk.0.attn_q.weight"
+    part_detail = "Quantized tensor row size (48) is not a multiple of Q8_0 block size (32)"
+    cases = {"dup.gguf": (dup, BadName, dup_detail),
+             "part.gguf": (part, SizeMismatch, part_detail),
+             "key.gguf": (dkey, BadMetadata, f"Duplicate {a.name} already in list")}
+    for name, (data, error, detail) in cases.items():
+        (tmp_path / name).write_bytes(bytes(data))
+        with pytest.raises(error) as info:
+            GgufSource(tmp_path / name)
+        assert type(info.value) is error
+        assert detail in str(info.value) and "past the end" not in str(info.value)
+        assert cli_main(["convert", str(tmp_path / name), "-o", str(tmp_path / "o.hfq"),
+                         "--no-progress"]) == 1
+        assert detail in capsys.readouterr().err
+    assert not (tmp_path / "o.hfq").exists()

@@ -28,8 +28,10 @@ from pagedkv.argument_checks import is_int
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
+    BadName,
     CountMismatch,
     InvalidArgument,
+    SizeMismatch,
     Truncated,
     UnknownQuantType,
     UnsupportedQuantType,
@@ -162,6 +164,15 @@ def _value(field) -> Any:
 
 def _classify(exc: Exception, path: str, size: int) -> Exception:
     msg = str(exc)
+    if "duplicated tensor" in msg:
+        return BadName(f"two tensors have one name ({msg}); re-export the model",
+                       path=path)
+    if isinstance(exc, KeyError) and "Duplicate" in msg:
+        return BadMetadata(f"a key/value key appears twice ({exc.args[0] if exc.args else msg}); "
+                           "re-export the model", path=path)
+    if "is not a multiple of" in msg:
+        return SizeMismatch(f"a tensor's row does not split into whole blocks of its type "
+                            f"({msg}); the file is corrupt, re-export it", path=path)
     if "magic" in msg.lower():
         return BadMagic(f"not a GGUF file ({msg})", path=path, offset=0)
     if "version" in msg.lower():
