@@ -446,3 +446,25 @@ def test_an_advanced_floor_at_the_start_tier_is_refused_when_parsed():
         resolve_kv_modes(environ={"PAGEDKV_KV_ADAPTIVE": "advanced: k=FWHT4, v=q8"})
     assert parse_adaptive("advanced:k=fwht4,v=lloyd4").steps == (("v", "lloyd4"),)
     assert parse_adaptive("advanced:k=fwht2,v=q8").steps == (("k", "fwht2"),)
+
+
+def test_a_failing_listener_skips_neither_the_other_listeners_nor_the_steps(caplog):
+    """A listener that raised escaped before_append after the first step: the listeners
+    after it never heard of the step (one left on the old mode reads the new records as old
+    ones), the remaining steps were skipped and the append failed though the step had been
+    committed (found by the KV-modes review). Logged at ERROR now; everything still runs."""
+    ad = KVAdaptive.create("balanced", num_layers=1, num_kv_heads=1, head_dim=256,
+                           block_size=16, max_seq=512, hash_seed=0)
+    seen = []
+
+    def failing(old, new):
+        raise RuntimeError("listener broke")
+
+    ad.add_listener(failing)
+    ad.add_listener(lambda old, new: seen.append((old, new)))
+    with caplog.at_level(logging.ERROR, logger="pagedkv"):
+        assert ad.before_append(0, 300) == ["fwht4/lloyd4", "fwht4/lloyd3", "fwht2/lloyd3"]
+    assert seen == [("fwht4/q8", "fwht4/lloyd4"), ("fwht4/lloyd4", "fwht4/lloyd3"),
+                    ("fwht4/lloyd3", "fwht2/lloyd3")]
+    assert (ad.tier, ad.pool.geometry.dtype) == (3, "fwht2/lloyd3")
+    assert sum("kv_adaptive listener" in r.getMessage() for r in caplog.records) == 3

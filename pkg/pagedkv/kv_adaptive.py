@@ -265,7 +265,8 @@ class KVAdaptive:
 
     def add_listener(self, fn: Callable[[str, str], None]) -> None:
         """Call ``fn(old_kv_dtype, new_kv_dtype)`` after every step (rebuild what baked the
-        old mode: attention objects, captured graphs)."""
+        old mode: attention objects, captured graphs). A listener that raises is logged
+        (ERROR); the step stays committed and the other listeners and steps still run."""
         self._listeners.append(fn)
 
     def before_append(self, seq_pos: int, n: int) -> list[str]:
@@ -298,5 +299,12 @@ class KVAdaptive:
             logger.info("kv_adaptive %s: %s -> %s at %d tokens (+%d), %d blocks",
                         self.plan.preset.spec, old, new, seq_pos, n, self.pool.num_blocks)
             for fn in tuple(self._listeners):
-                fn(old, new)
+                # The step is committed: a failing listener must neither skip the others
+                # (one left on the old mode would read the new records as old ones) nor
+                # the remaining steps. Logged, like the pool's grow callbacks.
+                try:
+                    fn(old, new)
+                except Exception:
+                    logger.exception("kv_adaptive listener %r failed after %s -> %s", fn,
+                                     old, new)
         return applied
