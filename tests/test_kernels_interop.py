@@ -12,8 +12,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import re
 import sys
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -420,3 +422,48 @@ def test_zero_size_buffers_are_contiguous_whatever_their_strides(host_dlpack):
         assert (arr.shape, arr.nbytes) == (shape, 0)
     with pytest.raises(InvalidArgument, match="1 strides for the 2 dims"):
         interop.from_cuda_array_interface(Producer((3, 0), (2,)), host_dlpack)
+
+
+def test_imports_and_arrays_of_types_pagedkv_does_not_hold_are_refused(host_dlpack,
+                                                                        monkeypatch):
+    """Found by a review: __cuda_array_interface__ took any typestr NumPy parses, so an
+    object ('|O') buffer became a DeviceArray whose to_numpy() read device bytes as PyObject
+    pointers (a segfault), and void, complex, datetime, unicode, big-endian and 16-byte
+    floats came in too; DeviceArray.empty / from_numpy / view took an object dtype the
+    same way, and a DLPack float of 128 bits came in as NumPy's float128 (x87 extended, not
+    IEEE binary128). The interface now takes what DLPack import takes (a native bool, int,
+    uint or float of at most 8 bytes) and a DeviceArray never has an object dtype, all
+    refused before any allocation."""
+    from pagedkv.kernels.dlpack import export_capsule
+    dev = host_dlpack
+    backing = dev.array(np.zeros(4, np.uint64))
+    def producer(typestr):
+        return SimpleNamespace(__cuda_array_interface__={
+            "shape": (2,), "typestr": typestr, "version": 3, "data": (backing.ptr, False)})
+
+    for typestr in ("|O", "|V8", "<c8", ">f4", "<M8[s]", "<U2", "<f16"):
+        with pytest.raises(InvalidArgument, match=re.escape(typestr) + r"' \(.*\) is not a "
+                                                  r"native bool, int, uint or float of at "
+                                                  r"most 8 bytes"):
+            DeviceArray.from_dlpack(producer(typestr), dev)
+    for typestr, dtype in (("|b1", np.bool_), ("<u2", np.uint16), ("<f8", np.float64)):
+        assert interop.from_cuda_array_interface(producer(typestr), dev).dtype == dtype
+    mallocs = []  # nothing is allocated for a refused dtype
+    monkeypatch.setattr(dev, "malloc", lambda n: mallocs.append(n) or 0)
+    with pytest.raises(InvalidArgument, match="dtype object: device memory holds numbers"):
+        dev.empty((2,), object)
+    with pytest.raises(InvalidArgument, match="dtype object: device memory holds numbers"):
+        dev.array(np.array([None, 1], dtype=object))
+    with pytest.raises(InvalidArgument, match=r"dtype \[\('a', 'O'\)\]: device memory"):
+        backing.view((2,), np.dtype([("a", "O")]))
+    assert mallocs == []
+    host = np.zeros(4, np.float32)
+
+    class Quad:
+        def __dlpack__(self, **kw):
+            return export_capsule(host, host.ctypes.data, (1,), (2, 128, 1), interop.KDL_CPU,
+                                  0, True)
+
+    with pytest.raises(InvalidArgument, match=r"DLPack dtype \(code 2, bits 128, lanes 1\) "
+                                              r"has no pagedkv equivalent"):
+        DeviceArray.from_dlpack(Quad(), dev)

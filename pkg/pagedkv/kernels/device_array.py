@@ -43,7 +43,7 @@ class DeviceArray:
         self.device = device
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = _plain_dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._owned = owned
         self.base = base
@@ -56,7 +56,7 @@ class DeviceArray:
         shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise InvalidArgument(f"shape={shape}: dimensions must be >= 0")
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * _plain_dtype(dtype).itemsize
         return cls(device, device.malloc(nbytes), shape, dtype)
 
     @classmethod
@@ -181,6 +181,14 @@ class DeviceArray:
         view = ("" if self._owned else ", view") + (", read-only" if self.readonly else "")
         return (f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where}{view}, "
                 f"device={self.device.properties.name!r})")
+
+
+def _plain_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:  # to_numpy would read device bytes as PyObject pointers
+        raise InvalidArgument(f"dtype {dtype}: device memory holds numbers, not Python "
+                              "objects; use a bool, int, uint or float dtype")
+    return dtype
 
 
 def _need_device_array(arr, name: str) -> None:

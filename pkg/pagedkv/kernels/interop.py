@@ -77,7 +77,7 @@ def _np_dtype(triple: tuple[int, int, int]) -> np.dtype:
         if code == _KDL_BFLOAT and bits == 16:
             return np.dtype(np.uint16)  # bfloat16 as bit patterns, as everywhere in pagedkv
         kind = {_KDL_INT: "i", _KDL_UINT: "u", _KDL_FLOAT: "f", _KDL_BOOL: "b"}.get(code)
-        if kind is not None and bits % 8 == 0:
+        if kind is not None and bits in (8, 16, 32, 64):  # numpy's float128 is not IEEE's
             try:
                 return np.dtype(f"{kind}{bits // 8}" if kind != "b" else "?")
             except TypeError:
@@ -255,6 +255,10 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"__cuda_array_interface__ of {type(obj).__name__} is "
                               f"malformed ({exc})") from None
+    if dtype.kind not in "biuf" or not dtype.isnative or dtype.itemsize > 8:
+        raise InvalidArgument(f"__cuda_array_interface__: typestr {cai['typestr']!r} ({dtype}) "
+                              "is not a native bool, int, uint or float of at most 8 bytes, "
+                              "the types pagedkv takes (bfloat16 as '<u2' bits)")
     if cai.get("mask") is not None:
         raise InvalidArgument("__cuda_array_interface__: masked arrays are not taken")
     _check_c_contiguous(shape, cai.get("strides"), dtype.itemsize, in_bytes=True,
