@@ -934,3 +934,43 @@ def test_duplicate_names_and_partial_blocks_are_named_not_called_truncation(tmp_
                          "--no-progress"]) == 1
         assert detail in capsys.readouterr().err
     assert not (tmp_path / "o.hfq").exists()
+
+
+@pytest.mark.parametrize("qt", [T.F32, T.BF16, T.Q8_0, T.Q4_K, T.Q6_K])
+def test_zero_size_tensors_read_and_convert_as_empty(tmp_path, qt):
+    """Found by a review: a zero-size BF16 or quantized tensor (one the gguf package
+    writes) let the package's bare ValueError 'cannot reshape array of size 0' out of
+    read and convert, and a zero-row llama attn_q raised ZeroDivisionError in read."""
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    norm = ("blk.0.attn_norm.weight", np.ones(H, np.float32), None)
+    for slot, shape in (("ffn_up", (4, 0)), ("ffn_down", (0,)), ("attn_q", (0, 256))):
+        if qt == T.F32:
+            data, raw = np.zeros(shape, np.float32), None
+        else:
+            data, raw = np.zeros((*shape[:-1], shape[-1] // block * size), np.uint8), qt
+        path = tmp_path / f"{slot}.gguf"
+        write_gguf(path, "llama", [norm, (f"blk.0.{slot}.weight", data, raw)], llama_kv(1))
+        src = GgufSource(path)
+        t = src.tensors[1]
+        assert t.shape == shape
+        whole = src.read(t)
+        assert (whole.dtype, whole.shape) == (np.float32, shape)
+        out = tmp_path / f"{slot}.hfq"
+        convert_gguf(path, out)
+        assert tuple(HfqmFile(out).info(t.name).shape) == shape
+
+
+def test_a_shape_no_array_can_have_is_refused(tmp_path):
+    """Found by a review: a zero dim beside a dim near 2**61 passed the size check (no
+    bytes) and read raised numpy's bare ValueError 'array is too big'."""
+    write_gguf(tmp_path / "m.gguf", "qwen3", [("blk.0.ffn_up.weight",
+                                               np.zeros((0, 68), np.uint8), T.Q8_0)])
+    good = (tmp_path / "m.gguf").read_bytes()
+    field = gguf.GGUFReader(tmp_path / "m.gguf").tensors[0].field
+    ne0_at = field.offset + sum(p.nbytes for p in field.parts[:3])
+    bad = bytearray(good)
+    bad[ne0_at:ne0_at + 8] = (1 << 61).to_bytes(8, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(bad))
+    with pytest.raises(BadMetadata, match=r"tensor 'blk.0.ffn_up.weight': shape "
+                                          r"\(0, 2305843009213693952\) is too large"):
+        GgufSource(tmp_path / "m.gguf")

@@ -356,6 +356,11 @@ class GgufSource:
                     raise BadMetadata("tensor appears in more than one shard", path=shard,
                                       tensor=t.name)
                 shapes[t.name] = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if math.prod(d for d in shapes[t.name] if d) * 4 > np.iinfo(np.intp).max:
+                    # Only a zero dim lets such a tensor have a size the file can hold.
+                    raise BadMetadata(f"shape {shapes[t.name]} is too large for any array; "
+                                      "the tensor header is corrupt", path=shard,
+                                      tensor=t.name)
         if split is not None and len(shapes) != split[2]:
             raise CountMismatch(f"the {split[1]} shards hold {len(shapes)} tensors, "
                                 f"split.tensors.count says {split[2]}", path=self.shards[0])
@@ -445,6 +450,11 @@ class GgufSource:
             return np.array(raw, dtype=raw.dtype.newbyteorder("="))
         if tensor.ggml_type == "F64":
             return np.asarray(raw, dtype=np.float32)
+        if raw.size == 0:
+            # A zero-size tensor (or block): the package's decoders cannot reshape nothing.
+            import gguf
+            block, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[tensor.ggml_type]]
+            return np.zeros((*raw.shape[:-1], raw.shape[-1] // size * block), np.float32)
         if tensor.ggml_type == "Q4_K":
             # One Q4_K decoder in the project: pagedkv.quant's qt 4 (docs/formats/quant.md,
             # "Q4K"), bit for bit the gguf package's, and the one the GPU kernel shares.
@@ -487,7 +497,7 @@ class GgufSource:
         if len(tensor.shape) < 2:
             whole = self._dequantize(tensor, data).reshape(tensor.shape)
             return unpermute_rows(whole, tensor.permute_heads) if tensor.permute_heads else whole
-        if tensor.permute_heads:
+        if tensor.permute_heads and n:
             # The permutation stays inside a head: read whole heads, then cut.
             d = n // tensor.permute_heads
             h0, h1 = lo // d * d, -(-hi // d) * d
