@@ -467,3 +467,33 @@ def test_imports_and_arrays_of_types_pagedkv_does_not_hold_are_refused(host_dlpa
     with pytest.raises(InvalidArgument, match=r"DLPack dtype \(code 2, bits 128, lanes 1\) "
                                               r"has no pagedkv equivalent"):
         DeviceArray.from_dlpack(Quad(), dev)
+
+
+def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
+    """Found by a review: from_dlpack's stream= went through int(), so a pagedkv Stream or a
+    torch stream (what every launcher's stream= takes) and a str let a bare TypeError /
+    ValueError out, and 1.5 or True were truncated to a stream handle silently. It is read
+    like a launcher's stream= now: InvalidArgumentType before the producer is asked."""
+    from pagedkv.kernels.dlpack import export_capsule
+    host = np.zeros(4, np.float32)
+    asked = []
+
+    class OnDevice:  # a ROCm tensor of this device
+        def __dlpack_device__(self):
+            return (interop.KDL_ROCM, 0)
+
+        def __dlpack__(self, *, stream=None, max_version=None):
+            asked.append(stream)
+            return export_capsule(host, host.ctypes.data, (4,), (2, 32, 1), interop.KDL_ROCM,
+                                  0, True)
+
+    s = Stream(stub_device)
+    for stream, handle in ((None, 0), (0, 0), (0x77, 0x77), (s, s.handle),
+                           (SimpleNamespace(cuda_stream=0x66), 0x66)):
+        arr = DeviceArray.from_dlpack(OnDevice(), stub_device, stream=stream)
+        assert arr.shape == (4,) and asked.pop() == handle
+    for bad in ("x", 1.5, True, object()):
+        with pytest.raises(InvalidArgumentType, match="stream: expected a pagedkv Stream, an "
+                                                      "integer stream handle"):
+            DeviceArray.from_dlpack(OnDevice(), stub_device, stream=bad)
+    assert asked == []

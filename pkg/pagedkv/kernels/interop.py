@@ -197,12 +197,14 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     """A non-owning DeviceArray over ``obj``'s memory (a torch/CuPy/JAX array or anything
     with ``__dlpack__``), taken without a copy. ``device``: the pagedkv Device it must be
     on (default ``open_device()``). ``stream``: the stream the memory will be used on
-    (an int handle; default the legacy default stream)."""
-    from pagedkv.kernels.device import open_device
+    (as a launcher's ``stream=``: a pagedkv Stream, an int handle or a torch/CuPy stream;
+    default the legacy default stream)."""
+    from pagedkv.kernels.device import open_device, stream_handle
     from pagedkv.kernels.device_array import DeviceArray
     from pagedkv.kernels.dlpack import import_capsule
     if not hasattr(obj, "__dlpack__"):
         raise InvalidArgumentType(f"from_dlpack: {type(obj).__name__} has no __dlpack__")
+    handle = stream_handle(stream)  # InvalidArgumentType before anything is asked of obj
     device = open_device() if device is None else device
     backend = _backend(device)
     accepted = DLPACK_DEVICE_TYPES[backend]["import"]
@@ -220,7 +222,7 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
                                   f"types {accepted} and ordinal {device.ordinal}: move it first")
     # The array API: host memory takes no stream; device memory is ordered before ours.
     consumer = None if dev_type in (None, KDL_CPU) else \
-        _DEFAULT_STREAM[backend] if stream is None else int(stream)
+        _DEFAULT_STREAM[backend] if handle is None else handle
     try:
         capsule = obj.__dlpack__(stream=consumer, max_version=(1, 0))
     except TypeError:  # a producer from before DLPack 1.0 (no max_version)
