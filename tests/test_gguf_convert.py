@@ -974,3 +974,23 @@ def test_a_shape_no_array_can_have_is_refused(tmp_path):
     with pytest.raises(BadMetadata, match=r"tensor 'blk.0.ffn_up.weight': shape "
                                           r"\(0, 2305843009213693952\) is too large"):
         GgufSource(tmp_path / "m.gguf")
+
+
+def test_overlapping_tensor_data_is_refused(tmp_path, capsys):
+    """Found by a review: a tensor info whose data offset points into another tensor's
+    data (llama.cpp's loader refuses it) converted silently, the other tensor's bytes
+    written under its name."""
+    make_llama(tmp_path / "m.gguf", n_layers=1)
+    bad = bytearray((tmp_path / "m.gguf").read_bytes())
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    field = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight").field
+    offset_at = field.offset + sum(p.nbytes for p in field.parts[:5])
+    bad[offset_at:offset_at + 8] = (0).to_bytes(8, "little")   # token_embd's data
+    (tmp_path / "m.gguf").write_bytes(bytes(bad))
+    with pytest.raises(BadMetadata, match="the data of tensors 'token_embd.weight' and "
+                                          "'blk.0.attn_v.weight' overlap"):
+        GgufSource(tmp_path / "m.gguf")
+    assert cli_main(["convert", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "o.hfq"),
+                     "--no-progress"]) == 1
+    assert "overlap" in capsys.readouterr().err
+    assert not (tmp_path / "o.hfq").exists()

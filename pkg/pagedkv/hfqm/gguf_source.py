@@ -17,6 +17,7 @@ relatives (:data:`PERMUTED_QK_ARCHS`) are put back in HF order. The HF ``config`
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -387,6 +388,16 @@ class GgufSource:
                 outputs.extend(self._outputs(shard, i, t, shapes[t.name]))
             # File order within a shard, shards in split order.
             offsets = [int(t.data_offset) for t in reader.tensors]
+            # llama.cpp's loader refuses tensor data that overlaps (it lays tensors out
+            # back to back): two names on one range would convert one tensor's bytes twice.
+            ranges = sorted((offsets[i], offsets[i] + int(t.n_bytes), t.name)
+                            for i, t in enumerate(reader.tensors) if int(t.n_bytes))
+            for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+                if start < end:
+                    raise BadMetadata(f"the data of tensors {first!r} and {second!r} overlap "
+                                      f"(the first ends at {end}, the second starts at "
+                                      f"{start}); the file is corrupt, re-export it",
+                                      path=shard, tensor=second, offset=start)
             outputs.sort(key=lambda x: (offsets[x.file_index],
                                         x.expert if x.expert is not None else -1))
             self.tensors.extend(outputs)
