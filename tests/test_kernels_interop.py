@@ -497,3 +497,22 @@ def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
                                                       "integer stream handle"):
             DeviceArray.from_dlpack(OnDevice(), stub_device, stream=bad)
     assert asked == []
+
+
+def test_a_read_only_array_is_never_exported_as_a_legacy_capsule(host_dlpack, stub_recorder):
+    """Found by a review: a read-only import exported again to a consumer of legacy DLPack
+    (no max_version: older torch, CuPy, JAX) went out as a plain "dltensor", which has no
+    read-only flag, so the consumer got it as writable memory. It is refused with
+    BufferError (NumPy's answer), before any stream wait; a DLPack 1.0 consumer still gets
+    the flag, and a writable array still goes out legacy."""
+    host = np.arange(4, dtype=np.float32)
+    host.flags.writeable = False
+    ro = DeviceArray.from_dlpack(host, host_dlpack)
+    waited = stub_recorder.last_wait_stream()
+    for kw in ({}, {"max_version": None}, {"max_version": (0, 8)}, {"stream": 0x5000}):
+        with pytest.raises(BufferError, match="read-only and a legacy DLPack capsule"):
+            ro.__dlpack__(**kw)
+    assert stub_recorder.last_wait_stream() == waited
+    out = np.from_dlpack(ro)  # NumPy asks for 1.0
+    assert not out.flags.writeable and out.tolist() == [0, 1, 2, 3]
+    assert _name(host_dlpack.empty((2,), np.float32).__dlpack__()) == b"dltensor"

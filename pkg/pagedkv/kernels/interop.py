@@ -17,7 +17,7 @@ Ownership (docs/kernels.md, "Interop"):
   ``DLPACK_FLAG_BITMASK_READ_ONLY``, the interface's ``data: (ptr, True)``) is imported as a
   :attr:`~pagedkv.kernels.DeviceArray.readonly` array: it can be read (a query, a weight,
   K/V to write into a pool) but every launcher refuses it where it writes; exported again,
-  it keeps the flag.
+  it keeps the flag (a legacy capsule, which has none, is refused with ``BufferError``).
 - **Layout.** Only C-contiguous buffers (strides ``None`` or row-major; size-1 axes may
   carry any stride, and so may every axis of a buffer of zero elements) are taken; anything else raises :class:`InvalidArgument`. bfloat16
   comes in as ``uint16`` bits and goes out as ``uint16`` (``tensor.view(torch.bfloat16)``).
@@ -148,6 +148,11 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
     if dl_device is not None and tuple(dl_device) != here:
         raise BufferError(f"DeviceArray.__dlpack__(dl_device={tuple(dl_device)}): the array "
                           f"lives on {here} and is not copied across devices")
+    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    if arr.readonly and not versioned:  # NumPy's rule: never hand read-only memory as writable
+        raise BufferError("DeviceArray.__dlpack__: the array is read-only and a legacy DLPack "
+                          "capsule (no max_version >= (1, 0)) cannot say so; use a consumer of "
+                          "DLPack 1.0 or export a writable copy")
     ptr = arr.live_ptr()
     backend = _backend(arr.device)
     if stream is not None and stream != -1 and stream != _DEFAULT_STREAM[backend] \
@@ -156,7 +161,6 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
             raise InvalidArgumentType(f"stream: expected an int stream handle, got "
                                       f"{type(stream).__name__}")
         _wait_default_stream(arr.device, stream)
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
     return export_capsule(arr, ptr, arr.shape, _dl_dtype(arr.dtype), here[0], here[1],
                           versioned, arr.readonly)
 
