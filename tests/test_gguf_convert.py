@@ -994,3 +994,26 @@ def test_overlapping_tensor_data_is_refused(tmp_path, capsys):
                      "--no-progress"]) == 1
     assert "overlap" in capsys.readouterr().err
     assert not (tmp_path / "o.hfq").exists()
+
+
+def test_a_misaligned_tensor_data_offset_is_refused(tmp_path, capsys):
+    """Found by a review: a tensor offset that is not a multiple of general.alignment
+    (llama.cpp's loader refuses it) was decoded from the shifted bytes: garbage weights
+    converted silently, or a NaN error that blamed the weights."""
+    make_llama(tmp_path / "m.gguf", n_layers=1)
+    bad = bytearray((tmp_path / "m.gguf").read_bytes())
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
+    offset_at = t.field.offset + sum(p.nbytes for p in t.field.parts[:5])
+    rel = int(t.data_offset) - int(reader.data_offset)
+    bad[offset_at:offset_at + 8] = (rel + 3).to_bytes(8, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(bad))
+    with pytest.raises(BadMetadata, match=rf"tensor 'blk.0.attn_v.weight', offset "
+                                          rf"{t.data_offset + 3}: tensor data offset "
+                                          rf"{rel + 3} is not a multiple of the file's "
+                                          r"alignment \(32\)"):
+        GgufSource(tmp_path / "m.gguf")
+    assert cli_main(["convert", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "o.hfq"),
+                     "--no-progress"]) == 1
+    assert "alignment" in capsys.readouterr().err
+    assert not (tmp_path / "o.hfq").exists()

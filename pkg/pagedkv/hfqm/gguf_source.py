@@ -375,6 +375,14 @@ class GgufSource:
             outputs: list[GgufTensor] = []
             for i, t in enumerate(reader.tensors):
                 end = t.data_offset + t.n_bytes
+                rel = int(t.data_offset) - int(reader.data_offset)
+                if rel % int(reader.alignment):
+                    # GGUF places every tensor at a multiple of general.alignment, and
+                    # llama.cpp's loader refuses any other offset: the info is corrupt.
+                    raise BadMetadata(f"tensor data offset {rel} is not a multiple of the "
+                                      f"file's alignment ({int(reader.alignment)}); the "
+                                      "file is corrupt, re-export it", path=shard,
+                                      tensor=t.name, offset=int(t.data_offset))
                 if end > size:
                     raise Truncated(f"tensor data [{t.data_offset}, {end}) runs past the end "
                                     f"of the file ({size} bytes)", path=shard, tensor=t.name,
