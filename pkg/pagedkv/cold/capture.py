@@ -67,7 +67,9 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
                                geometry: BlockGeometry) -> bool:
     """Copy one block out of the pool into a buffer the job owns (the block is held by an
     extra reference meanwhile, released always) and offer it until ``deadline``. A pool
-    read failure raises and enqueues nothing."""
+    read failure raises and enqueues nothing, and so does a pool no longer of ``geometry``
+    after the read (a kv_adaptive step transcoded it): its bytes may be the new mode's,
+    which must not be published under the fingerprint of ``geometry``'s."""
     if len(tokens) != geometry.block_size:
         raise InvalidArgument(f"tokens has {len(tokens)} tokens; only full blocks of "
                               f"block_size = {geometry.block_size} are persisted")
@@ -82,6 +84,13 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
     finally:
         if held:
             allocator.free(block_id)
+    # Steps are one-way, so a pool still of ``geometry`` after the read was of it during
+    # the read: the bytes are that mode's.
+    if BlockGeometry.of(pool.geometry).as_tuple() != geometry.as_tuple():
+        writer.give_back(taken)
+        raise InvalidArgument(f"the pool left {geometry.dtype!r} (now "
+                              f"{pool.geometry.dtype!r}) during the capture: block not "
+                              f"captured under the fingerprint of {geometry.dtype!r}")
     recycle = out is taken
     if not recycle:
         writer.give_back(taken)
@@ -103,13 +112,14 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
 
 def capture_walk(tier, fingerprint: bytes, *, tokens, block_ids, cache_salt: int = 0,
                  extra_keys=(), extra_keys_per_block=None, pool, allocator,
-                 blocks_per_turn: int, budget_ms: int) -> CaptureOutcome:
-    """Persist the request's full blocks, block 0 first, within the turn's budget."""
+                 blocks_per_turn: int, budget_ms: int, geometry=None) -> CaptureOutcome:
+    """Persist the request's full blocks, block 0 first, within the turn's budget.
+    ``geometry``: the pool geometry ``fingerprint`` belongs to (default: the pool's now)."""
     t0 = time.monotonic()
     deadline = t0 + budget_ms / 1000.0
     toks = as_token_array(tokens)
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    geometry = BlockGeometry.of(pool.geometry)
+    geometry = BlockGeometry.of(pool.geometry if geometry is None else geometry)
     bs = geometry.block_size
     keys = cold_key_chain(tier.fmt, ColdGroup.KV, fingerprint, toks, bs,
                           extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,10 +26,12 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 __all__ = [
     "FINGERPRINT_BYTES",
     "MANIFEST_NAME",
+    "ModeFingerprints",
     "WeightProvenance",
     "cold_fingerprint",
     "geometry_part",
     "hfqm_weight_identity",
+    "kv_mode_fingerprint",
     "model_fingerprint",
     "weight_identity",
 ]
@@ -44,7 +47,11 @@ _u64 = struct.Struct("<Q").pack
 
 def cold_fingerprint(fmt: ColdFormat, parts: Iterable[bytes]) -> bytes:
     """SHA-256 of the fingerprint tag, then for each part its u64 length and bytes."""
-    h = hashlib.sha256(fmt.tag("cold-cache-fingerprint"))
+    return _tagged_digest(fmt, "cold-cache-fingerprint", parts)
+
+
+def _tagged_digest(fmt: ColdFormat, tag: str, parts: Iterable[bytes]) -> bytes:
+    h = hashlib.sha256(fmt.tag(tag))
     for i, part in enumerate(parts):
         if not isinstance(part, (bytes, bytearray, memoryview)):
             raise InvalidArgumentType(
@@ -78,6 +85,46 @@ def geometry_part(geometry) -> bytes:
     if min(nums) <= 0:
         raise InvalidArgument(f"geometry fields must be > 0, got {nums}")
     return b"".join(_u64(n) for n in nums) + dtype.encode() + b"\0" + layout.encode()
+
+
+def kv_mode_fingerprint(fmt: ColdFormat, fingerprint: bytes, bound_geometry, geometry) -> bytes:
+    """The fingerprint under which a pool bound to ``fingerprint`` at ``bound_geometry``
+    stores and finds blocks once it holds ``geometry`` (docs/cold.md, "KV mode steps"):
+    ``fingerprint`` itself while the geometry parts are equal, else SHA-256 of
+    ``tag("cold-kv-mode-fingerprint")`` then, length-prefixed, ``fingerprint``, the bound
+    geometry part and the current one. A kv_adaptive step (docs/kv-quant.md) transcodes the
+    pool to another KV dtype: its blocks then live under another fingerprint, so objects
+    of the two modes never share a key."""
+    return ModeFingerprints(fmt, fingerprint, bound_geometry).at(geometry)
+
+
+class ModeFingerprints:
+    """One model binding's fingerprints across the KV modes of its pool: ``at(geometry)``
+    is :func:`kv_mode_fingerprint` of ``fingerprint`` (computed for ``geometry``, the pool
+    geometry it was bound at) for the pool's current geometry, memoized. Thread-safe."""
+
+    __slots__ = ("_bound", "_derived", "_lock", "fingerprint", "fmt")
+
+    def __init__(self, fmt: ColdFormat, fingerprint: bytes, geometry) -> None:
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgument("fingerprint must be 32 bytes (model_fingerprint's result)")
+        self.fmt, self.fingerprint = fmt, fingerprint
+        self._bound = geometry_part(geometry)
+        self._derived: dict[bytes, bytes] = {self._bound: fingerprint}
+        self._lock = threading.Lock()
+
+    def at(self, geometry) -> bytes:
+        part = geometry_part(geometry)
+        with self._lock:
+            fp = self._derived.get(part)
+            if fp is None:
+                fp = _tagged_digest(self.fmt, "cold-kv-mode-fingerprint",
+                                    (self.fingerprint, self._bound, part))
+                self._derived[part] = fp
+            return fp
+
+    def __repr__(self) -> str:
+        return f"ModeFingerprints({self.fingerprint.hex()[:16]}..., modes={len(self._derived)})"
 
 
 def _top_level_shards(model_dir: str) -> list[str]:

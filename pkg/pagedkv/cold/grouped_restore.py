@@ -91,10 +91,12 @@ def restore_grouped(context, *, tokens, pool, allocator, sliding: Sequence[Slidi
         raise InvalidArgument("restore_grouped: no sliding group given; use restore() for a "
                               "single full group")
     tier = context.tier
+    geometry = pool.geometry  # the full pool's KV mode picks the fingerprint (docs/cold.md)
     restored = tier.restore_backed(
         tokens=tokens, hot_blocks=hot_blocks, cache_salt=cache_salt, extra_keys=extra_keys,
         extra_keys_per_block=extra_keys_per_block, pool=pool, allocator=allocator,
-        policy=context.policy, exact_boundary=exact_boundary, fingerprint=context.fingerprint)
+        policy=context.policy, exact_boundary=exact_boundary,
+        fingerprint=context.fingerprint_at(geometry), geometry=geometry)
     ids, sidecar = restored
     if not len(ids) or sidecar is None:
         if len(ids):  # a walk never returns blocks without a sidecar under a policy

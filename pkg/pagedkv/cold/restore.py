@@ -182,7 +182,7 @@ def _declined(tier, base, limit, t0, decline):
 
 def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: int = 0,
                  extra_keys=(), extra_keys_per_block=None, pool, allocator, policy=None,
-                 exact_boundary: bool = False
+                 exact_boundary: bool = False, geometry=None
                  ) -> tuple[np.ndarray, RestoreOutcome,
                             RestoredSidecar | RestoredSidecars | None]:
     """Restore the persisted blocks after the hot hit; returns the new block ids (one
@@ -193,10 +193,13 @@ def restore_walk(tier, fingerprint: bytes, *, tokens, hot_blocks, cache_salt: in
 
     ``exact_boundary`` (prefixes whose inputs cannot be rebuilt from token ids): the backed
     boundary must be the K/V chain's whole proposal, else nothing is restored.
+
+    ``geometry``: the pool geometry ``fingerprint`` belongs to (default: the pool's now);
+    every loaded block must have it.
     """
     t0 = time.monotonic()
     toks = as_token_array(tokens)
-    geometry = BlockGeometry.of(pool.geometry)
+    geometry = BlockGeometry.of(pool.geometry if geometry is None else geometry)
     bs = geometry.block_size
     base = hot_blocks if isinstance(hot_blocks, (int, np.integer)) else len(hot_blocks)
     base = int(base)

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
 import numpy as np
@@ -28,6 +28,7 @@ from pagedkv.cold.capture import (
     capture_walk,
 )
 from pagedkv.cold.codec import BlockGeometry
+from pagedkv.cold.fingerprint import ModeFingerprints
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
 from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.knobs import (
@@ -187,11 +188,13 @@ class ColdTier:
             return tier
 
     def for_model(self, fingerprint: bytes, *, sidecar=None,
-                  checkpoints: Callable[..., Mapping[int, Any]] | None = None
-                  ) -> ColdTierContext:
+                  checkpoints: Callable[..., Mapping[int, Any]] | None = None,
+                  geometry=None) -> ColdTierContext:
         """What an adapter holds: this tier bound to one model's fingerprint, with the
-        family's sidecar codec and checkpoint source when it keeps out-of-pool state."""
-        return ColdTierContext(self, fingerprint, sidecar, checkpoints)
+        family's sidecar codec and checkpoint source when it keeps out-of-pool state.
+        ``geometry``: the pool geometry ``fingerprint`` was computed for; the binding then
+        follows the pool's KV mode (:class:`ColdTierContext`)."""
+        return ColdTierContext(self, fingerprint, sidecar, checkpoints, geometry)
 
     def __repr__(self) -> str:
         return (f"ColdTier(root={self.store.root_path!r}, objects={len(self.store.index)}, "
@@ -300,16 +303,18 @@ class ColdTier:
 
     def capture(self, *, tokens, block_ids, hashes=None, cache_salt: int = 0,
                 extra_keys=(), extra_keys_per_block=None, pool, allocator,
-                fingerprint: bytes | None = None) -> CaptureOutcome:
+                fingerprint: bytes | None = None, geometry=None) -> CaptureOutcome:
         """The budgeted capture walk over a request's registered full blocks. Never raises:
-        any failure ends the walk (``stop=ERROR``) and is logged."""
+        any failure ends the walk (``stop=ERROR``) and is logged. ``geometry``: the pool
+        geometry ``fingerprint`` belongs to (default: the pool's now); a block read after
+        the pool left it (a kv_adaptive step) ends the walk, nothing enqueued for it."""
         try:
             outcome = capture_walk(
                 self, fingerprint if fingerprint is not None else self._fingerprint(),
                 tokens=tokens, block_ids=block_ids, cache_salt=cache_salt,
                 extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
                 pool=pool, allocator=allocator, blocks_per_turn=self.blocks_per_turn,
-                budget_ms=self.budget_ms)
+                budget_ms=self.budget_ms, geometry=geometry)
         except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: capture walk failed: %s", exc)
             outcome = CaptureOutcome(0, 0, 0.0, CaptureStop.ERROR)
@@ -329,17 +334,19 @@ class ColdTier:
     def restore_backed(self, *, tokens, hot_blocks, cache_salt: int = 0, extra_keys=(),
                        extra_keys_per_block=None, pool, allocator, policy=None,
                        exact_boundary: bool = False,
-                       fingerprint: bytes | None = None) -> ColdRestore:
+                       fingerprint: bytes | None = None, geometry=None) -> ColdRestore:
         """:meth:`restore` under a sidecar ``policy`` (a ``ColdSidecarPolicy``): the K/V
         chain is reconciled down to the deepest boundary a validated sidecar backs, and
-        that sidecar comes back with the blocks (docs/cold.md, "Reconcile-down"). Never
-        raises."""
+        that sidecar comes back with the blocks (docs/cold.md, "Reconcile-down").
+        ``geometry``: the pool geometry ``fingerprint`` belongs to (default: the pool's
+        now), the geometry every loaded block must have. Never raises."""
         try:
             ids, outcome, sidecar = restore_walk(
                 self, fingerprint if fingerprint is not None else self._fingerprint(),
                 tokens=tokens, hot_blocks=hot_blocks, cache_salt=cache_salt,
                 extra_keys=extra_keys, extra_keys_per_block=extra_keys_per_block,
-                pool=pool, allocator=allocator, policy=policy, exact_boundary=exact_boundary)
+                pool=pool, allocator=allocator, policy=policy, exact_boundary=exact_boundary,
+                geometry=geometry)
         except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: restore walk failed: %s", exc)
             return ColdRestore(EMPTY_BLOCKS, None)
@@ -365,12 +372,24 @@ class ColdTierContext:
     walk, it returns the request lineage's retained in-memory checkpoints (boundary tokens →
     state in the codec's form; a bundle's: ``{ColdGroup: state}``); the deepest one under
     the walk's reach is persisted (docs/cold.md, "Sidecar capture").
+
+    ``geometry``: the pool geometry ``fingerprint`` was computed for (``cold_tier_for_model``
+    passes it). With it the binding follows the pool's KV mode: every capture and restore
+    reads the pool's geometry once and runs under :meth:`fingerprint_at` of it, so after a
+    kv_adaptive step (docs/kv-quant.md) blocks of the new mode are stored and looked up
+    under a fingerprint of their own and objects of the bound mode stay on disk for a
+    process that runs at it (docs/cold.md, "KV mode steps"). ``None``: ``fingerprint``
+    serves every pool as it is (a pool that changes mode then collides with its old
+    objects).
     """
 
     tier: ColdTier
     fingerprint: bytes
     sidecar: Any = None
     checkpoints: Callable[..., Mapping[int, Any]] | None = None
+    geometry: Any = None
+    _modes: ModeFingerprints | None = field(default=None, init=False, repr=False,
+                                            compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, ColdTier):
@@ -385,6 +404,22 @@ class ColdTierContext:
         if self.checkpoints is not None and not callable(self.checkpoints):
             raise InvalidArgumentType("checkpoints must be callable(tokens, cache_salt=..., "
                                       "extra_keys_per_block=...) -> {boundary: state}")
+        if self.geometry is not None:
+            object.__setattr__(self, "_modes",
+                               ModeFingerprints(self.tier.fmt, self.fingerprint, self.geometry))
+
+    def fingerprint_at(self, geometry) -> bytes:
+        """The fingerprint of a pool holding ``geometry``: ``fingerprint`` at the bound
+        geometry (or without one), else :func:`~pagedkv.cold.fingerprint.kv_mode_fingerprint`
+        of it."""
+        return self.fingerprint if self._modes is None else self._modes.at(geometry)
+
+    def _binding(self, pool) -> tuple[bytes, Any]:
+        # One read of the pool's geometry: the walk's fingerprint, keys, expected object
+        # geometry and pool reads all belong to it (a step after this read makes the
+        # walk's next pool read or write fail, never mix modes).
+        geometry = pool.geometry
+        return self.fingerprint_at(geometry), geometry
 
     @property
     def fmt(self) -> ColdFormat:
@@ -399,7 +434,8 @@ class ColdTierContext:
     def capture(self, **kwargs) -> CaptureOutcome:
         """The K/V capture walk, then (with a codec and a checkpoint source) the sidecar
         capture anchored under its reach; its outcome is ``result.sidecar``. Never raises."""
-        outcome = self.tier.capture(fingerprint=self.fingerprint, **kwargs)
+        fingerprint, geometry = self._binding(kwargs["pool"])
+        outcome = self.tier.capture(fingerprint=fingerprint, geometry=geometry, **kwargs)
         if self.sidecar is None or self.checkpoints is None:
             return outcome
         tokens = kwargs["tokens"]
@@ -417,7 +453,7 @@ class ColdTierContext:
             side = self.capture_sidecar(found, tokens=tokens, captured_blocks=outcome.blocks,
                                         block_size=bs,
                                         cache_salt=salt, extra_keys=extra,
-                                        extra_keys_per_block=per_block)
+                                        extra_keys_per_block=per_block, geometry=geometry)
         except Exception as exc:  # noqa: BLE001 - the cold tier never raises into inference
             log.warning("cold tier: sidecar capture failed: %s", exc)
             return outcome
@@ -427,18 +463,21 @@ class ColdTierContext:
 
     def capture_sidecar(self, checkpoints: Mapping[int, Any], *, tokens, captured_blocks: int,
                         block_size: int, cache_salt: int = 0, extra_keys=(),
-                        extra_keys_per_block=None
+                        extra_keys_per_block=None, geometry=None
                         ) -> SidecarCaptureOutcome | tuple[SidecarCaptureOutcome, ...]:
         """Sidecar capture alone (docs/cold.md, "Sidecar capture"): for hosts that run the
         K/V walk elsewhere. Waits for a queue slot up to the tier's capture budget. A
         bundle captures each part at its own deepest anchor (the same one when every part
-        has state at the same boundaries) and returns one outcome per part."""
+        has state at the same boundaries) and returns one outcome per part. ``geometry``:
+        the pool geometry the K/V walk ran at (its fingerprint is the sidecar's; default:
+        the bound one)."""
         if self.sidecar is None:
             raise InvalidArgument("this ColdTierContext has no sidecar codec")
+        fingerprint = self.fingerprint if geometry is None else self.fingerprint_at(geometry)
         deadline = time.monotonic() + self.tier.budget_ms / 1000.0
 
         def one(codec, found):
-            return capture_sidecar(self.tier, self.fingerprint, codec, found, tokens=tokens,
+            return capture_sidecar(self.tier, fingerprint, codec, found, tokens=tokens,
                                    captured_blocks=captured_blocks, block_size=block_size,
                                    deadline=deadline, cache_salt=cache_salt,
                                    extra_keys=extra_keys,
@@ -451,8 +490,9 @@ class ColdTierContext:
 
     def restore(self, **kwargs) -> ColdRestore:
         """Restore under this context's policy: ``ColdRestore(block_ids, sidecar)``."""
-        return self.tier.restore_backed(fingerprint=self.fingerprint, policy=self.policy,
-                                        **kwargs)
+        fingerprint, geometry = self._binding(kwargs["pool"])
+        return self.tier.restore_backed(fingerprint=fingerprint, geometry=geometry,
+                                        policy=self.policy, **kwargs)
 
     def restore_grouped(self, **kwargs):
         """Full + sliding restore (docs/cold.md, "Grouped restore"): see
@@ -563,7 +603,7 @@ def cold_tier_for_model(model_dir: str, family: str, geometry, *,
                            compute=compute)
     if fp is None:
         return None
-    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)
+    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints, geometry=geometry)
 
 
 def _read_config(model_dir: str) -> dict | None:

@@ -160,7 +160,7 @@ def open_cold_tier(cold_dir, model, geometry, *, model_dir=None, sidecar=None,
     if fp is None:
         tier.close()
         return None
-    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints)
+    return tier.for_model(fp, sidecar=sidecar, checkpoints=checkpoints, geometry=geometry)
 
 
 class ClosableColdHooks:
