@@ -516,3 +516,35 @@ def test_a_read_only_array_is_never_exported_as_a_legacy_capsule(host_dlpack, st
     out = np.from_dlpack(ro)  # NumPy asks for 1.0
     assert not out.flags.writeable and out.tolist() == [0, 1, 2, 3]
     assert _name(host_dlpack.empty((2,), np.float32).__dlpack__()) == b"dltensor"
+
+
+def test_an_exported_view_keeps_its_memory_after_the_view_is_freed(host_dlpack):
+    """Found by a review: a capsule held only the exported DeviceArray, and a view's free()
+    ("a view only forgets its address") drops the view's base, so exporting a view (a pool
+    layer's slab, rows of an array, an import), then freeing the view and dropping the owner
+    freed the memory the consumer still read (NumPy read garbage on the HIP stub). The
+    capsule now holds the view's whole base chain, taken at export."""
+    for make in (lambda a: a.view(), lambda a: a.rows(1, 3).view((2,))):
+        arr = host_dlpack.array(np.arange(4, dtype=np.int32))
+        ref = weakref.ref(arr)
+        view = make(arr)
+        out = np.from_dlpack(view)
+        expected = out.tolist()
+        del arr
+        view.free()
+        gc.collect()
+        assert ref() is not None and out.tolist() == expected  # still the owner's memory
+        del out
+        gc.collect()
+        assert ref() is None  # the consumer let go: freed
+    host = np.arange(3, dtype=np.float32)  # an import exported again: the producer stays
+    refs = sys.getrefcount(host)
+    imported = DeviceArray.from_dlpack(host, host_dlpack)
+    out = np.from_dlpack(imported)
+    imported.free()
+    del imported
+    gc.collect()
+    assert sys.getrefcount(host) > refs and out.tolist() == [0, 1, 2]
+    del out
+    gc.collect()
+    assert sys.getrefcount(host) == refs

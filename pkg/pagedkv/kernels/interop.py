@@ -4,8 +4,9 @@ capsules) and the CUDA array interface v3 (``__cuda_array_interface__``).
 
 Ownership (docs/kernels.md, "Interop"):
 
-- **Export.** A capsule holds a strong reference to the exported DeviceArray until the
-  consumer's deleter runs, so a torch tensor made from a pagedkv buffer keeps that memory
+- **Export.** A capsule holds a strong reference to the exported DeviceArray (and to the
+  bases of a view, so the view's ``free()`` cannot release them) until the consumer's
+  deleter runs, so a torch tensor made from a pagedkv buffer keeps that memory
   alive even after pagedkv dropped it (a grown pool's old layer arrays, say); an explicit
   ``free()`` by the owner while a consumer still uses the memory is the caller's error. The
   CUDA array interface carries no lifetime: the consumer must keep the DeviceArray.
@@ -161,8 +162,18 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
             raise InvalidArgumentType(f"stream: expected an int stream handle, got "
                                       f"{type(stream).__name__}")
         _wait_default_stream(arr.device, stream)
-    return export_capsule(arr, ptr, arr.shape, _dl_dtype(arr.dtype), here[0], here[1],
-                          versioned, arr.readonly)
+    return export_capsule(_keepers(arr), ptr, arr.shape, _dl_dtype(arr.dtype), here[0],
+                          here[1], versioned, arr.readonly)
+
+
+def _keepers(arr: DeviceArray) -> tuple:
+    """What an exported capsule holds: ``arr`` and every ``base`` it is a view of, taken now,
+    so a view's ``free()`` (which drops its ``base``) cannot release memory a consumer uses."""
+    from pagedkv.kernels.device_array import DeviceArray
+    chain: list[object] = [arr]
+    while isinstance(chain[-1], DeviceArray) and chain[-1].base is not None:
+        chain.append(chain[-1].base)
+    return tuple(chain)
 
 
 def cuda_array_interface(arr: DeviceArray) -> dict:
