@@ -23,6 +23,7 @@ from pagedkv.errors import (
     BadName,
     CountMismatch,
     InvalidArgument,
+    InvalidArgumentType,
     SizeMismatch,
     Truncated,
     UnknownQuantType,
@@ -1017,3 +1018,30 @@ def test_a_misaligned_tensor_data_offset_is_refused(tmp_path, capsys):
                      "--no-progress"]) == 1
     assert "alignment" in capsys.readouterr().err
     assert not (tmp_path / "o.hfq").exists()
+
+
+def test_read_checks_the_row_index(tmp_path):
+    """Found by a review: GgufSource.read took row 300 of a 256-row tensor as an empty
+    block (or a bare ValueError from a reshape for llama's Q rows), row -1 raised a bare
+    ValueError, a slice step was ignored (rows 0..9, not 0, 2, .., 8), and a 1-D tensor
+    came back whole whatever rows were asked for."""
+    expected = make_llama(tmp_path / "m.gguf", n_layers=1)
+    src = GgufSource(tmp_path / "m.gguf")
+    by_name = {t.name: t for t in src.tensors}
+    for name in ("model.layers.0.self_attn.q_proj.weight",    # un-permuted
+                 "model.layers.0.self_attn.v_proj.weight",
+                 "model.layers.0.input_layernorm.weight"):     # 1-D
+        t, want = by_name[name], expected[name]
+        n = t.shape[0]
+        for row in (0, n - 1, -1, -n):
+            np.testing.assert_array_equal(src.read(t, (row,)), want[row:row + 1 or None])
+        np.testing.assert_array_equal(src.read(t, (slice(n - 3, n + 50),)), want[n - 3:])
+        assert src.read(t, (slice(5, 2),)).shape == (0, *t.shape[1:])
+        for row in (n, -n - 1, 10**6):
+            with pytest.raises(InvalidArgument, match=rf"row {row} of '{name}' is out of "
+                                                      rf"range: the tensor has {n} rows"):
+                src.read(t, (row,))
+        with pytest.raises(InvalidArgument, match="has step 2; only contiguous rows"):
+            src.read(t, (slice(0, 10, 2),))
+        with pytest.raises(InvalidArgumentType, match="must be an int or a slice, got float"):
+            src.read(t, (1.0,))

@@ -32,6 +32,7 @@ from pagedkv.errors import (
     BadName,
     CountMismatch,
     InvalidArgument,
+    InvalidArgumentType,
     SizeMismatch,
     Truncated,
     UnknownQuantType,
@@ -495,7 +496,9 @@ class GgufSource:
         selects along the leading dim (``(slice(r0, r1),)``); ``None`` reads it whole.
         For a stacked expert the leading int of ``index`` is ignored (the tensor
         already names its expert). A Gemma norm stored as ``w + 1`` comes back as
-        ``w`` (float32)."""
+        ``w`` (float32). A row index outside ``-rows..rows-1`` raises
+        :class:`~pagedkv.errors.InvalidArgument` (a non-int one ``InvalidArgumentType``),
+        as does a slice with a step other than 1."""
         out = self._read_rows(tensor, index)
         if tensor.norm_plus_one:
             return np.subtract(out, np.float32(1), dtype=np.float32)
@@ -509,13 +512,27 @@ class GgufSource:
             if index is not None and index and isinstance(index[0], (int, np.integer)):
                 index = index[1:]
         rows = index[0] if index else slice(None)
-        if not isinstance(rows, slice):
-            rows = slice(int(rows), int(rows) + 1)
         n = tensor.shape[0] if tensor.shape else 1
-        lo, hi, _ = rows.indices(n)
+        if isinstance(rows, slice):
+            if rows.step not in (None, 1):
+                raise InvalidArgument(f"row slice {rows} of {tensor.name!r} has step "
+                                      f"{rows.step}; only contiguous rows (step 1) are read")
+            lo, hi, _ = rows.indices(n)
+            hi = max(hi, lo)
+        else:
+            if not is_int(rows):
+                raise InvalidArgumentType(f"row index of {tensor.name!r} must be an int or a "
+                                          f"slice, got {type(rows).__name__}")
+            if not -n <= int(rows) < n:
+                raise InvalidArgument(f"row {rows!r} of {tensor.name!r} is out of range: "
+                                      f"the tensor has {n} rows, pass -{n}..{n - 1}")
+            lo = int(rows) % n
+            hi = lo + 1
         if len(tensor.shape) < 2:
             whole = self._dequantize(tensor, data).reshape(tensor.shape)
-            return unpermute_rows(whole, tensor.permute_heads) if tensor.permute_heads else whole
+            if tensor.permute_heads:
+                whole = unpermute_rows(whole, tensor.permute_heads)
+            return whole[lo:hi] if tensor.shape and (lo, hi) != (0, n) else whole
         if tensor.permute_heads and n:
             # The permutation stays inside a head: read whole heads, then cut.
             d = n // tensor.permute_heads
