@@ -1045,3 +1045,21 @@ def test_read_checks_the_row_index(tmp_path):
             src.read(t, (slice(0, 10, 2),))
         with pytest.raises(InvalidArgumentType, match="must be an int or a slice, got float"):
             src.read(t, (1.0,))
+
+
+def test_a_nested_string_array_key_keeps_its_strings(tmp_path):
+    """Found by a review: an array of string arrays was read as the first byte of each
+    string ([97, 99, 100] for [["ab", "c"], ["def"]]) into gguf_meta; it now reads as
+    the gguf package's ReaderField.contents() does (flattened strings)."""
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3")
+    w.add_array("x.nested", [["ab", "c"], ["def"]])
+    w.add_array("x.nested_int", [[1, 2], [3]])
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(H, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    src = GgufSource(tmp_path / "m.gguf")
+    package = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert src.metadata["x.nested"] == package["x.nested"].contents() == ["ab", "c", "def"]
+    assert src.metadata["x.nested_int"] == package["x.nested_int"].contents() == [1, 2, 3]

@@ -156,7 +156,8 @@ def _value(field) -> Any:
     if not field.types:
         return None
     if field.types[0] == GGUFValueType.ARRAY:
-        if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
+        # A nested array comes flattened by the package (its element type is the last).
+        if len(field.types) > 1 and field.types[-1] == GGUFValueType.STRING:
             return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
         return [field.parts[i].tolist()[0] for i in field.data]
     if field.types[0] == GGUFValueType.STRING:
