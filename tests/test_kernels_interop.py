@@ -548,3 +548,36 @@ def test_an_exported_view_keeps_its_memory_after_the_view_is_freed(host_dlpack):
     del out
     gc.collect()
     assert sys.getrefcount(host) == refs
+
+
+def test_export_streams_follow_the_dlpack_rule_of_the_backend(host_dlpack, stub_recorder,
+                                                              monkeypatch):
+    """Found by a review: __dlpack__(stream=1) or (stream=2) on the HIP backend made the
+    default stream wait on handle 1 or 2, which is no HIP stream (DLPack: ROCm takes 0 for
+    its default stream, 1 and 2 are not supported), so the wait failed inside the runtime;
+    on CUDA, stream 0 (disallowed as ambiguous) was waited on as a handle. Such values raise
+    BufferError before any wait now; CUDA's 1 (legacy default) and 2 (per-thread default)
+    and -1 (no synchronization) need no wait."""
+    arr = host_dlpack.empty((2,), np.float32)
+    arr.__dlpack__(stream=0x5000)
+    for stream in (1, 2, -2, np.int64(1)):
+        with pytest.raises(BufferError, match=rf"stream={int(stream)}\): not a hip stream under "
+                                              r"the DLPack rule; pass None, -1 .*0 \(the "
+                                              r"default stream\)"):
+            arr.__dlpack__(stream=stream)
+    for stream in (None, 0, -1):
+        assert _name(arr.__dlpack__(stream=stream)) == b"dltensor"
+    assert stub_recorder.last_wait_stream() == 0x5000  # none of these waited
+    monkeypatch.setattr(interop, "_backend", lambda device: "cuda")
+    monkeypatch.setitem(interop.DLPACK_DEVICE_TYPES, "cuda",
+                        {"export": (interop.KDL_CPU,), "import": (interop.KDL_CPU,)})
+    arr.__dlpack__(stream=0x6000)
+    for stream in (0, -2):
+        with pytest.raises(BufferError, match=rf"stream={stream}\): not a cuda stream under "
+                                              r"the DLPack rule.*1 \(the legacy default "
+                                              r"stream\), 2 \(the per-thread default"):
+            arr.__dlpack__(stream=stream)
+    for stream in (None, 1, 2, -1):
+        assert _name(arr.__dlpack__(stream=stream, max_version=(1, 0))) == \
+            b"dltensor_versioned"
+    assert stub_recorder.last_wait_stream() == 0x6000

@@ -24,8 +24,10 @@ Ownership (docs/kernels.md, "Interop"):
   comes in as ``uint16`` bits and goes out as ``uint16`` (``tensor.view(torch.bfloat16)``).
 - **Streams.** pagedkv's host-side pool calls work on the legacy default stream. An
   export asked for on another consumer stream (``__dlpack__(stream=s)``) makes ``s`` wait
-  for the default stream's work (an event, no host wait); ``__cuda_array_interface__``
-  reports stream 1 (legacy default). An import whose producer names a stream waits for it.
+  for the default stream's work (an event, no host wait); ``s`` follows DLPack's rule
+  (CUDA: 1 legacy default, 2 per-thread default, 0 refused; ROCm: 0 default, 1 and 2
+  refused; -1 no synchronization), a refused value raising ``BufferError`` before any wait.
+  ``__cuda_array_interface__`` reports stream 1 (legacy default). An import whose producer names a stream waits for it.
 """
 
 from __future__ import annotations
@@ -150,20 +152,43 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
         raise BufferError(f"DeviceArray.__dlpack__(dl_device={tuple(dl_device)}): the array "
                           f"lives on {here} and is not copied across devices")
     versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    wait_on = _export_stream(_backend(arr.device), stream)
     if arr.readonly and not versioned:  # NumPy's rule: never hand read-only memory as writable
         raise BufferError("DeviceArray.__dlpack__: the array is read-only and a legacy DLPack "
                           "capsule (no max_version >= (1, 0)) cannot say so; use a consumer of "
                           "DLPack 1.0 or export a writable copy")
     ptr = arr.live_ptr()
-    backend = _backend(arr.device)
-    if stream is not None and stream != -1 and stream != _DEFAULT_STREAM[backend] \
-            and not (backend == "cuda" and stream == 2):
-        if not is_int(stream):
-            raise InvalidArgumentType(f"stream: expected an int stream handle, got "
-                                      f"{type(stream).__name__}")
-        _wait_default_stream(arr.device, stream)
+    if wait_on is not None:
+        _wait_default_stream(arr.device, wait_on)
     return export_capsule(_keepers(arr), ptr, arr.shape, _dl_dtype(arr.dtype), here[0],
                           here[1], versioned, arr.readonly)
+
+
+def _export_stream(backend: str, stream) -> int | None:
+    """The consumer stream of ``__dlpack__(stream=)`` to make wait for the default stream,
+    ``None`` when no wait is needed, by the DLPack rule for the backend. CUDA: ``None`` and
+    1 are the legacy default stream (ours), 2 the per-thread default stream (a blocking
+    stream: it waits for the legacy default stream's earlier work by itself), 0 is
+    disallowed as ambiguous. ROCm: ``None`` and 0 are the default stream, 1 and 2 are not
+    supported. Both: -1 asks for no synchronization, a value above 2 is a stream handle.
+    A value the rule refuses raises ``BufferError``, the protocol's error (torch raises it
+    for the per-thread stream it does not take), before any wait."""
+    if stream is None:
+        return None
+    if not is_int(stream):
+        raise InvalidArgumentType(f"stream: expected an int stream handle, got "
+                                  f"{type(stream).__name__}")
+    stream = int(stream)
+    default = {"cuda": (1, 2), "hip": (0,)}[backend]
+    if stream == -1 or stream in default:
+        return None
+    if stream <= 2:  # 0 on CUDA, 1 and 2 on ROCm, below -1 anywhere
+        valid = ("1 (the legacy default stream), 2 (the per-thread default stream)"
+                 if backend == "cuda" else "0 (the default stream)")
+        raise BufferError(f"DeviceArray.__dlpack__(stream={stream}): not a {backend} stream "
+                          f"under the DLPack rule; pass None, -1 (no synchronization), "
+                          f"{valid} or a stream handle")
+    return stream
 
 
 def _keepers(arr: DeviceArray) -> tuple:
