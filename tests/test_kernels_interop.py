@@ -581,3 +581,19 @@ def test_export_streams_follow_the_dlpack_rule_of_the_backend(host_dlpack, stub_
         assert _name(arr.__dlpack__(stream=stream, max_version=(1, 0))) == \
             b"dltensor_versioned"
     assert stub_recorder.last_wait_stream() == 0x6000
+
+
+def test_a_malformed_max_version_names_the_expected_tuple(host_dlpack, stub_recorder):
+    """Found by a review: __dlpack__(max_version=1) let a bare TypeError out of tuple()
+    ('int' object is not iterable), and ("1", "0") one of a comparison. Anything but a
+    (major, minor) pair of ints raises InvalidArgumentType naming the expected form, before
+    any stream wait."""
+    arr = host_dlpack.empty((2,), np.float32)
+    waited = stub_recorder.last_wait_stream()
+    for bad in (1, 1.0, "1.0", (1,), (1, 0, 0), ("1", "0"), (1.0, 0), (True, 0)):
+        with pytest.raises(InvalidArgumentType, match=r"max_version=.*expected a \(major, "
+                                                      r"minor\) tuple of ints.*such as \(1, 0\)"):
+            arr.__dlpack__(max_version=bad, stream=0x7000)
+    assert stub_recorder.last_wait_stream() == waited
+    assert _name(arr.__dlpack__(max_version=[1, 3])) == b"dltensor_versioned"
+    assert _name(arr.__dlpack__(max_version=(np.int64(0), 8))) == b"dltensor"

@@ -151,7 +151,7 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
     if dl_device is not None and tuple(dl_device) != here:
         raise BufferError(f"DeviceArray.__dlpack__(dl_device={tuple(dl_device)}): the array "
                           f"lives on {here} and is not copied across devices")
-    versioned = max_version is not None and tuple(max_version) >= (1, 0)
+    versioned = _versioned(max_version)
     wait_on = _export_stream(_backend(arr.device), stream)
     if arr.readonly and not versioned:  # NumPy's rule: never hand read-only memory as writable
         raise BufferError("DeviceArray.__dlpack__: the array is read-only and a legacy DLPack "
@@ -189,6 +189,18 @@ def _export_stream(backend: str, stream) -> int | None:
                           f"under the DLPack rule; pass None, -1 (no synchronization), "
                           f"{valid} or a stream handle")
     return stream
+
+
+def _versioned(max_version) -> bool:
+    """Whether ``__dlpack__(max_version=)`` asks for a versioned DLPack 1.0 capsule."""
+    if max_version is None:
+        return False
+    if not (isinstance(max_version, (tuple, list)) and len(max_version) == 2
+            and all(is_int(v) for v in max_version)):
+        raise InvalidArgumentType(f"DeviceArray.__dlpack__(max_version={max_version!r}): "
+                                  f"expected a (major, minor) tuple of ints, the highest DLPack "
+                                  f"version the consumer takes, such as (1, 0)")
+    return (int(max_version[0]), int(max_version[1])) >= (1, 0)
 
 
 def _keepers(arr: DeviceArray) -> tuple:
