@@ -351,6 +351,43 @@ def test_duplicate_names_are_refused(tmp_path):
         _open_bytes(tmp_path, data)
 
 
+def test_names_that_are_one_name_for_lookups_are_refused(tmp_path):
+    """Found by a review: the writer took `model.a.norm`, `a.norm` and
+    `model.language_model.a.norm` into one file and the reader opened it, so which tensor
+    a lookup returned depended on the spelling asked for (lookups treat the three as one
+    name). The writer refuses the second, naming both; the reader refuses such a file."""
+    path = tmp_path / "a.hfq"
+    one = np.ones(1, np.float16)
+    for first, second in [("model.a.norm", "a.norm"), ("a.norm", "model.a.norm"),
+                          ("model.a.norm", "model.language_model.a.norm"),
+                          ("model.language_model.a.norm", "a.norm")]:
+        w = HfqmWriter(path, arch_id=0, metadata=MINIMAL_METADATA)
+        w.add(first, "f16", [1], one)
+        with pytest.raises(InvalidArgument, match=rf"tensor '{re.escape(second)}' is the "
+                                                  rf"same name as the earlier tensor "
+                                                  rf"'{re.escape(first)}'"):
+            w.add(second, "f16", [1], one)
+        w.add("b.norm", "f16", [1], one)   # the writer is unchanged by the refusal
+        w.close()
+        with HfqmFile(path) as f:
+            assert f.names == [first, "b.norm"]
+        plan = [PlannedTensor(first, 1, (1,), 0, 2), PlannedTensor(second, 1, (1,), 0, 2)]
+        with pytest.raises(InvalidArgument, match="same name as the earlier tensor"):
+            HfqmWriter(tmp_path / "p.hfq", arch_id=0, metadata=MINIMAL_METADATA, plan=plan)
+        assert not (tmp_path / "p.hfq").exists()
+    # A file written by another tool: patch a name into an alias of another.
+    with HfqmWriter(tmp_path / "d.hfq", arch_id=0, metadata=MINIMAL_METADATA) as w:
+        w.add("model.qq.w", "f16", [1], one)
+        w.add("x" * 21 + "qq.w", "f16", [1], one)
+    data = bytearray((tmp_path / "d.hfq").read_bytes())
+    pos = data.index(b"x" * 21)
+    data[pos:pos + 25] = b"model.language_model.qq.w"
+    with pytest.raises(BadName, match=r"tensor names 'model.qq.w' \(entry #0\) and "
+                                      r"'model.language_model.qq.w' \(entry #1\) are one "
+                                      r"name for lookups"):
+        _open_bytes(tmp_path, data)
+
+
 def test_qt_130_is_accepted_only_in_calib_files(tmp_path):
     with HfqmWriter(tmp_path / "w.calib.hfq", arch_id=0, metadata={}) as w:
         w.add("w.hessian", 130, [4, 4], np.zeros(28, np.uint8))

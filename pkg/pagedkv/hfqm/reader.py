@@ -21,7 +21,14 @@ from typing import Literal, NamedTuple, Self
 import numpy as np
 
 from pagedkv.argument_checks import is_int
-from pagedkv.errors import BadBundle, BadMetadata, InvalidArgument, TensorNotFound, Truncated
+from pagedkv.errors import (
+    BadBundle,
+    BadMetadata,
+    BadName,
+    InvalidArgument,
+    TensorNotFound,
+    Truncated,
+)
 from pagedkv.hfqm import index as _index
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
 from pagedkv.hfqm.mtp_trailer import MTP_ARCH_ID, TRAILER_BYTES, mtp_offset
@@ -119,7 +126,22 @@ class HfqmFile:
         self.records = self._index.records
         self.names: list[str] = self._index.names
         self._by_name: dict[str, int] = self._index.index_of
-        self._by_canonical: dict[str, int] | None = None  # built on the first alias lookup
+        # Names that are one name for lookups are refused as duplicates are: with both
+        # `model.X` and `X` in a file, which tensor `file["model.model.X"]`-style or
+        # canonical lookups return would depend on the spelling or the index order.
+        by_canonical: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            first = by_canonical.setdefault(canonical_name(name), i)
+            if first != i:
+                self._bytes = None
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
+                raise BadName(f"tensor names {self.names[first]!r} (entry #{first}) and "
+                              f"{name!r} (entry #{i}) are one name for lookups "
+                              "(model.language_model.X, model.X and X are one name)",
+                              path=self.path, tensor=name)
+        self._by_canonical: dict[str, int] = by_canonical
         self._closed = False
 
     def _parse_with_reads(self, fd: int, section_bytes: int, calib_ok: bool):
@@ -279,7 +301,7 @@ class HfqmFile:
             raise InvalidArgument(f"tensor name must be a str, got {type(name).__name__}")
         found = self._by_name.get(name)
         if found is None:
-            found = self._canonical_index().get(canonical_name(name))
+            found = self._by_canonical.get(canonical_name(name))
         if found is None:
             canonical = canonical_name(name)
             tried = f" (also tried as {canonical!r})" if canonical != name else ""
@@ -290,15 +312,7 @@ class HfqmFile:
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        return name in self._by_name or canonical_name(name) in self._canonical_index()
-
-    def _canonical_index(self) -> dict[str, int]:
-        if self._by_canonical is None:
-            by_canonical: dict[str, int] = {}
-            for i, name in enumerate(self.names):
-                by_canonical.setdefault(canonical_name(name), i)
-            self._by_canonical = by_canonical
-        return self._by_canonical
+        return name in self._by_name or canonical_name(name) in self._by_canonical
 
     def __len__(self) -> int:
         return len(self.names)

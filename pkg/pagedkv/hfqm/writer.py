@@ -44,6 +44,7 @@ from pagedkv.hfqm.index import (
     pack_header,
 )
 from pagedkv.hfqm.quantization_hash import QuantizationHasher
+from pagedkv.hfqm.reader import canonical_name
 from pagedkv.quant.qtypes import QuantType, expected_nbytes, qtype
 
 __all__ = ["HfqmWriter", "PlannedTensor", "plan_of"]
@@ -77,6 +78,16 @@ def _index_entry(name_utf8: bytes, qt: int, shape: Sequence[int], group_size: in
             + struct.pack(f"<BB{len(shape)}IIQ", qt, len(shape), *shape, group_size, data_size))
 
 
+def _check_alias(name: str, earlier: str) -> None:
+    """Refuse ``name`` when an ``earlier`` tensor's name differs from it but is the same
+    name for readers (``model.language_model.X``, ``model.X`` and ``X``; the reader
+    refuses a file holding both)."""
+    if earlier != name:
+        raise InvalidArgument(f"tensor {name!r} is the same name as the earlier tensor "
+                              f"{earlier!r} for readers (model.language_model.X, model.X "
+                              "and X are one name); rename one of them")
+
+
 def _pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -108,9 +119,15 @@ class HfqmWriter:
         if self.add_quantization_hash and not isinstance(self._metadata, dict):
             self._metadata = json.loads(self._metadata)
         self._plan = None if plan is None else [self._check_planned(p) for p in plan]
+        if self._plan is not None:
+            planned: dict[str, str] = {}
+            for p in self._plan:
+                _check_alias(p.name, planned.setdefault(canonical_name(p.name), p.name))
         self._fsync = bool(fsync)
         self._entries: list[bytes] = []
         self._names: set[str] = set()
+        # canonical name (the reader's lookup key) -> the name added under it
+        self._canonical: dict[str, str] = {}
         self._hasher = QuantizationHasher()
         self._payload_bytes = 0          # payload bytes received so far
         self._pending: list[bytes] = []  # payloads held until data_offset is fixed
@@ -251,6 +268,8 @@ class HfqmWriter:
         name_utf8, row, dims, gs = self._check_tensor(name, qt, shape, group_size)
         if name in self._names:
             raise InvalidArgument(f"tensor {name!r} was already added")
+        canonical = canonical_name(name)
+        _check_alias(name, self._canonical.get(canonical, name))
         chunks = self._as_chunks(name, data)
         need = expected_nbytes(row, dims)
         if self._plan is not None:
@@ -296,6 +315,7 @@ class HfqmWriter:
             raise
         self._entries.append(_index_entry(name_utf8, row.id, dims, gs, need))
         self._names.add(name)
+        self._canonical[canonical] = name
         self._payload_bytes = start + need
 
     def _write_payload(self, chunk: memoryview, rel_offset: int) -> None:
