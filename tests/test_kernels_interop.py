@@ -597,3 +597,55 @@ def test_a_malformed_max_version_names_the_expected_tuple(host_dlpack, stub_reco
     assert stub_recorder.last_wait_stream() == waited
     assert _name(arr.__dlpack__(max_version=[1, 3])) == b"dltensor_versioned"
     assert _name(arr.__dlpack__(max_version=(np.int64(0), 8))) == b"dltensor"
+
+
+def test_from_dlpack_of_an_interface_takes_and_honours_the_stream(host_dlpack, monkeypatch):
+    """Found by a review: DeviceArray.from_dlpack(obj, stream=s) of an object without
+    __dlpack__ (the CUDA array interface path) dropped s unchecked, so a str or a float
+    went through, and a producer's interface stream was only synchronized with the default
+    stream, not with s: a kernel on s could read the buffer before the producer's writes.
+    s is read like a launcher's stream= now (InvalidArgumentType before the interface is
+    read), and s waits (an event recorded on the producer's stream) for that stream."""
+    dev = host_dlpack
+    arr = dev.empty((4,), np.float32)
+    calls = []
+    real_call = dev.call
+
+    def call(name, *args):
+        if name in ("event_record", "stream_wait_event", "stream_synchronize"):
+            calls.append((name, args[0] if name == "stream_wait_event" else args[-1]))
+        return real_call(name, *args)
+
+    monkeypatch.setattr(dev, "call", call)
+    read = []
+
+    class Producer:
+        def __init__(self, stream):
+            self.stream = stream
+
+        @property
+        def __cuda_array_interface__(self):
+            read.append(self.stream)
+            cai = dict(arr.__cuda_array_interface__)
+            if self.stream is None:
+                del cai["stream"]
+            else:
+                cai["stream"] = self.stream
+            return cai
+
+    for bad in ("x", 1.5, True):
+        with pytest.raises(InvalidArgumentType, match="stream: expected a pagedkv Stream"):
+            DeviceArray.from_dlpack(Producer(0x5000), dev, stream=bad)
+    assert read == [] and calls == []
+    s = Stream(dev)
+    for producer, consumer, expected in (
+            (0x5000, 0x77, [("event_record", 0x5000), ("stream_wait_event", 0x77)]),
+            (1, 0x77, [("event_record", None), ("stream_wait_event", 0x77)]),
+            (2, SimpleNamespace(cuda_stream=0x66),
+             [("event_record", 2), ("stream_wait_event", 0x66)]),
+            (0x5000, s, [("event_record", 0x5000), ("stream_wait_event", s.handle)]),
+            (0x77, 0x77, []), (None, 0x77, []),
+            (0x5000, None, [("stream_synchronize", 0x5000)]), (1, None, []), (2, 0, [])):
+        view = DeviceArray.from_dlpack(Producer(producer), dev, stream=consumer)
+        assert view.ptr == arr.ptr and calls == expected, (producer, consumer)
+        calls.clear()

@@ -118,9 +118,11 @@ class DeviceArray:
     def from_dlpack(cls, obj, device: Device | None = None, *, stream=None) -> DeviceArray:
         """A view of a torch/CuPy/JAX device tensor (DLPack, else the CUDA array interface),
         without a copy; it keeps the producer's buffer alive."""
+        from pagedkv.kernels.device import stream_handle
         from pagedkv.kernels.interop import from_cuda_array_interface, from_dlpack
+        stream_handle(stream)  # InvalidArgumentType before obj is asked anything
         if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
-            return from_cuda_array_interface(obj, device)
+            return from_cuda_array_interface(obj, device, stream=stream)
         return from_dlpack(obj, device, stream=stream)
 
     # --- data -------------------------------------------------------------------------

@@ -27,7 +27,10 @@ Ownership (docs/kernels.md, "Interop"):
   for the default stream's work (an event, no host wait); ``s`` follows DLPack's rule
   (CUDA: 1 legacy default, 2 per-thread default, 0 refused; ROCm: 0 default, 1 and 2
   refused; -1 no synchronization), a refused value raising ``BufferError`` before any wait.
-  ``__cuda_array_interface__`` reports stream 1 (legacy default). An import whose producer names a stream waits for it.
+  ``__cuda_array_interface__`` reports stream 1 (legacy default). An import whose
+  producer names a stream is ordered before the consumer's ``stream=`` (an interface's
+  ``stream`` entry: an event the consumer stream waits for; on the legacy default stream a
+  synchronization of a non-default one).
 """
 
 from __future__ import annotations
@@ -294,11 +297,17 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
                        readonly=tensor.read_only)
 
 
-def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
+def from_cuda_array_interface(obj, device: Device | None = None, *,
+                              stream=None) -> DeviceArray:
     """A non-owning DeviceArray over ``obj.__cuda_array_interface__`` (v2/v3, C-contiguous;
-    ``obj`` is kept as the base). A producer stream in the interface is waited for."""
-    from pagedkv.kernels.device import open_device
+    ``obj`` is kept as the base). ``stream``: the stream the memory will be used on (as
+    :func:`from_dlpack`'s; default the legacy default stream). The producer's ``stream``
+    entry (v3) is waited for there: the legacy default stream synchronizes with a producer
+    stream other than the default ones; another consumer stream waits (an event, no host
+    wait) for the producer's stream, the default ones included."""
+    from pagedkv.kernels.device import open_device, stream_handle
     from pagedkv.kernels.device_array import DeviceArray
+    consumer = stream_handle(stream)  # InvalidArgumentType before anything is asked of obj
     cai = obj.__cuda_array_interface__
     device = open_device() if device is None else device
     try:
@@ -322,10 +331,29 @@ def from_cuda_array_interface(obj, device: Device | None = None) -> DeviceArray:
     if stream is not None and not is_int(stream):
         raise InvalidArgument(f"__cuda_array_interface__: stream {stream!r} is not an int "
                               "handle")
-    if stream not in (None, 1, 2):
-        device.call("stream_synchronize", int(stream))
+    if stream is not None:
+        _wait_producer_stream(device, int(stream), consumer)
     return DeviceArray(device, ptr, shape, dtype, owned=False, base=obj,
                        readonly=bool(read_only))
+
+
+def _wait_producer_stream(device: Device, producer: int, consumer: int | None) -> None:
+    """Order the interface producer's ``stream`` entry (1 the legacy default stream, 2 the
+    per-thread default stream, else a handle) before the ``consumer`` stream (``None``: the
+    legacy default stream)."""
+    if consumer is None:
+        if producer not in (1, 2):  # the default streams are ordered before it already
+            device.call("stream_synchronize", producer)
+        return
+    # the runtime's handle of the producer's stream: the legacy default is the null stream
+    # on both runtimes, the per-thread one handle 2 (CU_STREAM_PER_THREAD, hipStreamPerThread)
+    handle = None if producer in (0, 1) else producer
+    if handle == consumer:
+        return
+    from pagedkv.kernels.device import Event
+    event = Event(device)
+    event.record(handle)
+    device.call("stream_wait_event", consumer, event.handle, 0)
 
 
 def as_device_array(obj, device: Device | None = None, *, name: str = "array") -> DeviceArray:
