@@ -6,6 +6,9 @@ import json
 import struct
 
 import numpy as np
+import pytest
+
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 MINIMAL_METADATA = {"architecture": "llama", "config": {"model_type": "llama"}}
 MINIMAL_SHA256 = "ee181b53e6078fd7f68a4f855db3960df8701d0912eb3ba4fd4233ee3f66250b"
@@ -95,3 +98,22 @@ def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def check_row_index(read, name: str, want: np.ndarray, int_row) -> None:
+    """The row-index contract the model sources' ``read(tensor, (rows,))`` share
+    (``pagedkv.argument_checks.row_span``), for ``read`` bound to one tensor named
+    ``name`` holding ``want``: ``int_row(want, r)`` is what an int row ``r`` gives."""
+    n = want.shape[0]
+    for row in (0, n - 1, -1, -n):
+        np.testing.assert_array_equal(read((row,)), int_row(want, row))
+    np.testing.assert_array_equal(read((slice(n - 3, n + 50),)), want[n - 3:])
+    assert read((slice(5, 2),)).shape == (0, *want.shape[1:])
+    for row in (n, -n - 1, 10**6):
+        with pytest.raises(InvalidArgument, match=rf"row {row} of '{name}' is out of "
+                                                  rf"range: the tensor has {n} rows"):
+            read((row,))
+    with pytest.raises(InvalidArgument, match="has step 2; only contiguous rows"):
+        read((slice(0, 10, 2),))
+    with pytest.raises(InvalidArgumentType, match="must be an int or a slice, got float"):
+        read((1.0,))

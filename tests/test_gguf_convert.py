@@ -5,6 +5,7 @@ edge-layer 6-bit promotion, parameter_counts, and broken files."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -16,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from hfqm_samples import check_row_index
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import (
     BadMagic,
@@ -23,7 +25,6 @@ from pagedkv.errors import (
     BadName,
     CountMismatch,
     InvalidArgument,
-    InvalidArgumentType,
     SizeMismatch,
     Truncated,
     UnknownQuantType,
@@ -1031,20 +1032,8 @@ def test_read_checks_the_row_index(tmp_path):
     for name in ("model.layers.0.self_attn.q_proj.weight",    # un-permuted
                  "model.layers.0.self_attn.v_proj.weight",
                  "model.layers.0.input_layernorm.weight"):     # 1-D
-        t, want = by_name[name], expected[name]
-        n = t.shape[0]
-        for row in (0, n - 1, -1, -n):
-            np.testing.assert_array_equal(src.read(t, (row,)), want[row:row + 1 or None])
-        np.testing.assert_array_equal(src.read(t, (slice(n - 3, n + 50),)), want[n - 3:])
-        assert src.read(t, (slice(5, 2),)).shape == (0, *t.shape[1:])
-        for row in (n, -n - 1, 10**6):
-            with pytest.raises(InvalidArgument, match=rf"row {row} of '{name}' is out of "
-                                                      rf"range: the tensor has {n} rows"):
-                src.read(t, (row,))
-        with pytest.raises(InvalidArgument, match="has step 2; only contiguous rows"):
-            src.read(t, (slice(0, 10, 2),))
-        with pytest.raises(InvalidArgumentType, match="must be an int or a slice, got float"):
-            src.read(t, (1.0,))
+        check_row_index(functools.partial(src.read, by_name[name]), name, expected[name],
+                        lambda want, row: want[row:row + 1 or None])   # a one-row block
 
 
 def test_a_nested_string_array_key_keeps_its_strings(tmp_path):

@@ -4,6 +4,7 @@ and the lazy safetensors source they use."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -13,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from hfqm_samples import safetensors_bytes, write_minimal, write_mixed
+from hfqm_samples import check_row_index, safetensors_bytes, write_minimal, write_mixed
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import BadMetadata, InvalidArgument
 from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
@@ -269,6 +270,36 @@ def test_safetensors_source_f32_rows_use_the_library(tmp_path):
     block = src.read(t, (slice(2, 5),))
     assert block.dtype == np.float32
     np.testing.assert_array_equal(block, values[t.name][2:5])
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "F16"])
+def test_safetensors_source_read_checks_the_row_index(tmp_path, dtype):
+    """Found by a review: SafetensorsSource.read did not check its index as
+    GgufSource.read does. BF16 rows past the end were read from the next tensor's bytes
+    (or a Truncated), F32/F16 ones raised BadMetadata claiming the loader refuses the
+    file, a slice past the end was refused instead of clipped, a reversed slice raised
+    SystemError, a step was honoured (BF16: a bare message) and a float index was blamed
+    on the file."""
+    values = make_model(tmp_path / "m", dtype_weights=dtype)
+    src = SafetensorsSource(tmp_path / "m")
+    by_name = {t.name: t for t in src.tensors}
+    for name in ("model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.input_layernorm.weight"):   # 1-D
+        check_row_index(functools.partial(src.read, by_name[name]), name, values[name],
+                        lambda want, row: want[row])   # NumPy's: an int drops the dim
+    ex = by_name["model.layers.0.mlp.experts.gate_up_proj"]        # (2, 4, 256)
+    want = values[ex.name]
+    np.testing.assert_array_equal(src.read(ex, (-1, slice(2, 9))), want[1, 2:])
+    np.testing.assert_array_equal(src.read(ex, (0, -1)), want[0, 3])
+    with pytest.raises(InvalidArgument, match=r"row 4 of '.*gate_up_proj' \(dim 1\) is out "
+                                              r"of range: the dim has 4 rows, pass -4..3"):
+        src.read(ex, (1, 4))
+    with pytest.raises(InvalidArgument, match="row 2 of .* the tensor has 2 rows"):
+        src.read(ex, (2, slice(0, 1)))
+    with pytest.raises(InvalidArgument, match="a slice must be its last entry"):
+        src.read(ex, (slice(0, 1), 0))
+    with pytest.raises(InvalidArgument, match="has 4 entries, the tensor 3 dims"):
+        src.read(ex, (0, 0, 0, 0))
 
 
 def test_safetensors_source_errors(tmp_path):

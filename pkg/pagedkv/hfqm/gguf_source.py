@@ -25,14 +25,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pagedkv.argument_checks import is_int
+from pagedkv.argument_checks import is_int, row_span
 from pagedkv.errors import (
     BadMagic,
     BadMetadata,
     BadName,
     CountMismatch,
     InvalidArgument,
-    InvalidArgumentType,
     SizeMismatch,
     Truncated,
     UnknownQuantType,
@@ -514,21 +513,7 @@ class GgufSource:
                 index = index[1:]
         rows = index[0] if index else slice(None)
         n = tensor.shape[0] if tensor.shape else 1
-        if isinstance(rows, slice):
-            if rows.step not in (None, 1):
-                raise InvalidArgument(f"row slice {rows} of {tensor.name!r} has step "
-                                      f"{rows.step}; only contiguous rows (step 1) are read")
-            lo, hi, _ = rows.indices(n)
-            hi = max(hi, lo)
-        else:
-            if not is_int(rows):
-                raise InvalidArgumentType(f"row index of {tensor.name!r} must be an int or a "
-                                          f"slice, got {type(rows).__name__}")
-            if not -n <= int(rows) < n:
-                raise InvalidArgument(f"row {rows!r} of {tensor.name!r} is out of range: "
-                                      f"the tensor has {n} rows, pass -{n}..{n - 1}")
-            lo = int(rows) % n
-            hi = lo + 1
+        lo, hi = row_span(rows, n, tensor.name)
         if len(tensor.shape) < 2:
             whole = self._dequantize(tensor, data).reshape(tensor.shape)
             if tensor.permute_heads:

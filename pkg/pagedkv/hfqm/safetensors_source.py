@@ -20,7 +20,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pagedkv.errors import BadMetadata, InvalidArgument, Truncated, UnsupportedQuantType
+from pagedkv.argument_checks import row_span
+from pagedkv.errors import (
+    BadMetadata,
+    InvalidArgument,
+    InvalidArgumentType,
+    Truncated,
+    UnsupportedQuantType,
+)
 from pagedkv.hfqm import strict_json
 from pagedkv.hfqm.policy import BUFFER_DTYPES, FLOAT_DTYPES
 
@@ -282,49 +289,73 @@ class SafetensorsSource:
     def read(self, tensor: SourceTensor,
              index: tuple[slice | int, ...] | None = None) -> np.ndarray:
         """Rows of a floating tensor as float32 (F16 stays float16, F64 is rounded to
-        float32): ``index`` selects
-        along the leading dims (e.g. ``(slice(r0, r1),)``, or ``(e, slice(r0, r1))`` for
-        one expert); ``None`` reads it whole."""
+        float32): ``index`` selects along the leading dims, ints then at most one slice,
+        as NumPy does (e.g. ``(slice(r0, r1),)``, or ``(e, slice(r0, r1))`` for one
+        expert); ``None`` reads it whole. Indices are checked as ``GgufSource.read``
+        checks its rows (:func:`~pagedkv.argument_checks.row_span`): an int outside
+        ``-n..n-1`` of its dim raises :class:`~pagedkv.errors.InvalidArgument` naming the
+        tensor and the range (a non-int ``InvalidArgumentType``), as does a slice with a
+        step other than 1, a slice before another entry or more entries than dims; a
+        slice is clipped to the dim (a reversed one gives an empty block)."""
+        picks, out_shape = self._selection(tensor, index)
+        out_dtype = np.float16 if tensor.dtype == "F16" else np.float32
+        if math.prod(out_shape) == 0:
+            return np.zeros(out_shape, dtype=out_dtype)
         if tensor.dtype == "BF16":
-            return self._read_bf16(tensor, index)
+            return self._read_bf16(tensor, picks, out_shape)
         from safetensors import SafetensorError, safe_open
         try:
             handle = self._handles.get(tensor.shard)
             if handle is None:
                 handle = self._handles[tensor.shard] = safe_open(tensor.shard,
                                                                  framework="numpy")
-            if index is None:
+            if not picks:
                 array = handle.get_tensor(tensor.name)
             else:
-                array = handle.get_slice(tensor.name)[index]
+                array = handle.get_slice(tensor.name)[picks]
         except SafetensorError as exc:
             # _read_header checks what the loader checks; this is the safety net
             raise BadMetadata(f"the safetensors loader refuses the file: {exc}",
                               path=tensor.shard, tensor=tensor.name) from None
-        if tensor.dtype == "F16":
-            return np.asarray(array, dtype=np.float16)
-        return np.asarray(array, dtype=np.float32)
+        return np.asarray(array, dtype=out_dtype).reshape(out_shape)
 
-    def _read_bf16(self, tensor: SourceTensor, index) -> np.ndarray:
+    @staticmethod
+    def _selection(tensor: SourceTensor, index: object
+                   ) -> tuple[tuple[slice | int, ...], tuple[int, ...]]:
+        """``index`` checked against ``tensor.shape``: each entry as a non-negative int or
+        a clipped step-1 slice, and the shape of the block it selects."""
+        if index is None:
+            return (), tensor.shape
+        if not isinstance(index, (tuple, list)):
+            raise InvalidArgumentType(f"index of {tensor.name!r} must be a tuple of ints and "
+                                      f"a slice, got {type(index).__name__}")
         shape = tensor.shape
-        # Byte range of the selection: leading ints fix dims, one slice on the next dim.
-        index = tuple(index) if index is not None else (slice(None),)
-        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-        start = 0
-        out_shape: list[int] = []
+        if len(index) > len(shape):
+            raise InvalidArgument(f"index {tuple(index)!r} of {tensor.name!r} has "
+                                  f"{len(index)} entries, the tensor {len(shape)} dims")
+        picks: list[slice | int] = []
+        kept: list[int] = []
         for dim, sel in enumerate(index):
+            lo, hi = row_span(sel, shape[dim], tensor.name, dim)
             if isinstance(sel, slice):
-                lo, hi, step = sel.indices(shape[dim] if shape else 1)
-                if step != 1 or dim != len(index) - 1:
-                    raise InvalidArgument("bf16 reads take ints then one contiguous slice")
-                start += lo * strides[dim] if shape else 0
-                count = (hi - lo) * (strides[dim] if shape else 1)
-                out_shape = [hi - lo, *shape[dim + 1:]]
-                break
-            start += int(sel) * strides[dim]
-        else:
-            count = strides[len(index) - 1]
-            out_shape = list(shape[len(index):])
+                if dim != len(index) - 1:
+                    raise InvalidArgument(f"index {tuple(index)!r} of {tensor.name!r}: a "
+                                          "slice must be its last entry (ints, then at "
+                                          "most one contiguous slice)")
+                picks.append(slice(lo, hi))
+                kept.append(hi - lo)
+            else:
+                picks.append(lo)
+        return tuple(picks), (*kept, *shape[len(index):])
+
+    @staticmethod
+    def _read_bf16(tensor: SourceTensor, picks: tuple[slice | int, ...],
+                   out_shape: tuple[int, ...]) -> np.ndarray:
+        # Byte range of the selection: leading ints fix dims, then one slice on the next dim.
+        shape = tensor.shape
+        start = sum((p.start if isinstance(p, slice) else p) * math.prod(shape[dim + 1:])
+                    for dim, p in enumerate(picks))
+        count = math.prod(out_shape)
         with open(tensor.shard, "rb") as f:
             f.seek(tensor.data_start + 2 * start)
             raw = f.read(2 * count)
