@@ -419,3 +419,72 @@ def test_create_pool_clamps_a_device_pool_to_the_free_gpu_memory(stub_device, mo
     assert pool.backend == "device" and pool.device is stub_device
     assert pool.max_num_blocks == (3 << 20) // g.bytes_per_block
     assert "clamped to live memory" in caplog.text
+
+
+@pytest.mark.parametrize("fail", ["malloc", "fill", "copy"])
+def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_device,
+                                                                         monkeypatch, fail):
+    """Found by a review: a grow whose new generation could not be allocated (out of device
+    memory at the fourth of eight arrays) or copied raised DeviceError with the pool
+    unchanged, but the arrays already allocated stayed allocated as long as the exception's
+    traceback lived (a future or a caller keeping the error): a partial generation of GPU
+    memory held on exactly the path where memory is short. They are freed before the
+    error propagates now; the pool, its blocks and the budget debit stay as they were, and
+    a later grow works."""
+    from pagedkv.errors import DeviceError
+    from pagedkv.kernels import kvcache as kvcache_module
+    g = geometry(layers=4)
+    budget = MemoryBudget(1 << 20)
+    pool = LayerKVPool(g, 3, 8, backend="device", memory_budget=budget, pool_id="d")
+    for b in range(3):
+        pool.write_block(b, RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8))
+    before, generation = snapshot(pool), pool.generation
+    oom = DeviceError("hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
+    live, calls = set(), [0]
+    real_malloc, real_free = stub_device.malloc, stub_device.free
+
+    def malloc(nbytes):
+        calls[0] += 1
+        if fail == "malloc" and calls[0] == 4:
+            raise oom
+        ptr = real_malloc(nbytes)
+        live.add(ptr)
+        return ptr
+
+    def free(ptr):
+        live.discard(ptr)
+        real_free(ptr)
+
+    monkeypatch.setattr(stub_device, "malloc", malloc)
+    monkeypatch.setattr(stub_device, "free", free)
+    if fail == "fill":
+        fill = DeviceArray.fill_bytes
+        fills = [0]
+
+        def failing_fill(arr, value):
+            fills[0] += 1
+            if fills[0] == 5:
+                raise oom
+            fill(arr, value)
+
+        monkeypatch.setattr(DeviceArray, "fill_bytes", failing_fill)
+    if fail == "copy":
+        copy = kvcache_module.copy_blocks
+        copies = [0]
+
+        def failing_copy(*args, **kwargs):
+            copies[0] += 1
+            if copies[0] == 3:
+                raise oom
+            copy(*args, **kwargs)
+
+        monkeypatch.setattr(kvcache_module, "copy_blocks", failing_copy)
+    with pytest.raises(DeviceError, match="hipErrorOutOfMemory") as caught:
+        pool.grow_to(7)
+    assert caught.value is oom  # still held, with its traceback
+    assert live == set()  # every new allocation already freed
+    assert (pool.generation, pool.num_blocks) == (generation, 3)
+    assert np.array_equal(snapshot(pool), before)
+    assert budget.debit("d") == 3 * g.bytes_per_block
+    monkeypatch.undo()
+    assert pool.grow_to(7) and np.array_equal(snapshot(pool)[:3], before)

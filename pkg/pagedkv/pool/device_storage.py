@@ -26,6 +26,8 @@ ids, shapes, dtypes and generations before calling it.
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentType
@@ -55,24 +57,43 @@ class DeviceKVStorage:
         self.num_blocks = num_blocks
         self.k: list = []
         self.v: list = []
-        for _ in range(g.num_layers):
-            for side, shape in ((self.k, g.k_layer_shape(num_blocks)),
-                                (self.v, g.v_layer_shape(num_blocks))):
-                arr = DeviceArray.empty(device, shape, g.storage_dtype)
-                arr.fill_bytes(0)  # a new block reads as zeros, never as old bytes
-                side.append(arr)
-        if g.symmetric:
-            # Base addresses K0 V0 K1 V1 ... (the block buffer's order) for the slab kernels.
-            self._bases = device.array(np.array(
-                [a.ptr for pair in zip(self.k, self.v, strict=True) for a in pair],
-                dtype=np.uint64))
-            self._side_bases: tuple = ()
-        else:
-            # K and V slabs differ in size: one table (and one launch) per side.
-            self._bases = None
-            self._side_bases = tuple(device.array(np.array([a.ptr for a in side], np.uint64))
-                                     for side in (self.k, self.v))
+        self._bases = None
+        self._side_bases: tuple = ()
         self._staging: tuple = ()  # the staging buffer(s), made on first block I/O
+        try:
+            for _ in range(g.num_layers):
+                for side, shape in ((self.k, g.k_layer_shape(num_blocks)),
+                                    (self.v, g.v_layer_shape(num_blocks))):
+                    arr = DeviceArray.empty(device, shape, g.storage_dtype)
+                    side.append(arr)
+                    arr.fill_bytes(0)  # a new block reads as zeros, never as old bytes
+            if g.symmetric:
+                # Base addresses K0 V0 K1 V1 ... (the block buffer's order) for the slab
+                # kernels.
+                self._bases = device.array(np.array(
+                    [a.ptr for pair in zip(self.k, self.v, strict=True) for a in pair],
+                    dtype=np.uint64))
+            else:
+                # K and V slabs differ in size: one table (and one launch) per side.
+                self._side_bases = tuple(device.array(np.array([a.ptr for a in side],
+                                                               np.uint64))
+                                         for side in (self.k, self.v))
+        except BaseException:
+            self._free_unshared()
+            raise
+
+    def _free_unshared(self, *extra) -> None:
+        """Free every array of a generation nobody was handed (one whose construction or
+        growth copy failed), and ``extra`` arrays, now, rather than when the exception's
+        traceback, which holds them, is dropped: out of memory, a caller keeping the error
+        (a future, a log record) would otherwise keep a partial generation allocated."""
+        with suppress(Exception):  # launches already queued on them finish first
+            self.device.synchronize()
+        for arr in (*self.k, *self.v, self._bases, *self._side_bases, *self._staging, *extra):
+            if arr is not None:
+                with suppress(Exception):  # the error being raised is the one to report
+                    arr.free()
+        self.k, self.v, self._bases, self._side_bases, self._staging = [], [], None, (), ()
 
     def __repr__(self) -> str:
         return (f"DeviceKVStorage(num_blocks={self.num_blocks}, layers={len(self.k)}, "
@@ -134,12 +155,17 @@ class DeviceKVStorage:
     def grown(self, new_num_blocks: int) -> DeviceKVStorage:
         from pagedkv.kernels.kvcache import copy_blocks
         new = DeviceKVStorage(self.geometry, new_num_blocks, self.device)
-        ids = self._ids(np.arange(self.num_blocks))
-        for (old_side, slab), new_side in zip(self._slabs(), (new.k, new.v), strict=True):
-            for old, fresh in zip(old_side, new_side, strict=True):
-                copy_blocks(self.device, old.view((self.num_blocks, slab), np.uint8), ids, ids,
-                            fresh.view((new_num_blocks, slab), np.uint8))
-        self.device.synchronize()
+        ids = None
+        try:
+            ids = self._ids(np.arange(self.num_blocks))
+            for (old_side, slab), new_side in zip(self._slabs(), (new.k, new.v), strict=True):
+                for old, fresh in zip(old_side, new_side, strict=True):
+                    copy_blocks(self.device, old.view((self.num_blocks, slab), np.uint8), ids,
+                                ids, fresh.view((new_num_blocks, slab), np.uint8))
+            self.device.synchronize()
+        except BaseException:
+            new._free_unshared(ids)
+            raise
         return new
 
     def release(self) -> None:
