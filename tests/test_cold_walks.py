@@ -384,3 +384,42 @@ def test_a_dropped_or_failed_capture_returns_its_buffer_for_reuse(tmp_path):
         assert writer._spare == [spare]    # the same buffer was taken and given back
         writer.release()
         assert tier.drain(5.0)
+
+
+def test_a_capture_of_a_block_it_cannot_hold_returns_its_buffer(tmp_path, stub_device):
+    """Found by a review: a capture of a block id its allocator cannot hold (a free,
+    unpinned block: InvariantViolation from incref; an id out of range: InvalidArgument)
+    raised before the pool read, outside the try that gives the taken buffer back, so the
+    buffer was lost for reuse (a fresh ~slab-sized array on the inference thread next time,
+    against the rule above). It raises the same errors, enqueues nothing and gives the
+    buffer back now. Run on a device pool (the HIP stub) with a real allocator."""
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.cold import DEFAULT_FORMAT
+    from pagedkv.cold.capture import capture_and_enqueue_before
+    from pagedkv.cold.codec import BlockGeometry
+    from pagedkv.errors import InvalidArgument, InvariantViolation
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    pool = LayerKVPool(PoolGeometry(2, 1, 8, 4, "float16"), 4, backend="device")
+    alloc = BlockAllocator(4, 4, 4, hash_seed=0)
+    held = alloc.allocate()
+    free = next(b for b in range(1, 4) if b != held)
+    geometry = BlockGeometry.of(pool.geometry)
+    keys = cold_key_chain(DEFAULT_FORMAT, ColdGroup.KV, FP, TOKENS_12, geometry.block_size)
+    with open_tier(tmp_path / "root") as tier:
+        writer = tier.writer
+        writer.hold()
+        for block_id, error in ((free, InvariantViolation), (4, InvalidArgument),
+                                (-1, InvalidArgument)):
+            spare = list(writer._spare)
+            with pytest.raises(error):
+                capture_and_enqueue_before(tier, pool, alloc, block_id, keys[0],
+                                           TOKENS_12[:4], time.monotonic() + 1,
+                                           fingerprint_hex=FP.hex(), geometry=geometry)
+            assert len(writer._spare) == len(spare) + (0 if spare else 1)
+        assert tier.stats().enqueued == 0 and alloc.ref_count(held) == 1
+        assert capture_and_enqueue_before(tier, pool, alloc, held, keys[0], TOKENS_12[:4],
+                                          time.monotonic() + 1, fingerprint_hex=FP.hex(),
+                                          geometry=geometry)
+        assert alloc.ref_count(held) == 1
+        writer.release()
+        assert tier.drain(5.0)

@@ -67,7 +67,8 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
                                geometry: BlockGeometry) -> bool:
     """Copy one block out of the pool into a buffer the job owns (the block is held by an
     extra reference meanwhile, released always) and offer it until ``deadline``. A pool
-    read failure raises and enqueues nothing, and so does a pool no longer of ``geometry``
+    read failure, or a block the allocator cannot hold (free, out of range), raises,
+    enqueues nothing and gives the buffer back, and so does a pool no longer of ``geometry``
     after the read (a kv_adaptive step transcoded it): its bytes may be the new mode's,
     which must not be published under the fingerprint of ``geometry``'s."""
     if len(tokens) != geometry.block_size:
@@ -75,8 +76,9 @@ def capture_and_enqueue_before(tier, pool, allocator, block_id: int, key: bytes,
                               f"block_size = {geometry.block_size} are persisted")
     writer = tier.writer
     taken = writer.take_buffer(geometry.buffer_shape)
-    held = _hold(allocator, block_id)
+    held = False
     try:
+        held = _hold(allocator, block_id)  # a free or out-of-range id raises here
         out = pool.read_block(int(block_id), out=taken)
     except BaseException:
         writer.give_back(taken)
