@@ -335,3 +335,25 @@ def test_paged_attention_unchecked_takes_mlx_tables_and_gives_the_same_result():
                           check=False)
     with pytest.raises(InvalidArgument, match=r"shapes \(3, 7\)/\(2,\)"):
         K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), t, s[:2], check=False)
+
+
+@pytest.mark.parametrize("pad", ["num_blocks", 2**31 - 1, -7])
+def test_paged_attention_reads_no_padding_entry_of_a_table(pad):
+    """Found by a review: the array-ops path gathered every entry of the table up to the
+    longest sequence, padding included, and ``mx.take`` does not bounds-check: a padding
+    entry past the pool (check_decode_batch checks the used entries only) read memory past
+    the pool, giving wrong results (num_blocks) or a segfault (2**31 - 1). Padding is now
+    read as block 0 and masked."""
+    rng, seed = fresh_rng()
+    q, kp, vp, tables, lens, expect = attention_case(rng, "float16", seqs=3, heads=4,
+                                                     kv_heads=2, head_dim=64, block_size=16,
+                                                     lens=[40, 7, 0])
+    tables[1, 1:] = kp.shape[0] if pad == "num_blocks" else pad
+    tables[2, :] = kp.shape[0] if pad == "num_blocks" else pad
+    got = K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), tables, lens)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")
+    unchecked = K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables),
+                                  mx.array(lens), check=False)
+    np.testing.assert_allclose(np.array(unchecked), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")

@@ -409,7 +409,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     pools: ``[num_blocks, block_size, kv_heads, row]`` of float16, bfloat16 or q8 records
     (``uint8``, row ``head_dim/32*34``), or float32 (test pools: MLX array ops);
     ``block_tables``: ``int32[seqs, width]`` (-1 past a sequence's blocks, as the adapter
-    builds them); ``seq_lens``: ``int32[seqs]``. ``scale`` defaults to
+    builds them: entries past a sequence's ``ceil(len / block_size)`` are padding, never
+    read as ids, whatever they hold); ``seq_lens``: ``int32[seqs]``. ``scale`` defaults to
     ``head_dim ** -0.5``; ``max_seq_len`` (partitions to launch) to ``max(seq_lens)``.
     Returns ``float32[seqs, heads, head_dim]``; an empty sequence gives zeros.
 

@@ -155,7 +155,13 @@ def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: 
     if block_tables.shape[1] == 0 or k_pool.shape[0] == 0:  # no token anywhere: zeros
         return mx.zeros((seqs, heads, head_dim), mx.float32)
     width = max(1, min(block_tables.shape[1], math.ceil(max_seq_len / block_size)))
-    tables = mx.maximum(block_tables[:, :width], 0)  # -1 padding: masked below
+    # Only a sequence's used entries (the first ceil(len / block_size)) are ids; the rest
+    # is padding (-1 from the adapter, or anything: check_decode_batch reads used entries
+    # only) and reads block 0 instead, masked below. mx.take does not bounds-check: an
+    # out-of-range padding id read past the pool (wrong results or a segfault). Clipping
+    # keeps an unchecked (check=False) bad id inside the pool too.
+    used = mx.arange(width)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
+    tables = mx.where(used, mx.clip(block_tables[:, :width], 0, k_pool.shape[0] - 1), 0)
     tokens = width * block_size
 
     def rows(pool):
