@@ -76,6 +76,37 @@ def test_wrong_password_is_a_clear_error_at_open(tmp_path):
         server.stop()
 
 
+def test_a_password_is_hidden_wherever_the_url_is_shown(tmp_path, monkeypatch, caplog):
+    """The password never reaches a repr, a message or a log line: in the userinfo, in a
+    ``?password=`` query (redis-py takes it), or in a value that is no URL at all."""
+    from pagedkv.cold.knobs import cold_backend_url
+    from pagedkv.cold.redis_store import redacted_url
+    require_redis()
+    password = "s3cret"
+    gone = f"redis://127.0.0.1:{free_port()}/0?password={password}&db=0"
+    with pytest.raises(ColdBackendError, match="unreachable") as info:
+        ColdTier.open_remote(gone)
+    assert password not in str(info.value) and "password=***" in str(info.value)
+    server = RedisServer(tmp_path, password=password).start()
+    try:
+        tier = ColdTier.open_remote(f"redis://127.0.0.1:{server.port}/0?password={password}",
+                                   fingerprint=FP)
+        assert password not in repr(tier) + tier.root and "password=***" in tier.root
+        tier.close()
+    finally:
+        server.stop()
+    for value in (f"unix:///tmp/redis.sock?db=0&password={password}",
+                  f"redis://:{password}@[::1/0", f"redis://:pa/{password}@host:6379/0",
+                  f"redis://:{password}@host:notaport/0"):
+        assert password not in redacted_url(value), value
+    assert redacted_url(f"redis://u:{password}@h:1/0") == "redis://u:***@h:1/0"
+    caplog.set_level("WARNING", logger="pagedkv.cold")
+    for typo in (f"redis//:{password}@host:6379/0", f"http://:{password}@host:6379/0"):
+        monkeypatch.setenv("PAGEDKV_COLD_BACKEND", typo)
+        assert cold_backend_url() is None
+    assert "ignoring PAGEDKV_COLD_BACKEND" in caplog.text and password not in caplog.text
+
+
 def test_tls_mismatch_and_unreachable_are_clear_errors_at_open(redis_server, tmp_path):
     # A plain server never answers a TLS hello: the handshake times out (short here).
     tls = f"rediss://127.0.0.1:{redis_server.port}/0?socket_connect_timeout=0.5&socket_timeout=0.5"

@@ -64,14 +64,15 @@ def cold_backend_url() -> str | None:
     """``PAGEDKV_COLD_BACKEND`` when set to a ``redis://``/``rediss://``/``unix://`` URL
     (the fleet's store behind the local directory), else ``None``. Another non-blank value
     is ignored with one WARNING."""
-    from pagedkv.cold.redis_store import is_redis_url
+    from pagedkv.cold.redis_store import is_redis_url, redacted_url
     raw = os.environ.get("PAGEDKV_COLD_BACKEND")
     if raw is None or not raw.strip() or raw.strip() in ("dir", "local"):
         return None
     if is_redis_url(raw):
         return raw.strip()
     log.warning("ignoring PAGEDKV_COLD_BACKEND=%r: expected redis://host:port/db, "
-                "rediss://... or unix://path; using the local directory alone", raw)
+                "rediss://... or unix://path; using the local directory alone",
+                redacted_url(raw))
     return None
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pagedkv.cold.codec import BlockGeometry, DecodedBlock, decode_block, decode_sidecar
 from pagedkv.cold.format import DEFAULT_FORMAT, ColdFormat
@@ -79,17 +80,37 @@ def is_redis_url(text: str | None) -> bool:
     return bool(text) and urlsplit(str(text).strip()).scheme in REDIS_SCHEMES
 
 
+#: A secret in a URL's query: redis-py takes ``?password=...`` as the password.
+_QUERY_SECRET = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
+
+
 def redacted_url(url: str) -> str:
-    """``url`` without its password: what reprs, stats and messages show."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query,
-                       parts.fragment))
+    """``url`` without its password: what reprs, stats, messages and warnings show.
+
+    Never raises, whatever ``url`` is (a malformed value is still shown redacted): the
+    password of the userinfo (``user:***@``) and a ``password=`` query value become
+    ``***``. When an ``@`` comes after the host part (a ``/`` or ``?`` in an unencoded
+    password), everything before the last ``@`` but the scheme is hidden."""
+    text = str(url)
+    start = text.find("//")
+    start = 0 if start < 0 else start + 2
+    end = len(text)
+    for ch in "/?#":
+        i = text.find(ch, start)
+        if i >= 0:
+            end = min(end, i)
+    at = text.rfind("@", start)
+    if at >= end:  # the "host part" ends inside the userinfo: hide all of it
+        return text[:start] + "***" + _QUERY_SECRET.sub(r"\1***", text[at:])
+    netloc = text[start:end]
+    userinfo, sep, host = netloc.rpartition("@")
+    if sep:
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            netloc = f"{user}:***@{host}"
+        elif start == 0:  # no "//": a user cannot be told from a password
+            netloc = f"***@{host}"
+    return text[:start] + netloc + _QUERY_SECRET.sub(r"\1***", text[end:])
 
 
 def _client_errors():
