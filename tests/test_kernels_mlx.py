@@ -357,3 +357,30 @@ def test_paged_attention_reads_no_padding_entry_of_a_table(pad):
                                   mx.array(lens), check=False)
     np.testing.assert_allclose(np.array(unchecked), expect, rtol=1e-4, atol=2e-5,
                                err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "q8"])
+def test_paged_attention_ignores_non_finite_values_past_the_length(kv_dtype):
+    """Found by a review: the array-ops path multiplied the softmax weights (0 past a
+    sequence's length) by every gathered V row, and 0 * inf is NaN: a non-finite value in a
+    slot past the length (a reused block's stale tokens, the block read for padding) turned
+    the output into NaN where the reference and the kernels read only live tokens."""
+    rng, seed = fresh_rng()
+    q, kp, vp, tables, lens, _ = attention_case(rng, kv_dtype, seqs=2, heads=4, kv_heads=2,
+                                                head_dim=64, block_size=16, lens=[20, 7])
+    dead = np.ones(kp.shape[:2], bool)  # [block, row]: no sequence's token there
+    for s, n in enumerate(lens):
+        pos = np.arange(n)
+        dead[tables[s, pos // 16], pos % 16] = False
+    for pool in (kp, vp):
+        if kv_dtype == "q8":  # an inf scale: each value of the record inf or NaN
+            pool[dead, :, 0:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+        else:  # float16, or bfloat16 bits
+            pool[dead] = np.inf if kv_dtype == "float16" else 0x7F80
+    expect = ref.paged_attention_decode(q, kp, vp, tables, lens, kv_dtype=kv_dtype,
+                                        scale=64 ** -0.5)
+    assert np.isfinite(expect).all()
+    got = K.paged_attention(mx.array(q), to_mlx_pool(mx, kp, kv_dtype),
+                            to_mlx_pool(mx, vp, kv_dtype), tables, lens)
+    np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
+                               err_msg=f"seed {seed}")

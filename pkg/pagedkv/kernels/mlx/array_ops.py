@@ -175,6 +175,9 @@ def paged_attention(mx, q, k_pool, v_pool, block_tables, seq_lens, *, kv_dtype: 
     live = mx.arange(tokens)[None, :] < seq_lens[:, None]  # [seqs, tokens]
     scores = mx.where(live[:, None, None, :], scores, -mx.inf)
     p = mx.softmax(scores, axis=-1, precise=True)
+    # p is 0 past the length, but 0 * inf is NaN: a dead slot's V (a reused block's stale
+    # tokens, block 0 read for padding) must not reach the sum, as the kernels never read it
+    v = mx.where(live[:, None, :, None], v, 0.0)
     out = (p @ v).reshape(seqs, heads, head_dim)
     return mx.where((seq_lens > 0)[:, None, None], out, 0.0)
 
