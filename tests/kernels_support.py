@@ -117,6 +117,32 @@ def stub_recorder(hip_stub, stub_device):
     return StubRecorder(hip_stub)
 
 
+def track_allocations(monkeypatch, device, *, fail_at: int | None = None,
+                      error: Exception | None = None) -> set[int]:
+    """The addresses ``device`` allocates from now on and has not freed (a live set,
+    updated as the test runs); with ``fail_at``, that ``malloc`` call (1-based) raises
+    ``error`` instead (out of memory)."""
+    live: set[int] = set()
+    calls = [0]
+    real_malloc, real_free = device.malloc, device.free
+
+    def malloc(nbytes):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise error
+        ptr = real_malloc(nbytes)
+        live.add(ptr)
+        return ptr
+
+    def free(ptr):
+        live.discard(ptr)
+        real_free(ptr)
+
+    monkeypatch.setattr(device, "malloc", malloc)
+    monkeypatch.setattr(device, "free", free)
+    return live
+
+
 def load_tree_script(relative: str, name: str):
     """A script of the source tree (not of the package) as a module; skips the test when
     the tree is not there (an installed package run without its sources)."""

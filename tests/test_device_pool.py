@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 import pytest
 
-from kernels_support import poisoned
+from kernels_support import poisoned, track_allocations
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
@@ -440,23 +440,8 @@ def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_de
         pool.write_block(b, RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8))
     before, generation = snapshot(pool), pool.generation
     oom = DeviceError("hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
-    live, calls = set(), [0]
-    real_malloc, real_free = stub_device.malloc, stub_device.free
-
-    def malloc(nbytes):
-        calls[0] += 1
-        if fail == "malloc" and calls[0] == 4:
-            raise oom
-        ptr = real_malloc(nbytes)
-        live.add(ptr)
-        return ptr
-
-    def free(ptr):
-        live.discard(ptr)
-        real_free(ptr)
-
-    monkeypatch.setattr(stub_device, "malloc", malloc)
-    monkeypatch.setattr(stub_device, "free", free)
+    live = track_allocations(monkeypatch, stub_device, error=oom,
+                             fail_at=4 if fail == "malloc" else None)
     if fail == "fill":
         fill = DeviceArray.fill_bytes
         fills = [0]

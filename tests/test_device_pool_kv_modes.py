@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels_support import poisoned
+from kernels_support import poisoned, track_allocations
 from pagedkv.adapter import PagedKVCacheAdapter
 from pagedkv.allocator import BlockAllocator
 from pagedkv.errors import InvalidArgument
@@ -282,3 +282,40 @@ def test_gpu_kv_mode_device_pool_matches_the_numpy_pool(device, dtype, hd):
     dk, dv = pools[0].gather_layers(table, n)
     hk, hv = pools[1].gather_layers(table, n)
     assert np.array_equal(dk.to_numpy(), hk) and np.array_equal(dv.to_numpy(), hv)
+
+
+@pytest.mark.parametrize("fail", ["malloc", "write_block"])
+def test_a_failed_transcode_frees_the_new_generation_at_once(stub_device, monkeypatch, fail):
+    """Found by a review (as for grow_to): a device transcode whose new generation could not
+    be allocated or written (out of device memory, a failing block upload) raised with the
+    pool unchanged, but the new arrays already allocated stayed allocated as long as the
+    exception's traceback lived. They are freed before the error propagates now; the pool
+    keeps its mode, generation and bytes, and a later transcode works."""
+    from pagedkv.errors import DeviceError
+    from pagedkv.pool.device_storage import DeviceKVStorage
+    g = geometry("fwht4/lloyd4", head_dim=256)
+    pool = LayerKVPool(g, 4, backend="device")
+    pool.write_tokens_layers(np.arange(13), kv_values(g, (2, 13)), kv_values(g, (2, 13)))
+    before = snapshot(pool)
+    oom = DeviceError("hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
+    live = track_allocations(monkeypatch, stub_device, error=oom,
+                             fail_at=3 if fail == "malloc" else None)
+    if fail == "write_block":
+        write_block, writes = DeviceKVStorage.write_block, [0]
+
+        def failing_write(storage, block_id, data):
+            writes[0] += 1
+            if writes[0] == 3:
+                raise oom
+            write_block(storage, block_id, data)
+
+        monkeypatch.setattr(DeviceKVStorage, "write_block", failing_write)
+    with pytest.raises(DeviceError, match="hipErrorOutOfMemory") as caught:
+        pool.transcode("fwht2/lloyd2")
+    assert caught.value is oom
+    assert live == set()  # every new allocation already freed
+    assert (pool.geometry.dtype, pool.generation) == ("fwht4/lloyd4", 0)
+    assert np.array_equal(snapshot(pool), before)
+    monkeypatch.undo()
+    pool.transcode("fwht2/lloyd2")
+    assert pool.generation == 1

@@ -79,12 +79,12 @@ class DeviceKVStorage:
                                                                np.uint64))
                                          for side in (self.k, self.v))
         except BaseException:
-            self._free_unshared()
+            self.discard()
             raise
 
-    def _free_unshared(self, *extra) -> None:
-        """Free every array of a generation nobody was handed (one whose construction or
-        growth copy failed), and ``extra`` arrays, now, rather than when the exception's
+    def discard(self, *extra) -> None:
+        """Free every array of a generation nobody was handed (one whose construction,
+        growth copy or transcode failed), and ``extra`` arrays, now, rather than when the exception's
         traceback, which holds them, is dropped: out of memory, a caller keeping the error
         (a future, a log record) would otherwise keep a partial generation allocated."""
         with suppress(Exception):  # launches already queued on them finish first
@@ -164,7 +164,7 @@ class DeviceKVStorage:
                                 ids, fresh.view((new_num_blocks, slab), np.uint8))
             self.device.synchronize()
         except BaseException:
-            new._free_unshared(ids)
+            new.discard(ids)
             raise
         return new
 

@@ -550,7 +550,9 @@ class LayerKVPool:
         more blocks: ``num_blocks`` (default: as many as fit, at most the regions') becomes
         both ``num_blocks`` and ``max_num_blocks``. The generation increments (block tables
         stay valid by id but must be rebuilt), the budget is updated, grow callbacks run when
-        blocks were added. Bad ``dtype`` or transition: ``InvalidArgument``, nothing changed.
+        blocks were added. Bad ``dtype`` or transition: ``InvalidArgument``, nothing changed;
+        a failing re-encode or upload (a device pool out of memory: ``DeviceError``) changes
+        nothing either, and a device pool's new arrays are freed before it propagates.
         """
         old = self._geometry
         new = PoolGeometry(old.num_layers, old.num_kv_heads, old.head_dim, old.block_size,
@@ -605,17 +607,26 @@ class LayerKVPool:
                 new_storage = _storage_class(self._backend, new)(  # type: ignore[operator]
                     new, old_blocks, **extra)
                 buf = np.empty(old.block_buffer_shape, np.uint8)
-                for b in range(old_blocks):
-                    storage.read_block_into(b, buf)
-                    rows = buf.reshape(old.num_layers, -1)
-                    k = rows[:, :old.k_slab_bytes].reshape(old.num_layers, old.block_size,
-                                                           *old.k_token_shape)
-                    v = rows[:, old.k_slab_bytes:].reshape(old.num_layers, old.block_size,
-                                                           *old.v_token_shape)
-                    out = np.concatenate([convert(0, k).reshape(old.num_layers, -1),
-                                          convert(1, v).reshape(old.num_layers, -1)], axis=1)
-                    new_storage.write_block(b, np.ascontiguousarray(out).reshape(
-                        new.block_buffer_shape))
+                try:
+                    for b in range(old_blocks):
+                        storage.read_block_into(b, buf)
+                        rows = buf.reshape(old.num_layers, -1)
+                        k = rows[:, :old.k_slab_bytes].reshape(old.num_layers, old.block_size,
+                                                               *old.k_token_shape)
+                        v = rows[:, old.k_slab_bytes:].reshape(old.num_layers, old.block_size,
+                                                               *old.v_token_shape)
+                        out = np.concatenate([convert(0, k).reshape(old.num_layers, -1),
+                                              convert(1, v).reshape(old.num_layers, -1)],
+                                             axis=1)
+                        new_storage.write_block(b, np.ascontiguousarray(out).reshape(
+                            new.block_buffer_shape))
+                except BaseException:
+                    # device pools: free the unpublished generation now, not when the
+                    # error's traceback (which holds it) goes
+                    discard = getattr(new_storage, "discard", None)
+                    if discard is not None:
+                        discard()
+                    raise
             self._storage = new_storage
             self._slot_copier = new_storage.slot_copier
             self._geometry = new
