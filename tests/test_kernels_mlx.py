@@ -384,3 +384,18 @@ def test_paged_attention_ignores_non_finite_values_past_the_length(kv_dtype):
                             to_mlx_pool(mx, vp, kv_dtype), tables, lens)
     np.testing.assert_allclose(np.array(got), expect, rtol=1e-4, atol=2e-5,
                                err_msg=f"seed {seed}")
+
+
+def test_kv_q8_quantize_writes_codes_0_where_127_over_amax_overflows():
+    """Found by a review: the array-ops q8 encoder took ``127 / amax`` as the code factor
+    even where it overflows float32 (a record whose largest magnitude is below ~3.7e-37),
+    so such a record got codes +-127 (and an undefined cast of 0 * inf = NaN for its zero
+    values) where kvquant.h, the reference and the GPU kernels write codes 0: not the
+    bit-exact records docs/kernels.md promises."""
+    v = np.zeros((2, 3, 64), np.float32)
+    v[0, 0, :3] = [1e-40, -5e-41, 3e-38]
+    v[1, 2, 40] = -2e-39
+    expect = ref.kv_q8_quantize(v)
+    assert bits_equal(np.array(K.kv_q8_quantize(mx.array(v))), expect)
+    pool = K.kv_q8_write(mx.zeros((2, 1, 3, 68), dtype=mx.uint8), [1, 0], mx.array(v))
+    assert bits_equal(np.array(pool).reshape(2, 3, 68), expect[[1, 0]])

@@ -116,14 +116,11 @@ def gemv(mx, w_raw, codec, M: int, K: int, x):
 
 def kv_q8_quantize(mx, values):
     """q8 records of ``values`` (f32/f16 ``[..., head_dim]``), docs/contracts/hfqm-and-quant.md,
-    '6.3 q8 (K and V)'."""
+    '6.3 q8 (K and V)': the KV-mode encoder's (:mod:`pagedkv.quant.kv_mlx`), one encoder for
+    both, so kvquant.h's rules (codes 0 where ``127 / amax`` overflows) hold in each."""
+    from pagedkv.quant.kv_mlx import _encode_q8
     shape = values.shape
-    blocks = values.astype(mx.float32).reshape(-1, kv_q8.BLOCK_VALUES)
-    amax = mx.abs(blocks).max(axis=1)
-    d = (amax / 127.0).astype(mx.float16)  # round to nearest even
-    inv = mx.where(amax > 0, 127.0 / mx.where(amax > 0, amax, 1.0), 0.0)
-    codes = mx.clip(mx.round(blocks * inv[:, None]), -127, 127).astype(mx.int8)
-    records = mx.concatenate([d[:, None].view(mx.uint8), codes.view(mx.uint8)], axis=1)
+    records, _ = _encode_q8(values.astype(mx.float32).reshape(-1, shape[-1]))
     return records.reshape(*shape[:-1], shape[-1] // kv_q8.BLOCK_VALUES * kv_q8.RECORD_BYTES)
 
 
