@@ -107,6 +107,35 @@ def test_a_password_is_hidden_wherever_the_url_is_shown(tmp_path, monkeypatch, c
     assert "ignoring PAGEDKV_COLD_BACKEND" in caplog.text and password not in caplog.text
 
 
+@pytest.mark.parametrize("url", [
+    "redis://:pa/s3cret@127.0.0.1:6379/0",       # an unencoded / ends the host part early
+    "redis://:s3cret@127.0.0.1:notaport/0", "redis://:s3cret@127.0.0.1:99999/0",
+    "redis://:s3cret@[::1/0", "redis://:s3cret@127.0.0.1:6379/O",  # letter O: was db 0
+    "redis://:s3cret@127.0.0.1:6379/0?no_such_option=1",
+])
+def test_a_malformed_url_is_invalid_argument_and_the_directory_serves_alone(
+        url, tmp_path, monkeypatch, capsys):
+    """Never a bare ValueError or TypeError (from the URL parser or the client), never a
+    silent db 0, never the password; the shared tier keeps its directory; the CLI says one
+    line and exits 2."""
+    from pagedkv.cli import main
+    from pagedkv.cold.tier import _shared_tiers
+    require_redis()
+    with pytest.raises(InvalidArgument) as info:
+        RedisColdStore.open(url, timeout_s=0.5)
+    assert "s3cret" not in str(info.value)
+    monkeypatch.setenv("PAGEDKV_COLD_BACKEND", url)
+    tier = ColdTier.shared(str(tmp_path / "base"))
+    try:
+        assert tier is not None and type(tier.store).__name__ == "ColdStore"
+    finally:
+        tier.close()
+        _shared_tiers.clear()
+    assert main(["cold", "stats", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3cret" not in err and "Traceback" not in err
+
+
 def test_tls_mismatch_and_unreachable_are_clear_errors_at_open(redis_server, tmp_path):
     # A plain server never answers a TLS hello: the handshake times out (short here).
     tls = f"rediss://127.0.0.1:{redis_server.port}/0?socket_connect_timeout=0.5&socket_timeout=0.5"

@@ -77,7 +77,9 @@ return 0
 def is_redis_url(text: str | None) -> bool:
     """Whether ``text`` names a Redis/Valkey server (``redis://``, ``rediss://``,
     ``unix://``) rather than a directory."""
-    return bool(text) and urlsplit(str(text).strip()).scheme in REDIS_SCHEMES
+    # The scheme as urlsplit reads it, without urlsplit (which raises for a bad IPv6 host).
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", str(text or "").strip())
+    return scheme is not None and scheme.group(1).lower() in REDIS_SCHEMES
 
 
 #: A secret in a URL's query: redis-py takes ``?password=...`` as the password.
@@ -111,6 +113,25 @@ def redacted_url(url: str) -> str:
         elif start == 0:  # no "//": a user cannot be told from a password
             netloc = f"***@{host}"
     return text[:start] + netloc + _QUERY_SECRET.sub(r"\1***", text[end:])
+
+
+_URL_FORM = ("expected redis://[[user]:password@]host:port/db, rediss://... or "
+             "unix:///path?db=N, with @ / ? # : in a password percent-encoded")
+
+
+def _check_url(url: str, shown: str) -> None:
+    """``InvalidArgument`` (naming ``shown``, never ``url``) for a URL the client would
+    refuse with a message quoting part of it (a port that is no number) or take silently
+    wrong (a path that is no database number becomes db 0)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number in range
+    except ValueError:
+        raise InvalidArgument(f"cold backend {shown!r} is not a valid URL (host or port): "
+                              f"{_URL_FORM}") from None
+    if parts.scheme != "unix" and re.fullmatch(r"/?|/[0-9]+", parts.path) is None:
+        raise InvalidArgument(f"cold backend {shown!r}: the path must be /DB, a database "
+                              f"number; {_URL_FORM}")
 
 
 def _client_errors():
@@ -173,6 +194,7 @@ class RedisColdStore:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         shown = redacted_url(url)
+        _check_url(url, shown)
         try:
             # One immediate retry: a pooled connection the server dropped (a restart)
             # reconnects; a server that is down costs one refused connect, not a backoff.
@@ -202,6 +224,13 @@ class RedisColdStore:
                 as exc:
             client.close()
             raise _connect_error(shown, url, exc) from None
+        except TypeError as exc:  # the client builds a connection from the query's options
+            client.close()
+            raise InvalidArgument(f"cold backend {shown!r}: an option of the URL query is "
+                                  f"not one the redis client takes ({exc})") from None
+        except redis.exceptions.RedisError as exc:  # e.g. a bad ssl_cert_reqs value
+            client.close()
+            raise ColdBackendError(f"cold backend {shown}: {exc}") from None
         maxmemory, durable = _server_limits(client, shown)
         return cls(client, url, counters if counters is not None else ColdCounters(),
                    fmt=fmt, prefix=prefix, quota_bytes=maxmemory, durable_acks=durable)

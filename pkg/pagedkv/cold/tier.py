@@ -176,7 +176,7 @@ class ColdTier:
             try:
                 try:
                     tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD, remote=remote)
-                except ColdBackendError as exc:
+                except (ColdBackendError, InvalidArgument) as exc:  # a malformed URL too
                     log.warning("cold tier: the fleet's store is not used: %s", exc)
                     tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
