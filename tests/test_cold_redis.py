@@ -467,6 +467,26 @@ def test_cold_cli_against_redis(redis_server, capsys, monkeypatch):
     assert refused.returncode == 2 and "TLS" in refused.stderr
 
 
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["verify", "--prune"],
+                                    ["evict", "--to", "0"]])
+def test_cold_cli_says_one_line_when_redis_dies_after_the_open(redis_server, capsys,
+                                                                monkeypatch, action):
+    """A server that stops answering mid-command is one line on stderr and exit 2, like
+    one unreachable at open: never a redis-py traceback."""
+    from pagedkv.cli import main
+    redis_server.client().set(PREFIX + "ab" * 32 + ".safetensors", b"x" * 100)
+    opened = RedisColdStore.open
+
+    def open_then_kill(url, *args, **kwargs):
+        store = opened(url, *args, **kwargs)
+        redis_server.kill()
+        return store
+    monkeypatch.setattr(RedisColdStore, "open", staticmethod(open_then_kill))
+    assert main(["cold", *action, redis_server.url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{redis_server.url} failed during {action[0]}" in err
+
+
 def test_shared_tier_uses_the_backend_env(redis_server, tmp_path, monkeypatch):
     from pagedkv.cold.tier import _shared_tiers
     monkeypatch.setenv("PAGEDKV_COLD_BACKEND", redis_server.url)

@@ -118,6 +118,22 @@ def _is_remote(store) -> bool:
     return isinstance(store, RedisColdStore)
 
 
+def _server_errors() -> tuple[type[BaseException], ...]:
+    """What a Redis round trip raises when the server stops answering (or refuses a
+    command) after the open: one line and exit 2, like a server unreachable at open."""
+    try:
+        import redis
+    except ImportError:
+        return ()
+    return (redis.exceptions.RedisError,)
+
+
+def _server_failed(store, action: str, exc: BaseException) -> int:
+    print(f"pagedkv cold: {store.url} failed during {action} ({exc}); what came after it "
+          "was not done", file=sys.stderr)
+    return 2
+
+
 def run_stats(args: argparse.Namespace) -> int:
     from pagedkv.cold.offline import root_summary
     from pagedkv.cold.redis_offline import remote_summary
@@ -127,6 +143,8 @@ def run_stats(args: argparse.Namespace) -> int:
     remote = _is_remote(store)
     try:
         s = remote_summary(store) if remote else root_summary(store)
+    except _server_errors() as exc:
+        return _server_failed(store, "stats", exc)
     finally:
         store.close()
     print(f"root: {s.root}")
@@ -167,6 +185,8 @@ def run_verify(args: argparse.Namespace) -> int:
     try:
         result = verify_remote(store, prune=args.prune) if remote \
             else verify_store(store, prune=args.prune)
+    except _server_errors() as exc:
+        return _server_failed(store, "verify", exc)
     finally:
         store.close()
     for b in result.bad:
@@ -199,6 +219,8 @@ def run_evict(args: argparse.Namespace) -> int:
             before = store.index.total_bytes
             evicted = store.evict_to(args.to)
             after = store.index.total_bytes
+    except _server_errors() as exc:
+        return _server_failed(store, "evict", exc)
     finally:
         store.close()
     print(f"removed {removed} quarantined entries; evicted {evicted} objects: "
