@@ -65,3 +65,27 @@ def test_pool_paged_attention_on_adapter_tables_matches_the_reference(backend, d
                              generation=batch.generation + 1)
     with pytest.raises(InvalidArgument, match="layer: 2 is out of range"):
         pool.paged_attention(2, q, batch.block_tables, batch.seq_lens)
+
+
+def test_kv_mode_pair_pool_checks_q_and_scale_like_the_other_pools():
+    """Found by a review: an MLX pool of a ``<K>/<V>`` KV-mode pair converted ``q`` with
+    ``np.asarray(q, float32)`` (a float64 or integer q was cast, a list taken) and ``scale``
+    with ``float()`` (``"x"`` raised a bare ValueError, NaN made every output NaN, True was
+    1.0), where the other pools refuse them with pagedkv errors."""
+    from pagedkv.errors import InvalidArgumentType
+    g = PoolGeometry(num_layers=1, num_kv_heads=2, head_dim=128, block_size=16,
+                     dtype="fwht4/q8")
+    pool = LayerKVPool(g, 8, backend="mlx")
+    tables, lens = np.array([[0, 1, -1]], np.int32), np.array([20], np.int32)
+    q = mx.zeros((1, 4, 128))
+    for scale, error in (("x", InvalidArgumentType), (True, InvalidArgumentType),
+                         (float("nan"), InvalidArgument)):
+        with pytest.raises(error, match=f"scale={scale!r}"):
+            pool.paged_attention(0, q, tables, lens, scale=scale)
+    with pytest.raises(InvalidArgument, match="q: dtype float64"):
+        pool.paged_attention(0, np.zeros((1, 4, 128)), tables, lens)
+    with pytest.raises(InvalidArgument, match="q: dtype mlx.core.int32"):
+        pool.paged_attention(0, mx.zeros((1, 4, 128), dtype=mx.int32), tables, lens)
+    with pytest.raises(InvalidArgumentType, match="q: expected an mx.array"):
+        pool.paged_attention(0, [[[0.0] * 128] * 4], tables, lens)
+    assert pool.paged_attention(0, q, tables, lens, scale=0.1).shape == (1, 4, 128)

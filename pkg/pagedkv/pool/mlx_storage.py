@@ -196,20 +196,23 @@ class MlxKVStorage:
             from pagedkv.kernels.mlx import paged_attention
             k, v = self.layer(layer)
             return paged_attention(q, k, v, block_tables, seq_lens, scale=scale, check=check)
-        from pagedkv.kernels.kvcache import check_decode_batch
+        from pagedkv.kernels.kvcache import attention_scale, check_decode_batch
+        from pagedkv.kernels.mlx import _array
         from pagedkv.quant import kv as kv_modes
         from pagedkv.quant.kv_mlx import attention_decode
         mx = self._mx
         tables = np.asarray(block_tables)
         lens = np.asarray(seq_lens)
         check_decode_batch(tables, lens, num_blocks=self.num_blocks, block_size=g.block_size)
-        q = q if isinstance(q, mx.array) else mx.array(np.asarray(q, np.float32))
+        # q and scale as the unpaired path takes them: a float64 or integer q, a str, bool
+        # or non-finite scale are refused, not cast (NaN scale made every output NaN)
+        q = _array(mx, "q", q, (mx.float32, mx.float16, mx.bfloat16), "float32/float16/bfloat16")
+        scale = attention_scale(scale, g.head_dim)
         if q.ndim != 3 or q.shape[0] != tables.shape[0] or q.shape[2] != g.head_dim \
                 or q.shape[1] % g.num_kv_heads:
             raise InvalidArgument(f"q: shape {tuple(q.shape)}, expected [{tables.shape[0]}, "
                                   f"heads (a multiple of {g.num_kv_heads}), {g.head_dim}]")
         k_mode, v_mode = (kv_modes.kv_mode(side) for side in (g.k_dtype, g.v_dtype))
-        scale = g.head_dim ** -0.5 if scale is None else float(scale)
         bs = g.block_size
         outs = []
         with self._on_stream():
