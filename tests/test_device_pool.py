@@ -430,7 +430,8 @@ def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_de
     traceback lived (a future or a caller keeping the error): a partial generation of GPU
     memory held on exactly the path where memory is short. They are freed before the
     error propagates now; the pool, its blocks and the budget debit stay as they were, and
-    a later grow works."""
+    a later grow works. Out of memory at the allocation is a refusal since (grow_to returns
+    False, logged, as when the budget refuses): only other errors propagate."""
     from pagedkv.errors import DeviceError
     from pagedkv.kernels import kvcache as kvcache_module
     g = geometry(layers=4)
@@ -440,6 +441,8 @@ def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_de
         pool.write_block(b, RNG.integers(0, 256, g.block_buffer_shape, dtype=np.uint8))
     before, generation = snapshot(pool), pool.generation
     oom = DeviceError("hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
+    # a fill or copy that fails is not an allocation a later free can cure: it propagates
+    broken = DeviceError("hipLaunchKernel", 719, "hipErrorLaunchFailure", "launch failure")
     live = track_allocations(monkeypatch, stub_device, error=oom,
                              fail_at=4 if fail == "malloc" else None)
     if fail == "fill":
@@ -449,7 +452,7 @@ def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_de
         def failing_fill(arr, value):
             fills[0] += 1
             if fills[0] == 5:
-                raise oom
+                raise broken
             fill(arr, value)
 
         monkeypatch.setattr(DeviceArray, "fill_bytes", failing_fill)
@@ -460,16 +463,66 @@ def test_a_grow_that_runs_out_of_memory_frees_the_new_generation_at_once(stub_de
         def failing_copy(*args, **kwargs):
             copies[0] += 1
             if copies[0] == 3:
-                raise oom
+                raise broken
             copy(*args, **kwargs)
 
         monkeypatch.setattr(kvcache_module, "copy_blocks", failing_copy)
-    with pytest.raises(DeviceError, match="hipErrorOutOfMemory") as caught:
-        pool.grow_to(7)
-    assert caught.value is oom  # still held, with its traceback
+    if fail == "malloc":
+        assert pool.grow_to(7) is False
+    else:
+        with pytest.raises(DeviceError, match="hipErrorLaunchFailure") as caught:
+            pool.grow_to(7)
+        assert caught.value is broken  # still held, with its traceback
     assert live == set()  # every new allocation already freed
     assert (pool.generation, pool.num_blocks) == (generation, 3)
     assert np.array_equal(snapshot(pool), before)
     assert budget.debit("d") == 3 * g.bytes_per_block
     monkeypatch.undo()
     assert pool.grow_to(7) and np.array_equal(snapshot(pool)[:3], before)
+
+
+@pytest.mark.parametrize("error", ["device", "host"])
+def test_a_reservation_the_device_cannot_grow_for_is_pool_exhausted(stub_device, monkeypatch,
+                                                                    caplog, error):
+    """Found by a review: a reservation whose growth ran out of device memory (memory the
+    budget allowed but the GPU no longer had) raised DeviceError out of
+    allocate_suffix_blocks, where an engine expects PoolExhausted and preempts. The grow is
+    now refused like a budget refusal: PoolExhausted, the request, the allocator, the pool
+    and the budget as they were, one WARNING naming the error; the same when NumPy's
+    allocation raises MemoryError. Other device errors still propagate (test above)."""
+    import logging
+
+    from pagedkv.errors import DeviceError, PoolExhausted
+    g = geometry()
+    budget = MemoryBudget(1 << 20)
+    pool = LayerKVPool(g, 2, 8, backend="device", memory_budget=budget, pool_id="d")
+    adapter = PagedKVCacheAdapter(BlockAllocator(2, 8, 4), pool)
+    adapter.reset_for_new_request("a")
+    adapter.allocate_suffix_blocks("a", 6)
+    adapter.record_tokens("a", np.arange(6, dtype=np.uint32))
+    k = values(g, (g.num_layers, 6, g.num_kv_heads, g.head_dim))
+    adapter.write_kv_layers("a", k, k)
+    before = snapshot(pool)
+    adapter.reset_for_new_request("b")
+    table_a = adapter.block_table("a").copy()
+    failure = (DeviceError("hipMalloc", 2, "hipErrorOutOfMemory", "out of memory")
+               if error == "device" else MemoryError())
+    real_grown = type(pool._storage).grown
+
+    def grown(self, n):
+        raise failure
+
+    monkeypatch.setattr(type(pool._storage), "grown", grown)
+    with caplog.at_level(logging.WARNING, logger="pagedkv"), \
+            pytest.raises(PoolExhausted, match="preempt a request"):
+        adapter.allocate_suffix_blocks("b", 9)
+    assert "paged pool growth refused: out of memory for the new generation" in caplog.text
+    assert (pool.num_blocks, pool.generation) == (2, 0)
+    assert adapter.allocator.num_blocks == 2 and adapter.allocator.num_free_blocks == 0
+    assert budget.debit("d") == 2 * g.bytes_per_block
+    assert np.array_equal(adapter.block_table("a"), table_a)
+    assert len(adapter.block_table("b")) == 0
+    assert np.array_equal(snapshot(pool), before)
+    monkeypatch.setattr(type(pool._storage), "grown", real_grown)
+    adapter.allocate_suffix_blocks("b", 9)  # memory back: the same call grows and succeeds
+    assert pool.num_blocks > 2 and np.array_equal(snapshot(pool)[:2], before)

@@ -413,16 +413,26 @@ def test_p5_failing_old_storage_release_keeps_the_grow_committed(backend, caplog
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_p5_failing_copy_changes_nothing(backend, monkeypatch):
+@pytest.mark.parametrize("error", [MemoryError, RuntimeError])
+def test_p5_failing_copy_changes_nothing(backend, monkeypatch, caplog, error):
+    """A new generation that cannot be made changes nothing. Out of memory is a refused
+    grow (False, one WARNING: the reservation that asked raises PoolExhausted, which an
+    engine answers by preempting); any other error propagates."""
     budget = MemoryBudget(1 << 20)
     pool, before, grows = growing_pool(backend, budget, "c", blocks=[2], seed=0)
 
     def failing_grown(self, new_num_blocks):
-        raise MemoryError("no room for the new generation")
+        raise error("no room for the new generation")
 
     monkeypatch.setattr(type(pool._storage), "grown", failing_grown)
-    with pytest.raises(MemoryError, match="no room"):
-        pool.grow_to(8)
+    if error is MemoryError:
+        with caplog.at_level(logging.WARNING, logger="pagedkv"):
+            assert pool.grow_to(8) is False
+        assert ("paged pool growth refused: out of memory for the new generation: from=4 "
+                "to=8 new_bytes=2048 (no room for the new generation)") in caplog.text
+    else:
+        with pytest.raises(RuntimeError, match="no room"):
+            pool.grow_to(8)
     assert pool.generation == 0 and pool.num_blocks == 4 and grows == []
     assert budget.debit("c") == 4 * 256 and np.array_equal(snapshot(pool), before)
 

@@ -333,3 +333,14 @@ class DeviceError(PagedKVError):
         self.code = code
         self.name = name
         self.runtime_message = runtime_message
+
+    @property
+    def out_of_memory(self) -> bool:
+        """Whether the runtime said it is out of device memory (an allocation that may
+        succeed later, after something is freed), not that a call is wrong."""
+        return self.name in _OUT_OF_MEMORY_NAMES
+
+
+#: The runtimes' out-of-memory error names (CUDA driver API, HIP; HIP's pre-5.0 name).
+_OUT_OF_MEMORY_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "hipErrorOutOfMemory",
+                                  "hipErrorMemoryAllocation"})

@@ -44,6 +44,13 @@ GrowCallback = Callable[[int, int, int], None]
 # Outermost lock of the growth order: growth lock -> memory budget -> allocator -> pool.
 # Re-entrant so the adapter can hold it across grow_to + allocator.grow_by.
 _GROWTH_LOCK = threading.RLock()
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failure to allocate a new generation that freeing memory may cure."""
+    return isinstance(exc, MemoryError) or getattr(exc, "out_of_memory", False) is True
+
+
 _pool_numbers = itertools.count()
 
 
@@ -717,8 +724,10 @@ class LayerKVPool:
         """Grow to ``new_num_blocks`` blocks, keeping every block's contents.
 
         ``False`` (nothing changes) when ``new_num_blocks <= num_blocks``, the memory
-        budget refuses the transient ``old + new`` bytes, or the pool's fixed layer regions
-        (``layer_region_bytes``: kv_adaptive) do not hold them; ``InvalidArgument`` beyond
+        budget refuses the transient ``old + new`` bytes, the pool's fixed layer regions
+        (``layer_region_bytes``: kv_adaptive) do not hold them, or the new generation
+        cannot be allocated for lack of memory (``MemoryError``, a ``DeviceError`` whose
+        ``out_of_memory`` is true: logged at WARNING); ``InvalidArgument`` beyond
         ``max_num_blocks``. On success the generation increments, the budget is debited
         with the new total, the growth is logged (``needed``: the blocks the triggering
         reservation needed, for the log) and the grow callbacks run. A failing copy
@@ -758,10 +767,18 @@ class LayerKVPool:
                 try:
                     new_storage = old_storage.grown(new_num_blocks)
                     copier = new_storage.slot_copier
-                except BaseException:  # nothing changed: the old storage stays in use
+                except BaseException as exc:  # nothing changed: the old storage stays in use
                     if budget is not None:
                         budget.update_pool(self._pool_id, old_bytes)
-                    raise
+                    if not _out_of_memory(exc):
+                        raise
+                    # Memory the budget allowed but the device (or host) does not have now
+                    # is a refusal like the budget's: the reservation that asked raises
+                    # PoolExhausted, which an engine answers by preempting, not a crash.
+                    logger.warning("paged pool growth refused: out of memory for the new "
+                                   "generation: from=%d to=%d new_bytes=%d (%s)", old,
+                                   new_num_blocks, new_bytes, exc)
+                    return False
                 # Committed: plain assignments, nothing between them can fail.
                 self._storage, self._slot_copier = new_storage, copier
                 self._num_blocks = new_num_blocks
