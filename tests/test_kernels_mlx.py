@@ -399,3 +399,16 @@ def test_kv_q8_quantize_writes_codes_0_where_127_over_amax_overflows():
     assert bits_equal(np.array(K.kv_q8_quantize(mx.array(v))), expect)
     pool = K.kv_q8_write(mx.zeros((2, 1, 3, 68), dtype=mx.uint8), [1, 0], mx.array(v))
     assert bits_equal(np.array(pool).reshape(2, 3, 68), expect[[1, 0]])
+
+
+def test_paged_attention_refuses_a_max_seq_len_that_is_not_an_int():
+    """Found by a review: ``max_seq_len="5"`` raised a bare TypeError from a comparison,
+    and 5.5 or True were taken (unchecked: as a partition count)."""
+    rng, _ = fresh_rng()
+    q, kp, vp, tables, lens, _ = attention_case(rng, "float16", seqs=2, heads=4, kv_heads=2,
+                                                head_dim=64, block_size=16, lens=[20, 3])
+    for bad in ("5", 25.5, True):
+        for check in (True, False):
+            with pytest.raises(InvalidArgumentType, match=f"max_seq_len={bad!r}: expected an int"):
+                K.paged_attention(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables),
+                                  mx.array(lens), max_seq_len=bad, check=check)

@@ -439,6 +439,10 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     if kv_heads < 1 or heads % kv_heads or heads // kv_heads > 8:
         raise InvalidArgument(f"q/k_pool: {heads} query heads over {kv_heads} KV heads; heads "
                               f"must be 1..8 times kv_heads")
+    if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer))
+                                    or isinstance(max_seq_len, (bool, np.bool_))):
+        raise InvalidArgumentType(f"max_seq_len={max_seq_len!r}: expected an int (or None for "
+                                  f"max(seq_lens)), got {type(max_seq_len).__name__}")
     if check:
         tables = _host_ints("block_tables", block_tables, np.int32)
         lens = _host_ints("seq_lens", seq_lens, np.int32)
