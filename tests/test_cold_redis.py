@@ -314,6 +314,38 @@ def test_server_killed_mid_write_loses_nothing_acknowledged(redis_server):
     fresh.close()
 
 
+def test_a_hung_server_costs_one_timeout_per_retry_interval(redis_server, tmp_path,
+                                                              monkeypatch):
+    """A server that stops answering without closing its sockets (SIGSTOP: a hung host, a
+    partition) cost every probe, load and commit a full timeout, twice (the client's retry),
+    on the serving thread. Now one round trip per retry interval tries it; the others are
+    misses and write errors at once, and the first that answers brings it back."""
+    import signal
+
+    from pagedkv.cold import redis_store
+    monkeypatch.setattr(redis_store, "DOWN_RETRY_S", 0.3)
+    writer = ColdTier.open_remote(redis_server.url, fingerprint=FP)
+    toks = _tokens(4)
+    persist_prompt(writer, toks)
+    writer.close()
+    tier = ColdTier.open_at(tmp_path / "cold", remote=redis_server.url + "?socket_timeout=0.5",
+                            fingerprint=FP)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert len(_restore(tier, toks)[2]) == 0  # pays the one timeout, not two
+        assert time.monotonic() - start < 0.9
+        start = time.monotonic()
+        for _ in range(5):
+            assert len(_restore(tier, toks)[2]) == 0
+        assert time.monotonic() - start < 0.25  # each was 1 s before
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    time.sleep(0.35)
+    assert len(_restore(tier, toks)[2]) == 4  # back after the retry interval
+    tier.close()
+
+
 def test_server_killed_mid_restore_publishes_only_verified_blocks(redis_server):
     writer = ColdTier.open_remote(redis_server.url, fingerprint=FP)
     toks = _tokens(24)

@@ -51,6 +51,11 @@ DEFAULT_PREFIX = MANAGED_CHILD + ":"
 #: 2,048-block prefix of small blocks is one round trip; a chain of 200 KB blocks is a few,
 #: and memory stays bounded whatever the chain's length.
 FETCH_WINDOW_BYTES = 64 << 20
+#: Seconds after a round trip the server did not answer before the next one is tried (the
+#: others meanwhile are misses or write errors at once); doubled while it stays down, up to
+#: DOWN_RETRY_MAX_S.
+DOWN_RETRY_S = 1.0
+DOWN_RETRY_MAX_S = 30.0
 #: Objects the writer hands to one pipelined commit at most.
 COMMIT_BATCH_OBJECTS = 16
 #: Seconds a connect or a reply may take before the operation is a miss or a write error.
@@ -170,6 +175,9 @@ class RedisColdStore:
         self.fill_sink: Callable[[bytes, ColdGroup, bytes], None] | None = None
         self._prune_script = client.register_script(_PRUNE_LUA)
         self._down = False
+        self._health_lock = threading.Lock()
+        self._retry_s = DOWN_RETRY_S
+        self._retry_at = 0.0
         self._closed = False
 
     @classmethod
@@ -197,12 +205,14 @@ class RedisColdStore:
         _check_url(url, shown)
         try:
             # One immediate retry: a pooled connection the server dropped (a restart)
-            # reconnects; a server that is down costs one refused connect, not a backoff.
+            # reconnects; a server that is down costs one refused connect, not a backoff. A
+            # timeout is not retried: a hung server costs one timeout, not two.
             # 1 MiB reads: a restore window is tens of MiB of replies.
             client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                           socket_connect_timeout=timeout_s,
                                           health_check_interval=0,
-                                          retry=Retry(NoBackoff(), 1),
+                                          retry=Retry(NoBackoff(), 1, supported_errors=(
+                                              redis.exceptions.ConnectionError,)),
                                           socket_read_size=1 << 20)
         except ValueError as exc:
             raise InvalidArgument(f"cold backend {shown!r}: {exc}") from None
@@ -261,12 +271,9 @@ class RedisColdStore:
         pipe = self.client.pipeline(transaction=False)
         for name in names:
             pipe.strlen(self.redis_key(name))
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except _client_errors() as exc:
-            self._report_down(exc)
+        replies = self._execute(pipe)
+        if replies is None:
             return None
-        self._report_up()
         sizes = [r if isinstance(r, int) else -1 for r in replies]
         now = time.time_ns()
         with self.index.lock:
@@ -303,12 +310,9 @@ class RedisColdStore:
         pipe = self.client.pipeline(transaction=False)
         for name in names:
             pipe.getrange(self.redis_key(name), 0, bound)
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except _client_errors() as exc:
-            self._report_down(exc)
+        replies = self._execute(pipe)
+        if replies is None:
             return [("busy", None)] * len(names)
-        self._report_up()
         out: list[tuple[str, bytes | None]] = []
         for reply in replies:
             if isinstance(reply, Exception):
@@ -417,13 +421,10 @@ class RedisColdStore:
         for key, group, chunks, _ in items:
             pipe.set(self.redis_key(object_name(key, group)),
                      b"".join(memoryview(c).cast("B") for c in chunks))
-        try:
-            replies = pipe.execute(raise_on_error=False)
-        except _client_errors() as exc:
-            self._report_down(exc)
+        replies = self._execute(pipe)
+        if replies is None:
             self.counters.add("write_errors", len(items))
             return [False] * len(items)
-        self._report_up()
         oks = []
         now = time.time_ns()
         for (key, group, _, size), reply in zip(items, replies, strict=True):
@@ -494,16 +495,41 @@ class RedisColdStore:
 
     # --- server health -------------------------------------------------------------------
 
+    def _execute(self, pipe) -> list | None:
+        """``pipe``'s replies, or ``None`` when the server did not answer. While it is down
+        only one round trip per retry interval (1 s, doubling to 30 s while it stays down)
+        is tried; every other one is ``None`` at once, so a hung or unreachable server
+        costs one timeout per interval, not one per load, probe and commit."""
+        with self._health_lock:
+            if self._down:
+                now = time.monotonic()
+                if now < self._retry_at:
+                    return None
+                self._retry_at = now + self._retry_s  # this caller tries; the rest skip
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except _client_errors() as exc:
+            self._report_down(exc)
+            return None
+        self._report_up()
+        return replies
+
     def _report_down(self, exc: Exception) -> None:
-        if not self._down:
-            self._down = True
-            log.warning("cold tier: %s does not answer (%s); loads are misses and writes "
-                        "fail until it does", self.url, exc)
+        with self._health_lock:
+            if self._down:
+                self._retry_s = min(self._retry_s * 2, DOWN_RETRY_MAX_S)
+            else:
+                self._down = True
+                self._retry_s = DOWN_RETRY_S
+                log.warning("cold tier: %s does not answer (%s); loads are misses and writes "
+                            "fail until it does", self.url, exc)
+            self._retry_at = time.monotonic() + self._retry_s
 
     def _report_up(self) -> None:
-        if self._down:
-            self._down = False
-            log.warning("cold tier: %s answers again", self.url)
+        with self._health_lock:
+            if self._down:
+                self._down = False
+                log.warning("cold tier: %s answers again", self.url)
 
 
 class FetchedChain:
