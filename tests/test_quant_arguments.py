@@ -217,3 +217,28 @@ def test_fwht256_inverse_takes_python_and_numpy_bools():
     assert np.array_equal(quant.fwht256(forward, inverse=np.True_), back)
     assert not np.array_equal(back, forward)
     np.testing.assert_allclose(back, X, atol=1e-5)
+
+
+def test_a_strided_memoryview_raw_is_read_in_its_logical_order():
+    """np.frombuffer refuses a non-contiguous buffer with a bare BufferError: a strided
+    memoryview raw (``memoryview(buf)[::2]``) escaped dequantize, gemv and prepare_gemv
+    as one. It is copied in its logical order, as a strided uint8 array is; a released
+    memoryview is InvalidArgument (it was a bare ValueError)."""
+    shape = X.shape
+    strided = memoryview(np.repeat(RAW, 2))[::2]
+    assert not strided.c_contiguous
+    want = quant.dequantize(RAW, "hfq4g256", shape)
+    assert quant.dequantize(strided, "hfq4g256", shape).tobytes() == want.tobytes()
+    assert quant.gemv(strided, "hfq4g256", shape, X[0]).tobytes() == \
+        quant.gemv(RAW, "hfq4g256", shape, X[0]).tobytes()
+    assert quant.prepare_gemv(strided, "hfq4g256", shape)(X).tobytes() == \
+        quant.prepare_gemv(RAW, "hfq4g256", shape)(X).tobytes()
+    # a strided memoryview of another item type: its bytes in logical order
+    floats = memoryview(np.repeat(RAW.view(np.float32), 2))[::2]
+    assert quant.dequantize(floats, "hfq4g256", shape).tobytes() == want.tobytes()
+    released = memoryview(RAW)
+    released.release()
+    out = np.full(shape, 7, np.float32)
+    with pytest.raises(InvalidArgument, match="raw is a released memoryview"):
+        quant.dequantize(released, "hfq4g256", shape, out=out)
+    assert np.all(out == 7)

@@ -123,8 +123,17 @@ def reject_unrepresentable(flat: np.ndarray, group: int, group_size: int, codec_
 
 
 def raw_bytes(raw) -> np.ndarray:
-    """A quantized payload as a flat uint8 array (bytes-like objects without a copy)."""
-    if isinstance(raw, (bytes, bytearray, memoryview)):
+    """A quantized payload as a flat uint8 array (bytes-like objects without a copy; a
+    strided memoryview, e.g. ``memoryview(buf)[::2]``, is copied in its logical order, as a
+    strided uint8 array is). ``InvalidArgument`` for a released memoryview."""
+    if isinstance(raw, memoryview):
+        try:
+            # np.frombuffer refuses a non-contiguous buffer with a bare BufferError
+            return np.frombuffer(raw if raw.c_contiguous else raw.tobytes(), dtype=np.uint8)
+        except ValueError:
+            raise InvalidArgument("raw is a released memoryview; pass the payload while "
+                                  "its memoryview is open (or the buffer itself)") from None
+    if isinstance(raw, (bytes, bytearray)):
         return np.frombuffer(raw, dtype=np.uint8)
     if not isinstance(raw, np.ndarray):
         raise InvalidArgumentType(
