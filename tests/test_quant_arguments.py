@@ -242,3 +242,20 @@ def test_a_strided_memoryview_raw_is_read_in_its_logical_order():
     with pytest.raises(InvalidArgument, match="raw is a released memoryview"):
         quant.dequantize(released, "hfq4g256", shape, out=out)
     assert np.all(out == 7)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "hfq4g256", "q8f16", "mq4g256v2", "q4k"])
+def test_an_out_that_overlaps_raw_decodes_what_raw_held(fmt):
+    """The decoders read raw while they write out: a payload kept in the first bytes of
+    the buffer it is decoded into (one buffer reused for both) was overwritten before it
+    was read, and dequantize returned wrong weights without a word. Such a raw is now
+    decoded from a copy."""
+    weights = RNG.standard_normal((8, 256)).astype(np.float32)
+    raw = quant.quantize(weights, fmt)
+    want = quant.dequantize(raw, fmt, weights.shape)
+    buf = np.zeros(weights.size * 4, np.uint8)
+    buf[:raw.size] = raw
+    out = buf.view(np.float32).reshape(weights.shape)
+    got = quant.dequantize(buf[:raw.size], fmt, weights.shape, out=out, threads=2)
+    assert got is out
+    assert got.tobytes() == want.tobytes()

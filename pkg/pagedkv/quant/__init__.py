@@ -171,6 +171,7 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
     array of ``shape`` to decode into (returned), e.g. to reuse one buffer per layer;
     one from ``pagedkv.quant.prepared_gemv.aligned_empty`` (64-byte aligned, as the
     array allocated without ``out``) lets large MQ 4-bit decodes bypass the caches.
+    An ``out`` whose memory overlaps ``raw`` is decoded from a copy of ``raw``.
     ``threads``: decode on that many threads (the process's worker pool; the bits do
     not depend on it). Every format's decoder splits its groups or rows; F32 is a copy
     and runs on one. Below ~64 KiB of floats per thread a call stays on fewer threads.
@@ -197,6 +198,10 @@ def dequantize(raw, fmt: str | int, shape: Sequence[int] | int, *,
         result = aligned_empty(dims, np.float32)
     else:
         result = float32_out(out, dims)
+        if np.may_share_memory(data, result):
+            # the decoders read raw while writing out: a raw inside out (a buffer reused
+            # for both) would be overwritten before it is read
+            data = data.copy()
     out = result.reshape(-1)
     if codec.kind == AFFINE:
         affine.decode(data, out, codec.affine_family, codec.bits, codec.group_size,
