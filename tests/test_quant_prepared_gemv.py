@@ -511,3 +511,19 @@ def test_a_built_prepared_gemv_refuses_a_second_init_and_huge_thread_counts():
         with pytest.raises(InvalidArgument, match="at most 65536"):
             call()
     assert g(x, threads=prepared_gemv.MAX_THREADS).tobytes() == want
+
+
+def test_an_empty_m_still_refuses_a_non_finite_x():
+    """With M = 0 the call returned an empty result for an x holding NaN or Inf, where
+    the docs promise InvalidArgument for it (and gemv() refuses it at M = 0)."""
+    g = Q.prepare_gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256))
+    x = np.ones((2, 256), F32)
+    x[1, 5] = np.inf
+    out = np.empty((2, 0), F32)
+    with pytest.raises(InvalidArgument, match=r"x\[1, 5\] is inf; the GEMV takes finite"):
+        g(x, out=out)
+    with pytest.raises(InvalidArgument, match=r"x\[7\] is nan; the GEMV takes finite"):
+        g(np.where(np.arange(256) == 7, np.nan, 1.0).astype(F32))
+    with pytest.raises(InvalidArgument, match="gemv takes finite activations only"):
+        Q.gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), x)
+    assert g(np.ones((2, 256), F32)).shape == (2, 0)

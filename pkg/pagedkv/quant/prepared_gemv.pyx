@@ -362,6 +362,13 @@ cdef class PreparedGemv:
         shape = (self.m,) if x.ndim == 1 else (batch, self.m)
         y = np.empty(shape, np.float32) if out is None else float32_out(out, shape)
         if self.m == 0 or self.k == 0:
+            if self.k:      # no tile to run, but a non-finite x is refused all the same
+                bad_at = np.flatnonzero(~np.isfinite(x2))
+                if bad_at.size:
+                    row, col = divmod(int(bad_at[0]), self.k)
+                    where = f"x[{col}]" if x.ndim == 1 else f"x[{row}, {col}]"
+                    raise InvalidArgument(f"{where} is {float(x2[row, col])!r}; the GEMV takes "
+                                          "finite activations only")
             y.fill(0.0)
             return y
         cdef const float[:, ::1] xv = x2
