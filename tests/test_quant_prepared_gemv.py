@@ -527,3 +527,23 @@ def test_an_empty_m_still_refuses_a_non_finite_x():
     with pytest.raises(InvalidArgument, match="gemv takes finite activations only"):
         Q.gemv(np.zeros(0, np.uint8), "hfq4g256", (0, 256), x)
     assert g(np.ones((2, 256), F32)).shape == (2, 0)
+
+
+def test_copy_pickle_and_an_unbuilt_object_say_what_they_are():
+    """copy.copy, copy.deepcopy and pickle raised Cython's bare TypeError 'self._w cannot
+    be converted to a Python object for pickling'; repr and nbytes of an object whose
+    __init__ never ran raised AttributeError. A PreparedGemv is read-only, so a copy is the
+    object itself; pickling raises InvalidArgumentType (a TypeError, as pickle expects)
+    saying to prepare again from raw; an unbuilt object has nbytes 0 and says so in repr."""
+    import copy
+    import pickle
+    raw = Q.quantize(np.ones((8, 256), F32), "hfq4g256")
+    g = Q.prepare_gemv(raw, "hfq4g256", (8, 256))
+    assert copy.copy(g) is g and copy.deepcopy(g) is g
+    assert copy.deepcopy([g, g])[0] is g
+    with pytest.raises(InvalidArgumentType, match="a PreparedGemv cannot be pickled.*"
+                                                  "prepare_gemv"):
+        pickle.dumps(g)
+    blank = prepared_gemv.PreparedGemv.__new__(prepared_gemv.PreparedGemv)
+    assert blank.nbytes == 0
+    assert repr(blank) == "<PreparedGemv (not built: use prepare_gemv)>"

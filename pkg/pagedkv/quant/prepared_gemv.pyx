@@ -333,16 +333,32 @@ cdef class PreparedGemv:
     @property
     def nbytes(self):
         """Bytes of the prepared copy (codes, scales, minimums and Q4K's per-super-block
-        factors; padding rows included)."""
+        factors; padding rows included); 0 for an object that was never built."""
+        if not self._built:
+            return 0
         return self._codes.nbytes + self._scales.nbytes + (
             0 if self._mins is None else self._mins.nbytes) + (
             0 if self._factors is None else self._factors.nbytes)
 
     def __repr__(self):
+        if not self._built:
+            return "<PreparedGemv (not built: use prepare_gemv)>"
         return (f"<PreparedGemv {self.fmt} [{self.m}, {self.k}]: "
                 f"{self.nbytes / 2**20:.2f} MiB prepared, x int8 per {self.span}"
                 f"{' after FWHT-256' if self.rotated else ''}, kernel {self.isa}, "
                 f"threads={self.threads}>")
+
+    def __copy__(self):
+        return self             # read-only once built: a copy is the object itself
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        # Cython's generated pickling raised a bare TypeError naming the C struct
+        raise InvalidArgumentType(
+            "a PreparedGemv cannot be pickled (its packed copy is for this process and "
+            "CPU); pickle raw, fmt and shape and call prepare_gemv where it is needed")
 
     def __call__(self, x, *, out=None, threads=None):
         """``x · Wᵀ``: float32 ``x`` ``[K]`` or ``[B, K]`` → float32 ``[M]`` or ``[B, M]``.
