@@ -151,6 +151,27 @@ def test_fused_step_saves_launches(stub_device, stub_recorder, monkeypatch, kv_d
     pool9.close()
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_step_refuses_a_sequence_past_max_seq_len_before_launching(stub_device, stub_recorder,
+                                                                    monkeypatch, fuse):
+    """A sequence longer than the step's attention workspace is refused before the first
+    launch: the norm, the QKV GEMV and the RoPE KV write into the pool used to run first."""
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    monkeypatch.setenv("PAGEDKV_ATTN_PARTITION_TOKENS", "16")
+    from pagedkv.bench.decode import build_adapter
+    dev = stub_device
+    weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
+    pool, adapter, seqs = build_adapter(dev, SMALL, "float16", 2, [5, 40], RNG)
+    adapter.record_decode_tokens(seqs, np.zeros(2, np.uint32))
+    tables = DeviceDecodeBatch.upload(dev, adapter.prepare_decode(seqs))
+    step = DecoderStep(dev, weights, pool, 2, 16, fuse=fuse)
+    count = stub_recorder.count
+    with pytest.raises(InvalidArgument, match="a sequence of 41 tokens.*larger max_seq_len"):
+        step.run(tables)
+    assert stub_recorder.count == count
+    pool.close()
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 

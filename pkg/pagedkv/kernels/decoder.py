@@ -53,7 +53,7 @@ from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
     attention,
     attention_prep,
-    check_tables,
+    check_attention,
     qkv_rope_write_kv,
     rope_write_fusable,
     write_kv,
@@ -332,8 +332,10 @@ class DecoderStep:
 
     def run(self, tables: DeviceDecodeBatch, *, stream: StreamLike = None) -> None:
         """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``
-        before the first launch otherwise)."""
-        check_tables(self.pool, tables)
+        before the first launch otherwise), of ``batch`` sequences, none longer than the
+        step's ``max_seq_len`` allows (``InvalidArgument`` before the first launch: the
+        pool is not written)."""
+        check_attention(self.attn, self.pool, tables)
         if tables.num_seqs != self.batch:
             raise InvalidArgument(f"tables: {tables.num_seqs} sequences, the step was built "
                                   f"for {self.batch}")

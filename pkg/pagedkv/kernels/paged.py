@@ -30,9 +30,9 @@ from pagedkv.kernels.kvcache import (
 )
 from pagedkv.kernels.weights import PreparedX
 
-__all__ = ["DeviceDecodeBatch", "attention", "attention_prep", "check_tables",
-           "copy_pool_blocks", "qkv_rope_write_kv", "read_kv_q8", "rope_write_fusable",
-           "write_kv"]
+__all__ = ["DeviceDecodeBatch", "attention", "attention_prep", "check_attention",
+           "check_tables", "copy_pool_blocks", "qkv_rope_write_kv", "read_kv_q8",
+           "rope_write_fusable", "write_kv"]
 
 KV_WRITE_THREADS = 256
 
@@ -228,9 +228,11 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
            float(theta), stream=stream)
 
 
-def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecodeBatch,
-                     generation: int | None):
-    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool."""
+def check_attention(attn: PagedAttention, pool, tables: DeviceDecodeBatch,
+                    generation: int | None = None) -> None:
+    """:func:`attention`'s checks without a launch: ``tables`` of the pool's generation
+    (:func:`check_tables`), ``attn`` built for the pool's geometry and its workspace
+    holding the longest sequence of ``tables`` (``InvalidArgument`` otherwise)."""
     check_tables(pool, tables, generation)
     g = pool.geometry
     if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
@@ -242,6 +244,12 @@ def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecod
                               f"workspace holds {attn.max_partitions} partitions of "
                               f"{attn.partition_tokens} ({most} tokens); build it with a larger "
                               "max_seq_len")
+
+
+def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecodeBatch,
+                     generation: int | None):
+    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool."""
+    check_attention(attn, pool, tables, generation)
     return pool.layer(layer)
 
 
