@@ -172,6 +172,43 @@ def test_step_refuses_a_sequence_past_max_seq_len_before_launching(stub_device, 
     pool.close()
 
 
+def test_decoder_weights_check_the_host_weights_before_uploading(stub_device, monkeypatch):
+    """A host missing a layer, a matrix, bytes of a projection or a norm of the right shape
+    is refused naming it before anything is allocated; a missing layer used to upload and
+    then fail in DecoderStep.run with an IndexError after 11 launches."""
+    from kernels_support import track_allocations
+    dev = stub_device
+    host = DecoderHostWeights.tiled(SMALL, "hfq4g256", 0)
+
+    def changed(**kw):
+        return replace(host, **kw)
+
+    short_qkv = [dict(layer) for layer in host.layers]
+    short_qkv[1]["qkv"] = short_qkv[1]["qkv"][:-136]  # one 16-row tile-group short
+    no_down = [dict(layer) for layer in host.layers]
+    del no_down[1]["down"]
+    cases = [
+        (changed(layers=host.layers[:1]), r"host.layers: 1 layers, the shape has 2"),
+        (changed(layers=no_down), r"host.layers\[1\]: no \['down'\]"),
+        (changed(layers=short_qkv),
+         r"host.layers\[1\]\['qkv'\]: uint8\[69496\], expected uint8\[69632\].*q_heads \+ 2"),
+        (changed(fmt="hfq6g256"), r"host.layers\[0\]\['qkv'\]: .*expected uint8\[102400\]"),
+        (changed(fmt="q4k"), r"fmt='q4k': the GPU kernels take"),
+        (changed(ffn_norm=[np.ones(256, np.float32)] * 3), r"host.ffn_norm: 3 layers"),
+        (changed(attn_norm=[host.attn_norm[0], np.ones(256, np.float64)]),
+         r"host.attn_norm\[1\]: float64\[256\], expected float32\[256\]"),
+        (changed(final_norm=np.ones(128, np.float32)), r"host.final_norm: float32\[128\]"),
+    ]
+    live = track_allocations(monkeypatch, dev)
+    for bad, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            DecoderWeights(dev, bad)
+    assert not live
+    weights = DecoderWeights(dev, host)
+    assert repr(weights) == (f"DecoderWeights({SMALL}, fmt='hfq4g256', {weights.nbytes} "
+                             f"projection bytes on {dev.properties.name!r})")
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 

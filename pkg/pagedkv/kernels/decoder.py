@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.env_knobs import env_bool, env_u32
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.decode import (
     add_rmsnorm,
     add_rmsnorm_prep,
@@ -183,11 +183,61 @@ class DecoderHostWeights:
             self.lm_head.nbytes
 
 
+def _check_host(host: DecoderHostWeights) -> None:
+    """``InvalidArgument`` naming the first part of ``host`` that does not fit its shape and
+    format (layer count, a missing matrix, a byte count, a norm weight), before anything is
+    uploaded."""
+    from pagedkv.kernels.weights import _format, raw_nbytes
+    if not isinstance(host, DecoderHostWeights):
+        raise InvalidArgumentType(f"host: expected a DecoderHostWeights, got "
+                                  f"{type(host).__name__}")
+    _format(host.fmt)  # a format with a GEMV (InvalidArgument listing them otherwise)
+    s = host.shape
+    for name, per_layer in (("layers", host.layers), ("attn_norm", host.attn_norm),
+                            ("ffn_norm", host.ffn_norm)):
+        if len(per_layer) != s.num_layers:
+            raise InvalidArgument(f"host.{name}: {len(per_layer)} layers, the shape has "
+                                  f"{s.num_layers}")
+
+    def check_raw(where: str, raw, matrix: str) -> None:
+        m, k = s.matrix_shape(matrix)
+        want = raw_nbytes(host.fmt, m * k)
+        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.size != want:
+            got = (f"{raw.dtype}[{raw.size}]" if isinstance(raw, np.ndarray)
+                   else type(raw).__name__)
+            raise InvalidArgument(f"host.{where}: {got}, expected uint8[{want}]: {host.fmt} of "
+                                  f"{m}x{k} ({_MATRIX_ROWS[matrix]})")
+
+    for i, layer in enumerate(host.layers):
+        missing = [m for m in MATRICES if m not in layer]
+        if missing:
+            raise InvalidArgument(f"host.layers[{i}]: no {missing}; a layer holds {list(MATRICES)}")
+        for m in MATRICES:
+            check_raw(f"layers[{i}][{m!r}]", layer[m], m)
+    check_raw("lm_head", host.lm_head, "lm_head")
+    norms = [(f"attn_norm[{i}]", w) for i, w in enumerate(host.attn_norm)]
+    norms += [(f"ffn_norm[{i}]", w) for i, w in enumerate(host.ffn_norm)]
+    for where, w in (*norms, ("final_norm", host.final_norm)):
+        if (not isinstance(w, np.ndarray) or w.dtype != np.float32
+                or w.shape != (s.d_model,)):
+            got = f"{w.dtype}{list(w.shape)}" if isinstance(w, np.ndarray) else type(w).__name__
+            raise InvalidArgument(f"host.{where}: {got}, expected float32[{s.d_model}]")
+
+
+#: What each projection's rows are, for the errors of :func:`_check_host`.
+_MATRIX_ROWS = {"qkv": "rows [Wq; Wk; Wv]: (q_heads + 2 kv_heads) x head_dim",
+                "o": "d_model rows", "gate_up": "rows [Wgate; Wup]: 2 x ffn",
+                "down": "d_model rows of ffn", "lm_head": "vocab rows"}
+
+
 class DecoderWeights:
     """:class:`DecoderHostWeights` on the device in the GEMV's layout. Identical host
-    arrays (``tiled``) are packed and uploaded once, then copied on the device."""
+    arrays (``tiled``) are packed and uploaded once, then copied on the device. The host
+    weights are checked against their shape and format first (``InvalidArgument`` naming
+    the layer and matrix or norm; nothing uploaded)."""
 
     def __init__(self, device: Device, host: DecoderHostWeights) -> None:
+        _check_host(host)
         self.device, self.shape, self.fmt = device, host.shape, host.fmt
         uploaded: dict[int, GemvWeights] = {}
 
@@ -207,6 +257,10 @@ class DecoderWeights:
         self.ffn_norm = [device.array(w) for w in host.ffn_norm]
         self.final_norm = device.array(host.final_norm)
         device.synchronize()
+
+    def __repr__(self) -> str:
+        return (f"DecoderWeights({self.shape}, fmt={self.fmt!r}, {self.nbytes} projection "
+                f"bytes on {self.device.properties.name!r})")
 
     @property
     def nbytes(self) -> int:
