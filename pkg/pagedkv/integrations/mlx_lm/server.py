@@ -211,6 +211,31 @@ def await_thread_teardown(thread: threading.Thread, timeout_s: float = 10.0) -> 
     return True
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (huggingface_hub's span several), at most 300
+    characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _load_default_model(model_provider, model: str) -> None:
+    """Load mlx-lm's ``--model`` (its ``ModelProvider.load_default``) now, raising
+    ``InvalidArgument`` with one line naming ``model``, the reason and the fix when it cannot
+    be loaded."""
+    try:
+        model_provider.load_default()
+    except Exception as exc:  # noqa: BLE001 (any loader failure is the --model's)
+        if os.path.exists(model):
+            where = f"--model {model!r} cannot be loaded as an mlx-lm model"
+            fix = "pass a directory holding config.json, the tokenizer and *.safetensors"
+        else:
+            where = (f"--model {model!r} is not a path here and could not be fetched as a "
+                     "Hugging Face repo id")
+            fix = ("pass an mlx-lm model directory, or a repo id that is in the Hugging Face "
+                   "cache or reachable")
+        raise InvalidArgument(f"{where}: {_one_line(exc)}; {fix}") from None
+
+
 def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int = 16,
                max_blocks: int | None = None, cold_dir=None,
                unbatched_sliding: bool = False) -> int:
@@ -236,6 +261,11 @@ def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int =
     def run(host, port, model_provider, server_class=None, handler_class=None):
         if unbatched_sliding:
             serve_sliding_unbatched(model_provider)
+        # mlx-lm loads --model in its generation thread after the HTTP server is up: a model
+        # that cannot load (a mistyped path, a repo id with no network) logged a traceback
+        # and left a server whose every request fails. Load it here first (the generation
+        # thread then finds it loaded) and refuse it in one line.
+        _load_default_model(model_provider, model)
         prompt_cache = PagedServerPromptCache(model_provider, block_size=block_size,
                                               max_blocks=max_blocks, cold_dir=cold_dir)
         caches.append(prompt_cache)
