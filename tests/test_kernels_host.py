@@ -47,8 +47,9 @@ class FakeDevice:
 
     def malloc(self, nbytes):
         self.calls.append(("malloc", nbytes))
-        self.next_ptr += 0x1000
-        return self.next_ptr
+        ptr = self.next_ptr = self.next_ptr + 0x1000
+        self.next_ptr += -(-nbytes // 0x1000) * 0x1000  # allocations never overlap
+        return ptr
 
     def free(self, ptr):
         self.calls.append(("free", ptr))
@@ -190,6 +191,52 @@ def test_gemv_run_checks_sizes_shapes_and_alignment_before_launching():
         with pytest.raises((InvalidArgument, InvalidArgumentType), match=message):
             g.run(*args)
     assert _launches(dev) == []
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    ((True, 256, 1), {}, r"M=True: expected an int, got bool"),
+    ((64.0, 256, 1), {}, r"M=64\.0: expected an int, got float"),
+    ((64, 256.0, 1), {}, r"K=256\.0: expected an int, got float"),
+    ((64, 256, True), {}, r"batch=True: expected an int, got bool"),
+    ((64, 256, 2.0), {}, r"batch=2\.0: expected an int, got float"),
+    ((64, 256, 1), {"warps": 2.0}, r"warps=2\.0: expected an int or None, got float"),
+    ((64, 256, 16), {"splits": True}, r"splits=True: expected an int or None, got bool")])
+def test_gemv_refuses_bool_and_float_sizes_before_any_kernel_is_loaded(args, kwargs, message):
+    """A bool or float M, K, batch, warps or splits used to be accepted (True as 1; a float
+    failed at the first launch, or in upload with a bare TypeError)."""
+    for dev in (FakeDevice(), FakeCudaDevice()):
+        with pytest.raises(InvalidArgumentType, match=message):
+            weights.Gemv(dev, "hfq4g256", *args, **kwargs)
+        assert dev.calls == []
+    g = weights.Gemv(FakeCudaDevice(), "hfq4g256", np.int64(64), np.int32(256), np.uint8(2),
+                     warps=np.int64(2))
+    assert repr(g) == "Gemv('hfq4g256', M=64, K=256, batch=2, int8 tensor cores)"
+    assert type(g.M) is type(g.K) is type(g.batch) is int
+
+
+@pytest.mark.parametrize("batch", [1, 2])  # batch 1: the fused-x kernel; 2: prep + GEMV
+def test_gemv_run_refuses_freed_and_overlapping_arrays_before_launching(batch):
+    """A freed w or y used to be found by the GEMV launch, after the prep had launched (and
+    overwritten the prepared x); a y overlapping x (which the f32 and fused-x kernels read
+    while writing y) gave wrong sums."""
+    for dev in (FakeDevice(), FakeCudaDevice()):
+        g = weights.Gemv(dev, "hfq4g256", 64, 256, batch)
+        w = weights.GemvWeights(dev.empty((g.weight_bytes,), np.uint8), "hfq4g256", 64, 256,
+                                g.packed)
+        x, y = dev.empty((batch, 256), np.float32), dev.empty((batch, 64), np.float32)
+        g.run(w, x, y)
+        dev.calls.clear()
+        gone_w = weights.GemvWeights(dev.empty((g.weight_bytes,), np.uint8), "hfq4g256", 64,
+                                     256, g.packed)
+        gone_w.free()
+        gone_y = dev.empty((batch, 64), np.float32)
+        gone_y.free()
+        inside_x = x.view((batch, 64))
+        for args, message in [((gone_w, x, y), "was freed"), ((w, x, gone_y), "was freed"),
+                              ((w, x, inside_x), "y overlaps x")]:
+            with pytest.raises(InvalidArgument, match=message):
+                g.run(*args)
+        assert _launches(dev) == []
 
 
 #: Shared bytes per block a kernel may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin).

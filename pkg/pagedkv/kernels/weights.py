@@ -20,8 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.env_knobs import env_bool
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import Device, Stream, amd_matrix_unit, sm_version
 from pagedkv.kernels.device_array import DeviceArray, need_array, need_writable
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
@@ -331,6 +332,15 @@ class Gemv:
         launches; ``None`` reads ``PAGEDKV_GEMV_FUSED_X`` (unset:
         :func:`fused_x_by_default`) where the kernel exists."""
         self.fmt = f = _format(fmt)
+        for name, value, optional in (("M", M, False), ("K", K, False), ("batch", batch, False),
+                                      ("warps", warps, True), ("splits", splits, True)):
+            if not (is_int(value) or (optional and value is None)):
+                raise InvalidArgumentType(f"{name}={value!r}: expected an int"
+                                          + (" or None" if optional else "")
+                                          + f", got {type(value).__name__}")
+        M, K, batch = int(M), int(K), int(batch)
+        warps = None if warps is None else int(warps)
+        splits = None if splits is None else int(splits)
         if M < 1 or K < 1 or K % f.group_size or K % 32:
             raise InvalidArgument(f"M={M}, K={K}: need M >= 1 and K a positive multiple of "
                                   f"{max(f.group_size, 32)} for {f.name}")
@@ -524,6 +534,7 @@ class Gemv:
         need_array(x, "x", np.float32)
         if x.shape != (self.batch, self.K):
             raise InvalidArgument(f"x: shape {x.shape}, expected {(self.batch, self.K)}")
+        x.live_ptr()  # a freed x: InvalidArgument here, not after an earlier launch
 
     def _check_wy(self, w: GemvWeights | DeviceArray, y: DeviceArray) -> DeviceArray:
         """The device array of ``w`` after checking it fits this GEMV; ``y`` checked too."""
@@ -547,7 +558,17 @@ class Gemv:
         need_array(y, "y", np.float32, writable=True)
         if y.shape != (self.batch, self.M):
             raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
+        arr.live_ptr()  # freed arrays: InvalidArgument here, before the prep launches
+        y.live_ptr()
         return arr
+
+    @staticmethod
+    def _check_apart(x: DeviceArray, y: DeviceArray) -> None:
+        """``y`` must not overlap ``x``: the f32 and fused-x kernels read x while they write
+        y, so an overlapping y gives wrong sums (the other paths refuse it alike)."""
+        if x.nbytes and y.nbytes and x.ptr < y.ptr + y.nbytes and y.ptr < x.ptr + x.nbytes:
+            raise InvalidArgument(f"y overlaps x ({y!r}, {x!r}): the GEMV reads x while it "
+                                  f"writes y; pass a separate y")
 
     def prepare(self, x: DeviceArray, *, stream: Stream | None = None,
                 x_rotated: bool = False) -> None:
@@ -586,6 +607,8 @@ class Gemv:
         arr = self._check_wy(w, y)
         if self._x is None and not self._prepared_elsewhere:
             raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
+        if not self.tensor_cores and self._x is not None:  # the f32 kernel reads x in place
+            self._check_apart(self._x, y)
         if self.tensor_cores:
             self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, *self._split_args,
                          self.M, self.K, self.batch, shared_bytes=self._shared, stream=stream)
@@ -596,11 +619,12 @@ class Gemv:
     def run(self, w: GemvWeights | DeviceArray, x: DeviceArray, y: DeviceArray,
             *, stream: Stream | None = None, x_rotated: bool = False) -> None:
         """``y = W·x``: :meth:`prepare` then :meth:`run_prepared`, every argument checked
-        before anything is launched; with :attr:`fused_x` one launch that prepares x in the
+        before anything is launched (``y`` must not overlap ``x``); with :attr:`fused_x` one launch that prepares x in the
         GEMV (the same bits), after which :meth:`run_prepared` needs a :meth:`prepare` again
         (the scratch holds no x of this call)."""
         arr = self._check_wy(w, y)
         self._check_x(x)
+        self._check_apart(x, y)
         if self.fused_x:
             self._fused(self._fused_grid, self._fused_block, arr, x, y, self.M, self.K, self.batch,
                         int(self.fmt.rotated and not x_rotated), stream=stream)
