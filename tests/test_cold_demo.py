@@ -162,3 +162,21 @@ def test_a_restart_child_without_a_saved_model_is_one_line_and_exit_2(tmp_path, 
     assert err.count("\n") == 1 and "has no usable demo model or tier" in err
     assert "model/config.json" in err and "pagedkv demo --restart" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("bogus://host", "is not a Redis/Valkey URL"),
+    ("redis://127.0.0.1:abc/0", "is not a valid URL (host or port)"),
+    ("redis://127.0.0.1:6379/x", "the path must be /DB"),
+])
+def test_a_malformed_cold_backend_is_named_not_blamed_on_the_cold_dir(tmp_path, capsys,
+                                                                      url, says):
+    cold = tmp_path / "demo"
+    assert main(["demo", "--cold-dir", str(cold), "--cold-backend", url, "--requests", "1",
+                 "--system-tokens", "8", "--fewshot-tokens", "0", "--user-tokens", "4",
+                 "--new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("pagedkv demo: --cold-backend") and says in err, err
+    assert "--cold-dir" not in err and "expected redis://" in err
+    assert not cold.exists()  # refused before anything is written

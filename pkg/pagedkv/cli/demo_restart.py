@@ -98,6 +98,22 @@ def _unusable_cold_dir(base: str, exc: Exception, problem: str, fix: str) -> str
     return f"--cold-dir {base!r} {problem}: {reason}{where}; {fix}"
 
 
+def _check_cold_backend(url: str) -> None:
+    """``InvalidArgument`` naming ``--cold-backend`` for a URL that is not a Redis/Valkey one
+    or is malformed, before anything is written (the tier's open would report it as the
+    cold dir's fault)."""
+    from pagedkv.cold.redis_store import _URL_FORM, _check_url, is_redis_url, redacted_url
+    from pagedkv.errors import InvalidArgument
+    shown = redacted_url(url)
+    if not is_redis_url(url):
+        raise InvalidArgument(f"--cold-backend {shown!r} is not a Redis/Valkey URL: "
+                              f"{_URL_FORM}")
+    try:
+        _check_url(url, shown)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"--cold-backend: {exc}") from None
+
+
 def cold_tier_for(args, model):
     """The first process's tier (persist on; emptied with ``--fresh``), or ``None`` with
     ``--no-cold``.
@@ -112,6 +128,8 @@ def cold_tier_for(args, model):
     base = _cold_dir(args)
     if base is None:
         return None
+    if args.cold_backend:
+        _check_cold_backend(args.cold_backend)
     try:
         args.cold_tier = _open_tier(args, model, save_model=True, empty=args.fresh)
     except ColdBackendError as exc:
