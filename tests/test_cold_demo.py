@@ -180,3 +180,21 @@ def test_a_malformed_cold_backend_is_named_not_blamed_on_the_cold_dir(tmp_path, 
     assert err.startswith("pagedkv demo: --cold-backend") and says in err, err
     assert "--cold-dir" not in err and "expected redis://" in err
     assert not cold.exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("other", [["--model", "hybrid"], ["--engine", "mlx-lm"]])
+def test_cold_backend_outside_the_reference_model_is_refused_not_ignored(tmp_path, capsys,
+                                                                          other):
+    if other[0] == "--engine":
+        pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
+    cold = tmp_path / "demo"
+    # Nothing listens on port 1: a run that used the URL would fail, one that ignored it
+    # would pass.
+    assert main(["demo", *other, "--cold-dir", str(cold), "--cold-backend",
+                 "redis://127.0.0.1:1/0", "--requests", "1", "--system-tokens", "8",
+                 "--fewshot-tokens", "0", "--user-tokens", "4", "--new-tokens", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("pagedkv demo: error: --cold-backend is the reference model's; "
+                          f"{' '.join(other)} keeps its cold tier in --cold-dir only"), err
+    assert not cold.exists()

@@ -100,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.tiny_model import ReferenceConfig
     from pagedkv.tiny_model.serving import build_paged_adapter, serve
 
+    if args.cold_backend and (args.engine == "mlx-lm" or args.model == "hybrid"):
+        # Only the reference model's tier opens a remote store; the others would run on
+        # the directory alone and say nothing.
+        which = "--engine mlx-lm" if args.engine == "mlx-lm" else "--model hybrid"
+        print(f"pagedkv demo: error: --cold-backend is the reference model's; {which} keeps "
+              "its cold tier in --cold-dir only (drop --cold-backend, or run the reference "
+              "model)", file=sys.stderr)
+        return 2
     if args.engine == "mlx-lm":
         if args.model != "reference":
             print("pagedkv demo: error: --model picks the reference engine's model; with "
