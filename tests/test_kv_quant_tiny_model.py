@@ -76,10 +76,11 @@ def test_demo_takes_the_mode_from_the_environment(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,env,message", [
-    (["--kv-mode", "fwht9"], {}, "argument k = 'fwht9': accepted values are"),
-    (["--kv-v", "lloyd4"], {}, "needs a rotated K"),
+    (["--kv-mode", "fwht9"], {}, "--kv-mode = 'fwht9': accepted values are"),
+    (["--kv-v", "lloyd4"], {}, "V 'lloyd4' (--kv-v) is a rotated V, which needs a rotated K"),
     (["--kv-v", "fwht4"], {}, "needs a rotated K"),
-    (["--kv-mode", "fwht4", "--kv-v", "turbo4"], {}, "argument v = 'turbo4': accepted values"),
+    (["--kv-mode", "fwht4", "--kv-v", "turbo4"], {}, "--kv-v = 'turbo4': accepted values"),
+    (["--kv-mode", "bf16", "--kv-v", "q8"], {}, "K 'bf16' (--kv-mode) with V 'q8' (--kv-v)"),
     ([], {"PAGEDKV_KV_ADAPTIVE": "balanced"}, "the demo serves many sequences"),
     (["--kv-mode", "bf16"], {}, "computes in float32"),
 ])
@@ -89,6 +90,7 @@ def test_demo_refuses_bad_kv_modes_with_one_line(capsys, monkeypatch, argv, env,
     assert main(SMALL + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+    assert "argument k" not in err and "argument v" not in err  # the flags, by name
 
 
 def test_a_sequence_steps_through_kv_adaptive_while_it_generates():

@@ -7,6 +7,7 @@ persistence phases), ``demo_hybrid`` and ``demo_mlx_lm`` build on it; it imports
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -27,6 +28,8 @@ def build_requests(args: argparse.Namespace, vocab_size: int):
 
 _KV_ENV = ("PAGEDKV_KV_MODE", "PAGEDKV_KV_V", "PAGEDKV_KV_ADAPTIVE", "HIPFIRE_KV_MODE",
            "HIPFIRE_KV_V", "HIPFIRE_KV_ADAPTIVE")
+#: The demo's flag for each knob resolve_kv_modes calls "argument k" / "argument v".
+_KV_FLAGS = {"k": "--kv-mode", "v": "--kv-v"}
 
 
 def kv_dtype_for(args: argparse.Namespace) -> str:
@@ -40,7 +43,12 @@ def kv_dtype_for(args: argparse.Namespace) -> str:
     if args.kv_mode is None and args.kv_v is None and not any(
             os.environ.get(name) for name in _KV_ENV):
         return "float32"
-    choice = resolve_kv_modes(k=args.kv_mode, v=args.kv_v)
+    try:
+        choice = resolve_kv_modes(k=args.kv_mode, v=args.kv_v)
+    except InvalidArgument as exc:
+        # resolve_kv_modes names explicit values "argument k" / "argument v": name the flags.
+        raise InvalidArgument(re.sub(r"\bargument ([kv])\b",
+                                     lambda m: _KV_FLAGS[m.group(1)], str(exc))) from None
     if choice.adaptive != "off":
         raise InvalidArgument(f"kv_adaptive={choice.adaptive!r} ({choice.sources['adaptive']}):"
                               " the demo serves many sequences from one pool and kv_adaptive "
