@@ -248,6 +248,49 @@ def test_tables_the_pool_cannot_back_are_refused_before_any_launch(stub_device, 
     assert stub_recorder.count == count + 2
 
 
+def test_tables_of_another_pool_are_refused_before_any_launch(stub_device, stub_recorder):
+    # Two device pools of the same geometry, block count and generation: the other pool's
+    # tables passed every check (generation, ids in range) and the kernels read and wrote
+    # this pool's blocks at the other pool's ids: wrong KV served, no error. Found by a
+    # review. Tables built by hand (no pool recorded) stay unbound.
+    from pagedkv.adapter.results import DecodeBatch
+    _g, pool_a, adapter_a, _ids, batch_a = _decode_setup(stub_device)
+    _g, pool_b, adapter_b, _, batch_b = _decode_setup(stub_device)
+    assert (pool_a.generation, pool_a.num_blocks) == (pool_b.generation, pool_b.num_blocks)
+    tables = DeviceDecodeBatch.upload(stub_device, batch_a)
+    attn, q, out = _attention_for(stub_device)
+    k = stub_device.empty((2, 2, 32), np.float32)
+    count = stub_recorder.count
+    for call in (lambda: write_kv(pool_b, 0, k, k, tables),
+                 lambda: attention(attn, q, pool_b, 0, tables, out),
+                 lambda: attn.run_pool(q, pool_b, 1, tables, out),
+                 lambda: check_tables(pool_b, tables),
+                 lambda: adapter_b.check_batch(batch_a)):
+        with pytest.raises(InvalidArgument, match="built by the adapter of pool instance"):
+            call()
+    assert stub_recorder.count == count  # nothing launched
+    assert pool_a.instance_id != pool_b.instance_id
+    assert batch_a.pool_instance == tables.pool_instance == pool_a.instance_id
+    with pytest.raises(InvalidArgument, match=(
+            rf"built by the adapter of pool instance {pool_a.instance_id}, passed with pool "
+            rf"instance {pool_b.instance_id} \(pool_id '{pool_b.pool_id}'\).*build the "
+            r"tables with the adapter of the pool you pass")):
+        check_tables(pool_b, tables)
+    adapter_a.check_batch(batch_a)
+    write_kv(pool_a, 0, k, k, tables)
+    attn.run_pool(q, pool_a, 1, tables, out)
+    assert stub_recorder.count == count + 3  # the K/V write, the partitions and the reduce
+    tables.update(batch_b)  # rebuilt by pool B's adapter: bound to pool B now
+    attn.run_pool(q, pool_b, 1, tables, out)
+    assert stub_recorder.count == count + 5
+    by_hand = DeviceDecodeBatch.upload(stub_device, DecodeBatch(*batch_a[:4]))
+    assert by_hand.pool_instance is None
+    attn.run_pool(q, pool_b, 1, by_hand, out)  # not bound to a pool: as before
+    assert stub_recorder.count == count + 7
+    with pytest.raises(InvalidArgumentType, match="pool_instance: expected an int"):
+        tables.update(batch_a._replace(pool_instance="a"))
+
+
 def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
         stub_device, stub_recorder, monkeypatch):
     _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)

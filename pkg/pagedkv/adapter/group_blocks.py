@@ -412,7 +412,7 @@ class GroupBlocks:
     def decode_batch(self, rows: np.ndarray, lens: np.ndarray) -> DecodeBatch:
         tables, slots = table_ops.decode_batch(self.table, self.num_blocks, rows, lens,
                                                self.block_size)
-        return DecodeBatch(tables, lens, slots, self.pool.generation)
+        return DecodeBatch(tables, lens, slots, self.pool.generation, self.pool.instance_id)
 
     def slots(self, row: int, start: int, stop: int) -> np.ndarray:
         pos = np.arange(start, stop)

@@ -98,7 +98,15 @@ class PagedKVCacheAdapter(RequestLifecycle):
     def check_batch(self, batch: DecodeBatch) -> None:
         """``StaleBlockTable`` unless ``batch`` (or a ``block_tables_array`` result's
         generation) belongs to the pool's current generation: a grow between
-        :meth:`prepare_decode` and the kernel call makes every handed-out table stale."""
+        :meth:`prepare_decode` and the kernel call makes every handed-out table stale.
+        ``InvalidArgument`` for a batch another adapter's pool built (its
+        ``pool_instance`` is not this pool's ``instance_id``; ``None``: not bound)."""
+        other = getattr(batch, "pool_instance", None)
+        if other is not None and other != self.pool.instance_id:
+            raise InvalidArgument(
+                f"batch: built by the adapter of pool instance {other}, this adapter's pool "
+                f"is instance {self.pool.instance_id} (pool_id {self.pool.pool_id!r}); build "
+                f"the batch with the adapter of the pool you pass")
         self.pool.check_generation(batch.generation)
 
     # --- K/V ------------------------------------------------------------------------------

@@ -41,12 +41,16 @@ class DecodeBatch(NamedTuple):
     slot_mapping: ``int64[n]`` the slot (``block * block_size + offset``) of each sequence's
     last position, where this step's K/V goes.
     generation: the pool generation the ids belong to; a grow makes the batch stale.
+    pool_instance: the :attr:`~pagedkv.pool.LayerKVPool.instance_id` of the pool the
+    adapter writes: the ids index that pool only. ``None`` (the default, for a batch built
+    by hand): not bound to a pool, the kernels take it with any pool that can back its ids.
     """
 
     block_tables: np.ndarray
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
     generation: int
+    pool_instance: int | None = None
 
 
 class TurnPlanReason(enum.Enum):

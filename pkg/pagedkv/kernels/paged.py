@@ -8,6 +8,9 @@ K/V into the pool at ``batch.slot_mapping``) and :func:`attention` (or
 generation they were built for, and raises :class:`~pagedkv.errors.StaleBlockTable` before
 anything is launched when the pool has grown since (docs/adapter.md, "Block tables and
 decode batches"): block ids survive growth, the arrays the kernels would read do not.
+Tables an adapter built are bound to the adapter's pool (``DecodeBatch.pool_instance``):
+another pool, even one of the same geometry, size and generation, raises
+:class:`~pagedkv.errors.InvalidArgument` before anything is launched.
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ class DeviceDecodeBatch:
     ``int32[seqs, width]``, ``seq_lens`` ``int32[seqs]``, ``slot_mapping`` ``int64[seqs]``,
     ``positions`` ``int32[seqs]`` (``seq_lens - 1``: this step's token, for RoPE) and the
     pool ``generation`` they belong to. ``width`` may exceed the batch's (rows padded with
-    -1) so that later steps fit the same buffers."""
+    -1) so that later steps fit the same buffers. ``pool_instance``: the
+    :attr:`~pagedkv.pool.LayerKVPool.instance_id` of the pool whose adapter built the batch
+    (:func:`check_tables` refuses the tables with any other pool), or ``None`` for a batch
+    built by hand (no ``pool_instance``): taken with any pool that can back its ids."""
 
     __slots__ = ("_checked_for", "_host", "block_tables", "device", "generation",
-                 "max_seq_len", "positions", "seq_lens", "slot_mapping")
+                 "max_seq_len", "pool_instance", "positions", "seq_lens", "slot_mapping")
 
     def __init__(self, device: Device, num_seqs: int, width: int) -> None:
         if num_seqs < 1 or width < 1:
@@ -56,6 +62,7 @@ class DeviceDecodeBatch:
         self.slot_mapping = device.empty((num_seqs,), np.int64)
         self.positions = device.empty((num_seqs,), np.int32)
         self.generation: int | None = None  # None: nothing uploaded yet
+        self.pool_instance: int | None = None  # the adapter's pool; None: not bound
         self.max_seq_len = 0  # the longest sequence uploaded, tokens
         # Host copies of what was uploaded (tables, seq_lens, slots: small), checked against
         # a pool's (num_blocks, block_size) once, at the first launch on that pool.
@@ -94,6 +101,11 @@ class DeviceDecodeBatch:
                                   f"int64[{s}]")
         if not is_int(batch.generation):
             raise InvalidArgumentType("generation: expected an int")
+        pool_instance = getattr(batch, "pool_instance", None)
+        if pool_instance is not None and not is_int(pool_instance):
+            raise InvalidArgumentType(f"pool_instance: expected an int (the instance_id of "
+                                      f"the adapter's pool) or None, got "
+                                      f"{type(pool_instance).__name__}")
         padded = np.full((s, w), -1, np.int32)
         padded[:, :tables.shape[1]] = tables
         self.block_tables.copy_from(padded)
@@ -101,6 +113,7 @@ class DeviceDecodeBatch:
         self.slot_mapping.copy_from(slots)
         self.positions.copy_from(np.maximum(seq_lens - 1, 0).astype(np.int32))
         self.generation = int(batch.generation)
+        self.pool_instance = None if pool_instance is None else int(pool_instance)
         self.max_seq_len = int(seq_lens.max()) if s else 0
         self._host = (tables.copy(), seq_lens.copy(), slots.copy())
         self._checked_for = None
@@ -131,7 +144,10 @@ class DeviceDecodeBatch:
 
 def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None) -> None:
     """``StaleBlockTable`` unless ``tables`` (and ``generation``, when given) belong to the
-    pool's current generation; ``InvalidArgument`` for a pool without device storage."""
+    pool's current generation; ``InvalidArgument`` for a pool without device storage, for
+    tables an adapter built over another pool (``tables.pool_instance`` is not the pool's
+    ``instance_id``; tables without one, built by hand, are not bound to a pool) and for
+    ids, lengths or slots the pool cannot back."""
     if getattr(pool, "backend", None) != "device":
         raise InvalidArgument(f"pool: expected a LayerKVPool(backend='device'), got "
                               f"{type(pool).__name__}"
@@ -140,6 +156,14 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
     if not isinstance(tables, DeviceDecodeBatch):
         raise InvalidArgumentType(f"tables: expected a DeviceDecodeBatch, got "
                                   f"{type(tables).__name__}")
+    if tables.pool_instance is not None and tables.pool_instance != pool.instance_id:
+        # Same geometry, size and generation would pass every check below, and the kernels
+        # would read (and write) this pool's blocks at the other pool's ids: wrong KV.
+        raise InvalidArgument(
+            f"tables: built by the adapter of pool instance {tables.pool_instance}, passed "
+            f"with pool instance {pool.instance_id} (pool_id {pool.pool_id!r}): their block "
+            f"ids index the other pool; build the tables with the adapter of the pool you "
+            f"pass (adapter.prepare_decode, then DeviceDecodeBatch.upload or .update)")
     if generation is not None and not is_int(generation):
         raise InvalidArgumentType(f"generation must be an int or None, got "
                                   f"{type(generation).__name__}")

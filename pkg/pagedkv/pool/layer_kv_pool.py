@@ -121,8 +121,9 @@ class LayerKVPool:
     ``num_blocks``: blocks allocated now; ``max_num_blocks`` (default ``num_blocks``): the
     most :meth:`grow_to` may reach. ``memory_budget``: debited with this pool's bytes (the
     first allocation must fit, else ``InvalidArgument``). ``pool_id`` names the pool in the
-    budget (default ``"pool-<n>"``). ``device``: the GPU of a ``backend="device"`` pool
-    (a :class:`pagedkv.kernels.Device`; default ``open_device()``); other backends refuse it.
+    budget (default ``"pool-<n>"``, ``n`` its :attr:`instance_id`). ``device``: the GPU of
+    a ``backend="device"`` pool (a :class:`pagedkv.kernels.Device`; default
+    ``open_device()``); other backends refuse it.
     """
 
     def __init__(self, geometry: PoolGeometry, num_blocks: int, max_num_blocks: int | None = None,
@@ -163,8 +164,9 @@ class LayerKVPool:
         elif device is not None:
             raise InvalidArgument(f"device: only a backend='device' pool takes a device "
                                   f"(backend={backend!r})")
+        instance_id = next(_pool_numbers)
         if pool_id is None:
-            pool_id = f"pool-{next(_pool_numbers)}"
+            pool_id = f"pool-{instance_id}"
         try:
             hash(pool_id)  # the memory budget keys its debits by it
         except TypeError:
@@ -203,6 +205,7 @@ class LayerKVPool:
         self._generation = 0
         self._budget = memory_budget
         self._pool_id = pool_id
+        self._instance_id = instance_id
         self._grow_callbacks: list[GrowCallback] = []
         self._fixed_regions = layer_region_bytes is not None
         self._lock = threading.Lock()
@@ -229,6 +232,14 @@ class LayerKVPool:
     @property
     def pool_id(self) -> Hashable:
         return self._pool_id
+
+    @property
+    def instance_id(self) -> int:
+        """A process-unique number of this pool object, fixed at construction (``pool_id``
+        may be shared by pools of different budgets). An adapter's
+        :class:`~pagedkv.adapter.DecodeBatch` records it, and the device kernels refuse the
+        tables with any other pool (:func:`pagedkv.kernels.paged.check_tables`)."""
+        return self._instance_id
 
     @property
     def memory_budget(self) -> MemoryBudget | None:
