@@ -198,3 +198,15 @@ def test_cold_backend_outside_the_reference_model_is_refused_not_ignored(tmp_pat
     assert err.startswith("pagedkv demo: error: --cold-backend is the reference model's; "
                           f"{' '.join(other)} keeps its cold tier in --cold-dir only"), err
     assert not cold.exists()
+
+
+def test_fresh_with_no_cold_is_a_usage_error(tmp_path, capsys):
+    # --fresh empties a tier --no-cold never opens: the run would silently do neither.
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--fresh", "--no-cold", "--requests", "1", "--system-tokens", "8",
+              "--fewshot-tokens", "0", "--user-tokens", "4", "--new-tokens", "1"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("pagedkv demo: error: argument --no-cold: not "
+                                            "allowed with argument --fresh")

@@ -36,10 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-backend", default=None, metavar="URL",
                    help="a fleet's Redis/Valkey behind the directory (redis://host:port/db): "
                         "a second demo with another --cold-dir restores from it")
-    p.add_argument("--fresh", action="store_true",
-                   help="empty the cold tier first, so this run restores nothing from disk")
-    p.add_argument("--no-cold", action="store_true",
-                   help="run on the hot cache alone, without a cold tier")
+    # --fresh empties a tier that --no-cold does not open: one or the other (usage error).
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--fresh", action="store_true",
+                       help="empty the cold tier first, so this run restores nothing from "
+                            "disk")
+    which.add_argument("--no-cold", action="store_true",
+                       help="run on the hot cache alone, without a cold tier")
     p.add_argument("--restart", action="store_true",
                    help="then restore the first request's prefix in a second process and "
                         "report restore vs recompute time and parity")
