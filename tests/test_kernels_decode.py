@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernels_support import poisoned
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels import decode
 from pagedkv.kernels import numpy_decoder as ref
 from pagedkv.kernels.decoder import LLAMA3_8B, DecoderShape
@@ -44,6 +44,43 @@ def test_llama3_shape_and_weight_count():
         32768 * 4096
     with pytest.raises(InvalidArgument, match="q_heads \\* head_dim must equal d_model"):
         replace(s, q_heads=16)
+
+
+def test_decoder_shape_refuses_what_the_kernels_cannot_run():
+    # Found by a review: kv_heads=0 raised a bare ZeroDivisionError; vocab=0, num_layers=-1,
+    # float or bool sizes, an odd head_dim (RoPE refused it mid-step) and an ffn no GEMV
+    # takes were accepted and failed later, at an allocation or a launch.
+    s = LLAMA3_8B
+    refused = {
+        "DecoderShape.kv_heads = 0 must be >= 1": {"kv_heads": 0},
+        "DecoderShape.vocab = 0 must be >= 1": {"vocab": 0},
+        "DecoderShape.num_layers = -1 must be >= 1": {"num_layers": -1},
+        "DecoderShape.head_dim = 127: the paged attention kernels take 32 / 64 / 128 / 256":
+            {"head_dim": 127, "d_model": 32 * 127},
+        "DecoderShape.head_dim = 96": {"head_dim": 96, "d_model": 32 * 96},
+        r"DecoderShape.q_heads = 32: must be 1 to 8 times kv_heads = 6": {"kv_heads": 6},
+        r"DecoderShape.q_heads = 32: must be 1 to 8 times kv_heads = 2": {"kv_heads": 2},
+        "DecoderShape.q_heads = 8: 8 query heads per KV head, at most 4 at head_dim 32":
+            {"q_heads": 8, "kv_heads": 1, "head_dim": 32, "d_model": 256},
+        r"DecoderShape.d_model = 4000: q_heads \* head_dim must equal d_model "
+        r"\(32 \* 128 = 4096\)": {"d_model": 4000},
+        "DecoderShape.ffn = 1000: must be a multiple of 32": {"ffn": 1000},
+        "DecoderShape.rope_theta = 0.0 must be finite and > 0": {"rope_theta": 0.0},
+        "DecoderShape.eps = nan must be finite and > 0": {"eps": float("nan")},
+    }
+    for message, change in refused.items():
+        with pytest.raises(InvalidArgument, match=message):
+            replace(s, **change)
+    for change, name in (({"d_model": 4096.0}, "d_model"), ({"num_layers": True}, "num_layers"),
+                         ({"head_dim": "128"}, "head_dim"), ({"eps": None}, "eps"),
+                         ({"rope_theta": False}, "rope_theta")):
+        with pytest.raises(InvalidArgumentType, match=f"DecoderShape.{name} must be"):
+            replace(s, **change)
+    numpy_sizes = replace(s, num_layers=np.int64(2), rope_theta=10000)
+    assert type(numpy_sizes.num_layers) is int and numpy_sizes.num_layers == 2
+    assert type(numpy_sizes.rope_theta) is float
+    assert replace(s, q_heads=32, kv_heads=4).kv_heads == 4  # 8 per KV head at 128
+    assert SMALL.vocab == 300 and SMALL.ffn == 512  # odd vocab: the LM head takes any M
 
 
 def test_step_bytes_count_weights_and_kv():

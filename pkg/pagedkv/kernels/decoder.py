@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.decode import (
@@ -48,7 +49,7 @@ from pagedkv.kernels.decode import (
 )
 from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray
-from pagedkv.kernels.kvcache import PagedAttention
+from pagedkv.kernels.kvcache import PagedAttention, attention_group_slots
 from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
     attention,
@@ -69,6 +70,8 @@ __all__ = [
     "DecoderWeights",
 ]
 
+#: The head dims :class:`DecoderShape` takes: those of the paged attention kernels.
+_HEAD_DIMS = (32, 64, 128, 256)
 #: The per-layer projection matrices, in step order.
 MATRICES = ("qkv", "o", "gate_up", "down")
 #: Environment variable: batch rows per GEMV call of a DecoderStep (8 = the 8-row path).
@@ -84,7 +87,17 @@ FUSE_ATTN_PREP_ENV = "PAGEDKV_DECODE_FUSE_ATTN_PREP"
 class DecoderShape:
     """A Llama-style decoder: ``num_layers`` of ``d_model`` with ``q_heads`` / ``kv_heads``
     attention heads of ``head_dim`` and a SwiGLU FFN of ``ffn``; ``vocab`` rows of LM head;
-    RoPE base ``rope_theta`` (no frequency scaling); RMSNorm ``eps``."""
+    RoPE base ``rope_theta`` (no frequency scaling); RMSNorm ``eps``.
+
+    Checked when built (``InvalidArgumentType`` for a value of the wrong type,
+    ``InvalidArgument`` otherwise, each naming the field): the sizes are ints >= 1 (bools
+    and floats refused; NumPy integers stored as ``int``); ``head_dim`` is 32, 64, 128 or
+    256 (the paged attention kernels; RoPE also needs it even); ``q_heads`` a multiple of
+    ``kv_heads``, 1 to 8 query heads per KV head (at most 4 at ``head_dim`` 32: a token's
+    ``head_dim / 8`` lanes carry the group's scores); ``q_heads * head_dim == d_model``;
+    ``ffn`` a multiple of 32 (the down projection's K: every GEMV format needs K a multiple
+    of 32, all but ``q8f16`` of 256, which :class:`~pagedkv.kernels.weights.Gemv` checks
+    per format); ``rope_theta`` and ``eps`` finite and > 0."""
 
     num_layers: int = 32
     d_model: int = 4096
@@ -97,9 +110,38 @@ class DecoderShape:
     eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.q_heads * self.head_dim != self.d_model or self.q_heads % self.kv_heads:
-            raise InvalidArgument(f"{self}: q_heads * head_dim must equal d_model and q_heads "
-                                  f"be a multiple of kv_heads")
+        for name in ("num_layers", "d_model", "q_heads", "kv_heads", "head_dim", "ffn",
+                     "vocab"):
+            object.__setattr__(self, name,
+                               int_argument(f"DecoderShape.{name}", getattr(self, name), 1))
+        for name in ("rope_theta", "eps"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                    value, (int, float, np.integer, np.floating)):
+                raise InvalidArgumentType(f"DecoderShape.{name} must be a real number, got "
+                                          f"{type(value).__name__}")
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidArgument(f"DecoderShape.{name} = {value!r} must be finite and > 0")
+            object.__setattr__(self, name, float(value))
+        hd, q, kv = self.head_dim, self.q_heads, self.kv_heads
+        if hd not in _HEAD_DIMS:
+            raise InvalidArgument(f"DecoderShape.head_dim = {hd}: the paged attention kernels "
+                                  f"take {' / '.join(map(str, _HEAD_DIMS))} (RoPE also needs "
+                                  f"an even head_dim)")
+        if q % kv or q // kv > 8:
+            raise InvalidArgument(f"DecoderShape.q_heads = {q}: must be 1 to 8 times kv_heads "
+                                  f"= {kv} (GQA groups of 1..8 query heads per KV head)")
+        if attention_group_slots(q, kv) > hd // 8:
+            raise InvalidArgument(f"DecoderShape.q_heads = {q}: {q // kv} query heads per KV "
+                                  f"head, at most {hd // 8} at head_dim {hd} (a token's "
+                                  f"head_dim / 8 lanes carry the group's scores)")
+        if q * hd != self.d_model:
+            raise InvalidArgument(f"DecoderShape.d_model = {self.d_model}: q_heads * head_dim "
+                                  f"must equal d_model ({q} * {hd} = {q * hd})")
+        if self.ffn % 32:
+            raise InvalidArgument(f"DecoderShape.ffn = {self.ffn}: must be a multiple of 32 "
+                                  f"(the down projection's K; every GEMV format takes K a "
+                                  f"multiple of 32, all but q8f16 of 256)")
 
     def matrix_shape(self, name: str) -> tuple[int, int]:
         """``(M, K)`` of a projection (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
