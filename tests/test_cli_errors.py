@@ -124,6 +124,34 @@ def test_convert_output_is_a_directory_fails_before_converting(tmp_path, capsys,
     assert os.listdir(tmp_path) == []
 
 
+def test_convert_output_with_a_trailing_slash_fails_before_converting(tmp_path, capsys,
+                                                                       model_dir,
+                                                                       monkeypatch):
+    # `-o out/` meant a directory: the conversion wrote a file named `out` and then failed
+    # with "out/: Not a directory" (exit 1, the file left behind).
+    monkeypatch.chdir(tmp_path)
+    line = _fails(capsys, ["convert", str(model_dir), "-o", "out/", "--no-error",
+                           "--no-progress"])
+    assert line == ("pagedkv convert: error: path 'out/' ends with a separator but is no "
+                    "directory; pass a file name such as 'out/model.hfq' (create the "
+                    "directory first)")
+    assert os.listdir(tmp_path) == []
+
+
+def test_convert_empty_output_fails_before_converting(tmp_path, capsys, model_dir,
+                                                      monkeypatch):
+    # `-o ""` was the working directory: its temporary file went to the parent directory
+    # and the rename failed after the work with "<parent>/.<cwd>.<hex>.tmp: Is a directory".
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    line = _fails(capsys, ["convert", str(model_dir), "-o", "", "--no-error",
+                           "--no-progress"])
+    assert line == ("pagedkv convert: error: the output path is empty; pass a file name such "
+                    "as 'model.hfq'")
+    assert os.listdir(tmp_path) == ["work"] and os.listdir(work) == []
+
+
 def test_convert_output_directory_missing(tmp_path, capsys, model_dir):
     out = tmp_path / "no" / "o.hfq"
     line = _fails(capsys, ["convert", str(model_dir), "-o", str(out)])

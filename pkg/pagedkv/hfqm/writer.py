@@ -144,6 +144,15 @@ class HfqmWriter:
                                          DATA_ALIGN_BYTES)
         directory = os.path.dirname(os.path.abspath(self.path))
         # Checked now, not at the final rename: a conversion must not fail after the work.
+        if not self.path:
+            raise InvalidArgument("the output path is empty; pass a file name such as "
+                                  "'model.hfq'")
+        if self.path.endswith(("/", os.sep)) and not os.path.isdir(self.path):
+            # abspath drops the slash: a file named like the directory the caller meant.
+            raise InvalidArgument(f"path {self.path!r} ends with a separator but is no "
+                                  f"directory; pass a file name such as "
+                                  f"{os.path.join(self.path, 'model.hfq')!r} (create the "
+                                  f"directory first)")
         if os.path.isdir(self.path):
             raise InvalidArgument(f"path {self.path!r} is a directory; pass a file name such "
                                   f"as {os.path.join(self.path, 'model.hfq')!r}")
