@@ -242,6 +242,41 @@ def test_defer_grow_once_and_reject():
     assert not sched.waiting
 
 
+def test_a_prompt_past_max_model_len_is_refused_at_add():
+    # Admission reserves only the first prefill chunk, so a 40-token prompt of a model with
+    # max_model_len 32 used to be admitted (running, 8 blocks reserved) and fail mid-prefill.
+    c = full_sliding_alias(window=8, max_model_len=32)
+    sched = RecomputeScheduler(c, prefill_chunk_tokens=8)
+    before = state(c)
+    with pytest.raises(CapacityExceeded, match=r"request 'big': the prompt has 33 tokens, past "
+                                               r"the model's max_model_len of 32; shorten"):
+        sched.add("big", prompt(1, 33), 4)
+    assert not sched.has_work and state(c) == before
+    assert sched.add("edge", prompt(2, 32), 0).reservation == (8, 5)  # exactly at the limit
+    assert sched.admit_next().request.seq_id == "edge"
+
+
+def test_a_request_that_can_never_be_allocated_leaves_the_queue():
+    # Unchunked, a 64-token prompt needs 16 live blocks in a sliding group whose max pool
+    # holds 7: its allocation raises CapacityExceeded. It used to stay at the head of the
+    # queue, so every later admit_next raised the same error and nothing behind it ran.
+    c = full_sliding_alias(window=8, blocks=(64, 8))
+    sched = RecomputeScheduler(c)
+    sched.add("long", prompt(1, 64), 4)
+    sched.add("next", prompt(2, 8), 4)
+    before = state(c)
+    with pytest.raises(CapacityExceeded, match="64 tokens need 16 live blocks in the sliding "
+                                               "group .* its max pool holds 7"):
+        sched.admit_next()
+    assert [r.seq_id for r in sched.waiting] == ["next"] and c.live_seq_ids() == []
+    after = state(c)
+    for g in (*before["groups"], *after["groups"]):     # the lookup's query counters moved
+        del g["allocator"]["stats"]
+    assert after["groups"] == before["groups"] and after["rows"] == before["rows"]
+    admitted = sched.admit_next()
+    assert admitted.request.seq_id == "next" and c.block_table("next", 1).tolist() == [1, 2]
+
+
 def test_admission_does_not_reserve_a_hit_twice_and_finish_publishes_with_the_salt():
     c = full_sliding_alias(window=8, blocks=(32, 32))
     sched = RecomputeScheduler(c, watermark_fraction=0.0, prefill_chunk_tokens=8)

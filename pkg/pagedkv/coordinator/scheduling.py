@@ -26,7 +26,12 @@ from pagedkv.adapter.admission import AdmissionDecision
 from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import PrefixLookup
-from pagedkv.errors import ContextLengthExceeded, InvalidArgument, PoolExhausted
+from pagedkv.errors import (
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidArgument,
+    PoolExhausted,
+)
 
 __all__ = ["Admission", "RecomputeScheduler", "RequestStatus", "ScheduledRequest"]
 
@@ -126,12 +131,20 @@ class RecomputeScheduler:
     def add(self, seq_id: Hashable, prompt, max_new_tokens: int, *, cache_salt: int = 0,
             extra_keys: Sequence[int] = (), extra_keys_per_block=None,
             payload: Any = None) -> ScheduledRequest:
-        """Queue a request (at the back). Its reservation is checked now: above a group's
-        max pool → ``CapacityExceeded`` and nothing is queued."""
+        """Queue a request (at the back). Its prompt and reservation are checked now: a
+        prompt longer than the cache's ``max_model_len`` (a grouped coordinator's), or a
+        reservation above a group's max pool → ``CapacityExceeded`` and nothing is queued."""
         toks = as_tokens(prompt, "prompt")
         if not len(toks):
             raise InvalidArgument(f"request {seq_id!r}: the prompt is empty")
         new = as_count(max_new_tokens, "max_new_tokens")
+        limit = self.cache.max_row_tokens
+        if limit is not None and len(toks) > limit:
+            # Admission reserves only the first prefill chunk: such a request would be
+            # admitted and fail mid-prefill, or (unchunked) block the head of the queue.
+            raise CapacityExceeded(
+                f"request {seq_id!r}: the prompt has {len(toks)} tokens, past the model's "
+                f"max_model_len of {limit}; shorten the prompt or raise max_model_len")
         if any(r.seq_id == seq_id for r in (*self.waiting, *self.running)):
             raise InvalidArgument(f"request {seq_id!r} is already queued or running")
         reservation = self.cache.reservation_for(len(toks), new)
@@ -170,7 +183,9 @@ class RecomputeScheduler:
         (``None``: other rows run, or admission is paused after a preemption while rows
         still run, or ``max_running`` is reached); with nothing running, grow a growable pool once and
         retry; else reject: the request leaves the queue and ``ContextLengthExceeded`` is
-        raised. An admitted request holds its prompt's blocks
+        raised. A request whose allocation can never succeed (``CapacityExceeded``, e.g. an
+        unchunked prompt needing more live blocks than a sliding group's max pool) leaves the
+        queue too, and that error is raised. An admitted request holds its prompt's blocks
         (``allocate_suffix_blocks``); prefill ``request.prompt[lookup.cached_tokens:]``.
         """
         if not self.waiting or (self._admission_paused and self.running) or (
@@ -196,8 +211,14 @@ class RecomputeScheduler:
                     if not self.running:
                         raise
                     decision = AdmissionDecision.DEFER
-        except BaseException:
+        except BaseException as exc:
             cache.release_request(seq)
+            if isinstance(exc, CapacityExceeded):
+                # It can never be allocated (e.g. an unchunked prompt wider than a sliding
+                # group's max pool): it leaves the queue like a rejected request instead of
+                # failing every later admit_next at the head of the queue.
+                self.waiting.popleft()
+                request.status = RequestStatus.FINISHED
             raise
         if decision is not AdmissionDecision.ADMIT:
             cache.release_request(seq)
