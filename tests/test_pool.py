@@ -485,6 +485,32 @@ def test_memory_budget_transient_accounting():
         MemoryBudget(1.5)
 
 
+class _CloseOnReserve(MemoryBudget):
+    """Runs ``hook`` once right after a successful try_reserve: the moment a close() from
+    another thread can land between a grow's budget check and its copy."""
+
+    hook = None
+
+    def try_reserve(self, pool_id, new_total_bytes):
+        ok = super().try_reserve(pool_id, new_total_bytes)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return ok
+
+
+def test_close_during_a_grow_leaves_no_debit():
+    # close() does not take the growth lock: one landing after grow_to's try_reserve used to
+    # be undone by the grow's failure path (update_pool(old_bytes)), leaving the closed pool
+    # debited in the shared budget forever.
+    budget = _CloseOnReserve(1 << 20)
+    pool = LayerKVPool(geometry(), 2, 8, memory_budget=budget, pool_id="closing")
+    budget.hook = pool.close
+    with pytest.raises(PagedKVError, match="closed"):
+        pool.grow_to(4)
+    assert budget.pools() == {} and budget.total_debit_bytes == 0
+
+
 def test_grow_callback_errors_are_logged_and_growth_stays(caplog):
     pool = LayerKVPool(geometry(), 2, 4)
     seen = []

@@ -775,6 +775,13 @@ class LayerKVPool:
             # The pool lock is held through the copy so no concurrent write is lost.
             with self._lock:
                 old_storage = self._storage
+                if isinstance(old_storage, _ClosedStorage):
+                    # close() (which does not take the growth lock) ran after the check
+                    # above; its release may have come before try_reserve's debit, so drop
+                    # the debit here: a closed pool holds none.
+                    if budget is not None:
+                        budget.release_pool(self._pool_id)
+                    raise PagedKVError("the pool is closed; build a new LayerKVPool")
                 try:
                     new_storage = old_storage.grown(new_num_blocks)
                     copier = new_storage.slot_copier
