@@ -321,6 +321,15 @@ def test_capacity_errors_name_the_numbers_and_change_nothing():
         c.record_decode_tokens(["a"], [1])
 
 
+@pytest.mark.parametrize("blocks", [None, (16, 6)])
+def test_max_num_seqs_below_one_is_refused_with_or_without_a_budget(blocks):
+    # With blocks_per_group, max_num_seqs=0 used to build a coordinator (1 row) where the
+    # budgeted construction raises.
+    with pytest.raises(InvalidArgument, match="max_num_seqs = 0 must be >= 1"):
+        full_sliding_alias(blocks=blocks, max_num_seqs=0,
+                           **({} if blocks else {"memory_bytes": 1 << 14}))
+
+
 def test_managers_must_implement_their_groups():
     lay = layout(4)
     specs = [LayerKVCacheSpec(0, FULL, lay), LayerKVCacheSpec(1, AttentionKind.sliding(8), lay)]

@@ -25,7 +25,7 @@ from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.adapter.group_blocks import GroupBlocks
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import DecodeBatch
-from pagedkv.argument_checks import is_int
+from pagedkv.argument_checks import int_argument, is_int
 from pagedkv.coordinator.budget import PoolBudget, plan_pool_budget
 from pagedkv.coordinator.grouping import group_layer_kv_cache_specs
 from pagedkv.coordinator.sliding import SlidingGroupBlocks, expired_blocks
@@ -141,7 +141,8 @@ class GroupedKVCoordinator(RequestLifecycle):
             if len(sizes) != len(groups):
                 raise InvalidArgument(f"blocks_per_group has {len(sizes)} entries for "
                                       f"{len(groups)} groups")
-            rows = min(as_count(max_num_seqs, "max_num_seqs"), 1024)
+            # Checked like plan_pool_budget's: 0 rows is no configuration, not a default.
+            rows = min(int_argument("max_num_seqs", max_num_seqs, minimum=1), 1024)
         if max_blocks_per_group is None:
             limits = sizes
         else:
