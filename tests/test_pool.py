@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -509,6 +511,38 @@ def test_close_during_a_grow_leaves_no_debit():
     with pytest.raises(PagedKVError, match="closed"):
         pool.grow_to(4)
     assert budget.pools() == {} and budget.total_debit_bytes == 0
+
+
+def test_pools_built_at_once_with_one_id_are_not_both_debited():
+    # The id check and the debit were two steps: two pools built concurrently with one id
+    # both passed the check and shared (summed) one debit; closing either released both.
+    class SlowBudget(MemoryBudget):
+        entered = threading.Barrier(2)
+
+        def try_reserve(self, pool_id, new_total_bytes):
+            try:
+                self.entered.wait(timeout=0.5)  # both threads here at once (old code)
+            except threading.BrokenBarrierError:
+                pass
+            return super().try_reserve(pool_id, new_total_bytes)
+
+    budget = SlowBudget(1 << 20)
+
+    def build(_):
+        try:
+            return LayerKVPool(geometry(), 2, memory_budget=budget, pool_id="same")
+        except InvalidArgument as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as executor:
+        built = list(executor.map(build, range(2)))
+    pools = [p for p in built if isinstance(p, LayerKVPool)]
+    errors = [e for e in built if isinstance(e, InvalidArgument)]
+    assert len(pools) == 1 and len(errors) == 1 and "already debited" in str(errors[0])
+    assert budget.pools() == {"same": 512}
+    with pytest.raises(InvalidArgument, match="already debited"):
+        budget.try_reserve_new_pool("same", 1)
+    assert budget.pools() == {"same": 512}
 
 
 def test_grow_callback_errors_are_logged_and_growth_stays(caplog):

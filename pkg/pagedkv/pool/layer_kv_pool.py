@@ -174,16 +174,14 @@ class LayerKVPool:
                                       f"{type(pool_id).__name__}") from None
 
         total_bytes = geometry.pool_bytes(num_blocks)
-        if memory_budget is not None:
-            if pool_id in memory_budget.pools():
-                raise InvalidArgument(
-                    f"pool_id: {pool_id!r} is already debited in {memory_budget!r}; "
-                    "give each pool its own id")
-            if not memory_budget.try_reserve(pool_id, total_bytes):
-                raise InvalidArgument(
-                    f"num_blocks: {num_blocks} blocks ({total_bytes} bytes) do not fit the memory "
-                    f"budget: {memory_budget.available_bytes} of {memory_budget.limit_bytes} "
-                    "bytes available")
+        # The id check and the debit are one step under the budget's lock; a separate check
+        # let two pools built at once with one id share a single debit.
+        if memory_budget is not None and not memory_budget.try_reserve_new_pool(pool_id,
+                                                                                 total_bytes):
+            raise InvalidArgument(
+                f"num_blocks: {num_blocks} blocks ({total_bytes} bytes) do not fit the memory "
+                f"budget: {memory_budget.available_bytes} of {memory_budget.limit_bytes} "
+                "bytes available")
         try:
             if layer_region_bytes is None:
                 storage = storage_class(geometry, num_blocks, **storage_args)

@@ -41,7 +41,9 @@ class MemoryBudget:
     def __init__(self, limit_bytes: int) -> None:
         self._limit_bytes = _non_negative_bytes("limit_bytes", limit_bytes)
         self._debits: dict[Hashable, int] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: try_reserve_new_pool holds it across its id check and try_reserve
+        # (which a subclass may override and which takes it again).
+        self._lock = threading.RLock()
 
     @property
     def limit_bytes(self) -> int:
@@ -83,6 +85,18 @@ class MemoryBudget:
                 return False
             self._debits[pool_id] = self._debits.get(pool_id, 0) + new_total_bytes
             return True
+
+    def try_reserve_new_pool(self, pool_id: Hashable, total_bytes: int) -> bool:
+        """:meth:`try_reserve` of a new pool's first allocation, refusing an id that already
+        has a debit with ``InvalidArgument`` (nothing changes). The check and the reservation
+        are one step under the budget's lock, so two pools built at once with one id cannot
+        both be debited under it."""
+        with self._lock:
+            if pool_id in self._debits:
+                raise InvalidArgument(
+                    f"pool_id: {pool_id!r} is already debited in this MemoryBudget "
+                    f"({self._debits[pool_id]} bytes); give each pool its own id")
+            return self.try_reserve(pool_id, total_bytes)
 
     def update_pool(self, pool_id: Hashable, total_bytes: int) -> None:
         """Set ``pool_id``'s debit to ``total_bytes`` (after a grow commits or rolls back)."""
