@@ -30,6 +30,7 @@ from pagedkv.errors import (
     PoolExhausted,
 )
 from pagedkv.pool import LayerKVPool
+from pagedkv.pool.memory_budget import MemoryBudget
 
 
 def sliding_only(window=4, bs=2, blocks=32, **kw):
@@ -169,6 +170,67 @@ def test_c8_reserve_rows_all_preflights_every_group_before_any_reserves():
     assert c.reserve_rows_all("a", 4) == 2     # one more block in each group
     assert c.num_tokens("a") == 4              # the cursor does not move
     assert [c.num_table_blocks("a", g) for g in (0, 1)] == [2, 2]
+
+
+def budget_refused_growth_coordinator(budget_blocks: int = 3):
+    """Group 0 full (fixed, 4 blocks, its two free blocks short of 3 unless it evicts the
+    cached ones), group 1 sliding (3 blocks, max 8) whose memory budget (``budget_blocks``)
+    refuses any growth by default."""
+    lay = layout(4)
+    specs = [LayerKVCacheSpec(0, FULL, lay), LayerKVCacheSpec(1, AttentionKind.sliding(8), lay)]
+    geo = lay.pool_geometry(1)
+    full = GroupBlocks(BlockAllocator(4, None, 4, hash_seed=0), LayerKVPool(geo, 4, 4),
+                       growth=False)
+    pool = LayerKVPool(geo, 3, 8, memory_budget=MemoryBudget(geo.pool_bytes(budget_blocks)))
+    sliding = SlidingGroupBlocks(BlockAllocator(3, 8, 4, hash_seed=0, reserve_null_block=True),
+                                 pool, 8, growth=True)
+    c = GroupedKVCoordinator(KVCacheCoordinator.from_groups(
+        specs, group_layer_kv_cache_specs(specs, 64, 8), [full, sliding]), max_model_len=64)
+    system = np.arange(100, 108, dtype=np.uint32)
+    c.reset_for_new_request("x")
+    prefill(c, "x", system)
+    c.register_full_blocks_for_reuse("x")
+    c.release_request("x")                    # 2 cached (evictable) full blocks, 2 free
+    c.reset_for_new_request("a")
+    return c, system
+
+
+@pytest.mark.parametrize("call", ["record", "allocate", "reserve_rows", "decode"])
+def test_a_growth_refused_in_a_later_group_evicts_nothing_in_an_earlier_one(call):
+    # The full group needs 3 blocks (2 free + 1 cached, evictable); the sliding group needs 3,
+    # has 2 free and room to grow, but its budget refuses. The reservation used to allocate
+    # in the full group first (evicting a cached block of the system prompt, reordering its
+    # free list) and only then fail in the sliding group: the rollback freed the blocks, the
+    # prefix cache entry was gone and the next request hit 4 tokens instead of 8.
+    c, system = budget_refused_growth_coordinator()
+    if call == "decode":
+        c.record_tokens("a", np.arange(4))    # 1 block in each group; the 5th token needs
+        c.reset_for_new_request("b")          # a second
+        c.record_tokens("b", np.arange(4))    # sliding: 0 free, full: 0 free, 2 evictable
+    before = state(c)
+    with pytest.raises(PoolExhausted, match="free or evictable"):
+        if call == "record":
+            c.record_tokens("a", np.arange(12))
+        elif call == "allocate":
+            c.allocate_suffix_blocks("a", 12)
+        elif call == "reserve_rows":
+            c.reserve_rows_all("a", 12)
+        else:
+            c.record_decode_tokens(["a", "b"], [1, 2])
+    assert state(c) == before                 # the full group's LRU and free list included
+    if call != "decode":                      # (there a and b took the sliding copies)
+        c.reset_for_new_request("y")
+        assert c.find_cached_prefix("y", np.append(system, 1)).cached_tokens == 8
+
+
+def test_a_growable_group_grows_before_any_group_allocates():
+    # The same reservation with a budget that takes the growth: it succeeds, the growth
+    # happens in the preflight (one grow event) and the reservation then evicts one block.
+    c, _ = budget_refused_growth_coordinator(budget_blocks=16)
+    c.record_tokens("a", np.arange(12))
+    assert c.groups[1].pool.num_blocks == 6 and c.stats()["grow_events"] == 1  # 3 -> 6
+    assert [c.num_table_blocks("a", g) for g in (0, 1)] == [3, 3]
+    c.check_invariants()
 
 
 def test_c8_groups_that_disagree_on_the_live_boundary_raise_invariant_violation():

@@ -296,9 +296,19 @@ class GroupBlocks:
     def preflight(self, needed: int, total_tokens: int, phrase: str) -> None:
         """``PoolExhausted`` now, before any group reserves, when ``needed`` blocks cannot
         come from free, evictable or growth blocks: a failure then changes nothing (not
-        even the free-list order)."""
+        even the free-list order). A growable pool that needs to grow grows here (the
+        reservation's one grow before allocating), so a growth the pool refuses (a memory
+        budget) fails before any group has allocated, i.e. before an earlier group evicted
+        a cached block for its share; a growth that happened stays."""
         if needed > self.available_blocks():
             self.raise_exhausted(needed, total_tokens, phrase)
+        free = self.allocator.free_or_evictable_blocks
+        if self.growth and needed > free:
+            if ReservationGrowth(self.pool, self.allocator.grow_by).before_allocation(
+                    needed, free):
+                self.counters["grow_events"] += 1
+            if needed > self.allocator.free_or_evictable_blocks:
+                self.raise_exhausted(needed, total_tokens, phrase)
 
     def append(self, row: int, blocks: np.ndarray) -> None:
         n = int(self.num_blocks[row])

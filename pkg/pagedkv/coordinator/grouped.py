@@ -342,13 +342,18 @@ class GroupedKVCoordinator(RequestLifecycle):
         if total > self.max_model_len:
             raise CapacityExceeded(f"{_RESERVE}: requested {total} tokens, the model's "
                                    f"max_model_len is {self.max_model_len}")
-        for gid, g in enumerate(self._groups):
+        for g in self._groups:
             g.check_capacity(row, total, _RESERVE)
+        for gid, g in enumerate(self._groups):
             need = g.blocks_needed(row, total)
-            if need > g.available_blocks():
+            try:
+                # Grows a growable pool now: a refused growth fails before any group takes
+                # (and evicts) blocks.
+                g.preflight(need, total, _RESERVE)
+            except PoolExhausted:
                 raise PoolExhausted(
                     f"{_RESERVE}: group {gid} needs {need} more blocks for {total} tokens, "
-                    f"{g.allocator.free_or_evictable_blocks} are free or evictable")
+                    f"{g.allocator.free_or_evictable_blocks} are free or evictable") from None
         try:
             return self._extend_all(row, total, _RESERVE)
         except ContextLengthExceeded as exc:
