@@ -290,3 +290,37 @@ def test_load_resolution_and_log_lines(caplog):
         resolve_pool_sizing(G10, environ={})
     with pytest.raises(InvalidArgument, match="geometry.block_size: 16 differs"):
         resolve_pool_sizing(G10, PagedCacheConfig(block_size=8, memory_mb=1), environ={})
+
+
+def _mlx_lm_groups(windows):
+    from pagedkv.coordinator import (
+        AttentionKind,
+        KVCachePhysicalLayout,
+        LayerKVCacheSpec,
+        group_layer_kv_cache_specs,
+    )
+    layout = KVCachePhysicalLayout(16, 1, 64, "bfloat16")
+    kinds = [AttentionKind.FULL if w is None else AttentionKind.sliding(w) for w in windows]
+    specs = [LayerKVCacheSpec(i, kind, layout) for i, kind in enumerate(kinds)]
+    return group_layer_kv_cache_specs(specs, 1024, 512)
+
+
+def test_mlx_lm_block_counts_log_a_bad_knob_once_and_refuse_an_explicit_zero(caplog,
+                                                                             monkeypatch):
+    # The mlx-lm integration's block counts: its config already carries the env, and
+    # resolve_pool_sizing used to apply it again (two WARNINGs for one bad value); with
+    # several groups an explicit PAGEDKV_PAGED_CACHE_INITIAL_MB=0 became 2 blocks, silently,
+    # where the one-group path (and the contract) make it a load error.
+    from pagedkv.integrations.mlx_lm.topology import _block_counts
+    monkeypatch.setenv(ENV_INITIAL_MB, "abc")
+    config = PagedCacheConfig().with_env()  # the integration's one WARNING
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedkv"):
+        _block_counts(_mlx_lm_groups([None]), config, 1024, None, None)
+    assert [r for r in caplog.records if ENV_INITIAL_MB in r.getMessage()] == []
+    zero = PagedCacheConfig().with_env({ENV_INITIAL_MB: "0"})
+    for windows in ([None], [None, 64]):
+        with pytest.raises(InvalidArgument, match="initial pool cannot hold one block"):
+            _block_counts(_mlx_lm_groups(windows), zero, 1024, None, None)
+    assert _block_counts(_mlx_lm_groups([None, 64]),
+                         PagedCacheConfig(initial_memory_mb=1), 1024, None, None) == (65, 65)

@@ -158,8 +158,10 @@ def _block_counts(groups, config, context_tokens: int, max_blocks: int | None,
 
     if len(groups) == 1:
         g = groups[0]
+        # environ={}: the caller's config already carries the env (with_env), and applying
+        # it again logged a second WARNING for each unparseable knob.
         sizing = resolve_pool_sizing(g.layout.pool_geometry(g.num_physical_layers), config,
-                                     max_model_len=context_tokens)
+                                     max_model_len=context_tokens, environ={})
         top, initial = sizing.max_blocks, (
             sizing.initial_blocks if config.initial_memory_mb is not None else None)
     else:
@@ -172,8 +174,15 @@ def _block_counts(groups, config, context_tokens: int, max_blocks: int | None,
                     f"of {per_block} bytes over the model's {len(groups)} groups; it needs 2")
         else:
             top = math.ceil(context_tokens / groups[0].block_size) + 1  # + a null block
-        initial = (min(config.initial_memory_mb * MIB // per_block, top)
-                   if config.initial_memory_mb is not None else None)
+        initial = None
+        if config.initial_memory_mb is not None:
+            initial = min(config.initial_memory_mb * MIB // per_block, top)
+            if initial == 0:  # as initial_pool_blocks: an explicit 0 is a load error
+                raise InvalidArgument(
+                    f"initial pool cannot hold one block: initial_memory_mb="
+                    f"{config.initial_memory_mb} (PAGEDKV_PAGED_CACHE_INITIAL_MB) < {per_block} "
+                    f"bytes per block over the model's {len(groups)} groups; unset it for a "
+                    "fixed pool or raise it")
     if max_blocks is not None:
         if not is_int(max_blocks) or max_blocks < 2:
             raise InvalidArgument(f"max_blocks: {max_blocks!r} must be an int >= 2")
