@@ -230,6 +230,24 @@ def test_an_unhashable_seq_id_is_refused_by_every_lifecycle_call(make, bad):
     assert a.release_request("A") == 2  # the live request is untouched
 
 
+@pytest.mark.parametrize("bad", [[1, 2], {"a": 1}, np.arange(3), {1}])
+def test_an_unhashable_seq_id_is_refused_by_the_calls_on_a_live_row(make, bad):
+    # The per-row calls answered "seq_id [1, 2] has no table: call
+    # reset_for_new_request([1, 2]) first" (a call that refuses that id), and the batch calls
+    # let a bare TypeError out of their unknown-id message; now InvalidArgumentType.
+    a = make(16)
+    start(a, "A", range(6))
+    before = state(a)
+    for call in (lambda: a.record_tokens(bad, [1]), lambda: a.gather_kv(bad, 0),
+                 lambda: a.num_tokens(bad), lambda: a.record_decode_tokens(["A", bad], [1, 2]),
+                 lambda: a.prepare_decode([bad])):
+        with pytest.raises(InvalidArgumentType, match="is unhashable"):
+            call()
+        assert state(a) == before
+    with pytest.raises(PagedKVError, match="'B' has no table"):
+        a.num_tokens("B")
+
+
 def test_d7_register_once_release_cleanly(make):
     a = make(16)
     start(a, "s", range(8))

@@ -96,7 +96,10 @@ class SequenceRows:
     def row(self, seq_id: Hashable) -> int:
         try:
             return self.row_of[seq_id]
-        except (KeyError, TypeError):
+        except TypeError:
+            self.find(seq_id)  # unhashable: InvalidArgumentType, not "call reset_for_new_request"
+            raise
+        except KeyError:
             raise PagedKVError(
                 f"seq_id {seq_id!r} has no table: call reset_for_new_request({seq_id!r}) first; "
                 f"live sequences: {len(self.row_of)}") from None
@@ -111,7 +114,8 @@ class SequenceRows:
         try:
             rows = np.fromiter(map(self.row_of.__getitem__, key), np.intp, len(key))
         except (KeyError, TypeError):
-            unknown = [s for s in key if s not in self.row_of]
+            # find: an unhashable id is InvalidArgumentType (`in` let a bare TypeError out)
+            unknown = [s for s in key if self.find(s) is None]
             raise PagedKVError(f"seq_ids {unknown!r} have no table: call reset_for_new_request "
                                "for each first") from None
         if len(set(key)) != len(key):
