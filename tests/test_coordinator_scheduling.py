@@ -277,6 +277,29 @@ def test_a_request_that_can_never_be_allocated_leaves_the_queue():
     assert admitted.request.seq_id == "next" and c.block_table("next", 1).tolist() == [1, 2]
 
 
+def test_a_seq_id_live_outside_the_scheduler_is_never_admitted_over():
+    # Admission resets the request's row: a row of that id the caller kept in the cache
+    # (like the "pinned" row above) was silently released, its 12 tokens and K/V gone.
+    c = full_sliding_alias()
+    c.reset_for_new_request("p")
+    c.record_tokens("p", np.arange(12))
+    sched = RecomputeScheduler(c)
+    before = state(c)
+    with pytest.raises(InvalidArgument, match="add: seq_id 'p' is live in the cache outside "
+                                              "this scheduler; admitting it would release"):
+        sched.add("p", prompt(1), 4)
+    assert not sched.has_work and state(c) == before
+    sched.add("q", prompt(2), 4)
+    c.reset_for_new_request("q")              # made live after it was queued
+    c.record_tokens("q", np.arange(4))
+    before = state(c)
+    with pytest.raises(InvalidArgument, match="admit_next: seq_id 'q' is live in the cache"):
+        sched.admit_next()
+    assert state(c) == before and [r.seq_id for r in sched.waiting] == ["q"]
+    c.release_request("q")
+    assert sched.admit_next().request.seq_id == "q" and c.num_tokens("p") == 12
+
+
 def test_admission_does_not_reserve_a_hit_twice_and_finish_publishes_with_the_salt():
     c = full_sliding_alias(window=8, blocks=(32, 32))
     sched = RecomputeScheduler(c, watermark_fraction=0.0, prefill_chunk_tokens=8)

@@ -133,7 +133,9 @@ class RecomputeScheduler:
             payload: Any = None) -> ScheduledRequest:
         """Queue a request (at the back). Its prompt and reservation are checked now: a
         prompt longer than the cache's ``max_model_len`` (a grouped coordinator's), or a
-        reservation above a group's max pool → ``CapacityExceeded`` and nothing is queued."""
+        reservation above a group's max pool → ``CapacityExceeded`` and nothing is queued.
+        A ``seq_id`` queued, running, or live in the cache outside the scheduler →
+        ``InvalidArgument`` (admission would release that row)."""
         toks = as_tokens(prompt, "prompt")
         if not len(toks):
             raise InvalidArgument(f"request {seq_id!r}: the prompt is empty")
@@ -147,6 +149,7 @@ class RecomputeScheduler:
                 f"max_model_len of {limit}; shorten the prompt or raise max_model_len")
         if any(r.seq_id == seq_id for r in (*self.waiting, *self.running)):
             raise InvalidArgument(f"request {seq_id!r} is already queued or running")
+        self._check_not_live_elsewhere(seq_id, "add")
         reservation = self.cache.reservation_for(len(toks), new)
         request = ScheduledRequest(
             seq_id, toks, new, self._arrivals, reservation, cache_salt, tuple(extra_keys),
@@ -154,6 +157,14 @@ class RecomputeScheduler:
         self._arrivals += 1
         self.waiting.append(request)
         return request
+
+    def _check_not_live_elsewhere(self, seq_id: Hashable, call: str) -> None:
+        # A row the caller keeps in the cache outside the scheduler: admission resets the
+        # request's row, which would silently release that row's blocks and tokens.
+        if seq_id in self.cache.live_seq_ids():
+            raise InvalidArgument(
+                f"{call}: seq_id {seq_id!r} is live in the cache outside this scheduler; "
+                "admitting it would release that row: release it first or use another id")
 
     def _state_bytes(self, request: ScheduledRequest) -> int:
         return 0 if self.state_bytes is None else as_count(self.state_bytes(request),
@@ -185,7 +196,9 @@ class RecomputeScheduler:
         retry; else reject: the request leaves the queue and ``ContextLengthExceeded`` is
         raised. A request whose allocation can never succeed (``CapacityExceeded``, e.g. an
         unchunked prompt needing more live blocks than a sliding group's max pool) leaves the
-        queue too, and that error is raised. An admitted request holds its prompt's blocks
+        queue too, and that error is raised. A head request whose ``seq_id`` was made live in
+        the cache outside the scheduler since it was queued → ``InvalidArgument``, nothing
+        changed. An admitted request holds its prompt's blocks
         (``allocate_suffix_blocks``); prefill ``request.prompt[lookup.cached_tokens:]``.
         """
         if not self.waiting or (self._admission_paused and self.running) or (
@@ -195,6 +208,7 @@ class RecomputeScheduler:
         cache = self.cache
         seq = request.seq_id
         prompt = request.prompt
+        self._check_not_live_elsewhere(seq, "admit_next")
         cache.reset_for_new_request(seq)
         try:
             lookup = cache.find_cached_prefix(
