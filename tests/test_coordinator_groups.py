@@ -282,6 +282,27 @@ def test_a_write_through_an_alias_route_is_an_error_and_changes_nothing():
     assert state(c) == before
 
 
+def test_a_bool_layer_or_group_id_is_refused_not_taken_as_1():
+    # write_kv / gather_kv looked the route up with isinstance(layer, int), and True == 1:
+    # write_kv(s, True, ...) wrote layer 1's K/V (route_for_layer(True) itself refused it).
+    c = full_sliding_alias()
+    c.reset_for_new_request("a")
+    prefill(c, "a", np.arange(6, dtype=np.uint32))
+    before = state(c)
+    kv = np.full((1, 1, 2), 9.0, np.float32)
+    for call in (lambda: c.write_kv("a", True, kv, kv), lambda: c.gather_kv("a", True),
+                 lambda: c.gather_kv("a", False)):
+        with pytest.raises(InvalidArgumentType, match="layer must be an int, got bool"):
+            call()
+    for call in (lambda: c.block_table("a", True), lambda: c.num_table_blocks("a", False),
+                 lambda: c.write_kv_layers("a", True, kv[None], kv[None]),
+                 lambda: c.first_live_position("a", 1.0)):
+        with pytest.raises(InvalidArgumentType, match="group_id must be an int, got"):
+            call()
+    assert state(c) == before
+    assert c.gather_kv("a", np.int64(1))[0][:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6]
+
+
 def test_routed_writes_reads_and_the_alias_reading_its_anchor():
     c = full_sliding_alias(window=8)
     c.reset_for_new_request("a")

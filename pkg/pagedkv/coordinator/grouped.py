@@ -36,6 +36,7 @@ from pagedkv.errors import (
     ContextLengthExceeded,
     GroupManagerMismatch,
     InvalidArgument,
+    InvalidArgumentType,
     InvariantViolation,
     PoolExhausted,
 )
@@ -209,8 +210,9 @@ class GroupedKVCoordinator(RequestLifecycle):
         return self.topology.manager_for_layer(layer)
 
     def _group(self, group_id: int) -> GroupBlocks:
-        if not is_int(group_id) \
-                or not 0 <= group_id < len(self._groups):
+        if not is_int(group_id):
+            raise InvalidArgumentType(f"group_id must be an int, got {type(group_id).__name__}")
+        if not 0 <= group_id < len(self._groups):
             raise InvalidArgument(f"group_id = {group_id!r} is outside [0, {len(self._groups)})")
         return self._groups[group_id]
 
@@ -261,7 +263,9 @@ class GroupedKVCoordinator(RequestLifecycle):
     # --- K/V by layer ---------------------------------------------------------------------
 
     def _route(self, layer) -> LayerKVCacheRoute:
-        route = self._route_of.get(layer) if isinstance(layer, int) else None
+        # type() is int, not isinstance: True == 1 would find layer 1's route, and the
+        # checked path refuses a bool (InvalidArgumentType).
+        route = self._route_of.get(layer) if type(layer) is int else None
         return route if route is not None else self.topology.route_for_layer(layer)
 
     def write_kv(self, seq_id: Hashable, layer: int, k, v, *, start: int | None = None,
