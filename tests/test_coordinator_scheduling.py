@@ -300,6 +300,20 @@ def test_a_seq_id_live_outside_the_scheduler_is_never_admitted_over():
     assert sched.admit_next().request.seq_id == "q" and c.num_tokens("p") == 12
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"prefill_chunk_tokens": 0}, InvalidArgument, "prefill_chunk_tokens = 0 must be >= 1"),
+    ({"watermark_fraction": "x"}, InvalidArgumentType, "watermark_fraction must be a number"),
+    ({"state_bytes": 5}, InvalidArgumentType, ("state_bytes must be a function of a "
+                                               "ScheduledRequest returning bytes, got int")),
+])
+def test_scheduler_arguments_are_checked_at_construction(kwargs, error, message):
+    # These were taken: a chunk of 0 tokens admitted a request reserving and allocating
+    # nothing past its hit; the fraction and the hook failed at every admit_next instead
+    # (the hook with a bare TypeError).
+    with pytest.raises(error, match=message):
+        RecomputeScheduler(full_sliding_alias(), **kwargs)
+
+
 def test_admission_does_not_reserve_a_hit_twice_and_finish_publishes_with_the_salt():
     c = full_sliding_alias(window=8, blocks=(32, 32))
     sched = RecomputeScheduler(c, watermark_fraction=0.0, prefill_chunk_tokens=8)

@@ -23,13 +23,16 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from pagedkv.adapter.admission import AdmissionDecision
+from pagedkv.adapter.admission import watermark_fraction as clamp_watermark_fraction
 from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import PrefixLookup
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import (
     CapacityExceeded,
     ContextLengthExceeded,
     InvalidArgument,
+    InvalidArgumentType,
     PoolExhausted,
 )
 
@@ -85,7 +88,9 @@ class RecomputeScheduler:
     prompt) is what admission reserves beyond the cached prefix: a grouped model with sliding
     groups prefills in chunks and reserves each with ``record_tokens``. ``state_bytes`` (a
     family's hook) gives a request's per-row state bytes, checked against the cache's
-    ``state_budget_bytes``.
+    ``state_budget_bytes``. Each is checked here: ``prefill_chunk_tokens`` below 1 →
+    ``InvalidArgument``; a ``watermark_fraction`` that is no number or a ``state_bytes`` that
+    is not callable → ``InvalidArgumentType``.
     """
 
     def __init__(self, cache: RequestLifecycle, *, max_running: int | None = None,
@@ -101,9 +106,16 @@ class RecomputeScheduler:
         self.max_running = None if max_running is None else as_count(max_running, "max_running")
         if self.max_running == 0:
             raise InvalidArgument("max_running must be >= 1")
+        # Checked now, not at the first admit_next (a str fraction, a state_bytes that is no
+        # function), and a chunk of 0 tokens would admit a request reserving nothing.
+        if watermark_fraction is not None:
+            clamp_watermark_fraction(watermark_fraction)
         self.watermark_fraction = watermark_fraction
-        self.prefill_chunk_tokens = (None if prefill_chunk_tokens is None
-                                     else as_count(prefill_chunk_tokens, "prefill_chunk_tokens"))
+        self.prefill_chunk_tokens = (None if prefill_chunk_tokens is None else int_argument(
+            "prefill_chunk_tokens", prefill_chunk_tokens, minimum=1))
+        if state_bytes is not None and not callable(state_bytes):
+            raise InvalidArgumentType(f"state_bytes must be a function of a ScheduledRequest "
+                                      f"returning bytes, got {type(state_bytes).__name__}")
         self.state_bytes = state_bytes
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: list[ScheduledRequest] = []
