@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from coordinator_support import FULL, full_sliding_alias, layout
+from coordinator_support import FULL, full_sliding_alias, layout, prefill
 from pagedkv.coordinator import (
     AttentionKind,
     GroupedKVCoordinator,
@@ -301,3 +301,28 @@ def test_the_adapter_stops_a_hot_hit_at_the_deepest_checkpoint():
     adapter.reset_for_new_request("d")
     assert adapter.find_cached_prefix("d", prompt, max_tokens=11).cached_tokens == 0
     alloc.check_invariants()
+
+
+def test_purging_the_prefix_cache_drops_the_state_checkpoints_too():
+    # release_request_and_purge_prefix_cache dropped every group's prefix cache but kept the
+    # checkpoint store: once a later request registered the prompt's blocks again, the next
+    # one was served the recurrent state published before the purge.
+    c = full_sliding_alias(checkpoints=True)
+    system = np.arange(300, 317, dtype=np.uint32)
+
+    def turn(seq, state=None):
+        c.reset_for_new_request(seq)
+        hit = c.find_cached_prefix(seq, system, max_tokens=16)
+        prefill(c, seq, system, start=hit.cached_tokens)
+        if state is not None:
+            assert c.checkpoints.publish(system, 16, state)
+        c.register_full_blocks_for_reuse(seq)
+        return hit
+
+    turn("a", np.array([1.0]))
+    assert turn("b").sidecar.boundary_tokens == 16
+    c.release_request_and_purge_prefix_cache("b")
+    assert len(c.checkpoints) == 0 and c.checkpoints.nbytes == 0
+    assert turn("c").cached_tokens == 0        # recomputes, publishes no state
+    hit = turn("d")
+    assert (hit.cached_tokens, hit.sidecar) == (0, None)

@@ -496,11 +496,15 @@ class RequestLifecycle(AdmissionControl):
         return released
 
     def release_request_and_purge_prefix_cache(self, seq_id: Hashable) -> int:
-        """Release, drop every group's prefix cache, and skip the cold restore of the next
-        lookup."""
+        """Release, drop every group's prefix cache and every state checkpoint, and skip the
+        cold restore of the next lookup."""
         n = self.release_request(seq_id)
         for g in self._groups:
             g.allocator.purge_prefix_cache()
+        if self.checkpoints is not None:
+            # Keyed like blocks: once the blocks are registered again, a checkpoint kept
+            # from before the purge would be served with them.
+            self.checkpoints.clear()
         self._suppress_cold_restore_once = True
         return n
 
