@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from coordinator_support import FULL, full_sliding_alias, layout, prefill
+from pagedkv.adapter import PagedKVCacheAdapter
+from pagedkv.allocator import BlockAllocator
 from pagedkv.coordinator import (
     AttentionKind,
     GroupedKVCoordinator,
@@ -28,7 +30,8 @@ from pagedkv.coordinator import (
     StateCheckpointStore,
     expired_blocks,
 )
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.pool import LayerKVPool
 
 WINDOW = 12
 
@@ -326,3 +329,17 @@ def test_purging_the_prefix_cache_drops_the_state_checkpoints_too():
     assert turn("c").cached_tokens == 0        # recomputes, publishes no state
     hit = turn("d")
     assert (hit.cached_tokens, hit.sidecar) == (0, None)
+
+
+@pytest.mark.parametrize("store", ["yes", 1, np.True_, object()])
+def test_a_checkpoints_argument_that_is_no_store_is_refused_when_built(store):
+    # It was kept as given and the first lookup failed with a bare AttributeError ("'str'
+    # object has no attribute 'deepest'").
+    with pytest.raises(InvalidArgumentType, match=r"checkpoints must be None or a state "
+                                                  r"checkpoint store .*from_specs takes True"):
+        full_sliding_alias(checkpoints=store)
+    allocator = BlockAllocator(8, None, 4, hash_seed=0)
+    with pytest.raises(InvalidArgumentType, match=r"a StateCheckpointStore: deepest, clear\), "
+                                                  r"got [a-z]+$"):
+        PagedKVCacheAdapter(allocator, LayerKVPool(layout(4).pool_geometry(1), 8, 8),
+                            checkpoints=store)

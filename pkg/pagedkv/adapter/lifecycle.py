@@ -109,6 +109,15 @@ class RequestLifecycle(AdmissionControl):
         self._sliding_cold = (len(self._groups) > 1 and self._groups[0].kind_name == "full"
                               and all(g.kind_name == "sliding" for g in sliding)
                               and len({getattr(g, "window", None) for g in sliding}) == 1)
+        if checkpoints is not None and not all(
+                callable(getattr(checkpoints, name, None)) for name in ("deepest", "clear")):
+            # Else the first lookup failed with a bare AttributeError ('str' object has no
+            # attribute 'deepest') after the hit was proposed.
+            raise InvalidArgumentType(
+                f"checkpoints must be None or a state checkpoint store (a "
+                f"StateCheckpointStore: deepest, clear), got {type(checkpoints).__name__}"
+                + ("; GroupedKVCoordinator.from_specs takes True / False to create one or none"
+                   if len(self._groups) > 1 else ""))
         self.checkpoints = checkpoints
         self.requires_aux_confirmation = bool(requires_aux_confirmation)
         self.hot_reuse = bool(hot_reuse)
