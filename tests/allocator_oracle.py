@@ -32,6 +32,8 @@ implementations follow them:
 * Hash 0 is reserved (docs/contracts/paged-kv.md, '2.1 Hot block hash'):
 ``register_prefix``/``lookup_prefix``/``publish_restored_batch``
   reject ``block_hash`` outside ``[1, 2**64)`` with ``InvalidArgument``.
+* Argument checks follow the Cython core's order (see pkg/pagedkv/allocator.pyi), so a
+  call with several faults raises the same exception in both; ``extra_keys=None`` is no keys.
 * Block events: one call per kind per operation, ``"removed"`` before ``"stored"``;
   ``purge_prefix_cache`` always sends ``"cleared"`` (even when the table was empty).
 * ``grow_by`` resets the capacity override even when it adds no block (its steps in
@@ -107,16 +109,20 @@ def _tokens_u32(tokens, name: str = "tokens") -> np.ndarray:
         return np.ascontiguousarray(tokens)
     try:
         arr = np.asarray(tokens)
-    except OverflowError as exc:  # ints beyond any NumPy integer type
-        raise InvalidArgument(f"{name} must satisfy 0 <= t < 2**32: {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged or unconvertible input
+        raise InvalidArgumentType(f"{name} must be a 1-D array-like of integers: {exc}") from None
     if arr.ndim != 1:
         raise InvalidArgument(f"{name} must be 1-D, got ndim={arr.ndim} (shape {arr.shape})")
     if arr.size == 0 and not isinstance(tokens, np.ndarray):
         return np.empty(0, dtype=np.uint32)  # [] is float64 to NumPy; an empty list is fine
     if arr.dtype == object:
-        # Python ints too large for int64/uint64 land here: range, not type, is the problem.
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in arr.tolist()):
-            raise InvalidArgument(f"{name} must satisfy 0 <= t < 2**32 (a value is >= 2**64)")
+        # Python ints too large for int64/uint64 land here: range, not type, is the problem
+        # when one is out of range; an object array of in-range ints is still a type error.
+        values = arr.tolist()
+        if all(type(t) is int for t in values):
+            for t in values:
+                if not 0 <= t <= _U32_MAX:
+                    raise InvalidArgument(f"{name} must satisfy 0 <= t < 2**32, got {t}")
         raise InvalidArgumentType(f"{name} must be integers, got dtype object")
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentType(f"{name} must be integers, got dtype {arr.dtype}")
@@ -128,34 +134,54 @@ def _tokens_u32(tokens, name: str = "tokens") -> np.ndarray:
 
 def _ids_array(ids, name: str) -> list[int]:
     """A 1-D integer array-like of block ids as a Python list (range checked by the caller)."""
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged or unconvertible input
+        raise InvalidArgumentType(f"{name} must be a 1-D array-like of block ids: {exc}") from None
     if arr.ndim != 1:
         raise InvalidArgument(f"{name} must be 1-D, got ndim={arr.ndim}")
-    if arr.size == 0:
-        return []
+    if arr.size == 0 and not isinstance(ids, np.ndarray):
+        return []  # [] is float64 to NumPy; an empty list is fine, an empty float array not
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentType(f"{name} must be integers, got dtype {arr.dtype}")
     return [int(x) for x in arr.tolist()]
 
 
+def _check_ids_in_range(ids: list[int], num_blocks: int) -> None:
+    """Every id in ``[0, num_blocks)``, checked for the whole batch before anything else."""
+    for i, block_id in enumerate(ids):
+        if not 0 <= block_id < num_blocks:
+            raise InvalidArgument(f"block_ids[{i}] = {block_id} is outside [0, {num_blocks})")
+
+
 def _keys_tuple(keys, name: str) -> tuple[int, ...]:
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise InvalidArgumentType(
+            f"{name} must be a sequence of ints in [0, 2**64), got {type(keys).__name__}")
     out = []
     for i, k in enumerate(keys):
         out.append(_check_int(k, f"{name}[{i}]", 0, _U64_MAX))
     return tuple(out)
 
 
-def _per_block_keys(extra_keys, extra_keys_per_block) -> tuple[tuple[int, ...], ...] | None:
-    """Validate the two extra-key forms of docs/contracts/paged-kv.md, '2.2 Chains'; ``None`` means
-    "uniform"."""
+def _chain_keys(extra_keys, extra_keys_per_block
+                ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...] | None]:
+    """Validate the two extra-key forms of docs/contracts/paged-kv.md, '2.2 Chains':
+    ``(uniform keys, per-block keys or None)``. ``extra_keys=None`` means no keys; with
+    ``extra_keys_per_block`` given, ``extra_keys`` must be empty (only its length is read)."""
     if extra_keys_per_block is None:
-        return None
-    if len(extra_keys) > 0:
+        return (() if extra_keys is None else _keys_tuple(extra_keys, "extra_keys")), None
+    if extra_keys is not None and len(extra_keys) > 0:
         raise InvalidArgument(
             "pass either extra_keys (same keys for every block) or extra_keys_per_block, "
             "not both")
-    return tuple(_keys_tuple(keys, f"extra_keys_per_block[{i}]")
-                 for i, keys in enumerate(extra_keys_per_block))
+    if isinstance(extra_keys_per_block, (str, bytes)) or not hasattr(extra_keys_per_block,
+                                                                     "__len__"):
+        raise InvalidArgumentType(
+            "extra_keys_per_block must be a sequence of key sequences, got "
+            f"{type(extra_keys_per_block).__name__}")
+    return (), tuple(_keys_tuple(keys, f"extra_keys_per_block[{i}]")
+                     for i, keys in enumerate(extra_keys_per_block))
 
 
 # --- hashing (docs/contracts/paged-kv.md, '2. Block hashing' and '3. cache_salt domain id') -------
@@ -219,8 +245,7 @@ def chain_hashes(tokens, block_size: int, *, extra_keys: Sequence[int] = (),
     Chains')."""
     toks = _tokens_u32(tokens)
     block_size = _check_int(block_size, "block_size", 0, _U32_MAX)
-    uniform = _keys_tuple(extra_keys, "extra_keys")
-    per_block = _per_block_keys(uniform, extra_keys_per_block)
+    uniform, per_block = _chain_keys(extra_keys, extra_keys_per_block)
     cache_salt = _check_domain_id(cache_salt)
     seed = _check_u64(seed, "seed")
     return np.array(_chain(toks, block_size, uniform, per_block, cache_salt, seed, None),
@@ -503,9 +528,8 @@ class BlockAllocator:
 
     def _chain_args(self, tokens, extra_keys, extra_keys_per_block, cache_salt):
         toks = _tokens_u32(tokens)
-        uniform = _keys_tuple(extra_keys, "extra_keys")
-        per_block = _per_block_keys(uniform, extra_keys_per_block)
         cache_salt = _check_domain_id(cache_salt)
+        uniform, per_block = _chain_keys(extra_keys, extra_keys_per_block)
         return toks, uniform, per_block, cache_salt
 
     @staticmethod
@@ -580,10 +604,7 @@ class BlockAllocator:
 
     def free_many(self, block_ids) -> None:
         ids = _ids_array(block_ids, "block_ids")
-        for i, block_id in enumerate(ids):
-            if not 0 <= block_id < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {block_id} is outside [0, {self._num_blocks})")
+        _check_ids_in_range(ids, self._num_blocks)
         counts: dict[int, int] = {}
         for block_id in ids:
             counts[block_id] = counts.get(block_id, 0) + 1
@@ -661,10 +682,8 @@ class BlockAllocator:
 
     def incref_many(self, block_ids) -> None:
         ids = _ids_array(block_ids, "block_ids")
+        _check_ids_in_range(ids, self._num_blocks)
         for i, block_id in enumerate(ids):
-            if not 0 <= block_id < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {block_id} is outside [0, {self._num_blocks})")
             self._check_allocated(block_id, f"block_ids[{i}]")
         for block_id in ids:
             self._incref(block_id)
@@ -702,10 +721,12 @@ class BlockAllocator:
                           extra_keys_per_block: Sequence[Sequence[int]] | None = None,
                           cache_salt: int = 0, parent_hash: int = 0,
                           first_block: int = 0) -> int:
-        toks, uniform, per_block, cache_salt = self._chain_args(
-            tokens, extra_keys, extra_keys_per_block, cache_salt)
-        parent, first = self._segment_args(parent_hash, first_block)
+        # checked in the Cython core's order: tokens, ids, salt, keys, segment, then sizes
+        toks = _tokens_u32(tokens)
         ids = _ids_array(block_ids, "block_ids")
+        toks, uniform, per_block, cache_salt = self._chain_args(
+            toks, extra_keys, extra_keys_per_block, cache_salt)
+        parent, first = self._segment_args(parent_hash, first_block)
         bs = self._block_size
         if len(ids) * bs > len(toks):
             raise InvalidArgument(
@@ -716,10 +737,8 @@ class BlockAllocator:
             raise InvalidArgument(
                 f"extra_keys_per_block has {len(per_block)} entries for {len(ids)} blocks; "
                 "it needs one per registered block")
+        _check_ids_in_range(ids, self._num_blocks)
         for i, block_id in enumerate(ids):
-            if not 0 <= block_id < self._num_blocks:
-                raise InvalidArgument(
-                    f"block_ids[{i}] = {block_id} is outside [0, {self._num_blocks})")
             self._check_allocated(block_id, f"block_ids[{i}]")
         hashes = _chain(toks[:len(ids) * bs], bs, uniform, per_block, cache_salt, self._seed,
                         self._hash_fn, parent, first)

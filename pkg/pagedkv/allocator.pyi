@@ -46,6 +46,12 @@ them):
   identity stops the chain (counted), an identical one held by the same block is a
   refresh, by another block a replay that is skipped.
 * ``cache_full_blocks`` with prefix capacity 0 returns 0 with nothing changed.
+* Arguments are checked in one order, so a call with several faults reports the same one:
+  ``tokens``, then ``block_ids``' shape and dtype, ``cache_salt``, the extra keys, the
+  segment, the sizes, every id's range (the whole batch before any allocation check), then
+  allocation. ``extra_keys=None`` is no keys. An empty list of ids is fine, an empty
+  non-integer ndarray is InvalidArgumentType (as for tokens); an object ndarray of tokens is
+  InvalidArgumentType unless a value is out of range (InvalidArgument).
 * Block events: one call per kind per operation, "removed" before "stored";
   ``purge_prefix_cache`` always sends "cleared" (even when the table was empty).
 """
