@@ -155,3 +155,40 @@ def test_steps_out_of_order_raise_and_change_nothing(tmp_path):
     f.abort()                                       # after the rename: nothing to delete
     assert os.listdir(tmp_path) == ["a"] and f.state == "renamed"
     assert "renamed" in repr(f)
+
+
+def _failing_close(monkeypatch, fail_fd: list[int]) -> list[int]:
+    """Replace os.close: every call is recorded; the descriptor in ``fail_fd`` is really
+    closed and then reported as failed with EIO (as close(2) does on NFS: the descriptor is
+    released whatever close returns)."""
+    closed: list[int] = []
+    real = os.close
+
+    def close(fd):
+        closed.append(fd)
+        real(fd)
+        if fail_fd and fd == fail_fd[0]:
+            raise OSError(errno.EIO, "injected close failure")
+
+    monkeypatch.setattr(os, "close", close)
+    return closed
+
+
+def test_a_failing_close_releases_the_descriptor_once_and_deletes_the_temporary(
+        tmp_path, monkeypatch):
+    # close(2) releases the descriptor even when it reports an error; closing it again in
+    # abort() would close whatever another thread opened under that number meanwhile, and
+    # the EBADF it raised skipped the unlink, leaving the temporary file behind.
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    f = AtomicFile(target)
+    f.write(b"new bytes")
+    closed = _failing_close(monkeypatch, [f.fd])
+    fd = f.fd
+    with pytest.raises(OSError) as info:
+        f.commit()
+    assert info.value.errno == errno.EIO
+    assert closed.count(fd) == 1
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["out.bin"]
+    assert f.state == "aborted"

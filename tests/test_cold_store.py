@@ -408,6 +408,39 @@ def test_failing_rename_counts_a_write_error_and_removes_the_temp(tmp_path):
         assert _files(root) == [] and len(tier.store.index) == 0
 
 
+
+def test_a_failing_close_of_the_temp_counts_one_write_error_and_removes_the_temp(
+        tmp_path, monkeypatch):
+    # close(2) reporting EIO (NFS) has released the descriptor: the writer must not close
+    # that number again (another thread's file by then) and must still delete the temp.
+    from pagedkv import atomic_write
+    root = tmp_path / "root"
+    with open_tier(root) as tier:
+        real, closed = os.close, []
+
+        def close(fd):
+            closed.append(fd)
+            real(fd)
+
+        def hook(step):
+            if step == "sync":
+                def failing_close(fd):
+                    temp = os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp")
+                    closed.append(fd)
+                    real(fd)
+                    if temp:
+                        monkeypatch.setattr(atomic_write.os, "close", close)
+                        raise OSError(5, "injected close failure")
+                monkeypatch.setattr(atomic_write.os, "close", failing_close)
+        tier.store.step_hook = hook
+        assert tier.enqueue(_job(tier, 0)) and tier.drain(5.0) is False
+        tier.store.step_hook = None
+        monkeypatch.setattr(atomic_write.os, "close", real)
+        s = tier.stats()
+        assert (s.write_errors, s.bytes_written) == (1, 0)
+        assert len(closed) == len(set(closed)), f"a descriptor closed twice: {closed}"
+        assert _files(root) == [] and len(tier.store.index) == 0
+
 def test_directory_sync_failure_keeps_the_index_consistent_with_disk(tmp_path):
     root = tmp_path / "root"
     with open_tier(root) as tier:

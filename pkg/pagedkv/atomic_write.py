@@ -107,8 +107,11 @@ class AtomicFile:
         self._expect("open")
         if self.sync:
             sync_file(self.fd, full=self.full_sync)
-        os.close(self.fd)
+        # close(2) releases the descriptor even when it reports an error (EIO on NFS): the
+        # state moves on first, so abort() never closes the number again (by then it may be
+        # another thread's file) and still deletes the temporary file.
         self.state = "finished"
+        os.close(self.fd)
 
     def rename(self) -> None:
         """Rename the finished temporary file onto ``path`` (replacing what was there)."""
@@ -140,8 +143,12 @@ class AtomicFile:
         """Close and delete the temporary file; ``path`` is left untouched. Idempotent;
         after ``rename()`` there is nothing left to delete."""
         if self.state == "open":
-            os.close(self.fd)
-        if self.state in ("open", "finished"):
+            self.state = "finished"  # released whatever close reports: never closed twice
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass  # the descriptor is gone anyway; the temporary file still goes
+        if self.state == "finished":
             try:
                 os.unlink(self.temp_path, dir_fd=self.dir_fd)
             except FileNotFoundError:
