@@ -245,9 +245,9 @@ def chain_hashes(tokens, block_size: int, *, extra_keys: Sequence[int] = (),
     Chains')."""
     toks = _tokens_u32(tokens)
     block_size = _check_int(block_size, "block_size", 0, _U32_MAX)
-    uniform, per_block = _chain_keys(extra_keys, extra_keys_per_block)
     cache_salt = _check_domain_id(cache_salt)
     seed = _check_u64(seed, "seed")
+    uniform, per_block = _chain_keys(extra_keys, extra_keys_per_block)
     return np.array(_chain(toks, block_size, uniform, per_block, cache_salt, seed, None),
                     dtype=np.uint64)
 
@@ -410,12 +410,12 @@ class BlockAllocator:
                 f"{name}.tokens has {len(toks)} tokens; a block holds exactly "
                 f"block_size = {self._block_size}")
         digest = identity.extra_keys_digest
-        if not isinstance(digest, bytes) or len(digest) not in (0, 16):
+        if not isinstance(digest, (bytes, bytearray)) or len(digest) not in (0, 16):
             raise InvalidArgument(
                 f"{name}.extra_keys_digest must be b'' or 16 bytes "
                 "(pagedkv.identity.extra_keys_digest)")
         return BlockIdentity(toks.copy(), _check_u64(identity.parent_hash, f"{name}.parent_hash"),
-                             digest, _check_domain_id(identity.cache_salt, f"{name}.cache_salt"),
+                             bytes(digest), _check_domain_id(identity.cache_salt, f"{name}.cache_salt"),
                              _check_int(identity.block_index, f"{name}.block_index", 0,
                                         _U64_MAX))
 

@@ -88,3 +88,27 @@ def test_oracle_and_core_agree_on_malformed_input(case):
         alloc.check_invariants()
         seen.append((outcome, after))
     assert seen[0] == seen[1], f"oracle {seen[0][0]}, Cython {seen[1][0]}"
+
+
+@pytest.mark.parametrize("block_size", [2**32, 2**63, 2**64])
+def test_chain_hashes_rejects_a_block_size_beyond_u32(block_size):
+    """hashing.chain_hashes raised a bare OverflowError for a block_size >= 2**63 and
+    returned an empty array for one in [2**32, 2**63), where the oracle raises
+    InvalidArgument (docs/contracts/paged-kv.md, '2.2 Chains')."""
+    from pagedkv import hashing
+    from pagedkv.errors import InvalidArgument
+    for module in (allocator_oracle, hashing):
+        with pytest.raises(InvalidArgument, match="block_size"):
+            module.chain_hashes([1, 2], block_size)
+
+
+def test_identity_digest_may_be_a_bytearray():
+    """The core takes a bytearray extra_keys_digest (copied); the oracle rejected it."""
+    from pagedkv.identity import BlockIdentity
+    seen = []
+    for cls in (allocator_oracle.BlockAllocator, allocator.BlockAllocator):
+        a = _busy(cls)
+        identity = BlockIdentity(np.array([1, 2], np.uint32), 0, bytearray(16), 0, 0)
+        seen.append((a.register_prefix(2, 1, identity), a.lookup_prefix(1, identity),
+                     observables(a)))
+    assert seen[0] == seen[1]

@@ -449,8 +449,8 @@ def chain_hashes(tokens, block_size, *, extra_keys=(), extra_keys_per_block=None
     if not is_int(block_size):
         raise InvalidArgumentType(
             f"block_size must be an int >= 0, got {type(block_size).__name__}")
-    if block_size < 0:
-        raise InvalidArgument(f"block_size = {block_size} must be >= 0")
+    if not 0 <= block_size <= _U32_MAX:
+        raise InvalidArgument(f"block_size = {block_size} is outside [0, 2**32)")
     cdef uint64_t salt = as_domain_id(cache_salt)
     cdef uint64_t s = as_u64(seed, "seed")
     cdef ChainKeys keys = make_chain_keys(extra_keys, extra_keys_per_block)
