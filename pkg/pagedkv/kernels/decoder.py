@@ -52,8 +52,6 @@ from pagedkv.kernels.device_array import DeviceArray
 from pagedkv.kernels.kvcache import PagedAttention, attention_group_slots
 from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
-    attention,
-    attention_prep,
     check_attention,
     qkv_rope_write_kv,
     rope_write_fusable,
@@ -449,12 +447,15 @@ class DecoderStep:
                                theta=s.rope_theta, stream=stream)
                 write_kv(self.pool, layer, self.k, self.v, tables, stream=stream)
             o = self._prepared["o"]
+            # the tables were checked against the pool and the attention once, above
+            k_pool, v_pool = self.pool.layer(layer)
             if o is not None:
-                attention_prep(self.attn, self.q, self.pool, layer, tables, o, stream=stream)
+                self.attn.run_prep(self.q, k_pool, v_pool, tables.block_tables,
+                                   tables.seq_lens, o, None, stream=stream)
                 self._proj["o"].run_prepared(lw["o"], self._o, stream)
             else:
-                attention(self.attn, self.q, self.pool, layer, tables, self._attn,
-                          stream=stream)
+                self.attn.run(self.q, k_pool, v_pool, tables.block_tables, tables.seq_lens,
+                              self._attn, stream=stream)
                 self._proj["o"](lw["o"], self._attn_rows, self._o, stream)
             self._norm_project("gate_up", lw["gate_up"], self._o, w.ffn_norm[layer], self._gu,
                                stream)
