@@ -517,6 +517,10 @@ class RequestLifecycle(AdmissionControl):
         self._suppress_cold_restore_once = True
         return n
 
+    def is_live(self, seq_id: Hashable) -> bool:
+        """Whether ``seq_id`` has a row (a table) now; ``InvalidArgumentType`` when unhashable."""
+        return self._rows.find(seq_id) is not None
+
     def is_live_for_continue(self, seq_id: Hashable) -> bool:
         row = self._rows.find(seq_id)
         return row is not None and bool(self._rows.finalized[row])

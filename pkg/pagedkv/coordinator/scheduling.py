@@ -173,7 +173,7 @@ class RecomputeScheduler:
     def _check_not_live_elsewhere(self, seq_id: Hashable, call: str) -> None:
         # A row the caller keeps in the cache outside the scheduler: admission resets the
         # request's row, which would silently release that row's blocks and tokens.
-        if seq_id in self.cache.live_seq_ids():
+        if self.cache.is_live(seq_id):
             raise InvalidArgument(
                 f"{call}: seq_id {seq_id!r} is live in the cache outside this scheduler; "
                 "admitting it would release that row: release it first or use another id")
