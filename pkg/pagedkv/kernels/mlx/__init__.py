@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant import kv_q8
 from pagedkv.quant.arguments import basis_argument, shape_tuple
@@ -439,8 +440,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale: float |
     if kv_heads < 1 or heads % kv_heads or heads // kv_heads > 8:
         raise InvalidArgument(f"q/k_pool: {heads} query heads over {kv_heads} KV heads; heads "
                               f"must be 1..8 times kv_heads")
-    if max_seq_len is not None and (not isinstance(max_seq_len, (int, np.integer))
-                                    or isinstance(max_seq_len, (bool, np.bool_))):
+    if max_seq_len is not None and not is_int(max_seq_len):
         raise InvalidArgumentType(f"max_seq_len={max_seq_len!r}: expected an int (or None for "
                                   f"max(seq_lens)), got {type(max_seq_len).__name__}")
     if check:
