@@ -132,12 +132,13 @@ def dlpack_device(arr: DeviceArray) -> tuple[int, int]:
     return (DLPACK_DEVICE_TYPES[_backend(arr.device)]["export"][0], arr.device.ordinal)
 
 
-def _wait_default_stream(device: Device, stream) -> None:
-    """Make the consumer's ``stream`` wait for the work queued so far on the legacy
-    default stream (where pagedkv's host-side calls launch), without blocking the host."""
+def _stream_waits_for(device: Device, stream, producer: int | None = None) -> None:
+    """Make the consumer's ``stream`` wait for the work queued so far on ``producer`` (by
+    default the legacy default stream, where pagedkv's host-side calls launch), without
+    blocking the host."""
     from pagedkv.kernels.device import Event
     event = Event(device)
-    event.record(None)
+    event.record(producer)
     device.call("stream_wait_event", int(stream), event.handle, 0)
 
 
@@ -162,7 +163,7 @@ def dlpack_capsule(arr: DeviceArray, *, stream=None, max_version=None, dl_device
                           "DLPack 1.0 or export a writable copy")
     ptr = arr.live_ptr()
     if wait_on is not None:
-        _wait_default_stream(arr.device, wait_on)
+        _stream_waits_for(arr.device, wait_on)
     return export_capsule(_keepers(arr), ptr, arr.shape, _dl_dtype(arr.dtype), here[0],
                           here[1], versioned, arr.readonly)
 
@@ -350,10 +351,7 @@ def _wait_producer_stream(device: Device, producer: int, consumer: int | None) -
     handle = None if producer in (0, 1) else producer
     if handle == consumer:
         return
-    from pagedkv.kernels.device import Event
-    event = Event(device)
-    event.record(handle)
-    device.call("stream_wait_event", consumer, event.handle, 0)
+    _stream_waits_for(device, consumer, handle)
 
 
 def as_device_array(obj, device: Device | None = None, *, name: str = "array") -> DeviceArray:
