@@ -577,6 +577,10 @@ class Gemv:
         already holds the rotated activations. Without the tensor-core kernel, an
         unrotated ``x`` is used in place: keep it unchanged until the GEMVs ran."""
         self._check_x(x)
+        self._prepare(x, stream, x_rotated)
+
+    def _prepare(self, x: DeviceArray, stream: Stream | None, x_rotated: bool) -> None:
+        """:meth:`prepare` after its checks."""
         rotate = self.fmt.rotated and not x_rotated
         if self.tensor_cores:
             self._prep(self._prep_grid, (256,), x, self._xq, self._xs, self.K, self.batch,
@@ -609,6 +613,10 @@ class Gemv:
             raise InvalidArgument("Gemv.run_prepared: no prepared x; call prepare(x) first")
         if not self.tensor_cores and self._x is not None:  # the f32 kernel reads x in place
             self._check_apart(self._x, y)
+        self._launch(arr, y, stream)
+
+    def _launch(self, arr: DeviceArray, y: DeviceArray, stream: Stream | None) -> None:
+        """The GEMV launch of :meth:`run_prepared`, after its checks."""
         if self.tensor_cores:
             self._kernel(self._grid, self._block, arr, self._xq, self._xs, y, *self._split_args,
                          self.M, self.K, self.batch, shared_bytes=self._shared, stream=stream)
@@ -630,8 +638,9 @@ class Gemv:
                         int(self.fmt.rotated and not x_rotated), stream=stream)
             self._x = None
             return
-        self.prepare(x, stream=stream, x_rotated=x_rotated)
-        self.run_prepared(w, y, stream=stream)
+        # every argument was checked above: the prep and the GEMV without checking again
+        self._prepare(x, stream, x_rotated)
+        self._launch(arr, y, stream)
 
 
 def _pack_tiles(raw: np.ndarray, M: int, K: int, group_bytes: int) -> np.ndarray:
