@@ -178,13 +178,17 @@ class GroupBlocks:
 
     def grow_once(self, needed: int) -> bool:
         """One growth toward ``needed`` more blocks (growable pools); whether it grew."""
-        if not self.growth:
-            return False
-        grown = ReservationGrowth(self.pool, self.allocator.grow_by).before_allocation(
-            needed, 0)
+        return self.growth and self._grow_before(self._growth(), needed, 0) > 0
+
+    def _growth(self) -> ReservationGrowth:
+        return ReservationGrowth(self.pool, self.allocator.grow_by)
+
+    def _grow_before(self, growth: ReservationGrowth, needed: int, free: int) -> int:
+        """``growth``'s one grow before an allocation of ``needed`` blocks, counted."""
+        grown = growth.before_allocation(needed, free)
         if grown:
             self.counters["grow_events"] += 1
-        return grown > 0
+        return grown
 
     def backs(self, row: int, tokens: int) -> bool:
         """Whether the row's table holds the K/V a continuation at ``tokens`` reads."""
@@ -273,9 +277,8 @@ class GroupBlocks:
         if not self.growth:
             blocks = allocator.allocate_many(needed)
         else:
-            growth = ReservationGrowth(self.pool, allocator.grow_by)
-            if growth.before_allocation(needed, allocator.free_or_evictable_blocks):
-                self.counters["grow_events"] += 1
+            growth = self._growth()
+            self._grow_before(growth, needed, allocator.free_or_evictable_blocks)
             blocks = allocator.allocate_many(needed)
             if blocks is None and growth.for_retry(needed - allocator.free_or_evictable_blocks):
                 self.counters["grow_events"] += 1
@@ -304,9 +307,7 @@ class GroupBlocks:
             self.raise_exhausted(needed, total_tokens, phrase)
         free = self.allocator.free_or_evictable_blocks
         if self.growth and needed > free:
-            if ReservationGrowth(self.pool, self.allocator.grow_by).before_allocation(
-                    needed, free):
-                self.counters["grow_events"] += 1
+            self._grow_before(self._growth(), needed, free)
             if needed > self.allocator.free_or_evictable_blocks:
                 self.raise_exhausted(needed, total_tokens, phrase)
 
