@@ -131,6 +131,24 @@ def test_bad_tokens_are_rejected_before_kv_changes(model):
         model.generate(PROMPT, 3, kv)
 
 
+@pytest.mark.parametrize("count, error", [(2.5, InvalidArgumentType), (True, InvalidArgumentType),
+                                          (None, InvalidArgumentType), ("3", InvalidArgumentType),
+                                          (0, InvalidArgument), (-1, InvalidArgument)])
+def test_generate_refuses_a_bad_count_before_kv_changes(model, count, error):
+    # A float/bool/None count used to fail (TypeError) only after the prompt was recorded.
+    kv = model.new_flat_kv()
+    model.forward(PROMPT[:5], kv)
+    with pytest.raises(error, match="max_new_tokens"):
+        model.generate(PROMPT, count, kv)
+    assert kv.num_tokens == 5
+    assert model.generate(PROMPT, np.int64(2), kv).tokens.shape == (2,)
+
+
+def test_generate_refuses_a_0d_prompt(model):
+    with pytest.raises(InvalidArgument, match="1-D"):
+        model.generate(np.array(5), 2, model.new_flat_kv())
+
+
 def test_numpy_and_mlx_agree_within_tolerance(model):
     pytest.importorskip("mlx.core")
     mlx_model = ReferenceModel(model.config, model.weights, backend="mlx")

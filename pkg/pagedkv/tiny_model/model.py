@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from pagedkv.argument_checks import int_argument
 from pagedkv.errors import ContextLengthExceeded, InvalidArgument, InvalidArgumentType
 from pagedkv.tiny_model.config import ReferenceConfig
 from pagedkv.tiny_model.hybrid_config import HybridConfig
@@ -191,13 +192,17 @@ class ReferenceModel:
         is not fed back, so ``kv`` ends holding ``prompt + tokens[:-1]``.
         """
         prompt = np.asarray(prompt)
+        # Every argument is checked before the first forward, so a refused call leaves kv as
+        # it was (a float or bool count would otherwise fail after the prompt was recorded).
+        max_new_tokens = int_argument("max_new_tokens", max_new_tokens, minimum=1)
+        if prompt.ndim != 1:
+            raise InvalidArgument(f"prompt must be a 1-D array of token ids, got shape "
+                                  f"{prompt.shape}")
         cached = kv.num_tokens
         if cached >= len(prompt):
             raise InvalidArgument(
                 f"kv already holds {cached} tokens of a {len(prompt)}-token prompt: at least the "
                 "last prompt token must be computed for its logits (use max_tokens=len(prompt)-1)")
-        if max_new_tokens < 1:
-            raise InvalidArgument(f"max_new_tokens={max_new_tokens}: must be >= 1")
         last = self.forward(prompt[cached:], kv)[-1]
         tokens = np.empty(max_new_tokens, np.int64)
         logits = np.empty((max_new_tokens, self.config.vocab_size), np.float32)
