@@ -172,3 +172,24 @@ def test_mlx_paged_equals_mlx_flat():
     assert cached == 3 * BS
     assert same(again, model.generate(np.concatenate([SYSTEM, user(5)]), 6,
                                       FlatKV(model.config, "mlx")))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (Request("bad", np.array([1, 512]), 3), "InvalidArgument"),       # id == vocab_size
+    (Request("bad", np.array([1.0, 2.0]), 3), "InvalidArgumentType"),
+    (Request("bad", np.array(7), 3), "InvalidArgument"),              # 0-d prompt
+    (Request("bad", np.arange(20), 2.0), "InvalidArgumentType"),
+    (Request("bad", np.arange(20), 20), "ContextLengthExceeded"),     # 20 + 20 - 1 > 32
+])
+def test_serve_refuses_a_bad_request_before_admitting_any(adapter_for, bad, error):
+    # Such a request used to be admitted and fail in its prefill or a decode step, leaving
+    # its row and blocks allocated; the requests before it had been served.
+    from pagedkv import errors
+    small = ReferenceModel(ReferenceConfig(seed=1, max_position=32))
+    adapter = adapter_for(small, block_size=8, num_blocks=16, max_num_blocks=16)
+    with pytest.raises(getattr(errors, error), match="request 'bad'"):
+        serve(small, adapter, [Request("ok", np.arange(5), 3), bad])
+    stats = adapter.stats()
+    assert stats["live_sequences"] == 0 and stats["blocks_allocated"] == 0
+    report = serve(small, adapter, [Request("ok", np.arange(5), 3)])
+    assert check_parity(small, [Request("ok", np.arange(5), 3)], report.outputs) == []

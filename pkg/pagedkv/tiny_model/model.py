@@ -143,6 +143,21 @@ class ReferenceModel:
             return HybridFlatKV(self.config, self.backend)
         return FlatKV(self.config, self.backend, kv_dtype=self.kv_dtype)
 
+    def token_ids(self, tokens, name: str = "tokens") -> np.ndarray:
+        """``tokens`` as int64 ids; ``InvalidArgument`` unless a non-empty 1-D array of ids in
+        ``[0, vocab_size)``, ``InvalidArgumentType`` unless integers (bools are not)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidArgument(f"{name} must be a non-empty 1-D array, got shape "
+                                  f"{tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise InvalidArgumentType(f"{name} must be integers, got dtype {tokens.dtype}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise InvalidArgument(
+                f"{name} must be integers in [0, {self.config.vocab_size}), got dtype "
+                f"{tokens.dtype} range [{tokens.min()}, {tokens.max()}]")
+        return tokens.astype(np.int64)
+
     def forward(self, tokens, kv: KVPath | HybridKVPath, *,
                 already_recorded: bool = False) -> np.ndarray:
         """Logits ``float32[n, vocab]`` of ``tokens`` at positions ``kv.num_tokens ..``.
@@ -158,16 +173,7 @@ class ReferenceModel:
             raise InvalidArgumentType(
                 f"{type(kv).__name__} cannot carry this model's state: it needs {need}; "
                 "model.new_flat_kv() makes the right one")
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise InvalidArgument(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise InvalidArgumentType(f"tokens must be integers, got dtype {tokens.dtype}")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise InvalidArgument(
-                f"tokens must be integers in [0, {self.config.vocab_size}), got dtype "
-                f"{tokens.dtype} range [{tokens.min()}, {tokens.max()}]")
-        tokens = tokens.astype(np.int64)
+        tokens = self.token_ids(tokens)
         if already_recorded:
             start = kv.num_tokens - len(tokens)
             if start < 0:

@@ -21,11 +21,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pagedkv.adapter import PagedKVCacheAdapter
-from pagedkv.errors import InvalidArgument
+from pagedkv.argument_checks import int_argument
+from pagedkv.errors import ContextLengthExceeded
 from pagedkv.tiny_model.kv_paths import PagedKV
 from pagedkv.tiny_model.model import Generation, ReferenceModel
 
 __all__ = ["Request", "RunningRequest", "SessionReport", "build_paged_adapter", "check_parity",
+           "check_request",
            "count_admission", "run_session", "serve"]
 
 
@@ -134,11 +136,9 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
     """
     from pagedkv.coordinator import RecomputeScheduler
 
-    if max_batch < 1:
-        raise InvalidArgument(f"max_batch = {max_batch}: must be >= 1")
+    max_batch = int_argument("max_batch", max_batch, minimum=1)
     for r in requests:
-        if r.max_new_tokens < 1 or len(r.prompt) < 1:
-            raise InvalidArgument(f"request {r.seq_id!r}: needs a prompt and max_new_tokens >= 1")
+        check_request(model, r)
     report = SessionReport()
     stats0 = adapter.stats()
     evictions0 = adapter.allocator.stats()["pressure_evictions"]
@@ -171,6 +171,23 @@ def serve(model: ReferenceModel, adapter: PagedKVCacheAdapter, requests: Sequenc
     report.pool_blocks = adapter.pool.num_blocks
     report.pool_max_blocks = adapter.pool.max_num_blocks
     return report
+
+
+def check_request(model: ReferenceModel, request: Request) -> None:
+    """Refuse ``request`` before anything is admitted: its prompt must be token ids of
+    ``model`` (:meth:`ReferenceModel.token_ids`), ``max_new_tokens`` an int >= 1, and
+    ``prompt + max_new_tokens - 1`` positions (the last token is not fed back) must fit
+    ``max_position``. Found later, in a prefill or a decode step, the error would leave the
+    request's row and blocks allocated (and end the session for the others)."""
+    name = f"request {request.seq_id!r}"
+    prompt = model.token_ids(request.prompt, f"{name}: prompt")
+    new = int_argument(f"{name}: max_new_tokens", request.max_new_tokens, minimum=1)
+    held = len(prompt) + new - 1
+    if held > model.config.max_position:
+        raise ContextLengthExceeded(
+            f"{name} spans {held} positions ({len(prompt)} prompt + {new} new tokens - 1) but "
+            f"the model holds max_position={model.config.max_position}; shorten the prompt or "
+            "max_new_tokens")
 
 
 def count_admission(report: SessionReport, prompt_tokens: int, lookup, seconds: float
