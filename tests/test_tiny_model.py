@@ -112,10 +112,15 @@ def test_load_rejects_other_model_types_and_bad_tensors(tmp_path, model):
         ReferenceModel.load(tmp_path)
 
 
-@pytest.mark.parametrize("kwargs", [{"num_heads": 3}, {"head_dim": 7}, {"num_layers": 0}])
+@pytest.mark.parametrize("kwargs", [{"num_heads": 3}, {"head_dim": 7}, {"num_layers": 0},
+                                    {"num_layers": True}, {"vocab_size": True},
+                                    {"seed": False}, {"rope_theta": True}])
 def test_config_validation(kwargs):
     with pytest.raises(InvalidArgument):
         ReferenceConfig(**kwargs)
+    # a config.json with the same value (JSON true/false used to load as 1/0)
+    with pytest.raises(BadMetadata, match="invalid reference config"):
+        ReferenceConfig.from_json_dict({"model_type": MODEL_TYPE, **kwargs})
 
 
 def test_bad_tokens_are_rejected_before_kv_changes(model):

@@ -35,17 +35,19 @@ class ReferenceConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # bool is an int subclass: a config.json "num_layers": true must not become 1 layer.
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "max_position"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"ReferenceConfig.{name} = {value!r}: must be an int > 0")
-        if not isinstance(self.seed, int) or self.seed < 0:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidArgument(f"ReferenceConfig.seed = {self.seed!r}: must be an int >= 0 "
                                   "(it seeds numpy.random.default_rng)")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < float("inf")):
                 raise InvalidArgument(f"ReferenceConfig.{name} = {value!r}: must be a finite "
                                       "number > 0")
         if self.num_heads % self.num_kv_heads:
