@@ -171,7 +171,7 @@ def _chain_keys(extra_keys, extra_keys_per_block
     ``extra_keys_per_block`` given, ``extra_keys`` must be empty (only its length is read)."""
     if extra_keys_per_block is None:
         return (() if extra_keys is None else _keys_tuple(extra_keys, "extra_keys")), None
-    if extra_keys is not None and len(extra_keys) > 0:
+    if extra_keys is not None and len(_keys_tuple(extra_keys, "extra_keys")) > 0:
         raise InvalidArgument(
             "pass either extra_keys (same keys for every block) or extra_keys_per_block, "
             "not both")

@@ -121,6 +121,17 @@ def test_both_key_forms_is_invalid():
         chain_hashes(range(8), 4, extra_keys=(1,), extra_keys_per_block=[(1,), (1,)])
 
 
+@pytest.mark.parametrize("keys,exc", [(5, InvalidArgumentType), (1.5, InvalidArgumentType),
+                                      ((2**64,), InvalidArgument),
+                                      ((k for k in [1]), InvalidArgument)])
+def test_bad_extra_keys_next_to_per_block_keys(keys, exc):
+    # Checked as keys, not with a bare len(): an int or a generator was a plain TypeError.
+    with pytest.raises(exc):
+        chain_hashes(range(8), 4, extra_keys=keys, extra_keys_per_block=[(1,), (1,)])
+    assert chain_hashes(range(8), 4, extra_keys=(k for k in []),
+                        extra_keys_per_block=[(), ()]).tolist() == chain_hashes(range(8), 4).tolist()
+
+
 def test_wheel_and_libxxhash_give_identical_digests():
     toks = np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32)
     args = {"extra_keys_per_block": [(i,) * (i % 3) for i in range(256)], "cache_salt": 3,

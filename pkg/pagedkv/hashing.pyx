@@ -244,7 +244,8 @@ cpdef ChainKeys make_chain_keys(object extra_keys=(), object extra_keys_per_bloc
     cdef ChainKeys ck
     cdef cnp.ndarray flat, offsets
     if extra_keys_per_block is not None:
-        if extra_keys is not None and len(extra_keys) != 0:
+        # Checked as keys first: len() of an int or a generator is a bare TypeError.
+        if extra_keys is not None and len(_keys_tuple(extra_keys, "extra_keys")) != 0:
             raise InvalidArgument(
                 "pass either extra_keys (same keys on every block) or extra_keys_per_block, "
                 "not both")
