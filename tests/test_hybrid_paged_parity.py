@@ -222,3 +222,55 @@ def test_snapshot_needs_the_window_rows_and_the_state_its_boundary(model):
     with pytest.raises(InvalidArgument, match="stands at 39"):
         kv.install_linear_states(32, flat.snapshot().conv_states,
                                  flat.snapshot().recurrent_states)
+
+
+def test_a_hit_state_at_another_boundary_is_never_installed():
+    """A restore hook handing back the GDN state of 8 tokens with a 16-token hit: the
+    lifecycle latches the row (aux_unbacked), and install_hit_state installed that state as
+    the state at 16 and confirmed the latch (found by a review: it passed the hit's length,
+    not the state's boundary, to install_linear_states). It refuses now and installs
+    nothing; the latch stays."""
+    from pagedkv.adapter import ColdRestore
+    from pagedkv.cold import RestoredSidecar
+    from pagedkv.cold.hybrid_profile import reference_hybrid_sidecar
+    from pagedkv.errors import AuxStateUnconfirmed
+    from pagedkv.pool import PoolGeometry
+    from pagedkv.tiny_model.hybrid_cold import sidecar_state
+    from pagedkv.tiny_model.hybrid_serving import install_hit_state
+
+    cfg = HybridConfig(num_layers=2, layer_types=("linear_attention", "full_attention"),
+                       kv_shared_layers=())
+    codec = reference_hybrid_sidecar(cfg.to_json_dict(), PoolGeometry(
+        1, cfg.num_kv_heads, cfg.head_dim, BS, "float32"))
+    small = ReferenceModel(cfg)
+    prompt = (np.arange(20, dtype=np.int64) * 7 + 1) % cfg.vocab_size
+    held = []
+
+    class Hook:
+        sidecar = codec
+
+        def capture(self, **kw):
+            return None
+
+        def restore(self, *, tokens, hot_blocks, pool, allocator, **kw):
+            if len(hot_blocks) or not held:
+                return np.empty(0, np.int32)
+            return ColdRestore(np.asarray(allocator.allocate_many(2), np.int32), held[0])
+
+    cache = build_hybrid_coordinator(cfg, block_size=BS, blocks_per_group=(64,), cold=Hook(),
+                                     checkpoints=False)
+    kv = HybridPagedKV(cache, "a", cfg, small.backend)
+    cache.reset_for_new_request("a")
+    cache.find_cached_prefix("a", prompt, max_tokens=0)
+    small.forward(prompt[:8], kv)
+    layout, payload = codec.pack(sidecar_state(kv.snapshot(), codec), 8)
+    held.append(RestoredSidecar(layout, payload, b"k" * 16))
+    cache.release_request("a")
+    cache.reset_for_new_request("b")
+    hit = cache.find_cached_prefix("b", prompt, max_tokens=19)
+    assert (hit.cached_tokens, hit.sidecar.boundary_tokens) == (16, 8)
+    assert cache.aux_prefix_unbacked("b")
+    kvb = HybridPagedKV(cache, "b", cfg, small.backend)
+    with pytest.raises(AuxStateUnconfirmed, match="at 8 tokens"):
+        install_hit_state(kvb, hit, codec)
+    assert cache.aux_prefix_unbacked("b")

@@ -60,7 +60,8 @@ def install_hit_state(kv: HybridPagedKV, lookup, cold_codec=None) -> str:
     """Resume ``kv``'s linear layers at its lookup's boundary from ``lookup.sidecar``: a hot
     :class:`~pagedkv.coordinator.Checkpoint` (its state a snapshot) or a cold sidecar (decoded
     with ``cold_codec``). Returns ``"none"``, ``"hot"`` or ``"cold"``. A hit without its
-    state cannot happen under the aux latch; it raises ``AuxStateUnconfirmed``."""
+    state, or with a state at another boundary than ``cached_tokens`` (the lifecycle's aux
+    latch), raises ``AuxStateUnconfirmed`` and installs nothing."""
     from pagedkv.coordinator import Checkpoint
     from pagedkv.tiny_model.hybrid_state import HybridSnapshot
 
@@ -68,6 +69,12 @@ def install_hit_state(kv: HybridPagedKV, lookup, cold_codec=None) -> str:
     if cached == 0 or not kv.config.linear_attention_layers:
         return "none"
     side = lookup.sidecar
+    at = getattr(side, "boundary_tokens", None)
+    if side is not None and at != cached:
+        # The lifecycle latched this hit (its state is not at the hit's end): installing it
+        # at ``cached`` would confirm the latch with the state of another prefix.
+        raise AuxStateUnconfirmed(f"seq_id {kv.seq_id!r} resumed {cached} cached tokens, but "
+                                  f"the state that came with the hit is at {at} tokens")
     if isinstance(side, Checkpoint) and isinstance(side.state, HybridSnapshot):
         snap = side.state
         kv.install_linear_states(cached, snap.conv_states, snap.recurrent_states)
