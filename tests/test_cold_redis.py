@@ -499,6 +499,37 @@ def test_cold_cli_against_redis(redis_server, capsys, monkeypatch):
     assert refused.returncode == 2 and "TLS" in refused.stderr
 
 
+def test_verify_prune_keeps_a_value_rewritten_after_its_check(redis_server, monkeypatch):
+    """``verify --prune`` deletes a value only if it is still the one judged bad: a fleet
+    peer that rewrites the key between the check and the delete keeps its good object
+    (counted as vanished, not bad). A bad value nobody touched is still deleted."""
+    from pagedkv.cold import redis_offline
+    tier = ColdTier.open_remote(redis_server.url, fingerprint=FP)
+    persist_prompt(tier, _tokens(3))
+    tier.close()
+    client = redis_server.client()
+    rewritten, untouched = sorted(k.decode() for k in client.keys("*"))[:2]
+    good = client.get(rewritten)
+    client.set(rewritten, _flip(good))
+    client.set(untouched, _flip(client.get(untouched)))
+    checked = redis_offline.check_object
+
+    def check_then_peer_rewrites(store, size, key, group, name, *args):
+        try:
+            checked(store, size, key, group, name, *args)
+        finally:
+            if name == rewritten:
+                redis_server.client().set(rewritten, good)  # another replica's fresh write
+    monkeypatch.setattr(redis_offline, "check_object", check_then_peer_rewrites)
+    store = RedisColdStore.open(redis_server.url)
+    result = redis_offline.verify_remote(store, prune=True)
+    store.close()
+    assert client.get(rewritten) == good
+    assert client.exists(untouched) == 0
+    assert [(b.name, b.quarantined) for b in result.bad] == [(untouched, True)]
+    assert result.checked == 3 and result.vanished == 1
+
+
 @pytest.mark.parametrize("action", [["stats"], ["verify"], ["verify", "--prune"],
                                     ["evict", "--to", "0"]])
 def test_cold_cli_says_one_line_when_redis_dies_after_the_open(redis_server, capsys,
