@@ -100,6 +100,17 @@ def test_a_password_is_hidden_wherever_the_url_is_shown(tmp_path, monkeypatch, c
                   f"redis://:{password}@host:notaport/0"):
         assert password not in redacted_url(value), value
     assert redacted_url(f"redis://u:{password}@h:1/0") == "redis://u:***@h:1/0"
+    # A URL of another scheme is refused before the client sees it, still redacted.
+    for other in (f"http://user:{password}@host:6379/0", f"redis//user:{password}@host/0"):
+        with pytest.raises(InvalidArgument, match="not a redis://") as info:
+            RedisColdStore.open(other)
+        assert password not in str(info.value) and ":***@" in str(info.value)
+        with pytest.raises(InvalidArgument, match="not a redis://") as info:
+            ColdTier.open_remote(other)
+        assert password not in str(info.value)
+        with pytest.raises(InvalidArgument, match="not a redis://") as info:
+            ColdTier.open_at(tmp_path / "cold", remote=other)
+        assert password not in str(info.value)
     caplog.set_level("WARNING", logger="pagedkv.cold")
     for typo in (f"redis//:{password}@host:6379/0", f"http://:{password}@host:6379/0"):
         monkeypatch.setenv("PAGEDKV_COLD_BACKEND", typo)

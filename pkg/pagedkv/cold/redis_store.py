@@ -191,8 +191,9 @@ class RedisColdStore:
         when TLS does not match, ``ColdBackendError`` when the server is unreachable or the
         ``redis`` client is not installed, ``InvalidArgument`` for a malformed URL.
         """
+        shown = redacted_url(url)
         if not is_redis_url(url):
-            raise InvalidArgument(f"cold backend {url!r} is not a redis://, rediss:// or "
+            raise InvalidArgument(f"cold backend {shown!r} is not a redis://, rediss:// or "
                                   "unix:// URL")
         try:
             import redis
@@ -201,7 +202,6 @@ class RedisColdStore:
                                    "install 'pagedkv[redis]'") from None
         from redis.backoff import NoBackoff
         from redis.retry import Retry
-        shown = redacted_url(url)
         _check_url(url, shown)
         try:
             # One immediate retry: a pooled connection the server dropped (a restart)
