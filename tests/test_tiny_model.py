@@ -154,6 +154,22 @@ def test_generate_refuses_a_0d_prompt(model):
         model.generate(np.array(5), 2, model.new_flat_kv())
 
 
+def test_constructor_checks_the_config_and_weights(model):
+    # A dict config used to fail with AttributeError, a missing tensor with KeyError and a
+    # wrong-shaped one only somewhere inside the first forward.
+    with pytest.raises(InvalidArgumentType, match="ReferenceConfig"):
+        ReferenceModel({"vocab_size": 5})
+    with pytest.raises(InvalidArgumentType, match="dict"):
+        ReferenceModel(model.config, [])
+    with pytest.raises(FormatError, match="embed_tokens"):
+        ReferenceModel(model.config, {})
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for bad in (model.weights[name][:-1], model.weights[name].astype(np.float64),
+                model.weights[name].tolist()):
+        with pytest.raises(SizeMismatch, match="q_proj"):
+            ReferenceModel(model.config, {**model.weights, name: bad})
+
+
 def test_numpy_and_mlx_agree_within_tolerance(model):
     pytest.importorskip("mlx.core")
     mlx_model = ReferenceModel(model.config, model.weights, backend="mlx")

@@ -17,7 +17,13 @@ from pagedkv.tiny_model.config import ReferenceConfig
 from pagedkv.tiny_model.hybrid_config import HybridConfig
 from pagedkv.tiny_model.hybrid_kv import HybridFlatKV, HybridKVPath
 from pagedkv.tiny_model.kv_paths import FlatKV, KVPath
-from pagedkv.tiny_model.weights import load_hfqm, load_model, random_weights, save_model
+from pagedkv.tiny_model.weights import (
+    check_weights,
+    load_hfqm,
+    load_model,
+    random_weights,
+    save_model,
+)
 
 if TYPE_CHECKING:  # mlx_forward imports MLX: only for the checker
     from pagedkv.tiny_model.hybrid_forward import HybridTransformer
@@ -60,6 +66,9 @@ class ReferenceModel:
                  kv_dtype: str = "float32") -> None:
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend={backend!r}: expected one of {BACKENDS}")
+        if config is not None and not isinstance(config, ReferenceConfig):
+            raise InvalidArgumentType(f"config must be a ReferenceConfig or HybridConfig, got "
+                                      f"{type(config).__name__}")
         self.config = config if config is not None else ReferenceConfig()
         from pagedkv.pool import PoolGeometry
         c = self.config
@@ -73,6 +82,8 @@ class ReferenceModel:
         if isinstance(c, HybridConfig) and self.kv_dtype != "float32":
             raise InvalidArgument(f"kv_dtype={kv_dtype!r}: the hybrid reference model stores "
                                   f"float32 K/V only; build it with kv_dtype='float32'")
+        if weights is not None:
+            check_weights(self.config, weights)
         self.weights = weights if weights is not None else random_weights(self.config)
         self.backend = backend
         self._impl: MlxTransformer | NumpyTransformer | HybridTransformer

@@ -13,13 +13,14 @@ import os
 
 import numpy as np
 
-from pagedkv.errors import BadMetadata, FormatError, SizeMismatch
+from pagedkv.errors import BadMetadata, FormatError, InvalidArgumentType, SizeMismatch
 from pagedkv.tiny_model.config import ReferenceConfig
 from pagedkv.tiny_model.hybrid_config import LINEAR_ATTENTION, HybridConfig, config_from_json_dict
 
 __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
+    "check_weights",
     "layer_operands",
     "load_hfqm",
     "load_model",
@@ -175,14 +176,25 @@ def load_model(directory: str | os.PathLike) -> tuple[ReferenceConfig, dict[str,
         weights = load_file(weights_path)
     except SafetensorError as e:
         raise FormatError(f"not a readable safetensors file: {e}", path=weights_path) from e
+    check_weights(config, weights, path=weights_path)
+    return config, weights
+
+
+def check_weights(config: ReferenceConfig, weights: object, *, path: str | None = None) -> None:
+    """Every tensor ``config`` needs is in ``weights`` as a float32 NumPy array of its shape:
+    ``FormatError`` for a missing one, ``SizeMismatch`` for a wrong dtype, type or shape."""
+    if not isinstance(weights, dict):
+        raise InvalidArgumentType(f"weights must be a dict of tensor name -> float32 array, "
+                                  f"got {type(weights).__name__}")
     for name, shape in weight_shapes(config).items():
         w = weights.get(name)
         if w is None:
-            raise FormatError("missing tensor", path=weights_path, tensor=name)
-        if w.shape != shape or w.dtype != np.float32:
-            raise SizeMismatch(f"expected float32{list(shape)}, found {w.dtype}{list(w.shape)}",
-                               path=weights_path, tensor=name)
-    return config, weights
+            raise FormatError("missing tensor", path=path, tensor=name)
+        if not isinstance(w, np.ndarray) or w.shape != shape or w.dtype != np.float32:
+            found = (f"{w.dtype}{list(w.shape)}" if isinstance(w, np.ndarray)
+                     else type(w).__name__)
+            raise SizeMismatch(f"expected float32{list(shape)}, found {found}", path=path,
+                               tensor=name)
 
 
 def load_hfqm(path: str | os.PathLike) -> tuple[ReferenceConfig, dict[str, np.ndarray]]:
