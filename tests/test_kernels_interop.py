@@ -469,14 +469,11 @@ def test_imports_and_arrays_of_types_pagedkv_does_not_hold_are_refused(host_dlpa
         DeviceArray.from_dlpack(Quad(), dev)
 
 
-def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
-    """Found by a review: from_dlpack's stream= went through int(), so a pagedkv Stream or a
-    torch stream (what every launcher's stream= takes) and a str let a bare TypeError /
-    ValueError out, and 1.5 or True were truncated to a stream handle silently. It is read
-    like a launcher's stream= now: InvalidArgumentType before the producer is asked."""
+def _rocm_producer(asked):
+    """A class of ROCm float32[4] tensors of device 0 whose ``__dlpack__`` records the
+    ``stream=`` it is asked for in ``asked``."""
     from pagedkv.kernels.dlpack import export_capsule
     host = np.zeros(4, np.float32)
-    asked = []
 
     class OnDevice:  # a ROCm tensor of this device
         def __dlpack_device__(self):
@@ -487,6 +484,16 @@ def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
             return export_capsule(host, host.ctypes.data, (4,), (2, 32, 1), interop.KDL_ROCM,
                                   0, True)
 
+    return OnDevice
+
+
+def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
+    """Found by a review: from_dlpack's stream= went through int(), so a pagedkv Stream or a
+    torch stream (what every launcher's stream= takes) and a str let a bare TypeError /
+    ValueError out, and 1.5 or True were truncated to a stream handle silently. It is read
+    like a launcher's stream= now: InvalidArgumentType before the producer is asked."""
+    asked = []
+    OnDevice = _rocm_producer(asked)
     s = Stream(stub_device)
     for stream, handle in ((None, 0), (0, 0), (0x77, 0x77), (s, s.handle),
                            (SimpleNamespace(cuda_stream=0x66), 0x66)):
@@ -497,6 +504,24 @@ def test_from_dlpack_takes_the_stream_a_launcher_takes(stub_device):
                                                       "integer stream handle"):
             DeviceArray.from_dlpack(OnDevice(), stub_device, stream=bad)
     assert asked == []
+
+
+def test_from_dlpack_on_hip_refuses_cudas_default_stream_values(stub_device):
+    """Found by a review: from_dlpack(x, stream=1) or (stream=2) on a HIP device passed 1
+    or 2 on to the producer's __dlpack__(stream=), where DLPack's 1 (legacy default) and 2
+    (per-thread default) are CUDA-only values: ROCm takes 0 for its default stream and 1/2
+    are not supported (a ROCm torch wraps them as ExternalStream(1)). They raise
+    InvalidArgument naming what to pass, before the producer is asked."""
+    asked = []
+    OnDevice = _rocm_producer(asked)
+    for stream in (1, 2, np.int64(1), SimpleNamespace(cuda_stream=2)):
+        with pytest.raises(InvalidArgument, match=r"from_dlpack\(stream=[12]\): .*not a HIP "
+                                                  r"stream.*pass None or 0 \(the default "
+                                                  r"stream\)"):
+            DeviceArray.from_dlpack(OnDevice(), stub_device, stream=stream)
+    assert asked == []
+    assert DeviceArray.from_dlpack(OnDevice(), stub_device, stream=3).shape == (4,)
+    assert asked == [3]
 
 
 def test_a_read_only_array_is_never_exported_as_a_legacy_capsule(host_dlpack, stub_recorder):

@@ -27,6 +27,8 @@ Ownership (docs/kernels.md, "Interop"):
   for the default stream's work (an event, no host wait); ``s`` follows DLPack's rule
   (CUDA: 1 legacy default, 2 per-thread default, 0 refused; ROCm: 0 default, 1 and 2
   refused; -1 no synchronization), a refused value raising ``BufferError`` before any wait.
+  An import (``from_dlpack(obj, stream=s)``) on HIP refuses 1 and 2 the same way
+  (``InvalidArgument``, before the producer is asked): pass None or 0 or a stream handle.
   ``__cuda_array_interface__`` reports stream 1 (legacy default). An import whose
   producer names a stream is ordered before the consumer's ``stream=`` (an interface's
   ``stream`` entry: an event the consumer stream waits for; on the legacy default stream a
@@ -254,7 +256,8 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     with ``__dlpack__``), taken without a copy. ``device``: the pagedkv Device it must be
     on (default ``open_device()``). ``stream``: the stream the memory will be used on
     (as a launcher's ``stream=``: a pagedkv Stream, an int handle or a torch/CuPy stream;
-    default the legacy default stream)."""
+    default the legacy default stream; on HIP 1 and 2, CUDA's default-stream values under
+    DLPack, raise ``InvalidArgument`` before the producer is asked)."""
     from pagedkv.kernels.device import open_device, stream_handle
     from pagedkv.kernels.device_array import DeviceArray
     from pagedkv.kernels.dlpack import import_capsule
@@ -263,6 +266,14 @@ def from_dlpack(obj, device: Device | None = None, *, stream=None) -> DeviceArra
     handle = stream_handle(stream)  # InvalidArgumentType before anything is asked of obj
     device = open_device() if device is None else device
     backend = _backend(device)
+    if backend == "hip" and handle in (1, 2):
+        # DLPack's 1 (legacy default) and 2 (per-thread default) are CUDA's; a ROCm
+        # producer would take them as a stream handle (torch: ExternalStream(1)).
+        raise InvalidArgument(f"from_dlpack(stream={handle}): {handle} is CUDA's "
+                              f"{'legacy' if handle == 1 else 'per-thread'} default stream, "
+                              f"not a HIP stream (DLPack: ROCm takes 0 for its default "
+                              f"stream, 1 and 2 are not supported); pass None or 0 (the "
+                              f"default stream), a pagedkv Stream or a stream handle")
     accepted = DLPACK_DEVICE_TYPES[backend]["import"]
     dev_type = None
     if hasattr(obj, "__dlpack_device__"):
