@@ -401,6 +401,28 @@ def test_kv_q8_quantize_writes_codes_0_where_127_over_amax_overflows():
     assert bits_equal(np.array(pool).reshape(2, 3, 68), expect[[1, 0]])
 
 
+def test_kv_q8_quantize_writes_the_canonical_nan_scale():
+    """Found by a review: kv_q8_quantize takes NaN unchecked, and a record holding one got
+    the float16 scale bits MLX's cast gives, 0x7D00, where the NumPy reference (and
+    kvquant.h's pkv_f16_rne, which the GPU kernels use) writes the quiet NaN 0x7E00; the
+    codes agreed. Both write 0x7E00 now, whatever the NaN's sign or payload."""
+    payload = np.array([0x7FA00000, 0xFFC00000, 0x7FC00001], np.uint32).view(np.float32)
+    for dt in (np.float32, np.float16):
+        v = np.ones((3, 2, 64), np.float32)
+        v[0, 0, 3], v[1, 1, 40], v[2, 0, 0] = np.nan, -np.nan, np.nan
+        if dt is np.float32:
+            v[2, 1, 33:36] = payload
+        v = v.astype(dt)
+        expect = ref.kv_q8_quantize(v.astype(np.float32))
+        got = np.array(K.kv_q8_quantize(mx.array(v)))
+        scales = expect.reshape(-1, 34)[:, :2].copy().view(np.uint16).ravel()
+        assert sorted(set(scales.tolist())) == [0x2008, 0x7E00]  # 1/127 and the NaN
+        assert bits_equal(got, expect)
+        pool = K.kv_q8_write(mx.zeros((2, 2, 2, 68), dtype=mx.uint8), [1, 3, 0],
+                             mx.array(v))
+        assert bits_equal(np.array(pool).reshape(4, 2, 68)[[1, 3, 0]], expect)
+
+
 def test_paged_attention_refuses_a_max_seq_len_that_is_not_an_int():
     """Found by a review: ``max_seq_len="5"`` raised a bare TypeError from a comparison,
     and 5.5 or True were taken (unchecked: as a partition count)."""

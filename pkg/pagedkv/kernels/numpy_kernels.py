@@ -52,7 +52,9 @@ def kv_q8_quantize(x: np.ndarray) -> np.ndarray:
     inv[~np.isfinite(inv)] = 0  # 127 / amax past float32: codes 0 (kvquant.h)
     q = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int8)
     rec = np.empty((blocks.shape[0], KVQ8_RECORD_BYTES), dtype=np.uint8)
-    rec[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)  # f16 round-to-nearest-even
+    d16 = d.astype(np.float16).view(np.uint16)  # f16 round-to-nearest-even
+    d16[np.isnan(d)] = 0x7E00  # a NaN scale (NaN input) as kvquant.h's canonical quiet NaN
+    rec[:, :2] = d16.view(np.uint8).reshape(-1, 2)
     rec[:, 2:] = q.view(np.uint8)
     return rec.reshape(*x.shape[:-1], hd // KVQ8_BLOCK * KVQ8_RECORD_BYTES)
 

@@ -109,6 +109,10 @@ def _unpack(packed, hd: int, bits: int):
     return codes.reshape(r, hd)
 
 
+#: The float16 NaN a q8 scale field holds for a NaN scale (quiet, no payload).
+_F16_NAN = 0x7E00
+
+
 def _encode_q8(rows):
     """``(records, scales)`` of the rows, not evaluated: the caller checks the float16
     scales with the input in one evaluation."""
@@ -119,7 +123,11 @@ def _encode_q8(rows):
     inv = mx.where(mx.isinf(inv), 0.0, inv)  # 127 / amax past float32: codes 0 (kvquant.h)
     q = mx.clip(mx.round(blocks * inv[:, None]), -127, 127).astype(mx.int8)
     scale = (amax / 127.0).astype(mx.float16)
-    rec = mx.concatenate([scale[:, None].view(mx.uint8), q.view(mx.uint8)], axis=1)
+    # A NaN scale (NaN input: kv_q8_quantize takes it unchecked) as the canonical 0x7E00
+    # that kvquant.h's pkv_f16_rne (the GPU kernels) and NumPy write; MLX's cast gave 0x7D00.
+    bits = mx.where(mx.isnan(scale), mx.array(_F16_NAN, dtype=mx.uint16),
+                    scale.view(mx.uint16))
+    rec = mx.concatenate([bits[:, None].view(mx.uint8), q.view(mx.uint8)], axis=1)
     return rec.reshape(rows.shape[0], -1), scale
 
 
