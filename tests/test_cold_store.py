@@ -395,6 +395,48 @@ def test_failed_load_cleanup_spares_a_concurrent_writers_replacement(tmp_path, m
 
 # W3 --------------------------------------------------------------------------------------
 
+def test_repeated_write_failures_log_once_per_kind_then_a_summary(tmp_path, caplog):
+    """A disk that fails every write (ENOSPC) logs the first failure of its kind with the
+    hint; the rest are counted in write_errors_unlogged, summarized at most once per
+    interval and at close, never one WARNING per block."""
+    import logging
+
+    from pagedkv.cold.stats import WriteFailureLog
+    now = [0.0]
+    caplog.set_level("WARNING", logger="pagedkv.cold")
+    with open_tier(tmp_path / "root") as tier:
+        store = tier.store
+        store.write_failures = WriteFailureLog(tier.counters, logging.getLogger("pagedkv.cold"),
+                                               store.root_path, interval_s=60.0,
+                                               clock=lambda: now[0])
+        kind = ["write"]
+
+        def fail(step):
+            if step == kind[0]:
+                raise OSError(28, "No space left on device")
+        store.step_hook = fail
+        for i in range(5):
+            assert tier.enqueue(_job(tier, i))
+        assert tier.drain(5.0) is False
+        now[0] = 61.0  # past the interval: the next failure brings the summary
+        assert tier.enqueue(_job(tier, 5)) and tier.drain(5.0) is False
+        kind[0] = "rename"  # same exception type: same kind, still counted only
+        assert tier.enqueue(_job(tier, 6)) and tier.drain(5.0) is False
+        s = tier.stats()
+        assert (s.write_errors, s.write_errors_unlogged) == (7, 6)
+    records = [r.getMessage() for r in caplog.records if r.name == "pagedkv.cold"]
+    first = object_name(_job(tier, 0).key)
+    summary = (f"cold tier: %d more failed writes to {store.root_path} not logged one by one "
+               "(%d so far; stats().write_errors_unlogged)")
+    assert records == [
+        (f"cold tier: write of {first} failed: [Errno 28] No space left on device (check the "
+         "disk's free space and permissions; later failures of this kind are counted in "
+         "write_errors_unlogged)"),
+        summary % (5, 5),
+        summary % (1, 6),
+    ]
+
+
 def test_failing_rename_counts_a_write_error_and_removes_the_temp(tmp_path):
     root = tmp_path / "root"
     with open_tier(root) as tier:

@@ -31,7 +31,7 @@ from pagedkv.cold.groups import ColdGroup
 from pagedkv.cold.index import ColdIndex, IndexEntry
 from pagedkv.cold.names import object_name, parse_object_name
 from pagedkv.cold.root import MANAGED_CHILD
-from pagedkv.cold.stats import ColdCounters
+from pagedkv.cold.stats import ColdCounters, WriteFailureLog
 from pagedkv.errors import (
     ColdBackendAuthError,
     ColdBackendError,
@@ -158,6 +158,8 @@ class RedisColdStore:
         self.client = client
         self.url = redacted_url(url)
         self.counters = counters
+        #: One WARNING per kind of write failure; the rest counted (``write_errors_unlogged``).
+        self.write_failures = WriteFailureLog(counters, log, self.url)
         self.fmt = fmt
         self.prefix = prefix
         self.payload_tag = fmt.tag("cold-cache-payload")
@@ -434,10 +436,14 @@ class RedisColdStore:
                 oks.append(True)
                 continue
             self.counters.add("write_errors")
+            oom = "OOM" in str(reply)
             hint = " (set maxmemory-policy allkeys-lru: docs/cold.md, 'Quota and sizing')" \
-                if "OOM" in str(reply) else ""
-            log.warning("cold tier: write of %s to %s failed: %s%s",
-                        object_name(key, group), self.url, reply, hint)
+                if oom else ""
+            self.write_failures.failed(
+                f"{type(reply).__name__}{' OOM' if oom else ''}",
+                "cold tier: write of %s to %s failed: %s%s; later failures of this kind are "
+                "counted in write_errors_unlogged", object_name(key, group), self.url, reply,
+                hint)
             oks.append(False)
         return oks
 
@@ -491,6 +497,7 @@ class RedisColdStore:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.write_failures.flush()
             self.client.close()
 
     # --- server health -------------------------------------------------------------------

@@ -4,7 +4,10 @@ snapshots."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -13,6 +16,7 @@ __all__ = [
     "ColdCacheStats",
     "ColdCounters",
     "ColdSidecarStats",
+    "WriteFailureLog",
     "sidecar_counters",
 ]
 
@@ -31,6 +35,8 @@ class ColdCacheStats:
     evictions: int = 0
     corruptions: int = 0
     write_errors: int = 0
+    #: Write errors counted but not logged one by one (``WriteFailureLog``).
+    write_errors_unlogged: int = 0
     restore_declines: int = 0
     enabled: bool = False
     root: str = ""
@@ -88,6 +94,57 @@ class ColdCounters:
 
     def __repr__(self) -> str:
         return f"ColdCounters({self.values()})"
+
+
+#: Seconds between two summaries of the write failures not logged one by one.
+WRITE_FAILURE_SUMMARY_S = 60.0
+
+
+class WriteFailureLog:
+    """One WARNING per kind of write failure (``(kind, backend)``, e.g. ``("OSError",
+    "/cache/pagedkv-v1")``), with its fix hint, the first time it happens; later ones of that
+    kind are counted in ``write_errors_unlogged``, never logged one by one (a full disk or
+    an ``OOM`` server fails every block). A summary of what was not logged is one WARNING,
+    at most every ``interval_s`` (when a failure comes after it elapsed) and at ``flush()``
+    (the store's close)."""
+
+    def __init__(self, counters: ColdCounters, logger: logging.Logger, backend: str, *,
+                 interval_s: float = WRITE_FAILURE_SUMMARY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.counters = counters
+        self.log = logger
+        self.backend = backend
+        self.interval_s = float(interval_s)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._pending = 0
+        self._last_summary = clock()
+
+    def failed(self, kind: str, message: str, *args: object) -> None:
+        """Log ``message % args`` if ``kind`` never failed on this backend, else count it."""
+        with self._lock:
+            if kind not in self._seen:
+                self._seen.add(kind)
+                self.log.warning(message, *args)
+                return
+            self.counters.add("write_errors_unlogged")
+            self._pending += 1
+            if self.clock() - self._last_summary >= self.interval_s:
+                self._summarize()
+
+    def flush(self) -> None:
+        """The summary of what was not logged yet, if anything."""
+        with self._lock:
+            if self._pending:
+                self._summarize()
+
+    def _summarize(self) -> None:
+        self.log.warning("cold tier: %d more failed writes to %s not logged one by one (%s "
+                         "so far; stats().write_errors_unlogged)", self._pending, self.backend,
+                         self.counters.get("write_errors_unlogged"))
+        self._pending = 0
+        self._last_summary = self.clock()
 
 
 _sidecar = ColdCounters(SIDECAR_COUNTERS)

@@ -29,7 +29,7 @@ from pagedkv.cold.names import (
     temp_name,
 )
 from pagedkv.cold.root import clean_writer_temps
-from pagedkv.cold.stats import ColdCounters
+from pagedkv.cold.stats import ColdCounters, WriteFailureLog
 from pagedkv.errors import FormatError, InvalidArgument
 
 __all__ = ["DURABILITY_MODES", "WRITE_STEPS", "ColdStore", "auto_limits"]
@@ -88,6 +88,8 @@ class ColdStore:
         self.root_fd = root_fd
         self.root_path = root_path
         self.counters = counters
+        #: One WARNING per kind of write failure; the rest counted (``write_errors_unlogged``).
+        self.write_failures = WriteFailureLog(counters, log, root_path)
         self.quota_bytes = int(quota_bytes)
         self.reserve_bytes = int(reserve_bytes)
         self.durability = durability
@@ -158,6 +160,7 @@ class ColdStore:
             return exc.strerror or str(exc)
 
     def close(self) -> None:
+        self.write_failures.flush()
         if self.root_fd >= 0:
             os.close(self.root_fd)
             self.root_fd = -1
@@ -416,7 +419,9 @@ class ColdStore:
             refusal = f"eviction failed: {exc}"
         if refusal is not None:
             self.counters.add("write_errors")
-            log.warning("cold tier: write of %s refused: %s", name, refusal)
+            self.write_failures.failed(
+                "refused", "cold tier: write of %s refused: %s (free disk space or raise the "
+                "quota; later refusals are counted in write_errors_unlogged)", name, refusal)
             return False
         tmp = temp_name(key, os.getpid(), time.time_ns())
         file = None
@@ -442,14 +447,19 @@ class ColdStore:
                     file.sync_directory()
                 except OSError as exc:
                     self.counters.add("write_errors")
-                    log.warning("cold tier: directory sync after writing %s failed: %s",
-                                name, exc)
+                    self.write_failures.failed(
+                        f"dirsync {type(exc).__name__}", "cold tier: directory sync after "
+                        "writing %s failed: %s (later ones are counted in "
+                        "write_errors_unlogged)", name, exc)
                     return False
         except OSError as exc:
             if file is not None:
                 file.abort()
             self.counters.add("write_errors")
-            log.warning("cold tier: write of %s failed: %s", name, exc)
+            self.write_failures.failed(
+                type(exc).__name__, "cold tier: write of %s failed: %s (check the disk's free "
+                "space and permissions; later failures of this kind are counted in "
+                "write_errors_unlogged)", name, exc)
             return False
         self.counters.add("bytes_written", size)
         return True
