@@ -405,6 +405,43 @@ def test_a_refused_in_place_transcode_changes_nothing():
         np.testing.assert_array_equal(pool.read_block(b), data)
 
 
+def test_a_step_the_memory_budget_cannot_hold_is_refused_before_any_change():
+    """A pool without fixed regions builds the transcoded generation beside the old one
+    (up to 2x the old bytes), and that copy was never debited: a step under a memory budget
+    that could not hold it went ahead (found by a review). The budget is asked for the
+    transient old + new bytes first now, as grow_to asks it: refused, the step raises
+    PoolExhausted and the pool keeps its mode, bytes, generation and debit."""
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool, MemoryBudget, PoolGeometry
+    plan = KVAdaptivePlan("balanced", head_dim=256, num_kv_heads=1, max_seq=512,
+                          block_size=16)
+    g = PoolGeometry(1, 1, 256, 16, plan.kv_dtype(0))
+    new_bytes = PoolGeometry(1, 1, 256, 16, plan.kv_dtype(1)).pool_bytes(8)
+    budget = MemoryBudget(g.pool_bytes(8) + new_bytes - 1)
+    pool = LayerKVPool(g, 8, memory_budget=budget, pool_id="kv")
+    ad = KVAdaptive(plan, pool, BlockAllocator(8, 8, 16, hash_seed=0))
+    vals = np.random.default_rng(5).standard_normal((48, 1, 256)).astype(np.float32)
+    pool.write_tokens(0, np.arange(48), vals, vals)
+    before = [pool.read_block(b).copy() for b in range(pool.num_blocks)]
+    state = (pool.geometry.dtype, pool.generation, pool.num_blocks, pool.total_bytes, ad.tier,
+             budget.debit("kv"))
+    for step in (lambda: pool.transcode(plan.kv_dtype(1)),
+                 lambda: ad.before_append(0, plan.thresholds[0] + 1)):
+        with pytest.raises(errors.PoolExhausted, match=r"fwht4/q8 -> fwht4/lloyd4 builds a "
+                                                       rf"{new_bytes}-byte generation.*"
+                                                       r"nothing changed"):
+            step()
+        assert (pool.geometry.dtype, pool.generation, pool.num_blocks, pool.total_bytes,
+                ad.tier, budget.debit("kv")) == state
+        for b, data in enumerate(before):
+            np.testing.assert_array_equal(pool.read_block(b), data)
+    budget2 = MemoryBudget(g.pool_bytes(8) + new_bytes)  # exactly the transient peak
+    pool2 = LayerKVPool(g, 8, memory_budget=budget2, pool_id="kv")
+    KVAdaptive(plan, pool2, BlockAllocator(8, 8, 16, hash_seed=0)).before_append(
+        0, plan.thresholds[0] + 1)
+    assert (pool2.geometry.dtype, budget2.debit("kv")) == (plan.kv_dtype(1), new_bytes)
+
+
 def test_an_append_past_the_floor_is_refused_before_any_step():
     """An append that could not fit even at the floor transcoded every block down to the
     floor first and only then raised CapacityExceeded (found by the KV-modes review: from

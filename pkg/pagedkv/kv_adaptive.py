@@ -26,7 +26,10 @@ A step transcodes every block of the pool in place (:meth:`LayerKVPool.transcode
 lloyd4 decodes and re-encodes, the other steps narrow codes within a table family) inside
 layer regions sized for the floor, so memory never grows; the pool then holds more blocks,
 and the allocator grows by as many. Anything that baked the old mode (an attention object,
-a captured graph) must be rebuilt: :meth:`KVAdaptive.add_listener`.
+a captured graph) must be rebuilt: :meth:`KVAdaptive.add_listener`. A pool without fixed
+regions builds each step's generation beside the old one: its memory budget must hold both,
+else the step raises :class:`~pagedkv.errors.PoolExhausted` with the pool and the tier as
+they were (also when the new generation runs out of memory).
 """
 
 from __future__ import annotations
@@ -272,7 +275,9 @@ class KVAdaptive:
     def before_append(self, seq_pos: int, n: int) -> list[str]:
         """Apply the steps ``n`` more tokens at ``seq_pos`` need; returns the KV dtypes
         stepped to (in order). ``CapacityExceeded`` when even the floor cannot hold them,
-        raised before any step (the pool stays at its tier)."""
+        raised before any step (the pool stays at its tier); ``PoolExhausted`` when a step's
+        new generation does not fit the memory budget or memory (that step changed nothing;
+        earlier steps of the call stay)."""
         from pagedkv.pool import growth_lock
         target = self.plan.tier_before_append(self.tier, seq_pos, n)  # checks seq_pos, n
         if seq_pos + n > self.plan.caps[target]:

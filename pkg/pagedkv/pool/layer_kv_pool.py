@@ -25,7 +25,13 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from pagedkv.argument_checks import is_int
-from pagedkv.errors import InvalidArgument, InvalidArgumentType, PagedKVError, StaleBlockTable
+from pagedkv.errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    PagedKVError,
+    PoolExhausted,
+    StaleBlockTable,
+)
 from pagedkv.pool.geometry import PoolGeometry
 from pagedkv.pool.memory_budget import MemoryBudget
 from pagedkv.pool.numpy_storage import NumpyKVStorage, NumpySplitKVStorage
@@ -566,9 +572,14 @@ class LayerKVPool:
         more blocks: ``num_blocks`` (default: as many as fit, at most the regions') becomes
         both ``num_blocks`` and ``max_num_blocks``. The generation increments (block tables
         stay valid by id but must be rebuilt), the budget is updated, grow callbacks run when
-        blocks were added. Bad ``dtype`` or transition: ``InvalidArgument``, nothing changed;
-        a failing re-encode or upload (a device pool out of memory: ``DeviceError``) changes
-        nothing either, and a device pool's new arrays are freed before it propagates.
+        blocks were added. Bad ``dtype`` or transition: ``InvalidArgument``, nothing changed.
+        A pool without ``layer_region_bytes`` builds the new generation beside the old one:
+        its memory budget must hold both (``old + new`` bytes, checked before anything is
+        allocated), else ``PoolExhausted``; so is running out of memory while building it
+        (``MemoryError``, a ``DeviceError`` whose ``out_of_memory`` is true: the error is its
+        ``__cause__``). Any failing re-encode or upload changes nothing (mode, bytes,
+        generation, budget debit), and a device pool's new arrays are freed before the
+        error propagates.
         """
         old = self._geometry
         new = PoolGeometry(old.num_layers, old.num_kv_heads, old.head_dim, old.block_size,
@@ -619,11 +630,25 @@ class LayerKVPool:
                 if target != old_blocks:
                     raise InvalidArgument("num_blocks: only a pool with layer_region_bytes "
                                           "gains blocks when it transcodes")
+                # The new generation is built beside the old one: the budget must hold
+                # both (as for grow_to), checked before anything is allocated.
+                old_bytes, new_bytes = self.total_bytes, new.pool_bytes(old_blocks)
+                budget = self._budget
+                if budget is not None and not budget.try_reserve(self._pool_id, new_bytes):
+                    logger.info("paged pool transcode refused by the memory budget: %s -> %s "
+                                "transient_bytes=%d available_bytes=%d", old.dtype, new.dtype,
+                                old_bytes + new_bytes, budget.available_bytes)
+                    raise PoolExhausted(
+                        f"transcoding {old.dtype} -> {new.dtype} builds a {new_bytes}-byte "
+                        f"generation beside the pool's {old_bytes} bytes; the memory budget "
+                        f"has {budget.available_bytes} of {budget.limit_bytes} bytes "
+                        f"available; nothing changed")
                 extra = {"device": storage.device} if self._backend == "device" else {}
-                new_storage = _storage_class(self._backend, new)(  # type: ignore[operator]
-                    new, old_blocks, **extra)
+                fresh = None  # the new generation once allocated, for the discard below
                 buf = np.empty(old.block_buffer_shape, np.uint8)
                 try:
+                    new_storage = fresh = _storage_class(  # type: ignore[operator]
+                        self._backend, new)(new, old_blocks, **extra)
                     for b in range(old_blocks):
                         storage.read_block_into(b, buf)
                         rows = buf.reshape(old.num_layers, -1)
@@ -636,13 +661,24 @@ class LayerKVPool:
                                              axis=1)
                         new_storage.write_block(b, np.ascontiguousarray(out).reshape(
                             new.block_buffer_shape))
-                except BaseException:
+                except BaseException as exc:
                     # device pools: free the unpublished generation now, not when the
                     # error's traceback (which holds it) goes
-                    discard = getattr(new_storage, "discard", None)
+                    discard = getattr(fresh, "discard", None)
                     if discard is not None:
                         discard()
-                    raise
+                    if budget is not None:
+                        budget.update_pool(self._pool_id, old_bytes)
+                    if not _out_of_memory(exc):
+                        raise
+                    # Memory the budget allowed but the device (or host) does not have now:
+                    # refused like the budget's refusal (grow_to: PoolExhausted), not a crash.
+                    logger.warning("paged pool transcode refused: out of memory for the new "
+                                   "generation: %s -> %s new_bytes=%d (%s)", old.dtype,
+                                   new.dtype, new_bytes, exc)
+                    raise PoolExhausted(
+                        f"transcoding {old.dtype} -> {new.dtype}: out of memory for the "
+                        f"{new_bytes}-byte new generation ({exc}); nothing changed") from exc
             self._storage = new_storage
             self._slot_copier = new_storage.slot_copier
             self._geometry = new
