@@ -89,3 +89,30 @@ def test_kv_mode_pair_pool_checks_q_and_scale_like_the_other_pools():
     with pytest.raises(InvalidArgumentType, match="q: expected an mx.array"):
         pool.paged_attention(0, [[[0.0] * 128] * 4], tables, lens)
     assert pool.paged_attention(0, q, tables, lens, scale=0.1).shape == (1, 4, 128)
+
+
+def test_kv_mode_pair_pool_names_the_type_of_a_list_table():
+    """Found by a review: Python lists for the block tables or lengths of an MLX KV-mode pair
+    pool were refused as "int64[1, 3], expected int32[seqs, width]", naming a dtype the
+    caller never passed. The message names the list and the array type expected now. (Its
+    GQA of 16 query heads per KV head is no defect: this path is MLX array ops, not the
+    g1..g8 kernels, and matches the NumPy reference.)"""
+    g = PoolGeometry(num_layers=1, num_kv_heads=1, head_dim=128, block_size=16,
+                     dtype="fwht4/q8")
+    pools = [LayerKVPool(g, 4, backend="mlx"), LayerKVPool(g, 4)]
+    rng, seed = fresh_rng()
+    vals = rng.standard_normal((20, 1, 128)).astype(np.float32)
+    for pool in pools:
+        pool.write_tokens(0, np.arange(20), vals, vals)
+    tables, lens = np.array([[0, 1, -1]], np.int32), np.array([20], np.int32)
+    q = rng.standard_normal((1, 16, 128)).astype(np.float32)
+    with pytest.raises(InvalidArgument, match=r"block_tables: a list \(as an array "
+                                              r"int64\[1, 3\]\), expected an int32\[seqs, "
+                                              r"width\] array"):
+        pools[0].paged_attention(0, mx.array(q), [[0, 1, -1]], lens)
+    with pytest.raises(InvalidArgument, match=r"seq_lens: a tuple \(as an array int64\[1\]\), "
+                                              r"expected an int32\[1\] array"):
+        pools[0].paged_attention(0, mx.array(q), tables, (20,))
+    out = np.array(pools[0].paged_attention(0, mx.array(q), tables, lens))
+    np.testing.assert_allclose(out, pools[1].paged_attention(0, q, tables, lens), atol=1e-5,
+                               err_msg=f"seed {seed}")

@@ -302,17 +302,25 @@ def check_decode_batch(block_tables: np.ndarray, seq_lens: np.ndarray, *, num_bl
                        block_size: int) -> None:
     """Host-side check of a decode batch before upload: every table entry a sequence
     uses is a valid block id and every length fits its table row."""
+    given = {"block_tables": type(block_tables).__name__, "seq_lens": type(seq_lens).__name__}
     block_tables = np.asarray(block_tables)
     seq_lens = np.asarray(seq_lens)
+
+    def what(name: str, arr: np.ndarray) -> str:
+        # a list or tuple has no dtype of its own: say what was passed, and what it became
+        kind = given[name]
+        return (f"{arr.dtype}{list(arr.shape)}" if kind in ("ndarray", "array") else
+                f"a {kind} (as an array {arr.dtype}{list(arr.shape)})")
+
     if block_size < 1:
         raise InvalidArgument(f"block_size = {block_size}: a pool holds at least one token "
                               "per block")
     if block_tables.dtype != np.int32 or block_tables.ndim != 2:
-        raise InvalidArgument(f"block_tables: {block_tables.dtype}{list(block_tables.shape)}, "
-                              f"expected int32[seqs, width]")
+        raise InvalidArgument(f"block_tables: {what('block_tables', block_tables)}, expected "
+                              f"an int32[seqs, width] array (np.asarray(tables, np.int32))")
     if seq_lens.dtype != np.int32 or seq_lens.shape != (block_tables.shape[0],):
-        raise InvalidArgument(f"seq_lens: {seq_lens.dtype}{list(seq_lens.shape)}, expected "
-                              f"int32[{block_tables.shape[0]}]")
+        raise InvalidArgument(f"seq_lens: {what('seq_lens', seq_lens)}, expected an "
+                              f"int32[{block_tables.shape[0]}] array")
     width = block_tables.shape[1]
     if seq_lens.size and (seq_lens.min() < 0 or seq_lens.max() > width * block_size):
         raise InvalidArgument(f"seq_lens: values must be in 0..{width * block_size} "

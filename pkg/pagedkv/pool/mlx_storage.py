@@ -201,9 +201,11 @@ class MlxKVStorage:
         from pagedkv.quant import kv as kv_modes
         from pagedkv.quant.kv_mlx import attention_decode
         mx = self._mx
+        # checked as given, so a list or tuple is named as what it is
+        check_decode_batch(block_tables, seq_lens, num_blocks=self.num_blocks,
+                           block_size=g.block_size)
         tables = np.asarray(block_tables)
         lens = np.asarray(seq_lens)
-        check_decode_batch(tables, lens, num_blocks=self.num_blocks, block_size=g.block_size)
         # q and scale as the unpaired path takes them: a float64 or integer q, a str, bool
         # or non-finite scale are refused, not cast (NaN scale made every output NaN)
         q = _array(mx, "q", q, (mx.float32, mx.float16, mx.bfloat16), "float32/float16/bfloat16")
