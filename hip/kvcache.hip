@@ -718,12 +718,37 @@ PKV_DEV uint32_t f16x2_sub(uint32_t a, uint32_t b) {
 #endif
 }
 
-// Two signed codes as f16x2, exactly: bytes SEL & 0xF (low half) and (SEL >> 8) & 0xF (high
-// half) of the 8 bytes {lo, hi} (__byte_perm's numbering).
+// Two floats as f16x2 (lo in the low half), each rounded to nearest even: one instruction
+// (cvt.rn.f16x2.f32, sm_80+) where pkv_float_to_half_bits takes one per value and a pack.
+PKV_DEV uint32_t f32x2_to_f16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)pkv_float_to_half_bits(lo) | (uint32_t)pkv_float_to_half_bits(hi) << 16;
+#endif
+}
+
+// Code bytes with their sign bits flipped: each byte of q8_flip(w) is c + 128, unsigned.
+PKV_DEV uint32_t q8_flip(uint32_t w) { return w ^ 0x80808080u; }
+
+// Two flipped codes of x as f16x2, exactly: bytes SEL & 0xF (low half) and (SEL >> 8) & 0xF
+// (high half) of x (__byte_perm's numbering), each under a byte 0x64 taken from the constant
+// operand (byte 4): the f16 1024 + (c + 128), exact; one sub of 1152 leaves c. One PRMT and
+// one HADD2 per two codes (and one XOR per four, q8_flip): the selector does the masking
+// that two LOP3s did after a byte-extracting PRMT (SASS, sm_90: 4 instructions a pair before).
 template <uint32_t SEL>
-PKV_DEV uint32_t q8_codes_f16x2(uint32_t lo, uint32_t hi) {
-  const uint32_t p = __byte_perm(lo, hi, SEL);
-  return f16x2_sub(((p ^ 0x00800080u) & 0x00FF00FFu) | 0x64006400u, 0x64806480u);
+PKV_DEV uint32_t q8_codes_f16x2(uint32_t x) {
+  return f16x2_sub(__byte_perm(x, 0x64646464u, SEL), 0x64806480u);
+}
+
+// Two tokens' code words interleaved and flipped: SEL 0x5140 gives bytes (a0 b0 a1 b1), 0x7362
+// (a2 b2 a3 b3), so that q8_codes_f16x2 of it (selectors 0x4140, 0x4342) pairs token a's
+// code with token b's (pass 2's k columns) at two instructions a pair.
+template <uint32_t SEL>
+PKV_DEV uint32_t q8_interleave(uint32_t a, uint32_t b) {
+  return q8_flip(__byte_perm(a, b, SEL));
 }
 
 // 4 bytes as one little-endian word; ALIGNED4: the address is 4-byte aligned (else 2).
@@ -784,9 +809,9 @@ PKV_DEV void qk_scores_mma_q8(const float* __restrict__ q_group, int group, int 
         float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t w = cur.code[i][h];
-          mma_f16_16x8x16(r, qa[2 * i + h], q8_codes_f16x2<0x4140>(w, 0u),
-                          q8_codes_f16x2<0x4342>(w, 0u));
+          const uint32_t x = q8_flip(cur.code[i][h]);
+          mma_f16_16x8x16(r, qa[2 * i + h], q8_codes_f16x2<0x4140>(x),
+                          q8_codes_f16x2<0x4342>(x));
         }
         // Column 2t / 2t + 1 is token 8 grp + 2t / + 1: its scale is on lane 8t / 8t + 4.
         const float d0 = pkv_half_bits_to_float((uint16_t)shfl_word(cur.d[i], 8 * t));
@@ -1067,14 +1092,23 @@ PKV_DEV void pv_wmma_q8(const float* scores, const uint8_t* __restrict__ v_pool,
 // words of tokens 4t .. 4t + 3 (codes 4 gid .. 4 gid + 3 of the record); m-tile 2l + j: row
 // gid = byte 2j of the lane's word, row gid + 8 = byte 2j + 1; k columns 2t, 2t + 1 = tokens
 // 4t, 4t + 1 (c0, c1), 2t + 8, 2t + 9 = 4t + 2, + 3 (c2, c3). b0, b1: p * d of those tokens.
-PKV_DEV void pv_record_mma_q8(float (&o0)[4], float (&o1)[4], uint32_t c0, uint32_t c1,
-                              uint32_t c2, uint32_t c3, uint32_t b0, uint32_t b1) {
-  const uint32_t a0[4] = {q8_codes_f16x2<0x0400>(c0, c1), q8_codes_f16x2<0x0501>(c0, c1),
-                          q8_codes_f16x2<0x0400>(c2, c3), q8_codes_f16x2<0x0501>(c2, c3)};
-  const uint32_t a1[4] = {q8_codes_f16x2<0x0602>(c0, c1), q8_codes_f16x2<0x0703>(c0, c1),
-                          q8_codes_f16x2<0x0602>(c2, c3), q8_codes_f16x2<0x0703>(c2, c3)};
+// pv_record_pairs_mma_q8 takes the words interleaved (q8_interleave): lo01 of c0, c1 with
+// selector 0x5140, hi01 with 0x7362, and so lo23, hi23 of c2, c3.
+PKV_DEV void pv_record_pairs_mma_q8(float (&o0)[4], float (&o1)[4], uint32_t lo01,
+                                    uint32_t hi01, uint32_t lo23, uint32_t hi23, uint32_t b0,
+                                    uint32_t b1) {
+  const uint32_t a0[4] = {q8_codes_f16x2<0x4140>(lo01), q8_codes_f16x2<0x4342>(lo01),
+                          q8_codes_f16x2<0x4140>(lo23), q8_codes_f16x2<0x4342>(lo23)};
+  const uint32_t a1[4] = {q8_codes_f16x2<0x4140>(hi01), q8_codes_f16x2<0x4342>(hi01),
+                          q8_codes_f16x2<0x4140>(hi23), q8_codes_f16x2<0x4342>(hi23)};
   mma_f16_16x8x16(o0, a0, b0, b1);
   mma_f16_16x8x16(o1, a1, b0, b1);
+}
+
+PKV_DEV void pv_record_mma_q8(float (&o0)[4], float (&o1)[4], uint32_t c0, uint32_t c1,
+                              uint32_t c2, uint32_t c3, uint32_t b0, uint32_t b1) {
+  pv_record_pairs_mma_q8(o0, o1, q8_interleave<0x5140>(c0, c1), q8_interleave<0x7362>(c0, c1),
+                         q8_interleave<0x5140>(c2, c3), q8_interleave<0x7362>(c2, c3), b0, b1);
 }
 
 template <int GMAX>
@@ -1435,6 +1469,17 @@ PKV_DEV void q8_staged_chunks(uint8_t* stage, const uint8_t* __restrict__ pool,
 
 PKV_DEV uint32_t smem_u16(const uint8_t* p) { return *(const uint16_t*)p; }
 
+// The larger of each 16-bit half of a and b, unsigned: one max.u16x2 on sm_90.
+PKV_DEV uint32_t u16x2_max(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  return max(a & 0xFFFFu, b & 0xFFFFu) | max(a >> 16, b >> 16) << 16;
+#endif
+}
+
 template <int GMAX>
 PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int group, int head_dim,
                                      float scale, const uint8_t* __restrict__ k_pool,
@@ -1460,11 +1505,12 @@ PKV_DEV void qk_scores_mma_q8_staged(const float* __restrict__ q_group, int grou
                                     : load_word_a2<false>(rec + 2 + 8 * t);
           const uint32_t w1 = i % 2 ? load_word_a2<true>(rec + 6 + 8 * t)
                                     : load_word_a2<false>(rec + 6 + 8 * t);
+          const uint32_t x0 = q8_flip(w0), x1 = q8_flip(w1);
           float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_f16_16x8x16(r, qa[2 * i], q8_codes_f16x2<0x4140>(w0, 0u),
-                          q8_codes_f16x2<0x4342>(w0, 0u));
-          mma_f16_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2<0x4140>(w1, 0u),
-                          q8_codes_f16x2<0x4342>(w1, 0u));
+          mma_f16_16x8x16(r, qa[2 * i], q8_codes_f16x2<0x4140>(x0),
+                          q8_codes_f16x2<0x4342>(x0));
+          mma_f16_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2<0x4140>(x1),
+                          q8_codes_f16x2<0x4342>(x1));
           const float d0 = pkv_half_bits_to_float(
               (uint16_t)smem_u16(row0 + i * PKV_KVQ8_RECORD_BYTES));
           const float d1 = pkv_half_bits_to_float(
@@ -1503,22 +1549,29 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
     // Scales first (the chunk's pscale needs all of them); a record's codes are read from
     // shared memory just before its mmas, which keeps 12 fewer registers live (sm_80 spilled).
     uint32_t d[2][4];  // [token pair k][record l]: tokens 4t + 2k / + 1 as low / high half
-    uint32_t dm = 0u;  // the largest |scale| bits of the lane's tokens
+    // A tensor copy stages rows past the partition as the block holds them: their scales
+    // read as 0 (one mask per token pair; the cp.async copies zero-fill such rows).
+    const bool tma_rows = PKV_Q8_TMA && tma.map != nullptr;
+    uint32_t keep[2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int k = 0; k < 2; ++k) {
+      const int tok = Q8_STAGE_TOKENS * c + 4 * t + 2 * k;
+      keep[k] = !tma_rows ? ~0u : (tok < n_tok ? 0xFFFFu : 0u) | (tok + 1 < n_tok ? 0xFFFF0000u : 0u);
+    }
+    uint32_t dm = 0u;  // the largest |scale| bits of the lane's tokens (a u16 pair on sm_90)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
 #pragma unroll
       for (int l = 0; l < 4; ++l) {
-        if (j % 2 == 0) d[j / 2][l] = 0u;
+        d[k][l] = 0u;
         if (l < n_rec) {
-          uint32_t dj = smem_u16(buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES);
-          // a tensor copy stages rows past the partition as the block holds them
-          if (PKV_Q8_TMA && tma.map != nullptr && Q8_STAGE_TOKENS * c + 4 * t + j >= n_tok)
-            dj = 0u;
-          d[j / 2][l] |= dj << (16 * (j % 2));
-          dm = max(dm, dj & 0x7FFFu);  // f16 magnitudes order as their bits
+          const uint8_t* s0 = buf + (4 * t + 2 * k) * pitch + l * PKV_KVQ8_RECORD_BYTES;
+          d[k][l] = (smem_u16(s0) | smem_u16(s0 + pitch) << 16) & keep[k];
+          dm = u16x2_max(dm, d[k][l] & 0x7FFF7FFFu);  // f16 magnitudes order as their bits
         }
       }
     }
+    dm = max(dm & 0xFFFFu, dm >> 16);
     // Lanes t cover the chunk's 16 tokens (every gid holds the same scales).
     dm = max(dm, shfl_word(dm, lane ^ 1));
     dm = max(dm, shfl_word(dm, lane ^ 2));
@@ -1533,36 +1586,47 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
     }
     // pscale = 2^(141 - e): the largest scale so far times pscale is in [2^14, 2^15).
     const float pscale = __uint_as_float((uint32_t)(268 - e) << 23);
-    float p[4];
+    // p * pscale once per token, then times each record's d: the bits of p * (d * pscale).
+    // pscale is a power of two in [2^-1, 2^38] (e <= 142: an f16 scale is below 2^16), so
+    // p * pscale is exact but where p < 2^-125 and pscale = 1/2, and there both products are
+    // below 2^-110, which the f16 hi and remainder below make 0 alike.
+    float pp[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int tok = Q8_STAGE_TOKENS * c + 4 * t + j;
-      p[j] = live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f;
+      pp[j] = (live && tok < n_tok ? scores[tok * GMAX + (live ? head : 0)] : 0.0f) * pscale;
     }
-    auto pd_pair = [&](int k, int l) {  // B of record l: tokens 4t + 2k, + 1
-      uint32_t bits = 0u;
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const float v =
-            p[2 * k + x] * (pkv_half_bits_to_float((uint16_t)(d[k][l] >> (16 * x))) * pscale);
-        const uint32_t hi = pkv_float_to_half_bits(v);
-        const uint32_t h = rest ? pkv_float_to_half_bits(v - pkv_half_bits_to_float((uint16_t)hi)) : hi;
-        bits |= h << (16 * x);
-      }
-      return bits;
+    auto pd_pair = [&](int k, int l) {  // B of record l: tokens 4t + 2k, + 1 (low, high half)
+      const float v0 = pp[2 * k] * pkv_half_bits_to_float((uint16_t)d[k][l]);
+      const float v1 = pp[2 * k + 1] * pkv_half_bits_to_float((uint16_t)(d[k][l] >> 16));
+      const uint32_t hi = f32x2_to_f16x2(v0, v1);
+      if (!rest) return hi;
+      return f32x2_to_f16x2(v0 - pkv_half_bits_to_float((uint16_t)hi),
+                            v1 - pkv_half_bits_to_float((uint16_t)(hi >> 16)));
     };
 #pragma unroll
     for (int l = 0; l < 4; ++l) {
       if (l < n_rec) {
-        uint32_t code[4];  // tokens 4t + j: codes 4 gid .. 4 gid + 3 of record l
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t* rec = buf + (4 * t + j) * pitch + l * PKV_KVQ8_RECORD_BYTES;
-          code[j] = l % 2 ? load_word_a2<true>(rec + 2 + 4 * gid)
-                          : load_word_a2<false>(rec + 2 + 4 * gid);
+        // tokens 4t + j: codes 4 gid .. 4 gid + 3 of record l, as the interleaved pairs
+        // (4t, 4t + 1) and (4t + 2, 4t + 3) of pv_record_mma_q8; an even record's codes
+        // start 2-byte aligned, so they are read as halves and interleaved from those
+        const uint8_t* rec = buf + 4 * t * pitch + l * PKV_KVQ8_RECORD_BYTES + 2 + 4 * gid;
+        uint32_t lo01, hi01, lo23, hi23;
+        if (l % 2) {
+          const uint32_t c0 = load_word_a2<true>(rec), c1 = load_word_a2<true>(rec + pitch);
+          const uint32_t c2 = load_word_a2<true>(rec + 2 * pitch);
+          const uint32_t c3 = load_word_a2<true>(rec + 3 * pitch);
+          lo01 = q8_interleave<0x5140>(c0, c1), hi01 = q8_interleave<0x7362>(c0, c1);
+          lo23 = q8_interleave<0x5140>(c2, c3), hi23 = q8_interleave<0x7362>(c2, c3);
+        } else {
+          lo01 = q8_interleave<0x5140>(smem_u16(rec), smem_u16(rec + pitch));
+          hi01 = q8_interleave<0x5140>(smem_u16(rec + 2), smem_u16(rec + pitch + 2));
+          lo23 = q8_interleave<0x5140>(smem_u16(rec + 2 * pitch), smem_u16(rec + 3 * pitch));
+          hi23 = q8_interleave<0x5140>(smem_u16(rec + 2 * pitch + 2),
+                                       smem_u16(rec + 3 * pitch + 2));
         }
         const uint32_t b0 = pd_pair(0, l), b1 = pd_pair(1, l);
-        pv_record_mma_q8(o[2 * l], o[2 * l + 1], code[0], code[1], code[2], code[3], b0, b1);
+        pv_record_pairs_mma_q8(o[2 * l], o[2 * l + 1], lo01, hi01, lo23, hi23, b0, b1);
       }
     }
   });

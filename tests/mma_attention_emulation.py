@@ -49,9 +49,25 @@ def f16x2_sub(a, b) -> np.ndarray:
     return lo | hi << 16
 
 
-def q8_codes_f16x2(sel: int, lo, hi) -> np.ndarray:
-    p = byte_perm(lo, hi, sel)
-    return f16x2_sub(((p ^ 0x00800080) & 0x00FF00FF) | 0x64006400, np.uint32(0x64806480))
+def q8_flip(w) -> np.ndarray:
+    """q8_flip: each code byte's sign bit flipped (c + 128, unsigned)."""
+    return np.asarray(w, np.uint32) ^ np.uint32(0x80808080)
+
+
+def q8_codes_f16x2(sel: int, x) -> np.ndarray:
+    """q8_codes_f16x2<sel>(x) on flipped codes: bytes of x under 0x64 bytes (selector byte 4
+    of the constant 0x64646464), less 1152 per half."""
+    return f16x2_sub(byte_perm(x, np.uint32(0x64646464), sel), np.uint32(0x64806480))
+
+
+def q8_interleave(sel: int, a, b) -> np.ndarray:
+    """q8_interleave<sel>(a, b): two tokens' code bytes interleaved, then flipped."""
+    return q8_flip(byte_perm(a, b, sel))
+
+
+def f32x2_to_f16x2(lo, hi) -> np.ndarray:
+    """f32x2_to_f16x2 (cvt.rn.f16x2.f32): lo in the low half."""
+    return f16_bits(lo) | f16_bits(hi) << 16
 
 
 def load_word_a2(pool_bytes: np.ndarray, addr: np.ndarray, aligned4: bool) -> np.ndarray:
@@ -129,9 +145,9 @@ def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n
                                                    i % 2 == 1), 0) for h in range(2)]
                 r = np.zeros((LANES, 4), np.float32)
                 for h in range(2):
-                    w = words[h]
-                    r = mma_16x8x16(r, qa[2 * i + h], q8_codes_f16x2(0x4140, w, 0),
-                                    q8_codes_f16x2(0x4342, w, 0))
+                    x = q8_flip(words[h])
+                    r = mma_16x8x16(r, qa[2 * i + h], q8_codes_f16x2(0x4140, x),
+                                    q8_codes_f16x2(0x4342, x))
                 d0 = f16_value(d[8 * TID])
                 d1 = f16_value(d[8 * TID + 4])
                 c[:, 0] += d0 * r[:, 0]
@@ -147,16 +163,26 @@ def qk_scores_q8(q_group, group, head_dim, scale, pool_bytes, rows, row_bytes, n
                         scores[(t0[lane] + 1) * gmax + GID[lane]] = c[lane, 1] + c[lane, 3]
 
 
-def pv_record_mma_q8(o: np.ndarray, lr: int, words, b0, b1) -> None:
-    """pv_record_mma_q8: record ``lr``'s two m-tiles (2 lr, 2 lr + 1) of ``o``, in place;
-    ``words`` the lanes' code words of tokens 4t .. 4t + 3, ``b0``/``b1`` the p·d pairs."""
-    c0, c1, c2, c3 = words
-    a0 = [q8_codes_f16x2(0x0400, c0, c1), q8_codes_f16x2(0x0501, c0, c1),
-          q8_codes_f16x2(0x0400, c2, c3), q8_codes_f16x2(0x0501, c2, c3)]
-    a1 = [q8_codes_f16x2(0x0602, c0, c1), q8_codes_f16x2(0x0703, c0, c1),
-          q8_codes_f16x2(0x0602, c2, c3), q8_codes_f16x2(0x0703, c2, c3)]
+def pv_record_pairs_mma_q8(o: np.ndarray, lr: int, pairs, b0, b1) -> None:
+    """pv_record_pairs_mma_q8: record ``lr``'s two m-tiles (2 lr, 2 lr + 1) of ``o``, in
+    place; ``pairs`` the interleaved words (lo01, hi01, lo23, hi23) of tokens 4t .. 4t + 3,
+    ``b0``/``b1`` the p·d pairs."""
+    lo01, hi01, lo23, hi23 = pairs
+    a0 = [q8_codes_f16x2(0x4140, lo01), q8_codes_f16x2(0x4342, lo01),
+          q8_codes_f16x2(0x4140, lo23), q8_codes_f16x2(0x4342, lo23)]
+    a1 = [q8_codes_f16x2(0x4140, hi01), q8_codes_f16x2(0x4342, hi01),
+          q8_codes_f16x2(0x4140, hi23), q8_codes_f16x2(0x4342, hi23)]
     o[:, 2 * lr] = mma_16x8x16(o[:, 2 * lr], a0, b0, b1)
     o[:, 2 * lr + 1] = mma_16x8x16(o[:, 2 * lr + 1], a1, b0, b1)
+
+
+def pv_record_mma_q8(o: np.ndarray, lr: int, words, b0, b1) -> None:
+    """pv_record_mma_q8: pv_record_pairs_mma_q8 of the lanes' code words of tokens 4t .. 4t
+    + 3, interleaved."""
+    c0, c1, c2, c3 = words
+    pv_record_pairs_mma_q8(o, lr, (q8_interleave(0x5140, c0, c1), q8_interleave(0x7362, c0, c1),
+                                   q8_interleave(0x5140, c2, c3), q8_interleave(0x7362, c2, c3)),
+                           b0, b1)
 
 def pv_q8(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, warp, pscale,
           n_warps=4):
@@ -303,11 +329,12 @@ def qk_scores_q8_staged(q_group, group, head_dim, scale, pool_bytes, rows, row_b
     qa = q_fragments(q_group, group, head_dim, scale)
 
     def record_sum(acc, i, w0, w1, d0, d1):
+        x0, x1 = q8_flip(w0), q8_flip(w1)
         r = np.zeros((LANES, 4), np.float32)
-        r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, w0, 0),
-                        q8_codes_f16x2(0x4342, w0, 0))
-        r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, w1, 0),
-                        q8_codes_f16x2(0x4342, w1, 0))
+        r = mma_16x8x16(r, qa[2 * i], q8_codes_f16x2(0x4140, x0),
+                        q8_codes_f16x2(0x4342, x0))
+        r = mma_16x8x16(r, qa[2 * i + 1], q8_codes_f16x2(0x4140, x1),
+                        q8_codes_f16x2(0x4342, x1))
         acc[:, 0] += d0 * r[:, 0]
         acc[:, 1] += d1 * r[:, 1]
         acc[:, 2] += d0 * r[:, 2]
@@ -409,7 +436,7 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
     for c in warp_chunks(warp, n_tok, n_warps):
         buf = staged_buffer(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, tma_heads)
         d = np.zeros((4, 4, LANES), np.uint32)
-        code = np.zeros((4, 4, LANES), np.uint32)
+        pairs = []  # per record: lo01, hi01, lo23, hi23 as the kernel reads and interleaves
         dm = np.zeros(LANES, np.uint32)
         for j in range(4):
             row = (4 * TID + j) * pitch
@@ -418,8 +445,20 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
                 d[j, lr] = load_u16(buf, rec)
                 if tma_heads:  # a tensor copy stages rows past the partition as they are
                     d[j, lr] = np.where(STAGE_TOKENS * c + 4 * TID + j >= n_tok, 0, d[j, lr])
-                code[j, lr] = load_word_a2(buf, rec + 2 + 4 * GID, lr % 2 == 1)
                 dm = np.maximum(dm, d[j, lr] & 0x7FFF)
+        for lr in range(n_rec):
+            rec = 4 * TID * pitch + lr * Q8_RECORD_BYTES + 2 + 4 * GID
+            if lr % 2:  # 4-byte aligned words
+                c0, c1, c2, c3 = (load_word_a2(buf, rec + j * pitch, True) for j in range(4))
+                pairs.append((q8_interleave(0x5140, c0, c1), q8_interleave(0x7362, c0, c1),
+                              q8_interleave(0x5140, c2, c3), q8_interleave(0x7362, c2, c3)))
+            else:  # 2-byte aligned: halves
+                def u16(j, off, rec=rec, buf=buf):
+                    return load_u16(buf, rec + j * pitch + off)
+                pairs.append((q8_interleave(0x5140, u16(0, 0), u16(1, 0)),
+                              q8_interleave(0x5140, u16(0, 2), u16(1, 2)),
+                              q8_interleave(0x5140, u16(2, 0), u16(3, 0)),
+                              q8_interleave(0x5140, u16(2, 2), u16(3, 2))))
         dm = np.maximum(dm, dm[LANE ^ 1])
         dm = np.maximum(dm, dm[LANE ^ 2])
         assert (dm == dm[0]).all()  # warp-uniform: the rescale branch is taken by all
@@ -428,24 +467,24 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
             o *= np.uint32((127 + e - ec) << 23).view(np.float32)
             e = ec
         pscale = np.uint32((268 - e) << 23).view(np.float32)
-        p = np.zeros((4, LANES), np.float32)
+        pp = np.zeros((4, LANES), np.float32)  # p * pscale per token
         for j in range(4):
             tok = STAGE_TOKENS * c + 4 * TID + j
             sel = live & (tok < n_tok)
-            p[j, sel] = scores[tok[sel] * gmax + head[sel]]
+            pp[j, sel] = scores[tok[sel] * gmax + head[sel]]
+        pp = (pp * pscale).astype(np.float32)
 
-        def pd_pair(k, lr, p=p, d=d, pscale=pscale):
-            bits = np.zeros(LANES, np.uint32)
-            for x in range(2):
-                v = (p[2 * k + x] * (f16_value(d[2 * k + x, lr]) * pscale)).astype(np.float32)
-                hi = f16_bits(v)
-                h = np.where(rest, f16_bits(v - f16_value(hi)), hi)
-                bits |= h << (16 * x)
-            return bits
+        def pd_pair(k, lr, pp=pp, d=d):
+            v0 = (pp[2 * k] * f16_value(d[2 * k, lr])).astype(np.float32)
+            v1 = (pp[2 * k + 1] * f16_value(d[2 * k + 1, lr])).astype(np.float32)
+            hi = f32x2_to_f16x2(v0, v1)
+            rem = f32x2_to_f16x2((v0 - f16_value(hi)).astype(np.float32),
+                                 (v1 - f16_value(hi >> 16)).astype(np.float32))
+            return np.where(rest, rem, hi)
 
         for lr in range(n_rec):
             b0, b1 = pd_pair(0, lr), pd_pair(1, lr)
-            pv_record_mma_q8(o, lr, code[:, lr], b0, b1)
+            pv_record_pairs_mma_q8(o, lr, pairs[lr], b0, b1)
     return (o + o[LANE ^ 2]) * np.uint32((e - 14) << 23).view(np.float32)
 
 

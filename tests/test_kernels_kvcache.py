@@ -648,15 +648,17 @@ def test_q8_staged_emulation_rescales_when_a_later_chunk_has_larger_v(head_dim):
 def test_q8_mma_emulation_uses_the_kernels_byte_selectors():
     # The emulator and hip/kvcache.hip build the same fragments: the same __byte_perm
     # selectors in the same order (pass 1's two, pass 2's eight in pv_record_mma_q8, which
-    # both pass-2 variants share, then the staged pass 1's four).
+    # both pass-2 variants share, then the staged pass 1's four), and pass 2's interleaves.
     import re
     from pathlib import Path
 
     import mma_attention_emulation as emu
     root = Path(__file__).resolve().parents[1]
-    hip = re.findall(r"q8_codes_f16x2<(0x[0-9A-Fa-f]+)>", (root / "hip/kvcache.hip").read_text())
-    py = re.findall(r"q8_codes_f16x2\((0x[0-9A-Fa-f]+)", Path(emu.__file__).read_text())
-    assert hip == py and len(hip) == 14
+    hip_text, py_text = (root / "hip/kvcache.hip").read_text(), Path(emu.__file__).read_text()
+    for name, count in (("q8_codes_f16x2", 14), ("q8_interleave", 12)):
+        hip = re.findall(name + r"<(0x[0-9A-Fa-f]+)>", hip_text)
+        py = re.findall(name + r"\((0x[0-9A-Fa-f]+)", py_text)
+        assert hip == py and len(hip) == count, name
 
 
 @pytest.mark.parametrize("kv_dtype,heads,kv_heads,head_dim,block_size,seq_lens,v_scale", [
