@@ -9,11 +9,11 @@
 # time. Phases run in this order, each under `timeout` of the smaller of its own limit and
 # what is left of the budget; a phase that would get less than MIN_PHASE_S (20) is skipped
 # and says so. Order (most needed first): build; ctypes GPU tests (TESTS=0 skips them and
-# the CPU kernel tests); MLX tests (MLX=1); decode bench (DECODE_TIMEOUT, 150; DECODE_BENCH=0
-# skips; DECODE_ARGS= runs the full grid instead of --quick; DECODE_TORCH_COMPILE=1 adds
-# --torch-compile, the torch.compile'd bf16 peer, whose compiles need a longer
-# DECODE_TIMEOUT); kernel bench (BENCH_TIMEOUT,
-# 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
+# the CPU kernel tests; GPU_TESTS_K="q8 or attention" runs the ones pytest -k selects);
+# MLX tests (MLX=1); decode bench (DECODE_TIMEOUT, 150; DECODE_BENCH=0 skips; DECODE_ARGS=
+# runs the full grid instead of --quick; DECODE_TORCH_COMPILE=1 adds --torch-compile, the
+# torch.compile'd bf16 peer, whose compiles need a longer DECODE_TIMEOUT); kernel bench
+# (BENCH_TIMEOUT, 150; KERNEL_BENCH=0 skips; BENCH_ARGS go to it; PAGEDKV_VLLM_TRITON_DIR adds vLLM's
 # Triton attention as a peer); MLX bench (MLX_BENCH_TIMEOUT, 240: its GEMV rows run
 # twice, as built and inside mx.compile); the CPU kernel tests
 # (CPU_TESTS_TIMEOUT, 150); sanitizer (SANITIZE=1:
@@ -209,7 +209,9 @@ fi
 ctypes_tests() {
   set -o pipefail
   cd tests || return 1
-  PYTHONPATH=$PKV python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 \
+  local select=()
+  [ -n "${GPU_TESTS_K:-}" ] && select=(-k "$GPU_TESTS_K")
+  PYTHONPATH=$PKV python3 -m pytest -q -m gpu -p no:cacheprovider "${select[@]}" 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -25
 }
 # The CPU kernel tests on this machine's Python (the wheel built here): their own phase,

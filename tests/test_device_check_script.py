@@ -228,3 +228,12 @@ def test_decode_torch_compile_adds_the_flag(tmp_path, compile_env, flags):
     decode = [c for c in calls if "pagedkv.bench decode" in c]
     assert len(decode) == 1
     assert decode[0].endswith(f"--json {tmp_path / 'out'}/decode.json {flags}")
+
+
+@pytest.mark.parametrize(("select", "want"), [
+    ("", "-m gpu -p no:cacheprovider"), ("q8 or attention", "-p no:cacheprovider -k q8 or attention")])
+def test_the_gpu_tests_run_what_gpu_tests_k_selects(tmp_path, select, want):
+    """GPU_TESTS_K passes one -k expression (spaces and all) to the ctypes GPU tests."""
+    _, calls, _ = _run(tmp_path, TESTS="1", BENCH="0", BUDGET_S="100", GPU_TESTS_K=select)
+    gpu = [c for c in calls if "-m pytest -q -m gpu" in c]
+    assert len(gpu) == 1 and gpu[0].endswith(want)
