@@ -3,6 +3,9 @@ repository cites a file outside it (tests/doc_references.py has the rules and th
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 import doc_references as refs
@@ -64,3 +67,54 @@ def test_mapping_covers_every_numbered_section():
     assert table[("paged-kv", "8.6")] == ("docs/contracts/paged-kv.md", "8.6 Sliding null sentinel")
     assert table[("cold-tier", "13")] == ("docs/contracts/cold-tier.md", "13. Sidecars")
     assert len([k for k in table if k[0] == "hfqm-and-quant"]) == 46
+
+
+# -- Environment variables: what the docs name is read, and what is read is documented ------
+
+_ENV_NAME = re.compile(r"\b(?:PAGEDKV|HIPFIRE)_[A-Z0-9_]*[A-Z0-9]\b")
+_ENV_LITERAL = re.compile(r"[\"']((?:PAGEDKV|HIPFIRE)_[A-Z0-9_]*[A-Z0-9])[\"']")
+#: Named in the docs on purpose although nothing reads them, with the page that says so.
+_ENV_DOCUMENTED_AS_GONE = {"PAGEDKV_USE_BLOCK_PAGED_CACHE"}  # docs/pool.md: "once listed"
+
+
+def _doc_pages() -> list:
+    return [refs.ROOT / "README.md", *sorted(refs.DOCS.rglob("*.md"))]
+
+
+def _files(*parts: str, exts: tuple[str, ...]) -> list:
+    out = []
+    for part in parts:
+        base = refs.ROOT / part
+        out += [p for p in (base.rglob("*") if base.is_dir() else [base])
+                if p.is_file() and (p.suffix in exts or p.name == "run")
+                and not set(p.parts) & {".venv", "build", "__pycache__"}
+                and p.resolve() != Path(__file__).resolve()]
+    return out
+
+
+def _env_in_code(*parts: str) -> set[str]:
+    """PAGEDKV_* / HIPFIRE_* names that code under ``parts`` spells as a string literal
+    (header guards and Python constants named PAGEDKV_* are not literals)."""
+    names: set[str] = set()
+    for path in _files(*parts, exts=(".py", ".pyx", ".pxd", ".sh")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        names |= set(_ENV_LITERAL.findall(text))
+        if path.suffix == ".sh" or path.name == "run":
+            names |= set(re.findall(r"\b((?:PAGEDKV|HIPFIRE)_[A-Z0-9_]*[A-Z0-9])=", text))
+    return names
+
+
+def test_every_documented_environment_variable_is_read():
+    documented = {n for page in _doc_pages() for n in _ENV_NAME.findall(page.read_text("utf-8"))}
+    read = _env_in_code("pkg", "tests", "hip", "asv_bench", ".ci")
+    assert len(documented) > 30
+    assert sorted(documented - read - _ENV_DOCUMENTED_AS_GONE) == []
+    assert _ENV_DOCUMENTED_AS_GONE <= documented and not _ENV_DOCUMENTED_AS_GONE & read
+
+
+def test_every_environment_variable_the_code_reads_is_documented():
+    documented = {n for page in _doc_pages() for n in _ENV_NAME.findall(page.read_text("utf-8"))}
+    read = _env_in_code("pkg", "tests")
+    read = {n for n in read if not n.startswith("PAGEDKV_SOME_")}  # a test's placeholder
+    assert {"PAGEDKV_KV_MODE", "HIPFIRE_KV_MODE", "PAGEDKV_PARITY_LOG"} <= read
+    assert sorted(read - documented) == []
