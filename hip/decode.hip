@@ -378,8 +378,8 @@ PKV_DEV void qkv_rope_kv_write(const float* qkv, const int32_t* positions, const
   if (KIND == 2) {
     float amax_a = fabsf(a), amax_b = fabsf(b);
     for (int m = 16; m > 0; m >>= 1) {
-      amax_a = fmaxf(amax_a, pkv_shfl_xor(amax_a, m));
-      amax_b = fmaxf(amax_b, pkv_shfl_xor(amax_b, m));
+      amax_a = pkv_kvq8_amax(amax_a, pkv_shfl_xor(amax_a, m));
+      amax_b = pkv_kvq8_amax(amax_b, pkv_shfl_xor(amax_b, m));
     }
     if (slot < 0) return;
     const int recs_per_row = head_dim / PKV_KVQ8_BLOCK;

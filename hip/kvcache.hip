@@ -43,7 +43,7 @@ PKV_DEV void kv_q8_write(const In* __restrict__ src, const int64_t* __restrict__
     v = pkv_load_value(src + rec * PKV_KVQ8_BLOCK + j);
   }
   float amax = fabsf(v);
-  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, pkv_shfl_xor(amax, m));
+  for (int m = 16; m > 0; m >>= 1) amax = pkv_kvq8_amax(amax, pkv_shfl_xor(amax, m));
   if (!live || slot < 0) return;  // slot -1: a padding token, nothing to store
   const int64_t head_rec = rec - token * ((int64_t)kv_heads * recs_per_row);
   uint8_t* out = pool + (slot * kv_heads * recs_per_row + head_rec) * PKV_KVQ8_RECORD_BYTES;

@@ -16,8 +16,8 @@
 
 // ---------------------------------------------------------------------------
 // q8 quantize: one 32-value record per simdgroup, lane j holding value j; the record
-// max comes from simd_max. src: [n_records * 32] f32 or f16; out: n_records * 34 bytes.
-// The grid is whole simdgroups; params: [n_records].
+// max comes from a shuffle butterfly (NaN kept). src: [n_records * 32] f32 or f16; out:
+// n_records * 34 bytes. The grid is whole simdgroups; params: [n_records].
 
 template <typename In, typename P>
 inline void pkv_kv_q8_quantize_thread(const device In* src, device uint8_t* out, P params,
@@ -25,7 +25,9 @@ inline void pkv_kv_q8_quantize_thread(const device In* src, device uint8_t* out,
   const uint32_t rec = gid / PKV_SIMD;
   if (rec >= uint32_t(params[0])) return;  // whole simdgroups leave together
   const float v = float(src[int64_t(rec) * PKV_KVQ8_BLOCK + lane]);
-  const float amax = simd_max(fabs(v));
+  float amax = fabs(v);  // a butterfly, not simd_max: a NaN must win (pkv_kvq8_amax)
+  for (ushort m = PKV_SIMD / 2; m > 0; m >>= 1)
+    amax = pkv_kvq8_amax(amax, simd_shuffle_xor(amax, m));
   device uint8_t* r = out + int64_t(rec) * PKV_KVQ8_RECORD_BYTES;
   r[2 + lane] = uint8_t(int8_t(pkv_kvq8_code(v, pkv_kvq8_inv_scale(amax))));
   if (lane == 0) pkv_store_u16le(r, pkv_kvq8_scale_bits(amax));

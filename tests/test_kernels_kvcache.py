@@ -238,6 +238,31 @@ def test_gpu_kv_q8_write_matches_reference_bytes(device, src_dtype, kv_heads, he
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("src_dtype", [np.float32, np.float16])
+def test_gpu_kv_q8_write_stores_a_nan_scale_for_a_record_with_a_nan(device, src_dtype):
+    # kvquant.h's pkv_kvq8_amax: a NaN wins the record max (fmaxf dropped it: the record got
+    # a finite scale and decoded as if whole), so the scale is the quiet NaN 0x7E00 and the
+    # finite values' codes 0, as the NumPy reference stores them; the NaN's own code is not
+    # specified (the record decodes to NaN either way).
+    kv_heads, head_dim, n = 2, 64, 3
+    src = (RNG.standard_normal((n, kv_heads, head_dim)) * 3).astype(src_dtype)
+    nans = [(0, 1, 7), (2, 0, 40), (2, 0, 41)]
+    for tok, head, dim in nans:
+        src[tok, head, dim] = np.nan
+    slots = np.array([4, 0, 9], np.int64)
+    pool = poisoned(device, (4, 4, kv_heads, 68), np.uint8, 0xAB)
+    kvcache.kv_q8_write(device, device.array(src), device.array(slots), pool)
+    got = pool.to_numpy().reshape(16, kv_heads, 2, 34)[slots]
+    with np.errstate(invalid="ignore"):
+        want = numpy_kernels.kv_q8_quantize(src.astype(np.float32)).reshape(n, kv_heads, 2, 34)
+    for tok, head, dim in nans:
+        rec, j = divmod(dim, 32)
+        assert got[tok, head, rec, :2].view(np.uint16)[0] == 0x7E00
+        got[tok, head, rec, 2 + j] = want[tok, head, rec, 2 + j] = 0
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
 def test_gpu_kv_q8_read_matches_reference(device, out_dtype):
     num_blocks, bs, kvh, hd, n = 7, 8, 2, 96, 29

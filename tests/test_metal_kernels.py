@@ -127,6 +127,30 @@ def test_kv_q8_quantize_and_read(emu):
     assert bits_equal(np.array(r16), ref.kv_q8_dequantize(pool[slots[:2]], 64).astype(np.float16))
 
 
+def test_kv_q8_quantize_stores_a_nan_scale_for_a_record_with_a_nan(emu):
+    # kvquant.h's pkv_kvq8_amax: a NaN wins the record max, so the record's scale is the
+    # quiet NaN 0x7E00 and its finite values' codes 0, as the NumPy reference stores them
+    # (simd_max dropped the NaN: a finite scale under which the record decoded as if whole).
+    # The NaN value's own code is not specified (its record decodes to NaN either way).
+    rng, seed = fresh_rng()
+    v32 = (rng.standard_normal((3, 2, 64)) * 3).astype(np.float32)
+    nans = [(0, 1, 7), (2, 0, 40), (2, 0, 41)]
+    v32[0, 1, 7], v32[2, 0, 40], v32[2, 0, 41] = np.nan, -np.nan, np.float32("nan")
+
+    def calls(run):
+        return (metal.kv_q8_quantize(mx, mx.array(v32), run),)
+
+    emu.prepare(calls)
+    got = np.array(calls(emu.run)[0]).reshape(3, 2, 2, 34)
+    with np.errstate(invalid="ignore"):
+        want = ref.kv_q8_quantize(v32).reshape(3, 2, 2, 34)
+    for tok, head, dim in nans:
+        rec, j = divmod(dim, 32)
+        assert got[tok, head, rec, :2].view(np.uint16)[0] == 0x7E00, f"seed {seed}"
+        got[tok, head, rec, 2 + j] = want[tok, head, rec, 2 + j] = 0
+    assert bits_equal(got, want), f"seed {seed}"
+
+
 def test_paged_attention_kv_dtypes_gqa_head_dims_and_partitions(emu):
     rng, seed = fresh_rng()
     # (kv dtype, heads, kv_heads, head_dim): groups 1, 3, 4, 8 and every head_dim

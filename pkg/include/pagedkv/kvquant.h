@@ -34,6 +34,14 @@ PKV_FN uint32_t pkv_kvq8_row_bytes(uint32_t head_dim) {
 /* The scale stored (before its f16 rounding): d = amax / 127. */
 PKV_FN float pkv_kvq8_scale(float amax) { return amax / 127.0f; }
 
+/* The larger of two record maxima of |v|, NaN winning: a record holding a NaN stores a NaN
+ * scale (and decodes to NaN), as the NumPy and MLX writers store it. A plain fmaxf drops
+ * the NaN, and the device writers stored a finite scale that decoded the record's other
+ * values as if nothing were wrong. */
+PKV_FN float pkv_kvq8_amax(float a, float b) {
+  return a != a ? a : (b != b ? b : (a > b ? a : b));
+}
+
 /* The factor the codes use: 127 / amax, 0 for an all-zero block and for one whose
  * 127 / amax overflows float32 (amax below ~3.7e-37): an infinite factor made a zero
  * value's code 0 * inf = NaN, which each implementation turned into another byte. Such a
