@@ -20,6 +20,7 @@ from pagedkv.tiny_model.hybrid_paged import (
 )
 from pagedkv.tiny_model.hybrid_serving import serve_hybrid
 from pagedkv.tiny_model.serving import Request, check_parity
+from test_parity import BAD_REQUESTS
 
 BS = 8
 CONFIG = HybridConfig()          # window 24; layers linear, sliding, full, linear, sliding, alias
@@ -274,3 +275,23 @@ def test_a_hit_state_at_another_boundary_is_never_installed():
     with pytest.raises(AuxStateUnconfirmed, match="at 8 tokens"):
         install_hit_state(kvb, hit, codec)
     assert cache.aux_prefix_unbacked("b")
+
+
+@pytest.mark.parametrize("bad, error", BAD_REQUESTS)
+def test_serve_hybrid_refuses_a_bad_request_before_admitting_any(bad, error):
+    # serve_hybrid used to admit such a request after serving the good one: an id >= vocab
+    # failed in its prefill, an over-long one in a decode step, each leaving its row and
+    # blocks allocated in the coordinator; a 0-d prompt raised TypeError.
+    from pagedkv import errors
+    cfg = HybridConfig(max_position=32)
+    small = ReferenceModel(cfg)
+    assert cfg.vocab_size == 512
+    cache = build_hybrid_coordinator(cfg, block_size=BS, hash_seed=0, blocks_per_group=(32, 32))
+    with pytest.raises(getattr(errors, error), match="request 'bad'"):
+        serve_hybrid(small, cache, [Request("ok", np.arange(5), 3), bad])
+    stats = cache.stats()
+    assert stats["live_sequences"] == 0 and stats["blocks_allocated"] == 0
+    cache.check_invariants()
+    good = [Request("ok", np.arange(5), 3)]
+    report = serve_hybrid(small, cache, good)
+    assert check_parity(small, good, report.outputs) == []

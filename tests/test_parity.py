@@ -174,13 +174,18 @@ def test_mlx_paged_equals_mlx_flat():
                                       FlatKV(model.config, "mlx")))
 
 
-@pytest.mark.parametrize("bad, error", [
+#: (request, pagedkv.errors name) that serve and serve_hybrid refuse on a model of
+#: vocab_size 512 and max_position 32.
+BAD_REQUESTS = [
     (Request("bad", np.array([1, 512]), 3), "InvalidArgument"),       # id == vocab_size
     (Request("bad", np.array([1.0, 2.0]), 3), "InvalidArgumentType"),
     (Request("bad", np.array(7), 3), "InvalidArgument"),              # 0-d prompt
     (Request("bad", np.arange(20), 2.0), "InvalidArgumentType"),
     (Request("bad", np.arange(20), 20), "ContextLengthExceeded"),     # 20 + 20 - 1 > 32
-])
+]
+
+
+@pytest.mark.parametrize("bad, error", BAD_REQUESTS)
 def test_serve_refuses_a_bad_request_before_admitting_any(adapter_for, bad, error):
     # Such a request used to be admitted and fail in its prefill or a decode step, leaving
     # its row and blocks allocated; the requests before it had been served.

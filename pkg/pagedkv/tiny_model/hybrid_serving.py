@@ -25,7 +25,8 @@ from functools import partial
 
 import numpy as np
 
-from pagedkv.errors import AuxStateUnconfirmed, InvalidArgument, InvalidArgumentType
+from pagedkv.argument_checks import int_argument
+from pagedkv.errors import AuxStateUnconfirmed, InvalidArgumentType
 from pagedkv.tiny_model.hybrid_config import HybridConfig
 from pagedkv.tiny_model.hybrid_paged import HybridPagedKV
 from pagedkv.tiny_model.model import ReferenceModel
@@ -33,6 +34,7 @@ from pagedkv.tiny_model.serving import (
     Request,
     RunningRequest,
     SessionReport,
+    check_request,
     count_admission,
     run_session,
 )
@@ -107,15 +109,13 @@ def serve_hybrid(model: ReferenceModel, cache, requests: Sequence[Request], *,
     from pagedkv.cold.ladder import prefill_checkpoint_boundaries, prefill_ranges
     from pagedkv.coordinator import RecomputeScheduler
 
-    if max_batch < 1:
-        raise InvalidArgument(f"max_batch = {max_batch}: must be >= 1")
-    for r in requests:
-        if r.max_new_tokens < 1 or len(r.prompt) < 1:
-            raise InvalidArgument(f"request {r.seq_id!r}: needs a prompt and max_new_tokens >= 1")
     config = model.config
     if not isinstance(config, HybridConfig):
         raise InvalidArgumentType(f"serve_hybrid needs a hybrid model, got a "
                                   f"{type(config).__name__}: use serving.serve")
+    max_batch = int_argument("max_batch", max_batch, minimum=1)
+    for r in requests:
+        check_request(model, r)
     bs = cache.groups[0].block_size
     store = cache.checkpoints
     cold_codec = getattr(cache.cold, "sidecar", None)
