@@ -780,6 +780,35 @@ def test_a_refused_lookup_changes_nothing(make, bad, error):
     assert restores == []  # the suppression still applied to the first valid lookup
 
 
+def test_extra_keys_none_is_no_keys_in_a_lookup(make):
+    # find_cached_prefix(extra_keys=None) passed make_chain_keys (None is no keys there and
+    # in the allocator) and then raised TypeError on tuple(None), after the row's salt was
+    # written and the purge's one-shot cold suppression was spent.
+    cold = RestoreLog()
+    restores = cold.calls
+    a = make(16, cold=cold)
+    start(a, "s", range(8))
+    a.register_full_blocks_for_reuse("s", extra_keys=None)
+    a.release_request_and_purge_prefix_cache("s")
+    restores.clear()
+    a.reset_for_new_request("t")
+    assert a.find_cached_prefix("t", range(8), extra_keys=None).cached_tokens == 0
+    assert restores == []  # the lookup the purge's suppression was for
+    a.release_request("t")
+    start(a, "u", range(8), extra_keys=None)
+    assert restores == [[]]
+    a.register_full_blocks_for_reuse("u")
+    a.release_request("u")
+    hits = []
+    for seq, keys in (("v", None), ("w", ())):  # the same hit, published as plain blocks
+        a.reset_for_new_request(seq)
+        hit = a.find_cached_prefix(seq, range(12), extra_keys=keys)
+        hits.append((hit.cached_tokens, hit.hot_blocks.tolist(), a.block_table(seq).tolist()))
+        a.release_request(seq)
+    assert hits[0] == hits[1] and hits[0][0] == 8
+    a.allocator.check_invariants()
+
+
 def test_a_lookup_after_the_row_holds_blocks_is_refused_and_leaks_nothing(make):
     # Found by a review: allocate (or record) before the first lookup, then a lookup with a
     # hit wrote the hit over the row's table, and the blocks it held stayed allocated with

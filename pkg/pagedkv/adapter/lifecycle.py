@@ -152,16 +152,16 @@ class RequestLifecycle(AdmissionControl):
             self.release_request(seq_id)
         self._rows.acquire(seq_id)
 
-    def find_cached_prefix(self, seq_id: Hashable, prompt, *, extra_keys: Sequence[int] = (),
-                           extra_keys_per_block=None, cache_salt: int = 0,
-                           skip_lookup: bool = False, max_tokens: int | None = None
-                           ) -> PrefixLookup:
+    def find_cached_prefix(self, seq_id: Hashable, prompt, *,
+                           extra_keys: Sequence[int] | None = (), extra_keys_per_block=None,
+                           cache_salt: int = 0, skip_lookup: bool = False,
+                           max_tokens: int | None = None) -> PrefixLookup:
         """Put the longest cached prefix of ``prompt[:max_tokens]`` that every group backs
         into the tables (docs/coordinator.md, "Hybrid hot prefix reuse"; one group: the
         longest verified hot hit), then let the cold tier extend it. The blocks come
         incref'd and the tables own them. One lookup per request (``LookupAlreadyDone``);
         ``skip_lookup`` forces a miss. ``cache_salt`` and the extra keys are also what
-        blocks a sliding group drops are published under."""
+        blocks a sliding group drops are published under; ``extra_keys=None`` is no keys."""
         rows = self._rows
         row = rows.row(seq_id)
         if rows.lookup_done[row]:
@@ -182,6 +182,8 @@ class RequestLifecycle(AdmissionControl):
         salt = as_domain_id(cache_salt)
         # Every argument is checked before anything changes: a refused call leaves the row,
         # and the one-shot cold-restore suppression of a purge, as they were.
+        if extra_keys is None:          # no keys, as for make_chain_keys and the allocator
+            extra_keys = ()
         make_chain_keys(extra_keys, extra_keys_per_block)
         if max_tokens is not None:
             tokens = tokens[:as_count(max_tokens, "max_tokens")]
