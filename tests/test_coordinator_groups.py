@@ -448,3 +448,74 @@ def test_budgeted_construction_and_repr():
     assert [g.pool.num_blocks for g in c.groups] == list(c.budget.blocks_per_group)
     assert "GroupedKVCoordinator(live=0" in repr(c) and "sliding(8)" in repr(c)
     assert "window=8" in repr(c.groups[1])
+
+
+@pytest.mark.parametrize("failure", ["narrow_tokens", "freed_entry", "dropped_twice",
+                                     "hash_hook"])
+def test_prune_rows_refuses_before_changing_any_row(failure):
+    # table_ops.prune_rows used to check each row inside its loop: a row with too narrow a
+    # token array raised, and release_ids refused a freed entry after register_chain had
+    # published that row, each after the earlier rows were pruned, published and freed.
+    from pagedkv.adapter import table_ops
+
+    bs, window = 2, 2
+    calls = []
+
+    def hook(parent, tokens, keys, salt, index, seed):
+        calls.append(index)
+        if len(calls) > 1:                          # row 1's hash: row 0 hashed first
+            raise RuntimeError("hash hook failed")
+        return parent * 31 + int(tokens.sum()) + index + 1
+
+    alloc = BlockAllocator(16, 16, bs, hash_seed=0, reserve_null_block=True,
+                           _hash_fn=hook if failure == "hash_hook" else None)
+    ids = alloc.allocate_many(6)
+    table = np.full((2, 3), -1, np.int32)
+    table[0], table[1] = ids[:3], ids[3:]
+    num_blocks = np.array([3, 3], np.int32)
+    null_upto = np.zeros(2, np.int32)
+    revision = np.zeros(2, np.int64)
+    parent_hash = np.zeros(2, np.uint64)
+    parent_known = np.zeros(2, np.bool_)
+    committed = np.array([4, 6], np.int32)          # row 0 drops 1 block, row 1 drops 2
+    tokens = np.arange(12, dtype=np.uint32).reshape(2, 6)
+    if failure == "narrow_tokens":
+        tokens = np.ascontiguousarray(tokens[:, :2])  # row 1 needs 4 tokens
+    elif failure == "freed_entry":
+        alloc.free(int(table[1, 1]))
+    elif failure == "dropped_twice":
+        table[1, 0] = table[0, 0]                   # held once, dropped by both rows
+        alloc.free(int(ids[3]))
+    salts = np.zeros(2, np.uint64)
+    publish = np.full(2, table_ops.PUBLISH_PLAIN, np.uint8)
+    arrays = (table, num_blocks, null_upto, revision, parent_hash, parent_known)
+    before = [a.copy() for a in arrays]
+    alloc_before = (alloc.block_records.copy(), alloc.prefix_slots.copy(), alloc.free_list(),
+                    alloc.lru_hashes(), alloc.prefix_cache_len)
+    error = RuntimeError if failure == "hash_hook" else (
+        InvalidArgument if failure == "narrow_tokens" else InvariantViolation)
+    with pytest.raises(error):
+        table_ops.prune_rows(alloc, table, num_blocks, null_upto, revision, parent_hash,
+                             parent_known, np.array([0, 1], np.intp), committed, window,
+                             tokens, salts, publish)
+    for a, b in zip(arrays, before, strict=True):
+        assert a.tobytes() == b.tobytes()
+    after = (alloc.block_records, alloc.prefix_slots, alloc.free_list(), alloc.lru_hashes(),
+             alloc.prefix_cache_len)
+    assert after[0].tobytes() == alloc_before[0].tobytes()
+    assert after[1].tobytes() == alloc_before[1].tobytes()
+    assert after[2:] == alloc_before[2:]
+    alloc.check_invariants()
+    if failure in ("narrow_tokens", "hash_hook"):   # the same call on good input prunes both
+        tokens = np.arange(12, dtype=np.uint32).reshape(2, 6)
+        calls.clear()
+        alloc = BlockAllocator(16, 16, bs, hash_seed=0, reserve_null_block=True)
+        ids = alloc.allocate_many(6)
+        table[0], table[1] = ids[:3], ids[3:]
+        freed, keyed = table_ops.prune_rows(
+            alloc, table, num_blocks, null_upto, revision, parent_hash, parent_known,
+            np.array([0, 1], np.intp), committed, window, tokens, salts, publish)
+        assert (freed, len(keyed)) == (3, 0)
+        assert null_upto.tolist() == [1, 2] and revision.tolist() == [1, 1]
+        assert alloc.prefix_cache_len == 3
+        alloc.check_invariants()

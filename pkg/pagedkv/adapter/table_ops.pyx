@@ -16,10 +16,10 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
-from pagedkv.allocator cimport BlockAllocator
+from pagedkv.allocator cimport PKV_BLOCK_CACHED, BlockAllocator
 from pagedkv.hashing cimport ChainKeys, make_chain_keys
 
-from pagedkv.errors import InvalidArgument, InvalidArgumentType
+from pagedkv.errors import InvalidArgument, InvalidArgumentType, InvariantViolation
 
 cnp.import_array()
 
@@ -139,6 +139,11 @@ def prune_rows(BlockAllocator allocator, cnp.ndarray table, cnp.ndarray num_bloc
     publish those blocks as a chain segment (no extra keys, the row's salt); PUBLISH_KEYED
     rows are left untouched and returned for the Python path.
 
+    Every row is checked before any is changed (all or nothing): ``tokens`` too narrow for a
+    row (``InvalidArgument``), a dropped entry outside the pool or freed more often than it is
+    held (``InvariantViolation``), a hash hook that raises, or no memory for the buffers
+    leave every row, refcount and the prefix table as they were.
+
     Returns ``(blocks freed, intp rows handed back)``. O(blocks freed) per row."""
     _check(table, cnp.NPY_INT32, 2, "table")
     _check(num_blocks, cnp.NPY_INT32, 1, "num_blocks")
@@ -154,8 +159,9 @@ def prune_rows(BlockAllocator allocator, cnp.ndarray table, cnp.ndarray num_bloc
     if allocator.null_block_id is None:
         raise InvalidArgument("prune_rows needs an allocator with a null block")
     cdef Py_ssize_t n = rows.shape[0], i, j, r, first, cut, count, width = table.shape[1]
+    if committed.shape[0] != n:
+        raise InvalidArgument(f"committed has {committed.shape[0]} entries for {n} rows")
     cdef Py_ssize_t bs = allocator.block_size, tok_width = tokens.shape[1], freed = 0
-    cdef int64_t keep
     cdef int32_t null_id = <int32_t>allocator.null_block_id
     cdef int32_t* t = <int32_t*>cnp.PyArray_DATA(table)
     cdef const int32_t* nb = <const int32_t*>cnp.PyArray_DATA(num_blocks)
@@ -174,14 +180,73 @@ def prune_rows(BlockAllocator allocator, cnp.ndarray table, cnp.ndarray num_bloc
     cdef int32_t* dropped = NULL
     cdef Py_ssize_t capacity = 0
     cdef bint published = False
-    handed_back = []
+    cdef bint hooked = allocator._hash_fn is not None and allocator._capacity > 0
+    # Pass 1 changes nothing: each row's span as pass 2 will see it (``upto``: a row may
+    # repeat), the token width, every dropped id (in range, held as often as it is dropped
+    # over the whole call: release_ids's check) and, through a hash hook, every hash pass 2
+    # computes (a hook that raises fails here).
+    cdef cnp.ndarray upto = null_upto.copy()
+    cdef int32_t* vu = <int32_t*>cnp.PyArray_DATA(upto)
+    cdef int32_t b
+    cdef int32_t* mult = allocator.multiplicity
+    cdef Py_ssize_t bad_row = -1, bad_at = -1
+    to_hash = []
     try:
         for i in range(n):
             r = rp[i]
-            keep = <int64_t>cm[i] - window + 1
-            cut = keep // bs if keep > 0 else 0
-            if cut > nb[r]:
-                cut = nb[r]
+            cut = _prune_cut(cm[i], window, bs, nb[r])
+            first = vu[r]
+            if cut <= first or pub[r] == PUBLISH_KEYED:
+                continue
+            if cut * bs > tok_width:
+                raise InvalidArgument(f"row {r}: tokens holds {tok_width}, {cut * bs} needed")
+            vu[r] = <int32_t>cut
+            if cut > capacity:
+                capacity = cut
+            if hooked and pub[r] == PUBLISH_PLAIN:
+                to_hash.append((r, cut))
+            for j in range(first, cut):
+                b = t[r * width + j]
+                if b < 0 or b >= allocator._num_blocks:
+                    bad_row, bad_at = r, j
+                    break
+                mult[b] += 1
+                if mult[b] > allocator.blocks[b].refcount - (
+                        1 if allocator.blocks[b].flags & PKV_BLOCK_CACHED else 0):
+                    bad_row, bad_at = r, j
+                    break
+            if bad_row >= 0:
+                break
+    finally:
+        vu = <int32_t*>cnp.PyArray_DATA(upto)
+        for i in range(n):      # zero the scratch again (ids out of range were not counted)
+            r = rp[i]
+            for j in range(nu[r], vu[r]):
+                b = t[r * width + j]
+                if 0 <= b < allocator._num_blocks:
+                    mult[b] = 0
+    if bad_row >= 0:
+        b = t[bad_row * width + bad_at]
+        raise InvariantViolation(
+            f"prune_rows: row {bad_row} entry {bad_at} = block {b} is "
+            + ("outside the pool" if not 0 <= b < allocator._num_blocks else
+               f"dropped more often than it is held (refcount {allocator.blocks[b].refcount})")
+            + "; nothing was pruned")
+    if capacity > 0:            # one buffer pair for every row of the call
+        chain = <uint64_t*>malloc(capacity * sizeof(uint64_t))
+        dropped = <int32_t*>malloc(capacity * sizeof(int32_t))
+        if chain == NULL or dropped == NULL:
+            free(chain)
+            free(dropped)
+            raise MemoryError("prune_rows buffers")
+    handed_back = []
+    try:
+        for r, cut in to_hash:
+            allocator.hash_chain(tk + r * tok_width, cut, plain, sl[r], 0, 0, chain)
+        # Pass 2: the checked rows, nothing left to refuse.
+        for i in range(n):
+            r = rp[i]
+            cut = _prune_cut(cm[i], window, bs, nb[r])
             first = nu[r]
             if cut <= first:
                 continue
@@ -189,16 +254,6 @@ def prune_rows(BlockAllocator allocator, cnp.ndarray table, cnp.ndarray num_bloc
                 handed_back.append(r)
                 continue
             count = cut - first
-            if cut > capacity:      # one buffer pair for every row of the call
-                free(chain)
-                free(dropped)
-                capacity = max(cut, 2 * capacity)
-                chain = <uint64_t*>malloc(capacity * sizeof(uint64_t))
-                dropped = <int32_t*>malloc(capacity * sizeof(int32_t))
-                if chain == NULL or dropped == NULL:
-                    raise MemoryError("prune_rows buffers")
-            if cut * bs > tok_width:
-                raise InvalidArgument(f"row {r}: tokens holds {tok_width}, {cut * bs} needed")
             if pub[r] == PUBLISH_PLAIN and allocator._capacity > 0:
                 if pk[r]:
                     parent = ph[r]
@@ -226,3 +281,11 @@ def prune_rows(BlockAllocator allocator, cnp.ndarray table, cnp.ndarray num_bloc
         if published:
             allocator.flush_events()
     return freed, np.asarray(handed_back, dtype=np.intp)
+
+
+cdef inline Py_ssize_t _prune_cut(int32_t committed, Py_ssize_t window, Py_ssize_t bs,
+                                  int32_t num_blocks) noexcept:
+    """The table entries below which a row at ``committed`` tokens is out of the window."""
+    cdef int64_t keep = <int64_t>committed - window + 1
+    cdef Py_ssize_t cut = keep // bs if keep > 0 else 0
+    return num_blocks if cut > num_blocks else cut
