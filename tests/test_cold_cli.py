@@ -124,6 +124,34 @@ def test_a_missing_base_is_reported_and_not_created(tmp_path, capsys, action):
     assert not missing.exists()
 
 
+@pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "1M"]])
+@pytest.mark.parametrize("base, hint", [
+    ("redis//:s3cret-pw@cache.example:6379/0", "did you mean 'redis://:***@cache.example"),
+    ("rediss//user:s3cret-pw@cache.example/0", "did you mean 'rediss://user:***@cache"),
+    ("redis:/:s3cret-pw@cache.example/0", "***@cache.example/0"),
+    ("http://user:s3cret-pw@cache.example/0", "not a redis:// URL"),
+])
+def test_a_mistyped_url_never_shows_its_password(tmp_path, capsys, monkeypatch, action,
+                                                  base, hint):
+    """A BASE that reads as a URL with a password but is no redis:// URL (a missing or
+    extra character, another scheme) is not reported raw as a missing directory: the
+    message shows it redacted and says it is not a Redis URL (a review found the password
+    in the 'does not exist' line)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["cold", *action, base]) == 2
+    out, err = capsys.readouterr()
+    assert "s3cret-pw" not in out + err
+    assert err.count("\n") == 1 and err.startswith("pagedkv cold: ") and hint in err
+    assert _tree(tmp_path) == []
+
+
+def test_a_plain_path_with_an_at_sign_is_shown_as_it_is(tmp_path, capsys):
+    missing = tmp_path / "user@host" / "cache"
+    assert main(["cold", "stats", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"BASE {str(missing)!r} does not exist" in err
+
+
 @pytest.mark.parametrize("action", [["stats"], ["verify"], ["evict", "--to", "0"]])
 def test_a_base_without_a_tier_is_reported_and_left_alone(tmp_path, capsys, action):
     (tmp_path / "unrelated.txt").write_bytes(b"x")

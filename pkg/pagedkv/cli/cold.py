@@ -52,20 +52,73 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_evict)
 
 
+#: A BASE that reads as a URL, not a path: a scheme-like word followed by ``:/``, ``//``
+#: (``redis//host``, a missing colon) or ``:...@``, or a ``//user:password@`` userinfo
+#: anywhere. Such a BASE is shown through ``redacted_url`` in every message; any other path
+#: is shown as it is (``redacted_url`` would hide the part before an ``@`` of a plain path).
+_URLISH = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]+(?::/|//|:[^/]*@)|.*//[^/@]*:[^/]*@",
+                     re.DOTALL)
+#: A Redis scheme with the wrong separator: ``redis//``, ``rediss:``, ``unix/``...
+_SCHEME_TYPO = re.compile(r"\s*(rediss|redis|unix)\s*(?::/{0,2}|/{1,2})(.*)",
+                          re.DOTALL | re.IGNORECASE)
+
+
+def looks_like_url(base: str) -> bool:
+    """Whether ``base`` reads as a URL (possibly mistyped, possibly with a password)
+    rather than a directory: what decides whether messages show it redacted."""
+    return _URLISH.match(base) is not None
+
+
+def shown_base(base: str) -> str:
+    """``base`` as a message shows it: without its password when it reads as a URL."""
+    from pagedkv.cold.redis_store import redacted_url
+    return redacted_url(base) if looks_like_url(base) else base
+
+
+def _not_a_url(base: str) -> str:
+    """The message for a URL-like BASE that is no Redis URL and no existing path."""
+    from pagedkv.cold.redis_store import redacted_url
+    typo = _SCHEME_TYPO.fullmatch(base)
+    if typo is not None:
+        scheme, rest = typo.group(1).lower(), typo.group(2).lstrip("/")
+        fixed = redacted_url(f"{scheme}:///{rest}" if scheme == "unix" else
+                             f"{scheme}://{rest}")
+        hint = f"did you mean {fixed!r}?"
+    else:
+        hint = "the cold tier takes a redis://host:port/db, rediss://... or " \
+               "unix:///path?db=N URL, or a directory"
+    return f"BASE {shown_base(base)!r} is not a redis:// URL ({hint}) and no directory " \
+           "of that name exists"
+
+
 def _missing_tier(base: str, child: str) -> str | None:
     """Why ``base`` holds no tier to inspect, or ``None``. The offline commands never create
     a root: a typo must not silently report an empty tier (and leave a directory behind)."""
     import os
     tier = os.path.join(base, child)
+    shown = shown_base(base)
     if not os.path.lexists(base):
-        return f"BASE {base!r} does not exist; pass the directory a serving process used " \
+        if looks_like_url(base):
+            return _not_a_url(base)
+        return f"BASE {shown!r} does not exist; pass the directory a serving process used " \
                "as PAGEDKV_COLD_CACHE_DIR (the tier is BASE/pagedkv-v1)"
     if not os.path.isdir(base):
-        return f"BASE {base!r} is not a directory; pass the directory that holds pagedkv-v1"
+        return f"BASE {shown!r} is not a directory; pass the directory that holds pagedkv-v1"
     if not os.path.lexists(tier):
-        return f"BASE {base!r} holds no cold tier ({child!r} is missing); pass the " \
+        return f"BASE {shown!r} holds no cold tier ({child!r} is missing); pass the " \
                "directory a serving process used as PAGEDKV_COLD_CACHE_DIR"
     return None
+
+
+def _scrubbed(text: str, base: str | None) -> str:
+    """``text`` with a URL-like ``base`` (raw or as repr shows it) replaced by its redacted
+    form: a message of the store (its root path) must not carry the password either."""
+    if not base or not looks_like_url(base):
+        return text
+    shown = shown_base(base)
+    for raw, safe in ((base, shown), (repr(base)[1:-1], repr(shown)[1:-1])):
+        text = text.replace(raw, safe)
+    return text
 
 
 def _demo_base(child: str) -> str | None:
@@ -105,7 +158,7 @@ def _open(args, *, quarantine_unowned: bool = False, demo_fallback: bool = False
         return open_offline_store(base, child=MANAGED_CHILD,
                                   quarantine_unowned=quarantine_unowned)
     except PagedKVError as exc:
-        print(f"pagedkv cold: {exc}", file=sys.stderr)
+        print(f"pagedkv cold: {_scrubbed(str(exc), base)}", file=sys.stderr)
         return None
 
 
@@ -147,7 +200,7 @@ def run_stats(args: argparse.Namespace) -> int:
         return _server_failed(store, "stats", exc)
     finally:
         store.close()
-    print(f"root: {s.root}")
+    print(f"root: {_scrubbed(str(s.root), args.base)}")
     print(f"objects: {sum(s.objects.values())}  total: {_mib(s.total_bytes)}")
     for label, n in s.objects.items():
         print(f"  {label:<15} {n:>8} objects  {_mib(s.bytes_by_group[label])}")
