@@ -78,6 +78,45 @@ def test_writer_survives_a_malformed_job(tmp_path):
         assert tier.enqueue(_job(1)) and tier.drain(5.0) is True
 
 
+def _unencodable(i):
+    job = _job(i)
+    job.buffer = job.buffer[:1].copy()  # fewer layers than its geometry: encode_block refuses
+    return job
+
+
+def test_unencodable_jobs_log_once_per_kind_then_a_summary(tmp_path, caplog):
+    """A stream of jobs that cannot be encoded logs the first one (the job and the reason),
+    counts the rest in write_errors_unlogged and summarizes them at most once per interval
+    and at close, as the store's write failures are: never one WARNING per object."""
+    import logging
+
+    from pagedkv.cold.stats import WriteFailureLog
+    now = [0.0]
+    caplog.set_level("WARNING", logger="pagedkv.cold")
+    with open_tier(tmp_path / "root") as tier:
+        root = tier.store.root_path
+        tier.writer.encode_failures = WriteFailureLog(
+            tier.counters, logging.getLogger("pagedkv.cold"), root, interval_s=60.0,
+            clock=lambda: now[0])
+        for i in range(4):
+            assert tier.enqueue(_unencodable(i))
+        assert tier.drain(5.0) is False
+        now[0] = 61.0  # past the interval: the next failure brings the summary
+        assert tier.enqueue(_unencodable(4)) and tier.drain(5.0) is False
+        assert tier.enqueue(_unencodable(5)) and tier.drain(5.0) is False  # summarized at close
+        assert tier.enqueue(_job(6)) and tier.drain(5.0) is True  # a good job still commits
+        s = tier.stats()
+        assert (s.write_errors, s.write_errors_unlogged) == (6, 5)
+    records = [r.getMessage() for r in caplog.records if r.name == "pagedkv.cold"]
+    summary = (f"cold tier: %d more failed writes to {root} not logged one by one "
+               "(%d so far; stats().write_errors_unlogged)")
+    assert len(records) == 3, records
+    assert records[0].startswith(f"cold tier: cannot encode {_unencodable(0)!r}: ")
+    assert records[0].endswith(" (later jobs that fail to encode this way are counted in "
+                               "write_errors_unlogged)")
+    assert records[1:] == [summary % (4, 4), summary % (1, 5)]
+
+
 # Crash injection -------------------------------------------------------------------------
 
 _CHILD = textwrap.dedent("""

@@ -26,7 +26,7 @@ import numpy as np
 
 from pagedkv.cold.codec import BlockGeometry, encode_block, encode_sidecar
 from pagedkv.cold.groups import ColdGroup
-from pagedkv.cold.stats import ColdCounters
+from pagedkv.cold.stats import ColdCounters, WriteFailureLog
 from pagedkv.errors import ColdTierClosed, InvalidArgument
 
 if TYPE_CHECKING:
@@ -218,6 +218,10 @@ class ColdWriter:
         #: Test hooks: seconds slept per object, and how many next jobs to fail.
         self.service_delay_s = 0.0
         self.fail_next_jobs = 0
+        #: Jobs that cannot be encoded: the first of each exception type is one WARNING, the
+        #: rest are counted in ``write_errors_unlogged`` and summarized (as the store's write
+        #: failures are), the summary also at :meth:`close`.
+        self.encode_failures = WriteFailureLog(counters, log, str(store.root_path))
         # Capture buffers come back here after their commit: a fresh 200 KB array is a fresh
         # mmap whose page faults the inference thread would pay on every capture.
         self._spare: list[np.ndarray] = []
@@ -341,6 +345,7 @@ class ColdWriter:
         for t in (self._hasher, self._thread):
             if t.is_alive():
                 t.join(max(0.0, deadline - time.monotonic()))
+        self.encode_failures.flush()
         return not (self._hasher.is_alive() or self._thread.is_alive())
 
     @property
@@ -360,8 +365,9 @@ class ColdWriter:
             self._handoff.stop()
 
     def _prepare(self, job):
-        """Checksum and header of ``job``: ``(job, chunks, size)``, or ``(job, None, reason)``
-        when it cannot be encoded (a write error, counted in order by the writer)."""
+        """Checksum and header of ``job``: ``(job, chunks, size)``, or ``(job, None, (kind,
+        reason))`` when it cannot be encoded (a write error, counted in order by the writer
+        and logged once per ``kind``)."""
         store = self.store
         try:
             if isinstance(job, FillJob):
@@ -374,7 +380,7 @@ class ColdWriter:
                                       job.fingerprint_hex, job.geometry, job.tokens,
                                       job.buffer, job.checksum)
         except Exception as exc:  # noqa: BLE001 - malformed job: never kill the pipeline
-            return job, None, f"cannot encode {job!r}: {exc}"
+            return job, None, (f"encode {type(exc).__name__}", f"cannot encode {job!r}: {exc}")
         return job, chunks, sum(memoryview(c).nbytes for c in chunks)
 
     def _run_writer(self) -> None:
@@ -441,7 +447,10 @@ class ColdWriter:
             time.sleep(self.service_delay_s)
         if chunks is None:
             self.counters.add("write_errors")
-            log.warning("cold tier: %s", size)
+            kind, reason = size
+            self.encode_failures.failed(kind, "cold tier: %s (later jobs that fail to encode "
+                                        "this way are counted in write_errors_unlogged)",
+                                        reason)
             return False
         if self.fail_next_jobs > 0:
             self.fail_next_jobs -= 1
