@@ -348,17 +348,14 @@ def test_the_core_never_imports_the_cold_tier():
     assert out.stdout.strip() == "[]"
 
 
-def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
-    """Window 6, blocks of 4, sidecar at 16: the restore writes rows [10, 16), so sliding
-    block 2 (tokens 8-11) has rows 8 and 9 unwritten. Publishing it (at registration)
-    handed those rows as a hot hit to a request sharing 12 tokens (found by a review:
-    they held whatever the recycled block held). The block is not published; a request
-    sharing 12 tokens gets 8 and computes the rest, and every row it attends is right."""
-    window = 6
+def _persist_window_at_16(root, window: int):
+    """Process A: 24 tokens through a full + sliding(``window``) coordinator, blocks of 4,
+    the sliding rows of boundary 16 published (read before the prune at 16, which may drop
+    the oldest of them) and captured with the K/V chain. Returns (codec, tokens)."""
     sliding = SlidingWindowCodec(window=window, num_layers=1, kv_heads=1, head_dim=2,
                                  dtype="float32")
     tokens = TOKENS[:24]
-    with open_tier(tmp_path) as tier:
+    with open_tier(root) as tier:
         assert tier.install_capture_budget(128, 60_000)
         box = []
         ctx = ColdTierContext(tier, FP, sliding, lambda toks, **kw: box[0].verified(
@@ -367,23 +364,46 @@ def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
         box.append(cache.checkpoints)
         cache.reset_for_new_request("a")
         cache.find_cached_prefix("a", tokens, max_tokens=0)
-        prefill(cache, "a", tokens[:16], chunk=4)
+        prefill(cache, "a", tokens[:12], chunk=4)
+        prune, cache.prune_sliding_all = cache.prune_sliding_all, lambda *a: 0
+        prefill(cache, "a", tokens[:16], chunk=4, start=12)
         g = cache.groups[1]
         cache.checkpoints.publish(tokens, 16, sliding.snapshot([SlidingGroupRows(
             g.pool, cache.block_table("a", 1), g.null_block_id, 16)], 16), owner="a")
+        cache.prune_sliding_all = prune
+        prune("a", 16)
         prefill(cache, "a", tokens, chunk=4, start=16)
         cache.register_full_blocks_for_reuse("a")
         assert tier.drain(5.0)
         cache.release_request("a")
+    return sliding, tokens
+
+
+def _restore_over_recycled_blocks(tier, window: int, sliding, tokens):
+    """Process B: a fresh coordinator whose sliding pool holds garbage (what a recycled
+    block may hold) restores ``tokens`` for request "b": 16 tokens, sliding blocks 0 and 1
+    null."""
+    cache = full_sliding_alias(window=window, block_size=BS,
+                               cold=ColdTierContext(tier, FP, sliding))
+    pool = cache.groups[1].pool
+    for b in range(pool.num_blocks):
+        pool.write_block(b, np.full_like(pool.read_block(b), 0x7F))
+    cache.reset_for_new_request("b")
+    hit = cache.find_cached_prefix("b", tokens, max_tokens=len(tokens) - 1)
+    assert (hit.cached_tokens, cache.block_table("b", 1)[:2].tolist()) == (16, [0, 0])
+    return cache
+
+
+def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
+    """Window 6, blocks of 4, sidecar at 16: the restore writes rows [10, 16), so sliding
+    block 2 (tokens 8-11) has rows 8 and 9 unwritten. Publishing it (at registration)
+    handed those rows as a hot hit to a request sharing 12 tokens (found by a review:
+    they held whatever the recycled block held). The block is not published; a request
+    sharing 12 tokens gets 8 and computes the rest, and every row it attends is right."""
+    window = 6
+    sliding, tokens = _persist_window_at_16(tmp_path, window)
     with open_tier(tmp_path) as tier:
-        cache = full_sliding_alias(window=window, block_size=BS,
-                                   cold=ColdTierContext(tier, FP, sliding))
-        pool = cache.groups[1].pool
-        for b in range(pool.num_blocks):  # what a recycled block may hold
-            pool.write_block(b, np.full_like(pool.read_block(b), 0x7F))
-        cache.reset_for_new_request("b")
-        hit = cache.find_cached_prefix("b", tokens, max_tokens=len(tokens) - 1)
-        assert (hit.cached_tokens, cache.block_table("b", 1)[:2].tolist()) == (16, [0, 0])
+        cache = _restore_over_recycled_blocks(tier, window, sliding, tokens)
         prefill(cache, "b", tokens, chunk=4, start=16)
         cache.register_full_blocks_for_reuse("b")
         cache.release_request("b")
@@ -401,3 +421,25 @@ def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
         attended = np.arange(max(0, hit.cached_tokens - window + 1), hit.cached_tokens)
         # prefill writes K = position + 1 in this group's one layer
         np.testing.assert_array_equal(k[attended - first, 0, 0], attended + 1.0)
+
+
+def test_first_live_position_after_a_restore_starts_at_the_written_rows(tmp_path):
+    """Window 5, blocks of 4, sidecar at 16: the restore writes rows [11, 16) into sliding
+    block 2 (tokens 8-11), whose rows 8-10 nobody wrote. first_live_position was the block's
+    start (8), so gather_kv(start=first_live_position) returned those rows (found by a
+    review): it is now 11 and a start before it is refused."""
+    window = 5
+    sliding, tokens = _persist_window_at_16(tmp_path, window)
+    with open_tier(tmp_path) as tier:
+        cache = _restore_over_recycled_blocks(tier, window, sliding, tokens)
+        first = cache.first_live_position("b", 1)
+        assert first == 16 - window
+        k, v = cache.gather_kv("b", 1, start=first)
+        # prefill wrote K = position + 1, V = K + 0.5 in this group's one layer
+        np.testing.assert_array_equal(k[:, 0, 0], np.arange(first, 16) + 1.0)
+        np.testing.assert_array_equal(v[:, 0, 0], np.arange(first, 16) + 1.5)
+        with pytest.raises(InvalidArgument, match="before 11"):
+            cache.gather_kv("b", 1, start=8)
+        prefill(cache, "b", tokens, chunk=4, start=16)  # at 24 blocks 0-4 are pruned
+        assert cache.first_live_position("b", 1) == 20
+        cache.release_request("b")

@@ -85,7 +85,7 @@ class SlidingGroupBlocks(GroupBlocks):
     kind_name = "sliding"
     limits_tokens = False
     _row_arrays = (*GroupBlocks._row_arrays, "null_upto", "parent_hash", "parent_known",
-                   "publish_from")
+                   "publish_from", "written_from")
 
     def __init__(self, allocator, pool, window: int, *, growth: bool = False, rows: int = 8,
                  counters: dict[str, int] | None = None,
@@ -107,6 +107,9 @@ class SlidingGroupBlocks(GroupBlocks):
         # Entries below this are never published: a cold restore rebuilt them from the
         # sidecar's window rows, so the first of them may hold rows nobody wrote.
         self.publish_from = np.zeros(rows, np.int32)
+        # The first position a cold restore wrote (its window rows): the rows of the first
+        # live block before it hold whatever the block held before (0 otherwise).
+        self.written_from = np.zeros(rows, np.int64)
         self._zeros = np.zeros(0, np.uint8)
 
     def __repr__(self) -> str:
@@ -123,6 +126,7 @@ class SlidingGroupBlocks(GroupBlocks):
         self.parent_hash[row] = 0
         self.parent_known[row] = False
         self.publish_from[row] = 0
+        self.written_from[row] = 0
 
     # --- sizes ----------------------------------------------------------------------------
 
@@ -131,7 +135,10 @@ class SlidingGroupBlocks(GroupBlocks):
         return np.iinfo(np.int64).max
 
     def first_live_position(self, row: int) -> int:
-        return int(self.null_upto[row]) * self.block_size
+        """The first position whose K/V the row holds: the start of its first live block,
+        or, after a cold restore (:meth:`install_restored`), the first window row the
+        restore wrote when that is later (the block's earlier rows were never written)."""
+        return max(int(self.null_upto[row]) * self.block_size, int(self.written_from[row]))
 
     def live_blocks(self, row: int) -> int:
         return int(self.num_blocks[row]) - int(self.null_upto[row])
@@ -182,16 +189,20 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto[row] = int(np.count_nonzero(entries == self.null_block_id))
         self.parent_known[row] = False
         self.publish_from[row] = 0
+        self.written_from[row] = 0
 
     def install_restored(self, row: int, entries: np.ndarray, tokens: int) -> None:
         """:meth:`install` for a table a cold restore rebuilt at ``tokens`` from the window
         rows ``[tokens - min(tokens, window), tokens)`` (docs/cold.md, "Grouped restore"):
         when the window is not a multiple of the block size, the first live block also
         covers earlier rows that nobody wrote. No entry that starts before the written rows
-        is ever published, so no other request gets those rows as a hot hit."""
+        is ever published, so no other request gets those rows as a hot hit, and
+        :meth:`first_live_position` starts at the written rows, so ``gather_kv`` never
+        returns them."""
         self.install(row, entries)
         written = tokens - min(tokens, self.window)
         self.publish_from[row] = -(-written // self.block_size)
+        self.written_from[row] = written
 
     def _chain_keys(self, per_block, uniform, first: int, stop: int):
         """Key arguments for chain blocks ``[first, stop)`` (segment-relative per-block keys),
