@@ -118,3 +118,29 @@ def test_every_environment_variable_the_code_reads_is_documented():
     read = {n for n in read if not n.startswith("PAGEDKV_SOME_")}  # a test's placeholder
     assert {"PAGEDKV_KV_MODE", "HIPFIRE_KV_MODE", "PAGEDKV_PARITY_LOG"} <= read
     assert sorted(read - documented) == []
+
+
+def test_every_cli_option_is_in_cli_md():
+    # docs/cli.md names every long option of every `pagedkv` command (argparse.SUPPRESS'd
+    # internal ones aside): a flag added to a parser without a word in the docs fails here.
+    import argparse
+
+    from pagedkv.cli import build_parser
+
+    def options(parser, path=()):
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += options(sub, path + (name,))
+            elif action.help is not argparse.SUPPRESS:
+                found += [(" ".join(path), s) for s in action.option_strings
+                          if s.startswith("--") and s != "--help"]
+        return found
+
+    text = (refs.DOCS / "cli.md").read_text(encoding="utf-8")
+    every = options(build_parser())
+    assert len(every) > 30
+    missing = [(cmd, flag) for cmd, flag in every
+               if not re.search(re.escape(flag) + r"(?![\w-])", text)]
+    assert missing == []
