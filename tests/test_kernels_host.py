@@ -515,7 +515,7 @@ def test_gemv_takes_the_mfma_kernel_on_cdna_with_wavefronts_of_64(arch, fmt, bat
         ("pkv_gemv_prep_x", (-(-17 * batch // 8),), (256,)), (kernel, (3,), (64 * warps,))]
 
 
-@pytest.mark.parametrize("arch", ["gfx1100", "gfx1151"])
+@pytest.mark.parametrize("arch", ["gfx1100", "gfx1151", "gfx1152"])
 @pytest.mark.parametrize(("fmt", "batch", "kernel", "warps"), [
     ("hfq4g256", 1, "pkv_gemv_mma_hfq4g256_n1", 8),
     ("mq4g256v2", 8, "pkv_gemv_mma_mq4g256v2_n3", 2),
@@ -1540,6 +1540,10 @@ def test_attention_takes_the_wmma_kernels_only_when_asked_on_rdna3(
     ("gfx90a", {"PAGEDKV_ATTN_WMMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),
     ("gfx1100", {"PAGEDKV_ATTN_WMMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", "wmma"),
     ("gfx1100", {}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    # RDNA3.5 arches past gfx1151: their objects hold WMMA too (__GFX11__), same opt-in
+    ("gfx1152", {}, None, "pkv_paged_attention_fwht4_lloyd4_g8", None),
+    ("gfx1153", {"PAGEDKV_ATTN_WMMA": "1"}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8",
+     "wmma"),
     # no matrix cores: the _mma kernels run the CUDA-core passes there, as before
     ("gfx1030", {}, None, "pkv_paged_attention_fwht4_lloyd4_mma_g8", None)])
 def test_compressed_attention_takes_amd_matrix_cores_only_when_asked(

@@ -40,8 +40,11 @@ MFMA_ARCHES = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 MFMA_BF16_ARCHES = ("gfx90a", "gfx940", "gfx941", "gfx942")
 #: RDNA3 / RDNA3.5 arches whose WMMA (v_wmma_i32_16x16x16_iu8, wave32) the int8 GEMV uses
 #: (PKV_WMMA_I8). Compiled for gfx1100 with hip/gfx11_codegen.py and emulated only: no AMD GPU
-#: has run them; a device needs a code object built for its own arch name.
-WMMA_ARCHES = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")
+#: has run them; a device needs a code object built for its own arch name. The known names;
+#: :func:`amd_matrix_unit` takes every ``gfx11…`` arch as WMMA, as the kernels' macro does
+#: (``__GFX11__``, hip/pagedkv_compat.h).
+WMMA_ARCHES = ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152",
+               "gfx1153")
 
 
 def amd_matrix_unit(device: object) -> str | None:
@@ -52,7 +55,14 @@ def amd_matrix_unit(device: object) -> str | None:
     if getattr(device, "backend", None) != "hip":
         return None
     arch = getattr(device.properties, "arch", None)  # type: ignore[attr-defined]
-    return "mfma" if arch in MFMA_ARCHES else "wmma" if arch in WMMA_ARCHES else None
+    if arch in MFMA_ARCHES:
+        return "mfma"
+    # every gfx11 object holds the WMMA kernels (PKV_WMMA_I8 is defined under __GFX11__): an
+    # arch left out here would run the quantized-KV _mma kernels' WMMA passes without the
+    # opt-in and reserve shared memory for partials they keep in static memory
+    if arch in WMMA_ARCHES or (isinstance(arch, str) and arch.startswith("gfx11")):
+        return "wmma"
+    return None
 
 __all__ = ["PDL_ENV", "Device", "Event", "Graph", "Kernel", "Stream", "StreamLike",
            "dependent_launch_supported", "open_device", "stream_handle"]
