@@ -125,6 +125,22 @@ def test_missing_code_object_is_no_device_error():
         read_object("kvcache", "hip", "gfx803")
 
 
+@pytest.mark.skipif(not HIP_TARGETS, reason="built without hipcc: no AMD code objects")
+def test_a_device_of_an_arch_not_built_is_told_the_rebuild(stub_runtime):
+    # An MI300X reports gfx942, whose kernels a gfx940 code object does not hold: the first
+    # kernel lookup names the arches built and the meson option that adds this one (the
+    # error once listed every object file of the build, CUDA fatbins included, and no fix).
+    import dataclasses
+    dev = Device(stub_runtime, 0)
+    dev.properties = dataclasses.replace(dev.properties, arch="gfx942")
+    with pytest.raises(errors.NoDeviceError) as info:
+        dev.kernel("kvcache", "pkv_copy_blocks_16", "ppppiq")
+    msg = str(info.value)
+    assert msg.startswith("no kernel object kvcache.gfx942.hsaco for this hip device (gfx942)")
+    assert f"AMD code objects for {', '.join(sorted(HIP_TARGETS))}," in msg
+    assert "-Csetup-args=-Dhip_arches=gfx942" in msg and ".fatbin" not in msg
+
+
 def test_code_objects_match_the_build_and_show_config():
     objects = list_objects()
     expected = []

@@ -38,7 +38,18 @@ def read_object(source: str, backend: str, arch: str) -> bytes:
     name = object_name(source, backend, arch)
     path = _folder() / name
     if not path.is_file():
-        built = ", ".join(list_objects()) or "none (no GPU compiler was found at build time)"
+        if backend == "cuda":
+            built = ", ".join(list_objects()) or "none (no GPU compiler was found at build time)"
+            raise NoDeviceError(
+                f"no kernel object {name} for this {backend} device ({arch}); built: {built}")
+        # an AMD code object runs only on the arch it was built for (an MI300X's gfx942 cannot
+        # load gfx940's): name the arches this build has and the rebuild that adds this one
+        archs = sorted({n[len(source) + 1:-len(".hsaco")] for n in list_objects()
+                        if n.startswith(f"{source}.") and n.endswith(".hsaco")})
         raise NoDeviceError(
-            f"no kernel object {name} for this {backend} device ({arch}); built: {built}")
+            f"no kernel object {name} for this {backend} device ({arch}): this build has AMD "
+            f"code objects for {', '.join(archs) or 'no arch (hipcc was not found at build time)'}"
+            f", and one runs only on the arch it was built for; rebuild pagedkv for {arch} with "
+            f"a ROCm whose hipcc targets it: pip install . -Csetup-args=-Dhip_arches={arch} "
+            f"(docs/kernels.md, \"Build options\")")
     return path.read_bytes()
