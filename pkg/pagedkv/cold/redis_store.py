@@ -435,7 +435,6 @@ class RedisColdStore:
                 self.counters.add("bytes_written", size)
                 oks.append(True)
                 continue
-            self.counters.add("write_errors")
             oom = "OOM" in str(reply)
             hint = " (set maxmemory-policy allkeys-lru: docs/cold.md, 'Quota and sizing')" \
                 if oom else ""

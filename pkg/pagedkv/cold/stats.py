@@ -122,7 +122,9 @@ class WriteFailureLog:
         self._last_summary = clock()
 
     def failed(self, kind: str, message: str, *args: object) -> None:
-        """Log ``message % args`` if ``kind`` never failed on this backend, else count it."""
+        """Count a write error (``write_errors``); log ``message % args`` if ``kind`` never
+        failed on this backend, else count it in ``write_errors_unlogged`` too."""
+        self.counters.add("write_errors")
         with self._lock:
             if kind not in self._seen:
                 self._seen.add(kind)

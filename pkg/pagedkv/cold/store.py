@@ -418,7 +418,6 @@ class ColdStore:
         except OSError as exc:
             refusal = f"eviction failed: {exc}"
         if refusal is not None:
-            self.counters.add("write_errors")
             self.write_failures.failed(
                 "refused", "cold tier: write of %s refused: %s (free disk space or raise the "
                 "quota; later refusals are counted in write_errors_unlogged)", name, refusal)
@@ -446,7 +445,6 @@ class ColdStore:
                     self._step("dirsync")
                     file.sync_directory()
                 except OSError as exc:
-                    self.counters.add("write_errors")
                     self.write_failures.failed(
                         f"dirsync {type(exc).__name__}", "cold tier: directory sync after "
                         "writing %s failed: %s (later ones are counted in "
@@ -455,7 +453,6 @@ class ColdStore:
         except OSError as exc:
             if file is not None:
                 file.abort()
-            self.counters.add("write_errors")
             self.write_failures.failed(
                 type(exc).__name__, "cold tier: write of %s failed: %s (check the disk's free "
                 "space and permissions; later failures of this kind are counted in "

@@ -446,7 +446,6 @@ class ColdWriter:
         if self.service_delay_s:
             time.sleep(self.service_delay_s)
         if chunks is None:
-            self.counters.add("write_errors")
             kind, reason = size
             self.encode_failures.failed(kind, "cold tier: %s (later jobs that fail to encode "
                                         "this way are counted in write_errors_unlogged)",
