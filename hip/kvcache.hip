@@ -1611,22 +1611,20 @@ PKV_DEV void pv_mma_q8_staged(const float* scores, const uint8_t* __restrict__ v
         // (4t, 4t + 1) and (4t + 2, 4t + 3) of pv_record_mma_q8; an even record's codes
         // start 2-byte aligned, so they are read as halves and interleaved from those
         const uint8_t* rec = buf + 4 * t * pitch + l * PKV_KVQ8_RECORD_BYTES + 2 + 4 * gid;
-        uint32_t lo01, hi01, lo23, hi23;
-        if (l % 2) {
-          const uint32_t c0 = load_word_a2<true>(rec), c1 = load_word_a2<true>(rec + pitch);
-          const uint32_t c2 = load_word_a2<true>(rec + 2 * pitch);
-          const uint32_t c3 = load_word_a2<true>(rec + 3 * pitch);
-          lo01 = q8_interleave<0x5140>(c0, c1), hi01 = q8_interleave<0x7362>(c0, c1);
-          lo23 = q8_interleave<0x5140>(c2, c3), hi23 = q8_interleave<0x7362>(c2, c3);
-        } else {
-          lo01 = q8_interleave<0x5140>(smem_u16(rec), smem_u16(rec + pitch));
-          hi01 = q8_interleave<0x5140>(smem_u16(rec + 2), smem_u16(rec + pitch + 2));
-          lo23 = q8_interleave<0x5140>(smem_u16(rec + 2 * pitch), smem_u16(rec + 3 * pitch));
-          hi23 = q8_interleave<0x5140>(smem_u16(rec + 2 * pitch + 2),
-                                       smem_u16(rec + 3 * pitch + 2));
-        }
         const uint32_t b0 = pd_pair(0, l), b1 = pd_pair(1, l);
-        pv_record_pairs_mma_q8(o[2 * l], o[2 * l + 1], lo01, hi01, lo23, hi23, b0, b1);
+        if (l % 2) {
+          pv_record_mma_q8(o[2 * l], o[2 * l + 1], load_word_a2<true>(rec),
+                           load_word_a2<true>(rec + pitch), load_word_a2<true>(rec + 2 * pitch),
+                           load_word_a2<true>(rec + 3 * pitch), b0, b1);
+        } else {
+          pv_record_pairs_mma_q8(
+              o[2 * l], o[2 * l + 1],
+              q8_interleave<0x5140>(smem_u16(rec), smem_u16(rec + pitch)),
+              q8_interleave<0x5140>(smem_u16(rec + 2), smem_u16(rec + pitch + 2)),
+              q8_interleave<0x5140>(smem_u16(rec + 2 * pitch), smem_u16(rec + 3 * pitch)),
+              q8_interleave<0x5140>(smem_u16(rec + 2 * pitch + 2), smem_u16(rec + 3 * pitch + 2)),
+              b0, b1);
+        }
       }
     }
   });

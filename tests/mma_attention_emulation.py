@@ -436,7 +436,7 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
     for c in warp_chunks(warp, n_tok, n_warps):
         buf = staged_buffer(pool_bytes, rows, row_bytes, n_tok, c, pitch_units, tma_heads)
         d = np.zeros((4, 4, LANES), np.uint32)
-        pairs = []  # per record: lo01, hi01, lo23, hi23 as the kernel reads and interleaves
+        pairs = []  # per record: its 4 words (odd) or lo01, hi01, lo23, hi23 (even)
         dm = np.zeros(LANES, np.uint32)
         for j in range(4):
             row = (4 * TID + j) * pitch
@@ -448,10 +448,8 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
                 dm = np.maximum(dm, d[j, lr] & 0x7FFF)
         for lr in range(n_rec):
             rec = 4 * TID * pitch + lr * Q8_RECORD_BYTES + 2 + 4 * GID
-            if lr % 2:  # 4-byte aligned words
-                c0, c1, c2, c3 = (load_word_a2(buf, rec + j * pitch, True) for j in range(4))
-                pairs.append((q8_interleave(0x5140, c0, c1), q8_interleave(0x7362, c0, c1),
-                              q8_interleave(0x5140, c2, c3), q8_interleave(0x7362, c2, c3)))
+            if lr % 2:  # 4-byte aligned words, interleaved by pv_record_mma_q8
+                pairs.append([load_word_a2(buf, rec + j * pitch, True) for j in range(4)])
             else:  # 2-byte aligned: halves
                 def u16(j, off, rec=rec, buf=buf):
                     return load_u16(buf, rec + j * pitch + off)
@@ -484,7 +482,10 @@ def pv_q8_staged(scores, pool_bytes, rows, row_bytes, n_tok, head_dim, gmax, war
 
         for lr in range(n_rec):
             b0, b1 = pd_pair(0, lr), pd_pair(1, lr)
-            pv_record_pairs_mma_q8(o, lr, pairs[lr], b0, b1)
+            if lr % 2:
+                pv_record_mma_q8(o, lr, pairs[lr], b0, b1)
+            else:
+                pv_record_pairs_mma_q8(o, lr, pairs[lr], b0, b1)
     return (o + o[LANE ^ 2]) * np.uint32((e - 14) << 23).view(np.float32)
 
 
