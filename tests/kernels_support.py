@@ -58,6 +58,8 @@ def stub_runtime(hip_stub, monkeypatch):
     monkeypatch.setenv("PAGEDKV_HIP_LIBRARY", str(hip_stub))
     monkeypatch.delenv("STUB_INIT_ERROR", raising=False)
     monkeypatch.delenv("STUB_DEVICE_COUNT", raising=False)
+    monkeypatch.delenv("STUB_DEVICE_NAME", raising=False)
+    monkeypatch.delenv("STUB_ARCH_NAME", raising=False)
     return load_runtime("hip")
 
 

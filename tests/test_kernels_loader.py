@@ -58,6 +58,53 @@ def test_hip_device_properties_from_the_stub(stub_runtime):
         Device(stub_runtime, 1)
 
 
+def test_hip_arch_is_the_gcn_arch_name_field_not_the_first_gfx(stub_runtime, monkeypatch):
+    # _hip_arch took the first b"gfx" anywhere in hipDeviceProp_t, and the device name comes
+    # first: a device named after a target (an APU's board name, a renamed card) got the
+    # arch "gfx1100 (stub)" and no kernel object. It reads gcnArchName at byte 396 now.
+    monkeypatch.setenv("STUB_DEVICE_NAME", "Radeon gfx1100 (stub)")
+    p = Device(stub_runtime, 0).properties
+    assert (p.name, p.arch) == ("Radeon gfx1100 (stub)", "gfx90a")
+    from pagedkv.kernels.runtime import _HipDevicePropR0000
+    assert _HipDevicePropR0000.gcnArchName.offset == 396  # hip_stub.c's, ROCm 5's
+
+
+@pytest.mark.parametrize("arch", ["", "sm_90:xnack-"])
+def test_a_hip_arch_name_that_is_no_gfx_target_is_a_device_error(stub_runtime, monkeypatch,
+                                                                  hip_stub, arch):
+    # The old scan found "gfx942" in the name and never looked at the arch field.
+    monkeypatch.setenv("STUB_DEVICE_NAME", "gfx942 lookalike")
+    monkeypatch.setenv("STUB_ARCH_NAME", arch)
+    with pytest.raises(errors.DeviceError) as info:
+        Device(stub_runtime, 0)
+    e = info.value
+    assert (e.call, e.code, e.name) == ("hipGetDeviceProperties", 0, "no gcnArchName")
+    assert str(e) == (
+        "hipGetDeviceProperties failed: no gcnArchName (0): hipDeviceProp_t.gcnArchName (byte "
+        f"396 of the ROCm 5 / R0000 layout) holds {arch.encode()!r}, not a 'gfx...' arch "
+        "name; point PAGEDKV_HIP_LIBRARY at a ROCm 5 or later libamdhip64 "
+        f"({hip_stub} filled it)")
+    monkeypatch.delenv("STUB_ARCH_NAME")  # the runtime is as it was: the next open works
+    assert Device(stub_runtime, 0).properties.arch == "gfx90a"
+
+
+def test_hip_arch_prefers_the_r0000_symbol_where_the_library_has_it(hip_stub):
+    # ROCm 6 and later export hipGetDevicePropertiesR0000 (the layout read) beside the plain
+    # name; a library with only the R0000 symbol is read through it.
+    from pagedkv.kernels.runtime import Runtime
+    stub = ctypes.CDLL(str(hip_stub))
+
+    class Rocm6:
+        hipGetDevicePropertiesR0000 = stub.hipGetDeviceProperties
+
+        def __getattr__(self, name):
+            if name == "hipGetDeviceProperties":
+                raise AttributeError(name)
+            return getattr(stub, name)
+
+    assert Runtime("hip", Rocm6(), "rocm6")._hip_arch(0) == "gfx90a"
+
+
 def test_device_error_carries_the_runtime_name_and_message(stub_runtime):
     dev = Device(stub_runtime, 0)
     with pytest.raises(errors.DeviceError) as info:

@@ -1,7 +1,8 @@
 /* A stand-in for libamdhip64 with host memory, so the loader's HIP branch runs
  * without an AMD GPU: tests/test_kernels_loader.py compiles it and points
  * PAGEDKV_HIP_LIBRARY at it. Environment knobs (read at each call):
- * STUB_INIT_ERROR=<code> makes hipInit fail, STUB_DEVICE_COUNT=<n> sets the count.
+ * STUB_INIT_ERROR=<code> makes hipInit fail, STUB_DEVICE_COUNT=<n> sets the count,
+ * STUB_DEVICE_NAME / STUB_ARCH_NAME set the device name and hipDeviceProp_t.gcnArchName.
  * Launches are recorded (grid, block, shared bytes, parameter bytes) for the test
  * to read back through stub_last_launch(); stub_launch_count() counts them.
  *
@@ -42,6 +43,11 @@ static int env_int(const char *name, int dflt) {
   const char *v = getenv(name);
   return v ? atoi(v) : dflt;
 }
+static const char *env_str(const char *name, const char *dflt) {
+  const char *v = getenv(name);
+  return v ? v : dflt;
+}
+#define DEVICE_NAME() env_str("STUB_DEVICE_NAME", "pagedkv HIP stub")
 
 hipError_t hipInit(unsigned flags) { (void)flags; return env_int("STUB_INIT_ERROR", 0); }
 hipError_t hipDriverGetVersion(int *v) { *v = 50221153; return OK; }
@@ -49,7 +55,7 @@ hipError_t hipGetDeviceCount(int *n) { *n = env_int("STUB_DEVICE_COUNT", 1); ret
 hipError_t hipSetDevice(int d) { return d == 0 ? OK : 101; }
 hipError_t hipDeviceGetName(char *name, int len, int dev) {
   (void)dev;
-  strncpy(name, "pagedkv HIP stub", (size_t)len);
+  strncpy(name, DEVICE_NAME(), (size_t)len);
   return OK;
 }
 hipError_t hipDeviceGetAttribute(int *out, int attr, int dev) {
@@ -63,10 +69,11 @@ hipError_t hipDeviceGetAttribute(int *out, int attr, int dev) {
   }
 }
 hipError_t hipDeviceTotalMem(size_t *bytes, int dev) { (void)dev; *bytes = (size_t)64 << 30; return OK; }
+/* The ROCm 5 layout (ROCm 6's hipDeviceProp_tR0000): name at 0, gcnArchName at 396. */
 hipError_t hipGetDeviceProperties(void *props, int dev) {
   (void)dev;
-  strcpy((char *)props, "pagedkv HIP stub");
-  strcpy((char *)props + 396, "gfx90a:sramecc+:xnack-"); /* ROCm 5 offset of gcnArchName */
+  strncpy((char *)props, DEVICE_NAME(), 255);
+  strncpy((char *)props + 396, env_str("STUB_ARCH_NAME", "gfx90a:sramecc+:xnack-"), 255);
   return OK;
 }
 hipError_t hipDeviceSynchronize(void) { return OK; }

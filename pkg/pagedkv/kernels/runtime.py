@@ -139,9 +139,32 @@ _SONAMES = {
 }
 _LIBRARY_ENV = {"cuda": "PAGEDKV_CUDA_LIBRARY", "hip": "PAGEDKV_HIP_LIBRARY"}
 
-# hipDeviceProp_t changed layout between ROCm 5 and 6 (hipGetDevicePropertiesR0600);
-# the arch name is found by its "gfx" prefix in a generously sized buffer instead of a
-# version-specific offset.
+
+class _HipDevicePropR0000(ctypes.Structure):
+    """The head of ROCm 5's ``hipDeviceProp_t``, up to the arch name (``gcnArchName``, byte
+    396). ROCm 6 moved the field (``hipDeviceProp_tR0600``, through
+    ``hipGetDevicePropertiesR0600``, which its headers map ``hipGetDeviceProperties`` to) but
+    kept this layout as ``hipDeviceProp_tR0000``: ``hipGetDevicePropertiesR0000`` fills it,
+    and so does the plain ``hipGetDeviceProperties`` symbol, kept for the ABI. pagedkv calls
+    the R0000 symbol where the library has it (ROCm 6 and later), else the plain one (ROCm
+    5), so one offset holds on both. ``arch`` (``hipDeviceArch_t``) is 17 one-bit flags in
+    one ``unsigned``."""
+    _fields_ = [("name", ctypes.c_char * 256), ("totalGlobalMem", c_size_t),
+                ("sharedMemPerBlock", c_size_t), ("regsPerBlock", c_int), ("warpSize", c_int),
+                ("maxThreadsPerBlock", c_int), ("maxThreadsDim", c_int * 3),
+                ("maxGridSize", c_int * 3), ("clockRate", c_int), ("memoryClockRate", c_int),
+                ("memoryBusWidth", c_int), ("totalConstMem", c_size_t), ("major", c_int),
+                ("minor", c_int), ("multiProcessorCount", c_int), ("l2CacheSize", c_int),
+                ("maxThreadsPerMultiProcessor", c_int), ("computeMode", c_int),
+                ("clockInstructionRate", c_int), ("arch", c_uint), ("concurrentKernels", c_int),
+                ("pciDomainID", c_int), ("pciBusID", c_int), ("pciDeviceID", c_int),
+                ("maxSharedMemoryPerMultiProcessor", c_size_t), ("isMultiGpuBoard", c_int),
+                ("canMapHostMemory", c_int), ("gcnArch", c_int),
+                ("gcnArchName", ctypes.c_char * 256)]
+
+
+#: The buffer handed to hipGetDeviceProperties*: the whole R0000 struct is about 800 bytes;
+#: a larger buffer costs nothing and survives a runtime that writes more.
 _HIP_PROPS_BYTES = 8192
 
 
@@ -299,20 +322,30 @@ class Runtime:
         )
 
     def _hip_arch(self, ordinal: int) -> str:
-        props = ctypes.create_string_buffer(_HIP_PROPS_BYTES)
-        fn = self._lib.hipGetDeviceProperties
+        """The device's arch ("gfx90a") from the ``gcnArchName`` field of its properties
+        (:class:`_HipDevicePropR0000`), never from another field that happens to say
+        "gfx" (the device name comes first)."""
+        symbol = "hipGetDevicePropertiesR0000"
+        fn = getattr(self._lib, symbol, None)
+        if fn is None:
+            symbol = "hipGetDeviceProperties"
+            fn = getattr(self._lib, symbol)
         fn.argtypes, fn.restype = [c_void_p, c_int], c_int
+        props = ctypes.create_string_buffer(_HIP_PROPS_BYTES)
         code = fn(props, ordinal)
         if code != 0:
             err, msg = self.error_text(code)
-            raise DeviceError("hipGetDeviceProperties", code, err, msg)
-        raw = props.raw
-        at = raw.find(b"gfx")
-        if at < 0:
-            raise DeviceError("hipGetDeviceProperties", 0, "no gcnArchName",
-                              "the device properties hold no 'gfx…' arch name")
-        name = raw[at:raw.index(b"\0", at)].decode(errors="replace")
-        return name.split(":")[0]  # "gfx90a:sramecc+:xnack-" -> "gfx90a"
+            raise DeviceError(symbol, code, err, msg)
+        field = _HipDevicePropR0000.from_buffer(props).gcnArchName  # up to its NUL
+        arch = field.decode(errors="replace").split(":")[0]  # "gfx90a:sramecc+:xnack-"
+        if not arch.startswith("gfx"):
+            raise DeviceError(
+                symbol, 0, "no gcnArchName",
+                f"hipDeviceProp_t.gcnArchName (byte {_HipDevicePropR0000.gcnArchName.offset} "
+                f"of the ROCm 5 / R0000 layout) holds {field!r}, not a 'gfx...' arch name; "
+                f"point PAGEDKV_HIP_LIBRARY at a ROCm 5 or later libamdhip64 ({self.path} "
+                "filled it)")
+        return arch
 
 
 def _open_library(backend: str) -> tuple[ctypes.CDLL, str]:
