@@ -25,6 +25,21 @@ def table(out: str) -> dict[str, str]:
     return rows
 
 
+def assert_second_run_hits_every_request(argv, capsys, restored_blocks: int) -> None:
+    """The second run on one cold dir: the first request restores the 48 shared tokens
+    (``restored_blocks`` full blocks, the state and the window) and publishes that state;
+    every other request resumes from it, parity intact."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = table(out)
+    assert rows["requests"] == "4 (4 with a prefix hit)"
+    assert rows["cached tokens reused"] == "192"
+    assert rows["state checkpoints"] == "1 published, 3 hot hits"
+    assert rows["state from disk"] == "0 sidecars captured, 1 restored (1 sliding installs)"
+    assert f"cold tier: {restored_blocks} blocks and 1 states restored from disk" in out
+    assert "parity: OK (4/4 outputs byte-identical" in out
+
+
 def test_two_runs_on_one_cold_dir_the_second_restores_with_state(tmp_path, capsys):
     argv = SMALL + ["--cold-dir", str(tmp_path / "cold")]
     assert main(argv) == 0
@@ -44,15 +59,22 @@ def test_two_runs_on_one_cold_dir_the_second_restores_with_state(tmp_path, capsy
     assert rows["state from disk"] == "2 sidecars captured, 0 restored (0 sliding installs)"
     assert "parity: OK (4/4 outputs byte-identical" in out
     assert "12 objects persisted" in out       # r0: 7 blocks + 2 sidecars; 1 own block each other
+    assert_second_run_hits_every_request(argv, capsys, restored_blocks=6)
+
+
+def test_a_second_run_whose_window_starts_mid_block_hits_every_request(tmp_path, capsys):
+    """Blocks of 16 (window 24), as the default demo: the first request restores 48 tokens,
+    whose window rows [24, 48) start mid-block (sliding block 1, tokens 16-31). That block
+    was never published, so the second request found no boundary every group backed and
+    recomputed the prefix: 3 of 4 hits, 144 tokens reused (the default demo's 15 of 16).
+    Now the block is published with its first written row and boundary 48's window starts
+    there: every request hits, parity intact (fails on the old coordinator/sliding.py)."""
+    argv = [*SMALL[:-1], "16", "--cold-dir", str(tmp_path / "cold")]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    rows = table(out)
-    assert rows["requests"] == "4 (4 with a prefix hit)"
-    assert rows["cached tokens reused"] == "192"
-    assert rows["state checkpoints"] == "1 published, 3 hot hits"
-    assert rows["state from disk"] == "0 sidecars captured, 1 restored (1 sliding installs)"
-    assert "cold tier: 6 blocks and 1 states restored from disk" in out
-    assert "parity: OK (4/4" in out
+    rows = table(capsys.readouterr().out)
+    assert rows["requests"] == "4 (3 with a prefix hit)"
+    assert rows["cached tokens reused"] == "144"
+    assert_second_run_hits_every_request(argv, capsys, restored_blocks=3)
 
 
 def test_hybrid_demo_without_a_cold_tier_and_bad_options(tmp_path, capsys):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cold_support import FP, open_tier
-from coordinator_support import full_sliding_alias, prefill
+from coordinator_support import full_sliding_alias, prefill, state
 from pagedkv.cold import (
     DEFAULT_FORMAT as FMT,
 )
@@ -394,12 +394,13 @@ def _restore_over_recycled_blocks(tier, window: int, sliding, tokens):
     return cache
 
 
-def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
+def test_a_restored_window_row_nobody_wrote_is_never_served(tmp_path):
     """Window 6, blocks of 4, sidecar at 16: the restore writes rows [10, 16), so sliding
-    block 2 (tokens 8-11) has rows 8 and 9 unwritten. Publishing it (at registration)
-    handed those rows as a hot hit to a request sharing 12 tokens (found by a review:
-    they held whatever the recycled block held). The block is not published; a request
-    sharing 12 tokens gets 8 and computes the rest, and every row it attends is right."""
+    block 2 (tokens 8-11) has rows 8 and 9 unwritten. Publishing it (at registration) as a
+    whole block handed those rows as a hot hit to a request sharing 12 tokens (found by a
+    review: they held whatever the recycled block held). It is published with its first
+    written row (10), which no window of boundary 12 starts at or after; a request sharing
+    12 tokens gets 8 and computes the rest, and every row it attends is right."""
     window = 6
     sliding, tokens = _persist_window_at_16(tmp_path, window)
     with open_tier(tmp_path) as tier:
@@ -421,6 +422,46 @@ def test_a_restored_window_row_nobody_wrote_is_never_published(tmp_path):
         attended = np.arange(max(0, hit.cached_tokens - window + 1), hit.cached_tokens)
         # prefill writes K = position + 1 in this group's one layer
         np.testing.assert_array_equal(k[attended - first, 0, 0], attended + 1.0)
+
+
+def test_a_restored_partial_window_block_is_hit_where_the_window_is_written(tmp_path):
+    """Window 6, blocks of 4, sidecar at 16: the restore writes rows [10, 16) into sliding
+    blocks 2 (tokens 8-11, rows 8-9 unwritten) and 3. The next request sharing those 16
+    tokens needs exactly rows [10, 16) at boundary 16, but block 2 was never published, so
+    no boundary was backed by every group and it recomputed all 16 (what made the second
+    run of `pagedkv demo --model hybrid` 15/16: fails on the old sliding.py with 0 cached
+    tokens). Block 2 is now published with its first written row: the request hits 16
+    tokens, sharing the restored sliding blocks, starts at row 10 and reads byte for byte
+    what a recompute writes; rows 8-9 are never served (a request sharing only 12 tokens,
+    whose window starts at row 6, is not given the block: the test above)."""
+    window = 6
+    sliding, tokens = _persist_window_at_16(tmp_path, window)
+    with open_tier(tmp_path) as tier:
+        cache = _restore_over_recycled_blocks(tier, window, sliding, tokens)
+        restored = cache.block_table("b", 1)[2:4].tolist()
+        prefill(cache, "b", tokens, chunk=4, start=16)
+        cache.register_full_blocks_for_reuse("b")
+        cache.release_request("b")
+        prompt = np.concatenate([tokens[:16], np.arange(4001, 4006, dtype=np.uint32)])
+        cache.reset_for_new_request("c")
+        hit = cache.find_cached_prefix("c", prompt, max_tokens=len(prompt) - 1)
+        assert (hit.cached_tokens, len(hit.hot_blocks), len(hit.restored_blocks)) == (16, 4, 0)
+        null = cache.groups[1].null_block_id
+        assert cache.block_table("c", 1)[:4].tolist() == [null, null, *restored]
+        assert cache.first_live_position("c", 1) == 16 - window
+        k, v = cache.gather_kv("c", 1, start=16 - window)
+        before = state(cache)
+        with pytest.raises(InvalidArgument, match="before 10"):
+            cache.gather_kv("c", 1, start=8)  # rows 8-9 of block 2: nobody wrote them
+        assert state(cache) == before
+        prefill(cache, "c", prompt, chunk=4, start=16)
+        cache.release_request("c")
+    fresh = full_sliding_alias(window=window, block_size=BS)
+    fresh.reset_for_new_request("r")
+    fresh.find_cached_prefix("r", tokens[:16], max_tokens=0)
+    prefill(fresh, "r", tokens[:16], chunk=4)
+    rk, rv = fresh.gather_kv("r", 1, start=16 - window)
+    assert (k.tobytes(), v.tobytes()) == (rk.tobytes(), rv.tobytes())
 
 
 def test_first_live_position_after_a_restore_starts_at_the_written_rows(tmp_path):

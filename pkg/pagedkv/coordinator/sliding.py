@@ -11,6 +11,10 @@ prune costs O(blocks freed), never O(table width).
 Blocks a row drops are first published in the group's prefix cache (under the request's
 lookup salt and extra keys), so later requests sharing the prefix find a window's blocks;
 the blocks still held are published at registration.
+
+A cold restore may rebuild a first live block only from some row on (docs/cold.md, "Grouped
+restore"): such a block is published with its first written position recorded, and a hit
+takes it only at boundaries whose window rows all lie at or after that position.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class SlidingHit(HitProposal):
     its last window, ``[expired_blocks(t), t / bs)``, is cached and verifies (the earlier
     entries become null). A pure probe until :meth:`take`, which increfs the window."""
 
-    __slots__ = ("_group", "_ids", "_run", "ceiling_tokens")
+    __slots__ = ("_group", "_ids", "_partial", "_run", "ceiling_tokens")
 
     def __init__(self, group: SlidingGroupBlocks, ids: np.ndarray) -> None:
         self._group = group
@@ -50,6 +54,8 @@ class SlidingHit(HitProposal):
         last_hole = np.maximum.accumulate(np.where(ids < 0, index, -1)) if len(ids) else index
         self._run = index - last_hole
         self.ceiling_tokens = len(ids) * group.block_size
+        # {block index: first written position} of the partly restored blocks among ids.
+        self._partial = group.partial_blocks(ids)
 
     def _window(self, tokens: int) -> tuple[int, int]:
         g = self._group
@@ -60,7 +66,15 @@ class SlidingHit(HitProposal):
         if tokens % bs or tokens > self.ceiling_tokens:
             return False
         cut, end = self._window(tokens)
-        return end == cut or int(self._run[end - 1]) >= end - cut
+        if end == cut:
+            return True
+        if int(self._run[end - 1]) < end - cut:
+            return False
+        # A partly restored block serves only windows inside its written rows: those of
+        # boundary t, [t - min(t, window), t), as a restore at t writes them.
+        first_row = tokens - min(tokens, self._group.window)
+        return all(written <= first_row for i, written in self._partial.items()
+                   if cut <= i < end)
 
     def take(self, tokens: int) -> np.ndarray:
         cut, end = self._window(tokens)
@@ -85,7 +99,7 @@ class SlidingGroupBlocks(GroupBlocks):
     kind_name = "sliding"
     limits_tokens = False
     _row_arrays = (*GroupBlocks._row_arrays, "null_upto", "parent_hash", "parent_known",
-                   "publish_from", "written_from")
+                   "written_from")
 
     def __init__(self, allocator, pool, window: int, *, growth: bool = False, rows: int = 8,
                  counters: dict[str, int] | None = None,
@@ -104,12 +118,15 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto = np.zeros(rows, np.int32)      # leading null entries
         self.parent_hash = np.zeros(rows, np.uint64)   # hash of block null_upto - 1 ...
         self.parent_known = np.zeros(rows, np.bool_)   # ... once computed (publication)
-        # Entries below this are never published: a cold restore rebuilt them from the
-        # sidecar's window rows, so the first of them may hold rows nobody wrote.
-        self.publish_from = np.zeros(rows, np.int32)
-        # The first position a cold restore wrote (its window rows): the rows of the first
-        # live block before it hold whatever the block held before (0 otherwise).
+        # The first position a cold restore wrote (its window rows), or a hit on a block
+        # it rebuilt took: the rows of the first live block before it hold whatever the
+        # block held before (0 otherwise).
         self.written_from = np.zeros(rows, np.int64)
+        # {block id: (hot hash, first written position)} of published blocks a restore
+        # rebuilt only from some row on; an entry counts while the block is cached under
+        # that hash (a block later reused holds another hash, or the same tokens in full:
+        # then the entry only narrows its hits).
+        self._partial: dict[int, tuple[int, int]] = {}
         self._zeros = np.zeros(0, np.uint8)
 
     def __repr__(self) -> str:
@@ -125,7 +142,6 @@ class SlidingGroupBlocks(GroupBlocks):
         self.null_upto[row] = 0
         self.parent_hash[row] = 0
         self.parent_known[row] = False
-        self.publish_from[row] = 0
         self.written_from[row] = 0
 
     # --- sizes ----------------------------------------------------------------------------
@@ -184,25 +200,48 @@ class SlidingGroupBlocks(GroupBlocks):
             cache_salt=cache_salt)
         return SlidingHit(self, np.asarray(ids, np.int32))
 
+    def partial_blocks(self, ids: np.ndarray) -> dict[int, int]:
+        """``{index: first written position}`` of the entries of ``ids`` (blocks a lookup
+        found cached) that a restore rebuilt only from some row on. An entry recorded for
+        a block now cached under another hash is stale (the block was reused) and dropped;
+        a publication of a partly written block always records it again first."""
+        if not self._partial:
+            return {}
+        hashes = self.allocator.block_records["hot_hash"]
+        out = {}
+        for i in np.flatnonzero(np.isin(ids, np.fromiter(self._partial, np.int64))):
+            block = int(ids[i])
+            block_hash, written = self._partial[block]
+            if int(hashes[block]) == block_hash:
+                out[int(i)] = written
+            else:
+                del self._partial[block]
+        return out
+
     def install(self, row: int, entries: np.ndarray) -> None:
         super().install(row, entries)
-        self.null_upto[row] = int(np.count_nonzero(entries == self.null_block_id))
+        first = int(np.count_nonzero(entries == self.null_block_id))
+        self.null_upto[row] = first
         self.parent_known[row] = False
-        self.publish_from[row] = 0
-        self.written_from[row] = 0
+        # A hit's first live block may be a partly restored one (SlidingHit.valid took it
+        # only where the window's rows are written): the row starts at its written rows.
+        self.written_from[row] = self.partial_blocks(entries[first:first + 1]).get(0, 0)
 
     def install_restored(self, row: int, entries: np.ndarray, tokens: int) -> None:
         """:meth:`install` for a table a cold restore rebuilt at ``tokens`` from the window
         rows ``[tokens - min(tokens, window), tokens)`` (docs/cold.md, "Grouped restore"):
         when the window is not a multiple of the block size, the first live block also
-        covers earlier rows that nobody wrote. No entry that starts before the written rows
-        is ever published, so no other request gets those rows as a hot hit, and
-        :meth:`first_live_position` starts at the written rows, so ``gather_kv`` never
-        returns them."""
+        covers earlier rows that nobody wrote. That block is published with its first
+        written position (:meth:`partial_blocks`), so a hot hit takes it only at
+        boundaries whose window rows it holds, and :meth:`first_live_position` starts at
+        the written rows, so ``gather_kv`` never returns the others."""
         self.install(row, entries)
-        written = tokens - min(tokens, self.window)
-        self.publish_from[row] = -(-written // self.block_size)
-        self.written_from[row] = written
+        self.written_from[row] = tokens - min(tokens, self.window)
+
+    def _partial_index(self, row: int) -> int:
+        """Table index of the row's partly written first live block, or -1."""
+        written = int(self.written_from[row])
+        return written // self.block_size if written % self.block_size else -1
 
     def _chain_keys(self, per_block, uniform, first: int, stop: int):
         """Key arguments for chain blocks ``[first, stop)`` (segment-relative per-block keys),
@@ -239,6 +278,10 @@ class SlidingGroupBlocks(GroupBlocks):
         segment = tokens[first * bs:stop * bs]
         hashes = self.allocator.chain_hashes(segment, cache_salt=salt, parent_hash=parent,
                                              first_block=first, **keys)
+        partial = self._partial_index(row)
+        if first <= partial < stop:  # recorded before the block can be found
+            self._partial[int(self.table[row, partial])] = (
+                int(hashes[partial - first]), int(self.written_from[row]))
         new = self.allocator.cache_full_blocks(
             segment, self.table[row, first:stop].copy(), cache_salt=salt, parent_hash=parent,
             first_block=first, **keys)
@@ -247,7 +290,7 @@ class SlidingGroupBlocks(GroupBlocks):
     def register(self, row: int, tokens: np.ndarray, num_tokens: int, extra_keys,
                  extra_keys_per_block, cache_salt: int) -> int:
         """Publish the blocks the row still holds (its last window) under the given keys."""
-        first = max(int(self.null_upto[row]), int(self.publish_from[row]))
+        first = int(self.null_upto[row])
         stop = num_tokens // self.block_size
         per_block = None if extra_keys_per_block is None else list(extra_keys_per_block)
         new, _ = self._publish(row, tokens, first, stop, tuple(extra_keys), per_block,
@@ -268,12 +311,10 @@ class SlidingGroupBlocks(GroupBlocks):
         if cut <= first:
             return 0
         ids = self.table[row, first:cut].copy()
-        start = max(first, int(self.publish_from[row]))
-        if publish and rows is not None and rows.publish[row] and start < cut:
+        if publish and rows is not None and rows.publish[row]:
             uniform, per_block = rows.keys[row]
-            parent = (int(self.parent_hash[row]) if self.parent_known[row] and start == first
-                      else None)
-            _, last = self._publish(row, rows.tokens[row], start, cut, uniform, per_block,
+            parent = int(self.parent_hash[row]) if self.parent_known[row] else None
+            _, last = self._publish(row, rows.tokens[row], first, cut, uniform, per_block,
                                     int(rows.salt[row]), parent)
             if last is None:
                 rows.publish[row] = False  # keys ran out: nothing later verifies either
@@ -291,9 +332,10 @@ class SlidingGroupBlocks(GroupBlocks):
         """:meth:`prune` for a batch of rows (``committed``: int32 per row), in C; rows whose
         request has extra keys publish through :meth:`prune`. Returns the blocks freed."""
         if publish:
-            # Rows holding restored entries that must not be published (install_restored)
-            # take the Python path; the C one publishes from null_upto.
-            held = self.publish_from[rows] > self.null_upto[rows]
+            # Rows whose first live block a restore rebuilt only in part take the Python
+            # path, which records that block's written rows as it publishes it.
+            held = self.written_from[rows] > self.null_upto[rows].astype(np.int64) * \
+                self.block_size
             if held.any():
                 freed = sum(self.prune(int(r), int(c), seq_rows, True)
                             for r, c in zip(rows[held], committed[held], strict=True))
