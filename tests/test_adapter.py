@@ -6,12 +6,13 @@ and the allocator unchanged. Run against every allocator implementation."""
 from __future__ import annotations
 
 import logging
+import types
 
 import numpy as np
 import pytest
 
 from allocator_implementations import ALLOCATORS, observables
-from pagedkv.adapter import DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
+from pagedkv.adapter import ColdRestore, DecodeBatch, PagedKVCacheAdapter, TurnPlanReason
 from pagedkv.errors import (
     AuxStateUnconfirmed,
     CapacityExceeded,
@@ -20,6 +21,7 @@ from pagedkv.errors import (
     LookupAlreadyDone,
     PagedKVError,
     PoolExhausted,
+    SidecarLayoutMismatch,
     StaleBlockTable,
 )
 from pagedkv.pool import LayerKVPool, PoolGeometry
@@ -931,6 +933,64 @@ def test_an_overlong_cold_restore_is_refused_and_its_blocks_returned(make):
     assert a.stats()["cold_restore_errors"] == 1
     assert a.allocator.num_free_blocks == 16
     a.allocator.check_invariants()
+
+
+def _sidecar_tier(sidecar) -> RecordingColdTier:
+    """A tier whose restore hands out 4 fresh blocks (16 tokens at block size 4) and
+    ``sidecar`` as their out-of-pool state."""
+    cold = RecordingColdTier(restore_blocks=4)
+    blocks = cold.restore
+    cold.restore = lambda **kw: ColdRestore(np.asarray(blocks(**kw), np.int32), sidecar)
+    return cold
+
+
+@pytest.mark.parametrize("boundary", [8, 20, None])
+def test_a_cold_sidecar_for_another_boundary_than_the_hit_is_refused(make, caplog, boundary):
+    """A restore hook's sidecar was taken with its hit whatever its boundary: 16 restored
+    tokens came with the state of 8 (or of 20, or of no stated boundary), and only the aux
+    latch stopped the writes after the lookup. The lookup refuses it where it takes the hit:
+    SidecarLayoutMismatch logged, a counted restore error, the blocks given back, everything
+    as a miss leaves it."""
+    sidecar = (types.SimpleNamespace() if boundary is None
+               else types.SimpleNamespace(boundary_tokens=boundary))
+    a = make(16, cold=_sidecar_tier(sidecar), requires_aux_confirmation=True)
+    a.reset_for_new_request("s")
+    before = state(a)
+    with caplog.at_level(logging.ERROR, logger="pagedkv.adapter"):
+        hit = a.find_cached_prefix("s", range(20), max_tokens=19)
+    assert (hit.cached_tokens, hit.restored_blocks.tolist(), hit.sidecar) == (0, [], None)
+    [record] = [r for r in caplog.records if r.name == "pagedkv.adapter"]
+    assert record.getMessage() == "cold tier restore refused; continuing with the hot hit only"
+    assert type(record.exc_info[1]) is SidecarLayoutMismatch
+    assert str(record.exc_info[1]) == (
+        f"cold tier restore returned a sidecar with boundary_tokens={boundary} for a 16-token "
+        "hit (0 hot + 4 restored blocks of 4 tokens): out-of-pool state must be for exactly "
+        "the hit's end; the tier must hand back only the blocks its sidecar backs "
+        "(docs/cold.md, 'Reconcile-down')")
+    after = state(a)
+    moved = {k: after["stats"][k] - v for k, v in before.pop("stats").items()
+             if after["stats"][k] != v}
+    assert moved == {"lookups": 1, "lookup_tokens": 19, "cold_restore_errors": 1}
+    del after["stats"]
+    # The four blocks the hook took are free again (at the free list's tail); the
+    # allocator's counters moved by the lookup's own query only.
+    assert after["allocator"].pop("free_list") == [*range(4, 16), 0, 1, 2, 3]
+    assert before["allocator"].pop("free_list") == list(range(16))
+    assert after["allocator"].pop("stats") == {**before["allocator"].pop("stats"),
+                                               "query_tokens": 19}
+    assert after == before  # refcounts, the pool, the empty row
+    assert not a.aux_prefix_unbacked("s") and a.take_restored_sidecar("s") is None
+    a.allocator.check_invariants()
+
+
+def test_a_cold_sidecar_for_the_hit_comes_with_it(make):
+    sidecar = types.SimpleNamespace(boundary_tokens=16)
+    a = make(16, cold=_sidecar_tier(sidecar), requires_aux_confirmation=True)
+    a.reset_for_new_request("s")
+    hit = a.find_cached_prefix("s", range(20), max_tokens=19)
+    assert (hit.cached_tokens, hit.restored_blocks.tolist()) == (16, [0, 1, 2, 3])
+    assert hit.sidecar is sidecar and a.stats()["cold_restore_errors"] == 0
+    assert not a.aux_prefix_unbacked("s") and a.take_restored_sidecar("s") is sidecar
 
 
 @pytest.mark.parametrize("prompt, total, error", [

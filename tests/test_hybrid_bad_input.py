@@ -300,6 +300,49 @@ def test_a_sliding_codec_of_another_window_than_the_groups_restores_nothing(tmp_
         cache.check_invariants()
 
 
+def test_a_grouped_restore_whose_sidecar_is_for_another_boundary_is_refused(caplog):
+    """A grouped restore hook returning 16 tokens (2 full blocks, one 2-entry table per
+    sliding group) with the sidecar of 8: the lookup took it with its hit whatever the
+    sidecar's boundary. It refuses it now (SidecarLayoutMismatch logged, a counted restore
+    error), gives every block back and keeps its (empty) hot hit."""
+    import logging
+    import types
+
+    class Hook:
+        def capture(self, **kw):
+            return None
+
+        def restore(self, **kw):
+            return np.empty(0, np.int32)
+
+        def restore_grouped(self, *, allocator, sliding, **kw):
+            return (16, allocator.allocate_many(2),
+                    [g.allocator.allocate_many(2) for g in sliding],
+                    types.SimpleNamespace(boundary_tokens=8))
+
+    cache = build_hybrid_coordinator(CONFIG, block_size=BS, blocks_per_group=(12, 10),
+                                     hash_seed=0, max_model_len=96, cold=Hook())
+    cache.reset_for_new_request("a")
+    before = state(cache)
+    with caplog.at_level(logging.ERROR, logger="pagedkv.adapter"):
+        hit = cache.find_cached_prefix("a", np.arange(40))
+    assert (hit.cached_tokens, hit.sidecar) == (0, None)
+    assert cache.stats()["cold_restore_errors"] == 1
+    [record] = [r for r in caplog.records if r.name == "pagedkv.adapter"]
+    assert type(record.exc_info[1]) is SidecarLayoutMismatch
+    assert str(record.exc_info[1]).startswith(
+        "cold tier restore returned a sidecar with boundary_tokens=8 for a 16-token hit (0 "
+        "hot + 2 restored blocks of 8 tokens): ")
+    after = state(cache)
+    for b, a in zip(before["groups"], after["groups"], strict=True):
+        # The blocks the hook took are free again; the lookup's own query counts.
+        assert sorted(a["allocator"].pop("free_list")) == sorted(b["allocator"].pop("free_list"))
+        del a["allocator"]["stats"], b["allocator"]["stats"]
+    assert after["groups"] == before["groups"] and after["rows"] == before["rows"]
+    assert cache.block_table("a", 0).tolist() == cache.block_table("a", 1).tolist() == []
+    cache.check_invariants()
+
+
 _LAYOUT = {"group": ColdGroup.GDN_STATE, "boundary_tokens": 16, "num_layers": 1,
            "tensors_per_layer": 1, "dtype": "bfloat16", "dims": (2, 4), "bytes_per_tensor": 16}
 

@@ -227,10 +227,11 @@ def test_snapshot_needs_the_window_rows_and_the_state_its_boundary(model):
 
 def test_a_hit_state_at_another_boundary_is_never_installed():
     """A restore hook handing back the GDN state of 8 tokens with a 16-token hit: the
-    lifecycle latches the row (aux_unbacked), and install_hit_state installed that state as
+    lifecycle latched the row (aux_unbacked), and install_hit_state installed that state as
     the state at 16 and confirmed the latch (found by a review: it passed the hit's length,
-    not the state's boundary, to install_linear_states). It refuses now and installs
-    nothing; the latch stays."""
+    not the state's boundary, to install_linear_states). The lookup now refuses such a
+    restore where it takes the hit (a counted restore error, its blocks given back: a miss),
+    and install_hit_state still refuses a lookup of that shape and installs nothing."""
     from pagedkv.adapter import ColdRestore
     from pagedkv.cold import RestoredSidecar
     from pagedkv.cold.hybrid_profile import reference_hybrid_sidecar
@@ -269,12 +270,13 @@ def test_a_hit_state_at_another_boundary_is_never_installed():
     cache.release_request("a")
     cache.reset_for_new_request("b")
     hit = cache.find_cached_prefix("b", prompt, max_tokens=19)
-    assert (hit.cached_tokens, hit.sidecar.boundary_tokens) == (16, 8)
-    assert cache.aux_prefix_unbacked("b")
+    assert (hit.cached_tokens, hit.sidecar, len(hit.restored_blocks)) == (0, None, 0)
+    assert cache.stats()["cold_restore_errors"] == 1 and not cache.aux_prefix_unbacked("b")
+    assert cache.groups[0].allocator.num_allocated_blocks == 0
     kvb = HybridPagedKV(cache, "b", cfg, small.backend)
     with pytest.raises(AuxStateUnconfirmed, match="at 8 tokens"):
-        install_hit_state(kvb, hit, codec)
-    assert cache.aux_prefix_unbacked("b")
+        install_hit_state(kvb, hit._replace(cached_tokens=16, sidecar=held[0]), codec)
+    assert cache.num_tokens("b") == 0
 
 
 @pytest.mark.parametrize("bad, error", BAD_REQUESTS)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from pagedkv.errors import InvalidArgument, PagedKVError, SidecarLayoutMismatch
 from pagedkv.hashing import per_block_extra_keys
 
 __all__ = ["ColdCalls", "ColdHooks", "ColdRestore"]
@@ -55,6 +56,20 @@ class ColdHooks(Protocol):
                 allocator: Any) -> np.ndarray | ColdRestore: ...
 
 
+def _sidecar_mismatch(sidecar, cached: int, hit: str) -> SidecarLayoutMismatch | None:
+    """Why a restore's ``sidecar`` cannot come with its ``cached``-token hit (``hit`` says
+    how the hit is made up), or ``None``: no sidecar, or one whose ``boundary_tokens`` is
+    the hit's end (:class:`ColdRestore`)."""
+    boundary = getattr(sidecar, "boundary_tokens", None)
+    if sidecar is None or boundary == cached:
+        return None
+    return SidecarLayoutMismatch(
+        f"cold tier restore returned a sidecar with boundary_tokens={boundary} for a "
+        f"{cached}-token hit ({hit}): out-of-pool state must be for exactly the hit's end; "
+        "the tier must hand back only the blocks its sidecar backs (docs/cold.md, "
+        "'Reconcile-down')")
+
+
 def per_block_keys(extra_keys: Sequence[int], extra_keys_per_block, blocks: int):
     """The request's keys as one tuple per chained block (at most ``blocks``), or ``None``
     when it has none."""
@@ -76,12 +91,24 @@ class ColdCalls:
         #: runs every turn, also without a full block.
         self.has_sidecar = getattr(hooks, "sidecar", None) is not None
 
+    def _refuse(self, error: PagedKVError, release) -> None:
+        """Count and log a restore result that breaks the hook's contract (``error`` says
+        how), then ``release()`` its blocks: the lookup keeps its hot hit only."""
+        self.counters["cold_restore_errors"] += 1
+        log.error("cold tier restore refused; continuing with the hot hit only",
+                  exc_info=error)
+        try:
+            release()  # the caller owns one reference on each returned block
+        except Exception:
+            log.exception("cold tier restore: could not release the refused blocks")
+
     def restore(self, tokens: np.ndarray, hot: np.ndarray, block_size: int, cache_salt: int,
                 extra_keys, extra_keys_per_block, pool, allocator
                 ) -> tuple[np.ndarray, Any]:
         """``(block ids continuing the hot chain, sidecar)``; ``(empty, None)`` on a miss or
-        a hook failure. A result reaching past the lookup is refused and its blocks given
-        back."""
+        a hook failure. A result reaching past the lookup, or with a sidecar for another
+        boundary than the hit's end (``SidecarLayoutMismatch``, logged), is refused and its
+        blocks given back."""
         try:
             result = self.hooks.restore(
                 tokens=tokens, hot_blocks=hot, cache_salt=cache_salt,
@@ -98,15 +125,17 @@ class ColdCalls:
             self.counters["cold_restore_errors"] += 1
             log.exception("cold tier restore failed; continuing with the hot hit only")
             return _EMPTY_IDS, None
-        if (len(hot) + len(extra)) * block_size > len(tokens):
-            self.counters["cold_restore_errors"] += 1
-            log.error("cold tier restore returned %d blocks past a %d-block hot hit of a "
-                      "%d-token lookup; refused", len(extra), len(hot), len(tokens))
-            try:
-                # The caller owns one reference on each returned block: give them back.
-                allocator.free_many(extra)
-            except Exception:
-                log.exception("cold tier restore: could not release the refused blocks")
+        end = (len(hot) + len(extra)) * block_size
+        error: PagedKVError | None = None
+        if end > len(tokens):
+            error = InvalidArgument(
+                f"cold tier restore returned {len(extra)} blocks past a {len(hot)}-block hot "
+                f"hit of a {len(tokens)}-token lookup")
+        elif len(extra):
+            error = _sidecar_mismatch(sidecar, end, f"{len(hot)} hot + {len(extra)} restored "
+                                                   f"blocks of {block_size} tokens")
+        if error is not None:
+            self._refuse(error, lambda: allocator.free_many(extra))
             return _EMPTY_IDS, None
         return extra, sidecar
 
@@ -117,7 +146,8 @@ class ColdCalls:
         cold.md, "Grouped restore"): ``(tokens, full block ids after hot, one table row per
         sliding group, sidecar)``, or ``None`` on a miss, a hook without it, or a failure.
         A result that is not a boundary of every group (a multiple of ``unit``) within the
-        lookup, or whose tables do not cover it, is refused and every block given back."""
+        lookup, whose tables do not cover it, or whose sidecar is for another boundary, is
+        refused and every block given back."""
         hook = getattr(self.hooks, "restore_grouped", None)
         if hook is None:
             return None
@@ -139,19 +169,22 @@ class ColdCalls:
             return None
         shapes_ok = (len(tables) == len(sliding) and all(
             len(t) == -(-cached // g.block_size) for t, g in zip(tables, sliding, strict=False)))
+        error: PagedKVError | None
         if (cached != (len(hot) + len(ids)) * full.block_size or cached > len(tokens)
                 or cached % unit or not shapes_ok):
-            self.counters["cold_restore_errors"] += 1
-            log.error("cold tier grouped restore returned %d tokens (%d blocks after a %d-block "
-                      "hot hit, %d tables) for a %d-token lookup; refused", cached, len(ids),
-                      len(hot), len(tables), len(tokens))
-            try:
+            error = InvalidArgument(
+                f"cold tier grouped restore returned {cached} tokens ({len(ids)} blocks after "
+                f"a {len(hot)}-block hot hit, {len(tables)} tables) for a {len(tokens)}-token "
+                "lookup")
+        else:
+            error = _sidecar_mismatch(sidecar, cached, f"{len(hot)} hot + {len(ids)} restored "
+                                                      f"blocks of {full.block_size} tokens")
+        if error is not None:
+            def release() -> None:
                 full.allocator.free_many(ids)
                 for t, g in zip(tables, sliding, strict=False):
                     g.drop_entries(t)
-            except Exception:
-                log.exception("cold tier grouped restore: could not release the refused "
-                              "blocks")
+            self._refuse(error, release)
             return None
         return cached, ids, tables, sidecar
 
