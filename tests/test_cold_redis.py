@@ -424,6 +424,64 @@ def test_eviction_by_the_server_is_a_clean_miss(redis_server):
     reader.close()
 
 
+def test_an_oom_server_fails_each_write_logs_it_once_and_leaves_no_object(redis_server,
+                                                                          caplog):
+    """A server at its maxmemory under noeviction (or a volatile-* policy: pagedkv's keys
+    carry no TTL) refuses every SET with "OOM command not allowed when used memory >
+    'maxmemory'". Each refused object is one write error; the first is logged with the
+    maxmemory-policy hint, the rest counted in write_errors_unlogged and summarized at most
+    once per interval and at close. No key, index entry or written byte appears for any of
+    them, what was written before still restores whole, and writes succeed again once the
+    server has room. (redis-py strips the "OOM" code from the error's text, so the hint was
+    never given: the kind was told by "OOM" in the text.)"""
+    import logging
+
+    from pagedkv.cold.stats import WriteFailureLog
+    now = [0.0]
+    caplog.set_level("WARNING", logger="pagedkv.cold")
+    tier = ColdTier.open_remote(redis_server.url, queue_depth=8, fingerprint=FP)
+    store = tier.store
+    store.write_failures = WriteFailureLog(tier.counters, logging.getLogger("pagedkv.cold"),
+                                           store.url, interval_s=60.0, clock=lambda: now[0])
+    toks = _tokens(4)
+    src_pool, _, src_ids, _ = persist_prompt(tier, toks)
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # below what the server already uses: every SET fails
+    stored, indexed, before = sorted(client.keys("*")), len(store.index), tier.stats()
+    jobs = [block_job(i) for i in range(7)]
+    for job in jobs[:5]:
+        assert tier.enqueue(job)
+    assert tier.drain(5.0) is False
+    now[0] = 61.0  # past the interval: the next failure brings the summary
+    assert tier.enqueue(jobs[5]) and tier.drain(5.0) is False
+    assert tier.enqueue(jobs[6]) and tier.drain(5.0) is False  # summarized at close
+    s = tier.stats()
+    assert (s.write_errors, s.write_errors_unlogged) == (7, 6)
+    assert (s.bytes_written, s.corruptions) == (before.bytes_written, 0)
+    assert sorted(client.keys("*")) == stored and len(store.index) == indexed
+    assert not any(store.index.contains(job.key) for job in jobs)
+    pool, _, ids = _restore(tier, toks)
+    assert len(ids) == 4 and _same_blocks(src_pool, src_ids, pool, ids)
+    client.config_set("maxmemory", 0)
+    assert tier.enqueue(jobs[0]) and tier.drain(5.0)
+    assert store.index.contains(jobs[0].key)
+    assert client.exists(PREFIX + object_name(jobs[0].key)) == 1
+    tier.close()
+    assert tier.stats().write_errors == 7
+    records = [r.getMessage() for r in caplog.records if r.name == "pagedkv.cold"]
+    summary = (f"cold tier: %d more failed writes to {store.url} not logged one by one "
+               "(%d so far; stats().write_errors_unlogged)")
+    assert records == [
+        (f"cold tier: write of {object_name(jobs[0].key)} to {store.url} failed: OOM command "
+         "not allowed when used memory > 'maxmemory'. (set maxmemory-policy allkeys-lru: "
+         "docs/cold.md, 'Quota and sizing'); later failures of this kind are counted in "
+         "write_errors_unlogged"),
+        summary % (5, 5),
+        summary % (1, 6),
+    ]
+
+
 # --- two levels -----------------------------------------------------------------------------
 
 def test_local_directory_in_front_of_redis_reads_through_and_fills(redis_server, tmp_path):

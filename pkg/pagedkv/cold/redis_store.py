@@ -146,6 +146,13 @@ def _client_errors():
     return redis.exceptions.RedisError, OSError
 
 
+def _out_of_memory_error():
+    """The client's class for the server's "OOM command not allowed when used memory >
+    'maxmemory'" reply; its text arrives without the "OOM" code (redis-py strips it)."""
+    import redis
+    return redis.exceptions.OutOfMemoryError
+
+
 class RedisColdStore:
     """Objects of one key prefix on one Redis/Valkey server: a
     :class:`~pagedkv.cold.backend.ColdBackend`."""
@@ -435,14 +442,14 @@ class RedisColdStore:
                 self.counters.add("bytes_written", size)
                 oks.append(True)
                 continue
-            oom = "OOM" in str(reply)
+            oom = isinstance(reply, _out_of_memory_error())
             hint = " (set maxmemory-policy allkeys-lru: docs/cold.md, 'Quota and sizing')" \
                 if oom else ""
             self.write_failures.failed(
                 f"{type(reply).__name__}{' OOM' if oom else ''}",
-                "cold tier: write of %s to %s failed: %s%s; later failures of this kind are "
-                "counted in write_errors_unlogged", object_name(key, group), self.url, reply,
-                hint)
+                "cold tier: write of %s to %s failed: %s%s%s; later failures of this kind are "
+                "counted in write_errors_unlogged", object_name(key, group), self.url,
+                "OOM " if oom else "", reply, hint)
             oks.append(False)
         return oks
 
