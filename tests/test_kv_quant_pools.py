@@ -157,6 +157,25 @@ def test_mlx_q8_refuses_a_block_past_its_float16_scale_as_the_c_codec_does():
     np.testing.assert_array_equal(pool.read_block(0), before)
 
 
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+@pytest.mark.parametrize("src,dst", [("lloyd2", "lloyd4"), ("lloyd3", "lloyd4"),
+                                     ("fwht2", "fwht4")])
+def test_mlx_transcode_refuses_a_widening_as_the_cython_one_does(src, dst):
+    """A widening within a family (lloyd2 -> lloyd4) shifted the MLX codes right by a
+    negative count: a builtin ValueError from MLX where the NumPy path raises
+    InvalidArgument (found by a review). Both refuse it with the same words now."""
+    import mlx.core as mx
+    hd = 256 if src.startswith("lloyd") else 128
+    records = kv.encode(RNG.standard_normal((3, 2, hd)).astype(np.float32), src)
+    want = f"{src} -> {dst}: a downshift stays in one table family and narrows the codes"
+    with pytest.raises(errors.InvalidArgument, match=want):
+        kv.transcode(records, src, dst, hd)
+    mx_records = mx.array(records)
+    with pytest.raises(errors.InvalidArgument, match=want):
+        kv.transcode(mx_records, src, dst, hd)
+    np.testing.assert_array_equal(np.array(mx_records), records)
+
+
 @pytest.mark.parametrize("dtype,hd", CASES)
 def test_block_io_is_the_same_bytes_on_both_backends_and_survives_growth(dtype, hd):
     g = PoolGeometry(3, 2, hd, 4, dtype)

@@ -216,6 +216,13 @@ def decode(records: Any, mode, head_dim: int, *, rotated: bool = False) -> Any:
 def downshift(records: Any, src, dst, head_dim: int) -> Any:
     """The in-family downshift of :func:`pagedkv.quant.kv.downshift` in MLX ops."""
     mx = _mx()
+    # The Cython downshift's rule and words: a widening (lloyd2 -> lloyd4) shifted the codes
+    # by a negative count, a builtin ValueError from MLX.
+    if not (src.rotated and src.rotation == dst.rotation and src.sides == dst.sides
+            and dst.bits < src.bits):
+        raise InvalidArgument(f"{src.name} -> {dst.name}: a downshift stays in one table "
+                              f"family and narrows the codes (fwht4 -> fwht2, lloyd4 -> "
+                              f"lloyd3 -> lloyd2)")
     rows = _records(records, src, head_dim)
     c_src, _ = _tables(src.bits, src.rotation)
     c_dst, _ = _tables(dst.bits, dst.rotation)
