@@ -436,6 +436,10 @@ def test_registered_p2_qt_parses_gives_raw_bytes_and_refuses_decoding(tmp_path):
 
 @pytest.mark.parametrize("meta,arch,message", [
     (b'{"a":tru}', 0, "not valid UTF-8 JSON"),
+    # No JSON (hipfire's loader refuses them; json.loads took them as nan/inf)
+    (b'{"a":NaN}', 0, r"not valid UTF-8 JSON \(NaN is not JSON\)"),
+    (b'{"a":[-Infinity]}', 0, r"not valid UTF-8 JSON \(-Infinity is not JSON\)"),
+    (b'{"a":1e999}', 0, r"not valid UTF-8 JSON \(1e999 does not fit a float64\)"),
     (b'{"architecture":"qwen3_5"}', 0, "arch_id is 0"),
     (b'{"config":{"model_type":"qwen3_5_moe_text"}}', 1, "arch_id is 1"),
     (b'{"config":{"architectures":["Qwen3_5ForConditionalGeneration"]}}', 7, "arch_id is 7"),

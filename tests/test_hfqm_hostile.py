@@ -321,6 +321,23 @@ def test_deeply_nested_metadata_is_bad_metadata_everywhere(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["deep.hfq"]             # no temporary file left
 
 
+def test_inspect_json_of_non_json_metadata_stays_json(tmp_path, capsys):
+    """NaN in the metadata (no JSON; hipfire refuses it) was parsed as nan, and
+    `inspect --json` printed `"config.rope_theta": NaN`, which no JSON parser reads."""
+    path = tmp_path / "nan.hfq"
+    _one_tensor_file(path, b'{"architecture":"llama","config":{"rope_theta":NaN}}')
+    assert cli_main(["inspect", str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    info = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the output"))
+    assert info["metadata"] == (f"error: {path}, offset 32: metadata is not valid UTF-8 JSON "
+                                "(NaN is not JSON)")
+    assert info["tensors"][0]["name"] == "n"
+    with HfqmFile(path) as f:
+        with pytest.raises(BadMetadata):
+            f.metadata  # noqa: B018
+        assert f._metadata is None and f["n"].tolist() == [1.0]
+
+
 def test_metadata_larger_than_the_limit_is_refused(tmp_path, monkeypatch):
     write_minimal(tmp_path / "m.hfq")
     monkeypatch.setattr(reader, "MAX_METADATA_BYTES", 55)

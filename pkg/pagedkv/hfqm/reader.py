@@ -11,7 +11,6 @@ so a forged ``data_offset`` costs no memory (docs/formats/hfqm.md, "Validation")
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import stat
@@ -30,6 +29,7 @@ from pagedkv.errors import (
     Truncated,
 )
 from pagedkv.hfqm import index as _index
+from pagedkv.hfqm import strict_json
 from pagedkv.hfqm.arch import QWEN35_ARCH_IDS, arch_name, is_qwen35_metadata
 from pagedkv.hfqm.mtp_trailer import MTP_ARCH_ID, TRAILER_BYTES, mtp_offset
 from pagedkv.hfqm.positional_reads import pread_exact
@@ -230,7 +230,9 @@ class HfqmFile:
                                   offset=start)
             text = bytes(self._read(start, length))
             try:
-                value = json.loads(text.decode("utf-8"))
+                # Strict: NaN, Infinity and numbers past float64 are no JSON; hipfire's
+                # loader refuses them, and `inspect --json` would print them as non-JSON.
+                value = strict_json.loads(text.decode("utf-8"))
             except (UnicodeDecodeError, ValueError) as exc:
                 raise BadMetadata(f"metadata is not valid UTF-8 JSON ({exc})",
                                   path=self.path, offset=start) from None
