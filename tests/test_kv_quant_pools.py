@@ -176,6 +176,19 @@ def test_mlx_transcode_refuses_a_widening_as_the_cython_one_does(src, dst):
     np.testing.assert_array_equal(np.array(mx_records), records)
 
 
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+@pytest.mark.parametrize("mode", ["q8", "fwht4"])
+def test_mlx_encode_refuses_a_0d_array_as_the_cython_codecs_do(mode):
+    """An ``mx.array`` scalar raised a builtin IndexError (``shape[-1]``; found by a
+    review); the Cython codecs refuse a 0-d ndarray with InvalidArgument."""
+    import mlx.core as mx
+    with pytest.raises(errors.InvalidArgument, match="last axis"):
+        kv.encode(np.zeros((), np.float32), mode)
+    with pytest.raises(errors.InvalidArgument,
+                       match=rf"x: shape \(\): the last axis is head_dim; {mode} KV"):
+        kv.encode(mx.array(1.0), mode)
+
+
 @pytest.mark.parametrize("dtype,hd", CASES)
 def test_block_io_is_the_same_bytes_on_both_backends_and_survives_growth(dtype, hd):
     g = PoolGeometry(3, 2, hd, 4, dtype)

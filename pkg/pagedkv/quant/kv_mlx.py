@@ -138,6 +138,9 @@ def encode(x: Any, mode) -> Any:
     of its float16 scales)."""
     mx = _mx()
     xf = _as_f32(x, "x")
+    if xf.ndim == 0:  # as the Cython codecs refuse it (shape[-1] raised IndexError)
+        raise InvalidArgument(f"x: shape (): the last axis is head_dim; {mode.name} KV "
+                              f"encodes [..., head_dim] values")
     hd = xf.shape[-1]
     row_bytes = mode.row_bytes(hd)
     lead = xf.shape[:-1]
