@@ -189,6 +189,31 @@ def test_mlx_encode_refuses_a_0d_array_as_the_cython_codecs_do(mode):
         kv.encode(mx.array(1.0), mode)
 
 
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_no_mlx_values_encode_to_no_records_as_no_numpy_values_do(backend):
+    """Zero rows of ``mx.array`` values (an empty write) raised MLX's builtin ValueError
+    ("Cannot infer the shape of an empty array") in encode and in a downshift, where NumPy
+    values give empty records and an empty write is a no-op (found by a review)."""
+    import mlx.core as mx
+    for mode, shape in (("q8", (0, 128)), ("fwht4", (2, 0, 128)), ("lloyd4", (0, 256))):
+        out = kv.encode(mx.zeros(shape), mode)
+        assert out.dtype == mx.uint8
+        assert tuple(out.shape) == kv.encode(np.zeros(shape, np.float32), mode).shape
+    down = kv.transcode(mx.zeros((0, 3, 132), dtype=mx.uint8), "lloyd4", "lloyd2", 256)
+    assert down.dtype == mx.uint8 and tuple(down.shape) == (0, 3, 68)
+    assert tuple(kv.transcode(mx.zeros((0, 272), dtype=mx.uint8), "q8", "fwht4",
+                              256).shape) == (0, 132)
+    pool = LayerKVPool(PoolGeometry(1, 2, 128, 4, "fwht4/q8"), 2, backend=backend)
+    k, v = RNG.standard_normal((2, 1, 2, 128)).astype(np.float32)
+    pool.write_tokens(0, [5], k, v)
+    before = pool.read_block(1).copy()
+    empty = mx.zeros((0, 2, 128))
+    pool.write_tokens(0, np.zeros(0, np.int64), empty, empty)
+    np.testing.assert_array_equal(pool.read_block(1), before)
+    assert pool.generation == 0
+
+
 @pytest.mark.parametrize("dtype,hd", CASES)
 def test_block_io_is_the_same_bytes_on_both_backends_and_survives_growth(dtype, hd):
     g = PoolGeometry(3, 2, hd, 4, dtype)

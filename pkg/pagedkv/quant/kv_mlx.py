@@ -144,6 +144,8 @@ def encode(x: Any, mode) -> Any:
     hd = xf.shape[-1]
     row_bytes = mode.row_bytes(hd)
     lead = xf.shape[:-1]
+    if xf.size == 0:  # no row: reshape(-1, ...) of an empty array raised a builtin error
+        return mx.zeros((*lead, row_bytes), dtype=mx.uint8)
     rows = xf.reshape(-1, hd)
     finite = mx.all(mx.isfinite(xf))
     if mode.name == "q8":
@@ -227,6 +229,8 @@ def downshift(records: Any, src, dst, head_dim: int) -> Any:
                               f"family and narrows the codes (fwht4 -> fwht2, lloyd4 -> "
                               f"lloyd3 -> lloyd2)")
     rows = _records(records, src, head_dim)
+    if rows.shape[0] == 0:
+        return mx.zeros((*records.shape[:-1], dst.row_bytes(head_dim)), dtype=mx.uint8)
     c_src, _ = _tables(src.bits, src.rotation)
     c_dst, _ = _tables(dst.bits, dst.rotation)
     cnorm = rows[:, :4].view(mx.float32).reshape(-1)
