@@ -30,7 +30,7 @@ from pagedkv.errors import (
     UnknownQuantType,
     UnsupportedQuantType,
 )
-from pagedkv.hfqm import HfqmFile, compute_quantization_hash, qtype
+from pagedkv.hfqm import HfqmFile, compute_quantization_hash, gguf_source, qtype
 from pagedkv.hfqm.convert import convert_gguf, parameter_counts
 from pagedkv.hfqm.gguf_source import (
     GGUF_ARCH_IDS,
@@ -560,6 +560,33 @@ def test_big_endian_files_convert_like_little_endian_ones(tmp_path):
         "little-endian first (gguf-py's gguf_convert_endian.py)")
     assert not (tmp_path / "q.hfq").exists()
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_type_the_package_cannot_dequantize_is_refused_before_any_work(tmp_path):
+    """gguf knows types it has no dequantizer for (0.19: Q8_1, Q8_K, Q1_0): such a
+    tensor was refused only when its rows were read, after every tensor before it had
+    been quantized (hours into a large model); now the open refuses it."""
+    qt = next((q for q in (T.Q8_K, T.Q8_1, T.Q1_0) if q in gguf.GGML_QUANT_SIZES
+               and not gguf_source._has_dequantizer(q.name)), None)
+    if qt is None:
+        pytest.skip("this gguf package dequantizes every type tried")
+    _, size = gguf.GGML_QUANT_SIZES[qt]
+    write_gguf(tmp_path / "q.gguf", "qwen3",
+               [("blk.0.ffn_up.weight", np.ones((4, H), np.float32), None),
+                ("blk.0.ffn_down.weight", np.zeros((4, size), np.uint8), qt)])
+    message = (f"{tmp_path / 'q.gguf'}, tensor 'blk.0.ffn_down.weight': GGUF type {qt.name} "
+               "has no dequantizer in the gguf package; re-export the model as F16/BF16/Q8_0 "
+               "or upgrade gguf")
+    with pytest.raises(UnsupportedQuantType) as info:
+        GgufSource(tmp_path / "q.gguf")
+    assert str(info.value) == message
+    calls = []
+    with pytest.raises(UnsupportedQuantType) as info:
+        convert_gguf(tmp_path / "q.gguf", tmp_path / "q.hfq",
+                     progress=lambda *args: calls.append(args))
+    assert str(info.value) == message
+    assert calls == []                      # nothing was quantized
+    assert os.listdir(tmp_path) == ["q.gguf"]
 
 
 def _split_model(directory, n_layers=3, **writer_args) -> dict[str, np.ndarray]:

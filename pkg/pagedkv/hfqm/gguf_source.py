@@ -17,6 +17,7 @@ relatives (:data:`PERMUTED_QK_ARCHS`) are put back in HF order. The HF ``config`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -228,6 +229,22 @@ def _synthesize_config(arch: str, meta: dict[str, Any], tensors: dict[str, tuple
     return config
 
 
+@functools.cache
+def _has_dequantizer(type_name: str) -> bool:
+    """Whether ``gguf.quants.dequantize`` decodes GGUF type ``type_name``: one zero block
+    is tried once per type (the package knows some types it cannot decode: Q8_1, Q8_K,
+    Q1_0 in gguf 0.19)."""
+    import gguf
+    from gguf.quants import dequantize
+    qt = gguf.GGMLQuantizationType[type_name]
+    _, size = gguf.GGML_QUANT_SIZES[qt]
+    try:
+        dequantize(np.zeros((1, size), np.uint8), qt)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _open_reader(path: str) -> Any:
     """``gguf.GGUFReader`` of ``path``, its failures as pagedkv errors naming the file."""
     import gguf
@@ -308,8 +325,10 @@ class GgufSource:
     against ``split.tensors.count``.
 
     Raises :class:`~pagedkv.errors.BadMagic`, ``UnsupportedVersion``, ``Truncated``,
-    ``BadMetadata``, ``CountMismatch`` or ``UnknownQuantType`` on a broken file, and
-    ``InvalidArgument`` for a missing shard, before anything is read.
+    ``BadMetadata``, ``CountMismatch`` or ``UnknownQuantType`` on a broken file,
+    ``UnsupportedQuantType`` for a tensor type the gguf package cannot dequantize (or a
+    quantized tensor of a big-endian file), and ``InvalidArgument`` for a missing shard,
+    before anything is read.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -394,6 +413,10 @@ class GgufSource:
                         f"big-endian GGUF with a {t.tensor_type.name} tensor: its blocks would "
                         "be decoded as little-endian; convert the file to little-endian first "
                         "(gguf-py's gguf_convert_endian.py)", path=shard, tensor=t.name)
+                if (t.tensor_type.name not in _BIG_ENDIAN_TYPES and t.tensor_type.name
+                        not in ("BF16", "Q4_K") and not _has_dequantizer(t.tensor_type.name)):
+                    # Refused here, before any tensor is encoded, not when its rows are read.
+                    raise self._no_dequantizer(t.tensor_type.name, shard, t.name)
                 outputs.extend(self._outputs(shard, i, t, shapes[t.name]))
             # File order within a shard, shards in split order.
             offsets = [int(t.data_offset) for t in reader.tensors]
@@ -485,10 +508,14 @@ class GgufSource:
         try:
             return dequantize(np.asarray(raw), GGMLQuantizationType[tensor.ggml_type])
         except NotImplementedError:
-            raise UnsupportedQuantType(
-                f"GGUF type {tensor.ggml_type} has no dequantizer in the gguf package; "
-                "re-export the model as F16/BF16/Q8_0 or upgrade gguf", path=tensor.shard,
-                tensor=tensor.gguf_name) from None
+            raise self._no_dequantizer(tensor.ggml_type, tensor.shard,
+                                       tensor.gguf_name) from None
+
+    @staticmethod
+    def _no_dequantizer(type_name: str, shard: str, name: str) -> UnsupportedQuantType:
+        return UnsupportedQuantType(
+            f"GGUF type {type_name} has no dequantizer in the gguf package; re-export the "
+            "model as F16/BF16/Q8_0 or upgrade gguf", path=shard, tensor=name)
 
     def read(self, tensor: GgufTensor,
              index: tuple[slice | int, ...] | None = None) -> np.ndarray:
