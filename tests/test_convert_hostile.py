@@ -14,6 +14,7 @@ import pytest
 
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import FormatError, UnsupportedQuantType
+from pagedkv.hfqm import HfqmFile
 from pagedkv.hfqm.arch import arch_id_for
 from pagedkv.hfqm.safetensors_source import SafetensorsSource
 
@@ -244,3 +245,26 @@ def test_weights_no_format_can_store_name_the_tensor(tmp_path, capsys):
     line = _convert_fails(capsys, tmp_path, root)
     assert f"{root / 'model.safetensors'}: tensor 'w.weight': array: group 0" in line
     assert "cannot be stored in hfq4g256" in line
+
+
+def test_a_norm_beyond_the_f16_range_is_refused_not_stored_as_inf(tmp_path, capsys):
+    """Norms, biases and 1-D tensors are stored as F16 by truncation: a finite 65536 or
+    more became ±inf in the file, reported only as an `inf` error (and not at all with
+    --no-error)."""
+    root = tmp_path / "m"
+    _model_with_weight(root, np.array([1, 65504, 65535.99, 65536, -7e4], np.float32))
+    line = _convert_fails(capsys, tmp_path, root)
+    assert line == (
+        f"pagedkv convert: error: {root / 'model.safetensors'}: tensor 'w.weight': value "
+        "65536 at index (3,) does not fit F16, the qt the tensor is stored in (hipfire's "
+        "f32 -> f16 truncation makes |x| >= 65536 ±inf); rescale the tensor in the source")
+    out = tmp_path / "out.hfq"
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress", "--no-error"]) == 1
+    assert capsys.readouterr().err.strip() == line
+    assert os.listdir(tmp_path) == ["m"]
+    # The largest values F16 holds (65535.99 truncates to 65504) still convert.
+    _model_with_weight(root, np.array([1, 65504, 65535.99, -65535.99], np.float32))
+    assert cli_main(["convert", str(root), "-o", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    with HfqmFile(out) as f:
+        assert f["w.weight"].tolist() == [1, 65504, 65504, -65504]

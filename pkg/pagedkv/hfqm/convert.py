@@ -32,6 +32,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "ConversionReport", "convert_gguf", "convert_m
            "convert_safetensors", "parameter_counts"]
 
 _RAW_QTS = frozenset({1, 2, 16})
+_F16_QT = 1
 
 
 class _Source(Protocol):
@@ -91,6 +92,22 @@ def _sum_of_squares(x: np.ndarray) -> float:
     chunks: no float64 copy of the block, and no float32 square that overflows)."""
     flat = x.reshape(-1)
     return float(np.einsum("i,i->", flat, flat, dtype=np.float64))
+
+
+def _check_f16_range(raw: np.ndarray, block: np.ndarray, start: int, shard: str,
+                     p: TensorPlan) -> None:
+    """Refuse a block whose F16 payload holds ±inf: F16 by truncation (hipfire's) turns a
+    finite |x| >= 65536 into ±inf, a weight the file would not hold."""
+    halves = raw.view(np.float16)
+    finite = np.isfinite(halves)
+    if finite.all():
+        return
+    at = int(np.flatnonzero(~finite)[0])
+    where = tuple(int(i) for i in np.unravel_index(start + at, p.shape or (1,)))
+    raise InvalidArgument(
+        f"{shard}: tensor {p.name!r}: value {float(block.reshape(-1)[at]):.7g} at index "
+        f"{where} does not fit F16, the qt the tensor is stored in (hipfire's f32 -> f16 "
+        "truncation makes |x| >= 65536 ±inf); rescale the tensor in the source")
 
 
 def _planned(p: TensorPlan, qt: int) -> PlannedTensor:
@@ -347,6 +364,8 @@ def _convert(source: _Source, out_path: str | os.PathLike[str], metadata: dict, 
                         where = src.shard  # the file (shard) that holds the tensor
                         raise InvalidArgument(f"{where}: tensor {p.name!r}: "
                                               f"{exc}") from None
+                    if row.id == _F16_QT:
+                        _check_f16_range(raw, block, elems, src.shard, p)
                     if measure_error:
                         ref = block.astype(np.float32, copy=False)
                         diff = dequantize(raw, row.key, block.shape)
