@@ -245,6 +245,53 @@ def test_before_append_of_the_wrong_type_changes_nothing():
         KVAdaptive("balanced", ad.pool, ad.allocator)
 
 
+def test_a_pool_or_allocator_that_does_not_fit_the_plan_is_refused():
+    """KVAdaptive(plan, pool, allocator) took any pool and allocator (found by a review): a
+    pool of another head count got the plan's capacities (wrong ones), one of head_dim 128
+    under a head_dim-256 plan failed only at its first step, an allocator of other sizes
+    was taken, ``None`` raised AttributeError, and regions whose floor holds more blocks than
+    max_num_blocks stepped the pool to 51 blocks while ``grow_by`` (capped) left the
+    allocator at 21, silently. Each is refused when the controller is built now."""
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool, PoolGeometry
+    plan = KVAdaptivePlan("balanced", head_dim=256, num_kv_heads=1, max_seq=256,
+                          block_size=4)
+    start = plan.kv_dtype(0)
+    for geometry, name, have, want in (
+            (PoolGeometry(1, 2, 256, 4, start), "num_kv_heads", 2, 1),
+            (PoolGeometry(1, 1, 128, 4, start), "head_dim", 128, 256),
+            (PoolGeometry(1, 1, 256, 8, start), "block_size", 8, 4)):
+        pool = LayerKVPool(geometry, 4)
+        with pytest.raises(errors.InvalidArgument,
+                           match=rf"pool.geometry.{name} = {have} differs from the plan's "
+                                 rf"{name} = {want}: build the KVAdaptivePlan with the "):
+            KVAdaptive(plan, pool, BlockAllocator(4, 4, geometry.block_size))
+    pool = LayerKVPool(PoolGeometry(1, 1, 256, 4, start), 4, 8)
+    for allocator, name in ((BlockAllocator(3, 8, 4), "num_blocks"),
+                            (BlockAllocator(4, 4, 4), "max_num_blocks")):
+        with pytest.raises(errors.InvalidArgument,
+                           match=rf"allocator.{name} = \d+ differs from pool.{name}"):
+            KVAdaptive(plan, pool, allocator)
+    with pytest.raises(errors.InvalidArgumentType, match="pool: expected a LayerKVPool"):
+        KVAdaptive(plan, None, BlockAllocator(4, 4, 4))
+    with pytest.raises(errors.InvalidArgumentType, match="allocator: expected a BlockAl"):
+        KVAdaptive(plan, pool, None)
+    g = PoolGeometry(1, 1, 256, 4, start)
+    blocks = plan.budget_bytes // (g.k_slab_bytes + g.v_slab_bytes)
+    assert blocks == 21
+    regions = LayerKVPool(g, blocks, layer_region_bytes=plan.budget_bytes)  # max = 21
+    with pytest.raises(errors.InvalidArgument,
+                       match="max_num_blocks = 21: the pool's layer regions hold 64 blocks at "
+                             "the floor fwht2/lloyd2.*max_num_blocks=64"):
+        KVAdaptive(plan, regions, BlockAllocator(blocks, blocks, 4))
+    assert (regions.geometry.dtype, regions.num_blocks, regions.generation) == (start, 21, 0)
+    assert regions.layer_region_bytes == plan.budget_bytes and pool.layer_region_bytes is None
+    regions = LayerKVPool(g, blocks, 64, layer_region_bytes=plan.budget_bytes)
+    ad = KVAdaptive(plan, regions, BlockAllocator(blocks, 64, 4))
+    assert ad.before_append(0, 256)[-1] == "fwht2/lloyd2"
+    assert regions.num_blocks == ad.allocator.num_blocks == 64
+
+
 def test_adaptive_pool_downshifts_in_place_and_keeps_every_token():
     ad = KVAdaptive.create("balanced", num_layers=2, num_kv_heads=2, head_dim=256,
                            block_size=16, max_seq=512, hash_seed=0)

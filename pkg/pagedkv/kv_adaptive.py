@@ -212,6 +212,43 @@ class KVAdaptivePlan:
         return tier
 
 
+def _check_pool_and_allocator(plan: KVAdaptivePlan, pool, allocator) -> None:
+    """``InvalidArgument`` unless ``pool`` has the plan's shape and ``allocator`` agrees with
+    it (what the adapter checks), and a pool with fixed regions may hold the blocks its
+    regions hold at the floor. A pool of another head_dim, head count or block size made
+    every capacity wrong (or failed only at a step), and an allocator that could not grow
+    with the regions stayed behind the pool silently (``grow_by`` caps)."""
+    from pagedkv.allocator import BlockAllocator
+    from pagedkv.pool import LayerKVPool
+    if not isinstance(pool, LayerKVPool):
+        raise InvalidArgumentType(f"pool: expected a LayerKVPool, got {type(pool).__name__}")
+    if not isinstance(allocator, BlockAllocator):
+        raise InvalidArgumentType(f"allocator: expected a BlockAllocator, got "
+                                  f"{type(allocator).__name__}")
+    g = pool.geometry
+    for name, have, want in (("head_dim", g.head_dim, plan.head_dim),
+                             ("num_kv_heads", g.num_kv_heads, plan.num_kv_heads),
+                             ("block_size", g.block_size, plan.block_size)):
+        if have != want:
+            raise InvalidArgument(f"pool.geometry.{name} = {have} differs from the plan's "
+                                  f"{name} = {want}: build the KVAdaptivePlan with the "
+                                  f"pool's {name} (KVAdaptive.create builds both)")
+    for name in ("block_size", "num_blocks", "max_num_blocks"):
+        if getattr(allocator, name) != getattr(pool, name):
+            raise InvalidArgument(f"allocator.{name} = {getattr(allocator, name)} differs "
+                                  f"from pool.{name} = {getattr(pool, name)}: build both "
+                                  f"with the same sizes")
+    region = pool.layer_region_bytes
+    if region is not None:
+        floor = region // (g.block_size * g.num_kv_heads * plan.bytes_per_head[-1])
+        if pool.max_num_blocks < floor:
+            raise InvalidArgument(f"max_num_blocks = {pool.max_num_blocks}: the pool's layer "
+                                  f"regions hold {floor} blocks at the floor "
+                                  f"{plan.kv_dtype(len(plan.tiers) - 1)}, and the steps add "
+                                  f"them to the pool and the allocator; build both with "
+                                  f"max_num_blocks={floor}")
+
+
 class KVAdaptive:
     """kv_adaptive over one paged pool and its allocator: :meth:`before_append` transcodes
     the pool tier by tier. Build one with :meth:`create` (pool regions sized for the floor).
@@ -222,6 +259,7 @@ class KVAdaptive:
             raise InvalidArgumentType(f"plan: expected a KVAdaptivePlan, got "
                                       f"{type(plan).__name__}")
         self.num_seqs = int_argument("num_seqs", num_seqs, 1)
+        _check_pool_and_allocator(plan, pool, allocator)
         self.plan = plan
         self.pool = pool
         self.allocator = allocator

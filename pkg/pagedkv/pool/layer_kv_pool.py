@@ -282,6 +282,12 @@ class LayerKVPool:
         return self._generation
 
     @property
+    def layer_region_bytes(self) -> int | None:
+        """Bytes of each layer's fixed region (a pool built with ``layer_region_bytes``:
+        kv_adaptive), or None when the pool has none."""
+        return self._storage.region_bytes if self._fixed_regions else None
+
+    @property
     def slab_bytes(self) -> int:
         return self._geometry.slab_bytes
 
