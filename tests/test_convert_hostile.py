@@ -12,6 +12,7 @@ import struct
 import numpy as np
 import pytest
 
+from hfqm_samples import write_minimal
 from pagedkv.cli import main as cli_main
 from pagedkv.errors import FormatError, UnsupportedQuantType
 from pagedkv.hfqm import HfqmFile
@@ -268,3 +269,22 @@ def test_a_norm_beyond_the_f16_range_is_refused_not_stored_as_inf(tmp_path, caps
     capsys.readouterr()
     with HfqmFile(out) as f:
         assert f["w.weight"].tolist() == [1, 65504, 65504, -65504]
+
+
+@pytest.mark.parametrize("magic,what", [
+    (b"HFQM", "an HFQM file, already converted (pagedkv inspect shows it)"),
+    (b"HFQ!", "an HFQM file whose write was interrupted; convert the source model again"),
+])
+def test_an_hfqm_file_as_the_source_is_named_as_such(tmp_path, capsys, magic, what):
+    """Its magic and version, read as a safetensors header length, gave "safetensors
+    header length 5592139336 is above the loader's limit": no hint of the real mistake."""
+    root = tmp_path / "m"
+    root.mkdir()
+    write_minimal(root / "model.hfq")
+    data = bytearray((root / "model.hfq").read_bytes())
+    data[:4] = magic
+    (root / "model.hfq").write_bytes(bytes(data))
+    line = _convert_fails(capsys, tmp_path, root / "model.hfq")
+    assert line == (f"pagedkv convert: error: {root / 'model.hfq'}, offset 0: not a "
+                    f"safetensors file but {what}")
+    assert os.listdir(root) == ["model.hfq"]

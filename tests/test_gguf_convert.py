@@ -40,6 +40,7 @@ from pagedkv.hfqm.gguf_source import (
     unpermute_rows,
 )
 from pagedkv.hfqm.policy import plan_tensor, promoted, resolve_format
+from pagedkv.hfqm.safetensors_source import SafetensorsSource
 from pagedkv.quant import dequantize, fwht256, quantize
 
 H, I, V = 256, 512, 64           # hidden, intermediate, vocab
@@ -587,6 +588,27 @@ def test_a_type_the_package_cannot_dequantize_is_refused_before_any_work(tmp_pat
     assert str(info.value) == message
     assert calls == []                      # nothing was quantized
     assert os.listdir(tmp_path) == ["q.gguf"]
+
+
+def test_a_gguf_file_without_the_suffix_is_converted_as_gguf(tmp_path, capsys):
+    """convert picked GGUF by the .gguf suffix alone: model.bin went to the safetensors
+    reader, which said "safetensors header length 14064895815 is above the loader's
+    limit". The magic decides now; the safetensors reader names a GGUF file as one."""
+    values = np.linspace(-1, 1, 2 * H, dtype=np.float32).reshape(2, H)
+    write_gguf(tmp_path / "model.bin", "qwen3", [("blk.0.ffn_up.weight", values, None)])
+    assert cli_main(["convert", str(tmp_path / "model.bin"), "-o", str(tmp_path / "o.hfq"),
+                     "--no-progress", "--format", "q8"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'o.hfq'}: ")
+    with HfqmFile(tmp_path / "o.hfq") as f:
+        assert f.names == ["model.layers.0.mlp.up_proj.weight"]
+        assert f.metadata["source"] == "gguf" and f.arch_id == 1
+        np.testing.assert_array_equal(f.dequantize(0), dequantize(quantize(values, "q8f16"),
+                                                                  "q8f16", (2, H)))
+    with pytest.raises(BadMagic) as info:
+        SafetensorsSource(tmp_path / "model.bin")
+    assert str(info.value) == (f"{tmp_path / 'model.bin'}, offset 0: not a safetensors file "
+                               "but a GGUF file; convert it with convert_gguf (convert_model "
+                               "and pagedkv convert pick GGUF by this magic)")
 
 
 def _split_model(directory, n_layers=3, **writer_args) -> dict[str, np.ndarray]:

@@ -283,10 +283,19 @@ def convert_gguf(source_path: str | os.PathLike[str], out_path: str | os.PathLik
                     measure_error=measure_error, chunk_bytes=chunk_bytes, progress=progress)
 
 
+def _is_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def convert_model(source_path: str | os.PathLike[str], out_path: str | os.PathLike[str],
                   **options: Any) -> ConversionReport:
-    """:func:`convert_gguf` for a ``.gguf`` file, else :func:`convert_safetensors`."""
-    if os.fspath(source_path).lower().endswith(".gguf"):
+    """:func:`convert_gguf` for a ``.gguf`` file or a file starting with the GGUF magic,
+    else :func:`convert_safetensors`."""
+    if os.fspath(source_path).lower().endswith(".gguf") or _is_gguf(source_path):
         return convert_gguf(source_path, out_path, **options)
     return convert_safetensors(source_path, out_path, **options)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from pagedkv.argument_checks import row_span
 from pagedkv.errors import (
+    BadMagic,
     BadMetadata,
     InvalidArgument,
     InvalidArgumentType,
@@ -44,6 +45,13 @@ _DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
 _HEADER_LIMIT_BYTES = 100_000_000
 _USIZE_MAX = 2**64 - 1
 _HEADER_MAX_DEPTH = 127
+# Files convert is handed that are not safetensors: their magic -> what they are.
+_OTHER_MAGICS = {
+    b"GGUF": "a GGUF file; convert it with convert_gguf (convert_model and pagedkv convert "
+             "pick GGUF by this magic)",
+    b"HFQM": "an HFQM file, already converted (pagedkv inspect shows it)",
+    b"HFQ!": "an HFQM file whose write was interrupted; convert the source model again",
+}
 # Hugging Face's index of a sharded checkpoint.
 _INDEX_NAME = "model.safetensors.index.json"
 
@@ -132,6 +140,11 @@ def _read_header(path: str) -> list[SourceTensor]:
         if len(head) < 8:
             raise Truncated("safetensors file shorter than its 8-byte header length",
                             path=path, offset=len(head))
+        kind = _OTHER_MAGICS.get(head[:4])
+        if kind is not None:
+            # Read as a header length, these bytes gave "header length 5592139336 is
+            # above the loader's limit": true, and no help.
+            raise BadMagic(f"not a safetensors file but {kind}", path=path, offset=0)
         (header_len,) = struct.unpack("<Q", head)
         if header_len > _HEADER_LIMIT_BYTES:
             raise BadMetadata(f"safetensors header length {header_len} is above the "
