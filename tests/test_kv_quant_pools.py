@@ -319,6 +319,20 @@ def test_transcode_in_fixed_regions_gains_blocks_and_keeps_them_in_place():
         LayerKVPool(g, num_blocks=11, layer_region_bytes=per_layer)
 
 
+def test_a_none_dtype_is_named_as_none_not_as_float64():
+    """``np.dtype(None)`` is float64, so PoolGeometry(..., None) and pool.transcode(None)
+    said "dtype 'float64' is not a pool dtype", a dtype nobody passed (found by a review)."""
+    with pytest.raises(errors.InvalidArgumentType, match=r"dtype: None is not a dtype; use "
+                                                         r"one of \['bfloat16', "):
+        PoolGeometry(1, 2, 128, 4, None)
+    pool = LayerKVPool(PoolGeometry(1, 2, 128, 4, "fwht4/q8"), 2)
+    with pytest.raises(errors.InvalidArgumentType, match="dtype: None is not a dtype"):
+        pool.transcode(None)
+    assert (pool.geometry.dtype, pool.generation, pool.num_blocks) == ("fwht4/q8", 0, 2)
+    with pytest.raises(errors.InvalidArgument, match="dtype 'float64' is not a pool dtype"):
+        PoolGeometry(1, 2, 128, 4, np.float64)  # a float64 that was passed is still named
+
+
 def test_bad_arguments_of_transcode_attention_and_pool_id_are_pagedkv_errors():
     """Each raised a builtin TypeError/ValueError/UFuncTypeError (found by a review)."""
     from pagedkv.pool import MemoryBudget

@@ -68,6 +68,9 @@ def _positive_int(name: str, value) -> int:
 def _dtype_name(dtype) -> str:
     if isinstance(dtype, str):
         name = dtype
+    elif dtype is None:  # np.dtype(None) is float64: "dtype 'float64' is not a pool dtype"
+        raise InvalidArgumentType(f"dtype: None is not a dtype; use one of "
+                                  f"{sorted(POOL_DTYPES)} or '<K mode>/<V mode>'")
     else:
         try:
             name = np.dtype(dtype).name
