@@ -88,6 +88,32 @@ def test_deprecated_upstream_names_mean_fwht_and_warn_once(caplog, alias, mode):
     assert sum("deprecated name" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_arguments_of_the_wrong_type_are_type_errors_and_register_nothing():
+    """A list as ``model`` raised a builtin TypeError (unhashable), a list or str as a config
+    or ``environ`` an AttributeError (``.get``), and an int model name was registered
+    (found by a review)."""
+    with pytest.raises(errors.InvalidArgumentType, match="model: expected a model name "
+                                                         r"\(a str, e.g. a model_type\), got list"):
+        resolve_kv_modes(model=["qwen3"], environ={})
+    for bad in (["qwen3"], 3):
+        with pytest.raises(errors.InvalidArgumentType, match="model: expected a model name"):
+            register_model_kv_defaults(bad, kv_cache="fwht4")
+    assert kv_mode._REGISTRY == {}
+    with pytest.raises(errors.InvalidArgumentType, match="model: expected a model name"):
+        registered_model_kv_defaults(["qwen3"])
+    for kwargs, name in (({"model_config": [("kv_cache", "q8")]}, "model_config"),
+                         ({"global_config": "fwht4"}, "global_config")):
+        with pytest.raises(errors.InvalidArgumentType,
+                           match=f"{name}: expected a mapping with the keys kv_cache, kv_v, "
+                                 "kv_adaptive, got"):
+            resolve_kv_modes(environ={}, **kwargs)
+    with pytest.raises(errors.InvalidArgumentType,
+                       match="environ: expected a mapping of variables, like os.environ, got "
+                             "list"):
+        resolve_kv_modes(environ=[("PAGEDKV_KV_MODE", "fwht4")])
+    assert resolve_kv_modes(model_config={"kv_cache": "fwht4"}, environ={}).k == "fwht4"
+
+
 def test_pairing_rules():
     with pytest.raises(errors.InvalidArgument, match="V 'lloyd4' .*needs a rotated K"):
         resolve_kv_modes(environ={"PAGEDKV_KV_V": "lloyd4"})

@@ -37,7 +37,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.quant.kv import join_kv_dtype
 
 __all__ = [
@@ -114,11 +114,29 @@ def _normalize(knob: str, raw: object, where: str) -> str:
     return value
 
 
+def _model_name(model: object) -> str:
+    if not isinstance(model, str):
+        raise InvalidArgumentType(f"model: expected a model name (a str, e.g. a model_type), "
+                                  f"got {type(model).__name__}")
+    return model
+
+
+def _mapping(name: str, value: object, what: str = "with the keys kv_cache, kv_v, "
+             "kv_adaptive") -> Mapping[str, object]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentType(f"{name}: expected a mapping {what}, got "
+                                  f"{type(value).__name__}")
+    return value
+
+
 def register_model_kv_defaults(model: str, *, kv_cache: str | None = None,
                                kv_v: str | None = None, kv_adaptive: str | None = None) -> None:
     """Record a model's registry defaults (upstream's model-card ``default_kv_mode``): used
     for a knob only while nothing else set it, or set it to ``auto``. ``model`` is the
     name callers pass as ``model`` to :func:`resolve_kv_modes` (e.g. a ``model_type``)."""
+    model = _model_name(model)
     entry = {}
     for knob, value in (("k", kv_cache), ("v", kv_v), ("adaptive", kv_adaptive)):
         if value is not None:
@@ -129,7 +147,7 @@ def register_model_kv_defaults(model: str, *, kv_cache: str | None = None,
 
 def registered_model_kv_defaults(model: str) -> dict[str, str]:
     """The registry entry of ``model`` (knob -> value), empty when none."""
-    return dict(_REGISTRY.get(model, {}))
+    return dict(_REGISTRY.get(_model_name(model), {}))
 
 
 @dataclass(frozen=True)
@@ -174,9 +192,12 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
     ``model``: the name of a :func:`register_model_kv_defaults` entry. Checks the pairing
     (a rotated V needs a rotated K, bf16 on one side means bf16 on both) and that adaptive
     runs without an explicit K or V mode."""
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else _mapping("environ", environ,
+                                                      "of variables, like os.environ")
+    model_config = _mapping("model_config", model_config)
+    global_config = _mapping("global_config", global_config)
     explicit = {"k": k, "v": v, "adaptive": adaptive}
-    registry = _REGISTRY.get(model, {}) if model is not None else {}
+    registry = _REGISTRY.get(_model_name(model), {}) if model is not None else {}
     out: dict[str, str] = {}
     sources: dict[str, str] = {}
     user_set: dict[str, bool] = {}  # set by the user to a mode; "auto" leaves it to us
@@ -189,9 +210,9 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         ]
         if env.get(spec.env) is None:
             candidates.append((env.get(spec.alias_env), spec.alias_env, True))
-        candidates += [((model_config or {}).get(spec.config_key),
+        candidates += [(model_config.get(spec.config_key),
                         f"model config {spec.config_key}", False),
-                       ((global_config or {}).get(spec.config_key),
+                       (global_config.get(spec.config_key),
                         f"global config {spec.config_key}", False)]
         for raw, where, alias in candidates:
             if raw is None:
