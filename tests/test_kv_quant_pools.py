@@ -319,6 +319,24 @@ def test_transcode_in_fixed_regions_gains_blocks_and_keeps_them_in_place():
         LayerKVPool(g, num_blocks=11, layer_region_bytes=per_layer)
 
 
+@pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
+def test_an_mlx_kv_mode_pool_names_the_values_it_encodes_when_it_refuses_a_dtype():
+    """An MLX KV-mode pool refused int32 K with "expected mlx.core.uint8", as if it took
+    records only, where it encodes float values too and the NumPy pool's message says so
+    (found by a review)."""
+    import mlx.core as mx
+    pool = LayerKVPool(PoolGeometry(1, 2, 128, 4, "fwht4/q8"), 2, backend="mlx")
+    before = pool.read_block(0).copy()
+    values = "records, or float32/float16/bfloat16 values to encode; convert before writing"
+    for bad, got in ((mx.ones((1, 2, 128), dtype=mx.int32), "mlx.core.int32"),
+                     ([[[1.0] * 128] * 2], "float64"), (np.ones((1, 2, 128), bool), "bool")):
+        with pytest.raises(errors.InvalidArgumentType,
+                           match=rf"k: dtype {got} does not match the pool dtype fwht4/q8: "
+                                 rf"expected .*uint8 {values}"):
+            pool.write_tokens(0, [1], bad, bad)
+    np.testing.assert_array_equal(pool.read_block(0), before)
+
+
 def test_a_none_dtype_is_named_as_none_not_as_float64():
     """``np.dtype(None)`` is float64, so PoolGeometry(..., None) and pool.transcode(None)
     said "dtype 'float64' is not a pool dtype", a dtype nobody passed (found by a review)."""

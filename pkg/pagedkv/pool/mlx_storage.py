@@ -146,11 +146,14 @@ class MlxKVStorage:
         (uint16 bits for bfloat16). Never casts."""
         mx = self._mx
         g = self.geometry
+        # A KV-mode pool also takes float values (LayerKVPool encodes them before this):
+        # say so, as the NumPy storage does.
+        values = " records, or float32/float16/bfloat16 values to encode" if g.quantized else ""
         if isinstance(x, mx.array):
             if x.dtype != self._dtype:
                 raise InvalidArgumentType(
                     f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: "
-                    f"expected {self._dtype}; convert before writing")
+                    f"expected {self._dtype}{values}; convert before writing")
             return x
         if not isinstance(x, np.ndarray):
             try:
@@ -161,7 +164,8 @@ class MlxKVStorage:
             hint = " (bfloat16 pools take uint16 bit patterns)" if self._is_bf16 else ""
             raise InvalidArgumentType(
                 f"{name}: dtype {x.dtype} does not match the pool dtype {g.dtype}: expected "
-                f"{g.storage_dtype}{hint} or an mx.array of {self._dtype}; convert before writing")
+                f"{g.storage_dtype}{hint} or an mx.array of {self._dtype}{values}; convert "
+                f"before writing")
         with self._on_stream():
             return self._from_numpy(x)
 
