@@ -321,6 +321,29 @@ def test_attention_and_kv_write_launch_on_the_layer_arrays_and_the_given_stream(
     assert stub_recorder.count == count
 
 
+def test_a_freed_output_is_refused_before_the_attention_partitions_launch(stub_device,
+                                                                          stub_recorder):
+    # need_array took a freed out (or q, tables...): the partition kernel launched, then the
+    # reduce's argument packing found the freed out, an error after a launch.
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    attn, q, out = _attention_for(stub_device)
+    k_pool, v_pool = pool.layer(0)
+    gone = stub_device.empty((2, 4, 32), np.float32)
+    gone.free()
+    count = stub_recorder.count
+    for call in (lambda: attention(attn, q, pool, 0, tables, gone),
+                 lambda: attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens,
+                                  gone)):
+        with pytest.raises(InvalidArgument) as err:
+            call()
+        assert str(err.value) == ("out: DeviceArray(shape=(2, 4, 32), dtype=float32) was "
+                                  "freed; allocate a new one (DeviceArray.empty / from_numpy)")
+    assert stub_recorder.count == count  # nothing launched
+    attention(attn, q, pool, 0, tables, out)
+    assert stub_recorder.count == count + 2
+
+
 @pytest.mark.parametrize("dtype,kernel", [("bfloat16", b"pkv_kv_write_bf16"),
                                           ("q8", b"pkv_kv_q8_write_f32")])
 def test_kv_write_picks_the_pool_dtype_kernel(stub_device, stub_recorder, dtype, kernel):

@@ -131,9 +131,7 @@ class DeviceArray:
         """``ptr``, or InvalidArgument once freed (a kernel must never get a null address)."""
         # ptr 0 after free(): refuse here rather than hand the runtime a null address
         if not self.ptr and self.nbytes:
-            raise InvalidArgument(
-                f"DeviceArray(shape={self.shape}, dtype={self.dtype}) was freed; allocate a "
-                "new one (DeviceArray.empty / from_numpy)")
+            raise InvalidArgument(_freed(self))
         return self.ptr
 
     def to_numpy(self) -> np.ndarray:
@@ -193,14 +191,23 @@ def _plain_dtype(dtype) -> np.dtype:
     return dtype
 
 
+def _freed(arr: DeviceArray) -> str:
+    return (f"DeviceArray(shape={arr.shape}, dtype={arr.dtype}) was freed; allocate a new one "
+            "(DeviceArray.empty / from_numpy)")
+
+
 def _need_device_array(arr, name: str) -> None:
+    """A DeviceArray that still has its memory: a freed one is refused here, naming the
+    argument, not by the launch that packs it (after a launcher's earlier launches ran)."""
     if not isinstance(arr, DeviceArray):
         raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+    if not arr.ptr and arr.nbytes:
+        raise InvalidArgument(f"{name}: {_freed(arr)}")
 
 
 def need_writable(arr, name: str) -> None:
-    """A launcher's check of an array it writes (an output, a pool): a DeviceArray that is
-    not :attr:`DeviceArray.readonly` (``InvalidArgument`` naming it; ``InvalidArgumentType``
+    """A launcher's check of an array it writes (an output, a pool): a live (not freed)
+    DeviceArray that is not :attr:`DeviceArray.readonly` (``InvalidArgument`` naming it; ``InvalidArgumentType``
     for anything but a DeviceArray). A read-only import is the producer's promise to its
     other readers (a torch inference tensor, a JAX array) that nobody writes it."""
     _need_device_array(arr, name)
@@ -212,7 +219,7 @@ def need_writable(arr, name: str) -> None:
 
 def need_array(arr, name: str, dtype, ndim: int | None = None, *,
                writable: bool = False) -> None:
-    """A launcher's check of argument ``name``: a DeviceArray of ``dtype`` (and ``ndim``
+    """A launcher's check of argument ``name``: a live DeviceArray of ``dtype`` (and ``ndim``
     dimensions when given; not read-only when ``writable``: :func:`need_writable`);
     ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
     (need_writable if writable else _need_device_array)(arr, name)
