@@ -509,6 +509,31 @@ def test_convert_errors_and_interrupt_leave_no_output(tmp_path, capsys, monkeypa
 
 
 @needs_codecs
+def test_convert_refuses_the_never_assigned_arch_ids(tmp_path, capsys):
+    """docs/contracts/hfqm-and-quant.md '2.5 arch_id': 2-4 are never assigned. ``--arch 2``
+    (3, 4) wrote a file of that arch_id (found by a review); it is refused now, naming the
+    known ids, and nothing is written (the writer refuses them too)."""
+    from pagedkv.hfqm import HfqmWriter
+    make_model(tmp_path / "m")
+    out = tmp_path / "o.hfq"
+    known = ("known arch ids: 0, 1, 5-14, 20-23, 255, 4294967295, or a name: llama, mistral, "
+             "qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text")
+    for text, arch_id in (("2", 2), ("3", 3), ("0x4", 4)):
+        assert cli_main(["convert", str(tmp_path / "m"), "-o", str(out), "--arch", text,
+                         "--no-progress"]) == 1
+        assert capsys.readouterr().err == (
+            f"pagedkv convert: error: arch_id {arch_id} is never assigned (2-4 are reserved: "
+            f"docs/contracts/hfqm-and-quant.md, '2.5 arch_id'); {known}\n")
+        with pytest.raises(InvalidArgument, match=f"arch_id {arch_id} is never assigned"):
+            HfqmWriter(out, arch_id=arch_id, metadata={})
+    assert sorted(os.listdir(tmp_path)) == ["m"]
+    assert cli_main(["convert", str(tmp_path / "m"), "-o", str(out), "--arch", "5",
+                     "--no-progress", "--no-error"]) == 0
+    with HfqmFile(out) as f:
+        assert f.arch_id == 5
+
+
+@needs_codecs
 def test_convert_progress_bar_reports_bytes_per_second(tmp_path, capsys):
     make_model(tmp_path / "m")
     assert cli_main(["convert", str(tmp_path / "m"), "-o", str(tmp_path / "o.hfq"),

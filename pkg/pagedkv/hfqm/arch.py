@@ -32,6 +32,9 @@ ARCH_NAMES: dict[int, str] = {
     0xFFFFFFFF: "unclaimed",
 }
 
+# Ids the contract never assigns ('2.5 arch_id': "2-4 never assign"): the writer refuses them.
+_NEVER_ASSIGNED = frozenset({2, 3, 4})
+
 #: Writer mapping of HF ``config.model_type`` to arch_id (pagedkv maps qwen2 to 7).
 _MODEL_TYPE_ARCH: dict[str, int] = {
     "llama": 0, "mistral": 0, "qwen3": 1,
@@ -52,10 +55,22 @@ def arch_name(arch_id: int) -> str:
     return ARCH_NAMES.get(int(arch_id), "unknown")
 
 
+def _known_ids() -> str:
+    """The known arch ids as ranges: ``0, 1, 5-14, 20-23, 255, 4294967295``."""
+    runs: list[list[int]] = []
+    for i in sorted(ARCH_NAMES):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
 def arch_id_for(arch: str | int) -> int:
     """arch_id for an architecture name (HF ``model_type``) or an integer id (``"7"`` too).
 
-    Unknown names raise :class:`~pagedkv.errors.InvalidArgument`: pass an explicit id.
+    Unknown names and the never-assigned ids 2-4 raise
+    :class:`~pagedkv.errors.InvalidArgument`: pass a known id.
     """
     if isinstance(arch, bool) or not isinstance(arch, (str, int)):
         raise InvalidArgumentType(f"arch must be a name or an int, got {type(arch).__name__}")
@@ -65,6 +80,11 @@ def arch_id_for(arch: str | int) -> int:
     if isinstance(arch, int):
         if not 0 <= arch <= 0xFFFFFFFF:
             raise InvalidArgument(f"arch_id {arch} is outside the u32 range 0..4294967295")
+        if arch in _NEVER_ASSIGNED:
+            raise InvalidArgument(
+                f"arch_id {arch} is never assigned (2-4 are reserved: "
+                f"docs/contracts/hfqm-and-quant.md, '2.5 arch_id'); known arch ids: "
+                f"{_known_ids()}, or a name: {', '.join(sorted(_MODEL_TYPE_ARCH))}")
         return arch
     arch_id = _MODEL_TYPE_ARCH.get(arch.lower())
     if arch_id is None:
