@@ -173,6 +173,32 @@ def test_kv_rotated_write_refuses_bad_arguments_before_any_launch(stub_device, s
     assert stub_recorder.count == count
 
 
+@pytest.mark.parametrize("dtype,hd", [("q8", 32), ("fwht4/q8", 128)])
+def test_write_kv_refuses_a_bad_v_before_writing_k(stub_device, stub_recorder, dtype, hd):
+    # K and V were checked by each side's own launcher: a V of the wrong dtype (or freed)
+    # was refused (as "src") only after K's launch had written this step's K into the pool.
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device, dtype, hd)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    k = stub_device.array(RNG.standard_normal((2, 2, hd)).astype(np.float32))
+    gone = stub_device.empty((2, 2, hd), np.float32)
+    gone.free()
+    before = snapshot(pool)
+    count = stub_recorder.count
+    for v, message in [
+            (stub_device.empty((2, 2, hd), np.float64),
+             rf"v: float64[2, 2, {hd}], expected float32 or float16 [n, kv_heads, head_dim]"),
+            (gone, (rf"v: DeviceArray(shape=(2, 2, {hd}), dtype=float32) was freed; "
+                    "allocate a new one (DeviceArray.empty / from_numpy)"))]:
+        with pytest.raises(InvalidArgument) as err:
+            write_kv(pool, 0, k, v, tables)
+        assert str(err.value) == message
+    assert stub_recorder.count == count  # nothing launched
+    assert np.array_equal(snapshot(pool), before)
+    count = stub_recorder.count
+    write_kv(pool, 0, k, k, tables)
+    assert stub_recorder.count == count + 2  # K, then V
+
+
 def test_attention_over_a_kv_mode_pool_launches_the_compressed_kernel(stub_device,
                                                                       stub_recorder):
     g, pool, _adapter, _ids, batch = _decode_setup(stub_device, "fwht4/lloyd4", 256)

@@ -13,7 +13,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 if TYPE_CHECKING:
     from pagedkv.kernels.device import Device
 
-__all__ = ["DeviceArray", "need_array", "need_writable"]
+__all__ = ["DeviceArray", "need_array", "need_device_array", "need_writable"]
 
 
 class DeviceArray:
@@ -196,7 +196,7 @@ def _freed(arr: DeviceArray) -> str:
             "(DeviceArray.empty / from_numpy)")
 
 
-def _need_device_array(arr, name: str) -> None:
+def need_device_array(arr, name: str) -> None:
     """A DeviceArray that still has its memory: a freed one is refused here, naming the
     argument, not by the launch that packs it (after a launcher's earlier launches ran)."""
     if not isinstance(arr, DeviceArray):
@@ -210,7 +210,7 @@ def need_writable(arr, name: str) -> None:
     DeviceArray that is not :attr:`DeviceArray.readonly` (``InvalidArgument`` naming it; ``InvalidArgumentType``
     for anything but a DeviceArray). A read-only import is the producer's promise to its
     other readers (a torch inference tensor, a JAX array) that nobody writes it."""
-    _need_device_array(arr, name)
+    need_device_array(arr, name)
     if arr.readonly:
         raise InvalidArgument(f"{name}: {arr!r} was imported read-only (its producer's DLPack "
                               "read-only flag or __cuda_array_interface__ data[1]); pass a "
@@ -222,7 +222,7 @@ def need_array(arr, name: str, dtype, ndim: int | None = None, *,
     """A launcher's check of argument ``name``: a live DeviceArray of ``dtype`` (and ``ndim``
     dimensions when given; not read-only when ``writable``: :func:`need_writable`);
     ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
-    (need_writable if writable else _need_device_array)(arr, name)
+    (need_writable if writable else need_device_array)(arr, name)
     if arr.dtype != np.dtype(dtype):
         raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
     if ndim is not None and arr.ndim != ndim:

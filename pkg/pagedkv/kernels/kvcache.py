@@ -23,7 +23,12 @@ from pagedkv.kernels.device import (
     amd_matrix_unit,
     sm_version,
 )
-from pagedkv.kernels.device_array import DeviceArray, need_array, need_writable
+from pagedkv.kernels.device_array import (
+    DeviceArray,
+    need_array,
+    need_device_array,
+    need_writable,
+)
 from pagedkv.kernels.launch_constants import (
     KV_SUFFIX,
     attn_min_blocks,
@@ -38,6 +43,7 @@ __all__ = [
     "QUANT_KV_DTYPES",
     "PagedAttention",
     "check_decode_batch",
+    "check_kv_rows",
     "copy_blocks",
     "kv_dtype_of",
     "kv_q8_read",
@@ -200,13 +206,15 @@ def kv_dtype_of(pool: DeviceArray) -> str:
                               f"bits) or uint8 (q8 records)") from None
 
 
-def _kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
+def check_kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
              mode: str = "q8", *, into_pool: bool) -> tuple[int, int, int]:
     """Check the arguments shared by the KV writes and the q8 read: ``rows`` (``src`` or
     ``out``, ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token,
     and a ``uint8`` pool of ``mode``'s records at that geometry; the side written (the
-    pool ``into_pool``, else ``rows``) not read-only. Returns ``(n, kv_heads, head_dim)``."""
+    pool ``into_pool``, else ``rows``) not read-only. Returns ``(n, kv_heads, head_dim)``.
+    Launches nothing: a launcher of several writes checks every one first."""
     need_writable(*((pool, "pool") if into_pool else (rows, name)))
+    need_device_array(rows, name)
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
@@ -233,7 +241,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = _kv_rows(src, "src", slots, pool, into_pool=True)
+    n, kvh, hd = check_kv_rows(src, "src", slots, pool, into_pool=True)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -246,7 +254,7 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = _kv_rows(out, "out", slots, pool, into_pool=False)
+    n, kvh, hd = check_kv_rows(out, "out", slots, pool, into_pool=False)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
@@ -270,7 +278,7 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     if not m.rotated:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
                               f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
-    n, kvh, hd = _kv_rows(src, "src", slots, pool, mode, into_pool=True)
+    n, kvh, hd = check_kv_rows(src, "src", slots, pool, mode, into_pool=True)
     if n == 0:
         return
     name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"

@@ -26,6 +26,7 @@ from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.kvcache import (
     PagedAttention,
     check_decode_batch,
+    check_kv_rows,
     copy_blocks,
     kv_q8_read,
     kv_q8_write,
@@ -192,7 +193,12 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
     if g.quantized:  # q8, or a <K>/<V> pair of KV modes
-        for side, arr, side_pool in ((g.k_dtype, k, k_pool), (g.v_dtype, v, v_pool)):
+        sides = ((g.k_dtype, k, k_pool), (g.v_dtype, v, v_pool))
+        # both sides before either launches: a V refused after K's write left the pool
+        # holding this step's K beside the old V
+        for (side, arr, side_pool), name in zip(sides, "kv", strict=True):
+            check_kv_rows(arr, name, tables.slot_mapping, side_pool, side, into_pool=True)
+        for side, arr, side_pool in sides:
             if side == "q8":
                 kv_q8_write(pool.device, arr, tables.slot_mapping, side_pool, stream=stream)
             else:
