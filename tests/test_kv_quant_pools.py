@@ -105,6 +105,33 @@ def test_values_are_encoded_on_write_and_decoded_on_read(backend, dtype, hd):
         assert all(x[i].flags.c_contiguous for x in (lk, lv) for i in range(g.num_layers))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "fwht4/q8"])
+def test_decode_tokens_returns_float32_values_for_every_pool_dtype(backend, dtype):
+    """``decode_tokens`` says float32 values: an MLX bfloat16 or float16 pool (and a NumPy
+    float16 pool) returned its own dtype (found by a review). Unquantized values widen
+    exactly; records decode as the codec does."""
+    from pagedkv.pool.bfloat16 import float32_to_bf16_bits
+    pool = LayerKVPool(PoolGeometry(1, 2, 128, 4, dtype), num_blocks=2, backend=backend)
+    x = (np.arange(3 * 2 * 128, dtype=np.float32).reshape(3, 2, 128) % 97 - 48) / 4
+    if dtype == "bfloat16" and backend == "numpy":
+        k, v = float32_to_bf16_bits(x), float32_to_bf16_bits(-x)
+    elif dtype == "bfloat16":
+        import mlx.core as mx
+        k, v = mx.array(x).astype(mx.bfloat16), mx.array(-x).astype(mx.bfloat16)
+    else:
+        k, v = (x, -x) if dtype != "float16" else (x.astype(np.float16), -x.astype(np.float16))
+    pool.write_tokens(0, [4, 0, 7], k, v)
+    dk, dv = pool.decode_tokens(*pool.gather(0, np.array([1, 0], np.int32), 8))
+    assert (str(dk.dtype), str(dv.dtype)) == (("float32",) * 2 if backend == "numpy"
+                                              else ("mlx.core.float32",) * 2)
+    assert _np(dk).shape == _np(dv).shape == (8, 2, 128)
+    want = kv.decode(kv.encode(x, "fwht4"), "fwht4", 128) if dtype == "fwht4/q8" else x
+    np.testing.assert_array_equal(_np(dk)[[0, 4, 3]], want)  # slots 4, 0, 7 at 0, 4, 3
+    if dtype != "fwht4/q8":  # every value here is exact in float16 and bfloat16
+        np.testing.assert_array_equal(_np(dv)[[0, 4, 3]], -x)
+
+
 @pytest.mark.skipif(not HAVE_MLX, reason="MLX not installed")
 @pytest.mark.parametrize("dtype,hd", CASES)
 def test_mlx_values_encode_in_mlx_to_the_same_records(dtype, hd):

@@ -553,10 +553,12 @@ class LayerKVPool:
                                                  check)
 
     def decode_tokens(self, k, v):
-        """``(k, v)`` gathered from this pool as float32 values ``[..., kv_heads, head_dim]``:
-        the records of a KV-mode pool decoded (NumPy, or MLX array ops on an MLX pool; a
-        device pool's arrays are copied to the host first), float arrays of an unquantized
-        pool returned as they are (bfloat16 bits widened)."""
+        """``(k, v)`` gathered from this pool as float32 values ``[..., kv_heads, head_dim]``,
+        whatever the pool dtype: the records of a KV-mode pool decoded (NumPy, or MLX array
+        ops on an MLX pool; a device pool's arrays are copied to the host first), the
+        float16/bfloat16 values of an unquantized pool widened exactly (NumPy bfloat16 bits
+        ``<< 16``), float32 values as they are. An MLX pool returns ``mx.array``s, the other
+        backends NumPy arrays."""
         g = self._geometry
         out = []
         for side, x in ((g.k_dtype, k), (g.v_dtype, v)):
@@ -567,6 +569,11 @@ class LayerKVPool:
             elif side == "bfloat16" and isinstance(x, np.ndarray):
                 from pagedkv.pool.bfloat16 import bf16_bits_to_float32
                 x = bf16_bits_to_float32(x)
+            elif self._backend == "mlx" and not isinstance(x, np.ndarray):
+                import mlx.core as mx
+                x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+            else:
+                x = np.asarray(x).astype(np.float32, copy=False)
             out.append(x)
         return out[0], out[1]
 
