@@ -344,6 +344,25 @@ def test_a_freed_output_is_refused_before_the_attention_partitions_launch(stub_d
     assert stub_recorder.count == count + 2
 
 
+def test_read_kv_q8_checks_both_outputs_before_the_k_read_launches(stub_device,
+                                                                    stub_recorder):
+    # Each side was checked by its own kv_q8_read: a v_out of another head_dim was refused
+    # after the K read had launched, by a message that blamed the pool.
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device, "q8")
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    k_out = stub_device.empty((2, 2, 32), np.float32)
+    count = stub_recorder.count
+    with pytest.raises(InvalidArgument) as err:
+        read_kv_q8(pool, 0, tables.slot_mapping, k_out, stub_device.empty((2, 2, 64), np.float32),
+                   generation=0)
+    assert str(err.value) == ("pool: shape (8, 4, 2, 34), expected [num_blocks, block_size, 2, "
+                              "68] for q8 at kv_heads 2, head_dim 64 (those of v_out "
+                              "float32[2, 2, 64])")
+    assert stub_recorder.count == count  # nothing launched
+    read_kv_q8(pool, 0, tables.slot_mapping, k_out, k_out.view((2, 2, 32)), generation=0)
+    assert stub_recorder.count == count + 2
+
+
 @pytest.mark.parametrize("dtype,kernel", [("bfloat16", b"pkv_kv_write_bf16"),
                                           ("q8", b"pkv_kv_q8_write_f32")])
 def test_kv_write_picks_the_pool_dtype_kernel(stub_device, stub_recorder, dtype, kernel):

@@ -231,7 +231,8 @@ def check_kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: Device
         row = kv_modes.kv_mode(mode).row_bytes(hd)
     if pool.ndim != 4 or pool.shape[2:] != (kvh, row):
         raise InvalidArgument(f"pool: shape {pool.shape}, expected [num_blocks, block_size, "
-                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd}")
+                              f"{kvh}, {row}] for {mode} at kv_heads {kvh}, head_dim {hd} "
+                              f"(those of {name} {rows.dtype}{list(rows.shape)})")
     if slots.shape[0] != n:
         raise InvalidArgument(f"slots: length {slots.shape[0]}, expected {n} (one per token)")
     return n, kvh, hd

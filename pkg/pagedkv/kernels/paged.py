@@ -312,6 +312,8 @@ def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: 
     if pool.geometry.dtype != "q8":
         raise InvalidArgument(f"pool dtype {pool.geometry.dtype}: read_kv_q8 needs a q8 pool")
     k_pool, v_pool = pool.layer(layer)
+    for name, out, side_pool in (("k_out", k_out, k_pool), ("v_out", v_out, v_pool)):
+        check_kv_rows(out, name, slots, side_pool, into_pool=False)  # both before either launch
     kv_q8_read(pool.device, k_pool, slots, k_out, stream=stream)
     kv_q8_read(pool.device, v_pool, slots, v_out, stream=stream)
 
