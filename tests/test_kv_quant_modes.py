@@ -189,6 +189,40 @@ def test_a_registry_mode_that_cannot_pair_with_an_explicit_one_yields_to_its_def
             resolve_kv_modes(environ={}, **args)
 
 
+def test_a_registry_v_without_k_yields_to_a_k_nobody_set():
+    """Found by a review: a registry entry holding only a rotated V (or bf16) failed every
+    resolution that set no K ("needs a rotated K; K is 'q8' (default)"), with K auto too,
+    while an explicit K q8 made it yield: no user setting was in conflict. It yields to a
+    default or auto K now; a K the user chose still decides, and an entry whose own K and V
+    cannot pair still fails."""
+    register_model_kv_defaults("v", kv_v="lloyd4")
+    for args, k_source in (({}, "default"), ({"k": "auto"}, "argument k (auto)"),
+                           ({"environ": {"PAGEDKV_KV_MODE": "auto"}}, "PAGEDKV_KV_MODE (auto)"),
+                           ({"model_config": {"kv_cache": "auto"}},
+                            "model config kv_cache (auto)")):
+        c = resolve_kv_modes(model="v", **{"environ": {}, **args})
+        assert (c.k, c.v, c.adaptive, c.kv_dtype) == ("q8", "q8", "off", "q8")
+        assert c.sources == {
+            "k": k_source, "adaptive": "default",
+            "v": f"default, registry 'v' V mode 'lloyd4' overridden by K mode 'q8' ({k_source})"}
+    c = resolve_kv_modes(k="fwht2", model="v", environ={})
+    assert (c.kv_dtype, c.sources["v"]) == ("fwht2/lloyd4", "registry 'v'")
+    register_model_kv_defaults("b", kv_v="bf16")
+    c = resolve_kv_modes(model="b", environ={})
+    assert (c.kv_dtype, c.sources["v"]) == (
+        "q8", "default, registry 'b' V mode 'bf16' overridden by K mode 'q8' (default)")
+    assert resolve_kv_modes(k="bf16", model="b", environ={}).kv_dtype == "bfloat16"
+    register_model_kv_defaults("k", kv_cache="bf16")  # a registry K keeps a default V
+    c = resolve_kv_modes(model="k", environ={})
+    assert (c.kv_dtype, c.sources["v"]) == ("bfloat16", "follows K bf16 (registry 'k')")
+    register_model_kv_defaults("kv", kv_cache="q8", kv_v="lloyd4")
+    with pytest.raises(errors.InvalidArgument) as err:
+        resolve_kv_modes(model="kv", environ={})
+    assert str(err.value) == ("V 'lloyd4' (registry 'kv') is a rotated V, which needs a rotated "
+                              "K (fwht4, fwht3, fwht2 or lloydN); K is 'q8' (registry 'kv')")
+    assert registered_model_kv_defaults("v") == {"v": "lloyd4"}  # unchanged
+
+
 @pytest.mark.parametrize("spec,tiers", [
     ("conservative", ["fwht4/q8", "fwht4/lloyd4"]),
     ("balanced", ["fwht4/q8", "fwht4/lloyd4", "fwht4/lloyd3", "fwht2/lloyd3", "fwht2/lloyd2"]),

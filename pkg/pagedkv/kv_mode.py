@@ -26,7 +26,8 @@ are refused. V values: ``q8``, ``lloyd4``, ``lloyd3``, ``lloyd2``, ``auto``, ``b
 pagedkv's ``fwht4``/``fwht2`` for V (head_dim 128 or 256) and ``fwht3`` (head_dim 256,
 lloyd3's bytes); a rotated V (lloydN or fwhtN) needs a rotated K. A registry default that
 conflicts with an explicit setting of another knob (a pairing rule, kv_adaptive) yields:
-K/V to the knob's default, kv_adaptive to ``off``.
+K/V to the knob's default, kv_adaptive to ``off``; so does a registry V (rotated or bf16)
+over a K nobody set (default or ``auto``: q8).
 Adaptive values: :mod:`pagedkv.kv_adaptive`.
 """
 
@@ -261,11 +262,16 @@ def resolve_kv_modes(*, k: str | None = None, v: str | None = None,
         out["k"], out["v"] = "fwht4", "q8"
         sources["k"] = sources["v"] = f"kv_adaptive start tier ({sources['adaptive']})"
     # The same for the K/V pairing rules below: a registry mode that cannot pair with an
-    # explicit mode of the other side yields to its knob's default.
+    # explicit mode of the other side yields to its knob's default. A registry V also yields
+    # to a K nobody set (default or auto: q8), or a registry entry of a rotated or bf16 V
+    # without K would fail every resolution that sets no K; a registry K keeps a default V
+    # (which follows a bf16 K below).
     for knob, other in (("k", "v"), ("v", "k")):
-        if from_registry(knob) and user_chose(other) and _pairing_conflict(out["k"], out["v"]):
+        yields = user_chose(other) or (knob == "v" and not from_registry(other))
+        if from_registry(knob) and yields and _pairing_conflict(out["k"], out["v"]):
             sources[knob] = (f"default, registry {model!r} {KNOBS[knob].name} "
-                             f"{out[knob]!r} overridden by {sources[other]}")
+                             f"{out[knob]!r} overridden by {KNOBS[other].name} "
+                             f"{out[other]!r} ({sources[other]})")
             out[knob] = KNOBS[knob].default
     if (out["k"] == "bf16") != (out["v"] == "bf16"):
         if out["v"] == "q8" and sources["v"].startswith("default"):
