@@ -121,6 +121,31 @@ def test_token_writes_take_device_arrays_and_duplicates_keep_the_last(stub_devic
     assert not pool.layer(0)[0].to_numpy().any()
 
 
+def test_token_writes_refuse_a_freed_v_before_k_is_written(stub_device, stub_recorder):
+    # The storage found a freed V when its copy packed it, after K's copy had written the
+    # pool: the call raised, leaving this write's K beside the old V.
+    g = geometry(heads=1, head_dim=8)
+    pool = LayerKVPool(g, 4, backend="device")
+    k = stub_device.array(values(g, (2, 1, 8)))
+    k_layers = stub_device.array(values(g, (2, 2, 1, 8)))
+    gone = stub_device.empty((2, 1, 8), np.float16)
+    gone_layers = stub_device.empty((2, 2, 1, 8), np.float16)
+    gone.free()
+    gone_layers.free()
+    before = snapshot(pool)
+    count = stub_recorder.count
+    for call, message in [
+            (lambda: pool.write_tokens(0, [0, 5], k, gone), "v: DeviceArray(shape=(2, 1, 8), "),
+            (lambda: pool.write_tokens_layers([0, 5], k_layers, gone_layers),
+             "v_layers: DeviceArray(shape=(2, 2, 1, 8), ")]:
+        with pytest.raises(InvalidArgument) as err:
+            call()
+        assert str(err.value) == (message + "dtype=float16) was freed; allocate a new one "
+                                  "(DeviceArray.empty / from_numpy)")
+    assert stub_recorder.count == count  # nothing launched
+    assert np.array_equal(snapshot(pool), before)
+
+
 def test_adapter_on_a_device_pool_survives_growth(stub_device):
     g = geometry(layers=2, heads=2, head_dim=32, block_size=4)
     pool = LayerKVPool(g, 2, 16, backend="device")

@@ -106,11 +106,14 @@ class DeviceKVStorage:
         objects, taken without a copy) or a NumPy array (uploaded by the write), of the
         storage dtype. Never casts."""
         from pagedkv.kernels import DeviceArray
+        from pagedkv.kernels.device_array import need_device_array
         from pagedkv.kernels.interop import as_device_array, is_device_buffer
         g = self.geometry
         hint = " (bfloat16 pools take uint16 bit patterns)" if g.dtype == "bfloat16" else ""
         if isinstance(x, DeviceArray) or is_device_buffer(x):
             arr = as_device_array(x, self.device, name=name)
+            # a freed V found by its copy's launch came after K's copy had written the pool
+            need_device_array(arr, name)
             if arr.dtype != g.storage_dtype:
                 raise InvalidArgumentType(
                     f"{name}: dtype {arr.dtype} does not match the pool dtype {g.dtype}: "
