@@ -388,6 +388,40 @@ def test_read_kv_q8_checks_both_outputs_before_the_k_read_launches(stub_device,
     assert stub_recorder.count == count + 2
 
 
+def test_tables_and_arrays_of_another_device_are_refused_before_any_launch(stub_device,
+                                                                            stub_recorder):
+    # Nothing compared devices: tables uploaded to GPU 1, or K/V, q, out or a PagedAttention
+    # of GPU 1, were launched on the pool's GPU 0 with GPU 1's addresses (an illegal address
+    # on a GPU). The stub has one device: GPU 1 is a copy of its Device with ordinal 1.
+    import copy
+    other = copy.copy(stub_device)
+    other.ordinal = 1
+    _g, pool, _adapter, _ids, batch = _decode_setup(stub_device)
+    tables = DeviceDecodeBatch.upload(stub_device, batch)
+    far_tables = DeviceDecodeBatch.upload(other, batch)
+    attn, q, out = _attention_for(stub_device)
+    far_attn, far_q, far_out = _attention_for(other)
+    k = stub_device.empty((2, 2, 32), np.float32)
+    far_k = other.empty((2, 2, 32), np.float32)
+    count = stub_recorder.count
+    for name, call, what in [
+            ("tables", lambda: write_kv(pool, 0, k, k, far_tables), far_tables),
+            ("tables", lambda: attention(attn, q, pool, 0, far_tables, out), far_tables),
+            ("v", lambda: write_kv(pool, 0, k, far_k, tables), far_k),
+            ("attn", lambda: attention(far_attn, q, pool, 0, tables, out), far_attn),
+            ("q", lambda: attention(attn, far_q, pool, 0, tables, out), far_q),
+            ("out", lambda: attn.run_pool(q, pool, 0, tables, far_out), far_out)]:
+        with pytest.raises(InvalidArgument) as err:
+            call()
+        assert str(err.value) == (f"{name}: on {other!r}, the pool on {stub_device!r}; make "
+                                  "it on the pool's device (pool.device)")
+    assert stub_recorder.count == count  # nothing launched
+    same = copy.copy(stub_device)  # another Device object of the same GPU: taken
+    write_kv(pool, 0, k, same.empty((2, 2, 32), np.float32), tables)
+    attention(attn, q, pool, 0, DeviceDecodeBatch.upload(same, batch), out)
+    assert stub_recorder.count == count + 3
+
+
 @pytest.mark.parametrize("dtype,kernel", [("bfloat16", b"pkv_kv_write_bf16"),
                                           ("q8", b"pkv_kv_q8_write_f32")])
 def test_kv_write_picks_the_pool_dtype_kernel(stub_device, stub_recorder, dtype, kernel):

@@ -143,6 +143,19 @@ class DeviceDecodeBatch:
         return self.block_tables.shape[0]
 
 
+def _on_pool_device(pool, name: str, obj) -> None:
+    """``InvalidArgument`` unless ``obj`` (argument ``name``: tables, a PagedAttention or a
+    DeviceArray; anything else is left to the type checks) is on the pool's GPU: the kernels
+    launch on the pool's device and would read the other GPU's addresses there."""
+    device, here = getattr(obj, "device", None), pool.device
+    if device is None or device is here or (getattr(device, "backend", None),
+                                            getattr(device, "ordinal", None)) == (
+                                                here.backend, here.ordinal):
+        return
+    raise InvalidArgument(f"{name}: on {device!r}, the pool on {here!r}; make it on the pool's "
+                          f"device (pool.device)")
+
+
 def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None) -> None:
     """``StaleBlockTable`` unless ``tables`` (and ``generation``, when given) belong to the
     pool's current generation; ``InvalidArgument`` for a pool without device storage, for
@@ -157,6 +170,7 @@ def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None)
     if not isinstance(tables, DeviceDecodeBatch):
         raise InvalidArgumentType(f"tables: expected a DeviceDecodeBatch, got "
                                   f"{type(tables).__name__}")
+    _on_pool_device(pool, "tables", tables)
     if tables.pool_instance is not None and tables.pool_instance != pool.instance_id:
         # Same geometry, size and generation would pass every check below, and the kernels
         # would read (and write) this pool's blocks at the other pool's ids: wrong KV.
@@ -190,6 +204,7 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
     for name, arr in (("k", k), ("v", v)):
         if not isinstance(arr, DeviceArray):
             raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
+        _on_pool_device(pool, name, arr)
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
     if g.quantized:  # q8, or a <K>/<V> pair of KV modes
@@ -264,6 +279,7 @@ def check_attention(attn: PagedAttention, pool, tables: DeviceDecodeBatch,
     (:func:`check_tables`), ``attn`` built for the pool's geometry and its workspace
     holding the longest sequence of ``tables`` (``InvalidArgument`` otherwise)."""
     check_tables(pool, tables, generation)
+    _on_pool_device(pool, "attn", attn)
     g = pool.geometry
     if (attn.kv_dtype, attn.kv_heads, attn.head_dim, attn.block_size) != (
             g.dtype, g.num_kv_heads, g.head_dim, g.block_size):
@@ -277,9 +293,12 @@ def check_attention(attn: PagedAttention, pool, tables: DeviceDecodeBatch,
 
 
 def _attention_layer(attn: PagedAttention, pool, layer: int, tables: DeviceDecodeBatch,
-                     generation: int | None):
-    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool."""
+                     generation: int | None, q, out):
+    """``layer``'s K and V arrays, once the tables and ``attn``'s geometry fit the pool (and
+    ``q`` and ``out`` are on its device)."""
     check_attention(attn, pool, tables, generation)
+    for name, arr in (("q", q), ("out", out)):
+        _on_pool_device(pool, name, arr)
     return pool.layer(layer)
 
 
@@ -287,7 +306,7 @@ def attention(attn: PagedAttention, q: DeviceArray, pool, layer: int,
               tables: DeviceDecodeBatch, out: DeviceArray, *, generation: int | None = None,
               stream: StreamLike = None) -> None:
     """``attn.run`` over ``layer``'s K and V arrays of a device pool and the uploaded tables."""
-    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation, q, out)
     attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, out, stream=stream)
 
 
@@ -298,7 +317,7 @@ def attention_prep(attn: PagedAttention, q: DeviceArray, pool, layer: int,
     """:func:`attention` whose reduce writes the next GEMV's prepared x
     (``attn.run_prep``: ``prepared = gemv.prepared_x()`` of the O projection, then
     ``gemv.run_prepared``); ``out`` may be ``None``. Geometries: ``attn.prep_fusable``."""
-    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation)
+    k_pool, v_pool = _attention_layer(attn, pool, layer, tables, generation, q, out)
     attn.run_prep(q, k_pool, v_pool, tables.block_tables, tables.seq_lens, prepared, out,
                   stream=stream)
 
