@@ -80,3 +80,45 @@ def test_kv_modes_are_checked_against_the_model_head_dim():
     with pytest.raises(InvalidArgument, match="needs a rotated K"):
         PagedPromptCache(model, dtype="q8/fwht4")
     assert make_prompt_cache(model)  # the model itself is untouched
+
+
+def test_a_non_finite_kv_value_at_end_names_the_layer_and_releases_the_request():
+    """A NaN/Inf in the model's K/V made ``end`` on a KV-mode pool raise "x holds a
+    non-finite value; fwht4 KV takes finite values only", naming no layer (found by a
+    review). The error names the layer, K or V, the position and the kv-head now; the
+    request is released with nothing published (docs/integrations/mlx-lm.md) and the pool
+    serves the next request."""
+    from pagedkv.errors import RequestClosed
+    model = random_model("qwen3", seed=3, head_dim=128)[0]
+    paged = PagedPromptCache(model, block_size=BS, dtype="fwht4/q8")
+    prompt = toks(21, 7)
+    for layer, side, pos, head, value in ((1, "K", 9, 1, float("nan")),
+                                          (0, "V", 20, 0, float("-inf"))):
+        r = paged.begin(prompt)
+        held = prompt + run(model, prompt, r.cache, 3)
+        c = r.cache[layer]
+        buf = c.keys if side == "K" else c.values
+        buf[0, head, pos, 5] = value
+        with pytest.raises(InvalidArgument) as err:
+            r.end(held)
+        assert str(err.value) == (f"layer {layer}: {side} holds {value} at position {pos}, "
+                                  f"kv-head {head}; a fwht4/q8 pool takes finite K/V only")
+        assert r.state == "released"
+        with pytest.raises(RequestClosed):
+            r.end(held)
+        s = paged.stats()
+        assert (s["live_requests"], s["published_tokens"], s["blocks_in_use"],
+                s["blocks_cached"], s["parked"]) == (0, 0, 0, 0, 0)
+    r = paged.begin(prompt)  # another refusal of the encoder: the layer and positions
+    held = prompt + run(model, prompt, r.cache, 3)
+    r.cache[0].values[0, 0, 4, 0] = 1e7  # past q8's float16 scale
+    with pytest.raises(InvalidArgument, match=r"^layer 0, positions \[0, 24\): x: block \d+ "
+                                              r"\(values .*past q8 KV's float16 scale$"):
+        r.end(held)
+    assert r.state == "released"
+    assert paged.stats()["released"] == 3
+    r = paged.begin(prompt)
+    assert r.cached_tokens == 0
+    held = prompt + run(model, prompt, r.cache, 3)
+    assert r.end(held) == len(held) == 24
+    assert paged.begin(held + toks(2, 9)).cached_tokens == 24

@@ -103,6 +103,22 @@ def _as_tokens(tokens, name: str = "tokens") -> np.ndarray:
     return as_token_array(tokens, name)
 
 
+def _first_non_finite(k, v, start: int) -> str | None:
+    """Where the first non-finite value of K/V ``[n, kv_heads, head_dim]`` for positions
+    from ``start`` is (``"K holds nan at position 9, kv-head 1"``), or ``None``. Evaluates
+    both: for an error message only."""
+    import mlx.core as mx
+
+    for name, x in (("K", k), ("V", v)):
+        values = np.array(x.astype(mx.float32))
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            pos, head, _ = np.unravel_index(bad[0], values.shape)
+            return (f"{name} holds {values.flat[bad[0]]} at position {start + int(pos)}, "
+                    f"kv-head {int(head)}")
+    return None
+
+
 def _salt(cache_salt) -> int:
     """``None`` → 0 (shared); a str (a tenant name) → its domain id; a u64 domain id as is."""
     from pagedkv.hashing import as_domain_id, salt_domain_id
@@ -195,7 +211,10 @@ class PagedRequest:
         block boundary) for reuse and parks the tables so the next turn of this
         conversation continues them exactly. Returns the tokens written to the pool.
         ``InvalidArgument`` (nothing changed) when ``tokens`` does not match the cache;
-        ``RequestClosed`` after end, release or a hand-over to a batch."""
+        ``RequestClosed`` after end, release or a hand-over to a batch. An error while
+        writing the K/V (``PoolExhausted``; on a KV-mode pool a non-finite K/V value:
+        ``InvalidArgument`` naming the layer, K or V, the position and the kv-head) releases
+        the request (nothing published) and propagates."""
         self._check_live("end")
         return self._owner._end(self, tokens)
 
@@ -1025,7 +1044,9 @@ class PagedPromptCache:
 
     def _write_layers(self, seq: int, layers, a: int, b: int) -> None:
         """Write positions ``[a, b)`` of each ``(index, (keys, values, start))`` into the
-        pool (lazy scatters, cast to the pool dtype)."""
+        pool (lazy scatters, cast to the pool dtype). A write the pool refuses raises
+        ``InvalidArgument`` naming the layer (and, for a non-finite value a KV mode cannot
+        encode, K or V, the position and the kv-head)."""
         if b <= a:
             return
         lc = self.coordinator
@@ -1036,7 +1057,15 @@ class PagedPromptCache:
                 dtype = self._mx_pool_dtype(i)
                 k = keys[0, :, a - start:b - start, :].transpose(1, 0, 2).astype(dtype)
                 v = values[0, :, a - start:b - start, :].transpose(1, 0, 2).astype(dtype)
-                lc.write_kv(seq, i, k, v, start=a)
+                try:
+                    lc.write_kv(seq, i, k, v, start=a)
+                except InvalidArgument as exc:
+                    g = self._pools[i].geometry
+                    where = _first_non_finite(k, v, a) if g.quantized else None
+                    if where is None:
+                        raise InvalidArgument(f"layer {i}, positions [{a}, {b}): {exc}") from exc
+                    raise InvalidArgument(
+                        f"layer {i}: {where}; a {g.dtype} pool takes finite K/V only") from exc
 
     def _release_request(self, request: PagedRequest, state: str = "released") -> None:
         with self._lock:
