@@ -924,7 +924,7 @@ def test_kv_q8_launchers_reject_bad_arguments_before_launching(op):
          "head_dim=48: q8 KV needs a multiple of 32"),
         ((rows, slots, dev.empty((2, 4, 2, 64), np.uint8)), InvalidArgument,
          ("pool: shape (2, 4, 2, 64), expected [num_blocks, block_size, 2, 68] for q8 at "
-          "kv_heads 2, head_dim 64")),
+          f"kv_heads 2, head_dim 64 (those of {name} float32[3, 2, 64])")),
         ((rows, dev.array(np.arange(2, dtype=np.int64)), pool), InvalidArgument,
          "slots: length 2, expected 3 (one per token)"),
     ]
