@@ -27,6 +27,7 @@ from pagedkv.kernels.paged import (
     attention,
     check_tables,
     copy_pool_blocks,
+    qkv_rope_write_kv,
     read_kv_q8,
     write_kv,
 )
@@ -420,6 +421,80 @@ def test_tables_and_arrays_of_another_device_are_refused_before_any_launch(stub_
     write_kv(pool, 0, k, same.empty((2, 2, 32), np.float32), tables)
     attention(attn, q, pool, 0, DeviceDecodeBatch.upload(same, batch), out)
     assert stub_recorder.count == count + 3
+
+
+def test_every_launcher_refuses_arrays_of_another_device_before_any_launch(stub_device,
+                                                                            stub_recorder):
+    # da3bf8d compared devices in check_tables, write_kv and attention only: qkv_rope_write_kv's
+    # qkv/q, read_kv_q8's slots and outputs, copy_pool_blocks' device ids and every low-level
+    # launcher (kvcache, decode, weights) launched GPU 1's addresses on the pool's (or the
+    # launch's) GPU 0. The stub has one device: GPU 1 is a copy of its Device with ordinal 1.
+    import copy
+
+    from pagedkv.kernels import decode, weights
+    dev, f32 = stub_device, np.float32
+    other = copy.copy(dev)
+    other.ordinal = 1
+    _g, pool, _adapter, _ids, batch = _decode_setup(dev)
+    _g8, pool8, _adapter8, _ids8, batch8 = _decode_setup(dev, "q8")
+    tables, tables8 = DeviceDecodeBatch.upload(dev, batch), DeviceDecodeBatch.upload(dev, batch8)
+    attn, q, out = _attention_for(dev)
+    far_q = other.empty((2, 4, 32), f32)
+    qkv, far_qkv = dev.empty((2, 256), f32), other.empty((2, 256), f32)
+    rows, far_rows = dev.empty((2, 2, 32), f32), other.empty((2, 2, 32), f32)
+    ids, far_ids = dev.array(np.array([0], np.int32)), other.array(np.array([0], np.int32))
+    far_tables = DeviceDecodeBatch.upload(other, batch)
+    k_pool, v_pool = pool.layer(0)
+    k8, _v8 = pool8.layer(0)
+    blocks = k_pool.view((pool.num_blocks, k_pool.nbytes // pool.num_blocks), np.uint8)
+    x, far_x = dev.empty((2, 256), f32), other.empty((2, 256), f32)
+    gemv = weights.Gemv(dev, "hfq4g256", 64, 256, 2)
+    w = gemv.upload(np.zeros(weights.raw_nbytes("hfq4g256", 64 * 256), np.uint8))
+    before, before8 = snapshot(pool), snapshot(pool8)
+    count = stub_recorder.count
+    pool_cases = [
+        ("qkv", lambda: qkv_rope_write_kv(pool, 0, far_qkv, q, tables, q_heads=4, theta=1e4)),
+        ("q", lambda: qkv_rope_write_kv(pool, 0, qkv, far_q, tables, q_heads=4, theta=1e4)),
+        ("slots", lambda: read_kv_q8(pool8, 0, far_tables.slot_mapping, rows, rows,
+                                     generation=0)),
+        ("v_out", lambda: read_kv_q8(pool8, 0, tables8.slot_mapping, rows, far_rows,
+                                     generation=0)),
+        ("src_ids", lambda: copy_pool_blocks(pool, far_ids, [1], generation=0)),
+        ("dst_ids", lambda: copy_pool_blocks(pool, [1], far_ids, generation=0))]
+    launch_cases = [
+        ("src", lambda: kvcache.kv_q8_write(dev, far_rows, tables8.slot_mapping, k8)),
+        ("out", lambda: kvcache.kv_q8_read(dev, k8, tables8.slot_mapping, far_rows)),
+        ("src_ids", lambda: kvcache.copy_blocks(dev, blocks, far_ids, ids, blocks)),
+        ("q", lambda: attn.run(far_q, k_pool, v_pool, tables.block_tables, tables.seq_lens,
+                               out)),
+        ("block_tables", lambda: attn.run(q, k_pool, v_pool, far_tables.block_tables,
+                                          tables.seq_lens, out)),
+        ("out", lambda: attn.run(q, k_pool, v_pool, tables.block_tables, tables.seq_lens,
+                                 far_q)),
+        ("weight", lambda: decode.add_rmsnorm(dev, x, None, other.empty((256,), f32), x,
+                                              eps=1e-5)),
+        ("positions", lambda: decode.qkv_rope_split(dev, qkv, far_tables.positions, q, rows,
+                                                    rows, q_heads=4, kv_heads=2, head_dim=32,
+                                                    theta=1e4)),
+        ("out", lambda: decode.silu_mul(dev, x, other.empty((2, 128), f32))),
+        ("x", lambda: weights.fwht256(dev, far_x, x)),
+        ("x", lambda: gemv.run(w, far_x, dev.empty((2, 64), f32))),
+        ("y", lambda: gemv.run(w, x, other.empty((2, 64), f32)))]
+    for owner, fix, cases in [("the pool", " (pool.device)", pool_cases),
+                              ("the launch", "", launch_cases)]:
+        for name, call in cases:
+            with pytest.raises(InvalidArgument) as err:
+                call()
+            assert str(err.value) == (f"{name}: on {other!r}, {owner} on {dev!r}; make it on "
+                                      f"{owner}'s device{fix}")
+    assert stub_recorder.count == count  # nothing launched
+    assert np.array_equal(snapshot(pool), before) and np.array_equal(snapshot(pool8), before8)
+    same = copy.copy(dev)  # another Device object of the same GPU: taken
+    count = stub_recorder.count
+    qkv_rope_write_kv(pool, 0, same.empty((2, 256), f32), q, tables, q_heads=4, theta=1e4)
+    kvcache.kv_q8_read(dev, k8, tables8.slot_mapping, same.empty((2, 2, 32), f32))
+    gemv.run(w, same.empty((2, 256), f32), dev.empty((2, 64), f32))
+    assert stub_recorder.count >= count + 3  # the GEMV: a prep launch, then its own
 
 
 @pytest.mark.parametrize("dtype,kernel", [("bfloat16", b"pkv_kv_write_bf16"),

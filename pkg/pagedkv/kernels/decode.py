@@ -30,23 +30,24 @@ ELEMENTWISE_THREADS = 256  # any block size: the elementwise kernels index by gl
 
 
 def _shape(arr: DeviceArray, name: str, shape: tuple[int, ...], *,
-           writable: bool = False) -> None:
-    need_array(arr, name, np.float32, writable=writable)
+           writable: bool = False, device: Device | None = None) -> None:
+    need_array(arr, name, np.float32, writable=writable, device=device)
     if arr.shape != shape:
         raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
 
 
-def _check_norm(x: DeviceArray, residual: DeviceArray | None, weight: DeviceArray,
-                y: DeviceArray | None, multiple: int) -> tuple[int, int]:
-    need_array(x, "x", np.float32, 2, writable=residual is not None)  # x += residual
+def _check_norm(device: Device | None, x: DeviceArray, residual: DeviceArray | None,
+                weight: DeviceArray, y: DeviceArray | None, multiple: int) -> tuple[int, int]:
+    need_array(x, "x", np.float32, 2, writable=residual is not None,  # x += residual
+               device=device)
     rows, dim = x.shape
     if dim % multiple or dim == 0:
         raise InvalidArgument(f"x: dim {dim} must be a positive multiple of {multiple}")
     if residual is not None:
-        _shape(residual, "residual", x.shape)
-    _shape(weight, "weight", (dim,))
+        _shape(residual, "residual", x.shape, device=device)
+    _shape(weight, "weight", (dim,), device=device)
     if y is not None:
-        _shape(y, "y", x.shape, writable=True)
+        _shape(y, "y", x.shape, writable=True, device=device)
     return rows, dim
 
 
@@ -56,7 +57,7 @@ def add_rmsnorm(device: Device, x: DeviceArray, residual: DeviceArray | None,
     """``x += residual`` (when given; ``x`` is updated), then ``y = x / sqrt(mean(x²) + eps)
     · weight`` per row. ``x``, ``residual``, ``y``: ``float32[rows, dim]``; ``weight``:
     ``float32[dim]``; ``dim % 4 == 0``."""
-    rows, dim = _check_norm(x, residual, weight, y, 4)
+    rows, dim = _check_norm(device, x, residual, weight, y, 4)
     if rows == 0:
         return
     k = device.kernel(SOURCE, "pkv_add_rmsnorm_f32", "ppppif", dependent_launch=True)
@@ -71,8 +72,8 @@ def add_rmsnorm_prep(device: Device, x: DeviceArray, residual: DeviceArray | Non
     tensor-core GEMV that reads them (``prepared = gemv.prepared_x()``; then
     ``gemv.run_prepared(w, out)``): the bytes ``gemv.prepare(y)`` writes, one launch
     instead of two. ``y`` may be ``None`` (not written); ``dim % 256 == 0``."""
-    rows, dim = _check_norm(x, residual, weight, y, 256)
-    check_prepared(prepared, rows, dim)
+    rows, dim = _check_norm(device, x, residual, weight, y, 256)
+    check_prepared(prepared, rows, dim, device)
     if rows == 0:
         return
     k = device.kernel(SOURCE, "pkv_add_rmsnorm_prep_f32", "ppppppifiii", dependent_launch=True)
@@ -89,17 +90,17 @@ def qkv_rope_split(device: Device, qkv: DeviceArray, positions: DeviceArray, q: 
     head_dim]``, rotating q and k by RoPE at ``positions`` (``int32[rows]``): dims ``i`` and
     ``i + head_dim/2`` by ``pos · theta^(-2i/head_dim)`` (Llama's rotate-half)."""
     heads = q_heads + 2 * kv_heads
-    need_array(qkv, "qkv", np.float32, 2)
+    need_array(qkv, "qkv", np.float32, 2, device=device)
     rows = qkv.shape[0]
     if head_dim % 2 or qkv.shape[1] != heads * head_dim:
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected (rows, {heads * head_dim}) for "
                               f"{q_heads} + 2 x {kv_heads} heads of an even head_dim {head_dim}")
-    need_array(positions, "positions", np.int32, 1)
+    need_array(positions, "positions", np.int32, 1, device=device)
     if positions.shape != (rows,):
         raise InvalidArgument(f"positions: shape {positions.shape}, expected ({rows},)")
-    _shape(q, "q", (rows, q_heads, head_dim), writable=True)
-    _shape(k, "k", (rows, kv_heads, head_dim), writable=True)
-    _shape(v, "v", (rows, kv_heads, head_dim), writable=True)
+    _shape(q, "q", (rows, q_heads, head_dim), writable=True, device=device)
+    _shape(k, "k", (rows, kv_heads, head_dim), writable=True, device=device)
+    _shape(v, "v", (rows, kv_heads, head_dim), writable=True, device=device)
     n = rows * heads * head_dim // 2
     if n == 0:
         return
@@ -112,7 +113,7 @@ def silu_mul(device: Device, gate_up: DeviceArray, out: DeviceArray, *,
              stream: StreamLike = None) -> None:
     """``out = silu(gate) · up`` for ``gate_up`` ``float32[rows, 2·ffn]`` packed ``[gate |
     up]``; ``out`` ``float32[rows, ffn]``."""
-    rows, ffn = _check_gate_up(gate_up, out, 1)
+    rows, ffn = _check_gate_up(device, gate_up, out, 1)
     n = rows * ffn
     if n == 0:
         return
@@ -121,15 +122,15 @@ def silu_mul(device: Device, gate_up: DeviceArray, out: DeviceArray, *,
          ffn, stream=stream)
 
 
-def _check_gate_up(gate_up: DeviceArray, out: DeviceArray | None,
+def _check_gate_up(device: Device, gate_up: DeviceArray, out: DeviceArray | None,
                    multiple: int) -> tuple[int, int]:
-    need_array(gate_up, "gate_up", np.float32, 2)
+    need_array(gate_up, "gate_up", np.float32, 2, device=device)
     rows, two_ffn = gate_up.shape
     if two_ffn % (2 * multiple):
         raise InvalidArgument(f"gate_up: {two_ffn} columns, expected an even 2 x ffn"
                               + (f" with ffn a multiple of {multiple}" if multiple > 1 else ""))
     if out is not None:
-        _shape(out, "out", (rows, two_ffn // 2), writable=True)
+        _shape(out, "out", (rows, two_ffn // 2), writable=True, device=device)
     return rows, two_ffn // 2
 
 
@@ -139,8 +140,8 @@ def silu_mul_prep(device: Device, gate_up: DeviceArray, out: DeviceArray | None,
     projection's tensor-core GEMV (``prepared = gemv.prepared_x()``): the bytes
     ``gemv.prepare(out)`` writes, one launch instead of two. ``out`` may be ``None``
     (not written); ``ffn % 256 == 0``."""
-    rows, ffn = _check_gate_up(gate_up, out, 256)
-    check_prepared(prepared, rows, ffn)
+    rows, ffn = _check_gate_up(device, gate_up, out, 256)
+    check_prepared(prepared, rows, ffn, device)
     warps = rows * ffn // 256
     if warps == 0:
         return

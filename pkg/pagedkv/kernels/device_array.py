@@ -13,7 +13,7 @@ from pagedkv.errors import InvalidArgument, InvalidArgumentType
 if TYPE_CHECKING:
     from pagedkv.kernels.device import Device
 
-__all__ = ["DeviceArray", "need_array", "need_device_array", "need_writable"]
+__all__ = ["DeviceArray", "need_array", "need_device_array", "need_on_device", "need_writable"]
 
 
 class DeviceArray:
@@ -196,21 +196,40 @@ def _freed(arr: DeviceArray) -> str:
             "(DeviceArray.empty / from_numpy)")
 
 
-def need_device_array(arr, name: str) -> None:
-    """A DeviceArray that still has its memory: a freed one is refused here, naming the
-    argument, not by the launch that packs it (after a launcher's earlier launches ran)."""
+def need_on_device(obj, name: str, device, owner: str = "the launch",
+                   fix: str | None = None) -> None:
+    """``InvalidArgument`` unless ``obj`` (argument ``name``: a DeviceArray, tables, a
+    PagedAttention, anything with a ``device``; anything else is left to the type checks) is
+    on ``device``'s GPU, the one ``owner`` launches on (another Device object of the same
+    ``(backend, ordinal)`` is taken): a kernel launched there would read the other GPU's
+    addresses. ``device`` ``None``: no check. The one device check of every launcher."""
+    there = getattr(obj, "device", None)
+    if device is None or there is None or there is device or (
+            getattr(there, "backend", None), getattr(there, "ordinal", None)) == (
+                getattr(device, "backend", None), getattr(device, "ordinal", None)):
+        return
+    raise InvalidArgument(f"{name}: on {there!r}, {owner} on {device!r}; make it on {owner}'s "
+                          f"device" + (f" ({fix})" if fix else ""))
+
+
+def need_device_array(arr, name: str, device=None) -> None:
+    """A DeviceArray that still has its memory (and, when ``device`` is given, on its GPU:
+    :func:`need_on_device`): a freed one is refused here, naming the argument, not by the
+    launch that packs it (after a launcher's earlier launches ran)."""
     if not isinstance(arr, DeviceArray):
         raise InvalidArgumentType(f"{name}: expected a DeviceArray, got {type(arr).__name__}")
     if not arr.ptr and arr.nbytes:
         raise InvalidArgument(f"{name}: {_freed(arr)}")
+    need_on_device(arr, name, device)
 
 
-def need_writable(arr, name: str) -> None:
+def need_writable(arr, name: str, device=None) -> None:
     """A launcher's check of an array it writes (an output, a pool): a live (not freed)
-    DeviceArray that is not :attr:`DeviceArray.readonly` (``InvalidArgument`` naming it; ``InvalidArgumentType``
-    for anything but a DeviceArray). A read-only import is the producer's promise to its
-    other readers (a torch inference tensor, a JAX array) that nobody writes it."""
-    need_device_array(arr, name)
+    DeviceArray (on ``device`` when given) that is not :attr:`DeviceArray.readonly`
+    (``InvalidArgument`` naming it; ``InvalidArgumentType`` for anything but a DeviceArray).
+    A read-only import is the producer's promise to its other readers (a torch inference
+    tensor, a JAX array) that nobody writes it."""
+    need_device_array(arr, name, device)
     if arr.readonly:
         raise InvalidArgument(f"{name}: {arr!r} was imported read-only (its producer's DLPack "
                               "read-only flag or __cuda_array_interface__ data[1]); pass a "
@@ -218,11 +237,12 @@ def need_writable(arr, name: str) -> None:
 
 
 def need_array(arr, name: str, dtype, ndim: int | None = None, *,
-               writable: bool = False) -> None:
+               writable: bool = False, device=None) -> None:
     """A launcher's check of argument ``name``: a live DeviceArray of ``dtype`` (and ``ndim``
-    dimensions when given; not read-only when ``writable``: :func:`need_writable`);
-    ``InvalidArgumentType`` / ``InvalidArgument`` naming it."""
-    (need_writable if writable else need_device_array)(arr, name)
+    dimensions when given; not read-only when ``writable``: :func:`need_writable`; on the
+    launch's ``device`` when given: :func:`need_on_device`); ``InvalidArgumentType`` /
+    ``InvalidArgument`` naming it."""
+    (need_writable if writable else need_device_array)(arr, name, device)
     if arr.dtype != np.dtype(dtype):
         raise InvalidArgument(f"{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
     if ndim is not None and arr.ndim != ndim:

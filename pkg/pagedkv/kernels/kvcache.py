@@ -207,19 +207,21 @@ def kv_dtype_of(pool: DeviceArray) -> str:
 
 
 def check_kv_rows(rows: DeviceArray, name: str, slots: DeviceArray, pool: DeviceArray,
-             mode: str = "q8", *, into_pool: bool) -> tuple[int, int, int]:
+                  mode: str = "q8", *, into_pool: bool,
+                  device: Device | None = None) -> tuple[int, int, int]:
     """Check the arguments shared by the KV writes and the q8 read: ``rows`` (``src`` or
     ``out``, ``float32``/``float16[n, kv_heads, head_dim]``), one ``int64`` slot per token,
     and a ``uint8`` pool of ``mode``'s records at that geometry; the side written (the
-    pool ``into_pool``, else ``rows``) not read-only. Returns ``(n, kv_heads, head_dim)``.
-    Launches nothing: a launcher of several writes checks every one first."""
-    need_writable(*((pool, "pool") if into_pool else (rows, name)))
-    need_device_array(rows, name)
+    pool ``into_pool``, else ``rows``) not read-only; all three on ``device`` when given
+    (the launch's). Returns ``(n, kv_heads, head_dim)``. Launches nothing: a launcher of
+    several writes checks every one first."""
+    need_writable(*((pool, "pool") if into_pool else (rows, name)), device)
+    need_device_array(rows, name, device)
     if rows.dtype not in (np.dtype(np.float32), np.dtype(np.float16)) or rows.ndim != 3:
         raise InvalidArgument(f"{name}: {rows.dtype}{list(rows.shape)}, expected float32 or "
                               f"float16 [n, kv_heads, head_dim]")
-    need_array(slots, "slots", np.int64, 1)
-    need_array(pool, "pool", np.uint8)
+    need_array(slots, "slots", np.int64, 1, device=device)
+    need_array(pool, "pool", np.uint8, device=device)
     n, kvh, hd = rows.shape
     if mode == "q8":
         if hd % kv_q8.BLOCK_VALUES:
@@ -242,7 +244,7 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = check_kv_rows(src, "src", slots, pool, into_pool=True)
+    n, kvh, hd = check_kv_rows(src, "src", slots, pool, into_pool=True, device=device)
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -255,7 +257,7 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = check_kv_rows(out, "out", slots, pool, into_pool=False)
+    n, kvh, hd = check_kv_rows(out, "out", slots, pool, into_pool=False, device=device)
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
@@ -279,7 +281,7 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     if not m.rotated:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
                               f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
-    n, kvh, hd = check_kv_rows(src, "src", slots, pool, mode, into_pool=True)
+    n, kvh, hd = check_kv_rows(src, "src", slots, pool, mode, into_pool=True, device=device)
     if n == 0:
         return
     name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
@@ -587,7 +589,7 @@ class PagedAttention:
         partition kernel to run."""
         partition = self._partition
         s, h, d = self.num_seqs, self.num_heads, self.head_dim
-        need_array(q, "q", np.float32, 3)
+        need_array(q, "q", np.float32, 3, device=self.device)
         if q.shape != (s, h, d):
             raise InvalidArgument(f"q: shape {q.shape}, expected {(s, h, d)}")
         self._check_reduce(seq_lens, out)
@@ -595,6 +597,7 @@ class PagedAttention:
         for name, pool, row in (("k_pool", k_pool, self.k_row), ("v_pool", v_pool, self.v_row)):
             if not isinstance(pool, DeviceArray) or kv_dtype_of(pool) != storage:
                 raise InvalidArgument(f"{name}: expected a {self.kv_dtype} pool DeviceArray")
+            need_device_array(pool, name, self.device)
             if pool.ndim != 4 or pool.shape[1:] != (self.block_size, self.kv_heads, row):
                 raise InvalidArgument(f"{name}: shape {pool.shape}, expected [num_blocks, "
                                       f"{self.block_size}, {self.kv_heads}, {row}]")
@@ -606,7 +609,7 @@ class PagedAttention:
         if k_pool.shape[0] != v_pool.shape[0]:  # a table's ids index both
             raise InvalidArgument(f"v_pool: {v_pool.shape[0]} blocks, k_pool {k_pool.shape[0]}: "
                                   "the two pools of a layer hold the same blocks")
-        need_array(block_tables, "block_tables", np.int32, 2)
+        need_array(block_tables, "block_tables", np.int32, 2, device=self.device)
         if block_tables.shape[0] != s:
             raise InvalidArgument(f"block_tables: {block_tables.shape[0]} rows, expected {s}")
         return partition
@@ -660,16 +663,16 @@ class PagedAttention:
                 f"{self!r}: no fused reduce + prep here (a rotated V's reduce, or num_heads * "
                 f"head_dim {self.num_heads * self.head_dim} not a multiple of 256); call "
                 f"run(...) then Gemv.prepare(out)")
-        check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim)
+        check_prepared(prepared, self.num_seqs, self.num_heads * self.head_dim, self.device)
 
     def _check_reduce(self, seq_lens: DeviceArray, out: DeviceArray | None) -> None:
         """The reduce's own arguments (``out`` None: :meth:`reduce_prep` without one)."""
-        need_array(seq_lens, "seq_lens", np.int32, 1)
+        need_array(seq_lens, "seq_lens", np.int32, 1, device=self.device)
         if seq_lens.shape[0] != self.num_seqs:
             raise InvalidArgument(f"seq_lens: {seq_lens.shape[0]} rows, expected "
                                   f"{self.num_seqs}")
         if out is not None:
-            need_array(out, "out", np.float32, 3, writable=True)
+            need_array(out, "out", np.float32, 3, writable=True, device=self.device)
             want = (self.num_seqs, self.num_heads, self.head_dim)
             if out.shape != want:
                 raise InvalidArgument(f"out: shape {out.shape}, expected {want}")
@@ -739,14 +742,15 @@ def copy_blocks(device: Device, src: DeviceArray, src_ids: DeviceArray, dst_ids:
     """Copy block ``src_ids[i]`` of ``src`` to block ``dst_ids[i]`` of ``dst`` (axis 0 is the
     block; both arrays have the same bytes per block): pool growth, cold capture (pool →
     staging) and restore (staging → pool)."""
-    need_array(src_ids, "src_ids", np.int32, 1)
-    need_array(dst_ids, "dst_ids", np.int32, 1)
+    need_array(src_ids, "src_ids", np.int32, 1, device=device)
+    need_array(dst_ids, "dst_ids", np.int32, 1, device=device)
     if src_ids.shape != dst_ids.shape:
         raise InvalidArgument(f"src_ids/dst_ids: lengths {src_ids.shape[0]} and "
                               f"{dst_ids.shape[0]} differ")
     if not isinstance(src, DeviceArray) or not isinstance(dst, DeviceArray):
         raise InvalidArgumentType("src, dst: expected DeviceArrays")
-    need_writable(dst, "dst")
+    need_device_array(src, "src", device)
+    need_writable(dst, "dst", device)
     if src.ndim < 1 or dst.ndim < 1 or src.shape[0] == 0 or dst.shape[0] == 0:
         raise InvalidArgument(f"src/dst: shapes {src.shape}/{dst.shape} need blocks on axis 0")
     block_bytes = src.nbytes // src.shape[0]

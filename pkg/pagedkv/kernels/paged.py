@@ -22,7 +22,7 @@ import numpy as np
 from pagedkv.argument_checks import is_int
 from pagedkv.errors import InvalidArgument, InvalidArgumentType, StaleBlockTable
 from pagedkv.kernels.device import Device, StreamLike
-from pagedkv.kernels.device_array import DeviceArray, need_array
+from pagedkv.kernels.device_array import DeviceArray, need_array, need_on_device
 from pagedkv.kernels.kvcache import (
     PagedAttention,
     check_decode_batch,
@@ -147,13 +147,7 @@ def _on_pool_device(pool, name: str, obj) -> None:
     """``InvalidArgument`` unless ``obj`` (argument ``name``: tables, a PagedAttention or a
     DeviceArray; anything else is left to the type checks) is on the pool's GPU: the kernels
     launch on the pool's device and would read the other GPU's addresses there."""
-    device, here = getattr(obj, "device", None), pool.device
-    if device is None or device is here or (getattr(device, "backend", None),
-                                            getattr(device, "ordinal", None)) == (
-                                                here.backend, here.ordinal):
-        return
-    raise InvalidArgument(f"{name}: on {device!r}, the pool on {here!r}; make it on the pool's "
-                          f"device (pool.device)")
+    need_on_device(obj, name, pool.device, "the pool", "pool.device")
 
 
 def check_tables(pool, tables: DeviceDecodeBatch, generation: int | None = None) -> None:
@@ -258,6 +252,8 @@ def qkv_rope_write_kv(pool, layer: int, qkv: DeviceArray, q: DeviceArray,
         raise InvalidArgument(f"pool: {g.dtype} (head_dim {g.head_dim}) has no fused RoPE + KV "
                               f"write; use decode.qkv_rope_split then write_kv")
     rows, heads = tables.num_seqs, q_heads + 2 * g.num_kv_heads
+    for name, arr in (("qkv", qkv), ("q", q)):
+        _on_pool_device(pool, name, arr)
     need_array(qkv, "qkv", np.float32)
     if qkv.shape != (rows, heads * g.head_dim):
         raise InvalidArgument(f"qkv: shape {qkv.shape}, expected {(rows, heads * g.head_dim)}")
@@ -331,6 +327,8 @@ def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: 
     if pool.geometry.dtype != "q8":
         raise InvalidArgument(f"pool dtype {pool.geometry.dtype}: read_kv_q8 needs a q8 pool")
     k_pool, v_pool = pool.layer(layer)
+    for name, arr in (("slots", slots), ("k_out", k_out), ("v_out", v_out)):
+        _on_pool_device(pool, name, arr)
     for name, out, side_pool in (("k_out", k_out, k_pool), ("v_out", v_out, v_pool)):
         check_kv_rows(out, name, slots, side_pool, into_pool=False)  # both before either launch
     kv_q8_read(pool.device, k_pool, slots, k_out, stream=stream)
@@ -347,6 +345,7 @@ def copy_pool_blocks(pool, src_ids, dst_ids, *, generation: int,
     hosts = {}
     for name, arr in (("src_ids", src_ids), ("dst_ids", dst_ids)):
         if isinstance(arr, DeviceArray):
+            _on_pool_device(pool, name, arr)
             continue
         host = np.asarray(arr)
         if host.dtype.kind not in "iu" or host.ndim != 1:

@@ -24,7 +24,7 @@ from pagedkv.argument_checks import is_int
 from pagedkv.env_knobs import env_bool
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.device import Device, Stream, amd_matrix_unit, sm_version
-from pagedkv.kernels.device_array import DeviceArray, need_array, need_writable
+from pagedkv.kernels.device_array import DeviceArray, need_array, need_on_device, need_writable
 from pagedkv.kernels.launch_constants import gemv_rows_per_block, launch_constant
 from pagedkv.quant.qtypes import qtype
 
@@ -179,8 +179,8 @@ def raw_nbytes(fmt: str | int, numel: int, k: int | None = None) -> int:
     return math.ceil(numel / f.group_size) * f.group_bytes
 
 
-def _raw(raw, fmt: _WeightFormat, numel: int, k: int | None = None) -> None:
-    need_array(raw, "raw", np.uint8)
+def _raw(raw, fmt: _WeightFormat, numel: int, k: int | None = None, device=None) -> None:
+    need_array(raw, "raw", np.uint8, device=device)
     want = raw_nbytes(fmt.name, numel, k)
     if raw.nbytes != want:
         raise InvalidArgument(f"raw: {raw.nbytes} bytes, {fmt.name} of {numel} weights takes "
@@ -196,12 +196,12 @@ def dequantize(device: Device, raw: DeviceArray, fmt: str | int, out: DeviceArra
     length K from ``out.shape[-1]``, GL needs whole 256-groups). Every kernel writes the
     stored basis."""
     f = _format(fmt, dequant=True)
-    need_writable(out, "out")
+    need_writable(out, "out", device)
     if out.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise InvalidArgument(f"out: dtype {out.dtype}, expected float32 or float16")
     n = out.size
     row_k = out.shape[-1] if out.shape else 1
-    _raw(raw, f, n, row_k)
+    _raw(raw, f, n, row_k, device)
     if n == 0:
         return
     suffix = "f32" if out.dtype == np.float32 else "f16"
@@ -219,8 +219,8 @@ def fwht256(device: Device, x: DeviceArray, out: DeviceArray,
             *, stream: Stream | None = None) -> None:
     """``out`` = FWHT-256 of each 256-segment of ``x`` (``float32``, size a multiple of 256;
     ``out`` may be ``x``). Bit-exact with ``pagedkv.quant.fwht256``."""
-    need_array(x, "x", np.float32)
-    need_array(out, "out", np.float32, writable=True)
+    need_array(x, "x", np.float32, device=device)
+    need_array(out, "out", np.float32, writable=True, device=device)
     if x.size % 256 or out.size != x.size:
         raise InvalidArgument(f"x/out: sizes {x.size}/{out.size}, expected equal multiples "
                               f"of 256")
@@ -247,12 +247,14 @@ class PreparedX(NamedTuple):
     K: int
 
 
-def check_prepared(prepared: PreparedX, rows: int, k: int) -> None:
+def check_prepared(prepared: PreparedX, rows: int, k: int, device: Device | None = None) -> None:
     """A fused producer's check that ``prepared`` is a :class:`PreparedX` for its ``rows``
-    rows of ``k`` values (``InvalidArgument`` otherwise)."""
+    rows of ``k`` values, of a Gemv on ``device`` when given (``InvalidArgument``
+    otherwise)."""
     if not isinstance(prepared, PreparedX):
         raise InvalidArgument(f"prepared: expected Gemv.prepared_x()'s PreparedX, got "
                               f"{type(prepared).__name__}")
+    need_on_device(prepared.xq, "prepared", device)
     if (prepared.batch, prepared.K) != (rows, k):
         raise InvalidArgument(f"prepared: a Gemv of batch {prepared.batch} and K {prepared.K}; "
                               f"x has {rows} rows of {k}")
@@ -531,7 +533,7 @@ class Gemv:
                            self.packed)
 
     def _check_x(self, x: DeviceArray) -> None:
-        need_array(x, "x", np.float32)
+        need_array(x, "x", np.float32, device=self.device)
         if x.shape != (self.batch, self.K):
             raise InvalidArgument(f"x: shape {x.shape}, expected {(self.batch, self.K)}")
         x.live_ptr()  # a freed x: InvalidArgument here, not after an earlier launch
@@ -543,7 +545,7 @@ class Gemv:
                 raise InvalidArgument(f"w: {w!r} was uploaded for another GEMV; this one is "
                                       f"{self!r}")
             arr = w.array
-            need_array(arr, "w", np.uint8)
+            need_array(arr, "w", np.uint8, device=self.device)
             if arr.nbytes != self.weight_bytes:
                 raise InvalidArgument(f"w: {arr.nbytes} bytes, expected {self.weight_bytes}")
             if arr.ptr % 16:
@@ -554,8 +556,8 @@ class Gemv:
                                   "Gemv.upload(raw) (the rows packed in 16-row tiles once)")
         else:
             arr = w
-            _raw(arr, self.fmt, self.M * self.K)
-        need_array(y, "y", np.float32, writable=True)
+            _raw(arr, self.fmt, self.M * self.K, device=self.device)
+        need_array(y, "y", np.float32, writable=True, device=self.device)
         if y.shape != (self.batch, self.M):
             raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
         arr.live_ptr()  # freed arrays: InvalidArgument here, before the prep launches
