@@ -172,6 +172,46 @@ def test_step_refuses_a_sequence_past_max_seq_len_before_launching(stub_device, 
     pool.close()
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_step_checks_every_input_before_the_first_launch(stub_device, stub_recorder,
+                                                         monkeypatch, fuse):
+    """A freed (or other-GPU) weight, norm or output is refused before the step's first launch:
+    each launcher checked its own arrays only, so after weights.free() the first norm (x +=
+    residual) launched before the QKV GEMV refused its freed weights, and a bad layer-1 or
+    final norm came after whole layers had written the pool."""
+    import copy
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    dev = stub_device
+    other = copy.copy(dev)
+    other.ordinal = 1
+    weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
+    pool, tables = _step_parts(dev, "float16", 2)
+    step = DecoderStep(dev, weights, pool, 2, 64, fuse=fuse)
+    step.x.copy_from(RNG.standard_normal((2, SMALL.d_model)).astype(np.float32))
+    x, blocks = step.x.to_numpy(), [pool.read_block(b) for b in range(pool.num_blocks)]
+    qkv_shape = weights.layers[0]["qkv"].array.shape
+    freed = "was freed; allocate a new one (DeviceArray.empty / from_numpy)"
+    count = stub_recorder.count
+    weights.final_norm = other.array(np.ones(SMALL.d_model, np.float32))
+    with pytest.raises(InvalidArgument) as err:
+        step.run(tables)
+    assert str(err.value) == (f"final_norm: weight: on {other!r}, the launch on {dev!r}; make it "
+                              f"on the launch's device")
+    weights.ffn_norm[1].free()
+    with pytest.raises(InvalidArgument) as err:
+        step.run(tables)
+    assert str(err.value) == (f"layer 1 ffn_norm: weight: DeviceArray(shape=({SMALL.d_model},), "
+                              f"dtype=float32) {freed}")
+    weights.free()
+    with pytest.raises(InvalidArgument) as err:
+        step.run(tables)
+    assert str(err.value) == f"layer 0 qkv: w: DeviceArray(shape={qkv_shape}, dtype=uint8) {freed}"
+    assert stub_recorder.count == count  # nothing launched
+    assert np.array_equal(step.x.to_numpy(), x)
+    assert all(np.array_equal(pool.read_block(b), blocks[b]) for b in range(pool.num_blocks))
+    pool.close()
+
+
 def test_decoder_weights_check_the_host_weights_before_uploading(stub_device, monkeypatch):
     """A host missing a layer, a matrix, bytes of a projection or a norm of the right shape
     is refused naming it before anything is allocated; a missing layer used to upload and

@@ -41,6 +41,7 @@ from pagedkv.argument_checks import int_argument
 from pagedkv.env_knobs import env_bool, env_u32
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
 from pagedkv.kernels.decode import (
+    _check_norm,
     add_rmsnorm,
     add_rmsnorm_prep,
     qkv_rope_split,
@@ -48,7 +49,7 @@ from pagedkv.kernels.decode import (
     silu_mul_prep,
 )
 from pagedkv.kernels.device import Device, StreamLike
-from pagedkv.kernels.device_array import DeviceArray
+from pagedkv.kernels.device_array import DeviceArray, need_array
 from pagedkv.kernels.kvcache import PagedAttention, attention_group_slots
 from pagedkv.kernels.paged import (
     DeviceDecodeBatch,
@@ -323,6 +324,12 @@ class _Projection:
         self.chunks = [(lo, min(batch, lo + rows)) for lo in range(0, batch, rows)]
         self.gemvs = {n: Gemv(device, fmt, m, k, n) for n in {hi - lo for lo, hi in self.chunks}}
 
+    def check(self, w: GemvWeights, y: DeviceArray) -> None:
+        """Each chunk's GEMV checks of ``w`` and ``y`` (:meth:`Gemv.run_prepared`'s), no
+        launch."""
+        for lo, hi in self.chunks:
+            self.gemvs[hi - lo]._check_wy(w, y.rows(lo, hi))
+
     def __call__(self, w: GemvWeights, x: DeviceArray, y: DeviceArray, stream) -> None:
         for lo, hi in self.chunks:
             self.gemvs[hi - lo].run(w, x.rows(lo, hi), y.rows(lo, hi), stream=stream)
@@ -428,11 +435,11 @@ class DecoderStep:
         """One step; ``tables`` must be of the pool's generation (``StaleBlockTable``
         before the first launch otherwise), of ``batch`` sequences, none longer than the
         step's ``max_seq_len`` allows (``InvalidArgument`` before the first launch: the
-        pool is not written)."""
-        check_attention(self.attn, self.pool, tables)
-        if tables.num_seqs != self.batch:
-            raise InvalidArgument(f"tables: {tables.num_seqs} sequences, the step was built "
-                                  f"for {self.batch}")
+        pool is not written); every input (:attr:`x`, the weights, the outputs) is checked
+        before the first launch too (``InvalidArgument`` naming it, e.g. ``layer 0 qkv: w:
+        DeviceArray(...) was freed; ...`` after ``weights.free()``), so a refused step
+        launches nothing and leaves the pool and :attr:`x` as they were."""
+        self._check(tables)
         s, w = self.shape, self.weights
         for layer in range(s.num_layers):
             lw = w.layers[layer]
@@ -467,6 +474,32 @@ class DecoderStep:
                 silu_mul(self.device, self._gu, self._act, stream=stream)
                 self._proj["down"](lw["down"], self._act, self._down, stream)
         self._norm_project("lm_head", w.lm_head, self._down, w.final_norm, self.logits, stream)
+
+    def _check(self, tables: DeviceDecodeBatch) -> None:
+        """:meth:`run`'s checks, nothing launched: the tables, then each launch's own checks
+        of the arrays it takes, prefixed with the layer and part (``layer 1 ffn_norm: ...``)."""
+        check_attention(self.attn, self.pool, tables)
+        if tables.num_seqs != self.batch:
+            raise InvalidArgument(f"tables: {tables.num_seqs} sequences, the step was built "
+                                  f"for {self.batch}")
+        w, dev = self.weights, self.device
+        for name in ("x", "q", "k", "v", "logits"):  # what a caller reaches: x in, outputs
+            need_array(getattr(self, name), name, np.float32, writable=True, device=dev)
+
+        def named(where: str, check, *args) -> None:
+            try:
+                check(*args)
+            except (InvalidArgument, InvalidArgumentType) as err:
+                raise type(err)(f"{where}: {err}") from None
+
+        for i, lw in enumerate(w.layers):
+            for part, norm in (("attn_norm", w.attn_norm[i]), ("ffn_norm", w.ffn_norm[i])):
+                named(f"layer {i} {part}", _check_norm, dev, self.x, None, norm, None, 1)
+            for m, y in (("qkv", self._qkv), ("o", self._o), ("gate_up", self._gu),
+                         ("down", self._down)):
+                named(f"layer {i} {m}", self._proj[m].check, lw[m], y)
+        named("final_norm", _check_norm, dev, self.x, None, w.final_norm, None, 1)
+        named("lm_head", self._proj["lm_head"].check, w.lm_head, self.logits)
 
     def _norm_project(self, name: str, weight: GemvWeights, residual: DeviceArray | None,
                       norm: DeviceArray, out: DeviceArray, stream: StreamLike) -> None:
