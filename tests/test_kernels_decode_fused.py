@@ -172,6 +172,20 @@ def test_step_refuses_a_sequence_past_max_seq_len_before_launching(stub_device, 
     pool.close()
 
 
+def _stub_step_and_another_gpu(dev, monkeypatch, fuse: bool):
+    """``(other, weights, pool, tables, step)``: a batch-2 step on the stub with random x,
+    and a copy of its device with ordinal 1 (another GPU to the checks)."""
+    import copy
+    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
+    other = copy.copy(dev)
+    other.ordinal = 1
+    weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
+    pool, tables = _step_parts(dev, "float16", 2)
+    step = DecoderStep(dev, weights, pool, 2, 64, fuse=fuse)
+    step.x.copy_from(RNG.standard_normal((2, SMALL.d_model)).astype(np.float32))
+    return other, weights, pool, tables, step
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_step_checks_every_input_before_the_first_launch(stub_device, stub_recorder,
                                                          monkeypatch, fuse):
@@ -179,15 +193,8 @@ def test_step_checks_every_input_before_the_first_launch(stub_device, stub_recor
     each launcher checked its own arrays only, so after weights.free() the first norm (x +=
     residual) launched before the QKV GEMV refused its freed weights, and a bad layer-1 or
     final norm came after whole layers had written the pool."""
-    import copy
-    monkeypatch.setenv("PAGEDKV_GEMV_MFMA", "1")
     dev = stub_device
-    other = copy.copy(dev)
-    other.ordinal = 1
-    weights = DecoderWeights(dev, DecoderHostWeights.tiled(SMALL, "hfq4g256", 0))
-    pool, tables = _step_parts(dev, "float16", 2)
-    step = DecoderStep(dev, weights, pool, 2, 64, fuse=fuse)
-    step.x.copy_from(RNG.standard_normal((2, SMALL.d_model)).astype(np.float32))
+    other, weights, pool, tables, step = _stub_step_and_another_gpu(dev, monkeypatch, fuse)
     x, blocks = step.x.to_numpy(), [pool.read_block(b) for b in range(pool.num_blocks)]
     qkv_shape = weights.layers[0]["qkv"].array.shape
     freed = "was freed; allocate a new one (DeviceArray.empty / from_numpy)"
@@ -206,6 +213,39 @@ def test_step_checks_every_input_before_the_first_launch(stub_device, stub_recor
     with pytest.raises(InvalidArgument) as err:
         step.run(tables)
     assert str(err.value) == f"layer 0 qkv: w: DeviceArray(shape={qkv_shape}, dtype=uint8) {freed}"
+    assert stub_recorder.count == count  # nothing launched
+    assert np.array_equal(step.x.to_numpy(), x)
+    assert all(np.array_equal(pool.read_block(b), blocks[b]) for b in range(pool.num_blocks))
+    pool.close()
+
+
+def test_a_step_that_passed_its_checks_still_refuses_a_weight_freed_or_swapped_since(
+        stub_device, stub_recorder, monkeypatch):
+    """run skips the full weight checks (~45 us a layer of host time) while its weights are
+    the parts that passed them last time and none is freed: a weight freed after a good step,
+    or a part swapped for one of another GPU, is still refused before the first launch."""
+    dev = stub_device
+    other, weights, pool, tables, step = _stub_step_and_another_gpu(dev, monkeypatch, True)
+    step.run(tables)
+    assert step._passed  # the fast path is armed
+    step.run(tables)
+    x, blocks = step.x.to_numpy(), [pool.read_block(b) for b in range(pool.num_blocks)]
+    count = stub_recorder.count
+    weights.attn_norm[1] = other.array(np.ones(SMALL.d_model, np.float32))
+    with pytest.raises(InvalidArgument) as err:
+        step.run(tables)
+    assert str(err.value) == (f"layer 1 attn_norm: weight: on {other!r}, the launch on "
+                              f"{dev!r}; make it on the launch's device")
+    weights.attn_norm[1] = dev.array(np.ones(SMALL.d_model, np.float32))
+    step.run(tables)  # a good part again: passes and re-arms
+    x, blocks = step.x.to_numpy(), [pool.read_block(b) for b in range(pool.num_blocks)]
+    count = stub_recorder.count
+    down_shape = weights.layers[1]["down"].array.shape
+    weights.layers[1]["down"].array.free()
+    with pytest.raises(InvalidArgument) as err:
+        step.run(tables)
+    assert str(err.value) == (f"layer 1 down: w: DeviceArray(shape={down_shape}, dtype=uint8) "
+                              "was freed; allocate a new one (DeviceArray.empty / from_numpy)")
     assert stub_recorder.count == count  # nothing launched
     assert np.array_equal(step.x.to_numpy(), x)
     assert all(np.array_equal(pool.read_block(b), blocks[b]) for b in range(pool.num_blocks))
