@@ -129,13 +129,17 @@ def test_kv_q8_quantize_and_read(emu):
 
 def test_kv_q8_quantize_stores_a_nan_scale_for_a_record_with_a_nan(emu):
     # kvquant.h's pkv_kvq8_amax: a NaN wins the record max, so the record's scale is the
-    # quiet NaN 0x7E00 and its finite values' codes 0, as the NumPy reference stores them
+    # quiet NaN 0x7E00 (pkv_kvq8_scale_bits, whatever the NaN's payload) and its finite
+    # values' codes 0, as the NumPy reference stores them
     # (simd_max dropped the NaN: a finite scale under which the record decoded as if whole).
     # The NaN value's own code is not specified (its record decodes to NaN either way).
     rng, seed = fresh_rng()
     v32 = (rng.standard_normal((3, 2, 64)) * 3).astype(np.float32)
-    nans = [(0, 1, 7), (2, 0, 40), (2, 0, 41)]
+    nans = [(0, 1, 7), (2, 0, 40), (2, 0, 41), (1, 0, 5), (1, 1, 33)]
     v32[0, 1, 7], v32[2, 0, 40], v32[2, 0, 41] = np.nan, -np.nan, np.float32("nan")
+    # NaNs with other payloads: NVIDIA's canonical 0x7FFFFFFF (a CUDA writer's amax / 127
+    # of any NaN; pkv_f16_rne kept its payload as 0x7FFF) and a negative one
+    v32.view(np.uint32)[1, 0, 5], v32.view(np.uint32)[1, 1, 33] = 0x7FFFFFFF, 0xFFE00001
 
     def calls(run):
         return (metal.kv_q8_quantize(mx, mx.array(v32), run),)

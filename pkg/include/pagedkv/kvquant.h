@@ -39,7 +39,7 @@ PKV_FN float pkv_kvq8_scale(float amax) { return amax / 127.0f; }
  * the NaN, and the device writers stored a finite scale that decoded the record's other
  * values as if nothing were wrong. */
 PKV_FN float pkv_kvq8_amax(float a, float b) {
-  return a != a ? a : (b != b ? b : (a > b ? a : b));
+  return pkv_f32_is_nan(a) ? a : (pkv_f32_is_nan(b) ? b : (a > b ? a : b));
 }
 
 /* The factor the codes use: 127 / amax, 0 for an all-zero block and for one whose
@@ -54,8 +54,14 @@ PKV_FN float pkv_kvq8_inv_scale(float amax) {
 /* One code: v * (127/amax), half to even, clamped to [-127, 127]. */
 PKV_FN int32_t pkv_kvq8_code(float v, float inv_scale) { return pkv_round_q8_kv(v * inv_scale); }
 
-/* The stored scale field: f16 bits of d, round to nearest even. */
-PKV_FN uint32_t pkv_kvq8_scale_bits(float amax) { return pkv_f16_rne(pkv_kvq8_scale(amax)); }
+/* The stored scale field: f16 bits of d, round to nearest even; a NaN d (a record holding
+ * a NaN) is the quiet NaN 0x7E00 whatever its payload, as the NumPy and MLX writers store
+ * it. pkv_f16_rne keeps a NaN's payload, and NVIDIA's arithmetic turns every NaN into
+ * 0x7FFFFFFF, so the CUDA writers stored 0x7FFF (H200, 2026-12-07). */
+PKV_FN uint32_t pkv_kvq8_scale_bits(float amax) {
+  const float d = pkv_kvq8_scale(amax);
+  return pkv_f32_is_nan(d) ? 0x7E00u : pkv_f16_rne(d);
+}
 
 /* Decoded value from the widened f16 scale and a code. */
 PKV_FN float pkv_kvq8_value(float scale, int32_t code) { return scale * (float)code; }

@@ -103,6 +103,9 @@ PKV_FN void pkv_store_f32le(PKV_DEVPTR uint8_t *p, float x) { pkv_store_u32le(p,
  * (docs/contracts/hfqm-and-quant.md, '3.1 Arithmetic discipline'). */
 PKV_FN int pkv_f32_is_nonfinite(float x) { return (pkv_f32_bits(x) & 0x7F800000u) == 0x7F800000u; }
 
+/* True for NaN, by its bits: unlike x != x it survives a fast-math compile (Metal's default). */
+PKV_FN int pkv_f32_is_nan(float x) { return (pkv_f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+
 /* Index of the first NaN/Inf in x[0..n), or -1. The first pass is branch-free
  * (it vectorizes); only a group that holds one is scanned again. */
 PKV_FN ptrdiff_t pkv_first_nonfinite(const PKV_THREAD float *x, ptrdiff_t n) {
