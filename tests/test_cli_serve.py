@@ -47,3 +47,30 @@ def test_serve_refuses_a_missing_path(tmp_path):
     line = _serve_fails("./no/such/model")
     assert "is not a path here and could not be fetched as a Hugging Face repo id" in line
     assert "pass an mlx-lm model directory" in line
+
+
+def test_serve_refuses_a_cold_dir_that_cannot_hold_the_tier_before_listening(
+        tmp_path, monkeypatch, capsys):
+    # The paged cache (and its cold tier) was built by the first request: a --cold-dir that
+    # is a file started the server, then that request ended mlx-lm's generation thread with a
+    # traceback and every later request failed ("generation thread died").
+    from mlx_lm import server as mlx_server
+
+    from pagedkv.cli import main as cli_main
+    from pagedkv.integrations.mlx_lm.random_models import save_random_model
+
+    def listen(*args, **kwargs):
+        raise AssertionError("the server listened with an unusable --cold-dir")
+
+    monkeypatch.setattr(mlx_server, "_run_http_server", listen)
+    model = tmp_path / "model"
+    save_random_model(str(model), "qwen3", seed=0)
+    blocker = tmp_path / "cold"
+    blocker.write_text("")
+    assert cli_main(["serve", "--model", str(model), "--cold-dir", str(blocker),
+                     "--port", str(_free_port())]) == 1
+    assert capsys.readouterr().err == (
+        f"pagedkv serve: error: --cold-dir {str(blocker)!r} cannot hold the cold tier: File "
+        f"exists ({str(blocker)!r}); pass --cold-dir a directory you can write, or run "
+        "without it\n")
+    assert blocker.read_text() == ""

@@ -236,6 +236,24 @@ def _load_default_model(model_provider, model: str) -> None:
         raise InvalidArgument(f"{where}: {_one_line(exc)}; {fix}") from None
 
 
+def _open_cold_dir(prompt_cache: PagedServerPromptCache, model_key, cold_dir) -> None:
+    """Build the paged cache of the loaded ``--model`` now, so its cold tier opens before the
+    server listens, raising ``InvalidArgument`` with one line naming ``--cold-dir`` when it
+    cannot (a file in its place, no permission). Built lazily by the first request, the
+    failure ended mlx-lm's generation thread, and every request after it failed."""
+    shown = os.fspath(cold_dir)
+    try:
+        prompt_cache._paged_for(model_key)
+    except OSError as exc:
+        reason = exc.strerror or _one_line(exc)
+        where = f" ({exc.filename!r})" if exc.filename else ""
+        raise InvalidArgument(f"--cold-dir {shown!r} cannot hold the cold tier: {reason}"
+                              f"{where}; pass --cold-dir a directory you can write, or run "
+                              "without it") from None
+    except PagedKVError as exc:
+        raise InvalidArgument(f"--cold-dir {shown!r}: {_one_line(exc)}") from None
+
+
 def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int = 16,
                max_blocks: int | None = None, cold_dir=None,
                unbatched_sliding: bool = False) -> int:
@@ -269,6 +287,8 @@ def run_server(model: str, mlx_lm_args: Sequence[str] = (), *, block_size: int =
         prompt_cache = PagedServerPromptCache(model_provider, block_size=block_size,
                                               max_blocks=max_blocks, cold_dir=cold_dir)
         caches.append(prompt_cache)
+        if cold_dir is not None:
+            _open_cold_dir(prompt_cache, model_provider.model_key, cold_dir)
         generator = server.ResponseGenerator(model_provider, prompt_cache)
         kwargs = {k: v for k, v in (("server_class", server_class),
                                     ("handler_class", handler_class)) if v is not None}
