@@ -706,6 +706,25 @@ def test_bad_kv_input_changes_nothing(make):
     a.allocator.check_invariants()
 
 
+def test_ragged_tokens_are_refused_as_types_and_change_nothing(make):
+    # np.asarray of a ragged list raises a bare ValueError ("inhomogeneous shape"), which
+    # every call taking tokens let out; the allocator's own calls refuse it as a type.
+    a = make(16)
+    start(a, "s", range(8))
+    a.finalize_turn_keep_live("s")
+    a.reset_for_new_request("t")
+    before = state(a)
+    ragged = [[1, 2], [3]]
+    for call in (lambda: a.record_tokens("t", ragged),
+                 lambda: a.find_cached_prefix("t", ragged),
+                 lambda: a.continue_turn("s", ragged, 9),
+                 lambda: a.prepare_turn("s", ragged, total_tokens=9),
+                 lambda: a.restart_prepared_turn_cold("t", ragged, 3)):
+        with pytest.raises(InvalidArgumentType, match=r"1-D array-like of token ids .*inhomogeneous"):
+            call()
+        assert state(a) == before
+
+
 def test_salt_must_be_a_domain_id(make):
     a = make(16)
     a.reset_for_new_request("s")

@@ -16,7 +16,12 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
     """Any 1-D integer array-like as uint32 (no copy for a C-contiguous uint32 array)."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1:
         return tokens
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged or unconvertible
+        raise InvalidArgumentType(
+            f"{name} must be a 1-D array-like of token ids in [0, 2**32); got "
+            f"{type(tokens).__name__} ({exc})") from None
     if arr.ndim != 1:
         raise InvalidArgument(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
