@@ -145,6 +145,25 @@ def test_a_mistyped_url_never_shows_its_password(tmp_path, capsys, monkeypatch, 
     assert _tree(tmp_path) == []
 
 
+def test_an_unreachable_server_names_where_its_url_came_from(tmp_path, capsys, monkeypatch):
+    # The hint said "fix host, port and db in PAGEDKV_COLD_BACKEND" for a URL given as
+    # BASE, with the variable unset: the user was sent to fix a variable they never set.
+    pytest.importorskip("redis", reason="pip install 'pagedkv[redis]'")
+    monkeypatch.delenv("PAGEDKV_COLD_BACKEND", raising=False)
+    fix = "start the server or fix host, port and db in the URL"
+    assert main(["cold", "stats", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("pagedkv cold: cold backend redis://127.0.0.1:1/0 is unreachable (")
+    assert err.endswith(f"); {fix}\n"), err
+    monkeypatch.setenv("PAGEDKV_COLD_BACKEND", "redis://127.0.0.1:1/0")
+    assert main(["cold", "stats"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.endswith(f"); {fix} (the URL is PAGEDKV_COLD_BACKEND's)\n"), err
+    assert _tree(tmp_path) == []
+
+
 def test_a_plain_path_with_an_at_sign_is_shown_as_it_is(tmp_path, capsys):
     missing = tmp_path / "user@host" / "cache"
     assert main(["cold", "stats", str(missing)]) == 2

@@ -182,6 +182,22 @@ def test_a_malformed_cold_backend_is_named_not_blamed_on_the_cold_dir(tmp_path, 
     assert not cold.exists()  # refused before anything is written
 
 
+def test_an_unreachable_cold_backend_is_named_as_the_flag_not_the_variable(tmp_path, capsys,
+                                                                           monkeypatch):
+    # The hint said "fix host, port and db in PAGEDKV_COLD_BACKEND", a variable the user
+    # never set: the URL came from --cold-backend.
+    pytest.importorskip("redis", reason="pip install 'pagedkv[redis]'")
+    monkeypatch.delenv("PAGEDKV_COLD_BACKEND", raising=False)
+    assert main(["demo", "--cold-dir", str(tmp_path / "demo"), "--cold-backend",
+                 "redis://127.0.0.1:1/0", "--requests", "1", "--system-tokens", "8",
+                 "--fewshot-tokens", "0", "--user-tokens", "4", "--new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("pagedkv demo: --cold-backend: cold backend redis://127.0.0.1:1/0 "
+                          "is unreachable ("), err
+    assert err.endswith("); start the server or fix host, port and db in the URL\n"), err
+
+
 @pytest.mark.parametrize("other", [["--model", "hybrid"], ["--engine", "mlx-lm"]])
 def test_cold_backend_outside_the_reference_model_is_refused_not_ignored(tmp_path, capsys,
                                                                           other):

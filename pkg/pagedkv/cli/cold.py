@@ -139,7 +139,8 @@ def _open(args, *, quarantine_unowned: bool = False, demo_fallback: bool = False
         try:
             return RedisColdStore.open(url)
         except PagedKVError as exc:
-            print(f"pagedkv cold: {exc}", file=sys.stderr)
+            source = "" if args.base else " (the URL is PAGEDKV_COLD_BACKEND's)"
+            print(f"pagedkv cold: {exc}{source}", file=sys.stderr)
             return None
     base = args.base if args.base else cold_cache_base()
     problem = _missing_tier(base, MANAGED_CHILD)

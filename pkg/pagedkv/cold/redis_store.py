@@ -622,8 +622,10 @@ def _connect_error(shown: str, url: str, exc: BaseException) -> ColdBackendError
         return ColdBackendTLSError(
             f"cold backend {shown}: the server closed a plain connection ({text}); a "
             "TLS-only server needs rediss://")
+    # The URL may come from PAGEDKV_COLD_BACKEND, `pagedkv cold BASE`, `pagedkv demo
+    # --cold-backend` or open_at(remote=): the caller names where it came from.
     return ColdBackendError(f"cold backend {shown} is unreachable ({text}); start the "
-                            "server or fix host, port and db in PAGEDKV_COLD_BACKEND")
+                            "server or fix host, port and db in the URL")
 
 
 def _server_limits(client, shown: str) -> tuple[int, bool]:

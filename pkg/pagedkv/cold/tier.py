@@ -177,7 +177,8 @@ class ColdTier:
                 try:
                     tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD, remote=remote)
                 except (ColdBackendError, InvalidArgument) as exc:  # a malformed URL too
-                    log.warning("cold tier: the fleet's store is not used: %s", exc)
+                    log.warning("cold tier: the fleet's store (PAGEDKV_COLD_BACKEND) is not "
+                                "used: %s", exc)
                     tier = cls.open_at(real, reserve_bytes=None, _child=MANAGED_CHILD)
             except (PagedKVError, OSError) as exc:
                 log.warning("cold tier disabled: %s", exc)
