@@ -273,6 +273,27 @@ def test_checkpoints_are_keyed_verified_and_retained_like_blocks():
     assert cstore.stats()["collisions_rejected"] == 2
 
 
+def test_checkpoint_keys_are_read_like_the_allocators():
+    # extra_keys=None (no keys everywhere else) raised a bare TypeError from the identity's
+    # digest, and an iterator of keys was consumed by the chain hash before the identity
+    # read it: the entry was stored with an empty digest under the keyed hash, so it never
+    # verified (counted as a collision) and never served.
+    store = StateCheckpointStore(BlockAllocator(8, None, 4, hash_seed=0))
+    prompt = np.arange(100, 112, dtype=np.uint32)
+    assert store.publish(prompt, 4, "none", extra_keys=None)
+    assert store.deepest(prompt[:4], extra_keys=None).state == "none"
+    assert store.deepest(prompt[:4]).state == "none"
+    assert store.publish(prompt, 8, "iter", extra_keys=iter([7]))
+    assert store.deepest(prompt, extra_keys=(7,)).state == "iter"
+    assert store.publish(prompt, 12, "per", extra_keys_per_block=[iter([1]), (2,), iter([3])])
+    assert store.deepest(prompt, extra_keys_per_block=[(1,), (2,), (3,)]).state == "per"
+    assert store.stats()["collisions_rejected"] == 0 and store.boundaries() == [4, 8, 12]
+    for bad, error in ((5, InvalidArgumentType), ("ab", InvalidArgumentType), ((-1,), InvalidArgument)):
+        with pytest.raises(error, match="extra_keys"):
+            store.publish(prompt, 4, "bad", extra_keys=bad)
+    assert store.boundaries() == [4, 8, 12] and store.stats()["publishes"] == 3
+
+
 def test_the_adapter_stops_a_hot_hit_at_the_deepest_checkpoint():
     from pagedkv.adapter import PagedKVCacheAdapter
     from pagedkv.allocator import BlockAllocator

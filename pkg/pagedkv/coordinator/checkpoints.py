@@ -22,7 +22,7 @@ import numpy as np
 
 from pagedkv.adapter.arguments import as_count, as_tokens
 from pagedkv.errors import InvalidArgument, InvalidArgumentType
-from pagedkv.hashing import as_domain_id
+from pagedkv.hashing import as_domain_id, make_chain_keys
 from pagedkv.identity import BlockIdentity, extra_keys_digest
 
 __all__ = ["Checkpoint", "CheckpointRetention", "StateCheckpointStore"]
@@ -55,6 +55,25 @@ class _Entry:
         self.owner = owner
         self.chain = chain
         self.used = used
+
+
+def _key_args(extra_keys, extra_keys_per_block) -> tuple[Any, Any]:
+    """The extra keys as both the chain hash and the identities read them: ``None`` as no
+    keys, iterables materialized once (an iterator hashed first was empty when the identity
+    read it, so the entry never verified), then checked like the allocator's
+    (``InvalidArgumentType`` / ``InvalidArgument``)."""
+    def materialized(keys):
+        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+            return keys         # refused by make_chain_keys, naming the type
+        return tuple(keys)
+
+    uniform = materialized(() if extra_keys is None else extra_keys)
+    per_block = extra_keys_per_block
+    if per_block is not None and not isinstance(per_block, (str, bytes)) and \
+            hasattr(per_block, "__len__"):
+        per_block = [materialized(k) for k in per_block]
+    make_chain_keys(uniform, per_block)
+    return uniform, per_block
 
 
 def _state_bytes(state) -> int:
@@ -165,6 +184,7 @@ class StateCheckpointStore:
                 f"boundary_tokens = {boundary} must be a positive multiple of the block size "
                 f"{bs} within the {len(toks)} tokens given")
         salt = as_domain_id(cache_salt)
+        extra_keys, extra_keys_per_block = _key_args(extra_keys, extra_keys_per_block)
         size = _state_bytes(state) if nbytes is None else as_count(nbytes, "nbytes")
         if self.max_bytes is not None and size > self.max_bytes:
             self._stats["rejected_oversize"] += 1
@@ -226,6 +246,7 @@ class StateCheckpointStore:
         """``(index, key, entry)`` of every retained entry that verifies for this prompt."""
         toks = as_tokens(tokens)
         salt = as_domain_id(cache_salt)
+        extra_keys, extra_keys_per_block = _key_args(extra_keys, extra_keys_per_block)
         if not self._entries:
             return
         hashes = self._chain(toks, extra_keys, extra_keys_per_block, salt)
