@@ -226,3 +226,20 @@ def test_fresh_with_no_cold_is_a_usage_error(tmp_path, capsys):
     assert out == "" and "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("pagedkv demo: error: argument --no-cold: not "
                                             "allowed with argument --fresh")
+
+
+@pytest.mark.parametrize("flags", [["--kv-mode", "q8"], ["--kv-v", "q8"],
+                                   ["--kv-mode", "zz"]])
+def test_a_kv_mode_with_the_mlx_lm_engine_is_refused_not_ignored(tmp_path, capsys, flags):
+    # The mlx-lm demo never read --kv-mode / --kv-v: even 'zz' ran on the model's own dtype
+    # and exited 0 as if the KV cache had been quantized. Refused before anything runs.
+    cold = tmp_path / "demo"
+    assert main(["demo", "--engine", "mlx-lm", *flags, "--cold-dir", str(cold), "--requests",
+                 "1", "--system-tokens", "8", "--fewshot-tokens", "0", "--user-tokens", "4",
+                 "--new-tokens", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"pagedkv demo: error: {flags[0]} is the reference engine's; --engine "
+                   "mlx-lm stores the model's own K/V dtype (drop --kv-mode/--kv-v, or run "
+                   "the reference engine)\n")
+    assert not cold.exists()

@@ -81,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=_non_negative, default=0, help="weights and prompt seed (0)")
     p.add_argument("--kv-mode", default=None, metavar="MODE",
                    help="K mode of the KV cache: q8, fwht4, fwht3, fwht2, auto "
-                        "(docs/kv-quant.md; also PAGEDKV_KV_MODE). Default: float32 KV")
+                        "(docs/kv-quant.md; also PAGEDKV_KV_MODE; reference engine only). "
+                        "Default: float32 KV")
     p.add_argument("--kv-v", default=None, metavar="MODE",
                    help="V mode with --kv-mode: q8, lloyd4, lloyd3, lloyd2 (head_dim 256), "
                         "fwht4, fwht2 (head_dim 128), fwht3 (also PAGEDKV_KV_V)")
@@ -112,6 +113,14 @@ def run(args: argparse.Namespace) -> int:
         if args.model != "reference":
             print("pagedkv demo: error: --model picks the reference engine's model; with "
                   "--engine mlx-lm pick the architecture with --arch", file=sys.stderr)
+            return 2
+        if args.kv_mode is not None or args.kv_v is not None:
+            # The mlx-lm demo's pool stores the model's own K/V dtype: a KV mode would be
+            # ignored, and the run would pass as if it had been used.
+            flag = "--kv-mode" if args.kv_mode is not None else "--kv-v"
+            print(f"pagedkv demo: error: {flag} is the reference engine's; --engine mlx-lm "
+                  "stores the model's own K/V dtype (drop --kv-mode/--kv-v, or run the "
+                  "reference engine)", file=sys.stderr)
             return 2
         from pagedkv.cli.demo_mlx_lm import ARCHS, run_mlx_lm
         args.arch = args.arch or "qwen3"
