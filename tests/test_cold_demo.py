@@ -243,3 +243,25 @@ def test_a_kv_mode_with_the_mlx_lm_engine_is_refused_not_ignored(tmp_path, capsy
                    "mlx-lm stores the model's own K/V dtype (drop --kv-mode/--kv-v, or run "
                    "the reference engine)\n")
     assert not cold.exists()
+
+
+def test_the_mlx_lm_engine_refuses_no_cold_with_a_cold_dir_and_names_a_blocked_dir(tmp_path,
+                                                                                   capsys):
+    # --no-cold --cold-dir DIR ran the mlx-lm demo with a tier in DIR (the reference and
+    # hybrid models refuse the pair); a file in place of DIR showed "[Errno 17] File
+    # exists: ..." where the reference model names the path and the fix.
+    pytest.importorskip("mlx_lm", reason="pip install 'pagedkv[mlx-lm]'")
+    small = ["--requests", "1", "--system-tokens", "8", "--fewshot-tokens", "0",
+             "--user-tokens", "4", "--new-tokens", "1"]
+    cold = tmp_path / "demo"
+    assert main(["demo", "--engine", "mlx-lm", "--no-cold", "--cold-dir", str(cold),
+                 *small]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "pagedkv demo: --no-cold cannot be combined with --cold-dir\n"
+    assert not cold.exists()
+    cold.write_text("")
+    assert main(["demo", "--engine", "mlx-lm", "--cold-dir", str(cold), *small]) == 2
+    assert capsys.readouterr().err == (
+        f"pagedkv demo: --cold-dir {str(cold)!r} cannot hold the demo's cold tier: File "
+        f"exists ({str(cold)!r}); pass --cold-dir a directory you can write (or remove what "
+        "is in the way)\n")

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.cli.demo_restart import _cold_dir
+from pagedkv.cli.demo_restart import _cold_dir, _unusable_cold_dir
 from pagedkv.cli.demo_session import build_requests, check_sizes
 from pagedkv.cli.table import format_table
 
@@ -61,6 +61,10 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
               "mlx-lm run the demo twice with the same --cold-dir (the second run restores "
               "the shared prefix from disk)", file=sys.stderr)
         return 2
+    if args.no_cold and args.cold_dir:
+        # as the reference and hybrid models say: --cold-dir would otherwise win silently
+        print("pagedkv demo: --no-cold cannot be combined with --cold-dir", file=sys.stderr)
+        return 2
     model, config = random_model(args.arch, seed=args.seed, **DEMO_MODEL)
     problem = check_sizes(args, config["max_position_embeddings"])
     if problem:
@@ -75,8 +79,10 @@ def run_mlx_lm(args: argparse.Namespace) -> int:
         print(f"pagedkv demo: not yet: {exc}", file=sys.stderr)
         return 2
     except (PagedKVError, OSError) as exc:
-        print(f"pagedkv demo: error: --cold-dir {cold_dir!r} cannot hold the demo's cold tier: "
-              f"{exc}", file=sys.stderr)
+        message = f"error: {exc}" if cold_dir is None else _unusable_cold_dir(
+            cold_dir, exc, "cannot hold the demo's cold tier",
+            "pass --cold-dir a directory you can write (or remove what is in the way)")
+        print(f"pagedkv demo: {message}", file=sys.stderr)
         return 2
     if args.fresh and paged.cold_tier is not None:
         paged.cold_tier.store.remove_quarantine()
