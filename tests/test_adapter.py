@@ -1049,3 +1049,56 @@ def test_repeated_registration_still_checks_the_salt(make, call, salt, error):
     with pytest.raises(InvalidArgumentType):
         getattr(a, call)("s", extra_keys=[1.5])
     assert state(a) == before
+
+
+# --- review: bad input named as such, state unchanged --------------------------------------
+
+
+def test_review_bad_input_raises_named_errors_and_changes_nothing(make):
+    """can_admit(exclude=<unhashable>), check_batch(<not a batch>), a stale generation on an
+    empty write_kv and an empty float token array each raise a pagedkv.errors exception
+    naming the argument (they raised bare TypeError / AttributeError or were accepted)."""
+    a = make(16)
+    start(a, "s", range(8))
+    before = state(a)
+    with pytest.raises(InvalidArgumentType) as err:
+        a.can_admit(1, exclude=[1])
+    assert str(err.value) == ("exclude [1] is unhashable (list): pass the candidate's seq_id "
+                              "(an int, a str or a tuple of them) or None")
+    assert state(a) == before
+    with pytest.raises(InvalidArgumentType) as err:
+        a.check_batch(5)
+    assert str(err.value) == ("batch must be a DecodeBatch (what prepare_decode returns), got "
+                              "int; to check a bare generation call "
+                              "pool.check_generation(generation)")
+    assert state(a) == before
+    empty = np.zeros((0, HEADS, DIM), np.float32)
+    stale = a.pool.generation + 1
+    with pytest.raises(StaleBlockTable) as err:
+        a.write_kv("s", 0, empty, empty, generation=stale)
+    assert str(err.value) == (f"generation: the block table was built for pool generation "
+                              f"{stale}, the pool is at generation {a.pool.generation} (it "
+                              f"grew); rebuild the table")
+    assert state(a) == before
+    with pytest.raises(InvalidArgumentType) as err:
+        a.record_tokens("s", np.empty(0, np.float32))
+    assert str(err.value) == ("tokens must be integers, got dtype float32: pass token ids, "
+                              "not floats/bools")
+    assert state(a) == before
+    a.record_tokens("s", [])  # an empty list or int array is still nothing to record
+    a.record_tokens("s", np.empty(0, np.int64))
+    assert state(a) == before
+
+
+def test_review_prepare_turn_releases_when_continue_turn_fails(make):
+    """docs/adapter.md: prepare_turn's "any error releases the sequence" holds for a
+    continue_turn refusal too (it left the sequence live)."""
+    a = make(16)
+    start(a, "s", range(7))
+    a.finalize_turn_keep_live("s")
+    with pytest.raises(InvalidArgument) as err:
+        a.prepare_turn("s", list(range(10)), total_tokens=-1)
+    assert str(err.value) == "total_tokens = -1 must be >= 0"
+    assert "s" not in a.live_seq_ids()
+    assert a.allocator.num_free_blocks + a.allocator.num_evictable_blocks == 16
+    a.allocator.check_invariants()

@@ -163,7 +163,12 @@ class AdmissionControl:
         fraction = _clamp_fraction(self.default_watermark_fraction
                                    if watermark_fraction is None else watermark_fraction)
         rows = self._rows
-        skip = rows.row_of.get(exclude) if exclude is not None else None
+        try:
+            skip = rows.row_of.get(exclude) if exclude is not None else None
+        except TypeError:
+            raise InvalidArgumentType(
+                f"exclude {exclude!r} is unhashable ({type(exclude).__name__}): pass the "
+                "candidate's seq_id (an int, a str or a tuple of them) or None") from None
         live_rows = [r for r in rows.row_of.values() if r != skip]
         live = np.asarray(live_rows, np.intp)
         if self.state_budget_bytes is not None and int(rows.state_bytes[live].sum()) + \

@@ -24,7 +24,8 @@ def as_tokens(tokens, name: str = "tokens") -> np.ndarray:
             f"{type(tokens).__name__} ({exc})") from None
     if arr.ndim != 1:
         raise InvalidArgument(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
+    # An empty list converts to float64 and is fine; an empty array's dtype is the caller's.
+    if arr.size == 0 and not (isinstance(tokens, np.ndarray) and arr.dtype.kind not in "iu"):
         return np.empty(0, np.uint32)
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentType(

@@ -69,6 +69,8 @@ def write_positions(group: GroupBlocks, row: int, seq_id: Hashable, have: int, l
     if n:
         group.pool.write_tokens(layer, group.slots(row, first, first + n), k, v,
                                 generation=generation)
+    else:  # nothing to write, but a stale table is refused like a non-empty write
+        group.pool.check_generation(generation)
 
 
 def check_layers_shape(group: GroupBlocks, k_layers, v_layers) -> None:

@@ -23,7 +23,7 @@ from pagedkv.adapter.arguments import as_count
 from pagedkv.adapter.group_blocks import GroupBlocks
 from pagedkv.adapter.lifecycle import RequestLifecycle
 from pagedkv.adapter.results import DecodeBatch, TurnPlan
-from pagedkv.errors import InvalidArgument
+from pagedkv.errors import InvalidArgument, InvalidArgumentType
 
 __all__ = ["PagedKVCacheAdapter"]
 
@@ -100,7 +100,13 @@ class PagedKVCacheAdapter(RequestLifecycle):
         generation) belongs to the pool's current generation: a grow between
         :meth:`prepare_decode` and the kernel call makes every handed-out table stale.
         ``InvalidArgument`` for a batch another adapter's pool built (its
-        ``pool_instance`` is not this pool's ``instance_id``; ``None``: not bound)."""
+        ``pool_instance`` is not this pool's ``instance_id``; ``None``: not bound).
+        ``InvalidArgumentType`` for an object without a ``generation``."""
+        if not hasattr(batch, "generation"):
+            raise InvalidArgumentType(
+                f"batch must be a DecodeBatch (what prepare_decode returns), got "
+                f"{type(batch).__name__}; to check a bare generation call "
+                f"pool.check_generation(generation)")
         other = getattr(batch, "pool_instance", None)
         if other is not None and other != self.pool.instance_id:
             raise InvalidArgument(

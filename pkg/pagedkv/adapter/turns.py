@@ -32,8 +32,8 @@ def prepare_turn(cache: RequestLifecycle, seq_id: Hashable, prompt, *, total_tok
     the prompt starts with its tokens and they are at most ``max_cached_tokens`` (default
     ``len(prompt) - 1``: the last prompt token is always recomputed). Otherwise, or when the
     continuation runs out of blocks (``CONTINUE_FAILED_RESET``), the sequence is released and
-    starts fresh (``FRESH_RESET``). Any error releases the sequence, so no prefix reference
-    leaks.
+    starts fresh (``FRESH_RESET``). Any error (a refused ``continue_turn`` included) releases
+    the sequence, so no prefix reference leaks.
     """
     toks = as_tokens(prompt, "prompt")
     limit = (len(toks) - 1 if max_cached_tokens is None
@@ -48,6 +48,9 @@ def prepare_turn(cache: RequestLifecycle, seq_id: Hashable, prompt, *, total_tok
                 return TurnPlan(TurnPlanReason.CONTINUED_LIVE_PREFIX, prior, new)
             except ContextLengthExceeded:
                 reason = TurnPlanReason.CONTINUE_FAILED_RESET
+            except BaseException:  # e.g. a bad total_tokens: released like the fresh path
+                cache.release_request(seq_id)
+                raise
     try:
         cache.reset_for_new_request(seq_id)
         hit = cache.find_cached_prefix(
