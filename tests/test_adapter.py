@@ -1054,7 +1054,7 @@ def test_repeated_registration_still_checks_the_salt(make, call, salt, error):
 # --- review: bad input named as such, state unchanged --------------------------------------
 
 
-def test_review_bad_input_raises_named_errors_and_changes_nothing(make):
+def test_admission_batch_and_token_arguments_of_bad_types_raise_named_errors_and_change_nothing(make):
     """can_admit(exclude=<unhashable>), check_batch(<not a batch>), a stale generation on an
     empty write_kv and an empty float token array each raise a pagedkv.errors exception
     naming the argument (they raised bare TypeError / AttributeError or were accepted)."""
@@ -1090,7 +1090,7 @@ def test_review_bad_input_raises_named_errors_and_changes_nothing(make):
     assert state(a) == before
 
 
-def test_review_prepare_turn_releases_when_continue_turn_fails(make):
+def test_prepare_turn_releases_the_sequence_when_continue_turn_fails(make):
     """docs/adapter.md: prepare_turn's "any error releases the sequence" holds for a
     continue_turn refusal too (it left the sequence live)."""
     a = make(16)
