@@ -117,6 +117,41 @@ def test_inspect_broken_file_exits_1_with_the_reason(tmp_path, capsys):
                    "`pagedkv convert`)\n")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX pipes and FIFOs")
+@pytest.mark.parametrize("kind", ["pipe", "fifo"])
+def test_inspect_refuses_a_pipe_or_fifo_in_one_line(tmp_path, capsys, kind):
+    # `pagedkv inspect <(cat f.hfq)` said "file holds 0 bytes" (a pipe has no size), and a
+    # FIFO with no writer blocked the open forever.
+    import threading
+    write_minimal(tmp_path / "min.hfq")
+    if kind == "pipe":
+        r, w = os.pipe()
+        os.write(w, (tmp_path / "min.hfq").read_bytes()[:4096])
+        path = f"/proc/self/fd/{r}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{r}"
+    else:
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+
+        def unblock():  # only an open that blocks (the old reader) is still waiting by then
+            import time
+            time.sleep(3)
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+        threading.Thread(target=unblock, daemon=True).start()
+    try:
+        assert cli_main(["inspect", path]) == 1
+    finally:
+        if kind == "pipe":
+            os.close(r)
+            os.close(w)
+    assert capsys.readouterr().err == (
+        f"pagedkv inspect: error: path {path!r} is not a regular file (a pipe, FIFO or "
+        "device); pass an HFQM file on disk\n")
+
+
 # --- tensor policy -----------------------------------------------------------------------
 
 

@@ -96,11 +96,19 @@ class HfqmFile:
         self._tensors: list[TensorInfo] | None = None
         self._fd: int | None = None
         self._bytes: np.ndarray | None = None  # whole-file uint8 view of the mapping
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        # O_NONBLOCK: a FIFO with no writer would block this open forever; a regular file
+        # ignores the flag.
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
                 raise InvalidArgument(f"path {self.path!r} is a directory; pass an HFQM file")
+            if not stat.S_ISREG(st.st_mode):
+                # a pipe (`<(cat f)`), FIFO, socket or device has no size to read the
+                # index against: it read as "file holds 0 bytes"
+                raise InvalidArgument(f"path {self.path!r} is not a regular file (a pipe, "
+                                      "FIFO or device); pass an HFQM file on disk")
             self.file_bytes = st.st_size
             if self.base < 0 or self.base > self.file_bytes:
                 raise InvalidArgument(f"base {self.base} is outside the file "
