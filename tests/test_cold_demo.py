@@ -216,6 +216,22 @@ def test_cold_backend_outside_the_reference_model_is_refused_not_ignored(tmp_pat
     assert not cold.exists()
 
 
+@pytest.mark.parametrize("command", [["demo"], ["serve", "--model", "m"]])
+def test_an_empty_cold_dir_is_a_usage_error_not_the_default(tmp_path, capsys, monkeypatch,
+                                                            command):
+    # `--cold-dir "$DIR"` with DIR unset ran the demo on ./.pagedkv-demo, as if no
+    # --cold-dir had been given.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--cold-dir", ""])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"pagedkv {command[0]}: error: argument "
+                                            "--cold-dir: DIR is empty; pass a directory")
+    assert os.listdir(tmp_path) == []
+
+
 def test_fresh_with_no_cold_is_a_usage_error(tmp_path, capsys):
     # --fresh empties a tier --no-cold never opens: the run would silently do neither.
     with pytest.raises(SystemExit) as exc:

@@ -29,8 +29,16 @@ _FORWARDED = ("requests", "system_tokens", "fewshot_tokens", "user_tokens", "new
               "block_size", "backend", "max_blocks", "seed", "kv_mode", "kv_v")
 
 
+def directory_argument(text: str) -> str:
+    """An argparse ``type`` for ``--cold-dir``: an empty DIR (``--cold-dir "$UNSET"``) is a
+    usage error, not the default directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("DIR is empty; pass a directory")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cold-dir", default=None, metavar="DIR",
+    p.add_argument("--cold-dir", default=None, metavar="DIR", type=directory_argument,
                    help="cold tier directory: KV blocks persist in DIR/pagedkv-v1 and are "
                         "restored by the next run (./.pagedkv-demo)")
     p.add_argument("--cold-backend", default=None, metavar="URL",

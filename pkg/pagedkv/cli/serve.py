@@ -17,6 +17,7 @@ MAX_SERVE_BLOCKS = 1 << 22
 
 def register(sub: argparse._SubParsersAction) -> None:
     from pagedkv.cli.demo import _int_at_least
+    from pagedkv.cli.demo_restart import directory_argument
 
     p = sub.add_parser(
         "serve", help="mlx-lm's OpenAI-compatible server with pagedkv as the prompt cache",
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-blocks", type=_int_at_least(1, MAX_SERVE_BLOCKS), default=None,
                    help="most blocks the pool may grow to (default: one full context of the "
                         "model, or PAGEDKV_PAGED_CACHE_MEMORY_MB)")
-    p.add_argument("--cold-dir", default=None, metavar="DIR",
+    p.add_argument("--cold-dir", default=None, metavar="DIR", type=directory_argument,
                    help="persist full KV blocks in DIR/pagedkv-v1 and restore them after a "
                         "restart")
     p.add_argument("--unbatched-sliding", action="store_true",
