@@ -773,7 +773,11 @@ class BlockAllocator:
         return new_entries
 
     def publish_restored_batch(self, entries: Sequence[RestoredBlock]) -> bool:
-        entries = list(entries)
+        try:
+            entries = list(iter(entries))
+        except TypeError:
+            raise InvalidArgumentType(f"entries must be an iterable of RestoredBlock, got "
+                                      f"{type(entries).__name__}") from None
         checked: list[tuple[int, int, BlockIdentity]] = []
         for i, entry in enumerate(entries):
             if not isinstance(entry, RestoredBlock):

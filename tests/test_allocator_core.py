@@ -438,6 +438,10 @@ def test_publish_restored_batch():                                     # A15
     assert a.publish_restored_batch(dup_hash) is False
     already = [RestoredBlock(ids[0], 81, ident([7] * 4))]
     assert a.publish_restored_batch(already) is False
+    with pytest.raises(InvalidArgumentType) as err:  # was a bare TypeError from list(5)
+        a.publish_restored_batch(5)
+    assert str(err.value) == "entries must be an iterable of RestoredBlock, got int"
+    assert snapshot(a) == before
     with pytest.raises(InvalidArgument, match="block_size"):
         a.publish_restored_batch([RestoredBlock(more[0], 82, ident([1, 2, 3]))])
     with pytest.raises(InvariantViolation, match="not allocated"):

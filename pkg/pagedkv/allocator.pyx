@@ -1168,7 +1168,12 @@ cdef class BlockAllocator:
     def publish_restored_batch(self, entries):
         """All-or-nothing publish of restored blocks in chain order (docs/contracts/paged-kv.md,
         '4.9 Batch publish of restored blocks')."""
-        cdef list items = list(entries)
+        try:
+            it = iter(entries)
+        except TypeError:
+            raise InvalidArgumentType(f"entries must be an iterable of RestoredBlock, got "
+                                      f"{type(entries).__name__}") from None
+        cdef list items = list(it)
         cdef Py_ssize_t n = len(items), i
         cdef IdentityView* views
         cdef int32_t b
