@@ -244,7 +244,15 @@ def kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray, pool: Devi
                 *, stream: Stream | None = None) -> None:
     """Quantize ``src`` (``float32`` or ``float16[n, kv_heads, head_dim]``) into the q8 pool
     at ``slots`` (``int64[n]``, slot = block * block_size + offset; -1 skips a token)."""
-    n, kvh, hd = check_kv_rows(src, "src", slots, pool, into_pool=True, device=device)
+    rows = check_kv_rows(src, "src", slots, pool, into_pool=True, device=device)
+    _launch_kv_q8_write(device, src, slots, pool, rows, stream)
+
+
+def _launch_kv_q8_write(device: Device, src: DeviceArray, slots: DeviceArray,
+                        pool: DeviceArray, rows: tuple[int, int, int], stream) -> None:
+    """:func:`kv_q8_write`'s launch, its arguments checked (``rows``: what
+    :func:`check_kv_rows` returned for them)."""
+    n, kvh, hd = rows
     if n == 0:
         return
     name = "pkv_kv_q8_write_f32" if src.dtype == np.float32 else "pkv_kv_q8_write_f16"
@@ -257,7 +265,15 @@ def kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray, out: Devic
                *, stream: Stream | None = None) -> None:
     """Dequantize the q8 rows at ``slots`` into ``out`` (``float32``/``float16[n, kv_heads,
     head_dim]``)."""
-    n, kvh, hd = check_kv_rows(out, "out", slots, pool, into_pool=False, device=device)
+    rows = check_kv_rows(out, "out", slots, pool, into_pool=False, device=device)
+    _launch_kv_q8_read(device, pool, slots, out, rows, stream)
+
+
+def _launch_kv_q8_read(device: Device, pool: DeviceArray, slots: DeviceArray,
+                       out: DeviceArray, rows: tuple[int, int, int], stream) -> None:
+    """:func:`kv_q8_read`'s launch, its arguments checked (``rows`` from
+    :func:`check_kv_rows`)."""
+    n, kvh, hd = rows
     if n == 0:
         return
     name = "pkv_kv_q8_read_f32" if out.dtype == np.float32 else "pkv_kv_q8_read_f16"
@@ -281,12 +297,21 @@ def kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray, pool:
     if not m.rotated:
         raise InvalidArgument(f"mode={mode!r}: expected a rotated KV mode (fwht4, fwht3, fwht2, "
                               f"lloyd4, lloyd3, lloyd2); q8 rows go through kv_q8_write")
-    n, kvh, hd = check_kv_rows(src, "src", slots, pool, mode, into_pool=True, device=device)
+    rows = check_kv_rows(src, "src", slots, pool, mode, into_pool=True, device=device)
+    _launch_kv_rotated_write(device, src, slots, pool, m.id, rows, stream)
+
+
+def _launch_kv_rotated_write(device: Device, src: DeviceArray, slots: DeviceArray,
+                             pool: DeviceArray, mode_id: int, rows: tuple[int, int, int],
+                             stream) -> None:
+    """:func:`kv_rotated_write`'s launch, its arguments checked (``mode_id`` a rotated
+    mode's, ``rows`` from :func:`check_kv_rows`)."""
+    n, kvh, hd = rows
     if n == 0:
         return
     name = "pkv_kv_rotated_write_f32" if src.dtype == np.float32 else "pkv_kv_rotated_write_f16"
     k = device.kernel(SOURCE, name, "pppiiii")
-    k((n * kvh,), (KV_WRITE_THREADS,), src, slots, pool, n, kvh, hd, m.id, stream=stream)
+    k((n * kvh,), (KV_WRITE_THREADS,), src, slots, pool, n, kvh, hd, mode_id, stream=stream)
 
 
 def attention_scale(scale, head_dim: int) -> float:

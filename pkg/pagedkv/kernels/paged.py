@@ -25,12 +25,12 @@ from pagedkv.kernels.device import Device, StreamLike
 from pagedkv.kernels.device_array import DeviceArray, need_array, need_on_device
 from pagedkv.kernels.kvcache import (
     PagedAttention,
+    _launch_kv_q8_read,
+    _launch_kv_q8_write,
+    _launch_kv_rotated_write,
     check_decode_batch,
     check_kv_rows,
     copy_blocks,
-    kv_q8_read,
-    kv_q8_write,
-    kv_rotated_write,
 )
 from pagedkv.kernels.weights import PreparedX
 
@@ -202,17 +202,19 @@ def write_kv(pool, layer: int, k: DeviceArray, v: DeviceArray, tables: DeviceDec
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: shape {arr.shape}, expected {shape}")
     if g.quantized:  # q8, or a <K>/<V> pair of KV modes
+        from pagedkv.quant import kv as kv_modes
         sides = ((g.k_dtype, k, k_pool), (g.v_dtype, v, v_pool))
         # both sides before either launches: a V refused after K's write left the pool
         # holding this step's K beside the old V
-        for (side, arr, side_pool), name in zip(sides, "kv", strict=True):
-            check_kv_rows(arr, name, tables.slot_mapping, side_pool, side, into_pool=True)
-        for side, arr, side_pool in sides:
+        rows = [check_kv_rows(arr, name, tables.slot_mapping, side_pool, side, into_pool=True)
+                for (side, arr, side_pool), name in zip(sides, "kv", strict=True)]
+        for (side, arr, side_pool), side_rows in zip(sides, rows, strict=True):
             if side == "q8":
-                kv_q8_write(pool.device, arr, tables.slot_mapping, side_pool, stream=stream)
+                _launch_kv_q8_write(pool.device, arr, tables.slot_mapping, side_pool,
+                                    side_rows, stream)
             else:
-                kv_rotated_write(pool.device, arr, tables.slot_mapping, side_pool, side,
-                                 stream=stream)
+                _launch_kv_rotated_write(pool.device, arr, tables.slot_mapping, side_pool,
+                                         kv_modes.kv_mode(side).id, side_rows, stream)
         return
     if g.dtype not in ("float16", "bfloat16"):
         raise InvalidArgument(f"pool dtype {g.dtype}: the KV write kernels take float16, "
@@ -329,10 +331,11 @@ def read_kv_q8(pool, layer: int, slots: DeviceArray, k_out: DeviceArray, v_out: 
     k_pool, v_pool = pool.layer(layer)
     for name, arr in (("slots", slots), ("k_out", k_out), ("v_out", v_out)):
         _on_pool_device(pool, name, arr)
-    for name, out, side_pool in (("k_out", k_out, k_pool), ("v_out", v_out, v_pool)):
-        check_kv_rows(out, name, slots, side_pool, into_pool=False)  # both before either launch
-    kv_q8_read(pool.device, k_pool, slots, k_out, stream=stream)
-    kv_q8_read(pool.device, v_pool, slots, v_out, stream=stream)
+    sides = (("k_out", k_out, k_pool), ("v_out", v_out, v_pool))
+    rows = [check_kv_rows(out, name, slots, side_pool, into_pool=False)
+            for name, out, side_pool in sides]  # both before either launch
+    for (_, out, side_pool), side_rows in zip(sides, rows, strict=True):
+        _launch_kv_q8_read(pool.device, side_pool, slots, out, side_rows, stream)
 
 
 def copy_pool_blocks(pool, src_ids, dst_ids, *, generation: int,

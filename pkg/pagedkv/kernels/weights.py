@@ -536,7 +536,6 @@ class Gemv:
         need_array(x, "x", np.float32, device=self.device)
         if x.shape != (self.batch, self.K):
             raise InvalidArgument(f"x: shape {x.shape}, expected {(self.batch, self.K)}")
-        x.live_ptr()  # a freed x: InvalidArgument here, not after an earlier launch
 
     def _check_wy(self, w: GemvWeights | DeviceArray, y: DeviceArray) -> DeviceArray:
         """The device array of ``w`` after checking it fits this GEMV; ``y`` checked too."""
@@ -560,8 +559,6 @@ class Gemv:
         need_array(y, "y", np.float32, writable=True, device=self.device)
         if y.shape != (self.batch, self.M):
             raise InvalidArgument(f"y: shape {y.shape}, expected {(self.batch, self.M)}")
-        arr.live_ptr()  # freed arrays: InvalidArgument here, before the prep launches
-        y.live_ptr()
         return arr
 
     @staticmethod
