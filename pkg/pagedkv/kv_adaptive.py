@@ -218,7 +218,6 @@ def _check_pool_and_allocator(plan: KVAdaptivePlan, pool, allocator) -> None:
     regions hold at the floor. A pool of another head_dim, head count or block size made
     every capacity wrong (or failed only at a step), and an allocator that could not grow
     with the regions stayed behind the pool silently (``grow_by`` caps)."""
-    from pagedkv.adapter.group_blocks import check_allocator_fits_pool
     from pagedkv.allocator import BlockAllocator
     from pagedkv.pool import LayerKVPool
     if not isinstance(pool, LayerKVPool):
@@ -234,7 +233,11 @@ def _check_pool_and_allocator(plan: KVAdaptivePlan, pool, allocator) -> None:
             raise InvalidArgument(f"pool.geometry.{name} = {have} differs from the plan's "
                                   f"{name} = {want}: build the KVAdaptivePlan with the "
                                   f"pool's {name} (KVAdaptive.create builds both)")
-    check_allocator_fits_pool(allocator, pool)
+    for name in ("block_size", "num_blocks", "max_num_blocks"):
+        if getattr(allocator, name) != getattr(pool, name):
+            raise InvalidArgument(f"allocator.{name} = {getattr(allocator, name)} differs "
+                                  f"from pool.{name} = {getattr(pool, name)}: build both "
+                                  f"with the same sizes")
     region = pool.layer_region_bytes
     if region is not None:
         floor = region // (g.block_size * g.num_kv_heads * plan.bytes_per_head[-1])

@@ -21,7 +21,7 @@ from pagedkv.adapter.results import DecodeBatch
 from pagedkv.errors import CapacityExceeded, InvalidArgument, InvariantViolation, PoolExhausted
 from pagedkv.sizing import ReservationGrowth
 
-__all__ = ["FullHit", "GroupBlocks", "HitProposal", "check_allocator_fits_pool"]
+__all__ = ["FullHit", "GroupBlocks", "HitProposal"]
 
 _EMPTY_IDS = np.empty(0, np.int32)
 _EMPTY_IDS.setflags(write=False)
@@ -74,21 +74,6 @@ class FullHit(HitProposal):
             self._allocator.free_many(self._ids)
 
 
-def check_allocator_fits_pool(allocator, pool) -> None:
-    """``InvalidArgument`` unless ``allocator`` and ``pool`` agree on ``block_size``,
-    ``num_blocks`` and ``max_num_blocks``: the allocator's ids index the pool's blocks, and
-    the two grow together."""
-    bs = allocator.block_size
-    if bs != pool.block_size:
-        raise InvalidArgument(f"allocator.block_size = {bs} differs from pool.block_size = "
-                              f"{pool.block_size}: build both with one block size")
-    for attr in ("num_blocks", "max_num_blocks"):
-        if getattr(allocator, attr) != getattr(pool, attr):
-            raise InvalidArgument(
-                f"allocator.{attr} = {getattr(allocator, attr)} differs from pool.{attr} = "
-                f"{getattr(pool, attr)}: build both with the same sizes")
-
-
 class GroupBlocks:
     """Block tables of one full-attention group.
 
@@ -105,8 +90,15 @@ class GroupBlocks:
 
     def __init__(self, allocator, pool, *, growth: bool = True, rows: int = 8,
                  counters: dict[str, int] | None = None) -> None:
-        check_allocator_fits_pool(allocator, pool)
         bs = allocator.block_size
+        if bs != pool.block_size:
+            raise InvalidArgument(f"allocator.block_size = {bs} differs from pool.block_size = "
+                                  f"{pool.block_size}: build both with one block size")
+        for attr in ("num_blocks", "max_num_blocks"):
+            if getattr(allocator, attr) != getattr(pool, attr):
+                raise InvalidArgument(
+                    f"allocator.{attr} = {getattr(allocator, attr)} differs from pool.{attr} = "
+                    f"{getattr(pool, attr)}: build both with the same sizes")
         self.allocator = allocator
         self.pool = pool
         self.growth = bool(growth)
